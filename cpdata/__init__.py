@@ -1,0 +1,47 @@
+"""cpdata: context-parallel batch preparation on dataloader workers.
+
+Workers pack documents, lay them out for a CP backend and hand each CP rank
+only its own tokens plus the :class:`ShardLayout` that produced them; on the
+device, :class:`ContextParallelSharder` moves them and does the one
+differentiable gather.
+
+Attributes are imported lazily, so ``import cpdata.gather`` (model code) pulls
+in torch and nothing else, and spawned ranks start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "CPDataset": "cpdata.dataset",
+    "ContextParallelSharder": "cpdata.sharder",
+    "DocPiece": "cpdata.plan",
+    "Document": "cpdata.plan",
+    "LAYOUTS": "cpdata.layouts",
+    "PackPlan": "cpdata.plan",
+    "ShardLayout": "cpdata.shard_layout",
+    "ShardedBatch": "cpdata.batch",
+    "alignment": "cpdata.layouts",
+    "build_loader": "cpdata.loader",
+    "inverse_indices": "cpdata.layouts",
+    "rank_indices": "cpdata.layouts",
+    "verify_layout_consistency": "cpdata.consistency",
+}
+
+__all__ = sorted(_EXPORTS)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpdata' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

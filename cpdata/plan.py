@@ -1,0 +1,99 @@
+"""Records passed between the worker stages: documents, pieces and pack plans.
+
+A *document* is one item of the user's source: ``{"input_ids": 1-D ints, ...}``
+plus optional per-token arrays of the same length (``labels``, ``loss_mask``,
+extras). The packer cuts documents into *pieces* (a whole document, or a part of
+it when ``overflow="split"``/``"truncate"`` or in ``concat`` mode) and lays the
+pieces of one pack out as *slots*: slot ``i`` holds piece ``i`` followed by
+``slot_lens[i] - len(piece)`` padding tokens (the layout's per-document
+alignment). The pack's tail ``capacity - sum(slot_lens)`` is padding too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["DocPiece", "Document", "PackPlan", "plan_digest"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Document:
+    """One validated source document."""
+
+    index: int
+    """Position of the document in the full source, before DP sharding."""
+    arrays: Mapping[str, np.ndarray]
+    """``"input_ids"`` (int64 ``[n]``) and any other per-token arrays, each ``[n]``."""
+
+    @property
+    def length(self) -> int:
+        return int(self.arrays["input_ids"].shape[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DocPiece:
+    """A contiguous part of one document placed in one slot of a pack."""
+
+    index: int
+    """Source index of the document the piece comes from."""
+    start: int
+    """Offset of the piece inside its document; position ids continue from it."""
+    arrays: Mapping[str, np.ndarray]
+    """Per-token arrays sliced to the piece, each ``[n]``."""
+    next_label: int = -100
+    """Target of the piece's last token: the next document token when the
+    document continues in another piece, else -100 (no target across a
+    document end)."""
+
+    @property
+    def length(self) -> int:
+        return int(self.arrays["input_ids"].shape[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackPlan:
+    """The documents of one pack and where they sit.
+
+    Attributes are fixed by the packer; everything downstream (collate, layout,
+    shard) is a pure function of the plan.
+    """
+
+    pieces: tuple[DocPiece, ...]
+    """Pieces in slot order."""
+    slot_lens: np.ndarray
+    """int64 ``[n_slots]``: piece length rounded up to the layout's document multiple."""
+    capacity: int
+    """Tokens in the pack (``pack_len``), a multiple of the layout's pack multiple."""
+    index: int = 0
+    """Sequence number of the pack in this DP rank's stream (0-based)."""
+    extras: Mapping[str, object] = field(default_factory=dict)
+    """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """int64 ``[n_slots]`` real tokens per slot."""
+        return np.fromiter((p.length for p in self.pieces), dtype=np.int64, count=len(self.pieces))
+
+    @property
+    def real_tokens(self) -> int:
+        return int(sum(p.length for p in self.pieces))
+
+
+def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
+    """63-bit digest of everything that decides a rank's shard of ``plan``.
+
+    CP ranks of one DP group must compute equal digests; the device-side
+    consistency check all-reduces it. Covers layout, cp size, capacity, slot
+    lengths, piece provenance and the token ids themselves.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode())
+    h.update(np.ascontiguousarray(plan.slot_lens, dtype=np.int64).tobytes())
+    for p in plan.pieces:
+        h.update(np.array([p.index, p.start, p.length, p.next_label], dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(p.arrays["input_ids"], dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)

@@ -1,0 +1,63 @@
+"""``ShardLayout``: what a shard did, so token verbs can undo it (torch only).
+
+Built on the worker (or by the on-device sharder for raw batches) and carried
+beside the batch tensors, never inside the batch dict. The gather needs exactly
+one collective because the inverse map arrives precomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["ShardLayout"]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The layout a shard applied, in the coordinates the token verbs need.
+
+    Attributes:
+        local_token_global_indices: int64 ``[local_len]``, the global position
+            of each of this rank's tokens, in local order.
+        original_seq_len: pre-pad sequence length in the caller's coordinates;
+            None for packed streams (no single original length).
+        padded_seq_len: global length after padding (``cp_size * local_len``);
+            token verbs validate tensor lengths against it.
+        input_row_shape: for flat (THD) streams, the ``[B, S]`` shape of the rows
+            before flattening.
+        input_token_stream_positions: for layouts that reposition tokens, the
+            per-row map from input position to padded column (-1 = dropped).
+        gather_index: int64 ``[padded_seq_len]``, the inverse map:
+            ``global = concat(all ranks' shards)[gather_index]``.
+        cp_size: CP ranks the layout was built for.
+        cp_rank: the rank this layout's local indices belong to.
+        digest: 63-bit digest of the plan, equal on every CP rank of a group.
+    """
+
+    local_token_global_indices: torch.Tensor | None = None
+    original_seq_len: int | None = None
+    padded_seq_len: int | None = None
+    input_row_shape: tuple[int, ...] | None = None
+    input_token_stream_positions: torch.Tensor | None = None
+    gather_index: torch.Tensor | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    digest: int | None = None
+
+    def _map_tensors(self, fn) -> ShardLayout:
+        changes = {}
+        for name in ("local_token_global_indices", "input_token_stream_positions", "gather_index"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = fn(value)
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ShardLayout:
+        """A copy with every index tensor on ``device``."""
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> ShardLayout:
+        """A copy with every index tensor in pinned host memory (CUDA builds only)."""
+        return self._map_tensors(lambda t: t.pin_memory())
