@@ -1,0 +1,45 @@
+"""Batch keys and their pad values: one table every stage reads.
+
+Token-aligned tensors (sharded per CP rank, in the rank's local order):
+
+| key            | dtype  | pad value                         |
+|----------------|--------|-----------------------------------|
+| input_ids      | int64  | ``padding_token_id``              |
+| labels         | int64  | -100 (also at every document end) |
+| position_ids   | int64  | continue the slot's document      |
+| padding_mask   | bool   | True                              |
+| document_ids   | int64  | the slot's index (pads belong to their slot; tail padding to the last) |
+| loss_mask      | source | 0                                 |
+| any extra      | source | 0                                 |
+
+Stream metadata (global, identical on every rank, TE / flash-attn varlen
+conventions): ``cu_seqlens`` (int32 ``[n+1]``, real lengths),
+``cu_seqlens_padded`` (int32 ``[n+1]``, slot offsets; the last slot absorbs
+the pack's tail padding), ``seq_lens`` and ``seq_lens_padded`` (int32 ``[n]``)
+and ``max_seqlen`` (0-d int32, longest real document).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DOCUMENT_IDS",
+    "INPUT_IDS",
+    "LABELS",
+    "LOSS_MASK",
+    "METADATA_KEYS",
+    "PADDING_MASK",
+    "POSITION_IDS",
+    "STANDARD_TOKEN_KEYS",
+    "IGNORE_INDEX",
+]
+
+INPUT_IDS = "input_ids"
+LABELS = "labels"
+POSITION_IDS = "position_ids"
+PADDING_MASK = "padding_mask"
+DOCUMENT_IDS = "document_ids"
+LOSS_MASK = "loss_mask"
+IGNORE_INDEX = -100
+
+STANDARD_TOKEN_KEYS: tuple[str, ...] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS)
+METADATA_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_padded", "seq_lens", "seq_lens_padded", "max_seqlen")
