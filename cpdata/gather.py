@@ -1,0 +1,187 @@
+"""Differentiable gather of a token-aligned CP shard back to global order (torch only).
+
+Model code that holds a :class:`~cpdata.shard_layout.ShardLayout` and a process
+group calls :func:`gather_token_tensor`; the sharder's verb of the same name
+calls it too. The layout already carries the inverse map (``gather_index``,
+computed on the dataloader worker), so a gather is exactly one collective on
+the tensor itself, never on indices:
+
+    forward:  all-gather the local shard ``[L, ...]`` into the rank-major
+              concatenation ``[cp*L, ...]``, then ``index_select(gather_index)``
+    backward: scatter the gradient back to rank-major order (same permutation),
+              then reduce-scatter (SUM) so each rank receives its own tokens' sum
+
+The reference approach (all-gather the tensor, all-gather every rank's indices,
+argsort) costs two collectives plus an O(n log n) sort per call; here it is
+one collective plus an O(n) index_select.
+
+Gradient contract: backward sums over CP ranks. When every CP rank computes the
+same (replicated) loss from the gathered tensor, each rank's local gradient is
+``cp_size x`` the gradient of that single loss; scale the loss by
+``1 / cp_size`` (or average over the CP group) if the single-loss gradient is
+wanted.
+
+Layout index tensors live on CPU in the batch; :func:`layout_tensor_on` moves
+one to the compute device on first use and caches it per (layout, device), so
+repeated gathers in one step copy it once.
+
+This module imports torch and the standard library only (model code imports it
+alone; tests/test_gather_import.py guards that).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from cpdata.shard_layout import ShardLayout
+
+__all__ = ["GatherFromShards", "gather_token_tensor", "layout_tensor_on"]
+
+_CACHE_SIZE = 32
+_device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor]] = OrderedDict()
+
+
+def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str) -> torch.Tensor:
+    """``getattr(layout, name)`` on ``device``, copied at most once per (layout, device).
+
+    The copy is ``non_blocking`` (overlaps with compute when the layout is
+    pinned). The cache holds at most a few dozen entries and validates the
+    layout by identity, so a recycled ``id`` never returns a stale map.
+    """
+    value = getattr(layout, name)
+    if value is None:
+        raise ValueError(f"ShardLayout.{name} is None; build the layout with {name} set")
+    device = torch.device(device)
+    if value.device == device:
+        return value
+    key = (id(layout), name, str(device))
+    hit = _device_cache.get(key)
+    if hit is not None and hit[0]() is layout:
+        _device_cache.move_to_end(key)
+        return hit[1]
+    moved = value.to(device, non_blocking=True)
+    try:
+        ref = weakref.ref(layout)
+    except TypeError:  # a slotted layout without __weakref__: hold it strongly (the cache is bounded)
+        ref = functools.partial(_same, layout)
+    _device_cache[key] = (ref, moved)
+    while len(_device_cache) > _CACHE_SIZE:
+        _device_cache.popitem(last=False)
+    return moved
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (same collective); keep older torch working.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, op=dist.ReduceOp.SUM, group=group)
+
+
+class GatherFromShards(torch.autograd.Function):
+    """All-gather a local shard and restore global token order; backward reduce-scatters.
+
+    ``apply(local, gather_index, group, seq_dim)``:
+
+    - ``local``: this rank's shard, any dtype, ``L`` tokens on ``seq_dim``.
+    - ``gather_index``: int64 ``[cp*L]`` on ``local``'s device,
+      ``global = concat(shards)[gather_index]``.
+    - returns: ``[..., cp*L, ...]`` in global order (a view with ``seq_dim``
+      moved back into place; call ``.contiguous()`` if needed).
+
+    Forward: ``seq_dim`` moves to the front, one ``all_gather_into_tensor``
+    (``all_gather_single`` on torch >= 2.13) fills ``[cp*L, ...]``, then
+    ``index_select(0, gather_index)``. Backward: ``index_copy`` puts the
+    incoming gradient back into rank-major order, one ``reduce_scatter_tensor``
+    (SUM) hands each rank the gradient of its own tokens summed over ranks: with
+    a replicated loss that is ``cp_size x`` the single-loss gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int
+    ) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        x = local.movedim(seq_dim, 0).contiguous()
+        stacked = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        _all_gather(stacked, x, group)
+        ctx.save_for_backward(gather_index)
+        ctx.group, ctx.seq_dim, ctx.world = group, seq_dim, world
+        return stacked.index_select(0, gather_index).movedim(0, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (gather_index,) = ctx.saved_tensors
+        g = grad.movedim(ctx.seq_dim, 0)
+        stacked = g.new_empty(g.shape).index_copy_(0, gather_index, g)
+        local = g.new_empty((g.shape[0] // ctx.world, *g.shape[1:]))
+        _reduce_scatter(local, stacked, ctx.group)
+        return local.movedim(0, ctx.seq_dim), None, None, None
+
+
+def gather_token_tensor(
+    tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1
+) -> torch.Tensor:
+    """Differentiably gather this rank's shard to the full padded sequence, in global order.
+
+    Args:
+        tensor: local shard, ``L`` tokens on ``seq_dim`` in the layout's local
+            order (e.g. ``[B, L, H]`` hidden states or ``[B, L]`` log-probs).
+        layout: the :class:`ShardLayout` the batch was sharded with; needs
+            ``gather_index`` (int64 ``[cp_size*L]``).
+        group: the CP process group (``cp_mesh.get_group()``); None = the
+            default group. Unused when ``layout.cp_size == 1``.
+        seq_dim: sequence dimension of ``tensor`` (negative allowed).
+
+    Returns:
+        ``[..., cp_size*L, ...]`` in global (padded) order; trim padding with
+        the sharder's ``gather_token_tensor(trim=True)`` or ``narrow``.
+
+    With ``cp_size == 1`` no collective runs: the result is
+    ``tensor.index_select(seq_dim, gather_index)`` (still correct for a layout
+    that reorders tokens). Otherwise one collective forward and one backward
+    (see :class:`GatherFromShards` for the ``cp_size x`` gradient contract).
+    """
+    seq_dim = seq_dim % tensor.dim()
+    if layout.gather_index is None:
+        raise ValueError(
+            "ShardLayout.gather_index is None; build the layout with "
+            "gather_index=inverse_indices(rows) (cpdata.layouts) so the gather needs no index collective"
+        )
+    local_len = tensor.shape[seq_dim]
+    expected = layout.gather_index.numel()
+    if local_len * layout.cp_size != expected:
+        raise ValueError(
+            f"local tensor has {local_len} tokens on dim {seq_dim}, x cp_size {layout.cp_size} = "
+            f"{local_len * layout.cp_size}, but the layout's gather_index covers {expected} tokens; "
+            "pass the shard of the batch this layout came from (and the right seq_dim)"
+        )
+    index = layout_tensor_on(layout, "gather_index", tensor.device)
+    if layout.cp_size == 1:
+        return tensor.index_select(seq_dim, index)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"layout is for cp_size={layout.cp_size} but no process group is initialized; "
+            "call torch.distributed.init_process_group and pass the CP group"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (world, rank) != (layout.cp_size, layout.cp_rank):
+        raise ValueError(
+            f"layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the group has "
+            f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
+        )
+    return GatherFromShards.apply(tensor, index, group, seq_dim)

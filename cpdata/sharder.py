@@ -1,0 +1,280 @@
+"""``ContextParallelSharder``: the device half of a CP batch.
+
+``sharder.shard(batch)`` returns ``(ctx_factory, batch)`` for the forward and
+keeps the batch's :class:`ShardLayout`; the token verbs
+(:meth:`~ContextParallelSharder.shard_token_tensor`,
+:meth:`~ContextParallelSharder.gather_token_tensor`) then move any per-token
+tensor between the caller's coordinates and this rank's local order with that
+layout. A worker-sharded batch (a Mapping with ``.layout``) is only copied to
+the device; a raw full batch is laid out on device by the same layout functions
+(:mod:`cpdata.raw_shard`). The gather is one collective (:mod:`cpdata.gather`).
+
+Construction follows one of two forms:
+
+- direct: ``ContextParallelSharder(device_mesh=mesh, shard_batch=fn, ...)``
+  with a backend's own ``shard_batch``;
+- resolved: ``ContextParallelSharder(model, mesh, batch, ...)`` picks the
+  model's sharder (``model.prepare_model_inputs_for_cp(batch, device_mesh)``)
+  or cpdata's own (:func:`cpdata.resolve.resolve_strategy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cpdata.gather import gather_token_tensor as _gather
+from cpdata.gather import layout_tensor_on
+from cpdata.raw_shard import mesh_rank_size
+from cpdata.resolve import Strategy, mesh_device, resolve_strategy, submesh
+from cpdata.shard_layout import ShardLayout
+
+__all__ = ["ContextParallelSharder"]
+
+ShardBatchFn = Callable[..., tuple[Callable, dict[str, Any], "ShardLayout | None"]]
+IndicesFn = Callable[..., torch.Tensor]
+_NO_LAYOUT = ShardLayout()  # "nothing sharded yet": every optional field None
+
+
+class ContextParallelSharder:
+    """How a batch is sharded over CP ranks, and where each local token lives.
+
+    Attributes:
+        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask=None,
+            padding_token_id=0) -> (ctx_factory, batch, ShardLayout | None)``.
+        local_token_global_indices: ``(cp_mesh, padded_seq_len, device) ->``
+            int64 ``[local_len]`` for layouts that are a pure function of the
+            length; None for data-dependent layouts (their token verbs raise
+            before the first :meth:`shard`).
+        shard_layout: the :class:`ShardLayout` of the last :meth:`shard`.
+        device: where :meth:`shard` puts tensors (the mesh's device type).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        device_mesh: Any = None,
+        batch: Mapping[str, Any] | None = None,
+        *,
+        shard_batch: ShardBatchFn | None = None,
+        local_token_global_indices: IndicesFn | None = None,
+        shard_layout: ShardLayout | None = None,
+        padding_token_id: int = 0,
+        num_chunks: int = 1,
+        loss_mask: torch.Tensor | None = None,
+        invoke_pre_embed: bool = True,
+        extra_seq_buffers: Mapping[str, int] | None = None,
+    ) -> None:
+        """Construct from a backend's ``shard_batch``, or resolve one for ``model`` and ``batch``.
+
+        Args:
+            model: model whose ``prepare_model_inputs_for_cp`` hook may own the
+                sharding; None for cpdata's own.
+            device_mesh: mesh with optional ``"cp"`` and ``"tp"`` dims.
+            batch: a raw full batch (``input_ids`` ``[B, S]``; ``qkv_format="thd"``
+                with ``seq_lens_padded`` for a flat stream) or a worker-sharded
+                one; required when resolving.
+            shard_batch: a backend's shard function (direct construction;
+                excludes ``model``, ``batch`` and the resolution options).
+            local_token_global_indices: closed-form index map (direct only).
+            shard_layout: an already-known layout (direct only).
+            padding_token_id: ``input_ids`` pad value.
+            num_chunks: must be 1 for cpdata's layouts (one stream per batch).
+            loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
+            invoke_pre_embed: call the model's CP preparation hook if it has one.
+            extra_seq_buffers: more token-aligned batch keys → their sequence dim.
+        """
+        if shard_batch is not None:
+            if (
+                model is not None
+                or batch is not None
+                or num_chunks != 1
+                or not invoke_pre_embed
+                or extra_seq_buffers is not None
+            ):
+                raise TypeError(
+                    "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
+                    "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
+                )
+            strategy = Strategy(
+                shard_batch=shard_batch,
+                local_token_global_indices=local_token_global_indices,
+                shard_layout=shard_layout,
+            )
+        else:
+            if local_token_global_indices is not None or shard_layout is not None:
+                raise TypeError(
+                    "local_token_global_indices and shard_layout require shard_batch (direct construction)"
+                )
+            if batch is None:
+                raise TypeError("batch is required when shard_batch is not provided (it decides the layout)")
+            strategy = resolve_strategy(
+                model,
+                device_mesh,
+                batch,
+                num_chunks=num_chunks,
+                invoke_pre_embed=invoke_pre_embed,
+                extra_seq_buffers=extra_seq_buffers,
+            )
+        self.shard_batch = strategy.shard_batch
+        self.local_token_global_indices = strategy.local_token_global_indices
+        self.shard_layout = strategy.shard_layout
+        self._cp_mesh = submesh(device_mesh, "cp")
+        self._tp_mesh = submesh(device_mesh, "tp")
+        self._loss_mask = loss_mask
+        self._padding_token_id = padding_token_id
+        self.device = mesh_device(device_mesh)
+
+    # -- mesh ----------------------------------------------------------------
+    def _cp_rank_size(self) -> tuple[int, int]:
+        return mesh_rank_size(self._cp_mesh)
+
+    def _cp_group(self) -> Any:
+        return self._cp_mesh.get_group() if self._cp_mesh is not None else None
+
+    # -- batch ---------------------------------------------------------------
+    def shard(self, batch: Mapping[str, Any]) -> tuple[Callable, dict[str, Any]]:
+        """Shard ``batch`` for this rank; keep its layout for the token verbs."""
+        ctx, batch, self.shard_layout = self.shard_batch(
+            self._cp_mesh,
+            self._tp_mesh,
+            batch,
+            loss_mask=self._loss_mask,
+            padding_token_id=self._padding_token_id,
+        )
+        return ctx, batch
+
+    def _indices(self, padded_seq_len: int, device: Any) -> torch.Tensor:
+        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens."""
+        layout = self.shard_layout or _NO_LAYOUT
+        if layout.local_token_global_indices is not None:
+            _, size = self._cp_rank_size()
+            local = layout.local_token_global_indices.numel()
+            if padded_seq_len != local * size:
+                raise ValueError(
+                    f"the shard layout covers a padded stream of {local * size} tokens ({local} local x cp_size "
+                    f"{size}), got padded_seq_len={padded_seq_len}; the tensor does not match the batch this "
+                    "sharder last sharded"
+                )
+            return layout_tensor_on(layout, "local_token_global_indices", device)
+        if self.local_token_global_indices is None:
+            raise ValueError(
+                "this sharder's token layout depends on the batch and arrives with shard(batch); "
+                "call shard(batch) before shard_token_tensor / gather_token_tensor"
+            )
+        return self.local_token_global_indices(self._cp_mesh, padded_seq_len, device)
+
+    # -- token verbs -----------------------------------------------------------
+    def shard_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
+    ) -> torch.Tensor:
+        """This rank's shard of a full token-aligned tensor, laid out like the model inputs.
+
+        Accepted, in order: a ``[B, S_in]`` tensor shaped like the layout's
+        ``input_token_stream_positions`` (scattered into padded rows, ``fill``
+        in the gaps; ``fill`` required); a tensor whose leading dims equal
+        ``input_row_shape`` (flattened, sequence dim 0); a tensor of
+        ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); a
+        tensor of ``padded_seq_len``. Any other length raises ``ValueError``.
+        """
+        layout = self.shard_layout or _NO_LAYOUT
+        seq_dim = seq_dim % tensor.dim()
+        positions = layout.input_token_stream_positions
+        if positions is not None and tuple(tensor.shape) == tuple(positions.shape):
+            if fill is None:
+                raise ValueError(
+                    f"tensor of shape {tuple(tensor.shape)} is in input coordinates of a layout that repositions "
+                    "tokens; pass fill= for the padded slots no input token lands in"
+                )
+            pos = layout_tensor_on(layout, "input_token_stream_positions", tensor.device)
+            padded = tensor.new_full((tensor.shape[0], layout.padded_seq_len), fill)
+            valid = pos >= 0
+            padded[valid.nonzero(as_tuple=True)[0], pos[valid]] = tensor[valid]
+            tensor, seq_dim = padded, 1
+        elif layout.input_row_shape is not None and tuple(
+            tensor.shape[: len(layout.input_row_shape)]
+        ) == tuple(layout.input_row_shape):
+            tensor, seq_dim = tensor.flatten(0, len(layout.input_row_shape) - 1), 0
+        length = tensor.shape[seq_dim]
+        if layout.padded_seq_len is not None and length != layout.padded_seq_len:
+            if fill is not None and layout.original_seq_len is not None and length == layout.original_seq_len:
+                pad_shape = list(tensor.shape)
+                pad_shape[seq_dim] = layout.padded_seq_len - length
+                tensor = torch.cat((tensor, tensor.new_full(pad_shape, fill)), dim=seq_dim)
+            else:
+                raise ValueError(
+                    f"the last sharded batch has padded_seq_len={layout.padded_seq_len} "
+                    f"(original_seq_len={layout.original_seq_len}), got a tensor of length {length} on dim "
+                    f"{seq_dim}; pass the original-length tensor with an explicit fill=, or pre-pad it to "
+                    f"padded_seq_len"
+                )
+        index = self._indices(tensor.shape[seq_dim], tensor.device)
+        return tensor.index_select(seq_dim, index)
+
+    def gather_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False, fill: float | int | None = None
+    ) -> torch.Tensor:
+        """Differentiably gather a local shard to global order (one collective each way).
+
+        With ``trim=True`` the result is in the caller's coordinates: mapped
+        through ``input_token_stream_positions`` (``fill`` for dropped input
+        slots; required), reshaped to ``input_row_shape``, or narrowed to
+        ``original_seq_len``. Backward sums over CP ranks: with a loss
+        replicated on every CP rank, each rank's local gradient is
+        ``cp_size x`` the single-loss gradient (see :mod:`cpdata.gather`).
+        """
+        seq_dim = seq_dim % tensor.dim()
+        rank, size = self._cp_rank_size()
+        layout = self.shard_layout
+        if layout is not None and layout.gather_index is not None:
+            if (layout.cp_size, layout.cp_rank) != (size, rank):
+                raise ValueError(
+                    f"shard layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the CP "
+                    f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
+                )
+            full = _gather(tensor, layout, self._cp_group(), seq_dim)
+        elif size > 1:
+            raise ValueError(
+                f"no shard layout with a gather_index at cp_size={size}: call shard(batch) first, or construct "
+                "the sharder with shard_layout=ShardLayout(..., gather_index=inverse_indices(rows))"
+            )
+        elif (
+            layout is not None and layout.local_token_global_indices is not None
+        ) or self.local_token_global_indices is not None:
+            index = self._indices(tensor.shape[seq_dim], tensor.device)
+            full = torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
+        else:
+            full = tensor
+        return self._trim(full, seq_dim, fill) if trim else full
+
+    def _trim(self, full: torch.Tensor, seq_dim: int, fill: float | int | None) -> torch.Tensor:
+        layout = self.shard_layout or _NO_LAYOUT
+        if layout.padded_seq_len is not None and full.shape[seq_dim] != layout.padded_seq_len:
+            raise ValueError(
+                f"gathered length {full.shape[seq_dim]} on dim {seq_dim} != padded_seq_len "
+                f"{layout.padded_seq_len} of the last sharded batch; gather the shard of that batch"
+            )
+        if layout.input_token_stream_positions is not None:
+            if fill is None:
+                raise ValueError(
+                    "trim=True on a layout that repositions tokens needs fill= for dropped input slots"
+                )
+            pos = layout_tensor_on(layout, "input_token_stream_positions", full.device)
+            moved = full.movedim(seq_dim, 1)
+            index = (
+                pos.clamp(min=0)
+                .view(*pos.shape, *([1] * (moved.dim() - 2)))
+                .expand(*pos.shape, *moved.shape[2:])
+            )
+            mask = (pos < 0).view(*pos.shape, *([1] * (moved.dim() - 2)))
+            return moved.gather(1, index).masked_fill(mask, fill).movedim(1, seq_dim)
+        if layout.input_row_shape is not None:
+            return full.reshape(*full.shape[:seq_dim], *layout.input_row_shape, *full.shape[seq_dim + 1 :])
+        if layout.original_seq_len is not None:
+            return full.narrow(seq_dim, 0, layout.original_seq_len)
+        raise ValueError(
+            "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
+            "caller's coordinates; call shard(batch) first or gather with trim=False"
+        )
