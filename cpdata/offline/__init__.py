@@ -1,0 +1,51 @@
+"""Offline packing: plan a whole dataset ahead of training, serve it with O(1) resume.
+
+::
+
+    cpdata precompute data.jsonl --capacity 8192 --cp-size 4 --layout thd --out plan/
+    cpdata inspect plan/ --plot pack0.png
+
+    docs = open_dataset("data.jsonl")
+    plans = PrecomputedPacks("plan/", docs, cp_size=4, layout="thd")
+    batches = ShardForRank(Collate(plans), cp_size=4, cp_rank=r, layout="thd")
+
+Modules: :mod:`~cpdata.offline.datasets` (tokenized inputs on disk),
+:mod:`~cpdata.offline.precompute` (planning + writing), :mod:`~cpdata.offline.store`
+(the directory format), :mod:`~cpdata.offline.reader` (the node),
+:mod:`~cpdata.offline.summary` / :mod:`~cpdata.offline.plot` (``inspect``).
+
+Names are imported lazily, so the command line (``precompute``, ``inspect``)
+does not pull in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "JsonlDocuments": "cpdata.offline.datasets",
+    "LengthsFile": "cpdata.offline.datasets",
+    "NpyFolder": "cpdata.offline.datasets",
+    "PackStore": "cpdata.offline.store",
+    "PrecomputedPacks": "cpdata.offline.reader",
+    "TokenizedDataset": "cpdata.offline.datasets",
+    "open_dataset": "cpdata.offline.datasets",
+    "precompute": "cpdata.offline.precompute",
+    "read_store": "cpdata.offline.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpdata.offline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

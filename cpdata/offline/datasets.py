@@ -1,0 +1,300 @@
+"""Tokenized datasets on disk, readable by index without loading them whole.
+
+Three formats, chosen by :func:`open_dataset` from the path:
+
+| path                         | reader             | tokens? | memory at open                    |
+|------------------------------|--------------------|---------|-----------------------------------|
+| ``*.npy`` / ``*.npz``        | :class:`LengthsFile` | no    | ``.npy`` memory-mapped; ``.npz`` 8 B/doc |
+| ``*.jsonl``                  | :class:`JsonlDocuments` | yes | 16 B/doc (byte offset + length)   |
+| folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
+
+A lengths file is enough to precompute a plan but cannot serve tokens. JSONL is
+scanned once, line by line, to collect each row's byte offset and length (and
+the input's sha256 on the way); ``__getitem__`` then seeks straight to the row.
+Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``
+and picklable (open file handles are dropped and reopened lazily), so it can be
+handed to dataloader worker processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+__all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "TokenizedDataset", "open_dataset"]
+
+_CHUNK = 1 << 20
+PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask")
+"""Optional JSONL fields kept as per-token arrays; other fields of a row are ignored."""
+
+
+def _hash_files(paths: list[Path], names: bool) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        if names:
+            h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+        with open(p, "rb") as f:
+            while block := f.read(_CHUNK):
+                h.update(block)
+    return h.hexdigest()
+
+
+class TokenizedDataset(ABC):
+    """A dataset of tokenized documents addressed by index.
+
+    Attributes:
+        path: where the data lives.
+        lengths: int64 ``[n_docs]``, tokens per document (may be memory-mapped).
+        kind: ``"lengths"``, ``"jsonl"`` or ``"npy_folder"``.
+        serves_tokens: False for a lengths-only file.
+    """
+
+    kind: str = ""
+    serves_tokens: bool = True
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._checksum: str | None = None
+
+    @property
+    @abstractmethod
+    def lengths(self) -> np.ndarray: ...
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``."""
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"documents are addressed by int index, got {type(i).__name__} {i!r}")
+        if not -n <= i < n:
+            raise IndexError(f"document index {i} out of range for {n} documents in {self.path}")
+        return self._read(int(i) % n)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @abstractmethod
+    def _read(self, i: int) -> dict[str, np.ndarray]: ...
+
+    def checksum(self) -> str:
+        """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
+        if self._checksum is None:
+            self._checksum = self._compute_checksum()
+        return self._checksum
+
+    @abstractmethod
+    def _compute_checksum(self) -> str: ...
+
+    def lengths_checksum(self) -> str:
+        """Hex sha256 of ``lengths`` as little-endian int64: what a lengths-only plan binds to."""
+        h = hashlib.sha256()
+        lengths = self.lengths
+        for s in range(0, lengths.shape[0], _CHUNK):
+            h.update(np.ascontiguousarray(lengths[s : s + _CHUNK], dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"
+
+
+class LengthsFile(TokenizedDataset):
+    """Document lengths only: a 1-D integer ``.npy`` (memory-mapped) or a ``.npz``
+    holding a ``lengths`` array (or exactly one array). Enough to plan, not to serve."""
+
+    kind = "lengths"
+    serves_tokens = False
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        if self.path.suffix == ".npz":
+            with np.load(self.path) as z:
+                key = "lengths" if "lengths" in z.files else (z.files[0] if len(z.files) == 1 else None)
+                if key is None:
+                    raise ValueError(
+                        f"{self.path} holds arrays {z.files}; name the lengths array 'lengths' "
+                        "or save exactly one array"
+                    )
+                raw = z[key]
+        else:
+            raw = np.load(self.path, mmap_mode="r")
+        if raw.ndim != 1 or raw.dtype.kind not in "iu":
+            raise ValueError(
+                f"{self.path} must hold a 1-D integer array of document lengths, got dtype={raw.dtype} "
+                f"shape={raw.shape}"
+            )
+        self._lengths = raw if raw.dtype == np.int64 else raw.astype(np.int64)
+        if self._lengths.size and int(self._lengths.min()) < 0:
+            bad = int(np.argmin(self._lengths))
+            raise ValueError(f"{self.path}: document {bad} has negative length {int(self._lengths[bad])}")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        raise ValueError(
+            f"{self.path} holds document lengths only and cannot serve tokens (document {i}); "
+            "serve the plan with the tokenized dataset (a .jsonl file or a folder of .npy token arrays)"
+        )
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path], names=False)
+
+
+class JsonlDocuments(TokenizedDataset):
+    """One JSON object per line: ``{"input_ids": [...], "labels"?: [...], "loss_mask"?: [...]}``.
+
+    Opening scans the file once, line by line (never whole), keeping each
+    row's byte offset and length (16 B per document) and hashing the bytes on
+    the way, so :meth:`checksum` is free. Whitespace-only lines are not
+    documents. Reading document ``i`` is one seek and one line parse.
+    """
+
+    kind = "jsonl"
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        super().__init__(path)
+        offsets, lengths = array("q"), array("q")
+        h = hashlib.sha256()
+        pos = 0
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                h.update(line)
+                if line.strip():
+                    offsets.append(pos)
+                    lengths.append(self._parse(line, lineno)["input_ids"].shape[0])
+                pos += len(line)
+                if on_progress is not None:
+                    on_progress(len(line))
+        self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
+        self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
+        self._checksum = h.hexdigest()
+        self._file: BinaryIO | None = None
+
+    def _parse(self, line: bytes, where: object) -> dict[str, np.ndarray]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
+            raise ValueError(
+                f"{self.path} line {where}: expected an object with an 'input_ids' list, "
+                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}"
+            )
+        out = {"input_ids": np.asarray(row["input_ids"], dtype=np.int64).reshape(-1)}
+        for key in PER_TOKEN_KEYS:
+            if key in row:
+                value = np.asarray(row[key]).reshape(-1)
+                if value.shape != out["input_ids"].shape:
+                    raise ValueError(
+                        f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
+                        f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+                    )
+                out[key] = value.astype(np.int64) if key == "labels" else value
+        return out
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        if self._file is None:
+            self._file = open(self.path, "rb")  # kept open for O(1) seeks; reopened after pickling
+        self._file.seek(int(self._offsets[i]))
+        return self._parse(self._file.readline(), f"of document {i}")
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path], names=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"] = None
+        return state
+
+    def __del__(self) -> None:
+        f = getattr(self, "_file", None)
+        if f is not None:
+            f.close()
+
+
+class NpyFolder(TokenizedDataset):
+    """A folder of ``.npy`` token arrays, one 1-D integer document per file, in file-name order.
+
+    Opening reads only each file's header (memory-mapped). The checksum covers
+    every file's name, size and bytes in that order, so a rename or reorder
+    changes it.
+    """
+
+    kind = "npy_folder"
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        super().__init__(path)
+        self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
+        if not self._files:
+            raise ValueError(f"{self.path} contains no .npy files; save one 1-D token array per document")
+        lengths = np.empty(len(self._files), dtype=np.int64)
+        for i, name in enumerate(self._files):
+            arr = np.load(self.path / name, mmap_mode="r")
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(
+                    f"{self.path / name}: expected a 1-D integer token array, got dtype={arr.dtype} "
+                    f"shape={arr.shape}"
+                )
+            lengths[i] = arr.shape[0]
+            if on_progress is not None:
+                on_progress(1)
+        self._lengths = lengths
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    @property
+    def files(self) -> list[str]:
+        """File names in document order."""
+        return list(self._files)
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        tokens = np.load(self.path / self._files[i], mmap_mode="r")
+        return {"input_ids": np.array(tokens, dtype=np.int64)}
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path / n for n in self._files], names=True)
+
+
+def open_dataset(
+    path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+) -> TokenizedDataset:
+    """Open a tokenized dataset, choosing the reader from the path (see the module table).
+
+    ``on_progress(n)`` is called while scanning: with bytes read for JSONL, with
+    files read for a folder.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return NpyFolder(p, on_progress=on_progress)
+    if not p.exists():
+        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file or a folder")
+    if p.suffix in (".npy", ".npz"):
+        return LengthsFile(p)
+    if p.suffix == ".jsonl":
+        return JsonlDocuments(p, on_progress=on_progress)
+    raise ValueError(
+        f"unknown dataset format for {str(p)!r} (suffix {p.suffix!r}); pass a .npy/.npz of document lengths, "
+        "a .jsonl file of {'input_ids': [...]} rows, or a folder of .npy token arrays"
+    )

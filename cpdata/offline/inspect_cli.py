@@ -1,0 +1,123 @@
+"""``cpdata inspect``: summarize a plan directory, show one pack, draw it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import numpy as np
+
+from cpdata.offline.summary import DEFAULT_SAMPLE, SHORT_CHUNK
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``inspect`` to the ``cpdata`` command line."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect",
+        help="summarize a precomputed plan directory (padding, CP work balance per layout)",
+        description="Summarize a plan directory written by `cpdata precompute`: padding against the lower "
+        "bound, documents per pack, and per-rank causal attention work imbalance under each CP layout.",
+    )
+    p.add_argument("dir", metavar="DIR", help="plan directory")
+    p.add_argument("--pack", type=int, default=None, help="show this pack's documents and per-rank work")
+    p.add_argument("--plot", metavar="OUT.png", default=None, help="draw the pack (default pack 0) to a PNG")
+    p.add_argument("--all-layouts", action="store_true", help="plot every layout, not only the plan's")
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=DEFAULT_SAMPLE,
+        help=f"measure layouts on at most this many evenly spaced packs (default {DEFAULT_SAMPLE}; 0 = all)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the array checksums (faster on huge plans)")
+    p.set_defaults(func=run)
+
+
+def _print_summary(store: Any, sample: int | None) -> None:
+    from cpdata.offline.metrics import imbalance
+    from cpdata.offline.summary import summarize
+
+    s = summarize(store, sample=sample)
+    cfg = store.config
+    print(f"plan {store.path}")
+    print(
+        f"  config      capacity={cfg['capacity']} cp_size={cfg['cp_size']} layout={cfg['layout']} "
+        + " ".join(f"{k}={v}" for k, v in cfg["planner"].items())
+    )
+    print(f"  packs       {s.packs} ({s.pieces} pieces from {s.documents} documents, {s.real_tokens} real tokens)")
+    print(f"  padding     {s.padding_pct:.2f}% (lower bound {s.lower_bound_pct:.2f}%)")
+    print(f"  docs/pack   mean {s.docs_per_pack_mean:.2f}, max {s.docs_per_pack_max}")
+    stats = store.manifest["stats"]
+    print("  policy      " + ", ".join(f"{k} {stats[k]}" for k in ("skipped", "split", "truncated", "dropped")))
+    work = np.asarray(store.arrays["rank_work"])
+    if work.shape[0]:
+        ratios = imbalance(work)
+        print(
+            f"  {cfg['layout']} work imbalance over all packs: mean {ratios.mean():.3f}, "
+            f"p95 {np.percentile(ratios, 95):.3f}, max {ratios.max():.3f}"
+        )
+    print(f"\n  CP layouts at cp_size={cfg['cp_size']}, causal doc-masked work, over {s.measured_packs} packs:")
+    print(f"  {'layout':<12} {'imb mean':>9} {'imb p95':>9} {'doc pad %':>10} {'over cap':>9} {'chunks<' + str(SHORT_CHUNK):>11}")
+    for row in s.layouts:
+        mark = " *" if row.layout == cfg["layout"] else ""
+        print(
+            f"  {row.layout:<12} {row.imbalance_mean:>9.3f} {row.imbalance_p95:>9.3f} {row.doc_padding_pct:>10.2f} "
+            f"{row.packs_over_capacity:>9} {row.short_chunk_pct:>10.1f}%{mark}"
+        )
+    print("  (* the plan's layout; imb = max/mean per-rank work; over cap = packs that no longer fit after")
+    print("   that layout's per-document padding; chunks = share of per-rank runs of one document's tokens)")
+
+
+def _print_pack(store: Any, k: int) -> None:
+    from cpdata.offline.metrics import imbalance
+    from cpdata.offline.summary import pack_view
+
+    geometry, _, work = pack_view(store, k, store.config["layout"])
+    rows = store.pack_slice(k)
+    a = store.arrays
+    print(f"\npack {k}: {int(geometry.doc_len.sum())} real tokens of {geometry.pack_len}")
+    print(f"  {'slot':>4} {'document':>9} {'start':>7} {'tokens':>7} {'slot len':>9}")
+    for i, j in enumerate(range(rows.start, rows.stop)):
+        print(f"  {i:>4} {int(a['doc_index'][j]):>9} {int(a['doc_start'][j]):>7} {int(a['doc_len'][j]):>7} "
+              f"{int(a['slot_len'][j]):>9}")  # fmt: skip
+    print(f"  tail padding {geometry.pack_len - int(geometry.slot_len.sum())}")
+    print(f"  {store.config['layout']} work per rank {work.tolist()} (max/mean {float(imbalance(work)):.3f})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpdata.offline.store import read_store
+
+    try:
+        store = read_store(args.dir, verify=not args.no_verify)
+        sample = None if args.sample == 0 else args.sample
+        _print_summary(store, sample)
+        if args.pack is not None:
+            _print_pack(store, args.pack)
+        if args.plot is not None:
+            return _plot(store, args)
+    except ValueError as e:
+        print(f"cpdata inspect: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plot(store: Any, args: argparse.Namespace) -> int:
+    from cpdata.offline.plot import PLOT_INSTALL_HINT
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"cpdata inspect: --plot needs matplotlib; install it with: {PLOT_INSTALL_HINT}", file=sys.stderr)
+        return 2
+    from cpdata.offline.plot import plot_pack
+    from cpdata.offline.summary import layouts_for
+
+    k = 0 if args.pack is None else args.pack
+    layouts = layouts_for(store.config["cp_size"]) if args.all_layouts else (store.config["layout"],)
+    if store.n_packs == 0:
+        raise ValueError(f"plan {store.path} has no packs to plot")
+    plot_pack(store, k, args.plot, layouts=layouts)
+    print(f"\nwrote {args.plot} (pack {k}, layouts {', '.join(layouts)})")
+    return 0

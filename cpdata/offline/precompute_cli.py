@@ -1,0 +1,74 @@
+"""``cpdata precompute``: plan a tokenized dataset into a plan directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from cpdata.layouts import LAYOUTS
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``precompute`` to the ``cpdata`` command line."""
+    from cpdata.packing import ALGORITHMS, DEFAULT_WINDOW, OVERFLOW_POLICIES
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "precompute",
+        help="pack a whole tokenized dataset ahead of training into a plan directory",
+        description="Pack a whole tokenized dataset ahead of training. INPUT is a .npy/.npz of document "
+        "lengths, a .jsonl file of {\"input_ids\": [...]} rows, or a folder of .npy token arrays "
+        "(one document per file, in name order). Serve the result with cpdata.offline.PrecomputedPacks.",
+    )
+    p.add_argument("input", metavar="INPUT", help="tokenized dataset (lengths .npy/.npz, .jsonl, or .npy folder)")
+    p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
+    p.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks the packs are laid out for")
+    p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd", help="packing algorithm (default: bfd)")
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default=None,
+        help="documents longer than the capacity (default: error; split for concat)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="planner seed (default: 0)")
+    p.add_argument(
+        "--window", type=int, default=None, help=f"documents per planning window (default: {DEFAULT_WINDOW}; all for ffd)"
+    )
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpdata.offline.precompute import precompute
+
+    try:
+        store = precompute(
+            args.input,
+            args.out,
+            capacity=args.capacity,
+            cp_size=args.cp_size,
+            layout=args.layout,
+            algorithm=args.algorithm,
+            overflow=args.overflow,
+            seed=args.seed,
+            window=args.window,
+            overwrite=args.force,
+            progress=not args.quiet,
+        )
+    except (ValueError, TypeError, OSError) as e:
+        print(f"cpdata precompute: error: {e}", file=sys.stderr)
+        return 1
+    m = store.manifest
+    stats = m["stats"]
+    print(
+        f"wrote {store.path}: {m['counts']['packs']} packs of {m['config']['capacity']} tokens from "
+        f"{m['input']['documents']} documents; padding {stats['padding_pct']:.2f}% "
+        f"(lower bound {stats['lower_bound_pct']:.2f}%); skipped {stats['skipped']}, split {stats['split']}, "
+        f"truncated {stats['truncated']}, dropped {stats['dropped']}"
+    )
+    return 0

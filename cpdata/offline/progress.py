@@ -1,0 +1,69 @@
+"""Progress reporting for long offline runs: tqdm when installed (extra ``progress``), else plain stderr.
+
+Nothing is shown for work that finishes within ``delay`` seconds (1 s by
+default). After that, tqdm draws its bar; the fallback prints one line per
+10 % step, so a log stays short whatever the total.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import Any, TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """``with Progress(total, "planning") as bar: bar.update(n)``; silent when ``enabled`` is False."""
+
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        *,
+        unit: str = "it",
+        enabled: bool = True,
+        delay: float = 1.0,
+        file: TextIO | None = None,
+    ) -> None:
+        self.total, self.desc, self.unit = max(int(total), 0), desc, unit
+        self.enabled = enabled
+        self.file = file if file is not None else sys.stderr
+        self.done = 0
+        self._step = -1
+        self._show_after = time.monotonic() + delay
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=self.total, desc=desc, unit=unit, file=self.file, unit_scale=True, delay=delay)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+        elif time.monotonic() >= self._show_after:
+            step = 10 if self.total == 0 else min(10, self.done * 10 // self.total)
+            if step > self._step:
+                self._step = step
+                print(f"{self.desc}: {step * 10:3d}% ({self.done}/{self.total} {self.unit})", file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
+
+The node replaces ``Documents -> Pack`` in the worker pipeline
+(``PrecomputedPacks -> Collate -> ShardForRank``). Each ``next()`` reads the
+pieces of one pack from memory-mapped arrays and the tokens of its documents
+from ``documents`` by index, so the node holds no buffer: its state is the pack
+index (plus version and the plan's manifest digest) and a restore is O(1), at
+any point of a 10M-pack plan.
+
+Nothing is served from a plan that does not match: the constructor refuses a
+plan written for other documents (input sha256, or the lengths' sha256 for a
+plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
+the caller asks, or whose manifest or any array fails its checksum.
+
+Data parallelism: with ``dp_size > 1`` rank ``dp_rank`` serves packs
+``dp_rank, dp_rank + dp_size, ...`` of the whole-dataset plan, and every rank
+serves ``n_packs // dp_size`` of them (the last ``n_packs % dp_size`` packs are
+left out) so no rank runs out a step early. The online pipeline instead shards
+documents by DP rank before packing; with ``dp_size = 1`` the two give the
+same packs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.source import to_document
+from cpdata.offline.store import PackStore, read_store
+from cpdata.plan import DocPiece, PackPlan
+
+__all__ = ["PrecomputedPacks"]
+
+
+class _Documents(Protocol):
+    def __getitem__(self, i: int) -> Any: ...
+    def checksum(self) -> str: ...
+
+
+def _check_documents(store: PackStore, documents: _Documents) -> None:
+    source = store.manifest["input"]
+    if not callable(getattr(documents, "checksum", None)):
+        raise TypeError(
+            f"documents must provide checksum() (e.g. cpdata.offline.open_dataset(path)), got {type(documents).__name__}"
+        )
+    if source["kind"] == "lengths":
+        lengths = getattr(documents, "lengths", None)
+        digest = documents.lengths_checksum() if hasattr(documents, "lengths_checksum") else None
+        if lengths is None or digest != source["lengths_sha256"]:
+            n = "?" if lengths is None else len(lengths)
+            raise ValueError(
+                f"plan {store.path} was precomputed from the lengths file {source['name']!r} "
+                f"({source['documents']} documents, lengths sha256 {source['lengths_sha256'][:16]}…) but the "
+                f"documents given ({n} documents, lengths sha256 {str(digest)[:16]}…) have other lengths; "
+                "serve it with the tokenized dataset those lengths were taken from, or re-run `cpdata precompute`"
+            )
+        return
+    digest = documents.checksum()
+    if digest != source["sha256"]:
+        raise ValueError(
+            f"plan {store.path} was precomputed from {source['name']!r} (sha256 {source['sha256'][:16]}…), "
+            f"but the documents given hash to {digest[:16]}…; pass the same dataset, or re-run "
+            "`cpdata precompute` on this one"
+        )
+
+
+def _check_expected(store: PackStore, name: str, expected: object) -> None:
+    actual = store.config[name]
+    if expected is not None and expected != actual:
+        raise ValueError(
+            f"plan {store.path} was precomputed for {name}={actual!r}, the pipeline asks for {name}={expected!r}; "
+            f"run `cpdata precompute ... --{name.replace('_', '-')} {expected}` or use {name}={actual!r}"
+        )
+
+
+class PrecomputedPacks(BaseNode[PackPlan]):
+    """Emit the plan directory's packs as :class:`~cpdata.plan.PackPlan`, in order.
+
+    Args:
+        path: a directory written by :func:`cpdata.offline.precompute` / ``cpdata precompute``.
+        documents: the dataset the plan was computed over, indexable by source
+            index and providing ``checksum()`` (a :class:`~cpdata.offline.TokenizedDataset`).
+        cp_size, layout: what the pipeline will shard for; checked against the
+            plan when given.
+        dp_rank, dp_size: this rank's share of the packs (see the module docstring).
+        vocab_size: token ids ``>= vocab_size`` raise ``ValueError`` (documents are
+            validated as by :class:`~cpdata.nodes.source.Documents`).
+        verify: check every array's sha256 on open (reads each array once).
+
+    State: ``{"version", "manifest_sha256", "dp", "pack_index"}``. A state from
+    another plan, DP split or version is refused.
+    """
+
+    VERSION_KEY = "version"
+    DIGEST_KEY = "manifest_sha256"
+    DP_KEY = "dp"
+    INDEX_KEY = "pack_index"
+    VERSION = 1
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        documents: _Documents,
+        *,
+        cp_size: int | None = None,
+        layout: str | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        vocab_size: int | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if dp_rank >= dp_size:
+            raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
+        self.store = read_store(path, verify=verify)
+        _check_expected(self.store, "cp_size", cp_size)
+        _check_expected(self.store, "layout", layout)
+        _check_documents(self.store, documents)
+        self.documents = documents
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        self.vocab_size = vocab_size
+        self.capacity = int(self.store.config["capacity"])
+        self._index = 0
+
+    def __len__(self) -> int:
+        """Packs this DP rank serves per epoch."""
+        return self.store.n_packs // self.dp_size
+
+    def _dp(self) -> list[int]:
+        return [self.dp_rank, self.dp_size]
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self._index = 0
+            return
+        version = initial_state.get(self.VERSION_KEY)
+        if version != self.VERSION:
+            raise ValueError(f"PrecomputedPacks state has version {version!r}, this code reads version {self.VERSION}")
+        digest = initial_state.get(self.DIGEST_KEY)
+        if digest != self.store.digest:
+            raise ValueError(
+                f"PrecomputedPacks state belongs to the plan with manifest sha256 {str(digest)[:16]}…, this node "
+                f"serves {self.store.path} ({self.store.digest[:16]}…); resume with the plan the state was saved from"
+            )
+        if list(initial_state.get(self.DP_KEY, [])) != self._dp():
+            raise ValueError(
+                f"PrecomputedPacks state was saved as [dp_rank, dp_size]={initial_state.get(self.DP_KEY)}, this node "
+                f"is {self._dp()}; resume with the same data-parallel split"
+            )
+        index = initial_state.get(self.INDEX_KEY)
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= len(self):
+            raise ValueError(f"PrecomputedPacks state has pack_index={index!r}, expected 0..{len(self)}")
+        self._index = int(index)
+
+    def next(self) -> PackPlan:
+        if self._index >= len(self):
+            raise StopIteration
+        plan = self.plan(self._index)
+        self._index += 1
+        return plan
+
+    def plan(self, index: int) -> PackPlan:
+        """The ``index``-th pack of this DP rank's stream (random access, O(pack))."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{len(self) - 1}")
+        a = self.store.arrays
+        rows = self.store.pack_slice(index * self.dp_size + self.dp_rank)
+        pieces = []
+        for j in range(rows.start, rows.stop):
+            doc, start, length = int(a["doc_index"][j]), int(a["doc_start"][j]), int(a["doc_len"][j])
+            arrays = self._document(doc)
+            n = int(arrays[INPUT_IDS].shape[0])
+            if start + length > n:
+                raise ValueError(
+                    f"plan {self.store.path} places tokens {start}:{start + length} of document {doc}, which has "
+                    f"{n} tokens; the documents do not match the plan, re-run `cpdata precompute` on them"
+                )
+            end = start + length
+            next_label = int(arrays[INPUT_IDS][end]) if a["continues"][j] else IGNORE_INDEX
+            pieces.append(
+                DocPiece(
+                    index=doc,
+                    start=start,
+                    arrays={k: v[start:end] for k, v in arrays.items()},
+                    next_label=next_label,
+                )
+            )
+        return PackPlan(
+            pieces=tuple(pieces),
+            slot_lens=np.array(a["slot_len"][rows], dtype=np.int64),
+            capacity=self.capacity,
+            index=index,
+        )
+
+    def _document(self, i: int) -> Mapping[str, np.ndarray]:
+        return to_document(self.documents[i], i, self.vocab_size).arrays
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes reopen the memory maps instead of receiving copies of the arrays.
+        state = self.__dict__.copy()
+        state["store"] = (str(self.store.path), self.store.digest)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        path, digest = state["store"]
+        store = read_store(path, verify=False)
+        if store.digest != digest:
+            raise ValueError(f"plan {path} changed on disk since this node was built (manifest sha256 differs)")
+        self.__dict__.update(state, store=store)
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.VERSION_KEY: self.VERSION,
+            self.DIGEST_KEY: self.store.digest,
+            self.DP_KEY: self._dp(),
+            self.INDEX_KEY: self._index,
+        }
