@@ -1,0 +1,287 @@
+"""``Documents``: the source node. Validates user documents and shards them by DP rank.
+
+Document ``i`` of the source (0-based, before sharding) goes to DP rank
+``i % dp_size``. Every CP rank of a DP group reads the same documents: data is
+never sharded by CP rank.
+
+Accepted sources, and how a restore finds its place again:
+
+| source                                   | resume                               |
+|------------------------------------------|--------------------------------------|
+| sequence (``__len__`` + ``__getitem__``: list, map-style dataset) | O(1) seek: only this rank's items are read |
+| re-iterable (``__iter__`` returns a fresh iterator each time) | re-iterate and skip the items already read |
+| ``torchdata.nodes.BaseNode``              | its own state, nested under ``"source"`` |
+
+A one-shot iterator (a generator) cannot be restarted, so it is refused.
+
+An item is a dict with ``input_ids`` (1-D non-negative integers) and any other
+per-token arrays of the same length (``labels``, ``loss_mask``, extras). Lists
+and torch tensors become numpy arrays; ``input_ids`` and ``labels`` become
+int64, other arrays keep their dtype. Values that are not numeric arrays
+(strings, scalars, lists of messages) are metadata and are not carried.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from cpdata.keys import INPUT_IDS, LABELS
+from cpdata.plan import Document
+
+__all__ = ["Documents", "to_document"]
+
+_INTEGER_KEYS = (INPUT_IDS, LABELS)
+
+
+def _to_array(value: Any) -> np.ndarray | None:
+    """A numeric numpy array for per-token data, or None for metadata."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple)):
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged nested lists: not per-token data
+            return None
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+    else:
+        return None
+    if arr.ndim == 0 or arr.dtype.kind not in "biuf":
+        return None
+    return arr
+
+
+def _integer_ids(arr: np.ndarray, key: str, index: int) -> np.ndarray:
+    if arr.size and (arr.dtype.kind not in "iu"):
+        raise TypeError(
+            f"document {index}: {key!r} must hold integers, got dtype {arr.dtype} "
+            f"(first values {arr.reshape(-1)[:4].tolist()}); convert token ids to an integer type"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def to_document(item: Any, index: int, vocab_size: int | None = None) -> Document:
+    """Validate one source item and convert it to a :class:`~cpdata.plan.Document`.
+
+    Raises:
+        TypeError: the item is not a dict, or ids are not integers.
+        ValueError: missing or non-1-D ``input_ids``, negative ids, ids
+            ``>= vocab_size``, or a per-token array whose length differs.
+    """
+    if not isinstance(item, Mapping):
+        raise TypeError(
+            f"document {index}: expected a dict with {INPUT_IDS!r}, got {type(item).__name__}; "
+            "map your source to dicts such as {'input_ids': [...]} first"
+        )
+    if INPUT_IDS not in item:
+        raise ValueError(f"document {index} has no {INPUT_IDS!r}; its keys are {sorted(map(str, item))}")
+    ids = _to_array(item[INPUT_IDS])
+    if ids is None:
+        raise TypeError(
+            f"document {index}: {INPUT_IDS!r} must be a 1-D list, numpy array or tensor of integers, "
+            f"got {type(item[INPUT_IDS]).__name__}"
+        )
+    if ids.ndim != 1:
+        raise ValueError(f"document {index}: {INPUT_IDS!r} must be 1-D, got shape {tuple(ids.shape)}")
+    ids = _integer_ids(ids, INPUT_IDS, index)
+    if ids.size:
+        if ids.min() < 0:
+            low = int(ids.argmin())
+            raise ValueError(f"document {index}: {INPUT_IDS!r} must be >= 0, got {int(ids[low])} at position {low}")
+        if vocab_size is not None and ids.max() >= vocab_size:
+            high = int(ids.argmax())
+            raise ValueError(
+                f"document {index}: {INPUT_IDS}[{high}]={int(ids[high])} is >= vocab_size={vocab_size}; "
+                "check the tokenizer or vocab_size"
+            )
+    arrays = {INPUT_IDS: ids}
+    for key, value in item.items():
+        if key == INPUT_IDS:
+            continue
+        arr = _to_array(value)
+        if arr is None:
+            continue
+        if arr.shape[0] != ids.shape[0]:
+            raise ValueError(
+                f"document {index}: {key!r} has {arr.shape[0]} entries but {INPUT_IDS!r} has {ids.shape[0]}; "
+                "per-token arrays must have one entry per token"
+            )
+        arrays[key] = _integer_ids(arr, key, index) if key in _INTEGER_KEYS else arr
+    return Document(index=index, arrays=arrays)
+
+
+def _with_index(exc: Exception, index: int) -> Exception:
+    """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
+    message = f"reading document {index} from the source failed: {type(exc).__name__}: {exc}"
+    try:
+        return type(exc)(message)
+    except Exception:
+        return RuntimeError(message)
+
+
+class Documents(BaseNode[Document]):
+    """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
+
+    Args:
+        source: the documents (see the module docstring).
+        dp_rank, dp_size: this rank's shard: documents ``i`` with ``i % dp_size == dp_rank``.
+        vocab_size: if given, ids ``>= vocab_size`` raise ``ValueError``.
+
+    State: ``{"version", "consumed", "position", "shard", ...}``: documents
+    emitted by this rank, source items read so far, and the nested state of a
+    node source. A restore under another ``dp_rank``/``dp_size`` or onto a
+    sequence of another length raises ``ValueError``.
+    """
+
+    VERSION = 1
+    VERSION_KEY = "version"
+    CONSUMED_KEY = "consumed"
+    POSITION_KEY = "position"
+    SHARD_KEY = "shard"
+    LENGTH_KEY = "length"
+    SOURCE_KEY = "source"
+
+    def __init__(
+        self,
+        source: Sequence[Mapping[str, Any]] | Iterable[Mapping[str, Any]] | BaseNode,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+                                       or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        if isinstance(source, BaseNode):
+            self._kind = "node"
+        elif isinstance(source, (str, bytes, Mapping)):
+            raise TypeError(f"source must be a sequence or iterable of document dicts, got {type(source).__name__}")
+        elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+            self._kind = "sequence"
+        elif isinstance(source, Iterator):
+            raise TypeError(
+                f"source is a one-shot iterator ({type(source).__name__}) that cannot be restarted for resume "
+                "or a new epoch; pass a list, a re-iterable (an object whose __iter__ returns a fresh "
+                "iterator) or a torchdata BaseNode"
+            )
+        elif isinstance(source, Iterable):
+            self._kind = "iterable"
+        else:
+            raise TypeError(f"source must be a sequence or iterable of document dicts, got {type(source).__name__}")
+        self.source = source
+        self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
+        self._it: Iterator[Any] | None = None
+        self._position = 0
+        self._consumed = 0
+
+    @property
+    def seekable(self) -> bool:
+        """Whether :meth:`fetch` works (sequence sources): packers then keep only references in their state."""
+        return self._kind == "sequence"
+
+    def fetch(self, index: int) -> Document:
+        """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
+        if not self.seekable:
+            raise TypeError(f"fetch needs a sequence source, this node reads a {self._kind}")
+        try:
+            item = self.source[index]  # type: ignore[index]
+        except Exception as exc:
+            raise _with_index(exc, index) from exc
+        return to_document(item, index, self.vocab_size)
+
+    def _length(self) -> int | None:
+        return len(self.source) if self._kind == "sequence" else None  # type: ignore[arg-type]
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._position, self._consumed, self._it = 0, 0, None
+        nested = None
+        if initial_state is not None:
+            self._check(initial_state)
+            self._position = int(initial_state[self.POSITION_KEY])
+            self._consumed = int(initial_state[self.CONSUMED_KEY])
+            nested = initial_state.get(self.SOURCE_KEY)
+        if self._kind == "node":
+            self.source.reset(nested)
+        elif self._kind == "iterable":
+            self._it = iter(self.source)
+            for skipped in range(self._position):
+                try:
+                    next(self._it)
+                except StopIteration:
+                    raise ValueError(
+                        f"the saved state has read {self._position} documents but the source ends after "
+                        f"{skipped}; restore onto the same source"
+                    ) from None
+
+    def _check(self, state: dict[str, Any]) -> None:
+        if state.get(self.VERSION_KEY) != self.VERSION:
+            raise ValueError(f"Documents state version {state.get(self.VERSION_KEY)!r}, expected {self.VERSION}")
+        shard = (self.dp_rank, self.dp_size)
+        if tuple(state[self.SHARD_KEY]) != shard:
+            raise ValueError(
+                f"Documents state was saved for (dp_rank, dp_size)={tuple(state[self.SHARD_KEY])}, "
+                f"this node has {shard}; restore each rank's own state with the same DP size"
+            )
+        if state.get(self.LENGTH_KEY) != self._length():
+            raise ValueError(
+                f"Documents state was saved for a source of length {state.get(self.LENGTH_KEY)}, "
+                f"this source has length {self._length()}; restore onto the same dataset"
+            )
+
+    def _read(self) -> tuple[int, Any]:
+        """The next source item and its index (raises StopIteration at the end)."""
+        index = self._position
+        if self._kind == "sequence":
+            index += (self.dp_rank - index) % self.dp_size  # jump straight to this rank's next item
+            if index >= len(self.source):  # type: ignore[arg-type]
+                self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
+                raise StopIteration
+            try:
+                item = self.source[index]  # type: ignore[index]
+            except Exception as exc:
+                raise _with_index(exc, index) from exc
+        else:
+            try:
+                item = next(self.source if self._kind == "node" else self._it)  # type: ignore[arg-type]
+            except StopIteration:
+                raise
+            except Exception as exc:
+                raise _with_index(exc, index) from exc
+        self._position = index + 1
+        return index, item
+
+    def next(self) -> Document:
+        while True:
+            index, item = self._read()
+            if index % self.dp_size == self.dp_rank:
+                break
+        document = to_document(item, index, self.vocab_size)
+        self._consumed += 1
+        return document
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            self.VERSION_KEY: self.VERSION,
+            self.CONSUMED_KEY: self._consumed,
+            self.POSITION_KEY: self._position,
+            self.SHARD_KEY: (self.dp_rank, self.dp_size),
+            self.LENGTH_KEY: self._length(),
+        }
+        if self._kind == "node":
+            state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+        return state

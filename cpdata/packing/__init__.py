@@ -1,0 +1,39 @@
+"""Packing planners: pure numpy/Python over document lengths.
+
+The same code serves the online :class:`~cpdata.nodes.pack.Pack` node and an
+offline precompute of a whole dataset (:func:`plan_lengths`).
+
+| algorithm     | what                                                      | padding above the bound |
+|---------------|-----------------------------------------------------------|-------------------------|
+| ``bfd``       | sliding-window best-fit-decreasing, carry re-packed (default) | 0.00-0.09 pp        |
+| ``ffd``       | first-fit-decreasing over the whole stream (offline)      | 0.00-0.08 pp            |
+| ``first_fit`` | Grain-style first-fit over 8 open bins                    | 0.4-11 pp               |
+| ``next_fit``  | one open bin (torchtune / NeMo ``pack_dataset``)          | 1.8-22 pp               |
+| ``concat``    | pretraining: concatenate, cut at the capacity; positions continue | 0 (all packs full but the last) |
+
+The bound is ``ceil(slot tokens / capacity)`` packs; ranges are over the
+realistic distributions of :mod:`cpdata.packing.distributions` at 4K-128K.
+Numbers: ``python -m cpdata.packing``.
+"""
+
+from cpdata.packing.offline import plan_lengths
+from cpdata.packing.planner import StreamPlanner
+from cpdata.packing.records import (
+    ALGORITHMS,
+    DEFAULT_WINDOW,
+    OVERFLOW_POLICIES,
+    PackingConfig,
+    PackingResult,
+    PackingStats,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_WINDOW",
+    "OVERFLOW_POLICIES",
+    "PackingConfig",
+    "PackingResult",
+    "PackingStats",
+    "StreamPlanner",
+    "plan_lengths",
+]

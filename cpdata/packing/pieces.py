@@ -1,0 +1,139 @@
+"""Documents to pieces: alignment and the overflow policy, vectorized over a window.
+
+A document of ``n`` real tokens occupies a slot of ``ceil(n / m) * m`` tokens
+(``m`` = the layout's document multiple). A document whose slot exceeds the
+capacity ``C`` is handled by the overflow policy:
+
+| overflow   | what happens                                            | counted as |
+|------------|---------------------------------------------------------|------------|
+| ``error``  | ``ValueError`` naming the document (default, bin packers) | -        |
+| ``split``  | cut into pieces of ``C`` tokens (+ a remainder); each piece packs on its own (default, ``concat``) | ``split`` |
+| ``truncate`` | keep the first ``C`` tokens                           | ``truncated``, ``truncated_tokens`` |
+| ``drop``   | skip the document                                       | ``dropped``, ``dropped_tokens`` |
+
+Empty documents are skipped (``skipped``). ``concat`` lays every document at
+the running offset of the open pack and cuts at every multiple of ``C``;
+because ``C`` and every slot are multiples of ``m``, a cut never falls inside
+a document's alignment padding, and the pieces of one document together span
+exactly its slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
+
+__all__ = ["COUNT_FIELDS", "Pieces", "cut_documents"]
+
+COUNT_FIELDS: tuple[str, ...] = (
+    "documents",
+    "skipped",
+    "truncated",
+    "dropped",
+    "split",
+    "truncated_tokens",
+    "dropped_tokens",
+)
+"""Document-level counters produced by :func:`cut_documents`."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pieces:
+    """The pieces cut from one window of documents, in document order (all ``[p]``)."""
+
+    doc: np.ndarray
+    """int64: position of the piece's document in the window."""
+    start: np.ndarray
+    """int64: offset of the piece inside its document."""
+    length: np.ndarray
+    """int64: real tokens."""
+    slot: np.ndarray
+    """int64: slot tokens (``length`` rounded up to the document multiple, or the
+    exact span for a piece cut at a pack boundary)."""
+    continues: np.ndarray
+    """bool: another piece of the same document follows this one."""
+
+    def __len__(self) -> int:
+        return int(self.doc.shape[0])
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.cumsum(x)
+    out -= x
+    return out
+
+
+def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
+    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])`` on a grid of
+    ``capacity``) at every grid line. ``slot > 0`` for every document."""
+    first = origin // capacity
+    n = (origin + slot - 1) // capacity - first + 1
+    doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)
+    j = np.arange(doc.shape[0], dtype=np.int64) - np.repeat(_exclusive_cumsum(n), n)
+    o = origin[doc]
+    lo = np.maximum(o, (first[doc] + j) * capacity)
+    hi = np.minimum(o + slot[doc], (first[doc] + j + 1) * capacity)
+    length = np.minimum(hi, o + real[doc]) - lo
+    assert (length > 0).all(), "a cut fell inside a document's alignment padding"
+    return Pieces(doc=doc, start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
+
+
+def cut_documents(
+    lengths: np.ndarray, config: PackingConfig, *, source_index: np.ndarray, fill: int = 0
+) -> tuple[Pieces, dict[str, int]]:
+    """Turn one window of documents into pieces, applying alignment and overflow.
+
+    Args:
+        lengths: int64 ``[k]`` real tokens per document.
+        config: the packer configuration.
+        source_index: int64 ``[k]`` source index per document (error messages only).
+        fill: ``concat`` only: slot tokens already used in the open pack.
+
+    Returns:
+        the pieces (``doc`` indexes ``lengths``) and the document counters
+        (:data:`COUNT_FIELDS`) of this window.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cap, m = config.capacity, config.doc_multiple
+    slot = -(-lengths // m) * m
+    empty = lengths == 0
+    over = slot > cap
+    counts = dict.fromkeys(COUNT_FIELDS, 0)
+    counts["documents"] = int(lengths.shape[0])
+    counts["skipped"] = int(empty.sum())
+    if over.any():
+        first = int(np.flatnonzero(over)[0])
+        if config.overflow == "error":
+            others = [p for p in OVERFLOW_POLICIES if p != "error"]
+            raise ValueError(
+                f"document {int(source_index[first])} has {int(lengths[first])} tokens "
+                f"({int(slot[first])} after aligning to a multiple of {m}), more than capacity={cap}; "
+                f"raise the capacity or pass overflow= one of {others} (choices: {list(OVERFLOW_POLICIES)})"
+            )
+        if config.overflow == "drop":
+            counts["dropped"] = int(over.sum())
+            counts["dropped_tokens"] = int(lengths[over].sum())
+            empty = empty | over
+        elif config.overflow == "truncate":
+            counts["truncated"] = int(over.sum())
+            counts["truncated_tokens"] = int((lengths[over] - cap).sum())
+            lengths = np.where(over, cap, lengths)
+            slot = np.where(over, cap, slot)
+    keep = np.flatnonzero(~empty)
+    if config.algorithm == "concat":
+        origin = fill + _exclusive_cumsum(slot[keep])
+    else:
+        origin = np.zeros(keep.shape[0], dtype=np.int64)
+    pieces = _cut(origin, slot[keep], lengths[keep], cap)
+    pieces = Pieces(
+        doc=keep[pieces.doc],
+        start=pieces.start,
+        length=pieces.length,
+        slot=pieces.slot,
+        continues=pieces.continues,
+    )
+    counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
+    return pieces, counts

@@ -1,0 +1,136 @@
+"""The packing core shared by the offline planner and the ``Pack`` node.
+
+A :class:`StreamPlanner` consumes the stream one *window* of documents at a
+time (``config.window`` documents, counting empty and dropped ones; the last
+window may be shorter): it cuts the window into pieces (alignment, overflow
+policy, ``concat`` cuts), numbers the pieces with increasing integer keys and
+hands them to the algorithm's packer, which returns the packs it has finished
+as lists of keys. Feeding the same lengths in the same windows gives the same
+packs, which is why :func:`~cpdata.packing.plan_lengths` and the online node
+agree pack for pack.
+
+State (:meth:`StreamPlanner.state`): the next key, the counters and the
+packer's open bins (keys and slot lengths, int64 CSR arrays). The bins are
+the only part that grows: at most 1 (``next_fit``, ``concat``) or 8
+(``first_fit``) bins, at most one window of slot tokens (``bfd``); ``ffd``
+carries nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing
+from cpdata.packing.greedy import FirstFit, NextFit
+from cpdata.packing.pieces import COUNT_FIELDS, Pieces, cut_documents
+from cpdata.packing.records import PackingConfig, PackingStats
+
+__all__ = ["BinPacker", "StreamPlanner", "make_packer"]
+
+_PACK_FIELDS = ("tokens", "slot_tokens", "packs")
+
+
+class BinPacker(Protocol):
+    """What a packing algorithm implements (keys arrive in increasing order)."""
+
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+        """Add one window of pieces; return the packs now finished (keys in arrival order)."""
+        ...
+
+    def finish(self) -> list[list[int]]:
+        """End of stream: return every open bin as a pack."""
+        ...
+
+    def carry(self) -> list[tuple[list[int], list[int]]]:
+        """Open bins as ``(keys, slots)``, in bin order."""
+        ...
+
+    def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
+
+
+def make_packer(config: PackingConfig) -> BinPacker:
+    """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts)."""
+    factories = {
+        "bfd": BestFitDecreasing,
+        "ffd": FirstFitDecreasing,
+        "first_fit": lambda c: FirstFit(c, n_bins=8),
+        "next_fit": NextFit,
+        "concat": NextFit,
+    }
+    return factories[config.algorithm](config.capacity)
+
+
+class StreamPlanner:
+    """Windows of document lengths in, packs (lists of piece keys) out."""
+
+    def __init__(self, config: PackingConfig) -> None:
+        self.config = config
+        self._packer = make_packer(config)
+        self._counts = dict.fromkeys(COUNT_FIELDS + _PACK_FIELDS, 0)
+        self._next_key = 0
+
+    def add_window(
+        self, lengths: np.ndarray, source_index: np.ndarray
+    ) -> tuple[Pieces, np.ndarray, list[list[int]]]:
+        """Cut and place one window.
+
+        Args:
+            lengths: int64 ``[k]`` real tokens per document.
+            source_index: int64 ``[k]`` source index per document (for error messages).
+
+        Returns:
+            ``(pieces, keys, packs)``: the window's pieces, their int64 keys
+            ``[p]``, and the packs finished by this window.
+        """
+        fill = self._packer.fill if isinstance(self._packer, NextFit) else 0
+        pieces, counts = cut_documents(lengths, self.config, source_index=source_index, fill=fill)
+        for name, value in counts.items():
+            self._counts[name] += value
+        keys = np.arange(self._next_key, self._next_key + len(pieces), dtype=np.int64)
+        self._next_key += len(pieces)
+        return pieces, keys, self._packer.place(keys, pieces.slot)
+
+    def finish(self) -> list[list[int]]:
+        """End of stream: the remaining packs."""
+        return self._packer.finish()
+
+    def account(self, *, packs: int, tokens: int, slot_tokens: int) -> None:
+        """Count packs as emitted."""
+        self._counts["packs"] += packs
+        self._counts["tokens"] += tokens
+        self._counts["slot_tokens"] += slot_tokens
+
+    @property
+    def packs(self) -> int:
+        """Packs counted as emitted so far."""
+        return self._counts["packs"]
+
+    def stats(self) -> PackingStats:
+        return PackingStats.from_counts(capacity=self.config.capacity, **self._counts)
+
+    def carry_keys(self) -> list[int]:
+        """Keys of the pieces in open bins."""
+        return [k for keys, _ in self._packer.carry() for k in keys]
+
+    def state(self) -> dict[str, Any]:
+        bins = self._packer.carry()
+        sizes = [len(k) for k, _ in bins]
+        return {
+            "next_key": self._next_key,
+            "counts": dict(self._counts),
+            "carry_offsets": np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
+            "carry_keys": np.array([k for keys, _ in bins for k in keys], dtype=np.int64),
+            "carry_slots": np.array([s for _, slots in bins for s in slots], dtype=np.int64),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._next_key = int(state["next_key"])
+        self._counts = dict.fromkeys(COUNT_FIELDS + _PACK_FIELDS, 0)
+        self._counts.update({k: int(v) for k, v in state["counts"].items()})
+        off = np.asarray(state["carry_offsets"]).tolist()
+        keys = np.asarray(state["carry_keys"]).tolist()
+        slots = np.asarray(state["carry_slots"]).tolist()
+        self._packer = make_packer(self.config)
+        self._packer.load_carry([(keys[a:b], slots[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)])

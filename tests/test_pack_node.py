@@ -1,0 +1,208 @@
+"""Pack node: plans match the offline planner, pieces match the documents, exact resume."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from state_contract import assert_items_equal, run_save_load_contract
+from torchdata.nodes import IterableWrapper
+
+from cpdata.nodes.pack import Pack
+from cpdata.nodes.source import Documents
+from cpdata.packing import ALGORITHMS, plan_lengths
+from cpdata.plan import PackPlan
+
+
+def _docs(n: int, max_len: int = 90, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(0, max_len))
+        ids = rng.integers(0, 1000, k)
+        out.append({"input_ids": ids, "labels": np.roll(ids, -1), "loss_mask": rng.random(k).astype(np.float32)})
+    return out
+
+
+CONFIG = dict(capacity=64, layout="thd", cp_size=2, overflow="split", window=12)
+
+
+def _pack(docs, dp=(0, 1), **overrides) -> Pack:
+    return Pack(Documents(docs, dp_rank=dp[0], dp_size=dp[1]), **{**CONFIG, **overrides})
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dp", [(0, 1), (1, 2)])
+def test_online_equals_offline(algorithm, dp):
+    docs = _docs(150)
+    plans = list(_pack(docs, dp, algorithm=algorithm))
+    mine = list(range(dp[0], len(docs), dp[1]))
+    offline = plan_lengths([len(docs[i]["input_ids"]) for i in mine], algorithm=algorithm, **CONFIG)
+    assert len(plans) == offline.n_packs > 0
+    for p, plan in enumerate(plans):
+        doc_index, doc_start, doc_len, slot_len = offline.pack(p)
+        assert [x.index for x in plan.pieces] == [mine[i] for i in doc_index.tolist()]
+        assert [x.start for x in plan.pieces] == doc_start.tolist()
+        assert plan.seq_lens.tolist() == doc_len.tolist()
+        assert plan.slot_lens.tolist() == slot_len.tolist() and plan.slot_lens.dtype == np.int64
+    assert _pack(docs, dp, algorithm=algorithm).stats.packs == 0
+    node = _pack(docs, dp, algorithm=algorithm)
+    list(node)
+    assert node.stats == offline.stats
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_pieces_are_slices_of_the_documents(algorithm):
+    docs = _docs(120, max_len=150)
+    plans = list(_pack(docs, algorithm=algorithm))
+    split_pieces = 0
+    for i, plan in enumerate(plans):
+        assert isinstance(plan, PackPlan) and plan.index == i and plan.capacity == 64
+        assert int(plan.slot_lens.sum()) <= 64 and (plan.slot_lens % 4 == 0).all()
+        for piece in plan.pieces:
+            doc = docs[piece.index]
+            end = piece.start + piece.length
+            for key in ("input_ids", "labels", "loss_mask"):
+                np.testing.assert_array_equal(piece.arrays[key], np.asarray(doc[key])[piece.start : end])
+            assert piece.arrays["loss_mask"].dtype == np.float32
+            if end < len(doc["input_ids"]):
+                split_pieces += 1
+                assert piece.next_label == int(doc["input_ids"][end])
+            else:
+                assert piece.next_label == -100
+    assert split_pieces > 0, "documents longer than the capacity were split"
+    covered = sum(p.length for plan in plans for p in plan.pieces)
+    assert covered == sum(len(d["input_ids"]) for d in docs)
+
+
+def _compare_plans(actual: PackPlan, expected: PackPlan) -> None:
+    # assert_items_equal handles this too; spelled out to show what "bit-identical" covers.
+    assert actual.index == expected.index and actual.capacity == expected.capacity
+    assert actual.slot_lens.dtype == expected.slot_lens.dtype
+    assert np.array_equal(actual.slot_lens, expected.slot_lens)
+    assert len(actual.pieces) == len(expected.pieces)
+    for a, e in zip(actual.pieces, expected.pieces, strict=True):
+        assert (a.index, a.start, a.next_label) == (e.index, e.start, e.next_label)
+        assert list(a.arrays) == list(e.arrays)
+        for key in e.arrays:
+            assert a.arrays[key].dtype == e.arrays[key].dtype
+            assert np.array_equal(a.arrays[key], e.arrays[key])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_save_load_contract(algorithm):
+    docs = _docs(90, max_len=150)
+    n = len(list(_pack(docs, algorithm=algorithm)))
+    midpoints = sorted({0, 1, 2, 3, n // 3, n // 2, n - 1, n, n + 1, n + n // 2, 2 * n})
+    run_save_load_contract(lambda: _pack(docs, algorithm=algorithm), midpoints, epochs=2)
+    run_save_load_contract(lambda: _pack(docs, (1, 3), algorithm=algorithm), [1, 5], _compare_plans,
+                           round_trips=("torch",))
+
+
+def test_contract_mid_window_with_carried_bins():
+    docs = _docs(200, max_len=60)
+    node = _pack(docs)
+    # Find midpoints where a window is half emitted and bins are carried (the interesting case).
+    interesting = []
+    for i, _ in enumerate(node, start=1):
+        state = node.state_dict()
+        if state["emitted"] > 0 and state["carry"]["key"].size and len(interesting) < 4 and i % 3 == 0:
+            interesting.append(i)
+    assert len(interesting) == 4
+    run_save_load_contract(lambda: _pack(docs), interesting, epochs=2)
+
+
+def test_contract_with_a_node_source_and_truncation():
+    docs = _docs(60, max_len=150)
+
+    def make():
+        return Pack(Documents(IterableWrapper(docs)), capacity=48, layout="round_robin", cp_size=4,
+                    overflow="truncate", window=7)
+
+    reference = run_save_load_contract(make, [0, 4, 9, 15], epochs=2)
+    assert any(p.length == 48 for plan in reference for p in plan.pieces), "some documents were truncated"
+
+
+@pytest.mark.parametrize(
+    "change", [dict(capacity=128), dict(layout="round_robin"), dict(cp_size=4, capacity=64),
+               dict(algorithm="ffd"), dict(overflow="truncate"), dict(window=13)],
+    ids=lambda c: next(iter(c)),
+)
+def test_refuses_a_state_from_another_configuration(change):
+    docs = _docs(40)
+    node = _pack(docs)
+    next(node)
+    state = node.state_dict()
+    other = _pack(docs, **change)
+    name = next(iter(change))
+    saved = CONFIG.get(name, "bfd")
+    with pytest.raises(ValueError, match=rf"saved with {name}={saved!r} into a Pack with {name}={change[name]!r}"):
+        other.reset(state)
+
+
+def test_refuses_a_changed_source_and_other_versions():
+    docs = _docs(60)
+    node = _pack(docs)
+    for _ in range(3):
+        next(node)
+    state = node.state_dict()
+    assert state["emitted"] > 0
+    changed = [dict(d) for d in docs]
+    for d in changed:
+        d["input_ids"] = d["input_ids"][: max(len(d["input_ids"]) - 5, 0)]
+        d["labels"], d["loss_mask"] = d["labels"][: len(d["input_ids"])], d["loss_mask"][: len(d["input_ids"])]
+    with pytest.raises(ValueError, match="source changed"):
+        _pack(changed).reset(state)
+    with pytest.raises(ValueError, match="version"):
+        _pack(docs).reset(dict(state, version=0))
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_state_is_compact_and_stats_are_inside(seekable):
+    docs = _docs(200)
+    source = Documents(docs if seekable else IterableWrapper(docs))
+    node = Pack(source, **{**CONFIG, "window": 50})
+    emitted = 0
+    while node.state_dict()["source"]["position"] < 100:  # the snapshot of the third window
+        next(node)
+        emitted += 1
+    state = node.state_dict()
+    assert set(state) == {"version", "config", "source", "planner", "carry", "emitted", "stats"}
+    assert state["stats"]["packs"] == emitted == node.stats.packs
+    carry = state["carry"]
+    assert 0 < carry["key"].size and carry["length"].sum() <= sum(len(d["input_ids"]) for d in docs[:100])
+    if seekable:
+        assert carry["arrays"] is None, "a seekable source keeps references only"
+        assert len(pickle.dumps(state)) < 4096
+    else:
+        assert [a["input_ids"].dtype for a, _ in carry["arrays"]] == [np.int32] * carry["key"].size
+    restored = Pack(Documents(docs if seekable else IterableWrapper(docs)), **{**CONFIG, "window": 50})
+    restored.reset(state)
+    assert_items_equal(list(restored), list(node))
+
+
+def test_rejects_non_document_items():
+    with pytest.raises(TypeError, match="expects cpdata.plan.Document items, got dict"):
+        next(Pack(IterableWrapper([{"input_ids": [1, 2]}]), capacity=8, layout="identity", cp_size=1))
+    with pytest.raises(TypeError, match="source_node must be a torchdata BaseNode"):
+        Pack([{"input_ids": [1]}], capacity=8, layout="identity", cp_size=1)
+    with pytest.raises(ValueError, match=r"capacity=66 .*'thd'.*cp_size=2.*use capacity 64 or 68"):
+        _pack(_docs(3), capacity=66)
+
+
+def test_overflow_error_surfaces_from_the_node():
+    docs = [{"input_ids": np.arange(5)}, {"input_ids": np.arange(100)}]
+    node = Pack(Documents(docs), capacity=64, layout="identity", cp_size=1)
+    with pytest.raises(ValueError, match=r"document 1 has 100 tokens.*capacity=64"):
+        next(node)
+
+
+def test_ffd_over_the_whole_stream_resumes_and_matches_offline():
+    docs = _docs(80)
+    make = lambda: _pack(docs, algorithm="ffd", window=None)  # noqa: E731
+    reference = run_save_load_contract(make, [0, 3, 20], epochs=2, round_trips=("pickle",))
+    offline = plan_lengths([len(d["input_ids"]) for d in docs], **{**CONFIG, "algorithm": "ffd", "window": None})
+    assert [[p.index for p in plan.pieces] for plan in reference[: offline.n_packs]] == [
+        offline.pack(p)[0].tolist() for p in range(offline.n_packs)
+    ]

@@ -1,0 +1,225 @@
+"""Documents node: validation, DP sharding, source kinds and exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from state_contract import run_save_load_contract
+from torchdata.nodes import IterableWrapper
+
+from cpdata.nodes.source import Documents, to_document
+from cpdata.plan import Document
+
+
+def _docs(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        k = int(rng.integers(0, 9))
+        out.append({"input_ids": rng.integers(0, 100, k).tolist(), "loss_mask": rng.random(k) > 0.5,
+                    "id": f"doc-{i}"})
+    return out
+
+
+class _Reiterable:
+    """Re-iterable but not a sequence (like an IterableDataset)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(list(self.items))
+
+
+class _Recording(list):
+    """A list that records which indices were read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reads: list[int] = []
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return super().__getitem__(i)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "item,exc,pattern",
+    [
+        ([1, 2, 3], TypeError, r"document 7: expected a dict.*got list"),
+        ({"ids": [1]}, ValueError, r"document 7 has no 'input_ids'; its keys are \['ids'\]"),
+        ({"input_ids": [[1, 2], [3, 4]]}, ValueError, r"document 7: 'input_ids' must be 1-D, got shape \(2, 2\)"),
+        ({"input_ids": [1.0, 2.5]}, TypeError, r"document 7: 'input_ids' must hold integers, got dtype float64"),
+        ({"input_ids": torch.tensor([1.0])}, TypeError, r"document 7: 'input_ids' must hold integers.*float32"),
+        ({"input_ids": "hello"}, TypeError, r"document 7: 'input_ids' must be a 1-D list.*got str"),
+        ({"input_ids": [4, -3, 2]}, ValueError, r"document 7: 'input_ids' must be >= 0, got -3 at position 1"),
+        ({"input_ids": [4, 50, 2]}, ValueError, r"document 7: input_ids\[1\]=50 is >= vocab_size=50"),
+        ({"input_ids": [1, 2, 3], "labels": [1, 2]}, ValueError,
+         r"document 7: 'labels' has 2 entries but 'input_ids' has 3"),
+        ({"input_ids": [1, 2, 3], "loss_mask": np.ones(4)}, ValueError,
+         r"document 7: 'loss_mask' has 4 entries but 'input_ids' has 3"),
+        ({"input_ids": [1, 2], "pixel_weight": torch.ones(5)}, ValueError,
+         r"document 7: 'pixel_weight' has 5 entries but 'input_ids' has 2"),
+        ({"input_ids": [1, 2], "labels": [0.5, 1.0]}, TypeError, r"document 7: 'labels' must hold integers"),
+    ],
+)
+def test_validation_errors_name_the_values(item, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        to_document(item, 7, vocab_size=50)
+
+
+def test_conversion_and_dtypes():
+    doc = to_document(
+        {
+            "input_ids": torch.tensor([3, 4, 5], dtype=torch.int32),
+            "labels": [4, 5, -100],
+            "loss_mask": np.array([1, 1, 0], dtype=np.float32),
+            "weights": torch.tensor([True, False, True]),
+            "text": "hello world",
+            "messages": [{"role": "user"}],
+            "n_turns": 3,
+        },
+        index=11,
+    )
+    assert isinstance(doc, Document) and doc.index == 11 and doc.length == 3
+    assert doc.arrays["input_ids"].dtype == np.int64 and doc.arrays["labels"].dtype == np.int64
+    assert doc.arrays["loss_mask"].dtype == np.float32, "per-token extras keep their dtype"
+    assert doc.arrays["weights"].dtype == np.bool_
+    assert sorted(doc.arrays) == ["input_ids", "labels", "loss_mask", "weights"], "metadata is not carried"
+    empty = to_document({"input_ids": []}, index=0)
+    assert empty.length == 0 and empty.arrays["input_ids"].dtype == np.int64
+
+
+def test_node_validates_with_the_source_index():
+    docs = _docs(6)
+    docs[4] = {"input_ids": [1, 2, 3], "labels": [1]}
+    node = Documents(docs, dp_rank=0, dp_size=2)
+    assert [d.index for d in (next(node), next(node))] == [0, 2]
+    with pytest.raises(ValueError, match=r"document 4: 'labels' has 1 entries but 'input_ids' has 3"):
+        next(node)
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match=r"dp_rank=2, dp_size=2"):
+        Documents([], dp_rank=2, dp_size=2)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        Documents(d for d in _docs(3))
+    with pytest.raises(TypeError, match="got dict"):
+        Documents({"input_ids": [1]})
+    with pytest.raises(ValueError, match="vocab_size"):
+        Documents([], vocab_size=0)
+
+
+# ----------------------------------------------------------------------------- sources and sharding
+
+
+def _make_source(kind: str, docs: list[dict]):
+    if kind == "sequence":
+        return docs
+    if kind == "iterable":
+        return _Reiterable(docs)
+    return IterableWrapper(docs)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "iterable", "node"])
+def test_dp_sharding_partitions_the_documents(kind):
+    docs = _docs(23)
+    seen = []
+    for rank in range(3):
+        got = list(Documents(_make_source(kind, docs), dp_rank=rank, dp_size=3))
+        assert [d.index for d in got] == list(range(rank, 23, 3))
+        for d in got:
+            assert d.arrays["input_ids"].tolist() == docs[d.index]["input_ids"]
+        seen += [d.index for d in got]
+    assert sorted(seen) == list(range(23))
+
+
+def test_sequence_seeks_instead_of_reading():
+    docs = _Recording(_docs(40))
+    node = Documents(docs, dp_rank=1, dp_size=4)
+    for _ in range(5):
+        next(node)
+    state = node.state_dict()
+    docs.reads.clear()
+    restored = Documents(docs, dp_rank=1, dp_size=4)
+    restored.reset(state)
+    assert docs.reads == [], "restoring a sequence source reads nothing"
+    assert next(restored).index == 21
+    assert docs.reads == [21], "only this rank's next item is read"
+
+
+def test_source_errors_carry_the_document_index():
+    class Broken(list):
+        def __getitem__(self, i):
+            if i == 5:
+                raise OSError("disk on fire")
+            return super().__getitem__(i)
+
+    node = Documents(Broken(_docs(8)))
+    for _ in range(5):
+        next(node)
+    with pytest.raises(OSError, match=r"reading document 5 from the source failed: OSError: disk on fire") as info:
+        next(node)
+    assert isinstance(info.value.__cause__, OSError) and str(info.value.__cause__) == "disk on fire"
+
+    class BrokenIterable:
+        def __iter__(self):
+            yield {"input_ids": [1]}
+            yield {"input_ids": [2]}
+            raise KeyError("shard-3")
+
+    node = Documents(BrokenIterable())
+    next(node), next(node)
+    with pytest.raises(KeyError, match="reading document 2") as info:
+        next(node)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _compare_documents(a: Document, e: Document) -> None:
+    assert a.index == e.index and list(a.arrays) == list(e.arrays)
+    for k in e.arrays:
+        assert a.arrays[k].dtype == e.arrays[k].dtype and np.array_equal(a.arrays[k], e.arrays[k])
+
+
+@pytest.mark.parametrize("kind", ["sequence", "iterable", "node"])
+@pytest.mark.parametrize("dp", [(0, 1), (2, 3)])
+def test_save_load_contract(kind, dp):
+    docs = _docs(17)
+    n = len(range(dp[0], 17, dp[1]))
+    reference = run_save_load_contract(
+        lambda: Documents(_make_source(kind, docs), dp_rank=dp[0], dp_size=dp[1]),
+        midpoints=[0, 1, n // 2, n, n + 1, 2 * n],
+        epochs=2,
+    )
+    assert len(reference) == 2 * n and [d.index for d in reference[:n]] == [d.index for d in reference[n:]]
+
+
+def test_state_is_small_and_versioned():
+    node = Documents(_docs(50), dp_rank=1, dp_size=2)
+    for _ in range(4):
+        next(node)
+    state = node.state_dict()
+    assert state == {"version": 1, "consumed": 4, "position": 8, "shard": (1, 2), "length": 50}
+
+
+def test_refuses_a_state_from_another_configuration():
+    node = Documents(_docs(10), dp_rank=0, dp_size=2)
+    next(node)
+    state = node.state_dict()
+    with pytest.raises(ValueError, match=r"saved for \(dp_rank, dp_size\)=\(0, 2\), this node has \(1, 2\)"):
+        Documents(_docs(10), dp_rank=1, dp_size=2).reset(state)
+    with pytest.raises(ValueError, match=r"source of length 10, this source has length 12"):
+        Documents(_docs(12), dp_rank=0, dp_size=2).reset(state)
+    with pytest.raises(ValueError, match="version"):
+        Documents(_docs(10), dp_rank=0, dp_size=2).reset(dict(state, version=99))
+    short = Documents(_Reiterable(_docs(10)))
+    short.reset(dict(state, shard=(0, 1), length=None, position=8))
+    with pytest.raises(ValueError, match="read 8 documents but the source ends after 3"):
+        Documents(_Reiterable(_docs(3))).reset(dict(state, shard=(0, 1), length=None, position=8))
