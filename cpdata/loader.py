@@ -1,0 +1,161 @@
+"""Build the worker pipeline for one CP rank as a ``torchdata.nodes`` graph.
+
+::
+
+    Documents -> Pack -> Collate -> ShardForRank -> Prefetcher -> PinMemory (CUDA only) -> Loader
+    (DP shard)   plans   B plans    this rank's      background    page-locked
+                         + metadata tokens + layout  thread
+
+Every CP rank of a DP group builds the same graph with its own ``cp_rank``:
+the documents are sharded by DP rank only, so the ranks pack identically and
+each gathers just its own tokens. ``Loader.state_dict()`` captures the whole
+graph (documents read, packer carry, position); restoring it under another
+``cp_size``, layout, capacity, ``batch_size`` or ``qkv_format`` raises
+``ValueError``.
+
+torchdata 0.11's ``Loader`` and its iterator reference each other, so an
+abandoned loader keeps its prefetch and pin threads until cyclic GC; use
+:func:`closing_loader` (or call :func:`close_loader`) to stop them at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+from cpdata.nodes.collate import Collate
+from cpdata.nodes.pack import Pack
+from cpdata.nodes.pin import maybe_pin
+from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.source import Documents
+
+__all__ = ["build_loader", "build_node", "close_loader", "closing_loader", "shard_graph"]
+
+
+def shard_graph(
+    source: Any,
+    *,
+    capacity: int,
+    cp_size: int,
+    layout: str,
+    algorithm: str = "bfd",
+    overflow: str | None = None,
+    padding_token_id: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    seed: int = 0,
+    batch_size: int = 1,
+    qkv_format: str = "bshd",
+    vocab_size: int | None = None,
+    window: int | None = None,
+) -> Collate:
+    """Documents -> Pack -> Collate: the part every CP rank of a DP group shares."""
+    docs = Documents(source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size)
+    pack_kw: dict[str, Any] = {} if window is None else {"window": window}
+    plans = Pack(
+        docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow, seed=seed,
+        **pack_kw,
+    )  # fmt: skip
+    return Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
+
+
+def build_node(
+    source: Any,
+    *,
+    capacity: int,
+    cp_size: int,
+    cp_rank: int,
+    layout: str,
+    algorithm: str = "bfd",
+    overflow: str | None = None,
+    padding_token_id: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    seed: int = 0,
+    batch_size: int = 1,
+    qkv_format: str = "bshd",
+    vocab_size: int | None = None,
+    pin_memory: bool | None = None,
+    prefetch: int = 2,
+    window: int | None = None,
+) -> BaseNode:
+    """The root node of one CP rank's pipeline (see the module docstring).
+
+    Args:
+        source: the documents (anything :class:`cpdata.nodes.source.Documents` accepts).
+        capacity: tokens per pack.
+        cp_size, cp_rank: CP group size and this rank.
+        layout: a name from :data:`cpdata.layouts.LAYOUTS`.
+        algorithm, overflow, seed, window: packer settings (:class:`cpdata.nodes.pack.Pack`).
+        padding_token_id: ``input_ids`` on pads.
+        dp_rank, dp_size: data-parallel shard of the documents.
+        batch_size: plans per batch (rows for bshd, concatenated for thd).
+        qkv_format: ``"bshd"`` or ``"thd"``.
+        vocab_size: token ids are checked against it when given.
+        pin_memory: pin batches (None: when CUDA is available).
+        prefetch: batches prepared ahead in a background thread (0: none).
+    """
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    collated = shard_graph(
+        source, capacity=capacity, cp_size=cp_size, layout=layout, algorithm=algorithm, overflow=overflow,
+        padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
+        qkv_format=qkv_format, vocab_size=vocab_size, window=window,
+    )  # fmt: skip
+    node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    if prefetch:
+        node = Prefetcher(node, prefetch_factor=prefetch)
+    return maybe_pin(node, pin_memory=pin_memory)
+
+
+def build_loader(
+    source: Any,
+    *,
+    capacity: int,
+    cp_size: int,
+    cp_rank: int,
+    layout: str,
+    restart_on_stop_iteration: bool = True,
+    **kwargs: Any,
+) -> Loader:
+    """``torchdata.nodes.Loader`` over :func:`build_node` (same keyword arguments).
+
+    ``restart_on_stop_iteration=True`` (torchdata's default) starts a new epoch
+    when ``iter()`` is called on a finished loader, also right after restoring a
+    state saved at the end of an epoch.
+    """
+    root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, **kwargs)
+    return Loader(root, restart_on_stop_iteration=restart_on_stop_iteration)
+
+
+def _graph(node: Any) -> Iterator[Any]:
+    seen: set[int] = set()
+    while isinstance(node, BaseNode) and id(node) not in seen:
+        seen.add(id(node))
+        yield node
+        node = getattr(node, "source", None)
+
+
+def close_loader(loader: Loader) -> None:
+    """Stop the loader's background threads now and break the Loader <-> iterator cycle.
+
+    Safe to call twice. Iterating the loader again starts a fresh epoch (its
+    ``iter()`` resets the graph, which restarts the threads).
+    """
+    loader._it = None
+    for node in _graph(loader.root):
+        shutdown = getattr(getattr(node, "_it", None), "_shutdown", None)  # Prefetcher / PinMemory threads
+        if callable(shutdown):
+            shutdown()
+
+
+@contextlib.contextmanager
+def closing_loader(loader: Loader) -> Iterator[Loader]:
+    """``with closing_loader(build_loader(...)) as loader: ...``; threads stop on exit."""
+    try:
+        yield loader
+    finally:
+        close_loader(loader)

@@ -1,0 +1,123 @@
+"""``Collate`` node: group ``batch_size`` pack plans into one light ``CollatedPack``.
+
+The record holds the plans and their stream metadata (O(slots)); the token
+tensors are built only on demand, by :meth:`CollatedPack.tensors` (the full
+pack) or by :class:`~cpdata.nodes.shard.ShardForRank` (one rank's tokens, ~cp
+times less work). The last batch of an epoch may hold fewer than
+``batch_size`` plans (like ``DataLoader(drop_last=False)``); every CP rank of a
+DP group sees the same short batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from cpdata.collate import check_qkv_format, collate_pack, pack_metadata
+from cpdata.plan import PackPlan
+
+__all__ = ["Collate", "CollatedPack"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollatedPack:
+    """``B`` plans of equal capacity, ready to collate."""
+
+    plans: tuple[PackPlan, ...]
+    """The batch's plans, one per row (bshd) or concatenated (thd)."""
+    pack_len: int
+    """Tokens per plan (the capacity ``S``)."""
+    qkv_format: str
+    """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
+    padding_token_id: int
+    """``input_ids`` value on pads."""
+    metadata: dict[str, np.ndarray]
+    """Stream metadata (``cu_seqlens`` & co.), see :mod:`cpdata.collate`."""
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """``(B, S)``."""
+        return (len(self.plans), self.pack_len)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The full batch (every token), built now: O(B*S)."""
+        return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)
+
+
+class Collate(BaseNode[CollatedPack]):
+    """Group ``batch_size`` plans from ``pack_node`` into a :class:`CollatedPack`.
+
+    State: the source's state under ``"source"`` (the node buffers nothing
+    between items), a version, and the config; a state saved under another
+    ``batch_size`` or ``qkv_format`` is refused.
+    """
+
+    SOURCE_KEY = "source"
+    VERSION_KEY = "version"
+    CONFIG_KEY = "config"
+    VERSION = 1
+
+    def __init__(
+        self,
+        pack_node: BaseNode[PackPlan],
+        *,
+        batch_size: int = 1,
+        qkv_format: str = "bshd",
+        padding_token_id: int = 0,
+    ) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        check_qkv_format(qkv_format)
+        self.source = pack_node
+        self.batch_size = batch_size
+        self.qkv_format = qkv_format
+        self.padding_token_id = int(padding_token_id)
+        self._exhausted = False
+
+    def _config(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "qkv_format": self.qkv_format}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._exhausted = False
+        if initial_state is None:
+            self.source.reset(None)
+            return
+        version = initial_state.get(self.VERSION_KEY)
+        if version != self.VERSION:
+            raise ValueError(f"Collate state has version {version!r}, this code reads version {self.VERSION}")
+        saved = initial_state[self.CONFIG_KEY]
+        if saved != self._config():
+            raise ValueError(
+                f"Collate state was saved with {saved}, this node has {self._config()}; "
+                "resume with the same batch_size and qkv_format"
+            )
+        self.source.reset(initial_state[self.SOURCE_KEY])
+
+    def next(self) -> CollatedPack:
+        plans = []
+        while not self._exhausted and len(plans) < self.batch_size:
+            try:
+                plans.append(next(self.source))
+            except StopIteration:
+                self._exhausted = True  # a short last batch; do not pull an exhausted source again
+        if not plans:
+            raise StopIteration
+        return CollatedPack(
+            plans=tuple(plans),
+            pack_len=plans[0].capacity,
+            qkv_format=self.qkv_format,
+            padding_token_id=self.padding_token_id,
+            metadata=pack_metadata(plans),
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.VERSION_KEY: self.VERSION,
+            self.CONFIG_KEY: self._config(),
+            self.SOURCE_KEY: self.source.state_dict(),
+        }

@@ -1,0 +1,55 @@
+"""Pin batches in page-locked host memory when a CUDA device can use them.
+
+Pinned memory makes the host-to-device copy asynchronous
+(``batch.to(device, non_blocking=True)``). torchdata's ``PinMemory`` node
+raises on CPU-only builds, so the decision is made once, here: pin only when
+asked (or, with ``pin_memory=None``, automatically) and
+``torch.cuda.is_available()``; otherwise the graph is returned unchanged and
+the reason is logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeVar
+
+import torch
+from torchdata.nodes import BaseNode, PinMemory
+
+__all__ = ["maybe_pin", "resolve_pin_memory"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def resolve_pin_memory(pin_memory: bool | None) -> bool:
+    """``None`` means "pin when CUDA is available"; ``True`` without CUDA falls back to no pinning."""
+    cuda = torch.cuda.is_available()
+    if pin_memory is None:
+        return cuda
+    if pin_memory and not cuda:
+        _log_once("pin_memory=True but CUDA is not available; batches stay in pageable memory")
+        return False
+    return bool(pin_memory)
+
+
+def maybe_pin(node: BaseNode[T], *, pin_memory: bool | None) -> BaseNode[T]:
+    """``PinMemory(node)`` when pinning applies (see :func:`resolve_pin_memory`), else ``node``.
+
+    The PinMemory node runs one background thread that pulls from ``node``
+    and calls ``pin_memory()`` on each item (``ShardedBatch.pin_memory`` pins
+    its tensors and layout tensors); its state snapshots the source after every
+    item, so resume stays exact.
+    """
+    if not resolve_pin_memory(pin_memory):
+        if pin_memory is None:
+            _log_once("CUDA is not available; not pinning batches")
+        return node
+    return PinMemory(node)

@@ -1,0 +1,226 @@
+"""``ShardForRank`` node: one CP rank's tokens of each collated batch, plus its layout.
+
+Per batch: ``rows = rank_indices(layout, cp_size, stream slot lengths,
+stream_len)`` once, then only this rank's tokens are gathered from the pieces
+(:func:`cpdata.collate.collate_rank`), never the full pack. ``stream_len`` is
+``S`` for bshd (rows index columns, shared by the ``B`` rows) and ``B*S`` for
+thd (rows index the flat stream). The layout travels as a
+:class:`~cpdata.shard_layout.ShardLayout` with the inverse map precomputed.
+
+Layouts whose map does not depend on the documents (found by asking
+:func:`~cpdata.layouts.rank_indices` for a few different slot lengths, never
+by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd and
+``B > 1`` only those layouts are possible: each row would need its own map, so
+a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
+``batch_size=1``).
+
+Cost per batch and rank, beyond the rank's own tokens: O(stream_len) for the
+map, its inverse, the causal-work figures in ``info`` and the plan digest.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from cpdata.batch import ShardedBatch
+from cpdata.collate import collate_ranks, stream_slot_lens
+from cpdata.layouts import alignment, check_layout, inverse_indices, rank_indices
+from cpdata.nodes.collate import Collate, CollatedPack
+from cpdata.plan import plan_digest
+from cpdata.shard_layout import ShardLayout
+
+__all__ = ["ShardForRank", "layout_depends_on_documents"]
+
+
+@functools.lru_cache(maxsize=64)
+def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
+    """Whether ``rank_indices(layout, cp_size, ...)`` changes with the slot lengths.
+
+    Probes five aligned slot-length lists on a small pack (empty, one half, short
+    documents, remainders); any difference in the rows means document-dependent.
+    """
+    d, pack_multiple = alignment(layout, cp_size)
+    pack_len = 8 * d * pack_multiple
+    half = pack_len // 2  # a multiple of d
+    probes = ([], [half], [d, 3 * d], [d, half - d, half], [pack_len - d, d])
+    rows = [rank_indices(layout, cp_size, lens, pack_len) for lens in probes]
+    return any(not np.array_equal(rows[0], r) for r in rows[1:])
+
+
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _runs(rows: np.ndarray) -> Runs:
+    """``(rank, first, stop)`` of every maximal run of consecutive positions in each rank's row."""
+    local = rows.shape[1]
+    flat = rows.reshape(-1).astype(np.int64, copy=False)
+    if flat.size == 0:
+        return flat, flat, flat
+    breaks = np.diff(flat) != 1
+    breaks[local - 1 :: local] = True  # a new rank's row starts a new run
+    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1])
+    ends = np.append(starts[1:], flat.size)
+    return starts // local, flat[starts], flat[ends - 1] + 1
+
+
+@functools.lru_cache(maxsize=16)
+def _static_rows(layout: str, cp_size: int, stream_len: int) -> tuple[np.ndarray, torch.Tensor, Runs]:
+    rows = rank_indices(layout, cp_size, [], stream_len)
+    return rows, torch.from_numpy(inverse_indices(rows)), _runs(rows)
+
+
+def _causal_work(batch: CollatedPack, runs: Runs, cp_size: int, stream_len: int) -> list[float]:
+    """Per-rank work of :func:`cpdata.layouts.causal_work` in closed form, O(runs * B + slots).
+
+    A real token at offset ``o`` of its piece attends to ``o + 1`` keys of this
+    pack; pads cost 0. With ``W(g)`` the work of stream positions ``< g``, a
+    run ``[a, b)`` costs ``W(b) - W(a)``; bshd rows repeat the runs every ``S``.
+    """
+    slots = batch.metadata["seq_lens_padded"].astype(np.int64)
+    real = batch.metadata["seq_lens"].astype(np.int64)
+    slot_starts = np.cumsum(slots) - slots
+    tri = real * (real + 1) // 2
+    before = np.cumsum(tri) - tri
+
+    def work_before(g: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(slot_starts, g, side="right") - 1
+        m = np.minimum(g - slot_starts[k], real[k])
+        return before[k] + m * (m + 1) // 2
+
+    rank, first, stop = runs
+    offsets = np.arange(0, int(slots.sum()), stream_len, dtype=np.int64)[:, None]  # one per bshd row
+    per_run = (work_before(offsets + stop) - work_before(offsets + first)).sum(axis=0)
+    return np.bincount(rank, weights=per_run, minlength=cp_size).tolist()
+
+
+def _digest(batch: CollatedPack, layout: str, cp_size: int) -> int:
+    digests = [plan_digest(p, layout, cp_size) for p in batch.plans]
+    if len(digests) == 1:
+        return digests[0]
+    h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+class ShardForRank(BaseNode[Any]):
+    """Turn each :class:`CollatedPack` into this rank's :class:`ShardedBatch`.
+
+    Args:
+        collate_node: a node emitting :class:`CollatedPack` (normally :class:`Collate`).
+        cp_size: CP ranks (>= 1).
+        cp_rank: this rank, ``0 <= cp_rank < cp_size``.
+        layout: one of :data:`cpdata.layouts.LAYOUTS`.
+        all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
+
+    State: the source's under ``"source"``, a version and ``(cp_size, layout)``;
+    a state from another ``cp_size`` or layout is refused. ``cp_rank`` is not
+    part of it: every CP rank of a DP group has the same state.
+    """
+
+    SOURCE_KEY = "source"
+    VERSION_KEY = "version"
+    CONFIG_KEY = "config"
+    VERSION = 1
+
+    def __init__(
+        self,
+        collate_node: BaseNode[CollatedPack],
+        *,
+        cp_size: int,
+        cp_rank: int,
+        layout: str,
+        all_ranks: bool = False,
+    ) -> None:
+        super().__init__()
+        check_layout(layout, cp_size)
+        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got cp_rank={cp_rank!r}")
+        self.source = collate_node
+        self.cp_size = int(cp_size)
+        self.cp_rank = int(cp_rank)
+        self.layout = layout
+        self.all_ranks = all_ranks
+        self._dynamic = layout_depends_on_documents(layout, self.cp_size)
+        if isinstance(collate_node, Collate):
+            self._check_rows(collate_node.batch_size, collate_node.qkv_format)
+
+    def _check_rows(self, n_rows: int, qkv_format: str) -> None:
+        if qkv_format == "bshd" and n_rows > 1 and self._dynamic:
+            raise ValueError(
+                f"layout {self.layout!r} (cp_size={self.cp_size}) depends on the documents, so with "
+                f"qkv_format='bshd' each of the {n_rows} rows would need its own map; "
+                "use qkv_format='thd' (one flat stream) or batch_size=1"
+            )
+
+    def _config(self) -> dict[str, Any]:
+        return {"cp_size": self.cp_size, "layout": self.layout}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.source.reset(None)
+            return
+        version = initial_state.get(self.VERSION_KEY)
+        if version != self.VERSION:
+            raise ValueError(f"ShardForRank state has version {version!r}, this code reads version {self.VERSION}")
+        saved = initial_state[self.CONFIG_KEY]
+        if saved != self._config():
+            raise ValueError(
+                f"ShardForRank state was saved with {saved}, this node has {self._config()}; "
+                "resume with the same cp_size and layout"
+            )
+        self.source.reset(initial_state[self.SOURCE_KEY])
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.VERSION_KEY: self.VERSION,
+            self.CONFIG_KEY: self._config(),
+            self.SOURCE_KEY: self.source.state_dict(),
+        }
+
+    def _rows(self, batch: CollatedPack) -> tuple[np.ndarray, torch.Tensor, Runs, int]:
+        n_rows, pack_len = batch.row_shape
+        self._check_rows(n_rows, batch.qkv_format)
+        stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
+        if not self._dynamic:
+            rows, gather, runs = _static_rows(self.layout, self.cp_size, stream_len)
+            return rows, gather, runs, stream_len
+        rows = rank_indices(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
+        return rows, torch.from_numpy(inverse_indices(rows)), _runs(rows), stream_len
+
+    def next(self) -> ShardedBatch | tuple[ShardedBatch, ...]:
+        batch: CollatedPack = next(self.source)
+        rows, gather, runs, stream_len = self._rows(batch)
+        ranks = range(self.cp_size) if self.all_ranks else [self.cp_rank]
+        shards = collate_ranks(
+            batch.plans, [rows[r] for r in ranks], padding_token_id=batch.padding_token_id, qkv_format=batch.qkv_format
+        )
+        n_rows, pack_len = batch.row_shape
+        info = {
+            "pack_indices": [p.index for p in batch.plans],
+            "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
+            "pack_tokens": n_rows * pack_len,
+            "n_documents": sum(len(p.pieces) for p in batch.plans),
+            "causal_work": _causal_work(batch, runs, self.cp_size, stream_len),
+            "digest": _digest(batch, self.layout, self.cp_size),
+        }
+        out = []
+        for r, arrays in zip(ranks, shards, strict=True):
+            layout = ShardLayout(
+                local_token_global_indices=torch.from_numpy(rows[r].copy()),
+                original_seq_len=None,
+                padded_seq_len=stream_len,
+                input_row_shape=batch.row_shape if batch.qkv_format == "thd" else None,
+                gather_index=gather,
+                cp_size=self.cp_size,
+                cp_rank=r,
+                digest=info["digest"],
+            )
+            tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}  # fresh C-contiguous arrays
+            out.append(ShardedBatch(tensors, layout=layout, info=dict(info)))
+        return tuple(out) if self.all_ranks else out[0]

@@ -1,0 +1,255 @@
+"""Collate against a per-token brute-force reference; collate_rank against the full pack."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpdata.collate import collate_pack, collate_rank, collate_ranks, pack_metadata, stream_slot_lens
+from cpdata.keys import METADATA_KEYS
+from cpdata.layouts import LAYOUTS, alignment, rank_indices, thd_slot_lens
+from cpdata.plan import DocPiece, PackPlan
+
+
+def make_plans(
+    rng: np.random.Generator,
+    *,
+    n_plans: int,
+    capacity: int,
+    doc_multiple: int = 1,
+    max_docs: int = 5,
+    extras: bool = False,
+    given_labels: float = 0.0,
+    vocab: int = 1000,
+) -> tuple[list[PackPlan], dict[int, np.ndarray]]:
+    """Random plans cut from random documents, plus the documents (by index) for reference checks.
+
+    Pieces start mid-document and continue into the next document with
+    probability 1/3 each, so next_label and non-zero starts both occur.
+    """
+    plans, docs = [], {}
+    index = 0
+    for b in range(n_plans):
+        pieces, slots, used = [], [], 0
+        for _ in range(int(rng.integers(0, max_docs + 1))):
+            room = capacity - used
+            n = int(rng.integers(1, 40))
+            slot = -(-n // doc_multiple) * doc_multiple
+            if slot > room:
+                break
+            start = int(rng.integers(1, 20)) if rng.random() < 1 / 3 else 0
+            more = int(rng.integers(1, 20)) if rng.random() < 1 / 3 else 0
+            doc = rng.integers(0, vocab, size=start + n + more, dtype=np.int64)
+            docs[index] = doc
+            arrays = {"input_ids": doc[start : start + n]}
+            if extras:
+                arrays["loss_mask"] = (rng.random(n) < 0.8).astype(np.float32)
+                arrays["token_type"] = rng.integers(1, 5, size=n).astype(np.int32)
+            if rng.random() < given_labels:
+                arrays["labels"] = rng.integers(0, vocab, size=n, dtype=np.int64)
+            next_label = int(doc[start + n]) if more else -100
+            pieces.append(DocPiece(index=index, start=start, arrays=arrays, next_label=next_label))
+            slots.append(slot)
+            used += slot
+            index += 1
+        plans.append(
+            PackPlan(pieces=tuple(pieces), slot_lens=np.asarray(slots, dtype=np.int64), capacity=capacity, index=b)
+        )
+    return plans, docs
+
+
+def reference(plans: list[PackPlan], pad: int, qkv_format: str) -> dict[str, np.ndarray]:
+    """One token at a time, straight from the definitions."""
+    capacity = plans[0].capacity
+    extra_keys = sorted({k for p in plans for q in p.pieces for k in q.arrays} - {"input_ids", "labels"})
+    cols = {k: [] for k in ["input_ids", "labels", "position_ids", "padding_mask", "document_ids", *extra_keys]}
+    seq_lens, seq_lens_padded = [], []
+    doc = 0
+    for plan in plans:
+        slots = thd_slot_lens(plan.slot_lens, capacity)
+        pieces = plan.pieces if plan.pieces else [None] * len(slots)
+        for piece, slot in zip(pieces, slots, strict=True):
+            n = piece.length if piece else 0
+            seq_lens.append(n)
+            seq_lens_padded.append(int(slot))
+            for off in range(int(slot)):
+                real = off < n
+                ids = piece.arrays["input_ids"] if piece else None
+                if real and "labels" in piece.arrays:
+                    label = int(piece.arrays["labels"][off])
+                elif real:
+                    label = int(ids[off + 1]) if off + 1 < n else piece.next_label
+                else:
+                    label = -100
+                cols["input_ids"].append(int(ids[off]) if real else pad)
+                cols["labels"].append(label)
+                cols["position_ids"].append((piece.start if piece else 0) + off)
+                cols["padding_mask"].append(not real)
+                cols["document_ids"].append(doc)
+                for k in extra_keys:
+                    cols[k].append(piece.arrays[k][off] if real else 0)
+            doc += 1
+    shape = (len(plans), capacity) if qkv_format == "bshd" else (len(plans) * capacity,)
+    out = {k: np.asarray(v).reshape(shape) for k, v in cols.items()}
+    cu = np.concatenate([[0], np.cumsum(seq_lens)])
+    cu_p = np.concatenate([[0], np.cumsum(seq_lens_padded)])
+    out.update(
+        cu_seqlens=cu, cu_seqlens_padded=cu_p, seq_lens=np.asarray(seq_lens),
+        seq_lens_padded=np.asarray(seq_lens_padded), max_seqlen=np.asarray(max(seq_lens, default=0)),
+    )  # fmt: skip
+    return out
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        assert got[k].shape == np.asarray(want[k]).shape, k
+
+
+EXPECTED_DTYPES = {
+    "input_ids": np.int64, "labels": np.int64, "position_ids": np.int64, "padding_mask": np.bool_,
+    "document_ids": np.int64, "cu_seqlens": np.int32, "cu_seqlens_padded": np.int32, "seq_lens": np.int32,
+    "seq_lens_padded": np.int32, "max_seqlen": np.int32, "loss_mask": np.float32, "token_type": np.int32,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+@pytest.mark.parametrize("seed", range(6))
+def test_collate_pack_matches_reference(seed, qkv_format):
+    rng = np.random.default_rng(seed)
+    plans, _ = make_plans(rng, n_plans=1 + seed % 3, capacity=96, doc_multiple=1 + seed % 4, extras=seed % 2 == 1,
+                          given_labels=0.3)  # fmt: skip
+    got = collate_pack(plans, padding_token_id=7, qkv_format=qkv_format)
+    assert_same(got, reference(plans, 7, qkv_format))
+    for k, v in got.items():
+        assert v.dtype == EXPECTED_DTYPES[k], (k, v.dtype)
+    assert_same(pack_metadata(plans), {k: got[k] for k in METADATA_KEYS})
+    assert got["cu_seqlens_padded"][-1] == len(plans) * 96  # the tail is absorbed
+
+
+def test_worked_example():
+    ids = [np.array([11, 12, 13]), np.array([21, 22])]
+    plan = PackPlan(
+        pieces=(DocPiece(index=0, start=0, arrays={"input_ids": ids[0]}),
+                DocPiece(index=1, start=4, arrays={"input_ids": ids[1]}, next_label=23)),
+        slot_lens=np.array([4, 2]), capacity=8,
+    )  # fmt: skip
+    out = collate_pack([plan], padding_token_id=0)
+    np.testing.assert_array_equal(out["input_ids"], [[11, 12, 13, 0, 21, 22, 0, 0]])
+    np.testing.assert_array_equal(out["labels"], [[12, 13, -100, -100, 22, 23, -100, -100]])
+    np.testing.assert_array_equal(out["position_ids"], [[0, 1, 2, 3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(out["document_ids"], [[0, 0, 0, 0, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(out["padding_mask"], [[0, 0, 0, 1, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(out["cu_seqlens"], [0, 3, 5])
+    np.testing.assert_array_equal(out["cu_seqlens_padded"], [0, 4, 8])
+    assert out["max_seqlen"] == 3 and out["max_seqlen"].shape == ()
+
+
+def test_labels_never_cross_documents_and_positions_restart():
+    rng = np.random.default_rng(1)
+    plans, docs = make_plans(rng, n_plans=40, capacity=64, max_docs=4)
+    out = collate_pack(plans, qkv_format="thd")
+    real = ~out["padding_mask"]
+    doc_index = np.repeat([p.index for plan in plans for p in plan.pieces],
+                          [p.length for plan in plans for p in plan.pieces])  # fmt: skip
+    positions = out["position_ids"][real]
+    labels = out["labels"][real]
+    ends = continues = 0
+    for d, pos, label in zip(doc_index.tolist(), positions.tolist(), labels.tolist(), strict=True):
+        doc = docs[d]
+        if pos + 1 < len(doc):
+            assert label == doc[pos + 1]
+            continues += 1
+        else:
+            assert label == -100, "a target crossed a document end"
+            ends += 1
+    slot_starts = [p.start if p else 0 for plan in plans for p in (plan.pieces or [None])]
+    pos_at_slot_start = out["position_ids"][out["cu_seqlens_padded"][:-1]]
+    np.testing.assert_array_equal(pos_at_slot_start, slot_starts)
+    fresh = np.array(slot_starts) == 0
+    assert fresh.sum() > 0 and (~fresh).sum() > 0 and ends > 0 and continues > 0  # not vacuous
+    assert (out["position_ids"][out["cu_seqlens_padded"][:-1][fresh]] == 0).all()  # restart at every new document
+
+
+def _aligned_plans(data, layout: str, cp: int, n_plans: int):
+    doc_multiple, pack_multiple = alignment(layout, cp)
+    capacity = pack_multiple * data.draw(st.integers(1, 64 // pack_multiple + 2))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    plans, _ = make_plans(np.random.default_rng(seed), n_plans=n_plans, capacity=capacity,
+                          doc_multiple=doc_multiple, extras=data.draw(st.booleans()), given_labels=0.2)  # fmt: skip
+    return plans
+
+
+def _rows(layout, cp, plans, qkv_format):
+    if qkv_format == "thd":
+        return rank_indices(layout, cp, stream_slot_lens(plans), len(plans) * plans[0].capacity)
+    return rank_indices(layout, cp, plans[0].slot_lens, plans[0].capacity)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), layout=st.sampled_from(LAYOUTS), cp=st.integers(1, 8), qkv_format=st.sampled_from(["bshd", "thd"]))
+def test_collate_rank_equals_full_pack_columns(data, layout, cp, qkv_format):
+    if layout == "identity":
+        cp = 1
+    plans = _aligned_plans(data, layout, cp, n_plans=data.draw(st.integers(1, 3)))
+    full = collate_pack(plans, padding_token_id=3, qkv_format=qkv_format)
+    rows = _rows(layout, cp, plans, qkv_format)
+    shards = collate_ranks(plans, rows, padding_token_id=3, qkv_format=qkv_format)
+    for r in range(cp):
+        one = collate_rank(plans, rows[r], padding_token_id=3, qkv_format=qkv_format)
+        for k, v in full.items():
+            want = v if k in METADATA_KEYS else v[..., rows[r]]
+            for got in (one[k], shards[r][k]):
+                assert got.dtype == want.dtype and got.shape == want.shape, k
+                assert np.array_equal(got, want), k
+    # Every real token lands on exactly one rank.
+    tokens = []
+    for r in range(cp):
+        s = shards[r]
+        real = ~s["padding_mask"]
+        tokens += list(zip(s["document_ids"][real].tolist(), s["position_ids"][real].tolist(), strict=True))
+    want_tokens = [(d, p) for d, p in zip(full["document_ids"][~full["padding_mask"]].tolist(),
+                                          full["position_ids"][~full["padding_mask"]].tolist(), strict=True)]  # fmt: skip
+    assert sorted(tokens) == sorted(want_tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+def test_collate_rank_arbitrary_positions():
+    rng = np.random.default_rng(5)
+    plans, _ = make_plans(rng, n_plans=2, capacity=50, extras=True)
+    full = collate_pack(plans, qkv_format="thd")
+    picks = rng.permutation(100)[:37]
+    got = collate_rank(plans, picks, qkv_format="thd")
+    for k in ("input_ids", "labels", "position_ids", "padding_mask", "document_ids", "loss_mask", "token_type"):
+        np.testing.assert_array_equal(got[k], full[k][picks])
+
+
+def test_empty_pack_is_one_padding_slot():
+    empty = PackPlan(pieces=(), slot_lens=np.zeros(0, dtype=np.int64), capacity=8, index=0)
+    out = collate_pack([empty], padding_token_id=9)
+    assert (out["input_ids"] == 9).all() and out["padding_mask"].all() and (out["labels"] == -100).all()
+    np.testing.assert_array_equal(out["cu_seqlens_padded"], [0, 8])
+    np.testing.assert_array_equal(out["cu_seqlens"], [0, 0])
+
+
+def test_errors():
+    rng = np.random.default_rng(0)
+    plans, _ = make_plans(rng, n_plans=2, capacity=64, max_docs=3)
+    with pytest.raises(ValueError, match="qkv_format"):
+        collate_pack(plans, qkv_format="sbhd")
+    other = PackPlan(pieces=(), slot_lens=np.zeros(0, dtype=np.int64), capacity=32)
+    with pytest.raises(ValueError, match="same capacity"):
+        collate_pack([plans[0], other])
+    with pytest.raises(TypeError, match="single PackPlan"):
+        collate_pack(plans[0])
+    with pytest.raises(ValueError, match="rows_r must lie in"):
+        collate_rank(plans, np.array([0, 64]), qkv_format="bshd")
+    piece = DocPiece(index=0, start=0, arrays={"input_ids": np.arange(5)})
+    with pytest.raises(ValueError, match="slot only"):
+        collate_pack([PackPlan(pieces=(piece,), slot_lens=np.array([4]), capacity=8)])
+    odd = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(2), "loss_mask": np.ones(2)})
+    with pytest.raises(ValueError, match="loss_mask"):
+        collate_pack([PackPlan(pieces=(piece, odd), slot_lens=np.array([5, 2]), capacity=8)])
