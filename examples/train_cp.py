@@ -1,0 +1,258 @@
+"""Train a small causal transformer with context parallelism, fed by cpdata.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_cp.py
+    torchrun --standalone --nproc-per-node 4 examples/train_cp.py --dp-size 2 --cp-size 2
+
+Every rank builds the cpdata pipeline for its own (DP rank, CP rank): sources
+are sharded by DP rank, and the CP ranks of one DP group run the same plan on
+the same documents, so they agree on every pack without communicating (checked
+each step by ``verify_layout_consistency``). The model sees only its rank's
+tokens plus the batch's ``ShardLayout`` (see ``cp_model.py``).
+
+Gradient scaling. Each rank's loss is the cross-entropy summed over its LOCAL
+targets divided by the pack's GLOBAL target count, so the CP ranks' losses sum
+to the single-rank loss L. Backward of the K/V gather is a reduce-scatter
+(sum): rank r's gathered-K/V gradient, d(loss_r)/dKV, is summed over ranks and
+scattered, so rank r' receives sum_r d(loss_r)/dKV_r' = dL/dKV_r' -- the exact
+gradient of L with respect to its local K/V. Rank r's parameter gradient is
+therefore the part of dL/dθ that flows through its own tokens, and the sum over
+the CP group is exactly dL/dθ. One all-reduce (SUM) over all ranks divided by
+dp_size gives that sum, averaged over DP groups. (A loss replicated on every
+CP rank, e.g. computed from gathered logits, would make that sum cp x dL/dθ.)
+
+``--check-parity`` trains a reference copy on the full pack (recovered by
+gathering the batch tensors) with no CP, and compares per-step losses
+(absolute), gradients and final weights (relative) within 1e-5; the job exits
+non-zero otherwise. Both run in float64: they then differ only by summation
+order (~1e-15), whereas in float32 Adam amplifies rounding differences over a
+few dozen steps. Gradients are compared directly because Adam normalizes away
+a wrong gradient scale (a 2x error moves the weights by only ~1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from corpus import BYTE_VOCAB, PAD_ID, StdlibCorpus, load_jsonl  # noqa: E402
+from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss  # noqa: E402
+
+from cpdata.consistency import verify_layout_consistency  # noqa: E402
+from cpdata.loader import close_loader  # noqa: E402
+from cpdata.offline.store import read_store  # noqa: E402
+from cpdata.sharder import ContextParallelSharder  # noqa: E402
+from pipelines import balanced_allgather, precomputed  # noqa: E402
+
+TOKEN_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--cp-size", type=int, default=None, help="default: world size / dp size")
+    p.add_argument("--layout", default=None, help="CP layout (default balanced, or a precomputed plan's), "
+                   "or a comma-separated list trained one after another")
+    p.add_argument("--capacity", type=int, default=4096, help="tokens per pack (before CP sharding)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--data", default=None, help="JSONL file or `cpdata precompute` directory (default: stdlib)")
+    p.add_argument("--documents", default=None, help="token source of a precomputed --data directory")
+    p.add_argument("--check-parity", action="store_true", help="compare with a cp_size=1 reference (float64)")
+    p.add_argument("--summary-json", default=None, help="with several layouts, must contain '{layout}'")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--ckpt-dir", default="checkpoints")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def setup(args):
+    """Process group, (dp, cp) mesh and this rank's coordinates."""
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    world = dist.get_world_size()
+    cp = args.cp_size or world // args.dp_size
+    if args.dp_size * cp != world:
+        raise ValueError(f"--dp-size {args.dp_size} x --cp-size {cp} must equal the world size {world}")
+    mesh = init_device_mesh(args.device.split(":")[0], (args.dp_size, cp), mesh_dim_names=("dp", "cp"))
+    return mesh, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(), mesh["cp"].get_group()
+
+
+def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
+    common = dict(cp_size=cp_size, cp_rank=cp_rank, dp_rank=dp_rank, dp_size=args.dp_size, padding_token_id=PAD_ID)
+    if args.data and Path(args.data).is_dir():  # capacity and layout come from the plan's manifest
+        return precomputed.build(args.data, args.documents, layout=layout, **common)
+    source = load_jsonl(args.data) if args.data else StdlibCorpus()
+    return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
+                                    seed=args.seed, **common)
+
+
+def all_reduce_grads(model: torch.nn.Module, divisor: int) -> None:
+    """Sum every gradient over all ranks in one flat all-reduce, then divide."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= divisor
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(chunk.view_as(g))
+
+
+def train_step(model, opt, tensors, view, n_targets, divisor) -> torch.Tensor:
+    logits = model(tensors["input_ids"], tensors["position_ids"], tensors["document_ids"], view)
+    loss = local_token_loss(logits, tensors["labels"], n_targets)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    all_reduce_grads(model, divisor)
+    opt.step()
+    return loss.detach()
+
+
+def relative_diff(model, reference, attr: str) -> float:
+    """Largest ``|a - b| / |b|`` (L2 norms) over parameters, of ``.data`` or ``.grad``."""
+    return max(((getattr(a, attr) - getattr(b, attr)).norm() / getattr(b, attr).norm().clamp_min(1e-30)).item()
+               for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def checkpoint_path(args, layout: str, step: int) -> Path:
+    return Path(args.ckpt_dir) / layout / f"step_{step:06d}" / f"rank{dist.get_rank()}.pt"
+
+
+def latest_checkpoint(args, layout: str) -> Path | None:
+    steps = sorted(Path(args.ckpt_dir, layout).glob(f"step_*/rank{dist.get_rank()}.pt"))
+    return steps[-1] if steps else None
+
+
+def run_layout(args, layout: str, mesh, dp_rank: int, cp_rank: int, cp_group) -> tuple[dict, bool]:
+    """Train ``args.steps`` steps under ``layout``; return the summary and whether parity held."""
+    cp_size, world, rank0 = mesh["cp"].size(), dist.get_world_size(), dist.get_rank() == 0
+    device = torch.device(args.device)
+    dtype = torch.float64 if args.check_parity else torch.float32
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 32),
+                      d_ff=3 * args.d_model)
+    model = CPTransformer(cfg).to(device=device, dtype=dtype)
+    models = {"model": model, "reference": copy.deepcopy(model)} if args.check_parity else {"model": model}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01) for k, m in models.items()}
+    loader = make_loader(args, layout, cp_size, cp_rank, dp_rank)
+    start = 0
+    if args.resume and (ckpt := latest_checkpoint(args, layout)) is not None:
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        for k in models:
+            models[k].load_state_dict(state[k])
+            opts[k].load_state_dict(state[f"{k}_opt"])
+        loader.load_state_dict(state["loader"])
+        start = state["step"]
+        if rank0:
+            print(f"resumed from {ckpt.parent} at step {start}")
+    elif args.resume and rank0:
+        print(f"no checkpoint under {Path(args.ckpt_dir, layout)}; starting at step 0")
+    if rank0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"layout={layout} dp={args.dp_size} cp={cp_size} capacity={args.capacity} device={device} "
+              f"dtype={str(dtype).removeprefix('torch.')} params={n_params:,} "
+              f"data={args.data or f'stdlib ({len(StdlibCorpus().files)} .py files)'}")
+    it, sharder = iter(loader), None
+    totals = torch.zeros(5, dtype=torch.float64)  # real tokens, pack tokens, step s, wait s, steps (after 1st)
+    loss_value, max_diff, max_grad_diff, imbalances = float("nan"), 0.0, 0.0, []
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        batch = next(it)
+        t_data = time.perf_counter() - t0
+        verify_layout_consistency(batch, mesh)  # one 16-byte all-reduce: the CP group holds one plan
+        sharder = sharder or ContextParallelSharder(None, mesh, batch)  # resolved once, from the first batch
+        ctx, tensors = sharder.shard(batch)  # host-to-device copy only: the workers already sharded it
+        n_targets = tensors["labels"].ne(-100).sum()
+        dist.all_reduce(n_targets, group=cp_group)
+        with ctx():
+            view = TokenView.from_layout(sharder.shard_layout, cp_group, device)
+            loss = train_step(model, opts["model"], tensors, view, n_targets, args.dp_size)
+        stats = torch.tensor([loss.item(), 0.0, batch.info["real_tokens"] / cp_size,
+                              batch.info["pack_tokens"] / cp_size], dtype=torch.float64, device=device)
+        if args.check_parity:  # the full pack, recovered from the shards (one gather per tensor)
+            full = {k: sharder.gather_token_tensor(tensors[k], seq_dim=1) for k in TOKEN_KEYS}
+            ref_view = TokenView.full(full["input_ids"].shape[1], device)
+            # the reference's grads are equal on a group's CP ranks: sum over all / world = DP mean
+            stats[1] = train_step(models["reference"], opts["reference"], full, ref_view, n_targets, world).item()
+            # Adam hides a wrong gradient scale (it normalizes), so compare the gradients themselves too
+            max_grad_diff = max(max_grad_diff, relative_diff(model, models["reference"], "grad"))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.all_reduce(stats)
+        t_step = time.perf_counter() - t0
+        loss_value = stats[0].item() / args.dp_size
+        if args.check_parity:
+            max_diff = max(max_diff, abs(loss_value - stats[1].item() / world))
+        work = torch.as_tensor(batch.info["causal_work"], dtype=torch.float64)
+        imbalances.append((work.max() / work.mean()).item() if work.sum() > 0 else 1.0)
+        if step > start:  # the first step includes pipeline start-up
+            totals += torch.tensor([stats[2].item(), stats[3].item(), t_step, t_data, 1.0])
+        if rank0:
+            print(f"step {step + 1:4d} | loss {loss_value:.6f} | tok/s {stats[2].item() / t_step:9,.0f} | "
+                  f"data wait {t_data / t_step:6.1%} | pad {1 - stats[2].item() / stats[3].item():6.1%} | "
+                  f"imbalance {imbalances[-1]:.3f} | docs {batch.info['n_documents']:3d}", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0:
+            state = {k: m.state_dict() for k, m in models.items()}
+            state.update({f"{k}_opt": o.state_dict() for k, o in opts.items()})
+            state.update(loader=loader.state_dict(), step=step + 1)
+            path = checkpoint_path(args, layout, step + 1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+    close_loader(loader)
+    real, pack, t_total, t_wait, _ = totals.tolist()
+    summary = {
+        "steps": args.steps, "cp_size": cp_size, "layout": layout, "final_loss": loss_value,
+        "max_abs_loss_diff": max_diff if args.check_parity else None,
+        "tokens_per_s": real / t_total if t_total else None,
+        "data_wait_fraction": t_wait / t_total if t_total else None,
+        "padding_pct": 100 * (1 - real / pack) if pack else None,
+        "imbalance": sum(imbalances) / len(imbalances) if imbalances else None,
+    }
+    ok = True
+    if args.check_parity:
+        rel = relative_diff(model, models["reference"], "data")
+        ok = max_diff <= 1e-5 and rel <= 1e-5 and max_grad_diff <= 1e-5
+        if rank0:
+            print(f"parity {'OK' if ok else 'FAILED'}: max |loss - reference| = {max_diff:.2e}, max relative "
+                  f"gradient difference = {max_grad_diff:.2e}, relative weight difference = {rel:.2e} (tol 1e-5)")
+    return summary, ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.data and Path(args.data).is_dir():  # a precomputed plan fixes capacity and layout
+        plan = read_store(args.data, verify=False).config
+        args.capacity, args.layout = int(plan["capacity"]), args.layout or str(plan["layout"])
+    layouts = (args.layout or "balanced").split(",")
+    if args.summary_json and len(layouts) > 1 and "{layout}" not in args.summary_json:
+        raise ValueError(f"--summary-json {args.summary_json!r} must contain '{{layout}}' with several layouts")
+    mesh, dp_rank, cp_rank, cp_group = setup(args)
+    ok = True
+    for layout in layouts:
+        summary, parity_ok = run_layout(args, layout, mesh, dp_rank, cp_rank, cp_group)
+        ok &= parity_ok
+        if args.summary_json and dist.get_rank() == 0:
+            path = Path(args.summary_json.replace("{layout}", layout))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(summary, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Every ready-made pipeline yields per-rank shards that reassemble to a correct full pack.
+
+Documents encode their own coordinates: token ``k`` of document ``d`` is
+``d * 1000 + k``. A brute-force check of the reassembled pack (concatenate the
+ranks' shards, apply ``layout.gather_index``) then needs no second
+implementation: every real token must sit at its document position, carry the
+right target, and every document's tokens must appear exactly once per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from cpdata.keys import METADATA_KEYS
+from cpdata.loader import close_loader
+from pipelines import balanced_allgather, precomputed, pretrain_concat, sft_thd
+
+CP = 2
+PAD = 999_999
+STRIDE = 1000
+
+
+def make_docs(n: int = 40, seed: int = 0, max_len: int = 150, sft: bool = False) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    docs = []
+    for d in range(n):
+        length = int(rng.integers(1, max_len))
+        doc = {"input_ids": d * STRIDE + np.arange(length, dtype=np.int64)}
+        if sft:  # prompt (no loss) then response; labels are the next token inside the response
+            prompt = length // 3
+            labels = np.append(doc["input_ids"][1:], -100)
+            labels[:prompt] = -100
+            doc["labels"] = labels
+            doc["loss_mask"] = (np.arange(length) >= prompt).astype(np.int64)
+        docs.append(doc)
+    return docs
+
+
+def reassemble(shards) -> dict[str, torch.Tensor]:
+    """The full batch from every rank's shard: ``concat(shards)[gather_index]`` on the token dim."""
+    layout = shards[0].layout
+    assert [s.layout.cp_rank for s in shards] == list(range(layout.cp_size))
+    assert len({s.layout.digest for s in shards}) == 1, "CP ranks disagree on the plan"
+    full = {}
+    for key, value in shards[0].items():
+        if key in METADATA_KEYS:
+            assert all(torch.equal(s[key], value) for s in shards), f"metadata {key!r} differs across ranks"
+            full[key] = value
+            continue
+        cat = torch.cat([s[key] for s in shards], dim=-1)
+        full[key] = cat.index_select(-1, layout.gather_index)
+        for s in shards:  # each shard is the full pack at its global positions
+            assert torch.equal(full[key].index_select(-1, s.layout.local_token_global_indices), s[key])
+    return full
+
+
+def check_full_pack(full, docs, *, seen: dict[int, list[int]], sft: bool = False) -> int:
+    """Brute-force check of one reassembled batch; returns the number of document pieces in it."""
+    rows = full["input_ids"].reshape(-1, full["input_ids"].shape[-1])
+    keys = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids") + (("loss_mask",) if sft else ())
+    tensors = {k: full[k].reshape(rows.shape).numpy() for k in keys}
+    pieces = 0
+    for r in range(rows.shape[0]):
+        ids, labels, pos = tensors["input_ids"][r], tensors["labels"][r], tensors["position_ids"][r]
+        pad, doc_ids = tensors["padding_mask"][r], tensors["document_ids"][r]
+        assert (ids[pad] == PAD).all() and (labels[pad] == -100).all()
+        real = np.flatnonzero(~pad)
+        d, k = ids[real] // STRIDE, ids[real] % STRIDE
+        assert (pos[real] == k).all(), "position ids must be the token's offset in its document"
+        for t, dd, kk in zip(real, d, k, strict=True):
+            source = docs[dd]
+            want = source["labels"][kk] if sft else (ids[t] + 1 if kk + 1 < len(source["input_ids"]) else -100)
+            assert labels[t] == want, f"label of doc {dd} token {kk}: {labels[t]} != {want}"
+            if sft:
+                assert tensors["loss_mask"][r][t] == source["loss_mask"][kk]
+            seen.setdefault(int(dd), []).append(int(kk))
+        # one document id per piece, pieces contiguous and in increasing document-id order
+        starts = np.flatnonzero(np.diff(doc_ids[real], prepend=-1))
+        pieces += len(starts)
+        assert (np.diff(doc_ids) >= 0).all()
+        for a, b in zip(starts, list(starts[1:]) + [len(real)], strict=True):
+            assert len(set(d[a:b].tolist())) == 1 and (np.diff(k[a:b]) == 1).all()
+    return pieces
+
+
+def run_epoch(build, docs, *, sft=False, **kwargs):
+    """Iterate one epoch on CP ranks 0..CP-1 in lockstep; brute-force check every batch."""
+    loaders = [build(docs, cp_size=CP, cp_rank=r, padding_token_id=PAD, **kwargs) for r in range(CP)]
+    seen: dict[int, list[int]] = {}
+    fulls, pieces = [], 0
+    try:
+        for shards in zip(*loaders, strict=True):
+            full = reassemble(shards)
+            pieces += check_full_pack(full, docs, seen=seen, sft=sft)
+            fulls.append((full, shards[0].layout))
+    finally:
+        for loader in loaders:
+            close_loader(loader)
+    assert fulls and pieces > len(fulls), "expected packs holding several documents"
+    return fulls, seen
+
+
+def assert_every_token_once(docs, seen, limit=None):
+    for d, doc in enumerate(docs):
+        n = len(doc["input_ids"]) if limit is None else min(limit, len(doc["input_ids"]))
+        assert sorted(seen.get(d, [])) == list(range(n)), f"document {d} not served exactly once"
+
+
+def cp1_reference(build, docs, **kwargs):
+    loader = build(docs, cp_size=1, cp_rank=0, padding_token_id=PAD, **kwargs)
+    try:
+        return [dict(b) for b in loader]
+    finally:
+        close_loader(loader)
+
+
+def test_balanced_allgather_reassembles_to_cp1_pack():
+    docs = make_docs()
+    fulls, seen = run_epoch(balanced_allgather.build, docs, capacity=128)
+    assert_every_token_once(docs, seen)
+    assert any(not torch.equal(layout.local_token_global_indices, torch.arange(64)) for _, layout in fulls)
+    reference = cp1_reference(balanced_allgather.build, docs, capacity=128)
+    assert len(reference) == len(fulls)
+    for (full, _), ref in zip(fulls, reference, strict=True):
+        for key in ("input_ids", "labels", "position_ids", "padding_mask", "document_ids", "cu_seqlens"):
+            assert torch.equal(full[key], ref[key]), key
+
+
+def test_pretrain_concat_is_full_round_robin_packs():
+    docs = make_docs(seed=1)
+    fulls, seen = run_epoch(pretrain_concat.build, docs, capacity=256, batch_size=2)
+    assert_every_token_once(docs, seen)
+    pads = [int(full["padding_mask"].sum()) for full, _ in fulls]
+    assert pads[:-1] == [0] * (len(pads) - 1), "concat packs are full except the last"
+    # round robin, cp=2: rank 0 holds chunks 0 and 3 of the 256-token pack
+    expected = torch.cat([torch.arange(0, 64), torch.arange(192, 256)])
+    assert torch.equal(fulls[0][1].local_token_global_indices, expected)
+    reference = cp1_reference(pretrain_concat.build, docs, capacity=256, batch_size=2)
+    for (full, _), ref in zip(fulls, reference, strict=True):
+        for key in ("input_ids", "labels", "position_ids", "document_ids"):
+            assert torch.equal(full[key], ref[key]), key
+
+
+def test_sft_thd_passes_labels_and_loss_mask_through():
+    docs = make_docs(seed=2, max_len=300, sft=True)
+    fulls, seen = run_epoch(sft_thd.build, docs, sft=True, capacity=256, batch_size=2)
+    assert_every_token_once(docs, seen, limit=256)  # over-long examples are truncated to the capacity
+    assert any(len(d["input_ids"]) > 256 for d in docs), "no example exercised truncation"
+    for full, layout in fulls:
+        assert full["input_ids"].dim() == 1, "THD shards are flat streams"
+        padded = full["cu_seqlens_padded"].numpy()
+        assert (np.diff(padded) % (2 * CP) == 0).all(), "thd slots are multiples of 2*cp"
+        assert padded[-1] == full["input_ids"].numel() == layout.padded_seq_len
+        real = full["cu_seqlens"].numpy()
+        assert (np.diff(real) == np.bincount(full["document_ids"][~full["padding_mask"]].numpy(),
+                                             minlength=len(real) - 1)).all()
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_precomputed_matches_online_packing(tmp_path, dp_size):
+    from cpdata.offline.precompute import precompute
+
+    docs = make_docs(seed=3, max_len=200)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": d["input_ids"].tolist()}) + "\n" for d in docs))
+    plan_dir = tmp_path / "plan"
+    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", overflow="split")
+    seen: dict[int, list[int]] = {}
+    for dp_rank in range(dp_size):
+        fulls, part = run_epoch(
+            lambda _docs, dp_rank=dp_rank, **kw: precomputed.build(plan_dir, path, dp_rank=dp_rank, dp_size=dp_size,
+                                                                  **kw),
+            docs,
+        )
+        for d, ks in part.items():
+            seen.setdefault(d, []).extend(ks)
+        if dp_size == 1:  # same packs as the online pipeline over the same documents
+            online = cp1_reference(balanced_allgather.build, docs, capacity=128)
+            assert len(online) == len(fulls)
+            for (full, _), ref in zip(fulls, online, strict=True):
+                assert torch.equal(full["input_ids"], ref["input_ids"])
+    if dp_size == 1:
+        assert_every_token_once(docs, seen)
+    else:  # DP ranks serve disjoint packs
+        assert all(len(ks) == len(set(ks)) for ks in seen.values())
