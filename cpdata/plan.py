@@ -87,13 +87,21 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must compute equal digests; the device-side
-    consistency check all-reduces it. Covers layout, cp size, capacity, slot
-    lengths, piece provenance and the token ids themselves.
+    consistency check all-reduces it. Covers layout, cp size, capacity, pack
+    index, slot lengths, piece provenance (source index, start, length, next
+    label) and the first and last token id of every piece. Token ids are
+    sampled, not hashed whole: O(documents), about 20 us for a 128K pack,
+    instead of O(tokens) (1.5 ms); ranks that read different sources still
+    disagree on provenance or on the sampled ids.
     """
+    n = len(plan.pieces)
+    meta = np.empty((n, 6), dtype=np.int64)
+    for i, p in enumerate(plan.pieces):
+        ids = p.arrays["input_ids"]
+        first, last = (int(ids[0]), int(ids[-1])) if ids.shape[0] else (-1, -1)
+        meta[i] = (p.index, p.start, ids.shape[0], p.next_label, first, last)
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode())
     h.update(np.ascontiguousarray(plan.slot_lens, dtype=np.int64).tobytes())
-    for p in plan.pieces:
-        h.update(np.array([p.index, p.start, p.length, p.next_label], dtype=np.int64).tobytes())
-        h.update(np.ascontiguousarray(p.arrays["input_ids"], dtype=np.int64).tobytes())
+    h.update(meta.tobytes())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
