@@ -13,7 +13,7 @@ global order: ``global = concat(shards)[inverse]``.
 | ``contiguous``| ``[r*L, (r+1)*L)``                                 | 1 / cp              |
 | ``round_robin``| chunks r and 2cp-1-r of the whole pack (torch ``context_parallel``) | 1 / 2cp |
 | ``thd``       | chunks r and 2cp-1-r of every document slot (TE THD) | 2cp / 2cp         |
-| ``balanced``  | per-document head-tail, remainders dealt round-robin | 1 / cp            |
+| ``balanced``  | per-document head-tail, remainder from the middle dealt round-robin | 1 / cp |
 
 ``seq_lens`` are the document slots laid out in the pack, in order; the pack's
 tail (``pack_len - sum(seq_lens)``) is padding. For ``thd`` the last slot
@@ -145,44 +145,39 @@ def _thd_rows(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
 
 
 def _balanced_rows(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
-    """Per-document head-tail with remainders dealt round-robin; no per-document padding.
+    """Per-document head-tail with the remainder in the middle, dealt round-robin; no document padding.
 
-    Each document of length n splits into 2cp chunks of n // 2cp tokens; its
-    n % 2cp leftover tokens are dealt one per rank, continuing a round-robin
-    pointer across documents, and land in the receiving rank's head chunk (its
-    tail chunk for a second one). Tail padding continues the same pointer, so
-    every rank ends with exactly pack_len / cp tokens.
+    A document of length n = 2cp*q + m is laid out as cp head chunks of q
+    tokens, then its m leftover tokens (the middle), then cp tail chunks of q
+    tokens. Rank r owns head chunk r and tail chunk 2cp-1-r (head-tail: equal
+    causal work for every rank, whatever m) plus the middle tokens dealt to it
+    by a round-robin pointer that continues across documents. Middle tokens sit
+    at about position n/2, so whichever rank gets one pays about the average
+    cost (putting the leftovers at a chunk edge instead biases work toward the
+    ranks that own late chunks: 1.5-7 % imbalance on 90-token documents at cp 8,
+    against ~1 % here). Counts end within one token of each other; the tail
+    padding continues the pointer, so every rank ends with pack_len / cp tokens.
+    Segments per rank per document: head, up to two middle tokens, tail.
     """
     two = 2 * cp_size
-    n_docs = lens.size
     base = lens // two
     rem = lens - base * two
-    # Round-robin deal: extra token k of document d goes to rank (ptr_d + k) % cp.
-    ptr = (np.cumsum(rem) - rem) % cp_size
-    k = np.arange(two)[None, :]
-    receives = k < rem[:, None]  # [D, 2cp] extra slot k used
-    ranks = (ptr[:, None] + k) % cp_size  # rank receiving extra slot k
-    first = k < cp_size  # slots 0..cp-1 give a rank its first extra (head), cp.. its second (tail)
-    head_extra = np.zeros((n_docs, cp_size), dtype=np.int64)
-    tail_extra = np.zeros((n_docs, cp_size), dtype=np.int64)
-    doc_idx = np.repeat(np.arange(n_docs), two).reshape(n_docs, two)
-    m = receives & first
-    np.add.at(head_extra, (doc_idx[m], ranks[m]), 1)
-    m = receives & ~first
-    np.add.at(tail_extra, (doc_idx[m], ranks[m]), 1)
-    chunk = np.repeat(base[:, None], two, axis=1)
-    chunk[:, :cp_size] += head_extra
-    chunk[:, cp_size:] += tail_extra[:, ::-1]  # chunk 2cp-1-r is rank r's tail
-    starts = np.cumsum(lens) - lens
-    rows = _head_tail_rows(starts, chunk, cp_size) if n_docs else None
+    ptr = (np.cumsum(rem) - rem) % cp_size  # round-robin pointer at each document
+    doc_start = np.cumsum(lens) - lens
+    middle = doc_start + cp_size * base
 
     pad = pack_len - int(lens.sum())
-    pad_ptr = int(rem.sum()) % cp_size
-    pad_rank = (pad_ptr + np.arange(pad)) % cp_size
+    pad_rank = (int(rem.sum()) + np.arange(pad)) % cp_size
     pad_pos = np.arange(pack_len - pad, pack_len, dtype=np.int64)
     out = []
     for r in range(cp_size):
-        own = rows[r] if rows is not None else np.zeros(0, dtype=np.int64)
+        k1 = (r - ptr) % cp_size  # this rank's first middle token (if k1 < rem), second at k1 + cp
+        starts = np.stack(
+            [doc_start + r * base, middle + k1, middle + k1 + cp_size, middle + rem + (cp_size - 1 - r) * base],
+            axis=1,
+        )
+        sizes = np.stack([base, k1 < rem, k1 + cp_size < rem, base], axis=1).astype(np.int64)
+        own = _segments(starts.reshape(-1), sizes.reshape(-1))
         out.append(np.concatenate([own, pad_pos[pad_rank == r]]))
     lengths = {len(o) for o in out}
     assert len(lengths) == 1, f"balanced layout dealt unequal shards {sorted(lengths)}"
