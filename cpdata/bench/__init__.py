@@ -1,0 +1,18 @@
+"""``cpdata bench``: cpdata measured against the anchors, side by side, in one run.
+
+| section      | module                   | anchor                                              |
+|--------------|--------------------------|-----------------------------------------------------|
+| ``step_shard`` | :mod:`~cpdata.bench.step_shard` | in-step sharding of the full batch (NeMo Automodel style) |
+| ``worker``   | :mod:`~cpdata.bench.worker_throughput` | ``np.copyto`` of the same output bytes     |
+| ``packing``  | :mod:`~cpdata.bench.packing_quality` | next-fit, first-fit (8 bins), FFD, a lower bound |
+| ``balance``  | :mod:`~cpdata.bench.balance` | contiguous, round-robin and THD layouts           |
+| ``gather``   | :mod:`~cpdata.bench.gather_collectives` | all-gather + index all-gather + argsort (NeMo style) |
+
+:func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);
+:func:`render_markdown` turns it into the README's tables.
+"""
+
+from cpdata.bench.report import render_markdown
+from cpdata.bench.runner import SECTIONS, run_bench, write_json
+
+__all__ = ["SECTIONS", "render_markdown", "run_bench", "write_json"]

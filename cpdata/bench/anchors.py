@@ -1,0 +1,154 @@
+"""The anchors: context-parallel sharding and gathering as trainers do it today.
+
+In-step sharding (NeMo Automodel style): the training step receives the *full*
+collated batch, copies all of it to the device, pads the sequence to a
+multiple of ``2 * cp_size``, computes this rank's token indices with torch ops
+on the device, and ``index_select``s every token-aligned tensor:
+
+- ``round_robin``: ``cat(arange(r*c, (r+1)*c), arange((2cp-1-r)*c, (2cp-r)*c))``,
+  ``c = S / 2cp`` (torch ``context_parallel``'s head-tail split);
+- ``thd``: a torch transcription of Transformer Engine's
+  ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, cp, rank)``
+  (binary search of every local token in ``cu_seqlens_padded / cp``);
+- ``contiguous``: ``arange(r*L, (r+1)*L)``.
+
+Gather (NeMo style): ``torch.distributed.nn.functional.all_gather`` of the
+activations (autograd), ``dist.all_gather`` of every rank's index map, an
+``argsort`` of the concatenated maps and one ``index_select``. On gloo the
+autograd all-gather's backward is ``cp_size`` scatters (torch emulates
+reduce-scatter with all-to-all); on NCCL it is one reduce-scatter.
+
+On a CPU-only machine the host-to-device copy is modelled by ``clone()`` (a
+same-device ``.to()`` would be free), for the anchor and for cpdata alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cpdata.keys import IGNORE_INDEX, LABELS, PADDING_MASK
+
+__all__ = [
+    "ANCHOR_LAYOUTS",
+    "anchor_gather",
+    "anchor_shard",
+    "te_thd_partitioned_indices",
+    "to_device",
+]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy; on CPU a ``clone()`` stands in for it (same bytes moved)."""
+    if device.type == "cpu":
+        return t.clone()
+    return t.to(device, non_blocking=True)
+
+
+def te_thd_partitioned_indices(
+    cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """Torch transcription of TE's ``thd_partition_indices_kernel``.
+
+    Args:
+        cu_seqlens_padded: int ``[n+1]`` slot offsets, each slot a multiple of ``2 * cp_size``,
+            last entry ``total_tokens``.
+        total_tokens: tokens in the (padded) stream.
+
+    Returns:
+        int64 ``[total_tokens // cp_size]`` global positions of rank ``cp_rank``'s tokens.
+    """
+    cu_s = cu_seqlens_padded.to(torch.int64) // cp_size
+    token_id = torch.arange(total_tokens // cp_size, device=cu_s.device)
+    seq_id = torch.searchsorted(cu_s, token_id, right=True) - 1
+    seq_id = seq_id.clamp_(max=cu_s.numel() - 2)
+    start = cu_s[seq_id]
+    seq_len = cu_s[seq_id + 1] - start
+    index = token_id - start
+    offset = torch.where(index < seq_len // 2, cp_rank, 2 * cp_size - 2 - cp_rank)
+    return index + start * cp_size + seq_len // 2 * offset
+
+
+def _round_robin(batch: Mapping[str, torch.Tensor], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    device = batch["input_ids"].device
+    c = total // (2 * cp_size)
+    head = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    tail = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c, device=device)
+    return torch.cat([head, tail])
+
+
+def _thd(batch: Mapping[str, torch.Tensor], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    cu = batch["cu_seqlens_padded"].to(torch.int64)
+    cu = torch.cat([cu[:-1], cu.new_full((1,), total)])  # the last slot absorbs the step's padding
+    return te_thd_partitioned_indices(cu, total, cp_size, cp_rank)
+
+
+def _contiguous(batch: Mapping[str, torch.Tensor], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    local = total // cp_size
+    return torch.arange(cp_rank * local, (cp_rank + 1) * local, device=batch["input_ids"].device)
+
+
+ANCHOR_LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor], int, int, int], torch.Tensor]] = {
+    "contiguous": _contiguous,
+    "round_robin": _round_robin,
+    "thd": _thd,
+}
+"""Layouts with an in-step anchor: name -> ``indices(batch, total, cp_size, cp_rank)``."""
+
+_PAD_VALUES = {LABELS: IGNORE_INDEX, PADDING_MASK: True}
+
+
+def anchor_shard(
+    batch: Mapping[str, torch.Tensor],
+    *,
+    layout: str,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device,
+    seq_dim: int = 1,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Shard a full host batch inside the step, as trainers do without cpdata.
+
+    Args:
+        batch: the full collated pack; token-aligned tensors have ``S`` tokens on ``seq_dim``
+            (``[1, S]``), metadata tensors anything else.
+
+    Returns:
+        ``(local_batch, indices)``: every token-aligned tensor ``index_select``ed to this
+        rank's tokens (metadata copied whole), and the int64 index map the gather needs.
+    """
+    if layout not in ANCHOR_LAYOUTS:
+        raise ValueError(f"no in-step anchor for layout {layout!r}; choose one of {sorted(ANCHOR_LAYOUTS)}")
+    on_device = {k: to_device(v, device) for k, v in batch.items()}
+    seq_len = on_device["input_ids"].shape[seq_dim]
+    token_keys = [k for k, v in on_device.items() if v.dim() > seq_dim and v.shape[seq_dim] == seq_len]
+    pad = (-seq_len) % (2 * cp_size)
+    for k in token_keys:
+        t = on_device[k]
+        widths = [0, 0] * (t.dim() - 1 - seq_dim) + [0, pad]
+        on_device[k] = F.pad(t, widths, value=_PAD_VALUES.get(k, 0))
+    indices = ANCHOR_LAYOUTS[layout](on_device, seq_len + pad, cp_size, cp_rank)
+    for k in token_keys:
+        on_device[k] = on_device[k].index_select(seq_dim, indices)
+    return on_device, indices
+
+
+def anchor_gather(
+    x_local: torch.Tensor, local_indices: torch.Tensor, *, group: dist.ProcessGroup | None = None, seq_dim: int = 1
+) -> torch.Tensor:
+    """Differentiable gather back to global order, NeMo style (two collectives forward).
+
+    ``all_gather`` of ``x_local`` (autograd), ``all_gather`` of the index maps,
+    ``argsort`` of their concatenation, ``index_select``.
+    """
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(x_local, group=group)
+    full = torch.cat(parts, dim=seq_dim)
+    maps = [torch.empty_like(local_indices) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(maps, local_indices.contiguous(), group=group)
+    order = torch.argsort(torch.cat(maps))
+    return full.index_select(seq_dim, order)

@@ -1,0 +1,54 @@
+"""``cpdata bench``: measure cpdata against the anchors, side by side, in one run.
+
+    cpdata bench [--quick] [--sections a,b] [--json PATH] [--markdown [PATH]]
+    cpdata bench --from-json PATH --markdown       # render a saved run, measure nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cpdata.bench.runner import SECTIONS, parse_sections, run_bench, write_json
+
+__all__ = ["register"]
+
+
+def _main(args: argparse.Namespace) -> int:
+    from cpdata.bench.report import render_markdown
+
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        if args.markdown is None:
+            args.markdown = "-"
+    else:
+        try:
+            sections = parse_sections(args.sections)
+        except ValueError as err:
+            print(f"cpdata bench: {err}", file=sys.stderr)
+            return 2
+        results = run_bench(sections, quick=args.quick)
+        if args.json:
+            write_json(results, args.json)
+    if args.markdown is not None:
+        text = render_markdown(results)
+        if args.markdown == "-":
+            print(text)
+        else:
+            Path(args.markdown).write_text(text, encoding="utf-8")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` subcommand to the ``cpdata`` dispatcher."""
+    p = subparsers.add_parser("bench", help="measure cpdata against in-step sharding and NeMo-style gather",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 2 minutes on 2 cores)")
+    p.add_argument("--sections", metavar="A,B", help=f"subset to run, from {','.join(SECTIONS)}")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
+                   help="also render the README tables as markdown (to PATH, or stdout)")
+    p.add_argument("--from-json", metavar="PATH", help="render a saved results JSON instead of running")
+    p.set_defaults(func=_main)

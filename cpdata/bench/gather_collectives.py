@@ -1,0 +1,133 @@
+"""Section ``gather``: the differentiable gather, forward + backward, on real gloo ranks.
+
+For each CP size, ``cp_size`` ranks are forked (gloo on localhost, one thread
+each). Every rank holds ``x [1, tokens/cp, hidden]`` (float32, requires grad)
+laid out ``round_robin`` and runs forward + backward with an upstream gradient
+``[1, tokens, hidden]``:
+
+- anchor: :func:`cpdata.bench.anchors.anchor_gather` (autograd all-gather,
+  all-gather of the index maps, argsort, index_select);
+- cpdata: :func:`cpdata.gather.gather_token_tensor` with the precomputed
+  inverse in the :class:`~cpdata.shard_layout.ShardLayout`.
+
+Both outputs and input gradients are checked equal before timing.
+Collectives are counted by wrapping ``torch.distributed``'s collective
+functions inside the ranks (:class:`~cpdata.bench.collectives.CollectiveCounter`),
+per direction: ``collectives_*`` is forward + backward of one call,
+``collectives_*_fwd``/``_bwd`` split it. Times are the slowest rank's median
+(a barrier, untimed, before every run). On this kind of 2-core machine cp 4
+runs 4 ranks on 2 cores, so its times measure oversubscription too.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from cpdata.bench.anchors import anchor_gather
+from cpdata.bench.collectives import CollectiveCounter
+from cpdata.bench.ranks import run_on_ranks
+from cpdata.layouts import inverse_indices, rank_indices
+from cpdata.shard_layout import ShardLayout
+
+__all__ = ["COLUMNS", "run"]
+
+COLUMNS: tuple[str, ...] = (
+    "cp_size", "tokens", "hidden", "collectives_anchor", "collectives_cpdata", "anchor_ms", "cpdata_ms", "speedup",
+)
+TABLE: tuple[str, ...] = (*COLUMNS, "anchor_calls", "cpdata_calls")
+TITLE = "differentiable gather fwd+bwd on gloo ranks: NeMo-style anchor vs gather_token_tensor"
+LAYOUT = "round_robin"
+
+
+def _step(fn, x, grad, counter: CollectiveCounter) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """One forward + backward; returns output, input gradient and the collectives of each direction."""
+    counter.start()
+    y = fn(x)
+    fwd = counter.stop()
+    counter.start()
+    y.backward(grad)
+    bwd = counter.stop()
+    g = x.grad
+    x.grad = None
+    return y.detach(), g, fwd, bwd
+
+
+def _describe(fwd: dict, bwd: dict) -> str:
+    def part(counts: dict) -> str:
+        return " + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none"
+
+    return f"fwd {part(fwd)}; bwd {part(bwd)}"
+
+
+def _timed_ms(fn, x, grad, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter_ns()
+        fn(x).backward(grad)
+        samples.append(time.perf_counter_ns() - t0)
+        x.grad = None
+    return statistics.median(samples[1:]) / 1e6
+
+
+def _rank(rank: int, world: int, sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    import cpdata.gather as cp_gather
+
+    warnings.simplefilter("ignore", FutureWarning)  # torch.distributed.nn.functional.all_gather is deprecated
+    out = []
+    with CollectiveCounter([cp_gather]) as counter:
+        for tokens, hidden in sizes:
+            rows = rank_indices(LAYOUT, world, [], tokens)
+            local = torch.from_numpy(rows[rank].copy())
+            layout = ShardLayout(local_token_global_indices=local, gather_index=torch.from_numpy(inverse_indices(rows)),
+                                 padded_seq_len=tokens, cp_size=world, cp_rank=rank)
+            gen = torch.Generator().manual_seed(1234)
+            full = torch.randn(1, tokens, hidden, generator=gen)
+            grad = torch.randn(1, tokens, hidden, generator=gen)
+            x = full[:, local].clone().requires_grad_(True)
+
+            def anchor(t, local=local):
+                return anchor_gather(t, local)
+
+            def ours(t, layout=layout):
+                return cp_gather.gather_token_tensor(t, layout)
+
+            ya, ga, af, ab = _step(anchor, x, grad, counter)
+            yc, gc, cf, cb = _step(ours, x, grad, counter)
+            assert torch.equal(ya, full) and torch.equal(yc, full), "gather did not restore global order"
+            assert torch.allclose(ga, gc), "anchor and cpdata gradients differ"
+            out.append({
+                "cp_size": world, "tokens": tokens, "hidden": hidden,
+                "collectives_anchor": sum(af.values()) + sum(ab.values()),
+                "collectives_cpdata": sum(cf.values()) + sum(cb.values()),
+                "collectives_anchor_fwd": sum(af.values()), "collectives_anchor_bwd": sum(ab.values()),
+                "collectives_cpdata_fwd": sum(cf.values()), "collectives_cpdata_bwd": sum(cb.values()),
+                "anchor_calls": _describe(af, ab), "cpdata_calls": _describe(cf, cb),
+                "anchor_ms": _timed_ms(anchor, x, grad, repeats), "cpdata_ms": _timed_ms(ours, x, grad, repeats),
+            })
+    return out
+
+
+def run(*, quick: bool) -> list[dict]:
+    plan = {2: [(8192, 256)]} if quick else {2: [(8192, 256), (32768, 256)], 4: [(8192, 256), (32768, 256)]}
+    repeats = 3 if quick else 10
+    rows = []
+    for cp_size, sizes in plan.items():
+        per_rank = run_on_ranks(_rank, cp_size, sizes, repeats)
+        for i, row in enumerate(per_rank[0]):
+            merged = dict(row)
+            for key in ("anchor_ms", "cpdata_ms"):
+                merged[key] = max(r[i][key] for r in per_rank)
+            for key in ("collectives_anchor", "collectives_cpdata"):
+                counts = {r[i][key] for r in per_rank}
+                assert len(counts) == 1, f"ranks counted different {key}: {sorted(counts)}"
+            merged["speedup"] = merged["anchor_ms"] / merged["cpdata_ms"]
+            merged["ranks_per_core"] = round(cp_size / (os.cpu_count() or 1), 2)
+            rows.append(merged)
+    return rows

@@ -1,0 +1,85 @@
+"""Run a function on N gloo ranks forked from this process (CPU benchmarks).
+
+Each rank joins a fresh gloo group on a free localhost port with one intra-op
+thread, calls ``fn(rank, world_size, *args)``, sends the pickled result back
+through a queue and ends with ``barrier`` → ``destroy_process_group`` →
+``os._exit``. The parent waits at most ``timeout`` seconds, kills stragglers
+and raises ``RuntimeError`` with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_on_ranks"]
+
+
+def free_port() -> int:
+    """A localhost TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, fn, args) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        results.put((rank, True, fn(rank, world_size, *args)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # every failure goes back to the parent
+        code = 1
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(code)
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+    """``[fn(r, world_size, *args) for r in ranks]``, each on its own forked gloo rank."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, results, timeout, fn, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    reports: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(reports) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            reports[rank] = (ok, payload)
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    failed = [f"rank {r}:\n{payload}" for r, (ok, payload) in sorted(reports.items()) if not ok]
+    missing = sorted(set(range(world_size)) - set(reports))
+    codes = [p.exitcode for p in procs]
+    if failed or missing or any(codes):
+        raise RuntimeError(f"gloo ranks failed (exit codes {codes}, silent ranks {missing})\n" + "\n".join(failed))
+    return [reports[r][1] for r in range(world_size)]

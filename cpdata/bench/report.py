@@ -1,0 +1,112 @@
+"""Markdown rendering of a results dict: the README's benchmark tables.
+
+``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``)
+gives a targets table followed by one compact table per section that ran:
+step sharding and gather row by row, packing pivoted to one row per
+(distribution, capacity) with one padding column per algorithm, balance
+pivoted to one row per (distribution, cp) with the p95 imbalance per layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cpdata.bench.table import format_value
+
+__all__ = ["render_markdown"]
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
+        return v if isinstance(v, str) else format_value(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _step(rows: list[dict], device: str) -> str:
+    body = [(r["layout"], r["cp_size"], _tokens(r["tokens"]), f"{r['anchor_ms']:.3f}", f"{r['cpdata_ms']:.3f}",
+             f"{r['speedup']:.1f}x", _bytes(r["anchor_h2d_bytes"]), _bytes(r["cpdata_h2d_bytes"]),
+             _bytes(r["layout_bytes"])) for r in rows]
+    head = ("layout", "cp", "tokens", "anchor ms", "cpdata ms", "speedup", "anchor H2D", "cpdata H2D",
+            "layout maps")
+    return f"**Per-step sharding** (rank 0, device `{device}`)\n\n" + _md(head, body)
+
+
+def _worker(rows: list[dict]) -> str:
+    body = [(r["layout"], r["cp_size"], _tokens(r["capacity"]), f"{r['tokens_per_s'] / 1e6:.1f}M",
+             f"{r['memcpy_tokens_per_s'] / 1e6:.0f}M", f"{r['fraction_of_memcpy']:.3g}") for r in rows]
+    head = ("layout", "cp", "capacity", "tokens/s", "memcpy tokens/s", "fraction")
+    return "**Worker throughput** (pack + collate + shard, one core, one rank's output)\n\n" + _md(head, body)
+
+
+def _packing(rows: list[dict], default: str) -> str:
+    algorithms = [default] + sorted({r["algorithm"] for r in rows} - {default})
+    keys = list(dict.fromkeys((r["distribution"], r["capacity"]) for r in rows))
+    by = {(r["distribution"], r["capacity"], r["algorithm"]): r for r in rows}
+    body = []
+    for dist, cap in keys:
+        first = next(r for r in rows if (r["distribution"], r["capacity"]) == (dist, cap))
+        pads = [f"{by[(dist, cap, a)]['padding_pct']:.3f}" if (dist, cap, a) in by else "" for a in algorithms]
+        us = by[(dist, cap, default)]["us_per_doc"] if (dist, cap, default) in by else float("nan")
+        body.append((dist, _tokens(cap), f"{first['lower_bound_pct']:.3f}", *pads, f"{us:.2f}"))
+    head = ("distribution", "capacity", "lower bound %", *[f"{a} %" for a in algorithms], f"{default} us/doc")
+    return "**Packing** (padding % of pack tokens)\n\n" + _md(head, body)
+
+
+def _balance(rows: list[dict]) -> str:
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    keys = list(dict.fromkeys((r["distribution"], r["cp_size"]) for r in rows))
+    by = {(r["distribution"], r["cp_size"], r["layout"]): r for r in rows}
+    body = []
+    for dist, cp in keys:
+        p95 = [f"{by[(dist, cp, lay)]['imbalance_p95']:.3f}" if (dist, cp, lay) in by else "" for lay in layouts]
+        thd = by.get((dist, cp, "thd"))
+        body.append((dist, cp, *p95, f"{thd['doc_pad_pct']:.3f}" if thd else ""))
+    head = ("distribution", "cp", *[f"{lay} p95" for lay in layouts], "thd doc pad %")
+    return "**Load balance** (max ÷ mean causal work per rank, p95 over packs)\n\n" + _md(head, body)
+
+
+def _gather(rows: list[dict]) -> str:
+    body = [(r["cp_size"], _tokens(r["tokens"]), r["hidden"], r["collectives_anchor"], r["collectives_cpdata"],
+             f"{r['anchor_ms']:.1f}", f"{r['cpdata_ms']:.1f}", f"{r['speedup']:.2f}x") for r in rows]
+    head = ("cp", "tokens", "hidden", "anchor collectives", "cpdata collectives", "anchor ms", "cpdata ms",
+            "speedup")
+    return "**Gather** (forward + backward, gloo on CPU; collectives counted per call)\n\n" + _md(head, body)
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """The README benchmark section for ``results`` (the dict ``cpdata bench --json`` writes)."""
+    m = results["machine"]
+    parts = [
+        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}` on {m['cpu_model']} "
+        f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`.",
+    ]
+    if results.get("targets"):
+        parts.append(_md(("target", "rule", "measured", "met"),
+                         [(t["target"], t["rule"], t["measured"], "yes" if t["met"] else "**no**")
+                          for t in results["targets"]]))
+    if results.get("step_shard"):
+        parts.append(_step(results["step_shard"], m["device"]))
+    if results.get("worker"):
+        parts.append(_worker(results["worker"]))
+    if results.get("packing"):
+        parts.append(_packing(results["packing"], str(results.get("default_algorithm", "bfd"))))
+    if results.get("balance"):
+        parts.append(_balance(results["balance"]))
+    if results.get("gather"):
+        parts.append(_gather(results["gather"]))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,101 @@
+"""Run benchmark sections, print their tables, collect one JSON-ready results dict.
+
+Each section module exposes ``COLUMNS`` (the keys every row carries, extras
+allowed), ``TABLE`` (the columns printed) and ``run(*, quick) -> list[dict]``.
+Rows are checked for the required keys and for finite numbers; the JSON is
+written with ``allow_nan=False``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cpdata.bench.table import format_table
+from cpdata.bench.targets import evaluate_targets
+from cpdata.bench.timing import describe_machine
+
+__all__ = ["SECTIONS", "check_rows", "parse_sections", "run_bench", "write_json"]
+
+SECTIONS: dict[str, str] = {
+    "step_shard": "cpdata.bench.step_shard",
+    "worker": "cpdata.bench.worker_throughput",
+    "packing": "cpdata.bench.packing_quality",
+    "balance": "cpdata.bench.balance",
+    "gather": "cpdata.bench.gather_collectives",
+}
+"""Section name -> module, in run order."""
+
+RESULTS_VERSION = 1
+
+
+def parse_sections(text: str | None) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]`` in run order; None or empty = every section."""
+    if not text:
+        return list(SECTIONS)
+    wanted = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown bench sections {unknown}; choose from {list(SECTIONS)} (comma-separated)")
+    return [s for s in SECTIONS if s in wanted]
+
+
+def check_rows(section: str, rows: Sequence[dict], required: Sequence[str]) -> None:
+    """Every row has the required keys and only finite numbers."""
+    assert rows, f"section {section!r} produced no rows"
+    for row in rows:
+        missing = [k for k in required if k not in row]
+        assert not missing, f"section {section!r}: row {row} lacks {missing}"
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        assert not bad, f"section {section!r}: non-finite {bad} in row {row}"
+
+
+def _table_title(section: str, module: Any, machine: dict) -> str:
+    title = getattr(module, "TITLE", section)
+    return f"== {section}: {title} [device: {machine['device']}]"
+
+
+def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``sections`` (default: all) and return the results dict (tables go to ``log``)."""
+    from cpdata.bench.packing_quality import default_algorithm
+
+    machine = describe_machine()
+    results: dict[str, Any] = {
+        "version": RESULTS_VERSION,
+        "quick": quick,
+        "machine": machine,
+        "default_algorithm": default_algorithm(),
+        "sections": list(sections or SECTIONS),
+        "seconds": {},
+        "methods": {},
+    }
+    log(f"cpdata bench ({'quick' if quick else 'full'}) on {machine['cpu_model']}, {machine['cores']} cores, "
+        f"torch {machine['torch_version']}, device {machine['device']} ({machine['device_name']})")
+    for name in results["sections"]:
+        module = importlib.import_module(SECTIONS[name])
+        t0 = time.perf_counter()
+        rows = module.run(quick=quick)
+        results["seconds"][name] = round(time.perf_counter() - t0, 2)
+        check_rows(name, rows, module.COLUMNS)
+        results[name] = rows
+        results["methods"][name] = " ".join((module.__doc__ or "").split())
+        log("")
+        log(_table_title(name, module, machine))
+        log(format_table(rows, getattr(module, "TABLE", module.COLUMNS)))
+        log(f"({results['seconds'][name]} s)")
+    results["targets"] = evaluate_targets(results)
+    log("")
+    log("== targets")
+    log(format_table(results["targets"], ("target", "rule", "measured", "met")))
+    return results
+
+
+def write_json(results: dict[str, Any], path: str | Path) -> None:
+    """Write ``results`` as JSON (no NaN or infinity allowed)."""
+    Path(path).write_text(json.dumps(results, indent=1, allow_nan=False) + "\n", encoding="utf-8")

@@ -1,0 +1,136 @@
+"""Section ``step_shard``: per-step sharding, in-step anchor vs cpdata's pre-sharded batch.
+
+One pack of ``tokens`` tokens (SFT-like documents, default packer, aligned for
+the layout) is collated once. The anchor receives the full collated batch and
+does in the step what trainers do today (:func:`cpdata.bench.anchors.anchor_shard`:
+copy everything to the device, pad if needed, compute the layout's indices
+with torch ops, ``index_select`` every token tensor). cpdata receives the
+worker's :class:`~cpdata.batch.ShardedBatch` for rank 0 and runs
+``ContextParallelSharder.shard()``, which only moves its tensors. Both results
+are checked equal, token for token, before timing.
+
+Device: cuda when available (pinned host batches, synchronize around every
+run), else cpu, where the host-to-device copy is modelled by ``clone()`` for
+both sides (a same-device ``.to()`` moves nothing), with one intra-op
+thread: on a loaded 2-core machine torch's parallel CPU kernels stall (a
+``searchsorted`` over 8K tokens took 7-16 ms with 2 threads under load, 0.02
+ms with one). Times are medians.
+``anchor_h2d_bytes``/``cpdata_h2d_bytes`` are the tensor bytes each rank copies
+host-to-device; ``layout_bytes`` (extra) are the layout's index maps
+(``local_token_global_indices`` + ``gather_index``) that cpdata also ships and
+the gather copies on first use, where the anchor computes its map on device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torchdata.nodes import IterableWrapper
+
+from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard, to_device
+from cpdata.bench.distributions import sample
+from cpdata.bench.timing import bench_device, median_seconds
+from cpdata.keys import STANDARD_TOKEN_KEYS
+
+__all__ = ["COLUMNS", "LocalMesh", "TABLE", "make_batches", "run"]
+
+COLUMNS: tuple[str, ...] = (
+    "layout", "cp_size", "tokens", "anchor_ms", "cpdata_ms", "speedup", "anchor_h2d_bytes", "cpdata_h2d_bytes",
+)
+TABLE: tuple[str, ...] = (*COLUMNS, "layout_bytes", "device")
+TITLE = "in-step sharding (anchor) vs ContextParallelSharder.shard() on a pre-sharded batch, rank 0"
+VOCAB = 32000
+
+
+class LocalMesh:
+    """A one-dimension ``"cp"`` device mesh seen from one rank, without a process group.
+
+    Duck-types what the sharder reads from a ``DeviceMesh`` (``mesh_dim_names``,
+    ``["cp"]``, ``get_local_rank()``, ``size()``, ``device_type``), so
+    ``shard()`` can be timed in a single process.
+    """
+
+    mesh_dim_names = ("cp",)
+
+    def __init__(self, rank: int, size: int, device_type: str) -> None:
+        self._rank, self._size, self.device_type = rank, size, device_type
+
+    def __getitem__(self, name: str) -> LocalMesh:
+        if name != "cp":
+            raise KeyError(name)
+        return self
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed: int = 0):
+    """``(full_batch, sharded_batch)``: the first pack of an SFT-like stream, full and for ``cp_rank``."""
+    from cpdata.loader import shard_graph
+    from cpdata.nodes.shard import ShardForRank
+
+    rng = np.random.default_rng(seed)
+    lengths = sample("sft", int(tokens / 500) + 64, seed)
+    docs = [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
+    collate = shard_graph(docs, capacity=tokens, cp_size=cp_size, layout=layout, overflow="split")
+    collate.reset()
+    collated = next(collate)
+    full = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in collated.tensors().items()}
+    shard_node = ShardForRank(IterableWrapper([collated]), cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    shard_node.reset()
+    return full, next(shard_node)
+
+
+def _nbytes(tensors) -> int:
+    return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: int) -> dict:
+    from cpdata.sharder import ContextParallelSharder
+
+    full, sharded = make_batches(tokens, layout, cp_size)
+    if device.type == "cuda":
+        full = {k: v.pin_memory() for k, v in full.items()}
+        sharded = sharded.pin_memory()
+    sharder = ContextParallelSharder(None, LocalMesh(0, cp_size, device.type), sharded)
+
+    def anchor():
+        return anchor_shard(full, layout=layout, cp_size=cp_size, cp_rank=0, device=device)
+
+    def ours():
+        _, out = sharder.shard(sharded)
+        return {k: to_device(v, device) for k, v in out.items()} if device.type == "cpu" else out
+
+    got_anchor, anchor_index = anchor()
+    got = ours()
+    for key in STANDARD_TOKEN_KEYS:
+        assert torch.equal(got_anchor[key].cpu(), got[key].cpu()), f"anchor and cpdata disagree on {key!r}"
+    assert torch.equal(anchor_index.cpu(), sharded.layout.local_token_global_indices), "index maps differ"
+
+    anchor_s = median_seconds(anchor, repeats=repeats, device=device)
+    ours_s = median_seconds(ours, repeats=repeats, device=device)
+    lay = sharded.layout
+    return {
+        "layout": layout, "cp_size": cp_size, "tokens": tokens,
+        "anchor_ms": anchor_s * 1e3, "cpdata_ms": ours_s * 1e3, "speedup": anchor_s / ours_s,
+        "anchor_h2d_bytes": _nbytes(full.values()), "cpdata_h2d_bytes": _nbytes(sharded.values()),
+        "layout_bytes": _nbytes([lay.local_token_global_indices, lay.gather_index]),
+        "device": str(device), "documents": int(sharded.info["n_documents"]),
+    }
+
+
+def run(*, quick: bool) -> list[dict]:
+    device = bench_device()
+    sizes = (8192, 32768) if quick else (8192, 32768, 131072)
+    cps = (4,) if quick else (2, 4, 8)
+    repeats = 10 if quick else 50
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the module docstring: CPU intra-op threads stall on a shared machine
+    try:
+        return [_one(tokens, layout, cp, device, repeats)
+                for layout in ANCHOR_LAYOUTS for cp in cps for tokens in sizes]
+    finally:
+        torch.set_num_threads(threads)

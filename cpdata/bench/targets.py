@@ -1,0 +1,98 @@
+"""The benchmark's targets, checked against a results dict.
+
+| target | section | rule |
+|---|---|---|
+| step speedup | ``step_shard`` | ``speedup >= 20`` at 32K tokens, cp 4 (every layout) |
+| H2D bytes | ``step_shard`` | ``cpdata_h2d_bytes <= anchor_h2d_bytes / cp * 1.02`` (every row) |
+| worker throughput | ``worker`` | ``fraction_of_memcpy >= 0.25`` (every row) |
+| packing padding | ``packing`` | default packer ``padding_pct - lower_bound_pct <= 0.1`` pp (every row) |
+| packing speed | ``packing`` | default packer ``us_per_doc <= 2`` (every row) |
+| balance | ``balance`` | ``balanced``: ``imbalance_p95 <= 1.005``, ``doc_pad_pct == 0``, equal tokens |
+| one collective | ``gather`` | cpdata: 1 collective forward and 1 backward (every row) |
+
+Targets of sections that did not run are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+__all__ = ["TARGETS", "evaluate_targets"]
+
+
+def _step_speedup(rows: list[dict]) -> tuple[str, bool]:
+    hits = [r for r in rows if r["tokens"] == 32768 and r["cp_size"] == 4]
+    if not hits:
+        return "no row at 32K tokens, cp 4", False
+    worst = min(r["speedup"] for r in hits)
+    return ", ".join(f"{r['layout']} {r['speedup']:.1f}x" for r in hits), worst >= 20
+
+
+def _h2d(rows: list[dict]) -> tuple[str, bool]:
+    ratio = max(r["cpdata_h2d_bytes"] * r["cp_size"] / r["anchor_h2d_bytes"] for r in rows)
+    return f"worst cpdata / (anchor / cp) = {ratio:.4f}", ratio <= 1.02
+
+
+def _worker(rows: list[dict]) -> tuple[str, bool]:
+    worst = min(rows, key=lambda r: r["fraction_of_memcpy"])
+    return (f"min {worst['fraction_of_memcpy']:.3f} ({worst['layout']}, cp {worst['cp_size']}, "
+            f"capacity {worst['capacity']})", worst["fraction_of_memcpy"] >= 0.25)
+
+
+def _default_rows(rows: list[dict], default: str) -> list[dict]:
+    return [r for r in rows if r["algorithm"] == default]
+
+
+def _padding(rows: list[dict], default: str) -> tuple[str, bool]:
+    mine = _default_rows(rows, default)
+    worst = max(mine, key=lambda r: r["padding_pct"] - r["lower_bound_pct"])
+    gap = worst["padding_pct"] - worst["lower_bound_pct"]
+    return f"max gap {gap:.3f} pp ({worst['distribution']}, capacity {worst['capacity']})", gap <= 0.1
+
+
+def _packing_speed(rows: list[dict], default: str) -> tuple[str, bool]:
+    worst = max(_default_rows(rows, default), key=lambda r: r["us_per_doc"])
+    return (f"max {worst['us_per_doc']:.2f} us/doc ({worst['distribution']}, capacity {worst['capacity']})",
+            worst["us_per_doc"] <= 2.0)
+
+
+def _balance(rows: list[dict]) -> tuple[str, bool]:
+    mine = [r for r in rows if r["layout"] == "balanced"]
+    worst = max(mine, key=lambda r: r["imbalance_p95"])
+    pad = max(r["doc_pad_pct"] for r in mine)
+    equal = all(r["equal_tokens"] for r in mine)
+    text = (f"max p95 {worst['imbalance_p95']:.4f} ({worst['distribution']}, cp {worst['cp_size']}), "
+            f"doc_pad_pct max {pad:g}, equal tokens {'yes' if equal else 'no'}")
+    return text, worst["imbalance_p95"] <= 1.005 and pad == 0 and equal
+
+
+def _gather(rows: list[dict]) -> tuple[str, bool]:
+    pairs = sorted({(r["collectives_cpdata_fwd"], r["collectives_cpdata_bwd"]) for r in rows})
+    anchor = sorted({(r["collectives_anchor_fwd"], r["collectives_anchor_bwd"], r["cp_size"]) for r in rows})
+    text = ("cpdata fwd/bwd " + ", ".join(f"{f}/{b}" for f, b in pairs) + "; anchor fwd/bwd "
+            + ", ".join(f"{f}/{b} (cp {c})" for f, b, c in anchor))
+    return text, pairs == [(1, 1)]
+
+
+TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
+    ("step_shard", "step speedup", ">= 20x at 32K tokens, cp 4", _step_speedup),
+    ("step_shard", "H2D bytes per rank", "<= anchor / cp x 1.02", _h2d),
+    ("worker", "worker throughput", ">= 0.25 of memcpy, every cp", _worker),
+    ("packing", "packing padding", "default within 0.1 pp of the lower bound", _padding),
+    ("packing", "packing speed", "default <= 2 us per document", _packing_speed),
+    ("balance", "balanced layout", "p95 <= 1.005, no doc padding, equal tokens", _balance),
+    ("gather", "gather collectives", "cpdata 1 forward + 1 backward", _gather),
+)
+
+
+def evaluate_targets(results: Mapping[str, object]) -> list[dict]:
+    """``[{section, target, rule, measured, met}]`` for every section present in ``results``."""
+    out = []
+    default = str(results.get("default_algorithm", "bfd"))
+    for section, name, rule, check in TARGETS:
+        rows = results.get(section)
+        if not rows:
+            continue
+        measured, met = check(rows, default) if section == "packing" else check(rows)
+        out.append({"section": section, "target": name, "rule": rule, "measured": measured, "met": bool(met)})
+    return out

@@ -1,0 +1,71 @@
+"""Timing and machine description shared by every benchmark section.
+
+Times are medians of repeated runs (``time.perf_counter_ns``), with a
+``torch.cuda.synchronize()`` on both sides of each run when the work is on a
+CUDA device, so queued kernels are charged to the run that launched them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["bench_device", "describe_machine", "median_seconds"]
+
+
+def bench_device() -> torch.device:
+    """The device the step benchmarks run on: ``cuda`` when available, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got repeats={repeats}")
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter_ns()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter_ns() - t0)
+    return statistics.median(samples) / 1e9
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_machine() -> dict[str, object]:
+    """What the numbers were measured on: CPU model, cores, library versions, device."""
+    device = bench_device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": name,
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,157 @@
+"""``cpdata bench``: one quick run end to end (JSON shape, sanity) plus the bench's own references."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpdata.bench import runner
+from cpdata.bench.anchors import ANCHOR_LAYOUTS, te_thd_partitioned_indices
+from cpdata.bench.packing_quality import lower_bound_bins, split_lower_bound_bins
+from cpdata.bench.report import render_markdown
+from cpdata.cli import main
+from cpdata.layouts import rank_indices, thd_slot_lens
+
+MACHINE_KEYS = {"cpu_model", "cores", "torch_version", "device"}
+
+
+def _reject_constant(name: str) -> float:
+    raise AssertionError(f"bench JSON holds {name}")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "quick.json"
+    assert main(["bench", "--quick", "--json", str(path)]) == 0
+    return json.loads(path.read_text(), parse_constant=_reject_constant)
+
+
+def test_every_section_has_rows_with_the_required_keys(results):
+    assert MACHINE_KEYS <= set(results["machine"])
+    assert results["default_algorithm"] == "bfd"
+    for name, module_name in runner.SECTIONS.items():
+        module = importlib.import_module(module_name)
+        rows = results[name]
+        assert rows, f"section {name} is empty"
+        for row in rows:
+            assert set(module.COLUMNS) <= set(row), (name, set(module.COLUMNS) - set(row))
+            for key, value in row.items():
+                assert not isinstance(value, float) or math.isfinite(value), (name, key, value)
+
+
+def test_step_shard_is_faster_and_ships_a_cp_th_of_the_bytes(results):
+    rows = results["step_shard"]
+    assert {r["layout"] for r in rows} >= {"round_robin", "thd"}
+    for r in rows:
+        assert r["speedup"] > 0 and r["anchor_ms"] > 0 and r["cpdata_ms"] > 0
+        assert r["cpdata_h2d_bytes"] * r["cp_size"] <= r["anchor_h2d_bytes"] * 1.02, r
+        assert r["layout_bytes"] > 0
+
+
+def test_worker_and_memcpy_rates_are_positive(results):
+    for r in results["worker"]:
+        assert r["tokens_per_s"] > 0 and r["memcpy_tokens_per_s"] > 0
+        assert r["fraction_of_memcpy"] == pytest.approx(r["tokens_per_s"] / r["memcpy_tokens_per_s"])
+    assert {r["cp_size"] for r in results["worker"]} == {2, 4, 8}
+
+
+def test_packing_never_beats_its_lower_bound(results):
+    rows = results["packing"]
+    assert {r["algorithm"] for r in rows} == {"bfd", "next_fit", "first_fit", "ffd"}
+    assert {r["overflow"] for r in rows} == {"none", "split"}  # both bound kinds exercised
+    for r in rows:
+        assert r["padding_pct"] >= r["lower_bound_pct"] - 1e-9, r
+        assert r["us_per_doc"] > 0
+
+
+def test_balanced_layout_is_no_worse_than_the_head_tail_anchors(results):
+    rows = results["balance"]
+    by = {(r["distribution"], r["cp_size"], r["layout"]): r for r in rows}
+    checked = 0
+    for (dist, cp, layout), r in by.items():
+        if layout != "balanced":
+            continue
+        assert r["doc_pad_pct"] == 0 and r["equal_tokens"]
+        for anchor in ("contiguous", "round_robin"):
+            assert r["imbalance_p95"] <= by[(dist, cp, anchor)]["imbalance_p95"] + 1e-12
+            checked += 1
+        assert by[(dist, cp, "thd")]["doc_pad_pct"] > 0
+    assert checked >= 6
+
+
+def test_gather_collectives_are_counted_per_direction(results):
+    for r in results["gather"]:
+        assert (r["collectives_cpdata_fwd"], r["collectives_cpdata_bwd"]) == (1, 1)
+        assert r["collectives_cpdata"] == 2
+        # anchor: all_gather of the tensor + all_gather of the index maps forward; gloo backward = cp scatters
+        assert r["collectives_anchor_fwd"] == 2 and r["collectives_anchor_bwd"] >= 1
+        assert r["speedup"] > 0
+
+
+def test_targets_and_markdown_cover_every_section(results):
+    assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
+    text = render_markdown(results)
+    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather"):
+        assert header in text
+
+
+def test_unknown_section_is_a_usage_error(capsys):
+    assert main(["bench", "--sections", "nope"]) == 2
+    assert "unknown bench sections ['nope']" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 3), st.data())
+def test_anchor_indices_match_the_layouts(cp, units, tail_units, data):
+    lens = np.asarray(units, dtype=np.int64) * 2 * cp
+    pack = int(lens.sum()) + 2 * cp * tail_units
+    rank = data.draw(st.integers(0, cp - 1))
+    slots = thd_slot_lens(lens, pack)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(slots)]))
+    np.testing.assert_array_equal(te_thd_partitioned_indices(cu, pack, cp, rank).numpy(),
+                                  rank_indices("thd", cp, lens, pack)[rank])
+    for layout in ("round_robin", "contiguous"):
+        got = ANCHOR_LAYOUTS[layout]({"input_ids": torch.zeros(1)}, pack, cp, rank).numpy()
+        np.testing.assert_array_equal(got, rank_indices(layout, cp, lens, pack)[rank])
+
+
+def _exact_bins(items: list[int], capacity: int) -> int:
+    best = len(items)
+    items = sorted(items, reverse=True)
+
+    def place(i: int, bins: list[int]) -> None:
+        nonlocal best
+        if len(bins) >= best:
+            return
+        if i == len(items):
+            best = len(bins)
+            return
+        for j, used in enumerate(bins):
+            if used + items[i] <= capacity and used not in bins[:j]:
+                bins[j] += items[i]
+                place(i + 1, bins)
+                bins[j] -= items[i]
+        place(i + 1, [*bins, items[i]])
+
+    place(0, [])
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(4, 30), st.data())
+def test_lower_bound_is_valid_and_beats_the_volume_bound(capacity, data):
+    items = data.draw(st.lists(st.integers(1, capacity), min_size=1, max_size=8))
+    bound = lower_bound_bins(np.asarray(items), capacity)
+    assert math.ceil(sum(items) / capacity) <= bound <= _exact_bins(items, capacity)
+
+
+def test_lower_bound_sees_what_the_volume_bound_misses():
+    assert lower_bound_bins(np.array([6, 6, 6, 6]), 10) == 4  # volume bound says 3
+    assert split_lower_bound_bins(np.array([25, 6]), 10) == 2 + lower_bound_bins(np.array([5, 6]), 10)
