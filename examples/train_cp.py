@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from corpus import BYTE_VOCAB, PAD_ID, StdlibCorpus, load_jsonl  # noqa: E402
+from corpus import BYTE_VOCAB, PAD_ID, StdlibDefinitions, load_jsonl  # noqa: E402
 from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss  # noqa: E402
 
 from cpdata.consistency import verify_layout_consistency  # noqa: E402
@@ -97,9 +97,14 @@ def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
     common = dict(cp_size=cp_size, cp_rank=cp_rank, dp_rank=dp_rank, dp_size=args.dp_size, padding_token_id=PAD_ID)
     if args.data and Path(args.data).is_dir():  # capacity and layout come from the plan's manifest
         return precomputed.build(args.data, args.documents, layout=layout, **common)
-    source = load_jsonl(args.data) if args.data else StdlibCorpus()
+    source = load_jsonl(args.data) if args.data else StdlibDefinitions()
     return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
                                     seed=args.seed, **common)
+
+
+def describe_stdlib() -> str:
+    corpus = StdlibDefinitions()
+    return f"stdlib ({len(corpus):,} definitions from {len(corpus.files):,} .py files)"
 
 
 def all_reduce_grads(model: torch.nn.Module, divisor: int) -> None:
@@ -165,7 +170,7 @@ def run_layout(args, layout: str, mesh, dp_rank: int, cp_rank: int, cp_group) ->
         n_params = sum(p.numel() for p in model.parameters())
         print(f"layout={layout} dp={args.dp_size} cp={cp_size} capacity={args.capacity} device={device} "
               f"dtype={str(dtype).removeprefix('torch.')} params={n_params:,} "
-              f"data={args.data or f'stdlib ({len(StdlibCorpus().files)} .py files)'}")
+              f"data={args.data or describe_stdlib()}")
     it, sharder = iter(loader), None
     totals = torch.zeros(5, dtype=torch.float64)  # real tokens, pack tokens, step s, wait s, steps (after 1st)
     loss_value, max_diff, max_grad_diff, imbalances = float("nan"), 0.0, 0.0, []
