@@ -34,6 +34,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.loader import close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.state_version import check_state_version
 
 __all__ = ["CPDataset"]
 
@@ -139,9 +140,7 @@ class CPDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        version = state_dict.get(self.VERSION_KEY)
-        if version != self.VERSION:
-            raise ValueError(f"CPDataset state has version {version!r}, this code reads version {self.VERSION}")
+        check_state_version("CPDataset", state_dict, self.VERSION_KEY, self.VERSION)
         self._pending = state_dict
 
     def __getstate__(self) -> dict[str, Any]:

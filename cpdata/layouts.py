@@ -50,7 +50,7 @@ def check_layout(layout: str, cp_size: int) -> None:
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__} {cp_size!r}")
     if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}")
+        raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}; use cp_size=1 to turn context parallelism off")
     if layout == "identity" and cp_size != 1:
         raise ValueError(
             f"layout 'identity' gives every token to one rank and needs cp_size=1, got cp_size={cp_size}; "

@@ -18,6 +18,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.collate import check_qkv_format, collate_pack, pack_metadata
 from cpdata.plan import PackPlan
+from cpdata.state_version import check_state_version
 
 __all__ = ["Collate", "CollatedPack"]
 
@@ -87,9 +88,7 @@ class Collate(BaseNode[CollatedPack]):
         if initial_state is None:
             self.source.reset(None)
             return
-        version = initial_state.get(self.VERSION_KEY)
-        if version != self.VERSION:
-            raise ValueError(f"Collate state has version {version!r}, this code reads version {self.VERSION}")
+        check_state_version("Collate", initial_state, self.VERSION_KEY, self.VERSION)
         saved = initial_state[self.CONFIG_KEY]
         if saved != self._config():
             raise ValueError(

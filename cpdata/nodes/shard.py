@@ -34,6 +34,7 @@ from cpdata.layouts import alignment, check_layout, inverse_indices, rank_indice
 from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.plan import plan_digest
 from cpdata.shard_layout import ShardLayout
+from cpdata.state_version import check_state_version
 
 __all__ = ["ShardForRank", "layout_depends_on_documents"]
 
@@ -165,9 +166,7 @@ class ShardForRank(BaseNode[Any]):
         if initial_state is None:
             self.source.reset(None)
             return
-        version = initial_state.get(self.VERSION_KEY)
-        if version != self.VERSION:
-            raise ValueError(f"ShardForRank state has version {version!r}, this code reads version {self.VERSION}")
+        check_state_version("ShardForRank", initial_state, self.VERSION_KEY, self.VERSION)
         saved = initial_state[self.CONFIG_KEY]
         if saved != self._config():
             raise ValueError(

@@ -33,6 +33,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.plan import Document
+from cpdata.state_version import check_state_version
 
 __all__ = ["Documents", "to_document"]
 
@@ -59,11 +60,19 @@ def _to_array(value: Any) -> np.ndarray | None:
     return arr
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _integer_ids(arr: np.ndarray, key: str, index: int) -> np.ndarray:
     if arr.size and (arr.dtype.kind not in "iu"):
         raise TypeError(
             f"document {index}: {key!r} must hold integers, got dtype {arr.dtype} "
             f"(first values {arr.reshape(-1)[:4].tolist()}); convert token ids to an integer type"
+        )
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
+        raise ValueError(
+            f"document {index}: {key!r} value {int(arr.max())} at position {int(arr.argmax())} does not fit "
+            "an int64 token id; check the tokenizer or vocab_size"
         )
     return arr.astype(np.int64, copy=False)
 
@@ -90,12 +99,19 @@ def to_document(item: Any, index: int, vocab_size: int | None = None) -> Documen
             f"got {type(item[INPUT_IDS]).__name__}"
         )
     if ids.ndim != 1:
-        raise ValueError(f"document {index}: {INPUT_IDS!r} must be 1-D, got shape {tuple(ids.shape)}")
+        raise ValueError(
+            f"document {index}: {INPUT_IDS!r} must be 1-D, got shape {tuple(ids.shape)}; pass one document per "
+            "item (split a [batch, seq] array into one dict per row)"
+        )
     ids = _integer_ids(ids, INPUT_IDS, index)
     if ids.size:
         if ids.min() < 0:
             low = int(ids.argmin())
-            raise ValueError(f"document {index}: {INPUT_IDS!r} must be >= 0, got {int(ids[low])} at position {low}")
+            raise ValueError(
+                f"document {index}: {INPUT_IDS!r} must be >= 0, got {int(ids[low])} at position {low}; token ids "
+                "index the vocabulary: do not pre-pad with negative ids (cpdata pads with padding_token_id) and "
+                "put ignored targets (-100) in 'labels'"
+            )
         if vocab_size is not None and ids.max() >= vocab_size:
             high = int(ids.argmax())
             raise ValueError(
@@ -109,6 +125,11 @@ def to_document(item: Any, index: int, vocab_size: int | None = None) -> Documen
         arr = _to_array(value)
         if arr is None:
             continue
+        if arr.ndim != 1:
+            raise ValueError(
+                f"document {index}: {key!r} must be 1-D with one entry per token, got shape {tuple(arr.shape)}; "
+                "split per-token vectors into separate 1-D keys"
+            )
         if arr.shape[0] != ids.shape[0]:
             raise ValueError(
                 f"document {index}: {key!r} has {arr.shape[0]} entries but {INPUT_IDS!r} has {ids.shape[0]}; "
@@ -229,8 +250,7 @@ class Documents(BaseNode[Document]):
                     ) from None
 
     def _check(self, state: dict[str, Any]) -> None:
-        if state.get(self.VERSION_KEY) != self.VERSION:
-            raise ValueError(f"Documents state version {state.get(self.VERSION_KEY)!r}, expected {self.VERSION}")
+        check_state_version("Documents", state, self.VERSION_KEY, self.VERSION)
         shard = (self.dp_rank, self.dp_size)
         if tuple(state[self.SHARD_KEY]) != shard:
             raise ValueError(

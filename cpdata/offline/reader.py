@@ -33,6 +33,7 @@ from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.source import to_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.plan import DocPiece, PackPlan
+from cpdata.state_version import check_state_version
 
 __all__ = ["PrecomputedPacks"]
 
@@ -142,9 +143,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         if initial_state is None:
             self._index = 0
             return
-        version = initial_state.get(self.VERSION_KEY)
-        if version != self.VERSION:
-            raise ValueError(f"PrecomputedPacks state has version {version!r}, this code reads version {self.VERSION}")
+        check_state_version("PrecomputedPacks", initial_state, self.VERSION_KEY, self.VERSION)
         digest = initial_state.get(self.DIGEST_KEY)
         if digest != self.store.digest:
             raise ValueError(
