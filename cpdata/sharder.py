@@ -274,6 +274,8 @@ class ContextParallelSharder:
             return full.reshape(*full.shape[:seq_dim], *layout.input_row_shape, *full.shape[seq_dim + 1 :])
         if layout.original_seq_len is not None:
             return full.narrow(seq_dim, 0, layout.original_seq_len)
+        if self.shard_layout is not None:
+            return full  # a packed row (worker batch): its padded stream is the caller's coordinate system
         raise ValueError(
             "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
             "caller's coordinates; call shard(batch) first or gather with trim=False"

@@ -239,6 +239,8 @@ def test_trim_cases_at_cp1():
     assert flat.shape == (8, 3) and torch.equal(rowsh.gather_token_tensor(flat, seq_dim=0, trim=True), y)
     with pytest.raises(ValueError, match="gathered length 6 on dim 1 != padded_seq_len 8"):
         direct(FakeMesh(), ShardLayout(padded_seq_len=8)).gather_token_tensor(torch.zeros(1, 6), trim=True)
+    packed = torch.arange(8.0).view(1, 8)  # a worker's packed row: its stream is the caller's coordinates
+    assert torch.equal(direct(FakeMesh(), ShardLayout(padded_seq_len=8)).gather_token_tensor(packed, trim=True), packed)
     with pytest.raises(ValueError, match="trim=True needs a shard layout"):
         direct(FakeMesh()).gather_token_tensor(torch.zeros(1, 4), trim=True)
 
