@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -38,8 +39,8 @@ def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, f
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-        results.put((rank, True, fn(rank, world_size, *args)))
-        dist.barrier()
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+        dist.barrier()  # without it gloo ranks abort intermittently at exit
         dist.destroy_process_group()
     except BaseException:  # every failure goes back to the parent
         code = 1
@@ -47,11 +48,16 @@ def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, f
     finally:
         results.close()
         results.join_thread()
-        os._exit(code)
+        os._exit(code)  # forked children must not run the parent's atexit handlers
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """``[fn(r, world_size, *args) for r in ranks]``, each on its own forked gloo rank."""
+    """``[fn(r, world_size, *args) for r in ranks]``, each on its own forked gloo rank.
+
+    ``fn`` may be a closure (the ranks are forked); its result must pickle.
+    Raises ``RuntimeError`` with the failing ranks' tracebacks when a rank
+    raises, exits non-zero or does not report within ``timeout`` seconds.
+    """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -62,24 +68,28 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     deadline = time.monotonic() + timeout
     reports: dict[int, tuple[bool, Any]] = {}
     try:
-        while len(reports) < world_size and time.monotonic() < deadline:
+        while len(reports) < world_size and (remaining := deadline - time.monotonic()) > 0:
             try:
-                rank, ok, payload = results.get(timeout=1.0)
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                if not any(p.is_alive() for p in procs):
+                if not any(p.is_alive() for p in procs) and results.empty():
                     break
                 continue
             reports[rank] = (ok, payload)
+        failed = any(not ok for ok, _ in reports.values())  # peers of a failed rank may sit in a barrier
         for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            p.join(timeout=2.0 if failed else max(deadline - time.monotonic(), 1.0))
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    failed = [f"rank {r}:\n{payload}" for r, (ok, payload) in sorted(reports.items()) if not ok]
+    failed_ranks = [f"rank {r} raised:\n{payload}" for r, (ok, payload) in sorted(reports.items()) if not ok]
     missing = sorted(set(range(world_size)) - set(reports))
     codes = [p.exitcode for p in procs]
-    if failed or missing or any(codes):
-        raise RuntimeError(f"gloo ranks failed (exit codes {codes}, silent ranks {missing})\n" + "\n".join(failed))
-    return [reports[r][1] for r in range(world_size)]
+    if failed_ranks or missing or any(codes):
+        raise RuntimeError(
+            f"gloo ranks failed (exit codes {codes}; ranks {missing} did not report within timeout={timeout}s)\n"
+            + "\n".join(failed_ranks)
+        )
+    return [pickle.loads(reports[r][1]) for r in range(world_size)]
