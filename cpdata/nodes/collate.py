@@ -18,7 +18,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.collate import check_qkv_format, collate_pack, pack_metadata
 from cpdata.plan import PackPlan
-from cpdata.state_version import check_state_version
+from cpdata.state_version import check_saved_config, check_state_version
 
 __all__ = ["Collate", "CollatedPack"]
 
@@ -89,12 +89,7 @@ class Collate(BaseNode[CollatedPack]):
             self.source.reset(None)
             return
         check_state_version("Collate", initial_state, self.VERSION_KEY, self.VERSION)
-        saved = initial_state[self.CONFIG_KEY]
-        if saved != self._config():
-            raise ValueError(
-                f"Collate state was saved with {saved}, this node has {self._config()}; "
-                "resume with the same batch_size and qkv_format"
-            )
+        check_saved_config("Collate", initial_state[self.CONFIG_KEY], self._config())
         self.source.reset(initial_state[self.SOURCE_KEY])
 
     def next(self) -> CollatedPack:

@@ -34,7 +34,7 @@ from cpdata.layouts import alignment, check_layout, inverse_indices, rank_indice
 from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.plan import plan_digest
 from cpdata.shard_layout import ShardLayout
-from cpdata.state_version import check_state_version
+from cpdata.state_version import check_saved_config, check_state_version
 
 __all__ = ["ShardForRank", "layout_depends_on_documents"]
 
@@ -167,12 +167,7 @@ class ShardForRank(BaseNode[Any]):
             self.source.reset(None)
             return
         check_state_version("ShardForRank", initial_state, self.VERSION_KEY, self.VERSION)
-        saved = initial_state[self.CONFIG_KEY]
-        if saved != self._config():
-            raise ValueError(
-                f"ShardForRank state was saved with {saved}, this node has {self._config()}; "
-                "resume with the same cp_size and layout"
-            )
+        check_saved_config("ShardForRank", initial_state[self.CONFIG_KEY], self._config())
         self.source.reset(initial_state[self.SOURCE_KEY])
 
     def get_state(self) -> dict[str, Any]:
