@@ -19,6 +19,13 @@ torch's ``default_convert`` and ``pin_memory`` take: ``copy.copy`` then
 drop keys, build a new batch with :meth:`replace` or use ``dict(batch)``.
 Pickles by value (tensors through torch's shared-memory reducers across
 worker processes).
+
+Memory layout: :meth:`ShardedBatch.contiguous` (what ``ShardForRank`` emits)
+places every tensor in one byte buffer (16-byte aligned views), so pinning is
+one ``pin_memory`` call and the host-to-device move is a single copy of that
+buffer instead of one per key (~10 keys: ten small copies, each paying the
+launch/latency cost, become one). Replacing a key by another tensor falls back
+to per-key copies for that batch.
 """
 
 from __future__ import annotations
@@ -33,8 +40,29 @@ from cpdata.shard_layout import ShardLayout
 __all__ = ["ShardedBatch"]
 
 
+_ALIGN = 16
+Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
+
+
 def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
     return ShardedBatch(tensors, layout=layout, info=info)
+
+
+def _restore_buffer(buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: dict[str, Any]):
+    return ShardedBatch._from_buffer(buffer, spans, layout, info)
+
+
+def _views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
+    """Typed views of ``buffer``: one reinterpretation per dtype, then one ``as_strided`` per key."""
+    assert buffer.storage_offset() == 0, "a batch buffer is always a fresh allocation"
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for k, (offset, _, dtype, shape, strides) in spans.items():
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buffer.view(dtype)
+        out[k] = whole.as_strided(shape, strides, offset // whole.element_size())
+    return out
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -46,7 +74,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         info: small plain-python metadata (no tensors).
     """
 
-    __slots__ = ("_tensors", "_layout", "_info")
+    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans")
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
@@ -59,6 +87,38 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         self._tensors = dict(tensors)
         self._layout = layout
         self._info = dict(info or {})
+        self._buffer: torch.Tensor | None = None  # uint8 [bytes] backing every tensor, when contiguous
+        self._spans: dict[str, Span] = {}
+
+    @classmethod
+    def contiguous(
+        cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
+    ) -> ShardedBatch:
+        """A batch whose tensors are views of one host buffer (one extra host copy of this rank's bytes)."""
+        spans: dict[str, Span] = {}
+        offset = 0
+        for k, v in tensors.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"ShardedBatch values must be torch tensors; key {k!r} is {type(v).__name__}")
+            n = v.numel() * v.element_size()
+            strides = [1] * v.dim()
+            for i in range(v.dim() - 2, -1, -1):
+                strides[i] = strides[i + 1] * v.shape[i + 1]
+            spans[k] = (offset, n, v.dtype, tuple(v.shape), tuple(strides))
+            offset += -(-n // _ALIGN) * _ALIGN
+        buffer = torch.empty(offset, dtype=torch.uint8)
+        views = _views(buffer, spans)
+        for k, v in tensors.items():
+            views[k].copy_(v)
+        return cls._from_buffer(buffer, spans, layout, info)
+
+    @classmethod
+    def _from_buffer(
+        cls, buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: Mapping[str, Any] | None
+    ) -> ShardedBatch:
+        batch = cls(_views(buffer, spans), layout=layout, info=info)
+        batch._buffer, batch._spans = buffer, dict(spans)
+        return batch
 
     @property
     def layout(self) -> ShardLayout:
@@ -89,15 +149,21 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 f"ShardedBatch[{key!r}] may only be replaced by a tensor of shape {tuple(old.shape)}, got {got}; "
                 "use batch.replace(...) to change shapes"
             )
+        if value is not old:  # the buffer no longer backs every key
+            self._buffer, self._spans = None, {}
         self._tensors[key] = value
 
     def __delitem__(self, key: str) -> None:
         raise TypeError(f"ShardedBatch keys are fixed; cannot delete {key!r}. Use batch.replace() or dict(batch)")
 
     def __copy__(self) -> ShardedBatch:
+        if self._buffer is not None:
+            return ShardedBatch._from_buffer(self._buffer, self._spans, self._layout, self._info)
         return ShardedBatch(self._tensors, layout=self._layout, info=self._info)
 
     def __reduce__(self):
+        if self._buffer is not None:
+            return _restore_buffer, (self._buffer, self._spans, self._layout, self._info)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
@@ -114,12 +180,19 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 out[k] = v
         return ShardedBatch(out, layout=self._layout, info=self._info)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> ShardedBatch:
-        """Tensors on ``device``; the layout stays on the host (the sharder moves what it needs)."""
-        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self._tensors.items()}
+    def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
+        """Tensors on ``device`` (one copy when contiguous); the layout stays on the host (the sharder
+        moves what it needs). ``copy=True`` copies even when already on ``device``, as ``Tensor.to``."""
+        if self._buffer is not None:
+            buffer = self._buffer.to(device, non_blocking=non_blocking, copy=copy)
+            return ShardedBatch._from_buffer(buffer, self._spans, self._layout, self._info)
+        moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
         return ShardedBatch(moved, layout=self._layout, info=self._info)
 
     def pin_memory(self, device: Any = None) -> ShardedBatch:
         """Tensors and layout tensors in pinned host memory (CUDA builds only)."""
+        if self._buffer is not None:
+            return ShardedBatch._from_buffer(self._buffer.pin_memory(), self._spans, self._layout.pin_memory(),
+                                             self._info)  # fmt: skip
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)

@@ -127,6 +127,9 @@ def _shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devi
             f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
             "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )
+    on_device = device is None or all(v.device == device for v in batch.values() if isinstance(v, torch.Tensor))
+    if not on_device and callable(getattr(batch, "to", None)):  # ShardedBatch: one copy of its buffer
+        return contextlib.nullcontext, dict(batch.to(device, non_blocking=True)), layout
     return contextlib.nullcontext, {k: _to(v, device) for k, v in batch.items()}, layout
 
 

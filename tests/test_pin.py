@@ -62,7 +62,9 @@ def test_sharded_batch_takes_torchs_pin_path(fake_pinning):
         assert torch.equal(pinned[k], batch[k]) and pinned[k].data_ptr() != batch[k].data_ptr()
     assert torch.equal(pinned.layout.gather_index, batch.layout.gather_index)
     assert pinned.layout.gather_index.data_ptr() != batch.layout.gather_index.data_ptr()
-    assert len(fake_pinning) == len(batch) + 2  # every tensor plus the two layout maps
+    # One pin for the buffer that backs every tensor (single host-to-device copy later), two for the layout maps.
+    assert len(fake_pinning) == 3
+    assert fake_pinning[0][0] >= sum(t.numel() * t.element_size() for t in batch.values())
     plans, _ = make_plans(np.random.default_rng(1), n_plans=1, capacity=64, doc_multiple=4)
     every_rank = next(ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
     both = torch_pin_memory(every_rank)

@@ -195,3 +195,32 @@ def test_collate_node_groups_plans_and_builds_tensors_on_demand():
         Collate(IterableWrapper(plans), batch_size=0)
     with pytest.raises(ValueError, match="qkv_format"):
         Collate(IterableWrapper(plans), qkv_format="sbhd")
+
+
+def test_batch_tensors_share_one_buffer_and_move_in_one_copy(monkeypatch):
+    import copy
+    import pickle
+
+    batch = next(iter(shard_node(plans_for("balanced", 2, n=2), cp_size=2, cp_rank=1, layout="balanced")))
+    buffer = batch._buffer
+    assert buffer is not None and buffer.dtype == torch.uint8
+    for t in batch.values():  # every tensor is a view of the one buffer
+        assert t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    copies = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    moved = batch.to("cpu", non_blocking=True)
+    monkeypatch.undo()
+    assert copies == [tuple(buffer.shape)]
+    for key in batch:
+        assert torch.equal(moved[key], batch[key]) and moved[key].dtype == batch[key].dtype
+    for other in (copy.copy(batch), pickle.loads(pickle.dumps(batch))):
+        assert other._buffer is not None and set(other) == set(batch)
+        assert all(torch.equal(other[k], batch[k]) for k in batch)
+    batch["labels"] = batch["labels"].clone()  # a replaced key: per-key copies from now on, values intact
+    assert batch._buffer is None and torch.equal(batch.to("cpu")["labels"], batch["labels"])

@@ -216,5 +216,5 @@ class ShardForRank(BaseNode[Any]):
                 digest=info["digest"],
             )
             tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}  # fresh C-contiguous arrays
-            out.append(ShardedBatch(tensors, layout=layout, info=dict(info)))
+            out.append(ShardedBatch.contiguous(tensors, layout=layout, info=dict(info)))
         return tuple(out) if self.all_ranks else out[0]
