@@ -11,7 +11,8 @@ from torchdata.nodes import IterableWrapper
 
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.source import Documents
-from cpdata.packing import ALGORITHMS, plan_lengths
+from cpdata.packing import ALGORITHMS, WINDOW_PACKS, plan_lengths
+from cpdata.packing.planner import window_ends
 from cpdata.plan import PackPlan
 
 
@@ -111,6 +112,28 @@ def test_contract_mid_window_with_carried_bins():
             interesting.append(i)
     assert len(interesting) == 4
     run_save_load_contract(lambda: _pack(docs), interesting, epochs=2)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_short_documents_widen_the_window_online_as_offline(seekable):
+    # ~6-token documents at capacity 256: 16 documents are far less than WINDOW_PACKS packs of tokens.
+    docs = _docs(600, max_len=12, seed=3)
+    kw = dict(capacity=256, layout="identity", cp_size=1, window=16)
+
+    def make():
+        return Pack(Documents(docs if seekable else IterableWrapper(docs)), **kw)
+
+    lengths = np.array([len(d["input_ids"]) for d in docs])
+    offline = plan_lengths(lengths, **kw)
+    ends, counted = window_ends(lengths, offline.config), np.maximum(lengths, 1)
+    assert ends[0] > 16 and counted[: ends[0]].sum() >= WINDOW_PACKS * 256 > counted[: ends[0] - 1].sum()
+    node = make()
+    plans = list(node)
+    assert [[p.index for p in plan.pieces] for plan in plans] == [
+        offline.pack(p)[0].tolist() for p in range(offline.n_packs)
+    ]
+    assert node.stats == offline.stats and offline.stats.excess_pct < 1.0
+    run_save_load_contract(make, [1, len(plans) // 2, len(plans) - 1], epochs=1, round_trips=("pickle",))
 
 
 def test_contract_with_a_node_source_and_truncation():

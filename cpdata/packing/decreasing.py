@@ -1,24 +1,49 @@
-"""Decreasing-order packers: windowed best-fit-decreasing (``bfd``) and first-fit-decreasing (``ffd``).
+"""Decreasing-order packers: streaming best-fit-decreasing (``bfd``) and first-fit-decreasing (``ffd``).
 
-``bfd`` (the default) packs a sliding pool: each window's pieces plus the
-pieces of the bins it carried. The pool is sorted longest first and every
-piece goes into the open bin with the least room that still fits it (bisect
-on a sorted list of ``room << 32 | bin_id`` codes: O(log bins) search plus a
-memmove). Exactly full bins are emitted; the others are carried into the next
-window, where their pieces are packed again together with the new ones, so
-the small pieces of later windows fill the gaps the long pieces of earlier
-windows left. The carry is bounded by one window's slot tokens: when it is
-over, the fullest bins are emitted first. At the end of the stream the
-carried pieces are packed one last time and emitted. Memory: O(window): the
-window plus at most one window's slot tokens carried.
+``bfd`` (the default) keeps a set of open bins across windows. Per window:
+
+1. Pieces of exactly the capacity are packs on their own and leave at once.
+2. The other pieces, longest first, go best-fit into the open bins or new
+   ones: the bin with the least room that still fits (bisect on a sorted
+   list of ``room << shift | bin`` codes: O(log bins) plus a memmove). The
+   carried bins are not taken apart. One exception: a piece that would leave
+   a gap smaller than every piece of the window (which nothing later in the
+   window fills) in a bin with room for two of the smallest goes instead to
+   the best bin where it leaves at least that room, or to a new bin. Without
+   it, sizes just under ``capacity / k`` stack ``k`` to a bin with such a gap
+   (3 x 1,320 tokens in 4,096 leave 136 where nothing fits), and those bins
+   pile up in the carry.
+3. The emptiest bins stay open (carried) while they hold at most one
+   window's slot tokens (or what was carried before, if more: a short last
+   window does not flush the carry), unless they hold a piece older than
+   :data:`MAX_WAIT` windows; the others are emitted, each first topped up by
+   trading pieces with the carried bins
+   (:func:`~cpdata.packing.filling.top_up`; old pieces are never traded back
+   into the carry), which moves its slack into bins that later pieces still
+   fill.
+
+At the end of the stream the carried bins are emitted, re-packed first
+(best-fit-decreasing, or :func:`~cpdata.packing.filling.exact_fill`) if that
+needs fewer bins. Memory: the window plus at most the largest window's slot
+tokens carried.
+
+Trade-off: carried bins change only by trades, never by re-packing all
+carried pieces with the new ones, which halves the best-fit work per window.
+On shuffled data that costs nothing; on a stream sorted by increasing length
+it does (``sft`` at 4K: 8 pp above the bound, 2.5 pp when the carry is
+re-packed; sorted streams defeat any streaming packer, and decreasing order
+does better here: 1.0 pp against 3.9).
 
 Measured with ``python -m cpdata.packing`` on the distributions of
-:mod:`cpdata.packing.distributions`, window 1024: 0.00-0.09 percentage points
-above ``ceil(slot tokens / capacity)`` packs (first-fit-decreasing over the
-whole set: 0.00-0.08), at 1-2 us per document; keeping the under-filled bins
-instead of re-packing them costs up to 0.1 pp more. The price of the carry is
-latency: most pieces leave with their own window, 1 in 10 waits 1-3 windows,
-1 in 100 waits 5-20, the longest waits ~30-90 windows.
+:mod:`cpdata.packing.distributions` at 4K-128K (window 1024 documents and at
+least :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens): 0.000-0.042
+percentage points above ``ceil(slot tokens / capacity)`` packs, at 0.4-1.8 us
+per document (~1.7 on 4K chat, where most of it is the best-fit loop and
+the trades); first-fit-decreasing over the whole stream: 0.00-0.08. Without
+the gap rule of step 2, 4K chat (``ultrachat``) sits at 0.06-0.09 pp; without
+the trades of step 3, at ~1 pp. Latency: 99% of pieces leave within 10
+windows of their arrival, all within ~MAX_WAIT + 5 (the end of the stream
+included); the largest carry is 1,000-4,600 pieces.
 
 ``ffd`` is classic first-fit-decreasing over a whole window (a max segment
 tree over bin room finds the first bin that fits in O(log n)); with
@@ -37,17 +62,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing"]
+from cpdata.packing.filling import exact_fill, top_up
+from cpdata.packing.records import PackKeys
 
-_SHIFT = 32
-_MASK = (1 << _SHIFT) - 1
+__all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing"]
 
-
-def _emit_order(bins: list[list[int]]) -> list[list[int]]:
-    """Pieces in arrival order inside each pack, packs by their earliest piece."""
-    packs = [sorted(b) for b in bins if b]
-    packs.sort(key=lambda p: p[0])
-    return packs
+MAX_WAIT = 32
+"""Windows a carried bin may stay open: one that holds a piece which arrived
+more than ``MAX_WAIT`` windows ago is emitted (a window counted as the larger
+of the current window's and the carry's pieces). Without it a bin that stays a
+little emptier than the others can stay open for the whole stream (100+
+windows with 1M short documents at 128K)."""
 
 
 def _decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,92 +81,148 @@ def _decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.nda
     return keys[order], slots[order]
 
 
-def best_fit_decreasing(keys: np.ndarray, slots: np.ndarray, capacity: int) -> tuple[list[list[int]], list[int]]:
-    """Best-fit-decreasing of one pool of pieces into fresh bins.
+def _packs(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
+    """Pieces grouped by bin: keys ascending inside a pack, packs by their smallest key."""
+    order = np.lexsort((keys, bin_of))
+    k, b = keys[order], bin_of[order]
+    starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if k.size else np.zeros(0, np.int64)
+    sizes = np.diff(np.append(starts, k.shape[0]))
+    by_first = np.argsort(k[starts])
+    starts, sizes = starts[by_first], sizes[by_first]
+    flat = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(k.shape[0])
+    return PackKeys(keys=k[flat], sizes=sizes)
+
+
+def best_fit_decreasing(
+    slots: np.ndarray, capacity: int, rooms: np.ndarray | None = None, *, avoid: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Best-fit of pieces, longest first, into open bins and then new ones.
 
     Args:
-        keys, slots: int64 ``[n]`` piece keys and slot lengths (any order).
+        slots: int64 ``[n]`` slot lengths, non-increasing, each ``<= capacity``.
         capacity: bin size.
+        rooms: int64 ``[m]`` room of the bins already open (bins ``0..m-1``), or None.
+        avoid: a piece that would leave a room below the smallest piece (and
+            above 0) in a bin with room for two of the smallest goes to the best
+            bin where it leaves at least the smallest piece's room, or a new one.
 
     Returns:
-        ``(bins, free)``: bins as key lists (placement order), and the sorted
-        ``room << 32 | bin`` codes of the bins with room left (full bins are absent).
+        ``(bin_of, open_room, open_bin)``: int64 ``[n]`` bin of every piece (new
+        bins numbered from ``m`` in opening order), and the room and number of
+        every bin with room left, fullest first.
     """
-    assert capacity < _MASK
-    ks, ss = _decreasing(keys, slots)
-    # Pieces longer than half a bin never share one: one bin each, built in bulk.
-    n_big = int(np.count_nonzero(2 * ss > capacity))
-    bins: list[list[int]] = [[k] for k in ks[:n_big].tolist()]
-    free = ((((capacity - ss[:n_big]) << _SHIFT) | np.arange(n_big, dtype=np.int64))[capacity - ss[:n_big] > 0])
-    free = np.sort(free).tolist()
-    sentinel = (capacity << _SHIFT) | _MASK  # a fresh bin: sorts after every real one
+    n, m = int(slots.shape[0]), 0 if rooms is None else int(rooms.shape[0])
+    rooms = np.zeros(0, dtype=np.int64) if rooms is None else rooms
+    shift = max(n + m, 1).bit_length()  # as small as the bin numbers allow: faster int compares
+    mask = (1 << shift) - 1
+    # Pieces longer than half a bin and than every open room each open their own bin, in bulk.
+    n_bulk = int(np.count_nonzero((2 * slots > capacity) & (slots > rooms.max(initial=0))))
+    room = np.concatenate([rooms, capacity - slots[:n_bulk]])
+    free = np.sort(((room << shift) | np.arange(m + n_bulk, dtype=np.int64))[room > 0]).tolist()
+    sentinel = (capacity << shift) | mask  # a fresh bin: sorts after every real one
     free.append(sentinel)
-    one, cap_sh = 1 << _SHIFT, capacity << _SHIFT
-    find, put, append = bisect_left, insort, bins.append
-    for k, sh in zip(ks[n_big:].tolist(), (ss[n_big:] << _SHIFT).tolist(), strict=True):
+    one, cap_sh, n_bins = 1 << shift, capacity << shift, m + n_bulk
+    find, put = bisect_left, insort
+    placed: list[int] = []
+    append = placed.append
+    # A room below the smallest piece takes nothing more: its bin leaves ``free`` (shorter searches).
+    dead = int(slots[-1]) << shift if n else 0
+    dead2 = 2 * dead
+    closed: list[int] = []
+    close = closed.append
+    for sh in (slots[n_bulk:] << shift).tolist():
         j = find(free, sh)  # least room >= slot
         code = free[j]
+        if code != sentinel:
+            new = code - sh  # same bin, room - slot
+            if avoid and one <= new < dead and code >= dead2:
+                j = find(free, sh + dead, 0, len(free) - 1)  # at worst the sentinel: a new bin
+                code = free[j]
+                new = code - sh
         if code == sentinel:
-            new = (cap_sh - sh) | len(bins)
-            append([k])
+            new = (cap_sh - sh) | n_bins
+            append(n_bins)
+            n_bins += 1
         else:
             del free[j]
-            bins[code & _MASK].append(k)
-            new = code - sh  # same bin, room - slot
-        if new >= one:
+            append(code & mask)
+        if new >= dead:
             put(free, new)
+        elif new >= one:
+            close(new)
     free.pop()
-    return bins, free
+    codes = np.sort(np.asarray(free + closed, dtype=np.int64))
+    bin_of = np.concatenate([np.arange(m, m + n_bulk, dtype=np.int64), np.asarray(placed, dtype=np.int64)])
+    return bin_of, codes >> shift, codes & mask
 
 
 class BestFitDecreasing:
-    """Sliding-pool best-fit-decreasing; see the module docstring."""
+    """Streaming best-fit-decreasing with carried bins; see the module docstring."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        # Carried pieces ascending by key (the head of the next pool), and the carried bins (for the state).
-        self._carry_keys = np.zeros(0, dtype=np.int64)
-        self._carry_slots = np.zeros(0, dtype=np.int64)
-        self._carry_bins: list[list[int]] = []
-
-    def place(self, keys: np.ndarray, slots: np.ndarray) -> list[list[int]]:
-        if keys.shape[0] == 0:
-            return []
-        pool_k = np.concatenate([self._carry_keys, keys])  # ascending: new keys follow the carry
-        pool_s = np.concatenate([self._carry_slots, slots])
-        bins, free = best_fit_decreasing(pool_k, pool_s, self.capacity)
-        # Carry the emptiest bins while they hold at most one window of slot tokens.
-        budget, kept = int(slots.sum()), []
-        for code in reversed(free):
-            budget -= self.capacity - (code >> _SHIFT)
-            if budget < 0:
-                break
-            kept.append(code & _MASK)
-        kept.sort()
-        self._carry_bins = [sorted(bins[b]) for b in kept]
-        carried = np.fromiter((k for b in kept for k in bins[b]), dtype=np.int64)
-        carried.sort()
-        self._carry_keys, self._carry_slots = carried, pool_s[np.searchsorted(pool_k, carried)]
-        kept_set = set(kept)
-        return _emit_order([keys for b, keys in enumerate(bins) if b not in kept_set])
-
-    def finish(self) -> list[list[int]]:
-        """Pack the carried pieces one last time and emit every bin."""
-        keys, slots = self._carry_keys, self._carry_slots
         self.load_carry([])
-        return _emit_order(best_fit_decreasing(keys, slots, self.capacity)[0]) if keys.size else []
+
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
+        if keys.shape[0] == 0:
+            return PackKeys.concat([])
+        cap, m = self.capacity, int(self._bins.max(initial=-1)) + 1
+        # Carried bins holding a piece older than MAX_WAIT windows leave now; a window counts as the
+        # larger of this window's and the carry's pieces (a short last window is not a short window).
+        oldest = keys[0] - MAX_WAIT * max(keys.shape[0], self._keys.shape[0])
+        stale = self._keys[np.searchsorted(self._bins, np.arange(m))] < oldest
+        full = slots == cap
+        singles = keys[full]
+        keys, slots = _decreasing(keys[~full], slots[~full])
+        rooms = cap - np.bincount(self._bins, weights=self._slots, minlength=m).astype(np.int64)
+        bin_new, open_room, open_bin = best_fit_decreasing(slots, cap, rooms, avoid=True)
+        ks, ss = np.concatenate([self._keys, keys]), np.concatenate([self._slots, slots])
+        bin_of = np.concatenate([self._bins, bin_new])
+        # Carry the emptiest bins while they hold at most the budget.
+        budget = max(int(slots.sum()), int(self._slots.sum()))
+        n_kept = int(np.searchsorted(np.cumsum(cap - open_room[::-1]), budget, side="right"))
+        kept = np.zeros(int(bin_of.max(initial=-1)) + 1, dtype=bool)
+        kept[open_bin[open_room.shape[0] - n_kept :]] = True
+        kept[:m] &= ~stale
+        emit = ~kept[open_bin]
+        if emit.any() and kept.any():
+            top_up(ss, bin_of, open_bin[emit], open_room[emit], kept, locked=ks < oldest)
+        carried = kept[bin_of]
+        # Carried pieces by (bin, key), bins renumbered 0..: exactly what load_carry(carry()) rebuilds.
+        bins = np.unique(bin_of[carried], return_inverse=True)[1].astype(np.int64)
+        order = np.lexsort((ks[carried], bins))
+        self._keys, self._slots, self._bins = ks[carried][order], ss[carried][order], bins[order]
+        n_bins = kept.shape[0]
+        out_b = np.concatenate([bin_of[~carried], np.arange(n_bins, n_bins + singles.shape[0], dtype=np.int64)])
+        return _packs(np.concatenate([ks[~carried], singles]), out_b)
+
+    def finish(self) -> PackKeys:
+        """Emit the carried bins, re-packed first if that needs fewer bins."""
+        keys, slots, bin_of = self._keys, self._slots, self._bins
+        self.load_carry([])
+        if not keys.size:
+            return PackKeys.concat([])
+        cap, n_bins = self.capacity, int(bin_of.max()) + 1
+        bound = -(-int(slots.sum()) // cap)
+        if n_bins > bound:
+            ks, ss = _decreasing(keys, slots)
+            for other in (best_fit_decreasing(ss, cap)[0], exact_fill(ss, cap)):
+                if int(other.max()) + 1 < n_bins:
+                    keys, bin_of, n_bins = ks, other, int(other.max()) + 1
+        return _packs(keys, bin_of)
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Carried bins as ``(keys, slots)`` pairs, in bin order."""
-        slot_of = dict(zip(self._carry_keys.tolist(), self._carry_slots.tolist(), strict=True))
-        return [(list(b), [slot_of[k] for k in b]) for b in self._carry_bins]
+        """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
+        k, s, b = self._keys.tolist(), self._slots.tolist(), self._bins
+        bounds = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])).tolist() if b.size else [0]
+        return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        self._carry_bins = [list(k) for k, _ in bins]
         keys = np.asarray([k for b, _ in bins for k in b], dtype=np.int64)
         slots = np.asarray([s for _, b in bins for s in b], dtype=np.int64)
-        order = np.argsort(keys, kind="stable")
-        self._carry_keys, self._carry_slots = keys[order], slots[order]
+        bin_of = np.repeat(np.arange(len(bins), dtype=np.int64), [len(b) for b, _ in bins])
+        order = np.lexsort((keys, bin_of))
+        self._keys, self._slots, self._bins = keys[order], slots[order], bin_of[order]
 
 
 class FirstFitDecreasing:
@@ -150,24 +231,20 @@ class FirstFitDecreasing:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
 
-    def place(self, keys: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
         if n == 0:
-            return []
+            return PackKeys.concat([])
         ks, ss = _decreasing(keys, slots)
         size = 1 << max(n - 1, 1).bit_length()
         # Max segment tree over the room of bins 0..size-1 (unused bins have full room).
         tree = [self.capacity] * (2 * size)
-        bins: list[list[int]] = []
-        for k, s in zip(ks.tolist(), ss.tolist(), strict=True):
+        bin_of: list[int] = []
+        for s in ss.tolist():
             i = 1
             while i < size:
                 i = 2 * i if tree[2 * i] >= s else 2 * i + 1
-            b = i - size
-            if b == len(bins):
-                bins.append([k])
-            else:
-                bins[b].append(k)
+            bin_of.append(i - size)
             tree[i] -= s
             i >>= 1
             while i:
@@ -176,10 +253,10 @@ class FirstFitDecreasing:
                     break
                 tree[i] = m
                 i >>= 1
-        return _emit_order(bins)
+        return _packs(ks, np.asarray(bin_of, dtype=np.int64))
 
-    def finish(self) -> list[list[int]]:
-        return []
+    def finish(self) -> PackKeys:
+        return PackKeys.concat([])
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         return []

@@ -65,9 +65,14 @@ BENCHMARK_CASES: tuple[tuple[str, int, str, int], ...] = (
     ("web", 16384, "split", 100_000),
     ("long_context", 16384, "split", 20_000),
     ("long_context", 131072, "error", 60_000),
+    ("alpaca", 131072, "error", 400_000),
+    ("sft", 131072, "split", 400_000),
+    ("web", 131072, "split", 400_000),
 )
 """(distribution, capacity, overflow, documents): enough documents for about
-2000+ packs, so that one extra pack costs under 0.05 percentage points."""
+2000+ packs, so that one extra pack costs under 0.05 percentage points; the
+short documents at 128K (1024 of them are less than one pack) make ~280
+(``alpaca``) and ~2,100 packs, where the bound is reachable exactly."""
 
 HARD_CASES: tuple[tuple[str, int, str, int], ...] = (("chat_narrow", 4096, "split", 20_000),)
 """Cases where the lower bound is out of reach for any packer (see module docstring)."""

@@ -3,7 +3,7 @@
 Both place pieces one at a time, in arrival order, so their packs do not
 depend on how the stream is cut into windows. A packer sees pieces as integer
 keys (increasing arrival numbers) with slot lengths and returns finished packs
-as lists of keys in arrival order.
+(keys in arrival order) as :class:`~cpdata.packing.records.PackKeys`.
 
 | packer      | open bins | a piece that fits no open bin...               | reference |
 |-------------|-----------|--------------------------------------------------|-----------|
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from cpdata.packing.records import PackKeys
 
 __all__ = ["FirstFit", "NextFit"]
 
@@ -34,7 +36,7 @@ class NextFit:
         """Slot tokens in the open bin."""
         return self._used
 
-    def place(self, keys: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         out: list[list[int]] = []
         cap, used = self.capacity, self._used
         cur_k, cur_s = self._keys, self._slots
@@ -49,12 +51,12 @@ class NextFit:
                 out.append(cur_k)
                 cur_k, cur_s, used = [], [], 0
         self._keys, self._slots, self._used = cur_k, cur_s, used
-        return out
+        return PackKeys.from_lists(out)
 
-    def finish(self) -> list[list[int]]:
+    def finish(self) -> PackKeys:
         out = [self._keys] if self._keys else []
         self._keys, self._slots, self._used = [], [], 0
-        return out
+        return PackKeys.from_lists(out)
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)`` pairs, in bin order."""
@@ -81,7 +83,7 @@ class FirstFit:
         self._slots: list[list[int]] = []
         self._used: list[int] = []
 
-    def place(self, keys: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         out: list[list[int]] = []
         cap, used = self.capacity, self._used
         for k, s in zip(keys.tolist(), slots.tolist(), strict=True):
@@ -99,12 +101,12 @@ class FirstFit:
                 self._keys.append([k])
                 self._slots.append([s])
                 used.append(s)
-        return out
+        return PackKeys.from_lists(out)
 
-    def finish(self) -> list[list[int]]:
+    def finish(self) -> PackKeys:
         out = self._keys
         self._keys, self._slots, self._used = [], [], []
-        return out
+        return PackKeys.from_lists(out)
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         return [(list(k), list(s)) for k, s in zip(self._keys, self._slots, strict=True)]

@@ -1,21 +1,40 @@
-"""Records of the packing planners: the configuration, the stats, the offline result."""
+"""Records of the packing planners: the configuration, the stats, the offline result, finished packs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
 from cpdata.layouts import alignment
 
-__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "PackingConfig", "PackingResult", "PackingStats"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_WINDOW",
+    "OVERFLOW_POLICIES",
+    "WINDOW_PACKS",
+    "PackKeys",
+    "PackingConfig",
+    "PackingResult",
+    "PackingStats",
+]
 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
-"""Documents per ``bfd`` window: 0.00-0.09 pp above the lower bound on the
-realistic distributions at 1-2 us per document (``python -m cpdata.packing``);
-a 512 window costs ~0.05 pp more, 2048 ~0.02 pp less."""
+"""Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound
+on the realistic distributions at 0.4-1.8 us per document (``python -m
+cpdata.packing``); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
+carry, and with it the ``Pack`` state, grows with the window)."""
+WINDOW_PACKS = 4
+"""A window also holds at least this many packs of tokens (each document
+counted up to the capacity, and at least 1): with short documents at a long
+capacity (90-token documents at 128K) 1024 documents are less than one pack,
+and a packer that sees less than a pack at a time emits it under-filled. The
+window then grows to ``WINDOW_PACKS * capacity / mean length`` documents
+(~5,800 at 128K for 90-token documents), never past ``WINDOW_PACKS * capacity``."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -38,7 +57,8 @@ class PackingConfig:
     overflow: str
     """What happens to a document whose aligned length exceeds ``capacity``."""
     window: int | None
-    """Documents per planning window; ``None`` = the whole stream (``ffd`` default)."""
+    """Documents per planning window, at least (a window also holds :attr:`window_tokens`);
+    ``None`` = the whole stream (``ffd`` default)."""
     doc_multiple: int
     """Every document slot is rounded up to this multiple (``alignment(layout, cp)[0]``)."""
     seed: int = 0
@@ -93,6 +113,12 @@ class PackingConfig:
             doc_multiple=doc_multiple,
             seed=_check_int("seed", seed, 0) if seed is not None else 0,
         )
+
+    @property
+    def window_tokens(self) -> int:
+        """Least tokens per window, each document counted up to ``capacity`` and at
+        least 1 (``WINDOW_PACKS * capacity``); 0 with ``window=None``."""
+        return 0 if self.window is None else WINDOW_PACKS * self.capacity
 
     def identity(self) -> dict[str, object]:
         """The fields a saved state must match to be restored under this configuration."""
@@ -182,3 +208,36 @@ class PackingResult:
         """``(doc_index, doc_start, doc_len, slot_len)`` of pack ``p``."""
         lo, hi = int(self.pack_offsets[p]), int(self.pack_offsets[p + 1])
         return self.doc_index[lo:hi], self.doc_start[lo:hi], self.doc_len[lo:hi], self.slot_len[lo:hi]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackKeys:
+    """Packs a packer finished, as piece keys in CSR form (no Python list per pack).
+
+    Pack ``p`` is ``keys[o[p]:o[p + 1]]`` with ``o`` the running sum of
+    ``sizes`` from 0; iterating yields each pack as a list of keys.
+    """
+
+    keys: np.ndarray
+    """int64 ``[pieces]``: the keys of every pack, pack after pack."""
+    sizes: np.ndarray
+    """int64 ``[packs]``: pieces per pack."""
+
+    @classmethod
+    def from_lists(cls, packs: Sequence[Sequence[int]]) -> PackKeys:
+        sizes = np.fromiter(map(len, packs), dtype=np.int64, count=len(packs))
+        keys = np.fromiter(chain.from_iterable(packs), dtype=np.int64, count=int(sizes.sum()))
+        return cls(keys=keys, sizes=sizes)
+
+    @classmethod
+    def concat(cls, parts: Sequence[PackKeys]) -> PackKeys:
+        if not parts:
+            return cls(keys=np.zeros(0, np.int64), sizes=np.zeros(0, np.int64))
+        return cls(keys=np.concatenate([p.keys for p in parts]), sizes=np.concatenate([p.sizes for p in parts]))
+
+    def __len__(self) -> int:
+        return int(self.sizes.shape[0])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        flat, bounds = self.keys.tolist(), np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
+        return (flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
