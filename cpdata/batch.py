@@ -144,10 +144,13 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 f"ShardedBatch keys are fixed; cannot add {key!r}. Use batch.replace({key}=...) or dict(batch)"
             )
         if not isinstance(value, torch.Tensor) or value.shape != old.shape:
+            # ValueError, not TypeError: torch's default_collate catches TypeError and would silently turn
+            # the batch into a plain dict without its layout (the sharder would then re-shard it).
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(
-                f"ShardedBatch[{key!r}] may only be replaced by a tensor of shape {tuple(old.shape)}, got {got}; "
-                "use batch.replace(...) to change shapes"
+            raise ValueError(
+                f"ShardedBatch[{key!r}] may only be replaced by a tensor of shape {tuple(old.shape)}, got {got}. "
+                "A DataLoader collating ShardedBatches needs batch_size=None (each item is already a batch); "
+                "to change shapes use batch.replace(...)"
             )
         if value is not old:  # the buffer no longer backs every key
             self._buffer, self._spans = None, {}
@@ -157,9 +160,11 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         raise TypeError(f"ShardedBatch keys are fixed; cannot delete {key!r}. Use batch.replace() or dict(batch)")
 
     def __copy__(self) -> ShardedBatch:
-        if self._buffer is not None:
-            return ShardedBatch._from_buffer(self._buffer, self._spans, self._layout, self._info)
-        return ShardedBatch(self._tensors, layout=self._layout, info=self._info)
+        # Same tensor objects: torch's default_convert copies then update()s with the originals, which must
+        # not look like replacements (that would drop the single buffer).
+        batch = ShardedBatch(self._tensors, layout=self._layout, info=self._info)
+        batch._buffer, batch._spans = self._buffer, dict(self._spans)
+        return batch
 
     def __reduce__(self):
         if self._buffer is not None:

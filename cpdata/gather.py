@@ -163,6 +163,11 @@ def gather_token_tensor(
             "gather_index=inverse_indices(rows) (cpdata.layouts) so the gather needs no index collective"
         )
     local_len = tensor.shape[seq_dim]
+    if layout.gather_index.dtype != torch.int64:
+        raise ValueError(
+            f"ShardLayout.gather_index must be int64 (index_copy in backward needs it), got "
+            f"{layout.gather_index.dtype}; build it with cpdata.layouts.inverse_indices"
+        )
     expected = layout.gather_index.numel()
     if local_len * layout.cp_size != expected:
         raise ValueError(

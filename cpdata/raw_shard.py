@@ -193,6 +193,8 @@ def _slot_lens(batch: Mapping[str, Any], row_len: int) -> np.ndarray:
             row = row[row >= 0].copy()
             if row.size:
                 row[-1] += row_len - int(row.sum())
+            else:  # a row of sentinels only: one padding slot, so later rows keep their offsets
+                row = np.array([row_len], dtype=np.int64)
             rows.append(row)
         return np.concatenate(rows)
     if "cu_seqlens_padded" in batch:
@@ -201,6 +203,27 @@ def _slot_lens(batch: Mapping[str, Any], row_len: int) -> np.ndarray:
         f"a qkv_format='thd' batch needs its document slots for the layout: add one of {list(SLOT_KEYS)} "
         f"(got keys {sorted(batch)})"
     )
+
+
+def _attention_to_padding_mask(out: dict[str, Any]) -> None:
+    """A ``[B, S]`` ``attention_mask`` (1 = token) becomes ``padding_mask`` (True = pad), as trainers expect."""
+    mask = out.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
+        out[PADDING_MASK] = ~mask.bool()
+        del out["attention_mask"]
+
+
+def _check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], input_ids: torch.Tensor) -> None:
+    """Refuse a token-shaped tensor the shard does not know: it would pass through at full length."""
+    undeclared = sorted(
+        k for k, v in out.items()
+        if k not in dims and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == input_ids.shape[:2]
+    )  # fmt: skip
+    if undeclared:
+        raise ValueError(
+            f"raw batch keys {undeclared} have the shape of {INPUT_IDS!r} {tuple(input_ids.shape)} but are not "
+            "token keys the sharder knows; pass extra_seq_buffers={name: seq_dim} to shard them, or drop them"
+        )
 
 
 def _digest(plan: ShardPlan, cp_size: int, pack_len: int, slots: np.ndarray, input_ids: torch.Tensor) -> int:
@@ -220,8 +243,10 @@ class DeviceShard:
     Returns ``(contextlib.nullcontext, dict_of_device_tensors, ShardLayout)``.
     Token-aligned keys: :data:`~cpdata.keys.STANDARD_TOKEN_KEYS` and
     ``loss_mask`` (sequence on their last dim) plus ``extra_seq_buffers``
-    (name → sequence dim). Everything else (stream metadata, ``qkv_format``)
-    passes through unsharded; tensors move to ``device``.
+    (name → sequence dim). A ``[B, S]`` ``attention_mask`` is replaced by
+    ``padding_mask`` (True = pad). Any other tensor shaped like ``input_ids``
+    is refused (it would pass through unsharded); everything else (stream
+    metadata, ``qkv_format``) passes through unsharded; tensors move to ``device``.
     """
 
     plan: ShardPlan
@@ -239,6 +264,7 @@ class DeviceShard:
             return _shard_presharded(cp_mesh, batch, self.device)
         rank, size = mesh_rank_size(cp_mesh)
         out = {k: _to(v, self.device) for k, v in batch.items()}
+        _attention_to_padding_mask(out)
         if loss_mask is not None:
             out[LOSS_MASK] = _to(loss_mask, self.device)
         if not isinstance(out.get(INPUT_IDS), torch.Tensor):
@@ -252,6 +278,7 @@ class DeviceShard:
         }
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items() if k in out})
         input_ids = out[INPUT_IDS]
+        _check_undeclared(out, dims, input_ids)
         if self.plan.flat:
             pack_len, original, rows_shape = _flatten(out, dims), None, tuple(input_ids.shape)
             slots = _slot_lens(batch, rows_shape[-1]) if self.plan.uses_slots else np.zeros(0, np.int64)

@@ -55,6 +55,16 @@ def test_order_matches_the_single_process_stream(num_workers, reference):
         assert all(torch.equal(batch[k], shards[0][k]) for k in batch)
         assert torch.equal(batch.layout.gather_index, shards[0].layout.gather_index)
     assert digests(make_loader(num_workers)) == digests(got)  # a second epoch/loader: same order
+    assert all(b._buffer is not None for b in got)  # the single buffer survives default_convert and pickling
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_forgetting_batch_size_none_fails_loudly(num_workers):
+    # default_collate would stack [1, ...] tensors; a silent fallback to a plain dict would lose the layout.
+    extra = {"multiprocessing_context": "fork"} if num_workers else {}
+    loader = StatefulDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), batch_size=1, num_workers=num_workers, **extra)
+    with pytest.raises(ValueError, match="batch_size=None"):
+        next(iter(loader))
 
 
 @pytest.mark.parametrize(("num_workers", "prefetch"), [(0, 0), (2, 0), (2, 2)])

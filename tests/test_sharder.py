@@ -495,3 +495,33 @@ def test_model_hook_owns_the_sharding():
         ContextParallelSharder(Model(42), mesh, batch)
     with pytest.raises(ValueError, match="num_chunks=2"):
         ContextParallelSharder(None, mesh, batch, num_chunks=2)
+
+
+def test_raw_batch_attention_mask_and_undeclared_token_tensors():
+    ids = torch.arange(1, 9).view(1, 8)
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": attention}
+    _, out = ContextParallelSharder(None, FakeMesh(2, 0), dict(batch)).shard(dict(batch))
+    rows = rank_indices("round_robin", 2, [], 8)
+    assert "attention_mask" not in out
+    assert out["padding_mask"].tolist() == [(attention[0] == 0)[rows[0]].tolist()]
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros(1, 8, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"\['token_type_ids'\] have the shape of 'input_ids' \(1, 8\)"):
+        ContextParallelSharder(None, FakeMesh(2, 0), dict(batch)).shard(dict(batch))
+
+
+def test_raw_thd_row_of_sentinels_keeps_later_slots_in_place():
+    ids = torch.arange(24).view(3, 8)
+    seq_lens_padded = torch.tensor([[4, 4], [-1, -1], [8, -1]])
+    batch = {"input_ids": ids, "qkv_format": "thd", "seq_lens_padded": seq_lens_padded}
+    _, out = ContextParallelSharder(None, FakeMesh(2, 0), dict(batch)).shard(dict(batch))
+    expected = rank_indices("thd", 2, [4, 4, 8, 8], 24)[0]  # the empty row is one padding slot
+    assert out["input_ids"].tolist() == expected.tolist()
+
+
+def test_gather_refuses_an_int32_gather_index_before_any_collective():
+    rows = rank_indices("contiguous", 1, [], 4)
+    layout = make_layout(rows, 0)
+    bad = ShardLayout(**{**layout.__dict__, "gather_index": layout.gather_index.to(torch.int32)})
+    with pytest.raises(ValueError, match="gather_index must be int64.*torch.int32"):
+        gather_token_tensor(torch.zeros(1, 4, requires_grad=True), bad)
