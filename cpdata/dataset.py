@@ -32,7 +32,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.loader import close_loader, shard_graph
+from cpdata.loader import ResumableLoader, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.state_version import check_state_version
 
@@ -112,7 +112,7 @@ class CPDataset(IterableDataset):
                                 layout=self.kwargs["layout"])  # fmt: skip
             if self.prefetch:
                 node = Prefetcher(node, prefetch_factor=self.prefetch)
-            self._loader = Loader(node, restart_on_stop_iteration=False)
+            self._loader = ResumableLoader(node, restart_on_stop_iteration=False)
             self._worker = worker
         return self._loader
 

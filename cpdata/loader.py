@@ -32,7 +32,7 @@ from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
 
-__all__ = ["build_loader", "build_node", "close_loader", "closing_loader", "shard_graph"]
+__all__ = ["ResumableLoader", "build_loader", "build_node", "close_loader", "closing_loader", "shard_graph"]
 
 
 def shard_graph(
@@ -120,15 +120,30 @@ def build_loader(
     layout: str,
     restart_on_stop_iteration: bool = True,
     **kwargs: Any,
-) -> Loader:
-    """``torchdata.nodes.Loader`` over :func:`build_node` (same keyword arguments).
+) -> ResumableLoader:
+    """A ``torchdata.nodes.Loader`` (:class:`ResumableLoader`) over :func:`build_node` (same keyword arguments).
 
     ``restart_on_stop_iteration=True`` (torchdata's default) starts a new epoch
     when ``iter()`` is called on a finished loader, also right after restoring a
     state saved at the end of an epoch.
     """
     root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, **kwargs)
-    return Loader(root, restart_on_stop_iteration=restart_on_stop_iteration)
+    return ResumableLoader(root, restart_on_stop_iteration=restart_on_stop_iteration)
+
+
+class ResumableLoader(Loader):
+    """torchdata's ``Loader`` with one fix: a loaded state is never skipped.
+
+    In torchdata 0.11, ``state_dict()`` before the first ``iter()`` creates an
+    iterator and marks it "already started", so a ``load_state_dict()`` that
+    follows (the order ``torch.distributed.checkpoint`` uses) is ignored by the
+    next ``iter()``: the epoch replays from its start and the state then lands
+    on the epoch after. Loading a state clears that mark.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._iter_for_state_dict = False
+        super().load_state_dict(state_dict)
 
 
 def _graph(node: Any) -> Iterator[Any]:

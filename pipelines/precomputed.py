@@ -21,6 +21,7 @@ import os
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from cpdata.loader import ResumableLoader
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
@@ -71,4 +72,4 @@ def build(
     node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
-    return Loader(maybe_pin(node, pin_memory=pin_memory))
+    return ResumableLoader(maybe_pin(node, pin_memory=pin_memory))

@@ -58,6 +58,17 @@ def test_order_matches_the_single_process_stream(num_workers, reference):
     assert all(b._buffer is not None for b in got)  # the single buffer survives default_convert and pickling
 
 
+def test_dataset_state_dict_before_load_does_not_swallow_the_restore(reference):
+    ds = CPDataset(DOCS, cp_rank=0, **CFG)
+    it = iter(ds)
+    head = [next(it).info["digest"] for _ in range(2)]
+    state = ds.state_dict()
+    fresh = CPDataset(DOCS, cp_rank=0, **CFG)
+    fresh.state_dict()
+    fresh.load_state_dict(state)
+    assert head + [b.info["digest"] for b in fresh] == [s[0].info["digest"] for s in reference]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_forgetting_batch_size_none_fails_loudly(num_workers):
     # default_collate would stack [1, ...] tensors; a silent fallback to a plain dict would lose the layout.

@@ -97,6 +97,23 @@ def test_resume_at_midpoints_and_across_epochs(prefetch):
                 assert run_loader(resumed, 2) == next_epoch
 
 
+def test_state_dict_before_load_does_not_swallow_the_restore():
+    # torch.distributed.checkpoint calls state_dict() on a fresh loader before load_state_dict().
+    docs = documents(30)
+    make = lambda: build_loader(docs, cp_rank=0, prefetch=0, **CONFIG)  # noqa: E731
+    with closing_loader(make()) as loader:
+        epoch = run_loader(loader)
+        it = iter(loader)
+        head = [next(it).info["digest"] for _ in range(3)]
+        state = loader.state_dict()
+    with closing_loader(make()) as resumed:
+        resumed.state_dict()
+        resumed.load_state_dict(state)
+        assert run_loader(resumed) == epoch[3:]
+        assert run_loader(resumed) == epoch  # the next epoch starts at its beginning
+    assert head == epoch[:3]
+
+
 def test_resume_inside_second_epoch():
     docs = documents(30)
     make = lambda: build_loader(docs, cp_rank=1, **CONFIG)  # noqa: E731
