@@ -518,3 +518,16 @@ def test_progress_prints_ten_steps_or_uses_tqdm(monkeypatch):
     with Progress(3, "work", file=io.StringIO()) as bar:
         bar.update(2)
     assert calls == [("init", 3, 1.0), ("update", 2), ("close",)]
+
+
+@pytest.mark.parametrize("bad", [
+    {"input_ids": [1.7, 2.2, 3.9]}, {"input_ids": [[1, 2], [3, 4]]}, {"input_ids": ["5", "6"]},
+    {"input_ids": [True, False]}, {"input_ids": [1, 2], "labels": [1.5, 2.5]},
+])  # fmt: skip
+def test_jsonl_rows_are_validated_not_cast(tmp_path, bad):
+    from cpdata.offline.datasets import open_dataset
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match="line 2: .* must be a flat list of integers"):
+        open_dataset(path)

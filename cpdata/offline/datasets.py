@@ -194,17 +194,34 @@ class JsonlDocuments(TokenizedDataset):
                 f"{self.path} line {where}: expected an object with an 'input_ids' list, "
                 f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}"
             )
-        out = {"input_ids": np.asarray(row["input_ids"], dtype=np.int64).reshape(-1)}
+        out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
         for key in PER_TOKEN_KEYS:
             if key in row:
-                value = np.asarray(row[key]).reshape(-1)
+                value = self._array(row[key], key, where, integer=key == "labels")
                 if value.shape != out["input_ids"].shape:
                     raise ValueError(
                         f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
                         f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
                     )
-                out[key] = value.astype(np.int64) if key == "labels" else value
+                out[key] = value
         return out
+
+    def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
+        """A 1-D numeric array of a row's field; nothing is cast, rounded or flattened silently."""
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged nested lists
+            arr = np.asarray(value, dtype=object)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        kinds = "iu" if integer else "iufb"
+        if arr.ndim != 1 or arr.dtype.kind not in kinds:
+            raise ValueError(
+                f"{self.path} line {where}: {key!r} must be a flat list of "
+                f"{'integers' if integer else 'numbers'}, got shape {arr.shape} of {arr.dtype} "
+                f"(first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
+            )
+        return arr.astype(np.int64) if integer else arr
 
     @property
     def lengths(self) -> np.ndarray:
