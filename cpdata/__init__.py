@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "ShardedBatch": "cpdata.batch",
     "TokenizedDataset": "cpdata.offline.datasets",
     "alignment": "cpdata.layouts",
+    "all_ranks_have_batch": "cpdata.consistency",
     "build_loader": "cpdata.loader",
     "build_node": "cpdata.loader",
     "close_loader": "cpdata.loader",

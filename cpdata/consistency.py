@@ -1,4 +1,6 @@
-"""Prove that every CP rank of a group received the same shard plan: one tiny all-reduce.
+"""Ranks agreeing without exchanging data: the same shard plan, and the same end of epoch.
+
+``verify_layout_consistency`` proves that every CP rank of a group received the same shard plan.
 
 CP ranks of one data-parallel group plan their batches independently (same
 documents, same planner), so they agree without talking. If they ever do not
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["verify_layout_consistency"]
+__all__ = ["all_ranks_have_batch", "verify_layout_consistency"]
 
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
 
@@ -95,3 +97,29 @@ def verify_layout_consistency(
             f"max {hi}. Every CP rank of a data-parallel group must run the same pipeline (same seed, dataset, "
             "dp rank, cp_size and resume state)"
         )
+
+
+def all_ranks_have_batch(has_batch: bool, group: Any = None, *, device: Any = None) -> bool:
+    """Whether every rank of ``group`` still has a batch: one 8-byte all-reduce (MIN).
+
+    DP ranks pack different documents, so one rank's epoch can end a few
+    batches before another's; a loop whose step runs collectives (gradient
+    all-reduce, the CP gather) would then hang on the ranks that go on. Call
+    this every step with ``batch is not None`` and stop when it is False: every
+    rank stops at the same step (the shortest epoch; the others' remaining
+    batches stay unconsumed, and their loader state still resumes exactly).
+
+        it = iter(loader)
+        while all_ranks_have_batch((batch := next(it, None)) is not None):
+            ...
+
+    Without an initialized process group it returns ``has_batch``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(has_batch)
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -11,7 +11,7 @@ import cpdata.nodes
 PUBLIC = [
     "CPDataset", "Collate", "CollatedPack", "ContextParallelSharder", "DocPiece", "Document", "Documents",
     "LAYOUTS", "Pack", "PackPlan", "PackingResult", "PackingStats", "PrecomputedPacks", "ShardForRank",
-    "ShardLayout", "ShardedBatch", "TokenizedDataset", "alignment", "build_loader", "build_node", "close_loader",
+    "ShardLayout", "ShardedBatch", "TokenizedDataset", "alignment", "all_ranks_have_batch", "build_loader", "build_node", "close_loader",
     "closing_loader", "collate_pack", "collate_rank", "gather_token_tensor", "inverse_indices", "maybe_pin",
     "open_dataset", "plan_lengths", "precompute", "rank_indices", "verify_layout_consistency",
 ]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
@@ -62,3 +63,24 @@ def test_consistency_passes_on_agreement_and_raises_everywhere_otherwise(cp):
 def test_consistency_rejects_non_layouts():
     with pytest.raises(TypeError, match="ShardLayout or a batch with a .layout"):
         verify_layout_consistency({"input_ids": None}, None)
+
+
+def _epoch_end_rank(rank: int, world: int) -> int:
+    from cpdata.consistency import all_ranks_have_batch
+
+    it = iter(range(3 + 2 * rank))  # DP ranks whose epochs end at different steps
+    steps = 0
+    while all_ranks_have_batch(next(it, None) is not None):
+        dist.all_reduce(torch.ones(1))  # a step's collective: would hang if one rank stopped alone
+        steps += 1
+    return steps
+
+
+def test_all_ranks_stop_at_the_shortest_epoch():
+    assert run_ranks(_epoch_end_rank, 3, timeout=60) == [3, 3, 3]
+
+
+def test_all_ranks_have_batch_without_a_process_group():
+    from cpdata.consistency import all_ranks_have_batch
+
+    assert all_ranks_have_batch(True) is True and all_ranks_have_batch(False) is False
