@@ -379,7 +379,7 @@ def test_state_from_another_version_is_refused_at_every_node():
     (dict(algorithm="ffd"), ["algorithm='bfd'", "algorithm='ffd'"]),
     (dict(window=8), ["window=4", "window=8"]),
     (dict(dp_rank=1, dp_size=2), ["(dp_rank, dp_size)=(0, 1)", "(1, 2)", "same DP size"]),
-    (dict(padding_token_id=3, qkv_format="thd", batch_size=2), ["batch_size"]),
+    (dict(padding_token_id=3), ["'padding_token_id': 0", "'padding_token_id': 3", "resume with the same"]),
 ])  # fmt: skip
 def test_state_from_another_configuration_is_refused(change, parts):
     docs = good_docs(40)
@@ -445,6 +445,11 @@ def _plans_disagree(rank: int, world: int) -> dict[str, str]:
 
     check("agree", next(build_node(docs, **kw)))
     check("other_seed_docs", next(build_node(good_docs(60, seed=rank), **kw)))
+    # Same shape (lengths, provenance, slots), other tokens: only the content tells the ranks apart.
+    other_tokens = [{"input_ids": d["input_ids"] + 100 * rank} for d in docs]
+    same_shape = next(build_node(other_tokens, **kw))
+    out["same_shape"] = str(same_shape.info["real_tokens"] == next(build_node(docs, **kw)).info["real_tokens"])
+    check("same_shape_other_tokens", same_shape)
     node = build_node(docs, **kw)
     if rank == 1:
         next(node)  # one step ahead, as after a resume from the wrong checkpoint
@@ -495,7 +500,8 @@ def test_disagreeing_ranks_raise_everywhere_and_nothing_hangs():
     assert time.monotonic() - start < 30
     for rank, r in enumerate(results):
         assert r["agree"] == "ok"
-        for case in ("other_seed_docs", "one_step_off", "other_length"):
+        assert r["same_shape"] == "True"
+        for case in ("other_seed_docs", "same_shape_other_tokens", "one_step_off", "other_length"):
             assert "CP ranks received different shard plans" in r[case], (case, r[case])
             assert f"this rank (cp_rank {rank}) has digest" in r[case] and "same seed" in r[case]
             assert r[case + "_s"] < 10

@@ -53,7 +53,8 @@ class Collate(BaseNode[CollatedPack]):
 
     State: the source's state under ``"source"`` (the node buffers nothing
     between items), a version, and the config; a state saved under another
-    ``batch_size`` or ``qkv_format`` is refused.
+    ``batch_size``, ``qkv_format`` or ``padding_token_id`` is refused (pads
+    switching value mid-run would train on other inputs).
     """
 
     SOURCE_KEY = "source"
@@ -80,7 +81,7 @@ class Collate(BaseNode[CollatedPack]):
         self._exhausted = False
 
     def _config(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "qkv_format": self.qkv_format}
+        return {"batch_size": self.batch_size, "qkv_format": self.qkv_format, "padding_token_id": self.padding_token_id}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)

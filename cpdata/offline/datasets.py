@@ -32,6 +32,8 @@ import numpy as np
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "TokenizedDataset", "open_dataset"]
 
 _CHUNK = 1 << 20
+_UTF8_BOM = b"\xef\xbb\xbf"
+_INT64_MAX = int(np.iinfo(np.int64).max)
 PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask")
 """Optional JSONL fields kept as per-token arrays; other fields of a row are ignored."""
 
@@ -45,6 +47,24 @@ def _hash_files(paths: list[Path], names: bool) -> str:
             while block := f.read(_CHUNK):
                 h.update(block)
     return h.hexdigest()
+
+
+def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
+    if not ids.shape[0]:
+        return
+    low = int(ids.argmin())
+    if ids[low] < 0:
+        raise ValueError(
+            f"{path}: document {index} has token id {int(ids[low])} at position {low}; token ids index the "
+            "vocabulary and must be >= 0 (do not pre-pad with negative ids: cpdata pads with padding_token_id; "
+            "put ignored targets such as -100 in 'labels')"
+        )
+    high = int(ids.argmax())
+    if vocab_size is not None and ids[high] >= vocab_size:
+        raise ValueError(
+            f"{path}: document {index} has token id {int(ids[high])} at position {high}, >= vocab_size={vocab_size}; "
+            "check the tokenizer or --vocab-size"
+        )
 
 
 class TokenizedDataset(ABC):
@@ -86,6 +106,18 @@ class TokenizedDataset(ABC):
 
     @abstractmethod
     def _read(self, i: int) -> dict[str, np.ndarray]: ...
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first document holding an id ``< 0`` or ``>= vocab_size``.
+
+        Reads every document once (O(tokens)); :class:`JsonlDocuments` answers
+        from the id range it saw while scanning and reads again only to name
+        the culprit. A lengths-only file has no ids to check.
+        """
+        if not self.serves_tokens:
+            return
+        for i in range(len(self)):
+            _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)
 
     def checksum(self) -> str:
         """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
@@ -170,23 +202,49 @@ class JsonlDocuments(TokenizedDataset):
         offsets, lengths = array("q"), array("q")
         h = hashlib.sha256()
         pos = 0
+        low, high = _INT64_MAX, -1
         with open(self.path, "rb") as f:
             for lineno, line in enumerate(f, start=1):
                 h.update(line)
                 if line.strip():
                     offsets.append(pos)
-                    lengths.append(self._parse(line, lineno)["input_ids"].shape[0])
+                    ids = self._parse(line, lineno, pos)["input_ids"]
+                    lengths.append(ids.shape[0])
+                    if ids.shape[0]:
+                        low, high = min(low, int(ids.min())), max(high, int(ids.max()))
                 pos += len(line)
                 if on_progress is not None:
                     on_progress(len(line))
         self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
         self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
+        self._id_range = (low, high)
         self._checksum = h.hexdigest()
         self._file: BinaryIO | None = None
 
-    def _parse(self, line: bytes, where: object) -> dict[str, np.ndarray]:
+    def _decode(self, line: bytes, where: object, offset: int) -> str:
+        """The row as text; anything but UTF-8 is refused with the file, line and byte offset."""
+        nul = line.find(b"\0")
+        if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
+            bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+            raise ValueError(
+                f"{self.path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
+                f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
+                f"`iconv -f UTF-16 -t UTF-8 {self.path.name} > out.jsonl`"
+            )
+        start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
         try:
-            row = json.loads(line)
+            return line[start:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            at = start + e.start
+            raise ValueError(
+                f"{self.path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
+                f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
+                "or fix the bytes of that line"
+            ) from None
+
+    def _parse(self, line: bytes, where: object, offset: int) -> dict[str, np.ndarray]:
+        try:
+            row = json.loads(self._decode(line, where, offset))
         except json.JSONDecodeError as e:
             raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
@@ -227,11 +285,17 @@ class JsonlDocuments(TokenizedDataset):
     def lengths(self) -> np.ndarray:
         return self._lengths
 
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        low, high = self._id_range
+        if low >= 0 and (vocab_size is None or high < vocab_size):
+            return  # the scan saw every id
+        super().check_token_ids(vocab_size)
+
     def _read(self, i: int) -> dict[str, np.ndarray]:
         if self._file is None:
             self._file = open(self.path, "rb")  # kept open for O(1) seeks; reopened after pickling
         self._file.seek(int(self._offsets[i]))
-        return self._parse(self._file.readline(), f"of document {i}")
+        return self._parse(self._file.readline(), f"of document {i}", int(self._offsets[i]))
 
     def _compute_checksum(self) -> str:
         return _hash_files([self.path], names=False)

@@ -71,6 +71,7 @@ def precompute(
     window: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    vocab_size: int | None = None,
 ) -> PackStore:
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
@@ -83,6 +84,9 @@ def precompute(
             default); the manifest records the resolved values.
         overwrite: replace an existing ``out_dir``.
         progress: show progress on stderr.
+        vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
+            ids are always refused. Both are checked before planning, naming
+            the document, so a bad id never reaches a written plan.
 
     Returns:
         The written directory, opened and verified.
@@ -97,6 +101,12 @@ def precompute(
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
+    if vocab_size is not None and not dataset.serves_tokens:
+        raise ValueError(
+            f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "
+            "precompute from the tokenized dataset, or leave vocab_size out (the reader checks ids when serving)"
+        )
+    dataset.check_token_ids(vocab_size)
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)

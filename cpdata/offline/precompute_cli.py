@@ -37,6 +37,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--window", type=int, default=None, help=f"documents per planning window (default: {DEFAULT_WINDOW}; all for ffd)"
     )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="refuse token ids >= this (negative ids are always refused)"
+    )
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             window=args.window,
             overwrite=args.force,
             progress=not args.quiet,
+            vocab_size=args.vocab_size,
         )
     except (ValueError, TypeError, OSError) as e:
         print(f"cpdata precompute: error: {e}", file=sys.stderr)

@@ -1,0 +1,128 @@
+"""Bad bytes and bad ids in offline inputs: refused at open / plan time, naming file, line, offset or document."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cpdata.cli import main as cli_main
+from cpdata.offline import open_dataset, precompute
+
+
+def _rows(*rows: dict) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+@pytest.mark.parametrize("field", ["input_ids", "meta"])
+def test_invalid_utf8_names_file_line_offset_and_encoding(tmp_path, field):
+    """One bad byte anywhere in a row, even in a field the reader ignores, is named precisely."""
+    head = _rows({"input_ids": [1, 2]}, {"input_ids": [3], "meta": "ok"})
+    if field == "meta":
+        bad = b'{"input_ids": [4, 5], "meta": "caf\xe9"}\n'
+        column = bad.index(b"\xe9")
+    else:
+        bad = b'{"input_ids": [4, 5\xff]}\n'
+        column = bad.index(b"\xff")
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(head + bad + _rows({"input_ids": [6]}))
+    with pytest.raises(ValueError) as info:
+        open_dataset(path)
+    message = str(info.value)
+    for part in (str(path), "line 3", f"byte offset {len(head) + column}", "invalid UTF-8 byte 0x",
+                 "must be UTF-8"):  # fmt: skip
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_utf16_file_is_named_as_such(tmp_path, encoding):
+    path = tmp_path / "wide.jsonl"
+    path.write_bytes(_rows({"input_ids": [1, 2]}, {"input_ids": [3]}).decode().encode(encoding))
+    with pytest.raises(ValueError) as info:
+        open_dataset(path)
+    message = str(info.value)
+    for part in (str(path), "line 1", "byte offset", "UTF-16 or UTF-32", "must be UTF-8", "iconv"):
+        assert part in message, (part, message)
+    if encoding in ("utf-16", "utf-32"):
+        assert "byte-order mark" in message
+
+
+def test_utf8_byte_order_mark_and_non_ascii_text_are_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + _rows({"input_ids": [1, 2], "meta": "café ✓"}, {"input_ids": [3]}))
+    data = open_dataset(path)
+    assert [d["input_ids"].tolist() for d in data] == [[1, 2], [3]]
+
+
+def test_invalid_utf8_found_when_serving_names_the_document(tmp_path):
+    """Bytes that change after opening are refused on read, with the document and its byte offset."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_rows({"input_ids": [1, 2], "meta": "aa"}, {"input_ids": [3, 4], "meta": "bb"}))
+    data = open_dataset(path)
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(b"bb")
+    raw[at] = 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"document 1 \(byte offset {at}\): invalid UTF-8 byte 0xff"):
+        data[1]
+
+
+# ---------------------------------------------------------------------------------------------- token ids
+
+
+def _jsonl(tmp_path, docs) -> str:
+    path = tmp_path / "ids.jsonl"
+    path.write_bytes(_rows(*({"input_ids": d} for d in docs)))
+    return str(path)
+
+
+def _folder(tmp_path, docs) -> str:
+    folder = tmp_path / "ids"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        np.save(folder / f"{i:03d}.npy", np.array(d, dtype=np.int64))
+    return str(folder)
+
+
+@pytest.mark.parametrize("fmt", [_jsonl, _folder], ids=["jsonl", "folder"])
+@pytest.mark.parametrize(("bad", "vocab", "parts"), [
+    ([5, -1, 2], None, ["document 3 has token id -1 at position 1", "must be >= 0"]),
+    ([5, -1, 2], 100, ["document 3 has token id -1 at position 1", "must be >= 0"]),
+    ([-100], None, ["document 3 has token id -100 at position 0", "'labels'"]),
+    ([5, 100, 2], 100, ["document 3 has token id 100 at position 1", "vocab_size=100"]),
+    ([99, 7], 100, None),
+    ([1000], None, None),
+])  # fmt: skip
+def test_precompute_refuses_bad_ids_with_the_document_and_writes_nothing(tmp_path, fmt, bad, vocab, parts):
+    docs = [[1, 2, 3], [4], [5, 6], bad, [7, 8]]
+    data = fmt(tmp_path, docs)
+    out = tmp_path / "plan"
+    if parts is None:
+        precompute(data, out, capacity=16, cp_size=1, layout="identity", vocab_size=vocab)
+        assert (out / "manifest.json").is_file()
+        return
+    with pytest.raises(ValueError) as info:
+        precompute(data, out, capacity=16, cp_size=1, layout="identity", vocab_size=vocab)
+    message = str(info.value)
+    assert all(p in message for p in parts), (parts, message)
+    assert data in message
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(data)], "no plan, no temp directory"
+
+
+def test_cli_vocab_size_refusal_names_the_document(tmp_path, capsys):
+    data = _jsonl(tmp_path, [[1, 2], [3, 4096]])
+    code = cli_main(["precompute", data, "--capacity", "16", "--cp-size", "1", "--layout", "identity",
+                     "--vocab-size", "4096", "--out", str(tmp_path / "plan"), "--quiet"])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "document 1 has token id 4096 at position 1" in err and "vocab_size=4096" in err
+    assert not (tmp_path / "plan").exists()
+
+
+def test_vocab_size_with_a_lengths_file_is_refused(tmp_path):
+    np.save(tmp_path / "lengths.npy", np.array([3, 4], dtype=np.int64))
+    with pytest.raises(ValueError, match="holds document lengths only"):
+        precompute(tmp_path / "lengths.npy", tmp_path / "plan", capacity=16, cp_size=1, layout="identity",
+                   vocab_size=10)  # fmt: skip

@@ -1,0 +1,60 @@
+"""``plan_digest``: same-shape plans over other tokens get other digests; equal plans get equal ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan, plan_digest
+
+
+def _plan(pieces_ids: list[np.ndarray], **kw) -> PackPlan:
+    pieces = tuple(DocPiece(index=i, start=0, arrays={"input_ids": ids}) for i, ids in enumerate(pieces_ids))
+    slots = np.array([len(ids) for ids in pieces_ids], dtype=np.int64)
+    return PackPlan(pieces=pieces, slot_lens=slots, capacity=int(slots.sum()) + 8, **kw)
+
+
+IDS = [np.arange(10, 10 + n, dtype=np.int64) for n in (1, 2, 7, 8, 9, 100, 4096)]
+
+
+def test_equal_plans_have_equal_digests():
+    copies = [ids.copy() for ids in IDS]
+    assert plan_digest(_plan(IDS), "thd", 2) == plan_digest(_plan(copies), "thd", 2)
+
+
+@pytest.mark.parametrize("piece", range(len(IDS)))
+def test_every_sampled_token_of_every_piece_is_covered(piece):
+    """Changing any sampled position of one piece (same lengths, same provenance) changes the digest."""
+    base = plan_digest(_plan(IDS), "thd", 2)
+    n = len(IDS[piece])
+    positions = sorted({(s * (n - 1)) // (DIGEST_SAMPLES - 1) for s in range(DIGEST_SAMPLES)})
+    assert positions[0] == 0 and positions[-1] == n - 1
+    assert len(positions) == min(n, DIGEST_SAMPLES)
+    for pos in positions:
+        changed = [ids.copy() for ids in IDS]
+        changed[piece][pos] += 1
+        assert plan_digest(_plan(changed), "thd", 2) != base, (piece, pos)
+
+
+def test_whole_content_shift_of_same_shaped_plans_is_seen():
+    shifted = [ids + 1 for ids in IDS]
+    assert plan_digest(_plan(shifted), "thd", 2) != plan_digest(_plan(IDS), "thd", 2)
+
+
+def test_provenance_and_configuration_are_covered():
+    plan = _plan(IDS)
+    base = plan_digest(plan, "thd", 2)
+    assert plan_digest(plan, "balanced", 2) != base and plan_digest(plan, "thd", 4) != base
+    assert plan_digest(dataclasses.replace(plan, index=1), "thd", 2) != base
+    assert plan_digest(dataclasses.replace(plan, capacity=plan.capacity + 8), "thd", 2) != base
+    for field, value in (("index", 99), ("start", 3), ("next_label", 5)):
+        pieces = list(plan.pieces)
+        pieces[2] = dataclasses.replace(pieces[2], **{field: value})
+        assert plan_digest(dataclasses.replace(plan, pieces=tuple(pieces)), "thd", 2) != base, field
+
+
+def test_empty_piece_is_digested():
+    plan = _plan([np.zeros(0, dtype=np.int64), np.arange(3)])
+    assert 0 <= plan_digest(plan, "identity", 1) < 2**63
