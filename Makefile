@@ -1,32 +1,43 @@
 # Two entry points: `make demo` (the CP training demo) and `make test`.
 # Both create .venv on first use. torch is pinned first so that pip does not
-# pull a multi-GB CUDA build on a CPU-only machine.
+# pull a multi-GB CUDA build on a CPU-only machine. `make demo` installs only
+# the runtime (torch, torchdata, numpy and cpdata itself); `make test`, `bench`
+# and `lint` add the dev extra (pytest, ruff, transformers, datasets, ...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.cpdata-installed
+TORCH_STAMP := $(VENV)/.cpdata-torch
+RUNTIME_STAMP := $(VENV)/.cpdata-runtime
+DEV_STAMP := $(VENV)/.cpdata-dev
 
 .PHONY: demo test bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(TORCH_STAMP): $(PY)
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+	touch $(TORCH_STAMP)
 
-demo: $(STAMP)
+$(RUNTIME_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e .
+	touch $(RUNTIME_STAMP)
+
+$(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(RUNTIME_STAMP) $(DEV_STAMP)
+
+demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_cp.py
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(VENV)/bin/cpdata bench
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check cpdata pipelines examples tests
 
 clean:

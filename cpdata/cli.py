@@ -1,31 +1,88 @@
 """``cpdata`` command line: one subcommand per module, imported on demand.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser
-and sets ``func(args) -> int`` as the handler.
+and sets ``func(args) -> int`` as the handler. A handler raises ``ValueError``,
+``TypeError`` or ``OSError`` for bad input; :func:`main` prints it as
+``cpdata CMD: error: ...`` with the library's keyword arguments reworded as the
+command's flags (``overwrite=True`` -> ``--force``, ``overflow=`` ->
+``--overflow``) and returns 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["cli_wording", "main"]
 
 _SUBCOMMANDS: dict[str, str] = {
     "bench": "cpdata.bench.cli",
     "inspect": "cpdata.offline.inspect_cli",
     "precompute": "cpdata.offline.precompute_cli",
 }
+"""Subcommand -> ``module`` (with ``register``) or ``module:function``."""
+
+_DESCRIPTION = """\
+cpdata prepares context-parallel training batches: it packs tokenized documents, lays each pack out for
+your attention backend (Transformer Engine THD, torch context_parallel, flash-attn varlen, all-gather)
+and hands every CP rank only its own tokens. The commands below work ahead of training, on files."""
+
+_EPILOG = """\
+typical use:
+  cpdata tokenize data.jsonl --tokenizer tok/ --out tokens/        text or chat rows -> token store
+  cpdata precompute tokens/ --capacity 8192 --cp-size 4 --layout thd --out plan/
+  cpdata inspect plan/ --pack 3 --plot pack3.png                   padding and per-rank work
+  cpdata bench --quick                                             speed of this machine
+
+Run `cpdata COMMAND --help` for a command's options. In Python: `from cpdata import build_loader`."""
+
+_API_TO_FLAG: dict[str, str] = {"overwrite": "force"}
+"""Library keyword -> CLI flag (dest) where the names differ."""
+
+
+def cli_wording(message: str, flags: Sequence[str]) -> str:
+    """``message`` with the library's ``name=value`` keywords written as the command's flags.
+
+    ``flags`` are the subcommand's argument dests (``cp_size`` for ``--cp-size``).
+    ``overwrite=True (--force)`` becomes ``--force``; ``capacity=30`` becomes
+    ``--capacity 30``; ``overflow= one of [...]`` becomes ``--overflow one of [...]``.
+    """
+    known = set(flags)
+
+    def flag(dest: str) -> str:
+        return "--" + dest.replace("_", "-")
+
+    for api, dest in _API_TO_FLAG.items():
+        if dest in known:
+            message = re.sub(rf"\b{api}=True(?: \({re.escape(flag(dest))}\))?", flag(dest), message)
+
+    def reword(m: re.Match[str]) -> str:
+        name, value = m.group(1), m.group(2)
+        if name not in known:
+            return m.group(0)
+        return flag(name) + (f" {value}" if value else "")
+
+    return re.sub(r"(?<![^\s(])([a-z][a-z0-9_]*)=(\S*)", reword, message)
 
 
 def _parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpdata", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(sorted(_SUBCOMMANDS)) + "}")
-    for name, module in sorted(_SUBCOMMANDS.items()):
+    from cpdata import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cpdata",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"cpdata {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, target in sorted(_SUBCOMMANDS.items()):
         if selected is None or name == selected:
-            importlib.import_module(module).register(sub)
+            module, _, function = target.partition(":")
+            getattr(importlib.import_module(module), function or "register")(sub)
         else:
             sub.add_parser(name, help=f"see `cpdata {name} --help`")
     return parser
@@ -38,7 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         _parser(None).print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"cpdata {args.command}: error: {cli_wording(str(e), list(vars(args)))}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -27,16 +27,35 @@ workers never pin.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.loader import ResumableLoader, close_loader, shard_graph
+from cpdata.loader import ResumableLoader, check_keywords, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.state_version import check_state_version
 
-__all__ = ["CPDataset"]
+__all__ = ["CPDataset", "silence_set_vital_warning"]
+
+
+def silence_set_vital_warning() -> None:
+    """Hide the one deprecation warning torchdata 0.11 emits on every ``StatefulDataLoader(...)``.
+
+    Its constructor calls ``torch.set_vital``, which torch 2.13 deprecates with
+    a ``UserWarning`` the user can do nothing about. This filters exactly that
+    message raised from ``torchdata.stateful_dataloader``; every other warning
+    is untouched. Called on import and by each cpdata dataset's constructor
+    (idempotent), so it also holds inside a ``warnings.catch_warnings`` block
+    that was entered before the dataset was built.
+    """
+    warnings.filterwarnings(
+        "ignore", message="'set_vital' is deprecated", category=UserWarning, module=r"torchdata\.stateful_dataloader"
+    )
+
+
+silence_set_vital_warning()
 
 
 class _EveryNth(BaseNode[Any]):
@@ -85,6 +104,8 @@ class CPDataset(IterableDataset):
             raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
+        silence_set_vital_warning()
         self.source = source
         self.cp_rank = cp_rank
         self.prefetch = prefetch

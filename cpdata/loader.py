@@ -21,7 +21,9 @@ abandoned loader keeps its prefetch and pin threads until cyclic GC; use
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import difflib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
@@ -32,7 +34,45 @@ from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
 
-__all__ = ["ResumableLoader", "build_loader", "build_node", "close_loader", "closing_loader", "shard_graph"]
+__all__ = [
+    "ResumableLoader",
+    "build_loader",
+    "build_node",
+    "check_keywords",
+    "close_loader",
+    "closing_loader",
+    "shard_graph",
+]
+
+
+def check_keywords(
+    caller: str,
+    kwargs: Mapping[str, Any],
+    accepted: Callable[..., Any],
+    *,
+    exclude: tuple[str, ...] = ("source",),
+    required: tuple[str, ...] = (),
+) -> None:
+    """Refuse keyword arguments that ``accepted`` does not take, naming the public ``caller``.
+
+    ``build_loader(**kwargs)`` and ``CPDataset(**kwargs)`` forward to inner
+    builders; without this check a typo would surface as
+    ``shard_graph() got an unexpected keyword argument``, a function the user
+    never called.
+
+    Raises:
+        TypeError: ``"{caller}() got an unexpected keyword argument 'capacty'; did you mean 'capacity'?"``,
+            or ``"{caller}() is missing the keyword argument 'cp_size'"`` for a name in ``required``.
+    """
+    names = [n for n in inspect.signature(accepted).parameters if n not in exclude]
+    for name in kwargs:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(names)}"
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}")
+    for name in required:
+        if name not in kwargs:
+            raise TypeError(f"{caller}() is missing the keyword argument {name!r}")
 
 
 def shard_graph(
@@ -127,6 +167,7 @@ def build_loader(
     when ``iter()`` is called on a finished loader, also right after restoring a
     state saved at the end of an epoch.
     """
+    check_keywords("build_loader", kwargs, build_node)
     root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, **kwargs)
     return ResumableLoader(root, restart_on_stop_iteration=restart_on_stop_iteration)
 

@@ -9,7 +9,7 @@ across packs). Files are read on access, not up front.
 
 ``--data`` alternatives: a JSONL file of ``{"text": ...}`` (UTF-8 bytes) or
 ``{"input_ids": [...]}`` rows, or a directory written by ``cpdata precompute``
-(handled by ``pipelines.precomputed``).
+(handled by ``cpdata.recipes.precomputed``).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss  # 
 from cpdata.consistency import verify_layout_consistency  # noqa: E402
 from cpdata.loader import close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
+from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402
 from cpdata.sharder import ContextParallelSharder  # noqa: E402
-from pipelines import balanced_allgather, precomputed  # noqa: E402
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 

@@ -1,9 +1,9 @@
-"""Ready-made cpdata pipelines: short recipes built only from library parts.
+"""Ready-made cpdata pipelines, installed as :mod:`cpdata.recipes`.
 
-Each module documents when to use it and exposes ``build(...)`` returning a
-``torchdata.nodes.Loader`` of :class:`cpdata.ShardedBatch` for one CP rank.
-This folder sits beside the package and is not installed; copy a recipe or put
-the repository root on ``sys.path``.
+This folder is not installed: each module here re-exports the installed
+recipe's ``build`` so scripts run from a checkout can ``import pipelines.sft_thd``
+and users have a place to copy a recipe to before changing it. Installed code
+should import ``cpdata.recipes`` (``from cpdata.recipes import sft_thd``).
 
 | module               | packing        | layout        | qkv   | attention it feeds                        |
 |----------------------|----------------|---------------|-------|-------------------------------------------|

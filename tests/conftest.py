@@ -1,7 +1,8 @@
 """Test configuration: the repository root on ``sys.path``.
 
-``pipelines/`` and ``examples/`` are folders of recipes beside the package,
-not installed; tests import them from the checkout (``import pipelines.sft_thd``).
+``examples/`` (runnable programs) and ``pipelines/`` (copy-me re-exports of
+``cpdata.recipes``) sit beside the package and are not installed; tests import
+them from the checkout.
 No fixtures are defined here.
 """
 

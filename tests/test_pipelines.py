@@ -17,7 +17,7 @@ import torch
 
 from cpdata.keys import METADATA_KEYS
 from cpdata.loader import close_loader
-from pipelines import balanced_allgather, precomputed, pretrain_concat, sft_thd
+from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
 
 CP = 2
 PAD = 999_999

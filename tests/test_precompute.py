@@ -387,7 +387,7 @@ def test_cli_precompute_end_to_end(tmp_path, jsonl, capsys):
     assert "already exists" in capsys.readouterr().err
     assert cli_main([*args, "--force"]) == 0
     assert cli_main([*args[:3], "255", *args[4:], "--force"]) == 1
-    assert "capacity=255 is not a multiple of 4" in capsys.readouterr().err
+    assert "--capacity 255 is not a multiple of 4" in capsys.readouterr().err
 
 
 def test_cli_precompute_subprocess(tmp_path, jsonl):

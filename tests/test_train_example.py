@@ -144,7 +144,7 @@ def _grad_contract_rank(rank: int, world: int, docs: list) -> dict[str, float]:
     from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss
 
     from cpdata.gather import gather_token_tensor
-    from pipelines import balanced_allgather
+    from cpdata.recipes import balanced_allgather
 
     torch.set_default_dtype(torch.float64)
     batch = next(iter(balanced_allgather.build(docs, capacity=96, cp_size=world, cp_rank=rank, prefetch=0)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -89,17 +90,15 @@ def _print_pack(store: Any, k: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.store import read_store
 
-    try:
-        store = read_store(args.dir, verify=not args.no_verify)
-        sample = None if args.sample == 0 else args.sample
-        _print_summary(store, sample)
-        if args.pack is not None:
-            _print_pack(store, args.pack)
-        if args.plot is not None:
-            return _plot(store, args)
-    except ValueError as e:
-        print(f"cpdata inspect: error: {e}", file=sys.stderr)
-        return 1
+    if not Path(args.dir).exists():
+        raise ValueError(f"{args.dir} does not exist; pass a plan directory written by `cpdata precompute`")
+    store = read_store(args.dir, verify=not args.no_verify)
+    sample = None if args.sample == 0 else args.sample
+    _print_summary(store, sample)
+    if args.pack is not None:
+        _print_pack(store, args.pack)
+    if args.plot is not None:
+        return _plot(store, args)
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from cpdata.layouts import LAYOUTS
@@ -49,24 +48,20 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.precompute import precompute
 
-    try:
-        store = precompute(
-            args.input,
-            args.out,
-            capacity=args.capacity,
-            cp_size=args.cp_size,
-            layout=args.layout,
-            algorithm=args.algorithm,
-            overflow=args.overflow,
-            seed=args.seed,
-            window=args.window,
-            overwrite=args.force,
-            progress=not args.quiet,
-            vocab_size=args.vocab_size,
-        )
-    except (ValueError, TypeError, OSError) as e:
-        print(f"cpdata precompute: error: {e}", file=sys.stderr)
-        return 1
+    store = precompute(
+        args.input,
+        args.out,
+        capacity=args.capacity,
+        cp_size=args.cp_size,
+        layout=args.layout,
+        algorithm=args.algorithm,
+        overflow=args.overflow,
+        seed=args.seed,
+        window=args.window,
+        overwrite=args.force,
+        progress=not args.quiet,
+        vocab_size=args.vocab_size,
+    )
     m = store.manifest
     stats = m["stats"]
     print(
