@@ -117,7 +117,7 @@ def test_cli_vocab_size_refusal_names_the_document(tmp_path, capsys):
                      "--vocab-size", "4096", "--out", str(tmp_path / "plan"), "--quiet"])  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
-    assert "document 1 has token id 4096 at position 1" in err and "vocab_size=4096" in err
+    assert "document 1 has token id 4096 at position 1" in err and ">= --vocab-size 4096" in err
     assert not (tmp_path / "plan").exists()
 
 
