@@ -11,7 +11,7 @@
 
 Modules: :mod:`~cpdata.offline.datasets` (tokenized inputs on disk),
 :mod:`~cpdata.offline.precompute` (planning + writing), :mod:`~cpdata.offline.store`
-(the directory format), :mod:`~cpdata.offline.reader` (the node),
+(the directory format), :mod:`~cpdata.offline.atomic` (crash-safe directory writes), :mod:`~cpdata.offline.reader` (the node),
 :mod:`~cpdata.offline.summary` / :mod:`~cpdata.offline.plot` (``inspect``).
 
 Names are imported lazily, so the command line (``precompute``, ``inspect``)
@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "PackStore": "cpdata.offline.store",
     "PrecomputedPacks": "cpdata.offline.reader",
     "TokenizedDataset": "cpdata.offline.datasets",
+    "atomic_directory": "cpdata.offline.atomic",
     "open_dataset": "cpdata.offline.datasets",
     "precompute": "cpdata.offline.precompute",
     "read_store": "cpdata.offline.store",

@@ -94,7 +94,8 @@ def precompute(
     from cpdata.packing import plan_lengths
 
     check_layout(layout, cp_size)
-    check_writable(out_dir, overwrite=overwrite)
+    for line in check_writable(out_dir, overwrite=overwrite):
+        print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))

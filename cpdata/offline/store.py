@@ -18,10 +18,12 @@ deterministic and the manifest is JSON with sorted keys and no timestamps. The
 manifest carries a sha256 of its own canonical content (``manifest_sha256``),
 so an edited manifest is refused like a corrupted array.
 
-Writes are atomic: everything goes to a hidden sibling temp directory, the
-manifest last, and the directory is renamed into place; a crash leaves no
-directory under the target name, and a temp directory never holds a manifest
-before its arrays are complete.
+Writes are atomic (:func:`cpdata.offline.atomic.atomic_directory`): everything
+goes to a hidden sibling temp directory, the manifest last, and the directory
+is renamed into place; a writer killed at any point leaves the complete old
+plan, the complete new one, or no plan and a reader error saying that the
+next ``cpdata precompute`` restores or completes the swap (it also deletes
+the temp directories of dead writers).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cpdata.offline.atomic import atomic_directory, interrupted_write, recover_directory, stall
 
 __all__ = [
     "ARRAYS",
@@ -113,12 +115,18 @@ class PackStore:
         return slice(int(offsets[k]), int(offsets[k + 1]))
 
 
-def check_writable(out_dir: str | os.PathLike[str], *, overwrite: bool) -> None:
-    """Refuse an existing ``out_dir`` unless ``overwrite`` (checked before long work, and again when writing)."""
+def check_writable(out_dir: str | os.PathLike[str], *, overwrite: bool) -> list[str]:
+    """Recover dead writers' leftovers, then refuse an existing ``out_dir`` unless ``overwrite``.
+
+    Checked before long work, and again when writing. Returns what the
+    recovery did (:func:`~cpdata.offline.atomic.recover_directory`).
+    """
+    done = recover_directory(out_dir)
     if Path(out_dir).exists() and not overwrite:
         raise ValueError(
             f"output directory {str(out_dir)!r} already exists; pass overwrite=True (--force) or pick another"
         )
+    return done
 
 
 def write_store(
@@ -137,12 +145,11 @@ def write_store(
     out = Path(out_dir)
     if sorted(arrays) != sorted(ARRAYS):
         raise ValueError(f"write_store needs exactly the arrays {list(ARRAYS)}, got {sorted(arrays)}")
-    check_writable(out, overwrite=overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         entries = {}
-        for name in ARRAYS:
+        for k, name in enumerate(ARRAYS):
+            if k == len(ARRAYS) // 2:
+                stall("writing")
             arr = np.ascontiguousarray(arrays[name])
             path = tmp / f"{name}.npy"
             np.save(path, arr, allow_pickle=False)
@@ -158,23 +165,15 @@ def write_store(
             f.write(_canonical(full))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return str(full[_DIGEST_KEY])
 
 
 def _load_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST
     if not path.is_dir() or not mpath.is_file():
+        interrupted = None if path.exists() else interrupted_write(path)
+        if interrupted is not None:
+            raise ValueError(f"no precomputed plan at {str(path)!r}: {interrupted}")
         raise ValueError(f"{str(path)!r} is not a precomputed plan directory (no {MANIFEST}); {_RERUN}")
     try:
         manifest = json.loads(mpath.read_bytes())

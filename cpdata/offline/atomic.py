@@ -1,0 +1,172 @@
+"""Write a directory atomically, and recover from a writer killed at any point.
+
+``with atomic_directory(target, overwrite=...) as tmp:`` yields a fresh hidden
+sibling of ``target``; whatever the body writes there appears under
+``target`` only once the body returns. The hidden names carry the writer's
+host and pid, so a later writer can tell a dead writer's leftovers from a
+live one's::
+
+    .NAME.tmp-PID-HOST-XXXX   being written (incomplete)
+    .NAME.new-PID-HOST-XXXX   complete, about to replace NAME
+    .NAME.old-PID-HOST-XXXX   the previous NAME, moved aside during the swap
+
+The swap is ``tmp -> new``, ``NAME -> old``, ``new -> NAME``, delete ``old``:
+each step one ``rename``. Killed anywhere, ``NAME`` is the complete old
+directory, the complete new one, or absent while a ``.new``/``.old`` sibling
+holds both halves; :func:`recover_directory` (run by every
+:func:`atomic_directory` before it writes) finishes what a dead writer of this
+host started: a complete ``.new`` is moved into place (the writer had finished
+writing; only the swap was cut), a lone ``.old`` goes back to ``NAME`` if
+nothing replaced it, and incomplete ``.tmp`` directories are deleted. Entries
+of live writers, and of other hosts (whose pids this host cannot check), are
+left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_directory", "interrupted_write", "recover_directory"]
+
+_STALL_ENV = "CPDATA_ATOMIC_STALL"
+"""Test hook: name of a step (``writing``, ``written``, ``new``, ``old``, ``swapped``) where the writer stops
+(prints ``stalled at STEP`` to stderr and sleeps), so a test can kill it exactly there."""
+_KINDS = ("tmp", "new", "old")
+
+
+def stall(step: str) -> None:
+    """Sleep at ``step`` when the test hook asks for it (see ``_STALL_ENV``); a no-op otherwise."""
+    if os.environ.get(_STALL_ENV) == step:
+        print(f"stalled at {step}", file=sys.stderr, flush=True)
+        time.sleep(3600)
+
+
+def _host() -> str:
+    return socket.gethostname().replace("/", "_") or "localhost"
+
+
+def _prefix(target: Path, kind: str) -> str:
+    return f".{target.name}.{kind}-{os.getpid()}-{_host()}-"
+
+
+def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
+    """``(kind, pid, host, path)`` of every hidden sibling written for ``target``."""
+    out = []
+    if not target.parent.is_dir():
+        return out
+    for kind in _KINDS:
+        lead = f".{target.name}.{kind}-"
+        for path in target.parent.glob(f"{_glob_escape(lead)}*"):
+            pid, _, rest = path.name[len(lead) :].partition("-")
+            host = rest.rpartition("-")[0]
+            if pid.isdigit() and host:
+                out.append((kind, int(pid), host, path))
+    return sorted(out, key=lambda e: (e[1], e[0], e[3].name))
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dead_here(pid: int, host: str) -> bool:
+    return host == _host() and pid != os.getpid() and not _alive(pid)
+
+
+def recover_directory(target: str | os.PathLike[str]) -> list[str]:
+    """Finish or undo what dead writers of ``target`` left behind; returns what was done, one line each."""
+    target = Path(target)
+    done: list[str] = []
+    by_writer: dict[tuple[int, str], dict[str, list[Path]]] = {}
+    for kind, pid, host, path in _siblings(target):
+        if _dead_here(pid, host):
+            by_writer.setdefault((pid, host), {k: [] for k in _KINDS})[kind].append(path)
+    for (pid, _), found in sorted(by_writer.items()):
+        for tmp in found["tmp"]:
+            shutil.rmtree(tmp, ignore_errors=True)
+            done.append(f"removed {tmp.name}, left incomplete by writer pid {pid}")
+        news, olds = found["new"], found["old"]
+        if news:
+            if target.exists():
+                aside = olds[0] if olds else None
+                if aside is None:
+                    aside = Path(tempfile.mkdtemp(prefix=_prefix(target, "old"), dir=target.parent))
+                    os.rmdir(aside)
+                    olds = [aside]
+                os.replace(target, aside)
+            os.replace(news[0], target)
+            done.append(f"completed the replacement of {target.name} by writer pid {pid} (from {news[0].name})")
+            for extra in news[1:]:
+                shutil.rmtree(extra, ignore_errors=True)
+        elif olds and not target.exists():
+            os.replace(olds[0], target)
+            done.append(f"restored the previous {target.name} from {olds[0].name} (writer pid {pid} died mid-swap)")
+            olds = olds[1:]
+        for old in olds:
+            shutil.rmtree(old, ignore_errors=True)
+            done.append(f"removed {old.name}, the replaced {target.name} of writer pid {pid}")
+    return done
+
+
+def interrupted_write(target: str | os.PathLike[str]) -> str | None:
+    """A sentence naming the hidden halves of an interrupted swap of ``target``, or None if there are none."""
+    target = Path(target)
+    halves = [p.name for kind, _, _, p in _siblings(target) if kind in ("new", "old")]
+    if not halves:
+        return None
+    return (
+        f"an interrupted write of {target} left {', '.join(halves)} beside it; re-run the command that writes it "
+        "(it restores or completes the swap first)"
+    )
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty hidden directory that replaces ``target`` when the block exits normally.
+
+    Recovers dead writers' leftovers first. Refuses an existing ``target``
+    unless ``overwrite``. On an exception the temp directory is removed and
+    ``target`` is untouched. The published directory is mode 0o755.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(target)
+    if target.exists() and not overwrite:
+        raise ValueError(f"output directory {str(target)!r} already exists; pass overwrite=True (--force) or pick another")
+    tmp = Path(tempfile.mkdtemp(prefix=_prefix(target, "tmp"), dir=target.parent))
+    try:
+        yield tmp
+        stall("written")
+        os.chmod(tmp, 0o755)
+        new = tmp.with_name(tmp.name.replace(".tmp-", ".new-", 1))
+        os.replace(tmp, new)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    stall("new")
+    if target.exists():
+        old = new.with_name(new.name.replace(".new-", ".old-", 1))
+        os.replace(target, old)
+        stall("old")
+        os.replace(new, target)
+        stall("swapped")
+        shutil.rmtree(old)
+    else:
+        os.replace(new, target)
