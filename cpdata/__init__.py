@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "CPDataset": "cpdata.dataset",
     "Collate": "cpdata.nodes.collate",
     "CollatedPack": "cpdata.nodes.collate",
+    "ContextParallelAttention": "cpdata.cp_attention",
     "ContextParallelSharder": "cpdata.sharder",
     "DocPiece": "cpdata.plan",
     "Document": "cpdata.plan",

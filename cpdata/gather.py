@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from cpdata.shard_layout import ShardLayout
 
-__all__ = ["GatherFromShards", "gather_token_tensor", "layout_tensor_on"]
+__all__ = ["GatherFromShards", "ensure_gather_index", "gather_token_tensor", "layout_tensor_on"]
 
 _CACHE_SIZE = 32
 _device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor]] = OrderedDict()
@@ -190,3 +191,36 @@ def gather_token_tensor(
             f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
         )
     return GatherFromShards.apply(tensor, index, group, seq_dim)
+
+
+def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:
+    """``layout`` with its inverse map, built from the ranks' index maps when it has none.
+
+    A layout reported by a backend (or built from a closed-form index map)
+    may carry ``local_token_global_indices`` only. This all-gathers every
+    rank's map once (int64, ``[cp*L]``; one collective that every CP rank must
+    join), checks it is a permutation of ``range(cp*L)`` and returns a copy
+    with ``gather_index`` (argsort), ``cp_size`` and ``cp_rank`` filled in;
+    callers keep the copy, so later gathers stay one collective on the data.
+    A layout that already has ``gather_index`` is returned as is.
+    """
+    if layout.gather_index is not None:
+        return layout
+    if layout.local_token_global_indices is None:
+        raise ValueError("ShardLayout has neither gather_index nor local_token_global_indices; nothing to invert")
+    local = layout.local_token_global_indices.reshape(-1).to(torch.int64)
+    world, rank = 1, 0
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world > 1:
+        rows = local.new_empty((world * local.numel(),))
+        _all_gather(rows, local.contiguous(), group)
+    else:
+        rows = local
+    inverse = torch.argsort(rows)
+    if not torch.equal(rows[inverse], torch.arange(rows.numel(), device=rows.device)):
+        raise ValueError(
+            f"the CP ranks' local_token_global_indices ({world} x {local.numel()}) are not a permutation of "
+            f"range({rows.numel()}): every global position must be owned by exactly one rank"
+        )
+    return replace(layout, local_token_global_indices=local, gather_index=inverse.cpu(), cp_size=world, cp_rank=rank)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from cpdata.cp_attention import AttentionContextFactory
 from cpdata.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
@@ -46,6 +47,7 @@ from cpdata.shard_layout import ShardLayout
 
 __all__ = [
     "DeviceShard",
+    "attention_ctx",
     "ShardPlan",
     "closed_form_indices",
     "is_presharded",
@@ -129,8 +131,24 @@ def _shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devi
         )
     on_device = device is None or all(v.device == device for v in batch.values() if isinstance(v, torch.Tensor))
     if not on_device and callable(getattr(batch, "to", None)):  # ShardedBatch: one copy of its buffer
-        return contextlib.nullcontext, dict(batch.to(device, non_blocking=True)), layout
-    return contextlib.nullcontext, {k: _to(v, device) for k, v in batch.items()}, layout
+        out = dict(batch.to(device, non_blocking=True))
+    else:
+        out = {k: _to(v, device) for k, v in batch.items()}
+    return attention_ctx(cp_mesh, layout, out), out, layout
+
+
+def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any]) -> Callable[..., Any]:
+    """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
+
+    At cp > 1, ``ctx()`` makes SDPA on local Q/K/V attend over the whole
+    sequence (:class:`cpdata.cp_attention.ContextParallelAttention`);
+    ``ctx(document_mask=True)`` adds the document mask from the batch's
+    ``document_ids``.
+    """
+    if layout.cp_size <= 1:
+        return contextlib.nullcontext
+    doc = tensors.get(DOCUMENT_IDS)
+    return AttentionContextFactory(layout, cp_mesh.get_group(), doc if isinstance(doc, torch.Tensor) else None)
 
 
 def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> torch.Tensor:
@@ -240,7 +258,8 @@ def _digest(plan: ShardPlan, cp_size: int, pack_len: int, slots: np.ndarray, inp
 class DeviceShard:
     """A ``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` callable.
 
-    Returns ``(contextlib.nullcontext, dict_of_device_tensors, ShardLayout)``.
+    Returns ``(ctx_factory, dict_of_device_tensors, ShardLayout)``; the ctx is
+    :func:`attention_ctx` (CP attention at cp > 1, ``nullcontext`` otherwise).
     Token-aligned keys: :data:`~cpdata.keys.STANDARD_TOKEN_KEYS` and
     ``loss_mask`` (sequence on their last dim) plus ``extra_seq_buffers``
     (name → sequence dim). A ``[B, S]`` ``attention_mask`` is replaced by
@@ -302,4 +321,4 @@ class DeviceShard:
             cp_rank=rank,
             digest=_digest(self.plan, size, pack_len, slots, batch[INPUT_IDS]),
         )
-        return contextlib.nullcontext, out, layout
+        return attention_ctx(cp_mesh, layout, out), out, layout

@@ -9,7 +9,7 @@ import cpdata
 import cpdata.nodes
 
 PUBLIC = [
-    "CPDataset", "Collate", "CollatedPack", "ContextParallelSharder", "DocPiece", "Document", "Documents",
+    "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention", "ContextParallelSharder", "DocPiece", "Document", "Documents",
     "LAYOUTS", "Pack", "PackPlan", "PackingResult", "PackingStats", "PrecomputedPacks", "ShardForRank",
     "ShardLayout", "ShardedBatch", "TokenizedDataset", "alignment", "all_ranks_have_batch", "build_loader", "build_node", "close_loader",
     "closing_loader", "collate_pack", "collate_rank", "gather_token_tensor", "inverse_indices", "maybe_pin",

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpdata.cp_attention import AttentionContextFactory
 from cpdata.gather import gather_token_tensor, layout_tensor_on
 from cpdata.layouts import LAYOUTS, alignment, inverse_indices, rank_indices
 from cpdata.raw_shard import DeviceShard, resolve_plan
@@ -441,7 +442,8 @@ def test_presharded_batch_is_only_moved_and_checked():
         s = ContextParallelSharder(None, FakeMesh(2, r), batch)
         assert s.local_token_global_indices is None  # the worker's layout is unknown until shard()
         ctx, out = s.shard(batch)
-        assert ctx is contextlib.nullcontext and type(out) is dict and s.shard_layout is layout
+        assert type(out) is dict and s.shard_layout is layout
+        assert isinstance(ctx, AttentionContextFactory) and ctx.layout is layout  # CP attention at cp > 1
         assert all(torch.equal(out[k], batch[k]) for k in batch)
         with pytest.raises(ValueError, match=r"cp_size=2 but the CP mesh has cp_size=4"):
             ContextParallelSharder(None, FakeMesh(4, r), batch).shard(batch)
