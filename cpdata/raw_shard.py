@@ -148,7 +148,9 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     if layout.cp_size <= 1:
         return contextlib.nullcontext
     doc = tensors.get(DOCUMENT_IDS)
-    return AttentionContextFactory(layout, cp_mesh.get_group(), doc if isinstance(doc, torch.Tensor) else None)
+    get_group = getattr(cp_mesh, "get_group", None)  # a mesh without groups (one process) uses the default group
+    group = get_group() if get_group is not None else None
+    return AttentionContextFactory(layout, group, doc if isinstance(doc, torch.Tensor) else None)
 
 
 def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> torch.Tensor:
