@@ -126,3 +126,38 @@ def test_vocab_size_with_a_lengths_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds document lengths only"):
         precompute(tmp_path / "lengths.npy", tmp_path / "plan", capacity=16, cp_size=1, layout="identity",
                    vocab_size=10)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- long documents
+
+
+@pytest.mark.parametrize(("algorithm", "dp_size"), [("bfd", 1), ("concat", 1), ("bfd", 2)])
+def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, monkeypatch, algorithm, dp_size):
+    """A document cut into many pieces is read once per epoch (per DP rank) by the offline reader."""
+    from cpdata.offline import PrecomputedPacks
+    from cpdata.offline.datasets import JsonlDocuments
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(1, 60, 40)]
+    docs.insert(20, rng.integers(0, 1000, 5000).tolist())  # 5000 tokens at capacity 128: ~40 pieces
+    data = _jsonl(tmp_path, docs)
+    precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", overflow="split", algorithm=algorithm)
+    reads: list[int] = []
+    real_read = JsonlDocuments._read
+    monkeypatch.setattr(JsonlDocuments, "_read", lambda self, i: (reads.append(i), real_read(self, i))[1])
+    dataset = open_dataset(data)
+    for rank in range(dp_size):
+        plans = PrecomputedPacks(tmp_path / "plan", dataset, dp_rank=rank, dp_size=dp_size)
+        plans.reset()
+        pieces_of_long = sum(1 for plan in plans for p in plan.pieces if p.index == 20)
+        assert pieces_of_long >= 30 // dp_size, "the long document must be cut into many pieces"
+        for epoch in range(2):
+            reads.clear()
+            plans.reset()
+            assert sum(1 for _ in plans) == len(plans)
+            assert reads.count(20) == 1, (epoch, reads.count(20))
+            assert len(reads) == len(set(reads)), "every document is read once per epoch"
+    # the tokens served are the document's tokens: the pieces tile it (checked against the file)
+    plans = PrecomputedPacks(tmp_path / "plan", dataset)
+    got = sorted((p.start, p.arrays["input_ids"].tolist()) for plan in plans for p in plan.pieces if p.index == 20)
+    assert [t for _, ids in got for t in ids] == docs[20]

@@ -88,6 +88,14 @@ def _gather(rows: list[dict]) -> str:
     return "**Gather** (forward + backward, gloo on CPU; collectives counted per call)\n\n" + _md(head, body)
 
 
+def _long_document(rows: list[dict]) -> str:
+    body = [(f"{r['doc_tokens']:,}", r["pieces"], r["packs"], f"{r['online_s']:.2f}", f"{r['offline_s']:.2f}",
+             f"{r['ratio']:.2f}x", f"{r['precompute_s']:.2f}") for r in rows]
+    head = ("long document tokens", "pieces", "packs", "online s/epoch", "offline s/epoch", "offline/online",
+            "precompute s")
+    return "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)\n\n" + _md(head, body)
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The README benchmark section for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
@@ -109,4 +117,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_balance(results["balance"]))
     if results.get("gather"):
         parts.append(_gather(results["gather"]))
+    if results.get("long_document"):
+        parts.append(_long_document(results["long_document"]))
     return "\n\n".join(parts) + "\n"

@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "packing": "cpdata.bench.packing_quality",
     "balance": "cpdata.bench.balance",
     "gather": "cpdata.bench.gather_collectives",
+    "long_document": "cpdata.bench.long_document",
 }
 """Section name -> module, in run order."""
 

@@ -12,6 +12,9 @@ plan written for other documents (input sha256, or the lengths' sha256 for a
 plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
 the caller asks, or whose manifest or any array fails its checksum.
 
+A document cut into several pieces is read and validated once while its
+pieces follow one another, not once per piece (see :meth:`PrecomputedPacks._document`).
+
 Data parallelism: with ``dp_size > 1`` rank ``dp_rank`` serves packs
 ``dp_rank, dp_rank + dp_size, ...`` of the whole-dataset plan, and every rank
 serves ``n_packs // dp_size`` of them (the last ``n_packs % dp_size`` packs are
@@ -130,6 +133,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         self.vocab_size = vocab_size
         self.capacity = int(self.store.config["capacity"])
         self._index = 0
+        self._open: tuple[int, Mapping[str, np.ndarray]] | None = None  # a document whose pieces go on
 
     def __len__(self) -> int:
         """Packs this DP rank serves per epoch."""
@@ -140,6 +144,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._open = None
         if initial_state is None:
             self._index = 0
             return
@@ -176,7 +181,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         pieces = []
         for j in range(rows.start, rows.stop):
             doc, start, length = int(a["doc_index"][j]), int(a["doc_start"][j]), int(a["doc_len"][j])
-            arrays = self._document(doc)
+            arrays = self._document(doc, more=bool(a["continues"][j]))
             n = int(arrays[INPUT_IDS].shape[0])
             if start + length > n:
                 raise ValueError(
@@ -200,13 +205,29 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             index=index,
         )
 
-    def _document(self, i: int) -> Mapping[str, np.ndarray]:
-        return to_document(self.documents[i], i, self.vocab_size).arrays
+    def _document(self, i: int, *, more: bool) -> Mapping[str, np.ndarray]:
+        """Document ``i``, validated; read once for all its pieces.
+
+        A document cut into pieces (``overflow="split"``, ``concat``) is kept
+        while pieces of it follow (``more``), so a 5M-token JSONL row cut into
+        153 pieces is parsed once per epoch, not 153 times; at most one such
+        document is held (its pieces sit in consecutive packs).
+        """
+        if self._open is not None and self._open[0] == i:
+            arrays = self._open[1]
+        else:
+            arrays = to_document(self.documents[i], i, self.vocab_size).arrays
+            if more:
+                self._open = (i, arrays)
+        if not more and self._open is not None and self._open[0] == i:
+            self._open = None  # its last piece
+        return arrays
 
     def __getstate__(self) -> dict[str, Any]:
         # Worker processes reopen the memory maps instead of receiving copies of the arrays.
         state = self.__dict__.copy()
         state["store"] = (str(self.store.path), self.store.digest)
+        state["_open"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
