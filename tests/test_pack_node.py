@@ -175,8 +175,25 @@ def test_refuses_a_changed_source_and_other_versions():
     for d in changed:
         d["input_ids"] = d["input_ids"][: max(len(d["input_ids"]) - 5, 0)]
         d["labels"], d["loss_mask"] = d["labels"][: len(d["input_ids"])], d["loss_mask"][: len(d["input_ids"])]
-    with pytest.raises(ValueError, match="source changed"):
+    with pytest.raises(ValueError, match="fingerprint .* other content"):  # a list: its fingerprint differs
         _pack(changed).reset(state)
+
+    class Opaque:  # a sequence without a fingerprint: the packer's own re-read check refuses it
+        def __init__(self, items):
+            self.items = items
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+    state = _pack(Opaque(docs))
+    for _ in range(3):
+        next(state)
+    state = state.state_dict()
+    with pytest.raises(ValueError, match="source changed"):
+        _pack(Opaque(changed)).reset(state)
     with pytest.raises(ValueError, match="version"):
         _pack(docs).reset(dict(state, version=0))
 

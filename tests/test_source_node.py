@@ -206,7 +206,9 @@ def test_state_is_small_and_versioned():
     for _ in range(4):
         next(node)
     state = node.state_dict()
+    fingerprint = state.pop("fingerprint")
     assert state == {"version": 1, "consumed": 4, "position": 8, "shard": (1, 2), "length": 50}
+    assert fingerprint.startswith("list:50:") and len(fingerprint) < 64
 
 
 def test_refuses_a_state_from_another_configuration():

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
@@ -156,10 +157,13 @@ class Documents(BaseNode[Document]):
         dp_rank, dp_size: this rank's shard: documents ``i`` with ``i % dp_size == dp_rank``.
         vocab_size: if given, ids ``>= vocab_size`` raise ``ValueError``.
 
-    State: ``{"version", "consumed", "position", "shard", ...}``: documents
-    emitted by this rank, source items read so far, and the nested state of a
-    node source. A restore under another ``dp_rank``/``dp_size`` or onto a
-    sequence of another length raises ``ValueError``.
+    State: ``{"version", "consumed", "position", "shard", "length",
+    "fingerprint", ...}``: documents emitted by this rank, source items read
+    so far, the source's identity (:mod:`cpdata.fingerprint`) and the nested
+    state of a node source. A restore under another ``dp_rank``/``dp_size``,
+    onto a sequence of another length or onto another dataset of the same
+    length raises ``ValueError``; so does a source that changed since it was
+    opened, checked at every epoch start and restore.
     """
 
     VERSION = 1
@@ -168,6 +172,7 @@ class Documents(BaseNode[Document]):
     POSITION_KEY = "position"
     SHARD_KEY = "shard"
     LENGTH_KEY = "length"
+    FINGERPRINT_KEY = "fingerprint"
     SOURCE_KEY = "source"
 
     def __init__(
@@ -208,6 +213,8 @@ class Documents(BaseNode[Document]):
         self._it: Iterator[Any] | None = None
         self._position = 0
         self._consumed = 0
+        self._fingerprint: str | None = None
+        self._fingerprinted = False
 
     @property
     def seekable(self) -> bool:
@@ -230,6 +237,7 @@ class Documents(BaseNode[Document]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._position, self._consumed, self._it = 0, 0, None
+        self._check_source()
         nested = None
         if initial_state is not None:
             self._check(initial_state)
@@ -249,6 +257,12 @@ class Documents(BaseNode[Document]):
                         f"{skipped}; restore onto the same source"
                     ) from None
 
+    def _check_source(self) -> None:
+        """At every epoch start and restore: the source is the one first read, unchanged (cpdata.fingerprint)."""
+        if not self._fingerprinted:
+            self._fingerprint, self._fingerprinted = source_fingerprint(self.source), True
+        check_source_unchanged(self.source, self._fingerprint)
+
     def _check(self, state: dict[str, Any]) -> None:
         check_state_version("Documents", state, self.VERSION_KEY, self.VERSION)
         shard = (self.dp_rank, self.dp_size)
@@ -261,6 +275,12 @@ class Documents(BaseNode[Document]):
             raise ValueError(
                 f"Documents state was saved for a source of length {state.get(self.LENGTH_KEY)}, "
                 f"this source has length {self._length()}; restore onto the same dataset"
+            )
+        saved = state.get(self.FINGERPRINT_KEY)
+        if saved is not None and self._fingerprint is not None and saved != self._fingerprint:
+            raise ValueError(
+                f"Documents state was saved for the source with fingerprint {saved}, this source has "
+                f"{self._fingerprint} (same length, other content); restore onto the same dataset"
             )
 
     def _read(self) -> tuple[int, Any]:
@@ -301,6 +321,7 @@ class Documents(BaseNode[Document]):
             self.POSITION_KEY: self._position,
             self.SHARD_KEY: (self.dp_rank, self.dp_size),
             self.LENGTH_KEY: self._length(),
+            self.FINGERPRINT_KEY: self._fingerprint,
         }
         if self._kind == "node":
             state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())

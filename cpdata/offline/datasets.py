@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Iterator
@@ -47,6 +48,17 @@ def _hash_files(paths: list[Path], names: bool) -> str:
             while block := f.read(_CHUNK):
                 h.update(block)
     return h.hexdigest()
+
+
+_FILE_SAMPLES = 64
+"""Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
+
+
+def _sample_positions(n: int, k: int) -> list[int]:
+    """Up to ``k`` evenly spaced indices of ``range(n)``, first and last included."""
+    if n <= k:
+        return list(range(n))
+    return sorted({(s * (n - 1)) // (k - 1) for s in range(k)})
 
 
 def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
@@ -149,6 +161,8 @@ class LengthsFile(TokenizedDataset):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
+        st = os.stat(self.path)
+        self._opened = (st.st_size, st.st_mtime_ns)
         if self.path.suffix == ".npz":
             with np.load(self.path) as z:
                 key = "lengths" if "lengths" in z.files else (z.files[0] if len(z.files) == 1 else None)
@@ -173,6 +187,20 @@ class LengthsFile(TokenizedDataset):
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
+
+    def fingerprint(self) -> str:
+        """``lengths:`` + the sha256 of the lengths (computed once)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = f"lengths:{self.lengths_checksum()}"
+        return self._fingerprint
+
+    def check_unchanged(self) -> None:
+        st = os.stat(self.path)
+        if (st.st_size, st.st_mtime_ns) != self._opened:
+            raise ValueError(
+                f"{self.path} changed since it was opened (size {self._opened[0]} -> {st.st_size} bytes, modified "
+                "again); restore it, or reopen it and start a new run"
+            )
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
         raise ValueError(
@@ -199,7 +227,7 @@ class JsonlDocuments(TokenizedDataset):
         self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
     ) -> None:
         super().__init__(path)
-        offsets, lengths = array("q"), array("q")
+        offsets, lengths, crcs = array("q"), array("q"), array("I")
         h = hashlib.sha256()
         pos = 0
         low, high = _INT64_MAX, -1
@@ -208,6 +236,7 @@ class JsonlDocuments(TokenizedDataset):
                 h.update(line)
                 if line.strip():
                     offsets.append(pos)
+                    crcs.append(zlib.crc32(line))
                     ids = self._parse(line, lineno, pos)["input_ids"]
                     lengths.append(ids.shape[0])
                     if ids.shape[0]:
@@ -215,6 +244,8 @@ class JsonlDocuments(TokenizedDataset):
                 pos += len(line)
                 if on_progress is not None:
                     on_progress(len(line))
+            self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
+        self._crcs = np.frombuffer(crcs, dtype=np.uint32) if crcs else np.zeros(0, np.uint32)
         self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
         self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
         self._id_range = (low, high)
@@ -285,17 +316,54 @@ class JsonlDocuments(TokenizedDataset):
     def lengths(self) -> np.ndarray:
         return self._lengths
 
+    def fingerprint(self) -> str:
+        """``jsonl:`` + the file's sha256 (computed while scanning)."""
+        return f"jsonl:{self.checksum()}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if the file grew, shrank, or (mtime moved) a sampled row changed since opening.
+
+        Rows appended after opening are refused here, at the next epoch or
+        restore: the dataset is the file as it was opened (reopen it to train
+        on the new rows, as a new run).
+        """
+        size, mtime = self._opened
+        st = os.stat(self.path)
+        if st.st_size != size:
+            what = "rows were appended" if st.st_size > size else "it was cut short"
+            raise ValueError(
+                f"{self.path} changed since it was opened: {size} bytes then, {st.st_size} now ({what}); the "
+                "dataset of a run is the file as opened: restore the original file, or reopen it with "
+                "open_dataset() and start a new run on the new data"
+            )
+        if st.st_mtime_ns != mtime:
+            for i in _sample_positions(len(self), _FILE_SAMPLES):
+                self._raw_row(i)  # raises naming the first sampled document that changed
+            self._opened = (size, st.st_mtime_ns)  # touched, same bytes where sampled
+
     def check_token_ids(self, vocab_size: int | None = None) -> None:
         low, high = self._id_range
         if low >= 0 and (vocab_size is None or high < vocab_size):
             return  # the scan saw every id
         super().check_token_ids(vocab_size)
 
-    def _read(self, i: int) -> dict[str, np.ndarray]:
+    def _raw_row(self, i: int) -> bytes:
+        """Row ``i``'s bytes, checked against the CRC-32 taken when the file was opened."""
         if self._file is None:
             self._file = open(self.path, "rb")  # kept open for O(1) seeks; reopened after pickling
-        self._file.seek(int(self._offsets[i]))
-        return self._parse(self._file.readline(), f"of document {i}", int(self._offsets[i]))
+        offset = int(self._offsets[i])
+        self._file.seek(offset)
+        line = self._file.readline()
+        if zlib.crc32(line) != int(self._crcs[i]):
+            raise ValueError(
+                f"{self.path}: document {i} (byte offset {offset}) changed since the file was opened: its bytes "
+                "differ from the ones read when the run planned it (the file was edited in place); restore the "
+                "original file, or reopen it with open_dataset() and start a new run"
+            )
+        return line
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
 
     def _compute_checksum(self) -> str:
         return _hash_files([self.path], names=False)
@@ -329,7 +397,11 @@ class NpyFolder(TokenizedDataset):
         if not self._files:
             raise ValueError(f"{self.path} contains no .npy files; save one 1-D token array per document")
         lengths = np.empty(len(self._files), dtype=np.int64)
+        self._stats = np.empty((len(self._files), 2), dtype=np.int64)  # size, mtime_ns of each file at open
+        self._dir_mtime = os.stat(self.path).st_mtime_ns
         for i, name in enumerate(self._files):
+            st = os.stat(self.path / name)
+            self._stats[i] = (st.st_size, st.st_mtime_ns)
             arr = np.load(self.path / name, mmap_mode="r")
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
                 raise ValueError(
@@ -350,7 +422,46 @@ class NpyFolder(TokenizedDataset):
         """File names in document order."""
         return list(self._files)
 
+    def fingerprint(self) -> str:
+        """``npy_folder:`` + a hash of the file count, every name and size, and the ends of sampled files."""
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f"{len(self._files)}".encode())
+            for name, size in zip(self._files, self._stats[:, 0].tolist(), strict=True):
+                h.update(f"|{name}|{size}".encode())
+            for i in _sample_positions(len(self._files), _FILE_SAMPLES):
+                with open(self.path / self._files[i], "rb") as f:
+                    h.update(f.read(4096))
+                    f.seek(max(0, int(self._stats[i, 0]) - 4096))
+                    h.update(f.read(4096))
+            self._fingerprint = f"npy_folder:{len(self._files)}:{h.hexdigest()}"
+        return self._fingerprint
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if ``.npy`` files were added or removed, or a sampled file changed, since opening."""
+        if os.stat(self.path).st_mtime_ns != self._dir_mtime:
+            now = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
+            if now != self._files:
+                added, removed = sorted(set(now) - set(self._files)), sorted(set(self._files) - set(now))
+                raise ValueError(
+                    f"{self.path} changed since it was opened: .npy files added {added[:5]}, removed {removed[:5]}; "
+                    "the dataset of a run is the folder as opened: restore it, or reopen it with open_dataset() "
+                    "and start a new run"
+                )
+        for i in _sample_positions(len(self._files), _FILE_SAMPLES):
+            self._check_file(i)
+
+    def _check_file(self, i: int) -> None:
+        st = os.stat(self.path / self._files[i])
+        if (st.st_size, st.st_mtime_ns) != tuple(self._stats[i].tolist()):
+            raise ValueError(
+                f"{self.path / self._files[i]} (document {i}) changed since the folder was opened (size "
+                f"{int(self._stats[i, 0])} -> {st.st_size} bytes, modified again); restore the original file, or "
+                "reopen the folder with open_dataset() and start a new run"
+            )
+
     def _read(self, i: int) -> dict[str, np.ndarray]:
+        self._check_file(i)
         tokens = np.load(self.path / self._files[i], mmap_mode="r")
         return {"input_ids": np.array(tokens, dtype=np.int64)}
 

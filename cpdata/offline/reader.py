@@ -7,6 +7,10 @@ from ``documents`` by index, so the node holds no buffer: its state is the pack
 index (plus version and the plan's manifest digest) and a restore is O(1), at
 any point of a 10M-pack plan.
 
+At every epoch start and restore the node re-reads the manifest digest from
+disk and asks the documents whether they changed since they were opened
+(:mod:`cpdata.fingerprint`); a document whose bytes changed raises when read.
+
 Nothing is served from a plan that does not match: the constructor refuses a
 plan written for other documents (input sha256, or the lengths' sha256 for a
 plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
@@ -32,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.fingerprint import check_source_unchanged
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.source import to_document
 from cpdata.offline.store import PackStore, read_store
@@ -139,12 +144,24 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         """Packs this DP rank serves per epoch."""
         return self.store.n_packs // self.dp_size
 
+    def _check_unchanged(self) -> None:
+        """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
+        on_disk = read_store(self.store.path, verify=False).digest
+        if on_disk != self.store.digest:
+            raise ValueError(
+                f"plan {self.store.path} changed on disk since this node opened it (manifest sha256 "
+                f"{self.store.digest[:16]}… then, {on_disk[:16]}… now: it was precomputed again); its packs differ: "
+                "build a new pipeline on the new plan, as a new run, or restore the old plan"
+            )
+        check_source_unchanged(self.documents, None)
+
     def _dp(self) -> list[int]:
         return [self.dp_rank, self.dp_size]
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._open = None
+        self._check_unchanged()
         if initial_state is None:
             self._index = 0
             return
