@@ -15,6 +15,7 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    "CPDataLoader": "cpdata.dataloader",
     "CPDataset": "cpdata.dataset",
     "Collate": "cpdata.nodes.collate",
     "CollatedPack": "cpdata.nodes.collate",
@@ -41,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "closing_loader": "cpdata.loader",
     "collate_pack": "cpdata.collate",
     "collate_rank": "cpdata.collate",
+    "exit_with_parent": "cpdata.orphans",
     "gather_token_tensor": "cpdata.gather",
     "inverse_indices": "cpdata.layouts",
     "maybe_pin": "cpdata.nodes.pin",

@@ -22,11 +22,16 @@ State: ``state_dict()`` is the worker's ``Loader.state_dict()`` plus its
 next ``__iter__``, which applies it eagerly ("pending resume state"). Resume
 needs the same ``num_workers`` and configuration (``ValueError`` otherwise).
 Pinning belongs to ``StatefulDataLoader(pin_memory=...)`` in the main process;
-workers never pin.
+workers never pin. Workers die with the training process
+(:func:`cpdata.orphans.exit_with_parent`), even when stuck in a slow read.
+:class:`cpdata.dataloader.CPDataLoader` is the ``StatefulDataLoader`` to use:
+``batch_size=None`` and a state from another ``num_workers`` (0 included) is
+refused with ``ValueError`` on ``load_state_dict``.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -35,6 +40,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.loader import ResumableLoader, check_keywords, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.orphans import exit_with_parent
 from cpdata.state_version import check_state_version
 
 __all__ = ["CPDataset", "silence_set_vital_warning"]
@@ -116,6 +122,7 @@ class CPDataset(IterableDataset):
         self._loader: Loader | None = None
         self._worker: tuple[int, int] | None = None
         self._pending: dict[str, Any] | None = None
+        self._parent_main_thread: bool | None = None  # set when pickled for spawn/forkserver workers
 
     @staticmethod
     def _current_worker() -> tuple[int, int]:
@@ -123,6 +130,8 @@ class CPDataset(IterableDataset):
         return (0, 1) if info is None else (info.id, info.num_workers)
 
     def _ensure_loader(self) -> Loader:
+        if get_worker_info() is not None:
+            exit_with_parent(deathsig=self._parent_main_thread)  # no orphan outlives a killed trainer
         worker = self._current_worker()
         if self._loader is None or self._worker != worker:
             if self._loader is not None:
@@ -167,6 +176,7 @@ class CPDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_loader"] = state["_worker"] = None  # threads do not pickle; each process builds its own
+        state["_parent_main_thread"] = threading.current_thread() is threading.main_thread()
         return state
 
     def close(self) -> None:

@@ -130,3 +130,45 @@ def test_constructor_checks():
     with pytest.raises(ValueError, match="version"):
         ds.load_state_dict({"loader": {}})
     assert np.asarray(ds.state_dict()["worker"]).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("saved", "restored"), [(0, 2), (2, 0), (2, 3), (1, 0)])
+def test_state_from_another_worker_count_is_refused_naming_both(saved, restored):
+    """torchdata 0.11 alone raises a bare AssertionError between 0 and N workers; CPDataLoader names both counts."""
+    from cpdata.dataloader import CPDataLoader
+
+    def make(num_workers):
+        extra = {"multiprocessing_context": "fork"} if num_workers else {}
+        return CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), num_workers=num_workers, **extra)
+
+    loader = make(saved)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    fresh = make(restored)
+    with pytest.raises(ValueError) as info:
+        fresh.load_state_dict(state)
+    message = str(info.value)
+    assert f"saved with num_workers={saved}" in message and f"has num_workers={restored}" in message
+    assert f"resume with num_workers={saved}" in message
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_cp_data_loader_resumes_exactly_with_the_same_worker_count(num_workers, reference):
+    from cpdata.dataloader import CPDataLoader
+
+    def make():
+        extra = {"multiprocessing_context": "fork"} if num_workers else {}
+        return CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), num_workers=num_workers, **extra)
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it).info["digest"] for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + digests(resumed) == digests(s[0] for s in reference)
+    with pytest.raises(ValueError, match="batch_size=1"):
+        CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), batch_size=1)

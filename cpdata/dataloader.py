@@ -1,0 +1,62 @@
+"""``CPDataLoader``: torchdata's ``StatefulDataLoader`` for a :class:`~cpdata.dataset.CPDataset`.
+
+Two differences, both about not failing late or obscurely:
+
+- ``batch_size=None`` by default (a :class:`~cpdata.batch.ShardedBatch` is
+  already a batch); any other value is refused.
+- ``load_state_dict`` refuses a state saved with another ``num_workers`` with
+  a ``ValueError`` naming both counts. torchdata 0.11 raises a bare
+  ``AssertionError`` between 0 and N workers (a ``KeyError`` under
+  ``python -O``), and each worker's packer position is its own, so a state
+  cannot move to another worker count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+__all__ = ["CPDataLoader", "saved_num_workers"]
+
+
+def saved_num_workers(state: Mapping[str, Any]) -> int | None:
+    """The ``num_workers`` a ``StatefulDataLoader`` state was saved with, or None if the layout is unknown."""
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping):
+        main = snapshot.get("_main_snapshot")
+        if isinstance(main, Mapping) and isinstance(main.get("_num_workers"), int):
+            return int(main["_num_workers"])
+        workers = snapshot.get("_worker_snapshots")
+        return len(workers) if isinstance(workers, Mapping) else None
+    if "_num_yielded" in state:
+        return 0
+    return None
+
+
+class CPDataLoader(StatefulDataLoader):
+    """``StatefulDataLoader(dataset, batch_size=None, ...)`` that refuses a state from another worker count.
+
+    Takes ``StatefulDataLoader``'s arguments (``num_workers``,
+    ``pin_memory``, ``multiprocessing_context``, ``snapshot_every_n_steps``,
+    ...); ``batch_size`` must stay None.
+    """
+
+    def __init__(self, dataset: Any, *, batch_size: None = None, **kwargs: Any) -> None:
+        if batch_size is not None:
+            raise ValueError(
+                f"CPDataLoader yields the dataset's batches as they are; got batch_size={batch_size!r}, "
+                "leave it None and set batch_size on the CPDataset (packs per batch)"
+            )
+        super().__init__(dataset, batch_size=None, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = saved_num_workers(state_dict) if state_dict else None
+        if saved is not None and saved != self.num_workers:
+            raise ValueError(
+                f"this loader state was saved with num_workers={saved}, this CPDataLoader has "
+                f"num_workers={self.num_workers}; each worker's packer position is its own: resume with "
+                f"num_workers={saved}"
+            )
+        super().load_state_dict(state_dict)
