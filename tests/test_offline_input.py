@@ -56,8 +56,8 @@ def test_utf8_byte_order_mark_and_non_ascii_text_are_accepted(tmp_path):
     assert [d["input_ids"].tolist() for d in data] == [[1, 2], [3]]
 
 
-def test_invalid_utf8_found_when_serving_names_the_document(tmp_path):
-    """Bytes that change after opening are refused on read, with the document and its byte offset."""
+def test_a_row_whose_bytes_went_bad_after_opening_names_the_document(tmp_path):
+    """Bytes that change after opening (here to invalid UTF-8) are refused on read, with the document and offset."""
     path = tmp_path / "d.jsonl"
     path.write_bytes(_rows({"input_ids": [1, 2], "meta": "aa"}, {"input_ids": [3, 4], "meta": "bb"}))
     data = open_dataset(path)
@@ -65,7 +65,8 @@ def test_invalid_utf8_found_when_serving_names_the_document(tmp_path):
     at = raw.rindex(b"bb")
     raw[at] = 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=rf"document 1 \(byte offset {at}\): invalid UTF-8 byte 0xff"):
+    row = raw.index(b'{"input_ids": [3')
+    with pytest.raises(ValueError, match=rf"document 1 \(byte offset {row}\) changed since the file was opened"):
         data[1]
 
 
