@@ -1,34 +1,44 @@
-"""On-device ``shard_batch`` functions: pre-sharded batches and raw full batches.
-
-Two entry points share one callable, :class:`DeviceShard`:
+"""On-device ``shard_batch`` functions for pre-sharded batches and raw full ``[B, S]`` batches.
 
 - **pre-sharded** (the normal path): the workers already handed this rank its
-  tokens plus a :class:`ShardLayout`. The sharder only copies the tensors to the
-  device (``non_blocking``) after checking the layout was built for this CP size
-  and rank. No padding, no index math.
-- **raw full batch** (drop-in for trainers that shard in the step): the same
-  layout functions the workers use (:func:`cpdata.layouts.rank_indices`,
-  :func:`~cpdata.layouts.inverse_indices`) run on CPU numpy from the batch's
-  lengths, then every token-aligned tensor is ``index_select``-ed on device.
-  For the collated pack of the workers, the result is bit-identical to the
-  worker's ``full[..., rows[rank]]``.
+  tokens plus a :class:`ShardLayout`; the sharder checks the layout was built
+  for this CP size and rank and copies the tensors to the device
+  (``non_blocking``). No padding, no index math.
+- **raw full batch at cp > 1** (:class:`DeviceShard`, NeMo Automodel's
+  load-balanced path): ``round_robin`` (torch ``context_parallel``'s head-tail
+  order), rows right-padded to a multiple of ``2*cp`` with semantic pad values
+  (:mod:`cpdata.keys`), every token tensor ``index_select``-ed on device.
+  The primary stream is ``input_ids`` ``[B, S]`` or ``inputs_embeds``
+  ``[B, S, H]`` (kept differentiable). Missing ``position_ids`` become
+  ``arange(S)`` per row and a shared ``[1, S]`` row is expanded to ``[B, S]``
+  before sharding, so every token keeps its global position; mRoPE
+  ``[P, B, S]`` positions shard on their last dim.
+- **raw batch at cp <= 1** (:func:`shard_identity`): the caller's batch,
+  the same object, untouched.
 
-Which layout a raw batch gets is decided once, by :func:`resolve_plan` (one
-table: ``qkv_format == "thd"`` → flat stream, ``thd`` layout; otherwise rows,
-``round_robin``; ``identity`` when CP is off). Layout cost: O(pack_len) numpy
-on the host (a few ms at 128K tokens) plus one gather per token tensor on device.
+Raw THD batches of Transformer Engine models go through
+:mod:`cpdata.thd_shard`. Cost of the raw path: O(S) numpy on the host for the
+layout plus one gather per token tensor on device.
+
+Raw batch keys at cp > 1: sharded — the primary, ``labels``,
+``position_ids``, ``padding_mask`` (from a ``[B, S]`` ``attention_mask``,
+True = pad), ``document_ids``, ``loss_mask`` and ``extra_seq_buffers``;
+passed through unchanged — ``mm_token_type_ids``, keys starting with ``_``
+(vision masks such as ``_global_vision_mask``) and every tensor not shaped
+like the sequence (``pixel_values``, ``image_grid_thw``, ...) or non-tensor
+value; refused (``ValueError``) — any other tensor shaped ``[B, S, ...]``
+(it would stay at full length beside sharded tokens: declare it in
+``extra_seq_buffers``), ``input_ids`` together with ``inputs_embeds``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from cpdata.cp_attention import AttentionContextFactory
@@ -46,46 +56,21 @@ from cpdata.layouts import alignment, inverse_indices, rank_indices
 from cpdata.shard_layout import ShardLayout
 
 __all__ = [
+    "PASSTHROUGH_TOKEN_KEYS",
     "DeviceShard",
     "attention_ctx",
-    "ShardPlan",
+    "check_undeclared",
     "closed_form_indices",
     "is_presharded",
+    "mesh_group",
     "mesh_rank_size",
-    "resolve_plan",
+    "primary_key",
+    "shard_identity",
 ]
 
-SLOT_KEYS: tuple[str, ...] = ("seq_lens_padded", "cu_seqlens_padded")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardPlan:
-    """How a raw full batch is laid out on device."""
-
-    layout: str
-    """A name from :data:`cpdata.layouts.LAYOUTS`."""
-    flat: bool
-    """Tokens form one flat stream: ``input_ids``-shaped row dims are flattened
-    to ``[T]`` (no padding; the slots must already meet the layout's alignment)
-    and ``input_row_shape`` is recorded. Otherwise rows ``[..., S]`` are
-    right-padded to the layout's pack multiple and ``original_seq_len`` is recorded."""
-    uses_slots: bool
-    """The partition depends on the document slots (``seq_lens_padded``), so
-    no closed-form index map exists before the first shard."""
-
-
-# batch property -> plan, the one place a layout is chosen: (cp_size > 1, qkv_format == "thd").
-_PLANS: dict[tuple[bool, bool], ShardPlan] = {
-    (False, False): ShardPlan(layout="identity", flat=False, uses_slots=False),
-    (False, True): ShardPlan(layout="identity", flat=True, uses_slots=False),
-    (True, False): ShardPlan(layout="round_robin", flat=False, uses_slots=False),
-    (True, True): ShardPlan(layout="thd", flat=True, uses_slots=True),
-}
-
-
-def resolve_plan(batch: Mapping[str, Any], cp_size: int) -> ShardPlan:
-    """The plan for a raw batch at ``cp_size`` (see the module docstring)."""
-    return _PLANS[(cp_size > 1, batch.get("qkv_format") == "thd")]
+INPUTS_EMBEDS = "inputs_embeds"
+PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
+"""Sequence-shaped keys that pass through unsharded (as NeMo passes them), besides ``_``-prefixed keys."""
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
@@ -137,6 +122,12 @@ def _shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devi
     return attention_ctx(cp_mesh, layout, out), out, layout
 
 
+def mesh_group(cp_mesh: Any) -> Any:
+    """The CP process group of a mesh; None (the default group) for a mesh without groups (one process)."""
+    get_group = getattr(cp_mesh, "get_group", None)
+    return get_group() if get_group is not None else None
+
+
 def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any]) -> Callable[..., Any]:
     """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
 
@@ -148,9 +139,37 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     if layout.cp_size <= 1:
         return contextlib.nullcontext
     doc = tensors.get(DOCUMENT_IDS)
-    get_group = getattr(cp_mesh, "get_group", None)  # a mesh without groups (one process) uses the default group
-    group = get_group() if get_group is not None else None
-    return AttentionContextFactory(layout, group, doc if isinstance(doc, torch.Tensor) else None)
+    return AttentionContextFactory(layout, mesh_group(cp_mesh), doc if isinstance(doc, torch.Tensor) else None)
+
+
+def primary_key(batch: Mapping[str, Any]) -> str:
+    """``"inputs_embeds"`` or ``"input_ids"``: the tensor that defines a raw batch's rows (exactly one)."""
+    has_embeds = isinstance(batch.get(INPUTS_EMBEDS), torch.Tensor)
+    has_ids = isinstance(batch.get(INPUT_IDS), torch.Tensor)
+    if has_embeds == has_ids:
+        raise ValueError(
+            f"a raw batch needs exactly one of {INPUT_IDS!r} [B, S] or {INPUTS_EMBEDS!r} [B, S, H] to define the "
+            f"sequence; got keys {sorted(batch)}"
+        )
+    return INPUTS_EMBEDS if has_embeds else INPUT_IDS
+
+
+def shard_identity(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+    """``shard_batch`` at cp <= 1: the caller's batch itself (same object, same tensors), nothing padded.
+
+    A ``loss_mask=`` given to the sharder is added to a new dict holding the same tensors.
+
+    The layout records the row length (``original_seq_len == padded_seq_len``)
+    so ``gather_token_tensor(trim=True)`` works as at cp > 1.
+    """
+    del cp_mesh, tp_mesh, padding_token_id
+    if loss_mask is not None:  # a new dict holding the same tensors plus the mask
+        batch = {**batch, LOSS_MASK: loss_mask}
+    primary = batch.get(INPUTS_EMBEDS, batch.get(INPUT_IDS))
+    layout = None
+    if isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+        layout = ShardLayout(original_seq_len=primary.shape[1], padded_seq_len=primary.shape[1])
+    return contextlib.nullcontext, batch, layout
 
 
 def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> torch.Tensor:
@@ -170,112 +189,71 @@ def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> 
     return torch.cat((t, pad), dim=dim)
 
 
-def _flatten(out: dict[str, Any], dims: dict[str, int]) -> int:
-    """Flatten every token tensor's row dims (``input_ids``' shape) in place; return the stream length."""
-    row_shape = tuple(out[INPUT_IDS].shape)
-    for key, d in dims.items():
-        first = d - len(row_shape) + 1
-        if first < 0 or tuple(out[key].shape[first : d + 1]) != row_shape:
-            raise ValueError(
-                f"token tensor {key!r} of shape {tuple(out[key].shape)} (sequence dim {d}) does not end its "
-                f"row dims with input_ids' shape {row_shape}; a flat (thd) stream flattens those dims"
-            )
-        out[key], dims[key] = out[key].flatten(first, d), first
-    return math.prod(row_shape)
-
-
-def _pad_rows(out: dict[str, Any], dims: dict[str, int], pack_len: int, padding_token_id: int) -> None:
-    """Right-pad every token tensor in place from ``input_ids``' length to ``pack_len``."""
-    seq_len = out[INPUT_IDS].shape[-1]
+def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len: int, padding_token_id: int) -> None:
+    """Right-pad every token tensor in place from ``seq_len`` to ``pack_len``."""
     for key, d in dims.items():
         if out[key].shape[d] != seq_len:
             raise ValueError(
-                f"token tensor {key!r} has {out[key].shape[d]} tokens on dim {d} but input_ids has "
+                f"token tensor {key!r} has {out[key].shape[d]} tokens on dim {d} but the primary has "
                 f"{seq_len}; fix its length or declare its sequence dim in extra_seq_buffers"
             )
         if pack_len > seq_len:
             out[key] = _pad(out[key], d, pack_len - seq_len, key, padding_token_id)
 
 
-def _slot_lens(batch: Mapping[str, Any], row_len: int) -> np.ndarray:
-    """Document slot lengths of a flat stream, read on the host.
-
-    ``seq_lens_padded`` ``[n]`` (or ``[B, n]`` per row, negative entries =
-    unused sentinels; each row's tail joins its last slot), else
-    ``cu_seqlens_padded`` ``[n+1]``.
-    """
-    if "seq_lens_padded" in batch:
-        lens = np.asarray(batch["seq_lens_padded"].detach().cpu(), dtype=np.int64)
-        if lens.ndim < 2:
-            return lens.reshape(-1)
-        rows = []
-        for row in lens.reshape(lens.shape[0], -1):
-            row = row[row >= 0].copy()
-            if row.size:
-                row[-1] += row_len - int(row.sum())
-            else:  # a row of sentinels only: one padding slot, so later rows keep their offsets
-                row = np.array([row_len], dtype=np.int64)
-            rows.append(row)
-        return np.concatenate(rows)
-    if "cu_seqlens_padded" in batch:
-        return np.diff(np.asarray(batch["cu_seqlens_padded"].detach().cpu(), dtype=np.int64).reshape(-1))
-    raise ValueError(
-        f"a qkv_format='thd' batch needs its document slots for the layout: add one of {list(SLOT_KEYS)} "
-        f"(got keys {sorted(batch)})"
-    )
-
-
 def _attention_to_padding_mask(out: dict[str, Any]) -> None:
-    """A ``[B, S]`` ``attention_mask`` (1 = token) becomes ``padding_mask`` (True = pad), as trainers expect."""
-    mask = out.get("attention_mask")
+    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``."""
+    mask = out.pop("attention_mask", None)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
         out[PADDING_MASK] = ~mask.bool()
-        del out["attention_mask"]
 
 
-def _check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], input_ids: torch.Tensor) -> None:
-    """Refuse a token-shaped tensor the shard does not know: it would pass through at full length."""
+def _positions(out: dict[str, Any], primary: torch.Tensor) -> None:
+    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B, S]``."""
+    b, s = primary.shape[:2]
+    pos = out.get(POSITION_IDS)
+    if pos is None:
+        out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+    elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
+        out[POSITION_IDS] = pos.expand(b, -1).contiguous()
+
+
+def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: torch.Tensor) -> None:
+    """Refuse a sequence-shaped tensor the shard does not know: it would stay at full length."""
     undeclared = sorted(
         k for k, v in out.items()
-        if k not in dims and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == input_ids.shape[:2]
+        if k not in dims and k not in PASSTHROUGH_TOKEN_KEYS and not k.startswith("_")
+        and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == primary.shape[:2]
     )  # fmt: skip
     if undeclared:
         raise ValueError(
-            f"raw batch keys {undeclared} have the shape of {INPUT_IDS!r} {tuple(input_ids.shape)} but are not "
-            "token keys the sharder knows; pass extra_seq_buffers={name: seq_dim} to shard them, or drop them"
+            f"raw batch keys {undeclared} have the [B, S] shape of the primary {tuple(primary.shape[:2])} but are "
+            "not token keys the sharder knows; pass extra_seq_buffers={name: seq_dim} to shard them, or drop them"
         )
 
 
-def _digest(plan: ShardPlan, cp_size: int, pack_len: int, slots: np.ndarray, input_ids: torch.Tensor) -> int:
+def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
     """63-bit digest of the layout inputs; token ids are included when they are on the host."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(f"{plan.layout}|{plan.flat}|{cp_size}|{pack_len}|{tuple(input_ids.shape)}".encode())
-    h.update(np.ascontiguousarray(slots, dtype=np.int64).tobytes())
-    if input_ids.device.type == "cpu":
-        h.update(input_ids.detach().contiguous().numpy().tobytes())
+    h.update(f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode())
+    if primary.device.type == "cpu" and not primary.is_floating_point():
+        h.update(primary.detach().contiguous().numpy().tobytes())
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceShard:
-    """A ``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` callable.
+    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` for raw batches at cp > 1.
 
     Returns ``(ctx_factory, dict_of_device_tensors, ShardLayout)``; the ctx is
-    :func:`attention_ctx` (CP attention at cp > 1, ``nullcontext`` otherwise).
-    Token-aligned keys: :data:`~cpdata.keys.STANDARD_TOKEN_KEYS` and
-    ``loss_mask`` (sequence on their last dim) plus ``extra_seq_buffers``
-    (name → sequence dim). A ``[B, S]`` ``attention_mask`` is replaced by
-    ``padding_mask`` (True = pad). Any other tensor shaped like ``input_ids``
-    is refused (it would pass through unsharded); everything else (stream
-    metadata, ``qkv_format``) passes through unsharded; tensors move to ``device``.
+    :func:`attention_ctx`. Pre-sharded batches are only checked and copied;
+    raw batches follow the module's rules (at cp <= 1 the identity).
     """
 
-    plan: ShardPlan
     device: torch.device | None = None
     extra_seq_buffers: Mapping[str, int] = field(default_factory=dict)
 
     def __call__(self, cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
-        del tp_mesh  # CP shards the sequence only; TP ranks of one CP rank hold the same tokens
         if is_presharded(batch):
             if loss_mask is not None:
                 raise ValueError(
@@ -284,43 +262,43 @@ class DeviceShard:
                 )
             return _shard_presharded(cp_mesh, batch, self.device)
         rank, size = mesh_rank_size(cp_mesh)
+        if size <= 1:
+            return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
         out = {k: _to(v, self.device) for k, v in batch.items()}
         _attention_to_padding_mask(out)
         if loss_mask is not None:
             out[LOSS_MASK] = _to(loss_mask, self.device)
-        if not isinstance(out.get(INPUT_IDS), torch.Tensor):
+        key = primary_key(out)
+        primary = out[key]
+        if primary.dim() != (3 if key == INPUTS_EMBEDS else 2):
             raise ValueError(
-                f"a raw batch needs an {INPUT_IDS!r} tensor to define the sequence; got keys {sorted(out)}"
+                f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
+                f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
             )
-        dims = {
+        _positions(out, primary)
+        dims = {key: 1}
+        dims.update({
             k: out[k].dim() - 1
             for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
-            if isinstance(out.get(k), torch.Tensor)
-        }
+            if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
+        })  # fmt: skip
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items() if k in out})
-        input_ids = out[INPUT_IDS]
-        _check_undeclared(out, dims, input_ids)
-        if self.plan.flat:
-            pack_len, original, rows_shape = _flatten(out, dims), None, tuple(input_ids.shape)
-            slots = _slot_lens(batch, rows_shape[-1]) if self.plan.uses_slots else np.zeros(0, np.int64)
-        else:
-            original, rows_shape, slots = input_ids.shape[-1], None, np.zeros(0, np.int64)
-            pack_len = original + (-original) % alignment(self.plan.layout, size)[1]
-            _pad_rows(out, dims, pack_len, padding_token_id)
-        rows = rank_indices(self.plan.layout, size, slots, pack_len)
+        check_undeclared(out, dims, primary)
+        seq_len = primary.shape[1]
+        pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]
+        _pad_rows(out, dims, seq_len, pack_len, padding_token_id)
+        rows = rank_indices("round_robin", size, (), pack_len)
         local = torch.from_numpy(rows[rank])
-        if not np.array_equal(rows[rank], np.arange(pack_len)):  # identity: nothing moves
-            index = local.to(input_ids.device, non_blocking=True)
-            for key, d in dims.items():
-                out[key] = out[key].index_select(d, index)
+        index = local.to(primary.device, non_blocking=True)
+        for k, d in dims.items():
+            out[k] = out[k].index_select(d, index)
         layout = ShardLayout(
             local_token_global_indices=local,
-            original_seq_len=original,
+            original_seq_len=seq_len,
             padded_seq_len=pack_len,
-            input_row_shape=rows_shape,
             gather_index=torch.from_numpy(inverse_indices(rows)),
             cp_size=size,
             cp_rank=rank,
-            digest=_digest(self.plan, size, pack_len, slots, batch[INPUT_IDS]),
+            digest=_digest(size, pack_len, batch[key]),
         )
         return attention_ctx(cp_mesh, layout, out), out, layout

@@ -1,9 +1,19 @@
-"""Choosing a sharding strategy for a model, mesh and batch: decided once, in one place.
+"""Choosing a sharding strategy for a model, mesh and batch: decided once, in one place (NeMo's order).
 
-Order: the model's own sharder (its ``prepare_model_inputs_for_cp(batch,
-device_mesh)`` hook returns one, or a dict holding it under ``"cp_sharder"``),
-else cpdata's :class:`~cpdata.raw_shard.DeviceShard` with the plan
-:func:`~cpdata.raw_shard.resolve_plan` picks from the batch and the CP size.
+1. The model's hook: at cp > 1 (or for a THD batch when ``model.supports_thd``)
+   and ``invoke_pre_embed``, ``model.prepare_model_inputs_for_cp(batch,
+   num_chunks=num_chunks)`` is called as NeMo calls it. It returns a mapping;
+   its ``"cp_sharder"`` (a ``ContextParallelSharder``, or None) owns the
+   sharding and every other key is merged into ``batch`` in place (None values
+   included).
+2. A worker-sharded batch (a mapping with ``.layout``): copy only.
+3. A ``qkv_format="thd"`` batch for a Transformer Engine model
+   (``model.backend.attn == "te"``, ``config._attn_implementation == "te"``
+   or ``model._te_attention_injected``), or with no model at all:
+   :class:`cpdata.thd_shard.ThdShard`, at every CP size.
+4. cp > 1: :class:`cpdata.raw_shard.DeviceShard` (``round_robin``).
+5. Otherwise the identity: ``shard()`` hands back the caller's batch.
+
 Call sites never branch on backends; they hold the resulting
 ``ContextParallelSharder``.
 """
@@ -17,10 +27,11 @@ from typing import Any
 
 import torch
 
-from cpdata.raw_shard import DeviceShard, closed_form_indices, is_presharded, mesh_rank_size, resolve_plan
+from cpdata.raw_shard import DeviceShard, closed_form_indices, is_presharded, mesh_rank_size, shard_identity
 from cpdata.shard_layout import ShardLayout
+from cpdata.thd_shard import ThdShard
 
-__all__ = ["Strategy", "mesh_device", "resolve_strategy", "submesh"]
+__all__ = ["Strategy", "mesh_device", "resolve_strategy", "submesh", "uses_te_attention"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,29 +61,47 @@ def mesh_device(device_mesh: Any) -> torch.device | None:
     return torch.device(kind)
 
 
-def _model_strategy(prepared: Any, batch: Mapping[str, Any]) -> Strategy | None:
-    """The strategy of a model hook's result; its other dict keys are merged into ``batch``."""
-    if isinstance(prepared, Mapping):
-        extra = {k: v for k, v in prepared.items() if k != "cp_sharder"}
-        if extra:
-            if not isinstance(batch, MutableMapping):
-                raise TypeError(
-                    f"prepare_model_inputs_for_cp returned batch keys {sorted(extra)} but the batch "
-                    f"({type(batch).__name__}) is read-only; pass a dict"
-                )
-            batch.update(extra)
-        prepared = prepared.get("cp_sharder")
+def uses_te_attention(model: Any) -> bool:
+    """Whether a live model attends with Transformer Engine (NeMo's test, read from the model)."""
+    backend = getattr(getattr(model, "backend", None), "attn", None)
+    if backend is None:
+        config = getattr(model, "config", None)
+        for candidate in (config, getattr(config, "text_config", None)):
+            backend = getattr(candidate, "_attn_implementation", None) or getattr(
+                candidate, "_attn_implementation_internal", None
+            )
+            if backend is not None:
+                break
+    return str(backend) == "te" or bool(getattr(model, "_te_attention_injected", False))
+
+
+def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strategy | None:
+    """Run the model's CP hook NeMo's way; merge its batch updates; return the strategy of its sharder."""
+    prepared = model.prepare_model_inputs_for_cp(batch, num_chunks=num_chunks)
     if prepared is None:
         return None
-    if not hasattr(prepared, "shard_batch"):
+    if not isinstance(prepared, Mapping):
         raise TypeError(
-            "prepare_model_inputs_for_cp must return a ContextParallelSharder, a dict with key 'cp_sharder', "
-            f"or None; got {type(prepared).__name__}"
+            "prepare_model_inputs_for_cp(batch, *, num_chunks) must return a dict (with an optional "
+            f"'cp_sharder' and batch updates), got {type(prepared).__name__}"
         )
+    updates = {k: v for k, v in prepared.items() if k != "cp_sharder"}
+    if updates:
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(
+                f"prepare_model_inputs_for_cp returned batch keys {sorted(updates)} but the batch "
+                f"({type(batch).__name__}) is read-only; pass a dict"
+            )
+        batch.update(updates)
+    sharder = prepared.get("cp_sharder")
+    if sharder is None:
+        return None
+    if not hasattr(sharder, "shard_batch"):
+        raise TypeError(f"prepare_model_inputs_for_cp returned a 'cp_sharder' of type {type(sharder).__name__}")
     return Strategy(
-        shard_batch=prepared.shard_batch,
-        local_token_global_indices=prepared.local_token_global_indices,
-        shard_layout=prepared.shard_layout,
+        shard_batch=sharder.shard_batch,
+        local_token_global_indices=sharder.local_token_global_indices,
+        shard_layout=sharder.shard_layout,
     )
 
 
@@ -85,29 +114,34 @@ def resolve_strategy(
     invoke_pre_embed: bool = True,
     extra_seq_buffers: Mapping[str, int] | None = None,
 ) -> Strategy:
-    """The model's strategy if its hook supplies one, else cpdata's for ``batch``.
-
-    cpdata's strategy accepts worker-sharded batches (copied to the device)
-    and raw full batches (laid out on device); at cp_size <= 1 its layout is
-    the identity, so token verbs work at every CP size. Layouts that are a
-    function of the length alone also get a closed-form index map.
-    """
-    hook = getattr(model, "prepare_model_inputs_for_cp", None) if invoke_pre_embed else None
-    owned = _model_strategy(hook(batch, device_mesh), batch) if hook is not None else None
-    if owned is not None:
-        return owned
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks != 1:
-        raise ValueError(
-            f"num_chunks={num_chunks!r}: cpdata lays out each batch as one stream; use num_chunks=1 "
-            "(or a model hook that owns chunked sharding)"
-        )
+    """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")
     _, cp_size = mesh_rank_size(submesh(device_mesh, "cp"))
-    plan = resolve_plan(batch, cp_size)
-    closed = not plan.uses_slots and not is_presharded(batch)
+    batch_is_thd = batch.get("qkv_format") == "thd"
+    hook = getattr(model, "prepare_model_inputs_for_cp", None) if model is not None else None
+    model_owns_thd = batch_is_thd and bool(getattr(model, "supports_thd", False))
+    if hook is not None and invoke_pre_embed and (cp_size > 1 or model_owns_thd):
+        owned = _call_hook(model, batch, num_chunks)
+        if owned is not None:
+            return owned
+    device, extras = mesh_device(device_mesh), dict(extra_seq_buffers or {})
+    if is_presharded(batch):
+        return Strategy(shard_batch=DeviceShard(device=device), local_token_global_indices=None, shard_layout=None)
+    if batch_is_thd and (model is None or uses_te_attention(model)):
+        return Strategy(
+            shard_batch=ThdShard(num_chunks=num_chunks, device=device, extra_seq_buffers=extras),
+            local_token_global_indices=None,
+            shard_layout=None,
+        )
+    if cp_size > 1:
+        return Strategy(
+            shard_batch=DeviceShard(device=device, extra_seq_buffers=extras),
+            local_token_global_indices=functools.partial(closed_form_indices, "round_robin"),
+            shard_layout=None,
+        )
     return Strategy(
-        shard_batch=DeviceShard(
-            plan=plan, device=mesh_device(device_mesh), extra_seq_buffers=dict(extra_seq_buffers or {})
-        ),
-        local_token_global_indices=functools.partial(closed_form_indices, plan.layout) if closed else None,
+        shard_batch=shard_identity,
+        local_token_global_indices=functools.partial(closed_form_indices, "identity"),
         shard_layout=None,
     )

@@ -14,19 +14,27 @@ Construction follows one of two forms:
 - direct: ``ContextParallelSharder(device_mesh=mesh, shard_batch=fn, ...)``
   with a backend's own ``shard_batch``;
 - resolved: ``ContextParallelSharder(model, mesh, batch, ...)`` picks the
-  model's sharder (``model.prepare_model_inputs_for_cp(batch, device_mesh)``)
-  or cpdata's own (:func:`cpdata.resolve.resolve_strategy`).
+  model's sharder (``model.prepare_model_inputs_for_cp(batch, num_chunks=...)``,
+  NeMo's hook) or cpdata's own (:func:`cpdata.resolve.resolve_strategy`).
+
+At cp <= 1 a raw batch comes back as the same object and
+``gather_token_tensor(t)`` returns ``t``. Errors NeMo raises as
+``NotImplementedError`` (token verbs before the first shard of a
+data-dependent layout, ``trim=True`` with nothing to trim to) are
+:class:`cpdata.errors.NotAvailableYetError`, also a ``ValueError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from cpdata.errors import NotAvailableYetError
+from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
-from cpdata.gather import layout_tensor_on
 from cpdata.raw_shard import mesh_rank_size
 from cpdata.resolve import Strategy, mesh_device, resolve_strategy, submesh
 from cpdata.shard_layout import ShardLayout
@@ -81,7 +89,9 @@ class ContextParallelSharder:
             local_token_global_indices: closed-form index map (direct only).
             shard_layout: an already-known layout (direct only).
             padding_token_id: ``input_ids`` pad value.
-            num_chunks: must be 1 for cpdata's layouts (one stream per batch).
+            num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE
+                models are split into that many stacked THD chunks; other batches
+                are unchanged by it. Forwarded to the model's hook.
             loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
             invoke_pre_embed: call the model's CP preparation hook if it has one.
             extra_seq_buffers: more token-aligned batch keys → their sequence dim.
@@ -126,6 +136,7 @@ class ContextParallelSharder:
         self._loss_mask = loss_mask
         self._padding_token_id = padding_token_id
         self.device = mesh_device(device_mesh)
+        self._inverse_cache: dict[int, ShardLayout] = {}
 
     # -- mesh ----------------------------------------------------------------
     def _cp_rank_size(self) -> tuple[int, int]:
@@ -147,7 +158,11 @@ class ContextParallelSharder:
         return ctx, batch
 
     def _indices(self, padded_seq_len: int, device: Any) -> torch.Tensor:
-        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens."""
+        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens (int64 ``[L]``).
+
+        A reported map may be int32 or ``[1, L]`` (TE's partition): it is
+        flattened and cast, as NeMo does.
+        """
         layout = self.shard_layout or _NO_LAYOUT
         if layout.local_token_global_indices is not None:
             _, size = self._cp_rank_size()
@@ -158,13 +173,14 @@ class ContextParallelSharder:
                     f"{size}), got padded_seq_len={padded_seq_len}; the tensor does not match the batch this "
                     "sharder last sharded"
                 )
-            return layout_tensor_on(layout, "local_token_global_indices", device)
+            return layout_tensor_on(layout, "local_token_global_indices", device).reshape(-1).long()
         if self.local_token_global_indices is None:
-            raise ValueError(
-                "this sharder's token layout depends on the batch and arrives with shard(batch); "
-                "call shard(batch) before shard_token_tensor / gather_token_tensor"
+            raise NotAvailableYetError(
+                "this sharder's token layout depends on the batch and arrives with shard(batch): token-tensor "
+                "shard/gather are unavailable before the first shard; call shard(batch) before "
+                "shard_token_tensor / gather_token_tensor"
             )
-        return self.local_token_global_indices(self._cp_mesh, padded_seq_len, device)
+        return self.local_token_global_indices(self._cp_mesh, padded_seq_len, device).reshape(-1).long()
 
     # -- token verbs -----------------------------------------------------------
     def shard_token_tensor(
@@ -227,27 +243,54 @@ class ContextParallelSharder:
         """
         seq_dim = seq_dim % tensor.dim()
         rank, size = self._cp_rank_size()
-        layout = self.shard_layout
-        if layout is not None and layout.gather_index is not None:
+        if size <= 1:
+            full = self._gather_cp1(tensor, seq_dim)
+        else:
+            layout = self._layout_with_inverse(tensor.shape[seq_dim] * size, tensor.device)
             if (layout.cp_size, layout.cp_rank) != (size, rank):
                 raise ValueError(
                     f"shard layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the CP "
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
             full = _gather(tensor, layout, self._cp_group(), seq_dim)
-        elif size > 1:
-            raise ValueError(
-                f"no shard layout with a gather_index at cp_size={size}: call shard(batch) first, or construct "
-                "the sharder with shard_layout=ShardLayout(..., gather_index=inverse_indices(rows))"
-            )
-        elif (
-            layout is not None and layout.local_token_global_indices is not None
-        ) or self.local_token_global_indices is not None:
-            index = self._indices(tensor.shape[seq_dim], tensor.device)
-            full = torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
-        else:
-            full = tensor
         return self._trim(full, seq_dim, fill) if trim else full
+
+    def _gather_cp1(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """cp <= 1: ``tensor`` itself (as NeMo) unless the layout really reorders tokens."""
+        layout = self.shard_layout or _NO_LAYOUT
+        if layout.gather_index is not None:
+            index = layout_tensor_on(layout, "gather_index", tensor.device)
+        elif layout.local_token_global_indices is not None or self.local_token_global_indices is not None:
+            index = self._indices(tensor.shape[seq_dim], tensor.device)
+        else:
+            return tensor
+        if torch.equal(index, torch.arange(index.numel(), device=index.device)):
+            return tensor
+        if layout.gather_index is not None:
+            return _gather(tensor, layout, self._cp_group(), seq_dim)
+        return torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
+
+    def _layout_with_inverse(self, padded_seq_len: int, device: Any) -> ShardLayout:
+        """The layout for a gather at cp > 1; its inverse is built once (one index all-gather) when missing.
+
+        A backend's layout, or a closed-form index map, may come without
+        ``gather_index``: every rank's map is all-gathered once, inverted and
+        cached (on ``shard_layout`` when there is one), so later gathers of
+        the same batch are one collective on the data.
+        """
+        layout = self.shard_layout
+        if layout is not None and layout.gather_index is not None:
+            return layout
+        cached = self._inverse_cache.get(padded_seq_len) if layout is None else None
+        if cached is not None:
+            return cached
+        local = self._indices(padded_seq_len, device).cpu()
+        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), self._cp_group())
+        if layout is not None:
+            self.shard_layout = built
+        else:
+            self._inverse_cache = {padded_seq_len: built}
+        return built
 
     def _trim(self, full: torch.Tensor, seq_dim: int, fill: float | int | None) -> torch.Tensor:
         layout = self.shard_layout or _NO_LAYOUT
@@ -276,7 +319,8 @@ class ContextParallelSharder:
             return full.narrow(seq_dim, 0, layout.original_seq_len)
         if self.shard_layout is not None:
             return full  # a packed row (worker batch): its padded stream is the caller's coordinate system
-        raise ValueError(
+        raise NotAvailableYetError(
             "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
-            "caller's coordinates; call shard(batch) first or gather with trim=False"
+            "caller's coordinates: this sharder has no shard layout to trim to; call shard(batch) first or gather "
+            "with trim=False"
         )

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cpdata.cp_attention import AttentionContextFactory
 from cpdata.gather import gather_token_tensor, layout_tensor_on
 from cpdata.layouts import LAYOUTS, alignment, inverse_indices, rank_indices
-from cpdata.raw_shard import DeviceShard, resolve_plan
+from cpdata.raw_shard import DeviceShard
 from cpdata.shard_layout import ShardLayout
 from cpdata.sharder import ContextParallelSharder
 
@@ -191,7 +191,7 @@ def test_data_dependent_layout_raises_before_first_shard():
     s = direct(FakeMesh(2, 0))
     with pytest.raises(ValueError, match=r"call shard\(batch\)"):
         s.shard_token_tensor(torch.zeros(1, 8))
-    with pytest.raises(ValueError, match=r"no shard layout with a gather_index at cp_size=2"):
+    with pytest.raises(NotImplementedError, match=r"before the first shard"):
         s.gather_token_tensor(torch.zeros(1, 4))
 
 
@@ -271,19 +271,6 @@ def test_layout_tensors_move_once_per_layout_and_device():
 # -- resolution and the on-device shard of raw batches ---------------------------------------
 
 
-def test_resolve_plan_table():
-    assert (resolve_plan({}, 1).layout, resolve_plan({}, 1).flat) == ("identity", False)
-    assert (resolve_plan({"qkv_format": "thd"}, 1).layout, resolve_plan({"qkv_format": "thd"}, 1).flat) == (
-        "identity",
-        True,
-    )
-    assert resolve_plan({}, 4).layout == "round_robin" and not resolve_plan({}, 4).uses_slots
-    assert (
-        resolve_plan({"qkv_format": "thd"}, 2).layout == "thd"
-        and resolve_plan({"qkv_format": "thd"}, 2).uses_slots
-    )
-
-
 def test_identity_sharder_works_before_and_after_shard():
     batch = {"input_ids": torch.arange(10).reshape(2, 5)}
     for mesh in (None, FakeMesh(1, 0)):
@@ -354,7 +341,8 @@ def test_raw_thd_flattens_rows_and_reads_per_row_slots():
     # two rows; each row's slots (sentinel -1000 = unused), the last slot of a row absorbs its tail
     seq_lens_padded = torch.tensor([[4, 4, -1000], [8, -1000, -1000]])
     ids = torch.arange(24).reshape(2, 12)
-    batch = {"input_ids": ids, "labels": ids + 100, "seq_lens_padded": seq_lens_padded, "qkv_format": "thd"}
+    batch = {"input_ids": ids, "labels": ids + 100, "position_ids": ids % 12, "seq_lens": seq_lens_padded,
+             "seq_lens_padded": seq_lens_padded, "qkv_format": "thd"}
     extra = torch.randn(2, 12, 3)
     batch["hidden"] = extra
     rows = rank_indices("thd", cp, [4, 8, 12], 24)  # row 0: [4, 4] + tail 4
@@ -372,14 +360,15 @@ def test_raw_thd_flattens_rows_and_reads_per_row_slots():
 
 
 def test_raw_thd_errors_name_the_fix():
-    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "qkv_format": "thd"}
-    with pytest.raises(ValueError, match="seq_lens_padded"):
+    zeros = torch.zeros(1, 8, dtype=torch.long)
+    batch = {"input_ids": zeros, "labels": zeros, "position_ids": zeros, "qkv_format": "thd"}
+    with pytest.raises(KeyError, match="seq_lens"):
         ContextParallelSharder(None, FakeMesh(2, 0), batch).shard(batch)
-    bad = dict(batch, seq_lens_padded=torch.tensor([3, 5]))
+    bad = dict(batch, seq_lens=torch.tensor([3, 5]), seq_lens_padded=torch.tensor([3, 5]))
     with pytest.raises(ValueError, match="multiple of 2\\*cp_size=4"):
         ContextParallelSharder(None, FakeMesh(2, 0), bad).shard(bad)
     odd = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.zeros(1, 7, dtype=torch.long)}
-    with pytest.raises(ValueError, match="'labels' has 7 tokens on dim 1 but input_ids has 8"):
+    with pytest.raises(ValueError, match="'labels' has 7 tokens on dim 1 but the primary has 8"):
         ContextParallelSharder(None, FakeMesh(2, 0), odd).shard(odd)
 
 
@@ -473,30 +462,27 @@ def test_model_hook_owns_the_sharding():
             super().__init__()
             self.result, self.seen = result, []
 
-        def prepare_model_inputs_for_cp(self, batch, device_mesh):
-            self.seen.append(device_mesh)
+        def prepare_model_inputs_for_cp(self, batch, *, num_chunks=1):  # NeMo's signature
+            self.seen.append(num_chunks)
             return self.result
 
     batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     mesh = FakeMesh(2, 1)
-    for result in (own, {"cp_sharder": own, "extra_key": 1}):
-        model = Model(result)
-        s = ContextParallelSharder(model, mesh, batch, padding_token_id=5)
-        assert (
-            model.seen == [mesh]
-            and s.shard_batch is _unused_shard_batch
-            and s.shard_layout is own.shard_layout
-        )
-        assert s._cp_mesh is mesh and s._padding_token_id == 5
-    assert batch["extra_key"] == 1  # hook metadata merged into the batch
-    skipped = ContextParallelSharder(
-        Model(own), mesh, {"input_ids": torch.zeros(1, 4)}, invoke_pre_embed=False
-    )
+    model = Model({"cp_sharder": own, "extra_key": 1, "gone": None})
+    s = ContextParallelSharder(model, mesh, batch, padding_token_id=5, num_chunks=3)
+    assert model.seen == [3] and s.shard_batch is _unused_shard_batch and s.shard_layout is own.shard_layout
+    assert s._cp_mesh is mesh and s._padding_token_id == 5
+    assert batch["extra_key"] == 1 and batch["gone"] is None  # hook updates merged, None values included
+    skipped = ContextParallelSharder(Model({"cp_sharder": own}), mesh, {"input_ids": torch.zeros(1, 4)},
+                                     invoke_pre_embed=False)
     assert isinstance(skipped.shard_batch, DeviceShard)
-    with pytest.raises(TypeError, match="must return a ContextParallelSharder"):
+    not_at_cp1 = Model({"cp_sharder": own})
+    ContextParallelSharder(not_at_cp1, FakeMesh(1, 0), {"input_ids": torch.zeros(1, 4)})
+    assert not_at_cp1.seen == []  # NeMo skips the hook at cp <= 1
+    with pytest.raises(TypeError, match="must return a dict"):
         ContextParallelSharder(Model(42), mesh, batch)
-    with pytest.raises(ValueError, match="num_chunks=2"):
-        ContextParallelSharder(None, mesh, batch, num_chunks=2)
+    with pytest.raises(ValueError, match="num_chunks=0"):
+        ContextParallelSharder(None, mesh, batch, num_chunks=0)
 
 
 def test_raw_batch_attention_mask_and_undeclared_token_tensors():
@@ -508,14 +494,15 @@ def test_raw_batch_attention_mask_and_undeclared_token_tensors():
     assert "attention_mask" not in out
     assert out["padding_mask"].tolist() == [(attention[0] == 0)[rows[0]].tolist()]
     batch = {"input_ids": ids, "token_type_ids": torch.zeros(1, 8, dtype=torch.long)}
-    with pytest.raises(ValueError, match=r"\['token_type_ids'\] have the shape of 'input_ids' \(1, 8\)"):
+    with pytest.raises(ValueError, match=r"\['token_type_ids'\] have the \[B, S\] shape of the primary \(1, 8\)"):
         ContextParallelSharder(None, FakeMesh(2, 0), dict(batch)).shard(dict(batch))
 
 
 def test_raw_thd_row_of_sentinels_keeps_later_slots_in_place():
     ids = torch.arange(24).view(3, 8)
-    seq_lens_padded = torch.tensor([[4, 4], [-1, -1], [8, -1]])
-    batch = {"input_ids": ids, "qkv_format": "thd", "seq_lens_padded": seq_lens_padded}
+    seq_lens_padded = torch.tensor([[4, 4], [-1000, -1000], [8, -1000]])
+    batch = {"input_ids": ids, "labels": ids, "position_ids": ids, "qkv_format": "thd",
+             "seq_lens": seq_lens_padded, "seq_lens_padded": seq_lens_padded}
     _, out = ContextParallelSharder(None, FakeMesh(2, 0), dict(batch)).shard(dict(batch))
     expected = rank_indices("thd", 2, [4, 4, 8, 8], 24)[0]  # the empty row is one padding slot
     assert out["input_ids"].tolist() == expected.tolist()
