@@ -137,6 +137,17 @@ def test_thd_cp2_example_rank0_and_rank1():
         assert s.shard_token_tensor(rows).tolist() == [float(p) for p in partition]
 
 
+def test_thd_cp2_hidden_states_of_later_pipeline_stages():
+    batch = thd_batch([[3, 5]], [[4, 8]], 1, 12)
+    hidden = torch.randn(1, 12, 6, requires_grad=True)
+    batch["input_ids"] = hidden
+    out = shard(batch, cp=2, rank=0)[2]
+    assert out["input_ids"].dtype == hidden.dtype and out["input_ids"].shape == (6, 6)  # never cast to int64
+    assert torch.equal(out["input_ids"], hidden[0, [0, 3, 4, 5, 10, 11]])
+    out["input_ids"].sum().backward()
+    assert hidden.grad[0, [0, 3, 4, 5, 10, 11]].eq(1).all() and hidden.grad.sum() == 6 * 6
+
+
 def test_thd_cp2_mrope_keeps_its_leading_dim():
     batch = thd_batch([[4, 4]], [[4, 4]], 1, 8)
     batch["position_ids"] = torch.arange(8).view(1, 1, 8).expand(3, 1, 8)
