@@ -70,8 +70,8 @@ class ThdStream:
     """int64 ``[n]`` real document lengths."""
     slots: np.ndarray
     """int64 ``[n]`` slot lengths after row-tail absorption; ``sum == T``."""
-    row_shape: tuple[int, int]
-    """``(B, S)`` of the rows before flattening."""
+    row_shape: tuple[int, ...]
+    """The caller's token shape: ``(B, S)`` of the rows before flattening, ``(T,)`` for a flat input."""
 
     def document_ids(self) -> np.ndarray:
         """int64 ``[T]``: the slot index of every stream position."""
@@ -147,10 +147,15 @@ def to_thd_stream(
             )
     if loss_mask is None and isinstance(batch.get(LOSS_MASK), torch.Tensor):
         loss_mask = batch[LOSS_MASK]
+    caller_rows = tuple(batch[INPUT_IDS].shape[:2]) if isinstance(batch[INPUT_IDS], torch.Tensor) else ()
     if isinstance(batch[INPUT_IDS], torch.Tensor) and batch[INPUT_IDS].dim() == 1:  # one flat stream = one row
-        batch = {k: v[None] if k in _TOKEN_KEYS and isinstance(v, torch.Tensor) and v.dim() == 1 else v
+        extras = dict(extra_seq_buffers or {})
+        batch = {k: v.unsqueeze(extras[k] % v.dim()) if k in extras
+                 else v[None] if k in _TOKEN_KEYS and isinstance(v, torch.Tensor) and v.dim() == 1 else v
                  for k, v in batch.items()}  # fmt: skip
+        extra_seq_buffers = {k: d % (batch[k].dim() - 1) + 1 for k, d in extras.items()}  # after the new row dim
         loss_mask = loss_mask[None] if loss_mask is not None and loss_mask.dim() == 1 else loss_mask
+        caller_rows = caller_rows[:1]
     input_ids = batch[INPUT_IDS]
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (2, 3):
         raise ValueError(
@@ -200,7 +205,7 @@ def to_thd_stream(
     rest = {k: v for k, v in batch.items() if k not in out and k not in _CONSUMED}
     check_undeclared(rest, {}, input_ids)  # a [B, S] tensor left unflattened beside the stream: refused
     out.update(rest)
-    return ThdStream(batch=out, token_dims=dims, real=real, slots=slots, row_shape=(b, s))
+    return ThdStream(batch=out, token_dims=dims, real=real, slots=slots, row_shape=caller_rows)
 
 
 def _flat_rows(value: Any, key: str, b: int, s: int) -> torch.Tensor:

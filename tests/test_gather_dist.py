@@ -205,7 +205,7 @@ def _raw_vs_presharded(rank: int, cp: int) -> int:
         if fmt == "thd":
             slots = [4 * cp, 2 * cp, 6 * cp]
             full = {k: v.flatten(0, 1) for k, v in full.items()}
-            full["seq_lens_padded"] = torch.tensor(slots, dtype=torch.int32)
+            full["seq_lens"] = full["seq_lens_padded"] = torch.tensor(slots, dtype=torch.int32)
             full["qkv_format"] = "thd"
             rows = rank_indices("thd", cp, slots, seq_len)
             extra = {"weights": 0}
@@ -228,7 +228,7 @@ def _raw_vs_presharded(rank: int, cp: int) -> int:
         )
         worker = {}
         for key, value in full.items():
-            if not isinstance(value, torch.Tensor) or key == "seq_lens_padded":
+            if not isinstance(value, torch.Tensor) or key in ("seq_lens", "seq_lens_padded"):
                 continue
             seq_dim = extra.get(key, value.dim() - 1)
             worker[key] = value.index_select(seq_dim, idx) if padded == seq_len else None
