@@ -13,10 +13,15 @@ plans:
   (-100 unless the document continues in a later pack). Pads are -100. A target
   never crosses a document boundary.
 - ``position_ids``: ``piece.start + offset`` in the slot, continuing through the
-  slot's padding (and the pack tail, which continues the last slot).
+  slot's padding (and the pack tail, which continues the last slot), pads
+  clamped to ``S - 1`` (torchtune's rule: a position table of ``S`` entries is
+  never indexed past its end by padding). A piece continued from an earlier
+  pack starts at ``piece.start > 0``.
 - ``padding_mask`` (True = pad), ``document_ids`` (int64 stream slot index, so
   ``document_ids`` indexes ``seq_lens``; unique across the packs of a THD
   stream), and every extra per-token array of the pieces (pad 0).
+- ``loss_mask`` when some piece carries one: the pieces' own (target-aligned,
+  :mod:`cpdata.targets`), and ``labels != -100`` for pieces without one.
 - metadata over the stream (:data:`cpdata.keys.METADATA_KEYS`): ``seq_lens``,
   ``seq_lens_padded`` (int32 ``[K]``, tail absorbed), ``cu_seqlens``,
   ``cu_seqlens_padded`` (int32 ``[K+1]``) and ``max_seqlen`` (0-d int32).
@@ -41,13 +46,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
+from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 from cpdata.layouts import thd_slot_lens
 from cpdata.plan import DocPiece, PackPlan
 
 __all__ = [
-    "QKV_FORMATS", "check_qkv_format", "collate_pack", "collate_rank", "collate_ranks", "pack_metadata",
-    "stream_slot_lens",
+    "QKV_FORMATS", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank", "collate_ranks",
+    "pack_metadata", "stream_slot_lens",
 ]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
@@ -57,6 +62,28 @@ def check_qkv_format(qkv_format: str) -> None:
     """Raise ``ValueError`` for anything but ``"bshd"`` or ``"thd"``."""
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"unknown qkv_format {qkv_format!r}; choose one of {list(QKV_FORMATS)}")
+
+
+def check_padding_token_id(padding_token_id: object, vocab_size: int | None = None) -> int:
+    """``padding_token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming the fix otherwise.
+
+    Pads are left out of attention (``padding_mask``, ``cu_seqlens``) and of the
+    loss (label -100), so any id the embedding can look up works; a tokenizer
+    without a pad token (GPT-2, Llama) can use its EOS id.
+    """
+    fix = "pass an id the embedding can look up, e.g. padding_token_id=tokenizer.eos_token_id (pads are masked out)"
+    if padding_token_id is None:
+        raise TypeError(f"padding_token_id is None (the tokenizer defines no pad token); {fix}")
+    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, (int, np.integer)):
+        raise TypeError(f"padding_token_id must be an int, got {type(padding_token_id).__name__} {padding_token_id!r}; {fix}")
+    if padding_token_id < 0:
+        raise ValueError(
+            f"padding_token_id={padding_token_id} is negative and would index outside the embedding "
+            f"(-100 belongs in labels, not input_ids); {fix}"
+        )
+    if vocab_size is not None and padding_token_id >= vocab_size:
+        raise ValueError(f"padding_token_id={padding_token_id} is >= vocab_size={vocab_size}; {fix}")
+    return int(padding_token_id)
 
 
 def _check_plans(plans: Sequence[PackPlan]) -> int:
@@ -150,22 +177,41 @@ def _build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> _Stream:
         pos_shift=starts - slot_starts,
         next_labels=next_labels,
         ids=_concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64)),
-        extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys},
+        extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys if key != LOSS_MASK},
         labels=None,
         total=total,
     )
-    if not any(LABELS in p.arrays for p in pieces):
-        return stream
-    labels = _shifted_labels(stream)
-    for p, s in zip(slot_pieces, src_starts.tolist(), strict=True):
-        if p is not None and LABELS in p.arrays:
-            labels[s : s + p.length] = np.asarray(p.arrays[LABELS]).reshape(-1)
-    return replace(stream, labels=labels)
+    if any(LABELS in p.arrays for p in pieces):
+        labels = _shifted_labels(stream)
+        for p, s in zip(slot_pieces, src_starts.tolist(), strict=True):
+            if p is not None and LABELS in p.arrays:
+                labels[s : s + p.length] = np.asarray(p.arrays[LABELS]).reshape(-1)
+        stream = replace(stream, labels=labels)
+    if LOSS_MASK in extra_keys:
+        stream.extras[LOSS_MASK] = _loss_mask(stream, pieces)
+    return stream
+
+
+def _loss_mask(stream: _Stream, pieces: list[DocPiece]) -> np.ndarray:
+    """``[T + 1]`` loss mask over the concatenated pieces: a piece's own, else its ``labels != -100``; pad 0."""
+    given = [np.asarray(p.arrays[LOSS_MASK]).reshape(-1) for p in pieces if LOSS_MASK in p.arrays]
+    out = np.zeros(stream.total + 1, dtype=np.result_type(*given))
+    labels = stream.labels if stream.labels is not None else _shifted_labels(stream)
+    offset = 0
+    for p in pieces:
+        if LOSS_MASK in p.arrays:
+            out[offset : offset + p.length] = np.asarray(p.arrays[LOSS_MASK]).reshape(-1)
+        else:
+            out[offset : offset + p.length] = labels[offset : offset + p.length] != IGNORE_INDEX
+        offset += p.length
+    return out
 
 
 def _extra_keys(pieces: list[DocPiece]) -> list[str]:
     keys = sorted(set().union(*(p.arrays.keys() for p in pieces)) - {INPUT_IDS, LABELS}) if pieces else []
     for key in keys:
+        if key == LOSS_MASK:  # derived from the labels where missing
+            continue
         missing = [p.index for p in pieces if key not in p.arrays]
         if missing:
             raise ValueError(
@@ -237,7 +283,9 @@ def _gather(stream: _Stream, positions: np.ndarray) -> dict[str, np.ndarray]:
         labels[last] = stream.next_labels[k[last]]
         labels[pad] = IGNORE_INDEX
     out[LABELS] = labels
-    out[POSITION_IDS] = positions + stream.pos_shift[k]
+    position_ids = positions + stream.pos_shift[k]
+    position_ids[pad] = np.minimum(position_ids[pad], stream.row_len - 1)
+    out[POSITION_IDS] = position_ids
     out[PADDING_MASK] = pad
     out[DOCUMENT_IDS] = k
     for key, arr in stream.extras.items():
@@ -282,9 +330,11 @@ def collate_pack(
         full = np.full(n, arr[stream.total], dtype=arr.dtype)
         full[real_pos] = arr[: stream.total]
         out[key] = full.reshape(shape)
-    out[POSITION_IDS] = (np.arange(n, dtype=np.int64) + np.repeat(stream.pos_shift, stream.slot_lens)).reshape(shape)
     mask = np.ones(n, dtype=bool)
     mask[real_pos] = False
+    position_ids = np.arange(n, dtype=np.int64) + np.repeat(stream.pos_shift, stream.slot_lens)
+    position_ids[mask] = np.minimum(position_ids[mask], stream.row_len - 1)
+    out[POSITION_IDS] = position_ids.reshape(shape)
     out[PADDING_MASK] = mask.reshape(shape)
     out[DOCUMENT_IDS] = np.repeat(np.arange(stream.slot_lens.size, dtype=np.int64), stream.slot_lens).reshape(shape)
     out.update(_metadata(stream.real_lens, stream.slot_lens))

@@ -28,11 +28,13 @@ from typing import Any
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from cpdata.collate import check_padding_token_id
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
+from cpdata.targets import LabelsAlignment
 
 __all__ = [
     "ResumableLoader",
@@ -91,9 +93,13 @@ def shard_graph(
     qkv_format: str = "bshd",
     vocab_size: int | None = None,
     window: int | None = None,
+    labels_alignment: LabelsAlignment | None = None,
 ) -> Collate:
     """Documents -> Pack -> Collate: the part every CP rank of a DP group shares."""
-    docs = Documents(source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size)
+    check_padding_token_id(padding_token_id, vocab_size)
+    docs = Documents(
+        source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment
+    )
     pack_kw: dict[str, Any] = {} if window is None else {"window": window}
     plans = Pack(
         docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow, seed=seed,
@@ -121,6 +127,7 @@ def build_node(
     pin_memory: bool | None = None,
     prefetch: int = 2,
     window: int | None = None,
+    labels_alignment: LabelsAlignment | None = None,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -130,11 +137,16 @@ def build_node(
         cp_size, cp_rank: CP group size and this rank.
         layout: a name from :data:`cpdata.layouts.LAYOUTS`.
         algorithm, overflow, seed, window: packer settings (:class:`cpdata.nodes.pack.Pack`).
-        padding_token_id: ``input_ids`` on pads.
+        padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
+            (a tokenizer without a pad token can use its EOS id).
         dp_rank, dp_size: data-parallel shard of the documents.
         batch_size: plans per batch (rows for bshd, concatenated for thd).
         qkv_format: ``"bshd"`` or ``"thd"``.
         vocab_size: token ids are checked against it when given.
+        labels_alignment: ``"inputs"`` (HF, TRL, torchtune) or ``"targets"``
+            (Megatron, NeMo); required when documents carry ``labels`` or a
+            mask (see :mod:`cpdata.targets`). Batch ``labels`` are always
+            next-token targets.
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
     """
@@ -143,7 +155,7 @@ def build_node(
     collated = shard_graph(
         source, capacity=capacity, cp_size=cp_size, layout=layout, algorithm=algorithm, overflow=overflow,
         padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
-        qkv_format=qkv_format, vocab_size=vocab_size, window=window,
+        qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
     )  # fmt: skip
     node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     if prefetch:

@@ -134,9 +134,9 @@ def test_extra_array_on_some_documents_only_names_them():
     """Extras are per batch: documents packed together must carry the same per-token arrays."""
     docs = good_docs(8)
     for i in (1, 3):
-        docs[i] = {**docs[i], "loss_mask": np.ones(len(docs[i]["input_ids"]), dtype=np.float32)}
+        docs[i] = {**docs[i], "token_type": np.ones(len(docs[i]["input_ids"]), dtype=np.float32)}
     message = error_of(lambda: first_batch(docs), ValueError)
-    assert "'loss_mask'" in message and "documents [5, 7]" in message and "same extra arrays" in message
+    assert "'token_type'" in message and "documents [5, 7]" in message and "same extra arrays" in message
 
 
 def test_per_token_extra_must_be_1d():

@@ -250,6 +250,33 @@ def test_errors():
     piece = DocPiece(index=0, start=0, arrays={"input_ids": np.arange(5)})
     with pytest.raises(ValueError, match="slot only"):
         collate_pack([PackPlan(pieces=(piece,), slot_lens=np.array([4]), capacity=8)])
-    odd = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(2), "loss_mask": np.ones(2)})
-    with pytest.raises(ValueError, match="loss_mask"):
+    odd = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(2), "token_type": np.ones(2)})
+    with pytest.raises(ValueError, match="token_type"):
         collate_pack([PackPlan(pieces=(piece, odd), slot_lens=np.array([5, 2]), capacity=8)])
+
+
+def test_a_missing_loss_mask_is_derived_from_the_labels():
+    """Pieces from a source without masks mix with masked ones: their loss_mask is labels != -100."""
+    plain = DocPiece(index=0, start=0, arrays={"input_ids": np.array([5, 6, 7])})
+    masked = DocPiece(index=1, start=0, arrays={"input_ids": np.array([8, 9]), "labels": np.array([9, -100]),
+                                                "loss_mask": np.array([1, 0], dtype=np.int8)})
+    plan = PackPlan(pieces=(plain, masked), slot_lens=np.array([3, 2]), capacity=8)
+    full = collate_pack([plan])
+    assert full["labels"][0].tolist() == [6, 7, -100, 9, -100, -100, -100, -100]
+    assert full["loss_mask"][0].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert full["loss_mask"].dtype == np.int8
+    rank = collate_rank([plan], np.array([7, 2, 0, 3]))
+    assert rank["loss_mask"][0].tolist() == [0, 0, 1, 1]
+
+
+def test_pad_positions_stay_below_the_capacity():
+    """A pack whose piece continues a document (start 7) has pads clamped to capacity - 1, as torchtune does."""
+    piece = DocPiece(index=0, start=3, arrays={"input_ids": np.arange(7)})
+    plan = PackPlan(pieces=(piece,), slot_lens=np.array([8]), capacity=10)
+    full = collate_pack([plan])
+    assert full["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8, 9, 9, 9, 9]
+    assert full["padding_mask"][0].tolist() == [False] * 7 + [True] * 3
+    rank = collate_rank([plan], np.array([9, 6, 7]))
+    assert rank["position_ids"][0].tolist() == [9, 9, 9]
+    thd = collate_pack([plan, plan], qkv_format="thd")
+    assert thd["position_ids"].max() == 9

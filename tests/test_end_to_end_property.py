@@ -101,7 +101,7 @@ def make_docs(case: dict) -> list[dict]:
     for i, n in enumerate(case["lengths"]):
         doc = {"input_ids": rng.integers(0, 4, n), "tag": i * TAG + np.arange(n, dtype=np.int64) + 1}
         if case["labels"] == "all" or (case["labels"] == "some" and rng.random() < 0.5):
-            doc["labels"] = rng.integers(-100, 50, n)
+            doc["labels"] = np.where(rng.random(n) < 0.4, -100, rng.integers(0, 50, n))  # next-token targets
         docs.append(doc)
     return docs
 
@@ -111,7 +111,8 @@ def expected_tokens(case: dict, docs: list[dict]) -> tuple[dict[int, int], dict[
     doc_multiple = alignment(case["layout"], case["cp"])[0]
     cap = case["capacity"]
     keep: dict[int, int] = {}
-    counts = dict(documents=0, skipped=0, truncated=0, dropped=0, truncated_tokens=0, dropped_tokens=0)
+    counts = dict(documents=0, skipped=0, truncated=0, dropped=0, truncated_tokens=0, dropped_tokens=0,
+                  untrained=0, untrained_tokens=0)
     for i in range(case["dp_rank"], len(docs), case["dp_size"]):
         n = len(docs[i]["input_ids"])
         counts["documents"] += 1
@@ -121,6 +122,9 @@ def expected_tokens(case: dict, docs: list[dict]) -> tuple[dict[int, int], dict[
         elif over and case["overflow"] == "drop":
             counts["dropped"] += 1
             counts["dropped_tokens"] += n
+        elif "labels" in docs[i] and not (docs[i]["labels"][: cap - 1 if over else n] != -100).any():
+            counts["untrained"] += 1  # labels that train nothing (the truncated last token's target is cut off)
+            counts["untrained_tokens"] += n
         elif over and case["overflow"] == "truncate":
             counts["truncated"] += 1
             counts["truncated_tokens"] += n - cap
@@ -144,6 +148,7 @@ def run_pipeline(case: dict, docs: list[dict]):
         docs, capacity=case["capacity"], cp_size=case["cp"], layout=case["layout"], algorithm=case["algorithm"],
         overflow=case["overflow"], padding_token_id=case["padding_token_id"], dp_rank=case["dp_rank"],
         dp_size=case["dp_size"], batch_size=case["batch_size"], qkv_format=case["qkv_format"], window=case["window"],
+        labels_alignment="targets",
     )  # fmt: skip
     packs: list = []
     node = ShardForRank(Tap(collated, packs), cp_size=case["cp"], cp_rank=0, layout=case["layout"], all_ranks=True)
@@ -190,13 +195,17 @@ def check_stream(case: dict, docs: list[dict], full: dict[str, np.ndarray], keep
             assert np.array_equal(flat["input_ids"][a : a + n], ids[pos])
             if "labels" in docs[doc]:
                 want = np.asarray(docs[doc]["labels"])[pos]
+                if first + n == keep[doc] < len(ids):
+                    want[-1] = -100  # a truncated document's last kept token: its target was cut off
             else:
                 end = first + n
                 nxt = ids[end] if end < keep[doc] else -100  # a target never crosses the (kept) document's end
                 want = np.concatenate([ids[pos[1:]], [nxt]])
             assert np.array_equal(flat["labels"][a : a + n], want), (k, doc, first)
             pieces.append((doc, first, n))
-        assert np.array_equal(flat["position_ids"][a : a + m], first + np.arange(m)), "positions continue the piece"
+        positions = first + np.arange(m)
+        positions[n:] = np.minimum(positions[n:], case["capacity"] - 1)  # pads stay below the capacity
+        assert np.array_equal(flat["position_ids"][a : a + m], positions), "positions continue the piece"
         assert m % doc_multiple == 0, f"slot {k} of {m} tokens breaks the document multiple {doc_multiple}"
     return pieces
 
@@ -238,7 +247,7 @@ def check_case(case: dict) -> None:
     assert stats.split == split_docs
     assert stats.tokens == sum(seen.values()) and stats.packs == len(plan_indices)
     total = sum(len(docs[i]["input_ids"]) for i in range(case["dp_rank"], len(docs), case["dp_size"]))
-    assert stats.tokens + stats.truncated_tokens + stats.dropped_tokens == total
+    assert stats.tokens + stats.truncated_tokens + stats.dropped_tokens + stats.untrained_tokens == total
 
 
 EXAMPLES = [

@@ -22,7 +22,7 @@ def _docs(n: int, max_len: int = 90, seed: int = 0) -> list[dict]:
     for _ in range(n):
         k = int(rng.integers(0, max_len))
         ids = rng.integers(0, 1000, k)
-        out.append({"input_ids": ids, "labels": np.roll(ids, -1), "loss_mask": rng.random(k).astype(np.float32)})
+        out.append({"input_ids": ids, "labels": np.roll(ids, -1), "weight": rng.random(k).astype(np.float32)})
     return out
 
 
@@ -30,7 +30,7 @@ CONFIG = dict(capacity=64, layout="thd", cp_size=2, overflow="split", window=12)
 
 
 def _pack(docs, dp=(0, 1), **overrides) -> Pack:
-    return Pack(Documents(docs, dp_rank=dp[0], dp_size=dp[1]), **{**CONFIG, **overrides})
+    return Pack(Documents(docs, dp_rank=dp[0], dp_size=dp[1], labels_alignment="targets"), **{**CONFIG, **overrides})
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -64,9 +64,9 @@ def test_pieces_are_slices_of_the_documents(algorithm):
         for piece in plan.pieces:
             doc = docs[piece.index]
             end = piece.start + piece.length
-            for key in ("input_ids", "labels", "loss_mask"):
+            for key in ("input_ids", "labels", "weight"):
                 np.testing.assert_array_equal(piece.arrays[key], np.asarray(doc[key])[piece.start : end])
-            assert piece.arrays["loss_mask"].dtype == np.float32
+            assert piece.arrays["weight"].dtype == np.float32
             if end < len(doc["input_ids"]):
                 split_pieces += 1
                 assert piece.next_label == int(doc["input_ids"][end])
@@ -121,7 +121,7 @@ def test_short_documents_widen_the_window_online_as_offline(seekable):
     kw = dict(capacity=256, layout="identity", cp_size=1, window=16)
 
     def make():
-        return Pack(Documents(docs if seekable else IterableWrapper(docs)), **kw)
+        return Pack(Documents(docs if seekable else IterableWrapper(docs), labels_alignment="targets"), **kw)
 
     lengths = np.array([len(d["input_ids"]) for d in docs])
     offline = plan_lengths(lengths, **kw)
@@ -140,7 +140,7 @@ def test_contract_with_a_node_source_and_truncation():
     docs = _docs(60, max_len=150)
 
     def make():
-        return Pack(Documents(IterableWrapper(docs)), capacity=48, layout="round_robin", cp_size=4,
+        return Pack(Documents(IterableWrapper(docs), labels_alignment="targets"), capacity=48, layout="round_robin", cp_size=4,
                     overflow="truncate", window=7)
 
     reference = run_save_load_contract(make, [0, 4, 9, 15], epochs=2)
@@ -174,7 +174,7 @@ def test_refuses_a_changed_source_and_other_versions():
     changed = [dict(d) for d in docs]
     for d in changed:
         d["input_ids"] = d["input_ids"][: max(len(d["input_ids"]) - 5, 0)]
-        d["labels"], d["loss_mask"] = d["labels"][: len(d["input_ids"])], d["loss_mask"][: len(d["input_ids"])]
+        d["labels"], d["weight"] = d["labels"][: len(d["input_ids"])], d["weight"][: len(d["input_ids"])]
     with pytest.raises(ValueError, match="fingerprint .* other content"):  # a list: its fingerprint differs
         _pack(changed).reset(state)
 
@@ -201,7 +201,7 @@ def test_refuses_a_changed_source_and_other_versions():
 @pytest.mark.parametrize("seekable", [True, False])
 def test_state_is_compact_and_stats_are_inside(seekable):
     docs = _docs(200)
-    source = Documents(docs if seekable else IterableWrapper(docs))
+    source = Documents(docs if seekable else IterableWrapper(docs), labels_alignment="targets")
     node = Pack(source, **{**CONFIG, "window": 50})
     emitted = 0
     while node.state_dict()["source"]["position"] < 100:  # the snapshot of the third window
@@ -217,7 +217,7 @@ def test_state_is_compact_and_stats_are_inside(seekable):
         assert len(pickle.dumps(state)) < 4096
     else:
         assert [a["input_ids"].dtype for a, _ in carry["arrays"]] == [np.int32] * carry["key"].size
-    restored = Pack(Documents(docs if seekable else IterableWrapper(docs)), **{**CONFIG, "window": 50})
+    restored = Pack(Documents(docs if seekable else IterableWrapper(docs), labels_alignment="targets"), **{**CONFIG, "window": 50})
     restored.reset(state)
     assert_items_equal(list(restored), list(node))
 
@@ -233,7 +233,7 @@ def test_rejects_non_document_items():
 
 def test_overflow_error_surfaces_from_the_node():
     docs = [{"input_ids": np.arange(5)}, {"input_ids": np.arange(100)}]
-    node = Pack(Documents(docs), capacity=64, layout="identity", cp_size=1)
+    node = Pack(Documents(docs, labels_alignment="targets"), capacity=64, layout="identity", cp_size=1)
     with pytest.raises(ValueError, match=r"document 1 has 100 tokens.*capacity=64"):
         next(node)
 

@@ -58,7 +58,7 @@ def reassemble(shards) -> dict[str, torch.Tensor]:
     return full
 
 
-def check_full_pack(full, docs, *, seen: dict[int, list[int]], sft: bool = False) -> int:
+def check_full_pack(full, docs, *, seen: dict[int, list[int]], sft: bool = False, limit: int | None = None) -> int:
     """Brute-force check of one reassembled batch; returns the number of document pieces in it."""
     rows = full["input_ids"].reshape(-1, full["input_ids"].shape[-1])
     keys = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids") + (("loss_mask",) if sft else ())
@@ -74,9 +74,11 @@ def check_full_pack(full, docs, *, seen: dict[int, list[int]], sft: bool = False
         for t, dd, kk in zip(real, d, k, strict=True):
             source = docs[dd]
             want = source["labels"][kk] if sft else (ids[t] + 1 if kk + 1 < len(source["input_ids"]) else -100)
+            if sft and kk + 1 == limit < len(source["input_ids"]):
+                want = -100  # truncated: the last kept token's target was cut off
             assert labels[t] == want, f"label of doc {dd} token {kk}: {labels[t]} != {want}"
             if sft:
-                assert tensors["loss_mask"][r][t] == source["loss_mask"][kk]
+                assert tensors["loss_mask"][r][t] == (want != -100), "loss_mask is labels != -100"
             seen.setdefault(int(dd), []).append(int(kk))
         # one document id per piece, pieces contiguous and in increasing document-id order
         starts = np.flatnonzero(np.diff(doc_ids[real], prepend=-1))
@@ -95,7 +97,7 @@ def run_epoch(build, docs, *, sft=False, **kwargs):
     try:
         for shards in zip(*loaders, strict=True):
             full = reassemble(shards)
-            pieces += check_full_pack(full, docs, seen=seen, sft=sft)
+            pieces += check_full_pack(full, docs, seen=seen, sft=sft, limit=kwargs.get("capacity") if sft else None)
             fulls.append((full, shards[0].layout))
     finally:
         for loader in loaders:
@@ -147,7 +149,7 @@ def test_pretrain_concat_is_full_round_robin_packs():
 
 def test_sft_thd_passes_labels_and_loss_mask_through():
     docs = make_docs(seed=2, max_len=300, sft=True)
-    fulls, seen = run_epoch(sft_thd.build, docs, sft=True, capacity=256, batch_size=2)
+    fulls, seen = run_epoch(sft_thd.build, docs, sft=True, capacity=256, batch_size=2, labels_alignment="targets")
     assert_every_token_once(docs, seen, limit=256)  # over-long examples are truncated to the capacity
     assert any(len(d["input_ids"]) > 256 for d in docs), "no example exercised truncation"
     for full, layout in fulls:

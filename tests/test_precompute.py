@@ -449,13 +449,13 @@ def test_precomputed_pipeline_equals_the_online_pipeline(tmp_path, docs, fmt, la
     opts = dict(capacity=capacity, layout=layout, cp_size=cp, algorithm=algorithm, overflow=overflow, window=window)
     data = open_dataset(path)
     plan = tmp_path / "plan"
-    precompute(data, plan, **opts)
+    precompute(data, plan, **opts, labels_alignment="targets")
 
     def offline_plans():
-        return PrecomputedPacks(plan, data, cp_size=cp, layout=layout)
+        return PrecomputedPacks(plan, data, cp_size=cp, layout=layout, labels_alignment="targets")
 
     def online_plans():
-        return Pack(Documents(open_dataset(path)), **opts)
+        return Pack(Documents(open_dataset(path), labels_alignment="targets"), **opts)
 
     def shard(plans):
         return ShardForRank(Collate(plans, batch_size=batch, qkv_format=qkv, padding_token_id=7),

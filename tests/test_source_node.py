@@ -17,7 +17,7 @@ def _docs(n: int, seed: int = 0) -> list[dict]:
     out = []
     for i in range(n):
         k = int(rng.integers(0, 9))
-        out.append({"input_ids": rng.integers(0, 100, k).tolist(), "loss_mask": rng.random(k) > 0.5,
+        out.append({"input_ids": rng.integers(0, 100, k).tolist(), "weight": rng.random(k) > 0.5,
                     "id": f"doc-{i}"})
     return out
 
@@ -84,6 +84,7 @@ def test_conversion_and_dtypes():
             "n_turns": 3,
         },
         index=11,
+        labels_alignment="targets",
     )
     assert isinstance(doc, Document) and doc.index == 11 and doc.length == 3
     assert doc.arrays["input_ids"].dtype == np.int64 and doc.arrays["labels"].dtype == np.int64
@@ -97,7 +98,7 @@ def test_conversion_and_dtypes():
 def test_node_validates_with_the_source_index():
     docs = _docs(6)
     docs[4] = {"input_ids": [1, 2, 3], "labels": [1]}
-    node = Documents(docs, dp_rank=0, dp_size=2)
+    node = Documents(docs, dp_rank=0, dp_size=2, labels_alignment="targets")
     assert [d.index for d in (next(node), next(node))] == [0, 2]
     with pytest.raises(ValueError, match=r"document 4: 'labels' has 1 entries but 'input_ids' has 3"):
         next(node)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.collate import check_qkv_format, collate_pack, pack_metadata
+from cpdata.collate import check_padding_token_id, check_qkv_format, collate_pack, pack_metadata
 from cpdata.plan import PackPlan
 from cpdata.state_version import check_saved_config, check_state_version
 
@@ -77,7 +77,7 @@ class Collate(BaseNode[CollatedPack]):
         self.source = pack_node
         self.batch_size = batch_size
         self.qkv_format = qkv_format
-        self.padding_token_id = int(padding_token_id)
+        self.padding_token_id = check_padding_token_id(padding_token_id)
         self._exhausted = False
 
     def _config(self) -> dict[str, Any]:

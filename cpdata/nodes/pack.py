@@ -38,6 +38,7 @@ from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.plan import DocPiece, Document, PackPlan
 from cpdata.state_version import check_state_version
+from cpdata.targets import first_target, piece_arrays
 
 __all__ = ["Pack"]
 
@@ -198,8 +199,7 @@ class Pack(BaseNode[PackPlan]):
                         f"the Pack state carries tokens {start}..{start + length} of document {index}, which now "
                         f"has {doc.length}; the source changed since the state was saved"
                     )
-                whole = start == 0 and length == doc.length
-                arrays = doc.arrays if whole else {n: a[start : start + length] for n, a in doc.arrays.items()}
+                arrays = piece_arrays(doc.arrays, start, length, next_label != IGNORE_INDEX)
             else:
                 narrow, widen = stored[j]
                 arrays = {n: np.asarray(a, dtype=np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
@@ -234,15 +234,12 @@ class Pack(BaseNode[PackPlan]):
             tokens += min(max(doc.length, 1), capacity)
         lengths = np.fromiter((d.length for d in documents), dtype=np.int64, count=len(documents))
         indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=len(documents))
-        pieces, keys, packs = self._planner.add_window(lengths, indices)
-        sizes = lengths.tolist()
+        firsts = np.fromiter((first_target(d.arrays) for d in documents), dtype=np.int64, count=len(documents))
+        pieces, keys, packs = self._planner.add_window(lengths, indices, firsts)
         columns = (keys, pieces.doc, pieces.start, pieces.length, pieces.slot, pieces.continues)
         for key, d, start, length, slot, continues in zip(*(c.tolist() for c in columns), strict=True):
             doc = documents[d]
-            if start == 0 and length == sizes[d]:
-                arrays = doc.arrays
-            else:
-                arrays = {n: a[start : start + length] for n, a in doc.arrays.items()}
+            arrays = piece_arrays(doc.arrays, start, length, continues)
             next_label = int(doc.arrays[INPUT_IDS][start + length]) if continues else IGNORE_INDEX
             piece = DocPiece(index=doc.index, start=start, arrays=arrays, next_label=next_label)
             self._pieces[key] = (piece, slot, length)

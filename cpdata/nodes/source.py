@@ -35,6 +35,7 @@ from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
+from cpdata.targets import TARGET_KEYS, LabelsAlignment, check_labels_alignment, to_targets
 
 __all__ = ["Documents", "to_document"]
 
@@ -78,13 +79,21 @@ def _integer_ids(arr: np.ndarray, key: str, index: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def to_document(item: Any, index: int, vocab_size: int | None = None) -> Document:
+def to_document(
+    item: Any, index: int, vocab_size: int | None = None, labels_alignment: LabelsAlignment | None = None
+) -> Document:
     """Validate one source item and convert it to a :class:`~cpdata.plan.Document`.
 
+    ``labels`` and masks (``loss_mask``, ``assistant_masks``,
+    ``completion_mask``) are turned into next-token targets by
+    :func:`cpdata.targets.to_targets` under ``labels_alignment``.
+
     Raises:
-        TypeError: the item is not a dict, or ids are not integers.
+        TypeError: the item is not a dict, ids are not integers, or ``labels``
+            or a mask is not a flat numeric list (None, strings, nested lists).
         ValueError: missing or non-1-D ``input_ids``, negative ids, ids
-            ``>= vocab_size``, or a per-token array whose length differs.
+            ``>= vocab_size``, a per-token array whose length differs, or
+            labels / a mask without ``labels_alignment``.
     """
     if not isinstance(item, Mapping):
         raise TypeError(
@@ -125,6 +134,13 @@ def to_document(item: Any, index: int, vocab_size: int | None = None) -> Documen
             continue
         arr = _to_array(value)
         if arr is None:
+            if key in TARGET_KEYS:
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise TypeError(
+                    f"document {index}: {key!r} must be a flat list, numpy array or tensor of "
+                    f"{'integers' if key == LABELS else '0/1 values'} with one entry per token, got "
+                    f"{type(value).__name__} {shown}; drop the key to train on every next token"
+                )
             continue
         if arr.ndim != 1:
             raise ValueError(
@@ -137,7 +153,7 @@ def to_document(item: Any, index: int, vocab_size: int | None = None) -> Documen
                 "per-token arrays must have one entry per token"
             )
         arrays[key] = _integer_ids(arr, key, index) if key in _INTEGER_KEYS else arr
-    return Document(index=index, arrays=arrays)
+    return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
 def _with_index(exc: Exception, index: int) -> Exception:
@@ -156,6 +172,10 @@ class Documents(BaseNode[Document]):
         source: the documents (see the module docstring).
         dp_rank, dp_size: this rank's shard: documents ``i`` with ``i % dp_size == dp_rank``.
         vocab_size: if given, ids ``>= vocab_size`` raise ``ValueError``.
+        labels_alignment: ``"inputs"`` (HF, TRL, torchtune: labels and masks
+            aligned with ``input_ids``) or ``"targets"`` (Megatron, NeMo: labels
+            already next-token targets); required when documents carry
+            ``labels`` or a mask (:mod:`cpdata.targets`).
 
     State: ``{"version", "consumed", "position", "shard", "length",
     "fingerprint", ...}``: documents emitted by this rank, source items read
@@ -182,8 +202,10 @@ class Documents(BaseNode[Document]):
         dp_rank: int = 0,
         dp_size: int = 1,
         vocab_size: int | None = None,
+        labels_alignment: LabelsAlignment | None = None,
     ) -> None:
         super().__init__()
+        self.labels_alignment = check_labels_alignment(labels_alignment)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -229,7 +251,7 @@ class Documents(BaseNode[Document]):
             item = self.source[index]  # type: ignore[index]
         except Exception as exc:
             raise _with_index(exc, index) from exc
-        return to_document(item, index, self.vocab_size)
+        return to_document(item, index, self.vocab_size, self.labels_alignment)
 
     def _length(self) -> int | None:
         return len(self.source) if self._kind == "sequence" else None  # type: ignore[arg-type]
@@ -310,7 +332,7 @@ class Documents(BaseNode[Document]):
             index, item = self._read()
             if index % self.dp_size == self.dp_rank:
                 break
-        document = to_document(item, index, self.vocab_size)
+        document = to_document(item, index, self.vocab_size, self.labels_alignment)
         self._consumed += 1
         return document
 

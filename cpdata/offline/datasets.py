@@ -35,8 +35,9 @@ __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "TokenizedDataset", "op
 _CHUNK = 1 << 20
 _UTF8_BOM = b"\xef\xbb\xbf"
 _INT64_MAX = int(np.iinfo(np.int64).max)
-PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask")
-"""Optional JSONL fields kept as per-token arrays; other fields of a row are ignored."""
+PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
+"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.targets`);
+other fields of a row are ignored."""
 
 
 def _hash_files(paths: list[Path], names: bool) -> str:
@@ -91,6 +92,8 @@ class TokenizedDataset(ABC):
 
     kind: str = ""
     serves_tokens: bool = True
+    per_token_keys: frozenset[str] = frozenset()
+    """Per-token keys besides ``input_ids`` that some document carries (``labels``, masks)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -231,14 +234,17 @@ class JsonlDocuments(TokenizedDataset):
         h = hashlib.sha256()
         pos = 0
         low, high = _INT64_MAX, -1
+        keys: set[str] = set()
         with open(self.path, "rb") as f:
             for lineno, line in enumerate(f, start=1):
                 h.update(line)
                 if line.strip():
                     offsets.append(pos)
                     crcs.append(zlib.crc32(line))
-                    ids = self._parse(line, lineno, pos)["input_ids"]
+                    row = self._parse(line, lineno, pos)
+                    ids = row["input_ids"]
                     lengths.append(ids.shape[0])
+                    keys.update(row)
                     if ids.shape[0]:
                         low, high = min(low, int(ids.min())), max(high, int(ids.max()))
                 pos += len(line)
@@ -250,6 +256,7 @@ class JsonlDocuments(TokenizedDataset):
         self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
         self._id_range = (low, high)
         self._checksum = h.hexdigest()
+        self.per_token_keys = frozenset(keys - {"input_ids"})
         self._file: BinaryIO | None = None
 
     def _decode(self, line: bytes, where: object, offset: int) -> str:

@@ -24,10 +24,18 @@ from typing import Any
 import numpy as np
 
 from cpdata.layouts import alignment, check_layout
+from cpdata.nodes.source import to_document
 from cpdata.offline.datasets import TokenizedDataset, open_dataset
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
+from cpdata.targets import (
+    TARGET_KEYS,
+    LabelsAlignment,
+    check_labels_alignment,
+    first_target,
+    missing_alignment_message,
+)
 
 __all__ = ["precompute"]
 
@@ -58,6 +66,23 @@ def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray
     return out
 
 
+def _first_targets(
+    dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
+) -> np.ndarray | None:
+    """First trained target of every document when the dataset carries labels or masks, else None."""
+    present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+    if not present:
+        return None
+    if labels_alignment is None:
+        raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
+    out = np.empty(len(dataset), dtype=np.int64)
+    with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
+        for i in range(len(dataset)):
+            out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
+            bar.update()
+    return out
+
+
 def precompute(
     dataset: TokenizedDataset | str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -69,6 +94,7 @@ def precompute(
     overflow: str | None = None,
     seed: int = 0,
     window: int | None = None,
+    labels_alignment: LabelsAlignment | None = None,
     overwrite: bool = False,
     progress: bool = False,
     vocab_size: int | None = None,
@@ -82,6 +108,11 @@ def precompute(
         capacity, cp_size, layout, algorithm, overflow, seed, window: planner
             options, as for the online ``Pack`` node (``None`` = the planner's
             default); the manifest records the resolved values.
+        labels_alignment: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.targets`),
+            required when the documents carry ``labels`` or a mask; recorded in
+            the manifest, and a reader with another alignment is refused. Such
+            documents are read once more to find those that train nothing
+            (left out and counted as ``untrained``, as online).
         overwrite: replace an existing ``out_dir``.
         progress: show progress on stderr.
         vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
@@ -91,9 +122,13 @@ def precompute(
     Returns:
         The written directory, opened and verified.
     """
-    from cpdata.packing import plan_lengths
+    from cpdata.packing import PackingConfig, plan_lengths
 
     check_layout(layout, cp_size)
+    # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
+    PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
+                          seed=seed, window=window)  # fmt: skip
+    labels_alignment = check_labels_alignment(labels_alignment)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
     if not isinstance(dataset, TokenizedDataset):
@@ -111,9 +146,10 @@ def precompute(
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
+    firsts = _first_targets(dataset, labels_alignment, progress)
     result = plan_lengths(
         lengths, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
-        seed=seed, window=window,
+        seed=seed, window=window, first_target=firsts,
     )  # fmt: skip
     config = result.config
 
@@ -144,6 +180,7 @@ def precompute(
             "layout": config.layout,
             "doc_multiple": config.doc_multiple,
             "pack_multiple": alignment(layout, cp_size)[1],
+            "labels_alignment": labels_alignment,
             "planner": {
                 "algorithm": config.algorithm,
                 "overflow": config.overflow,

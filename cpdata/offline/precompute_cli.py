@@ -39,6 +39,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--vocab-size", type=int, default=None, help="refuse token ids >= this (negative ids are always refused)"
     )
+    p.add_argument(
+        "--labels-alignment",
+        choices=("inputs", "targets"),
+        default=None,
+        help="meaning of the rows' labels / loss masks, required when they carry any: 'inputs' (aligned with "
+        "input_ids, the model shifts: Hugging Face, TRL, torchtune) or 'targets' (already next-token targets: "
+        "Megatron, NeMo)",
+    )
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -61,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.force,
         progress=not args.quiet,
         vocab_size=args.vocab_size,
+        labels_alignment=args.labels_alignment,
     )
     m = store.manifest
     stats = m["stats"]
@@ -68,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {store.path}: {m['counts']['packs']} packs of {m['config']['capacity']} tokens from "
         f"{m['input']['documents']} documents; padding {stats['padding_pct']:.2f}% "
         f"(lower bound {stats['lower_bound_pct']:.2f}%); skipped {stats['skipped']}, split {stats['split']}, "
-        f"truncated {stats['truncated']}, dropped {stats['dropped']}"
+        f"truncated {stats['truncated']}, dropped {stats['dropped']}, untrained {stats.get('untrained', 0)}"
     )
     return 0

@@ -42,6 +42,7 @@ from cpdata.nodes.source import to_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.plan import DocPiece, PackPlan
 from cpdata.state_version import check_state_version
+from cpdata.targets import LabelsAlignment, check_labels_alignment, piece_arrays
 
 __all__ = ["PrecomputedPacks"]
 
@@ -99,6 +100,8 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         dp_rank, dp_size: this rank's share of the packs (see the module docstring).
         vocab_size: token ids ``>= vocab_size`` raise ``ValueError`` (documents are
             validated as by :class:`~cpdata.nodes.source.Documents`).
+        labels_alignment: the documents' label convention (:mod:`cpdata.targets`);
+            refused when the plan was precomputed under another one.
         verify: check every array's sha256 on open (reads each array once).
 
     State: ``{"version", "manifest_sha256", "dp", "pack_index"}``. A state from
@@ -121,6 +124,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         dp_rank: int = 0,
         dp_size: int = 1,
         vocab_size: int | None = None,
+        labels_alignment: LabelsAlignment | None = None,
         verify: bool = True,
     ) -> None:
         super().__init__()
@@ -133,6 +137,14 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         _check_expected(self.store, "cp_size", cp_size)
         _check_expected(self.store, "layout", layout)
         _check_documents(self.store, documents)
+        self.labels_alignment = check_labels_alignment(labels_alignment)
+        planned = self.store.config.get("labels_alignment")
+        if planned is not None and planned != self.labels_alignment:
+            raise ValueError(
+                f"plan {self.store.path} was precomputed with labels_alignment={planned!r}, the pipeline asks for "
+                f"labels_alignment={self.labels_alignment!r}; pass labels_alignment={planned!r} or re-run "
+                f"`cpdata precompute ... --labels-alignment {self.labels_alignment}`"
+            )
         self.documents = documents
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.vocab_size = vocab_size
@@ -211,7 +223,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 DocPiece(
                     index=doc,
                     start=start,
-                    arrays={k: v[start:end] for k, v in arrays.items()},
+                    arrays=piece_arrays(arrays, start, length, bool(a["continues"][j])),
                     next_label=next_label,
                 )
             )
@@ -233,7 +245,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         if self._open is not None and self._open[0] == i:
             arrays = self._open[1]
         else:
-            arrays = to_document(self.documents[i], i, self.vocab_size).arrays
+            arrays = to_document(self.documents[i], i, self.vocab_size, self.labels_alignment).arrays
             if more:
                 self._open = (i, arrays)
         if not more and self._open is not None and self._open[0] == i:

@@ -39,6 +39,7 @@ def plan_lengths(
     overflow: str | None = None,
     seed: int = 0,
     window: int | None = None,
+    first_target: np.ndarray | None = None,
 ) -> PackingResult:
     """Plan the packs of a whole dataset from its document lengths.
 
@@ -58,6 +59,10 @@ def plan_lengths(
             no random numbers.
         window: documents per window, at least (default 1024; the whole dataset for
             ``ffd``); a window also holds ``WINDOW_PACKS`` packs of tokens.
+        first_target: int ``[n]`` position of each document's first trained
+            target, -1 if none; such documents are left out and counted as
+            ``untrained`` (what the online node does with documents whose
+            labels or mask train nothing). ``None``: every document is trained.
 
     Returns:
         :class:`~cpdata.packing.PackingResult`; ``doc_index`` refers to positions in ``lengths``.
@@ -70,12 +75,17 @@ def plan_lengths(
         overflow=overflow, seed=seed, window=window,
     )
     lengths = _as_lengths(lengths)
+    if first_target is not None:
+        first_target = np.asarray(first_target, dtype=np.int64)
+        if first_target.shape != lengths.shape:
+            raise ValueError(f"first_target has shape {first_target.shape}, lengths {lengths.shape}; pass one per document")
     planner = StreamPlanner(config)
     columns: list[tuple[np.ndarray, ...]] = []
     parts: list[PackKeys] = []
     lo = 0
     for hi in window_ends(lengths, config):
-        pieces, _, done = planner.add_window(lengths[lo:hi], np.arange(lo, hi, dtype=np.int64))
+        targets = None if first_target is None else first_target[lo:hi]
+        pieces, _, done = planner.add_window(lengths[lo:hi], np.arange(lo, hi, dtype=np.int64), targets)
         columns.append((pieces.doc + lo, pieces.start, pieces.length, pieces.slot))
         parts.append(done)
         lo = hi

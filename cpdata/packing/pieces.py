@@ -11,7 +11,11 @@ capacity ``C`` is handled by the overflow policy:
 | ``truncate`` | keep the first ``C`` tokens                           | ``truncated``, ``truncated_tokens`` |
 | ``drop``   | skip the document                                       | ``dropped``, ``dropped_tokens`` |
 
-Empty documents are skipped (``skipped``). ``concat`` lays every document at
+Empty documents are skipped (``skipped``). A document whose labels leave
+nothing to train (fully masked, or masked everywhere but at the last kept
+token of a truncated document, whose target was cut off) is left out and
+counted (``untrained``, ``untrained_tokens``): packed, it would add pack
+space but no target. ``concat`` lays every document at
 the running offset of the open pack and cuts at every multiple of ``C``;
 because ``C`` and every slot are multiples of ``m``, a cut never falls inside
 a document's alignment padding, and the pieces of one document together span
@@ -36,6 +40,8 @@ COUNT_FIELDS: tuple[str, ...] = (
     "split",
     "truncated_tokens",
     "dropped_tokens",
+    "untrained",
+    "untrained_tokens",
 )
 """Document-level counters produced by :func:`cut_documents`."""
 
@@ -82,7 +88,12 @@ def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) 
 
 
 def cut_documents(
-    lengths: np.ndarray, config: PackingConfig, *, source_index: np.ndarray, fill: int = 0
+    lengths: np.ndarray,
+    config: PackingConfig,
+    *,
+    source_index: np.ndarray,
+    fill: int = 0,
+    first_target: np.ndarray | None = None,
 ) -> tuple[Pieces, dict[str, int]]:
     """Turn one window of documents into pieces, applying alignment and overflow.
 
@@ -91,6 +102,9 @@ def cut_documents(
         config: the packer configuration.
         source_index: int64 ``[k]`` source index per document (error messages only).
         fill: ``concat`` only: slot tokens already used in the open pack.
+        first_target: int64 ``[k]`` position of each document's first trained
+            target, -1 if none, -2 for a document without labels (never left
+            out; :func:`cpdata.targets.first_target`); ``None``: all -2.
 
     Returns:
         the pieces (``doc`` indexes ``lengths``) and the document counters
@@ -104,6 +118,7 @@ def cut_documents(
     counts = dict.fromkeys(COUNT_FIELDS, 0)
     counts["documents"] = int(lengths.shape[0])
     counts["skipped"] = int(empty.sum())
+    kept = lengths
     if over.any():
         first = int(np.flatnonzero(over)[0])
         if config.overflow == "error":
@@ -120,8 +135,21 @@ def cut_documents(
         elif config.overflow == "truncate":
             counts["truncated"] = int(over.sum())
             counts["truncated_tokens"] = int((lengths[over] - cap).sum())
-            lengths = np.where(over, cap, lengths)
-            slot = np.where(over, cap, slot)
+            kept = np.where(over, cap, lengths)
+    if first_target is not None:
+        first_target = np.asarray(first_target, dtype=np.int64)
+        # a truncated document's last kept token loses its target (the next token was cut off)
+        last = np.where(kept < lengths, kept - 1, kept)
+        untrained = ~empty & ((first_target == -1) | ((first_target >= 0) & (first_target >= last)))
+        counts["untrained"] = int(untrained.sum())
+        counts["untrained_tokens"] = int(lengths[untrained].sum())
+        if config.overflow == "truncate":
+            cut = over & ~untrained
+            counts["truncated"] = int(cut.sum())
+            counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
+        empty = empty | untrained
+    if config.overflow == "truncate":
+        lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":
         origin = fill + _exclusive_cumsum(slot[keep])

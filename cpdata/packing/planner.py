@@ -98,20 +98,24 @@ class StreamPlanner:
         self._next_key = 0
 
     def add_window(
-        self, lengths: np.ndarray, source_index: np.ndarray
+        self, lengths: np.ndarray, source_index: np.ndarray, first_target: np.ndarray | None = None
     ) -> tuple[Pieces, np.ndarray, PackKeys]:
         """Cut and place one window.
 
         Args:
             lengths: int64 ``[k]`` real tokens per document.
             source_index: int64 ``[k]`` source index per document (for error messages).
+            first_target: int64 ``[k]`` first trained target per document, -1 if
+                none (see :func:`~cpdata.packing.pieces.cut_documents`).
 
         Returns:
             ``(pieces, keys, packs)``: the window's pieces, their int64 keys
             ``[p]``, and the packs finished by this window.
         """
         fill = self._packer.fill if isinstance(self._packer, NextFit) else 0
-        pieces, counts = cut_documents(lengths, self.config, source_index=source_index, fill=fill)
+        pieces, counts = cut_documents(
+            lengths, self.config, source_index=source_index, fill=fill, first_target=first_target
+        )
         for name, value in counts.items():
             self._counts[name] += value
         keys = np.arange(self._next_key, self._next_key + len(pieces), dtype=np.int64)

@@ -138,7 +138,7 @@ class PackingStats:
 
     Documents are counted when the packer reads them; tokens and packs when a
     pack is emitted. Real tokens in packs + ``truncated_tokens`` +
-    ``dropped_tokens`` = tokens of all documents read, once every pack is out.
+    ``dropped_tokens`` + ``untrained_tokens`` = tokens of all documents read, once every pack is out.
     """
 
     capacity: int
@@ -161,6 +161,10 @@ class PackingStats:
     """Documents cut into more than one piece (``overflow="split"``, or every cut in ``concat``)."""
     truncated_tokens: int = 0
     dropped_tokens: int = 0
+    untrained: int = 0
+    """Documents with labels or a mask that leave no target to train (fully masked, or only at the
+    truncated last token): left out, never packed."""
+    untrained_tokens: int = 0
 
     @classmethod
     def from_counts(cls, *, capacity: int, **counts: int) -> PackingStats:

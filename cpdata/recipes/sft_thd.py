@@ -1,9 +1,11 @@
 """Supervised fine-tuning packs in THD form for Transformer Engine.
 
 Use with TE's ``DotProductAttention(qkv_format="thd", attn_mask_type="padding_causal")``
-under context parallelism. Each example is one document; a document's own
-``labels`` (e.g. -100 on the prompt) and ``loss_mask`` pass through unchanged
-(pads get -100 and 0). Examples longer than ``capacity`` are truncated
+under context parallelism. Each example is one document; its own ``labels``
+(e.g. -100 on the prompt) or loss mask (``loss_mask``, ``assistant_masks``,
+``completion_mask``) become next-token targets under ``labels_alignment``
+(``"inputs"`` for Hugging Face / TRL rows, ``"targets"`` for Megatron / NeMo
+rows; see :mod:`cpdata.targets`); pads get -100 and 0. Examples longer than ``capacity`` are truncated
 (``overflow="truncate"``): an SFT example split across packs would lose its
 prompt.
 
@@ -42,6 +44,7 @@ def build(
     padding_token_id: int = 0,
     vocab_size: int | None = None,
     prefetch: int = 2,
+    labels_alignment: str | None = None,
 ) -> Loader:
     """Loader of flat THD shards ``[batch_size * capacity / cp_size]`` for one CP rank.
 
@@ -55,9 +58,11 @@ def build(
         overflow: ``"truncate"``, ``"drop"`` or ``"error"`` for over-long examples.
         padding_token_id, vocab_size: pad id; ids are checked against ``vocab_size``.
         prefetch: batches prepared ahead in a background thread.
+        labels_alignment: ``"inputs"`` or ``"targets"``, required when examples carry labels or a mask.
     """
     return build_loader(
         source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="thd", algorithm="bfd",
         overflow=overflow, padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
         batch_size=batch_size, qkv_format="thd", vocab_size=vocab_size, prefetch=prefetch,
+        labels_alignment=labels_alignment,
     )  # fmt: skip
