@@ -115,7 +115,7 @@ def to_targets(
         the given mask's dtype) when a mask was given, and no mask synonyms.
     """
     present = [k for k in TARGET_KEYS if k in arrays]
-    if not present:
+    if not present or arrays[INPUT_IDS].shape[0] == 0:  # an empty document is skipped anyway
         return arrays if isinstance(arrays, dict) else dict(arrays)
     if labels_alignment is None:
         raise ValueError(missing_alignment_message(f"document {index}", present))

@@ -117,12 +117,13 @@ def expected_tokens(case: dict, docs: list[dict]) -> tuple[dict[int, int], dict[
         n = len(docs[i]["input_ids"])
         counts["documents"] += 1
         over = math.ceil(n / doc_multiple) * doc_multiple > cap
+        truncated = over and case["overflow"] == "truncate"
         if n == 0:
             counts["skipped"] += 1
         elif over and case["overflow"] == "drop":
             counts["dropped"] += 1
             counts["dropped_tokens"] += n
-        elif "labels" in docs[i] and not (docs[i]["labels"][: cap - 1 if over else n] != -100).any():
+        elif "labels" in docs[i] and not (docs[i]["labels"][: cap - 1 if truncated else n] != -100).any():
             counts["untrained"] += 1  # labels that train nothing (the truncated last token's target is cut off)
             counts["untrained_tokens"] += n
         elif over and case["overflow"] == "truncate":
