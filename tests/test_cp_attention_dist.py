@@ -195,9 +195,21 @@ def _sharder_ctx(rank: int, cp: int) -> list[str]:
     per_doc = torch.cat([_tiny_attention(part, True) for part in ids.split(lens.tolist(), dim=1)], dim=2)
     assert torch.allclose(local, per_doc.index_select(2, idx), atol=1e-12)
     done.append("presharded")
+    # a raw THD batch (NeMo's packed collater output): the ctx knows the documents from the slots
+    real = np.array([3, 2, 6]) * cp  # real lengths inside the slots [12, 4, 12] * cp
+    thd = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(pack_len)[None],
+           "seq_lens": torch.from_numpy(real)[None], "seq_lens_padded": torch.from_numpy(lens)[None],
+           "qkv_format": "thd"}  # fmt: skip
+    sharder = ContextParallelSharder(None, mesh, thd)
+    ctx, out = sharder.shard(thd)
+    with ctx(document_mask=True):
+        local = _tiny_attention(out["input_ids"][None], True)
+    idx = sharder.shard_layout.local_token_global_indices
+    assert torch.allclose(local, per_doc.index_select(2, idx), atol=1e-12)
+    done.append("thd")
     return done
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_sharder_ctx_for_raw_and_presharded_batches(cp):
-    assert run_ranks(_sharder_ctx, cp, timeout=120) == [["raw", "presharded"]] * cp
+    assert run_ranks(_sharder_ctx, cp, timeout=120) == [["raw", "presharded", "thd"]] * cp
