@@ -50,14 +50,15 @@ def test_step_shard_is_faster_and_ships_a_cp_th_of_the_bytes(results):
     rows = results["step_shard"]
     assert {r["layout"] for r in rows} >= {"round_robin", "thd"}
     for r in rows:
-        assert r["speedup"] > 0 and r["anchor_ms"] > 0 and r["cpdata_ms"] > 0
+        assert r["speedup"] > 1 and r["anchor_ms"] > r["cpdata_ms"] > 0, r  # cpdata is faster, every row
+        assert r["speedup"] == pytest.approx(r["anchor_ms"] / r["cpdata_ms"], rel=0.01)
         assert r["cpdata_h2d_bytes"] * r["cp_size"] <= r["anchor_h2d_bytes"] * 1.02, r
         assert r["layout_bytes"] > 0
 
 
 def test_worker_and_memcpy_rates_are_positive(results):
     for r in results["worker"]:
-        assert r["tokens_per_s"] > 0 and r["memcpy_tokens_per_s"] > 0
+        assert 0 < r["tokens_per_s"] < r["memcpy_tokens_per_s"], r  # memcpy is the ceiling
         assert r["fraction_of_memcpy"] == pytest.approx(r["tokens_per_s"] / r["memcpy_tokens_per_s"])
     assert {r["cp_size"] for r in results["worker"]} == {2, 4, 8}
 
@@ -69,6 +70,11 @@ def test_packing_never_beats_its_lower_bound(results):
     for r in rows:
         assert r["padding_pct"] >= r["lower_bound_pct"] - 1e-9, r
         assert r["us_per_doc"] > 0
+    by = {(r["distribution"], r["capacity"], r["algorithm"]): r for r in rows}
+    for (dist, cap, algorithm), r in by.items():
+        if algorithm == "bfd":  # the default packs no worse than the online baselines
+            for baseline in ("next_fit", "first_fit"):
+                assert r["padding_pct"] <= by[(dist, cap, baseline)]["padding_pct"] + 1e-9, (dist, cap, baseline)
 
 
 def test_balanced_layout_is_no_worse_than_the_head_tail_anchors(results):
@@ -82,6 +88,7 @@ def test_balanced_layout_is_no_worse_than_the_head_tail_anchors(results):
         for anchor in ("contiguous", "round_robin"):
             assert r["imbalance_p95"] <= by[(dist, cp, anchor)]["imbalance_p95"] + 1e-12
             checked += 1
+        assert r["imbalance_p95"] <= by[(dist, cp, "thd")]["imbalance_p95"] + 1e-12
         assert by[(dist, cp, "thd")]["doc_pad_pct"] > 0
     assert checked >= 6
 
@@ -92,13 +99,22 @@ def test_gather_collectives_are_counted_per_direction(results):
         assert r["collectives_cpdata"] == 2
         # anchor: all_gather of the tensor + all_gather of the index maps forward; gloo backward = cp scatters
         assert r["collectives_anchor_fwd"] == 2 and r["collectives_anchor_bwd"] >= 1
+        assert r["collectives_cpdata"] < r["collectives_anchor"], r  # the direction: fewer collectives
+        # Time is only checked for sanity: over gloo on a loaded CPU the two are within noise (0.95-1.24x measured);
+        # the direction is asserted on the collective counts above.
         assert r["speedup"] > 0
+
+
+def test_long_document_offline_is_within_twice_online(results):
+    for r in results["long_document"]:
+        assert r["pieces"] >= 10 and r["online_s"] > 0
+        assert r["ratio"] < 2, r  # parsing once per piece made it 8x at this size
 
 
 def test_targets_and_markdown_cover_every_section(results):
     assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
     text = render_markdown(results)
-    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather"):
+    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather", "Long document"):
         assert header in text
 
 

@@ -2,7 +2,8 @@
 
 One hypothesis case is a random corpus (lengths including 0 and longer than
 the capacity, token ids from a tiny vocabulary so content often equals the
-padding id), a capacity valid for a random layout and CP size (1..8), an
+padding id), a capacity valid for the layout and CP size (every one of the 33
+(layout, cp) pairs is a parametrized test that runs every time), an
 overflow policy, a packing algorithm, a window, a DP shard, a batch size and
 a qkv format. The pipeline is the library's own (``shard_graph`` +
 ``ShardForRank(all_ranks=True)``, one process). Every token carries its
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_ranks
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import BaseNode
 
@@ -71,10 +72,17 @@ class Tap(BaseNode):
         return self.source.state_dict()
 
 
+PAIRS = [(layout, cp) for cp in range(1, 9) for layout in sorted(LAYOUTS) if cp == 1 or layout != "identity"]
+"""Every (layout, cp) pair the API allows: 5 at cp 1, 4 at each cp 2..8 (33); each runs every time."""
+
+
 @st.composite
-def cases(draw) -> dict:
-    cp = draw(st.integers(1, 8))
-    layout = draw(st.sampled_from([name for name in LAYOUTS if cp == 1 or name != "identity"]))
+def cases(draw, layout: str | None = None, cp: int | None = None) -> dict:
+    """A random case; ``layout``/``cp`` fixed by the parametrization (drawn when None)."""
+    if cp is None:
+        cp = draw(st.integers(1, 8))
+    if layout is None:
+        layout = draw(st.sampled_from([name for name in LAYOUTS if cp == 1 or name != "identity"]))
     doc_multiple, pack_multiple = alignment(layout, cp)
     capacity = pack_multiple * draw(st.integers(1, max(2, 64 // pack_multiple)))
     batch_size = draw(st.integers(1, 3))
@@ -272,24 +280,31 @@ EXAMPLES = [
 ]  # fmt: skip
 
 
-def _with_examples(test):
-    for ex in EXAMPLES:
-        test = example(case=ex)(test)
-    return test
+@pytest.mark.parametrize("example_case", EXAMPLES, ids=[f"{e['layout']}-cp{e['cp']}" for e in EXAMPLES])
+def test_fixed_examples(example_case):
+    check_case(example_case)
 
 
-@_with_examples
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases())
-def test_documents_to_cp_shards_for_any_input(case):
-    check_case(case)
+@pytest.mark.parametrize(("layout", "cp"), PAIRS, ids=[f"{layout}-cp{cp}" for layout, cp in PAIRS])
+@given(data=st.data())
+@settings(max_examples=9, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
+def test_documents_to_cp_shards_for_any_input(layout, cp, data):
+    """Every (layout, cp) pair, each run; hypothesis draws lengths, policies, batch shapes (9 per pair, ~300 in all)."""
+    check_case(data.draw(cases(layout=layout, cp=cp)))
+
+
+def test_every_layout_and_cp_pair_is_parametrized():
+    assert len(PAIRS) == 33 and len(set(PAIRS)) == 33
+    assert {cp for _, cp in PAIRS} == set(range(1, 9)) and {layout for layout, _ in PAIRS} == set(LAYOUTS)
+    assert ("balanced", 8) in PAIRS and all(("thd", cp) in PAIRS for cp in (2, 4, 5))
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases())
-def test_documents_to_cp_shards_for_any_input_long_run(case):
-    check_case(case)
+@pytest.mark.parametrize(("layout", "cp"), PAIRS, ids=[f"{layout}-cp{cp}" for layout, cp in PAIRS])
+@given(data=st.data())
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors])
+def test_documents_to_cp_shards_for_any_input_long_run(layout, cp, data):
+    check_case(data.draw(cases(layout=layout, cp=cp)))
 
 
 def test_the_examples_reach_the_interesting_cases():

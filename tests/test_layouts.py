@@ -185,3 +185,67 @@ def test_alignment_table():
     assert alignment("round_robin", 4) == (1, 8)
     assert alignment("thd", 4) == (8, 8)
     assert alignment("balanced", 4) == (1, 4)
+
+
+def _balanced_with_remainder_at(where: str, lens: np.ndarray, pack_len: int, cp: int) -> np.ndarray:
+    """``balanced`` with each document's leftover tokens at its ``start``, ``middle`` or ``end``.
+
+    ``middle`` is the layout as specified (it must equal :func:`rank_indices`); the other two are the
+    alternatives the layout's docstring rejects, kept here to prove the imbalance test can fail.
+    """
+    from cpdata.layouts import _segments
+
+    two = 2 * cp
+    base, doc_start = lens // two, np.cumsum(lens) - lens
+    rem = lens - base * two
+    ptr = (np.cumsum(rem) - rem) % cp
+    shift = {"start": rem, "middle": 0, "end": 0}[where]
+    middle = {"start": doc_start, "middle": doc_start + cp * base, "end": doc_start + two * base}[where]
+    tail_gap = {"start": 0, "middle": rem, "end": 0}[where]
+    pad = pack_len - int(lens.sum())
+    pad_rank = (int(rem.sum()) + np.arange(pad)) % cp
+    pad_pos = np.arange(pack_len - pad, pack_len, dtype=np.int64)
+    out = []
+    for r in range(cp):
+        k1 = (r - ptr) % cp
+        head = doc_start + shift + r * base
+        tail = doc_start + shift + cp * base + tail_gap + (cp - 1 - r) * base
+        starts = np.stack([head, middle + k1, middle + k1 + cp, tail], axis=1)
+        sizes = np.stack([base, k1 < rem, k1 + cp < rem, base], axis=1).astype(np.int64)
+        out.append(np.concatenate([_segments(starts.reshape(-1), sizes.reshape(-1)), pad_pos[pad_rank == r]]))
+    return np.stack(out)
+
+
+def _p95_imbalance(where: str, cp: int = 8, capacity: int = 4096, packs: int = 60) -> float:
+    from cpdata.packing import plan_lengths
+
+    lengths = np.random.default_rng(0).integers(17, 120, 5000)
+    result = plan_lengths(lengths, capacity=capacity, layout="balanced", cp_size=cp)
+    offsets, doc_len = np.asarray(result.pack_offsets), np.asarray(result.doc_len)
+    imbalance = []
+    for p in range(packs):
+        lens = doc_len[int(offsets[p]) : int(offsets[p + 1])]
+        rows = _balanced_with_remainder_at(where, lens, capacity, cp)
+        if where == "middle":
+            np.testing.assert_array_equal(rows, rank_indices("balanced", cp, lens, capacity))
+        work = causal_work(rows, doc_positions(lens, capacity))
+        imbalance.append(work.max() / work.mean())
+    return float(np.percentile(imbalance, 95))
+
+
+def test_balanced_remainder_is_dealt_from_the_middle():
+    """Structure: n = 2cp*q + m tokens are cp heads of q, the m leftovers dealt round-robin, cp tails of q."""
+    cp, lens = 2, np.array([11, 6])  # 11 = 4*2 + 3 (middle 4, 5, 6), 6 = 4*1 + 2 (middle 13, 14)
+    rows = rank_indices("balanced", cp, lens, 18)
+    assert rows.tolist() == [[0, 1, 4, 6, 9, 10, 11, 14, 16], [2, 3, 5, 7, 8, 12, 13, 15, 17]]
+
+
+def test_balanced_remainder_in_the_middle_beats_the_edges_on_causal_work():
+    """p95 max/mean causal work over 60 packs of 17..119-token documents at cp 8, capacity 4096.
+
+    Measured: middle 1.0032, start 1.0042, end 1.0043. Leftovers at a document's start or end fail the bound.
+    """
+    bound = 1.0037
+    middle = _p95_imbalance("middle")
+    assert middle <= bound, middle
+    assert _p95_imbalance("start") > bound and _p95_imbalance("end") > bound, "the test can tell the placements apart"
