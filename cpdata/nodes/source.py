@@ -11,6 +11,8 @@ Accepted sources, and how a restore finds its place again:
 | sequence (``__len__`` + ``__getitem__``: list, map-style dataset) | O(1) seek: only this rank's items are read |
 | re-iterable (``__iter__`` returns a fresh iterator each time) | re-iterate and skip the items already read |
 | ``torchdata.nodes.BaseNode``              | its own state, nested under ``"source"`` |
+| ``datasets.Dataset`` (Arrow)              | a sequence, read through :class:`~cpdata.offline.hf_datasets.HFDocuments` |
+| ``datasets.IterableDataset`` (streaming)  | a re-iterable                          |
 
 A one-shot iterator (a generator) cannot be restarted, so it is refused.
 
@@ -33,6 +35,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.keys import INPUT_IDS, LABELS
+from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
 from cpdata.targets import TARGET_KEYS, LabelsAlignment, check_labels_alignment, to_targets
@@ -214,6 +217,7 @@ class Documents(BaseNode[Document]):
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
                                        or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        source = as_hf_documents(source)
         if isinstance(source, BaseNode):
             self._kind = "node"
         elif isinstance(source, (str, bytes, Mapping)):

@@ -26,6 +26,7 @@ import numpy as np
 from cpdata.layouts import alignment, check_layout
 from cpdata.nodes.source import to_document
 from cpdata.offline.datasets import TokenizedDataset, open_dataset
+from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
@@ -102,8 +103,9 @@ def precompute(
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
     Args:
-        dataset: a :class:`TokenizedDataset` or a path for :func:`open_dataset`
-            (a lengths-only ``.npy``/``.npz`` is enough here).
+        dataset: a :class:`TokenizedDataset`, a ``datasets.Dataset`` (lengths from its
+            ``length``/``num_tokens`` column when present), or a path for
+            :func:`open_dataset` (a lengths-only ``.npy``/``.npz`` is enough here).
         out_dir: target directory, written atomically (see :mod:`cpdata.offline.store`).
         capacity, cp_size, layout, algorithm, overflow, seed, window: planner
             options, as for the online ``Pack`` node (``None`` = the planner's
@@ -131,6 +133,7 @@ def precompute(
     labels_alignment = check_labels_alignment(labels_alignment)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
+    dataset = indexed_hf_documents(dataset)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))

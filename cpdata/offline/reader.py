@@ -39,6 +39,7 @@ from torchdata.nodes import BaseNode
 from cpdata.fingerprint import check_source_unchanged
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.source import to_document
+from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.store import PackStore, read_store
 from cpdata.plan import DocPiece, PackPlan
 from cpdata.state_version import check_state_version
@@ -94,7 +95,8 @@ class PrecomputedPacks(BaseNode[PackPlan]):
     Args:
         path: a directory written by :func:`cpdata.offline.precompute` / ``cpdata precompute``.
         documents: the dataset the plan was computed over, indexable by source
-            index and providing ``checksum()`` (a :class:`~cpdata.offline.TokenizedDataset`).
+            index and providing ``checksum()`` (a :class:`~cpdata.offline.TokenizedDataset`),
+            or the ``datasets.Dataset`` it was computed from.
         cp_size, layout: what the pipeline will shard for; checked against the
             plan when given.
         dp_rank, dp_size: this rank's share of the packs (see the module docstring).
@@ -133,6 +135,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
+        documents = indexed_hf_documents(documents)
         self.store = read_store(path, verify=verify)
         _check_expected(self.store, "cp_size", cp_size)
         _check_expected(self.store, "layout", layout)
