@@ -1,12 +1,14 @@
 """Tokenized datasets on disk, readable by index without loading them whole.
 
-Three formats, chosen by :func:`open_dataset` from the path:
+Five formats, chosen by :func:`open_dataset` from the path:
 
 | path                         | reader             | tokens? | memory at open                    |
 |------------------------------|--------------------|---------|-----------------------------------|
 | ``*.npy`` / ``*.npz``        | :class:`LengthsFile` | no    | ``.npy`` memory-mapped; ``.npz`` 8 B/doc |
 | ``*.jsonl``                  | :class:`JsonlDocuments` | yes | 16 B/doc (byte offset + length)   |
 | folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
+| token store folder (``tokens.bin``) | :class:`~cpdata.offline.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
+| ``save_to_disk`` folder      | :class:`~cpdata.offline.hf_datasets.HFDocuments` | yes | Arrow, memory-mapped |
 
 A lengths file is enough to precompute a plan but cannot serve tokens. JSONL is
 scanned once, line by line, to collect each row's byte offset and length (and
@@ -486,6 +488,16 @@ def open_dataset(
     """
     p = Path(path)
     if p.is_dir():
+        from cpdata.offline.tokenstore import TokenStore, is_token_store
+
+        if is_token_store(p):
+            return TokenStore(p)
+        if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+            import datasets
+
+            from cpdata.offline.hf_datasets import HFDocuments
+
+            return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)
     if not p.exists():
         raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file or a folder")

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from cpdata.layouts import LAYOUTS
+from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]
 
@@ -18,10 +19,13 @@ def register(subparsers: Any) -> None:
         "precompute",
         help="pack a whole tokenized dataset ahead of training into a plan directory",
         description="Pack a whole tokenized dataset ahead of training. INPUT is a .npy/.npz of document "
-        "lengths, a .jsonl file of {\"input_ids\": [...]} rows, or a folder of .npy token arrays "
-        "(one document per file, in name order). Serve the result with cpdata.offline.PrecomputedPacks.",
+        "lengths, a .jsonl file of {\"input_ids\": [...]} rows, a folder of .npy token arrays "
+        "(one document per file, in name order), a token store (cpdata tokenize / pack-store) or a "
+        "datasets.Dataset saved with save_to_disk. With --tokenizer, INPUT is a .jsonl of {\"text\"} or "
+        "{\"messages\"} rows: it is first tokenized into a token store (--tokens-out), then planned. "
+        "Serve the result with cpdata.PrecomputedPacks.",
     )
-    p.add_argument("input", metavar="INPUT", help="tokenized dataset (lengths .npy/.npz, .jsonl, or .npy folder)")
+    p.add_argument("input", metavar="INPUT", help="tokenized dataset, or text/chat .jsonl with --tokenizer")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks the packs are laid out for")
     p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
@@ -48,16 +52,34 @@ def register(subparsers: Any) -> None:
         "Megatron, NeMo)",
     )
     p.add_argument("--out", required=True, help="output directory (written atomically)")
-    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--force", action="store_true", help="replace existing output directories")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_tokenizer_options(p, required=False)
+    p.add_argument("--tokens-out", metavar="DIR", default=None,
+                   help="with --tokenizer: where the token store goes (default: OUT.tokens beside OUT)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=1, help="with --tokenizer: tokenizing processes (default 1)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.precompute import precompute
 
+    data = args.input
+    if args.tokenizer:
+        from cpdata.offline.tokenize_files import jsonl_to_token_store
+
+        tokens_out = args.tokens_out or f"{str(args.out).rstrip('/')}.tokens"
+        tokens, _ = jsonl_to_token_store(args.input, tokens_out, tokenizer=row_tokenizer(args),
+                                         vocab_size=args.vocab_size, workers=args.workers, overwrite=args.force,
+                                         progress=not args.quiet)  # fmt: skip
+        print(f"wrote {tokens.path}: {len(tokens)} documents, {tokens.manifest['tokens']} tokens (serve the plan "
+              "with open_dataset of this directory)")  # fmt: skip
+        data = tokens
+    elif args.tokens_out or args.append_eos or args.assistant_only or args.max_length or args.chat_template:
+        raise ValueError("--tokens-out, --append-eos, --assistant-only, --max-length and --chat-template need "
+                         "--tokenizer PATH (INPUT is then a .jsonl of text or chat rows)")  # fmt: skip
     store = precompute(
-        args.input,
+        data,
         args.out,
         capacity=args.capacity,
         cp_size=args.cp_size,

@@ -1,0 +1,170 @@
+"""JSONL files to a token store, in parallel: what ``cpdata tokenize`` and ``cpdata pack-store`` run.
+
+The file is read in chunks of lines (blank lines are not documents); each
+chunk is converted by a worker process and the results are appended to the
+store in file order, so the output is byte-identical for any ``workers``.
+
+| command              | a line is                                   | converter                        |
+|----------------------|---------------------------------------------|----------------------------------|
+| ``cpdata tokenize``  | ``{"text": ...}`` or ``{"messages": [...]}`` | :class:`cpdata.tokenizer.RowTokenizer` |
+| ``cpdata pack-store`` | ``{"input_ids": [...], KEY: [...]}``       | validated like the online source |
+
+Workers are spawned (no fork of a process holding tokenizer threads) and
+import only numpy and the tokenizer, so they start in about a second. The
+main process reads, writes and hashes; with ``workers=1`` everything runs in
+it. Throughput scales with workers until the writer (~1 GB/s) or the disk
+limits it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cpdata.offline.progress import Progress
+from cpdata.offline.tokenstore import TokenStore, TokenStoreWriter
+from cpdata.tokenizer import RowTokenizer, TokenizeStats
+
+__all__ = ["jsonl_to_token_store"]
+
+_CHUNK_LINES = 512
+_convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
+
+
+def _tokenized_row(row: dict[str, Any], index: int) -> dict[str, np.ndarray]:
+    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata).
+
+    numpy only (no torch in the workers); ids are range-checked by the writer.
+    """
+    if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
+        raise ValueError(f"expected an object with an 'input_ids' list, got {type(row).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for key, value in row.items():
+        if not isinstance(value, list):
+            continue
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged: metadata such as chat turns
+            arr = np.asarray([], dtype=object)
+        if arr.size == 0 and key == "input_ids":
+            arr = np.zeros(0, dtype=np.int64)
+        integer = key in ("input_ids", "labels")
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in ("iu" if integer else "biuf")):
+            if key == "input_ids" or integer:
+                raise ValueError(f"{key!r} must be a flat list of integers, got {arr.dtype} shape {arr.shape} "
+                                 f"(first values {arr.reshape(-1)[:4].tolist()})")  # fmt: skip
+            continue
+        out[key] = arr
+    n = out["input_ids"].shape[0]
+    for key, arr in out.items():
+        if arr.shape[0] != n:
+            raise ValueError(f"{key!r} has {arr.shape[0]} entries but 'input_ids' has {n}; per-token lists must match")
+    return out
+
+
+def _init(convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]]) -> None:
+    global _convert
+    _convert = convert
+
+
+def _run_chunk(chunk: tuple[str, int, list[tuple[int, bytes]]]) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+    path, first_doc, lines = chunk
+    assert _convert is not None
+    docs = []
+    before = _stats(_convert)
+    for k, (lineno, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} line {lineno}: not valid JSON ({e})") from None
+        try:
+            docs.append(_convert(row, first_doc + k))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{path} line {lineno}: {e}") from None
+    after = _stats(_convert)
+    return docs, {k: after[k] - before.get(k, 0) for k in after}
+
+
+def _stats(convert: Any) -> dict[str, int]:
+    stats = getattr(convert, "stats", None)
+    return stats.as_dict() if isinstance(stats, TokenizeStats) else {}
+
+
+def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[int, bytes]]]]:
+    lines: list[tuple[int, bytes]] = []
+    docs = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            bar.update(len(line))
+            if line.strip():
+                lines.append((lineno, line))
+            if len(lines) == _CHUNK_LINES:
+                yield str(path), docs, lines
+                docs += len(lines)
+                lines = []
+    if lines:
+        yield str(path), docs, lines
+
+
+def jsonl_to_token_store(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: RowTokenizer | None = None,
+    vocab_size: int | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> tuple[TokenStore, dict[str, int]]:
+    """Convert a JSONL file into a token store (see the module table). Returns the store and the tokenizer's counters.
+
+    Args:
+        path: the JSONL input.
+        out_dir: the store directory, written atomically.
+        tokenizer: text/chat lines through it (``cpdata tokenize``); None reads
+            ``input_ids`` lines (``cpdata pack-store``).
+        vocab_size: ids must be below it (uint16 storage when ``<= 65536``);
+            default: the tokenizer's ``len(tokenizer)`` when it has one.
+        workers: converter processes (1: none).
+    """
+    from cpdata.offline.atomic import atomic_directory
+
+    src = Path(path)
+    if not src.is_file():
+        raise ValueError(f"input {str(src)!r} does not exist or is not a file; pass a .jsonl file")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if vocab_size is None and tokenizer is not None:
+        size = getattr(tokenizer._tok, "__len__", None)
+        vocab_size = size() if callable(size) else None
+    convert: Any = tokenizer if tokenizer is not None else _tokenized_row
+    totals: dict[str, int] = {}
+    source = {"name": src.name, "bytes": src.stat().st_size, "tokenizer": None if tokenizer is None else str(tokenizer.source)}
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp, Progress(
+        src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B", enabled=progress
+    ) as bar:
+        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
+        if workers == 1:
+            _init(convert)
+            results: Iterator[Any] = map(_run_chunk, _chunks(src, bar))
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init, initargs=(convert,))
+            results = pool.imap(_run_chunk, _chunks(src, bar))
+        try:
+            for docs, stats in results:
+                for doc in docs:
+                    writer.add(doc)
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0) + value
+        finally:
+            if workers > 1:
+                pool.terminate()
+                pool.join()
+        writer.finish({**source, "stats": totals})
+    return TokenStore(out_dir), totals

@@ -1,0 +1,83 @@
+"""``cpdata tokenize`` and ``cpdata pack-store``: JSONL to a binary token store."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_tokenizer_options", "register_pack_store", "register_tokenize", "row_tokenizer", "run"]
+
+
+def add_tokenizer_options(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """``--tokenizer`` and the options of :class:`cpdata.tokenizer.RowTokenizer` (shared with ``precompute``)."""
+    p.add_argument("--tokenizer", required=required, metavar="PATH",
+                   help="tokenizer.json file or saved tokenizer folder (transformers / tokenizers; local only)")  # fmt: skip
+    p.add_argument("--append-eos", action="store_true", help="append EOS to every text row (Megatron --append-eod)")
+    p.add_argument("--eos-token-id", type=int, default=None, help="EOS id (default: the tokenizer's)")
+    p.add_argument("--assistant-only", action="store_true",
+                   help="chat rows keep assistant_masks from the chat template's {%% generation %%} blocks")  # fmt: skip
+    p.add_argument("--max-length", type=int, default=None,
+                   help="keep at most this many tokens per document (counted; independent of --capacity)")  # fmt: skip
+    p.add_argument("--chat-template", metavar="FILE", default=None, help="Jinja chat template overriding the tokenizer's")
+
+
+def row_tokenizer(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from cpdata.tokenizer import RowTokenizer
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    return RowTokenizer(args.tokenizer, append_eos=args.append_eos, eos_token_id=args.eos_token_id,
+                        assistant_only=args.assistant_only, max_length=args.max_length, chat_template=template)  # fmt: skip
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output store directory (written atomically)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="ids must be below it; <= 65536 stores 2 bytes per token (default: the tokenizer's size)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=1, help="converter processes (default 1; output is the same)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+
+
+def register_tokenize(subparsers: Any) -> None:
+    """Add ``tokenize``."""
+    p = subparsers.add_parser(
+        "tokenize",
+        help="tokenize a JSONL of text or chat rows into a token store",
+        description="Tokenize INPUT, a .jsonl of {\"text\": ...} or {\"messages\": [...]} rows, into a binary token "
+        "store (tokens.bin + offsets index + manifest) that precompute, open_dataset and build_loader read "
+        "with an O(1) open.",
+    )
+    p.add_argument("input", metavar="INPUT", help=".jsonl of text or chat rows")
+    add_tokenizer_options(p, required=True)
+    _common(p)
+
+
+def register_pack_store(subparsers: Any) -> None:
+    """Add ``pack-store``."""
+    p = subparsers.add_parser(
+        "pack-store",
+        help="convert a tokenized JSONL into a token store (no rescan on every open)",
+        description="Convert INPUT, a .jsonl of {\"input_ids\": [...]} rows (plus per-token lists such as labels "
+        "or loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan.",
+    )
+    p.add_argument("input", metavar="INPUT", help=".jsonl of input_ids rows")
+    _common(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpdata.offline.tokenize_files import jsonl_to_token_store
+
+    tokenizer = row_tokenizer(args) if getattr(args, "tokenizer", None) else None
+    store, stats = jsonl_to_token_store(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                                        workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
+    m = store.manifest
+    line = (f"wrote {store.path}: {m['documents']} documents, {m['tokens']} tokens "
+            f"({m['dtype']}, ids {m['min_id']}..{m['max_id']})")  # fmt: skip
+    if stats:
+        line += (f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']} "
+                 f"({stats['truncated_tokens']} tokens)")  # fmt: skip
+    print(line)
+    return 0
