@@ -43,7 +43,7 @@ from cpdata.nodes.shard import ShardForRank
 from cpdata.orphans import exit_with_parent
 from cpdata.state_version import check_state_version
 
-__all__ = ["CPDataset", "silence_set_vital_warning"]
+__all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
 
 
 def silence_set_vital_warning() -> None:
@@ -91,12 +91,14 @@ class _EveryNth(BaseNode[Any]):
         return {self.SOURCE_KEY: self.source.state_dict(), self.INDEX_KEY: self._index}
 
 
-class CPDataset(IterableDataset):
-    """One CP rank's batches (:class:`~cpdata.batch.ShardedBatch`) for ``StatefulDataLoader(batch_size=None)``.
+class WorkerDataset(IterableDataset):
+    """A torchdata node graph per ``StatefulDataLoader`` worker, with exact, pending-state resume.
 
-    Takes :func:`cpdata.loader.build_node`'s keyword arguments except
-    ``pin_memory``; ``prefetch`` defaults to 0 here (the DataLoader's own
-    ``prefetch_factor`` already queues batches per worker).
+    Subclasses implement :meth:`_worker_node`: the graph of worker
+    ``worker_id`` of ``num_workers`` (every worker keeps its own share, in
+    the 0-worker order when the DataLoader interleaves them round-robin).
+    ``prefetch`` batches are prepared ahead in a thread (0 here by default: the
+    DataLoader's ``prefetch_factor`` already queues batches per worker).
     """
 
     WORKER_KEY = "worker"
@@ -104,25 +106,19 @@ class CPDataset(IterableDataset):
     VERSION_KEY = "version"
     VERSION = 1
 
-    def __init__(self, source: Any, *, cp_rank: int, prefetch: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, prefetch: int = 0) -> None:
         super().__init__()
-        if "pin_memory" in kwargs:
-            raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
         silence_set_vital_warning()
-        self.source = source
-        self.cp_rank = cp_rank
         self.prefetch = prefetch
-        self.kwargs = kwargs
-        # Validate the configuration now, in the main process, not in every worker.
-        ShardForRank(shard_graph(source, **kwargs), cp_size=kwargs["cp_size"], cp_rank=cp_rank,
-                     layout=kwargs["layout"])  # fmt: skip
         self._loader: Loader | None = None
         self._worker: tuple[int, int] | None = None
         self._pending: dict[str, Any] | None = None
         self._parent_main_thread: bool | None = None  # set when pickled for spawn/forkserver workers
+
+    def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
+        raise NotImplementedError
 
     @staticmethod
     def _current_worker() -> tuple[int, int]:
@@ -136,10 +132,7 @@ class CPDataset(IterableDataset):
         if self._loader is None or self._worker != worker:
             if self._loader is not None:
                 close_loader(self._loader)
-            worker_id, num_workers = worker
-            node: BaseNode = _EveryNth(shard_graph(self.source, **self.kwargs), offset=worker_id, stride=num_workers)
-            node = ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank,
-                                layout=self.kwargs["layout"])  # fmt: skip
+            node = self._worker_node(*worker)
             if self.prefetch:
                 node = Prefetcher(node, prefetch_factor=self.prefetch)
             self._loader = ResumableLoader(node, restart_on_stop_iteration=False)
@@ -153,7 +146,7 @@ class CPDataset(IterableDataset):
             saved = tuple(state[self.WORKER_KEY])
             if saved != self._worker:
                 raise ValueError(
-                    f"CPDataset state was saved by worker {saved[0]} of {saved[1]}, restoring into worker "
+                    f"{type(self).__name__} state was saved by worker {saved[0]} of {saved[1]}, restoring into worker "
                     f"{self._worker[0]} of {self._worker[1]}; resume with the same num_workers"
                 )
             loader.load_state_dict(state[self.LOADER_KEY])
@@ -170,7 +163,7 @@ class CPDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_version("CPDataset", state_dict, self.VERSION_KEY, self.VERSION)
+        check_state_version(type(self).__name__, state_dict, self.VERSION_KEY, self.VERSION)
         self._pending = state_dict
 
     def __getstate__(self) -> dict[str, Any]:
@@ -183,3 +176,28 @@ class CPDataset(IterableDataset):
         """Stop this process's prefetch thread, if any."""
         if self._loader is not None:
             close_loader(self._loader)
+
+
+class CPDataset(WorkerDataset):
+    """One CP rank's batches (:class:`~cpdata.batch.ShardedBatch`) for ``StatefulDataLoader(batch_size=None)``.
+
+    Takes :func:`cpdata.loader.build_node`'s keyword arguments except
+    ``pin_memory``; ``prefetch`` defaults to 0 here (the DataLoader's own
+    ``prefetch_factor`` already queues batches per worker).
+    """
+
+    def __init__(self, source: Any, *, cp_rank: int, prefetch: int = 0, **kwargs: Any) -> None:
+        if "pin_memory" in kwargs:
+            raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
+        check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
+        super().__init__(prefetch=prefetch)
+        self.source = source
+        self.cp_rank = cp_rank
+        self.kwargs = kwargs
+        # Validate the configuration now, in the main process, not in every worker.
+        ShardForRank(shard_graph(source, **kwargs), cp_size=kwargs["cp_size"], cp_rank=cp_rank,
+                     layout=kwargs["layout"])  # fmt: skip
+
+    def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
+        node = _EveryNth(shard_graph(self.source, **self.kwargs), offset=worker_id, stride=num_workers)
+        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"])

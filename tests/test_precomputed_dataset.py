@@ -1,0 +1,88 @@
+"""``PrecomputedDataset``: a plan through ``StatefulDataLoader`` workers, in order, resumed exactly in O(1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from cpdata import Collate, PrecomputedDataset, PrecomputedPacks, ShardForRank, precompute
+from cpdata.offline.precomputed_dataset import _WorkerPacks
+from cpdata.offline.tokenstore import write_token_store
+from tests.state_contract import run_save_load_contract
+from tests.test_precompute import assert_batches_equal
+
+KW = {"capacity": 64, "cp_size": 2, "layout": "thd", "overflow": "split"}
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd")
+    rng = np.random.default_rng(0)
+    docs = [{"input_ids": rng.integers(0, 999, size=int(rng.integers(1, 60)))} for _ in range(120)]
+    store = write_token_store(docs, root / "tokens")
+    precompute(store, root / "plan", **KW)
+    return root / "plan", store
+
+
+def _reference(plan, store, batch_size, cp_rank=1):
+    return list(ShardForRank(Collate(PrecomputedPacks(plan, store), batch_size=batch_size, qkv_format="thd"),
+                             cp_size=2, cp_rank=cp_rank, layout="thd"))  # fmt: skip
+
+
+def _loader(ds, workers):
+    kw = {"multiprocessing_context": "fork"} if workers else {}
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_deliver_the_plan_in_order_and_resume_exactly(plan, workers):
+    path, store = plan
+    expected = _reference(path, store, batch_size=2)
+    ds = PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd")
+    assert len(ds) == len(expected) > 6
+    got = list(_loader(ds, workers))
+    assert len(got) == len(expected)
+    for a, e in zip(got, expected, strict=True):
+        assert_batches_equal(a, e)
+
+    loader = _loader(PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd"), workers)
+    it = iter(loader)
+    head = [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = _loader(PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd"), workers)
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    assert len(head) + len(tail) == len(expected)
+    for a, e in zip(head + tail, expected, strict=True):
+        assert_batches_equal(a, e)
+
+
+def test_a_worker_reads_only_its_packs_and_restores_without_reading(plan, monkeypatch):
+    path, store = plan
+    plans = PrecomputedPacks(path, store)
+    read: list[int] = []
+    original = PrecomputedPacks.plan
+    monkeypatch.setattr(PrecomputedPacks, "plan", lambda self, i: read.append(i) or original(self, i))
+    node = _WorkerPacks(plans, offset=1, stride=3, batch_size=2)
+    items = list(node)
+    batches = range(1, -(-len(plans) // 2), 3)  # batches 1, 4, 7, ... of two packs each
+    assert read == [p for j in batches for p in (2 * j, 2 * j + 1) if p < len(plans)]
+    assert len(items) == len(read) and read[:4] == [2, 3, 8, 9]
+    read.clear()
+    restored = _WorkerPacks(plans, offset=1, stride=3, batch_size=2)
+    restored.reset({**node.get_state(), "position": 4})
+    assert read == [] and next(restored).index == 14 and read == [14]
+    run_save_load_contract(lambda: _WorkerPacks(PrecomputedPacks(path, store), offset=1, stride=3, batch_size=2),
+                           midpoints=[0, 3, len(items)], epochs=2)  # fmt: skip
+    with pytest.raises(ValueError, match="PrecomputedDataset worker state was saved with"):
+        _WorkerPacks(plans, offset=0, stride=3, batch_size=2).reset(node.get_state())
+
+
+def test_configuration_is_checked_in_the_main_process(plan):
+    path, store = plan
+    with pytest.raises(ValueError, match="precomputed for cp_size=2"):
+        PrecomputedDataset(path, store, cp_rank=0, cp_size=4)
+    with pytest.raises(ValueError, match="cp_rank"):
+        PrecomputedDataset(path, store, cp_rank=2)
