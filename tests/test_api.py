@@ -9,9 +9,10 @@ import cpdata
 import cpdata.nodes
 
 PUBLIC = [
-    "CPDataLoader", "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention", "ContextParallelSharder", "DocPiece", "Document", "Documents",
-    "LAYOUTS", "Pack", "PackPlan", "PackingResult", "PackingStats", "PrecomputedPacks", "ShardForRank",
-    "ShardLayout", "ShardedBatch", "TokenizedDataset", "alignment", "all_ranks_have_batch", "build_loader", "build_node", "close_loader",
+    "CPDataLoader", "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention", "ContextParallelSharder",
+    "DocPiece", "Document", "Documents", "LAYOUTS", "Pack", "PackPlan", "PackingResult", "PackingStats",
+    "PrecomputedDataset", "PrecomputedPacks", "ShardForRank", "ShardLayout", "ShardedBatch", "Tokenize",
+    "TokenizedDataset", "alignment", "all_ranks_have_batch", "build_loader", "build_node", "close_loader",
     "closing_loader", "collate_pack", "collate_rank", "exit_with_parent", "gather_token_tensor", "inverse_indices", "maybe_pin",
     "open_dataset", "plan_lengths", "precompute", "rank_indices", "verify_layout_consistency",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 """The worker pipeline as torchdata nodes, one stage per module.
 
-``Documents`` (source.py) -> ``Pack`` (pack.py) -> ``Collate`` (collate.py)
+``Tokenize`` (tokenize.py, text/chat rows, optional) -> ``Documents`` (source.py) -> ``Pack`` (pack.py) -> ``Collate`` (collate.py)
 -> ``ShardForRank`` (shard.py) -> ``maybe_pin`` (pin.py). The precomputed-plan
 reader, ``PrecomputedPacks``, lives in ``cpdata.offline.reader``.
 """
@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     "Pack": "cpdata.nodes.pack",
     "PrecomputedPacks": "cpdata.offline.reader",
     "ShardForRank": "cpdata.nodes.shard",
+    "Tokenize": "cpdata.nodes.tokenize",
     "maybe_pin": "cpdata.nodes.pin",
 }
 

@@ -10,6 +10,9 @@
     batches = ShardForRank(Collate(plans), cp_size=4, cp_rank=r, layout="thd")
 
 Modules: :mod:`~cpdata.offline.datasets` (tokenized inputs on disk),
+:mod:`~cpdata.offline.hf_datasets` (HF ``datasets``), :mod:`~cpdata.offline.tokenstore`
+(binary token store; ``cpdata tokenize`` / ``pack-store``),
+:mod:`~cpdata.offline.precomputed_dataset` (a plan for ``StatefulDataLoader`` workers),
 :mod:`~cpdata.offline.precompute` (planning + writing), :mod:`~cpdata.offline.store`
 (the directory format), :mod:`~cpdata.offline.atomic` (crash-safe directory writes), :mod:`~cpdata.offline.reader` (the node),
 :mod:`~cpdata.offline.summary` / :mod:`~cpdata.offline.plot` (``inspect``).
@@ -24,16 +27,20 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    "HFDocuments": "cpdata.offline.hf_datasets",
     "JsonlDocuments": "cpdata.offline.datasets",
     "LengthsFile": "cpdata.offline.datasets",
     "NpyFolder": "cpdata.offline.datasets",
     "PackStore": "cpdata.offline.store",
+    "PrecomputedDataset": "cpdata.offline.precomputed_dataset",
     "PrecomputedPacks": "cpdata.offline.reader",
+    "TokenStore": "cpdata.offline.tokenstore",
     "TokenizedDataset": "cpdata.offline.datasets",
     "atomic_directory": "cpdata.offline.atomic",
     "open_dataset": "cpdata.offline.datasets",
     "precompute": "cpdata.offline.precompute",
     "read_store": "cpdata.offline.store",
+    "write_token_store": "cpdata.offline.tokenstore",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,47 @@
+"""The README's "From text to packs" section runs as written (its commands and its Python blocks)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from cpdata.cli import main as cli_main
+from tests.tokenizer_fixture import CORPUS, chat_tokenizer, conversations
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_from_text_to_packs_runs_as_written(tmp_path, monkeypatch):
+    section = _section("From text to packs")
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
+    python = [body for lang, body in blocks if lang == "python"]
+    shell = [body for lang, body in blocks if lang == ""]
+    assert len(python) == 2 and len(shell) == 1
+
+    chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    rows = [{"text": t} for t in CORPUS] + [{"messages": m} for m in conversations()]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+
+    first: dict = {}
+    exec(compile(python[0], "README:text-to-packs-1", "exec"), first)  # noqa: S102
+    assert first["trained"] > 0
+
+    commands = [line for line in shell[0].splitlines() if line.startswith("cpdata ")]
+    assert [c.split()[1] for c in commands] == ["tokenize", "precompute"]
+    for line in commands:
+        assert cli_main(shlex.split(line)[1:]) == 0, line
+
+    second: dict = {}
+    exec(compile(python[1], "README:text-to-packs-2", "exec"), second)  # noqa: S102
+    assert len(second["batches"]) == len(second["dataset"]) > 0
+    assert len(second["tokens"]) == len(rows)
