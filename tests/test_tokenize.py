@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torchdata.nodes as tn
-from tests.tokenizer_fixture import CHAT_TEMPLATE, CORPUS, chat_tokenizer, conversations
 
 from cpdata import Tokenize
 from cpdata.tokenizer import RowTokenizer, load_tokenizer
 from tests.state_contract import run_save_load_contract
+from tests.tokenizer_fixture import CHAT_TEMPLATE, CORPUS, chat_tokenizer, conversations
 
 EOS = 1
 
