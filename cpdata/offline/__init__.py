@@ -24,6 +24,8 @@ does not pull in torch.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
@@ -57,3 +59,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``cpdata.offline.precompute`` the function when the submodule of the same name is imported.
+
+    Importing ``cpdata.offline.precompute`` (the module) makes the import system
+    set the package attribute ``precompute`` to the module, after which
+    ``from cpdata.offline import precompute`` would return a module. The
+    exported object of that name is bound instead.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__ and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -166,5 +166,6 @@ def jsonl_to_token_store(
             if workers > 1:
                 pool.terminate()
                 pool.join()
-        writer.finish({**source, "stats": totals})
+        aligned = "inputs" if tokenizer is not None and tokenizer.assistant_only else None
+        writer.finish({**source, "stats": totals}, labels_alignment=aligned)
     return TokenStore(out_dir), totals

@@ -143,8 +143,12 @@ class TokenStoreWriter:
         file.write(cast.tobytes())
         present.append(1)
 
-    def finish(self, source: Mapping[str, Any]) -> dict[str, Any]:
-        """Close the files, write the index and the manifest; returns the manifest."""
+    def finish(self, source: Mapping[str, Any], *, labels_alignment: str | None = None) -> dict[str, Any]:
+        """Close the files, write the index and the manifest; returns the manifest.
+
+        ``labels_alignment`` (``"inputs"``/``"targets"``) declares what the stored
+        labels and masks are aligned with, when the writer knows it.
+        """
         files = {"tokens": self._tokens.close()}
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
         np.save(self.directory / OFFSETS_FILE, offsets, allow_pickle=False)
@@ -169,6 +173,7 @@ class TokenStoreWriter:
             "min_id": self.min_id,
             "max_id": self.max_id,
             "extras": extras,
+            "labels_alignment": labels_alignment,
             "files": files,
             "source": dict(source),
         }
@@ -187,16 +192,18 @@ def write_token_store(
     vocab_size: int | None = None,
     overwrite: bool = False,
     source: Mapping[str, Any] | None = None,
+    labels_alignment: str | None = None,
 ) -> TokenStore:
     """Write ``documents`` (any iterable of ``{"input_ids": ..., KEY: ...}``) as a store at ``out_dir``, atomically.
 
-    ``source`` (JSON-able) is recorded in the manifest. Returns the store, opened.
+    ``source`` (JSON-able) and ``labels_alignment`` are recorded in the manifest.
+    Returns the store, opened.
     """
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
         for document in documents:
             writer.add(document)
-        writer.finish(source or {})
+        writer.finish(source or {}, labels_alignment=labels_alignment)
     return TokenStore(out_dir)
 
 
@@ -233,6 +240,8 @@ class TokenStore(TokenizedDataset):
             if verify and _sha256_file(file) != entry["sha256"]:
                 raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {_REWRITE}")
         self.manifest = manifest
+        self.labels_alignment: str | None = manifest.get("labels_alignment")
+        """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._checksum = manifest[_DIGEST_KEY]
         self._open()
 
