@@ -187,7 +187,8 @@ class RowTokenizer:
             raise TypeError(f"{where}: expected a dict with {self.text_key!r} or {self.messages_key!r}, got "
                             f"{type(row).__name__}")  # fmt: skip
         mask = None
-        if self.messages_key in row:
+        chat = self.messages_key in row
+        if chat:
             ids, mask = self._chat(row[self.messages_key], where)
         elif self.text_key in row:
             text = row[self.text_key]
@@ -202,7 +203,7 @@ class RowTokenizer:
         out = {"input_ids": np.asarray(ids, dtype=np.int64).reshape(-1)}
         if mask is not None:
             out[ASSISTANT_MASKS] = np.asarray(mask, dtype=np.int8).reshape(-1)
-        else:
+        elif not chat:
             if self.append_eos:
                 out["input_ids"] = np.append(out["input_ids"], np.int64(self.eos_token_id))
                 self.stats.eos_appended += 1
@@ -214,6 +215,6 @@ class RowTokenizer:
             self.stats.truncated += 1
             self.stats.truncated_tokens += n - self.max_length
         self.stats.documents += 1
-        self.stats.chat += self.messages_key in row
+        self.stats.chat += chat
         self.stats.tokens += out["input_ids"].shape[0]
         return out

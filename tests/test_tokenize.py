@@ -69,8 +69,10 @@ def test_chat_rows_carry_the_templates_assistant_mask_aligned_with_the_inputs(sa
         replies = "".join(m["content"] + "<eos>" for m in messages if m["role"] == "assistant")
         assert tok.decode(marked) == replies
         assert doc["assistant_masks"].sum() < doc["assistant_masks"].size
-    plain = list(Tokenize([{"messages": conversations()[0]}], tok))  # not assistant_only: no mask
+    plain = list(Tokenize([{"messages": conversations()[0]}], tok, append_eos=True))  # no mask, no extra EOS
     assert list(plain[0]) == ["input_ids"] and node.stats.chat == 3
+    assert plain[0]["input_ids"].tolist() == tok.apply_chat_template(conversations()[0], tokenize=True,
+                                                                     return_dict=True)["input_ids"]  # fmt: skip
     text = list(Tokenize([{"text": CORPUS[0]}], tok, assistant_only=True))[0]  # text rows: every token trained
     assert text["assistant_masks"].tolist() == [1] * len(text["input_ids"])
 
