@@ -18,6 +18,8 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from cpdata.dataset import silence_set_vital_warning
+
 __all__ = ["CPDataLoader", "saved_num_workers"]
 
 
@@ -49,6 +51,7 @@ class CPDataLoader(StatefulDataLoader):
                 f"CPDataLoader yields the dataset's batches as they are; got batch_size={batch_size!r}, "
                 "leave it None and set batch_size on the CPDataset (packs per batch)"
             )
+        silence_set_vital_warning()
         super().__init__(dataset, batch_size=None, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -117,7 +117,7 @@ def test_unknown_keywords_name_the_public_function():
 def test_constructing_a_stateful_dataloader_over_cpdata_emits_no_set_vital_warning():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from cpdata import CPDataset
+    from cpdata import CPDataLoader, CPDataset
 
     with warnings.catch_warnings(record=True) as control:
         warnings.simplefilter("always")
@@ -129,6 +129,9 @@ def test_constructing_a_stateful_dataloader_over_cpdata_emits_no_set_vital_warni
         dataset = CPDataset(_docs(), capacity=16, cp_size=1, cp_rank=0, layout="identity")
         loader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
         batches = list(loader)
+        warnings.resetwarnings()  # drop the filter: cpdata's own loader must install it again
+        warnings.simplefilter("always")
+        assert list(CPDataLoader(dataset)), "CPDataLoader yields the same batches"
         warnings.warn("other warnings still show", UserWarning, stacklevel=1)
     assert batches
     messages = [str(w.message) for w in caught]
