@@ -14,12 +14,14 @@ What each source gives:
 | :class:`~cpdata.offline.JsonlDocuments` | sha256 of the file (computed while scanning it) | size (rows appended or cut: refused at the next epoch), sampled rows re-hashed when the mtime moved; every row read is checked against its CRC-32 from the scan (an edited document raises naming file, document and byte offset) |
 | :class:`~cpdata.offline.NpyFolder` | file count, names, sizes, sampled files' bytes | files added or removed; every file read is checked against the size and mtime seen at open |
 | :class:`~cpdata.offline.LengthsFile` | sha256 of the lengths | size/mtime moved and lengths differ |
+| :class:`~cpdata.offline.tokenstore.TokenStore` | the manifest digest (covers every file's sha256) | the manifest rewritten, a file resized |
+| :class:`~cpdata.offline.hf_datasets.HFDocuments` (a ``datasets.Dataset``) | its ``_fingerprint``, rows, columns, features | an Arrow cache file resized |
 | a plain ``list``/``tuple`` of dicts | count + ``input_ids`` of up to 16 evenly spaced items | the same sample, re-hashed each epoch |
 | anything else | none (only the length is compared, as before) | nothing |
 
 A precomputed plan is named by its manifest sha256 (``PrecomputedPacks``
-state), re-read from disk at each epoch. Other sources (a token store,
-Hugging Face datasets) plug in by implementing the two methods.
+state), re-read from disk at each epoch. Other sources plug in by
+implementing the two methods.
 
 Cost: ``fingerprint`` is computed once per node; ``check_unchanged`` is one
 ``stat`` per epoch for files (plus 64 sampled rows when the mtime moved), 16

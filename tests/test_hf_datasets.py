@@ -161,3 +161,29 @@ def test_masks_travel_padding_is_refused_and_streaming_cannot_be_indexed(tmp_pat
     bad = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -4]]})
     with pytest.raises(ValueError, match="document 1 has token id -4 at position 1"):
         precompute(bad, tmp_path / "plan", **KW)
+
+
+def test_fingerprint_hooks_refuse_another_dataset_on_resume(tmp_path):
+    rows = _rows()
+    loader = build_loader(_dataset(rows), cp_rank=0, overflow="split", **KW)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    close_loader(loader)
+    other = build_loader(_dataset([r[::-1] for r in rows]), cp_rank=0, overflow="split", **KW)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint hf_dataset:"):
+        next(iter(other))
+    close_loader(other)
+    saved = _dataset(rows)
+    saved.save_to_disk(str(tmp_path / "saved"))
+    from cpdata import open_dataset
+
+    opened = open_dataset(tmp_path / "saved")
+    assert isinstance(opened, HFDocuments) and opened.fingerprint().startswith("hf_dataset:")
+    opened.check_unchanged()
+    cache = next(iter(opened._cache_sizes))
+    with open(cache, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ValueError, match="changed since it was opened"):
+        opened.check_unchanged()

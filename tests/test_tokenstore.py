@@ -166,3 +166,23 @@ def test_tokenize_cli_and_precompute_with_a_tokenizer(tmp_path, capsys):
     assert cli_main(["precompute", str(src), "--append-eos", "--capacity", "32", "--cp-size", "2", "--layout", "thd",
                      "--out", str(tmp_path / "p2")]) == 1  # fmt: skip
     assert "need --tokenizer PATH" in capsys.readouterr().err
+
+
+def test_resume_onto_another_store_and_a_rewritten_store_are_refused(tmp_path):
+    docs = [{"input_ids": d["input_ids"]} for d in _docs(40) if d["input_ids"].size]
+    a = write_token_store(docs, tmp_path / "a")
+    b = write_token_store([{"input_ids": d["input_ids"][::-1].copy()} for d in docs], tmp_path / "b")
+    kw = {"capacity": 64, "cp_size": 1, "cp_rank": 0, "layout": "identity", "overflow": "split"}
+    loader = build_loader(a, **kw)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    close_loader(loader)
+    other = build_loader(b, **kw)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint token_store:"):
+        next(iter(other))
+    close_loader(other)
+    write_token_store(docs[:-1], tmp_path / "a", overwrite=True)
+    with pytest.raises(ValueError, match="was rewritten since it was opened"):
+        a.check_unchanged()

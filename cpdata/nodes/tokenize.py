@@ -53,9 +53,6 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
     saved under other options is refused.
     """
 
-    labels_alignment = "inputs"
-    """Masks this node emits belong to ``input_ids[i]`` itself (``apply_chat_template``'s convention)."""
-
     VERSION = 1
     VERSION_KEY = "version"
     CONFIG_KEY = "config"
@@ -84,6 +81,9 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             )
         else:
             self._kind = "iterable"
+        self.labels_alignment: str | None = "inputs" if self.tokenizer.assistant_only else None
+        """``"inputs"`` when the node emits ``assistant_masks`` (they belong to ``input_ids[i]`` itself, as
+        ``apply_chat_template`` returns them); ``Documents`` takes it from here."""
         self.source = source
         self._position = 0
         self._it: Iterator[Any] | None = None

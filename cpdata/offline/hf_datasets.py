@@ -14,6 +14,7 @@ file:
 | ``attention_mask`` column  | dropped when all ones (a tokenizer's output); a row with a 0 is refused (padded rows must be unpadded before packing) |
 | a wrong length column      | the document whose tokens disagree with its ``length`` is refused when read (never silently cut) |
 | pickling (worker processes) | the Dataset pickles by reference to its Arrow files (memory-mapped)     |
+| resume / epochs (:mod:`cpdata.fingerprint`) | ``fingerprint()`` = the identity above; ``check_unchanged()`` stats the Arrow cache files |
 
 A streaming ``datasets.IterableDataset`` has no index: ``build_loader`` and
 ``CPDataset`` read it as a re-iterable source; ``precompute`` and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,7 @@ class HFDocuments(TokenizedDataset):
         elif length_column and length_column not in columns:
             raise ValueError(f"length_column={length_column!r} is not a column of the dataset; columns: {columns}")
         cache = [f["filename"] for f in dataset.cache_files]
+        self._cache_sizes = {name: os.stat(name).st_size for name in cache}
         super().__init__(Path(cache[0]).parent if cache else Path(f"datasets-{dataset._fingerprint}"))
         self.dataset = dataset
         self.length_column = length_column
@@ -190,6 +193,20 @@ class HFDocuments(TokenizedDataset):
             "length_column": self.length_column,
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def fingerprint(self) -> str:
+        """``hf_dataset:`` + :meth:`checksum` (fingerprint, rows, columns, features); see :mod:`cpdata.fingerprint`."""
+        return f"hf_dataset:{self.checksum()}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if an Arrow cache file of the dataset changed size since it was opened."""
+        for name, size in self._cache_sizes.items():
+            now = os.stat(name).st_size if os.path.exists(name) else None
+            if now != size:
+                raise ValueError(
+                    f"the datasets cache file {name} changed since it was opened ({size} bytes then, {now} now); "
+                    "load the dataset again and start a new run"
+                )
 
     def __repr__(self) -> str:
         return f"HFDocuments(fingerprint={self.dataset._fingerprint!r}, documents={len(self)})"

@@ -287,6 +287,24 @@ class TokenStore(TokenizedDataset):
     def _compute_checksum(self) -> str:
         return str(self.manifest[_DIGEST_KEY])
 
+    def fingerprint(self) -> str:
+        """``token_store:`` + the manifest digest (which covers every file's sha256); see :mod:`cpdata.fingerprint`."""
+        return f"token_store:{self._checksum}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if the store was rewritten or a file resized since it was opened (a few ``stat`` s)."""
+        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(_DIGEST_KEY)
+        if on_disk != self._checksum:
+            raise ValueError(
+                f"token store {self.path} was rewritten since it was opened (manifest digest {self._checksum[:16]}… "
+                f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
+            )
+        for entry in self.manifest["files"].values():
+            size = os.stat(self.path / entry["file"]).st_size
+            if size != entry["bytes"]:
+                raise ValueError(f"token store file {self.path / entry['file']} has {size} bytes, the manifest "
+                                 f"records {entry['bytes']}; {_REWRITE}")  # fmt: skip
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         for key in ("_offsets", "_tokens", "_extras", "_lengths"):
@@ -295,8 +313,6 @@ class TokenStore(TokenizedDataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(_DIGEST_KEY)
-        if on_disk != self._checksum:
-            raise ValueError(f"token store {self.path} changed on disk since it was opened (manifest digest differs)")
+        self.check_unchanged()
         self._open()
 
