@@ -36,7 +36,8 @@ from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
 __all__ = [
     "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "TARGET_KEYS", "UNLABELED",
-    "check_labels_alignment", "first_target", "missing_alignment_message", "piece_arrays", "to_targets",
+    "check_labels_alignment", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
+    "to_targets",
 ]  # fmt: skip
 
 LabelsAlignment = Literal["inputs", "targets"]
@@ -59,6 +60,25 @@ def check_labels_alignment(labels_alignment: object) -> LabelsAlignment | None:
     if labels_alignment is not None and labels_alignment not in LABELS_ALIGNMENTS:
         raise ValueError(f"unknown labels_alignment {labels_alignment!r}; pass {_CHOICES}")
     return labels_alignment  # type: ignore[return-value]
+
+
+def declared_alignment(owner: str, labels_alignment: object, source: object) -> LabelsAlignment | None:
+    """``labels_alignment``, or the one ``source`` declares in its ``labels_alignment`` attribute.
+
+    Sources that produce masks themselves know their convention and say so
+    (``Tokenize(assistant_only=True)`` and a token store written from it: ``"inputs"``),
+    so the caller need not repeat it. A caller that passes the other one is refused.
+    """
+    given = check_labels_alignment(labels_alignment)
+    declared = check_labels_alignment(getattr(source, "labels_alignment", None))
+    if declared is None:
+        return given
+    if given is not None and given != declared:
+        raise ValueError(
+            f"{owner}: the source ({type(source).__name__}) declares labels_alignment={declared!r} for the labels "
+            f"and masks it produces, but labels_alignment={given!r} was passed; drop the argument or pass {declared!r}"
+        )
+    return declared
 
 
 def missing_alignment_message(where: str, keys: list[str]) -> str:

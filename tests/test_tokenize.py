@@ -140,3 +140,33 @@ def test_row_tokenizer_pickles_by_path(saved):
     clone = pickle.loads(pickle.dumps(rt))
     assert clone({"text": CORPUS[1]})["input_ids"].tolist() == rt({"text": CORPUS[1]})["input_ids"].tolist()
     assert len(pickle.dumps(rt)) < 2_000
+
+
+def test_assistant_only_trains_only_the_replies_end_to_end():
+    """Tokenize's inputs-aligned masks become next-token targets: a label is kept only where the next token is a
+    reply token (brute force per document), through Documents -> Pack -> Collate -> ShardForRank."""
+    from cpdata import build_loader
+    from cpdata.loader import close_loader
+
+    tok = chat_tokenizer()
+    rows = [{"messages": m} for m in conversations()] + [{"text": CORPUS[0]}]
+    docs = list(Tokenize(rows, tok, assistant_only=True))
+    expected = []
+    for d in docs:
+        ids, mask = d["input_ids"], d["assistant_masks"]
+        labels = np.full(ids.shape, -100, dtype=np.int64)
+        labels[:-1] = np.where(mask[1:] == 1, ids[1:], -100)
+        expected.append(labels)
+    loader = build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0,
+                          layout="identity", algorithm="next_fit", restart_on_stop_iteration=False)  # fmt: skip
+    batches = list(loader)
+    close_loader(loader)
+    assert len(batches) == 1
+    total = sum(d["input_ids"].size for d in docs)
+    labels = batches[0]["labels"].reshape(-1)[:total].numpy()
+    np.testing.assert_array_equal(labels, np.concatenate(expected))
+    trained = int((labels != -100).sum())
+    assert 0 < trained < total - len(CORPUS[0].split())  # prompts are not trained, the text row is
+    with pytest.raises(ValueError, match="labels_alignment"):
+        build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0,
+                     layout="identity", labels_alignment="targets")  # fmt: skip

@@ -145,7 +145,7 @@ def test_tokenize_cli_and_precompute_with_a_tokenizer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "9 documents" in out and "3 chat rows, EOS appended 6" in out
     store = TokenStore(tmp_path / "tokens")
-    assert store.manifest["dtype"] == "<u2"
+    assert store.manifest["dtype"] == "<u2" and store.labels_alignment == "inputs"
     for i, text in enumerate(CORPUS):
         assert store[i]["input_ids"].tolist() == (tok(text)["input_ids"] + [tok.eos_token_id])[:12]
         assert store[i]["assistant_masks"].tolist() == [1] * min(12, len(tok(text)["input_ids"]) + 1)

@@ -38,7 +38,7 @@ from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
-from cpdata.targets import TARGET_KEYS, LabelsAlignment, check_labels_alignment, to_targets
+from cpdata.targets import TARGET_KEYS, LabelsAlignment, declared_alignment, to_targets
 
 __all__ = ["Documents", "to_document"]
 
@@ -208,7 +208,7 @@ class Documents(BaseNode[Document]):
         labels_alignment: LabelsAlignment | None = None,
     ) -> None:
         super().__init__()
-        self.labels_alignment = check_labels_alignment(labels_alignment)
+        self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")

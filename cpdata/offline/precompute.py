@@ -34,6 +34,7 @@ from cpdata.targets import (
     TARGET_KEYS,
     LabelsAlignment,
     check_labels_alignment,
+    declared_alignment,
     first_target,
     missing_alignment_message,
 )
@@ -140,6 +141,7 @@ def precompute(
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
+    labels_alignment = declared_alignment("precompute", labels_alignment, dataset)
     if vocab_size is not None and not dataset.serves_tokens:
         raise ValueError(
             f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "

@@ -81,7 +81,9 @@ class PrecomputedDataset(WorkerDataset):
             ``datasets.Dataset`` or token store works).
         cp_rank: this rank; ``cp_size`` (default: the plan's) and ``layout``
             are checked against the plan.
-        dp_rank, dp_size, vocab_size: as for ``PrecomputedPacks``.
+        dp_rank, dp_size, vocab_size, labels_alignment: as for ``PrecomputedPacks``
+            (``labels_alignment`` defaults to what the documents declare, e.g. a token
+            store written by ``cpdata tokenize --assistant-only``).
         batch_size, qkv_format, padding_token_id: as for :class:`~cpdata.nodes.collate.Collate`.
         prefetch: batches prepared ahead per worker in a thread (default 0).
     """
@@ -97,6 +99,7 @@ class PrecomputedDataset(WorkerDataset):
         dp_rank: int = 0,
         dp_size: int = 1,
         vocab_size: int | None = None,
+        labels_alignment: str | None = None,
         batch_size: int = 1,
         qkv_format: str = "bshd",
         padding_token_id: int = 0,
@@ -104,7 +107,8 @@ class PrecomputedDataset(WorkerDataset):
     ) -> None:
         super().__init__(prefetch=prefetch)
         self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank,
-                                      dp_size=dp_size, vocab_size=vocab_size)  # fmt: skip
+                                      dp_size=dp_size, vocab_size=vocab_size,
+                                      labels_alignment=labels_alignment)  # fmt: skip
         self.cp_rank = cp_rank
         self.cp_size = int(self.plans.store.config["cp_size"])
         self.layout = str(self.plans.store.config["layout"])

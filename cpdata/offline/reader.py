@@ -43,7 +43,7 @@ from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.store import PackStore, read_store
 from cpdata.plan import DocPiece, PackPlan
 from cpdata.state_version import check_state_version
-from cpdata.targets import LabelsAlignment, check_labels_alignment, piece_arrays
+from cpdata.targets import LabelsAlignment, declared_alignment, piece_arrays
 
 __all__ = ["PrecomputedPacks"]
 
@@ -140,7 +140,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         _check_expected(self.store, "cp_size", cp_size)
         _check_expected(self.store, "layout", layout)
         _check_documents(self.store, documents)
-        self.labels_alignment = check_labels_alignment(labels_alignment)
+        self.labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, documents)
         planned = self.store.config.get("labels_alignment")
         if planned is not None and planned != self.labels_alignment:
             raise ValueError(
