@@ -36,6 +36,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
+from cpdata.packing.pieces import check_lengths
 from cpdata.plan import DocPiece, Document, PackPlan
 from cpdata.state_version import check_state_version
 from cpdata.targets import first_target, piece_arrays
@@ -128,6 +129,9 @@ class Pack(BaseNode[PackPlan]):
             capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
             overflow=overflow, seed=seed, window=window,
         )
+        known = getattr(source_node, "known_lengths", None)
+        if known is not None:
+            check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._planner = StreamPlanner(self.config)
         self._queue: deque[list[int]] = deque()

@@ -247,6 +247,19 @@ class Documents(BaseNode[Document]):
         """Whether :meth:`fetch` works (sequence sources): packers then keep only references in their state."""
         return self._kind == "sequence"
 
+    @property
+    def known_lengths(self) -> np.ndarray | None:
+        """int64 ``[n]`` token counts of every source document when the source states them up front
+        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.offline.open_dataset`), else None."""
+        lengths = getattr(self.source, "lengths", None) if self._kind == "sequence" else None
+        if lengths is None:
+            return None
+        lengths = np.asarray(lengths)
+        n = len(self.source)  # type: ignore[arg-type]
+        if lengths.ndim != 1 or lengths.shape[0] != n or lengths.dtype.kind not in "iu":
+            return None
+        return lengths
+
     def fetch(self, index: int) -> Document:
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:

@@ -12,10 +12,13 @@ Five formats, chosen by :func:`open_dataset` from the path:
 
 A lengths file is enough to precompute a plan but cannot serve tokens. JSONL is
 scanned once, line by line, to collect each row's byte offset and length (and
-the input's sha256 on the way); ``__getitem__`` then seeks straight to the row.
-Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``
-and picklable (open file handles are dropped and reopened lazily), so it can be
-handed to dataloader worker processes.
+the input's sha256 on the way); ``__getitem__`` then reads the row at its offset.
+Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``,
+picklable (open file handles are dropped and reopened lazily) and safe to read
+from several threads and from forked or spawned dataloader workers: JSONL rows
+are read with one positional ``pread`` through a handle each process opens for
+itself (keyed on its pid; an inherited handle shares its offset), ``.npy`` files
+are opened per read.
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ class JsonlDocuments(TokenizedDataset):
     Opening scans the file once, line by line (never whole), keeping each
     row's byte offset and length (16 B per document) and hashing the bytes on
     the way, so :meth:`checksum` is free. Whitespace-only lines are not
-    documents. Reading document ``i`` is one seek and one line parse.
+    documents. Reading document ``i`` is one positional read and one line parse.
     """
 
     kind = "jsonl"
@@ -259,7 +262,8 @@ class JsonlDocuments(TokenizedDataset):
         self._id_range = (low, high)
         self._checksum = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
-        self._file: BinaryIO | None = None
+        self._size = pos
+        self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
 
     def _decode(self, line: bytes, where: object, offset: int) -> str:
         """The row as text; anything but UTF-8 is refused with the file, line and byte offset."""
@@ -356,13 +360,28 @@ class JsonlDocuments(TokenizedDataset):
             return  # the scan saw every id
         super().check_token_ids(vocab_size)
 
+    def _handle(self) -> BinaryIO:
+        """This process's own handle, opened on first use and again after a fork or unpickling.
+
+        A handle inherited across ``fork`` shares its file offset with the parent
+        and the sibling workers, so it is never used: the pid decides.
+        """
+        pid, opened = os.getpid(), self._file
+        if opened is None or opened[0] != pid:
+            opened = self._file = (pid, open(self.path, "rb", buffering=0))
+        return opened[1]
+
     def _raw_row(self, i: int) -> bytes:
-        """Row ``i``'s bytes, checked against the CRC-32 taken when the file was opened."""
-        if self._file is None:
-            self._file = open(self.path, "rb")  # kept open for O(1) seeks; reopened after pickling
+        """Row ``i``'s bytes, checked against the CRC-32 taken when the file was opened.
+
+        One positional read (``pread``): no shared file offset, so threads and
+        processes reading at once never disturb each other.
+        """
         offset = int(self._offsets[i])
-        self._file.seek(offset)
-        line = self._file.readline()
+        end = int(self._offsets[i + 1]) if i + 1 < self._offsets.shape[0] else self._size
+        chunk = os.pread(self._handle().fileno(), end - offset, offset)
+        newline = chunk.find(b"\n")
+        line = chunk if newline < 0 else chunk[: newline + 1]
         if zlib.crc32(line) != int(self._crcs[i]):
             raise ValueError(
                 f"{self.path}: document {i} (byte offset {offset}) changed since the file was opened: its bytes "
@@ -383,9 +402,9 @@ class JsonlDocuments(TokenizedDataset):
         return state
 
     def __del__(self) -> None:
-        f = getattr(self, "_file", None)
-        if f is not None:
-            f.close()
+        opened = getattr(self, "_file", None)
+        if opened is not None:
+            opened[1].close()
 
 
 class NpyFolder(TokenizedDataset):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cpdata.packing.pieces import check_lengths
 from cpdata.packing.planner import StreamPlanner, window_ends
 from cpdata.packing.records import PackingConfig, PackingResult, PackKeys
 
@@ -75,6 +76,7 @@ def plan_lengths(
         overflow=overflow, seed=seed, window=window,
     )
     lengths = _as_lengths(lengths)
+    check_lengths(lengths, config)  # every overlong document at once, before planning
     if first_target is not None:
         first_target = np.asarray(first_target, dtype=np.int64)
         if first_target.shape != lengths.shape:

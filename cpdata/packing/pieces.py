@@ -30,7 +30,7 @@ import numpy as np
 
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
 
-__all__ = ["COUNT_FIELDS", "Pieces", "cut_documents"]
+__all__ = ["COUNT_FIELDS", "Pieces", "check_lengths", "cut_documents"]
 
 COUNT_FIELDS: tuple[str, ...] = (
     "documents",
@@ -85,6 +85,34 @@ def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) 
     length = np.minimum(hi, o + real[doc]) - lo
     assert (length > 0).all(), "a cut fell inside a document's alignment padding"
     return Pieces(doc=doc, start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
+
+
+def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
+    """With ``overflow="error"``: raise ``ValueError`` naming every document longer than the capacity at once.
+
+    Run when the lengths are known up front (a tokenized dataset, a lengths
+    file, a whole-dataset plan), so an overlong document fails the build, not
+    a step hours in. The message gives the first offender as the streaming
+    check does, plus the count, the first indices and the longest. O(n) numpy;
+    nothing for the other policies.
+    """
+    if config.overflow != "error":
+        return
+    lengths = np.asarray(lengths, dtype=np.int64)
+    m, cap = config.doc_multiple, config.capacity
+    slots = -(-lengths // m) * m
+    over = np.flatnonzero(slots > cap)
+    if not over.size:
+        return
+    first, longest = int(over[0]), int(over[np.argmax(lengths[over])])
+    others = [p for p in OVERFLOW_POLICIES if p != "error"]
+    raise ValueError(
+        f"document {first} has {int(lengths[first])} tokens ({int(slots[first])} after aligning to a multiple of "
+        f"{m}), more than capacity={cap}; {over.size} of {lengths.size} documents are longer than the capacity "
+        f"(first: {over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); raise "
+        f"the capacity (to {int(slots[longest])} for all) or pass overflow= one of {others} "
+        f"(choices: {list(OVERFLOW_POLICIES)})"
+    )
 
 
 def cut_documents(
