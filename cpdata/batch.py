@@ -8,8 +8,12 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
 
 - ``layout`` (:class:`~cpdata.shard_layout.ShardLayout`): what the shard did,
   for the device sharder and the gather.
-- ``info``: a small plain-python dict for logging (pack indices, token counts,
-  number of documents, causal work per rank, digest).
+- ``info``: a small plain-python dict, on the host wherever the tensors are
+  (it survives pickling, workers, ``.to(device)`` and ``pin_memory``). Scalars
+  the model side needs without a device sync: ``layout`` (name),
+  ``max_seqlen`` (longest real document), ``max_seqlen_padded`` (longest
+  slot); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
+  ``n_documents``, ``causal_work`` (per rank), ``digest``.
 
 Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
 an existing key may be replaced by a tensor of the same shape (the path

@@ -195,7 +195,11 @@ class ShardForRank(BaseNode[Any]):
             batch.plans, [rows[r] for r in ranks], padding_token_id=batch.padding_token_id, qkv_format=batch.qkv_format
         )
         n_rows, pack_len = batch.row_shape
+        seq_lens_padded = batch.metadata["seq_lens_padded"]
         info = {
+            "layout": self.layout,
+            "max_seqlen": int(batch.metadata["max_seqlen"]),
+            "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
             "pack_indices": [p.index for p in batch.plans],
             "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
             "pack_tokens": n_rows * pack_len,
