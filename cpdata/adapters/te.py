@@ -1,0 +1,148 @@
+"""Transformer Engine ``DotProductAttention`` arguments for a cpdata THD batch (torch only; TE not imported).
+
+TE's THD contract with context parallelism (``DotProductAttention.forward`` and
+``set_context_parallel_group``):
+
+- Q/K/V are this rank's tokens ``[T_local, H, D]`` in TE's partition: chunks
+  ``r`` and ``2cp-1-r`` of every padded sequence, sequences in order. That is
+  cpdata's ``layout="thd"``, token for token.
+- ``cu_seqlens_q/kv`` are the GLOBAL cumulative real lengths (int32
+  ``[K+1]``), ``cu_seqlens_q/kv_padded`` the GLOBAL slot offsets; TE divides
+  the padded offsets by ``cp`` itself. Every padded length must be a multiple
+  of ``2*cp``, and no token may lie past ``cu_seqlens_padded[-1]``: the last
+  slot absorbs the pack's tail padding (cpdata's collate does both).
+- ``max_seqlen_q/kv`` are GLOBAL Python ints (TE divides them by ``cp``);
+  passing them avoids TE's own ``.item()`` on ``cu_seqlens``. cpdata passes the
+  longest padded slot (``batch.info["max_seqlen_padded"]``), which is what TE
+  derives itself when they are omitted (before its rounding up to 64).
+- ``cp_group``, ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type`` are not
+  forward arguments: they go to ``DotProductAttention(...)`` or
+  ``dpa.set_context_parallel_group(...)``, once.
+
+Worked example (DESIGN): real lengths ``[5, 3, 8]``, cp = 2, slots ``[8, 4, 8]``:
+``cu_seqlens = [0, 5, 8, 16]``, ``cu_seqlens_padded = [0, 8, 12, 20]``,
+``max_seqlen = 8``; rank 0 holds stream positions ``[0,1,6,7, 8,11, 12,13,18,19]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpdata.adapters._batch import batch_parts, info_int
+from cpdata.keys import INPUT_IDS
+
+__all__ = ["TEAttentionArgs", "te_attention_kwargs", "te_forward_kwargs"]
+
+CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a")
+_TE_LAYOUT = "thd"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TEAttentionArgs:
+    """Arguments for TE's ``DotProductAttention``, split by where TE takes them."""
+
+    forward: dict[str, Any]
+    """Per step: ``dpa(q, k, v, **forward)`` with ``qkv_format="thd"``,
+    ``attn_mask_type="padding_causal"``, ``cu_seqlens_q/kv`` (int32, global,
+    real), ``cu_seqlens_q/kv_padded`` (int32, global slot offsets),
+    ``max_seqlen_q/kv`` (Python ints)."""
+    context_parallel: dict[str, Any]
+    """Once: ``dpa.set_context_parallel_group(**context_parallel)`` (or the same
+    keywords to the constructor): ``cp_group``, ``cp_global_ranks``,
+    ``cp_stream``, ``cp_comm_type``. ``cp_group`` is None at cp = 1."""
+
+
+def te_forward_kwargs(batch: Any, *, tensors: Any = None) -> dict[str, Any]:
+    """The per-step half of :func:`te_attention_kwargs`: ``dpa(q, k, v, **te_forward_kwargs(batch))``.
+
+    Checks, without a process group, that TE's partition of these arguments is
+    this rank's tokens: at cp > 1 the batch must come from ``layout="thd"`` and
+    hold one stream (``qkv_format="thd"``, or ``batch_size=1``).
+    """
+    tensors, layout, info = batch_parts(batch, tensors)
+    max_seqlen = info_int(info, "max_seqlen_padded")
+    forward = {
+        "qkv_format": "thd",
+        "attn_mask_type": "padding_causal",
+        "cu_seqlens_q": tensors["cu_seqlens"],
+        "cu_seqlens_kv": tensors["cu_seqlens"],
+        "cu_seqlens_q_padded": tensors["cu_seqlens_padded"],
+        "cu_seqlens_kv_padded": tensors["cu_seqlens_padded"],
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_kv": max_seqlen,
+    }
+    for key in ("cu_seqlens_q", "cu_seqlens_q_padded"):
+        if forward[key].dtype != torch.int32:
+            raise ValueError(f"TE needs int32 {key}, the batch's is {forward[key].dtype}")
+    if layout.cp_size == 1:
+        return forward
+    if info.get("layout") != _TE_LAYOUT:
+        raise ValueError(
+            f"TE's THD context parallelism expects its own partition (chunks r and 2cp-1-r of every sequence), "
+            f"but this batch was laid out with layout={info.get('layout')!r} at cp_size={layout.cp_size}; "
+            "build the pipeline with layout='thd'"
+        )
+    rows = tensors[INPUT_IDS].shape[:-1]
+    if rows.numel() > 1:
+        raise ValueError(
+            f"TE's THD partition is over one stream, but this batch has {rows.numel()} rows of "
+            f"{tuple(tensors[INPUT_IDS].shape)}; build the pipeline with qkv_format='thd' (or batch_size=1)"
+        )
+    return forward
+
+
+def te_attention_kwargs(
+    batch: Any,
+    cp_group: Any = None,
+    *,
+    tensors: Any = None,
+    cp_comm_type: str = "p2p",
+    cp_stream: Any = None,
+) -> TEAttentionArgs:
+    """TE THD attention arguments for this rank's batch (no device sync, no collective).
+
+    Args:
+        batch: the :class:`~cpdata.batch.ShardedBatch` (for ``.layout`` and
+            ``.info``); see :func:`te_forward_kwargs` for what is checked.
+        cp_group: the CP process group (``cp_mesh.get_group()``); required at
+            cp > 1, where its size and this process's rank in it must match
+            the batch's layout.
+        tensors: the batch's tensors on the device (e.g. the dict
+            ``ContextParallelSharder.shard`` returns); default: ``batch``.
+        cp_comm_type: TE's CP communication, ``"p2p"``, ``"all_gather"`` or
+            ``"a2a"``. (TE's hierarchical ``"a2a+p2p"`` takes two sub-groups;
+            build those arguments yourself, the ``forward`` ones do not change.)
+        cp_stream: the CUDA stream TE overlaps CP steps on; create it once
+            (``torch.cuda.Stream()``) and pass the same one every step.
+    """
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {cp_comm_type!r}")
+    forward = te_forward_kwargs(batch, tensors=tensors)
+    layout = batch.layout
+    if layout.cp_size == 1:
+        return TEAttentionArgs(
+            forward=forward,
+            context_parallel={"cp_group": None, "cp_global_ranks": None, "cp_stream": cp_stream,
+                              "cp_comm_type": cp_comm_type},
+        )  # fmt: skip
+    if cp_group is None:
+        raise ValueError(f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())")
+    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    if (size, rank) != (layout.cp_size, layout.cp_rank):
+        raise ValueError(
+            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but cp_group has "
+            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for"
+        )
+    return TEAttentionArgs(
+        forward=forward,
+        context_parallel={
+            "cp_group": cp_group,
+            "cp_global_ranks": dist.get_process_group_ranks(cp_group),
+            "cp_stream": cp_stream,
+            "cp_comm_type": cp_comm_type,
+        },
+    )

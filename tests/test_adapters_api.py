@@ -1,0 +1,30 @@
+"""``cpdata.adapters`` is a frozen, optional subpackage: nothing in cpdata imports it, it imports no model stack."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import cpdata.adapters
+
+ADAPTERS = [
+    "TEAttentionArgs", "document_causal_mask", "flex_block_mask", "global_target_count", "hf_model_kwargs",
+    "te_attention_kwargs", "te_forward_kwargs", "token_loss",
+]  # fmt: skip
+
+
+def test_adapters_all_is_frozen_and_sorted():
+    assert cpdata.adapters.__all__ == ADAPTERS == sorted(ADAPTERS)
+    for name in ADAPTERS:
+        assert getattr(cpdata.adapters, name) is not None
+
+
+def _modules_after(code: str) -> str:
+    probe = "; print(sorted(m for m in ('cpdata.adapters', 'transformers', 'transformer_engine') if m in sys.modules))"
+    return subprocess.run([sys.executable, "-c", "import sys; " + code + probe], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def test_cpdata_never_imports_the_adapters_and_they_import_no_model_stack():
+    assert _modules_after("import cpdata, cpdata.loader, cpdata.sharder, cpdata.dataset") == "[]"
+    assert _modules_after("import cpdata.adapters") == "['cpdata.adapters']"
