@@ -6,12 +6,14 @@ layout chose. Attention needs three facts, and cpdata supplies all of them:
 * queries stay local; keys and values of every rank are gathered into global
   order with ``cpdata.gather.gather_token_tensor`` (one collective per layer,
   K and V stacked);
-* the causal document mask compares global positions: the layout's
-  ``local_token_global_indices`` for queries, ``arange(S)`` for gathered keys,
-  and document ids gathered once per forward;
-* rotary position ids come from the batch (they restart per document).
+* the causal document mask is ``cpdata.adapters.document_causal_mask``: a
+  query sees the keys of its own document slot up to its global position (the
+  layout's ``local_token_global_indices``), slot bounds from the batch's
+  global ``cu_seqlens_padded``, so it costs no collective;
+* rotary position ids come from the batch (they restart per document);
+* the loss is ``cpdata.adapters.token_loss`` (see ``train_cp.py``).
 
-Nothing here knows a layout's name. With ``TokenView.full(S)`` the same model
+Nothing here knows a layout's name. With ``TokenView.full()`` the same model
 runs on a whole pack without a process group (the parity reference).
 
 Cost per layer and rank: ``O(S_loc · S · d)`` attention against the full key
@@ -28,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpdata.gather import gather_token_tensor, layout_tensor_on
+from cpdata.adapters import document_causal_mask
+from cpdata.gather import gather_token_tensor
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["ModelConfig", "TokenView", "CPTransformer", "document_causal_mask", "local_token_loss"]
+__all__ = ["ModelConfig", "TokenView", "CPTransformer"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,42 +54,24 @@ class ModelConfig:
 class TokenView:
     """Where this rank's tokens sit in the pack and how to see every rank's tokens."""
 
-    query_positions: torch.Tensor
-    """int64 ``[S_loc]``: global pack position of each local token."""
+    layout: ShardLayout | None
+    """The batch's layout (global position of each local token); None for a whole pack on one rank."""
     gather: Callable[[torch.Tensor], torch.Tensor]
     """``[B, S_loc, ...] -> [B, S, ...]`` in global order; differentiable."""
 
     @classmethod
-    def from_layout(cls, layout: ShardLayout, group=None, device: torch.device | str | None = None) -> TokenView:
+    def from_layout(cls, layout: ShardLayout, group=None) -> TokenView:
         """A view of one CP rank's shard; ``gather`` is one collective on ``group``.
 
         The layout's index tensors may stay on the host: they are copied to the
         compute device once per batch (``layout_tensor_on`` caches them).
         """
-        return cls(
-            query_positions=(layout.local_token_global_indices if device is None
-                             else layout_tensor_on(layout, "local_token_global_indices", device)),
-            gather=lambda t: gather_token_tensor(t, layout, group=group, seq_dim=1),
-        )
+        return cls(layout=layout, gather=lambda t: gather_token_tensor(t, layout, group=group, seq_dim=1))
 
     @classmethod
-    def full(cls, seq_len: int, device: torch.device | str = "cpu") -> TokenView:
+    def full(cls) -> TokenView:
         """The whole pack on one rank: every token is local, gathering is the identity."""
-        return cls(query_positions=torch.arange(seq_len, device=device), gather=lambda t: t)
-
-
-def document_causal_mask(view: TokenView, document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, S_loc, S]`` mask (True = attend) for local queries over global keys.
-
-    A query attends to keys of its own document at global positions not after
-    its own. Pads carry their slot's document id and sit after its real
-    tokens, so real queries never see them and every row keeps its diagonal.
-    """
-    doc_k = view.gather(document_ids)  # [B, S]: one collective, once per forward
-    k_pos = torch.arange(doc_k.shape[1], device=doc_k.device)
-    same_doc = document_ids[:, :, None] == doc_k[:, None, :]
-    causal = k_pos[None, None, :] <= view.query_positions[None, :, None]
-    return (same_doc & causal)[:, None]
+        return cls(layout=None, gather=lambda t: t)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,24 +128,15 @@ class CPTransformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor,
-                view: TokenView) -> torch.Tensor:
-        """Logits ``[B, S_loc, vocab]`` for this rank's tokens (all inputs ``[B, S_loc]``, int64)."""
+                cu_seqlens_padded: torch.Tensor, view: TokenView) -> torch.Tensor:
+        """Logits ``[B, S_loc, vocab]`` for this rank's tokens (token inputs ``[B, S_loc]``, int64;
+        ``cu_seqlens_padded`` the batch's global slot offsets)."""
         x = self.embed(input_ids)
         # Angles in float64: position ids of split documents can exceed 1e5.
         angles = (position_ids.to(torch.float64)[..., None] * self.inv_freq)[:, :, None, :]
         rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
-        mask = document_causal_mask(view, document_ids)
+        mask = document_causal_mask(view.layout, document_ids, cu_seqlens_padded)  # no collective
         for block in self.blocks:
             x = block(x, rope, mask, view)
         return self.head(self.norm(x))
 
-
-def local_token_loss(logits: torch.Tensor, labels: torch.Tensor, global_targets: int | torch.Tensor
-                     ) -> torch.Tensor:
-    """Summed cross-entropy of this rank's targets divided by the pack's target count.
-
-    Labels equal to -100 are ignored. Summing this over the CP ranks of a group
-    gives the single-rank mean loss over the whole pack.
-    """
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return ce / global_targets

@@ -9,8 +9,9 @@ the same documents, so they agree on every pack without communicating (checked
 each step by ``verify_layout_consistency``). The model sees only its rank's
 tokens plus the batch's ``ShardLayout`` (see ``cp_model.py``).
 
-Gradient scaling. Each rank's loss is the cross-entropy summed over its LOCAL
-targets divided by the pack's GLOBAL target count, so the CP ranks' losses sum
+Gradient scaling. Each rank's loss (``cpdata.adapters.token_loss``) is the
+cross-entropy summed over its LOCAL targets divided by the pack's GLOBAL target
+count (``global_target_count``: one all-reduce), so the CP ranks' losses sum
 to the single-rank loss L. Backward of the K/V gather is a reduce-scatter
 (sum): rank r's gathered-K/V gradient, d(loss_r)/dKV, is summed over ranks and
 scattered, so rank r' receives sum_r d(loss_r)/dKV_r' = dL/dKV_r' -- the exact
@@ -46,8 +47,9 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from corpus import BYTE_VOCAB, PAD_ID, StdlibDefinitions, load_jsonl  # noqa: E402
-from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss  # noqa: E402
+from cp_model import CPTransformer, ModelConfig, TokenView  # noqa: E402
 
+from cpdata.adapters import global_target_count, token_loss  # noqa: E402
 from cpdata.consistency import verify_layout_consistency  # noqa: E402
 from cpdata.loader import close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
@@ -118,8 +120,9 @@ def all_reduce_grads(model: torch.nn.Module, divisor: int) -> None:
 
 
 def train_step(model, opt, tensors, view, n_targets, divisor) -> torch.Tensor:
-    logits = model(tensors["input_ids"], tensors["position_ids"], tensors["document_ids"], view)
-    loss = local_token_loss(logits, tensors["labels"], n_targets)
+    logits = model(tensors["input_ids"], tensors["position_ids"], tensors["document_ids"],
+                   tensors["cu_seqlens_padded"], view)
+    loss = token_loss(logits, tensors, num_targets=n_targets)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     all_reduce_grads(model, divisor)
@@ -181,16 +184,16 @@ def run_layout(args, layout: str, mesh, dp_rank: int, cp_rank: int, cp_group) ->
         verify_layout_consistency(batch, mesh)  # one 16-byte all-reduce: the CP group holds one plan
         sharder = sharder or ContextParallelSharder(None, mesh, batch)  # resolved once, from the first batch
         ctx, tensors = sharder.shard(batch)  # host-to-device copy only: the workers already sharded it
-        n_targets = tensors["labels"].ne(-100).sum()
-        dist.all_reduce(n_targets, group=cp_group)
+        n_targets = global_target_count(batch, cp_group, labels=tensors["labels"])  # one all-reduce, no sync
         with ctx():
-            view = TokenView.from_layout(sharder.shard_layout, cp_group, device)
+            view = TokenView.from_layout(sharder.shard_layout, cp_group)
             loss = train_step(model, opts["model"], tensors, view, n_targets, args.dp_size)
         stats = torch.tensor([loss.item(), 0.0, batch.info["real_tokens"] / cp_size,
                               batch.info["pack_tokens"] / cp_size], dtype=torch.float64, device=device)
         if args.check_parity:  # the full pack, recovered from the shards (one gather per tensor)
             full = {k: sharder.gather_token_tensor(tensors[k], seq_dim=1) for k in TOKEN_KEYS}
-            ref_view = TokenView.full(full["input_ids"].shape[1], device)
+            full["cu_seqlens_padded"] = tensors["cu_seqlens_padded"]
+            ref_view = TokenView.full()
             # the reference's grads are equal on a group's CP ranks: sum over all / world = DP mean
             stats[1] = train_step(models["reference"], opts["reference"], full, ref_view, n_targets, world).item()
             # Adam hides a wrong gradient scale (it normalizes), so compare the gradients themselves too

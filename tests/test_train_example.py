@@ -141,15 +141,17 @@ def test_stdlib_corpus_is_the_sorted_py_files_as_bytes(tmp_path):
 def _grad_contract_rank(rank: int, world: int, docs: list) -> dict[str, float]:
     """Gradients of the CP model on one pack vs the full-pack reference, two loss conventions."""
     import torch.distributed as dist
-    from cp_model import CPTransformer, ModelConfig, TokenView, local_token_loss
+    from cp_model import CPTransformer, ModelConfig, TokenView
 
+    from cpdata.adapters import token_loss
     from cpdata.gather import gather_token_tensor
     from cpdata.recipes import balanced_allgather
 
     torch.set_default_dtype(torch.float64)
     batch = next(iter(balanced_allgather.build(docs, capacity=96, cp_size=world, cp_rank=rank, prefetch=0)))
-    layout, keys = batch.layout, ("input_ids", "position_ids", "document_ids")
-    full = {k: gather_token_tensor(batch[k], layout, seq_dim=1) for k in (*keys, "labels")}
+    layout, keys = batch.layout, ("input_ids", "position_ids", "document_ids", "cu_seqlens_padded")
+    full = {k: gather_token_tensor(batch[k], layout, seq_dim=1) for k in (*keys[:3], "labels")}
+    full["cu_seqlens_padded"] = batch["cu_seqlens_padded"]
     n_targets = full["labels"].ne(-100).sum()
 
     def grads(model) -> torch.Tensor:
@@ -159,16 +161,16 @@ def _grad_contract_rank(rank: int, world: int, docs: list) -> dict[str, float]:
 
     torch.manual_seed(0)
     model = CPTransformer(ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64))
-    reference_loss = local_token_loss(model(*(full[k] for k in keys), TokenView.full(96)), full["labels"], n_targets)
+    reference_loss = token_loss(model(*(full[k] for k in keys), TokenView.full()), full)
     reference_loss.backward()
     reference = grads(model)
 
     view = TokenView.from_layout(layout)
     logits = model(*(batch[k] for k in keys), view)
-    local_token_loss(logits, batch["labels"], n_targets).backward(retain_graph=True)  # the script's convention
+    token_loss(logits, batch).backward(retain_graph=True)  # the script's convention: counts the pack's targets
     local = grads(model)
     dist.all_reduce(local)
-    replicated_loss = local_token_loss(view.gather(logits), full["labels"], n_targets)  # same value on every rank
+    replicated_loss = token_loss(view.gather(logits), full, num_targets=n_targets)  # same value on every rank
     replicated_loss.backward()
     replicated = grads(model)
     dist.all_reduce(replicated)
