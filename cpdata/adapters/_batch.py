@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["batch_parts", "info_int"]
+__all__ = ["batch_parts", "check_cp_group", "info_int"]
 
 
 def batch_parts(
@@ -40,3 +41,21 @@ def info_int(info: Mapping[str, Any], key: str) -> int:
             "(build_loader, CPDataset, PrecomputedPacks) carry it"
         )
     return value
+
+
+def check_cp_group(group: Any, layout: ShardLayout) -> None:
+    """``ValueError`` unless ``group`` (None = the default group) is the CP group ``layout`` was built for."""
+    if layout.cp_size == 1:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"the batch is sharded over cp_size={layout.cp_size} ranks but no process group is initialized; "
+            "call torch.distributed.init_process_group and pass the CP group"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (size, rank) != (layout.cp_size, layout.cp_rank):
+        raise ValueError(
+            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the group has "
+            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for "
+            "(cp_mesh.get_group())"
+        )

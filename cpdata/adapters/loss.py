@@ -36,32 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpdata.adapters._batch import check_cp_group
 from cpdata.keys import IGNORE_INDEX, LABELS
 from cpdata.shard_layout import ShardLayout
 
 __all__ = ["global_target_count", "token_loss"]
-
-
-def _cp_size(batch: Mapping[str, Any]) -> int:
-    layout = getattr(batch, "layout", None)
-    return layout.cp_size if isinstance(layout, ShardLayout) else 1
-
-
-def _check_group(group: Any, batch: Mapping[str, Any]) -> None:
-    layout = getattr(batch, "layout", None)
-    if not isinstance(layout, ShardLayout) or layout.cp_size == 1:
-        return
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"the batch is sharded over cp_size={layout.cp_size} ranks but no process group is initialized; "
-            "call torch.distributed.init_process_group and pass the CP group"
-        )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (size, rank) != (layout.cp_size, layout.cp_rank):
-        raise ValueError(
-            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the group has "
-            f"size {size} and this process is rank {rank} in it; pass the CP group (cp_mesh.get_group())"
-        )
 
 
 def global_target_count(
@@ -76,8 +55,9 @@ def global_target_count(
     """
     labels = batch[LABELS] if labels is None else labels
     count = labels.ne(IGNORE_INDEX).sum()
-    if _cp_size(batch) > 1:
-        _check_group(group, batch)
+    layout = getattr(batch, "layout", None)
+    if isinstance(layout, ShardLayout) and layout.cp_size > 1:
+        check_cp_group(group, layout)
         dist.all_reduce(count, group=group)
     if dp_group is not None:
         dist.all_reduce(count, group=dp_group)

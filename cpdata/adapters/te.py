@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdata.adapters._batch import batch_parts, info_int
+from cpdata.adapters._batch import batch_parts, check_cp_group, info_int
 from cpdata.keys import INPUT_IDS
 
 __all__ = ["TEAttentionArgs", "te_attention_kwargs", "te_forward_kwargs"]
@@ -131,12 +131,7 @@ def te_attention_kwargs(
         )  # fmt: skip
     if cp_group is None:
         raise ValueError(f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())")
-    size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    if (size, rank) != (layout.cp_size, layout.cp_rank):
-        raise ValueError(
-            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but cp_group has "
-            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for"
-        )
+    check_cp_group(cp_group, layout)
     return TEAttentionArgs(
         forward=forward,
         context_parallel={
