@@ -19,12 +19,8 @@ def test_adapters_all_is_frozen_and_sorted():
         assert getattr(cpdata.adapters, name) is not None
 
 
-def _modules_after(code: str) -> str:
-    probe = "; print(sorted(m for m in ('cpdata.adapters', 'transformers', 'transformer_engine') if m in sys.modules))"
-    return subprocess.run([sys.executable, "-c", "import sys; " + code + probe], capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
-
-
 def test_cpdata_never_imports_the_adapters_and_they_import_no_model_stack():
-    assert _modules_after("import cpdata, cpdata.loader, cpdata.sharder, cpdata.dataset") == "[]"
-    assert _modules_after("import cpdata.adapters") == "['cpdata.adapters']"
+    probe = "print(sorted(m for m in ('cpdata.adapters', 'transformers', 'transformer_engine') if m in sys.modules))"
+    code = f"import sys, cpdata, cpdata.loader, cpdata.sharder, cpdata.dataset; {probe}; import cpdata.adapters; {probe}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "['cpdata.adapters']"]

@@ -136,12 +136,14 @@ def test_shift_labels_are_not_shifted_again():
     assert count == sum(lens) - len(lens) and packed == pytest.approx(total / count, rel=1e-6)
 
 
-def test_bshd_rows_become_one_stream():
-    model = _model("sdpa")
+@pytest.mark.parametrize("impl", ["sdpa", "cpdata_varlen_reference"])
+def test_bshd_rows_become_one_stream(impl):
+    model = _model(impl)
     (batch,) = _batches(batch_size=2)[0]
     assert batch["input_ids"].shape == (2, 32)
-    kwargs = hf_model_kwargs(batch, "sdpa")
-    assert kwargs["input_ids"].shape == (1, 64) and kwargs["attention_mask"].shape == (1, 1, 64, 64)
+    kwargs = hf_model_kwargs(batch, "sdpa" if impl == "sdpa" else "flash_attention_2")
+    assert kwargs["input_ids"].shape == (1, 64)
+    assert kwargs["attention_mask"].shape == (1, 1, 64, 64) if impl == "sdpa" else kwargs["max_length_q"] > 0
     with torch.no_grad():
         out = model(**kwargs)
         total, count, _ = _alone_loss_sum(model, batch, out.logits[0])
