@@ -40,7 +40,7 @@ from cpdata.plan import Document
 from cpdata.state_version import check_state_version
 from cpdata.targets import TARGET_KEYS, LabelsAlignment, declared_alignment, to_targets
 
-__all__ = ["Documents", "to_document"]
+__all__ = ["Documents", "restart_iterable", "source_kind", "to_document"]
 
 _INTEGER_KEYS = (INPUT_IDS, LABELS)
 
@@ -159,6 +159,44 @@ def to_document(
     return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
+def source_kind(source: Any, items: str = "document dicts") -> str:
+    """How a source is read and resumed (the module table): ``"node"``, ``"sequence"`` or ``"iterable"``.
+
+    Raises:
+        TypeError: a string, a mapping, a one-shot iterator (it cannot be
+            restarted for resume or a new epoch) or something not iterable.
+    """
+    if isinstance(source, BaseNode):
+        return "node"
+    if isinstance(source, (str, bytes, Mapping)):
+        raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
+    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+        return "sequence"
+    if isinstance(source, Iterator):
+        raise TypeError(
+            f"source is a one-shot iterator ({type(source).__name__}) that cannot be restarted for resume "
+            "or a new epoch; pass a list, a re-iterable (an object whose __iter__ returns a fresh "
+            "iterator) or a torchdata BaseNode"
+        )
+    if isinstance(source, Iterable):
+        return "iterable"
+    raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
+
+
+def restart_iterable(source: Iterable[Any], position: int, items: str = "documents") -> Iterator[Any]:
+    """A fresh iterator over ``source`` with its first ``position`` items read and dropped (resume)."""
+    it = iter(source)
+    for skipped in range(position):
+        try:
+            next(it)
+        except StopIteration:
+            raise ValueError(
+                f"the saved state has read {position} {items} but the source ends after {skipped}; "
+                "restore onto the same source"
+            ) from None
+    return it
+
+
 def _with_index(exc: Exception, index: int) -> Exception:
     """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
     message = f"reading document {index} from the source failed: {type(exc).__name__}: {exc}"
@@ -218,22 +256,7 @@ class Documents(BaseNode[Document]):
                                        or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
         source = as_hf_documents(source)
-        if isinstance(source, BaseNode):
-            self._kind = "node"
-        elif isinstance(source, (str, bytes, Mapping)):
-            raise TypeError(f"source must be a sequence or iterable of document dicts, got {type(source).__name__}")
-        elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
-            self._kind = "sequence"
-        elif isinstance(source, Iterator):
-            raise TypeError(
-                f"source is a one-shot iterator ({type(source).__name__}) that cannot be restarted for resume "
-                "or a new epoch; pass a list, a re-iterable (an object whose __iter__ returns a fresh "
-                "iterator) or a torchdata BaseNode"
-            )
-        elif isinstance(source, Iterable):
-            self._kind = "iterable"
-        else:
-            raise TypeError(f"source must be a sequence or iterable of document dicts, got {type(source).__name__}")
+        self._kind = source_kind(source)
         self.source = source
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
         self._it: Iterator[Any] | None = None
@@ -286,15 +309,7 @@ class Documents(BaseNode[Document]):
         if self._kind == "node":
             self.source.reset(nested)
         elif self._kind == "iterable":
-            self._it = iter(self.source)
-            for skipped in range(self._position):
-                try:
-                    next(self._it)
-                except StopIteration:
-                    raise ValueError(
-                        f"the saved state has read {self._position} documents but the source ends after "
-                        f"{skipped}; restore onto the same source"
-                    ) from None
+            self._it = restart_iterable(self.source, self._position)
 
     def _check_source(self) -> None:
         """At every epoch start and restore: the source is the one first read, unchanged (cpdata.fingerprint)."""

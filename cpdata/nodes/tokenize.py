@@ -24,12 +24,13 @@ row; nothing is buffered.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.nodes.source import restart_iterable, source_kind
 from cpdata.state_version import check_saved_config, check_state_version
 from cpdata.tokenizer import RowTokenizer, TokenizeStats
 
@@ -68,19 +69,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self.tokenizer = tokenizer
         else:
             self.tokenizer = RowTokenizer(tokenizer, **options)
-        if isinstance(source, BaseNode):
-            self._kind = "node"
-        elif isinstance(source, (str, bytes, Mapping)):
-            raise TypeError(f"source must be a sequence or iterable of rows, got {type(source).__name__}")
-        elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
-            self._kind = "sequence"
-        elif isinstance(source, Iterator) or not isinstance(source, Iterable):
-            raise TypeError(
-                f"source must be a list, a re-iterable (whose __iter__ returns a fresh iterator) or a torchdata "
-                f"BaseNode, got {type(source).__name__}; a one-shot iterator cannot be restarted for resume"
-            )
-        else:
-            self._kind = "iterable"
+        self._kind = source_kind(source, "rows")
         self.labels_alignment: str | None = "inputs" if self.tokenizer.assistant_only else None
         """``"inputs"`` when the node emits ``assistant_masks`` (they belong to ``input_ids[i]`` itself, as
         ``apply_chat_template`` returns them); ``Documents`` takes it from here."""
@@ -116,13 +105,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
         if self._kind == "node":
             self.source.reset(nested)
         elif self._kind == "iterable":
-            self._it = iter(self.source)
-            for skipped in range(self._position):
-                if next(self._it, _END) is _END:
-                    raise ValueError(
-                        f"the saved Tokenize state has read {self._position} rows but the source ends after "
-                        f"{skipped}; restore onto the same source"
-                    )
+            self._it = restart_iterable(self.source, self._position, "rows")
 
     def next(self) -> dict[str, np.ndarray]:
         index = self._position
@@ -146,5 +129,3 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
         return state
 
-
-_END = object()
