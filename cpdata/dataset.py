@@ -38,8 +38,9 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.loader import ResumableLoader, check_keywords, close_loader, shard_graph
+from cpdata.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.source import Documents
 from cpdata.orphans import exit_with_parent
 from cpdata.state_version import check_state_version
 
@@ -198,6 +199,27 @@ class CPDataset(WorkerDataset):
         ShardForRank(shard_graph(source, **kwargs), cp_size=kwargs["cp_size"], cp_rank=cp_rank,
                      layout=kwargs["layout"])  # fmt: skip
 
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (the shuffled order of ``(seed, epoch)``).
+
+        Call it before every epoch when ``StatefulDataLoader`` workers are not
+        persistent (each epoch then starts from a fresh copy of this dataset,
+        which would otherwise read epoch 0's order again), as with
+        ``DistributedSampler.set_epoch``. A process that keeps its graph
+        (``num_workers=0``, ``persistent_workers=True``) counts epochs itself.
+        """
+        self._start_epoch = epoch
+        if self._loader is not None:
+            for node in _graph(self._loader.root):
+                if isinstance(node, Documents):
+                    node.set_epoch(epoch)
+
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
-        node = _EveryNth(shard_graph(self.source, **self.kwargs), offset=worker_id, stride=num_workers)
+        collated = shard_graph(self.source, **self.kwargs)
+        epoch = getattr(self, "_start_epoch", None)
+        if epoch is not None:
+            for node in _graph(collated):
+                if isinstance(node, Documents):
+                    node.set_epoch(epoch)
+        node = _EveryNth(collated, offset=worker_id, stride=num_workers)
         return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"])

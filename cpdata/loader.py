@@ -94,12 +94,15 @@ def shard_graph(
     vocab_size: int | None = None,
     window: int | None = None,
     labels_alignment: LabelsAlignment | None = None,
+    shuffle: bool = False,
+    num_epochs: int | None = None,
 ) -> Collate:
     """Documents -> Pack -> Collate: the part every CP rank of a DP group shares."""
     check_padding_token_id(padding_token_id, vocab_size)
     docs = Documents(
-        source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment
-    )
+        source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment,
+        shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+    )  # fmt: skip
     pack_kw: dict[str, Any] = {} if window is None else {"window": window}
     plans = Pack(
         docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow, seed=seed,
@@ -128,6 +131,8 @@ def build_node(
     prefetch: int = 2,
     window: int | None = None,
     labels_alignment: LabelsAlignment | None = None,
+    shuffle: bool = False,
+    num_epochs: int | None = None,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -147,6 +152,10 @@ def build_node(
             (Megatron, NeMo); required when documents carry ``labels`` or a
             mask (see :mod:`cpdata.targets`). Batch ``labels`` are always
             next-token targets.
+        shuffle, num_epochs: document order (:class:`~cpdata.nodes.source.Documents`):
+            ``shuffle=True`` draws a fresh permutation of a sequence source per
+            epoch from ``(seed, epoch)``; ``num_epochs`` passes per ``iter()``
+            (default one). ``bfd`` packs best from a mixed order.
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
     """
@@ -156,6 +165,7 @@ def build_node(
         source, capacity=capacity, cp_size=cp_size, layout=layout, algorithm=algorithm, overflow=overflow,
         padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
         qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
+        shuffle=shuffle, num_epochs=num_epochs,
     )  # fmt: skip
     node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     if prefetch:

@@ -208,7 +208,8 @@ def test_state_is_small_and_versioned():
         next(node)
     state = node.state_dict()
     fingerprint = state.pop("fingerprint")
-    assert state == {"version": 1, "consumed": 4, "position": 8, "shard": (1, 2), "length": 50}
+    assert state == {"version": 2, "consumed": 4, "position": 8, "shard": (1, 2), "length": 50, "epoch": 0,
+                     "first_epoch": 0, "order": [False, 0, None]}
     assert fingerprint.startswith("list:50:") and len(fingerprint) < 64
 
 

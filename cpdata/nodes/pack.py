@@ -143,7 +143,7 @@ class Pack(BaseNode[PackPlan]):
 
     @property
     def stats(self) -> PackingStats:
-        return self._planner.stats()
+        return dataclasses.replace(self._planner.stats(), epoch=int(getattr(self.source, "epoch", 0)))
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)

@@ -217,6 +217,13 @@ class Documents(BaseNode[Document]):
             aligned with ``input_ids``) or ``"targets"`` (Megatron, NeMo: labels
             already next-token targets); required when documents carry
             ``labels`` or a mask (:mod:`cpdata.targets`).
+        shuffle, seed: read a sequence source in a fresh order every epoch, the
+            permutation of epoch ``e`` drawn from ``(seed, e)`` (8 bytes per
+            document, rebuilt on restore); position ``j`` of that order goes to DP
+            rank ``j % dp_size``, so every CP rank of a DP group reads the same
+            documents in the same order. ``False`` (default): source order.
+        num_epochs: passes over the source per ``iter()`` (default: one, the
+            next ``iter()`` starting the next epoch); :attr:`epoch` is the current one.
 
     State: ``{"version", "consumed", "position", "shard", "length",
     "fingerprint", ...}``: documents emitted by this rank, source items read
@@ -227,8 +234,11 @@ class Documents(BaseNode[Document]):
     opened, checked at every epoch start and restore.
     """
 
-    VERSION = 1
+    VERSION = 2  # 2: the epoch (and the order it implies) is part of the state
     VERSION_KEY = "version"
+    EPOCH_KEY = "epoch"
+    FIRST_EPOCH_KEY = "first_epoch"
+    ORDER_KEY = "order"
     CONSUMED_KEY = "consumed"
     POSITION_KEY = "position"
     SHARD_KEY = "shard"
@@ -244,8 +254,18 @@ class Documents(BaseNode[Document]):
         dp_size: int = 1,
         vocab_size: int | None = None,
         labels_alignment: LabelsAlignment | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        num_epochs: int | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
+                                       or num_epochs < 1):
+            raise ValueError(f"num_epochs must be an int >= 1 or None (one pass per iter()), got {num_epochs!r}")
         self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -257,8 +277,17 @@ class Documents(BaseNode[Document]):
             raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
         source = as_hf_documents(source)
         self._kind = source_kind(source)
+        if shuffle and self._kind != "sequence":
+            raise ValueError(
+                f"shuffle=True needs a sequence source (len() and indexing) to draw a permutation per epoch, got a "
+                f"{self._kind} ({type(source).__name__}); pass a list or map-style dataset, or shuffle the stream "
+                "before it reaches cpdata (e.g. torchdata.nodes.Shuffler over a node source)"
+            )
         self.source = source
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
+        self.shuffle, self.seed, self.num_epochs = shuffle, int(seed), num_epochs
+        self._epoch, self._first_epoch, self._started = 0, 0, False
+        self._order: tuple[int, np.ndarray] | None = None
         self._it: Iterator[Any] | None = None
         self._position = 0
         self._consumed = 0
@@ -296,6 +325,30 @@ class Documents(BaseNode[Document]):
     def _length(self) -> int | None:
         return len(self.source) if self._kind == "sequence" else None  # type: ignore[arg-type]
 
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (0-based; counts on across ``iter()`` calls and restores)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next fresh ``reset()`` (a new ``iter()``) start epoch ``epoch``.
+
+        For processes that rebuild the node every epoch (non-persistent
+        dataloader workers), like ``DistributedSampler.set_epoch``.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch, self._started = int(epoch) - 1, epoch > 0
+
+    def _source_index(self, position: int) -> int:
+        """Source index at ``position`` of this epoch's order."""
+        if not self.shuffle:
+            return position
+        if self._order is None or self._order[0] != self._epoch:
+            perm = np.random.default_rng((self.seed, self._epoch)).permutation(len(self.source))  # type: ignore[arg-type]
+            self._order = (self._epoch, perm)
+        return int(self._order[1][position])
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._position, self._consumed, self._it = 0, 0, None
@@ -305,7 +358,16 @@ class Documents(BaseNode[Document]):
             self._check(initial_state)
             self._position = int(initial_state[self.POSITION_KEY])
             self._consumed = int(initial_state[self.CONSUMED_KEY])
+            self._epoch = int(initial_state[self.EPOCH_KEY])
+            self._first_epoch = int(initial_state[self.FIRST_EPOCH_KEY])
             nested = initial_state.get(self.SOURCE_KEY)
+        else:
+            self._epoch = self._epoch + 1 if self._started else 0  # a new iter(): the next epoch
+            self._first_epoch = self._epoch
+        self._started = True
+        self._restart_source(nested)
+
+    def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
         if self._kind == "node":
             self.source.reset(nested)
         elif self._kind == "iterable":
@@ -330,6 +392,12 @@ class Documents(BaseNode[Document]):
                 f"Documents state was saved for a source of length {state.get(self.LENGTH_KEY)}, "
                 f"this source has length {self._length()}; restore onto the same dataset"
             )
+        order = state.get(self.ORDER_KEY)
+        if order != self._order_config():
+            raise ValueError(
+                f"Documents state was saved with (shuffle, seed, num_epochs)={tuple(order or ())}, this node has "
+                f"{tuple(self._order_config())}; restore with the order the state was saved with"
+            )
         saved = state.get(self.FINGERPRINT_KEY)
         if saved is not None and self._fingerprint is not None and saved != self._fingerprint:
             raise ValueError(
@@ -337,14 +405,18 @@ class Documents(BaseNode[Document]):
                 f"{self._fingerprint} (same length, other content); restore onto the same dataset"
             )
 
-    def _read(self) -> tuple[int, Any]:
-        """The next source item and its index (raises StopIteration at the end)."""
-        index = self._position
+    def _order_config(self) -> list[Any]:
+        return [self.shuffle, self.seed, self.num_epochs]
+
+    def _read(self) -> tuple[int, int, Any]:
+        """The next item of this pass: ``(position, source index, item)`` (StopIteration at the pass's end)."""
+        position = index = self._position
         if self._kind == "sequence":
-            index += (self.dp_rank - index) % self.dp_size  # jump straight to this rank's next item
-            if index >= len(self.source):  # type: ignore[arg-type]
+            position += (self.dp_rank - position) % self.dp_size  # jump straight to this rank's next item
+            if position >= len(self.source):  # type: ignore[arg-type]
                 self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
                 raise StopIteration
+            index = self._source_index(position)
             try:
                 item = self.source[index]  # type: ignore[index]
             except Exception as exc:
@@ -356,13 +428,21 @@ class Documents(BaseNode[Document]):
                 raise
             except Exception as exc:
                 raise _with_index(exc, index) from exc
-        self._position = index + 1
-        return index, item
+        self._position = position + 1
+        return position, index, item
 
     def next(self) -> Document:
         while True:
-            index, item = self._read()
-            if index % self.dp_size == self.dp_rank:
+            try:
+                position, index, item = self._read()
+            except StopIteration:
+                if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
+                    raise
+                self._epoch, self._position = self._epoch + 1, 0  # num_epochs: the next pass, same iter()
+                self._check_source()
+                self._restart_source()
+                continue
+            if position % self.dp_size == self.dp_rank:
                 break
         document = to_document(item, index, self.vocab_size, self.labels_alignment)
         self._consumed += 1
@@ -376,6 +456,9 @@ class Documents(BaseNode[Document]):
             self.SHARD_KEY: (self.dp_rank, self.dp_size),
             self.LENGTH_KEY: self._length(),
             self.FINGERPRINT_KEY: self._fingerprint,
+            self.EPOCH_KEY: self._epoch,
+            self.FIRST_EPOCH_KEY: self._first_epoch,
+            self.ORDER_KEY: self._order_config(),
         }
         if self._kind == "node":
             state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())

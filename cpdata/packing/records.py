@@ -165,6 +165,8 @@ class PackingStats:
     """Documents with labels or a mask that leave no target to train (fully masked, or only at the
     truncated last token): left out, never packed."""
     untrained_tokens: int = 0
+    epoch: int = 0
+    """The source's epoch being read (``Documents(num_epochs=..., shuffle=...)``); 0 offline."""
 
     @classmethod
     def from_counts(cls, *, capacity: int, **counts: int) -> PackingStats:
