@@ -111,10 +111,29 @@ def test_long_document_offline_is_within_twice_online(results):
         assert r["ratio"] < 2, r  # parsing once per piece made it 8x at this size
 
 
+def test_schedule_rows_cover_every_method_and_balance_beats_the_anchors(results):
+    rows = results["schedule"]
+    by = {(r["distribution"], r["dp_size"], r["method"]): r for r in rows}
+    assert {(r["distribution"], r["dp_size"]) for r in rows} == {("D1", 8), ("D2", 8), ("D2", 32)}
+    for dist, dp in (("D1", 8), ("D2", 8), ("D2", 32)):
+        assert {m for d, p, m in by if (d, p) == (dist, dp)} >= {
+            "nemo_rl_ffd", "verl_kk", "verl_kk_cap", "megatron_dp_balanced", "cpdata_0.1"}
+    for r in rows:
+        assert r["batches"] >= 8 and 0 <= r["imb_step_mean"] <= r["imb_mb_mean"] + 1e-9, r
+        if r["method"].startswith("cpdata_schedule"):
+            assert r["over_cap_pct"] == 0 and r["extra_microbatch_pct"] == 0, r
+            assert r["max_delay_steps"] <= max(1, r["max_delay"]), r
+    assert by[("D1", 8, "verl_kk_cap")]["over_cap_pct"] == 0
+    for dist, dp, mine in (("D1", 8, "cpdata_schedule"), ("D2", 8, "cpdata_schedule_delay4")):
+        for anchor in ("nemo_rl_ffd", "verl_kk_cap", "megatron_dp_balanced", "cpdata_0.1"):
+            assert by[(dist, dp, mine)]["imb_mb_mean"] < by[(dist, dp, anchor)]["imb_mb_mean"], anchor
+
+
 def test_targets_and_markdown_cover_every_section(results):
     assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
     text = render_markdown(results)
-    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather", "Long document"):
+    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather", "Long document",
+                   "Scheduling across DP ranks"):
         assert header in text
 
 
@@ -171,3 +190,18 @@ def test_lower_bound_is_valid_and_beats_the_volume_bound(capacity, data):
 def test_lower_bound_sees_what_the_volume_bound_misses():
     assert lower_bound_bins(np.array([6, 6, 6, 6]), 10) == 4  # volume bound says 3
     assert split_lower_bound_bins(np.array([25, 6]), 10) == 2 + lower_bound_bins(np.array([5, 6]), 10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
+def test_karmarkar_karp_partitions_every_item_once(weights, k, equal_size):
+    from cpdata.bench.schedule_methods import karmarkar_karp
+
+    parts = karmarkar_karp([float(w) for w in weights], k, equal_size=equal_size)
+    assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(weights)))
+    if equal_size:
+        sizes = [len(p) for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+    if weights and k == 2 and not equal_size:  # differencing never does worse than the largest item alone
+        sums = [sum(weights[i] for i in p) for p in parts]
+        assert abs(sums[0] - sums[1]) <= max(weights)

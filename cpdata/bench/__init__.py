@@ -7,6 +7,7 @@
 | ``packing``  | :mod:`~cpdata.bench.packing_quality` | next-fit, first-fit (8 bins), FFD, a lower bound |
 | ``balance``  | :mod:`~cpdata.bench.balance` | contiguous, round-robin and THD layouts           |
 | ``gather``   | :mod:`~cpdata.bench.gather_collectives` | all-gather + index all-gather + argsort (NeMo style) |
+| ``schedule`` | :mod:`~cpdata.bench.schedule_balance` | NeMo-RL FFD, verl Karmarkar-Karp, Megatron ``dp_balanced``, cpdata 0.1 |
 
 :func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);
 :func:`render_markdown` turns it into the README's tables.

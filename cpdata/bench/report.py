@@ -96,6 +96,17 @@ def _long_document(rows: list[dict]) -> str:
     return "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)\n\n" + _md(head, body)
 
 
+def _schedule(rows: list[dict]) -> str:
+    body = [(r["distribution"], r["dp_size"], r["micro_batches"], r["method"], f"{r['imb_step_mean']:.2f}",
+             f"{r['imb_mb_mean']:.2f}", f"{r['imb_mb_p95']:.2f}", f"{r['over_cap_pct']:.1f}",
+             f"{r['extra_microbatch_pct']:.1f}", f"{r['padding_pct']:.2f}", r["max_delay_steps"],
+             f"{r['us_per_doc']:.1f}") for r in rows]  # fmt: skip
+    head = ("dist", "dp", "mb", "method", "imb_step %", "imb_mb %", "imb_mb p95 %", "over cap %", "extra mb %",
+            "padding %", "max delay", "us/doc")
+    return ("**Scheduling across DP ranks** (FlexSP 7B cost model; mean over "
+            f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + _md(head, body))
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The README benchmark section for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
@@ -119,4 +130,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_gather(results["gather"]))
     if results.get("long_document"):
         parts.append(_long_document(results["long_document"]))
+    if results.get("schedule"):
+        parts.append(_schedule(results["schedule"]))
     return "\n\n".join(parts) + "\n"

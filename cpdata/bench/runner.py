@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "balance": "cpdata.bench.balance",
     "gather": "cpdata.bench.gather_collectives",
     "long_document": "cpdata.bench.long_document",
+    "schedule": "cpdata.bench.schedule_balance",
 }
 """Section name -> module, in run order."""
 

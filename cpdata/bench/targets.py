@@ -10,6 +10,9 @@
 | balance | ``balance`` | ``balanced``: ``imbalance_p95 <= 1.005``, ``doc_pad_pct == 0``, equal tokens |
 | one collective | ``gather`` | cpdata: 1 collective forward and 1 backward (every row) |
 | long document | ``long_document`` | offline seconds per epoch ``<= 2 x`` online (every row) |
+| D1 schedule | ``schedule`` | ``imb_mb_mean <= 0.7``, ``imb_mb_p95 <= 1.0``, ``imb_step_mean <= 0.5`` %, no over-cap, no extra micro-batch, padding within 0.05 pp of ``bfd`` |
+| D2 schedule | ``schedule`` | dp 8, ``max_delay=4``: ``imb_mb_mean <= 2.5``, ``imb_mb_p95 <= 6`` %, delay <= 4 |
+| schedule speed | ``schedule`` | ``us_per_doc <= 5`` (every cpdata schedule row) |
 
 Targets of sections that did not run are left out.
 """
@@ -81,6 +84,36 @@ def _long_document(rows: list[dict]) -> tuple[str, bool]:
             f"({worst['ratio']:.2f}x, {worst['doc_tokens']:,} tokens in {worst['pieces']} pieces)", worst["ratio"] <= 2)
 
 
+def _schedule_row(rows: list[dict], dist: str, dp: int, method: str) -> dict | None:
+    return next((r for r in rows if (r["distribution"], r["dp_size"], r["method"]) == (dist, dp, method)), None)
+
+
+def _schedule_d1(rows: list[dict]) -> tuple[str, bool]:
+    r = _schedule_row(rows, "D1", 8, "cpdata_schedule")
+    if r is None:
+        return "no D1 dp 8 row", False
+    pad_gap = r["padding_pct"] - r["bfd_padding_pct"]
+    text = (f"imb_mb {r['imb_mb_mean']:.2f} / p95 {r['imb_mb_p95']:.2f}, imb_step {r['imb_step_mean']:.2f}, "
+            f"over-cap {r['over_cap_pct']:g}, extra mb {r['extra_microbatch_pct']:g}, padding - bfd {pad_gap:+.3f} pp")
+    ok = (r["imb_mb_mean"] <= 0.7 and r["imb_mb_p95"] <= 1.0 and r["imb_step_mean"] <= 0.5
+          and r["over_cap_pct"] == 0 and r["extra_microbatch_pct"] == 0 and pad_gap <= 0.05)  # fmt: skip
+    return text, ok
+
+
+def _schedule_d2(rows: list[dict]) -> tuple[str, bool]:
+    r = _schedule_row(rows, "D2", 8, "cpdata_schedule_delay4")
+    if r is None:
+        return "no D2 dp 8 max_delay 4 row", False
+    text = f"imb_mb {r['imb_mb_mean']:.2f} / p95 {r['imb_mb_p95']:.2f}, max delay {r['max_delay_steps']}"
+    return text, r["imb_mb_mean"] <= 2.5 and r["imb_mb_p95"] <= 6.0 and r["max_delay_steps"] <= 4
+
+
+def _schedule_speed(rows: list[dict]) -> tuple[str, bool]:
+    worst = max((r for r in rows if r["method"].startswith("cpdata_schedule")), key=lambda r: r["us_per_doc"])
+    return f"max {worst['us_per_doc']:.2f} us/doc ({worst['distribution']}, dp {worst['dp_size']})", \
+        worst["us_per_doc"] <= 5.0
+
+
 TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
     ("step_shard", "step speedup", ">= 20x at 32K tokens, cp 4", _step_speedup),
     ("step_shard", "H2D bytes per rank", "<= anchor / cp x 1.02", _h2d),
@@ -90,6 +123,9 @@ TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
     ("balance", "balanced layout", "p95 <= 1.005, no doc padding, equal tokens", _balance),
     ("gather", "gather collectives", "cpdata 1 forward + 1 backward", _gather),
     ("long_document", "long document offline", "offline <= 2x online seconds per epoch", _long_document),
+    ("schedule", "D1 schedule", "imb_mb <= 0.7 / p95 1.0, imb_step <= 0.5 %, full, within 0.05 pp of bfd", _schedule_d1),
+    ("schedule", "D2 schedule", "dp 8, max_delay 4: imb_mb <= 2.5 / p95 6 %, delay <= 4", _schedule_d2),
+    ("schedule", "schedule speed", "<= 5 us per document", _schedule_speed),
 )
 
 

@@ -1,0 +1,80 @@
+"""The compute cost of a pack, for balancing packs across DP ranks and micro-batches.
+
+In a packed stream attention is per document, so a pack's step time is the sum
+over its documents (pieces) of ``cost(L) = a * L + b * L**2``: ``a`` covers
+everything linear in tokens (MLP, projections, norms, the loss) and ``b``
+the attention scores and values. The pack's CP layout balances work *inside*
+the pack separately; this model ranks packs against each other.
+
+Default: the FlexSP profile of a 7B model (``a = 0.1839576`` ms per token,
+``b = 5.128e-6`` ms per token squared): the quadratic term equals the linear
+one at ~36K tokens, so at 8K it is ~18 % of a full document's cost and at 128K
+~78 %. Only the ratio ``b / a`` changes a schedule; the unit is for reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["FLEXSP_7B", "CostModel"]
+
+_DEFAULT_FLOPS = 2.2e14
+"""Effective training FLOP/s per device of :meth:`CostModel.from_model` when none is given: the rate at
+which a 7B model (6.7e9 parameters) runs at ``a = 0.1839576`` ms per token."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """``cost(L) = a * L + b * L**2`` per document piece of ``L`` tokens (milliseconds by convention)."""
+
+    a: float = 0.1839576
+    """Cost per token."""
+    b: float = 5.128e-6
+    """Cost per token squared (causal attention inside one document)."""
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+                raise TypeError(f"CostModel.{name} must be a number, got {type(value).__name__} {value!r}")
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{name} must be finite and >= 0, got {name}={value!r}")
+        if self.a == 0 and self.b == 0:
+            raise ValueError("CostModel needs a > 0 or b > 0; with both 0 every pack costs nothing")
+
+    @classmethod
+    def from_model(
+        cls, num_layers: int, hidden_size: int, num_params: float, *, flops_per_second: float = _DEFAULT_FLOPS
+    ) -> CostModel:
+        """Cost from training FLOP counts of a decoder-only transformer.
+
+        Forward plus backward is 3x the forward: ``6 * num_params`` FLOPs per
+        token for the weights, and ``6 * num_layers * hidden_size * L**2`` for
+        causal attention over a document of ``L`` tokens (``Q K^T`` and ``P V``,
+        ``2 * L**2 * hidden_size`` FLOPs each, halved by the causal mask). With
+        ``flops_per_second`` the effective rate (default ~2.2e14, which puts a 7B
+        model at FlexSP's ``a``), ``a`` and ``b`` come out in ms. FlexSP's
+        measured 7B ratio ``b / a`` is 2.8e-5 against 2.0e-5 from FLOPs (attention
+        kernels run below the matmul rate).
+        """
+        for name, value in (("num_layers", num_layers), ("hidden_size", hidden_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not num_params > 0 or not flops_per_second > 0:
+            raise ValueError(
+                f"num_params and flops_per_second must be > 0, got num_params={num_params!r}, "
+                f"flops_per_second={flops_per_second!r}"
+            )
+        per_ms = float(flops_per_second) / 1e3
+        return cls(a=6.0 * float(num_params) / per_ms, b=6.0 * num_layers * hidden_size / per_ms)
+
+    def __call__(self, lengths: np.ndarray | int) -> np.ndarray:
+        """float64 cost of each piece length (same shape as ``lengths``)."""
+        n = np.asarray(lengths, dtype=np.float64)
+        return self.a * n + self.b * n * n
+
+
+FLEXSP_7B = CostModel()
+"""The published FlexSP 7B profile (the default)."""

@@ -1,0 +1,266 @@
+"""``plan_schedule``: every document length in, one epoch of (step, DP rank, micro-batch) packs out.
+
+The planner is a pure function of its arguments: no collective, no clock, no
+global random state (``shuffle`` draws from ``numpy.random.default_rng(seed)``),
+so every rank (every DP rank, every CP rank, every dataloader worker) computes
+the same schedule from the same lengths and then reads only its own documents.
+
+With a cost model (balanced): documents are cut into pieces (layout alignment,
+overflow policy: :func:`~cpdata.packing.pieces.cut_documents`) and taken in
+stream order. Each step takes new pieces until its pool (pieces carried from
+earlier steps plus new ones) holds ``(1 + POOL_MARGIN)`` steps of tokens, not
+counting long pieces that will wait (so the step still fills), places the
+pool with :func:`~cpdata.schedule.balance.place_step` and carries what did
+not fit. Delay: a piece is placed at most ``max(1, max_delay)`` steps after
+the step that took it from the stream, never earlier. Pieces up to half a pack
+move at most one step (the leftovers of a full step); a longer one may wait
+up to ``max(1, max_delay)`` steps for ``dp_size - 1`` others of its size
+(WLB-LLM's outlier delay; the default ``max_delay=0`` allows one step).
+``Schedule.delay`` and ``stats.delay_counts`` report it; ``stats.late_pieces``
+counts pieces placed later than that, which only happens when the pieces due
+in one step do not fit in it (pieces longer than a quarter of a pack).
+Cost: ~3-5 us per document (``cpdata bench --sections schedule``).
+
+Without a cost model (``cost=None``): the packs of
+:func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack
+``k`` is micro-batch ``k % micro_batches`` of rank ``(k // micro_batches) %
+dp_size`` in step ``k // (dp_size * micro_batches)``. At ``dp_size=1`` and
+``micro_batches=1`` these are exactly today's packs, one per step.
+
+Every DP rank gets ``num_steps`` steps of ``micro_batches`` packs; the tail
+follows ``tail`` (:data:`~cpdata.schedule.records.TAIL_POLICIES`). Measured by
+``cpdata bench --sections schedule``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from cpdata.packing import PackingConfig, plan_lengths
+from cpdata.packing.pieces import cut_documents
+from cpdata.schedule.balance import choose_runs, place_step
+from cpdata.schedule.cost import CostModel
+from cpdata.schedule.records import TAIL_POLICIES, Schedule, ScheduleStats
+
+__all__ = ["POOL_MARGIN", "plan_schedule"]
+
+POOL_MARGIN = 0.02
+"""A step's pool holds this much more than a step of tokens, so short pieces are left to fill the last gaps."""
+
+
+REFILLS = 3
+"""Extra intake rounds of a step whose pool left outliers waiting (and so room)."""
+REFILL_SHARE = 200
+"""A refill round runs while more than ``1 / REFILL_SHARE`` of the step's tokens is free."""
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
+    return int(value)
+
+
+def _lengths(lengths: object) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(f"lengths must be a 1-D integer array of tokens per document, got dtype {arr.dtype} "
+                        f"shape {arr.shape}")  # fmt: skip
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 0:
+        bad = int(arr.argmin())
+        raise ValueError(f"lengths must be >= 0, document {bad} has length {int(arr[bad])}")
+    return arr
+
+
+def plan_schedule(
+    lengths: np.ndarray,
+    *,
+    capacity: int,
+    layout: str,
+    cp_size: int,
+    dp_size: int,
+    micro_batches: int,
+    cost: CostModel | None,
+    max_delay: int = 0,
+    algorithm: str = "bfd",
+    overflow: str | None = None,
+    seed: int = 0,
+    shuffle: bool = False,
+    tail: str = "pad",
+) -> Schedule:
+    """Plan one epoch over all documents (see the module docstring).
+
+    Args:
+        lengths: int ``[n_docs]`` tokens per document, in source order.
+        capacity, layout, cp_size: the pack (as for :func:`~cpdata.packing.plan_lengths`).
+        dp_size, micro_batches: packs per step are ``dp_size * micro_batches``.
+        cost: balance by this :class:`CostModel` (``CostModel()`` = FlexSP 7B), or
+            ``None`` for token-only packs in stream order.
+        max_delay: steps a long piece may wait for partners of its size (balanced only).
+        algorithm: the packer when ``cost is None`` (balanced placement is its own).
+        overflow: documents longer than a pack: ``"error"`` (default), ``"split"``,
+            ``"truncate"``, ``"drop"`` (counted in ``stats``).
+        seed, shuffle: with ``shuffle=True`` documents are taken in the order of a
+            ``default_rng(seed)`` permutation.
+        tail: ``"pad"`` (default) or ``"drop"``, see :data:`TAIL_POLICIES`.
+
+    Raises:
+        ValueError / TypeError: naming the bad argument.
+    """
+    lengths = _lengths(lengths)
+    R, M = _int("dp_size", dp_size, 1), _int("micro_batches", micro_batches, 1)
+    max_delay = _int("max_delay", max_delay, 0)
+    if tail not in TAIL_POLICIES:
+        raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
+    if cost is not None and not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a cpdata.schedule.CostModel or None, got {type(cost).__name__}")
+    if not isinstance(shuffle, bool):
+        raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
+    if cost is not None and algorithm == "concat":
+        raise ValueError("algorithm='concat' cuts documents at pack boundaries and cannot be balanced; "
+                         "use cost=None with concat, or another algorithm")  # fmt: skip
+    config = PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
+                                   overflow=overflow, seed=seed)  # fmt: skip
+    order = (np.random.default_rng(config.seed).permutation(lengths.shape[0]) if shuffle
+             else np.arange(lengths.shape[0], dtype=np.int64))  # fmt: skip
+    if cost is None:
+        packs, counts = _in_order(lengths[order], config)
+    else:
+        packs, counts = _balanced(lengths[order], config, R, M, cost, max_delay)
+    cells, doc, start, length, slot, cont, delay = packs
+    counts["late_pieces"] = int((delay > max(1, max_delay)).sum())
+    return _assemble(cells, order[doc], start, length, slot, cont, delay, counts, config, R, M, cost, tail)
+
+
+def _in_order(lengths: np.ndarray, config: PackingConfig) -> tuple[tuple[np.ndarray, ...], dict[str, int]]:
+    """Packs of ``plan_lengths`` in order; pack ``k`` gets schedule pack id ``k`` (rank-major inside a step)."""
+    res = plan_lengths(lengths, capacity=config.capacity, layout=config.layout, cp_size=config.cp_size,
+                       algorithm=config.algorithm, overflow=config.overflow, window=config.window)  # fmt: skip
+    sizes = np.diff(res.pack_offsets)
+    cells = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
+    cont = _continues(res.doc_index, res.doc_start, res.doc_len)
+    st = res.stats
+    counts = {k: getattr(st, k) for k in ("documents", "skipped", "split", "truncated", "dropped",
+                                          "truncated_tokens", "dropped_tokens")}  # fmt: skip
+    delay = np.zeros(cells.shape[0], dtype=np.int64)
+    return (cells, res.doc_index, res.doc_start, res.doc_len, res.slot_len, cont, delay), counts
+
+
+def _continues(doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    order = np.lexsort((start, doc))
+    d, s, n = doc[order], start[order], length[order]
+    follows = np.zeros(order.shape[0], dtype=bool)
+    follows[:-1] = (d[1:] == d[:-1]) & (s[1:] == s[:-1] + n[:-1])
+    out = np.empty_like(follows)
+    out[order] = follows
+    return out
+
+
+def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: CostModel, max_delay: int):
+    """The step loop; returns per placed piece (global cell = step * K + m * R + r, ...) and counters."""
+    pieces, counts = cut_documents(lengths, config, source_index=np.arange(lengths.shape[0]))
+    C, K = config.capacity, R * M
+    T = K * C
+    slot, length = pieces.slot, pieces.length
+    n = int(slot.shape[0])
+    cum = np.concatenate([[0], np.cumsum(slot)])
+    q = cost.b * length.astype(np.float64) ** 2
+    full_cost = cost.a * C + cost.b * C * C
+    whole = cost(length)
+    reach = max(1, max_delay)
+    arrival = np.zeros(n, dtype=np.int64)
+    placed_cell = np.full(n, -1, dtype=np.int64)
+    carry = np.zeros(0, dtype=np.int64)
+    ptr, step = 0, 0
+    target = int(T * (1 + POOL_MARGIN))
+    kw = dict(capacity=C, dp_size=R, micro_batches=M, full_cost=full_cost, quad=cost.b * C * C)
+    while ptr < n or carry.size:
+        want = target - int(slot[carry].sum())
+        pool = carry
+        for _ in range(REFILLS + 1):
+            # Take pieces for ``want`` tokens; outliers that will wait leave room for more (a few rounds).
+            end = min(int(np.searchsorted(cum, cum[ptr] + want, side="left")), n) if want > 0 else ptr
+            arrival[ptr:end] = step
+            pool = np.concatenate([pool, np.arange(ptr, end, dtype=np.int64)])
+            ptr = end
+            age = step - arrival[pool]
+            forced = age >= np.where(2 * slot[pool] > C, reach, 1)  # only long pieces wait more than one step
+            keys = q if int(slot[pool].sum()) >= T else whole
+            if ptr >= n:
+                break
+            runs, loose = choose_runs(slot[pool], keys[pool], forced, age, np.ones(pool.shape[0], bool),
+                                      capacity=C, dp_size=R, slots=M, hold=True, full_cost=full_cost,
+                                      quad=kw["quad"])  # fmt: skip
+            chosen = np.zeros(pool.shape[0], bool)
+            chosen[np.concatenate([*runs, np.asarray(loose, dtype=np.int64)])] = True
+            held = int(slot[pool[(2 * slot[pool] > C) & ~chosen]].sum())
+            want = target - (int(slot[pool].sum()) - held)
+            if want * REFILL_SHARE < T:
+                break
+        cells = place_step(slot[pool], keys[pool], forced, age, hold=ptr < n, **kw)
+        if (forced & (cells < 0)).any():  # overdue pieces left out: place them first (rescue)
+            cells = place_step(slot[pool], whole[pool], forced, age, hold=False, overdue_first=True, **kw)
+        if not (cells >= 0).any():  # everything held back: place them anyway (never an empty step)
+            cells = place_step(slot[pool], whole[pool], np.ones(pool.shape[0], bool), age, hold=False, **kw)
+        ok = cells >= 0
+        placed_cell[pool[ok]] = step * K + cells[ok]
+        carry = pool[~ok]
+        step += 1
+    # Cell m * R + r of a step -> pack (rank r, micro-batch m).
+    s, c = np.divmod(placed_cell, K)
+    m, r = np.divmod(c, R)
+    cells = (s * R + r) * M + m
+    delay = s - arrival
+    return (cells, pieces.doc, pieces.start, length, slot, pieces.continues, delay), counts
+
+
+def _assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M, cost, tail) -> Schedule:
+    K, C = R * M, config.capacity
+    n_cells = int(cells.max()) + 1 if cells.size else 0
+    num_steps = -(-n_cells // K)
+    dropped_steps = dropped_pieces = dropped_tokens = 0
+    all_slot_tokens = int(slot.sum())
+    per_cell = np.bincount(cells, minlength=num_steps * K)
+    if tail == "drop" and num_steps and (per_cell[(num_steps - 1) * K :] == 0).any():
+        last = cells >= (num_steps - 1) * K
+        dropped_steps, dropped_pieces = 1, int(last.sum())
+        dropped_tokens = int(length[last].sum())
+        keep = ~last
+        cells, doc, start, length, slot, cont, delay = (a[keep] for a in (cells, doc, start, length, slot, cont, delay))
+        num_steps -= 1
+        per_cell = per_cell[: num_steps * K]
+    order = np.lexsort((np.arange(cells.shape[0]), cells))
+    offsets = np.concatenate([[0], np.cumsum(per_cell)]).astype(np.int64)
+    arrays = [np.ascontiguousarray(a[order]) for a in (doc, start, length, slot, cont, delay)]
+    for a in arrays:
+        a.flags.writeable = False
+    offsets.flags.writeable = False
+    doc, start, length, slot, cont, delay = arrays
+    tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
+    hist = Counter(delay.tolist())
+    delay_counts = tuple(hist.get(k, 0) for k in range(max(hist) + 1)) if hist else (0,)
+    imb_step = imb_mb = 0.0
+    sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
+                    doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
+                    config=config, cost=cost)  # fmt: skip
+    if cost is not None and num_steps:
+        partial = Schedule(**sched_kw, stats=None)  # type: ignore[arg-type]
+        i_s, i_m = partial.imbalance(cost)
+        imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
+    stats = ScheduleStats(
+        documents=int(counts["documents"]), tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
+        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs,
+        empty_packs=int((per_cell == 0).sum()),
+        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0,
+        skipped=int(counts["skipped"]), split=int(counts["split"]), truncated=int(counts["truncated"]),
+        dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
+        dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
+        tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
+        late_pieces=int(counts["late_pieces"]), imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+    )  # fmt: skip
+    return Schedule(**sched_kw, stats=stats)
+

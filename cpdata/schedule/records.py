@@ -1,0 +1,147 @@
+"""The schedule record: packs by (step, DP rank, micro-batch), in CSR form, and its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpdata.packing import PackingConfig, PackingResult, PackingStats
+from cpdata.schedule.cost import CostModel
+from cpdata.schedule.metrics import imbalance
+
+__all__ = ["TAIL_POLICIES", "Schedule", "ScheduleStats"]
+
+TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
+"""What happens to the last step when the documents do not fill it:
+
+- ``pad`` (default, loses nothing): the last step keeps what it holds; packs
+  with no document are *empty packs* (every token a pad, every label -100, so
+  the loss ignores them), counted in ``ScheduleStats.empty_packs``.
+- ``drop``: the last step is left out when it holds an empty pack; its pieces
+  are counted in ``tail_dropped_pieces`` / ``tail_dropped_tokens``.
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleStats:
+    """Counters of one :func:`~cpdata.schedule.plan_schedule` run.
+
+    Real tokens in packs + ``truncated_tokens`` + ``dropped_tokens`` +
+    ``tail_dropped_tokens`` = tokens of all documents.
+    """
+
+    documents: int
+    tokens: int
+    """Real tokens in the schedule's packs."""
+    slot_tokens: int
+    steps: int
+    lower_bound_steps: int
+    """``ceil(slot tokens / (dp_size * micro_batches * capacity))``: fewer steps cannot hold the tokens."""
+    packs: int
+    empty_packs: int
+    """Packs with no document (``tail="pad"``); the loss ignores them."""
+    padding_pct: float
+    """``100 * (1 - tokens / (packs * capacity))``."""
+    skipped: int
+    split: int
+    truncated: int
+    dropped: int
+    truncated_tokens: int
+    dropped_tokens: int
+    tail: str
+    tail_dropped_steps: int
+    tail_dropped_pieces: int
+    tail_dropped_tokens: int
+    delay_counts: tuple[int, ...]
+    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream."""
+    late_pieces: int
+    """Pieces placed more than ``max(1, max_delay)`` steps after they were taken: only when the pieces
+    due in one step do not fit in it, which takes pieces of more than a quarter of a pack (0 on the
+    bench distributions; the tests check both)."""
+    imb_step_mean: float
+    """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
+    imb_mb_mean: float
+
+    @property
+    def max_delay_steps(self) -> int:
+        """The largest delay of any piece."""
+        return len(self.delay_counts) - 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """Packs of one epoch, ``num_steps x dp_size x micro_batches`` of them (read-only arrays).
+
+    Pack ``p = (step * dp_size + dp_rank) * micro_batches + micro_batch`` holds
+    pieces ``pack_offsets[p]:pack_offsets[p + 1]``; piece ``i`` is tokens
+    ``doc_start[i] : doc_start[i] + doc_len[i]`` of document ``doc_index[i]`` (its
+    index in the lengths given), laid out in a slot of ``slot_len[i]`` tokens.
+    Pieces of a pack are in stream order.
+    """
+
+    num_steps: int
+    dp_size: int
+    micro_batches: int
+    capacity: int
+    pack_offsets: np.ndarray
+    """int64 ``[num_steps * dp_size * micro_batches + 1]``."""
+    doc_index: np.ndarray
+    doc_start: np.ndarray
+    doc_len: np.ndarray
+    slot_len: np.ndarray
+    continues: np.ndarray
+    """bool ``[pieces]``: the piece's document goes on in a later piece."""
+    delay: np.ndarray
+    """int64 ``[pieces]``: steps between taking the piece from the stream and placing it."""
+    config: PackingConfig
+    cost: CostModel | None
+    stats: ScheduleStats
+
+    def pack_id(self, step: int, dp_rank: int, micro_batch: int) -> int:
+        """Index of the pack in the CSR arrays; ``IndexError`` outside the schedule."""
+        for name, value, size in (("step", step, self.num_steps), ("dp_rank", dp_rank, self.dp_size),
+                                  ("micro_batch", micro_batch, self.micro_batches)):  # fmt: skip
+            if not 0 <= value < size:
+                raise IndexError(f"{name}={value} out of range 0..{size - 1}")
+        return (step * self.dp_size + dp_rank) * self.micro_batches + micro_batch
+
+    def rows(self, step: int, dp_rank: int, micro_batch: int) -> slice:
+        """The piece rows of one pack."""
+        p = self.pack_id(step, dp_rank, micro_batch)
+        return slice(int(self.pack_offsets[p]), int(self.pack_offsets[p + 1]))
+
+    def pieces(self, step: int, dp_rank: int, micro_batch: int) -> list[tuple[int, int, int]]:
+        """``[(document_index, start, length), ...]`` of one pack, in slot order."""
+        r = self.rows(step, dp_rank, micro_batch)
+        return list(zip(self.doc_index[r].tolist(), self.doc_start[r].tolist(), self.doc_len[r].tolist(),
+                        strict=True))  # fmt: skip
+
+    def documents_of(self, dp_rank: int, steps: range | None = None) -> np.ndarray:
+        """Sorted unique document indices that rank ``dp_rank`` reads in ``steps`` (default: all)."""
+        steps = range(self.num_steps) if steps is None else steps
+        parts = [self.doc_index[self.rows(s, dp_rank, 0).start : self.rows(s, dp_rank, self.micro_batches - 1).stop]
+                 for s in steps]  # fmt: skip
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def pack_costs(self, cost: CostModel) -> np.ndarray:
+        """float64 ``[num_steps, dp_size, micro_batches]``: ``sum cost(piece length)`` per pack."""
+        per_piece = cost(self.doc_len)
+        sums = np.add.reduceat(np.append(per_piece, 0.0), self.pack_offsets[:-1])
+        sums[np.diff(self.pack_offsets) == 0] = 0.0
+        return sums.reshape(self.num_steps, self.dp_size, self.micro_batches)
+
+    def imbalance(self, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+        """``(imb_step, imb_mb)`` per step under ``cost`` (see :mod:`cpdata.schedule.metrics`)."""
+        return imbalance(self.pack_costs(cost))
+
+    def as_packing_result(self) -> PackingResult:
+        """Every pack in (step, rank, micro-batch) order as a :class:`~cpdata.packing.PackingResult`."""
+        s = self.stats
+        stats = PackingStats.from_counts(
+            capacity=self.capacity, documents=s.documents, tokens=s.tokens, slot_tokens=s.slot_tokens,
+            packs=s.packs, skipped=s.skipped, truncated=s.truncated, dropped=s.dropped, split=s.split,
+            truncated_tokens=s.truncated_tokens, dropped_tokens=s.dropped_tokens,
+        )  # fmt: skip
+        return PackingResult(pack_offsets=self.pack_offsets, doc_index=self.doc_index, doc_start=self.doc_start,
+                             doc_len=self.doc_len, slot_len=self.slot_len, stats=stats, config=self.config)

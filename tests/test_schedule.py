@@ -1,0 +1,217 @@
+"""``cpdata.schedule``: exactly-once, capacity, equal epochs, determinism, delay bound, balance."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpdata.layouts import alignment
+from cpdata.packing import plan_lengths
+from cpdata.schedule import CostModel, imbalance, plan_schedule
+
+
+def _lognormal(n: int, mean: float, sigma: float, lo: int, hi: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    mu = np.log(mean) - sigma**2 / 2
+    return np.clip(np.round(rng.lognormal(mu, sigma, n)), lo, hi).astype(np.int64)
+
+
+def check_schedule(sched, lengths: np.ndarray, layout: str, cp_size: int, max_delay: int) -> None:
+    """Every invariant a schedule promises, against a brute-force reference."""
+    R, M, C = sched.dp_size, sched.micro_batches, sched.capacity
+    assert sched.pack_offsets.shape == (sched.num_steps * R * M + 1,)
+    assert sched.stats.packs == sched.num_steps * R * M
+    doc_multiple = alignment(layout, cp_size)[0]
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for step in range(sched.num_steps):
+        for r in range(R):
+            for m in range(M):
+                rows = sched.rows(step, r, m)
+                assert int(sched.slot_len[rows].sum()) <= C
+                for d, s, n in sched.pieces(step, r, m):
+                    seen.setdefault(d, []).append((s, n))
+    assert (sched.slot_len == -(-sched.doc_len // doc_multiple) * doc_multiple).all() | (sched.slot_len == C).all()
+    assert (sched.slot_len >= sched.doc_len).all() and (sched.slot_len <= C).all()
+    dropped = sched.stats.tail_dropped_pieces
+    for d, n in enumerate(lengths.tolist()):
+        parts = sorted(seen.get(d, []))
+        if n == 0 or dropped:
+            assert not parts or n > 0
+            continue
+        covered = 0
+        for s, k in parts:  # pieces tile the document exactly once
+            assert s == covered and k > 0, (d, parts)
+            covered += k
+        assert covered == n, (d, n, parts)
+    assert set(seen) <= set(range(lengths.shape[0]))
+    late = sched.delay > max(1, max_delay)
+    assert (sched.delay >= 0).all() and int(late.sum()) == sched.stats.late_pieces
+    if late.any():  # only when the pieces due in one step cannot fit in it: pieces over a quarter pack
+        assert 4 * int(sched.slot_len.max()) > C
+    assert sum(sched.stats.delay_counts) == sched.doc_len.shape[0]
+    assert sched.stats.tokens == int(sched.doc_len.sum())
+
+
+lengths_st = st.lists(st.integers(0, 200), min_size=0, max_size=120).map(lambda x: np.asarray(x, dtype=np.int64))
+
+
+@settings(max_examples=int(os.environ.get("SCHEDULE_EXAMPLES", "60")), deadline=None)
+@given(
+    lengths=lengths_st,
+    layout_cp=st.sampled_from([("identity", 1), ("thd", 2), ("balanced", 2), ("round_robin", 1)]),
+    capacity_units=st.integers(2, 12),
+    dp_size=st.integers(1, 4),
+    micro_batches=st.integers(1, 3),
+    max_delay=st.integers(0, 3),
+    balanced=st.booleans(),
+    shuffle=st.booleans(),
+)
+def test_any_lengths_exactly_once_within_capacity_equal_steps(
+    lengths, layout_cp, capacity_units, dp_size, micro_batches, max_delay, balanced, shuffle
+):
+    layout, cp = layout_cp
+    capacity = capacity_units * 16
+    sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp, dp_size=dp_size,
+                          micro_batches=micro_batches, cost=CostModel() if balanced else None,
+                          max_delay=max_delay, overflow="split", shuffle=shuffle, seed=3)  # fmt: skip
+    check_schedule(sched, lengths, layout, cp, max_delay)
+    if balanced and lengths.size and 4 * int(lengths.max()) <= capacity:
+        assert sched.stats.late_pieces == 0
+    assert sched.stats.split == int((-(-lengths // alignment(layout, cp)[0]) * alignment(layout, cp)[0] > capacity).sum())
+    if lengths.sum():
+        assert sched.num_steps >= sched.stats.lower_bound_steps
+
+
+def test_equal_steps_per_rank_and_long_documents_wait_at_most_max_delay():
+    lengths = _lognormal(6000, 4096, 2.0, 64, 131072, 5)
+    for max_delay in (0, 2, 4):
+        sched = plan_schedule(lengths, capacity=131072, layout="balanced", cp_size=2, dp_size=4, micro_batches=2,
+                              cost=CostModel(), max_delay=max_delay)  # fmt: skip
+        check_schedule(sched, lengths, "balanced", 2, max_delay)
+        assert sched.stats.late_pieces == 0
+        long_delay = sched.delay[2 * sched.slot_len > sched.capacity]
+        assert int(long_delay.max()) <= max(1, max_delay)
+        short_delay = sched.delay[2 * sched.slot_len <= sched.capacity]
+        assert int(short_delay.max()) <= 1  # only long pieces wait more than one step
+        if max_delay == 4:
+            assert int(long_delay.max()) >= 2  # the delay is used (guards against a vacuous bound)
+        for r in range(4):
+            assert sum(1 for s in range(sched.num_steps) for m in range(2) if sched.rows(s, r, m)) == sched.num_steps * 2
+
+
+def _digest(sched) -> str:
+    h = hashlib.sha256()
+    for a in (sched.pack_offsets, sched.doc_index, sched.doc_start, sched.doc_len, sched.delay):
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+_CHILD = """
+import hashlib, numpy as np
+from cpdata.schedule import CostModel, plan_schedule
+rng = np.random.default_rng(7)
+lengths = np.clip(np.round(rng.lognormal(np.log(1024) - 1.125, 1.5, 3000)), 1, 9000).astype(np.int64)
+sched = plan_schedule(lengths, capacity=8192, layout="thd", cp_size=2, dp_size=4, micro_batches=3,
+                      cost=CostModel(), max_delay=2, overflow="split", shuffle=True, seed=11)
+h = hashlib.sha256()
+for a in (sched.pack_offsets, sched.doc_index, sched.doc_start, sched.doc_len, sched.delay):
+    h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_same_schedule_in_another_process():
+    lengths = _lognormal(3000, 1024, 1.5, 1, 9000, 7)
+    here = _digest(plan_schedule(lengths, capacity=8192, layout="thd", cp_size=2, dp_size=4, micro_batches=3,
+                                 cost=CostModel(), max_delay=2, overflow="split", shuffle=True, seed=11))  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)  # fmt: skip
+    assert len(out.stdout.strip()) == 64 and out.stdout.strip() == here
+
+
+def test_unbalanced_at_one_rank_is_todays_packing():
+    lengths = _lognormal(2000, 700, 1.2, 1, 4096, 1)
+    ref = plan_lengths(lengths, capacity=4096, layout="thd", cp_size=2)
+    sched = plan_schedule(lengths, capacity=4096, layout="thd", cp_size=2, dp_size=1, micro_batches=1, cost=None)
+    assert sched.num_steps == ref.n_packs
+    for p in range(ref.n_packs):
+        d, s, n, _ = ref.pack(p)
+        assert sched.pieces(p, 0, 0) == list(zip(d.tolist(), s.tolist(), n.tolist(), strict=True))
+
+
+def test_d1_is_balanced_and_full():
+    lengths = _lognormal(6000, 1024, 1.5, 128, 8192, 2)
+    cost = CostModel()
+    sched = plan_schedule(lengths, capacity=8192, layout="balanced", cp_size=1, dp_size=8, micro_batches=8, cost=cost)
+    imb_step, imb_mb = sched.imbalance(cost)
+    full = slice(0, sched.num_steps - 1)
+    assert imb_mb[full].mean() < 0.012 and imb_step[full].mean() < imb_mb[full].mean() + 1e-12
+    assert sched.num_steps == sched.stats.lower_bound_steps
+    rr = plan_schedule(lengths, capacity=8192, layout="balanced", cp_size=1, dp_size=8, micro_batches=8, cost=None)
+    assert rr.imbalance(cost)[1][full].mean() > 3 * imb_mb[full].mean()  # balancing does something
+
+
+def test_tail_policies_count_what_they_do():
+    lengths = np.full(70, 100, dtype=np.int64)  # 7000 tokens: 3 full steps of 2 x 1 x 1024 and a short one
+    pad = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=2, micro_batches=1,
+                        cost=CostModel())  # fmt: skip
+    assert pad.stats.tokens == 7000 and pad.stats.tail == "pad"
+    drop = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=2, micro_batches=1,
+                         cost=CostModel(), tail="drop")  # fmt: skip
+    if pad.stats.empty_packs:
+        assert drop.num_steps == pad.num_steps - 1 and drop.stats.tail_dropped_steps == 1
+    assert drop.stats.tokens + drop.stats.tail_dropped_tokens == 7000
+    assert drop.stats.empty_packs == 0
+
+
+def test_cost_model():
+    c = CostModel()
+    assert c(8192) == pytest.approx(0.1839576 * 8192 + 5.128e-6 * 8192**2)
+    m = CostModel.from_model(32, 4096, 6.7e9)
+    assert m.a == pytest.approx(0.1827, rel=0.01) and m.b / m.a == pytest.approx(32 * 4096 / 6.7e9)
+    with pytest.raises(ValueError, match="num_layers"):
+        CostModel.from_model(0, 4096, 6.7e9)
+    with pytest.raises(ValueError, match="b"):
+        CostModel(a=1.0, b=-1.0)
+
+
+def test_imbalance_definitions():
+    costs = np.array([[[3.0, 1.0], [1.0, 3.0]]])  # ranks equal per step, not per micro-batch
+    imb_step, imb_mb = imbalance(costs)
+    assert imb_step[0] == pytest.approx(0.0) and imb_mb[0] == pytest.approx(6 / 4 - 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"dp_size": 0}, ValueError, "dp_size"),
+        ({"micro_batches": 1.5}, TypeError, "micro_batches"),
+        ({"tail": "carry"}, ValueError, "tail"),
+        ({"cost": "flexsp"}, TypeError, "CostModel"),
+        ({"max_delay": -1}, ValueError, "max_delay"),
+        ({"capacity": 102}, ValueError, "multiple"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, exc, match):
+    args = dict(capacity=128, layout="thd", cp_size=2, dp_size=2, micro_batches=1, cost=CostModel())
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        plan_schedule(np.array([5, 6]), **args)
+
+
+def test_overlong_document_is_named_and_split_on_request():
+    with pytest.raises(ValueError, match="document 1 has 300 tokens"):
+        plan_schedule(np.array([5, 300]), capacity=128, layout="identity", cp_size=1, dp_size=1, micro_batches=1,
+                      cost=CostModel())  # fmt: skip
+    sched = plan_schedule(np.array([5, 300]), capacity=128, layout="identity", cp_size=1, dp_size=1,
+                          micro_batches=1, cost=CostModel(), overflow="split")  # fmt: skip
+    assert sched.stats.split == 1 and sched.stats.tokens == 305
