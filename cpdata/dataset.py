@@ -5,7 +5,13 @@
     loader = StatefulDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
                                 batch_size=None, num_workers=4, pin_memory=True)
 
-Worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
+With ``schedule="balanced"`` (a source with known lengths, see
+:class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is
+planned once, here, and each worker receives this rank's packs with the
+dataset; worker ``w`` of ``N`` serves items ``w, w+N, ...`` of them, reading
+only their documents: worker CPU per pack stays flat in ``N``.
+
+Without a schedule, worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
 (Documents -> Pack -> Collate, all cheap per pack: no token tensors are built)
 and keeps batches ``w, w+N, w+2N, ...``; only those are sharded (the
 expensive part). ``StatefulDataLoader`` takes workers round-robin, so the
@@ -196,8 +202,10 @@ class CPDataset(WorkerDataset):
         self.cp_rank = cp_rank
         self.kwargs = kwargs
         # Validate the configuration now, in the main process, not in every worker.
-        ShardForRank(shard_graph(source, **kwargs), cp_size=kwargs["cp_size"], cp_rank=cp_rank,
-                     layout=kwargs["layout"])  # fmt: skip
+        graph = shard_graph(source, **kwargs)
+        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=kwargs["layout"])
+        # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
+        self._scheduled = graph.source if kwargs.get("schedule") is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (the shuffled order of ``(seed, epoch)``).
@@ -215,11 +223,15 @@ class CPDataset(WorkerDataset):
                     node.set_epoch(epoch)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
-        collated = shard_graph(self.source, **self.kwargs)
-        epoch = getattr(self, "_start_epoch", None)
-        if epoch is not None:
-            for node in _graph(collated):
-                if isinstance(node, Documents):
-                    node.set_epoch(epoch)
-        node = _EveryNth(collated, offset=worker_id, stride=num_workers)
+        node: BaseNode
+        if self._scheduled is not None:  # this worker's packs only: reads only their documents
+            node = shard_graph(self.source, worker=(worker_id, num_workers), packs=self._scheduled, **self.kwargs)
+        else:
+            collated = shard_graph(self.source, **self.kwargs)
+            epoch = getattr(self, "_start_epoch", None)
+            if epoch is not None:
+                for node in _graph(collated):
+                    if isinstance(node, Documents):
+                        node.set_epoch(epoch)
+            node = _EveryNth(collated, offset=worker_id, stride=num_workers)
         return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"])

@@ -32,8 +32,10 @@ from cpdata.collate import check_padding_token_id
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
+from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
+from cpdata.schedule import CostModel
 from cpdata.targets import LabelsAlignment
 
 __all__ = [
@@ -96,18 +98,53 @@ def shard_graph(
     labels_alignment: LabelsAlignment | None = None,
     shuffle: bool = False,
     num_epochs: int | None = None,
+    micro_batches: int = 1,
+    schedule: str | None = None,
+    max_delay: int = 0,
+    cost: CostModel | None = None,
+    lengths: Any = None,
+    tail: str = "pad",
+    worker: tuple[int, int] = (0, 1),
+    packs: ScheduledPacks | None = None,
 ) -> Collate:
-    """Documents -> Pack -> Collate: the part every CP rank of a DP group shares."""
+    """Documents -> Pack -> Collate (or ScheduledPacks -> Collate): the part every CP rank of a DP group shares.
+
+    ``worker`` (``(worker_id, num_workers)``) applies to ``schedule=`` only: that worker's share of the packs;
+    ``packs`` reuses a :class:`ScheduledPacks` already planned with the same arguments (not planned again).
+    """
     check_padding_token_id(padding_token_id, vocab_size)
-    docs = Documents(
-        source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment,
-        shuffle=shuffle, seed=seed, num_epochs=num_epochs,
-    )  # fmt: skip
-    pack_kw: dict[str, Any] = {} if window is None else {"window": window}
-    plans = Pack(
-        docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow, seed=seed,
-        **pack_kw,
-    )  # fmt: skip
+    plans: BaseNode
+    if packs is not None:
+        plans = packs.with_worker(worker)
+    elif schedule is not None:
+        if window is not None:
+            raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
+        if num_epochs is not None:
+            raise ValueError(
+                "num_epochs= counts the streaming source's epochs; with schedule= each pass of the loader is one "
+                "epoch of the schedule: stop after as many passes as you want (or pass schedule=None)"
+            )
+        plans = ScheduledPacks(
+            source, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
+            micro_batches=micro_batches, schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm,
+            overflow=overflow, seed=seed, tail=tail, lengths=lengths, vocab_size=vocab_size, worker=worker,
+            labels_alignment=labels_alignment, shuffle=shuffle,
+        )  # fmt: skip
+    else:
+        if micro_batches != 1 or cost is not None or max_delay or lengths is not None:
+            raise ValueError(
+                "micro_batches, cost, max_delay and lengths belong to a global schedule: pass schedule='balanced' "
+                "(or 'in_order') with them, or leave them out"
+            )
+        docs = Documents(
+            source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment,
+            shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+        )  # fmt: skip
+        pack_kw: dict[str, Any] = {} if window is None else {"window": window}
+        plans = Pack(
+            docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
+            seed=seed, **pack_kw,
+        )  # fmt: skip
     return Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
 
 
@@ -133,6 +170,12 @@ def build_node(
     labels_alignment: LabelsAlignment | None = None,
     shuffle: bool = False,
     num_epochs: int | None = None,
+    micro_batches: int = 1,
+    schedule: str | None = None,
+    max_delay: int = 0,
+    cost: CostModel | None = None,
+    lengths: Any = None,
+    tail: str = "pad",
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -144,7 +187,12 @@ def build_node(
         algorithm, overflow, seed, window: packer settings (:class:`cpdata.nodes.pack.Pack`).
         padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
             (a tokenizer without a pad token can use its EOS id).
-        dp_rank, dp_size: data-parallel shard of the documents.
+        dp_rank, dp_size: data-parallel rank and size. Without ``schedule`` each rank reads and packs
+            documents ``i % dp_size == dp_rank`` as they stream (any source; epochs may differ by rank).
+        micro_batches, schedule, max_delay, cost, lengths, tail: ``schedule="balanced"`` (or ``"in_order"``)
+            plans every document's length first (:class:`cpdata.nodes.scheduled.ScheduledPacks`): every rank
+            gets the same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own
+            documents; needs ``lengths`` (default ``source.lengths``) and an indexable source.
         batch_size: plans per batch (rows for bshd, concatenated for thd).
         qkv_format: ``"bshd"`` or ``"thd"``.
         vocab_size: token ids are checked against it when given.
@@ -166,6 +214,7 @@ def build_node(
         padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
         qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
         shuffle=shuffle, num_epochs=num_epochs,
+        micro_batches=micro_batches, schedule=schedule, max_delay=max_delay, cost=cost, lengths=lengths, tail=tail,
     )  # fmt: skip
     node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     if prefetch:

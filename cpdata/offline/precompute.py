@@ -100,6 +100,10 @@ def precompute(
     overwrite: bool = False,
     progress: bool = False,
     vocab_size: int | None = None,
+    dp_size: int | None = None,
+    micro_batches: int = 1,
+    schedule: str = "balanced",
+    max_delay: int = 0,
 ) -> PackStore:
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
@@ -118,6 +122,12 @@ def precompute(
             (left out and counted as ``untrained``, as online).
         overwrite: replace an existing ``out_dir``.
         progress: show progress on stderr.
+        dp_size, micro_batches, schedule, max_delay: with ``dp_size`` the plan is the global
+            schedule of :func:`cpdata.schedule.plan_schedule` (``schedule="balanced"`` with the
+            FlexSP 7B cost model, or ``"in_order"``): packs in (step, DP rank, micro-batch) order,
+            the same packs ``build_loader(..., schedule=...)`` serves, and
+            :class:`~cpdata.offline.reader.PrecomputedPacks` serves each DP rank its own with
+            equal counts. ``window`` does not apply then.
         vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
             ids are always refused. Both are checked before planning, naming
             the document, so a bad id never reaches a written plan.
@@ -151,11 +161,39 @@ def precompute(
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
-    firsts = _first_targets(dataset, labels_alignment, progress)
-    result = plan_lengths(
-        lengths, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
-        seed=seed, window=window, first_target=firsts,
-    )  # fmt: skip
+    schedule_info: dict[str, Any] | None = None
+    if dp_size is None:
+        if micro_batches != 1 or max_delay:
+            raise ValueError("micro_batches and max_delay shape a global schedule: pass dp_size= with them")
+        firsts = _first_targets(dataset, labels_alignment, progress)
+        result = plan_lengths(
+            lengths, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
+            seed=seed, window=window, first_target=firsts,
+        )  # fmt: skip
+    else:
+        from cpdata.nodes.scheduled import SCHEDULES
+        from cpdata.schedule import CostModel, plan_schedule
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
+        if window is not None:
+            raise ValueError("window= sets the streaming packer's window; a global schedule plans every document")
+        present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+        if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
+            raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
+        cost = CostModel() if schedule == "balanced" else None
+        sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size,
+                              micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm,
+                              overflow=overflow, seed=seed)  # fmt: skip
+        result = sched.as_packing_result()
+        st = sched.stats
+        schedule_info = {
+            "kind": schedule, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
+            "num_steps": sched.num_steps, "max_delay": int(max_delay), "tail": st.tail,
+            "cost": None if cost is None else [cost.a, cost.b], "empty_packs": st.empty_packs,
+            "delay_counts": list(st.delay_counts), "late_pieces": st.late_pieces,
+            "imb_step_mean": st.imb_step_mean, "imb_mb_mean": st.imb_mb_mean,
+        }  # fmt: skip
     config = result.config
 
     offsets = np.asarray(result.pack_offsets, dtype=np.int64)
@@ -209,6 +247,8 @@ def precompute(
         },
         "stats": _stats_dict(result.stats),
     }
+    if schedule_info is not None:
+        manifest["schedule"] = schedule_info
     arrays: Mapping[str, np.ndarray] = {**plan_arrays, "pack_tokens": pack_tokens, "rank_work": work}
     write_store(out_dir, arrays, manifest, overwrite=overwrite)
     return read_store(out_dir)

@@ -51,6 +51,13 @@ def register(subparsers: Any) -> None:
         "input_ids, the model shifts: Hugging Face, TRL, torchtune) or 'targets' (already next-token targets: "
         "Megatron, NeMo)",
     )
+    p.add_argument("--dp-size", type=int, default=None,
+                   help="plan a global schedule for this many DP ranks (equal steps per rank, each reads its own)")
+    p.add_argument("--micro-batches", type=int, default=1, help="packs per DP rank per step (with --dp-size)")
+    p.add_argument("--schedule", choices=("balanced", "in_order"), default="balanced",
+                   help="with --dp-size: cost-balanced packs (default) or today's packs in order")
+    p.add_argument("--max-delay", type=int, default=0,
+                   help="with --dp-size: steps a long document may wait for partners of its size (default 0)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--force", action="store_true", help="replace existing output directories")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -89,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         window=args.window,
         overwrite=args.force,
+        dp_size=args.dp_size,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        max_delay=args.max_delay,
         progress=not args.quiet,
         vocab_size=args.vocab_size,
         labels_alignment=args.labels_alignment,
@@ -101,4 +112,9 @@ def run(args: argparse.Namespace) -> int:
         f"(lower bound {stats['lower_bound_pct']:.2f}%); skipped {stats['skipped']}, split {stats['split']}, "
         f"truncated {stats['truncated']}, dropped {stats['dropped']}, untrained {stats.get('untrained', 0)}"
     )
+    if "schedule" in m:
+        sc = m["schedule"]
+        print(f"schedule: {sc['num_steps']} steps x {sc['dp_size']} DP ranks x {sc['micro_batches']} micro-batches "
+              f"({sc['kind']}); imb_mb {100 * sc['imb_mb_mean']:.2f}%, imb_step {100 * sc['imb_step_mean']:.2f}%, "
+              f"empty packs {sc['empty_packs']}, max delay {len(sc['delay_counts']) - 1}")
     return 0

@@ -19,7 +19,12 @@ the caller asks, or whose manifest or any array fails its checksum.
 A document cut into several pieces is read and validated once while its
 pieces follow one another, not once per piece (see :meth:`PrecomputedPacks._document`).
 
-Data parallelism: with ``dp_size > 1`` rank ``dp_rank`` serves packs
+Data parallelism, global schedule (``cpdata precompute --dp-size R --micro-batches M``):
+the plan holds ``num_steps x R x M`` packs in (step, rank, micro-batch) order;
+rank ``dp_rank`` serves its ``num_steps x M`` packs (every rank the same
+count), reading only their documents; ``dp_size`` must be the plan's ``R``.
+
+Data parallelism, plan without a schedule: with ``dp_size > 1`` rank ``dp_rank`` serves packs
 ``dp_rank, dp_rank + dp_size, ...`` of the whole-dataset plan, and every rank
 serves ``n_packs // dp_size`` of them (the last ``n_packs % dp_size`` packs are
 left out) so no rank runs out a step early. The online pipeline instead shards
@@ -152,11 +157,20 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.vocab_size = vocab_size
         self.capacity = int(self.store.config["capacity"])
+        self._schedule = self.store.manifest.get("schedule")
+        if self._schedule is not None and self._schedule["dp_size"] != self.dp_size:
+            raise ValueError(
+                f"plan {self.store.path} is a schedule for dp_size={self._schedule['dp_size']}, this node has "
+                f"dp_size={self.dp_size}; serve it with the DP size it was planned for, or re-run "
+                f"`cpdata precompute ... --dp-size {self.dp_size}`"
+            )
         self._index = 0
         self._open: tuple[int, Mapping[str, np.ndarray]] | None = None  # a document whose pieces go on
 
     def __len__(self) -> int:
-        """Packs this DP rank serves per epoch."""
+        """Packs this DP rank serves per epoch (equal for every rank)."""
+        if self._schedule is not None:
+            return int(self._schedule["num_steps"]) * int(self._schedule["micro_batches"])
         return self.store.n_packs // self.dp_size
 
     def _check_unchanged(self) -> None:
@@ -169,6 +183,13 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 "build a new pipeline on the new plan, as a new run, or restore the old plan"
             )
         check_source_unchanged(self.documents, None)
+
+    def _pack_id(self, index: int) -> int:
+        """Row of this rank's ``index``-th pack in the plan."""
+        if self._schedule is None:
+            return index * self.dp_size + self.dp_rank
+        step, micro_batch = divmod(index, int(self._schedule["micro_batches"]))
+        return (step * self.dp_size + self.dp_rank) * int(self._schedule["micro_batches"]) + micro_batch
 
     def _dp(self) -> list[int]:
         return [self.dp_rank, self.dp_size]
@@ -209,7 +230,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         if not 0 <= index < len(self):
             raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{len(self) - 1}")
         a = self.store.arrays
-        rows = self.store.pack_slice(index * self.dp_size + self.dp_rank)
+        rows = self.store.pack_slice(self._pack_id(index))
         pieces = []
         for j in range(rows.start, rows.stop):
             doc, start, length = int(a["doc_index"][j]), int(a["doc_start"][j]), int(a["doc_len"][j])
