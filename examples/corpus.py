@@ -114,6 +114,12 @@ class StdlibDefinitions(Sequence):
     def __len__(self) -> int:
         return int(self.spans.shape[0])
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[n_docs]`` tokens (bytes) per definition, known without reading a file: a global schedule
+        (``build_loader(..., schedule="balanced")``) plans from these."""
+        return self.spans[:, 2] - self.spans[:, 1]
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]

@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -51,7 +52,7 @@ from cp_model import CPTransformer, ModelConfig, TokenView  # noqa: E402
 
 from cpdata.adapters import global_target_count, token_loss  # noqa: E402
 from cpdata.consistency import verify_layout_consistency  # noqa: E402
-from cpdata.loader import close_loader  # noqa: E402
+from cpdata.loader import build_loader, close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402
 from cpdata.sharder import ContextParallelSharder  # noqa: E402
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--data", default=None, help="JSONL file or `cpdata precompute` directory (default: stdlib)")
     p.add_argument("--documents", default=None, help="token source of a precomputed --data directory")
+    p.add_argument("--schedule", choices=("none", "balanced", "in_order"), default="none",
+                   help="plan every document's length first: equal steps per DP rank, cost-balanced packs, "
+                        "each rank reads only its own documents (default none: each DP rank packs i %% dp_size)")
     p.add_argument("--check-parity", action="store_true", help="compare with a cp_size=1 reference (float64)")
     p.add_argument("--summary-json", default=None, help="with several layouts, must contain '{layout}'")
     p.add_argument("--save-every", type=int, default=0)
@@ -100,6 +104,13 @@ def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
     if args.data and Path(args.data).is_dir():  # capacity and layout come from the plan's manifest
         return precomputed.build(args.data, args.documents, layout=layout, **common)
     source = load_jsonl(args.data) if args.data else StdlibDefinitions()
+    if args.schedule != "none":  # the recipe's pipeline, planned globally from the lengths
+        lengths = getattr(source, "lengths", None)
+        if lengths is None:
+            lengths = np.array([len(d["input_ids"]) for d in source], dtype=np.int64)
+        return build_loader(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB, seed=args.seed,
+                            overflow="split", qkv_format="bshd", schedule=args.schedule, lengths=lengths,
+                            **common)  # fmt: skip
     return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
                                     seed=args.seed, **common)
 

@@ -93,6 +93,15 @@ def test_dp2_cp2_on_four_ranks(tmp_path):
     assert s["cp_size"] == 2 and s["max_abs_loss_diff"] <= 1e-5
 
 
+def test_dp2_cp2_balanced_schedule(tmp_path, jsonl):
+    out = torchrun(4, *TINY, "--dp-size", "2", "--cp-size", "2", "--schedule", "balanced", "--steps", "3",
+                   "--data", str(jsonl), "--check-parity", "--summary-json", str(tmp_path / "s.json"))
+    assert "dp=2 cp=2" in out and out.count("parity OK") == 1, out
+    assert [int(n) for n, _, _ in re.findall(STEP_LINE, out)] == [1, 2, 3]
+    s = read_summary(tmp_path / "s.json")
+    assert s["cp_size"] == 2 and s["max_abs_loss_diff"] <= 1e-5
+
+
 @pytest.mark.parametrize("source", ["jsonl", "precomputed"])
 def test_resume_gives_identical_losses(tmp_path, jsonl, source):
     """2N steps straight == N steps, checkpoint, then a fresh job resuming for N more (same printed losses)."""
