@@ -101,7 +101,8 @@ def run(*, quick: bool) -> list[dict]:
             lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in per_pack]
             row = _row(list(pc), [mb] * full, lower, list(real), capacity, dp_size)
             last = int(sched.pack_offsets[full * dp_size * mb])
-            bfd = plan_lengths(np.sort(sched.doc_len[:last]), capacity=capacity, layout="balanced", cp_size=1)
+            in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order
+            bfd = plan_lengths(sched.doc_len[:last][in_stream], capacity=capacity, layout="balanced", cp_size=1)
             row.update(base, method="cpdata_schedule" if max_delay == 0 else f"cpdata_schedule_delay{max_delay}",
                        max_delay_steps=int(sched.delay[:last].max()), us_per_doc=us,
                        bfd_padding_pct=float(bfd.stats.padding_pct), max_delay=max_delay)  # fmt: skip
