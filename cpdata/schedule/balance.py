@@ -35,7 +35,7 @@ carries them to the next step).
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 
 import numpy as np
 
@@ -43,6 +43,8 @@ __all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
 
 FILLER_FRACTION = 16
 """Pieces of at most ``capacity / FILLER_FRACTION`` slot tokens are fillers (phase C)."""
+EXACT_TRIES = 8
+"""Phase C tries to close a nearly full cell exactly with one filler plus up to this many of the shortest."""
 HOLD_PENALTY = 0.01
 """Cost of letting an outlier wait one more step, as a share of a full cell's cost, times (1 + its age)."""
 
@@ -190,19 +192,24 @@ def place_step(
     # Per slot, its cells by load ascending: the first that fits has the slot's largest gap.
     by_load = [sorted(range(m * R, (m + 1) * R), key=lambda c: (load_l[c], c)) for m in range(M)]
     free = sum(room_l)
+    shortest = int(slot[todo].min()) if todo.any() else 0
     for ids, keep in ((first, 0), (rest, reserve)):
         ids = ids[np.lexsort((ids, -slot[ids]))]
         for i, s, k in zip(ids.tolist(), slot[ids].tolist(), key[ids].tolist(), strict=True):
             if free - s < keep:
                 continue
             best, best_gap = -1, -np.inf
-            for m in range(M):
-                for c in by_load[m]:
-                    if room_l[c] >= s:
-                        gap = smax_l[m] - load_l[c] * (1 + 1e-6)  # ties: the emptier cell, then the lower slot
-                        if gap > best_gap:
-                            best, best_gap = c, gap
-                        break
+            for strand_ok in (False, True):  # first avoid leaving a gap shorter than every piece
+                for m in range(M):
+                    for c in by_load[m]:
+                        left = room_l[c] - s
+                        if left >= 0 and (strand_ok or left == 0 or left >= shortest):
+                            gap = smax_l[m] - load_l[c] * (1 + 1e-6)  # ties: the emptier cell, then the lower slot
+                            if gap > best_gap:
+                                best, best_gap = c, gap
+                            break
+                if best >= 0:
+                    break
             if best < 0:
                 continue
             cell[i] = best
@@ -224,28 +231,62 @@ def place_step(
     return cell
 
 
+def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_TRIES) -> list[int] | None:
+    """Positions in ``sizes`` (sorted; ``counts`` its histogram) of fillers summing to exactly ``r``: one
+    filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
+    last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
+    if counts.get(r):
+        return [last(r)]
+    for a in counts:
+        b = r - a
+        if b >= a and counts.get(b) and (b != a or counts[a] >= 2):
+            i = last(a)
+            return [i - 1, i] if a == b else [i, last(b)]
+    sm = sizes[0]
+    n_sm = counts[sm]
+    for k in range(2, min(tries, r // sm + 1)):
+        t = r - k * sm
+        if t > sm and counts.get(t) and n_sm >= k:
+            return [last(t), *range(n_sm - k, n_sm)]
+    return None
+
+
 def _fill(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
-    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated)."""
+    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
+
+    A cell whose room is within two of the longest fillers is first closed exactly if it can be
+    (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
+    """
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
+    counts: dict[int, int] = {}
+    for x in sizes:
+        counts[x] = counts.get(x, 0) + 1
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     while sizes and active:
         active.sort(key=lambda c: load_l[c] - smax_l[slot_of_l[c]])
         still = []
         for c in active:
             r = room_l[c]
-            j = bisect_right(sizes, r) - 1
-            if j < 0:
-                continue
-            if 0 < r - sizes[j] < sizes[0]:  # would strand a gap nothing fills: leave room for one more
-                j2 = bisect_right(sizes, r - sizes[0]) - 1
-                if j2 >= 0:
-                    j = j2
-            i = ids.pop(j)
-            s = sizes.pop(j)
-            cell[i] = c
-            room_l[c] -= s
-            load_l[c] += keys[i]
+            picks = _exact(sizes, counts, r) if r <= 2 * sizes[-1] else None
+            if picks is None:
+                j = bisect_right(sizes, r) - 1
+                if j < 0:
+                    continue
+                if 0 < r - sizes[j] < sizes[0]:  # would strand a gap nothing fills: leave room for one more
+                    j2 = bisect_right(sizes, r - sizes[0]) - 1
+                    if j2 >= 0:
+                        j = j2
+                picks = [j]
             m = slot_of_l[c]
+            for j in sorted(picks, reverse=True):  # pop from the back: earlier positions stay valid
+                i = ids.pop(j)
+                size = sizes.pop(j)
+                counts[size] -= 1
+                if not counts[size]:
+                    del counts[size]
+                room_l[c] -= size
+                cell[i] = c
+                load_l[c] += keys[i]
             if load_l[c] > smax_l[m]:
                 smax_l[m] = load_l[c]
             if not sizes:

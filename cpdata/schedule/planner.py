@@ -46,7 +46,7 @@ from cpdata.schedule.records import TAIL_POLICIES, Schedule, ScheduleStats
 
 __all__ = ["POOL_MARGIN", "plan_schedule"]
 
-POOL_MARGIN = 0.02
+POOL_MARGIN = 0.05
 """A step's pool holds this much more than a step of tokens, so short pieces are left to fill the last gaps."""
 
 
