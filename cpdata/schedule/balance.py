@@ -35,7 +35,7 @@ carries them to the next step).
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_right, insort
 
 import numpy as np
 
