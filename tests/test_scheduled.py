@@ -196,7 +196,8 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
     import json
 
     from cpdata.cli import main as cli_main
-    from cpdata.offline import PrecomputedPacks, open_dataset, precompute
+    from cpdata.offline import PrecomputedPacks, open_dataset
+    from cpdata.offline.precompute import precompute
 
     src = CountingDocs(120)
     path = tmp_path / "docs.jsonl"

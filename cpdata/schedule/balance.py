@@ -43,6 +43,8 @@ __all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
 
 FILLER_FRACTION = 16
 """Pieces of at most ``capacity / FILLER_FRACTION`` slot tokens are fillers (phase C)."""
+ENDGAME = 4
+"""Phase C tries to close a cell exactly once its room is at most this many of the shortest fillers."""
 EXACT_TRIES = 8
 """Phase C tries to close a nearly full cell exactly with one filler plus up to this many of the shortest."""
 HOLD_PENALTY = 0.01
@@ -237,9 +239,11 @@ def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_
     last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
     if counts.get(r):
         return [last(r)]
-    for a in counts:
+    for a in counts:  # ascending (built from sorted lengths, deletions keep the order)
         b = r - a
-        if b >= a and counts.get(b) and (b != a or counts[a] >= 2):
+        if b < a:
+            break
+        if counts.get(b) and (b != a or counts[a] >= 2):
             i = last(a)
             return [i - 1, i] if a == b else [i, last(b)]
     sm = sizes[0]
@@ -254,7 +258,7 @@ def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_
 def _fill(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
     """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
 
-    A cell whose room is within two of the longest fillers is first closed exactly if it can be
+    A cell whose room is at most ``ENDGAME`` shortest fillers is first closed exactly if it can be
     (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
     """
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
@@ -267,7 +271,7 @@ def _fill(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
         still = []
         for c in active:
             r = room_l[c]
-            picks = _exact(sizes, counts, r) if r <= 2 * sizes[-1] else None
+            picks = _exact(sizes, counts, r) if r <= ENDGAME * sizes[0] else None
             if picks is None:
                 j = bisect_right(sizes, r) - 1
                 if j < 0:
