@@ -263,3 +263,25 @@ def test_dataloader_workers_read_only_their_own_documents(tmp_path):
             overlap = sum(len(a & b) for k, a in enumerate(shares) for b in shares[k + 1 :])
             assert overlap <= ds._scheduled.schedule.stats.split + 2
     assert len(reads[2]) <= len(reads[1]) + 2 * len(set(reads[1])) // 10 + 4  # no worker re-reads the stream
+
+
+def test_labels_follow_the_declared_alignment_as_in_todays_pipeline():
+    src = CountingDocs(150)
+    rng = np.random.default_rng(5)
+    for d in src.docs:  # prompt masked, answer trained; labels aligned with input_ids (HF convention)
+        labels = d["input_ids"].copy()
+        labels[: int(rng.integers(0, len(labels)))] = -100
+        d["labels"] = labels
+
+    def labels_of(loader) -> list[np.ndarray]:
+        with closing_loader(loader):
+            return [np.asarray(b["labels"]) for b in loader]
+
+    today = labels_of(build_loader(src.docs, cp_rank=0, prefetch=0, labels_alignment="inputs", **CFG))
+    planned = labels_of(build_loader(src, cp_rank=0, prefetch=0, labels_alignment="inputs", schedule="in_order",
+                                     **CFG))  # fmt: skip
+    assert len(planned) == len(today) > 5
+    for a, b in zip(planned, today, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="labels_alignment"):
+        list(ScheduledPacks(src, **CFG))
