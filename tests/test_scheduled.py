@@ -285,3 +285,15 @@ def test_labels_follow_the_declared_alignment_as_in_todays_pipeline():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="labels_alignment"):
         list(ScheduledPacks(src, **CFG))
+
+
+def test_hf_dataset_plans_from_its_lengths():
+    import datasets
+
+    src = CountingDocs(80)
+    hf = datasets.Dataset.from_dict({"input_ids": [d["input_ids"].tolist() for d in src.docs]})
+    kw = dict(CFG, dp_rank=1, dp_size=2, micro_batches=2, overflow="split")
+    a, b = ScheduledPacks(hf, **kw), ScheduledPacks(src, **kw)
+    a.reset()
+    b.reset()
+    assert _docs_of(list(a)) == _docs_of(list(b)) and a.schedule.num_steps > 1

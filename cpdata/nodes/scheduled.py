@@ -35,6 +35,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.source import to_document
+from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.plan import DocPiece, PackPlan
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.state_version import check_saved_config, check_state_version
@@ -157,6 +158,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
         worker_id, num_workers = worker
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
+        source = indexed_hf_documents(source)  # a datasets.Dataset: lengths from its length column or offsets
         arr = source_lengths(source, lengths)
         if schedule == "balanced" and cost is None:
             cost = CostModel()
