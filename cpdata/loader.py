@@ -119,6 +119,12 @@ def shard_graph(
     elif schedule is not None:
         if window is not None:
             raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
+        if shuffle:
+            raise ValueError(
+                "shuffle=True draws a fresh order every epoch of a streaming source; a schedule is planned once, "
+                "so its epochs would repeat one order: shuffle the source (or its lengths) before building, or "
+                "pass schedule=None"
+            )
         if num_epochs is not None:
             raise ValueError(
                 "num_epochs= counts the streaming source's epochs; with schedule= each pass of the loader is one "
@@ -128,7 +134,7 @@ def shard_graph(
             source, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
             micro_batches=micro_batches, schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm,
             overflow=overflow, seed=seed, tail=tail, lengths=lengths, vocab_size=vocab_size, worker=worker,
-            labels_alignment=labels_alignment, shuffle=shuffle,
+            labels_alignment=labels_alignment,
         )  # fmt: skip
     else:
         if micro_batches != 1 or cost is not None or max_delay or lengths is not None:

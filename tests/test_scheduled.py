@@ -297,3 +297,10 @@ def test_hf_dataset_plans_from_its_lengths():
     a.reset()
     b.reset()
     assert _docs_of(list(a)) == _docs_of(list(b)) and a.schedule.num_steps > 1
+
+
+def test_per_epoch_options_of_the_streaming_source_are_refused_with_a_schedule():
+    with pytest.raises(ValueError, match="shuffle=True"):
+        build_loader(CountingDocs(), cp_rank=0, schedule="balanced", shuffle=True, **CFG)
+    with pytest.raises(ValueError, match="num_epochs="):
+        build_loader(CountingDocs(), cp_rank=0, schedule="balanced", num_epochs=2, **CFG)
