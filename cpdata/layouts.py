@@ -30,12 +30,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.layout_runs import RunTable, balanced_runs, contiguous_runs, head_tail_runs
+
 __all__ = [
     "LAYOUTS",
     "alignment",
     "causal_work",
     "check_layout",
     "inverse_indices",
+    "layout_runs",
     "rank_indices",
     "thd_slot_lens",
 ]
@@ -90,18 +93,6 @@ def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarr
     return lens
 
 
-def _segments(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Concatenate ``arange(s, s + n)`` for every (s, n) pair, vectorized."""
-    sizes = sizes.astype(np.int64, copy=False)
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    keep = sizes > 0
-    starts, sizes = starts[keep], sizes[keep]
-    offsets = np.cumsum(sizes) - sizes
-    return np.repeat(starts - offsets, sizes) + np.arange(total, dtype=np.int64)
-
-
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
     """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding.
 
@@ -114,22 +105,7 @@ def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.nda
     return lens
 
 
-def _head_tail_rows(starts: np.ndarray, chunk_sizes: np.ndarray, cp_size: int) -> list[np.ndarray]:
-    """Rows of a per-segment head-tail split.
-
-    ``chunk_sizes`` is ``[n_segments, 2*cp]``; segment ``s`` chunk ``j`` starts at
-    ``starts[s] + sum(chunk_sizes[s, :j])``. Rank ``r`` takes chunks ``r`` and
-    ``2cp-1-r`` of every segment, segment-major (TE's order).
-    """
-    chunk_starts = starts[:, None] + np.cumsum(chunk_sizes, axis=1) - chunk_sizes
-    rows = []
-    for r in range(cp_size):
-        pick = [r, 2 * cp_size - 1 - r]
-        rows.append(_segments(chunk_starts[:, pick].reshape(-1), chunk_sizes[:, pick].reshape(-1)))
-    return rows
-
-
-def _thd_rows(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
+def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
     slots = thd_slot_lens(lens, pack_len)
     bad = np.flatnonzero(slots % (2 * cp_size))
     if bad.size:
@@ -139,49 +115,29 @@ def _thd_rows(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
             f"slot {i} has {int(slots[i])} tokens (slots after tail absorption: {slots.tolist()[:16]}). "
             "Pad each document to that multiple (the packer does this for layout='thd')"
         )
-    starts = np.cumsum(slots) - slots
-    chunk = np.repeat((slots // (2 * cp_size))[:, None], 2 * cp_size, axis=1)
-    return np.stack(_head_tail_rows(starts, chunk, cp_size))
+    return slots
 
 
-def _balanced_rows(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
-    """Per-document head-tail with the remainder in the middle, dealt round-robin; no document padding.
+def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> RunTable:
+    """The layout as a :class:`~cpdata.layout_runs.RunTable` (arguments as :func:`rank_indices`).
 
-    A document of length n = 2cp*q + m is laid out as cp head chunks of q
-    tokens, then its m leftover tokens (the middle), then cp tail chunks of q
-    tokens. Rank r owns head chunk r and tail chunk 2cp-1-r (head-tail: equal
-    causal work for every rank, whatever m) plus the middle tokens dealt to it
-    by a round-robin pointer that continues across documents. Middle tokens sit
-    at about position n/2, so whichever rank gets one pays about the average
-    cost (putting the leftovers at a chunk edge instead biases work toward the
-    ranks that own late chunks: 1.5-7 % imbalance on 90-token documents at cp 8,
-    against ~1 % here). Counts end within one token of each other; the tail
-    padding continues the pointer, so every rank ends with pack_len / cp tokens.
-    Segments per rank per document: head, up to two middle tokens, tail.
+    The table gives any rank's row, the inverse map and (``thd``,
+    ``balanced``) the causal work per rank, each in one vectorized pass.
     """
-    two = 2 * cp_size
-    base = lens // two
-    rem = lens - base * two
-    ptr = (np.cumsum(rem) - rem) % cp_size  # round-robin pointer at each document
-    doc_start = np.cumsum(lens) - lens
-    middle = doc_start + cp_size * base
-
-    pad = pack_len - int(lens.sum())
-    pad_rank = (int(rem.sum()) + np.arange(pad)) % cp_size
-    pad_pos = np.arange(pack_len - pad, pack_len, dtype=np.int64)
-    out = []
-    for r in range(cp_size):
-        k1 = (r - ptr) % cp_size  # this rank's first middle token (if k1 < rem), second at k1 + cp
-        starts = np.stack(
-            [doc_start + r * base, middle + k1, middle + k1 + cp_size, middle + rem + (cp_size - 1 - r) * base],
-            axis=1,
+    _, pack_multiple = alignment(layout, cp_size)
+    lens = _as_lengths(seq_lens, pack_len)
+    if pack_len % pack_multiple:
+        raise ValueError(
+            f"layout {layout!r} with cp_size={cp_size} needs pack_len to be a multiple of {pack_multiple}, "
+            f"got pack_len={pack_len}; pad the pack to {pack_len + (-pack_len) % pack_multiple}"
         )
-        sizes = np.stack([base, k1 < rem, k1 + cp_size < rem, base], axis=1).astype(np.int64)
-        own = _segments(starts.reshape(-1), sizes.reshape(-1))
-        out.append(np.concatenate([own, pad_pos[pad_rank == r]]))
-    lengths = {len(o) for o in out}
-    assert len(lengths) == 1, f"balanced layout dealt unequal shards {sorted(lengths)}"
-    return np.stack(out)
+    if layout in ("identity", "contiguous"):
+        return contiguous_runs(cp_size, pack_len)
+    if layout == "round_robin":
+        return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False)
+    if layout == "thd":
+        return head_tail_runs(_thd_slots(lens, pack_len, cp_size), cp_size, with_docs=True)
+    return balanced_runs(lens, pack_len, cp_size)
 
 
 def rank_indices(
@@ -202,23 +158,7 @@ def rank_indices(
 
     Example (``thd``, cp=2, slots [8, 4, 8]): rank 0 -> ``[0,1,6,7, 8,11, 12,13,18,19]``.
     """
-    _, pack_multiple = alignment(layout, cp_size)
-    lens = _as_lengths(seq_lens, pack_len)
-    if pack_len % pack_multiple:
-        raise ValueError(
-            f"layout {layout!r} with cp_size={cp_size} needs pack_len to be a multiple of {pack_multiple}, "
-            f"got pack_len={pack_len}; pad the pack to {pack_len + (-pack_len) % pack_multiple}"
-        )
-    local = pack_len // cp_size
-    if layout in ("identity", "contiguous"):
-        return np.arange(pack_len, dtype=np.int64).reshape(cp_size, local)
-    if layout == "round_robin":
-        c = pack_len // (2 * cp_size)
-        chunks = np.full((1, 2 * cp_size), c, dtype=np.int64)
-        return np.stack(_head_tail_rows(np.zeros(1, dtype=np.int64), chunks, cp_size))
-    if layout == "thd":
-        return _thd_rows(lens, pack_len, cp_size)
-    return _balanced_rows(lens, pack_len, cp_size)
+    return layout_runs(layout, cp_size, seq_lens, pack_len).rows()
 
 
 def inverse_indices(rows: np.ndarray) -> np.ndarray:

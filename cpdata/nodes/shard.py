@@ -20,8 +20,10 @@ map, its inverse, the causal-work figures in ``info`` and the plan digest.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,8 @@ from torchdata.nodes import BaseNode
 
 from cpdata.batch import ShardedBatch
 from cpdata.collate import collate_ranks, stream_slot_lens
-from cpdata.layouts import alignment, check_layout, inverse_indices, rank_indices
+from cpdata.layout_runs import RunTable
+from cpdata.layouts import alignment, check_layout, layout_runs, rank_indices
 from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.plan import plan_digest
 from cpdata.shard_layout import ShardLayout
@@ -54,37 +57,37 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
     return any(not np.array_equal(rows[0], r) for r in rows[1:])
 
 
-Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layout:
+    """One batch's layout: the run table, the rows this node emits and the inverse map."""
 
-
-def _runs(rows: np.ndarray) -> Runs:
-    """``(rank, first, stop)`` of every maximal run of consecutive positions in each rank's row."""
-    local = rows.shape[1]
-    flat = rows.reshape(-1).astype(np.int64, copy=False)
-    if flat.size == 0:
-        return flat, flat, flat
-    breaks = np.diff(flat) != 1
-    breaks[local - 1 :: local] = True  # a new rank's row starts a new run
-    starts = np.concatenate([[0], np.flatnonzero(breaks) + 1])
-    ends = np.append(starts[1:], flat.size)
-    return starts // local, flat[starts], flat[ends - 1] + 1
+    table: RunTable
+    rows: dict[int, np.ndarray]  # rank -> int64 [local_len]
+    gather: torch.Tensor  # int64 [stream_len]
 
 
 @functools.lru_cache(maxsize=16)
-def _static_rows(layout: str, cp_size: int, stream_len: int) -> tuple[np.ndarray, torch.Tensor, Runs]:
-    rows = rank_indices(layout, cp_size, [], stream_len)
-    return rows, torch.from_numpy(inverse_indices(rows)), _runs(rows)
+def _static_layout(layout: str, cp_size: int, stream_len: int) -> _Layout:
+    # documents of the probe (none) are not the batch's: cost these runs by position
+    table = dataclasses.replace(layout_runs(layout, cp_size, [], stream_len), doc=None, doc_starts=None)
+    rows = table.rows()
+    return _Layout(table, dict(enumerate(rows)), torch.from_numpy(table.inverse()))
 
 
-def _causal_work(batch: CollatedPack, runs: Runs, cp_size: int, stream_len: int) -> list[float]:
-    """Per-rank work of :func:`cpdata.layouts.causal_work` in closed form, O(runs * B + slots).
+def _causal_work(batch: CollatedPack, table: RunTable, stream_len: int) -> list[float]:
+    """Per-rank work of :func:`cpdata.layouts.causal_work`, O(runs * B + slots), never per token.
 
     A real token at offset ``o`` of its piece attends to ``o + 1`` keys of this
-    pack; pads cost 0. With ``W(g)`` the work of stream positions ``< g``, a
-    run ``[a, b)`` costs ``W(b) - W(a)``; bshd rows repeat the runs every ``S``.
+    pack; pads cost 0. Runs that know their document (``thd``, ``balanced``)
+    are costed in closed form (:meth:`RunTable.causal_work`). The few runs of
+    the other layouts (2 per rank at most) are costed as ``W(stop) - W(first)``,
+    ``W(g)`` the work of stream positions ``< g`` (found by one search over the
+    slot starts); bshd rows repeat the runs every ``S``.
     """
-    slots = batch.metadata["seq_lens_padded"].astype(np.int64)
     real = batch.metadata["seq_lens"].astype(np.int64)
+    if table.doc is not None:
+        return table.causal_work(real).tolist()
+    slots = batch.metadata["seq_lens_padded"].astype(np.int64)
     slot_starts = np.cumsum(slots) - slots
     tri = real * (real + 1) // 2
     before = np.cumsum(tri) - tri
@@ -94,10 +97,11 @@ def _causal_work(batch: CollatedPack, runs: Runs, cp_size: int, stream_len: int)
         m = np.minimum(g - slot_starts[k], real[k])
         return before[k] + m * (m + 1) // 2
 
-    rank, first, stop = runs
+    first = table.starts.reshape(-1)
+    stop = first + table.sizes.reshape(-1)
     offsets = np.arange(0, int(slots.sum()), stream_len, dtype=np.int64)[:, None]  # one per bshd row
     per_run = (work_before(offsets + stop) - work_before(offsets + first)).sum(axis=0)
-    return np.bincount(rank, weights=per_run, minlength=cp_size).tolist()
+    return per_run.reshape(table.cp_size, -1).sum(axis=1).astype(np.float64).tolist()
 
 
 def _digest(batch: CollatedPack, layout: str, cp_size: int) -> int:
@@ -177,20 +181,21 @@ class ShardForRank(BaseNode[Any]):
             self.SOURCE_KEY: self.source.state_dict(),
         }
 
-    def _rows(self, batch: CollatedPack) -> tuple[np.ndarray, torch.Tensor, Runs, int]:
+    def _layout(self, batch: CollatedPack, ranks: Sequence[int]) -> tuple[_Layout, int]:
         n_rows, pack_len = batch.row_shape
         self._check_rows(n_rows, batch.qkv_format)
         stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
         if not self._dynamic:
-            rows, gather, runs = _static_rows(self.layout, self.cp_size, stream_len)
-            return rows, gather, runs, stream_len
-        rows = rank_indices(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
-        return rows, torch.from_numpy(inverse_indices(rows)), _runs(rows), stream_len
+            return _static_layout(self.layout, self.cp_size, stream_len), stream_len
+        table = layout_runs(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
+        rows = dict(enumerate(table.rows())) if len(ranks) > 1 else {r: table.row(r) for r in ranks}
+        return _Layout(table, rows, torch.from_numpy(table.inverse())), stream_len
 
     def next(self) -> ShardedBatch | tuple[ShardedBatch, ...]:
         batch: CollatedPack = next(self.source)
-        rows, gather, runs, stream_len = self._rows(batch)
         ranks = range(self.cp_size) if self.all_ranks else [self.cp_rank]
+        lay, stream_len = self._layout(batch, ranks)
+        rows, gather = lay.rows, lay.gather
         shards = collate_ranks(
             batch.plans, [rows[r] for r in ranks], padding_token_id=batch.padding_token_id, qkv_format=batch.qkv_format
         )
@@ -204,7 +209,7 @@ class ShardForRank(BaseNode[Any]):
             "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
             "pack_tokens": n_rows * pack_len,
             "n_documents": sum(len(p.pieces) for p in batch.plans),
-            "causal_work": _causal_work(batch, runs, self.cp_size, stream_len),
+            "causal_work": _causal_work(batch, lay.table, stream_len),
             "digest": _digest(batch, self.layout, self.cp_size),
         }
         out = []
