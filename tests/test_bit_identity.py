@@ -18,11 +18,13 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
 from cpdata.keys import IGNORE_INDEX, METADATA_KEYS
-from cpdata.layouts import LAYOUTS, alignment
+from cpdata.layouts import LAYOUTS, alignment, causal_work, layout_runs
 from cpdata.loader import shard_graph
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
@@ -314,3 +316,30 @@ def test_the_pipeline_from_documents_equals_the_reference(layout, cp):
     plans = [p for c in collated for p in c.plans]
     assert any(q.start > 0 for p in plans for q in p.pieces)
     check_stream(plans, layout, cp, "thd", 2, pad=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS), cp=st.integers(1, 8), units=st.lists(st.integers(0, 40), max_size=9),
+    tail=st.integers(0, 50), short=st.lists(st.integers(0, 3), min_size=9, max_size=9),
+)  # fmt: skip
+def test_run_tables_equal_the_reference(layout, cp, units, tail, short):
+    cp = 1 if layout == "identity" else cp
+    doc_multiple, pack_multiple = alignment(layout, cp)
+    lens = [u * doc_multiple for u in units]
+    pack_len = sum(lens) + tail * pack_multiple
+    pack_len += (-pack_len) % pack_multiple
+    table = layout_runs(layout, cp, lens, pack_len)
+    want = reference_rows(layout, cp, lens, pack_len)
+    np.testing.assert_array_equal(table.rows(), want)
+    for r in range(cp):
+        np.testing.assert_array_equal(table.row(r), want[r])
+    np.testing.assert_array_equal(table.inverse(), np.argsort(want.reshape(-1), kind="stable"))
+    if table.doc is None:
+        return
+    slots = np.diff(np.append(table.doc_starts, sum(lens) if layout == "balanced" else pack_len))
+    real = np.maximum(slots - np.asarray(short[: slots.size], dtype=np.int64), 0)
+    positions = np.full(pack_len, -1)
+    for start, n in zip(table.doc_starts.tolist(), real.tolist(), strict=True):
+        positions[start : start + n] = np.arange(n)
+    np.testing.assert_array_equal(table.causal_work(real), causal_work(want, positions))
