@@ -28,7 +28,7 @@ from cpdata.layouts import LAYOUTS, alignment, causal_work, layout_runs
 from cpdata.loader import shard_graph
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
-from cpdata.plan import DocPiece, PackPlan
+from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids")
 
@@ -129,7 +129,8 @@ def reference_full(plans: list[PackPlan], pad: int) -> tuple[dict[str, np.ndarra
 
 
 def reference_digest(plans: list[PackPlan], layout: str, cp: int) -> int:
-    """The plan digest, one piece at a time; several plans: blake2b over their digests."""
+    """The plan digest, one piece at a time (provenance and evenly spaced sampled ids); several plans:
+    blake2b over their digests."""
     digests = []
     for plan in plans:
         h = hashlib.blake2b(digest_size=8)
@@ -138,9 +139,10 @@ def reference_digest(plans: list[PackPlan], layout: str, cp: int) -> int:
         meta = []
         for q in plan.pieces:
             ids = np.asarray(q.arrays["input_ids"])
-            first, last = (int(ids[0]), int(ids[-1])) if ids.size else (-1, -1)
-            meta.append((q.index, q.start, ids.size, q.next_label, first, last))
-        h.update(np.asarray(meta, dtype=np.int64).reshape(-1, 6).tobytes())
+            k = ids.size
+            samples = [int(ids[j * (k - 1) // (DIGEST_SAMPLES - 1)]) if k else -1 for j in range(DIGEST_SAMPLES)]
+            meta.append((q.index, q.start, k, q.next_label, *samples))
+        h.update(np.asarray(meta, dtype=np.int64).reshape(-1, 4 + DIGEST_SAMPLES).tobytes())
         digests.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
     if len(digests) == 1:
         return digests[0]
