@@ -25,16 +25,27 @@ Pickles by value (tensors through torch's shared-memory reducers across
 worker processes).
 
 Memory layout: :meth:`ShardedBatch.contiguous` (what ``ShardForRank`` emits)
-places every tensor in one byte buffer (16-byte aligned views), so pinning is
-one ``pin_memory`` call and the host-to-device move is a single copy of that
-buffer instead of one per key (~10 keys: ten small copies, each paying the
-launch/latency cost, become one). Replacing a key by another tensor falls back
-to per-key copies for that batch.
+places every tensor in one byte buffer (16-byte aligned views): first the
+batch's tensors, then the layout's index maps. So
+
+- a batch crosses from a dataloader worker to the training process as one
+  shared-memory storage (torch's reducers pass one file descriptor per
+  storage; the receiver maps it and rebuilds the views from byte spans);
+- pinning is one ``pin_memory`` call;
+- the host-to-device move (:meth:`ShardedBatch.to`) is one copy of the
+  buffer's batch part (~10 keys: ten small copies, each paying the
+  launch/latency cost, become one). The index maps stay on the host, pinned
+  with the rest, and move on the first gather that needs them
+  (:func:`cpdata.gather.layout_tensor_on`), so a model that never gathers
+  never copies them.
+
+Replacing a key by another tensor falls back to per-key copies for that batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,12 +59,34 @@ _ALIGN = 16
 Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
 
 
+_LAYOUT_MAPS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
+"""The :class:`ShardLayout` tensor fields a contiguous batch keeps in its buffer, after the batch's tensors."""
+
+
 def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
     return ShardedBatch(tensors, layout=layout, info=info)
 
 
-def _restore_buffer(buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: dict[str, Any]):
-    return ShardedBatch._from_buffer(buffer, spans, layout, info)
+def _restore_buffer(
+    buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: dict[str, Any],
+    map_spans: dict[str, Span] | None = None,
+) -> ShardedBatch:  # fmt: skip
+    return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {})
+
+
+def _span_table(tensors: Mapping[str, torch.Tensor], offset: int = 0) -> tuple[dict[str, Span], int]:
+    """Byte spans of ``tensors`` packed from ``offset`` (C-contiguous, each start 16-byte aligned); the end."""
+    spans: dict[str, Span] = {}
+    for k, v in tensors.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"ShardedBatch values must be torch tensors; key {k!r} is {type(v).__name__}")
+        n = v.numel() * v.element_size()
+        strides = [1] * v.dim()
+        for i in range(v.dim() - 2, -1, -1):
+            strides[i] = strides[i + 1] * v.shape[i + 1]
+        spans[k] = (offset, n, v.dtype, tuple(v.shape), tuple(strides))
+        offset += -(-n // _ALIGN) * _ALIGN
+    return spans, offset
 
 
 def _views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
@@ -78,7 +111,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         info: small plain-python metadata (no tensors).
     """
 
-    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans")
+    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans", "_map_spans", "_head")
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
@@ -92,37 +125,47 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         self._layout = layout
         self._info = dict(info or {})
         self._buffer: torch.Tensor | None = None  # uint8 [bytes] backing every tensor, when contiguous
-        self._spans: dict[str, Span] = {}
+        self._spans: dict[str, Span] = {}  # key -> span in _buffer
+        self._map_spans: dict[str, Span] = {}  # layout field -> span in _buffer, after every key
+        self._head = 0  # bytes of _buffer before the layout maps
 
     @classmethod
     def contiguous(
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
-        """A batch whose tensors are views of one host buffer (one extra host copy of this rank's bytes)."""
-        spans: dict[str, Span] = {}
-        offset = 0
-        for k, v in tensors.items():
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"ShardedBatch values must be torch tensors; key {k!r} is {type(v).__name__}")
-            n = v.numel() * v.element_size()
-            strides = [1] * v.dim()
-            for i in range(v.dim() - 2, -1, -1):
-                strides[i] = strides[i + 1] * v.shape[i + 1]
-            spans[k] = (offset, n, v.dtype, tuple(v.shape), tuple(strides))
-            offset += -(-n // _ALIGN) * _ALIGN
-        buffer = torch.empty(offset, dtype=torch.uint8)
-        views = _views(buffer, spans)
-        for k, v in tensors.items():
-            views[k].copy_(v)
-        return cls._from_buffer(buffer, spans, layout, info)
+        """A batch whose tensors and layout maps are views of one host buffer (one extra host copy).
+
+        Buffer: ``tensors`` in order, then the layout's index maps
+        (``local_token_global_indices``, ``input_token_stream_positions``,
+        ``gather_index``, those that are set), each span 16-byte aligned.
+        """
+        spans, end = _span_table(tensors)
+        maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
+        map_spans, total = _span_table(maps, end)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        for view, v in zip((*_views(buffer, spans).values(), *_views(buffer, map_spans).values()),
+                           (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
+            view.copy_(v)
+        return cls._from_buffer(buffer, spans, layout, info, map_spans)
 
     @classmethod
     def _from_buffer(
-        cls, buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: Mapping[str, Any] | None
-    ) -> ShardedBatch:
-        batch = cls(_views(buffer, spans), layout=layout, info=info)
-        batch._buffer, batch._spans = buffer, dict(spans)
+        cls, buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: Mapping[str, Any] | None,
+        map_spans: dict[str, Span],
+    ) -> ShardedBatch:  # fmt: skip
+        """Views of ``buffer`` by span; no per-key checks (the spans were made from tensors). Span
+        tables are never mutated, so batches derived from one another share them."""
+        if map_spans:
+            layout = replace(layout, **_views(buffer, map_spans))
+        batch = cls.__new__(cls)
+        batch._tensors, batch._layout, batch._info = _views(buffer, spans), layout, dict(info or {})
+        batch._buffer, batch._spans, batch._map_spans = buffer, spans, map_spans
+        batch._head = min((span[0] for span in map_spans.values()), default=buffer.numel())
         return batch
+
+    def _batch_bytes(self) -> int:
+        """Bytes of the buffer's batch part (every key; the layout maps follow)."""
+        return self._head
 
     @property
     def layout(self) -> ShardLayout:
@@ -157,7 +200,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 "to change shapes use batch.replace(...)"
             )
         if value is not old:  # the buffer no longer backs every key
-            self._buffer, self._spans = None, {}
+            self._buffer, self._spans, self._map_spans, self._head = None, {}, {}, 0
         self._tensors[key] = value
 
     def __delitem__(self, key: str) -> None:
@@ -167,17 +210,23 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         # Same tensor objects: torch's default_convert copies then update()s with the originals, which must
         # not look like replacements (that would drop the single buffer).
         batch = ShardedBatch(self._tensors, layout=self._layout, info=self._info)
-        batch._buffer, batch._spans = self._buffer, dict(self._spans)
+        batch._buffer, batch._spans, batch._map_spans, batch._head = (
+            self._buffer, self._spans, self._map_spans, self._head)  # fmt: skip
         return batch
 
     def __reduce__(self):
-        if self._buffer is not None:
-            return _restore_buffer, (self._buffer, self._spans, self._layout, self._info)
+        if self._buffer is not None:  # one storage: the views are rebuilt from the spans on the other side
+            bare = replace(self._layout, **dict.fromkeys(self._map_spans))
+            return _restore_buffer, (self._buffer, self._spans, bare, self._info, self._map_spans)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.items())
         return f"ShardedBatch(cp_rank={self._layout.cp_rank}/{self._layout.cp_size}, {{{shapes}}})"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as a new plain dict (same tensor objects)."""
+        return dict(self._tensors)
 
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
         """A new batch with keys set (or removed, for ``None``); layout and info kept."""
@@ -190,18 +239,23 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return ShardedBatch(out, layout=self._layout, info=self._info)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
-        """Tensors on ``device`` (one copy when contiguous); the layout stays on the host (the sharder
-        moves what it needs). ``copy=True`` copies even when already on ``device``, as ``Tensor.to``."""
+        """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
+        the host (the gather moves its maps on first use). ``copy=True`` copies even when already on
+        ``device``, as ``Tensor.to``."""
         if self._buffer is not None:
-            buffer = self._buffer.to(device, non_blocking=non_blocking, copy=copy)
-            return ShardedBatch._from_buffer(buffer, self._spans, self._layout, self._info)
+            head = self._buffer[: self._batch_bytes()]
+            moved = head.to(device, non_blocking=non_blocking, copy=copy)
+            if moved.data_ptr() == head.data_ptr():  # already there: the same batch
+                return self.__copy__()
+            return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {})
         moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
         return ShardedBatch(moved, layout=self._layout, info=self._info)
 
     def pin_memory(self, device: Any = None) -> ShardedBatch:
         """Tensors and layout tensors in pinned host memory (CUDA builds only)."""
         if self._buffer is not None:
-            return ShardedBatch._from_buffer(self._buffer.pin_memory(), self._spans, self._layout.pin_memory(),
-                                             self._info)  # fmt: skip
+            pinned = self._buffer.pin_memory()
+            layout = self._layout if self._map_spans else self._layout.pin_memory()
+            return ShardedBatch._from_buffer(pinned, self._spans, layout, self._info, self._map_spans)
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)

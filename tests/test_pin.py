@@ -62,9 +62,11 @@ def test_sharded_batch_takes_torchs_pin_path(fake_pinning):
         assert torch.equal(pinned[k], batch[k]) and pinned[k].data_ptr() != batch[k].data_ptr()
     assert torch.equal(pinned.layout.gather_index, batch.layout.gather_index)
     assert pinned.layout.gather_index.data_ptr() != batch.layout.gather_index.data_ptr()
-    # One pin for the buffer that backs every tensor (single host-to-device copy later), two for the layout maps.
-    assert len(fake_pinning) == 3
-    assert fake_pinning[0][0] >= sum(t.numel() * t.element_size() for t in batch.values())
+    # One pin for the buffer that backs every tensor and both layout maps (single host-to-device copy later).
+    assert len(fake_pinning) == 1
+    lay = batch.layout
+    maps = (lay.local_token_global_indices, lay.gather_index)
+    assert fake_pinning[0][0] >= sum(t.numel() * t.element_size() for t in (*batch.values(), *maps))
     plans, _ = make_plans(np.random.default_rng(1), n_plans=1, capacity=64, doc_multiple=4)
     every_rank = next(ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
     both = torch_pin_memory(every_rank)

@@ -215,7 +215,7 @@ class ShardForRank(BaseNode[Any]):
         out = []
         for r, arrays in zip(ranks, shards, strict=True):
             layout = ShardLayout(
-                local_token_global_indices=torch.from_numpy(rows[r].copy()),
+                local_token_global_indices=torch.from_numpy(rows[r]),  # copied into the batch buffer
                 original_seq_len=None,
                 padded_seq_len=stream_len,
                 input_row_shape=batch.row_shape if batch.qkv_format == "thd" else None,

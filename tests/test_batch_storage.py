@@ -1,0 +1,106 @@
+"""One storage per batch: every tensor and both layout maps are views of one buffer, end to end.
+
+Through ``default_convert``, pinning, pickling, a ``StatefulDataLoader``
+worker (the batch arrives in the training process as one shared-memory
+storage) and ``ShardedBatch.to(device, non_blocking=True)`` (one copy).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import default_convert
+from torch.utils.data._utils.pin_memory import pin_memory
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from cpdata import CPDataset
+from cpdata.batch import ShardedBatch
+
+DOCS = [{"input_ids": np.arange(1, 1 + 40 + (i * 37) % 300, dtype=np.int64)} for i in range(60)]
+CFG = {"capacity": 512, "cp_size": 4, "layout": "balanced", "seed": 0}
+
+
+def tensors_of(batch: ShardedBatch) -> list[torch.Tensor]:
+    lay = batch.layout
+    return [*batch.values(), lay.local_token_global_indices, lay.gather_index]
+
+
+def storages(batch: ShardedBatch) -> int:
+    return len({t.untyped_storage().data_ptr() for t in tensors_of(batch)})
+
+
+def first_batch(**over) -> ShardedBatch:
+    return next(iter(CPDataset(DOCS, cp_rank=1, **{**CFG, **over})))
+
+
+def assert_same(a: ShardedBatch, b: ShardedBatch) -> None:
+    assert list(a) == list(b) and a.info == b.info
+    for x, y in zip(tensors_of(a), tensors_of(b), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_the_layout_maps_live_in_the_batch_buffer():
+    batch = first_batch()
+    assert storages(batch) == 1
+    lay = batch.layout
+    assert lay.gather_index.numel() == 4 * lay.local_token_global_indices.numel() == 512
+    assert torch.equal(torch.sort(lay.gather_index).values, torch.arange(512))  # a permutation, intact
+    assert torch.equal(lay.gather_index[lay.local_token_global_indices], torch.arange(128) + 128)  # rank 1
+
+
+def test_default_convert_copy_and_pickle_keep_one_storage():
+    batch = first_batch()
+    for other in (default_convert(batch), pickle.loads(pickle.dumps(batch))):
+        assert isinstance(other, ShardedBatch) and storages(other) == 1
+        assert_same(other, batch)
+
+
+def test_pinning_is_one_call_on_one_storage(monkeypatch):
+    batch = first_batch()
+    calls = []
+
+    def fake_pin(self, *args, **kwargs):  # a CPU build cannot pin: count the calls, copy like pinning does
+        calls.append(self.numel())
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    pinned = pin_memory(batch)  # what DataLoader(pin_memory=True)'s thread calls
+    assert calls == [batch._buffer.numel()]
+    assert isinstance(pinned, ShardedBatch) and storages(pinned) == 1
+    assert pinned._buffer.data_ptr() != batch._buffer.data_ptr()
+    assert_same(pinned, batch)
+
+
+def test_to_device_is_one_copy_and_leaves_the_maps_on_the_host(monkeypatch):
+    batch = first_batch()
+    copies = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        copies.append(self.numel())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    moved = batch.to("cpu", non_blocking=True, copy=True)
+    same = batch.to("cpu")
+    monkeypatch.undo()
+    assert copies == [batch._batch_bytes(), batch._batch_bytes()]
+    assert batch._batch_bytes() < batch._buffer.numel()  # the maps are not part of the copy
+    assert len({t.untyped_storage().data_ptr() for t in moved.values()}) == 1
+    assert moved.layout.gather_index.data_ptr() == batch.layout.gather_index.data_ptr()
+    assert_same(moved, batch)
+    assert same._buffer is batch._buffer  # already there: nothing moved
+
+
+def test_a_worker_batch_arrives_as_one_shared_memory_storage():
+    loader = StatefulDataLoader(CPDataset(DOCS, cp_rank=1, **CFG), batch_size=None, num_workers=1,
+                                multiprocessing_context="fork")  # fmt: skip
+    local = list(CPDataset(DOCS, cp_rank=1, **CFG))
+    got = list(loader)
+    assert len(got) == len(local) > 1
+    for batch, want in zip(got, local, strict=True):
+        assert isinstance(batch, ShardedBatch) and storages(batch) == 1
+        assert batch._buffer.untyped_storage().is_shared()
+        assert_same(batch, want)
