@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from cpdata.batch import ShardedBatch
 from cpdata.cp_attention import AttentionContextFactory
 from cpdata.keys import (
     DOCUMENT_IDS,
@@ -114,9 +115,8 @@ def _shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devi
             f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
             "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )
-    on_device = device is None or all(v.device == device for v in batch.values() if isinstance(v, torch.Tensor))
-    if not on_device and callable(getattr(batch, "to", None)):  # ShardedBatch: one copy of its buffer
-        out = dict(batch.to(device, non_blocking=True))
+    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by span
+        out = (batch if device is None else batch.to(device, non_blocking=True)).tensors()
     else:
         out = {k: _to(v, device) for k, v in batch.items()}
     return attention_ctx(cp_mesh, layout, out), out, layout
