@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data._utils.collate import default_convert
 from torch.utils.data._utils.pin_memory import pin_memory
@@ -104,3 +105,27 @@ def test_a_worker_batch_arrives_as_one_shared_memory_storage():
         assert isinstance(batch, ShardedBatch) and storages(batch) == 1
         assert batch._buffer.untyped_storage().is_shared()
         assert_same(batch, want)
+
+
+def test_sharder_moves_a_presharded_batch_in_one_call(monkeypatch):
+    from cpdata.bench.step_shard import LocalMesh
+    from cpdata.sharder import ContextParallelSharder
+
+    batch = first_batch()
+    sharder = ContextParallelSharder(None, LocalMesh(1, 4, "cpu"), batch)
+    calls = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        calls.append(self.numel())
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    _, local = sharder.shard(batch)
+    monkeypatch.undo()
+    assert calls == [batch._batch_bytes()]
+    assert type(local) is dict and list(local) == list(batch)
+    assert all(local[k] is batch[k] for k in batch)  # already on the mesh's device: the same views
+    assert sharder.shard_layout is batch.layout
+    with pytest.raises(ValueError, match="cp_rank=1 but this process is cp_rank=2"):
+        ContextParallelSharder(None, LocalMesh(2, 4, "cpu"), batch).shard(batch)
