@@ -60,7 +60,19 @@ def test_worker_and_memcpy_rates_are_positive(results):
     for r in results["worker"]:
         assert 0 < r["tokens_per_s"] < r["memcpy_tokens_per_s"], r  # memcpy is the ceiling
         assert r["fraction_of_memcpy"] == pytest.approx(r["tokens_per_s"] / r["memcpy_tokens_per_s"])
+        assert r["cpdata_us_per_pack"] > 0 and r["anchor_host_us"] > 0
+        assert r["ns_per_pack_token"] * r["capacity"] == pytest.approx(r["cpdata_us_per_pack"] * 1e3, rel=0.05)
     assert {r["cp_size"] for r in results["worker"]} == {2, 4, 8}
+    names = {t["target"] for t in results["targets"]}
+    assert {"worker vs in-step", "worker per token", "one storage", "handoff cost"} <= names
+
+
+def test_handoff_receives_one_storage_against_a_dict_of_many(results):
+    rows = results["handoff"]
+    assert {r["strategy"] for r in rows} == set(torch.multiprocessing.get_all_sharing_strategies())
+    for r in rows:
+        assert r["storages_per_batch"] == 1 and r["baseline_storages_per_batch"] >= 10
+        assert r["receive_ms_per_batch"] > 0 and r["baseline_receive_ms_per_batch"] > 0
 
 
 def test_packing_never_beats_its_lower_bound(results):

@@ -18,14 +18,22 @@ activations (autograd), ``dist.all_gather`` of every rank's index map, an
 autograd all-gather's backward is ``cp_size`` scatters (torch emulates
 reduce-scatter with all-to-all); on NCCL it is one reduce-scatter.
 
+In-step collate (NeMo packed-sequence style, :func:`anchor_collate`): the
+pack's documents arrive as token arrays; per document the step builds ids,
+shifted labels and positions as tensors, pads each to the layout's document
+multiple, concatenates them, pads to the capacity and derives ``cu_seqlens``.
+Together with :func:`anchor_shard` this is the host work a trainer does per
+pack without cpdata (the ``worker`` section's ``anchor_host_us``).
+
 On a CPU-only machine the host-to-device copy is modelled by ``clone()`` (a
 same-device ``.to()`` would be free), for the anchor and for cpdata alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +42,7 @@ from cpdata.keys import IGNORE_INDEX, LABELS, PADDING_MASK
 
 __all__ = [
     "ANCHOR_LAYOUTS",
+    "anchor_collate",
     "anchor_gather",
     "anchor_shard",
     "te_thd_partitioned_indices",
@@ -99,6 +108,40 @@ ANCHOR_LAYOUTS: dict[str, Callable[[Mapping[str, torch.Tensor], int, int, int], 
 """Layouts with an in-step anchor: name -> ``indices(batch, total, cp_size, cp_rank)``."""
 
 _PAD_VALUES = {LABELS: IGNORE_INDEX, PADDING_MASK: True}
+
+
+def anchor_collate(
+    documents: Sequence[np.ndarray], *, capacity: int, doc_multiple: int = 1, padding_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """The full pack built in the step from its documents' token arrays (NeMo packed-sequence style).
+
+    Returns ``[1, capacity]`` ``input_ids``, ``labels`` (next token inside each
+    document, -100 at its end and on pads), ``position_ids``, ``padding_mask``
+    and int32 ``cu_seqlens`` / ``cu_seqlens_padded`` (the tail joins the last slot).
+    """
+    ids, labels, positions, masks, lens, padded = [], [], [], [], [], []
+    for doc in documents:
+        t = torch.from_numpy(np.asarray(doc, dtype=np.int64))
+        n = t.numel()
+        pad = (-n) % doc_multiple
+        ids.append(F.pad(t, (0, pad), value=padding_token_id))
+        labels.append(F.pad(torch.cat([t[1:], t.new_full((1,), IGNORE_INDEX)]), (0, pad), value=IGNORE_INDEX))
+        positions.append(torch.arange(n + pad))
+        masks.append(torch.arange(n + pad) >= n)
+        lens.append(n)
+        padded.append(n + pad)
+    tail = capacity - sum(padded)
+    padded[-1] += tail
+    out = {
+        "input_ids": F.pad(torch.cat(ids), (0, tail), value=padding_token_id),
+        LABELS: F.pad(torch.cat(labels), (0, tail), value=IGNORE_INDEX),
+        "position_ids": torch.cat([*positions[:-1], torch.arange(padded[-1])]),
+        PADDING_MASK: F.pad(torch.cat(masks), (0, tail), value=True),
+    }
+    out = {k: v.unsqueeze(0) for k, v in out.items()}
+    out["cu_seqlens"] = F.pad(torch.cumsum(torch.tensor(lens), 0), (1, 0)).to(torch.int32)
+    out["cu_seqlens_padded"] = F.pad(torch.cumsum(torch.tensor(padded), 0), (1, 0)).to(torch.int32)
+    return out
 
 
 def anchor_shard(

@@ -47,10 +47,22 @@ def _step(rows: list[dict], device: str) -> str:
 
 
 def _worker(rows: list[dict]) -> str:
-    body = [(r["layout"], r["cp_size"], _tokens(r["capacity"]), f"{r['tokens_per_s'] / 1e6:.1f}M",
-             f"{r['memcpy_tokens_per_s'] / 1e6:.0f}M", f"{r['fraction_of_memcpy']:.3g}") for r in rows]
-    head = ("layout", "cp", "capacity", "tokens/s", "memcpy tokens/s", "fraction")
-    return "**Worker throughput** (pack + collate + shard, one core, one rank's output)\n\n" + _md(head, body)
+    body = [(r["layout"], r["cp_size"], _tokens(r["capacity"]), f"{r['cpdata_us_per_pack']:.0f}",
+             f"{r['anchor_host_us']:.0f}", f"{r['cpdata_us_per_pack'] / r['anchor_host_us']:.2f}",
+             f"{r['ns_per_pack_token']:.1f}", f"{r['tokens_per_s'] / 1e6:.1f}M", f"{r['fraction_of_memcpy']:.3g}")
+            for r in rows]  # fmt: skip
+    head = ("layout", "cp", "capacity", "cpdata us/pack", "anchor us/pack", "ratio", "ns/token", "tokens/s",
+            "of memcpy")
+    return ("**Worker** (pack + collate + shard on one core, one rank's output; anchor: in-step collate + shard "
+            "of the same pack)\n\n" + _md(head, body))
+
+
+def _handoff(rows: list[dict]) -> str:
+    body = [(r["strategy"], _tokens(r["tokens"]), r["storages_per_batch"], f"{r['receive_ms_per_batch']:.3f}",
+             r["baseline_storages_per_batch"], f"{r['baseline_receive_ms_per_batch']:.3f}", f"{r['ratio']:.2f}")
+            for r in rows]  # fmt: skip
+    head = ("sharing strategy", "tokens", "storages", "receive ms", "dict storages", "dict receive ms", "ratio")
+    return "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)\n\n" + _md(head, body)
 
 
 def _packing(rows: list[dict], default: str) -> str:
@@ -122,6 +134,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_step(results["step_shard"], m["device"]))
     if results.get("worker"):
         parts.append(_worker(results["worker"]))
+    if results.get("handoff"):
+        parts.append(_handoff(results["handoff"]))
     if results.get("packing"):
         parts.append(_packing(results["packing"], str(results.get("default_algorithm", "bfd"))))
     if results.get("balance"):

@@ -25,6 +25,7 @@ __all__ = ["SECTIONS", "check_rows", "parse_sections", "run_bench", "write_json"
 SECTIONS: dict[str, str] = {
     "step_shard": "cpdata.bench.step_shard",
     "worker": "cpdata.bench.worker_throughput",
+    "handoff": "cpdata.bench.handoff",
     "packing": "cpdata.bench.packing_quality",
     "balance": "cpdata.bench.balance",
     "gather": "cpdata.bench.gather_collectives",

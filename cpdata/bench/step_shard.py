@@ -103,7 +103,7 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
 
     def ours():
         _, out = sharder.shard(sharded)  # on CPU the move is a no-op: model the copy as the batch does it
-        return dict(sharded.to(device, copy=True)) if device.type == "cpu" else out
+        return sharded.to(device, copy=True).tensors() if device.type == "cpu" else out
 
     got_anchor, anchor_index = anchor()
     got = ours()

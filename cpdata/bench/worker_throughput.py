@@ -1,10 +1,23 @@
-"""Section ``worker``: pack + collate + shard throughput of one worker core vs memcpy.
+"""Section ``worker``: pack + collate + shard on one worker core, against the in-step anchor and memcpy.
 
 The worker pipeline of one CP rank (``Documents -> Pack -> Collate ->
 ShardForRank``, default packer, SFT-like documents with random token ids made
 beforehand) runs over a fixed stream on one thread. ``tokens_per_s`` counts
 the tokens of the *full* packs per second, while only rank 0's output is
-built. The baseline moves the same output bytes with ``np.copyto``, pack by
+built; ``cpdata_us_per_pack`` and ``ns_per_pack_token`` are the same time per
+pack and per pack token.
+
+The anchor is the host work a trainer does per pack without cpdata, on the
+same packs in the same run, alternating with cpdata's repeats: the full pack
+collated in the step from its documents (:func:`cpdata.bench.anchors.anchor_collate`,
+NeMo packed-sequence style) and sharded in the step for rank 0
+(:func:`cpdata.bench.anchors.anchor_shard`, the ``step_shard`` anchor;
+``balanced`` has no in-step form and is compared with ``round_robin``, the
+whole-pack head-tail split). It excludes packing, which cpdata's time
+includes: ``anchor_host_us``.
+
+Memcpy reference (reported, no target: in Python, reading the pack's tokens
+once already costs about 4x the memcpy of one rank's output). The baseline moves the same output bytes with ``np.copyto``, pack by
 pack, from a fresh source buffer into a fresh destination (as large as the
 whole run's output, so it streams through memory like the worker's output
 does), in the same run: ``memcpy_tokens_per_s`` is full-pack tokens per second
@@ -21,16 +34,18 @@ import time
 import numpy as np
 import torch
 
+from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_collate, anchor_shard
 from cpdata.bench.distributions import sample
 from cpdata.bench.timing import median_seconds
 
 __all__ = ["COLUMNS", "TABLE", "run"]
 
 COLUMNS: tuple[str, ...] = (
-    "layout", "cp_size", "capacity", "tokens_per_s", "memcpy_tokens_per_s", "fraction_of_memcpy",
+    "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ns_per_pack_token", "tokens_per_s",
+    "memcpy_tokens_per_s", "fraction_of_memcpy",
 )
 TABLE: tuple[str, ...] = (*COLUMNS, "packs", "output_bytes_per_token", "layout_bytes_per_token")
-TITLE = "Documents -> Pack -> Collate -> ShardForRank on one core vs np.copyto of the same output bytes"
+TITLE = "Documents -> Pack -> Collate -> ShardForRank on one core vs in-step collate + shard, and memcpy"
 LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced")
 VOCAB = 32000
 
@@ -63,6 +78,35 @@ def _run_pipeline(docs, capacity: int, cp_size: int, layout: str) -> tuple[float
     return time.perf_counter() - t0, out_bytes, tokens, layout_bytes
 
 
+def _plans(docs, capacity: int, cp_size: int, layout: str) -> list:
+    from cpdata.loader import shard_graph
+
+    collate = shard_graph(docs, capacity=capacity, cp_size=cp_size, layout=layout, overflow="split")
+    collate.reset()
+    return [plan for batch in collate for plan in batch.plans]
+
+
+def _anchor(plans: list, capacity: int, cp_size: int, layout: str):
+    """``run()`` of the in-step anchor over ``plans`` (checked against cpdata's full pack first)."""
+    from cpdata.collate import collate_pack
+    from cpdata.layouts import alignment
+
+    anchor_layout = layout if layout in ANCHOR_LAYOUTS else "round_robin"
+    doc_multiple = alignment(layout, cp_size)[0]
+    device = torch.device("cpu")
+    documents = [[p.arrays["input_ids"] for p in plan.pieces] for plan in plans]
+    first = anchor_collate(documents[0], capacity=capacity, doc_multiple=doc_multiple)
+    want = collate_pack(plans[:1])["input_ids"]
+    assert np.array_equal(first["input_ids"].numpy(), want), "anchor and cpdata disagree on the pack's input_ids"
+
+    def run() -> None:
+        for docs in documents:
+            full = anchor_collate(docs, capacity=capacity, doc_multiple=doc_multiple)
+            anchor_shard(full, layout=anchor_layout, cp_size=cp_size, cp_rank=0, device=device)
+
+    return run
+
+
 def _memcpy_seconds(out_bytes: list[int], repeats: int) -> float:
     offsets = np.concatenate([[0], np.cumsum(out_bytes)])
     src = np.ones(int(offsets[-1]), dtype=np.uint8)
@@ -79,14 +123,24 @@ def _memcpy_seconds(out_bytes: list[int], repeats: int) -> float:
 def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> dict:
     docs = _documents(capacity * packs, seed=capacity + cp_size)
     _run_pipeline(docs[: max(8, len(docs) // 8)], capacity, cp_size, layout)  # warm caches and imports
-    runs = [_run_pipeline(docs, capacity, cp_size, layout) for _ in range(repeats)]
+    anchor = _anchor(_plans(docs, capacity, cp_size, layout), capacity, cp_size, layout)
+    anchor()
+    runs, anchor_s = [], []
+    for _ in range(repeats):  # alternate, so both sides see the same machine load
+        runs.append(_run_pipeline(docs, capacity, cp_size, layout))
+        t0 = time.perf_counter()
+        anchor()
+        anchor_s.append(time.perf_counter() - t0)
     seconds = float(np.median([r[0] for r in runs]))
     _, out_bytes, tokens, layout_bytes = runs[0]
+    n_packs = len(out_bytes)
     copy_s = _memcpy_seconds(out_bytes, repeats=max(3, repeats))
     return {
         "layout": layout, "cp_size": cp_size, "capacity": capacity,
+        "cpdata_us_per_pack": seconds / n_packs * 1e6, "anchor_host_us": float(np.median(anchor_s)) / n_packs * 1e6,
+        "ns_per_pack_token": seconds / tokens * 1e9,
         "tokens_per_s": tokens / seconds, "memcpy_tokens_per_s": tokens / copy_s,
-        "fraction_of_memcpy": copy_s / seconds, "packs": len(out_bytes),
+        "fraction_of_memcpy": copy_s / seconds, "packs": n_packs,
         "output_bytes_per_token": sum(out_bytes) / tokens, "layout_bytes_per_token": layout_bytes / tokens,
     }
 

@@ -1,0 +1,119 @@
+"""Section ``handoff``: what the training process pays to receive one batch from a dataloader worker.
+
+A ``StatefulDataLoader`` worker (``fork``, ``batch_size=None``) yields
+batches of one CP rank built beforehand (32K tokens, cp 4, ``balanced``;
+``--quick``: 8K), each once: cpdata's :class:`~cpdata.batch.ShardedBatch` (one
+buffer holding its tensors and layout maps) and, as the baseline, a plain
+dict of the same tensors, each its own tensor, the two layout maps as two more
+keys (what a pipeline without the single buffer hands over).
+``receive_ms_per_batch`` is the main process's CPU time per batch
+(``time.process_time``: unpickling, receiving a file descriptor per storage,
+mapping the shared memory, ``default_convert``), counted from the second
+batch on (the first pays the worker start), median over repeats that
+alternate cpdata and baseline. ``storages_per_batch`` counts the distinct
+storages of a received batch. Every sharing strategy torch offers here is
+measured (``file_descriptor``, Linux's default, and ``file_system``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.multiprocessing as tmp
+from torch.utils.data import IterableDataset
+
+from cpdata.bench.distributions import sample
+
+__all__ = ["COLUMNS", "TABLE", "run"]
+
+COLUMNS: tuple[str, ...] = (
+    "strategy", "tokens", "storages_per_batch", "receive_ms_per_batch", "baseline_storages_per_batch",
+    "baseline_receive_ms_per_batch", "ratio",
+)
+TABLE: tuple[str, ...] = (*COLUMNS, "batches")
+TITLE = "main-process CPU to receive one rank's batch from a StatefulDataLoader worker: cpdata vs plain dict"
+VOCAB = 32000
+
+
+class _Prebuilt(IterableDataset):
+    """Yields ``items`` once each (built in the parent; a forked worker inherits them)."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def _batches(tokens: int, count: int) -> list:
+    from cpdata import CPDataset
+
+    rng = np.random.default_rng(0)
+    lengths = sample("sft", int(tokens * count / 600) + 64, 0)
+    docs = [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
+    out = []
+    for batch in CPDataset(docs, capacity=tokens, cp_size=4, cp_rank=0, layout="balanced"):
+        out.append(batch)
+        if len(out) == count:
+            break
+    return out
+
+
+def _plain(batch) -> dict[str, torch.Tensor]:
+    lay = batch.layout
+    out = {k: v.clone() for k, v in batch.items()}
+    out["local_token_global_indices"] = lay.local_token_global_indices.clone()
+    out["gather_index"] = lay.gather_index.clone()
+    return out
+
+
+def _storages(item) -> int:
+    tensors = list(item.values())
+    lay = getattr(item, "layout", None)
+    if lay is not None:
+        tensors += [lay.local_token_global_indices, lay.gather_index]
+    return len({t.untyped_storage().data_ptr() for t in tensors})
+
+
+def _receive(items: list) -> tuple[float, int]:
+    """Main-process CPU seconds per item after the first, and storages of a received item."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(_Prebuilt(items), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    it = iter(loader)
+    got = [next(it)]
+    t0 = time.process_time()
+    got.extend(it)
+    seconds = (time.process_time() - t0) / (len(got) - 1)
+    assert len(got) == len(items)
+    return seconds, _storages(got[-1])
+
+
+def _one(strategy: str, tokens: int, count: int, repeats: int) -> dict:
+    batches = _batches(tokens, count)
+    plain = [_plain(b) for b in batches]
+    previous = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy(strategy)
+    try:
+        ours, base = [], []
+        for _ in range(repeats):
+            ours.append(_receive(batches))
+            base.append(_receive(plain))
+    finally:
+        tmp.set_sharing_strategy(previous)
+    ours_s = float(np.median([s for s, _ in ours]))
+    base_s = float(np.median([s for s, _ in base]))
+    return {
+        "strategy": strategy, "tokens": tokens, "batches": count,
+        "storages_per_batch": ours[0][1], "receive_ms_per_batch": ours_s * 1e3,
+        "baseline_storages_per_batch": base[0][1], "baseline_receive_ms_per_batch": base_s * 1e3,
+        "ratio": ours_s / base_s,
+    }  # fmt: skip
+
+
+def run(*, quick: bool) -> list[dict]:
+    tokens, count, repeats = (8192, 24, 3) if quick else (32768, 64, 5)
+    strategies = sorted(tmp.get_all_sharing_strategies())
+    return [_one(s, tokens, count, repeats) for s in strategies]
