@@ -144,7 +144,7 @@ def test_schedule_rows_cover_every_method_and_balance_beats_the_anchors(results)
 def test_targets_and_markdown_cover_every_section(results):
     assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
     text = render_markdown(results)
-    for header in ("Per-step sharding", "Worker throughput", "Packing", "Load balance", "Gather", "Long document",
+    for header in ("Per-step sharding", "Worker", "Handoff", "Packing", "Load balance", "Gather", "Long document",
                    "Scheduling across DP ranks"):
         assert header in text
 
