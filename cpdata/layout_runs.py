@@ -62,8 +62,9 @@ class RunTable:
             sum to ``local_len``.
         order: int64 ``[cp * C]``, flat indices of the runs sorted by global
             start (runs tile ``[0, pack_len)`` in that order).
-        doc: int64 ``[cp, C]``, the document (slot) each run lies in, -1 for
-            padding past the documents; None for layouts that ignore documents.
+        doc: int64 ``[C]``, the document (slot) of column ``j``'s runs (the
+            same for every rank), -1 for padding past the documents; None for
+            layouts that ignore documents.
         doc_starts: int64 ``[n_docs]``, global offset of each document; None with ``doc``.
     """
 
@@ -102,8 +103,8 @@ class RunTable:
         if self.doc_starts.size == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
         doc = np.maximum(self.doc, 0)
-        n = np.where(self.doc >= 0, np.asarray(real_lens, dtype=np.int64)[doc], 0)
-        offset = self.starts - self.doc_starts[doc]
+        n = np.where(self.doc >= 0, np.asarray(real_lens, dtype=np.int64)[doc], 0)  # [C]
+        offset = self.starts - self.doc_starts[doc]  # [cp, C]
         a = np.minimum(offset, n)
         b = np.minimum(offset + self.sizes, n)
         return (b * (b + 1) // 2 - a * (a + 1) // 2).sum(axis=1).astype(np.float64)
@@ -116,77 +117,89 @@ def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
     return RunTable(starts=starts, sizes=np.full_like(starts, local), order=np.arange(cp_size, dtype=np.int64))
 
 
-def _head_tail_order(cp_size: int, n_docs: int, width: int, tail_kind: int) -> np.ndarray:
-    """Flat run indices, in global order, of head (kind 0) / tail (kind ``tail_kind``) chunk pairs per document.
+@functools.lru_cache(maxsize=256)
+def _head_tail_order(cp_size: int, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat run indices of a head-tail table in global order, and the document of each column.
 
-    Chunk ``j`` of a document belongs to rank ``j`` (head) for ``j < cp`` and to
-    rank ``2cp-1-j`` (tail) after; table columns are ``doc * width + kind``.
+    Chunk ``j`` of a document belongs to rank ``j`` (head, column ``2d``) for
+    ``j < cp`` and to rank ``2cp-1-j`` (tail, column ``2d + 1``) after.
     """
     ranks = np.concatenate([np.arange(cp_size), np.arange(cp_size - 1, -1, -1)])
-    kinds = np.repeat([0, tail_kind], cp_size)
-    return (ranks * (n_docs * width))[None, :] + (np.arange(n_docs) * width)[:, None] + kinds[None, :]
+    kinds = np.repeat([0, 1], cp_size)
+    order = ((ranks * (n_docs * 2))[None, :] + (np.arange(n_docs) * 2)[:, None] + kinds[None, :]).reshape(-1)
+    doc = np.repeat(np.arange(n_docs, dtype=np.int64), 2)
+    order.flags.writeable = doc.flags.writeable = False
+    return order, doc
 
 
 def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool) -> RunTable:
     """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[S]``, each a multiple of 2cp).
 
     ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
-    ``thd`` with the document slots (tail absorbed).
+    ``thd`` with the document slots (tail absorbed). Columns ``2d``, ``2d+1``:
+    document ``d``'s head and tail chunk of each rank.
     """
     n_docs = slot_lens.size
     chunk = slot_lens // (2 * cp_size)
     doc_starts = np.cumsum(slot_lens) - slot_lens
     r = np.arange(cp_size, dtype=np.int64)[:, None]
-    starts = np.stack([doc_starts + r * chunk, doc_starts + (2 * cp_size - 1 - r) * chunk], axis=2)
-    sizes = np.broadcast_to(chunk[None, :, None], starts.shape)
-    order = _head_tail_order(cp_size, n_docs, 2, 1).reshape(-1)
-    doc = np.broadcast_to(np.arange(n_docs, dtype=np.int64)[None, :, None], starts.shape) if with_docs else None
-    return RunTable(
-        starts=starts.reshape(cp_size, -1), sizes=sizes.reshape(cp_size, -1), order=order,
-        doc=None if doc is None else doc.reshape(cp_size, -1), doc_starts=doc_starts if with_docs else None,
-    )  # fmt: skip
+    starts = np.empty((cp_size, n_docs, 2), dtype=np.int64)
+    starts[:, :, 0] = doc_starts + r * chunk
+    starts[:, :, 1] = doc_starts + (2 * cp_size - 1 - r) * chunk
+    sizes = np.empty_like(starts)
+    sizes[...] = chunk[None, :, None]
+    order, doc = _head_tail_order(cp_size, n_docs)
+    return RunTable(starts=starts.reshape(cp_size, -1), sizes=sizes.reshape(cp_size, -1), order=order,
+                    doc=doc if with_docs else None, doc_starts=doc_starts if with_docs else None)  # fmt: skip
 
 
 def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
     """``balanced`` (see :func:`cpdata.layouts.rank_indices`): four runs per rank and document, then padding.
 
     Document ``d`` of ``n = 2cp*q + m`` tokens: rank ``r`` owns head chunk ``r``
-    (``q`` tokens), the middle tokens ``k1`` and ``k1 + cp`` when they exist
-    (``k1 = (r - ptr_d) % cp``, ``ptr_d`` the round-robin pointer carried across
-    documents), and tail chunk ``2cp-1-r``. The pack's padding continues the
-    pointer one token at a time: one column of 1-token runs per ``cp`` pad tokens.
+    (``q`` tokens, column ``4d``), the middle tokens ``k1`` and ``k1 + cp`` when
+    they exist (columns ``4d+1``, ``4d+2``; ``k1 = (r - ptr_d) % cp``, ``ptr_d``
+    the round-robin pointer carried across documents), and tail chunk
+    ``2cp-1-r`` (column ``4d+3``). The pack's padding continues the pointer one
+    token at a time: one column of 1-token runs per ``cp`` pad tokens.
     """
     two, n_docs = 2 * cp_size, lens.size
     base = lens // two
     rem = lens - base * two
+    dealt = int(rem.sum())
     ptr = (np.cumsum(rem) - rem) % cp_size
     doc_starts = np.cumsum(lens) - lens
     middle = doc_starts + cp_size * base
     r = np.arange(cp_size, dtype=np.int64)[:, None]
-    k1 = (r - ptr[None, :]) % cp_size
-    starts = np.stack([doc_starts + r * base, middle + k1, middle + k1 + cp_size,
-                       middle + rem + (cp_size - 1 - r) * base], axis=2)  # fmt: skip
-    sizes = np.stack([np.broadcast_to(base, k1.shape), k1 < rem, k1 + cp_size < rem,
-                      np.broadcast_to(base, k1.shape)], axis=2).astype(np.int64)  # fmt: skip
-    # global order inside a document: heads of ranks 0..cp-1, middle tokens j (rank (ptr+j)%cp, slot 1 + j//cp), tails
-    j = np.arange(two)
-    mid_rank = (ptr[:, None] + j[None, :]) % cp_size
-    doc_col = np.arange(n_docs)[:, None] * 4
-    own = n_docs * 4
-    pad = pack_len - int(lens.sum())
+    k1 = (r - ptr) % cp_size  # [cp, n_docs]
+    pad = pack_len - int(doc_starts[-1] + lens[-1] if n_docs else 0)
+    own = 4 * n_docs
     width = own + -(-pad // cp_size)
-    heads = np.arange(cp_size)[None, :] * width + doc_col
-    mids = mid_rank * width + doc_col + 1 + j[None, :] // cp_size
-    tails = np.arange(cp_size - 1, -1, -1)[None, :] * width + doc_col + 3
-    order = np.concatenate([heads, mids, tails], axis=1).reshape(-1)
-    doc = np.broadcast_to(np.arange(n_docs, dtype=np.int64)[None, :, None], starts.shape).reshape(cp_size, own)
-    starts, sizes = starts.reshape(cp_size, own), sizes.reshape(cp_size, own)
+    starts = np.empty((cp_size, width), dtype=np.int64)
+    sizes = np.empty((cp_size, width), dtype=np.int64)
+    s4, z4 = starts[:, :own].reshape(cp_size, n_docs, 4), sizes[:, :own].reshape(cp_size, n_docs, 4)
+    s4[:, :, 0] = doc_starts + r * base
+    s4[:, :, 1] = middle + k1
+    s4[:, :, 2] = s4[:, :, 1] + cp_size
+    s4[:, :, 3] = middle + rem + (cp_size - 1 - r) * base
+    z4[:, :, 0] = base
+    z4[:, :, 1] = k1 < rem
+    z4[:, :, 2] = k1 + cp_size < rem
+    z4[:, :, 3] = base
+    # global order inside a document: heads of ranks 0..cp-1, middle tokens j (rank (ptr+j)%cp, column 1 + j//cp), tails
+    j = np.arange(two)
+    col = (np.arange(n_docs) * 4)[:, None]
+    order = np.empty((n_docs, 4 * cp_size), dtype=np.int64)
+    order[:, :cp_size] = np.arange(cp_size) * width + col
+    order[:, cp_size : 3 * cp_size] = (ptr[:, None] + j) % cp_size * width + col + 1 + j // cp_size
+    order[:, 3 * cp_size :] = np.arange(cp_size - 1, -1, -1) * width + col + 3
+    order = order.reshape(-1)
+    doc = np.full(width, -1, dtype=np.int64)
+    doc[:own] = np.repeat(np.arange(n_docs, dtype=np.int64), 4)
     if pad:
-        i = (np.arange(cp_size)[:, None] - int(rem.sum())) % cp_size + cp_size * np.arange(width - own)[None, :]
-        pad_start = pack_len - pad
-        starts = np.concatenate([starts, pad_start + i], axis=1)
-        sizes = np.concatenate([sizes, (i < pad).astype(np.int64)], axis=1)
-        doc = np.concatenate([doc, np.full(i.shape, -1, dtype=np.int64)], axis=1)
+        i = (r - dealt) % cp_size + cp_size * np.arange(width - own)
+        starts[:, own:] = pack_len - pad + i
+        sizes[:, own:] = i < pad
         k = np.arange(pad)
-        order = np.concatenate([order, ((int(rem.sum()) + k) % cp_size) * width + own + k // cp_size])
+        order = np.concatenate([order, (dealt + k) % cp_size * width + own + k // cp_size])
     return RunTable(starts=starts, sizes=sizes, order=order, doc=doc, doc_starts=doc_starts)

@@ -168,7 +168,7 @@ def check_shards_against_the_full_pack(shards, full: dict[str, np.ndarray], cp: 
     gather = shards[0].layout.gather_index
     local = [s.layout.local_token_global_indices for s in shards]
     assert [s.layout.cp_rank for s in shards] == list(range(cp))
-    assert all(s.layout.cp_size == cp and s.layout.gather_index is gather for s in shards)
+    assert all(s.layout.cp_size == cp and torch.equal(s.layout.gather_index, gather) for s in shards)
     assert torch.equal(torch.cat(local)[gather], torch.arange(gather.numel())), "gather_index inverts the shards"
     for key in TOKEN_KEYS:
         want = torch.from_numpy(full[key])
