@@ -44,15 +44,18 @@ Replacing a key by another tensor falls back to per-key copies for that batch.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["ShardedBatch"]
+__all__ = ["BatchBuffer", "ShardedBatch"]
 
 
 _ALIGN = 16
@@ -74,19 +77,68 @@ def _restore_buffer(
     return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {})
 
 
-def _span_table(tensors: Mapping[str, torch.Tensor], offset: int = 0) -> tuple[dict[str, Span], int]:
-    """Byte spans of ``tensors`` packed from ``offset`` (C-contiguous, each start 16-byte aligned); the end."""
+def _span_table(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, int]], offset: int = 0
+) -> tuple[dict[str, Span], int]:
+    """Byte spans for ``key -> (shape, dtype, itemsize)`` packed from ``offset`` (C-contiguous, each
+    start 16-byte aligned), and the end offset."""
     spans: dict[str, Span] = {}
-    for k, v in tensors.items():
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"ShardedBatch values must be torch tensors; key {k!r} is {type(v).__name__}")
-        n = v.numel() * v.element_size()
-        strides = [1] * v.dim()
-        for i in range(v.dim() - 2, -1, -1):
-            strides[i] = strides[i + 1] * v.shape[i + 1]
-        spans[k] = (offset, n, v.dtype, tuple(v.shape), tuple(strides))
+    for k, (shape, dtype, itemsize) in specs.items():
+        n = math.prod(shape) * itemsize
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        spans[k] = (offset, n, dtype, tuple(shape), tuple(strides))
         offset += -(-n // _ALIGN) * _ALIGN
     return spans, offset
+
+
+def _tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise TypeError(f"ShardedBatch values must be torch tensors; keys {bad} are not")
+    return {k: (tuple(v.shape), v.dtype, v.element_size()) for k, v in tensors.items()}
+
+
+@functools.lru_cache(maxsize=32)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+class BatchBuffer:
+    """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
+
+    Args:
+        tensors: key -> ``(shape, numpy dtype)`` of every batch tensor, in order.
+        maps: layout field (``local_token_global_indices``, ...) -> ``(shape, dtype)``; placed after the tensors.
+
+    Attributes:
+        arrays: key -> numpy view of the buffer (uninitialised; the writer fills every element).
+        maps: layout field -> numpy view.
+    """
+
+    __slots__ = ("buffer", "spans", "map_spans", "arrays", "maps")
+
+    def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                 maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
+        def specs(items):
+            return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
+
+        self.spans, end = _span_table(specs(tensors.items()))
+        self.map_spans, total = _span_table(specs(maps.items()), end)
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        raw = self.buffer.numpy()
+
+        def view(span: Span, dt) -> np.ndarray:
+            off, n, _, shape, _ = span
+            return raw[off : off + n].view(dt).reshape(shape)
+
+        self.arrays = {k: view(self.spans[k], dt) for k, (_, dt) in tensors.items()}
+        self.maps = {k: view(self.map_spans[k], dt) for k, (_, dt) in maps.items()}
+
+    def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None) -> ShardedBatch:
+        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer."""
+        return ShardedBatch._from_buffer(self.buffer, self.spans, layout, info, self.map_spans)
 
 
 def _views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
@@ -139,9 +191,9 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         (``local_token_global_indices``, ``input_token_stream_positions``,
         ``gather_index``, those that are set), each span 16-byte aligned.
         """
-        spans, end = _span_table(tensors)
+        spans, end = _span_table(_tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
-        map_spans, total = _span_table(maps, end)
+        map_spans, total = _span_table(_tensor_specs(maps), end)
         buffer = torch.empty(total, dtype=torch.uint8)
         for view, v in zip((*_views(buffer, spans).values(), *_views(buffer, map_spans).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip

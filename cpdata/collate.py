@@ -51,11 +51,12 @@ from cpdata.layouts import thd_slot_lens
 from cpdata.plan import DocPiece, PackPlan
 
 __all__ = [
-    "QKV_FORMATS", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank", "collate_ranks",
-    "pack_metadata", "stream_slot_lens",
+    "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
+    "collate_rank_into", "collate_ranks", "pack_metadata", "rank_specs", "stream_slot_lens",
 ]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
+_PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 
 
 def check_qkv_format(qkv_format: str) -> None:
@@ -149,19 +150,19 @@ class _Stream:
     total: int  # T
 
 
-def _build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> _Stream:
+def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> _Stream:
+    """The per-slot tables and concatenated piece arrays every rank of the batch gathers from."""
     capacity = _check_plans(plans)
-    lens, slot_pieces = [], []
+    lens, slot_pieces, columns = [], [], []
     for plan in plans:
         slots = thd_slot_lens(plan.slot_lens, capacity)
         lens.append(slots)
         slot_pieces.extend(plan.pieces if plan.pieces else [None] * slots.size)  # empty pack: one pad slot
+        columns.append(plan.columns if plan.pieces else _PAD_SLOT)
     pieces = [p for p in slot_pieces if p is not None]
-    count = len(slot_pieces)
     slot_lens = np.concatenate(lens).astype(np.int64, copy=False)
-    real_lens = np.fromiter((p.length if p else 0 for p in slot_pieces), dtype=np.int64, count=count)
-    starts = np.fromiter((p.start if p else 0 for p in slot_pieces), dtype=np.int64, count=count)
-    next_labels = np.fromiter((p.next_label if p else IGNORE_INDEX for p in slot_pieces), dtype=np.int64, count=count)
+    table = np.concatenate(columns)  # [K, 4]: index, start, length, next_label
+    starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
     slot_starts = np.cumsum(slot_lens) - slot_lens
     src_starts = np.cumsum(real_lens) - real_lens
     total = int(real_lens.sum())
@@ -208,6 +209,8 @@ def _loss_mask(stream: _Stream, pieces: list[DocPiece]) -> np.ndarray:
 
 
 def _extra_keys(pieces: list[DocPiece]) -> list[str]:
+    if pieces and all(p.arrays.keys() == pieces[0].arrays.keys() for p in pieces):  # the usual case
+        return sorted(set(pieces[0].arrays) - {INPUT_IDS, LABELS})
     keys = sorted(set().union(*(p.arrays.keys() for p in pieces)) - {INPUT_IDS, LABELS}) if pieces else []
     for key in keys:
         if key == LOSS_MASK:  # derived from the labels where missing
@@ -267,30 +270,56 @@ def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     return _metadata(np.concatenate(real), np.concatenate(slots))
 
 
-def _gather(stream: _Stream, positions: np.ndarray) -> dict[str, np.ndarray]:
-    """Token tensors at stream ``positions`` (any shape), by slot lookup; O(len(positions) * log K)."""
-    k = np.searchsorted(stream.slot_starts, positions, side="right") - 1
+def rank_specs(stream: _Stream, local_len: int, qkv_format: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``key -> (shape, dtype)`` of one rank's tensors, in batch order: token tensors ``[B, L]`` (bshd)
+    or ``[L]`` (thd), then the stream metadata."""
+    check_qkv_format(qkv_format)
+    shape = (stream.rows, local_len) if qkv_format == "bshd" else (local_len,)
+    i64, k = np.dtype(np.int64), stream.slot_lens.size
+    specs = {INPUT_IDS: (shape, i64), LABELS: (shape, i64), POSITION_IDS: (shape, i64),
+             PADDING_MASK: (shape, np.dtype(bool)), DOCUMENT_IDS: (shape, i64)}  # fmt: skip
+    specs.update({key: (shape, arr.dtype) for key, arr in stream.extras.items()})
+    i32 = np.dtype(np.int32)
+    specs.update({"cu_seqlens": ((k + 1,), i32), "cu_seqlens_padded": ((k + 1,), i32), "seq_lens": ((k,), i32),
+                  "seq_lens_padded": ((k,), i32), "max_seqlen": ((), i32)})  # fmt: skip
+    return specs
+
+
+def _gather(stream: _Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    """Write the token tensors at stream ``positions`` into ``out`` (arrays of ``positions``' shape).
+
+    One slot lookup per position (O(len(positions) * log K)), then one ``take``
+    per key straight into its output.
+    """
+    k = out[DOCUMENT_IDS]
+    np.subtract(np.searchsorted(stream.slot_starts, positions, side="right"), 1, out=k)
     end = stream.real_ends[k]
-    pad = positions >= end
+    pad = np.greater_equal(positions, end, out=out[PADDING_MASK])
     src = positions + stream.src_shift[k]
     src[pad] = stream.total
-    out = {INPUT_IDS: stream.ids[src]}
+    np.take(stream.ids, src, out=out[INPUT_IDS], mode="clip")
+    labels = out[LABELS]
     if stream.labels is not None:
-        labels = stream.labels[src]
+        np.take(stream.labels, src, out=labels, mode="clip")
     else:
-        labels = stream.ids[src + 1]  # next token; fixed up at each piece's last token and on pads
+        src += 1  # next token; fixed up at each piece's last token and on pads
+        np.take(stream.ids, src, out=labels, mode="clip")
+        src -= 1
         last = positions == end - 1
         labels[last] = stream.next_labels[k[last]]
         labels[pad] = IGNORE_INDEX
-    out[LABELS] = labels
-    position_ids = positions + stream.pos_shift[k]
+    position_ids = np.add(positions, stream.pos_shift[k], out=out[POSITION_IDS])
     position_ids[pad] = np.minimum(position_ids[pad], stream.row_len - 1)
-    out[POSITION_IDS] = position_ids
-    out[PADDING_MASK] = pad
-    out[DOCUMENT_IDS] = k
     for key, arr in stream.extras.items():
-        out[key] = arr[src]
-    return out
+        np.take(arr, src, out=out[key], mode="clip")
+
+
+def collate_rank_into(stream: _Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
+    """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors: ``rows_r`` int ``[L]``
+    as for :func:`collate_rank`."""
+    _gather(stream, _stream_positions(stream, rows_r, qkv_format), out)
+    for key, value in _metadata(stream.real_lens, stream.slot_lens).items():
+        out[key][...] = value
 
 
 def _stream_positions(stream: _Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
@@ -318,7 +347,7 @@ def collate_pack(
     Built slot by slot (scatter of the real tokens into padded buffers), not by
     the per-position lookup :func:`collate_rank` uses.
     """
-    stream = _build_stream(plans, padding_token_id)
+    stream = build_stream(plans, padding_token_id)
     n = stream.rows * stream.row_len
     check_qkv_format(qkv_format)
     shape = (stream.rows, stream.row_len) if qkv_format == "bshd" else (n,)
@@ -349,12 +378,12 @@ def collate_ranks(
     qkv_format: str = "bshd",
 ) -> list[dict[str, np.ndarray]]:
     """:func:`collate_rank` for several ranks, sharing one concatenation of the pieces."""
-    stream = _build_stream(plans, padding_token_id)
-    meta = _metadata(stream.real_lens, stream.slot_lens)
+    stream = build_stream(plans, padding_token_id)
     out = []
     for rows_r in rows:
-        tensors = _gather(stream, _stream_positions(stream, rows_r, qkv_format))
-        tensors.update({k: v.copy() for k, v in meta.items()} if out else meta)
+        specs = rank_specs(stream, np.asarray(rows_r).shape[-1], qkv_format)
+        tensors = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
+        collate_rank_into(stream, rows_r, qkv_format, tensors)
         out.append(tensors)
     return out
 

@@ -36,19 +36,17 @@ def _arange(n: int) -> np.ndarray:
     return out
 
 
-def segments(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
 
-    Two passes over the output: one ``repeat`` of the run offsets, one add of a
-    cached ``arange``.
+    One ``repeat`` of the run offsets, one add of a cached ``arange`` (written
+    into ``out`` when given).
     """
     total = int(sizes.sum())
     if total == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64) if out is None else out
     offsets = np.cumsum(sizes) - sizes
-    out = np.repeat(starts - offsets, sizes)
-    out += _arange(total)
-    return out
+    return np.add(np.repeat(starts - offsets, sizes), _arange(total), out=out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,19 +76,20 @@ class RunTable:
     def cp_size(self) -> int:
         return int(self.starts.shape[0])
 
-    def row(self, rank: int) -> np.ndarray:
-        """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order."""
-        return segments(self.starts[rank], self.sizes[rank])
+    def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
+        return segments(self.starts[rank], self.sizes[rank], out)
 
     def rows(self) -> np.ndarray:
         """int64 ``[cp, local_len]``: every rank's row (one pass over all runs)."""
         return segments(self.starts.reshape(-1), self.sizes.reshape(-1)).reshape(self.cp_size, -1)
 
-    def inverse(self) -> np.ndarray:
-        """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major concatenation."""
+    def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major
+        concatenation (into ``out``)."""
         sizes = self.sizes.reshape(-1)
         local_offsets = np.cumsum(sizes) - sizes
-        return segments(local_offsets[self.order], sizes[self.order])
+        return segments(local_offsets[self.order], sizes[self.order], out)
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
         """float64 ``[cp]``: causal document-masked attention work of each rank.

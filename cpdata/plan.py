@@ -12,6 +12,7 @@ alignment). The pack's tail ``capacity - sum(slot_lens)`` is padding too.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -77,13 +78,19 @@ class PackPlan:
     """Sequence number of the pack in this DP rank's stream (0-based)."""
     extras: Mapping[str, object] = field(default_factory=dict)
     """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
+    columns: np.ndarray = field(init=False, repr=False, compare=False)
+    """int64 ``[n_slots, 4]``: every piece's ``(index, start, length, next_label)``, read once at
+    construction (read-only); collate and the digest work on these columns."""
     seq_lens: np.ndarray = field(init=False, repr=False, compare=False)
-    """int64 ``[n_slots]`` real tokens per slot, computed once at construction (read-only)."""
+    """int64 ``[n_slots]`` real tokens per slot (``columns[:, 2]``)."""
 
     def __post_init__(self) -> None:
-        lens = np.fromiter((p.length for p in self.pieces), dtype=np.int64, count=len(self.pieces))
-        lens.flags.writeable = False
-        object.__setattr__(self, "seq_lens", lens)
+        n = len(self.pieces)
+        flat = itertools.chain.from_iterable((p.index, p.start, p.length, p.next_label) for p in self.pieces)
+        columns = np.fromiter(flat, dtype=np.int64, count=4 * n).reshape(n, 4)
+        columns.flags.writeable = False
+        object.__setattr__(self, "columns", columns)
+        object.__setattr__(self, "seq_lens", columns[:, 2])
 
     @property
     def real_tokens(self) -> int:
@@ -109,10 +116,7 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     pieces, lens = plan.pieces, plan.seq_lens
     n = len(pieces)
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
-    meta[:, 0] = np.fromiter((p.index for p in pieces), dtype=np.int64, count=n)
-    meta[:, 1] = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
-    meta[:, 2] = lens
-    meta[:, 3] = np.fromiter((p.next_label for p in pieces), dtype=np.int64, count=n)
+    meta[:, :4] = plan.columns
     meta[:, 4:] = -1
     total = int(lens.sum())
     if total:  # every piece's samples by one gather from the concatenated ids

@@ -23,15 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torchdata.nodes import BaseNode
 
-from cpdata.batch import ShardedBatch
-from cpdata.collate import collate_ranks, stream_slot_lens
+from cpdata.batch import BatchBuffer, ShardedBatch
+from cpdata.collate import build_stream, collate_rank_into, rank_specs, stream_slot_lens
 from cpdata.layout_runs import RunTable
 from cpdata.layouts import alignment, check_layout, layout_runs, rank_indices
 from cpdata.nodes.collate import Collate, CollatedPack
@@ -57,21 +55,14 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
     return any(not np.array_equal(rows[0], r) for r in rows[1:])
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Layout:
-    """One batch's layout: the run table, the rows this node emits and the inverse map."""
-
-    table: RunTable
-    rows: dict[int, np.ndarray]  # rank -> int64 [local_len]
-    gather: torch.Tensor  # int64 [stream_len]
-
-
 @functools.lru_cache(maxsize=16)
-def _static_layout(layout: str, cp_size: int, stream_len: int) -> _Layout:
+def _static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
+    """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
     # documents of the probe (none) are not the batch's: cost these runs by position
     table = dataclasses.replace(layout_runs(layout, cp_size, [], stream_len), doc=None, doc_starts=None)
-    rows = table.rows()
-    return _Layout(table, dict(enumerate(rows)), torch.from_numpy(table.inverse()))
+    rows, inverse = table.rows(), table.inverse()
+    rows.flags.writeable = inverse.flags.writeable = False
+    return table, rows, inverse
 
 
 def _causal_work(batch: CollatedPack, table: RunTable, stream_len: int) -> list[float]:
@@ -181,25 +172,17 @@ class ShardForRank(BaseNode[Any]):
             self.SOURCE_KEY: self.source.state_dict(),
         }
 
-    def _layout(self, batch: CollatedPack, ranks: Sequence[int]) -> tuple[_Layout, int]:
-        n_rows, pack_len = batch.row_shape
-        self._check_rows(n_rows, batch.qkv_format)
-        stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
-        if not self._dynamic:
-            return _static_layout(self.layout, self.cp_size, stream_len), stream_len
-        table = layout_runs(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
-        rows = dict(enumerate(table.rows())) if len(ranks) > 1 else {r: table.row(r) for r in ranks}
-        return _Layout(table, rows, torch.from_numpy(table.inverse())), stream_len
-
     def next(self) -> ShardedBatch | tuple[ShardedBatch, ...]:
         batch: CollatedPack = next(self.source)
         ranks = range(self.cp_size) if self.all_ranks else [self.cp_rank]
-        lay, stream_len = self._layout(batch, ranks)
-        rows, gather = lay.rows, lay.gather
-        shards = collate_ranks(
-            batch.plans, [rows[r] for r in ranks], padding_token_id=batch.padding_token_id, qkv_format=batch.qkv_format
-        )
         n_rows, pack_len = batch.row_shape
+        self._check_rows(n_rows, batch.qkv_format)
+        stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
+        if self._dynamic:
+            table = layout_runs(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
+            fixed = None
+        else:
+            table, *fixed = _static_layout(self.layout, self.cp_size, stream_len)
         seq_lens_padded = batch.metadata["seq_lens_padded"]
         info = {
             "layout": self.layout,
@@ -209,21 +192,33 @@ class ShardForRank(BaseNode[Any]):
             "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
             "pack_tokens": n_rows * pack_len,
             "n_documents": sum(len(p.pieces) for p in batch.plans),
-            "causal_work": _causal_work(batch, lay.table, stream_len),
+            "causal_work": _causal_work(batch, table, stream_len),
             "digest": _digest(batch, self.layout, self.cp_size),
         }
-        out = []
-        for r, arrays in zip(ranks, shards, strict=True):
+        stream = build_stream(batch.plans, batch.padding_token_id)
+        local = stream_len // self.cp_size
+        specs = rank_specs(stream, local, batch.qkv_format)
+        maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}
+        out, inverse = [], None
+        for r in ranks:  # everything is written straight into the batch's one buffer
+            buf = BatchBuffer(specs, maps)
+            rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
+            if fixed is not None:
+                rows_r[...], gather[...] = fixed[0][r], fixed[1]
+            else:
+                table.row(r, out=rows_r)
+                if inverse is None:
+                    inverse = table.inverse(out=gather)
+                else:
+                    gather[...] = inverse
+            collate_rank_into(stream, rows_r, batch.qkv_format, buf.arrays)
             layout = ShardLayout(
-                local_token_global_indices=torch.from_numpy(rows[r]),  # copied into the batch buffer
                 original_seq_len=None,
                 padded_seq_len=stream_len,
                 input_row_shape=batch.row_shape if batch.qkv_format == "thd" else None,
-                gather_index=gather,
                 cp_size=self.cp_size,
                 cp_rank=r,
                 digest=info["digest"],
-            )
-            tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}  # fresh C-contiguous arrays
-            out.append(ShardedBatch.contiguous(tensors, layout=layout, info=dict(info)))
+            )  # the index maps are the buffer's
+            out.append(buf.batch(layout=layout, info=dict(info)))
         return tuple(out) if self.all_ranks else out[0]
