@@ -261,7 +261,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     def __copy__(self) -> ShardedBatch:
         # Same tensor objects: torch's default_convert copies then update()s with the originals, which must
         # not look like replacements (that would drop the single buffer).
-        batch = ShardedBatch(self._tensors, layout=self._layout, info=self._info)
+        batch = ShardedBatch.__new__(ShardedBatch)  # no per-key checks: the values are this batch's tensors
+        batch._tensors, batch._layout, batch._info = dict(self._tensors), self._layout, dict(self._info)
         batch._buffer, batch._spans, batch._map_spans, batch._head = (
             self._buffer, self._spans, self._map_spans, self._head)  # fmt: skip
         return batch
@@ -297,8 +298,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if self._buffer is not None:
             head = self._buffer[: self._batch_bytes()]
             moved = head.to(device, non_blocking=non_blocking, copy=copy)
-            if moved.data_ptr() == head.data_ptr():  # already there: the same batch
-                return self.__copy__()
+            if moved.data_ptr() == head.data_ptr():  # already there: this batch, as Tensor.to returns self
+                return self
             return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {})
         moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
         return ShardedBatch(moved, layout=self._layout, info=self._info)

@@ -92,7 +92,7 @@ def test_to_device_is_one_copy_and_leaves_the_maps_on_the_host(monkeypatch):
     assert len({t.untyped_storage().data_ptr() for t in moved.values()}) == 1
     assert moved.layout.gather_index.data_ptr() == batch.layout.gather_index.data_ptr()
     assert_same(moved, batch)
-    assert same._buffer is batch._buffer  # already there: nothing moved
+    assert same is batch  # already there: nothing moved (as Tensor.to)
 
 
 def test_a_worker_batch_arrives_as_one_shared_memory_storage():
