@@ -8,7 +8,7 @@ rows document by document, the inverse by ``argsort``, the causal work by
 summing a per-token cost, the digest by hashing one piece at a time. Covered:
 every layout, cp 1-8, capacities 8K-128K, pieces of split documents (non-zero
 starts, continuing targets), given labels on some pieces, extra per-token
-arrays, empty packs, bshd rows and thd streams of several packs.
+arrays and loss masks, empty packs, bshd rows and thd streams of several packs.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def reference_full(plans: list[PackPlan], pad: int) -> tuple[dict[str, np.ndarra
     """Token tensors ``[B, S]`` and metadata, slot by slot; plus the causal cost per token ``[B, S]``."""
     b_rows, cap = len(plans), plans[0].capacity
     pieces = [q for p in plans for q in p.pieces]
-    extra_keys = sorted({k for q in pieces for k in q.arrays} - {"input_ids", "labels"})
+    extra_keys = sorted({k for q in pieces for k in q.arrays} - {"input_ids", "labels", "loss_mask"})
+    masks = [q.arrays["loss_mask"] for q in pieces if "loss_mask" in q.arrays]
     out = {
         "input_ids": np.full((b_rows, cap), pad, dtype=np.int64),
         "labels": np.full((b_rows, cap), IGNORE_INDEX, dtype=np.int64),
@@ -93,6 +94,8 @@ def reference_full(plans: list[PackPlan], pad: int) -> tuple[dict[str, np.ndarra
     }
     for k in extra_keys:
         out[k] = np.zeros((b_rows, cap), dtype=np.result_type(*[q.arrays[k] for q in pieces]))
+    if masks:  # last of the extras: a piece's own mask, else its labels != -100
+        out["loss_mask"] = np.zeros((b_rows, cap), dtype=np.result_type(*masks))
     cost = np.zeros((b_rows, cap), dtype=np.int64)
     seq_lens, seq_lens_padded = [], []
     doc = 0
@@ -112,8 +115,14 @@ def reference_full(plans: list[PackPlan], pad: int) -> tuple[dict[str, np.ndarra
                     out["labels"][b, off + n - 1] = piece.next_label
                 for k in extra_keys:
                     out[k][b, off : off + n] = piece.arrays[k]
+                if masks:
+                    own = piece.arrays.get("loss_mask")
+                    out["loss_mask"][b, off : off + n] = (
+                        own if own is not None else out["labels"][b, off : off + n] != IGNORE_INDEX)  # fmt: skip
             out["padding_mask"][b, off : off + n] = False
-            out["position_ids"][b, off : off + slot] = start + np.arange(slot)
+            positions = start + np.arange(slot)
+            positions[n:] = np.minimum(positions[n:], cap - 1)  # pads: continue the document, clamped to S - 1
+            out["position_ids"][b, off : off + slot] = positions
             out["document_ids"][b, off : off + slot] = doc
             cost[b, off : off + n] = np.arange(1, n + 1)
             seq_lens.append(n)
@@ -251,6 +260,8 @@ def large_plans(
             if extras:
                 arrays["token_type"] = (piece_ids % 5).astype(np.int32)
                 arrays["weight"] = (piece_ids % 7 / 7).astype(np.float32)
+                if rng.random() < 0.5:  # the other pieces' loss mask derives from their labels
+                    arrays["loss_mask"] = (piece_ids % 4 != 0).astype(np.int8)
             if rng.random() < labels:
                 arrays["labels"] = np.where(piece_ids % 3 == 0, IGNORE_INDEX, piece_ids)
             cont = start + take < doc.size
