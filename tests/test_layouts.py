@@ -193,7 +193,7 @@ def _balanced_with_remainder_at(where: str, lens: np.ndarray, pack_len: int, cp:
     ``middle`` is the layout as specified (it must equal :func:`rank_indices`); the other two are the
     alternatives the layout's docstring rejects, kept here to prove the imbalance test can fail.
     """
-    from cpdata.layouts import _segments
+    from cpdata.layout_runs import segments as _segments
 
     two = 2 * cp
     base, doc_start = lens // two, np.cumsum(lens) - lens
