@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LIST_SAMPLES", "check_source_unchanged", "source_fingerprint"]
+__all__ = ["LIST_SAMPLES", "check_source_unchanged", "sample_positions", "source_fingerprint"]
 
 LIST_SAMPLES = 16
 """Items of an in-memory list whose ``input_ids`` the fingerprint hashes."""
 
 
-def _sample_positions(n: int, k: int) -> list[int]:
+def sample_positions(n: int, k: int) -> list[int]:
     """Up to ``k`` evenly spaced indices of ``range(n)``, first and last included."""
     if n <= k:
         return list(range(n))
@@ -66,7 +66,7 @@ def _item_bytes(item: Any) -> bytes:
 def _list_fingerprint(items: list | tuple) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"list:{len(items)}".encode())
-    for i in _sample_positions(len(items), LIST_SAMPLES):
+    for i in sample_positions(len(items), LIST_SAMPLES):
         h.update(f"|{i}|".encode())
         h.update(_item_bytes(items[i]))
     return f"list:{len(items)}:{h.hexdigest()}"

@@ -35,6 +35,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from cpdata.fingerprint import sample_positions
+
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "TokenizedDataset", "open_dataset"]
 
 _CHUNK = 1 << 20
@@ -58,13 +60,6 @@ def _hash_files(paths: list[Path], names: bool) -> str:
 
 _FILE_SAMPLES = 64
 """Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
-
-
-def _sample_positions(n: int, k: int) -> list[int]:
-    """Up to ``k`` evenly spaced indices of ``range(n)``, first and last included."""
-    if n <= k:
-        return list(range(n))
-    return sorted({(s * (n - 1)) // (k - 1) for s in range(k)})
 
 
 def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
@@ -350,7 +345,7 @@ class JsonlDocuments(TokenizedDataset):
                 "open_dataset() and start a new run on the new data"
             )
         if st.st_mtime_ns != mtime:
-            for i in _sample_positions(len(self), _FILE_SAMPLES):
+            for i in sample_positions(len(self), _FILE_SAMPLES):
                 self._raw_row(i)  # raises naming the first sampled document that changed
             self._opened = (size, st.st_mtime_ns)  # touched, same bytes where sampled
 
@@ -457,7 +452,7 @@ class NpyFolder(TokenizedDataset):
             h.update(f"{len(self._files)}".encode())
             for name, size in zip(self._files, self._stats[:, 0].tolist(), strict=True):
                 h.update(f"|{name}|{size}".encode())
-            for i in _sample_positions(len(self._files), _FILE_SAMPLES):
+            for i in sample_positions(len(self._files), _FILE_SAMPLES):
                 with open(self.path / self._files[i], "rb") as f:
                     h.update(f.read(4096))
                     f.seek(max(0, int(self._stats[i, 0]) - 4096))
@@ -476,7 +471,7 @@ class NpyFolder(TokenizedDataset):
                     "the dataset of a run is the folder as opened: restore it, or reopen it with open_dataset() "
                     "and start a new run"
                 )
-        for i in _sample_positions(len(self._files), _FILE_SAMPLES):
+        for i in sample_positions(len(self._files), _FILE_SAMPLES):
             self._check_file(i)
 
     def _check_file(self, i: int) -> None:
