@@ -34,6 +34,7 @@ from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
 from cpdata.schedule import CostModel
 from cpdata.targets import LabelsAlignment
@@ -98,6 +99,7 @@ def shard_graph(
     labels_alignment: LabelsAlignment | None = None,
     shuffle: bool = False,
     num_epochs: int | None = None,
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     micro_batches: int = 1,
     schedule: str | None = None,
     max_delay: int = 0,
@@ -144,7 +146,7 @@ def shard_graph(
             )
         docs = Documents(
             source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment,
-            shuffle=shuffle, seed=seed, num_epochs=num_epochs,
+            shuffle=shuffle, seed=seed, num_epochs=num_epochs, shuffle_buffer=shuffle_buffer,
         )  # fmt: skip
         pack_kw: dict[str, Any] = {} if window is None else {"window": window}
         plans = Pack(
@@ -176,6 +178,7 @@ def build_node(
     labels_alignment: LabelsAlignment | None = None,
     shuffle: bool = False,
     num_epochs: int | None = None,
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     micro_batches: int = 1,
     schedule: str | None = None,
     max_delay: int = 0,
@@ -208,8 +211,9 @@ def build_node(
             next-token targets.
         shuffle, num_epochs: document order (:class:`~cpdata.nodes.source.Documents`):
             ``shuffle=True`` draws a fresh permutation of a sequence source per
-            epoch from ``(seed, epoch)``; ``num_epochs`` passes per ``iter()``
-            (default one). ``bfd`` packs best from a mixed order.
+            epoch from ``(seed, epoch)`` and shuffles a stream through a buffer of
+            ``shuffle_buffer`` documents (default 10,000); ``num_epochs`` passes
+            per ``iter()`` (default one). ``bfd`` packs best from a mixed order.
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
     """
@@ -219,7 +223,7 @@ def build_node(
         source, capacity=capacity, cp_size=cp_size, layout=layout, algorithm=algorithm, overflow=overflow,
         padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
         qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
-        shuffle=shuffle, num_epochs=num_epochs,
+        shuffle=shuffle, num_epochs=num_epochs, shuffle_buffer=shuffle_buffer,
         micro_batches=micro_batches, schedule=schedule, max_delay=max_delay, cost=cost, lengths=lengths, tail=tail,
     )  # fmt: skip
     node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)

@@ -35,6 +35,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.keys import INPUT_IDS, LABELS
+from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
@@ -221,7 +222,12 @@ class Documents(BaseNode[Document]):
             permutation of epoch ``e`` drawn from ``(seed, e)`` (8 bytes per
             document, rebuilt on restore); position ``j`` of that order goes to DP
             rank ``j % dp_size``, so every CP rank of a DP group reads the same
-            documents in the same order. ``False`` (default): source order.
+            documents in the same order. A stream (re-iterable, node) is
+            shuffled through a buffer of ``shuffle_buffer`` documents of this
+            rank's share (:mod:`cpdata.nodes.shuffle_buffer`: a local shuffle,
+            draws from ``(seed, epoch)``, a resume re-reads the epoch up to its
+            position). ``False`` (default): source order.
+        shuffle_buffer: documents held to shuffle a stream (default 10,000).
         num_epochs: passes over the source per ``iter()`` (default: one, the
             next ``iter()`` starting the next epoch); :attr:`epoch` is the current one.
 
@@ -245,6 +251,7 @@ class Documents(BaseNode[Document]):
     LENGTH_KEY = "length"
     FINGERPRINT_KEY = "fingerprint"
     SOURCE_KEY = "source"
+    BUFFER_KEY = "buffer_drawn"
 
     def __init__(
         self,
@@ -257,6 +264,7 @@ class Documents(BaseNode[Document]):
         shuffle: bool = False,
         seed: int = 0,
         num_epochs: int | None = None,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     ) -> None:
         super().__init__()
         if not isinstance(shuffle, bool):
@@ -277,12 +285,8 @@ class Documents(BaseNode[Document]):
             raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
         source = as_hf_documents(source)
         self._kind = source_kind(source)
-        if shuffle and self._kind != "sequence":
-            raise ValueError(
-                f"shuffle=True needs a sequence source (len() and indexing) to draw a permutation per epoch, got a "
-                f"{self._kind} ({type(source).__name__}); pass a list or map-style dataset, or shuffle the stream "
-                "before it reaches cpdata (e.g. torchdata.nodes.Shuffler over a node source)"
-            )
+        buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
+        self._buffer = buffer if shuffle and self._kind != "sequence" else None
         self.source = source
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
         self.shuffle, self.seed, self.num_epochs = shuffle, int(seed), num_epochs
@@ -354,6 +358,20 @@ class Documents(BaseNode[Document]):
         self._position, self._consumed, self._it = 0, 0, None
         self._check_source()
         nested = None
+        if initial_state is not None and self._buffer is not None:
+            self._check(initial_state)
+            self._epoch = int(initial_state[self.EPOCH_KEY])
+            self._first_epoch = int(initial_state[self.FIRST_EPOCH_KEY])
+            self._started = True
+            self._restart_source()
+            self._buffer.replay(self._epoch, initial_state[self.BUFFER_KEY], self._next_own)
+            self._consumed = int(initial_state[self.CONSUMED_KEY])
+            if self._position != int(initial_state[self.POSITION_KEY]):
+                raise ValueError(
+                    f"replaying the shuffle buffer read {self._position} source items, the saved state had read "
+                    f"{initial_state[self.POSITION_KEY]}; the source changed since the state was saved"
+                )
+            return
         if initial_state is not None:
             self._check(initial_state)
             self._position = int(initial_state[self.POSITION_KEY])
@@ -368,7 +386,12 @@ class Documents(BaseNode[Document]):
         self._restart_source(nested)
 
     def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
+        if self._buffer is not None:
+            self._buffer.start(self._epoch)
         if self._kind == "node":
+            set_epoch = getattr(self.source, "set_epoch", None)
+            if nested is None and callable(set_epoch):  # a node with epochs of its own (cpdata.mix) follows ours
+                set_epoch(self._epoch)
             self.source.reset(nested)
         elif self._kind == "iterable":
             self._it = restart_iterable(self.source, self._position)
@@ -394,8 +417,9 @@ class Documents(BaseNode[Document]):
             )
         order = state.get(self.ORDER_KEY)
         if order != self._order_config():
+            names = "shuffle, seed, num_epochs" + (", shuffle_buffer" if self._buffer is not None else "")
             raise ValueError(
-                f"Documents state was saved with (shuffle, seed, num_epochs)={tuple(order or ())}, this node has "
+                f"Documents state was saved with ({names})={tuple(order or ())}, this node has "
                 f"{tuple(self._order_config())}; restore with the order the state was saved with"
             )
         saved = state.get(self.FINGERPRINT_KEY)
@@ -406,7 +430,8 @@ class Documents(BaseNode[Document]):
             )
 
     def _order_config(self) -> list[Any]:
-        return [self.shuffle, self.seed, self.num_epochs]
+        config = [self.shuffle, self.seed, self.num_epochs]
+        return config + [self._buffer.size] if self._buffer is not None else config
 
     def _read(self) -> tuple[int, int, Any]:
         """The next item of this pass: ``(position, source index, item)`` (StopIteration at the pass's end)."""
@@ -431,10 +456,25 @@ class Documents(BaseNode[Document]):
         self._position = position + 1
         return position, index, item
 
+    def _next_own(self) -> tuple[int, int, Any]:
+        """This rank's next ``(position, source index, item)``; a node with ``skip()`` passes others' unread."""
+        skip = getattr(self.source, "skip", None) if self._kind == "node" else None
+        while True:
+            if callable(skip) and self._position % self.dp_size != self.dp_rank:
+                skip()  # StopIteration at the stream's end
+                self._position += 1
+                continue
+            position, index, item = self._read()
+            if position % self.dp_size == self.dp_rank:
+                return position, index, item
+
     def next(self) -> Document:
         while True:
             try:
-                position, index, item = self._read()
+                if self._buffer is not None:
+                    position, index, item = self._buffer.next(self._next_own)
+                else:
+                    position, index, item = self._next_own()
             except StopIteration:
                 if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
                     raise
@@ -442,8 +482,7 @@ class Documents(BaseNode[Document]):
                 self._check_source()
                 self._restart_source()
                 continue
-            if position % self.dp_size == self.dp_rank:
-                break
+            break
         document = to_document(item, index, self.vocab_size, self.labels_alignment)
         self._consumed += 1
         return document
@@ -460,6 +499,8 @@ class Documents(BaseNode[Document]):
             self.FIRST_EPOCH_KEY: self._first_epoch,
             self.ORDER_KEY: self._order_config(),
         }
-        if self._kind == "node":
+        if self._buffer is not None:  # a restore replays the epoch up to here (cpdata.nodes.shuffle_buffer)
+            state[self.BUFFER_KEY] = self._buffer.drawn
+        elif self._kind == "node":
             state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
         return state
