@@ -16,6 +16,7 @@ What each source gives:
 | :class:`~cpdata.offline.LengthsFile` | sha256 of the lengths | size/mtime moved and lengths differ |
 | :class:`~cpdata.offline.tokenstore.TokenStore` | the manifest digest (covers every file's sha256) | the manifest rewritten, a file resized |
 | :class:`~cpdata.offline.hf_datasets.HFDocuments` (a ``datasets.Dataset``) | its ``_fingerprint``, rows, columns, features | an Arrow cache file resized |
+| :func:`cpdata.mix` (``Mix``) | the configuration + every source's fingerprint (a source without one: its kind and length) | every source asked, the error naming it |
 | a plain ``list``/``tuple`` of dicts | count + ``input_ids`` of up to 16 evenly spaced items | the same sample, re-hashed each epoch |
 | anything else | none (only the length is compared, as before) | nothing |
 

@@ -36,6 +36,7 @@ from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
+from cpdata.offline.mixed import as_mixed_dataset
 from cpdata.schedule import CostModel
 from cpdata.targets import LabelsAlignment
 
@@ -119,6 +120,7 @@ def shard_graph(
     if packs is not None:
         plans = packs.with_worker(worker)
     elif schedule is not None:
+        source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
         if window is not None:
             raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
         if shuffle:

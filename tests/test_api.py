@@ -9,11 +9,12 @@ import cpdata
 import cpdata.nodes
 
 PUBLIC = [
-    "CPDataLoader", "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention", "ContextParallelSharder",
-    "CostModel", "DocPiece", "Document", "Documents", "LAYOUTS", "Pack", "PackPlan", "PackingResult", "PackingStats",
-    "PrecomputedDataset", "PrecomputedPacks", "Schedule", "ShardForRank", "ShardLayout", "ShardedBatch", "Tokenize",
-    "TokenizedDataset", "alignment", "all_ranks_have_batch", "build_loader", "build_node", "close_loader",
-    "closing_loader", "collate_pack", "collate_rank", "exit_with_parent", "gather_token_tensor", "inverse_indices", "maybe_pin",
+    "CPDataLoader", "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention",
+    "ContextParallelSharder", "CostModel", "DocPiece", "Document", "Documents", "LAYOUTS", "Mix", "Pack",
+    "PackPlan", "PackingResult", "PackingStats", "PrecomputedDataset", "PrecomputedPacks", "Schedule",
+    "ShardForRank", "ShardLayout", "ShardedBatch", "Tokenize", "TokenizedDataset", "alignment",
+    "all_ranks_have_batch", "build_loader", "build_node", "close_loader", "closing_loader", "collate_pack",
+    "collate_rank", "exit_with_parent", "gather_token_tensor", "inverse_indices", "maybe_pin", "mix",
     "open_dataset", "plan_lengths", "plan_schedule", "precompute", "rank_indices", "verify_layout_consistency",
 ]  # fmt: skip
 

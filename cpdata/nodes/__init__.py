@@ -1,6 +1,6 @@
 """The worker pipeline as torchdata nodes, one stage per module.
 
-``Tokenize`` (tokenize.py, text/chat rows, optional) -> ``Documents`` (source.py) -> ``Pack`` (pack.py) -> ``Collate`` (collate.py)
+``Tokenize`` (tokenize.py, text/chat rows, optional) / ``Mix`` (mix.py, weighted sources, optional) -> ``Documents`` (source.py) -> ``Pack`` (pack.py) -> ``Collate`` (collate.py)
 -> ``ShardForRank`` (shard.py) -> ``maybe_pin`` (pin.py). The precomputed-plan
 reader, ``PrecomputedPacks``, lives in ``cpdata.offline.reader``.
 """
@@ -13,6 +13,7 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "Collate": "cpdata.nodes.collate",
     "Documents": "cpdata.nodes.source",
+    "Mix": "cpdata.nodes.mix",
     "Pack": "cpdata.nodes.pack",
     "PrecomputedPacks": "cpdata.offline.reader",
     "ShardForRank": "cpdata.nodes.shard",

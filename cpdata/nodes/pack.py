@@ -143,7 +143,8 @@ class Pack(BaseNode[PackPlan]):
 
     @property
     def stats(self) -> PackingStats:
-        return dataclasses.replace(self._planner.stats(), epoch=int(getattr(self.source, "epoch", 0)))
+        return dataclasses.replace(self._planner.stats(), epoch=int(getattr(self.source, "epoch", 0)),
+                                   sources=getattr(self.source, "source_counts", None))
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)

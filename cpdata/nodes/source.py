@@ -316,6 +316,12 @@ class Documents(BaseNode[Document]):
             return None
         return lengths
 
+    @property
+    def source_counts(self) -> dict[str, dict[str, int]] | None:
+        """Per-source counters of a :func:`cpdata.mix` source (``Mix.counts``), else None."""
+        counts = getattr(self.source, "counts", None) if self._kind == "node" else None
+        return counts if isinstance(counts, dict) else None
+
     def fetch(self, index: int) -> Document:
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:

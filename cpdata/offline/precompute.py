@@ -28,6 +28,7 @@ from cpdata.nodes.source import to_document
 from cpdata.offline.datasets import TokenizedDataset, open_dataset
 from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.metrics import pack_geometry, rank_work
+from cpdata.offline.mixed import MixedDataset, as_mixed_dataset
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
 from cpdata.targets import (
@@ -144,7 +145,7 @@ def precompute(
     labels_alignment = check_labels_alignment(labels_alignment)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = indexed_hf_documents(dataset)
+    dataset = as_mixed_dataset(indexed_hf_documents(dataset))
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
@@ -247,6 +248,9 @@ def precompute(
         },
         "stats": _stats_dict(result.stats),
     }
+    if isinstance(dataset, MixedDataset):  # what the mix drew from each source, as Pack.stats.sources online
+        manifest["stats"]["sources"] = dataset.counts
+        manifest["input"]["mix"] = dataset.mix.config
     if schedule_info is not None:
         manifest["schedule"] = schedule_info
     arrays: Mapping[str, np.ndarray] = {**plan_arrays, "pack_tokens": pack_tokens, "rank_work": work}

@@ -23,9 +23,18 @@ def register(subparsers: Any) -> None:
         "(one document per file, in name order), a token store (cpdata tokenize / pack-store) or a "
         "datasets.Dataset saved with save_to_disk. With --tokenizer, INPUT is a .jsonl of {\"text\"} or "
         "{\"messages\"} rows: it is first tokenized into a token store (--tokens-out), then planned. "
-        "Serve the result with cpdata.PrecomputedPacks.",
+        "Serve the result with cpdata.PrecomputedPacks. Instead of INPUT, --mix NAME=PATH:WEIGHT (repeated) plans "
+        "the documents cpdata.mix draws from several tokenized datasets; serve it with "
+        "PrecomputedPacks(OUT, cpdata.mix({NAME: open_dataset(PATH), ...}, {NAME: WEIGHT, ...}, seed=, stop=)).",
     )
-    p.add_argument("input", metavar="INPUT", help="tokenized dataset, or text/chat .jsonl with --tokenizer")
+    p.add_argument("input", metavar="INPUT", nargs="?", default=None,
+                   help="tokenized dataset, or text/chat .jsonl with --tokenizer (or use --mix)")  # fmt: skip
+    p.add_argument("--mix", metavar="NAME=PATH:WEIGHT", action="append", default=None,
+                   help="a source of a weighted mix (repeat per source), e.g. --mix web=web.jsonl:0.7 "
+                   "--mix chat=chat.jsonl:0.3; every PATH as for INPUT")  # fmt: skip
+    p.add_argument("--mix-stop", default="first_exhausted",
+                   help="with --mix: first_exhausted (default), all_exhausted (smaller sources repeat)")
+    p.add_argument("--mix-seed", type=int, default=0, help="with --mix: seed of the draws (default 0)")
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks the packs are laid out for")
     p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
@@ -68,10 +77,41 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def parse_mix(entries: list[str], *, seed: int, stop: str) -> Any:
+    """``["web=web.jsonl:0.7", ...]`` -> ``cpdata.mix({"web": open_dataset("web.jsonl"), ...}, ...)``."""
+    from cpdata.nodes.mix import STOP_POLICIES, check_weights, mix
+    from cpdata.offline.datasets import open_dataset
+
+    if stop not in STOP_POLICIES:  # before any file is opened
+        raise ValueError(f"unknown stop policy {stop!r} (--mix-stop); choose one of {list(STOP_POLICIES)}")
+    paths: dict[str, str] = {}
+    weights: dict[str, float] = {}
+    for entry in entries:
+        name, eq, rest = entry.partition("=")
+        path, colon, weight = rest.rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not (name and eq and path and colon) or value is None:
+            raise ValueError(f"--mix {entry!r} must be NAME=PATH:WEIGHT, e.g. --mix web=data/web.jsonl:0.7")
+        if name in paths:
+            raise ValueError(f"--mix names source {name!r} twice; give each source one --mix NAME=PATH:WEIGHT")
+        paths[name], weights[name] = path, value
+    check_weights(dict.fromkeys(paths), weights)  # before any file is opened
+    return mix({name: open_dataset(path) for name, path in paths.items()}, weights, seed=seed, stop=stop)
+
+
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.precompute import precompute
 
     data = args.input
+    if args.mix:
+        if args.input is not None or args.tokenizer:
+            raise ValueError("--mix replaces INPUT (and --tokenizer): tokenize each source first, then mix the stores")
+        data = parse_mix(args.mix, seed=args.mix_seed, stop=args.mix_stop)
+    elif args.input is None:
+        raise ValueError("pass INPUT (a tokenized dataset) or --mix NAME=PATH:WEIGHT at least once")
     if args.tokenizer:
         from cpdata.offline.tokenize_files import jsonl_to_token_store
 

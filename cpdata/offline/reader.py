@@ -45,6 +45,7 @@ from cpdata.fingerprint import check_source_unchanged
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
+from cpdata.offline.mixed import as_mixed_dataset
 from cpdata.offline.store import PackStore, read_store
 from cpdata.plan import DocPiece, PackPlan
 from cpdata.state_version import check_state_version
@@ -140,7 +141,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
-        documents = indexed_hf_documents(documents)
+        documents = as_mixed_dataset(indexed_hf_documents(documents))
         self.store = read_store(path, verify=verify)
         _check_expected(self.store, "cp_size", cp_size)
         _check_expected(self.store, "layout", layout)

@@ -167,6 +167,9 @@ class PackingStats:
     untrained_tokens: int = 0
     epoch: int = 0
     """The source's epoch being read (``Documents(num_epochs=..., shuffle=...)``); 0 offline."""
+    sources: dict[str, dict[str, int]] | None = None
+    """A :func:`cpdata.mix` source's counters: ``{name: {"documents", "tokens"}}`` drawn this epoch by this
+    DP rank (before packing leaves anything out); None for other sources."""
 
     @classmethod
     def from_counts(cls, *, capacity: int, **counts: int) -> PackingStats:

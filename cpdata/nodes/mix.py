@@ -1,0 +1,272 @@
+"""``cpdata.mix``: several named sources drawn by weight into one stream of documents.
+
+::
+
+    mixed = cpdata.mix({"web": open_dataset("web.jsonl"), "chat": chat_rows},
+                       {"web": 0.7, "chat": 0.3}, seed=0, stop="all_exhausted")
+    loader = build_loader(mixed, capacity=8192, cp_size=2, cp_rank=r, layout="thd", labels_alignment="inputs")
+
+Every draw picks a source with probability ``weight / sum(weights)`` (a pure
+function of ``(seed, epoch, draw)``, :class:`~cpdata.nodes.mix_readers.Draws`)
+and takes that source's next document. The result is a ``torchdata`` node, so
+it goes wherever a source goes (``build_loader``, ``CPDataset``, ``Documents``,
+``precompute`` / ``PrecomputedPacks`` when every source has known lengths).
+Draw ``j`` of the stream goes to DP rank ``j % dp_size``; every CP rank of a
+DP group computes the same draws, and a rank never reads another rank's
+documents from a sequence source (streams are read and dropped).
+
+Stop policies (``stop=``), what one epoch is:
+
+| ``stop`` | the epoch ends | a source that runs out |
+|---|---|---|
+| ``"first_exhausted"`` (default) | at the first draw of a source that has no document left | ends the epoch: no document is repeated |
+| ``"all_exhausted"`` | at the first draw of a run-out source once every source has run out at least once | starts again from its beginning (smaller sources repeat) |
+| ``"never"`` | never: an endless stream, stop training by steps | starts again from its beginning |
+
+Each epoch restarts every source; ``shuffle=True`` downstream shuffles the
+mixed stream through a buffer (:mod:`cpdata.nodes.shuffle_buffer`).
+
+Counters: :attr:`Mix.counts` (``{name: {"documents", "tokens"}}``: what this
+DP rank drew from each source this epoch, before packing drops anything),
+also in ``Pack.stats.sources``.
+
+State: the epoch, the draw count, each source's position and pass (a node
+source's own state), the counters and the configuration; a state from another
+configuration is refused. :meth:`Mix.fingerprint` covers every source (see
+:mod:`cpdata.fingerprint`), so a source changed under a run is refused on
+resume, and :meth:`Mix.check_unchanged` asks every source at each epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from cpdata.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.nodes.mix_readers import Draws, SourceReader, document_tokens
+from cpdata.state_version import check_state_version
+from cpdata.targets import check_labels_alignment
+
+__all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
+
+STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
+
+
+def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dict[str, float]:
+    """``weights`` as floats in sorted name order; ``TypeError``/``ValueError`` naming the key or value and the fix."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise TypeError(f"sources must be a non-empty dict name -> source, got {type(sources).__name__} {sources!r}"[:300])
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a dict name -> weight with the keys of sources, got {type(weights).__name__}")
+    for name in sources:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"mix source names must be non-empty strings, got {name!r}")
+    missing, extra = sorted(set(sources) - set(weights)), sorted(set(weights) - set(sources), key=str)
+    if missing or extra:
+        raise ValueError(
+            f"weights must have exactly the keys of sources {sorted(sources)}: missing {missing}, unknown {extra}; "
+            "give every source one weight"
+        )
+    out = {}
+    for name in sorted(sources):
+        w = weights[name]
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
+            raise TypeError(f"weights[{name!r}] must be a number, got {type(w).__name__} {w!r}")
+        if not math.isfinite(w) or w <= 0:
+            raise ValueError(
+                f"weights[{name!r}]={w!r} must be finite and > 0 (weights are relative: {{'a': 3, 'b': 1}} draws "
+                "a three times as often as b); leave a source out of the mix rather than giving it weight 0"
+            )
+        out[name] = float(w)
+    return out
+
+
+def _declared_alignment(readers: Mapping[str, SourceReader]) -> str | None:
+    """The labels_alignment every source declares, or None when some declare none; conflicting ones are refused."""
+    declared = {n: check_labels_alignment(getattr(r.source, "labels_alignment", None)) for n, r in readers.items()}
+    values = set(declared.values())
+    if len(values - {None}) > 1:
+        raise ValueError(
+            f"mix sources declare different labels_alignment values {declared}; one pipeline reads every label "
+            "under one convention: convert one source's labels (shift them) before mixing"
+        )
+    return values.pop() if len(values) == 1 else None
+
+
+class Mix(BaseNode[dict]):
+    """Documents of several sources, drawn by weight (see the module docstring; build it with :func:`mix`)."""
+
+    VERSION = 1
+    VERSION_KEY = "version"
+    CONFIG_KEY = "config"
+    EPOCH_KEY = "epoch"
+    DRAWS_KEY = "draws"
+    DONE_KEY = "done"
+    EXHAUSTED_KEY = "exhausted"
+    READERS_KEY = "readers"
+    COUNTS_KEY = "counts"
+
+    def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0,
+                 stop: str = "first_exhausted") -> None:  # fmt: skip
+        super().__init__()
+        self.weights = check_weights(sources, weights)
+        if stop not in STOP_POLICIES:
+            raise ValueError(f"unknown stop policy {stop!r}; choose one of {list(STOP_POLICIES)}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
+        self.seed, self.stop = int(seed), stop
+        self.readers = {name: SourceReader(name, sources[name]) for name in self.names}
+        self.labels_alignment = _declared_alignment(self.readers)
+        self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
+        self._epoch, self._next_epoch, self._started = 0, None, False
+        self._drawn, self._done = 0, False
+        self._exhausted: set[str] = set()
+        self._counts = {name: [0, 0] for name in self.names}
+        self._fingerprints: dict[str, str | None] | None = None
+        self.last_source = -1
+        """Index into :attr:`names` of the source the last draw read from."""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"names": list(self.names), "weights": [self.weights[n] for n in self.names], "seed": self.seed,
+                "stop": self.stop}  # fmt: skip
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{name: {"documents": n, "tokens": t}}`` drawn this epoch by this DP rank (a fresh dict)."""
+        return {n: {"documents": d, "tokens": t} for n, (d, t) in self._counts.items()}
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next ``reset()`` without a state starts ``epoch`` (``Documents`` keeps the mix on its epoch)."""
+        self._next_epoch = int(epoch)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            check_state_version("Mix", initial_state, self.VERSION_KEY, self.VERSION)
+            if initial_state[self.CONFIG_KEY] != self.config:
+                raise ValueError(
+                    f"Mix state was saved with {initial_state[self.CONFIG_KEY]}, this mix has {self.config}; restore "
+                    "with the sources, weights, seed and stop policy the state was saved with"
+                )
+            self._epoch = int(initial_state[self.EPOCH_KEY])
+            self._drawn, self._done = int(initial_state[self.DRAWS_KEY]), bool(initial_state[self.DONE_KEY])
+            self._exhausted = set(initial_state[self.EXHAUSTED_KEY])
+            self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
+            for name, reader in self.readers.items():
+                reader.restart(initial_state[self.READERS_KEY][name])
+        else:
+            if self._next_epoch is not None:
+                self._epoch, self._next_epoch = self._next_epoch, None
+            elif self._started:
+                self._epoch += 1
+            self._drawn, self._done, self._exhausted = 0, False, set()
+            self._counts = {name: [0, 0] for name in self.names}
+            for reader in self.readers.values():
+                reader.restart()
+        self._started = True
+
+    def _advance(self, read: bool) -> Any:
+        if self._done:
+            raise StopIteration
+        k = self._draws(self._epoch, self._drawn)
+        name, self.last_source = self.names[k], k
+        self._drawn += 1
+        reader = self.readers[name]
+        try:
+            _, item = reader.take(read)
+        except StopIteration:
+            self._exhausted.add(name)
+            every = len(self._exhausted) == len(self.names)
+            if self.stop == "first_exhausted" or (self.stop == "all_exhausted" and every):
+                self._done = True
+                raise
+            reader.new_pass()
+            try:
+                _, item = reader.take(read)
+            except StopIteration:
+                raise ValueError(
+                    f"mix source {name!r} gave no document on pass {reader.passes}; with stop={self.stop!r} a "
+                    "source is read again when it runs out, so it must not be empty"
+                ) from None
+        if read:
+            counts = self._counts[name]
+            counts[0] += 1
+            counts[1] += document_tokens(item)
+        return item
+
+    def next(self) -> dict:
+        return self._advance(read=True)
+
+    def skip(self) -> None:
+        """Draw the next document without reading it when its source is indexable (another DP rank's)."""
+        if not self._started:
+            self.reset()
+        self._advance(read=False)
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.VERSION_KEY: self.VERSION,
+            self.CONFIG_KEY: self.config,
+            self.EPOCH_KEY: self._epoch,
+            self.DRAWS_KEY: self._drawn,
+            self.DONE_KEY: self._done,
+            self.EXHAUSTED_KEY: sorted(self._exhausted),
+            self.COUNTS_KEY: {n: list(c) for n, c in self._counts.items()},
+            self.READERS_KEY: {name: reader.state() for name, reader in self.readers.items()},
+        }
+
+    def _source_fingerprints(self) -> dict[str, str | None]:
+        if self._fingerprints is None:
+            self._fingerprints = {n: source_fingerprint(r.source) for n, r in self.readers.items()}
+        return self._fingerprints
+
+    def fingerprint(self) -> str:
+        """The configuration and every source's fingerprint (a source without one: its kind and length)."""
+        parts = []
+        for name, fp in self._source_fingerprints().items():
+            reader = self.readers[name]
+            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader) if reader.kind == 'sequence' else '?'}")
+        digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
+        return f"mix:{digest}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` naming the source if any source changed since the mix first read it."""
+        for name, fp in self._source_fingerprints().items():
+            try:
+                check_source_unchanged(self.readers[name].source, fp)
+            except ValueError as exc:
+                raise ValueError(f"mix source {name!r}: {exc}") from exc
+
+
+def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted") -> Mix:
+    """Mix named sources by weight into one source (see the module docstring for the stop policies).
+
+    Args:
+        sources: ``{name: source}``, each anything ``build_loader`` takes (a list of dicts,
+            ``open_dataset(...)``, a ``datasets`` dataset, a re-iterable, a ``torchdata`` node such as
+            ``Tokenize``'s output); a sequence must not be empty.
+        weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
+        seed: seeds the draws (with the epoch).
+        stop: ``"first_exhausted"`` (default), ``"all_exhausted"`` or ``"never"``.
+
+    Returns:
+        a :class:`Mix` node. Labels and masks keep the pipeline's one ``labels_alignment``: the mix
+        declares one only when every source declares the same (``Tokenize(assistant_only=True)``);
+        otherwise pass it to ``build_loader`` as for a single source.
+
+    Raises:
+        TypeError, ValueError: the message names the offending name, weight or policy and the fix.
+    """
+    return Mix(sources, weights, seed=seed, stop=stop)

@@ -1,0 +1,160 @@
+"""The parts of :class:`cpdata.nodes.mix.Mix`: its weighted draws and one reader per source.
+
+Draws: draw ``j`` of epoch ``e`` picks source ``k`` with probability
+``w_k / sum(w)``. The uniforms come in blocks of :data:`BLOCK`, block ``b``
+from ``numpy.random.default_rng([seed, e, b, TAG])``, so any draw is a pure
+function of ``(seed, epoch, j)`` and a resume needs only ``j`` (one block,
+32 KiB, is regenerated). Sources are ordered by name, so the dicts' order does
+not matter.
+
+A reader walks one source in its own order, pass after pass:
+
+| source kind | reads item ``i`` | skipped item (another DP rank's) | resume |
+|---|---|---|---|
+| sequence (list, ``open_dataset``, ``datasets.Dataset``) | ``source[i]`` | not read | the position |
+| re-iterable (``datasets.IterableDataset``, an object with ``__iter__``) | ``next(iterator)`` | read and dropped | re-iterate and skip ``position`` items |
+| ``torchdata`` node (``Tokenize`` output) | ``next(node)`` | read and dropped | the node's own state |
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from cpdata.nodes.source import restart_iterable, source_kind
+from cpdata.offline.hf_datasets import as_hf_documents
+
+__all__ = ["BLOCK", "Draws", "SourceReader", "document_tokens"]
+
+BLOCK = 4096
+"""Draws generated at once (one ``rng.random(BLOCK)`` call)."""
+_TAG = 0x313C  # separates the mix's random stream from the shuffles'
+
+
+class Draws:
+    """Source index of draw ``j`` of an epoch (see the module docstring).
+
+    Args:
+        weights: float64 ``[k]``, finite and > 0, in source order.
+        seed: the mix's seed.
+    """
+
+    def __init__(self, weights: np.ndarray, seed: int) -> None:
+        cum = np.cumsum(np.asarray(weights, dtype=np.float64))
+        self._cum, self._seed = cum / cum[-1], int(seed)
+        self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, block, choices)
+
+    def __call__(self, epoch: int, j: int) -> int:
+        b = j // BLOCK
+        if self._block is None or self._block[:2] != (epoch, b):
+            u = np.random.default_rng([self._seed, epoch, b, _TAG]).random(BLOCK)
+            choices = np.minimum(np.searchsorted(self._cum, u, side="right"), self._cum.shape[0] - 1)
+            self._block = (epoch, b, choices)
+        return int(self._block[2][j % BLOCK])
+
+
+def document_tokens(item: Any) -> int:
+    """Tokens of a source item (``len(input_ids)``), 0 for anything malformed (``Documents`` refuses it later)."""
+    ids = item.get("input_ids") if isinstance(item, Mapping) else None
+    try:
+        return int(len(ids)) if ids is not None else 0
+    except TypeError:
+        return 0
+
+
+class SourceReader:
+    """One named source of a mix, read in its own order, restarted for every pass (see the module table).
+
+    Raises:
+        TypeError: ``source`` is not a sequence, re-iterable or node (``source_kind``'s message, with the name).
+        ValueError: ``source`` is an empty sequence.
+    """
+
+    POSITION_KEY = "position"
+    PASSES_KEY = "passes"
+    SOURCE_KEY = "source"
+
+    def __init__(self, name: str, source: Any) -> None:
+        self.name = name
+        self.source = as_hf_documents(source)
+        try:
+            self.kind = source_kind(self.source)
+        except TypeError as exc:
+            raise TypeError(f"mix source {name!r}: {exc}") from None
+        if self.kind == "sequence" and len(self.source) == 0:
+            raise ValueError(f"mix source {name!r} is empty (0 documents); leave it out of the mix")
+        self.position = 0
+        self.passes = 0
+        self._it: Any = None
+
+    def __len__(self) -> int:
+        """Documents of a sequence source (``TypeError`` for a stream)."""
+        if self.kind != "sequence":
+            raise TypeError(f"mix source {self.name!r} is a {self.kind}: its length is unknown")
+        return len(self.source)
+
+    def restart(self, state: Mapping[str, Any] | None = None) -> None:
+        """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""
+        self.position = 0 if state is None else int(state[self.POSITION_KEY])
+        self.passes = 0 if state is None else int(state[self.PASSES_KEY])
+        self._open(None if state is None else state.get(self.SOURCE_KEY))
+
+    def new_pass(self) -> None:
+        """The source ran out: start reading it again from its beginning."""
+        self.passes += 1
+        self.position = 0
+        self._open(None)
+
+    def _open(self, nested: Mapping[str, Any] | None) -> None:
+        self._it = None
+        if self.kind == "node":
+            self.source.reset(nested)
+        elif self.kind == "iterable":
+            self._it = restart_iterable(self.source, self.position)
+
+    def take(self, read: bool) -> tuple[int, Any]:
+        """``(index in this pass, item)``; ``item`` is None for an unread sequence item. StopIteration at the end."""
+        index = self.position
+        if self.kind == "sequence":
+            if index >= len(self.source):
+                raise StopIteration
+            item = self._read(index) if read else None
+        else:
+            if self.kind == "iterable" and self._it is None:
+                self._open(None)
+            try:
+                item = next(self._it if self.kind == "iterable" else self.source)
+            except StopIteration:
+                raise
+            except Exception as exc:
+                raise _named(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
+        self.position = index + 1
+        return index, item
+
+    def _read(self, index: int) -> Any:
+        try:
+            return self.source[index]
+        except Exception as exc:
+            raise _named(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {self.POSITION_KEY: self.position, self.PASSES_KEY: self.passes}
+        if self.kind == "node":
+            out[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_it"] = None  # an open iterator does not pickle; the next restart reopens it
+        return state
+
+
+def _named(exc: Exception, what: str) -> Exception:
+    message = f"{what}: {type(exc).__name__}: {exc}"
+    try:
+        return type(exc)(message)
+    except Exception:
+        return RuntimeError(message)

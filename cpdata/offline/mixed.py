@@ -1,0 +1,138 @@
+"""A mix's draw order written out as an indexable dataset: for ``precompute``, ``PrecomputedPacks`` and ``schedule=``.
+
+``precompute`` and a global ``schedule=`` plan every document's length before
+the first batch, so they need the mix as a sequence with lengths. When every
+source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths
+(``open_dataset(...)``, a ``datasets.Dataset``, a token store; an in-memory
+list, whose lengths are counted), :class:`MixedDataset` lists the documents
+the mix draws in one epoch, in draw order: item ``j`` is document
+``index[j]`` of source ``names[source_id[j]]``. The order comes from the
+mix's own draw loop run over the sources' sizes, so it is exactly the stream
+the mix node yields for that epoch: a plan over it packs what the streaming
+loader packs. Cost: one Python step per draw (about 1 s per million
+documents) and 12 bytes per document.
+
+A stream source (re-iterable, node) or ``stop="never"`` (an endless mix) is
+refused, naming the fix. A schedule repeats this one epoch's order every pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cpdata.fingerprint import source_fingerprint
+from cpdata.nodes.mix import Mix
+from cpdata.nodes.mix_readers import document_tokens
+from cpdata.offline.datasets import TokenizedDataset
+from cpdata.targets import TARGET_KEYS
+
+__all__ = ["MixedDataset", "as_mixed_dataset"]
+
+_WHY = "precompute and schedule= plan every document's length before training"
+
+
+def _source_lengths(name: str, source: Any) -> np.ndarray:
+    lengths = getattr(source, "lengths", None)
+    if lengths is not None:
+        arr = np.asarray(lengths)
+        if arr.ndim == 1 and arr.shape[0] == len(source) and arr.dtype.kind in "iu":
+            return arr.astype(np.int64, copy=False)
+    if type(source) in (list, tuple):
+        return np.fromiter((document_tokens(item) for item in source), dtype=np.int64, count=len(source))
+    raise ValueError(
+        f"mix source {name!r} ({type(source).__name__}) does not state its documents' lengths, which {_WHY}; open "
+        "it with cpdata.open_dataset(path) (or pass a datasets.Dataset or a list), or stream the mix (schedule=None)"
+    )
+
+
+def _keys(source: Any) -> set[str]:
+    if type(source) in (list, tuple):
+        return {k for item in source if isinstance(item, dict) for k in item if k in TARGET_KEYS}
+    return set(getattr(source, "per_token_keys", ()))
+
+
+class MixedDataset(TokenizedDataset):
+    """One epoch of a mix, in draw order, as a :class:`~cpdata.offline.datasets.TokenizedDataset` (module docstring).
+
+    Attributes:
+        mix: the :class:`~cpdata.nodes.mix.Mix` it lists.
+        source_id: int32 ``[n]`` index into ``mix.names`` of each document's source.
+        index: int64 ``[n]`` the document's index in its source.
+        counts: ``{name: {"documents", "tokens"}}`` drawn from each source.
+    """
+
+    kind = "mix"
+
+    def __init__(self, mixed: Mix, epoch: int = 0) -> None:
+        if mixed.stop == "never":
+            raise ValueError(
+                f"a mix with stop='never' is endless, but {_WHY}; pass stop='first_exhausted' or 'all_exhausted'"
+            )
+        streams = [f"{n!r} ({r.kind})" for n, r in mixed.readers.items() if r.kind != "sequence"]
+        if streams:
+            raise ValueError(
+                f"mix sources {', '.join(streams)} cannot be addressed by index, which {_WHY}; open them with "
+                "cpdata.open_dataset(path) or a datasets.Dataset, or stream the mix (schedule=None, no precompute)"
+            )
+        super().__init__(Path(f"mix({','.join(mixed.names)})"))
+        self.mix, self.epoch = mixed, int(epoch)
+        self.labels_alignment = mixed.labels_alignment
+        self._sources = [mixed.readers[n].source for n in mixed.names]
+        per_source = [_source_lengths(n, s) for n, s in zip(mixed.names, self._sources, strict=True)]
+        probe = Mix({n: range(len(s)) for n, s in zip(mixed.names, self._sources, strict=True)}, mixed.weights,
+                    seed=mixed.seed, stop=mixed.stop)  # fmt: skip
+        probe.set_epoch(self.epoch)
+        probe.reset()
+        ids, index = [], []
+        for i in probe:
+            ids.append(probe.last_source)
+            index.append(i)
+        self.source_id = np.asarray(ids, dtype=np.int32)
+        self.index = np.asarray(index, dtype=np.int64)
+        lengths = np.zeros(self.index.shape[0], dtype=np.int64)
+        for k, arr in enumerate(per_source):
+            mask = self.source_id == k
+            lengths[mask] = arr[self.index[mask]]
+        self._lengths = lengths
+        picks = [self.source_id == k for k in range(len(mixed.names))]
+        self.counts = {n: {"documents": int(pick.sum()), "tokens": int(lengths[pick].sum())}
+                       for n, pick in zip(mixed.names, picks, strict=True)}  # fmt: skip
+        self.serves_tokens = all(getattr(s, "serves_tokens", True) for s in self._sources)
+        self.per_token_keys = frozenset().union(*(_keys(s) for s in self._sources))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def _read(self, i: int) -> Any:
+        return self._sources[int(self.source_id[i])][int(self.index[i])]
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read."""
+        for source in self._sources:
+            check = getattr(source, "check_token_ids", None)
+            if callable(check):
+                check(vocab_size)
+
+    def _compute_checksum(self) -> str:
+        parts = []
+        for source in self._sources:
+            checksum = getattr(source, "checksum", None)
+            parts.append(checksum() if callable(checksum) else source_fingerprint(source))
+        return hashlib.sha256(json.dumps([self.mix.config, self.epoch, parts]).encode()).hexdigest()
+
+    def fingerprint(self) -> str:
+        return f"{self.mix.fingerprint()}:{self.epoch}"
+
+    def check_unchanged(self) -> None:
+        self.mix.check_unchanged()
+
+
+def as_mixed_dataset(source: Any) -> Any:
+    """``source`` as a :class:`MixedDataset` (epoch 0) when it is a :class:`~cpdata.nodes.mix.Mix`, else unchanged."""
+    return MixedDataset(source) if isinstance(source, Mix) else source
