@@ -392,3 +392,33 @@ def test_readme_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
     counts = eval(capsys.readouterr().out.strip())  # noqa: S307
     assert set(counts) == {"chat", "web"} and counts["web"]["documents"] == 40, "one DP rank reads all of web"
     assert counts["chat"]["documents"] > 3, "the 3-chat source repeats under all_exhausted"
+
+
+def test_every_cp_rank_of_a_dp_group_packs_the_same_mix():
+    sources = {"a": _docs(60), "b": Stream(_docs(40, lo=100, seed=1))}
+    digests = []
+    for cp_rank in range(2):
+        m = mix(sources, {"a": 1, "b": 2}, seed=4, stop="all_exhausted")
+        with closing_loader(build_loader(m, capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced", dp_rank=1,
+                                         dp_size=2, shuffle=True, shuffle_buffer=8, prefetch=0)) as loader:  # fmt: skip
+            digests.append([b.layout.digest for b in loader])
+    assert digests[0] == digests[1] and len(digests[0]) > 3
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_listed_draw_order_is_the_stream_order(stop, seed):
+    from cpdata.offline.mixed import MixedDataset
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 3000, 3).tolist()
+    weights = {n: float(w) for n, w in zip("abc", rng.uniform(0.1, 5, 3), strict=True)}
+    sources = {n: [{"input_ids": [i]} for i in range(size)] for n, size in zip("abc", sizes, strict=True)}
+    m = mix(sources, weights, seed=seed, stop=stop)
+    for epoch in (0, 1):
+        m.set_epoch(epoch)
+        m.reset()
+        stream = [(m.last_source, int(d["input_ids"][0])) for d in m]
+        listed = MixedDataset(mix(sources, weights, seed=seed, stop=stop), epoch=epoch)
+        assert list(zip(listed.source_id.tolist(), listed.index.tolist(), strict=True)) == stream
+        assert len(stream) > 4096 or stop == "first_exhausted"

@@ -139,6 +139,11 @@ class Mix(BaseNode[dict]):
                 "stop": self.stop}  # fmt: skip
 
     @property
+    def draws(self) -> Draws:
+        """The source of every draw (a pure function of ``(seed, epoch, draw)``)."""
+        return self._draws
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -209,7 +214,7 @@ class Mix(BaseNode[dict]):
     def next(self) -> dict:
         return self._advance(read=True)
 
-    def skip(self) -> None:
+    def skip_unread(self) -> None:
         """Draw the next document without reading it when its source is indexable (another DP rank's)."""
         if not self._started:
             self.reset()

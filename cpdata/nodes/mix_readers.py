@@ -47,12 +47,15 @@ class Draws:
         self._cum, self._seed = cum / cum[-1], int(seed)
         self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, block, choices)
 
+    def block(self, epoch: int, b: int) -> np.ndarray:
+        """int64 ``[BLOCK]``: the sources of draws ``b * BLOCK`` to ``(b + 1) * BLOCK - 1`` of ``epoch``."""
+        u = np.random.default_rng([self._seed, epoch, b, _TAG]).random(BLOCK)
+        return np.minimum(np.searchsorted(self._cum, u, side="right"), self._cum.shape[0] - 1)
+
     def __call__(self, epoch: int, j: int) -> int:
         b = j // BLOCK
         if self._block is None or self._block[:2] != (epoch, b):
-            u = np.random.default_rng([self._seed, epoch, b, _TAG]).random(BLOCK)
-            choices = np.minimum(np.searchsorted(self._cum, u, side="right"), self._cum.shape[0] - 1)
-            self._block = (epoch, b, choices)
+            self._block = (epoch, b, self.block(epoch, b))
         return int(self._block[2][j % BLOCK])
 
 

@@ -463,8 +463,9 @@ class Documents(BaseNode[Document]):
         return position, index, item
 
     def _next_own(self) -> tuple[int, int, Any]:
-        """This rank's next ``(position, source index, item)``; a node with ``skip()`` passes others' unread."""
-        skip = getattr(self.source, "skip", None) if self._kind == "node" else None
+        """This rank's next ``(position, source index, item)``; a node with ``skip_unread()`` (``cpdata.mix``)
+        passes other ranks' items without reading them."""
+        skip = getattr(self.source, "skip_unread", None) if self._kind == "node" else None
         while True:
             if callable(skip) and self._position % self.dp_size != self.dp_rank:
                 skip()  # StopIteration at the stream's end

@@ -7,10 +7,10 @@ source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths
 list, whose lengths are counted), :class:`MixedDataset` lists the documents
 the mix draws in one epoch, in draw order: item ``j`` is document
 ``index[j]`` of source ``names[source_id[j]]``. The order comes from the
-mix's own draw loop run over the sources' sizes, so it is exactly the stream
-the mix node yields for that epoch: a plan over it packs what the streaming
-loader packs. Cost: one Python step per draw (about 1 s per million
-documents) and 12 bytes per document.
+mix's own draws and stop rule, vectorized (:func:`draw_order`, tested equal to
+the node's stream), so a plan over it packs what the streaming loader packs. Cost: numpy per block of 4096 draws, about 1 us per
+document (0.75 s for 670K draws from two 500K lists, lengths included) and
+12 bytes per document.
 
 A stream source (re-iterable, node) or ``stop="never"`` (an endless mix) is
 refused, naming the fix. A schedule repeats this one epoch's order every pass.
@@ -31,7 +31,7 @@ from cpdata.nodes.mix_readers import document_tokens
 from cpdata.offline.datasets import TokenizedDataset
 from cpdata.targets import TARGET_KEYS
 
-__all__ = ["MixedDataset", "as_mixed_dataset"]
+__all__ = ["MixedDataset", "as_mixed_dataset", "draw_order"]
 
 _WHY = "precompute and schedule= plan every document's length before training"
 
@@ -48,6 +48,49 @@ def _source_lengths(name: str, source: Any) -> np.ndarray:
         f"mix source {name!r} ({type(source).__name__}) does not state its documents' lengths, which {_WHY}; open "
         "it with cpdata.open_dataset(path) (or pass a datasets.Dataset or a list), or stream the mix (schedule=None)"
     )
+
+
+def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(source_id int32 [n], index int64 [n])`` of the documents ``mixed`` yields in ``epoch`` over sources of
+    ``sizes`` documents: the node's draw loop, vectorized per block of draws.
+
+    The ``c``-th draw of source ``k`` (1-based, counted over passes) reads document ``(c - 1) % sizes[k]``; its
+    ``(sizes[k] + 1)``-th draw is where ``k`` runs out: that draw ends the epoch under ``first_exhausted``, and under
+    ``all_exhausted`` the run-out draw of the last source to run out does (every other one reads index 0 again).
+    """
+    k = sizes.shape[0]
+    draws = mixed.draws
+    counts = np.zeros(k, dtype=np.int64)
+    pending = np.ones(k, dtype=bool)  # not run out yet
+    ids_parts, c_parts = [], []
+    b = 0
+    while True:
+        choices = draws.block(epoch, b)
+        c = np.empty(choices.shape[0], dtype=np.int64)
+        for s in range(k):
+            pick = choices == s
+            c[pick] = counts[s] + np.cumsum(pick)[pick]
+        out = np.flatnonzero(c == sizes[choices] + 1)  # draws where a source runs out
+        end = None
+        if mixed.stop == "first_exhausted" and out.size:
+            end = int(out[0])
+        elif mixed.stop == "all_exhausted":
+            for j in out.tolist():
+                pending[choices[j]] = False
+                if not pending.any():
+                    end = j
+                    break
+        if end is not None:
+            ids_parts.append(choices[:end])
+            c_parts.append(c[:end])
+            break
+        ids_parts.append(choices)
+        c_parts.append(c)
+        counts += np.bincount(choices, minlength=k)
+        b += 1
+    ids = np.concatenate(ids_parts).astype(np.int32)
+    index = (np.concatenate(c_parts) - 1) % sizes[ids]
+    return ids, index.astype(np.int64)
 
 
 def _keys(source: Any) -> set[str]:
@@ -84,16 +127,8 @@ class MixedDataset(TokenizedDataset):
         self.labels_alignment = mixed.labels_alignment
         self._sources = [mixed.readers[n].source for n in mixed.names]
         per_source = [_source_lengths(n, s) for n, s in zip(mixed.names, self._sources, strict=True)]
-        probe = Mix({n: range(len(s)) for n, s in zip(mixed.names, self._sources, strict=True)}, mixed.weights,
-                    seed=mixed.seed, stop=mixed.stop)  # fmt: skip
-        probe.set_epoch(self.epoch)
-        probe.reset()
-        ids, index = [], []
-        for i in probe:
-            ids.append(probe.last_source)
-            index.append(i)
-        self.source_id = np.asarray(ids, dtype=np.int32)
-        self.index = np.asarray(index, dtype=np.int64)
+        sizes = np.array([len(s) for s in self._sources], dtype=np.int64)
+        self.source_id, self.index = draw_order(mixed, sizes, self.epoch)
         lengths = np.zeros(self.index.shape[0], dtype=np.int64)
         for k, arr in enumerate(per_source):
             mask = self.source_id == k
