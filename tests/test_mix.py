@@ -422,3 +422,48 @@ def test_the_listed_draw_order_is_the_stream_order(stop, seed):
         listed = MixedDataset(mix(sources, weights, seed=seed, stop=stop), epoch=epoch)
         assert list(zip(listed.source_id.tolist(), listed.index.tolist(), strict=True)) == stream
         assert len(stream) > 4096 or stop == "first_exhausted"
+
+
+def test_a_tokenize_node_and_a_hugging_face_dataset_mix():
+    """Sources of every kind a pipeline takes: a Tokenize node (chat rows, assistant_only) and a datasets.Dataset."""
+    import datasets
+
+    from cpdata import Tokenize
+
+    tok = chat_tokenizer()
+    chats = Tokenize([{"messages": c} for c in conversations()], tok, assistant_only=True)
+    texts = ["the quick brown fox", "hello there, how can i help you today?", "two plus three is five."]
+    hf = datasets.Dataset.from_dict({"input_ids": [tok(t)["input_ids"] for t in texts]})
+    m = mix({"chat": chats, "hf": hf}, {"chat": 1, "hf": 1}, stop="all_exhausted", seed=3)
+    assert m.labels_alignment is None, "only one source declares an alignment: the caller says it"
+    (batch,) = [b.tensors() for b in _run(shard_graph(m, capacity=512, cp_size=1, layout="identity",
+                                                      labels_alignment="inputs"))]  # fmt: skip
+    counts = m.counts
+    assert counts["chat"]["documents"] >= 3 and counts["hf"]["documents"] >= 3
+    assert int(batch["seq_lens"].sum()) == counts["chat"]["tokens"] + counts["hf"]["tokens"]
+    masks = {tuple(r["input_ids"]): r["assistant_masks"] for r in _run(Tokenize(
+        [{"messages": c} for c in conversations()], tok, assistant_only=True))}  # fmt: skip
+    ids, labels, docs = batch["input_ids"][0], batch["labels"][0], batch["document_ids"][0]
+    for k, n in enumerate(batch["seq_lens"].tolist()):
+        span = np.flatnonzero(docs == k)[:n]
+        key = tuple(ids[span].tolist())
+        trained = int((labels[span] != -100).sum())
+        assert trained == (int(np.asarray(masks[key])[1:].sum()) if key in masks else n - 1)
+
+
+def test_documents_epochs_drive_the_mix_epochs():
+    a, b = _docs(30), _docs(20, lo=100)
+
+    def stream(epoch):
+        m = mix({"a": a, "b": b}, {"a": 1, "b": 1}, seed=2)
+        m.set_epoch(epoch)
+        m.reset()
+        return [d["input_ids"].tolist() for d in m]
+
+    node = Documents(mix({"a": a, "b": b}, {"a": 1, "b": 1}, seed=2), num_epochs=2)
+    node.reset()
+    got = [d.arrays["input_ids"].tolist() for d in node]
+    assert got == stream(0) + stream(1) and stream(0) != stream(1)
+    node.reset()  # the next iter(): epochs 2 and 3
+    assert [d.arrays["input_ids"].tolist() for d in node] == stream(2) + stream(3)
+    assert node.source.epoch == 3

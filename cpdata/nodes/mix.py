@@ -13,7 +13,10 @@ it goes wherever a source goes (``build_loader``, ``CPDataset``, ``Documents``,
 ``precompute`` / ``PrecomputedPacks`` when every source has known lengths).
 Draw ``j`` of the stream goes to DP rank ``j % dp_size``; every CP rank of a
 DP group computes the same draws, and a rank never reads another rank's
-documents from a sequence source (streams are read and dropped).
+documents from a sequence source (streams are read and dropped). This is
+not torchdata's ``MultiNodeWeightedSampler``, which seeds from the global
+rank (CP peers would draw differently) and reads every item it draws.
+Cost: ~5 us per document drawn, plus the source's read.
 
 Stop policies (``stop=``), what one epoch is:
 
