@@ -227,3 +227,64 @@ def test_refuses_a_state_from_another_configuration():
     short.reset(dict(state, shard=(0, 1), length=None, position=8))
     with pytest.raises(ValueError, match="read 8 documents but the source ends after 3"):
         Documents(_Reiterable(_docs(3))).reset(dict(state, shard=(0, 1), length=None, position=8))
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+def _one_by_one(node: Documents, limit: int, floor: int, capacity: int) -> tuple[list[Document], bool]:
+    """The window rule applied to ``next()``: what ``next_window`` must return."""
+    docs, tokens = [], 0
+    while len(docs) < limit or tokens < floor:
+        try:
+            doc = next(node)
+        except StopIteration:
+            return docs, True
+        docs.append(doc)
+        tokens += min(max(doc.length, 1), capacity)
+    return docs, False
+
+
+@pytest.mark.parametrize("limit,floor", [(3, 0), (1, 20), (4, 1000)])
+def test_next_window_is_next_one_by_one(limit, floor):
+    """Same documents, same exhaustion flag and same state as ``next()`` under the window rule."""
+    source = [{**d, "labels": d["input_ids"]} for d in _docs(30, seed=3)]
+    a = Documents(source, dp_rank=1, dp_size=2, labels_alignment="inputs", vocab_size=100)
+    b = Documents(source, dp_rank=1, dp_size=2, labels_alignment="inputs", vocab_size=100)
+    a.reset()
+    b.reset()
+    while True:
+        got, ended = a.next_window(limit, floor, 6)
+        want, want_ended = _one_by_one(b, limit, floor, 6)
+        assert ended == want_ended and [d.index for d in got] == [d.index for d in want]
+        for g, w in zip(got, want, strict=True):
+            assert g.arrays.keys() == w.arrays.keys() and all(np.array_equal(g.arrays[k], w.arrays[k]) for k in g.arrays)
+        assert a.state_dict() == b.state_dict()
+        if ended:
+            break
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {3: {"input_ids": [1, -2]}},  # values: found by the window's one min
+        {5: {"input_ids": [1, 99]}},  # >= vocab_size
+        {2: {"input_ids": [1, 2], "labels": [1, 2, 3]}},  # structure
+        {4: {"input_ids": [1, -2]}, 2: {"input_ids": "x"}},  # structure first in source order
+        {1: {"input_ids": [1, 2], "labels": [1, -5]}, 3: {"input_ids": [-1]}},  # targets first in source order
+        {6: [1, 2]},  # not a dict
+    ],
+)
+def test_window_errors_are_the_first_bad_documents_own(bad):
+    """A window is validated at once, but raises what ``to_document`` raises for its first bad item."""
+    source = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]} for _ in range(8)]
+    for i, item in bad.items():
+        source[i] = item
+    first = min(bad)
+    with pytest.raises((TypeError, ValueError)) as want:
+        to_document(source[first], first, vocab_size=50, labels_alignment="inputs")
+    node = Documents(source, vocab_size=50, labels_alignment="inputs")
+    node.reset()
+    with pytest.raises(type(want.value)) as got:
+        node.next_window(8, 0, 16)
+    assert str(got.value) == str(want.value)

@@ -76,6 +76,30 @@ def _fresh(carry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int) -> tuple[list[Document], bool]:
+    """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
+    source ended: ``source.next_window`` when it validates windows at once (``Documents``), else ``next()``
+    one document at a time."""
+    next_window = getattr(source, "next_window", None)
+    if next_window is not None:
+        return next_window(limit, floor, capacity)
+    documents: list[Document] = []
+    tokens = 0
+    while limit is None or len(documents) < limit or tokens < floor:
+        try:
+            doc = next(source)
+        except StopIteration:
+            return documents, True
+        if not isinstance(doc, Document):
+            raise TypeError(
+                f"Pack expects cpdata.plan.Document items, got {type(doc).__name__}; "
+                "wrap the source in cpdata.nodes.source.Documents(...)"
+            )
+        documents.append(doc)
+        tokens += min(max(doc.length, 1), capacity)
+    return documents, False
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Snapshot:
     source: dict[str, Any]
@@ -221,22 +245,8 @@ class Pack(BaseNode[PackPlan]):
             self._snapshot = self._take_snapshot()
             self._carry_records = None
             self._emitted = 0
-        documents: list[Document] = []
-        # The window rule of cpdata.packing.planner.window_ends, one document at a time.
-        limit, floor, capacity, tokens = self.config.window, self.config.window_tokens, self.config.capacity, 0
-        while limit is None or len(documents) < limit or tokens < floor:
-            try:
-                doc = next(self.source)
-            except StopIteration:
-                self._exhausted = True
-                break
-            if not isinstance(doc, Document):
-                raise TypeError(
-                    f"Pack expects cpdata.plan.Document items, got {type(doc).__name__}; "
-                    "wrap the source in cpdata.nodes.source.Documents(...)"
-                )
-            documents.append(doc)
-            tokens += min(max(doc.length, 1), capacity)
+        config = self.config
+        documents, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
         lengths = np.fromiter((d.length for d in documents), dtype=np.int64, count=len(documents))
         indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=len(documents))
         firsts = np.fromiter((first_target(d.arrays) for d in documents), dtype=np.int64, count=len(documents))

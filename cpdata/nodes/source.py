@@ -30,134 +30,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
-from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
+from cpdata.nodes.validate import document_ids, to_document, to_documents
 from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
-from cpdata.targets import TARGET_KEYS, LabelsAlignment, declared_alignment, to_targets
+from cpdata.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["Documents", "restart_iterable", "source_kind", "to_document"]
-
-_INTEGER_KEYS = (INPUT_IDS, LABELS)
-
-
-def _to_array(value: Any) -> np.ndarray | None:
-    """A numeric numpy array for per-token data, or None for metadata."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        arr = value
-    elif isinstance(value, (list, tuple)):
-        try:
-            arr = np.asarray(value)
-        except ValueError:  # ragged nested lists: not per-token data
-            return None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-    else:
-        return None
-    if arr.ndim == 0 or arr.dtype.kind not in "biuf":
-        return None
-    return arr
-
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _integer_ids(arr: np.ndarray, key: str, index: int) -> np.ndarray:
-    if arr.size and (arr.dtype.kind not in "iu"):
-        raise TypeError(
-            f"document {index}: {key!r} must hold integers, got dtype {arr.dtype} "
-            f"(first values {arr.reshape(-1)[:4].tolist()}); convert token ids to an integer type"
-        )
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
-        raise ValueError(
-            f"document {index}: {key!r} value {int(arr.max())} at position {int(arr.argmax())} does not fit "
-            "an int64 token id; check the tokenizer or vocab_size"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def to_document(
-    item: Any, index: int, vocab_size: int | None = None, labels_alignment: LabelsAlignment | None = None
-) -> Document:
-    """Validate one source item and convert it to a :class:`~cpdata.plan.Document`.
-
-    ``labels`` and masks (``loss_mask``, ``assistant_masks``,
-    ``completion_mask``) are turned into next-token targets by
-    :func:`cpdata.targets.to_targets` under ``labels_alignment``.
-
-    Raises:
-        TypeError: the item is not a dict, ids are not integers, or ``labels``
-            or a mask is not a flat numeric list (None, strings, nested lists).
-        ValueError: missing or non-1-D ``input_ids``, negative ids, ids
-            ``>= vocab_size``, a per-token array whose length differs, or
-            labels / a mask without ``labels_alignment``.
-    """
-    if not isinstance(item, Mapping):
-        raise TypeError(
-            f"document {index}: expected a dict with {INPUT_IDS!r}, got {type(item).__name__}; "
-            "map your source to dicts such as {'input_ids': [...]} first"
-        )
-    if INPUT_IDS not in item:
-        raise ValueError(f"document {index} has no {INPUT_IDS!r}; its keys are {sorted(map(str, item))}")
-    ids = _to_array(item[INPUT_IDS])
-    if ids is None:
-        raise TypeError(
-            f"document {index}: {INPUT_IDS!r} must be a 1-D list, numpy array or tensor of integers, "
-            f"got {type(item[INPUT_IDS]).__name__}"
-        )
-    if ids.ndim != 1:
-        raise ValueError(
-            f"document {index}: {INPUT_IDS!r} must be 1-D, got shape {tuple(ids.shape)}; pass one document per "
-            "item (split a [batch, seq] array into one dict per row)"
-        )
-    ids = _integer_ids(ids, INPUT_IDS, index)
-    if ids.size:
-        if ids.min() < 0:
-            low = int(ids.argmin())
-            raise ValueError(
-                f"document {index}: {INPUT_IDS!r} must be >= 0, got {int(ids[low])} at position {low}; token ids "
-                "index the vocabulary: do not pre-pad with negative ids (cpdata pads with padding_token_id) and "
-                "put ignored targets (-100) in 'labels'"
-            )
-        if vocab_size is not None and ids.max() >= vocab_size:
-            high = int(ids.argmax())
-            raise ValueError(
-                f"document {index}: {INPUT_IDS}[{high}]={int(ids[high])} is >= vocab_size={vocab_size}; "
-                "check the tokenizer or vocab_size"
-            )
-    arrays = {INPUT_IDS: ids}
-    for key, value in item.items():
-        if key == INPUT_IDS:
-            continue
-        arr = _to_array(value)
-        if arr is None:
-            if key in TARGET_KEYS:
-                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-                raise TypeError(
-                    f"document {index}: {key!r} must be a flat list, numpy array or tensor of "
-                    f"{'integers' if key == LABELS else '0/1 values'} with one entry per token, got "
-                    f"{type(value).__name__} {shown}; drop the key to train on every next token"
-                )
-            continue
-        if arr.ndim != 1:
-            raise ValueError(
-                f"document {index}: {key!r} must be 1-D with one entry per token, got shape {tuple(arr.shape)}; "
-                "split per-token vectors into separate 1-D keys"
-            )
-        if arr.shape[0] != ids.shape[0]:
-            raise ValueError(
-                f"document {index}: {key!r} has {arr.shape[0]} entries but {INPUT_IDS!r} has {ids.shape[0]}; "
-                "per-token arrays must have one entry per token"
-            )
-        arrays[key] = _integer_ids(arr, key, index) if key in _INTEGER_KEYS else arr
-    return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
 def source_kind(source: Any, items: str = "document dicts") -> str:
@@ -475,7 +358,8 @@ class Documents(BaseNode[Document]):
             if position % self.dp_size == self.dp_rank:
                 return position, index, item
 
-    def next(self) -> Document:
+    def _next_item(self) -> tuple[int, Any]:
+        """This rank's next ``(source index, item)``, across epochs (StopIteration after the last)."""
         while True:
             try:
                 if self._buffer is not None:
@@ -489,10 +373,45 @@ class Documents(BaseNode[Document]):
                 self._check_source()
                 self._restart_source()
                 continue
-            break
+            return index, item
+
+    def next(self) -> Document:
+        index, item = self._next_item()
         document = to_document(item, index, self.vocab_size, self.labels_alignment)
         self._consumed += 1
         return document
+
+    def next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[list[Document], bool]:
+        """The documents ``next()`` gives one by one until a packing window is full, validated together.
+
+        A window is full with at least ``limit`` documents (None: never) and
+        ``floor`` tokens, each document counting ``min(max(n, 1), capacity)``
+        (:func:`cpdata.packing.planner.window_ends`). The id values of the whole
+        window are checked in one pass (:func:`cpdata.nodes.validate.to_documents`);
+        errors are those of ``next()`` for the first bad document.
+
+        Returns:
+            ``(documents, exhausted)``: ``exhausted`` when the source ended first.
+        """
+        items, indices, ids, tokens, exhausted = [], [], [], 0, False
+        while limit is None or len(items) < limit or tokens < floor:
+            try:
+                index, item = self._next_item()
+            except StopIteration:
+                exhausted = True
+                break
+            items.append(item)
+            indices.append(index)
+            try:
+                doc_ids = document_ids(item, index)
+            except Exception:
+                to_documents(items[:-1], indices[:-1], ids, self.vocab_size, self.labels_alignment)
+                raise  # the earlier documents are fine: this one's own error
+            ids.append(doc_ids)
+            tokens += min(max(doc_ids.shape[0], 1), capacity)
+        documents = to_documents(items, indices, ids, self.vocab_size, self.labels_alignment)
+        self._consumed += len(documents)
+        return documents, exhausted
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
