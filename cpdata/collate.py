@@ -42,13 +42,13 @@ gather; at 128K tokens and cp=8 that is ~8x less output than the full pack.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
+from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
 from cpdata.layouts import thd_slot_lens
-from cpdata.plan import DocPiece, PackPlan
+from cpdata.plan import PackPlan
+from cpdata.stream import Stream, build_stream, check_plans, shifted_labels, stream_metadata, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -56,7 +56,6 @@ __all__ = [
 ]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
-_PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 
 
 def check_qkv_format(qkv_format: str) -> None:
@@ -87,190 +86,18 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
     return int(padding_token_id)
 
 
-def _check_plans(plans: Sequence[PackPlan]) -> int:
-    if isinstance(plans, PackPlan):
-        raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
-    if len(plans) == 0:
-        raise ValueError("collate needs at least one PackPlan, got an empty sequence")
-    capacity = plans[0].capacity
-    for b, plan in enumerate(plans):
-        if plan.capacity != capacity:
-            raise ValueError(
-                f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
-            )
-        slot_lens = np.asarray(plan.slot_lens)
-        if slot_lens.shape != (len(plan.pieces),):
-            raise ValueError(
-                f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({len(plan.pieces)},) "
-                "(one slot per piece)"
-            )
-        short = np.flatnonzero(plan.seq_lens > slot_lens)
-        if short.size:
-            i = int(short[0])
-            raise ValueError(
-                f"plan {plan.index}: piece {i} has {plan.pieces[i].length} tokens but its slot only "
-                f"{int(slot_lens[i])}; slot_lens must be >= the piece lengths"
-            )
-    return capacity
-
-
-def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
-    """int64 ``[K]`` slot lengths of the stream, as :func:`cpdata.layouts.rank_indices` takes them.
-
-    Every pack's tail is absorbed into its own last slot except the final
-    pack's, which ``rank_indices`` treats per layout (so one plan gives exactly
-    ``plan.slot_lens``).
-    """
-    capacity = _check_plans(plans)
-    parts = [thd_slot_lens(p.slot_lens, capacity) for p in plans[:-1]]
-    parts.append(np.asarray(plans[-1].slot_lens, dtype=np.int64))
-    return np.concatenate(parts).astype(np.int64, copy=False)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Stream:
-    """Per-slot tables and concatenated piece arrays of one batch (internal).
-
-    ``K`` stream slots, ``T`` real tokens. Concatenated arrays end with pad
-    elements, so a pad position can gather from index ``T`` directly.
-    """
-
-    rows: int
-    row_len: int
-    slot_starts: np.ndarray  # int64 [K], stream offset of each slot
-    slot_lens: np.ndarray  # int64 [K], tail absorbed
-    real_lens: np.ndarray  # int64 [K]
-    real_ends: np.ndarray  # int64 [K], slot_starts + real_lens
-    src_shift: np.ndarray  # int64 [K], concatenated-array index minus stream position
-    pos_shift: np.ndarray  # int64 [K], position id minus stream position
-    next_labels: np.ndarray  # int64 [K], target of each slot's last real token
-    ids: np.ndarray  # int64 [T + 2], input_ids then two pads (room for the next-token lookup)
-    extras: dict[str, np.ndarray]  # per extra key [T + 1], last element 0
-    labels: np.ndarray | None  # int64 [T + 1] when some piece brings its own labels, else None
-    total: int  # T
-
-
-def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> _Stream:
-    """The per-slot tables and concatenated piece arrays every rank of the batch gathers from."""
-    capacity = _check_plans(plans)
-    lens, slot_pieces, columns = [], [], []
-    for plan in plans:
-        slots = thd_slot_lens(plan.slot_lens, capacity)
-        lens.append(slots)
-        slot_pieces.extend(plan.pieces if plan.pieces else [None] * slots.size)  # empty pack: one pad slot
-        columns.append(plan.columns if plan.pieces else _PAD_SLOT)
-    pieces = [p for p in slot_pieces if p is not None]
-    slot_lens = np.concatenate(lens).astype(np.int64, copy=False)
-    table = np.concatenate(columns)  # [K, 4]: index, start, length, next_label
-    starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
-    slot_starts = np.cumsum(slot_lens) - slot_lens
-    src_starts = np.cumsum(real_lens) - real_lens
-    total = int(real_lens.sum())
-    extra_keys = _extra_keys(pieces)
-    stream = _Stream(
-        rows=len(plans),
-        row_len=capacity,
-        slot_starts=slot_starts,
-        slot_lens=slot_lens,
-        real_lens=real_lens,
-        real_ends=slot_starts + real_lens,
-        src_shift=src_starts - slot_starts,
-        pos_shift=starts - slot_starts,
-        next_labels=next_labels,
-        ids=_concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64)),
-        extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys if key != LOSS_MASK},
-        labels=None,
-        total=total,
-    )
-    if any(LABELS in p.arrays for p in pieces):
-        labels = _shifted_labels(stream)
-        for p, s in zip(slot_pieces, src_starts.tolist(), strict=True):
-            if p is not None and LABELS in p.arrays:
-                labels[s : s + p.length] = np.asarray(p.arrays[LABELS]).reshape(-1)
-        stream = replace(stream, labels=labels)
-    if LOSS_MASK in extra_keys:
-        stream.extras[LOSS_MASK] = _loss_mask(stream, pieces)
-    return stream
-
-
-def _loss_mask(stream: _Stream, pieces: list[DocPiece]) -> np.ndarray:
-    """``[T + 1]`` loss mask over the concatenated pieces: a piece's own, else its ``labels != -100``; pad 0."""
-    given = [np.asarray(p.arrays[LOSS_MASK]).reshape(-1) for p in pieces if LOSS_MASK in p.arrays]
-    out = np.zeros(stream.total + 1, dtype=np.result_type(*given))
-    labels = stream.labels if stream.labels is not None else _shifted_labels(stream)
-    offset = 0
-    for p in pieces:
-        if LOSS_MASK in p.arrays:
-            out[offset : offset + p.length] = np.asarray(p.arrays[LOSS_MASK]).reshape(-1)
-        else:
-            out[offset : offset + p.length] = labels[offset : offset + p.length] != IGNORE_INDEX
-        offset += p.length
-    return out
-
-
-def _extra_keys(pieces: list[DocPiece]) -> list[str]:
-    if pieces and all(p.arrays.keys() == pieces[0].arrays.keys() for p in pieces):  # the usual case
-        return sorted(set(pieces[0].arrays) - {INPUT_IDS, LABELS})
-    keys = sorted(set().union(*(p.arrays.keys() for p in pieces)) - {INPUT_IDS, LABELS}) if pieces else []
-    for key in keys:
-        if key == LOSS_MASK:  # derived from the labels where missing
-            continue
-        missing = [p.index for p in pieces if key not in p.arrays]
-        if missing:
-            raise ValueError(
-                f"per-token array {key!r} is missing from the pieces of documents {missing[:8]}; "
-                "every document of a batch must carry the same extra arrays"
-            )
-    return keys
-
-
-def _concat(pieces: list[DocPiece], key: str, total: int, n_pad: int, pad: int, dtype: np.dtype | None) -> np.ndarray:
-    """``key`` of every piece, concatenated, then ``n_pad`` pad elements."""
-    parts = [np.asarray(p.arrays[key]).reshape(-1) for p in pieces]
-    dtype = dtype or (np.result_type(*parts) if parts else np.dtype(np.int64))
-    out = np.empty(total + n_pad, dtype=dtype)
-    if parts:
-        np.concatenate(parts, out=out[:total], casting="unsafe")
-    out[total:] = pad
-    return out
-
-
-def _shifted_labels(stream: _Stream) -> np.ndarray:
-    """int64 ``[T + 1]`` next-token targets over the concatenated pieces; the last element is -100."""
-    total = stream.total
-    labels = np.empty(total + 1, dtype=np.int64)
-    labels[:total] = stream.ids[1 : total + 1]
-    has = stream.real_lens > 0
-    labels[(stream.slot_starts + stream.src_shift + stream.real_lens - 1)[has]] = stream.next_labels[has]
-    labels[total] = IGNORE_INDEX
-    return labels
-
-
-def _metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
-    seq_lens = real_lens.astype(np.int32)
-    seq_lens_padded = slot_lens.astype(np.int32)
-    zero = np.zeros(1, dtype=np.int32)
-    return {
-        "cu_seqlens": np.concatenate([zero, np.cumsum(seq_lens, dtype=np.int32)]),
-        "cu_seqlens_padded": np.concatenate([zero, np.cumsum(seq_lens_padded, dtype=np.int32)]),
-        "seq_lens": seq_lens,
-        "seq_lens_padded": seq_lens_padded,
-        "max_seqlen": np.asarray(seq_lens.max() if seq_lens.size else 0, dtype=np.int32),
-    }
-
-
 def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     """Stream metadata only (``cu_seqlens`` & co., see the module docstring); O(slots)."""
-    capacity = _check_plans(plans)
+    capacity = check_plans(plans)
     real, slots = [], []
     for plan in plans:
         absorbed = thd_slot_lens(plan.slot_lens, capacity)
         slots.append(absorbed)
         real.append(plan.seq_lens if plan.pieces else np.zeros(absorbed.size, dtype=np.int64))
-    return _metadata(np.concatenate(real), np.concatenate(slots))
+    return stream_metadata(np.concatenate(real), np.concatenate(slots))
 
 
-def rank_specs(stream: _Stream, local_len: int, qkv_format: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``key -> (shape, dtype)`` of one rank's tensors, in batch order: token tensors ``[B, L]`` (bshd)
     or ``[L]`` (thd), then the stream metadata."""
     check_qkv_format(qkv_format)
@@ -285,7 +112,7 @@ def rank_specs(stream: _Stream, local_len: int, qkv_format: str) -> dict[str, tu
     return specs
 
 
-def _gather(stream: _Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
+def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
     """Write the token tensors at stream ``positions`` into ``out`` (arrays of ``positions``' shape).
 
     One slot lookup per position (O(len(positions) * log K)), then one ``take``
@@ -314,15 +141,15 @@ def _gather(stream: _Stream, positions: np.ndarray, out: dict[str, np.ndarray]) 
         np.take(arr, src, out=out[key], mode="clip")
 
 
-def collate_rank_into(stream: _Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
+def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
     """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors: ``rows_r`` int ``[L]``
     as for :func:`collate_rank`."""
     _gather(stream, _stream_positions(stream, rows_r, qkv_format), out)
-    for key, value in _metadata(stream.real_lens, stream.slot_lens).items():
+    for key, value in stream_metadata(stream.real_lens, stream.slot_lens).items():
         out[key][...] = value
 
 
-def _stream_positions(stream: _Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
+def _stream_positions(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
     check_qkv_format(qkv_format)
     row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
     rows_r = np.asarray(rows_r)
@@ -352,7 +179,7 @@ def collate_pack(
     check_qkv_format(qkv_format)
     shape = (stream.rows, stream.row_len) if qkv_format == "bshd" else (n,)
     real_pos = np.arange(stream.total, dtype=np.int64) - np.repeat(stream.src_shift, stream.real_lens)
-    labels = stream.labels if stream.labels is not None else _shifted_labels(stream)
+    labels = stream.labels if stream.labels is not None else shifted_labels(stream)
     concatenated = {INPUT_IDS: stream.ids[: stream.total + 1], LABELS: labels, **stream.extras}
     out: dict[str, np.ndarray] = {}
     for key, arr in concatenated.items():
@@ -366,7 +193,7 @@ def collate_pack(
     out[POSITION_IDS] = position_ids.reshape(shape)
     out[PADDING_MASK] = mask.reshape(shape)
     out[DOCUMENT_IDS] = np.repeat(np.arange(stream.slot_lens.size, dtype=np.int64), stream.slot_lens).reshape(shape)
-    out.update(_metadata(stream.real_lens, stream.slot_lens))
+    out.update(stream_metadata(stream.real_lens, stream.slot_lens))
     return out
 
 

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "plan_digest"]
+__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "plan_digest"]
 
 DIGEST_SAMPLES = 8
 """Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
 _SAMPLE_AT = np.arange(DIGEST_SAMPLES, dtype=np.int64)
+_IDS = "input_ids"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +61,75 @@ class DocPiece:
         object.__setattr__(self, "length", int(self.arrays["input_ids"].shape[0]))
 
 
+class PieceColumns(Sequence[DocPiece]):
+    """The pieces of one pack as columns: a read-only sequence of :class:`DocPiece` made on access.
+
+    Packers keep pieces this way (no object per piece on the hot path);
+    collate and the digest read the columns.
+
+    Args:
+        table: int64 ``[n, 4]``: every piece's ``(index, start, length, next_label)`` (made read-only).
+        sources: ``n`` mappings of per-token arrays; piece ``i`` is ``sources[i][key][o : o + length]``
+            with ``o = offsets[i]`` (a whole document's arrays, sliced lazily).
+        offsets: int64 ``[n]``.
+    """
+
+    __slots__ = ("table", "sources", "offsets")
+
+    def __init__(self, table: np.ndarray, sources: Sequence[Mapping[str, np.ndarray]], offsets: np.ndarray) -> None:
+        table.flags.writeable = offsets.flags.writeable = False
+        self.table, self.sources, self.offsets = table, tuple(sources), offsets
+
+    @classmethod
+    def of(cls, pieces: Sequence[DocPiece]) -> PieceColumns:
+        """Columns of ``pieces`` (each read once, arrays as flat numpy arrays); a :class:`PieceColumns` is
+        returned as is."""
+        if isinstance(pieces, PieceColumns):
+            return pieces
+        n = len(pieces)
+        flat = itertools.chain.from_iterable((p.index, p.start, p.length, p.next_label) for p in pieces)
+        table = np.fromiter(flat, dtype=np.int64, count=4 * n).reshape(n, 4)
+        sources = [{k: np.asarray(a).reshape(-1) for k, a in p.arrays.items()} for p in pieces]
+        return cls(table, sources, np.zeros(n, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        index, start, length, next_label = self.table[i].tolist()
+        source, offset = self.sources[i], int(self.offsets[i])
+        if offset == 0 and source[_IDS].shape[0] == length:
+            arrays = source
+        else:
+            arrays = {k: a[offset : offset + length] for k, a in source.items()}
+        return DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
+
+    def __iter__(self) -> Iterator[DocPiece]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal pieces: same columns and, piece by piece, the same arrays (keys, dtypes, values)."""
+        if not isinstance(other, PieceColumns):
+            return NotImplemented
+        if not np.array_equal(self.table, other.table):
+            return False
+        for a, b in zip(self, other, strict=True):
+            if a.arrays.keys() != b.arrays.keys():
+                return False
+            for k, x in a.arrays.items():
+                y = b.arrays[k]
+                if x.dtype != y.dtype or not np.array_equal(x, y):
+                    return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PieceColumns({len(self)} pieces)"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackPlan:
     """The documents of one pack and where they sit.
@@ -68,8 +138,8 @@ class PackPlan:
     shard) is a pure function of the plan.
     """
 
-    pieces: tuple[DocPiece, ...]
-    """Pieces in slot order."""
+    pieces: Sequence[DocPiece]
+    """Pieces in slot order: a tuple of :class:`DocPiece`, or :class:`PieceColumns` (packers)."""
     slot_lens: np.ndarray
     """int64 ``[n_slots]``: piece length rounded up to the layout's document multiple."""
     capacity: int
@@ -78,6 +148,8 @@ class PackPlan:
     """Sequence number of the pack in this DP rank's stream (0-based)."""
     extras: Mapping[str, object] = field(default_factory=dict)
     """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
+    piece_columns: PieceColumns = field(init=False, repr=False, compare=False)
+    """The pieces as columns (``pieces`` itself when the packer made columns)."""
     columns: np.ndarray = field(init=False, repr=False, compare=False)
     """int64 ``[n_slots, 4]``: every piece's ``(index, start, length, next_label)``, read once at
     construction (read-only); collate and the digest work on these columns."""
@@ -85,19 +157,17 @@ class PackPlan:
     """int64 ``[n_slots]`` real tokens per slot (``columns[:, 2]``)."""
 
     def __post_init__(self) -> None:
-        n = len(self.pieces)
-        flat = itertools.chain.from_iterable((p.index, p.start, p.length, p.next_label) for p in self.pieces)
-        columns = np.fromiter(flat, dtype=np.int64, count=4 * n).reshape(n, 4)
-        columns.flags.writeable = False
-        object.__setattr__(self, "columns", columns)
-        object.__setattr__(self, "seq_lens", columns[:, 2])
+        cols = PieceColumns.of(self.pieces)
+        object.__setattr__(self, "piece_columns", cols)
+        object.__setattr__(self, "columns", cols.table)
+        object.__setattr__(self, "seq_lens", cols.table[:, 2])
 
     @property
     def real_tokens(self) -> int:
         return int(self.seq_lens.sum())
 
 
-def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
+def plan_digest(plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must compute equal digests; the device-side
@@ -105,22 +175,28 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     index, slot lengths, piece provenance (source index, start, length, next
     label) and the content of every piece, sampled: up to
     :data:`DIGEST_SAMPLES` token ids at evenly spaced positions (first and
-    last included). Columnar: the provenance is read into four int64
+    last included). Columnar: the provenance is the plan's four int64
     columns, the samples of every piece come from one gather over the
-    concatenated ids (a memcpy of the pack's ids), and the hash covers
-    ``n_pieces * 12`` int64s, instead of hashing every id (1.5 ms at 128K);
-    ranks that read other data of the same shape (same lengths, other tokens)
-    disagree on the sampled ids, while a change confined to unsampled
-    positions goes unseen.
+    concatenated ids, and the hash covers ``n_pieces * 12`` int64s, instead
+    of hashing every id (1.5 ms at 128K); ranks that read other data of the
+    same shape (same lengths, other tokens) disagree on the sampled ids,
+    while a change confined to unsampled positions goes unseen.
+
+    Args:
+        ids: the plan's pieces' ``input_ids`` concatenated (int64 ``[>= real tokens]``, e.g. collate's
+            stream); concatenated here when None.
     """
-    pieces, lens = plan.pieces, plan.seq_lens
-    n = len(pieces)
+    lens = plan.seq_lens
+    n = lens.shape[0]
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
     meta[:, :4] = plan.columns
     meta[:, 4:] = -1
     total = int(lens.sum())
     if total:  # every piece's samples by one gather from the concatenated ids
-        ids = np.concatenate([p.arrays["input_ids"] for p in pieces])
+        if ids is None:
+            cols = plan.piece_columns
+            ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
+                                                                            lens.tolist(), strict=True)])  # fmt: skip
         at = (np.cumsum(lens) - lens)[:, None] + (_SAMPLE_AT[None, :] * (lens[:, None] - 1)) // (DIGEST_SAMPLES - 1)
         real = lens > 0
         meta[real, 4:] = ids[at[real]]

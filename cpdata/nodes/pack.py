@@ -35,11 +35,13 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.live_pieces import LivePieces
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
-from cpdata.plan import DocPiece, Document, PackPlan
+from cpdata.packing.records import PackKeys
+from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
-from cpdata.targets import first_target, piece_arrays
+from cpdata.targets import UNLABELED, first_target, piece_arrays
 
 __all__ = ["Pack"]
 
@@ -60,14 +62,50 @@ def _narrow(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[
     return out, widen
 
 
-def _carry_state(carried: tuple[tuple[int, DocPiece, int], ...], with_arrays: bool) -> dict[str, Any]:
-    """Carried pieces as int64 columns, plus their token arrays unless the source can fetch them."""
-    rows = [(k, p.index, p.start, p.length, p.next_label, s) for k, p, s in carried]
-    state: dict[str, Any] = {
-        name: np.array([r[i] for r in rows], dtype=np.int64) for i, name in enumerate(_COLUMNS)
-    }
-    state["arrays"] = [_narrow(dict(p.arrays)) for _, p, _ in carried] if with_arrays else None
+def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
+    return {k: a[offset : offset + length] for k, a in source.items()}
+
+
+def _carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str, Any]:
+    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays unless the
+    source can fetch them."""
+    rows, sources = carried
+    state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(_COLUMNS)}
+    arrays = None
+    if with_arrays:
+        arrays = [_narrow(_piece(src, off, n)) for src, off, n in zip(sources, rows[:, 6].tolist(), rows[:, 3].tolist(),
+                                                                       strict=True)]  # fmt: skip
+    state["arrays"] = arrays
     return state
+
+
+def _window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
+                 keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
+    """A window's pieces as :class:`LivePieces` rows ``[p, 7]`` and sources (``arrays[d]``: document ``d``'s).
+
+    A piece refers to its document's arrays at ``offset = start``; only a piece
+    cut short with labels (its last target cut off, :func:`cpdata.targets.piece_arrays`)
+    gets arrays of its own (offset 0). ``next_label`` is the next document token
+    for a piece its document continues after.
+    """
+    doc, start, length, continues = pieces.doc, pieces.start, pieces.length, pieces.continues
+    end = start + length
+    rows = np.empty((doc.size, 7), dtype=np.int64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
+    rows[:, 4], rows[:, 5], rows[:, 6] = IGNORE_INDEX, pieces.slot, start
+    for j in np.flatnonzero(continues).tolist():
+        rows[j, 4] = arrays[doc[j]][INPUT_IDS][end[j]]
+    sources = [arrays[d] for d in doc.tolist()]
+    cut = ~continues & (end < lengths[doc]) & (length > 0) & (firsts[doc] != UNLABELED)
+    for j in np.flatnonzero(cut).tolist():
+        sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
+        rows[j, 6] = 0
+    return rows, sources
+
+
+def _pack_keys(packs: PackKeys) -> list[np.ndarray]:
+    """Each pack's keys as an int64 array."""
+    return np.split(packs.keys, np.cumsum(packs.sizes)[:-1]) if len(packs) else []
 
 
 def _fresh(carry: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +142,7 @@ def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int)
 class _Snapshot:
     source: dict[str, Any]
     planner: dict[str, Any]
-    carried: tuple[tuple[int, DocPiece, int], ...]
+    carried: tuple[np.ndarray, list]  # LivePieces.live() when the snapshot was taken
 
 
 class Pack(BaseNode[PackPlan]):
@@ -158,8 +196,8 @@ class Pack(BaseNode[PackPlan]):
             check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._planner = StreamPlanner(self.config)
-        self._queue: deque[list[int]] = deque()
-        self._pieces: dict[int, tuple[DocPiece, int, int]] = {}  # key -> (piece, slot, length)
+        self._queue: deque[np.ndarray] = deque()  # int64 keys of every finished pack
+        self._live = LivePieces()
         self._exhausted = False
         self._emitted = 0
         self._snapshot: _Snapshot | None = None
@@ -174,7 +212,7 @@ class Pack(BaseNode[PackPlan]):
         super().reset(initial_state)
         self._planner = StreamPlanner(self.config)
         self._queue.clear()
-        self._pieces = {}
+        self._live = LivePieces()
         self._exhausted = False
         self._emitted = 0
         self._carry_records = None
@@ -218,7 +256,10 @@ class Pack(BaseNode[PackPlan]):
                 "by index; restore onto a Documents node over the same sequence"
             )
         fetched: dict[int, Document] = {}
-        for j, (key, index, start, length, next_label, slot) in enumerate(zip(*columns.values(), strict=True)):
+        sources = []
+        for j, (index, start, length, next_label) in enumerate(
+            zip(columns["index"], columns["start"], columns["length"], columns["next_label"], strict=True)
+        ):
             if stored is None:
                 doc = fetched.get(index)
                 if doc is None:
@@ -232,11 +273,14 @@ class Pack(BaseNode[PackPlan]):
             else:
                 narrow, widen = stored[j]
                 arrays = {n: np.asarray(a, dtype=np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
-            piece = DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
-            self._pieces[key] = (piece, slot, length)
+            sources.append(arrays)
+        rows = np.zeros((len(sources), 7), dtype=np.int64)  # offset 0: the arrays are the pieces'
+        for i, name in enumerate(_COLUMNS):
+            rows[:, i] = columns[name]
+        self._live.add(rows, sources)
 
     def _take_snapshot(self, source_state: dict[str, Any] | None = None) -> _Snapshot:
-        carried = tuple((k, p, s) for k, (p, s, _) in sorted(self._pieces.items()))
+        carried = self._live.live()
         source = self.source.state_dict() if source_state is None else source_state
         return _Snapshot(source=copy.deepcopy(source), planner=self._planner.state(), carried=carried)
 
@@ -247,27 +291,23 @@ class Pack(BaseNode[PackPlan]):
             self._emitted = 0
         config = self.config
         documents, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
-        lengths = np.fromiter((d.length for d in documents), dtype=np.int64, count=len(documents))
-        indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=len(documents))
-        firsts = np.fromiter((first_target(d.arrays) for d in documents), dtype=np.int64, count=len(documents))
+        arrays = [d.arrays for d in documents]
+        n = len(documents)
+        lengths = np.fromiter((a[INPUT_IDS].shape[0] for a in arrays), dtype=np.int64, count=n)
+        indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=n)
+        firsts = np.fromiter((first_target(a) for a in arrays), dtype=np.int64, count=n)
         pieces, keys, packs = self._planner.add_window(lengths, indices, firsts)
-        columns = (keys, pieces.doc, pieces.start, pieces.length, pieces.slot, pieces.continues)
-        for key, d, start, length, slot, continues in zip(*(c.tolist() for c in columns), strict=True):
-            doc = documents[d]
-            arrays = piece_arrays(doc.arrays, start, length, continues)
-            next_label = int(doc.arrays[INPUT_IDS][start + length]) if continues else IGNORE_INDEX
-            piece = DocPiece(index=doc.index, start=start, arrays=arrays, next_label=next_label)
-            self._pieces[key] = (piece, slot, length)
-        self._queue.extend(packs)
+        self._live.add(*_window_rows(arrays, lengths, indices, firsts, pieces, keys))
+        self._queue.extend(_pack_keys(packs))
         if self._exhausted:
-            self._queue.extend(self._planner.finish())
+            self._queue.extend(_pack_keys(self._planner.finish()))
 
-    def _emit(self, keys: list[int]) -> PackPlan:
-        entries = [self._pieces.pop(k) for k in keys]
-        slots = [s for _, s, _ in entries]
-        plan = PackPlan(pieces=tuple(p for p, _, _ in entries), slot_lens=np.array(slots, dtype=np.int64),
-                        capacity=self.config.capacity, index=self._planner.packs)
-        self._planner.account(packs=1, tokens=sum(n for _, _, n in entries), slot_tokens=sum(slots))
+    def _emit(self, keys: np.ndarray) -> PackPlan:
+        rows, sources = self._live.take(keys)
+        pieces = PieceColumns(np.ascontiguousarray(rows[:, 1:5]), sources, rows[:, 6].copy())
+        slots = rows[:, 5].copy()
+        plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
+        self._planner.account(packs=1, tokens=int(rows[:, 3].sum()), slot_tokens=int(slots.sum()))
         self._emitted += 1
         return plan
 

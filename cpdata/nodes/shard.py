@@ -95,8 +95,11 @@ def _causal_work(batch: CollatedPack, table: RunTable, stream_len: int) -> list[
     return per_run.reshape(table.cp_size, -1).sum(axis=1).astype(np.float64).tolist()
 
 
-def _digest(batch: CollatedPack, layout: str, cp_size: int) -> int:
-    digests = [plan_digest(p, layout, cp_size) for p in batch.plans]
+def _digest(batch: CollatedPack, layout: str, cp_size: int, ids: np.ndarray) -> int:
+    """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; ``ids`` the
+    stream's concatenated piece ids (plan after plan)."""
+    starts = np.cumsum([0] + [int(p.seq_lens.sum()) for p in batch.plans]).tolist()
+    digests = [plan_digest(p, layout, cp_size, ids[a:]) for p, a in zip(batch.plans, starts, strict=False)]
     if len(digests) == 1:
         return digests[0]
     h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
@@ -191,11 +194,11 @@ class ShardForRank(BaseNode[Any]):
             "pack_indices": [p.index for p in batch.plans],
             "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
             "pack_tokens": n_rows * pack_len,
-            "n_documents": sum(len(p.pieces) for p in batch.plans),
+            "n_documents": sum(len(p.columns) for p in batch.plans),
             "causal_work": _causal_work(batch, table, stream_len),
-            "digest": _digest(batch, self.layout, self.cp_size),
         }
         stream = build_stream(batch.plans, batch.padding_token_id)
+        info["digest"] = _digest(batch, self.layout, self.cp_size, stream.ids)
         local = stream_len // self.cp_size
         specs = rank_specs(stream, local, batch.qkv_format)
         maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}

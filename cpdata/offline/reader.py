@@ -47,7 +47,7 @@ from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.mixed import as_mixed_dataset
 from cpdata.offline.store import PackStore, read_store
-from cpdata.plan import DocPiece, PackPlan
+from cpdata.plan import DocPiece, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
 from cpdata.targets import LabelsAlignment, declared_alignment, piece_arrays
 
@@ -253,7 +253,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 )
             )
         return PackPlan(
-            pieces=tuple(pieces),
+            pieces=PieceColumns.of(pieces),  # as the online Pack emits them
             slot_lens=np.array(a["slot_len"][rows], dtype=np.int64),
             capacity=self.capacity,
             index=index,

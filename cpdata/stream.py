@@ -1,0 +1,220 @@
+"""The stream of a batch: per-slot tables and the concatenated piece arrays every rank gathers from.
+
+A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
+row-major concatenation of their slots (``B*S`` positions, each pack's tail
+absorbed by its last slot, an empty pack one padding slot of real length 0).
+:func:`build_stream` reads the plans' columns (:class:`~cpdata.plan.PieceColumns`)
+once: O(slots) tables plus one ``concatenate`` per per-token key (O(real
+tokens)). :mod:`cpdata.collate` builds the full pack or one rank's tokens from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from cpdata.layouts import thd_slot_lens
+from cpdata.plan import PackPlan
+
+__all__ = ["Stream", "build_stream", "check_plans", "shifted_labels", "stream_metadata", "stream_slot_lens"]
+
+_PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
+
+
+def check_plans(plans: Sequence[PackPlan]) -> int:
+    if isinstance(plans, PackPlan):
+        raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
+    if len(plans) == 0:
+        raise ValueError("collate needs at least one PackPlan, got an empty sequence")
+    capacity = plans[0].capacity
+    for b, plan in enumerate(plans):
+        if plan.capacity != capacity:
+            raise ValueError(
+                f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
+            )
+        slot_lens = np.asarray(plan.slot_lens)
+        if slot_lens.shape != (len(plan.pieces),):
+            raise ValueError(
+                f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({len(plan.pieces)},) "
+                "(one slot per piece)"
+            )
+        short = np.flatnonzero(plan.seq_lens > slot_lens)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(
+                f"plan {plan.index}: piece {i} has {plan.pieces[i].length} tokens but its slot only "
+                f"{int(slot_lens[i])}; slot_lens must be >= the piece lengths"
+            )
+    return capacity
+
+
+def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
+    """int64 ``[K]`` slot lengths of the stream, as :func:`cpdata.layouts.rank_indices` takes them.
+
+    Every pack's tail is absorbed into its own last slot except the final
+    pack's, which ``rank_indices`` treats per layout (so one plan gives exactly
+    ``plan.slot_lens``).
+    """
+    capacity = check_plans(plans)
+    parts = [thd_slot_lens(p.slot_lens, capacity) for p in plans[:-1]]
+    parts.append(np.asarray(plans[-1].slot_lens, dtype=np.int64))
+    return np.concatenate(parts).astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stream:
+    """Per-slot tables and concatenated piece arrays of one batch (internal).
+
+    ``K`` stream slots, ``T`` real tokens. Concatenated arrays end with pad
+    elements, so a pad position can gather from index ``T`` directly.
+    """
+
+    rows: int
+    row_len: int
+    slot_starts: np.ndarray  # int64 [K], stream offset of each slot
+    slot_lens: np.ndarray  # int64 [K], tail absorbed
+    real_lens: np.ndarray  # int64 [K]
+    real_ends: np.ndarray  # int64 [K], slot_starts + real_lens
+    src_shift: np.ndarray  # int64 [K], concatenated-array index minus stream position
+    pos_shift: np.ndarray  # int64 [K], position id minus stream position
+    next_labels: np.ndarray  # int64 [K], target of each slot's last real token
+    ids: np.ndarray  # int64 [T + 2], input_ids then two pads (room for the next-token lookup)
+    extras: dict[str, np.ndarray]  # per extra key [T + 1], last element 0
+    labels: np.ndarray | None  # int64 [T + 1] when some piece brings its own labels, else None
+    total: int  # T
+
+
+def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
+    """The per-slot tables and concatenated piece arrays every rank of the batch gathers from.
+
+    Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): one
+    slice per piece and key, one ``concatenate`` per key.
+    """
+    capacity = check_plans(plans)
+    lens, columns, sources, offsets = [], [], [], []
+    for plan in plans:
+        lens.append(thd_slot_lens(plan.slot_lens, capacity))
+        cols = plan.piece_columns
+        columns.append(cols.table if cols.sources else _PAD_SLOT)  # empty pack: one pad slot
+        sources.extend(cols.sources)
+        offsets.append(cols.offsets)
+    slot_lens = np.concatenate(lens).astype(np.int64, copy=False)
+    table = np.concatenate(columns)  # [K, 4]: index, start, length, next_label
+    starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
+    slot_starts = np.cumsum(slot_lens) - slot_lens
+    src_starts = np.cumsum(real_lens) - real_lens
+    total = int(real_lens.sum())
+    real_ends = slot_starts + real_lens
+    own = [p.piece_columns.table for p in plans if p.piece_columns.sources]  # the slots that hold a piece
+    piece_table = np.concatenate(own) if own else np.zeros((0, 4), dtype=np.int64)
+    pieces = _Pieces(sources, np.concatenate(offsets).tolist(), piece_table[:, 2].tolist(), piece_table[:, 0].tolist())
+    extra_keys = _extra_keys(pieces)
+    stream = Stream(
+        rows=len(plans),
+        row_len=capacity,
+        slot_starts=slot_starts,
+        slot_lens=slot_lens,
+        real_lens=real_lens,
+        real_ends=real_ends,
+        src_shift=src_starts - slot_starts,
+        pos_shift=starts - slot_starts,
+        next_labels=next_labels,
+        ids=_concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64)),
+        extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys if key != LOSS_MASK},
+        labels=None,
+        total=total,
+    )
+    if any(LABELS in src for src in sources):
+        labels = shifted_labels(stream)
+        at = 0
+        for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
+            if LABELS in src:
+                labels[at : at + n] = src[LABELS][off : off + n]
+            at += n
+        stream = replace(stream, labels=labels)
+    if LOSS_MASK in extra_keys:
+        stream.extras[LOSS_MASK] = _loss_mask(stream, pieces)
+    return stream
+
+
+@dataclass(frozen=True, slots=True)
+class _Pieces:
+    """The batch's pieces in stream order: piece ``i`` is ``sources[i][key][offsets[i] : offsets[i] + lengths[i]]``."""
+
+    sources: list[Mapping[str, np.ndarray]]
+    offsets: list[int]
+    lengths: list[int]
+    indices: list[int]  # source document of each piece (for errors)
+
+    def parts(self, key: str) -> list[np.ndarray]:
+        return [src[key][o : o + n] for src, o, n in zip(self.sources, self.offsets, self.lengths, strict=True)]
+
+
+def _loss_mask(stream: Stream, pieces: _Pieces) -> np.ndarray:
+    """``[T + 1]`` loss mask over the concatenated pieces: a piece's own, else its ``labels != -100``; pad 0."""
+    given = [src[LOSS_MASK] for src in pieces.sources if LOSS_MASK in src]
+    out = np.zeros(stream.total + 1, dtype=np.result_type(*given))
+    labels = stream.labels if stream.labels is not None else shifted_labels(stream)
+    at = 0
+    for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
+        if LOSS_MASK in src:
+            out[at : at + n] = src[LOSS_MASK][off : off + n]
+        else:
+            out[at : at + n] = labels[at : at + n] != IGNORE_INDEX
+        at += n
+    return out
+
+
+def _extra_keys(pieces: _Pieces) -> list[str]:
+    sources = pieces.sources
+    if sources and all(src.keys() == sources[0].keys() for src in sources):  # the usual case
+        return sorted(set(sources[0]) - {INPUT_IDS, LABELS})
+    keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS}) if sources else []
+    for key in keys:
+        if key == LOSS_MASK:  # derived from the labels where missing
+            continue
+        missing = [i for i, src in zip(pieces.indices, sources, strict=True) if key not in src]
+        if missing:
+            raise ValueError(
+                f"per-token array {key!r} is missing from the pieces of documents {missing[:8]}; "
+                "every document of a batch must carry the same extra arrays"
+            )
+    return keys
+
+
+def _concat(pieces: _Pieces, key: str, total: int, n_pad: int, pad: int, dtype: np.dtype | None) -> np.ndarray:
+    """``key`` of every piece, concatenated, then ``n_pad`` pad elements."""
+    parts = pieces.parts(key)
+    dtype = dtype or (np.result_type(*parts) if parts else np.dtype(np.int64))
+    out = np.empty(total + n_pad, dtype=dtype)
+    if parts:
+        np.concatenate(parts, out=out[:total], casting="unsafe")
+    out[total:] = pad
+    return out
+
+
+def shifted_labels(stream: Stream) -> np.ndarray:
+    """int64 ``[T + 1]`` next-token targets over the concatenated pieces; the last element is -100."""
+    total = stream.total
+    labels = np.empty(total + 1, dtype=np.int64)
+    labels[:total] = stream.ids[1 : total + 1]
+    has = stream.real_lens > 0
+    labels[(stream.slot_starts + stream.src_shift + stream.real_lens - 1)[has]] = stream.next_labels[has]
+    labels[total] = IGNORE_INDEX
+    return labels
+
+
+def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
+    seq_lens = real_lens.astype(np.int32)
+    seq_lens_padded = slot_lens.astype(np.int32)
+    zero = np.zeros(1, dtype=np.int32)
+    return {
+        "cu_seqlens": np.concatenate([zero, np.cumsum(seq_lens, dtype=np.int32)]),
+        "cu_seqlens_padded": np.concatenate([zero, np.cumsum(seq_lens_padded, dtype=np.int32)]),
+        "seq_lens": seq_lens,
+        "seq_lens_padded": seq_lens_padded,
+        "max_seqlen": np.asarray(seq_lens.max() if seq_lens.size else 0, dtype=np.int32),
+    }
