@@ -142,16 +142,24 @@ class BatchBuffer:
 
 
 def _views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
-    """Typed views of ``buffer``: one reinterpretation per dtype, then one ``as_strided`` per key."""
-    assert buffer.storage_offset() == 0, "a batch buffer is always a fresh allocation"
-    typed: dict[torch.dtype, torch.Tensor] = {}
+    """Typed views of ``buffer`` (a fresh allocation, storage offset 0): one reinterpretation per dtype,
+    then one ``as_strided`` per key."""
+    typed: dict[torch.dtype, tuple[Any, int]] = {}
     out = {}
     for k, (offset, _, dtype, shape, strides) in spans.items():
-        whole = typed.get(dtype)
-        if whole is None:
-            whole = typed[dtype] = buffer.view(dtype)
-        out[k] = whole.as_strided(shape, strides, offset // whole.element_size())
+        view = typed.get(dtype)
+        if view is None:
+            whole = buffer.view(dtype)
+            view = typed[dtype] = (whole.as_strided, whole.element_size())
+        out[k] = view[0](shape, strides, offset // view[1])
     return out
+
+
+def _copy_to(head: torch.Tensor, device: torch.device | str, non_blocking: bool, copy: bool) -> torch.Tensor:
+    """``head.to(device, ...)``; a forced copy on the same device is a ``clone()`` (~40% cheaper on CPU)."""
+    if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
+        return head.clone()
+    return head.to(device, non_blocking=non_blocking, copy=copy)
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -297,7 +305,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         ``device``, as ``Tensor.to``."""
         if self._buffer is not None:
             head = self._buffer[: self._batch_bytes()]
-            moved = head.to(device, non_blocking=non_blocking, copy=copy)
+            moved = _copy_to(head, device, non_blocking, copy)
             if moved.data_ptr() == head.data_ptr():  # already there: this batch, as Tensor.to returns self
                 return self
             return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {})
