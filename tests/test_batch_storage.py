@@ -77,13 +77,18 @@ def test_pinning_is_one_call_on_one_storage(monkeypatch):
 def test_to_device_is_one_copy_and_leaves_the_maps_on_the_host(monkeypatch):
     batch = first_batch()
     copies = []
-    real_to = torch.Tensor.to
+    real_to, real_clone = torch.Tensor.to, torch.Tensor.clone
 
     def counting_to(self, *args, **kwargs):
         copies.append(self.numel())
         return real_to(self, *args, **kwargs)
 
+    def counting_clone(self, *args, **kwargs):  # a forced copy on the same device is a clone
+        copies.append(self.numel())
+        return real_clone(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    monkeypatch.setattr(torch.Tensor, "clone", counting_clone)
     moved = batch.to("cpu", non_blocking=True, copy=True)
     same = batch.to("cpu")
     monkeypatch.undo()
