@@ -52,7 +52,7 @@ def test_every_rank_gets_equal_steps_and_reads_only_its_documents():
         node.reset()
         plans = list(node)
         sched = node.schedule
-        assert len(plans) == sched.num_steps * 2 and sched.stats.late_pieces == 0
+        assert len(plans) == sched.num_steps * 2 and sched.stats.max_delay_steps <= 1
         assert sorted(set(src.reads)) == sched.documents_of(rank).tolist()  # nothing else was read
         assert len(src.reads) == node.documents_read
         seen += [(q.index, q.start, q.length) for p in plans for q in p.pieces]

@@ -192,7 +192,7 @@ def precompute(
             "kind": schedule, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
             "num_steps": sched.num_steps, "max_delay": int(max_delay), "tail": st.tail,
             "cost": None if cost is None else [cost.a, cost.b], "empty_packs": st.empty_packs,
-            "delay_counts": list(st.delay_counts), "late_pieces": st.late_pieces,
+            "delay_counts": list(st.delay_counts),
             "imb_step_mean": st.imb_step_mean, "imb_mb_mean": st.imb_mb_mean,
         }  # fmt: skip
     config = result.config

@@ -10,7 +10,8 @@
 |---|---|
 | :mod:`~cpdata.schedule.cost` | ``CostModel``: ``a * L + b * L**2`` per document piece |
 | :mod:`~cpdata.schedule.balance` | one step's placement: runs of outliers, largest gap first, fillers |
-| :mod:`~cpdata.schedule.planner` | ``plan_schedule``: the step loop, carry and delay, tail policy |
+| :mod:`~cpdata.schedule.fill` | closing cells exactly with short pieces; the first-fit check of due pieces |
+| :mod:`~cpdata.schedule.planner` | ``plan_schedule``: the step loop, carry and the delay bound, tail policy |
 | :mod:`~cpdata.schedule.records` | ``Schedule`` (CSR packs) and ``ScheduleStats`` |
 | :mod:`~cpdata.schedule.metrics` | ``imb_step`` / ``imb_mb`` from pack costs |
 """

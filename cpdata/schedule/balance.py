@@ -35,18 +35,14 @@ carries them to the next step).
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
-
 import numpy as np
+
+from cpdata.schedule.fill import fill_cells, first_fit
 
 __all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
 
 FILLER_FRACTION = 16
 """Pieces of at most ``capacity / FILLER_FRACTION`` slot tokens are fillers (phase C)."""
-ENDGAME = 4
-"""Phase C tries to close a cell exactly once its room is at most this many of the shortest fillers."""
-EXACT_TRIES = 8
-"""Phase C tries to close a nearly full cell exactly with one filler plus up to this many of the shortest."""
 HOLD_PENALTY = 0.01
 """Cost of letting an outlier wait one more step, as a share of a full cell's cost, times (1 + its age)."""
 
@@ -130,8 +126,8 @@ def place_step(
     hold: bool,
     full_cost: float,
     quad: float,
-    overdue_first: bool = False,
-    occupied: tuple[np.ndarray, np.ndarray] | None = None,
+    first: tuple[np.ndarray, ...] = (),
+    runs: tuple[list[np.ndarray], list[int]] | None = None,
 ) -> np.ndarray:
     """Place one step's pool.
 
@@ -143,10 +139,12 @@ def place_step(
         age: int64 ``[n]`` steps each piece has waited.
         full_cost: the cost of a full cell, the scale of :data:`HOLD_PENALTY`.
         quad: the quadratic cost of one piece of ``capacity`` tokens (``b * capacity**2``).
-        overdue_first: rescue mode: the overdue pieces go first, first-fit decreasing into the empty
-            cells, and no runs are formed (every overdue piece fits when they hold at most half a step).
-        occupied: ``(room, load)`` per cell of pieces placed before (a refill of a step with room left):
-            the pool then goes into what is left, without runs.
+        first: rescue mode: these groups of pieces (bool ``[n]`` masks) go first, group by group,
+            first-fit decreasing (:func:`~cpdata.schedule.fill.first_fit`) into the empty cells; no runs
+            are formed and the rest fills around them. The planner gives the overdue pieces, then those
+            due next step, so a group that passed :func:`~cpdata.schedule.fill.fits` is placed whole.
+        runs: phase A's decision if already made by :func:`choose_runs` on these very arguments
+            (with ``slots=micro_batches``; the planner's intake makes it to size the pool).
 
     Returns:
         int64 ``[n]``: cell ``m * dp_size + r`` of every piece, ``-1`` for unplaced ones.
@@ -154,25 +152,27 @@ def place_step(
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M
     cell = np.full(n, -1, dtype=np.int64)
-    room = np.full(K, C, dtype=np.int64) if occupied is None else occupied[0].copy()
-    load = np.zeros(K, dtype=np.float64) if occupied is None else occupied[1].copy()
+    room = np.full(K, C, dtype=np.int64)
+    load = np.zeros(K, dtype=np.float64)
     slot_of = np.arange(K, dtype=np.int64) // R
 
-    if overdue_first:
-        due = np.flatnonzero(forced)
-        for i in due[np.lexsort((due, -slot[due]))].tolist():
-            fits = np.flatnonzero(room >= slot[i])
-            if fits.size:
-                c = int(fits[0])
-                cell[i], room[c], load[c] = c, room[c] - slot[i], load[c] + key[i]
+    if first:
+        room_l = room.tolist()
+        for group in first:
+            due = np.flatnonzero(group & (cell < 0))
+            for i, c in first_fit(slot[due].tolist(), room_l, due.tolist()):
+                cell[i] = c
+                load[c] += key[i]
+        room = np.asarray(room_l, dtype=np.int64)
         forced = np.zeros_like(forced)
         hold = False
     todo = cell < 0
 
     # A. runs of outliers, one per rank, in slots 0, 1, ...
-    slots = 0 if overdue_first or occupied is not None else M
-    runs, loose = choose_runs(slot, key, forced & todo, age, todo, capacity=C, dp_size=R, slots=slots, hold=hold,
-                              full_cost=full_cost, quad=quad)  # fmt: skip
+    if runs is None or first:
+        runs = choose_runs(slot, key, forced & todo, age, todo, capacity=C, dp_size=R, slots=0 if first else M,
+                           hold=hold, full_cost=full_cost, quad=quad)  # fmt: skip
+    runs, loose = runs
     for j, run in enumerate(runs):
         ranks = np.arange(R) if j % 2 == 0 else np.arange(R - 1, -1, -1)
         cells = j * R + ranks
@@ -221,80 +221,17 @@ def place_step(
             m = best // R
             if load_l[best] > smax_l[m]:
                 smax_l[m] = load_l[best]
-            cells_m = by_load[m]
-            cells_m.remove(best)
-            insort(cells_m, best, key=lambda c: (load_l[c], c))
+            cells_m = by_load[m]  # ``best`` got heavier: move it right to keep (load, cell) order
+            j = cells_m.index(best)
+            lb = load_l[best]
+            while j + 1 < R and (load_l[cells_m[j + 1]], cells_m[j + 1]) < (lb, best):
+                cells_m[j] = cells_m[j + 1]
+                j += 1
+            cells_m[j] = best
 
     # C. fillers, overdue ones first: rounds in which each cell (largest gap first) takes the longest that fits.
     for fill in (overdue_fill, np.flatnonzero(is_filler & ~forced & todo)):
         if fill.size:
             fill = fill[np.lexsort((fill, slot[fill]))]  # ascending
-            _fill(cell, fill, slot, key, room_l, load_l, smax_l, slot_of.tolist())
+            fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of.tolist())
     return cell
-
-
-def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_TRIES) -> list[int] | None:
-    """Positions in ``sizes`` (sorted; ``counts`` its histogram) of fillers summing to exactly ``r``: one
-    filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
-    last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
-    if counts.get(r):
-        return [last(r)]
-    for a in counts:  # ascending (built from sorted lengths, deletions keep the order)
-        b = r - a
-        if b < a:
-            break
-        if counts.get(b) and (b != a or counts[a] >= 2):
-            i = last(a)
-            return [i - 1, i] if a == b else [i, last(b)]
-    sm = sizes[0]
-    n_sm = counts[sm]
-    for k in range(2, min(tries, r // sm + 1)):
-        t = r - k * sm
-        if t > sm and counts.get(t) and n_sm >= k:
-            return [last(t), *range(n_sm - k, n_sm)]
-    return None
-
-
-def _fill(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
-    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
-
-    A cell whose room is at most ``ENDGAME`` shortest fillers is first closed exactly if it can be
-    (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
-    """
-    ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
-    counts: dict[int, int] = {}
-    for x in sizes:
-        counts[x] = counts.get(x, 0) + 1
-    active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
-    while sizes and active:
-        active.sort(key=lambda c: load_l[c] - smax_l[slot_of_l[c]])
-        still = []
-        for c in active:
-            r = room_l[c]
-            picks = _exact(sizes, counts, r) if r <= ENDGAME * sizes[0] else None
-            if picks is None:
-                j = bisect_right(sizes, r) - 1
-                if j < 0:
-                    continue
-                if 0 < r - sizes[j] < sizes[0]:  # would strand a gap nothing fills: leave room for one more
-                    j2 = bisect_right(sizes, r - sizes[0]) - 1
-                    if j2 >= 0:
-                        j = j2
-                picks = [j]
-            m = slot_of_l[c]
-            for j in sorted(picks, reverse=True):  # pop from the back: earlier positions stay valid
-                i = ids.pop(j)
-                size = sizes.pop(j)
-                counts[size] -= 1
-                if not counts[size]:
-                    del counts[size]
-                room_l[c] -= size
-                cell[i] = c
-                load_l[c] += keys[i]
-            if load_l[c] > smax_l[m]:
-                smax_l[m] = load_l[c]
-            if not sizes:
-                break
-            if room_l[c] >= sizes[0]:
-                still.append(c)
-        active = still

@@ -11,14 +11,24 @@ stream order. Each step takes new pieces until its pool (pieces carried from
 earlier steps plus new ones) holds ``(1 + POOL_MARGIN)`` steps of tokens, not
 counting long pieces that will wait (so the step still fills), places the
 pool with :func:`~cpdata.schedule.balance.place_step` and carries what did
-not fit. Delay: a piece is placed at most ``max(1, max_delay)`` steps after
-the step that took it from the stream, never earlier. Pieces up to half a pack
-move at most one step (the leftovers of a full step); a longer one may wait
-up to ``max(1, max_delay)`` steps for ``dp_size - 1`` others of its size
-(WLB-LLM's outlier delay; the default ``max_delay=0`` allows one step).
-``Schedule.delay`` and ``stats.delay_counts`` report it; ``stats.late_pieces``
-counts pieces placed later than that, which only happens when the pieces due
-in one step do not fit in it (pieces longer than a quarter of a pack).
+not fit.
+
+Delay bound (guaranteed, for any lengths): steps take the stream first in,
+first out (step ``t`` takes the pieces after those of step ``t - 1``), and a
+piece is placed at most ``max(1, max_delay)`` steps after the step that took
+it, never earlier. Pieces up to half a pack move at most one step (the
+leftovers of a full step); a longer one may wait up to ``max(1, max_delay)``
+steps for ``dp_size - 1`` others of its size (WLB-LLM's outlier delay; the
+default ``max_delay=0`` allows one step). ``Schedule.delay`` and
+``stats.delay_counts`` report it. Why it holds: a step is committed only when
+the pieces due in the next step fit one empty step by first-fit decreasing
+(the next step places them first that way if its balanced placement leaves
+any out); otherwise the step is placed again with those pieces first, and
+then with fewer pieces taken from the stream. With nothing new taken, the
+pieces due next step are long pieces that one earlier step took, and a step
+takes at most ``dp_size * micro_batches`` pieces longer than half a pack, one
+per cell, so the check passes. On the bench distributions a step takes
+within a few percent of a step's tokens, so the steps track the token stream.
 Cost: ~3-5 us per document (``cpdata bench --sections schedule``).
 
 Without a cost model (``cost=None``): the packs of
@@ -42,11 +52,12 @@ from cpdata.packing import PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
+from cpdata.schedule.fill import fits
 from cpdata.schedule.records import TAIL_POLICIES, Schedule, ScheduleStats
 
 __all__ = ["POOL_MARGIN", "plan_schedule"]
 
-POOL_MARGIN = 0.05
+POOL_MARGIN = 0.08
 """A step's pool holds this much more than a step of tokens, so short pieces are left to fill the last gaps."""
 
 
@@ -132,7 +143,6 @@ def plan_schedule(
     else:
         packs, counts = _balanced(lengths[order], config, R, M, cost, max_delay)
     cells, doc, start, length, slot, cont, delay = packs
-    counts["late_pieces"] = int((delay > max(1, max_delay)).sum())
     return _assemble(cells, order[doc], start, length, slot, cont, delay, counts, config, R, M, cost, tail)
 
 
@@ -168,44 +178,65 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     slot, length = pieces.slot, pieces.length
     n = int(slot.shape[0])
     cum = np.concatenate([[0], np.cumsum(slot)])
+    is_out = 2 * slot > C
+    out_cum = np.concatenate([[0], np.cumsum(is_out)])
     q = cost.b * length.astype(np.float64) ** 2
-    full_cost = cost.a * C + cost.b * C * C
     whole = cost(length)
-    reach = max(1, max_delay)
+    reach = np.where(is_out, max(1, max_delay), 1)  # only long pieces wait more than one step
     arrival = np.zeros(n, dtype=np.int64)
     placed_cell = np.full(n, -1, dtype=np.int64)
-    carry = np.zeros(0, dtype=np.int64)
-    ptr, step = 0, 0
     target = int(T * (1 + POOL_MARGIN))
-    kw = dict(capacity=C, dp_size=R, micro_batches=M, full_cost=full_cost, quad=cost.b * C * C)
-    while ptr < n or carry.size:
-        want = target - int(slot[carry].sum())
-        pool = carry
+    kw = dict(capacity=C, dp_size=R, micro_batches=M, full_cost=cost.a * C + cost.b * C * C, quad=cost.b * C * C)
+
+    def take(carry: np.ndarray, ptr: int, limit: int, step: int):
+        """The carried pieces plus new ones from ``ptr`` (before ``limit``, at most ``K`` outliers)
+        until the pool holds ``target`` tokens not counting outliers that will wait (a few rounds)."""
+        cap = min(limit, int(np.searchsorted(out_cum, out_cum[ptr] + K, side="right")) - 1)
+        want, pool, decided = target - int(slot[carry].sum()), carry, None
         for _ in range(REFILLS + 1):
-            # Take pieces for ``want`` tokens; outliers that will wait leave room for more (a few rounds).
-            end = min(int(np.searchsorted(cum, cum[ptr] + want, side="left")), n) if want > 0 else ptr
+            end = min(int(np.searchsorted(cum, cum[ptr] + want, side="left")), cap) if want > 0 else ptr
             arrival[ptr:end] = step
             pool = np.concatenate([pool, np.arange(ptr, end, dtype=np.int64)])
-            ptr = end
+            ptr, decided = end, None
             age = step - arrival[pool]
-            forced = age >= np.where(2 * slot[pool] > C, reach, 1)  # only long pieces wait more than one step
+            due = age >= reach[pool]
             keys = q if int(slot[pool].sum()) >= T else whole
-            if ptr >= n:
+            if ptr >= cap:
                 break
-            runs, loose = choose_runs(slot[pool], keys[pool], forced, age, np.ones(pool.shape[0], bool),
-                                      capacity=C, dp_size=R, slots=M, hold=True, full_cost=full_cost,
-                                      quad=kw["quad"])  # fmt: skip
+            decided = choose_runs(slot[pool], keys[pool], due, age, np.ones(pool.shape[0], bool), capacity=C,
+                                  dp_size=R, slots=M, hold=True, full_cost=kw["full_cost"],
+                                  quad=kw["quad"])  # fmt: skip
             chosen = np.zeros(pool.shape[0], bool)
-            chosen[np.concatenate([*runs, np.asarray(loose, dtype=np.int64)])] = True
-            held = int(slot[pool[(2 * slot[pool] > C) & ~chosen]].sum())
+            chosen[np.concatenate([*decided[0], np.asarray(decided[1], dtype=np.int64)])] = True
+            held = int(slot[pool[is_out[pool] & ~chosen]].sum())
             want = target - (int(slot[pool].sum()) - held)
             if want * REFILL_SHARE < T:
                 break
-        cells = place_step(slot[pool], keys[pool], forced, age, hold=ptr < n, **kw)
-        if (forced & (cells < 0)).any():  # overdue pieces left out: place them first (rescue)
-            cells = place_step(slot[pool], whole[pool], forced, age, hold=False, overdue_first=True, **kw)
-        if not (cells >= 0).any():  # everything held back: place them anyway (never an empty step)
-            cells = place_step(slot[pool], whole[pool], np.ones(pool.shape[0], bool), age, hold=False, **kw)
+            decided = None
+        return pool, ptr, age, due, keys, decided
+
+    carry = np.zeros(0, dtype=np.int64)
+    ptr, step = 0, 0
+    while ptr < n or carry.size:
+        start, limit = ptr, n
+        while True:
+            pool, ptr, age, due, keys, decided = take(carry, start, limit, step)
+            cells = place_step(slot[pool], keys[pool], due, age, hold=ptr < n, runs=decided, **kw)
+            if (due & (cells < 0)).any():  # overdue pieces left out: place them first (rescue)
+                cells = place_step(slot[pool], whole[pool], due, age, hold=False, first=(due,), **kw)
+            if not (cells >= 0).any():  # everything held back: place them anyway (never an empty step)
+                cells = place_step(slot[pool], whole[pool], np.ones(pool.shape[0], bool), age, hold=False, **kw)
+            # Commit only if what is due next step fits one empty step (the next step's rescue places it
+            # first-fit decreasing, as checked); else place those pieces first, then take less.
+            next_due = age + 1 >= reach[pool]
+            if fits(slot[pool[next_due & (cells < 0)]], K, C):
+                break
+            cells = place_step(slot[pool], whole[pool], due, age, hold=False, first=(due, next_due), **kw)
+            if fits(slot[pool[next_due & (cells < 0)]], K, C):
+                break
+            if ptr == start:  # unreachable (module docstring); never commit a step that breaks the bound
+                raise AssertionError("plan_schedule: the pieces due next step cannot fit one step")
+            limit = start + (ptr - start) // 2
         ok = cells >= 0
         placed_cell[pool[ok]] = step * K + cells[ok]
         carry = pool[~ok]
@@ -260,7 +291,7 @@ def _assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M
         dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
         dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
         tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
-        late_pieces=int(counts["late_pieces"]), imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+        imb_step_mean=imb_step, imb_mb_mean=imb_mb,
     )  # fmt: skip
     return Schedule(**sched_kw, stats=stats)
 

@@ -54,11 +54,8 @@ class ScheduleStats:
     tail_dropped_pieces: int
     tail_dropped_tokens: int
     delay_counts: tuple[int, ...]
-    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream."""
-    late_pieces: int
-    """Pieces placed more than ``max(1, max_delay)`` steps after they were taken: only when the pieces
-    due in one step do not fit in it, which takes pieces of more than a quarter of a pack (a document
-    split into more pieces than a step has packs, say); 0 on the bench distributions, the tests check both."""
+    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream
+    (always ``k <= max(1, max_delay)``, and ``k <= 1`` for pieces of at most half a pack)."""
     imb_step_mean: float
     """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
     imb_mb_mean: float

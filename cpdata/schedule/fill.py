@@ -1,0 +1,128 @@
+"""Filling cells to the last token, and the first-fit check that a set of due pieces fits one step.
+
+- :func:`fill_cells` (phase C of :func:`~cpdata.schedule.balance.place_step`):
+  short pieces fill the cells' remaining room in rounds, each round the cells
+  in order of their gap below their slot's largest take the longest piece that
+  fits; a nearly full cell is closed exactly when one, two, or one plus a few
+  of the shortest pieces sum to its room. Leaving a gap shorter than every
+  piece is avoided, so cells end within a few tokens of full (padding within
+  0.05 pp of ``bfd`` alone on the bench distributions).
+- :func:`first_fit` / :func:`fits`: first-fit decreasing into cells, the
+  placement of the planner's rescue mode, and the check it runs before
+  committing a step (the pieces due next step must fit one empty step).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import numpy as np
+
+__all__ = ["ENDGAME", "EXACT_TRIES", "fill_cells", "first_fit", "fits"]
+
+ENDGAME = 8
+"""Phase C tries to close a cell exactly once its room is at most this many of the shortest fillers."""
+EXACT_TRIES = 8
+"""Phase C tries to close a nearly full cell exactly with one filler plus up to this many of the shortest."""
+
+
+def first_fit(sizes: list[int], room: list[int], ids: list[int]) -> list[tuple[int, int]]:
+    """First-fit decreasing: ``[(id, cell), ...]`` for the pieces that fit, ``room`` updated in place.
+
+    Pieces go longest first (ties: the lower id) into the first cell with room; one that fits
+    nowhere is skipped.
+    """
+    out = []
+    for s, i in sorted(zip(sizes, ids, strict=True), key=lambda p: (-p[0], p[1])):
+        for c, r in enumerate(room):
+            if r >= s:
+                room[c] = r - s
+                out.append((i, c))
+                break
+    return out
+
+
+def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
+    """Whether :func:`first_fit` places every piece of ``sizes`` into ``cells`` empty cells.
+
+    Shortcuts: at most ``cells`` pieces always fit (each is at most ``capacity``); so do at most ``cells``
+    pieces longer than a quarter cell with a total of at most three quarters of the cells (they go first,
+    each finds an empty cell at worst; then first fit leaves a shorter piece out only when every cell is
+    more than three quarters full).
+    """
+    n = int(sizes.shape[0])
+    if n <= cells:
+        return True
+    total = int(sizes.sum())
+    if total > cells * capacity:
+        return False
+    if 4 * total <= 3 * cells * capacity and int((4 * sizes > capacity).sum()) <= cells:
+        return True
+    return len(first_fit(sizes.tolist(), [capacity] * cells, list(range(n)))) == n
+
+
+def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_TRIES) -> list[int] | None:
+    """Positions in ``sizes`` (sorted; ``counts`` its histogram) of fillers summing to exactly ``r``: one
+    filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
+    last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
+    if counts.get(r):
+        return [last(r)]
+    for a in counts:  # ascending (built from sorted lengths, deletions keep the order)
+        b = r - a
+        if b < a:
+            break
+        if counts.get(b) and (b != a or counts[a] >= 2):
+            i = last(a)
+            return [i - 1, i] if a == b else [i, last(b)]
+    sm = sizes[0]
+    n_sm = counts[sm]
+    for k in range(2, min(tries, r // sm + 1)):
+        t = r - k * sm
+        if t > sm and counts.get(t) and n_sm >= k:
+            return [last(t), *range(n_sm - k, n_sm)]
+    return None
+
+
+def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
+    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
+
+    A cell whose room is at most ``ENDGAME`` shortest fillers is first closed exactly if it can be
+    (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
+    """
+    ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
+    counts: dict[int, int] = {}
+    for x in sizes:
+        counts[x] = counts.get(x, 0) + 1
+    active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
+    while sizes and active:
+        active.sort(key=lambda c: load_l[c] - smax_l[slot_of_l[c]])
+        still = []
+        for c in active:
+            r = room_l[c]
+            picks = _exact(sizes, counts, r) if r <= ENDGAME * sizes[0] else None
+            if picks is None:
+                j = bisect_right(sizes, r) - 1
+                if j < 0:
+                    continue
+                if 0 < r - sizes[j] < sizes[0]:  # would strand a gap nothing fills: leave room for one more
+                    j2 = bisect_right(sizes, r - sizes[0]) - 1
+                    if j2 >= 0:
+                        j = j2
+                picks = [j]
+            m = slot_of_l[c]
+            for j in sorted(picks, reverse=True):  # pop from the back: earlier positions stay valid
+                i = ids.pop(j)
+                size = sizes.pop(j)
+                counts[size] -= 1
+                if not counts[size]:
+                    del counts[size]
+                room_l[c] -= size
+                cell[i] = c
+                load_l[c] += keys[i]
+            if load_l[c] > smax_l[m]:
+                smax_l[m] = load_l[c]
+            if not sizes:
+                break
+            if room_l[c] >= sizes[0]:
+                still.append(c)
+        active = still
