@@ -45,6 +45,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
+from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
 from cpdata.orphans import exit_with_parent
@@ -219,13 +220,16 @@ class CPDataset(WorkerDataset):
         self._start_epoch = epoch
         if self._loader is not None:
             for node in _graph(self._loader.root):
-                if isinstance(node, Documents):
+                if isinstance(node, (Documents, ScheduledPacks)):
                     node.set_epoch(epoch)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         node: BaseNode
         if self._scheduled is not None:  # this worker's packs only: reads only their documents
             node = shard_graph(self.source, worker=(worker_id, num_workers), packs=self._scheduled, **self.kwargs)
+            epoch = getattr(self, "_start_epoch", None)
+            if epoch is not None:
+                node.source.set_epoch(epoch)  # the worker's ScheduledPacks
         else:
             collated = shard_graph(self.source, **self.kwargs)
             epoch = getattr(self, "_start_epoch", None)

@@ -123,22 +123,11 @@ def shard_graph(
         source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
         if window is not None:
             raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
-        if shuffle:
-            raise ValueError(
-                "shuffle=True draws a fresh order every epoch of a streaming source; a schedule is planned once, "
-                "so its epochs would repeat one order: shuffle the source (or its lengths) before building, or "
-                "pass schedule=None"
-            )
-        if num_epochs is not None:
-            raise ValueError(
-                "num_epochs= counts the streaming source's epochs; with schedule= each pass of the loader is one "
-                "epoch of the schedule: stop after as many passes as you want (or pass schedule=None)"
-            )
         plans = ScheduledPacks(
             source, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
             micro_batches=micro_batches, schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm,
-            overflow=overflow, seed=seed, tail=tail, lengths=lengths, vocab_size=vocab_size, worker=worker,
-            labels_alignment=labels_alignment,
+            overflow=overflow, seed=seed, shuffle=shuffle, num_epochs=num_epochs, tail=tail, lengths=lengths,
+            vocab_size=vocab_size, worker=worker, labels_alignment=labels_alignment,
         )  # fmt: skip
     else:
         if micro_batches != 1 or cost is not None or max_delay or lengths is not None:
@@ -203,7 +192,8 @@ def build_node(
         micro_batches, schedule, max_delay, cost, lengths, tail: ``schedule="balanced"`` (or ``"in_order"``)
             plans every document's length first (:class:`cpdata.nodes.scheduled.ScheduledPacks`): every rank
             gets the same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own
-            documents; needs ``lengths`` (default ``source.lengths``) and an indexable source.
+            documents; needs ``lengths`` (default ``source.lengths``) and an indexable source. ``shuffle``
+            plans each epoch over the ``(seed, epoch)`` order; ``num_epochs`` as below.
         batch_size: plans per batch (rows for bshd, concatenated for thd).
         qkv_format: ``"bshd"`` or ``"thd"``.
         vocab_size: token ids are checked against it when given.

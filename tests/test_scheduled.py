@@ -101,7 +101,7 @@ def test_resume_is_exact_and_constant_time():
     n = len(list(node))
     run_save_load_contract(make, [0, 1, n // 2, n - 1, n])
     late = _node(CountingDocs())
-    late.reset({**node.get_state(), "position": n - 1})
+    late.reset({**node.get_state(), "item": n - 1})
     first = next(late)
     assert late.documents_read == len({q.index for q in first.pieces})  # no replay: only the last pack is read
 
@@ -297,10 +297,3 @@ def test_hf_dataset_plans_from_its_lengths():
     a.reset()
     b.reset()
     assert _docs_of(list(a)) == _docs_of(list(b)) and a.schedule.num_steps > 1
-
-
-def test_per_epoch_options_of_the_streaming_source_are_refused_with_a_schedule():
-    with pytest.raises(ValueError, match="shuffle=True"):
-        build_loader(CountingDocs(), cp_rank=0, schedule="balanced", shuffle=True, **CFG)
-    with pytest.raises(ValueError, match="num_epochs="):
-        build_loader(CountingDocs(), cp_rank=0, schedule="balanced", num_epochs=2, **CFG)

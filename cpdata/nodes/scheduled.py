@@ -17,9 +17,17 @@ it (steps ``w, w + N, ...`` when ``micro_batches == 1``), so the loader's
 round-robin gives the same order for every ``N`` and each worker reads only
 the documents of its own packs: worker CPU per pack does not grow with ``N``.
 
-State: ``{"version", "config", "lengths_sha256", "position"}``: a restore is
-O(1) (no replay); one saved under another configuration, another DP split or
-over other lengths is refused with ``ValueError``.
+Epochs: ``shuffle=True`` plans epoch ``e`` over the documents in the
+``(seed, e)`` order (every rank and worker plans it when the epoch starts:
+the schedule stays a pure function of its arguments and the epoch);
+``num_epochs`` runs that many epochs per ``iter()``, the items going on in one
+sequence across epoch ends, as :class:`~cpdata.nodes.source.Documents` does.
+
+State: ``{"version", "config", "lengths_sha256", "epoch", "first_epoch",
+"item"}`` (``item``: the next pack of the epoch this worker serves): a restore
+is O(1) (no replay: at most the epoch's plan); one saved under another
+configuration, another DP split or over other lengths is refused with
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -27,17 +35,17 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.scheduled_rows import EpochRows, source_lengths
 from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.plan import DocPiece, PackPlan
-from cpdata.schedule import CostModel, Schedule, plan_schedule
+from cpdata.schedule import CostModel, Schedule
 from cpdata.state_version import check_saved_config, check_state_version
 from cpdata.targets import LabelsAlignment, check_labels_alignment, piece_arrays
 
@@ -48,68 +56,24 @@ SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
 ``in_order``: today's packs (``bfd``) in stream order, dealt to ranks step by step."""
 
 
-def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-    """int64 ``[n_docs]``: ``lengths`` if given, else ``source.lengths``; ``TypeError`` naming the fix otherwise."""
-    if lengths is None:
-        lengths = getattr(source, "lengths", None)
-    if lengths is None:
-        raise TypeError(
-            f"schedule= plans from every document's length before reading any, but the source "
-            f"({type(source).__name__}) has no .lengths; pass lengths=[...] (tokens per document), use "
-            "cpdata.open_dataset(path) (it has .lengths), or schedule=None (each DP rank reads and packs "
-            "documents i % dp_size as it streams)"
-        )
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise TypeError(f"lengths must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
-    if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
-        raise TypeError(
-            f"schedule= reads documents by index; the source ({type(source).__name__}) needs __len__ and "
-            "__getitem__ (a list, a map-style dataset, cpdata.open_dataset(path))"
-        )
-    if len(source) != arr.shape[0]:
-        raise ValueError(f"the source has {len(source)} documents but {arr.shape[0]} lengths; they must match")
-    return arr.astype(np.int64, copy=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _RankRows:
-    """One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``)."""
-
-    offsets: np.ndarray
-    doc_index: np.ndarray
-    doc_start: np.ndarray
-    doc_len: np.ndarray
-    slot_len: np.ndarray
-    continues: np.ndarray
-
-
-def _rank_rows(sched: Schedule, dp_rank: int) -> _RankRows:
-    R, M = sched.dp_size, sched.micro_batches
-    first = (np.arange(sched.num_steps, dtype=np.int64) * R + dp_rank) * M  # pack id of (step, rank, 0)
-    packs = (first[:, None] + np.arange(M)).reshape(-1)
-    lo, hi = sched.pack_offsets[packs], sched.pack_offsets[packs + 1]
-    sizes = hi - lo
-    rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return _RankRows(offsets=offsets, doc_index=sched.doc_index[rows], doc_start=sched.doc_start[rows],
-                     doc_len=sched.doc_len[rows], slot_len=sched.slot_len[rows],
-                     continues=sched.continues[rows])  # fmt: skip
-
-
 class ScheduledPacks(BaseNode[PackPlan]):
     """Emit this DP rank's packs of the global schedule as :class:`~cpdata.plan.PackPlan` (see the module docstring).
 
     Args:
         source: documents indexable by position (``source[i]`` a dict with ``input_ids``).
-        capacity, layout, cp_size, algorithm, overflow, seed, shuffle, max_delay, tail: as for
+        capacity, layout, cp_size, algorithm, overflow, seed, max_delay, tail: as for
             :func:`~cpdata.schedule.plan_schedule`.
         dp_rank, dp_size, micro_batches: this rank, the DP size, packs per rank per step.
         schedule: one of :data:`SCHEDULES`.
         cost: the cost model of ``"balanced"`` (default: the FlexSP 7B profile).
+        shuffle: plan epoch ``e`` over the documents in the ``(seed, e)`` order (the order
+            :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in): each epoch's schedule
+            is planned when it starts, on every rank and worker alike.
+        num_epochs: epochs per ``iter()`` (default one; the next ``iter()`` starts the next epoch).
         lengths: tokens per document; default ``source.lengths``.
         vocab_size: token ids ``>= vocab_size`` raise ``ValueError``.
-        worker: ``(worker_id, num_workers)``: serve items ``worker_id, worker_id + num_workers, ...``.
+        worker: ``(worker_id, num_workers)``: serve items ``worker_id, worker_id + num_workers, ...`` of the
+            epochs of one ``iter()`` in sequence (so the loader's round-robin keeps the order at epoch ends).
         labels_alignment: the documents' label convention, as for :class:`~cpdata.nodes.source.Documents`.
             The schedule is planned from lengths alone, so a document that trains nothing (every label
             -100) is packed like any other (the streaming packer leaves it out, counted as ``untrained``).
@@ -117,11 +81,13 @@ class ScheduledPacks(BaseNode[PackPlan]):
     A document whose length differs from ``lengths`` raises ``ValueError`` when read.
     """
 
-    VERSION = 1
+    VERSION = 2  # 2: epochs (the epoch, the first epoch of the iter() and the next item of the epoch)
     VERSION_KEY = "version"
     CONFIG_KEY = "config"
     LENGTHS_KEY = "lengths_sha256"
-    POSITION_KEY = "position"
+    EPOCH_KEY = "epoch"
+    FIRST_EPOCH_KEY = "first_epoch"
+    ITEM_KEY = "item"
 
     def __init__(
         self,
@@ -140,6 +106,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
         overflow: str | None = None,
         seed: int = 0,
         shuffle: bool = False,
+        num_epochs: int | None = None,
         tail: str = "pad",
         lengths: Sequence[int] | np.ndarray | None = None,
         vocab_size: int | None = None,
@@ -155,6 +122,9 @@ class ScheduledPacks(BaseNode[PackPlan]):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
+                                       or num_epochs < 1):  # fmt: skip
+            raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
         worker_id, num_workers = worker
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
@@ -162,26 +132,27 @@ class ScheduledPacks(BaseNode[PackPlan]):
         arr = source_lengths(source, lengths)
         if schedule == "balanced" and cost is None:
             cost = CostModel()
-        self.source, self.vocab_size = source, vocab_size
+        self.source, self.vocab_size, self.num_epochs = source, vocab_size, num_epochs
         self.dp_rank, self.dp_size, self.worker = int(dp_rank), int(dp_size), (int(worker_id), int(num_workers))
-        self.schedule: Schedule = plan_schedule(
-            arr, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size, micro_batches=micro_batches,
+        self._plans = EpochRows(arr, self.dp_rank, dict(
+            capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size, micro_batches=micro_batches,
             cost=cost if schedule == "balanced" else None, max_delay=max_delay, algorithm=algorithm,
             overflow=overflow, seed=seed, shuffle=shuffle, tail=tail,
-        )  # fmt: skip
+        ))  # fmt: skip
+        self.schedule: Schedule = self._plans.schedule  # type: ignore[assignment]
+        """Epoch 0's schedule (the whole plan; not sent to dataloader workers)."""
         self.lengths = arr
         self.num_steps, self.micro_batches = self.schedule.num_steps, self.schedule.micro_batches
-        self._rows = _rank_rows(self.schedule, self.dp_rank)
         self._lengths_sha = hashlib.sha256(np.ascontiguousarray(arr, dtype="<i8").tobytes()).hexdigest()
         self._config = {
             "schedule": schedule, "capacity": int(capacity), "layout": layout, "cp_size": int(cp_size),
             "dp": [self.dp_rank, self.dp_size], "micro_batches": int(micro_batches), "max_delay": int(max_delay),
             "algorithm": algorithm, "overflow": self.schedule.config.overflow, "seed": int(seed),
-            "shuffle": bool(shuffle), "tail": tail, "worker": list(self.worker),
+            "shuffle": bool(shuffle), "num_epochs": num_epochs, "tail": tail, "worker": list(self.worker),
             "cost": None if cost is None or schedule != "balanced" else [float(cost.a), float(cost.b)],
             "labels_alignment": self.labels_alignment,
         }  # fmt: skip
-        self._position = 0
+        self._epoch, self._first_epoch, self._item, self._started = 0, 0, self.worker[0], False
         self._cached: tuple[int, Mapping[str, np.ndarray]] | None = None
         self.documents_read = 0
         """Documents this node has read from the source (a split document counts once per pack it spans)."""
@@ -195,25 +166,36 @@ class ScheduledPacks(BaseNode[PackPlan]):
         BaseNode.__init__(other)
         other.worker = (int(worker_id), int(num_workers))
         other._config = {**self._config, "worker": list(other.worker)}
-        other._position, other._cached, other.documents_read = 0, None, 0
+        other._item, other._cached, other.documents_read = other.worker[0], None, 0
         return other
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers need only this rank's rows (1 / dp_size of the schedule): the whole plan stays behind.
-        state = self.__dict__.copy()
-        state["schedule"], state["_cached"] = None, None
-        return state
+        return {**self.__dict__, "schedule": None, "_cached": None}
 
     def __len__(self) -> int:
-        """Items this worker serves per epoch."""
-        total = self.num_steps * self.micro_batches
+        """Items this worker serves of epoch 0 when it starts the epoch (later epochs may differ by a step)."""
+        total = int(self._plans.rows(0).offsets.shape[0]) - 1
         w, n = self.worker
         return max(0, -(-(total - w) // n))
 
+    @property
+    def epoch(self) -> int:
+        """The epoch being served (0-based; counts on across ``iter()`` calls and restores)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next fresh ``reset()`` (a new ``iter()``) start epoch ``epoch`` (for processes that
+        rebuild the node every epoch, like ``DistributedSampler.set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch, self._started = int(epoch) - 1, epoch > 0
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._position = 0
         if initial_state is None:
+            self._epoch = self._epoch + 1 if self._started else 0  # a new iter(): the next epoch
+            self._first_epoch, self._item, self._started = self._epoch, self.worker[0], True
             return
         check_state_version("ScheduledPacks", initial_state, self.VERSION_KEY, self.VERSION)
         check_saved_config("ScheduledPacks", initial_state[self.CONFIG_KEY], self._config)
@@ -223,10 +205,13 @@ class ScheduledPacks(BaseNode[PackPlan]):
                 f"{str(initial_state.get(self.LENGTHS_KEY))[:16]}…, now {self._lengths_sha[:16]}…); "
                 "resume on the same dataset"
             )
-        position = initial_state[self.POSITION_KEY]
-        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position <= len(self):
-            raise ValueError(f"ScheduledPacks state has position={position!r}, expected 0..{len(self)}")
-        self._position = int(position)
+        values = [initial_state.get(k) for k in (self.EPOCH_KEY, self.FIRST_EPOCH_KEY, self.ITEM_KEY)]
+        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in values) or (
+                values[1] > values[0]):  # fmt: skip
+            raise ValueError(f"ScheduledPacks state has epoch, first_epoch, item = {values}; expected ints >= 0 "
+                             "with first_epoch <= epoch")  # fmt: skip
+        self._epoch, self._first_epoch, self._item = (int(v) for v in values)
+        self._started = True
 
     def _document(self, index: int) -> Mapping[str, np.ndarray]:
         if self._cached is not None and self._cached[0] == index:
@@ -246,10 +231,10 @@ class ScheduledPacks(BaseNode[PackPlan]):
         self._cached = (index, arrays)
         return arrays
 
-    def plan(self, item: int) -> PackPlan:
-        """This rank's pack ``item`` (0-based, all workers together): random access."""
+    def plan(self, item: int, epoch: int = 0) -> PackPlan:
+        """This rank's pack ``item`` (0-based, all workers together) of epoch ``epoch``: random access."""
         step, micro_batch = divmod(item, self.micro_batches)
-        s = self._rows
+        s = self._plans.rows(epoch)
         rows = slice(int(s.offsets[item]), int(s.offsets[item + 1]))
         pieces = []
         for j in range(rows.start, rows.stop):
@@ -261,14 +246,19 @@ class ScheduledPacks(BaseNode[PackPlan]):
             pieces.append(DocPiece(index=doc, start=start, arrays=sliced, next_label=next_label))
         return PackPlan(pieces=tuple(pieces), slot_lens=np.array(s.slot_len[rows], dtype=np.int64),
                         capacity=self._config["capacity"], index=item,
-                        extras={"step": step, "micro_batch": micro_batch})  # fmt: skip
+                        extras={"step": step, "micro_batch": micro_batch, "epoch": epoch})  # fmt: skip
 
     def next(self) -> PackPlan:
-        if self._position >= len(self):
-            raise StopIteration
-        w, n = self.worker
-        plan = self.plan(w + n * self._position)
-        self._position += 1
+        while True:
+            total = int(self._plans.rows(self._epoch).offsets.shape[0]) - 1
+            if self._item < total:
+                break
+            if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
+                raise StopIteration
+            # The next epoch of this iter(): the items go on in one sequence across the epoch end.
+            self._item, self._epoch = self._item - total, self._epoch + 1
+        plan = self.plan(self._item, self._epoch)
+        self._item += self.worker[1]
         return plan
 
     def get_state(self) -> dict[str, Any]:
@@ -276,5 +266,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: dict(self._config),
             self.LENGTHS_KEY: self._lengths_sha,
-            self.POSITION_KEY: self._position,
+            self.EPOCH_KEY: self._epoch,
+            self.FIRST_EPOCH_KEY: self._first_epoch,
+            self.ITEM_KEY: self._item,
         }

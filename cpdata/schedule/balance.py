@@ -60,6 +60,7 @@ def _runs(
     At most ``slots`` runs. Returns the runs and the loose pieces; the rest wait.
     """
     n, R = int(order.shape[0]), dp_size
+    slots = min(slots, n // R)  # more could not be used: the same optimum, fewer columns
     e = ek[order]
     pre = np.concatenate([[0.0], np.cumsum(e)]).tolist()
     el = e.tolist()

@@ -44,8 +44,6 @@ follows ``tail`` (:data:`~cpdata.schedule.records.TAIL_POLICIES`). Measured by
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
 from cpdata.packing import PackingConfig, plan_lengths
@@ -53,7 +51,7 @@ from cpdata.packing.pieces import cut_documents
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
-from cpdata.schedule.records import TAIL_POLICIES, Schedule, ScheduleStats
+from cpdata.schedule.records import TAIL_POLICIES, Schedule, assemble
 
 __all__ = ["POOL_MARGIN", "plan_schedule"]
 
@@ -102,6 +100,7 @@ def plan_schedule(
     seed: int = 0,
     shuffle: bool = False,
     tail: str = "pad",
+    epoch: int = 0,
 ) -> Schedule:
     """Plan one epoch over all documents (see the module docstring).
 
@@ -115,8 +114,9 @@ def plan_schedule(
         algorithm: the packer when ``cost is None`` (balanced placement is its own).
         overflow: documents longer than a pack: ``"error"`` (default), ``"split"``,
             ``"truncate"``, ``"drop"`` (counted in ``stats``).
-        seed, shuffle: with ``shuffle=True`` documents are taken in the order of a
-            ``default_rng(seed)`` permutation.
+        seed, shuffle, epoch: with ``shuffle=True`` documents are taken in the order of the
+            ``default_rng((seed, epoch))`` permutation (the order :class:`~cpdata.nodes.source.Documents`
+            reads a shuffled sequence in that epoch); without it ``epoch`` changes nothing.
         tail: ``"pad"`` (default) or ``"drop"``, see :data:`TAIL_POLICIES`.
 
     Raises:
@@ -124,7 +124,7 @@ def plan_schedule(
     """
     lengths = _lengths(lengths)
     R, M = _int("dp_size", dp_size, 1), _int("micro_batches", micro_batches, 1)
-    max_delay = _int("max_delay", max_delay, 0)
+    max_delay, epoch = _int("max_delay", max_delay, 0), _int("epoch", epoch, 0)
     if tail not in TAIL_POLICIES:
         raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
     if cost is not None and not isinstance(cost, CostModel):
@@ -136,14 +136,14 @@ def plan_schedule(
                          "use cost=None with concat, or another algorithm")  # fmt: skip
     config = PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
                                    overflow=overflow, seed=seed)  # fmt: skip
-    order = (np.random.default_rng(config.seed).permutation(lengths.shape[0]) if shuffle
+    order = (np.random.default_rng((config.seed, epoch)).permutation(lengths.shape[0]) if shuffle
              else np.arange(lengths.shape[0], dtype=np.int64))  # fmt: skip
     if cost is None:
         packs, counts = _in_order(lengths[order], config)
     else:
         packs, counts = _balanced(lengths[order], config, R, M, cost, max_delay)
     cells, doc, start, length, slot, cont, delay = packs
-    return _assemble(cells, order[doc], start, length, slot, cont, delay, counts, config, R, M, cost, tail)
+    return assemble(cells, order[doc], start, length, slot, cont, delay, counts, config, R, M, cost, tail)
 
 
 def _in_order(lengths: np.ndarray, config: PackingConfig) -> tuple[tuple[np.ndarray, ...], dict[str, int]]:
@@ -247,51 +247,3 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     cells = (s * R + r) * M + m
     delay = s - arrival
     return (cells, pieces.doc, pieces.start, length, slot, pieces.continues, delay), counts
-
-
-def _assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M, cost, tail) -> Schedule:
-    K, C = R * M, config.capacity
-    n_cells = int(cells.max()) + 1 if cells.size else 0
-    num_steps = -(-n_cells // K)
-    dropped_steps = dropped_pieces = dropped_tokens = 0
-    all_slot_tokens = int(slot.sum())
-    per_cell = np.bincount(cells, minlength=num_steps * K)
-    if tail == "drop" and num_steps and (per_cell[(num_steps - 1) * K :] == 0).any():
-        last = cells >= (num_steps - 1) * K
-        dropped_steps, dropped_pieces = 1, int(last.sum())
-        dropped_tokens = int(length[last].sum())
-        keep = ~last
-        cells, doc, start, length, slot, cont, delay = (a[keep] for a in (cells, doc, start, length, slot, cont, delay))
-        num_steps -= 1
-        per_cell = per_cell[: num_steps * K]
-    order = np.lexsort((np.arange(cells.shape[0]), cells))
-    offsets = np.concatenate([[0], np.cumsum(per_cell)]).astype(np.int64)
-    arrays = [np.ascontiguousarray(a[order]) for a in (doc, start, length, slot, cont, delay)]
-    for a in arrays:
-        a.flags.writeable = False
-    offsets.flags.writeable = False
-    doc, start, length, slot, cont, delay = arrays
-    tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
-    hist = Counter(delay.tolist())
-    delay_counts = tuple(hist.get(k, 0) for k in range(max(hist) + 1)) if hist else (0,)
-    imb_step = imb_mb = 0.0
-    sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
-                    doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
-                    config=config, cost=cost)  # fmt: skip
-    if cost is not None and num_steps:
-        partial = Schedule(**sched_kw, stats=None)  # type: ignore[arg-type]
-        i_s, i_m = partial.imbalance(cost)
-        imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
-    stats = ScheduleStats(
-        documents=int(counts["documents"]), tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
-        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs,
-        empty_packs=int((per_cell == 0).sum()),
-        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0,
-        skipped=int(counts["skipped"]), split=int(counts["split"]), truncated=int(counts["truncated"]),
-        dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
-        dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
-        tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
-        imb_step_mean=imb_step, imb_mb_mean=imb_mb,
-    )  # fmt: skip
-    return Schedule(**sched_kw, stats=stats)
-

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ from cpdata.packing import PackingConfig, PackingResult, PackingStats
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.metrics import imbalance
 
-__all__ = ["TAIL_POLICIES", "Schedule", "ScheduleStats"]
+__all__ = ["TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
 
 TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
 """What happens to the last step when the documents do not fill it:
@@ -142,3 +143,51 @@ class Schedule:
         )  # fmt: skip
         return PackingResult(pack_offsets=self.pack_offsets, doc_index=self.doc_index, doc_start=self.doc_start,
                              doc_len=self.doc_len, slot_len=self.slot_len, stats=stats, config=self.config)
+
+
+def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M, cost, tail) -> Schedule:
+    """The :class:`Schedule` of placed pieces (``cells``: pack id per piece, any order), the tail policy applied."""
+    K, C = R * M, config.capacity
+    n_cells = int(cells.max()) + 1 if cells.size else 0
+    num_steps = -(-n_cells // K)
+    dropped_steps = dropped_pieces = dropped_tokens = 0
+    all_slot_tokens = int(slot.sum())
+    per_cell = np.bincount(cells, minlength=num_steps * K)
+    if tail == "drop" and num_steps and (per_cell[(num_steps - 1) * K :] == 0).any():
+        last = cells >= (num_steps - 1) * K
+        dropped_steps, dropped_pieces = 1, int(last.sum())
+        dropped_tokens = int(length[last].sum())
+        keep = ~last
+        cells, doc, start, length, slot, cont, delay = (a[keep] for a in (cells, doc, start, length, slot, cont, delay))
+        num_steps -= 1
+        per_cell = per_cell[: num_steps * K]
+    order = np.lexsort((np.arange(cells.shape[0]), cells))
+    offsets = np.concatenate([[0], np.cumsum(per_cell)]).astype(np.int64)
+    arrays = [np.ascontiguousarray(a[order]) for a in (doc, start, length, slot, cont, delay)]
+    for a in arrays:
+        a.flags.writeable = False
+    offsets.flags.writeable = False
+    doc, start, length, slot, cont, delay = arrays
+    tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
+    hist = Counter(delay.tolist())
+    delay_counts = tuple(hist.get(k, 0) for k in range(max(hist) + 1)) if hist else (0,)
+    imb_step = imb_mb = 0.0
+    sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
+                    doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
+                    config=config, cost=cost)  # fmt: skip
+    if cost is not None and num_steps:
+        partial = Schedule(**sched_kw, stats=None)  # type: ignore[arg-type]
+        i_s, i_m = partial.imbalance(cost)
+        imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
+    stats = ScheduleStats(
+        documents=int(counts["documents"]), tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
+        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs,
+        empty_packs=int((per_cell == 0).sum()),
+        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0,
+        skipped=int(counts["skipped"]), split=int(counts["split"]), truncated=int(counts["truncated"]),
+        dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
+        dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
+        tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
+        imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+    )  # fmt: skip
+    return Schedule(**sched_kw, stats=stats)
