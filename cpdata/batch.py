@@ -44,22 +44,16 @@ Replacing a key by another tensor falls back to per-key copies for that batch.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from cpdata.buffer_spans import Span, buffer_plan, span_table, tensor_specs, views, with_fields
 from cpdata.shard_layout import ShardLayout
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
-
-
-_ALIGN = 16
-Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
 
 
 _LAYOUT_MAPS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
@@ -75,34 +69,6 @@ def _restore_buffer(
     map_spans: dict[str, Span] | None = None,
 ) -> ShardedBatch:  # fmt: skip
     return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {})
-
-
-def _span_table(
-    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, int]], offset: int = 0
-) -> tuple[dict[str, Span], int]:
-    """Byte spans for ``key -> (shape, dtype, itemsize)`` packed from ``offset`` (C-contiguous, each
-    start 16-byte aligned), and the end offset."""
-    spans: dict[str, Span] = {}
-    for k, (shape, dtype, itemsize) in specs.items():
-        n = math.prod(shape) * itemsize
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        spans[k] = (offset, n, dtype, tuple(shape), tuple(strides))
-        offset += -(-n // _ALIGN) * _ALIGN
-    return spans, offset
-
-
-def _tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
-    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"ShardedBatch values must be torch tensors; keys {bad} are not")
-    return {k: (tuple(v.shape), v.dtype, v.element_size()) for k, v in tensors.items()}
-
-
-@functools.lru_cache(maxsize=32)
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 class BatchBuffer:
@@ -121,11 +87,9 @@ class BatchBuffer:
 
     def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
                  maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
-        def specs(items):
-            return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
-
-        self.spans, end = _span_table(specs(tensors.items()))
-        self.map_spans, total = _span_table(specs(maps.items()), end)
+        key = tuple((k, tuple(shape), dt) for k, (shape, dt) in tensors.items())
+        map_key = tuple((k, tuple(shape), dt) for k, (shape, dt) in maps.items())
+        self.spans, self.map_spans, total = buffer_plan(key, map_key)
         self.buffer = torch.empty(total, dtype=torch.uint8)
         raw = self.buffer.numpy()
 
@@ -139,27 +103,6 @@ class BatchBuffer:
     def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None) -> ShardedBatch:
         """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer."""
         return ShardedBatch._from_buffer(self.buffer, self.spans, layout, info, self.map_spans)
-
-
-def _views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
-    """Typed views of ``buffer`` (a fresh allocation, storage offset 0): one reinterpretation per dtype,
-    then one ``as_strided`` per key."""
-    typed: dict[torch.dtype, tuple[Any, int]] = {}
-    out = {}
-    for k, (offset, _, dtype, shape, strides) in spans.items():
-        view = typed.get(dtype)
-        if view is None:
-            whole = buffer.view(dtype)
-            view = typed[dtype] = (whole.as_strided, whole.element_size())
-        out[k] = view[0](shape, strides, offset // view[1])
-    return out
-
-
-def _copy_to(head: torch.Tensor, device: torch.device | str, non_blocking: bool, copy: bool) -> torch.Tensor:
-    """``head.to(device, ...)``; a forced copy on the same device is a ``clone()`` (~40% cheaper on CPU)."""
-    if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
-        return head.clone()
-    return head.to(device, non_blocking=non_blocking, copy=copy)
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -199,11 +142,11 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         (``local_token_global_indices``, ``input_token_stream_positions``,
         ``gather_index``, those that are set), each span 16-byte aligned.
         """
-        spans, end = _span_table(_tensor_specs(tensors))
+        spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
-        map_spans, total = _span_table(_tensor_specs(maps), end)
+        map_spans, total = span_table(tensor_specs(maps), end)
         buffer = torch.empty(total, dtype=torch.uint8)
-        for view, v in zip((*_views(buffer, spans).values(), *_views(buffer, map_spans).values()),
+        for view, v in zip((*views(buffer, spans).values(), *views(buffer, map_spans).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)
         return cls._from_buffer(buffer, spans, layout, info, map_spans)
@@ -216,9 +159,9 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         """Views of ``buffer`` by span; no per-key checks (the spans were made from tensors). Span
         tables are never mutated, so batches derived from one another share them."""
         if map_spans:
-            layout = replace(layout, **_views(buffer, map_spans))
+            layout = with_fields(layout, views(buffer, map_spans))
         batch = cls.__new__(cls)
-        batch._tensors, batch._layout, batch._info = _views(buffer, spans), layout, dict(info or {})
+        batch._tensors, batch._layout, batch._info = views(buffer, spans), layout, dict(info or {})
         batch._buffer, batch._spans, batch._map_spans = buffer, spans, map_spans
         batch._head = min((span[0] for span in map_spans.values()), default=buffer.numel())
         return batch
@@ -277,7 +220,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
 
     def __reduce__(self):
         if self._buffer is not None:  # one storage: the views are rebuilt from the spans on the other side
-            bare = replace(self._layout, **dict.fromkeys(self._map_spans))
+            bare = with_fields(self._layout, dict.fromkeys(self._map_spans))
             return _restore_buffer, (self._buffer, self._spans, bare, self._info, self._map_spans)
         return _restore, (self._tensors, self._layout, self._info)
 
@@ -302,10 +245,13 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
         """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
         the host (the gather moves its maps on first use). ``copy=True`` copies even when already on
-        ``device``, as ``Tensor.to``."""
+        ``device`` (a ``clone()``), as ``Tensor.to``."""
         if self._buffer is not None:
-            head = self._buffer[: self._batch_bytes()]
-            moved = _copy_to(head, device, non_blocking, copy)
+            head = self._buffer[: self._head]
+            if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
+                moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
+            else:
+                moved = head.to(device, non_blocking=non_blocking, copy=copy)
             if moved.data_ptr() == head.data_ptr():  # already there: this batch, as Tensor.to returns self
                 return self
             return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {})

@@ -52,7 +52,7 @@ from cpdata.stream import Stream, build_stream, check_plans, shifted_labels, str
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
-    "collate_rank_into", "collate_ranks", "pack_metadata", "rank_specs", "stream_slot_lens",
+    "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata", "rank_specs", "stream_slot_lens",
 ]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
@@ -136,20 +136,35 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
         labels[last] = stream.next_labels[k[last]]
         labels[pad] = IGNORE_INDEX
     position_ids = np.add(positions, stream.pos_shift[k], out=out[POSITION_IDS])
-    position_ids[pad] = np.minimum(position_ids[pad], stream.row_len - 1)
+    np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
     for key, arr in stream.extras.items():
         np.take(arr, src, out=out[key], mode="clip")
 
 
 def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
     """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors: ``rows_r`` int ``[L]``
-    as for :func:`collate_rank`."""
-    _gather(stream, _stream_positions(stream, rows_r, qkv_format), out)
-    for key, value in stream_metadata(stream.real_lens, stream.slot_lens).items():
+    as for :func:`collate_rank` (checked)."""
+    fill_rank(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format, out)
+
+
+def fill_rank(
+    stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray],
+    metadata: dict[str, np.ndarray] | None = None,
+) -> None:  # fmt: skip
+    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r`` (a layout's row), with the
+    stream's ``metadata`` when already computed (:func:`pack_metadata` of the same plans)."""
+    if qkv_format == "bshd":
+        positions = rows_r[None, :]
+        if stream.rows > 1:
+            positions = np.arange(stream.rows, dtype=np.int64)[:, None] * stream.row_len + positions
+    else:
+        positions = rows_r
+    _gather(stream, positions, out)
+    for key, value in (metadata or stream_metadata(stream.real_lens, stream.slot_lens)).items():
         out[key][...] = value
 
 
-def _stream_positions(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
+def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
     check_qkv_format(qkv_format)
     row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
     rows_r = np.asarray(rows_r)
@@ -160,10 +175,7 @@ def _stream_positions(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np
             f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "
             f"({stream.rows} x {stream.row_len} tokens), got range [{rows_r.min()}, {rows_r.max()}]"
         )
-    rows_r = rows_r.astype(np.int64, copy=False)
-    if qkv_format == "bshd":
-        return np.arange(stream.rows, dtype=np.int64)[:, None] * stream.row_len + rows_r[None, :]
-    return rows_r
+    return rows_r.astype(np.int64, copy=False)
 
 
 def collate_pack(

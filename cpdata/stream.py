@@ -78,6 +78,7 @@ class Stream:
     slot_lens: np.ndarray  # int64 [K], tail absorbed
     real_lens: np.ndarray  # int64 [K]
     real_ends: np.ndarray  # int64 [K], slot_starts + real_lens
+    layout_lens: np.ndarray  # int64 [K'], the slot lengths the layouts take (:func:`stream_slot_lens`)
     src_shift: np.ndarray  # int64 [K], concatenated-array index minus stream position
     pos_shift: np.ndarray  # int64 [K], position id minus stream position
     next_labels: np.ndarray  # int64 [K], target of each slot's last real token
@@ -119,6 +120,7 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
         slot_lens=slot_lens,
         real_lens=real_lens,
         real_ends=real_ends,
+        layout_lens=np.concatenate([*lens[:-1], np.asarray(plans[-1].slot_lens, dtype=np.int64)]),
         src_shift=src_starts - slot_starts,
         pos_shift=starts - slot_starts,
         next_labels=next_labels,

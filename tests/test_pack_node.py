@@ -246,3 +246,41 @@ def test_ffd_over_the_whole_stream_resumes_and_matches_offline():
     assert [[p.index for p in plan.pieces] for plan in reference[: offline.n_packs]] == [
         offline.pack(p)[0].tolist() for p in range(offline.n_packs)
     ]
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate"])
+def test_column_pieces_are_the_documents_pieces(overflow):
+    """Plans keep their pieces as columns (no object per piece); read as DocPieces they are each
+    document's tokens ``start:start + length``, a cut-off piece's last target -100, and equal to plans
+    built from DocPiece objects (collate and the digest see the same)."""
+    from cpdata.collate import collate_pack
+    from cpdata.plan import DocPiece, PieceColumns, plan_digest
+    from cpdata.targets import piece_arrays
+
+    docs = _docs(120, max_len=150, seed=4)
+    source = Documents(docs, labels_alignment="targets")
+    source.reset()
+    full = {d.index: d.arrays for d in source}
+    plans = list(_pack(docs, overflow=overflow))
+    cut = 0
+    for plan in plans:
+        assert isinstance(plan.pieces, PieceColumns) and len(plan.pieces) == len(plan.slot_lens)
+        objects = []
+        for piece in plan.pieces:
+            arrays = full[piece.index]
+            n = arrays["input_ids"].shape[0]
+            continues = piece.next_label != -100
+            want = piece_arrays(arrays, piece.start, piece.length, continues)
+            assert want.keys() == piece.arrays.keys()
+            assert all(np.array_equal(want[k], piece.arrays[k]) and want[k].dtype == piece.arrays[k].dtype
+                       for k in want)  # fmt: skip
+            if continues:
+                assert piece.next_label == arrays["input_ids"][piece.start + piece.length]
+            cut += int(continues if overflow == "split" else piece.start + piece.length < n)
+            objects.append(DocPiece(index=piece.index, start=piece.start, arrays=want, next_label=piece.next_label))
+        rebuilt = PackPlan(pieces=tuple(objects), slot_lens=plan.slot_lens, capacity=plan.capacity, index=plan.index)
+        assert rebuilt.piece_columns == plan.piece_columns
+        assert plan_digest(rebuilt, "thd", 2) == plan_digest(plan, "thd", 2)
+        a, b = collate_pack([rebuilt]), collate_pack([plan])
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert cut > 0, f"documents longer than the capacity were {overflow}"

@@ -8,15 +8,24 @@ arrival, so a pack's pieces are found by one ``searchsorted`` over the key
 column, and a window adds its pieces with one ``concatenate``: no object per
 piece. Emitted rows are only marked dead; they are dropped when the next
 window arrives (the table holds the carried pieces plus one window).
+
+Also here: a window's rows from the planner's pieces (:func:`window_rows`)
+and the carried pieces as the ``Pack`` state stores them (:func:`carry_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["FIELDS", "LivePieces"]
+from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.packing.records import PackKeys
+from cpdata.targets import UNLABELED, piece_arrays
+
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carry_state", "fresh_carry", "narrow_arrays", "pack_keys",
+           "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset")
 """Columns of :attr:`LivePieces.table`."""
@@ -66,3 +75,74 @@ class LivePieces:
         self._alive[pos] = False
         sources = self.sources
         return self.table[pos], [sources[i] for i in pos.tolist()]
+
+
+# ----------------------------------------------------------------------------- windows and state
+
+_I32 = np.iinfo(np.int32)
+CARRY_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
+
+
+def narrow_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """int64 arrays whose values fit int32, stored as int32 (halves the state); names to widen back."""
+    out, widen = {}, []
+    for name, a in arrays.items():
+        if a.dtype == np.int64 and a.size and _I32.min <= a.min() and a.max() <= _I32.max:
+            out[name] = a.astype(np.int32)
+            widen.append(name)
+        else:
+            out[name] = np.array(a)
+        out[name].flags.writeable = False
+    return out, widen
+
+
+def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
+    return {k: a[offset : offset + length] for k, a in source.items()}
+
+
+def carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str, Any]:
+    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays unless the
+    source can fetch them."""
+    rows, sources = carried
+    state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(CARRY_COLUMNS)}
+    arrays = None
+    if with_arrays:
+        arrays = [narrow_arrays(_piece(src, off, n)) for src, off, n in zip(sources, rows[:, 6].tolist(), rows[:, 3].tolist(),
+                                                                       strict=True)]  # fmt: skip
+    state["arrays"] = arrays
+    return state
+
+
+def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
+                 keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
+    """A window's pieces as :class:`LivePieces` rows ``[p, 7]`` and sources (``arrays[d]``: document ``d``'s).
+
+    A piece refers to its document's arrays at ``offset = start``; only a piece
+    cut short with labels (its last target cut off, :func:`cpdata.targets.piece_arrays`)
+    gets arrays of its own (offset 0). ``next_label`` is the next document token
+    for a piece its document continues after.
+    """
+    doc, start, length, continues = pieces.doc, pieces.start, pieces.length, pieces.continues
+    end = start + length
+    rows = np.empty((doc.size, 7), dtype=np.int64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
+    rows[:, 4], rows[:, 5], rows[:, 6] = IGNORE_INDEX, pieces.slot, start
+    for j in np.flatnonzero(continues).tolist():
+        rows[j, 4] = arrays[doc[j]][INPUT_IDS][end[j]]
+    sources = [arrays[d] for d in doc.tolist()]
+    cut = ~continues & (end < lengths[doc]) & (length > 0) & (firsts[doc] != UNLABELED)
+    for j in np.flatnonzero(cut).tolist():
+        sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
+        rows[j, 6] = 0
+    return rows, sources
+
+
+def pack_keys(packs: PackKeys) -> list[np.ndarray]:
+    """Each pack's keys as an int64 array."""
+    return np.split(packs.keys, np.cumsum(packs.sizes)[:-1]) if len(packs) else []
+
+
+def fresh_carry(carry: dict[str, Any]) -> dict[str, Any]:
+    out = {name: carry[name].copy() for name in CARRY_COLUMNS}
+    out["arrays"] = None if carry["arrays"] is None else [(dict(a), list(w)) for a, w in carry["arrays"]]
+    return out

@@ -35,84 +35,21 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.nodes.live_pieces import LivePieces
+from cpdata.nodes.live_pieces import (
+    CARRY_COLUMNS,
+    LivePieces,
+    carry_state,
+    fresh_carry,
+    pack_keys,
+    window_rows,
+)
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
-from cpdata.packing.records import PackKeys
 from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
-from cpdata.targets import UNLABELED, first_target, piece_arrays
+from cpdata.targets import first_target, piece_arrays
 
 __all__ = ["Pack"]
-
-_I32 = np.iinfo(np.int32)
-_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
-
-
-def _narrow(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """int64 arrays whose values fit int32, stored as int32 (halves the state); names to widen back."""
-    out, widen = {}, []
-    for name, a in arrays.items():
-        if a.dtype == np.int64 and a.size and _I32.min <= a.min() and a.max() <= _I32.max:
-            out[name] = a.astype(np.int32)
-            widen.append(name)
-        else:
-            out[name] = np.array(a)
-        out[name].flags.writeable = False
-    return out, widen
-
-
-def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
-    return {k: a[offset : offset + length] for k, a in source.items()}
-
-
-def _carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str, Any]:
-    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays unless the
-    source can fetch them."""
-    rows, sources = carried
-    state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(_COLUMNS)}
-    arrays = None
-    if with_arrays:
-        arrays = [_narrow(_piece(src, off, n)) for src, off, n in zip(sources, rows[:, 6].tolist(), rows[:, 3].tolist(),
-                                                                       strict=True)]  # fmt: skip
-    state["arrays"] = arrays
-    return state
-
-
-def _window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
-                 keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
-    """A window's pieces as :class:`LivePieces` rows ``[p, 7]`` and sources (``arrays[d]``: document ``d``'s).
-
-    A piece refers to its document's arrays at ``offset = start``; only a piece
-    cut short with labels (its last target cut off, :func:`cpdata.targets.piece_arrays`)
-    gets arrays of its own (offset 0). ``next_label`` is the next document token
-    for a piece its document continues after.
-    """
-    doc, start, length, continues = pieces.doc, pieces.start, pieces.length, pieces.continues
-    end = start + length
-    rows = np.empty((doc.size, 7), dtype=np.int64)
-    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
-    rows[:, 4], rows[:, 5], rows[:, 6] = IGNORE_INDEX, pieces.slot, start
-    for j in np.flatnonzero(continues).tolist():
-        rows[j, 4] = arrays[doc[j]][INPUT_IDS][end[j]]
-    sources = [arrays[d] for d in doc.tolist()]
-    cut = ~continues & (end < lengths[doc]) & (length > 0) & (firsts[doc] != UNLABELED)
-    for j in np.flatnonzero(cut).tolist():
-        sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
-        rows[j, 6] = 0
-    return rows, sources
-
-
-def _pack_keys(packs: PackKeys) -> list[np.ndarray]:
-    """Each pack's keys as an int64 array."""
-    return np.split(packs.keys, np.cumsum(packs.sizes)[:-1]) if len(packs) else []
-
-
-def _fresh(carry: dict[str, Any]) -> dict[str, Any]:
-    out = {name: carry[name].copy() for name in _COLUMNS}
-    out["arrays"] = None if carry["arrays"] is None else [(dict(a), list(w)) for a, w in carry["arrays"]]
-    return out
-
 
 def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int) -> tuple[list[Document], bool]:
     """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
@@ -248,7 +185,7 @@ class Pack(BaseNode[PackPlan]):
                 )
 
     def _restore_carry(self, carry: dict[str, Any]) -> None:
-        columns = {name: np.asarray(carry[name]).tolist() for name in _COLUMNS}
+        columns = {name: np.asarray(carry[name]).tolist() for name in CARRY_COLUMNS}
         stored = carry["arrays"]
         if stored is None and not getattr(self.source, "seekable", False):
             raise ValueError(
@@ -275,7 +212,7 @@ class Pack(BaseNode[PackPlan]):
                 arrays = {n: np.asarray(a, dtype=np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
             sources.append(arrays)
         rows = np.zeros((len(sources), 7), dtype=np.int64)  # offset 0: the arrays are the pieces'
-        for i, name in enumerate(_COLUMNS):
+        for i, name in enumerate(CARRY_COLUMNS):
             rows[:, i] = columns[name]
         self._live.add(rows, sources)
 
@@ -297,10 +234,10 @@ class Pack(BaseNode[PackPlan]):
         indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=n)
         firsts = np.fromiter((first_target(a) for a in arrays), dtype=np.int64, count=n)
         pieces, keys, packs = self._planner.add_window(lengths, indices, firsts)
-        self._live.add(*_window_rows(arrays, lengths, indices, firsts, pieces, keys))
-        self._queue.extend(_pack_keys(packs))
+        self._live.add(*window_rows(arrays, lengths, indices, firsts, pieces, keys))
+        self._queue.extend(pack_keys(packs))
         if self._exhausted:
-            self._queue.extend(_pack_keys(self._planner.finish()))
+            self._queue.extend(pack_keys(self._planner.finish()))
 
     def _emit(self, keys: np.ndarray) -> PackPlan:
         rows, sources = self._live.take(keys)
@@ -322,13 +259,13 @@ class Pack(BaseNode[PackPlan]):
         snap = self._snapshot
         assert snap is not None, "reset() runs before get_state()"
         if self._carry_records is None:  # serialised once per window; arrays are read-only
-            self._carry_records = _carry_state(snap.carried, not getattr(self.source, "seekable", False))
+            self._carry_records = carry_state(snap.carried, not getattr(self.source, "seekable", False))
         return {
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self.config.identity(),
             self.SOURCE_KEY: copy.deepcopy(snap.source),
             self.PLANNER_KEY: copy.deepcopy(snap.planner),
-            self.CARRY_KEY: _fresh(self._carry_records),
+            self.CARRY_KEY: fresh_carry(self._carry_records),
             self.EMITTED_KEY: self._emitted,
             self.STATS_KEY: dataclasses.asdict(self.stats),
         }

@@ -29,7 +29,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.batch import BatchBuffer, ShardedBatch
-from cpdata.collate import build_stream, collate_rank_into, rank_specs, stream_slot_lens
+from cpdata.collate import build_stream, fill_rank, rank_specs
 from cpdata.layout_runs import RunTable
 from cpdata.layouts import alignment, check_layout, layout_runs, rank_indices
 from cpdata.nodes.collate import Collate, CollatedPack
@@ -98,10 +98,11 @@ def _causal_work(batch: CollatedPack, table: RunTable, stream_len: int) -> list[
 def _digest(batch: CollatedPack, layout: str, cp_size: int, ids: np.ndarray) -> int:
     """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; ``ids`` the
     stream's concatenated piece ids (plan after plan)."""
-    starts = np.cumsum([0] + [int(p.seq_lens.sum()) for p in batch.plans]).tolist()
-    digests = [plan_digest(p, layout, cp_size, ids[a:]) for p, a in zip(batch.plans, starts, strict=False)]
-    if len(digests) == 1:
-        return digests[0]
+    plans = batch.plans
+    if len(plans) == 1:
+        return plan_digest(plans[0], layout, cp_size, ids)
+    starts = np.cumsum([0] + [int(p.seq_lens.sum()) for p in plans]).tolist()
+    digests = [plan_digest(p, layout, cp_size, ids[a:]) for p, a in zip(plans, starts, strict=False)]
     h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
@@ -181,8 +182,9 @@ class ShardForRank(BaseNode[Any]):
         n_rows, pack_len = batch.row_shape
         self._check_rows(n_rows, batch.qkv_format)
         stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
+        stream = build_stream(batch.plans, batch.padding_token_id)
         if self._dynamic:
-            table = layout_runs(self.layout, self.cp_size, stream_slot_lens(batch.plans), stream_len)
+            table = layout_runs(self.layout, self.cp_size, stream.layout_lens, stream_len)
             fixed = None
         else:
             table, *fixed = _static_layout(self.layout, self.cp_size, stream_len)
@@ -197,7 +199,6 @@ class ShardForRank(BaseNode[Any]):
             "n_documents": sum(len(p.columns) for p in batch.plans),
             "causal_work": _causal_work(batch, table, stream_len),
         }
-        stream = build_stream(batch.plans, batch.padding_token_id)
         info["digest"] = _digest(batch, self.layout, self.cp_size, stream.ids)
         local = stream_len // self.cp_size
         specs = rank_specs(stream, local, batch.qkv_format)
@@ -214,7 +215,7 @@ class ShardForRank(BaseNode[Any]):
                     inverse = table.inverse(out=gather)
                 else:
                     gather[...] = inverse
-            collate_rank_into(stream, rows_r, batch.qkv_format, buf.arrays)
+            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata)
             layout = ShardLayout(
                 original_seq_len=None,
                 padded_seq_len=stream_len,

@@ -26,6 +26,7 @@ __all__ = ["document_ids", "to_document", "to_documents"]
 
 _INTEGER_KEYS = (INPUT_IDS, LABELS)
 _INT64_MAX = np.iinfo(np.int64).max
+_INT64 = np.dtype(np.int64)
 
 
 def _to_array(value: Any) -> np.ndarray | None:
@@ -64,6 +65,10 @@ def _integer_ids(arr: np.ndarray, key: str, index: int) -> np.ndarray:
 
 def document_ids(item: Any, index: int) -> np.ndarray:
     """The item's ``input_ids`` as int64 ``[n]``, structure checked (values are not: :func:`_check_ids`)."""
+    if type(item) is dict:  # the usual item: a dict holding a 1-D int64 array, returned as is
+        ids = item.get(INPUT_IDS)
+        if type(ids) is np.ndarray and ids.dtype == _INT64 and ids.ndim == 1:
+            return ids
     if not isinstance(item, Mapping):
         raise TypeError(
             f"document {index}: expected a dict with {INPUT_IDS!r}, got {type(item).__name__}; "
