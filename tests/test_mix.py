@@ -321,7 +321,7 @@ def _plans(node):
 
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
-def test_precompute_of_a_mix_reproduces_the_loader_packs(tmp_path, stop):
+def test_precompute_of_a_mix_reproduces_the_loader_packs(tmp_path, stop, capsys):
     web = _write(tmp_path / "web.jsonl", _docs(120, max_len=200))
     chat = _write(tmp_path / "chat.jsonl", _docs(50, lo=100, seed=4, max_len=200))
 
@@ -342,6 +342,9 @@ def test_precompute_of_a_mix_reproduces_the_loader_packs(tmp_path, stop):
             "--out", str(tmp_path / "cli"), "--quiet"]  # fmt: skip
     assert cli(args) == 0
     assert _plans(PrecomputedPacks(tmp_path / "cli", mixed())) == want
+    counts = online.stats.sources
+    assert f"mix ({stop}): chat {counts['chat']['documents']} documents ({counts['chat']['tokens']} tokens), web " in (
+        capsys.readouterr().out)
     with pytest.raises(ValueError, match="precomputed from"):
         PrecomputedPacks(tmp_path / "cli", mix({"web": open_dataset(web), "chat": open_dataset(chat)},
                                                {"web": 0.5, "chat": 0.5}, seed=6, stop=stop))  # fmt: skip

@@ -152,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         f"(lower bound {stats['lower_bound_pct']:.2f}%); skipped {stats['skipped']}, split {stats['split']}, "
         f"truncated {stats['truncated']}, dropped {stats['dropped']}, untrained {stats.get('untrained', 0)}"
     )
+    if stats.get("sources"):
+        drawn = ", ".join(f"{name} {c['documents']} documents ({c['tokens']} tokens)"
+                          for name, c in stats["sources"].items())  # fmt: skip
+        print(f"mix ({m['input']['mix']['stop']}): {drawn}")
     if "schedule" in m:
         sc = m["schedule"]
         print(f"schedule: {sc['num_steps']} steps x {sc['dp_size']} DP ranks x {sc['micro_batches']} micro-batches "
