@@ -45,10 +45,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
+from cpdata.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
 from cpdata.layouts import thd_slot_lens
 from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, check_plans, shifted_labels, stream_metadata, stream_slot_lens
+from cpdata.stream import Stream, build_stream, check_plans, stream_metadata, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -125,16 +125,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     src = positions + stream.src_shift[k]
     src[pad] = stream.total
     np.take(stream.ids, src, out=out[INPUT_IDS], mode="clip")
-    labels = out[LABELS]
-    if stream.labels is not None:
-        np.take(stream.labels, src, out=labels, mode="clip")
-    else:
-        src += 1  # next token; fixed up at each piece's last token and on pads
-        np.take(stream.ids, src, out=labels, mode="clip")
-        src -= 1
-        last = positions == end - 1
-        labels[last] = stream.next_labels[k[last]]
-        labels[pad] = IGNORE_INDEX
+    np.take(stream.labels, src, out=out[LABELS], mode="clip")
     position_ids = np.add(positions, stream.pos_shift[k], out=out[POSITION_IDS])
     np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
     for key, arr in stream.extras.items():
@@ -191,7 +182,7 @@ def collate_pack(
     check_qkv_format(qkv_format)
     shape = (stream.rows, stream.row_len) if qkv_format == "bshd" else (n,)
     real_pos = np.arange(stream.total, dtype=np.int64) - np.repeat(stream.src_shift, stream.real_lens)
-    labels = stream.labels if stream.labels is not None else shifted_labels(stream)
+    labels = stream.labels
     concatenated = {INPUT_IDS: stream.ids[: stream.total + 1], LABELS: labels, **stream.extras}
     out: dict[str, np.ndarray] = {}
     for key, arr in concatenated.items():

@@ -11,7 +11,7 @@ tokens)). :mod:`cpdata.collate` builds the full pack or one rank's tokens from i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 from cpdata.layouts import thd_slot_lens
 from cpdata.plan import PackPlan
 
-__all__ = ["Stream", "build_stream", "check_plans", "shifted_labels", "stream_metadata", "stream_slot_lens"]
+__all__ = ["Stream", "build_stream", "check_plans", "stream_metadata", "stream_slot_lens"]
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 
@@ -84,7 +84,7 @@ class Stream:
     next_labels: np.ndarray  # int64 [K], target of each slot's last real token
     ids: np.ndarray  # int64 [T + 2], input_ids then two pads (room for the next-token lookup)
     extras: dict[str, np.ndarray]  # per extra key [T + 1], last element 0
-    labels: np.ndarray | None  # int64 [T + 1] when some piece brings its own labels, else None
+    labels: np.ndarray  # int64 [T + 1], every piece's targets: its own labels, else next-token targets; -100 last
     total: int  # T
 
 
@@ -113,6 +113,14 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
     piece_table = np.concatenate(own) if own else np.zeros((0, 4), dtype=np.int64)
     pieces = _Pieces(sources, np.concatenate(offsets).tolist(), piece_table[:, 2].tolist(), piece_table[:, 0].tolist())
     extra_keys = _extra_keys(pieces)
+    ids = _concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64))
+    labels = _targets(ids, total, src_starts + real_lens - 1, real_lens > 0, next_labels)
+    if any(LABELS in src for src in sources):
+        at = 0
+        for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
+            if LABELS in src:
+                labels[at : at + n] = src[LABELS][off : off + n]
+            at += n
     stream = Stream(
         rows=len(plans),
         row_len=capacity,
@@ -124,19 +132,11 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
         src_shift=src_starts - slot_starts,
         pos_shift=starts - slot_starts,
         next_labels=next_labels,
-        ids=_concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64)),
+        ids=ids,
         extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys if key != LOSS_MASK},
-        labels=None,
+        labels=labels,
         total=total,
     )
-    if any(LABELS in src for src in sources):
-        labels = shifted_labels(stream)
-        at = 0
-        for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
-            if LABELS in src:
-                labels[at : at + n] = src[LABELS][off : off + n]
-            at += n
-        stream = replace(stream, labels=labels)
     if LOSS_MASK in extra_keys:
         stream.extras[LOSS_MASK] = _loss_mask(stream, pieces)
     return stream
@@ -159,7 +159,7 @@ def _loss_mask(stream: Stream, pieces: _Pieces) -> np.ndarray:
     """``[T + 1]`` loss mask over the concatenated pieces: a piece's own, else its ``labels != -100``; pad 0."""
     given = [src[LOSS_MASK] for src in pieces.sources if LOSS_MASK in src]
     out = np.zeros(stream.total + 1, dtype=np.result_type(*given))
-    labels = stream.labels if stream.labels is not None else shifted_labels(stream)
+    labels = stream.labels
     at = 0
     for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
         if LOSS_MASK in src:
@@ -198,13 +198,12 @@ def _concat(pieces: _Pieces, key: str, total: int, n_pad: int, pad: int, dtype: 
     return out
 
 
-def shifted_labels(stream: Stream) -> np.ndarray:
-    """int64 ``[T + 1]`` next-token targets over the concatenated pieces; the last element is -100."""
-    total = stream.total
+def _targets(ids: np.ndarray, total: int, last: np.ndarray, real: np.ndarray, next_labels: np.ndarray) -> np.ndarray:
+    """int64 ``[T + 1]`` next-token targets over the concatenated pieces (``ids`` ``[>= T + 1]``): each
+    piece's last token (``last`` ``[K]``, where ``real``) targets its ``next_label``; the last element is -100."""
     labels = np.empty(total + 1, dtype=np.int64)
-    labels[:total] = stream.ids[1 : total + 1]
-    has = stream.real_lens > 0
-    labels[(stream.slot_starts + stream.src_shift + stream.real_lens - 1)[has]] = stream.next_labels[has]
+    labels[:total] = ids[1 : total + 1]
+    labels[last[real]] = next_labels[real]
     labels[total] = IGNORE_INDEX
     return labels
 
