@@ -196,18 +196,29 @@ def place_step(
     by_load = [sorted(range(m * R, (m + 1) * R), key=lambda c: (load_l[c], c)) for m in range(M)]
     free = sum(room_l)
     shortest = int(slot[todo].min()) if todo.any() else 0
+    scale = 1 + 1e-6
     for ids, keep in ((first, 0), (rest, reserve)):
         ids = ids[np.lexsort((ids, -slot[ids]))]
         for i, s, k in zip(ids.tolist(), slot[ids].tolist(), key[ids].tolist(), strict=True):
             if free - s < keep:
                 continue
             best, best_gap = -1, -np.inf
-            for strand_ok in (False, True):  # first avoid leaving a gap shorter than every piece
+            for m in range(M):  # fast path: every slot's lightest cell takes it without stranding a gap
+                c = by_load[m][0]
+                left = room_l[c] - s
+                if left < 0 or 0 < left < shortest:
+                    best = -1
+                    break
+                gap = smax_l[m] - load_l[c] * scale
+                if gap > best_gap:
+                    best, best_gap = c, gap
+            for strand_ok in (False, True) if best < 0 else ():  # first avoid leaving a gap shorter than any piece
+                best_gap = -np.inf
                 for m in range(M):
                     for c in by_load[m]:
                         left = room_l[c] - s
                         if left >= 0 and (strand_ok or left == 0 or left >= shortest):
-                            gap = smax_l[m] - load_l[c] * (1 + 1e-6)  # ties: the emptier cell, then the lower slot
+                            gap = smax_l[m] - load_l[c] * scale  # ties: the emptier cell, then the lower slot
                             if gap > best_gap:
                                 best, best_gap = c, gap
                             break

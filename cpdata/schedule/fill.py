@@ -95,7 +95,8 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
         counts[x] = counts.get(x, 0) + 1
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     while sizes and active:
-        active.sort(key=lambda c: load_l[c] - smax_l[slot_of_l[c]])
+        gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
+        active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
         still = []
         for c in active:
             r = room_l[c]
