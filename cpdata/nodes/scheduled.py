@@ -175,7 +175,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
 
     def __len__(self) -> int:
         """Items this worker serves of epoch 0 when it starts the epoch (later epochs may differ by a step)."""
-        total = int(self._plans.rows(0).offsets.shape[0]) - 1
+        total = self.num_steps * self.micro_batches  # epoch 0's, without replanning it in a later epoch
         w, n = self.worker
         return max(0, -(-(total - w) // n))
 
