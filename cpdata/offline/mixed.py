@@ -13,7 +13,8 @@ document (0.75 s for 670K draws from two 500K lists, lengths included) and
 12 bytes per document.
 
 A stream source (re-iterable, node) or ``stop="never"`` (an endless mix) is
-refused, naming the fix. A schedule repeats this one epoch's order every pass.
+refused, naming the fix. A schedule plans these documents every epoch
+(``shuffle=True`` reorders them per epoch; the draws themselves stay epoch 0's).
 """
 
 from __future__ import annotations
