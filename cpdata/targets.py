@@ -35,8 +35,8 @@ import numpy as np
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
 __all__ = [
-    "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "TARGET_KEYS", "UNLABELED",
-    "check_labels_alignment", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
+    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "TARGET_KEYS", "UNLABELED",
+    "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
     "to_targets",
 ]  # fmt: skip
 
@@ -200,3 +200,27 @@ def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, cont
             out[LOSS_MASK] = out[LOSS_MASK].copy()
             out[LOSS_MASK][-1] = 0
     return out
+
+
+ATTENTION_MASK = "attention_mask"
+"""A tokenizer's padding mask: all ones on an unpadded row (dropped), a 0 marks a pad."""
+
+
+def check_unpadded(mask: np.ndarray, where: str) -> None:
+    """Refuse an ``attention_mask`` ``[n]`` with a 0: the row was padded before packing.
+
+    A document is one unpadded sequence; packing builds its masks from the
+    document boundaries and pads packs itself. A pre-padded row's pad tokens
+    would be packed, and trained on, as text.
+
+    Args:
+        mask: the row's ``attention_mask`` (any numeric dtype).
+        where: the row in error messages, e.g. ``"document 3"``.
+    """
+    zeros = np.flatnonzero(np.asarray(mask) == 0)
+    if zeros.size:
+        raise ValueError(
+            f"{where}: {ATTENTION_MASK!r} is 0 at {zeros.size} positions (first {int(zeros[0])}), so the row "
+            f"holds padding; tokenize without padding (cpdata pads packs itself), or keep only "
+            "input_ids[attention_mask == 1] (and the same positions of every per-token array)"
+        )

@@ -150,7 +150,7 @@ def test_masks_travel_padding_is_refused_and_streaming_cannot_be_indexed(tmp_pat
     doc = HFDocuments(_dataset(rows, loss_mask=masks, attention_mask=masks))[0]
     assert sorted(doc) == ["input_ids", "loss_mask"]  # text and length are metadata; all-ones attention dropped
     padded = [m[:-1] + [0] for m in masks]
-    with pytest.raises(ValueError, match="'attention_mask' is not all ones"):
+    with pytest.raises(ValueError, match="'attention_mask' is 0 at .* so the row holds padding"):
         HFDocuments(_dataset(rows, attention_mask=padded))[0]
     with pytest.raises(ValueError, match="no 'input_ids'"):
         HFDocuments(datasets.Dataset.from_dict({"text": ["a"]}))

@@ -20,7 +20,7 @@ import torch
 
 from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.plan import Document
-from cpdata.targets import TARGET_KEYS, LabelsAlignment, to_targets
+from cpdata.targets import ATTENTION_MASK, TARGET_KEYS, LabelsAlignment, check_unpadded, to_targets
 
 __all__ = ["document_ids", "to_document", "to_documents"]
 
@@ -110,7 +110,11 @@ def _check_ids(ids: np.ndarray, index: int, vocab_size: int | None) -> None:
 
 
 def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, np.ndarray]:
-    """``ids`` and the item's other per-token arrays (``[n]`` each); metadata values are left out."""
+    """``ids`` and the item's other per-token arrays (``[n]`` each); metadata values are left out.
+
+    An all-ones ``attention_mask`` (a tokenizer's output) is checked and left
+    out; one with a 0 is refused (:func:`cpdata.targets.check_unpadded`).
+    """
     arrays = {INPUT_IDS: ids}
     for key, value in item.items():
         if key == INPUT_IDS:
@@ -135,6 +139,9 @@ def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, n
                 f"document {index}: {key!r} has {arr.shape[0]} entries but {INPUT_IDS!r} has {ids.shape[0]}; "
                 "per-token arrays must have one entry per token"
             )
+        if key == ATTENTION_MASK:
+            check_unpadded(arr, f"document {index}")
+            continue
         arrays[key] = _integer_ids(arr, key, index) if key in _INTEGER_KEYS else arr
     return arrays
 
@@ -152,8 +159,9 @@ def to_document(
         TypeError: the item is not a dict, ids are not integers, or ``labels``
             or a mask is not a flat numeric list (None, strings, nested lists).
         ValueError: missing or non-1-D ``input_ids``, negative ids, ids
-            ``>= vocab_size``, a per-token array whose length differs, or
-            labels / a mask without ``labels_alignment``.
+            ``>= vocab_size``, a per-token array whose length differs, an
+            ``attention_mask`` with a 0 (a padded row), or labels / a mask
+            without ``labels_alignment``.
     """
     ids = document_ids(item, index)
     _check_ids(ids, index, vocab_size)

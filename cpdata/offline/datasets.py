@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from cpdata.fingerprint import sample_positions
+from cpdata.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "TokenizedDataset", "open_dataset"]
 
@@ -301,6 +302,14 @@ class JsonlDocuments(TokenizedDataset):
                         f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
                     )
                 out[key] = value
+        if ATTENTION_MASK in row:  # a tokenizer's output: all ones is dropped, a padded row refused
+            mask = self._array(row[ATTENTION_MASK], ATTENTION_MASK, where, integer=False)
+            if mask.shape != out["input_ids"].shape:
+                raise ValueError(
+                    f"{self.path} line {where}: {ATTENTION_MASK!r} has {mask.shape[0]} entries but input_ids has "
+                    f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+                )
+            check_unpadded(mask, f"{self.path} line {where}")
         return out
 
     def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:

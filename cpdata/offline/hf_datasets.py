@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.offline.datasets import TokenizedDataset
+from cpdata.targets import check_unpadded
 
 __all__ = [
     "LENGTH_COLUMNS",
@@ -156,11 +157,12 @@ class HFDocuments(TokenizedDataset):
         out["input_ids"] = ids.astype(np.int64, copy=False)
         if self._attention:
             attention = out.pop("attention_mask")
-            if attention.shape != ids.shape or not bool(np.all(attention == 1)):
+            if attention.shape != ids.shape:
                 raise ValueError(
-                    f"dataset row {i}: 'attention_mask' is not all ones, so the row holds padding; tokenize "
-                    "without padding (cpdata pads packs itself) or drop the padded positions first"
+                    f"dataset row {i}: 'attention_mask' has shape {attention.shape} but 'input_ids' {ids.shape}; "
+                    "per-token columns must have one entry per token"
                 )
+            check_unpadded(attention, f"dataset row {i}")
         if ids.shape[0] != self._lengths[i]:
             raise ValueError(
                 f"dataset row {i}: {self.length_column or 'input_ids'} says {int(self._lengths[i])} tokens but "
