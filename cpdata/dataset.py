@@ -48,6 +48,7 @@ from cpdata.loader import ResumableLoader, _graph, check_keywords, close_loader,
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
+from cpdata.nodes.windowed import WindowedPacks
 from cpdata.orphans import exit_with_parent
 from cpdata.state_version import check_state_version
 
@@ -220,7 +221,7 @@ class CPDataset(WorkerDataset):
         self._start_epoch = epoch
         if self._loader is not None:
             for node in _graph(self._loader.root):
-                if isinstance(node, (Documents, ScheduledPacks)):
+                if isinstance(node, (Documents, ScheduledPacks, WindowedPacks)):
                     node.set_epoch(epoch)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:

@@ -36,6 +36,7 @@ from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
+from cpdata.nodes.windowed import WindowedPacks
 from cpdata.offline.mixed import as_mixed_dataset
 from cpdata.schedule import CostModel
 from cpdata.targets import LabelsAlignment
@@ -107,18 +108,24 @@ def shard_graph(
     cost: CostModel | None = None,
     lengths: Any = None,
     tail: str = "pad",
+    schedule_window: int | None = None,
     worker: tuple[int, int] = (0, 1),
-    packs: ScheduledPacks | None = None,
+    packs: ScheduledPacks | WindowedPacks | None = None,
 ) -> Collate:
     """Documents -> Pack -> Collate (or ScheduledPacks -> Collate): the part every CP rank of a DP group shares.
 
-    ``worker`` (``(worker_id, num_workers)``) applies to ``schedule=`` only: that worker's share of the packs;
-    ``packs`` reuses a :class:`ScheduledPacks` already planned with the same arguments (not planned again).
+    ``worker`` (``(worker_id, num_workers)``, ``schedule=`` only): that worker's share of the packs; ``packs``
+    reuses a :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same arguments.
     """
     check_padding_token_id(padding_token_id, vocab_size)
     plans: BaseNode
     if packs is not None:
         plans = packs.with_worker(worker)
+    elif schedule_window is not None:
+        plans = WindowedPacks.for_graph(source, schedule_window, window=window, lengths=lengths, shuffle=shuffle,
+            capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches,
+            schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail,
+            num_epochs=num_epochs, vocab_size=vocab_size, worker=worker, labels_alignment=labels_alignment)  # fmt: skip
     elif schedule is not None:
         source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
         if window is not None:
@@ -176,6 +183,7 @@ def build_node(
     cost: CostModel | None = None,
     lengths: Any = None,
     tail: str = "pad",
+    schedule_window: int | None = None,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -194,6 +202,8 @@ def build_node(
             gets the same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own
             documents; needs ``lengths`` (default ``source.lengths``) and an indexable source. ``shuffle``
             plans each epoch over the ``(seed, epoch)`` order; ``num_epochs`` as below.
+        schedule_window: with ``schedule=``, plan a stream without lengths in windows of this many documents
+            (:class:`cpdata.nodes.windowed.WindowedPacks`: equal steps per DP rank, own packs only).
         batch_size: plans per batch (rows for bshd, concatenated for thd).
         qkv_format: ``"bshd"`` or ``"thd"``.
         vocab_size: token ids are checked against it when given.
@@ -217,6 +227,7 @@ def build_node(
         qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
         shuffle=shuffle, num_epochs=num_epochs, shuffle_buffer=shuffle_buffer,
         micro_batches=micro_batches, schedule=schedule, max_delay=max_delay, cost=cost, lengths=lengths, tail=tail,
+        schedule_window=schedule_window,
     )  # fmt: skip
     node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
     if prefetch:

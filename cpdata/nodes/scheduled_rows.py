@@ -29,7 +29,7 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
             f"schedule= plans from every document's length before reading any, but the source "
             f"({type(source).__name__}) has no .lengths; pass lengths=[...] (tokens per document), use "
             "cpdata.open_dataset(path) (it has .lengths), or schedule=None (each DP rank reads and packs "
-            "documents i % dp_size as it streams)"
+            "documents i % dp_size as it streams), or schedule_window=W (plan a stream W documents at a time)"
         )
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
