@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.dataset import CPDataset
@@ -181,6 +182,8 @@ def test_refusals_name_the_fix():
         shard_graph(Stream(), schedule="balanced", schedule_window=0, **CFG)
     with pytest.raises(TypeError, match="schedule_window=W"):
         shard_graph(Stream(), schedule="balanced", **CFG)
+    with pytest.raises(TypeError, match="re-iterable source"):
+        shard_graph(IterableWrapper(Stream().docs), schedule="balanced", schedule_window=8, **CFG)
     node = _node(Stream(), dp_rank=1)
     [node.next() for _ in range(5)]
     state = node.get_state()
