@@ -1,9 +1,5 @@
-"""On-device ``shard_batch`` functions for pre-sharded batches and raw full ``[B, S]`` batches.
+"""On-device ``shard_batch`` functions for raw full ``[B, S]`` batches (pre-sharded ones: :mod:`cpdata.presharded`).
 
-- **pre-sharded** (the normal path): the workers already handed this rank its
-  tokens plus a :class:`ShardLayout`; the sharder checks the layout was built
-  for this CP size and rank and copies the tensors to the device
-  (``non_blocking``). No padding, no index math.
 - **raw full batch at cp > 1** (:class:`DeviceShard`, NeMo Automodel's
   load-balanced path): ``round_robin`` (torch ``context_parallel``'s head-tail
   order), rows right-padded to a multiple of ``2*cp`` with semantic pad values
@@ -35,14 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cpdata.batch import ShardedBatch
-from cpdata.cp_attention import AttentionContextFactory
 from cpdata.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
@@ -54,17 +48,14 @@ from cpdata.keys import (
     STANDARD_TOKEN_KEYS,
 )
 from cpdata.layouts import alignment, inverse_indices, rank_indices
+from cpdata.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded
 from cpdata.shard_layout import ShardLayout
 
 __all__ = [
     "PASSTHROUGH_TOKEN_KEYS",
     "DeviceShard",
-    "attention_ctx",
     "check_undeclared",
     "closed_form_indices",
-    "is_presharded",
-    "mesh_group",
-    "mesh_rank_size",
     "primary_key",
     "shard_identity",
 ]
@@ -74,16 +65,8 @@ PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
 """Sequence-shaped keys that pass through unsharded (as NeMo passes them), besides ``_``-prefixed keys."""
 
 
-def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
-    """``(cp_rank, cp_size)`` of a CP (sub)mesh; ``(0, 1)`` without one."""
-    if cp_mesh is None:
-        return 0, 1
-    return int(cp_mesh.get_local_rank()), int(cp_mesh.size())
 
 
-def is_presharded(batch: Any) -> bool:
-    """A worker-sharded batch: a Mapping carrying ``.layout`` (a ShardLayout)."""
-    return isinstance(batch, Mapping) and isinstance(getattr(batch, "layout", None), ShardLayout)
 
 
 def closed_form_indices(layout: str, cp_mesh: Any, padded_seq_len: int, device: Any = None) -> torch.Tensor:
@@ -102,44 +85,10 @@ def _to(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def _shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None):
-    layout: ShardLayout = batch.layout
-    rank, size = mesh_rank_size(cp_mesh)
-    if layout.cp_size != size:
-        raise ValueError(
-            f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has cp_size={size}; "
-            f"build the data pipeline with cp_size={size}"
-        )
-    if layout.cp_rank != rank:
-        raise ValueError(
-            f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
-            "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
-        )
-    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by span
-        out = (batch if device is None else batch.to(device, non_blocking=True)).tensors()
-    else:
-        out = {k: _to(v, device) for k, v in batch.items()}
-    return attention_ctx(cp_mesh, layout, out), out, layout
 
 
-def mesh_group(cp_mesh: Any) -> Any:
-    """The CP process group of a mesh; None (the default group) for a mesh without groups (one process)."""
-    get_group = getattr(cp_mesh, "get_group", None)
-    return get_group() if get_group is not None else None
 
 
-def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any]) -> Callable[..., Any]:
-    """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
-
-    At cp > 1, ``ctx()`` makes SDPA on local Q/K/V attend over the whole
-    sequence (:class:`cpdata.cp_attention.ContextParallelAttention`);
-    ``ctx(document_mask=True)`` adds the document mask from the batch's
-    ``document_ids``.
-    """
-    if layout.cp_size <= 1:
-        return contextlib.nullcontext
-    doc = tensors.get(DOCUMENT_IDS)
-    return AttentionContextFactory(layout, mesh_group(cp_mesh), doc if isinstance(doc, torch.Tensor) else None)
 
 
 def primary_key(batch: Mapping[str, Any]) -> str:
@@ -260,7 +209,7 @@ class DeviceShard:
                     "loss_mask= applies to raw full batches; a pre-sharded batch must carry its own "
                     "'loss_mask' key (add it on the workers) or shard it with sharder.shard_token_tensor"
                 )
-            return _shard_presharded(cp_mesh, batch, self.device)
+            return shard_presharded(cp_mesh, batch, self.device)
         rank, size = mesh_rank_size(cp_mesh)
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from cpdata.raw_shard import DeviceShard, closed_form_indices, is_presharded, mesh_rank_size, shard_identity
+from cpdata.presharded import is_presharded, mesh_rank_size
+from cpdata.raw_shard import DeviceShard, closed_form_indices, shard_identity
 from cpdata.shard_layout import ShardLayout
 from cpdata.thd_shard import ThdShard
 

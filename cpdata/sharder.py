@@ -35,9 +35,10 @@ import torch
 from cpdata.errors import NotAvailableYetError
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
-from cpdata.raw_shard import mesh_rank_size
+from cpdata.presharded import mesh_rank_size
 from cpdata.resolve import Strategy, mesh_device, resolve_strategy, submesh
 from cpdata.shard_layout import ShardLayout
+from cpdata.token_coords import to_padded_stream, trim_to_caller
 
 __all__ = ["ContextParallelSharder"]
 
@@ -195,37 +196,7 @@ class ContextParallelSharder:
         ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); a
         tensor of ``padded_seq_len``. Any other length raises ``ValueError``.
         """
-        layout = self.shard_layout or _NO_LAYOUT
-        seq_dim = seq_dim % tensor.dim()
-        positions = layout.input_token_stream_positions
-        if positions is not None and tuple(tensor.shape) == tuple(positions.shape):
-            if fill is None:
-                raise ValueError(
-                    f"tensor of shape {tuple(tensor.shape)} is in input coordinates of a layout that repositions "
-                    "tokens; pass fill= for the padded slots no input token lands in"
-                )
-            pos = layout_tensor_on(layout, "input_token_stream_positions", tensor.device)
-            padded = tensor.new_full((tensor.shape[0], layout.padded_seq_len), fill)
-            valid = pos >= 0
-            padded[valid.nonzero(as_tuple=True)[0], pos[valid]] = tensor[valid]
-            tensor, seq_dim = padded, 1
-        elif layout.input_row_shape is not None and tuple(
-            tensor.shape[: len(layout.input_row_shape)]
-        ) == tuple(layout.input_row_shape):
-            tensor, seq_dim = tensor.flatten(0, len(layout.input_row_shape) - 1), 0
-        length = tensor.shape[seq_dim]
-        if layout.padded_seq_len is not None and length != layout.padded_seq_len:
-            if fill is not None and layout.original_seq_len is not None and length == layout.original_seq_len:
-                pad_shape = list(tensor.shape)
-                pad_shape[seq_dim] = layout.padded_seq_len - length
-                tensor = torch.cat((tensor, tensor.new_full(pad_shape, fill)), dim=seq_dim)
-            else:
-                raise ValueError(
-                    f"the last sharded batch has padded_seq_len={layout.padded_seq_len} "
-                    f"(original_seq_len={layout.original_seq_len}), got a tensor of length {length} on dim "
-                    f"{seq_dim}; pass the original-length tensor with an explicit fill=, or pre-pad it to "
-                    f"padded_seq_len"
-                )
+        tensor, seq_dim = to_padded_stream(self.shard_layout or _NO_LAYOUT, tensor, seq_dim, fill)
         index = self._indices(tensor.shape[seq_dim], tensor.device)
         return tensor.index_select(seq_dim, index)
 
@@ -253,7 +224,9 @@ class ContextParallelSharder:
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
             full = _gather(tensor, layout, self._cp_group(), seq_dim)
-        return self._trim(full, seq_dim, fill) if trim else full
+        if not trim:
+            return full
+        return trim_to_caller(self.shard_layout or _NO_LAYOUT, full, seq_dim, fill, self.shard_layout is not None)
 
     def _gather_cp1(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """cp <= 1: ``tensor`` itself (as NeMo) unless the layout really reorders tokens."""
@@ -291,36 +264,3 @@ class ContextParallelSharder:
         else:
             self._inverse_cache = {padded_seq_len: built}
         return built
-
-    def _trim(self, full: torch.Tensor, seq_dim: int, fill: float | int | None) -> torch.Tensor:
-        layout = self.shard_layout or _NO_LAYOUT
-        if layout.padded_seq_len is not None and full.shape[seq_dim] != layout.padded_seq_len:
-            raise ValueError(
-                f"gathered length {full.shape[seq_dim]} on dim {seq_dim} != padded_seq_len "
-                f"{layout.padded_seq_len} of the last sharded batch; gather the shard of that batch"
-            )
-        if layout.input_token_stream_positions is not None:
-            if fill is None:
-                raise ValueError(
-                    "trim=True on a layout that repositions tokens needs fill= for dropped input slots"
-                )
-            pos = layout_tensor_on(layout, "input_token_stream_positions", full.device)
-            moved = full.movedim(seq_dim, 1)
-            index = (
-                pos.clamp(min=0)
-                .view(*pos.shape, *([1] * (moved.dim() - 2)))
-                .expand(*pos.shape, *moved.shape[2:])
-            )
-            mask = (pos < 0).view(*pos.shape, *([1] * (moved.dim() - 2)))
-            return moved.gather(1, index).masked_fill(mask, fill).movedim(1, seq_dim)
-        if layout.input_row_shape is not None:
-            return full.reshape(*full.shape[:seq_dim], *layout.input_row_shape, *full.shape[seq_dim + 1 :])
-        if layout.original_seq_len is not None:
-            return full.narrow(seq_dim, 0, layout.original_seq_len)
-        if self.shard_layout is not None:
-            return full  # a packed row (worker batch): its padded stream is the caller's coordinate system
-        raise NotAvailableYetError(
-            "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
-            "caller's coordinates: this sharder has no shard layout to trim to; call shard(batch) first or gather "
-            "with trim=False"
-        )

@@ -38,7 +38,7 @@ from cpdata.cp_attention import AttentionContextFactory
 from cpdata.keys import INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
 from cpdata.layouts import inverse_indices, rank_indices
 from cpdata.pp_chunks import split_thd_chunks
-from cpdata.raw_shard import mesh_group, mesh_rank_size
+from cpdata.presharded import mesh_group, mesh_rank_size
 from cpdata.shard_layout import ShardLayout
 from cpdata.thd_batch import SEQ_LENS_SENTINEL, to_thd_stream
 
