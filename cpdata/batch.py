@@ -50,7 +50,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.buffer_spans import Span, buffer_plan, span_table, tensor_specs, views, with_fields
+from cpdata.buffer_spans import (
+    Span,
+    ViewPlan,
+    buffer_plan,
+    plan_views,
+    span_table,
+    tensor_specs,
+    view_plan,
+    views,
+    with_fields,
+)
 from cpdata.shard_layout import ShardLayout
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
@@ -66,9 +76,9 @@ def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[s
 
 def _restore_buffer(
     buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: dict[str, Any],
-    map_spans: dict[str, Span] | None = None,
+    map_spans: dict[str, Span] | None = None, plan: ViewPlan | None = None,
 ) -> ShardedBatch:  # fmt: skip
-    return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {})
+    return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {}, plan)
 
 
 class BatchBuffer:
@@ -83,13 +93,13 @@ class BatchBuffer:
         maps: layout field -> numpy view.
     """
 
-    __slots__ = ("buffer", "spans", "map_spans", "arrays", "maps")
+    __slots__ = ("buffer", "spans", "map_spans", "plan", "arrays", "maps")
 
     def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
                  maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
         key = tuple((k, tuple(shape), dt) for k, (shape, dt) in tensors.items())
         map_key = tuple((k, tuple(shape), dt) for k, (shape, dt) in maps.items())
-        self.spans, self.map_spans, total = buffer_plan(key, map_key)
+        self.spans, self.map_spans, total, self.plan = buffer_plan(key, map_key)
         self.buffer = torch.empty(total, dtype=torch.uint8)
         raw = self.buffer.numpy()
 
@@ -102,7 +112,7 @@ class BatchBuffer:
 
     def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None) -> ShardedBatch:
         """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer."""
-        return ShardedBatch._from_buffer(self.buffer, self.spans, layout, info, self.map_spans)
+        return ShardedBatch._from_buffer(self.buffer, self.spans, layout, info, self.map_spans, self.plan)
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -114,7 +124,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         info: small plain-python metadata (no tensors).
     """
 
-    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans", "_map_spans", "_head")
+    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans", "_map_spans", "_head", "_plan")
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
@@ -131,6 +141,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         self._spans: dict[str, Span] = {}  # key -> span in _buffer
         self._map_spans: dict[str, Span] = {}  # layout field -> span in _buffer, after every key
         self._head = 0  # bytes of _buffer before the layout maps
+        self._plan: ViewPlan | None = None  # how to view _buffer as the batch's tensors (view_plan of _spans)
 
     @classmethod
     def contiguous(
@@ -154,16 +165,21 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     @classmethod
     def _from_buffer(
         cls, buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: Mapping[str, Any] | None,
-        map_spans: dict[str, Span],
+        map_spans: dict[str, Span], plan: ViewPlan | None = None,
     ) -> ShardedBatch:  # fmt: skip
-        """Views of ``buffer`` by span; no per-key checks (the spans were made from tensors). Span
-        tables are never mutated, so batches derived from one another share them."""
+        """Views of ``buffer`` by ``plan`` (the :func:`view_plan` of ``spans``, computed when None); no
+        per-key checks (the spans were made from tensors). Span tables and plans are never mutated, so
+        batches derived from one another share them."""
+        if plan is None:
+            plan = view_plan(spans)
+        batch = cls.__new__(cls)
         if map_spans:
             layout = with_fields(layout, views(buffer, map_spans))
-        batch = cls.__new__(cls)
-        batch._tensors, batch._layout, batch._info = views(buffer, spans), layout, dict(info or {})
-        batch._buffer, batch._spans, batch._map_spans = buffer, spans, map_spans
-        batch._head = min((span[0] for span in map_spans.values()), default=buffer.numel())
+            batch._head = min(span[0] for span in map_spans.values())
+        else:
+            batch._head = buffer.numel()
+        batch._tensors, batch._layout, batch._info = plan_views(buffer, plan), layout, dict(info or {})
+        batch._buffer, batch._spans, batch._map_spans, batch._plan = buffer, spans, map_spans, plan
         return batch
 
     def _batch_bytes(self) -> int:
@@ -203,7 +219,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 "to change shapes use batch.replace(...)"
             )
         if value is not old:  # the buffer no longer backs every key
-            self._buffer, self._spans, self._map_spans, self._head = None, {}, {}, 0
+            self._buffer, self._spans, self._map_spans, self._head, self._plan = None, {}, {}, 0, None
         self._tensors[key] = value
 
     def __delitem__(self, key: str) -> None:
@@ -214,14 +230,14 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         # not look like replacements (that would drop the single buffer).
         batch = ShardedBatch.__new__(ShardedBatch)  # no per-key checks: the values are this batch's tensors
         batch._tensors, batch._layout, batch._info = dict(self._tensors), self._layout, dict(self._info)
-        batch._buffer, batch._spans, batch._map_spans, batch._head = (
-            self._buffer, self._spans, self._map_spans, self._head)  # fmt: skip
+        batch._buffer, batch._spans, batch._map_spans, batch._head, batch._plan = (
+            self._buffer, self._spans, self._map_spans, self._head, self._plan)  # fmt: skip
         return batch
 
     def __reduce__(self):
         if self._buffer is not None:  # one storage: the views are rebuilt from the spans on the other side
             bare = with_fields(self._layout, dict.fromkeys(self._map_spans))
-            return _restore_buffer, (self._buffer, self._spans, bare, self._info, self._map_spans)
+            return _restore_buffer, (self._buffer, self._spans, bare, self._info, self._map_spans, self._plan)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
@@ -246,15 +262,16 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
         the host (the gather moves its maps on first use). ``copy=True`` copies even when already on
         ``device`` (a ``clone()``), as ``Tensor.to``."""
-        if self._buffer is not None:
-            head = self._buffer[: self._head]
+        buffer = self._buffer
+        if buffer is not None:
+            head = buffer if self._head == buffer.numel() else buffer[: self._head]
             if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
                 moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
             else:
                 moved = head.to(device, non_blocking=non_blocking, copy=copy)
-            if moved.data_ptr() == head.data_ptr():  # already there: this batch, as Tensor.to returns self
-                return self
-            return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {})
+                if moved is head:  # already there: this batch, as Tensor.to returns self
+                    return self
+            return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {}, self._plan)
         moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
         return ShardedBatch(moved, layout=self._layout, info=self._info)
 
@@ -263,6 +280,6 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if self._buffer is not None:
             pinned = self._buffer.pin_memory()
             layout = self._layout if self._map_spans else self._layout.pin_memory()
-            return ShardedBatch._from_buffer(pinned, self._spans, layout, self._info, self._map_spans)
+            return ShardedBatch._from_buffer(pinned, self._spans, layout, self._info, self._map_spans, self._plan)
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)

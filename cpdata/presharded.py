@@ -27,7 +27,7 @@ from cpdata.cp_attention import AttentionContextFactory
 from cpdata.keys import DOCUMENT_IDS
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded"]
+__all__ = ["PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded"]
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
@@ -87,3 +87,31 @@ def shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devic
     else:
         out = {k: _to(v, device) for k, v in batch.items()}
     return attention_ctx(cp_mesh, layout, out), out, layout
+
+
+class PreshardedMove:
+    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path).
+
+    Per call: two int compares against the rank and size read at construction,
+    one buffer move (``ShardedBatch.to``: one copy, views rebuilt from the
+    batch's cached view plan) and the ctx factory. A batch laid out for another
+    rank or size takes :func:`shard_presharded`, which raises the precise error.
+    """
+
+    __slots__ = ("_cp_mesh", "_device", "_group", "_rank", "_size")
+
+    def __init__(self, cp_mesh: Any, device: torch.device | None) -> None:
+        self._cp_mesh, self._device = cp_mesh, device
+        self._rank, self._size = mesh_rank_size(cp_mesh)
+        self._group: Any = self  # self = not read yet (the mesh's group is read on the first batch at cp > 1)
+
+    def __call__(self, batch: ShardedBatch) -> tuple[Callable[..., Any], dict[str, torch.Tensor], ShardLayout]:
+        layout = batch.layout
+        if layout.cp_size != self._size or layout.cp_rank != self._rank:
+            return shard_presharded(self._cp_mesh, batch, self._device)
+        out = (batch if self._device is None else batch.to(self._device, non_blocking=True)).tensors()
+        if self._size <= 1:
+            return contextlib.nullcontext, out, layout
+        if self._group is self:
+            self._group = mesh_group(self._cp_mesh)
+        return AttentionContextFactory(layout, self._group, out.get(DOCUMENT_IDS)), out, layout

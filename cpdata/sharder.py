@@ -32,10 +32,12 @@ from typing import Any
 
 import torch
 
+from cpdata.batch import ShardedBatch
 from cpdata.errors import NotAvailableYetError
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
-from cpdata.presharded import mesh_rank_size
+from cpdata.presharded import PreshardedMove, mesh_rank_size
+from cpdata.raw_shard import DeviceShard
 from cpdata.resolve import Strategy, mesh_device, resolve_strategy, submesh
 from cpdata.shard_layout import ShardLayout
 from cpdata.token_coords import to_padded_stream, trim_to_caller
@@ -138,6 +140,9 @@ class ContextParallelSharder:
         self._padding_token_id = padding_token_id
         self.device = mesh_device(device_mesh)
         self._inverse_cache: dict[int, ShardLayout] = {}
+        # pre-sharded batches under cpdata's own strategy: the mesh read once, no per-call dispatch
+        fast = PreshardedMove(self._cp_mesh, self.device) if isinstance(self.shard_batch, DeviceShard) else None
+        self._fast = (self.shard_batch, fast)
 
     # -- mesh ----------------------------------------------------------------
     def _cp_rank_size(self) -> tuple[int, int]:
@@ -149,6 +154,12 @@ class ContextParallelSharder:
     # -- batch ---------------------------------------------------------------
     def shard(self, batch: Mapping[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """Shard ``batch`` for this rank; keep its layout for the token verbs."""
+        shard_batch, fast = self._fast
+        if fast is not None and type(batch) is ShardedBatch and shard_batch is self.shard_batch and (
+            self._loss_mask is None
+        ):  # a worker batch: checked against the mesh and moved (cpdata.presharded)
+            ctx, out, self.shard_layout = fast(batch)
+            return ctx, out
         ctx, batch, self.shard_layout = self.shard_batch(
             self._cp_mesh,
             self._tp_mesh,

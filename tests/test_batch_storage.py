@@ -134,3 +134,37 @@ def test_sharder_moves_a_presharded_batch_in_one_call(monkeypatch):
     assert sharder.shard_layout is batch.layout
     with pytest.raises(ValueError, match="cp_rank=1 but this process is cp_rank=2"):
         ContextParallelSharder(None, LocalMesh(2, 4, "cpu"), batch).shard(batch)
+
+
+def test_moved_views_are_the_spans_views_and_the_plan_travels():
+    batch = first_batch()
+    moved = batch.to("cpu", copy=True)
+    for key, want in batch.items():
+        got = moved[key]
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), key
+        assert got.storage_offset() * got.element_size() == batch._spans[key][0] and torch.equal(got, want)
+    assert moved._plan is batch._plan  # computed once per span table, carried by every derived batch
+    assert pickle.loads(pickle.dumps(batch))._plan == batch._plan
+
+
+def test_sharder_fast_path_equals_the_general_path():
+    from cpdata.bench.step_shard import LocalMesh
+    from cpdata.cp_attention import AttentionContextFactory
+    from cpdata.raw_shard import DeviceShard
+    from cpdata.sharder import ContextParallelSharder
+
+    batch = first_batch()
+    mesh = LocalMesh(1, 4, "cpu")
+    sharder = ContextParallelSharder(None, mesh, batch)
+    ctx, out = sharder.shard(batch)
+    ref_ctx, ref, ref_layout = DeviceShard(device=torch.device("cpu"))(mesh, None, batch)
+    assert type(out) is dict and list(out) == list(ref) and all(out[k] is ref[k] for k in ref)
+    assert sharder.shard_layout is ref_layout is batch.layout
+    assert isinstance(ctx, AttentionContextFactory) and (ctx.layout, ctx.group) == (ref_ctx.layout, ref_ctx.group)
+    assert ctx.document_ids is out["document_ids"]
+    with pytest.raises(ValueError, match="laid out for cp_size=4 but the CP mesh has cp_size=2"):
+        ContextParallelSharder(None, LocalMesh(1, 2, "cpu"), batch).shard(batch)
+    with pytest.raises(ValueError, match="loss_mask= applies to raw full batches"):
+        ContextParallelSharder(None, mesh, batch, loss_mask=torch.ones(1, 512)).shard(batch)
+    sharder.shard_batch = lambda *args, **kwargs: ("own", {"x": 1}, None)  # a replaced shard_batch is honoured
+    assert sharder.shard(batch) == ("own", {"x": 1})
