@@ -194,3 +194,11 @@ def test_refusals_name_the_fix():
         other.next()
     with pytest.raises(ValueError, match="saved with"):
         _node(Stream(), dp_rank=2).reset(state)
+
+
+def test_an_overlong_document_is_named_by_its_stream_position():
+    docs = [{"input_ids": np.ones(k, dtype=np.int64)} for k in [10] * 70 + [300]]
+    node = WindowedPacks(docs, window=64, **CFG)
+    node.reset()
+    with pytest.raises(ValueError, match=r"window 1 of the stream \(documents 64 to 70; add 64 .*document 6 has 300"):
+        list(node)

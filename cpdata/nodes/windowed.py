@@ -232,7 +232,11 @@ class WindowedPacks(BaseNode[PackPlan]):
             raise ValueError(f"window {self._window} of the stream has other document lengths than when the state "
                              "was saved; restore onto the same stream, in the same order")  # fmt: skip
         self._expect_sha = None
-        sched = plan_schedule(arr, **self.plan_kw, epoch=self._window)
+        try:
+            sched = plan_schedule(arr, **self.plan_kw, epoch=self._window)
+        except ValueError as exc:  # the planner numbers documents within the window
+            raise ValueError(f"window {self._window} of the stream (documents {base} to {base + len(items) - 1}; "
+                             f"add {base} to the document numbers that follow): {exc}") from exc  # fmt: skip
         st = sched.stats
         for key, value in (("windows", 1), ("steps", st.steps), ("empty_packs", st.empty_packs),
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
