@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.source import restart_iterable, source_kind
+from cpdata.nodes.source import reading_error, restart_iterable, source_kind
 from cpdata.offline.hf_datasets import as_hf_documents
 
 __all__ = ["BLOCK", "Draws", "SourceReader", "document_tokens"]
@@ -133,7 +133,7 @@ class SourceReader:
             except StopIteration:
                 raise
             except Exception as exc:
-                raise _named(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
+                raise reading_error(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
         self.position = index + 1
         return index, item
 
@@ -141,7 +141,7 @@ class SourceReader:
         try:
             return self.source[index]
         except Exception as exc:
-            raise _named(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
+            raise reading_error(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {self.POSITION_KEY: self.position, self.PASSES_KEY: self.passes}
@@ -153,11 +153,3 @@ class SourceReader:
         state = self.__dict__.copy()
         state["_it"] = None  # an open iterator does not pickle; the next restart reopens it
         return state
-
-
-def _named(exc: Exception, what: str) -> Exception:
-    message = f"{what}: {type(exc).__name__}: {exc}"
-    try:
-        return type(exc)(message)
-    except Exception:
-        return RuntimeError(message)

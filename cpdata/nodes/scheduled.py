@@ -41,7 +41,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.nodes.scheduled_rows import EpochRows, source_lengths
+from cpdata.nodes.scheduled_rows import EpochRows, check_dp_share, source_lengths
 from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.plan import DocPiece, PackPlan
@@ -117,14 +117,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
         self.labels_alignment = check_labels_alignment(labels_alignment)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)} or None")
-        for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                       or num_epochs < 1):  # fmt: skip
-            raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
+        check_dp_share(dp_rank, dp_size, num_epochs)
         worker_id, num_workers = worker
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")

@@ -17,7 +17,19 @@ import numpy as np
 
 from cpdata.schedule import Schedule, plan_schedule
 
-__all__ = ["EpochRows", "RankRows", "rank_rows", "source_lengths"]
+__all__ = ["EpochRows", "RankRows", "check_dp_share", "rank_rows", "source_lengths"]
+
+
+def check_dp_share(dp_rank: int, dp_size: int, num_epochs: int | None) -> None:
+    """Refuse a DP rank/size that are not ints with ``0 <= dp_rank < dp_size``, or ``num_epochs`` not None or >= 1."""
+    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
+                                   or num_epochs < 1):  # fmt: skip
+        raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
 
 
 def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = None) -> np.ndarray:

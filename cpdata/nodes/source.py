@@ -40,7 +40,7 @@ from cpdata.plan import Document
 from cpdata.state_version import check_state_version
 from cpdata.targets import LabelsAlignment, declared_alignment
 
-__all__ = ["Documents", "restart_iterable", "source_kind", "to_document"]
+__all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
 
 
 def source_kind(source: Any, items: str = "document dicts") -> str:
@@ -83,7 +83,12 @@ def restart_iterable(source: Iterable[Any], position: int, items: str = "documen
 
 def _with_index(exc: Exception, index: int) -> Exception:
     """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
-    message = f"reading document {index} from the source failed: {type(exc).__name__}: {exc}"
+    return reading_error(exc, f"reading document {index} from the source failed")
+
+
+def reading_error(exc: Exception, what: str) -> Exception:
+    """``exc``'s type with ``what`` before its message (RuntimeError if the type is not constructible so)."""
+    message = f"{what}: {type(exc).__name__}: {exc}"
     try:
         return type(exc)(message)
     except Exception:

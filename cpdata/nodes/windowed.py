@@ -49,7 +49,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.nodes.scheduled_rows import RankRows, rank_rows
+from cpdata.nodes.scheduled_rows import RankRows, check_dp_share, rank_rows
 from cpdata.nodes.source import source_kind
 from cpdata.nodes.validate import document_ids, to_document
 from cpdata.plan import DocPiece, PackPlan
@@ -94,14 +94,7 @@ class WindowedPacks(BaseNode[PackPlan]):
         if source_kind(source) == "node":
             raise TypeError("schedule_window= replays the stream on resume and needs a re-iterable source, not a "
                             "torchdata BaseNode; pass the iterable itself")  # fmt: skip
-        for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                       or num_epochs < 1):  # fmt: skip
-            raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
+        check_dp_share(dp_rank, dp_size, num_epochs)
         if not 0 <= worker[0] < worker[1]:
             raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
         if schedule == "balanced" and cost is None:
