@@ -50,17 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.buffer_spans import (
-    Span,
-    ViewPlan,
-    buffer_plan,
-    plan_views,
-    span_table,
-    tensor_specs,
-    view_plan,
-    views,
-    with_fields,
-)
+from cpdata.buffer_spans import ViewPlan, buffer_plan, plan_of, span_table, tensor_specs, views, with_fields
 from cpdata.shard_layout import ShardLayout
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
@@ -75,10 +65,9 @@ def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[s
 
 
 def _restore_buffer(
-    buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: dict[str, Any],
-    map_spans: dict[str, Span] | None = None, plan: ViewPlan | None = None,
-) -> ShardedBatch:  # fmt: skip
-    return ShardedBatch._from_buffer(buffer, spans, layout, info, map_spans or {}, plan)
+    buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: dict[str, Any], maps: bool
+) -> ShardedBatch:
+    return ShardedBatch._from_buffer(buffer, plan, layout, info, maps)
 
 
 class BatchBuffer:
@@ -93,26 +82,25 @@ class BatchBuffer:
         maps: layout field -> numpy view.
     """
 
-    __slots__ = ("buffer", "spans", "map_spans", "plan", "arrays", "maps")
+    __slots__ = ("buffer", "plan", "arrays", "maps")
 
     def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
                  maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
-        key = tuple((k, tuple(shape), dt) for k, (shape, dt) in tensors.items())
-        map_key = tuple((k, tuple(shape), dt) for k, (shape, dt) in maps.items())
-        self.spans, self.map_spans, total, self.plan = buffer_plan(key, map_key)
+        try:  # the specs as they come are the cache key (tuple shapes, numpy dtypes)
+            self.plan, total, arrays, map_arrays = buffer_plan(tuple(tensors.items()), tuple(maps.items()))
+        except TypeError:  # an unhashable spec (a list shape): normalised
+            self.plan, total, arrays, map_arrays = buffer_plan(
+                tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in tensors.items()),
+                tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in maps.items()))  # fmt: skip
         self.buffer = torch.empty(total, dtype=torch.uint8)
         raw = self.buffer.numpy()
-
-        def view(span: Span, dt) -> np.ndarray:
-            off, n, _, shape, _ = span
-            return raw[off : off + n].view(dt).reshape(shape)
-
-        self.arrays = {k: view(self.spans[k], dt) for k, (_, dt) in tensors.items()}
-        self.maps = {k: view(self.map_spans[k], dt) for k, (_, dt) in maps.items()}
+        ndarray = np.ndarray
+        self.arrays = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in arrays}
+        self.maps = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in map_arrays}
 
     def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None) -> ShardedBatch:
         """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer."""
-        return ShardedBatch._from_buffer(self.buffer, self.spans, layout, info, self.map_spans, self.plan)
+        return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True)
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -124,7 +112,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         info: small plain-python metadata (no tensors).
     """
 
-    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_spans", "_map_spans", "_head", "_plan")
+    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_plan", "_maps", "_head")
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
@@ -138,10 +126,9 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         self._layout = layout
         self._info = dict(info or {})
         self._buffer: torch.Tensor | None = None  # uint8 [bytes] backing every tensor, when contiguous
-        self._spans: dict[str, Span] = {}  # key -> span in _buffer
-        self._map_spans: dict[str, Span] = {}  # layout field -> span in _buffer, after every key
-        self._head = 0  # bytes of _buffer before the layout maps
-        self._plan: ViewPlan | None = None  # how to view _buffer as the batch's tensors (view_plan of _spans)
+        self._plan: ViewPlan | None = None  # the buffer's span tables and how to view them (shared, immutable)
+        self._maps = False  # _buffer holds the layout maps after the batch part (else the batch part alone)
+        self._head: torch.Tensor | None = None  # _buffer's batch part (what to() moves), once asked for
 
     @classmethod
     def contiguous(
@@ -160,31 +147,34 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         for view, v in zip((*views(buffer, spans).values(), *views(buffer, map_spans).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)
-        return cls._from_buffer(buffer, spans, layout, info, map_spans)
+        return cls._from_buffer(buffer, plan_of(spans, map_spans, total), layout, info, True)
 
     @classmethod
     def _from_buffer(
-        cls, buffer: torch.Tensor, spans: dict[str, Span], layout: ShardLayout, info: Mapping[str, Any] | None,
-        map_spans: dict[str, Span], plan: ViewPlan | None = None,
-    ) -> ShardedBatch:  # fmt: skip
-        """Views of ``buffer`` by ``plan`` (the :func:`view_plan` of ``spans``, computed when None); no
-        per-key checks (the spans were made from tensors). Span tables and plans are never mutated, so
-        batches derived from one another share them."""
-        if plan is None:
-            plan = view_plan(spans)
+        cls, buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: Mapping[str, Any] | None, maps: bool
+    ) -> ShardedBatch:
+        """Views of ``buffer`` by ``plan``: the whole buffer when ``maps`` (``layout``'s map fields become
+        views too), else the batch part alone (a moved batch); no per-key checks (the spans were made
+        from tensors). Plans are never mutated, so batches derived from one another share them."""
         batch = cls.__new__(cls)
-        if map_spans:
-            layout = with_fields(layout, views(buffer, map_spans))
-            batch._head = min(span[0] for span in map_spans.values())
+        maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
+        if maps:
+            batch._tensors, fields = plan.views(buffer)
+            batch._layout, batch._head = with_fields(layout, fields), None
         else:
-            batch._head = buffer.numel()
-        batch._tensors, batch._layout, batch._info = plan_views(buffer, plan), layout, dict(info or {})
-        batch._buffer, batch._spans, batch._map_spans, batch._plan = buffer, spans, map_spans, plan
+            batch._tensors, batch._layout, batch._head = plan.head_views(buffer), layout, buffer
+        batch._info = dict(info or {})
+        batch._buffer, batch._plan, batch._maps = buffer, plan, maps
         return batch
 
     def _batch_bytes(self) -> int:
         """Bytes of the buffer's batch part (every key; the layout maps follow)."""
-        return self._head
+        return self._plan.head if self._plan is not None else 0
+
+    @property
+    def _spans(self) -> dict:
+        """Key -> byte span of the buffer (empty without one)."""
+        return self._plan.spans if self._plan is not None else {}
 
     @property
     def layout(self) -> ShardLayout:
@@ -219,7 +209,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 "to change shapes use batch.replace(...)"
             )
         if value is not old:  # the buffer no longer backs every key
-            self._buffer, self._spans, self._map_spans, self._head, self._plan = None, {}, {}, 0, None
+            self._buffer, self._plan, self._maps, self._head = None, None, False, None
         self._tensors[key] = value
 
     def __delitem__(self, key: str) -> None:
@@ -230,14 +220,13 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         # not look like replacements (that would drop the single buffer).
         batch = ShardedBatch.__new__(ShardedBatch)  # no per-key checks: the values are this batch's tensors
         batch._tensors, batch._layout, batch._info = dict(self._tensors), self._layout, dict(self._info)
-        batch._buffer, batch._spans, batch._map_spans, batch._head, batch._plan = (
-            self._buffer, self._spans, self._map_spans, self._head, self._plan)  # fmt: skip
+        batch._buffer, batch._plan, batch._maps, batch._head = self._buffer, self._plan, self._maps, self._head
         return batch
 
     def __reduce__(self):
         if self._buffer is not None:  # one storage: the views are rebuilt from the spans on the other side
-            bare = with_fields(self._layout, dict.fromkeys(self._map_spans))
-            return _restore_buffer, (self._buffer, self._spans, bare, self._info, self._map_spans, self._plan)
+            bare = with_fields(self._layout, dict.fromkeys(self._plan.map_spans)) if self._maps else self._layout
+            return _restore_buffer, (self._buffer, self._plan, bare, self._info, self._maps)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
@@ -262,24 +251,25 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
         the host (the gather moves its maps on first use). ``copy=True`` copies even when already on
         ``device`` (a ``clone()``), as ``Tensor.to``."""
-        buffer = self._buffer
-        if buffer is not None:
-            head = buffer if self._head == buffer.numel() else buffer[: self._head]
-            if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
-                moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
-            else:
-                moved = head.to(device, non_blocking=non_blocking, copy=copy)
-                if moved is head:  # already there: this batch, as Tensor.to returns self
-                    return self
-            return ShardedBatch._from_buffer(moved, self._spans, self._layout, self._info, {}, self._plan)
-        moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
-        return ShardedBatch(moved, layout=self._layout, info=self._info)
+        head = self._head
+        if head is None:
+            if self._buffer is None:
+                moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
+                return ShardedBatch(moved, layout=self._layout, info=self._info)
+            head = self._head = self._buffer[: self._plan.head]  # the maps stay behind
+        if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
+            moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
+        else:
+            moved = head.to(device, non_blocking=non_blocking, copy=copy)
+            if moved is head:  # already there: this batch, as Tensor.to returns self
+                return self
+        return ShardedBatch._from_buffer(moved, self._plan, self._layout, self._info, False)
 
     def pin_memory(self, device: Any = None) -> ShardedBatch:
         """Tensors and layout tensors in pinned host memory (CUDA builds only)."""
         if self._buffer is not None:
             pinned = self._buffer.pin_memory()
-            layout = self._layout if self._map_spans else self._layout.pin_memory()
-            return ShardedBatch._from_buffer(pinned, self._spans, layout, self._info, self._map_spans, self._plan)
+            layout = self._layout if self._maps else self._layout.pin_memory()
+            return ShardedBatch._from_buffer(pinned, self._plan, layout, self._info, self._maps)
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)
