@@ -6,7 +6,7 @@ order: the workers validated the documents, laid them out and checked every
 row. On the device side only two facts remain to check, both O(1): the layout
 was built for this mesh's CP size and for this rank. Then the batch moves as
 one buffer copy (``non_blocking``) and its views are rebuilt from the span
-table it carries (:func:`cpdata.buffer_spans.views`); a plain Mapping with a
+plan it carries (:class:`cpdata.buffer_spans.ViewPlan`); a plain Mapping with a
 layout moves key by key. No padding, no index math, no per-key checks.
 
 Also here: the mesh helpers every ``shard_batch`` uses (:func:`mesh_rank_size`,
@@ -82,7 +82,7 @@ def shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.devic
             f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
             "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )
-    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by span
+    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
         out = (batch if device is None else batch.to(device, non_blocking=True)).tensors()
     else:
         out = {k: _to(v, device) for k, v in batch.items()}

@@ -54,6 +54,7 @@ def test_step_shard_is_faster_and_ships_a_cp_th_of_the_bytes(results):
         assert r["speedup"] == pytest.approx(r["anchor_ms"] / r["cpdata_ms"], rel=0.01)
         assert r["cpdata_h2d_bytes"] * r["cp_size"] <= r["anchor_h2d_bytes"] * 1.02, r
         assert r["layout_bytes"] > 0
+        assert 0 < r["copy_ms"] < r["cpdata_ms"], r  # the modelled copy alone is part of cpdata's step
 
 
 def test_worker_and_memcpy_rates_are_positive(results):

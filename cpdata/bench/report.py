@@ -39,10 +39,10 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def _step(rows: list[dict], device: str) -> str:
     body = [(r["layout"], r["cp_size"], _tokens(r["tokens"]), f"{r['anchor_ms']:.3f}", f"{r['cpdata_ms']:.3f}",
-             f"{r['speedup']:.1f}x", _bytes(r["anchor_h2d_bytes"]), _bytes(r["cpdata_h2d_bytes"]),
-             _bytes(r["layout_bytes"])) for r in rows]
-    head = ("layout", "cp", "tokens", "anchor ms", "cpdata ms", "speedup", "anchor H2D", "cpdata H2D",
-            "layout maps")
+             f"{r['copy_ms']:.3f}" if "copy_ms" in r else "", f"{r['speedup']:.1f}x", _bytes(r["anchor_h2d_bytes"]),
+             _bytes(r["cpdata_h2d_bytes"]), _bytes(r["layout_bytes"])) for r in rows]  # fmt: skip
+    head = ("layout", "cp", "tokens", "anchor ms", "cpdata ms", "of which copy ms", "speedup", "anchor H2D",
+            "cpdata H2D", "layout maps")
     return f"**Per-step sharding** (rank 0, device `{device}`)\n\n" + _md(head, body)
 
 
