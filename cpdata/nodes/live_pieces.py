@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.packing.records import PackKeys
 from cpdata.targets import UNLABELED, piece_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carry_state", "fresh_carry", "narrow_arrays", "pack_keys",
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carry_state", "fresh_carry", "narrow_arrays",
            "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset")
@@ -135,11 +134,6 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
         sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
         rows[j, 6] = 0
     return rows, sources
-
-
-def pack_keys(packs: PackKeys) -> list[np.ndarray]:
-    """Each pack's keys as an int64 array."""
-    return np.split(packs.keys, np.cumsum(packs.sizes)[:-1]) if len(packs) else []
 
 
 def fresh_carry(carry: dict[str, Any]) -> dict[str, Any]:

@@ -40,11 +40,11 @@ from cpdata.nodes.live_pieces import (
     LivePieces,
     carry_state,
     fresh_carry,
-    pack_keys,
     window_rows,
 )
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
+from cpdata.packing.records import PackKeys
 from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
 from cpdata.targets import first_target, piece_arrays
@@ -73,6 +73,26 @@ def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int)
         documents.append(doc)
         tokens += min(max(doc.length, 1), capacity)
     return documents, False
+
+
+_Finished = tuple[np.ndarray, list, np.ndarray, np.ndarray, int, int]
+"""A finished pack: piece table ``[n, 4]``, sources ``[n]``, offsets ``[n]``, slot lengths ``[n]``, real and slot
+tokens."""
+
+
+def _finished(rows: np.ndarray, sources: list, sizes: np.ndarray) -> list[_Finished]:
+    """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 7]`` (pack after pack, ``sizes``
+    ``[packs]`` pieces each): a handful of numpy calls for the whole window, then one slice per pack and column."""
+    table = np.ascontiguousarray(rows[:, 1:5])
+    offsets, slots = rows[:, 6].copy(), rows[:, 5].copy()
+    bounds = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    sums = np.zeros((rows.shape[0] + 1, 2), dtype=np.int64)  # running (real, slot) tokens
+    np.cumsum(rows[:, [3, 5]], axis=0, out=sums[1:])
+    tokens, slot_tokens = (sums[bounds[1:]] - sums[bounds[:-1]]).T.tolist()
+    b = bounds.tolist()
+    return [(table[b[i] : b[i + 1]], sources[b[i] : b[i + 1]], offsets[b[i] : b[i + 1]], slots[b[i] : b[i + 1]],
+             tokens[i], slot_tokens[i]) for i in range(len(sizes))]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,7 +153,7 @@ class Pack(BaseNode[PackPlan]):
             check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._planner = StreamPlanner(self.config)
-        self._queue: deque[np.ndarray] = deque()  # int64 keys of every finished pack
+        self._queue: deque[_Finished] = deque()  # every finished pack, not yet emitted
         self._live = LivePieces()
         self._exhausted = False
         self._emitted = 0
@@ -235,16 +255,15 @@ class Pack(BaseNode[PackPlan]):
         firsts = np.fromiter((first_target(a) for a in arrays), dtype=np.int64, count=n)
         pieces, keys, packs = self._planner.add_window(lengths, indices, firsts)
         self._live.add(*window_rows(arrays, lengths, indices, firsts, pieces, keys))
-        self._queue.extend(pack_keys(packs))
         if self._exhausted:
-            self._queue.extend(pack_keys(self._planner.finish()))
+            packs = PackKeys.concat([packs, self._planner.finish()])
+        self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes))
 
-    def _emit(self, keys: np.ndarray) -> PackPlan:
-        rows, sources = self._live.take(keys)
-        pieces = PieceColumns(np.ascontiguousarray(rows[:, 1:5]), sources, rows[:, 6].copy())
-        slots = rows[:, 5].copy()
+    def _emit(self, pack: _Finished) -> PackPlan:
+        table, sources, offsets, slots, tokens, slot_tokens = pack
+        pieces = PieceColumns(table, sources, offsets)
         plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
-        self._planner.account(packs=1, tokens=int(rows[:, 3].sum()), slot_tokens=int(slots.sum()))
+        self._planner.account(packs=1, tokens=tokens, slot_tokens=slot_tokens)
         self._emitted += 1
         return plan
 
