@@ -256,12 +256,59 @@ def test_next_window_is_next_one_by_one(limit, floor):
     while True:
         got, ended = a.next_window(limit, floor, 6)
         want, want_ended = _one_by_one(b, limit, floor, 6)
-        assert ended == want_ended and [d.index for d in got] == [d.index for d in want]
-        for g, w in zip(got, want, strict=True):
-            assert g.arrays.keys() == w.arrays.keys() and all(np.array_equal(g.arrays[k], w.arrays[k]) for k in g.arrays)
+        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
+        assert got.lengths.tolist() == [d.length for d in want]
+        for g, w in zip(got.arrays, want, strict=True):
+            assert g.keys() == w.arrays.keys() and all(np.array_equal(g[k], w.arrays[k]) for k in g)
         assert a.state_dict() == b.state_dict()
         if ended:
             break
+
+
+@pytest.mark.parametrize("shuffle,dp_size,epochs", [(False, 1, 1), (True, 3, 2), (False, 2, 3)])
+@pytest.mark.parametrize("limit,floor", [(2, 0), (1, 40), (5, 300), (100, 0)])
+def test_next_window_reads_ahead_like_next(shuffle, dp_size, epochs, limit, floor):
+    """A sequence of int64 ids alone is read by slices: same documents, epochs and state as ``next()``."""
+    rng = np.random.default_rng(4)
+    source = [{"input_ids": rng.integers(0, 50, int(rng.integers(0, 30)))} for _ in range(41)]
+    kw = dict(dp_rank=dp_size - 1, dp_size=dp_size, shuffle=shuffle, seed=2, num_epochs=epochs)
+    a, b = Documents(source, **kw), Documents(source, **kw)
+    a.reset()
+    b.reset()
+    while True:
+        got, ended = a.next_window(limit, floor, 16)
+        want, want_ended = _one_by_one(b, limit, floor, 16)
+        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
+        assert got.lengths.tolist() == [d.length for d in want] and (got.firsts == -2).all()
+        assert all(g.keys() == {"input_ids"} and g["input_ids"] is source[i]["input_ids"]
+                   for g, i in zip(got.arrays, got.indices.tolist(), strict=True))  # fmt: skip
+        assert a.state_dict() == b.state_dict() and a.epoch == b.epoch
+        if ended:
+            break
+
+
+class _FailsAt(list):
+    def __init__(self, items, bad):
+        super().__init__(items)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise KeyError(f"no row {i}")
+        return super().__getitem__(i)
+
+
+def test_read_error_past_the_window_is_raised_by_the_window_that_reaches_it():
+    source = _FailsAt([{"input_ids": np.arange(3)} for _ in range(30)], bad=10)
+    node = Documents(source)
+    node.reset()
+    got, _ = node.next_window(4, 0, 16)  # reads ahead past item 10, which fails: not this window's
+    assert got.indices.tolist() == [0, 1, 2, 3] and node.state_dict()["position"] == 4
+    got, _ = node.next_window(6, 0, 16)
+    assert got.indices.tolist() == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(KeyError, match="reading document 10 from the source failed: KeyError"):
+        node.next_window(6, 0, 16)
+    assert node.state_dict()["position"] == 10
 
 
 @pytest.mark.parametrize(

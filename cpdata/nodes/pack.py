@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.keys import IGNORE_INDEX
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     LivePieces,
@@ -42,18 +42,19 @@ from cpdata.nodes.live_pieces import (
     fresh_carry,
     window_rows,
 )
+from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
 from cpdata.packing.records import PackKeys
 from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
-from cpdata.targets import first_target, piece_arrays
+from cpdata.targets import piece_arrays
 
 __all__ = ["Pack"]
 
-def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int) -> tuple[list[Document], bool]:
+def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
     """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
-    source ended: ``source.next_window`` when it validates windows at once (``Documents``), else ``next()``
+    source ended: ``source.next_window`` when it reads windows at once (``Documents``), else ``next()``
     one document at a time."""
     next_window = getattr(source, "next_window", None)
     if next_window is not None:
@@ -64,7 +65,7 @@ def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int)
         try:
             doc = next(source)
         except StopIteration:
-            return documents, True
+            return DocumentWindow.of(documents), True
         if not isinstance(doc, Document):
             raise TypeError(
                 f"Pack expects cpdata.plan.Document items, got {type(doc).__name__}; "
@@ -72,7 +73,7 @@ def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int)
             )
         documents.append(doc)
         tokens += min(max(doc.length, 1), capacity)
-    return documents, False
+    return DocumentWindow.of(documents), False
 
 
 _Finished = tuple[np.ndarray, list, np.ndarray, np.ndarray, int, int]
@@ -247,14 +248,9 @@ class Pack(BaseNode[PackPlan]):
             self._carry_records = None
             self._emitted = 0
         config = self.config
-        documents, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
-        arrays = [d.arrays for d in documents]
-        n = len(documents)
-        lengths = np.fromiter((a[INPUT_IDS].shape[0] for a in arrays), dtype=np.int64, count=n)
-        indices = np.fromiter((d.index for d in documents), dtype=np.int64, count=n)
-        firsts = np.fromiter((first_target(a) for a in arrays), dtype=np.int64, count=n)
-        pieces, keys, packs = self._planner.add_window(lengths, indices, firsts)
-        self._live.add(*window_rows(arrays, lengths, indices, firsts, pieces, keys))
+        window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
+        pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
+        self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
         if self._exhausted:
             packs = PackKeys.concat([packs, self._planner.finish()])
         self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes))

@@ -34,65 +34,15 @@ from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.validate import document_ids, to_document, to_documents
+from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
+from cpdata.nodes.validate import Scratch, document_ids, plain_ids, to_document, to_window
+from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
 from cpdata.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
-
-
-def source_kind(source: Any, items: str = "document dicts") -> str:
-    """How a source is read and resumed (the module table): ``"node"``, ``"sequence"`` or ``"iterable"``.
-
-    Raises:
-        TypeError: a string, a mapping, a one-shot iterator (it cannot be
-            restarted for resume or a new epoch) or something not iterable.
-    """
-    if isinstance(source, BaseNode):
-        return "node"
-    if isinstance(source, (str, bytes, Mapping)):
-        raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
-    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
-        return "sequence"
-    if isinstance(source, Iterator):
-        raise TypeError(
-            f"source is a one-shot iterator ({type(source).__name__}) that cannot be restarted for resume "
-            "or a new epoch; pass a list, a re-iterable (an object whose __iter__ returns a fresh "
-            "iterator) or a torchdata BaseNode"
-        )
-    if isinstance(source, Iterable):
-        return "iterable"
-    raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
-
-
-def restart_iterable(source: Iterable[Any], position: int, items: str = "documents") -> Iterator[Any]:
-    """A fresh iterator over ``source`` with its first ``position`` items read and dropped (resume)."""
-    it = iter(source)
-    for skipped in range(position):
-        try:
-            next(it)
-        except StopIteration:
-            raise ValueError(
-                f"the saved state has read {position} {items} but the source ends after {skipped}; "
-                "restore onto the same source"
-            ) from None
-    return it
-
-
-def _with_index(exc: Exception, index: int) -> Exception:
-    """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
-    return reading_error(exc, f"reading document {index} from the source failed")
-
-
-def reading_error(exc: Exception, what: str) -> Exception:
-    """``exc``'s type with ``what`` before its message (RuntimeError if the type is not constructible so)."""
-    message = f"{what}: {type(exc).__name__}: {exc}"
-    try:
-        return type(exc)(message)
-    except Exception:
-        return RuntimeError(message)
 
 
 class Documents(BaseNode[Document]):
@@ -185,6 +135,8 @@ class Documents(BaseNode[Document]):
         self._consumed = 0
         self._fingerprint: str | None = None
         self._fingerprinted = False
+        self._window_mean = 0.0  # counted tokens per document of the last window (read-ahead estimate)
+        self._scratch = Scratch()  # the window's ids, concatenated to check them
 
     @property
     def seekable(self) -> bool:
@@ -217,7 +169,7 @@ class Documents(BaseNode[Document]):
         try:
             item = self.source[index]  # type: ignore[index]
         except Exception as exc:
-            raise _with_index(exc, index) from exc
+            raise with_index(exc, index) from exc
         return to_document(item, index, self.vocab_size, self.labels_alignment)
 
     def _length(self) -> int | None:
@@ -238,14 +190,16 @@ class Documents(BaseNode[Document]):
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self._epoch, self._started = int(epoch) - 1, epoch > 0
 
-    def _source_index(self, position: int) -> int:
-        """Source index at ``position`` of this epoch's order."""
-        if not self.shuffle:
-            return position
+    def _permutation(self) -> np.ndarray:
+        """int64 ``[len(source)]``: this epoch's order of a shuffled sequence (source index at each position)."""
         if self._order is None or self._order[0] != self._epoch:
             perm = np.random.default_rng((self.seed, self._epoch)).permutation(len(self.source))  # type: ignore[arg-type]
             self._order = (self._epoch, perm)
-        return int(self._order[1][position])
+        return self._order[1]
+
+    def _source_index(self, position: int) -> int:
+        """Source index at ``position`` of this epoch's order."""
+        return int(self._permutation()[position]) if self.shuffle else position
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -339,14 +293,14 @@ class Documents(BaseNode[Document]):
             try:
                 item = self.source[index]  # type: ignore[index]
             except Exception as exc:
-                raise _with_index(exc, index) from exc
+                raise with_index(exc, index) from exc
         else:
             try:
                 item = next(self.source if self._kind == "node" else self._it)  # type: ignore[arg-type]
             except StopIteration:
                 raise
             except Exception as exc:
-                raise _with_index(exc, index) from exc
+                raise with_index(exc, index) from exc
         self._position = position + 1
         return position, index, item
 
@@ -363,6 +317,15 @@ class Documents(BaseNode[Document]):
             if position % self.dp_size == self.dp_rank:
                 return position, index, item
 
+    def _pass_ended(self) -> bool:
+        """At the end of a pass: start the next one (``num_epochs``) and return True; False after the last."""
+        if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
+            return False
+        self._epoch, self._position = self._epoch + 1, 0  # num_epochs: the next pass, same iter()
+        self._check_source()
+        self._restart_source()
+        return True
+
     def _next_item(self) -> tuple[int, Any]:
         """This rank's next ``(source index, item)``, across epochs (StopIteration after the last)."""
         while True:
@@ -372,11 +335,8 @@ class Documents(BaseNode[Document]):
                 else:
                     position, index, item = self._next_own()
             except StopIteration:
-                if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
+                if not self._pass_ended():
                     raise
-                self._epoch, self._position = self._epoch + 1, 0  # num_epochs: the next pass, same iter()
-                self._check_source()
-                self._restart_source()
                 continue
             return index, item
 
@@ -386,37 +346,101 @@ class Documents(BaseNode[Document]):
         self._consumed += 1
         return document
 
-    def next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[list[Document], bool]:
+    def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
+        """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
+        ``(positions, source indices, items, error)``, ``error`` the read error of the item after the last
+        (raised only if the window gets to it)."""
+        first = self._position + (self.dp_rank - self._position) % self.dp_size
+        positions = range(first, min(len(self.source), first + count * self.dp_size), self.dp_size)  # type: ignore[arg-type]
+        indices = self._permutation()[positions].tolist() if self.shuffle else list(positions)
+        source = self.source
+        try:
+            return list(positions), indices, [source[i] for i in indices], None  # type: ignore[index]
+        except Exception:
+            items: list[Any] = []
+            for i in indices:
+                try:
+                    items.append(source[i])  # type: ignore[index]
+                except Exception as exc:
+                    error = with_index(exc, i)
+                    error.__cause__ = exc
+                    return list(positions), indices, items, error
+            raise
+
+    def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
+        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens (a few
+        more than the estimate: the ones not used are read again by the next window)."""
+        if limit is None:
+            return 4096
+        mean = tokens / count if count else self._window_mean
+        more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
+        return min(max(limit - count, more), 1 << 14)
+
+    def next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
         """The documents ``next()`` gives one by one until a packing window is full, validated together.
 
         A window is full with at least ``limit`` documents (None: never) and
         ``floor`` tokens, each document counting ``min(max(n, 1), capacity)``
-        (:func:`cpdata.packing.planner.window_ends`). The id values of the whole
-        window are checked in one pass (:func:`cpdata.nodes.validate.to_documents`);
-        errors are those of ``next()`` for the first bad document.
+        (:func:`cpdata.packing.planner.window_ends`). A sequence is read by
+        slices of positions (items past the window's end are read again by the
+        next one); the id values of the whole window are checked in one pass
+        (:func:`cpdata.nodes.validate.to_window`); errors are those of
+        ``next()`` for the first bad document, and the state after the window
+        is the one ``next()`` leaves.
 
         Returns:
-            ``(documents, exhausted)``: ``exhausted`` when the source ended first.
+            ``(window, exhausted)``: ``exhausted`` when the source ended first.
         """
-        items, indices, ids, tokens, exhausted = [], [], [], 0, False
-        while limit is None or len(items) < limit or tokens < floor:
-            try:
-                index, item = self._next_item()
-            except StopIteration:
-                exhausted = True
-                break
-            items.append(item)
-            indices.append(index)
-            try:
-                doc_ids = document_ids(item, index)
-            except Exception:
-                to_documents(items[:-1], indices[:-1], ids, self.vocab_size, self.labels_alignment)
-                raise  # the earlier documents are fine: this one's own error
-            ids.append(doc_ids)
-            tokens += min(max(doc_ids.shape[0], 1), capacity)
-        documents = to_documents(items, indices, ids, self.vocab_size, self.labels_alignment)
-        self._consumed += len(documents)
-        return documents, exhausted
+        fill, exhausted = WindowFill(limit, floor, capacity), False
+        while fill.wants():
+            if self._kind == "sequence":
+                count = self._chunk(limit, floor, len(fill.items), fill.tokens)
+                positions, chunk_indices, chunk, error = self._read_ahead(count)
+                if not chunk and error is None:
+                    self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
+                    if self._pass_ended():
+                        continue
+                    exhausted = True
+                    break
+            else:
+                try:
+                    index, item = self._next_item()
+                except StopIteration:
+                    exhausted = True
+                    break
+                positions, chunk_indices, chunk, error = [], [index], [item], None
+            taken = self._take(fill, positions, chunk, chunk_indices)
+            if error is not None and taken == len(chunk) and fill.wants():
+                raise error
+        window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch)
+        self._consumed += len(window)
+        if len(window):
+            self._window_mean = fill.tokens / len(window)
+        return window, exhausted
+
+    def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
+        """Add the items of ``chunk`` to ``fill`` until it is full; returns how many. Items of a
+        sequence (``positions`` given) move the position past the last one taken."""
+        ids = plain_ids(chunk)
+        if ids is not None:
+            taken = fill.add_run(chunk, chunk_indices, ids)
+        else:
+            taken = 0
+            for item, index in zip(chunk, chunk_indices, strict=False):  # indices run on past a read error
+                if not fill.wants():
+                    break
+                try:
+                    doc_ids = document_ids(item, index)
+                except Exception:
+                    if positions:
+                        self._position = positions[taken] + 1
+                    to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment)
+                    raise  # the earlier documents are fine: this one's own error
+                fill.add(item, index, doc_ids)
+                taken += 1
+        if positions and taken:
+            self._position = positions[taken - 1] + 1
+        return taken
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -1,0 +1,100 @@
+"""``DocumentWindow``: one packing window of validated documents, as columns.
+
+The ``Pack`` node plans a window at a time and needs, per document, only its
+length, source index, first trained target and per-token arrays: three int64
+columns and a list, no object per document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cpdata.keys import INPUT_IDS
+from cpdata.plan import Document
+from cpdata.targets import UNLABELED, first_target
+
+__all__ = ["DocumentWindow", "WindowFill"]
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentWindow:
+    """``n`` validated documents in source order.
+
+    Attributes:
+        indices: int64 ``[n]`` source index of each document.
+        lengths: int64 ``[n]`` tokens of each document.
+        firsts: int64 ``[n]`` first trained target (:func:`cpdata.targets.first_target`).
+        arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
+    """
+
+    indices: np.ndarray
+    lengths: np.ndarray
+    firsts: np.ndarray
+    arrays: Sequence[Mapping[str, np.ndarray]]
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    @classmethod
+    def of(cls, documents: Sequence[Document]) -> DocumentWindow:
+        """The window of ``documents`` (from a node that emits :class:`~cpdata.plan.Document` one by one)."""
+        arrays = [d.arrays for d in documents]
+        n = len(arrays)
+        return cls(
+            indices=np.fromiter((d.index for d in documents), dtype=np.int64, count=n),
+            lengths=np.fromiter((a[INPUT_IDS].shape[0] for a in arrays), dtype=np.int64, count=n),
+            firsts=np.fromiter((first_target(a) for a in arrays), dtype=np.int64, count=n),
+            arrays=arrays,
+        )
+
+    @classmethod
+    def unlabeled(cls, indices: np.ndarray, lengths: np.ndarray, arrays: Sequence[Mapping[str, np.ndarray]]) -> DocumentWindow:
+        """A window of documents without labels (every first target :data:`~cpdata.targets.UNLABELED`)."""
+        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays)
+
+
+class WindowFill:
+    """The items of a window being read, under the window rule of :func:`cpdata.packing.planner.window_ends`:
+    full with at least ``limit`` documents (None: never) and ``floor`` tokens, each document counting
+    ``min(max(n, 1), capacity)``."""
+
+    __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens")
+
+    def __init__(self, limit: int | None, floor: int, capacity: int) -> None:
+        self.limit, self.floor, self.capacity = limit, floor, capacity
+        self.items: list[Any] = []
+        self.indices: list[int] = []
+        self.ids: list[np.ndarray] = []
+        self.tokens = 0
+
+    def wants(self) -> bool:
+        """Whether the window takes another document."""
+        return self.limit is None or len(self.items) < self.limit or self.tokens < self.floor
+
+    def add(self, item: Any, index: int, ids: np.ndarray) -> None:
+        """Take one document (``ids`` its int64 ``[n]`` input_ids)."""
+        self.items.append(item)
+        self.indices.append(index)
+        self.ids.append(ids)
+        self.tokens += min(max(ids.shape[0], 1), self.capacity)
+
+    def add_run(self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray]) -> int:
+        """Take the first documents of a run read ahead (all ``[k]``) up to where the window is full;
+        returns how many. One cumulative sum over the run, nothing per document."""
+        k = len(ids)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)
+        counted = np.cumsum(np.clip(lengths, 1, self.capacity)) + self.tokens
+        if self.limit is not None:
+            count = np.arange(len(self.items) + 1, len(self.items) + 1 + k)
+            full = np.flatnonzero((count >= self.limit) & (counted >= self.floor))
+            k = int(full[0]) + 1 if full.size else k
+        if k:
+            self.items += items[:k]
+            self.indices += indices[:k]
+            self.ids += ids[:k]
+            self.tokens = int(counted[k - 1])
+        return k
