@@ -35,8 +35,8 @@ from torchdata.nodes import BaseNode
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
-from cpdata.nodes.validate import Scratch, document_ids, plain_ids, to_document, to_window
-from cpdata.nodes.window import DocumentWindow, WindowFill
+from cpdata.nodes.source_window import WindowReader
+from cpdata.nodes.validate import Scratch, to_document
 from cpdata.offline.hf_datasets import as_hf_documents
 from cpdata.plan import Document
 from cpdata.state_version import check_state_version
@@ -45,7 +45,7 @@ from cpdata.targets import LabelsAlignment, declared_alignment
 __all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
 
 
-class Documents(BaseNode[Document]):
+class Documents(WindowReader, BaseNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
     Args:
@@ -345,102 +345,6 @@ class Documents(BaseNode[Document]):
         document = to_document(item, index, self.vocab_size, self.labels_alignment)
         self._consumed += 1
         return document
-
-    def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
-        """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
-        ``(positions, source indices, items, error)``, ``error`` the read error of the item after the last
-        (raised only if the window gets to it)."""
-        first = self._position + (self.dp_rank - self._position) % self.dp_size
-        positions = range(first, min(len(self.source), first + count * self.dp_size), self.dp_size)  # type: ignore[arg-type]
-        indices = self._permutation()[positions].tolist() if self.shuffle else list(positions)
-        source = self.source
-        try:
-            return list(positions), indices, [source[i] for i in indices], None  # type: ignore[index]
-        except Exception:
-            items: list[Any] = []
-            for i in indices:
-                try:
-                    items.append(source[i])  # type: ignore[index]
-                except Exception as exc:
-                    error = with_index(exc, i)
-                    error.__cause__ = exc
-                    return list(positions), indices, items, error
-            raise
-
-    def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
-        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens (a few
-        more than the estimate: the ones not used are read again by the next window)."""
-        if limit is None:
-            return 4096
-        mean = tokens / count if count else self._window_mean
-        more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
-        return min(max(limit - count, more), 1 << 14)
-
-    def next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
-        """The documents ``next()`` gives one by one until a packing window is full, validated together.
-
-        A window is full with at least ``limit`` documents (None: never) and
-        ``floor`` tokens, each document counting ``min(max(n, 1), capacity)``
-        (:func:`cpdata.packing.planner.window_ends`). A sequence is read by
-        slices of positions (items past the window's end are read again by the
-        next one); the id values of the whole window are checked in one pass
-        (:func:`cpdata.nodes.validate.to_window`); errors are those of
-        ``next()`` for the first bad document, and the state after the window
-        is the one ``next()`` leaves.
-
-        Returns:
-            ``(window, exhausted)``: ``exhausted`` when the source ended first.
-        """
-        fill, exhausted = WindowFill(limit, floor, capacity), False
-        while fill.wants():
-            if self._kind == "sequence":
-                count = self._chunk(limit, floor, len(fill.items), fill.tokens)
-                positions, chunk_indices, chunk, error = self._read_ahead(count)
-                if not chunk and error is None:
-                    self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
-                    if self._pass_ended():
-                        continue
-                    exhausted = True
-                    break
-            else:
-                try:
-                    index, item = self._next_item()
-                except StopIteration:
-                    exhausted = True
-                    break
-                positions, chunk_indices, chunk, error = [], [index], [item], None
-            taken = self._take(fill, positions, chunk, chunk_indices)
-            if error is not None and taken == len(chunk) and fill.wants():
-                raise error
-        window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch)
-        self._consumed += len(window)
-        if len(window):
-            self._window_mean = fill.tokens / len(window)
-        return window, exhausted
-
-    def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
-        """Add the items of ``chunk`` to ``fill`` until it is full; returns how many. Items of a
-        sequence (``positions`` given) move the position past the last one taken."""
-        ids = plain_ids(chunk)
-        if ids is not None:
-            taken = fill.add_run(chunk, chunk_indices, ids)
-        else:
-            taken = 0
-            for item, index in zip(chunk, chunk_indices, strict=False):  # indices run on past a read error
-                if not fill.wants():
-                    break
-                try:
-                    doc_ids = document_ids(item, index)
-                except Exception:
-                    if positions:
-                        self._position = positions[taken] + 1
-                    to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment)
-                    raise  # the earlier documents are fine: this one's own error
-                fill.add(item, index, doc_ids)
-                taken += 1
-        if positions and taken:
-            self._position = positions[taken - 1] + 1
-        return taken
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
