@@ -46,9 +46,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from cpdata.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
-from cpdata.layouts import thd_slot_lens
 from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, check_plans, stream_metadata, stream_slot_lens
+from cpdata.stream import Stream, build_stream, slot_tables, stream_metadata, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -87,14 +86,9 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
 
 
 def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
-    """Stream metadata only (``cu_seqlens`` & co., see the module docstring); O(slots)."""
-    capacity = check_plans(plans)
-    real, slots = [], []
-    for plan in plans:
-        absorbed = thd_slot_lens(plan.slot_lens, capacity)
-        slots.append(absorbed)
-        real.append(plan.seq_lens if plan.pieces else np.zeros(absorbed.size, dtype=np.int64))
-    return stream_metadata(np.concatenate(real), np.concatenate(slots))
+    """Stream metadata only (``cu_seqlens`` & co., see the module docstring); O(slots), a few numpy calls."""
+    tables = slot_tables(plans)
+    return stream_metadata(tables.table[:, 2], tables.slot_lens)
 
 
 def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

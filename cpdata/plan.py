@@ -190,16 +190,22 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | Non
     n = lens.shape[0]
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
     meta[:, :4] = plan.columns
-    meta[:, 4:] = -1
-    total = int(lens.sum())
-    if total:  # every piece's samples by one gather from the concatenated ids
+    if n and lens.any():  # every piece's samples by one gather from the concatenated ids
         if ids is None:
             cols = plan.piece_columns
             ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
                                                                             lens.tolist(), strict=True)])  # fmt: skip
-        at = (np.cumsum(lens) - lens)[:, None] + (_SAMPLE_AT[None, :] * (lens[:, None] - 1)) // (DIGEST_SAMPLES - 1)
-        real = lens > 0
-        meta[real, 4:] = ids[at[real]]
+        at = np.multiply.outer(lens - 1, _SAMPLE_AT)
+        at //= DIGEST_SAMPLES - 1
+        at += (np.cumsum(lens) - lens)[:, None]
+        if lens.all():
+            meta[:, 4:] = ids[at]
+        else:
+            real = lens > 0
+            meta[:, 4:] = -1
+            meta[real, 4:] = ids[at[real]]
+    else:
+        meta[:, 4:] = -1
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode())
     h.update(np.ascontiguousarray(plan.slot_lens, dtype=np.int64).tobytes())

@@ -19,36 +19,91 @@ from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 from cpdata.layouts import thd_slot_lens
 from cpdata.plan import PackPlan
 
-__all__ = ["Stream", "build_stream", "check_plans", "stream_metadata", "stream_slot_lens"]
+__all__ = ["SlotTables", "Stream", "build_stream", "slot_tables", "stream_metadata", "stream_slot_lens"]
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
+_ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
 
 
-def check_plans(plans: Sequence[PackPlan]) -> int:
+@dataclass(frozen=True, slots=True)
+class SlotTables:
+    """The slots of a batch's stream (``K`` slots, an empty pack one padding slot): no tokens.
+
+    Attributes:
+        capacity: tokens per plan ``S``.
+        table: int64 ``[K, 4]``: each slot's piece ``(index, start, length, next_label)``.
+        slot_lens: int64 ``[K]``: slot lengths, every pack's tail absorbed by its last slot.
+        layout_lens: int64 ``[K']``: :func:`stream_slot_lens` (the last pack's tail not absorbed).
+        counts: ``B`` ints: pieces per plan.
+    """
+
+    capacity: int
+    table: np.ndarray
+    slot_lens: np.ndarray
+    layout_lens: np.ndarray
+    counts: list[int]
+
+
+def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
+    """The plans' slot tables, checked: a few numpy calls per batch, whatever the number of slots.
+
+    Raises:
+        TypeError, ValueError: a single plan instead of a sequence, no plan, plans of other capacities,
+            ``slot_lens`` not one per piece, a piece longer than its slot, negative slot lengths or slots
+            summing past the capacity (the errors of :func:`cpdata.layouts.thd_slot_lens`).
+    """
     if isinstance(plans, PackPlan):
         raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
     if len(plans) == 0:
         raise ValueError("collate needs at least one PackPlan, got an empty sequence")
     capacity = plans[0].capacity
+    tables, slots, counts = [], [], []
     for b, plan in enumerate(plans):
         if plan.capacity != capacity:
             raise ValueError(
                 f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
             )
-        slot_lens = np.asarray(plan.slot_lens)
-        if slot_lens.shape != (len(plan.pieces),):
+        table, slot_lens = plan.columns, plan.slot_lens
+        if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64:
+            slot_lens = np.asarray(slot_lens)
+        if slot_lens.shape != (table.shape[0],):
             raise ValueError(
-                f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({len(plan.pieces)},) "
+                f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({table.shape[0]},) "
                 "(one slot per piece)"
             )
-        short = np.flatnonzero(plan.seq_lens > slot_lens)
-        if short.size:
-            i = int(short[0])
-            raise ValueError(
-                f"plan {plan.index}: piece {i} has {plan.pieces[i].length} tokens but its slot only "
-                f"{int(slot_lens[i])}; slot_lens must be >= the piece lengths"
-            )
-    return capacity
+        counts.append(table.shape[0])
+        tables.append(table if table.shape[0] else _PAD_SLOT)  # empty pack: one pad slot
+        slots.append(slot_lens if table.shape[0] else _ZERO_SLOT)
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+    raw = (slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int64, copy=False)
+    short = raw < table[:, 2]
+    if short.any():
+        b, i = _plan_piece(counts, int(np.flatnonzero(short)[0]))
+        raise ValueError(
+            f"plan {plans[b].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
+            f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
+        )
+    last = np.cumsum([max(c, 1) for c in counts]) - 1  # every pack's last slot
+    ends = np.cumsum(raw)[last]
+    tails = capacity - np.diff(ends, prepend=0)  # each pack's tail padding
+    if raw.min() < 0 or tails.min() < 0:
+        for plan in plans:
+            thd_slot_lens(plan.slot_lens, capacity)  # its error for the first bad plan
+    slot_lens = raw.copy()
+    slot_lens[last] += tails
+    layout_lens = slot_lens.copy() if counts[-1] else slot_lens[:-1].copy()
+    if counts[-1]:
+        layout_lens[-1] = raw[-1]
+    return SlotTables(capacity, table, slot_lens, layout_lens, counts)
+
+
+def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
+    """``(plan, piece)`` of stream slot ``k`` (plans of ``counts`` pieces, an empty one holding one slot)."""
+    for b, c in enumerate(counts):
+        if k < max(c, 1):
+            return b, k
+        k -= max(c, 1)
+    raise IndexError(k)
 
 
 def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
@@ -58,10 +113,7 @@ def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
     pack's, which ``rank_indices`` treats per layout (so one plan gives exactly
     ``plan.slot_lens``).
     """
-    capacity = check_plans(plans)
-    parts = [thd_slot_lens(p.slot_lens, capacity) for p in plans[:-1]]
-    parts.append(np.asarray(plans[-1].slot_lens, dtype=np.int64))
-    return np.concatenate(parts).astype(np.int64, copy=False)
+    return slot_tables(plans).layout_lens
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,31 +143,22 @@ class Stream:
 def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
     """The per-slot tables and concatenated piece arrays every rank of the batch gathers from.
 
-    Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): one
-    slice per piece and key, one ``concatenate`` per key.
+    Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): the
+    slot tables with a few numpy calls per batch (:func:`slot_tables`), then
+    one slice per piece and key and one ``concatenate`` per key.
     """
-    capacity = check_plans(plans)
-    lens, columns, sources, offsets = [], [], [], []
-    for plan in plans:
-        lens.append(thd_slot_lens(plan.slot_lens, capacity))
-        cols = plan.piece_columns
-        columns.append(cols.table if cols.sources else _PAD_SLOT)  # empty pack: one pad slot
-        sources.extend(cols.sources)
-        offsets.append(cols.offsets)
-    slot_lens = np.concatenate(lens).astype(np.int64, copy=False)
-    table = np.concatenate(columns)  # [K, 4]: index, start, length, next_label
+    tables = slot_tables(plans)
+    capacity, table, slot_lens = tables.capacity, tables.table, tables.slot_lens
     starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
     slot_starts = np.cumsum(slot_lens) - slot_lens
     src_starts = np.cumsum(real_lens) - real_lens
     total = int(real_lens.sum())
-    real_ends = slot_starts + real_lens
-    own = [p.piece_columns.table for p in plans if p.piece_columns.sources]  # the slots that hold a piece
-    piece_table = np.concatenate(own) if own else np.zeros((0, 4), dtype=np.int64)
-    pieces = _Pieces(sources, np.concatenate(offsets).tolist(), piece_table[:, 2].tolist(), piece_table[:, 0].tolist())
-    extra_keys = _extra_keys(pieces)
+    pieces = _Pieces.of(plans)
+    plain = all(len(src) == 1 for src in pieces.sources)  # input_ids alone: no labels, no extras
+    extra_keys = [] if plain else _extra_keys(pieces)
     ids = _concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64))
     labels = _targets(ids, total, src_starts + real_lens - 1, real_lens > 0, next_labels)
-    if any(LABELS in src for src in sources):
+    if not plain and any(LABELS in src for src in pieces.sources):
         at = 0
         for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
             if LABELS in src:
@@ -127,8 +170,8 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
         slot_starts=slot_starts,
         slot_lens=slot_lens,
         real_lens=real_lens,
-        real_ends=real_ends,
-        layout_lens=np.concatenate([*lens[:-1], np.asarray(plans[-1].slot_lens, dtype=np.int64)]),
+        real_ends=slot_starts + real_lens,
+        layout_lens=tables.layout_lens,
         src_shift=src_starts - slot_starts,
         pos_shift=starts - slot_starts,
         next_labels=next_labels,
@@ -146,10 +189,22 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
 class _Pieces:
     """The batch's pieces in stream order: piece ``i`` is ``sources[i][key][offsets[i] : offsets[i] + lengths[i]]``."""
 
-    sources: list[Mapping[str, np.ndarray]]
+    sources: Sequence[Mapping[str, np.ndarray]]
     offsets: list[int]
     lengths: list[int]
     indices: list[int]  # source document of each piece (for errors)
+
+    @classmethod
+    def of(cls, plans: Sequence[PackPlan]) -> _Pieces:
+        """The pieces of ``plans`` (an empty plan has none)."""
+        cols = [p.piece_columns for p in plans]
+        if len(cols) == 1:
+            table, offsets, sources = cols[0].table, cols[0].offsets, cols[0].sources
+        else:
+            table = np.concatenate([c.table for c in cols])
+            offsets = np.concatenate([c.offsets for c in cols])
+            sources = tuple(src for c in cols for src in c.sources)
+        return cls(sources, offsets.tolist(), table[:, 2].tolist(), table[:, 0].tolist())
 
     def parts(self, key: str) -> list[np.ndarray]:
         return [src[key][o : o + n] for src, o, n in zip(self.sources, self.offsets, self.lengths, strict=True)]
@@ -203,7 +258,10 @@ def _targets(ids: np.ndarray, total: int, last: np.ndarray, real: np.ndarray, ne
     piece's last token (``last`` ``[K]``, where ``real``) targets its ``next_label``; the last element is -100."""
     labels = np.empty(total + 1, dtype=np.int64)
     labels[:total] = ids[1 : total + 1]
-    labels[last[real]] = next_labels[real]
+    if real.all():
+        labels[last] = next_labels
+    else:
+        labels[last[real]] = next_labels[real]
     labels[total] = IGNORE_INDEX
     return labels
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -253,6 +255,26 @@ def test_errors():
     odd = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(2), "token_type": np.ones(2)})
     with pytest.raises(ValueError, match="token_type"):
         collate_pack([PackPlan(pieces=(piece, odd), slot_lens=np.array([5, 2]), capacity=8)])
+
+
+def test_batch_checks_name_the_plan_and_piece():
+    """The slot checks run over the whole batch at once and still name the first bad plan and piece."""
+    five = DocPiece(index=0, start=0, arrays={"input_ids": np.arange(5)})
+    good = PackPlan(pieces=(five,), slot_lens=np.array([6]), capacity=8, index=3)
+    empty = PackPlan(pieces=(), slot_lens=np.zeros(0, dtype=np.int64), capacity=8, index=4)
+    short = PackPlan(pieces=(five, five), slot_lens=np.array([5, 4]), capacity=16, index=7)
+    with pytest.raises(ValueError, match="plan 7: piece 1 has 5 tokens but its slot only 4"):
+        pack_metadata([dataclasses.replace(good, capacity=16), dataclasses.replace(empty, capacity=16), short])
+    over = PackPlan(pieces=(five, five), slot_lens=np.array([5, 5]), capacity=8, index=2)
+    with pytest.raises(ValueError, match="sum to 10 tokens, more than pack_len=8"):
+        collate_pack([good, over])
+    with pytest.raises(ValueError, match=r"plan 3: slot_lens has shape \(2,\), expected \(1,\)"):
+        pack_metadata([dataclasses.replace(good, slot_lens=np.array([6, 2]))])
+    meta = pack_metadata([good, empty, good])  # an empty pack inside a batch: one padding slot
+    np.testing.assert_array_equal(meta["seq_lens_padded"], [8, 8, 8])
+    np.testing.assert_array_equal(meta["seq_lens"], [5, 0, 5])
+    np.testing.assert_array_equal(stream_slot_lens([good, empty, good]), [8, 8, 6])
+    np.testing.assert_array_equal(stream_slot_lens([good, empty]), [8])
 
 
 def test_a_missing_loss_mask_is_derived_from_the_labels():
