@@ -114,13 +114,13 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     """
     k = out[DOCUMENT_IDS]
     np.subtract(np.searchsorted(stream.slot_starts, positions, side="right"), 1, out=k)
-    end = stream.real_ends[k]
-    pad = np.greater_equal(positions, end, out=out[PADDING_MASK])
-    src = positions + stream.src_shift[k]
-    src[pad] = stream.total
+    pad = np.greater_equal(positions, np.take(stream.real_ends, k), out=out[PADDING_MASK])
+    src = np.take(stream.src_shift, k)
+    src += positions
+    np.copyto(src, stream.total, where=pad)
     np.take(stream.ids, src, out=out[INPUT_IDS], mode="clip")
     np.take(stream.labels, src, out=out[LABELS], mode="clip")
-    position_ids = np.add(positions, stream.pos_shift[k], out=out[POSITION_IDS])
+    position_ids = np.add(positions, np.take(stream.pos_shift, k), out=out[POSITION_IDS])
     np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
     for key, arr in stream.extras.items():
         np.take(arr, src, out=out[key], mode="clip")

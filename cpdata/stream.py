@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -83,9 +84,15 @@ def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
             f"plan {plans[b].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
         )
-    last = np.cumsum([max(c, 1) for c in counts]) - 1  # every pack's last slot
-    ends = np.cumsum(raw)[last]
-    tails = capacity - np.diff(ends, prepend=0)  # each pack's tail padding
+    cum = np.cumsum(raw)
+    if len(counts) == 1:
+        last: np.ndarray | int = -1
+        tails = capacity - cum[-1]  # the pack's tail padding (a numpy scalar)
+    else:
+        last = np.fromiter(accumulate(max(c, 1) for c in counts), dtype=np.int64, count=len(counts)) - 1
+        ends = cum[last]
+        tails = capacity - ends  # each pack's tail padding
+        tails[1:] += ends[:-1]
     if raw.min() < 0 or tails.min() < 0:
         for plan in plans:
             thd_slot_lens(plan.slot_lens, capacity)  # its error for the first bad plan
@@ -267,13 +274,18 @@ def _targets(ids: np.ndarray, total: int, last: np.ndarray, real: np.ndarray, ne
 
 
 def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
+    """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
+    ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
+    k = real_lens.shape[0]
     seq_lens = real_lens.astype(np.int32)
     seq_lens_padded = slot_lens.astype(np.int32)
-    zero = np.zeros(1, dtype=np.int32)
+    cu = np.zeros((2, k + 1), dtype=np.int32)
+    np.cumsum(seq_lens, out=cu[0, 1:])
+    np.cumsum(seq_lens_padded, out=cu[1, 1:])
     return {
-        "cu_seqlens": np.concatenate([zero, np.cumsum(seq_lens, dtype=np.int32)]),
-        "cu_seqlens_padded": np.concatenate([zero, np.cumsum(seq_lens_padded, dtype=np.int32)]),
+        "cu_seqlens": cu[0],
+        "cu_seqlens_padded": cu[1],
         "seq_lens": seq_lens,
         "seq_lens_padded": seq_lens_padded,
-        "max_seqlen": np.asarray(seq_lens.max() if seq_lens.size else 0, dtype=np.int32),
+        "max_seqlen": np.asarray(seq_lens.max() if k else 0, dtype=np.int32),
     }
