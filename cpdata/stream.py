@@ -84,22 +84,28 @@ def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
             f"plan {plans[b].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
         )
-    cum = np.cumsum(raw)
-    if len(counts) == 1:
-        last: np.ndarray | int = -1
-        tails = capacity - cum[-1]  # the pack's tail padding (a numpy scalar)
+    cum = raw.cumsum()
+    slot_lens = raw.copy()
+    if len(counts) == 1:  # one pack: its last slot absorbs the tail
+        tail = capacity - int(cum[-1])
+        slot_lens[-1] += tail
+        bad = tail < 0
     else:
         last = np.fromiter(accumulate(max(c, 1) for c in counts), dtype=np.int64, count=len(counts)) - 1
         ends = cum[last]
         tails = capacity - ends  # each pack's tail padding
         tails[1:] += ends[:-1]
-    if raw.min() < 0 or tails.min() < 0:
+        slot_lens[last] += tails
+        bad = bool(tails.min() < 0)
+    if bad:  # (a negative slot is shorter than its piece: refused above)
         for plan in plans:
             thd_slot_lens(plan.slot_lens, capacity)  # its error for the first bad plan
-    slot_lens = raw.copy()
-    slot_lens[last] += tails
-    layout_lens = slot_lens.copy() if counts[-1] else slot_lens[:-1].copy()
-    if counts[-1]:
+    if not counts[-1]:
+        layout_lens = slot_lens[:-1].copy()
+    elif len(counts) == 1:
+        layout_lens = raw.copy()
+    else:
+        layout_lens = slot_lens.copy()
         layout_lens[-1] = raw[-1]
     return SlotTables(capacity, table, slot_lens, layout_lens, counts)
 
@@ -157,8 +163,10 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
     tables = slot_tables(plans)
     capacity, table, slot_lens = tables.capacity, tables.table, tables.slot_lens
     starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
-    slot_starts = np.cumsum(slot_lens) - slot_lens
-    src_starts = np.cumsum(real_lens) - real_lens
+    slot_starts = slot_lens.cumsum()
+    slot_starts -= slot_lens
+    src_starts = real_lens.cumsum()
+    src_starts -= real_lens
     total = int(real_lens.sum())
     pieces = _Pieces.of(plans)
     plain = all(len(src) == 1 for src in pieces.sources)  # input_ids alone: no labels, no extras
@@ -277,15 +285,14 @@ def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, n
     """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
     ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
     k = real_lens.shape[0]
-    seq_lens = real_lens.astype(np.int32)
-    seq_lens_padded = slot_lens.astype(np.int32)
+    lens = np.empty((2, k), dtype=np.int32)  # real, slot
+    lens[0], lens[1] = real_lens, slot_lens
     cu = np.zeros((2, k + 1), dtype=np.int32)
-    np.cumsum(seq_lens, out=cu[0, 1:])
-    np.cumsum(seq_lens_padded, out=cu[1, 1:])
+    lens.cumsum(axis=1, out=cu[:, 1:])
     return {
         "cu_seqlens": cu[0],
         "cu_seqlens_padded": cu[1],
-        "seq_lens": seq_lens,
-        "seq_lens_padded": seq_lens_padded,
-        "max_seqlen": np.asarray(seq_lens.max() if k else 0, dtype=np.int32),
+        "seq_lens": lens[0],
+        "seq_lens_padded": lens[1],
+        "max_seqlen": np.asarray(lens[0].max() if k else 0, dtype=np.int32),
     }
