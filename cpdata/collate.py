@@ -32,11 +32,12 @@ pack's own); ``"thd"`` gives the flat ``[B*S]`` stream.
 
 :func:`collate_rank` returns the same tensors restricted to one rank's
 positions (columns for BSHD, stream positions for THD) without building the
-full pack: each position maps to ``(slot, offset)`` with one ``searchsorted``
-over the slot starts and gathers from the concatenated piece arrays, which
-carry one trailing pad element so pads need no second pass. Cost per rank:
-O(real tokens) to concatenate the piece arrays plus O(local tokens * log K) to
-gather; at 128K tokens and cp=8 that is ~8x less output than the full pack.
+full pack: each position maps to ``(slot, offset)`` through the slot of every
+stream position (one ``repeat``) and gathers from the concatenated piece
+arrays, which carry one trailing pad element so pads need no second pass. Cost
+per rank: O(real tokens) to concatenate the piece arrays, O(B*S) int64 writes
+for the slot map, plus O(local tokens) to gather; at 128K tokens and cp=8 the
+output is ~8x less than the full pack.
 """
 
 from __future__ import annotations
@@ -109,11 +110,13 @@ def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, tup
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
     """Write the token tensors at stream ``positions`` into ``out`` (arrays of ``positions``' shape).
 
-    One slot lookup per position (O(len(positions) * log K)), then one ``take``
-    per key straight into its output.
+    The slot of every stream position written once (``repeat``, O(B*S): 2-3x
+    faster than a ``searchsorted`` per position at cp 4-8), one ``take`` of it
+    at ``positions``, then one ``take`` per key straight into its output.
     """
     k = out[DOCUMENT_IDS]
-    np.subtract(np.searchsorted(stream.slot_starts, positions, side="right"), 1, out=k)
+    slot_of = np.repeat(np.arange(stream.slot_lens.shape[0], dtype=np.int64), stream.slot_lens)  # [B*S]
+    np.take(slot_of, positions, out=k)
     pad = np.greater_equal(positions, np.take(stream.real_ends, k), out=out[PADDING_MASK])
     src = np.take(stream.src_shift, k)
     src += positions
