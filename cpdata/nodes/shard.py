@@ -20,7 +20,6 @@ map, its inverse, the causal-work figures in ``info`` and the plan digest.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from typing import Any
@@ -36,6 +35,7 @@ from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.plan import plan_digest
 from cpdata.shard_layout import ShardLayout
 from cpdata.state_version import check_saved_config, check_state_version
+from cpdata.stream import Stream
 
 __all__ = ["ShardForRank", "layout_depends_on_documents"]
 
@@ -58,41 +58,50 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
 @functools.lru_cache(maxsize=16)
 def _static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
     """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
-    # documents of the probe (none) are not the batch's: cost these runs by position
-    table = dataclasses.replace(layout_runs(layout, cp_size, [], stream_len), doc=None, doc_starts=None)
+    table = layout_runs(layout, cp_size, [], stream_len)
     rows, inverse = table.rows(), table.inverse()
     rows.flags.writeable = inverse.flags.writeable = False
     return table, rows, inverse
 
 
-def _causal_work(batch: CollatedPack, table: RunTable, stream_len: int) -> list[float]:
-    """Per-rank work of :func:`cpdata.layouts.causal_work`, O(runs * B + slots), never per token.
+@functools.lru_cache(maxsize=64)
+def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive positions in each rank's row of a layout that ignores the documents.
 
-    A real token at offset ``o`` of its piece attends to ``o + 1`` keys of this
-    pack; pads cost 0. Runs that know their document (``thd``, ``balanced``)
-    are costed in closed form (:meth:`RunTable.causal_work`). The few runs of
-    the other layouts (2 per rank at most) are costed as ``W(stop) - W(first)``,
-    ``W(g)`` the work of stream positions ``< g`` (found by one search over the
-    slot starts); bshd rows repeat the runs every ``S``.
+    Found once from the cached rows and repeated every ``stream_len`` for the
+    ``n_rows`` bshd rows. Returns the stream positions of the runs' first
+    tokens then of their ends (int64 ``[2 * runs]``, runs grouped by rank) and
+    the index of each rank's first run (int64 ``[cp]``).
     """
-    real = batch.metadata["seq_lens"].astype(np.int64)
-    if table.doc is not None:
-        return table.causal_work(real).tolist()
-    slots = batch.metadata["seq_lens_padded"].astype(np.int64)
-    slot_starts = np.cumsum(slots) - slots
-    tri = real * (real + 1) // 2
-    before = np.cumsum(tri) - tri
+    rows = _static_layout(layout, cp_size, stream_len)[1]
+    repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
+    firsts, ends, group = [], [], []
+    for row in rows:
+        cut = np.flatnonzero(np.diff(row) != 1) + 1
+        group.append(sum(f.size for f in firsts))
+        firsts.append((repeats + row[np.concatenate([[0], cut])]).reshape(-1))
+        ends.append((repeats + row[np.concatenate([cut - 1, [row.size - 1]])] + 1).reshape(-1))
+    bounds, first_run = np.concatenate(firsts + ends), np.asarray(group, dtype=np.int64)
+    bounds.flags.writeable = first_run.flags.writeable = False
+    return bounds, first_run
 
-    def work_before(g: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(slot_starts, g, side="right") - 1
-        m = np.minimum(g - slot_starts[k], real[k])
-        return before[k] + m * (m + 1) // 2
 
-    first = table.starts.reshape(-1)
-    stop = first + table.sizes.reshape(-1)
-    offsets = np.arange(0, int(slots.sum()), stream_len, dtype=np.int64)[:, None]  # one per bshd row
-    per_run = (work_before(offsets + stop) - work_before(offsets + first)).sum(axis=0)
-    return per_run.reshape(table.cp_size, -1).sum(axis=1).astype(np.float64).tolist()
+def _causal_work(stream: Stream, layout: str, cp_size: int, stream_len: int) -> list[float]:
+    """Per-rank work of :func:`cpdata.layouts.causal_work` for a layout that ignores the documents.
+
+    A real token at offset ``o`` of its slot attends to ``o + 1`` keys; pads
+    cost 0. The few runs of these layouts (2 per rank at most, repeated every
+    ``S`` in bshd rows) are costed as ``W(end) - W(first)``, ``W(g)`` the work
+    of stream positions ``< g`` (one search over the slot starts): O(runs * B + slots).
+    """
+    bounds, first_run = _run_bounds(layout, cp_size, stream_len, stream.rows * stream.row_len // stream_len)
+    real, slot_starts = stream.real_lens, stream.slot_starts
+    twice = real * (real + 1)
+    k = slot_starts.searchsorted(bounds, side="right") - 1
+    m = np.minimum(bounds - slot_starts[k], real[k])
+    w = (twice.cumsum() - twice)[k] + m * (m + 1)  # 2 W(g)
+    half = w.size // 2
+    return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
 
 
 def _digest(batch: CollatedPack, layout: str, cp_size: int, ids: np.ndarray) -> int:
@@ -194,10 +203,11 @@ class ShardForRank(BaseNode[Any]):
             "max_seqlen": int(batch.metadata["max_seqlen"]),
             "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
             "pack_indices": [p.index for p in batch.plans],
-            "real_tokens": int(batch.metadata["seq_lens"].sum(dtype=np.int64)),
+            "real_tokens": stream.total,
             "pack_tokens": n_rows * pack_len,
             "n_documents": sum(len(p.columns) for p in batch.plans),
-            "causal_work": _causal_work(batch, table, stream_len),
+            "causal_work": table.causal_work(stream.real_lens).tolist() if self._dynamic
+            else _causal_work(stream, self.layout, self.cp_size, stream_len),
         }
         info["digest"] = _digest(batch, self.layout, self.cp_size, stream.ids)
         local = stream_len // self.cp_size
