@@ -77,7 +77,8 @@ def alignment(layout: str, cp_size: int) -> tuple[int, int]:
     return 1, 1
 
 
-def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
+def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, int]:
+    """Checked int64 ``[n]`` lengths and their sum."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     if isinstance(pack_len, bool) or not isinstance(pack_len, (int, np.integer)) or pack_len < 0:
         raise ValueError(f"pack_len must be a non-negative int, got {pack_len!r}")
@@ -90,7 +91,15 @@ def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarr
             f"seq_lens sum to {total} tokens, more than pack_len={pack_len}; "
             "raise the capacity or pack fewer documents"
         )
-    return lens
+    return lens, total
+
+
+def _absorb_tail(lens: np.ndarray, total: int, pack_len: int) -> np.ndarray:
+    if lens.size == 0:
+        return np.array([pack_len], dtype=np.int64) if pack_len else lens.copy()
+    slots = lens.copy()
+    slots[-1] += pack_len - total
+    return slots
 
 
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
@@ -98,15 +107,11 @@ def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.nda
 
     With no slots, the whole pack is one (padding) slot.
     """
-    lens = _as_lengths(seq_lens, pack_len).copy()
-    if lens.size == 0:
-        return np.array([pack_len], dtype=np.int64) if pack_len else lens
-    lens[-1] += pack_len - int(lens.sum())
-    return lens
+    return _absorb_tail(*_as_lengths(seq_lens, pack_len), pack_len)
 
 
-def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
-    slots = thd_slot_lens(lens, pack_len)
+def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.ndarray:
+    slots = _absorb_tail(lens, total, pack_len)
     bad = np.flatnonzero(slots % (2 * cp_size))
     if bad.size:
         i = int(bad[0])
@@ -125,7 +130,7 @@ def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray,
     ``balanced``) the causal work per rank, each in one vectorized pass.
     """
     _, pack_multiple = alignment(layout, cp_size)
-    lens = _as_lengths(seq_lens, pack_len)
+    lens, total = _as_lengths(seq_lens, pack_len)
     if pack_len % pack_multiple:
         raise ValueError(
             f"layout {layout!r} with cp_size={cp_size} needs pack_len to be a multiple of {pack_multiple}, "
@@ -136,7 +141,7 @@ def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray,
     if layout == "round_robin":
         return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False)
     if layout == "thd":
-        return head_tail_runs(_thd_slots(lens, pack_len, cp_size), cp_size, with_docs=True)
+        return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True)
     return balanced_runs(lens, pack_len, cp_size)
 
 
