@@ -7,15 +7,15 @@ counts is, per micro-batch *slot* ``m``, the largest cell cost of the slot.
 The placement makes the cells of one slot equally costly and every cell full:
 
 A. *Runs of outliers.* Pieces longer than half a pack (at most one per cell)
-   are sorted by length; a dynamic program (:func:`choose_runs`) cuts them
-   into runs of ``dp_size`` neighbours, one slot each, one piece per rank
-   (snake order across runs, so no rank collects every run's largest). A run
-   costs its spread in "effective" quadratic cost (a piece's own plus the most
-   its cell's leftover room can add); an outlier can instead wait for partners
-   of its size (``hold``: not yet overdue; cost :data:`HOLD_PENALTY` of a full
-   cell per step of age) or go loose into phase B (cost: what the cells of
-   its slot cannot match without an outlier). At most ``micro_batches`` runs,
-   fewer when overdue outliers need slots of their own.
+   are sorted by length; a dynamic program (:func:`~cpdata.schedule.runs.choose_runs`)
+   cuts them into runs of ``dp_size`` neighbours, one slot each, one piece per
+   rank (snake order across runs, so no rank collects every run's largest). A
+   run costs its spread in "effective" quadratic cost (a piece's own plus the
+   most its cell's leftover room can add); an outlier can instead wait for
+   partners of its size (``hold``: not yet overdue; cost :data:`HOLD_PENALTY`
+   of a full cell per step of age) or go loose into phase B (cost: what the
+   cells of its slot cannot match without an outlier). At most
+   ``micro_batches`` runs, fewer when overdue outliers need slots of their own.
 B. *Largest first into the largest gap.* The other pieces longer than
    ``capacity / FILLER_FRACTION``, overdue ones first, then by length
    descending, each go to the cell whose balancing key is furthest below its
@@ -38,83 +38,12 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.schedule.fill import fill_cells, first_fit
+from cpdata.schedule.runs import HOLD_PENALTY, choose_runs
 
 __all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
 
 FILLER_FRACTION = 16
 """Pieces of at most ``capacity / FILLER_FRACTION`` slot tokens are fillers (phase C)."""
-HOLD_PENALTY = 0.01
-"""Cost of letting an outlier wait one more step, as a share of a full cell's cost, times (1 + its age)."""
-
-
-def _runs(
-    order: np.ndarray, ek: np.ndarray, forced: np.ndarray, age: np.ndarray, *, dp_size: int, slots: int,
-    hold: bool, full_cost: float, flex: float,
-) -> tuple[list[np.ndarray], list[int]]:
-    """Choose runs among outliers (indices ``order``, longest first) by dynamic programming.
-
-    Each outlier either joins a run of ``dp_size`` neighbours in length order
-    (cost: the run's spread, ``sum(ek[top] - ek[j])``), waits (``hold`` and not
-    overdue; cost grows with its age) or goes loose to phase B (cost: what the
-    flexible cells of its slot cannot match, ``(dp_size - 1) * (ek - flex)``).
-    At most ``slots`` runs. Returns the runs and the loose pieces; the rest wait.
-    """
-    n, R = int(order.shape[0]), dp_size
-    slots = min(slots, n // R)  # more could not be used: the same optimum, fewer columns
-    e = ek[order]
-    pre = np.concatenate([[0.0], np.cumsum(e)]).tolist()
-    el = e.tolist()
-    loose_cost = [(R - 1) * max(0.0, x - flex) for x in el]
-    wait_cost = [HOLD_PENALTY * full_cost * (1 + int(a)) if hold and not f else np.inf
-                 for a, f in zip(age[order].tolist(), forced[order].tolist(), strict=True)]  # fmt: skip
-    inf = float("inf")
-    # best[i][k]: least cost for pieces i.. with k runs still allowed; choice[i][k]: 0 single, 1 run
-    best = [[0.0] * (slots + 1) for _ in range(n + 1)]
-    choice = [[0] * (slots + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        single = min(loose_cost[i], wait_cost[i])
-        for k in range(slots + 1):
-            b = single + best[i + 1][k]
-            c = 0
-            if k and i + R <= n:
-                run = R * el[i] - (pre[i + R] - pre[i]) + best[i + R][k - 1]
-                if run < b:
-                    b, c = run, 1
-            best[i][k] = b if b < inf else inf
-            choice[i][k] = c
-    runs: list[np.ndarray] = []
-    loose: list[int] = []
-    i, k = 0, slots
-    while i < n:
-        if choice[i][k]:
-            runs.append(order[i : i + R])
-            i, k = i + R, k - 1
-        else:
-            if loose_cost[i] <= wait_cost[i]:
-                loose.append(int(order[i]))
-            i += 1
-    return runs, loose
-
-
-def choose_runs(
-    slot: np.ndarray, key: np.ndarray, forced: np.ndarray, age: np.ndarray, todo: np.ndarray, *, capacity: int,
-    dp_size: int, slots: int, hold: bool, full_cost: float, quad: float,
-) -> tuple[list[np.ndarray], list[int]]:
-    """Phase A's decision alone: ``(runs, loose)`` among the outliers of ``todo``; the other outliers wait.
-
-    The planner calls it before a step to learn how many tokens will wait (and take more pieces instead).
-    """
-    C, R = capacity, dp_size
-    outlier = np.flatnonzero((2 * slot > C) & todo)
-    by_len = outlier[np.lexsort((outlier, -slot[outlier]))]
-    b = quad / float(C) ** 2
-    ek = key.copy()
-    ek[by_len] += b * (C - slot[by_len]).astype(np.float64) ** 2  # the most a cell's room can still add
-    # Overdue outliers that end up loose need cells without a run: keep ceil(overdue / R) slots free.
-    slots = max(0, slots - (-(-int(forced[outlier].sum()) // R)))
-    return _runs(by_len, ek, forced, age, dp_size=R, slots=slots, hold=hold, full_cost=full_cost, flex=quad / 2)
-
-
 def place_step(
     slot: np.ndarray,
     key: np.ndarray,
