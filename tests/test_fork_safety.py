@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,6 +35,25 @@ def test_jsonl_reads_from_many_threads_are_exact(tmp_path):
     for i, row in zip(order, got, strict=True):
         assert row.keys() == want[i].keys()
         assert all(np.array_equal(row[k], want[i][k]) for k in row)
+
+
+def test_threads_racing_on_the_first_read_share_one_handle(tmp_path):
+    """Eight threads make a fresh reader's first read at the same instant, 40 times: every row is read
+    exactly (a thread whose handle was replaced by another's would read through a closed or reused descriptor)."""
+    path = _write(tmp_path / "d.jsonl", n=64)
+    want = [open_dataset(path)[i] for i in range(8)]
+    for _ in range(40):
+        fresh = open_dataset(path)
+        start = threading.Barrier(8)
+
+        def read(i, fresh=fresh, start=start):
+            start.wait()
+            return fresh[i]
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(read, range(8)))
+        for row, ref in zip(got, want, strict=True):
+            assert all(np.array_equal(row[k], ref[k]) for k in ref)
 
 
 def _batches(ds, num_workers):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from array import array
@@ -79,6 +80,18 @@ def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) 
             f"{path}: document {index} has token id {int(ids[high])} at position {high}, >= vocab_size={vocab_size}; "
             "check the tokenizer or --vocab-size"
         )
+
+
+_OPEN_LOCK = threading.Lock()
+"""Serialises opening a reader's per-process file handle (a fresh lock in a forked child)."""
+
+
+def _fresh_open_lock() -> None:
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # a lock held by another thread at fork time would stay held in the child
+
+
+os.register_at_fork(after_in_child=_fresh_open_lock)
 
 
 class TokenizedDataset(ABC):
@@ -372,7 +385,10 @@ class JsonlDocuments(TokenizedDataset):
         """
         pid, opened = os.getpid(), self._file
         if opened is None or opened[0] != pid:
-            opened = self._file = (pid, open(self.path, "rb", buffering=0))
+            with _OPEN_LOCK:  # threads opening at once would each replace (and so close) the other's handle
+                opened = self._file
+                if opened is None or opened[0] != pid:
+                    opened = self._file = (pid, open(self.path, "rb", buffering=0))
         return opened[1]
 
     def _raw_row(self, i: int) -> bytes:
@@ -383,7 +399,8 @@ class JsonlDocuments(TokenizedDataset):
         """
         offset = int(self._offsets[i])
         end = int(self._offsets[i + 1]) if i + 1 < self._offsets.shape[0] else self._size
-        chunk = os.pread(self._handle().fileno(), end - offset, offset)
+        handle = self._handle()  # held for the read: a handle dropped mid-call would close its descriptor
+        chunk = os.pread(handle.fileno(), end - offset, offset)
         newline = chunk.find(b"\n")
         line = chunk if newline < 0 else chunk[: newline + 1]
         if zlib.crc32(line) != int(self._crcs[i]):
