@@ -28,16 +28,13 @@ the gather copies on first use, where the anchor computes its map on device.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import torch
 from torchdata.nodes import IterableWrapper
 
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard
 from cpdata.bench.distributions import sample
-from cpdata.bench.timing import bench_device
+from cpdata.bench.timing import alternating_medians, bench_device
 from cpdata.keys import STANDARD_TOKEN_KEYS
 
 __all__ = ["COLUMNS", "LocalMesh", "TABLE", "make_batches", "run"]
@@ -96,24 +93,6 @@ def _nbytes(tensors) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors))
 
 
-def _alternating_medians(fns, *, repeats: int, device: torch.device) -> list[float]:
-    """Median seconds of each of ``fns``, sampled alternately (one run of each per round, after two warm-up
-    rounds), so a change of load on a shared machine weighs on both sides of the ratio alike."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    samples: list[list[int]] = [[] for _ in fns]
-    for round_ in range(repeats + 2):
-        for fn, out in zip(fns, samples, strict=True):
-            if sync:
-                sync()
-            t0 = time.perf_counter_ns()
-            fn()
-            if sync:
-                sync()
-            if round_ >= 2:
-                out.append(time.perf_counter_ns() - t0)
-    return [statistics.median(s) / 1e9 for s in samples]
-
-
 def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: int) -> dict:
     from cpdata.sharder import ContextParallelSharder
 
@@ -141,7 +120,7 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
     def copy():
         return head.clone() if device.type == "cpu" else head.to(device, non_blocking=True)
 
-    anchor_s, ours_s, copy_s = _alternating_medians((anchor, ours, copy), repeats=repeats, device=device)
+    anchor_s, ours_s, copy_s = alternating_medians((anchor, ours, copy), repeats=repeats, device=device)
     lay = sharded.layout
     return {
         "layout": layout, "cp_size": cp_size, "tokens": tokens,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["bench_device", "describe_machine", "median_seconds"]
+__all__ = ["alternating_medians", "bench_device", "describe_machine", "median_seconds"]
 
 
 def bench_device() -> torch.device:
@@ -28,19 +28,38 @@ def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2, d
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got repeats={repeats}")
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+    sync = _sync(device)
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        t0 = time.perf_counter_ns()
-        fn()
-        if sync:
-            sync()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples) / 1e9
+    return statistics.median(_timed_ns(fn, sync) for _ in range(repeats)) / 1e9
+
+
+def alternating_medians(fns, *, repeats: int, device: torch.device | None = None) -> list[float]:
+    """Median seconds of each of ``fns``, sampled alternately (one run of each per round, after two warm-up
+    rounds), so a change of load on a shared machine weighs on both sides of a ratio alike."""
+    sync = _sync(device)
+    samples: list[list[int]] = [[] for _ in fns]
+    for round_ in range(repeats + 2):
+        for fn, out in zip(fns, samples, strict=True):
+            ns = _timed_ns(fn, sync)
+            if round_ >= 2:
+                out.append(ns)
+    return [statistics.median(s) / 1e9 for s in samples]
+
+
+def _sync(device: torch.device | None) -> Callable[[], None] | None:
+    return torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+
+
+def _timed_ns(fn: Callable[[], object], sync: Callable[[], None] | None) -> int:
+    """Nanoseconds of one ``fn()``, the device synchronised before and after when ``sync`` is given."""
+    if sync:
+        sync()
+    t0 = time.perf_counter_ns()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter_ns() - t0
 
 
 def _cpu_model() -> str:
