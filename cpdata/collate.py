@@ -88,8 +88,7 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
 
 def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     """Stream metadata only (``cu_seqlens`` & co., see the module docstring); O(slots), a few numpy calls."""
-    tables = slot_tables(plans)
-    return stream_metadata(tables.table[:, 2], tables.slot_lens)
+    return slot_tables(plans).metadata()
 
 
 def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

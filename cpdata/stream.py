@@ -44,6 +44,10 @@ class SlotTables:
     layout_lens: np.ndarray
     counts: list[int]
 
+    def metadata(self) -> dict[str, np.ndarray]:
+        """The stream metadata of these slots (:func:`stream_metadata`)."""
+        return stream_metadata(self.table[:, 2], self.slot_lens)
+
 
 def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
     """The plans' slot tables, checked: a few numpy calls per batch, whatever the number of slots.
@@ -153,14 +157,16 @@ class Stream:
     total: int  # T
 
 
-def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
+def build_stream(plans: Sequence[PackPlan], padding_token_id: int, slots: SlotTables | None = None) -> Stream:
     """The per-slot tables and concatenated piece arrays every rank of the batch gathers from.
 
     Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): the
     slot tables with a few numpy calls per batch (:func:`slot_tables`), then
-    one slice per piece and key and one ``concatenate`` per key.
+    one slice per piece and key and one ``concatenate`` per key. ``slots``:
+    :func:`slot_tables` of the same plans when already computed (the
+    ``Collate`` node's, carried by its :class:`~cpdata.nodes.collate.CollatedPack`).
     """
-    tables = slot_tables(plans)
+    tables = slot_tables(plans) if slots is None else slots
     capacity, table, slot_lens = tables.capacity, tables.table, tables.slot_lens
     starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
     slot_starts = slot_lens.cumsum()

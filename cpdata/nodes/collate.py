@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.collate import check_padding_token_id, check_qkv_format, collate_pack, pack_metadata
+from cpdata.collate import check_padding_token_id, check_qkv_format, collate_pack
 from cpdata.plan import PackPlan
 from cpdata.state_version import check_saved_config, check_state_version
+from cpdata.stream import SlotTables, slot_tables
 
 __all__ = ["Collate", "CollatedPack"]
 
@@ -37,6 +38,8 @@ class CollatedPack:
     """``input_ids`` value on pads."""
     metadata: dict[str, np.ndarray]
     """Stream metadata (``cu_seqlens`` & co.), see :mod:`cpdata.collate`."""
+    slots: SlotTables | None = None
+    """The plans' checked slot tables the metadata came from (reused by ``ShardForRank``'s stream); None: not kept."""
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -102,12 +105,14 @@ class Collate(BaseNode[CollatedPack]):
                 self._exhausted = True  # a short last batch; do not pull an exhausted source again
         if not plans:
             raise StopIteration
+        slots = slot_tables(plans)
         return CollatedPack(
             plans=tuple(plans),
             pack_len=plans[0].capacity,
             qkv_format=self.qkv_format,
             padding_token_id=self.padding_token_id,
-            metadata=pack_metadata(plans),
+            metadata=slots.metadata(),
+            slots=slots,
         )
 
     def get_state(self) -> dict[str, Any]:

@@ -191,7 +191,7 @@ class ShardForRank(BaseNode[Any]):
         n_rows, pack_len = batch.row_shape
         self._check_rows(n_rows, batch.qkv_format)
         stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
-        stream = build_stream(batch.plans, batch.padding_token_id)
+        stream = build_stream(batch.plans, batch.padding_token_id, batch.slots)
         if self._dynamic:
             table = layout_runs(self.layout, self.cp_size, stream.layout_lens, stream_len)
             fixed = None
