@@ -64,7 +64,7 @@ def test_a_worker_reads_only_its_packs_and_restores_without_reading(plan, monkey
     plans = PrecomputedPacks(path, store)
     read: list[int] = []
     original = PrecomputedPacks.plan
-    monkeypatch.setattr(PrecomputedPacks, "plan", lambda self, i: read.append(i) or original(self, i))
+    monkeypatch.setattr(PrecomputedPacks, "plan", lambda self, i, epoch=None: read.append(i) or original(self, i, epoch))
     node = _WorkerPacks(plans, offset=1, stride=3, batch_size=2)
     items = list(node)
     batches = range(1, -(-len(plans) // 2), 3)  # batches 1, 4, 7, ... of two packs each

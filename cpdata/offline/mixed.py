@@ -12,9 +12,20 @@ the node's stream), so a plan over it packs what the streaming loader packs. Cos
 document (0.75 s for 670K draws from two 500K lists, lengths included) and
 12 bytes per document.
 
+Epochs: the mix draws other documents in every epoch (the draws are a function
+of ``(seed, epoch)``), so one epoch's listing is that epoch only.
+``MixedDataset(mix, epochs=n)`` lists epochs ``0 .. n - 1`` one after the
+other (``epoch_starts``: where each begins); ``precompute(..., epochs=n)``
+plans each of them as the loader packs it, and ``PrecomputedPacks`` serves
+epoch ``e`` from its own packs and refuses epoch ``n`` (naming the fix)
+rather than serving an earlier epoch's draws again. A global ``schedule=``
+(live or precomputed with ``dp_size``) plans epoch 0's draws every epoch
+(``shuffle=True`` reorders them per epoch): a policy of schedules, whose
+lengths are planned once; ``cpdata precompute`` prints it, and the manifest
+of such a plan has no ``epochs`` entry (every epoch is the one planned).
+
 A stream source (re-iterable, node) or ``stop="never"`` (an endless mix) is
-refused, naming the fix. A schedule plans these documents every epoch
-(``shuffle=True`` reorders them per epoch; the draws themselves stay epoch 0's).
+refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -101,18 +112,28 @@ def _keys(source: Any) -> set[str]:
 
 
 class MixedDataset(TokenizedDataset):
-    """One epoch of a mix, in draw order, as a :class:`~cpdata.offline.datasets.TokenizedDataset` (module docstring).
+    """Epochs of a mix, in draw order, as a :class:`~cpdata.offline.datasets.TokenizedDataset` (module docstring).
+
+    Args:
+        mixed: the mix.
+        epoch: the first epoch listed.
+        epochs: epochs listed one after the other (``epoch .. epoch + epochs - 1``).
 
     Attributes:
         mix: the :class:`~cpdata.nodes.mix.Mix` it lists.
         source_id: int32 ``[n]`` index into ``mix.names`` of each document's source.
         index: int64 ``[n]`` the document's index in its source.
-        counts: ``{name: {"documents", "tokens"}}`` drawn from each source.
+        epoch_starts: int64 ``[epochs + 1]``: epoch ``epoch + e`` is items ``epoch_starts[e]:epoch_starts[e + 1]``.
+        counts: ``{name: {"documents", "tokens"}}`` drawn from each source, every epoch listed together.
+        epoch_counts: the same per epoch listed.
     """
 
     kind = "mix"
 
-    def __init__(self, mixed: Mix, epoch: int = 0) -> None:
+    def __init__(self, mixed: Mix, epoch: int = 0, epochs: int = 1) -> None:
+        for what, value, low in (("epoch", epoch, 0), ("epochs", epochs, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
         if mixed.stop == "never":
             raise ValueError(
                 f"a mix with stop='never' is endless, but {_WHY}; pass stop='first_exhausted' or 'all_exhausted'"
@@ -124,22 +145,30 @@ class MixedDataset(TokenizedDataset):
                 "cpdata.open_dataset(path) or a datasets.Dataset, or stream the mix (schedule=None, no precompute)"
             )
         super().__init__(Path(f"mix({','.join(mixed.names)})"))
-        self.mix, self.epoch = mixed, int(epoch)
+        self.mix, self.epoch, self.epochs = mixed, int(epoch), int(epochs)
         self.labels_alignment = mixed.labels_alignment
         self._sources = [mixed.readers[n].source for n in mixed.names]
         per_source = [_source_lengths(n, s) for n, s in zip(mixed.names, self._sources, strict=True)]
         sizes = np.array([len(s) for s in self._sources], dtype=np.int64)
-        self.source_id, self.index = draw_order(mixed, sizes, self.epoch)
+        orders = [draw_order(mixed, sizes, e) for e in range(self.epoch, self.epoch + self.epochs)]
+        self.source_id = np.concatenate([ids for ids, _ in orders])
+        self.index = np.concatenate([index for _, index in orders])
+        self.epoch_starts = np.concatenate([[0], np.cumsum([ids.shape[0] for ids, _ in orders])]).astype(np.int64)
         lengths = np.zeros(self.index.shape[0], dtype=np.int64)
         for k, arr in enumerate(per_source):
             mask = self.source_id == k
             lengths[mask] = arr[self.index[mask]]
         self._lengths = lengths
-        picks = [self.source_id == k for k in range(len(mixed.names))]
-        self.counts = {n: {"documents": int(pick.sum()), "tokens": int(lengths[pick].sum())}
-                       for n, pick in zip(mixed.names, picks, strict=True)}  # fmt: skip
+        self.epoch_counts = [self._counts(slice(int(lo), int(hi)))
+                             for lo, hi in zip(self.epoch_starts[:-1], self.epoch_starts[1:], strict=True)]  # fmt: skip
+        self.counts = self._counts(slice(None))
         self.serves_tokens = all(getattr(s, "serves_tokens", True) for s in self._sources)
         self.per_token_keys = frozenset().union(*(_keys(s) for s in self._sources))
+
+    def _counts(self, rows: slice) -> dict[str, dict[str, int]]:
+        ids, lengths = self.source_id[rows], self._lengths[rows]
+        return {n: {"documents": int((ids == k).sum()), "tokens": int(lengths[ids == k].sum())}
+                for k, n in enumerate(self.mix.names)}  # fmt: skip
 
     @property
     def lengths(self) -> np.ndarray:
@@ -160,15 +189,17 @@ class MixedDataset(TokenizedDataset):
         for source in self._sources:
             checksum = getattr(source, "checksum", None)
             parts.append(checksum() if callable(checksum) else source_fingerprint(source))
-        return hashlib.sha256(json.dumps([self.mix.config, self.epoch, parts]).encode()).hexdigest()
+        epochs = self.epoch if self.epochs == 1 else [self.epoch, self.epochs]  # one epoch: as before epochs=
+        return hashlib.sha256(json.dumps([self.mix.config, epochs, parts]).encode()).hexdigest()
 
     def fingerprint(self) -> str:
-        return f"{self.mix.fingerprint()}:{self.epoch}"
+        return f"{self.mix.fingerprint()}:{self.epoch}" + ("" if self.epochs == 1 else f"+{self.epochs}")
 
     def check_unchanged(self) -> None:
         self.mix.check_unchanged()
 
 
-def as_mixed_dataset(source: Any) -> Any:
-    """``source`` as a :class:`MixedDataset` (epoch 0) when it is a :class:`~cpdata.nodes.mix.Mix`, else unchanged."""
-    return MixedDataset(source) if isinstance(source, Mix) else source
+def as_mixed_dataset(source: Any, epochs: int = 1) -> Any:
+    """``source`` as a :class:`MixedDataset` (epochs ``0 .. epochs - 1``) when it is a
+    :class:`~cpdata.nodes.mix.Mix`, else unchanged."""
+    return MixedDataset(source, epochs=epochs) if isinstance(source, Mix) else source

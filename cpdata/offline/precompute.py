@@ -69,6 +69,26 @@ def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray
     return out
 
 
+def _check_epochs(epochs: Any, dataset: Any, dp_size: int | None) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    if epochs == 1:
+        return
+    from cpdata.nodes.mix import Mix
+
+    if not isinstance(dataset, Mix):
+        raise ValueError(
+            f"epochs={epochs} plans the epochs of a cpdata.mix, which draws other documents every epoch; this "
+            f"dataset ({type(dataset).__name__}) is not a mix: it gives the same packs every epoch; precompute it "
+            "once (epochs=1) and serve that plan every epoch"
+        )
+    if dp_size is not None:
+        raise ValueError(
+            f"epochs={epochs} with dp_size={dp_size}: a global schedule over a mix plans epoch 0's draws for every "
+            "epoch, as build_loader(schedule=...) does; leave epochs out, or drop dp_size to plan each epoch's draws"
+        )
+
+
 def _first_targets(
     dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
 ) -> np.ndarray | None:
@@ -84,6 +104,37 @@ def _first_targets(
             out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
             bar.update()
     return out
+
+
+def _plan_epochs(lengths: np.ndarray, starts: np.ndarray, firsts: np.ndarray | None, **plan_kw: Any) -> Any:
+    """Each epoch ``lengths[starts[e]:starts[e + 1]]`` planned on its own (as the loader packs one epoch per
+    ``iter()``), as one :class:`~cpdata.packing.PackingResult` whose ``doc_index`` counts over every epoch,
+    and the first pack of each epoch (int64 ``[epochs + 1]``)."""
+    from cpdata.packing import PackingResult, PackingStats, plan_lengths
+
+    parts = [
+        plan_lengths(lengths[lo:hi], first_target=None if firsts is None else firsts[lo:hi], **plan_kw)
+        for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)
+    ]
+    if len(parts) == 1:
+        return parts[0], np.array([0, parts[0].n_packs], dtype=np.int64)
+    pack_starts = np.concatenate([[0], np.cumsum([r.n_packs for r in parts])]).astype(np.int64)
+    piece_starts = np.cumsum([0] + [int(r.doc_index.shape[0]) for r in parts])
+    offsets = [np.asarray(r.pack_offsets[:-1], dtype=np.int64) + base for r, base in zip(parts, piece_starts, strict=False)]
+    counted = [f.name for f in dataclasses.fields(PackingStats)
+               if f.name not in ("capacity", "padding_pct", "lower_bound_pct", "epoch", "sources")]  # fmt: skip
+    stats = PackingStats.from_counts(capacity=parts[0].stats.capacity,
+                                     **{k: sum(int(getattr(r.stats, k)) for r in parts) for k in counted})  # fmt: skip
+    result = PackingResult(
+        pack_offsets=np.concatenate([*offsets, [piece_starts[-1]]]).astype(np.int64),
+        doc_index=np.concatenate([np.asarray(r.doc_index) + lo for r, lo in zip(parts, starts.tolist(), strict=False)]),
+        doc_start=np.concatenate([r.doc_start for r in parts]),
+        doc_len=np.concatenate([r.doc_len for r in parts]),
+        slot_len=np.concatenate([r.slot_len for r in parts]),
+        stats=stats,
+        config=parts[0].config,
+    )  # fmt: skip
+    return result, pack_starts
 
 
 def precompute(
@@ -105,6 +156,7 @@ def precompute(
     micro_batches: int = 1,
     schedule: str = "balanced",
     max_delay: int = 0,
+    epochs: int = 1,
 ) -> PackStore:
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
@@ -132,20 +184,26 @@ def precompute(
         vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
             ids are always refused. Both are checked before planning, naming
             the document, so a bad id never reaches a written plan.
+        epochs: with a :func:`cpdata.mix` dataset (no ``dp_size``): plan epochs ``0 .. epochs - 1``, each over
+            the documents the mix draws in that epoch and packed on its own, as the loader packs epoch after
+            epoch (one per ``iter()``); ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch
+            ``epochs``. The manifest's ``epochs`` lists each epoch's first pack and per-source counts. Any
+            other dataset gives the same packs every epoch: one plan serves them all.
 
     Returns:
         The written directory, opened and verified.
     """
-    from cpdata.packing import PackingConfig, plan_lengths
+    from cpdata.packing import PackingConfig
 
     check_layout(layout, cp_size)
     # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
     PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
                           seed=seed, window=window)  # fmt: skip
     labels_alignment = check_labels_alignment(labels_alignment)
+    _check_epochs(epochs, dataset, dp_size)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = as_mixed_dataset(indexed_hf_documents(dataset))
+    dataset = as_mixed_dataset(indexed_hf_documents(dataset), epochs=epochs)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
@@ -167,9 +225,10 @@ def precompute(
         if micro_batches != 1 or max_delay:
             raise ValueError("micro_batches and max_delay shape a global schedule: pass dp_size= with them")
         firsts = _first_targets(dataset, labels_alignment, progress)
-        result = plan_lengths(
-            lengths, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
-            seed=seed, window=window, first_target=firsts,
+        starts = getattr(dataset, "epoch_starts", np.array([0, lengths.shape[0]], dtype=np.int64))
+        result, epoch_packs = _plan_epochs(
+            lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
+            overflow=overflow, seed=seed, window=window,
         )  # fmt: skip
     else:
         from cpdata.nodes.scheduled import SCHEDULES
@@ -251,6 +310,9 @@ def precompute(
     if isinstance(dataset, MixedDataset):  # what the mix drew from each source, as Pack.stats.sources online
         manifest["stats"]["sources"] = dataset.counts
         manifest["input"]["mix"] = dataset.mix.config
+        if schedule_info is None:  # the mix draws other documents every epoch: each planned epoch has its packs
+            manifest["epochs"] = {"count": dataset.epochs, "first_pack": epoch_packs.tolist(),
+                                  "sources": dataset.epoch_counts}  # fmt: skip
     if schedule_info is not None:
         manifest["schedule"] = schedule_info
     arrays: Mapping[str, np.ndarray] = {**plan_arrays, "pack_tokens": pack_tokens, "rank_work": work}

@@ -35,6 +35,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mix-stop", default="first_exhausted",
                    help="with --mix: first_exhausted (default), all_exhausted (smaller sources repeat)")
     p.add_argument("--mix-seed", type=int, default=0, help="with --mix: seed of the draws (default 0)")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="with --mix: epochs to plan, each over that epoch's draws (default 1; PrecomputedPacks "
+                   "refuses a later epoch)")  # fmt: skip
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks the packs are laid out for")
     p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
@@ -143,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         vocab_size=args.vocab_size,
         labels_alignment=args.labels_alignment,
+        epochs=args.epochs,
     )
     m = store.manifest
     stats = m["stats"]
@@ -156,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         drawn = ", ".join(f"{name} {c['documents']} documents ({c['tokens']} tokens)"
                           for name, c in stats["sources"].items())  # fmt: skip
         print(f"mix ({m['input']['mix']['stop']}): {drawn}")
+        if "epochs" in m:
+            print(f"mix epochs planned: {m['epochs']['count']} (each over its own draws; serving a later epoch "
+                  "is refused: re-run with a larger --epochs)")  # fmt: skip
+        else:
+            print("mix schedule: epoch 0's draws are planned once and served every epoch, as "
+                  "build_loader(schedule=...) does")  # fmt: skip
     if "schedule" in m:
         sc = m["schedule"]
         print(f"schedule: {sc['num_steps']} steps x {sc['dp_size']} DP ranks x {sc['micro_batches']} micro-batches "

@@ -19,6 +19,15 @@ the caller asks, or whose manifest or any array fails its checksum.
 A document cut into several pieces is read and validated once while its
 pieces follow one another, not once per piece (see :meth:`PrecomputedPacks._document`).
 
+Epochs: a plan of a :func:`cpdata.mix` holds the epochs it was precomputed
+for (``precompute(..., epochs=n)``, default 1), each with its own packs over
+the documents the mix draws in that epoch; the node serves epoch ``e`` (counted
+per fresh ``reset()``, or :meth:`PrecomputedPacks.set_epoch`) from epoch ``e``'s
+packs and refuses epoch ``n`` with ``ValueError`` naming the fix, never serving an
+earlier epoch's draws as a later one's. Any other plan (one dataset, or a
+schedule, which plans a mix's epoch-0 draws for every epoch) is served whole
+every epoch, as the loader packs it.
+
 Data parallelism, global schedule (``cpdata precompute --dp-size R --micro-batches M``):
 the plan holds ``num_steps x R x M`` packs in (step, rank, micro-batch) order;
 rank ``dp_rank`` serves its ``num_steps x M`` packs (every rank the same
@@ -51,7 +60,7 @@ from cpdata.plan import DocPiece, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
 from cpdata.targets import LabelsAlignment, declared_alignment, piece_arrays
 
-__all__ = ["PrecomputedPacks"]
+__all__ = ["EpochCount", "PrecomputedPacks"]
 
 
 class _Documents(Protocol):
@@ -95,6 +104,40 @@ def _check_expected(store: PackStore, name: str, expected: object) -> None:
         )
 
 
+class EpochCount:
+    """The epoch a node serves: 0 at first, +1 at each later fresh ``reset()``, or what :meth:`set` named."""
+
+    def __init__(self, start: int | None = None) -> None:
+        self.epoch, self._next, self._started = 0, None, False
+        if start is not None:
+            self.set(start)
+
+    def set(self, epoch: int) -> None:
+        """The next fresh start is ``epoch`` (as ``DistributedSampler.set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._next = int(epoch)
+
+    def start(self, restored: int | None = None) -> int:
+        """A ``reset()``: the restored state's epoch, else the next epoch; returns it."""
+        if restored is not None:
+            self.epoch = int(restored)
+        elif self._next is not None:
+            self.epoch, self._next = self._next, None
+        elif self._started:
+            self.epoch += 1
+        self._started = True
+        return self.epoch
+
+
+def _planned_epochs(store: PackStore) -> np.ndarray | None:
+    """int64 ``[epochs + 1]``: the first pack of each epoch of a mix's plan; None for a plan served every epoch."""
+    if "mix" not in store.manifest["input"] or "schedule" in store.manifest:
+        return None
+    planned = store.manifest.get("epochs", {"first_pack": [0, store.n_packs]})  # a plan from before epochs=: one
+    return np.asarray(planned["first_pack"], dtype=np.int64)
+
+
 class PrecomputedPacks(BaseNode[PackPlan]):
     """Emit the plan directory's packs as :class:`~cpdata.plan.PackPlan`, in order.
 
@@ -112,15 +155,16 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             refused when the plan was precomputed under another one.
         verify: check every array's sha256 on open (reads each array once).
 
-    State: ``{"version", "manifest_sha256", "dp", "pack_index"}``. A state from
+    State: ``{"version", "manifest_sha256", "dp", "epoch", "pack_index"}``. A state from
     another plan, DP split or version is refused.
     """
 
     VERSION_KEY = "version"
     DIGEST_KEY = "manifest_sha256"
     DP_KEY = "dp"
+    EPOCH_KEY = "epoch"
     INDEX_KEY = "pack_index"
-    VERSION = 1
+    VERSION = 2  # 2: the epoch (a mix plan's epochs have their own packs)
 
     def __init__(
         self,
@@ -141,8 +185,9 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
-        documents = as_mixed_dataset(indexed_hf_documents(documents))
         self.store = read_store(path, verify=verify)
+        self._epochs = _planned_epochs(self.store)
+        documents = as_mixed_dataset(indexed_hf_documents(documents), epochs=self.epochs or 1)
         _check_expected(self.store, "cp_size", cp_size)
         _check_expected(self.store, "layout", layout)
         _check_documents(self.store, documents)
@@ -155,6 +200,8 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 f"`cpdata precompute ... --labels-alignment {self.labels_alignment}`"
             )
         self.documents = documents
+        self._first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
+        """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.vocab_size = vocab_size
         self.capacity = int(self.store.config["capacity"])
@@ -165,14 +212,48 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 f"dp_size={self.dp_size}; serve it with the DP size it was planned for, or re-run "
                 f"`cpdata precompute ... --dp-size {self.dp_size}`"
             )
-        self._index = 0
+        self._index, self._clock = 0, EpochCount()
         self._open: tuple[int, Mapping[str, np.ndarray]] | None = None  # a document whose pieces go on
 
+    @property
+    def epochs(self) -> int | None:
+        """Epochs the plan holds (a mix's plan), or None: the same packs every epoch."""
+        return None if self._epochs is None else len(self._epochs) - 1
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served (0-based; counts on across fresh ``reset()`` calls and restores)."""
+        return self._clock.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next fresh ``reset()`` start epoch ``epoch`` (a process that rebuilds the node every epoch)."""
+        self._clock.set(epoch)
+
+    def check_epoch(self, epoch: int) -> None:
+        """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
+        if self.epochs is not None and epoch >= self.epochs:
+            raise ValueError(
+                f"plan {self.store.path} holds {self.epochs} epoch(s) of its mix, this is epoch {epoch}: the mix draws "
+                f"other documents every epoch, so epoch {epoch} has no precomputed packs; run `cpdata precompute ... "
+                f"--epochs {epoch + 1}` (or more) for the epochs you train, or stream the mix with build_loader"
+            )
+
+    def _epoch_packs(self, epoch: int) -> tuple[int, int]:
+        """``(first, count)``: the plan's packs of ``epoch``."""
+        if self._epochs is None:
+            return 0, self.store.n_packs
+        self.check_epoch(epoch)
+        return int(self._epochs[epoch]), int(self._epochs[epoch + 1] - self._epochs[epoch])
+
     def __len__(self) -> int:
-        """Packs this DP rank serves per epoch (equal for every rank)."""
+        """Packs this DP rank serves in the current epoch (equal for every rank)."""
+        return self.packs_in(self._clock.epoch)
+
+    def packs_in(self, epoch: int) -> int:
+        """Packs this DP rank serves in ``epoch``."""
         if self._schedule is not None:
             return int(self._schedule["num_steps"]) * int(self._schedule["micro_batches"])
-        return self.store.n_packs // self.dp_size
+        return self._epoch_packs(epoch)[1] // self.dp_size
 
     def _check_unchanged(self) -> None:
         """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
@@ -185,10 +266,10 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             )
         check_source_unchanged(self.documents, None)
 
-    def _pack_id(self, index: int) -> int:
-        """Row of this rank's ``index``-th pack in the plan."""
+    def _pack_id(self, index: int, epoch: int) -> int:
+        """Row of this rank's ``index``-th pack of ``epoch`` in the plan."""
         if self._schedule is None:
-            return index * self.dp_size + self.dp_rank
+            return self._epoch_packs(epoch)[0] + index * self.dp_size + self.dp_rank
         step, micro_batch = divmod(index, int(self._schedule["micro_batches"]))
         return (step * self.dp_size + self.dp_rank) * int(self._schedule["micro_batches"]) + micro_batch
 
@@ -201,6 +282,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         self._check_unchanged()
         if initial_state is None:
             self._index = 0
+            self.check_epoch(self._clock.start())
             return
         check_state_version("PrecomputedPacks", initial_state, self.VERSION_KEY, self.VERSION)
         digest = initial_state.get(self.DIGEST_KEY)
@@ -214,9 +296,15 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 f"PrecomputedPacks state was saved as [dp_rank, dp_size]={initial_state.get(self.DP_KEY)}, this node "
                 f"is {self._dp()}; resume with the same data-parallel split"
             )
+        epoch = initial_state.get(self.EPOCH_KEY)
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"PrecomputedPacks state has epoch={epoch!r}, expected an int >= 0")
+        self.check_epoch(int(epoch))
         index = initial_state.get(self.INDEX_KEY)
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= len(self):
-            raise ValueError(f"PrecomputedPacks state has pack_index={index!r}, expected 0..{len(self)}")
+        n = self.packs_in(int(epoch))
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= n:
+            raise ValueError(f"PrecomputedPacks state has pack_index={index!r}, expected 0..{n}")
+        self._clock.start(int(epoch))
         self._index = int(index)
 
     def next(self) -> PackPlan:
@@ -226,12 +314,16 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         self._index += 1
         return plan
 
-    def plan(self, index: int) -> PackPlan:
-        """The ``index``-th pack of this DP rank's stream (random access, O(pack))."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{len(self) - 1}")
+    def plan(self, index: int, epoch: int | None = None) -> PackPlan:
+        """The ``index``-th pack of this DP rank's stream in ``epoch`` (default: the current one; random access,
+        O(pack))."""
+        epoch = self._clock.epoch if epoch is None else int(epoch)
+        n = self.packs_in(epoch)
+        if not 0 <= index < n:
+            raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
         a = self.store.arrays
-        rows = self.store.pack_slice(self._pack_id(index))
+        rows = self.store.pack_slice(self._pack_id(index, epoch))
+        base = int(self._first_document[epoch]) if self._epochs is not None else 0
         pieces = []
         for j in range(rows.start, rows.stop):
             doc, start, length = int(a["doc_index"][j]), int(a["doc_start"][j]), int(a["doc_len"][j])
@@ -246,7 +338,7 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             next_label = int(arrays[INPUT_IDS][end]) if a["continues"][j] else IGNORE_INDEX
             pieces.append(
                 DocPiece(
-                    index=doc,
+                    index=doc - base,
                     start=start,
                     arrays=piece_arrays(arrays, start, length, bool(a["continues"][j])),
                     next_label=next_label,
@@ -296,5 +388,6 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             self.VERSION_KEY: self.VERSION,
             self.DIGEST_KEY: self.store.digest,
             self.DP_KEY: self._dp(),
+            self.EPOCH_KEY: self._clock.epoch,
             self.INDEX_KEY: self._index,
         }
