@@ -33,6 +33,11 @@ Counters: :attr:`Mix.counts` (``{name: {"documents", "tokens"}}``: what this
 DP rank drew from each source this epoch, before packing drops anything),
 also in ``Pack.stats.sources``.
 
+Errors: a bad document is named by its source and its index there
+(``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch 0):
+'input_ids' must be >= 0 ..."``, :meth:`Mix.describe_document`), not by its
+position in the mixed stream.
+
 State: the epoch, the draw count, each source's position and pass (a node
 source's own state), the counters and the configuration; a state from another
 configuration is refused. :meth:`Mix.fingerprint` covers every source (see
@@ -234,6 +239,23 @@ class Mix(BaseNode[dict]):
             self.COUNTS_KEY: {n: list(c) for n, c in self._counts.items()},
             self.READERS_KEY: {name: reader.state() for name, reader in self.readers.items()},
         }
+
+    def describe_document(self, j: int) -> str:
+        """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
+        ['a', 'b'], draw 7 of epoch 0)"``; errors about the ``j``-th document of the mixed stream say this
+        instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy."""
+        k, c = self._draws.locate(self._epoch, int(j))
+        name = self.names[k]
+        reader = self.readers[name]
+        size = reader.size
+        if size is None and reader.passes:  # a stream read again since a resume from an older state
+            return (f"a document of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
+                    f"{self._epoch}; its index in the source is unknown)")  # fmt: skip
+        passes = 0 if not size else c // size
+        index = c if not size else c % size
+        again = f", pass {passes} over it" if passes else ""
+        return (f"document {index} of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
+                f"{self._epoch}{again})")  # fmt: skip
 
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:

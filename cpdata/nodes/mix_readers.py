@@ -58,6 +58,15 @@ class Draws:
             self._block = (epoch, b, self.block(epoch, b))
         return int(self._block[2][j % BLOCK])
 
+    def locate(self, epoch: int, j: int) -> tuple[int, int]:
+        """``(k, c)``: draw ``j`` of ``epoch`` picks source ``k``, whose ``c``-th draw it is (0-based, counted
+        over passes). O(j) numpy (one block per 4096 draws); the block cache of ``__call__`` is left alone."""
+        b, r = divmod(j, BLOCK)
+        last = self.block(epoch, b)
+        k = int(last[r])
+        before = sum(int(np.count_nonzero(self.block(epoch, x) == k)) for x in range(b))
+        return k, before + int(np.count_nonzero(last[:r] == k))
+
 
 def document_tokens(item: Any) -> int:
     """Tokens of a source item (``len(input_ids)``), 0 for anything malformed (``Documents`` refuses it later)."""
@@ -79,6 +88,7 @@ class SourceReader:
     POSITION_KEY = "position"
     PASSES_KEY = "passes"
     SOURCE_KEY = "source"
+    SIZE_KEY = "size"
 
     def __init__(self, name: str, source: Any) -> None:
         self.name = name
@@ -91,6 +101,8 @@ class SourceReader:
             raise ValueError(f"mix source {name!r} is empty (0 documents); leave it out of the mix")
         self.position = 0
         self.passes = 0
+        self.size: int | None = len(self.source) if self.kind == "sequence" else None
+        """Documents per pass: a sequence's length, a stream's once it ran out (None before)."""
         self._it: Any = None
 
     def __len__(self) -> int:
@@ -103,10 +115,14 @@ class SourceReader:
         """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""
         self.position = 0 if state is None else int(state[self.POSITION_KEY])
         self.passes = 0 if state is None else int(state[self.PASSES_KEY])
+        if state is not None and state.get(self.SIZE_KEY) is not None:
+            self.size = int(state[self.SIZE_KEY])
         self._open(None if state is None else state.get(self.SOURCE_KEY))
 
     def new_pass(self) -> None:
         """The source ran out: start reading it again from its beginning."""
+        if self.size is None:
+            self.size = self.position
         self.passes += 1
         self.position = 0
         self._open(None)
@@ -147,6 +163,8 @@ class SourceReader:
         out: dict[str, Any] = {self.POSITION_KEY: self.position, self.PASSES_KEY: self.passes}
         if self.kind == "node":
             out[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+        if self.kind != "sequence" and self.size is not None:
+            out[self.SIZE_KEY] = self.size  # a stream's documents per pass, known once it ran out
         return out
 
     def __getstate__(self) -> dict[str, Any]:

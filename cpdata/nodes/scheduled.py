@@ -41,6 +41,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.scheduled_rows import EpochRows, check_dp_share, source_lengths
 from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
@@ -213,7 +214,11 @@ class ScheduledPacks(BaseNode[PackPlan]):
             item = self.source[index]
         except Exception as exc:
             raise type(exc)(f"reading document {index} from the source failed: {exc}") from exc
-        arrays = to_document(item, index, self.vocab_size, self.labels_alignment).arrays
+        try:
+            arrays = to_document(item, index, self.vocab_size, self.labels_alignment).arrays
+        except (TypeError, ValueError) as exc:
+            name_document_error(exc, self.source)  # a mix: document i of source 'b'
+            raise
         self.documents_read += 1
         n = int(arrays[INPUT_IDS].shape[0])
         if n != int(self.lengths[index]):

@@ -33,6 +33,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
 from cpdata.nodes.source_window import WindowReader
@@ -342,7 +343,11 @@ class Documents(WindowReader, BaseNode[Document]):
 
     def next(self) -> Document:
         index, item = self._next_item()
-        document = to_document(item, index, self.vocab_size, self.labels_alignment)
+        try:
+            document = to_document(item, index, self.vocab_size, self.labels_alignment)
+        except (TypeError, ValueError) as exc:
+            name_document_error(exc, self.source)  # a mix: document i of source 'b', not draw j
+            raise
         self._consumed += 1
         return document
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.source_kinds import with_index
 from cpdata.nodes.validate import Scratch, document_ids, plain_ids, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
@@ -45,6 +46,7 @@ class WindowReader:
     _permutation: Callable[[], np.ndarray]
     _next_item: Callable[[], tuple[int, Any]]
     _pass_ended: Callable[[], bool]
+    _epoch: int
 
     def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
         """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
@@ -77,6 +79,17 @@ class WindowReader:
         return min(max(limit - count, more), 1 << 14)
 
     def next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
+        """:meth:`_next_window`, its errors naming a document as ``next()`` does (a mix: document i of source
+        'b'; a window that ran into the next pass keeps the stream's index, which the source cannot place)."""
+        epoch = self._epoch
+        try:
+            return self._next_window(limit, floor, capacity)
+        except (TypeError, ValueError) as exc:
+            if self._epoch == epoch:
+                name_document_error(exc, self.source)
+            raise
+
+    def _next_window(self, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
         """The documents ``next()`` gives one by one until a packing window is full, validated together.
 
         A window is full with at least ``limit`` documents (None: never) and

@@ -177,12 +177,26 @@ class MixedDataset(TokenizedDataset):
     def _read(self, i: int) -> Any:
         return self._sources[int(self.source_id[i])][int(self.index[i])]
 
+    def describe_document(self, i: int) -> str | None:
+        """Where item ``i`` came from: ``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch
+        0)"`` (errors about item ``i`` say this instead, :mod:`cpdata.nodes.document_names`)."""
+        if not 0 <= i < self.index.shape[0]:
+            return None
+        k, e = int(self.source_id[i]), int(np.searchsorted(self.epoch_starts, i, side="right")) - 1
+        return (f"document {int(self.index[i])} of mix source {self.mix.names[k]!r} (source {k} of "
+                f"{self.mix.names}, draw {i - int(self.epoch_starts[e])} of epoch {self.epoch + e})")  # fmt: skip
+
     def check_token_ids(self, vocab_size: int | None = None) -> None:
-        """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read."""
-        for source in self._sources:
+        """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read.
+        An error names the source (its documents keep their own indices)."""
+        for name, source in zip(self.mix.names, self._sources, strict=True):
             check = getattr(source, "check_token_ids", None)
             if callable(check):
-                check(vocab_size)
+                try:
+                    check(vocab_size)
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"mix source {name!r} (source {self.mix.names.index(name)} of "
+                                    f"{self.mix.names}): {exc}") from exc  # fmt: skip
 
     def _compute_checksum(self) -> str:
         parts = []

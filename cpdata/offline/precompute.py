@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.layouts import alignment, check_layout
+from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.source import to_document
 from cpdata.offline.datasets import TokenizedDataset, open_dataset
 from cpdata.offline.hf_datasets import indexed_hf_documents
@@ -101,7 +102,11 @@ def _first_targets(
     out = np.empty(len(dataset), dtype=np.int64)
     with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
         for i in range(len(dataset)):
-            out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
+            try:
+                out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
+            except (TypeError, ValueError) as exc:
+                name_document_error(exc, dataset)  # a mix: document i of source 'b'
+                raise
             bar.update()
     return out
 

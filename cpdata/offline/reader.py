@@ -52,6 +52,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.fingerprint import check_source_unchanged
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.source import to_document
 from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.mixed import as_mixed_dataset
@@ -362,7 +363,11 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         if self._open is not None and self._open[0] == i:
             arrays = self._open[1]
         else:
-            arrays = to_document(self.documents[i], i, self.vocab_size, self.labels_alignment).arrays
+            try:
+                arrays = to_document(self.documents[i], i, self.vocab_size, self.labels_alignment).arrays
+            except (TypeError, ValueError) as exc:
+                name_document_error(exc, self.documents)  # a mix: document i of source 'b'
+                raise
             if more:
                 self._open = (i, arrays)
         if not more and self._open is not None and self._open[0] == i:
