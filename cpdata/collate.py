@@ -33,11 +33,14 @@ pack's own); ``"thd"`` gives the flat ``[B*S]`` stream.
 :func:`collate_rank` returns the same tensors restricted to one rank's
 positions (columns for BSHD, stream positions for THD) without building the
 full pack: each position maps to ``(slot, offset)`` through the slot of every
-stream position (one ``repeat``) and gathers from the concatenated piece
-arrays, which carry one trailing pad element so pads need no second pass. Cost
-per rank: O(real tokens) to concatenate the piece arrays, O(B*S) int64 writes
-for the slot map, plus O(local tokens) to gather; at 128K tokens and cp=8 the
-output is ~8x less than the full pack.
+stream position (one ``repeat``) and gathers from the batch's token buffer
+(:mod:`cpdata.token_buffer`: the packing window's arrays, concatenated once per
+window, or the batch's pieces concatenated), which ends with pad elements so
+pads need no second pass and follows each piece with its last token's target
+so next-token labels are one ``take``. Cost per rank: O(B*S) int64 writes for
+the slot map plus O(local tokens) to gather (plus O(real tokens) per batch when
+its pieces are concatenated); at 128K tokens and cp=8 the output is ~8x less
+than the full pack. :func:`collate_pack` is the one rank of ``cp_size=1``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, PADDING_MASK, POSITION_IDS
+from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 from cpdata.plan import PackPlan
 from cpdata.stream import Stream, build_stream, slot_tables, stream_metadata, stream_slot_lens
 
@@ -111,7 +114,10 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
 
     The slot of every stream position written once (``repeat``, O(B*S): 2-3x
     faster than a ``searchsorted`` per position at cp 4-8), one ``take`` of it
-    at ``positions``, then one ``take`` per key straight into its output.
+    at ``positions``, then one ``take`` per key straight from the token buffer
+    into its output. Next-token targets read the ids one further
+    (``ids[src + 1]``); each slot's last real token then gets its
+    ``next_label`` (pieces with their own labels read those instead).
     """
     k = out[DOCUMENT_IDS]
     slot_of = np.repeat(np.arange(stream.slot_lens.shape[0], dtype=np.int64), stream.slot_lens)  # [B*S]
@@ -119,13 +125,22 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     pad = np.greater_equal(positions, np.take(stream.real_ends, k), out=out[PADDING_MASK])
     src = np.take(stream.src_shift, k)
     src += positions
-    np.copyto(src, stream.total, where=pad)
-    np.take(stream.ids, src, out=out[INPUT_IDS], mode="clip")
-    np.take(stream.labels, src, out=out[LABELS], mode="clip")
+    np.copyto(src, stream.pad_at, where=pad)
+    buffer = stream.buffer
+    ids = np.take(buffer.ids, src, out=out[INPUT_IDS], mode="clip")
+    if stream.padding_token_id != buffer.ids[stream.pad_at]:
+        np.copyto(ids, stream.padding_token_id, where=pad)
+    labels = out[LABELS]
+    if buffer.labels is None:  # next-token targets: the element after each piece is its next_label
+        np.take(buffer.ids[1:], src, out=labels, mode="clip")  # pads read ids[W + 1] = -100
+    else:
+        np.take(buffer.labels, src, out=labels, mode="clip")
     position_ids = np.add(positions, np.take(stream.pos_shift, k), out=out[POSITION_IDS])
     np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
     for key, arr in stream.extras.items():
         np.take(arr, src, out=out[key], mode="clip")
+    if stream.derived_mask is not None:  # pieces without a loss mask: labels != -100
+        np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=np.take(stream.derived_mask, k))
 
 
 def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
@@ -170,29 +185,14 @@ def collate_pack(
 ) -> dict[str, np.ndarray]:
     """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata.
 
-    Built slot by slot (scatter of the real tokens into padded buffers), not by
-    the per-position lookup :func:`collate_rank` uses.
+    The one rank of ``cp_size=1``: :func:`collate_rank` at every position.
     """
-    stream = build_stream(plans, padding_token_id)
-    n = stream.rows * stream.row_len
     check_qkv_format(qkv_format)
-    shape = (stream.rows, stream.row_len) if qkv_format == "bshd" else (n,)
-    real_pos = np.arange(stream.total, dtype=np.int64) - np.repeat(stream.src_shift, stream.real_lens)
-    labels = stream.labels
-    concatenated = {INPUT_IDS: stream.ids[: stream.total + 1], LABELS: labels, **stream.extras}
-    out: dict[str, np.ndarray] = {}
-    for key, arr in concatenated.items():
-        full = np.full(n, arr[stream.total], dtype=arr.dtype)
-        full[real_pos] = arr[: stream.total]
-        out[key] = full.reshape(shape)
-    mask = np.ones(n, dtype=bool)
-    mask[real_pos] = False
-    position_ids = np.arange(n, dtype=np.int64) + np.repeat(stream.pos_shift, stream.slot_lens)
-    position_ids[mask] = np.minimum(position_ids[mask], stream.row_len - 1)
-    out[POSITION_IDS] = position_ids.reshape(shape)
-    out[PADDING_MASK] = mask.reshape(shape)
-    out[DOCUMENT_IDS] = np.repeat(np.arange(stream.slot_lens.size, dtype=np.int64), stream.slot_lens).reshape(shape)
-    out.update(stream_metadata(stream.real_lens, stream.slot_lens))
+    stream = build_stream(plans, padding_token_id)
+    n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
+    specs = rank_specs(stream, n, qkv_format)
+    out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
+    fill_rank(stream, np.arange(n, dtype=np.int64), qkv_format, out)
     return out
 
 
@@ -203,7 +203,7 @@ def collate_ranks(
     padding_token_id: int = 0,
     qkv_format: str = "bshd",
 ) -> list[dict[str, np.ndarray]]:
-    """:func:`collate_rank` for several ranks, sharing one concatenation of the pieces."""
+    """:func:`collate_rank` for several ranks, sharing one stream (and token buffer)."""
     stream = build_stream(plans, padding_token_id)
     out = []
     for rows_r in rows:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cpdata.token_buffer import TokenBuffer
+
 __all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "plan_digest"]
 
 DIGEST_SAMPLES = 8
@@ -72,13 +74,30 @@ class PieceColumns(Sequence[DocPiece]):
         sources: ``n`` mappings of per-token arrays; piece ``i`` is ``sources[i][key][o : o + length]``
             with ``o = offsets[i]`` (a whole document's arrays, sliced lazily).
         offsets: int64 ``[n]``.
+        buffer: a :class:`~cpdata.token_buffer.TokenBuffer` holding every piece's tokens (the packing
+            window's), or None; piece ``i`` is then ``buffer.ids[at[i] : at[i] + length]``.
+        at: int64 ``[n]`` with ``buffer``.
+
+    The buffer is a cache the window already built: it is left out when the columns are pickled
+    (collate then concatenates the pieces itself).
     """
 
-    __slots__ = ("table", "sources", "offsets")
+    __slots__ = ("table", "sources", "offsets", "buffer", "at")
 
-    def __init__(self, table: np.ndarray, sources: Sequence[Mapping[str, np.ndarray]], offsets: np.ndarray) -> None:
+    def __init__(
+        self,
+        table: np.ndarray,
+        sources: Sequence[Mapping[str, np.ndarray]],
+        offsets: np.ndarray,
+        buffer: TokenBuffer | None = None,
+        at: np.ndarray | None = None,
+    ) -> None:
         table.flags.writeable = offsets.flags.writeable = False
         self.table, self.sources, self.offsets = table, tuple(sources), offsets
+        self.buffer, self.at = (buffer, at) if at is not None else (None, None)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (PieceColumns, (self.table, self.sources, self.offsets))
 
     @classmethod
     def of(cls, pieces: Sequence[DocPiece]) -> PieceColumns:
@@ -167,7 +186,9 @@ class PackPlan:
         return int(self.seq_lens.sum())
 
 
-def plan_digest(plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None) -> int:
+def plan_digest(
+    plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None, starts: np.ndarray | None = None
+) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must compute equal digests; the device-side
@@ -183,8 +204,10 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | Non
     while a change confined to unsampled positions goes unseen.
 
     Args:
-        ids: the plan's pieces' ``input_ids`` concatenated (int64 ``[>= real tokens]``, e.g. collate's
-            stream); concatenated here when None.
+        ids: int64 ids holding every piece's ``input_ids`` (e.g. a token buffer of collate's stream);
+            the pieces concatenated here when None.
+        starts: int64 ``[n_pieces]`` index in ``ids`` of each piece's first token; None: the pieces lie
+            back to back from ``ids[0]``.
     """
     lens = plan.seq_lens
     n = lens.shape[0]
@@ -197,7 +220,7 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | Non
                                                                             lens.tolist(), strict=True)])  # fmt: skip
         at = np.multiply.outer(lens - 1, _SAMPLE_AT)
         at //= DIGEST_SAMPLES - 1
-        at += (np.cumsum(lens) - lens)[:, None]
+        at += (np.cumsum(lens) - lens if starts is None or ids is None else starts)[:, None]
         if lens.all():
             meta[:, 4:] = ids[at]
         else:

@@ -1,24 +1,28 @@
-"""The stream of a batch: per-slot tables and the concatenated piece arrays every rank gathers from.
+"""The stream of a batch: per-slot tables and the token buffer every rank gathers from.
 
 A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
 row-major concatenation of their slots (``B*S`` positions, each pack's tail
 absorbed by its last slot, an empty pack one padding slot of real length 0).
 :func:`build_stream` reads the plans' columns (:class:`~cpdata.plan.PieceColumns`)
-once: O(slots) tables plus one ``concatenate`` per per-token key (O(real
-tokens)). :mod:`cpdata.collate` builds the full pack or one rank's tokens from it.
+once: O(slots) tables, and the pieces' tokens stay where the packing window
+concatenated them (:mod:`cpdata.token_buffer`); only pieces in no common buffer
+are concatenated, per batch. :mod:`cpdata.collate` builds the full pack or one
+rank's tokens from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+from cpdata.keys import IGNORE_INDEX
 from cpdata.layouts import thd_slot_lens
 from cpdata.plan import PackPlan
+from cpdata.stream_buffer import batch_tokens
+from cpdata.token_buffer import TokenBuffer
 
 __all__ = ["SlotTables", "Stream", "build_stream", "slot_tables", "stream_metadata", "stream_slot_lens"]
 
@@ -135,10 +139,12 @@ def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stream:
-    """Per-slot tables and concatenated piece arrays of one batch (internal).
+    """Per-slot tables of one batch and the token buffer its ranks gather from (internal).
 
-    ``K`` stream slots, ``T`` real tokens. Concatenated arrays end with pad
-    elements, so a pad position can gather from index ``T`` directly.
+    ``K`` stream slots, ``T`` real tokens, in a :class:`~cpdata.token_buffer.TokenBuffer`
+    of ``W >= T`` tokens (the packing window's, or the batch's own pieces concatenated).
+    Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
+    position reads index ``W`` (:attr:`pad_at`).
     """
 
     rows: int
@@ -148,143 +154,67 @@ class Stream:
     real_lens: np.ndarray  # int64 [K]
     real_ends: np.ndarray  # int64 [K], slot_starts + real_lens
     layout_lens: np.ndarray  # int64 [K'], the slot lengths the layouts take (:func:`stream_slot_lens`)
-    src_shift: np.ndarray  # int64 [K], concatenated-array index minus stream position
+    src_starts: np.ndarray  # int64 [K], buffer index of each slot's first token
+    src_shift: np.ndarray  # int64 [K], buffer index minus stream position
     pos_shift: np.ndarray  # int64 [K], position id minus stream position
-    next_labels: np.ndarray  # int64 [K], target of each slot's last real token
-    ids: np.ndarray  # int64 [T + 2], input_ids then two pads (room for the next-token lookup)
-    extras: dict[str, np.ndarray]  # per extra key [T + 1], last element 0
-    labels: np.ndarray  # int64 [T + 1], every piece's targets: its own labels, else next-token targets; -100 last
+    buffer: TokenBuffer
+    padding_token_id: int
+    extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
+    derived_mask: np.ndarray | None  # bool [K]: slots whose loss mask is labels != -100 (no mask of their own)
     total: int  # T
+
+    @property
+    def pad_at(self) -> int:
+        """``W``: the buffer index pad positions read."""
+        return self.buffer.total
 
 
 def build_stream(plans: Sequence[PackPlan], padding_token_id: int, slots: SlotTables | None = None) -> Stream:
-    """The per-slot tables and concatenated piece arrays every rank of the batch gathers from.
+    """The per-slot tables of a batch and the token buffer every rank of it gathers from.
 
     Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): the
-    slot tables with a few numpy calls per batch (:func:`slot_tables`), then
-    one slice per piece and key and one ``concatenate`` per key. ``slots``:
-    :func:`slot_tables` of the same plans when already computed (the
-    ``Collate`` node's, carried by its :class:`~cpdata.nodes.collate.CollatedPack`).
+    slot tables with a few numpy calls per batch (:func:`slot_tables`), and
+    the buffer of :func:`~cpdata.stream_buffer.batch_tokens` (the packing
+    window's as is, or the pieces concatenated). ``slots``: :func:`slot_tables` of the same
+    plans when already computed (the ``Collate`` node's, carried by its
+    :class:`~cpdata.nodes.collate.CollatedPack`).
     """
     tables = slot_tables(plans) if slots is None else slots
-    capacity, table, slot_lens = tables.capacity, tables.table, tables.slot_lens
-    starts, real_lens, next_labels = table[:, 1], table[:, 2], table[:, 3]
+    table, slot_lens = tables.table, tables.slot_lens
+    starts, real_lens = table[:, 1], table[:, 2]
     slot_starts = slot_lens.cumsum()
     slot_starts -= slot_lens
-    src_starts = real_lens.cumsum()
-    src_starts -= real_lens
-    total = int(real_lens.sum())
-    pieces = _Pieces.of(plans)
-    plain = all(len(src) == 1 for src in pieces.sources)  # input_ids alone: no labels, no extras
-    extra_keys = [] if plain else _extra_keys(pieces)
-    ids = _concat(pieces, INPUT_IDS, total, 2, padding_token_id, np.dtype(np.int64))
-    labels = _targets(ids, total, src_starts + real_lens - 1, real_lens > 0, next_labels)
-    if not plain and any(LABELS in src for src in pieces.sources):
-        at = 0
-        for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
-            if LABELS in src:
-                labels[at : at + n] = src[LABELS][off : off + n]
-            at += n
-    stream = Stream(
+    tokens = batch_tokens(plans)
+    src_starts = _per_slot(tables.counts, tokens.at, 0)
+    return Stream(
         rows=len(plans),
-        row_len=capacity,
+        row_len=tables.capacity,
         slot_starts=slot_starts,
         slot_lens=slot_lens,
         real_lens=real_lens,
         real_ends=slot_starts + real_lens,
         layout_lens=tables.layout_lens,
+        src_starts=src_starts,
         src_shift=src_starts - slot_starts,
         pos_shift=starts - slot_starts,
-        next_labels=next_labels,
-        ids=ids,
-        extras={key: _concat(pieces, key, total, 1, 0, None) for key in extra_keys if key != LOSS_MASK},
-        labels=labels,
-        total=total,
+        buffer=tokens.buffer,
+        padding_token_id=padding_token_id,
+        extras={key: tokens.buffer.extras[key] for key in tokens.keys},
+        derived_mask=None if tokens.no_mask is None else _per_slot(tables.counts, tokens.no_mask, True),
+        total=int(real_lens.sum()),
     )
-    if LOSS_MASK in extra_keys:
-        stream.extras[LOSS_MASK] = _loss_mask(stream, pieces)
-    return stream
 
 
-@dataclass(frozen=True, slots=True)
-class _Pieces:
-    """The batch's pieces in stream order: piece ``i`` is ``sources[i][key][offsets[i] : offsets[i] + lengths[i]]``."""
-
-    sources: Sequence[Mapping[str, np.ndarray]]
-    offsets: list[int]
-    lengths: list[int]
-    indices: list[int]  # source document of each piece (for errors)
-
-    @classmethod
-    def of(cls, plans: Sequence[PackPlan]) -> _Pieces:
-        """The pieces of ``plans`` (an empty plan has none)."""
-        cols = [p.piece_columns for p in plans]
-        if len(cols) == 1:
-            table, offsets, sources = cols[0].table, cols[0].offsets, cols[0].sources
-        else:
-            table = np.concatenate([c.table for c in cols])
-            offsets = np.concatenate([c.offsets for c in cols])
-            sources = tuple(src for c in cols for src in c.sources)
-        return cls(sources, offsets.tolist(), table[:, 2].tolist(), table[:, 0].tolist())
-
-    def parts(self, key: str) -> list[np.ndarray]:
-        return [src[key][o : o + n] for src, o, n in zip(self.sources, self.offsets, self.lengths, strict=True)]
-
-
-def _loss_mask(stream: Stream, pieces: _Pieces) -> np.ndarray:
-    """``[T + 1]`` loss mask over the concatenated pieces: a piece's own, else its ``labels != -100``; pad 0."""
-    given = [src[LOSS_MASK] for src in pieces.sources if LOSS_MASK in src]
-    out = np.zeros(stream.total + 1, dtype=np.result_type(*given))
-    labels = stream.labels
-    at = 0
-    for src, off, n in zip(pieces.sources, pieces.offsets, pieces.lengths, strict=True):
-        if LOSS_MASK in src:
-            out[at : at + n] = src[LOSS_MASK][off : off + n]
-        else:
-            out[at : at + n] = labels[at : at + n] != IGNORE_INDEX
-        at += n
-    return out
-
-
-def _extra_keys(pieces: _Pieces) -> list[str]:
-    sources = pieces.sources
-    if sources and all(src.keys() == sources[0].keys() for src in sources):  # the usual case
-        return sorted(set(sources[0]) - {INPUT_IDS, LABELS})
-    keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS}) if sources else []
-    for key in keys:
-        if key == LOSS_MASK:  # derived from the labels where missing
-            continue
-        missing = [i for i, src in zip(pieces.indices, sources, strict=True) if key not in src]
-        if missing:
-            raise ValueError(
-                f"per-token array {key!r} is missing from the pieces of documents {missing[:8]}; "
-                "every document of a batch must carry the same extra arrays"
-            )
-    return keys
-
-
-def _concat(pieces: _Pieces, key: str, total: int, n_pad: int, pad: int, dtype: np.dtype | None) -> np.ndarray:
-    """``key`` of every piece, concatenated, then ``n_pad`` pad elements."""
-    parts = pieces.parts(key)
-    dtype = dtype or (np.result_type(*parts) if parts else np.dtype(np.int64))
-    out = np.empty(total + n_pad, dtype=dtype)
-    if parts:
-        np.concatenate(parts, out=out[:total], casting="unsafe")
-    out[total:] = pad
-    return out
-
-
-def _targets(ids: np.ndarray, total: int, last: np.ndarray, real: np.ndarray, next_labels: np.ndarray) -> np.ndarray:
-    """int64 ``[T + 1]`` next-token targets over the concatenated pieces (``ids`` ``[>= T + 1]``): each
-    piece's last token (``last`` ``[K]``, where ``real``) targets its ``next_label``; the last element is -100."""
-    labels = np.empty(total + 1, dtype=np.int64)
-    labels[:total] = ids[1 : total + 1]
-    if real.all():
-        labels[last] = next_labels
-    else:
-        labels[last[real]] = next_labels[real]
-    labels[total] = IGNORE_INDEX
-    return labels
+def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
+    """Per-piece ``values`` ``[n]`` (plan after plan, ``counts`` pieces each) as a per-slot column ``[K]``:
+    ``pad`` for the padding slot of an empty plan."""
+    if all(counts):
+        return values
+    parts, at = [], 0
+    for c in counts:
+        parts.append(values[at : at + c] if c else np.asarray([pad], dtype=values.dtype))
+        at += c
+    return np.concatenate(parts)
 
 
 def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ arrays and loss masks, empty packs, bshd rows and thd streams of several packs.
 from __future__ import annotations
 
 import hashlib
+import pickle
 
 import numpy as np
 import pytest
@@ -356,3 +357,34 @@ def test_run_tables_equal_the_reference(layout, cp, units, tail, short):
     for start, n in zip(table.doc_starts.tolist(), real.tolist(), strict=True):
         positions[start : start + n] = np.arange(n)
     np.testing.assert_array_equal(table.causal_work(real), causal_work(want, positions))
+
+
+@pytest.mark.parametrize(("layout", "cp", "algorithm", "overflow"),
+                         [("thd", 4, "bfd", "split"), ("balanced", 3, "next_fit", "truncate"),
+                          ("round_robin", 2, "first_fit", "split")])  # fmt: skip
+def test_the_pipeline_with_labels_masks_and_small_windows_equals_the_reference(layout, cp, algorithm, overflow):
+    """Packs gathered from their window's token buffer (many small windows, so buffers are handed out
+    again while earlier packs are still held), labels and masks on some documents, truncated pieces and
+    pieces carried across windows (which concatenate their own buffer)."""
+    rng = np.random.default_rng(cp + 10)
+    docs = []
+    for i in range(240):
+        n = 9000 if i % 37 == 5 else int(rng.lognormal(5.5, 1.0)) + 1
+        ids = rng.integers(0, 32000, size=n, dtype=np.int64)
+        doc = {"input_ids": ids, "token_type": (ids % 4).astype(np.int16)}
+        if i % 3 == 0:
+            doc["labels"] = np.where(ids % 5 == 0, IGNORE_INDEX, ids)
+        if i % 4 == 1:
+            doc["loss_mask"] = (ids % 3 != 0).astype(np.int8)
+        docs.append(doc)
+    capacity = _capacity(4096, layout, cp)
+    collate = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, overflow=overflow, algorithm=algorithm,
+                          window=12, labels_alignment="targets", qkv_format="thd", batch_size=1)  # fmt: skip
+    collate.reset()
+    plans = [p for c in list(collate) for p in c.plans]  # every pack held while later windows are read
+    in_buffer = [p.piece_columns.buffer is not None for p in plans]
+    assert any(in_buffer) and len({id(p.piece_columns.buffer) for p in plans}) > 4, "no window buffer reused"
+    assert not all(in_buffer), "no pack concatenated its own pieces: that path would pass vacuously"
+    assert any("labels" in q.arrays for p in plans for q in p.pieces)
+    check_stream(plans, layout, cp, "thd", 1, pad=5)
+    check_stream(pickle.loads(pickle.dumps(plans)), layout, cp, "thd", 1, pad=5)  # no buffer: pieces concatenated

@@ -1,9 +1,12 @@
 """``LivePieces``: the pieces a packer has placed and not yet emitted, as one int64 table.
 
-One row per piece: ``(key, index, start, length, next_label, slot, offset)``
+One row per piece: ``(key, index, start, length, next_label, slot, offset, at)``
 (:data:`FIELDS`) and, beside the table, the per-token arrays the piece is cut
 from (``source[key][offset : offset + length]``; usually the whole document's
-arrays, so nothing is sliced until collate reads the tokens). Keys grow with
+arrays, so nothing is sliced until collate reads the tokens). ``at`` is the
+piece's index in the token buffer of the window being packed
+(:mod:`cpdata.token_buffer`), -1 for a piece not in it (carried from an earlier
+window, or holding arrays of its own). Keys grow with
 arrival, so a pack's pieces are found by one ``searchsorted`` over the key
 column, and a window adds its pieces with one ``concatenate``: no object per
 piece. Emitted rows are only marked dead; they are dropped when the next
@@ -26,14 +29,14 @@ from cpdata.targets import UNLABELED, piece_arrays
 __all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carry_state", "fresh_carry", "narrow_arrays",
            "window_rows"]  # fmt: skip
 
-FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset")
+FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
 """Columns of :attr:`LivePieces.table`."""
 
 Source = Mapping[str, np.ndarray]
 
 
 class LivePieces:
-    """Placed, not yet emitted pieces: ``table`` int64 ``[p, 7]`` (:data:`FIELDS`) and ``sources`` ``[p]``."""
+    """Placed, not yet emitted pieces: ``table`` int64 ``[p, 8]`` (:data:`FIELDS`) and ``sources`` ``[p]``."""
 
     __slots__ = ("table", "sources", "_alive")
 
@@ -46,7 +49,7 @@ class LivePieces:
         return int(self._alive.sum())
 
     def live(self) -> tuple[np.ndarray, list[Source]]:
-        """The rows not yet taken, in key order (the table is compacted to them): ``([c, 7], sources)``.
+        """The rows not yet taken, in key order (the table is compacted to them): ``([c, 8], sources)``.
 
         The returned table is never written again (a later :meth:`add` builds a new one), so a
         snapshot may keep it.
@@ -59,14 +62,16 @@ class LivePieces:
         return self.table, self.sources
 
     def add(self, rows: np.ndarray, sources: Sequence[Source]) -> None:
-        """Append pieces: ``rows`` int64 ``[p, 7]`` with keys above every key held, ``sources`` ``[p]``."""
+        """Append a window's pieces: ``rows`` int64 ``[p, 8]`` with keys above every key held, ``sources``
+        ``[p]``; the pieces held before are no longer in the window's token buffer (``at`` = -1)."""
         table, held = self.live()
         self.table = np.concatenate([table, rows]) if table.size else rows
+        self.table[: table.shape[0], 7] = -1
         self.sources = [*held, *sources]
         self._alive = np.ones(self.table.shape[0], dtype=bool)
 
     def take(self, keys: np.ndarray) -> tuple[np.ndarray, list[Source]]:
-        """Remove the pieces of ``keys`` (int64 ``[k]``, held): their rows ``[k, 7]`` and sources, in ``keys``' order."""
+        """Remove the pieces of ``keys`` (int64 ``[k]``, held): their rows ``[k, 8]`` and sources, in ``keys``' order."""
         pos = np.searchsorted(self.table[:, 0], keys)
         if keys.size and (pos.max() >= self.table.shape[0] or not np.array_equal(self.table[pos, 0], keys)
                           or not self._alive[pos].all()):  # fmt: skip
@@ -114,22 +119,30 @@ def carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str
 
 def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
                  keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
-    """A window's pieces as :class:`LivePieces` rows ``[p, 7]`` and sources (``arrays[d]``: document ``d``'s).
+    """A window's pieces as :class:`LivePieces` rows ``[p, 8]`` and sources (``arrays[d]``: document ``d``'s).
 
-    A piece refers to its document's arrays at ``offset = start``; only a piece
-    cut short with labels (its last target cut off, :func:`cpdata.targets.piece_arrays`)
-    gets arrays of its own (offset 0). ``next_label`` is the next document token
-    for a piece its document continues after.
+    A piece refers to its document's arrays at ``offset = start`` and to the
+    window's token buffer (the documents' arrays concatenated in order) at
+    ``at``; only a piece cut short with labels (its last target cut off,
+    :func:`cpdata.targets.piece_arrays`) gets arrays of its own (offset 0, not in
+    the buffer: ``at`` = -1, as every piece cut short: the buffer's element after
+    its last token is not its target). ``next_label`` is the next document
+    token for a piece its document continues after.
     """
     doc, start, length, continues = pieces.doc, pieces.start, pieces.length, pieces.continues
     end = start + length
-    rows = np.empty((doc.size, 7), dtype=np.int64)
+    base = lengths.cumsum()
+    base -= lengths
+    base += np.arange(lengths.shape[0], dtype=np.int64)  # one element after each document
+    rows = np.empty((doc.size, len(FIELDS)), dtype=np.int64)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
-    rows[:, 4], rows[:, 5], rows[:, 6] = IGNORE_INDEX, pieces.slot, start
+    rows[:, 4], rows[:, 5], rows[:, 6], rows[:, 7] = IGNORE_INDEX, pieces.slot, start, base[doc] + start
     for j in np.flatnonzero(continues).tolist():
         rows[j, 4] = arrays[doc[j]][INPUT_IDS][end[j]]
     sources = [arrays[d] for d in doc.tolist()]
-    cut = ~continues & (end < lengths[doc]) & (length > 0) & (firsts[doc] != UNLABELED)
+    cut = ~continues & (end < lengths[doc]) & (length > 0)  # its last target is -100, not the buffer's next id
+    rows[cut, 7] = -1
+    cut &= firsts[doc] != UNLABELED
     for j in np.flatnonzero(cut).tolist():
         sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
         rows[j, 6] = 0

@@ -37,6 +37,7 @@ from torchdata.nodes import BaseNode
 from cpdata.keys import IGNORE_INDEX
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
+    FIELDS,
     LivePieces,
     carry_state,
     fresh_carry,
@@ -49,6 +50,7 @@ from cpdata.packing.records import PackKeys
 from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
 from cpdata.targets import piece_arrays
+from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
 __all__ = ["Pack"]
 
@@ -76,24 +78,26 @@ def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int)
     return DocumentWindow.of(documents), False
 
 
-_Finished = tuple[np.ndarray, list, np.ndarray, np.ndarray, int, int]
+_Finished = tuple[np.ndarray, list, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None]
 """A finished pack: piece table ``[n, 4]``, sources ``[n]``, offsets ``[n]``, slot lengths ``[n]``, real and slot
-tokens."""
+tokens, and the window's token buffer with each piece's index in it ``[n]`` (None when a piece is not in it)."""
 
 
-def _finished(rows: np.ndarray, sources: list, sizes: np.ndarray) -> list[_Finished]:
-    """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 7]`` (pack after pack, ``sizes``
+def _finished(rows: np.ndarray, sources: list, sizes: np.ndarray, buffer: TokenBuffer) -> list[_Finished]:
+    """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 8]`` (pack after pack, ``sizes``
     ``[packs]`` pieces each): a handful of numpy calls for the whole window, then one slice per pack and column."""
     table = np.ascontiguousarray(rows[:, 1:5])
-    offsets, slots = rows[:, 6].copy(), rows[:, 5].copy()
+    offsets, slots, at = rows[:, 6].copy(), rows[:, 5].copy(), rows[:, 7].copy()
     bounds = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
     np.cumsum(sizes, out=bounds[1:])
-    sums = np.zeros((rows.shape[0] + 1, 2), dtype=np.int64)  # running (real, slot) tokens
-    np.cumsum(rows[:, [3, 5]], axis=0, out=sums[1:])
-    tokens, slot_tokens = (sums[bounds[1:]] - sums[bounds[:-1]]).T.tolist()
+    sums = np.zeros((rows.shape[0] + 1, 3), dtype=np.int64)  # running (real, slot) tokens, pieces out of the buffer
+    np.cumsum(rows[:, [3, 5]], axis=0, out=sums[1:, :2])
+    np.cumsum(at < 0, out=sums[1:, 2])
+    tokens, slot_tokens, outside = (sums[bounds[1:]] - sums[bounds[:-1]]).T.tolist()
     b = bounds.tolist()
     return [(table[b[i] : b[i + 1]], sources[b[i] : b[i + 1]], offsets[b[i] : b[i + 1]], slots[b[i] : b[i + 1]],
-             tokens[i], slot_tokens[i]) for i in range(len(sizes))]  # fmt: skip
+             tokens[i], slot_tokens[i], *((buffer, at[b[i] : b[i + 1]]) if sizes[i] and not outside[i] else (None, None)))
+            for i in range(len(sizes))]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,6 +164,7 @@ class Pack(BaseNode[PackPlan]):
         self._emitted = 0
         self._snapshot: _Snapshot | None = None
         self._carry_records: dict[str, Any] | None = None
+        self._pool = BufferPool()  # token buffers of windows read from sources that do not make them
 
     @property
     def stats(self) -> PackingStats:
@@ -232,7 +237,8 @@ class Pack(BaseNode[PackPlan]):
                 narrow, widen = stored[j]
                 arrays = {n: np.asarray(a, dtype=np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
             sources.append(arrays)
-        rows = np.zeros((len(sources), 7), dtype=np.int64)  # offset 0: the arrays are the pieces'
+        rows = np.zeros((len(sources), len(FIELDS)), dtype=np.int64)  # offset 0: the arrays are the pieces'
+        rows[:, 7] = -1  # in no window's token buffer
         for i, name in enumerate(CARRY_COLUMNS):
             rows[:, i] = columns[name]
         self._live.add(rows, sources)
@@ -249,15 +255,17 @@ class Pack(BaseNode[PackPlan]):
             self._emitted = 0
         config = self.config
         window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
+        buffer = window.buffer or concatenate_arrays(window.arrays, window.lengths,
+                                                     np.full(len(window), IGNORE_INDEX, dtype=np.int64), pool=self._pool)  # fmt: skip
         pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
         self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
         if self._exhausted:
             packs = PackKeys.concat([packs, self._planner.finish()])
-        self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes))
+        self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes, buffer))
 
     def _emit(self, pack: _Finished) -> PackPlan:
-        table, sources, offsets, slots, tokens, slot_tokens = pack
-        pieces = PieceColumns(table, sources, offsets)
+        table, sources, offsets, slots, tokens, slot_tokens, buffer, at = pack
+        pieces = PieceColumns(table, sources, offsets, buffer, at)
         plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
         self._planner.account(packs=1, tokens=tokens, slot_tokens=slot_tokens)
         self._emitted += 1

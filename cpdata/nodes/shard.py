@@ -104,14 +104,17 @@ def _causal_work(stream: Stream, layout: str, cp_size: int, stream_len: int) -> 
     return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
 
 
-def _digest(batch: CollatedPack, layout: str, cp_size: int, ids: np.ndarray) -> int:
-    """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; ``ids`` the
-    stream's concatenated piece ids (plan after plan)."""
-    plans = batch.plans
+def _digest(batch: CollatedPack, layout: str, cp_size: int, stream: Stream) -> int:
+    """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; the sampled ids
+    read from the stream's token buffer."""
+    plans, ids, starts = batch.plans, stream.buffer.ids, stream.src_starts
     if len(plans) == 1:
-        return plan_digest(plans[0], layout, cp_size, ids)
-    starts = np.cumsum([0] + [int(p.seq_lens.sum()) for p in plans]).tolist()
-    digests = [plan_digest(p, layout, cp_size, ids[a:]) for p, a in zip(plans, starts, strict=False)]
+        return plan_digest(plans[0], layout, cp_size, ids, starts)
+    digests, at = [], 0
+    for p in plans:
+        n = len(p.columns)
+        digests.append(plan_digest(p, layout, cp_size, ids, starts[at : at + n]))
+        at += max(n, 1)  # an empty plan holds one padding slot
     h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
@@ -209,7 +212,7 @@ class ShardForRank(BaseNode[Any]):
             "causal_work": table.causal_work(stream.real_lens).tolist() if self._dynamic
             else _causal_work(stream, self.layout, self.cp_size, stream_len),
         }
-        info["digest"] = _digest(batch, self.layout, self.cp_size, stream.ids)
+        info["digest"] = _digest(batch, self.layout, self.cp_size, stream)
         local = stream_len // self.cp_size
         specs = rank_specs(stream, local, batch.qkv_format)
         maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.keys import INPUT_IDS, LABELS
+from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS
 from cpdata.nodes.window import DocumentWindow
 from cpdata.plan import Document
 from cpdata.targets import (
@@ -29,12 +29,14 @@ from cpdata.targets import (
     first_target,
     to_targets,
 )
+from cpdata.token_buffer import BufferPool, concatenate_arrays
 
 __all__ = ["Scratch", "document_ids", "plain_ids", "to_document", "to_window"]
 
 _INTEGER_KEYS = (INPUT_IDS, LABELS)
 _INT64_MAX = np.iinfo(np.int64).max
 _INT64 = np.dtype(np.int64)
+_ZERO = np.zeros(1, dtype=np.int64)  # the element after each document while its ids are checked
 
 
 def _to_array(value: Any) -> np.ndarray | None:
@@ -186,23 +188,9 @@ def to_document(
     return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
-class Scratch:
-    """A grow-only int64 buffer a window's ids are concatenated into to check their values.
-
-    Reused window after window: a fresh multi-MB array per window costs page
-    faults, measured at up to 10x the copy itself.
-    """
-
-    __slots__ = ("buffer",)
-
-    def __init__(self) -> None:
-        self.buffer = np.empty(0, dtype=np.int64)
-
-    def concatenate(self, ids: Sequence[np.ndarray], total: int) -> np.ndarray:
-        """int64 ``[total]``: ``ids`` (int64 arrays of ``total`` elements in all) concatenated (valid until the next call)."""
-        if self.buffer.shape[0] < total:
-            self.buffer = np.empty(max(total, 2 * self.buffer.shape[0]), dtype=np.int64)
-        return np.concatenate(ids, out=self.buffer[:total]) if ids else self.buffer[:0]
+Scratch = BufferPool
+"""Where a reading node concatenates its windows' ids (:class:`~cpdata.token_buffer.BufferPool`): the
+window's token buffer, reused once no pack of the window is alive."""
 
 
 def to_window(
@@ -219,11 +207,13 @@ def to_window(
         items: the window's source items.
         indices: their source indices.
         ids: :func:`document_ids` of every item (already read, e.g. to count the window's tokens).
-        scratch: where the ids are concatenated to check them (a fresh one when None).
+        scratch: the pool of the array the ids are concatenated into to check them (a fresh array
+            when None); the concatenation becomes the window's token buffer.
 
     Returns:
-        the window; items that hold ``input_ids`` alone (the usual pretraining and
-        benchmark case) cost one small dict each, nothing else per item.
+        the window, with its token buffer (:func:`~cpdata.token_buffer.concatenate_arrays`);
+        items that hold ``input_ids`` alone (the usual pretraining and benchmark case) cost
+        one small dict each, nothing else per item.
 
     Raises:
         exactly what :func:`to_document` raises for the first bad item.
@@ -231,17 +221,22 @@ def to_window(
     try:
         n = len(ids)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
-        flat = (scratch or Scratch()).concatenate(ids, int(lengths.sum()))
+        total = int(lengths.sum()) + n  # each document's ids and one element after it (0 here)
+        buffer = scratch.take(total + 2) if scratch is not None else np.empty(total + 2, dtype=np.int64)
+        flat = np.concatenate([x for i in ids for x in (i, _ZERO)], out=buffer[:total]) if n else buffer[:0]
         if flat.size and (flat.min() < 0 or (vocab_size is not None and flat.max() >= vocab_size)):
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
+        ends = np.full(n, IGNORE_INDEX, dtype=np.int64)  # no target after a document's last token
         if all(len(item) == 1 for item in items):  # input_ids alone: nothing else to check or derive
-            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids])
+            plain = [{INPUT_IDS: i} for i in ids]
+            window = concatenate_arrays(plain, lengths, ends, buffer)
+            return DocumentWindow.unlabeled(index_array, lengths, plain, window)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip
         firsts = np.fromiter(map(first_target, arrays), dtype=np.int64, count=n)
-        return DocumentWindow(index_array, lengths, firsts, arrays)
+        return DocumentWindow(index_array, lengths, firsts, arrays, concatenate_arrays(arrays, lengths, ends, buffer))
     except Exception:
         for item, index in zip(items, indices, strict=True):
             to_document(item, index, vocab_size, labels_alignment)
