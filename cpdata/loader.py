@@ -21,6 +21,7 @@ abandoned loader keeps its prefetch and pin threads until cyclic GC; use
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
@@ -42,6 +43,7 @@ from cpdata.schedule import CostModel
 from cpdata.targets import LabelsAlignment
 
 __all__ = [
+    "GraphOptions",
     "ResumableLoader",
     "build_loader",
     "build_node",
@@ -82,108 +84,125 @@ def check_keywords(
             raise TypeError(f"{caller}() is missing the keyword argument {name!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GraphOptions:
+    """The options :func:`shard_graph` and :func:`build_node` share, defined once (documented in
+    :func:`build_node`); both functions' signatures list these fields (``inspect.signature``, ``help``)."""
+
+    capacity: int
+    cp_size: int
+    layout: str
+    algorithm: str = "bfd"
+    overflow: str | None = None
+    padding_token_id: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    batch_size: int = 1
+    qkv_format: str = "bshd"
+    vocab_size: int | None = None
+    window: int | None = None
+    labels_alignment: LabelsAlignment | None = None
+    shuffle: bool = False
+    num_epochs: int | None = None
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    micro_batches: int = 1
+    schedule: str | None = None
+    max_delay: int = 0
+    cost: CostModel | None = None
+    lengths: Any = None
+    tail: str = "pad"
+    schedule_window: int | None = None
+
+    @classmethod
+    def of(cls, caller: str, options: Mapping[str, Any]) -> GraphOptions:
+        """``options`` checked as ``caller(**options)`` would check them: Python's own ``TypeError`` for an
+        unknown or missing keyword, naming ``caller``."""
+        try:
+            return cls(**options)
+        except TypeError as exc:
+            prefix = f"{cls.__name__}.__init__()"
+            if not str(exc).startswith(prefix):
+                raise
+            raise TypeError(f"{caller}(){str(exc)[len(prefix):]}") from None
+
+
+def _list_options(func: Callable[..., Any], after: Mapping[str, str]) -> None:
+    """Give ``func(source, *, own..., **options)`` the signature it accepts: ``source``, the fields of
+    :class:`GraphOptions`, and its own keywords, each after the field ``after`` names (else at the end)."""
+    own = inspect.signature(func)
+    source, *extra = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params = [source]
+    for field in dataclasses.fields(GraphOptions):
+        default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=field.type))  # fmt: skip
+        params += [p for p in extra if after.get(p.name) == field.name]
+    func.__signature__ = own.replace(parameters=params + [p for p in extra if p.name not in after])  # type: ignore[attr-defined]
+
+
 def shard_graph(
     source: Any,
     *,
-    capacity: int,
-    cp_size: int,
-    layout: str,
-    algorithm: str = "bfd",
-    overflow: str | None = None,
-    padding_token_id: int = 0,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    seed: int = 0,
-    batch_size: int = 1,
-    qkv_format: str = "bshd",
-    vocab_size: int | None = None,
-    window: int | None = None,
-    labels_alignment: LabelsAlignment | None = None,
-    shuffle: bool = False,
-    num_epochs: int | None = None,
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-    micro_batches: int = 1,
-    schedule: str | None = None,
-    max_delay: int = 0,
-    cost: CostModel | None = None,
-    lengths: Any = None,
-    tail: str = "pad",
-    schedule_window: int | None = None,
     worker: tuple[int, int] = (0, 1),
     packs: ScheduledPacks | WindowedPacks | None = None,
+    **options: Any,
 ) -> Collate:
     """Documents -> Pack -> Collate (or ScheduledPacks -> Collate): the part every CP rank of a DP group shares.
 
-    ``worker`` (``(worker_id, num_workers)``, ``schedule=`` only): that worker's share of the packs; ``packs``
-    reuses a :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same arguments.
+    ``options``: the fields of :class:`GraphOptions` (see :func:`build_node`). ``worker`` (``(worker_id,
+    num_workers)``, ``schedule=`` only): that worker's share of the packs; ``packs`` reuses a
+    :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same arguments.
     """
-    check_padding_token_id(padding_token_id, vocab_size)
+    o = GraphOptions.of("shard_graph", options)
+    check_padding_token_id(o.padding_token_id, o.vocab_size)
     plans: BaseNode
     if packs is not None:
         plans = packs.with_worker(worker)
-    elif schedule_window is not None:
-        plans = WindowedPacks.for_graph(source, schedule_window, window=window, lengths=lengths, shuffle=shuffle,
-            capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches,
-            schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail,
-            num_epochs=num_epochs, vocab_size=vocab_size, worker=worker, labels_alignment=labels_alignment)  # fmt: skip
-    elif schedule is not None:
+    elif o.schedule_window is not None:
+        plans = WindowedPacks.for_graph(source, o.schedule_window, window=o.window, lengths=o.lengths,
+            shuffle=o.shuffle, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=o.dp_rank,
+            dp_size=o.dp_size, micro_batches=o.micro_batches, schedule=o.schedule, cost=o.cost,
+            max_delay=o.max_delay, algorithm=o.algorithm, overflow=o.overflow, seed=o.seed, tail=o.tail,
+            num_epochs=o.num_epochs, vocab_size=o.vocab_size, worker=worker,
+            labels_alignment=o.labels_alignment)  # fmt: skip
+    elif o.schedule is not None:
         source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
-        if window is not None:
+        if o.window is not None:
             raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
         plans = ScheduledPacks(
-            source, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
-            micro_batches=micro_batches, schedule=schedule, cost=cost, max_delay=max_delay, algorithm=algorithm,
-            overflow=overflow, seed=seed, shuffle=shuffle, num_epochs=num_epochs, tail=tail, lengths=lengths,
-            vocab_size=vocab_size, worker=worker, labels_alignment=labels_alignment,
+            source, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=o.dp_rank, dp_size=o.dp_size,
+            micro_batches=o.micro_batches, schedule=o.schedule, cost=o.cost, max_delay=o.max_delay,
+            algorithm=o.algorithm, overflow=o.overflow, seed=o.seed, shuffle=o.shuffle, num_epochs=o.num_epochs,
+            tail=o.tail, lengths=o.lengths, vocab_size=o.vocab_size, worker=worker,
+            labels_alignment=o.labels_alignment,
         )  # fmt: skip
     else:
-        if micro_batches != 1 or cost is not None or max_delay or lengths is not None:
+        if o.micro_batches != 1 or o.cost is not None or o.max_delay or o.lengths is not None:
             raise ValueError(
                 "micro_batches, cost, max_delay and lengths belong to a global schedule: pass schedule='balanced' "
                 "(or 'in_order') with them, or leave them out"
             )
         docs = Documents(
-            source, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size, labels_alignment=labels_alignment,
-            shuffle=shuffle, seed=seed, num_epochs=num_epochs, shuffle_buffer=shuffle_buffer,
+            source, dp_rank=o.dp_rank, dp_size=o.dp_size, vocab_size=o.vocab_size,
+            labels_alignment=o.labels_alignment, shuffle=o.shuffle, seed=o.seed, num_epochs=o.num_epochs,
+            shuffle_buffer=o.shuffle_buffer,
         )  # fmt: skip
-        pack_kw: dict[str, Any] = {} if window is None else {"window": window}
+        pack_kw: dict[str, Any] = {} if o.window is None else {"window": o.window}
         plans = Pack(
-            docs, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
-            seed=seed, **pack_kw,
+            docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=o.algorithm,
+            overflow=o.overflow, seed=o.seed, **pack_kw,
         )  # fmt: skip
-    return Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
+    return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
 
 
 def build_node(
     source: Any,
     *,
-    capacity: int,
-    cp_size: int,
     cp_rank: int,
-    layout: str,
-    algorithm: str = "bfd",
-    overflow: str | None = None,
-    padding_token_id: int = 0,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    seed: int = 0,
-    batch_size: int = 1,
-    qkv_format: str = "bshd",
-    vocab_size: int | None = None,
     pin_memory: bool | None = None,
     prefetch: int = 2,
-    window: int | None = None,
-    labels_alignment: LabelsAlignment | None = None,
-    shuffle: bool = False,
-    num_epochs: int | None = None,
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-    micro_batches: int = 1,
-    schedule: str | None = None,
-    max_delay: int = 0,
-    cost: CostModel | None = None,
-    lengths: Any = None,
-    tail: str = "pad",
-    schedule_window: int | None = None,
+    **options: Any,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -219,20 +238,18 @@ def build_node(
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
     """
+    o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    collated = shard_graph(
-        source, capacity=capacity, cp_size=cp_size, layout=layout, algorithm=algorithm, overflow=overflow,
-        padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
-        qkv_format=qkv_format, vocab_size=vocab_size, window=window, labels_alignment=labels_alignment,
-        shuffle=shuffle, num_epochs=num_epochs, shuffle_buffer=shuffle_buffer,
-        micro_batches=micro_batches, schedule=schedule, max_delay=max_delay, cost=cost, lengths=lengths, tail=tail,
-        schedule_window=schedule_window,
-    )  # fmt: skip
-    node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    collated = shard_graph(source, **options)
+    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return maybe_pin(node, pin_memory=pin_memory)
+
+
+_list_options(shard_graph, {})
+_list_options(build_node, {"cp_rank": "cp_size", "pin_memory": "vocab_size", "prefetch": "vocab_size"})
 
 
 def build_loader(
