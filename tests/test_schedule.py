@@ -53,18 +53,36 @@ def check_schedule(sched, lengths: np.ndarray, layout: str, cp_size: int, max_de
         assert covered == n, (d, n, parts)
     assert set(seen) <= set(range(lengths.shape[0]))
     # Delay: every piece placed 0..max(1, max_delay) steps after the step that took it (<= 1 for pieces of at
-    # most half a pack), and steps take the stream first in, first out.
-    reach = np.where(2 * sched.slot_len > C, max(1, max_delay), 1)
-    assert ((sched.delay >= 0) & (sched.delay <= reach)).all()
+    # most half a pack; max_delay + 1 for a longer one taken a step ahead of its FIFO step), steps take the
+    # stream first in, first out, and never a piece whose FIFO step is more than one step later.
     step_of = np.repeat(np.arange(sched.num_steps * R * M) // (R * M), np.diff(sched.pack_offsets))
     taken = step_of - sched.delay
     position = np.empty(lengths.shape[0], np.int64)
     position[np.arange(lengths.shape[0]) if order is None else order] = np.arange(lengths.shape[0])
     stream = np.lexsort((sched.doc_start, position[sched.doc_index]))
+    fifo = np.empty_like(stream)
+    fifo[stream] = (np.cumsum(sched.slot_len[stream]) - sched.slot_len[stream]) // (R * M * C)
+    long_ = 2 * sched.slot_len > C
+    ahead = long_ & (taken < fifo) & (max_delay >= 2)
+    reach = np.where(long_, max(1, max_delay), 1) + ahead
+    assert ((sched.delay >= 0) & (sched.delay <= reach)).all()
     if sched.cost is not None:  # in-order packs are the packer's (bfd reorders inside its window)
         assert (np.diff(taken[stream]) >= 0).all()
+        assert (taken >= fifo - 1).all()
+        assert (step_of[ahead] <= fifo[ahead] + max_delay).all()
     assert sum(sched.stats.delay_counts) == sched.doc_len.shape[0]
     assert sched.stats.tokens == int(sched.doc_len.sum())
+
+
+def fifo_delay(sched) -> np.ndarray:
+    """Steps between each piece's FIFO step (its stream position in slot tokens over a full step's, documents
+    in index order) and the step it is placed in."""
+    K = sched.dp_size * sched.micro_batches
+    step_of = np.repeat(np.arange(sched.num_steps * K) // K, np.diff(sched.pack_offsets))
+    stream = np.lexsort((sched.doc_start, sched.doc_index))
+    position = np.empty_like(stream)
+    position[stream] = np.cumsum(sched.slot_len[stream]) - sched.slot_len[stream]
+    return step_of - position // (K * sched.capacity)
 
 
 lengths_st = st.lists(st.integers(0, 200), min_size=0, max_size=120).map(lambda x: np.asarray(x, dtype=np.int64))
@@ -102,12 +120,14 @@ def test_equal_steps_per_rank_and_long_documents_wait_at_most_max_delay():
         sched = plan_schedule(lengths, capacity=131072, layout="balanced", cp_size=2, dp_size=4, micro_batches=2,
                               cost=CostModel(), max_delay=max_delay)  # fmt: skip
         check_schedule(sched, lengths, "balanced", 2, max_delay)
-        long_delay = sched.delay[2 * sched.slot_len > sched.capacity]
-        assert int(long_delay.max()) <= max(1, max_delay)
-        short_delay = sched.delay[2 * sched.slot_len <= sched.capacity]
-        assert int(short_delay.max()) <= 1  # only long pieces wait more than one step
+        long_ = 2 * sched.slot_len > sched.capacity
+        after_fifo = fifo_delay(sched)  # steps after the FIFO step: -1 .. max_delay while steps keep pace
+        assert int(after_fifo.min()) >= -1 and int(after_fifo[long_].max()) <= max(1, max_delay)
+        assert int(sched.delay[long_].max()) <= max(1, max_delay) + (max_delay >= 2)
+        assert int(sched.delay[~long_].max()) <= 1  # only long pieces wait more than one step
         if max_delay == 4:
-            assert int(long_delay.max()) >= 2  # the delay is used (guards against a vacuous bound)
+            assert int(sched.delay[long_].max()) >= 2  # the delay is used (guards against a vacuous bound)
+            assert int(after_fifo[long_].max()) == 4  # ... up to the bound, after the FIFO step
         for r in range(4):
             assert sum(1 for s in range(sched.num_steps) for m in range(2) if sched.rows(s, r, m)) == sched.num_steps * 2
 

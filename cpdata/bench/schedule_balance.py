@@ -17,7 +17,9 @@ Every method is scored by the same FlexSP 7B cost model (``a = 0.1839576``,
 micro-batches above ``ceil(tokens / (dp_size * capacity))`` per batch;
 ``padding_pct``: ``1 - tokens / (dp_size * micro-batches * capacity)``;
 ``max_delay_steps``: the latest any document was placed after its step in
-stream order; ``us_per_doc``: planning CPU time per document (process time, so other load on the machine does not count;
+stream order (its FIFO step: stream position in slot tokens over a full
+step's; ``min_delay_steps``, in the JSON rows: the earliest, ``-1`` = one step
+before); ``us_per_doc``: planning CPU time per document (process time, so other load on the machine does not count;
 the fastest of :data:`PLAN_REPEATS` runs, as a loaded shared core slows each run unevenly);
 ``bfd_padding_pct``: ``bfd`` alone on the schedule rows' documents.
 """
@@ -109,13 +111,25 @@ def run(*, quick: bool) -> list[dict]:
             last = int(sched.pack_offsets[full * dp_size * mb])
             in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order
             bfd = plan_lengths(sched.doc_len[:last][in_stream], capacity=capacity, layout="balanced", cp_size=1)
+            fifo_delay = _fifo_delay(sched)[:last]
             row.update(base, method="cpdata_schedule" if max_delay == 0 else f"cpdata_schedule_delay{max_delay}",
-                       max_delay_steps=int(sched.delay[:last].max()), us_per_doc=us,
+                       max_delay_steps=int(fifo_delay.max()), min_delay_steps=int(fifo_delay.min()), us_per_doc=us,
                        bfd_padding_pct=float(bfd.stats.padding_pct), max_delay=max_delay)  # fmt: skip
             rows.append(row)
             fill = fill or int(real.sum()) / full
         rows.extend(_baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost))
     return rows
+
+
+def _fifo_delay(sched) -> np.ndarray:
+    """int64 ``[pieces]`` (schedule row order): step placed minus FIFO step, the step stream order at full
+    steps would put the piece in (its stream position in slot tokens over ``dp * micro-batches * capacity``)."""
+    K = sched.dp_size * sched.micro_batches
+    step = np.repeat(np.arange(sched.num_steps * K) // K, np.diff(sched.pack_offsets))
+    stream = np.lexsort((sched.doc_start, sched.doc_index))
+    position = np.empty_like(stream)
+    position[stream] = np.cumsum(sched.slot_len[stream]) - sched.slot_len[stream]
+    return step - position // (K * sched.capacity)
 
 
 def _baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost) -> list[dict]:

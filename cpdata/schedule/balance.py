@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.schedule.fill import fill_cells, first_fit
+from cpdata.schedule.improve import improve_step
 from cpdata.schedule.runs import HOLD_PENALTY, choose_runs
 
 __all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
@@ -126,21 +127,23 @@ def place_step(
     free = sum(room_l)
     shortest = int(slot[todo].min()) if todo.any() else 0
     scale = 1 + 1e-6
+    # Per slot, the largest gap (its lightest cell's): no other cell of any slot has a larger one.
+    # Cells with less room than the shortest piece of phase B leave the lists (they take none of them).
+    min_b = int(slot[long_].min()) if long_.size else 0
+    by_load = [[c for c in cells_m if room_l[c] >= min_b] for cells_m in by_load]
+    gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else -np.inf for m, cells_m in enumerate(by_load)]
     for ids, keep in ((first, 0), (rest, reserve)):
         ids = ids[np.lexsort((ids, -slot[ids]))]
         for i, s, k in zip(ids.tolist(), slot[ids].tolist(), key[ids].tolist(), strict=True):
             if free - s < keep:
                 continue
-            best, best_gap = -1, -np.inf
-            for m in range(M):  # fast path: every slot's lightest cell takes it without stranding a gap
-                c = by_load[m][0]
-                left = room_l[c] - s
-                if left < 0 or 0 < left < shortest:
-                    best = -1
-                    break
-                gap = smax_l[m] - load_l[c] * scale
-                if gap > best_gap:
-                    best, best_gap = c, gap
+            top = max(gaps)
+            if top == -np.inf:  # no cell has room for any piece of phase B
+                break
+            best = by_load[gaps.index(top)][0]  # fast path: the largest gap takes it without stranding one
+            left = room_l[best] - s
+            if left < 0 or 0 < left < shortest:
+                best = -1
             for strand_ok in (False, True) if best < 0 else ():  # first avoid leaving a gap shorter than any piece
                 best_gap = -np.inf
                 for m in range(M):
@@ -164,12 +167,25 @@ def place_step(
                 smax_l[m] = load_l[best]
             cells_m = by_load[m]  # ``best`` got heavier: move it right to keep (load, cell) order
             j = cells_m.index(best)
-            lb = load_l[best]
-            while j + 1 < R and (load_l[cells_m[j + 1]], cells_m[j + 1]) < (lb, best):
-                cells_m[j] = cells_m[j + 1]
-                j += 1
-            cells_m[j] = best
+            if room_l[best] < min_b:
+                del cells_m[j]
+            else:
+                lb, last = load_l[best], len(cells_m) - 1
+                while j < last and (load_l[cells_m[j + 1]], cells_m[j + 1]) < (lb, best):
+                    cells_m[j] = cells_m[j + 1]
+                    j += 1
+                cells_m[j] = best
+            gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else -np.inf
 
+    # B'. exchanges that lower the slots' costliest cells, where the attention part can dominate a pack.
+    if quad * 2 >= full_cost:
+        fillers = is_filler & todo & (cell < 0)
+        f_tok = int(slot[fillers].sum())
+        rho = float(key[fillers].sum()) / f_tok if f_tok else 0.0
+        room_a, load_a = np.asarray(room_l, dtype=np.int64), np.asarray(load_l, dtype=np.float64)
+        if improve_step(cell, (cell >= 0) & (2 * slot <= C), slot, key, room_a, load_a, rho, R, M):
+            room_l, load_l = room_a.tolist(), load_a.tolist()
+            smax_l = [max(load_l[m * R : (m + 1) * R]) for m in range(M)]
     # C. fillers, overdue ones first: rounds in which each cell (largest gap first) takes the longest that fits.
     for fill in (overdue_fill, np.flatnonzero(is_filler & ~forced & todo)):
         if fill.size:

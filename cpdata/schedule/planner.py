@@ -14,22 +14,32 @@ pool with :func:`~cpdata.schedule.balance.place_step` and carries what did
 not fit.
 
 Delay bound (guaranteed, for any lengths): steps take the stream first in,
-first out (step ``t`` takes the pieces after those of step ``t - 1``), and a
-piece is placed at most ``max(1, max_delay)`` steps after the step that took
-it, never earlier. Pieces up to half a pack move at most one step (the
-leftovers of a full step); a longer one may wait up to ``max(1, max_delay)``
-steps for ``dp_size - 1`` others of its size (WLB-LLM's outlier delay; the
-default ``max_delay=0`` allows one step). ``Schedule.delay`` and
-``stats.delay_counts`` report it. Why it holds: a step is committed only when
-the pieces due in the next step fit one empty step by first-fit decreasing
-(the next step places them first that way if its balanced placement leaves
-any out); otherwise the step is placed again with those pieces first, and
-then with fewer pieces taken from the stream. With nothing new taken, the
-pieces due next step are long pieces that one earlier step took, and a step
-takes at most ``dp_size * micro_batches`` pieces longer than half a pack, one
+first out (step ``t`` takes the pieces after those of step ``t - 1``), never a
+piece past its *FIFO step* plus one (the FIFO step of a piece: its stream
+position in slot tokens over a full step's, ``K * capacity``, where stream
+order at full steps would put it), and a piece is placed at most
+``max(1, max_delay)`` steps after the step that took it, never earlier; so
+never more than one step before its FIFO step. Pieces up to half a pack move
+at most one step (the leftovers of a full step); a longer one may wait up to
+``max(1, max_delay)`` steps for ``dp_size - 1`` others of its size (WLB-LLM's
+outlier delay; the default ``max_delay=0`` allows one step), and with
+``max_delay >= 2`` one that a step took ahead of its FIFO step (the step
+before it) waits ``max_delay + 1`` steps after that step: ``max_delay`` after
+its FIFO step, the window the bound allows. So while the steps keep pace with
+the stream (every bench distribution), no piece is placed more than
+``max_delay`` steps after its FIFO step. ``Schedule.delay`` and
+``stats.delay_counts`` report the delay after the step that took the piece.
+Why it holds: a step is committed only when the pieces due in the next step
+fit one empty step by first-fit decreasing (the next step places them first
+that way if its balanced placement leaves any out); otherwise the step is
+placed again with those pieces first, and then with fewer pieces taken from
+the stream. With nothing new taken, the pieces due next step are long pieces
+that earlier steps took with that deadline, and at most ``dp_size *
+micro_batches`` pieces longer than half a pack get one deadline (a step takes
+fewer while pieces taken ahead by the step before share its deadline), one
 per cell, so the check passes. On the bench distributions a step takes
 within a few percent of a step's tokens, so the steps track the token stream.
-Cost: ~3-5 us per document (``cpdata bench --sections schedule``).
+Cost: ~3-4 us per document (``cpdata bench --sections schedule``).
 
 Without a cost model (``cost=None``): the packs of
 :func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack
@@ -182,7 +192,9 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     out_cum = np.concatenate([[0], np.cumsum(is_out)])
     q = cost.b * length.astype(np.float64) ** 2
     whole = cost(length)
-    reach = np.where(is_out, max(1, max_delay), 1)  # only long pieces wait more than one step
+    reach = np.where(is_out, max(1, max_delay), 1)  # only long pieces wait more than one step (set at intake)
+    fifo = cum[:-1] // T  # each piece's FIFO step: where stream order at full steps would put it
+    ahead = max_delay + 1 if max_delay >= 2 else 0  # reach of a long piece taken a step ahead of its FIFO step
     arrival = np.zeros(n, dtype=np.int64)
     placed_cell = np.full(n, -1, dtype=np.int64)
     target = int(T * (1 + POOL_MARGIN))
@@ -191,11 +203,17 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     def take(carry: np.ndarray, ptr: int, limit: int, step: int):
         """The carried pieces plus new ones from ``ptr`` (before ``limit``, at most ``K`` outliers)
         until the pool holds ``target`` tokens not counting outliers that will wait (a few rounds)."""
-        cap = min(limit, int(np.searchsorted(out_cum, out_cum[ptr] + K, side="right")) - 1)
+        # At most K outliers share a deadline (module docstring): fewer new ones while outliers taken ahead
+        # by the last step wait with this intake's deadline. Nothing past the next FIFO step is taken.
+        early = int(np.count_nonzero((reach[carry] == ahead) & (arrival[carry] == step - 1))) if ahead else 0
+        out_cap = int(np.searchsorted(out_cum, out_cum[ptr] + K - early, side="right")) - 1
+        cap = min(limit, out_cap, int(np.searchsorted(cum[:-1], (step + 2) * T, side="left")))
         want, pool, decided = target - int(slot[carry].sum()), carry, None
         for _ in range(REFILLS + 1):
             end = min(int(np.searchsorted(cum, cum[ptr] + want, side="left")), cap) if want > 0 else ptr
             arrival[ptr:end] = step
+            if ahead:
+                reach[ptr:end] = np.where(is_out[ptr:end], np.where(fifo[ptr:end] > step, ahead, max_delay), 1)
             pool = np.concatenate([pool, np.arange(ptr, end, dtype=np.int64)])
             ptr, decided = end, None
             age = step - arrival[pool]

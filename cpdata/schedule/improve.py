@@ -1,0 +1,101 @@
+"""Between phases B and C of a step: exchanges of pieces between cells that lower the slots' costliest cells.
+
+Phase B of :func:`~cpdata.schedule.balance.place_step` places the pieces
+longest first, each where its slot's gap is largest, and never takes one
+back; a slot often ends with one cell above the others (typically the cell of
+its longest piece, which then still took a long second piece). This pass
+repeatedly looks at the costliest cell ``a`` of every slot and at every
+exchange with another cell ``b`` of any slot: piece ``x`` of ``a`` for piece
+``y`` of ``b``, or ``x`` moved alone, for placed pieces of at most half a pack
+(runs' outliers stay put, and every piece stays in its step). An exchange
+must keep both cells within ``capacity``; it is scored by the change of
+``sum over slots of the slot's largest cell`` (the ``imb_mb`` numerator), and
+the best one is applied while it lowers that sum, at most :data:`ROUNDS`
+times per step. All candidates of a round are scored at once with numpy
+(``[pieces in slot maxima, placed pieces + one empty partner per cell]``), a
+round costs ~50-100 us on D2 (``cpdata bench --sections schedule``).
+
+A cell's score is its balancing key plus what the fillers (phase C, which
+fills every cell to within a few tokens) will still add to its free room:
+``load + rho * room``, ``rho`` the fillers' key per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["GAIN", "ROUNDS", "improve_step"]
+
+ROUNDS = 16
+"""Exchanges applied per step at most."""
+GAIN = 1e-4
+"""An exchange is applied only if it lowers the sum of the slots' maxima by more than this share of a slot's."""
+
+
+def improve_step(cell: np.ndarray, movable: np.ndarray, slot: np.ndarray, key: np.ndarray, room: np.ndarray,
+                 load: np.ndarray, rho: float, dp_size: int, micro_batches: int) -> int:  # fmt: skip
+    """Apply exchanges in place (``cell``, ``room``, ``load`` updated); returns how many.
+
+    Args:
+        cell: int64 ``[n]`` cell ``m * dp_size + r`` of every piece (``-1``: not placed yet).
+        movable: bool ``[n]`` placed pieces that may change cell.
+        slot, key: int64 / float64 ``[n]`` slot tokens and balancing key per piece.
+        room, load: int64 / float64 ``[K]`` free tokens and key sum per cell.
+        rho: the fillers' key per token (what a cell's free room will still add).
+    """
+    R, M = dp_size, micro_batches
+    K = R * M
+    ids = np.flatnonzero(movable)
+    if R < 2 or not ids.size:
+        return 0
+    slot_of = np.arange(K) // R
+    rows = np.arange(M)
+    empties = np.arange(K)  # partner "nothing" in every cell: a move
+    s_all = np.concatenate([slot[ids], np.zeros(K, np.int64)])
+    k_all = np.concatenate([key[ids], np.zeros(K)])
+    done = 0
+    for _ in range(ROUNDS):
+        est = load + rho * room
+        e2 = est.reshape(M, R)
+        order = np.argsort(e2, axis=1, kind="stable")
+        top1, top2 = e2[rows, order[:, -1]], e2[rows, order[:, -2]]
+        top3 = e2[rows, order[:, -3]] if R > 2 else np.full(M, -np.inf)
+        arg1, arg2 = order[:, -1] + rows * R, order[:, -2] + rows * R
+        is_top = np.zeros(K, bool)
+        is_top[arg1] = True
+        loc = cell[ids]
+        by = np.concatenate([loc, empties])
+        xs = np.flatnonzero(is_top[loc])
+        if not xs.size:
+            break
+        a = loc[xs]
+        ma = slot_of[a]
+        ta = top1[ma]
+        mb = slot_of[by]
+        d = s_all[xs][:, None] - s_all[None, :]  # tokens a gives to b
+        dk = k_all[xs][:, None] - k_all[None, :]
+        ok = (d <= room[by][None, :]) & (-d <= room[a][:, None]) & (by[None, :] != a[:, None])
+        new_a = ta[:, None] - dk + rho * d
+        new_b = est[by][None, :] + dk - rho * d
+        same = ma[:, None] == mb[None, :]
+        rest_same = np.where(by[None, :] == arg2[ma][:, None], top3[ma][:, None], top2[ma][:, None])
+        excl_b = np.where(by == arg1[mb], top2[mb], top1[mb])  # b's slot maximum without b
+        after_same = np.maximum(np.maximum(new_a, new_b), rest_same) - ta[:, None]
+        after_other = (np.maximum(new_a, top2[ma][:, None]) - ta[:, None]) + (np.maximum(new_b, excl_b[None, :])
+                                                                              - top1[mb][None, :])  # fmt: skip
+        delta = np.where(ok, np.where(same, after_same, after_other), np.inf)
+        j = int(np.argmin(delta))
+        i, k = divmod(j, by.shape[0])
+        if not delta[i, k] < -GAIN * ta[i]:
+            break
+        src, dst = int(a[i]), int(by[k])
+        cell[ids[xs[i]]] = dst
+        if k < ids.shape[0]:
+            cell[ids[k]] = src
+        moved = int(d[i, k])
+        room[src] += moved
+        room[dst] -= moved
+        load[src] -= dk[i, k]
+        load[dst] += dk[i, k]
+        done += 1
+    return done
