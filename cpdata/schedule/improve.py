@@ -50,9 +50,12 @@ def improve_step(cell: np.ndarray, movable: np.ndarray, slot: np.ndarray, key: n
         return 0
     slot_of = np.arange(K) // R
     rows = np.arange(M)
-    empties = np.arange(K)  # partner "nothing" in every cell: a move
+    # Partners: every movable piece, and "nothing" in every cell (a move). A piece's weight is its key less
+    # what its tokens of filler would add (``rho`` per token): an exchange shifts ``w_x - w_y`` from a to b.
     s_all = np.concatenate([slot[ids], np.zeros(K, np.int64)])
-    k_all = np.concatenate([key[ids], np.zeros(K)])
+    w_all = np.concatenate([key[ids] - rho * slot[ids], np.zeros(K)])
+    by = np.concatenate([cell[ids], np.arange(K)])
+    n_ids = ids.shape[0]
     done = 0
     for _ in range(ROUNDS):
         est = load + rho * room
@@ -63,39 +66,41 @@ def improve_step(cell: np.ndarray, movable: np.ndarray, slot: np.ndarray, key: n
         arg1, arg2 = order[:, -1] + rows * R, order[:, -2] + rows * R
         is_top = np.zeros(K, bool)
         is_top[arg1] = True
-        loc = cell[ids]
-        by = np.concatenate([loc, empties])
-        xs = np.flatnonzero(is_top[loc])
+        xs = np.flatnonzero(is_top[by[:n_ids]])
         if not xs.size:
             break
-        a = loc[xs]
+        a = by[xs]
         ma = slot_of[a]
-        ta = top1[ma]
+        ta = top1[ma][:, None]
         mb = slot_of[by]
-        d = s_all[xs][:, None] - s_all[None, :]  # tokens a gives to b
-        dk = k_all[xs][:, None] - k_all[None, :]
-        ok = (d <= room[by][None, :]) & (-d <= room[a][:, None]) & (by[None, :] != a[:, None])
-        new_a = ta[:, None] - dk + rho * d
-        new_b = est[by][None, :] + dk - rho * d
-        same = ma[:, None] == mb[None, :]
-        rest_same = np.where(by[None, :] == arg2[ma][:, None], top3[ma][:, None], top2[ma][:, None])
+        sx = s_all[xs][:, None]
+        ok = (sx <= (room[by] + s_all)[None, :]) & (s_all[None, :] <= room[a][:, None] + sx) & (by != a[:, None])
+        w = w_all[xs][:, None] - w_all[None, :]
+        new_a = ta - w
+        new_b = est[by][None, :] + w
         excl_b = np.where(by == arg1[mb], top2[mb], top1[mb])  # b's slot maximum without b
-        after_same = np.maximum(np.maximum(new_a, new_b), rest_same) - ta[:, None]
-        after_other = (np.maximum(new_a, top2[ma][:, None]) - ta[:, None]) + (np.maximum(new_b, excl_b[None, :])
-                                                                              - top1[mb][None, :])  # fmt: skip
-        delta = np.where(ok, np.where(same, after_same, after_other), np.inf)
+        # Another slot: a's slot falls to max(new_a, its second), b's rises to max(new_b, its max without b).
+        delta = np.maximum(new_a, top2[ma][:, None]) + (np.maximum(new_b, excl_b) - top1[mb]) - ta
+        same = ma[:, None] == mb[None, :]
+        if same.any():  # a's own slot: max(new_a, new_b, the slot without a and b)
+            rest = np.where(by[None, :] == arg2[ma][:, None], top3[ma][:, None], top2[ma][:, None])
+            delta = np.where(same, np.maximum(np.maximum(new_a, new_b), rest) - ta, delta)
+        delta = np.where(ok, delta, np.inf)
         j = int(np.argmin(delta))
         i, k = divmod(j, by.shape[0])
-        if not delta[i, k] < -GAIN * ta[i]:
+        if not delta[i, k] < -GAIN * ta[i, 0]:
             break
         src, dst = int(a[i]), int(by[k])
+        moved = int(s_all[xs[i]] - s_all[k])
         cell[ids[xs[i]]] = dst
-        if k < ids.shape[0]:
+        by[xs[i]] = dst
+        if k < n_ids:
             cell[ids[k]] = src
-        moved = int(d[i, k])
+            by[k] = src
         room[src] += moved
         room[dst] -= moved
-        load[src] -= dk[i, k]
-        load[dst] += dk[i, k]
+        dkey = float(w[i, k]) + rho * moved
+        load[src] -= dkey
+        load[dst] += dkey
         done += 1
     return done

@@ -56,7 +56,8 @@ class ScheduleStats:
     tail_dropped_tokens: int
     delay_counts: tuple[int, ...]
     """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream
-    (always ``k <= max(1, max_delay)``, and ``k <= 1`` for pieces of at most half a pack)."""
+    (always ``k <= max(1, max_delay)``, ``max_delay + 1`` for a piece over half a pack taken a step ahead of
+    its FIFO step with ``max_delay >= 2``, and ``k <= 1`` for pieces of at most half a pack)."""
     imb_step_mean: float
     """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
     imb_mb_mean: float
@@ -91,7 +92,8 @@ class Schedule:
     continues: np.ndarray
     """bool ``[pieces]``: the piece's document goes on in a later piece."""
     delay: np.ndarray
-    """int64 ``[pieces]``: steps between taking the piece from the stream and placing it."""
+    """int64 ``[pieces]``: steps between taking the piece from the stream and placing it (the bound:
+    :func:`~cpdata.schedule.plan_schedule`)."""
     config: PackingConfig
     cost: CostModel | None
     stats: ScheduleStats
