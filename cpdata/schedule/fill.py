@@ -94,6 +94,8 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     for x in sizes:
         counts[x] = counts.get(x, 0) + 1
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
+    placed_i: list[int] = []
+    placed_c: list[int] = []
     while sizes and active:
         gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
@@ -111,14 +113,17 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
                         j = j2
                 picks = [j]
             m = slot_of_l[c]
-            for j in sorted(picks, reverse=True):  # pop from the back: earlier positions stay valid
+            for j in sorted(picks, reverse=True) if len(picks) > 1 else picks:  # from the back: positions hold
                 i = ids.pop(j)
                 size = sizes.pop(j)
-                counts[size] -= 1
-                if not counts[size]:
+                n_size = counts[size] - 1
+                if n_size:
+                    counts[size] = n_size
+                else:
                     del counts[size]
                 room_l[c] -= size
-                cell[i] = c
+                placed_i.append(i)
+                placed_c.append(c)
                 load_l[c] += keys[i]
             if load_l[c] > smax_l[m]:
                 smax_l[m] = load_l[c]
@@ -127,3 +132,5 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             if room_l[c] >= sizes[0]:
                 still.append(c)
         active = still
+    if placed_i:
+        cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)
