@@ -149,19 +149,26 @@ def place_step(
             top = max(gaps)
             if top == -np.inf:  # no cell has room for any piece of phase B
                 break
-            best = by_load[gaps.index(top)][0]  # fast path: the largest gap takes it without stranding one
+            m_top = gaps.index(top)
+            best = by_load[m_top][0]  # fast path: the largest gap takes it without stranding one
             left = room_l[best] - s
             if left < 0 or 0 < left < shortest:
                 best = -1
-            for strand_ok in (False, True) if best < 0 else ():  # first avoid leaving a gap shorter than any piece
-                best_gap = -np.inf
-                for m in range(M):
+            # Else per slot the first cell (by load) with room, the largest gap wins (ties: the emptier cell, then
+            # the lower slot); a slot whose largest gap cannot win is skipped. First avoid stranding a gap shorter
+            # than any piece.
+            for strand_ok in (False, True) if best < 0 else ():
+                best_gap, best_m = -np.inf, M
+                for m in (m_top, *range(m_top), *range(m_top + 1, M)):
+                    g = gaps[m]
+                    if g < best_gap or (g == best_gap and m > best_m):
+                        continue
                     for c in by_load[m]:
                         left = room_l[c] - s
                         if left >= 0 and (strand_ok or left == 0 or left >= shortest):
-                            gap = smax_l[m] - load_l[c] * scale  # ties: the emptier cell, then the lower slot
-                            if gap > best_gap:
-                                best, best_gap = c, gap
+                            gap = smax_l[m] - load_l[c] * scale
+                            if gap > best_gap or (gap == best_gap and m < best_m):
+                                best, best_gap, best_m = c, gap, m
                             break
                 if best >= 0:
                     break
