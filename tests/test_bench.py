@@ -138,7 +138,7 @@ def test_schedule_rows_cover_every_method_and_balance_beats_the_anchors(results)
         assert r["batches"] >= 8 and 0 <= r["imb_step_mean"] <= r["imb_mb_mean"] + 1e-9, r
         if r["method"].startswith("cpdata_schedule"):
             assert r["over_cap_pct"] == 0 and r["extra_microbatch_pct"] == 0, r
-            assert r["max_delay_steps"] <= max(1, r["max_delay"]), r
+            assert r["max_delay_steps"] <= max(1, r["max_delay"]) and r["min_delay_steps"] >= -1, r  # FIFO step
     assert by[("D1", 8, "verl_kk_cap")]["over_cap_pct"] == 0
     for dist, dp, mine in (("D1", 8, "cpdata_schedule"), ("D2", 8, "cpdata_schedule_delay4")):
         for anchor in ("nemo_rl_ffd", "verl_kk_cap", "megatron_dp_balanced", "cpdata_0.1"):
