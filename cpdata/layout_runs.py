@@ -1,32 +1,30 @@
-"""Run tables: every CP rank's row of a layout as runs of consecutive global positions.
+"""Run tables: a layout as runs of consecutive global positions, in global order.
 
-A layout gives rank ``r`` a few runs per document (``thd``: two chunks;
-``balanced``: head, up to two middle tokens, tail) in the rank's local order.
-The table holds them as ``[cp, C]`` arrays (rank-major, local order inside a
-rank; runs of size 0 where a document gives a rank nothing) with each run's
-*shift* (its global start minus its offset in the rank's row) and the order of
-all runs by global position. ``balanced`` deals its padding token by token
-after the runs (a strided tail, not one run per pad token). Everything the
-worker needs follows from the table without sorting, searching or scattering:
+Every layout gives each document (row ``d`` of the table) ``G`` runs that
+tile it in global order (``thd``: its ``2cp`` chunks; ``balanced``: ``cp``
+heads, ``2cp`` one-token middle runs of which the first ``m`` are real, ``cp``
+tails), each with its rank and its *inverse shift* (its position in the
+rank-major concatenation of all shards minus its global start). Each rank's
+runs are in increasing global order, so a rank's row is its runs in table
+order. ``balanced`` deals its padding one token at a time after the runs (a
+strided tail, not one run per pad token). Everything the worker needs follows
+without sorting, searching or scattering:
 
-- a rank's row: ``repeat(shift, size) + arange`` over its runs (:meth:`RunTable.row`,
-  two numpy calls, O(local tokens));
-- the inverse map: the same over all runs in global order, each shifted by
-  ``rank * local_len - shift`` (:meth:`RunTable.inverse`, O(pack tokens));
-- the causal work per rank in closed form per run (:meth:`RunTable.causal_work`,
-  O(runs)) when the runs know their document.
+- the inverse map: ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack tokens));
+- a rank's row: its ``D * w`` runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
+- the causal work per rank in closed form per run (:meth:`RunTable.causal_work`, O(runs)).
 
-Cost: the builders are ~10 (``thd``) and ~25 (``balanced``) numpy calls on
-``[cp, documents, 2 or 4]`` arrays whatever the pack size; at 8K tokens (~12
-documents) that fixed cost dominates, at 32K cp 4 (~49 documents, ~800 runs)
-the O(pack) ``repeat`` of the inverse does (~30 us). The builders take
-validated lengths; :func:`cpdata.layouts.layout_runs` validates.
+Cost: the builders are ~15 numpy calls whatever the pack size, most on
+``[D]`` vectors: the parts of the ``[D, G]`` tables that are not linear in a
+document's length come from a table cached per ``(cp, local length)`` and
+indexed by one key per document, so a builder does one ``take``, one outer
+product and two adds on the ``[D, G]`` tables. The builders take validated
+lengths; :func:`cpdata.layouts.layout_runs` validates.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,6 +54,14 @@ def _dealt(cp_size: int, local_len: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _row_starts(n_docs: int, width: int) -> np.ndarray:
+    """int64 ``[n_docs, 1]``: the flat index of each table row's first run."""
+    out = np.arange(0, n_docs * width, width, dtype=np.int64)[:, None]
+    _frozen(out)
+    return out
+
+
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
 
@@ -69,54 +75,63 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
     return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class RunTable:
-    """One layout of one pack as runs.
+    """One layout of one pack as runs in global order (read-only arrays; see the module docstring).
 
     Attributes:
         pack_len: tokens in the pack (a multiple of ``cp``).
-        starts: int64 ``[cp, C]``, global first position of run ``j`` of rank ``r``,
-            in the rank's local order.
-        sizes: int64 ``[cp, C]``, tokens per run (0 allowed).
-        shifts: int64 ``[cp, C]``, ``starts`` minus the run's offset in its rank's row.
-        order: int64 ``[cp * C]``, flat indices of the runs sorted by global
-            start (runs of size > 0 tile ``[0, pack_len - tail)`` in that order).
-        tail: padding tokens at the end of the pack dealt round-robin one at a
-            time after the runs (``balanced``; 0 elsewhere): each rank's row ends
-            with its share, every ``cp``-th of them.
+        cp_size: CP ranks.
+        sizes: int64 ``[D, G]``: tokens per run (0 allowed); row ``d`` tiles document ``d``, the rows tile
+            ``[0, pack_len - tail)``.
+        inv_shifts: int64 ``[D, G]``: a run's position in the rank-major concatenation minus its global start.
+        ranks: int64 ``[D, G]`` or ``[G]`` (the same for every row): the rank owning each run.
+        picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
+        pick_key: int64 ``[D]``: the variant of each row (None: variant 0 for every row).
+        offsets: int64 ``[D, G]``: each run's first position inside its document; None for layouts that
+            ignore documents.
+        lens: int64 ``[D]``: the documents' slot lengths (None with ``offsets``).
+        tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
+            each rank's row ends with its share, every ``cp``-th of them.
         dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
-        doc: int64 ``[C]``, the document (slot) of column ``j``'s runs (the
-            same for every rank); None for layouts that ignore documents.
-        doc_starts: int64 ``[n_docs]``, global offset of each document; None with ``doc``.
-        offsets: int64 ``[cp, C]``, each run's first position inside its document; None with ``doc``.
     """
 
-    pack_len: int
-    starts: np.ndarray
-    sizes: np.ndarray
-    shifts: np.ndarray
-    order: np.ndarray
-    tail: int = 0
-    dealt: int = 0
-    doc: np.ndarray | None = None
-    doc_starts: np.ndarray | None = None
-    offsets: np.ndarray | None = None
+    __slots__ = ("pack_len", "cp_size", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "offsets", "lens",
+                 "tail", "dealt")  # fmt: skip
+
+    def __init__(self, pack_len: int, cp_size: int, sizes: np.ndarray, inv_shifts: np.ndarray, ranks: np.ndarray,
+                 picks: np.ndarray, pick_key: np.ndarray | None = None, offsets: np.ndarray | None = None,
+                 lens: np.ndarray | None = None, tail: int = 0, dealt: int = 0) -> None:  # fmt: skip
+        self.pack_len, self.cp_size, self.sizes, self.inv_shifts = pack_len, cp_size, sizes, inv_shifts
+        self.ranks, self.picks, self.pick_key, self.offsets, self.lens = ranks, picks, pick_key, offsets, lens
+        self.tail, self.dealt = tail, dealt
 
     @property
-    def cp_size(self) -> int:
-        return int(self.starts.shape[0])
+    def doc(self) -> np.ndarray | None:
+        """int64 ``[D]``: the document of each table row (row ``d`` is document ``d``); None without documents."""
+        return None if self.offsets is None else _arange(self.sizes.shape[0])
+
+    @property
+    def doc_starts(self) -> np.ndarray | None:
+        """int64 ``[D]``: global offset of each document; None without documents."""
+        return None if self.lens is None else self.lens.cumsum() - self.lens
 
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
-        cp = self.cp_size
-        local = self.pack_len // cp
+        cp, p = self.cp_size, self.pack_len
+        local = p // cp
         out = np.empty(local, dtype=np.int64) if out is None else out
         # rank's tail tokens: round-robin indices t in [dealt, dealt + tail) with t % cp == rank
         mine = (self.dealt + self.tail + cp - 1 - rank) // cp - (self.dealt + cp - 1 - rank) // cp
         n = local - mine
-        np.add(self.shifts[rank].repeat(self.sizes[rank]), _arange(self.pack_len)[:n], out=out[:n])
+        if n:
+            picks = self.picks[rank]
+            at = picks[0] if self.pick_key is None else picks.take(self.pick_key, axis=0)
+            at = at + _row_starts(*self.sizes.shape)  # [D, w] flat indices of the rank's runs
+            # a run's row positions are rank * local + arange - its inverse shift
+            inv = self.inv_shifts.take(at).reshape(-1).repeat(self.sizes.take(at).reshape(-1))
+            np.subtract(_arange(p)[rank * local : rank * local + n], inv, out=out[:n])
         if mine:
-            first = self.pack_len - self.tail + (rank - self.dealt) % cp
+            first = p - self.tail + (rank - self.dealt) % cp
             np.add(_arange(local, cp)[:mine], first, out=out[n:])
         return out
 
@@ -131,167 +146,172 @@ class RunTable:
         """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major
         concatenation (into ``out``).
 
-        A run of rank ``r`` lands at ``r * local_len + (start - shift)``, so its
-        inverse shift is ``r * local_len - shift``; the runs in global order
-        then give the map like :meth:`row`. Tail token ``dealt + k`` of rank
+        The runs in table order tile the pack up to its dealt tail: ``repeat`` their
+        inverse shifts plus ``arange``. Tail token ``dealt + k`` of rank
         ``(dealt + k) % cp`` follows that rank's ``(pack_len - tail - dealt) / cp``
         run tokens and its ``(dealt + k) // cp`` earlier dealt tokens.
         """
         cp, p = self.cp_size, self.pack_len
         out = np.empty(p, dtype=np.int64) if out is None else out
-        local = p // cp
-        inv_shifts = (_arange(cp, local)[:, None] - self.shifts).reshape(-1).take(self.order)
         n = p - self.tail
-        np.add(inv_shifts.repeat(self.sizes.reshape(-1).take(self.order)), _arange(p)[:n], out=out[:n])
+        if n:
+            np.add(self.inv_shifts.reshape(-1).repeat(self.sizes.reshape(-1)), _arange(p)[:n], out=out[:n])
         if self.tail:
-            np.add(_dealt(cp, local)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
+            np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
         return out
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
         """float64 ``[cp]``: causal document-masked attention work of each rank.
 
         A real token at offset ``o`` of its document attends to ``o + 1`` keys;
-        padding costs 0. ``real_lens`` int64 ``[>= n_docs]``: real tokens of each
-        document (the first ``n_docs`` are used). Needs ``doc``. A run covering
-        real offsets ``[a, e)`` costs ``(e - a)(e + a + 1) / 2``.
+        padding costs 0. ``real_lens`` int64 ``[>= D]``: real tokens of each
+        document (the first ``D`` are used). Needs ``offsets``. A run covering
+        real offsets ``[a, e)`` costs ``(e - a)(e + a + 1) / 2``; the doubled
+        costs are even integers, summed per rank exactly (below 2**53).
         """
-        assert self.doc is not None and self.offsets is not None, "layout runs without documents"
-        if self.doc.size == 0:
+        assert self.offsets is not None and self.lens is not None, "layout runs without documents"
+        d = self.lens.shape[0]
+        if d == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
-        n = np.asarray(real_lens, dtype=np.int64).take(self.doc)  # [C]
-        a = np.minimum(self.offsets, n)
-        e = np.minimum(self.offsets + self.sizes, n)
-        return (((e - a) * (e + a + 1)).sum(axis=1) // 2).astype(np.float64)
+        real = np.asarray(real_lens, dtype=np.int64)[:d]
+        if np.array_equal(real, self.lens):  # every slot real: no run is cut
+            w = self.offsets * 2
+            w += self.sizes
+            w += 1
+            w *= self.sizes
+        else:
+            n = real[:, None]
+            a = np.minimum(self.offsets, n)
+            e = np.minimum(self.offsets + self.sizes, n)
+            w = (e - a) * (e + a + 1)
+        if self.ranks.ndim == 1:
+            twice = np.bincount(self.ranks, w.sum(axis=0), minlength=self.cp_size)
+        else:
+            twice = np.bincount(self.ranks.reshape(-1), w.reshape(-1), minlength=self.cp_size)
+        return twice / 2
+
+
+@functools.lru_cache(maxsize=16)
+def _contiguous(cp_size: int, pack_len: int) -> RunTable:
+    local = pack_len // cp_size
+    ranks = _arange(cp_size)
+    sizes = np.full((1, cp_size), local, dtype=np.int64)
+    inv = np.zeros((1, cp_size), dtype=np.int64)
+    picks = ranks.reshape(cp_size, 1, 1)
+    _frozen(sizes, inv)
+    return RunTable(pack_len, cp_size, sizes, inv, ranks, picks)
 
 
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
-    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)``."""
-    local = pack_len // cp_size
-    starts = _arange(cp_size, local)[:, None]
-    return RunTable(pack_len=pack_len, starts=starts, sizes=np.full_like(starts, local),
-                    shifts=starts, order=_arange(cp_size))  # fmt: skip
+    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
+    return _contiguous(cp_size, pack_len)
 
 
-@functools.lru_cache(maxsize=256)
-def _head_tail_order(cp_size: int, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat run indices of a head-tail table in global order, and the document of each column.
+@functools.lru_cache(maxsize=32)
+def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Constants of :func:`head_tail_runs` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
 
-    Chunk ``j`` of a document belongs to rank ``j`` (head, column ``2d``) for
-    ``j < cp`` and to rank ``2cp-1-j`` (tail, column ``2d + 1``) after.
-    """
-    ranks = np.concatenate([np.arange(cp_size), np.arange(cp_size - 1, -1, -1)])
-    kinds = np.repeat([0, 1], cp_size)
-    order = ((ranks * (n_docs * 2))[None, :] + (np.arange(n_docs) * 2)[:, None] + kinds[None, :]).reshape(-1)
-    doc = np.repeat(np.arange(n_docs, dtype=np.int64), 2)
-    _frozen(order, doc)
-    return order, doc
-
-
-@functools.lru_cache(maxsize=16)
-def _head_tail_coefs(cp_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """int64 ``[cp, 1, 2]``: chunk index of rank ``r``'s head and tail (``r``, ``2cp-1-r``), that minus
-    the chunks before it in the row (``r``, ``2cp-2-r``), and ones."""
-    r = np.arange(cp_size, dtype=np.int64)
-    chunk = np.stack([r, 2 * cp_size - 1 - r], axis=1)[:, None, :]
-    before = chunk - np.array([0, 1])
-    ones = np.ones_like(chunk)
-    _frozen(chunk, before, ones)
-    return chunk, before, ones
-
-
-def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool) -> RunTable:
-    """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[S]``, each a multiple of 2cp).
-
-    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
-    ``thd`` with the document slots (tail absorbed). Columns ``2d``, ``2d+1``:
-    document ``d``'s head and tail chunk of each rank. Slot ``d`` of ``c``
-    tokens per chunk starts at ``s``: rank ``r``'s runs start at ``s + r*c`` and
-    ``s + (2cp-1-r)*c`` and sit at ``s/cp`` and ``s/cp + c`` in its row.
-    """
-    n_docs = slot_lens.size
-    chunk, before, ones = _head_tail_coefs(cp_size)
-    c = (slot_lens // (2 * cp_size))[:, None]  # [S, 1]
-    ends = slot_lens.cumsum()
-    doc_starts = ends - slot_lens
-    s = doc_starts[:, None]
-    offsets = (chunk * c).reshape(cp_size, -1)
-    starts = offsets + doc_starts.repeat(2)
-    shifts = (before * c + (s - s // cp_size)).reshape(cp_size, -1)
-    order, doc = _head_tail_order(cp_size, n_docs)
-    return RunTable(pack_len=int(ends[-1]) if n_docs else 0, starts=starts, sizes=(ones * c).reshape(cp_size, -1), shifts=shifts,
-                    order=order, doc=doc if with_docs else None, doc_starts=doc_starts if with_docs else None,
-                    offsets=offsets if with_docs else None)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _balanced_coefs(cp_size: int) -> dict[str, np.ndarray]:
-    """Constant tables of :func:`balanced_runs` (columns: head, middle 1, middle 2, tail).
-
-    ``ranks`` ``[cp, 1]``; ``deal`` ``[4]`` added to ``k1`` (head and tail never
-    below a remainder < 2cp); per-column factors of ``q`` ``[cp, 1, 4]``, of
-    the dealt token ``[4]``, of ``m`` ``[4]`` and of the head/tail size ``[4]``;
-    ``rank_of`` ``[cp, 4cp]`` and ``column`` ``[4cp]``: the rank and column of
-    a document's runs in global order, for each round-robin pointer.
+    ``of_c`` int64 ``[3, 2cp]``: per chunk length, the inverse shift, size and offset in the
+    document (``[j >= cp] - j``, 1, ``j``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
+    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
     """
     cp = cp_size
-    r = np.arange(cp, dtype=np.int64)
-    j = np.arange(2 * cp)
-    rank_of = np.concatenate([np.broadcast_to(r, (cp, cp)), (r[:, None] + j) % cp, np.broadcast_to(r[::-1], (cp, cp))],
-                             axis=1)  # fmt: skip
-    tables = {
-        "ranks": r[:, None],
-        "deal": np.array([2 * cp, 0, cp, 2 * cp]),
-        "of_q": np.stack([r, np.full(cp, cp), np.full(cp, cp), 2 * cp - 1 - r], axis=1)[:, None, :],
-        "of_k": np.array([0, 1, 1, 0]),
-        "of_m": np.array([0, 0, 0, 1]),
-        "edge": np.array([1, 0, 0, 1]),
-        "rank_of": rank_of,
-        "column": np.concatenate([np.zeros(cp), 1 + j // cp, np.full(cp, 3)]).astype(np.int64),
-    }
-    _frozen(*tables.values())
-    return tables
+    j = np.arange(2 * cp, dtype=np.int64)
+    ranks = np.minimum(j, 2 * cp - 1 - j)
+    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j])[:, None, :]
+    picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
+    base = ranks * local_len
+    _frozen(of_c, base, ranks, picks)
+    return of_c, base, ranks, picks
+
+
+def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
+    """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[D]``, each a multiple of 2cp).
+
+    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
+    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
+    per chunk, ``C`` chunk tokens before it: chunk ``j`` starts at ``2cp*C + j*c``
+    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
+    """
+    cp = cp_size
+    if pack_len is None:
+        pack_len = int(slot_lens.sum())
+    of_c, base, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
+    c = slot_lens // (2 * cp)
+    before = c.cumsum()
+    before -= c  # C
+    table = np.multiply(c[None, :, None], of_c)  # [3, D, 2cp]: inverse shifts, sizes, offsets
+    inv = table[0]
+    inv += base
+    inv += ((2 - 2 * cp) * before)[:, None]
+    return RunTable(pack_len, cp, table[1], inv, ranks, picks, offsets=table[2] if with_docs else None,
+                    lens=slot_lens if with_docs else None)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Constants of :func:`balanced_runs`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
+
+    ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
+    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
+    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
+    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``t``,
+    tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
+    shift, size and offset. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
+    each ``T % cp``.
+    """
+    cp, local = cp_size, local_len
+    c = np.arange(cp, dtype=np.int64)
+    t = np.arange(2 * cp, dtype=np.int64)
+    i = c
+    rho = np.repeat(c, 2 * cp)[:, None]  # T % cp of each key
+    m = np.tile(t, cp)[:, None]  # remainder of each key
+    u = rho + t  # dealt index of each middle minus cp * (T // cp)
+    zero = np.zeros((rho.shape[0], cp), dtype=np.int64)
+    nonlinear = np.stack([
+        np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
+        np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
+        np.concatenate([zero, t + zero[:, :1], m + zero], axis=1),
+        np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
+    ])  # fmt: skip
+    of_q = np.stack([
+        np.concatenate([-c, np.full(2 * cp, 1 - cp), 1 - cp - i]),
+        np.concatenate([np.ones(cp, dtype=np.int64), np.zeros(2 * cp, dtype=np.int64), np.ones(cp, dtype=np.int64)]),
+        np.concatenate([c, np.full(2 * cp, cp), cp + i]),
+    ])[:, None, :]  # fmt: skip
+    k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
+    picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
+                      np.broadcast_to(4 * cp - 1 - c[:, None], (cp, cp))], axis=2)  # fmt: skip
+    _frozen(nonlinear, of_q, picks)
+    return nonlinear, of_q, picks
 
 
 def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
-    """``balanced`` (see :func:`cpdata.layouts.rank_indices`): four runs per rank and document, then padding.
+    """``balanced`` (see :func:`cpdata.layouts.rank_indices`): ``4cp`` runs per document, then padding.
 
-    Document ``d`` of ``n = 2cp*q + m`` tokens: rank ``r`` owns head chunk ``r``
-    (``q`` tokens, column ``4d``), the middle tokens ``k1`` and ``k1 + cp`` when
-    they exist (columns ``4d+1``, ``4d+2``; ``k1 = (r - ptr_d) % cp``, ``ptr_d``
-    the round-robin pointer carried across documents), and tail chunk
-    ``2cp-1-r`` (column ``4d+3``). The pack's padding continues the pointer one
-    token at a time (the table's ``tail``).
+    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
+    before it, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
+    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
+    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
+    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
+    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
+    padding continues the deal one token at a time (the table's ``tail``).
     """
-    cp, n_docs = cp_size, lens.size
-    k = _balanced_coefs(cp)
+    cp, d = cp_size, lens.shape[0]
+    nonlinear, of_q, picks = _balanced_coefs(cp, pack_len // cp)
     q, m = np.divmod(lens, 2 * cp)
-    ends, dealt_ends = lens.cumsum(), m.cumsum()
-    doc_starts, dealt_before = ends - lens, dealt_ends - m
-    k1 = (k["ranks"] - dealt_before) % cp  # [cp, D]
-    deal = k1[:, :, None] + k["deal"]  # [cp, D, 4]: 2cp, k1, k1 + cp, 2cp
-    sizes = ((deal < m[:, None]) + q[:, None] * k["edge"]).reshape(cp, -1)
-    offsets = (q[:, None] * k["of_q"] + deal * k["of_k"] + m[:, None] * k["of_m"]).reshape(cp, -1)
-    starts = offsets + doc_starts.repeat(4)
-    shifts = starts - sizes.cumsum(axis=1) + sizes
-    order = (k["rank_of"].take(dealt_before % cp, axis=0) * (4 * n_docs) + k["column"]
-             + _doc_columns(n_docs, 4)).reshape(-1)  # fmt: skip
-    used = int(ends[-1]) if n_docs else 0
-    return RunTable(pack_len=pack_len, starts=starts, sizes=sizes, shifts=shifts, order=order, tail=pack_len - used,
-                    dealt=int(dealt_ends[-1]) if n_docs else 0, doc=_doc_of_columns(n_docs, 4),
-                    doc_starts=doc_starts, offsets=offsets)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)
-def _doc_of_columns(n_docs: int, per_doc: int) -> np.ndarray:
-    """int64 ``[n_docs * per_doc]``: the document of each column."""
-    out = np.arange(n_docs, dtype=np.int64).repeat(per_doc)
-    _frozen(out)
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _doc_columns(n_docs: int, per_doc: int) -> np.ndarray:
-    """int64 ``[n_docs, 1]``: the first column of each document."""
-    out = np.arange(0, n_docs * per_doc, per_doc, dtype=np.int64)[:, None]
-    _frozen(out)
-    return out
+    dealt = m.cumsum()
+    dealt -= m  # T
+    heads = q.cumsum()
+    heads -= q  # Q
+    shift, rho = np.divmod(dealt, cp)
+    key = rho * (2 * cp)
+    key += m
+    table = nonlinear.take(key, axis=1)  # [4, D, 4cp]: inverse shifts, sizes, offsets, ranks
+    table[:3] += q[None, :, None] * of_q
+    shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
+    table[0] += shift[:, None]
+    total_dealt = int(dealt[-1] + m[-1]) if d else 0
+    used = 2 * cp * int(heads[-1] + q[-1]) + total_dealt if d else 0
+    return RunTable(pack_len, cp, table[1], table[0], table[3], picks, pick_key=rho, offsets=table[2], lens=lens,
+                    tail=pack_len - used, dealt=total_dealt)  # fmt: skip

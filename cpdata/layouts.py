@@ -139,9 +139,9 @@ def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray,
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
     if layout == "round_robin":
-        return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False)
+        return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False, pack_len=pack_len)
     if layout == "thd":
-        return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True)
+        return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True, pack_len=pack_len)
     return balanced_runs(lens, pack_len, cp_size)
 
 

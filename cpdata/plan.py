@@ -213,24 +213,31 @@ def plan_digest(
     n = lens.shape[0]
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
     meta[:, :4] = plan.columns
-    if n and lens.any():  # every piece's samples by one gather from the concatenated ids
+    samples = meta[:, 4:]
+    shortest = lens.min() if n else 0
+    if shortest > 0 or (n and lens.any()):  # every piece's samples by one gather from the concatenated ids
         if ids is None:
             cols = plan.piece_columns
             ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
                                                                             lens.tolist(), strict=True)])  # fmt: skip
         at = np.multiply.outer(lens - 1, _SAMPLE_AT)
         at //= DIGEST_SAMPLES - 1
-        at += (np.cumsum(lens) - lens if starts is None or ids is None else starts)[:, None]
-        if lens.all():
-            meta[:, 4:] = ids[at]
+        if starts is None:
+            starts = lens.cumsum()
+            starts -= lens  # each piece's first id
+        at += starts[:, None]
+        if shortest > 0:
+            samples[...] = ids.take(at)
         else:
             real = lens > 0
-            meta[:, 4:] = -1
-            meta[real, 4:] = ids[at[real]]
+            samples[...] = -1
+            samples[real] = ids[at[real]]
     else:
-        meta[:, 4:] = -1
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode())
-    h.update(np.ascontiguousarray(plan.slot_lens, dtype=np.int64).tobytes())
-    h.update(meta.tobytes())
+        samples[...] = -1
+    h = hashlib.blake2b(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode(), digest_size=8)
+    slot_lens = plan.slot_lens
+    if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64 or not slot_lens.flags.c_contiguous:
+        slot_lens = np.ascontiguousarray(slot_lens, dtype=np.int64)
+    h.update(slot_lens)
+    h.update(meta)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
