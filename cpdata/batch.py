@@ -98,9 +98,11 @@ class BatchBuffer:
         self.arrays = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in arrays}
         self.maps = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in map_arrays}
 
-    def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None) -> ShardedBatch:
-        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer."""
-        return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True)
+    def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None,
+              fields: Mapping[str, Any] | None = None) -> ShardedBatch:  # fmt: skip
+        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer,
+        its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same copy of the record."""
+        return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
@@ -151,18 +153,20 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
 
     @classmethod
     def _from_buffer(
-        cls, buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: Mapping[str, Any] | None, maps: bool
-    ) -> ShardedBatch:
+        cls, buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: Mapping[str, Any] | None, maps: bool,
+        fields: Mapping[str, Any] | None = None,
+    ) -> ShardedBatch:  # fmt: skip
         """Views of ``buffer`` by ``plan``: the whole buffer when ``maps`` (``layout``'s map fields become
         views too), else the batch part alone (a moved batch); no per-key checks (the spans were made
         from tensors). Plans are never mutated, so batches derived from one another share them."""
         batch = cls.__new__(cls)
         maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
         if maps:
-            batch._tensors, fields = plan.views(buffer)
-            batch._layout, batch._head = with_fields(layout, fields), None
+            batch._tensors, map_views = plan.views(buffer)
+            batch._layout, batch._head = with_fields(layout, {**fields, **map_views} if fields else map_views), None
         else:
-            batch._tensors, batch._layout, batch._head = plan.head_views(buffer), layout, buffer
+            batch._tensors, batch._head = plan.head_views(buffer), buffer
+            batch._layout = with_fields(layout, fields) if fields else layout
         batch._info = dict(info or {})
         batch._buffer, batch._plan, batch._maps = buffer, plan, maps
         return batch

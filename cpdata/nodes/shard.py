@@ -104,6 +104,14 @@ def _causal_work(stream: Stream, layout: str, cp_size: int, stream_len: int) -> 
     return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
 
 
+@functools.lru_cache(maxsize=64)
+def _layout_record(stream_len: int, row_shape: tuple[int, int] | None, cp_size: int, cp_rank: int) -> ShardLayout:
+    """The :class:`ShardLayout` of a batch without its digest and index maps (per shape and rank, shared:
+    each batch's record is a field copy of it)."""
+    return ShardLayout(original_seq_len=None, padded_seq_len=stream_len, input_row_shape=row_shape,
+                       cp_size=cp_size, cp_rank=cp_rank)  # fmt: skip
+
+
 def _digest(batch: CollatedPack, layout: str, cp_size: int, stream: Stream) -> int:
     """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; the sampled ids
     read from the stream's token buffer."""
@@ -212,10 +220,11 @@ class ShardForRank(BaseNode[Any]):
             "causal_work": table.causal_work(stream.real_lens).tolist() if self._dynamic
             else _causal_work(stream, self.layout, self.cp_size, stream_len),
         }
-        info["digest"] = _digest(batch, self.layout, self.cp_size, stream)
+        digest = info["digest"] = _digest(batch, self.layout, self.cp_size, stream)
         local = stream_len // self.cp_size
         specs = rank_specs(stream, local, batch.qkv_format)
         maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}
+        row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         out, inverse = [], None
         for r in ranks:  # everything is written straight into the batch's one buffer
             buf = BatchBuffer(specs, maps)
@@ -229,13 +238,6 @@ class ShardForRank(BaseNode[Any]):
                 else:
                     gather[...] = inverse
             fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata)
-            layout = ShardLayout(
-                original_seq_len=None,
-                padded_seq_len=stream_len,
-                input_row_shape=batch.row_shape if batch.qkv_format == "thd" else None,
-                cp_size=self.cp_size,
-                cp_rank=r,
-                digest=info["digest"],
-            )  # the index maps are the buffer's
-            out.append(buf.batch(layout=layout, info=dict(info)))
+            layout = _layout_record(stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
+            out.append(buf.batch(layout=layout, info=info, fields={"digest": digest}))
         return tuple(out) if self.all_ranks else out[0]
