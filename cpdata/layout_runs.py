@@ -87,8 +87,8 @@ class RunTable:
         ranks: int64 ``[D, G]`` or ``[G]`` (the same for every row): the rank owning each run.
         picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
         pick_key: int64 ``[D]``: the variant of each row (None: variant 0 for every row).
-        offsets: int64 ``[D, G]``: each run's first position inside its document; None for layouts that
-            ignore documents.
+        offsets: int64 ``[D, G]``: each run's first position inside its document (a row's runs tile it in
+            column order, empty runs included); None for layouts that ignore documents.
         lens: int64 ``[D]``: the documents' slot lengths (None with ``offsets``).
         tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
             each rank's row ends with its share, every ``cp``-th of them.
@@ -125,10 +125,14 @@ class RunTable:
         n = local - mine
         if n:
             picks = self.picks[rank]
-            at = picks[0] if self.pick_key is None else picks.take(self.pick_key, axis=0)
-            at = at + _row_starts(*self.sizes.shape)  # [D, w] flat indices of the rank's runs
+            if self.pick_key is None:  # the same columns in every row
+                inv, sizes = self.inv_shifts.take(picks[0], axis=1), self.sizes.take(picks[0], axis=1)
+            else:
+                at = picks.take(self.pick_key, axis=0)
+                at += _row_starts(*self.sizes.shape)  # [D, w] flat indices of the rank's runs
+                inv, sizes = self.inv_shifts.take(at), self.sizes.take(at)
             # a run's row positions are rank * local + arange - its inverse shift
-            inv = self.inv_shifts.take(at).reshape(-1).repeat(self.sizes.take(at).reshape(-1))
+            inv = inv.reshape(-1).repeat(sizes.reshape(-1))
             np.subtract(_arange(p)[rank * local : rank * local + n], inv, out=out[:n])
         if mine:
             first = p - self.tail + (rank - self.dealt) % cp
@@ -165,30 +169,29 @@ class RunTable:
 
         A real token at offset ``o`` of its document attends to ``o + 1`` keys;
         padding costs 0. ``real_lens`` int64 ``[>= D]``: real tokens of each
-        document (the first ``D`` are used). Needs ``offsets``. A run covering
-        real offsets ``[a, e)`` costs ``(e - a)(e + a + 1) / 2``; the doubled
-        costs are even integers, summed per rank exactly (below 2**53).
+        document (the first ``D`` are used). Needs ``offsets``. The real tokens
+        before offset ``e`` cost ``W(e) = e(e + 1) / 2``; a row's runs tile its
+        document in column order, so a run costs ``W(end)`` minus the ``W(end)``
+        of the run before it, ends clipped to the real length (for ranks that
+        are the same in every row, after summing the rows). The doubled costs
+        are integers, summed per rank exactly (below 2**53).
         """
         assert self.offsets is not None and self.lens is not None, "layout runs without documents"
         d = self.lens.shape[0]
         if d == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
-        real = np.asarray(real_lens, dtype=np.int64)[:d]
-        if np.array_equal(real, self.lens):  # every slot real: no run is cut
-            w = self.offsets * 2
-            w += self.sizes
-            w += 1
-            w *= self.sizes
-        else:
-            n = real[:, None]
-            a = np.minimum(self.offsets, n)
-            e = np.minimum(self.offsets + self.sizes, n)
-            w = (e - a) * (e + a + 1)
+        ends = self.offsets + self.sizes
+        np.minimum(ends, np.asarray(real_lens, dtype=np.int64)[:d, None], out=ends)
+        twice = ends + 1
+        twice *= ends  # 2 W(end) [D, G]
         if self.ranks.ndim == 1:
-            twice = np.bincount(self.ranks, w.sum(axis=0), minlength=self.cp_size)
+            twice = twice.sum(axis=0)
+            np.subtract(twice[1:], twice[:-1], out=twice[1:])  # numpy buffers the overlap
+            per_rank = np.bincount(self.ranks, twice, minlength=self.cp_size)
         else:
-            twice = np.bincount(self.ranks.reshape(-1), w.reshape(-1), minlength=self.cp_size)
-        return twice / 2
+            np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])
+            per_rank = np.bincount(self.ranks.reshape(-1), twice.reshape(-1), minlength=self.cp_size)
+        return per_rank / 2
 
 
 @functools.lru_cache(maxsize=16)
@@ -255,8 +258,8 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
     ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
     before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
     inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
-    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``t``,
-    tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
+    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``min(t, m)``:
+    the empty ones where the real ones end, so a row's runs tile it; tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
     shift, size and offset. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
     each ``T % cp``.
     """
@@ -271,7 +274,7 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
     nonlinear = np.stack([
         np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
         np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
-        np.concatenate([zero, t + zero[:, :1], m + zero], axis=1),
+        np.concatenate([zero, np.minimum(t, m), m + zero], axis=1),
         np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
     ])  # fmt: skip
     of_q = np.stack([
