@@ -140,14 +140,18 @@ def place_step(
     # Cells with less room than the shortest piece of phase B leave the lists (they take none of them).
     min_b = int(slot[long_].min()) if long_.size else 0
     by_load = [[c for c in cells_m if room_l[c] >= min_b] for cells_m in by_load]
-    gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else -np.inf for m, cells_m in enumerate(by_load)]
+    neg_inf = -np.inf
+    gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf for m, cells_m in enumerate(by_load)]
+    visit = [(m, *range(m), *range(m + 1, M)) for m in range(M)]  # the largest gap's slot first, then in order
+    placed_i: list[int] = []
+    placed_c: list[int] = []
     for ids, keep in ((first, 0), (rest, reserve)):
         ids = ids[np.lexsort((ids, -slot[ids]))]
         for i, s, k in zip(ids.tolist(), slot[ids].tolist(), key[ids].tolist(), strict=True):
             if free - s < keep:
                 continue
             top = max(gaps)
-            if top == -np.inf:  # no cell has room for any piece of phase B
+            if top == neg_inf:  # no cell has room for any piece of phase B
                 break
             m_top = gaps.index(top)
             best = by_load[m_top][0]  # fast path: the largest gap takes it without stranding one
@@ -158,8 +162,8 @@ def place_step(
             # the lower slot); a slot whose largest gap cannot win is skipped. First avoid stranding a gap shorter
             # than any piece.
             for strand_ok in (False, True) if best < 0 else ():
-                best_gap, best_m = -np.inf, M
-                for m in (m_top, *range(m_top), *range(m_top + 1, M)):
+                best_gap, best_m = neg_inf, M
+                for m in visit[m_top]:
                     g = gaps[m]
                     if g < best_gap or (g == best_gap and m > best_m):
                         continue
@@ -174,7 +178,8 @@ def place_step(
                     break
             if best < 0:
                 continue
-            cell[i] = best
+            placed_i.append(i)
+            placed_c.append(best)
             room_l[best] -= s
             free -= s
             load_l[best] += k
@@ -187,11 +192,17 @@ def place_step(
                 del cells_m[j]
             else:
                 lb, last = load_l[best], len(cells_m) - 1
-                while j < last and (load_l[cells_m[j + 1]], cells_m[j + 1]) < (lb, best):
-                    cells_m[j] = cells_m[j + 1]
+                while j < last:
+                    nxt = cells_m[j + 1]
+                    ln = load_l[nxt]
+                    if ln > lb or (ln == lb and nxt > best):
+                        break
+                    cells_m[j] = nxt
                     j += 1
                 cells_m[j] = best
-            gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else -np.inf
+            gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf
+    if placed_i:
+        cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)
 
     # B'. exchanges that lower the slots' costliest cells, where the attention part can dominate a pack.
     if quad * 2 >= full_cost:

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -61,13 +61,15 @@ def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
     return len(first_fit(sizes.tolist(), [capacity] * cells, list(range(n)))) == n
 
 
-def _exact(sizes: list[int], counts: dict[int, int], r: int, tries: int = EXACT_TRIES) -> list[int] | None:
-    """Positions in ``sizes`` (sorted; ``counts`` its histogram) of fillers summing to exactly ``r``: one
-    filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
+def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int,
+           tries: int = EXACT_TRIES) -> list[int] | None:  # fmt: skip
+    """Positions in ``sizes`` (sorted; ``counts`` its histogram, ``distinct`` its sorted keys) of fillers summing
+    to exactly ``r``: one filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
     last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
     if counts.get(r):
         return [last(r)]
-    for a in counts:  # ascending (built from sorted lengths, deletions keep the order)
+    for j in range(bisect_left(distinct, r - distinct[-1]), len(distinct)):  # a pair's shorter: r - longest on
+        a = distinct[j]
         b = r - a
         if b < a:
             break
@@ -93,16 +95,40 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     counts: dict[int, int] = {}
     for x in sizes:
         counts[x] = counts.get(x, 0) + 1
+    distinct = list(counts)  # ascending, as ``sizes``
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     placed_i: list[int] = []
     placed_c: list[int] = []
     while sizes and active:
         gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
+        n_act = len(active)
+        if len(sizes) > n_act and min(room_l[c] for c in active) >= max(sizes[-1] + sizes[0],
+                                                                         ENDGAME * sizes[0] + 1):  # fmt: skip
+            # Every cell has room for the longest and one more, and is far from closing: cell t of the round
+            # takes the t-th longest (what the loop below would pick), so take them from the back at once.
+            take_i, take_s = ids[-n_act:], sizes[-n_act:]
+            del ids[-n_act:], sizes[-n_act:]
+            for c, i, size in zip(active, reversed(take_i), reversed(take_s), strict=True):
+                n_size = counts[size] - 1
+                if n_size:
+                    counts[size] = n_size
+                else:
+                    del counts[size]
+                    del distinct[bisect_left(distinct, size)]
+                room_l[c] -= size
+                placed_i.append(i)
+                placed_c.append(c)
+                load = load_l[c] + keys[i]
+                load_l[c] = load
+                m = slot_of_l[c]
+                if load > smax_l[m]:
+                    smax_l[m] = load
+            continue
         still = []
         for c in active:
             r = room_l[c]
-            picks = _exact(sizes, counts, r) if r <= ENDGAME * sizes[0] else None
+            picks = _exact(sizes, counts, distinct, r) if r <= ENDGAME * sizes[0] else None
             if picks is None:
                 j = bisect_right(sizes, r) - 1
                 if j < 0:
@@ -121,6 +147,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
                     counts[size] = n_size
                 else:
                     del counts[size]
+                    del distinct[bisect_left(distinct, size)]
                 room_l[c] -= size
                 placed_i.append(i)
                 placed_c.append(c)
