@@ -100,7 +100,7 @@ def test_d2_bench_sample_meets_the_targets_within_the_fifo_window():
 
 def test_d2_targets_hold_across_sampling_seeds():
     """Not a lucky sample: over sampling seeds 1-6 the mean ``imb_mb`` and the mean p95 stay within the targets
-    (12-seed means measured: 2.15 % and 5.17 %)."""
+    (12-seed means measured: 2.16 % and 5.18 %)."""
     means, p95s = [], []
     for seed in range(1, 7):
         _, sched, imb_mb = _bench_d2(seed)

@@ -26,7 +26,7 @@ B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), when the
    cost: phase B never takes a piece back, so pieces of at most half a pack
    are exchanged or moved between cells (any slot) while that lowers the sum
    of the slots' costliest cells (D2 at dp 8 with ``max_delay=4``: ``imb_mb``
-   2.56 -> 2.15 % over 12 sampling seeds, for ~1 us per document). At 8K under
+   2.56 -> 2.16 % over 12 sampling seeds, for ~1 us per document). At 8K under
    the 7B model the linear part dominates and slots are within 0.5 %
    already: there (D1) the pass gained 0.005 pp at 3x the planning time, so
    it is skipped.
