@@ -5,8 +5,8 @@ One row per piece: ``(key, index, start, length, next_label, slot, offset, at)``
 from (``source[key][offset : offset + length]``; usually the whole document's
 arrays, so nothing is sliced until collate reads the tokens). ``at`` is the
 piece's index in the token buffer of the window being packed
-(:mod:`cpdata.token_buffer`), -1 for a piece not in it (carried from an earlier
-window, or holding arrays of its own). Keys grow with
+(:mod:`cpdata.token_buffer`; :func:`window_buffer` copies the pieces carried
+into a window to its front), -1 for a piece not in it. Keys grow with
 arrival, so a pack's pieces are found by one ``searchsorted`` over the key
 column, and a window adds its pieces with one ``concatenate``: no object per
 piece. Emitted rows are only marked dead; they are dropped when the next
@@ -24,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.window import DocumentWindow
 from cpdata.targets import UNLABELED, piece_arrays
+from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carry_state", "fresh_carry", "narrow_arrays",
-           "window_rows"]  # fmt: skip
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_state", "fresh_carry", "narrow_arrays",
+           "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
 """Columns of :attr:`LivePieces.table`."""
@@ -61,12 +63,13 @@ class LivePieces:
             self._alive = np.ones(keep.size, dtype=bool)
         return self.table, self.sources
 
-    def add(self, rows: np.ndarray, sources: Sequence[Source]) -> None:
+    def add(self, rows: np.ndarray, sources: Sequence[Source], held_at: np.ndarray | None = None) -> None:
         """Append a window's pieces: ``rows`` int64 ``[p, 8]`` with keys above every key held, ``sources``
-        ``[p]``; the pieces held before are no longer in the window's token buffer (``at`` = -1)."""
+        ``[p]``; ``held_at`` int64 ``[held]``: the pieces held before in the new window's token buffer
+        (:func:`window_buffer`; None: not in it, ``at`` = -1)."""
         table, held = self.live()
         self.table = np.concatenate([table, rows]) if table.size else rows
-        self.table[: table.shape[0], 7] = -1
+        self.table[: table.shape[0], 7] = -1 if held_at is None else held_at
         self.sources = [*held, *sources]
         self._alive = np.ones(self.table.shape[0], dtype=bool)
 
@@ -117,13 +120,48 @@ def carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str
     return state
 
 
+def window_buffer(
+    carried: tuple[np.ndarray, list], window: DocumentWindow, pool: BufferPool
+) -> tuple[TokenBuffer, np.ndarray]:
+    """The token buffer of a window: the pieces carried into it (rows ``[c, 8]`` and sources, in the
+    order held), each followed by its ``next_label``, then the window's documents, each followed by -100.
+
+    The documents' ids are where the reader concatenated them (``window.ids``, from index
+    :func:`carried_room`) when it did, else they are concatenated here (into an array of ``pool``).
+    Returns the buffer and the carried pieces' indices in it (int64 ``[c]``). Cost: one copy of
+    the carried pieces' tokens per window they are carried into.
+    """
+    rows, sources = carried
+    lengths, ends = rows[:, 3], rows[:, 4]
+    items = [{k: a[o : o + n] for k, a in src.items()}
+             for src, o, n in zip(sources, rows[:, 6].tolist(), lengths.tolist(), strict=True)]  # fmt: skip
+    at = lengths.cumsum()
+    at += np.arange(lengths.shape[0], dtype=np.int64)
+    at -= lengths
+    ids = window.ids
+    if ids is not None and items:  # the documents' ids are in place after the carried pieces' room
+        np.concatenate([x for a in items for x in (a[INPUT_IDS], _ZERO)], out=ids[: carried_room(rows)])
+    return concatenate_arrays(
+        [*items, *window.arrays], np.concatenate([lengths, window.lengths]),
+        np.concatenate([ends, np.full(len(window), IGNORE_INDEX, dtype=np.int64)]), ids, pool,
+    ), at  # fmt: skip
+
+
+def carried_room(rows: np.ndarray) -> int:
+    """Elements the carried pieces (rows ``[c, 8]``) take at the front of a window's token buffer."""
+    return int(rows[:, 3].sum()) + rows.shape[0]
+
+
+_ZERO = np.zeros(1, dtype=np.int64)
+
+
 def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
-                 keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
+                 keys: np.ndarray, head: int = 0) -> tuple[np.ndarray, list]:  # fmt: skip
     """A window's pieces as :class:`LivePieces` rows ``[p, 8]`` and sources (``arrays[d]``: document ``d``'s).
 
     A piece refers to its document's arrays at ``offset = start`` and to the
-    window's token buffer (the documents' arrays concatenated in order) at
-    ``at``; only a piece cut short with labels (its last target cut off,
+    window's token buffer (:func:`window_buffer`: the documents' arrays
+    concatenated in order from index ``head``) at ``at``; only a piece cut short with labels (its last target cut off,
     :func:`cpdata.targets.piece_arrays`) gets arrays of its own (offset 0, not in
     the buffer: ``at`` = -1, as every piece cut short: the buffer's element after
     its last token is not its target). ``next_label`` is the next document
@@ -133,7 +171,7 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
     end = start + length
     base = lengths.cumsum()
     base -= lengths
-    base += np.arange(lengths.shape[0], dtype=np.int64)  # one element after each document
+    base += np.arange(head, head + lengths.shape[0], dtype=np.int64)  # one element after each document
     rows = np.empty((doc.size, len(FIELDS)), dtype=np.int64)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
     rows[:, 4], rows[:, 5], rows[:, 6], rows[:, 7] = IGNORE_INDEX, pieces.slot, start, base[doc] + start

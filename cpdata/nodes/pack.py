@@ -39,8 +39,10 @@ from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     FIELDS,
     LivePieces,
+    carried_room,
     carry_state,
     fresh_carry,
+    window_buffer,
     window_rows,
 )
 from cpdata.nodes.window import DocumentWindow
@@ -50,17 +52,19 @@ from cpdata.packing.records import PackKeys
 from cpdata.plan import Document, PackPlan, PieceColumns
 from cpdata.state_version import check_state_version
 from cpdata.targets import piece_arrays
-from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
+from cpdata.token_buffer import BufferPool, TokenBuffer
 
 __all__ = ["Pack"]
 
-def _read_window(source: BaseNode, limit: int | None, floor: int, capacity: int) -> tuple[DocumentWindow, bool]:
+def _read_window(
+    source: BaseNode, limit: int | None, floor: int, capacity: int, head: int
+) -> tuple[DocumentWindow, bool]:
     """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
-    source ended: ``source.next_window`` when it reads windows at once (``Documents``), else ``next()``
-    one document at a time."""
+    source ended: ``source.next_window`` when it reads windows at once (``Documents``: its ids concatenated
+    from index ``head``), else ``next()`` one document at a time."""
     next_window = getattr(source, "next_window", None)
     if next_window is not None:
-        return next_window(limit, floor, capacity)
+        return next_window(limit, floor, capacity, head)
     documents: list[Document] = []
     tokens = 0
     while limit is None or len(documents) < limit or tokens < floor:
@@ -254,11 +258,14 @@ class Pack(BaseNode[PackPlan]):
             self._carry_records = None
             self._emitted = 0
         config = self.config
-        window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity)
-        buffer = window.buffer or concatenate_arrays(window.arrays, window.lengths,
-                                                     np.full(len(window), IGNORE_INDEX, dtype=np.int64), pool=self._pool)  # fmt: skip
+        carried = self._live.live()
+        head = carried_room(carried[0])
+        window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity,
+                                               head)  # fmt: skip
+        buffer, held_at = window_buffer(carried, window, self._pool)
         pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
-        self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
+        rows = window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys, head)
+        self._live.add(*rows, held_at)
         if self._exhausted:
             packs = PackKeys.concat([packs, self._planner.finish()])
         self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes, buffer))

@@ -2,9 +2,10 @@
 
 :func:`to_document` checks one item (structure, id values, targets).
 :func:`to_window` checks a window the same way with the id values of all
-its items read in one pass: one ``concatenate`` of the ids and one
-``min``/``max`` over it, instead of two reductions per document (~4 us each,
-~50 documents per 32K pack). The outcome is the same item by item: when
+its items read in one pass: one ``concatenate`` of the ids (kept as the
+window's token buffer, :mod:`cpdata.token_buffer`) and one ``max`` over it
+read as unsigned (a negative id is then above any vocabulary), instead of two
+reductions per document (~4 us each, ~50 documents per 32K pack). The outcome is the same item by item: when
 anything in the window is wrong, the window is checked again one item at a
 time, in source order, so the error raised is the one :func:`to_document`
 raises for the first bad item.
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS
+from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.nodes.window import DocumentWindow
 from cpdata.plan import Document
 from cpdata.targets import (
@@ -29,7 +30,7 @@ from cpdata.targets import (
     first_target,
     to_targets,
 )
-from cpdata.token_buffer import BufferPool, concatenate_arrays
+from cpdata.token_buffer import BufferPool
 
 __all__ = ["Scratch", "document_ids", "plain_ids", "to_document", "to_window"]
 
@@ -200,6 +201,7 @@ def to_window(
     vocab_size: int | None = None,
     labels_alignment: LabelsAlignment | None = None,
     scratch: Scratch | None = None,
+    head: int = 0,
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
@@ -208,12 +210,13 @@ def to_window(
         indices: their source indices.
         ids: :func:`document_ids` of every item (already read, e.g. to count the window's tokens).
         scratch: the pool of the array the ids are concatenated into to check them (a fresh array
-            when None); the concatenation becomes the window's token buffer.
+            when None); the packer makes it the window's token buffer.
+        head: elements left free at the front of that array (the packer's carried pieces).
 
     Returns:
-        the window, with its token buffer (:func:`~cpdata.token_buffer.concatenate_arrays`);
-        items that hold ``input_ids`` alone (the usual pretraining and benchmark case) cost
-        one small dict each, nothing else per item.
+        the window, its ``ids`` holding every document's ids from index ``head``, each followed
+        by one free element (:mod:`cpdata.token_buffer`); items that hold ``input_ids`` alone
+        (the usual pretraining and benchmark case) cost one small dict each, nothing else per item.
 
     Raises:
         exactly what :func:`to_document` raises for the first bad item.
@@ -222,21 +225,22 @@ def to_window(
         n = len(ids)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
         total = int(lengths.sum()) + n  # each document's ids and one element after it (0 here)
-        buffer = scratch.take(total + 2) if scratch is not None else np.empty(total + 2, dtype=np.int64)
-        flat = np.concatenate([x for i in ids for x in (i, _ZERO)], out=buffer[:total]) if n else buffer[:0]
-        if flat.size and (flat.min() < 0 or (vocab_size is not None and flat.max() >= vocab_size)):
+        size = head + total + 2
+        buffer = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.int64)
+        flat = buffer[head : head + total]
+        if n:
+            np.concatenate([x for i in ids for x in (i, _ZERO)], out=flat)
+        # one pass for both bounds: a negative id read as uint64 is above any vocabulary
+        if flat.size and int(flat.view(np.uint64).max()) > (_INT64_MAX if vocab_size is None else int(vocab_size) - 1):
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
-        ends = np.full(n, IGNORE_INDEX, dtype=np.int64)  # no target after a document's last token
         if all(len(item) == 1 for item in items):  # input_ids alone: nothing else to check or derive
-            plain = [{INPUT_IDS: i} for i in ids]
-            window = concatenate_arrays(plain, lengths, ends, buffer)
-            return DocumentWindow.unlabeled(index_array, lengths, plain, window)
+            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip
         firsts = np.fromiter(map(first_target, arrays), dtype=np.int64, count=n)
-        return DocumentWindow(index_array, lengths, firsts, arrays, concatenate_arrays(arrays, lengths, ends, buffer))
+        return DocumentWindow(index_array, lengths, firsts, arrays, buffer)
     except Exception:
         for item, index in zip(items, indices, strict=True):
             to_document(item, index, vocab_size, labels_alignment)

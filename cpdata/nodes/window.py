@@ -16,7 +16,6 @@ import numpy as np
 from cpdata.keys import INPUT_IDS
 from cpdata.plan import Document
 from cpdata.targets import UNLABELED, first_target
-from cpdata.token_buffer import TokenBuffer
 
 __all__ = ["DocumentWindow", "WindowFill"]
 
@@ -30,15 +29,16 @@ class DocumentWindow:
         lengths: int64 ``[n]`` tokens of each document.
         firsts: int64 ``[n]`` first trained target (:func:`cpdata.targets.first_target`).
         arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
-        buffer: the documents' arrays concatenated in order (:class:`~cpdata.token_buffer.TokenBuffer`),
-            when the reader made it (it concatenates the ids to check them); None: the packer makes it.
+        ids: int64 ``[head + W + 2]`` holding the documents' ids in order from an index ``head`` the
+            packer chose, each followed by one free element, when the reader concatenated them (to check
+            them); the packer makes its token buffer of it (:mod:`cpdata.token_buffer`). None: not made.
     """
 
     indices: np.ndarray
     lengths: np.ndarray
     firsts: np.ndarray
     arrays: Sequence[Mapping[str, np.ndarray]]
-    buffer: TokenBuffer | None = None
+    ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrays)
@@ -58,10 +58,10 @@ class DocumentWindow:
     @classmethod
     def unlabeled(
         cls, indices: np.ndarray, lengths: np.ndarray, arrays: Sequence[Mapping[str, np.ndarray]],
-        buffer: TokenBuffer | None = None,
+        ids: np.ndarray | None = None,
     ) -> DocumentWindow:  # fmt: skip
         """A window of documents without labels (every first target :data:`~cpdata.targets.UNLABELED`)."""
-        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, buffer)
+        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, ids)
 
 
 class WindowFill:
