@@ -134,7 +134,7 @@ def concatenate_arrays(
     ids[after] = ends
     ids[total] = 0
     ids[total + 1] = IGNORE_INDEX
-    if all(len(a) == 1 for a in arrays):  # input_ids alone (the usual case)
+    if max(map(len, arrays), default=1) == 1:  # input_ids alone (the usual case)
         return TokenBuffer(ids, None, {})
     keys = sorted(set().union(*(a.keys() for a in arrays)) - {INPUT_IDS})
     labels = None

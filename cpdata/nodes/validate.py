@@ -234,7 +234,7 @@ def to_window(
         if flat.size and int(flat.view(np.uint64).max()) > (_INT64_MAX if vocab_size is None else int(vocab_size) - 1):
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
-        if all(len(item) == 1 for item in items):  # input_ids alone: nothing else to check or derive
+        if max(map(len, items), default=1) == 1:  # input_ids alone: nothing else to check or derive
             return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
