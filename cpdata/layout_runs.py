@@ -170,28 +170,35 @@ class RunTable:
         A real token at offset ``o`` of its document attends to ``o + 1`` keys;
         padding costs 0. ``real_lens`` int64 ``[>= D]``: real tokens of each
         document (the first ``D`` are used). Needs ``offsets``. The real tokens
-        before offset ``e`` cost ``W(e) = e(e + 1) / 2``; a row's runs tile its
-        document in column order, so a run costs ``W(end)`` minus the ``W(end)``
-        of the run before it, ends clipped to the real length (for ranks that
-        are the same in every row, after summing the rows). The doubled costs
-        are integers, summed per rank exactly (below 2**53).
+        before offset ``e`` cost ``W(e) = e(e + 1) / 2``. When every slot is real
+        a run of ``s`` tokens from ``o`` costs ``s(2o + s + 1) / 2``; else a row's
+        runs tile its document in column order, so a run costs ``W(end)`` minus
+        the ``W(end)`` of the run before it, ends clipped to the real length
+        (for ranks that are the same in every row, after summing the rows). The
+        doubled costs are integers, summed per rank exactly (below 2**53).
         """
         assert self.offsets is not None and self.lens is not None, "layout runs without documents"
         d = self.lens.shape[0]
         if d == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
-        ends = self.offsets + self.sizes
-        np.minimum(ends, np.asarray(real_lens, dtype=np.int64)[:d, None], out=ends)
-        twice = ends + 1
-        twice *= ends  # 2 W(end) [D, G]
-        if self.ranks.ndim == 1:
-            twice = twice.sum(axis=0)
-            np.subtract(twice[1:], twice[:-1], out=twice[1:])  # numpy buffers the overlap
-            per_rank = np.bincount(self.ranks, twice, minlength=self.cp_size)
-        else:
-            np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])
-            per_rank = np.bincount(self.ranks.reshape(-1), twice.reshape(-1), minlength=self.cp_size)
-        return per_rank / 2
+        real = np.asarray(real_lens, dtype=np.int64)[:d]
+        if self.ranks.ndim == 2 and (real == self.lens).all():  # no run is cut (balanced: slots are pieces)
+            twice = self.offsets * 2
+            twice += self.sizes
+            twice += 1
+            twice *= self.sizes
+        else:  # (thd pads every slot: not worth the check)
+            ends = self.offsets + self.sizes
+            np.minimum(ends, real[:, None], out=ends)
+            twice = ends + 1
+            twice *= ends  # 2 W(end) [D, G]
+            if self.ranks.ndim == 1:
+                twice = twice.sum(axis=0)
+                np.subtract(twice[1:], twice[:-1], out=twice[1:])  # numpy buffers the overlap
+            else:
+                np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])
+        ranks = self.ranks if self.ranks.ndim == 1 else self.ranks.reshape(-1)
+        return np.bincount(ranks, twice.reshape(-1), minlength=self.cp_size) / 2
 
 
 @functools.lru_cache(maxsize=16)
