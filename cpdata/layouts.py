@@ -123,14 +123,23 @@ def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.
     return slots
 
 
-def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> RunTable:
+def layout_runs(
+    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False
+) -> RunTable:
     """The layout as a :class:`~cpdata.layout_runs.RunTable` (arguments as :func:`rank_indices`).
 
     The table gives any rank's row, the inverse map and (``thd``,
     ``balanced``) the causal work per rank, each in one vectorized pass.
+    ``checked=True``: ``seq_lens`` is already an int64 array of non-negative
+    lengths summing to at most ``pack_len`` (a stream's checked slot tables),
+    so those checks (two reductions) are skipped; the layout, the CP size and
+    the pack multiple are still checked.
     """
     _, pack_multiple = alignment(layout, cp_size)
-    lens, total = _as_lengths(seq_lens, pack_len)
+    if checked:
+        lens, total = seq_lens, None
+    else:
+        lens, total = _as_lengths(seq_lens, pack_len)
     if pack_len % pack_multiple:
         raise ValueError(
             f"layout {layout!r} with cp_size={cp_size} needs pack_len to be a multiple of {pack_multiple}, "
@@ -141,6 +150,7 @@ def layout_runs(layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray,
     if layout == "round_robin":
         return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False, pack_len=pack_len)
     if layout == "thd":
+        total = int(lens.sum()) if total is None else total
         return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True, pack_len=pack_len)
     return balanced_runs(lens, pack_len, cp_size)
 

@@ -204,7 +204,7 @@ class ShardForRank(BaseNode[Any]):
         stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
         stream = build_stream(batch.plans, batch.padding_token_id, batch.slots)
         if self._dynamic:
-            table = layout_runs(self.layout, self.cp_size, stream.layout_lens, stream_len)
+            table = layout_runs(self.layout, self.cp_size, stream.layout_lens, stream_len, checked=True)
             fixed = None
         else:
             table, *fixed = _static_layout(self.layout, self.cp_size, stream_len)
