@@ -5,8 +5,8 @@ One row per piece: ``(key, index, start, length, next_label, slot, offset, at)``
 from (``source[key][offset : offset + length]``; usually the whole document's
 arrays, so nothing is sliced until collate reads the tokens). ``at`` is the
 piece's index in the token buffer of the window being packed
-(:mod:`cpdata.token_buffer`; :func:`window_buffer` copies the pieces carried
-into a window to its front), -1 for a piece not in it. Keys grow with
+(:mod:`cpdata.token_buffer`; :func:`window_buffer` copies there the pieces
+carried into a window that it emits), -1 for a piece not in it. Keys grow with
 arrival, so a pack's pieces are found by one ``searchsorted`` over the key
 column, and a window adds its pieces with one ``concatenate``: no object per
 piece. Emitted rows are only marked dead; they are dropped when the next
@@ -63,13 +63,13 @@ class LivePieces:
             self._alive = np.ones(keep.size, dtype=bool)
         return self.table, self.sources
 
-    def add(self, rows: np.ndarray, sources: Sequence[Source], held_at: np.ndarray | None = None) -> None:
+    def add(self, rows: np.ndarray, sources: Sequence[Source]) -> None:
         """Append a window's pieces: ``rows`` int64 ``[p, 8]`` with keys above every key held, ``sources``
-        ``[p]``; ``held_at`` int64 ``[held]``: the pieces held before in the new window's token buffer
-        (:func:`window_buffer`; None: not in it, ``at`` = -1)."""
+        ``[p]``; the pieces held before are not in the new window's token buffer (``at`` = -1) until
+        :func:`window_buffer` copies them there."""
         table, held = self.live()
         self.table = np.concatenate([table, rows]) if table.size else rows
-        self.table[: table.shape[0], 7] = -1 if held_at is None else held_at
+        self.table[: table.shape[0], 7] = -1
         self.sources = [*held, *sources]
         self._alive = np.ones(self.table.shape[0], dtype=bool)
 
@@ -120,35 +120,44 @@ def carry_state(carried: tuple[np.ndarray, list], with_arrays: bool) -> dict[str
     return state
 
 
-def window_buffer(
-    carried: tuple[np.ndarray, list], window: DocumentWindow, pool: BufferPool
-) -> tuple[TokenBuffer, np.ndarray]:
-    """The token buffer of a window: the pieces carried into it (rows ``[c, 8]`` and sources, in the
-    order held), each followed by its ``next_label``, then the window's documents, each followed by -100.
+def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: list, pool: BufferPool) -> TokenBuffer:
+    """The token buffer of a window: its documents, each followed by -100, then the pieces of the packs it
+    finishes that are not in it (``at`` < 0: carried from an earlier window, or cut short), each followed by
+    its ``next_label``; their ``at`` in ``rows`` (``[p, 8]``, the finished packs' rows) is set to match.
 
-    The documents' ids are where the reader concatenated them (``window.ids``, from index
-    :func:`carried_room`) when it did, else they are concatenated here (into an array of ``pool``).
-    Returns the buffer and the carried pieces' indices in it (int64 ``[c]``). Cost: one copy of
-    the carried pieces' tokens per window they are carried into.
+    The documents' ids are where the reader concatenated them (``window.ids``) when it did: the pieces
+    go to the room it reserved after them (:func:`carried_room` of the pieces carried into the window),
+    or, when they do not fit there, stay out of the buffer (their packs concatenate their own). Else
+    everything is concatenated here (into an array of ``pool``). Cost: one copy of the tokens of those
+    pieces, only the ones emitted now, not of every carried piece.
     """
-    rows, sources = carried
-    lengths, ends = rows[:, 3], rows[:, 4]
-    items = [{k: a[o : o + n] for k, a in src.items()}
-             for src, o, n in zip(sources, rows[:, 6].tolist(), lengths.tolist(), strict=True)]  # fmt: skip
-    at = lengths.cumsum()
-    at += np.arange(lengths.shape[0], dtype=np.int64)
-    at -= lengths
+    out = np.flatnonzero(rows[:, 7] < 0)
+    lengths, ends = rows[out, 3], rows[out, 4]
+    docs = int(window.lengths.sum()) + len(window)  # the documents' elements
+    used = docs + int(lengths.sum()) + out.shape[0]
     ids = window.ids
-    if ids is not None and items:  # the documents' ids are in place after the carried pieces' room
-        np.concatenate([x for a in items for x in (a[INPUT_IDS], _ZERO)], out=ids[: carried_room(rows)])
+    if ids is not None and used + 2 > ids.shape[0]:
+        out, lengths, ends, used = out[:0], lengths[:0], ends[:0], docs
+    items = [{k: a[o : o + n] for k, a in sources[j].items()}
+             for j, o, n in zip(out.tolist(), rows[out, 6].tolist(), lengths.tolist(), strict=True)]  # fmt: skip
+    if ids is not None:
+        ids = ids[: used + 2]
+        if items:
+            parts = [_ZERO] * (2 * len(items))  # each piece's ids, then one element
+            parts[::2] = [a[INPUT_IDS] for a in items]
+            np.concatenate(parts, out=ids[docs:used])
+    at = lengths.cumsum()
+    at += np.arange(docs, docs + lengths.shape[0], dtype=np.int64)
+    at -= lengths
+    rows[out, 7] = at
     return concatenate_arrays(
-        [*items, *window.arrays], np.concatenate([lengths, window.lengths]),
-        np.concatenate([ends, np.full(len(window), IGNORE_INDEX, dtype=np.int64)]), ids, pool,
-    ), at  # fmt: skip
+        [*window.arrays, *items], np.concatenate([window.lengths, lengths]),
+        np.concatenate([np.full(len(window), IGNORE_INDEX, dtype=np.int64), ends]), ids, pool,
+    )  # fmt: skip
 
 
 def carried_room(rows: np.ndarray) -> int:
-    """Elements the carried pieces (rows ``[c, 8]``) take at the front of a window's token buffer."""
+    """Elements the carried pieces (rows ``[c, 8]``) take in a token buffer."""
     return int(rows[:, 3].sum()) + rows.shape[0]
 
 
@@ -156,12 +165,12 @@ _ZERO = np.zeros(1, dtype=np.int64)
 
 
 def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,
-                 keys: np.ndarray, head: int = 0) -> tuple[np.ndarray, list]:  # fmt: skip
+                 keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
     """A window's pieces as :class:`LivePieces` rows ``[p, 8]`` and sources (``arrays[d]``: document ``d``'s).
 
     A piece refers to its document's arrays at ``offset = start`` and to the
     window's token buffer (:func:`window_buffer`: the documents' arrays
-    concatenated in order from index ``head``) at ``at``; only a piece cut short with labels (its last target cut off,
+    concatenated in order) at ``at``; only a piece cut short with labels (its last target cut off,
     :func:`cpdata.targets.piece_arrays`) gets arrays of its own (offset 0, not in
     the buffer: ``at`` = -1, as every piece cut short: the buffer's element after
     its last token is not its target). ``next_label`` is the next document
@@ -171,7 +180,7 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
     end = start + length
     base = lengths.cumsum()
     base -= lengths
-    base += np.arange(head, head + lengths.shape[0], dtype=np.int64)  # one element after each document
+    base += np.arange(lengths.shape[0], dtype=np.int64)  # one element after each document
     rows = np.empty((doc.size, len(FIELDS)), dtype=np.int64)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = keys, indices[doc], start, length
     rows[:, 4], rows[:, 5], rows[:, 6], rows[:, 7] = IGNORE_INDEX, pieces.slot, start, base[doc] + start

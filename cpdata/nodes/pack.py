@@ -57,14 +57,14 @@ from cpdata.token_buffer import BufferPool, TokenBuffer
 __all__ = ["Pack"]
 
 def _read_window(
-    source: BaseNode, limit: int | None, floor: int, capacity: int, head: int
+    source: BaseNode, limit: int | None, floor: int, capacity: int, room: int
 ) -> tuple[DocumentWindow, bool]:
     """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
     source ended: ``source.next_window`` when it reads windows at once (``Documents``: its ids concatenated
-    from index ``head``), else ``next()`` one document at a time."""
+    with ``room`` elements to spare), else ``next()`` one document at a time."""
     next_window = getattr(source, "next_window", None)
     if next_window is not None:
-        return next_window(limit, floor, capacity, head)
+        return next_window(limit, floor, capacity, room)
     documents: list[Document] = []
     tokens = 0
     while limit is None or len(documents) < limit or tokens < floor:
@@ -258,17 +258,16 @@ class Pack(BaseNode[PackPlan]):
             self._carry_records = None
             self._emitted = 0
         config = self.config
-        carried = self._live.live()
-        head = carried_room(carried[0])
+        room = carried_room(self._live.live()[0])  # the carried pieces may join this window's buffer
         window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity,
-                                               head)  # fmt: skip
-        buffer, held_at = window_buffer(carried, window, self._pool)
+                                               room)  # fmt: skip
         pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
-        rows = window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys, head)
-        self._live.add(*rows, held_at)
+        self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
         if self._exhausted:
             packs = PackKeys.concat([packs, self._planner.finish()])
-        self._queue.extend(_finished(*self._live.take(packs.keys), packs.sizes, buffer))
+        rows, sources = self._live.take(packs.keys)
+        buffer = window_buffer(window, rows, sources, self._pool)
+        self._queue.extend(_finished(rows, sources, packs.sizes, buffer))
 
     def _emit(self, pack: _Finished) -> PackPlan:
         table, sources, offsets, slots, tokens, slot_tokens, buffer, at = pack

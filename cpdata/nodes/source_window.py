@@ -78,18 +78,18 @@ class WindowReader:
         more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
         return min(max(limit - count, more), 1 << 14)
 
-    def next_window(self, limit: int | None, floor: int, capacity: int, head: int = 0) -> tuple[DocumentWindow, bool]:
+    def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
         """:meth:`_next_window`, its errors naming a document as ``next()`` does (a mix: document i of source
         'b'; a window that ran into the next pass keeps the stream's index, which the source cannot place)."""
         epoch = self._epoch
         try:
-            return self._next_window(limit, floor, capacity, head)
+            return self._next_window(limit, floor, capacity, room)
         except (TypeError, ValueError) as exc:
             if self._epoch == epoch:
                 name_document_error(exc, self.source)
             raise
 
-    def _next_window(self, limit: int | None, floor: int, capacity: int, head: int) -> tuple[DocumentWindow, bool]:
+    def _next_window(self, limit: int | None, floor: int, capacity: int, room: int) -> tuple[DocumentWindow, bool]:
         """The documents ``next()`` gives one by one until a packing window is full, validated together.
 
         A window is full with at least ``limit`` documents (None: never) and
@@ -99,8 +99,8 @@ class WindowReader:
         next one); the id values of the whole window are checked in one pass
         (:func:`cpdata.nodes.validate.to_window`); errors are those of
         ``next()`` for the first bad document, and the state after the window
-        is the one ``next()`` leaves. The ids are concatenated from index ``head`` of
-        the window's ``ids`` (room for the packer's carried pieces).
+        is the one ``next()`` leaves. The window's ``ids`` keep ``room`` elements
+        after the documents' (for pieces the packer adds to its token buffer).
 
         Returns:
             ``(window, exhausted)``: ``exhausted`` when the source ended first.
@@ -127,7 +127,7 @@ class WindowReader:
             if error is not None and taken == len(chunk) and fill.wants():
                 raise error
         window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch,
-                           head)  # fmt: skip
+                           room)  # fmt: skip
         self._consumed += len(window)
         if len(window):
             self._window_mean = fill.tokens / len(window)

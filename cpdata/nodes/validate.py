@@ -201,7 +201,7 @@ def to_window(
     vocab_size: int | None = None,
     labels_alignment: LabelsAlignment | None = None,
     scratch: Scratch | None = None,
-    head: int = 0,
+    room: int = 0,
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
@@ -211,10 +211,10 @@ def to_window(
         ids: :func:`document_ids` of every item (already read, e.g. to count the window's tokens).
         scratch: the pool of the array the ids are concatenated into to check them (a fresh array
             when None); the packer makes it the window's token buffer.
-        head: elements left free at the front of that array (the packer's carried pieces).
+        room: elements reserved after the documents in that array (for pieces the packer adds).
 
     Returns:
-        the window, its ``ids`` holding every document's ids from index ``head``, each followed
+        the window, its ``ids`` holding every document's ids from index 0, each followed
         by one free element (:mod:`cpdata.token_buffer`); items that hold ``input_ids`` alone
         (the usual pretraining and benchmark case) cost one small dict each, nothing else per item.
 
@@ -225,11 +225,13 @@ def to_window(
         n = len(ids)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
         total = int(lengths.sum()) + n  # each document's ids and one element after it (0 here)
-        size = head + total + 2
+        size = total + room + 2
         buffer = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.int64)
-        flat = buffer[head : head + total]
+        flat = buffer[:total]
         if n:
-            np.concatenate([x for i in ids for x in (i, _ZERO)], out=flat)
+            parts = [_ZERO] * (2 * n)  # each document's ids, then one element
+            parts[::2] = ids
+            np.concatenate(parts, out=flat)
         # one pass for both bounds: a negative id read as uint64 is above any vocabulary
         if flat.size and int(flat.view(np.uint64).max()) > (_INT64_MAX if vocab_size is None else int(vocab_size) - 1):
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error

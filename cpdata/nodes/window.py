@@ -29,8 +29,8 @@ class DocumentWindow:
         lengths: int64 ``[n]`` tokens of each document.
         firsts: int64 ``[n]`` first trained target (:func:`cpdata.targets.first_target`).
         arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
-        ids: int64 ``[head + W + 2]`` holding the documents' ids in order from an index ``head`` the
-            packer chose, each followed by one free element, when the reader concatenated them (to check
+        ids: int64 ``[>= W + 2]`` holding the documents' ids in order, each followed by one free element
+            (``W`` elements), then room the packer asked for, when the reader concatenated them (to check
             them); the packer makes its token buffer of it (:mod:`cpdata.token_buffer`). None: not made.
     """
 
