@@ -4,10 +4,10 @@ A pack from the ``Pack`` node refers to its window's
 :class:`~cpdata.token_buffer.TokenBuffer` when every one of its pieces lies in
 it (:class:`~cpdata.plan.PieceColumns` ``buffer`` and ``at``). A batch whose
 plans share one buffer that also holds the batch's extra keys in the dtypes the
-pieces promote to gathers from it as is; any other batch (pieces carried over
-from an earlier window or cut short, plans of several windows, precomputed or
-hand-made plans) concatenates its pieces into a buffer of its own, each piece
-followed by its ``next_label``, by the same :func:`~cpdata.token_buffer.concatenate_arrays`.
+pieces promote to gathers from it as is; any other batch (plans of several
+windows, precomputed, hand-made or unpickled plans, a cut piece that did not fit
+its window's buffer) concatenates its pieces into a buffer of its own, each
+piece followed by its ``next_label``, by the same :func:`~cpdata.token_buffer.concatenate_arrays`.
 """
 
 from __future__ import annotations

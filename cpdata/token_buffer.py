@@ -5,10 +5,12 @@ when the window is read (the ids already are, to check their values in one
 pass); every pack the window finishes refers to it, each piece by its offset
 in the buffer, and a rank's tokens are gathered straight from it
 (:mod:`cpdata.collate`): no per-pack concatenation, the tokens are read from
-memory once per window and once per rank. Pieces that live in no common
-buffer (pieces carried over from an earlier window, a truncated piece with its
-own labels, plans made elsewhere) get a buffer of their own, concatenated per
-batch by the same :func:`concatenate_arrays`.
+memory once per window and once per rank. The pieces a window's packs emit
+that are not among its documents (carried over from an earlier window, cut
+short) are copied after them (:func:`cpdata.nodes.live_pieces.window_buffer`).
+Pieces in no common buffer (precomputed or hand-made plans, a batch of plans of
+several windows) get a buffer of their own, concatenated per batch by the same
+:func:`concatenate_arrays`.
 
 Layout of a buffer of ``W`` elements: every document's (or piece's) ids
 followed by one element, the target of its last token (-100 after a document,

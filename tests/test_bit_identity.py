@@ -364,7 +364,7 @@ def test_run_tables_equal_the_reference(layout, cp, units, tail, short):
                           ("round_robin", 2, "first_fit", "split")])  # fmt: skip
 def test_the_pipeline_with_labels_masks_and_small_windows_equals_the_reference(layout, cp, algorithm, overflow):
     """Packs gathered from their window's token buffer (many small windows, so buffers are handed out
-    again while earlier packs are still held; pieces carried across windows copied to the next one's),
+    again while earlier packs are still held; pieces carried across windows copied to the one emitting them),
     labels and masks on some documents, truncated pieces (their packs concatenate their own buffer), and
     the same plans unpickled, without buffers."""
     rng = np.random.default_rng(cp + 10)
