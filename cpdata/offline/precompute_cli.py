@@ -170,5 +170,6 @@ def run(args: argparse.Namespace) -> int:
         sc = m["schedule"]
         print(f"schedule: {sc['num_steps']} steps x {sc['dp_size']} DP ranks x {sc['micro_batches']} micro-batches "
               f"({sc['kind']}); imb_mb {100 * sc['imb_mb_mean']:.2f}%, imb_step {100 * sc['imb_step_mean']:.2f}%, "
-              f"empty packs {sc['empty_packs']}, max delay {len(sc['delay_counts']) - 1}")
+              f"empty packs {sc['empty_packs']}, max delay {len(sc['delay_counts']) - 1} steps after the step that "
+              "took a piece from the stream")
     return 0
