@@ -111,7 +111,8 @@ def concatenate_arrays(
 
     Args:
         arrays: per-token arrays of each item: ``input_ids`` ``[n_i]`` and optional ``labels``
-            (int targets) and extra keys, each ``[n_i]``.
+            (int targets) and extra keys, each ``[n_i]``; may be empty when ``ids`` are given and every
+            item holds ``input_ids`` alone.
         lengths: int ``[n]`` tokens of each.
         ends: int64 ``[n]``.
         ids: int64 ``[W + 2]`` whose first ``W`` elements already hold the items' ids with one

@@ -138,20 +138,22 @@ def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: list, pool:
     ids = window.ids
     if ids is not None and used + 2 > ids.shape[0]:
         out, lengths, ends, used = out[:0], lengths[:0], ends[:0], docs
-    items = [{k: a[o : o + n] for k, a in sources[j].items()}
-             for j, o, n in zip(out.tolist(), rows[out, 6].tolist(), lengths.tolist(), strict=True)]  # fmt: skip
+    cut = [sources[j] for j in out.tolist()]
+    spans = list(zip(rows[out, 6].tolist(), lengths.tolist(), strict=True))
+    plain = ids is not None and max(map(len, cut), default=1) == 1 and max(map(len, window.arrays), default=1) == 1
+    items = [] if plain else [{k: a[o : o + n] for k, a in src.items()} for src, (o, n) in zip(cut, spans, strict=True)]
     if ids is not None:
         ids = ids[: used + 2]
-        if items:
-            parts = [_ZERO] * (2 * len(items))  # each piece's ids, then one element
-            parts[::2] = [a[INPUT_IDS] for a in items]
+        if cut:
+            parts = [_ZERO] * (2 * len(cut))  # each piece's ids, then one element
+            parts[::2] = [src[INPUT_IDS][o : o + n] for src, (o, n) in zip(cut, spans, strict=True)]
             np.concatenate(parts, out=ids[docs:used])
     at = lengths.cumsum()
     at += np.arange(docs, docs + lengths.shape[0], dtype=np.int64)
     at -= lengths
     rows[out, 7] = at
     return concatenate_arrays(
-        [*window.arrays, *items], np.concatenate([window.lengths, lengths]),
+        () if plain else [*window.arrays, *items], np.concatenate([window.lengths, lengths]),
         np.concatenate([np.full(len(window), IGNORE_INDEX, dtype=np.int64), ends]), ids, pool,
     )  # fmt: skip
 
