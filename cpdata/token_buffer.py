@@ -68,8 +68,11 @@ class BufferPool:
     ``take(n)`` returns an int64 ``[n]`` view of a pooled array that no view
     or buffer made from it earlier still uses (its reference count says so),
     grown when too short; when every pooled array is in use a new one is made
-    (and pooled while fewer than ``size`` are). Not thread-safe: one pool per
-    reading node.
+    (and pooled while fewer than ``size`` are). Pooled arrays are made twice
+    as long as asked: windows vary in size (and in the room kept for carried
+    pieces), and a page never written costs nothing, while a new array for a
+    slightly longer window would fault in every page again. Not thread-safe:
+    one pool per reading node.
     """
 
     __slots__ = ("_arrays", "size")
@@ -87,12 +90,12 @@ class BufferPool:
         for i in range(len(arrays)):
             if self._free(i):
                 if arrays[i].shape[0] < n:
-                    arrays[i] = np.empty(max(n, 2 * arrays[i].shape[0]), dtype=np.int64)
+                    arrays[i] = np.empty(2 * max(n, arrays[i].shape[0]), dtype=np.int64)
                 return arrays[i][:n]
-        fresh = np.empty(n, dtype=np.int64)
-        if len(arrays) < self.size:
-            arrays.append(fresh)
-        return fresh
+        if len(arrays) >= self.size:
+            return np.empty(n, dtype=np.int64)
+        arrays.append(np.empty(2 * n, dtype=np.int64))  # pages never written cost nothing
+        return arrays[-1][:n]
 
 
 def concatenate_arrays(
