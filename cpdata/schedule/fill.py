@@ -85,6 +85,17 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
     return None
 
 
+def _remove_size(counts: dict[int, int], distinct: list[int], size: int) -> None:
+    """Count one filler of ``size`` out of ``counts`` (size -> fillers left), and out of the sorted
+    ``distinct`` sizes when it was the last of its size."""
+    n_size = counts[size] - 1
+    if n_size:
+        counts[size] = n_size
+    else:
+        del counts[size]
+        del distinct[bisect_left(distinct, size)]
+
+
 def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
     """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
 
@@ -110,12 +121,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             take_i, take_s = ids[-n_act:], sizes[-n_act:]
             del ids[-n_act:], sizes[-n_act:]
             for c, i, size in zip(active, reversed(take_i), reversed(take_s), strict=True):
-                n_size = counts[size] - 1
-                if n_size:
-                    counts[size] = n_size
-                else:
-                    del counts[size]
-                    del distinct[bisect_left(distinct, size)]
+                _remove_size(counts, distinct, size)
                 room_l[c] -= size
                 placed_i.append(i)
                 placed_c.append(c)
@@ -142,12 +148,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             for j in sorted(picks, reverse=True) if len(picks) > 1 else picks:  # from the back: positions hold
                 i = ids.pop(j)
                 size = sizes.pop(j)
-                n_size = counts[size] - 1
-                if n_size:
-                    counts[size] = n_size
-                else:
-                    del counts[size]
-                    del distinct[bisect_left(distinct, size)]
+                _remove_size(counts, distinct, size)
                 room_l[c] -= size
                 placed_i.append(i)
                 placed_c.append(c)
