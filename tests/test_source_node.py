@@ -287,6 +287,41 @@ def test_next_window_reads_ahead_like_next(shuffle, dp_size, epochs, limit, floo
             break
 
 
+@pytest.mark.parametrize("shuffle,dp_size,epochs", [(False, 1, 1), (True, 2, 2)])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_items_read_past_a_window_are_kept_for_the_next_one_not_read_again(shuffle, dp_size, epochs, interleave):
+    """A window reads a few items past its end; the next window takes them from there, so windows alone read each
+    item of a pass once; windows, a ``next()`` between them and the state stay those of ``next()`` alone."""
+    rng = np.random.default_rng(5)
+    items = [{"input_ids": rng.integers(0, 50, int(rng.integers(1, 30)))} for _ in range(300)]
+    source = _Recording(items)
+    kw = dict(dp_rank=dp_size - 1, dp_size=dp_size, shuffle=shuffle, seed=3, num_epochs=epochs)
+    a, b = Documents(source, **kw), Documents(items, **kw)
+    a.reset()
+    b.reset()
+    windows = 0
+    for step in range(10_000):
+        if interleave and step % 3 == 2:  # a next() between windows: the kept items start after its document
+            got_one, want_one = next(a, None), next(b, None)
+            assert (got_one is None) == (want_one is None)
+            if got_one is None:
+                break
+            assert got_one.index == want_one.index
+            continue
+        got, ended = a.next_window(7, 120, 16)
+        want, want_ended = _one_by_one(b, 7, 120, 16)
+        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
+        state, want_state = a.state_dict(), b.state_dict()
+        assert {**state, "fingerprint": None} == {**want_state, "fingerprint": None}
+        windows += 1
+        if ended:
+            break
+    own = range(dp_size - 1, len(items), dp_size)
+    assert windows > 10 and set(source.reads) == set(own) if not shuffle else set(source.reads) <= set(range(300))
+    if not interleave:
+        assert len(source.reads) == epochs * len(own)  # each item once per pass: nothing read twice
+
+
 class _FailsAt(list):
     def __init__(self, items, bad):
         super().__init__(items)

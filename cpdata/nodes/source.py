@@ -138,6 +138,7 @@ class Documents(WindowReader, BaseNode[Document]):
         self._fingerprinted = False
         self._window_mean = 0.0  # counted tokens per document of the last window (read-ahead estimate)
         self._scratch = Scratch()  # the window's ids, concatenated to check them
+        self._ahead = None  # items a window read past its end, for the next window (a cache, not state)
 
     @property
     def seekable(self) -> bool:
@@ -204,7 +205,7 @@ class Documents(WindowReader, BaseNode[Document]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._position, self._consumed, self._it = 0, 0, None
+        self._position, self._consumed, self._it, self._ahead = 0, 0, None, None
         self._check_source()
         nested = None
         if initial_state is not None and self._buffer is not None:

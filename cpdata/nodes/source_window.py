@@ -6,9 +6,10 @@ source is then read by slices of this rank's positions, the window rule
 applied to a slice with one cumulative sum (:class:`~cpdata.nodes.window.WindowFill`),
 and the window validated at once (:func:`~cpdata.nodes.validate.to_window`):
 no Python work per document beyond reading the item and finding its
-``input_ids``. Items read past the window's end are read again by the next
-window (the position, the only state, stays where ``next()`` would leave it).
-Other sources are read one item at a time, as by ``next()``.
+``input_ids``. Items read past the window's end are kept for the next window
+(not read again); they are a cache only: the position, the only state, stays
+where ``next()`` would leave it, and a reset, a restore, a ``next()`` or a new
+pass drops them. Other sources are read one item at a time, as by ``next()``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["WindowReader"]
 class WindowReader:
     """``next_window`` for :class:`~cpdata.nodes.source.Documents` (a mixin: it uses the node's reading
     state: ``_kind``, ``_position``, ``source``, ``dp_rank``/``dp_size``, ``shuffle``, ``_permutation()``,
-    ``_next_item()``, ``_pass_ended()``, ``_scratch``, ``_window_mean``, ``_consumed``)."""
+    ``_next_item()``, ``_pass_ended()``, ``_scratch``, ``_window_mean``, ``_consumed``, ``_ahead``)."""
 
     _kind: str
     _position: int
@@ -47,6 +48,7 @@ class WindowReader:
     _next_item: Callable[[], tuple[int, Any]]
     _pass_ended: Callable[[], bool]
     _epoch: int
+    _ahead: tuple[tuple[int, int], list[Any]] | None  # ((epoch, position of the first), items) read past a window
 
     def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
         """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
@@ -56,11 +58,13 @@ class WindowReader:
         positions = range(first, min(len(self.source), first + count * self.dp_size), self.dp_size)  # type: ignore[arg-type]
         indices = self._permutation()[positions].tolist() if self.shuffle else list(positions)
         source = self.source
+        ahead, self._ahead = self._ahead, None
+        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (self._epoch, first) else []
         try:
-            return list(positions), indices, [source[i] for i in indices], None  # type: ignore[index]
+            return list(positions), indices, kept + [source[i] for i in indices[len(kept) :]], None  # type: ignore[index]
         except Exception:
-            items: list[Any] = []
-            for i in indices:
+            items: list[Any] = list(kept)
+            for i in indices[len(kept) :]:
                 try:
                     items.append(source[i])  # type: ignore[index]
                 except Exception as exc:
@@ -71,7 +75,7 @@ class WindowReader:
 
     def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
         """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens (a few
-        more than the estimate: the ones not used are read again by the next window)."""
+        more than the estimate: the ones not used are kept for the next window)."""
         if limit is None:
             return 4096
         mean = tokens / count if count else self._window_mean
@@ -95,8 +99,8 @@ class WindowReader:
         A window is full with at least ``limit`` documents (None: never) and
         ``floor`` tokens, each document counting ``min(max(n, 1), capacity)``
         (:func:`cpdata.packing.planner.window_ends`). A sequence is read by
-        slices of positions (items past the window's end are read again by the
-        next one); the id values of the whole window are checked in one pass
+        slices of positions (items past the window's end are kept for the next
+        one); the id values of the whole window are checked in one pass
         (:func:`cpdata.nodes.validate.to_window`); errors are those of
         ``next()`` for the first bad document, and the state after the window
         is the one ``next()`` leaves. The window's ``ids`` keep ``room`` elements
@@ -155,4 +159,6 @@ class WindowReader:
                 taken += 1
         if positions and taken:
             self._position = positions[taken - 1] + 1
+        if positions and taken < len(chunk):  # read past the window's end: the next window starts with them
+            self._ahead = ((self._epoch, positions[taken]), chunk[taken:])
         return taken
