@@ -74,17 +74,6 @@ def check_schedule(sched, lengths: np.ndarray, layout: str, cp_size: int, max_de
     assert sched.stats.tokens == int(sched.doc_len.sum())
 
 
-def fifo_delay(sched) -> np.ndarray:
-    """Steps between each piece's FIFO step (its stream position in slot tokens over a full step's, documents
-    in index order) and the step it is placed in."""
-    K = sched.dp_size * sched.micro_batches
-    step_of = np.repeat(np.arange(sched.num_steps * K) // K, np.diff(sched.pack_offsets))
-    stream = np.lexsort((sched.doc_start, sched.doc_index))
-    position = np.empty_like(stream)
-    position[stream] = np.cumsum(sched.slot_len[stream]) - sched.slot_len[stream]
-    return step_of - position // (K * sched.capacity)
-
-
 lengths_st = st.lists(st.integers(0, 200), min_size=0, max_size=120).map(lambda x: np.asarray(x, dtype=np.int64))
 
 
@@ -121,7 +110,7 @@ def test_equal_steps_per_rank_and_long_documents_wait_at_most_max_delay():
                               cost=CostModel(), max_delay=max_delay)  # fmt: skip
         check_schedule(sched, lengths, "balanced", 2, max_delay)
         long_ = 2 * sched.slot_len > sched.capacity
-        after_fifo = fifo_delay(sched)  # steps after the FIFO step: -1 .. max_delay while steps keep pace
+        after_fifo = sched.fifo_delay()  # steps after the FIFO step: -1 .. max_delay while steps keep pace
         assert int(after_fifo.min()) >= -1 and int(after_fifo[long_].max()) <= max(1, max_delay)
         assert int(sched.delay[long_].max()) <= max(1, max_delay) + (max_delay >= 2)
         assert int(sched.delay[~long_].max()) <= 1  # only long pieces wait more than one step

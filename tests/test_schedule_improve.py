@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cpdata.bench.schedule_balance import DISTRIBUTIONS, sample_lengths
 from cpdata.schedule import CostModel, plan_schedule
 from cpdata.schedule.improve import improve_step
-from tests.test_schedule import check_schedule, fifo_delay
+from tests.test_schedule import check_schedule
 
 
 def _state(cell: np.ndarray, slot: np.ndarray, key: np.ndarray, K: int, C: int):
@@ -93,7 +93,7 @@ def test_d2_bench_sample_meets_the_targets_within_the_fifo_window():
     lengths, sched, imb_mb = _bench_d2(9)
     assert imb_mb.mean() <= 2.5 and np.percentile(imb_mb, 95) <= 6.0
     assert sched.num_steps == sched.stats.lower_bound_steps
-    after = fifo_delay(sched)
+    after = sched.fifo_delay()
     assert after.min() >= -1 and after.max() <= 4
     check_schedule(sched, lengths, "balanced", 1, 4)
 
@@ -106,6 +106,6 @@ def test_d2_targets_hold_across_sampling_seeds():
         _, sched, imb_mb = _bench_d2(seed)
         means.append(imb_mb.mean())
         p95s.append(np.percentile(imb_mb, 95))
-        assert fifo_delay(sched).max() <= 4
+        assert sched.fifo_delay().max() <= 4
     assert np.mean(means) <= 2.5 and np.mean(p95s) <= 6.0
     assert max(means) <= 3.0  # no seed far off

@@ -111,7 +111,7 @@ def run(*, quick: bool) -> list[dict]:
             last = int(sched.pack_offsets[full * dp_size * mb])
             in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order
             bfd = plan_lengths(sched.doc_len[:last][in_stream], capacity=capacity, layout="balanced", cp_size=1)
-            fifo_delay = _fifo_delay(sched)[:last]
+            fifo_delay = sched.fifo_delay()[:last]
             row.update(base, method="cpdata_schedule" if max_delay == 0 else f"cpdata_schedule_delay{max_delay}",
                        max_delay_steps=int(fifo_delay.max()), min_delay_steps=int(fifo_delay.min()), us_per_doc=us,
                        bfd_padding_pct=float(bfd.stats.padding_pct), max_delay=max_delay)  # fmt: skip
@@ -119,17 +119,6 @@ def run(*, quick: bool) -> list[dict]:
             fill = fill or int(real.sum()) / full
         rows.extend(_baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost))
     return rows
-
-
-def _fifo_delay(sched) -> np.ndarray:
-    """int64 ``[pieces]`` (schedule row order): step placed minus FIFO step, the step stream order at full
-    steps would put the piece in (its stream position in slot tokens over ``dp * micro-batches * capacity``)."""
-    K = sched.dp_size * sched.micro_batches
-    step = np.repeat(np.arange(sched.num_steps * K) // K, np.diff(sched.pack_offsets))
-    stream = np.lexsort((sched.doc_start, sched.doc_index))
-    position = np.empty_like(stream)
-    position[stream] = np.cumsum(sched.slot_len[stream]) - sched.slot_len[stream]
-    return step - position // (K * sched.capacity)
 
 
 def _baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost) -> list[dict]:

@@ -124,6 +124,18 @@ class Schedule:
                  for s in steps]  # fmt: skip
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
+    def fifo_delay(self) -> np.ndarray:
+        """int64 ``[pieces]`` (row order): the step each piece is placed in minus its FIFO step, the step that
+        stream order at full steps would put it in (its stream position in slot tokens, documents in index
+        order, over ``dp_size * micro_batches * capacity``). Unlike :attr:`delay`, counted from where first in,
+        first out would place the piece, not from the step that took it."""
+        k = self.dp_size * self.micro_batches
+        step = np.repeat(np.arange(self.num_steps * k) // k, np.diff(self.pack_offsets))
+        stream = np.lexsort((self.doc_start, self.doc_index))
+        position = np.empty_like(stream)
+        position[stream] = np.cumsum(self.slot_len[stream]) - self.slot_len[stream]
+        return step - position // (k * self.capacity)
+
     def pack_costs(self, cost: CostModel) -> np.ndarray:
         """float64 ``[num_steps, dp_size, micro_batches]``: ``sum cost(piece length)`` per pack."""
         per_piece = cost(self.doc_len)
