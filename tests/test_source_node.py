@@ -245,6 +245,17 @@ def _one_by_one(node: Documents, limit: int, floor: int, capacity: int) -> tuple
     return docs, False
 
 
+
+def _window_as_next(a: Documents, b: Documents, limit: int, floor: int, capacity: int):
+    """``a.next_window`` against the window rule over ``b``'s ``next()``: the same documents, lengths and
+    exhaustion flag; returns ``(window, documents, ended)`` for the caller's further checks."""
+    got, ended = a.next_window(limit, floor, capacity)
+    want, want_ended = _one_by_one(b, limit, floor, capacity)
+    assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
+    assert got.lengths.tolist() == [d.length for d in want]
+    return got, want, ended
+
+
 @pytest.mark.parametrize("limit,floor", [(3, 0), (1, 20), (4, 1000)])
 def test_next_window_is_next_one_by_one(limit, floor):
     """Same documents, same exhaustion flag and same state as ``next()`` under the window rule."""
@@ -254,10 +265,7 @@ def test_next_window_is_next_one_by_one(limit, floor):
     a.reset()
     b.reset()
     while True:
-        got, ended = a.next_window(limit, floor, 6)
-        want, want_ended = _one_by_one(b, limit, floor, 6)
-        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
-        assert got.lengths.tolist() == [d.length for d in want]
+        got, want, ended = _window_as_next(a, b, limit, floor, 6)
         for g, w in zip(got.arrays, want, strict=True):
             assert g.keys() == w.arrays.keys() and all(np.array_equal(g[k], w.arrays[k]) for k in g)
         assert a.state_dict() == b.state_dict()
@@ -276,10 +284,8 @@ def test_next_window_reads_ahead_like_next(shuffle, dp_size, epochs, limit, floo
     a.reset()
     b.reset()
     while True:
-        got, ended = a.next_window(limit, floor, 16)
-        want, want_ended = _one_by_one(b, limit, floor, 16)
-        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
-        assert got.lengths.tolist() == [d.length for d in want] and (got.firsts == -2).all()
+        got, _, ended = _window_as_next(a, b, limit, floor, 16)
+        assert (got.firsts == -2).all()
         assert all(g.keys() == {"input_ids"} and g["input_ids"] is source[i]["input_ids"]
                    for g, i in zip(got.arrays, got.indices.tolist(), strict=True))  # fmt: skip
         assert a.state_dict() == b.state_dict() and a.epoch == b.epoch
@@ -308,9 +314,7 @@ def test_items_read_past_a_window_are_kept_for_the_next_one_not_read_again(shuff
                 break
             assert got_one.index == want_one.index
             continue
-        got, ended = a.next_window(7, 120, 16)
-        want, want_ended = _one_by_one(b, 7, 120, 16)
-        assert ended == want_ended and got.indices.tolist() == [d.index for d in want]
+        _, _, ended = _window_as_next(a, b, 7, 120, 16)
         state, want_state = a.state_dict(), b.state_dict()
         assert {**state, "fingerprint": None} == {**want_state, "fingerprint": None}
         windows += 1
