@@ -315,6 +315,7 @@ def _write(path, docs):
 
 
 def _plans(node):
+    """One epoch (a fresh reset) of a node of PackPlans: every piece's index, start, tokens and slot lengths."""
     node.reset()
     return [(p.columns.tolist(), p.slot_lens.tolist(), [x.arrays["input_ids"].tolist() for x in p.pieces])
             for p in node]  # fmt: skip

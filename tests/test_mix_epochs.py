@@ -21,6 +21,7 @@ from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
 from cpdata.nodes.pack import Pack
 from cpdata.offline.precomputed_dataset import _WorkerPacks
+from tests.test_mix import _plans
 
 OPTS = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
 
@@ -43,25 +44,18 @@ def _mixed(sources, stop="first_exhausted"):
     return mix({"web": open_dataset(web), "chat": open_dataset(chat)}, {"web": 0.7, "chat": 0.3}, seed=6, stop=stop)
 
 
-def _epoch(node):
-    """One epoch (a fresh reset) of a node of PackPlans: every piece's index, start, tokens and slot lengths."""
-    node.reset()
-    return [(p.columns.tolist(), p.slot_lens.tolist(), [x.arrays["input_ids"].tolist() for x in p.pieces])
-            for p in node]  # fmt: skip
-
-
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
 def test_each_precomputed_epoch_is_the_live_epoch(tmp_path, sources, stop):
     store = precompute_plan(_mixed(sources, stop), tmp_path / "plan", epochs=3, **OPTS)
     online = Pack(Documents(_mixed(sources, stop)), **OPTS)
     live = []
     for _ in range(3):
-        live.append(_epoch(online))
+        live.append(_plans(online))
         assert store.manifest["epochs"]["sources"][len(live) - 1] == online.stats.sources
     assert live[0] != live[1] != live[2] and min(map(len, live)) > 10, "the mix draws other documents every epoch"
     served = PrecomputedPacks(tmp_path / "plan", _mixed(sources, stop))
     assert served.epochs == 3
-    assert [_epoch(served) for _ in range(3)] == live
+    assert [_plans(served) for _ in range(3)] == live
     with pytest.raises(ValueError, match=r"holds 3 epoch\(s\) of its mix, this is epoch 3.*--epochs 4"):
         served.reset()
     first = store.manifest["epochs"]["first_pack"]
@@ -71,7 +65,7 @@ def test_each_precomputed_epoch_is_the_live_epoch(tmp_path, sources, stop):
     # set_epoch (a process that rebuilds the node) and random access reach any planned epoch
     fresh = PrecomputedPacks(tmp_path / "plan", _mixed(sources, stop))
     fresh.set_epoch(2)
-    assert _epoch(fresh) == live[2]
+    assert _plans(fresh) == live[2]
     with pytest.raises(ValueError, match="this is epoch 3"):
         fresh.plan(0, epoch=3)
 
@@ -79,7 +73,7 @@ def test_each_precomputed_epoch_is_the_live_epoch(tmp_path, sources, stop):
 def test_a_one_epoch_plan_of_a_mix_refuses_the_second_epoch_instead_of_repeating_the_first(tmp_path, sources):
     precompute_plan(_mixed(sources), tmp_path / "plan", **OPTS)
     served = PrecomputedPacks(tmp_path / "plan", _mixed(sources))
-    assert served.epochs == 1 and _epoch(served) == _epoch(Pack(Documents(_mixed(sources)), **OPTS))
+    assert served.epochs == 1 and _plans(served) == _plans(Pack(Documents(_mixed(sources)), **OPTS))
     with pytest.raises(ValueError, match=r"holds 1 epoch\(s\) of its mix, this is epoch 1: the mix draws other"):
         served.reset()
 
@@ -87,7 +81,7 @@ def test_a_one_epoch_plan_of_a_mix_refuses_the_second_epoch_instead_of_repeating
 def test_a_restore_inside_a_later_epoch_continues_that_epoch(tmp_path, sources):
     precompute_plan(_mixed(sources), tmp_path / "plan", epochs=2, **OPTS)
     node = PrecomputedPacks(tmp_path / "plan", _mixed(sources))
-    _epoch(node)
+    _plans(node)
     node.reset()
     for _ in range(5):
         next(node)
@@ -96,7 +90,7 @@ def test_a_restore_inside_a_later_epoch_continues_that_epoch(tmp_path, sources):
     other = PrecomputedPacks(tmp_path / "plan", _mixed(sources))
     other.reset(state)
     assert other.epoch == 1 and [p.columns.tolist() for p in other] == rest and len(rest) > 5
-    n0 = len(_epoch(PrecomputedPacks(tmp_path / "plan", _mixed(sources))))
+    n0 = len(_plans(PrecomputedPacks(tmp_path / "plan", _mixed(sources))))
     points = [0, 3, n0, n0 + 4]
     run_save_load_contract(lambda: PrecomputedPacks(tmp_path / "plan", _mixed(sources)), points, epochs=2)
     store = _mixed(sources)  # a worker's packs: batches 1, 4, ... of two packs each, epoch after epoch
@@ -131,7 +125,7 @@ def test_epochs_on_the_command_line_and_its_refusals(tmp_path, sources, capsys):
     assert "mix epochs planned: 2" in capsys.readouterr().out
     precompute_plan(_mixed(sources), tmp_path / "api", epochs=2, **OPTS)
     cli_node, api_node = (PrecomputedPacks(tmp_path / n, _mixed(sources)) for n in ("cli", "api"))
-    assert [_epoch(cli_node), _epoch(cli_node)] == [_epoch(api_node), _epoch(api_node)]
+    assert [_plans(cli_node), _plans(cli_node)] == [_plans(api_node), _plans(api_node)]
     assert cli([*base, "--epochs", "0", "--out", str(tmp_path / "o")]) == 1
     assert "epochs must be an int >= 1, got 0" in capsys.readouterr().err
     assert cli([*base, "--epochs", "2", "--dp-size", "2", "--out", str(tmp_path / "o")]) == 1
@@ -148,4 +142,4 @@ def test_a_precomputed_schedule_of_a_mix_serves_epoch_0_draws_every_epoch_as_the
                 "--quiet", "--out", str(tmp_path / "s")]) == 0  # fmt: skip
     assert "epoch 0's draws are planned once and served every epoch" in capsys.readouterr().out
     node = PrecomputedPacks(tmp_path / "s", _mixed(sources), dp_rank=1, dp_size=2)
-    assert node.epochs is None and _epoch(node) == _epoch(node)
+    assert node.epochs is None and _plans(node) == _plans(node)
