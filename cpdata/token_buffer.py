@@ -62,6 +62,18 @@ class TokenBuffer:
         return self.ids.shape[0] - 2
 
 
+def _unused_refs() -> int:
+    """What ``sys.getrefcount`` reports for an array held by a list alone, read the way :class:`BufferPool`
+    reads its arrays: 2 on CPython up to 3.13 (the list and the call's argument), and whatever an interpreter
+    that borrows the argument reports, measured rather than assumed (a count too low would hand out an array
+    still in use)."""
+    held = [np.empty(1, dtype=np.int64)]
+    return sys.getrefcount(held[0])
+
+
+_UNUSED_REFS = _unused_refs()
+
+
 class BufferPool:
     """A few int64 arrays handed out again once nothing refers to them any more.
 
@@ -82,7 +94,7 @@ class BufferPool:
         self.size = size
 
     def _free(self, i: int) -> bool:
-        return sys.getrefcount(self._arrays[i]) == 2  # the pool's list and getrefcount's argument
+        return sys.getrefcount(self._arrays[i]) == _UNUSED_REFS
 
     def take(self, n: int) -> np.ndarray:
         """int64 ``[n]``, uninitialised; valid for as long as the caller (or anything made from it) holds it."""
