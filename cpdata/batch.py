@@ -40,6 +40,25 @@ batch's tensors, then the layout's index maps. So
   never copies them.
 
 Replacing a key by another tensor falls back to per-key copies for that batch.
+
+Lazy views: a contiguous batch holds its buffer, its :class:`ViewPlan`
+(shared, cached per shape set) and its layout record without the index maps;
+the torch views of its keys are built on the first read of the mapping
+(``batch[key]``, ``items``/``values``, ``tensors()``, ``repr``, ``replace``,
+``__setitem__``; iterating the keys and ``len`` read the plan) and its
+layout's index maps on the first ``batch.layout``. Built once per batch and
+shared with its shallow copies (``copy.copy``, hence ``default_convert``) and
+with batches moved from it. Pickling (the buffer and the plan travel; the
+receiver builds its views when it reads them), ``pin_memory`` (views of the
+pinned buffer) and ``to()`` (one copy of the batch part, device views when
+read) build none on the host: a dataloader worker makes the buffer and hands
+it over without viewing it, and a batch pinned then moved builds its views
+once, on the device. ``batch.layout`` is an ordinary, complete
+:class:`ShardLayout` (the same object on every read; maps are views of the
+buffer, as eager ones were): what is lazy is when the batch builds it, not
+the record. Trade-off: the first read pays the views (~1-3 us per key, one
+torch call each) where it used to be paid at construction; a batch whose
+keys are all read pays the same total.
 """
 
 from __future__ import annotations
@@ -70,6 +89,55 @@ def _restore_buffer(
     return ShardedBatch._from_buffer(buffer, plan, layout, info, maps)
 
 
+class _BufferViews:
+    """One buffer's torch views, built on first need and shared by a batch, its shallow copies and the
+    batches moved from it (never mutated once built).
+
+    ``base`` is the layout record when ``maps`` (the buffer holds the index maps: the layout is the
+    record with its map fields set to views of the buffer); otherwise the layout itself, or the
+    :class:`_BufferViews` of the batch this one was moved from (whose layout it shares).
+    """
+
+    __slots__ = ("buffer", "plan", "maps", "base", "tensors", "layout", "head", "builds")
+
+    def __init__(self, buffer: torch.Tensor, plan: ViewPlan, maps: bool, base: Any) -> None:
+        self.buffer, self.plan, self.maps, self.base = buffer, plan, maps, base
+        self.tensors: dict[str, torch.Tensor] | None = None  # key -> view, once built
+        self.layout: ShardLayout | None = None  # once resolved
+        self.head: torch.Tensor | None = None  # the batch part (what to() moves), once asked for
+        self.builds = 0  # views built: 1 for the tensors, 1 for the layout maps (read by tests)
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        if self.tensors is None:
+            self.tensors = self.plan.tensor_views(self.buffer)
+            self.builds += 1
+        return self.tensors
+
+    def get_layout(self) -> ShardLayout:
+        layout = self.layout
+        if layout is None:
+            base = self.base
+            if self.maps:
+                layout = with_fields(base, self.plan.map_views(self.buffer))
+                self.builds += 1
+            else:
+                layout = base if isinstance(base, ShardLayout) else base.get_layout()
+            self.layout = layout
+        return layout
+
+    def get_head(self) -> torch.Tensor:
+        if self.head is None:
+            self.head = self.buffer[: self.plan.head] if self.maps else self.buffer
+        return self.head
+
+    def record(self) -> ShardLayout:
+        """The layout without the map fields this buffer holds (what a pickle of the buffer carries)."""
+        base, names = self.base, self.plan.map_spans
+        if any(base.__dict__.get(name) is not None for name in names):
+            base = with_fields(base, dict.fromkeys(names))
+        return base
+
+
 class BatchBuffer:
     """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
 
@@ -80,6 +148,10 @@ class BatchBuffer:
     Attributes:
         arrays: key -> numpy view of the buffer (uninitialised; the writer fills every element).
         maps: layout field -> numpy view.
+
+    Cost: one cached plan lookup, one allocation (numpy's, wrapped by torch:
+    ~2 us less than ``torch.empty`` + ``.numpy()``) and one ``np.ndarray`` per
+    array; no torch view (the batch builds those when read).
     """
 
     __slots__ = ("buffer", "plan", "arrays", "maps")
@@ -92,16 +164,16 @@ class BatchBuffer:
             self.plan, total, arrays, map_arrays = buffer_plan(
                 tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in tensors.items()),
                 tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in maps.items()))  # fmt: skip
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        raw = self.buffer.numpy()
+        raw = np.empty(total, dtype=np.uint8)
+        self.buffer = torch.from_numpy(raw)
         ndarray = np.ndarray
         self.arrays = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in arrays}
         self.maps = {k: ndarray(shape, dt, raw, off) for k, shape, dt, off in map_arrays}
 
     def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None,
               fields: Mapping[str, Any] | None = None) -> ShardedBatch:  # fmt: skip
-        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer,
-        its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same copy of the record."""
+        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer
+        (when read), its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same copy of the record."""
         return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
 
 
@@ -114,7 +186,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         info: small plain-python metadata (no tensors).
     """
 
-    __slots__ = ("_tensors", "_layout", "_info", "_buffer", "_plan", "_maps", "_head")
+    __slots__ = ("_tensors", "_layout", "_info", "_views")
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
@@ -124,13 +196,10 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
         if bad:
             raise TypeError(f"ShardedBatch values must be torch tensors; keys {bad} are not")
-        self._tensors = dict(tensors)
-        self._layout = layout
+        self._tensors: dict[str, torch.Tensor] | None = dict(tensors)  # None until a buffer's views are read
+        self._layout: ShardLayout | None = layout  # None until a buffer's layout is read
         self._info = dict(info or {})
-        self._buffer: torch.Tensor | None = None  # uint8 [bytes] backing every tensor, when contiguous
-        self._plan: ViewPlan | None = None  # the buffer's span tables and how to view them (shared, immutable)
-        self._maps = False  # _buffer holds the layout maps after the batch part (else the batch part alone)
-        self._head: torch.Tensor | None = None  # _buffer's batch part (what to() moves), once asked for
+        self._views: _BufferViews | None = None  # the one buffer backing every tensor (contiguous batches)
 
     @classmethod
     def contiguous(
@@ -153,52 +222,88 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
 
     @classmethod
     def _from_buffer(
-        cls, buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: Mapping[str, Any] | None, maps: bool,
+        cls, buffer: torch.Tensor, plan: ViewPlan, layout: Any, info: Mapping[str, Any] | None, maps: bool,
         fields: Mapping[str, Any] | None = None,
     ) -> ShardedBatch:  # fmt: skip
-        """Views of ``buffer`` by ``plan``: the whole buffer when ``maps`` (``layout``'s map fields become
-        views too), else the batch part alone (a moved batch); no per-key checks (the spans were made
+        """A batch of ``buffer`` by ``plan``, views built when read: the whole buffer when ``maps``
+        (``layout``'s map fields become views too), else the batch part alone (a moved batch; ``layout``
+        may then be the :class:`_BufferViews` it was moved from). No per-key checks (the spans were made
         from tensors). Plans are never mutated, so batches derived from one another share them."""
         batch = cls.__new__(cls)
         maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
-        if maps:
-            batch._tensors, map_views = plan.views(buffer)
-            batch._layout, batch._head = with_fields(layout, {**fields, **map_views} if fields else map_views), None
-        else:
-            batch._tensors, batch._head = plan.head_views(buffer), buffer
-            batch._layout = with_fields(layout, fields) if fields else layout
+        batch._views = _BufferViews(buffer, plan, maps, with_fields(layout, fields) if fields else layout)
+        batch._tensors = batch._layout = None
         batch._info = dict(info or {})
-        batch._buffer, batch._plan, batch._maps = buffer, plan, maps
         return batch
+
+    @property
+    def _buffer(self) -> torch.Tensor | None:
+        """The uint8 buffer backing every tensor, when contiguous."""
+        return self._views.buffer if self._views is not None else None
+
+    @property
+    def _plan(self) -> ViewPlan | None:
+        """The buffer's span tables and how to view them (shared, immutable), when contiguous."""
+        return self._views.plan if self._views is not None else None
 
     def _batch_bytes(self) -> int:
         """Bytes of the buffer's batch part (every key; the layout maps follow)."""
-        return self._plan.head if self._plan is not None else 0
+        return self._views.plan.head if self._views is not None else 0
 
     @property
     def _spans(self) -> dict:
         """Key -> byte span of the buffer (empty without one)."""
-        return self._plan.spans if self._plan is not None else {}
+        return self._views.plan.spans if self._views is not None else {}
+
+    def _tensor_dict(self) -> dict[str, torch.Tensor]:
+        """Key -> tensor (a buffer's views are built here, once); never mutated while a buffer backs it."""
+        tensors = self._tensors
+        if tensors is None:
+            tensors = self._tensors = self._views.get_tensors()
+        return tensors
+
+    def nbytes(self) -> int:
+        """Bytes of the batch's tensors, ``sum(t.numel() * t.element_size())`` over the keys (the layout
+        maps excluded); read from the buffer's plan when contiguous, so no view is built."""
+        if self._views is not None:
+            return self._views.plan.tensor_bytes
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def _map_nbytes(self) -> int:
+        """Bytes of the layout's index maps (those set), from the plan when the buffer holds them."""
+        views = self._views
+        if views is not None and views.maps:
+            return sum(span[1] for span in views.plan.map_spans.values())
+        maps = (getattr(self.layout, name) for name in _LAYOUT_MAPS)
+        return sum(t.numel() * t.element_size() for t in maps if t is not None)
 
     @property
     def layout(self) -> ShardLayout:
-        return self._layout
+        layout = self._layout
+        if layout is None:
+            layout = self._layout = self._views.get_layout()
+        return layout
 
     @property
     def info(self) -> dict[str, Any]:
         return self._info
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._tensors[key]
+        tensors = self._tensors
+        if tensors is None:
+            tensors = self._tensor_dict()
+        return tensors[key]
 
     def __iter__(self) -> Iterator[str]:
+        if self._tensors is None:  # the keys are the plan's: no view needed
+            return iter(self._views.plan.spans)
         return iter(self._tensors)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._views.plan.spans if self._tensors is None else self._tensors)
 
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        old = self._tensors.get(key)
+        old = self._tensor_dict().get(key)
         if old is None:
             raise TypeError(
                 f"ShardedBatch keys are fixed; cannot add {key!r}. Use batch.replace({key}=...) or dict(batch)"
@@ -212,68 +317,74 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 "A DataLoader collating ShardedBatches needs batch_size=None (each item is already a batch); "
                 "to change shapes use batch.replace(...)"
             )
-        if value is not old:  # the buffer no longer backs every key
-            self._buffer, self._plan, self._maps, self._head = None, None, False, None
+        if value is old:
+            return
+        if self._views is not None:  # the buffer no longer backs every key: this batch owns its tensors
+            self._layout, self._tensors, self._views = self.layout, dict(self._tensors), None
         self._tensors[key] = value
 
     def __delitem__(self, key: str) -> None:
         raise TypeError(f"ShardedBatch keys are fixed; cannot delete {key!r}. Use batch.replace() or dict(batch)")
 
     def __copy__(self) -> ShardedBatch:
-        # Same tensor objects: torch's default_convert copies then update()s with the originals, which must
-        # not look like replacements (that would drop the single buffer).
+        # Same tensor objects (the buffer's views are shared, built once for both): torch's default_convert
+        # copies then update()s with the originals, which must not look like replacements (that would drop
+        # the single buffer). Builds no view.
         batch = ShardedBatch.__new__(ShardedBatch)  # no per-key checks: the values are this batch's tensors
-        batch._tensors, batch._layout, batch._info = dict(self._tensors), self._layout, dict(self._info)
-        batch._buffer, batch._plan, batch._maps, batch._head = self._buffer, self._plan, self._maps, self._head
+        tensors = self._tensors
+        batch._tensors = tensors if tensors is None or self._views is not None else dict(tensors)
+        batch._layout, batch._info, batch._views = self._layout, dict(self._info), self._views
         return batch
 
     def __reduce__(self):
-        if self._buffer is not None:  # one storage: the views are rebuilt from the spans on the other side
-            bare = with_fields(self._layout, dict.fromkeys(self._plan.map_spans)) if self._maps else self._layout
-            return _restore_buffer, (self._buffer, self._plan, bare, self._info, self._maps)
+        views = self._views
+        if views is not None:  # one storage: the views are rebuilt from the spans on the other side
+            base = views.record() if views.maps else self.layout
+            return _restore_buffer, (views.buffer, views.plan, base, self._info, views.maps)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.items())
-        return f"ShardedBatch(cp_rank={self._layout.cp_rank}/{self._layout.cp_size}, {{{shapes}}})"
+        return f"ShardedBatch(cp_rank={self.layout.cp_rank}/{self.layout.cp_size}, {{{shapes}}})"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors as a new plain dict (same tensor objects)."""
-        return dict(self._tensors)
+        return dict(self._tensor_dict())
 
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
         """A new batch with keys set (or removed, for ``None``); layout and info kept."""
-        out = dict(self._tensors)
+        out = dict(self._tensor_dict())
         for k, v in tensors.items():
             if v is None:
                 out.pop(k, None)
             else:
                 out[k] = v
-        return ShardedBatch(out, layout=self._layout, info=self._info)
+        return ShardedBatch(out, layout=self.layout, info=self._info)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
-        """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
-        the host (the gather moves its maps on first use). ``copy=True`` copies even when already on
-        ``device`` (a ``clone()``), as ``Tensor.to``."""
-        head = self._head
-        if head is None:
-            if self._buffer is None:
-                moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
-                return ShardedBatch(moved, layout=self._layout, info=self._info)
-            head = self._head = self._buffer[: self._plan.head]  # the maps stay behind
+        """Tensors on ``device`` (one copy of the buffer's batch part when contiguous; views built when
+        read); the layout stays on the host (the gather moves its maps on first use). ``copy=True``
+        copies even when already on ``device`` (a ``clone()``), as ``Tensor.to``."""
+        views = self._views
+        if views is None:
+            moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
+            return ShardedBatch(moved, layout=self._layout, info=self._info)
+        head = views.get_head()  # the maps stay behind
         if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
             moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
         else:
             moved = head.to(device, non_blocking=non_blocking, copy=copy)
             if moved is head:  # already there: this batch, as Tensor.to returns self
                 return self
-        return ShardedBatch._from_buffer(moved, self._plan, self._layout, self._info, False)
+        layout = self._layout or views.layout or (views if views.maps else views.base)  # resolved when read
+        return ShardedBatch._from_buffer(moved, views.plan, layout, self._info, False)
 
     def pin_memory(self, device: Any = None) -> ShardedBatch:
         """Tensors and layout tensors in pinned host memory (CUDA builds only)."""
-        if self._buffer is not None:
-            pinned = self._buffer.pin_memory()
-            layout = self._layout if self._maps else self._layout.pin_memory()
-            return ShardedBatch._from_buffer(pinned, self._plan, layout, self._info, self._maps)
+        views = self._views
+        if views is not None:
+            pinned = views.buffer.pin_memory()
+            base = views.base if views.maps else self.layout.pin_memory()
+            return ShardedBatch._from_buffer(pinned, views.plan, base, self._info, views.maps)
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)

@@ -36,8 +36,8 @@ _ALIGN = 16
 Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
 Item = tuple[str, int, tuple[int, ...], tuple[int, ...], int]
 """``(key, dtype index, shape, strides, element offset)``: one ``as_strided`` of a typed view."""
-Steps = tuple[tuple[torch.dtype, ...], tuple[tuple[Item, ...], ...]]
-"""The distinct dtypes (one reinterpretation of the buffer each) and, per span table, its items."""
+Steps = tuple[tuple[torch.dtype, ...], tuple[Item, ...]]
+"""A span table's distinct dtypes (one reinterpretation of the buffer each) and its items in key order."""
 NumpySpec = tuple[tuple[str, tuple[int, ...], np.dtype, int], ...]
 """``(key, shape, numpy dtype, byte offset)`` per array: ``np.ndarray(shape, dtype, raw, offset)`` views."""
 
@@ -74,21 +74,21 @@ def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[i
     return {k: (tuple(v.shape), v.dtype, v.element_size()) for k, v in tensors.items()}
 
 
-def _steps(*tables: Mapping[str, Span]) -> Steps:
-    """The distinct dtypes of ``tables`` and, per table, its items in key order."""
-    dtypes = tuple(dict.fromkeys(span[2] for table in tables for span in table.values()))
+def _steps(table: Mapping[str, Span]) -> Steps:
+    """The distinct dtypes of ``table`` and its items in key order."""
+    dtypes = tuple(dict.fromkeys(span[2] for span in table.values()))
     return dtypes, tuple(
-        tuple((k, dtypes.index(dt), shape, strides, off // dt.itemsize) for k, (off, _, dt, shape, strides) in t.items())
-        for t in tables
+        (k, dtypes.index(dt), shape, strides, off // dt.itemsize) for k, (off, _, dt, shape, strides) in table.items()
     )
 
 
 class ViewPlan(NamedTuple):
     """A buffer's span tables and how to view them, computed once per table (:func:`plan_of`).
 
-    ``steps`` views a whole buffer (the batch's tensors, then the layout maps,
-    sharing one reinterpretation per dtype); ``head_steps`` the batch part
-    alone (``head`` bytes: what :meth:`~cpdata.batch.ShardedBatch.to` moves).
+    The batch's tensors start at byte 0 whether the buffer holds the layout
+    maps after them or is the batch part alone (``head`` bytes: what
+    :meth:`~cpdata.batch.ShardedBatch.to` moves), so one set of steps views
+    both; the maps have their own.
     """
 
     spans: dict[str, Span]
@@ -97,27 +97,28 @@ class ViewPlan(NamedTuple):
     """Layout field -> span, after every key."""
     head: int
     """Bytes of the batch part (the layout maps follow)."""
-    steps: Steps
-    head_steps: Steps
+    tensor_steps: Steps
+    map_steps: Steps
+    tensor_bytes: int
+    """Bytes of the batch's tensors (``sum(numel * element_size)`` over the keys; no alignment gaps)."""
 
-    def views(self, buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(tensors, maps)``: views of a whole buffer (storage offset 0), keys in order."""
-        dtypes, (items, map_items) = self.steps
+    def tensor_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch's tensors, keys in order, as views of ``buffer`` (storage offset 0; whole or batch part)."""
+        dtypes, items = self.tensor_steps
         typed = [buffer.view(dt).as_strided for dt in dtypes]
-        return ({k: typed[i](shape, strides, off) for k, i, shape, strides, off in items},
-                {k: typed[i](shape, strides, off) for k, i, shape, strides, off in map_items})  # fmt: skip
+        return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
 
-    def head_views(self, head: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors, keys in order, as views of the batch part alone (storage offset 0, no maps)."""
-        dtypes, (items,) = self.head_steps
-        typed = [head.view(dt).as_strided for dt in dtypes]
+    def map_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Layout field -> view of a whole buffer (storage offset 0, the maps after the batch part)."""
+        dtypes, items = self.map_steps
+        typed = [buffer.view(dt).as_strided for dt in dtypes]
         return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
 
 
 def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> ViewPlan:
     """The :class:`ViewPlan` of span tables (``map_spans`` after ``spans``; ``total`` bytes)."""
     head = min((span[0] for span in map_spans.values()), default=total)
-    return ViewPlan(spans, map_spans, head, _steps(spans, map_spans), _steps(spans))
+    return ViewPlan(spans, map_spans, head, _steps(spans), _steps(map_spans), sum(span[1] for span in spans.values()))
 
 
 @functools.lru_cache(maxsize=32)
