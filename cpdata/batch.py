@@ -56,9 +56,17 @@ it over without viewing it, and a batch pinned then moved builds its views
 once, on the device. ``batch.layout`` is an ordinary, complete
 :class:`ShardLayout` (the same object on every read; maps are views of the
 buffer, as eager ones were): what is lazy is when the batch builds it, not
-the record. Trade-off: the first read pays the views (~1-3 us per key, one
-torch call each) where it used to be paid at construction; a batch whose
-keys are all read pays the same total.
+the record. The maps are not lazy fields of ``ShardLayout`` itself: it is a
+frozen dataclass that the gather, the sharder and CP attention read with
+``getattr``, ``dataclasses.replace`` and ``ShardLayout.to``, and a lazy field
+there would need a descriptor changing what those see; deferring the whole
+record keeps it a plain value, and a stable ``batch.layout`` keeps
+identity-keyed caches (:func:`cpdata.gather.layout_tensor_on`) hitting.
+Trade-off: the first read pays the views (~1-3 us per key, one torch call
+each; ~3-5 us for the layout: two map views and a record copy) where
+construction used to; a batch whose keys are all read pays the same total.
+Two threads reading a fresh batch at once may both build (equal views,
+different tensor objects); the pin-memory thread reads none.
 """
 
 from __future__ import annotations
