@@ -172,3 +172,18 @@ def test_real_pinning_and_device_move_build_no_host_view():
     for key in batch:
         assert moved[key].is_cuda and torch.equal(moved[key].cpu(), batch[key]), key
     assert pinned.layout.gather_index.is_pinned() and moved.layout is pinned.layout
+
+
+def test_a_pickled_batch_carries_its_record_without_the_maps_it_holds():
+    gather = torch.arange(6).flip(0)
+    lay = ShardLayout(gather_index=gather, padded_seq_len=6, cp_size=2, cp_rank=1, digest=7)
+    batch = ShardedBatch.contiguous({"a": torch.arange(3), "b": torch.ones(2, 3, dtype=torch.bool)}, layout=lay)
+    assert untouched(batch)
+    fn, args = batch.__reduce__()
+    record = args[2]
+    assert record.gather_index is None and record.digest == 7 and record.cp_rank == 1  # the map travels in the buffer
+    received = fn(*args)
+    assert untouched(received) and "ShardedBatch(cp_rank=1/2" in repr(received)
+    assert torch.equal(received.layout.gather_index, gather) and received.layout.digest == 7
+    assert received.layout.gather_index.untyped_storage().data_ptr() == received._buffer.untyped_storage().data_ptr()
+    assert torch.equal(received["b"], torch.ones(2, 3, dtype=torch.bool)) and received["b"].stride() == (3, 1)
