@@ -30,7 +30,7 @@ batch's tensors, then the layout's index maps. So
 
 - a batch crosses from a dataloader worker to the training process as one
   shared-memory storage (torch's reducers pass one file descriptor per
-  storage; the receiver maps it and rebuilds the views from byte spans);
+  storage; the receiver maps it and views it by its byte spans when read);
 - pinning is one ``pin_memory`` call;
 - the host-to-device move (:meth:`ShardedBatch.to`) is one copy of the
   buffer's batch part (~10 keys: ten small copies, each paying the
