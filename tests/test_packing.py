@@ -24,7 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
-from cpdata.packing.planner import window_ends
+from cpdata.packing.planner import StreamPlanner, carry_columns, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
 
@@ -500,6 +500,28 @@ def test_deterministic_and_seed_independent(algorithm):
         for field in ("pack_offsets", "doc_index", "doc_start", "doc_len", "slot_len"):
             assert np.array_equal(getattr(runs[0], field), getattr(other, field))
         assert runs[0].stats == other.stats
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "first_fit", "next_fit"])
+def test_carry_columns_are_the_open_bins_in_csr_form(algorithm):
+    """The state's carry columns (read from BFD's own arrays) are exactly the open bins of carry(), and a
+    planner restored from them carries the same bins."""
+    config = PackingConfig.resolve(capacity=4096, layout="balanced", cp_size=4, algorithm=algorithm,
+                                   overflow="split", window=256)
+    planner = StreamPlanner(config)
+    lengths = sample_lengths("ultrachat", 1200, seed=3)
+    for lo in range(0, lengths.shape[0], 300):
+        planner.add_window(lengths[lo : lo + 300], np.arange(lo, lo + 300))
+        bins = planner._packer.carry()
+        offsets, keys, slots = carry_columns(planner._packer)
+        assert [o.dtype for o in (offsets, keys, slots)] == [np.dtype(np.int64)] * 3
+        assert offsets.tolist() == [0, *itertools.accumulate(len(k) for k, _ in bins)]
+        assert keys.tolist() == [k for ks, _ in bins for k in ks]
+        assert slots.tolist() == [s for _, ss in bins for s in ss]
+        assert len(bins) > 0 or algorithm != "bfd"
+        restored = StreamPlanner(config)
+        restored.load_state(planner.state())
+        assert restored._packer.carry() == bins
 
 
 def test_capacity_must_fit_the_layout():

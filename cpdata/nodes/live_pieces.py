@@ -140,7 +140,7 @@ def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: list, pool:
         out, lengths, ends, used = out[:0], lengths[:0], ends[:0], docs
     cut = [sources[j] for j in out.tolist()]
     spans = list(zip(rows[out, 6].tolist(), lengths.tolist(), strict=True))
-    plain = ids is not None and max(map(len, cut), default=1) == 1 and max(map(len, window.arrays), default=1) == 1
+    plain = ids is not None and max(map(len, cut), default=1) == 1 and window.ids_alone()
     items = [] if plain else [{k: a[o : o + n] for k, a in src.items()} for src, (o, n) in zip(cut, spans, strict=True)]
     if ids is not None:
         ids = ids[: used + 2]

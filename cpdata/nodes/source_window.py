@@ -131,7 +131,7 @@ class WindowReader:
             if error is not None and taken == len(chunk) and fill.wants():
                 raise error
         window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch,
-                           room)  # fmt: skip
+                           room, fill.lengths())  # fmt: skip
         self._consumed += len(window)
         if len(window):
             self._window_mean = fill.tokens / len(window)

@@ -202,6 +202,7 @@ def to_window(
     labels_alignment: LabelsAlignment | None = None,
     scratch: Scratch | None = None,
     room: int = 0,
+    lengths: np.ndarray | None = None,
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
@@ -212,6 +213,7 @@ def to_window(
         scratch: the pool of the array the ids are concatenated into to check them (a fresh array
             when None); the packer makes it the window's token buffer.
         room: elements reserved after the documents in that array (for pieces the packer adds).
+        lengths: int64 ``[n]`` the lengths of ``ids`` when the caller counted them already.
 
     Returns:
         the window, its ``ids`` holding every document's ids from index 0, each followed
@@ -223,7 +225,8 @@ def to_window(
     """
     try:
         n = len(ids)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+        if lengths is None:
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
         total = int(lengths.sum()) + n  # each document's ids and one element after it (0 here)
         size = total + room + 2
         buffer = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.int64)
@@ -237,7 +240,7 @@ def to_window(
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
         if max(map(len, items), default=1) == 1:  # input_ids alone: nothing else to check or derive
-            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer)
+            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer, plain=True)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip

@@ -32,6 +32,7 @@ class DocumentWindow:
         ids: int64 ``[>= W + 2]`` holding the documents' ids in order, each followed by one free element
             (``W`` elements), then room the packer asked for, when the reader concatenated them (to check
             them); the packer makes its token buffer of it (:mod:`cpdata.token_buffer`). None: not made.
+        plain: every document's arrays hold ``input_ids`` alone (True), not all (False), or not known (None).
     """
 
     indices: np.ndarray
@@ -39,6 +40,11 @@ class DocumentWindow:
     firsts: np.ndarray
     arrays: Sequence[Mapping[str, np.ndarray]]
     ids: np.ndarray | None = None
+    plain: bool | None = None
+
+    def ids_alone(self) -> bool:
+        """Whether every document's arrays hold ``input_ids`` alone (:attr:`plain`, else read off the arrays)."""
+        return max(map(len, self.arrays), default=1) == 1 if self.plain is None else self.plain
 
     def __len__(self) -> int:
         return len(self.arrays)
@@ -58,10 +64,10 @@ class DocumentWindow:
     @classmethod
     def unlabeled(
         cls, indices: np.ndarray, lengths: np.ndarray, arrays: Sequence[Mapping[str, np.ndarray]],
-        ids: np.ndarray | None = None,
+        ids: np.ndarray | None = None, plain: bool | None = None,
     ) -> DocumentWindow:  # fmt: skip
         """A window of documents without labels (every first target :data:`~cpdata.targets.UNLABELED`)."""
-        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, ids)
+        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, ids, plain)
 
 
 class WindowFill:
@@ -69,7 +75,7 @@ class WindowFill:
     full with at least ``limit`` documents (None: never) and ``floor`` tokens, each document counting
     ``min(max(n, 1), capacity)``."""
 
-    __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens")
+    __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens", "_lengths")
 
     def __init__(self, limit: int | None, floor: int, capacity: int) -> None:
         self.limit, self.floor, self.capacity = limit, floor, capacity
@@ -77,6 +83,13 @@ class WindowFill:
         self.indices: list[int] = []
         self.ids: list[np.ndarray] = []
         self.tokens = 0
+        self._lengths: list[np.ndarray] = []  # int64 runs of the ids' lengths, as counted
+
+    def lengths(self) -> np.ndarray:
+        """int64 ``[n]``: the length of every document taken (counted once, as they were taken)."""
+        if len(self._lengths) == 1:
+            return self._lengths[0]
+        return np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
 
     def wants(self) -> bool:
         """Whether the window takes another document."""
@@ -87,6 +100,7 @@ class WindowFill:
         self.items.append(item)
         self.indices.append(index)
         self.ids.append(ids)
+        self._lengths.append(np.full(1, ids.shape[0], dtype=np.int64))
         self.tokens += min(max(ids.shape[0], 1), self.capacity)
 
     def add_run(self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray]) -> int:
@@ -103,5 +117,6 @@ class WindowFill:
             self.items += items[:k]
             self.indices += indices[:k]
             self.ids += ids[:k]
+            self._lengths.append(lengths[:k])
             self.tokens = int(counted[k - 1])
         return k

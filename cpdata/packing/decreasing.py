@@ -217,6 +217,13 @@ class BestFitDecreasing:
         bounds = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])).tolist() if b.size else [0]
         return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
+    def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`carry` in CSR form, from the columns as kept (pieces sorted by bin, then key): int64
+        offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        b = self._bins
+        offsets = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])) if b.size else np.zeros(1)
+        return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()
+
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         keys = np.asarray([k for b, _ in bins for k in b], dtype=np.int64)
         slots = np.asarray([s for _, b in bins for s in b], dtype=np.int64)

@@ -29,7 +29,7 @@ from cpdata.packing.greedy import FirstFit, NextFit
 from cpdata.packing.pieces import COUNT_FIELDS, Pieces, cut_documents
 from cpdata.packing.records import PackingConfig, PackingStats, PackKeys
 
-__all__ = ["BinPacker", "StreamPlanner", "make_packer", "window_ends"]
+__all__ = ["BinPacker", "StreamPlanner", "carry_columns", "make_packer", "window_ends"]
 
 _PACK_FIELDS = ("tokens", "slot_tokens", "packs")
 
@@ -50,6 +50,22 @@ class BinPacker(Protocol):
         ...
 
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
+
+
+def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A packer's open bins (:meth:`BinPacker.carry`) in CSR form: int64 offsets ``[bins + 1]``, keys and
+    slots ``[pieces]`` (fresh arrays); read from the packer's own columns when it keeps them
+    (``carry_columns()``, e.g. :class:`~cpdata.packing.decreasing.BestFitDecreasing`: no list per piece)."""
+    columns = getattr(packer, "carry_columns", None)
+    if columns is not None:
+        return columns()
+    bins = packer.carry()
+    sizes = [len(k) for k, _ in bins]
+    return (
+        np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
+        np.array([k for keys, _ in bins for k in keys], dtype=np.int64),
+        np.array([s for _, slots in bins for s in slots], dtype=np.int64),
+    )
 
 
 def make_packer(config: PackingConfig) -> BinPacker:
@@ -145,14 +161,13 @@ class StreamPlanner:
         return [k for keys, _ in self._packer.carry() for k in keys]
 
     def state(self) -> dict[str, Any]:
-        bins = self._packer.carry()
-        sizes = [len(k) for k, _ in bins]
+        offsets, keys, slots = carry_columns(self._packer)
         return {
             "next_key": self._next_key,
             "counts": dict(self._counts),
-            "carry_offsets": np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
-            "carry_keys": np.array([k for keys, _ in bins for k in keys], dtype=np.int64),
-            "carry_slots": np.array([s for _, slots in bins for s in slots], dtype=np.int64),
+            "carry_offsets": offsets,
+            "carry_keys": keys,
+            "carry_slots": slots,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
