@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -82,16 +83,18 @@ def _read_window(
     return DocumentWindow.of(documents), False
 
 
-_Finished = tuple[np.ndarray, list, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None]
+_Finished = tuple[np.ndarray, tuple, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None]
 """A finished pack: piece table ``[n, 4]``, sources ``[n]``, offsets ``[n]``, slot lengths ``[n]``, real and slot
 tokens, and the window's token buffer with each piece's index in it ``[n]`` (None when a piece is not in it)."""
 
 
-def _finished(rows: np.ndarray, sources: list, sizes: np.ndarray, buffer: TokenBuffer) -> list[_Finished]:
+def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: TokenBuffer) -> list[_Finished]:
     """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 8]`` (pack after pack, ``sizes``
-    ``[packs]`` pieces each): a handful of numpy calls for the whole window, then one slice per pack and column."""
+    ``[packs]`` pieces each): a handful of numpy calls for the whole window, then one slice per pack and column.
+    The table and offsets are made read-only here, once (their slices are the packs' :class:`PieceColumns`)."""
     table = np.ascontiguousarray(rows[:, 1:5])
     offsets, slots, at = rows[:, 6].copy(), rows[:, 5].copy(), rows[:, 7].copy()
+    table.flags.writeable = offsets.flags.writeable = False
     bounds = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
     np.cumsum(sizes, out=bounds[1:])
     sums = np.zeros((rows.shape[0] + 1, 3), dtype=np.int64)  # running (real, slot) tokens, pieces out of the buffer
@@ -108,7 +111,7 @@ def _finished(rows: np.ndarray, sources: list, sizes: np.ndarray, buffer: TokenB
 class _Snapshot:
     source: dict[str, Any]
     planner: dict[str, Any]
-    carried: tuple[np.ndarray, list]  # LivePieces.live() when the snapshot was taken
+    carried: tuple[np.ndarray, Sequence[Any]]  # LivePieces.live() when the snapshot was taken
 
 
 class Pack(BaseNode[PackPlan]):
@@ -271,7 +274,7 @@ class Pack(BaseNode[PackPlan]):
 
     def _emit(self, pack: _Finished) -> PackPlan:
         table, sources, offsets, slots, tokens, slot_tokens, buffer, at = pack
-        pieces = PieceColumns(table, sources, offsets, buffer, at)
+        pieces = PieceColumns.of_window(table, sources, offsets, buffer, at)
         plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
         self._planner.account(packs=1, tokens=tokens, slot_tokens=slot_tokens)
         self._emitted += 1

@@ -189,10 +189,13 @@ class BestFitDecreasing:
             top_up(ss, bin_of, open_bin[emit], open_room[emit], kept, locked=ks < oldest)
         carried = kept[bin_of]
         # Carried pieces by (bin, key), bins renumbered 0..: exactly what load_carry(carry()) rebuilds.
-        bins = np.unique(bin_of[carried], return_inverse=True)[1].astype(np.int64)
+        n_bins, carried_bin = kept.shape[0], bin_of[carried]
+        held = np.zeros(n_bins, dtype=bool)
+        held[carried_bin] = True
+        rank = np.cumsum(held) - 1  # bin -> its rank among the bins that hold a carried piece
+        bins = rank[carried_bin]
         order = np.lexsort((ks[carried], bins))
         self._keys, self._slots, self._bins = ks[carried][order], ss[carried][order], bins[order]
-        n_bins = kept.shape[0]
         out_b = np.concatenate([bin_of[~carried], np.arange(n_bins, n_bins + singles.shape[0], dtype=np.int64)])
         return _packs(np.concatenate([ks[~carried], singles]), out_b)
 
