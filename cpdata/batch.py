@@ -52,8 +52,9 @@ with batches moved from it. Pickling (the buffer and the plan travel; the
 receiver builds its views when it reads them), ``pin_memory`` (views of the
 pinned buffer) and ``to()`` (one copy of the batch part, device views when
 read) build none on the host: a dataloader worker makes the buffer and hands
-it over without viewing it, and a batch pinned then moved builds its views
-once, on the device. ``batch.layout`` is an ordinary, complete
+it over without viewing it, and a batch pinned then moved builds its key
+views once, on the device (the layout's maps are viewed on the pinned host
+buffer when the sharder reads ``batch.layout``). ``batch.layout`` is an ordinary, complete
 :class:`ShardLayout` (the same object on every read; maps are views of the
 buffer, as eager ones were): what is lazy is when the batch builds it, not
 the record. The maps are not lazy fields of ``ShardLayout`` itself: it is a
