@@ -140,9 +140,9 @@ class WindowReader:
     def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
         """Add the items of ``chunk`` to ``fill`` until it is full; returns how many. Items of a
         sequence (``positions`` given) move the position past the last one taken."""
-        ids = plain_ids(chunk)
-        if ids is not None:
-            taken = fill.add_run(chunk, chunk_indices, ids)
+        plain = plain_ids(chunk)
+        if plain is not None:
+            taken = fill.add_run(chunk, chunk_indices, *plain)
         else:
             taken = 0
             for item, index in zip(chunk, chunk_indices, strict=False):  # indices run on past a read error

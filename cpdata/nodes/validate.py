@@ -101,13 +101,17 @@ def document_ids(item: Any, index: int) -> np.ndarray:
     return _integer_ids(ids, INPUT_IDS, index)
 
 
-def plain_ids(items: Sequence[Any]) -> list[np.ndarray] | None:
-    """Every item's ``input_ids`` when each item is a dict holding a 1-D int64 array there (the usual case:
-    :func:`document_ids` would return them as they are), else None."""
+def plain_ids(items: Sequence[Any]) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """Every item's ``input_ids`` and their lengths (int64 ``[n]``) when each item is a dict holding a 1-D
+    int64 array there (the usual case: :func:`document_ids` would return them as they are), else None.
+    Two list comprehensions: the arrays, then their lengths (-1 for anything else) checked by one ``min``."""
     ids = [item.get(INPUT_IDS) if type(item) is dict else None for item in items]
-    if all(type(i) is np.ndarray and i.ndim == 1 and i.dtype == _INT64 for i in ids):
-        return ids  # type: ignore[return-value]
-    return None
+    ndarray = np.ndarray
+    lengths = np.array([i.shape[0] if type(i) is ndarray and i.ndim == 1 and i.dtype == _INT64 else -1 for i in ids],
+                       dtype=np.int64)  # fmt: skip
+    if lengths.size and lengths.min() < 0:
+        return None
+    return ids, lengths  # type: ignore[return-value]
 
 
 def _check_ids(ids: np.ndarray, index: int, vocab_size: int | None) -> None:

@@ -103,11 +103,15 @@ class WindowFill:
         self._lengths.append(np.full(1, ids.shape[0], dtype=np.int64))
         self.tokens += min(max(ids.shape[0], 1), self.capacity)
 
-    def add_run(self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray]) -> int:
-        """Take the first documents of a run read ahead (all ``[k]``) up to where the window is full;
-        returns how many. One cumulative sum over the run, nothing per document."""
+    def add_run(
+        self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray | None = None
+    ) -> int:
+        """Take the first documents of a run read ahead (all ``[k]``; ``lengths`` int64 ``[k]`` the ids' lengths
+        when counted already) up to where the window is full; returns how many. One cumulative sum over the
+        run, nothing per document."""
         k = len(ids)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)
+        if lengths is None:
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)
         counted = np.cumsum(np.clip(lengths, 1, self.capacity)) + self.tokens
         if self.limit is not None:
             count = np.arange(len(self.items) + 1, len(self.items) + 1 + k)

@@ -76,8 +76,12 @@ windows with 1M short documents at 128K)."""
 
 
 def _decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and slots sorted by slot descending, ties by key ascending."""
-    order = np.lexsort((keys, -slots))
+    """Keys and slots sorted by slot descending, ties by key ascending (keys ascending as given: one stable
+    sort of the slots; else a sort by both)."""
+    if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
+        order = np.argsort(-slots, kind="stable")
+    else:
+        order = np.lexsort((keys, -slots))
     return keys[order], slots[order]
 
 
