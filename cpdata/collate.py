@@ -32,26 +32,29 @@ pack's own); ``"thd"`` gives the flat ``[B*S]`` stream.
 
 :func:`collate_rank` returns the same tensors restricted to one rank's
 positions (columns for BSHD, stream positions for THD) without building the
-full pack: each position maps to ``(slot, offset)`` through the slot of every
-stream position (one ``repeat``) and gathers from the batch's token buffer
+full pack: the rank's positions (increasing, as every layout's row is) split
+into each slot's real tokens and pads by one ``searchsorted`` of the slot
+bounds, each position's slot and buffer offset are ``repeat`` calls of per-slot
+values, and the tokens are gathered from the batch's token buffer
 (:mod:`cpdata.token_buffer`: the packing window's arrays, concatenated once per
 window, or the batch's pieces concatenated), which ends with pad elements so
 pads need no second pass and follows each piece with its last token's target
-so next-token labels are one ``take``. Cost per rank: O(B*S) int64 writes for
-the slot map plus O(local tokens) to gather (plus O(real tokens) per batch when
-its pieces are concatenated); at 128K tokens and cp=8 the output is ~8x less
+so next-token labels are one ``take``. Cost per rank: O(local tokens + slots)
+(plus O(real tokens) per batch when its pieces are concatenated; rows in any
+other order are sorted first); at 128K tokens and cp=8 the output is ~8x less
 than the full pack. :func:`collate_pack` is the one rank of ``cp_size=1``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
 from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, slot_tables, stream_metadata, stream_slot_lens
+from cpdata.stream import Stream, build_stream, segment_table, slot_tables, stream_metadata, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -109,38 +112,64 @@ def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, tup
     return specs
 
 
-def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
-    """Write the token tensors at stream ``positions`` into ``out`` (arrays of ``positions``' shape).
+@functools.lru_cache(maxsize=4)
+def _pattern(n: int) -> np.ndarray:
+    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only)."""
+    out = np.arange(n, dtype=np.int64) // 2
+    out.flags.writeable = False
+    return out
 
-    The slot of every stream position written once (``repeat``, O(B*S): 2-3x
-    faster than a ``searchsorted`` per position at cp 4-8), one ``take`` of it
-    at ``positions``, then one ``take`` per key straight from the token buffer
-    into its output. Next-token targets read the ids one further
-    (``ids[src + 1]``); each slot's last real token then gets its
-    ``next_label`` (pieces with their own labels read those instead).
+
+def _slot_pattern(n: int) -> np.ndarray:
+    """int64 ``[n]``: the slot of each of ``n`` segments (each slot's real tokens, then its pads), sliced
+    from one cached per power of two."""
+    return _pattern(1 << max(n - 1, 63).bit_length())[:n]
+
+
+def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out`` (arrays of
+    ``N`` elements, C order: ``[L]`` or ``[B, L]``).
+
+    The positions fall into ``2K`` segments, each slot's real tokens then its
+    pads (one ``searchsorted`` of the ``2K`` segment bounds, O(K log N)); every
+    per-position value constant on a segment (slot, buffer index minus
+    position, position id minus position) is one ``repeat`` of a ``[2K]``
+    column (:func:`cpdata.stream.segment_table`): no ``take`` of a per-slot
+    table and no pass over the ``B*S`` stream. Real tokens read buffer index
+    ``position + src_shift``, pads ``position + W``: past the real elements,
+    which is the padding mask, and ``mode="clip"`` reads the pad elements
+    (``ids[W]``, and the -100/0 that end the targets and extras). Next-token
+    targets read the ids one further (``ids[src + 1]``); pieces with their own
+    labels read those instead. Pad position ids are clamped to ``S - 1`` only
+    when some slot's pads would pass it (a piece continuing a long document).
     """
-    k = out[DOCUMENT_IDS]
-    slot_of = np.repeat(np.arange(stream.slot_lens.shape[0], dtype=np.int64), stream.slot_lens)  # [B*S]
-    np.take(slot_of, positions, out=k)
-    pad = np.greater_equal(positions, np.take(stream.real_ends, k), out=out[PADDING_MASK])
-    src = np.take(stream.src_shift, k)
+    k, shape = stream.slot_starts.shape[0], out[INPUT_IDS].shape
+    tab = segment_table(stream)
+    cuts = positions.searchsorted(tab[: 2 * k + 1])  # [2K + 1], the last n
+    counts = np.subtract(cuts[1:], cuts[:-1])
+    np.copyto(out[DOCUMENT_IDS], _slot_pattern(2 * k).repeat(counts).reshape(shape))
+    src = tab[2 * k + 1 : 4 * k + 1].repeat(counts)
     src += positions
-    np.copyto(src, stream.pad_at, where=pad)
-    buffer = stream.buffer
-    ids = np.take(buffer.ids, src, out=out[INPUT_IDS], mode="clip")
-    if stream.padding_token_id != buffer.ids[stream.pad_at]:
+    src = src.reshape(shape)
+    buffer, w = stream.buffer, stream.pad_at
+    pad = np.greater_equal(src, w, out=out[PADDING_MASK])  # only pads read past the real elements
+    ids = np.take(buffer.ids[: w + 1], src, out=out[INPUT_IDS], mode="clip")
+    if stream.padding_token_id != buffer.ids[w]:
         np.copyto(ids, stream.padding_token_id, where=pad)
     labels = out[LABELS]
     if buffer.labels is None:  # next-token targets: the element after each piece is its next_label
         np.take(buffer.ids[1:], src, out=labels, mode="clip")  # pads read ids[W + 1] = -100
     else:
         np.take(buffer.labels, src, out=labels, mode="clip")
-    position_ids = np.add(positions, np.take(stream.pos_shift, k), out=out[POSITION_IDS])
-    np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
+    position_ids = np.add(tab[4 * k + 1 :].repeat(counts).reshape(shape), positions.reshape(shape),
+                          out=out[POSITION_IDS])  # fmt: skip
+    if stream.pads_pass_end:  # some slot's pads would pass S - 1
+        np.minimum(position_ids, stream.row_len - 1, out=position_ids, where=pad)
     for key, arr in stream.extras.items():
         np.take(arr, src, out=out[key], mode="clip")
     if stream.derived_mask is not None:  # pieces without a loss mask: labels != -100
-        np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=np.take(stream.derived_mask, k))
+        derived = stream.derived_mask.repeat(2).repeat(counts).reshape(shape)
+        np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=derived)
 
 
 def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
@@ -151,19 +180,42 @@ def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: 
 
 def fill_rank(
     stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray],
-    metadata: dict[str, np.ndarray] | None = None,
+    metadata: dict[str, np.ndarray] | None = None, increasing: bool | None = None,
 ) -> None:  # fmt: skip
     """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r`` (a layout's row), with the
-    stream's ``metadata`` when already computed (:func:`pack_metadata` of the same plans)."""
+    stream's ``metadata`` when already computed (:func:`pack_metadata` of the same plans).
+
+    ``increasing``: whether ``rows_r`` never decreases (every layout's row does, see
+    :mod:`cpdata.layout_runs`); None checks it (one O(L) pass). Other rows are gathered in
+    increasing order and put back in theirs (an ``argsort``: O(L log L)).
+    """
     if qkv_format == "bshd":
         positions = rows_r[None, :]
         if stream.rows > 1:
             positions = np.arange(stream.rows, dtype=np.int64)[:, None] * stream.row_len + positions
+        positions = positions.reshape(-1)
     else:
         positions = rows_r
-    _gather(stream, positions, out)
+    if increasing is None:
+        increasing = bool((positions[1:] >= positions[:-1]).all())
+    if increasing:
+        _gather(stream, positions, out)
+    else:
+        keys = _token_keys(stream)
+        order = np.argsort(positions, kind="stable")
+        part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
+        _gather(stream, positions[order], part)
+        for key in keys:
+            put = np.empty_like(part[key])
+            put[order] = part[key]
+            out[key][...] = put.reshape(out[key].shape)
     for key, value in (metadata or stream_metadata(stream.real_lens, stream.slot_lens)).items():
         out[key][...] = value
+
+
+def _token_keys(stream: Stream) -> list[str]:
+    """The per-token keys :func:`_gather` writes, in :func:`rank_specs` order."""
+    return [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]
 
 
 def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:

@@ -24,10 +24,13 @@ from cpdata.plan import PackPlan
 from cpdata.stream_buffer import batch_tokens
 from cpdata.token_buffer import TokenBuffer
 
-__all__ = ["SlotTables", "Stream", "build_stream", "slot_tables", "stream_metadata", "stream_slot_lens"]
+__all__ = [
+    "SlotTables", "Stream", "build_stream", "segment_table", "slot_tables", "stream_metadata", "stream_slot_lens",
+]  # fmt: skip
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
+_END = np.iinfo(np.int64).max  # a segment bound past every stream position
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,8 @@ class Stream:
     extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
     derived_mask: np.ndarray | None  # bool [K]: slots whose loss mask is labels != -100 (no mask of their own)
     total: int  # T
+    segments: np.ndarray | None = None  # int64 [6K + 1]: :func:`segment_table` (None: computed per gather)
+    pads_pass_end: bool = True  # whether some slot's pad position ids pass S - 1 (False: no clamp needed)
 
     @property
     def pad_at(self) -> int:
@@ -182,27 +187,57 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int, slots: SlotTa
     tables = slot_tables(plans) if slots is None else slots
     table, slot_lens = tables.table, tables.slot_lens
     starts, real_lens = table[:, 1], table[:, 2]
-    slot_starts = slot_lens.cumsum()
-    slot_starts -= slot_lens
     tokens = batch_tokens(plans)
     src_starts = _per_slot(tables.counts, tokens.at, 0)
+    k = slot_lens.shape[0]
+    slot_starts = slot_lens.cumsum()
+    slot_starts -= slot_lens
+    seg = np.empty(6 * k + 1, dtype=np.int64)  # the columns below are views of this segment table
+    seg[0 : 2 * k : 2] = slot_starts
+    real_ends = np.add(slot_starts, real_lens, out=seg[1 : 2 * k : 2])
+    seg[2 * k] = _END
+    src_shift = np.subtract(src_starts, slot_starts, out=seg[2 * k + 1 : 4 * k + 1 : 2])
+    seg[2 * k + 2 : 4 * k + 1 : 2] = tokens.buffer.total
+    pos_shift = np.subtract(starts, slot_starts, out=seg[4 * k + 1 :: 2])
+    seg[4 * k + 2 :: 2] = pos_shift
+    ends = starts + slot_lens
     return Stream(
         rows=len(plans),
         row_len=tables.capacity,
         slot_starts=slot_starts,
         slot_lens=slot_lens,
         real_lens=real_lens,
-        real_ends=slot_starts + real_lens,
+        real_ends=real_ends,
         layout_lens=tables.layout_lens,
         src_starts=src_starts,
-        src_shift=src_starts - slot_starts,
-        pos_shift=starts - slot_starts,
+        src_shift=src_shift,
+        pos_shift=pos_shift,
         buffer=tokens.buffer,
         padding_token_id=padding_token_id,
         extras={key: tokens.buffer.extras[key] for key in tokens.keys},
         derived_mask=None if tokens.no_mask is None else _per_slot(tables.counts, tokens.no_mask, True),
         total=int(real_lens.sum()),
+        segments=seg,
+        pads_pass_end=bool(ends.max() > tables.capacity),
     )
+
+
+def segment_table(stream: Stream) -> np.ndarray:
+    """int64 ``[6K + 1]``: the stream's ``2K`` segments, each slot's real tokens then its pads, in stream order.
+
+    ``[:2K]`` the first stream position of each (``slot_starts`` and ``real_ends`` interleaved), then
+    a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index minus stream position (``src_shift``,
+    then ``W`` for the pads: past every real element); ``[4K + 1:]`` position id minus stream position
+    (``pos_shift`` twice). :attr:`Stream.segments` when :func:`build_stream` made the stream.
+    """
+    if stream.segments is not None:
+        return stream.segments
+    k = stream.slot_starts.shape[0]
+    seg = np.empty(6 * k + 1, dtype=np.int64)
+    seg[0 : 2 * k : 2], seg[1 : 2 * k : 2], seg[2 * k] = stream.slot_starts, stream.real_ends, _END
+    seg[2 * k + 1 : 4 * k + 1 : 2], seg[2 * k + 2 : 4 * k + 1 : 2] = stream.src_shift, stream.pad_at
+    seg[4 * k + 1 :: 2], seg[4 * k + 2 :: 2] = stream.pos_shift, stream.pos_shift
+    return seg
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:

@@ -9,7 +9,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpdata.collate import collate_pack, collate_rank, collate_ranks, pack_metadata, stream_slot_lens
+from cpdata.collate import (
+    build_stream,
+    collate_pack,
+    collate_rank,
+    collate_rank_into,
+    collate_ranks,
+    fill_rank,
+    pack_metadata,
+    rank_specs,
+    stream_slot_lens,
+)
 from cpdata.keys import METADATA_KEYS
 from cpdata.layouts import LAYOUTS, alignment, rank_indices, thd_slot_lens
 from cpdata.plan import DocPiece, PackPlan
@@ -302,3 +312,54 @@ def test_pad_positions_stay_below_the_capacity():
     assert rank["position_ids"][0].tolist() == [9, 9, 9]
     thd = collate_pack([plan, plan], qkv_format="thd")
     assert thd["position_ids"].max() == 9
+
+
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_fill_rank_takes_rows_in_any_order(qkv_format):
+    """Increasing rows (a layout's) take the segment path; any other order is sorted first and put back:
+    both equal the full pack's columns, with and without the stream's precomputed segment table."""
+    rng = np.random.default_rng(11)
+    plans, _ = make_plans(rng, n_plans=3, capacity=48, extras=True, given_labels=0.3)
+    full = collate_pack(plans, padding_token_id=7, qkv_format=qkv_format)
+    stream = build_stream(plans, 7)
+    bare = dataclasses.replace(stream, segments=None, pads_pass_end=True)  # a stream built elsewhere
+    n = 48 if qkv_format == "bshd" else 3 * 48
+    increasing = np.sort(rng.choice(n, 20, replace=False)).astype(np.int64)
+    for rows, flag in ((increasing, True), (increasing, None), (rng.permutation(n)[:20], None),
+                       (np.repeat(increasing[:5], 2), None)):  # fmt: skip
+        for s in (stream, bare):
+            specs = rank_specs(s, rows.shape[0], qkv_format)
+            out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
+            fill_rank(s, rows, qkv_format, out, increasing=flag)
+            for key, want in full.items():
+                np.testing.assert_array_equal(out[key], want if key in METADATA_KEYS else want[..., rows], key)
+
+
+def test_rank_outputs_may_be_strided_views():
+    rng = np.random.default_rng(12)
+    plans, _ = make_plans(rng, n_plans=2, capacity=40, extras=True)
+    full = collate_pack(plans, qkv_format="thd")
+    stream = build_stream(plans, 0)
+    rows = np.arange(3, 80, 3, dtype=np.int64)
+    specs = rank_specs(stream, rows.shape[0], "thd")
+    out = {key: np.zeros((2 * shape[0],) if shape else (), dtype=dt)[::2] if shape else np.zeros((), dtype=dt)
+           for key, (shape, dt) in specs.items()}  # fmt: skip
+    collate_rank_into(stream, rows, "thd", out)
+    for key, want in full.items():
+        np.testing.assert_array_equal(out[key], want if key in METADATA_KEYS else want[rows], key)
+
+
+def test_only_pad_positions_are_clamped():
+    """A piece continuing a long document has real position ids past the capacity (kept) and pads after
+    them (clamped to capacity - 1); the other pack of the stream needs no clamp."""
+    long = DocPiece(index=0, start=20, arrays={"input_ids": np.arange(5)})
+    short = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(3)})
+    plans = [PackPlan(pieces=(long,), slot_lens=np.array([8]), capacity=10),
+             PackPlan(pieces=(short,), slot_lens=np.array([4]), capacity=10)]  # fmt: skip
+    assert build_stream(plans, 0).pads_pass_end
+    assert not build_stream(plans[1:], 0).pads_pass_end
+    full = collate_pack(plans, qkv_format="thd")
+    assert full["position_ids"].tolist() == [20, 21, 22, 23, 24, 9, 9, 9, 9, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    rank = collate_rank(plans, np.array([3, 4, 5, 12, 19]), qkv_format="thd")
+    assert rank["position_ids"].tolist() == [23, 24, 9, 2, 9]
+    assert rank["padding_mask"].tolist() == [False, False, True, False, True]

@@ -237,7 +237,7 @@ class ShardForRank(BaseNode[Any]):
                     inverse = table.inverse(out=gather)
                 else:
                     gather[...] = inverse
-            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata)
+            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata, increasing=True)
             layout = _layout_record(stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
             out.append(buf.batch(layout=layout, info=info, fields={"digest": digest}))
         return tuple(out) if self.all_ranks else out[0]
