@@ -136,10 +136,14 @@ def test_bad_document_on_another_dp_rank_is_not_read():
 
 
 def batches_before_reading(docs: list, index: int, **cfg) -> list:
-    """The batches an uninterrupted run (no prefetch) produces before it first reads document ``index``."""
+    """The batches an uninterrupted run (no prefetch, one batch per block) produces before it first reads
+    document ``index``."""
     source = CountingSource(docs)
     out = []
-    for batch in build_node(source, prefetch=0, pin_memory=False, **cfg):
+    opts = {k: v for k, v in cfg.items() if k != "cp_rank"}
+    node = ShardForRank(shard_graph(source, **opts), cp_size=cfg["cp_size"], cp_rank=cfg["cp_rank"],
+                        layout=cfg["layout"], block_size=1)  # fmt: skip
+    for batch in node:
         if index in source.read:
             break  # producing this batch read the document
         out.append(batch)

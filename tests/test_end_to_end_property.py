@@ -229,8 +229,8 @@ def check_case(case: dict) -> None:
     all_pieces: list = []
     plan_indices: list[int] = []
     try:
-        for shards in node:
-            collated = packs[-1]
+        for i, shards in enumerate(node):
+            collated = packs[i]  # (the node pulls a block of batches ahead of the one it serves)
             full = collated.tensors()
             check_shards_against_the_full_pack(shards, full, case["cp"])
             pieces = check_stream(case, docs, full, keep)

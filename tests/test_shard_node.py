@@ -133,7 +133,9 @@ def test_state_refuses_another_configuration():
     node = shard_node(plans, cp_size=2, cp_rank=0, layout="thd")
     next(node)
     state = node.state_dict()
-    assert state["version"] == 1
+    assert state["version"] == 2
+    with pytest.raises(ValueError, match="version 1"):  # a state of the per-batch node (no block, no skip)
+        shard_node(plans, cp_size=2, cp_rank=0, layout="thd").reset({**state, "version": 1})
     with pytest.raises(ValueError, match="cp_size"):
         shard_node(plans_for("thd", 4, n=4), cp_size=4, cp_rank=0, layout="thd").reset(state)
     with pytest.raises(ValueError, match="layout"):

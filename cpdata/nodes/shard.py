@@ -1,11 +1,14 @@
 """``ShardForRank`` node: one CP rank's tokens of each collated batch, plus its layout.
 
-Per batch: ``rows = rank_indices(layout, cp_size, stream slot lengths,
-stream_len)`` once, then only this rank's tokens are gathered from the pieces
-(:func:`cpdata.collate.collate_rank`), never the full pack. ``stream_len`` is
-``S`` for bshd (rows index columns, shared by the ``B`` rows) and ``B*S`` for
-thd (rows index the flat stream). The layout travels as a
-:class:`~cpdata.shard_layout.ShardLayout` with the inverse map precomputed.
+The node works on blocks of ``block_size`` batches: it pulls up to ``k``
+batches, does the small per-batch array math of all of them at once
+(:func:`cpdata.shard_block.prepare_block`: stream tables, layout run tables,
+causal work, digest, ``info``), then serves them one by one; only when a
+batch is served are its rank's row and inverse map written and this rank's
+tokens gathered (:func:`cpdata.collate.fill_rank`), never the full pack.
+``stream_len`` is ``S`` for bshd (rows index columns, shared by the ``B``
+rows) and ``B*S`` for thd (rows index the flat stream). The layout travels as
+a :class:`~cpdata.shard_layout.ShardLayout` with the inverse map precomputed.
 
 Layouts whose map does not depend on the documents (found by asking
 :func:`~cpdata.layouts.rank_indices` for a few different slot lengths, never
@@ -14,30 +17,37 @@ by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd a
 a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
 ``batch_size=1``).
 
-Cost per batch and rank, beyond the rank's own tokens: O(stream_len) for the
-map, its inverse, the causal-work figures in ``info`` and the plan digest.
+Block size trade-off: ``k`` batches' plans stay alive (their token buffers
+with them) and the first batch of a block waits for the block's math and
+pulls, but the per-batch numpy calls of the small tables run once per block,
+and the source's state is read once per block instead of once per batch (a
+``Prefetcher`` after this node asks for the state after every batch). The
+output never depends on ``k``. Cost per batch and rank, beyond the rank's own
+tokens: O(stream_len) for the map, its inverse, the causal-work figures in
+``info`` and the plan digest.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.batch import BatchBuffer, ShardedBatch
-from cpdata.collate import build_stream, fill_rank, rank_specs
-from cpdata.layout_runs import RunTable
-from cpdata.layouts import alignment, check_layout, layout_runs, rank_indices
+from cpdata.collate import fill_rank, rank_specs
+from cpdata.layouts import alignment, check_layout, rank_indices
 from cpdata.nodes.collate import Collate, CollatedPack
-from cpdata.plan import plan_digest
+from cpdata.shard_block import BlockItem, check_rows, prepare_block
 from cpdata.shard_layout import ShardLayout
 from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.stream import Stream
 
-__all__ = ["ShardForRank", "layout_depends_on_documents"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
+
+DEFAULT_BLOCK_SIZE = 8
+"""Batches per block of :class:`ShardForRank` (see the module docstring for the trade-off)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,76 +65,12 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
     return any(not np.array_equal(rows[0], r) for r in rows[1:])
 
 
-@functools.lru_cache(maxsize=16)
-def _static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
-    """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
-    table = layout_runs(layout, cp_size, [], stream_len)
-    rows, inverse = table.rows(), table.inverse()
-    rows.flags.writeable = inverse.flags.writeable = False
-    return table, rows, inverse
-
-
-@functools.lru_cache(maxsize=64)
-def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of consecutive positions in each rank's row of a layout that ignores the documents.
-
-    Found once from the cached rows and repeated every ``stream_len`` for the
-    ``n_rows`` bshd rows. Returns the stream positions of the runs' first
-    tokens then of their ends (int64 ``[2 * runs]``, runs grouped by rank) and
-    the index of each rank's first run (int64 ``[cp]``).
-    """
-    rows = _static_layout(layout, cp_size, stream_len)[1]
-    repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
-    firsts, ends, group = [], [], []
-    for row in rows:
-        cut = np.flatnonzero(np.diff(row) != 1) + 1
-        group.append(sum(f.size for f in firsts))
-        firsts.append((repeats + row[np.concatenate([[0], cut])]).reshape(-1))
-        ends.append((repeats + row[np.concatenate([cut - 1, [row.size - 1]])] + 1).reshape(-1))
-    bounds, first_run = np.concatenate(firsts + ends), np.asarray(group, dtype=np.int64)
-    bounds.flags.writeable = first_run.flags.writeable = False
-    return bounds, first_run
-
-
-def _causal_work(stream: Stream, layout: str, cp_size: int, stream_len: int) -> list[float]:
-    """Per-rank work of :func:`cpdata.layouts.causal_work` for a layout that ignores the documents.
-
-    A real token at offset ``o`` of its slot attends to ``o + 1`` keys; pads
-    cost 0. The few runs of these layouts (2 per rank at most, repeated every
-    ``S`` in bshd rows) are costed as ``W(end) - W(first)``, ``W(g)`` the work
-    of stream positions ``< g`` (one search over the slot starts): O(runs * B + slots).
-    """
-    bounds, first_run = _run_bounds(layout, cp_size, stream_len, stream.rows * stream.row_len // stream_len)
-    real, slot_starts = stream.real_lens, stream.slot_starts
-    twice = real * (real + 1)
-    k = slot_starts.searchsorted(bounds, side="right") - 1
-    m = np.minimum(bounds - slot_starts[k], real[k])
-    w = (twice.cumsum() - twice)[k] + m * (m + 1)  # 2 W(g)
-    half = w.size // 2
-    return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
-
-
 @functools.lru_cache(maxsize=64)
 def _layout_record(stream_len: int, row_shape: tuple[int, int] | None, cp_size: int, cp_rank: int) -> ShardLayout:
     """The :class:`ShardLayout` of a batch without its digest and index maps (per shape and rank, shared:
     each batch's record is a field copy of it)."""
     return ShardLayout(original_seq_len=None, padded_seq_len=stream_len, input_row_shape=row_shape,
                        cp_size=cp_size, cp_rank=cp_rank)  # fmt: skip
-
-
-def _digest(batch: CollatedPack, layout: str, cp_size: int, stream: Stream) -> int:
-    """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; the sampled ids
-    read from the stream's token buffer."""
-    plans, ids, starts = batch.plans, stream.buffer.ids, stream.src_starts
-    if len(plans) == 1:
-        return plan_digest(plans[0], layout, cp_size, ids, starts)
-    digests, at = [], 0
-    for p in plans:
-        n = len(p.columns)
-        digests.append(plan_digest(p, layout, cp_size, ids, starts[at : at + n]))
-        at += max(n, 1)  # an empty plan holds one padding slot
-    h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 class ShardForRank(BaseNode[Any]):
@@ -136,16 +82,27 @@ class ShardForRank(BaseNode[Any]):
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
         layout: one of :data:`cpdata.layouts.LAYOUTS`.
         all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
+        block_size: batches pulled and prepared at once (int >= 1, default :data:`DEFAULT_BLOCK_SIZE`).
 
-    State: the source's under ``"source"``, a version and ``(cp_size, layout)``;
-    a state from another ``cp_size`` or layout is refused. ``cp_rank`` is not
-    part of it: every CP rank of a DP group has the same state.
+    State: the source's state before the current block under ``"source"``,
+    the batches of the block already served under ``"skip"``, a version and
+    ``(cp_size, layout)``; a state from another ``cp_size`` or layout is
+    refused. Restoring resets the source and pulls the block again, skipping
+    the served batches without gathering their tokens. ``cp_rank`` and
+    ``block_size`` are not part of it: every CP rank of a DP group has the same
+    state, and any block size resumes any other's.
+
+    Errors lose nothing: a source raising mid-block has the batches pulled
+    before it served first, then the same exception; a batch whose plans fail
+    the layout checks raises when it would have been served, with the
+    per-batch message.
     """
 
     SOURCE_KEY = "source"
+    SKIP_KEY = "skip"
     VERSION_KEY = "version"
     CONFIG_KEY = "config"
-    VERSION = 1
+    VERSION = 2
 
     def __init__(
         self,
@@ -155,27 +112,33 @@ class ShardForRank(BaseNode[Any]):
         cp_rank: int,
         layout: str,
         all_ranks: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         super().__init__()
         check_layout(layout, cp_size)
         if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got cp_rank={cp_rank!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once), got block_size={block_size!r}")
         self.source = collate_node
         self.cp_size = int(cp_size)
         self.cp_rank = int(cp_rank)
         self.layout = layout
         self.all_ranks = all_ranks
+        self.block_size = int(block_size)
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
         if isinstance(collate_node, Collate):
-            self._check_rows(collate_node.batch_size, collate_node.qkv_format)
+            check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
+        self._clear(None, 0)
 
-    def _check_rows(self, n_rows: int, qkv_format: str) -> None:
-        if qkv_format == "bshd" and n_rows > 1 and self._dynamic:
-            raise ValueError(
-                f"layout {self.layout!r} (cp_size={self.cp_size}) depends on the documents, so with "
-                f"qkv_format='bshd' each of the {n_rows} rows would need its own map; "
-                "use qkv_format='thd' (one flat stream) or batch_size=1"
-            )
+    def _clear(self, before: dict[str, Any] | None, skip: int) -> None:
+        """No block in hand; the next one starts from the source state ``before`` (None: ask the source)
+        and skips ``skip`` batches."""
+        self._before = before  # the source's state before the current (or next) block
+        self._items: list[BlockItem | CollatedPack | None] = []  # a CollatedPack: prepared when served
+        self._served = skip
+        self._error: Exception | None = None  # raised by the source after the block's batches
+        self._ended = False  # the source stopped after the block's batches
 
     def _config(self) -> dict[str, Any]:
         return {"cp_size": self.cp_size, "layout": self.layout}
@@ -184,43 +147,76 @@ class ShardForRank(BaseNode[Any]):
         super().reset(initial_state)
         if initial_state is None:
             self.source.reset(None)
+            self._clear(None, 0)
             return
         check_state_version("ShardForRank", initial_state, self.VERSION_KEY, self.VERSION)
         check_saved_config("ShardForRank", initial_state[self.CONFIG_KEY], self._config())
-        self.source.reset(initial_state[self.SOURCE_KEY])
+        skip = initial_state.get(self.SKIP_KEY)
+        if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)) or skip < 0:
+            raise ValueError(f"ShardForRank state has skip={skip!r}; expected the int >= 0 of batches served "
+                             "from the saved block (a state written by ShardForRank.state_dict())")
+        before = initial_state[self.SOURCE_KEY]
+        self.source.reset(before)
+        self._clear(before, int(skip))
 
     def get_state(self) -> dict[str, Any]:
+        if self._before is None:  # between blocks after a reset or an error: the source's state now
+            self._before = self.source.state_dict()
         return {
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self._config(),
-            self.SOURCE_KEY: self.source.state_dict(),
+            self.SOURCE_KEY: self._before,
+            self.SKIP_KEY: self._served,
         }
 
+    def _pull_block(self) -> None:
+        """Read the source's state once (unless restored), pull up to ``block_size`` batches and prepare them;
+        the first ``self._served`` (restored) are skipped without their math."""
+        before = self.source.state_dict() if self._before is None else self._before
+        batches: list[CollatedPack] = []
+        error, ended = None, False
+        try:
+            while len(batches) < max(self.block_size, self._served):  # (restored under a smaller block size)
+                batches.append(next(self.source))
+        except StopIteration:
+            ended = True
+        except Exception as exc:  # raised after the batches pulled before it are served
+            error = exc
+        self._clear(before, min(self._served, len(batches)))
+        self._error, self._ended = error, ended
+        todo = batches[self._served :]
+        self._items = [None] * self._served
+        try:
+            self._items += prepare_block(todo, self.layout, self.cp_size, self._dynamic)
+        except Exception:  # some batch is bad: each is prepared alone when served, to raise at the bad one
+            self._items += todo
+
+    def _raise_end(self) -> NoReturn:
+        """The block is served: raise what the source raised after it (then start afresh), or StopIteration."""
+        if self._error is not None:
+            error = self._error
+            self._clear(None, 0)
+            raise error
+        raise StopIteration
+
     def next(self) -> ShardedBatch | tuple[ShardedBatch, ...]:
-        batch: CollatedPack = next(self.source)
-        ranks = range(self.cp_size) if self.all_ranks else [self.cp_rank]
-        n_rows, pack_len = batch.row_shape
-        self._check_rows(n_rows, batch.qkv_format)
-        stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
-        stream = build_stream(batch.plans, batch.padding_token_id, batch.slots)
-        if self._dynamic:
-            table = layout_runs(self.layout, self.cp_size, stream.layout_lens, stream_len, checked=True)
-            fixed = None
-        else:
-            table, *fixed = _static_layout(self.layout, self.cp_size, stream_len)
-        seq_lens_padded = batch.metadata["seq_lens_padded"]
-        info = {
-            "layout": self.layout,
-            "max_seqlen": int(batch.metadata["max_seqlen"]),
-            "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
-            "pack_indices": [p.index for p in batch.plans],
-            "real_tokens": stream.total,
-            "pack_tokens": n_rows * pack_len,
-            "n_documents": sum(len(p.columns) for p in batch.plans),
-            "causal_work": table.causal_work(stream.real_lens).tolist() if self._dynamic
-            else _causal_work(stream, self.layout, self.cp_size, stream_len),
-        }
-        digest = info["digest"] = _digest(batch, self.layout, self.cp_size, stream)
+        while self._served >= len(self._items):  # (a restored state may skip a whole block)
+            if self._error is not None or self._ended:
+                self._raise_end()
+            if self._items:  # the next block starts from the source's state now
+                self._before, self._served = None, 0
+            self._pull_block()
+        item = self._items[self._served]
+        self._items[self._served] = None  # the served batch is the consumer's
+        self._served += 1
+        if not isinstance(item, BlockItem):
+            item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+        return self._serve(item)
+
+    def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
+        """Write each rank's row and inverse map into its batch buffer and gather its tokens."""
+        batch, stream, stream_len = item.batch, item.stream, item.stream_len
+        ranks: Sequence[int] = range(self.cp_size) if self.all_ranks else [self.cp_rank]
         local = stream_len // self.cp_size
         specs = rank_specs(stream, local, batch.qkv_format)
         maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}
@@ -229,15 +225,16 @@ class ShardForRank(BaseNode[Any]):
         for r in ranks:  # everything is written straight into the batch's one buffer
             buf = BatchBuffer(specs, maps)
             rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
-            if fixed is not None:
-                rows_r[...], gather[...] = fixed[0][r], fixed[1]
+            if item.fixed is not None:
+                rows_r[...], gather[...] = item.fixed[0][r], item.fixed[1]
             else:
-                table.row(r, out=rows_r)
+                assert item.table is not None
+                item.table.row(r, out=rows_r)
                 if inverse is None:
-                    inverse = table.inverse(out=gather)
+                    inverse = item.table.inverse(out=gather)
                 else:
                     gather[...] = inverse
             fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata, increasing=True)
             layout = _layout_record(stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
-            out.append(buf.batch(layout=layout, info=info, fields={"digest": digest}))
+            out.append(buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}))
         return tuple(out) if self.all_ranks else out[0]
