@@ -28,7 +28,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["RunTable", "balanced_runs", "contiguous_runs", "head_tail_runs", "segments"]
+__all__ = ["RunTable", "causal_work_of", "contiguous_runs", "segments"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -165,40 +165,46 @@ class RunTable:
         return out
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
-        """float64 ``[cp]``: causal document-masked attention work of each rank.
-
-        A real token at offset ``o`` of its document attends to ``o + 1`` keys;
-        padding costs 0. ``real_lens`` int64 ``[>= D]``: real tokens of each
-        document (the first ``D`` are used). Needs ``offsets``. The real tokens
-        before offset ``e`` cost ``W(e) = e(e + 1) / 2``. When every slot is real
-        a run of ``s`` tokens from ``o`` costs ``s(2o + s + 1) / 2``; else a row's
-        runs tile its document in column order, so a run costs ``W(end)`` minus
-        the ``W(end)`` of the run before it, ends clipped to the real length
-        (for ranks that are the same in every row, after summing the rows). The
-        doubled costs are integers, summed per rank exactly (below 2**53).
-        """
+        """float64 ``[cp]``: causal document-masked attention work of each rank (:func:`causal_work_of` of
+        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs ``offsets``."""
         assert self.offsets is not None and self.lens is not None, "layout runs without documents"
         d = self.lens.shape[0]
         if d == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
         real = np.asarray(real_lens, dtype=np.int64)[:d]
-        if self.ranks.ndim == 2 and (real == self.lens).all():  # no run is cut (balanced: slots are pieces)
-            twice = self.offsets * 2
-            twice += self.sizes
-            twice += 1
-            twice *= self.sizes
-        else:  # (thd pads every slot: not worth the check)
-            ends = self.offsets + self.sizes
-            np.minimum(ends, real[:, None], out=ends)
-            twice = ends + 1
-            twice *= ends  # 2 W(end) [D, G]
-            if self.ranks.ndim == 1:
-                twice = twice.sum(axis=0)
-                np.subtract(twice[1:], twice[:-1], out=twice[1:])  # numpy buffers the overlap
-            else:
-                np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])
-        ranks = self.ranks if self.ranks.ndim == 1 else self.ranks.reshape(-1)
-        return np.bincount(ranks, twice.reshape(-1), minlength=self.cp_size) / 2
+        return causal_work_of(self.offsets, self.sizes, self.ranks, real, None, self.cp_size)[0]
+
+
+def causal_work_of(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, real: np.ndarray,
+                   counts: np.ndarray | None, cp_size: int) -> np.ndarray:  # fmt: skip
+    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
+
+    ``offsets``, ``sizes`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
+    row): the run tables of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
+    tokens of each document; ``counts`` int64 ``[P]``: documents per pack (None: one pack; with
+    ``[G]`` ranks each pack needs >= 1 document). A real token at offset ``o`` of its document
+    attends to ``o + 1`` keys; padding costs 0. The real tokens before offset ``e`` cost
+    ``W(e) = e(e + 1) / 2``; a row's runs tile its document in column order, so a run costs ``W(end)``
+    minus the ``W(end)`` of the run before it, ends clipped to the real length (for ranks that are the
+    same in every row, after summing each pack's rows). The doubled costs are integers, summed per
+    pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
+    """
+    n_packs = 1 if counts is None else counts.shape[0]
+    ends = offsets + sizes
+    np.minimum(ends, real[:, None], out=ends)
+    twice = ends + 1
+    twice *= ends  # 2 W(end) [N, G]
+    if ranks.ndim == 1:
+        if counts is None:
+            twice = twice.sum(axis=0, keepdims=True)
+        else:
+            twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
+        keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
+    else:
+        keys = ranks if counts is None else _arange(n_packs, cp_size).repeat(counts)[:, None] + ranks
+    np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])  # numpy buffers the overlap
+    work = np.bincount(np.broadcast_to(keys, twice.shape).reshape(-1), twice.reshape(-1), minlength=n_packs * cp_size)
+    return (work / 2).reshape(n_packs, cp_size)
 
 
 @functools.lru_cache(maxsize=16)
@@ -215,113 +221,3 @@ def _contiguous(cp_size: int, pack_len: int) -> RunTable:
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
     """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
     return _contiguous(cp_size, pack_len)
-
-
-@functools.lru_cache(maxsize=32)
-def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Constants of :func:`head_tail_runs` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
-
-    ``of_c`` int64 ``[3, 2cp]``: per chunk length, the inverse shift, size and offset in the
-    document (``[j >= cp] - j``, 1, ``j``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
-    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
-    """
-    cp = cp_size
-    j = np.arange(2 * cp, dtype=np.int64)
-    ranks = np.minimum(j, 2 * cp - 1 - j)
-    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j])[:, None, :]
-    picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
-    base = ranks * local_len
-    _frozen(of_c, base, ranks, picks)
-    return of_c, base, ranks, picks
-
-
-def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
-    """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[D]``, each a multiple of 2cp).
-
-    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
-    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
-    per chunk, ``C`` chunk tokens before it: chunk ``j`` starts at ``2cp*C + j*c``
-    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
-    """
-    cp = cp_size
-    if pack_len is None:
-        pack_len = int(slot_lens.sum())
-    of_c, base, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
-    c = slot_lens // (2 * cp)
-    before = c.cumsum()
-    before -= c  # C
-    table = np.multiply(c[None, :, None], of_c)  # [3, D, 2cp]: inverse shifts, sizes, offsets
-    inv = table[0]
-    inv += base
-    inv += ((2 - 2 * cp) * before)[:, None]
-    return RunTable(pack_len, cp, table[1], inv, ranks, picks, offsets=table[2] if with_docs else None,
-                    lens=slot_lens if with_docs else None)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Constants of :func:`balanced_runs`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
-
-    ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
-    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
-    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
-    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``min(t, m)``:
-    the empty ones where the real ones end, so a row's runs tile it; tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
-    shift, size and offset. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
-    each ``T % cp``.
-    """
-    cp, local = cp_size, local_len
-    c = np.arange(cp, dtype=np.int64)
-    t = np.arange(2 * cp, dtype=np.int64)
-    i = c
-    rho = np.repeat(c, 2 * cp)[:, None]  # T % cp of each key
-    m = np.tile(t, cp)[:, None]  # remainder of each key
-    u = rho + t  # dealt index of each middle minus cp * (T // cp)
-    zero = np.zeros((rho.shape[0], cp), dtype=np.int64)
-    nonlinear = np.stack([
-        np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
-        np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
-        np.concatenate([zero, np.minimum(t, m), m + zero], axis=1),
-        np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
-    ])  # fmt: skip
-    of_q = np.stack([
-        np.concatenate([-c, np.full(2 * cp, 1 - cp), 1 - cp - i]),
-        np.concatenate([np.ones(cp, dtype=np.int64), np.zeros(2 * cp, dtype=np.int64), np.ones(cp, dtype=np.int64)]),
-        np.concatenate([c, np.full(2 * cp, cp), cp + i]),
-    ])[:, None, :]  # fmt: skip
-    k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
-    picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
-                      np.broadcast_to(4 * cp - 1 - c[:, None], (cp, cp))], axis=2)  # fmt: skip
-    _frozen(nonlinear, of_q, picks)
-    return nonlinear, of_q, picks
-
-
-def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
-    """``balanced`` (see :func:`cpdata.layouts.rank_indices`): ``4cp`` runs per document, then padding.
-
-    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
-    before it, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
-    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
-    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
-    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
-    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
-    padding continues the deal one token at a time (the table's ``tail``).
-    """
-    cp, d = cp_size, lens.shape[0]
-    nonlinear, of_q, picks = _balanced_coefs(cp, pack_len // cp)
-    q, m = np.divmod(lens, 2 * cp)
-    dealt = m.cumsum()
-    dealt -= m  # T
-    heads = q.cumsum()
-    heads -= q  # Q
-    shift, rho = np.divmod(dealt, cp)
-    key = rho * (2 * cp)
-    key += m
-    table = nonlinear.take(key, axis=1)  # [4, D, 4cp]: inverse shifts, sizes, offsets, ranks
-    table[:3] += q[None, :, None] * of_q
-    shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
-    table[0] += shift[:, None]
-    total_dealt = int(dealt[-1] + m[-1]) if d else 0
-    used = 2 * cp * int(heads[-1] + q[-1]) + total_dealt if d else 0
-    return RunTable(pack_len, cp, table[1], table[0], table[3], picks, pick_key=rho, offsets=table[2], lens=lens,
-                    tail=pack_len - used, dealt=total_dealt)  # fmt: skip

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout_runs import RunTable, balanced_runs, contiguous_runs, head_tail_runs
+from cpdata.layout_blocks import RunBlock, balanced_block, balanced_runs, head_tail_block, head_tail_runs
+from cpdata.layout_runs import RunTable, contiguous_runs
 
 __all__ = [
     "LAYOUTS",
@@ -38,6 +39,7 @@ __all__ = [
     "causal_work",
     "check_layout",
     "inverse_indices",
+    "layout_run_block",
     "layout_runs",
     "rank_indices",
     "thd_slot_lens",
@@ -153,6 +155,38 @@ def layout_runs(
         total = int(lens.sum()) if total is None else total
         return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True, pack_len=pack_len)
     return balanced_runs(lens, pack_len, cp_size)
+
+
+def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int) -> RunBlock:
+    """:func:`layout_runs` (``checked=True``) of ``P`` packs of ``pack_len`` tokens at once, for a layout
+    that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
+
+    ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays. One block builder call over their
+    concatenation (:mod:`cpdata.layout_blocks`): pack ``p``'s table is ``.tables[p]``, bit for bit the one
+    ``layout_runs`` gives it alone. Raises the error ``layout_runs`` raises for the first bad pack.
+    """
+    _, pack_multiple = alignment(layout, cp_size)
+    if pack_len % pack_multiple:
+        layout_runs(layout, cp_size, seq_lens[0], pack_len, checked=True)  # its error
+    sizes = [lens.shape[0] for lens in seq_lens]
+    counts = None if len(seq_lens) == 1 else np.array(sizes, dtype=np.int64)
+    flat = seq_lens[0] if counts is None else np.concatenate(seq_lens)
+    if layout == "balanced":
+        return balanced_block(flat, counts, pack_len, cp_size)
+    if layout != "thd":
+        raise ValueError(f"layout_run_block takes 'thd' or 'balanced' (the layouts that depend on the documents), "
+                         f"got {layout!r}; use layout_runs")  # fmt: skip
+    if min(sizes) == 0:  # an empty pack is one padding slot
+        slots = [_absorb_tail(lens, int(lens.sum()), pack_len) for lens in seq_lens]
+        return layout_run_block(layout, cp_size, slots, pack_len)
+    flat = flat.copy()
+    ends = np.cumsum(sizes)
+    totals = np.add.reduceat(flat, ends - sizes) if counts is not None else flat.sum(keepdims=True)
+    flat[ends - 1] += pack_len - totals  # every pack's last slot absorbs its tail
+    if (flat % (2 * cp_size)).any():
+        for lens in seq_lens:  # the first bad pack's error
+            _thd_slots(lens, int(lens.sum()), pack_len, cp_size)
+    return head_tail_block(flat, counts, cp_size, pack_len)
 
 
 def rank_indices(

@@ -20,7 +20,7 @@ import numpy as np
 
 from cpdata.token_buffer import TokenBuffer
 
-__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "plan_digest"]
+__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "plan_digest", "plan_digests"]
 
 DIGEST_SAMPLES = 8
 """Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
@@ -222,34 +222,48 @@ def plan_digest(
             back to back from ``ids[0]``.
     """
     lens = plan.seq_lens
+    if ids is None:
+        cols = plan.piece_columns
+        ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
+                                                                        lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
+    if starts is None:
+        starts = lens.cumsum()
+        starts -= lens  # each piece's first id
+    return plan_digests([plan], layout, cp_size, ids, starts)[0]
+
+
+def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray) -> list[int]:
+    """:func:`plan_digest` of every plan, the samples of all their pieces from one gather.
+
+    ``ids``: int64 ids holding every piece's ``input_ids``; ``starts``: int64 ``[n]`` index in ``ids`` of
+    each piece's first token, plan after plan (``n`` pieces in all). One ``[n, 12]`` table of every
+    piece's columns and samples, then one hash per plan over its rows.
+    """
+    cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
+    lens = cols[:, 2]
     n = lens.shape[0]
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
-    meta[:, :4] = plan.columns
+    meta[:, :4] = cols
     samples = meta[:, 4:]
-    shortest = lens.min() if n else 0
-    if shortest > 0 or (n and lens.any()):  # every piece's samples by one gather from the concatenated ids
-        if ids is None:
-            cols = plan.piece_columns
-            ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
-                                                                            lens.tolist(), strict=True)])  # fmt: skip
+    if n:  # every piece's samples by one gather; an empty piece's are -1
         at = np.multiply.outer(lens - 1, _SAMPLE_AT)
         at //= DIGEST_SAMPLES - 1
-        if starts is None:
-            starts = lens.cumsum()
-            starts -= lens  # each piece's first id
         at += starts[:, None]
-        if shortest > 0:
+        if lens.min() > 0:
             samples[...] = ids.take(at)
         else:
             real = lens > 0
             samples[...] = -1
             samples[real] = ids[at[real]]
-    else:
-        samples[...] = -1
-    h = hashlib.blake2b(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode(), digest_size=8)
-    slot_lens = plan.slot_lens
-    if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64 or not slot_lens.flags.c_contiguous:
-        slot_lens = np.ascontiguousarray(slot_lens, dtype=np.int64)
-    h.update(slot_lens)
-    h.update(meta)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    out, row = [], 0
+    for plan in plans:
+        h = hashlib.blake2b(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode(), digest_size=8)
+        slot_lens = plan.slot_lens
+        if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64 or not slot_lens.flags.c_contiguous:
+            slot_lens = np.ascontiguousarray(slot_lens, dtype=np.int64)
+        h.update(slot_lens)
+        k = plan.columns.shape[0]
+        h.update(meta[row : row + k])
+        row += k
+        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+    return out

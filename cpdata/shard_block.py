@@ -26,9 +26,9 @@ import numpy as np
 
 from cpdata.collate import build_stream
 from cpdata.layout_runs import RunTable
-from cpdata.layouts import layout_runs
+from cpdata.layouts import layout_run_block, layout_runs
 from cpdata.nodes.collate import CollatedPack
-from cpdata.plan import plan_digest
+from cpdata.plan import plan_digests
 from cpdata.stream import Stream
 
 __all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
@@ -117,60 +117,113 @@ def _static_causal_work(stream: Stream, layout: str, cp_size: int, stream_len: i
     return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
 
 
-def _digest(batch: CollatedPack, layout: str, cp_size: int, stream: Stream) -> int:
-    """:func:`cpdata.plan.plan_digest` of the batch's plan, or a hash of every plan's; the sampled ids
-    read from the stream's token buffer."""
-    plans, ids, starts = batch.plans, stream.buffer.ids, stream.src_starts
-    if len(plans) == 1:
-        return plan_digest(plans[0], layout, cp_size, ids, starts)
-    digests, at = [], 0
-    for p in plans:
+def _piece_starts(batch: CollatedPack, stream: Stream) -> np.ndarray:
+    """int64 ``[pieces]``: the token-buffer index of each piece's first id, plan after plan (an empty
+    plan's padding slot left out)."""
+    counts = stream.slot_lens.shape[0] - sum(len(p.columns) for p in batch.plans)
+    if counts == 0:
+        return stream.src_starts
+    keep, at = [], 0
+    for p in batch.plans:
         n = len(p.columns)
-        digests.append(plan_digest(p, layout, cp_size, ids, starts[at : at + n]))
+        keep.append(stream.src_starts[at : at + n])
         at += max(n, 1)  # an empty plan holds one padding slot
-    h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    return np.concatenate(keep)
 
 
-def _prepare(batch: CollatedPack, layout: str, cp_size: int, dynamic: bool) -> BlockItem:
-    n_rows, pack_len = batch.row_shape
-    check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
-    stream_len = pack_len if batch.qkv_format == "bshd" else n_rows * pack_len
-    stream = build_stream(batch.plans, batch.padding_token_id, batch.slots)
-    fixed: tuple[np.ndarray, np.ndarray] | None
-    if dynamic:
-        table: RunTable | None = layout_runs(layout, cp_size, stream.layout_lens, stream_len, checked=True)
-        fixed = None
-        work = table.causal_work(stream.real_lens).tolist()
-    else:
-        _, rows, inverse = static_layout(layout, cp_size, stream_len)
-        table, fixed = None, (rows, inverse)
-        work = _static_causal_work(stream, layout, cp_size, stream_len)
-    seq_lens_padded = batch.metadata["seq_lens_padded"]
-    info = {
-        "layout": layout,
-        "max_seqlen": int(batch.metadata["max_seqlen"]),
-        "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
-        "pack_indices": [p.index for p in batch.plans],
-        "real_tokens": stream.total,
-        "pack_tokens": n_rows * pack_len,
-        "n_documents": sum(len(p.columns) for p in batch.plans),
-        "causal_work": work,
-    }
-    digest = info["digest"] = _digest(batch, layout, cp_size, stream)
-    return BlockItem(batch=batch, stream=stream, stream_len=stream_len, table=table, fixed=fixed, info=info,
-                     digest=digest)  # fmt: skip
+def _digests(batches: Sequence[CollatedPack], streams: Sequence[Stream], layout: str, cp_size: int) -> list[int]:
+    """Each batch's digest: :func:`cpdata.plan.plan_digest` of its plan, or a hash of every plan's.
+
+    The plans of batches reading the same token buffer (a packing window's) are digested together
+    (:func:`cpdata.plan.plan_digests`: one gather of their samples).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, stream in enumerate(streams):
+        groups.setdefault(id(stream.buffer), []).append(i)
+    per_plan: list[list[int]] = [[] for _ in batches]
+    for members in groups.values():
+        plans = [p for i in members for p in batches[i].plans]
+        starts = [_piece_starts(batches[i], streams[i]) for i in members]
+        ids = streams[members[0]].buffer.ids
+        digests = plan_digests(plans, layout, cp_size, ids, starts[0] if len(starts) == 1 else np.concatenate(starts))
+        at = 0
+        for i in members:
+            n = len(batches[i].plans)
+            per_plan[i], at = digests[at : at + n], at + n
+    out = []
+    for digests in per_plan:
+        if len(digests) == 1:
+            out.append(digests[0])
+        else:
+            h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
+            out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+    return out
+
+
+def _dynamic_layouts(layout: str, cp_size: int, streams: Sequence[Stream], stream_lens: Sequence[int]
+                     ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
+    """Run tables and per-rank causal work of batches under a document-dependent layout: one
+    :func:`cpdata.layouts.layout_run_block` per stream length (all batches but a short last one).
+
+    Raises the per-batch error of :func:`cpdata.layouts.layout_runs` (pack or slot multiples).
+    """
+    tables: list[RunTable] = [None] * len(streams)  # type: ignore[list-item]
+    works: list[list[float]] = [[]] * len(streams)
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(stream_lens):
+        groups.setdefault(n, []).append(i)
+    for stream_len, members in groups.items():
+        block = layout_run_block(layout, cp_size, [streams[i].layout_lens for i in members], stream_len)
+        real = [streams[i].real_lens[: t.sizes.shape[0]] for i, t in zip(members, block.tables, strict=True)]
+        work = block.causal_work(real[0] if len(real) == 1 else np.concatenate(real)).tolist()
+        for j, i in enumerate(members):
+            tables[i], works[i] = block.tables[j], work[j]
+    return tables, works
 
 
 def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool) -> list[BlockItem]:
     """The :class:`BlockItem` of every batch of a block, in order.
 
     ``dynamic``: whether the layout depends on the documents
-    (:func:`cpdata.nodes.shard.layout_depends_on_documents`).
+    (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams are
+    built per batch; the run tables and causal work (per stream length), and
+    the digest samples (per token buffer), for all batches at once.
 
     Raises:
         ValueError, TypeError: the per-batch checks (:func:`check_rows`, the stream's slot tables, the
             layout's slot multiples) for some batch of the block; which one is not said: redo the block
             with one batch at a time to raise at the bad batch.
     """
-    return [_prepare(batch, layout, cp_size, dynamic) for batch in batches]
+    if not batches:
+        return []
+    streams, stream_lens = [], []
+    for batch in batches:
+        n_rows, pack_len = batch.row_shape
+        check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
+        stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
+        streams.append(build_stream(batch.plans, batch.padding_token_id, batch.slots))
+    if dynamic:
+        tables, works = _dynamic_layouts(layout, cp_size, streams, stream_lens)
+    else:
+        fixed = [static_layout(layout, cp_size, n)[1:] for n in stream_lens]
+        works = [_static_causal_work(s, layout, cp_size, n) for s, n in zip(streams, stream_lens, strict=True)]
+    digests = _digests(batches, streams, layout, cp_size)
+    items = []
+    for i, batch in enumerate(batches):
+        stream, metadata = streams[i], batch.metadata
+        seq_lens_padded = metadata["seq_lens_padded"]
+        info = {
+            "layout": layout,
+            "max_seqlen": int(metadata["max_seqlen"]),
+            "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
+            "pack_indices": [p.index for p in batch.plans],
+            "real_tokens": stream.total,
+            "pack_tokens": batch.row_shape[0] * batch.pack_len,
+            "n_documents": sum(len(p.columns) for p in batch.plans),
+            "causal_work": works[i],
+            "digest": digests[i],
+        }
+        items.append(BlockItem(batch=batch, stream=stream, stream_len=stream_lens[i],
+                               table=tables[i] if dynamic else None, fixed=None if dynamic else fixed[i],
+                               info=info, digest=digests[i]))  # fmt: skip
+    return items

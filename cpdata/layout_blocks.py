@@ -1,0 +1,196 @@
+"""Run tables of a block of packs at once: the ``head-tail`` (``thd``, ``round_robin``) and ``balanced`` builders.
+
+A block is ``P`` packs of equal length, their ``N`` documents concatenated
+pack after pack (``counts`` int64 ``[P]`` documents each). The builders run
+the same ~15 numpy calls on the block's ``[N, G]`` tables as on one pack's,
+the running sums restarted at every pack (:func:`_within_packs`), and return a
+:class:`RunBlock`: one :class:`~cpdata.layout_runs.RunTable` per pack (views of
+the block's tables) and the per-rank causal work of every pack from one
+``bincount``. The one-pack builders :func:`head_tail_runs` and
+:func:`balanced_runs` are the block builders with ``counts=None``, so a block
+of ``P`` packs gives each pack the table it gets alone, bit for bit. The
+builders take validated lengths; :func:`cpdata.layouts.layout_runs` validates.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpdata.layout_runs import RunTable, _frozen, causal_work_of
+
+__all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunBlock:
+    """The run tables of ``P`` packs (``N`` documents, ``G`` runs each).
+
+    Attributes:
+        tables: ``P`` :class:`~cpdata.layout_runs.RunTable`, views of the arrays below.
+        counts: int64 ``[P]`` documents per pack, or None (one pack).
+        sizes, offsets: int64 ``[N, G]``; ``ranks``: int64 ``[N, G]`` or ``[G]`` (see ``RunTable``).
+    """
+
+    tables: list[RunTable]
+    counts: np.ndarray | None
+    sizes: np.ndarray
+    offsets: np.ndarray | None
+    ranks: np.ndarray
+
+    def causal_work(self, real: np.ndarray) -> np.ndarray:
+        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
+        tokens of each document (pack after pack)."""
+        assert self.offsets is not None, "layout runs without documents"
+        cp = self.tables[0].cp_size
+        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
+            return np.zeros((len(self.tables), cp), dtype=np.float64)
+        return causal_work_of(self.offsets, self.sizes, self.ranks, real, self.counts, cp)
+
+
+def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Exclusive running sum of ``x`` int64 ``[N]`` restarted at every pack (int64 ``[N]``) and each pack's
+    total (int64 ``[P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
+    cs = np.empty(x.shape[0] + 1, dtype=np.int64)
+    cs[0] = 0
+    np.cumsum(x, out=cs[1:])
+    if counts is None:
+        return cs[:-1], cs[-1:]
+    ends = np.cumsum(counts)
+    firsts = ends - counts
+    return cs[:-1] - cs[firsts].repeat(counts), cs[ends] - cs[firsts]
+
+
+def _split(counts: np.ndarray | None, make) -> list[RunTable]:  # type: ignore[no-untyped-def]
+    """``make(p, slice)`` for every pack's rows (one pack: ``slice(None)``)."""
+    if counts is None:
+        return [make(0, slice(None))]
+    ends = np.cumsum(counts).tolist()
+    return [make(p, slice(e - c, e)) for p, (c, e) in enumerate(zip(counts.tolist(), ends, strict=True))]
+
+
+@functools.lru_cache(maxsize=32)
+def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
+
+    ``of_c`` int64 ``[3, 2cp]``: per chunk length, the inverse shift, size and offset in the
+    document (``[j >= cp] - j``, 1, ``j``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
+    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
+    """
+    cp = cp_size
+    j = np.arange(2 * cp, dtype=np.int64)
+    ranks = np.minimum(j, 2 * cp - 1 - j)
+    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j])[:, None, :]
+    picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
+    base = ranks * local_len
+    _frozen(of_c, base, ranks, picks)
+    return of_c, base, ranks, picks
+
+
+def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: int, pack_len: int,
+                    with_docs: bool = True) -> RunBlock:  # fmt: skip
+    """Chunks ``r`` and ``2cp-1-r`` of every slot of ``P`` packs of ``pack_len`` tokens (``slot_lens`` int64
+    ``[N]``, each a multiple of 2cp, every pack's summing to ``pack_len``; ``counts`` as in the module docstring).
+
+    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
+    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
+    per chunk, ``C`` chunk tokens before it in its pack: chunk ``j`` starts at ``2cp*C + j*c``
+    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
+    """
+    cp = cp_size
+    of_c, base, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
+    c = slot_lens // (2 * cp)
+    before = _within_packs(c, counts)[0]  # C
+    table = np.multiply(c[None, :, None], of_c)  # [3, N, 2cp]: inverse shifts, sizes, offsets
+    inv, sizes, offsets = table
+    inv += base
+    inv += ((2 - 2 * cp) * before)[:, None]
+    make = lambda p, at: RunTable(pack_len, cp, sizes[at], inv[at], ranks, picks,  # noqa: E731
+                                  offsets=offsets[at] if with_docs else None,
+                                  lens=slot_lens[at] if with_docs else None)  # fmt: skip
+    return RunBlock(tables=_split(counts, make), counts=counts, sizes=sizes, offsets=offsets if with_docs else None,
+                    ranks=ranks)  # fmt: skip
+
+
+def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
+    """:func:`head_tail_block` of one pack (``pack_len``: the slots' sum when None)."""
+    if pack_len is None:
+        pack_len = int(slot_lens.sum())
+    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Constants of :func:`balanced_block`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
+
+    ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
+    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
+    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
+    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``min(t, m)``:
+    the empty ones where the real ones end, so a row's runs tile it; tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
+    shift, size and offset. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
+    each ``T % cp``.
+    """
+    cp, local = cp_size, local_len
+    c = np.arange(cp, dtype=np.int64)
+    t = np.arange(2 * cp, dtype=np.int64)
+    i = c
+    rho = np.repeat(c, 2 * cp)[:, None]  # T % cp of each key
+    m = np.tile(t, cp)[:, None]  # remainder of each key
+    u = rho + t  # dealt index of each middle minus cp * (T // cp)
+    zero = np.zeros((rho.shape[0], cp), dtype=np.int64)
+    nonlinear = np.stack([
+        np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
+        np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
+        np.concatenate([zero, np.minimum(t, m), m + zero], axis=1),
+        np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
+    ])  # fmt: skip
+    of_q = np.stack([
+        np.concatenate([-c, np.full(2 * cp, 1 - cp), 1 - cp - i]),
+        np.concatenate([np.ones(cp, dtype=np.int64), np.zeros(2 * cp, dtype=np.int64), np.ones(cp, dtype=np.int64)]),
+        np.concatenate([c, np.full(2 * cp, cp), cp + i]),
+    ])[:, None, :]  # fmt: skip
+    k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
+    picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
+                      np.broadcast_to(4 * cp - 1 - c[:, None], (cp, cp))], axis=2)  # fmt: skip
+    _frozen(nonlinear, of_q, picks)
+    return nonlinear, of_q, picks
+
+
+def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int) -> RunBlock:
+    """``balanced`` (see :func:`cpdata.layouts.rank_indices`) of ``P`` packs: ``4cp`` runs per document, then
+    padding (``lens`` int64 ``[N]``, each pack's summing to at most ``pack_len``).
+
+    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
+    before it in its pack, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
+    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
+    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
+    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
+    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
+    padding continues the deal one token at a time (the table's ``tail``).
+    """
+    cp = cp_size
+    nonlinear, of_q, picks = _balanced_coefs(cp, pack_len // cp)
+    q, m = np.divmod(lens, 2 * cp)
+    dealt, total_dealt = _within_packs(m, counts)  # T
+    heads, total_heads = _within_packs(q, counts)  # Q
+    shift, rho = np.divmod(dealt, cp)
+    key = rho * (2 * cp)
+    key += m
+    table = nonlinear.take(key, axis=1)  # [4, N, 4cp]: inverse shifts, sizes, offsets, ranks
+    table[:3] += q[None, :, None] * of_q
+    shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
+    table[0] += shift[:, None]
+    inv, sizes, offsets, ranks = table
+    tails = (pack_len - 2 * cp * total_heads - total_dealt).tolist()
+    dealts = total_dealt.tolist()
+    make = lambda p, at: RunTable(pack_len, cp, sizes[at], inv[at], ranks[at], picks, pick_key=rho[at],  # noqa: E731
+                                  offsets=offsets[at], lens=lens[at], tail=tails[p], dealt=dealts[p])  # fmt: skip
+    return RunBlock(tables=_split(counts, make), counts=counts, sizes=sizes, offsets=offsets, ranks=ranks)
+
+
+def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
+    """:func:`balanced_block` of one pack."""
+    return balanced_block(lens, None, pack_len, cp_size).tables[0]
