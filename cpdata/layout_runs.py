@@ -203,7 +203,7 @@ def causal_work_of(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, re
     else:
         keys = ranks if counts is None else _arange(n_packs, cp_size).repeat(counts)[:, None] + ranks
     np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])  # numpy buffers the overlap
-    work = np.bincount(np.broadcast_to(keys, twice.shape).reshape(-1), twice.reshape(-1), minlength=n_packs * cp_size)
+    work = np.bincount(keys.reshape(-1), twice.reshape(-1), minlength=n_packs * cp_size)  # keys: twice's shape
     return (work / 2).reshape(n_packs, cp_size)
 
 

@@ -24,7 +24,8 @@ from torch.utils.data import get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, build_node, close_loader
+from cpdata.loader import build_loader, build_node, close_loader, shard_graph
+from cpdata.nodes.shard import ShardForRank
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.set_vital. is deprecated"), pytest.mark.timeout(120)]
 
@@ -120,7 +121,8 @@ def reference() -> list[list[Piece]]:
 
 
 def batches_before_reading(index: int) -> int:
-    """How many batches an uninterrupted run (no prefetch) delivers before it first reads document ``index``."""
+    """How many batches an uninterrupted run (no prefetch, one batch per block) delivers before it first reads
+    document ``index``."""
     read: list[int] = []
 
     class Recording(Corpus):
@@ -128,7 +130,10 @@ def batches_before_reading(index: int) -> int:
             read.append(i)
             return super().__getitem__(i)
 
-    for k, _ in enumerate(build_node(Recording(), cp_rank=0, prefetch=0, pin_memory=False, **CFG)):
+    opts = {k: v for k, v in CFG.items() if k not in ("cp_size", "layout")}
+    node = ShardForRank(shard_graph(Recording(), cp_size=CFG["cp_size"], layout=CFG["layout"], **opts),
+                        cp_size=CFG["cp_size"], cp_rank=0, layout=CFG["layout"], block_size=1)  # fmt: skip
+    for k, _ in enumerate(node):
         if index in read:
             return k
     raise AssertionError(f"document {index} is never read")

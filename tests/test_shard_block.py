@@ -156,7 +156,7 @@ def test_a_state_resumes_under_another_block_size():
             assert_batches_equal(got, ref)
 
 
-def test_restored_batches_are_skipped_without_their_math(monkeypatch):
+def test_restored_batches_are_skipped_without_gathering_their_tokens(monkeypatch):
     import cpdata.nodes.shard as shard_module
 
     plans = plans_for("thd", 2, n=8, seed=2)
@@ -164,13 +164,33 @@ def test_restored_batches_are_skipped_without_their_math(monkeypatch):
     for _ in range(3):
         next(node)
     state = node.state_dict()
-    prepared = []
-    real = shard_module.prepare_block
-    monkeypatch.setattr(shard_module, "prepare_block", lambda batches, *a: prepared.append(len(batches)) or real(batches, *a))
+    assert state["skip"] == 3 and len(state["served_digests"]) == 3
+    gathered = []
+    real = shard_module.fill_rank
+    monkeypatch.setattr(shard_module, "fill_rank", lambda stream, *a: gathered.append(stream) or real(stream, *a))
     resumed = ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", block_size=4)
     resumed.reset(state)
     assert [b.info["pack_indices"] for b in resumed] == [[i] for i in range(3, 8)]
-    assert prepared[0] == 1  # the three served batches of the block were pulled again, not prepared
+    assert len(gathered) == 5  # the three served batches of the block were pulled again, not gathered
+
+
+def test_a_state_restored_onto_another_source_is_refused():
+    plans = plans_for("balanced", 2, n=8, seed=2)
+    node = ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="balanced", block_size=4)
+    for _ in range(6):
+        next(node)
+    state = node.state_dict()
+    other = plans_for("balanced", 2, n=8, seed=3)  # same count, other documents
+    resumed = ShardForRank(Collate(IterableWrapper(other)), cp_size=2, cp_rank=0, layout="balanced", block_size=4)
+    resumed.reset(state)
+    with pytest.raises(ValueError, match="batch 0 of the saved block has another plan digest now.*same source"):
+        next(resumed)
+    shorter = ShardForRank(Collate(IterableWrapper(plans[:5])), cp_size=2, cp_rank=0, layout="balanced")
+    shorter.reset(state)
+    with pytest.raises(ValueError, match="served 2 batches of its block, but the source ends after 1"):
+        next(shorter)
+    with pytest.raises(ValueError, match="served_digests"):
+        shorter.reset({**state, "served_digests": [1]})
 
 
 def test_source_state_is_read_once_per_block():

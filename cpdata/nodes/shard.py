@@ -84,13 +84,16 @@ class ShardForRank(BaseNode[Any]):
         all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
         block_size: batches pulled and prepared at once (int >= 1, default :data:`DEFAULT_BLOCK_SIZE`).
 
-    State: the source's state before the current block under ``"source"``,
-    the batches of the block already served under ``"skip"``, a version and
-    ``(cp_size, layout)``; a state from another ``cp_size`` or layout is
+    State: the source's state before the current block under ``"source"``
+    (read once per block: between blocks the state is a cached dict, not a
+    walk of the graph), the batches of the block already served under
+    ``"skip"`` and their plan digests under ``"served_digests"``, a version
+    and ``(cp_size, layout)``; a state from another ``cp_size`` or layout is
     refused. Restoring resets the source and pulls the block again, skipping
-    the served batches without gathering their tokens. ``cp_rank`` and
-    ``block_size`` are not part of it: every CP rank of a DP group has the same
-    state, and any block size resumes any other's.
+    the served batches without gathering their tokens; a skipped batch whose
+    digest is not the saved one (the source changed) is refused. ``cp_rank``
+    and ``block_size`` are not part of it: every CP rank of a DP group has the
+    same state, and any block size resumes any other's.
 
     Errors lose nothing: a source raising mid-block has the batches pulled
     before it served first, then the same exception; a batch whose plans fail
@@ -100,6 +103,7 @@ class ShardForRank(BaseNode[Any]):
 
     SOURCE_KEY = "source"
     SKIP_KEY = "skip"
+    DIGESTS_KEY = "served_digests"
     VERSION_KEY = "version"
     CONFIG_KEY = "config"
     VERSION = 2
@@ -129,14 +133,15 @@ class ShardForRank(BaseNode[Any]):
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
         if isinstance(collate_node, Collate):
             check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
-        self._clear(None, 0)
+        self._clear(None, [])
 
-    def _clear(self, before: dict[str, Any] | None, skip: int) -> None:
+    def _clear(self, before: dict[str, Any] | None, served: list[int]) -> None:
         """No block in hand; the next one starts from the source state ``before`` (None: ask the source)
-        and skips ``skip`` batches."""
+        and skips the ``len(served)`` batches whose digests are ``served``."""
         self._before = before  # the source's state before the current (or next) block
         self._items: list[BlockItem | CollatedPack | None] = []  # a CollatedPack: prepared when served
-        self._served = skip
+        self._served = len(served)
+        self._digests = served  # of the block's served batches (-1: the batch raised)
         self._error: Exception | None = None  # raised by the source after the block's batches
         self._ended = False  # the source stopped after the block's batches
 
@@ -147,17 +152,18 @@ class ShardForRank(BaseNode[Any]):
         super().reset(initial_state)
         if initial_state is None:
             self.source.reset(None)
-            self._clear(None, 0)
+            self._clear(None, [])
             return
         check_state_version("ShardForRank", initial_state, self.VERSION_KEY, self.VERSION)
         check_saved_config("ShardForRank", initial_state[self.CONFIG_KEY], self._config())
-        skip = initial_state.get(self.SKIP_KEY)
-        if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)) or skip < 0:
-            raise ValueError(f"ShardForRank state has skip={skip!r}; expected the int >= 0 of batches served "
-                             "from the saved block (a state written by ShardForRank.state_dict())")
+        skip, served = initial_state.get(self.SKIP_KEY), initial_state.get(self.DIGESTS_KEY)
+        if not isinstance(served, list) or skip != len(served) or not all(isinstance(d, int) for d in served):
+            raise ValueError(f"ShardForRank state has skip={skip!r} and {self.DIGESTS_KEY}={served!r}; expected the "
+                             "batches served from the saved block and their digests (a state written by "
+                             "ShardForRank.state_dict())")  # fmt: skip
         before = initial_state[self.SOURCE_KEY]
         self.source.reset(before)
-        self._clear(before, int(skip))
+        self._clear(before, list(served))
 
     def get_state(self) -> dict[str, Any]:
         if self._before is None:  # between blocks after a reset or an error: the source's state now
@@ -167,11 +173,15 @@ class ShardForRank(BaseNode[Any]):
             self.CONFIG_KEY: self._config(),
             self.SOURCE_KEY: self._before,
             self.SKIP_KEY: self._served,
+            self.DIGESTS_KEY: list(self._digests),
         }
 
     def _pull_block(self) -> None:
-        """Read the source's state once (unless restored), pull up to ``block_size`` batches and prepare them;
-        the first ``self._served`` (restored) are skipped without their math."""
+        """Read the source's state once (unless restored), pull up to ``block_size`` batches and prepare them.
+
+        Restored: the first ``self._served`` are pulled again and skipped, their tokens not gathered; their
+        digests must be the saved ones (else the source changed since the state was saved).
+        """
         before = self.source.state_dict() if self._before is None else self._before
         batches: list[CollatedPack] = []
         error, ended = None, False
@@ -182,20 +192,41 @@ class ShardForRank(BaseNode[Any]):
             ended = True
         except Exception as exc:  # raised after the batches pulled before it are served
             error = exc
-        self._clear(before, min(self._served, len(batches)))
-        self._error, self._ended = error, ended
-        todo = batches[self._served :]
-        self._items = [None] * self._served
+        if len(batches) < self._served and error is None:  # (a source raising there is not the saved one either)
+            raise ValueError(
+                f"the ShardForRank state had served {self._served} batches of its block, but the source ends "
+                f"after {len(batches)} from the saved position; restore onto the same source"
+            )
+        served = self._digests[: len(batches)]
         try:
-            self._items += prepare_block(todo, self.layout, self.cp_size, self._dynamic)
+            items: list[BlockItem | CollatedPack] = list(prepare_block(batches, self.layout, self.cp_size,
+                                                                       self._dynamic))  # fmt: skip
         except Exception:  # some batch is bad: each is prepared alone when served, to raise at the bad one
-            self._items += todo
+            items = list(batches)
+        for i, saved in enumerate(served):
+            if self._digest(items[i]) != saved:
+                raise ValueError(
+                    f"batch {i} of the saved block has another plan digest now ({self._digest(items[i])} != "
+                    f"{saved}): the source changed since the state was saved; restore onto the same source"
+                )
+        self._clear(before, served)
+        self._error, self._ended = error, ended
+        self._items = [None] * len(served) + items[len(served) :]
+
+    def _digest(self, item: BlockItem | CollatedPack) -> int:
+        """The item's plan digest, -1 for a batch that raises."""
+        if not isinstance(item, BlockItem):
+            try:
+                item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+            except Exception:  # noqa: BLE001  (it raised when it was served too)
+                return -1
+        return item.digest
 
     def _raise_end(self) -> NoReturn:
         """The block is served: raise what the source raised after it (then start afresh), or StopIteration."""
         if self._error is not None:
             error = self._error
-            self._clear(None, 0)
+            self._clear(None, [])
             raise error
         raise StopIteration
 
@@ -204,13 +235,18 @@ class ShardForRank(BaseNode[Any]):
             if self._error is not None or self._ended:
                 self._raise_end()
             if self._items:  # the next block starts from the source's state now
-                self._before, self._served = None, 0
+                self._clear(None, [])
             self._pull_block()
         item = self._items[self._served]
         self._items[self._served] = None  # the served batch is the consumer's
         self._served += 1
         if not isinstance(item, BlockItem):
-            item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+            try:
+                item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+            except Exception:
+                self._digests.append(-1)
+                raise
+        self._digests.append(item.digest)
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
