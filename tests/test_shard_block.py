@@ -167,7 +167,7 @@ def test_restored_batches_are_skipped_without_gathering_their_tokens(monkeypatch
     assert state["skip"] == 3 and len(state["served_digests"]) == 3
     gathered = []
     real = shard_module.fill_rank
-    monkeypatch.setattr(shard_module, "fill_rank", lambda stream, *a: gathered.append(stream) or real(stream, *a))
+    monkeypatch.setattr(shard_module, "fill_rank", lambda stream, *a, **kw: gathered.append(stream) or real(stream, *a, **kw))
     resumed = ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", block_size=4)
     resumed.reset(state)
     assert [b.info["pack_indices"] for b in resumed] == [[i] for i in range(3, 8)]
