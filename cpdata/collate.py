@@ -244,7 +244,7 @@ def collate_pack(
     n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
     specs = rank_specs(stream, n, qkv_format)
     out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
-    fill_rank(stream, np.arange(n, dtype=np.int64), qkv_format, out)
+    fill_rank(stream, np.arange(n, dtype=np.int64), qkv_format, out, increasing=True)
     return out
 
 
