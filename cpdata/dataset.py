@@ -46,7 +46,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
 from cpdata.nodes.scheduled import ScheduledPacks
-from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
 from cpdata.orphans import exit_with_parent
@@ -195,17 +195,20 @@ class CPDataset(WorkerDataset):
     ``prefetch_factor`` already queues batches per worker).
     """
 
-    def __init__(self, source: Any, *, cp_rank: int, prefetch: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any
+    ) -> None:
         if "pin_memory" in kwargs:
             raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
         check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
         super().__init__(prefetch=prefetch)
         self.source = source
         self.cp_rank = cp_rank
+        self.block_size = block_size
         self.kwargs = kwargs
         # Validate the configuration now, in the main process, not in every worker.
         graph = shard_graph(source, **kwargs)
-        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=kwargs["layout"])
+        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=kwargs["layout"], block_size=block_size)
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if kwargs.get("schedule") is not None else None
 
@@ -239,4 +242,5 @@ class CPDataset(WorkerDataset):
                     if isinstance(node, Documents):
                         node.set_epoch(epoch)
             node = _EveryNth(collated, offset=worker_id, stride=num_workers)
-        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"])
+        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"],
+                            block_size=self.block_size)  # fmt: skip

@@ -34,7 +34,7 @@ from cpdata.nodes.collate import Collate
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
-from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
@@ -202,6 +202,7 @@ def build_node(
     cp_rank: int,
     pin_memory: bool | None = None,
     prefetch: int = 2,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     **options: Any,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
@@ -237,19 +238,23 @@ def build_node(
             per ``iter()`` (default one). ``bfd`` packs best from a mixed order.
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
+        block_size: collated batches :class:`~cpdata.nodes.shard.ShardForRank` pulls and prepares at once
+            (default 8): larger blocks share more of the per-batch layout math and read the graph's state
+            less often, and keep more plans alive and delay the first batch. Not part of the saved state.
     """
     o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     collated = shard_graph(source, **options)
-    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout)
+    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout, block_size=block_size)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return maybe_pin(node, pin_memory=pin_memory)
 
 
 _list_options(shard_graph, {})
-_list_options(build_node, {"cp_rank": "cp_size", "pin_memory": "vocab_size", "prefetch": "vocab_size"})
+_list_options(build_node, {"cp_rank": "cp_size", "pin_memory": "vocab_size", "prefetch": "vocab_size",
+                          "block_size": "vocab_size"})  # fmt: skip
 
 
 def build_loader(

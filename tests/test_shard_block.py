@@ -18,7 +18,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.batch import ShardedBatch
 from cpdata.dataset import CPDataset
 from cpdata.layouts import alignment
-from cpdata.loader import shard_graph
+from cpdata.loader import build_loader, build_node, shard_graph
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
 from cpdata.plan import PackPlan
@@ -283,3 +283,20 @@ def test_stateful_dataloader_with_workers_resumes_inside_a_block():
         resumed = make()
         resumed.load_state_dict(state)
         assert head + [b.info["digest"] for b in resumed] == want, mid
+
+
+def test_the_loaders_pass_block_size_to_the_node_and_refuse_a_bad_one():
+    docs = documents(60, seed=2)
+    cfg = {"capacity": 64, "cp_size": 2, "cp_rank": 0, "layout": "balanced", "seed": 3, "prefetch": 0}
+    node = build_node(docs, block_size=3, **cfg)
+    assert isinstance(node, ShardForRank) and node.block_size == 3
+    assert build_node(docs, **cfg).block_size == DEFAULT_BLOCK_SIZE
+    want = [b.info["digest"] for b in build_loader(docs, block_size=1, **cfg)]
+    assert len(want) > 5 and [b.info["digest"] for b in build_loader(docs, block_size=5, **cfg)] == want
+    dataset = CPDataset(docs, block_size=2, **{k: v for k, v in cfg.items() if k != "prefetch"})
+    assert [b.info["digest"] for b in StatefulDataLoader(dataset, batch_size=None)] == want
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
+            build_node(docs, block_size=bad, **cfg)
+        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
+            CPDataset(docs, block_size=bad, **{k: v for k, v in cfg.items() if k != "prefetch"})
