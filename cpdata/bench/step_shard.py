@@ -107,7 +107,8 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
 
     def ours():
         _, out = sharder.shard(sharded)  # on CPU the move is a no-op: model the copy as the batch does it
-        return sharded.to(device, copy=True).tensors() if device.type == "cpu" else out
+        moved = sharded.to(device, copy=True) if device.type == "cpu" else out
+        return dict(moved)  # every key read, as the model does: a batch builds its views when read
 
     got_anchor, anchor_index = anchor()
     got = ours()
