@@ -13,6 +13,11 @@ state, the planner's counters and open bins, and the carried pieces' token
 arrays) plus the number of packs emitted since. A restore rewinds the source
 to the snapshot, re-reads and re-plans that window and skips the packs already
 emitted, so the plans that follow are bit-identical to an uninterrupted run.
+The snapshot is taken once per window; every ``state_dict()`` call gets its
+own copy of it (:func:`~cpdata.nodes.state_copy.fresh_state`: fresh dicts and
+arrays, ~20 us for the whole state instead of ~70 us with ``deepcopy`` and
+``asdict``), so a caller editing a state changes neither the next one nor
+the restore point.
 Size: the carried pieces, at most the largest window's slot tokens for
 ``bfd`` (~1.5M tokens, ~1,200 pieces on UltraChat-like chat at 4K), one pack
 for ``next_fit`` / ``concat``, eight for ``first_fit``, nothing for ``ffd``.
@@ -46,6 +51,7 @@ from cpdata.nodes.live_pieces import (
     window_buffer,
     window_rows,
 )
+from cpdata.nodes.state_copy import fresh_state, stats_dict
 from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
@@ -175,8 +181,11 @@ class Pack(BaseNode[PackPlan]):
 
     @property
     def stats(self) -> PackingStats:
-        return dataclasses.replace(self._planner.stats(), epoch=int(getattr(self.source, "epoch", 0)),
-                                   sources=getattr(self.source, "source_counts", None))
+        return dataclasses.replace(self._planner.stats(), **self._stats_fields())
+
+    def _stats_fields(self) -> dict[str, Any]:
+        """The fields of :attr:`stats` that come from the source."""
+        return {"epoch": int(getattr(self.source, "epoch", 0)), "sources": getattr(self.source, "source_counts", None)}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -295,9 +304,9 @@ class Pack(BaseNode[PackPlan]):
         return {
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self.config.identity(),
-            self.SOURCE_KEY: copy.deepcopy(snap.source),
-            self.PLANNER_KEY: copy.deepcopy(snap.planner),
+            self.SOURCE_KEY: fresh_state(snap.source),  # the snapshot is the node's: every caller gets a copy
+            self.PLANNER_KEY: fresh_state(snap.planner),
             self.CARRY_KEY: fresh_carry(self._carry_records),
             self.EMITTED_KEY: self._emitted,
-            self.STATS_KEY: dataclasses.asdict(self.stats),
+            self.STATS_KEY: stats_dict(self._planner.stats(), **self._stats_fields()),
         }

@@ -1,0 +1,120 @@
+"""Pack hands out its per-window snapshot as fresh states: equal to deep copies, byte for byte, and a caller
+that edits every part of a state it got changes neither the next state nor a restore from it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+from state_contract import assert_items_equal
+from torchdata.nodes import IterableWrapper
+
+from cpdata.nodes.mix import mix
+from cpdata.nodes.pack import Pack
+from cpdata.nodes.source import Documents
+from cpdata.nodes.state_copy import fresh_state, stats_dict
+from cpdata.packing import PackingStats
+
+
+def _docs(n: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(0, 1000, int(k))} for k in rng.integers(1, 60, n)]
+
+
+SOURCES = {
+    "seekable": lambda: _docs(200, 0),
+    "iterable": lambda: IterableWrapper(_docs(200, 0)),  # the carry holds token arrays
+    "mix": lambda: mix({"a": _docs(120, 1), "b": IterableWrapper(_docs(90, 2))}, {"a": 2, "b": 1}, seed=4),
+}
+
+
+def _pack(kind: str) -> Pack:
+    return Pack(Documents(SOURCES[kind]()), capacity=64, layout="thd", cp_size=2, overflow="split", window=12)
+
+
+def _vandalise(state) -> None:
+    """Change in place everything a caller could: every dict and list gains an entry and loses none of its
+    own, int entries are bumped, writeable arrays are overwritten; a read-only array must refuse a write."""
+    if isinstance(state, dict):
+        for key, value in list(state.items()):
+            _vandalise(value)
+            if type(value) is int:
+                state[key] = value + 1
+        state["__vandal__"] = [1]
+    elif isinstance(state, list):
+        for value in state:
+            _vandalise(value)
+        state.append("__vandal__")
+    elif isinstance(state, tuple):
+        for value in state:
+            _vandalise(value)
+    elif isinstance(state, np.ndarray) and state.size:
+        if state.flags.writeable:
+            state[...] = 7
+        else:
+            with pytest.raises(ValueError, match="read-only"):
+                state[...] = 7
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_a_state_handed_out_is_the_callers(kind):
+    node, checked = _pack(kind), 0
+    for i, _ in enumerate(node):
+        if i % 4:
+            continue
+        kept = copy.deepcopy(node.state_dict())
+        given = node.state_dict()
+        assert pickle.dumps(given) == pickle.dumps(kept), "a fresh state pickles as a deep copy does"
+        _vandalise(given)
+        again = node.state_dict()
+        assert_items_equal(again, kept, "state after a caller edited the previous one")
+        assert pickle.dumps(again) == pickle.dumps(kept)
+        if kind == "iterable" and again["carry"]["arrays"]:
+            checked += 1
+        elif kind != "iterable" and again["emitted"] and again["carry"]["key"].size:
+            checked += 1
+    assert checked >= 3, "no state with carried pieces mid-window was checked"
+    if kind == "mix":
+        assert set(node.state_dict()["stats"]["sources"]) == {"a", "b"}
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_restore_after_a_caller_edited_earlier_states(kind):
+    reference = list(_pack(kind))
+    node = _pack(kind)
+    for _ in range(9):
+        next(node)
+        _vandalise(node.state_dict())  # e.g. a Prefetcher's copy, edited by its consumer
+    state = node.state_dict()
+    _vandalise(node.state_dict())
+    restored = _pack(kind)
+    restored.reset(pickle.loads(pickle.dumps(state)))
+    assert_items_equal(list(restored), reference[9:])
+    assert_items_equal(list(node), reference[9:])
+
+
+def test_fresh_state_copies_containers_and_arrays_and_shares_immutables():
+    inner = np.arange(4)
+    state = {"a": [inner, {"b": (1, "x")}], "c": (inner, 2.5), "d": None, "e": np.int64(3)}
+    out = fresh_state(state)
+    assert_items_equal(out, state)
+    assert out is not state and out["a"] is not state["a"] and out["a"][1] is not state["a"][1]
+    assert out["a"][0] is not inner and out["c"][0] is not inner and out["a"][1]["b"] is state["a"][1]["b"]
+    out["a"][0][0] = 9
+    assert inner[0] == 0
+    assert pickle.dumps(fresh_state({"x": [1, (2, "y")], "z": "s"})) == pickle.dumps({"x": [1, (2, "y")], "z": "s"})
+
+
+def test_stats_dict_is_asdict_of_the_replaced_stats():
+    stats = PackingStats.from_counts(capacity=64, documents=5, tokens=100, slot_tokens=110, packs=2, split=1)
+    sources = {"a": {"documents": 3, "tokens": 60}}
+    expected = dataclasses.asdict(dataclasses.replace(stats, epoch=2, sources=sources))
+    got = stats_dict(stats, epoch=2, sources=sources)
+    assert pickle.dumps(got) == pickle.dumps(expected) and list(got) == list(expected)
+    got["sources"]["a"]["documents"] = 0
+    assert sources["a"]["documents"] == 3
+    with pytest.raises(TypeError, match="no field 'epochs'"):
+        stats_dict(stats, epochs=2)
