@@ -47,7 +47,8 @@ from cpdata.state_version import check_saved_config, check_state_version
 __all__ = ["DEFAULT_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
 
 DEFAULT_BLOCK_SIZE = 8
-"""Batches per block of :class:`ShardForRank` (see the module docstring for the trade-off)."""
+"""Batches per block of :class:`ShardForRank` (see the module docstring for the trade-off; README "blocks":
+16 measured 6-14 % faster per pack at 8K, not clearly at 32K, with a later first batch)."""
 
 
 @functools.lru_cache(maxsize=64)
