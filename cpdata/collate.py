@@ -209,7 +209,7 @@ def fill_rank(
             put = np.empty_like(part[key])
             put[order] = part[key]
             out[key][...] = put.reshape(out[key].shape)
-    for key, value in (metadata or stream_metadata(stream.real_lens, stream.slot_lens)).items():
+    for key, value in (metadata or stream.metadata or stream_metadata(stream.real_lens, stream.slot_lens)).items():
         out[key][...] = value
 
 

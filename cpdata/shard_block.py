@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.collate import build_stream
 from cpdata.layout_runs import RunTable
 from cpdata.layouts import layout_run_block, layout_runs
 from cpdata.nodes.collate import CollatedPack
 from cpdata.plan import plan_digests
-from cpdata.stream import Stream
+from cpdata.stream import Stream, build_streams
 
 __all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
 
@@ -196,12 +195,12 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     """
     if not batches:
         return []
-    streams, stream_lens = [], []
+    stream_lens = []
     for batch in batches:
         n_rows, pack_len = batch.row_shape
         check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
         stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
-        streams.append(build_stream(batch.plans, batch.padding_token_id, batch.slots))
+    streams = build_streams([(batch.plans, batch.padding_token_id, batch.slots) for batch in batches])
     if dynamic:
         tables, works = _dynamic_layouts(layout, cp_size, streams, stream_lens)
     else:
@@ -210,15 +209,15 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     digests = _digests(batches, streams, layout, cp_size)
     items = []
     for i, batch in enumerate(batches):
-        stream, metadata = streams[i], batch.metadata
-        seq_lens_padded = metadata["seq_lens_padded"]
+        stream = streams[i]
+        assert stream.metadata is not None
         info = {
             "layout": layout,
-            "max_seqlen": int(metadata["max_seqlen"]),
-            "max_seqlen_padded": int(seq_lens_padded.max()) if seq_lens_padded.size else 0,
+            "max_seqlen": int(stream.metadata["max_seqlen"]),
+            "max_seqlen_padded": stream.max_slot_len,
             "pack_indices": [p.index for p in batch.plans],
             "real_tokens": stream.total,
-            "pack_tokens": batch.row_shape[0] * batch.pack_len,
+            "pack_tokens": len(batch.plans) * batch.pack_len,
             "n_documents": sum(len(p.columns) for p in batch.plans),
             "causal_work": works[i],
             "digest": digests[i],

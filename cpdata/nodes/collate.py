@@ -10,7 +10,6 @@ DP group sees the same short batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,10 +23,18 @@ from cpdata.stream import SlotTables, slot_tables
 __all__ = ["Collate", "CollatedPack"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class CollatedPack:
-    """``B`` plans of equal capacity, ready to collate."""
+    """``B`` plans of equal capacity, ready to collate (immutable).
 
+    Args (keyword only): ``plans``, ``pack_len``, ``qkv_format``, ``padding_token_id`` as the attributes;
+    ``metadata``: the stream metadata when already computed (None: computed from the slot tables when
+    first read); ``slots``: the plans' checked :class:`~cpdata.stream.SlotTables` (None: not kept).
+
+    ``metadata`` is computed lazily because :class:`~cpdata.nodes.shard.ShardForRank` computes the
+    metadata of a block of batches at once (:func:`cpdata.stream.build_streams`) and never reads it.
+    """
+
+    __slots__ = ("_metadata", "pack_len", "padding_token_id", "plans", "qkv_format", "slots")
     plans: tuple[PackPlan, ...]
     """The batch's plans, one per row (bshd) or concatenated (thd)."""
     pack_len: int
@@ -36,10 +43,41 @@ class CollatedPack:
     """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
     padding_token_id: int
     """``input_ids`` value on pads."""
-    metadata: dict[str, np.ndarray]
-    """Stream metadata (``cu_seqlens`` & co.), see :mod:`cpdata.collate`."""
-    slots: SlotTables | None = None
-    """The plans' checked slot tables the metadata came from (reused by ``ShardForRank``'s stream); None: not kept."""
+    slots: SlotTables | None
+    """The plans' checked slot tables (reused by ``ShardForRank``'s stream); None: not kept."""
+
+    def __init__(
+        self,
+        *,
+        plans: tuple[PackPlan, ...],
+        pack_len: int,
+        qkv_format: str,
+        padding_token_id: int,
+        metadata: dict[str, np.ndarray] | None = None,
+        slots: SlotTables | None = None,
+    ) -> None:
+        for name, value in (("plans", plans), ("pack_len", pack_len), ("qkv_format", qkv_format),
+                            ("padding_token_id", padding_token_id), ("slots", slots), ("_metadata", metadata)):  # fmt: skip
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"CollatedPack is immutable: cannot set {name!r}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.plans, self.pack_len, self.qkv_format, self.padding_token_id, self._metadata,
+                           self.slots))  # fmt: skip
+
+    def __repr__(self) -> str:
+        return (f"CollatedPack(plans={self.plans!r}, pack_len={self.pack_len!r}, qkv_format={self.qkv_format!r}, "
+                f"padding_token_id={self.padding_token_id!r})")  # fmt: skip
+
+    @property
+    def metadata(self) -> dict[str, np.ndarray]:
+        """Stream metadata (``cu_seqlens`` & co., see :mod:`cpdata.collate`), computed on first read."""
+        if self._metadata is None:
+            slots = slot_tables(self.plans) if self.slots is None else self.slots
+            object.__setattr__(self, "_metadata", slots.metadata())
+        return self._metadata  # type: ignore[return-value]
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -49,6 +87,12 @@ class CollatedPack:
     def tensors(self) -> dict[str, np.ndarray]:
         """The full batch (every token), built now: O(B*S)."""
         return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)
+
+
+def _rebuild(plans: tuple[PackPlan, ...], pack_len: int, qkv_format: str, padding_token_id: int,
+             metadata: dict[str, np.ndarray] | None, slots: SlotTables | None) -> CollatedPack:  # fmt: skip
+    return CollatedPack(plans=plans, pack_len=pack_len, qkv_format=qkv_format, padding_token_id=padding_token_id,
+                        metadata=metadata, slots=slots)  # fmt: skip
 
 
 class Collate(BaseNode[CollatedPack]):
@@ -105,13 +149,12 @@ class Collate(BaseNode[CollatedPack]):
                 self._exhausted = True  # a short last batch; do not pull an exhausted source again
         if not plans:
             raise StopIteration
-        slots = slot_tables(plans)
+        slots = slot_tables(plans)  # the checks, here; the metadata when first read
         return CollatedPack(
             plans=tuple(plans),
             pack_len=plans[0].capacity,
             qkv_format=self.qkv_format,
             padding_token_id=self.padding_token_id,
-            metadata=slots.metadata(),
             slots=slots,
         )
 

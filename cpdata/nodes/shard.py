@@ -271,7 +271,7 @@ class ShardForRank(BaseNode[Any]):
                     inverse = item.table.inverse(out=gather)
                 else:
                     gather[...] = inverse
-            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, batch.metadata, increasing=True)
+            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, stream.metadata, increasing=True)
             layout = _layout_record(stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
             out.append(buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}))
         return tuple(out) if self.all_ranks else out[0]
