@@ -184,9 +184,10 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     """The :class:`BlockItem` of every batch of a block, in order.
 
     ``dynamic``: whether the layout depends on the documents
-    (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams are
-    built per batch; the run tables and causal work (per stream length), and
-    the digest samples (per token buffer), for all batches at once.
+    (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams and
+    their metadata (:func:`cpdata.stream.build_streams`), the run tables and
+    causal work (per stream length), and the digest samples (per token
+    buffer) are built for all batches at once.
 
     Raises:
         ValueError, TypeError: the per-batch checks (:func:`check_rows`, the stream's slot tables, the

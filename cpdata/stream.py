@@ -4,7 +4,8 @@ A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
 row-major concatenation of their slots (``B*S`` positions, each pack's tail
 absorbed by its last slot, an empty pack one padding slot of real length 0).
 :func:`build_stream` reads the plans' columns (:class:`~cpdata.plan.PieceColumns`)
-once: O(slots) tables, and the pieces' tokens stay where the packing window
+once: O(slots) tables (:func:`build_streams`: the tables of ``k`` batches with one
+set of numpy calls), and the pieces' tokens stay where the packing window
 concatenated them (:mod:`cpdata.token_buffer`); only pieces in no common buffer
 are concatenated, per batch. :mod:`cpdata.collate` builds the full pack or one
 rank's tokens from it.
@@ -209,41 +210,53 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int, SlotTables | 
         slot_lens, src_starts = np.concatenate([t.slot_lens for t in tables]), np.concatenate(src)
     starts, real_lens = table[:, 1], table[:, 2]
     first = np.fromiter(accumulate(counts, initial=0), dtype=np.int64, count=k + 1)  # batch b: slots [first[b], first[b + 1])
-    sizes = np.asarray(counts, dtype=np.int64)
+    sizes, head = (np.asarray(counts, dtype=np.int64), first[:-1]) if k > 1 else (None, None)
+    batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes) if k > 1 else None  # int64 [N]: each slot's batch
     slot_starts = slot_lens.cumsum()
     slot_starts -= slot_lens
-    if k > 1:
-        slot_starts -= np.repeat(slot_starts[first[:-1]], sizes)
-    real_ends = slot_starts + real_lens
-    seg_at = 6 * first[:-1] + np.arange(k, dtype=np.int64)  # batch b's segment table: [seg_at[b], + 6 K_b + 1)
+    if batch_of is not None:
+        slot_starts -= slot_starts[head][batch_of]
     seg = np.empty(6 * n + k, dtype=np.int64)
-    seg[seg_at + 2 * sizes] = _END
-    at = 2 * np.arange(n, dtype=np.int64)
-    if k > 1:
-        at += np.repeat(seg_at - 2 * first[:-1], sizes)
-    seg[at], seg[at + 1] = slot_starts, real_ends
-    at += 1
-    at += np.repeat(2 * sizes, sizes) if k > 1 else 2 * n
-    seg[at] = src_starts - slot_starts
-    seg[at + 1] = np.repeat(np.asarray([b.buffer.total for b in tokens], dtype=np.int64), sizes)
-    at += np.repeat(2 * sizes, sizes) if k > 1 else 2 * n
-    seg[at] = seg[at + 1] = starts - slot_starts
-    maxes = np.maximum.reduceat(np.stack([real_lens, slot_lens, starts + slot_lens]), first[:-1], axis=1).tolist()
-    totals = np.add.reduceat(real_lens, first[:-1]).tolist()
-    metadata = _metadata_block(real_lens, slot_lens, first)
-    out = []
+    pad_at = [b.buffer.total for b in tokens]  # W of each batch: the buffer index its pads read
+    if batch_of is None:  # one batch: its segment table by strided slices
+        seg_ats = [0]
+        seg[0 : 2 * n : 2], seg[2 * n] = slot_starts, _END
+        np.add(slot_starts, real_lens, out=seg[1 : 2 * n : 2])
+        np.subtract(src_starts, slot_starts, out=seg[2 * n + 1 : 4 * n + 1 : 2])
+        seg[2 * n + 2 : 4 * n + 1 : 2] = pad_at[0]
+        np.subtract(starts, slot_starts, out=seg[4 * n + 1 :: 2])
+        seg[4 * n + 2 :: 2] = seg[4 * n + 1 :: 2]
+    else:  # batch b's segment table: seg[seg_at[b] : seg_at[b] + 6 K_b + 1]
+        seg_at = 6 * head
+        seg_at += np.arange(k, dtype=np.int64)
+        seg[seg_at + 2 * sizes] = _END
+        at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
+        at += (seg_at - 2 * head)[batch_of]
+        step = (2 * sizes)[batch_of]
+        seg[at] = slot_starts
+        seg[at + 1] = slot_starts + real_lens
+        at += step
+        at += 1
+        seg[at] = src_starts - slot_starts
+        seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
+        at += step
+        seg[at] = seg[at + 1] = starts - slot_starts
+        seg_ats = seg_at.tolist()
+    metadata, totals, longest = _metadata_block(real_lens, slot_lens, first, batch_of)
+    reach = np.maximum.reduceat(starts + slot_lens, head).tolist() if k > 1 else [int((starts + slot_lens).max())]
+    out, firsts = [], first.tolist()
     for b, (plans, padding_token_id, _) in enumerate(batches):
-        t, tok, c, o = tables[b], tokens[b], counts[b], int(seg_at[b])
+        t, tok, c, o = tables[b], tokens[b], counts[b], seg_ats[b]
         s = seg[o : o + 6 * c + 1]
         out.append(Stream(
-            rows=len(plans), row_len=t.capacity, slot_starts=slot_starts[first[b] : first[b + 1]],
+            rows=len(plans), row_len=t.capacity, slot_starts=slot_starts[firsts[b] : firsts[b + 1]],
             slot_lens=t.slot_lens, real_lens=t.table[:, 2], real_ends=s[1 : 2 * c : 2], layout_lens=t.layout_lens,
             src_starts=src[b], src_shift=s[2 * c + 1 : 4 * c + 1 : 2], pos_shift=s[4 * c + 1 :: 2],
             buffer=tok.buffer, padding_token_id=padding_token_id,
             extras={key: tok.buffer.extras[key] for key in tok.keys},
             derived_mask=None if tok.no_mask is None else _per_slot(t.counts, tok.no_mask, True),
-            total=totals[b], segments=s, pads_pass_end=maxes[2][b] > t.capacity,
-            metadata=metadata[b], max_slot_len=maxes[1][b],
+            total=totals[b], segments=s, pads_pass_end=reach[b] > t.capacity,
+            metadata=metadata[b], max_slot_len=longest[b],
         ))  # fmt: skip
     return out
 
@@ -280,38 +293,44 @@ def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
 def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
     """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
     ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
-    k = real_lens.shape[0]
-    return _metadata_block(real_lens, slot_lens, np.asarray([0, k], dtype=np.int64))[0]
+    return _metadata_block(real_lens, slot_lens, np.asarray([0, real_lens.shape[0]], dtype=np.int64), None)[0][0]
 
 
-def _metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray) -> list[dict[str, np.ndarray]]:
-    """:func:`stream_metadata` of each batch of a block: int64 ``[N]`` real and slot lengths of the block's
-    slots, batch ``b`` holding slots ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``).
+def _metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
+                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int]]:  # fmt: skip
+    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens and longest slot.
 
-    The cumulative sums run over the block once and restart at each batch; each dict's arrays are views
-    of two block arrays (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums).
+    int64 ``[N]`` real and slot lengths of the block's slots, batch ``b`` holding slots
+    ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``, every batch a slot when
+    ``k > 1``), ``batch_of`` int64 ``[N]`` each slot's batch (None when ``k = 1``). The cumulative sums run
+    over the block once and restart at each batch; each dict's arrays are views of two block arrays
+    (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums).
     """
     n, k = real_lens.shape[0], first.shape[0] - 1
     lens = np.empty((2, n), dtype=np.int32)  # real, slot
     lens[0], lens[1] = real_lens, slot_lens
     cu = np.zeros((2, n + k), dtype=np.int32)  # batch b: columns [first[b] + b, first[b + 1] + b]
-    if k == 1:
+    if batch_of is None:
         lens.cumsum(axis=1, out=cu[:, 1:])
-        top = [int(lens[0].max()) if n else 0]
+        totals = [int(real_lens.sum())]
+        top = lens.max(axis=1, keepdims=True).tolist() if n else [[0], [0]]
     else:
-        sizes = np.diff(first)
+        head = first[:-1]
         cum = lens.cumsum(axis=1, dtype=np.int64)
-        cum -= np.repeat(cum[:, first[:-1]] - lens[:, first[:-1]], sizes, axis=1)
-        cu[:, np.arange(1, n + 1, dtype=np.int64) + np.repeat(np.arange(k, dtype=np.int64), sizes)] = cum
-        top = np.maximum.reduceat(lens[0], first[:-1]).tolist()  # (every batch has a slot)
-    out = []
+        cum -= np.repeat(cum[:, head] - lens[:, head], np.diff(first), axis=1)
+        at = np.arange(1, n + 1, dtype=np.int64)
+        at += batch_of
+        cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
+        totals = cum[0, first[1:] - 1].tolist()
+        top = np.maximum.reduceat(lens, head, axis=1).tolist()
+    out, bounds, (cu_real, cu_slot), (real, slot) = [], first.tolist(), cu, lens
     for b in range(k):
-        i, j = int(first[b]), int(first[b + 1])
+        i, j = bounds[b], bounds[b + 1]
         out.append({
-            "cu_seqlens": cu[0, i + b : j + b + 1],
-            "cu_seqlens_padded": cu[1, i + b : j + b + 1],
-            "seq_lens": lens[0, i:j],
-            "seq_lens_padded": lens[1, i:j],
-            "max_seqlen": np.asarray(top[b], dtype=np.int32),
+            "cu_seqlens": cu_real[i + b : j + b + 1],
+            "cu_seqlens_padded": cu_slot[i + b : j + b + 1],
+            "seq_lens": real[i:j],
+            "seq_lens_padded": slot[i:j],
+            "max_seqlen": np.asarray(top[0][b], dtype=np.int32),
         })  # fmt: skip
-    return out
+    return out, totals, top[1]

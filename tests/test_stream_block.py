@@ -1,0 +1,115 @@
+"""build_streams over a block of batches against each batch's stream from the definitions; CollatedPack's
+lazily computed metadata."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from test_collate import make_plans
+from torchdata.nodes import IterableWrapper
+
+from cpdata.collate import pack_metadata
+from cpdata.layouts import thd_slot_lens
+from cpdata.nodes.collate import Collate, CollatedPack
+from cpdata.plan import PackPlan
+from cpdata.stream import Stream, build_stream, build_streams, segment_table, slot_tables
+
+
+def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:
+    """Per-slot columns of one batch's stream, one slot at a time (an empty plan: one pad slot)."""
+    cols: dict[str, list[int]] = {"slot_starts": [], "slot_lens": [], "real_lens": [], "pos_shift": []}
+    at = 0
+    for plan in plans:
+        slots = thd_slot_lens(plan.slot_lens, plan.capacity) if plan.pieces else [plan.capacity]
+        pieces = plan.pieces or [None]
+        for piece, slot in zip(pieces, slots, strict=True):
+            cols["slot_starts"].append(at)
+            cols["slot_lens"].append(int(slot))
+            cols["real_lens"].append(piece.length if piece else 0)
+            cols["pos_shift"].append((piece.start if piece else 0) - at)
+            at += int(slot)
+    return cols
+
+
+def expected_metadata(plans: list[PackPlan]) -> dict[str, np.ndarray]:
+    cols = expected_columns(plans)
+    real, slot = cols["real_lens"], cols["slot_lens"]
+    return {
+        "cu_seqlens": np.asarray([0, *np.cumsum(real)], dtype=np.int32),
+        "cu_seqlens_padded": np.asarray([0, *np.cumsum(slot)], dtype=np.int32),
+        "seq_lens": np.asarray(real, dtype=np.int32),
+        "seq_lens_padded": np.asarray(slot, dtype=np.int32),
+        "max_seqlen": np.asarray(max(real), dtype=np.int32),
+    }
+
+
+def assert_same_arrays(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
+        np.testing.assert_array_equal(got[key], want[key], key)
+
+
+def assert_stream(stream: Stream, plans: list[PackPlan]) -> None:
+    """Every column of ``stream`` from the definitions; its segment table is the one built from its columns."""
+    cols = expected_columns(plans)
+    for key in ("slot_starts", "slot_lens", "real_lens", "pos_shift"):
+        np.testing.assert_array_equal(getattr(stream, key), cols[key], key)
+    np.testing.assert_array_equal(stream.real_ends, stream.slot_starts + stream.real_lens)
+    np.testing.assert_array_equal(stream.src_shift, stream.src_starts - stream.slot_starts)
+    assert stream.total == sum(cols["real_lens"])
+    assert stream.max_slot_len == max(cols["slot_lens"])
+    assert stream.pads_pass_end == any(
+        s + p + n > plans[0].capacity
+        for s, p, n in zip(cols["slot_starts"], cols["pos_shift"], cols["slot_lens"], strict=True)
+    )
+    for slot, piece in enumerate(q for p in plans for q in p.pieces or [None]):
+        if piece is not None:  # the slot's real tokens read the piece's ids from the buffer
+            at = int(stream.src_starts[slot])
+            np.testing.assert_array_equal(stream.buffer.ids[at : at + piece.length], piece.arrays["input_ids"])
+    bare = Stream(**{f: getattr(stream, f) for f in Stream.__dataclass_fields__ if f != "segments"})
+    np.testing.assert_array_equal(stream.segments, segment_table(bare))
+    assert stream.metadata is not None
+    assert_same_arrays(stream.metadata, expected_metadata(plans))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
+    """Batches of 1-4 plans (empty plans included, some batches a single empty plan), built as one block,
+    as blocks of one, and each batch alone: the same columns, segment tables and metadata."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for b in range(int(rng.integers(2, 7))):
+        plans, _ = make_plans(rng, n_plans=int(rng.integers(1, 5)), capacity=64, max_docs=4,
+                              extras=b % 2 == 1, given_labels=0.3)  # fmt: skip
+        batches.append((plans, b, slot_tables(plans) if b % 3 else None))
+    block = build_streams(batches)
+    assert len(block) == len(batches)
+    for stream, (plans, pad, _) in zip(block, batches, strict=True):
+        assert stream.padding_token_id == pad and stream.rows == len(plans)
+        assert_stream(stream, plans)
+        assert_stream(build_stream(plans, pad), plans)
+
+
+def test_collated_pack_metadata_is_computed_when_read():
+    """The Collate node leaves the metadata to the first read: the same values as pack_metadata; the
+    record stays immutable and pickles with its metadata."""
+    rng = np.random.default_rng(5)
+    plans, _ = make_plans(rng, n_plans=6, capacity=64)
+    node = Collate(IterableWrapper(plans), batch_size=3, qkv_format="thd")
+    for batch in (next(node), next(node)):
+        assert batch._metadata is None
+        assert_same_arrays(batch.metadata, pack_metadata(list(batch.plans)))
+        assert batch.metadata is batch.metadata  # computed once
+        with pytest.raises(AttributeError, match="immutable"):
+            batch.pack_len = 3  # type: ignore[misc]
+        copy = pickle.loads(pickle.dumps(batch))
+        assert copy.row_shape == batch.row_shape and copy.qkv_format == "thd"
+        assert_same_arrays(copy.metadata, batch.metadata)
+    given = {"seq_lens": np.zeros(1, dtype=np.int32)}
+    record = CollatedPack(plans=tuple(plans[:1]), pack_len=64, qkv_format="bshd", padding_token_id=0, metadata=given)
+    assert record.metadata is given and record.slots is None
+    assert_same_arrays(CollatedPack(plans=tuple(plans[:2]), pack_len=64, qkv_format="bshd",
+                                    padding_token_id=0).metadata, pack_metadata(plans[:2]))  # fmt: skip
