@@ -10,6 +10,7 @@ DP group sees the same short batch.
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import numpy as np
@@ -23,18 +24,16 @@ from cpdata.stream import SlotTables, slot_tables
 __all__ = ["Collate", "CollatedPack"]
 
 
+@dataclass(frozen=True, kw_only=True)
 class CollatedPack:
-    """``B`` plans of equal capacity, ready to collate (immutable).
+    """``B`` plans of equal capacity, ready to collate.
 
-    Args (keyword only): ``plans``, ``pack_len``, ``qkv_format``, ``padding_token_id`` as the attributes;
-    ``metadata``: the stream metadata when already computed (None: computed from the slot tables when
-    first read); ``slots``: the plans' checked :class:`~cpdata.stream.SlotTables` (None: not kept).
-
-    ``metadata`` is computed lazily because :class:`~cpdata.nodes.shard.ShardForRank` computes the
-    metadata of a block of batches at once (:func:`cpdata.stream.build_streams`) and never reads it.
+    ``metadata`` (keyword): the stream metadata when already computed; None (the default, the
+    ``Collate`` node's): computed from the slot tables when first read. Lazy because
+    :class:`~cpdata.nodes.shard.ShardForRank` computes the metadata of a block of batches at once
+    (:func:`cpdata.stream.build_streams`) and never reads this one.
     """
 
-    __slots__ = ("_metadata", "pack_len", "padding_token_id", "plans", "qkv_format", "slots")
     plans: tuple[PackPlan, ...]
     """The batch's plans, one per row (bshd) or concatenated (thd)."""
     pack_len: int
@@ -43,41 +42,19 @@ class CollatedPack:
     """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
     padding_token_id: int
     """``input_ids`` value on pads."""
-    slots: SlotTables | None
-    """The plans' checked slot tables (reused by ``ShardForRank``'s stream); None: not kept."""
+    metadata: InitVar[dict[str, np.ndarray] | None] = None  # (read through the property set below)
+    slots: SlotTables | None = None
+    """The plans' checked slot tables the metadata come from (reused by ``ShardForRank``'s stream); None: not kept."""
 
-    def __init__(
-        self,
-        *,
-        plans: tuple[PackPlan, ...],
-        pack_len: int,
-        qkv_format: str,
-        padding_token_id: int,
-        metadata: dict[str, np.ndarray] | None = None,
-        slots: SlotTables | None = None,
-    ) -> None:
-        for name, value in (("plans", plans), ("pack_len", pack_len), ("qkv_format", qkv_format),
-                            ("padding_token_id", padding_token_id), ("slots", slots), ("_metadata", metadata)):  # fmt: skip
-            object.__setattr__(self, name, value)
+    def __post_init__(self, metadata: dict[str, np.ndarray] | None) -> None:
+        object.__setattr__(self, "_metadata", metadata)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"CollatedPack is immutable: cannot set {name!r}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.plans, self.pack_len, self.qkv_format, self.padding_token_id, self._metadata,
-                           self.slots))  # fmt: skip
-
-    def __repr__(self) -> str:
-        return (f"CollatedPack(plans={self.plans!r}, pack_len={self.pack_len!r}, qkv_format={self.qkv_format!r}, "
-                f"padding_token_id={self.padding_token_id!r})")  # fmt: skip
-
-    @property
-    def metadata(self) -> dict[str, np.ndarray]:
+    def _read_metadata(self) -> dict[str, np.ndarray]:
         """Stream metadata (``cu_seqlens`` & co., see :mod:`cpdata.collate`), computed on first read."""
         if self._metadata is None:
             slots = slot_tables(self.plans) if self.slots is None else self.slots
             object.__setattr__(self, "_metadata", slots.metadata())
-        return self._metadata  # type: ignore[return-value]
+        return self._metadata
 
     @property
     def row_shape(self) -> tuple[int, int]:
@@ -89,10 +66,7 @@ class CollatedPack:
         return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)
 
 
-def _rebuild(plans: tuple[PackPlan, ...], pack_len: int, qkv_format: str, padding_token_id: int,
-             metadata: dict[str, np.ndarray] | None, slots: SlotTables | None) -> CollatedPack:  # fmt: skip
-    return CollatedPack(plans=plans, pack_len=pack_len, qkv_format=qkv_format, padding_token_id=padding_token_id,
-                        metadata=metadata, slots=slots)  # fmt: skip
+CollatedPack.metadata = property(CollatedPack._read_metadata, doc=CollatedPack._read_metadata.__doc__)  # type: ignore[assignment,method-assign]
 
 
 class Collate(BaseNode[CollatedPack]):
