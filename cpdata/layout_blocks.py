@@ -15,74 +15,38 @@ builders take validated lengths; :func:`cpdata.layouts.layout_runs` validates.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.layout_runs import RunTable, _frozen, causal_work_of
+from cpdata.layout_runs import RunBlock, RunTable, _frozen
 
 __all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunBlock:
-    """The run tables of ``P`` packs (``N`` documents, ``G`` runs each).
-
-    Attributes:
-        tables: ``P`` :class:`~cpdata.layout_runs.RunTable`, views of the arrays below.
-        counts: int64 ``[P]`` documents per pack, or None (one pack).
-        sizes, offsets: int64 ``[N, G]``; ``ranks``: int64 ``[N, G]`` or ``[G]`` (see ``RunTable``).
-    """
-
-    tables: list[RunTable]
-    counts: np.ndarray | None
-    sizes: np.ndarray
-    offsets: np.ndarray | None
-    ranks: np.ndarray
-
-    def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
-        tokens of each document (pack after pack)."""
-        assert self.offsets is not None, "layout runs without documents"
-        cp = self.tables[0].cp_size
-        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
-            return np.zeros((len(self.tables), cp), dtype=np.float64)
-        return causal_work_of(self.offsets, self.sizes, self.ranks, real, self.counts, cp)
-
-
 def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Exclusive running sum of ``x`` int64 ``[N]`` restarted at every pack (int64 ``[N]``) and each pack's
-    total (int64 ``[P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
-    cs = np.empty(x.shape[0] + 1, dtype=np.int64)
-    cs[0] = 0
-    np.cumsum(x, out=cs[1:])
+    """Exclusive running sums of the rows of ``x`` int64 ``[k, N]`` restarted at every pack (int64 ``[k, N]``)
+    and each pack's totals (int64 ``[k, P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
+    cs = np.zeros((x.shape[0], x.shape[1] + 1), dtype=np.int64)
+    np.cumsum(x, axis=1, out=cs[:, 1:])
     if counts is None:
-        return cs[:-1], cs[-1:]
-    ends = np.cumsum(counts)
-    firsts = ends - counts
-    return cs[:-1] - cs[firsts].repeat(counts), cs[ends] - cs[firsts]
-
-
-def _split(counts: np.ndarray | None, make) -> list[RunTable]:  # type: ignore[no-untyped-def]
-    """``make(p, slice)`` for every pack's rows (one pack: ``slice(None)``)."""
-    if counts is None:
-        return [make(0, slice(None))]
-    ends = np.cumsum(counts).tolist()
-    return [make(p, slice(e - c, e)) for p, (c, e) in enumerate(zip(counts.tolist(), ends, strict=True))]
+        return cs[:, :-1], cs[:, -1:]
+    stops = counts.cumsum()
+    firsts = cs[:, stops - counts]
+    return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
 
 
 @functools.lru_cache(maxsize=32)
 def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
 
-    ``of_c`` int64 ``[3, 2cp]``: per chunk length, the inverse shift, size and offset in the
-    document (``[j >= cp] - j``, 1, ``j``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
+    ``of_c`` int64 ``[3, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
+    document (``[j >= cp] - j``, 1, ``j + 1``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
     ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
     """
     cp = cp_size
     j = np.arange(2 * cp, dtype=np.int64)
     ranks = np.minimum(j, 2 * cp - 1 - j)
-    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j])[:, None, :]
+    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j + 1])[:, None, :]
     picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
     base = ranks * local_len
     _frozen(of_c, base, ranks, picks)
@@ -102,16 +66,13 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     cp = cp_size
     of_c, base, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
     c = slot_lens // (2 * cp)
-    before = _within_packs(c, counts)[0]  # C
-    table = np.multiply(c[None, :, None], of_c)  # [3, N, 2cp]: inverse shifts, sizes, offsets
-    inv, sizes, offsets = table
-    inv += base
-    inv += ((2 - 2 * cp) * before)[:, None]
-    make = lambda p, at: RunTable(pack_len, cp, sizes[at], inv[at], ranks, picks,  # noqa: E731
-                                  offsets=offsets[at] if with_docs else None,
-                                  lens=slot_lens[at] if with_docs else None)  # fmt: skip
-    return RunBlock(tables=_split(counts, make), counts=counts, sizes=sizes, offsets=offsets if with_docs else None,
-                    ranks=ranks)  # fmt: skip
+    before = _within_packs(c[None], counts)[0][0]  # C
+    table = np.multiply(c[None, :, None], of_c)  # [3, N, 2cp]: inverse shifts, sizes, ends
+    inv, sizes, ends = table
+    inv += np.add.outer((2 - 2 * cp) * before, base)
+    if not with_docs:
+        return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
 
 
 def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
@@ -128,9 +89,10 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
     ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
     before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
     inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
-    and ``-t``, ``-m``), the size (middles: ``t < m``), the offset in the document (middles ``min(t, m)``:
-    the empty ones where the real ones end, so a row's runs tile it; tails ``m``) and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
-    shift, size and offset. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
+    and ``-t``, ``-m``), the size (middles: ``t < m``), the end in the document (offset plus size; middles
+    start at ``min(t, m)``: the empty ones where the real ones end, so a row's runs tile it; tails at ``m``)
+    and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
+    shift, size and end. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
     each ``T % cp``.
     """
     cp, local = cp_size, local_len
@@ -144,13 +106,13 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
     nonlinear = np.stack([
         np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
         np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
-        np.concatenate([zero, np.minimum(t, m), m + zero], axis=1),
+        np.concatenate([zero, np.minimum(t, m) + (t < m), m + zero], axis=1),
         np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
     ])  # fmt: skip
     of_q = np.stack([
         np.concatenate([-c, np.full(2 * cp, 1 - cp), 1 - cp - i]),
         np.concatenate([np.ones(cp, dtype=np.int64), np.zeros(2 * cp, dtype=np.int64), np.ones(cp, dtype=np.int64)]),
-        np.concatenate([c, np.full(2 * cp, cp), cp + i]),
+        np.concatenate([c + 1, np.full(2 * cp, cp), cp + i + 1]),
     ])[:, None, :]  # fmt: skip
     k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
     picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
@@ -173,22 +135,22 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     """
     cp = cp_size
     nonlinear, of_q, picks = _balanced_coefs(cp, pack_len // cp)
-    q, m = np.divmod(lens, 2 * cp)
-    dealt, total_dealt = _within_packs(m, counts)  # T
-    heads, total_heads = _within_packs(q, counts)  # Q
+    qm = np.empty((2, lens.shape[0]), dtype=np.int64)
+    q, m = qm
+    np.divmod(lens, 2 * cp, out=(q, m))
+    (heads, dealt), totals = _within_packs(qm, counts)  # Q, T
     shift, rho = np.divmod(dealt, cp)
     key = rho * (2 * cp)
     key += m
-    table = nonlinear.take(key, axis=1)  # [4, N, 4cp]: inverse shifts, sizes, offsets, ranks
+    table = nonlinear.take(key, axis=1)  # [4, N, 4cp]: inverse shifts, sizes, ends, ranks
     table[:3] += q[None, :, None] * of_q
     shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
     table[0] += shift[:, None]
-    inv, sizes, offsets, ranks = table
-    tails = (pack_len - 2 * cp * total_heads - total_dealt).tolist()
-    dealts = total_dealt.tolist()
-    make = lambda p, at: RunTable(pack_len, cp, sizes[at], inv[at], ranks[at], picks, pick_key=rho[at],  # noqa: E731
-                                  offsets=offsets[at], lens=lens[at], tail=tails[p], dealt=dealts[p])  # fmt: skip
-    return RunBlock(tables=_split(counts, make), counts=counts, sizes=sizes, offsets=offsets, ranks=ranks)
+    inv, sizes, ends, ranks = table
+    total_heads, dealts = totals.tolist()
+    tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
+                    tails=tails, dealts=dealts)  # fmt: skip
 
 
 def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:

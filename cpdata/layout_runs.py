@@ -14,6 +14,12 @@ without sorting, searching or scattering:
 - a rank's row: its ``D * w`` runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
 - the causal work per rank in closed form per run (:meth:`RunTable.causal_work`, O(runs)).
 
+The tables of a block of packs (:class:`RunBlock`) are built with one set of
+numpy calls and each pack's :class:`RunTable` is a view of its rows (no
+arrays sliced per pack); a rank's runs are picked for every pack of the block
+at once, so serving a pack's row or inverse map is one ``repeat`` and one
+add (plus the dealt tail of ``balanced``).
+
 Cost: the builders are ~15 numpy calls whatever the pack size, most on
 ``[D]`` vectors: the parts of the ``[D, G]`` tables that are not linear in a
 document's length come from a table cached per ``(cp, local length)`` and
@@ -28,7 +34,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["RunTable", "causal_work_of", "contiguous_runs", "segments"]
+__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -54,14 +60,6 @@ def _dealt(cp_size: int, local_len: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _row_starts(n_docs: int, width: int) -> np.ndarray:
-    """int64 ``[n_docs, 1]``: the flat index of each table row's first run."""
-    out = np.arange(0, n_docs * width, width, dtype=np.int64)[:, None]
-    _frozen(out)
-    return out
-
-
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
 
@@ -75,45 +73,114 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
     return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
 
 
-class RunTable:
-    """One layout of one pack as runs in global order (read-only arrays; see the module docstring).
+class RunBlock:
+    """The runs of ``P`` packs of ``pack_len`` tokens, their ``N`` documents pack after pack (read-only arrays).
+
+    Built once per block of packs (:mod:`cpdata.layout_blocks`); each pack's :class:`RunTable` is a
+    view of its rows. What a rank's row needs from the ``[N, G]`` tables is picked for every pack at
+    once, the first time a table is asked for that rank's row (:meth:`rank_runs`).
 
     Attributes:
-        pack_len: tokens in the pack (a multiple of ``cp``).
+        pack_len: tokens in each pack (a multiple of ``cp``).
         cp_size: CP ranks.
-        sizes: int64 ``[D, G]``: tokens per run (0 allowed); row ``d`` tiles document ``d``, the rows tile
-            ``[0, pack_len - tail)``.
-        inv_shifts: int64 ``[D, G]``: a run's position in the rank-major concatenation minus its global start.
-        ranks: int64 ``[D, G]`` or ``[G]`` (the same for every row): the rank owning each run.
+        counts: int64 ``[P]`` documents per pack, or None (one pack).
+        sizes: int64 ``[N, G]``: tokens per run (0 allowed); a pack's rows tile its documents, the
+            documents tile ``[0, pack_len - tail)``.
+        inv_shifts: int64 ``[N, G]``: a run's position in its pack's rank-major concatenation minus its
+            global start.
+        ranks: int64 ``[N, G]`` or ``[G]`` (the same for every row): the rank owning each run.
         picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
-        pick_key: int64 ``[D]``: the variant of each row (None: variant 0 for every row).
-        offsets: int64 ``[D, G]``: each run's first position inside its document (a row's runs tile it in
-            column order, empty runs included); None for layouts that ignore documents.
-        lens: int64 ``[D]``: the documents' slot lengths (None with ``offsets``).
+        pick_key: int64 ``[N]``: the variant of each row (None: variant 0 for every row).
+        ends: int64 ``[N, G]``: each run's end inside its document (a row's runs tile it in column
+            order, empty runs included); None for layouts that ignore documents.
+        lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
+        tables: the ``P`` packs' tables.
+    """
+
+    __slots__ = ("pack_len", "cp_size", "counts", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "ends",
+                 "lens", "tables", "_flat", "_by_rank")  # fmt: skip
+
+    def __init__(self, pack_len: int, cp_size: int, counts: np.ndarray | None, sizes: np.ndarray,
+                 inv_shifts: np.ndarray, ranks: np.ndarray, picks: np.ndarray, pick_key: np.ndarray | None = None,
+                 ends: np.ndarray | None = None, lens: np.ndarray | None = None, tails: list[int] | None = None,
+                 dealts: list[int] | None = None) -> None:  # fmt: skip
+        """``tails``, ``dealts``: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0)."""
+        self.pack_len, self.cp_size, self.counts, self.sizes = pack_len, cp_size, counts, sizes
+        self.inv_shifts, self.ranks, self.picks, self.pick_key = inv_shifts, ranks, picks, pick_key
+        self.ends, self.lens = ends, lens
+        self._flat = (inv_shifts.reshape(-1), sizes.reshape(-1))
+        self._by_rank: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if counts is None:
+            bounds = [(0, sizes.shape[0])]
+        else:
+            stops = counts.cumsum().tolist()
+            bounds = list(zip([0, *stops[:-1]], stops, strict=True))
+        tails = tails or [0] * len(bounds)
+        dealts = dealts or [0] * len(bounds)
+        self.tables = [RunTable(self, lo, hi, tail, dealt)
+                       for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]  # fmt: skip
+
+    def rank_runs(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse shifts and sizes (int64 ``[N * w]``) of ``rank``'s runs, row after row, in row order
+        (picked for every pack the first time, then kept)."""
+        got = self._by_rank.get(rank)
+        if got is None:
+            picks = self.picks[rank]
+            if self.pick_key is None:  # the same columns in every row
+                inv, sizes = self.inv_shifts.take(picks[0], axis=1), self.sizes.take(picks[0], axis=1)
+            else:
+                at = picks.take(self.pick_key, axis=0)
+                at += np.arange(0, self.sizes.size, self.sizes.shape[1])[:, None]  # [N, w] flat indices
+                inv, sizes = self.inv_shifts.take(at), self.sizes.take(at)
+            got = self._by_rank[rank] = (inv.reshape(-1), sizes.reshape(-1))
+        return got
+
+    def causal_work(self, real: np.ndarray) -> np.ndarray:
+        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
+        tokens of each document (pack after pack)."""
+        assert self.ends is not None, "layout runs without documents"
+        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
+            return np.zeros((len(self.tables), self.cp_size), dtype=np.float64)
+        return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
+
+
+class RunTable:
+    """One layout of one pack as runs in global order: rows ``[lo, hi)`` of a :class:`RunBlock` (see the
+    module docstring).
+
+    Attributes:
+        block: the block of packs it belongs to.
+        lo, hi: its documents' rows in the block's tables.
+        pack_len, cp_size: the block's.
         tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
             each rank's row ends with its share, every ``cp``-th of them.
         dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
+
+    Its runs are the block's (:class:`RunBlock`) in rows ``[lo, hi)``.
     """
 
-    __slots__ = ("pack_len", "cp_size", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "offsets", "lens",
-                 "tail", "dealt")  # fmt: skip
+    __slots__ = ("block", "lo", "hi", "pack_len", "cp_size", "tail", "dealt")
 
-    def __init__(self, pack_len: int, cp_size: int, sizes: np.ndarray, inv_shifts: np.ndarray, ranks: np.ndarray,
-                 picks: np.ndarray, pick_key: np.ndarray | None = None, offsets: np.ndarray | None = None,
-                 lens: np.ndarray | None = None, tail: int = 0, dealt: int = 0) -> None:  # fmt: skip
-        self.pack_len, self.cp_size, self.sizes, self.inv_shifts = pack_len, cp_size, sizes, inv_shifts
-        self.ranks, self.picks, self.pick_key, self.offsets, self.lens = ranks, picks, pick_key, offsets, lens
-        self.tail, self.dealt = tail, dealt
+    def __init__(self, block: RunBlock, lo: int, hi: int, tail: int = 0, dealt: int = 0) -> None:
+        self.block, self.lo, self.hi, self.tail, self.dealt = block, lo, hi, tail, dealt
+        self.pack_len, self.cp_size = block.pack_len, block.cp_size
+
+    @property
+    def lens(self) -> np.ndarray | None:
+        """int64 ``[D]``: the documents' slot lengths; None without documents."""
+        lens = self.block.lens
+        return None if lens is None else lens[self.lo : self.hi]
 
     @property
     def doc(self) -> np.ndarray | None:
         """int64 ``[D]``: the document of each table row (row ``d`` is document ``d``); None without documents."""
-        return None if self.offsets is None else _arange(self.sizes.shape[0])
+        return None if self.block.ends is None else _arange(self.hi - self.lo)
 
     @property
     def doc_starts(self) -> np.ndarray | None:
         """int64 ``[D]``: global offset of each document; None without documents."""
-        return None if self.lens is None else self.lens.cumsum() - self.lens
+        lens = self.lens
+        return None if lens is None else lens.cumsum() - lens
 
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
@@ -124,16 +191,11 @@ class RunTable:
         mine = (self.dealt + self.tail + cp - 1 - rank) // cp - (self.dealt + cp - 1 - rank) // cp
         n = local - mine
         if n:
-            picks = self.picks[rank]
-            if self.pick_key is None:  # the same columns in every row
-                inv, sizes = self.inv_shifts.take(picks[0], axis=1), self.sizes.take(picks[0], axis=1)
-            else:
-                at = picks.take(self.pick_key, axis=0)
-                at += _row_starts(*self.sizes.shape)  # [D, w] flat indices of the rank's runs
-                inv, sizes = self.inv_shifts.take(at), self.sizes.take(at)
+            inv, sizes = self.block.rank_runs(rank)
+            w = self.block.picks.shape[2]
+            lo, hi = self.lo * w, self.hi * w
             # a run's row positions are rank * local + arange - its inverse shift
-            inv = inv.reshape(-1).repeat(sizes.reshape(-1))
-            np.subtract(_arange(p)[rank * local : rank * local + n], inv, out=out[:n])
+            np.subtract(_arange(p)[rank * local : rank * local + n], inv[lo:hi].repeat(sizes[lo:hi]), out=out[:n])
         if mine:
             first = p - self.tail + (rank - self.dealt) % cp
             np.add(_arange(local, cp)[:mine], first, out=out[n:])
@@ -159,28 +221,33 @@ class RunTable:
         out = np.empty(p, dtype=np.int64) if out is None else out
         n = p - self.tail
         if n:
-            np.add(self.inv_shifts.reshape(-1).repeat(self.sizes.reshape(-1)), _arange(p)[:n], out=out[:n])
+            inv, sizes = self.block._flat
+            g = self.block.sizes.shape[1]
+            lo, hi = self.lo * g, self.hi * g
+            np.add(inv[lo:hi].repeat(sizes[lo:hi]), _arange(p)[:n], out=out[:n])
         if self.tail:
             np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
         return out
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
         """float64 ``[cp]``: causal document-masked attention work of each rank (:func:`causal_work_of` of
-        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs ``offsets``."""
-        assert self.offsets is not None and self.lens is not None, "layout runs without documents"
-        d = self.lens.shape[0]
+        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs documents."""
+        ends = self.block.ends
+        assert ends is not None, "layout runs without documents"
+        d = self.hi - self.lo
         if d == 0:
             return np.zeros(self.cp_size, dtype=np.float64)
         real = np.asarray(real_lens, dtype=np.int64)[:d]
-        return causal_work_of(self.offsets, self.sizes, self.ranks, real, None, self.cp_size)[0]
+        ranks = self.block.ranks if self.block.ranks.ndim == 1 else self.block.ranks[self.lo : self.hi]
+        return causal_work_of(ends[self.lo : self.hi], ranks, real, None, self.cp_size)[0]
 
 
-def causal_work_of(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, real: np.ndarray,
-                   counts: np.ndarray | None, cp_size: int) -> np.ndarray:  # fmt: skip
+def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
+                   cp_size: int) -> np.ndarray:  # fmt: skip
     """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
 
-    ``offsets``, ``sizes`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
-    row): the run tables of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
+    ``ends`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
+    row): the run ends and owners of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
     tokens of each document; ``counts`` int64 ``[P]``: documents per pack (None: one pack; with
     ``[G]`` ranks each pack needs >= 1 document). A real token at offset ``o`` of its document
     attends to ``o + 1`` keys; padding costs 0. The real tokens before offset ``e`` cost
@@ -190,8 +257,7 @@ def causal_work_of(offsets: np.ndarray, sizes: np.ndarray, ranks: np.ndarray, re
     pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
     """
     n_packs = 1 if counts is None else counts.shape[0]
-    ends = offsets + sizes
-    np.minimum(ends, real[:, None], out=ends)
+    ends = np.minimum(ends, real[:, None])
     twice = ends + 1
     twice *= ends  # 2 W(end) [N, G]
     if ranks.ndim == 1:
@@ -215,7 +281,7 @@ def _contiguous(cp_size: int, pack_len: int) -> RunTable:
     inv = np.zeros((1, cp_size), dtype=np.int64)
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)
-    return RunTable(pack_len, cp_size, sizes, inv, ranks, picks)
+    return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables[0]
 
 
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout_blocks import RunBlock, balanced_block, balanced_runs, head_tail_block, head_tail_runs
-from cpdata.layout_runs import RunTable, contiguous_runs
+from cpdata.layout_blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
+from cpdata.layout_runs import RunBlock, RunTable, contiguous_runs
 
 __all__ = [
     "LAYOUTS",
