@@ -79,7 +79,7 @@ def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_le
     """:func:`head_tail_block` of one pack (``pack_len``: the slots' sum when None)."""
     if pack_len is None:
         pack_len = int(slot_lens.sum())
-    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables[0]
+    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables()[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -155,4 +155,4 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
 
 def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
     """:func:`balanced_block` of one pack."""
-    return balanced_block(lens, None, pack_len, cp_size).tables[0]
+    return balanced_block(lens, None, pack_len, cp_size).tables()[0]

@@ -94,11 +94,11 @@ class RunBlock:
         ends: int64 ``[N, G]``: each run's end inside its document (a row's runs tile it in column
             order, empty runs included); None for layouts that ignore documents.
         lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
-        tables: the ``P`` packs' tables.
+        tails, dealts: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0 for every pack).
     """
 
     __slots__ = ("pack_len", "cp_size", "counts", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "ends",
-                 "lens", "tables", "_flat", "_by_rank")  # fmt: skip
+                 "lens", "tails", "dealts", "_flat", "_by_rank")  # fmt: skip
 
     def __init__(self, pack_len: int, cp_size: int, counts: np.ndarray | None, sizes: np.ndarray,
                  inv_shifts: np.ndarray, ranks: np.ndarray, picks: np.ndarray, pick_key: np.ndarray | None = None,
@@ -107,18 +107,20 @@ class RunBlock:
         """``tails``, ``dealts``: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0)."""
         self.pack_len, self.cp_size, self.counts, self.sizes = pack_len, cp_size, counts, sizes
         self.inv_shifts, self.ranks, self.picks, self.pick_key = inv_shifts, ranks, picks, pick_key
-        self.ends, self.lens = ends, lens
+        self.ends, self.lens, self.tails, self.dealts = ends, lens, tails, dealts
         self._flat = (inv_shifts.reshape(-1), sizes.reshape(-1))
         self._by_rank: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if counts is None:
-            bounds = [(0, sizes.shape[0])]
+
+    def tables(self) -> list[RunTable]:
+        """The ``P`` packs' tables (new views on every call; the block holds none, so no reference cycle)."""
+        if self.counts is None:
+            bounds = [(0, self.sizes.shape[0])]
         else:
-            stops = counts.cumsum().tolist()
+            stops = self.counts.cumsum().tolist()
             bounds = list(zip([0, *stops[:-1]], stops, strict=True))
-        tails = tails or [0] * len(bounds)
-        dealts = dealts or [0] * len(bounds)
-        self.tables = [RunTable(self, lo, hi, tail, dealt)
-                       for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]  # fmt: skip
+        tails = self.tails or [0] * len(bounds)
+        dealts = self.dealts or [0] * len(bounds)
+        return [RunTable(self, lo, hi, tail, dealt) for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]
 
     def rank_runs(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Inverse shifts and sizes (int64 ``[N * w]``) of ``rank``'s runs, row after row, in row order
@@ -140,7 +142,7 @@ class RunBlock:
         tokens of each document (pack after pack)."""
         assert self.ends is not None, "layout runs without documents"
         if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
-            return np.zeros((len(self.tables), self.cp_size), dtype=np.float64)
+            return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
         return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
 
 
@@ -281,7 +283,7 @@ def _contiguous(cp_size: int, pack_len: int) -> RunTable:
     inv = np.zeros((1, cp_size), dtype=np.int64)
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)
-    return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables[0]
+    return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables()[0]
 
 
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:

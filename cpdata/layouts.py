@@ -162,7 +162,7 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
     that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
 
     ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays. One block builder call over their
-    concatenation (:mod:`cpdata.layout_blocks`): pack ``p``'s table is ``.tables[p]``, bit for bit the one
+    concatenation (:mod:`cpdata.layout_blocks`): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
     ``layout_runs`` gives it alone. Raises the error ``layout_runs`` raises for the first bad pack.
     """
     _, pack_multiple = alignment(layout, cp_size)

@@ -173,10 +173,11 @@ def _dynamic_layouts(layout: str, cp_size: int, streams: Sequence[Stream], strea
         groups.setdefault(n, []).append(i)
     for stream_len, members in groups.items():
         block = layout_run_block(layout, cp_size, [streams[i].layout_lens for i in members], stream_len)
-        real = [streams[i].real_lens[: t.hi - t.lo] for i, t in zip(members, block.tables, strict=True)]
+        block_tables = block.tables()
+        real = [streams[i].real_lens[: t.hi - t.lo] for i, t in zip(members, block_tables, strict=True)]
         work = block.causal_work(real[0] if len(real) == 1 else np.concatenate(real)).tolist()
         for j, i in enumerate(members):
-            tables[i], works[i] = block.tables[j], work[j]
+            tables[i], works[i] = block_tables[j], work[j]
     return tables, works
 
 
