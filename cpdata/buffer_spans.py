@@ -30,7 +30,7 @@ import torch
 
 from cpdata.shard_layout import ShardLayout
 
-__all__ = ["Span", "ViewPlan", "buffer_plan", "plan_of", "span_table", "tensor_specs", "views", "with_fields"]
+__all__ = ["BufferPlan", "Span", "ViewPlan", "buffer_plan", "plan_of", "span_table", "tensor_specs", "views", "with_fields"]
 
 _ALIGN = 16
 Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
@@ -101,6 +101,8 @@ class ViewPlan(NamedTuple):
     map_steps: Steps
     tensor_bytes: int
     """Bytes of the batch's tensors (``sum(numel * element_size)`` over the keys; no alignment gaps)."""
+    map_bytes: int
+    """Bytes of the layout maps (``sum(numel * element_size)``)."""
 
     def tensor_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's tensors, keys in order, as views of ``buffer`` (storage offset 0; whole or batch part)."""
@@ -118,7 +120,8 @@ class ViewPlan(NamedTuple):
 def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> ViewPlan:
     """The :class:`ViewPlan` of span tables (``map_spans`` after ``spans``; ``total`` bytes)."""
     head = min((span[0] for span in map_spans.values()), default=total)
-    return ViewPlan(spans, map_spans, head, _steps(spans), _steps(map_spans), sum(span[1] for span in spans.values()))
+    return ViewPlan(spans, map_spans, head, _steps(spans), _steps(map_spans), sum(span[1] for span in spans.values()),
+                    sum(span[1] for span in map_spans.values()))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=32)
@@ -126,11 +129,23 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
+class BufferPlan(NamedTuple):
+    """What allocating and viewing a :class:`~cpdata.batch.BatchBuffer` needs, computed once per spec set."""
+
+    view: ViewPlan
+    """The torch views of the filled buffer."""
+    total: int
+    """Bytes of the buffer."""
+    arrays: NumpySpec
+    """The numpy views of the tensors, in key order."""
+    maps: NumpySpec
+    """The numpy views of the layout maps, after the tensors."""
+
+
 @functools.lru_cache(maxsize=256)
-def buffer_plan(tensors: tuple, maps: tuple) -> tuple[ViewPlan, int, NumpySpec, NumpySpec]:
-    """The :class:`ViewPlan` of a :class:`~cpdata.batch.BatchBuffer` (``(key, (shape, numpy dtype))``
-    items in order), its total bytes and the numpy views of the tensors and of the maps; cached: batches
-    of one pipeline repeat a few shapes (the slot count varies)."""
+def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
+    """The :class:`BufferPlan` of a :class:`~cpdata.batch.BatchBuffer` (``(key, (shape, numpy dtype))``
+    items in order); cached: batches of one pipeline repeat a few shapes (the slot count varies)."""
 
     def specs(items):
         return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
@@ -140,7 +155,7 @@ def buffer_plan(tensors: tuple, maps: tuple) -> tuple[ViewPlan, int, NumpySpec, 
 
     spans, end = span_table(specs(tensors))
     map_spans, total = span_table(specs(maps), end)
-    return plan_of(spans, map_spans, total), total, arrays(spans, tensors), arrays(map_spans, maps)
+    return BufferPlan(plan_of(spans, map_spans, total), total, arrays(spans, tensors), arrays(map_spans, maps))
 
 
 def views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:

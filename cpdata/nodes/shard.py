@@ -30,14 +30,14 @@ tokens: O(stream_len) for the map, its inverse, the causal-work figures in
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.batch import BatchBuffer, ShardedBatch
-from cpdata.collate import fill_rank, rank_specs
+from cpdata.buffer_spans import BufferPlan, buffer_plan
+from cpdata.collate import SpecKey, fill_rank, rank_spec_key, spec_items
 from cpdata.layouts import alignment, check_layout, rank_indices
 from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.shard_block import BlockItem, check_rows, prepare_block
@@ -45,6 +45,8 @@ from cpdata.shard_layout import ShardLayout
 from cpdata.state_version import check_saved_config, check_state_version
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
+
+_I64 = np.dtype(np.int64)
 
 DEFAULT_BLOCK_SIZE = 8
 """Batches per block of :class:`ShardForRank` (see the module docstring for the trade-off; README "blocks":
@@ -64,6 +66,16 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
     probes = ([], [half], [d, 3 * d], [d, half - d, half], [pack_len - d, d])
     rows = [rank_indices(layout, cp_size, lens, pack_len) for lens in probes]
     return any(not np.array_equal(rows[0], r) for r in rows[1:])
+
+
+@functools.lru_cache(maxsize=256)
+def _buffer_plan(spec_key: SpecKey, stream_len: int) -> BufferPlan:
+    """The buffer of a rank's batch: the tensors of ``spec_key`` (:func:`~cpdata.collate.rank_spec_key`),
+    then its row int64 ``[L]`` and the inverse map int64 ``[stream_len]`` (cached per shape: no spec dict
+    or tuple hashed per batch)."""
+    local = spec_key[0][-1]
+    maps = (("local_token_global_indices", ((local,), _I64)), ("gather_index", ((stream_len,), _I64)))
+    return buffer_plan(spec_items(*spec_key), maps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -251,27 +263,35 @@ class ShardForRank(BaseNode[Any]):
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
-        """Write each rank's row and inverse map into its batch buffer and gather its tokens."""
-        batch, stream, stream_len = item.batch, item.stream, item.stream_len
-        ranks: Sequence[int] = range(self.cp_size) if self.all_ranks else [self.cp_rank]
-        local = stream_len // self.cp_size
-        specs = rank_specs(stream, local, batch.qkv_format)
-        maps = {"local_token_global_indices": ((local,), np.int64), "gather_index": ((stream_len,), np.int64)}
-        row_shape = batch.row_shape if batch.qkv_format == "thd" else None
+        """This rank's batch of ``item``; every rank's with ``all_ranks`` (the inverse map computed once)."""
+        spec_key = rank_spec_key(item.stream, item.stream_len // self.cp_size, item.batch.qkv_format)
+        plan = _buffer_plan(spec_key, item.stream_len)
+        if not self.all_ranks:
+            return self._serve_rank(item, plan, self.cp_rank, None)[0]
         out, inverse = [], None
-        for r in ranks:  # everything is written straight into the batch's one buffer
-            buf = BatchBuffer(specs, maps)
-            rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
-            if item.fixed is not None:
-                rows_r[...], gather[...] = item.fixed[0][r], item.fixed[1]
+        for r in range(self.cp_size):
+            batch, inverse = self._serve_rank(item, plan, r, inverse)
+            out.append(batch)
+        return tuple(out)
+
+    def _serve_rank(self, item: BlockItem, plan: BufferPlan, r: int, inverse: np.ndarray | None
+                    ) -> tuple[ShardedBatch, np.ndarray]:  # fmt: skip
+        """Rank ``r``'s batch, written straight into its one buffer (laid out by ``plan``): its row, the
+        inverse map (a copy of ``inverse`` when not None), its tokens and the stream metadata. Returns the
+        batch and its inverse map."""
+        buf = BatchBuffer.of(plan)
+        rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
+        if item.fixed is not None:
+            rows_r[...], gather[...] = item.fixed[0][r], item.fixed[1]
+        else:
+            assert item.table is not None
+            item.table.row(r, out=rows_r)
+            if inverse is None:
+                item.table.inverse(out=gather)
             else:
-                assert item.table is not None
-                item.table.row(r, out=rows_r)
-                if inverse is None:
-                    inverse = item.table.inverse(out=gather)
-                else:
-                    gather[...] = inverse
-            fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, stream.metadata, increasing=True)
-            layout = _layout_record(stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
-            out.append(buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}))
-        return tuple(out) if self.all_ranks else out[0]
+                gather[...] = inverse
+        stream, batch = item.stream, item.batch
+        fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, stream.metadata, increasing=True)
+        row_shape = batch.row_shape if batch.qkv_format == "thd" else None
+        layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
+        return buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}), gather
