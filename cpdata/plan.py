@@ -232,14 +232,19 @@ def plan_digest(
     return plan_digests([plan], layout, cp_size, ids, starts)[0]
 
 
-def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray) -> list[int]:
+def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray,
+                 columns: np.ndarray | None = None) -> list[int]:  # fmt: skip
     """:func:`plan_digest` of every plan, the samples of all their pieces from one gather.
 
     ``ids``: int64 ids holding every piece's ``input_ids``; ``starts``: int64 ``[n]`` index in ``ids`` of
-    each piece's first token, plan after plan (``n`` pieces in all). One ``[n, 12]`` table of every
-    piece's columns and samples, then one hash per plan over its rows.
+    each piece's first token, plan after plan (``n`` pieces in all); ``columns``: int64 ``[n, 4]`` the
+    plans' :attr:`~PackPlan.columns` concatenated, when the caller has them (concatenated here when
+    None). One ``[n, 12]`` table of every piece's columns and samples, then one hash per plan over its rows.
     """
-    cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
+    if columns is not None:
+        cols = columns
+    else:
+        cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
     lens = cols[:, 2]
     n = lens.shape[0]
     meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)

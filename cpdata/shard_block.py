@@ -20,6 +20,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,7 @@ from cpdata.layout_runs import RunTable
 from cpdata.layouts import layout_run_block, layout_runs
 from cpdata.nodes.collate import CollatedPack
 from cpdata.plan import plan_digests
-from cpdata.stream import Stream, build_streams
+from cpdata.stream import Stream, StreamBlock, build_streams
 
 __all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
 
@@ -98,57 +99,74 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
     return bounds, first_run
 
 
-def _static_causal_work(stream: Stream, layout: str, cp_size: int, stream_len: int) -> list[float]:
-    """Per-rank work of :func:`cpdata.layouts.causal_work` for a layout that ignores the documents.
+def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_lens: Sequence[int]) -> list[list[float]]:
+    """Per-rank work of :func:`cpdata.layouts.causal_work` of each batch under a layout that ignores the documents.
 
     A real token at offset ``o`` of its slot attends to ``o + 1`` keys; pads
     cost 0. The few runs of these layouts (2 per rank at most, repeated every
     ``S`` in bshd rows) are costed as ``W(end) - W(first)``, ``W(g)`` the work
-    of stream positions ``< g`` (one search over the slot starts): O(runs * B + slots).
+    of the block's positions ``< g`` (the batches' streams back to back): one
+    search over the block's slot offsets for the runs of every batch of a
+    stream length, O(runs * B * k + N) in a few numpy calls.
     """
-    bounds, first_run = _run_bounds(layout, cp_size, stream_len, stream.rows * stream.row_len // stream_len)
-    real, slot_starts = stream.real_lens, stream.slot_starts
+    offsets, real = block.offsets, block.slots.table[:, 2]
     twice = real * (real + 1)
-    k = slot_starts.searchsorted(bounds, side="right") - 1
-    m = np.minimum(bounds - slot_starts[k], real[k])
-    w = (twice.cumsum() - twice)[k] + m * (m + 1)  # 2 W(g)
-    half = w.size // 2
-    return (np.add.reduceat(w[half:] - w[:half], first_run) // 2).astype(np.float64).tolist()
+    below = twice.cumsum()
+    below -= twice  # 2 W(offset of each slot)
+    firsts, streams = block.slots.first, block.streams
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, stream_len in enumerate(stream_lens):  # (a short last batch: other rows or another length)
+        groups.setdefault((stream_len, streams[b].rows * streams[b].row_len // stream_len), []).append(b)
+    works: list[list[float]] = [[]] * len(stream_lens)
+    for (stream_len, n_rows), members in groups.items():
+        bounds, first_run = _run_bounds(layout, cp_size, stream_len, n_rows)
+        at = offsets[[firsts[b] for b in members]][:, None] + bounds  # [m, 2 runs]: each batch's runs
+        k = offsets.searchsorted(at, side="right")
+        k -= 1
+        m = np.minimum(at - offsets[k], real[k])
+        w = below[k] + m * (m + 1)  # 2 W(g)
+        half = bounds.shape[0] // 2
+        work = (np.add.reduceat(w[:, half:] - w[:, :half], first_run, axis=1) // 2).astype(np.float64).tolist()
+        for j, b in enumerate(members):
+            works[b] = work[j]
+    return works
 
 
-def _piece_starts(batch: CollatedPack, stream: Stream) -> np.ndarray:
-    """int64 ``[pieces]``: the token-buffer index of each piece's first id, plan after plan (an empty
-    plan's padding slot left out)."""
-    counts = stream.slot_lens.shape[0] - sum(len(p.columns) for p in batch.plans)
-    if counts == 0:
-        return stream.src_starts
-    keep, at = [], 0
-    for p in batch.plans:
-        n = len(p.columns)
-        keep.append(stream.src_starts[at : at + n])
-        at += max(n, 1)  # an empty plan holds one padding slot
-    return np.concatenate(keep)
-
-
-def _digests(batches: Sequence[CollatedPack], streams: Sequence[Stream], layout: str, cp_size: int) -> list[int]:
+def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, cp_size: int) -> list[int]:
     """Each batch's digest: :func:`cpdata.plan.plan_digest` of its plan, or a hash of every plan's.
 
     The plans of batches reading the same token buffer (a packing window's) are digested together
-    (:func:`cpdata.plan.plan_digests`: one gather of their samples).
+    (:func:`cpdata.plan.plan_digests`: one gather of their samples), from the block's piece columns.
     """
+    slots, streams = block.slots, block.streams
+    columns, starts, first = slots.table, block.src_starts, slots.first
+    if slots.padded:  # an empty plan's padding slot is no piece
+        pads, at, counts = [], 0, slots.counts
+        for c in counts:
+            if not c:
+                pads.append(at)
+            at += c or 1
+        piece = np.ones(columns.shape[0], dtype=bool)
+        piece[pads] = False
+        columns, starts = columns[piece], starts[piece]
+        pf = slots.plan_first
+        first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
     groups: dict[int, list[int]] = {}
-    for i, stream in enumerate(streams):
-        groups.setdefault(id(stream.buffer), []).append(i)
-    per_plan: list[list[int]] = [[] for _ in batches]
+    for b, stream in enumerate(streams):
+        groups.setdefault(id(stream.buffer), []).append(b)
+    per_plan: list[list[int]] = [[]] * len(batches)
     for members in groups.values():
-        plans = [p for i in members for p in batches[i].plans]
-        starts = [_piece_starts(batches[i], streams[i]) for i in members]
-        ids = streams[members[0]].buffer.ids
-        digests = plan_digests(plans, layout, cp_size, ids, starts[0] if len(starts) == 1 else np.concatenate(starts))
-        at = 0
-        for i in members:
-            n = len(batches[i].plans)
-            per_plan[i], at = digests[at : at + n], at + n
+        plans = [p for b in members for p in batches[b].plans]
+        if len(members) == len(batches):
+            cols, at = columns, starts
+        else:
+            cols = np.concatenate([columns[first[b] : first[b + 1]] for b in members])
+            at = np.concatenate([starts[first[b] : first[b + 1]] for b in members])
+        digests = plan_digests(plans, layout, cp_size, streams[members[0]].buffer.ids, at, cols)
+        row = 0
+        for b in members:
+            n = len(batches[b].plans)
+            per_plan[b], row = digests[row : row + n], row + n
     out = []
     for digests in per_plan:
         if len(digests) == 1:
@@ -159,23 +177,25 @@ def _digests(batches: Sequence[CollatedPack], streams: Sequence[Stream], layout:
     return out
 
 
-def _dynamic_layouts(layout: str, cp_size: int, streams: Sequence[Stream], stream_lens: Sequence[int]
+def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
                      ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
     """Run tables and per-rank causal work of batches under a document-dependent layout: one
     :func:`cpdata.layouts.layout_run_block` per stream length (all batches but a short last one).
 
     Raises the per-batch error of :func:`cpdata.layouts.layout_runs` (pack or slot multiples).
     """
-    tables: list[RunTable] = [None] * len(streams)  # type: ignore[list-item]
-    works: list[list[float]] = [[]] * len(streams)
+    tables: list[RunTable] = [None] * len(stream_lens)  # type: ignore[list-item]
+    works: list[list[float]] = [[]] * len(stream_lens)
+    slots, real = block.slots, block.slots.table[:, 2]
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(stream_lens):
         groups.setdefault(n, []).append(i)
     for stream_len, members in groups.items():
-        block = layout_run_block(layout, cp_size, [streams[i].layout_lens for i in members], stream_len)
-        block_tables = block.tables()
-        real = [streams[i].real_lens[: t.hi - t.lo] for i, t in zip(members, block_tables, strict=True)]
-        work = block.causal_work(real[0] if len(real) == 1 else np.concatenate(real)).tolist()
+        run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len)
+        block_tables = run_block.tables()
+        sizes = [real[slots.first[i] : slots.first[i] + t.hi - t.lo]
+                 for i, t in zip(members, block_tables, strict=True)]  # fmt: skip
+        work = run_block.causal_work(sizes[0] if len(sizes) == 1 else np.concatenate(sizes)).tolist()
         for j, i in enumerate(members):
             tables[i], works[i] = block_tables[j], work[j]
     return tables, works
@@ -199,32 +219,31 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         return []
     stream_lens = []
     for batch in batches:
-        n_rows, pack_len = batch.row_shape
+        n_rows, pack_len = len(batch.plans), batch.pack_len
         check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
         stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
-    streams = build_streams([(batch.plans, batch.padding_token_id, batch.slots) for batch in batches])
+    block = build_streams([(batch.plans, batch.padding_token_id) for batch in batches])
     if dynamic:
-        tables, works = _dynamic_layouts(layout, cp_size, streams, stream_lens)
+        tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
     else:
         fixed = [static_layout(layout, cp_size, n)[1:] for n in stream_lens]
-        works = [_static_causal_work(s, layout, cp_size, n) for s, n in zip(streams, stream_lens, strict=True)]
-    digests = _digests(batches, streams, layout, cp_size)
+        works = _static_causal_work(block, layout, cp_size, stream_lens)
+    digests = _digests(batches, block, layout, cp_size)
+    counts, pf = block.slots.counts, block.slots.plan_first
     items = []
     for i, batch in enumerate(batches):
-        stream = streams[i]
-        assert stream.metadata is not None
         info = {
             "layout": layout,
-            "max_seqlen": int(stream.metadata["max_seqlen"]),
-            "max_seqlen_padded": stream.max_slot_len,
+            "max_seqlen": block.max_seqlen[i],
+            "max_seqlen_padded": block.max_slot_len[i],
             "pack_indices": [p.index for p in batch.plans],
-            "real_tokens": stream.total,
+            "real_tokens": block.real_tokens[i],
             "pack_tokens": len(batch.plans) * batch.pack_len,
-            "n_documents": sum(len(p.columns) for p in batch.plans),
+            "n_documents": sum(counts[pf[i] : pf[i + 1]]),
             "causal_work": works[i],
             "digest": digests[i],
         }
-        items.append(BlockItem(batch=batch, stream=stream, stream_len=stream_lens[i],
+        items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i],
                                table=tables[i] if dynamic else None, fixed=None if dynamic else fixed[i],
                                info=info, digest=digests[i]))  # fmt: skip
     return items

@@ -3,19 +3,19 @@
 A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
 row-major concatenation of their slots (``B*S`` positions, each pack's tail
 absorbed by its last slot, an empty pack one padding slot of real length 0).
-:func:`build_stream` reads the plans' columns (:class:`~cpdata.plan.PieceColumns`)
-once: O(slots) tables (:func:`build_streams`: the tables of ``k`` batches with one
-set of numpy calls), and the pieces' tokens stay where the packing window
-concatenated them (:mod:`cpdata.token_buffer`); only pieces in no common buffer
-are concatenated, per batch. :mod:`cpdata.collate` builds the full pack or one
-rank's tokens from it.
+:func:`build_streams` reads the plans' columns (:class:`~cpdata.plan.PieceColumns`)
+once: the slots of ``k`` batches are checked (:func:`slot_block`) and turned
+into per-slot tables with one set of numpy calls over their concatenation,
+and the pieces' tokens stay where the packing window concatenated them
+(:mod:`cpdata.token_buffer`); only pieces in no common buffer are
+concatenated, per batch. :mod:`cpdata.collate` builds the full pack or one
+rank's tokens from a stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 
@@ -26,12 +26,45 @@ from cpdata.stream_buffer import batch_tokens
 from cpdata.token_buffer import TokenBuffer
 
 __all__ = [
-    "SlotTables", "Stream", "build_stream", "build_streams", "segment_table", "slot_tables", "stream_metadata", "stream_slot_lens",
+    "SlotBlock", "SlotTables", "Stream", "StreamBlock", "build_stream", "build_streams", "segment_table", "slot_block",
+    "slot_tables", "stream_metadata", "stream_slot_lens",
 ]  # fmt: skip
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
 _END = np.iinfo(np.int64).max  # a segment bound past every stream position
+
+
+@dataclass(frozen=True, slots=True)
+class SlotBlock:
+    """The checked slots of ``k`` batches, batch after batch: ``N`` slots of ``P`` plans (an empty plan one
+    padding slot), no tokens.
+
+    Attributes:
+        table: int64 ``[N, 4]``: each slot's piece ``(index, start, length, next_label)``.
+        slot_lens: int64 ``[N]``: slot lengths, every pack's tail absorbed by its last slot.
+        layout_lens: int64 ``[N]``: ``slot_lens`` but each batch's last slot as the plan gives it
+            (:meth:`layout_lens_of`).
+        counts: ``P`` ints: pieces per plan.
+        plan_first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``.
+        first: ``k + 1`` ints: batch ``b`` holds slots ``[first[b], first[b + 1])``.
+        capacities: ``k`` ints: each batch's ``S``.
+        padded: whether some plan is empty (its slot is no piece's).
+    """
+
+    table: np.ndarray
+    slot_lens: np.ndarray
+    layout_lens: np.ndarray
+    counts: list[int]
+    plan_first: list[int]
+    first: list[int]
+    capacities: list[int]
+    padded: bool
+
+    def layout_lens_of(self, b: int) -> np.ndarray:
+        """int64 ``[K']``: :func:`stream_slot_lens` of batch ``b`` (a view)."""
+        end = self.first[b + 1] - (not self.counts[self.plan_first[b + 1] - 1])  # an empty last plan: no slot
+        return self.layout_lens[self.first[b] : end]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,68 +91,73 @@ class SlotTables:
 
 
 def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
-    """The plans' slot tables, checked: a few numpy calls per batch, whatever the number of slots.
+    """The plans' slot tables, checked: :func:`slot_block` of one batch."""
+    block = slot_block([plans])
+    return SlotTables(block.capacities[0], block.table, block.slot_lens, block.layout_lens_of(0), block.counts)
+
+
+def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
+    """The slots of ``k`` batches of plans, checked: one pass over the plans, then a few numpy calls per block.
 
     Raises:
-        TypeError, ValueError: a single plan instead of a sequence, no plan, plans of other capacities,
-            ``slot_lens`` not one per piece, a piece longer than its slot, negative slot lengths or slots
-            summing past the capacity (the errors of :func:`cpdata.layouts.thd_slot_lens`).
+        TypeError, ValueError: a single plan instead of a sequence, no plan, plans of other capacities in
+            one batch, ``slot_lens`` not one per piece, a piece longer than its slot, negative slot lengths
+            or slots summing past the capacity (the errors of :func:`cpdata.layouts.thd_slot_lens`), each
+            naming the first bad plan.
     """
-    if isinstance(plans, PackPlan):
-        raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
-    if len(plans) == 0:
-        raise ValueError("collate needs at least one PackPlan, got an empty sequence")
-    capacity = plans[0].capacity
-    tables, slots, counts = [], [], []
-    for b, plan in enumerate(plans):
-        if plan.capacity != capacity:
-            raise ValueError(
-                f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
-            )
-        table, slot_lens = plan.columns, plan.slot_lens
-        if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64:
-            slot_lens = np.asarray(slot_lens)
-        if slot_lens.shape != (table.shape[0],):
-            raise ValueError(
-                f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({table.shape[0]},) "
-                "(one slot per piece)"
-            )
-        counts.append(table.shape[0])
-        tables.append(table if table.shape[0] else _PAD_SLOT)  # empty pack: one pad slot
-        slots.append(slot_lens if table.shape[0] else _ZERO_SLOT)
+    tables, slots, counts, caps, ends, flat = [], [], [], [], [], []  # ends: each plan's last slot, plus one
+    plan_first, first, at = [0], [0], 0
+    for plans in batches:
+        if isinstance(plans, PackPlan):
+            raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
+        if len(plans) == 0:
+            raise ValueError("collate needs at least one PackPlan, got an empty sequence")
+        capacity = plans[0].capacity
+        for b, plan in enumerate(plans):
+            if plan.capacity != capacity:
+                raise ValueError(
+                    f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
+                )
+            table, slot_lens = plan.columns, plan.slot_lens
+            if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64:
+                slot_lens = np.asarray(slot_lens)
+            n = table.shape[0]
+            if slot_lens.shape != (n,):
+                raise ValueError(
+                    f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({n},) (one slot per piece)"
+                )
+            counts.append(n)
+            tables.append(table if n else _PAD_SLOT)  # empty pack: one pad slot
+            slots.append(slot_lens if n else _ZERO_SLOT)
+            at += n or 1
+            ends.append(at)
+        flat.extend(plans)
+        caps.append(capacity)
+        plan_first.append(len(counts))
+        first.append(at)
     table = tables[0] if len(tables) == 1 else np.concatenate(tables)
     raw = (slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int64, copy=False)
     short = raw < table[:, 2]
     if short.any():
-        b, i = _plan_piece(counts, int(np.flatnonzero(short)[0]))
+        p, i = _plan_piece(counts, int(np.flatnonzero(short)[0]))
         raise ValueError(
-            f"plan {plans[b].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
+            f"plan {flat[p].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
         )
-    cum = raw.cumsum()
+    last = np.asarray(ends, dtype=np.int64)
+    last -= 1
+    ends = raw.cumsum()[last]
+    tails = np.subtract(caps[0] if min(caps) == max(caps) else np.repeat(caps, np.diff(plan_first)), ends)
+    tails[1:] += ends[:-1]  # each plan's tail padding: its capacity minus the sum of its slots
     slot_lens = raw.copy()
-    if len(counts) == 1:  # one pack: its last slot absorbs the tail
-        tail = capacity - int(cum[-1])
-        slot_lens[-1] += tail
-        bad = tail < 0
-    else:
-        last = np.fromiter(accumulate(max(c, 1) for c in counts), dtype=np.int64, count=len(counts)) - 1
-        ends = cum[last]
-        tails = capacity - ends  # each pack's tail padding
-        tails[1:] += ends[:-1]
-        slot_lens[last] += tails
-        bad = bool(tails.min() < 0)
-    if bad:  # (a negative slot is shorter than its piece: refused above)
-        for plan in plans:
-            thd_slot_lens(plan.slot_lens, capacity)  # its error for the first bad plan
-    if not counts[-1]:
-        layout_lens = slot_lens[:-1].copy()
-    elif len(counts) == 1:
-        layout_lens = raw.copy()
-    else:
-        layout_lens = slot_lens.copy()
-        layout_lens[-1] = raw[-1]
-    return SlotTables(capacity, table, slot_lens, layout_lens, counts)
+    slot_lens[last] += tails
+    if tails.min() < 0:  # (a negative slot is shorter than its piece: refused above)
+        for plan in flat:
+            thd_slot_lens(plan.slot_lens, plan.capacity)  # its error for the first bad plan
+    layout_lens = slot_lens.copy()
+    batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
+    layout_lens[batch_last] = raw[batch_last]
+    return SlotBlock(table, slot_lens, layout_lens, counts, plan_first, first, caps, min(counts) == 0)
 
 
 def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
@@ -148,28 +186,61 @@ class Stream:
     ``K`` stream slots, ``T`` real tokens, in a :class:`~cpdata.token_buffer.TokenBuffer`
     of ``W >= T`` tokens (the packing window's, or the batch's own pieces concatenated).
     Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
-    position reads index ``W`` (:attr:`pad_at`).
+    position reads index ``W`` (:attr:`pad_at`). The per-slot columns are views of
+    :attr:`segments`.
     """
 
     rows: int
     row_len: int
-    slot_starts: np.ndarray  # int64 [K], stream offset of each slot
     slot_lens: np.ndarray  # int64 [K], tail absorbed
-    real_lens: np.ndarray  # int64 [K]
-    real_ends: np.ndarray  # int64 [K], slot_starts + real_lens
-    layout_lens: np.ndarray  # int64 [K'], the slot lengths the layouts take (:func:`stream_slot_lens`)
-    src_starts: np.ndarray  # int64 [K], buffer index of each slot's first token
-    src_shift: np.ndarray  # int64 [K], buffer index minus stream position
-    pos_shift: np.ndarray  # int64 [K], position id minus stream position
+    segments: np.ndarray  # int64 [6K + 1]: :func:`segment_table`
     buffer: TokenBuffer
     padding_token_id: int
     extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
     derived_mask: np.ndarray | None  # bool [K]: slots whose loss mask is labels != -100 (no mask of their own)
-    total: int  # T
-    segments: np.ndarray | None = None  # int64 [6K + 1]: :func:`segment_table` (None: computed per gather)
-    pads_pass_end: bool = True  # whether some slot's pad position ids pass S - 1 (False: no clamp needed)
-    metadata: dict[str, np.ndarray] | None = None  # :func:`stream_metadata` of the slots (None: computed per use)
-    max_slot_len: int = 0  # the longest slot (tail absorbed), 0 when not computed
+    pads_pass_end: bool  # whether some slot's pad position ids pass S - 1 (False: no clamp needed)
+    metadata: dict[str, np.ndarray]  # :func:`stream_metadata` of the slots
+
+    @property
+    def slot_starts(self) -> np.ndarray:
+        """int64 ``[K]``: stream offset of each slot."""
+        return self.segments[0 : 2 * self.slot_lens.shape[0] : 2]
+
+    @property
+    def real_ends(self) -> np.ndarray:
+        """int64 ``[K]``: ``slot_starts + real_lens``."""
+        return self.segments[1 : 2 * self.slot_lens.shape[0] : 2]
+
+    @property
+    def real_lens(self) -> np.ndarray:
+        """int64 ``[K]``: real tokens of each slot."""
+        return self.real_ends - self.slot_starts
+
+    @property
+    def src_shift(self) -> np.ndarray:
+        """int64 ``[K]``: buffer index minus stream position of each slot's real tokens."""
+        k = self.slot_lens.shape[0]
+        return self.segments[2 * k + 1 : 4 * k + 1 : 2]
+
+    @property
+    def src_starts(self) -> np.ndarray:
+        """int64 ``[K]``: buffer index of each slot's first token."""
+        return self.src_shift + self.slot_starts
+
+    @property
+    def pos_shift(self) -> np.ndarray:
+        """int64 ``[K]``: position id minus stream position of each slot."""
+        return self.segments[4 * self.slot_lens.shape[0] + 1 :: 2]
+
+    @property
+    def total(self) -> int:
+        """``T``: the real tokens."""
+        return int(self.real_lens.sum())
+
+    @property
+    def max_slot_len(self) -> int:
+        """The longest slot (tail absorbed)."""
+        return int(self.slot_lens.max())
 
     @property
     def pad_at(self) -> int:
@@ -177,56 +248,80 @@ class Stream:
         return self.buffer.total
 
 
-def build_stream(plans: Sequence[PackPlan], padding_token_id: int, slots: SlotTables | None = None) -> Stream:
-    """The per-slot tables of a batch and the token buffer every rank of it gathers from.
+@dataclass(frozen=True, slots=True)
+class StreamBlock:
+    """The streams of ``k`` batches and the block arrays they are views of (``N`` slots in all).
 
-    :func:`build_streams` of one batch. ``slots``: :func:`slot_tables` of the same plans when
-    already computed (the ``Collate`` node's, carried by its :class:`~cpdata.nodes.collate.CollatedPack`).
+    Attributes:
+        streams: each batch's :class:`Stream`.
+        slots: the batches' :class:`SlotBlock`.
+        offsets: int64 ``[N]``: each slot's offset in the block's concatenated streams (batch ``b``'s
+            stream starts at ``offsets[slots.first[b]]``, after ``B*S`` positions of each batch before it).
+        src_starts: int64 ``[N]``: buffer index of each slot's first token (in its batch's buffer).
+        real_tokens: ``k`` ints: ``T`` of each batch.
+        max_seqlen: ``k`` ints: each batch's longest piece.
+        max_slot_len: ``k`` ints: each batch's longest slot (tail absorbed).
     """
-    return build_streams([(plans, padding_token_id, slots)])[0]
+
+    streams: list[Stream]
+    slots: SlotBlock
+    offsets: np.ndarray
+    src_starts: np.ndarray
+    real_tokens: list[int]
+    max_seqlen: list[int]
+    max_slot_len: list[int]
 
 
-def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int, SlotTables | None]]) -> list[Stream]:
-    """The :class:`Stream` of each of ``k`` batches ``(plans, padding_token_id, slots or None)``.
+def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
+    """The per-slot tables of a batch and the token buffer every rank of it gathers from: :func:`build_streams`
+    of one batch."""
+    return build_streams([(plans, padding_token_id)]).streams[0]
 
-    Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): each
-    batch's slot tables (:func:`slot_tables`, unless given) and token buffer
+
+def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
+    """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
+
+    Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): the
+    slots of all batches (:func:`slot_block`) and each batch's token buffer
     (:func:`~cpdata.stream_buffer.batch_tokens`: the packing window's as is,
     or the pieces concatenated); then the per-slot columns, the segment
-    tables and the stream metadata of all ``k`` batches (``N`` slots in all)
-    with one set of numpy calls over the concatenated slots, running sums
-    restarted at each batch. Each stream's columns are views of the block's
-    arrays. Cost: O(N) in ~25 numpy calls per block plus O(k) Python.
+    tables and the stream metadata of all ``k`` batches with one set of numpy
+    calls over the concatenated slots, running sums restarted at each batch.
+    Each stream's columns are views of the block's arrays. Cost: O(N) in ~30
+    numpy calls per block plus O(k + plans) Python.
+
+    Raises:
+        TypeError, ValueError: the checks of :func:`slot_block` and :func:`~cpdata.stream_buffer.batch_tokens`.
     """
-    tables = [slot_tables(plans) if slots is None else slots for plans, _, slots in batches]
-    tokens = [batch_tokens(plans) for plans, _, _ in batches]
-    counts = [t.slot_lens.shape[0] for t in tables]  # K_b >= 1 (an empty plan holds one padding slot)
-    k, n = len(batches), sum(counts)
-    src = [_per_slot(t.counts, b.at, 0) for t, b in zip(tables, tokens, strict=True)]
-    if k == 1:
-        table, slot_lens, src_starts = tables[0].table, tables[0].slot_lens, src[0]
+    slots = slot_block([plans for plans, _ in batches])
+    tokens = [batch_tokens(plans) for plans, _ in batches]
+    k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
+    pf = slots.plan_first
+    if slots.padded:  # an empty plan's padding slot reads no piece
+        src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
     else:
-        table = np.concatenate([t.table for t in tables])
-        slot_lens, src_starts = np.concatenate([t.slot_lens for t in tables]), np.concatenate(src)
+        src = [tok.at for tok in tokens]
+    src_starts = src[0] if k == 1 else np.concatenate(src)
+    table, slot_lens = slots.table, slots.slot_lens
     starts, real_lens = table[:, 1], table[:, 2]
-    first = np.fromiter(accumulate(counts, initial=0), dtype=np.int64, count=k + 1)  # batch b: slots [first[b], first[b + 1])
-    sizes, head = (np.asarray(counts, dtype=np.int64), first[:-1]) if k > 1 else (None, None)
-    batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes) if k > 1 else None  # int64 [N]: each slot's batch
-    slot_starts = slot_lens.cumsum()
-    slot_starts -= slot_lens
-    if batch_of is not None:
-        slot_starts -= slot_starts[head][batch_of]
-    seg = np.empty(6 * n + k, dtype=np.int64)
-    pad_at = [b.buffer.total for b in tokens]  # W of each batch: the buffer index its pads read
-    if batch_of is None:  # one batch: its segment table by strided slices
-        seg_ats = [0]
+    first = np.asarray(firsts, dtype=np.int64)  # batch b: slots [first[b], first[b + 1])
+    offsets = slot_lens.cumsum()
+    offsets -= slot_lens
+    seg = np.empty(6 * n + k, dtype=np.int64)  # batch b's segment table: seg[6 first[b] + b :][: 6 K_b + 1]
+    pad_at = [tok.buffer.total for tok in tokens]  # W of each batch: the buffer index its pads read
+    if k == 1:  # one batch: its segment table by strided slices
+        batch_of, slot_starts = None, offsets
         seg[0 : 2 * n : 2], seg[2 * n] = slot_starts, _END
         np.add(slot_starts, real_lens, out=seg[1 : 2 * n : 2])
         np.subtract(src_starts, slot_starts, out=seg[2 * n + 1 : 4 * n + 1 : 2])
         seg[2 * n + 2 : 4 * n + 1 : 2] = pad_at[0]
         np.subtract(starts, slot_starts, out=seg[4 * n + 1 :: 2])
         seg[4 * n + 2 :: 2] = seg[4 * n + 1 :: 2]
-    else:  # batch b's segment table: seg[seg_at[b] : seg_at[b] + 6 K_b + 1]
+        reach = [int((starts + slot_lens).max())]
+    else:
+        head, sizes = first[:-1], first[1:] - first[:-1]
+        batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
+        slot_starts = offsets - offsets[head][batch_of]
         seg_at = 6 * head
         seg_at += np.arange(k, dtype=np.int64)
         seg[seg_at + 2 * sizes] = _END
@@ -241,24 +336,21 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int, SlotTables | 
         seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
         at += step
         seg[at] = seg[at + 1] = starts - slot_starts
-        seg_ats = seg_at.tolist()
-    metadata, totals, longest = _metadata_block(real_lens, slot_lens, first, batch_of)
-    reach = np.maximum.reduceat(starts + slot_lens, head).tolist() if k > 1 else [int((starts + slot_lens).max())]
-    out, firsts = [], first.tolist()
-    for b, (plans, padding_token_id, _) in enumerate(batches):
-        t, tok, c, o = tables[b], tokens[b], counts[b], seg_ats[b]
-        s = seg[o : o + 6 * c + 1]
+        reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
+    metadata, totals, longest, widest = _metadata_block(real_lens, slot_lens, first, batch_of)
+    out = []
+    for b, (plans, padding_token_id) in enumerate(batches):
+        tok, i, j = tokens[b], firsts[b], firsts[b + 1]
+        o = 6 * i + b
         out.append(Stream(
-            rows=len(plans), row_len=t.capacity, slot_starts=slot_starts[firsts[b] : firsts[b + 1]],
-            slot_lens=t.slot_lens, real_lens=t.table[:, 2], real_ends=s[1 : 2 * c : 2], layout_lens=t.layout_lens,
-            src_starts=src[b], src_shift=s[2 * c + 1 : 4 * c + 1 : 2], pos_shift=s[4 * c + 1 :: 2],
+            rows=len(plans), row_len=caps[b], slot_lens=slot_lens[i:j], segments=seg[o : o + 6 * (j - i) + 1],
             buffer=tok.buffer, padding_token_id=padding_token_id,
-            extras={key: tok.buffer.extras[key] for key in tok.keys},
-            derived_mask=None if tok.no_mask is None else _per_slot(t.counts, tok.no_mask, True),
-            total=totals[b], segments=s, pads_pass_end=reach[b] > t.capacity,
-            metadata=metadata[b], max_slot_len=longest[b],
+            extras={key: tok.buffer.extras[key] for key in tok.keys} if tok.keys else {},
+            derived_mask=None if tok.no_mask is None else _per_slot(slots.counts[pf[b] : pf[b + 1]], tok.no_mask, True),
+            pads_pass_end=reach[b] > caps[b], metadata=metadata[b],
         ))  # fmt: skip
-    return out
+    return StreamBlock(out, slots, offsets, src_starts, totals, longest, widest)
+
 
 def segment_table(stream: Stream) -> np.ndarray:
     """int64 ``[6K + 1]``: the stream's ``2K`` segments, each slot's real tokens then its pads, in stream order.
@@ -266,16 +358,9 @@ def segment_table(stream: Stream) -> np.ndarray:
     ``[:2K]`` the first stream position of each (``slot_starts`` and ``real_ends`` interleaved), then
     a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index minus stream position (``src_shift``,
     then ``W`` for the pads: past every real element); ``[4K + 1:]`` position id minus stream position
-    (``pos_shift`` twice). :attr:`Stream.segments` when :func:`build_stream` made the stream.
+    (``pos_shift`` twice). :attr:`Stream.segments`, built by :func:`build_streams`.
     """
-    if stream.segments is not None:
-        return stream.segments
-    k = stream.slot_starts.shape[0]
-    seg = np.empty(6 * k + 1, dtype=np.int64)
-    seg[0 : 2 * k : 2], seg[1 : 2 * k : 2], seg[2 * k] = stream.slot_starts, stream.real_ends, _END
-    seg[2 * k + 1 : 4 * k + 1 : 2], seg[2 * k + 2 : 4 * k + 1 : 2] = stream.src_shift, stream.pad_at
-    seg[4 * k + 1 :: 2], seg[4 * k + 2 :: 2] = stream.pos_shift, stream.pos_shift
-    return seg
+    return stream.segments
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
@@ -297,8 +382,9 @@ def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, n
 
 
 def _metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
-                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int]]:  # fmt: skip
-    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens and longest slot.
+                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
+    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens, longest piece and
+    longest slot.
 
     int64 ``[N]`` real and slot lengths of the block's slots, batch ``b`` holding slots
     ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``, every batch a slot when
@@ -317,7 +403,7 @@ def _metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndar
     else:
         head = first[:-1]
         cum = lens.cumsum(axis=1, dtype=np.int64)
-        cum -= np.repeat(cum[:, head] - lens[:, head], np.diff(first), axis=1)
+        cum -= (cum[:, head] - lens[:, head])[:, batch_of]
         at = np.arange(1, n + 1, dtype=np.int64)
         at += batch_of
         cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
@@ -333,4 +419,4 @@ def _metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndar
             "seq_lens_padded": slot[i:j],
             "max_seqlen": np.asarray(top[0][b], dtype=np.int32),
         })  # fmt: skip
-    return out, totals, top[1]
+    return out, totals, top[0], top[1]

@@ -317,12 +317,12 @@ def test_pad_positions_stay_below_the_capacity():
 @pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
 def test_fill_rank_takes_rows_in_any_order(qkv_format):
     """Increasing rows (a layout's) take the segment path; any other order is sorted first and put back:
-    both equal the full pack's columns, with and without the stream's precomputed segment table."""
+    both equal the full pack's columns, with and without the clamp of pad position ids."""
     rng = np.random.default_rng(11)
     plans, _ = make_plans(rng, n_plans=3, capacity=48, extras=True, given_labels=0.3)
     full = collate_pack(plans, padding_token_id=7, qkv_format=qkv_format)
     stream = build_stream(plans, 7)
-    bare = dataclasses.replace(stream, segments=None, pads_pass_end=True)  # a stream built elsewhere
+    bare = dataclasses.replace(stream, pads_pass_end=True)  # clamping when no pad passes S - 1 changes nothing
     n = 48 if qkv_format == "bshd" else 3 * 48
     increasing = np.sort(rng.choice(n, 20, replace=False)).astype(np.int64)
     for rows, flag in ((increasing, True), (increasing, None), (rng.permutation(n)[:20], None),

@@ -69,8 +69,15 @@ def assert_stream(stream: Stream, plans: list[PackPlan]) -> None:
         if piece is not None:  # the slot's real tokens read the piece's ids from the buffer
             at = int(stream.src_starts[slot])
             np.testing.assert_array_equal(stream.buffer.ids[at : at + piece.length], piece.arrays["input_ids"])
-    bare = Stream(**{f: getattr(stream, f) for f in Stream.__dataclass_fields__ if f != "segments"})
-    np.testing.assert_array_equal(stream.segments, segment_table(bare))
+    k = len(cols["slot_starts"])
+    segments = np.empty(6 * k + 1, dtype=np.int64)  # each slot's real tokens then its pads, a bound past them
+    segments[0 : 2 * k : 2] = cols["slot_starts"]
+    segments[1 : 2 * k : 2] = np.add(cols["slot_starts"], cols["real_lens"])
+    segments[2 * k] = np.iinfo(np.int64).max
+    segments[2 * k + 1 : 4 * k + 1 : 2] = stream.src_starts - cols["slot_starts"]
+    segments[2 * k + 2 : 4 * k + 1 : 2] = stream.buffer.total
+    segments[4 * k + 1 :: 2] = segments[4 * k + 2 :: 2] = cols["pos_shift"]
+    np.testing.assert_array_equal(segment_table(stream), segments)
     assert stream.metadata is not None
     assert_same_arrays(stream.metadata, expected_metadata(plans))
 
@@ -84,13 +91,20 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
     for b in range(int(rng.integers(2, 7))):
         plans, _ = make_plans(rng, n_plans=int(rng.integers(1, 5)), capacity=64, max_docs=4,
                               extras=b % 2 == 1, given_labels=0.3)  # fmt: skip
-        batches.append((plans, b, slot_tables(plans) if b % 3 else None))
+        batches.append((plans, b))
     block = build_streams(batches)
-    assert len(block) == len(batches)
-    for stream, (plans, pad, _) in zip(block, batches, strict=True):
+    assert len(block.streams) == len(batches)
+    for b, (stream, (plans, pad)) in enumerate(zip(block.streams, batches, strict=True)):
         assert stream.padding_token_id == pad and stream.rows == len(plans)
         assert_stream(stream, plans)
         assert_stream(build_stream(plans, pad), plans)
+        assert (block.real_tokens[b], block.max_slot_len[b]) == (stream.total, stream.max_slot_len)
+        assert block.max_seqlen[b] == int(stream.metadata["max_seqlen"])
+        np.testing.assert_array_equal(block.slots.layout_lens_of(b), slot_tables(plans).layout_lens)
+        slot = slice(block.slots.first[b], block.slots.first[b + 1])
+        np.testing.assert_array_equal(block.src_starts[slot], stream.src_starts)
+        before = sum(64 * len(p) for p, _ in batches[:b])  # the streams of the batches before it
+        np.testing.assert_array_equal(block.offsets[slot], stream.slot_starts + before)
 
 
 def test_collated_pack_metadata_is_computed_when_read():
@@ -110,6 +124,6 @@ def test_collated_pack_metadata_is_computed_when_read():
         assert_same_arrays(copy.metadata, batch.metadata)
     given = {"seq_lens": np.zeros(1, dtype=np.int32)}
     record = CollatedPack(plans=tuple(plans[:1]), pack_len=64, qkv_format="bshd", padding_token_id=0, metadata=given)
-    assert record.metadata is given and record.slots is None
+    assert record.metadata is given
     assert_same_arrays(CollatedPack(plans=tuple(plans[:2]), pack_len=64, qkv_format="bshd",
                                     padding_token_id=0).metadata, pack_metadata(plans[:2]))  # fmt: skip

@@ -1,9 +1,12 @@
 """``Collate`` node: group ``batch_size`` pack plans into one light ``CollatedPack``.
 
-The record holds the plans and their stream metadata (O(slots)); the token
-tensors are built only on demand, by :meth:`CollatedPack.tensors` (the full
-pack) or by :class:`~cpdata.nodes.shard.ShardForRank` (one rank's tokens, ~cp
-times less work). The last batch of an epoch may hold fewer than
+The record holds the plans; their stream metadata (O(slots)) is computed when
+first read, and the token tensors only on demand, by
+:meth:`CollatedPack.tensors` (the full pack) or by
+:class:`~cpdata.nodes.shard.ShardForRank` (one rank's tokens, ~cp times less
+work). The plans' slots are checked where a stream is built from them
+(:func:`cpdata.stream.slot_block`): by ``ShardForRank`` for a block of
+batches at once, so a bad plan raises when its batch is served. The last batch of an epoch may hold fewer than
 ``batch_size`` plans (like ``DataLoader(drop_last=False)``); every CP rank of a
 DP group sees the same short batch.
 """
@@ -19,7 +22,7 @@ from torchdata.nodes import BaseNode
 from cpdata.collate import check_padding_token_id, check_qkv_format, collate_pack
 from cpdata.plan import PackPlan
 from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.stream import SlotTables, slot_tables
+from cpdata.stream import slot_tables
 
 __all__ = ["Collate", "CollatedPack"]
 
@@ -29,7 +32,7 @@ class CollatedPack:
     """``B`` plans of equal capacity, ready to collate.
 
     ``metadata`` (keyword): the stream metadata when already computed; None (the default, the
-    ``Collate`` node's): computed from the slot tables when first read. Lazy because
+    ``Collate`` node's): computed from the plans' slot tables when first read. Lazy because
     :class:`~cpdata.nodes.shard.ShardForRank` computes the metadata of a block of batches at once
     (:func:`cpdata.stream.build_streams`) and never reads this one.
     """
@@ -43,8 +46,6 @@ class CollatedPack:
     padding_token_id: int
     """``input_ids`` value on pads."""
     metadata: InitVar[dict[str, np.ndarray] | None] = None  # (read through the property set below)
-    slots: SlotTables | None = None
-    """The plans' checked slot tables the metadata come from (reused by ``ShardForRank``'s stream); None: not kept."""
 
     def __post_init__(self, metadata: dict[str, np.ndarray] | None) -> None:
         object.__setattr__(self, "_metadata", metadata)
@@ -52,8 +53,7 @@ class CollatedPack:
     def _read_metadata(self) -> dict[str, np.ndarray]:
         """Stream metadata (``cu_seqlens`` & co., see :mod:`cpdata.collate`), computed on first read."""
         if self._metadata is None:
-            slots = slot_tables(self.plans) if self.slots is None else self.slots
-            object.__setattr__(self, "_metadata", slots.metadata())
+            object.__setattr__(self, "_metadata", slot_tables(self.plans).metadata())
         return self._metadata
 
     @property
@@ -123,13 +123,11 @@ class Collate(BaseNode[CollatedPack]):
                 self._exhausted = True  # a short last batch; do not pull an exhausted source again
         if not plans:
             raise StopIteration
-        slots = slot_tables(plans)  # the checks, here; the metadata when first read
         return CollatedPack(
             plans=tuple(plans),
             pack_len=plans[0].capacity,
             qkv_format=self.qkv_format,
             padding_token_id=self.padding_token_id,
-            slots=slots,
         )
 
     def get_state(self) -> dict[str, Any]:
