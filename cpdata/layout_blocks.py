@@ -36,21 +36,20 @@ def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray,
 
 
 @functools.lru_cache(maxsize=32)
-def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
 
-    ``of_c`` int64 ``[3, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
-    document (``[j >= cp] - j``, 1, ``j + 1``); ``base`` ``[2cp]``: ``rank * local_len``; ``ranks``
+    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
+    document (``[j >= cp] - j``, 1, ``j + 1``), then ``rank * local_len``; ``ranks``
     ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
     """
     cp = cp_size
     j = np.arange(2 * cp, dtype=np.int64)
     ranks = np.minimum(j, 2 * cp - 1 - j)
-    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j + 1])[:, None, :]
+    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j + 1, ranks * local_len])[:, None, :]
     picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
-    base = ranks * local_len
-    _frozen(of_c, base, ranks, picks)
-    return of_c, base, ranks, picks
+    _frozen(of_c, ranks, picks)
+    return of_c, ranks, picks
 
 
 def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: int, pack_len: int,
@@ -64,12 +63,17 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     and sits at ``2C + [j >= cp]*c`` in the row of its rank.
     """
     cp = cp_size
-    of_c, base, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
-    c = slot_lens // (2 * cp)
+    of_c, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
+    g = 2 * cp
+    c = slot_lens // g
     before = _within_packs(c[None], counts)[0][0]  # C
-    table = np.multiply(c[None, :, None], of_c)  # [3, N, 2cp]: inverse shifts, sizes, ends
-    inv, sizes, ends = table
-    inv += np.add.outer((2 - 2 * cp) * before, base)
+    # [4, N, 2cp]: per chunk length, the inverse shift, size and end, then rank * local_len; every operand
+    # flat per row or repeated, as a [:, None] operand costs numpy one inner loop per row
+    table = of_c.take(np.zeros(c.shape[0], dtype=np.intp), axis=1)
+    table[:3] *= c.repeat(g).reshape(-1, g)
+    inv, sizes, ends, base = table
+    inv += base
+    inv += ((2 - 2 * cp) * before).repeat(g).reshape(-1, g)
     if not with_docs:
         return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
@@ -83,15 +87,15 @@ def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_le
 
 
 @functools.lru_cache(maxsize=16)
-def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Constants of :func:`balanced_block`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
 
-    ``nonlinear`` int64 ``[4, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
+    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
     before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
     inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
     and ``-t``, ``-m``), the size (middles: ``t < m``), the end in the document (offset plus size; middles
     start at ``min(t, m)``: the empty ones where the real ones end, so a row's runs tile it; tails at ``m``)
-    and the rank (middles ``(T + t) % cp``). ``of_q`` ``[3, 1, G]``: per ``q``, the inverse
+    and the rank (middles ``(T + t) % cp``), then per ``q`` (the same for every key) the inverse
     shift, size and end. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
     each ``T % cp``.
     """
@@ -117,8 +121,9 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
     k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
     picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
                       np.broadcast_to(4 * cp - 1 - c[:, None], (cp, cp))], axis=2)  # fmt: skip
-    _frozen(nonlinear, of_q, picks)
-    return nonlinear, of_q, picks
+    coefs = np.concatenate([nonlinear, np.broadcast_to(of_q, (3, *nonlinear.shape[1:]))])
+    _frozen(coefs, picks)
+    return coefs, picks
 
 
 def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int) -> RunBlock:
@@ -134,7 +139,7 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     padding continues the deal one token at a time (the table's ``tail``).
     """
     cp = cp_size
-    nonlinear, of_q, picks = _balanced_coefs(cp, pack_len // cp)
+    coefs, picks = _balanced_coefs(cp, pack_len // cp)
     qm = np.empty((2, lens.shape[0]), dtype=np.int64)
     q, m = qm
     np.divmod(lens, 2 * cp, out=(q, m))
@@ -142,11 +147,16 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     shift, rho = np.divmod(dealt, cp)
     key = rho * (2 * cp)
     key += m
-    table = nonlinear.take(key, axis=1)  # [4, N, 4cp]: inverse shifts, sizes, ends, ranks
-    table[:3] += q[None, :, None] * of_q
+    g = 4 * cp
+    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients; every
+    # operand below flat per row or repeated, as a [:, None] operand costs numpy one inner loop per row
+    table = coefs.take(key, axis=1)
+    linear = table[4:]
+    linear *= q.repeat(g).reshape(-1, g)
+    table[:3] += linear
     shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
-    table[0] += shift[:, None]
-    inv, sizes, ends, ranks = table
+    table[0] += shift.repeat(g).reshape(-1, g)
+    inv, sizes, ends, ranks = table[:4]
     total_heads, dealts = totals.tolist()
     tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,

@@ -131,8 +131,8 @@ class RunBlock:
             if self.pick_key is None:  # the same columns in every row
                 inv, sizes = self.inv_shifts.take(picks[0], axis=1), self.sizes.take(picks[0], axis=1)
             else:
-                at = picks.take(self.pick_key, axis=0)
-                at += np.arange(0, self.sizes.size, self.sizes.shape[1])[:, None]  # [N, w] flat indices
+                at = picks.take(self.pick_key, axis=0)  # [N, w] columns, then flat indices:
+                at += np.arange(0, self.sizes.size, self.sizes.shape[1]).repeat(at.shape[1]).reshape(at.shape)
                 inv, sizes = self.inv_shifts.take(at), self.sizes.take(at)
             got = self._by_rank[rank] = (inv.reshape(-1), sizes.reshape(-1))
         return got
@@ -258,8 +258,9 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
     same in every row, after summing each pack's rows). The doubled costs are integers, summed per
     pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
     """
-    n_packs = 1 if counts is None else counts.shape[0]
-    ends = np.minimum(ends, real[:, None])
+    n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
+    # flat, contiguous operands throughout: a [:, None] operand costs numpy one inner loop per row
+    ends = np.minimum(ends, real.repeat(g).reshape(-1, g))
     twice = ends + 1
     twice *= ends  # 2 W(end) [N, G]
     if ranks.ndim == 1:
@@ -268,10 +269,15 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
         else:
             twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
         keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
+    elif counts is None:
+        keys = ranks
     else:
-        keys = ranks if counts is None else _arange(n_packs, cp_size).repeat(counts)[:, None] + ranks
-    np.subtract(twice[:, 1:], twice[:, :-1], out=twice[:, 1:])  # numpy buffers the overlap
-    work = np.bincount(keys.reshape(-1), twice.reshape(-1), minlength=n_packs * cp_size)  # keys: twice's shape
+        keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
+    flat = twice.reshape(-1)
+    cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
+    np.subtract(flat[1:], flat[:-1], out=cost[1:])
+    cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
+    work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
     return (work / 2).reshape(n_packs, cp_size)
 
 
