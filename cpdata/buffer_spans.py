@@ -38,8 +38,6 @@ Item = tuple[str, int, tuple[int, ...], tuple[int, ...], int]
 """``(key, dtype index, shape, strides, element offset)``: one ``as_strided`` of a typed view."""
 Steps = tuple[tuple[torch.dtype, ...], tuple[Item, ...]]
 """A span table's distinct dtypes (one reinterpretation of the buffer each) and its items in key order."""
-NumpySpec = tuple[tuple[str, tuple[int, ...], np.dtype, int], ...]
-"""``(key, shape, numpy dtype, byte offset)`` per array: ``np.ndarray(shape, dtype, raw, offset)`` views."""
 
 
 def with_fields(layout: ShardLayout, fields: Mapping[str, Any]) -> ShardLayout:
@@ -134,12 +132,14 @@ class BufferPlan(NamedTuple):
 
     view: ViewPlan
     """The torch views of the filled buffer."""
-    total: int
-    """Bytes of the buffer."""
-    arrays: NumpySpec
-    """The numpy views of the tensors, in key order."""
-    maps: NumpySpec
-    """The numpy views of the layout maps, after the tensors."""
+    record: np.dtype
+    """A structured dtype of the buffer's bytes, one field per array at its span (fields ``"0"``, ``"1"``,
+    ...: the tensors in key order, then the maps): a 0-d array of it over the buffer gives every numpy
+    view by a field read, ~0.15 us each against ~0.3 us for an ``np.ndarray(shape, dtype, buffer, offset)``."""
+    arrays: tuple[tuple[str, str], ...]
+    """``(key, field)`` of the tensors, in key order."""
+    maps: tuple[tuple[str, str], ...]
+    """``(layout field, field)`` of the layout maps, after the tensors."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,12 +150,14 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     def specs(items):
         return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
 
-    def arrays(spans, items):
-        return tuple((k, spans[k][3], np.dtype(dt), spans[k][0]) for k, (_, dt) in items)
-
     spans, end = span_table(specs(tensors))
     map_spans, total = span_table(specs(maps), end)
-    return BufferPlan(plan_of(spans, map_spans, total), total, arrays(spans, tensors), arrays(map_spans, maps))
+    items = [(spans[k], dt) for k, (_, dt) in tensors] + [(map_spans[k], dt) for k, (_, dt) in maps]
+    record = np.dtype({"names": [str(i) for i in range(len(items))], "itemsize": total,
+                       "formats": [(np.dtype(dt), span[3]) for span, dt in items],
+                       "offsets": [span[0] for span, _ in items]})  # fmt: skip
+    keys = [(k, str(i)) for i, (k, _) in enumerate((*tensors, *maps))]
+    return BufferPlan(plan_of(spans, map_spans, total), record, tuple(keys[: len(tensors)]), tuple(keys[len(tensors) :]))
 
 
 def views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
