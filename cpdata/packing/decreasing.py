@@ -57,7 +57,7 @@ order, so documents leave the packer roughly in the order they came in.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
@@ -126,37 +126,45 @@ def best_fit_decreasing(
     sentinel = (capacity << shift) | mask  # a fresh bin: sorts after every real one
     free.append(sentinel)
     one, cap_sh, n_bins = 1 << shift, capacity << shift, m + n_bulk
-    find, put = bisect_left, insort
-    placed: list[int] = []
+    find, insert = bisect_left, free.insert
+    placed: list[int] = []  # the code of every piece's bin (its number in the low bits)
     append = placed.append
     # A room below the smallest piece takes nothing more: its bin leaves ``free`` (shorter searches).
     dead = int(slots[-1]) << shift if n else 0
     dead2 = 2 * dead
+    low = one if avoid else dead  # rooms in [low, dead) are the gaps ``avoid`` steers clear of (none without it)
     closed: list[int] = []
     close = closed.append
     for sh in (slots[n_bulk:] << shift).tolist():
         j = find(free, sh)  # least room >= slot
         code = free[j]
-        if code != sentinel:
-            new = code - sh  # same bin, room - slot
-            if avoid and one <= new < dead and code >= dead2:
-                j = find(free, sh + dead, 0, len(free) - 1)  # at worst the sentinel: a new bin
-                code = free[j]
-                new = code - sh
+        new = code - sh  # same bin, room - slot
+        if low <= new < dead and code >= dead2:
+            j = find(free, sh + dead, j, len(free) - 1)  # at worst the sentinel: a new bin
+            code = free[j]
+            new = code - sh
         if code == sentinel:
             new = (cap_sh - sh) | n_bins
-            append(n_bins)
+            append(new)
             n_bins += 1
+            if new >= dead:
+                insert(find(free, new), new)
+            elif new >= one:
+                close(new)
+            continue
+        append(code)
+        if new < dead:
+            del free[j]
+            if new >= one:
+                close(new)
+        elif j == 0 or free[j - 1] < new:  # the smaller room keeps its place (most pieces): no list move
+            free[j] = new
         else:
             del free[j]
-            append(code & mask)
-        if new >= dead:
-            put(free, new)
-        elif new >= one:
-            close(new)
+            insert(find(free, new, 0, j), new)
     free.pop()
     codes = np.sort(np.asarray(free + closed, dtype=np.int64))
-    bin_of = np.concatenate([np.arange(m, m + n_bulk, dtype=np.int64), np.asarray(placed, dtype=np.int64)])
+    bin_of = np.concatenate([np.arange(m, m + n_bulk, dtype=np.int64), np.asarray(placed, dtype=np.int64) & mask])
     return bin_of, codes >> shift, codes & mask
 
 
