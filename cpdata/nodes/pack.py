@@ -31,7 +31,6 @@ e.g. ~12 MB for ``bfd`` on UltraChat-like chat at window 1024. ``ffd`` with
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
@@ -262,7 +261,7 @@ class Pack(BaseNode[PackPlan]):
     def _take_snapshot(self, source_state: dict[str, Any] | None = None) -> _Snapshot:
         carried = self._live.live()
         source = self.source.state_dict() if source_state is None else source_state
-        return _Snapshot(source=copy.deepcopy(source), planner=self._planner.state(), carried=carried)
+        return _Snapshot(source=fresh_state(source), planner=self._planner.state(), carried=carried)
 
     def _refill(self, take_snapshot: bool = True) -> None:
         if take_snapshot:
@@ -308,5 +307,5 @@ class Pack(BaseNode[PackPlan]):
             self.PLANNER_KEY: fresh_state(snap.planner),
             self.CARRY_KEY: fresh_carry(self._carry_records),
             self.EMITTED_KEY: self._emitted,
-            self.STATS_KEY: stats_dict(self._planner.stats(), **self._stats_fields()),
+            self.STATS_KEY: stats_dict(self._planner.stats_fields(), **self._stats_fields()),
         }

@@ -53,10 +53,12 @@ def fresh_state(state: Any) -> Any:
     return copy.deepcopy(state)
 
 
-def stats_dict(stats: PackingStats, **fields: Any) -> dict[str, Any]:
+def stats_dict(stats: PackingStats | dict[str, Any], **fields: Any) -> dict[str, Any]:
     """``dataclasses.asdict(dataclasses.replace(stats, **fields))`` without building a second dataclass
-    or running ``asdict``'s generic recursion: a fresh dict in field order, ``sources`` copied."""
-    out = {name: getattr(stats, name) for name in _STATS_FIELDS}
+    or running ``asdict``'s generic recursion: a fresh dict in field order, ``sources`` copied. ``stats``
+    may be given as its fields already (a fresh dict in field order, e.g.
+    :meth:`~cpdata.packing.StreamPlanner.stats_fields`), which is then filled in and returned."""
+    out = stats if type(stats) is dict else {name: getattr(stats, name) for name in _STATS_FIELDS}
     for name, value in fields.items():
         if name not in out:
             raise TypeError(f"PackingStats has no field {name!r}")

@@ -156,6 +156,10 @@ class StreamPlanner:
     def stats(self) -> PackingStats:
         return PackingStats.from_counts(capacity=self.config.capacity, **self._counts)
 
+    def stats_fields(self) -> dict[str, Any]:
+        """:meth:`stats` as a fresh dict in field order (:meth:`PackingStats.fields_from_counts`)."""
+        return PackingStats.fields_from_counts(capacity=self.config.capacity, **self._counts)
+
     def carry_keys(self) -> list[int]:
         """Keys of the pieces in open bins."""
         return [k for keys, _ in self._packer.carry() for k in keys]

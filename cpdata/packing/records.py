@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -173,16 +175,30 @@ class PackingStats:
 
     @classmethod
     def from_counts(cls, *, capacity: int, **counts: int) -> PackingStats:
+        return cls(**cls.fields_from_counts(capacity=capacity, **counts))
+
+    @staticmethod
+    def fields_from_counts(*, capacity: int, **counts: int) -> dict[str, Any]:
+        """What :meth:`from_counts` builds, as a fresh dict in field order (``dataclasses.asdict`` of it,
+        ~1 us instead of ~6 us for the object and ``asdict``; a ``Pack`` state holds it)."""
         tokens, packs = counts.get("tokens", 0), counts.get("packs", 0)
         lower = -(-counts.get("slot_tokens", 0) // capacity)
-        padding = 100.0 * (1.0 - tokens / (packs * capacity)) if packs else 0.0
-        bound = 100.0 * (1.0 - tokens / (lower * capacity)) if lower else 0.0
-        return cls(capacity=capacity, padding_pct=padding, lower_bound_pct=bound, **counts)
+        fields = _STATS_DEFAULTS.copy()
+        fields.update(
+            capacity=capacity,
+            padding_pct=100.0 * (1.0 - tokens / (packs * capacity)) if packs else 0.0,
+            lower_bound_pct=100.0 * (1.0 - tokens / (lower * capacity)) if lower else 0.0,
+        )
+        fields.update(counts)
+        return fields
 
     @property
     def excess_pct(self) -> float:
         """Padding above the lower bound, in percentage points."""
         return self.padding_pct - self.lower_bound_pct
+
+
+_STATS_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(PackingStats)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
