@@ -146,14 +146,15 @@ def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: Sequence[So
     if ids is not None and used + 2 > ids.shape[0]:
         out, lengths, ends, used = out[:0], lengths[:0], ends[:0], docs
     cut = pick(sources, out.tolist())
-    spans = list(zip(rows[out, 6].tolist(), lengths.tolist(), strict=True))
+    offsets = rows[out, 6]
+    starts, stops = offsets.tolist(), (offsets + lengths).tolist()
     plain = ids is not None and max(map(len, cut), default=1) == 1 and window.ids_alone()
-    items = [] if plain else [{k: a[o : o + n] for k, a in src.items()} for src, (o, n) in zip(cut, spans, strict=True)]
+    items = [] if plain else [{k: a[o:e] for k, a in src.items()} for src, o, e in zip(cut, starts, stops, strict=True)]
     if ids is not None:
         ids = ids[: used + 2]
         if cut:
             parts = [_ZERO] * (2 * len(cut))  # each piece's ids, then one element
-            parts[::2] = [src[INPUT_IDS][o : o + n] for src, (o, n) in zip(cut, spans, strict=True)]
+            parts[::2] = [src[INPUT_IDS][o:e] for src, o, e in zip(cut, starts, stops, strict=True)]
             np.concatenate(parts, out=ids[docs:used])
     at = lengths.cumsum()
     at += np.arange(docs, docs + lengths.shape[0], dtype=np.int64)

@@ -107,9 +107,9 @@ def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: Token
     np.cumsum(at < 0, out=sums[1:, 2])
     tokens, slot_tokens, outside = (sums[bounds[1:]] - sums[bounds[:-1]]).T.tolist()
     b = bounds.tolist()
-    return [(table[b[i] : b[i + 1]], sources[b[i] : b[i + 1]], offsets[b[i] : b[i + 1]], slots[b[i] : b[i + 1]],
-             tokens[i], slot_tokens[i], *((buffer, at[b[i] : b[i + 1]]) if sizes[i] and not outside[i] else (None, None)))
-            for i in range(len(sizes))]  # fmt: skip
+    return [(table[lo:hi], sources[lo:hi], offsets[lo:hi], slots[lo:hi], n, slot_n,
+             *((buffer, at[lo:hi]) if hi > lo and not out else (None, None)))
+            for lo, hi, n, slot_n, out in zip(b[:-1], b[1:], tokens, slot_tokens, outside, strict=True)]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
