@@ -166,6 +166,7 @@ def cut_documents(
             kept = np.where(over, cap, lengths)
     if first_target is not None:
         first_target = np.asarray(first_target, dtype=np.int64)
+    if first_target is not None and int(first_target.max(initial=-2)) >= -1:  # (else nothing is untrained)
         # a truncated document's last kept token loses its target (the next token was cut off)
         last = np.where(kept < lengths, kept - 1, kept)
         untrained = ~empty & ((first_target == -1) | ((first_target >= 0) & (first_target >= last)))
