@@ -62,7 +62,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.packing.filling import exact_fill, top_up
+from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.records import PackKeys
 
 __all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing"]
@@ -79,7 +79,7 @@ def _decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.nda
     """Keys and slots sorted by slot descending, ties by key ascending (keys ascending as given: one stable
     sort of the slots; else a sort by both)."""
     if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
-        order = np.argsort(-slots, kind="stable")
+        order = stable_order(slots.max(initial=0) - slots)  # descending, ties in key order
     else:
         order = np.lexsort((keys, -slots))
     return keys[order], slots[order]

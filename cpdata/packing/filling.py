@@ -31,10 +31,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["ROUNDS", "exact_fill", "top_up"]
+__all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
 
 ROUNDS = 4
 """Trade rounds of :func:`top_up` (each trade strictly shrinks a room)."""
+
+
+def stable_order(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, kind="stable")`` of int64 ``values``, sorted as uint16 when every value is in
+    ``[0, 65536)`` (slot lengths up to a 64K capacity): numpy's radix sort, ~3x faster than its int64
+    timsort on a window's 1-2K pieces."""
+    if values.size and int(values.min()) >= 0 and int(values.max()) < 1 << 16:
+        return np.argsort(values.astype(np.uint16), kind="stable")
+    return np.argsort(values, kind="stable")
 
 
 def _first_of_runs(a: np.ndarray) -> np.ndarray:
@@ -63,7 +72,7 @@ def top_up(
         return 0
     target_of_bin = np.full(sinks.shape[0], -1, dtype=np.int64)
     target_of_bin[t_bin] = np.arange(t_bin.shape[0])
-    by_size = np.argsort(slots, kind="stable")
+    by_size = stable_order(slots)
     gained = 0
     for _ in range(ROUNDS):
         got = _trade_round(slots, by_size, bin_of, t_bin, t_room, target_of_bin, sinks, locked)
@@ -122,7 +131,7 @@ def exact_fill(slots: np.ndarray, capacity: int) -> np.ndarray:
     Ties between pieces of one size go to the earlier index.
     """
     n = int(slots.shape[0])
-    order = np.argsort(slots, kind="stable")
+    order = stable_order(slots)
     vals, starts, left = np.unique(slots[order], return_index=True, return_counts=True)
     taken = np.zeros_like(left)
     bin_of = np.empty(n, dtype=np.int64)
