@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpdata.layouts import alignment
@@ -261,6 +261,7 @@ def test_overlong_document_is_named_and_split_on_request():
     micro_batches=st.integers(1, 2),
     max_delay=st.integers(0, 3),
 )
+@example(seed=2, n_docs=40, longest=68, dp_size=2, micro_batches=1, max_delay=2)  # a long piece taken ahead waits 3
 def test_delay_bound_holds_for_pieces_longer_than_a_quarter_pack(seed, n_docs, longest, dp_size, micro_batches,
                                                                  max_delay):
     # Few cells and pieces of up to a whole pack: the pieces due in one step can exceed what one step holds
@@ -269,4 +270,6 @@ def test_delay_bound_holds_for_pieces_longer_than_a_quarter_pack(seed, n_docs, l
     sched = plan_schedule(lengths, capacity=64, layout="thd", cp_size=1, dp_size=dp_size, micro_batches=micro_batches,
                           cost=CostModel(), max_delay=max_delay, overflow="split")  # fmt: skip
     check_schedule(sched, lengths, "thd", 1, max_delay)
-    assert sched.stats.max_delay_steps <= max(1, max_delay)
+    # After the step that took it: max(1, max_delay), one more for a long piece taken a step ahead of its
+    # FIFO step (max_delay >= 2; check_schedule bounds it by max_delay after its FIFO step)
+    assert sched.stats.max_delay_steps <= max(1, max_delay) + (max_delay >= 2)
