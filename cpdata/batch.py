@@ -112,14 +112,18 @@ class _BufferViews:
     batches moved from it (never mutated once built).
 
     ``base`` is the layout record when ``maps`` (the buffer holds the index maps: the layout is the
-    record with its map fields set to views of the buffer); otherwise the layout itself, or the
-    :class:`_BufferViews` of the batch this one was moved from (whose layout it shares).
+    record with its map fields set to views of the buffer, and its ``fields`` set, e.g. the batch's
+    digest: one record copy per batch, made when the layout is read); otherwise the layout itself, or
+    the :class:`_BufferViews` of the batch this one was moved from (whose layout it shares).
     """
 
-    __slots__ = ("buffer", "plan", "maps", "base", "tensors", "layout", "head", "builds")
+    __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "head", "builds")
 
-    def __init__(self, buffer: torch.Tensor, plan: ViewPlan, maps: bool, base: Any) -> None:
-        self.buffer, self.plan, self.maps, self.base = buffer, plan, maps, base
+    def __init__(self, buffer: torch.Tensor, plan: ViewPlan, maps: bool, base: Any,
+                 fields: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        if fields and not maps:  # no map views to wait for: the record now
+            base, fields = with_fields(base, fields), None
+        self.buffer, self.plan, self.maps, self.base, self.fields = buffer, plan, maps, base, fields
         self.tensors: dict[str, torch.Tensor] | None = None  # key -> view, once built
         self.layout: ShardLayout | None = None  # once resolved
         self.head: torch.Tensor | None = None  # the batch part (what to() moves), once asked for
@@ -136,7 +140,8 @@ class _BufferViews:
         if layout is None:
             base = self.base
             if self.maps:
-                layout = with_fields(base, self.plan.map_views(self.buffer))
+                views = self.plan.map_views(self.buffer)
+                layout = with_fields(base, {**self.fields, **views} if self.fields else views)
                 self.builds += 1
             else:
                 layout = base if isinstance(base, ShardLayout) else base.get_layout()
@@ -151,9 +156,10 @@ class _BufferViews:
     def record(self) -> ShardLayout:
         """The layout without the map fields this buffer holds (what a pickle of the buffer carries)."""
         base, names = self.base, self.plan.map_spans
+        changes = dict(self.fields or {})
         if any(base.__dict__.get(name) is not None for name in names):
-            base = with_fields(base, dict.fromkeys(names))
-        return base
+            changes.update(dict.fromkeys(names))
+        return with_fields(base, changes) if changes else base
 
 
 class BatchBuffer:
@@ -256,11 +262,12 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     ) -> ShardedBatch:  # fmt: skip
         """A batch of ``buffer`` by ``plan``, views built when read: the whole buffer when ``maps``
         (``layout``'s map fields become views too), else the batch part alone (a moved batch; ``layout``
-        may then be the :class:`_BufferViews` it was moved from). No per-key checks (the spans were made
+        may then be the :class:`_BufferViews` it was moved from); ``fields`` are set in ``layout``'s copy
+        that gets the map views (made when the layout is read). No per-key checks (the spans were made
         from tensors). Plans are never mutated, so batches derived from one another share them."""
         batch = cls.__new__(cls)
         maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
-        batch._views = _BufferViews(buffer, plan, maps, with_fields(layout, fields) if fields else layout)
+        batch._views = _BufferViews(buffer, plan, maps, layout, fields)
         batch._tensors = batch._layout = None
         batch._info = dict(info or {})
         return batch
@@ -414,6 +421,6 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if views is not None:
             pinned = views.buffer.pin_memory()
             base = views.base if views.maps else self.layout.pin_memory()
-            return ShardedBatch._from_buffer(pinned, views.plan, base, self._info, views.maps)
+            return ShardedBatch._from_buffer(pinned, views.plan, base, self._info, views.maps, views.fields)
         pinned = {k: v.pin_memory() for k, v in self._tensors.items()}
         return ShardedBatch(pinned, layout=self._layout.pin_memory(), info=self._info)
