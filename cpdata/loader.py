@@ -239,7 +239,7 @@ def build_node(
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
         block_size: collated batches :class:`~cpdata.nodes.shard.ShardForRank` pulls and prepares at once
-            (default 8): larger blocks share more of the per-batch layout math and read the graph's state
+            (default 16): larger blocks share more of the per-batch layout math and read the graph's state
             less often, and keep more plans alive and delay the first batch. Not part of the saved state.
     """
     o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call

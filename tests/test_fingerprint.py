@@ -51,16 +51,16 @@ def _epochs(loader, n: int) -> list[list[int]]:
 
 
 def test_a_document_edited_in_place_mid_epoch_raises_naming_file_and_document(tmp_path):
-    path = _write(tmp_path / "d.jsonl", _docs(0))
+    path = _write(tmp_path / "d.jsonl", _docs(0, n=200))
     with closing_loader(build_loader(open_dataset(path), **CFG)) as loader:
         it = iter(loader)
         next(it)
-        _edit_in_place(path, 50)  # a document not read yet
+        _edit_in_place(path, 150)  # a document not read yet (the first block of batches reads ~50)
         with pytest.raises(ValueError) as info:
             for _ in it:
                 pass
     message = str(info.value)
-    assert path in message and "document 50" in message and "changed since the file was opened" in message
+    assert path in message and "document 150" in message and "changed since the file was opened" in message
 
 
 def test_a_document_edited_between_epochs_is_refused_at_the_epoch_start(tmp_path):

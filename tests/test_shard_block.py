@@ -102,7 +102,7 @@ def test_block_size_is_validated():
     for bad in (0, -1, True, 2.5, "4"):
         with pytest.raises(ValueError, match=f"block_size={bad!r}"):
             ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", block_size=bad)
-    assert ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd").block_size == 8 == (
+    assert ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd").block_size == 16 == (
         DEFAULT_BLOCK_SIZE)
 
 
@@ -265,7 +265,7 @@ def test_loader_with_a_prefetcher_resumes_at_every_batch_of_a_block():
 
 
 def test_stateful_dataloader_with_workers_resumes_inside_a_block():
-    docs = documents(120, seed=1)
+    docs = documents(240, seed=1)
     cfg = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3, "prefetch": 0}
 
     def make() -> StatefulDataLoader:
