@@ -167,7 +167,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     wrappers, and slice assignment rather than ``np.copyto``: ~0.3 us less per call), plus ~3-4 ns per
     position (8 passes; one two-row ``repeat`` of both shifts measured slower than two).
     """
-    k2, out_ids = 2 * stream.slot_starts.shape[0], out[INPUT_IDS]
+    k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
     shape, tab = out_ids.shape, segment_table(stream)
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
