@@ -82,6 +82,7 @@ from cpdata.buffer_spans import (
     BufferPlan,
     ViewPlan,
     buffer_plan,
+    gap_index,
     plan_of,
     span_table,
     tensor_specs,
@@ -170,7 +171,8 @@ class BatchBuffer:
         maps: layout field (``local_token_global_indices``, ...) -> ``(shape, dtype)``; placed after the tensors.
 
     Attributes:
-        arrays: key -> numpy view of the buffer (uninitialised; the writer fills every element).
+        arrays: key -> numpy view of the buffer (uninitialised: the writer fills every element; the alignment
+            gaps between arrays are zeroed).
         maps: layout field -> numpy view.
 
     Cost: one cached plan lookup (none through :meth:`of`), one allocation (numpy's, wrapped by torch:
@@ -200,6 +202,8 @@ class BatchBuffer:
 
     def _allocate(self, plan: BufferPlan) -> None:
         raw = np.empty(plan.record.itemsize, dtype=np.uint8)
+        if plan.gaps.size:  # the writer fills every array; the alignment gaps are zeroed here
+            raw[plan.gaps] = 0
         record = np.ndarray((), plan.record, raw)  # each field read is a view of raw
         self.plan, self.buffer = plan.view, torch.from_numpy(raw)
         self.arrays = {k: record[field] for k, field in plan.arrays}
@@ -250,6 +254,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
         map_spans, total = span_table(tensor_specs(maps), end)
         buffer = torch.empty(total, dtype=torch.uint8)
+        buffer.numpy()[gap_index((spans, map_spans), total)] = 0  # alignment gaps: no allocator leftovers
         for view, v in zip((*views(buffer, spans).values(), *views(buffer, map_spans).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)

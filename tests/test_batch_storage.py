@@ -168,3 +168,34 @@ def test_sharder_fast_path_equals_the_general_path():
         ContextParallelSharder(None, mesh, batch, loss_mask=torch.ones(1, 512)).shard(batch)
     sharder.shard_batch = lambda *args, **kwargs: ("own", {"x": 1}, None)  # a replaced shard_batch is honoured
     assert sharder.shard(batch) == ("own", {"x": 1})
+
+
+def _gap_bytes(batch: ShardedBatch) -> np.ndarray:
+    """The bytes of ``batch``'s buffer that no tensor or layout map covers, and a check that there are some."""
+    from cpdata.buffer_spans import gap_index
+
+    views = batch._views
+    gaps = gap_index((views.plan.spans, views.plan.map_spans), views.buffer.numel())
+    assert gaps.size > 0, "no alignment gap in this batch: the test would pass vacuously"
+    return views.buffer.numpy()[gaps]
+
+
+def test_alignment_gaps_of_a_batch_buffer_are_zero_whatever_the_allocator_left():
+    # Fill freed heap memory of the batch's size with 0xFF first, so an uninitialised gap would show it
+    # (glibc hands a freed chunk of the same size back to the next allocation of that size).
+    size = first_batch()._views.buffer.numel()
+    for _ in range(8):
+        junk = np.full(size, 0xFF, dtype=np.uint8)
+        del junk
+    batch = first_batch()
+    assert (_gap_bytes(batch) == 0).all()
+    again = pickle.loads(pickle.dumps(batch))
+    assert (_gap_bytes(again) == 0).all()
+
+
+def test_alignment_gaps_of_a_contiguous_batch_are_zero():
+    src = first_batch()
+    torch.empty(1 << 16, dtype=torch.uint8).fill_(0xFF)  # leave junk where the next buffer may come from
+    batch = ShardedBatch.contiguous(dict(src), layout=src.layout, info=src.info)
+    assert (_gap_bytes(batch) == 0).all()
+    assert_same(batch, src)
