@@ -54,7 +54,7 @@ import numpy as np
 
 from cpdata.keys import DOCUMENT_IDS, IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, segment_table, slot_tables, stream_metadata, stream_slot_lens
+from cpdata.stream import Stream, build_stream, slot_tables, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -154,7 +154,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     pads (one ``searchsorted`` of the ``2K`` segment bounds, O(K log N)); every
     per-position value constant on a segment (slot, buffer index minus
     position, position id minus position) is one ``repeat`` of a ``[2K]``
-    column (:func:`cpdata.stream.segment_table`): no ``take`` of a per-slot
+    column (:attr:`cpdata.stream.Stream.segments`): no ``take`` of a per-slot
     table and no pass over the ``B*S`` stream. Real tokens read buffer index
     ``position + src_shift``, pads ``position + W``: past the real elements,
     which is the padding mask, and ``mode="clip"`` reads the pad elements
@@ -168,7 +168,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     position (8 passes; one two-row ``repeat`` of both shifts measured slower than two).
     """
     k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
-    shape, tab = out_ids.shape, segment_table(stream)
+    shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
     out[DOCUMENT_IDS][...] = _slot_pattern(k2).repeat(counts).reshape(shape)
@@ -204,11 +204,10 @@ def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: 
 
 
 def fill_rank(
-    stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray],
-    metadata: dict[str, np.ndarray] | None = None, increasing: bool | None = None,
+    stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray], increasing: bool | None = None
 ) -> None:  # fmt: skip
-    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r`` (a layout's row), with the
-    stream's ``metadata`` when already computed (:func:`pack_metadata` of the same plans).
+    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r`` (a layout's row); the stream
+    metadata are the stream's own (:attr:`Stream.metadata <cpdata.stream.Stream>`).
 
     ``increasing``: whether ``rows_r`` never decreases (every layout's row does, see
     :mod:`cpdata.layout_runs`); None checks it (one O(L) pass). Other rows are gathered in
@@ -230,9 +229,7 @@ def fill_rank(
             put = np.empty_like(part[key])
             put[order] = part[key]
             out[key][...] = put.reshape(out[key].shape)
-    if metadata is None:
-        metadata = stream.metadata or stream_metadata(stream.real_lens, stream.slot_lens)
-    for key, value in metadata.items():
+    for key, value in stream.metadata.items():
         out[key][...] = value
 
 

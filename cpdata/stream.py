@@ -33,7 +33,7 @@ from cpdata.stream_slots import (  # (re-exported: the slots a stream is built f
 from cpdata.token_buffer import TokenBuffer
 
 __all__ = [
-    "SlotBlock", "SlotTables", "Stream", "StreamBlock", "build_stream", "build_streams", "segment_table", "slot_block",
+    "SlotBlock", "SlotTables", "Stream", "StreamBlock", "build_stream", "build_streams", "slot_block",
     "slot_tables", "stream_metadata", "stream_slot_lens",
 ]  # fmt: skip
 
@@ -49,12 +49,18 @@ class Stream:
     Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
     position reads index ``W`` (:attr:`pad_at`). The per-slot columns are views of
     :attr:`segments`.
+
+    ``segments`` int64 ``[6K + 1]``, the stream's ``2K`` segments (each slot's real tokens then its
+    pads, in stream order): ``[:2K]`` the first stream position of each (``slot_starts`` and
+    ``real_ends`` interleaved), then a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index
+    minus stream position (``src_shift``, then ``W`` for the pads: past every real element);
+    ``[4K + 1:]`` position id minus stream position (``pos_shift`` twice).
     """
 
     rows: int
     row_len: int
     slot_lens: np.ndarray  # int64 [K], tail absorbed
-    segments: np.ndarray  # int64 [6K + 1]: :func:`segment_table`
+    segments: np.ndarray  # int64 [6K + 1], see above
     buffer: TokenBuffer
     padding_token_id: int
     extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
@@ -211,17 +217,6 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
             pads_pass_end=reach[b] > caps[b], metadata=metadata[b],
         ))  # fmt: skip
     return StreamBlock(out, slots, offsets, src_starts, totals, longest, widest)
-
-
-def segment_table(stream: Stream) -> np.ndarray:
-    """int64 ``[6K + 1]``: the stream's ``2K`` segments, each slot's real tokens then its pads, in stream order.
-
-    ``[:2K]`` the first stream position of each (``slot_starts`` and ``real_ends`` interleaved), then
-    a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index minus stream position (``src_shift``,
-    then ``W`` for the pads: past every real element); ``[4K + 1:]`` position id minus stream position
-    (``pos_shift`` twice). :attr:`Stream.segments`, built by :func:`build_streams`.
-    """
-    return stream.segments
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:

@@ -14,7 +14,7 @@ from cpdata.collate import pack_metadata
 from cpdata.layouts import thd_slot_lens
 from cpdata.nodes.collate import Collate, CollatedPack
 from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, build_streams, segment_table, slot_tables
+from cpdata.stream import Stream, build_stream, build_streams, slot_tables
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:
@@ -77,7 +77,7 @@ def assert_stream(stream: Stream, plans: list[PackPlan]) -> None:
     segments[2 * k + 1 : 4 * k + 1 : 2] = stream.src_starts - cols["slot_starts"]
     segments[2 * k + 2 : 4 * k + 1 : 2] = stream.buffer.total
     segments[4 * k + 1 :: 2] = segments[4 * k + 2 :: 2] = cols["pos_shift"]
-    np.testing.assert_array_equal(segment_table(stream), segments)
+    np.testing.assert_array_equal(stream.segments, segments)
     assert stream.metadata is not None
     assert_same_arrays(stream.metadata, expected_metadata(plans))
 

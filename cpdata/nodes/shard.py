@@ -292,7 +292,7 @@ class ShardForRank(BaseNode[Any]):
             else:
                 gather[...] = inverse
         stream, batch = item.stream, item.batch
-        fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, stream.metadata, increasing=True)
+        fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, increasing=True)
         row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
         return buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}), gather
