@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from cpdata.layout_runs import RunBlock, RunTable, _frozen
+from cpdata.layout_runs import RunBlock, RunTable, _frozen, _per_run
 
 __all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
 
@@ -67,13 +67,12 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     g = 2 * cp
     c = slot_lens // g
     before = _within_packs(c[None], counts)[0][0]  # C
-    # [4, N, 2cp]: per chunk length, the inverse shift, size and end, then rank * local_len; every operand
-    # flat per row or repeated, as a [:, None] operand costs numpy one inner loop per row
+    # [4, N, 2cp]: per chunk length, the inverse shift, size and end, then rank * local_len (operands: _per_run)
     table = of_c.take(np.zeros(c.shape[0], dtype=np.intp), axis=1)
-    table[:3] *= c.repeat(g).reshape(-1, g)
+    table[:3] *= _per_run(c, g)
     inv, sizes, ends, base = table
     inv += base
-    inv += ((2 - 2 * cp) * before).repeat(g).reshape(-1, g)
+    inv += _per_run((2 - 2 * cp) * before, g)
     if not with_docs:
         return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
@@ -148,14 +147,14 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     key = rho * (2 * cp)
     key += m
     g = 4 * cp
-    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients; every
-    # operand below flat per row or repeated, as a [:, None] operand costs numpy one inner loop per row
+    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients (operands:
+    # _per_run)
     table = coefs.take(key, axis=1)
     linear = table[4:]
-    linear *= q.repeat(g).reshape(-1, g)
+    linear *= _per_run(q, g)
     table[:3] += linear
     shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
-    table[0] += shift.repeat(g).reshape(-1, g)
+    table[0] += _per_run(shift, g)
     inv, sizes, ends, ranks = table[:4]
     total_heads, dealts = totals.tolist()
     tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]

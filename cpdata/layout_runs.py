@@ -60,6 +60,13 @@ def _dealt(cp_size: int, local_len: int) -> np.ndarray:
     return out
 
 
+def _per_run(x: np.ndarray, g: int) -> np.ndarray:
+    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each table row's ``g`` runs, contiguous. The block
+    builders use it for every per-document operand: a ``x[:, None]`` operand costs numpy one inner loop
+    per row, a flat one a single loop."""
+    return x.repeat(g).reshape(-1, g)
+
+
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
 
@@ -157,8 +164,6 @@ class RunTable:
         tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
             each rank's row ends with its share, every ``cp``-th of them.
         dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
-
-    Its runs are the block's (:class:`RunBlock`) in rows ``[lo, hi)``.
     """
 
     __slots__ = ("block", "lo", "hi", "pack_len", "cp_size", "tail", "dealt")
@@ -259,8 +264,7 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
     pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
     """
     n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
-    # flat, contiguous operands throughout: a [:, None] operand costs numpy one inner loop per row
-    ends = np.minimum(ends, real.repeat(g).reshape(-1, g))
+    ends = np.minimum(ends, _per_run(real, g))
     twice = ends + 1
     twice *= ends  # 2 W(end) [N, G]
     if ranks.ndim == 1:
