@@ -46,7 +46,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
 from cpdata.nodes.scheduled import ScheduledPacks
-from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
+from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
 from cpdata.orphans import exit_with_parent
@@ -196,7 +196,7 @@ class CPDataset(WorkerDataset):
     """
 
     def __init__(
-        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any
+        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int | None = None, **kwargs: Any
     ) -> None:
         if "pin_memory" in kwargs:
             raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")

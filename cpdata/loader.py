@@ -34,7 +34,7 @@ from cpdata.nodes.collate import Collate
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
-from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
+from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
@@ -202,7 +202,7 @@ def build_node(
     cp_rank: int,
     pin_memory: bool | None = None,
     prefetch: int = 2,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     **options: Any,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
@@ -239,8 +239,10 @@ def build_node(
         pin_memory: pin batches (None: when CUDA is available).
         prefetch: batches prepared ahead in a background thread (0: none).
         block_size: collated batches :class:`~cpdata.nodes.shard.ShardForRank` pulls and prepares at once
-            (default 16): larger blocks share more of the per-batch layout math and read the graph's state
-            less often, and keep more plans alive and delay the first batch. Not part of the saved state.
+            (default None: 16 batches, more for short packs, up to 64 at 8K tokens or fewer per batch; see
+            :data:`~cpdata.nodes.shard.BLOCK_TOKENS`): larger blocks share more of the per-batch layout math
+            and read the graph's state less often, and keep more plans alive and delay the first batch. Not
+            part of the saved state.
     """
     o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:

@@ -140,7 +140,9 @@ def batches_before_reading(index: int) -> int:
 
 
 def loader(source, **kw) -> StatefulDataLoader:
-    return StatefulDataLoader(CPDataset(source, cp_rank=0, **CFG), batch_size=None, num_workers=2,
+    # blocks of 16 batches: the default block of such short packs would need more documents than the
+    # workers read before the source stalls, so no batch would come before the kill
+    return StatefulDataLoader(CPDataset(source, cp_rank=0, block_size=16, **CFG), batch_size=None, num_workers=2,
                               multiprocessing_context="fork", snapshot_every_n_steps=1, **kw)  # fmt: skip
 
 

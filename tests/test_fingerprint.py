@@ -52,10 +52,10 @@ def _epochs(loader, n: int) -> list[list[int]]:
 
 def test_a_document_edited_in_place_mid_epoch_raises_naming_file_and_document(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0, n=200))
-    with closing_loader(build_loader(open_dataset(path), **CFG)) as loader:
+    with closing_loader(build_loader(open_dataset(path), block_size=16, **CFG)) as loader:
         it = iter(loader)
         next(it)
-        _edit_in_place(path, 150)  # a document not read yet (the first block of batches reads ~50)
+        _edit_in_place(path, 150)  # a document not read yet (the first block of 16 batches reads ~50)
         with pytest.raises(ValueError) as info:
             for _ in it:
                 pass

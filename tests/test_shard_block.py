@@ -19,8 +19,9 @@ from cpdata.batch import ShardedBatch
 from cpdata.dataset import CPDataset
 from cpdata.layouts import alignment
 from cpdata.loader import build_loader, build_node, shard_graph
+from cpdata.nodes import shard as shard_module
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, ShardForRank
+from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, ShardForRank
 from cpdata.plan import PackPlan
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
@@ -102,8 +103,22 @@ def test_block_size_is_validated():
     for bad in (0, -1, True, 2.5, "4"):
         with pytest.raises(ValueError, match=f"block_size={bad!r}"):
             ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd", block_size=bad)
-    assert ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd").block_size == 16 == (
-        DEFAULT_BLOCK_SIZE)
+    assert ShardForRank(Collate(IterableWrapper(plans)), cp_size=2, cp_rank=0, layout="thd").block_size is None
+
+
+@pytest.mark.parametrize(("budget_packs", "want"), [(0, DEFAULT_BLOCK_SIZE), (16, 16), (20, 20), (40, 40),
+                                                    (10**6, MAX_BLOCK_SIZE)])  # fmt: skip
+def test_the_default_block_holds_16_batches_and_block_tokens_at_most_64_batches(monkeypatch, budget_packs, want):
+    plans = plans_for("thd", 2, n=70, seed=5)
+    pack_tokens = plans[0].capacity
+    monkeypatch.setattr(shard_module, "BLOCK_TOKENS", budget_packs * pack_tokens)
+    counting = Counting(Collate(IterableWrapper(plans)))
+    node = ShardForRank(counting, cp_size=2, cp_rank=0, layout="thd")
+    node.reset()
+    first = next(node)
+    assert counting.pulled == want  # the first block: pulled before its first batch is served
+    rest = list(node)
+    assert counting.pulled == 70 and [b.info["pack_indices"] for b in [first, *rest]] == [[i] for i in range(70)]
 
 
 @pytest.mark.parametrize(("layout", "cp", "qkv_format", "batch_size"), [
@@ -266,15 +281,16 @@ def test_loader_with_a_prefetcher_resumes_at_every_batch_of_a_block():
 
 def test_stateful_dataloader_with_workers_resumes_inside_a_block():
     docs = documents(240, seed=1)
-    cfg = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3, "prefetch": 0}
+    k = DEFAULT_BLOCK_SIZE  # (the default block of such short packs is larger: more than the stream)
+    cfg = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3, "prefetch": 0, "block_size": k}
 
     def make() -> StatefulDataLoader:
         return StatefulDataLoader(CPDataset(docs, cp_rank=0, **cfg), batch_size=None, num_workers=2,
                                   multiprocessing_context="fork")  # fmt: skip
 
     want = [b.info["digest"] for b in make()]
-    assert len(want) > 2 * DEFAULT_BLOCK_SIZE + 4  # each worker serves more than one block
-    for mid in (3, 2 * DEFAULT_BLOCK_SIZE - 1, 2 * DEFAULT_BLOCK_SIZE + 3):
+    assert len(want) > 2 * k + 4  # each worker serves more than one block
+    for mid in (3, 2 * k - 1, 2 * k + 3):
         loader = make()
         it = iter(loader)
         head = [next(it).info["digest"] for _ in range(mid)]
@@ -290,7 +306,7 @@ def test_the_loaders_pass_block_size_to_the_node_and_refuse_a_bad_one():
     cfg = {"capacity": 64, "cp_size": 2, "cp_rank": 0, "layout": "balanced", "seed": 3, "prefetch": 0}
     node = build_node(docs, block_size=3, **cfg)
     assert isinstance(node, ShardForRank) and node.block_size == 3
-    assert build_node(docs, **cfg).block_size == DEFAULT_BLOCK_SIZE
+    assert build_node(docs, **cfg).block_size is None  # sized by tokens
     want = [b.info["digest"] for b in build_loader(docs, block_size=1, **cfg)]
     assert len(want) > 5 and [b.info["digest"] for b in build_loader(docs, block_size=5, **cfg)] == want
     dataset = CPDataset(docs, block_size=2, **{k: v for k, v in cfg.items() if k != "prefetch"})

@@ -1,7 +1,8 @@
 """``ShardForRank`` node: one CP rank's tokens of each collated batch, plus its layout.
 
-The node works on blocks of ``block_size`` batches: it pulls up to ``k``
-batches, does the small per-batch array math of all of them at once
+The node works on blocks of batches (``block_size`` of them, or by default
+at least :data:`DEFAULT_BLOCK_SIZE` and :data:`BLOCK_TOKENS` tokens): it pulls
+up to ``k`` batches, does the small per-batch array math of all of them at once
 (:func:`cpdata.shard_block.prepare_block`: stream tables, layout run tables,
 causal work, digest, ``info``), then serves them one by one; only when a
 batch is served are its rank's row and inverse map written and this rank's
@@ -44,14 +45,24 @@ from cpdata.shard_block import BlockItem, check_rows, prepare_block
 from cpdata.shard_layout import ShardLayout
 from cpdata.state_version import check_saved_config, check_state_version
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
+__all__ = ["BLOCK_TOKENS", "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
 
 _I64 = np.dtype(np.int64)
 
 DEFAULT_BLOCK_SIZE = 16
-"""Batches per block of :class:`ShardForRank` (see the module docstring for the trade-off; README "blocks":
-against 8, 16 measured 5-10 % less CPU per pack at 2K-8K and 12 % at 32K cp4 thd (median), for a first batch
-0.15-0.6 ms later; 32 gained little more at 8K and nothing at 32K, with a 3x later first batch at 32K)."""
+"""Batches per block of :class:`ShardForRank` at least, by default (see the module docstring for the trade-off;
+README "blocks": against 8, 16 measured 5-10 % less CPU per pack at 2K-8K and 12 % at 32K cp4 thd (median), for a
+first batch 0.15-0.6 ms later)."""
+
+BLOCK_TOKENS = 1 << 19
+"""By default a block also grows until its batches hold this many pack tokens (up to :data:`MAX_BLOCK_SIZE`
+batches): the per-block numpy calls are a fixed cost that short packs would otherwise pay 16 at a time (64
+batches of 2K-8K packs instead of 16 measured 8-18 % less CPU per pack); from 32K tokens per batch the block is
+16 batches, whose first batch a larger block would only delay."""
+
+MAX_BLOCK_SIZE = 64
+"""The most batches a default block holds (short packs): 64 batches' plans alive and a first batch ~4-8 ms of
+CPU after a reset at 2K-8K."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,7 +107,9 @@ class ShardForRank(BaseNode[Any]):
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
         layout: one of :data:`cpdata.layouts.LAYOUTS`.
         all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
-        block_size: batches pulled and prepared at once (int >= 1, default :data:`DEFAULT_BLOCK_SIZE`).
+        block_size: batches pulled and prepared at once (int >= 1); None (the default): at least
+            :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most
+            :data:`MAX_BLOCK_SIZE` batches.
 
     State: the source's state before the current block under ``"source"``
     (read once per block: between blocks the state is a cached dict, not a
@@ -130,20 +143,22 @@ class ShardForRank(BaseNode[Any]):
         cp_rank: int,
         layout: str,
         all_ranks: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
     ) -> None:
         super().__init__()
         check_layout(layout, cp_size)
         if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got cp_rank={cp_rank!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once), got block_size={block_size!r}")
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+                                       or block_size < 1):  # fmt: skip
+            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once) or None (sized by tokens), "
+                             f"got block_size={block_size!r}")  # fmt: skip
         self.source = collate_node
         self.cp_size = int(cp_size)
         self.cp_rank = int(cp_rank)
         self.layout = layout
         self.all_ranks = all_ranks
-        self.block_size = int(block_size)
+        self.block_size = None if block_size is None else int(block_size)
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
         if isinstance(collate_node, Collate):
             check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
@@ -191,17 +206,19 @@ class ShardForRank(BaseNode[Any]):
         }
 
     def _pull_block(self) -> None:
-        """Read the source's state once (unless restored), pull up to ``block_size`` batches and prepare them.
+        """Read the source's state once (unless restored), pull a block of batches (:meth:`_full`) and prepare them.
 
         Restored: the first ``self._served`` are pulled again and skipped, their tokens not gathered; their
         digests must be the saved ones (else the source changed since the state was saved).
         """
         before = self.source.state_dict() if self._before is None else self._before
         batches: list[CollatedPack] = []
-        error, ended = None, False
+        error, ended, tokens = None, False, 0
         try:
-            while len(batches) < max(self.block_size, self._served):  # (restored under a smaller block size)
-                batches.append(next(self.source))
+            while len(batches) < self._served or not self._full(len(batches), tokens):  # (restored: at least
+                batch = next(self.source)  # the served ones, whatever the block size that served them)
+                batches.append(batch)
+                tokens += len(batch.plans) * batch.pack_len
         except StopIteration:
             ended = True
         except Exception as exc:  # raised after the batches pulled before it are served
@@ -226,6 +243,12 @@ class ShardForRank(BaseNode[Any]):
         self._clear(before, served)
         self._error, self._ended = error, ended
         self._items = [None] * len(served) + items[len(served) :]
+
+    def _full(self, batches: int, tokens: int) -> bool:
+        """Whether a block of ``batches`` batches holding ``tokens`` pack tokens is complete."""
+        if self.block_size is not None:
+            return batches >= self.block_size
+        return batches >= MAX_BLOCK_SIZE or (batches >= DEFAULT_BLOCK_SIZE and tokens >= BLOCK_TOKENS)
 
     def _digest(self, item: BlockItem | CollatedPack) -> int:
         """The item's plan digest, -1 for a batch that raises."""
