@@ -14,6 +14,8 @@ raises for the first bad item.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ __all__ = ["Scratch", "document_ids", "plain_ids", "to_document", "to_window"]
 _INTEGER_KEYS = (INPUT_IDS, LABELS)
 _INT64_MAX = np.iinfo(np.int64).max
 _INT64 = np.dtype(np.int64)
+_NDIM, _DTYPE = attrgetter("ndim"), attrgetter("dtype")
 _ZERO = np.zeros(1, dtype=np.int64)  # the element after each document while its ids are checked
 
 
@@ -104,14 +107,18 @@ def document_ids(item: Any, index: int) -> np.ndarray:
 def plain_ids(items: Sequence[Any]) -> tuple[list[np.ndarray], np.ndarray] | None:
     """Every item's ``input_ids`` and their lengths (int64 ``[n]``) when each item is a dict holding a 1-D
     int64 array there (the usual case: :func:`document_ids` would return them as they are), else None.
-    Two list comprehensions: the arrays, then their lengths (-1 for anything else) checked by one ``min``."""
-    ids = [item.get(INPUT_IDS) if type(item) is dict else None for item in items]
-    ndarray = np.ndarray
-    lengths = np.array([i.shape[0] if type(i) is ndarray and i.ndim == 1 and i.dtype == _INT64 else -1 for i in ids],
-                       dtype=np.int64)  # fmt: skip
-    if lengths.size and lengths.min() < 0:
+
+    Each condition is one C-level pass over the window (``map`` and ``list.count``, which compares by
+    identity before ``==``: a dtype equal to int64 but not the same object still counts), ~130 ns per
+    item instead of ~190 ns for a Python loop testing all of them per item."""
+    n = len(items)
+    if list(map(type, items)).count(dict) != n:
         return None
-    return ids, lengths  # type: ignore[return-value]
+    ids = list(map(dict.get, items, repeat(INPUT_IDS, n)))
+    if (list(map(type, ids)).count(np.ndarray) != n or list(map(_NDIM, ids)).count(1) != n
+            or list(map(_DTYPE, ids)).count(_INT64) != n):  # fmt: skip
+        return None
+    return ids, np.fromiter(map(len, ids), dtype=np.int64, count=n)
 
 
 def _check_ids(ids: np.ndarray, index: int, vocab_size: int | None) -> None:
@@ -207,6 +214,7 @@ def to_window(
     scratch: Scratch | None = None,
     room: int = 0,
     lengths: np.ndarray | None = None,
+    as_arrays: bool = False,
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
@@ -218,11 +226,15 @@ def to_window(
             when None); the packer makes it the window's token buffer.
         room: elements reserved after the documents in that array (for pieces the packer adds).
         lengths: int64 ``[n]`` the lengths of ``ids`` when the caller counted them already.
+        as_arrays: every item is a dict whose ``input_ids`` is ``ids[i]`` itself (:func:`plain_ids` said so)
+            and that its source does not change later: items holding nothing else are then the window's
+            arrays as they are, not copied into new dicts (~60 ns and one more object per document).
 
     Returns:
         the window, its ``ids`` holding every document's ids from index 0, each followed
         by one free element (:mod:`cpdata.token_buffer`); items that hold ``input_ids`` alone
-        (the usual pretraining and benchmark case) cost one small dict each, nothing else per item.
+        (the usual pretraining and benchmark case) cost one small dict each (nothing when ``as_arrays``), nothing
+        else per item.
 
     Raises:
         exactly what :func:`to_document` raises for the first bad item.
@@ -244,7 +256,8 @@ def to_window(
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
         if max(map(len, items), default=1) == 1:  # input_ids alone: nothing else to check or derive
-            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer, plain=True)
+            arrays = items if as_arrays else [{INPUT_IDS: i} for i in ids]
+            return DocumentWindow.unlabeled(index_array, lengths, arrays, buffer, plain=True)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip
