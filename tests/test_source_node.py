@@ -9,6 +9,7 @@ from state_contract import run_save_load_contract
 from torchdata.nodes import IterableWrapper
 
 from cpdata.nodes.source import Documents, to_document
+from cpdata.nodes.validate import plain_ids
 from cpdata.plan import Document
 
 
@@ -374,3 +375,28 @@ def test_window_errors_are_the_first_bad_documents_own(bad):
     with pytest.raises(type(want.value)) as got:
         node.next_window(8, 0, 16)
     assert str(got.value) == str(want.value)
+
+
+def test_plain_ids_takes_only_dicts_of_one_d_int64_arrays():
+    """``plain_ids`` accepts what ``document_ids`` returns as is (an int64 dtype that is equal but not the
+    same object included) and refuses anything else."""
+    ids = [np.arange(3), np.arange(0), np.array([7], dtype=np.dtype(np.int64, metadata={"m": 1}))]
+    got = plain_ids([{"input_ids": a} for a in ids])
+    assert got is not None and all(x is y for x, y in zip(got[0], ids, strict=True))
+    assert got[1].tolist() == [3, 0, 1]
+    assert plain_ids([]) is not None
+    for bad in ({"input_ids": [1, 2]}, {"input_ids": np.arange(3, dtype=np.int32)}, {"input_ids": np.ones((1, 2), np.int64)},
+                {"tokens": np.arange(3)}, [np.arange(3)], {"input_ids": torch.arange(3)}):  # fmt: skip
+        assert plain_ids([{"input_ids": np.arange(2)}, bad]) is None
+
+
+@pytest.mark.parametrize("kind", ["sequence", "iterable"])
+def test_window_arrays_are_a_sequences_items_as_they_are(kind):
+    """A sequence's items holding ``input_ids`` alone are the window's arrays as they are; an iterable's
+    are copied into new dicts (it may hand the same dict over again, changed)."""
+    items = [{"input_ids": np.arange(i + 1)} for i in range(6)]
+    node = Documents(items if kind == "sequence" else _Reiterable(items))
+    node.reset()
+    window, _ = node.next_window(6, 0, 16)
+    assert [a["input_ids"].tolist() for a in window.arrays] == [list(range(i + 1)) for i in range(6)]
+    assert all((a is item) == (kind == "sequence") for a, item in zip(window.arrays, items, strict=True))
