@@ -20,7 +20,10 @@ import numpy as np
 
 from cpdata.token_buffer import TokenBuffer
 
-__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "plan_digest", "plan_digests"]
+__all__ = [
+    "DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans", "plan_digest",
+    "plan_digests", "sample_ids",
+]  # fmt: skip
 
 DIGEST_SAMPLES = 8
 """Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
@@ -239,36 +242,68 @@ def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.n
     ``ids``: int64 ids holding every piece's ``input_ids``; ``starts``: int64 ``[n]`` index in ``ids`` of
     each piece's first token, plan after plan (``n`` pieces in all); ``columns``: int64 ``[n, 4]`` the
     plans' :attr:`~PackPlan.columns` concatenated, when the caller has them (concatenated here when
-    None). One ``[n, 12]`` table of every piece's columns and samples, then one hash per plan over its rows.
+    None). One ``[n, 12]`` table of every piece's columns and samples (:func:`digest_rows`), then one hash
+    per plan over its rows (:func:`hash_plans`).
     """
     if columns is not None:
         cols = columns
     else:
         cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
-    lens = cols[:, 2]
-    n = lens.shape[0]
-    meta = np.empty((n, 4 + DIGEST_SAMPLES), dtype=np.int64)
-    meta[:, :4] = cols
-    samples = meta[:, 4:]
-    if n:  # every piece's samples by one gather; an empty piece's are -1
-        at = np.multiply.outer(lens - 1, _SAMPLE_AT)
-        at //= DIGEST_SAMPLES - 1
-        at += starts[:, None]
-        if lens.min() > 0:
-            samples[...] = ids.take(at)
-        else:
-            real = lens > 0
-            samples[...] = -1
-            samples[real] = ids[at[real]]
+    rows = digest_rows(cols)
+    sample_ids(ids, starts, rows)
+    return hash_plans(plans, layout, cp_size, rows, [p.columns.shape[0] for p in plans])
+
+
+def digest_rows(columns: np.ndarray) -> np.ndarray:
+    """int64 ``[n, 4 + DIGEST_SAMPLES]``: the pieces' columns ``[n, 4]``, then room for their samples
+    (:func:`sample_ids`)."""
+    rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
+    rows[:, :4] = columns
+    return rows
+
+
+def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
+    """Fill the samples of :func:`digest_rows` ``rows`` ``[n, 12]`` with one gather from ``ids``: up to
+    :data:`DIGEST_SAMPLES` ids per piece, evenly spaced (an empty piece's are -1); ``starts`` int64 ``[n]``
+    index in ``ids`` of each piece's first token."""
+    lens, samples = rows[:, 2], rows[:, 4:]
+    if not lens.shape[0]:
+        return
+    at = np.multiply.outer(lens - 1, _SAMPLE_AT)
+    at //= DIGEST_SAMPLES - 1
+    at += starts[:, None]
+    if lens.min() > 0:
+        samples[...] = ids.take(at)
+    else:
+        real = lens > 0
+        samples[...] = -1
+        samples[real] = ids[at[real]]
+
+
+def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
+               slot_lens: np.ndarray | None = None) -> list[int]:  # fmt: skip
+    """:func:`plan_digest` of every plan from its rows of the digest table.
+
+    ``rows``: int64 ``[n, 12]`` C-contiguous (:func:`digest_rows` with samples), plan after plan,
+    ``counts[p]`` rows for plan ``p``; ``slot_lens``: int64 ``[n]`` the plans' slot lengths concatenated
+    when the caller has them checked (read from each plan when None). The rows and slot lengths are
+    turned into bytes once and each plan hashes its slices of them: a bytes slice is cheaper to hash than
+    an array (no buffer export per call).
+    """
+    prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
+    data, width = rows.tobytes(), 8 * rows.shape[1]
+    lens_data = None if slot_lens is None else slot_lens.astype(np.int64, copy=False).tobytes()
     out, row = [], 0
-    for plan in plans:
-        h = hashlib.blake2b(f"{layout}|{cp_size}|{plan.capacity}|{plan.index}".encode(), digest_size=8)
-        slot_lens = plan.slot_lens
-        if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64 or not slot_lens.flags.c_contiguous:
-            slot_lens = np.ascontiguousarray(slot_lens, dtype=np.int64)
-        h.update(slot_lens)
-        k = plan.columns.shape[0]
-        h.update(meta[row : row + k])
+    for plan, k in zip(plans, counts, strict=True):
+        h = hashlib.blake2b((prefix + f"{plan.capacity}|{plan.index}").encode(), digest_size=8)
+        if lens_data is None:
+            lens = plan.slot_lens
+            if type(lens) is not np.ndarray or lens.dtype != np.int64 or not lens.flags.c_contiguous:
+                lens = np.ascontiguousarray(lens, dtype=np.int64)
+            h.update(lens)
+        else:
+            h.update(lens_data[8 * row : 8 * (row + k)])
+        h.update(data[width * row : width * (row + k)])
         row += k
-        out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+        out.append(int.from_bytes(h.digest(), "little") & mask)
     return out

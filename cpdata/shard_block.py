@@ -28,7 +28,7 @@ import numpy as np
 from cpdata.layout_runs import RunTable
 from cpdata.layouts import layout_run_block, layout_runs
 from cpdata.nodes.collate import CollatedPack
-from cpdata.plan import plan_digests
+from cpdata.plan import digest_rows, hash_plans, sample_ids
 from cpdata.stream import Stream, StreamBlock, build_streams
 
 __all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
@@ -135,11 +135,12 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
 def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, cp_size: int) -> list[int]:
     """Each batch's digest: :func:`cpdata.plan.plan_digest` of its plan, or a hash of every plan's.
 
-    The plans of batches reading the same token buffer (a packing window's) are digested together
-    (:func:`cpdata.plan.plan_digests`: one gather of their samples), from the block's piece columns.
+    From the block's piece columns and checked slot lengths: one digest table of every piece
+    (:func:`cpdata.plan.digest_rows`), its samples gathered once per run of batches reading the same token
+    buffer (a packing window's), then one hash per plan (:func:`cpdata.plan.hash_plans`).
     """
     slots, streams = block.slots, block.streams
-    columns, starts, first = slots.table, block.src_starts, slots.first
+    columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
     if slots.padded:  # an empty plan's padding slot is no piece
         pads, at, counts = [], 0, slots.counts
         for c in counts:
@@ -148,31 +149,26 @@ def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, c
             at += c or 1
         piece = np.ones(columns.shape[0], dtype=bool)
         piece[pads] = False
-        columns, starts = columns[piece], starts[piece]
+        columns, starts, raw = columns[piece], starts[piece], raw[piece]
         pf = slots.plan_first
         first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
-    groups: dict[int, list[int]] = {}
-    for b, stream in enumerate(streams):
-        groups.setdefault(id(stream.buffer), []).append(b)
-    per_plan: list[list[int]] = [[]] * len(batches)
-    for members in groups.values():
-        plans = [p for b in members for p in batches[b].plans]
-        if len(members) == len(batches):
-            cols, at = columns, starts
+    rows = digest_rows(columns)
+    k, b = len(batches), 0
+    while b < k:  # a run of batches reading one buffer: one gather
+        buffer, e = streams[b].buffer, b + 1
+        while e < k and streams[e].buffer is buffer:
+            e += 1
+        sample_ids(buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
+        b = e
+    digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
+    if len(digests) == k:  # one plan per batch: its digest
+        return digests
+    out, pf = [], slots.plan_first
+    for b in range(k):
+        if pf[b + 1] - pf[b] == 1:
+            out.append(digests[pf[b]])
         else:
-            cols = np.concatenate([columns[first[b] : first[b + 1]] for b in members])
-            at = np.concatenate([starts[first[b] : first[b + 1]] for b in members])
-        digests = plan_digests(plans, layout, cp_size, streams[members[0]].buffer.ids, at, cols)
-        row = 0
-        for b in members:
-            n = len(batches[b].plans)
-            per_plan[b], row = digests[row : row + n], row + n
-    out = []
-    for digests in per_plan:
-        if len(digests) == 1:
-            out.append(digests[0])
-        else:
-            h = hashlib.blake2b(np.asarray(digests, dtype=np.int64).tobytes(), digest_size=8)
+            h = hashlib.blake2b(np.asarray(digests[pf[b] : pf[b + 1]], dtype=np.int64).tobytes(), digest_size=8)
             out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
     return out
 

@@ -39,21 +39,25 @@ class SlotBlock:
         slot_lens: int64 ``[N]``: slot lengths, every pack's tail absorbed by its last slot.
         layout_lens: int64 ``[N]``: ``slot_lens`` but each batch's last slot as the plan gives it
             (:meth:`layout_lens_of`).
+        raw_lens: int64 ``[N]``: the slot lengths as the plans give them (an empty plan's slot 0).
         counts: ``P`` ints: pieces per plan.
         plan_first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``.
         first: ``k + 1`` ints: batch ``b`` holds slots ``[first[b], first[b + 1])``.
         capacities: ``k`` ints: each batch's ``S``.
         padded: whether some plan is empty (its slot is no piece's).
+        plans: the ``P`` plans, batch after batch.
     """
 
     table: np.ndarray
     slot_lens: np.ndarray
     layout_lens: np.ndarray
+    raw_lens: np.ndarray
     counts: list[int]
     plan_first: list[int]
     first: list[int]
     capacities: list[int]
     padded: bool
+    plans: list[PackPlan]
 
     def layout_lens_of(self, b: int) -> np.ndarray:
         """int64 ``[K']``: :func:`stream_slot_lens` of batch ``b`` (a view)."""
@@ -151,7 +155,7 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
     layout_lens = slot_lens.copy()
     batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
     layout_lens[batch_last] = raw[batch_last]
-    return SlotBlock(table, slot_lens, layout_lens, counts, plan_first, first, caps, min(counts) == 0)
+    return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, min(counts) == 0, flat)
 
 
 def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
