@@ -38,6 +38,7 @@ __all__ = [
     "alignment",
     "causal_work",
     "check_layout",
+    "concat_run_block",
     "inverse_indices",
     "layout_run_block",
     "layout_runs",
@@ -162,31 +163,44 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
     that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
 
     ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays. One block builder call over their
-    concatenation (:mod:`cpdata.layout_blocks`): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
+    concatenation (:func:`concat_run_block`): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
     ``layout_runs`` gives it alone. Raises the error ``layout_runs`` raises for the first bad pack.
     """
+    if len(seq_lens) == 1:
+        return concat_run_block(layout, cp_size, seq_lens[0], None, pack_len)
+    counts = np.array([lens.shape[0] for lens in seq_lens], dtype=np.int64)
+    return concat_run_block(layout, cp_size, np.concatenate(seq_lens), counts, pack_len)
+
+
+def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.ndarray | None, pack_len: int
+                     ) -> RunBlock:  # fmt: skip
+    """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
+    ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
     _, pack_multiple = alignment(layout, cp_size)
     if pack_len % pack_multiple:
-        layout_runs(layout, cp_size, seq_lens[0], pack_len, checked=True)  # its error
-    sizes = [lens.shape[0] for lens in seq_lens]
-    counts = None if len(seq_lens) == 1 else np.array(sizes, dtype=np.int64)
-    flat = seq_lens[0] if counts is None else np.concatenate(seq_lens)
+        layout_runs(layout, cp_size, _per_pack(lens, counts)[0], pack_len, checked=True)  # its error
     if layout == "balanced":
-        return balanced_block(flat, counts, pack_len, cp_size)
+        return balanced_block(lens, counts, pack_len, cp_size)
     if layout != "thd":
         raise ValueError(f"layout_run_block takes 'thd' or 'balanced' (the layouts that depend on the documents), "
                          f"got {layout!r}; use layout_runs")  # fmt: skip
-    if min(sizes) == 0:  # an empty pack is one padding slot
-        slots = [_absorb_tail(lens, int(lens.sum()), pack_len) for lens in seq_lens]
+    sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
+    if sizes.min() == 0:  # an empty pack is one padding slot
+        slots = [_absorb_tail(pack, int(pack.sum()), pack_len) for pack in _per_pack(lens, counts)]
         return layout_run_block(layout, cp_size, slots, pack_len)
-    flat = flat.copy()
+    flat = lens.copy()
     ends = np.cumsum(sizes)
     totals = np.add.reduceat(flat, ends - sizes) if counts is not None else flat.sum(keepdims=True)
     flat[ends - 1] += pack_len - totals  # every pack's last slot absorbs its tail
     if (flat % (2 * cp_size)).any():
-        for lens in seq_lens:  # the first bad pack's error
-            _thd_slots(lens, int(lens.sum()), pack_len, cp_size)
+        for pack in _per_pack(lens, counts):  # the first bad pack's error
+            _thd_slots(pack, int(pack.sum()), pack_len, cp_size)
     return head_tail_block(flat, counts, cp_size, pack_len)
+
+
+def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
+    """``lens`` int64 ``[N]`` split into the packs' ``counts`` int64 ``[P]`` slots (None: one pack)."""
+    return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
 
 def rank_indices(

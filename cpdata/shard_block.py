@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.layout_runs import RunTable
-from cpdata.layouts import layout_run_block, layout_runs
+from cpdata.layouts import concat_run_block, layout_run_block, layout_runs
 from cpdata.nodes.collate import CollatedPack
 from cpdata.plan import digest_rows, hash_plans, sample_ids
 from cpdata.stream import Stream, StreamBlock, build_streams
@@ -176,13 +176,18 @@ def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, c
 def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
                      ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
     """Run tables and per-rank causal work of batches under a document-dependent layout: one
-    :func:`cpdata.layouts.layout_run_block` per stream length (all batches but a short last one).
+    :func:`cpdata.layouts.concat_run_block` per stream length (all batches but a short last one).
 
     Raises the per-batch error of :func:`cpdata.layouts.layout_runs` (pack or slot multiples).
     """
-    tables: list[RunTable] = [None] * len(stream_lens)  # type: ignore[list-item]
-    works: list[list[float]] = [[]] * len(stream_lens)
     slots, real = block.slots, block.slots.table[:, 2]
+    k = len(stream_lens)
+    if not slots.padded and stream_lens.count(stream_lens[0]) == k:  # the block's slots are the packs' as they are
+        counts = None if k == 1 else np.diff(np.asarray(slots.first, dtype=np.int64))
+        run_block = concat_run_block(layout, cp_size, slots.layout_lens, counts, stream_lens[0])
+        return run_block.tables(), run_block.causal_work(real).tolist()
+    tables: list[RunTable] = [None] * k  # type: ignore[list-item]
+    works: list[list[float]] = [[]] * k
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(stream_lens):
         groups.setdefault(n, []).append(i)
@@ -216,30 +221,41 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     stream_lens = []
     for batch in batches:
         n_rows, pack_len = len(batch.plans), batch.pack_len
-        check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
-        stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
+        if batch.qkv_format == "bshd":
+            if n_rows > 1:
+                check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
+            stream_lens.append(pack_len)
+        else:
+            stream_lens.append(n_rows * pack_len)
     block = build_streams([(batch.plans, batch.padding_token_id) for batch in batches])
+    k = len(batches)
     if dynamic:
         tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
+        fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
     else:
-        fixed = [static_layout(layout, cp_size, n)[1:] for n in stream_lens]
+        of_len = {n: static_layout(layout, cp_size, n)[1:] for n in set(stream_lens)}
+        tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
         works = _static_causal_work(block, layout, cp_size, stream_lens)
     digests = _digests(batches, block, layout, cp_size)
-    counts, pf = block.slots.counts, block.slots.plan_first
+    slots = block.slots
+    pf, indices = slots.plan_first, [p.index for p in slots.plans]
+    if len(indices) == k:  # one plan per batch
+        n_documents = slots.counts
+    else:
+        n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
     items = []
     for i, batch in enumerate(batches):
         info = {
             "layout": layout,
             "max_seqlen": block.max_seqlen[i],
             "max_seqlen_padded": block.max_slot_len[i],
-            "pack_indices": [p.index for p in batch.plans],
+            "pack_indices": indices[pf[i] : pf[i + 1]],
             "real_tokens": block.real_tokens[i],
-            "pack_tokens": len(batch.plans) * batch.pack_len,
-            "n_documents": sum(counts[pf[i] : pf[i + 1]]),
+            "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,
+            "n_documents": n_documents[i],
             "causal_work": works[i],
             "digest": digests[i],
         }
-        items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i],
-                               table=tables[i] if dynamic else None, fixed=None if dynamic else fixed[i],
-                               info=info, digest=digests[i]))  # fmt: skip
+        items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
+                               fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
     return items
