@@ -21,7 +21,7 @@ from cpdata.keys import INPUT_IDS, LABELS, LOSS_MASK
 from cpdata.plan import PackPlan
 from cpdata.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = ["BatchTokens", "batch_tokens"]
+__all__ = ["BatchTokens", "batch_tokens", "block_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,20 @@ def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
     at += np.arange(lengths.shape[0], dtype=np.int64)
     at -= lengths
     return BatchTokens(concatenate_arrays(arrays, lengths, np.ascontiguousarray(table[:, 3])), at, keys, no_mask)
+
+
+def block_tokens(batches: Sequence[Sequence[PackPlan]]) -> list[BatchTokens]:
+    """:func:`batch_tokens` of each batch of a block. The usual batch, one plan of ``input_ids`` alone in its
+    window's buffer, is read here (its buffer holds it as it is), the others by :func:`batch_tokens`."""
+    out = []
+    for plans in batches:
+        if len(plans) == 1:
+            cols = plans[0].piece_columns
+            if cols.buffer is not None and max(map(len, cols.sources), default=1) == 1:
+                out.append(BatchTokens(cols.buffer, cols.at, [], None))
+                continue
+        out.append(batch_tokens(plans))
+    return out
 
 
 def _column(cols: list, name: str) -> np.ndarray:

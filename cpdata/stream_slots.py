@@ -192,7 +192,7 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
     ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``, every batch a slot when
     ``k > 1``), ``batch_of`` int64 ``[N]`` each slot's batch (None when ``k = 1``). The cumulative sums run
     over the block once and restart at each batch; each dict's arrays are views of two block arrays
-    (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums).
+    (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums) and of the ``[2, k]`` maxima.
     """
     n, k = real_lens.shape[0], first.shape[0] - 1
     lens = np.empty((2, n), dtype=np.int32)  # real, slot
@@ -201,7 +201,7 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
     if batch_of is None:
         lens.cumsum(axis=1, out=cu[:, 1:])
         totals = [int(real_lens.sum())]
-        top = lens.max(axis=1, keepdims=True).tolist() if n else [[0], [0]]
+        top = lens.max(axis=1, keepdims=True) if n else np.zeros((2, 1), dtype=np.int32)
     else:
         head = first[:-1]
         cum = lens.cumsum(axis=1, dtype=np.int64)
@@ -210,8 +210,8 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
         at += batch_of
         cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
         totals = cum[0, first[1:] - 1].tolist()
-        top = np.maximum.reduceat(lens, head, axis=1).tolist()
-    out, bounds, (cu_real, cu_slot), (real, slot) = [], first.tolist(), cu, lens
+        top = np.maximum.reduceat(lens, head, axis=1)
+    out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
     for b in range(k):
         i, j = bounds[b], bounds[b + 1]
         out.append({
@@ -219,6 +219,7 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
             "cu_seqlens_padded": cu_slot[i + b : j + b + 1],
             "seq_lens": real[i:j],
             "seq_lens_padded": slot[i:j],
-            "max_seqlen": np.asarray(top[0][b], dtype=np.int32),
+            "max_seqlen": longest[b, ...],  # a 0-d view
         })  # fmt: skip
-    return out, totals, top[0], top[1]
+    top_real, top_slot = top.tolist()
+    return out, totals, top_real, top_slot
