@@ -117,7 +117,7 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
                     f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
                 )
             table, slot_lens = plan.columns, plan.slot_lens
-            if type(slot_lens) is not np.ndarray or slot_lens.dtype != np.int64:
+            if type(slot_lens) is not np.ndarray:  # (an array of any dtype is cast with the others below)
                 slot_lens = np.asarray(slot_lens)
             n = table.shape[0]
             if slot_lens.shape != (n,):
