@@ -12,7 +12,9 @@ from cpdata.layouts import (
     LAYOUTS,
     alignment,
     causal_work,
+    concat_run_block,
     inverse_indices,
+    layout_run_block,
     rank_indices,
     thd_slot_lens,
 )
@@ -249,3 +251,24 @@ def test_balanced_remainder_in_the_middle_beats_the_edges_on_causal_work():
     middle = _p95_imbalance("middle")
     assert middle <= bound, middle
     assert _p95_imbalance("start") > bound and _p95_imbalance("end") > bound, "the test can tell the placements apart"
+
+
+@pytest.mark.parametrize("layout", ["thd", "balanced"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_concat_run_block_equals_layout_run_block(layout, cp):
+    """The packs' slot lengths back to back give the tables and causal work of the per-pack arrays (an empty
+    pack included), bit for bit."""
+    g = 2 * cp
+    packs = [np.array([4 * g, 2 * g], dtype=np.int64), np.zeros(0, dtype=np.int64), np.array([g] * 3, dtype=np.int64)]
+    pack_len = 8 * g
+    real = np.array([4 * g - 3, g, 0, 5, g, 0], dtype=np.int64)  # (thd: the empty pack is one padding slot)
+    for chosen in (packs[:1], packs):
+        want = layout_run_block(layout, cp, chosen, pack_len)
+        counts = None if len(chosen) == 1 else np.array([p.shape[0] for p in chosen], dtype=np.int64)
+        got = concat_run_block(layout, cp, np.concatenate(chosen), counts, pack_len)
+        for a, b in zip(got.tables(), want.tables(), strict=True):
+            assert (a.lo, a.hi, a.tail, a.dealt) == (b.lo, b.hi, b.tail, b.dealt)
+            np.testing.assert_array_equal(a.rows(), b.rows())
+            np.testing.assert_array_equal(a.inverse(), b.inverse())
+        n = want.sizes.shape[0]
+        np.testing.assert_array_equal(got.causal_work(real[:n]), want.causal_work(real[:n]))

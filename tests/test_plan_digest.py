@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan, plan_digest
+from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan, digest_rows, hash_plans, plan_digest, sample_ids
 
 
 def _plan(pieces_ids: list[np.ndarray], **kw) -> PackPlan:
@@ -58,3 +58,21 @@ def test_provenance_and_configuration_are_covered():
 def test_empty_piece_is_digested():
     plan = _plan([np.zeros(0, dtype=np.int64), np.arange(3)])
     assert 0 <= plan_digest(plan, "identity", 1) < 2**63
+
+
+def test_digests_from_a_block_table_equal_each_plans():
+    """``digest_rows`` + ``sample_ids`` + ``hash_plans`` with the checked slot lengths (an int32 plan's
+    included) give every plan its ``plan_digest``."""
+    plans = [_plan(IDS[:3], index=0), _plan(IDS[3:], index=5)]
+    plans.append(dataclasses.replace(plans[0], slot_lens=plans[0].slot_lens.astype(np.int32), index=9))
+    ids = np.concatenate([ids for p in plans for ids in (p.piece_columns[i].arrays["input_ids"]
+                                                          for i in range(len(p.piece_columns)))])  # fmt: skip
+    columns = np.concatenate([p.columns for p in plans])
+    starts = columns[:, 2].cumsum() - columns[:, 2]
+    rows = digest_rows(columns)
+    sample_ids(ids, starts, rows)
+    counts = [p.columns.shape[0] for p in plans]
+    lens = np.concatenate([p.slot_lens for p in plans]).astype(np.int64)
+    want = [plan_digest(p, "balanced", 4) for p in plans]
+    assert hash_plans(plans, "balanced", 4, rows, counts, lens) == want
+    assert hash_plans(plans, "balanced", 4, rows, counts) == want
