@@ -391,12 +391,15 @@ def test_plain_ids_takes_only_dicts_of_one_d_int64_arrays():
 
 
 @pytest.mark.parametrize("kind", ["sequence", "iterable"])
-def test_window_arrays_are_a_sequences_items_as_they_are(kind):
-    """A sequence's items holding ``input_ids`` alone are the window's arrays as they are; an iterable's
-    are copied into new dicts (it may hand the same dict over again, changed)."""
+def test_window_arrays_hold_the_checked_ids_whatever_the_source_does_to_its_items_later(kind):
+    """A window's arrays are dicts of its own holding the arrays whose ids were checked: a source that
+    changes or reuses an item dict after handing it over does not change what a carried piece copies later."""
     items = [{"input_ids": np.arange(i + 1)} for i in range(6)]
+    originals = [item["input_ids"] for item in items]
     node = Documents(items if kind == "sequence" else _Reiterable(items))
     node.reset()
     window, _ = node.next_window(6, 0, 16)
-    assert [a["input_ids"].tolist() for a in window.arrays] == [list(range(i + 1)) for i in range(6)]
-    assert all((a is item) == (kind == "sequence") for a, item in zip(window.arrays, items, strict=True))
+    for item in items:
+        item["input_ids"] = np.full(7, 10**9)  # out of any vocabulary, never checked
+    assert all(a is not item for a, item in zip(window.arrays, items, strict=True))
+    assert all(a["input_ids"] is o for a, o in zip(window.arrays, originals, strict=True))

@@ -131,7 +131,7 @@ class WindowReader:
             if error is not None and taken == len(chunk) and fill.wants():
                 raise error
         window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch,
-                           room, fill.lengths(), fill.as_arrays)  # fmt: skip
+                           room, fill.lengths())  # fmt: skip
         self._consumed += len(window)
         if len(window):
             self._window_mean = fill.tokens / len(window)
@@ -142,9 +142,7 @@ class WindowReader:
         sequence (``positions`` given) move the position past the last one taken."""
         plain = plain_ids(chunk)
         if plain is not None:
-            # a sequence's items are read as a chunk before any is looked at: one the source changed after
-            # handing it over would already be wrong, so they may be the documents' arrays as they are
-            taken = fill.add_run(chunk, chunk_indices, *plain, as_arrays=bool(positions))
+            taken = fill.add_run(chunk, chunk_indices, *plain)
         else:
             taken = 0
             for item, index in zip(chunk, chunk_indices, strict=False):  # indices run on past a read error

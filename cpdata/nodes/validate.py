@@ -214,7 +214,6 @@ def to_window(
     scratch: Scratch | None = None,
     room: int = 0,
     lengths: np.ndarray | None = None,
-    as_arrays: bool = False,
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
@@ -226,15 +225,13 @@ def to_window(
             when None); the packer makes it the window's token buffer.
         room: elements reserved after the documents in that array (for pieces the packer adds).
         lengths: int64 ``[n]`` the lengths of ``ids`` when the caller counted them already.
-        as_arrays: every item is a dict whose ``input_ids`` is ``ids[i]`` itself (:func:`plain_ids` said so)
-            and that its source does not change later: items holding nothing else are then the window's
-            arrays as they are, not copied into new dicts (~60 ns and one more object per document).
 
     Returns:
         the window, its ``ids`` holding every document's ids from index 0, each followed
         by one free element (:mod:`cpdata.token_buffer`); items that hold ``input_ids`` alone
-        (the usual pretraining and benchmark case) cost one small dict each (nothing when ``as_arrays``), nothing
-        else per item.
+        (the usual pretraining and benchmark case) cost one small dict each, nothing else per item: a
+        dict of cpdata's own, holding the array that was checked, so a carried piece copied later reads
+        those ids even if the source's item is changed or reused meanwhile.
 
     Raises:
         exactly what :func:`to_document` raises for the first bad item.
@@ -256,8 +253,7 @@ def to_window(
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
         if max(map(len, items), default=1) == 1:  # input_ids alone: nothing else to check or derive
-            arrays = items if as_arrays else [{INPUT_IDS: i} for i in ids]
-            return DocumentWindow.unlabeled(index_array, lengths, arrays, buffer, plain=True)
+            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer, plain=True)
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip

@@ -73,10 +73,9 @@ class DocumentWindow:
 class WindowFill:
     """The items of a window being read, under the window rule of :func:`cpdata.packing.planner.window_ends`:
     full with at least ``limit`` documents (None: never) and ``floor`` tokens, each document counting
-    ``min(max(n, 1), capacity)``. ``as_arrays``: every item taken may serve as its document's arrays as it
-    is (each taken by :meth:`add_run` with ``as_arrays``)."""
+    ``min(max(n, 1), capacity)``."""
 
-    __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens", "as_arrays", "_lengths")
+    __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens", "_lengths")
 
     def __init__(self, limit: int | None, floor: int, capacity: int) -> None:
         self.limit, self.floor, self.capacity = limit, floor, capacity
@@ -84,7 +83,6 @@ class WindowFill:
         self.indices: list[int] = []
         self.ids: list[np.ndarray] = []
         self.tokens = 0
-        self.as_arrays = True
         self._lengths: list[np.ndarray] = []  # int64 runs of the ids' lengths, as counted
 
     def lengths(self) -> np.ndarray:
@@ -102,18 +100,15 @@ class WindowFill:
         self.items.append(item)
         self.indices.append(index)
         self.ids.append(ids)
-        self.as_arrays = False
         self._lengths.append(np.full(1, ids.shape[0], dtype=np.int64))
         self.tokens += min(max(ids.shape[0], 1), self.capacity)
 
     def add_run(
-        self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray | None = None,
-        as_arrays: bool = False,
+        self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray | None = None
     ) -> int:
         """Take the first documents of a run read ahead (all ``[k]``; ``lengths`` int64 ``[k]`` the ids' lengths
         when counted already) up to where the window is full; returns how many. One cumulative sum over the
-        run, nothing per document. ``as_arrays``: each item is a dict whose ``input_ids`` is its ``ids``
-        (:func:`~cpdata.nodes.validate.plain_ids`) and that its source does not change later (a sequence's)."""
+        run, nothing per document."""
         k = len(ids)
         if lengths is None:
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)
@@ -127,6 +122,5 @@ class WindowFill:
             self.indices += indices[:k]
             self.ids += ids[:k]
             self._lengths.append(lengths[:k])
-            self.as_arrays = self.as_arrays and as_arrays
             self.tokens = int(counted[k - 1])
         return k
