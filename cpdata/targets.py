@@ -35,7 +35,7 @@ import numpy as np
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
 __all__ = [
-    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "TARGET_KEYS", "UNLABELED",
+    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED",
     "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
     "to_targets",
 ]  # fmt: skip
@@ -167,9 +167,13 @@ def to_targets(
 UNLABELED = -2
 """:func:`first_target` of a document without labels: packed whatever its length (targets derived in collate)."""
 
+NO_TRAINED_TARGET = -1
+""":func:`first_target` of a labelled document none of whose targets is trained (every label -100)."""
+
 
 def first_target(arrays: Mapping[str, np.ndarray]) -> int:
-    """Position of the first trained target of a document in target form; ``-1`` if none is trained.
+    """Position of the first trained target of a document in target form; :data:`NO_TRAINED_TARGET` if
+    none is trained.
 
     A document without ``labels`` (targets derived from ``input_ids`` in
     collate) gives :data:`UNLABELED` and is never left out.
@@ -178,7 +182,7 @@ def first_target(arrays: Mapping[str, np.ndarray]) -> int:
     if labels is None:
         return UNLABELED
     trained = np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)
-    return int(trained[0]) if trained.size else -1
+    return int(trained[0]) if trained.size else NO_TRAINED_TARGET
 
 
 def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, continues: bool) -> Mapping[str, np.ndarray]:

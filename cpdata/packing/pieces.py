@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
+from cpdata.targets import NO_TRAINED_TARGET, UNLABELED
 
 __all__ = ["COUNT_FIELDS", "Pieces", "check_lengths", "cut_documents"]
 
@@ -131,8 +132,9 @@ def cut_documents(
         source_index: int64 ``[k]`` source index per document (error messages only).
         fill: ``concat`` only: slot tokens already used in the open pack.
         first_target: int64 ``[k]`` position of each document's first trained
-            target, -1 if none, -2 for a document without labels (never left
-            out; :func:`cpdata.targets.first_target`); ``None``: all -2.
+            target, :data:`~cpdata.targets.NO_TRAINED_TARGET` if none, :data:`~cpdata.targets.UNLABELED`
+            for a document without labels (never left out; :func:`cpdata.targets.first_target`); ``None``: all
+            unlabeled.
 
     Returns:
         the pieces (``doc`` indexes ``lengths``) and the document counters
@@ -166,10 +168,11 @@ def cut_documents(
             kept = np.where(over, cap, lengths)
     if first_target is not None:
         first_target = np.asarray(first_target, dtype=np.int64)
-    if first_target is not None and int(first_target.max(initial=-2)) >= -1:  # (else nothing is untrained)
-        # a truncated document's last kept token loses its target (the next token was cut off)
+    if first_target is not None and int(first_target.max(initial=UNLABELED)) >= NO_TRAINED_TARGET:
+        # some document has labels (else nothing is untrained); a truncated document's last kept token loses
+        # its target (the next token was cut off)
         last = np.where(kept < lengths, kept - 1, kept)
-        untrained = ~empty & ((first_target == -1) | ((first_target >= 0) & (first_target >= last)))
+        untrained = ~empty & ((first_target == NO_TRAINED_TARGET) | ((first_target >= 0) & (first_target >= last)))
         counts["untrained"] = int(untrained.sum())
         counts["untrained_tokens"] = int(lengths[untrained].sum())
         if config.overflow == "truncate":
