@@ -114,26 +114,19 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
     below = twice.cumsum()
     below -= twice  # 2 W(offset of each slot)
     firsts, streams = block.slots.first, block.streams
-    shapes = [(n, s.rows * s.row_len // n) for n, s in zip(stream_lens, streams, strict=True)]
     groups: dict[tuple[int, int], list[int]] = {}
-    if shapes.count(shapes[0]) == len(shapes):
-        groups[shapes[0]] = list(range(len(shapes)))
-    else:  # a short last batch: other rows or another length
-        for b, shape in enumerate(shapes):
-            groups.setdefault(shape, []).append(b)
+    for b, stream_len in enumerate(stream_lens):  # (a short last batch: other rows or another length)
+        groups.setdefault((stream_len, streams[b].rows * streams[b].row_len // stream_len), []).append(b)
     works: list[list[float]] = [[]] * len(stream_lens)
     for (stream_len, n_rows), members in groups.items():
         bounds, first_run = _run_bounds(layout, cp_size, stream_len, n_rows)
-        heads = firsts[:-1] if len(members) == len(shapes) else [firsts[b] for b in members]
-        at = offsets[heads][:, None] + bounds  # [m, 2 runs]: each batch's runs
+        at = offsets[[firsts[b] for b in members]][:, None] + bounds  # [m, 2 runs]: each batch's runs
         k = offsets.searchsorted(at, side="right")
         k -= 1
         m = np.minimum(at - offsets[k], real[k])
         w = below[k] + m * (m + 1)  # 2 W(g)
         half = bounds.shape[0] // 2
         work = (np.add.reduceat(w[:, half:] - w[:, :half], first_run, axis=1) // 2).astype(np.float64).tolist()
-        if len(members) == len(shapes):
-            return work
         for j, b in enumerate(members):
             works[b] = work[j]
     return works
