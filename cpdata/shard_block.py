@@ -221,12 +221,8 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     stream_lens = []
     for batch in batches:
         n_rows, pack_len = len(batch.plans), batch.pack_len
-        if batch.qkv_format == "bshd":
-            if n_rows > 1:
-                check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
-            stream_lens.append(pack_len)
-        else:
-            stream_lens.append(n_rows * pack_len)
+        check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
+        stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
     block = build_streams([(batch.plans, batch.padding_token_id) for batch in batches])
     k = len(batches)
     if dynamic:
