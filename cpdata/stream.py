@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.plan import PackPlan
-from cpdata.stream_buffer import block_tokens
+from cpdata.stream_buffer import batch_tokens
 from cpdata.stream_slots import (  # (re-exported: the slots a stream is built from)
     SlotBlock,
     SlotTables,
@@ -150,7 +150,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
 
     Read from the plans' columns (:class:`~cpdata.plan.PieceColumns`): the
     slots of all batches (:func:`slot_block`) and each batch's token buffer
-    (:func:`~cpdata.stream_buffer.block_tokens`: the packing window's as is,
+    (:func:`~cpdata.stream_buffer.batch_tokens`: the packing window's as is,
     or the pieces concatenated); then the per-slot columns, the segment
     tables and the stream metadata of all ``k`` batches with one set of numpy
     calls over the concatenated slots, running sums restarted at each batch.
@@ -161,7 +161,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
         TypeError, ValueError: the checks of :func:`slot_block` and :func:`~cpdata.stream_buffer.batch_tokens`.
     """
     slots = slot_block([plans for plans, _ in batches])
-    tokens = block_tokens([plans for plans, _ in batches])
+    tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
     pf = slots.plan_first
     if slots.padded:  # an empty plan's padding slot reads no piece

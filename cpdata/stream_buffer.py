@@ -21,7 +21,7 @@ from cpdata.keys import INPUT_IDS, LABELS, LOSS_MASK
 from cpdata.plan import PackPlan
 from cpdata.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = ["BatchTokens", "batch_tokens", "block_tokens"]
+__all__ = ["BatchTokens", "batch_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,8 @@ def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
     """
     cols = [p.piece_columns for p in plans]
     sources = cols[0].sources if len(cols) == 1 else tuple(src for c in cols for src in c.sources)
-    plain = max(map(len, sources), default=1) == 1  # input_ids alone: no labels, no extras
+    # every source one key, input_ids alone (no labels, no extras); a sum of key counts runs ~3x faster than a max
+    plain = sum(map(len, sources)) == len(sources) and all(sources)
     keys = [] if plain else _extra_keys(sources, cols)
     no_mask = None
     if LOSS_MASK in keys and not all(LOSS_MASK in src for src in sources):
@@ -68,22 +69,6 @@ def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
     at += np.arange(lengths.shape[0], dtype=np.int64)
     at -= lengths
     return BatchTokens(concatenate_arrays(arrays, lengths, np.ascontiguousarray(table[:, 3])), at, keys, no_mask)
-
-
-def block_tokens(batches: Sequence[Sequence[PackPlan]]) -> list[BatchTokens]:
-    """:func:`batch_tokens` of each batch of a block. The usual batch, one plan of ``input_ids`` alone in its
-    window's buffer, is read here (its buffer holds it as it is), the others by :func:`batch_tokens`."""
-    out = []
-    for plans in batches:
-        if len(plans) == 1:
-            cols = plans[0].piece_columns
-            sources = cols.sources
-            # every source one key (input_ids); sum(map(len, ...)) runs ~3x faster than max(map(len, ...))
-            if cols.buffer is not None and sum(map(len, sources)) == len(sources) and all(sources):
-                out.append(BatchTokens(cols.buffer, cols.at, [], None))
-                continue
-        out.append(batch_tokens(plans))
-    return out
 
 
 def _column(cols: list, name: str) -> np.ndarray:
