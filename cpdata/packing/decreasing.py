@@ -63,6 +63,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.layout_runs import segments
 from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.records import PackKeys
 
@@ -106,7 +107,7 @@ def _packs(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
     sizes = np.diff(np.append(starts, k.shape[0]))
     by_first = np.argsort(k[starts])
     starts, sizes = starts[by_first], sizes[by_first]
-    flat = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes) + np.arange(k.shape[0])
+    flat = segments(starts, sizes)
     return PackKeys(keys=k[flat], sizes=sizes)
 
 

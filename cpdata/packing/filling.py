@@ -35,6 +35,8 @@ from bisect import bisect_right
 
 import numpy as np
 
+from cpdata.layout_runs import segments
+
 __all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
 
 ROUNDS = 4
@@ -211,8 +213,7 @@ def _bins_of(takes: list[int], order: np.ndarray) -> np.ndarray:
     """int64 ``[n]`` bin per piece from the takes ``(first sorted position, count, bin)`` (flat): take ``t``
     puts pieces ``order[lo_t : lo_t + q_t]`` in its bin."""
     lo, q, b = np.asarray(takes, dtype=np.int64).reshape(-1, 3).T
-    ends = np.cumsum(q)
-    positions = np.repeat(lo - (ends - q), q) + np.arange(order.shape[0])
+    positions = segments(lo, q)
     bin_of = np.empty(order.shape[0], dtype=np.int64)
     bin_of[order[positions]] = np.repeat(b, q)
     return bin_of
