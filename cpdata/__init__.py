@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "exit_with_parent": "cpdata.orphans",
     "gather_token_tensor": "cpdata.gather",
     "inverse_indices": "cpdata.layouts",
+    "keep_heap": "cpdata.heap",
     "maybe_pin": "cpdata.nodes.pin",
     "mix": "cpdata.nodes.mix",
     "open_dataset": "cpdata.offline.datasets",

@@ -32,7 +32,9 @@ workers never pin. Workers die with the training process
 (:func:`cpdata.orphans.exit_with_parent`), even when stuck in a slow read.
 :class:`cpdata.dataloader.CPDataLoader` is the ``StatefulDataLoader`` to use:
 ``batch_size=None`` and a state from another ``num_workers`` (0 included) is
-refused with ``ValueError`` on ``load_state_dict``.
+refused with ``ValueError`` on ``load_state_dict``, and its workers keep
+their freed heap (:func:`cpdata.heap.keep_heap`; with a plain
+``StatefulDataLoader`` pass ``worker_init_fn=cpdata.keep_heap``).
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     m = results["machine"]
     parts = [
         f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}` on {m['cpu_model']} "
-        f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`.",
+        f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
+        f"{', freed heap kept (`cpdata.keep_heap`)' if m.get('keep_heap') else ''}.",
     ]
     if results.get("targets"):
         parts.append(_md(("target", "rule", "measured", "met"),
