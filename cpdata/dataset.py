@@ -2,8 +2,8 @@
 
 ::
 
-    loader = StatefulDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
-                                batch_size=None, num_workers=4, pin_memory=True)
+    loader = CPDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
+                          num_workers=4, pin_memory=True)  # a StatefulDataLoader with batch_size=None
 
 With ``schedule="balanced"`` (a source with known lengths, see
 :class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is

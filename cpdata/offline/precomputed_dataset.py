@@ -3,7 +3,7 @@
 ::
 
     ds = PrecomputedDataset("plan/", open_dataset("tokens/"), cp_rank=r, cp_size=4, batch_size=2)
-    loader = StatefulDataLoader(ds, batch_size=None, num_workers=4, pin_memory=True)
+    loader = CPDataLoader(ds, num_workers=4, pin_memory=True)  # a StatefulDataLoader(ds, batch_size=None, ...)
 
 Batch ``j`` of a DP rank is packs ``j·B .. j·B + B − 1`` of its stream
 (:class:`~cpdata.offline.reader.PrecomputedPacks`); worker ``w`` of ``N`` builds
