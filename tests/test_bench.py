@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -156,6 +158,51 @@ def test_targets_and_markdown_cover_every_section(results):
 def test_unknown_section_is_a_usage_error(capsys):
     assert main(["bench", "--sections", "nope"]) == 2
     assert "unknown bench sections ['nope']" in capsys.readouterr().err
+
+
+def test_median_rows_take_each_number_s_median_and_keep_the_names():
+    runs = [
+        [{"layout": "thd", "cp_size": 2, "us": us, "flag": True}, {"layout": "balanced", "cp_size": 4, "us": other,
+                                                                   "flag": False}]
+        for us, other in ((10.0, 7.0), (30.0, 5.0), (20.0, 6.0))
+    ]  # fmt: skip
+    assert runner.median_rows("s", runs) == [
+        {"layout": "thd", "cp_size": 2, "us": 20.0, "flag": True},
+        {"layout": "balanced", "cp_size": 4, "us": 6.0, "flag": False},
+    ]
+    ints = runner.median_rows("s", [[{"n": 3}], [{"n": 1}]])
+    assert ints == [{"n": 1}] and type(ints[0]["n"]) is int  # the lower median stays an int
+    with pytest.raises(AssertionError, match="layout differs"):
+        runner.median_rows("s", [[{"layout": "thd"}], [{"layout": "balanced"}]])
+
+
+def test_runs_repeat_every_section_and_report_medians(monkeypatch, tmp_path):
+    """``--runs 3``: the section runs three times, its rows are the medians, the JSON and markdown say so."""
+    calls = []
+    section = types.ModuleType("fake_section")
+    section.COLUMNS = ("name", "us")
+
+    def run(*, quick):
+        calls.append(quick)
+        return [{"name": "a", "us": [5.0, 1.0, 3.0][len(calls) - 1]}]
+
+    section.run = run
+    monkeypatch.setitem(sys.modules, "fake_section", section)
+    monkeypatch.setattr(runner, "SECTIONS", {"fake": "fake_section"})
+    monkeypatch.setattr(runner, "evaluate_targets", lambda results: [])
+    path = tmp_path / "runs.json"
+    assert main(["bench", "--sections", "fake", "--runs", "3", "--json", str(path)]) == 0
+    got = json.loads(path.read_text())
+    assert calls == [False, False, False]
+    assert got["runs"] == 3 and got["fake"] == [{"name": "a", "us": 3.0}]
+    assert "`cpdata bench --runs 3`" in render_markdown(got)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "three"])
+def test_runs_below_one_is_a_usage_error_naming_the_value(value, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--runs", value])
+    assert f"must be an int >= 1, got '{value}'" in capsys.readouterr().err
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,6 +1,6 @@
 """``cpdata bench``: measure cpdata against the anchors, side by side, in one run.
 
-    cpdata bench [--quick] [--sections a,b] [--json PATH] [--markdown [PATH]]
+    cpdata bench [--quick] [--runs N] [--sections a,b] [--json PATH] [--markdown [PATH]]
     cpdata bench --from-json PATH --markdown       # render a saved run, measure nothing
 """
 
@@ -29,7 +29,7 @@ def _main(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
-        results = run_bench(sections, quick=args.quick)
+        results = run_bench(sections, quick=args.quick, runs=args.runs)
         if args.json:
             write_json(results, args.json)
     if args.markdown is not None:
@@ -41,11 +41,24 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(text: str) -> int:
+    """``--runs``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}; e.g. --runs 3 for medians of three")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand to the ``cpdata`` dispatcher."""
     p = subparsers.add_parser("bench", help="measure cpdata against in-step sharding and NeMo-style gather",
                               description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under 2 minutes on 2 cores)")
+    p.add_argument("--runs", metavar="N", type=_runs, default=1,
+                   help="run every section N times and report each row's median (default 1)")
     p.add_argument("--sections", metavar="A,B", help=f"subset to run, from {','.join(SECTIONS)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",

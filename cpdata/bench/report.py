@@ -119,11 +119,17 @@ def _schedule(rows: list[dict]) -> str:
             f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + _md(head, body))
 
 
+def _runs_flag(results: Mapping[str, Any]) -> str:
+    runs = int(results.get("runs", 1))
+    return f" --runs {runs}" if runs > 1 else ""
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The README benchmark section for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
     parts = [
-        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}` on {m['cpu_model']} "
+        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{_runs_flag(results)}` on "
+        f"{m['cpu_model']} "
         f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
         f"{', freed heap kept (`cpdata.keep_heap`)' if m.get('keep_heap') else ''}.",
     ]

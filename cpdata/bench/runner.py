@@ -3,7 +3,10 @@
 Each section module exposes ``COLUMNS`` (the keys every row carries, extras
 allowed), ``TABLE`` (the columns printed) and ``run(*, quick) -> list[dict]``.
 Rows are checked for the required keys and for finite numbers; the JSON is
-written with ``allow_nan=False``.
+written with ``allow_nan=False``. With ``runs > 1`` every section runs that
+many times in a row and each of its rows is the row-wise median of its runs
+(:func:`median_rows`): on a shared machine, where one run's absolute times move
+by up to 50 %, the median of 3 keeps one burst from deciding a target.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +25,7 @@ from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
 from cpdata.heap import keep_heap
 
-__all__ = ["SECTIONS", "check_rows", "parse_sections", "run_bench", "write_json"]
+__all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
 SECTIONS: dict[str, str] = {
     "step_shard": "cpdata.bench.step_shard",
@@ -59,14 +63,41 @@ def check_rows(section: str, rows: Sequence[dict], required: Sequence[str]) -> N
         assert not bad, f"section {section!r}: non-finite {bad} in row {row}"
 
 
+def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
+    """Row ``i`` of the result is the median of row ``i`` of every run: each float is the median of its
+    runs' values, each int the lower median (an int), anything else (names, flags, lists) must be the same in
+    every run. The runs of one section measure the same rows in the same order.
+
+    Derived columns are medians too, not recomputed: a ratio column is the median of the runs' ratios,
+    and a target computed from two columns (:mod:`cpdata.bench.targets`) divides their medians.
+    """
+    first = runs[0]
+    assert all(len(rows) == len(first) for rows in runs), f"section {section!r}: runs differ in their rows"
+    merged = []
+    for i, row in enumerate(first):
+        out = {}
+        for key, value in row.items():
+            values = [rows[i][key] for rows in runs]
+            if isinstance(value, float):
+                out[key] = statistics.median(values)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                out[key] = statistics.median_low(values)
+            else:
+                assert all(v == value for v in values), f"section {section!r}, row {i}: {key} differs: {values}"
+                out[key] = value
+        merged.append(out)
+    return merged
+
+
 def _table_title(section: str, module: Any, machine: dict) -> str:
     title = getattr(module, "TITLE", section)
     return f"== {section}: {title} [device: {machine['device']}]"
 
 
-def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False,
+def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``sections`` (default: all) and return the results dict (tables go to ``log``).
+    """Run ``sections`` (default: all), each ``runs`` times (rows: :func:`median_rows`), and return the
+    results dict (tables go to ``log``).
 
     The process first keeps its freed heap (:func:`cpdata.heap.keep_heap`), as
     :class:`~cpdata.dataloader.CPDataLoader`'s workers do, so the worker section times what a worker
@@ -75,10 +106,13 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False,
     """
     from cpdata.bench.packing_quality import default_algorithm
 
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got {runs!r}; use 1 for a single run, 3 for medians of three")
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
         "quick": quick,
+        "runs": runs,
         "machine": machine,
         "default_algorithm": default_algorithm(),
         "sections": list(sections or SECTIONS),
@@ -90,7 +124,11 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False,
     for name in results["sections"]:
         module = importlib.import_module(SECTIONS[name])
         t0 = time.perf_counter()
-        rows = module.run(quick=quick)
+        passes = []
+        for _ in range(runs):
+            passes.append(module.run(quick=quick))
+            check_rows(name, passes[-1], module.COLUMNS)
+        rows = passes[0] if runs == 1 else median_rows(name, passes)
         results["seconds"][name] = round(time.perf_counter() - t0, 2)
         check_rows(name, rows, module.COLUMNS)
         results[name] = rows
