@@ -21,6 +21,7 @@ span's alignment.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -68,17 +69,24 @@ def span_table(
 
 def gap_index(tables: tuple[Mapping[str, Span], ...], total: int) -> np.ndarray:
     """int64 ``[g]``: the bytes of a ``total``-byte buffer laid out by the span ``tables`` that no span covers
-    (the alignment gaps after spans whose size is not a multiple of 16 bytes, at most 15 each).
+    (the alignment gaps after spans whose size is not a multiple of 16 bytes, at most 15 each), in order.
 
     Writers zero them so that a buffer's bytes are a function of its tensors: a buffer comes from
     ``np.empty`` or ``torch.empty``, and without this its gaps would carry whatever the allocator left
     there into pickles, shared memory and device copies.
+
+    Cost: O(spans log spans + gaps), from the span table alone (a byte mask over the buffer cost ~0.5 ms at
+    32K tokens, paid once per new batch shape in every worker).
     """
-    covered = np.zeros(total, dtype=bool)
-    for table in tables:
-        for offset, nbytes, *_ in table.values():
-            covered[offset : offset + nbytes] = True
-    return np.flatnonzero(~covered)
+    runs = sorted((offset, offset + nbytes) for table in tables for offset, nbytes, *_ in table.values())
+    gaps, covered = [], 0  # covered: the end of the spans so far
+    for start, end in runs:
+        if start > covered:
+            gaps.append(range(covered, start))
+        covered = max(covered, end)
+    if total > covered:
+        gaps.append(range(covered, total))
+    return np.fromiter(itertools.chain.from_iterable(gaps), dtype=np.int64, count=sum(map(len, gaps)))
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:

@@ -12,6 +12,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data._utils.collate import default_convert
 from torch.utils.data._utils.pin_memory import pin_memory
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -199,3 +201,30 @@ def test_alignment_gaps_of_a_contiguous_batch_are_zero():
     batch = ShardedBatch.contiguous(dict(src), layout=src.layout, info=src.info)
     assert (_gap_bytes(batch) == 0).all()
     assert_same(batch, src)
+
+
+_DTYPES = {1: torch.bool, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=0, max_size=3), st.sampled_from(sorted(_DTYPES))),
+                min_size=0, max_size=6),
+       st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=1), st.sampled_from(sorted(_DTYPES))),
+                min_size=0, max_size=3),
+       st.integers(0, 40))  # fmt: skip
+def test_gap_index_is_every_byte_no_span_covers(tensors, maps, extra):
+    """The gaps from the span tables equal a byte mask over the whole buffer (the reference), in order."""
+    from cpdata.buffer_spans import gap_index, span_table
+
+    def specs(items):
+        return {str(i): (tuple(shape), _DTYPES[size], size) for i, (shape, size) in enumerate(items)}
+
+    spans, end = span_table(specs(tensors))
+    map_spans, total = span_table(specs(maps), end)
+    total += extra  # a buffer longer than its spans: the tail is a gap too
+    covered = np.zeros(total, dtype=bool)
+    for offset, nbytes, *_ in (*spans.values(), *map_spans.values()):
+        covered[offset : offset + nbytes] = True
+    got = gap_index((spans, map_spans), total)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.flatnonzero(~covered))
