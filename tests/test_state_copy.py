@@ -1,21 +1,24 @@
-"""Pack hands out its per-window snapshot as fresh states: equal to deep copies, byte for byte, and a caller
-that edits every part of a state it got changes neither the next state nor a restore from it."""
+"""Pack hands out its per-window snapshot as fresh states: equal to deep copies, holding no numpy objects (they
+load with ``torch.load``'s default ``weights_only=True``), and a caller that edits every part of a state it got
+changes neither the next state nor a restore from it."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import pickle
 
 import numpy as np
 import pytest
+import torch
 from state_contract import assert_items_equal
 from torchdata.nodes import IterableWrapper
 
 from cpdata.nodes.mix import mix
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.source import Documents
-from cpdata.nodes.state_copy import fresh_state, stats_dict
+from cpdata.nodes.state_copy import fresh_state, native_array, portable_state, stats_dict
 from cpdata.packing import PackingStats
 
 
@@ -51,12 +54,30 @@ def _vandalise(state) -> None:
     elif isinstance(state, tuple):
         for value in state:
             _vandalise(value)
+    elif isinstance(state, torch.Tensor) and state.numel():
+        state.fill_(7)
     elif isinstance(state, np.ndarray) and state.size:
         if state.flags.writeable:
             state[...] = 7
         else:
             with pytest.raises(ValueError, match="read-only"):
                 state[...] = 7
+
+
+def _numpy_objects(state, path="state") -> list[str]:
+    """Where ``state`` holds numpy arrays or scalars (which ``torch.load(weights_only=True)`` refuses)."""
+    if isinstance(state, dict):
+        return [p for k, v in state.items() for p in _numpy_objects(v, f"{path}[{k!r}]")]
+    if isinstance(state, (list, tuple)):
+        return [p for i, v in enumerate(state) for p in _numpy_objects(v, f"{path}[{i}]")]
+    return [path] if isinstance(state, (np.ndarray, np.generic)) else []
+
+
+def _torch_load(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)  # weights_only=True, torch's default
 
 
 @pytest.mark.parametrize("kind", list(SOURCES))
@@ -67,14 +88,15 @@ def test_a_state_handed_out_is_the_callers(kind):
             continue
         kept = copy.deepcopy(node.state_dict())
         given = node.state_dict()
-        assert pickle.dumps(given) == pickle.dumps(kept), "a fresh state pickles as a deep copy does"
+        assert_items_equal(pickle.loads(pickle.dumps(given)), kept, "a fresh state pickles as a deep copy does")
+        assert not _numpy_objects(given), _numpy_objects(given)
         _vandalise(given)
         again = node.state_dict()
         assert_items_equal(again, kept, "state after a caller edited the previous one")
-        assert pickle.dumps(again) == pickle.dumps(kept)
+        assert_items_equal(_torch_load(again), kept, "a state through torch.save / torch.load (weights_only=True)")
         if kind == "iterable" and again["carry"]["arrays"]:
             checked += 1
-        elif kind != "iterable" and again["emitted"] and again["carry"]["key"].size:
+        elif kind != "iterable" and again["emitted"] and again["carry"]["key"].numel():
             checked += 1
     assert checked >= 3, "no state with carried pieces mid-window was checked"
     if kind == "mix":
@@ -118,3 +140,41 @@ def test_stats_dict_is_asdict_of_the_replaced_stats():
     assert sources["a"]["documents"] == 3
     with pytest.raises(TypeError, match="no field 'epochs'"):
         stats_dict(stats, epochs=2)
+
+
+def test_portable_state_turns_numpy_into_tensors_and_python_scalars_and_native_array_reads_both():
+    inner = np.arange(4)
+    state = {"a": [inner, {"b": (1, "x")}], "c": (inner, np.float64(2.5)), "d": None, "e": np.int64(3)}
+    out = portable_state(state)
+    assert type(out["a"][0]) is torch.Tensor and out["a"][0].tolist() == [0, 1, 2, 3]
+    assert type(out["e"]) is int and out["e"] == 3 and type(out["c"][1]) is float and out["a"][1] == {"b": (1, "x")}
+    out["a"][0][0] = 9  # the tensors are copies
+    assert inner[0] == 0
+    assert not _numpy_objects(out) and _numpy_objects(state)
+    assert_items_equal(_torch_load(out), out)
+    for saved in (out["a"][0], inner, [0, 1]):  # a new state, an earlier version's array, a list
+        assert type(native_array(saved)) is np.ndarray
+
+
+def _as_numpy(state):
+    """``state`` as earlier versions saved it: numpy arrays where this one has tensors."""
+    if isinstance(state, dict):
+        return {k: _as_numpy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_as_numpy(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_as_numpy(v) for v in state)
+    return state.numpy().copy() if isinstance(state, torch.Tensor) else state
+
+
+@pytest.mark.parametrize("kind", ["seekable", "iterable"])
+def test_a_state_saved_with_numpy_arrays_still_restores(kind):
+    reference = list(_pack(kind))
+    node = _pack(kind)
+    for _ in range(9):
+        next(node)
+    state = _as_numpy(node.state_dict())
+    assert _numpy_objects(state), "the state has no arrays: the test would pass vacuously"
+    restored = _pack(kind)
+    restored.reset(state)
+    assert_items_equal(list(restored), reference[9:])

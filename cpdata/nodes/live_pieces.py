@@ -29,7 +29,7 @@ from cpdata.nodes.window import DocumentWindow
 from cpdata.targets import UNLABELED, piece_arrays
 from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_state", "fresh_carry", "narrow_arrays",
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_state", "narrow_arrays",
            "pick", "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
@@ -204,9 +204,3 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
         sources[j] = piece_arrays(sources[j], int(start[j]), int(length[j]), False)
         rows[j, 6] = 0
     return rows, sources
-
-
-def fresh_carry(carry: dict[str, Any]) -> dict[str, Any]:
-    out = {name: carry[name].copy() for name in CARRY_COLUMNS}
-    out["arrays"] = None if carry["arrays"] is None else [(dict(a), list(w)) for a, w in carry["arrays"]]
-    return out

@@ -46,11 +46,10 @@ from cpdata.nodes.live_pieces import (
     LivePieces,
     carried_room,
     carry_state,
-    fresh_carry,
     window_buffer,
     window_rows,
 )
-from cpdata.nodes.state_copy import fresh_state, stats_dict
+from cpdata.nodes.state_copy import fresh_state, native_array, portable_state, stats_dict
 from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
@@ -226,7 +225,7 @@ class Pack(BaseNode[PackPlan]):
                 )
 
     def _restore_carry(self, carry: dict[str, Any]) -> None:
-        columns = {name: np.asarray(carry[name]).tolist() for name in CARRY_COLUMNS}
+        columns = {name: native_array(carry[name]).tolist() for name in CARRY_COLUMNS}
         stored = carry["arrays"]
         if stored is None and not getattr(self.source, "seekable", False):
             raise ValueError(
@@ -250,7 +249,8 @@ class Pack(BaseNode[PackPlan]):
                 arrays = piece_arrays(doc.arrays, start, length, next_label != IGNORE_INDEX)
             else:
                 narrow, widen = stored[j]
-                arrays = {n: np.asarray(a, dtype=np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
+                arrays = {n: native_array(a).astype(np.int64) if n in widen else native_array(a).copy()
+                          for n, a in narrow.items()}  # fmt: skip
             sources.append(arrays)
         rows = np.zeros((len(sources), len(FIELDS)), dtype=np.int64)  # offset 0: the arrays are the pieces'
         rows[:, 7] = -1  # in no window's token buffer
@@ -304,8 +304,8 @@ class Pack(BaseNode[PackPlan]):
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self.config.identity(),
             self.SOURCE_KEY: fresh_state(snap.source),  # the snapshot is the node's: every caller gets a copy
-            self.PLANNER_KEY: fresh_state(snap.planner),
-            self.CARRY_KEY: fresh_carry(self._carry_records),
+            self.PLANNER_KEY: portable_state(snap.planner),  # (its arrays and the carry's as tensors)
+            self.CARRY_KEY: portable_state(self._carry_records),
             self.EMITTED_KEY: self._emitted,
             self.STATS_KEY: stats_dict(self._planner.stats_fields(), **self._stats_fields()),
         }

@@ -1,4 +1,4 @@
-"""Cheap, safe copies of node states (``fresh_state``) and of packer stats (``stats_dict``).
+"""Cheap, safe copies of node states (``fresh_state``, ``portable_state``) and of packer stats (``stats_dict``).
 
 A node that hands out the same saved state many times (``Pack``: one snapshot
 per window, read once per block of batches) must give every caller its own
@@ -14,6 +14,15 @@ The copy equals the original (recursive ``==``, ``np.array_equal`` for arrays)
 and pickles to the same bytes unless the original holds one mutable object
 at two places (``deepcopy`` keeps that sharing, this copy does not); states
 built by cpdata's nodes never do.
+
+What a node hands out as its state holds no numpy objects (:func:`portable_state`:
+arrays become CPU tensors, numpy scalars Python ones): ``torch.load`` refuses numpy
+objects under its default ``weights_only=True`` (torch >= 2.6), so a checkpoint
+holding ``loader.state_dict()`` would not load without ``weights_only=False``; and
+``StatefulDataLoader`` compares a worker's state with the previous one after
+every batch, where ``==`` on arrays raises (so every array was sent again each
+batch) but tensors compare with ``torch.equal``. Restoring reads either form
+(``np.asarray`` of a tensor is a view of it).
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
 from cpdata.packing import PackingStats
 
-__all__ = ["fresh_state", "stats_dict"]
+__all__ = ["fresh_state", "native_array", "portable_state", "stats_dict"]
 
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), complex})
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PackingStats))
@@ -51,6 +61,31 @@ def fresh_state(state: Any) -> Any:
     if kind in _ATOMS:
         return state
     return copy.deepcopy(state)
+
+
+def portable_state(state: Any) -> Any:
+    """:func:`fresh_state` with every numpy array as a CPU tensor of its own (``torch.from_numpy`` of a copy)
+    and every numpy scalar as a Python scalar (see the module docstring)."""
+    kind = type(state)
+    if kind is dict:
+        return {k: v if type(v) in _ATOMS else portable_state(v) for k, v in state.items()}
+    if kind is np.ndarray:
+        return torch.from_numpy(state.copy())
+    if kind is list:
+        return [v if type(v) in _ATOMS else portable_state(v) for v in state]
+    if kind is tuple:
+        return tuple(v if type(v) in _ATOMS else portable_state(v) for v in state)
+    if isinstance(state, np.generic):
+        return state.item()
+    if kind in _ATOMS:
+        return state
+    return copy.deepcopy(state)
+
+
+def native_array(value: Any) -> np.ndarray:
+    """A saved array as numpy: a tensor of :func:`portable_state` (a view of it), or an array or list as saved
+    by earlier versions (``np.asarray``)."""
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def stats_dict(stats: PackingStats | dict[str, Any], **fields: Any) -> dict[str, Any]:
