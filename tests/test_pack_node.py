@@ -218,7 +218,11 @@ def test_state_is_compact_and_stats_are_inside(seekable):
         assert carry["arrays"] is None, "a seekable source keeps references only"
         assert len(pickle.dumps(state)) < 6144  # (~4.7 KB: nine small tensors of ~100 bytes of pickle framing each)
     else:
-        assert [a["input_ids"].dtype for a, _ in carry["arrays"]] == [torch.int32] * carry["key"].numel()
+        arrays = carry["arrays"]  # a few columns however many pieces, int64 ids stored as int32
+        assert arrays["mask"].shape == (carry["key"].numel(), len(arrays["names"])) and bool(arrays["mask"].all())
+        stored = dict(zip(arrays["names"], arrays["stored"], strict=True))
+        assert np.dtype(stored["input_ids"]) == np.int32
+        assert all(type(t) is torch.Tensor and t.dtype == torch.uint8 for t in arrays["data"])
     restored = Pack(Documents(docs if seekable else IterableWrapper(docs), labels_alignment="targets"), **{**CONFIG, "window": 50})
     restored.reset(state)
     assert_items_equal(list(restored), list(node))

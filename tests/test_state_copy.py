@@ -178,3 +178,37 @@ def test_a_state_saved_with_numpy_arrays_still_restores(kind):
     restored = _pack(kind)
     restored.reset(state)
     assert_items_equal(list(restored), reference[9:])
+
+
+def test_a_state_with_the_earlier_per_piece_carry_arrays_still_restores():
+    """States before the columnar carry held one ``(narrowed arrays, names to widen)`` pair per piece."""
+    from cpdata.nodes.live_pieces import narrow_arrays, piece_sources
+
+    reference = list(_pack("iterable"))
+    node = _pack("iterable")
+    for _ in range(9):
+        next(node)
+    state = _as_numpy(node.state_dict())
+    carry = state["carry"]
+    pieces = piece_sources(carry["arrays"], carry["length"].tolist())
+    assert pieces, "nothing carried: the test would pass vacuously"
+    carry["arrays"] = [narrow_arrays(p) for p in pieces]
+    restored = _pack("iterable")
+    restored.reset(state)
+    assert_items_equal(list(restored), reference[9:])
+
+
+def test_carry_arrays_round_trip_any_dtype_and_mixed_key_sets():
+    from cpdata.nodes.live_pieces import carry_arrays, piece_sources
+
+    pieces = [
+        {"input_ids": np.array([1, 2, 3]), "mask": np.array([True, False, True])},
+        {"input_ids": np.array([2**40, 5])},  # does not fit int32: its group stays int64
+        {"input_ids": np.array([7], dtype=np.int64), "w": np.array([0.5], dtype=np.float16)},
+    ]
+    columns = carry_arrays(pieces)
+    got = piece_sources(_torch_load(portable_state(columns)), [3, 2, 1])
+    assert_items_equal(got, pieces)
+    assert [set(p) for p in got] == [set(p) for p in pieces]
+    with pytest.raises(ValueError, match="the state is damaged"):
+        piece_sources(columns, [3, 2, 2])

@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.nodes.state_copy import native_array
 from cpdata.nodes.window import DocumentWindow
 from cpdata.targets import UNLABELED, piece_arrays
 from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_state", "narrow_arrays",
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "narrow_arrays", "piece_sources",
            "pick", "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
@@ -98,7 +99,10 @@ CARRY_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
 
 
 def narrow_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """int64 arrays whose values fit int32, stored as int32 (halves the state); names to widen back."""
+    """int64 arrays whose values fit int32, stored as int32 (halves the state); names to widen back.
+
+    (The per-piece form of the carried token arrays in states before :func:`carry_arrays`; kept for
+    :func:`piece_sources` to read them.)"""
     out, widen = {}, []
     for name, a in arrays.items():
         if a.dtype == np.int64 and a.size and _I32.min <= a.min() and a.max() <= _I32.max:
@@ -114,15 +118,63 @@ def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str,
     return {k: a[offset : offset + length] for k, a in source.items()}
 
 
+def carry_arrays(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, Any]:
+    """The token arrays of ``p`` carried pieces as a few columns, however many pieces (for a state).
+
+    Pieces are grouped by array name and dtype (``G`` groups); each group's arrays are concatenated in
+    piece order, as int32 when int64 values fit (halves the state), and kept as their bytes (uint8, so
+    any dtype fits in a tensor: :func:`~cpdata.nodes.state_copy.portable_state`). ``mask`` bool ``[p, G]``
+    says which pieces hold which group; every array of a piece has the piece's length.
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for j, arrays in enumerate(pieces):
+        for name, a in arrays.items():
+            groups.setdefault((name, a.dtype.str), []).append(j)
+    mask = np.zeros((len(pieces), len(groups)), dtype=bool)
+    names, dtypes, stored, data = [], [], [], []
+    for g, ((name, dtype), members) in enumerate(groups.items()):
+        mask[members, g] = True
+        values = np.concatenate([pieces[j][name] for j in members]) if members else np.zeros(0, dtype=dtype)
+        if values.dtype == np.int64 and values.size and _I32.min <= values.min() and values.max() <= _I32.max:
+            values = values.astype(np.int32)
+        names.append(name)
+        dtypes.append(dtype)
+        stored.append(values.dtype.str)
+        data.append(np.ascontiguousarray(values).view(np.uint8))
+    return {"names": names, "dtypes": dtypes, "stored": stored, "data": data, "mask": mask}
+
+
+def piece_sources(arrays: Any, lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """The carried pieces' own token arrays (int64 where they were), from a state's ``arrays``: the
+    columns of :func:`carry_arrays` (as tensors or numpy arrays), or the per-piece ``(arrays, widen)``
+    pairs that earlier states hold. Every array is the piece's own copy."""
+    if isinstance(arrays, list):  # earlier states: one (narrowed arrays, names to widen) pair per piece
+        return [{n: native_array(a).astype(np.int64) if n in widen else native_array(a).copy() for n, a in narrow.items()}
+                for narrow, widen in arrays]  # fmt: skip
+    mask = native_array(arrays["mask"])
+    out: list[dict[str, np.ndarray]] = [{} for _ in lengths]
+    lengths_a = np.asarray(lengths, dtype=np.int64)
+    for g, (name, dtype, stored) in enumerate(zip(arrays["names"], arrays["dtypes"], arrays["stored"], strict=True)):
+        values = native_array(arrays["data"][g]).view(np.dtype(stored))
+        members = np.flatnonzero(mask[:, g])
+        ends = lengths_a[members].cumsum().tolist()
+        if ends and ends[-1] != values.shape[0]:
+            raise ValueError(f"the carried arrays {name!r} hold {values.shape[0]} values, the pieces {ends[-1]}; "
+                             "the state is damaged: restore from another checkpoint")  # fmt: skip
+        for j, lo, hi in zip(members.tolist(), [0, *ends[:-1]], ends, strict=True):
+            out[j][name] = values[lo:hi].astype(np.dtype(dtype))
+    return out
+
+
 def carry_state(carried: tuple[np.ndarray, Sequence[Source]], with_arrays: bool) -> dict[str, Any]:
-    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays unless the
-    source can fetch them."""
+    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays
+    (:func:`carry_arrays`) unless the source can fetch them."""
     rows, sources = carried
     state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(CARRY_COLUMNS)}
     arrays = None
     if with_arrays:
-        arrays = [narrow_arrays(_piece(src, off, n)) for src, off, n in zip(sources, rows[:, 6].tolist(), rows[:, 3].tolist(),
-                                                                       strict=True)]  # fmt: skip
+        arrays = carry_arrays([_piece(src, off, n) for src, off, n in zip(sources, rows[:, 6].tolist(),
+                                                                          rows[:, 3].tolist(), strict=True)])  # fmt: skip
     state["arrays"] = arrays
     return state
 

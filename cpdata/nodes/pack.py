@@ -46,6 +46,7 @@ from cpdata.nodes.live_pieces import (
     LivePieces,
     carried_room,
     carry_state,
+    piece_sources,
     window_buffer,
     window_rows,
 )
@@ -232,12 +233,13 @@ class Pack(BaseNode[PackPlan]):
                 "the Pack state holds references to source documents, but this source cannot fetch them "
                 "by index; restore onto a Documents node over the same sequence"
             )
-        fetched: dict[int, Document] = {}
-        sources = []
-        for j, (index, start, length, next_label) in enumerate(
-            zip(columns["index"], columns["start"], columns["length"], columns["next_label"], strict=True)
-        ):
-            if stored is None:
+        if stored is not None:
+            sources = piece_sources(stored, columns["length"])
+        else:
+            fetched: dict[int, Document] = {}
+            sources = []
+            for index, start, length, next_label in zip(columns["index"], columns["start"], columns["length"],
+                                                        columns["next_label"], strict=True):  # fmt: skip
                 doc = fetched.get(index)
                 if doc is None:
                     doc = fetched[index] = self.source.fetch(index)
@@ -246,12 +248,7 @@ class Pack(BaseNode[PackPlan]):
                         f"the Pack state carries tokens {start}..{start + length} of document {index}, which now "
                         f"has {doc.length}; the source changed since the state was saved"
                     )
-                arrays = piece_arrays(doc.arrays, start, length, next_label != IGNORE_INDEX)
-            else:
-                narrow, widen = stored[j]
-                arrays = {n: native_array(a).astype(np.int64) if n in widen else native_array(a).copy()
-                          for n, a in narrow.items()}  # fmt: skip
-            sources.append(arrays)
+                sources.append(piece_arrays(doc.arrays, start, length, next_label != IGNORE_INDEX))
         rows = np.zeros((len(sources), len(FIELDS)), dtype=np.int64)  # offset 0: the arrays are the pieces'
         rows[:, 7] = -1  # in no window's token buffer
         for i, name in enumerate(CARRY_COLUMNS):
