@@ -25,13 +25,12 @@ from typing import Any
 import numpy as np
 
 from cpdata.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.nodes.state_copy import native_array
 from cpdata.nodes.window import DocumentWindow
 from cpdata.targets import UNLABELED, piece_arrays
 from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "narrow_arrays", "piece_sources",
-           "pick", "window_buffer", "window_rows"]  # fmt: skip
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "narrow_arrays",
+           "pick", "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
 """Columns of :attr:`LivePieces.table`."""
@@ -146,16 +145,16 @@ def carry_arrays(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, Any]:
 
 def piece_sources(arrays: Any, lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:
     """The carried pieces' own token arrays (int64 where they were), from a state's ``arrays``: the
-    columns of :func:`carry_arrays` (as tensors or numpy arrays), or the per-piece ``(arrays, widen)``
+    columns of :func:`carry_arrays` (as tensors or numpy arrays: ``np.asarray`` reads both), or the per-piece ``(arrays, widen)``
     pairs that earlier states hold. Every array is the piece's own copy."""
     if isinstance(arrays, list):  # earlier states: one (narrowed arrays, names to widen) pair per piece
-        return [{n: native_array(a).astype(np.int64) if n in widen else native_array(a).copy() for n, a in narrow.items()}
+        return [{n: np.asarray(a).astype(np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
                 for narrow, widen in arrays]  # fmt: skip
-    mask = native_array(arrays["mask"])
+    mask = np.asarray(arrays["mask"])
     out: list[dict[str, np.ndarray]] = [{} for _ in lengths]
     lengths_a = np.asarray(lengths, dtype=np.int64)
     for g, (name, dtype, stored) in enumerate(zip(arrays["names"], arrays["dtypes"], arrays["stored"], strict=True)):
-        values = native_array(arrays["data"][g]).view(np.dtype(stored))
+        values = np.asarray(arrays["data"][g]).view(np.dtype(stored))
         members = np.flatnonzero(mask[:, g])
         ends = lengths_a[members].cumsum().tolist()
         if ends and ends[-1] != values.shape[0]:

@@ -50,7 +50,7 @@ from cpdata.nodes.live_pieces import (
     window_buffer,
     window_rows,
 )
-from cpdata.nodes.state_copy import fresh_state, native_array, portable_state, stats_dict
+from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
@@ -226,7 +226,7 @@ class Pack(BaseNode[PackPlan]):
                 )
 
     def _restore_carry(self, carry: dict[str, Any]) -> None:
-        columns = {name: native_array(carry[name]).tolist() for name in CARRY_COLUMNS}
+        columns = {name: np.asarray(carry[name]).tolist() for name in CARRY_COLUMNS}
         stored = carry["arrays"]
         if stored is None and not getattr(self.source, "seekable", False):
             raise ValueError(

@@ -21,8 +21,8 @@ objects under its default ``weights_only=True`` (torch >= 2.6), so a checkpoint
 holding ``loader.state_dict()`` would not load without ``weights_only=False``; and
 ``StatefulDataLoader`` compares a worker's state with the previous one after
 every batch, where ``==`` on arrays raises (so every array was sent again each
-batch) but tensors compare with ``torch.equal``. Restoring reads either form
-(``np.asarray`` of a tensor is a view of it).
+batch) but tensors compare with ``torch.equal``. Restoring reads either form:
+``np.asarray`` of a CPU tensor is a view of it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from cpdata.packing import PackingStats
 
-__all__ = ["fresh_state", "native_array", "portable_state", "stats_dict"]
+__all__ = ["fresh_state", "portable_state", "stats_dict"]
 
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None), complex})
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PackingStats))
@@ -47,45 +47,32 @@ def fresh_state(state: Any) -> Any:
 
     Cost: one Python call per container and array (no memo), one ``ndarray.copy()`` per array.
     """
-    kind = type(state)
-    if kind is dict:
-        return {k: v if type(v) in _ATOMS else fresh_state(v) for k, v in state.items()}
-    if kind is np.ndarray:
-        return state.copy()
-    if kind is list:
-        return [v if type(v) in _ATOMS else fresh_state(v) for v in state]
-    if kind is tuple:
-        if all(type(v) in _ATOMS for v in state):
-            return state  # immutable all the way down (deepcopy returns it as is too)
-        return tuple(fresh_state(v) for v in state)
-    if kind in _ATOMS:
-        return state
-    return copy.deepcopy(state)
+    return _copy_tree(state, portable=False)
 
 
 def portable_state(state: Any) -> Any:
     """:func:`fresh_state` with every numpy array as a CPU tensor of its own (``torch.from_numpy`` of a copy)
     and every numpy scalar as a Python scalar (see the module docstring)."""
+    return _copy_tree(state, portable=True)
+
+
+def _copy_tree(state: Any, portable: bool) -> Any:
     kind = type(state)
     if kind is dict:
-        return {k: v if type(v) in _ATOMS else portable_state(v) for k, v in state.items()}
+        return {k: v if type(v) in _ATOMS else _copy_tree(v, portable) for k, v in state.items()}
     if kind is np.ndarray:
-        return torch.from_numpy(state.copy())
+        return torch.from_numpy(state.copy()) if portable else state.copy()
     if kind is list:
-        return [v if type(v) in _ATOMS else portable_state(v) for v in state]
+        return [v if type(v) in _ATOMS else _copy_tree(v, portable) for v in state]
     if kind is tuple:
-        return tuple(v if type(v) in _ATOMS else portable_state(v) for v in state)
-    if isinstance(state, np.generic):
-        return state.item()
+        if all(type(v) in _ATOMS for v in state):
+            return state  # immutable all the way down (deepcopy returns it as is too)
+        return tuple(_copy_tree(v, portable) for v in state)
     if kind in _ATOMS:
         return state
+    if portable and isinstance(state, np.generic):
+        return state.item()
     return copy.deepcopy(state)
-
-
-def native_array(value: Any) -> np.ndarray:
-    """A saved array as numpy: a tensor of :func:`portable_state` (a view of it), or an array or list as saved
-    by earlier versions (``np.asarray``)."""
-    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def stats_dict(stats: PackingStats | dict[str, Any], **fields: Any) -> dict[str, Any]:
