@@ -215,3 +215,14 @@ def test_carry_arrays_round_trip_any_dtype_and_mixed_key_sets():
     assert [set(p) for p in got] == [set(p) for p in pieces]
     with pytest.raises(ValueError, match="the state is damaged"):
         piece_sources(columns, [3, 2, 2])
+
+
+def test_carry_arrays_read_back_from_plain_lists():
+    """A state whose columns became lists (e.g. through JSON) still gives every piece its own arrays."""
+    from cpdata.nodes.live_pieces import carry_arrays, piece_sources
+
+    pieces = [{"input_ids": np.array([1, 2, 3]), "labels": np.array([2, 3, -100])}, {"input_ids": np.array([9])}]
+    columns = carry_arrays(pieces)
+    as_lists = {k: [t.tolist() for t in v] if k == "data" else (v.tolist() if isinstance(v, np.ndarray) else v)
+                for k, v in columns.items()}  # fmt: skip
+    assert_items_equal(piece_sources(as_lists, [3, 1]), pieces)

@@ -154,7 +154,7 @@ def piece_sources(arrays: Any, lengths: Sequence[int]) -> list[dict[str, np.ndar
     out: list[dict[str, np.ndarray]] = [{} for _ in lengths]
     lengths_a = np.asarray(lengths, dtype=np.int64)
     for g, (name, dtype, stored) in enumerate(zip(arrays["names"], arrays["dtypes"], arrays["stored"], strict=True)):
-        values = np.asarray(arrays["data"][g]).view(np.dtype(stored))
+        values = np.asarray(arrays["data"][g]).astype(np.uint8, copy=False).view(np.dtype(stored))  # (bytes)
         members = np.flatnonzero(mask[:, g])
         ends = lengths_a[members].cumsum().tolist()
         if ends and ends[-1] != values.shape[0]:
