@@ -64,6 +64,8 @@ def test_worker_and_memcpy_rates_are_positive(results):
         assert 0 < r["tokens_per_s"] < r["memcpy_tokens_per_s"], r  # memcpy is the ceiling
         assert r["fraction_of_memcpy"] == pytest.approx(r["tokens_per_s"] / r["memcpy_tokens_per_s"])
         assert r["cpdata_us_per_pack"] > 0 and r["anchor_host_us"] > 0
+        # the paired ratio and the ratio of the medians estimate the same thing
+        assert r["ratio"] == pytest.approx(r["cpdata_us_per_pack"] / r["anchor_host_us"], rel=0.5), r
         assert r["ns_per_pack_token"] * r["capacity"] == pytest.approx(r["cpdata_us_per_pack"] * 1e3, rel=0.05)
     assert {r["cp_size"] for r in results["worker"]} == {2, 4, 8}
     names = {t["target"] for t in results["targets"]}
@@ -268,3 +270,16 @@ def test_karmarkar_karp_partitions_every_item_once(weights, k, equal_size):
     if weights and k == 2 and not equal_size:  # differencing never does worse than the largest item alone
         sums = [sum(weights[i] for i in p) for p in parts]
         assert abs(sums[0] - sums[1]) <= max(weights)
+
+
+def test_worker_target_reads_the_paired_ratio_and_older_results_without_it():
+    """The paired ``ratio`` decides (here it passes while the ratio of the medians would not); results
+    written before that column existed are judged by the ratio of the medians."""
+    from cpdata.bench.targets import TARGETS
+
+    check = next(fn for section, name, _, fn in TARGETS if name == "worker vs in-step")
+    row = {"layout": "balanced", "cp_size": 8, "capacity": 8192, "cpdata_us_per_pack": 160.0, "anchor_host_us": 500.0}
+    text, met = check([{**row, "ratio": 0.29}])
+    assert met and text.startswith("max 0.29 x anchor (balanced, cp 8") and "medians 160 vs 500 us" in text
+    assert check([row]) == ("max 0.32 x anchor (balanced, cp 8, capacity 8192: medians 160 vs 500 us)", False)
+    assert check([{**row, "capacity": 4096, "ratio": 0.9}]) == ("no row at capacity >= 8K, cp <= 8", False)

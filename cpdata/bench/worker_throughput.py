@@ -19,7 +19,12 @@ NeMo packed-sequence style) and sharded in the step for rank 0
 (:func:`cpdata.bench.anchors.anchor_shard`, the ``step_shard`` anchor;
 ``balanced`` has no in-step form and is compared with ``round_robin``, the
 whole-pack head-tail split). It excludes packing, which cpdata's time
-includes: ``anchor_host_us``.
+includes: ``anchor_host_us``. ``ratio`` is cpdata's time over the anchor's
+round by round (each repeat is one pass of cpdata and then one of the anchor),
+the median of those paired ratios: on a shared machine both sides' times move
+by up to 50 % between rounds, mostly together, so the paired ratio varies far
+less between runs than the ratio of the two medians (which the two time
+columns still give).
 
 Memcpy reference (reported, no target: in Python, reading the pack's tokens
 once already costs about 4x the memcpy of one rank's output). The baseline moves the same output bytes with ``np.copyto``, pack by
@@ -61,7 +66,7 @@ from cpdata.bench.timing import median_seconds
 __all__ = ["COLUMNS", "TABLE", "run"]
 
 COLUMNS: tuple[str, ...] = (
-    "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ns_per_pack_token", "tokens_per_s",
+    "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ratio", "ns_per_pack_token", "tokens_per_s",
     "memcpy_tokens_per_s", "fraction_of_memcpy",
 )
 TABLE: tuple[str, ...] = (*COLUMNS, "packs", "output_bytes_per_token", "layout_bytes_per_token")
@@ -152,12 +157,14 @@ def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> 
         anchor()
         anchor_s.append(time.perf_counter() - t0)
     seconds = float(np.median([r[0] for r in runs]))
+    ratio = float(np.median([r[0] / a for r, a in zip(runs, anchor_s, strict=True)]))  # paired, round by round
     _, out_bytes, tokens, layout_bytes = runs[0]
     n_packs = len(out_bytes)
     copy_s = _memcpy_seconds(out_bytes, repeats=max(3, repeats))
     return {
         "layout": layout, "cp_size": cp_size, "capacity": capacity,
         "cpdata_us_per_pack": seconds / n_packs * 1e6, "anchor_host_us": float(np.median(anchor_s)) / n_packs * 1e6,
+        "ratio": ratio,
         "ns_per_pack_token": seconds / tokens * 1e9,
         "tokens_per_s": tokens / seconds, "memcpy_tokens_per_s": tokens / copy_s,
         "fraction_of_memcpy": copy_s / seconds, "packs": n_packs,

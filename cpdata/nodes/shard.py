@@ -215,8 +215,9 @@ class ShardForRank(BaseNode[Any]):
         batches: list[CollatedPack] = []
         error, ended, tokens = None, False, 0
         try:
-            while len(batches) < self._served or not self._full(len(batches), tokens):  # (restored: at least
-                batch = next(self.source)  # the served ones, whatever the block size that served them)
+            # restored: at least the served ones, whatever the block size that served them
+            while len(batches) < self._served or not self._full(len(batches), tokens):
+                batch = next(self.source)
                 batches.append(batch)
                 tokens += len(batch.plans) * batch.pack_len
         except StopIteration:
