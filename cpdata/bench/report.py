@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cpdata.bench.table import format_value
+from cpdata.bench.worker_throughput import worker_ratio
 
 __all__ = ["render_markdown"]
 
@@ -48,10 +49,10 @@ def _step(rows: list[dict], device: str) -> str:
 
 def _worker(rows: list[dict]) -> str:
     body = [(r["layout"], r["cp_size"], _tokens(r["capacity"]), f"{r['cpdata_us_per_pack']:.0f}",
-             f"{r['anchor_host_us']:.0f}", f"{r['cpdata_us_per_pack'] / r['anchor_host_us']:.2f}",
+             f"{r['anchor_host_us']:.0f}", f"{worker_ratio(r):.2f}",
              f"{r['ns_per_pack_token']:.1f}", f"{r['tokens_per_s'] / 1e6:.1f}M", f"{r['fraction_of_memcpy']:.3g}")
             for r in rows]  # fmt: skip
-    head = ("layout", "cp", "capacity", "cpdata us/pack", "anchor us/pack", "ratio", "ns/token", "tokens/s",
+    head = ("layout", "cp", "capacity", "cpdata us/pack", "anchor us/pack", "paired ratio", "ns/token", "tokens/s",
             "of memcpy")
     return ("**Worker** (pack + collate + shard on one core, one rank's output; anchor: in-step collate + shard "
             "of the same pack)\n\n" + _md(head, body))

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from cpdata.bench.worker_throughput import worker_ratio
+
 __all__ = ["TARGETS", "evaluate_targets"]
 
 
@@ -44,16 +46,10 @@ def _worker(rows: list[dict]) -> tuple[str, bool]:
     mine = [r for r in rows if r["capacity"] >= 8192 and r["cp_size"] <= 8]
     if not mine:
         return "no row at capacity >= 8K, cp <= 8", False
-    worst = max(mine, key=_worker_ratio)
-    ratio = _worker_ratio(worst)
+    worst = max(mine, key=worker_ratio)
+    ratio = worker_ratio(worst)
     return (f"max {ratio:.2f} x anchor ({worst['layout']}, cp {worst['cp_size']}, capacity {worst['capacity']}: "
             f"medians {worst['cpdata_us_per_pack']:.0f} vs {worst['anchor_host_us']:.0f} us)"), ratio <= 0.3
-
-
-def _worker_ratio(row: dict) -> float:
-    """cpdata / anchor per pack: the paired ``ratio`` column, or the ratio of the medians for results
-    written before it existed."""
-    return row["ratio"] if "ratio" in row else row["cpdata_us_per_pack"] / row["anchor_host_us"]
 
 
 def _worker_token(rows: list[dict]) -> tuple[str, bool]:

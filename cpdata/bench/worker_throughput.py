@@ -63,7 +63,7 @@ from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_collate, anchor_shard
 from cpdata.bench.distributions import sample
 from cpdata.bench.timing import median_seconds
 
-__all__ = ["COLUMNS", "TABLE", "run"]
+__all__ = ["COLUMNS", "TABLE", "run", "worker_ratio"]
 
 COLUMNS: tuple[str, ...] = (
     "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ratio", "ns_per_pack_token", "tokens_per_s",
@@ -73,6 +73,12 @@ TABLE: tuple[str, ...] = (*COLUMNS, "packs", "output_bytes_per_token", "layout_b
 TITLE = "Documents -> Pack -> Collate -> ShardForRank on one core vs in-step collate + shard, and memcpy"
 LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced")
 VOCAB = 32000
+
+
+def worker_ratio(row: dict) -> float:
+    """cpdata / anchor per pack of a row: its paired ``ratio``, or the ratio of its medians for results
+    written before that column existed."""
+    return row["ratio"] if "ratio" in row else row["cpdata_us_per_pack"] / row["anchor_host_us"]
 
 
 def _documents(tokens: int, seed: int) -> list[dict[str, np.ndarray]]:
