@@ -66,8 +66,8 @@ from cpdata.bench.timing import median_seconds
 __all__ = ["COLUMNS", "TABLE", "run", "worker_ratio"]
 
 COLUMNS: tuple[str, ...] = (
-    "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ratio", "ns_per_pack_token", "tokens_per_s",
-    "memcpy_tokens_per_s", "fraction_of_memcpy",
+    "layout", "cp_size", "capacity", "cpdata_us_per_pack", "anchor_host_us", "ratio", "ns_per_pack_token",
+    "tokens_per_s", "memcpy_tokens_per_s", "fraction_of_memcpy",
 )
 TABLE: tuple[str, ...] = (*COLUMNS, "packs", "output_bytes_per_token", "layout_bytes_per_token")
 TITLE = "Documents -> Pack -> Collate -> ShardForRank on one core vs in-step collate + shard, and memcpy"
