@@ -183,9 +183,23 @@ def test_a_state_saved_with_numpy_arrays_still_restores(kind):
     assert_items_equal(list(restored), reference[9:])
 
 
+def _earlier_narrowed(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """One carried piece as states before the columnar carry stored it: its int64 arrays whose values fit
+    int32 stored as int32, and the names to widen back."""
+    out, widen = {}, []
+    for name, a in arrays.items():
+        if a.dtype == np.int64 and a.size and np.iinfo(np.int32).min <= a.min() and a.max() <= np.iinfo(np.int32).max:
+            out[name] = a.astype(np.int32)
+            widen.append(name)
+        else:
+            out[name] = np.array(a)
+        out[name].flags.writeable = False
+    return out, widen
+
+
 def test_a_state_with_the_earlier_per_piece_carry_arrays_still_restores():
     """States before the columnar carry held one ``(narrowed arrays, names to widen)`` pair per piece."""
-    from cpdata.nodes.live_pieces import narrow_arrays, piece_sources
+    from cpdata.nodes.live_pieces import piece_sources
 
     reference = list(_pack("iterable"))
     node = _pack("iterable")
@@ -195,7 +209,7 @@ def test_a_state_with_the_earlier_per_piece_carry_arrays_still_restores():
     carry = state["carry"]
     pieces = piece_sources(carry["arrays"], carry["length"].tolist())
     assert pieces, "nothing carried: the test would pass vacuously"
-    carry["arrays"] = [narrow_arrays(p) for p in pieces]
+    carry["arrays"] = [_earlier_narrowed(p) for p in pieces]
     restored = _pack("iterable")
     restored.reset(state)
     assert_items_equal(list(restored), reference[9:])

@@ -29,8 +29,8 @@ from cpdata.nodes.window import DocumentWindow
 from cpdata.targets import UNLABELED, piece_arrays
 from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
-__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "narrow_arrays",
-           "pick", "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
+__all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "pick",
+           "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
 """Columns of :attr:`LivePieces.table`."""
@@ -95,22 +95,6 @@ class LivePieces:
 
 _I32 = np.iinfo(np.int32)
 CARRY_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
-
-
-def narrow_arrays(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """int64 arrays whose values fit int32, stored as int32 (halves the state); names to widen back.
-
-    (The per-piece form of the carried token arrays in states before :func:`carry_arrays`; kept for
-    :func:`piece_sources` to read them.)"""
-    out, widen = {}, []
-    for name, a in arrays.items():
-        if a.dtype == np.int64 and a.size and _I32.min <= a.min() and a.max() <= _I32.max:
-            out[name] = a.astype(np.int32)
-            widen.append(name)
-        else:
-            out[name] = np.array(a)
-        out[name].flags.writeable = False
-    return out, widen
 
 
 def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
