@@ -1,6 +1,6 @@
 """Differentiable gather of a token-aligned CP shard back to global order (torch only).
 
-Model code that holds a :class:`~cpdata.shard_layout.ShardLayout` and a process
+Model code that holds a :class:`~cpdata.layout.shard_layout.ShardLayout` and a process
 group calls :func:`gather_token_tensor`; the sharder's verb of the same name
 calls it too. The layout already carries the inverse map (``gather_index``,
 computed on the dataloader worker), so a gather is exactly one collective on
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from cpdata.shard_layout import ShardLayout
+    from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["GatherFromShards", "ensure_gather_index", "gather_token_tensor", "layout_tensor_on"]
 
@@ -161,13 +161,13 @@ def gather_token_tensor(
     if layout.gather_index is None:
         raise ValueError(
             "ShardLayout.gather_index is None; build the layout with "
-            "gather_index=inverse_indices(rows) (cpdata.layouts) so the gather needs no index collective"
+            "gather_index=inverse_indices(rows) (cpdata.layout.maps) so the gather needs no index collective"
         )
     local_len = tensor.shape[seq_dim]
     if layout.gather_index.dtype != torch.int64:
         raise ValueError(
             f"ShardLayout.gather_index must be int64 (index_copy in backward needs it), got "
-            f"{layout.gather_index.dtype}; build it with cpdata.layouts.inverse_indices"
+            f"{layout.gather_index.dtype}; build it with cpdata.layout.maps.inverse_indices"
         )
     expected = layout.gather_index.numel()
     if local_len * layout.cp_size != expected:

@@ -32,7 +32,7 @@ from torch import nn
 
 from cpdata.adapters import document_causal_mask
 from cpdata.gather import gather_token_tensor
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["ModelConfig", "TokenView", "CPTransformer"]
 

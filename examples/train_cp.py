@@ -51,11 +51,11 @@ from corpus import BYTE_VOCAB, PAD_ID, StdlibDefinitions, load_jsonl  # noqa: E4
 from cp_model import CPTransformer, ModelConfig, TokenView  # noqa: E402
 
 from cpdata.adapters import global_target_count, token_loss  # noqa: E402
-from cpdata.consistency import verify_layout_consistency  # noqa: E402
-from cpdata.loader import build_loader, close_loader  # noqa: E402
+from cpdata.device.consistency import verify_layout_consistency  # noqa: E402
+from cpdata.device.sharder import ContextParallelSharder  # noqa: E402
+from cpdata.nodes.loader import build_loader, close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402
-from cpdata.sharder import ContextParallelSharder  # noqa: E402
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from cpdata.adapters import hf_model_kwargs
-from cpdata.keys import IGNORE_INDEX
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.worker.keys import IGNORE_INDEX
 
 VOCAB = 64
 LENS = [5, 23, 9, 40, 3, 17, 30, 11, 2, 26]

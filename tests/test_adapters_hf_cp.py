@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs
+from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor
-from cpdata.loader import build_loader, closing_loader
-from cpdata.sharder import ContextParallelSharder
+from cpdata.nodes.loader import build_loader, closing_loader
 from tests.dist_utils import run_ranks
 
 VOCAB = 64

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cpdata.adapters import global_target_count, token_loss
 from cpdata.gather import gather_token_tensor
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests.dist_utils import run_ranks
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from cpdata.adapters import document_causal_mask, flex_block_mask
-from cpdata.layouts import LAYOUTS
-from cpdata.loader import shard_graph
+from cpdata.layout.maps import LAYOUTS
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 
 LENS = [7, 30, 3, 12, 45, 1, 9, 20, 16, 5]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import te_attention_kwargs, te_forward_kwargs
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests.dist_utils import run_ranks
 

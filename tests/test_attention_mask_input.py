@@ -16,7 +16,7 @@ import torch
 from tokenizer_fixture import CORPUS, chat_tokenizer
 
 import cpdata
-from cpdata.offline.datasets import open_dataset
+from cpdata.sources.open import open_dataset
 
 CONFIG = dict(capacity=64, cp_size=2, cp_rank=0, layout="balanced")
 

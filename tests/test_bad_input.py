@@ -3,8 +3,8 @@
 The unit tests of each stage check its own messages (``test_source_node``,
 ``test_pack_node``, ``test_packing``, ``test_shard_node``, ``test_sharder``,
 ``test_gather_dist``, ``test_consistency_dist``); the tests here feed the bad
-input where a user would, through :func:`cpdata.loader.build_loader` /
-:func:`~cpdata.loader.build_node` / :class:`~cpdata.dataset.CPDataset`, with
+input where a user would, through :func:`cpdata.nodes.loader.build_loader` /
+:func:`~cpdata.nodes.loader.build_node` / :class:`~cpdata.nodes.dataset.CPDataset`, with
 the documents DP-sharded so that a document's index in the source differs
 from its position in the rank's stream. The README table
 "Bad input and failures" lists every case and the test that checks it.
@@ -25,14 +25,14 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.consistency import verify_layout_consistency
-from cpdata.dataset import CPDataset
+from cpdata.device.consistency import verify_layout_consistency
+from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor
-from cpdata.layouts import alignment, inverse_indices, rank_indices
-from cpdata.loader import build_loader, build_node, closing_loader, shard_graph
+from cpdata.layout.maps import alignment, inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, build_node, closing_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
-from cpdata.shard_layout import ShardLayout
-from cpdata.sharder import ContextParallelSharder
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 

@@ -20,10 +20,10 @@ from torch.utils.data._utils.collate import default_convert
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 
 from cpdata import CPDataLoader, CPDataset
-from cpdata.batch import ShardedBatch
-from cpdata.buffer_spans import views
-from cpdata.dataloader import hand_over
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nodes.dataloader import hand_over
+from cpdata.worker.batch import ShardedBatch
+from cpdata.worker.buffer_spans import views
 
 MAPS = ("local_token_global_indices", "gather_index")
 DOCS = [{"input_ids": np.arange(1, 1 + 40 + (i * 37) % 300, dtype=np.int64)} for i in range(40)]

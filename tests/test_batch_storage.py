@@ -19,7 +19,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import CPDataset
-from cpdata.batch import ShardedBatch
+from cpdata.worker.batch import ShardedBatch
 
 DOCS = [{"input_ids": np.arange(1, 1 + 40 + (i * 37) % 300, dtype=np.int64)} for i in range(60)]
 CFG = {"capacity": 512, "cp_size": 4, "layout": "balanced", "seed": 0}
@@ -116,7 +116,7 @@ def test_a_worker_batch_arrives_as_one_shared_memory_storage():
 
 def test_sharder_moves_a_presharded_batch_in_one_call(monkeypatch):
     from cpdata.bench.step_shard import LocalMesh
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.sharder import ContextParallelSharder
 
     batch = first_batch()
     sharder = ContextParallelSharder(None, LocalMesh(1, 4, "cpu"), batch)
@@ -151,9 +151,9 @@ def test_moved_views_are_the_spans_views_and_the_plan_travels():
 
 def test_sharder_fast_path_equals_the_general_path():
     from cpdata.bench.step_shard import LocalMesh
-    from cpdata.cp_attention import AttentionContextFactory
-    from cpdata.raw_shard import DeviceShard
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.cp_attention import AttentionContextFactory
+    from cpdata.device.raw_shard import DeviceShard
+    from cpdata.device.sharder import ContextParallelSharder
 
     batch = first_batch()
     mesh = LocalMesh(1, 4, "cpu")
@@ -174,7 +174,7 @@ def test_sharder_fast_path_equals_the_general_path():
 
 def _gap_bytes(batch: ShardedBatch) -> np.ndarray:
     """The bytes of ``batch``'s buffer that no tensor or layout map covers, and a check that there are some."""
-    from cpdata.buffer_spans import gap_index
+    from cpdata.worker.buffer_spans import gap_index
 
     views = batch._views
     gaps = gap_index((views.plan.spans, views.plan.map_spans), views.buffer.numel())
@@ -214,7 +214,7 @@ _DTYPES = {1: torch.bool, 2: torch.int16, 4: torch.int32, 8: torch.int64}
        st.integers(0, 40))  # fmt: skip
 def test_gap_index_is_every_byte_no_span_covers(tensors, maps, extra):
     """The gaps from the span tables equal a byte mask over the whole buffer (the reference), in order."""
-    from cpdata.buffer_spans import gap_index, span_table
+    from cpdata.worker.buffer_spans import gap_index, span_table
 
     def specs(items):
         return {str(i): (tuple(shape), _DTYPES[size], size) for i, (shape, size) in enumerate(items)}

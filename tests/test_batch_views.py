@@ -12,9 +12,9 @@ import torch
 from test_shard_node import plans_for, shard_node
 from torch.utils.data._utils.collate import default_convert
 
-from cpdata.batch import BatchBuffer, ShardedBatch
-from cpdata.buffer_spans import buffer_plan
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.worker.batch import BatchBuffer, ShardedBatch
+from cpdata.worker.buffer_spans import buffer_plan
 
 
 def specs_for(shape: tuple[int, ...], k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

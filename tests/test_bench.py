@@ -19,7 +19,7 @@ from cpdata.bench.anchors import ANCHOR_LAYOUTS, te_thd_partitioned_indices
 from cpdata.bench.packing_quality import lower_bound_bins, split_lower_bound_bins
 from cpdata.bench.report import render_markdown
 from cpdata.cli import main
-from cpdata.layouts import rank_indices, thd_slot_lens
+from cpdata.layout.maps import rank_indices, thd_slot_lens
 
 MACHINE_KEYS = {"cpu_model", "cores", "torch_version", "device"}
 

@@ -1,6 +1,6 @@
 """Worker batches bit for bit against a brute-force reference, at the sizes training uses.
 
-Every tensor of every rank's :class:`~cpdata.batch.ShardedBatch` (keys, order,
+Every tensor of every rank's :class:`~cpdata.worker.batch.ShardedBatch` (keys, order,
 dtypes, shapes, values), both layout maps, the layout record and the ``info``
 dict are compared with a reference computed here from the definitions, one
 piece and one document at a time: the full pack slot by slot, each layout's
@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
-from cpdata.keys import IGNORE_INDEX, METADATA_KEYS
-from cpdata.layouts import LAYOUTS, alignment, causal_work, layout_runs
-from cpdata.loader import shard_graph
+from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
-from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan
+from cpdata.worker.keys import IGNORE_INDEX, METADATA_KEYS
+from cpdata.worker.plan import DIGEST_SAMPLES, DocPiece, PackPlan
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids")
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpdata.collate import (
+from cpdata.layout.maps import LAYOUTS, alignment, rank_indices, thd_slot_lens
+from cpdata.worker.collate import (
     build_stream,
     collate_pack,
     collate_rank,
@@ -20,9 +21,8 @@ from cpdata.collate import (
     rank_specs,
     stream_slot_lens,
 )
-from cpdata.keys import METADATA_KEYS
-from cpdata.layouts import LAYOUTS, alignment, rank_indices, thd_slot_lens
-from cpdata.plan import DocPiece, PackPlan
+from cpdata.worker.keys import METADATA_KEYS
+from cpdata.worker.plan import DocPiece, PackPlan
 
 
 def make_plans(

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.consistency import verify_layout_consistency
-from cpdata.shard_layout import ShardLayout
+from cpdata.device.consistency import verify_layout_consistency
+from cpdata.layout.shard_layout import ShardLayout
 
 DIGEST = 0x1234_5678_9ABC_DEF0 & ((1 << 63) - 1)
 
@@ -66,7 +66,7 @@ def test_consistency_rejects_non_layouts():
 
 
 def _epoch_end_rank(rank: int, world: int) -> int:
-    from cpdata.consistency import all_ranks_have_batch
+    from cpdata.device.consistency import all_ranks_have_batch
 
     it = iter(range(3 + 2 * rank))  # DP ranks whose epochs end at different steps
     steps = 0
@@ -81,6 +81,6 @@ def test_all_ranks_stop_at_the_shortest_epoch():
 
 
 def test_all_ranks_have_batch_without_a_process_group():
-    from cpdata.consistency import all_ranks_have_batch
+    from cpdata.device.consistency import all_ranks_have_batch
 
     assert all_ranks_have_batch(True) is True and all_ranks_have_batch(False) is False

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpdata.cp_attention import AttentionContextFactory, ContextParallelAttention
-from cpdata.shard_layout import ShardLayout
+from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.layout.shard_layout import ShardLayout
 
 SDPA = F.scaled_dot_product_attention
 # a cp = 2 layout of rank 0: no collective runs in these tests (every call passes through or is refused)

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from test_gather_dist import GATHERS, SCATTERS, counting_collectives
 
-from cpdata.cp_attention import AttentionContextFactory, ContextParallelAttention
-from cpdata.layouts import alignment, inverse_indices, rank_indices
-from cpdata.shard_layout import ShardLayout
+from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.layout.maps import alignment, inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
 
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
 
@@ -166,7 +166,7 @@ def _tiny_attention(input_ids: torch.Tensor, causal: bool) -> torch.Tensor:
 def _sharder_ctx(rank: int, cp: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.sharder import ContextParallelSharder
 
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     done = []

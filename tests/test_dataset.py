@@ -8,10 +8,10 @@ import torch
 from test_loader import CONFIG, documents
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.batch import ShardedBatch
-from cpdata.dataset import CPDataset
-from cpdata.loader import shard_graph
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.worker.batch import ShardedBatch
 
 CFG = {**CONFIG, "batch_size": 2, "qkv_format": "thd"}
 
@@ -135,7 +135,7 @@ def test_constructor_checks():
 @pytest.mark.parametrize(("saved", "restored"), [(0, 2), (2, 0), (2, 3), (1, 0)])
 def test_state_from_another_worker_count_is_refused_naming_both(saved, restored):
     """torchdata 0.11 alone raises a bare AssertionError between 0 and N workers; CPDataLoader names both counts."""
-    from cpdata.dataloader import CPDataLoader
+    from cpdata.nodes.dataloader import CPDataLoader
 
     def make(num_workers):
         extra = {"multiprocessing_context": "fork"} if num_workers else {}
@@ -156,7 +156,7 @@ def test_state_from_another_worker_count_is_refused_naming_both(saved, restored)
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cp_data_loader_resumes_exactly_with_the_same_worker_count(num_workers, reference):
-    from cpdata.dataloader import CPDataLoader
+    from cpdata.nodes.dataloader import CPDataLoader
 
     def make():
         extra = {"multiprocessing_context": "fork"} if num_workers else {}

@@ -40,13 +40,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import BaseNode
 
-from cpdata.consistency import verify_layout_consistency
+from cpdata.device.consistency import verify_layout_consistency
 from cpdata.gather import gather_token_tensor
-from cpdata.keys import METADATA_KEYS
-from cpdata.layouts import LAYOUTS, alignment
-from cpdata.loader import build_node, shard_graph
+from cpdata.layout.maps import LAYOUTS, alignment
+from cpdata.nodes.loader import build_node, shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.packing import ALGORITHMS, OVERFLOW_POLICIES
+from cpdata.worker.keys import METADATA_KEYS
 
 TAG = 1 << 16
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids", "tag")

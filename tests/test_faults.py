@@ -23,8 +23,8 @@ import pytest
 from torch.utils.data import get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, build_node, close_loader, shard_graph
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, build_node, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.set_vital. is deprecated"), pytest.mark.timeout(120)]

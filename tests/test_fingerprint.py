@@ -8,9 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from cpdata.fingerprint import source_fingerprint
-from cpdata.loader import build_loader, closing_loader
-from cpdata.offline import PrecomputedPacks, open_dataset, precompute
+from cpdata.nodes.loader import build_loader, closing_loader
+from cpdata.offline import PrecomputedPacks, precompute
+from cpdata.sources import open_dataset
+from cpdata.sources.fingerprint import source_fingerprint
 
 CFG = dict(capacity=64, cp_size=2, cp_rank=0, layout="thd", window=4, overflow="split", prefetch=0)
 

@@ -25,7 +25,7 @@ def _docs(n: int = 64, seed: int = 0) -> list[dict[str, np.ndarray]]:
 
 
 def test_batches_arrive_pinned_and_copy_without_blocking():
-    from cpdata.loader import build_loader, closing_loader
+    from cpdata.nodes.loader import build_loader, closing_loader
 
     with closing_loader(build_loader(_docs(), capacity=2048, cp_size=2, cp_rank=0, layout="balanced",
                                      pin_memory=True)) as loader:  # fmt: skip
@@ -78,8 +78,8 @@ def one_rank_nccl(tmp_path):
 
 
 def test_sharder_moves_a_worker_batch_to_cuda_and_gathers(one_rank_nccl):
-    from cpdata.loader import build_loader, closing_loader
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nodes.loader import build_loader, closing_loader
 
     with closing_loader(build_loader(_docs(), capacity=1024, cp_size=1, cp_rank=0, layout="identity")) as loader:
         batch = next(iter(loader))

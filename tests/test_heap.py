@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from torch.utils.data import IterableDataset
 
-from cpdata.dataloader import CPDataLoader
-from cpdata.heap import _glibc_mallopt, keep_heap, keeping_heap
+from cpdata.nodes.dataloader import CPDataLoader
+from cpdata.nodes.heap import _glibc_mallopt, keep_heap, keeping_heap
 
 
 def _huge_pages_always() -> bool:
@@ -64,7 +64,7 @@ def test_keep_heap_stops_the_heap_from_being_trimmed_and_faulted_in_again():
     without = float(_in_fresh_process("from tests.test_heap import _churn; print(_churn(40))"))
     kept = float(
         _in_fresh_process(
-            "from cpdata.heap import keep_heap; from tests.test_heap import _churn; assert keep_heap(); print(_churn(40))"
+            "from cpdata.nodes.heap import keep_heap; from tests.test_heap import _churn; assert keep_heap(); print(_churn(40))"
         )
     )
     assert without > 100  # 1.8 MB given back and faulted in again every round (~440 pages)

@@ -10,8 +10,8 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import Collate, CPDataset, PrecomputedPacks, ShardForRank, build_loader, precompute
-from cpdata.loader import close_loader
-from cpdata.offline.hf_datasets import HFDocuments
+from cpdata.nodes.loader import close_loader
+from cpdata.sources.hf import HFDocuments
 from tests.test_precompute import assert_batches_equal
 
 CAP = 64

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.cli import main as cli_main
-from cpdata.layouts import alignment, causal_work, rank_indices
+from cpdata.layout.maps import alignment, causal_work, rank_indices
 from cpdata.offline import precompute, read_store
 from cpdata.offline.metrics import chunk_lengths, pack_geometry
 from cpdata.offline.summary import SHORT_CHUNK, layouts_for, summarize

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpdata.layouts import (
+from cpdata.layout.maps import (
     LAYOUTS,
     alignment,
     causal_work,
@@ -195,7 +195,7 @@ def _balanced_with_remainder_at(where: str, lens: np.ndarray, pack_len: int, cp:
     ``middle`` is the layout as specified (it must equal :func:`rank_indices`); the other two are the
     alternatives the layout's docstring rejects, kept here to prove the imbalance test can fail.
     """
-    from cpdata.layout_runs import segments as _segments
+    from cpdata.layout.runs import segments as _segments
 
     two = 2 * cp
     base, doc_start = lens // two, np.cumsum(lens) - lens

@@ -11,9 +11,9 @@ import torch
 from state_contract import assert_items_equal, run_save_load_contract
 from torchdata.nodes import IterableWrapper
 
-from cpdata.batch import ShardedBatch
-from cpdata.loader import build_loader, build_node, close_loader, closing_loader, shard_graph
+from cpdata.nodes.loader import build_loader, build_node, close_loader, closing_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.worker.batch import ShardedBatch
 
 CONFIG = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3}
 

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from cpdata.loader import GraphOptions, build_node, shard_graph
+from cpdata.nodes.loader import GraphOptions, build_node, shard_graph
 
 SHARED = [
     ("capacity", inspect.Parameter.empty), ("cp_size", inspect.Parameter.empty), ("layout", inspect.Parameter.empty),

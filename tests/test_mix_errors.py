@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cpdata import Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset, precompute
-from cpdata.offline.mixed import MixedDataset
+from cpdata.nodes.mixed import MixedDataset
 
 KW = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0)
 WHERE = r"document 3 of mix source 'b' \(source 1 of \['a', 'b'\], draw \d+ of epoch 0\)"

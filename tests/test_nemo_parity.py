@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_sharder import FakeMesh, direct
 
-from cpdata.cp_attention import AttentionContextFactory
-from cpdata.shard_layout import ShardLayout
-from cpdata.sharder import ContextParallelSharder
+from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.sharder import ContextParallelSharder
+from cpdata.layout.shard_layout import ShardLayout
 
 TE = SimpleNamespace(backend=SimpleNamespace(attn="te"))
 SDPA_MODEL = SimpleNamespace(backend=SimpleNamespace(attn="sdpa"))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cpdata.cli import main as cli_main
-from cpdata.offline import open_dataset, precompute
+from cpdata.offline import precompute
+from cpdata.sources import open_dataset
 
 
 def _rows(*rows: dict) -> bytes:
@@ -136,7 +137,7 @@ def test_vocab_size_with_a_lengths_file_is_refused(tmp_path):
 def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, monkeypatch, algorithm, dp_size):
     """A document cut into many pieces is read once per epoch (per DP rank) by the offline reader."""
     from cpdata.offline import PrecomputedPacks
-    from cpdata.offline.datasets import JsonlDocuments
+    from cpdata.sources.files import JsonlDocuments
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(1, 60, 40)]

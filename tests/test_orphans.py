@@ -4,7 +4,7 @@ Each case runs a real parent process (``python parent.py MODE MARKERS``)
 whose workers get stuck reading a document (they sleep forever, as on dead
 storage), write a marker file with their pid, and wait. The test SIGKILLs the
 parent and asserts every worker is gone within :data:`BOUND_S`. Without
-:func:`cpdata.orphans.exit_with_parent` they would live on (torch's own check
+:func:`cpdata.nodes.orphans.exit_with_parent` they would live on (torch's own check
 runs only between reads, every 5 s).
 """
 
@@ -50,14 +50,14 @@ class SlowStorage:
 
 
 def child(deathsig, watchdog):
-    from cpdata.orphans import exit_with_parent
+    from cpdata.nodes.orphans import exit_with_parent
     exit_with_parent(deathsig=deathsig, watchdog=watchdog)
     stuck()
 
 
 def loader(ctx):
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from cpdata.dataset import CPDataset
+    from cpdata.nodes.dataset import CPDataset
     ds = CPDataset(SlowStorage(), capacity=32, cp_size=1, cp_rank=0, layout="identity", overflow="split")
     return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx)
 

@@ -14,7 +14,7 @@ from cpdata.nodes.pack import Pack
 from cpdata.nodes.source import Documents
 from cpdata.packing import ALGORITHMS, WINDOW_PACKS, plan_lengths
 from cpdata.packing.planner import window_ends
-from cpdata.plan import PackPlan
+from cpdata.worker.plan import PackPlan
 
 
 def _docs(n: int, max_len: int = 90, seed: int = 0) -> list[dict]:
@@ -229,7 +229,7 @@ def test_state_is_compact_and_stats_are_inside(seekable):
 
 
 def test_rejects_non_document_items():
-    with pytest.raises(TypeError, match="expects cpdata.plan.Document items, got dict"):
+    with pytest.raises(TypeError, match="expects cpdata.worker.plan.Document items, got dict"):
         next(Pack(IterableWrapper([{"input_ids": [1, 2]}]), capacity=8, layout="identity", cp_size=1))
     with pytest.raises(TypeError, match="source_node must be a torchdata BaseNode"):
         Pack([{"input_ids": [1]}], capacity=8, layout="identity", cp_size=1)
@@ -259,9 +259,9 @@ def test_column_pieces_are_the_documents_pieces(overflow):
     """Plans keep their pieces as columns (no object per piece); read as DocPieces they are each
     document's tokens ``start:start + length``, a cut-off piece's last target -100, and equal to plans
     built from DocPiece objects (collate and the digest see the same)."""
-    from cpdata.collate import collate_pack
-    from cpdata.plan import DocPiece, PieceColumns, plan_digest
-    from cpdata.targets import piece_arrays
+    from cpdata.worker.collate import collate_pack
+    from cpdata.worker.plan import DocPiece, PieceColumns, plan_digest
+    from cpdata.worker.targets import piece_arrays
 
     docs = _docs(120, max_len=150, seed=4)
     source = Documents(docs, labels_alignment="targets")

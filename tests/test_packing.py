@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpdata.layouts import alignment
+from cpdata.layout.maps import alignment
 from cpdata.packing import (
     ALGORITHMS,
     DEFAULT_WINDOW,

@@ -11,12 +11,12 @@ from test_collate import make_plans
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 from torchdata.nodes import IterableWrapper, Loader, PinMemory
 
-from cpdata.batch import ShardedBatch
-from cpdata.loader import close_loader
 from cpdata.nodes import pin as pin_module
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.loader import close_loader
 from cpdata.nodes.pin import maybe_pin, resolve_pin_memory
 from cpdata.nodes.shard import ShardForRank
+from cpdata.worker.batch import ShardedBatch
 
 
 def shard_node(n_plans: int = 6):

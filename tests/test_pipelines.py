@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from cpdata.keys import METADATA_KEYS
-from cpdata.loader import close_loader
+from cpdata.nodes.loader import close_loader
 from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
+from cpdata.worker.keys import METADATA_KEYS
 
 CP = 2
 PAD = 999_999

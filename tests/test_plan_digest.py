@@ -7,7 +7,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpdata.plan import DIGEST_SAMPLES, DocPiece, PackPlan, digest_rows, hash_plans, plan_digest, sample_ids
+from cpdata.worker.plan import (
+    DIGEST_SAMPLES,
+    DocPiece,
+    PackPlan,
+    digest_rows,
+    hash_plans,
+    plan_digest,
+    sample_ids,
+)
 
 
 def _plan(pieces_ids: list[np.ndarray], **kw) -> PackPlan:

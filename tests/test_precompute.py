@@ -16,16 +16,17 @@ import pytest
 from state_contract import assert_items_equal, run_save_load_contract
 
 from cpdata.cli import main as cli_main
-from cpdata.keys import IGNORE_INDEX
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
-from cpdata.offline import PrecomputedPacks, open_dataset, precompute, read_store
-from cpdata.offline.datasets import JsonlDocuments, LengthsFile, NpyFolder
+from cpdata.offline import PrecomputedPacks, precompute, read_store
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import ARRAYS, MANIFEST
 from cpdata.packing import plan_lengths
+from cpdata.sources import open_dataset
+from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
+from cpdata.worker.keys import IGNORE_INDEX
 
 CAPACITY, CP, LAYOUT = 256, 2, "thd"
 
@@ -525,7 +526,7 @@ def test_progress_prints_ten_steps_or_uses_tqdm(monkeypatch):
     {"input_ids": [True, False]}, {"input_ids": [1, 2], "labels": [1.5, 2.5]},
 ])  # fmt: skip
 def test_jsonl_rows_are_validated_not_cast(tmp_path, bad):
-    from cpdata.offline.datasets import open_dataset
+    from cpdata.sources.open import open_dataset
 
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps(bad) + "\n")

@@ -1,7 +1,7 @@
 """``cpdata precompute`` killed (SIGKILL) at every step of writing: never a partial plan under the target's name.
 
 A real subprocess stops at a named step (the ``CPDATA_ATOMIC_STALL`` hook in
-:mod:`cpdata.offline.atomic`) and is killed there. The target must then be
+:mod:`cpdata.sources.atomic`) and is killed there. The target must then be
 the complete old plan, the complete new plan, or absent with a reader error
 naming the interrupted write; the next run restores or completes the swap,
 removes the dead writer's leftovers and succeeds.
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from cpdata.cli import main as cli_main
-from cpdata.offline import atomic_directory, read_store
-from cpdata.offline.atomic import recover_directory
+from cpdata.offline import read_store
+from cpdata.sources import atomic_directory
+from cpdata.sources.atomic import recover_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 

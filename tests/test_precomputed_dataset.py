@@ -8,7 +8,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import Collate, PrecomputedDataset, PrecomputedPacks, ShardForRank, precompute
 from cpdata.offline.precomputed_dataset import _WorkerPacks
-from cpdata.offline.tokenstore import write_token_store
+from cpdata.sources.tokenstore import write_token_store
 from tests.state_contract import run_save_load_contract
 from tests.test_precompute import assert_batches_equal
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpdata.layouts import alignment
+from cpdata.layout.maps import alignment
 from cpdata.packing import plan_lengths
 from cpdata.schedule import CostModel, imbalance, plan_schedule
 

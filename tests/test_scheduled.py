@@ -7,9 +7,9 @@ import pytest
 from state_contract import run_save_load_contract
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, closing_loader, shard_graph
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 
@@ -196,8 +196,9 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
     import json
 
     from cpdata.cli import main as cli_main
-    from cpdata.offline import PrecomputedPacks, open_dataset
+    from cpdata.offline import PrecomputedPacks
     from cpdata.offline.precompute import precompute
+    from cpdata.sources import open_dataset
 
     src = CountingDocs(120)
     path = tmp_path / "docs.jsonl"

@@ -6,9 +6,9 @@ from state_contract import run_save_load_contract
 from test_scheduled import CFG, CountingDocs, _node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, shard_graph
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.schedule import CostModel, plan_schedule
 

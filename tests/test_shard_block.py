@@ -15,14 +15,14 @@ from test_loader import documents
 from torchdata.nodes import BaseNode, IterableWrapper, Loader, Prefetcher
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.batch import ShardedBatch
-from cpdata.dataset import CPDataset
-from cpdata.layouts import alignment
-from cpdata.loader import build_loader, build_node, shard_graph
+from cpdata.layout.maps import alignment
 from cpdata.nodes import shard as shard_module
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, build_node, shard_graph
 from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, ShardForRank
-from cpdata.plan import PackPlan
+from cpdata.worker.batch import ShardedBatch
+from cpdata.worker.plan import PackPlan
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 

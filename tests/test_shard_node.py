@@ -12,13 +12,13 @@ from test_collate import make_plans
 from torch.utils.data._utils.collate import default_convert
 from torchdata.nodes import IterableWrapper
 
-from cpdata.batch import ShardedBatch
-from cpdata.collate import collate_pack, stream_slot_lens
-from cpdata.keys import METADATA_KEYS
-from cpdata.layouts import LAYOUTS, alignment, causal_work, rank_indices
+from cpdata.layout.maps import LAYOUTS, alignment, causal_work, rank_indices
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
-from cpdata.plan import plan_digest
+from cpdata.worker.batch import ShardedBatch
+from cpdata.worker.collate import collate_pack, stream_slot_lens
+from cpdata.worker.keys import METADATA_KEYS
+from cpdata.worker.plan import plan_digest
 
 CASES = [(layout, cp) for layout in LAYOUTS for cp in ((1,) if layout == "identity" else (1, 2, 3, 4))]
 

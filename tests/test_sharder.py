@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpdata.cp_attention import AttentionContextFactory
+from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.raw_shard import DeviceShard
+from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor, layout_tensor_on
-from cpdata.layouts import LAYOUTS, alignment, inverse_indices, rank_indices
-from cpdata.raw_shard import DeviceShard
-from cpdata.shard_layout import ShardLayout
-from cpdata.sharder import ContextParallelSharder
+from cpdata.layout.maps import LAYOUTS, alignment, inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
 
 
 class FakeMesh:
@@ -376,8 +376,8 @@ def test_raw_thd_errors_name_the_fix():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_raw_shard_of_a_collated_pack_equals_the_worker_shard(qkv_format, cp):
     """On-device shard of Collate's full pack == collate_rank (the worker's shard), bit for bit."""
-    collate = pytest.importorskip("cpdata.collate")
-    from cpdata.plan import DocPiece, PackPlan
+    collate = pytest.importorskip("cpdata.worker.collate")
+    from cpdata.worker.plan import DocPiece, PackPlan
 
     rng = np.random.default_rng(cp)
     layout = "thd" if qkv_format == "thd" else "round_robin"
@@ -443,7 +443,7 @@ def test_presharded_batch_is_only_moved_and_checked():
 
 
 def test_sharded_batch_from_the_workers_is_accepted():
-    batch_mod = pytest.importorskip("cpdata.batch")
+    batch_mod = pytest.importorskip("cpdata.worker.batch")
     rows = rank_indices("thd", 2, [4, 4], 8)
     layout = make_layout(rows, 1)
     batch = batch_mod.ShardedBatch({"input_ids": torch.arange(8)[torch.from_numpy(rows[1])]}, layout=layout)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpdata import Documents, build_loader, closing_loader
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 
 
 def _docs(n=60, seed=0):

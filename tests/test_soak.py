@@ -8,7 +8,7 @@ Run: ``.venv/bin/python -m pytest tests/test_soak.py -m slow -q -s`` (prints the
   against the corpus);
 - once the loader is deleted no worker process and no thread is left; the
   same holds for an in-process ``build_loader`` abandoned mid-epoch and
-  closed with :func:`cpdata.loader.close_loader` (torchdata 0.11's ``Loader``
+  closed with :func:`cpdata.nodes.loader.close_loader` (torchdata 0.11's ``Loader``
   and its iterator form a reference cycle that would otherwise keep the
   prefetch thread alive until cyclic GC), and for a StatefulDataLoader
   abandoned mid-epoch.
@@ -25,8 +25,8 @@ import psutil
 import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, close_loader
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, close_loader
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.set_vital. is deprecated"),
               pytest.mark.timeout(900)]  # fmt: skip

@@ -10,7 +10,7 @@ from torchdata.nodes import IterableWrapper
 
 from cpdata.nodes.source import Documents, to_document
 from cpdata.nodes.validate import plain_ids
-from cpdata.plan import Document
+from cpdata.worker.plan import Document
 
 
 def _docs(n: int, seed: int = 0) -> list[dict]:

@@ -10,11 +10,12 @@ import pytest
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
-from cpdata.collate import pack_metadata
-from cpdata.layouts import thd_slot_lens
-from cpdata.nodes.collate import Collate, CollatedPack
-from cpdata.plan import PackPlan
-from cpdata.stream import Stream, build_stream, build_streams, slot_tables
+from cpdata.layout.maps import thd_slot_lens
+from cpdata.nodes.collate import Collate
+from cpdata.worker.collate import pack_metadata
+from cpdata.worker.collated import CollatedPack
+from cpdata.worker.plan import PackPlan
+from cpdata.worker.stream import Stream, build_stream, build_streams, slot_tables
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:

@@ -9,7 +9,7 @@ from tokenizer_fixture import chat_tokenizer, conversations
 from torchdata.nodes import IterableWrapper
 
 from cpdata import Documents, build_loader, closing_loader
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.pack import Pack
 
 PACK = dict(capacity=128, cp_size=1, layout="identity", algorithm="next_fit")

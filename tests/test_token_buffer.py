@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpdata.keys import IGNORE_INDEX
-from cpdata.token_buffer import BufferPool, concatenate_arrays
+from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.worker.token_buffer import BufferPool, concatenate_arrays
 
 
 def test_each_item_is_followed_by_the_target_of_its_last_token():

@@ -7,7 +7,7 @@ import pytest
 import torchdata.nodes as tn
 
 from cpdata import Tokenize
-from cpdata.tokenizer import RowTokenizer, load_tokenizer
+from cpdata.sources.tokenizer import RowTokenizer, load_tokenizer
 from tests.state_contract import run_save_load_contract
 from tests.tokenizer_fixture import CHAT_TEMPLATE, CORPUS, chat_tokenizer, conversations
 
@@ -146,7 +146,7 @@ def test_assistant_only_trains_only_the_replies_end_to_end():
     """Tokenize's inputs-aligned masks become next-token targets: a label is kept only where the next token is a
     reply token (brute force per document), through Documents -> Pack -> Collate -> ShardForRank."""
     from cpdata import build_loader
-    from cpdata.loader import close_loader
+    from cpdata.nodes.loader import close_loader
 
     tok = chat_tokenizer()
     rows = [{"messages": m} for m in conversations()] + [{"text": CORPUS[0]}]

@@ -10,8 +10,8 @@ import pytest
 
 from cpdata import PrecomputedPacks, build_loader, open_dataset, precompute
 from cpdata.cli import main as cli_main
-from cpdata.loader import close_loader
-from cpdata.offline.tokenstore import TokenStore, write_token_store
+from cpdata.nodes.loader import close_loader
+from cpdata.sources.tokenstore import TokenStore, write_token_store
 from tests.test_precompute import assert_batches_equal
 from tests.tokenizer_fixture import CORPUS, chat_tokenizer, conversations
 
@@ -55,7 +55,7 @@ def test_round_trip_is_exact_with_sparse_extras_and_opens_from_the_index(tmp_pat
 
 
 def test_open_does_not_read_the_tokens(tmp_path, monkeypatch):
-    import cpdata.offline.tokenstore as ts
+    import cpdata.sources.tokenstore as ts
 
     write_token_store(_docs(), tmp_path / "s")
 

@@ -12,8 +12,8 @@ import pytest
 from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from cpdata.dataset import CPDataset
-from cpdata.loader import build_loader, closing_loader, shard_graph
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.windowed import WindowedPacks
 

@@ -15,6 +15,10 @@ Every adapter reads host-side lengths from ``batch.info`` (Python ints), so
 none needs ``.item()`` after the batch moved to the device. Nothing in
 ``cpdata`` imports this package; ``transformers`` and Transformer Engine are
 never imported here.
+
+Role: the top of the device half, for model stacks; modules: ``_batch`` (what
+every adapter reads from a batch), ``masks`` (document-causal masks), ``loss``
+(CP-summable loss), ``hf`` (Hugging Face kwargs), ``te`` (Transformer Engine).
 """
 
 from __future__ import annotations

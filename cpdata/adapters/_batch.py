@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["batch_parts", "check_cp_group", "info_int"]
 
@@ -16,7 +16,7 @@ __all__ = ["batch_parts", "check_cp_group", "info_int"]
 def batch_parts(
     batch: Any, tensors: Mapping[str, torch.Tensor] | None = None
 ) -> tuple[Mapping[str, torch.Tensor], ShardLayout, Mapping[str, Any]]:
-    """``(tensors, layout, info)`` of a :class:`~cpdata.batch.ShardedBatch`.
+    """``(tensors, layout, info)`` of a :class:`~cpdata.worker.batch.ShardedBatch`.
 
     ``tensors`` replaces the batch's own tensors when given: the same batch on
     the device as :meth:`ContextParallelSharder.shard` returns it (a plain

@@ -55,7 +55,7 @@ import torch
 
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
-from cpdata.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, POSITION_IDS
+from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, POSITION_IDS
 
 __all__ = ["hf_model_kwargs"]
 
@@ -86,7 +86,7 @@ def hf_model_kwargs(
     """``model(**kwargs)`` arguments for this rank's batch (see the module docstring).
 
     Args:
-        batch: the :class:`~cpdata.batch.ShardedBatch` (``.layout``, ``.info``).
+        batch: the :class:`~cpdata.worker.batch.ShardedBatch` (``.layout``, ``.info``).
         attn_implementation: the model's (``model.config._attn_implementation``):
             ``"flash_attention_2"``/``"flash_attention_3"`` (any name with
             ``flash``), ``"sdpa"``, ``"eager"`` or ``"flex_attention"``.

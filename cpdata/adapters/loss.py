@@ -24,7 +24,7 @@ whatever its DP rank's pack held); then sum (not average) gradients over DP
 too.
 
 Targets are ``labels != -100``: the batch's ``labels`` are next-token targets
-with -100 at document ends and on pads (:mod:`cpdata.keys`).
+with -100 at document ends and on pads (:mod:`cpdata.worker.keys`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpdata.adapters._batch import check_cp_group
-from cpdata.keys import IGNORE_INDEX, LABELS
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.worker.keys import IGNORE_INDEX, LABELS
 
 __all__ = ["global_target_count", "token_loss"]
 
@@ -79,7 +79,7 @@ def token_loss(
         logits_local: ``[..., V]`` logits of this rank's tokens, in the batch's
             local order (``[B, L, V]``, ``[1, T, V]`` or ``[L, V]``); half
             precision is computed in float32.
-        batch: the :class:`~cpdata.batch.ShardedBatch` (or any mapping with
+        batch: the :class:`~cpdata.worker.batch.ShardedBatch` (or any mapping with
             ``labels`` shaped like the logits' leading dims).
         group: the CP process group; None = the default group. No collective
             at ``cp_size == 1``.

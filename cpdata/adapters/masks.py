@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from cpdata.gather import layout_tensor_on
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["document_causal_mask", "flex_block_mask"]
 

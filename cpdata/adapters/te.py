@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters._batch import batch_parts, check_cp_group, info_int
-from cpdata.keys import INPUT_IDS
+from cpdata.worker.keys import INPUT_IDS
 
 __all__ = ["TEAttentionArgs", "te_attention_kwargs", "te_forward_kwargs"]
 
@@ -106,7 +106,7 @@ def te_attention_kwargs(
     """TE THD attention arguments for this rank's batch (no device sync, no collective).
 
     Args:
-        batch: the :class:`~cpdata.batch.ShardedBatch` (for ``.layout`` and
+        batch: the :class:`~cpdata.worker.batch.ShardedBatch` (for ``.layout`` and
             ``.info``); see :func:`te_forward_kwargs` for what is checked.
         cp_group: the CP process group (``cp_mesh.get_group()``); required at
             cp > 1, where its size and this process's rank in it must match

@@ -11,6 +11,16 @@
 
 :func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);
 :func:`render_markdown` turns it into the README's tables.
+
+Role: the top layer; it may use every part of cpdata. Modules besides the
+sections above: ``cli`` (``cpdata bench``), ``runner`` (runs sections, collects
+results), ``targets`` (the targets checked against a result), ``report`` and
+``table`` (markdown and plain tables), ``timing`` (timers, machine description),
+``distributions`` (seeded length distributions), ``anchors`` (in-step sharding
+as trainers do it), ``schedule_methods`` (trainers' DP placement),
+``collectives`` (counting collectives), ``ranks`` (forked gloo ranks), plus the
+``handoff`` (worker-to-trainer receive cost) and ``long_document`` (a very long
+document, online and offline) sections.
 """
 
 from cpdata.bench.report import render_markdown

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpdata.keys import IGNORE_INDEX, LABELS, PADDING_MASK
+from cpdata.worker.keys import IGNORE_INDEX, LABELS, PADDING_MASK
 
 __all__ = [
     "ANCHOR_LAYOUTS",

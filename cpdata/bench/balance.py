@@ -3,7 +3,7 @@
 Documents are packed by the default packer for each layout (``thd`` pads every
 document to a multiple of 2·cp, the others do not pad documents). For every
 pack, each rank's causal document-masked work is
-:func:`cpdata.layouts.causal_work` (a token at document position p costs p+1,
+:func:`cpdata.layout.maps.causal_work` (a token at document position p costs p+1,
 pads 0); the pack's imbalance is max-rank ÷ mean-rank work, the compute the
 slowest rank forces on the others. ``imbalance_mean``/``imbalance_p95`` are
 over packs; ``doc_pad_pct`` is per-document alignment padding as a share of
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
-from cpdata.layouts import causal_work, rank_indices
+from cpdata.layout.maps import causal_work, rank_indices
 
 __all__ = ["COLUMNS", "LAYOUTS", "doc_positions", "run"]
 

@@ -8,7 +8,7 @@ laid out ``round_robin`` and runs forward + backward with an upstream gradient
 - anchor: :func:`cpdata.bench.anchors.anchor_gather` (autograd all-gather,
   all-gather of the index maps, argsort, index_select);
 - cpdata: :func:`cpdata.gather.gather_token_tensor` with the precomputed
-  inverse in the :class:`~cpdata.shard_layout.ShardLayout`.
+  inverse in the :class:`~cpdata.layout.shard_layout.ShardLayout`.
 
 Both outputs and input gradients are checked equal before timing.
 Collectives are counted by wrapping ``torch.distributed``'s collective
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from cpdata.bench.anchors import anchor_gather
 from cpdata.bench.collectives import CollectiveCounter
 from cpdata.bench.ranks import run_on_ranks
-from cpdata.layouts import inverse_indices, rank_indices
-from cpdata.shard_layout import ShardLayout
+from cpdata.layout.maps import inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["COLUMNS", "run"]
 

@@ -2,7 +2,7 @@
 
 A ``StatefulDataLoader`` worker (``fork``, ``batch_size=None``) yields
 batches of one CP rank built beforehand (32K tokens, cp 4, ``balanced``;
-``--quick``: 8K), each once: cpdata's :class:`~cpdata.batch.ShardedBatch` (one
+``--quick``: 8K), each once: cpdata's :class:`~cpdata.worker.batch.ShardedBatch` (one
 buffer holding its tensors and layout maps) and, as the baseline, a plain
 dict of the same tensors, each its own tensor, the two layout maps as two more
 keys (what a pipeline without the single buffer hands over).
@@ -14,8 +14,8 @@ alternate cpdata and baseline. ``storages_per_batch`` counts the distinct
 storages of a received batch. Every sharing strategy torch offers here is
 measured (``file_descriptor``, Linux's default, and ``file_system``).
 
-A received :class:`~cpdata.batch.ShardedBatch` has not built its torch views
-(they are built on first read, :mod:`cpdata.batch`): in training they are
+A received :class:`~cpdata.worker.batch.ShardedBatch` has not built its torch views
+(they are built on first read, :mod:`cpdata.worker.batch`): in training they are
 built on the device copy after ``pin_memory`` and ``to()`` (the
 ``step_shard`` section's time), never on the received host batch, so the
 receive time leaves them out; a CPU step reading the host batch pays them on
@@ -55,7 +55,7 @@ class _Prebuilt(IterableDataset):
 
 
 def _batches(tokens: int, count: int) -> list:
-    from cpdata import CPDataset
+    from cpdata.nodes.dataset import CPDataset
 
     rng = np.random.default_rng(0)
     lengths = sample("sft", int(tokens * count / 600) + 64, 0)

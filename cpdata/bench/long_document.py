@@ -8,7 +8,7 @@ consecutive packs). ``online_s``: ``Documents -> Pack -> Collate ->
 ShardForRank`` over the opened file, one epoch, rank 0. ``offline_s``: the
 same through ``PrecomputedPacks`` from a plan precomputed beforehand (the
 precompute itself is ``precompute_s``, not part of the epoch). Both read
-the same opened :class:`~cpdata.offline.JsonlDocuments`, so the JSON parse
+the same opened :class:`~cpdata.sources.JsonlDocuments`, so the JSON parse
 of the long row (one pass over ~32 MiB) is in both; the offline reader
 parses it once per epoch, not once per piece (before: 153 parses, 107.5 s
 against 1.2 s online). Each time is the best of three epochs, run
@@ -52,10 +52,11 @@ def _epoch(node) -> tuple[float, int]:
 
 
 def run(*, quick: bool = False) -> list[dict]:
-    from cpdata.loader import shard_graph
     from cpdata.nodes.collate import Collate
+    from cpdata.nodes.loader import shard_graph
     from cpdata.nodes.shard import ShardForRank
-    from cpdata.offline import PrecomputedPacks, open_dataset, precompute
+    from cpdata.offline import PrecomputedPacks, precompute
+    from cpdata.sources import open_dataset
 
     long_tokens = 500_000 if quick else 5_000_000
     kw = dict(capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overflow="split")

@@ -23,7 +23,7 @@ from typing import Any
 from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
-from cpdata.heap import keep_heap
+from cpdata.nodes.heap import keep_heap
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
@@ -99,8 +99,8 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     """Run ``sections`` (default: all), each ``runs`` times (rows: :func:`median_rows`), and return the
     results dict (tables go to ``log``).
 
-    The process first keeps its freed heap (:func:`cpdata.heap.keep_heap`), as
-    :class:`~cpdata.dataloader.CPDataLoader`'s workers do, so the worker section times what a worker
+    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as
+    :class:`~cpdata.nodes.dataloader.CPDataLoader`'s workers do, so the worker section times what a worker
     does; every section (anchors included) then runs with it. ``machine["keep_heap"]`` says whether it
     applied (glibc only).
     """

@@ -5,7 +5,7 @@ the layout) is collated once. The anchor receives the full collated batch and
 does in the step what trainers do today (:func:`cpdata.bench.anchors.anchor_shard`:
 copy everything to the device, pad if needed, compute the layout's indices
 with torch ops, ``index_select`` every token tensor). cpdata receives the
-worker's :class:`~cpdata.batch.ShardedBatch` for rank 0 and runs
+worker's :class:`~cpdata.worker.batch.ShardedBatch` for rank 0 and runs
 ``ContextParallelSharder.shard()``, which only moves its tensors. Both results
 are checked equal, token for token, before timing.
 
@@ -35,7 +35,7 @@ from torchdata.nodes import IterableWrapper
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard
 from cpdata.bench.distributions import sample
 from cpdata.bench.timing import alternating_medians, bench_device
-from cpdata.keys import STANDARD_TOKEN_KEYS
+from cpdata.worker.keys import STANDARD_TOKEN_KEYS
 
 __all__ = ["COLUMNS", "LocalMesh", "TABLE", "make_batches", "run"]
 
@@ -74,7 +74,7 @@ class LocalMesh:
 
 def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed: int = 0):
     """``(full_batch, sharded_batch)``: the first pack of an SFT-like stream, full and for ``cp_rank``."""
-    from cpdata.loader import shard_graph
+    from cpdata.nodes.loader import shard_graph
     from cpdata.nodes.shard import ShardForRank
 
     rng = np.random.default_rng(seed)
@@ -94,7 +94,7 @@ def _nbytes(tensors) -> int:
 
 
 def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: int) -> dict:
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.sharder import ContextParallelSharder
 
     full, sharded = make_batches(tokens, layout, cp_size)
     if device.type == "cuda":

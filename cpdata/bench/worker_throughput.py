@@ -39,7 +39,7 @@ it faster and the target harder.
 What is timed is the worker's work up to a batch ready to hand over: its
 one buffer filled, the layout record beside it. The host torch views of a
 batch's tensors and layout maps are built by whoever reads them
-(:mod:`cpdata.batch`: lazily, on first read), and in a training run that
+(:mod:`cpdata.worker.batch`: lazily, on first read), and in a training run that
 is the consumer, not the worker: pickling to the training process sends the
 buffer and its view plan (the receiver builds its own views),
 ``pin_memory`` views the pinned copy and ``to()`` the device copy. So the
@@ -48,7 +48,7 @@ instead of reading every tensor, which would build views a worker never
 needs. One exception, not timed here: a plain
 ``StatefulDataLoader(batch_size=None)`` runs ``default_convert`` on each
 batch in the worker, which reads every key and so builds the views there
-(~1-3 us per key); :class:`~cpdata.dataloader.CPDataLoader` hands
+(~1-3 us per key); :class:`~cpdata.nodes.dataloader.CPDataLoader` hands
 batches over as they are.
 """
 
@@ -88,7 +88,7 @@ def _documents(tokens: int, seed: int) -> list[dict[str, np.ndarray]]:
 
 
 def _pipeline(docs, capacity: int, cp_size: int, layout: str):
-    from cpdata.loader import shard_graph
+    from cpdata.nodes.loader import shard_graph
     from cpdata.nodes.shard import ShardForRank
 
     collate = shard_graph(docs, capacity=capacity, cp_size=cp_size, layout=layout, overflow="split")
@@ -109,7 +109,7 @@ def _run_pipeline(node) -> tuple[float, list[int], int, int]:
 
 
 def _plans(docs, capacity: int, cp_size: int, layout: str) -> list:
-    from cpdata.loader import shard_graph
+    from cpdata.nodes.loader import shard_graph
 
     collate = shard_graph(docs, capacity=capacity, cp_size=cp_size, layout=layout, overflow="split")
     collate.reset()
@@ -118,8 +118,8 @@ def _plans(docs, capacity: int, cp_size: int, layout: str) -> list:
 
 def _anchor(plans: list, capacity: int, cp_size: int, layout: str):
     """``run()`` of the in-step anchor over ``plans`` (checked against cpdata's full pack first)."""
-    from cpdata.collate import collate_pack
-    from cpdata.layouts import alignment
+    from cpdata.layout.maps import alignment
+    from cpdata.worker.collate import collate_pack
 
     anchor_layout = layout if layout in ANCHOR_LAYOUTS else "round_robin"
     doc_multiple = alignment(layout, cp_size)[0]

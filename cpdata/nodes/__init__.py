@@ -1,8 +1,24 @@
-"""The worker pipeline as torchdata nodes, one stage per module.
+"""The worker pipeline as torchdata nodes, one stage per module, and its assembly into loaders.
 
-``Tokenize`` (tokenize.py, text/chat rows, optional) / ``Mix`` (mix.py, weighted sources, optional) -> ``Documents`` (source.py) -> ``Pack`` (pack.py) -> ``Collate`` (collate.py)
--> ``ShardForRank`` (shard.py) -> ``maybe_pin`` (pin.py). The precomputed-plan
-reader, ``PrecomputedPacks``, lives in ``cpdata.offline.reader``.
+Role: the stateful stages a dataloader worker runs (each implements ``next()``,
+``reset(initial_state)``, ``get_state()``, with a versioned state that refuses
+another configuration), built from the pure functions of :mod:`cpdata.worker`,
+:mod:`cpdata.packing`, :mod:`cpdata.schedule` and the readers of
+:mod:`cpdata.sources`.
+
+Stages, in pipeline order: ``tokenize`` (``Tokenize``: text/chat rows, optional)
+/ ``mix`` + ``mix_readers`` (``Mix``: weighted sources, optional) -> ``source``
+(``Documents``, with ``source_kinds``, ``source_window``, ``validate``,
+``document_names``, ``shuffle_buffer``, ``window``) -> ``pack`` (``Pack``, with
+``live_pieces`` and ``state_copy``), or ``scheduled`` + ``scheduled_rows``
+(``ScheduledPacks``: planned from lengths) or ``windowed`` (``WindowedPacks``)
+-> ``collate`` (``Collate``) -> ``shard`` (``ShardForRank``) -> ``pin``
+(``maybe_pin``). Assembly: ``mixed`` (a ``Mix`` as an indexable dataset for
+planning), ``loader`` (``build_node`` / ``build_loader``), ``dataset``
+(``CPDataset`` for ``StatefulDataLoader``), ``dataloader`` (``CPDataLoader``).
+Runtime helpers: ``state_version`` (the checks before a restore), ``heap``
+(workers keep their freed heap), ``orphans`` (workers exit with their parent).
+The precomputed-plan reader, ``PrecomputedPacks``, lives in :mod:`cpdata.offline.reader`.
 """
 
 from __future__ import annotations

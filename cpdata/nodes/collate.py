@@ -5,7 +5,7 @@ first read, and the token tensors only on demand, by
 :meth:`CollatedPack.tensors` (the full pack) or by
 :class:`~cpdata.nodes.shard.ShardForRank` (one rank's tokens, ~cp times less
 work). The plans' slots are checked where a stream is built from them
-(:func:`cpdata.stream.slot_block`): by ``ShardForRank`` for a block of
+(:func:`cpdata.worker.stream.slot_block`): by ``ShardForRank`` for a block of
 batches at once, so a bad plan raises when its batch is served. The last batch of an epoch may hold fewer than
 ``batch_size`` plans (like ``DataLoader(drop_last=False)``); every CP rank of a
 DP group sees the same short batch.
@@ -13,60 +13,18 @@ DP group sees the same short batch.
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.collate import check_padding_token_id, check_qkv_format, collate_pack
-from cpdata.plan import PackPlan
-from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.stream import slot_tables
+from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.worker.collate import check_padding_token_id, check_qkv_format
+from cpdata.worker.collated import CollatedPack
 
-__all__ = ["Collate", "CollatedPack"]
+if TYPE_CHECKING:
+    from cpdata.worker.plan import PackPlan
 
-
-@dataclass(frozen=True, kw_only=True)
-class CollatedPack:
-    """``B`` plans of equal capacity, ready to collate.
-
-    ``metadata`` (keyword): the stream metadata when already computed; None (the default, the
-    ``Collate`` node's): computed from the plans' slot tables when first read. Lazy because
-    :class:`~cpdata.nodes.shard.ShardForRank` computes the metadata of a block of batches at once
-    (:func:`cpdata.stream.build_streams`) and never reads this one.
-    """
-
-    plans: tuple[PackPlan, ...]
-    """The batch's plans, one per row (bshd) or concatenated (thd)."""
-    pack_len: int
-    """Tokens per plan (the capacity ``S``)."""
-    qkv_format: str
-    """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
-    padding_token_id: int
-    """``input_ids`` value on pads."""
-    metadata: InitVar[dict[str, np.ndarray] | None] = None  # (read through the property set below)
-
-    def __post_init__(self, metadata: dict[str, np.ndarray] | None) -> None:
-        object.__setattr__(self, "_metadata", metadata)
-
-    def _read_metadata(self) -> dict[str, np.ndarray]:
-        """Stream metadata (``cu_seqlens`` & co., see :mod:`cpdata.collate`), computed on first read."""
-        if self._metadata is None:
-            object.__setattr__(self, "_metadata", slot_tables(self.plans).metadata())
-        return self._metadata
-
-    @property
-    def row_shape(self) -> tuple[int, int]:
-        """``(B, S)``."""
-        return (len(self.plans), self.pack_len)
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """The full batch (every token), built now: O(B*S)."""
-        return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)
-
-
-CollatedPack.metadata = property(CollatedPack._read_metadata, doc=CollatedPack._read_metadata.__doc__)  # type: ignore[assignment,method-assign]
+__all__ = ["Collate"]
 
 
 class Collate(BaseNode[CollatedPack]):

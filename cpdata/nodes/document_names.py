@@ -5,7 +5,7 @@ A validation error names a document by its index in the stream being read
 that index is a position in the mixed stream, which the user cannot look up:
 the document is document 3 of source ``'b'``. A source that knows where its
 documents came from has ``describe_document(index) -> str | None`` (the mix
-node, :class:`~cpdata.offline.mixed.MixedDataset`), and the stages that
+node, :class:`~cpdata.nodes.mixed.MixedDataset`), and the stages that
 validate documents rename the error with it::
 
     try:

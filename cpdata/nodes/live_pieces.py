@@ -5,7 +5,7 @@ One row per piece: ``(key, index, start, length, next_label, slot, offset, at)``
 from (``source[key][offset : offset + length]``; usually the whole document's
 arrays, so nothing is sliced until collate reads the tokens). ``at`` is the
 piece's index in the token buffer of the window being packed
-(:mod:`cpdata.token_buffer`; :func:`window_buffer` copies there the pieces
+(:mod:`cpdata.worker.token_buffer`; :func:`window_buffer` copies there the pieces
 carried into a window that it emits), -1 for a piece not in it. Keys grow with
 arrival, so a pack's pieces are found by one ``searchsorted`` over the key
 column, and a window adds its pieces with one ``concatenate``: no object per
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.window import DocumentWindow
-from cpdata.targets import UNLABELED, piece_arrays
-from cpdata.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.worker.targets import UNLABELED, piece_arrays
+from cpdata.worker.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
 
 __all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "pick",
            "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
@@ -216,7 +216,7 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
     A piece refers to its document's arrays at ``offset = start`` and to the
     window's token buffer (:func:`window_buffer`: the documents' arrays
     concatenated in order) at ``at``; only a piece cut short with labels (its last target cut off,
-    :func:`cpdata.targets.piece_arrays`) gets arrays of its own (offset 0, not in
+    :func:`cpdata.worker.targets.piece_arrays`) gets arrays of its own (offset 0, not in
     the buffer: ``at`` = -1, as every piece cut short: the buffer's element after
     its last token is not its target). ``next_label`` is the next document
     token for a piece its document continues after.

@@ -41,7 +41,7 @@ position in the mixed stream.
 State: the epoch, the draw count, each source's position and pass (a node
 source's own state), the counters and the configuration; a state from another
 configuration is refused. :meth:`Mix.fingerprint` covers every source (see
-:mod:`cpdata.fingerprint`), so a source changed under a run is refused on
+:mod:`cpdata.sources.fingerprint`), so a source changed under a run is refused on
 resume, and :meth:`Mix.check_unchanged` asks every source at each epoch.
 """
 
@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.nodes.mix_readers import Draws, SourceReader, document_tokens
-from cpdata.state_version import check_state_version
-from cpdata.targets import check_labels_alignment
+from cpdata.nodes.state_version import check_state_version
+from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.worker.targets import check_labels_alignment
 
 __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.nodes.source import reading_error, restart_iterable, source_kind
-from cpdata.offline.hf_datasets import as_hf_documents
+from cpdata.sources.hf import as_hf_documents
 
 __all__ = ["BLOCK", "Draws", "SourceReader", "document_tokens"]
 

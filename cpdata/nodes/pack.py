@@ -1,4 +1,4 @@
-"""``Pack``: documents in, :class:`~cpdata.plan.PackPlan` out (stateful, exact resume).
+"""``Pack``: documents in, :class:`~cpdata.worker.plan.PackPlan` out (stateful, exact resume).
 
 The node reads one window of documents at a time from its source (at least
 ``window`` documents and :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens:
@@ -6,7 +6,7 @@ the rule of :func:`~cpdata.packing.planner.window_ends`, applied document by
 document), plans them with the same :class:`~cpdata.packing.StreamPlanner` as
 the offline :func:`~cpdata.packing.plan_lengths` (same lengths in the same
 order, same packs), slices the documents into pieces
-(:class:`~cpdata.plan.DocPiece`) and emits the finished packs one by one.
+(:class:`~cpdata.worker.plan.DocPiece`) and emits the finished packs one by one.
 
 State = a snapshot taken just before the last window was read (the source's
 state, the planner's counters and open bins, and the carried pieces' token
@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.keys import IGNORE_INDEX
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     FIELDS,
@@ -51,14 +50,15 @@ from cpdata.nodes.live_pieces import (
     window_rows,
 )
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
+from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import check_lengths
 from cpdata.packing.records import PackKeys
-from cpdata.plan import Document, PackPlan, PieceColumns
-from cpdata.state_version import check_state_version
-from cpdata.targets import piece_arrays
-from cpdata.token_buffer import BufferPool, TokenBuffer
+from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.worker.plan import Document, PackPlan, PieceColumns
+from cpdata.worker.targets import piece_arrays
+from cpdata.worker.token_buffer import BufferPool, TokenBuffer
 
 __all__ = ["Pack"]
 
@@ -80,7 +80,7 @@ def _read_window(
             return DocumentWindow.of(documents), True
         if not isinstance(doc, Document):
             raise TypeError(
-                f"Pack expects cpdata.plan.Document items, got {type(doc).__name__}; "
+                f"Pack expects cpdata.worker.plan.Document items, got {type(doc).__name__}; "
                 "wrap the source in cpdata.nodes.source.Documents(...)"
             )
         documents.append(doc)
@@ -123,7 +123,7 @@ class Pack(BaseNode[PackPlan]):
     """Pack documents into plans of ``capacity`` tokens for a CP layout.
 
     Args:
-        source_node: a node emitting :class:`~cpdata.plan.Document` (e.g.
+        source_node: a node emitting :class:`~cpdata.worker.plan.Document` (e.g.
             :class:`~cpdata.nodes.source.Documents`).
         capacity, layout, cp_size, algorithm, overflow, seed, window: as for
             :func:`~cpdata.packing.plan_lengths`.

@@ -40,15 +40,15 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.scheduled_rows import EpochRows, check_dp_share, source_lengths
 from cpdata.nodes.source import to_document
-from cpdata.offline.hf_datasets import indexed_hf_documents
-from cpdata.plan import DocPiece, PackPlan
+from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.schedule import CostModel, Schedule
-from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.targets import LabelsAlignment, check_labels_alignment, piece_arrays
+from cpdata.sources.hf import indexed_hf_documents
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.targets import LabelsAlignment, check_labels_alignment, piece_arrays
 
 __all__ = ["SCHEDULES", "ScheduledPacks", "source_lengths"]
 
@@ -58,7 +58,7 @@ SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
 
 
 class ScheduledPacks(BaseNode[PackPlan]):
-    """Emit this DP rank's packs of the global schedule as :class:`~cpdata.plan.PackPlan` (see the module docstring).
+    """Emit this DP rank's packs of the global schedule as :class:`~cpdata.worker.plan.PackPlan` (see the module docstring).
 
     Args:
         source: documents indexable by position (``source[i]`` a dict with ``input_ids``).

@@ -3,16 +3,16 @@
 The node works on blocks of batches (``block_size`` of them, or by default
 at least :data:`DEFAULT_BLOCK_SIZE` and :data:`BLOCK_TOKENS` tokens): it pulls
 up to ``k`` batches, does the small per-batch array math of all of them at once
-(:func:`cpdata.shard_block.prepare_block`: stream tables, layout run tables,
+(:func:`cpdata.worker.shard_block.prepare_block`: stream tables, layout run tables,
 causal work, digest, ``info``), then serves them one by one; only when a
 batch is served are its rank's row and inverse map written and this rank's
-tokens gathered (:func:`cpdata.collate.fill_rank`), never the full pack.
+tokens gathered (:func:`cpdata.worker.collate.fill_rank`), never the full pack.
 ``stream_len`` is ``S`` for bshd (rows index columns, shared by the ``B``
 rows) and ``B*S`` for thd (rows index the flat stream). The layout travels as
-a :class:`~cpdata.shard_layout.ShardLayout` with the inverse map precomputed.
+a :class:`~cpdata.layout.shard_layout.ShardLayout` with the inverse map precomputed.
 
 Layouts whose map does not depend on the documents (found by asking
-:func:`~cpdata.layouts.rank_indices` for a few different slot lengths, never
+:func:`~cpdata.layout.maps.rank_indices` for a few different slot lengths, never
 by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd and
 ``B > 1`` only those layouts are possible: each row would need its own map, so
 a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
@@ -36,14 +36,15 @@ from typing import Any, NoReturn
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.batch import BatchBuffer, ShardedBatch
-from cpdata.buffer_spans import BufferPlan, buffer_plan
-from cpdata.collate import SpecKey, fill_rank, rank_spec_key, spec_items
-from cpdata.layouts import alignment, check_layout, rank_indices
-from cpdata.nodes.collate import Collate, CollatedPack
-from cpdata.shard_block import BlockItem, check_rows, prepare_block
-from cpdata.shard_layout import ShardLayout
-from cpdata.state_version import check_saved_config, check_state_version
+from cpdata.layout.maps import alignment, check_layout, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nodes.collate import Collate
+from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.worker.batch import BatchBuffer, ShardedBatch
+from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
+from cpdata.worker.collate import SpecKey, fill_rank, rank_spec_key, spec_items
+from cpdata.worker.collated import CollatedPack
+from cpdata.worker.shard_block import BlockItem, check_rows, prepare_block
 
 __all__ = ["BLOCK_TOKENS", "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
 
@@ -82,7 +83,7 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _buffer_plan(spec_key: SpecKey, stream_len: int) -> BufferPlan:
-    """The buffer of a rank's batch: the tensors of ``spec_key`` (:func:`~cpdata.collate.rank_spec_key`),
+    """The buffer of a rank's batch: the tensors of ``spec_key`` (:func:`~cpdata.worker.collate.rank_spec_key`),
     then its row int64 ``[L]`` and the inverse map int64 ``[stream_len]`` (cached per shape: no spec dict
     or tuple hashed per batch)."""
     local = spec_key[0][-1]
@@ -105,7 +106,7 @@ class ShardForRank(BaseNode[Any]):
         collate_node: a node emitting :class:`CollatedPack` (normally :class:`Collate`).
         cp_size: CP ranks (>= 1).
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
-        layout: one of :data:`cpdata.layouts.LAYOUTS`.
+        layout: one of :data:`cpdata.layout.maps.LAYOUTS`.
         all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
         block_size: batches pulled and prepared at once (int >= 1); None (the default): at least
             :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most

@@ -11,7 +11,7 @@ Accepted sources, and how a restore finds its place again:
 | sequence (``__len__`` + ``__getitem__``: list, map-style dataset) | O(1) seek: only this rank's items are read |
 | re-iterable (``__iter__`` returns a fresh iterator each time) | re-iterate and skip the items already read |
 | ``torchdata.nodes.BaseNode``              | its own state, nested under ``"source"`` |
-| ``datasets.Dataset`` (Arrow)              | a sequence, read through :class:`~cpdata.offline.hf_datasets.HFDocuments` |
+| ``datasets.Dataset`` (Arrow)              | a sequence, read through :class:`~cpdata.sources.hf.HFDocuments` |
 | ``datasets.IterableDataset`` (streaming)  | a re-iterable                          |
 
 A one-shot iterator (a generator) cannot be restarted, so it is refused.
@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
 from cpdata.nodes.source_window import WindowReader
+from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import Scratch, to_document
-from cpdata.offline.hf_datasets import as_hf_documents
-from cpdata.plan import Document
-from cpdata.state_version import check_state_version
-from cpdata.targets import LabelsAlignment, declared_alignment
+from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.sources.hf import as_hf_documents
+from cpdata.worker.plan import Document
+from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
 
@@ -56,7 +56,7 @@ class Documents(WindowReader, BaseNode[Document]):
         labels_alignment: ``"inputs"`` (HF, TRL, torchtune: labels and masks
             aligned with ``input_ids``) or ``"targets"`` (Megatron, NeMo: labels
             already next-token targets); required when documents carry
-            ``labels`` or a mask (:mod:`cpdata.targets`).
+            ``labels`` or a mask (:mod:`cpdata.worker.targets`).
         shuffle, seed: read a sequence source in a fresh order every epoch, the
             permutation of epoch ``e`` drawn from ``(seed, e)`` (8 bytes per
             document, rebuilt on restore); position ``j`` of that order goes to DP
@@ -72,7 +72,7 @@ class Documents(WindowReader, BaseNode[Document]):
 
     State: ``{"version", "consumed", "position", "shard", "length",
     "fingerprint", ...}``: documents emitted by this rank, source items read
-    so far, the source's identity (:mod:`cpdata.fingerprint`) and the nested
+    so far, the source's identity (:mod:`cpdata.sources.fingerprint`) and the nested
     state of a node source. A restore under another ``dp_rank``/``dp_size``,
     onto a sequence of another length or onto another dataset of the same
     length raises ``ValueError``; so does a source that changed since it was
@@ -148,7 +148,7 @@ class Documents(WindowReader, BaseNode[Document]):
     @property
     def known_lengths(self) -> np.ndarray | None:
         """int64 ``[n]`` token counts of every source document when the source states them up front
-        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.offline.open_dataset`), else None."""
+        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`), else None."""
         lengths = getattr(self.source, "lengths", None) if self._kind == "sequence" else None
         if lengths is None:
             return None
@@ -247,7 +247,7 @@ class Documents(WindowReader, BaseNode[Document]):
             self._it = restart_iterable(self.source, self._position)
 
     def _check_source(self) -> None:
-        """At every epoch start and restore: the source is the one first read, unchanged (cpdata.fingerprint)."""
+        """At every epoch start and restore: the source is the one first read, unchanged (cpdata.sources.fingerprint)."""
         if not self._fingerprinted:
             self._fingerprint, self._fingerprinted = source_fingerprint(self.source), True
         check_source_unchanged(self.source, self._fingerprint)

@@ -23,7 +23,7 @@ from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.source_kinds import with_index
 from cpdata.nodes.validate import Scratch, document_ids, plain_ids, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
-from cpdata.targets import LabelsAlignment
+from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["WindowReader"]
 

@@ -5,7 +5,7 @@
     Tokenize(rows, "tokenizer/", append_eos=True, max_length=4096)  ->  Documents -> Pack -> ...
     build_loader(Tokenize(chats, tok, assistant_only=True), capacity=..., ...)
 
-Each row becomes one document through :class:`cpdata.tokenizer.RowTokenizer`
+Each row becomes one document through :class:`cpdata.sources.tokenizer.RowTokenizer`
 (see its table for ``append_eos``, ``assistant_only``, ``max_length``). Chat
 documents with ``assistant_only=True`` carry ``assistant_masks`` aligned with
 ``input_ids``, exactly as ``apply_chat_template`` returns them: the node
@@ -31,8 +31,8 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.nodes.source import restart_iterable, source_kind
-from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.tokenizer import RowTokenizer, TokenizeStats
+from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
 
 __all__ = ["Tokenize"]
 
@@ -45,8 +45,8 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             a re-iterable, or a ``BaseNode``.
         tokenizer: a path (``tokenizer.json`` or a saved folder), a
             ``transformers``/``tokenizers`` tokenizer, or a callable
-            ``text -> ids``; or a ready :class:`~cpdata.tokenizer.RowTokenizer`.
-        **options: :class:`~cpdata.tokenizer.RowTokenizer`'s keyword arguments
+            ``text -> ids``; or a ready :class:`~cpdata.sources.tokenizer.RowTokenizer`.
+        **options: :class:`~cpdata.sources.tokenizer.RowTokenizer`'s keyword arguments
             (``append_eos``, ``eos_token_id``, ``assistant_only``, ``max_length``,
             ``add_special_tokens``, ``chat_template``, ``text_key``, ``messages_key``).
 

@@ -1,9 +1,9 @@
-"""Validating source items into :class:`~cpdata.plan.Document`: one item, or a window of items at once.
+"""Validating source items into :class:`~cpdata.worker.plan.Document`: one item, or a window of items at once.
 
 :func:`to_document` checks one item (structure, id values, targets).
 :func:`to_window` checks a window the same way with the id values of all
 its items read in one pass: one ``concatenate`` of the ids (kept as the
-window's token buffer, :mod:`cpdata.token_buffer`) and one ``max`` over it
+window's token buffer, :mod:`cpdata.worker.token_buffer`) and one ``max`` over it
 read as unsigned (a negative id is then above any vocabulary), instead of two
 reductions per document (~4 us each, ~50 documents per 32K pack). The outcome is the same item by item: when
 anything in the window is wrong, the window is checked again one item at a
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.keys import INPUT_IDS, LABELS
 from cpdata.nodes.window import DocumentWindow
-from cpdata.plan import Document
-from cpdata.targets import (
+from cpdata.worker.keys import INPUT_IDS, LABELS
+from cpdata.worker.plan import Document
+from cpdata.worker.targets import (
     ATTENTION_MASK,
     TARGET_KEYS,
     LabelsAlignment,
@@ -32,7 +32,7 @@ from cpdata.targets import (
     first_target,
     to_targets,
 )
-from cpdata.token_buffer import BufferPool
+from cpdata.worker.token_buffer import BufferPool
 
 __all__ = ["Scratch", "document_ids", "plain_ids", "to_document", "to_window"]
 
@@ -144,7 +144,7 @@ def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, n
     """``ids`` and the item's other per-token arrays (``[n]`` each); metadata values are left out.
 
     An all-ones ``attention_mask`` (a tokenizer's output) is checked and left
-    out; one with a 0 is refused (:func:`cpdata.targets.check_unpadded`).
+    out; one with a 0 is refused (:func:`cpdata.worker.targets.check_unpadded`).
     """
     arrays = {INPUT_IDS: ids}
     for key, value in item.items():
@@ -180,11 +180,11 @@ def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, n
 def to_document(
     item: Any, index: int, vocab_size: int | None = None, labels_alignment: LabelsAlignment | None = None
 ) -> Document:
-    """Validate one source item and convert it to a :class:`~cpdata.plan.Document`.
+    """Validate one source item and convert it to a :class:`~cpdata.worker.plan.Document`.
 
     ``labels`` and masks (``loss_mask``, ``assistant_masks``,
     ``completion_mask``) are turned into next-token targets by
-    :func:`cpdata.targets.to_targets` under ``labels_alignment``.
+    :func:`cpdata.worker.targets.to_targets` under ``labels_alignment``.
 
     Raises:
         TypeError: the item is not a dict, ids are not integers, or ``labels``
@@ -201,7 +201,7 @@ def to_document(
 
 
 Scratch = BufferPool
-"""Where a reading node concatenates its windows' ids (:class:`~cpdata.token_buffer.BufferPool`): the
+"""Where a reading node concatenates its windows' ids (:class:`~cpdata.worker.token_buffer.BufferPool`): the
 window's token buffer, reused once no pack of the window is alive."""
 
 
@@ -228,7 +228,7 @@ def to_window(
 
     Returns:
         the window, its ``ids`` holding every document's ids from index 0, each followed
-        by one free element (:mod:`cpdata.token_buffer`); items that hold ``input_ids`` alone
+        by one free element (:mod:`cpdata.worker.token_buffer`); items that hold ``input_ids`` alone
         (the usual pretraining and benchmark case) cost one small dict each, nothing else per item: a
         dict of cpdata's own, holding the array that was checked, so a carried piece copied later reads
         those ids even if the source's item is changed or reused meanwhile.

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.keys import INPUT_IDS
-from cpdata.plan import Document
-from cpdata.targets import UNLABELED, first_target
+from cpdata.worker.keys import INPUT_IDS
+from cpdata.worker.plan import Document
+from cpdata.worker.targets import UNLABELED, first_target
 
 __all__ = ["DocumentWindow", "WindowFill"]
 
@@ -27,11 +27,11 @@ class DocumentWindow:
     Attributes:
         indices: int64 ``[n]`` source index of each document.
         lengths: int64 ``[n]`` tokens of each document.
-        firsts: int64 ``[n]`` first trained target (:func:`cpdata.targets.first_target`).
+        firsts: int64 ``[n]`` first trained target (:func:`cpdata.worker.targets.first_target`).
         arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
         ids: int64 ``[>= W + 2]`` holding the documents' ids in order, each followed by one free element
             (``W`` elements), then room the packer asked for, when the reader concatenated them (to check
-            them); the packer makes its token buffer of it (:mod:`cpdata.token_buffer`). None: not made.
+            them); the packer makes its token buffer of it (:mod:`cpdata.worker.token_buffer`). None: not made.
         plain: every document's arrays hold ``input_ids`` alone (True), not all (False), or not known (None).
     """
 
@@ -51,7 +51,7 @@ class DocumentWindow:
 
     @classmethod
     def of(cls, documents: Sequence[Document]) -> DocumentWindow:
-        """The window of ``documents`` (from a node that emits :class:`~cpdata.plan.Document` one by one)."""
+        """The window of ``documents`` (from a node that emits :class:`~cpdata.worker.plan.Document` one by one)."""
         arrays = [d.arrays for d in documents]
         n = len(arrays)
         return cls(
@@ -66,7 +66,7 @@ class DocumentWindow:
         cls, indices: np.ndarray, lengths: np.ndarray, arrays: Sequence[Mapping[str, np.ndarray]],
         ids: np.ndarray | None = None, plain: bool | None = None,
     ) -> DocumentWindow:  # fmt: skip
-        """A window of documents without labels (every first target :data:`~cpdata.targets.UNLABELED`)."""
+        """A window of documents without labels (every first target :data:`~cpdata.worker.targets.UNLABELED`)."""
         return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, ids, plain)
 
 

@@ -48,14 +48,14 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.scheduled_rows import RankRows, check_dp_share, rank_rows
 from cpdata.nodes.source import source_kind
+from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.nodes.validate import document_ids, to_document
-from cpdata.plan import DocPiece, PackPlan
 from cpdata.schedule import CostModel, plan_schedule
-from cpdata.state_version import check_saved_config, check_state_version
-from cpdata.targets import LabelsAlignment, check_labels_alignment, piece_arrays
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.targets import LabelsAlignment, check_labels_alignment, piece_arrays
 
 __all__ = ["WindowedPacks"]
 

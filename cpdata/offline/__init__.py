@@ -9,13 +9,17 @@
     plans = PrecomputedPacks("plan/", docs, cp_size=4, layout="thd")
     batches = ShardForRank(Collate(plans), cp_size=4, cp_rank=r, layout="thd")
 
-Modules: :mod:`~cpdata.offline.datasets` (tokenized inputs on disk),
-:mod:`~cpdata.offline.hf_datasets` (HF ``datasets``), :mod:`~cpdata.offline.tokenstore`
-(binary token store; ``cpdata tokenize`` / ``pack-store``),
-:mod:`~cpdata.offline.precomputed_dataset` (a plan for ``StatefulDataLoader`` workers),
-:mod:`~cpdata.offline.precompute` (planning + writing), :mod:`~cpdata.offline.store`
-(the directory format), :mod:`~cpdata.offline.atomic` (crash-safe directory writes), :mod:`~cpdata.offline.reader` (the node),
-:mod:`~cpdata.offline.summary` / :mod:`~cpdata.offline.plot` (``inspect``).
+Role: the offline half of the worker side. It runs the same planner as the
+live ``Pack`` node over a whole dataset (read through :mod:`cpdata.sources`),
+writes the plan as a versioned directory, and serves it back as a node.
+
+Modules, in pipeline order: ``tokenize_files`` / ``tokenstore_cli`` (``cpdata
+tokenize`` / ``pack-store``: text to a token store), ``progress`` (progress
+lines), ``precompute`` (planning + writing) and ``precompute_cli`` (``cpdata
+precompute``), ``store`` (the plan directory format), ``reader``
+(``PrecomputedPacks``, the node serving a plan), ``precomputed_dataset`` (a plan
+for ``StatefulDataLoader`` workers), ``metrics`` / ``summary`` / ``plot`` /
+``inspect_cli`` (``cpdata inspect``).
 
 Names are imported lazily, so the command line (``precompute``, ``inspect``)
 does not pull in torch.
@@ -29,20 +33,11 @@ import types
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "HFDocuments": "cpdata.offline.hf_datasets",
-    "JsonlDocuments": "cpdata.offline.datasets",
-    "LengthsFile": "cpdata.offline.datasets",
-    "NpyFolder": "cpdata.offline.datasets",
     "PackStore": "cpdata.offline.store",
     "PrecomputedDataset": "cpdata.offline.precomputed_dataset",
     "PrecomputedPacks": "cpdata.offline.reader",
-    "TokenStore": "cpdata.offline.tokenstore",
-    "TokenizedDataset": "cpdata.offline.datasets",
-    "atomic_directory": "cpdata.offline.atomic",
-    "open_dataset": "cpdata.offline.datasets",
     "precompute": "cpdata.offline.precompute",
     "read_store": "cpdata.offline.store",
-    "write_token_store": "cpdata.offline.tokenstore",
 }
 
 __all__ = sorted(_EXPORTS)

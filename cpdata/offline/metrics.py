@@ -3,7 +3,7 @@
 A pack is described by its pieces' real lengths, their slot lengths and the
 pack length. From those, :func:`pack_geometry` places every token; the
 layout's ``rank_indices`` then says which rank owns it, and the causal
-document-masked cost model (:func:`cpdata.layouts.causal_work`: a real token at
+document-masked cost model (:func:`cpdata.layout.maps.causal_work`: a real token at
 position p of its piece attends to p + 1 keys, pads cost 0) gives each rank's
 work. Positions count from the piece start: a split piece attends only to
 itself inside this pack.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.layouts import alignment, causal_work, rank_indices
+from cpdata.layout.maps import alignment, causal_work, rank_indices
 
 __all__ = ["PackGeometry", "chunk_lengths", "imbalance", "pack_geometry", "rank_work", "realign"]
 

@@ -23,16 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layouts import alignment, check_layout
+from cpdata.layout.maps import alignment, check_layout
 from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
 from cpdata.nodes.source import to_document
-from cpdata.offline.datasets import TokenizedDataset, open_dataset
-from cpdata.offline.hf_datasets import indexed_hf_documents
 from cpdata.offline.metrics import pack_geometry, rank_work
-from cpdata.offline.mixed import MixedDataset, as_mixed_dataset
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
-from cpdata.targets import (
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.hf import indexed_hf_documents
+from cpdata.sources.open import open_dataset
+from cpdata.worker.targets import (
     TARGET_KEYS,
     LabelsAlignment,
     check_labels_alignment,
@@ -173,7 +174,7 @@ def precompute(
         capacity, cp_size, layout, algorithm, overflow, seed, window: planner
             options, as for the online ``Pack`` node (``None`` = the planner's
             default); the manifest records the resolved values.
-        labels_alignment: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.targets`),
+        labels_alignment: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.worker.targets`),
             required when the documents carry ``labels`` or a mask; recorded in
             the manifest, and a reader with another alignment is refused. Such
             documents are read once more to find those that train nothing

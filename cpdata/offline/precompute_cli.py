@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cpdata.layouts import LAYOUTS
+from cpdata.layout.maps import LAYOUTS
 from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]
@@ -83,7 +83,7 @@ def register(subparsers: Any) -> None:
 def parse_mix(entries: list[str], *, seed: int, stop: str) -> Any:
     """``["web=web.jsonl:0.7", ...]`` -> ``cpdata.mix({"web": open_dataset("web.jsonl"), ...}, ...)``."""
     from cpdata.nodes.mix import STOP_POLICIES, check_weights, mix
-    from cpdata.offline.datasets import open_dataset
+    from cpdata.sources.open import open_dataset
 
     if stop not in STOP_POLICIES:  # before any file is opened
         raise ValueError(f"unknown stop policy {stop!r} (--mix-stop); choose one of {list(STOP_POLICIES)}")

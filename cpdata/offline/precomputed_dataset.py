@@ -28,13 +28,13 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from cpdata.dataset import WorkerDataset
-from cpdata.loader import _graph
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.dataset import WorkerDataset
+from cpdata.nodes.loader import _graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.offline.reader import EpochCount, PrecomputedPacks
-from cpdata.plan import PackPlan
-from cpdata.state_version import check_saved_config, check_state_version
+from cpdata.worker.plan import PackPlan
 
 __all__ = ["PrecomputedDataset"]
 

@@ -9,7 +9,7 @@ any point of a 10M-pack plan.
 
 At every epoch start and restore the node re-reads the manifest digest from
 disk and asks the documents whether they changed since they were opened
-(:mod:`cpdata.fingerprint`); a document whose bytes changed raises when read.
+(:mod:`cpdata.sources.fingerprint`); a document whose bytes changed raises when read.
 
 Nothing is served from a plan that does not match: the constructor refuses a
 plan written for other documents (input sha256, or the lengths' sha256 for a
@@ -50,16 +50,16 @@ from typing import Any, Protocol
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.fingerprint import check_source_unchanged
-from cpdata.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.source import to_document
-from cpdata.offline.hf_datasets import indexed_hf_documents
-from cpdata.offline.mixed import as_mixed_dataset
+from cpdata.nodes.state_version import check_state_version
 from cpdata.offline.store import PackStore, read_store
-from cpdata.plan import DocPiece, PackPlan, PieceColumns
-from cpdata.state_version import check_state_version
-from cpdata.targets import LabelsAlignment, declared_alignment, piece_arrays
+from cpdata.sources.fingerprint import check_source_unchanged
+from cpdata.sources.hf import indexed_hf_documents
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
+from cpdata.worker.targets import LabelsAlignment, declared_alignment, piece_arrays
 
 __all__ = ["EpochCount", "PrecomputedPacks"]
 
@@ -73,7 +73,7 @@ def _check_documents(store: PackStore, documents: _Documents) -> None:
     source = store.manifest["input"]
     if not callable(getattr(documents, "checksum", None)):
         raise TypeError(
-            f"documents must provide checksum() (e.g. cpdata.offline.open_dataset(path)), got {type(documents).__name__}"
+            f"documents must provide checksum() (e.g. cpdata.sources.open_dataset(path)), got {type(documents).__name__}"
         )
     if source["kind"] == "lengths":
         lengths = getattr(documents, "lengths", None)
@@ -140,19 +140,19 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
 
 
 class PrecomputedPacks(BaseNode[PackPlan]):
-    """Emit the plan directory's packs as :class:`~cpdata.plan.PackPlan`, in order.
+    """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
     Args:
         path: a directory written by :func:`cpdata.offline.precompute` / ``cpdata precompute``.
         documents: the dataset the plan was computed over, indexable by source
-            index and providing ``checksum()`` (a :class:`~cpdata.offline.TokenizedDataset`),
+            index and providing ``checksum()`` (a :class:`~cpdata.sources.TokenizedDataset`),
             or the ``datasets.Dataset`` it was computed from.
         cp_size, layout: what the pipeline will shard for; checked against the
             plan when given.
         dp_rank, dp_size: this rank's share of the packs (see the module docstring).
         vocab_size: token ids ``>= vocab_size`` raise ``ValueError`` (documents are
             validated as by :class:`~cpdata.nodes.source.Documents`).
-        labels_alignment: the documents' label convention (:mod:`cpdata.targets`);
+        labels_alignment: the documents' label convention (:mod:`cpdata.worker.targets`);
             refused when the plan was precomputed under another one.
         verify: check every array's sha256 on open (reads each array once).
 

@@ -18,7 +18,7 @@ deterministic and the manifest is JSON with sorted keys and no timestamps. The
 manifest carries a sha256 of its own canonical content (``manifest_sha256``),
 so an edited manifest is refused like a corrupted array.
 
-Writes are atomic (:func:`cpdata.offline.atomic.atomic_directory`): everything
+Writes are atomic (:func:`cpdata.sources.atomic.atomic_directory`): everything
 goes to a hidden sibling temp directory, the manifest last, and the directory
 is renamed into place; a writer killed at any point leaves the complete old
 plan, the complete new one, or no plan and a reader error saying that the
@@ -28,7 +28,6 @@ the temp directories of dead writers).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -38,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.offline.atomic import atomic_directory, interrupted_write, recover_directory, stall
+from cpdata.sources.atomic import atomic_directory, interrupted_write, recover_directory, stall
+from cpdata.sources.manifest import DIGEST_KEY as _DIGEST_KEY
+from cpdata.sources.manifest import canonical, manifest_digest, sha256_file
 
 __all__ = [
     "ARRAYS",
@@ -64,25 +65,7 @@ ARRAYS: tuple[str, ...] = (
     "rank_work",
     "slot_len",
 )
-_DIGEST_KEY = "manifest_sha256"
 _RERUN = "re-run `cpdata precompute` to rebuild the directory"
-
-
-def _canonical(obj: Mapping[str, Any]) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _manifest_digest(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != _DIGEST_KEY}
-    return hashlib.sha256(_canonical(body)).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,7 +102,7 @@ def check_writable(out_dir: str | os.PathLike[str], *, overwrite: bool) -> list[
     """Recover dead writers' leftovers, then refuse an existing ``out_dir`` unless ``overwrite``.
 
     Checked before long work, and again when writing. Returns what the
-    recovery did (:func:`~cpdata.offline.atomic.recover_directory`).
+    recovery did (:func:`~cpdata.sources.atomic.recover_directory`).
     """
     done = recover_directory(out_dir)
     if Path(out_dir).exists() and not overwrite:
@@ -157,12 +140,12 @@ def write_store(
                 "file": path.name,
                 "dtype": arr.dtype.str,
                 "shape": list(arr.shape),
-                "sha256": _sha256_file(path),
+                "sha256": sha256_file(path),
             }
         full = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "arrays": entries}
-        full[_DIGEST_KEY] = _manifest_digest(full)
+        full[_DIGEST_KEY] = manifest_digest(full)
         with open(tmp / MANIFEST, "wb") as f:
-            f.write(_canonical(full))
+            f.write(canonical(full))
             f.flush()
             os.fsync(f.fileno())
     return str(full[_DIGEST_KEY])
@@ -188,7 +171,7 @@ def _load_manifest(path: Path) -> dict[str, Any]:
             f"{mpath} has format_version {version!r}, this cpdata reads version {FORMAT_VERSION}; "
             f"{_RERUN} with this cpdata, or use the cpdata release that wrote it"
         )
-    recorded, actual = manifest.get(_DIGEST_KEY), _manifest_digest(manifest)
+    recorded, actual = manifest.get(_DIGEST_KEY), manifest_digest(manifest)
     if recorded != actual:
         raise ValueError(
             f"{mpath} is corrupted: its content hashes to {actual[:16]}… but it records "
@@ -214,7 +197,7 @@ def read_store(path: str | os.PathLike[str], *, verify: bool = True) -> PackStor
         file = root / entry["file"]
         if not file.is_file():
             raise ValueError(f"plan array {name!r} is missing: {file} does not exist; {_RERUN}")
-        if verify and (digest := _sha256_file(file)) != entry["sha256"]:
+        if verify and (digest := sha256_file(file)) != entry["sha256"]:
             raise ValueError(
                 f"plan array {name!r} is corrupted: {file} hashes to {digest[:16]}… but the manifest "
                 f"records {entry['sha256'][:16]}…; {_RERUN}"

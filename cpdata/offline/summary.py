@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.layouts import LAYOUTS, check_layout
+from cpdata.layout.maps import LAYOUTS, check_layout
 from cpdata.offline.metrics import PackGeometry, chunk_lengths, imbalance, pack_geometry, rank_work, realign
 from cpdata.offline.store import PackStore
 

@@ -6,7 +6,7 @@ store in file order, so the output is byte-identical for any ``workers``.
 
 | command              | a line is                                   | converter                        |
 |----------------------|---------------------------------------------|----------------------------------|
-| ``cpdata tokenize``  | ``{"text": ...}`` or ``{"messages": [...]}`` | :class:`cpdata.tokenizer.RowTokenizer` |
+| ``cpdata tokenize``  | ``{"text": ...}`` or ``{"messages": [...]}`` | :class:`cpdata.sources.tokenizer.RowTokenizer` |
 | ``cpdata pack-store`` | ``{"input_ids": [...], KEY: [...]}``       | validated like the online source |
 
 Workers are spawned (no fork of a process holding tokenizer threads) and
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from cpdata.offline.progress import Progress
-from cpdata.offline.tokenstore import TokenStore, TokenStoreWriter
-from cpdata.tokenizer import RowTokenizer, TokenizeStats
+from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
+from cpdata.sources.tokenstore import TokenStore, TokenStoreWriter
 
 __all__ = ["jsonl_to_token_store"]
 
@@ -133,7 +133,7 @@ def jsonl_to_token_store(
             default: the tokenizer's ``len(tokenizer)`` when it has one.
         workers: converter processes (1: none).
     """
-    from cpdata.offline.atomic import atomic_directory
+    from cpdata.sources.atomic import atomic_directory
 
     src = Path(path)
     if not src.is_file():

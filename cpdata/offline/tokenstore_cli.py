@@ -9,7 +9,7 @@ __all__ = ["add_tokenizer_options", "register_pack_store", "register_tokenize", 
 
 
 def add_tokenizer_options(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """``--tokenizer`` and the options of :class:`cpdata.tokenizer.RowTokenizer` (shared with ``precompute``)."""
+    """``--tokenizer`` and the options of :class:`cpdata.sources.tokenizer.RowTokenizer` (shared with ``precompute``)."""
     p.add_argument("--tokenizer", required=required, metavar="PATH",
                    help="tokenizer.json file or saved tokenizer folder (transformers / tokenizers; local only)")  # fmt: skip
     p.add_argument("--append-eos", action="store_true", help="append EOS to every text row (Megatron --append-eod)")
@@ -24,7 +24,7 @@ def add_tokenizer_options(p: argparse.ArgumentParser, *, required: bool) -> None
 def row_tokenizer(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from cpdata.tokenizer import RowTokenizer
+    from cpdata.sources.tokenizer import RowTokenizer
 
     template = Path(args.chat_template).read_text() if args.chat_template else None
     return RowTokenizer(args.tokenizer, append_eos=args.append_eos, eos_token_id=args.eos_token_id,

@@ -14,6 +14,15 @@ offline precompute of a whole dataset (:func:`plan_lengths`).
 The bound is ``ceil(slot tokens / capacity)`` packs; ranges are over the
 realistic distributions of :mod:`cpdata.packing.distributions` at 4K-128K.
 Numbers: ``python -m cpdata.packing``.
+
+Role: below the nodes, beside the schedule; pure functions of lengths, so the
+live packer and an offline precompute give the same packs. Modules, in
+pipeline order: ``records`` (configuration, stats, results), ``pieces``
+(documents to aligned pieces, the overflow policy), ``greedy`` (``next_fit``,
+``first_fit``), ``decreasing`` (``bfd``, ``ffd``), ``filling`` (exact fills at
+the end of the stream), ``planner`` (the core shared by the node and the
+offline planner), ``offline`` (``plan_lengths``), ``distributions`` (realistic
+length distributions for tests and benchmarks).
 """
 
 from cpdata.packing.offline import plan_lengths

@@ -63,7 +63,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout_runs import segments
+from cpdata.layout.runs import segments
 from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.records import PackKeys
 

@@ -35,7 +35,7 @@ from bisect import bisect_right
 
 import numpy as np
 
-from cpdata.layout_runs import segments
+from cpdata.layout.runs import segments
 
 __all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
-from cpdata.targets import NO_TRAINED_TARGET, UNLABELED
+from cpdata.worker.targets import NO_TRAINED_TARGET, UNLABELED
 
 __all__ = ["COUNT_FIELDS", "Pieces", "check_lengths", "cut_documents"]
 
@@ -132,8 +132,8 @@ def cut_documents(
         source_index: int64 ``[k]`` source index per document (error messages only).
         fill: ``concat`` only: slot tokens already used in the open pack.
         first_target: int64 ``[k]`` position of each document's first trained
-            target, :data:`~cpdata.targets.NO_TRAINED_TARGET` if none, :data:`~cpdata.targets.UNLABELED`
-            for a document without labels (never left out; :func:`cpdata.targets.first_target`); ``None``: all
+            target, :data:`~cpdata.worker.targets.NO_TRAINED_TARGET` if none, :data:`~cpdata.worker.targets.UNLABELED`
+            for a document without labels (never left out; :func:`cpdata.worker.targets.first_target`); ``None``: all
             unlabeled.
 
     Returns:

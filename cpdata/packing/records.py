@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layouts import alignment
+from cpdata.layout.maps import alignment
 
 __all__ = [
     "ALGORITHMS",

@@ -21,12 +21,13 @@ import os
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.loader import ResumableLoader
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.loader import ResumableLoader
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
-from cpdata.offline.datasets import TokenizedDataset, open_dataset
 from cpdata.offline.reader import PrecomputedPacks
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.open import open_dataset
 
 __all__ = ["build"]
 
@@ -52,7 +53,7 @@ def build(
         plan_dir: the directory ``cpdata precompute`` wrote.
         documents: the tokenized dataset the plan was computed over, or its
             path (``.jsonl`` or a folder of ``.npy``; see
-            :func:`cpdata.offline.datasets.open_dataset`).
+            :func:`cpdata.sources.open.open_dataset`).
         cp_size, cp_rank: must match the plan's ``cp_size``; this rank.
         layout: checked against the plan's layout when given (None: the plan's).
         dp_rank, dp_size: this rank's share of the packs.

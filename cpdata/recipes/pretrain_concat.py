@@ -21,7 +21,7 @@ from typing import Any
 
 from torchdata.nodes import Loader
 
-from cpdata.loader import build_loader
+from cpdata.nodes.loader import build_loader
 
 __all__ = ["build"]
 

@@ -5,7 +5,7 @@ under context parallelism. Each example is one document; its own ``labels``
 (e.g. -100 on the prompt) or loss mask (``loss_mask``, ``assistant_masks``,
 ``completion_mask``) become next-token targets under ``labels_alignment``
 (``"inputs"`` for Hugging Face / TRL rows, ``"targets"`` for Megatron / NeMo
-rows; see :mod:`cpdata.targets`); pads get -100 and 0. Examples longer than ``capacity`` are truncated
+rows; see :mod:`cpdata.worker.targets`); pads get -100 and 0. Examples longer than ``capacity`` are truncated
 (``overflow="truncate"``): an SFT example split across packs would lose its
 prompt.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from torchdata.nodes import Loader
 
-from cpdata.loader import build_loader
+from cpdata.nodes.loader import build_loader
 
 __all__ = ["build"]
 

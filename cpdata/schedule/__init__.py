@@ -10,6 +10,7 @@
 |---|---|
 | :mod:`~cpdata.schedule.cost` | ``CostModel``: ``a * L + b * L**2`` per document piece |
 | :mod:`~cpdata.schedule.balance` | one step's placement: runs of outliers, largest gap first, fillers |
+| :mod:`~cpdata.schedule.improve` | exchanges of pieces between cells that lower a step's costliest cells |
 | :mod:`~cpdata.schedule.runs` | which outliers form runs of one size now, go loose or wait |
 | :mod:`~cpdata.schedule.fill` | closing cells exactly with short pieces; the first-fit check of due pieces |
 | :mod:`~cpdata.schedule.planner` | ``plan_schedule``: the step loop, carry and the delay bound, tail policy |

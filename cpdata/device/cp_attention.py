@@ -1,0 +1,271 @@
+"""Full-sequence SDPA from this rank's shard: an override active inside a context (torch only).
+
+Inside ``with ContextParallelAttention(layout, group):`` every call of
+``torch.nn.functional.scaled_dot_product_attention`` whose query and key carry
+this rank's ``L`` local tokens on the sequence dim (``[..., L, E]``, SDPA's
+convention) computes attention of the local queries against the WHOLE
+sequence, masked at the queries' global positions:
+
+    kv      = cat(key, value, dim=-1)                  [B, Hkv, L, Ek+Ev]
+    kv_g    = cpdata.gather.gather_token_tensor(kv)    [B, Hkv, cp*L, Ek+Ev]  ONE collective, global order
+    mask    = k_pos <= q_pos (is_causal)  &  doc(q) == doc(k) (document_ids given)
+    out     = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]          local order
+
+``q_pos`` is the layout's ``local_token_global_indices`` and the gathered keys
+are in global (padded) order, so the result equals full attention over the
+padded sequence, row by row, for every layout (contiguous, round_robin, thd,
+balanced). The gather's backward is a reduce-scatter (SUM): each rank's
+``key.grad`` / ``value.grad`` is the gradient of the sum of every rank's loss,
+which is what data-parallel-style training over CP ranks needs.
+
+Trade-off: all-gather-KV attention holds the full K and V (``cp*L`` tokens) and
+an ``L x cp*L`` boolean mask per call, and runs SDPA with an explicit mask
+(no flash kernel). It needs no ring, works on CPU and CUDA and for any layout;
+it is the correctness path, not the fastest one. Masks are built once per
+context and device and reused by every layer.
+
+SDPA arguments:
+
+- ``attn_mask=None``: causal over global positions iff ``is_causal``;
+  bidirectional over all global keys otherwise (encoders).
+- ``attn_mask`` over global keys (last dim ``cp*L``, keys in global order):
+  applied as given (combined with the document mask when one is active).
+- ``attn_mask`` over local keys (last dim ``L``): a mask the model built from
+  this rank's tokens only; it cannot be mapped to global keys. Refused with
+  ``ValueError`` (``local_attn_mask="refuse"``, default), or, with
+  ``local_attn_mask="causal"``, ignored and replaced by the layout's causal
+  (+ document) mask — the behaviour of NeMo's CP hooks, which strip the mask
+  and set ``is_causal=True``.
+- ``is_causal`` with an ``attn_mask``: refused, as torch does.
+- ``scale``, ``dropout_p``, ``enable_gqa``: passed to the kernel unchanged
+  (GQA keys are gathered with their own head count).
+
+Calls whose query or key length is not ``L`` (a vision tower, keys the model
+already gathered itself) pass through to torch's kernel untouched.
+
+Scope: the patch replaces the attribute on ``torch.nn.functional`` for the
+whole process while the context is active; code that bound the function
+before (``from torch.nn.functional import scaled_dot_product_attention``) is
+not affected. Contexts nest (each restores what it found) and must exit in
+LIFO order. The patch is process-global, so two threads must not run
+different contexts concurrently. Every CP rank must make the same SDPA calls
+in the same order (one collective each), as any CP attention requires.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
+from cpdata.layout.shard_layout import ShardLayout
+
+__all__ = ["AttentionContextFactory", "ContextParallelAttention"]
+
+_KERNEL = torch._C._nn.scaled_dot_product_attention  # torch's own SDPA, whatever is patched on F
+_PATCH_LOCK = threading.Lock()
+LocalMaskPolicy = Literal["refuse", "causal"]
+
+
+class ContextParallelAttention:
+    """Context manager: SDPA on local Q/K/V equals full-sequence attention at global positions."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        group: Any = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        local_attn_mask: LocalMaskPolicy = "refuse",
+    ) -> None:
+        """Bind the override to one sharded batch.
+
+        Args:
+            layout: the batch's :class:`~cpdata.layout.shard_layout.ShardLayout`; needs
+                ``local_token_global_indices`` (int ``[L]``). Its
+                ``gather_index`` is built once (one index all-gather, cached)
+                when missing.
+            group: the CP process group (``cp_mesh.get_group()``); None = the
+                default group.
+            document_ids: this rank's document id per local token, in local
+                order (``[L]`` or ``[B, L]``, the batch's ``document_ids``).
+                Given: queries attend only keys of their own document (gathered
+                once per context, on the first masked call). None: no
+                document mask (a packed row is one sequence, as SDPA sees it
+                at cp = 1).
+            local_attn_mask: what to do with an ``attn_mask`` over local keys:
+                ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
+                the layout's causal mask).
+        """
+        if layout.local_token_global_indices is None:
+            raise ValueError(
+                "ContextParallelAttention needs layout.local_token_global_indices (this rank's global positions); "
+                "pass the ShardLayout of a sharded batch (sharder.shard_layout)"
+            )
+        if local_attn_mask not in ("refuse", "causal"):
+            raise ValueError(f"local_attn_mask={local_attn_mask!r}: use 'refuse' or 'causal'")
+        self.layout = layout
+        self.group = group
+        self.document_ids = document_ids
+        self.local_attn_mask = local_attn_mask
+        self.local_len = int(layout.local_token_global_indices.numel())
+        self._masks: dict[tuple[str, bool], torch.Tensor | None] = {}
+        self._doc_keys: dict[str, torch.Tensor] = {}
+        self._previous: Callable[..., torch.Tensor] | None = None
+        self._patched: Callable[..., torch.Tensor] | None = None
+
+    # -- context ----------------------------------------------------------------
+    def __enter__(self) -> ContextParallelAttention:
+        with _PATCH_LOCK:
+            if self._patched is not None:
+                raise RuntimeError("this ContextParallelAttention is already active; create one per `with`")
+
+            def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False):  # fmt: skip
+                return self.attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+            patched.__doc__ = F.scaled_dot_product_attention.__doc__
+            self._previous, self._patched = F.scaled_dot_product_attention, patched
+            F.scaled_dot_product_attention = patched
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _PATCH_LOCK:
+            if F.scaled_dot_product_attention is not self._patched:
+                raise RuntimeError(
+                    "scaled_dot_product_attention was replaced inside this ContextParallelAttention and not "
+                    "restored; exit nested contexts in LIFO order"
+                )
+            F.scaled_dot_product_attention = self._previous
+            self._previous = self._patched = None
+
+    # -- attention ----------------------------------------------------------------
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """SDPA of local ``query`` ``[..., H, L, E]`` against the gathered whole sequence (see the module)."""
+        kernel_kwargs = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
+        n = self.local_len
+        if query.shape[-2] != n or key.shape[-2] != n:
+            return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
+        if attn_mask is not None and is_causal:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+        if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
+            raise ValueError(
+                f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
+                "every dim but the last and on dtype (they are gathered as one tensor)"
+            )
+        layout = self._full_layout()
+        global_len = n * layout.cp_size
+        if attn_mask is not None and attn_mask.shape[-1] == n and n != global_len:
+            if self.local_attn_mask == "refuse":
+                raise ValueError(
+                    f"attn_mask of shape {tuple(attn_mask.shape)} is over this rank's {n} local keys; under CP "
+                    f"attention runs over all {global_len} keys. Call the model with attention_mask=None (causal "
+                    "masking comes from the layout's global positions), pass a mask over the global keys, or "
+                    "create the context with local_attn_mask='causal' to replace such masks by the causal mask"
+                )
+            attn_mask, is_causal = None, True
+        if attn_mask is not None and attn_mask.shape[-1] != global_len:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)}: its last dim must be the {global_len} global keys "
+                f"(or {n} local keys with local_attn_mask='causal')"
+            )
+        ek = key.shape[-1]
+        seq_dim = key.dim() - 2
+        kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
+        key_g, value_g = kv.split((ek, value.shape[-1]), dim=-1)
+        mask = self._mask(query.device, is_causal)
+        if attn_mask is not None:
+            mask = _combine(attn_mask, mask)
+        return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
+
+    # -- masks ----------------------------------------------------------------------
+    def _full_layout(self) -> ShardLayout:
+        if self.layout.gather_index is None:
+            self.layout = ensure_gather_index(self.layout, self.group)
+        return self.layout
+
+    def _mask(self, device: torch.device, causal: bool) -> torch.Tensor | None:
+        """Boolean ``[L, S]`` (causal) or ``[B, 1, L, S]`` (documents) keep-mask; None = attend all."""
+        key = (str(device), causal)
+        if key not in self._masks:
+            mask = None
+            if causal:
+                q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
+                k_pos = torch.arange(self.local_len * self.layout.cp_size, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+            if self.document_ids is not None:
+                doc_q = self.document_ids.to(device)
+                doc_k = self._document_keys(device)
+                same = (doc_q[..., :, None] == doc_k[..., None, :])
+                same = same[:, None] if same.dim() == 3 else same
+                mask = same if mask is None else same & mask
+            self._masks[key] = mask
+        return self._masks[key]
+
+    def _document_keys(self, device: torch.device) -> torch.Tensor:
+        """Every key's document id in global order (one collective per context)."""
+        name = str(device)
+        if name not in self._doc_keys:
+            doc = self.document_ids
+            if doc.shape[-1] != self.local_len:
+                raise ValueError(
+                    f"document_ids of shape {tuple(doc.shape)} must hold this rank's {self.local_len} local tokens "
+                    "on its last dim, in local order (the batch's 'document_ids')"
+                )
+            with torch.no_grad():
+                self._doc_keys[name] = gather_token_tensor(doc.to(device), self._full_layout(), self.group, -1)
+        return self._doc_keys[name]
+
+
+def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """A caller's global-key mask (bool keep-mask or additive float) restricted to ``keep``."""
+    if keep is None:
+        return attn_mask
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+@dataclass(frozen=True)
+class AttentionContextFactory:
+    """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1.
+
+    ``ctx()`` → a :class:`ContextParallelAttention` without a document mask
+    (what SDPA computes on the packed row at cp = 1, and what torch's
+    ``context_parallel`` computes); ``ctx(document_mask=True)`` adds the
+    batch's document mask (refused when the batch has no ``document_ids``).
+    """
+
+    layout: ShardLayout
+    group: Any = None
+    document_ids: torch.Tensor | None = None
+
+    def __call__(
+        self, *, document_mask: bool = False, local_attn_mask: LocalMaskPolicy = "refuse"
+    ) -> ContextParallelAttention:
+        if document_mask and self.document_ids is None:
+            raise ValueError(
+                "document_mask=True needs the batch's 'document_ids' (per-token document ids in local order); "
+                "this batch has none — build it with cpdata's pipeline, or enter ctx() without document_mask"
+            )
+        return ContextParallelAttention(
+            self.layout,
+            self.group,
+            document_ids=self.document_ids if document_mask else None,
+            local_attn_mask=local_attn_mask,
+        )

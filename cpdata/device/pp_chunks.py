@@ -1,0 +1,92 @@
+"""THD batches split into pipeline micro-batch chunks (NeMo's ``split_batch_into_thd_chunks`` contract).
+
+With pipeline parallelism the trainer asks for ``num_chunks`` chunks: the
+``B`` rows split into ``num_chunks`` equal groups (``B % num_chunks == 0``;
+NeMo would silently drop the remainder rows, cpdata refuses), each group
+becomes one flat THD stream (:func:`cpdata.device.thd_batch.to_thd_stream`), and the
+streams are stacked:
+
+| key | shape |
+|---|---|
+| ``input_ids`` | ``[C, T_c]`` (``[C, T_c, H]``) |
+| ``labels``, ``position_ids``, ``padding_mask`` | ``[C, T_c]`` |
+| ``cu_seqlens`` | int32 ``[C, n_max+1]``, rows right-padded with ``-1000`` |
+| ``cu_seqlens_padded`` | same shape, when any chunk emits it (chunks that absorbed repeat their ``cu_seqlens``) |
+| ``max_seqlen`` | int32 ``[C]`` |
+| non-tensor keys | from the batch (``qkv_format``, ...) |
+
+At cp > 1 each chunk is cut by TE's partition and the result holds exactly
+``input_ids, labels, position_ids, cu_seqlens`` (each chunk's slot offsets),
+``max_seqlen, qkv_format, padding_mask, cp_size, cp_rank`` — NeMo's key set —
+plus ``loss_mask`` when one was passed (NeMo drops it on this path).
+mRoPE positions with chunks are refused (NeMo leaves them unvalidated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from cpdata.device.thd_batch import SEQ_LENS_SENTINEL, ThdStream, shard_thd_stream, to_thd_stream
+from cpdata.errors import NotAvailableYetError
+from cpdata.worker.keys import INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
+
+__all__ = ["split_thd_chunks"]
+
+_STACKED = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
+
+
+def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.cat([r, r.new_full((width - r.numel(),), SEQ_LENS_SENTINEL)]) for r in rows])
+
+
+def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor | None) -> list[ThdStream]:
+    rows = batch[INPUT_IDS].shape[0] if isinstance(batch.get(INPUT_IDS), torch.Tensor) else None
+    if rows is None or rows % num_chunks:
+        raise ValueError(
+            f"num_chunks={num_chunks} must divide the batch's {rows} rows (each pipeline chunk takes B/num_chunks "
+            "rows); change the micro-batch size or num_chunks"
+        )
+    position_ids = batch.get(POSITION_IDS)
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        raise NotAvailableYetError(
+            "mRoPE position_ids [P, B, S] with num_chunks > 1 are not supported on the THD path (NeMo leaves "
+            "them unvalidated too); use num_chunks=1 or 2-D position_ids"
+        )
+    per = rows // num_chunks
+    streams = []
+    for c in range(num_chunks):
+        part = slice(c * per, (c + 1) * per)
+        sub = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+        streams.append(to_thd_stream(sub, loss_mask=loss_mask[part] if loss_mask is not None else None))
+    return streams
+
+
+def split_thd_chunks(
+    batch: Mapping[str, Any], num_chunks: int, cp_size: int, cp_rank: int, loss_mask: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """The stacked chunks of ``batch`` (see the module table); this CP rank's tokens at ``cp_size > 1``."""
+    streams = _chunks(batch, num_chunks, loss_mask)
+    keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
+    if cp_size > 1:
+        parts = []
+        for s in streams:
+            cu_out = s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"])
+            width = max(t.batch["cu_seqlens"].numel() for t in streams)
+            cu_out = torch.cat([cu_out, cu_out.new_full((width - cu_out.numel(),), SEQ_LENS_SENTINEL)])
+            parts.append(shard_thd_stream(s.batch, s.token_dims, cu_out, cp_size, cp_rank)[0])
+        out = {k: torch.stack([p[k] for p in parts]) for k in (*keys, "cu_seqlens", "max_seqlen")}
+        out.update(qkv_format="thd", cp_size=cp_size, cp_rank=cp_rank)
+        return out
+    out: dict[str, Any] = {k: torch.stack([s.batch[k] for s in streams]) for k in keys}
+    out["cu_seqlens"] = _pad_stack([s.batch["cu_seqlens"] for s in streams])
+    if any("cu_seqlens_padded" in s.batch for s in streams):
+        out["cu_seqlens_padded"] = _pad_stack(
+            [s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"]) for s in streams]
+        )
+    out["max_seqlen"] = torch.stack([s.batch["max_seqlen"] for s in streams])
+    out.update({k: v for k, v in streams[0].batch.items() if not isinstance(v, torch.Tensor)})
+    return out

@@ -1,0 +1,253 @@
+"""On-device ``shard_batch`` functions for raw full ``[B, S]`` batches (pre-sharded ones: :mod:`cpdata.device.presharded`).
+
+- **raw full batch at cp > 1** (:class:`DeviceShard`, NeMo Automodel's
+  load-balanced path): ``round_robin`` (torch ``context_parallel``'s head-tail
+  order), rows right-padded to a multiple of ``2*cp`` with semantic pad values
+  (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device.
+  The primary stream is ``input_ids`` ``[B, S]`` or ``inputs_embeds``
+  ``[B, S, H]`` (kept differentiable). Missing ``position_ids`` become
+  ``arange(S)`` per row and a shared ``[1, S]`` row is expanded to ``[B, S]``
+  before sharding, so every token keeps its global position; mRoPE
+  ``[P, B, S]`` positions shard on their last dim.
+- **raw batch at cp <= 1** (:func:`shard_identity`): the caller's batch,
+  the same object, untouched.
+
+Raw THD batches of Transformer Engine models go through
+:mod:`cpdata.device.thd_shard`. Cost of the raw path: O(S) numpy on the host for the
+layout plus one gather per token tensor on device.
+
+Raw batch keys at cp > 1: sharded — the primary, ``labels``,
+``position_ids``, ``padding_mask`` (from a ``[B, S]`` ``attention_mask``,
+True = pad), ``document_ids``, ``loss_mask`` and ``extra_seq_buffers``;
+passed through unchanged — ``mm_token_type_ids``, keys starting with ``_``
+(vision masks such as ``_global_vision_mask``) and every tensor not shaped
+like the sequence (``pixel_values``, ``image_grid_thw``, ...) or non-tensor
+value; refused (``ValueError``) — any other tensor shaped ``[B, S, ...]``
+(it would stay at full length beside sharded tokens: declare it in
+``extra_seq_buffers``), ``input_ids`` together with ``inputs_embeds``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded
+from cpdata.layout.maps import alignment, inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.worker.keys import (
+    DOCUMENT_IDS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    LOSS_MASK,
+    PADDING_MASK,
+    POSITION_IDS,
+    STANDARD_TOKEN_KEYS,
+)
+
+__all__ = [
+    "PASSTHROUGH_TOKEN_KEYS",
+    "DeviceShard",
+    "check_undeclared",
+    "closed_form_indices",
+    "primary_key",
+    "shard_identity",
+]
+
+INPUTS_EMBEDS = "inputs_embeds"
+PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
+"""Sequence-shaped keys that pass through unsharded (as NeMo passes them), besides ``_``-prefixed keys."""
+
+
+
+
+
+
+def closed_form_indices(layout: str, cp_mesh: Any, padded_seq_len: int, device: Any = None) -> torch.Tensor:
+    """This rank's global positions for a layout that needs no slot lengths.
+
+    Bind ``layout`` with ``functools.partial`` to get the sharder's
+    ``local_token_global_indices(cp_mesh, padded_seq_len, device)``.
+    """
+    rank, size = mesh_rank_size(cp_mesh)
+    return torch.from_numpy(rank_indices(layout, size, (), padded_seq_len)[rank]).to(device)
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    if device is None or not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, non_blocking=True)
+
+
+
+
+
+
+
+
+def primary_key(batch: Mapping[str, Any]) -> str:
+    """``"inputs_embeds"`` or ``"input_ids"``: the tensor that defines a raw batch's rows (exactly one)."""
+    has_embeds = isinstance(batch.get(INPUTS_EMBEDS), torch.Tensor)
+    has_ids = isinstance(batch.get(INPUT_IDS), torch.Tensor)
+    if has_embeds == has_ids:
+        raise ValueError(
+            f"a raw batch needs exactly one of {INPUT_IDS!r} [B, S] or {INPUTS_EMBEDS!r} [B, S, H] to define the "
+            f"sequence; got keys {sorted(batch)}"
+        )
+    return INPUTS_EMBEDS if has_embeds else INPUT_IDS
+
+
+def shard_identity(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+    """``shard_batch`` at cp <= 1: the caller's batch itself (same object, same tensors), nothing padded.
+
+    A ``loss_mask=`` given to the sharder is added to a new dict holding the same tensors.
+
+    The layout records the row length (``original_seq_len == padded_seq_len``)
+    so ``gather_token_tensor(trim=True)`` works as at cp > 1.
+    """
+    del cp_mesh, tp_mesh, padding_token_id
+    if loss_mask is not None:  # a new dict holding the same tensors plus the mask
+        batch = {**batch, LOSS_MASK: loss_mask}
+    primary = batch.get(INPUTS_EMBEDS, batch.get(INPUT_IDS))
+    layout = None
+    if isinstance(primary, torch.Tensor) and primary.dim() >= 2:
+        layout = ShardLayout(original_seq_len=primary.shape[1], padded_seq_len=primary.shape[1])
+    return contextlib.nullcontext, batch, layout
+
+
+def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> torch.Tensor:
+    """Right-pad ``t`` by ``n`` on ``dim`` with the key's semantic pad value (see cpdata.worker.keys)."""
+    last = t.narrow(dim, t.shape[dim] - 1, 1)
+    shape = list(t.shape)
+    shape[dim] = n
+    if key == POSITION_IDS:  # continue the document
+        step = [1] * t.dim()
+        step[dim] = n
+        pad = last + torch.arange(1, n + 1, dtype=t.dtype, device=t.device).view(step)
+    elif key == DOCUMENT_IDS:  # pads belong to the last slot
+        pad = last.expand(shape)
+    else:
+        fill = {INPUT_IDS: padding_token_id, LABELS: IGNORE_INDEX, PADDING_MASK: True}.get(key, 0)
+        pad = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    return torch.cat((t, pad), dim=dim)
+
+
+def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len: int, padding_token_id: int) -> None:
+    """Right-pad every token tensor in place from ``seq_len`` to ``pack_len``."""
+    for key, d in dims.items():
+        if out[key].shape[d] != seq_len:
+            raise ValueError(
+                f"token tensor {key!r} has {out[key].shape[d]} tokens on dim {d} but the primary has "
+                f"{seq_len}; fix its length or declare its sequence dim in extra_seq_buffers"
+            )
+        if pack_len > seq_len:
+            out[key] = _pad(out[key], d, pack_len - seq_len, key, padding_token_id)
+
+
+def _attention_to_padding_mask(out: dict[str, Any]) -> None:
+    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``."""
+    mask = out.pop("attention_mask", None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
+        out[PADDING_MASK] = ~mask.bool()
+
+
+def _positions(out: dict[str, Any], primary: torch.Tensor) -> None:
+    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B, S]``."""
+    b, s = primary.shape[:2]
+    pos = out.get(POSITION_IDS)
+    if pos is None:
+        out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+    elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
+        out[POSITION_IDS] = pos.expand(b, -1).contiguous()
+
+
+def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: torch.Tensor) -> None:
+    """Refuse a sequence-shaped tensor the shard does not know: it would stay at full length."""
+    undeclared = sorted(
+        k for k, v in out.items()
+        if k not in dims and k not in PASSTHROUGH_TOKEN_KEYS and not k.startswith("_")
+        and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == primary.shape[:2]
+    )  # fmt: skip
+    if undeclared:
+        raise ValueError(
+            f"raw batch keys {undeclared} have the [B, S] shape of the primary {tuple(primary.shape[:2])} but are "
+            "not token keys the sharder knows; pass extra_seq_buffers={name: seq_dim} to shard them, or drop them"
+        )
+
+
+def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
+    """63-bit digest of the layout inputs; token ids are included when they are on the host."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode())
+    if primary.device.type == "cpu" and not primary.is_floating_point():
+        h.update(primary.detach().contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceShard:
+    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` for raw batches at cp > 1.
+
+    Returns ``(ctx_factory, dict_of_device_tensors, ShardLayout)``; the ctx is
+    :func:`attention_ctx`. Pre-sharded batches are only checked and copied;
+    raw batches follow the module's rules (at cp <= 1 the identity).
+    """
+
+    device: torch.device | None = None
+    extra_seq_buffers: Mapping[str, int] = field(default_factory=dict)
+
+    def __call__(self, cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+        if is_presharded(batch):
+            if loss_mask is not None:
+                raise ValueError(
+                    "loss_mask= applies to raw full batches; a pre-sharded batch must carry its own "
+                    "'loss_mask' key (add it on the workers) or shard it with sharder.shard_token_tensor"
+                )
+            return shard_presharded(cp_mesh, batch, self.device)
+        rank, size = mesh_rank_size(cp_mesh)
+        if size <= 1:
+            return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
+        out = {k: _to(v, self.device) for k, v in batch.items()}
+        _attention_to_padding_mask(out)
+        if loss_mask is not None:
+            out[LOSS_MASK] = _to(loss_mask, self.device)
+        key = primary_key(out)
+        primary = out[key]
+        if primary.dim() != (3 if key == INPUTS_EMBEDS else 2):
+            raise ValueError(
+                f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
+                f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
+            )
+        _positions(out, primary)
+        dims = {key: 1}
+        dims.update({
+            k: out[k].dim() - 1
+            for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
+            if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
+        })  # fmt: skip
+        dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items() if k in out})
+        check_undeclared(out, dims, primary)
+        seq_len = primary.shape[1]
+        pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]
+        _pad_rows(out, dims, seq_len, pack_len, padding_token_id)
+        rows = rank_indices("round_robin", size, (), pack_len)
+        local = torch.from_numpy(rows[rank])
+        index = local.to(primary.device, non_blocking=True)
+        for k, d in dims.items():
+            out[k] = out[k].index_select(d, index)
+        layout = ShardLayout(
+            local_token_global_indices=local,
+            original_seq_len=seq_len,
+            padded_seq_len=pack_len,
+            gather_index=torch.from_numpy(inverse_indices(rows)),
+            cp_size=size,
+            cp_rank=rank,
+            digest=_digest(size, pack_len, batch[key]),
+        )
+        return attention_ctx(cp_mesh, layout, out), out, layout

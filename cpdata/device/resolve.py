@@ -1,0 +1,148 @@
+"""Choosing a sharding strategy for a model, mesh and batch: decided once, in one place (NeMo's order).
+
+1. The model's hook: at cp > 1 (or for a THD batch when ``model.supports_thd``)
+   and ``invoke_pre_embed``, ``model.prepare_model_inputs_for_cp(batch,
+   num_chunks=num_chunks)`` is called as NeMo calls it. It returns a mapping;
+   its ``"cp_sharder"`` (a ``ContextParallelSharder``, or None) owns the
+   sharding and every other key is merged into ``batch`` in place (None values
+   included).
+2. A worker-sharded batch (a mapping with ``.layout``): copy only.
+3. A ``qkv_format="thd"`` batch for a Transformer Engine model
+   (``model.backend.attn == "te"``, ``config._attn_implementation == "te"``
+   or ``model._te_attention_injected``), or with no model at all:
+   :class:`cpdata.device.thd_shard.ThdShard`, at every CP size.
+4. cp > 1: :class:`cpdata.device.raw_shard.DeviceShard` (``round_robin``).
+5. Otherwise the identity: ``shard()`` hands back the caller's batch.
+
+Call sites never branch on backends; they hold the resulting
+``ContextParallelSharder``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpdata.device.presharded import is_presharded, mesh_rank_size
+from cpdata.device.raw_shard import DeviceShard, closed_form_indices, shard_identity
+from cpdata.device.thd_shard import ThdShard
+from cpdata.layout.shard_layout import ShardLayout
+
+__all__ = ["Strategy", "mesh_device", "resolve_strategy", "submesh", "uses_te_attention"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Strategy:
+    """The three parts of a sharder that a resolution decides."""
+
+    shard_batch: Callable[..., Any]
+    """``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) -> (ctx, batch, ShardLayout | None)``."""
+    local_token_global_indices: Callable[..., torch.Tensor] | None
+    """Closed-form ``(cp_mesh, padded_seq_len, device)`` index map, or None (data-dependent)."""
+    shard_layout: ShardLayout | None
+    """A layout known before the first shard (usually None)."""
+
+
+def submesh(device_mesh: Any, name: str) -> Any:
+    """``device_mesh[name]`` when the mesh has that dim, else None."""
+    return device_mesh[name] if name in (getattr(device_mesh, "mesh_dim_names", None) or ()) else None
+
+
+def mesh_device(device_mesh: Any) -> torch.device | None:
+    """Where a sharder puts tensors: the mesh's ``device_type`` (cpu for gloo); None without a mesh."""
+    kind = getattr(device_mesh, "device_type", None)
+    if kind is None:
+        return None
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def uses_te_attention(model: Any) -> bool:
+    """Whether a live model attends with Transformer Engine (NeMo's test, read from the model)."""
+    backend = getattr(getattr(model, "backend", None), "attn", None)
+    if backend is None:
+        config = getattr(model, "config", None)
+        for candidate in (config, getattr(config, "text_config", None)):
+            backend = getattr(candidate, "_attn_implementation", None) or getattr(
+                candidate, "_attn_implementation_internal", None
+            )
+            if backend is not None:
+                break
+    return str(backend) == "te" or bool(getattr(model, "_te_attention_injected", False))
+
+
+def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strategy | None:
+    """Run the model's CP hook NeMo's way; merge its batch updates; return the strategy of its sharder."""
+    prepared = model.prepare_model_inputs_for_cp(batch, num_chunks=num_chunks)
+    if prepared is None:
+        return None
+    if not isinstance(prepared, Mapping):
+        raise TypeError(
+            "prepare_model_inputs_for_cp(batch, *, num_chunks) must return a dict (with an optional "
+            f"'cp_sharder' and batch updates), got {type(prepared).__name__}"
+        )
+    updates = {k: v for k, v in prepared.items() if k != "cp_sharder"}
+    if updates:
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(
+                f"prepare_model_inputs_for_cp returned batch keys {sorted(updates)} but the batch "
+                f"({type(batch).__name__}) is read-only; pass a dict"
+            )
+        batch.update(updates)
+    sharder = prepared.get("cp_sharder")
+    if sharder is None:
+        return None
+    if not hasattr(sharder, "shard_batch"):
+        raise TypeError(f"prepare_model_inputs_for_cp returned a 'cp_sharder' of type {type(sharder).__name__}")
+    return Strategy(
+        shard_batch=sharder.shard_batch,
+        local_token_global_indices=sharder.local_token_global_indices,
+        shard_layout=sharder.shard_layout,
+    )
+
+
+def resolve_strategy(
+    model: Any,
+    device_mesh: Any,
+    batch: Mapping[str, Any],
+    *,
+    num_chunks: int = 1,
+    invoke_pre_embed: bool = True,
+    extra_seq_buffers: Mapping[str, int] | None = None,
+) -> Strategy:
+    """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")
+    _, cp_size = mesh_rank_size(submesh(device_mesh, "cp"))
+    batch_is_thd = batch.get("qkv_format") == "thd"
+    hook = getattr(model, "prepare_model_inputs_for_cp", None) if model is not None else None
+    model_owns_thd = batch_is_thd and bool(getattr(model, "supports_thd", False))
+    if hook is not None and invoke_pre_embed and (cp_size > 1 or model_owns_thd):
+        owned = _call_hook(model, batch, num_chunks)
+        if owned is not None:
+            return owned
+    device, extras = mesh_device(device_mesh), dict(extra_seq_buffers or {})
+    if is_presharded(batch):
+        return Strategy(shard_batch=DeviceShard(device=device), local_token_global_indices=None, shard_layout=None)
+    if batch_is_thd and (model is None or uses_te_attention(model)):
+        return Strategy(
+            shard_batch=ThdShard(num_chunks=num_chunks, device=device, extra_seq_buffers=extras),
+            local_token_global_indices=None,
+            shard_layout=None,
+        )
+    if cp_size > 1:
+        return Strategy(
+            shard_batch=DeviceShard(device=device, extra_seq_buffers=extras),
+            local_token_global_indices=functools.partial(closed_form_indices, "round_robin"),
+            shard_layout=None,
+        )
+    return Strategy(
+        shard_batch=shard_identity,
+        local_token_global_indices=functools.partial(closed_form_indices, "identity"),
+        shard_layout=None,
+    )

@@ -1,0 +1,89 @@
+"""``shard_batch`` for raw THD batches of Transformer Engine models (NeMo's TE/THD path, any CP size).
+
+:func:`cpdata.device.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every
+token tensor is then cut by TE's partition (``thd_get_partitioned_indices``,
+which is cpdata's ``thd`` layout: chunks ``r`` and ``2cp-1-r`` of every
+document slot) and the metadata takes NeMo's cp > 1 form:
+
+| key | cp = 1 | cp > 1 |
+|---|---|---|
+| ``cu_seqlens`` | real lengths (absorbed) | the slot offsets (``cu_seqlens_padded`` when emitted) |
+| ``cu_seqlens_padded`` | when it differs | dropped |
+| ``max_seqlen`` | ``max(diff(cu_seqlens))`` | widest slot |
+| ``padding_mask`` | ``[T]`` | this rank's ``[T/cp]`` |
+| ``cp_size``, ``cp_rank`` | — | Python ints |
+
+Example (cp = 2, real [3, 5] in slots [4, 8]): rank 0 holds stream positions
+``[0, 3, 4, 5, 10, 11]``, ``cu_seqlens=[0, 4, 12]``, ``max_seqlen=8``,
+``padding_mask=[F, T, F, F, T, T]``.
+
+Pipeline parallelism (``num_chunks > 1``): the ``B`` rows split into
+``num_chunks`` equal groups, each converted on its own and stacked
+(:mod:`cpdata.device.pp_chunks`); chunked batches have no single token layout.
+mRoPE positions keep their leading dim (``[P, 1, T/cp]``); NeMo indexes
+them on that dim at cp > 1, cpdata on the token dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.pp_chunks import split_thd_chunks
+from cpdata.device.presharded import mesh_group, mesh_rank_size
+from cpdata.device.thd_batch import shard_thd_stream, to_thd_stream
+from cpdata.layout.maps import inverse_indices
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.worker.keys import INPUT_IDS
+
+__all__ = ["ThdShard"]
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ThdShard:
+    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` for a TE THD batch.
+
+    Returns ``(ctx, batch, layout)``. One stream: a layout over the flat
+    stream (``input_row_shape=(B, S)``), and at cp > 1 the CP attention ctx
+    with document ids from the slots. Chunked: ``layout`` None (each chunk is
+    its own token space, as in NeMo) and ``nullcontext`` (TE attends; there is
+    no single stream for SDPA).
+    """
+
+    num_chunks: int = 1
+    device: torch.device | None = None
+    extra_seq_buffers: Mapping[str, int] = field(default_factory=dict)
+
+    def __call__(self, cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+        del tp_mesh, padding_token_id  # pads come from the lengths, never from token values
+        rank, size = mesh_rank_size(cp_mesh)
+        batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) and self.device else v
+                 for k, v in batch.items()}  # fmt: skip
+        if loss_mask is not None and self.device is not None:
+            loss_mask = loss_mask.to(self.device, non_blocking=True)
+        if self.num_chunks > 1:
+            return contextlib.nullcontext, split_thd_chunks(batch, self.num_chunks, size, rank, loss_mask), None
+        stream = to_thd_stream(batch, loss_mask=loss_mask, extra_seq_buffers=self.extra_seq_buffers)
+        total = int(stream.slots.sum())
+        if size <= 1:
+            layout = ShardLayout(
+                local_token_global_indices=torch.arange(total), padded_seq_len=total,
+                input_row_shape=stream.row_shape, gather_index=torch.arange(total),
+            )  # fmt: skip
+            return contextlib.nullcontext, stream.batch, layout
+        cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
+        out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
+        local = torch.from_numpy(rows[rank])
+        layout = ShardLayout(
+            local_token_global_indices=local,
+            padded_seq_len=total,
+            input_row_shape=stream.row_shape,
+            gather_index=torch.from_numpy(inverse_indices(rows)),
+            cp_size=size,
+            cp_rank=rank,
+        )
+        docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)
+        return AttentionContextFactory(layout, mesh_group(cp_mesh), docs), out, layout

@@ -1,0 +1,19 @@
+"""Layouts: which global token positions each CP rank owns (pure numpy, plus the record that carries them).
+
+Role: the coordinate system every other part uses. A layout is one integer map
+(``rows[r]`` = the global positions of rank ``r``'s tokens, in local order) and
+its inverse; everything here is a pure function of document lengths, so every
+CP rank computes the same map without talking.
+
+Modules, in pipeline order: ``maps`` (the layouts: ``rank_indices``,
+``LAYOUTS``, ``alignment``, ``inverse_indices``, causal work), ``runs`` (a
+layout as runs of consecutive positions, the table the worker gathers from),
+``blocks`` (run tables of a block of packs at once), ``shard_layout``
+(``ShardLayout``, the torch record of a layout that travels with a batch; the
+one module here that imports torch).
+
+Nothing is imported eagerly: ``cpdata.gather`` names ``ShardLayout`` for type
+checking only and must load torch alone.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,167 @@
+"""Run tables of a block of packs at once: the ``head-tail`` (``thd``, ``round_robin``) and ``balanced`` builders.
+
+A block is ``P`` packs of equal length, their ``N`` documents concatenated
+pack after pack (``counts`` int64 ``[P]`` documents each). The builders run
+the same ~15 numpy calls on the block's ``[N, G]`` tables as on one pack's,
+the running sums restarted at every pack (:func:`_within_packs`), and return a
+:class:`RunBlock`: one :class:`~cpdata.layout.runs.RunTable` per pack (views of
+the block's tables) and the per-rank causal work of every pack from one
+``bincount``. The one-pack builders :func:`head_tail_runs` and
+:func:`balanced_runs` are the block builders with ``counts=None``, so a block
+of ``P`` packs gives each pack the table it gets alone, bit for bit. The
+builders take validated lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from cpdata.layout.runs import RunBlock, RunTable, _frozen, _per_run
+
+__all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
+
+
+def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Exclusive running sums of the rows of ``x`` int64 ``[k, N]`` restarted at every pack (int64 ``[k, N]``)
+    and each pack's totals (int64 ``[k, P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
+    cs = np.zeros((x.shape[0], x.shape[1] + 1), dtype=np.int64)
+    np.cumsum(x, axis=1, out=cs[:, 1:])
+    if counts is None:
+        return cs[:, :-1], cs[:, -1:]
+    stops = counts.cumsum()
+    firsts = cs[:, stops - counts]
+    return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
+
+
+@functools.lru_cache(maxsize=32)
+def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
+
+    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
+    document (``[j >= cp] - j``, 1, ``j + 1``), then ``rank * local_len``; ``ranks``
+    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
+    """
+    cp = cp_size
+    j = np.arange(2 * cp, dtype=np.int64)
+    ranks = np.minimum(j, 2 * cp - 1 - j)
+    of_c = np.stack([(j >= cp) - j, np.ones_like(j), j + 1, ranks * local_len])[:, None, :]
+    picks = np.stack([j[:cp], 2 * cp - 1 - j[:cp]], axis=1)[:, None, :]
+    _frozen(of_c, ranks, picks)
+    return of_c, ranks, picks
+
+
+def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: int, pack_len: int,
+                    with_docs: bool = True) -> RunBlock:  # fmt: skip
+    """Chunks ``r`` and ``2cp-1-r`` of every slot of ``P`` packs of ``pack_len`` tokens (``slot_lens`` int64
+    ``[N]``, each a multiple of 2cp, every pack's summing to ``pack_len``; ``counts`` as in the module docstring).
+
+    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
+    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
+    per chunk, ``C`` chunk tokens before it in its pack: chunk ``j`` starts at ``2cp*C + j*c``
+    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
+    """
+    cp = cp_size
+    of_c, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
+    g = 2 * cp
+    c = slot_lens // g
+    before = _within_packs(c[None], counts)[0][0]  # C
+    # [4, N, 2cp]: per chunk length, the inverse shift, size and end, then rank * local_len (operands: _per_run)
+    table = of_c.take(np.zeros(c.shape[0], dtype=np.intp), axis=1)
+    table[:3] *= _per_run(c, g)
+    inv, sizes, ends, base = table
+    inv += base
+    inv += _per_run((2 - 2 * cp) * before, g)
+    if not with_docs:
+        return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
+
+
+def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
+    """:func:`head_tail_block` of one pack (``pack_len``: the slots' sum when None)."""
+    if pack_len is None:
+        pack_len = int(slot_lens.sum())
+    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables()[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Constants of :func:`balanced_block`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
+
+    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
+    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
+    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
+    and ``-t``, ``-m``), the size (middles: ``t < m``), the end in the document (offset plus size; middles
+    start at ``min(t, m)``: the empty ones where the real ones end, so a row's runs tile it; tails at ``m``)
+    and the rank (middles ``(T + t) % cp``), then per ``q`` (the same for every key) the inverse
+    shift, size and end. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
+    each ``T % cp``.
+    """
+    cp, local = cp_size, local_len
+    c = np.arange(cp, dtype=np.int64)
+    t = np.arange(2 * cp, dtype=np.int64)
+    i = c
+    rho = np.repeat(c, 2 * cp)[:, None]  # T % cp of each key
+    m = np.tile(t, cp)[:, None]  # remainder of each key
+    u = rho + t  # dealt index of each middle minus cp * (T // cp)
+    zero = np.zeros((rho.shape[0], cp), dtype=np.int64)
+    nonlinear = np.stack([
+        np.concatenate([local * c + (c < rho), local * (u % cp) + u // cp - t, local * (cp - 1 - i) + (rho + m + i) // cp - m], axis=1),
+        np.concatenate([zero, (t < m).astype(np.int64), zero], axis=1),
+        np.concatenate([zero, np.minimum(t, m) + (t < m), m + zero], axis=1),
+        np.concatenate([c + zero, u % cp, cp - 1 - i + zero], axis=1),
+    ])  # fmt: skip
+    of_q = np.stack([
+        np.concatenate([-c, np.full(2 * cp, 1 - cp), 1 - cp - i]),
+        np.concatenate([np.ones(cp, dtype=np.int64), np.zeros(2 * cp, dtype=np.int64), np.ones(cp, dtype=np.int64)]),
+        np.concatenate([c + 1, np.full(2 * cp, cp), cp + i + 1]),
+    ])[:, None, :]  # fmt: skip
+    k1 = (c[:, None] - c[None, :]) % cp  # [rank, T % cp]: the rank's first middle
+    picks = np.stack([np.broadcast_to(c[:, None], (cp, cp)), cp + k1, 2 * cp + k1,
+                      np.broadcast_to(4 * cp - 1 - c[:, None], (cp, cp))], axis=2)  # fmt: skip
+    coefs = np.concatenate([nonlinear, np.broadcast_to(of_q, (3, *nonlinear.shape[1:]))])
+    _frozen(coefs, picks)
+    return coefs, picks
+
+
+def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int) -> RunBlock:
+    """``balanced`` (see :func:`cpdata.layout.maps.rank_indices`) of ``P`` packs: ``4cp`` runs per document, then
+    padding (``lens`` int64 ``[N]``, each pack's summing to at most ``pack_len``).
+
+    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
+    before it in its pack, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
+    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
+    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
+    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
+    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
+    padding continues the deal one token at a time (the table's ``tail``).
+    """
+    cp = cp_size
+    coefs, picks = _balanced_coefs(cp, pack_len // cp)
+    qm = np.empty((2, lens.shape[0]), dtype=np.int64)
+    q, m = qm
+    np.divmod(lens, 2 * cp, out=(q, m))
+    (heads, dealt), totals = _within_packs(qm, counts)  # Q, T
+    shift, rho = np.divmod(dealt, cp)
+    key = rho * (2 * cp)
+    key += m
+    g = 4 * cp
+    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients (operands:
+    # _per_run)
+    table = coefs.take(key, axis=1)
+    linear = table[4:]
+    linear *= _per_run(q, g)
+    table[:3] += linear
+    shift += (2 - 2 * cp) * heads - dealt  # (2 - 2cp) Q - T + T // cp
+    table[0] += _per_run(shift, g)
+    inv, sizes, ends, ranks = table[:4]
+    total_heads, dealts = totals.tolist()
+    tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
+                    tails=tails, dealts=dealts)  # fmt: skip
+
+
+def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
+    """:func:`balanced_block` of one pack."""
+    return balanced_block(lens, None, pack_len, cp_size).tables()[0]

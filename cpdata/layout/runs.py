@@ -1,0 +1,301 @@
+"""Run tables: a layout as runs of consecutive global positions, in global order.
+
+Every layout gives each document (row ``d`` of the table) ``G`` runs that
+tile it in global order (``thd``: its ``2cp`` chunks; ``balanced``: ``cp``
+heads, ``2cp`` one-token middle runs of which the first ``m`` are real, ``cp``
+tails), each with its rank and its *inverse shift* (its position in the
+rank-major concatenation of all shards minus its global start). Each rank's
+runs are in increasing global order, so a rank's row is its runs in table
+order. ``balanced`` deals its padding one token at a time after the runs (a
+strided tail, not one run per pad token). Everything the worker needs follows
+without sorting, searching or scattering:
+
+- the inverse map: ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack tokens));
+- a rank's row: its ``D * w`` runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
+- the causal work per rank in closed form per run (:meth:`RunTable.causal_work`, O(runs)).
+
+The tables of a block of packs (:class:`RunBlock`) are built with one set of
+numpy calls and each pack's :class:`RunTable` is a view of its rows (no
+arrays sliced per pack); a rank's runs are picked for every pack of the block
+at once, so serving a pack's row or inverse map is one ``repeat`` and one
+add (plus the dealt tail of ``balanced``).
+
+Cost: the builders are ~15 numpy calls whatever the pack size, most on
+``[D]`` vectors: the parts of the ``[D, G]`` tables that are not linear in a
+document's length come from a table cached per ``(cp, local length)`` and
+indexed by one key per document, so a builder does one ``take``, one outer
+product and two adds on the ``[D, G]`` tables. The builders take validated
+lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments"]
+
+
+def _frozen(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int, step: int = 1) -> np.ndarray:
+    """int64 ``[n]``: ``0, step, 2*step, ...`` (read-only, cached per pack length; callers slice it)."""
+    out = np.arange(n, dtype=np.int64) * step
+    _frozen(out)
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _dealt(cp_size: int, local_len: int) -> np.ndarray:
+    """int64 ``[cp * local_len + 2cp]``: ``(t % cp) * local_len + t // cp``, the rank-major offset of the
+    ``t``-th token dealt round-robin (up to the per-rank tokens before it)."""
+    t = np.arange(cp_size * (local_len + 2), dtype=np.int64)
+    out = t % cp_size * local_len + t // cp_size
+    _frozen(out)
+    return out
+
+
+def _per_run(x: np.ndarray, g: int) -> np.ndarray:
+    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each table row's ``g`` runs, contiguous. The block
+    builders use it for every per-document operand: a ``x[:, None]`` operand costs numpy one inner loop
+    per row, a flat one a single loop."""
+    return x.repeat(g).reshape(-1, g)
+
+
+def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
+
+    One ``repeat`` of the run offsets, one add of a cached ``arange`` (written
+    into ``out`` when given).
+    """
+    offsets = sizes.cumsum()
+    total = int(offsets[-1]) if offsets.size else 0
+    if total == 0:
+        return np.zeros(0, dtype=np.int64) if out is None else out
+    return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
+
+
+class RunBlock:
+    """The runs of ``P`` packs of ``pack_len`` tokens, their ``N`` documents pack after pack (read-only arrays).
+
+    Built once per block of packs (:mod:`cpdata.layout.blocks`); each pack's :class:`RunTable` is a
+    view of its rows. What a rank's row needs from the ``[N, G]`` tables is picked for every pack at
+    once, the first time a table is asked for that rank's row (:meth:`rank_runs`).
+
+    Attributes:
+        pack_len: tokens in each pack (a multiple of ``cp``).
+        cp_size: CP ranks.
+        counts: int64 ``[P]`` documents per pack, or None (one pack).
+        sizes: int64 ``[N, G]``: tokens per run (0 allowed); a pack's rows tile its documents, the
+            documents tile ``[0, pack_len - tail)``.
+        inv_shifts: int64 ``[N, G]``: a run's position in its pack's rank-major concatenation minus its
+            global start.
+        ranks: int64 ``[N, G]`` or ``[G]`` (the same for every row): the rank owning each run.
+        picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
+        pick_key: int64 ``[N]``: the variant of each row (None: variant 0 for every row).
+        ends: int64 ``[N, G]``: each run's end inside its document (a row's runs tile it in column
+            order, empty runs included); None for layouts that ignore documents.
+        lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
+        tails, dealts: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0 for every pack).
+    """
+
+    __slots__ = ("pack_len", "cp_size", "counts", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "ends",
+                 "lens", "tails", "dealts", "_flat", "_by_rank")  # fmt: skip
+
+    def __init__(self, pack_len: int, cp_size: int, counts: np.ndarray | None, sizes: np.ndarray,
+                 inv_shifts: np.ndarray, ranks: np.ndarray, picks: np.ndarray, pick_key: np.ndarray | None = None,
+                 ends: np.ndarray | None = None, lens: np.ndarray | None = None, tails: list[int] | None = None,
+                 dealts: list[int] | None = None) -> None:  # fmt: skip
+        """``tails``, ``dealts``: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0)."""
+        self.pack_len, self.cp_size, self.counts, self.sizes = pack_len, cp_size, counts, sizes
+        self.inv_shifts, self.ranks, self.picks, self.pick_key = inv_shifts, ranks, picks, pick_key
+        self.ends, self.lens, self.tails, self.dealts = ends, lens, tails, dealts
+        self._flat = (inv_shifts.reshape(-1), sizes.reshape(-1))
+        self._by_rank: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def tables(self) -> list[RunTable]:
+        """The ``P`` packs' tables (new views on every call; the block holds none, so no reference cycle)."""
+        if self.counts is None:
+            bounds = [(0, self.sizes.shape[0])]
+        else:
+            stops = self.counts.cumsum().tolist()
+            bounds = list(zip([0, *stops[:-1]], stops, strict=True))
+        tails = self.tails or [0] * len(bounds)
+        dealts = self.dealts or [0] * len(bounds)
+        return [RunTable(self, lo, hi, tail, dealt) for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]
+
+    def rank_runs(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inverse shifts and sizes (int64 ``[N * w]``) of ``rank``'s runs, row after row, in row order
+        (picked for every pack the first time, then kept)."""
+        got = self._by_rank.get(rank)
+        if got is None:
+            picks = self.picks[rank]
+            if self.pick_key is None:  # the same columns in every row
+                inv, sizes = self.inv_shifts.take(picks[0], axis=1), self.sizes.take(picks[0], axis=1)
+            else:
+                at = picks.take(self.pick_key, axis=0)  # [N, w] columns, then flat indices:
+                at += np.arange(0, self.sizes.size, self.sizes.shape[1]).repeat(at.shape[1]).reshape(at.shape)
+                inv, sizes = self.inv_shifts.take(at), self.sizes.take(at)
+            got = self._by_rank[rank] = (inv.reshape(-1), sizes.reshape(-1))
+        return got
+
+    def causal_work(self, real: np.ndarray) -> np.ndarray:
+        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
+        tokens of each document (pack after pack)."""
+        assert self.ends is not None, "layout runs without documents"
+        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
+            return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
+        return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
+
+
+class RunTable:
+    """One layout of one pack as runs in global order: rows ``[lo, hi)`` of a :class:`RunBlock` (see the
+    module docstring).
+
+    Attributes:
+        block: the block of packs it belongs to.
+        lo, hi: its documents' rows in the block's tables.
+        pack_len, cp_size: the block's.
+        tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
+            each rank's row ends with its share, every ``cp``-th of them.
+        dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
+    """
+
+    __slots__ = ("block", "lo", "hi", "pack_len", "cp_size", "tail", "dealt")
+
+    def __init__(self, block: RunBlock, lo: int, hi: int, tail: int = 0, dealt: int = 0) -> None:
+        self.block, self.lo, self.hi, self.tail, self.dealt = block, lo, hi, tail, dealt
+        self.pack_len, self.cp_size = block.pack_len, block.cp_size
+
+    @property
+    def lens(self) -> np.ndarray | None:
+        """int64 ``[D]``: the documents' slot lengths; None without documents."""
+        lens = self.block.lens
+        return None if lens is None else lens[self.lo : self.hi]
+
+    @property
+    def doc(self) -> np.ndarray | None:
+        """int64 ``[D]``: the document of each table row (row ``d`` is document ``d``); None without documents."""
+        return None if self.block.ends is None else _arange(self.hi - self.lo)
+
+    @property
+    def doc_starts(self) -> np.ndarray | None:
+        """int64 ``[D]``: global offset of each document; None without documents."""
+        lens = self.lens
+        return None if lens is None else lens.cumsum() - lens
+
+    def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
+        cp, p = self.cp_size, self.pack_len
+        local = p // cp
+        out = np.empty(local, dtype=np.int64) if out is None else out
+        # rank's tail tokens: round-robin indices t in [dealt, dealt + tail) with t % cp == rank
+        mine = (self.dealt + self.tail + cp - 1 - rank) // cp - (self.dealt + cp - 1 - rank) // cp
+        n = local - mine
+        if n:
+            inv, sizes = self.block.rank_runs(rank)
+            w = self.block.picks.shape[2]
+            lo, hi = self.lo * w, self.hi * w
+            # a run's row positions are rank * local + arange - its inverse shift
+            np.subtract(_arange(p)[rank * local : rank * local + n], inv[lo:hi].repeat(sizes[lo:hi]), out=out[:n])
+        if mine:
+            first = p - self.tail + (rank - self.dealt) % cp
+            np.add(_arange(local, cp)[:mine], first, out=out[n:])
+        return out
+
+    def rows(self) -> np.ndarray:
+        """int64 ``[cp, local_len]``: every rank's row."""
+        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
+        for r in range(self.cp_size):
+            self.row(r, out[r])
+        return out
+
+    def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major
+        concatenation (into ``out``).
+
+        The runs in table order tile the pack up to its dealt tail: ``repeat`` their
+        inverse shifts plus ``arange``. Tail token ``dealt + k`` of rank
+        ``(dealt + k) % cp`` follows that rank's ``(pack_len - tail - dealt) / cp``
+        run tokens and its ``(dealt + k) // cp`` earlier dealt tokens.
+        """
+        cp, p = self.cp_size, self.pack_len
+        out = np.empty(p, dtype=np.int64) if out is None else out
+        n = p - self.tail
+        if n:
+            inv, sizes = self.block._flat
+            g = self.block.sizes.shape[1]
+            lo, hi = self.lo * g, self.hi * g
+            np.add(inv[lo:hi].repeat(sizes[lo:hi]), _arange(p)[:n], out=out[:n])
+        if self.tail:
+            np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
+        return out
+
+    def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
+        """float64 ``[cp]``: causal document-masked attention work of each rank (:func:`causal_work_of` of
+        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs documents."""
+        ends = self.block.ends
+        assert ends is not None, "layout runs without documents"
+        d = self.hi - self.lo
+        if d == 0:
+            return np.zeros(self.cp_size, dtype=np.float64)
+        real = np.asarray(real_lens, dtype=np.int64)[:d]
+        ranks = self.block.ranks if self.block.ranks.ndim == 1 else self.block.ranks[self.lo : self.hi]
+        return causal_work_of(ends[self.lo : self.hi], ranks, real, None, self.cp_size)[0]
+
+
+def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
+                   cp_size: int) -> np.ndarray:  # fmt: skip
+    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
+
+    ``ends`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
+    row): the run ends and owners of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
+    tokens of each document; ``counts`` int64 ``[P]``: documents per pack (None: one pack; with
+    ``[G]`` ranks each pack needs >= 1 document). A real token at offset ``o`` of its document
+    attends to ``o + 1`` keys; padding costs 0. The real tokens before offset ``e`` cost
+    ``W(e) = e(e + 1) / 2``; a row's runs tile its document in column order, so a run costs ``W(end)``
+    minus the ``W(end)`` of the run before it, ends clipped to the real length (for ranks that are the
+    same in every row, after summing each pack's rows). The doubled costs are integers, summed per
+    pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
+    """
+    n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
+    ends = np.minimum(ends, _per_run(real, g))
+    twice = ends + 1
+    twice *= ends  # 2 W(end) [N, G]
+    if ranks.ndim == 1:
+        if counts is None:
+            twice = twice.sum(axis=0, keepdims=True)
+        else:
+            twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
+        keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
+    elif counts is None:
+        keys = ranks
+    else:
+        keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
+    flat = twice.reshape(-1)
+    cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
+    np.subtract(flat[1:], flat[:-1], out=cost[1:])
+    cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
+    work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
+    return (work / 2).reshape(n_packs, cp_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _contiguous(cp_size: int, pack_len: int) -> RunTable:
+    local = pack_len // cp_size
+    ranks = _arange(cp_size)
+    sizes = np.full((1, cp_size), local, dtype=np.int64)
+    inv = np.zeros((1, cp_size), dtype=np.int64)
+    picks = ranks.reshape(cp_size, 1, 1)
+    _frozen(sizes, inv)
+    return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables()[0]
+
+
+def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
+    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
+    return _contiguous(cp_size, pack_len)

@@ -1,0 +1,125 @@
+"""``TokenizedDataset``: a dataset of tokenized documents addressed by index (the base every reader shares).
+
+Readers of every on-disk format (:mod:`cpdata.sources.files`, :mod:`cpdata.sources.tokenstore`,
+:mod:`cpdata.sources.hf`, ...) subclass it; :func:`cpdata.sources.open.open_dataset` picks one from a
+path. The base gives indexing with range checks, iteration, a cached input checksum and the id checks
+(``check_token_ids``) in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TokenizedDataset"]
+
+_CHUNK = 1 << 20
+
+
+def _hash_files(paths: list[Path], names: bool) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        if names:
+            h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
+        with open(p, "rb") as f:
+            while block := f.read(_CHUNK):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
+    if not ids.shape[0]:
+        return
+    low = int(ids.argmin())
+    if ids[low] < 0:
+        raise ValueError(
+            f"{path}: document {index} has token id {int(ids[low])} at position {low}; token ids index the "
+            "vocabulary and must be >= 0 (do not pre-pad with negative ids: cpdata pads with padding_token_id; "
+            "put ignored targets such as -100 in 'labels')"
+        )
+    high = int(ids.argmax())
+    if vocab_size is not None and ids[high] >= vocab_size:
+        raise ValueError(
+            f"{path}: document {index} has token id {int(ids[high])} at position {high}, >= vocab_size={vocab_size}; "
+            "check the tokenizer or --vocab-size"
+        )
+
+
+class TokenizedDataset(ABC):
+    """A dataset of tokenized documents addressed by index.
+
+    Attributes:
+        path: where the data lives.
+        lengths: int64 ``[n_docs]``, tokens per document (may be memory-mapped).
+        kind: ``"lengths"``, ``"jsonl"`` or ``"npy_folder"``.
+        serves_tokens: False for a lengths-only file.
+    """
+
+    kind: str = ""
+    serves_tokens: bool = True
+    per_token_keys: frozenset[str] = frozenset()
+    """Per-token keys besides ``input_ids`` that some document carries (``labels``, masks)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._checksum: str | None = None
+
+    @property
+    @abstractmethod
+    def lengths(self) -> np.ndarray: ...
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``."""
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"documents are addressed by int index, got {type(i).__name__} {i!r}")
+        if not -n <= i < n:
+            raise IndexError(f"document index {i} out of range for {n} documents in {self.path}")
+        return self._read(int(i) % n)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @abstractmethod
+    def _read(self, i: int) -> dict[str, np.ndarray]: ...
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first document holding an id ``< 0`` or ``>= vocab_size``.
+
+        Reads every document once (O(tokens)); :class:`JsonlDocuments` answers
+        from the id range it saw while scanning and reads again only to name
+        the culprit. A lengths-only file has no ids to check.
+        """
+        if not self.serves_tokens:
+            return
+        for i in range(len(self)):
+            _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)
+
+    def checksum(self) -> str:
+        """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
+        if self._checksum is None:
+            self._checksum = self._compute_checksum()
+        return self._checksum
+
+    @abstractmethod
+    def _compute_checksum(self) -> str: ...
+
+    def lengths_checksum(self) -> str:
+        """Hex sha256 of ``lengths`` as little-endian int64: what a lengths-only plan binds to."""
+        h = hashlib.sha256()
+        lengths = self.lengths
+        for s in range(0, lengths.shape[0], _CHUNK):
+            h.update(np.ascontiguousarray(lengths[s : s + _CHUNK], dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"

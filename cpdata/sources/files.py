@@ -1,0 +1,403 @@
+"""Readers of plain files: a lengths array, JSONL rows, a folder of ``.npy`` token arrays.
+
+A lengths file is enough to precompute a plan but cannot serve tokens. JSONL is
+scanned once, line by line, to collect each row's byte offset and length (and
+the input's sha256 on the way); ``__getitem__`` then reads the row at its offset.
+Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``,
+picklable (open file handles are dropped and reopened lazily) and safe to read
+from several threads and from forked or spawned dataloader workers: JSONL rows
+are read with one positional ``pread`` through a handle each process opens for
+itself (keyed on its pid; an inherited handle shares its offset), ``.npy`` files
+are opened per read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import zlib
+from array import array
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from cpdata.sources.base import TokenizedDataset, _hash_files
+from cpdata.sources.fingerprint import sample_positions
+from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
+
+__all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
+
+_UTF8_BOM = b"\xef\xbb\xbf"
+_INT64_MAX = int(np.iinfo(np.int64).max)
+PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
+"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.targets`);
+other fields of a row are ignored."""
+
+
+
+_FILE_SAMPLES = 64
+"""Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
+
+
+_OPEN_LOCK = threading.Lock()
+"""Serialises opening a reader's per-process file handle (a fresh lock in a forked child)."""
+
+
+def _fresh_open_lock() -> None:
+    global _OPEN_LOCK
+    _OPEN_LOCK = threading.Lock()  # a lock held by another thread at fork time would stay held in the child
+
+
+os.register_at_fork(after_in_child=_fresh_open_lock)
+
+
+class LengthsFile(TokenizedDataset):
+    """Document lengths only: a 1-D integer ``.npy`` (memory-mapped) or a ``.npz``
+    holding a ``lengths`` array (or exactly one array). Enough to plan, not to serve."""
+
+    kind = "lengths"
+    serves_tokens = False
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        st = os.stat(self.path)
+        self._opened = (st.st_size, st.st_mtime_ns)
+        if self.path.suffix == ".npz":
+            with np.load(self.path) as z:
+                key = "lengths" if "lengths" in z.files else (z.files[0] if len(z.files) == 1 else None)
+                if key is None:
+                    raise ValueError(
+                        f"{self.path} holds arrays {z.files}; name the lengths array 'lengths' "
+                        "or save exactly one array"
+                    )
+                raw = z[key]
+        else:
+            raw = np.load(self.path, mmap_mode="r")
+        if raw.ndim != 1 or raw.dtype.kind not in "iu":
+            raise ValueError(
+                f"{self.path} must hold a 1-D integer array of document lengths, got dtype={raw.dtype} "
+                f"shape={raw.shape}"
+            )
+        self._lengths = raw if raw.dtype == np.int64 else raw.astype(np.int64)
+        if self._lengths.size and int(self._lengths.min()) < 0:
+            bad = int(np.argmin(self._lengths))
+            raise ValueError(f"{self.path}: document {bad} has negative length {int(self._lengths[bad])}")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def fingerprint(self) -> str:
+        """``lengths:`` + the sha256 of the lengths (computed once)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = f"lengths:{self.lengths_checksum()}"
+        return self._fingerprint
+
+    def check_unchanged(self) -> None:
+        st = os.stat(self.path)
+        if (st.st_size, st.st_mtime_ns) != self._opened:
+            raise ValueError(
+                f"{self.path} changed since it was opened (size {self._opened[0]} -> {st.st_size} bytes, modified "
+                "again); restore it, or reopen it and start a new run"
+            )
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        raise ValueError(
+            f"{self.path} holds document lengths only and cannot serve tokens (document {i}); "
+            "serve the plan with the tokenized dataset (a .jsonl file or a folder of .npy token arrays)"
+        )
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path], names=False)
+
+
+class JsonlDocuments(TokenizedDataset):
+    """One JSON object per line: ``{"input_ids": [...], "labels"?: [...], "loss_mask"?: [...]}``.
+
+    Opening scans the file once, line by line (never whole), keeping each
+    row's byte offset and length (16 B per document) and hashing the bytes on
+    the way, so :meth:`checksum` is free. Whitespace-only lines are not
+    documents. Reading document ``i`` is one positional read and one line parse.
+    """
+
+    kind = "jsonl"
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        super().__init__(path)
+        offsets, lengths, crcs = array("q"), array("q"), array("I")
+        h = hashlib.sha256()
+        pos = 0
+        low, high = _INT64_MAX, -1
+        keys: set[str] = set()
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                h.update(line)
+                if line.strip():
+                    offsets.append(pos)
+                    crcs.append(zlib.crc32(line))
+                    row = self._parse(line, lineno, pos)
+                    ids = row["input_ids"]
+                    lengths.append(ids.shape[0])
+                    keys.update(row)
+                    if ids.shape[0]:
+                        low, high = min(low, int(ids.min())), max(high, int(ids.max()))
+                pos += len(line)
+                if on_progress is not None:
+                    on_progress(len(line))
+            self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
+        self._crcs = np.frombuffer(crcs, dtype=np.uint32) if crcs else np.zeros(0, np.uint32)
+        self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
+        self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
+        self._id_range = (low, high)
+        self._checksum = h.hexdigest()
+        self.per_token_keys = frozenset(keys - {"input_ids"})
+        self._size = pos
+        self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
+
+    def _decode(self, line: bytes, where: object, offset: int) -> str:
+        """The row as text; anything but UTF-8 is refused with the file, line and byte offset."""
+        nul = line.find(b"\0")
+        if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
+            bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+            raise ValueError(
+                f"{self.path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
+                f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
+                f"`iconv -f UTF-16 -t UTF-8 {self.path.name} > out.jsonl`"
+            )
+        start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
+        try:
+            return line[start:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            at = start + e.start
+            raise ValueError(
+                f"{self.path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
+                f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
+                "or fix the bytes of that line"
+            ) from None
+
+    def _parse(self, line: bytes, where: object, offset: int) -> dict[str, np.ndarray]:
+        try:
+            row = json.loads(self._decode(line, where, offset))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
+            raise ValueError(
+                f"{self.path} line {where}: expected an object with an 'input_ids' list, "
+                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}"
+            )
+        out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
+        for key in PER_TOKEN_KEYS:
+            if key in row:
+                value = self._array(row[key], key, where, integer=key == "labels")
+                if value.shape != out["input_ids"].shape:
+                    raise ValueError(
+                        f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
+                        f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+                    )
+                out[key] = value
+        if ATTENTION_MASK in row:  # a tokenizer's output: all ones is dropped, a padded row refused
+            mask = self._array(row[ATTENTION_MASK], ATTENTION_MASK, where, integer=False)
+            if mask.shape != out["input_ids"].shape:
+                raise ValueError(
+                    f"{self.path} line {where}: {ATTENTION_MASK!r} has {mask.shape[0]} entries but input_ids has "
+                    f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+                )
+            check_unpadded(mask, f"{self.path} line {where}")
+        return out
+
+    def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
+        """A 1-D numeric array of a row's field; nothing is cast, rounded or flattened silently."""
+        try:
+            arr = np.asarray(value)
+        except ValueError:  # ragged nested lists
+            arr = np.asarray(value, dtype=object)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        kinds = "iu" if integer else "iufb"
+        if arr.ndim != 1 or arr.dtype.kind not in kinds:
+            raise ValueError(
+                f"{self.path} line {where}: {key!r} must be a flat list of "
+                f"{'integers' if integer else 'numbers'}, got shape {arr.shape} of {arr.dtype} "
+                f"(first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
+            )
+        return arr.astype(np.int64) if integer else arr
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def fingerprint(self) -> str:
+        """``jsonl:`` + the file's sha256 (computed while scanning)."""
+        return f"jsonl:{self.checksum()}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if the file grew, shrank, or (mtime moved) a sampled row changed since opening.
+
+        Rows appended after opening are refused here, at the next epoch or
+        restore: the dataset is the file as it was opened (reopen it to train
+        on the new rows, as a new run).
+        """
+        size, mtime = self._opened
+        st = os.stat(self.path)
+        if st.st_size != size:
+            what = "rows were appended" if st.st_size > size else "it was cut short"
+            raise ValueError(
+                f"{self.path} changed since it was opened: {size} bytes then, {st.st_size} now ({what}); the "
+                "dataset of a run is the file as opened: restore the original file, or reopen it with "
+                "open_dataset() and start a new run on the new data"
+            )
+        if st.st_mtime_ns != mtime:
+            for i in sample_positions(len(self), _FILE_SAMPLES):
+                self._raw_row(i)  # raises naming the first sampled document that changed
+            self._opened = (size, st.st_mtime_ns)  # touched, same bytes where sampled
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        low, high = self._id_range
+        if low >= 0 and (vocab_size is None or high < vocab_size):
+            return  # the scan saw every id
+        super().check_token_ids(vocab_size)
+
+    def _handle(self) -> BinaryIO:
+        """This process's own handle, opened on first use and again after a fork or unpickling.
+
+        A handle inherited across ``fork`` shares its file offset with the parent
+        and the sibling workers, so it is never used: the pid decides.
+        """
+        pid, opened = os.getpid(), self._file
+        if opened is None or opened[0] != pid:
+            with _OPEN_LOCK:  # threads opening at once would each replace (and so close) the other's handle
+                opened = self._file
+                if opened is None or opened[0] != pid:
+                    opened = self._file = (pid, open(self.path, "rb", buffering=0))
+        return opened[1]
+
+    def _raw_row(self, i: int) -> bytes:
+        """Row ``i``'s bytes, checked against the CRC-32 taken when the file was opened.
+
+        One positional read (``pread``): no shared file offset, so threads and
+        processes reading at once never disturb each other.
+        """
+        offset = int(self._offsets[i])
+        end = int(self._offsets[i + 1]) if i + 1 < self._offsets.shape[0] else self._size
+        handle = self._handle()  # held for the read: a handle dropped mid-call would close its descriptor
+        chunk = os.pread(handle.fileno(), end - offset, offset)
+        newline = chunk.find(b"\n")
+        line = chunk if newline < 0 else chunk[: newline + 1]
+        if zlib.crc32(line) != int(self._crcs[i]):
+            raise ValueError(
+                f"{self.path}: document {i} (byte offset {offset}) changed since the file was opened: its bytes "
+                "differ from the ones read when the run planned it (the file was edited in place); restore the "
+                "original file, or reopen it with open_dataset() and start a new run"
+            )
+        return line
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path], names=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"] = None
+        return state
+
+    def __del__(self) -> None:
+        opened = getattr(self, "_file", None)
+        if opened is not None:
+            opened[1].close()
+
+
+class NpyFolder(TokenizedDataset):
+    """A folder of ``.npy`` token arrays, one 1-D integer document per file, in file-name order.
+
+    Opening reads only each file's header (memory-mapped). The checksum covers
+    every file's name, size and bytes in that order, so a rename or reorder
+    changes it.
+    """
+
+    kind = "npy_folder"
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        super().__init__(path)
+        self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
+        if not self._files:
+            raise ValueError(f"{self.path} contains no .npy files; save one 1-D token array per document")
+        lengths = np.empty(len(self._files), dtype=np.int64)
+        self._stats = np.empty((len(self._files), 2), dtype=np.int64)  # size, mtime_ns of each file at open
+        self._dir_mtime = os.stat(self.path).st_mtime_ns
+        for i, name in enumerate(self._files):
+            st = os.stat(self.path / name)
+            self._stats[i] = (st.st_size, st.st_mtime_ns)
+            arr = np.load(self.path / name, mmap_mode="r")
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(
+                    f"{self.path / name}: expected a 1-D integer token array, got dtype={arr.dtype} "
+                    f"shape={arr.shape}"
+                )
+            lengths[i] = arr.shape[0]
+            if on_progress is not None:
+                on_progress(1)
+        self._lengths = lengths
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    @property
+    def files(self) -> list[str]:
+        """File names in document order."""
+        return list(self._files)
+
+    def fingerprint(self) -> str:
+        """``npy_folder:`` + a hash of the file count, every name and size, and the ends of sampled files."""
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f"{len(self._files)}".encode())
+            for name, size in zip(self._files, self._stats[:, 0].tolist(), strict=True):
+                h.update(f"|{name}|{size}".encode())
+            for i in sample_positions(len(self._files), _FILE_SAMPLES):
+                with open(self.path / self._files[i], "rb") as f:
+                    h.update(f.read(4096))
+                    f.seek(max(0, int(self._stats[i, 0]) - 4096))
+                    h.update(f.read(4096))
+            self._fingerprint = f"npy_folder:{len(self._files)}:{h.hexdigest()}"
+        return self._fingerprint
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if ``.npy`` files were added or removed, or a sampled file changed, since opening."""
+        if os.stat(self.path).st_mtime_ns != self._dir_mtime:
+            now = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
+            if now != self._files:
+                added, removed = sorted(set(now) - set(self._files)), sorted(set(self._files) - set(now))
+                raise ValueError(
+                    f"{self.path} changed since it was opened: .npy files added {added[:5]}, removed {removed[:5]}; "
+                    "the dataset of a run is the folder as opened: restore it, or reopen it with open_dataset() "
+                    "and start a new run"
+                )
+        for i in sample_positions(len(self._files), _FILE_SAMPLES):
+            self._check_file(i)
+
+    def _check_file(self, i: int) -> None:
+        st = os.stat(self.path / self._files[i])
+        if (st.st_size, st.st_mtime_ns) != tuple(self._stats[i].tolist()):
+            raise ValueError(
+                f"{self.path / self._files[i]} (document {i}) changed since the folder was opened (size "
+                f"{int(self._stats[i, 0])} -> {st.st_size} bytes, modified again); restore the original file, or "
+                "reopen the folder with open_dataset() and start a new run"
+            )
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        self._check_file(i)
+        tokens = np.load(self.path / self._files[i], mmap_mode="r")
+        return {"input_ids": np.array(tokens, dtype=np.int64)}
+
+    def _compute_checksum(self) -> str:
+        return _hash_files([self.path / n for n in self._files], names=True)

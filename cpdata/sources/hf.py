@@ -1,0 +1,231 @@
+"""Hugging Face ``datasets`` as a tokenized source: Arrow-backed, addressed by index, fingerprinted.
+
+:class:`HFDocuments` wraps a ``datasets.Dataset`` holding an ``input_ids``
+list column (and optionally ``labels``/mask columns) as a
+:class:`~cpdata.sources.base.TokenizedDataset`, so ``precompute``,
+``PrecomputedPacks``, ``build_loader`` and ``CPDataset`` take it like a JSONL
+file:
+
+| question                   | answer                                                                    |
+|----------------------------|---------------------------------------------------------------------------|
+| lengths (planning)         | a ``length`` or ``num_tokens`` integer column when present (one column read, no tokens); else the Arrow list lengths of ``input_ids`` (offsets only, no token values are read) |
+| identity (plan manifest)   | sha256 of the dataset's ``_fingerprint``, row count, column names and features: stable across processes for the same data and transforms, changed by any ``map``/``filter``/``select`` |
+| reading document ``i``     | one Arrow row in numpy format, O(document); every list-of-numbers column (``labels``, ``loss_mask``, ``assistant_masks``, ...) travels as a per-token array, other columns are metadata |
+| ``attention_mask`` column  | dropped when all ones (a tokenizer's output); a row with a 0 is refused (padded rows must be unpadded before packing) |
+| a wrong length column      | the document whose tokens disagree with its ``length`` is refused when read (never silently cut) |
+| pickling (worker processes) | the Dataset pickles by reference to its Arrow files (memory-mapped)     |
+| resume / epochs (:mod:`cpdata.sources.fingerprint`) | ``fingerprint()`` = the identity above; ``check_unchanged()`` stats the Arrow cache files |
+
+A streaming ``datasets.IterableDataset`` has no index: ``build_loader`` and
+``CPDataset`` read it as a re-iterable source; ``precompute`` and
+``PrecomputedPacks``, which address documents by index, refuse it and name
+the fix (materialise it with ``Dataset.from_generator`` or load it without
+``streaming=True``).
+
+``datasets`` is an optional extra (``pip install cpdata[datasets]``); this
+module imports it only when a dataset is wrapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cpdata.sources.base import TokenizedDataset
+from cpdata.worker.targets import check_unpadded
+
+__all__ = [
+    "LENGTH_COLUMNS",
+    "HFDocuments",
+    "as_hf_documents",
+    "indexed_hf_documents",
+    "is_hf_dataset",
+    "is_hf_iterable",
+]
+
+LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
+"""Integer columns taken as tokens per document, in this order of preference."""
+
+
+def _module_of(obj: object) -> str:
+    return type(obj).__module__ or ""
+
+
+def is_hf_dataset(obj: object) -> bool:
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``)."""
+    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "Dataset"
+
+
+def is_hf_iterable(obj: object) -> bool:
+    """True for a streaming ``datasets.IterableDataset``."""
+    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "IterableDataset"
+
+
+def _per_token(feature: Any) -> bool:
+    """A list column of numbers (``List(Value('int32'))``, ``Sequence(Value('float32'))``, ...)."""
+    inner = getattr(feature, "feature", None)
+    dtype = str(getattr(inner, "dtype", ""))
+    return type(inner).__name__ == "Value" and dtype.startswith(("int", "uint", "float", "bool"))
+
+
+class HFDocuments(TokenizedDataset):
+    """A ``datasets.Dataset`` of tokenized rows as a :class:`TokenizedDataset` (see the module table).
+
+    Args:
+        dataset: a map-style ``datasets.Dataset`` with an ``input_ids`` column of
+            integer lists; other list-of-numbers columns travel as per-token
+            arrays, the rest is metadata and stays behind.
+        length_column: the column holding tokens per document; ``None`` picks
+            the first of :data:`LENGTH_COLUMNS` present, ``""`` never uses one.
+    """
+
+    kind = "hf_dataset"
+
+    def __init__(self, dataset: Any, *, length_column: str | None = None) -> None:
+        if is_hf_iterable(dataset):
+            raise TypeError(
+                "a streaming datasets.IterableDataset has no index, so it cannot be planned ahead or served "
+                "from a plan; materialise it (datasets.Dataset.from_generator(lambda: iter(ds)), or load it "
+                "without streaming=True), or pass it to build_loader/CPDataset, which read it in order"
+            )
+        if not is_hf_dataset(dataset):
+            raise TypeError(f"expected a datasets.Dataset, got {type(dataset).__name__}")
+        columns = list(dataset.column_names)
+        if "input_ids" not in columns:
+            raise ValueError(
+                f"the datasets.Dataset has columns {columns} but no 'input_ids'; tokenize it first "
+                "(dataset.map(lambda row: tokenizer(row['text']), batched=True) or cpdata.Tokenize)"
+            )
+        if length_column is None:
+            length_column = next((c for c in LENGTH_COLUMNS if c in columns), "")
+        elif length_column and length_column not in columns:
+            raise ValueError(f"length_column={length_column!r} is not a column of the dataset; columns: {columns}")
+        cache = [f["filename"] for f in dataset.cache_files]
+        self._cache_sizes = {name: os.stat(name).st_size for name in cache}
+        super().__init__(Path(cache[0]).parent if cache else Path(f"datasets-{dataset._fingerprint}"))
+        self.dataset = dataset
+        self.length_column = length_column
+        skip = {"input_ids", "attention_mask", length_column}
+        self._keys = ["input_ids", *(c for c in columns if c not in skip and _per_token(dataset.features[c]))]
+        self._attention = "attention_mask" in columns
+        if self._attention:
+            self._keys.append("attention_mask")
+        self._rows = dataset.select_columns(self._keys).with_format("numpy")
+        self._lengths = self._read_lengths()
+
+    def _read_lengths(self) -> np.ndarray:
+        if self.length_column:
+            raw = np.asarray(self.dataset.with_format("numpy")[self.length_column])
+            if raw.ndim != 1 or raw.dtype.kind not in "iu":
+                raise ValueError(
+                    f"length column {self.length_column!r} must hold one integer per row, got dtype {raw.dtype} "
+                    f"shape {raw.shape}; drop it or pass length_column=''"
+                )
+            lengths = raw.astype(np.int64)
+        else:
+            import pyarrow.compute as pc
+
+            counts = pc.list_value_length(self._token_column())
+            indices = getattr(self.dataset, "_indices", None)
+            if indices is not None:
+                counts = pc.take(counts, indices.column(0))
+            if counts.null_count:
+                raise ValueError("the dataset's 'input_ids' column has null rows; fill or filter them first")
+            lengths = np.asarray(counts.to_numpy(zero_copy_only=False), dtype=np.int64)
+        if lengths.size and int(lengths.min()) < 0:
+            bad = int(np.argmin(lengths))
+            raise ValueError(f"length column {self.length_column!r}: row {bad} has negative length {int(lengths[bad])}")
+        return lengths
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        row = self._rows[i]
+        out = {k: np.asarray(row[k]) for k in self._keys}
+        ids = out["input_ids"]
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(
+                f"dataset row {i}: 'input_ids' must be a flat list of integers, got {ids.dtype} shape {ids.shape}"
+            )
+        out["input_ids"] = ids.astype(np.int64, copy=False)
+        if self._attention:
+            attention = out.pop("attention_mask")
+            if attention.shape != ids.shape:
+                raise ValueError(
+                    f"dataset row {i}: 'attention_mask' has shape {attention.shape} but 'input_ids' {ids.shape}; "
+                    "per-token columns must have one entry per token"
+                )
+            check_unpadded(attention, f"dataset row {i}")
+        if ids.shape[0] != self._lengths[i]:
+            raise ValueError(
+                f"dataset row {i}: {self.length_column or 'input_ids'} says {int(self._lengths[i])} tokens but "
+                f"'input_ids' has {ids.shape[0]}; fix the {self.length_column!r} column or pass length_column=''"
+            )
+        return out
+
+    def _token_column(self) -> Any:
+        table = self.dataset.data
+        return getattr(table, "table", table).column("input_ids")
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """As :meth:`TokenizedDataset.check_token_ids`, with one Arrow min/max over all tokens (C speed);
+        rows are read one by one only to name the first culprit."""
+        import pyarrow.compute as pc
+
+        bounds = pc.min_max(pc.list_flatten(self._token_column())).as_py()
+        low, high = bounds["min"], bounds["max"]
+        if low is None or (low >= 0 and (vocab_size is None or high < vocab_size)):
+            return
+        super().check_token_ids(vocab_size)
+
+    def _compute_checksum(self) -> str:
+        ds = self.dataset
+        identity = {
+            "fingerprint": ds._fingerprint,
+            "rows": len(ds),
+            "columns": list(ds.column_names),
+            "features": str(ds.features),
+            "length_column": self.length_column,
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def fingerprint(self) -> str:
+        """``hf_dataset:`` + :meth:`checksum` (fingerprint, rows, columns, features); see :mod:`cpdata.sources.fingerprint`."""
+        return f"hf_dataset:{self.checksum()}"
+
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` if an Arrow cache file of the dataset changed size since it was opened."""
+        for name, size in self._cache_sizes.items():
+            now = os.stat(name).st_size if os.path.exists(name) else None
+            if now != size:
+                raise ValueError(
+                    f"the datasets cache file {name} changed since it was opened ({size} bytes then, {now} now); "
+                    "load the dataset again and start a new run"
+                )
+
+    def __repr__(self) -> str:
+        return f"HFDocuments(fingerprint={self.dataset._fingerprint!r}, documents={len(self)})"
+
+
+def as_hf_documents(documents: Any) -> Any:
+    """``documents`` wrapped in :class:`HFDocuments` when it is a map-style ``datasets.Dataset``, else unchanged.
+
+    A streaming ``IterableDataset`` is returned as is (an ordered re-iterable);
+    callers that need an index refuse it through :class:`HFDocuments`.
+    """
+    return HFDocuments(documents) if is_hf_dataset(documents) else documents
+
+
+def indexed_hf_documents(documents: Any) -> Any:
+    """For callers that address documents by index (``precompute``, ``PrecomputedPacks``): a ``datasets``
+    dataset becomes :class:`HFDocuments` (a streaming one is refused with the fix), anything else is unchanged."""
+    if is_hf_dataset(documents) or is_hf_iterable(documents):
+        return HFDocuments(documents)
+    return documents

@@ -1,0 +1,59 @@
+"""``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole.
+
+Five formats, chosen by :func:`open_dataset` from the path:
+
+| path                         | reader             | tokens? | memory at open                    |
+|------------------------------|--------------------|---------|-----------------------------------|
+| ``*.npy`` / ``*.npz``        | :class:`LengthsFile` | no    | ``.npy`` memory-mapped; ``.npz`` 8 B/doc |
+| ``*.jsonl``                  | :class:`JsonlDocuments` | yes | 16 B/doc (byte offset + length)   |
+| folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
+| token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
+| ``save_to_disk`` folder      | :class:`~cpdata.sources.hf.HFDocuments` | yes | Arrow, memory-mapped |
+
+Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``, picklable and
+safe to read from threads and from forked or spawned workers (:mod:`cpdata.sources.files` says how).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
+
+__all__ = ["open_dataset"]
+
+
+def open_dataset(
+    path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+) -> TokenizedDataset:
+    """Open a tokenized dataset, choosing the reader from the path (see the module table).
+
+    ``on_progress(n)`` is called while scanning: with bytes read for JSONL, with
+    files read for a folder.
+    """
+    p = Path(path)
+    if p.is_dir():
+        from cpdata.sources.tokenstore import TokenStore, is_token_store
+
+        if is_token_store(p):
+            return TokenStore(p)
+        if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+            import datasets
+
+            from cpdata.sources.hf import HFDocuments
+
+            return HFDocuments(datasets.load_from_disk(str(p)))
+        return NpyFolder(p, on_progress=on_progress)
+    if not p.exists():
+        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file or a folder")
+    if p.suffix in (".npy", ".npz"):
+        return LengthsFile(p)
+    if p.suffix == ".jsonl":
+        return JsonlDocuments(p, on_progress=on_progress)
+    raise ValueError(
+        f"unknown dataset format for {str(p)!r} (suffix {p.suffix!r}); pass a .npy/.npz of document lengths, "
+        "a .jsonl file of {'input_ids': [...]} rows, or a folder of .npy token arrays"
+    )

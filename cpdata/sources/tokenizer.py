@@ -1,0 +1,220 @@
+"""Text and chat rows to token documents: the pure function behind ``Tokenize`` and ``cpdata tokenize``.
+
+:class:`RowTokenizer` turns one row into one document::
+
+    {"text": "..."}                      -> {"input_ids": int64 [n]}
+    {"messages": [{"role", "content"}]}  -> {"input_ids": int64 [n], "assistant_masks": int8 [n]?}
+
+| option           | effect                                                                          |
+|------------------|---------------------------------------------------------------------------------|
+| ``append_eos``   | text rows get ``eos_token_id`` appended (Megatron ``--append-eod``); chat rows end as their template ends |
+| ``assistant_only`` | chat rows carry ``assistant_masks`` from ``apply_chat_template(..., return_assistant_tokens_mask=True)``: 1 on the tokens the template marks with ``{% generation %}``, aligned with ``input_ids`` (labels_alignment ``"inputs"``); text rows carry a mask of ones (every token trained), so all documents of a batch have the same keys |
+| ``max_length``   | keep the first ``max_length`` tokens of a document (EOS included), counted in ``stats`` (TRL / LLaMA-Factory ``cutoff_len``); independent of the pack capacity |
+
+Tokenizers accepted (decided once, at construction): a path to a
+``tokenizer.json`` file or a saved tokenizer folder (``transformers`` /
+``tokenizers``, the ``hf`` extra; nothing is downloaded), a
+``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or any callable
+``text -> sequence of int`` (text rows only). Chat rows need a
+``transformers`` tokenizer with a chat template (its own or ``chat_template=``).
+
+This module imports neither torch nor the tokenizer libraries at import time,
+so tokenizing worker processes start light; a :class:`RowTokenizer` pickles
+(the path-loaded tokenizer is loaded again in the receiving process).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ASSISTANT_MASKS", "RowTokenizer", "TokenizeStats", "load_tokenizer"]
+
+ASSISTANT_MASKS = "assistant_masks"
+"""Key of the per-token assistant mask (``apply_chat_template``'s name), aligned with ``input_ids``."""
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """A ``transformers`` fast tokenizer from a ``tokenizer.json`` file or a saved folder (local files only).
+
+    Falls back to ``tokenizers.Tokenizer.from_file`` for a ``tokenizer.json``
+    when ``transformers`` is not installed.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"tokenizer {str(p)!r} does not exist; pass a tokenizer.json file or a saved tokenizer folder")
+    try:
+        import transformers
+    except ImportError:
+        if p.is_dir():
+            raise ValueError(f"loading the tokenizer folder {p} needs transformers: pip install 'cpdata[hf]'") from None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(p))
+    if p.is_dir():
+        return transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
+
+
+@dataclass(slots=True)
+class TokenizeStats:
+    """Counters of a tokenizing run (exact, restored with the node's state)."""
+
+    documents: int = 0
+    """Rows turned into documents."""
+    chat: int = 0
+    """Of which chat rows."""
+    tokens: int = 0
+    """Tokens emitted (after truncation)."""
+    eos_appended: int = 0
+    """Text rows that received an EOS."""
+    truncated: int = 0
+    """Documents cut at ``max_length``."""
+    truncated_tokens: int = 0
+    """Tokens removed by those cuts."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)}
+
+
+def _is_hf(tokenizer: Any) -> bool:
+    return callable(getattr(tokenizer, "apply_chat_template", None)) and callable(
+        getattr(tokenizer, "convert_tokens_to_ids", None)
+    )
+
+
+class RowTokenizer:
+    """One row -> one document (see the module table). ``stats`` counts every call.
+
+    Args:
+        tokenizer: see the module docstring.
+        append_eos: append ``eos_token_id`` to every text row.
+        eos_token_id: the EOS id (default: the tokenizer's ``eos_token_id``);
+            required with ``append_eos`` when the tokenizer has none.
+        assistant_only: emit ``assistant_masks`` for chat rows.
+        max_length: tokens kept per document (None: all).
+        add_special_tokens: passed to a ``transformers`` tokenizer for text rows
+            (BOS etc. as its post-processor defines).
+        chat_template: a Jinja template overriding the tokenizer's own.
+        text_key, messages_key: row fields holding the text / the chat messages.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        append_eos: bool = False,
+        eos_token_id: int | None = None,
+        assistant_only: bool = False,
+        max_length: int | None = None,
+        add_special_tokens: bool = True,
+        chat_template: str | None = None,
+        text_key: str = "text",
+        messages_key: str = "messages",
+    ) -> None:
+        self.source = tokenizer
+        self._tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        if eos_token_id is None:
+            eos_token_id = getattr(self._tok, "eos_token_id", None)
+        if append_eos and eos_token_id is None:
+            raise ValueError(
+                f"append_eos=True needs an EOS id but the tokenizer ({type(self._tok).__name__}) defines none; "
+                "pass eos_token_id="
+            )
+        if not callable(self._tok) and not callable(getattr(self._tok, "encode", None)):
+            raise TypeError(
+                f"tokenizer must be a path, a transformers tokenizer, a tokenizers.Tokenizer or a callable "
+                f"text -> token ids, got {type(self._tok).__name__}"
+            )
+        self.append_eos, self.eos_token_id = bool(append_eos), eos_token_id
+        self.assistant_only, self.max_length = bool(assistant_only), max_length
+        self.add_special_tokens, self.chat_template = add_special_tokens, chat_template
+        self.text_key, self.messages_key = text_key, messages_key
+        self.stats = TokenizeStats()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if isinstance(self.source, (str, os.PathLike)):
+            state["_tok"] = None  # reloaded from the path: smaller, and safe across processes
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._tok is None:
+            self._tok = load_tokenizer(self.source)
+
+    def _encode(self, text: str) -> Sequence[int]:
+        tok = self._tok
+        if _is_hf(tok):
+            return tok(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+        if type(tok).__module__.startswith("tokenizers"):
+            return tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+        return tok(text)
+
+    def _chat(self, messages: Any, where: str) -> tuple[Sequence[int], Sequence[int] | None]:
+        if not _is_hf(self._tok):
+            raise TypeError(
+                f"{where}: chat rows need a transformers tokenizer with a chat template, got "
+                f"{type(self._tok).__name__}; load one with cpdata.sources.tokenizer.load_tokenizer(path)"
+            )
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise TypeError(f"{where}: {self.messages_key!r} must be a list of {{'role', 'content'}} dicts")
+        out = self._tok.apply_chat_template(
+            list(messages), tokenize=True, return_dict=True, chat_template=self.chat_template,
+            return_assistant_tokens_mask=self.assistant_only,
+        )  # fmt: skip
+        mask = out[ASSISTANT_MASKS] if self.assistant_only else None
+        if mask is not None and not any(mask) and any(
+            isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages
+        ):
+            raise ValueError(
+                f"{where}: assistant_only=True but the chat template marks no assistant token; wrap the assistant "
+                "content in {% generation %} ... {% endgeneration %} in the template (or pass chat_template=)"
+            )
+        return out["input_ids"], mask
+
+    def __call__(self, row: Mapping[str, Any], index: int | str = "?") -> dict[str, np.ndarray]:
+        """The document of ``row`` (``index`` only names it in errors)."""
+        where = f"row {index}"
+        if not isinstance(row, Mapping):
+            raise TypeError(f"{where}: expected a dict with {self.text_key!r} or {self.messages_key!r}, got "
+                            f"{type(row).__name__}")  # fmt: skip
+        mask = None
+        chat = self.messages_key in row
+        if chat:
+            ids, mask = self._chat(row[self.messages_key], where)
+        elif self.text_key in row:
+            text = row[self.text_key]
+            if not isinstance(text, str):
+                raise TypeError(f"{where}: {self.text_key!r} must be a string, got {type(text).__name__}")
+            ids = self._encode(text)
+        else:
+            raise ValueError(
+                f"{where} has keys {sorted(map(str, row))}: expected {self.text_key!r} (text) or "
+                f"{self.messages_key!r} (chat); set text_key=/messages_key= for other names"
+            )
+        out = {"input_ids": np.asarray(ids, dtype=np.int64).reshape(-1)}
+        if mask is not None:
+            out[ASSISTANT_MASKS] = np.asarray(mask, dtype=np.int8).reshape(-1)
+        elif not chat:
+            if self.append_eos:
+                out["input_ids"] = np.append(out["input_ids"], np.int64(self.eos_token_id))
+                self.stats.eos_appended += 1
+            if self.assistant_only:  # text rows train every token; one key set for every document of a batch
+                out[ASSISTANT_MASKS] = np.ones(out["input_ids"].shape[0], dtype=np.int8)
+        n = out["input_ids"].shape[0]
+        if self.max_length is not None and n > self.max_length:
+            out = {k: v[: self.max_length] for k, v in out.items()}
+            self.stats.truncated += 1
+            self.stats.truncated_tokens += n - self.max_length
+        self.stats.documents += 1
+        self.stats.chat += chat
+        self.stats.tokens += out["input_ids"].shape[0]
+        return out

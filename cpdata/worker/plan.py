@@ -1,0 +1,309 @@
+"""Records passed between the worker stages: documents, pieces and pack plans.
+
+A *document* is one item of the user's source: ``{"input_ids": 1-D ints, ...}``
+plus optional per-token arrays of the same length (``labels``, ``loss_mask``,
+extras). The packer cuts documents into *pieces* (a whole document, or a part of
+it when ``overflow="split"``/``"truncate"`` or in ``concat`` mode) and lays the
+pieces of one pack out as *slots*: slot ``i`` holds piece ``i`` followed by
+``slot_lens[i] - len(piece)`` padding tokens (the layout's per-document
+alignment). The pack's tail ``capacity - sum(slot_lens)`` is padding too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cpdata.worker.token_buffer import TokenBuffer
+
+__all__ = [
+    "DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans", "plan_digest",
+    "plan_digests", "sample_ids",
+]  # fmt: skip
+
+DIGEST_SAMPLES = 8
+"""Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
+_SAMPLE_AT = np.arange(DIGEST_SAMPLES, dtype=np.int64)
+_IDS = "input_ids"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Document:
+    """One validated source document."""
+
+    index: int
+    """Position of the document in the full source, before DP sharding."""
+    arrays: Mapping[str, np.ndarray]
+    """``"input_ids"`` (int64 ``[n]``) and any other per-token arrays, each ``[n]``."""
+
+    @property
+    def length(self) -> int:
+        return int(self.arrays["input_ids"].shape[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DocPiece:
+    """A contiguous part of one document placed in one slot of a pack."""
+
+    index: int
+    """Source index of the document the piece comes from."""
+    start: int
+    """Offset of the piece inside its document; position ids continue from it."""
+    arrays: Mapping[str, np.ndarray]
+    """Per-token arrays sliced to the piece, each ``[n]``."""
+    next_label: int = -100
+    """Target of the piece's last token: the next document token when the
+    document continues in another piece, else -100 (no target across a
+    document end)."""
+    length: int = field(init=False, compare=False)
+    """Tokens in the piece (``len(arrays["input_ids"])``), read once at construction."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "length", int(self.arrays["input_ids"].shape[0]))
+
+
+class PieceColumns(Sequence[DocPiece]):
+    """The pieces of one pack as columns: a read-only sequence of :class:`DocPiece` made on access.
+
+    Packers keep pieces this way (no object per piece on the hot path);
+    collate and the digest read the columns.
+
+    Args:
+        table: int64 ``[n, 4]``: every piece's ``(index, start, length, next_label)`` (made read-only).
+        sources: ``n`` mappings of per-token arrays; piece ``i`` is ``sources[i][key][o : o + length]``
+            with ``o = offsets[i]`` (a whole document's arrays, sliced lazily).
+        offsets: int64 ``[n]``.
+        buffer: a :class:`~cpdata.worker.token_buffer.TokenBuffer` holding every piece's tokens (the packing
+            window's), or None; piece ``i`` is then ``buffer.ids[at[i] : at[i] + length]``.
+        at: int64 ``[n]`` with ``buffer``.
+
+    The buffer is a cache the window already built: it is left out when the columns are pickled
+    (collate then concatenates the pieces itself).
+    """
+
+    __slots__ = ("table", "sources", "offsets", "buffer", "at")
+
+    def __init__(
+        self,
+        table: np.ndarray,
+        sources: Sequence[Mapping[str, np.ndarray]],
+        offsets: np.ndarray,
+        buffer: TokenBuffer | None = None,
+        at: np.ndarray | None = None,
+    ) -> None:
+        table.flags.writeable = offsets.flags.writeable = False
+        self.table, self.sources, self.offsets = table, tuple(sources), offsets
+        self.buffer, self.at = (buffer, at) if at is not None else (None, None)
+
+    @classmethod
+    def of_window(
+        cls, table: np.ndarray, sources: tuple[Mapping[str, np.ndarray], ...], offsets: np.ndarray,
+        buffer: TokenBuffer | None, at: np.ndarray | None,
+    ) -> PieceColumns:  # fmt: skip
+        """The columns as ``__init__`` takes them, when the caller made ``table`` and ``offsets`` read-only and
+        ``sources`` a tuple already (a packer's slices of the columns of a whole window): nothing per pack."""
+        cols = cls.__new__(cls)
+        cols.table, cols.sources, cols.offsets = table, sources, offsets
+        cols.buffer, cols.at = (buffer, at) if at is not None else (None, None)
+        return cols
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (PieceColumns, (self.table, self.sources, self.offsets))
+
+    @classmethod
+    def of(cls, pieces: Sequence[DocPiece]) -> PieceColumns:
+        """Columns of ``pieces`` (each read once, arrays as flat numpy arrays); a :class:`PieceColumns` is
+        returned as is."""
+        if isinstance(pieces, PieceColumns):
+            return pieces
+        n = len(pieces)
+        flat = itertools.chain.from_iterable((p.index, p.start, p.length, p.next_label) for p in pieces)
+        table = np.fromiter(flat, dtype=np.int64, count=4 * n).reshape(n, 4)
+        sources = [{k: np.asarray(a).reshape(-1) for k, a in p.arrays.items()} for p in pieces]
+        return cls(table, sources, np.zeros(n, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        index, start, length, next_label = self.table[i].tolist()
+        source, offset = self.sources[i], int(self.offsets[i])
+        if offset == 0 and source[_IDS].shape[0] == length:
+            arrays = source
+        else:
+            arrays = {k: a[offset : offset + length] for k, a in source.items()}
+        return DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
+
+    def __iter__(self) -> Iterator[DocPiece]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal pieces: same columns and, piece by piece, the same arrays (keys, dtypes, values)."""
+        if not isinstance(other, PieceColumns):
+            return NotImplemented
+        if not np.array_equal(self.table, other.table):
+            return False
+        for a, b in zip(self, other, strict=True):
+            if a.arrays.keys() != b.arrays.keys():
+                return False
+            for k, x in a.arrays.items():
+                y = b.arrays[k]
+                if x.dtype != y.dtype or not np.array_equal(x, y):
+                    return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PieceColumns({len(self)} pieces)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackPlan:
+    """The documents of one pack and where they sit.
+
+    Attributes are fixed by the packer; everything downstream (collate, layout,
+    shard) is a pure function of the plan.
+    """
+
+    pieces: Sequence[DocPiece]
+    """Pieces in slot order: a tuple of :class:`DocPiece`, or :class:`PieceColumns` (packers)."""
+    slot_lens: np.ndarray
+    """int64 ``[n_slots]``: piece length rounded up to the layout's document multiple."""
+    capacity: int
+    """Tokens in the pack (``pack_len``), a multiple of the layout's pack multiple."""
+    index: int = 0
+    """Sequence number of the pack in this DP rank's stream (0-based)."""
+    extras: Mapping[str, object] = field(default_factory=dict)
+    """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
+    piece_columns: PieceColumns = field(init=False, repr=False, compare=False)
+    """The pieces as columns (``pieces`` itself when the packer made columns)."""
+    columns: np.ndarray = field(init=False, repr=False, compare=False)
+    """int64 ``[n_slots, 4]``: every piece's ``(index, start, length, next_label)``, read once at
+    construction (read-only); collate and the digest work on these columns."""
+    seq_lens: np.ndarray = field(init=False, repr=False, compare=False)
+    """int64 ``[n_slots]`` real tokens per slot (``columns[:, 2]``)."""
+
+    def __post_init__(self) -> None:
+        cols = PieceColumns.of(self.pieces)
+        object.__setattr__(self, "piece_columns", cols)
+        object.__setattr__(self, "columns", cols.table)
+        object.__setattr__(self, "seq_lens", cols.table[:, 2])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+
+def plan_digest(
+    plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None, starts: np.ndarray | None = None
+) -> int:
+    """63-bit digest of everything that decides a rank's shard of ``plan``.
+
+    CP ranks of one DP group must compute equal digests; the device-side
+    consistency check all-reduces it. Covers layout, cp size, capacity, pack
+    index, slot lengths, piece provenance (source index, start, length, next
+    label) and the content of every piece, sampled: up to
+    :data:`DIGEST_SAMPLES` token ids at evenly spaced positions (first and
+    last included). Columnar: the provenance is the plan's four int64
+    columns, the samples of every piece come from one gather over the
+    concatenated ids, and the hash covers ``n_pieces * 12`` int64s, instead
+    of hashing every id (1.5 ms at 128K); ranks that read other data of the
+    same shape (same lengths, other tokens) disagree on the sampled ids,
+    while a change confined to unsampled positions goes unseen.
+
+    Args:
+        ids: int64 ids holding every piece's ``input_ids`` (e.g. a token buffer of collate's stream);
+            the pieces concatenated here when None.
+        starts: int64 ``[n_pieces]`` index in ``ids`` of each piece's first token; None: the pieces lie
+            back to back from ``ids[0]``.
+    """
+    lens = plan.seq_lens
+    if ids is None:
+        cols = plan.piece_columns
+        ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
+                                                                        lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
+    if starts is None:
+        starts = lens.cumsum()
+        starts -= lens  # each piece's first id
+    return plan_digests([plan], layout, cp_size, ids, starts)[0]
+
+
+def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray,
+                 columns: np.ndarray | None = None) -> list[int]:  # fmt: skip
+    """:func:`plan_digest` of every plan, the samples of all their pieces from one gather.
+
+    ``ids``: int64 ids holding every piece's ``input_ids``; ``starts``: int64 ``[n]`` index in ``ids`` of
+    each piece's first token, plan after plan (``n`` pieces in all); ``columns``: int64 ``[n, 4]`` the
+    plans' :attr:`~PackPlan.columns` concatenated, when the caller has them (concatenated here when
+    None). One ``[n, 12]`` table of every piece's columns and samples (:func:`digest_rows`), then one hash
+    per plan over its rows (:func:`hash_plans`).
+    """
+    if columns is not None:
+        cols = columns
+    else:
+        cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
+    rows = digest_rows(cols)
+    sample_ids(ids, starts, rows)
+    return hash_plans(plans, layout, cp_size, rows, [p.columns.shape[0] for p in plans])
+
+
+def digest_rows(columns: np.ndarray) -> np.ndarray:
+    """int64 ``[n, 4 + DIGEST_SAMPLES]``: the pieces' columns ``[n, 4]``, then room for their samples
+    (:func:`sample_ids`)."""
+    rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
+    rows[:, :4] = columns
+    return rows
+
+
+def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
+    """Fill the samples of :func:`digest_rows` ``rows`` ``[n, 12]`` with one gather from ``ids``: up to
+    :data:`DIGEST_SAMPLES` ids per piece, evenly spaced (an empty piece's are -1); ``starts`` int64 ``[n]``
+    index in ``ids`` of each piece's first token."""
+    lens, samples = rows[:, 2], rows[:, 4:]
+    if not lens.shape[0]:
+        return
+    at = np.multiply.outer(lens - 1, _SAMPLE_AT)
+    at //= DIGEST_SAMPLES - 1
+    at += starts[:, None]
+    if lens.min() > 0:
+        samples[...] = ids.take(at)
+    else:
+        real = lens > 0
+        samples[...] = -1
+        samples[real] = ids[at[real]]
+
+
+def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
+               slot_lens: np.ndarray | None = None) -> list[int]:  # fmt: skip
+    """:func:`plan_digest` of every plan from its rows of the digest table.
+
+    ``rows``: int64 ``[n, 12]`` C-contiguous (:func:`digest_rows` with samples), plan after plan,
+    ``counts[p]`` rows for plan ``p``; ``slot_lens``: int64 ``[n]`` the plans' slot lengths concatenated
+    when the caller has them checked (read from each plan when None). The rows and slot lengths are
+    turned into bytes once and each plan hashes its slices of them: a bytes slice is cheaper to hash than
+    an array (no buffer export per call).
+    """
+    prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
+    data, width = rows.tobytes(), 8 * rows.shape[1]
+    lens_data = None if slot_lens is None else slot_lens.astype(np.int64, copy=False).tobytes()
+    out, row = [], 0
+    for plan, k in zip(plans, counts, strict=True):
+        h = hashlib.blake2b((prefix + f"{plan.capacity}|{plan.index}").encode(), digest_size=8)
+        if lens_data is None:
+            lens = plan.slot_lens
+            if type(lens) is not np.ndarray or lens.dtype != np.int64 or not lens.flags.c_contiguous:
+                lens = np.ascontiguousarray(lens, dtype=np.int64)
+            h.update(lens)
+        else:
+            h.update(lens_data[8 * row : 8 * (row + k)])
+        h.update(data[width * row : width * (row + k)])
+        row += k
+        out.append(int.from_bytes(h.digest(), "little") & mask)
+    return out

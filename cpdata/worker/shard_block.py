@@ -1,0 +1,257 @@
+"""The layout math of a block of collated batches, before any rank's tokens are gathered.
+
+:class:`~cpdata.nodes.shard.ShardForRank` pulls ``k`` batches at a time and
+asks :func:`prepare_block` for each batch's :class:`BlockItem`: its stream
+(the per-slot tables every rank gathers from), the layout as a run table (or
+the cached rows and inverse map of a layout that ignores the documents), the
+``info`` dict (with the causal work per rank) and the plan digest. What
+scales with a rank's tokens (the rank's row, the inverse map, the gather, the
+batch buffer) is left to the node, per batch, when the batch is served.
+
+Every output is a function of its own batch only: grouping batches into blocks
+of any size gives the same items. Errors carry the messages of the per-batch
+checks; a block that raises is redone one batch at a time by the caller so the
+error surfaces at the bad batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import numpy as np
+
+from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
+from cpdata.layout.runs import RunTable
+from cpdata.worker.collated import CollatedPack
+from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
+from cpdata.worker.stream import Stream, StreamBlock, build_streams
+
+__all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockItem:
+    """One batch of a block, its layout math done, its tokens not gathered yet.
+
+    Attributes:
+        batch: the collated batch.
+        stream: its stream (per-slot tables and token buffer).
+        stream_len: positions a layout map covers: ``S`` (bshd) or ``B*S`` (thd).
+        table: the layout's run table (rows and inverse computed per rank when served); None with ``fixed``.
+        fixed: rows int64 ``[cp, stream_len / cp]`` and inverse int64 ``[stream_len]`` of a layout that
+            ignores the documents (cached, read-only); None with ``table``.
+        info: the batch's ``info`` dict, digest included (shared by every rank's batch).
+        digest: the plan digest.
+    """
+
+    batch: CollatedPack
+    stream: Stream
+    stream_len: int
+    table: RunTable | None
+    fixed: tuple[np.ndarray, np.ndarray] | None
+    info: dict[str, Any]
+    digest: int
+
+
+def check_rows(layout: str, cp_size: int, dynamic: bool, n_rows: int, qkv_format: str) -> None:
+    """Refuse bshd rows ``B > 1`` under a ``dynamic`` (document-dependent) layout: one map cannot serve every row."""
+    if qkv_format == "bshd" and n_rows > 1 and dynamic:
+        raise ValueError(
+            f"layout {layout!r} (cp_size={cp_size}) depends on the documents, so with "
+            f"qkv_format='bshd' each of the {n_rows} rows would need its own map; "
+            "use qkv_format='thd' (one flat stream) or batch_size=1"
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
+    """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
+    table = layout_runs(layout, cp_size, [], stream_len)
+    rows, inverse = table.rows(), table.inverse()
+    rows.flags.writeable = inverse.flags.writeable = False
+    return table, rows, inverse
+
+
+@functools.lru_cache(maxsize=64)
+def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive positions in each rank's row of a layout that ignores the documents.
+
+    Found once from the cached rows and repeated every ``stream_len`` for the
+    ``n_rows`` bshd rows. Returns the stream positions of the runs' first
+    tokens then of their ends (int64 ``[2 * runs]``, runs grouped by rank) and
+    the index of each rank's first run (int64 ``[cp]``).
+    """
+    rows = static_layout(layout, cp_size, stream_len)[1]
+    repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
+    firsts, ends, group = [], [], []
+    for row in rows:
+        cut = np.flatnonzero(np.diff(row) != 1) + 1
+        group.append(sum(f.size for f in firsts))
+        firsts.append((repeats + row[np.concatenate([[0], cut])]).reshape(-1))
+        ends.append((repeats + row[np.concatenate([cut - 1, [row.size - 1]])] + 1).reshape(-1))
+    bounds, first_run = np.concatenate(firsts + ends), np.asarray(group, dtype=np.int64)
+    bounds.flags.writeable = first_run.flags.writeable = False
+    return bounds, first_run
+
+
+def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_lens: Sequence[int]) -> list[list[float]]:
+    """Per-rank work of :func:`cpdata.layout.maps.causal_work` of each batch under a layout that ignores the documents.
+
+    A real token at offset ``o`` of its slot attends to ``o + 1`` keys; pads
+    cost 0. The few runs of these layouts (2 per rank at most, repeated every
+    ``S`` in bshd rows) are costed as ``W(end) - W(first)``, ``W(g)`` the work
+    of the block's positions ``< g`` (the batches' streams back to back): one
+    search over the block's slot offsets for the runs of every batch of a
+    stream length, O(runs * B * k + N) in a few numpy calls.
+    """
+    offsets, real = block.offsets, block.slots.table[:, 2]
+    twice = real * (real + 1)
+    below = twice.cumsum()
+    below -= twice  # 2 W(offset of each slot)
+    firsts, streams = block.slots.first, block.streams
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, stream_len in enumerate(stream_lens):  # (a short last batch: other rows or another length)
+        groups.setdefault((stream_len, streams[b].rows * streams[b].row_len // stream_len), []).append(b)
+    works: list[list[float]] = [[]] * len(stream_lens)
+    for (stream_len, n_rows), members in groups.items():
+        bounds, first_run = _run_bounds(layout, cp_size, stream_len, n_rows)
+        at = offsets[[firsts[b] for b in members]][:, None] + bounds  # [m, 2 runs]: each batch's runs
+        k = offsets.searchsorted(at, side="right")
+        k -= 1
+        m = np.minimum(at - offsets[k], real[k])
+        w = below[k] + m * (m + 1)  # 2 W(g)
+        half = bounds.shape[0] // 2
+        work = (np.add.reduceat(w[:, half:] - w[:, :half], first_run, axis=1) // 2).astype(np.float64).tolist()
+        for j, b in enumerate(members):
+            works[b] = work[j]
+    return works
+
+
+def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, cp_size: int) -> list[int]:
+    """Each batch's digest: :func:`cpdata.worker.plan.plan_digest` of its plan, or a hash of every plan's.
+
+    From the block's piece columns and checked slot lengths: one digest table of every piece
+    (:func:`cpdata.worker.plan.digest_rows`), its samples gathered once per run of batches reading the same token
+    buffer (a packing window's), then one hash per plan (:func:`cpdata.worker.plan.hash_plans`).
+    """
+    slots, streams = block.slots, block.streams
+    columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
+    if slots.padded:  # an empty plan's padding slot is no piece
+        pads, at, counts = [], 0, slots.counts
+        for c in counts:
+            if not c:
+                pads.append(at)
+            at += c or 1
+        piece = np.ones(columns.shape[0], dtype=bool)
+        piece[pads] = False
+        columns, starts, raw = columns[piece], starts[piece], raw[piece]
+        pf = slots.plan_first
+        first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
+    rows = digest_rows(columns)
+    k, b = len(batches), 0
+    while b < k:  # a run of batches reading one buffer: one gather
+        buffer, e = streams[b].buffer, b + 1
+        while e < k and streams[e].buffer is buffer:
+            e += 1
+        sample_ids(buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
+        b = e
+    digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
+    if len(digests) == k:  # one plan per batch: its digest
+        return digests
+    out, pf = [], slots.plan_first
+    for b in range(k):
+        if pf[b + 1] - pf[b] == 1:
+            out.append(digests[pf[b]])
+        else:
+            h = hashlib.blake2b(np.asarray(digests[pf[b] : pf[b + 1]], dtype=np.int64).tobytes(), digest_size=8)
+            out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+    return out
+
+
+def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
+                     ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
+    """Run tables and per-rank causal work of batches under a document-dependent layout: one
+    :func:`cpdata.layout.maps.concat_run_block` per stream length (all batches but a short last one).
+
+    Raises the per-batch error of :func:`cpdata.layout.maps.layout_runs` (pack or slot multiples).
+    """
+    slots, real = block.slots, block.slots.table[:, 2]
+    k = len(stream_lens)
+    if not slots.padded and stream_lens.count(stream_lens[0]) == k:  # the block's slots are the packs' as they are
+        counts = None if k == 1 else np.diff(np.asarray(slots.first, dtype=np.int64))
+        run_block = concat_run_block(layout, cp_size, slots.layout_lens, counts, stream_lens[0])
+        return run_block.tables(), run_block.causal_work(real).tolist()
+    tables: list[RunTable] = [None] * k  # type: ignore[list-item]
+    works: list[list[float]] = [[]] * k
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(stream_lens):
+        groups.setdefault(n, []).append(i)
+    for stream_len, members in groups.items():
+        run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len)
+        block_tables = run_block.tables()
+        reals = [real[slots.first[i] : slots.first[i] + t.hi - t.lo]
+                 for i, t in zip(members, block_tables, strict=True)]  # fmt: skip
+        work = run_block.causal_work(reals[0] if len(reals) == 1 else np.concatenate(reals)).tolist()
+        for j, i in enumerate(members):
+            tables[i], works[i] = block_tables[j], work[j]
+    return tables, works
+
+
+def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool) -> list[BlockItem]:
+    """The :class:`BlockItem` of every batch of a block, in order.
+
+    ``dynamic``: whether the layout depends on the documents
+    (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams and
+    their metadata (:func:`cpdata.worker.stream.build_streams`), the run tables and
+    causal work (per stream length), and the digest samples (per token
+    buffer) are built for all batches at once.
+
+    Raises:
+        ValueError, TypeError: the per-batch checks (:func:`check_rows`, the stream's slot tables, the
+            layout's slot multiples) for some batch of the block; which one is not said: redo the block
+            with one batch at a time to raise at the bad batch.
+    """
+    if not batches:
+        return []
+    stream_lens = []
+    for batch in batches:
+        n_rows, pack_len = len(batch.plans), batch.pack_len
+        check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
+        stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
+    block = build_streams([(batch.plans, batch.padding_token_id) for batch in batches])
+    k = len(batches)
+    if dynamic:
+        tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
+        fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
+    else:
+        of_len = {n: static_layout(layout, cp_size, n)[1:] for n in set(stream_lens)}
+        tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
+        works = _static_causal_work(block, layout, cp_size, stream_lens)
+    digests = _digests(batches, block, layout, cp_size)
+    slots = block.slots
+    pf, indices = slots.plan_first, [p.index for p in slots.plans]
+    if len(indices) == k:  # one plan per batch
+        n_documents = slots.counts
+    else:
+        n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
+    items = []
+    for i, batch in enumerate(batches):
+        info = {
+            "layout": layout,
+            "max_seqlen": block.max_seqlen[i],
+            "max_seqlen_padded": block.max_slot_len[i],
+            "pack_indices": indices[pf[i] : pf[i + 1]],
+            "real_tokens": block.real_tokens[i],
+            "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,
+            "n_documents": n_documents[i],
+            "causal_work": works[i],
+            "digest": digests[i],
+        }
+        items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
+                               fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
+    return items

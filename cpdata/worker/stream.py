@@ -1,0 +1,231 @@
+"""The stream of a batch: per-slot tables and the token buffer every rank gathers from.
+
+A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
+row-major concatenation of their slots (``B*S`` positions, each pack's tail
+absorbed by its last slot, an empty pack one padding slot of real length 0).
+:func:`build_streams` reads the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`)
+once: the slots of ``k`` batches are checked (:func:`cpdata.worker.stream_slots.slot_block`) and turned
+into per-slot tables with one set of numpy calls over their concatenation,
+and the pieces' tokens stay where the packing window concatenated them
+(:mod:`cpdata.worker.token_buffer`); only pieces in no common buffer are
+concatenated, per batch. :mod:`cpdata.worker.collate` builds the full pack or one
+rank's tokens from a stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpdata.worker.plan import PackPlan
+from cpdata.worker.stream_buffer import batch_tokens
+from cpdata.worker.stream_slots import (  # (re-exported: the slots a stream is built from)
+    SlotBlock,
+    SlotTables,
+    metadata_block,
+    slot_block,
+    slot_tables,
+    stream_metadata,
+    stream_slot_lens,
+)
+from cpdata.worker.token_buffer import TokenBuffer
+
+__all__ = [
+    "SlotBlock", "SlotTables", "Stream", "StreamBlock", "build_stream", "build_streams", "slot_block",
+    "slot_tables", "stream_metadata", "stream_slot_lens",
+]  # fmt: skip
+
+_END = np.iinfo(np.int64).max  # a segment bound past every stream position
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stream:
+    """Per-slot tables of one batch and the token buffer its ranks gather from (internal).
+
+    ``K`` stream slots, ``T`` real tokens, in a :class:`~cpdata.worker.token_buffer.TokenBuffer`
+    of ``W >= T`` tokens (the packing window's, or the batch's own pieces concatenated).
+    Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
+    position reads index ``W`` (:attr:`pad_at`). The per-slot columns are views of
+    :attr:`segments`.
+
+    ``segments`` int64 ``[6K + 1]``, the stream's ``2K`` segments (each slot's real tokens then its
+    pads, in stream order): ``[:2K]`` the first stream position of each (``slot_starts`` and
+    ``real_ends`` interleaved), then a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index
+    minus stream position (``src_shift``, then ``W`` for the pads: past every real element);
+    ``[4K + 1:]`` position id minus stream position (``pos_shift`` twice).
+    """
+
+    rows: int
+    row_len: int
+    slot_lens: np.ndarray  # int64 [K], tail absorbed
+    segments: np.ndarray  # int64 [6K + 1], see above
+    buffer: TokenBuffer
+    padding_token_id: int
+    extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
+    derived_mask: np.ndarray | None  # bool [K]: slots whose loss mask is labels != -100 (no mask of their own)
+    pads_pass_end: bool  # whether some slot's pad position ids pass S - 1 (False: no clamp needed)
+    metadata: dict[str, np.ndarray]  # :func:`stream_metadata` of the slots
+
+    @property
+    def slot_starts(self) -> np.ndarray:
+        """int64 ``[K]``: stream offset of each slot."""
+        return self.segments[0 : 2 * self.slot_lens.shape[0] : 2]
+
+    @property
+    def real_ends(self) -> np.ndarray:
+        """int64 ``[K]``: ``slot_starts + real_lens``."""
+        return self.segments[1 : 2 * self.slot_lens.shape[0] : 2]
+
+    @property
+    def real_lens(self) -> np.ndarray:
+        """int64 ``[K]``: real tokens of each slot."""
+        return self.real_ends - self.slot_starts
+
+    @property
+    def src_shift(self) -> np.ndarray:
+        """int64 ``[K]``: buffer index minus stream position of each slot's real tokens."""
+        k = self.slot_lens.shape[0]
+        return self.segments[2 * k + 1 : 4 * k + 1 : 2]
+
+    @property
+    def src_starts(self) -> np.ndarray:
+        """int64 ``[K]``: buffer index of each slot's first token."""
+        return self.src_shift + self.slot_starts
+
+    @property
+    def pos_shift(self) -> np.ndarray:
+        """int64 ``[K]``: position id minus stream position of each slot."""
+        return self.segments[4 * self.slot_lens.shape[0] + 1 :: 2]
+
+    @property
+    def total(self) -> int:
+        """``T``: the real tokens."""
+        return int(self.real_lens.sum())
+
+    @property
+    def max_slot_len(self) -> int:
+        """The longest slot (tail absorbed)."""
+        return int(self.slot_lens.max())
+
+    @property
+    def pad_at(self) -> int:
+        """``W``: the buffer index pad positions read."""
+        return self.buffer.total
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBlock:
+    """The streams of ``k`` batches and the block arrays they are views of (``N`` slots in all).
+
+    Attributes:
+        streams: each batch's :class:`Stream`.
+        slots: the batches' :class:`SlotBlock`.
+        offsets: int64 ``[N]``: each slot's offset in the block's concatenated streams (batch ``b``'s
+            stream starts at ``offsets[slots.first[b]]``, after ``B*S`` positions of each batch before it).
+        src_starts: int64 ``[N]``: buffer index of each slot's first token (in its batch's buffer).
+        real_tokens: ``k`` ints: ``T`` of each batch.
+        max_seqlen: ``k`` ints: each batch's longest piece.
+        max_slot_len: ``k`` ints: each batch's longest slot (tail absorbed).
+    """
+
+    streams: list[Stream]
+    slots: SlotBlock
+    offsets: np.ndarray
+    src_starts: np.ndarray
+    real_tokens: list[int]
+    max_seqlen: list[int]
+    max_slot_len: list[int]
+
+
+def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
+    """The per-slot tables of a batch and the token buffer every rank of it gathers from: :func:`build_streams`
+    of one batch."""
+    return build_streams([(plans, padding_token_id)]).streams[0]
+
+
+def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
+    """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
+
+    Read from the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`): the
+    slots of all batches (:func:`slot_block`) and each batch's token buffer
+    (:func:`~cpdata.worker.stream_buffer.batch_tokens`: the packing window's as is,
+    or the pieces concatenated); then the per-slot columns, the segment
+    tables and the stream metadata of all ``k`` batches with one set of numpy
+    calls over the concatenated slots, running sums restarted at each batch.
+    Each stream's columns are views of the block's arrays. Cost: O(N) in ~30
+    numpy calls per block plus O(k + plans) Python.
+
+    Raises:
+        TypeError, ValueError: the checks of :func:`slot_block` and :func:`~cpdata.worker.stream_buffer.batch_tokens`.
+    """
+    slots = slot_block([plans for plans, _ in batches])
+    tokens = [batch_tokens(plans) for plans, _ in batches]
+    k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
+    pf = slots.plan_first
+    if slots.padded:  # an empty plan's padding slot reads no piece
+        src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
+    else:
+        src = [tok.at for tok in tokens]
+    src_starts = src[0] if k == 1 else np.concatenate(src)
+    table, slot_lens = slots.table, slots.slot_lens
+    starts, real_lens = table[:, 1], table[:, 2]
+    first = np.asarray(firsts, dtype=np.int64)  # batch b: slots [first[b], first[b + 1])
+    offsets = slot_lens.cumsum()
+    offsets -= slot_lens
+    seg = np.empty(6 * n + k, dtype=np.int64)  # batch b's segment table: seg[6 first[b] + b :][: 6 K_b + 1]
+    pad_at = [tok.buffer.total for tok in tokens]  # W of each batch: the buffer index its pads read
+    if k == 1:  # one batch: its segment table by strided slices
+        batch_of, slot_starts = None, offsets
+        seg[0 : 2 * n : 2], seg[2 * n] = slot_starts, _END
+        np.add(slot_starts, real_lens, out=seg[1 : 2 * n : 2])
+        np.subtract(src_starts, slot_starts, out=seg[2 * n + 1 : 4 * n + 1 : 2])
+        seg[2 * n + 2 : 4 * n + 1 : 2] = pad_at[0]
+        np.subtract(starts, slot_starts, out=seg[4 * n + 1 :: 2])
+        seg[4 * n + 2 :: 2] = seg[4 * n + 1 :: 2]
+        reach = [int((starts + slot_lens).max())]
+    else:
+        head, sizes = first[:-1], first[1:] - first[:-1]
+        batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
+        slot_starts = offsets - offsets[head][batch_of]
+        seg_at = 6 * head
+        seg_at += np.arange(k, dtype=np.int64)
+        seg[seg_at + 2 * sizes] = _END
+        at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
+        at += (seg_at - 2 * head)[batch_of]
+        step = (2 * sizes)[batch_of]
+        seg[at] = slot_starts
+        seg[at + 1] = slot_starts + real_lens
+        at += step
+        at += 1
+        seg[at] = src_starts - slot_starts
+        seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
+        at += step
+        seg[at] = seg[at + 1] = starts - slot_starts
+        reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
+    metadata, totals, longest, widest = metadata_block(real_lens, slot_lens, first, batch_of)
+    out = []
+    for b, (plans, padding_token_id) in enumerate(batches):
+        tok, i, j = tokens[b], firsts[b], firsts[b + 1]
+        o = 6 * i + b
+        out.append(Stream(
+            rows=len(plans), row_len=caps[b], slot_lens=slot_lens[i:j], segments=seg[o : o + 6 * (j - i) + 1],
+            buffer=tok.buffer, padding_token_id=padding_token_id,
+            extras={key: tok.buffer.extras[key] for key in tok.keys} if tok.keys else {},
+            derived_mask=None if tok.no_mask is None else _per_slot(slots.counts[pf[b] : pf[b + 1]], tok.no_mask, True),
+            pads_pass_end=reach[b] > caps[b], metadata=metadata[b],
+        ))  # fmt: skip
+    return StreamBlock(out, slots, offsets, src_starts, totals, longest, widest)
+
+
+def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
+    """Per-piece ``values`` ``[n]`` (plan after plan, ``counts`` pieces each) as a per-slot column ``[K]``:
+    ``pad`` for the padding slot of an empty plan."""
+    if all(counts):
+        return values
+    parts, at = [], 0
+    for c in counts:
+        parts.append(values[at : at + c] if c else np.asarray([pad], dtype=values.dtype))
+        at += c
+    return np.concatenate(parts)

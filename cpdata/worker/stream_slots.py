@@ -1,0 +1,225 @@
+"""The slots of a batch's stream, checked, and their metadata: no tokens.
+
+A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
+row-major concatenation of their slots, each pack's tail absorbed by its last
+slot, an empty pack one padding slot of real length 0 (the whole pack).
+:func:`slot_block` reads the plans' columns (:attr:`~cpdata.worker.plan.PackPlan.columns`)
+and checks the slots of ``k`` batches with one pass over the plans and a few
+numpy calls over their concatenation; :func:`stream_metadata` gives the
+``cu_seqlens`` family of a batch (:func:`metadata_block`: of every batch of a
+block at once). :mod:`cpdata.worker.stream` builds the streams from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpdata.layout.maps import thd_slot_lens
+from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.worker.plan import PackPlan
+
+__all__ = [
+    "SlotBlock", "SlotTables", "metadata_block", "slot_block", "slot_tables", "stream_metadata", "stream_slot_lens",
+]  # fmt: skip
+
+_PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
+_ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotBlock:
+    """The checked slots of ``k`` batches, batch after batch: ``N`` slots of ``P`` plans (an empty plan one
+    padding slot), no tokens.
+
+    Attributes:
+        table: int64 ``[N, 4]``: each slot's piece ``(index, start, length, next_label)``.
+        slot_lens: int64 ``[N]``: slot lengths, every pack's tail absorbed by its last slot.
+        layout_lens: int64 ``[N]``: ``slot_lens`` but each batch's last slot as the plan gives it
+            (:meth:`layout_lens_of`).
+        raw_lens: int64 ``[N]``: the slot lengths as the plans give them (an empty plan's slot 0).
+        counts: ``P`` ints: pieces per plan.
+        plan_first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``.
+        first: ``k + 1`` ints: batch ``b`` holds slots ``[first[b], first[b + 1])``.
+        capacities: ``k`` ints: each batch's ``S``.
+        padded: whether some plan is empty (its slot is no piece's).
+        plans: the ``P`` plans, batch after batch.
+    """
+
+    table: np.ndarray
+    slot_lens: np.ndarray
+    layout_lens: np.ndarray
+    raw_lens: np.ndarray
+    counts: list[int]
+    plan_first: list[int]
+    first: list[int]
+    capacities: list[int]
+    padded: bool
+    plans: list[PackPlan]
+
+    def layout_lens_of(self, b: int) -> np.ndarray:
+        """int64 ``[K']``: :func:`stream_slot_lens` of batch ``b`` (a view)."""
+        end = self.first[b + 1] - (not self.counts[self.plan_first[b + 1] - 1])  # an empty last plan: no slot
+        return self.layout_lens[self.first[b] : end]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTables:
+    """The slots of a batch's stream (``K`` slots, an empty pack one padding slot): no tokens.
+
+    Attributes:
+        capacity: tokens per plan ``S``.
+        table: int64 ``[K, 4]``: each slot's piece ``(index, start, length, next_label)``.
+        slot_lens: int64 ``[K]``: slot lengths, every pack's tail absorbed by its last slot.
+        layout_lens: int64 ``[K']``: :func:`stream_slot_lens` (the last pack's tail not absorbed).
+        counts: ``B`` ints: pieces per plan.
+    """
+
+    capacity: int
+    table: np.ndarray
+    slot_lens: np.ndarray
+    layout_lens: np.ndarray
+    counts: list[int]
+
+    def metadata(self) -> dict[str, np.ndarray]:
+        """The stream metadata of these slots (:func:`stream_metadata`)."""
+        return stream_metadata(self.table[:, 2], self.slot_lens)
+
+
+def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
+    """The plans' slot tables, checked: :func:`slot_block` of one batch."""
+    block = slot_block([plans])
+    return SlotTables(block.capacities[0], block.table, block.slot_lens, block.layout_lens_of(0), block.counts)
+
+
+def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
+    """The slots of ``k`` batches of plans, checked: one pass over the plans, then a few numpy calls per block.
+
+    Raises:
+        TypeError, ValueError: a single plan instead of a sequence, no plan, plans of other capacities in
+            one batch, ``slot_lens`` not one per piece, a piece longer than its slot, negative slot lengths
+            or slots summing past the capacity (the errors of :func:`cpdata.layout.maps.thd_slot_lens`), each
+            naming the first bad plan.
+    """
+    tables, slots, counts, caps, ends, flat = [], [], [], [], [], []  # ends: each plan's last slot, plus one
+    plan_first, first, at = [0], [0], 0
+    for plans in batches:
+        if isinstance(plans, PackPlan):
+            raise TypeError("collate takes a sequence of PackPlan (one per row), got a single PackPlan; wrap it: [plan]")
+        if len(plans) == 0:
+            raise ValueError("collate needs at least one PackPlan, got an empty sequence")
+        capacity = plans[0].capacity
+        for b, plan in enumerate(plans):
+            if plan.capacity != capacity:
+                raise ValueError(
+                    f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
+                )
+            table, slot_lens = plan.columns, plan.slot_lens
+            if type(slot_lens) is not np.ndarray:  # (an array of any dtype is cast with the others below)
+                slot_lens = np.asarray(slot_lens)
+            n = table.shape[0]
+            if slot_lens.shape != (n,):
+                raise ValueError(
+                    f"plan {plan.index}: slot_lens has shape {slot_lens.shape}, expected ({n},) (one slot per piece)"
+                )
+            counts.append(n)
+            tables.append(table if n else _PAD_SLOT)  # empty pack: one pad slot
+            slots.append(slot_lens if n else _ZERO_SLOT)
+            at += n or 1
+            ends.append(at)
+        flat.extend(plans)
+        caps.append(capacity)
+        plan_first.append(len(counts))
+        first.append(at)
+    table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+    raw = (slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int64, copy=False)
+    short = raw < table[:, 2]
+    if short.any():
+        p, i = _plan_piece(counts, int(np.flatnonzero(short)[0]))
+        raise ValueError(
+            f"plan {flat[p].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
+            f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
+        )
+    last = np.asarray(ends, dtype=np.int64)
+    last -= 1
+    ends = raw.cumsum()[last]
+    tails = np.subtract(caps[0] if min(caps) == max(caps) else np.repeat(caps, np.diff(plan_first)), ends)
+    tails[1:] += ends[:-1]  # each plan's tail padding: its capacity minus the sum of its slots
+    slot_lens = raw.copy()
+    slot_lens[last] += tails
+    if tails.min() < 0:  # (a negative slot is shorter than its piece: refused above)
+        for plan in flat:
+            thd_slot_lens(plan.slot_lens, plan.capacity)  # its error for the first bad plan
+    layout_lens = slot_lens.copy()
+    batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
+    layout_lens[batch_last] = raw[batch_last]
+    return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, min(counts) == 0, flat)
+
+
+def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
+    """``(plan, piece)`` of stream slot ``k`` (plans of ``counts`` pieces, an empty one holding one slot)."""
+    for b, c in enumerate(counts):
+        if k < max(c, 1):
+            return b, k
+        k -= max(c, 1)
+    raise IndexError(k)
+
+
+def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
+    """int64 ``[K]`` slot lengths of the stream, as :func:`cpdata.layout.maps.rank_indices` takes them.
+
+    Every pack's tail is absorbed into its own last slot except the final
+    pack's, which ``rank_indices`` treats per layout (so one plan gives exactly
+    ``plan.slot_lens``).
+    """
+    return slot_tables(plans).layout_lens
+
+
+def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
+    """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
+    ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
+    return metadata_block(real_lens, slot_lens, np.asarray([0, real_lens.shape[0]], dtype=np.int64), None)[0][0]
+
+
+def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
+                   ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
+    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens, longest piece and
+    longest slot.
+
+    int64 ``[N]`` real and slot lengths of the block's slots, batch ``b`` holding slots
+    ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``, every batch a slot when
+    ``k > 1``), ``batch_of`` int64 ``[N]`` each slot's batch (None when ``k = 1``). The cumulative sums run
+    over the block once and restart at each batch; each dict's arrays are views of two block arrays
+    (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums) and of the ``[2, k]`` maxima.
+    """
+    n, k = real_lens.shape[0], first.shape[0] - 1
+    lens = np.empty((2, n), dtype=np.int32)  # real, slot
+    lens[0], lens[1] = real_lens, slot_lens
+    cu = np.zeros((2, n + k), dtype=np.int32)  # batch b: columns [first[b] + b, first[b + 1] + b]
+    if batch_of is None:
+        lens.cumsum(axis=1, out=cu[:, 1:])
+        totals = [int(real_lens.sum())]
+        top = lens.max(axis=1, keepdims=True) if n else np.zeros((2, 1), dtype=np.int32)
+    else:
+        head = first[:-1]
+        cum = lens.cumsum(axis=1, dtype=np.int64)
+        cum -= (cum[:, head] - lens[:, head])[:, batch_of]
+        at = np.arange(1, n + 1, dtype=np.int64)
+        at += batch_of
+        cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
+        totals = cum[0, first[1:] - 1].tolist()
+        top = np.maximum.reduceat(lens, head, axis=1)
+    out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
+    for b in range(k):
+        i, j = bounds[b], bounds[b + 1]
+        out.append({
+            "cu_seqlens": cu_real[i + b : j + b + 1],
+            "cu_seqlens_padded": cu_slot[i + b : j + b + 1],
+            "seq_lens": real[i:j],
+            "seq_lens_padded": slot[i:j],
+            "max_seqlen": longest[b, ...],  # a 0-d view
+        })  # fmt: skip
+    top_real, top_slot = top.tolist()
+    return out, totals, top_real, top_slot

@@ -1,0 +1,230 @@
+"""Labels and loss masks: one meaning in every batch, whatever convention the source uses.
+
+Two conventions exist for a document's per-token ``labels`` (and masks):
+
+| ``labels_alignment`` | ``labels[i]`` is                               | used by                       |
+|----------------------|------------------------------------------------|-------------------------------|
+| ``"inputs"``         | the label of ``input_ids[i]`` itself (-100 or the token); the model shifts | Hugging Face transformers, TRL, torchtune |
+| ``"targets"``        | the target of ``input_ids[i]``: the next token (or -100) | Megatron-LM, NeMo        |
+
+A document that carries ``labels`` or a mask (``loss_mask``, or its synonyms
+``assistant_masks`` from ``apply_chat_template(return_assistant_tokens_mask=True)``
+and ``completion_mask`` from TRL's prompt-completion rows) needs the caller to
+say which; nothing is guessed. :func:`to_targets` turns such a document into
+the one form the rest of the pipeline knows: ``labels`` holds next-token
+targets inside the document (-100 where nothing is trained, always -100 at the
+last token for ``"inputs"``, whose next token is outside the document), and
+``loss_mask`` (when the source gave a mask) is ``labels != -100``. The shift
+happens here, on whole documents, before packing, splitting and CP sharding,
+so a piece cut from a document carries the target of its last token.
+
+Rules (TRL's): given ``labels`` win over a mask; a mask alone selects which
+next-token targets are trained (``"inputs"``: token ``i + 1`` is trained when
+``mask[i + 1]``; ``"targets"``: the target of token ``i`` when ``mask[i]``).
+Masks hold 0/1 (bool, int or float); labels hold -100 or token ids.
+Cost: O(tokens) numpy per document with labels or a mask, nothing otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import numpy as np
+
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
+
+__all__ = [
+    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED",
+    "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
+    "to_targets",
+]  # fmt: skip
+
+LabelsAlignment = Literal["inputs", "targets"]
+LABELS_ALIGNMENTS: tuple[str, ...] = ("inputs", "targets")
+MASK_KEYS: tuple[str, ...] = (LOSS_MASK, "assistant_masks", "completion_mask")
+"""Names accepted for a per-token loss mask; the batch calls it ``loss_mask``."""
+TARGET_KEYS: tuple[str, ...] = (LABELS, *MASK_KEYS)
+"""Per-token keys whose meaning depends on ``labels_alignment``."""
+
+_CHOICES = (
+    "labels_alignment='inputs' if labels[i] / mask[i] belong to input_ids[i] itself and the model shifts "
+    "(Hugging Face transformers, TRL, torchtune, apply_chat_template's assistant_masks), or "
+    "labels_alignment='targets' if labels[i] is already the target of input_ids[i], the next token "
+    "(Megatron-LM, NeMo)"
+)
+
+
+def check_labels_alignment(labels_alignment: object) -> LabelsAlignment | None:
+    """Return ``labels_alignment`` if it is ``None``, ``"inputs"`` or ``"targets"``; raise ``ValueError`` otherwise."""
+    if labels_alignment is not None and labels_alignment not in LABELS_ALIGNMENTS:
+        raise ValueError(f"unknown labels_alignment {labels_alignment!r}; pass {_CHOICES}")
+    return labels_alignment  # type: ignore[return-value]
+
+
+def declared_alignment(owner: str, labels_alignment: object, source: object) -> LabelsAlignment | None:
+    """``labels_alignment``, or the one ``source`` declares in its ``labels_alignment`` attribute.
+
+    Sources that produce masks themselves know their convention and say so
+    (``Tokenize(assistant_only=True)`` and a token store written from it: ``"inputs"``),
+    so the caller need not repeat it. A caller that passes the other one is refused.
+    """
+    given = check_labels_alignment(labels_alignment)
+    declared = check_labels_alignment(getattr(source, "labels_alignment", None))
+    if declared is None:
+        return given
+    if given is not None and given != declared:
+        raise ValueError(
+            f"{owner}: the source ({type(source).__name__}) declares labels_alignment={declared!r} for the labels "
+            f"and masks it produces, but labels_alignment={given!r} was passed; drop the argument or pass {declared!r}"
+        )
+    return declared
+
+
+def missing_alignment_message(where: str, keys: list[str]) -> str:
+    """The error for a document with labels or a mask and no ``labels_alignment``."""
+    return f"{where} carries {keys} but labels_alignment is not set; pass {_CHOICES}"
+
+
+def _mask(value: np.ndarray, key: str, index: int) -> np.ndarray:
+    if value.dtype.kind not in "biuf":
+        raise TypeError(f"document {index}: {key!r} must hold 0/1 values, got dtype {value.dtype}")
+    on = value != 0
+    bad = np.flatnonzero(on & (value != 1))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"document {index}: {key!r} must hold 0/1 values (a loss mask), got {value[i].item()!r} at position {i}; "
+            "pass per-token loss weights under another key (extras travel into the batch unchanged)"
+        )
+    return on
+
+
+def _check_labels(labels: np.ndarray, index: int, vocab_size: int | None) -> None:
+    bad = np.flatnonzero((labels < 0) & (labels != IGNORE_INDEX))
+    if vocab_size is not None:
+        bad = np.union1d(bad, np.flatnonzero(labels >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        limit = "" if vocab_size is None else f" below vocab_size={vocab_size}"
+        raise ValueError(
+            f"document {index}: labels[{i}]={int(labels[i])} is neither -100 (ignored) nor a token id{limit}; "
+            "mark untrained positions with -100"
+        )
+
+
+def to_targets(
+    arrays: Mapping[str, np.ndarray],
+    index: int,
+    labels_alignment: LabelsAlignment | None,
+    vocab_size: int | None = None,
+) -> dict[str, np.ndarray]:
+    """One document's per-token arrays with ``labels`` as next-token targets (see the module docstring).
+
+    Args:
+        arrays: validated 1-D arrays of one document, ``input_ids`` int64 ``[n]``
+            and the others ``[n]``.
+        index: the document's source index (for errors).
+        labels_alignment: the source's convention; required when ``arrays``
+            holds any of :data:`TARGET_KEYS`.
+        vocab_size: labels ``>= vocab_size`` are refused when given.
+
+    Returns:
+        ``arrays`` unchanged when it has no labels and no mask; else a copy with
+        ``labels`` int64 ``[n]`` (targets), ``loss_mask`` ``[n]`` (= ``labels != -100``,
+        the given mask's dtype) when a mask was given, and no mask synonyms.
+    """
+    present = [k for k in TARGET_KEYS if k in arrays]
+    if not present or arrays[INPUT_IDS].shape[0] == 0:  # an empty document is skipped anyway
+        return arrays if isinstance(arrays, dict) else dict(arrays)
+    if labels_alignment is None:
+        raise ValueError(missing_alignment_message(f"document {index}", present))
+    masks = [k for k in MASK_KEYS if k in arrays]
+    if len(masks) > 1:
+        raise ValueError(f"document {index} carries several loss masks {masks}; pass one of them")
+    ids = arrays[INPUT_IDS]
+    n = ids.shape[0]
+    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    if LABELS in arrays:
+        labels = arrays[LABELS]
+        _check_labels(labels, index, vocab_size)
+        if labels_alignment == "inputs":
+            targets[:-1] = labels[1:]
+        else:
+            targets[:] = labels
+    if masks:
+        mask = _mask(np.asarray(arrays[masks[0]]), masks[0], index)
+        if LABELS not in arrays:  # given labels win over a mask
+            trained = mask[1:] if labels_alignment == "inputs" else mask[:-1]
+            targets[:-1] = np.where(trained, ids[1:], IGNORE_INDEX)
+    out = {k: v for k, v in arrays.items() if k not in TARGET_KEYS}
+    out[LABELS] = targets
+    if masks:
+        out[LOSS_MASK] = (targets != IGNORE_INDEX).astype(np.asarray(arrays[masks[0]]).dtype)
+    return out
+
+
+UNLABELED = -2
+""":func:`first_target` of a document without labels: packed whatever its length (targets derived in collate)."""
+
+NO_TRAINED_TARGET = -1
+""":func:`first_target` of a labelled document none of whose targets is trained (every label -100)."""
+
+
+def first_target(arrays: Mapping[str, np.ndarray]) -> int:
+    """Position of the first trained target of a document in target form; :data:`NO_TRAINED_TARGET` if
+    none is trained.
+
+    A document without ``labels`` (targets derived from ``input_ids`` in
+    collate) gives :data:`UNLABELED` and is never left out.
+    """
+    labels = arrays.get(LABELS)
+    if labels is None:
+        return UNLABELED
+    trained = np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)
+    return int(trained[0]) if trained.size else NO_TRAINED_TARGET
+
+
+def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, continues: bool) -> Mapping[str, np.ndarray]:
+    """Tokens ``start:start + length`` of a document's arrays, as a packed piece carries them.
+
+    A piece that ends before its document does without continuing in another
+    piece was truncated: its last token's target was cut off, so its ``labels``
+    entry becomes -100 (and its ``loss_mask`` entry 0). The whole document is
+    returned as is (no copy).
+    """
+    n = int(arrays[INPUT_IDS].shape[0])
+    if start == 0 and length == n:
+        return arrays
+    out = {k: a[start : start + length] for k, a in arrays.items()}
+    if not continues and start + length < n and length and LABELS in out:
+        out[LABELS] = out[LABELS].copy()
+        out[LABELS][-1] = IGNORE_INDEX
+        if LOSS_MASK in out:
+            out[LOSS_MASK] = out[LOSS_MASK].copy()
+            out[LOSS_MASK][-1] = 0
+    return out
+
+
+ATTENTION_MASK = "attention_mask"
+"""A tokenizer's padding mask: all ones on an unpadded row (dropped), a 0 marks a pad."""
+
+
+def check_unpadded(mask: np.ndarray, where: str) -> None:
+    """Refuse an ``attention_mask`` ``[n]`` with a 0: the row was padded before packing.
+
+    A document is one unpadded sequence; packing builds its masks from the
+    document boundaries and pads packs itself. A pre-padded row's pad tokens
+    would be packed, and trained on, as text.
+
+    Args:
+        mask: the row's ``attention_mask`` (any numeric dtype).
+        where: the row in error messages, e.g. ``"document 3"``.
+    """
+    zeros = np.flatnonzero(np.asarray(mask) == 0)
+    if zeros.size:
+        raise ValueError(
+            f"{where}: {ATTENTION_MASK!r} is 0 at {zeros.size} positions (first {int(zeros[0])}), so the row "
+            f"holds padding; tokenize without padding (cpdata pads packs itself), or keep only "
+            "input_ids[attention_mask == 1] (and the same positions of every per-token array)"
+        )
