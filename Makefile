@@ -2,13 +2,16 @@
 # Both create .venv on first use. torch is pinned first so that pip does not
 # pull a multi-GB CUDA build on a CPU-only machine. `make demo` installs only
 # the runtime (torch, torchdata, numpy and cpdata itself); `make test`, `bench`
-# and `lint` add the dev extra (pytest, ruff, transformers, datasets, ...).
+# and `lint` add the dev extra (pytest, ruff, transformers, datasets, trl, ...) and the peers below.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.cpdata-torch
 RUNTIME_STAMP := $(VENV)/.cpdata-runtime
 DEV_STAMP := $(VENV)/.cpdata-dev
+# Peers the tests compare against side by side; their CP and indexed-dataset modules import with torch alone,
+# and their own dependency lists would pull GPU stacks, hence --no-deps.
+PEERS := "nemo-automodel==0.7.0" "megatron-core==0.16.1"
 
 .PHONY: demo test bench lint clean
 
@@ -26,6 +29,7 @@ $(RUNTIME_STAMP): $(TORCH_STAMP) pyproject.toml
 
 $(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(PEERS)
 	touch $(RUNTIME_STAMP) $(DEV_STAMP)
 
 demo: $(RUNTIME_STAMP)

@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata import CPDataset, Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset
 from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.pack import Pack
 
 
@@ -372,7 +372,7 @@ def test_schedule_plans_a_mix_with_lengths_and_refuses_a_stream():
     kw = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, schedule="balanced")
     with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"), **kw)) as loader:
         tokens = sum(int(batch["padding_mask"].logical_not().sum()) for batch in loader)
-    from cpdata.offline.mixed import MixedDataset
+    from cpdata.nodes.mixed import MixedDataset
 
     listed = MixedDataset(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"))
     assert tokens == int(listed.lengths.sum()) and listed.counts["b"]["documents"] > 40
@@ -383,7 +383,7 @@ def test_schedule_plans_a_mix_with_lengths_and_refuses_a_stream():
 def test_readme_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[1] / "docs" / "packing-and-mixing.md").read_text(encoding="utf-8")
     section = text.split("### Mixing datasets", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     _write(tmp_path / "web.jsonl", _docs(40, max_len=200))
@@ -392,7 +392,7 @@ def test_readme_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
             for c in conversations()]  # fmt: skip
     chat_rows = [{"input_ids": list(r["input_ids"]), "assistant_masks": list(r["assistant_masks"])} for r in rows]
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README:mixing", "exec"), {"chat_rows": chat_rows, "r": 0})  # noqa: S102
+    exec(compile(code, "docs/packing-and-mixing.md:mixing", "exec"), {"chat_rows": chat_rows, "r": 0})  # noqa: S102
     counts = eval(capsys.readouterr().out.strip())  # noqa: S307
     assert set(counts) == {"chat", "web"} and counts["web"]["documents"] == 40, "one DP rank reads all of web"
     assert counts["chat"]["documents"] > 3, "the 3-chat source repeats under all_exhausted"
@@ -412,7 +412,7 @@ def test_every_cp_rank_of_a_dp_group_packs_the_same_mix():
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_listed_draw_order_is_the_stream_order(stop, seed):
-    from cpdata.offline.mixed import MixedDataset
+    from cpdata.nodes.mixed import MixedDataset
 
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 3000, 3).tolist()

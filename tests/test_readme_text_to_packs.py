@@ -1,4 +1,4 @@
-"""The README's "From text to packs" section runs as written (its commands and its Python blocks)."""
+"""docs/text-to-packs.md runs as written (its commands and its Python blocks)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,13 @@ from pathlib import Path
 from cpdata.cli import main as cli_main
 from tests.tokenizer_fixture import CORPUS, chat_tokenizer, conversations
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "text-to-packs.md"
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
 
 
 def test_from_text_to_packs_runs_as_written(tmp_path, monkeypatch):
-    section = _section("From text to packs")
+    section = PAGE.read_text()
     blocks = re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
     python = [body for lang, body in blocks if lang == "python"]
     shell = [body for lang, body in blocks if lang == ""]
