@@ -6,7 +6,7 @@ The unit tests of each stage check its own messages (``test_source_node``,
 input where a user would, through :func:`cpdata.nodes.loader.build_loader` /
 :func:`~cpdata.nodes.loader.build_node` / :class:`~cpdata.nodes.dataset.CPDataset`, with
 the documents DP-sharded so that a document's index in the source differs
-from its position in the rank's stream. The README table
+from its position in the rank's stream. The table in docs/bad-input.md
 "Bad input and failures" lists every case and the test that checks it.
 """
 
@@ -455,7 +455,7 @@ def test_worker_state_from_another_configuration_is_refused_through_the_dataload
     loader.load_state_dict(state)
     start = time.monotonic()
     message = error_of(lambda: next(iter(loader)), ValueError)
-    assert time.monotonic() - start < 5  # README: "asserted within 5 s"
+    assert time.monotonic() - start < 5  # docs/bad-input.md: "asserted within 5 s"
     assert "capacity=32" in message and "capacity=64" in message and "worker" in message
     loader = None
     gc.collect()
@@ -544,7 +544,7 @@ def test_disagreeing_ranks_raise_everywhere_and_nothing_hangs():
         for case in ("other_seed_docs", "same_shape_other_tokens", "one_step_off", "other_length"):
             assert "CP ranks received different shard plans" in r[case], (case, r[case])
             assert f"this rank (cp_rank {rank}) has digest" in r[case] and "same seed" in r[case]
-            assert r[case + "_s"] < 3  # README: "asserted within 3 s per check"
+            assert r[case + "_s"] < 3  # docs/bad-input.md: "asserted within 3 s per check"
         assert "local tensor has 15 tokens" in r["wrong_length"] and "covers 32 tokens" in r["wrong_length"]
         assert r["gathered_len"] == "32" and r["sharder_ok"] == "32"
         assert "padded_seq_len=32" in r["sharder_shard"] and "length 30 on dim 1" in r["sharder_shard"]

@@ -40,7 +40,7 @@ from tests.dist_utils import free_port
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
 OWN_TEST = {
-    "docs/text-to-packs.md": "tests/test_readme_text_to_packs.py",
+    "docs/text-to-packs.md": "tests/test_docs_text_to_packs.py",
     "docs/packing-and-mixing.md": "tests/test_mix.py",
     "docs/labels-and-masks.md": "tests/test_docs.py",
 }

@@ -203,7 +203,7 @@ def test_killed_worker_raises_promptly_and_resume_delivers_exactly_the_rest():
             last_progress[0] = time.monotonic()
     raised_after = time.monotonic() - killed_at[0]
     print(f"[faults] worker {victim} killed after {len(head)} batches; the loader raised {raised_after:.3f}s later")
-    assert raised_after < 6, f"the loader took {raised_after:.1f}s to notice the dead worker"  # README: < 6 s
+    assert raised_after < 6, f"the loader took {raised_after:.1f}s to notice the dead worker"  # docs/bad-input.md: < 6 s
     assert str(victim) in str(info.value)
     release.value = 1
     forget(info.value)

@@ -380,7 +380,7 @@ def test_schedule_plans_a_mix_with_lengths_and_refuses_a_stream():
         build_loader(mix({"a": a, "b": Stream(b)}, {"a": 1, "b": 1}), **kw)
 
 
-def test_readme_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
+def test_docs_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "packing-and-mixing.md").read_text(encoding="utf-8")

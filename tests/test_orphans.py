@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 2.0
-"""How long a worker may outlive its killed parent (README: "within 2 s")."""
+"""How long a worker may outlive its killed parent (docs/usage.md: "within 2 s")."""
 
 SCRIPT = r'''
 import multiprocessing as mp, os, sys, threading, time

@@ -10,7 +10,7 @@
 | ``schedule`` | :mod:`~cpdata.bench.schedule_balance` | NeMo-RL FFD, verl Karmarkar-Karp, Megatron ``dp_balanced``, cpdata 0.1 |
 
 :func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);
-:func:`render_markdown` turns it into the README's tables.
+:func:`render_markdown` turns it into the tables of docs/benchmarks.md.
 
 Role: the top layer; it may use every part of cpdata. Modules besides the
 sections above: ``cli`` (``cpdata bench``), ``runner`` (runs sections, collects

@@ -62,6 +62,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sections", metavar="A,B", help=f"subset to run, from {','.join(SECTIONS)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
-                   help="also render the README tables as markdown (to PATH, or stdout)")
+                   help="also render the benchmark tables (docs/benchmarks.md) as markdown (to PATH, or stdout)")
     p.add_argument("--from-json", metavar="PATH", help="render a saved results JSON instead of running")
     p.set_defaults(func=_main)

@@ -1,4 +1,4 @@
-"""Markdown rendering of a results dict: the README's benchmark tables.
+"""Markdown rendering of a results dict: the benchmark tables of docs/benchmarks.md.
 
 ``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``)
 gives a targets table followed by one compact table per section that ran:
@@ -126,7 +126,7 @@ def _runs_flag(results: Mapping[str, Any]) -> str:
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
-    """The README benchmark section for ``results`` (the dict ``cpdata bench --json`` writes)."""
+    """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
     parts = [
         f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{_runs_flag(results)}` on "

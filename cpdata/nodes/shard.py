@@ -52,7 +52,7 @@ _I64 = np.dtype(np.int64)
 
 DEFAULT_BLOCK_SIZE = 16
 """Batches per block of :class:`ShardForRank` at least, by default (see the module docstring for the trade-off;
-README "blocks": against 8, 16 measured 5-10 % less CPU per pack at 2K-8K and 12 % at 32K cp4 thd (median), for a
+docs/architecture.md "blocks": against 8, 16 measured 5-10 % less CPU per pack at 2K-8K and 12 % at 32K cp4 thd (median), for a
 first batch 0.15-0.6 ms later)."""
 
 BLOCK_TOKENS = 1 << 19

@@ -23,7 +23,7 @@ Costs and trade-offs: every rank, CP rank and worker reads the whole stream
 (each document ``dp × cp × num_workers`` times; the fallback reads it
 ``cp × num_workers`` times) and plans every window (~3-5 us per document);
 a window holds at most ``W`` documents in memory; each window pads its own
-last step (smaller ``W``: more padding, less memory; see the README table).
+last step (smaller ``W``: more padding, less memory; see docs/scheduling.md).
 ``shuffle`` is refused (shuffle the stream upstream, or give lengths for
 :class:`~cpdata.nodes.scheduled.ScheduledPacks`).
 

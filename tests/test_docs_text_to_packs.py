@@ -28,7 +28,7 @@ def test_from_text_to_packs_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     first: dict = {}
-    exec(compile(python[0], "README:text-to-packs-1", "exec"), first)  # noqa: S102
+    exec(compile(python[0], "docs/text-to-packs.md:1", "exec"), first)  # noqa: S102
     assert first["trained"] > 0  # what "trained" means is checked in test_tokenize.py::test_assistant_only_trains_only_the_replies_end_to_end
 
     commands = [line for line in shell[0].splitlines() if line.startswith("cpdata ")]
@@ -37,7 +37,7 @@ def test_from_text_to_packs_runs_as_written(tmp_path, monkeypatch):
         assert cli_main(shlex.split(line)[1:]) == 0, line
 
     second: dict = {}
-    exec(compile(python[1], "README:text-to-packs-2", "exec"), second)  # noqa: S102
+    exec(compile(python[1], "docs/text-to-packs.md:2", "exec"), second)  # noqa: S102
     assert len(second["batches"]) == len(second["dataset"]) > 0
     assert len(second["tokens"]) == len(rows) and second["tokens"].labels_alignment == "inputs"
     assert second["dataset"].plans.labels_alignment == "inputs"
