@@ -9,7 +9,9 @@ documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
 JSON and digests of a format directory), ``atomic`` (crash-safe directory
 writes), ``base`` (``TokenizedDataset``), ``files`` (lengths files, JSONL,
 ``.npy`` folders), ``tokenstore`` (cpdata's binary token store, reader and
-writer), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
+writer), ``megatron`` and ``megatron_writer`` (Megatron indexed datasets,
+``PREFIX.bin`` + ``PREFIX.idx``, read in place and written as megatron-core
+does), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
 chosen from a path).
 """
 
@@ -22,11 +24,13 @@ _EXPORTS: dict[str, str] = {
     "HFDocuments": "cpdata.sources.hf",
     "JsonlDocuments": "cpdata.sources.files",
     "LengthsFile": "cpdata.sources.files",
+    "MegatronIndexed": "cpdata.sources.megatron",
     "NpyFolder": "cpdata.sources.files",
     "TokenStore": "cpdata.sources.tokenstore",
     "TokenizedDataset": "cpdata.sources.base",
     "atomic_directory": "cpdata.sources.atomic",
     "open_dataset": "cpdata.sources.open",
+    "write_megatron": "cpdata.sources.megatron_writer",
     "write_token_store": "cpdata.sources.tokenstore",
 }
 

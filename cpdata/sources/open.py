@@ -1,6 +1,6 @@
 """``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole.
 
-Five formats, chosen by :func:`open_dataset` from the path:
+Six formats, chosen by :func:`open_dataset` from the path:
 
 | path                         | reader             | tokens? | memory at open                    |
 |------------------------------|--------------------|---------|-----------------------------------|
@@ -9,6 +9,7 @@ Five formats, chosen by :func:`open_dataset` from the path:
 | folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
 | token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
 | ``save_to_disk`` folder      | :class:`~cpdata.sources.hf.HFDocuments` | yes | Arrow, memory-mapped |
+| Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` | yes | memory-mapped, O(1) open |
 
 Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``, picklable and
 safe to read from threads and from forked or spawned workers (:mod:`cpdata.sources.files` says how).
@@ -47,8 +48,13 @@ def open_dataset(
 
             return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)
+    from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
+
+    if is_megatron_prefix(p):
+        return MegatronIndexed(p)
     if not p.exists():
-        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file or a folder")
+        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file, a folder "
+                         "or the prefix of a Megatron PREFIX.bin/PREFIX.idx pair")
     if p.suffix in (".npy", ".npz"):
         return LengthsFile(p)
     if p.suffix == ".jsonl":
