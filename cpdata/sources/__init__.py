@@ -8,7 +8,8 @@ Modules, in pipeline order: ``tokenizer`` (text and chat rows to token
 documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
 JSON and digests of a format directory), ``atomic`` (crash-safe directory
 writes), ``base`` (``TokenizedDataset``), ``files`` (lengths files, JSONL,
-``.npy`` folders), ``tokenstore`` (cpdata's binary token store, reader and
+``.npy`` folders), ``concat`` (several datasets read as one: shards),
+``tokenstore`` (cpdata's binary token store, reader and
 writer), ``megatron`` and ``megatron_writer`` (Megatron indexed datasets,
 ``PREFIX.bin`` + ``PREFIX.idx``, read in place and written as megatron-core
 does), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
@@ -21,6 +22,7 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    "ConcatDataset": "cpdata.sources.concat",
     "HFDocuments": "cpdata.sources.hf",
     "JsonlDocuments": "cpdata.sources.files",
     "LengthsFile": "cpdata.sources.files",
