@@ -21,7 +21,8 @@ Every rank computes the same draws, so it needs the length of every draw, its ow
 
 State: the tokens each source gave this epoch (over every DP rank), beside the draw count and the
 readers' positions. :func:`token_draw_order` lists an epoch vectorized (``precompute``, ``schedule=``),
-tested equal to the node's stream. Cost: O(sources) per draw (~2 us for a handful of sources).
+tested equal to the node's stream. Cost: O(sources) per draw, ~6 us more than by documents with
+three sources (30 vs 24 us per draw including the reads, on a shared 2-core machine).
 """
 
 from __future__ import annotations
