@@ -201,3 +201,15 @@ def test_errors_name_the_source_and_refusals():
             next(empty_stream)
     assert mix({"a": _docs(3)}, {"a": 1}).config == {"names": ["a"], "weights": [1.0], "seed": 0,
                                                       "stop": "first_exhausted"}  # a documents mix: as before
+
+
+def test_a_schedule_plans_a_token_mix_over_its_listed_draws():
+    a, b = _docs(60, max_len=60), _docs(200, lo=100, max_len=8)
+    kw = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, schedule="balanced")
+    with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted", by="tokens"),
+                                     **kw)) as loader:  # fmt: skip
+        tokens = sum(int(batch["padding_mask"].logical_not().sum()) for batch in loader)
+    listed = MixedDataset(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted", by="tokens"))
+    assert tokens == int(listed.lengths.sum())
+    got = {n: c["tokens"] for n, c in listed.counts.items()}
+    assert abs(got["a"] - got["b"]) <= 60 and listed.counts["b"]["documents"] > 3 * listed.counts["a"]["documents"]
