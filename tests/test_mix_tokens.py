@@ -103,12 +103,28 @@ def test_the_listed_draw_order_is_the_stream_order(stop, seed):
     assert len(firsts) > 1, "each epoch draws its tie order"
 
 
+class Unstated:
+    """A sequence that does not state its lengths: every draw is read to count it."""
+
+    def __init__(self, docs):
+        self.docs = docs
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return self.docs[i]
+
+
 def test_dp_ranks_split_the_one_stream_and_read_only_their_own():
-    sources = {"a": Lazy(_lengths(300, 40, 3)), "b": _docs(200, lo=100), "s": Stream(_docs(150, lo=200, seed=5))}
-    weights = {"a": 2, "b": 1, "s": 1}
+    sources = {"a": Lazy(_lengths(300, 40, 3)), "b": _docs(200, lo=100), "s": Stream(_docs(150, lo=200, seed=5)),
+               "u": Unstated(_docs(100, lo=300, seed=6))}  # fmt: skip
+    weights = {"a": 2, "b": 1, "s": 1, "u": 1}
     whole = Documents(mix(sources, weights, by="tokens", stop="all_exhausted"))
     whole.reset()
     stream = [d.arrays["input_ids"].tolist() for d in whole]
+    totals = whole.source_counts
+    counts = []
     for r in range(3):
         lazy = Lazy(_lengths(300, 40, 3))
         node = Documents(mix({**sources, "a": lazy}, weights, by="tokens", stop="all_exhausted"), dp_rank=r,
@@ -117,6 +133,10 @@ def test_dp_ranks_split_the_one_stream_and_read_only_their_own():
         mine = [d for d in node]
         assert [d.arrays["input_ids"].tolist() for d in mine] == stream[r::3]
         assert lazy.reads == node.source_counts["a"]["documents"], "another rank's documents are not read"
+        counts.append(node.source_counts)
+    for name in sources:  # each rank counts its own draws only, the unstated source's too
+        for key in ("documents", "tokens"):
+            assert sum(c[name][key] for c in counts) == totals[name][key] > 0, (name, key)
 
 
 def _sources():

@@ -191,9 +191,9 @@ class Mix(BaseNode[dict]):
         self._drawn += 1
         reader = self.readers[name]
         lengths = self._lengths[name]
-        read = read or (clock is not None and lengths is None)  # a length no index states is counted
+        fetch = read or (clock is not None and lengths is None)  # a length no index states is counted
         try:
-            index, item = reader.take(read)
+            index, item = reader.take(fetch)
         except StopIteration:
             self._exhausted.add(name)
             every = len(self._exhausted) == len(self.names)
@@ -202,7 +202,7 @@ class Mix(BaseNode[dict]):
                 raise
             self._new_pass(name)
             try:
-                index, item = reader.take(read)
+                index, item = reader.take(fetch)
             except StopIteration:
                 raise ValueError(
                     f"mix source {name!r} gave no document on pass {reader.passes}; with stop={self.stop!r} a "
