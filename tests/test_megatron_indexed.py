@@ -231,3 +231,27 @@ def test_bad_input_is_refused_naming_the_file_and_the_fix(tmp_path):
     (tmp_path / "f.bin").write_bytes(np.array([1, 2.5, 3], np.float32).tobytes())
     with pytest.raises(ValueError, match="document 0 holds 2.5 at position 1; token ids are whole numbers"):
         _ = open_dataset(floats)[0]
+
+
+def test_multimodal_indexes_read_text_and_refuse_other_modes(tmp_path):
+    docs = _docs(12, empty=False)
+    builder = IndexedDatasetBuilder(str(tmp_path / "mm.bin"), dtype=np.int32, multimodal=True)
+    for i, ids in enumerate(docs):
+        half = len(ids) // 2
+        builder.add_document(torch.tensor(ids), [half, len(ids) - half], modes=[0, 1 if i == 9 else 0])
+    builder.finalize(str(tmp_path / "mm.idx"))
+    ds = open_dataset(tmp_path / "mm")
+    assert ds.multimodal and ds.sequences == 24
+    for i in range(9):
+        np.testing.assert_array_equal(ds[i]["input_ids"], docs[i])
+    with pytest.raises(ValueError, match=r"mm\.idx: sequence 19 has mode 1 \(a multimodal build's non-text item\)"):
+        _ = ds[9]
+    with pytest.raises(ValueError, match="sequence 19 has mode 1"):
+        _ = ds.lengths
+
+
+def test_an_empty_dataset_opens_empty(tmp_path):
+    ds = write_megatron([], tmp_path / "none")
+    assert len(ds) == 0 and ds.lengths.shape == (0,)  # (megatron-core's reader cannot mmap the empty .bin)
+    assert (tmp_path / "none.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+    assert open_dataset(tmp_path / "none").fingerprint() == ds.fingerprint()
