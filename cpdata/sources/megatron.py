@@ -31,6 +31,10 @@ Cost and checks (``n`` sequences):
 | ``fingerprint()`` / ``checksum()`` | sha256 of the whole ``.idx`` + 64 sampled 4 KiB blocks of the ``.bin`` + its size (computed once: ~20 ms per million documents) | |
 | ``check_unchanged()`` | 2 ``stat``; when an mtime moved, 64 sampled blocks of each file again (taken at open) | a file resized, or rewritten with other content where sampled |
 
+Measured on 1M documents (50M uint16 tokens) on a shared 2-core machine: open 2-3 ms, ``lengths`` 160-190 ms,
+``fingerprint()`` 75 ms, a read 14 us (29 us before ``lengths`` is known), ``check_token_ids(vocab)`` 1.3 s;
+megatron-core's ``IndexedDataset`` on the same files: open 0.8 ms, a read as int64 20 us.
+
 The format holds no checksums, so unlike the token store there is nothing to re-hash the ``.bin``
 against: a plan is bound to the digest above, and an edit of the ``.bin`` in place that keeps its size
 and misses the sampled blocks goes unnoticed (rewrite with ``cpdata tokenize --format cpdata`` for
@@ -164,7 +168,9 @@ class MegatronIndexed(TokenizedDataset):
                     "longer than its index: the .idx belongs to another .bin, or the .bin was appended to")  # fmt: skip
             raise ValueError(f"{self.bin_path} has {size} bytes but {self.idx_path} says its last sequence ends at "
                              f"byte {end}: the .bin is {what}; copy both files again from the same build, or {_FIX}")  # fmt: skip
-        self._tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+        # a plain ndarray over the map: slicing an np.memmap costs ~10 us of subclass bookkeeping per read
+        self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r").view(np.ndarray) if size else
+                        np.zeros(0, self.dtype))  # fmt: skip
         self._offsets: np.ndarray | None = None
         self._lengths: np.ndarray | None = None
 
@@ -216,7 +222,8 @@ class MegatronIndexed(TokenizedDataset):
     def _span(self, i: int) -> tuple[int, int]:
         """Document ``i``'s tokens ``[start, stop)`` in the ``.bin``, its index rows checked."""
         if self._offsets is not None:
-            return int(self._offsets[i]), int(self._offsets[i + 1])
+            start, stop = self._offsets[i : i + 2].tolist()
+            return start, stop
         s0, s1 = (i, i + 1) if self.unit == "sequences" else (int(self._doc_idx[i]), int(self._doc_idx[i + 1]))
         if s1 < s0 or s1 > self.sequences:
             raise ValueError(f"{self.idx_path}: document {i} spans sequences {s0}..{s1}; the index is damaged; {_FIX}")
@@ -224,18 +231,14 @@ class MegatronIndexed(TokenizedDataset):
             return 0, 0
         isz = self.dtype.itemsize
         lo, hi = max(s0 - 1, 0), min(s1 + 1, self.sequences)  # with the neighbours: the document is where they say
-        lengths, pointers = self._seq_lengths[lo:hi].astype(np.int64), self._pointers[lo:hi]
-        bad = np.flatnonzero((lengths < 0) | (pointers % isz != 0))
-        if bad.size:
-            self._bad_sequence(lo + int(bad[0]))
-        gaps = np.flatnonzero(np.diff(pointers) != lengths[:-1] * isz)
-        if gaps.size:
-            self._bad_sequence(lo + 1 + int(gaps[0]))
-        lengths, pointers = lengths[s0 - lo : s1 - lo], pointers[s0 - lo : s1 - lo]
-        if self._modes is not None and np.any(self._modes[s0:s1]):
+        lengths, pointers = self._seq_lengths[lo:hi].tolist(), self._pointers[lo:hi].tolist()  # a few rows: lists
+        for j in range(hi - lo):
+            if lengths[j] < 0 or pointers[j] % isz or (j and pointers[j] != pointers[j - 1] + lengths[j - 1] * isz):
+                self._bad_sequence(lo + j)
+        if self._modes is not None and self._modes[s0:s1].any():
             self._bad_mode(s0 + int(np.flatnonzero(self._modes[s0:s1])[0]))
-        start = int(pointers[0]) // isz
-        stop = start + int(lengths.sum())
+        start = pointers[s0 - lo] // isz
+        stop = start + sum(lengths[s0 - lo : s1 - lo])
         if stop > self._tokens.shape[0]:
             self._bad_sequence(s1 - 1)
         return start, stop
