@@ -7,7 +7,7 @@ another configuration), built from the pure functions of :mod:`cpdata.worker`,
 :mod:`cpdata.sources`.
 
 Stages, in pipeline order: ``tokenize`` (``Tokenize``: text/chat rows, optional)
-/ ``mix`` + ``mix_readers`` (``Mix``: weighted sources, optional) -> ``source``
+/ ``mix`` + ``mix_readers`` + ``mix_tokens`` (``Mix``: weighted sources, optional; by tokens) -> ``source``
 (``Documents``, with ``source_kinds``, ``source_window``, ``validate``,
 ``document_names``, ``shuffle_buffer``, ``window``) -> ``pack`` (``Pack``, with
 ``live_pieces`` and ``state_copy``), or ``scheduled`` + ``scheduled_rows``

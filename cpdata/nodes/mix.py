@@ -8,7 +8,10 @@
 
 Every draw picks a source with probability ``weight / sum(weights)`` (a pure
 function of ``(seed, epoch, draw)``, :class:`~cpdata.nodes.mix_readers.Draws`)
-and takes that source's next document. The result is a ``torchdata`` node, so
+and takes that source's next document: the weights share out documents. With
+``by="tokens"`` they share out tokens instead: each draw reads the source
+furthest behind its token share (:mod:`cpdata.nodes.mix_tokens`; exact at
+every prefix, within one document per source). The result is a ``torchdata`` node, so
 it goes wherever a source goes (``build_loader``, ``CPDataset``, ``Documents``,
 ``precompute`` / ``PrecomputedPacks`` when every source has known lengths).
 Draw ``j`` of the stream goes to DP rank ``j % dp_size``; every CP rank of a
@@ -49,62 +52,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.mix_readers import Draws, SourceReader, document_tokens
+from cpdata.nodes.mix_readers import (
+    BLOCK,
+    Draws,
+    SourceReader,
+    check_weights,
+    declared_alignment,
+    document_tokens,
+)
+from cpdata.nodes.mix_tokens import BY, TokenClock, source_lengths
 from cpdata.nodes.state_version import check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
-from cpdata.worker.targets import check_labels_alignment
 
 __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 
 STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
-
-
-def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dict[str, float]:
-    """``weights`` as floats in sorted name order; ``TypeError``/``ValueError`` naming the key or value and the fix."""
-    if not isinstance(sources, Mapping) or not sources:
-        raise TypeError(f"sources must be a non-empty dict name -> source, got {type(sources).__name__} {sources!r}"[:300])
-    if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a dict name -> weight with the keys of sources, got {type(weights).__name__}")
-    for name in sources:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"mix source names must be non-empty strings, got {name!r}")
-    missing, extra = sorted(set(sources) - set(weights)), sorted(set(weights) - set(sources), key=str)
-    if missing or extra:
-        raise ValueError(
-            f"weights must have exactly the keys of sources {sorted(sources)}: missing {missing}, unknown {extra}; "
-            "give every source one weight"
-        )
-    out = {}
-    for name in sorted(sources):
-        w = weights[name]
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
-            raise TypeError(f"weights[{name!r}] must be a number, got {type(w).__name__} {w!r}")
-        if not math.isfinite(w) or w <= 0:
-            raise ValueError(
-                f"weights[{name!r}]={w!r} must be finite and > 0 (weights are relative: {{'a': 3, 'b': 1}} draws "
-                "a three times as often as b); leave a source out of the mix rather than giving it weight 0"
-            )
-        out[name] = float(w)
-    return out
-
-
-def _declared_alignment(readers: Mapping[str, SourceReader]) -> str | None:
-    """The labels_alignment every source declares, or None when some declare none; conflicting ones are refused."""
-    declared = {n: check_labels_alignment(getattr(r.source, "labels_alignment", None)) for n, r in readers.items()}
-    values = set(declared.values())
-    if len(values - {None}) > 1:
-        raise ValueError(
-            f"mix sources declare different labels_alignment values {declared}; one pipeline reads every label "
-            "under one convention: convert one source's labels (shift them) before mixing"
-        )
-    return values.pop() if len(values) == 1 else None
 
 
 class Mix(BaseNode[dict]):
@@ -119,20 +87,32 @@ class Mix(BaseNode[dict]):
     EXHAUSTED_KEY = "exhausted"
     READERS_KEY = "readers"
     COUNTS_KEY = "counts"
+    TOKENS_KEY = "tokens_drawn"
 
     def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0,
-                 stop: str = "first_exhausted") -> None:  # fmt: skip
+                 stop: str = "first_exhausted", by: str = "documents") -> None:  # fmt: skip
         super().__init__()
         self.weights = check_weights(sources, weights)
         if stop not in STOP_POLICIES:
             raise ValueError(f"unknown stop policy {stop!r}; choose one of {list(STOP_POLICIES)}")
+        if by not in BY:
+            raise ValueError(f"by must be one of {list(BY)} (what the weights share out), got {by!r}")
+        self.by = by
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
         self.seed, self.stop = int(seed), stop
         self.readers = {name: SourceReader(name, sources[name]) for name in self.names}
-        self.labels_alignment = _declared_alignment(self.readers)
+        self.labels_alignment = declared_alignment(self.readers)
         self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
+        self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
+        self._lengths = {n: source_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
+        for name, lengths in self._lengths.items():
+            if self._clock is not None and lengths is not None and not int(lengths.sum()):
+                raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
+                                 "cannot give it a share of tokens: leave it out of the mix")  # fmt: skip
+        self._recent = np.full((BLOCK if by == "tokens" else 0, 3), -1, dtype=np.int64)  # (source, index, pass)
+        self._pass_tokens: dict[str, int] = {}
         self._epoch, self._next_epoch, self._started = 0, None, False
         self._drawn, self._done = 0, False
         self._exhausted: set[str] = set()
@@ -143,13 +123,19 @@ class Mix(BaseNode[dict]):
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"names": list(self.names), "weights": [self.weights[n] for n in self.names], "seed": self.seed,
-                "stop": self.stop}  # fmt: skip
+        config = {"names": list(self.names), "weights": [self.weights[n] for n in self.names], "seed": self.seed,
+                  "stop": self.stop}  # fmt: skip
+        return config if self.by == "documents" else {**config, "by": self.by}  # a documents mix's states as before
 
     @property
     def draws(self) -> Draws:
         """The source of every draw (a pure function of ``(seed, epoch, draw)``)."""
         return self._draws
+
+    @property
+    def clock(self) -> TokenClock | None:
+        """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""
+        return self._clock
 
     @property
     def epoch(self) -> int:
@@ -179,6 +165,8 @@ class Mix(BaseNode[dict]):
             self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
             for name, reader in self.readers.items():
                 reader.restart(initial_state[self.READERS_KEY][name])
+            if self._clock is not None:
+                self._clock.start(self._epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
         else:
             if self._next_epoch is not None:
                 self._epoch, self._next_epoch = self._next_epoch, None
@@ -188,36 +176,56 @@ class Mix(BaseNode[dict]):
             self._counts = {name: [0, 0] for name in self.names}
             for reader in self.readers.values():
                 reader.restart()
+            if self._clock is not None:
+                self._clock.start(self._epoch)
+        self._recent[:] = -1
+        self._pass_tokens = {}
         self._started = True
 
     def _advance(self, read: bool) -> Any:
         if self._done:
             raise StopIteration
-        k = self._draws(self._epoch, self._drawn)
+        clock = self._clock
+        k = self._draws(self._epoch, self._drawn) if clock is None else clock.pick()
         name, self.last_source = self.names[k], k
         self._drawn += 1
         reader = self.readers[name]
+        lengths = self._lengths[name]
+        fetch = read or (clock is not None and lengths is None)  # a length no index states is counted
         try:
-            _, item = reader.take(read)
+            index, item = reader.take(fetch)
         except StopIteration:
             self._exhausted.add(name)
             every = len(self._exhausted) == len(self.names)
             if self.stop == "first_exhausted" or (self.stop == "all_exhausted" and every):
                 self._done = True
                 raise
-            reader.new_pass()
+            self._new_pass(name)
             try:
-                _, item = reader.take(read)
+                index, item = reader.take(fetch)
             except StopIteration:
                 raise ValueError(
                     f"mix source {name!r} gave no document on pass {reader.passes}; with stop={self.stop!r} a "
                     "source is read again when it runs out, so it must not be empty"
                 ) from None
+        if clock is not None:
+            clock.add(k, int(lengths[index]) if lengths is not None else document_tokens(item))
+            self._recent[(self._drawn - 1) % BLOCK] = (k, index, reader.passes)
         if read:
             counts = self._counts[name]
             counts[0] += 1
             counts[1] += document_tokens(item)
         return item
+
+    def _new_pass(self, name: str) -> None:
+        reader = self.readers[name]
+        if self._clock is not None:
+            now = self._clock.tokens[self.names.index(name)]
+            if self._pass_tokens.get(name) == now:
+                raise ValueError(f"mix source {name!r} gave no tokens on pass {reader.passes}; by='tokens' would "
+                                 "draw it forever: leave a source of empty documents out of the mix")  # fmt: skip
+            self._pass_tokens[name] = now
+        reader.new_pass()
 
     def next(self) -> dict:
         return self._advance(read=True)
@@ -238,12 +246,15 @@ class Mix(BaseNode[dict]):
             self.EXHAUSTED_KEY: sorted(self._exhausted),
             self.COUNTS_KEY: {n: list(c) for n, c in self._counts.items()},
             self.READERS_KEY: {name: reader.state() for name, reader in self.readers.items()},
+            **({} if self._clock is None else {self.TOKENS_KEY: dict(zip(self.names, self._clock.tokens, strict=True))}),
         }
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
         ['a', 'b'], draw 7 of epoch 0)"``; errors about the ``j``-th document of the mixed stream say this
-        instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy."""
+        instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy; by tokens, the last 4096 draws."""
+        if self._clock is not None:
+            return self._describe_recent(int(j))
         k, c = self._draws.locate(self._epoch, int(j))
         name = self.names[k]
         reader = self.readers[name]
@@ -255,6 +266,15 @@ class Mix(BaseNode[dict]):
         index = c if not size else c % size
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
+                f"{self._epoch}{again})")  # fmt: skip
+
+    def _describe_recent(self, j: int) -> str:
+        k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
+        if k < 0 or j < self._drawn - BLOCK:
+            return (f"a document of the mix {self.names} (draw {j} of epoch {self._epoch}, by tokens: its source is "
+                    f"known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
+        again = f", pass {passes} over it" if passes else ""
+        return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
                 f"{self._epoch}{again})")  # fmt: skip
 
     def _source_fingerprints(self) -> dict[str, str | None]:
@@ -280,7 +300,8 @@ class Mix(BaseNode[dict]):
                 raise ValueError(f"mix source {name!r}: {exc}") from exc
 
 
-def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted") -> Mix:
+def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",
+        by: str = "documents") -> Mix:
     """Mix named sources by weight into one source (see the module docstring for the stop policies).
 
     Args:
@@ -290,6 +311,9 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0
         weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
         seed: seeds the draws (with the epoch).
         stop: ``"first_exhausted"`` (default), ``"all_exhausted"`` or ``"never"``.
+        by: what the weights share out: ``"documents"`` (default: each draw picks a source by weight) or
+            ``"tokens"`` (each draw reads the source furthest behind its token share,
+            :mod:`cpdata.nodes.mix_tokens`).
 
     Returns:
         a :class:`Mix` node. Labels and masks keep the pipeline's one ``labels_alignment``: the mix
@@ -299,4 +323,4 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0
     Raises:
         TypeError, ValueError: the message names the offending name, weight or policy and the fix.
     """
-    return Mix(sources, weights, seed=seed, stop=stop)
+    return Mix(sources, weights, seed=seed, stop=stop, by=by)

@@ -1,4 +1,4 @@
-"""The parts of :class:`cpdata.nodes.mix.Mix`: its weighted draws and one reader per source.
+"""The parts of :class:`cpdata.nodes.mix.Mix`: its checks, its weighted draws and one reader per source.
 
 Draws: draw ``j`` of epoch ``e`` picks source ``k`` with probability
 ``w_k / sum(w)``. The uniforms come in blocks of :data:`BLOCK`, block ``b``
@@ -19,6 +19,7 @@ A reader walks one source in its own order, pass after pass:
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +27,54 @@ import numpy as np
 
 from cpdata.nodes.source import reading_error, restart_iterable, source_kind
 from cpdata.sources.hf import as_hf_documents
+from cpdata.worker.targets import check_labels_alignment
 
-__all__ = ["BLOCK", "Draws", "SourceReader", "document_tokens"]
+__all__ = ["BLOCK", "Draws", "SourceReader", "check_weights", "declared_alignment", "document_tokens"]
 
 BLOCK = 4096
 """Draws generated at once (one ``rng.random(BLOCK)`` call)."""
 _TAG = 0x313C  # separates the mix's random stream from the shuffles'
+
+
+def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dict[str, float]:
+    """``weights`` as floats in sorted name order; ``TypeError``/``ValueError`` naming the key or value and the fix."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise TypeError(f"sources must be a non-empty dict name -> source, got {type(sources).__name__} {sources!r}"[:300])
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a dict name -> weight with the keys of sources, got {type(weights).__name__}")
+    for name in sources:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"mix source names must be non-empty strings, got {name!r}")
+    missing, extra = sorted(set(sources) - set(weights)), sorted(set(weights) - set(sources), key=str)
+    if missing or extra:
+        raise ValueError(
+            f"weights must have exactly the keys of sources {sorted(sources)}: missing {missing}, unknown {extra}; "
+            "give every source one weight"
+        )
+    out = {}
+    for name in sorted(sources):
+        w = weights[name]
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
+            raise TypeError(f"weights[{name!r}] must be a number, got {type(w).__name__} {w!r}")
+        if not math.isfinite(w) or w <= 0:
+            raise ValueError(
+                f"weights[{name!r}]={w!r} must be finite and > 0 (weights are relative: {{'a': 3, 'b': 1}} draws "
+                "a three times as often as b); leave a source out of the mix rather than giving it weight 0"
+            )
+        out[name] = float(w)
+    return out
+
+
+def declared_alignment(readers: Mapping[str, SourceReader]) -> str | None:
+    """The labels_alignment every source declares, or None when some declare none; conflicting ones are refused."""
+    declared = {n: check_labels_alignment(getattr(r.source, "labels_alignment", None)) for n, r in readers.items()}
+    values = set(declared.values())
+    if len(values - {None}) > 1:
+        raise ValueError(
+            f"mix sources declare different labels_alignment values {declared}; one pipeline reads every label "
+            "under one convention: convert one source's labels (shift them) before mixing"
+        )
+    return values.pop() if len(values) == 1 else None
 
 
 class Draws:

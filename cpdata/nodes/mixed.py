@@ -5,7 +5,8 @@ the first batch, so they need the mix as a sequence with lengths. When every
 source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths
 (``open_dataset(...)``, a ``datasets.Dataset``, a token store; an in-memory
 list, whose lengths are counted), :class:`MixedDataset` lists the documents
-the mix draws in one epoch, in draw order: item ``j`` is document
+the mix draws in one epoch, in draw order (by tokens:
+:func:`~cpdata.nodes.mix_tokens.token_draw_order`): item ``j`` is document
 ``index[j]`` of source ``names[source_id[j]]``. The order comes from the
 mix's own draws and stop rule, vectorized (:func:`draw_order`, tested equal to
 the node's stream), so a plan over it packs what the streaming loader packs. Cost: numpy per block of 4096 draws, about 1 us per
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.nodes.mix import Mix
-from cpdata.nodes.mix_readers import document_tokens
+from cpdata.nodes.mix_tokens import source_lengths, tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
 from cpdata.worker.targets import TARGET_KEYS
@@ -49,13 +50,9 @@ _WHY = "precompute and schedule= plan every document's length before training"
 
 
 def _source_lengths(name: str, source: Any) -> np.ndarray:
-    lengths = getattr(source, "lengths", None)
+    lengths = source_lengths(source)
     if lengths is not None:
-        arr = np.asarray(lengths)
-        if arr.ndim == 1 and arr.shape[0] == len(source) and arr.dtype.kind in "iu":
-            return arr.astype(np.int64, copy=False)
-    if type(source) in (list, tuple):
-        return np.fromiter((document_tokens(item) for item in source), dtype=np.int64, count=len(source))
+        return lengths
     raise ValueError(
         f"mix source {name!r} ({type(source).__name__}) does not state its documents' lengths, which {_WHY}; open "
         "it with cpdata.open_dataset(path) (or pass a datasets.Dataset or a list), or stream the mix (schedule=None)"
@@ -150,7 +147,9 @@ class MixedDataset(TokenizedDataset):
         self._sources = [mixed.readers[n].source for n in mixed.names]
         per_source = [_source_lengths(n, s) for n, s in zip(mixed.names, self._sources, strict=True)]
         sizes = np.array([len(s) for s in self._sources], dtype=np.int64)
-        orders = [draw_order(mixed, sizes, e) for e in range(self.epoch, self.epoch + self.epochs)]
+        orders = [draw_order(mixed, sizes, e) if mixed.clock is None else
+                  token_draw_order(mixed.clock.weights, tie_ranks(mixed.seed, e, len(sizes)), per_source, mixed.stop)
+                  for e in range(self.epoch, self.epoch + self.epochs)]  # fmt: skip
         self.source_id = np.concatenate([ids for ids, _ in orders])
         self.index = np.concatenate([index for _, index in orders])
         self.epoch_starts = np.concatenate([[0], np.cumsum([ids.shape[0] for ids, _ in orders])]).astype(np.int64)

@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
         "{\"messages\"} rows: it is first tokenized into a token store (--tokens-out), then planned. "
         "Serve the result with cpdata.PrecomputedPacks. Instead of INPUT, --mix NAME=PATH:WEIGHT (repeated) plans "
         "the documents cpdata.mix draws from several tokenized datasets; serve it with "
-        "PrecomputedPacks(OUT, cpdata.mix({NAME: open_dataset(PATH), ...}, {NAME: WEIGHT, ...}, seed=, stop=)).",
+        "PrecomputedPacks(OUT, cpdata.mix({NAME: open_dataset(PATH), ...}, {NAME: WEIGHT, ...}, seed=, stop=, by=)).",
     )
     p.add_argument("input", metavar="INPUT", nargs="?", default=None,
                    help="tokenized dataset, or text/chat .jsonl with --tokenizer (or use --mix)")  # fmt: skip
@@ -35,6 +35,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mix-stop", default="first_exhausted",
                    help="with --mix: first_exhausted (default), all_exhausted (smaller sources repeat)")
     p.add_argument("--mix-seed", type=int, default=0, help="with --mix: seed of the draws (default 0)")
+    p.add_argument("--mix-by", choices=("documents", "tokens"), default="documents",
+                   help="with --mix: the weights share out documents (default) or tokens (cpdata.mix(by=...))")
     p.add_argument("--epochs", type=int, default=1,
                    help="with --mix: epochs to plan, each over that epoch's draws (default 1; PrecomputedPacks "
                    "refuses a later epoch)")  # fmt: skip
@@ -80,7 +82,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def parse_mix(entries: list[str], *, seed: int, stop: str) -> Any:
+def parse_mix(entries: list[str], *, seed: int, stop: str, by: str = "documents") -> Any:
     """``["web=web.jsonl:0.7", ...]`` -> ``cpdata.mix({"web": open_dataset("web.jsonl"), ...}, ...)``."""
     from cpdata.nodes.mix import STOP_POLICIES, check_weights, mix
     from cpdata.sources.open import open_dataset
@@ -102,7 +104,7 @@ def parse_mix(entries: list[str], *, seed: int, stop: str) -> Any:
             raise ValueError(f"--mix names source {name!r} twice; give each source one --mix NAME=PATH:WEIGHT")
         paths[name], weights[name] = path, value
     check_weights(dict.fromkeys(paths), weights)  # before any file is opened
-    return mix({name: open_dataset(path) for name, path in paths.items()}, weights, seed=seed, stop=stop)
+    return mix({name: open_dataset(path) for name, path in paths.items()}, weights, seed=seed, stop=stop, by=by)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mix:
         if args.input is not None or args.tokenizer:
             raise ValueError("--mix replaces INPUT (and --tokenizer): tokenize each source first, then mix the stores")
-        data = parse_mix(args.mix, seed=args.mix_seed, stop=args.mix_stop)
+        data = parse_mix(args.mix, seed=args.mix_seed, stop=args.mix_stop, by=args.mix_by)
     elif args.input is None:
         raise ValueError("pass INPUT (a tokenized dataset) or --mix NAME=PATH:WEIGHT at least once")
     if args.tokenizer:

@@ -1,4 +1,5 @@
-"""JSONL files to a token store, in parallel: what ``cpdata tokenize`` and ``cpdata pack-store`` run.
+"""JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: what ``cpdata tokenize`` and
+``cpdata pack-store`` run.
 
 The file is read in chunks of lines (blank lines are not documents); each
 chunk is converted by a worker process and the results are appended to the
@@ -28,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from cpdata.offline.progress import Progress
+from cpdata.sources.megatron import MegatronIndexed
+from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
 from cpdata.sources.tokenstore import TokenStore, TokenStoreWriter
 
-__all__ = ["jsonl_to_token_store"]
+__all__ = ["jsonl_to_megatron", "jsonl_to_token_store"]
 
 _CHUNK_LINES = 512
 _convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
@@ -112,6 +115,38 @@ def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[in
         yield str(path), docs, lines
 
 
+def _converted(src: Path, convert: Any, workers: int, bar: Progress, totals: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:
+    """Every converted document of ``src`` in file order; the converter's counters are added to ``totals``."""
+    if workers == 1:
+        _init(convert)
+        results: Iterator[Any] = map(_run_chunk, _chunks(src, bar))
+    else:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init, initargs=(convert,))
+        results = pool.imap(_run_chunk, _chunks(src, bar))
+    try:
+        for docs, stats in results:
+            yield from docs
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0) + value
+    finally:
+        if workers > 1:
+            pool.terminate()
+            pool.join()
+
+
+def _prepare(path: str | os.PathLike[str], tokenizer: RowTokenizer | None, vocab_size: int | None,
+             workers: int) -> tuple[Path, Any, int | None]:  # fmt: skip
+    src = Path(path)
+    if not src.is_file():
+        raise ValueError(f"input {str(src)!r} does not exist or is not a file; pass a .jsonl file")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if vocab_size is None and tokenizer is not None:
+        size = getattr(tokenizer._tok, "__len__", None)
+        vocab_size = size() if callable(size) else None
+    return src, tokenizer if tokenizer is not None else _tokenized_row, vocab_size
+
+
 def jsonl_to_token_store(
     path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -135,37 +170,39 @@ def jsonl_to_token_store(
     """
     from cpdata.sources.atomic import atomic_directory
 
-    src = Path(path)
-    if not src.is_file():
-        raise ValueError(f"input {str(src)!r} does not exist or is not a file; pass a .jsonl file")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
-    if vocab_size is None and tokenizer is not None:
-        size = getattr(tokenizer._tok, "__len__", None)
-        vocab_size = size() if callable(size) else None
-    convert: Any = tokenizer if tokenizer is not None else _tokenized_row
+    src, convert, vocab_size = _prepare(path, tokenizer, vocab_size, workers)
     totals: dict[str, int] = {}
     source = {"name": src.name, "bytes": src.stat().st_size, "tokenizer": None if tokenizer is None else str(tokenizer.source)}
     with atomic_directory(out_dir, overwrite=overwrite) as tmp, Progress(
         src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B", enabled=progress
     ) as bar:
         writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
-        if workers == 1:
-            _init(convert)
-            results: Iterator[Any] = map(_run_chunk, _chunks(src, bar))
-        else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init, initargs=(convert,))
-            results = pool.imap(_run_chunk, _chunks(src, bar))
-        try:
-            for docs, stats in results:
-                for doc in docs:
-                    writer.add(doc)
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0) + value
-        finally:
-            if workers > 1:
-                pool.terminate()
-                pool.join()
+        for doc in _converted(src, convert, workers, bar, totals):
+            writer.add(doc)
         aligned = "inputs" if tokenizer is not None and tokenizer.assistant_only else None
         writer.finish({**source, "stats": totals}, labels_alignment=aligned)
     return TokenStore(out_dir), totals
+
+
+def jsonl_to_megatron(
+    path: str | os.PathLike[str],
+    prefix: str | os.PathLike[str],
+    *,
+    tokenizer: RowTokenizer | None = None,
+    vocab_size: int | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> tuple[MegatronIndexed, dict[str, int]]:
+    """As :func:`jsonl_to_token_store`, into a Megatron ``PREFIX.bin`` + ``PREFIX.idx``
+    (:mod:`cpdata.sources.megatron_writer`: uint16 below 65,500 ids, else int32; ``input_ids`` only)."""
+    if tokenizer is not None and tokenizer.assistant_only:
+        raise ValueError("--assistant-only keeps assistant_masks, but a Megatron indexed dataset holds input_ids "
+                         "only; write a token store (--format cpdata) to keep them")  # fmt: skip
+    src, convert, vocab_size = _prepare(path, tokenizer, vocab_size, workers)
+    totals: dict[str, int] = {}
+    with Progress(src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B",
+                  enabled=progress) as bar:  # fmt: skip
+        dataset = write_megatron(_converted(src, convert, workers, bar, totals), prefix, vocab_size=vocab_size,
+                                 overwrite=overwrite)  # fmt: skip
+    return dataset, totals

@@ -32,7 +32,12 @@ def row_tokenizer(args: argparse.Namespace) -> Any:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output store directory (written atomically)")
+    p.add_argument("--out", required=True,
+                   help="output store directory (written atomically); with --format megatron the PREFIX of "
+                   "PREFIX.bin and PREFIX.idx")  # fmt: skip
+    p.add_argument("--format", choices=("cpdata", "megatron"), default="cpdata",
+                   help="cpdata: a token store (default; keeps labels and masks, per-file sha256); megatron: "
+                   "Megatron's indexed dataset, as preprocess_data.py writes it (input_ids only)")  # fmt: skip
     p.add_argument("--vocab-size", type=int, default=None,
                    help="ids must be below it; <= 65536 stores 2 bytes per token (default: the tokenizer's size)")  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="converter processes (default 1; output is the same)")
@@ -68,9 +73,18 @@ def register_pack_store(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpdata.offline.tokenize_files import jsonl_to_token_store
+    from cpdata.offline.tokenize_files import jsonl_to_megatron, jsonl_to_token_store
 
     tokenizer = row_tokenizer(args) if getattr(args, "tokenizer", None) else None
+    if args.format == "megatron":
+        meg, stats = jsonl_to_megatron(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                                       workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
+        line = (f"wrote {meg.bin_path} and {meg.idx_path.name}: {len(meg)} documents, {int(meg.lengths.sum())} "
+                f"tokens ({meg.dtype.name})")  # fmt: skip
+        if stats:
+            line += f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']}"
+        print(line)
+        return 0
     store, stats = jsonl_to_token_store(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
                                         workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
     m = store.manifest

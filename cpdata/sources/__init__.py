@@ -8,8 +8,11 @@ Modules, in pipeline order: ``tokenizer`` (text and chat rows to token
 documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
 JSON and digests of a format directory), ``atomic`` (crash-safe directory
 writes), ``base`` (``TokenizedDataset``), ``files`` (lengths files, JSONL,
-``.npy`` folders), ``tokenstore`` (cpdata's binary token store, reader and
-writer), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
+``.npy`` folders), ``concat`` (several datasets read as one: shards),
+``tokenstore`` (cpdata's binary token store, reader and
+writer), ``megatron`` and ``megatron_writer`` (Megatron indexed datasets,
+``PREFIX.bin`` + ``PREFIX.idx``, read in place and written as megatron-core
+does), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
 chosen from a path).
 """
 
@@ -19,14 +22,17 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    "ConcatDataset": "cpdata.sources.concat",
     "HFDocuments": "cpdata.sources.hf",
     "JsonlDocuments": "cpdata.sources.files",
     "LengthsFile": "cpdata.sources.files",
+    "MegatronIndexed": "cpdata.sources.megatron",
     "NpyFolder": "cpdata.sources.files",
     "TokenStore": "cpdata.sources.tokenstore",
     "TokenizedDataset": "cpdata.sources.base",
     "atomic_directory": "cpdata.sources.atomic",
     "open_dataset": "cpdata.sources.open",
+    "write_megatron": "cpdata.sources.megatron_writer",
     "write_token_store": "cpdata.sources.tokenstore",
 }
 

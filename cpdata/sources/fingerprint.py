@@ -15,6 +15,8 @@ What each source gives:
 | :class:`~cpdata.sources.NpyFolder` | file count, names, sizes, sampled files' bytes | files added or removed; every file read is checked against the size and mtime seen at open |
 | :class:`~cpdata.sources.LengthsFile` | sha256 of the lengths | size/mtime moved and lengths differ |
 | :class:`~cpdata.sources.tokenstore.TokenStore` | the manifest digest (covers every file's sha256) | the manifest rewritten, a file resized |
+| :class:`~cpdata.sources.megatron.MegatronIndexed` (``PREFIX.bin`` + ``PREFIX.idx``) | sha256 of the ``.idx`` + the ``.bin``'s size and 64 sampled 4 KiB blocks | a file resized; sampled blocks of both files re-read when an mtime moved |
+| :class:`~cpdata.sources.concat.ConcatDataset` (``open_dataset([...])``) | every part's fingerprint, in order | every part asked, the error naming it |
 | :class:`~cpdata.sources.hf.HFDocuments` (a ``datasets.Dataset``) | its ``_fingerprint``, rows, columns, features | an Arrow cache file resized |
 | :func:`cpdata.mix` (``Mix``) | the configuration + every source's fingerprint (a source without one: its kind and length) | every source asked, the error naming it |
 | a plain ``list``/``tuple`` of dicts | count + ``input_ids`` of up to 16 evenly spaced items | the same sample, re-hashed each epoch |

@@ -1,6 +1,6 @@
 """``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole.
 
-Five formats, chosen by :func:`open_dataset` from the path:
+Six formats, chosen by :func:`open_dataset` from the path:
 
 | path                         | reader             | tokens? | memory at open                    |
 |------------------------------|--------------------|---------|-----------------------------------|
@@ -9,6 +9,8 @@ Five formats, chosen by :func:`open_dataset` from the path:
 | folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
 | token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
 | ``save_to_disk`` folder      | :class:`~cpdata.sources.hf.HFDocuments` | yes | Arrow, memory-mapped |
+| Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` | yes | memory-mapped, O(1) open |
+| a list of any of these       | :class:`~cpdata.sources.concat.ConcatDataset` | if all do | each part's |
 
 Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``, picklable and
 safe to read from threads and from forked or spawned workers (:mod:`cpdata.sources.files` says how).
@@ -27,13 +29,21 @@ __all__ = ["open_dataset"]
 
 
 def open_dataset(
-    path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
+    path: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[str | os.PathLike[str], ...],
+    *,
+    on_progress: Callable[[int], None] | None = None,
 ) -> TokenizedDataset:
     """Open a tokenized dataset, choosing the reader from the path (see the module table).
 
+    A list or tuple of paths opens each and reads them as one dataset, in that order
+    (:class:`~cpdata.sources.concat.ConcatDataset`: the shards a distributed tokenizer wrote).
     ``on_progress(n)`` is called while scanning: with bytes read for JSONL, with
     files read for a folder.
     """
+    if isinstance(path, (list, tuple)):
+        from cpdata.sources.concat import ConcatDataset
+
+        return ConcatDataset([open_dataset(part, on_progress=on_progress) for part in path])
     p = Path(path)
     if p.is_dir():
         from cpdata.sources.tokenstore import TokenStore, is_token_store
@@ -47,8 +57,13 @@ def open_dataset(
 
             return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)
+    from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
+
+    if is_megatron_prefix(p):
+        return MegatronIndexed(p)
     if not p.exists():
-        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file or a folder")
+        raise ValueError(f"dataset {str(p)!r} does not exist; pass a .npy/.npz of lengths, a .jsonl file, a folder "
+                         "or the prefix of a Megatron PREFIX.bin/PREFIX.idx pair")
     if p.suffix in (".npy", ".npz"):
         return LengthsFile(p)
     if p.suffix == ".jsonl":

@@ -1,0 +1,89 @@
+"""open_dataset([...]): shards written by a distributed tokenizer read as one dataset, planned from the
+engine's lengths file and served from the shards."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from cpdata import (
+    Collate,
+    Documents,
+    PrecomputedPacks,
+    ShardForRank,
+    build_loader,
+    close_loader,
+    open_dataset,
+    precompute,
+)
+from cpdata.sources.concat import ConcatDataset
+from cpdata.sources.megatron_writer import write_megatron
+from cpdata.sources.tokenstore import write_token_store
+from tests.test_precompute import assert_batches_equal
+
+
+def _docs(n, seed):
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(0, 500, int(rng.integers(1, 60)))} for _ in range(n)]
+
+
+def _shards(tmp_path):
+    parts = [_docs(40, 0), _docs(25, 1), _docs(30, 2)]
+    write_megatron(parts[0], tmp_path / "shard0_text_document", vocab_size=500)
+    write_megatron(parts[1], tmp_path / "shard1_text_document", vocab_size=500)
+    write_token_store(parts[2], tmp_path / "shard2_store", vocab_size=500)
+    paths = [tmp_path / "shard0_text_document", tmp_path / "shard1_text_document", tmp_path / "shard2_store"]
+    return paths, [d for part in parts for d in part]
+
+
+def test_shards_read_as_one_dataset_in_order(tmp_path):
+    paths, docs = _shards(tmp_path)
+    ds = open_dataset(paths)
+    assert isinstance(ds, ConcatDataset) and len(ds) == len(docs) == 95
+    np.testing.assert_array_equal(ds.lengths, [len(d["input_ids"]) for d in docs])
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(ds[i]["input_ids"], doc["input_ids"])
+    assert ds.locate(40) == (1, 0) and ds.locate(94) == (2, 29)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone.fingerprint() == ds.fingerprint() and clone.checksum() == ds.checksum()
+    swapped = open_dataset([paths[1], paths[0], paths[2]])
+    assert swapped.fingerprint() != ds.fingerprint() and swapped.checksum() != ds.checksum()
+    with pytest.raises(ValueError, match="needs at least one path"):
+        open_dataset([])
+
+
+def test_a_plan_from_the_engines_lengths_serves_from_the_shards(tmp_path):
+    paths, docs = _shards(tmp_path)
+    lengths = np.array([len(d["input_ids"]) for d in docs], dtype=np.int64)  # what the engine wrote beside its shards
+    np.save(tmp_path / "lengths.npy", lengths)
+    kw = {"capacity": 128, "cp_size": 2, "layout": "balanced", "overflow": "split"}
+    precompute(tmp_path / "lengths.npy", tmp_path / "plan", **kw)
+    served = list(ShardForRank(Collate(PrecomputedPacks(tmp_path / "plan", open_dataset(paths))), cp_size=2,
+                               cp_rank=0, layout="balanced"))  # fmt: skip
+    loader = build_loader(docs, cp_rank=0, restart_on_stop_iteration=False, **kw)
+    online = list(loader)
+    close_loader(loader)
+    assert len(served) == len(online) > 5
+    for a, e in zip(served, online, strict=True):
+        assert_batches_equal(a, e)
+    np.save(tmp_path / "other.npy", lengths[::-1].copy())
+    precompute(tmp_path / "other.npy", tmp_path / "plan2", **kw)
+    with pytest.raises(ValueError, match="have other lengths"):
+        PrecomputedPacks(tmp_path / "plan2", open_dataset(paths))
+
+
+def test_errors_name_the_shard(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([1], [2], [600])))
+    paths, _ = _shards(tmp_path)
+    ds = open_dataset([paths[0], tmp_path / "bad.jsonl"])
+    with pytest.raises(ValueError, match=r"part 1 of 2 \(.*bad.jsonl\): .*document 2 has token id 600"):
+        ds.check_token_ids(500)
+    with pytest.raises(ValueError, match=r"document 2 of part 1 \(.*bad\.jsonl\)"):
+        for _ in Documents(ds, vocab_size=500):
+            pass
+    (tmp_path / "bad.jsonl").write_text("")
+    with pytest.raises(ValueError, match="part 1 of 2: .*bad.jsonl changed since it was opened"):
+        ds.check_unchanged()
