@@ -32,26 +32,30 @@ on every rank, in ~15 numpy calls per rank:
 Measured (``cpdata bench --sections attention``, docs/layouts-and-kernels.md):
 busiest rank's tiles within ~1 % of the ideal at tile 128 on every distribution
 row; K/V a rank must receive 0.02-0.35 of an all-gather's; ~40-200 us per pack.
-The run table (:func:`tiled_block`) is the blocks themselves: one row per
-block, two columns (the block, and an empty run picked by every other rank).
+The tables (:func:`tiled_block`) keep the blocks' owners and their rank-major
+order: a rank's row and the inverse map are one ``repeat`` and one add each.
+They have the run tables' interface (``tables()``, ``row``, ``inverse``,
+``causal_work``), which is all the worker asks of a layout.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout_runs import RunBlock, _frozen, segments
+from cpdata.layout_runs import _frozen, segments
 
-__all__ = ["DEFAULT_TILE", "MAX_SWAPS", "SWAP_TOLERANCE", "TILES", "block_costs", "tiled_block", "tiled_owners"]
+__all__ = ["DEFAULT_TILE", "MAX_SWAPS", "SWAP_TOLERANCE", "TILES", "TiledBlock", "TiledTable", "block_costs", "tiled_block",
+           "tiled_owners"]
 
 TILES: tuple[int, ...] = (64, 128, 256)
 """Tile sizes ``tiled`` supports (the kernel's query and key block: 128 for flash/flex on most GPUs, 256 on newer)."""
 
 DEFAULT_TILE = 128
 
-SWAP_TOLERANCE = 0.005
+SWAP_TOLERANCE = 0.01
 """Swaps stop once the busiest rank is within this fraction of the ideal (each swap moves blocks off their
 document's rank; the deal alone is within ~1 %)."""
 
@@ -64,57 +68,66 @@ same)."""
 
 
 def block_costs(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(cost, doc)`` int64 ``[pack_len // tile]``: each block's live key tiles and the slot of its first token.
+    """``(cost, within)`` int64 ``[pack_len // tile]``: each block's live key tiles, and its index among the
+    blocks whose first token lies in the same document (0: the first of them).
 
-    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the tail joins the last slot).
+    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the tail joins the last slot). The document
+    of block ``b``'s first token starts at ``s``: ``cost = b - s // tile + 1``, and its first such block is
+    ``ceil(s / tile)``.
     """
-    n = pack_len // tile
     ends = np.cumsum(slot_lens)
-    if ends.size:
-        ends[-1] = pack_len
-    else:
-        ends = np.array([pack_len], dtype=np.int64)
-    b = np.arange(n, dtype=np.int64)
-    doc = ends.searchsorted(b * tile, side="right")
-    starts = np.concatenate([[0], ends[:-1]])
-    return b - starts[doc] // tile + 1, doc
+    starts = np.zeros(max(ends.size, 1), dtype=np.int64)
+    if ends.size > 1:
+        starts[1:] = ends[:-1]
+    b = np.arange(pack_len // tile, dtype=np.int64)
+    start = starts[np.minimum(ends.searchsorted(b * tile, side="right"), starts.size - 1)]
+    head, part = np.divmod(start, tile)
+    cost = b - head
+    cost += 1
+    return cost, cost - 1 - (part > 0)
 
 
-def _deal(cost: np.ndarray, doc: np.ndarray, cp: int) -> np.ndarray:
+def _deal(cost: np.ndarray, within: np.ndarray, cp: int) -> np.ndarray:
     """int64 ``[n]``: the owner of every block (steps 1-3 of the module docstring)."""
     n = cost.shape[0]
     m = n // cp
-    first = np.flatnonzero(np.diff(doc, prepend=-1))  # each group's first block
-    size = np.diff(first, append=n)
     piece = max(1, m // PIECE_DIVISOR)
-    if size.max() > piece:  # long documents: consecutive pieces of `piece` blocks, each its own group
-        cuts = np.zeros(n, dtype=bool)
-        cuts[first] = True
-        within = np.arange(n, dtype=np.int64) - np.repeat(first, size)
-        cuts[within % piece == 0] = True
-        first = np.flatnonzero(cuts)
-        size = np.diff(first, append=n)
-    gcost = np.add.reduceat(cost, first)
-    order = np.lexsort((first, -gcost / size))  # densest first, ties in global order
+    # groups: a document's blocks, in pieces of at most `piece` blocks; costs rise by 1 per block of a group,
+    # so a group's density is its first cost plus (size - 1) / 2: doubled, an integer
+    first = np.flatnonzero(within % piece == 0)
+    size = np.diff(first, append=n)
+    twice = cost[first] * 2 + size
+    order = np.argsort(-twice, kind="stable")  # densest first, ties in global order
     seq = segments(first[order], size[order])
     cs = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(cost[seq], out=cs[1:])
     lo, hi = 0, n
-    x = np.arange(m + 1, dtype=np.int64)
-    took = np.empty(cp - 1, dtype=np.int64)  # blocks each rank takes from the dense end
+    took = []  # blocks each rank takes from the dense end
     for r in range(cp - 1):
         share = (cs[hi] - cs[lo]) / (cp - r)
-        got = cs[lo + x] - cs[lo] + cs[hi] - cs[hi - m + x]
-        k = int(np.abs(got - share).argmin())
-        took[r] = k
+        # x from the dense end and m - x from the sparse end cost cs[lo + x] - cs[lo] + cs[hi] - cs[hi - m + x]
+        miss = cs[lo : lo + m + 1] - cs[hi - m : hi + 1] + (cs[hi] - cs[lo] - share)  # float64 [m + 1]
+        k = int(np.abs(miss).argmin())
+        took.append(k)
         lo, hi = lo + k, hi - m + k
     # the sequence, in order: rank 0's dense blocks .. rank cp-2's, the last rank's middle, rank cp-2's sparse
     # blocks .. rank 0's
-    ranks = np.arange(cp, dtype=np.int64)
-    counts = np.concatenate([took, [hi - lo], m - took[::-1]])
+    counts = np.array([*took, hi - lo, *(m - k for k in reversed(took))], dtype=np.int64)
     owner = np.empty(n, dtype=np.int64)
-    owner[seq] = np.concatenate([ranks, ranks[-2::-1]]).repeat(counts)
+    owner[seq] = _SNAKE[cp].repeat(counts)
     return owner
+
+
+class _Snake(dict):
+    """``cp`` -> int64 ``[2cp - 1]``: ``0 .. cp-1 .. 0`` (cached)."""
+
+    def __missing__(self, cp: int) -> np.ndarray:
+        ranks = np.arange(cp, dtype=np.int64)
+        self[cp] = out = np.concatenate([ranks, ranks[-2::-1]])
+        return out
+
+
+_SNAKE = _Snake()
 
 
 def _swap(cost: np.ndarray, owner: np.ndarray, cp: int) -> None:
@@ -149,22 +162,54 @@ def _swap(cost: np.ndarray, owner: np.ndarray, cp: int) -> None:
 def tiled_owners(slot_lens: Sequence[int] | np.ndarray, pack_len: int, cp_size: int, tile: int) -> np.ndarray:
     """int64 ``[pack_len // tile]``: the rank owning each block (validated lengths, ``pack_len % (cp*tile) == 0``)."""
     lens = np.asarray(slot_lens, dtype=np.int64).reshape(-1)
-    cost, doc = block_costs(lens, pack_len, tile)
+    cost, within = block_costs(lens, pack_len, tile)
     if cp_size == 1 or cost.shape[0] == 0:
         return np.zeros(cost.shape[0], dtype=np.int64)
-    owner = _deal(cost, doc, cp_size)
+    owner = _deal(cost, within, cp_size)
     _swap(cost, owner, cp_size)
     return owner
 
 
-class TiledRunBlock(RunBlock):
-    """A :class:`~cpdata.layout_runs.RunBlock` whose rows are ``tile``-token blocks (see :func:`tiled_block`);
-    its causal work comes from the packs' slot lengths, kept beside the tables."""
+@functools.lru_cache(maxsize=16)
+def _within_blocks(n_blocks: int, tile: int) -> np.ndarray:
+    """int64 ``[n_blocks * tile]``: ``0 .. tile-1`` repeated (read-only, cached)."""
+    out = np.tile(np.arange(tile, dtype=np.int64), n_blocks)
+    _frozen(out)
+    return out
 
-    __slots__ = ("tile", "slot_lens", "slot_counts", "owners")
+
+class TiledBlock:
+    """The ``tiled`` layout of ``P`` packs: the :class:`~cpdata.layout_runs.RunBlock` interface
+    (:meth:`tables`, :meth:`causal_work`, :meth:`doc_counts`) over the blocks' owners.
+
+    Attributes:
+        pack_len, cp_size, tile: the packs' shape.
+        owners: int64 ``[P * n]``: each block's rank, pack after pack (``n = pack_len / tile``).
+        by_rank: int64 ``[P * n]``: the blocks (block-global indices) in rank-major order: pack ``p``'s rank ``r``
+            holds ``by_rank[p*n + r*m : p*n + (r+1)*m]``, in increasing order (``m = n / cp``).
+        place: int64 ``[P * n]``: the inverse of ``by_rank``.
+        slot_lens, slot_counts: the packs' slot lengths int64 ``[N]`` and slots per pack int64 ``[P]``.
+    """
+
+    __slots__ = ("pack_len", "cp_size", "tile", "owners", "by_rank", "place", "slot_lens", "slot_counts")
+
+    def __init__(self, pack_len: int, cp_size: int, tile: int, owners: np.ndarray, slot_lens: np.ndarray,
+                 slot_counts: np.ndarray) -> None:  # fmt: skip
+        n = pack_len // tile
+        n_packs = slot_counts.shape[0]
+        self.pack_len, self.cp_size, self.tile, self.owners = pack_len, cp_size, tile, owners
+        self.slot_lens, self.slot_counts = slot_lens, slot_counts
+        key = owners if n_packs == 1 else owners + np.arange(n_packs, dtype=np.int64).repeat(n) * cp_size
+        self.by_rank = np.argsort(key, kind="stable")
+        self.place = np.empty_like(self.by_rank)
+        self.place[self.by_rank] = np.arange(n_packs * n, dtype=np.int64)
+
+    def tables(self) -> list[TiledTable]:
+        """One :class:`TiledTable` per pack."""
+        return [TiledTable(self, p) for p in range(self.slot_counts.shape[0])]
 
     def doc_counts(self) -> list[int]:
-        """Slots of each pack (its table rows are blocks, not documents)."""
+        """Slots of each pack (what :meth:`causal_work` takes a real length for)."""
         return self.slot_counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
@@ -191,32 +236,48 @@ class TiledRunBlock(RunBlock):
         return (np.bincount(keys, per_block, minlength=n_packs * cp) / 2).reshape(n_packs, cp)
 
 
-def tiled_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, tile: int) -> RunBlock:
-    """``tiled`` run tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
-    slots per pack, None: one pack).
+class TiledTable:
+    """Pack ``p`` of a :class:`TiledBlock`: the :class:`~cpdata.layout_runs.RunTable` verbs ``row`` and
+    ``inverse``, each one ``repeat`` and one add."""
 
-    Row ``b`` of a pack's table is block ``b``: column 0 the block (``tile`` tokens, its owner), column 1 an empty
-    run; rank ``r`` picks column 0 of its own blocks and column 1 of every other (``pick_key`` = owner). Block
-    ``b`` is the ``j``-th block of its owner's row, so its inverse shift is ``tile * (owner * m + j - b)``.
-    """
-    sizes_per_pack = [lens.shape[0]] if counts is None else counts.tolist()
-    packs = np.split(lens, np.cumsum(sizes_per_pack)[:-1]) if counts is not None else [lens]
-    nb, cp = pack_len // tile, cp_size
-    owners = np.concatenate([tiled_owners(pack, pack_len, cp, tile) for pack in packs])
-    n_packs = len(packs)
-    by_rank = np.argsort(owners.reshape(n_packs, nb), axis=1, kind="stable")  # [P, nb]: row order, rank-major
-    place = np.empty_like(by_rank)
-    np.put_along_axis(place, by_rank, np.arange(nb, dtype=np.int64)[None, :].repeat(n_packs, 0), axis=1)
-    inv = np.zeros((n_packs * nb, 2), dtype=np.int64)
-    inv[:, 0] = (tile * (place - np.arange(nb, dtype=np.int64))).reshape(-1)
-    sizes = np.zeros((n_packs * nb, 2), dtype=np.int64)
-    sizes[:, 0] = tile
-    ranks = np.repeat(owners, 2).reshape(-1, 2)
-    picks = (1 - np.eye(cp, dtype=np.int64)).reshape(cp, cp, 1)
-    _frozen(inv, sizes, ranks, picks)
-    block = TiledRunBlock(pack_len, cp, None if counts is None else np.full(n_packs, nb, dtype=np.int64), sizes,
-                          inv, ranks, picks, pick_key=owners)  # fmt: skip
-    block.tile, block.owners = tile, owners
-    block.slot_lens = lens
-    block.slot_counts = np.asarray(sizes_per_pack, dtype=np.int64)
-    return block
+    __slots__ = ("block", "p", "pack_len", "cp_size")
+
+    def __init__(self, block: TiledBlock, p: int) -> None:
+        self.block, self.p, self.pack_len, self.cp_size = block, p, block.pack_len, block.cp_size
+
+    def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[pack_len / cp]``: rank ``rank``'s blocks in increasing order, token by token (into ``out``)."""
+        b, tile, n = self.block, self.block.tile, self.pack_len // self.block.tile
+        m = n // self.cp_size
+        lo = self.p * n + rank * m
+        starts = b.by_rank[lo : lo + m] * tile
+        starts -= self.p * self.pack_len
+        out = np.empty(m * tile, dtype=np.int64) if out is None else out
+        return np.add(starts.repeat(tile), _within_blocks(m, tile), out=out)
+
+    def rows(self) -> np.ndarray:
+        """int64 ``[cp, pack_len / cp]``: every rank's row."""
+        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
+        for r in range(self.cp_size):
+            self.row(r, out[r])
+        return out
+
+    def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[pack_len]``: ``inverse[g]`` = position of token ``g`` in the rank-major concatenation."""
+        b, tile, n = self.block, self.block.tile, self.pack_len // self.block.tile
+        starts = b.place[self.p * n : (self.p + 1) * n] * tile
+        starts -= self.p * self.pack_len
+        out = np.empty(self.pack_len, dtype=np.int64) if out is None else out
+        return np.add(starts.repeat(tile), _within_blocks(n, tile), out=out)
+
+
+def tiled_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, tile: int) -> TiledBlock:
+    """``tiled`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
+    slots per pack, None: one pack): one :func:`tiled_owners` per pack, then one stable sort of the owners."""
+    if counts is None:
+        packs, slot_counts = [lens], np.array([lens.shape[0]], dtype=np.int64)
+    else:
+        packs, slot_counts = np.split(lens, np.cumsum(counts)[:-1]), counts
+    owners = tiled_owners(packs[0], pack_len, cp_size, tile) if len(packs) == 1 else np.concatenate(
+        [tiled_owners(pack, pack_len, cp_size, tile) for pack in packs])  # fmt: skip
+    return TiledBlock(pack_len, cp_size, tile, owners, lens, slot_counts)

@@ -252,3 +252,17 @@ def test_tiled_rows_are_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "PYTHONHASHSEED": "123"})  # fmt: skip
     assert out.stdout.strip() == h.hexdigest()
+
+
+def test_flex_mask_bytes_equal_create_block_mask_tensors():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cpdata.bench.attention import flex_mask_bytes
+
+    for local, keys, tile in ((256, 512, 64), (384, 768, 128)):
+        bm = create_block_mask(lambda b, h, q, k: k <= q, None, None, local, keys, device="cpu", BLOCK_SIZE=tile)
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices")  # fmt: skip
+        tensors = [getattr(bm, n) for n in names]
+        assert all(t is not None for t in tensors)
+        assert sum(t.numel() * t.element_size() for t in tensors) == flex_mask_bytes(local, keys, tile)

@@ -38,7 +38,7 @@ import numpy as np
 
 from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
 from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
-from cpdata.layout_tiled import DEFAULT_TILE, TILES, tiled_block
+from cpdata.layout_tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
 
 __all__ = [
     "LAYOUTS",
@@ -182,8 +182,9 @@ def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.
 def layout_runs(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
     tile: int | None = None,
-) -> RunTable:
-    """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`).
+) -> RunTable | TiledTable:
+    """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`; ``tiled``: a
+    :class:`~cpdata.layout.tiled.TiledTable`, the same verbs).
 
     The table gives any rank's row, the inverse map and (``thd``,
     ``balanced``) the causal work per rank, each in one vectorized pass.
@@ -216,7 +217,8 @@ def layout_runs(
     return balanced_runs(lens, pack_len, cp_size)
 
 
-def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int) -> RunBlock:
+def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
+                     ) -> RunBlock | TiledBlock:  # fmt: skip
     """:func:`layout_runs` (``checked=True``) of ``P`` packs of ``pack_len`` tokens at once, for a layout
     that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
 
@@ -231,7 +233,7 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
 
 
 def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.ndarray | None, pack_len: int
-                     ) -> RunBlock:  # fmt: skip
+                     ) -> RunBlock | TiledBlock:  # fmt: skip
     """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
     ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
     _, pack_multiple = alignment(layout, cp_size)
