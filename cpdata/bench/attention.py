@@ -10,7 +10,10 @@ pack and rank, the live ``tile x tile`` tiles of the document-causal mask
 row's packs:
 
 - ``tiles_max_over_ideal``: the busiest rank's tiles over the pack's tiles at
-  cp 1 divided by cp (``_p95``: 95th percentile over packs);
+  cp 1 divided by cp (``_p95``: 95th percentile over packs;
+  ``tiles_integer_bound``: ``ceil(tiles / cp) / (tiles / cp)``, below which no
+  layout's busiest rank can go: 1.05 and more where a rank's share is ~20
+  tiles, 8K at cp 8 and tile 256);
 - ``kv_recv_fraction``: K/V tokens the rank that needs most must receive, over
   the ``(cp - 1) / cp * S`` an all-gather delivers to every rank;
 - ``solve_us_per_pack``: the worker's layout solve for one pack, median CPU
@@ -39,8 +42,8 @@ COLUMNS: tuple[str, ...] = (
     "distribution", "capacity", "cp_size", "layout", "tile", "tiles_max_over_ideal", "kv_recv_fraction",
     "solve_us_per_pack",
 )  # fmt: skip
-TABLE: tuple[str, ...] = (*COLUMNS, "maps_us_per_pack", "tiles_max_over_ideal_p95", "dense_mask_mib", "flex_mask_mib",
-                          "packs")  # fmt: skip
+TABLE: tuple[str, ...] = (*COLUMNS, "maps_us_per_pack", "tiles_max_over_ideal_p95", "tiles_integer_bound",
+                          "dense_mask_mib", "flex_mask_mib", "packs")  # fmt: skip
 TITLE = "busiest rank's live kernel tiles over the ideal, K/V it must receive, layout solve time"
 LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced", "tiled")
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
@@ -98,13 +101,16 @@ def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...]
                      / ((cp - 1) / cp * capacity))  # fmt: skip
         solve, maps = _solve_us(spec, cp, packs, capacity, repeats)
         for tile in for_tiles:
-            over = [float(live_tiles(r, lens, capacity, tile).max() / (block_tiles(lens, capacity, tile).sum() / cp))
-                    for r, lens in zip(rows, packs, strict=True)]  # fmt: skip
+            totals = [int(block_tiles(lens, capacity, tile).sum()) for lens in packs]
+            over = [float(live_tiles(r, lens, capacity, tile).max() / (total / cp))
+                    for r, lens, total in zip(rows, packs, totals, strict=True)]  # fmt: skip
+            bound = [-(-total // cp) / (total / cp) for total in totals]
             local = capacity // cp
             out.append({
                 "distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout, "tile": tile,
                 "tiles_max_over_ideal": float(np.mean(over)),
                 "tiles_max_over_ideal_p95": float(np.percentile(over, 95)),
+                "tiles_integer_bound": float(np.mean(bound)),
                 "kv_recv_fraction": recv, "solve_us_per_pack": solve, "maps_us_per_pack": maps,
                 "dense_mask_mib": local * capacity / 2**20,
                 "flex_mask_mib": flex_mask_bytes(local, capacity, tile) / 2**20, "packs": len(packs),
