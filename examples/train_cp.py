@@ -24,7 +24,7 @@ CP rank, e.g. computed from gathered logits, would make that sum cp x dL/dθ.)
 Imbalance. Each step prints the busiest CP rank's live attention tiles over
 the ideal (``--tile`` x ``--tile``, 128 by default: the blocks flash / flex
 kernels compute whole), the ideal being the pack's tiles at cp 1 divided by
-cp (``cpdata.layout_tiles``). 1.000 is perfect; token-pair balance is not
+cp (``cpdata.layout.tiles``). 1.000 is perfect; token-pair balance is not
 what such a kernel pays (``docs/layouts-and-kernels.md``). ``--layout tiled``
 balances exactly this count.
 
@@ -61,7 +61,7 @@ from cpdata.adapters import global_target_count, token_loss  # noqa: E402
 from cpdata.device.consistency import verify_layout_consistency  # noqa: E402
 from cpdata.device.sharder import ContextParallelSharder  # noqa: E402
 from cpdata.layout.maps import layout_spec  # noqa: E402
-from cpdata.layout_tiles import live_tiles  # noqa: E402
+from cpdata.layout.tiles import live_tiles  # noqa: E402
 from cpdata.nodes.loader import build_loader, close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402

@@ -25,7 +25,7 @@ from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
 from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, layout_tile
-from cpdata.layout_tiled import tiled_owners
+from cpdata.layout.tiled import tiled_owners
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents

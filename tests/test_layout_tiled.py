@@ -13,9 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_contract import assert_items_equal, run_save_load_contract
 
-from cpdata.layout_tiled import TILES, tiled_owners
-from cpdata.layout_tiles import block_tiles, kv_recv_tokens, live_tiles, segment_starts
-from cpdata.layouts import (
+from cpdata.layout.maps import (
     LAYOUTS,
     alignment,
     causal_work,
@@ -24,7 +22,9 @@ from cpdata.layouts import (
     layout_tile,
     rank_indices,
 )
-from cpdata.loader import build_node
+from cpdata.layout.tiled import TILES, tiled_owners
+from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles, segment_starts
+from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
 
@@ -163,7 +163,7 @@ def test_tiled_balances_tiles_where_balanced_does_not_and_keeps_kv_local(name, c
 
 def test_tiled_causal_work_in_info_equals_the_rows_work():
     from cpdata.bench.balance import doc_positions
-    from cpdata.layouts import layout_run_block
+    from cpdata.layout.maps import layout_run_block
 
     rng = np.random.default_rng(5)
     packs = [_pack(rng, "tiled:64", 3, 4)[0] for _ in range(5)]
@@ -202,7 +202,7 @@ def _docs(n: int) -> list[dict]:
 
 
 def test_tiled_loader_resumes_exactly_and_refuses_another_tile():
-    from cpdata.batch import ShardedBatch
+    from cpdata.worker.batch import ShardedBatch
 
     docs = _docs(40)
     config = dict(capacity=512, cp_size=2, layout="tiled", tile=64, prefetch=0, pin_memory=False)
@@ -230,7 +230,7 @@ def test_tiled_loader_resumes_exactly_and_refuses_another_tile():
 _CHILD = """
 import hashlib, sys
 import numpy as np
-from cpdata.layouts import rank_indices
+from cpdata.layout.maps import rank_indices
 from cpdata.packing.distributions import sample_lengths
 h = hashlib.sha256()
 for seed in range(6):

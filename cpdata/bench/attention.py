@@ -4,9 +4,9 @@ Documents of each distribution are packed for each layout by its default
 packer (``bfd``, long documents split) at 8K / 32K / 128K tokens. For every
 pack and rank, the live ``tile x tile`` tiles of the document-causal mask
 (queries: the rank's row in local order; keys: the pack in global order;
-:func:`cpdata.layout_tiles.live_tiles`, which equals flex's
+:func:`cpdata.layout.tiles.live_tiles`, which equals flex's
 ``create_block_mask`` counts) and the K/V the rank needs from other ranks
-(:func:`cpdata.layout_tiles.kv_recv_tokens`). Columns, each the mean over the
+(:func:`cpdata.layout.tiles.kv_recv_tokens`). Columns, each the mean over the
 row's packs:
 
 - ``tiles_max_over_ideal``: the busiest rank's tiles over the pack's tiles at
@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 from cpdata.bench.distributions import sample
-from cpdata.layout_tiles import block_tiles, kv_recv_tokens, live_tiles
-from cpdata.layouts import layout_runs, layout_spec
+from cpdata.layout.maps import layout_runs, layout_spec
+from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
 
 __all__ = ["COLUMNS", "LAYOUTS", "TABLE", "flex_mask_bytes", "run"]
 

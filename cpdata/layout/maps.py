@@ -14,7 +14,7 @@ global order: ``global = concat(shards)[inverse]``.
 | ``round_robin``| chunks r and 2cp-1-r of the whole pack (torch ``context_parallel``) | 1 / 2cp |
 | ``thd``       | chunks r and 2cp-1-r of every document slot (TE THD) | 2cp / 2cp         |
 | ``balanced``  | per-document head-tail, remainder from the middle dealt round-robin | 1 / cp |
-| ``tiled``     | whole ``tile``-token blocks, dealt to balance live kernel tiles (:mod:`cpdata.layout_tiled`) | 1 / cp*tile |
+| ``tiled``     | whole ``tile``-token blocks, dealt to balance live kernel tiles (:mod:`cpdata.layout.tiled`) | 1 / cp*tile |
 
 ``tiled`` takes a tile size (64, 128 or 256; 128 by default): ``rank_indices("tiled", cp, lens, S, tile=256)``.
 Everywhere a layout travels as a string (packer, loader state, digest, precompute manifest), the tile travels
@@ -38,7 +38,7 @@ import numpy as np
 
 from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
 from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
-from cpdata.layout_tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
+from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
 
 __all__ = [
     "LAYOUTS",

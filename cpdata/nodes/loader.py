@@ -118,7 +118,7 @@ class GraphOptions:
 
     def __post_init__(self) -> None:
         """``tile`` joins the layout string (``layout="tiled", tile=256`` -> ``"tiled:256"``,
-        :func:`cpdata.layouts.layout_spec`): every node downstream sees one layout string."""
+        :func:`cpdata.layout.maps.layout_spec`): every node downstream sees one layout string."""
         object.__setattr__(self, "layout", layout_spec(self.layout, self.tile))
 
     @classmethod

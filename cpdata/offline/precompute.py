@@ -192,7 +192,7 @@ def precompute(
             ids are always refused. Both are checked before planning, naming
             the document, so a bad id never reaches a written plan.
         tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256); the manifest's layout is the string
-            that carries it (:func:`cpdata.layouts.layout_spec`: ``"tiled:256"``), which the readers take.
+            that carries it (:func:`cpdata.layout.maps.layout_spec`: ``"tiled:256"``), which the readers take.
         epochs: with a :func:`cpdata.mix` dataset (no ``dp_size``): plan epochs ``0 .. epochs - 1``, each over
             the documents the mix draws in that epoch and packed on its own, as the loader packs epoch after
             epoch (one per ``iter()``); ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from cpdata.layout.maps import LAYOUTS
-from cpdata.layout_tiled import TILES
+from cpdata.layout.tiled import TILES
 from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]

@@ -6,7 +6,7 @@ The pack's global order is cut into ``n = S / tile`` blocks; every rank gets
 block of the global order, whose live key tiles under the document-causal
 mask do not depend on who owns the other blocks:
 ``cost[b] = b - first_block(document of b's first token) + 1``
-(:func:`cpdata.layout_tiles.block_tiles`). A rank pays the sum of its blocks'
+(:func:`cpdata.layout.tiles.block_tiles`). A rank pays the sum of its blocks'
 costs, and the ranks together pay exactly the pack's tiles at cp = 1, so the
 only question is the deal. It is solved from the slot lengths alone, the same
 on every rank, in ~15 numpy calls per rank:
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout_runs import _frozen, segments
+from cpdata.layout.runs import _frozen, segments
 
 __all__ = ["DEFAULT_TILE", "MAX_SWAPS", "SWAP_TOLERANCE", "TILES", "TiledBlock", "TiledTable", "block_costs", "tiled_block",
            "tiled_owners"]
@@ -184,7 +184,7 @@ def _within_blocks(n_blocks: int, tile: int) -> np.ndarray:
 
 
 class TiledBlock:
-    """The ``tiled`` layout of ``P`` packs: the :class:`~cpdata.layout_runs.RunBlock` interface
+    """The ``tiled`` layout of ``P`` packs: the :class:`~cpdata.layout.runs.RunBlock` interface
     (:meth:`tables`, :meth:`causal_work`, :meth:`doc_counts`) over the blocks' owners.
 
     Attributes:
@@ -242,7 +242,7 @@ class TiledBlock:
 
 
 class TiledTable:
-    """Pack ``p`` of a :class:`TiledBlock`: the :class:`~cpdata.layout_runs.RunTable` verbs ``row`` and
+    """Pack ``p`` of a :class:`TiledBlock`: the :class:`~cpdata.layout.runs.RunTable` verbs ``row`` and
     ``inverse``, each one ``repeat`` and one add."""
 
     __slots__ = ("block", "p", "pack_len", "cp_size")

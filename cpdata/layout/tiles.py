@@ -3,7 +3,7 @@
 The mask is cpdata's document-causal one (:mod:`cpdata.adapters.masks`): a
 query at global position ``q`` attends to key ``k`` when both lie in the same
 document slot and ``k <= q``; the pack's tail padding belongs to the last slot
-(:func:`cpdata.layouts.thd_slot_lens`), as in every cpdata batch. A rank's
+(:func:`cpdata.layout.maps.thd_slot_lens`), as in every cpdata batch. A rank's
 queries are its row in local order, cut into ``tile``-token query blocks; the
 keys are the pack's ``S`` positions in global order, cut into ``tile``-token
 key blocks. A tile (query block, key block) is live when any of its pairs
@@ -80,7 +80,7 @@ def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int)
 def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
     """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (its row, local order) x global keys.
 
-    ``rows`` int64 ``[cp, L]`` (:func:`cpdata.layouts.rank_indices`), ``L`` a multiple of ``tile`` (flex pads
+    ``rows`` int64 ``[cp, L]`` (:func:`cpdata.layout.maps.rank_indices`), ``L`` a multiple of ``tile`` (flex pads
     a partial last query block; so does this count when it is not). A query ``q`` of slot start ``s`` attends
     key blocks ``s // tile .. q // tile``; a query block's live tiles are the union of its queries' ranges,
     counted per block after one sort of the ``(query block, first key block)`` pairs.
