@@ -220,25 +220,37 @@ class TiledBlock:
     def causal_work(self, real: np.ndarray) -> np.ndarray:
         """float64 ``[P, cp]``: causal document-masked work per rank (a real token at document offset ``o``
         costs ``o + 1``, padding 0); ``real`` int64 ``[N]``: real tokens of each slot, pack after pack."""
-        lens, counts, p, tile, cp = self.slot_lens, self.slot_counts, self.pack_len, self.tile, self.cp_size
-        n_packs = counts.shape[0]
-        real = np.asarray(real, dtype=np.int64)
-        if lens.size == 0:
-            return np.zeros((n_packs, cp), dtype=np.float64)
-        ends = np.cumsum(lens)
-        before = np.concatenate([[0], ends])[np.cumsum(counts) - counts]  # slot tokens before each pack
-        # slot starts in the block's packs laid back to back, pack i at i * p
-        offsets = ends - lens + np.repeat(np.arange(n_packs, dtype=np.int64) * p - before, counts)
-        twice = real * (real + 1)
-        below = np.cumsum(twice) - twice  # 2 W(each slot's start)
-        nb = p // tile
-        at = (np.arange(n_packs, dtype=np.int64)[:, None] * p + np.arange(nb + 1, dtype=np.int64) * tile).reshape(-1)
-        k = np.maximum(offsets.searchsorted(at, side="right") - 1, 0)
-        into = np.clip(at - offsets[k], 0, real[k])
-        w = (below[k] + into * (into + 1)).reshape(n_packs, nb + 1)  # 2 W(each block boundary)
-        per_block = (w[:, 1:] - w[:, :-1]).reshape(-1)
-        keys = self.owners + np.repeat(np.arange(n_packs, dtype=np.int64) * cp, nb)
-        return (np.bincount(keys, per_block, minlength=n_packs * cp) / 2).reshape(n_packs, cp)
+        return _causal_work(self.slot_lens, self.slot_counts, np.asarray(real, dtype=np.int64), self.owners,
+                            self.pack_len, self.tile, self.cp_size)  # fmt: skip
+
+    def pack_slots(self, p: int) -> np.ndarray:
+        """int64 ``[D_p]``: pack ``p``'s slot lengths (a view)."""
+        first = int(self.slot_counts[:p].sum())
+        return self.slot_lens[first : first + int(self.slot_counts[p])]
+
+
+def _causal_work(lens: np.ndarray, counts: np.ndarray, real: np.ndarray, owners: np.ndarray, p: int, tile: int,
+                 cp: int) -> np.ndarray:  # fmt: skip
+    """float64 ``[P, cp]`` (see :meth:`TiledBlock.causal_work`): ``2 W(g)``, the doubled work of the block's
+    positions before ``g``, at every block boundary (one search over the slot starts), differenced per block
+    and summed per owner with one ``bincount``."""
+    n_packs = counts.shape[0]
+    if lens.size == 0:
+        return np.zeros((n_packs, cp), dtype=np.float64)
+    ends = np.cumsum(lens)
+    before = np.concatenate([[0], ends])[np.cumsum(counts) - counts]  # slot tokens before each pack
+    # slot starts in the block's packs laid back to back, pack i at i * p
+    offsets = ends - lens + np.repeat(np.arange(n_packs, dtype=np.int64) * p - before, counts)
+    twice = real * (real + 1)
+    below = np.cumsum(twice) - twice  # 2 W(each slot's start)
+    nb = p // tile
+    at = (np.arange(n_packs, dtype=np.int64)[:, None] * p + np.arange(nb + 1, dtype=np.int64) * tile).reshape(-1)
+    k = np.maximum(offsets.searchsorted(at, side="right") - 1, 0)
+    into = np.clip(at - offsets[k], 0, real[k])
+    w = (below[k] + into * (into + 1)).reshape(n_packs, nb + 1)  # 2 W(each block boundary)
+    per_block = (w[:, 1:] - w[:, :-1]).reshape(-1)
+    keys = owners + np.repeat(np.arange(n_packs, dtype=np.int64) * cp, nb)
+    return (np.bincount(keys, per_block, minlength=n_packs * cp) / 2).reshape(n_packs, cp)
 
 
 class TiledTable:
@@ -249,6 +261,31 @@ class TiledTable:
 
     def __init__(self, block: TiledBlock, p: int) -> None:
         self.block, self.p, self.pack_len, self.cp_size = block, p, block.pack_len, block.cp_size
+
+    @property
+    def lens(self) -> np.ndarray:
+        """int64 ``[D]``: the pack's slot lengths."""
+        return self.block.pack_slots(self.p)
+
+    @property
+    def doc(self) -> np.ndarray:
+        """int64 ``[D]``: the slot of each document (``arange(D)``, as for the run tables)."""
+        return np.arange(self.lens.shape[0], dtype=np.int64)
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """int64 ``[D]``: global offset of each slot."""
+        lens = self.lens
+        return np.cumsum(lens) - lens
+
+    def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
+        """float64 ``[cp]``: causal document-masked work per rank (``real_lens`` int64 ``[>= D]``, the first
+        ``D`` used)."""
+        lens, b, n = self.lens, self.block, self.pack_len // self.block.tile
+        real = np.asarray(real_lens, dtype=np.int64)[: lens.shape[0]]
+        owners = b.owners[self.p * n : (self.p + 1) * n]
+        counts = np.array([lens.shape[0]], dtype=np.int64)
+        return _causal_work(lens, counts, real, owners, self.pack_len, b.tile, self.cp_size)[0]
 
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len / cp]``: rank ``rank``'s blocks in increasing order, token by token (into ``out``)."""
