@@ -11,9 +11,9 @@ row's packs:
 
 - ``tiles_max_over_ideal``: the busiest rank's tiles over the pack's tiles at
   cp 1 divided by cp (``_p95``: 95th percentile over packs;
-  ``tiles_integer_bound``: ``ceil(tiles / cp) / (tiles / cp)``, below which no
-  layout's busiest rank can go: 1.05 and more where a rank's share is ~20
-  tiles, 8K at cp 8 and tile 256);
+  ``tiles_integer_bound``: ``max(ceil(tiles / cp), costliest block) / (tiles /
+  cp)``, below which no layout of whole blocks can go: 1.02-1.03 where a
+  rank's share is ~20 tiles, 8K at cp 8 and tile 256);
 - ``kv_recv_fraction``: K/V tokens the rank that needs most must receive, over
   the ``(cp - 1) / cp * S`` an all-gather delivers to every rank;
 - ``solve_us_per_pack``: the worker's layout solve for one pack, median CPU
@@ -101,10 +101,11 @@ def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...]
                      / ((cp - 1) / cp * capacity))  # fmt: skip
         solve, maps = _solve_us(spec, cp, packs, capacity, repeats)
         for tile in for_tiles:
-            totals = [int(block_tiles(lens, capacity, tile).sum()) for lens in packs]
+            costs = [block_tiles(lens, capacity, tile) for lens in packs]
+            totals = [int(c.sum()) for c in costs]
             over = [float(live_tiles(r, lens, capacity, tile).max() / (total / cp))
                     for r, lens, total in zip(rows, packs, totals, strict=True)]  # fmt: skip
-            bound = [-(-total // cp) / (total / cp) for total in totals]
+            bound = [max(-(-total // cp), int(c.max())) / (total / cp) for c, total in zip(costs, totals, strict=True)]
             local = capacity // cp
             out.append({
                 "distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout, "tile": tile,

@@ -136,16 +136,17 @@ _SNAKE = _Snake()
 
 def _swap(cost: np.ndarray, owner: np.ndarray, cp: int) -> None:
     """Step 4, in place: swap one block of the busiest rank with one of another rank, the pair that lowers the
-    larger of their two loads most, until the busiest is within :data:`SWAP_TOLERANCE` of the ideal. Every other
-    rank's blocks are candidates while ``m * (n - m) <= ALL_PAIRS`` (few blocks per rank, where the deal's
-    granularity shows); above that, the idlest rank's only."""
+    larger of their two loads most, until the busiest is within :data:`SWAP_TOLERANCE` of the ideal. While
+    ``m * (n - m) <= ALL_PAIRS`` (few blocks per rank, where the deal's granularity shows) every other rank's
+    blocks are candidates and swaps go on while one helps; above that, the idlest rank's blocks only."""
     load = np.bincount(owner, cost, minlength=cp).astype(np.int64)
     ideal = load.sum() / cp
     n = cost.shape[0]
     every = (n // cp) * (n - n // cp) <= ALL_PAIRS
+    limit = ideal if every else ideal * (1 + SWAP_TOLERANCE)  # small deals: swap while any pair helps
     for _ in range(MAX_SWAPS):
         a = int(load.argmax())
-        if load[a] <= ideal * (1 + SWAP_TOLERANCE):
+        if load[a] <= limit:
             return
         mine = owner == a
         on_a = np.flatnonzero(mine)
