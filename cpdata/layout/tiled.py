@@ -30,8 +30,10 @@ on every rank, in ~15 numpy calls per rank:
    :data:`MAX_SWAPS`).
 
 Measured (``cpdata bench --sections attention``, docs/layouts-and-kernels.md):
-busiest rank's tiles within ~1 % of the ideal at tile 128 on every distribution
-row; K/V a rank must receive 0.02-0.35 of an all-gather's; ~40-200 us per pack.
+busiest rank's tiles 1.000-1.007 x the ideal at 32K-128K (tile 128; balanced:
+1.01-4.4), at most 1.016 at 8K; K/V a rank must receive 0.01-0.18 of an
+all-gather's for short-document mixes, 0.4-0.6 for long_context; 150-430 us of
+CPU per pack on a loaded 2-core machine (balanced: 55-640 us).
 The tables (:func:`tiled_block`) keep the blocks' owners and their rank-major
 order: a rank's row and the inverse map are one ``repeat`` and one add each.
 They have the run tables' interface (``tables()``, ``row``, ``inverse``,
