@@ -266,3 +266,17 @@ def test_flex_mask_bytes_equal_create_block_mask_tensors():
         tensors = [getattr(bm, n) for n in names]
         assert all(t is not None for t in tensors)
         assert sum(t.numel() * t.element_size() for t in tensors) == flex_mask_bytes(local, keys, tile)
+
+
+def test_precompute_with_a_tile_records_it_and_inspect_counts_tiles(tmp_path):
+    from cpdata.offline.precompute import precompute
+    from cpdata.offline.summary import summarize
+
+    lengths = np.random.default_rng(0).integers(10, 3000, size=200)
+    np.save(tmp_path / "lens.npy", lengths)
+    store = precompute(tmp_path / "lens.npy", tmp_path / "plan", capacity=8192, cp_size=4, layout="tiled", tile=256)
+    assert (store.config["layout"], store.manifest["config"]["pack_multiple"]) == ("tiled:256", 1024)
+    rows = {row.layout: row for row in summarize(store).layouts}
+    assert "tiled:256" in rows and "tiled" in rows
+    assert rows["tiled:256"].tiles_mean <= 1.03 and rows["tiled"].tiles_mean <= 1.02
+    assert rows["balanced"].tiles_mean > 1.1 > rows["balanced"].imbalance_mean  # pairs equal, tiles not
