@@ -21,6 +21,13 @@ the CP group is exactly dL/dθ. One all-reduce (SUM) over all ranks divided by
 dp_size gives that sum, averaged over DP groups. (A loss replicated on every
 CP rank, e.g. computed from gathered logits, would make that sum cp x dL/dθ.)
 
+Imbalance. Each step prints the busiest CP rank's live attention tiles over
+the ideal (``--tile`` x ``--tile``, 128 by default: the blocks flash / flex
+kernels compute whole), the ideal being the pack's tiles at cp 1 divided by
+cp (``cpdata.layout.tiles``). 1.000 is perfect; token-pair balance is not
+what such a kernel pays (``docs/layouts-and-kernels.md``). ``--layout tiled``
+balances exactly this count.
+
 ``--check-parity`` trains a reference copy on the full pack (recovered by
 gathering the batch tensors) with no CP, and compares per-step losses
 (absolute), gradients and final weights (relative) within 1e-5; the job exits
@@ -53,6 +60,8 @@ from cp_model import CPTransformer, ModelConfig, TokenView  # noqa: E402
 from cpdata.adapters import global_target_count, token_loss  # noqa: E402
 from cpdata.device.consistency import verify_layout_consistency  # noqa: E402
 from cpdata.device.sharder import ContextParallelSharder  # noqa: E402
+from cpdata.layout.maps import layout_spec  # noqa: E402
+from cpdata.layout.tiles import live_tiles  # noqa: E402
 from cpdata.nodes.loader import build_loader, close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402
@@ -68,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", default=None, help="CP layout (default balanced, or a precomputed plan's), "
                    "or a comma-separated list trained one after another")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack (before CP sharding)")
+    p.add_argument("--tile", type=int, default=128, help="attention tile the printed imbalance counts (and the "
+                   "tile of --layout tiled: 64, 128 or 256; packs are then multiples of cp x tile)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--data", default=None, help="JSONL file or `cpdata precompute` directory (default: stdlib)")
     p.add_argument("--documents", default=None, help="token source of a precomputed --data directory")
@@ -113,6 +124,22 @@ def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
                             **common)  # fmt: skip
     return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
                                     seed=args.seed, **common)
+
+
+def tile_imbalance(batch, cp_group, tile: int) -> float:
+    """Busiest CP rank's live ``tile x tile`` attention tiles over the pack's tiles at cp 1 / cp.
+
+    Each rank counts its own queries (its row, local order) against the global keys of the batch's
+    document-causal mask; one MAX all-reduce over the CP group.
+    """
+    layout = batch.layout
+    stream = layout.padded_seq_len
+    slots = np.diff(batch["cu_seqlens_padded"].numpy().astype(np.int64))
+    row = layout.local_token_global_indices.numpy()[None]
+    mine = torch.tensor([float(live_tiles(row, slots, stream, tile)[0])], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=cp_group)
+    ideal = float(live_tiles(np.arange(stream)[None], slots, stream, tile)[0]) / layout.cp_size
+    return mine.item() / ideal if ideal else 1.0
 
 
 def describe_stdlib() -> str:
@@ -185,6 +212,8 @@ def run_layout(args, layout: str, mesh, dp_rank: int, cp_rank: int, cp_group) ->
         print(f"layout={layout} dp={args.dp_size} cp={cp_size} capacity={args.capacity} device={device} "
               f"dtype={str(dtype).removeprefix('torch.')} params={n_params:,} "
               f"data={args.data or describe_stdlib()}")
+        print(f"imbalance = busiest CP rank's live {args.tile}x{args.tile} attention tiles / (the pack's tiles at "
+              "cp 1 / cp): what a flash / flex-style kernel computes; 1.000 is ideal")
     it, sharder = iter(loader), None
     totals = torch.zeros(5, dtype=torch.float64)  # real tokens, pack tokens, step s, wait s, steps (after 1st)
     loss_value, max_diff, max_grad_diff, imbalances = float("nan"), 0.0, 0.0, []
@@ -216,8 +245,7 @@ def run_layout(args, layout: str, mesh, dp_rank: int, cp_rank: int, cp_group) ->
         loss_value = stats[0].item() / args.dp_size
         if args.check_parity:
             max_diff = max(max_diff, abs(loss_value - stats[1].item() / world))
-        work = torch.as_tensor(batch.info["causal_work"], dtype=torch.float64)
-        imbalances.append((work.max() / work.mean()).item() if work.sum() > 0 else 1.0)
+        imbalances.append(tile_imbalance(batch, cp_group, args.tile))
         if step > start:  # the first step includes pipeline start-up
             totals += torch.tensor([stats[2].item(), stats[3].item(), t_step, t_data, 1.0])
         if rank0:
@@ -262,6 +290,8 @@ def main(argv=None) -> int:
     mesh, dp_rank, cp_rank, cp_group = setup(args)
     ok = True
     for layout in layouts:
+        if layout == "tiled" and args.tile != 128:  # the tile joins the layout string ("tiled:256")
+            layout = layout_spec(layout, args.tile)
         summary, parity_ok = run_layout(args, layout, mesh, dp_rank, cp_rank, cp_group)
         ok &= parity_ok
         if args.summary_json and dist.get_rank() == 0:

@@ -149,11 +149,21 @@ def test_schedule_rows_cover_every_method_and_balance_beats_the_anchors(results)
             assert by[(dist, dp, mine)]["imb_mb_mean"] < by[(dist, dp, anchor)]["imb_mb_mean"], anchor
 
 
+def test_attention_rows_show_tiled_at_the_ideal_tiles_where_balanced_is_not(results):
+    by = {(r["distribution"], r["layout"]): r for r in results["attention"]}
+    assert {layout for _, layout in by} == {"contiguous", "round_robin", "thd", "balanced", "tiled"}
+    for dist in {d for d, _ in by}:
+        tiled, balanced = by[(dist, "tiled")], by[(dist, "balanced")]
+        assert 1.0 <= tiled["tiles_max_over_ideal"] <= 1.02 < balanced["tiles_max_over_ideal"], dist
+        assert tiled["kv_recv_fraction"] < balanced["kv_recv_fraction"], dist  # balanced needs nearly every key
+        assert tiled["flex_mask_mib"] < tiled["dense_mask_mib"] and tiled["solve_us_per_pack"] > 0
+
+
 def test_targets_and_markdown_cover_every_section(results):
     assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
     text = render_markdown(results)
     for header in ("Per-step sharding", "Worker", "Handoff", "Packing", "Load balance", "Gather", "Long document",
-                   "Scheduling across DP ranks"):
+                   "Scheduling across DP ranks", "Kernel tiles"):
         assert header in text
 
 

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
-from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs
+from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, layout_tile
+from cpdata.layout.tiled import tiled_owners
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
@@ -56,6 +57,10 @@ def reference_rows(layout: str, cp: int, lens: list[int], pack_len: int) -> np.n
                 rows[r] += [*range(start + r * c, start + (r + 1) * c),
                             *range(start + (two - 1 - r) * c, start + (two - r) * c)]  # fmt: skip
             start += n
+    elif layout_tile(layout) is not None:  # tiled: the deal's owners, block by block in global order
+        tile = layout_tile(layout)
+        for b, r in enumerate(tiled_owners(np.asarray(lens, dtype=np.int64), pack_len, cp, tile).tolist()):
+            rows[r] += range(b * tile, (b + 1) * tile)
     else:  # balanced
         ptr = start = 0
         for n in lens:
@@ -288,6 +293,7 @@ SIZED += [(layout, cp, 8192, "thd", 2) for layout in ("contiguous", "round_robin
 SIZED += [(layout, 4, 32768, "bshd", 1) for layout in ("contiguous", "round_robin", "thd", "balanced")]
 SIZED += [("contiguous", 3, 32768, "bshd", 2), ("round_robin", 5, 32768, "bshd", 2)]
 SIZED += [("thd", 8, 131072, "thd", 1), ("balanced", 3, 131072, "thd", 1), ("balanced", 8, 131072, "bshd", 1)]
+SIZED += [("tiled", 4, 32768, "bshd", 1), ("tiled:256", 2, 8192, "thd", 2), ("tiled:64", 8, 131072, "thd", 1)]
 
 
 @pytest.mark.parametrize(("layout", "cp", "capacity", "qkv_format", "batch_size"), SIZED)

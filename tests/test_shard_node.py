@@ -25,7 +25,7 @@ CASES = [(layout, cp) for layout in LAYOUTS for cp in ((1,) if layout == "identi
 
 def plans_for(layout: str, cp: int, n: int, seed: int = 0):
     doc_multiple, pack_multiple = alignment(layout, cp)
-    capacity = pack_multiple * (96 // pack_multiple)
+    capacity = pack_multiple * max(1, 96 // pack_multiple)  # (tiled: one cp x tile multiple)
     plans, _ = make_plans(np.random.default_rng(seed), n_plans=n, capacity=capacity, doc_multiple=doc_multiple,
                           max_docs=6, extras=True, given_labels=0.2)  # fmt: skip
     return plans
@@ -104,7 +104,7 @@ def test_one_rank_equals_its_share_of_all_ranks(layout, cp):
 
 def test_layout_dependence_is_asked_of_the_layouts():
     assert {name: layout_depends_on_documents(name, 2) for name in LAYOUTS if name != "identity"} == {
-        "balanced": True, "contiguous": False, "round_robin": False, "thd": True,
+        "balanced": True, "contiguous": False, "round_robin": False, "thd": True, "tiled": True,
     }  # fmt: skip
     assert not any(layout_depends_on_documents(name, 1) for name in LAYOUTS)
 

@@ -85,6 +85,17 @@ def test_parity_for_every_layout_at_cp2(tmp_path, jsonl):
     assert thd["padding_pct"] > balanced["padding_pct"], "thd pads every document to 2*cp, balanced does not"
 
 
+def test_tiled_layout_trains_with_parity_and_the_imbalance_counts_tiles(tmp_path, jsonl):
+    out = torchrun(2, "--capacity", "256", "--layers", "1", "--d-model", "32", "--steps", "3", "--data", str(jsonl),
+                   "--check-parity", "--layout", "tiled,balanced", "--tile", "64",
+                   "--summary-json", str(tmp_path / "{layout}.json"))  # fmt: skip
+    assert out.count("parity OK") == 2, out
+    assert out.count("busiest CP rank's live 64x64 attention tiles") == 2, out
+    tiled, balanced = read_summary(tmp_path / "tiled:64.json"), read_summary(tmp_path / "balanced.json")
+    assert (tiled["layout"], tiled["max_abs_loss_diff"] <= 1e-5) == ("tiled:64", True)
+    assert 1.0 <= tiled["imbalance"] < balanced["imbalance"], (tiled["imbalance"], balanced["imbalance"])
+
+
 def test_dp2_cp2_on_four_ranks(tmp_path):
     out = torchrun(4, *TINY, "--dp-size", "2", "--cp-size", "2", "--steps", "3", "--check-parity",
                    "--summary-json", str(tmp_path / "s.json"))

@@ -8,6 +8,7 @@
 | ``balance``  | :mod:`~cpdata.bench.balance` | contiguous, round-robin and THD layouts           |
 | ``gather``   | :mod:`~cpdata.bench.gather_collectives` | all-gather + index all-gather + argsort (NeMo style) |
 | ``schedule`` | :mod:`~cpdata.bench.schedule_balance` | NeMo-RL FFD, verl Karmarkar-Karp, Megatron ``dp_balanced``, cpdata 0.1 |
+| ``attention`` | :mod:`~cpdata.bench.attention` | every layout's kernel tiles and K/V needs against ``tiled``'s |
 
 :func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);
 :func:`render_markdown` turns it into the tables of docs/benchmarks.md.

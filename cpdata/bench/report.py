@@ -125,6 +125,23 @@ def _runs_flag(results: Mapping[str, Any]) -> str:
     return f" --runs {runs}" if runs > 1 else ""
 
 
+def _attention(rows: list[dict]) -> str:
+    """One row per (distribution, capacity, cp, tile): each layout's busiest-rank tiles over the ideal, then
+    ``tiled``'s K/V received (over an all-gather's) and solve time."""
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    keys = list(dict.fromkeys((r["distribution"], r["capacity"], r["cp_size"], r["tile"]) for r in rows))
+    by = {(r["distribution"], r["capacity"], r["cp_size"], r["tile"], r["layout"]): r for r in rows}
+    body = []
+    for key in keys:
+        tiles = [f"{by[(*key, lay)]['tiles_max_over_ideal']:.3f}" if (*key, lay) in by else "" for lay in layouts]
+        mine = by.get((*key, "tiled"))
+        extra = (f"{mine['kv_recv_fraction']:.2f}", f"{mine['solve_us_per_pack']:.0f}") if mine else ("", "")
+        body.append((key[0], f"{key[1] // 1024}K", key[2], key[3], *tiles, *extra))
+    head = ("distribution", "capacity", "cp", "tile", *layouts, "tiled K/V recv", "tiled solve us")
+    return ("**Kernel tiles** (busiest rank's live tiles ÷ ideal, mean over packs; `tiled`'s K/V to receive ÷ "
+            "all-gather's)\n\n" + _md(head, body))  # fmt: skip
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
@@ -154,4 +171,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_long_document(results["long_document"]))
     if results.get("schedule"):
         parts.append(_schedule(results["schedule"]))
+    if results.get("attention"):
+        parts.append(_attention(results["attention"]))
     return "\n\n".join(parts) + "\n"

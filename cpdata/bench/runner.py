@@ -36,6 +36,7 @@ SECTIONS: dict[str, str] = {
     "gather": "cpdata.bench.gather_collectives",
     "long_document": "cpdata.bench.long_document",
     "schedule": "cpdata.bench.schedule_balance",
+    "attention": "cpdata.bench.attention",
 }
 """Section name -> module, in run order."""
 

@@ -14,6 +14,12 @@ global order: ``global = concat(shards)[inverse]``.
 | ``round_robin``| chunks r and 2cp-1-r of the whole pack (torch ``context_parallel``) | 1 / 2cp |
 | ``thd``       | chunks r and 2cp-1-r of every document slot (TE THD) | 2cp / 2cp         |
 | ``balanced``  | per-document head-tail, remainder from the middle dealt round-robin | 1 / cp |
+| ``tiled``     | whole ``tile``-token blocks, dealt to balance live kernel tiles (:mod:`cpdata.layout.tiled`) | 1 / cp*tile |
+
+``tiled`` takes a tile size (64, 128 or 256; 128 by default): ``rank_indices("tiled", cp, lens, S, tile=256)``.
+Everywhere a layout travels as a string (packer, loader state, digest, precompute manifest), the tile travels
+in it: :func:`layout_spec` gives ``"tiled"`` for tile 128 and ``"tiled:64"`` / ``"tiled:256"`` for the others,
+and every function here accepts either form.
 
 ``seq_lens`` are the document slots laid out in the pack, in order; the pack's
 tail (``pack_len - sum(seq_lens)``) is padding. For ``thd`` the last slot
@@ -32,6 +38,7 @@ import numpy as np
 
 from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
 from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
+from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
 
 __all__ = [
     "LAYOUTS",
@@ -42,17 +49,59 @@ __all__ = [
     "inverse_indices",
     "layout_run_block",
     "layout_runs",
+    "layout_spec",
+    "layout_tile",
     "rank_indices",
     "thd_slot_lens",
 ]
 
-LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin", "thd")
+LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin", "thd", "tiled")
+
+
+def layout_spec(layout: str, tile: int | None = None) -> str:
+    """The layout string that carries ``tile``: ``"tiled"`` (tile 128), ``"tiled:64"``, ``"tiled:256"``; any
+    other layout unchanged (``tile`` must then be None). Raises ``ValueError`` for a tile ``tiled`` lacks."""
+    if tile is None:
+        return layout
+    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)):
+        raise TypeError(f"tile must be an int, got {type(tile).__name__} {tile!r}")
+    name, given = _split(layout)
+    if name != "tiled":
+        raise ValueError(f"tile={tile} applies to layout 'tiled' only, got layout {layout!r}; drop tile= "
+                         "or use layout='tiled'")  # fmt: skip
+    if given is not None and given != tile:
+        raise ValueError(f"layout {layout!r} already says tile {given}, but tile={tile} was given; give one")
+    if int(tile) not in TILES:
+        raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={tile}")
+    return "tiled" if int(tile) == DEFAULT_TILE else f"tiled:{int(tile)}"
+
+
+def _split(layout: str) -> tuple[str, int | None]:
+    """``"tiled:256"`` -> ``("tiled", 256)``; ``"thd"`` -> ``("thd", None)``; malformed -> ``(layout, None)``."""
+    if isinstance(layout, str) and layout.startswith("tiled:"):
+        digits = layout[len("tiled:"):]
+        if digits.isdigit():
+            return "tiled", int(digits)
+    return layout, None
+
+
+def layout_tile(layout: str) -> int | None:
+    """The tile size of a ``tiled`` layout string (``"tiled"`` -> 128); None for other layouts."""
+    name, tile = _split(layout)
+    if name != "tiled":
+        return None
+    return DEFAULT_TILE if tile is None else tile
 
 
 def check_layout(layout: str, cp_size: int) -> None:
     """Validate a layout name and CP size; raise ``ValueError`` naming the fix."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose one of {list(LAYOUTS)}")
+    name, tile = _split(layout)
+    if not isinstance(layout, str) or name not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {list(LAYOUTS)} (tiled: also 'tiled:64', "
+                         "'tiled:256')")  # fmt: skip
+    if tile is not None and (tile not in TILES or tile == DEFAULT_TILE):
+        raise ValueError(f"layout {layout!r}: the tile must be one of {list(TILES)}, and 128 is written 'tiled'; "
+                         "build the string with layout_spec('tiled', tile)")  # fmt: skip
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__} {cp_size!r}")
     if cp_size < 1:
@@ -64,13 +113,17 @@ def check_layout(layout: str, cp_size: int) -> None:
         )
 
 
-def alignment(layout: str, cp_size: int) -> tuple[int, int]:
+def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, int]:
     """``(doc_multiple, pack_multiple)`` the packer must honour for ``layout``.
 
     Each document slot is padded to a multiple of ``doc_multiple``; the pack
-    length must be a multiple of ``pack_multiple``.
+    length must be a multiple of ``pack_multiple`` (``tiled``: ``cp * tile``).
     """
+    layout = layout_spec(layout, tile)
     check_layout(layout, cp_size)
+    tile = layout_tile(layout)
+    if tile is not None:
+        return 1, cp_size * tile
     if layout == "thd":
         return 2 * cp_size, 2 * cp_size
     if layout == "round_robin":
@@ -127,9 +180,11 @@ def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.
 
 
 def layout_runs(
-    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False
-) -> RunTable:
-    """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`).
+    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
+    tile: int | None = None,
+) -> RunTable | TiledTable:
+    """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`; ``tiled``: a
+    :class:`~cpdata.layout.tiled.TiledTable`, the same verbs).
 
     The table gives any rank's row, the inverse map and (``thd``,
     ``balanced``) the causal work per rank, each in one vectorized pass.
@@ -138,6 +193,7 @@ def layout_runs(
     so those checks (two reductions) are skipped; the layout, the CP size and
     the pack multiple are still checked.
     """
+    layout = layout_spec(layout, tile)
     _, pack_multiple = alignment(layout, cp_size)
     if checked:
         lens, total = seq_lens, None
@@ -155,10 +211,14 @@ def layout_runs(
     if layout == "thd":
         total = int(lens.sum()) if total is None else total
         return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True, pack_len=pack_len)
+    tile = layout_tile(layout)
+    if tile is not None:
+        return tiled_block(lens, None, pack_len, cp_size, tile).tables()[0]
     return balanced_runs(lens, pack_len, cp_size)
 
 
-def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int) -> RunBlock:
+def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
+                     ) -> RunBlock | TiledBlock:  # fmt: skip
     """:func:`layout_runs` (``checked=True``) of ``P`` packs of ``pack_len`` tokens at once, for a layout
     that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
 
@@ -173,7 +233,7 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
 
 
 def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.ndarray | None, pack_len: int
-                     ) -> RunBlock:  # fmt: skip
+                     ) -> RunBlock | TiledBlock:  # fmt: skip
     """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
     ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
     _, pack_multiple = alignment(layout, cp_size)
@@ -181,8 +241,12 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
         layout_runs(layout, cp_size, _per_pack(lens, counts)[0], pack_len, checked=True)  # its error
     if layout == "balanced":
         return balanced_block(lens, counts, pack_len, cp_size)
+    tile = layout_tile(layout)
+    if tile is not None:
+        return tiled_block(lens, counts, pack_len, cp_size, tile)
     if layout != "thd":
-        raise ValueError(f"layout_run_block takes 'thd' or 'balanced' (the layouts that depend on the documents), "
+        raise ValueError(f"layout_run_block takes 'thd', 'balanced' or 'tiled' (the layouts that depend on the "
+                         f"documents), "
                          f"got {layout!r}; use layout_runs")  # fmt: skip
     sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
     if sizes.min() == 0:  # an empty pack is one padding slot
@@ -204,7 +268,7 @@ def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
 
 
 def rank_indices(
-    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int
+    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, tile: int | None = None
 ) -> np.ndarray:
     """Global positions owned by every CP rank, in each rank's local order.
 
@@ -214,6 +278,8 @@ def rank_indices(
         seq_lens: document slot lengths laid out in the pack, in order
             (``sum <= pack_len``; the rest is tail padding).
         pack_len: tokens in the pack, a multiple of ``alignment(layout, cp)[1]``.
+        tile: ``tiled`` only: the kernel's tile (64, 128 or 256; None: the layout string's, 128 for
+            ``"tiled"``).
 
     Returns:
         int64 ``[cp_size, pack_len // cp_size]``; the rows form a permutation of
@@ -221,7 +287,7 @@ def rank_indices(
 
     Example (``thd``, cp=2, slots [8, 4, 8]): rank 0 -> ``[0,1,6,7, 8,11, 12,13,18,19]``.
     """
-    return layout_runs(layout, cp_size, seq_lens, pack_len).rows()
+    return layout_runs(layout, cp_size, seq_lens, pack_len, tile=tile).rows()
 
 
 def inverse_indices(rows: np.ndarray) -> np.ndarray:

@@ -144,6 +144,10 @@ class RunBlock:
             got = self._by_rank[rank] = (inv.reshape(-1), sizes.reshape(-1))
         return got
 
+    def doc_counts(self) -> list[int]:
+        """Documents of each pack that :meth:`causal_work` takes a real length for (a pack's table rows)."""
+        return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
+
     def causal_work(self, real: np.ndarray) -> np.ndarray:
         """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
         tokens of each document (pack after pack)."""

@@ -46,6 +46,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from cpdata.layout.maps import layout_spec
 from cpdata.nodes.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
 from cpdata.nodes.orphans import exit_with_parent
 from cpdata.nodes.scheduled import ScheduledPacks
@@ -210,7 +211,8 @@ class CPDataset(WorkerDataset):
         self.kwargs = kwargs
         # Validate the configuration now, in the main process, not in every worker.
         graph = shard_graph(source, **kwargs)
-        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=kwargs["layout"], block_size=block_size)
+        self.layout = layout_spec(kwargs["layout"], kwargs.get("tile"))  # tiled: the tile joins the string
+        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=self.layout, block_size=block_size)
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if kwargs.get("schedule") is not None else None
 
@@ -244,5 +246,5 @@ class CPDataset(WorkerDataset):
                     if isinstance(node, Documents):
                         node.set_epoch(epoch)
             node = _EveryNth(collated, offset=worker_id, stride=num_workers)
-        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.kwargs["layout"],
+        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.layout,
                             block_size=self.block_size)  # fmt: skip

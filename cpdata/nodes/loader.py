@@ -29,6 +29,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.pack import Pack
@@ -113,6 +114,12 @@ class GraphOptions:
     lengths: Any = None
     tail: str = "pad"
     schedule_window: int | None = None
+    tile: int | None = None
+
+    def __post_init__(self) -> None:
+        """``tile`` joins the layout string (``layout="tiled", tile=256`` -> ``"tiled:256"``,
+        :func:`cpdata.layout.maps.layout_spec`): every node downstream sees one layout string."""
+        object.__setattr__(self, "layout", layout_spec(self.layout, self.tile))
 
     @classmethod
     def of(cls, caller: str, options: Mapping[str, Any]) -> GraphOptions:
@@ -212,6 +219,8 @@ def build_node(
         capacity: tokens per pack.
         cp_size, cp_rank: CP group size and this rank.
         layout: a name from :data:`cpdata.layout.maps.LAYOUTS`.
+        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256; default 128); packs are a multiple
+            of ``cp_size * tile`` tokens.
         algorithm, overflow, seed, window: packer settings (:class:`cpdata.nodes.pack.Pack`).
         padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
             (a tokenizer without a pad token can use its EOS id).

@@ -60,15 +60,18 @@ def _print_summary(store: Any, sample: int | None) -> None:
             f"p95 {np.percentile(ratios, 95):.3f}, max {ratios.max():.3f}"
         )
     print(f"\n  CP layouts at cp_size={cfg['cp_size']}, causal doc-masked work, over {s.measured_packs} packs:")
-    print(f"  {'layout':<12} {'imb mean':>9} {'imb p95':>9} {'doc pad %':>10} {'over cap':>9} {'chunks<' + str(SHORT_CHUNK):>11}")
+    print(f"  {'layout':<12} {'imb mean':>9} {'imb p95':>9} {'doc pad %':>10} {'over cap':>9} {'chunks<' + str(SHORT_CHUNK):>11}"
+          f" {'tiles':>7}")
     for row in s.layouts:
         mark = " *" if row.layout == cfg["layout"] else ""
         print(
             f"  {row.layout:<12} {row.imbalance_mean:>9.3f} {row.imbalance_p95:>9.3f} {row.doc_padding_pct:>10.2f} "
-            f"{row.packs_over_capacity:>9} {row.short_chunk_pct:>10.1f}%{mark}"
+            f"{row.packs_over_capacity:>9} {row.short_chunk_pct:>10.1f}% {row.tiles_mean:>7.3f}{mark}"
         )
     print("  (* the plan's layout; imb = max/mean per-rank work; over cap = packs that no longer fit after")
-    print("   that layout's per-document padding; chunks = share of per-rank runs of one document's tokens)")
+    print("   that layout's per-document padding; chunks = share of per-rank runs of one document's tokens;")
+    print("   tiles = busiest rank's live 128x128 attention tiles (tiled: its own tile) over the ideal, what a")
+    print("   flash / flex-style kernel computes)")
 
 
 def _print_pack(store: Any, k: int) -> None:

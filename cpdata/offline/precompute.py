@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layout.maps import alignment, check_layout
+from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
 from cpdata.nodes.source import to_document
@@ -163,6 +163,7 @@ def precompute(
     schedule: str = "balanced",
     max_delay: int = 0,
     epochs: int = 1,
+    tile: int | None = None,
 ) -> PackStore:
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
@@ -190,6 +191,8 @@ def precompute(
         vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
             ids are always refused. Both are checked before planning, naming
             the document, so a bad id never reaches a written plan.
+        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256); the manifest's layout is the string
+            that carries it (:func:`cpdata.layout.maps.layout_spec`: ``"tiled:256"``), which the readers take.
         epochs: with a :func:`cpdata.mix` dataset (no ``dp_size``): plan epochs ``0 .. epochs - 1``, each over
             the documents the mix draws in that epoch and packed on its own, as the loader packs epoch after
             epoch (one per ``iter()``); ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch
@@ -201,6 +204,7 @@ def precompute(
     """
     from cpdata.packing import PackingConfig
 
+    layout = layout_spec(layout, tile)
     check_layout(layout, cp_size)
     # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
     PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from cpdata.layout.maps import LAYOUTS
+from cpdata.layout.tiled import TILES
 from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]
@@ -43,6 +44,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--capacity", type=int, required=True, help="tokens per pack")
     p.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks the packs are laid out for")
     p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
+    p.add_argument("--tile", type=int, default=None, choices=TILES,
+                   help="with --layout tiled: the kernel's tile (default 128); packs are multiples of cp * tile")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd", help="packing algorithm (default: bfd)")
     p.add_argument(
         "--overflow",
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         labels_alignment=args.labels_alignment,
         epochs=args.epochs,
+        tile=args.tile,
     )
     m = store.manifest
     stats = m["stats"]

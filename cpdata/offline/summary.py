@@ -10,7 +10,11 @@ measure, under the causal document-masked cost model:
 - per-document alignment padding (``thd`` pads every piece to ``2 * cp``), as a
   share of real tokens, and how many packs would then exceed the capacity;
 - the share of per-rank chunks (runs of one piece's consecutive tokens on one
-  rank) shorter than ``short_chunk`` tokens.
+  rank) shorter than ``short_chunk`` tokens;
+- the busiest rank's live attention tiles over the ideal (the pack's tiles at
+  cp 1 / cp; ``tile x tile`` tiles, the layout's own tile for ``tiled``,
+  :data:`TILE` for the others; :func:`cpdata.layout.tiles.live_tiles`), over at
+  most :data:`TILE_SAMPLE` of the measured packs (it sorts each pack's tokens).
 
 Cost: O(pack_len) per pack and layout; plans above ``sample`` packs are
 measured on ``sample`` evenly spaced packs (deterministic).
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.layout.maps import LAYOUTS, check_layout
+from cpdata.layout.maps import LAYOUTS, check_layout, layout_tile
+from cpdata.layout.tiles import live_tiles
 from cpdata.offline.metrics import PackGeometry, chunk_lengths, imbalance, pack_geometry, rank_work, realign
 from cpdata.offline.store import PackStore
 
@@ -30,6 +35,8 @@ __all__ = ["LayoutSummary", "PlanSummary", "layouts_for", "pack_view", "summariz
 
 SHORT_CHUNK = 128
 DEFAULT_SAMPLE = 2000
+TILE = 128
+TILE_SAMPLE = 200
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +54,8 @@ class LayoutSummary:
     short_chunk_pct: float
     """Percent of per-rank chunks shorter than ``SHORT_CHUNK`` tokens."""
     chunks: int
+    tiles_mean: float = 1.0
+    """Mean over packs of the busiest rank's live attention tiles over the ideal (1.0 = perfect)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,11 +118,18 @@ def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanS
     per_pack = np.diff(np.asarray(store.arrays["pack_offsets"]))
     picked = _sample(store.n_packs, sample)
     layouts = []
-    for layout in layouts_for(cfg["cp_size"]):
-        ratios, chunks = [], []
+    tiled = set(_sample(picked.size, TILE_SAMPLE).tolist())
+    own = [cfg["layout"]] if cfg["layout"] not in layouts_for(cfg["cp_size"]) else []  # e.g. "tiled:256"
+    for layout in [*layouts_for(cfg["cp_size"]), *own]:
+        ratios, chunks, tiles = [], [], []
         padding = real = over = 0
-        for k in picked:
+        tile = layout_tile(layout) or TILE
+        for i, k in enumerate(picked):
             geometry, owned, work = pack_view(store, int(k), layout)
+            if i in tiled:
+                slots, n = geometry.slot_len, geometry.pack_len
+                ideal = live_tiles(np.arange(n)[None], slots, n, tile)[0] / cfg["cp_size"]
+                tiles.append(float(live_tiles(owned, slots, n, tile).max() / ideal) if ideal else 1.0)
             ratios.append(float(imbalance(work)))
             chunks.append(chunk_lengths(owned, geometry.slot_of))
             padding += int((geometry.slot_len - geometry.doc_len).sum())
@@ -128,6 +144,7 @@ def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanS
                 doc_padding_pct=100.0 * padding / real if real else 0.0,
                 packs_over_capacity=int(over),
                 short_chunk_pct=100.0 * float(np.mean(sizes < SHORT_CHUNK)) if sizes.size else 0.0,
+                tiles_mean=float(np.mean(tiles)) if tiles else 1.0,
                 chunks=int(sizes.size),
             )
         )

@@ -194,8 +194,8 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens:
     for stream_len, members in groups.items():
         run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len)
         block_tables = run_block.tables()
-        reals = [real[slots.first[i] : slots.first[i] + t.hi - t.lo]
-                 for i, t in zip(members, block_tables, strict=True)]  # fmt: skip
+        reals = [real[slots.first[i] : slots.first[i] + n]
+                 for i, n in zip(members, run_block.doc_counts(), strict=True)]  # fmt: skip
         work = run_block.causal_work(reals[0] if len(reals) == 1 else np.concatenate(reals)).tolist()
         for j, i in enumerate(members):
             tables[i], works[i] = block_tables[j], work[j]

@@ -1,0 +1,132 @@
+"""Section ``attention``: what a block-sparse kernel pays per CP rank, per layout and tile size.
+
+Documents of each distribution are packed for each layout by its default
+packer (``bfd``, long documents split) at 8K / 32K / 128K tokens. For every
+pack and rank, the live ``tile x tile`` tiles of the document-causal mask
+(queries: the rank's row in local order; keys: the pack in global order;
+:func:`cpdata.layout.tiles.live_tiles`, which equals flex's
+``create_block_mask`` counts) and the K/V the rank needs from other ranks
+(:func:`cpdata.layout.tiles.kv_recv_tokens`). Columns, each the mean over the
+row's packs:
+
+- ``tiles_max_over_ideal``: the busiest rank's tiles over the pack's tiles at
+  cp 1 divided by cp (``_p95``: 95th percentile over packs;
+  ``tiles_integer_bound``: ``max(ceil(tiles / cp), costliest block) / (tiles /
+  cp)``, below which no layout of whole blocks can go: 1.02-1.03 where a
+  rank's share is ~20 tiles, 8K at cp 8 and tile 256);
+- ``kv_recv_fraction``: K/V tokens the rank that needs most must receive, over
+  the ``(cp - 1) / cp * S`` an all-gather delivers to every rank;
+- ``solve_us_per_pack``: the worker's layout solve for one pack, median CPU
+  time of this thread: the run table (``tiled``: its deal; the cached tables
+  of ``contiguous`` / ``round_robin`` cost ~0; a K/V exchange plan is not part
+  of it); ``maps_us_per_pack``: then one rank's row and the inverse map, the
+  O(S) writes every layout pays;
+- ``dense_mask_mib``: one rank's dense bool ``[L, S]`` mask of the all-gather
+  path; ``flex_mask_mib``: the int32 tensors of a flex ``BlockMask`` over the
+  same ``[L, S]`` (:func:`flex_mask_bytes`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cpdata.bench.distributions import sample
+from cpdata.layout.maps import layout_runs, layout_spec
+from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
+
+__all__ = ["COLUMNS", "LAYOUTS", "TABLE", "flex_mask_bytes", "run"]
+
+COLUMNS: tuple[str, ...] = (
+    "distribution", "capacity", "cp_size", "layout", "tile", "tiles_max_over_ideal", "kv_recv_fraction",
+    "solve_us_per_pack",
+)  # fmt: skip
+TABLE: tuple[str, ...] = (*COLUMNS, "maps_us_per_pack", "tiles_max_over_ideal_p95", "tiles_integer_bound",
+                          "dense_mask_mib", "flex_mask_mib", "packs")  # fmt: skip
+TITLE = "busiest rank's live kernel tiles over the ideal, K/V it must receive, layout solve time"
+LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced", "tiled")
+NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
+CAPACITIES: tuple[int, ...] = (8192, 32768, 131072)
+CP_SIZES: tuple[int, ...] = (2, 4, 8)
+TILE_SIZES: tuple[int, ...] = (128, 256)
+PACKS, QUICK_PACKS = 10, 3
+
+
+def flex_mask_bytes(local_len: int, keys: int, tile: int) -> int:
+    """Bytes of a flex ``BlockMask`` over ``[local_len, keys]`` (batch and heads broadcast): int32
+    ``kv_num_blocks`` / ``full_kv_num_blocks`` ``[nq]``, ``kv_indices`` / ``full_kv_indices`` ``[nq, nk]`` and
+    their transposes ``q_num_blocks`` / ``full_q_num_blocks`` ``[nk]``, ``q_indices`` / ``full_q_indices``
+    ``[nk, nq]`` (``nq``, ``nk`` the query and key block counts; a test checks it against
+    ``create_block_mask``)."""
+    nq, nk = -(-local_len // tile), -(-keys // tile)
+    return 4 * (2 * nq + 2 * nk + 4 * nq * nk)
+
+
+def _packs(name: str, capacity: int, layout: str, cp: int, n: int) -> list[np.ndarray]:
+    from cpdata.packing import plan_lengths
+
+    probe = sample(name, 1000, 0)
+    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
+    result = plan_lengths(lengths, capacity=capacity, layout=layout, cp_size=cp, overflow="split")
+    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
+    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
+
+
+def _solve_us(layout: str, cp: int, packs: list[np.ndarray], capacity: int, repeats: int) -> tuple[float, float]:
+    """Median CPU times (this thread's, so a shared machine's waits do not count) of one pack's layout: its
+    tables (``tiled``: the deal), then one rank's row and the inverse map (O(S) writes every layout pays)."""
+    solve, maps = [], []
+    for _ in range(repeats):
+        for lens in packs:
+            t0 = time.thread_time_ns()
+            table = layout_runs(layout, cp, lens, capacity, checked=True)
+            t1 = time.thread_time_ns()
+            table.row(cp - 1)
+            table.inverse()
+            maps.append(time.thread_time_ns() - t1)
+            solve.append(t1 - t0)
+    return float(np.median(solve)) / 1e3, float(np.median(maps)) / 1e3
+
+
+def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...], n: int, repeats: int
+          ) -> list[dict]:  # fmt: skip
+    """The rows of one layout at every tile size (one packing and one set of maps for a tile-free layout)."""
+    out = []
+    specs = [(layout_spec(layout, t), (t,)) for t in tiles] if layout == "tiled" else [(layout, tiles)]
+    for spec, for_tiles in specs:
+        packs = _packs(name, capacity, spec, cp, n)
+        rows = [layout_runs(spec, cp, lens, capacity).rows() for lens in packs]  # (the tail joins the last slot)
+        recv = float(np.mean([kv_recv_tokens(r, lens, capacity).max() for r, lens in zip(rows, packs, strict=True)])
+                     / ((cp - 1) / cp * capacity))  # fmt: skip
+        solve, maps = _solve_us(spec, cp, packs, capacity, repeats)
+        for tile in for_tiles:
+            costs = [block_tiles(lens, capacity, tile) for lens in packs]
+            totals = [int(c.sum()) for c in costs]
+            over = [float(live_tiles(r, lens, capacity, tile).max() / (total / cp))
+                    for r, lens, total in zip(rows, packs, totals, strict=True)]  # fmt: skip
+            bound = [max(-(-total // cp), int(c.max())) / (total / cp) for c, total in zip(costs, totals, strict=True)]
+            local = capacity // cp
+            out.append({
+                "distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout, "tile": tile,
+                "tiles_max_over_ideal": float(np.mean(over)),
+                "tiles_max_over_ideal_p95": float(np.percentile(over, 95)),
+                "tiles_integer_bound": float(np.mean(bound)),
+                "kv_recv_fraction": recv, "solve_us_per_pack": solve, "maps_us_per_pack": maps,
+                "dense_mask_mib": local * capacity / 2**20,
+                "flex_mask_mib": flex_mask_bytes(local, capacity, tile) / 2**20, "packs": len(packs),
+            })  # fmt: skip
+    return out
+
+
+def run(*, quick: bool) -> list[dict]:
+    if quick:  # what CI's quick bench can afford: two distributions at 32K, cp 4, tile 128
+        grid, tiles, n, repeats = [(name, 32768, 4) for name in ("sft", "long_context")], (128,), QUICK_PACKS, 2
+    else:
+        grid = [(name, capacity, cp) for name in NAMES for capacity in CAPACITIES for cp in CP_SIZES]
+        tiles, n, repeats = TILE_SIZES, PACKS, 5
+    rows = []
+    for name, capacity, cp in grid:
+        cells = [row for layout in LAYOUTS for row in _cell(name, capacity, cp, layout, tiles, n, repeats)]
+        rows += sorted(cells, key=lambda r: r["tile"])  # (stable: layouts in order within a tile)
+    return rows
