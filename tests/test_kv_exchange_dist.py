@@ -103,6 +103,8 @@ def _exchange_matches_full(rank: int, cp: int) -> dict:
                 (recv_dtype, recv_shape), (_, send_shape) = calls[0][1][:2]
                 assert recv_dtype == torch.float64 and recv_shape == (plan.n_recv, 2, 2, 8), recv_shape
                 assert send_shape == (plan.n_send, 2, 2, 8), send_shape
+                # bytes received = the plan's keys x one key's K and V bytes (float64)
+                assert int(np.prod(recv_shape)) * recv_dtype.itemsize == plan.n_recv * row_elems * 8
                 assert _close(o, ref.index_select(2, idx)), (layout, long, path)
                 with counting_collectives() as back:
                     (o * w.index_select(2, idx)).sum().backward()
