@@ -186,3 +186,22 @@ def test_expand_runs_and_bad_input():
     s = _shards("thd", 2, "thd", 1, kv_exchange=False)[0][0]
     with pytest.raises(ValueError, match="kv_exchange=True"):
         document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], keys="exchange")
+
+
+def test_build_loader_and_cpdataset_workers_carry_the_plan():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from cpdata import CPDataset, build_loader
+
+    docs = [{"input_ids": list(range(1, n + 1))} for n in (5, 40, 17, 33, 9, 60, 22)]
+    kw = dict(capacity=64, cp_size=2, layout="balanced", overflow="split", qkv_format="thd")
+    direct = list(build_loader(docs, cp_rank=1, kv_exchange=True, pin_memory=False, **kw))
+    loader = StatefulDataLoader(CPDataset(docs, cp_rank=1, kv_exchange=True, **kw), batch_size=None, num_workers=1)
+    served = list(loader)
+    assert len(served) == len(direct) >= 2
+    for a, b in zip(direct, served, strict=True):
+        pa, pb = a.layout.kv_exchange, b.layout.kv_exchange
+        assert pa is not None and pb is not None and pa.cp_rank == pb.cp_rank == 1
+        assert pa.recv_counts == pb.recv_counts and np.array_equal(pa.recv_runs, pb.recv_runs)
+        assert np.array_equal(pa.send_runs, pb.send_runs)
+    assert all(b.layout.kv_exchange is None for b in build_loader(docs, cp_rank=1, pin_memory=False, **kw))
