@@ -13,8 +13,9 @@ documents most of them are masked out. The plan moves only the needed ones
 
 Algorithm (no assumption on the layout: any ``[cp, L]`` permutation rows):
 
-1. *runs*: maximal stretches of a rank's row whose global positions and local
-   indices both step by one (one ``diff`` over the rows, O(S));
+1. *runs*: maximal stretches of global positions whose rank-major index steps
+   by one (one ``diff`` over the inverse map, O(S)), cut where a rank's row
+   starts;
 2. *pieces*: the runs cut at every slot boundary (of every bshd row), sorted by
    global start: each piece has one owner and, in each row, one slot;
 3. ``last[slot, rank]``: the last position of each slot on each rank
@@ -40,7 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ExchangePlan", "RankExchange", "exchange_plan", "expand_runs", "kv_recv_fraction"]
+from cpdata.layouts import inverse_indices
+
+__all__ = [
+    "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "expand_runs", "kv_recv_fraction",
+]  # fmt: skip
 
 _I64 = np.int64
 
@@ -152,19 +157,22 @@ class ExchangePlan:
                             recv_runs=recv_runs)  # fmt: skip
 
 
-def _rank_runs(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(global starts, owners, local starts)`` int64 ``[runs]`` of the rows' runs (positions and local
-    indices both consecutive), sorted by global start."""
-    local = rows.shape[1]
-    flat = rows.reshape(-1)
-    cut = np.empty(flat.size, dtype=bool)
-    np.not_equal(flat[1:] - flat[:-1], 1, out=cut[1:])
-    cut[::local] = True  # every rank's row starts a run
+def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
+    """int64 ``[runs]``: the first position of every run of the layout, increasing: stretches whose
+    rank-major index (``inverse``) steps by one, cut where a rank's row starts."""
+    stream = inverse.shape[0]
+    cut = np.empty(stream, dtype=bool)
+    cut[0] = True
+    np.not_equal(inverse[1:] - inverse[:-1], 1, out=cut[1:])
     at = np.flatnonzero(cut)
-    starts = flat[at]
-    order = starts.argsort(kind="stable")
-    at = at[order]
-    return starts[order], at // local, at % local
+    if cp == 1:
+        return at
+    # a run may go on from one rank's last token to the next rank's first: cut where index r * L sits
+    first = inverse[at]
+    order = first.argsort(kind="stable")
+    bounds = np.arange(local, stream, local, dtype=_I64)
+    run = order[first[order].searchsorted(bounds, side="right") - 1]
+    return _sorted_union(at, at[run] + (bounds - first[run]))
 
 
 def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -193,45 +201,64 @@ def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1)
     Returns:
         The :class:`ExchangePlan`; ``plan.rank(r)`` is rank ``r``'s part.
 
-    Deterministic (a function of the arguments alone: every CP rank computes the same plan). Cost at
-    32K tokens cp 4: one ``diff`` over the rows plus ~20 numpy calls on the pieces.
+    Deterministic (a function of the arguments alone: every CP rank computes the same plan).
+    :func:`exchange_plan_of_inverse` takes the layout's inverse map instead (what a worker already holds).
     """
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] == 0:
         raise ValueError(f"rows must be int [cp, L] with L >= 1, got shape {rows.shape}")
-    cp, local = rows.shape
-    stream = cp * local
+    if rows.size and (rows.min() < 0 or rows.max() >= rows.size):
+        raise ValueError(f"rows must hold positions in [0, {rows.size}) (a permutation of range(cp * L))")
+    return exchange_plan_of_inverse(inverse_indices(rows), rows.shape[0], slot_starts, n_rows=n_rows)
+
+
+def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1
+                             ) -> ExchangePlan:  # fmt: skip
+    """:func:`exchange_plan` from the layout's inverse map (int64 ``[cp * L]``, ``inverse[g]`` = the rank-major
+    index of global position ``g``: :func:`cpdata.layouts.inverse_indices`, a batch's ``gather_index``).
+
+    Cost: one pass over the inverse (a subtraction, a compare, ``flatnonzero``), then ~25 numpy calls on the
+    pieces (``balanced`` ~16 per document, ``contiguous`` ~1 per document).
+    """
+    inverse = np.asarray(inverse, dtype=_I64).reshape(-1)
+    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+    cp, stream = int(cp_size), inverse.shape[0]
+    if stream == 0 or stream % cp:
+        raise ValueError(f"the inverse map covers {stream} positions, not a positive multiple of cp_size={cp}")
+    local = stream // cp
     if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)) or n_rows < 1:
         raise ValueError(f"n_rows must be an int >= 1 (bshd rows sharing the layout), got {n_rows!r}")
     starts_flat = np.asarray(slot_starts, dtype=_I64).reshape(-1)
     row_firsts = np.arange(n_rows, dtype=_I64) * stream
     firsts_at = starts_flat.searchsorted(row_firsts)
-    if (starts_flat.size == 0 or (np.diff(starts_flat) <= 0).any() or starts_flat[-1] >= n_rows * stream
+    if (starts_flat.size == 0 or (starts_flat[1:] <= starts_flat[:-1]).any() or starts_flat[-1] >= n_rows * stream
             or firsts_at[-1] >= starts_flat.size or (starts_flat[firsts_at] != row_firsts).any()):  # fmt: skip
         raise ValueError(
             f"slot_starts must be increasing stream positions in [0, {n_rows * stream}) with every row's "
             f"first position (multiples of {stream}) among them, got {starts_flat[:16].tolist()}...; pass the "
             "batch's cu_seqlens_padded[:-1]"
         )
-    run_starts, run_owner, run_local = _rank_runs(rows.astype(_I64, copy=False))
-    if run_starts[0] != 0 or run_starts[-1] >= stream:
-        raise ValueError(f"rows must hold positions in [0, {stream}) (a permutation of range(cp * L))")
-    columns = starts_flat % stream
-    starts = _sorted_union(run_starts, columns)  # pieces: runs cut at every row's slot boundaries
-    ends = np.append(starts[1:], stream)
-    run = run_starts.searchsorted(starts, side="right") - 1
-    owners = run_owner[run]
-    local_starts = run_local[run] + (starts - run_starts[run])
+    columns = starts_flat - starts_flat // stream * stream if n_rows > 1 else starts_flat
+    starts = _sorted_union(_runs(inverse, cp, local), columns)  # pieces: runs cut at every row's slot boundary
+    ends = np.empty_like(starts)
+    ends[:-1], ends[-1] = starts[1:], stream
+    owners, local_starts = np.divmod(inverse[starts], local)
     # slot of every piece in every row (global slot ids), last position of every slot on every rank
-    slot = starts_flat.searchsorted(row_firsts[:, None] + starts[None, :], side="right") - 1  # [rows, n]
+    if n_rows == 1:
+        slot = starts_flat.searchsorted(starts, side="right")[None]
+    else:
+        slot = starts_flat.searchsorted(row_firsts[:, None] + starts[None, :], side="right")  # [rows, n]
+    slot -= 1
     key = slot * cp
     key += owners
     last = np.full(starts_flat.size * cp, -1, dtype=_I64)  # [slot, rank] flat
-    np.maximum.at(last, key.reshape(-1), np.tile(ends - 1, n_rows))
+    np.maximum.at(last, key.reshape(-1), np.tile(ends - 1, n_rows) if n_rows > 1 else ends - 1)
     reach = last.reshape(-1, cp)[slot]  # [rows, n, cp]: keys up to there are needed
     reach += 1
     np.minimum(reach, ends[None, :, None], out=reach)
-    need = (reach - starts[None, :, None]).max(axis=0)
+    need = reach.max(axis=0) if n_rows > 1 else reach[0]
+    need -= starts[:, None]
     np.maximum(need, 0, out=need)
     need[np.arange(starts.size), owners] = 0  # a rank's own keys are local
     return ExchangePlan(cp_size=cp, local_len=local, starts=starts, lengths=ends - starts, owners=owners,

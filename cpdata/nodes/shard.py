@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.kv_exchange_plan import ExchangePlan, exchange_plan
+from cpdata.kv_exchange_plan import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
@@ -112,11 +112,12 @@ class ShardForRank(BaseNode[Any]):
         block_size: batches pulled and prepared at once (int >= 1); None (the default): at least
             :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most
             :data:`MAX_BLOCK_SIZE` batches.
-        kv_exchange: also build each batch's K/V exchange plan (:func:`cpdata.kv_exchange_plan.exchange_plan`
-            of the batch's rows and slots; this rank's part in ``batch.layout.kv_exchange``), so
-            document-causal attention moves only the keys each rank needs instead of all-gathering them.
-            Costs every rank's row plus ~20 numpy calls on the layout's pieces per batch. Not part of the
-            saved state (the batches are the same either way).
+        kv_exchange: also build each batch's K/V exchange plan
+            (:func:`cpdata.kv_exchange_plan.exchange_plan_of_inverse` of the batch's inverse map and slots;
+            this rank's part in ``batch.layout.kv_exchange``), so document-causal attention moves only the
+            keys each rank needs instead of all-gathering them. Costs one pass over the inverse map plus
+            ~25 numpy calls on the layout's pieces per batch. Not part of the saved state (the batches are
+            the same either way).
 
     State: the source's state before the current block under ``"source"``
     (read once per block: between blocks the state is a cached dict, not a
@@ -303,27 +304,21 @@ class ShardForRank(BaseNode[Any]):
         plan computed once)."""
         spec_key = rank_spec_key(item.stream, item.stream_len // self.cp_size, item.batch.qkv_format)
         plan = _buffer_plan(spec_key, item.stream_len)
-        exchange = self._exchange(item) if self.kv_exchange else None
         if not self.all_ranks:
-            return self._serve_rank(item, plan, self.cp_rank, None, exchange)[0]
-        out, inverse = [], None
+            return self._serve_rank(item, plan, self.cp_rank, None, None)[0]
+        out, inverse, exchange = [], None, None
         for r in range(self.cp_size):
-            batch, inverse = self._serve_rank(item, plan, r, inverse, exchange)
+            batch, inverse, exchange = self._serve_rank(item, plan, r, inverse, exchange)
             out.append(batch)
         return tuple(out)
 
-    def _exchange(self, item: BlockItem) -> ExchangePlan:
-        """The batch's K/V exchange plan: every rank's row (cached for layouts that ignore the documents)
-        and the stream's slots (bshd rows share the columns' plan)."""
-        rows = item.fixed[0] if item.fixed is not None else item.table.rows()
-        n_rows = item.stream.rows if item.batch.qkv_format == "bshd" else 1
-        return exchange_plan(rows, item.stream.slot_starts, n_rows=n_rows)
-
     def _serve_rank(self, item: BlockItem, plan: BufferPlan, r: int, inverse: np.ndarray | None,
-                    exchange: ExchangePlan | None = None) -> tuple[ShardedBatch, np.ndarray]:  # fmt: skip
+                    exchange: ExchangePlan | None) -> tuple[ShardedBatch, np.ndarray, ExchangePlan | None]:  # fmt: skip
         """Rank ``r``'s batch, written straight into its one buffer (laid out by ``plan``): its row, the
         inverse map (a copy of ``inverse`` when not None), its tokens and the stream metadata; with
-        ``exchange``, rank ``r``'s part of it in the layout. Returns the batch and its inverse map."""
+        ``kv_exchange``, rank ``r``'s part of the exchange plan (``exchange``, or the plan of the inverse
+        map and the stream's slots: bshd rows share the columns' plan). Returns the batch, its inverse
+        map and the exchange plan."""
         buf = BatchBuffer.of(plan)
         rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
         if item.fixed is not None:
@@ -340,6 +335,9 @@ class ShardForRank(BaseNode[Any]):
         row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
         fields = {"digest": item.digest}
-        if exchange is not None:
+        if self.kv_exchange:
+            if exchange is None:
+                n_rows = stream.rows if batch.qkv_format == "bshd" else 1
+                exchange = exchange_plan_of_inverse(gather, self.cp_size, stream.slot_starts, n_rows=n_rows)
             fields["kv_exchange"] = exchange.rank(r)
-        return buf.batch(layout=layout, info=item.info, fields=fields), gather
+        return buf.batch(layout=layout, info=item.info, fields=fields), gather, exchange
