@@ -10,7 +10,9 @@ gradients of q, k, v at the rank's positions). The collectives are counted: one
 bytes each rank receives are exactly the plan's keys times the K/V row size.
 Then the plan from the real pipeline (``ShardForRank(kv_exchange=True)`` in each
 process) is checked for determinism and for send/receive agreement across
-processes.
+processes, and every other batch goes through the ctx the sharder hands out
+(``AttentionContextFactory(...)(document_mask=True)``, bshd rows included)
+against full attention over the reassembled documents.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dist_utils import run_ranks
 from test_gather_dist import GATHERS, counting_collectives
 
 from cpdata.adapters import document_causal_mask
-from cpdata.cp_attention import ContextParallelAttention
+from cpdata.cp_attention import AttentionContextFactory, ContextParallelAttention
 from cpdata.kv_exchange import exchange_tokens
 from cpdata.kv_exchange_plan import exchange_plan
 from cpdata.layouts import alignment, inverse_indices, rank_indices
@@ -142,7 +144,7 @@ def _pipeline_plans(rank: int, cp: int) -> dict:
     g = torch.Generator().manual_seed(7)
     docs = [{"input_ids": torch.randint(1, 50, (int(n),), generator=g).tolist()}
             for n in torch.randint(3, 90, (40,), generator=g)]  # fmt: skip
-    out = {"batches": 0, "moved": 0}
+    out = {"batches": 0, "moved": 0, "attended": 0}
     for layout, qkv, batch_size in (("balanced", "thd", 2), ("thd", "thd", 1), ("contiguous", "bshd", 2),
                                     ("round_robin", "bshd", 1)):  # fmt: skip
         kw = dict(capacity=128, cp_size=cp, layout=layout, overflow="split", batch_size=batch_size, qkv_format=qkv)
@@ -167,12 +169,39 @@ def _pipeline_plans(rank: int, cp: int) -> dict:
             digests = [torch.empty_like(digest) for _ in range(cp)]
             dist.all_gather(digests, digest)
             assert all(torch.equal(d, digest) for d in digests)
+            if out["batches"] % 2 == 0:  # the batch as the sharder's ctx takes it: attention equals full
+                _check_batch_attention(batch, shards, rows, rank, qkv)
+                out["attended"] += 1
             out["batches"] += 1
             out["moved"] += int(sent.sum())
     return out
 
 
+def _check_batch_attention(batch, shards, rows: np.ndarray, rank: int, qkv: str) -> None:
+    n_rows = batch["document_ids"].shape[0] if qkv == "bshd" else 1
+    s = rows.size
+    docs = torch.empty(n_rows, s, dtype=torch.int64)
+    for sh in shards:
+        docs[:, sh.layout.local_token_global_indices] = sh["document_ids"].reshape(n_rows, -1)
+    g = torch.Generator().manual_seed(s)
+    q, k, v, w = (torch.randn(n_rows, 2, s, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    keep = torch.ones(s, s, dtype=torch.bool).tril() & (docs[:, :, None] == docs[:, None, :])
+    q0, k0, v0 = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q0, k0, v0, attn_mask=keep[:, None])
+    (ref * w).sum().backward()
+    idx = torch.from_numpy(rows[rank])
+    lq, lk, lv = (t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v))
+    factory = AttentionContextFactory(batch.layout, None, batch["document_ids"])  # what sharder.shard returns
+    with counting_collectives() as calls, factory(document_mask=True):
+        o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
+    assert {n for n, _ in calls} == {"all_to_all_single"}, calls  # K/V and (once) the document ids
+    assert _close(o, ref.index_select(2, idx))
+    (o * w.index_select(2, idx)).sum().backward()
+    for got, want in ((lq, q0), (lk, k0), (lv, v0)):
+        assert _close(got.grad, want.grad.index_select(2, idx))
+
+
 def test_pipeline_plans_are_deterministic_and_agree_across_processes():
     results = run_ranks(_pipeline_plans, 4, timeout=120)
     assert results[0]["batches"] >= 8 and all(r == results[0] for r in results)
-    assert results[0]["moved"] > 0
+    assert results[0]["moved"] > 0 and results[0]["attended"] >= 4
