@@ -205,3 +205,12 @@ def test_build_loader_and_cpdataset_workers_carry_the_plan():
         assert pa.recv_counts == pb.recv_counts and np.array_equal(pa.recv_runs, pb.recv_runs)
         assert np.array_equal(pa.send_runs, pb.send_runs)
     assert all(b.layout.kv_exchange is None for b in build_loader(docs, cp_rank=1, pin_memory=False, **kw))
+
+
+def test_hf_sdpa_kwargs_keep_the_global_key_mask_the_ctx_takes():
+    from cpdata.adapters import hf_model_kwargs
+
+    s = _shards("balanced", 2, "thd", 1)[0][1]
+    assert s.layout.kv_exchange is not None
+    mask = hf_model_kwargs(s, attn_implementation="sdpa")["attention_mask"]
+    assert mask.shape[-1] == s.layout.padded_seq_len  # over all S keys, as the ctx's attn_mask path expects
