@@ -38,6 +38,7 @@ position within each pair, so the ``i``-th key ``src`` sends to ``dst`` is the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -140,21 +141,23 @@ class ExchangePlan:
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < cp:
             raise ValueError(f"rank must be an int in [0, cp_size={cp}), got {r!r}")
         mine = np.flatnonzero(self.owners == r)
-        sent = self.need[mine].T.reshape(-1)  # [cp dst, pieces of r]: by destination, increasing positions
-        keep = sent > 0
-        send_runs = np.empty((int(keep.sum()), 2), dtype=_I64)
-        send_runs[:, 0] = np.tile(self.local_starts[mine], cp)[keep]
-        send_runs[:, 1] = sent[keep]
+        sent = self.need[mine]  # [pieces of r, cp]
+        send_counts = sent.sum(axis=0).tolist()
+        flat = sent.T.ravel()  # by destination, increasing positions inside
+        keep = np.flatnonzero(flat)
+        send_runs = np.empty((keep.size, 2), dtype=_I64)
+        if keep.size:
+            send_runs[:, 0] = self.local_starts[mine[keep % mine.size]]
+            send_runs[:, 1] = flat[keep]
         got = self.need[:, r]
         at = np.flatnonzero(got)
-        at = at[self.owners[at].argsort(kind="stable")]  # by source rank, increasing positions inside
+        owners = self.owners[at]
+        recv_counts = np.bincount(owners, weights=got[at], minlength=cp).tolist()
+        at = at[owners.argsort(kind="stable")]  # by source rank, increasing positions inside
         recv_runs = np.empty((at.size, 2), dtype=_I64)
         recv_runs[:, 0], recv_runs[:, 1] = self.starts[at], got[at]
-        recv_counts = np.bincount(self.owners[at], weights=got[at], minlength=cp)
-        send_counts = self.need[mine].sum(axis=0)
-        return RankExchange(cp_size=cp, cp_rank=int(r), send_counts=tuple(send_counts.tolist()),
-                            send_runs=send_runs, recv_counts=tuple(int(c) for c in recv_counts.tolist()),
-                            recv_runs=recv_runs)  # fmt: skip
+        return RankExchange(cp_size=cp, cp_rank=int(r), send_counts=tuple(send_counts), send_runs=send_runs,
+                            recv_counts=tuple(int(c) for c in recv_counts), recv_runs=recv_runs)  # fmt: skip
 
 
 def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
@@ -212,33 +215,46 @@ def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1)
     return exchange_plan_of_inverse(inverse_indices(rows), rows.shape[0], slot_starts, n_rows=n_rows)
 
 
-def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1
-                             ) -> ExchangePlan:  # fmt: skip
-    """:func:`exchange_plan` from the layout's inverse map (int64 ``[cp * L]``, ``inverse[g]`` = the rank-major
-    index of global position ``g``: :func:`cpdata.layouts.inverse_indices`, a batch's ``gather_index``).
-
-    Cost: one pass over the inverse (a subtraction, a compare, ``flatnonzero``), then ~25 numpy calls on the
-    pieces (``balanced`` ~16 per document, ``contiguous`` ~1 per document).
-    """
+def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(inverse, slot_starts)`` as int64 arrays, or ``ValueError`` naming the bad argument."""
     inverse = np.asarray(inverse, dtype=_I64).reshape(-1)
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
     cp, stream = int(cp_size), inverse.shape[0]
     if stream == 0 or stream % cp:
         raise ValueError(f"the inverse map covers {stream} positions, not a positive multiple of cp_size={cp}")
-    local = stream // cp
     if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)) or n_rows < 1:
         raise ValueError(f"n_rows must be an int >= 1 (bshd rows sharing the layout), got {n_rows!r}")
-    starts_flat = np.asarray(slot_starts, dtype=_I64).reshape(-1)
+    starts = np.asarray(slot_starts, dtype=_I64).reshape(-1)
     row_firsts = np.arange(n_rows, dtype=_I64) * stream
-    firsts_at = starts_flat.searchsorted(row_firsts)
-    if (starts_flat.size == 0 or (starts_flat[1:] <= starts_flat[:-1]).any() or starts_flat[-1] >= n_rows * stream
-            or firsts_at[-1] >= starts_flat.size or (starts_flat[firsts_at] != row_firsts).any()):  # fmt: skip
+    firsts_at = starts.searchsorted(row_firsts)
+    if (starts.size == 0 or (starts[1:] <= starts[:-1]).any() or starts[-1] >= n_rows * stream
+            or firsts_at[-1] >= starts.size or (starts[firsts_at] != row_firsts).any()):  # fmt: skip
         raise ValueError(
             f"slot_starts must be increasing stream positions in [0, {n_rows * stream}) with every row's "
-            f"first position (multiples of {stream}) among them, got {starts_flat[:16].tolist()}...; pass the "
+            f"first position (multiples of {stream}) among them, got {starts[:16].tolist()}...; pass the "
             "batch's cu_seqlens_padded[:-1]"
         )
+    return inverse, starts
+
+
+def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1,
+                             checked: bool = False) -> ExchangePlan:  # fmt: skip
+    """:func:`exchange_plan` from the layout's inverse map (int64 ``[cp * L]``, ``inverse[g]`` = the rank-major
+    index of global position ``g``: :func:`cpdata.layouts.inverse_indices`, a batch's ``gather_index``).
+
+    ``checked=True``: ``inverse`` is an int64 inverse map and ``slot_starts`` a stream's int64 slot offsets
+    (the worker's, already checked), so their checks are skipped.
+
+    Cost: one pass over the inverse (a subtraction, a compare, ``flatnonzero``), then ~25 numpy calls on
+    ``[pieces, cp]`` arrays (``balanced`` ~4cp pieces per document, ``thd`` 2cp, ``contiguous`` ~1).
+    """
+    if not checked:
+        inverse, slot_starts = _checked(inverse, cp_size, slot_starts, n_rows)
+    starts_flat = slot_starts
+    cp, stream = int(cp_size), inverse.shape[0]
+    local = stream // cp
+    row_firsts = np.arange(n_rows, dtype=_I64) * stream
     columns = starts_flat - starts_flat // stream * stream if n_rows > 1 else starts_flat
     starts = _sorted_union(_runs(inverse, cp, local), columns)  # pieces: runs cut at every row's slot boundary
     ends = np.empty_like(starts)

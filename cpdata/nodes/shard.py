@@ -338,6 +338,7 @@ class ShardForRank(BaseNode[Any]):
         if self.kv_exchange:
             if exchange is None:
                 n_rows = stream.rows if batch.qkv_format == "bshd" else 1
-                exchange = exchange_plan_of_inverse(gather, self.cp_size, stream.slot_starts, n_rows=n_rows)
+                exchange = exchange_plan_of_inverse(gather, self.cp_size, stream.slot_starts, n_rows=n_rows,
+                                                    checked=True)  # fmt: skip
             fields["kv_exchange"] = exchange.rank(r)
         return buf.batch(layout=layout, info=item.info, fields=fields), gather, exchange
