@@ -214,3 +214,19 @@ def test_hf_sdpa_kwargs_keep_the_global_key_mask_the_ctx_takes():
     assert s.layout.kv_exchange is not None
     mask = hf_model_kwargs(s, attn_implementation="sdpa")["attention_mask"]
     assert mask.shape[-1] == s.layout.padded_seq_len  # over all S keys, as the ctx's attn_mask path expects
+
+
+def test_inverse_map_entry_checks_and_cp1():
+    from cpdata.kv_exchange_plan import exchange_plan_of_inverse
+
+    with pytest.raises(ValueError, match="multiple of cp_size=3"):
+        exchange_plan_of_inverse(np.arange(8), 3, [0])
+    with pytest.raises(ValueError, match="cp_size must be"):
+        exchange_plan_of_inverse(np.arange(8), 0, [0])
+    with pytest.raises(ValueError, match="rows must hold positions"):
+        exchange_plan(np.array([[0, 1], [2, 9]]), [0])
+    (s,) = _shards("identity", 1, "thd", 1)[0]
+    plan = s.layout.kv_exchange
+    assert plan.n_recv == plan.n_send == 0 and plan.recv_counts == (0,)
+    mask = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
+    assert mask.shape[-1] == s["document_ids"].shape[-1]
