@@ -28,13 +28,13 @@ from dist_utils import run_ranks
 from test_gather_dist import GATHERS, counting_collectives
 
 from cpdata.adapters import document_causal_mask
-from cpdata.cp_attention import AttentionContextFactory, ContextParallelAttention
-from cpdata.kv_exchange import exchange_tokens
-from cpdata.kv_exchange_plan import exchange_plan
-from cpdata.layouts import alignment, inverse_indices, rank_indices
-from cpdata.loader import shard_graph
+from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.device.kv_exchange import exchange_tokens
+from cpdata.layout.exchange import exchange_plan
+from cpdata.layout.maps import alignment, inverse_indices, rank_indices
+from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
-from cpdata.shard_layout import ShardLayout
 
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
 TOL = 1e-10

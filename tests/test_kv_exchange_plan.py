@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.adapters import document_causal_mask, flex_block_mask
-from cpdata.kv_exchange import exchanged_key_positions
-from cpdata.kv_exchange_plan import exchange_plan, expand_runs, kv_recv_fraction
-from cpdata.layouts import rank_indices
-from cpdata.loader import shard_graph
+from cpdata.device.kv_exchange import exchanged_key_positions
+from cpdata.layout.exchange import exchange_plan, expand_runs, kv_recv_fraction
+from cpdata.layout.maps import rank_indices
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
@@ -217,7 +217,7 @@ def test_hf_sdpa_kwargs_keep_the_global_key_mask_the_ctx_takes():
 
 
 def test_inverse_map_entry_checks_and_cp1():
-    from cpdata.kv_exchange_plan import exchange_plan_of_inverse
+    from cpdata.layout.exchange import exchange_plan_of_inverse
 
     with pytest.raises(ValueError, match="multiple of cp_size=3"):
         exchange_plan_of_inverse(np.arange(8), 3, [0])

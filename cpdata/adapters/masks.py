@@ -28,8 +28,8 @@ Two forms of the same predicate:
 
 Keys: a layout with a K/V exchange plan (``layout.kv_exchange``) is attended
 over its exchanged keys, ``K = L + n_recv`` of them (own then received, the
-order :func:`cpdata.kv_exchange.exchange_tokens` returns, positions from
-:func:`cpdata.kv_exchange.exchanged_key_positions`), unless ``keys="global"``
+order :func:`cpdata.device.kv_exchange.exchange_tokens` returns, positions from
+:func:`cpdata.device.kv_exchange.exchanged_key_positions`), unless ``keys="global"``
 asks for all ``S``; the predicate is the same, evaluated at each key's global
 position.
 """
@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 import torch
 
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.gather import layout_tensor_on
-from cpdata.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["document_causal_mask", "flex_block_mask"]
@@ -133,7 +133,7 @@ def flex_block_mask(
     heads broadcast. Use with
     ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``
     where ``k``/``v`` are gathered to global order (or exchanged with
-    :func:`cpdata.kv_exchange.exchange_tokens`). Building it evaluates the
+    :func:`cpdata.device.kv_exchange.exchange_tokens`). Building it evaluates the
     predicate once per ``block_size`` tile (vmap, not compiled).
     """
     from torch.nn.attention.flex_attention import create_block_mask

@@ -27,7 +27,7 @@ context and device and reused by every layer.
 With a K/V exchange plan (``layout.kv_exchange``, batches built with
 ``kv_exchange=True``), a document-causal call (``document_ids`` given,
 ``is_causal``, no ``attn_mask``) replaces the all-gather by one all-to-all of
-just the keys this rank's queries need (:mod:`cpdata.kv_exchange`): K/V and the
+just the keys this rank's queries need (:mod:`cpdata.device.kv_exchange`): K/V and the
 mask are ``L + n_recv`` keys wide instead of ``cp*L``. Every other call (no
 document mask, bidirectional, an explicit ``attn_mask``) keeps the all-gather.
 
@@ -69,8 +69,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
-from cpdata.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["AttentionContextFactory", "ContextParallelAttention"]
@@ -232,7 +232,7 @@ class ContextParallelAttention:
 
     def _exchange_mask(self, device: torch.device) -> torch.Tensor:
         """Boolean ``[B, 1, L, L + n_recv]`` (or ``[L, L + n_recv]``) document-causal keep-mask over the
-        exchanged keys (:func:`cpdata.kv_exchange.exchange_tokens`); their document ids travel once per
+        exchanged keys (:func:`cpdata.device.kv_exchange.exchange_tokens`); their document ids travel once per
         context through the same plan."""
         key = (str(device), "exchange")
         if key not in self._masks:

@@ -8,7 +8,9 @@ CP rank computes the same map without talking.
 Modules, in pipeline order: ``maps`` (the layouts: ``rank_indices``,
 ``LAYOUTS``, ``alignment``, ``inverse_indices``, causal work), ``runs`` (a
 layout as runs of consecutive positions, the table the worker gathers from),
-``blocks`` (run tables of a block of packs at once), ``shard_layout``
+``blocks`` (run tables of a block of packs at once), ``exchange`` (the K/V
+exchange plan: which keys each rank needs from each other rank under the
+document-causal mask, for any layout), ``shard_layout``
 (``ShardLayout``, the torch record of a layout that travels with a batch; the
 one module here that imports torch).
 

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.kv_exchange_plan import ExchangePlan, exchange_plan_of_inverse
+from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
@@ -113,7 +113,7 @@ class ShardForRank(BaseNode[Any]):
             :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most
             :data:`MAX_BLOCK_SIZE` batches.
         kv_exchange: also build each batch's K/V exchange plan
-            (:func:`cpdata.kv_exchange_plan.exchange_plan_of_inverse` of the batch's inverse map and slots;
+            (:func:`cpdata.layout.exchange.exchange_plan_of_inverse` of the batch's inverse map and slots;
             this rank's part in ``batch.layout.kv_exchange``), so document-causal attention moves only the
             keys each rank needs instead of all-gathering them. Costs one pass over the inverse map plus
             ~25 numpy calls on the layout's pieces per batch. Not part of the saved state (the batches are

@@ -1,7 +1,7 @@
 """Exchange only the keys each rank needs: one differentiable all-to-all (torch only).
 
 A layout that carries a K/V exchange plan (``layout.kv_exchange``, a
-:class:`~cpdata.kv_exchange_plan.RankExchange` built on the dataloader worker)
+:class:`~cpdata.layout.exchange.RankExchange` built on the dataloader worker)
 lets document-causal attention skip the all-gather: each rank sends every
 other rank exactly the keys that rank's queries can attend to, and receives
 its own needs::
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from cpdata.shard_layout import ShardLayout
+    from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange"]
 
@@ -145,7 +145,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     Args:
         tensor: local shard, ``L`` tokens on ``seq_dim`` in the layout's local order (e.g. K and V
             concatenated ``[B, H, L, Ek + Ev]`` with ``seq_dim=2``, or ``document_ids`` ``[B, L]``).
-        layout: the batch's :class:`~cpdata.shard_layout.ShardLayout`, with ``kv_exchange``.
+        layout: the batch's :class:`~cpdata.layout.shard_layout.ShardLayout`, with ``kv_exchange``.
         group: the CP process group; None = the default group.
         seq_dim: the sequence dimension of ``tensor``.
 

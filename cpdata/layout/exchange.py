@@ -9,7 +9,7 @@ to that slot's last query on ``dst``, that ``src`` owns::
 
 An all-gather delivers ``(cp-1)/cp * S`` keys to every rank; with short
 documents most of them are masked out. The plan moves only the needed ones
-(one ``all_to_all_single``, :mod:`cpdata.kv_exchange`).
+(one ``all_to_all_single``, :mod:`cpdata.device.kv_exchange`).
 
 Algorithm (no assumption on the layout: any ``[cp, L]`` permutation rows):
 
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layouts import inverse_indices
+from cpdata.layout.maps import inverse_indices
 
 __all__ = [
     "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "expand_runs", "kv_recv_fraction",
@@ -194,7 +194,7 @@ def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1)
 
     Args:
         rows: int ``[cp, L]``: every rank's global positions in local order (what
-            :func:`cpdata.layouts.rank_indices` returns; any permutation of ``range(cp * L)``).
+            :func:`cpdata.layout.maps.rank_indices` returns; any permutation of ``range(cp * L)``).
         slot_starts: int ``[K]``: the first stream position of every document slot, increasing, over the
             ``n_rows * cp * L`` positions of the batch's ``n_rows`` rows laid end to end (the stream's
             ``slot_starts``; ``cu_seqlens_padded[:-1]``). Each row's first position starts a slot; pads
@@ -241,7 +241,7 @@ def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple
 def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1,
                              checked: bool = False) -> ExchangePlan:  # fmt: skip
     """:func:`exchange_plan` from the layout's inverse map (int64 ``[cp * L]``, ``inverse[g]`` = the rank-major
-    index of global position ``g``: :func:`cpdata.layouts.inverse_indices`, a batch's ``gather_index``).
+    index of global position ``g``: :func:`cpdata.layout.maps.inverse_indices`, a batch's ``gather_index``).
 
     ``checked=True``: ``inverse`` is an int64 inverse map and ``slot_starts`` a stream's int64 slot offsets
     (the worker's, already checked), so their checks are skipped.
