@@ -230,3 +230,57 @@ def test_inverse_map_entry_checks_and_cp1():
     assert plan.n_recv == plan.n_send == 0 and plan.recv_counts == (0,)
     mask = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
     assert mask.shape[-1] == s["document_ids"].shape[-1]
+
+
+@st.composite
+def block_layouts(draw):
+    """A tiled-like layout: ``tile``-token blocks dealt to ranks (equal counts), any local order of them."""
+    cp, tile, per_rank = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    blocks = cp * per_rank
+    owner = np.array(draw(st.permutations(np.repeat(np.arange(cp), per_rank).tolist())), dtype=np.int64)
+    rows, run_local = [], np.empty(blocks, dtype=np.int64)
+    for r in range(cp):
+        mine = np.flatnonzero(owner == r)
+        order = np.array(draw(st.permutations(range(per_rank))), dtype=np.int64)
+        run_local[mine[order]] = np.arange(per_rank) * tile
+        rows.append(np.concatenate([np.arange(b * tile, (b + 1) * tile) for b in mine[order]]))
+    s = blocks * tile
+    cuts = draw(st.sets(st.integers(1, max(1, s - 1)), max_size=s - 1)) if s > 1 else set()
+    return np.stack(rows), np.arange(blocks) * tile, owner, run_local, sorted({0, *cuts})
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_layouts())
+def test_plan_of_runs_equals_the_plan_of_rows(case):
+    from cpdata.layout.exchange import exchange_plan_of_runs
+
+    rows, run_starts, owners, run_local, slots = case
+    cp, local = rows.shape
+    a = exchange_plan(rows, slots)
+    b = exchange_plan_of_runs(run_starts, owners, run_local, cp_size=cp, local_len=local, slot_starts=slots)
+    assert np.array_equal(a.recv_counts(), b.recv_counts())
+    for r in range(cp):
+        x, y = a.rank(r), b.rank(r)
+        assert np.array_equal(x.recv_positions(), y.recv_positions()) and x.recv_counts == y.recv_counts
+        assert np.array_equal(x.send_index(), y.send_index()) and x.send_counts == y.send_counts
+
+
+def test_plan_of_runs_refuses_runs_that_do_not_tile_the_ranks():
+    from cpdata.layout.exchange import exchange_plan_of_runs
+
+    with pytest.raises(ValueError, match="tile its local order"):  # rank 0's two runs both start at local 0
+        exchange_plan_of_runs([0, 2, 4, 6], [0, 0, 1, 1], [0, 0, 0, 2], cp_size=2, local_len=4, slot_starts=[0])
+    with pytest.raises(ValueError, match="increasing global starts"):
+        exchange_plan_of_runs([0, 4, 2], [0, 1, 1], [0, 0, 2], cp_size=2, local_len=4, slot_starts=[0])
+
+
+def test_plan_of_runs_checked_path_equals_the_checked_one():
+    from cpdata.layout.exchange import exchange_plan_of_runs
+
+    starts, owners, local = (np.array(x, dtype=np.int64) for x in ([0, 4, 8, 12], [1, 0, 0, 1], [0, 0, 4, 4]))
+    slots = np.array([0, 6, 11], dtype=np.int64)
+    a = exchange_plan_of_runs(starts, owners, local, cp_size=2, local_len=8, slot_starts=slots)
+    b = exchange_plan_of_runs(starts, owners, local, cp_size=2, local_len=8, slot_starts=slots, checked=True)
+    assert np.array_equal(a.need, b.need) and np.array_equal(a.starts, b.starts) and a.need.sum() > 0
+    with pytest.raises(ValueError, match="local_len must be"):
+        exchange_plan_of_runs(starts, owners, local, cp_size=2, local_len=0, slot_starts=slots)

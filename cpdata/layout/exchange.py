@@ -45,7 +45,8 @@ import numpy as np
 from cpdata.layout.maps import inverse_indices
 
 __all__ = [
-    "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "expand_runs", "kv_recv_fraction",
+    "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "exchange_plan_of_runs",
+    "expand_runs", "kv_recv_fraction",
 ]  # fmt: skip
 
 _I64 = np.int64
@@ -223,6 +224,11 @@ def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple
     cp, stream = int(cp_size), inverse.shape[0]
     if stream == 0 or stream % cp:
         raise ValueError(f"the inverse map covers {stream} positions, not a positive multiple of cp_size={cp}")
+    return inverse, _checked_slots(slot_starts, stream, n_rows)
+
+
+def _checked_slots(slot_starts: Any, stream: int, n_rows: Any) -> np.ndarray:
+    """``slot_starts`` as int64 ``[K]`` over ``n_rows`` rows of ``stream`` positions, or ``ValueError``."""
     if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)) or n_rows < 1:
         raise ValueError(f"n_rows must be an int >= 1 (bshd rows sharing the layout), got {n_rows!r}")
     starts = np.asarray(slot_starts, dtype=_I64).reshape(-1)
@@ -235,7 +241,7 @@ def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple
             f"first position (multiples of {stream}) among them, got {starts[:16].tolist()}...; pass the "
             "batch's cu_seqlens_padded[:-1]"
         )
-    return inverse, starts
+    return starts
 
 
 def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1,
@@ -251,24 +257,87 @@ def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.
     """
     if not checked:
         inverse, slot_starts = _checked(inverse, cp_size, slot_starts, n_rows)
-    starts_flat = slot_starts
     cp, stream = int(cp_size), inverse.shape[0]
     local = stream // cp
-    row_firsts = np.arange(n_rows, dtype=_I64) * stream
-    columns = starts_flat - starts_flat // stream * stream if n_rows > 1 else starts_flat
+    columns = slot_starts - slot_starts // stream * stream if n_rows > 1 else slot_starts
     starts = _sorted_union(_runs(inverse, cp, local), columns)  # pieces: runs cut at every row's slot boundary
+    owners, local_starts = np.divmod(inverse[starts], local)
+    return _pieces_plan(starts, owners, local_starts, cp, local, slot_starts, n_rows)
+
+
+def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_local_starts: np.ndarray, *,
+                          cp_size: int, local_len: int, slot_starts: np.ndarray, n_rows: int = 1,
+                          checked: bool = False) -> ExchangePlan:  # fmt: skip
+    """:func:`exchange_plan` of a layout given as runs, with no pass over its tokens (O(runs + slots)).
+
+    A layout built from runs (``tile``-token blocks, per-document chunks) knows them already: run ``i``
+    covers global positions ``[run_starts[i], run_starts[i + 1])`` (the last one up to ``cp * L``) and
+    sits on rank ``run_owners[i]`` from its local index ``run_local_starts[i]`` on. Runs need not be
+    maximal (adjacent runs that continue each other give the same keys, in more pieces).
+
+    Args:
+        run_starts: int ``[R]``, increasing, from 0.
+        run_owners: int ``[R]`` in ``[0, cp_size)``.
+        run_local_starts: int ``[R]``; each rank's runs tile ``[0, local_len)`` of its local order.
+        cp_size: CP ranks.
+        local_len: tokens per rank ``L``.
+        slot_starts, n_rows: as :func:`exchange_plan`.
+        checked: the runs and slots are int64 arrays known to be valid (a layout's own): skip the checks
+            (a lexsort and ~15 calls).
+    """
+    if checked:
+        starts = _sorted_union(run_starts, slot_starts - slot_starts // (cp_size * local_len) * (cp_size * local_len)
+                               if n_rows > 1 else slot_starts)  # fmt: skip
+        run = run_starts.searchsorted(starts, side="right") - 1
+        return _pieces_plan(starts, run_owners[run], run_local_starts[run] + (starts - run_starts[run]), cp_size,
+                            local_len, slot_starts, n_rows)  # fmt: skip
+    starts_r = np.asarray(run_starts, dtype=_I64).reshape(-1)
+    owners_r = np.asarray(run_owners, dtype=_I64).reshape(-1)
+    local_r = np.asarray(run_local_starts, dtype=_I64).reshape(-1)
+    for name, value in (("cp_size", cp_size), ("local_len", local_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    cp, local = int(cp_size), int(local_len)
+    stream = cp * local
+    if not (starts_r.size and starts_r.shape == owners_r.shape == local_r.shape and starts_r[0] == 0
+            and (starts_r[1:] > starts_r[:-1]).all() and starts_r[-1] < stream
+            and owners_r.min() >= 0 and owners_r.max() < cp):  # fmt: skip
+        raise ValueError(
+            f"runs must be three equal-length int arrays: increasing global starts from 0 below cp_size * "
+            f"local_len = {stream}, owners in [0, cp_size={cp}) and local starts; got {starts_r.size}, "
+            f"{owners_r.size}, {local_r.size} runs"
+        )
+    lengths = np.empty_like(starts_r)
+    lengths[:-1], lengths[-1] = starts_r[1:] - starts_r[:-1], stream - starts_r[-1]
+    order = np.lexsort((local_r, owners_r))  # each rank's runs in local order must tile [0, L)
+    expect = lengths[order].cumsum() - lengths[order] - np.repeat(np.arange(cp, dtype=_I64) * local,
+                                                                  np.bincount(owners_r, minlength=cp))
+    if not np.array_equal(local_r[order], expect) or not (np.bincount(owners_r, lengths, cp) == local).all():
+        raise ValueError(f"every rank's runs must tile its local order [0, local_len={local}) exactly once")
+    slot_starts = _checked_slots(slot_starts, stream, n_rows)
+    columns = slot_starts - slot_starts // stream * stream if n_rows > 1 else slot_starts
+    starts = _sorted_union(starts_r, columns)
+    run = starts_r.searchsorted(starts, side="right") - 1
+    return _pieces_plan(starts, owners_r[run], local_r[run] + (starts - starts_r[run]), cp, local, slot_starts,
+                        n_rows)  # fmt: skip
+
+
+def _pieces_plan(starts: np.ndarray, owners: np.ndarray, local_starts: np.ndarray, cp: int, local: int,
+                 slot_starts: np.ndarray, n_rows: int) -> ExchangePlan:  # fmt: skip
+    """The plan of pieces (sorted global starts, each with one owner and, in every row, one slot)."""
+    stream = cp * local
     ends = np.empty_like(starts)
     ends[:-1], ends[-1] = starts[1:], stream
-    owners, local_starts = np.divmod(inverse[starts], local)
     # slot of every piece in every row (global slot ids), last position of every slot on every rank
     if n_rows == 1:
-        slot = starts_flat.searchsorted(starts, side="right")[None]
+        slot = slot_starts.searchsorted(starts, side="right")[None]
     else:
-        slot = starts_flat.searchsorted(row_firsts[:, None] + starts[None, :], side="right")  # [rows, n]
+        row_firsts = np.arange(n_rows, dtype=_I64) * stream
+        slot = slot_starts.searchsorted(row_firsts[:, None] + starts[None, :], side="right")  # [rows, n]
     slot -= 1
     key = slot * cp
     key += owners
-    last = np.full(starts_flat.size * cp, -1, dtype=_I64)  # [slot, rank] flat
+    last = np.full(slot_starts.size * cp, -1, dtype=_I64)  # [slot, rank] flat
     np.maximum.at(last, key.reshape(-1), np.tile(ends - 1, n_rows) if n_rows > 1 else ends - 1)
     reach = last.reshape(-1, cp)[slot]  # [rows, n, cp]: keys up to there are needed
     reach += 1
