@@ -30,7 +30,8 @@ def test_the_signatures_list_every_option_in_the_order_of_before():
             for f in dataclasses.fields(GraphOptions)] == SHARED  # fmt: skip
     assert _params(shard_graph) == SHARED + [("worker", (0, 1)), ("packs", None)]
     empty = inspect.Parameter.empty
-    want = SHARED[:2] + [("cp_rank", empty)] + SHARED[2:12] + [("pin_memory", None), ("prefetch", 2), ("block_size", None)]
+    want = SHARED[:2] + [("cp_rank", empty)] + SHARED[2:12] + [("pin_memory", None), ("prefetch", 2), ("block_size", None),
+                                                               ("kv_exchange", False)]
     want += SHARED[12:]
     assert _params(build_node) == want
     assert inspect.signature(build_node).parameters["capacity"].annotation == "int"

@@ -139,7 +139,8 @@ def hf_model_kwargs(
     if attn_implementation == "flex_attention":
         kwargs["attention_mask"] = flex_block_mask(mask_layout, doc_ids, tensors["cu_seqlens_padded"])
         return kwargs
-    mask = document_causal_mask(mask_layout, doc_ids, tensors["cu_seqlens_padded"])
+    # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
+    mask = document_causal_mask(mask_layout, doc_ids, tensors["cu_seqlens_padded"], keys="global")
     if attn_implementation == "eager":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
             ~mask, torch.finfo(torch.float32).min

@@ -25,18 +25,42 @@ Two forms of the same predicate:
 - :func:`flex_block_mask`: a ``BlockMask`` (``create_block_mask``) for
   ``flex_attention``: O(``L*S / block^2``) memory, and the kernel skips the
   blocks the documents rule out (with 4K documents in a 128K pack ~97 %).
+
+Keys: a layout with a K/V exchange plan (``layout.kv_exchange``) is attended
+over its exchanged keys, ``K = L + n_recv`` of them (own then received, the
+order :func:`cpdata.device.kv_exchange.exchange_tokens` returns, positions from
+:func:`cpdata.device.kv_exchange.exchanged_key_positions`), unless ``keys="global"``
+asks for all ``S``; the predicate is the same, evaluated at each key's global
+position.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.gather import layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["document_causal_mask", "flex_block_mask"]
+
+KeyOrder = Literal["auto", "global", "exchange"]
+
+
+def _key_positions(layout: ShardLayout | None, keys: KeyOrder, row_len: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[K]``: the global position of each key the mask covers (see the module docstring)."""
+    if keys not in ("auto", "global", "exchange"):
+        raise ValueError(f"keys={keys!r}: use 'auto' (exchanged keys when the layout has a plan), 'global' or "
+                         "'exchange'")  # fmt: skip
+    exchanged = layout is not None and has_exchange(layout)
+    if keys == "exchange" and not exchanged:
+        raise ValueError("keys='exchange' needs a layout with a K/V exchange plan (layout.kv_exchange); build the "
+                         "batches with kv_exchange=True, or pass keys='global'")  # fmt: skip
+    if exchanged and keys != "global":
+        return exchanged_key_positions(layout, device)
+    return torch.arange(row_len, device=device)
 
 
 def _query_bounds(
@@ -70,9 +94,11 @@ def _query_bounds(
 
 
 def document_causal_mask(
-    layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor
+    layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+    *, keys: KeyOrder = "auto",
 ) -> torch.Tensor:
-    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys.
+    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys (``[B, 1, L, K]``
+    over the exchanged keys when the layout has a plan, see ``keys``).
 
     Args:
         layout: the batch's :class:`ShardLayout` (``batch.layout``); None for a
@@ -81,11 +107,13 @@ def document_causal_mask(
             batch's ``document_ids`` (stream slot of each local token).
         cu_seqlens_padded: int32 ``[K+1]``, the batch's global slot offsets.
 
-    Keys are a row's ``S`` positions in global order (``S = layout.padded_seq_len``,
-    the length :func:`cpdata.gather.gather_token_tensor` returns).
+        keys: ``"auto"``: the exchanged keys when ``layout.kv_exchange`` is set, else global;
+            ``"global"``: a row's ``S`` positions in global order (``S = layout.padded_seq_len``, the
+            length :func:`cpdata.gather.gather_token_tensor` returns); ``"exchange"``: the exchanged keys
+            (refused without a plan).
     """
     start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
-    k = torch.arange(row_len, device=start.device)
+    k = _key_positions(layout, keys, row_len, start.device)
     mask = (k[None, None, :] >= start[:, :, None]) & (k[None, None, :] <= pos[None, :, None])
     return mask[:, None]
 
@@ -96,23 +124,28 @@ def flex_block_mask(
     cu_seqlens_padded: torch.Tensor,
     *,
     block_size: int = 128,
+    keys: KeyOrder = "auto",
 ) -> Any:
     """The same predicate as :func:`document_causal_mask` as a flex-attention ``BlockMask``.
 
-    ``Q_LEN = L`` (local queries), ``KV_LEN = S`` (global keys), batch ``B``,
+    ``Q_LEN = L`` (local queries), ``KV_LEN = S`` (global keys) or ``K = L + n_recv``
+    (exchanged keys, ``keys`` as in :func:`document_causal_mask`), batch ``B``,
     heads broadcast. Use with
     ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``
-    where ``k``/``v`` are gathered to global order. Building it evaluates the
+    where ``k``/``v`` are gathered to global order (or exchanged with
+    :func:`cpdata.device.kv_exchange.exchange_tokens`). Building it evaluates the
     predicate once per ``block_size`` tile (vmap, not compiled).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
     start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
     rows, local = start.shape
+    key_pos = _key_positions(layout, keys, row_len, start.device)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (kv_idx >= start[b, q_idx]) & (kv_idx <= pos[q_idx])
+        k = key_pos[kv_idx]
+        return (k >= start[b, q_idx]) & (k <= pos[q_idx])
 
     return create_block_mask(
-        mask_mod, rows, None, local, row_len, device=start.device, BLOCK_SIZE=block_size
+        mask_mod, rows, None, local, key_pos.numel(), device=start.device, BLOCK_SIZE=block_size
     )

@@ -11,7 +11,9 @@ mesh and moved), ``raw_shard`` (raw ``[B, S]`` batches sharded on the device),
 ``pp_chunks`` (THD batches split into pipeline chunks), ``thd_shard`` (the THD
 strategy), ``resolve`` (choosing a strategy once, NeMo's order),
 ``token_coords`` (token tensors between caller and layout coordinates),
-``cp_attention`` (the SDPA override that gathers K/V), ``consistency`` (ranks
+``kv_exchange`` (the one all-to-all that moves only the K/V a layout's
+exchange plan names), ``cp_attention`` (the SDPA override that gathers or
+exchanges K/V), ``consistency`` (ranks
 agreeing on the plan and on the end of an epoch), ``sharder``
 (``ContextParallelSharder``, the entry point). The gather itself is
 :mod:`cpdata.gather`, kept at the root so model code imports it alone.

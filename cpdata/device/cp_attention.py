@@ -24,6 +24,13 @@ an ``L x cp*L`` boolean mask per call, and runs SDPA with an explicit mask
 it is the correctness path, not the fastest one. Masks are built once per
 context and device and reused by every layer.
 
+With a K/V exchange plan (``layout.kv_exchange``, batches built with
+``kv_exchange=True``), a document-causal call (``document_ids`` given,
+``is_causal``, no ``attn_mask``) replaces the all-gather by one all-to-all of
+just the keys this rank's queries need (:mod:`cpdata.device.kv_exchange`): K/V and the
+mask are ``L + n_recv`` keys wide instead of ``cp*L``. Every other call (no
+document mask, bidirectional, an explicit ``attn_mask``) keeps the all-gather.
+
 SDPA arguments:
 
 - ``attn_mask=None``: causal over global positions iff ``is_causal``;
@@ -62,6 +69,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -186,9 +194,14 @@ class ContextParallelAttention:
             )
         ek = key.shape[-1]
         seq_dim = key.dim() - 2
-        kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
+        if attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout):
+            # document-causal with a plan: only the keys this rank's queries need (own + received)
+            kv = exchange_tokens(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
+            mask = self._exchange_mask(query.device)
+        else:
+            kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
+            mask = self._mask(query.device, is_causal)
         key_g, value_g = kv.split((ek, value.shape[-1]), dim=-1)
-        mask = self._mask(query.device, is_causal)
         if attn_mask is not None:
             mask = _combine(attn_mask, mask)
         return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
@@ -216,6 +229,31 @@ class ContextParallelAttention:
                 mask = same if mask is None else same & mask
             self._masks[key] = mask
         return self._masks[key]
+
+    def _exchange_mask(self, device: torch.device) -> torch.Tensor:
+        """Boolean ``[B, 1, L, L + n_recv]`` (or ``[L, L + n_recv]``) document-causal keep-mask over the
+        exchanged keys (:func:`cpdata.device.kv_exchange.exchange_tokens`); their document ids travel once per
+        context through the same plan."""
+        key = (str(device), "exchange")
+        if key not in self._masks:
+            q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
+            k_pos = exchanged_key_positions(self.layout, device)
+            doc_q = self._check_document_ids().to(device)
+            with torch.no_grad():
+                doc_k = exchange_tokens(doc_q, self.layout, self.group, -1)
+            same = doc_q[..., :, None] == doc_k[..., None, :]
+            same = same[:, None] if same.dim() == 3 else same
+            self._masks[key] = same & (k_pos[None, :] <= q_pos[:, None])
+        return self._masks[key]
+
+    def _check_document_ids(self) -> torch.Tensor:
+        doc = self.document_ids
+        if doc.shape[-1] != self.local_len:
+            raise ValueError(
+                f"document_ids of shape {tuple(doc.shape)} must hold this rank's {self.local_len} local tokens "
+                "on its last dim, in local order (the batch's 'document_ids')"
+            )
+        return doc
 
     def _document_keys(self, device: torch.device) -> torch.Tensor:
         """Every key's document id in global order (one collective per context)."""

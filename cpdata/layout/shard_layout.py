@@ -8,8 +8,12 @@ one collective because the inverse map arrives precomputed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cpdata.layout.exchange import RankExchange
 
 __all__ = ["ShardLayout"]
 
@@ -34,6 +38,9 @@ class ShardLayout:
         cp_size: CP ranks the layout was built for.
         cp_rank: the rank this layout's local indices belong to.
         digest: 63-bit digest of the plan, equal on every CP rank of a group.
+        kv_exchange: this rank's K/V exchange plan (:class:`~cpdata.layout.exchange.RankExchange`:
+            host int runs, no tensors) when the batch was built with ``kv_exchange=True``; document-causal
+            attention then moves only the keys it needs (:mod:`cpdata.device.kv_exchange`) instead of an all-gather.
     """
 
     local_token_global_indices: torch.Tensor | None = None
@@ -45,6 +52,7 @@ class ShardLayout:
     cp_size: int = 1
     cp_rank: int = 0
     digest: int | None = None
+    kv_exchange: RankExchange | None = None
 
     def _map_tensors(self, fn) -> ShardLayout:
         changes = {}

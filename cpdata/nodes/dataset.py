@@ -195,12 +195,14 @@ class CPDataset(WorkerDataset):
 
     Takes :func:`cpdata.nodes.loader.build_node`'s keyword arguments except
     ``pin_memory``; ``prefetch`` defaults to 0 here (the DataLoader's own
-    ``prefetch_factor`` already queues batches per worker).
+    ``prefetch_factor`` already queues batches per worker). ``kv_exchange=True``: the workers build each
+    batch's K/V exchange plan too (``batch.layout.kv_exchange``).
     """
 
     def __init__(
-        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int | None = None, **kwargs: Any
-    ) -> None:
+        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int | None = None,
+        kv_exchange: bool = False, **kwargs: Any,
+    ) -> None:  # fmt: skip
         if "pin_memory" in kwargs:
             raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
         check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
@@ -208,11 +210,13 @@ class CPDataset(WorkerDataset):
         self.source = source
         self.cp_rank = cp_rank
         self.block_size = block_size
+        self.kv_exchange = kv_exchange
         self.kwargs = kwargs
         # Validate the configuration now, in the main process, not in every worker.
         graph = shard_graph(source, **kwargs)
         self.layout = layout_spec(kwargs["layout"], kwargs.get("tile"))  # tiled: the tile joins the string
-        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=self.layout, block_size=block_size)
+        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=self.layout, block_size=block_size,
+                     kv_exchange=kv_exchange)  # fmt: skip
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if kwargs.get("schedule") is not None else None
 
@@ -247,4 +251,4 @@ class CPDataset(WorkerDataset):
                         node.set_epoch(epoch)
             node = _EveryNth(collated, offset=worker_id, stride=num_workers)
         return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.layout,
-                            block_size=self.block_size)  # fmt: skip
+                            block_size=self.block_size, kv_exchange=self.kv_exchange)  # fmt: skip

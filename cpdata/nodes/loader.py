@@ -210,6 +210,7 @@ def build_node(
     pin_memory: bool | None = None,
     prefetch: int = 2,
     block_size: int | None = None,
+    kv_exchange: bool = False,
     **options: Any,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
@@ -252,12 +253,17 @@ def build_node(
             :data:`~cpdata.nodes.shard.BLOCK_TOKENS`): larger blocks share more of the per-batch layout math
             and read the graph's state less often, and keep more plans alive and delay the first batch. Not
             part of the saved state.
+        kv_exchange: build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``):
+            document-causal attention (the sharder's ctx with ``document_mask=True``, the mask helpers) then
+            moves only the keys each rank needs, in one all-to-all, instead of all-gathering K/V. Not part of
+            the saved state.
     """
     o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     collated = shard_graph(source, **options)
-    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout, block_size=block_size)
+    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout, block_size=block_size,
+                                  kv_exchange=kv_exchange)  # fmt: skip
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return maybe_pin(node, pin_memory=pin_memory)
@@ -265,7 +271,7 @@ def build_node(
 
 _list_options(shard_graph, {})
 _list_options(build_node, {"cp_rank": "cp_size", "pin_memory": "vocab_size", "prefetch": "vocab_size",
-                          "block_size": "vocab_size"})  # fmt: skip
+                          "block_size": "vocab_size", "kv_exchange": "vocab_size"})  # fmt: skip
 
 
 def build_loader(

@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
@@ -111,6 +112,12 @@ class ShardForRank(BaseNode[Any]):
         block_size: batches pulled and prepared at once (int >= 1); None (the default): at least
             :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most
             :data:`MAX_BLOCK_SIZE` batches.
+        kv_exchange: also build each batch's K/V exchange plan
+            (:func:`cpdata.layout.exchange.exchange_plan_of_inverse` of the batch's inverse map and slots;
+            this rank's part in ``batch.layout.kv_exchange``), so document-causal attention moves only the
+            keys each rank needs instead of all-gathering them. Costs one pass over the inverse map plus
+            ~25 numpy calls on the layout's pieces per batch. Not part of the saved state (the batches are
+            the same either way).
 
     State: the source's state before the current block under ``"source"``
     (read once per block: between blocks the state is a cached dict, not a
@@ -145,6 +152,7 @@ class ShardForRank(BaseNode[Any]):
         layout: str,
         all_ranks: bool = False,
         block_size: int | None = None,
+        kv_exchange: bool = False,
     ) -> None:
         super().__init__()
         check_layout(layout, cp_size)
@@ -160,6 +168,9 @@ class ShardForRank(BaseNode[Any]):
         self.layout = layout
         self.all_ranks = all_ranks
         self.block_size = None if block_size is None else int(block_size)
+        if not isinstance(kv_exchange, bool):
+            raise TypeError(f"kv_exchange must be a bool, got {type(kv_exchange).__name__} {kv_exchange!r}")
+        self.kv_exchange = kv_exchange
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
         if isinstance(collate_node, Collate):
             check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
@@ -289,22 +300,25 @@ class ShardForRank(BaseNode[Any]):
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
-        """This rank's batch of ``item``; every rank's with ``all_ranks`` (the inverse map computed once)."""
+        """This rank's batch of ``item``; every rank's with ``all_ranks`` (the inverse map and the exchange
+        plan computed once)."""
         spec_key = rank_spec_key(item.stream, item.stream_len // self.cp_size, item.batch.qkv_format)
         plan = _buffer_plan(spec_key, item.stream_len)
         if not self.all_ranks:
-            return self._serve_rank(item, plan, self.cp_rank, None)[0]
-        out, inverse = [], None
+            return self._serve_rank(item, plan, self.cp_rank, None, None)[0]
+        out, inverse, exchange = [], None, None
         for r in range(self.cp_size):
-            batch, inverse = self._serve_rank(item, plan, r, inverse)
+            batch, inverse, exchange = self._serve_rank(item, plan, r, inverse, exchange)
             out.append(batch)
         return tuple(out)
 
-    def _serve_rank(self, item: BlockItem, plan: BufferPlan, r: int, inverse: np.ndarray | None
-                    ) -> tuple[ShardedBatch, np.ndarray]:  # fmt: skip
+    def _serve_rank(self, item: BlockItem, plan: BufferPlan, r: int, inverse: np.ndarray | None,
+                    exchange: ExchangePlan | None) -> tuple[ShardedBatch, np.ndarray, ExchangePlan | None]:  # fmt: skip
         """Rank ``r``'s batch, written straight into its one buffer (laid out by ``plan``): its row, the
-        inverse map (a copy of ``inverse`` when not None), its tokens and the stream metadata. Returns the
-        batch and its inverse map."""
+        inverse map (a copy of ``inverse`` when not None), its tokens and the stream metadata; with
+        ``kv_exchange``, rank ``r``'s part of the exchange plan (``exchange``, or the plan of the inverse
+        map and the stream's slots: bshd rows share the columns' plan). Returns the batch, its inverse
+        map and the exchange plan."""
         buf = BatchBuffer.of(plan)
         rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
         if item.fixed is not None:
@@ -320,4 +334,11 @@ class ShardForRank(BaseNode[Any]):
         fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, increasing=True)
         row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
-        return buf.batch(layout=layout, info=item.info, fields={"digest": item.digest}), gather
+        fields = {"digest": item.digest}
+        if self.kv_exchange:
+            if exchange is None:
+                n_rows = stream.rows if batch.qkv_format == "bshd" else 1
+                exchange = exchange_plan_of_inverse(gather, self.cp_size, stream.slot_starts, n_rows=n_rows,
+                                                    checked=True)  # fmt: skip
+            fields["kv_exchange"] = exchange.rank(r)
+        return buf.batch(layout=layout, info=item.info, fields=fields), gather, exchange

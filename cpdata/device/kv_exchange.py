@@ -1,0 +1,179 @@
+"""Exchange only the keys each rank needs: one differentiable all-to-all (torch only).
+
+A layout that carries a K/V exchange plan (``layout.kv_exchange``, a
+:class:`~cpdata.layout.exchange.RankExchange` built on the dataloader worker)
+lets document-causal attention skip the all-gather: each rank sends every
+other rank exactly the keys that rank's queries can attend to, and receives
+its own needs::
+
+    forward:  send = local[send_index]                      [n_send, ...]
+              recv = all_to_all_single(send, splits)        [n_recv, ...]   ONE collective
+              keys = cat(local, recv)                       [L + n_recv, ...]  own keys first
+    backward: grad_recv -> reverse all_to_all_single        [n_send, ...]   ONE collective
+              grad_local = grad_own.index_add(send_index, grad_sent)   (a key's grads summed into its owner)
+
+The gradient contract is the all-gather's (:mod:`cpdata.gather`): each local
+key's gradient is the sum over every rank's loss. The keys come back as the
+rank's own ``L`` in local order, then the received ones grouped by source rank;
+:func:`exchanged_key_positions` gives their global positions (the plan's, on the
+device), so a mask over (local queries x own + received keys) needs no
+collective. Split sizes are host ints from the plan: no device sync.
+
+Traffic: the busiest rank receives ``kv_recv_fraction`` of what an all-gather
+delivers (``(cp-1)/cp * S`` keys; see README / the bench for measured values):
+~0.1-0.3 for short documents, up to 1.0 when one document spans the pack.
+
+Layouts without a plan keep the single all-gather (:func:`cpdata.gather.gather_token_tensor`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from cpdata.layout.shard_layout import ShardLayout
+
+__all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange"]
+
+_CACHE_SIZE = 32
+_cache: OrderedDict[tuple[int, str], tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+
+
+def has_exchange(layout: ShardLayout) -> bool:
+    """Whether ``layout`` carries a K/V exchange plan (built with ``kv_exchange=True`` on the worker)."""
+    return getattr(layout, "kv_exchange", None) is not None
+
+
+def _expand(runs: Any, total: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[total]``: ``arange(start, start + length)`` of every ``(start, length)`` row of ``runs``, built
+    on ``device`` from the small run table (``total`` is a host int: no sync)."""
+    table = torch.as_tensor(runs, dtype=torch.int64).reshape(-1, 2).to(device)
+    starts, sizes = table[:, 0], table[:, 1]
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    shift = starts - sizes.cumsum(0) + sizes
+    return torch.repeat_interleave(shift, sizes, output_size=total) + torch.arange(total, device=device)
+
+
+def exchange_index(layout: ShardLayout, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(send_index [n_send], key_positions [L + n_recv])`` int64 on ``device``, built once per (layout, device).
+
+    ``send_index``: local indices of the keys sent, by destination rank; ``key_positions``: the global
+    position of every key :func:`exchange_tokens` returns (own keys in local order, then received ones).
+    """
+    plan = layout.kv_exchange
+    if plan is None:
+        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
+                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    device = torch.device(device)
+    key = (id(layout), str(device))
+    hit = _cache.get(key)
+    if hit is not None and hit[0]() is layout:
+        _cache.move_to_end(key)
+        return hit[1]
+    own = layout.local_token_global_indices
+    if own is None:
+        raise ValueError("layout.local_token_global_indices is None; pass the ShardLayout the batch came with")
+    send = _expand(plan.send_runs, plan.n_send, device)
+    recv = _expand(plan.recv_runs, plan.n_recv, device)
+    positions = torch.cat((own.reshape(-1).to(device=device, dtype=torch.int64), recv))
+    try:
+        ref = weakref.ref(layout)
+    except TypeError:
+        ref = functools.partial(lambda x: x, layout)
+    _cache[key] = (ref, (send, positions))
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return send, positions
+
+
+def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> torch.Tensor:
+    """int64 ``[L + n_recv]``: the global position of each key :func:`exchange_tokens` returns."""
+    return exchange_index(layout, device)[1]
+
+
+class ExchangeKV(torch.autograd.Function):
+    """Send each rank the local tokens its plan asks for; return own + received. Backward: the reverse.
+
+    ``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``:
+
+    - ``local``: this rank's shard, ``L`` tokens on ``seq_dim`` (any dtype; K and V concatenated on the
+      last dim travel as one tensor).
+    - ``send_index``: int64 ``[n_send]`` local indices, grouped by destination (``send_counts`` each).
+    - returns: ``[..., L + n_recv, ...]``: ``local`` then the received tokens, grouped by source rank
+      (``recv_counts`` each).
+
+    Forward: one ``index_select`` and one ``all_to_all_single``. Backward: one ``all_to_all_single`` of the
+    received tokens' gradient back to their owners (splits swapped) and one ``index_add`` into the own
+    tokens' gradient (a token sent to several ranks sums their gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, send_index: torch.Tensor, send_counts: list[int],
+                recv_counts: list[int], group: Any, seq_dim: int) -> torch.Tensor:  # fmt: skip
+        x = local.movedim(seq_dim, 0)
+        send = x.index_select(0, send_index)
+        recv = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                               group=group)  # fmt: skip
+        ctx.save_for_backward(send_index)
+        ctx.counts, ctx.group, ctx.seq_dim, ctx.local_len = (send_counts, recv_counts), group, seq_dim, x.shape[0]
+        return torch.cat((x, recv)).movedim(0, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (send_index,) = ctx.saved_tensors
+        send_counts, recv_counts = ctx.counts
+        g = grad.movedim(ctx.seq_dim, 0)
+        n = ctx.local_len
+        back = g.new_empty((sum(send_counts), *g.shape[1:]))
+        dist.all_to_all_single(back, g[n:].contiguous(), output_split_sizes=send_counts,
+                               input_split_sizes=recv_counts, group=ctx.group)  # fmt: skip
+        local = g[:n].index_add(0, send_index, back)
+        return local.movedim(0, ctx.seq_dim), None, None, None, None, None
+
+
+def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's tokens plus the ones its plan receives: ``[..., L + n_recv, ...]`` (differentiable).
+
+    Args:
+        tensor: local shard, ``L`` tokens on ``seq_dim`` in the layout's local order (e.g. K and V
+            concatenated ``[B, H, L, Ek + Ev]`` with ``seq_dim=2``, or ``document_ids`` ``[B, L]``).
+        layout: the batch's :class:`~cpdata.layout.shard_layout.ShardLayout`, with ``kv_exchange``.
+        group: the CP process group; None = the default group.
+        seq_dim: the sequence dimension of ``tensor``.
+
+    Returns the own tokens (local order) then the received ones (:func:`exchanged_key_positions` gives
+    every returned token's global position). One ``all_to_all_single`` forward, one backward.
+    """
+    plan = layout.kv_exchange
+    if plan is None:
+        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
+                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    seq_dim = seq_dim % tensor.dim()
+    local = tensor.shape[seq_dim]
+    own = layout.local_token_global_indices
+    if own is None or own.numel() != local:
+        raise ValueError(
+            f"tensor has {local} tokens on dim {seq_dim} but the layout holds "
+            f"{None if own is None else own.numel()} local positions; pass this batch's shard and seq_dim"
+        )
+    send_index, _ = exchange_index(layout, tensor.device)
+    if plan.cp_size == 1:
+        return tensor
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"layout is for cp_size={plan.cp_size} but no process group is initialized; "
+                         "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (world, rank) != (plan.cp_size, plan.cp_rank):
+        raise ValueError(
+            f"the exchange plan was built for cp_size={plan.cp_size}, cp_rank={plan.cp_rank} but the group has "
+            f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
+        )
+    return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
