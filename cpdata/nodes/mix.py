@@ -277,6 +277,18 @@ class Mix(BaseNode[dict]):
         return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
                 f"{self._epoch}{again})")  # fmt: skip
 
+    def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
+        there (a pass over a source that ran out starts at 0 again; -1 where a stream's index is unknown). The
+        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.shard_block`); a few us per
+        batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`)."""
+        k, c = self._draws.locate_many(self._epoch, js)
+        sizes = np.array([self.readers[n].size or 0 for n in self.names], dtype=np.int64)
+        index = np.where(sizes[k] > 0, c % np.maximum(sizes[k], 1), c)
+        unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
+        index[unknown[k]] = -1
+        return [self.names[i] for i in k.tolist()], index
+
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:
             self._fingerprints = {n: source_fingerprint(r.source) for n, r in self.readers.items()}
