@@ -62,6 +62,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from cpdata.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -69,6 +70,7 @@ __all__ = ["AttentionContextFactory", "ContextParallelAttention"]
 
 _KERNEL = torch._C._nn.scaled_dot_product_attention  # torch's own SDPA, whatever is patched on F
 _PATCH_LOCK = threading.Lock()
+_CHECKS: dict[int | None, LayoutCheck] = {}  # per interval: the contexts this process entered
 LocalMaskPolicy = Literal["refuse", "causal"]
 
 
@@ -82,6 +84,7 @@ class ContextParallelAttention:
         *,
         document_ids: torch.Tensor | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
+        check_every: int | None = DEFAULT_CHECK_EVERY,
     ) -> None:
         """Bind the override to one sharded batch.
 
@@ -101,6 +104,9 @@ class ContextParallelAttention:
             local_attn_mask: what to do with an ``attn_mask`` over local keys:
                 ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
                 the layout's causal mask).
+            check_every: :func:`cpdata.consistency.verify_layout_consistency` of ``layout`` on entering the
+                first context of this process and every this many after (default 100; 0 or None: off; the
+                ctx ``sharder.shard()`` returns leaves it to the sharder, which checked already).
         """
         if layout.local_token_global_indices is None:
             raise ValueError(
@@ -118,9 +124,11 @@ class ContextParallelAttention:
         self._doc_keys: dict[str, torch.Tensor] = {}
         self._previous: Callable[..., torch.Tensor] | None = None
         self._patched: Callable[..., torch.Tensor] | None = None
+        self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
 
     # -- context ----------------------------------------------------------------
     def __enter__(self) -> ContextParallelAttention:
+        self._check(self.layout, self.group)  # before patching: a mismatch raises with SDPA untouched
         with _PATCH_LOCK:
             if self._patched is not None:
                 raise RuntimeError("this ContextParallelAttention is already active; create one per `with`")
@@ -268,4 +276,5 @@ class AttentionContextFactory:
             self.group,
             document_ids=self.document_ids if document_mask else None,
             local_attn_mask=local_attn_mask,
+            check_every=0,  # sharder.shard() checked the layout
         )
