@@ -215,3 +215,27 @@ def test_pack_indices_are_the_plans_own_and_ranks_do_not_share_them(plans, jsonl
             ids += got
         seen[name] = sorted(ids)
     assert seen["balanced"] == seen["precomputed_balanced"]
+
+
+def test_a_live_mix_names_each_draw_as_the_draw_by_draw_count_does():
+    """``Mix.document_sources`` (the batches' ``doc_source`` / ``doc_index`` on the live path) equals the
+    brute-force count of every draw, across blocks of draws and passes over a source that ran out."""
+    sizes = {"a": 7, "b": 3000, "c": 5}
+    mixed = cpdata.mix({n: [{"input_ids": np.ones(2, np.int64)}] * k for n, k in sizes.items()},
+                       {"a": 1, "b": 5, "c": 1}, seed=9, stop="all_exhausted")  # fmt: skip
+    mixed.reset()
+    draws = mixed.draws
+    n = 9000  # over two blocks of 4096
+    picks = np.array([draws(0, j) for j in range(n)])
+    seen = {k: 0 for k in range(3)}
+    want_name, want_index = [], []
+    for k in picks.tolist():
+        want_name.append(mixed.names[k])
+        want_index.append(seen[k] % sizes[mixed.names[k]])
+        seen[k] += 1
+    js = np.concatenate([RNG.integers(0, n, 200), [0, n - 1, 4095, 4096]])
+    names, index = mixed.document_sources(js)
+    assert names == [want_name[j] for j in js.tolist()]
+    assert index.tolist() == [want_index[j] for j in js.tolist()]
+    names, index = mixed.document_sources(np.arange(4100, 4130))  # one block: the fast path
+    assert index.tolist() == want_index[4100:4130] and names == want_name[4100:4130]

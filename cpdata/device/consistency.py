@@ -21,8 +21,8 @@ pure-CP mesh) fail on every rank at the first step. Cost per check: the 16-byte
 all-reduce and one device-to-host read of it (a sync of the CP group: tens of
 us on NCCL, ~0.1-0.3 ms on gloo here), so ~1 us per step averaged at N = 100.
 ``check_layout_every=0`` (sharder) / ``check_every=0`` (ctx) turns it off.
-Layouts without a digest (built by hand, raw batches sharded on the device)
-are not checked.
+Worker batches and raw batches the sharder round-robins carry a digest;
+layouts without one (built by hand, the raw TE/THD path) are not checked.
 """
 
 from __future__ import annotations

@@ -283,11 +283,16 @@ class Mix(BaseNode[dict]):
         batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.shard_block`); a few us per
         batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`)."""
         k, c = self._draws.locate_many(self._epoch, js)
-        sizes = np.array([self.readers[n].size or 0 for n in self.names], dtype=np.int64)
-        index = np.where(sizes[k] > 0, c % np.maximum(sizes[k], 1), c)
-        unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
-        index[unknown[k]] = -1
-        return [self.names[i] for i in k.tolist()], index
+        sizes = [self.readers[n].size for n in self.names]
+        if all(sizes):  # sequences (and streams read to their end once): an index per pass
+            index = c % np.asarray(sizes, dtype=np.int64)[k]
+        else:
+            size = np.asarray([n or 0 for n in sizes], dtype=np.int64)[k]
+            index = np.where(size > 0, c % np.maximum(size, 1), c)
+            unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
+            index[unknown[k]] = -1
+        names = self.names
+        return [names[i] for i in k.tolist()], index
 
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:
