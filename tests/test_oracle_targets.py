@@ -239,3 +239,14 @@ def test_a_live_mix_names_each_draw_as_the_draw_by_draw_count_does():
     assert index.tolist() == [want_index[j] for j in js.tolist()]
     names, index = mixed.document_sources(np.arange(4100, 4130))  # one block: the fast path
     assert index.tolist() == want_index[4100:4130] and names == want_name[4100:4130]
+
+
+def test_a_live_mix_over_several_epochs_per_iter_names_no_source_rather_than_a_wrong_one():
+    """Packs of ``num_epochs=2`` can join draws of two epochs, whose stream positions repeat: no source is named
+    (one epoch per ``iter()``, the default, names them, as the oracle above checks)."""
+    mixed = cpdata.mix({"a": DOCS[:18], "b": DOCS[18:]}, {"a": 1, "b": 2}, seed=3)
+    node = ShardForRank(shard_graph(mixed, capacity=CAPACITY, cp_size=2, layout="thd", overflow="split",
+                                    num_epochs=2), cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
+    node.reset()
+    infos = [b.info for b in node]
+    assert len(infos) > 2 and not any("doc_source" in i for i in infos)

@@ -20,7 +20,9 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
   ``cu_seqlens_padded`` order ``doc_index`` (the source document, -1 on an
   empty pack's padding slot) and ``doc_start`` (the piece's offset in it); in
   a :func:`cpdata.mix` also ``doc_source`` (the source's name; ``doc_index``
-  is then the index in that source). Host ints only: 0.7-11 us per batch
+  is then the index in that source; not for a live mix read ``num_epochs > 1``
+  times per ``iter()``, whose packs can join two epochs' draws: ``doc_index``
+  is then the draw's position in its epoch's mixed stream). Host ints only: 0.7-11 us per batch
   (8K-128K-token packs).
 
 Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
