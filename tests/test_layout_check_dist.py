@@ -11,9 +11,9 @@ from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpdata import build_loader
-from cpdata.consistency import LayoutCheck
-from cpdata.cp_attention import ContextParallelAttention
-from cpdata.sharder import ContextParallelSharder
+from cpdata.device.consistency import LayoutCheck
+from cpdata.device.cp_attention import ContextParallelAttention
+from cpdata.device.sharder import ContextParallelSharder
 
 RNG = np.random.default_rng(4)
 DOCS = [{"input_ids": RNG.integers(1, 300, int(n))} for n in RNG.integers(8, 60, 40)]
@@ -52,7 +52,7 @@ def _run(rank: int, cp: int) -> dict[str, object]:
     def counted(layout, group=None, *, device=None):
         calls.append(layout.digest)
 
-    import cpdata.consistency as consistency
+    import cpdata.device.consistency as consistency
 
     real, consistency.verify_layout_consistency = consistency.verify_layout_consistency, counted
     try:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from test_sharder import FakeMesh
 
-from cpdata.sharder import ContextParallelSharder
+from cpdata.device.sharder import ContextParallelSharder
 
 nemo_utils = pytest.importorskip("nemo_automodel.components.distributed.context_parallel.utils")
 nemo_sharder = pytest.importorskip("nemo_automodel.components.distributed.context_parallel.sharder")
@@ -111,8 +111,8 @@ def test_a_magi_model_is_handed_to_magiattention_or_refused_never_round_robined(
 
 
 def test_a_worker_sharded_batch_for_a_magi_model_is_refused():
-    from cpdata.batch import ShardedBatch
-    from cpdata.shard_layout import ShardLayout
+    from cpdata.layout.shard_layout import ShardLayout
+    from cpdata.worker.batch import ShardedBatch
 
     batch = ShardedBatch({"input_ids": torch.arange(4).view(1, 4)}, layout=ShardLayout(cp_size=2), info={})
     with pytest.raises(ValueError, match="MagiAttention.*already sharded by cpdata"):

@@ -27,12 +27,13 @@ import numpy as np
 import pytest
 
 import cpdata
-from cpdata.keys import IGNORE_INDEX
-from cpdata.loader import shard_graph
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
-from cpdata.offline import open_dataset, precompute
+from cpdata.offline import precompute
 from cpdata.offline.reader import PrecomputedPacks
+from cpdata.sources.open import open_dataset
+from cpdata.worker.keys import IGNORE_INDEX
 
 CAPACITY = 64
 RNG = np.random.default_rng(2812)

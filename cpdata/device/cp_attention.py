@@ -62,7 +62,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from cpdata.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
+from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -104,7 +104,7 @@ class ContextParallelAttention:
             local_attn_mask: what to do with an ``attn_mask`` over local keys:
                 ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
                 the layout's causal mask).
-            check_every: :func:`cpdata.consistency.verify_layout_consistency` of ``layout`` on entering the
+            check_every: :func:`cpdata.device.consistency.verify_layout_consistency` of ``layout`` on entering the
                 first context of this process and every this many after (default 100; 0 or None: off; the
                 ctx ``sharder.shard()`` returns leaves it to the sharder, which checked already).
         """

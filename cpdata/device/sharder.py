@@ -100,9 +100,9 @@ class ContextParallelSharder:
             loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
             invoke_pre_embed: call the model's CP preparation hook if it has one.
             extra_seq_buffers: more token-aligned batch keys → their sequence dim.
-            check_layout_every: :func:`cpdata.consistency.verify_layout_consistency` of the batch's layout on
+            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` of the batch's layout on
                 the first :meth:`shard` and every this many after (default 100; 0 or None: off), so CP ranks fed
-                different packs raise on every rank at the first step (cost: :mod:`cpdata.consistency`).
+                different packs raise on every rank at the first step (cost: :mod:`cpdata.device.consistency`).
         """
         if shard_batch is not None:
             if (

@@ -54,7 +54,7 @@ def name_document_error(exc: BaseException, source: Any) -> None:
 def document_sources_of(node: Any, depth: int = 16) -> Any:
     """The ``document_sources`` method of the first object with one down ``node``'s chain of ``.source`` /
     ``.documents`` attributes (a mix: :meth:`cpdata.nodes.mix.Mix.document_sources`,
-    :meth:`cpdata.offline.mixed.MixedDataset.document_sources`), or None (no mix: documents are named by
+    :meth:`cpdata.nodes.mixed.MixedDataset.document_sources`), or None (no mix: documents are named by
     their index in the one source, or a stage says none can be named: its ``document_sources`` is None)."""
     seen: set[int] = set()
     while node is not None and depth and id(node) not in seen:

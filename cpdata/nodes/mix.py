@@ -280,7 +280,7 @@ class Mix(BaseNode[dict]):
     def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
         """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
         there (a pass over a source that ran out starts at 0 again; -1 where a stream's index is unknown). The
-        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.shard_block`); a few us per
+        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.worker.shard_block`); a few us per
         batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`)."""
         k, c = self._draws.locate_many(self._epoch, js)
         sizes = [self.readers[n].size for n in self.names]
