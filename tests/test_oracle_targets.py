@@ -44,8 +44,8 @@ TEXTS = [" ".join(f"w{int(x)}" for x in RNG.integers(0, 50, int(n))) for n in RN
 
 LAYOUT_CP = [("identity", 1)] + [(lay, cp) for cp in (2, 4) for lay in ("contiguous", "round_robin", "thd",
                                                                       "balanced")]  # fmt: skip
-PATHS = ["live", "balanced", "in_order", "windowed", "mix", "mix_balanced", "tokenize", "precomputed",
-         "precomputed_balanced"]  # fmt: skip
+PATHS = ["live", "balanced", "in_order", "windowed", "mix", "mix_balanced", "mix_tokens_balanced", "tokenize",
+         "precomputed", "precomputed_balanced"]  # fmt: skip
 
 
 def _flat(docs: list[dict]) -> list[np.ndarray]:
@@ -144,12 +144,13 @@ def _graphs(path: str, layout: str, cp: int, qkv: str, batch: int, tmp: Path, js
     if path == "windowed":
         return [(shard_graph(iter_docs(), schedule="balanced", schedule_window=12, dp_size=2, dp_rank=r, **common),
                  docs) for r in range(2)], True  # fmt: skip
-    if path in ("mix", "mix_balanced"):
+    if path in ("mix", "mix_balanced", "mix_tokens_balanced"):
         parts = {"a": DOCS[:18], "b": DOCS[18:]}
         mixed = {k: _flat(v) for k, v in parts.items()}
         kw = {} if path == "mix" else {"schedule": "balanced", "dp_size": 2, "dp_rank": 0}
         ranks = [0] if path == "mix" else [0, 1]
-        return [(shard_graph(cpdata.mix(parts, {"a": 1, "b": 2}, seed=3),
+        by = {"by": "tokens"} if path == "mix_tokens_balanced" else {}
+        return [(shard_graph(cpdata.mix(parts, {"a": 1, "b": 2}, seed=3, **by),
                              **{**kw, "dp_rank": r} if kw else {}, **common), mixed) for r in ranks], False  # fmt: skip
     if path == "tokenize":
         want, tok = _tokenized()
@@ -244,10 +245,16 @@ def test_a_live_mix_names_each_draw_as_the_draw_by_draw_count_does():
 
 def test_a_live_mix_over_several_epochs_per_iter_names_no_source_rather_than_a_wrong_one():
     """Packs of ``num_epochs=2`` can join draws of two epochs, whose stream positions repeat: no source is named
-    (one epoch per ``iter()``, the default, names them, as the oracle above checks)."""
+    (one epoch per ``iter()``, the default, names them, as the oracle above checks); nor live by tokens."""
     mixed = cpdata.mix({"a": DOCS[:18], "b": DOCS[18:]}, {"a": 1, "b": 2}, seed=3)
     node = ShardForRank(shard_graph(mixed, capacity=CAPACITY, cp_size=2, layout="thd", overflow="split",
                                     num_epochs=2), cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
     node.reset()
     infos = [b.info for b in node]
+    assert len(infos) > 2 and not any("doc_source" in i for i in infos)
+    by_tokens = cpdata.mix({"a": DOCS[:18], "b": DOCS[18:]}, {"a": 1, "b": 2}, seed=3, by="tokens")
+    node = ShardForRank(shard_graph(by_tokens, capacity=CAPACITY, cp_size=2, layout="thd", overflow="split"),
+                        cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
+    node.reset()
+    infos = [b.info for b in node]  # live by tokens: each draw follows the tokens read, named by a schedule only
     assert len(infos) > 2 and not any("doc_source" in i for i in infos)
