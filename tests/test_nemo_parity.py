@@ -52,7 +52,8 @@ def test_thd_cp1_key_set_and_values_with_padding_between_documents():
     _, ctx, out = shard(batch)
     assert ctx is contextlib.nullcontext
     assert set(out) == {"input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
-                        "padding_mask", "qkv_format"}  # fmt: skip
+                        "padding_mask", "qkv_format", "_thd_local_indices"}  # fmt: skip (NeMo 0.7.0 adds the map)
+    assert out["_thd_local_indices"].tolist() == list(range(12)) and out["_thd_local_indices"].dtype == torch.long
     assert out["input_ids"].tolist() == list(range(1, 13)) and out["input_ids"].shape == (12,)
     assert out["cu_seqlens"].dtype == I32 and out["cu_seqlens"].tolist() == [0, 3, 5, 7, 10]
     assert out["cu_seqlens_padded"].dtype == I32 and out["cu_seqlens_padded"].tolist() == [0, 4, 6, 9, 12]
@@ -119,7 +120,8 @@ def test_thd_cp2_example_rank0_and_rank1():
     for rank, (partition, padding) in expect.items():
         s, ctx, out = shard(dict(batch), cp=2, rank=rank)
         assert set(out) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "qkv_format",
-                            "padding_mask", "cp_size", "cp_rank"}  # fmt: skip
+                            "padding_mask", "cp_size", "cp_rank", "_thd_local_indices"}  # fmt: skip
+        assert out["_thd_local_indices"].tolist() == partition
         assert out["input_ids"].tolist() == [p + 1 for p in partition]
         assert out["labels"].tolist() == [p + 101 for p in partition]
         assert out["position_ids"].tolist() == partition  # the row's positions at those stream slots

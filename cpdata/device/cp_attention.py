@@ -69,6 +69,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
@@ -77,6 +78,7 @@ __all__ = ["AttentionContextFactory", "ContextParallelAttention"]
 
 _KERNEL = torch._C._nn.scaled_dot_product_attention  # torch's own SDPA, whatever is patched on F
 _PATCH_LOCK = threading.Lock()
+_CHECKS: dict[int | None, LayoutCheck] = {}  # per interval: the contexts this process entered
 LocalMaskPolicy = Literal["refuse", "causal"]
 
 
@@ -90,6 +92,7 @@ class ContextParallelAttention:
         *,
         document_ids: torch.Tensor | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
+        check_every: int | None = DEFAULT_CHECK_EVERY,
     ) -> None:
         """Bind the override to one sharded batch.
 
@@ -109,6 +112,9 @@ class ContextParallelAttention:
             local_attn_mask: what to do with an ``attn_mask`` over local keys:
                 ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
                 the layout's causal mask).
+            check_every: :func:`cpdata.device.consistency.verify_layout_consistency` of ``layout`` on entering the
+                first context of this process and every this many after (default 100; 0 or None: off; the
+                ctx ``sharder.shard()`` returns leaves it to the sharder, which checked already).
         """
         if layout.local_token_global_indices is None:
             raise ValueError(
@@ -126,9 +132,11 @@ class ContextParallelAttention:
         self._doc_keys: dict[str, torch.Tensor] = {}
         self._previous: Callable[..., torch.Tensor] | None = None
         self._patched: Callable[..., torch.Tensor] | None = None
+        self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
 
     # -- context ----------------------------------------------------------------
     def __enter__(self) -> ContextParallelAttention:
+        self._check(self.layout, self.group)  # before patching: a mismatch raises with SDPA untouched
         with _PATCH_LOCK:
             if self._patched is not None:
                 raise RuntimeError("this ContextParallelAttention is already active; create one per `with`")
@@ -306,4 +314,5 @@ class AttentionContextFactory:
             self.group,
             document_ids=self.document_ids if document_mask else None,
             local_attn_mask=local_attn_mask,
+            check_every=0,  # sharder.shard() checked the layout
         )

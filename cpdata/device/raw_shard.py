@@ -231,7 +231,10 @@ class DeviceShard:
             for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
             if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
         })  # fmt: skip
-        dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items() if k in out})
+        missing = [k for k in self.extra_seq_buffers if k not in out]
+        if missing:  # NeMo 0.7.0 raises the same KeyError; sharding without it would leave the buffer behind
+            raise KeyError(f"Extra CP sequence buffer {missing[0]!r} is missing from the batch")
+        dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items()})
         check_undeclared(out, dims, primary)
         seq_len = primary.shape[1]
         pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]

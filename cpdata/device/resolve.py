@@ -1,5 +1,14 @@
 """Choosing a sharding strategy for a model, mesh and batch: decided once, in one place (NeMo's order).
 
+0. A MagiAttention model (``model.backend.attn == "magi"``, or
+   ``config._attn_implementation == "magi"``): NeMo hands the batch to
+   MagiAttention, whose dispatch solver shards it; cpdata has no such layout.
+   With ``nemo_automodel`` and ``magi_attention`` importable the whole
+   resolution is NeMo Automodel's own (``_prepare_cp_sharder``, release
+   0.7.0: hook rules, magi state, its ``shard_batch``; its layouts are read
+   into cpdata's :class:`~cpdata.shard_layout.ShardLayout`); without them, or
+   for a worker-sharded batch (already cut by cpdata's layout), ``ValueError``
+   naming MagiAttention, never a silent round-robin.
 1. The model's hook: at cp > 1 (or for a THD batch when ``model.supports_thd``)
    and ``invoke_pre_embed``, ``model.prepare_model_inputs_for_cp(batch,
    num_chunks=num_chunks)`` is called as NeMo calls it. It returns a mapping;
@@ -21,6 +30,7 @@ Call sites never branch on backends; they hold the resulting
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +42,7 @@ from cpdata.device.raw_shard import DeviceShard, closed_form_indices, shard_iden
 from cpdata.device.thd_shard import ThdShard
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["Strategy", "mesh_device", "resolve_strategy", "submesh", "uses_te_attention"]
+__all__ = ["Strategy", "attention_backend", "mesh_device", "resolve_strategy", "submesh", "uses_te_attention"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,8 +72,9 @@ def mesh_device(device_mesh: Any) -> torch.device | None:
     return torch.device(kind)
 
 
-def uses_te_attention(model: Any) -> bool:
-    """Whether a live model attends with Transformer Engine (NeMo's test, read from the model)."""
+def attention_backend(model: Any) -> str | None:
+    """The live model's attention backend: ``model.backend.attn``, else its config's ``_attn_implementation``
+    (NeMo Automodel 0.7.0's ``_attention_backend``)."""
     backend = getattr(getattr(model, "backend", None), "attn", None)
     if backend is None:
         config = getattr(model, "config", None)
@@ -73,7 +84,55 @@ def uses_te_attention(model: Any) -> bool:
             )
             if backend is not None:
                 break
-    return str(backend) == "te" or bool(getattr(model, "_te_attention_injected", False))
+    return None if backend is None else str(backend)
+
+
+def uses_te_attention(model: Any) -> bool:
+    """Whether a live model attends with Transformer Engine (NeMo's test, read from the model)."""
+    return attention_backend(model) == "te" or bool(getattr(model, "_te_attention_injected", False))
+
+
+@dataclass(frozen=True, slots=True)
+class _ForeignLayout:
+    """A backend's ``shard_batch`` whose layout record is another library's: read into cpdata's."""
+
+    shard_batch: Callable[..., Any]
+
+    def __call__(self, cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+        ctx, out, layout = self.shard_batch(cp_mesh, tp_mesh, batch, loss_mask=loss_mask,
+                                            padding_token_id=padding_token_id)  # fmt: skip
+        if layout is not None and not isinstance(layout, ShardLayout):
+            layout = ShardLayout(**{name: getattr(layout, name, None) for name in _LAYOUT_FIELDS})
+        return ctx, out, layout
+
+
+_LAYOUT_FIELDS = ("local_token_global_indices", "original_seq_len", "padded_seq_len", "input_row_shape",
+                  "input_token_stream_positions")  # fmt: skip
+
+
+def _magi_strategy(model: Any, device_mesh: Any, batch: Mapping[str, Any], num_chunks: int, invoke_pre_embed: bool,
+                   extra_seq_buffers: Mapping[str, int] | None) -> Strategy:  # fmt: skip
+    """MagiAttention's strategy, resolved by NeMo Automodel itself; ``ValueError`` where that cannot be."""
+    if is_presharded(batch):
+        raise ValueError(
+            "the model attends with MagiAttention (backend.attn='magi'), which dispatches the whole sequence "
+            "over the CP ranks itself, but this batch was already sharded by cpdata's workers; build the "
+            "pipeline with cp_size=1 and hand the raw packed batch to the sharder"
+        )
+    missing = [name for name in ("nemo_automodel", "magi_attention") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            "the model attends with MagiAttention (backend.attn='magi'): NeMo Automodel hands such a batch to "
+            "MagiAttention's dispatch solver, a layout cpdata does not have (a round-robin shard would be wrong "
+            f"for it); install {' and '.join(missing)} so cpdata hands it over the way NeMo Automodel 0.7.0 does, "
+            "or give the model another attention backend ('te', 'sdpa')"
+        )
+    from nemo_automodel.components.distributed.context_parallel.utils import _prepare_cp_sharder
+
+    nemo = _prepare_cp_sharder(model, device_mesh, batch, num_chunks=num_chunks, invoke_pre_embed=invoke_pre_embed,
+                               extra_seq_buffers=dict(extra_seq_buffers) if extra_seq_buffers else None)  # fmt: skip
+    return Strategy(shard_batch=_ForeignLayout(nemo.shard_batch),
+                    local_token_global_indices=nemo.local_token_global_indices, shard_layout=None)  # fmt: skip
 
 
 def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strategy | None:
@@ -118,6 +177,8 @@ def resolve_strategy(
     """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")
+    if model is not None and attention_backend(model) == "magi":
+        return _magi_strategy(model, device_mesh, batch, num_chunks, invoke_pre_embed, extra_seq_buffers)
     _, cp_size = mesh_rank_size(submesh(device_mesh, "cp"))
     batch_is_thd = batch.get("qkv_format") == "thd"
     hook = getattr(model, "prepare_model_inputs_for_cp", None) if model is not None else None

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.presharded import PreshardedMove, mesh_rank_size
 from cpdata.device.raw_shard import DeviceShard
 from cpdata.device.resolve import Strategy, mesh_device, resolve_strategy, submesh
@@ -77,6 +78,7 @@ class ContextParallelSharder:
         loss_mask: torch.Tensor | None = None,
         invoke_pre_embed: bool = True,
         extra_seq_buffers: Mapping[str, int] | None = None,
+        check_layout_every: int | None = DEFAULT_CHECK_EVERY,
     ) -> None:
         """Construct from a backend's ``shard_batch``, or resolve one for ``model`` and ``batch``.
 
@@ -98,6 +100,9 @@ class ContextParallelSharder:
             loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
             invoke_pre_embed: call the model's CP preparation hook if it has one.
             extra_seq_buffers: more token-aligned batch keys → their sequence dim.
+            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` of the batch's layout on
+                the first :meth:`shard` and every this many after (default 100; 0 or None: off), so CP ranks fed
+                different packs raise on every rank at the first step (cost: :mod:`cpdata.device.consistency`).
         """
         if shard_batch is not None:
             if (
@@ -140,6 +145,7 @@ class ContextParallelSharder:
         self._padding_token_id = padding_token_id
         self.device = mesh_device(device_mesh)
         self._inverse_cache: dict[int, ShardLayout] = {}
+        self._check = LayoutCheck(check_layout_every)
         # pre-sharded batches under cpdata's own strategy: the mesh read once, no per-call dispatch
         fast = PreshardedMove(self._cp_mesh, self.device) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
@@ -159,6 +165,7 @@ class ContextParallelSharder:
             self._loss_mask is None
         ):  # a worker batch: checked against the mesh and moved (cpdata.device.presharded)
             ctx, out, self.shard_layout = fast(batch)
+            self._check(self.shard_layout, self._cp_mesh)
             return ctx, out
         ctx, batch, self.shard_layout = self.shard_batch(
             self._cp_mesh,
@@ -167,6 +174,7 @@ class ContextParallelSharder:
             loss_mask=self._loss_mask,
             padding_token_id=self._padding_token_id,
         )
+        self._check(self.shard_layout, self._cp_mesh)
         return ctx, batch
 
     def _indices(self, padded_seq_len: int, device: Any) -> torch.Tensor:

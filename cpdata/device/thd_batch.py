@@ -146,6 +146,9 @@ def to_thd_stream(
                 f"a qkv_format='thd' batch needs {list(_REQUIRED)} (NeMo's packed collater output); "
                 f"got keys {sorted(batch)}",
             )
+    for key in extra_seq_buffers or {}:
+        if key not in batch:  # NeMo 0.7.0's KeyError (its generic path); never sharded without it
+            raise KeyError(f"Extra CP sequence buffer {key!r} is missing from the batch")
     if loss_mask is None and isinstance(batch.get(LOSS_MASK), torch.Tensor):
         loss_mask = batch[LOSS_MASK]
     caller_rows = tuple(batch[INPUT_IDS].shape[:2]) if isinstance(batch[INPUT_IDS], torch.Tensor) else ()

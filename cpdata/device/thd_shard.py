@@ -12,6 +12,12 @@ document slot) and the metadata takes NeMo's cp > 1 form:
 | ``max_seqlen`` | ``max(diff(cu_seqlens))`` | widest slot |
 | ``padding_mask`` | ``[T]`` | this rank's ``[T/cp]`` |
 | ``cp_size``, ``cp_rank`` | — | Python ints |
+| ``_thd_local_indices`` | ``arange(T)`` int64 | this rank's stream positions, int64 ``[T/cp]`` |
+
+``_thd_local_indices`` is NeMo 0.7.0's key (its TE THD path adds it at every
+CP size, one stream only; NeMo's packed-VLM models pop it from the forward
+kwargs): the same values as ``layout.local_token_global_indices``, on the
+batch's device.
 
 Example (cp = 2, real [3, 5] in slots [4, 8]): rank 0 holds stream positions
 ``[0, 3, 4, 5, 10, 11]``, ``cu_seqlens=[0, 4, 12]``, ``max_seqlen=8``,
@@ -40,7 +46,11 @@ from cpdata.layout.maps import inverse_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import INPUT_IDS
 
-__all__ = ["ThdShard"]
+__all__ = ["THD_LOCAL_INDICES", "ThdShard"]
+
+THD_LOCAL_INDICES = "_thd_local_indices"
+"""NeMo Automodel 0.7.0's batch key for this rank's THD partition (see the module table)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ThdShard:
@@ -73,10 +83,13 @@ class ThdShard:
                 local_token_global_indices=torch.arange(total), padded_seq_len=total,
                 input_row_shape=stream.row_shape, gather_index=torch.arange(total),
             )  # fmt: skip
-            return contextlib.nullcontext, stream.batch, layout
+            out = dict(stream.batch)
+            out[THD_LOCAL_INDICES] = torch.arange(total, dtype=torch.long, device=out[INPUT_IDS].device)
+            return contextlib.nullcontext, out, layout
         cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
         out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
         local = torch.from_numpy(rows[rank])
+        out[THD_LOCAL_INDICES] = local.to(out[INPUT_IDS].device, non_blocking=True)
         layout = ShardLayout(
             local_token_global_indices=local,
             padded_seq_len=total,

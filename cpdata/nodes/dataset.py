@@ -229,7 +229,7 @@ class CPDataset(WorkerDataset):
         ``DistributedSampler.set_epoch``. A process that keeps its graph
         (``num_workers=0``, ``persistent_workers=True``) counts epochs itself.
         """
-        self._start_epoch = epoch
+        self._start_epoch, self._epoch_asked = epoch, True  # (a CPDataLoader starts it, counting on)
         if self._loader is not None:
             for node in _graph(self._loader.root):
                 if isinstance(node, (Documents, ScheduledPacks, WindowedPacks)):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["name_document_error"]
+__all__ = ["document_sources_of", "name_document_error"]
 
 _LEADING = re.compile(r"document (\d+)")
 
@@ -49,3 +49,20 @@ def name_document_error(exc: BaseException, source: Any) -> None:
     except Exception:  # an exception type that takes other arguments keeps its message
         return
     raise named from exc
+
+
+def document_sources_of(node: Any, depth: int = 16) -> Any:
+    """The ``document_sources`` method of the first object with one down ``node``'s chain of ``.source`` /
+    ``.documents`` attributes (a mix: :meth:`cpdata.nodes.mix.Mix.document_sources`,
+    :meth:`cpdata.nodes.mixed.MixedDataset.document_sources`), or None (no mix: documents are named by
+    their index in the one source, or a stage says none can be named: its ``document_sources`` is None)."""
+    seen: set[int] = set()
+    while node is not None and depth and id(node) not in seen:
+        seen.add(id(node))
+        if hasattr(node, "document_sources"):  # None: this stage knows no source can be named below it
+            found = node.document_sources
+            return found if callable(found) else None
+        nxt = getattr(node, "source", None)
+        node = getattr(node, "documents", None) if nxt is None else nxt
+        depth -= 1
+    return None

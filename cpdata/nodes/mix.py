@@ -112,6 +112,8 @@ class Mix(BaseNode[dict]):
                 raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
                                  "cannot give it a share of tokens: leave it out of the mix")  # fmt: skip
         self._recent = np.full((BLOCK if by == "tokens" else 0, 3), -1, dtype=np.int64)  # (source, index, pass)
+        if by == "tokens":  # draws follow the tokens read, not (seed, epoch, draw): batches name no source live
+            self.document_sources = None  # type: ignore[assignment]
         self._pass_tokens: dict[str, int] = {}
         self._epoch, self._next_epoch, self._started = 0, None, False
         self._drawn, self._done = 0, False
@@ -276,6 +278,24 @@ class Mix(BaseNode[dict]):
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
                 f"{self._epoch}{again})")  # fmt: skip
+
+    def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
+        there (a pass over a source that ran out starts at 0 again; -1 where a stream's index is unknown). The
+        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.worker.shard_block`); a few us per
+        batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`). ``by="tokens"``: None (each draw depends on
+        the tokens read before it; a global schedule's listing names them)."""
+        k, c = self._draws.locate_many(self._epoch, js)
+        sizes = [self.readers[n].size for n in self.names]
+        if all(sizes):  # sequences (and streams read to their end once): an index per pass
+            index = c % np.asarray(sizes, dtype=np.int64)[k]
+        else:
+            size = np.asarray([n or 0 for n in sizes], dtype=np.int64)[k]
+            index = np.where(size > 0, c % np.maximum(size, 1), c)
+            unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
+            index[unknown[k]] = -1
+        names = self.names
+        return [names[i] for i in k.tolist()], index
 
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:

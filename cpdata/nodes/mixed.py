@@ -176,6 +176,13 @@ class MixedDataset(TokenizedDataset):
     def _read(self, i: int) -> Any:
         return self._sources[int(self.source_id[i])][int(self.index[i])]
 
+    def document_sources(self, items: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """``(names, index int64 [n])``: the source and the index there of each of ``items`` (the batches'
+        ``info["doc_source"]`` / ``info["doc_index"]``; two gathers)."""
+        items = np.asarray(items, dtype=np.int64)
+        names = self.mix.names
+        return [names[k] for k in self.source_id[items].tolist()], self.index[items]
+
     def describe_document(self, i: int) -> str | None:
         """Where item ``i`` came from: ``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch
         0)"`` (errors about item ``i`` say this instead, :mod:`cpdata.nodes.document_names`)."""

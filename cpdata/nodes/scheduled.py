@@ -242,8 +242,9 @@ class ScheduledPacks(BaseNode[PackPlan]):
             sliced = piece_arrays(arrays, start, length, continues)
             next_label = int(arrays[INPUT_IDS][end]) if continues else IGNORE_INDEX
             pieces.append(DocPiece(index=doc, start=start, arrays=sliced, next_label=next_label))
+        pack = (step * self.dp_size + self.dp_rank) * self.micro_batches + micro_batch  # the schedule's pack id
         return PackPlan(pieces=tuple(pieces), slot_lens=np.array(s.slot_len[rows], dtype=np.int64),
-                        capacity=self._config["capacity"], index=item,
+                        capacity=self._config["capacity"], index=pack,
                         extras={"step": step, "micro_batch": micro_batch, "epoch": epoch})  # fmt: skip
 
     def next(self) -> PackPlan:

@@ -40,6 +40,7 @@ from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.document_names import document_sources_of
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
@@ -172,6 +173,7 @@ class ShardForRank(BaseNode[Any]):
             raise TypeError(f"kv_exchange must be a bool, got {type(kv_exchange).__name__} {kv_exchange!r}")
         self.kv_exchange = kv_exchange
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
+        self._sources = document_sources_of(collate_node)  # a mix: info["doc_source"] names each slot's source
         if isinstance(collate_node, Collate):
             check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
         self._clear(None, [])
@@ -244,7 +246,7 @@ class ShardForRank(BaseNode[Any]):
         served = self._digests[: len(batches)]
         try:
             items: list[BlockItem | CollatedPack] = list(prepare_block(batches, self.layout, self.cp_size,
-                                                                       self._dynamic))  # fmt: skip
+                                                                       self._dynamic, self._sources))  # fmt: skip
         except Exception:  # some batch is bad: each is prepared alone when served, to raise at the bad one
             items = list(batches)
         for i, saved in enumerate(served):
@@ -267,7 +269,7 @@ class ShardForRank(BaseNode[Any]):
         """The item's plan digest, -1 for a batch that raises."""
         if not isinstance(item, BlockItem):
             try:
-                item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+                item = prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
             except Exception:  # noqa: BLE001  (it raised when it was served too)
                 return -1
         return item.digest
@@ -292,7 +294,7 @@ class ShardForRank(BaseNode[Any]):
         self._served += 1
         if not isinstance(item, BlockItem):
             try:
-                item = prepare_block([item], self.layout, self.cp_size, self._dynamic)[0]
+                item = prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
             except Exception:
                 self._digests.append(-1)
                 raise

@@ -164,6 +164,15 @@ class Documents(WindowReader, BaseNode[Document]):
         counts = getattr(self.source, "counts", None) if self._kind == "node" else None
         return counts if isinstance(counts, dict) else None
 
+    @property
+    def document_sources(self) -> Any:
+        """A :func:`cpdata.mix` source's ``document_sources`` (batches name each slot's source), or None: a
+        mix read for ``num_epochs > 1`` passes in one ``iter()`` can pack draws of two epochs together, whose
+        positions in the mixed stream do not say which epoch they are from, so no source is named there
+        (``info["doc_index"]`` is then the draw's position in its epoch)."""
+        found = getattr(self.source, "document_sources", None)
+        return found if callable(found) and (self.num_epochs or 1) == 1 else None
+
     def fetch(self, index: int) -> Document:
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:

@@ -254,8 +254,9 @@ class WindowedPacks(BaseNode[PackPlan]):
             pieces.append(DocPiece(index=base + doc, start=start, arrays=piece_arrays(arrays, start, length, continues),
                                    next_label=next_label))  # fmt: skip
         step, micro_batch = divmod(item, self.micro_batches)
+        pack = (step * self.plan_kw["dp_size"] + self.dp_rank) * self.micro_batches + micro_batch  # the window's
         return PackPlan(pieces=tuple(pieces), slot_lens=np.array(s.slot_len[rows], dtype=np.int64),
-                        capacity=self._config["capacity"], index=item,
+                        capacity=self._config["capacity"], index=pack,
                         extras={"step": step, "micro_batch": micro_batch, "epoch": self._epoch,
                                 "window": self._window})  # fmt: skip
 

@@ -136,7 +136,7 @@ class PrecomputedDataset(WorkerDataset):
         """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs)."""
         EpochCount().set(epoch)  # refuses a non-int or negative epoch
         self.plans.check_epoch(epoch)
-        self._start_epoch = epoch
+        self._start_epoch, self._epoch_asked = epoch, True  # (a CPDataLoader starts it, counting on)
         if self._loader is not None:
             for node in _graph(self._loader.root):
                 if isinstance(node, _WorkerPacks):

@@ -201,6 +201,8 @@ class PrecomputedPacks(BaseNode[PackPlan]):
                 f"`cpdata precompute ... --labels-alignment {self.labels_alignment}`"
             )
         self.documents = documents
+        self.document_sources = self._mix_sources if callable(getattr(documents, "document_sources", None)) else None
+        """A mix's (source name, index) of pieces (:func:`cpdata.nodes.document_names.document_sources_of`)."""
         self._first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
@@ -323,7 +325,8 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         if not 0 <= index < n:
             raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
         a = self.store.arrays
-        rows = self.store.pack_slice(self._pack_id(index, epoch))
+        pack = self._pack_id(index, epoch)
+        rows = self.store.pack_slice(pack)
         base = int(self._first_document[epoch]) if self._epochs is not None else 0
         pieces = []
         for j in range(rows.start, rows.stop):
@@ -349,8 +352,13 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             pieces=PieceColumns.of(pieces),  # as the online Pack emits them
             slot_lens=np.array(a["slot_len"][rows], dtype=np.int64),
             capacity=self.capacity,
-            index=index,
+            index=pack,  # the plan's own pack id (row of the store), not this rank's ordinal
         )
+
+    def _mix_sources(self, index: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """The mix's ``document_sources`` of this epoch's pieces (their index counts from the epoch's first draw)."""
+        base = int(self._first_document[self._clock.epoch]) if self._epochs is not None else 0
+        return self.documents.document_sources(np.asarray(index, dtype=np.int64) + base)
 
     def _document(self, i: int, *, more: bool) -> Mapping[str, np.ndarray]:
         """Document ``i``, validated; read once for all its pieces.

@@ -13,7 +13,17 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
   the model side needs without a device sync: ``layout`` (name),
   ``max_seqlen`` (longest real document), ``max_seqlen_padded`` (longest
   slot); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
-  ``n_documents``, ``causal_work`` (per rank), ``digest``.
+  ``n_documents``, ``causal_work`` (per rank), ``digest``. Tracing: ``pack_indices``
+  are the plan's own pack ids (a schedule's ``(step * dp_size + dp_rank) *
+  micro_batches + micro_batch``, a precomputed plan's row, a window's pack id
+  with ``schedule_window``, the DP rank's packer count live); per slot in
+  ``cu_seqlens_padded`` order ``doc_index`` (the source document, -1 on an
+  empty pack's padding slot) and ``doc_start`` (the piece's offset in it); in
+  a :func:`cpdata.mix` also ``doc_source`` (the source's name; ``doc_index``
+  is then the index in that source; not for a live mix read ``num_epochs > 1``
+  times per ``iter()``, whose packs can join two epochs' draws: ``doc_index``
+  is then the draw's position in its epoch's mixed stream). Host ints only: 0.7-11 us per batch
+  (8K-128K-token packs).
 
 Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
 an existing key may be replaced by a tensor of the same shape (the path

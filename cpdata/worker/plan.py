@@ -179,7 +179,9 @@ class PackPlan:
     capacity: int
     """Tokens in the pack (``pack_len``), a multiple of the layout's pack multiple."""
     index: int = 0
-    """Sequence number of the pack in this DP rank's stream (0-based)."""
+    """The plan's own id of the pack: a schedule's pack id ``(step * dp_size + dp_rank) * micro_batches +
+    micro_batch`` (of the window's schedule with ``schedule_window``), a precomputed plan's row, the live
+    packer's sequence number in this DP rank's stream (0-based); ``batch.info["pack_indices"]``."""
     extras: Mapping[str, object] = field(default_factory=dict)
     """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
     piece_columns: PieceColumns = field(init=False, repr=False, compare=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -31,7 +31,7 @@ from cpdata.worker.collated import CollatedPack
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
 from cpdata.worker.stream import Stream, StreamBlock, build_streams
 
-__all__ = ["BlockItem", "check_rows", "prepare_block", "static_layout"]
+__all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,9 +202,38 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens:
     return tables, works
 
 
-def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool) -> list[BlockItem]:
+DocumentSources = Callable[[np.ndarray], tuple[list[str], np.ndarray]]
+"""``sources(doc_index int64 [n]) -> (names, index int64 [n])``: where each document of a mix came from (the
+source's name and the document's index in it), e.g. :meth:`cpdata.nodes.mix.Mix.document_sources`."""
+
+
+def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSources | None
+           ) -> tuple[list[list[int]], list[list[int]], list[list[str | None]] | None]:  # fmt: skip
+    """Per batch, per slot (``cu_seqlens_padded`` order): the document index, the piece's offset in it and, with
+    ``sources``, the mix source's name (the index then the document's index in that source). An empty plan's
+    padding slot: index -1, offset 0, name None. Two ``tolist`` per block: measured 0.7 / 4 / 11 us per batch at
+    8K / 32K / 128K-token packs (10 / 42 / 116 slots; a loaded 2-core machine), a mix's lookup on top."""
+    index, start = table[:, 0], table[:, 1]
+    names: list[str | None] | None = None
+    if sources is not None:
+        real = index >= 0
+        found, at = sources(index[real])
+        index = index.copy()
+        index[real] = at
+        names = [None] * index.shape[0]
+        for j, name in zip(np.flatnonzero(real).tolist(), found, strict=True):
+            names[j] = name
+    idx, st = index.tolist(), start.tolist()
+    cuts = [(first[b], first[b + 1]) for b in range(k)]
+    return ([idx[lo:hi] for lo, hi in cuts], [st[lo:hi] for lo, hi in cuts],
+            None if names is None else [names[lo:hi] for lo, hi in cuts])  # fmt: skip
+
+
+def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool,
+                  sources: DocumentSources | None = None) -> list[BlockItem]:  # fmt: skip
     """The :class:`BlockItem` of every batch of a block, in order.
 
+    ``sources``: a mix's :data:`DocumentSources` (``info["doc_source"]`` and source-local ``doc_index``), or None.
     ``dynamic``: whether the layout depends on the documents
     (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams and
     their metadata (:func:`cpdata.worker.stream.build_streams`), the run tables and
@@ -239,6 +268,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         n_documents = slots.counts
     else:
         n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
+    doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
     items = []
     for i, batch in enumerate(batches):
         info = {
@@ -251,7 +281,11 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
             "n_documents": n_documents[i],
             "causal_work": works[i],
             "digest": digests[i],
+            "doc_index": doc_index[i],
+            "doc_start": doc_start[i],
         }
+        if doc_source is not None:
+            info["doc_source"] = doc_source[i]
         items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
                                fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
     return items
