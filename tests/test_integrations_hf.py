@@ -11,13 +11,12 @@ transformers once; accelerate sees them through the usual torchrun variables.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
 from dist_utils import run_ranks
+from trainer_ranks import launch_env, relative, weights
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from cpdata.integrations.cp_trainer import LOADER_STATE
@@ -26,16 +25,6 @@ from cpdata.integrations.hf import CPTrainer
 VOCAB = 64
 CAPACITY = 64
 STEPS = 4
-
-
-def launch_env(rank: int, world: int) -> None:
-    """What torchrun sets, so that accelerate uses the (already initialized) gloo group; none for one process."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    if world == 1:
-        for name in names:
-            os.environ.pop(name, None)
-        return
-    os.environ.update(dict(zip(names, map(str, (rank, world, rank, world)), strict=True)))
 
 
 def documents() -> Dataset:
@@ -74,13 +63,8 @@ def run_trainer(rank: int, world: int, out: str, resume: str | None = None) -> d
                        capacity=CAPACITY, layout="balanced")  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    weights = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]).numpy()
     return {"losses": [h["loss"] for h in logs], "steps": [h["step"] for h in logs], "counts": counts,
-            "weights": weights, "log": logs[-1]}  # fmt: skip
-
-
-def relative(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            "weights": weights(trainer.model), "log": logs[-1]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +84,7 @@ def test_cp2_trains_like_cp1(runs):
         np.testing.assert_allclose(rank["losses"], cp1["losses"], rtol=1e-4)
         assert relative(rank["weights"], cp1["weights"]) < 1e-4
     assert relative(cp2[0]["weights"], cp2[1]["weights"]) == 0.0, "DDP keeps the ranks' weights identical"
-    start = tiny_llama()
-    moved = torch.cat([p.detach().reshape(-1) for p in start.parameters()]).numpy()
-    assert relative(cp1["weights"], moved) > 1e-3, "the weights moved away from the initial ones"
+    assert relative(cp1["weights"], weights(tiny_llama())) > 1e-3, "the weights moved away from the initial ones"
 
 
 def test_logs_carry_padding_imbalance_and_throughput(runs):
@@ -123,3 +105,25 @@ def test_resume_from_a_trainer_checkpoint_continues_with_the_same_batches(runs):
         assert len(after["counts"]) == 2 and after["counts"] == before["counts"][2:], "the same packs after resuming"
         np.testing.assert_allclose(after["losses"], before["losses"], rtol=1e-6)
         assert relative(after["weights"], before["weights"]) < 1e-6
+
+
+@pytest.mark.parametrize("overrides,names", [
+    ({"max_steps": -1}, ["max_steps=-1"]),
+    ({"eval_strategy": "steps", "eval_steps": 2, "label_smoothing_factor": 0.1}, ["evaluation", "label_smoothing"]),
+])  # fmt: skip
+def test_settings_it_cannot_honour_are_refused_by_name(tmp_path, overrides, names):
+    with pytest.raises(ValueError) as err:
+        CPTrainer(model=tiny_llama(), args=training_args(str(tmp_path), **overrides), train_dataset=documents(),
+                  cp_size=1, capacity=CAPACITY)  # fmt: skip
+    assert all(name in str(err.value) for name in names), err.value
+
+
+def test_cp_attention_needs_sdpa_and_the_loader_options_stay_the_trainers():
+    from cpdata.integrations.attention import check_attention
+
+    config = LlamaConfig(attn_implementation="eager")
+    check_attention(config, 1)  # cp 1: the model keeps its own attention
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        check_attention(config, 2)
+    with pytest.raises(ValueError, match=r"\['capacity'\]"):
+        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"capacity": 8})

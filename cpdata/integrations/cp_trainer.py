@@ -1,7 +1,7 @@
 """What every CP trainer adds to a ``transformers.Trainer``: mesh, loader, loss, gradient scale, resume, logs.
 
 :class:`CPTrainerMixin` goes before the Trainer class in the bases
-(``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides seven methods:
+(``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides eight methods:
 
 ==============================  ===================================================================
 ``get_train_dataloader``        this rank's :class:`~cpdata.dataloader.CPDataLoader`: a
@@ -12,7 +12,9 @@
                                 the DP group when ``average_tokens_across_devices``): the
                                 divisor of every rank's loss
 ``_prepare_inputs``             nothing: the batch stays a ``ShardedBatch`` until the sharder moves it
-``compute_loss``                the forward through :class:`~cpdata.integrations.attention.CPModelInputs`
+``training_step``               Trainer's step inside the batch's CP attention context, backward
+                                included (activation checkpointing recomputes attention there)
+``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
                                 (the one place that picks the attention), loss x the gradient scale
 ``log``                         adds ``cp_padding_pct``, ``cp_imbalance``, ``cp_tokens_per_s``
 ``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
@@ -236,13 +238,30 @@ class CPTrainerMixin:
         return total
 
     # -- loss ---------------------------------------------------------------------------------------
-    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Trainer's step inside the batch's CP attention context, backward included: activation
+        checkpointing (TRL's default) recomputes attention during backward, which must gather K/V too."""
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         ctx, kwargs = self._cp_inputs(inputs, num_items_in_batch)
-        with ctx:
-            outputs = model(**kwargs)
+        self._cp_step = (inputs, kwargs)
+        try:
+            with ctx:
+                return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._cp_step = None
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
+        step = getattr(self, "_cp_step", None)
+        if step is not None and step[0] is inputs:  # inside training_step: its context is active
+            outputs = model(**step[1])
+        else:
+            if num_items_in_batch is None:
+                num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+            ctx, kwargs = self._cp_inputs(inputs, num_items_in_batch)
+            with ctx:
+                outputs = model(**kwargs)
         loss = outputs.loss * self._cp_loss_scale
         if self.model.training:
             self._cp_metrics.add(inputs.info)
