@@ -1,7 +1,8 @@
 """``CPTrainer`` (a real ``transformers.Trainer``) at cp 2 on gloo ranks against cp 1 on one process.
 
 Same data, same seed, same ``TrainingArguments`` (AdamW, linear schedule with
-warm-up, gradient clipping, gradient accumulation 2): the per-step losses and
+warm-up, gradient clipping, 2 packs per micro-batch as one THD stream, gradient
+accumulation 2): the per-step losses and
 the final weights at cp 2 equal cp 1's within 1e-4 relative over 4 optimizer
 steps, and a run resumed from the step-2 Trainer checkpoint continues with the
 same batches (same losses, same final weights as the uninterrupted run).
@@ -42,7 +43,7 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def training_args(out: str, **overrides) -> TrainingArguments:
-    kwargs = dict(max_steps=STEPS, per_device_train_batch_size=1, gradient_accumulation_steps=2, learning_rate=3e-3,
+    kwargs = dict(max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
                   lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=1.0, weight_decay=0.01, logging_steps=1,
                   save_steps=2, report_to="none", use_cpu=True, disable_tqdm=True, seed=0)  # fmt: skip
     kwargs.update(overrides)
