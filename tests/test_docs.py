@@ -43,6 +43,7 @@ OWN_TEST = {
     "docs/text-to-packs.md": "tests/test_docs_text_to_packs.py",
     "docs/packing-and-mixing.md": "tests/test_mix.py",
     "docs/labels-and-masks.md": "tests/test_docs.py",
+    "docs/trainers.md": "tests/test_docs_trainers.py",
 }
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from cpdata.adapters import hf_model_kwargs
-from cpdata.sharder import ContextParallelSharder
+from cpdata.device.sharder import ContextParallelSharder
 
 __all__ = ["ATTENTION", "CPModelInputs", "check_attention"]
 
@@ -63,7 +63,7 @@ def check_attention(config: Any, cp_size: int) -> None:
 
 
 class CPModelInputs:
-    """``(context, model kwargs)`` for one :class:`~cpdata.batch.ShardedBatch` on this rank.
+    """``(context, model kwargs)`` for one :class:`~cpdata.worker.batch.ShardedBatch` on this rank.
 
     Args:
         mesh: the ``(dp, cp)`` device mesh, or None in a single process (cp = 1, no process group).

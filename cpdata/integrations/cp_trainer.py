@@ -4,8 +4,8 @@
 (``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides eight methods:
 
 ==============================  ===================================================================
-``get_train_dataloader``        this rank's :class:`~cpdata.dataloader.CPDataLoader`: a
-                                :class:`~cpdata.dataset.CPDataset` over ``train_dataset`` for
+``get_train_dataloader``        this rank's :class:`~cpdata.nodes.dataloader.CPDataLoader`: a
+                                :class:`~cpdata.nodes.dataset.CPDataset` over ``train_dataset`` for
                                 ``(dp_rank, cp_rank)`` of the ``(dp, cp)`` mesh, resumed from the
                                 checkpoint's loader state
 ``_get_num_items_in_batch``     targets of the step's micro-batches, summed over the CP group (and
@@ -56,11 +56,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.dataloader import CPDataLoader
-from cpdata.dataset import CPDataset
 from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
-from cpdata.keys import IGNORE_INDEX, LABELS
+from cpdata.nodes.dataloader import CPDataLoader
+from cpdata.nodes.dataset import CPDataset
+from cpdata.worker.keys import IGNORE_INDEX, LABELS
 
 __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
 
@@ -105,7 +105,7 @@ class CPTrainerMixin:
     - ``cp_size``: ranks per CP group; ``dp = world_size // cp_size``.
     - ``capacity``: tokens per pack (before CP sharding); a multiple of the layout's pack multiple.
     - ``layout``: a cpdata layout (``"balanced"``, ``"thd"``, ``"round_robin"``, ``"contiguous"``).
-    - ``loader_options``: more :class:`~cpdata.dataset.CPDataset` keywords (``algorithm``,
+    - ``loader_options``: more :class:`~cpdata.nodes.dataset.CPDataset` keywords (``algorithm``,
       ``overflow``, ``shuffle``, ``schedule``, ``labels_alignment``, ...).
 
     ``per_device_train_batch_size`` packs make one micro-batch (concatenated into one

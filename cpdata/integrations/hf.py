@@ -9,7 +9,7 @@
 ``train_dataset`` holds tokenized documents (a ``datasets.Dataset`` with an
 ``input_ids`` column, optionally ``labels`` / ``assistant_masks`` /
 ``completion_mask`` aligned with ``input_ids`` as Hugging Face aligns them, or
-anything :class:`~cpdata.dataset.CPDataset` reads). No ``data_collator``: each
+anything :class:`~cpdata.nodes.dataset.CPDataset` reads). No ``data_collator``: each
 micro-batch is ``per_device_train_batch_size`` packs of ``capacity`` tokens,
 and each rank receives only its CP share of them, laid out on the dataloader
 workers. Everything the mixin adds (mesh, loss normalization, gradient
