@@ -201,8 +201,6 @@ class CPTrainerMixin:
     def get_train_dataloader(self) -> CPDataLoader:
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
-        if self._cp_loader is not None:
-            self._cp_loader = None  # a new train() call starts a fresh pipeline
         args = self.args
         dataset = CPDataset(self.train_dataset, cp_rank=self.cp_rank, **self._cp_dataset_options())
         workers = int(args.dataloader_num_workers)
