@@ -66,6 +66,9 @@ __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
 
 LOADER_STATE = "cpdata_loader_rank{rank}.pt"
 """File name of each rank's loader state inside a Trainer checkpoint folder."""
+_TRAINER_HOOKS = ("get_train_dataloader", "_get_num_items_in_batch", "_prepare_inputs", "training_step",
+                  "compute_loss", "log", "_save_checkpoint", "_get_output_dir", "loss_is_scaled_for_ga")
+"""What the mixin overrides or relies on in ``transformers.Trainer`` (all present in transformers 5.24, tested)."""
 _OWN_OPTIONS = ("capacity", "cp_size", "cp_rank", "layout", "dp_rank", "dp_size", "batch_size")
 
 
@@ -140,6 +143,12 @@ class CPTrainerMixin:
 
     # -- set-up -------------------------------------------------------------------------------------
     def _cp_setup(self) -> None:
+        from transformers import Trainer, __version__
+
+        missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
+        if missing:  # an override that Trainer never calls would silently leave its default in place
+            raise ValueError(f"transformers {__version__}'s Trainer has no {missing}, which {type(self).__name__} "
+                             "overrides; install transformers>=5.24 (pip install 'cpdata[hf]')")  # fmt: skip
         args = self.args
         check_training_args(args, type(self).__name__, eval_dataset=self.eval_dataset,
                             compute_loss_func=self.compute_loss_func)  # fmt: skip
