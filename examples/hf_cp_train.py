@@ -100,6 +100,19 @@ def build_tokenizer(args, texts: list[str]):
     return bpe
 
 
+def special_ids(tokenizer, config) -> tuple[int, int]:
+    """``(pad, eos)``: this script's ``<pad>``/``<eos>``, else the model's own ids (pads are never trained on,
+    so any id works there; EOS ends every document)."""
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no <eos> and the model config no eos_token_id; pass a model that has one")
+    pad = tokenizer.token_to_id(PAD)
+    pad = pad if pad is not None else (config.pad_token_id if config.pad_token_id is not None else eos)
+    return int(pad), int(eos)
+
+
 def tokenize(tokenizer, texts: list[str], eos_id: int) -> list[dict[str, np.ndarray]]:
     """One document per text: its ids plus EOS (int32)."""
     return [{"input_ids": np.array([*enc.ids, eos_id], dtype=np.int32)} for enc in tokenizer.encode_batch(texts)]
@@ -198,12 +211,11 @@ def train(args: argparse.Namespace) -> dict:
     cp_group = mesh["cp"].get_group()
     texts = corpus(args.files)
     tokenizer = build_tokenizer(args, texts)
-    pad_id = tokenizer.token_to_id(PAD) if tokenizer.token_to_id(PAD) is not None else 0
-    eos_id = tokenizer.token_to_id(EOS) if tokenizer.token_to_id(EOS) is not None else pad_id
     vocab_size = tokenizer.get_vocab_size()
-    docs = tokenize(tokenizer, texts, eos_id)
     dtype = torch.float64 if args.check_parity else torch.float32
-    model = build_model(args, vocab_size, pad_id, dtype)
+    model = build_model(args, vocab_size, tokenizer.token_to_id(PAD) or 0, dtype)
+    pad_id, eos_id = special_ids(tokenizer, model.config)
+    docs = tokenize(tokenizer, texts, eos_id)
     models = {"model": model, **({"reference": copy.deepcopy(model)} if args.check_parity else {})}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01) for k, m in models.items()}
     loader = build_loader(args, docs, mesh, pad_id, vocab_size)
