@@ -44,6 +44,9 @@ SDPA arguments:
   (+ document) mask — the behaviour of NeMo's CP hooks, which strip the mask
   and set ``is_causal=True``.
 - ``is_causal`` with an ``attn_mask``: refused, as torch does.
+- key and value of different dtypes under autocast (Trainer's ``bf16=True``: RoPE
+  leaves the key in float32): gathered together in the wider dtype; the kernel
+  casts both to the autocast dtype as it would have. Outside autocast refused.
 - ``scale``, ``dropout_p``, ``enable_gqa``: passed to the kernel unchanged
   (GQA keys are gathered with their own head count).
 
@@ -179,6 +182,11 @@ class ContextParallelAttention:
             return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+        if key.dtype != value.dtype and torch.is_autocast_enabled(key.device.type):
+            # autocast (Trainer's bf16/fp16): RoPE leaves key in float32 and value in the autocast dtype; the
+            # kernel casts both to the autocast dtype itself, so gathering them in the wider one loses nothing
+            common = torch.promote_types(key.dtype, value.dtype)
+            key, value = key.to(common), value.to(common)
         if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
             raise ValueError(
                 f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "

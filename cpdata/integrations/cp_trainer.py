@@ -1,0 +1,307 @@
+"""What every CP trainer adds to a ``transformers.Trainer``: mesh, loader, loss, gradient scale, resume, logs.
+
+:class:`CPTrainerMixin` goes before the Trainer class in the bases
+(``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides eight methods:
+
+==============================  ===================================================================
+``get_train_dataloader``        this rank's :class:`~cpdata.nodes.dataloader.CPDataLoader`: a
+                                :class:`~cpdata.nodes.dataset.CPDataset` over ``train_dataset`` for
+                                ``(dp_rank, cp_rank)`` of the ``(dp, cp)`` mesh, resumed from the
+                                checkpoint's loader state
+``_get_num_items_in_batch``     targets of the step's micro-batches, summed over the CP group (and
+                                the DP group when ``average_tokens_across_devices``): the
+                                divisor of every rank's loss
+``_prepare_inputs``             nothing: the batch stays a ``ShardedBatch`` until the sharder moves it
+``training_step``               Trainer's step inside the batch's CP attention context, backward
+                                included (activation checkpointing recomputes attention there)
+``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
+                                (the one place that picks the attention), loss x the gradient scale
+``log``                         adds ``cp_padding_pct``, ``cp_imbalance``, ``cp_tokens_per_s``
+``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
+``train``                       a resume reads that loader state instead of Trainer's batch skipping
+==============================  ===================================================================
+
+Gradients. DDP (what accelerate wraps the model in when ``world > 1``)
+averages gradients over all ``W = dp * cp`` ranks. Each rank's loss is its
+local target sum over the count ``N`` above, multiplied by ``cp``
+(``average_tokens_across_devices=False``: ``N`` is the DP group's count) or by
+``W`` (``True``, transformers' default: ``N`` spans every rank, as Trainer
+itself scales). DDP's mean then yields the sum over CP ranks (the K/V gather's
+backward already sent each rank its share of every rank's loss, see
+:mod:`cpdata.adapters.loss`) and the mean over DP groups (or the global token
+mean), so cp N trains like cp 1 on the same packs. The loss Trainer logs is the
+mean over ranks of those scaled losses: the pack's mean loss.
+
+Resume. ``train(resume_from_checkpoint=...)`` restores the model, optimizer,
+scheduler and RNG as Trainer does; the data position comes from the loader
+state saved beside them, exactly, in O(1) for a planned source, never by
+re-reading and dropping batches (``ignore_data_skip`` is forced on for the
+call). The same world size, ``cp_size``, capacity, layout and
+``dataloader_num_workers`` are needed (the loader refuses others).
+
+Refused with ``ValueError`` (naming the option): no ``max_steps`` (the loader
+has no length), evaluation, label smoothing, ``compute_loss_func``, DeepSpeed
+and FSDP (untested here), accelerate's own context parallelism, ``nn.DataParallel``,
+a ``cp_size`` that does not divide the world size, and at cp > 1 a model not
+loaded with ``attn_implementation="sdpa"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from cpdata.integrations.attention import CPModelInputs, check_attention
+from cpdata.integrations.metrics import PackMetrics
+from cpdata.nodes.dataloader import CPDataLoader
+from cpdata.nodes.dataset import CPDataset
+from cpdata.worker.keys import IGNORE_INDEX, LABELS
+
+__all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
+
+LOADER_STATE = "cpdata_loader_rank{rank}.pt"
+"""File name of each rank's loader state inside a Trainer checkpoint folder."""
+_TRAINER_HOOKS = ("get_train_dataloader", "_get_num_items_in_batch", "_prepare_inputs", "training_step",
+                  "compute_loss", "log", "_save_checkpoint", "_get_output_dir", "loss_is_scaled_for_ga")
+"""What the mixin overrides or relies on in ``transformers.Trainer`` (all present in transformers 5.24, tested)."""
+_OWN_OPTIONS = ("capacity", "cp_size", "cp_rank", "layout", "dp_rank", "dp_size", "batch_size")
+
+
+def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, compute_loss_func: Any = None) -> None:
+    """Refuse the Trainer settings a CP trainer cannot honour; one ``ValueError`` lists every one found."""
+    problems = []
+    if getattr(args, "max_steps", -1) is None or args.max_steps <= 0:
+        problems.append(
+            f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
+            "set TrainingArguments(max_steps=N)"
+        )
+    strategy = getattr(args, "eval_strategy", "no")
+    if eval_dataset is not None or getattr(strategy, "value", strategy) != "no":
+        problems.append("evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a "
+                        "plain Trainer on the saved model")  # fmt: skip
+    if getattr(args, "label_smoothing_factor", 0) > 0:
+        problems.append(f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's "
+                        "token cross-entropy over the pack's target count")  # fmt: skip
+    if compute_loss_func is not None:
+        problems.append("compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the "
+                        "pack's target count); subclass and override compute_loss instead")  # fmt: skip
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        problems.append("deepspeed / fsdp: the CP trainers are tested with DDP only")
+    config = getattr(args, "parallelism_config", None)
+    if config is not None and getattr(config, "cp_enabled", False):
+        problems.append("parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention "
+                        "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
+    if problems:
+        raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
+
+
+class CPTrainerMixin:
+    """Context parallelism for a ``transformers.Trainer`` subclass (see the module docstring).
+
+    Keyword arguments taken before the Trainer's own:
+
+    - ``cp_size``: ranks per CP group; ``dp = world_size // cp_size``.
+    - ``capacity``: tokens per pack (before CP sharding); a multiple of the layout's pack multiple.
+    - ``layout``: a cpdata layout (``"balanced"``, ``"thd"``, ``"round_robin"``, ``"contiguous"``).
+    - ``loader_options``: more :class:`~cpdata.nodes.dataset.CPDataset` keywords (``algorithm``,
+      ``overflow``, ``shuffle``, ``schedule``, ``labels_alignment``, ...).
+
+    ``per_device_train_batch_size`` packs make one micro-batch (concatenated into one
+    stream, ``qkv_format="thd"``, when more than one).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        cp_size: int = 1,
+        capacity: int | None = None,
+        layout: str = "balanced",
+        loader_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+        options = dict(loader_options or {})
+        own = sorted(set(options) & set(_OWN_OPTIONS))
+        if own:
+            raise ValueError(f"loader_options {own} are set by {type(self).__name__} itself (cp_size, capacity, "
+                             "layout, the mesh's ranks, per_device_train_batch_size); drop them")  # fmt: skip
+        self.cp_size, self.cp_capacity, self.cp_layout, self.cp_loader_options = cp_size, capacity, layout, options
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:  # fail before the (possibly slow) dataset preparation
+            check_training_args(training_args, type(self).__name__, eval_dataset=kwargs.get("eval_dataset"),
+                                compute_loss_func=kwargs.get("compute_loss_func"))  # fmt: skip
+        self._cp_resume_dir: str | None = None
+        self._cp_loader: CPDataLoader | None = None
+        super().__init__(*args, **kwargs)
+        self._cp_setup()
+
+    # -- set-up -------------------------------------------------------------------------------------
+    def _cp_setup(self) -> None:
+        from transformers import Trainer, __version__
+
+        missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
+        if missing:  # an override that Trainer never calls would silently leave its default in place
+            raise ValueError(f"transformers {__version__}'s Trainer has no {missing}, which {type(self).__name__} "
+                             "overrides; install transformers>=5.24 (pip install 'cpdata[hf]')")  # fmt: skip
+        args = self.args
+        check_training_args(args, type(self).__name__, eval_dataset=self.eval_dataset,
+                            compute_loss_func=self.compute_loss_func)  # fmt: skip
+        if args.n_gpu > 1:
+            raise ValueError(f"{type(self).__name__}: nn.DataParallel (several GPUs in one process) is not "
+                             "supported; launch one process per GPU with torchrun")  # fmt: skip
+        if isinstance(self.cp_capacity, bool) or not isinstance(self.cp_capacity, int) or self.cp_capacity < 1:
+            raise ValueError(f"capacity must be the tokens per pack, an int >= 1, got {self.cp_capacity!r}")
+        world = int(args.world_size)
+        if world % self.cp_size:
+            raise ValueError(f"cp_size={self.cp_size} must divide the world size {world} (dp = world // cp_size)")
+        if not self.model_accepts_loss_kwargs:
+            raise ValueError(f"{type(self.model).__name__}.forward takes no num_items_in_batch; the CP loss needs "
+                             "the model's loss to divide by the pack's target count (any transformers causal LM "
+                             "does)")  # fmt: skip
+        config = getattr(self.model, "config", None)
+        check_attention(config, self.cp_size)
+        self.dp_size = world // self.cp_size
+        self.cp_mesh = None
+        self.dp_rank = self.cp_rank = 0
+        dp_group = None
+        if world > 1:
+            device_type = "cuda" if args.device.type == "cuda" else "cpu"
+            self.cp_mesh = init_device_mesh(device_type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
+            self.dp_rank = self.cp_mesh["dp"].get_local_rank()
+            self.cp_rank = self.cp_mesh["cp"].get_local_rank()
+            dp_group = self.cp_mesh["dp"].get_group()
+        self._cp_groups = (self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None, dp_group)
+        # DDP averages over all `world` ranks: scale so that the mean is the sum over CP (see the module docstring)
+        self._cp_loss_scale = (world if args.average_tokens_across_devices else self.cp_size) if world > 1 else 1
+        self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
+        self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"))
+        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device)
+
+    def _cp_padding_token_id(self) -> int:
+        for owner in (self.processing_class, getattr(self.model, "config", None)):
+            for name in ("pad_token_id", "eos_token_id"):
+                value = getattr(owner, name, None)
+                if isinstance(value, int) and value >= 0:
+                    return value
+        return 0
+
+    def _cp_dataset_options(self) -> dict[str, Any]:
+        batch_size = int(self.args.per_device_train_batch_size)
+        options: dict[str, Any] = {
+            "capacity": self.cp_capacity, "cp_size": self.cp_size, "layout": self.cp_layout,
+            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "batch_size": batch_size,
+            "qkv_format": "thd" if batch_size > 1 else "bshd", "padding_token_id": self._cp_padding_token_id(),
+            "labels_alignment": "inputs", "seed": int(self.args.data_seed if self.args.data_seed is not None
+                                                      else self.args.seed),
+        }  # fmt: skip
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int):
+            options["vocab_size"] = vocab
+        options.update(self.cp_loader_options)
+        return options
+
+    # -- data ---------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> CPDataLoader:
+        if self.train_dataset is None:
+            raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
+        args = self.args
+        dataset = CPDataset(self.train_dataset, cp_rank=self.cp_rank, **self._cp_dataset_options())
+        workers = int(args.dataloader_num_workers)
+        loader_kw: dict[str, Any] = {"num_workers": workers,
+                                     "pin_memory": bool(args.dataloader_pin_memory) and args.device.type == "cuda"}
+        if workers:
+            loader_kw.update(persistent_workers=bool(args.dataloader_persistent_workers),
+                             prefetch_factor=args.dataloader_prefetch_factor,
+                             multiprocessing_context=args.dataloader_multiprocessing_context)  # fmt: skip
+        loader = CPDataLoader(dataset, **loader_kw)
+        if self._cp_resume_dir is not None:
+            path = os.path.join(self._cp_resume_dir, LOADER_STATE.format(rank=self.args.process_index))
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is missing: the checkpoint {self._cp_resume_dir} was not written by a "
+                                 "CP trainer with this world size; resume from one that was, or start afresh")  # fmt: skip
+            loader.load_state_dict(torch.load(path, weights_only=True))
+        self._cp_loader = loader
+        return loader
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        return inputs  # a ShardedBatch: the sharder moves it in compute_loss (one buffer copy)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        if not batch_samples:
+            return None
+        count = sum(int(batch[LABELS].ne(IGNORE_INDEX).sum()) for batch in batch_samples)
+        total = torch.tensor(count, dtype=torch.int64, device=device)
+        cp_group, dp_group = self._cp_groups
+        if self.cp_size > 1:
+            dist.all_reduce(total, group=cp_group)
+        if self.dp_size > 1 and self.args.average_tokens_across_devices:
+            dist.all_reduce(total, group=dp_group)
+        return total
+
+    # -- loss ---------------------------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Trainer's step inside the batch's CP attention context, backward included: activation
+        checkpointing (TRL's default) recomputes attention during backward, which must gather K/V too."""
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        ctx, kwargs = self._cp_inputs(inputs, num_items_in_batch)
+        self._cp_step = (inputs, kwargs)
+        try:
+            with ctx:
+                return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._cp_step = None
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
+        step = getattr(self, "_cp_step", None)
+        if step is not None and step[0] is inputs:  # inside training_step: its context is active
+            outputs = model(**step[1])
+        else:
+            if num_items_in_batch is None:
+                num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+            ctx, kwargs = self._cp_inputs(inputs, num_items_in_batch)
+            with ctx:
+                outputs = model(**kwargs)
+        loss = outputs.loss * self._cp_loss_scale
+        if self.model.training:
+            self._cp_metrics.add(inputs.info)
+        return (loss, outputs) if return_outputs else loss
+
+    # -- logs, checkpoints, resume -------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log line (every rank logs at the same steps)
+            logs = {**logs, **self._cp_metrics.drain()}
+        super().log(logs, start_time)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOADER_STATE.format(rank=self.args.process_index))
+        torch.save(self._cp_loader.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint found in output_dir {self.args.output_dir!r} to resume from")
+        self._cp_resume_dir = resume_from_checkpoint or None
+        skip = self.args.ignore_data_skip
+        self.args.ignore_data_skip = True  # the loader state resumes the data; Trainer must not skip batches too
+        try:
+            return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        finally:
+            self.args.ignore_data_skip = skip
+            self._cp_resume_dir = None

@@ -1,0 +1,103 @@
+"""``CPSFTTrainer``: TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)``, packed and CP-sharded by cpdata.
+
+::
+
+    config = SFTConfig(output_dir="out", packing=True, max_length=4096, assistant_only_loss=True, max_steps=1000)
+    trainer = CPSFTTrainer(model=model, args=config, train_dataset=chats, processing_class=tokenizer,
+                           cp_size=2, layout="balanced")   # capacity defaults to max_length
+
+TRL prepares the dataset as it always does (chat template, ``assistant_masks``
+for ``assistant_only_loss``, ``completion_mask`` for prompt-completion rows and
+``completion_only_loss``, the ``labels`` column built from them, truncation),
+except that it does not pack: the tokenized rows go to cpdata, which packs them
+(``packing_strategy`` -> cpdata's planner, below), lays each pack out over the
+CP group and feeds each rank its share; the mixin
+(:mod:`cpdata.integrations.cp_trainer`) does the rest as for ``CPTrainer``.
+
+Labels. TRL's ``labels`` are aligned with ``input_ids`` (the model shifts):
+cpdata reads them with ``labels_alignment="inputs"`` and shifts each document
+once, before packing and sharding, so a rank whose shard ends mid-document still
+trains the target of its last token, and a document's last token never targets
+the next document's first.
+
+================================  ====================================================================
+``packing_strategy="bfd"``        TRL truncates each row to ``max_length`` (its ``truncation_mode``), cpdata
+                                  packs best-fit-decreasing; ``capacity`` must be >= ``max_length``
+``packing_strategy="bfd_split"``  no truncation; rows longer than ``capacity`` are split into pieces
+                                  (cpdata ``overflow="split"``: positions and the target at each cut continue)
+``packing_strategy="wrapped"``    refused: it lets attention cross document boundaries, which cpdata's
+                                  layouts and masks never do
+================================  ====================================================================
+
+Also refused, with ``ValueError`` naming them: ``packing=False`` (CP trains
+packs), ``use_liger_kernel`` and ``loss_type="dft"`` (another loss than the
+model's cross-entropy over the pack's target count), ``neftune_noise_alpha``
+(its noise scale depends on the sequence length a rank sees), and what the mixin
+refuses (evaluation, label smoothing, ``compute_loss_func``, ...). TRL's
+``entropy`` / ``mean_token_accuracy`` metrics are not logged (they read full
+logits aligned with unshifted labels); the CP figures are.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trl import SFTTrainer
+
+from cpdata.integrations.cp_trainer import CPTrainerMixin
+
+__all__ = ["CPSFTTrainer", "check_sft_config"]
+
+_STRATEGY_OVERFLOW = {"bfd": None, "bfd_split": "split"}
+
+
+def check_sft_config(args: Any, capacity: int | None) -> int:
+    """The pack capacity for ``args`` (an ``SFTConfig``); ``ValueError`` listing every setting it cannot honour."""
+    problems = []
+    if not args.packing:
+        problems.append("packing=False: CP trains packs; set packing=True (cpdata packs the tokenized rows)")
+    if args.packing_strategy not in _STRATEGY_OVERFLOW:
+        problems.append(f"packing_strategy={args.packing_strategy!r}: it lets attention cross document boundaries; "
+                        f"use one of {sorted(_STRATEGY_OVERFLOW)}")  # fmt: skip
+    if args.use_liger_kernel:
+        problems.append("use_liger_kernel=True: its fused loss is not the per-rank target sum over the pack's "
+                        "target count")  # fmt: skip
+    if args.loss_type != "nll":
+        problems.append(f"loss_type={args.loss_type!r}: only 'nll' is implemented under CP")
+    if args.neftune_noise_alpha is not None:
+        problems.append("neftune_noise_alpha: NEFTune scales its noise by the sequence length, which differs per "
+                        "CP rank")  # fmt: skip
+    capacity = args.max_length if capacity is None else capacity
+    if capacity is None:
+        problems.append("max_length=None and no capacity: give the pack length (SFTConfig(max_length=N))")
+    elif args.packing_strategy == "bfd" and args.max_length is not None and args.max_length > capacity:
+        problems.append(f"max_length={args.max_length} > capacity={capacity}: a row truncated to max_length would "
+                        "not fit a pack; use capacity >= max_length or packing_strategy='bfd_split'")  # fmt: skip
+    if problems:
+        raise ValueError("CPSFTTrainer cannot honour: " + "; ".join(problems))
+    return capacity
+
+
+class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
+    """``trl.SFTTrainer`` + ``cp_size``, ``capacity`` (default ``args.max_length``), ``layout``,
+    ``loader_options`` (see the module docstring and :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`)."""
+
+    def __init__(self, model: Any, args: Any = None, *, capacity: int | None = None,
+                 loader_options: dict[str, Any] | None = None, **kwargs: Any) -> None:  # fmt: skip
+        if args is None:
+            raise ValueError("CPSFTTrainer needs args=SFTConfig(packing=True, max_length=..., max_steps=...)")
+        capacity = check_sft_config(args, capacity)
+        options = dict(loader_options or {})
+        overflow = _STRATEGY_OVERFLOW[args.packing_strategy]
+        if overflow is not None:
+            options.setdefault("overflow", overflow)
+        super().__init__(model=model, args=args, capacity=capacity, loader_options=options, **kwargs)
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool,
+                         formatting_func: Any, dataset_name: str) -> Any:  # fmt: skip
+        """TRL's preparation without its packing (cpdata packs); no truncation for ``bfd_split``."""
+        if args.packing_strategy == "bfd_split":
+            args = copy.copy(args)
+            args.max_length = None
+        return super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)

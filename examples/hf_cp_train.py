@@ -1,0 +1,291 @@
+"""Train a Hugging Face causal LM with context parallelism, fed by cpdata: the whole recipe in one file.
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py                     # cp 2
+    torchrun --standalone --nproc-per-node 4 examples/hf_cp_train.py --cp-size 2         # dp 2 x cp 2
+    torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --check-parity      # each step vs cp 1
+    torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --save-every 2
+    torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --resume  # steps 3-4 again
+
+The eight steps, each one function below:
+
+1. tokenizer: a byte-level BPE trained in-process on Python standard-library
+   definitions (``tokenizers``, no download), or ``--model DIR``'s own.
+2. model: a tiny random ``LlamaForCausalLM`` with ``attn_implementation="sdpa"``,
+   or ``--model DIR`` (local weights only).
+3. mesh: ``(dp, cp)`` from the world size; CP ranks are neighbours.
+4. loader: a ``CPDataLoader`` over this rank's ``CPDataset`` (the documents are
+   sharded by DP rank; every CP rank of a DP group packs the same documents and
+   keeps only its own share of each pack, laid out on the dataloader worker).
+5. attention (:func:`forward_backward`): today the sharder's ctx, whose SDPA
+   override gathers K/V over the CP group, with ``hf_model_kwargs``' document
+   mask over the global keys. When ``cpdata.adapters.register_hf_attention``
+   lands this function is the only one to change.
+6. loss: each rank's target sum over the pack's GLOBAL target count
+   (``global_target_count``: one all-reduce), so the CP ranks' losses add up to
+   the cp 1 loss.
+7. gradients: the K/V gather's backward is a reduce-scatter, so each rank's
+   gradient is its tokens' share of the pack's gradient: SUM over CP, then
+   average over DP (one flat all-reduce over every rank, divided by dp).
+8. checkpoint: model, optimizer and the loader's state, per rank; ``--resume``
+   continues with exactly the batches an uninterrupted run would see.
+
+``--check-parity`` trains a cp 1 reference (the whole pack, gathered from the
+shards) beside the CP model, in float64, and exits non-zero unless every step's
+loss (1e-6 relative) and the final weights (1e-5 relative) match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from corpus import StdlibDefinitions  # noqa: E402
+
+from cpdata import ContextParallelSharder, CPDataLoader, CPDataset, verify_layout_consistency  # noqa: E402
+from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs  # noqa: E402
+
+PAD, EOS = "<pad>", "<eos>"
+TOKEN_KEYS = ("input_ids", "position_ids", "labels", "document_ids")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a local HF model folder (weights + tokenizer); default: tiny Llama")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cp-size", type=int, default=None, help="default: the world size (dp 1)")
+    p.add_argument("--layout", default="balanced")
+    p.add_argument("--capacity", type=int, default=512, help="tokens per pack, before CP sharding")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--files", type=int, default=40, help="standard-library files to read definitions from")
+    p.add_argument("--vocab", type=int, default=512, help="BPE vocabulary size")
+    p.add_argument("--workers", type=int, default=1, help="dataloader worker processes")
+    p.add_argument("--check-parity", action="store_true")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--ckpt-dir", default="checkpoints/hf_cp_train")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# 1. tokenizer ----------------------------------------------------------------------------------------
+def corpus(files: int) -> list[str]:
+    """Python standard-library definitions (functions, methods, class headers) as text: no download."""
+    return [bytes(doc["input_ids"]).decode("utf-8", "replace") for doc in StdlibDefinitions(limit=files)]
+
+
+def build_tokenizer(args, texts: list[str]):
+    """``tokenizers.Tokenizer``: ``--model``'s own, else a byte-level BPE trained here (~0.5 s)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if args.model:
+        return Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=[PAD, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    bpe.train_from_iterator(texts, trainer=trainer)
+    return bpe
+
+
+def special_ids(tokenizer, config) -> tuple[int, int]:
+    """``(pad, eos)``: this script's ``<pad>``/``<eos>``, else the model's own ids (pads are never trained on,
+    so any id works there; EOS ends every document)."""
+    eos = tokenizer.token_to_id(EOS)
+    if eos is None:
+        eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no <eos> and the model config no eos_token_id; pass a model that has one")
+    pad = tokenizer.token_to_id(PAD)
+    pad = pad if pad is not None else (config.pad_token_id if config.pad_token_id is not None else eos)
+    return int(pad), int(eos)
+
+
+def tokenize(tokenizer, texts: list[str], eos_id: int) -> list[dict[str, np.ndarray]]:
+    """One document per text: its ids plus EOS (int32)."""
+    return [{"input_ids": np.array([*enc.ids, eos_id], dtype=np.int32)} for enc in tokenizer.encode_batch(texts)]
+
+
+# 2. model --------------------------------------------------------------------------------------------
+def build_model(args, vocab_size: int, pad_id: int, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa", local_files_only=True)
+    else:
+        config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.capacity,
+                             pad_token_id=pad_id, attn_implementation="sdpa")  # fmt: skip
+        model = LlamaForCausalLM(config)
+    return model.to(device=args.device, dtype=dtype)
+
+
+# 3. mesh ---------------------------------------------------------------------------------------------
+def build_mesh(args):
+    """``(dp, cp)`` mesh; rank = dp_rank * cp + cp_rank, so a CP group is neighbouring ranks."""
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():  # (a test may have started the group already)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    world = dist.get_world_size()
+    cp = args.cp_size or world
+    if world % cp:
+        raise ValueError(f"--cp-size {cp} must divide the world size {world}")
+    return init_device_mesh(args.device.split(":")[0], (world // cp, cp), mesh_dim_names=("dp", "cp"))
+
+
+# 4. loader -------------------------------------------------------------------------------------------
+def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader:
+    dataset = CPDataset(docs, capacity=args.capacity, cp_size=mesh["cp"].size(), cp_rank=mesh["cp"].get_local_rank(),
+                        dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), layout=args.layout,
+                        overflow="split", shuffle=True, seed=args.seed, padding_token_id=pad_id,
+                        vocab_size=vocab_size)  # fmt: skip
+    context = {"multiprocessing_context": "fork", "persistent_workers": True} if args.workers else {}
+    return CPDataLoader(dataset, num_workers=args.workers, pin_memory=args.device.startswith("cuda"), **context)
+
+
+# 5.-7. attention, loss, gradients -----------------------------------------------------------------------
+def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """This rank's loss (its target sum over the pack's target count) and its gradient; the only place that
+    chooses the attention. Backward runs inside the ctx too (activation checkpointing recomputes there)."""
+    ctx, local = sharder.shard(batch)  # one host-to-device copy: the worker already sharded the pack
+    n_targets = global_target_count(batch, cp_group, labels=local["labels"])  # one all-reduce
+    with ctx():  # cp > 1: SDPA gathers K/V over the CP group (1 collective per layer); cp 1: nothing
+        loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n_targets)).loss
+        loss.backward()
+    return loss.detach(), local, n_targets
+
+
+def all_reduce_grads(model, divisor: int) -> None:
+    """SUM every gradient over all ranks in one flat all-reduce, then divide by ``divisor`` (dp: mean over DP)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= divisor
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(chunk.view_as(g))
+
+
+def reference_step(reference, optimizer, local: dict, sharder, n_targets, world: int) -> float:
+    """cp 1 on the whole pack (gathered from the shards): the loss every CP step must reproduce."""
+    full = {k: sharder.gather_token_tensor(local[k].reshape(1, -1), seq_dim=1) for k in TOKEN_KEYS}
+    mask = document_causal_mask(None, full["document_ids"], local["cu_seqlens_padded"])
+    loss = reference(input_ids=full["input_ids"], position_ids=full["position_ids"], attention_mask=mask,
+                     labels=full["labels"], shift_labels=full["labels"], num_items_in_batch=n_targets,
+                     use_cache=False).loss  # fmt: skip
+    loss.backward()
+    all_reduce_grads(reference, world)  # equal on a group's CP ranks: the sum over all / world is the DP mean
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+# 8. checkpoint ---------------------------------------------------------------------------------------
+def checkpoint_path(args, step: int) -> Path:
+    return Path(args.ckpt_dir) / f"step_{step:06d}" / f"rank{dist.get_rank()}.pt"
+
+
+def latest_checkpoint(args) -> Path | None:
+    found = sorted(Path(args.ckpt_dir).glob(f"step_*/rank{dist.get_rank()}.pt"))
+    return found[-1] if found else None
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train ``args.steps`` steps (from the last checkpoint with ``--resume``); ``{"losses": {step: loss},
+    "parity_ok": bool | None}``, the same on every rank."""
+    mesh = build_mesh(args)
+    world, dp_size, rank0 = dist.get_world_size(), mesh["dp"].size(), dist.get_rank() == 0
+    cp_group = mesh["cp"].get_group()
+    texts = corpus(args.files)
+    tokenizer = build_tokenizer(args, texts)
+    vocab_size = tokenizer.get_vocab_size()
+    dtype = torch.float64 if args.check_parity else torch.float32
+    model = build_model(args, vocab_size, tokenizer.token_to_id(PAD) or 0, dtype)
+    pad_id, eos_id = special_ids(tokenizer, model.config)
+    docs = tokenize(tokenizer, texts, eos_id)
+    models = {"model": model, **({"reference": copy.deepcopy(model)} if args.check_parity else {})}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01) for k, m in models.items()}
+    loader = build_loader(args, docs, mesh, pad_id, vocab_size)
+    start = 0
+    if args.resume and (ckpt := latest_checkpoint(args)) is not None:
+        state = torch.load(ckpt, map_location=args.device, weights_only=True)
+        for k, m in models.items():
+            m.load_state_dict(state[k])
+            opts[k].load_state_dict(state[f"{k}_opt"])
+        loader.load_state_dict(state["loader"])
+        start = int(state["step"])
+        if rank0:
+            print(f"resumed from {ckpt.parent} at step {start}")
+    if rank0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={args.layout} capacity={args.capacity} "
+              f"params={params:,} vocab={vocab_size} documents={len(docs):,} dtype={str(dtype)[6:]}", flush=True)
+    sharder, it, worst_loss, t_last, losses = None, iter(loader), 0.0, time.perf_counter(), {}
+    for step in range(start, args.steps):
+        try:
+            batch = next(it)
+        except StopIteration:  # a new epoch (shuffled from (seed, epoch))
+            it = iter(loader)
+            batch = next(it)
+        verify_layout_consistency(batch, mesh)  # one 16-byte all-reduce: the CP group holds the same plan
+        sharder = sharder or ContextParallelSharder(None, mesh, batch)  # resolved once, from the first batch
+        loss, local, n_targets = forward_backward(model, batch, sharder, cp_group)
+        all_reduce_grads(model, dp_size)
+        opts["model"].step()
+        opts["model"].zero_grad(set_to_none=True)
+        stats = torch.tensor([loss.item(), 0.0, batch.info["real_tokens"] / mesh["cp"].size()], dtype=torch.float64)
+        if args.check_parity:
+            stats[1] = reference_step(models["reference"], opts["reference"], local, sharder, n_targets, world)
+        dist.all_reduce(stats)
+        loss_value, now = stats[0].item() / dp_size, time.perf_counter()
+        losses[step + 1] = loss_value
+        if args.check_parity:
+            reference_loss = stats[1].item() / world
+            worst_loss = max(worst_loss, abs(loss_value - reference_loss) / abs(reference_loss))
+        work = np.asarray(batch.info["causal_work"], dtype=np.float64)
+        if rank0:
+            print(f"step {step + 1:4d} | loss {loss_value:.6f} | tok/s {stats[2].item() / (now - t_last):9,.0f} | "
+                  f"pad {1 - batch.info['real_tokens'] / batch.info['pack_tokens']:6.1%} | "
+                  f"imbalance {work.max() / work.mean():.3f} | docs {batch.info['n_documents']:3d}", flush=True)
+        t_last = now
+        if args.save_every and (step + 1) % args.save_every == 0:
+            state = {k: m.state_dict() for k, m in models.items()}
+            state.update({f"{k}_opt": o.state_dict() for k, o in opts.items()})
+            state.update(loader=loader.state_dict(), step=step + 1)
+            path = checkpoint_path(args, step + 1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+    ok = None
+    if args.check_parity:
+        weights = [(a - b).norm() / b.norm() for a, b in zip(model.parameters(), models["reference"].parameters(),
+                                                             strict=True)]  # fmt: skip
+        worst_weight = max(w.item() for w in weights)
+        ok = worst_loss <= 1e-6 and worst_weight <= 1e-5
+        if rank0:
+            print(f"parity {'OK' if ok else 'FAILED'}: max relative loss difference {worst_loss:.2e} (tol 1e-6), "
+                  f"max relative weight difference {worst_weight:.2e} (tol 1e-5)", flush=True)
+    return {"losses": losses, "parity_ok": ok}
+
+
+def main(argv=None) -> int:
+    result = train(parse_args(argv))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if result["parity_ok"] is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
