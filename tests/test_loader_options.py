@@ -14,7 +14,7 @@ SHARED = [
     ("algorithm", "bfd"), ("overflow", None), ("padding_token_id", 0), ("dp_rank", 0), ("dp_size", 1), ("seed", 0),
     ("batch_size", 1), ("qkv_format", "bshd"), ("vocab_size", None), ("window", None), ("labels_alignment", None),
     ("shuffle", False), ("num_epochs", None), ("shuffle_buffer", 10000), ("micro_batches", 1), ("schedule", None),
-    ("max_delay", 0), ("cost", None), ("lengths", None), ("tail", "pad"), ("schedule_window", None),
+    ("max_delay", 0), ("cost", None), ("lengths", None), ("tail", "pad"), ("schedule_window", None), ("tile", None),
 ]  # fmt: skip
 
 
