@@ -104,6 +104,14 @@ class TokenizedDataset(ABC):
         for i in range(len(self)):
             _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)
 
+    def verify_content(self) -> None:  # noqa: B027 (a no-op unless the format records checksums)
+        """Check every stored byte against checksums recorded with the data, where the format records them.
+
+        A token store checks every chunk (:meth:`~cpdata.sources.tokenstore.TokenStore.verify_content`);
+        the other formats have nothing recorded to check against (JSONL's and a folder's :meth:`checksum`
+        hash the bytes themselves), so this is a no-op for them. ``precompute`` calls it.
+        """
+
     def checksum(self) -> str:
         """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
         if self._checksum is None:
