@@ -93,11 +93,18 @@ class ChunkChecker:
         size: its size in bytes, from the manifest.
         chunk_bytes: a power of two.
         fix: what the error tells the user to do.
+        describe: ``f(lo, hi) -> str`` naming what the file holds in bytes ``[lo, hi)`` (the documents);
+            the error quotes it. Not pickled.
+        data: the file's bytes as a uint8 array when the reader maps it already (its pages are then faulted
+            in once, for the read and the check alike); else the file is memory-mapped on the first check.
     """
 
-    __slots__ = ("_bytes", "_done", "_shift", "chunk_bytes", "fix", "path", "size", "sums")
+    __slots__ = ("_bytes", "_done", "_shift", "chunk_bytes", "describe", "fix", "path", "size", "sums")
 
-    def __init__(self, path: Path, sums: list[str], size: int, chunk_bytes: int, fix: str) -> None:
+    def __init__(
+        self, path: Path, sums: list[str], size: int, chunk_bytes: int, fix: str,
+        describe: Callable[[int, int], str] | None = None, data: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"{path}: chunk size {chunk_bytes} is not a power of two; {fix}")
         expected = -(-size // chunk_bytes)
@@ -105,9 +112,10 @@ class ChunkChecker:
             raise ValueError(f"{path}: the manifest records {len(sums)} chunk checksums for {size} bytes "
                              f"({expected} chunks of {chunk_bytes}); {fix}")  # fmt: skip
         self.path, self.sums, self.size, self.chunk_bytes, self.fix = path, sums, size, chunk_bytes, fix
+        self.describe = describe
         self._shift = chunk_bytes.bit_length() - 1
         self._done = bytearray(len(sums))
-        self._bytes: np.ndarray | None = None
+        self._bytes = data
 
     def __getstate__(self) -> dict[str, object]:  # a fresh process checks for itself
         return {k: getattr(self, k) for k in ("path", "sums", "size", "chunk_bytes", "fix")}
@@ -117,19 +125,15 @@ class ChunkChecker:
             setattr(self, k, v)
         self._shift = self.chunk_bytes.bit_length() - 1
         self._done = bytearray(len(self.sums))
-        self._bytes = None
+        self._bytes, self.describe = None, None
 
     @property
     def checked(self) -> int:
         """Chunks checked so far in this process."""
         return len(self._done) - self._done.count(0)
 
-    def check(self, lo: int, hi: int, document: int | Callable[[int, int], str]) -> None:
-        """Check every chunk overlapping bytes ``[lo, hi)`` not checked yet.
-
-        ``document``: the index of the document being read, or ``f(lo, hi) -> str`` naming what lies in a
-        bad chunk's byte range (the error quotes it).
-        """
+    def check(self, lo: int, hi: int, document: int | None) -> None:
+        """Check every chunk overlapping bytes ``[lo, hi)`` not checked yet (``document``: the one being read)."""
         if hi <= lo:
             return
         first, last = lo >> self._shift, (hi - 1) >> self._shift
@@ -140,23 +144,20 @@ class ChunkChecker:
             if not done[c]:
                 self._check_chunk(c, document)
 
-    def check_all(self, document: int | Callable[[int, int], str] | None = None) -> None:
+    def check_all(self, document: int | None = None) -> None:
         """Check every chunk of the file (what ``verify=True`` and ``precompute`` do)."""
         for c in range(len(self.sums)):
             if not self._done[c]:
                 self._check_chunk(c, document)
 
-    def _check_chunk(self, c: int, document: int | Callable[[int, int], str] | None) -> None:
+    def _check_chunk(self, c: int, document: int | None) -> None:
         if self._bytes is None:
             self._bytes = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
         lo, hi = c * self.chunk_bytes, min((c + 1) * self.chunk_bytes, self.size)
         if _digest(self._bytes[lo:hi]) != self.sums[c]:
-            if callable(document):
-                who = document(lo, hi)
-            elif document is None:
-                who = "checking the whole file"
-            else:
-                who = f"while reading document {document}"
+            who = "checking the whole file" if document is None else f"while reading document {document}"
+            if self.describe is not None:
+                who += f"; {self.describe(lo, hi)}"
             raise ValueError(
                 f"token store file {self.path} bytes {lo}..{hi} (chunk {c} of {len(self.sums)}) do not match the "
                 f"checksum recorded when the store was written ({who}): the file was edited or damaged on disk "

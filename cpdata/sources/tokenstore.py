@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +153,9 @@ class TokenStore(TokenizedDataset):
         if verify:
             self.verify_content()
 
-    def _checker(self, name: str) -> ChunkChecker:
+    def _checker(self, name: str, describe: Any, data: np.ndarray | None = None) -> ChunkChecker:
         size = next(e["bytes"] for e in self.manifest["files"].values() if e["file"] == name)
-        return ChunkChecker(self.path / name, self._sums[name], size, self._chunk_bytes, _DAMAGED)
+        return ChunkChecker(self.path / name, self._sums[name], size, self._chunk_bytes, _DAMAGED, describe, data)
 
     def _open(self) -> None:
         n = self.manifest["tokens"]
@@ -165,14 +166,20 @@ class TokenStore(TokenizedDataset):
             for key, dtype in self.manifest["extras"].items()
         }
         self._lengths: np.ndarray | None = None
-        # (checker, byte offset of element 0, bytes per element) of every file a read touches
-        self._check_offsets = (self._checker(OFFSETS_FILE), _data_offset(self._offsets), 8)
-        self._check_tokens = (self._checker(TOKENS_FILE), 0, self._tokens.dtype.itemsize)
-        self._check_extras = {
-            key: (self._checker(f"{key}.bin"), np.dtype(dtype).itemsize, self._checker(f"{key}.present.npy"),
-                  _data_offset(self._extras[key][1]))
-            for key, dtype in self.manifest["extras"].items()
-        }  # fmt: skip
+        # the index files (8 B + 1 B per extra per document) are checked whole by the first read; a
+        # document's token and extra bytes chunk by chunk, through the mappings the reads use
+        self._index_checked = False
+        at = _data_offset(self._offsets)
+        self._check_index = [self._checker(OFFSETS_FILE, partial(self._listed, at, 8, "offsets"))]
+        width = self._tokens.dtype.itemsize
+        self._check_tokens = (self._checker(TOKENS_FILE, partial(self._stored, width), self._tokens.view(np.uint8)),
+                              width)  # fmt: skip
+        self._check_extras = {}
+        for key, (values, present) in self._extras.items():
+            width, at = values.dtype.itemsize, _data_offset(present)
+            self._check_index.append(self._checker(f"{key}.present.npy", partial(self._listed, at, 1, "flags")))
+            self._check_extras[key] = (self._checker(f"{key}.bin", partial(self._stored, width), values.view(np.uint8)),
+                                       width)  # fmt: skip
 
     def _map(self, name: str, dtype: str, n: int) -> np.ndarray:
         if n == 0:
@@ -180,10 +187,12 @@ class TokenStore(TokenizedDataset):
         return np.memmap(self.path / name, dtype=np.dtype(dtype), mode="r", shape=(n,))
 
     def _checkers(self) -> list[ChunkChecker]:
-        out = [self._check_offsets[0], self._check_tokens[0]]
-        for data, _, present, _ in self._check_extras.values():
-            out += [data, present]
-        return out
+        return [*self._check_index, self._check_tokens[0], *(c for c, _ in self._check_extras.values())]
+
+    def _checked_index(self, document: int | None) -> None:
+        for checker in self._check_index:
+            checker.check_all(document)
+        self._index_checked = True
 
     def verify_content(self) -> None:
         """Check every chunk of every file against the manifest (~0.1 s per GB of hashing, plus the reads).
@@ -191,23 +200,25 @@ class TokenStore(TokenizedDataset):
         ``precompute`` calls it, so the plan's recorded input digest names bytes that were read; raises
         ``ValueError`` naming the file, the byte range and the documents stored there.
         """
-        offsets_check, at, width = self._check_offsets
-        offsets_check.check_all(lambda lo, hi: f"it holds the offsets of documents {max(0, (lo - at) // width)}.."
-                                f"{max(0, (hi - at) // width - 1)}")  # fmt: skip
-        self._check_tokens[0].check_all(lambda lo, hi: self._documents_in(lo, hi, self._check_tokens[2]))
-        for data, width, present, at in self._check_extras.values():
-            data.check_all(lambda lo, hi, w=width: self._documents_in(lo, hi, w))
-            present.check_all(lambda lo, hi, a=at: f"it holds the flags of documents {max(0, lo - a)}..{hi - a - 1}")
+        for checker in self._checkers():
+            checker.check_all()
 
-    def _documents_in(self, lo: int, hi: int, width: int) -> str:
+    def _stored(self, width: int, lo: int, hi: int) -> str:
+        """The documents whose elements (``width`` bytes each) lie in bytes ``[lo, hi)`` of a ``.bin`` file."""
         first = int(np.searchsorted(self._offsets, lo // width, side="right")) - 1
         last = int(np.searchsorted(self._offsets, -(-hi // width), side="left")) - 1
         return f"documents {max(first, 0)}..{min(max(last, first, 0), len(self) - 1)} are stored there"
 
+    def _listed(self, at: int, width: int, what: str, lo: int, hi: int) -> str:
+        """Which documents' entries of an index file (data at byte ``at``, ``width`` bytes each) lie there."""
+        first, last = max(0, (lo - at) // width), max(0, (hi - at - 1) // width)
+        return f"it holds the {what} of documents {first}..{min(last, len(self))}"
+
     @property
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
-            self._check_offsets[0].check_all(lambda lo, hi: "reading the document lengths")
+            if not self._index_checked:
+                self._checked_index(None)
             self._lengths = np.diff(self._offsets).astype(np.int64, copy=False)
         return self._lengths
 
@@ -215,16 +226,15 @@ class TokenStore(TokenizedDataset):
         return int(self.manifest["documents"])
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        offsets_check, at, _ = self._check_offsets
-        offsets_check.check(at + 8 * i, at + 8 * i + 16, i)
+        if not self._index_checked:
+            self._checked_index(i)
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
-        tokens_check, _, width = self._check_tokens
+        tokens_check, width = self._check_tokens
         tokens_check.check(start * width, stop * width, i)
         out = {"input_ids": self._tokens[start:stop].astype(np.int64)}
         for key, (values, present) in self._extras.items():
-            data, width, flags, at = self._check_extras[key]
-            flags.check(at + i, at + i + 1, i)
             if present[i]:
+                data, width = self._check_extras[key]
                 data.check(start * width, stop * width, i)
                 out[key] = np.array(values[start:stop])
         return out
@@ -259,7 +269,8 @@ class TokenStore(TokenizedDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_check_offsets", "_check_tokens", "_check_extras"):
+        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_index_checked", "_check_index", "_check_tokens",
+                    "_check_extras"):
             state.pop(key)
         return state
 
