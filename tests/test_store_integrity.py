@@ -129,7 +129,7 @@ def test_extras_offsets_and_flags_are_checked_too(clean, tmp_path):
     with pytest.raises(ValueError, match=r"offsets.npy bytes 0\.\.\d+ .*document 9; it holds the offsets of documents 0\.\.600\)"):
         store[9]
     with pytest.raises(ValueError, match=r"offsets.npy .*checking the whole file"):
-        TokenStore(store_dir).lengths
+        _ = TokenStore(store_dir).lengths
 
 
 def _as_format_1(store_dir) -> None:
