@@ -152,11 +152,13 @@ def test_tokenize_cli_and_precompute_with_a_tokenizer(tmp_path, capsys):
             "--max-length", "12", "--out", str(tmp_path / "tokens"), "--quiet"]  # fmt: skip
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "9 documents" in out and "3 chat rows, EOS appended 6" in out
+    # every text row is longer than 12 tokens with its EOS: --max-length cuts the EOS of each, none is counted
+    assert "9 documents" in out and "3 chat rows, EOS appended 0, truncated 9" in out
     store = TokenStore(tmp_path / "tokens")
     assert store.manifest["dtype"] == "<u2" and store.labels_alignment == "inputs"
     for i, text in enumerate(CORPUS):
         assert store[i]["input_ids"].tolist() == (tok(text)["input_ids"] + [tok.eos_token_id])[:12]
+        assert len(tok(text)["input_ids"]) >= 12 and store[i]["input_ids"][-1] != tok.eos_token_id
         assert store[i]["assistant_masks"].tolist() == [1] * min(12, len(tok(text)["input_ids"]) + 1)
     ref = tok.apply_chat_template(conversations()[1], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert store[7]["assistant_masks"].tolist() == ref["assistant_masks"][:12]
