@@ -77,10 +77,19 @@ class TokenizedDataset(ABC):
         return int(self.lengths.shape[0])
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``."""
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``.
+
+        A slice (``dataset[:1000]``) gives a :class:`~cpdata.sources.subset.DatasetSlice`: those documents as a
+        dataset of their own, a view (nothing is read or copied).
+        """
+        if isinstance(i, slice):
+            from cpdata.sources.subset import DatasetSlice
+
+            return DatasetSlice(self, i)  # type: ignore[return-value]
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"documents are addressed by int index, got {type(i).__name__} {i!r}")
+            raise TypeError(f"documents are addressed by an int index or a slice (dataset[:1000], a view), got "
+                            f"{type(i).__name__} {i!r}")  # fmt: skip
         if not -n <= i < n:
             raise IndexError(f"document index {i} out of range for {n} documents in {self.path}")
         return self._read(int(i) % n)

@@ -262,9 +262,13 @@ class TokenStore(TokenizedDataset):
                 f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
             )
         for entry in self.manifest["files"].values():
-            size = os.stat(self.path / entry["file"]).st_size
+            file = self.path / entry["file"]
+            if not file.is_file():
+                raise ValueError(f"token store file {file} was removed since the store was opened; restore it, "
+                                 "or reopen the store and start a new run")  # fmt: skip
+            size = file.stat().st_size
             if size != entry["bytes"]:
-                raise ValueError(f"token store file {self.path / entry['file']} has {size} bytes, the manifest "
+                raise ValueError(f"token store file {file} has {size} bytes, the manifest "
                                  f"records {entry['bytes']}; {_REWRITE}")  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
