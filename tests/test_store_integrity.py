@@ -23,7 +23,7 @@ from cpdata.sources.manifest import manifest_digest as _manifest_digest
 from cpdata.sources.tokenstore import TokenStore, write_token_store
 
 N_DOCS, DOC_TOKENS = 600, 4000  # 2.4M tokens x 2 bytes: chunks 0..4 of tokens.bin
-PLAN = {"capacity": 8192, "cp_size": 1, "layout": "identity"}
+PLAN = {"capacity": 8192, "cp_size": 1, "layout": "identity", "labels_alignment": "inputs"}
 
 
 def _docs(n: int = N_DOCS) -> list[dict[str, np.ndarray]]:
@@ -95,8 +95,22 @@ def test_build_loader_epoch_and_precompute_refuse_the_changed_store(clean, tmp_p
         precompute(store_dir, tmp_path / "plan", **PLAN)
     assert not (tmp_path / "plan").exists()
     argv = ["precompute", str(store_dir), "--capacity", "8192", "--cp-size", "1", "--layout", "identity", "--out",
-            str(tmp_path / "plan"), "--quiet"]  # fmt: skip
+            str(tmp_path / "plan"), "--quiet", "--labels-alignment", "inputs"]  # fmt: skip
     assert cli_main(argv) == 1 and not (tmp_path / "plan").exists()
+
+
+def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path):
+    from cpdata import CPDataLoader, CPDataset
+
+    store_dir = _copy(clean[0], tmp_path / "s")
+    store = open_dataset(store_dir)
+    for i in (0, N_DOCS - 1):
+        store[i]  # the main process checked its chunks 0 and 4 before the edit: the worker checks for itself
+    _flip_token(store_dir / "tokens.bin", 10)
+    loader = CPDataLoader(CPDataset(store, cp_rank=0, **PLAN), num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(ValueError, match=r"tokens.bin bytes 0\.\.1048576 \(chunk 0 of 5\) do not match"):
+        for _ in loader:
+            pass
 
 
 def test_the_plan_records_the_digest_of_the_bytes_it_read(clean, tmp_path):
@@ -177,3 +191,10 @@ def test_the_token_dtype_boundary_keeps_the_top_id(tmp_path, vocab, dtype, top):
     assert opened[0]["input_ids"].tolist() == [0, top, 1] and opened[1]["input_ids"].tolist() == [top]
     with pytest.raises(ValueError, match=rf"token id {vocab} at position 0, >= vocab_size={vocab}"):
         write_token_store([{"input_ids": [vocab]}], tmp_path / "over", vocab_size=vocab)
+
+
+def test_a_store_with_masks_needs_an_alignment_to_be_planned_as_jsonl_does(clean, tmp_path):
+    store = TokenStore(clean[0])
+    assert store.per_token_keys == {"loss_mask"} and store.labels_alignment is None
+    with pytest.raises(ValueError, match=r"carries \['loss_mask'\] but labels_alignment is not set"):
+        precompute(store, tmp_path / "plan", capacity=8192, cp_size=1, layout="identity")

@@ -17,7 +17,8 @@ Cost: xxh3 hashes ~9 GB/s on one core, so checking every byte once costs
 --sections integrity``). Each process checks for itself: with ``W`` dataloader
 workers reading interleaved documents every worker touches nearly every chunk,
 so the first epoch pays up to ``W x`` that share per worker (persistent workers
-pay it once per run). A chunk is checked once per process: bytes changed on disk
+pay it once per run). A chunk is checked once per process (a forked worker
+forgets what its parent checked and checks again): bytes changed on disk
 after that are not seen again (``check_unchanged`` still catches resized or
 rewritten files at each epoch).
 """
@@ -25,6 +26,7 @@ rewritten files at each epoch).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +86,18 @@ def file_chunk_sums(path: str | os.PathLike[str], chunk_bytes: int = CHUNK_BYTES
     return sums
 
 
+_LIVE: weakref.WeakSet[ChunkChecker] = weakref.WeakSet()
+"""Every checker of this process: a forked child (a dataloader worker) forgets what its parent checked."""
+
+
+def _forget_in_child() -> None:
+    for checker in list(_LIVE):
+        checker._done = bytearray(len(checker.sums))
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class ChunkChecker:
     """Checks one store file's chunks against recorded checksums, each chunk once per process.
 
@@ -99,7 +113,7 @@ class ChunkChecker:
             in once, for the read and the check alike); else the file is memory-mapped on the first check.
     """
 
-    __slots__ = ("_bytes", "_done", "_shift", "chunk_bytes", "describe", "fix", "path", "size", "sums")
+    __slots__ = ("__weakref__", "_bytes", "_done", "_shift", "chunk_bytes", "describe", "fix", "path", "size", "sums")
 
     def __init__(
         self, path: Path, sums: list[str], size: int, chunk_bytes: int, fix: str,
@@ -116,6 +130,7 @@ class ChunkChecker:
         self._shift = chunk_bytes.bit_length() - 1
         self._done = bytearray(len(sums))
         self._bytes = data
+        _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, object]:  # a fresh process checks for itself
         return {k: getattr(self, k) for k in ("path", "sums", "size", "chunk_bytes", "fix")}
@@ -126,6 +141,7 @@ class ChunkChecker:
         self._shift = self.chunk_bytes.bit_length() - 1
         self._done = bytearray(len(self.sums))
         self._bytes, self.describe = None, None
+        _LIVE.add(self)
 
     @property
     def checked(self) -> int:

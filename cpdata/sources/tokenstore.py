@@ -146,6 +146,7 @@ class TokenStore(TokenizedDataset):
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
         self.manifest = manifest
+        self.per_token_keys = frozenset(manifest["extras"])
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._checksum = manifest[_DIGEST_KEY]
