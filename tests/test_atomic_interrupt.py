@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import cpdata.offline.atomic as atomic
-from cpdata.offline import atomic_directory
+import cpdata.sources.atomic as atomic
+from cpdata.sources import atomic_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("written", "new", "old", "swapped")

@@ -21,10 +21,10 @@ from dist_utils import run_ranks
 
 from cpdata import build_loader, open_dataset, precompute
 from cpdata.cli import main as cli_main
-from cpdata.loader import close_loader
+from cpdata.nodes.loader import close_loader
 from cpdata.offline import PrecomputedPacks
-from cpdata.offline.subset import DatasetSlice
-from cpdata.offline.tokenstore import TokenStore, write_token_store
+from cpdata.sources.base import DatasetSlice
+from cpdata.sources.tokenstore import TokenStore, write_token_store
 
 PLAN = ["--capacity", "64", "--cp-size", "1", "--layout", "identity"]
 
@@ -39,8 +39,8 @@ def _ids_jsonl(path, n: int = 20):
 def _mesh_without_cp(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdata.loader import build_node
-    from cpdata.sharder import ContextParallelSharder
+    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nodes.loader import build_node
 
     docs = [{"input_ids": np.arange(1, 20)}, {"input_ids": np.arange(1, 9)}]
     batch = next(build_node(docs, capacity=32, cp_size=world, cp_rank=rank, layout="thd", prefetch=0))

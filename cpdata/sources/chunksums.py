@@ -25,14 +25,16 @@ rewritten files at each epoch).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_chunk_sums"]
+__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_chunk_sums", "legacy_chunks"]
 
 CHUNK_BYTES = 1 << 20
 """Bytes per checksummed chunk (a power of two; the last chunk of a file may be shorter)."""
@@ -180,3 +182,20 @@ class ChunkChecker:
                 f"after it was written; {self.fix}"
             )
         self._done[c] = 1
+
+
+def legacy_chunks(path: Path, files: dict[str, Any], fix: str) -> dict[str, list[str]]:
+    """A format 1 store: every file hashed whole against its recorded sha256, chunk checksums derived on the way."""
+    import xxhash
+
+    sums: dict[str, list[str]] = {}
+    for entry in files.values():
+        file, sha, chunks = path / entry["file"], hashlib.sha256(), []
+        with open(file, "rb", buffering=0) as f:
+            while block := f.read(CHUNK_BYTES):
+                sha.update(block)
+                chunks.append(format(xxhash.xxh3_64_intdigest(block), "016x"))
+        if sha.hexdigest() != entry["sha256"]:
+            raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {fix}")
+        sums[entry["file"]] = chunks
+    return sums

@@ -29,25 +29,27 @@ opening process hashes every file whole once against its recorded sha256
 with a warning to rewrite the store (``cpdata pack-store OLD --out NEW``) for
 an O(1) open.
 
-Writing (:mod:`cpdata.sources.tokenstore_writer`, re-exported here) is
-atomic: files go to a hidden sibling that replaces the target only once the
-manifest is written.
+Writing (:func:`write_token_store`, over the appending
+:class:`~cpdata.sources.tokenstore_writer.TokenStoreWriter`) is atomic: files
+go to a hidden sibling that replaces the target only once the manifest is
+written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker
+from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
 from cpdata.sources.manifest import manifest_digest as _manifest_digest
 from cpdata.sources.tokenstore_writer import (
     _DAMAGED,
@@ -59,8 +61,6 @@ from cpdata.sources.tokenstore_writer import (
     OFFSETS_FILE,
     TOKENS_FILE,
     TokenStoreWriter,
-    rewrite_token_store,
-    write_token_store,
 )
 
 __all__ = [
@@ -79,21 +79,41 @@ def is_token_store(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / TOKENS_FILE).is_file()
 
 
-def _legacy_chunks(path: Path, files: dict[str, Any]) -> dict[str, list[str]]:
-    """A format 1 store: every file hashed whole against its recorded sha256, chunk checksums derived on the way."""
-    import xxhash
+def write_token_store(
+    documents: Iterable[Mapping[str, Any]],
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int | None = None,
+    overwrite: bool = False,
+    source: Mapping[str, Any] | None = None,
+    labels_alignment: str | None = None,
+) -> TokenStore:
+    """Write ``documents`` (any iterable of ``{"input_ids": ..., KEY: ...}``) as a store at ``out_dir``, atomically.
 
-    sums: dict[str, list[str]] = {}
-    for entry in files.values():
-        file, sha, chunks = path / entry["file"], hashlib.sha256(), []
-        with open(file, "rb", buffering=0) as f:
-            while block := f.read(CHUNK_BYTES):
-                sha.update(block)
-                chunks.append(format(xxhash.xxh3_64_intdigest(block), "016x"))
-        if sha.hexdigest() != entry["sha256"]:
-            raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {_DAMAGED}")
-        sums[entry["file"]] = chunks
-    return sums
+    ``source`` (JSON-able) and ``labels_alignment`` are recorded in the manifest.
+    Returns the store, opened.
+    """
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
+        for document in documents:
+            writer.add(document)
+        writer.finish(source or {}, labels_alignment=labels_alignment)
+    return TokenStore(out_dir)
+
+
+def rewrite_token_store(
+    src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> TokenStore:
+    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``).
+
+    Every file of ``src`` is checked first (whole-file sha256 for a format 1
+    store, every chunk for a newer one), so the rewrite never blesses damaged
+    bytes. Documents, extras, vocabulary, source and labels alignment carry over.
+    """
+    old = TokenStore(src, verify=True)
+    m = old.manifest
+    return write_token_store((old[i] for i in range(len(old))), out_dir, vocab_size=m["vocab_size"],
+                             overwrite=overwrite, source=m["source"], labels_alignment=m.get("labels_alignment"))  # fmt: skip
 
 
 class TokenStore(TokenizedDataset):
@@ -133,8 +153,7 @@ class TokenStore(TokenizedDataset):
                 raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
                                  f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
         if version == 1:
-            self._chunk_bytes = CHUNK_BYTES
-            self._sums = _legacy_chunks(self.path, manifest["files"])
+            self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
             warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
                           f"checksums): its {sum(e['bytes'] for e in manifest['files'].values())} bytes were hashed "
                           f"whole to open it; rewrite it once for an O(1) open: `cpdata pack-store {self.path} "

@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,10 +26,7 @@ from cpdata.sources.manifest import canonical as _canonical
 from cpdata.sources.manifest import manifest_digest as _manifest_digest
 from cpdata.sources.manifest import sha256_file as _sha256_file
 
-if TYPE_CHECKING:
-    from cpdata.sources.tokenstore import TokenStore
-
-__all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter", "rewrite_token_store", "write_token_store"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter"]
 
 FORMAT = "cpdata.tokens"
 FORMAT_VERSION = 2
@@ -179,45 +176,3 @@ class TokenStoreWriter:
             f.flush()
             os.fsync(f.fileno())
         return manifest
-
-
-def write_token_store(
-    documents: Iterable[Mapping[str, Any]],
-    out_dir: str | os.PathLike[str],
-    *,
-    vocab_size: int | None = None,
-    overwrite: bool = False,
-    source: Mapping[str, Any] | None = None,
-    labels_alignment: str | None = None,
-) -> TokenStore:
-    """Write ``documents`` (any iterable of ``{"input_ids": ..., KEY: ...}``) as a store at ``out_dir``, atomically.
-
-    ``source`` (JSON-able) and ``labels_alignment`` are recorded in the manifest.
-    Returns the store, opened.
-    """
-    from cpdata.sources.atomic import atomic_directory
-    from cpdata.sources.tokenstore import TokenStore
-
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
-        for document in documents:
-            writer.add(document)
-        writer.finish(source or {}, labels_alignment=labels_alignment)
-    return TokenStore(out_dir)
-
-
-def rewrite_token_store(
-    src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
-) -> TokenStore:
-    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``).
-
-    Every file of ``src`` is checked first (whole-file sha256 for a format 1
-    store, every chunk for a newer one), so the rewrite never blesses damaged
-    bytes. Documents, extras, vocabulary, source and labels alignment carry over.
-    """
-    from cpdata.sources.tokenstore import TokenStore
-
-    old = TokenStore(src, verify=True)
-    m = old.manifest
-    return write_token_store((old[i] for i in range(len(old))), out_dir, vocab_size=m["vocab_size"],
-                             overwrite=overwrite, source=m["source"], labels_alignment=m.get("labels_alignment"))  # fmt: skip
