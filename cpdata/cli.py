@@ -11,6 +11,7 @@ command's flags (``overwrite=True`` -> ``--force``, ``overflow=`` ->
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import re
 import sys
@@ -90,10 +91,31 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: Sequence[str]) -> None:
+    """A misspelt ``--flag`` is named with its close match before argparse would report a missing required
+    one instead (``--capcity 64`` read "--capacity is required"); as the API does for keyword arguments."""
+    if selected is None:
+        return
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = commands.choices[selected]
+    known = sorted(s for s in sub._option_string_actions if s.startswith("--"))
+    for arg in argv:
+        if arg == "--":
+            return
+        name = arg.partition("=")[0]
+        if not name.startswith("--") or any(k.startswith(name) for k in known):  # argparse takes prefixes
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"`cpdata {selected} --help` lists the options"
+        sub.error(f"unrecognized argument {name}; {hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if a in _SUBCOMMANDS), None)
-    args = _parser(selected).parse_args(argv)
+    parser = _parser(selected)
+    _check_options(parser, selected, argv)
+    args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         _parser(None).print_help()
         return 2

@@ -71,13 +71,21 @@ def _eval_mask_mod(block_mask, rows: int, local: int, keys: int) -> torch.Tensor
     return block_mask.mask_mod(b, torch.zeros(()), q, k)[:, None]
 
 
-@pytest.mark.parametrize("layout,cp,qkv_format,batch_size", [("balanced", 2, "bshd", 1), ("thd", 2, "thd", 2)])
+FLEX_CASES = [("balanced", 2, "bshd", 1), ("thd", 2, "thd", 2), ("contiguous", 2, "bshd", 2),
+              ("contiguous", 3, "bshd", 3)]  # the last two: [B, L] document ids, B > 1
+
+
+@pytest.mark.parametrize("layout,cp,qkv_format,batch_size", FLEX_CASES)
 def test_flex_block_mask_matches_the_dense_mask(layout, cp, qkv_format, batch_size):
     shards = _shards(layout, cp, qkv_format, batch_size)[0]
     s = shards[1]
     dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
+    assert torch.equal(dense, _brute(shards, 1))
     bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], block_size=16)
     rows, _, local, keys = dense.shape
+    assert rows == (batch_size if qkv_format == "bshd" else 1)
+    if rows > 1:  # rows hold other documents: a mask that reused row 0's bounds would differ
+        assert not torch.equal(dense[0], dense[1])
     assert bm.shape == (rows, 1, local, keys)
     assert torch.equal(_eval_mask_mod(bm, rows, local, keys), dense)
     # a block the mask rules out entirely is skipped, one it touches is kept: compare at block level
@@ -99,6 +107,24 @@ def test_flex_attention_runs_on_cpu_forward():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, local, 8, generator=g)
     k, v = torch.randn(2, 1, 2, keys, 8, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+        out = flex_attention(q, k, v, block_mask=bm)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
+
+
+def test_flex_attention_over_rows_of_a_batch_equals_sdpa_with_the_dense_mask():
+    """``[B, L]`` document ids at B = 3: each row attends within its own documents."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    s = _shards("contiguous", 2, "bshd", 3)[0][1]
+    assert s["document_ids"].shape[0] == 3
+    bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
+    dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
+    local, keys = dense.shape[-2:]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, local, 8, generator=g)
+    k, v = torch.randn(2, 3, 2, keys, 8, generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
         out = flex_attention(q, k, v, block_mask=bm)

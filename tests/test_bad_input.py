@@ -269,9 +269,20 @@ def test_overlong_documents_follow_the_policy_and_are_counted(overflow, algorith
 
 
 def test_overlong_document_with_overflow_error_names_document_capacity_and_fix():
-    message = error_of(lambda: first_batch(_long_docs(), overflow="error"), ValueError)
+    # a list states its lengths (one len() per item): every overlong document is named when the pipeline is built
+    message = error_of(lambda: build_node(_long_docs(), capacity=32, cp_size=2, cp_rank=0, layout="thd", dp_rank=1,
+                                          dp_size=2, overflow="error"), ValueError)  # fmt: skip
     for part in ("document 1 has 45 tokens", "48 after aligning to a multiple of 4", "capacity=32",
-                 "raise the capacity or pass overflow=", "'split'", "'truncate'", "'drop'"):
+                 "2 of 8 documents", "raise the capacity (to", "or pass overflow=", "'split'", "'truncate'", "'drop'"):
+        assert part in message, (part, message)
+
+    class Stream:  # a re-iterable of unknown lengths: checked as read, and the error says how to find them all
+        def __iter__(self):
+            return iter(_long_docs())
+
+    message = error_of(lambda: first_batch(Stream(), overflow="error"), ValueError)
+    for part in ("document 1 has 45 tokens", "capacity=32", "raise the capacity or pass overflow=",
+                 "checked when it is read", "cpdata.plan_lengths(lengths", "cpdata.open_dataset(path)"):
         assert part in message, (part, message)
 
 

@@ -143,9 +143,11 @@ def expected_tokens(case: dict, docs: list[dict]) -> tuple[dict[int, int], dict[
     return keep, counts
 
 
-def first_overlong(case: dict, docs: list[dict]) -> int | None:
+def first_overlong(case: dict, docs: list[dict], *, every_rank: bool = False) -> int | None:
+    """The first document longer than the capacity: of this DP rank's shard, or of the whole source."""
     doc_multiple = alignment(case["layout"], case["cp"])[0]
-    for i in range(case["dp_rank"], len(docs), case["dp_size"]):
+    first, step = (0, 1) if every_rank else (case["dp_rank"], case["dp_size"])
+    for i in range(first, len(docs), step):
         n = len(docs[i]["input_ids"])
         if math.ceil(n / doc_multiple) * doc_multiple > case["capacity"]:
             return i
@@ -222,7 +224,15 @@ def check_stream(case: dict, docs: list[dict], full: dict[str, np.ndarray], keep
 def check_case(case: dict) -> None:
     docs = make_docs(case)
     keep, counts = expected_tokens(case, docs)
-    node, packs, pack_node = run_pipeline(case, docs)
+    anywhere = first_overlong(case, docs, every_rank=True)
+    try:
+        node, packs, pack_node = run_pipeline(case, docs)
+    except ValueError as err:  # a list states its lengths: overflow='error' refuses every rank when it is built
+        assert case["overflow"] == "error" and anywhere is not None, f"unexpected error: {err}"
+        n = len(docs[anywhere]["input_ids"])
+        assert f"document {anywhere} has {n} tokens" in str(err) and f"capacity={case['capacity']}" in str(err)
+        return
+    assert case["overflow"] != "error" or anywhere is None, "an overlong document was not refused at build"
     overlong = first_overlong(case, docs)
     refused = case["overflow"] == "error" and overlong is not None
     seen: Counter = Counter()
@@ -312,8 +322,8 @@ def test_the_examples_reach_the_interesting_cases():
     seen = Counter()
     for ex in EXAMPLES:
         docs = make_docs(ex)
-        node, packs, pack_node = run_pipeline(ex, docs)
         try:
+            node, packs, pack_node = run_pipeline(ex, docs)  # a list's overlong documents: refused when built
             batches = list(node)
         except ValueError:
             seen["refused"] += 1

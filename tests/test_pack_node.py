@@ -239,8 +239,16 @@ def test_rejects_non_document_items():
 
 def test_overflow_error_surfaces_from_the_node():
     docs = [{"input_ids": np.arange(5)}, {"input_ids": np.arange(100)}]
-    node = Pack(Documents(docs, labels_alignment="targets"), capacity=64, layout="identity", cp_size=1)
-    with pytest.raises(ValueError, match=r"document 1 has 100 tokens.*capacity=64"):
+    with pytest.raises(ValueError, match=r"document 1 has 100 tokens.*capacity=64.*1 of 2 documents"):
+        Pack(Documents(docs, labels_alignment="targets"), capacity=64, layout="identity", cp_size=1)  # a list: built
+
+    class Stream:  # lengths unknown until read
+        def __iter__(self):
+            return iter(docs)
+
+    node = Pack(Documents(Stream(), labels_alignment="targets"), capacity=64, layout="identity", cp_size=1)
+    with pytest.raises(ValueError, match=r"document 1 has 100 tokens.*capacity=64.*checked when it is read.*"
+                                         r"to name every overlong document at once"):  # fmt: skip
         next(node)
 
 

@@ -196,15 +196,16 @@ def test_d2_outliers_go_in_runs_of_their_size(seed):
 
 
 def test_tail_policies_count_what_they_do():
-    lengths = np.full(70, 100, dtype=np.int64)  # 7000 tokens: 3 full steps of 2 x 1 x 1024 and a short one
-    pad = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=2, micro_batches=1,
+    lengths = np.full(9, 1000, dtype=np.int64)  # one document per 1024-token pack: 9 packs over 4 DP ranks
+    pad = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=4, micro_batches=1,
                         cost=CostModel())  # fmt: skip
-    assert pad.stats.tokens == 7000 and pad.stats.tail == "pad"
-    drop = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=2, micro_batches=1,
+    assert pad.stats.tokens == 9000 and pad.stats.tail == "pad"
+    assert pad.num_steps == 3 and pad.stats.empty_packs == 3  # the last step: one pack and three empty ones
+    drop = plan_schedule(lengths, capacity=1024, layout="identity", cp_size=1, dp_size=4, micro_batches=1,
                          cost=CostModel(), tail="drop")  # fmt: skip
-    if pad.stats.empty_packs:
-        assert drop.num_steps == pad.num_steps - 1 and drop.stats.tail_dropped_steps == 1
-    assert drop.stats.tokens + drop.stats.tail_dropped_tokens == 7000
+    assert drop.num_steps == pad.num_steps - 1 and drop.stats.tail_dropped_steps == 1
+    assert drop.stats.tail_dropped_pieces == 1 and drop.stats.tail_dropped_tokens == 1000
+    assert drop.stats.tokens + drop.stats.tail_dropped_tokens == 9000
     assert drop.stats.empty_packs == 0
 
 

@@ -37,7 +37,9 @@ def test_text_rows_with_a_callable_append_eos_and_max_length():
     assert [d["input_ids"].tolist() for d in docs] == [[97, 98, 99, 256], list(b"hello "), [256]]
     assert all(d["input_ids"].dtype == np.int64 and list(d) == ["input_ids"] for d in docs)
     stats = node.stats.as_dict()
-    assert stats == {"documents": 3, "chat": 0, "tokens": 11, "eos_appended": 3, "truncated": 1, "truncated_tokens": 6}
+    # "hello world" + EOS is 12 tokens: max_length keeps 6, the EOS is cut, so it is not counted as appended
+    assert stats == {"documents": 3, "chat": 0, "tokens": 11, "eos_appended": 2, "truncated": 1, "truncated_tokens": 6}
+    assert stats["eos_appended"] == sum(d["input_ids"][-1] == 256 for d in docs)
 
 
 @pytest.mark.parametrize("form", ["object", "folder", "tokenizer.json", "tokenizers.Tokenizer"])

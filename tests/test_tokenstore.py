@@ -55,20 +55,29 @@ def test_round_trip_is_exact_with_sparse_extras_and_opens_from_the_index(tmp_pat
 
 
 def test_open_does_not_read_the_tokens(tmp_path, monkeypatch):
-    import cpdata.sources.tokenstore as ts
+    import cpdata.sources.chunksums as chunksums
 
     write_token_store(_docs(), tmp_path / "s")
+    hashed = []
+    digest = chunksums._digest
 
-    def no_hashing(path):
-        raise AssertionError(f"opening hashed {path}")
+    def counting(data):
+        hashed.append(len(data))
+        return digest(data)
 
-    monkeypatch.setattr(ts, "_sha256_file", no_hashing)
+    monkeypatch.setattr(chunksums, "_digest", counting)
     store = TokenStore(tmp_path / "s")
     assert isinstance(store._tokens, np.memmap) and isinstance(store._offsets, np.memmap)
     assert store.checksum() == store.manifest["manifest_sha256"]
     store.check_token_ids(300)  # from the manifest's max id
-    with pytest.raises(AssertionError, match="opening hashed"):
-        TokenStore(tmp_path / "s", verify=True)
+    assert hashed == []  # the open read no file content
+    store[0]  # the first read checks the chunks it touches: offsets, tokens, the extra's flags and data
+    assert len(hashed) == 4 and sum(hashed) == sum(e["bytes"] for e in store.manifest["files"].values())
+    store[1]
+    assert len(hashed) == 4  # each chunk once per process
+    hashed.clear()
+    TokenStore(tmp_path / "s", verify=True)
+    assert sum(hashed) == sum(e["bytes"] for e in store.manifest["files"].values())
 
 
 def test_bad_input_and_damage_are_refused(tmp_path):
@@ -87,7 +96,7 @@ def test_bad_input_and_damage_are_refused(tmp_path):
     data[3] ^= 0xFF
     tokens.write_bytes(bytes(data))
     TokenStore(tmp_path / "s")  # sizes match: the O(1) open does not see a flipped byte ...
-    with pytest.raises(ValueError, match="is corrupted"):
+    with pytest.raises(ValueError, match=r"tokens.bin bytes 0\.\.\d+ \(chunk 0 of 1\) do not match"):
         TokenStore(tmp_path / "s", verify=True)  # ... verification does
     tokens.write_bytes(bytes(data[:-2]))
     with pytest.raises(ValueError, match="has .* bytes, the manifest records"):
@@ -143,11 +152,13 @@ def test_tokenize_cli_and_precompute_with_a_tokenizer(tmp_path, capsys):
             "--max-length", "12", "--out", str(tmp_path / "tokens"), "--quiet"]  # fmt: skip
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "9 documents" in out and "3 chat rows, EOS appended 6" in out
+    # every text row is longer than 12 tokens with its EOS: --max-length cuts the EOS of each, none is counted
+    assert "9 documents" in out and "3 chat rows, EOS appended 0, truncated 9" in out
     store = TokenStore(tmp_path / "tokens")
     assert store.manifest["dtype"] == "<u2" and store.labels_alignment == "inputs"
     for i, text in enumerate(CORPUS):
         assert store[i]["input_ids"].tolist() == (tok(text)["input_ids"] + [tok.eos_token_id])[:12]
+        assert len(tok(text)["input_ids"]) >= 12 and store[i]["input_ids"][-1] != tok.eos_token_id
         assert store[i]["assistant_masks"].tolist() == [1] * min(12, len(tok(text)["input_ids"]) + 1)
     ref = tok.apply_chat_template(conversations()[1], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert store[7]["assistant_masks"].tolist() == ref["assistant_masks"][:12]

@@ -120,6 +120,16 @@ def _schedule(rows: list[dict]) -> str:
             f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + _md(head, body))
 
 
+def _integrity(rows: list[dict]) -> str:
+    body = [(r["store"], f"{r['tokens'] / 1e6:.0f}M", r["chunks"], f"{r['plain_s']:.3f}", f"{r['first_s']:.3f}",
+             f"{r['checked_s']:.3f}", f"{r['overhead_pct']:+.1f}", f"{r['steady_pct']:+.1f}",
+             f"{r['verify_gb_s']:.1f}") for r in rows]  # fmt: skip
+    head = ("store", "tokens", "chunks", "unchecked s", "first read s", "checked s", "overhead %", "steady %",
+            "verify GB/s")
+    return ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on first read)\n\n"
+            + _md(head, body))
+
+
 def _runs_flag(results: Mapping[str, Any]) -> str:
     runs = int(results.get("runs", 1))
     return f" --runs {runs}" if runs > 1 else ""
@@ -173,4 +183,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_schedule(results["schedule"]))
     if results.get("attention"):
         parts.append(_attention(results["attention"]))
+    if results.get("integrity"):
+        parts.append(_integrity(results["integrity"]))
     return "\n\n".join(parts) + "\n"

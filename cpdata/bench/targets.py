@@ -19,6 +19,7 @@
 | tiled tiles | ``attention`` | ``tiled``: ``tiles_max_over_ideal <= 1.02`` at tile 128, ``<= 1.03`` at 256 (every row; where ``tiles_integer_bound`` is above that, within 1 % of it) |
 | tiled K/V | ``attention`` | ``tiled``, capacity >= 32K: ``kv_recv_fraction <= 0.30`` (alpaca, sft, ultrachat), ``<= 0.5`` (long_context) |
 | tiled solve | ``attention`` | ``tiled``: ``solve_us_per_pack <= 150`` at 32K cp 4, ``<= 800`` at 128K cp 8 (tile 128) |
+| store checks | ``integrity`` | ``overhead_pct <= 5`` (every row: chunk checks on first read vs an unchecked reading pass) |
 
 Targets of sections that did not run are left out.
 """
@@ -201,6 +202,10 @@ def _tiled_solve(rows: list[dict]) -> tuple[str, bool]:
     if not parts:
         return "no tiled row at 32K cp 4 or 128K cp 8", False
     return "; ".join(parts), ok
+def _integrity(rows: list[dict]) -> tuple[str, bool]:
+    worst = max(rows, key=lambda r: r["overhead_pct"])
+    text = ", ".join(f"{r['store']} {r['overhead_pct']:+.1f} %" for r in rows)
+    return f"{text} (first read of every chunk; hashing {worst['verify_gb_s']:.1f} GB/s)", worst["overhead_pct"] <= 5
 
 
 TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
@@ -225,6 +230,7 @@ TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
     ("attention", "tiled K/V", ">= 32K: receive <= 0.30 of an all-gather (alpaca, sft, ultrachat), 0.5 long_context",
      _tiled_kv),
     ("attention", "tiled solve", "<= 150 us per pack at 32K cp 4, 800 us at 128K cp 8 (tile 128)", _tiled_solve),
+    ("integrity", "store checks", "chunk checks <= 5 % of a reading pass", _integrity),
 )
 
 

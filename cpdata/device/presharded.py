@@ -68,10 +68,27 @@ def _to(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def shard_presharded(cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None):
-    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks."""
+def _no_cp_mesh(layout: ShardLayout, mesh_dims: Any) -> ValueError:
+    dims = f" (its dims: {tuple(mesh_dims)})" if mesh_dims else ""
+    return ValueError(
+        f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP mesh: the device "
+        f"mesh has no dimension named 'cp'{dims}, or none was given, so the sharder runs at cp_size=1; name the "
+        "context-parallel dimension 'cp' (init_device_mesh(..., mesh_dim_names=(..., 'cp'))) or pass the CP "
+        f"submesh (the pipeline's cp_size={layout.cp_size} is right if that dimension has {layout.cp_size} ranks)"
+    )
+
+
+def shard_presharded(
+    cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None, *, mesh_dims: Any = None
+):
+    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks.
+
+    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only).
+    """
     layout: ShardLayout = batch.layout
     rank, size = mesh_rank_size(cp_mesh)
+    if layout.cp_size != size and cp_mesh is None:
+        raise _no_cp_mesh(layout, mesh_dims)
     if layout.cp_size != size:
         raise ValueError(
             f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has cp_size={size}; "
@@ -98,17 +115,17 @@ class PreshardedMove:
     rank or size takes :func:`shard_presharded`, which raises the precise error.
     """
 
-    __slots__ = ("_cp_mesh", "_device", "_group", "_rank", "_size")
+    __slots__ = ("_cp_mesh", "_device", "_group", "_mesh_dims", "_rank", "_size")
 
-    def __init__(self, cp_mesh: Any, device: torch.device | None) -> None:
-        self._cp_mesh, self._device = cp_mesh, device
+    def __init__(self, cp_mesh: Any, device: torch.device | None, mesh_dims: Any = None) -> None:
+        self._cp_mesh, self._device, self._mesh_dims = cp_mesh, device, mesh_dims
         self._rank, self._size = mesh_rank_size(cp_mesh)
         self._group: Any = self  # self = not read yet (the mesh's group is read on the first batch at cp > 1)
 
     def __call__(self, batch: ShardedBatch) -> tuple[Callable[..., Any], dict[str, torch.Tensor], ShardLayout]:
         layout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
-            return shard_presharded(self._cp_mesh, batch, self._device)
+            return shard_presharded(self._cp_mesh, batch, self._device, mesh_dims=self._mesh_dims)
         out = (batch if self._device is None else batch.to(self._device, non_blocking=True)).tensors()
         if self._size <= 1:
             return contextlib.nullcontext, out, layout

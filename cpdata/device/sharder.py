@@ -147,7 +147,8 @@ class ContextParallelSharder:
         self._inverse_cache: dict[int, ShardLayout] = {}
         self._check = LayoutCheck(check_layout_every)
         # pre-sharded batches under cpdata's own strategy: the mesh read once, no per-call dispatch
-        fast = PreshardedMove(self._cp_mesh, self.device) if isinstance(self.shard_batch, DeviceShard) else None
+        dims = getattr(device_mesh, "mesh_dim_names", None)
+        fast = PreshardedMove(self._cp_mesh, self.device, dims) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
 
     # -- mesh ----------------------------------------------------------------

@@ -204,6 +204,16 @@ class MixedDataset(TokenizedDataset):
                     raise type(exc)(f"mix source {name!r} (source {self.mix.names.index(name)} of "
                                     f"{self.mix.names}): {exc}") from exc  # fmt: skip
 
+    def verify_content(self) -> None:
+        """Every source checks its stored bytes (:meth:`TokenizedDataset.verify_content`); errors name the source."""
+        for k, (name, source) in enumerate(zip(self.mix.names, self._sources, strict=True)):
+            verify = getattr(source, "verify_content", None)
+            if callable(verify):
+                try:
+                    verify()
+                except ValueError as exc:
+                    raise ValueError(f"mix source {name!r} (source {k} of {self.mix.names}): {exc}") from exc
+
     def _compute_checksum(self) -> str:
         parts = []
         for source in self._sources:

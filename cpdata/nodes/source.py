@@ -46,6 +46,21 @@ from cpdata.worker.targets import LabelsAlignment, declared_alignment
 __all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
 
 
+def _list_lengths(items: list | tuple) -> np.ndarray | None:
+    """``len(item["input_ids"])`` of every item, or None when one is not a dict with sized ids (the reader then
+    names it when it gets there)."""
+    out = np.empty(len(items), dtype=np.int64)
+    for i, item in enumerate(items):
+        ids = item.get("input_ids") if isinstance(item, Mapping) else None
+        if isinstance(ids, (list, tuple)):
+            out[i] = len(ids)
+        elif getattr(ids, "ndim", None) == 1:  # numpy array, torch tensor
+            out[i] = ids.shape[0]
+        else:
+            return None
+    return out
+
+
 class Documents(WindowReader, BaseNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
@@ -148,7 +163,10 @@ class Documents(WindowReader, BaseNode[Document]):
     @property
     def known_lengths(self) -> np.ndarray | None:
         """int64 ``[n]`` token counts of every source document when the source states them up front
-        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`), else None."""
+        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`; an
+        in-memory ``list``/``tuple`` of documents, counted with one ``len`` per item, ~0.1 us each), else None."""
+        if self._kind == "sequence" and type(self.source) in (list, tuple):
+            return _list_lengths(self.source)  # type: ignore[arg-type]
         lengths = getattr(self.source, "lengths", None) if self._kind == "sequence" else None
         if lengths is None:
             return None

@@ -92,9 +92,17 @@ def _print_pack(store: Any, k: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.store import read_store
+    from cpdata.sources.tokenstore import is_token_store
 
     if not Path(args.dir).exists():
         raise ValueError(f"{args.dir} does not exist; pass a plan directory written by `cpdata precompute`")
+    if is_token_store(args.dir) or Path(args.dir).is_file():
+        what = "a token store (documents, from cpdata tokenize / pack-store)" if Path(args.dir).is_dir() else "a file"
+        raise ValueError(
+            f"{args.dir} is {what}, not a plan: inspect summarizes the packs `cpdata precompute` writes; plan it "
+            f"first, `cpdata precompute {args.dir} --capacity N --cp-size N --layout LAYOUT --out PLAN`, then run "
+            "`cpdata inspect PLAN`"
+        )
     store = read_store(args.dir, verify=not args.no_verify)
     sample = None if args.sample == 0 else args.sample
     _print_summary(store, sample)

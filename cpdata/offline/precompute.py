@@ -227,6 +227,7 @@ def precompute(
             "precompute from the tokenized dataset, or leave vocab_size out (the reader checks ids when serving)"
         )
     dataset.check_token_ids(vocab_size)
+    dataset.verify_content()  # a token store: every chunk, so the recorded input digest names the bytes read
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ def row_tokenizer(args: argparse.Namespace) -> Any:
                         assistant_only=args.assistant_only, max_length=args.max_length, chat_template=template)  # fmt: skip
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, vocab_default: str) -> None:
     p.add_argument("--out", required=True,
                    help="output store directory (written atomically); with --format megatron the PREFIX of "
                    "PREFIX.bin and PREFIX.idx")  # fmt: skip
@@ -39,7 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="cpdata: a token store (default; keeps labels and masks, per-file sha256); megatron: "
                    "Megatron's indexed dataset, as preprocess_data.py writes it (input_ids only)")  # fmt: skip
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="ids must be below it; <= 65536 stores 2 bytes per token (default: the tokenizer's size)")  # fmt: skip
+                   help=f"ids must be below it; <= 65536 stores 2 bytes per token (default: {vocab_default})")  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="converter processes (default 1; output is the same)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -57,7 +57,7 @@ def register_tokenize(subparsers: Any) -> None:
     )
     p.add_argument("input", metavar="INPUT", help=".jsonl of text or chat rows")
     add_tokenizer_options(p, required=True)
-    _common(p)
+    _common(p, "the tokenizer's size")
 
 
 def register_pack_store(subparsers: Any) -> None:
@@ -66,14 +66,17 @@ def register_pack_store(subparsers: Any) -> None:
         "pack-store",
         help="convert a tokenized JSONL into a token store (no rescan on every open)",
         description="Convert INPUT, a .jsonl of {\"input_ids\": [...]} rows (plus per-token lists such as labels "
-        "or loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan.",
+        "or loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan. INPUT may "
+        "also be a token store: it is checked and rewritten in this cpdata's format (stores written before chunk "
+        "checksums then open in O(1) again).",
     )
-    p.add_argument("input", metavar="INPUT", help=".jsonl of input_ids rows")
-    _common(p)
+    p.add_argument("input", metavar="INPUT", help=".jsonl of input_ids rows, or a token store to rewrite")
+    _common(p, "none: 4 bytes per token, any id below 2**32; with a token store INPUT, its own")
 
 
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.tokenize_files import jsonl_to_megatron, jsonl_to_token_store
+    from cpdata.sources.tokenstore import is_token_store, rewrite_token_store
 
     tokenizer = row_tokenizer(args) if getattr(args, "tokenizer", None) else None
     if args.format == "megatron":
@@ -85,8 +88,15 @@ def run(args: argparse.Namespace) -> int:
             line += f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']}"
         print(line)
         return 0
-    store, stats = jsonl_to_token_store(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                                        workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
+    if tokenizer is None and is_token_store(args.input):
+        if args.vocab_size is not None or args.workers != 1:
+            raise ValueError("rewriting a token store keeps its own vocabulary and needs no workers: leave "
+                             "--vocab-size and --workers out")  # fmt: skip
+        store, stats = rewrite_token_store(args.input, args.out, overwrite=args.force), {}
+    else:
+        store, stats = jsonl_to_token_store(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                                            workers=args.workers, overwrite=args.force,
+                                            progress=not args.quiet)  # fmt: skip
     m = store.manifest
     line = (f"wrote {store.path}: {m['documents']} documents, {m['tokens']} tokens "
             f"({m['dtype']}, ids {m['min_id']}..{m['max_id']})")  # fmt: skip

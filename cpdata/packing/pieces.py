@@ -156,7 +156,12 @@ def cut_documents(
             raise ValueError(
                 f"document {int(source_index[first])} has {int(lengths[first])} tokens "
                 f"({int(slot[first])} after aligning to a multiple of {m}), more than capacity={cap}; "
-                f"raise the capacity or pass overflow= one of {others} (choices: {list(OVERFLOW_POLICIES)})"
+                f"raise the capacity or pass overflow= one of {others} (choices: {list(OVERFLOW_POLICIES)}). "
+                "This source does not state its lengths up front, so each document is checked when it is read; "
+                "to name every overlong document at once, check the lengths first (cpdata.plan_lengths(lengths, "
+                "capacity=..., layout=..., cp_size=...) raises naming them all), or give the pipeline a source "
+                "whose lengths are known (cpdata.open_dataset(path), a datasets.Dataset, a list): it is checked "
+                "when the pipeline is built"
             )
         if config.overflow == "drop":
             counts["dropped"] = int(over.sum())

@@ -7,13 +7,14 @@ planner can work from lengths and resume can refuse other data.
 Modules, in pipeline order: ``tokenizer`` (text and chat rows to token
 documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
 JSON and digests of a format directory), ``atomic`` (crash-safe directory
-writes), ``base`` (``TokenizedDataset``), ``files`` (lengths files, JSONL,
-``.npy`` folders), ``concat`` (several datasets read as one: shards),
-``tokenstore`` (cpdata's binary token store, reader and
-writer), ``megatron`` and ``megatron_writer`` (Megatron indexed datasets,
-``PREFIX.bin`` + ``PREFIX.idx``, read in place and written as megatron-core
-does), ``hf`` (Hugging Face ``datasets``), ``open`` (``open_dataset``: a reader
-chosen from a path).
+writes), ``base`` (``TokenizedDataset``, ``DatasetSlice``), ``files`` (lengths
+files, JSONL, ``.npy`` folders), ``concat`` (several datasets read as one:
+shards), ``chunksums`` (per-chunk content checksums of a token store's files),
+``tokenstore_writer`` (appending a token store), ``tokenstore`` (cpdata's binary
+token store: reader, ``write_token_store``), ``megatron`` and ``megatron_writer``
+(Megatron indexed datasets, ``PREFIX.bin`` + ``PREFIX.idx``, read in place and
+written as megatron-core does), ``hf`` (Hugging Face ``datasets``), ``open``
+(``open_dataset``: a reader chosen from a path).
 """
 
 from __future__ import annotations

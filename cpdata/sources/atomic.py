@@ -142,8 +142,12 @@ def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False)
     """Yield an empty hidden directory that replaces ``target`` when the block exits normally.
 
     Recovers dead writers' leftovers first. Refuses an existing ``target``
-    unless ``overwrite``. On an exception the temp directory is removed and
-    ``target`` is untouched. The published directory is mode 0o755.
+    unless ``overwrite``. On an exception (``KeyboardInterrupt`` and
+    ``SystemExit`` included) before the new directory takes ``target``'s name,
+    the new directory is removed and ``target`` is the old one again; after it,
+    only the old one is removed. Either way nothing hidden stays beside
+    ``target`` (only SIGKILL leaves halves, for the next writer to recover).
+    The published directory is mode 0o755.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -160,13 +164,24 @@ def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    stall("new")
-    if target.exists():
-        old = new.with_name(new.name.replace(".new-", ".old-", 1))
-        os.replace(target, old)
-        stall("old")
+    old: Path | None = None
+    published = False
+    try:
+        stall("new")
+        if target.exists():
+            old = new.with_name(new.name.replace(".new-", ".old-", 1))
+            os.replace(target, old)
+            stall("old")
         os.replace(new, target)
+        published = True
         stall("swapped")
-        shutil.rmtree(old)
-    else:
-        os.replace(new, target)
+    except BaseException:  # Ctrl-C / SystemExit too: this writer is alive, so no later writer would recover it
+        if not published:  # the old directory (if any) goes back to its name, the new one away
+            if old is not None and not target.exists():
+                os.replace(old, target)
+                old = None
+            shutil.rmtree(new, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

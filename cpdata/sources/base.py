@@ -2,8 +2,8 @@
 
 Readers of every on-disk format (:mod:`cpdata.sources.files`, :mod:`cpdata.sources.tokenstore`,
 :mod:`cpdata.sources.hf`, ...) subclass it; :func:`cpdata.sources.open.open_dataset` picks one from a
-path. The base gives indexing with range checks, iteration, a cached input checksum and the id checks
-(``check_token_ids``) in one place.
+path. The base gives indexing with range checks, slices (``dataset[:1000]``: a :class:`DatasetSlice`
+view), iteration, a cached input checksum and the id checks (``check_token_ids``) in one place.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenizedDataset"]
+__all__ = ["DatasetSlice", "TokenizedDataset"]
 
 _CHUNK = 1 << 20
 
@@ -77,10 +78,17 @@ class TokenizedDataset(ABC):
         return int(self.lengths.shape[0])
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``."""
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``.
+
+        A slice (``dataset[:1000]``) gives a :class:`DatasetSlice`: those documents as a
+        dataset of their own, a view (nothing is read or copied).
+        """
+        if isinstance(i, slice):
+            return DatasetSlice(self, i)  # type: ignore[return-value]
         n = len(self)
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"documents are addressed by int index, got {type(i).__name__} {i!r}")
+            raise TypeError(f"documents are addressed by an int index or a slice (dataset[:1000], a view), got "
+                            f"{type(i).__name__} {i!r}")  # fmt: skip
         if not -n <= i < n:
             raise IndexError(f"document index {i} out of range for {n} documents in {self.path}")
         return self._read(int(i) % n)
@@ -104,6 +112,14 @@ class TokenizedDataset(ABC):
         for i in range(len(self)):
             _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)
 
+    def verify_content(self) -> None:  # noqa: B027 (a no-op unless the format records checksums)
+        """Check every stored byte against checksums recorded with the data, where the format records them.
+
+        A token store checks every chunk (:meth:`~cpdata.sources.tokenstore.TokenStore.verify_content`);
+        the other formats have nothing recorded to check against (JSONL's and a folder's :meth:`checksum`
+        hash the bytes themselves), so this is a no-op for them. ``precompute`` calls it.
+        """
+
     def checksum(self) -> str:
         """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
         if self._checksum is None:
@@ -123,3 +139,75 @@ class TokenizedDataset(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"
+
+
+class DatasetSlice(TokenizedDataset):
+    """Documents ``parent[s]`` for a slice ``s`` (what ``parent[a:b:c]`` returns): a view, nothing is copied.
+
+    ``docs = open_dataset("tokens/")[:1000]`` is the first 1000 documents; document ``i`` of the slice is
+    document ``indices[i]`` of the parent, read through the parent (so its checks apply: JSONL CRCs, token
+    store chunk checksums). Lengths are the parent's at those indices (``indices``: int64, 8 B per
+    document); fingerprint and checksum are the parent's plus the slice, so a resume or a plan is bound
+    to the same documents of the same data.
+
+    Args:
+        parent: the dataset sliced.
+        part: a ``slice``, resolved against ``len(parent)`` as Python does for ranges.
+    """
+
+    def __init__(self, parent: TokenizedDataset, part: slice) -> None:
+        super().__init__(parent.path)
+        self.parent = parent
+        self.start, self.stop, self.step = part.indices(len(parent))
+        self.indices = np.arange(self.start, self.stop, self.step, dtype=np.int64)
+        self.kind = parent.kind
+        self.serves_tokens = parent.serves_tokens
+        self.per_token_keys = parent.per_token_keys
+        alignment = getattr(parent, "labels_alignment", None)
+        if alignment is not None:
+            self.labels_alignment = alignment
+        self._lengths: np.ndarray | None = None
+
+    @property
+    def _part(self) -> str:
+        return f"[{self.start}:{self.stop}:{self.step}]"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            self._lengths = np.asarray(self.parent.lengths, dtype=np.int64)[self.indices]
+        return self._lengths
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    def _read(self, i: int) -> dict[str, np.ndarray]:
+        return self.parent[int(self.indices[i])]
+
+    def describe_document(self, i: int) -> str | None:
+        """``"document 7 of the slice [5:100:1] (document 12 of PATH)"``: errors name both indices."""
+        if not 0 <= i < len(self):
+            return None
+        return f"document {i} of the slice {self._part} (document {int(self.indices[i])} of {self.parent.path})"
+
+    def verify_content(self) -> None:
+        self.parent.verify_content()
+
+    def _compute_checksum(self) -> str:
+        return hashlib.sha256(f"{self.parent.checksum()}{self._part}".encode()).hexdigest()
+
+    def fingerprint(self) -> str:
+        hook = getattr(self.parent, "fingerprint", None)
+        parent = hook() if callable(hook) else f"{self.parent.kind}:{len(self.parent)}"
+        return f"{parent}{self._part}"
+
+    def check_unchanged(self) -> None:
+        hook = getattr(self.parent, "check_unchanged", None)
+        if callable(hook):
+            hook()
+
+    def __repr__(self) -> str:
+        return f"{self.parent!r}{self._part}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_lengths": None}

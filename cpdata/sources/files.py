@@ -33,7 +33,7 @@ __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
 _UTF8_BOM = b"\xef\xbb\xbf"
 _INT64_MAX = int(np.iinfo(np.int64).max)
 PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
-"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.targets`);
+"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.worker.targets`);
 other fields of a row are ignored."""
 
 
@@ -186,9 +186,14 @@ class JsonlDocuments(TokenizedDataset):
         except json.JSONDecodeError as e:
             raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
+            untokenized = isinstance(row, dict) and "input_ids" not in row and ("text" in row or "messages" in row)
+            hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
+                    "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
+                    "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
+                    if untokenized else "")  # fmt: skip
             raise ValueError(
                 f"{self.path} line {where}: expected an object with an 'input_ids' list, "
-                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}"
+                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
             )
         out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
         for key in PER_TOKEN_KEYS:

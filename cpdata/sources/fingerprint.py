@@ -14,10 +14,10 @@ What each source gives:
 | :class:`~cpdata.sources.JsonlDocuments` | sha256 of the file (computed while scanning it) | size (rows appended or cut: refused at the next epoch), sampled rows re-hashed when the mtime moved; every row read is checked against its CRC-32 from the scan (an edited document raises naming file, document and byte offset) |
 | :class:`~cpdata.sources.NpyFolder` | file count, names, sizes, sampled files' bytes | files added or removed; every file read is checked against the size and mtime seen at open |
 | :class:`~cpdata.sources.LengthsFile` | sha256 of the lengths | size/mtime moved and lengths differ |
-| :class:`~cpdata.sources.tokenstore.TokenStore` | the manifest digest (covers every file's sha256) | the manifest rewritten, a file resized |
+| :class:`~cpdata.sources.tokenstore.TokenStore` | the manifest digest (covers every file's sha256 and 1 MiB chunk checksums) | the manifest rewritten, a file resized; every chunk is checked against its checksum the first time a process reads it (an edited token raises naming file, byte range and document) |
 | :class:`~cpdata.sources.megatron.MegatronIndexed` (``PREFIX.bin`` + ``PREFIX.idx``) | sha256 of the ``.idx`` + the ``.bin``'s size and 64 sampled 4 KiB blocks | a file resized; sampled blocks of both files re-read when an mtime moved |
 | :class:`~cpdata.sources.concat.ConcatDataset` (``open_dataset([...])``) | every part's fingerprint, in order | every part asked, the error naming it |
-| :class:`~cpdata.sources.hf.HFDocuments` (a ``datasets.Dataset``) | its ``_fingerprint``, rows, columns, features | an Arrow cache file resized |
+| :class:`~cpdata.sources.hf.HFDocuments` (a ``datasets.Dataset``) | its ``_fingerprint``, rows, columns, features + the ``input_ids`` values of 16 evenly spaced rows | an Arrow cache file resized, a sampled row's values changed |
 | :func:`cpdata.mix` (``Mix``) | the configuration + every source's fingerprint (a source without one: its kind and length) | every source asked, the error naming it |
 | a plain ``list``/``tuple`` of dicts | count + ``input_ids`` of up to 16 evenly spaced items | the same sample, re-hashed each epoch |
 | anything else | none (only the length is compared, as before) | nothing |

@@ -14,7 +14,7 @@ file:
 | ``attention_mask`` column  | dropped when all ones (a tokenizer's output); a row with a 0 is refused (padded rows must be unpadded before packing) |
 | a wrong length column      | the document whose tokens disagree with its ``length`` is refused when read (never silently cut) |
 | pickling (worker processes) | the Dataset pickles by reference to its Arrow files (memory-mapped)     |
-| resume / epochs (:mod:`cpdata.sources.fingerprint`) | ``fingerprint()`` = the identity above; ``check_unchanged()`` stats the Arrow cache files |
+| resume / epochs (:mod:`cpdata.sources.fingerprint`) | ``fingerprint()`` = the identity above + a hash of the ``input_ids`` values of 16 evenly spaced rows (first and last included), read at open; ``check_unchanged()`` stats the Arrow cache files and re-hashes those rows (an Arrow file edited in place on disk, same size, is refused at the next epoch where a sampled row changed) |
 
 A streaming ``datasets.IterableDataset`` has no index: ``build_loader`` and
 ``CPDataset`` read it as a re-iterable source; ``precompute`` and
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.fingerprint import LIST_SAMPLES, sample_positions
 from cpdata.worker.targets import check_unpadded
 
 __all__ = [
@@ -117,6 +118,16 @@ class HFDocuments(TokenizedDataset):
             self._keys.append("attention_mask")
         self._rows = dataset.select_columns(self._keys).with_format("numpy")
         self._lengths = self._read_lengths()
+        self._samples = self._sample_digest()
+
+    def _sample_digest(self) -> str:
+        """blake2b of the ``input_ids`` values of :data:`~cpdata.sources.fingerprint.LIST_SAMPLES` evenly spaced rows."""
+        h = hashlib.blake2b(digest_size=16)
+        for i in sample_positions(len(self._lengths), LIST_SAMPLES):
+            ids = np.ascontiguousarray(np.asarray(self._rows[i]["input_ids"]))
+            h.update(f"|{i}|{ids.dtype.str}{ids.shape}".encode())
+            h.update(ids.tobytes())
+        return h.hexdigest()
 
     def _read_lengths(self) -> np.ndarray:
         if self.length_column:
@@ -197,11 +208,20 @@ class HFDocuments(TokenizedDataset):
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def fingerprint(self) -> str:
-        """``hf_dataset:`` + :meth:`checksum` (fingerprint, rows, columns, features); see :mod:`cpdata.sources.fingerprint`."""
-        return f"hf_dataset:{self.checksum()}"
+        """``hf_dataset:`` + :meth:`checksum` (fingerprint, rows, columns, features) + the sampled rows' values
+        (:mod:`cpdata.sources.fingerprint`): ``_fingerprint`` names the transforms, not the bytes on disk."""
+        return f"hf_dataset:{self.checksum()}:{self._samples}"
 
     def check_unchanged(self) -> None:
-        """Raise ``ValueError`` if an Arrow cache file of the dataset changed size since it was opened."""
+        """Raise ``ValueError`` if an Arrow cache file of the dataset changed size, or a sampled row's
+        ``input_ids`` changed, since it was opened (16 row reads)."""
+        now = self._sample_digest()
+        if now != self._samples:
+            raise ValueError(
+                f"the datasets.Dataset {self.dataset._fingerprint!r} changed since it was opened: the input_ids of "
+                f"sampled rows (of {sample_positions(len(self), LIST_SAMPLES)}) differ (its Arrow files were "
+                "edited in place); load the dataset again and start a new run"
+            )
         for name, size in self._cache_sizes.items():
             now = os.stat(name).st_size if os.path.exists(name) else None
             if now != size:

@@ -72,7 +72,8 @@ class TokenizeStats:
     tokens: int = 0
     """Tokens emitted (after truncation)."""
     eos_appended: int = 0
-    """Text rows that received an EOS."""
+    """Text rows whose document ends with the EOS appended to them (an EOS that ``max_length`` then cut off
+    is not counted: the document has none)."""
     truncated: int = 0
     """Documents cut at ``max_length``."""
     truncated_tokens: int = 0
@@ -186,7 +187,7 @@ class RowTokenizer:
         if not isinstance(row, Mapping):
             raise TypeError(f"{where}: expected a dict with {self.text_key!r} or {self.messages_key!r}, got "
                             f"{type(row).__name__}")  # fmt: skip
-        mask = None
+        mask, eos = None, False
         chat = self.messages_key in row
         if chat:
             ids, mask = self._chat(row[self.messages_key], where)
@@ -206,7 +207,7 @@ class RowTokenizer:
         elif not chat:
             if self.append_eos:
                 out["input_ids"] = np.append(out["input_ids"], np.int64(self.eos_token_id))
-                self.stats.eos_appended += 1
+                eos = True
             if self.assistant_only:  # text rows train every token; one key set for every document of a batch
                 out[ASSISTANT_MASKS] = np.ones(out["input_ids"].shape[0], dtype=np.int8)
         n = out["input_ids"].shape[0]
@@ -214,6 +215,8 @@ class RowTokenizer:
             out = {k: v[: self.max_length] for k, v in out.items()}
             self.stats.truncated += 1
             self.stats.truncated_tokens += n - self.max_length
+            eos = False  # the appended EOS was the last token: cut
+        self.stats.eos_appended += eos
         self.stats.documents += 1
         self.stats.chat += chat
         self.stats.tokens += out["input_ids"].shape[0]

@@ -6,185 +6,77 @@ A store directory holds::
     offsets.npy      int64 [n_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
     KEY.bin          per-token extras (labels, loss_mask, assistant_masks, ...), aligned with tokens.bin
     KEY.present.npy  bool [n_docs]: which documents carry KEY (others read back without it)
-    manifest.json    format, counts, dtype, min/max id, per-file sha256 and size, the source, and a
-                     sha256 of the manifest itself
+    manifest.json    format, counts, dtype, min/max id, per-file sha256, size and 1 MiB chunk checksums
+                     (:mod:`cpdata.sources.chunksums`), the source, and a sha256 of the manifest itself
 
 Opening is O(1) in the corpus size: read the manifest, check file sizes,
 memory-map the two files (a 1 GB corpus opens in milliseconds instead of the
 JSONL reader's full rescan on every rank and restart). ``lengths`` is one
 ``np.diff`` of the index, ``checksum()`` is the manifest's digest (which
-covers every file's sha256), and the id range check reads the manifest's
-min/max. ``verify=True`` re-hashes every file (a few seconds per GB).
+covers every file's sha256 and chunk checksums), and the id range check reads
+the manifest's min/max.
 
-Writing is atomic (:func:`cpdata.sources.atomic.atomic_directory`): files go to a
-hidden sibling that replaces the target only once the manifest is written.
-Documents are appended as they come, so memory stays at one document plus
-the index (8 B/document).
+Content is checked as it is read: the first read of a chunk in a process
+hashes it (xxh3) against the manifest, so changed bytes raise ``ValueError``
+naming the file, byte range and document instead of training on them (~4 %
+of a reading pass; see :mod:`cpdata.sources.chunksums`). ``verify=True`` and
+:meth:`TokenStore.verify_content` (which ``precompute`` calls) check every
+chunk at once, so a plan's recorded input digest names bytes that were read.
+
+Stores written before chunk checksums (``format_version`` 1) still open: the
+opening process hashes every file whole once against its recorded sha256
+(a few seconds per GB) and derives the chunk checksums the workers then use,
+with a warning to rewrite the store (``cpdata pack-store OLD --out NEW``) for
+an O(1) open.
+
+Writing (:func:`write_token_store`, over the appending
+:class:`~cpdata.sources.tokenstore_writer.TokenStoreWriter`) is atomic: files
+go to a hidden sibling that replaces the target only once the manifest is
+written.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from array import array
+import warnings
 from collections.abc import Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cpdata.sources.atomic import atomic_directory
-from cpdata.sources.base import TokenizedDataset, _check_ids
-from cpdata.sources.manifest import DIGEST_KEY as _DIGEST_KEY
-from cpdata.sources.manifest import canonical as _canonical
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
 from cpdata.sources.manifest import manifest_digest as _manifest_digest
-from cpdata.sources.manifest import sha256_file as _sha256_file
+from cpdata.sources.tokenstore_writer import (
+    _DAMAGED,
+    _DIGEST_KEY,
+    _REWRITE,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    OFFSETS_FILE,
+    TOKENS_FILE,
+    TokenStoreWriter,
+)
 
-__all__ = ["FORMAT", "TOKENS_FILE", "TokenStore", "TokenStoreWriter", "is_token_store", "write_token_store"]
-
-FORMAT = "cpdata.tokens"
-FORMAT_VERSION = 1
-TOKENS_FILE = "tokens.bin"
-OFFSETS_FILE = "offsets.npy"
-MANIFEST = "manifest.json"
-_REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
+__all__ = [
+    "FORMAT",
+    "TOKENS_FILE",
+    "TokenStore",
+    "TokenStoreWriter",
+    "is_token_store",
+    "rewrite_token_store",
+    "write_token_store",
+]
 
 
 def is_token_store(path: str | os.PathLike[str]) -> bool:
     """A directory holding ``tokens.bin`` (what :func:`~cpdata.sources.open.open_dataset` dispatches on)."""
     return (Path(path) / TOKENS_FILE).is_file()
-
-
-def _token_dtype(vocab_size: int | None) -> np.dtype:
-    return np.dtype("<u2") if vocab_size is not None and vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-class _HashedFile:
-    """An append-only file that hashes what it writes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.file, self.sha, self.size = path, open(path, "wb"), hashlib.sha256(), 0  # noqa: SIM115
-
-    def write(self, data: bytes) -> None:
-        self.file.write(data)
-        self.sha.update(data)
-        self.size += len(data)
-
-    def close(self) -> dict[str, Any]:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        return {"file": self.path.name, "bytes": self.size, "sha256": self.sha.hexdigest()}
-
-
-class TokenStoreWriter:
-    """Append documents to a store being written in ``directory`` (normally an atomic temp directory).
-
-    Args:
-        directory: an existing empty directory.
-        vocab_size: ids must be below it; ``<= 65536`` stores uint16, else uint32.
-        name: what errors call the store (default: ``directory``).
-    """
-
-    def __init__(
-        self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None
-    ) -> None:
-        self.directory = Path(directory)
-        self.name = Path(name) if name is not None else self.directory
-        self.vocab_size = vocab_size
-        self.dtype = _token_dtype(vocab_size)
-        self.limit = vocab_size if vocab_size is not None else 1 << 32
-        self._tokens = _HashedFile(self.directory / TOKENS_FILE)
-        self._offsets = array("q", [0])
-        self._extras: dict[str, tuple[_HashedFile, np.dtype, array]] = {}
-        self.min_id: int | None = None
-        self.max_id: int | None = None
-
-    @property
-    def documents(self) -> int:
-        return len(self._offsets) - 1
-
-    def add(self, document: Mapping[str, Any]) -> None:
-        """Append one document ``{"input_ids": [n], KEY: [n], ...}`` (validated: ids in range, aligned extras)."""
-        index = self.documents
-        ids = np.asarray(document["input_ids"]).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"document {index}: input_ids must be integers, got {ids.dtype}")
-        _check_ids(self.name, index, ids.astype(np.int64, copy=False), self.limit if ids.size else None)
-        if ids.size:
-            low, high = int(ids.min()), int(ids.max())
-            self.min_id = low if self.min_id is None else min(self.min_id, low)
-            self.max_id = high if self.max_id is None else max(self.max_id, high)
-        self._tokens.write(ids.astype(self.dtype).tobytes())
-        for key, value in document.items():
-            if key != "input_ids":
-                self._add_extra(key, np.asarray(value).reshape(-1), ids.shape[0], index)
-        for file, dtype, present in self._extras.values():
-            if len(present) == index:  # this document lacks the key: keep the files aligned
-                file.write(np.zeros(ids.shape[0], dtype=dtype).tobytes())
-                present.append(0)
-        self._offsets.append(self._offsets[-1] + ids.shape[0])
-
-    def _add_extra(self, key: str, value: np.ndarray, n: int, index: int) -> None:
-        if value.shape[0] != n:
-            raise ValueError(f"document {index}: {key!r} has {value.shape[0]} entries but input_ids has {n}")
-        if value.dtype.kind not in "biuf":
-            raise TypeError(f"document {index}: {key!r} must be numeric per-token data, got {value.dtype}")
-        if key not in self._extras:
-            if not key.replace("_", "").isalnum():
-                raise ValueError(f"document {index}: per-token key {key!r} must be alphanumeric (it names a file)")
-            dtype = value.dtype.newbyteorder("<")
-            file = _HashedFile(self.directory / f"{key}.bin")
-            file.write(np.zeros(self._offsets[-1], dtype=dtype).tobytes())  # documents before the first one
-            self._extras[key] = (file, dtype, array("b", [0] * index))
-        file, dtype, present = self._extras[key]
-        cast = value.astype(dtype)
-        if not np.array_equal(cast, value):
-            raise ValueError(f"document {index}: {key!r} does not fit the dtype {dtype} of earlier documents")
-        file.write(cast.tobytes())
-        present.append(1)
-
-    def finish(self, source: Mapping[str, Any], *, labels_alignment: str | None = None) -> dict[str, Any]:
-        """Close the files, write the index and the manifest; returns the manifest.
-
-        ``labels_alignment`` (``"inputs"``/``"targets"``) declares what the stored
-        labels and masks are aligned with, when the writer knows it.
-        """
-        files = {"tokens": self._tokens.close()}
-        offsets = np.frombuffer(self._offsets, dtype=np.int64)
-        np.save(self.directory / OFFSETS_FILE, offsets, allow_pickle=False)
-        files["offsets"] = {"file": OFFSETS_FILE, "bytes": (self.directory / OFFSETS_FILE).stat().st_size,
-                            "sha256": _sha256_file(self.directory / OFFSETS_FILE)}  # fmt: skip
-        extras = {}
-        for key, (file, dtype, present) in sorted(self._extras.items()):
-            files[key] = file.close()
-            flags = np.frombuffer(present, dtype=np.int8).astype(bool)
-            name = f"{key}.present.npy"
-            np.save(self.directory / name, flags, allow_pickle=False)
-            files[f"{key}.present"] = {"file": name, "bytes": (self.directory / name).stat().st_size,
-                                       "sha256": _sha256_file(self.directory / name)}  # fmt: skip
-            extras[key] = dtype.str
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "documents": self.documents,
-            "tokens": int(offsets[-1]),
-            "dtype": self.dtype.str,
-            "vocab_size": self.vocab_size,
-            "min_id": self.min_id,
-            "max_id": self.max_id,
-            "extras": extras,
-            "labels_alignment": labels_alignment,
-            "files": files,
-            "source": dict(source),
-        }
-        manifest[_DIGEST_KEY] = _manifest_digest(manifest)
-        with open(self.directory / MANIFEST, "wb") as f:
-            f.write(_canonical(manifest))
-            f.flush()
-            os.fsync(f.fileno())
-        return manifest
 
 
 def write_token_store(
@@ -209,12 +101,29 @@ def write_token_store(
     return TokenStore(out_dir)
 
 
+def rewrite_token_store(
+    src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
+) -> TokenStore:
+    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``).
+
+    Every file of ``src`` is checked first (whole-file sha256 for a format 1
+    store, every chunk for a newer one), so the rewrite never blesses damaged
+    bytes. Documents, extras, vocabulary, source and labels alignment carry over.
+    """
+    old = TokenStore(src, verify=True)
+    m = old.manifest
+    return write_token_store((old[i] for i in range(len(old))), out_dir, vocab_size=m["vocab_size"],
+                             overwrite=overwrite, source=m["source"], labels_alignment=m.get("labels_alignment"))  # fmt: skip
+
+
 class TokenStore(TokenizedDataset):
     """A token store directory as a :class:`~cpdata.sources.base.TokenizedDataset` (O(1) open).
 
     Args:
         path: the directory.
-        verify: re-hash every file against the manifest on open.
+        verify: check every chunk of every file against the manifest on open
+            (~0.1 s per GB hashing, plus reading the files); without it, each
+            chunk is checked the first time a read touches it.
     """
 
     kind = "token_store"
@@ -228,24 +137,45 @@ class TokenStore(TokenizedDataset):
             raise ValueError(f"{mpath} cannot be read ({e}); {_REWRITE}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ValueError(f"{mpath} is not a cpdata token store manifest; {_REWRITE}")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{mpath} has format_version {manifest.get('format_version')!r}, this cpdata reads "
+        version = manifest.get("format_version")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"{mpath} has format_version {version!r}, this cpdata reads 1 and "
                              f"{FORMAT_VERSION}; {_REWRITE}")  # fmt: skip
         if manifest.get(_DIGEST_KEY) != _manifest_digest(manifest):
             raise ValueError(f"{mpath} is corrupted (its digest does not match its content); {_REWRITE}")
         for entry in manifest["files"].values():
             file = self.path / entry["file"]
-            size = file.stat().st_size if file.is_file() else None
+            if not file.is_file():
+                raise ValueError(f"token store file {file} is missing (the manifest records {entry['bytes']} bytes); "
+                                 f"restore it, or {_REWRITE}")  # fmt: skip
+            size = file.stat().st_size
             if size != entry["bytes"]:
                 raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
                                  f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
-            if verify and _sha256_file(file) != entry["sha256"]:
-                raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {_REWRITE}")
+        if version == 1:
+            self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
+            warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
+                          f"checksums): its {sum(e['bytes'] for e in manifest['files'].values())} bytes were hashed "
+                          f"whole to open it; rewrite it once for an O(1) open: `cpdata pack-store {self.path} "
+                          "--out NEW_DIR`", stacklevel=2)  # fmt: skip
+        else:
+            self._chunk_bytes = int(manifest["chunk_bytes"])
+            if manifest.get("chunk_hash") != CHUNK_HASH:
+                raise ValueError(f"{mpath} records chunk checksums of kind {manifest.get('chunk_hash')!r}, this "
+                                 f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
+            self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
         self.manifest = manifest
+        self.per_token_keys = frozenset(manifest["extras"])
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._checksum = manifest[_DIGEST_KEY]
         self._open()
+        if verify:
+            self.verify_content()
+
+    def _checker(self, name: str, describe: Any, data: np.ndarray | None = None) -> ChunkChecker:
+        size = next(e["bytes"] for e in self.manifest["files"].values() if e["file"] == name)
+        return ChunkChecker(self.path / name, self._sums[name], size, self._chunk_bytes, _DAMAGED, describe, data)
 
     def _open(self) -> None:
         n = self.manifest["tokens"]
@@ -256,15 +186,59 @@ class TokenStore(TokenizedDataset):
             for key, dtype in self.manifest["extras"].items()
         }
         self._lengths: np.ndarray | None = None
+        # the index files (8 B + 1 B per extra per document) are checked whole by the first read; a
+        # document's token and extra bytes chunk by chunk, through the mappings the reads use
+        self._index_checked = False
+        at = _data_offset(self._offsets)
+        self._check_index = [self._checker(OFFSETS_FILE, partial(self._listed, at, 8, "offsets"))]
+        width = self._tokens.dtype.itemsize
+        self._check_tokens = (self._checker(TOKENS_FILE, partial(self._stored, width), self._tokens.view(np.uint8)),
+                              width)  # fmt: skip
+        self._check_extras = {}
+        for key, (values, present) in self._extras.items():
+            width, at = values.dtype.itemsize, _data_offset(present)
+            self._check_index.append(self._checker(f"{key}.present.npy", partial(self._listed, at, 1, "flags")))
+            self._check_extras[key] = (self._checker(f"{key}.bin", partial(self._stored, width), values.view(np.uint8)),
+                                       width)  # fmt: skip
 
     def _map(self, name: str, dtype: str, n: int) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(self.path / name, dtype=np.dtype(dtype), mode="r", shape=(n,))
 
+    def _checkers(self) -> list[ChunkChecker]:
+        return [*self._check_index, self._check_tokens[0], *(c for c, _ in self._check_extras.values())]
+
+    def _checked_index(self, document: int | None) -> None:
+        for checker in self._check_index:
+            checker.check_all(document)
+        self._index_checked = True
+
+    def verify_content(self) -> None:
+        """Check every chunk of every file against the manifest (~0.1 s per GB of hashing, plus the reads).
+
+        ``precompute`` calls it, so the plan's recorded input digest names bytes that were read; raises
+        ``ValueError`` naming the file, the byte range and the documents stored there.
+        """
+        for checker in self._checkers():
+            checker.check_all()
+
+    def _stored(self, width: int, lo: int, hi: int) -> str:
+        """The documents whose elements (``width`` bytes each) lie in bytes ``[lo, hi)`` of a ``.bin`` file."""
+        first = int(np.searchsorted(self._offsets, lo // width, side="right")) - 1
+        last = int(np.searchsorted(self._offsets, -(-hi // width), side="left")) - 1
+        return f"documents {max(first, 0)}..{min(max(last, first, 0), len(self) - 1)} are stored there"
+
+    def _listed(self, at: int, width: int, what: str, lo: int, hi: int) -> str:
+        """Which documents' entries of an index file (data at byte ``at``, ``width`` bytes each) lie there."""
+        first, last = max(0, (lo - at) // width), max(0, (hi - at - 1) // width)
+        return f"it holds the {what} of documents {first}..{min(last, len(self))}"
+
     @property
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
+            if not self._index_checked:
+                self._checked_index(None)
             self._lengths = np.diff(self._offsets).astype(np.int64, copy=False)
         return self._lengths
 
@@ -272,10 +246,16 @@ class TokenStore(TokenizedDataset):
         return int(self.manifest["documents"])
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
+        if not self._index_checked:
+            self._checked_index(i)
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
+        tokens_check, width = self._check_tokens
+        tokens_check.check(start * width, stop * width, i)
         out = {"input_ids": self._tokens[start:stop].astype(np.int64)}
         for key, (values, present) in self._extras.items():
             if present[i]:
+                data, width = self._check_extras[key]
+                data.check(start * width, stop * width, i)
                 out[key] = np.array(values[start:stop])
         return out
 
@@ -290,7 +270,7 @@ class TokenStore(TokenizedDataset):
         return str(self.manifest[_DIGEST_KEY])
 
     def fingerprint(self) -> str:
-        """``token_store:`` + the manifest digest (which covers every file's sha256); see :mod:`cpdata.sources.fingerprint`."""
+        """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""
         return f"token_store:{self._checksum}"
 
     def check_unchanged(self) -> None:
@@ -302,14 +282,19 @@ class TokenStore(TokenizedDataset):
                 f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
             )
         for entry in self.manifest["files"].values():
-            size = os.stat(self.path / entry["file"]).st_size
+            file = self.path / entry["file"]
+            if not file.is_file():
+                raise ValueError(f"token store file {file} was removed since the store was opened; restore it, "
+                                 "or reopen the store and start a new run")  # fmt: skip
+            size = file.stat().st_size
             if size != entry["bytes"]:
-                raise ValueError(f"token store file {self.path / entry['file']} has {size} bytes, the manifest "
+                raise ValueError(f"token store file {file} has {size} bytes, the manifest "
                                  f"records {entry['bytes']}; {_REWRITE}")  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_offsets", "_tokens", "_extras", "_lengths"):
+        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_index_checked", "_check_index", "_check_tokens",
+                    "_check_extras"):
             state.pop(key)
         return state
 
@@ -318,3 +303,7 @@ class TokenStore(TokenizedDataset):
         self.check_unchanged()
         self._open()
 
+
+def _data_offset(array: np.ndarray) -> int:
+    """Byte offset of a memory-mapped ``.npy`` array's data in its file (after the header)."""
+    return int(getattr(array, "offset", 0))

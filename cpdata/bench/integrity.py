@@ -1,0 +1,116 @@
+"""Section ``integrity``: what a token store's chunk checksums cost a reading pass.
+
+A store of 20M tokens (4M with ``--quick``; uint16, documents of 64..4,096
+tokens) is written once, tokens only (row ``tokens``) and with an int8
+``loss_mask`` on every other document (row ``tokens+loss_mask``: one more
+byte per token to hash, against a read of half as many), then read
+document by document, in order, three ways, alternately for ``ROUNDS``
+rounds (median of each; the files stay in the page cache, so the pass is
+CPU-bound and the share is the largest it can be):
+
+- ``plain_s``: the reads without any check (the store's reader as it was
+  before chunk checksums: offsets, token and extra slices);
+- ``first_s``: a freshly unpickled store (a new worker), which hashes every
+  1 MiB chunk on its first touch;
+- ``checked_s``: the same store again, every chunk already checked (only the
+  per-read bitmap lookups remain).
+
+``overhead_pct``: the median over rounds of ``100 * (first / plain - 1)``,
+each round's two passes run back to back (paired, as the worker section
+pairs its rounds: the load of a shared machine moves both); the target is
+``<= 5``. ``steady_pct``: the same for ``checked_s``. Every pass starts on a freshly
+unpickled store (new memory mappings), as a dataloader worker does. ``verify_gb_s`` is
+``verify_content`` (every chunk of every file, what ``precompute`` does).
+"""
+
+from __future__ import annotations
+
+import pickle
+import statistics
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["COLUMNS", "run"]
+
+COLUMNS: tuple[str, ...] = ("store", "tokens", "chunks", "plain_s", "first_s", "checked_s", "overhead_pct", "steady_pct")
+TABLE: tuple[str, ...] = (*COLUMNS, "verify_gb_s")
+TITLE = "token store reading pass, chunk checks on first read vs none (page cache warm)"
+ROUNDS = 9
+
+
+def _documents(tokens: int, mask: bool):
+    rng = np.random.default_rng(0)
+    left, i = tokens, 0
+    while left > 0:
+        n = min(left, int(rng.integers(64, 4097)))
+        doc = {"input_ids": rng.integers(0, 50_000, n, dtype=np.int64)}
+        if mask and i % 2:
+            doc["loss_mask"] = np.ones(n, dtype=np.int8)
+        yield doc
+        left, i = left - n, i + 1
+
+
+def _plain_read(store, i: int) -> dict[str, np.ndarray]:
+    """Document ``i`` as the store's reader served it before chunk checks (the reference)."""
+    start, stop = int(store._offsets[i]), int(store._offsets[i + 1])
+    out = {"input_ids": store._tokens[start:stop].astype(np.int64)}
+    for key, (values, present) in store._extras.items():
+        if present[i]:
+            out[key] = np.array(values[start:stop])
+    return out
+
+
+def _pass(store) -> None:
+    for i in range(len(store)):
+        store[i]
+
+
+def _timed(fn, store) -> float:
+    start = time.perf_counter()
+    fn(store)
+    return time.perf_counter() - start
+
+
+def _row(tokens: int, mask: bool, tmp: Path) -> dict:
+    from cpdata.sources.tokenstore import write_token_store
+
+    store = write_token_store(_documents(tokens, mask), tmp / f"store{int(mask)}", vocab_size=50_000)
+    blob = pickle.dumps(store)
+    _pass(store)  # the page cache warm
+    plain, first, checked = [], [], []
+    for r in range(ROUNDS):  # each pass on a fresh unpickled store (a new worker: new mappings, nothing checked)
+        reference = pickle.loads(blob)
+        reference._read = types.MethodType(_plain_read, reference)
+        fresh = pickle.loads(blob)
+        if r % 2:  # alternate which goes first, so a drift of the machine's load weighs on both
+            first.append(_timed(_pass, fresh))
+            plain.append(_timed(_pass, reference))
+        else:
+            plain.append(_timed(_pass, reference))
+            first.append(_timed(_pass, fresh))
+        checked.append(_timed(_pass, fresh))
+    verify = pickle.loads(blob)
+    start = time.perf_counter()
+    verify.verify_content()
+    verify_s = time.perf_counter() - start
+    nbytes = sum(e["bytes"] for e in store.manifest["files"].values())
+    p, f, c = (statistics.median(x) for x in (plain, first, checked))
+    over = statistics.median(b / a - 1 for a, b in zip(plain, first, strict=True))
+    steady = statistics.median(b / a - 1 for a, b in zip(plain, checked, strict=True))
+    return {
+        "store": "tokens+loss_mask" if mask else "tokens", "tokens": tokens,
+        "chunks": sum(len(e["chunks"]) for e in store.manifest["files"].values()),
+        "plain_s": round(p, 4), "first_s": round(f, 4), "checked_s": round(c, 4),
+        "overhead_pct": round(100 * over, 2), "steady_pct": round(100 * steady, 2),
+        "verify_gb_s": round(nbytes / verify_s / 1e9, 2),
+    }  # fmt: skip
+
+
+def run(*, quick: bool = False) -> list[dict]:
+    tokens = 4_000_000 if quick else 20_000_000
+    with tempfile.TemporaryDirectory() as tmp:
+        return [_row(tokens, mask, Path(tmp)) for mask in (False, True)]
