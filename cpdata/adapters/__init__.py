@@ -2,7 +2,10 @@
 
 =====================  ==========================================================================
 :func:`hf_model_kwargs`  ``model(**kwargs)`` for Hugging Face ``transformers`` causal LMs
-                       (flash-attn varlen ``cu_seq_lens``, or an explicit sdpa/eager/flex mask)
+                       (the ``"cpdata"`` attention's state, flash-attn varlen ``cu_seq_lens``, or
+                       explicit sdpa/eager/flex masks per layer type)
+:func:`register_hf_attention`  ``attn_implementation="cpdata"``: every layer's window, softcap and
+                       sinks over the batch's documents, at cp 1 and cp > 1 (no ctx)
 :func:`te_attention_kwargs`  Transformer Engine ``DotProductAttention`` THD arguments
                        (:func:`te_forward_kwargs`: the per-step half, no process group)
 :func:`document_causal_mask`  dense bool mask of local queries over global keys (SDPA)
@@ -24,6 +27,7 @@ every adapter reads from a batch), ``masks`` (document-causal masks), ``loss``
 from __future__ import annotations
 
 from cpdata.adapters.hf import hf_model_kwargs
+from cpdata.adapters.hf_attention import register_hf_attention
 from cpdata.adapters.loss import global_target_count, token_loss
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
 from cpdata.adapters.te import TEAttentionArgs, te_attention_kwargs, te_forward_kwargs
@@ -34,6 +38,7 @@ __all__ = [
     "flex_block_mask",
     "global_target_count",
     "hf_model_kwargs",
+    "register_hf_attention",
     "te_attention_kwargs",
     "te_forward_kwargs",
     "token_loss",

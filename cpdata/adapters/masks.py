@@ -6,14 +6,18 @@ local order, while an all-gather-KV attention (the sharder's ctx,
 attends to a key when the key lies in the query's document slot and is not
 after it::
 
-    attend[b, q, k] = slot_start(b, q) <= k <= pos(q)
+    attend[b, q, k] = slot_start(b, q) <= k <= pos(q)   [and pos(q) - k < window]
 
 ``pos`` is the layout's ``local_token_global_indices`` (the global position of
 each local token), ``slot_start`` comes from the query's ``document_ids`` and
 the global ``cu_seqlens_padded`` every rank holds: building a mask needs no
 collective and no host sync. Pads belong to their slot and sit after its real
 tokens, so real queries never see them and every row keeps its diagonal (no
-all-masked row, no NaN).
+all-masked row, no NaN). ``window`` (a sliding-window layer's
+``config.sliding_window``) keeps the last ``window`` keys up to and including
+the query, as transformers' ``sliding_window_overlay`` does
+(``kv_idx > q_idx - window``); a document's slot is contiguous in global
+order, so the window counts positions within the document.
 
 Two forms of the same predicate:
 
@@ -36,10 +40,10 @@ import torch
 from cpdata.gather import layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["document_causal_mask", "flex_block_mask"]
+__all__ = ["block_mask_from_bounds", "document_causal_mask", "flex_block_mask", "query_bounds"]
 
 
-def _query_bounds(
+def query_bounds(
     layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(slot_start [B, L], pos [L], S)``: the key range ``[slot_start, pos]`` of every local query."""
@@ -69,8 +73,17 @@ def _query_bounds(
     return cu[doc_q] - row_offset, pos, row_len
 
 
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+
+
 def document_causal_mask(
-    layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys.
 
@@ -80,13 +93,18 @@ def document_causal_mask(
         document_ids: int ``[B, L]`` (bshd) or ``[L]`` (thd stream, B = 1), the
             batch's ``document_ids`` (stream slot of each local token).
         cu_seqlens_padded: int32 ``[K+1]``, the batch's global slot offsets.
+        window: keep only keys with ``pos(q) - k < window`` (sliding-window
+            attention); None = the whole document prefix.
 
     Keys are a row's ``S`` positions in global order (``S = layout.padded_seq_len``,
     the length :func:`cpdata.gather.gather_token_tensor` returns).
     """
-    start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
+    _check_window(window)
+    start, pos, row_len = query_bounds(layout, document_ids, cu_seqlens_padded)
     k = torch.arange(row_len, device=start.device)
     mask = (k[None, None, :] >= start[:, :, None]) & (k[None, None, :] <= pos[None, :, None])
+    if window is not None:
+        mask &= k[None, None, :] > pos[None, :, None] - window
     return mask[:, None]
 
 
@@ -95,6 +113,7 @@ def flex_block_mask(
     document_ids: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
     *,
+    window: int | None = None,
     block_size: int = 128,
 ) -> Any:
     """The same predicate as :func:`document_causal_mask` as a flex-attention ``BlockMask``.
@@ -103,16 +122,27 @@ def flex_block_mask(
     heads broadcast. Use with
     ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``
     where ``k``/``v`` are gathered to global order. Building it evaluates the
-    predicate once per ``block_size`` tile (vmap, not compiled).
+    predicate once per ``block_size`` tile (vmap, not compiled). ``window`` as
+    in :func:`document_causal_mask`.
     """
+    _check_window(window)
+    start, pos, row_len = query_bounds(layout, document_ids, cu_seqlens_padded)
+    return block_mask_from_bounds(start, pos, row_len, window=window, block_size=block_size)
+
+
+def block_mask_from_bounds(
+    start: torch.Tensor, pos: torch.Tensor, row_len: int, *, window: int | None = None, block_size: int = 128
+) -> Any:
+    """``BlockMask`` of ``start[b, q] <= k <= pos[q]`` (and ``pos[q] - k < window``): int64 ``start [B, L]``,
+    ``pos [L]`` on the device the mask is for, ``row_len`` keys."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
     rows, local = start.shape
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (kv_idx >= start[b, q_idx]) & (kv_idx <= pos[q_idx])
+        keep = (kv_idx >= start[b, q_idx]) & (kv_idx <= pos[q_idx])
+        if window is not None:
+            keep = keep & (kv_idx > pos[q_idx] - window)
+        return keep
 
-    return create_block_mask(
-        mask_mod, rows, None, local, row_len, device=start.device, BLOCK_SIZE=block_size
-    )
+    return create_block_mask(mask_mod, rows, None, local, row_len, device=start.device, BLOCK_SIZE=block_size)
