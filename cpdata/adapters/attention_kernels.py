@@ -116,5 +116,6 @@ def flex_attention_call(
         return fn(q, k, v, **kwargs)
     out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
     # softmax over [s, sink] = softmax(s) * Z / (Z + e^sink), Z = e^lse
-    keep = torch.sigmoid(aux.lse.float() - sinks.float().reshape(1, -1, 1))
+    dtype = torch.promote_types(aux.lse.dtype, torch.float32)
+    keep = torch.sigmoid(aux.lse.to(dtype) - sinks.to(dtype).reshape(1, -1, 1))
     return out * keep.unsqueeze(-1).to(out.dtype)

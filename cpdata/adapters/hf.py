@@ -135,6 +135,7 @@ def hf_model_kwargs(
     """
     _check_transformers()
     tensors, layout, info = batch_parts(batch, tensors)
+    _check_model_supports(config, attn_implementation)
     config = getattr(config, "config", config)  # a model -> its config
     ours = registered_options(attn_implementation) is not None
     flash = "flash" in attn_implementation
@@ -196,6 +197,19 @@ def hf_model_kwargs(
     else:  # transformers models with layer_types pick each layer's mask from a mapping keyed by layer type
         kwargs["attention_mask"] = {layer_type: by_window[w] for layer_type, w in windows.items()}
     return kwargs
+
+
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+
+
+def _check_model_supports(model: Any, impl: str) -> None:
+    """A model class that declares it cannot run ``impl`` (Gemma 2's softcap, gpt-oss' sinks under SDPA)."""
+    flag = _SUPPORT_FLAGS.get(impl)
+    if flag is not None and hasattr(model, "config") and getattr(model, flag, True) is False:
+        raise ValueError(
+            f"{type(model).__name__}.{flag} is False: transformers' {impl} drops a variant this model needs "
+            "(logit softcapping, attention sinks); use the 'cpdata' attention (register_hf_attention()) or 'eager'"
+        )
 
 
 def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, cu: torch.Tensor, window: int | None) -> Any:
