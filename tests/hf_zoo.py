@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from cpdata.keys import IGNORE_INDEX
+from cpdata.worker.keys import IGNORE_INDEX
 
 VOCAB, WINDOW = 64, 6
 LENS = [5, 23, 9, 40, 3, 17, 30, 11, 2, 26, 14, 7]

@@ -44,6 +44,7 @@ OWN_TEST = {
     "docs/packing-and-mixing.md": "tests/test_mix.py",
     "docs/labels-and-masks.md": "tests/test_docs.py",
     "docs/bring-your-data.md": "tests/test_docs_bring_your_data.py",
+    "docs/hf-attention.md": "tests/test_hf_attention_docs.py",
 }
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
 from cpdata.adapters.hf_attention import STATE_KEY
-from cpdata.keys import IGNORE_INDEX
-from cpdata.loader import shard_graph
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from cpdata.worker.keys import IGNORE_INDEX
 from tests import hf_zoo
 from tests.hf_zoo import FAMILIES, SLIDING, alone_reference, build, grads, max_rel_error
 

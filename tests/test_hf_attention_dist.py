@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import global_target_count, hf_model_kwargs, register_hf_attention
-from cpdata.cp_attention import ContextParallelAttention
-from cpdata.loader import shard_graph
+from cpdata.device.cp_attention import ContextParallelAttention
+from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks

@@ -17,11 +17,13 @@
 Every adapter reads host-side lengths from ``batch.info`` (Python ints), so
 none needs ``.item()`` after the batch moved to the device. Nothing in
 ``cpdata`` imports this package; ``transformers`` and Transformer Engine are
-never imported here.
+never imported here (``register_hf_attention()`` imports transformers when called).
 
 Role: the top of the device half, for model stacks; modules: ``_batch`` (what
 every adapter reads from a batch), ``masks`` (document-causal masks), ``loss``
-(CP-summable loss), ``hf`` (Hugging Face kwargs), ``te`` (Transformer Engine).
+(CP-summable loss), ``hf`` (Hugging Face kwargs), ``hf_attention`` (the ``"cpdata"``
+transformers attention), ``hf_layers`` (each layer's variant from its config),
+``attention_kernels`` (dense SDPA and flex kernels behind it), ``te`` (Transformer Engine).
 """
 
 from __future__ import annotations
