@@ -94,7 +94,27 @@ def _ctx_checks(rank: int, world: int, group) -> tuple:
         bypass = str(e)
     else:
         bypass = ""
-    return ("ctx", in_ctx, g, full_pack(batches), bypass)
+    window = _ctx_window(batch, full_pack(batches), group)
+    return ("ctx", in_ctx, g, full_pack(batches), bypass, window)
+
+
+def _ctx_window(batch, full, group) -> float:
+    """The ctx's window= (non-HF models): local SDPA calls equal full attention with a sliding-window mask."""
+    import torch.nn.functional as F
+
+    size = full["document_ids"].numel()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, size, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = batch.layout.local_token_global_indices.reshape(-1)
+    doc = full["document_ids"]
+    i = torch.arange(size)
+    keep = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).index_select(2, pos)
+    with ContextParallelAttention(batch.layout, group, document_ids=batch["document_ids"].reshape(1, -1),
+                                  window=3) as ctx:  # fmt: skip
+        out = F.scaled_dot_product_attention(*(t.index_select(2, pos) for t in (q, k, v)), is_causal=True)
+    assert ctx.served == 1
+    return (out - ref).abs().max().item()
 
 
 def _check(results: list, cp: int) -> dict[str, float]:
@@ -118,9 +138,10 @@ def test_losses_and_gradients_summed_over_ranks_equal_each_document_alone(cp):
     results = run_ranks(_rank, cp, timeout=600)[0]
     _check(results, cp)
     if cp == 2:
-        _, loss, g, full, bypass = results[-1]
+        _, loss, g, full, bypass, window = results[-1]
         key = ("mistral", tuple(full["input_ids"].tolist()), tuple(full["padding_mask"].tolist()))
         if key not in _REF:
             _REF[key] = alone_reference(build("mistral", "eager"), full)
         assert max_rel_error(loss, g, *_REF[key][:2]) < 1e-6, "HF sdpa in the ctx, masks with the window"
         assert "does not call" in bypass and "'cpdata'" in bypass
+        assert window < 1e-12, "the ctx's window= at cp 2"

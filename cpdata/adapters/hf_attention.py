@@ -49,7 +49,7 @@ from cpdata.adapters.hf_layers import layer_variant
 from cpdata.adapters.masks import block_mask_from_bounds, query_bounds
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
-from cpdata.gather import gather_token_tensor
+from cpdata.gather import ensure_gather_index, gather_token_tensor
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
@@ -103,7 +103,8 @@ class HFAttentionState:
     """One batch's attention state, built by :func:`attention_state` (``hf_model_kwargs``).
 
     Attributes:
-        layout: the batch's :class:`ShardLayout` (``gather_index`` at cp > 1).
+        layout: the batch's :class:`ShardLayout` (without ``gather_index`` at cp > 1, the
+            first call builds it: one index all-gather).
         group: the CP process group (None = the default group).
         start: int64 ``[1, L]``, each local query's document slot start (global position).
         pos: int64 ``[L]``, each local query's global position.
@@ -118,6 +119,7 @@ class HFAttentionState:
     key_len: int
     options: _Options
     verified: bool = False
+    """Set after the first call's one-time checks (inverse map, plan digest)."""
     _masks: dict[tuple[str, int | None, str], Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -164,8 +166,6 @@ def attention_state(
             f"{name!r}) before building the model's kwargs (and model.set_attn_implementation({name!r}))"
         )
     cp = layout.cp_size > 1
-    if cp and layout.gather_index is None:
-        raise ValueError("layout.gather_index is None at cp > 1; pass the ShardLayout the batch came with")
     start, pos, key_len = query_bounds(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded)
     return HFAttentionState(layout=layout, group=group, start=start, pos=pos, key_len=key_len, options=options)
 
@@ -218,8 +218,11 @@ def _attention(
             "kwargs of hf_model_kwargs for this batch"
         )
     variant = layer_variant(module, query, kwargs)
-    if state.layout.cp_size > 1 and state.options.verify_layout and not state.verified:
-        verify_layout_consistency(state.layout, state.group)
+    if state.layout.cp_size > 1 and not state.verified:
+        if state.layout.gather_index is None:  # a backend's layout: its inverse once (one index all-gather)
+            state.layout = ensure_gather_index(state.layout, state.group)
+        if state.options.verify_layout:
+            verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
     key_g, value_g = _gather_kv(state.layout, state.group, key, value)
     if state.kernel_on(query.device) == "flex":
