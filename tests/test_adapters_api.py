@@ -9,7 +9,7 @@ import cpdata.adapters
 
 ADAPTERS = [
     "TEAttentionArgs", "document_causal_mask", "flex_block_mask", "global_target_count", "hf_model_kwargs",
-    "te_attention_kwargs", "te_forward_kwargs", "token_loss",
+    "register_hf_attention", "te_attention_kwargs", "te_forward_kwargs", "token_loss",
 ]  # fmt: skip
 
 

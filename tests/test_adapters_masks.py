@@ -138,3 +138,34 @@ def test_mismatched_inputs_are_refused():
         document_causal_mask(s.layout, s["document_ids"][:, :-1], s["cu_seqlens_padded"])
     with pytest.raises(ValueError, match="document_ids must be"):
         document_causal_mask(s.layout, s["document_ids"][None], s["cu_seqlens_padded"])
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+@pytest.mark.parametrize("block", [4, 16])
+def test_block_mask_from_bounds_equals_create_block_mask(window, block):
+    """The interval construction gives torch's own BlockMask tile for tile (partial and full), ragged tails too."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cpdata.adapters.masks import block_mask_from_bounds
+
+    g = torch.Generator().manual_seed(block + (window or 0))
+    row_len, local = 101, 37
+    cuts = torch.sort(torch.randint(1, row_len, (6,), generator=g)).values
+    slot_start = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
+    if window in (None, 40):  # a contiguous rank's queries: full tiles inside the documents
+        pos = torch.arange(40, 40 + local)
+    else:  # any subset (round-robin / balanced ranks)
+        pos = torch.sort(torch.randperm(row_len, generator=g)[:local]).values
+    start = slot_start[torch.searchsorted(slot_start, pos, right=True) - 1][None]
+    mine = block_mask_from_bounds(start, pos, row_len, window=window, block_size=block)
+
+    def mask_mod(b, h, q, k):
+        keep = (k >= start[b, q]) & (k <= pos[q])
+        return keep & (k > pos[q] - window) if window is not None else keep
+
+    ref = create_block_mask(mask_mod, 1, None, local, row_len, device="cpu", BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+    assert torch.equal(mine.to_dense(), ref.to_dense())
+    if window is None and block == 4:
+        assert int(mine.full_kv_num_blocks.sum()) > 0 and int(mine.kv_num_blocks.sum()) > 0, "full and partial"

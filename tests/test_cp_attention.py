@@ -15,11 +15,16 @@ LAYOUT = ShardLayout(local_token_global_indices=torch.tensor([0, 1, 6, 7]),
                      gather_index=torch.tensor([0, 1, 4, 5, 6, 7, 2, 3]), cp_size=2, cp_rank=0)
 
 
+def _quiet(layout: ShardLayout = LAYOUT) -> ContextParallelAttention:
+    """A context that makes no SDPA call on purpose (these tests check the patching itself)."""
+    return ContextParallelAttention(layout, require_calls=False)
+
+
 def test_patch_is_restored_and_contexts_nest():
-    with ContextParallelAttention(LAYOUT) as outer:
+    with _quiet() as outer:
         patched_outer = F.scaled_dot_product_attention
         assert patched_outer is not SDPA
-        with ContextParallelAttention(LAYOUT):
+        with _quiet():
             assert F.scaled_dot_product_attention not in (SDPA, patched_outer)
         assert F.scaled_dot_product_attention is patched_outer
         with pytest.raises(RuntimeError, match="already active"):
@@ -32,7 +37,7 @@ def test_patch_is_restored_and_contexts_nest():
 
 
 def test_out_of_order_exit_is_refused():
-    a, b = ContextParallelAttention(LAYOUT), ContextParallelAttention(LAYOUT)
+    a, b = _quiet(), _quiet()
     a.__enter__()
     b.__enter__()
     with pytest.raises(RuntimeError, match="LIFO"):
@@ -56,7 +61,7 @@ def test_calls_not_on_this_ranks_tokens_pass_through():
 
 def test_refusals_name_the_fix():
     q = torch.randn(1, 2, 4, 8)
-    with ContextParallelAttention(LAYOUT):
+    with _quiet():
         with pytest.raises(ValueError, match="either attn_mask or is_causal"):
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 8, dtype=torch.bool), is_causal=True)
         with pytest.raises(ValueError, match="local keys"):
@@ -71,3 +76,43 @@ def test_refusals_name_the_fix():
         ContextParallelAttention(ShardLayout())
     with pytest.raises(ValueError, match="'refuse' or 'causal'"):
         ContextParallelAttention(LAYOUT, local_attn_mask="drop")
+
+
+def test_a_model_that_bypasses_sdpa_inside_the_ctx_is_reported():
+    """cp 2, no SDPA call at all (an eager-style attention): leaving the ctx names the cause and the fix."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"does not call\s.*scaled_dot_product_attention.*'cpdata'"):
+        with ContextParallelAttention(LAYOUT):
+            torch.softmax(q @ q.transpose(-1, -2), dim=-1) @ q  # attention by hand: the patch never sees it
+    with pytest.raises(ZeroDivisionError):  # an exception in flight is not replaced by the report
+        with ContextParallelAttention(LAYOUT):
+            raise ZeroDivisionError
+    with ContextParallelAttention(LAYOUT) as ctx:  # the "cpdata" HF attention reports the calls it served
+        from cpdata.device.cp_attention import active_contexts, record_served_call
+
+        assert active_contexts() == (ctx,)
+        record_served_call()
+    assert ctx.served == 1 and active_contexts() == ()
+    one = ShardLayout(local_token_global_indices=torch.arange(4), gather_index=torch.arange(4), cp_size=1)
+    with ContextParallelAttention(one):  # cp 1: local attention is the whole attention, nothing to report
+        pass
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_keeps_the_last_w_keys_over_global_positions(causal):
+    """cp 1 (no collective): the ctx's window equals an explicit sliding-window mask, inside each document."""
+    n, w = 12, 3
+    layout = ShardLayout(local_token_global_indices=torch.arange(n), gather_index=torch.arange(n), cp_size=1)
+    docs = torch.tensor([0] * 7 + [1] * 5)[None]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    with ContextParallelAttention(layout, document_ids=docs, window=w) as ctx:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert ctx.served == 1
+    i = torch.arange(n)
+    keep = (docs[0][:, None] == docs[0][None, :]) & (i[:, None] - i[None, :] < w)
+    keep &= (i[None, :] <= i[:, None]) if causal else (i[None, :] - i[:, None] < w)
+    assert torch.allclose(out, SDPA(q, k, v, attn_mask=keep), atol=1e-12)
+    assert not torch.allclose(out, SDPA(q, k, v, attn_mask=docs[0][:, None] == docs[0][None, :]), atol=1e-3)
+    with pytest.raises(ValueError, match="positive int"):
+        ContextParallelAttention(layout, window=0)

@@ -45,6 +45,7 @@ OWN_TEST = {
     "docs/labels-and-masks.md": "tests/test_docs.py",
     "docs/bring-your-data.md": "tests/test_docs_bring_your_data.py",
     "docs/trainers.md": "tests/test_docs_trainers.py",
+    "docs/hf-attention.md": "tests/test_hf_attention_docs.py",
 }
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 

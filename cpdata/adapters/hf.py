@@ -15,6 +15,8 @@ explicit:
 - boundaries for the attention implementation named:
 
   ============================  ==========================================================
+  ``"cpdata"`` (registered)     no mask: ``cpdata_attention_state`` (the batch's layout,
+                                group, query slots and positions) for every layer
   ``flash_attention_*``         ``cu_seq_lens_q/k`` (int32, slot offsets of the stream),
                                 ``max_length_q/k`` (Python ints, from ``batch.info``)
   ``sdpa``                      ``attention_mask``: bool ``[1, 1, T, S]`` document-causal
@@ -31,17 +33,37 @@ depends on where the previous slot's pads end (sdpa). With these arguments no
 rule is guessed. Flash slots include their pads (real tokens first, so real
 queries never see them; pads have no targets).
 
-Nothing cpdata-specific (``padding_mask``, ``document_ids``, ``cu_seqlens``
-& co.) is passed to the model.
+No cpdata tensor key (``padding_mask``, ``document_ids``, ``cu_seqlens`` &
+co.) is passed to the model.
 
-Context parallelism (``cp_size > 1``): HF attention is not CP-aware; run the
-model inside the sharder's ctx, whose SDPA override gathers K/V from every CP
-rank, with ``attn_implementation="sdpa"``: ``attention_mask`` is then the
-document-causal mask of this rank's queries over the gathered global keys
-(``S = cp * T``). flash/eager/flex would attend within this rank's tokens
-only and are refused. Pass ``num_items_in_batch=global_target_count(batch,
-cp_group)`` so each rank's loss is its target sum over the pack's target
-count and the ranks' losses add up to the single-rank loss
+``"cpdata"`` (after :func:`~cpdata.adapters.register_hf_attention`): no mask
+at all; the kwargs carry the batch's attention state
+(:mod:`cpdata.adapters.hf_attention`), which every layer reads with its own
+window, softcap and sinks, at cp 1 and cp > 1 alike (no ctx needed). This is
+the path for sliding-window models and for context parallelism.
+
+Per-layer variants on the mask paths (``config=`` the model or its config):
+a config with ``layer_types`` mixing ``full_attention`` and
+``sliding_attention`` gets ``attention_mask`` as a dict keyed by layer type
+(transformers 5 models that have ``layer_types`` take a mapping and pick each
+layer's mask from it); a uniform window (Mistral: ``config.sliding_window``
+without ``layer_types``) is one mask with the window. Flash varlen applies the
+layer's window itself, inside each ``cu_seq_lens`` slot (``window_size=(W-1,
+W-1)``, causal). Without ``config`` the masks are document-causal only, which
+is right only for a model without sliding windows: pass ``config=`` (or use
+``"cpdata"``).
+
+Context parallelism (``cp_size > 1``): use ``"cpdata"``. The older path, HF
+``sdpa`` inside the ctx ``ContextParallelSharder.shard`` returns (its SDPA
+gathers K/V), still works: ``attention_mask`` is then this rank's queries over
+the gathered global keys (``S = cp * T``), the kwargs must be built inside
+``with ctx():`` (a ``ValueError`` names the fix otherwise, rather than torch's
+shape error in the first layer), and flash/eager/flex are refused (they would
+attend within this rank's tokens only). Loss: without ``num_items_in_batch``
+at cp > 1, the pack's global target count is filled in (``batch.info
+["n_targets"]`` when the pipeline recorded it, else one all-reduce over
+``group``), so each rank's loss is its target sum over the pack's target count
+and the ranks' losses add up to the single-rank loss, never ``cp x`` it
 (:mod:`cpdata.adapters.loss` states the gradient contract).
 """
 
@@ -54,7 +76,12 @@ from typing import Any
 import torch
 
 from cpdata.adapters._batch import batch_parts, info_int
+from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
+from cpdata.adapters.hf_layers import check_config, config_windows, uniform_window
+from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
+from cpdata.device.cp_attention import active_contexts
+from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, POSITION_IDS
 
 __all__ = ["hf_model_kwargs"]
@@ -82,43 +109,64 @@ def hf_model_kwargs(
     *,
     tensors: Mapping[str, torch.Tensor] | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    group: Any = None,
+    config: Any = None,
 ) -> dict[str, Any]:
     """``model(**kwargs)`` arguments for this rank's batch (see the module docstring).
 
     Args:
         batch: the :class:`~cpdata.worker.batch.ShardedBatch` (``.layout``, ``.info``).
         attn_implementation: the model's (``model.config._attn_implementation``):
-            ``"flash_attention_2"``/``"flash_attention_3"`` (any name with
-            ``flash``), ``"sdpa"``, ``"eager"`` or ``"flex_attention"``.
+            a name registered with :func:`~cpdata.adapters.register_hf_attention`
+            (``"cpdata"``), ``"flash_attention_2"``/``"flash_attention_3"`` (any
+            name with ``flash``), ``"sdpa"``, ``"eager"`` or ``"flex_attention"``.
         tensors: the batch's tensors on the device (e.g. the dict
             ``ContextParallelSharder.shard`` returns); default: ``batch``.
         num_items_in_batch: target count the HF loss divides its sum by
-            (``global_target_count(...)``); None: HF's mean over local targets.
+            (``global_target_count(...)``); None: at cp 1 HF's mean over the
+            targets, at cp > 1 the pack's global count (filled in, see the module).
+        group: the CP process group (None = the default group): the ``"cpdata"``
+            attention's K/V gather and the target-count all-reduce.
+        config: the model (or its ``PretrainedConfig``): its layer types and
+            windows decide the masks of sdpa/eager/flex; refusals name the field.
 
     No device sync: lengths come from ``batch.info``, masks are built on the
     tensors' device.
     """
     _check_transformers()
     tensors, layout, info = batch_parts(batch, tensors)
+    _check_model_supports(config, attn_implementation)
+    config = getattr(config, "config", config)  # a model -> its config
+    ours = registered_options(attn_implementation) is not None
     flash = "flash" in attn_implementation
-    if not flash and attn_implementation not in _MASKED:
+    if attn_implementation == "cpdata" and not ours:
+        raise ValueError("attn_implementation='cpdata' is not registered yet: call "
+                         "cpdata.adapters.register_hf_attention() first")  # fmt: skip
+    if not (ours or flash or attn_implementation in _MASKED):
         raise ValueError(
             f"unknown attn_implementation {attn_implementation!r}; cpdata passes explicit document boundaries "
-            f"for flash_attention_* (cu_seq_lens) and {list(_MASKED)} (attention_mask)"
+            f"for 'cpdata' (register_hf_attention), flash_attention_* (cu_seq_lens) and {list(_MASKED)} "
+            "(attention_mask)"
         )
+    check_config(config)
     input_ids = tensors[INPUT_IDS]
     if layout.cp_size > 1:
-        if attn_implementation != "sdpa":
+        if not ours and attn_implementation != "sdpa":
             raise ValueError(
                 f"attn_implementation={attn_implementation!r} would attend within this rank's tokens only "
-                f"(cp_size={layout.cp_size}); use attn_implementation='sdpa' inside the ctx "
-                "ContextParallelSharder.shard returns (its SDPA gathers K/V), or Transformer Engine"
+                f"(cp_size={layout.cp_size}); use the 'cpdata' attention (register_hf_attention(), "
+                "model.set_attn_implementation('cpdata')), or 'sdpa' inside the ctx ContextParallelSharder.shard "
+                "returns, or Transformer Engine"
             )
         if input_ids.shape[:-1].numel() != 1:
             raise ValueError(
                 f"at cp_size={layout.cp_size} a batch of {tuple(input_ids.shape)} holds one local slice per row; "
                 "build the pipeline with qkv_format='thd' or batch_size=1 for a single stream"
             )
+        if not ours:
+            _check_ctx_entered(layout, input_ids.numel())
+        if num_items_in_batch is None:
+            num_items_in_batch = _global_targets(batch, tensors, info, group)
     kwargs: dict[str, Any] = {
         "input_ids": input_ids.reshape(1, -1),
         "position_ids": tensors[POSITION_IDS].reshape(1, -1),
@@ -128,6 +176,10 @@ def hf_model_kwargs(
     kwargs["shift_labels"] = kwargs["labels"]
     if num_items_in_batch is not None:
         kwargs["num_items_in_batch"] = num_items_in_batch
+    if ours:
+        kwargs[STATE_KEY] = attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS],
+                                            tensors["cu_seqlens_padded"], group)  # fmt: skip
+        return kwargs
     if flash:
         cu = tensors["cu_seqlens_padded"]
         max_len = info_int(info, "max_seqlen_padded")
@@ -136,14 +188,63 @@ def hf_model_kwargs(
     # one row: at cp = 1 the whole stream (layout None: positions 0..T-1), at cp > 1 this rank's slice
     doc_ids = tensors[DOCUMENT_IDS].reshape(1, -1)
     mask_layout = layout if layout.cp_size > 1 else None
-    if attn_implementation == "flex_attention":
-        kwargs["attention_mask"] = flex_block_mask(mask_layout, doc_ids, tensors["cu_seqlens_padded"])
-        return kwargs
+    windows = config_windows(config)
+    by_window: dict[int | None, Any] = {}
+    for window in (set(windows.values()) if windows is not None else {uniform_window(config)}):
+        by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors["cu_seqlens_padded"], window)
+    if windows is None or len(by_window) == 1:
+        kwargs["attention_mask"] = next(iter(by_window.values()))
+    else:  # transformers models with layer_types pick each layer's mask from a mapping keyed by layer type
+        kwargs["attention_mask"] = {layer_type: by_window[w] for layer_type, w in windows.items()}
+    return kwargs
+
+
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+
+
+def _check_model_supports(model: Any, impl: str) -> None:
+    """A model class that declares it cannot run ``impl`` (Gemma 2's softcap, gpt-oss' sinks under SDPA)."""
+    flag = _SUPPORT_FLAGS.get(impl)
+    if flag is not None and hasattr(model, "config") and getattr(model, flag, True) is False:
+        raise ValueError(
+            f"{type(model).__name__}.{flag} is False: transformers' {impl} drops a variant this model needs "
+            "(logit softcapping, attention sinks); use the 'cpdata' attention (register_hf_attention()) or 'eager'"
+        )
+
+
+def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, cu: torch.Tensor, window: int | None) -> Any:
+    if impl == "flex_attention":
+        return flex_block_mask(layout, doc_ids, cu, window=window)
     # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
-    mask = document_causal_mask(mask_layout, doc_ids, tensors["cu_seqlens_padded"], keys="global")
-    if attn_implementation == "eager":
+    mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global")
+    if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
             ~mask, torch.finfo(torch.float32).min
         )
-    kwargs["attention_mask"] = mask
-    return kwargs
+    return mask
+
+
+def _check_ctx_entered(layout: ShardLayout, local_len: int) -> None:
+    """At cp > 1 the sdpa masks are over the gathered keys: without the ctx, torch's SDPA fails on shapes."""
+    if not any(ctx.local_len == local_len for ctx in active_contexts()):
+        raise ValueError(
+            f"attn_implementation='sdpa' at cp_size={layout.cp_size} runs only inside the ctx "
+            "ContextParallelSharder.shard returns (its SDPA gathers K/V; the mask is over all "
+            f"{local_len * layout.cp_size} keys): build the kwargs inside `with ctx():`, or use the 'cpdata' "
+            "attention, which needs no ctx (register_hf_attention(), model.set_attn_implementation('cpdata'))"
+        )
+
+
+def _global_targets(batch: Any, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any], group: Any) -> Any:
+    """The pack's target count at cp > 1: ``info["n_targets"]`` if recorded, else one all-reduce over ``group``."""
+    recorded = info.get("n_targets")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    try:
+        return global_target_count(batch, group, labels=tensors[LABELS])
+    except ValueError as e:
+        raise ValueError(
+            f"at cp_size={batch.layout.cp_size} the HF loss must divide by the pack's global target count, or "
+            f"the ranks' losses add up to cp x the loss; pass num_items_in_batch=global_target_count(batch, "
+            f"cp_group) or group=cp_group ({e})"
+        ) from None

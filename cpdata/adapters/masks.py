@@ -6,14 +6,18 @@ local order, while an all-gather-KV attention (the sharder's ctx,
 attends to a key when the key lies in the query's document slot and is not
 after it::
 
-    attend[b, q, k] = slot_start(b, q) <= k <= pos(q)
+    attend[b, q, k] = slot_start(b, q) <= k <= pos(q)   [and pos(q) - k < window]
 
 ``pos`` is the layout's ``local_token_global_indices`` (the global position of
 each local token), ``slot_start`` comes from the query's ``document_ids`` and
 the global ``cu_seqlens_padded`` every rank holds: building a mask needs no
 collective and no host sync. Pads belong to their slot and sit after its real
 tokens, so real queries never see them and every row keeps its diagonal (no
-all-masked row, no NaN).
+all-masked row, no NaN). ``window`` (a sliding-window layer's
+``config.sliding_window``) keeps the last ``window`` keys up to and including
+the query, as transformers' ``sliding_window_overlay`` does
+(``kv_idx > q_idx - window``); a document's slot is contiguous in global
+order, so the window counts positions within the document.
 
 Two forms of the same predicate:
 
@@ -22,16 +26,18 @@ Two forms of the same predicate:
   ``attention_mask``. Memory ``B*L*S`` bytes: 64 MiB for one 32K pack at cp = 4,
   1 GiB at 128K and cp = 16; SDPA with a mask runs the math or memory-efficient
   kernel at full ``L x S`` cost, however sparse the documents.
-- :func:`flex_block_mask`: a ``BlockMask`` (``create_block_mask``) for
-  ``flex_attention``: O(``L*S / block^2``) memory, and the kernel skips the
-  blocks the documents rule out (with 4K documents in a 128K pack ~97 %).
+- :func:`flex_block_mask`: a ``BlockMask`` for ``flex_attention``, built from
+  each query's key interval without the dense grid: O(``L*S / block^2``)
+  memory, and the kernel skips the blocks the documents rule out (with 4K
+  documents in a 128K pack ~97 %).
 
 Keys: a layout with a K/V exchange plan (``layout.kv_exchange``) is attended
 over its exchanged keys, ``K = L + n_recv`` of them (own then received, the
 order :func:`cpdata.device.kv_exchange.exchange_tokens` returns, positions from
 :func:`cpdata.device.kv_exchange.exchanged_key_positions`), unless ``keys="global"``
 asks for all ``S``; the predicate is the same, evaluated at each key's global
-position.
+position. Exchanged keys are not one interval per query, so their ``BlockMask``
+is built by ``create_block_mask`` over the ``L x K`` predicate.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.gather import layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["document_causal_mask", "flex_block_mask"]
+__all__ = ["block_mask_from_bounds", "document_causal_mask", "flex_block_mask", "query_bounds"]
 
 KeyOrder = Literal["auto", "global", "exchange"]
 
@@ -63,7 +69,7 @@ def _key_positions(layout: ShardLayout | None, keys: KeyOrder, row_len: int, dev
     return torch.arange(row_len, device=device)
 
 
-def _query_bounds(
+def query_bounds(
     layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(slot_start [B, L], pos [L], S)``: the key range ``[slot_start, pos]`` of every local query."""
@@ -93,9 +99,18 @@ def _query_bounds(
     return cu[doc_q] - row_offset, pos, row_len
 
 
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+
+
 def document_causal_mask(
-    layout: ShardLayout | None, document_ids: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-    *, keys: KeyOrder = "auto",
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    window: int | None = None,
+    keys: KeyOrder = "auto",
 ) -> torch.Tensor:
     """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys (``[B, 1, L, K]``
     over the exchanged keys when the layout has a plan, see ``keys``).
@@ -106,15 +121,20 @@ def document_causal_mask(
         document_ids: int ``[B, L]`` (bshd) or ``[L]`` (thd stream, B = 1), the
             batch's ``document_ids`` (stream slot of each local token).
         cu_seqlens_padded: int32 ``[K+1]``, the batch's global slot offsets.
+        window: keep only keys with ``pos(q) - k < window`` (sliding-window
+            attention); None = the whole document prefix.
 
         keys: ``"auto"``: the exchanged keys when ``layout.kv_exchange`` is set, else global;
             ``"global"``: a row's ``S`` positions in global order (``S = layout.padded_seq_len``, the
             length :func:`cpdata.gather.gather_token_tensor` returns); ``"exchange"``: the exchanged keys
             (refused without a plan).
     """
-    start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
+    _check_window(window)
+    start, pos, row_len = query_bounds(layout, document_ids, cu_seqlens_padded)
     k = _key_positions(layout, keys, row_len, start.device)
     mask = (k[None, None, :] >= start[:, :, None]) & (k[None, None, :] <= pos[None, :, None])
+    if window is not None:
+        mask &= k[None, None, :] > pos[None, :, None] - window
     return mask[:, None]
 
 
@@ -123,29 +143,97 @@ def flex_block_mask(
     document_ids: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
     *,
+    window: int | None = None,
     block_size: int = 128,
     keys: KeyOrder = "auto",
 ) -> Any:
     """The same predicate as :func:`document_causal_mask` as a flex-attention ``BlockMask``.
 
-    ``Q_LEN = L`` (local queries), ``KV_LEN = S`` (global keys) or ``K = L + n_recv``
-    (exchanged keys, ``keys`` as in :func:`document_causal_mask`), batch ``B``,
+    ``Q_LEN = L`` (local queries), ``KV_LEN = S`` (global keys), batch ``B``,
     heads broadcast. Use with
     ``torch.nn.attention.flex_attention.flex_attention(q, k, v, block_mask=...)``
-    where ``k``/``v`` are gathered to global order (or exchanged with
-    :func:`cpdata.device.kv_exchange.exchange_tokens`). Building it evaluates the
-    predicate once per ``block_size`` tile (vmap, not compiled).
+    where ``k``/``v`` are gathered to global order. Built from the queries' key
+    intervals (:func:`block_mask_from_bounds`), never the ``L x S`` grid.
+    ``window`` and ``keys`` as in :func:`document_causal_mask`; over exchanged
+    keys (``KV_LEN = L + n_recv``, ``k``/``v`` from
+    :func:`cpdata.device.kv_exchange.exchange_tokens`) the mask is built by
+    ``create_block_mask``, one predicate evaluation per tile.
     """
+    _check_window(window)
+    start, pos, row_len = query_bounds(layout, document_ids, cu_seqlens_padded)
+    key_pos = _key_positions(layout, keys, row_len, start.device)
+    if not (layout is not None and has_exchange(layout) and keys != "global"):  # global keys: one interval each
+        return block_mask_from_bounds(start, pos, row_len, window=window, block_size=block_size)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    start, pos, row_len = _query_bounds(layout, document_ids, cu_seqlens_padded)
     rows, local = start.shape
-    key_pos = _key_positions(layout, keys, row_len, start.device)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         k = key_pos[kv_idx]
-        return (k >= start[b, q_idx]) & (k <= pos[q_idx])
+        keep = (k >= start[b, q_idx]) & (k <= pos[q_idx])
+        if window is not None:
+            keep = keep & (k > pos[q_idx] - window)
+        return keep
 
-    return create_block_mask(
-        mask_mod, rows, None, local, key_pos.numel(), device=start.device, BLOCK_SIZE=block_size
-    )
+    return create_block_mask(mask_mod, rows, None, local, key_pos.numel(), device=start.device, BLOCK_SIZE=block_size)
+
+
+def block_mask_from_bounds(
+    start: torch.Tensor, pos: torch.Tensor, row_len: int, *, window: int | None = None, block_size: int = 128
+) -> Any:
+    """``BlockMask`` of ``start[b, q] <= k <= pos[q]`` (and ``pos[q] - k < window``), without a dense mask.
+
+    Args:
+        start: int64 ``[B, L]``, each query's first key (its slot start).
+        pos: int64 ``[L]``, each query's global position (its last key).
+        row_len: ``S``, keys per row.
+
+    Every query's keys are one interval ``[lo, pos]``, so a tile (query block x
+    key block) is live iff some query's interval meets it and full iff every
+    query of the tile covers it: two difference arrays over
+    ``[B, L/128, S/128 + 1]`` (int32, 0.5 MiB at 128K and cp 8) instead of the
+    ``L x S`` bool grid ``create_block_mask`` evaluates (2 GiB there). The
+    result equals ``create_block_mask`` of the same predicate (tests compare
+    them), padded tail tiles included (never full).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, local = start.shape
+    device = start.device
+    lo = start if window is None else torch.maximum(start, pos[None, :] - (window - 1))
+    hi = pos[None, :].expand(rows, local)
+    q_blocks, k_blocks = -(-local // block_size), -(-row_len // block_size)
+    pad = q_blocks * block_size - local
+    if pad:  # padded queries own no keys: their tiles are never full
+        lo = torch.nn.functional.pad(lo, (0, pad), value=row_len)
+        hi = torch.nn.functional.pad(hi, (0, pad), value=-1)
+    q_block = torch.arange(q_blocks * block_size, device=device) // block_size
+    flat = (torch.arange(rows, device=device)[:, None] * q_blocks + q_block[None, :]) * (k_blocks + 1)
+
+    def cover(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Per tile, how many of its queries have ``first <= key block <= last``: ``[B, Qb, Kb]``."""
+        ok = first <= last
+        diff = torch.zeros(rows * q_blocks * (k_blocks + 1), dtype=torch.int32, device=device)
+        one = ok.to(torch.int32).reshape(-1)
+        diff.scatter_add_(0, (flat + first.clamp(0, k_blocks)).reshape(-1), one)
+        diff.scatter_add_(0, (flat + (last + 1).clamp(0, k_blocks)).reshape(-1), -one)
+        return diff.view(rows, q_blocks, k_blocks + 1).cumsum(-1)[..., :k_blocks]
+
+    live = cover(lo // block_size, hi // block_size) > 0
+    full = cover(-(-lo // block_size), (hi + 1) // block_size - 1) == block_size
+    partial = live & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # torch's _dense_to_ordered
+        dense = dense[:, None].to(torch.int32)
+        return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
+            torch.int32
+        )
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        keep = (kv_idx >= start[b, q_idx]) & (kv_idx <= pos[q_idx])
+        if window is not None:
+            keep = keep & (kv_idx > pos[q_idx] - window)
+        return keep
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block_size, block_size),
+                                    mask_mod=mask_mod, seq_lengths=(local, row_len))  # fmt: skip

@@ -53,6 +53,24 @@ SDPA arguments:
 Calls whose query or key length is not ``L`` (a vision tower, keys the model
 already gathered itself) pass through to torch's kernel untouched.
 
+``window=W`` (models that are not Hugging Face ones; HF models take the
+``"cpdata"`` attention, :func:`cpdata.adapters.register_hf_attention`, which
+reads each layer's own window) keeps, for every served call, only keys with
+``q_pos - W < k_pos`` (and ``k_pos < q_pos + W`` for non-causal calls):
+sliding-window attention over global positions, hence within a document too.
+
+Calls are counted (``served``: gathered calls; ``passed``: pass-through
+calls). Leaving a context at ``cp_size > 1`` when the model made no SDPA call
+at all raises ``ValueError``: its attention never reached
+``scaled_dot_product_attention`` (HF ``eager``, a model registering its own
+attention function, a kernel bound before the patch), so every rank attended
+to its own tokens only. The fix for a Hugging Face model is the ``"cpdata"``
+attention implementation (``require_calls=False`` for code that may
+legitimately make none, e.g. a pipeline stage without attention layers).
+:func:`active_contexts` lists the entered contexts
+(innermost last) so adapters can tell a missing ``with ctx():`` before the
+model runs.
+
 Scope: the patch replaces the attribute on ``torch.nn.functional`` for the
 whole process while the context is active; code that bound the function
 before (``from torch.nn.functional import scaled_dot_product_attention``) is
@@ -77,12 +95,27 @@ from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, 
 from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["AttentionContextFactory", "ContextParallelAttention"]
+__all__ = ["AttentionContextFactory", "ContextParallelAttention", "active_contexts", "record_served_call"]
 
 _KERNEL = torch._C._nn.scaled_dot_product_attention  # torch's own SDPA, whatever is patched on F
 _PATCH_LOCK = threading.Lock()
 _CHECKS: dict[int | None, LayoutCheck] = {}  # per interval: the contexts this process entered
+_ACTIVE: list[ContextParallelAttention] = []  # entered contexts, innermost last (guarded by _PATCH_LOCK)
 LocalMaskPolicy = Literal["refuse", "causal"]
+
+
+def active_contexts() -> tuple[ContextParallelAttention, ...]:
+    """The contexts entered and not yet left in this process, innermost last."""
+    with _PATCH_LOCK:
+        return tuple(_ACTIVE)
+
+
+def record_served_call() -> None:
+    """Count one attention call served by other CP-aware code (the ``"cpdata"`` HF attention) in the
+    innermost active context, so leaving it does not report a model that bypassed SDPA."""
+    with _PATCH_LOCK:
+        if _ACTIVE:
+            _ACTIVE[-1].served += 1
 
 
 class ContextParallelAttention:
@@ -96,6 +129,8 @@ class ContextParallelAttention:
         document_ids: torch.Tensor | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
         check_every: int | None = DEFAULT_CHECK_EVERY,
+        window: int | None = None,
+        require_calls: bool = True,
     ) -> None:
         """Bind the override to one sharded batch.
 
@@ -118,6 +153,9 @@ class ContextParallelAttention:
             check_every: :func:`cpdata.device.consistency.verify_layout_consistency` of ``layout`` on entering the
                 first context of this process and every this many after (default 100; 0 or None: off; the
                 ctx ``sharder.shard()`` returns leaves it to the sharder, which checked already).
+            window: sliding window over global positions (see the module);
+                None = none.
+            require_calls: at cp > 1, raise on exit if no SDPA call was made.
         """
         if layout.local_token_global_indices is None:
             raise ValueError(
@@ -126,6 +164,12 @@ class ContextParallelAttention:
             )
         if local_attn_mask not in ("refuse", "causal"):
             raise ValueError(f"local_attn_mask={local_attn_mask!r}: use 'refuse' or 'causal'")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+        self.window = window
+        self.require_calls = require_calls
+        self.served = 0
+        self.passed = 0
         self.layout = layout
         self.group = group
         self.document_ids = document_ids
@@ -151,9 +195,11 @@ class ContextParallelAttention:
             patched.__doc__ = F.scaled_dot_product_attention.__doc__
             self._previous, self._patched = F.scaled_dot_product_attention, patched
             F.scaled_dot_product_attention = patched
+            self.served = self.passed = 0
+            _ACTIVE.append(self)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object = None, *exc: object) -> None:
         with _PATCH_LOCK:
             if F.scaled_dot_product_attention is not self._patched:
                 raise RuntimeError(
@@ -162,6 +208,19 @@ class ContextParallelAttention:
                 )
             F.scaled_dot_product_attention = self._previous
             self._previous = self._patched = None
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+        if exc_type is None and self.require_calls and self.layout.cp_size > 1 and self.served + self.passed == 0:
+            raise ValueError(
+                f"no attention call reached scaled_dot_product_attention inside this ContextParallelAttention "
+                f"(cp_size={self.layout.cp_size}): the model's attention does not call "
+                "torch.nn.functional.scaled_dot_product_attention (HF 'eager', its own registered attention, "
+                "or a kernel bound before the ctx), so each rank attended to its own tokens only. For a Hugging "
+                "Face model use the 'cpdata' attention: cpdata.adapters.register_hf_attention(), "
+                "model.set_attn_implementation('cpdata'), model(**hf_model_kwargs(batch, 'cpdata', ...)) "
+                "(no ctx needed); other models: call F.scaled_dot_product_attention on the local Q/K/V "
+                "(require_calls=False if this code makes no attention call on purpose)"
+            )
 
     # -- attention ----------------------------------------------------------------
     def attention(
@@ -179,6 +238,7 @@ class ContextParallelAttention:
         kernel_kwargs = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
         n = self.local_len
         if query.shape[-2] != n or key.shape[-2] != n:
+            self.passed += 1
             return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
@@ -210,7 +270,7 @@ class ContextParallelAttention:
             )
         ek = key.shape[-1]
         seq_dim = key.dim() - 2
-        if attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout):
+        if attn_mask is None and is_causal and self.document_ids is not None and self.window is None and has_exchange(layout):
             # document-causal with a plan: only the keys this rank's queries need (own + received)
             kv = exchange_tokens(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
             mask = self._exchange_mask(query.device)
@@ -220,6 +280,7 @@ class ContextParallelAttention:
         key_g, value_g = kv.split((ek, value.shape[-1]), dim=-1)
         if attn_mask is not None:
             mask = _combine(attn_mask, mask)
+        self.served += 1
         return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
 
     # -- masks ----------------------------------------------------------------------
@@ -233,10 +294,15 @@ class ContextParallelAttention:
         key = (str(device), causal)
         if key not in self._masks:
             mask = None
+            q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
+            k_pos = torch.arange(self.local_len * self.layout.cp_size, device=device)
             if causal:
-                q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
-                k_pos = torch.arange(self.local_len * self.layout.cp_size, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]
+            if self.window is not None:
+                near = k_pos[None, :] > q_pos[:, None] - self.window
+                if not causal:
+                    near &= k_pos[None, :] < q_pos[:, None] + self.window
+                mask = near if mask is None else mask & near
             if self.document_ids is not None:
                 doc_q = self.document_ids.to(device)
                 doc_k = self._document_keys(device)
@@ -302,7 +368,8 @@ class AttentionContextFactory:
     ``ctx()`` → a :class:`ContextParallelAttention` without a document mask
     (what SDPA computes on the packed row at cp = 1, and what torch's
     ``context_parallel`` computes); ``ctx(document_mask=True)`` adds the
-    batch's document mask (refused when the batch has no ``document_ids``).
+    batch's document mask (refused when the batch has no ``document_ids``);
+    ``window=`` a sliding window over global positions.
     """
 
     layout: ShardLayout
@@ -310,7 +377,12 @@ class AttentionContextFactory:
     document_ids: torch.Tensor | None = None
 
     def __call__(
-        self, *, document_mask: bool = False, local_attn_mask: LocalMaskPolicy = "refuse"
+        self,
+        *,
+        document_mask: bool = False,
+        local_attn_mask: LocalMaskPolicy = "refuse",
+        window: int | None = None,
+        require_calls: bool = True,
     ) -> ContextParallelAttention:
         if document_mask and self.document_ids is None:
             raise ValueError(
@@ -323,4 +395,6 @@ class AttentionContextFactory:
             document_ids=self.document_ids if document_mask else None,
             local_attn_mask=local_attn_mask,
             check_every=0,  # sharder.shard() checked the layout
+            window=window,
+            require_calls=require_calls,
         )

@@ -1,0 +1,121 @@
+"""The two kernels behind the ``"cpdata"`` attention: dense masked SDPA (any device) and flex (CUDA).
+
+Both compute, for local queries ``q [B, H, L, E]`` over keys/values in global
+order ``k [B, Hkv, S, E]``, ``v [B, Hkv, S, Ev]`` (``H % Hkv == 0``, GQA query
+head ``h`` reads key head ``h // (H / Hkv)`` as transformers' ``repeat_kv``)::
+
+    s = scale * q k^T                          [B, H, L, S]
+    s = softcap * tanh(s / softcap)            (logit softcapping, Gemma 2)
+    s = s where keep else -inf                 (document, causal, window)
+    p = softmax([s, sink_h])[..., :S]          (attention sinks, gpt-oss: an extra logit per head, no value)
+    out = dropout(p) v                         [B, H, L, Ev]
+
+Memory per call, ``L`` local queries, ``S = cp * L`` keys:
+
+==========================  ===========================================================================
+:func:`dense_attention`     ``keep`` bool ``[1, 1, L, S]`` (``L*S`` bytes, shared by every layer with the
+                            same window; 32K pack at cp 4: 256 MiB, 128K at cp 8: 2 GiB), plus, with
+                            softcap or sinks, the float scores ``[B, H, L, S+1]`` (the math path); without
+                            them torch's SDPA (math / memory-efficient kernel, full ``L x S`` work).
+:func:`flex_attention_call`  a ``BlockMask``: ``O(L*S / 128^2)`` int32 (kilobytes); the compiled kernel
+                            skips blocks the documents and the window rule out and never holds scores.
+                            Softcap is a ``score_mod``; sinks rescale the output by
+                            ``sigmoid(lse - sink)`` (the log-sum-exp is differentiable in torch >= 2.5).
+==========================  ===========================================================================
+
+The dense kernel is exact on CPU and CUDA and is the CPU default. flex runs
+compiled on CUDA only; on CPU torch runs flex's eager reference forward (no
+backward), which the tests use to check this module's flex wiring.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["dense_attention", "flex_attention_call"]
+
+_SDPA = torch._C._nn.scaled_dot_product_attention  # torch's kernel, never a patched F attribute
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """``out [B, H, L, Ev]`` with a dense bool ``keep`` mask ``[B|1, 1, L, S]`` (see the module).
+
+    Without softcap and sinks this is one ``scaled_dot_product_attention`` call
+    (``enable_gqa`` for grouped heads). With either, the scores are built
+    explicitly in ``q``'s dtype and the softmax runs in at least float32.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None and sinks is None:
+        return _SDPA(q, k, v, attn_mask=keep, dropout_p=dropout, scale=scale, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(dtype).masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: Any,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out [B, H, L, Ev]`` through ``flex_attention`` with ``block_mask`` (see the module).
+
+    Compiled (once per process) on CUDA; torch's eager flex elsewhere. Dropout
+    is not supported by flex (the caller refuses it).
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    score_mod = None
+    if softcap is not None:
+        cap = float(softcap)
+
+        def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 (flex's signature)
+            return torch.tanh(score / cap) * cap
+
+    groups = q.shape[1] // k.shape[1]
+    kwargs: dict[str, Any] = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale,
+                              "enable_gqa": groups > 1}  # fmt: skip
+    if sinks is None:
+        return fn(q, k, v, **kwargs)
+    out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+    # softmax over [s, sink] = softmax(s) * Z / (Z + e^sink), Z = e^lse
+    dtype = torch.promote_types(aux.lse.dtype, torch.float32)
+    keep = torch.sigmoid(aux.lse.to(dtype) - sinks.to(dtype).reshape(1, -1, 1))
+    return out * keep.unsqueeze(-1).to(out.dtype)

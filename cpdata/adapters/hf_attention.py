@@ -1,0 +1,241 @@
+"""``"cpdata"``: a transformers attention implementation that is right for every layer, at any cp (torch only).
+
+::
+
+    from cpdata.adapters import hf_model_kwargs, register_hf_attention
+    register_hf_attention()                      # once per process: AttentionInterface.register("cpdata", ...)
+    model.set_attn_implementation("cpdata")      # or from_pretrained(..., attn_implementation="cpdata")
+    loss = model(**hf_model_kwargs(batch, "cpdata", tensors=local, group=cp_group)).loss
+
+transformers calls the registered function in every attention layer with the
+module, ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` (local
+tokens, rotary already applied) and the layer's own kwargs: ``sliding_window``,
+``scaling``, ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss), ``dropout``.
+Per-batch state (:class:`HFAttentionState`: the batch's ``ShardLayout``, the
+CP group, each local query's document slot start and global position) rides
+in the ``model(...)`` kwargs that :func:`hf_model_kwargs` returns; transformers
+forwards them to every layer. Per call:
+
+1. check the layer's variant against its config (:mod:`cpdata.adapters.hf_layers`):
+   known layer types, windows, causal; anything else is a ``ValueError``;
+2. on the first call for a batch at cp > 1, verify that the CP group holds one
+   shard plan (:func:`cpdata.device.consistency.verify_layout_consistency`, one
+   16-byte all-reduce; ``register_hf_attention(verify_layout=False)`` skips it);
+3. gather K/V to global order (:func:`_gather_kv`: one all-gather of
+   ``cat(k, v)`` per layer, backward a reduce-scatter; nothing at cp 1);
+4. mask ``slot_start(q) <= k <= pos(q)`` and ``pos(q) - k < window``, built
+   once per batch, window and device and shared by the layers;
+5. run flex attention with a ``BlockMask`` on CUDA, or SDPA with the dense
+   mask elsewhere (:mod:`cpdata.adapters.attention_kernels`: the memory of each).
+
+transformers builds no mask of its own for this name (it is not in
+``AttentionMaskInterface``: ``_preprocess_mask_arguments`` returns None), so no
+``[T, T]`` mask is ever materialized for it. Generation (a KV cache, queries
+shorter than keys) is refused: train with ``"cpdata"``, generate with another
+implementation. Inside the sharder's ctx the result is the same (keys arrive
+already gathered, so the ctx's SDPA patch passes the call through), and the
+call is counted as served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
+from cpdata.adapters.hf_layers import layer_variant
+from cpdata.adapters.masks import block_mask_from_bounds, query_bounds
+from cpdata.device.consistency import verify_layout_consistency
+from cpdata.device.cp_attention import record_served_call
+from cpdata.gather import ensure_gather_index, gather_token_tensor
+from cpdata.layout.shard_layout import ShardLayout
+
+__all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
+
+STATE_KEY = "cpdata_attention_state"
+Kernel = Literal["auto", "dense", "flex"]
+_KERNELS = ("auto", "dense", "flex")
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    kernel: Kernel
+    verify_layout: bool
+
+
+_REGISTERED: dict[str, _Options] = {}
+
+
+def registered_options(name: str) -> _Options | None:
+    """The options ``name`` was registered with by :func:`register_hf_attention`; None if it was not."""
+    return _REGISTERED.get(name)
+
+
+def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
+    """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name``; returns ``name``.
+
+    Args:
+        name: the ``attn_implementation`` to register (``"cpdata"``).
+        kernel: ``"auto"`` (flex on CUDA, dense SDPA elsewhere), ``"dense"``
+            (SDPA with a dense mask, any device) or ``"flex"`` (``flex_attention``:
+            compiled on CUDA; on CPU torch's eager flex runs forward only).
+        verify_layout: at cp > 1, check on each batch's first attention call
+            that every CP rank holds the same shard plan (one 16-byte all-reduce).
+
+    Idempotent; registering again replaces the options. Imports transformers.
+    """
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {list(_KERNELS)}")
+    from transformers import AttentionInterface
+
+    def cpdata_attention(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        return _attention(name, module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, cpdata_attention)
+    _REGISTERED[name] = _Options(kernel=kernel, verify_layout=bool(verify_layout))
+    return name
+
+
+@dataclass(eq=False)
+class HFAttentionState:
+    """One batch's attention state, built by :func:`attention_state` (``hf_model_kwargs``).
+
+    Attributes:
+        layout: the batch's :class:`ShardLayout` (without ``gather_index`` at cp > 1, the
+            first call builds it: one index all-gather).
+        group: the CP process group (None = the default group).
+        start: int64 ``[1, L]``, each local query's document slot start (global position).
+        pos: int64 ``[L]``, each local query's global position.
+        key_len: ``S``, the keys after the gather (``cp * L``).
+        options: the registered name's options.
+    """
+
+    layout: ShardLayout
+    group: Any
+    start: torch.Tensor
+    pos: torch.Tensor
+    key_len: int
+    options: _Options
+    verified: bool = False
+    """Set after the first call's one-time checks (inverse map, plan digest)."""
+    _masks: dict[tuple[str, int | None, str], Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def local_len(self) -> int:
+        return self.pos.numel()
+
+    def kernel_on(self, device: torch.device) -> str:
+        if self.options.kernel == "auto":
+            return "flex" if device.type == "cuda" else "dense"
+        return self.options.kernel
+
+    def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
+        """Dense bool ``[1, 1, L, S]`` (``kind="dense"``) or a ``BlockMask`` (``"flex"``); cached per batch."""
+        key = (kind, window, str(device))
+        if key not in self._masks:
+            start, pos = self.start.to(device), self.pos.to(device)
+            if kind == "flex":
+                self._masks[key] = block_mask_from_bounds(start, pos, self.key_len, window=window)
+            else:
+                k = torch.arange(self.key_len, device=device)
+                keep = (k >= start[0, :, None]) & (k <= pos[:, None])
+                if window is not None:
+                    keep &= k > pos[:, None] - window
+                self._masks[key] = keep[None, None]
+        return self._masks[key]
+
+
+def attention_state(
+    name: str,
+    layout: ShardLayout,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    group: Any = None,
+) -> HFAttentionState:
+    """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``).
+
+    ``document_ids``: this rank's slot id per token; rows are flattened into
+    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``).
+    """
+    options = _REGISTERED.get(name)
+    if options is None:
+        raise ValueError(
+            f"attn_implementation={name!r} is not registered; call cpdata.adapters.register_hf_attention("
+            f"{name!r}) before building the model's kwargs (and model.set_attn_implementation({name!r}))"
+        )
+    cp = layout.cp_size > 1
+    start, pos, key_len = query_bounds(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded)
+    return HFAttentionState(layout=layout, group=group, start=start, pos=pos, key_len=key_len, options=options)
+
+
+def _gather_kv(
+    layout: ShardLayout, group: Any, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``key``/``value [B, Hkv, L, E]`` -> every rank's, in global order ``[B, Hkv, cp*L, E]``.
+
+    The one place K/V cross ranks: one all-gather of ``cat(key, value)`` (its
+    backward a reduce-scatter, so each rank's K/V gradient sums every rank's
+    loss). A smaller exchange (only the keys a rank's documents need) would
+    replace this function. At cp 1 K/V are returned as they are.
+    """
+    if layout.cp_size == 1:
+        return key, value
+    if key.dtype != value.dtype:
+        raise ValueError(f"key {key.dtype} and value {value.dtype} must share a dtype (gathered as one tensor)")
+    kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, group, seq_dim=2)
+    key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
+    return key_g, value_g
+
+
+def _attention(
+    name: str,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    state = kwargs.pop(STATE_KEY, None)
+    if not isinstance(state, HFAttentionState):
+        raise ValueError(
+            f"attn_implementation={name!r} needs the batch's cpdata state in model(...)'s kwargs: call "
+            f"model(**hf_model_kwargs(batch, {name!r}, tensors=..., group=...)); to run the model on other "
+            "inputs (evaluation, generation) switch it to another attn_implementation"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"attn_implementation={name!r} got an attention_mask ({type(attention_mask).__name__}); the masks "
+            "come from the batch's layout and document ids: call the model without attention_mask"
+        )
+    n = state.local_len
+    if query.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
+        raise ValueError(
+            f"attn_implementation={name!r}: query {tuple(query.shape)} / key {tuple(key.shape)} do not hold "
+            f"this batch's {n} tokens as one row (a KV cache or generation step?); use_cache=False and the "
+            "kwargs of hf_model_kwargs for this batch"
+        )
+    variant = layer_variant(module, query, kwargs)
+    if state.layout.cp_size > 1 and not state.verified:
+        if state.layout.gather_index is None:  # a backend's layout: its inverse once (one index all-gather)
+            state.layout = ensure_gather_index(state.layout, state.group)
+        if state.options.verify_layout:
+            verify_layout_consistency(state.layout, state.group, device=query.device)
+        state.verified = True
+    key_g, value_g = _gather_kv(state.layout, state.group, key, value)
+    if state.kernel_on(query.device) == "flex":
+        if variant.dropout > 0:
+            raise ValueError(
+                f"attention dropout {variant.dropout} on the flex kernel: flex_attention has no dropout; set "
+                "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
+            )
+        out = flex_attention_call(query, key_g, value_g, state.mask("flex", variant.window, query.device),
+                                  scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)  # fmt: skip
+    else:
+        out = dense_attention(query, key_g, value_g, state.mask("dense", variant.window, query.device),
+                              scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks,
+                              dropout=variant.dropout)  # fmt: skip
+    record_served_call()
+    return out.transpose(1, 2).contiguous(), None
