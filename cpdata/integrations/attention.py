@@ -97,6 +97,12 @@ class CPModelInputs:
             if self._sharder is None:
                 self._sharder = ContextParallelSharder(None, self.mesh, batch)
             factory, local = self._sharder.shard(batch)
-            ctx = factory()  # cp > 1: the SDPA override (K/V gathered); cp = 1: nullcontext
-            impl = "sdpa" if batch.layout.cp_size > 1 else self.attn_implementation
+            if batch.layout.cp_size > 1:
+                # sdpa kwargs at cp > 1 are built inside the ctx (their mask is over the gathered keys); the step
+                # then runs in a fresh one (the SDPA override, K/V gathered)
+                with factory(require_calls=False):
+                    kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=num_items_in_batch)
+                return factory(), kwargs
+            ctx = factory()  # cp = 1: nullcontext
+            impl = self.attn_implementation
         return ctx, hf_model_kwargs(batch, impl, tensors=local, num_items_in_batch=num_items_in_batch)
