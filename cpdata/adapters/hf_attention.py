@@ -21,10 +21,16 @@ forwards them to every layer. Per call:
 2. on the first call for a batch at cp > 1, verify that the CP group holds one
    shard plan (:func:`cpdata.device.consistency.verify_layout_consistency`, one
    16-byte all-reduce; ``register_hf_attention(verify_layout=False)`` skips it);
-3. gather K/V to global order (:func:`_gather_kv`: one all-gather of
-   ``cat(k, v)`` per layer, backward a reduce-scatter; nothing at cp 1);
-4. mask ``slot_start(q) <= k <= pos(q)`` and ``pos(q) - k < window``, built
-   once per batch, window and device and shared by the layers;
+3. bring the keys this rank's queries need (:func:`_keys_values`, one
+   collective per layer for ``cat(k, v)``; nothing at cp 1): with a K/V
+   exchange plan (``layout.kv_exchange``, batches built with
+   ``kv_exchange=True``) one all-to-all of only the keys the rank's documents
+   reach (backward the reverse, :mod:`cpdata.device.kv_exchange`), else one
+   all-gather of every rank's K/V to global order (backward a reduce-scatter);
+4. mask ``slot_start(q) <= key_pos(k) <= pos(q)`` and ``pos(q) - key_pos(k) <
+   window`` at each key's global position, built once per batch, window and
+   device and shared by the layers (a layer's window keeps a subset of the
+   document prefix, so the exchanged keys serve every window);
 5. run flex attention with a ``BlockMask`` on CUDA, or SDPA with the dense
    mask elsewhere (:mod:`cpdata.adapters.attention_kernels`: the memory of each).
 
@@ -46,9 +52,10 @@ import torch
 
 from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.adapters.masks import block_mask_from_bounds, query_bounds
+from cpdata.adapters.masks import block_mask_from_bounds, block_mask_over_keys, query_bounds
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
+from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
 from cpdata.gather import ensure_gather_index, gather_token_tensor
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -108,8 +115,10 @@ class HFAttentionState:
         group: the CP process group (None = the default group).
         start: int64 ``[1, L]``, each local query's document slot start (global position).
         pos: int64 ``[L]``, each local query's global position.
-        key_len: ``S``, the keys after the gather (``cp * L``).
+        key_len: the keys each layer attends over: ``S = cp * L`` after the all-gather, ``L + n_recv``
+            with an exchange plan.
         options: the registered name's options.
+        exchange: cp > 1 and the layout carries a K/V exchange plan (keys are own + received).
     """
 
     layout: ShardLayout
@@ -118,6 +127,7 @@ class HFAttentionState:
     pos: torch.Tensor
     key_len: int
     options: _Options
+    exchange: bool = False
     verified: bool = False
     """Set after the first call's one-time checks (inverse map, plan digest)."""
     _masks: dict[tuple[str, int | None, str], Any] = field(default_factory=dict, repr=False)
@@ -132,14 +142,19 @@ class HFAttentionState:
         return self.options.kernel
 
     def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
-        """Dense bool ``[1, 1, L, S]`` (``kind="dense"``) or a ``BlockMask`` (``"flex"``); cached per batch."""
+        """Dense bool ``[1, 1, L, key_len]`` (``kind="dense"``) or a ``BlockMask`` (``"flex"``); cached per batch."""
         key = (kind, window, str(device))
         if key not in self._masks:
             start, pos = self.start.to(device), self.pos.to(device)
-            if kind == "flex":
+            if self.exchange:  # own keys then received ones, at their global positions
+                k = exchanged_key_positions(self.layout, device)
+            else:  # one interval of the global order per query
+                k = torch.arange(self.key_len, device=device)
+            if kind == "flex" and self.exchange:
+                self._masks[key] = block_mask_over_keys(start, pos, k, window=window)
+            elif kind == "flex":
                 self._masks[key] = block_mask_from_bounds(start, pos, self.key_len, window=window)
             else:
-                k = torch.arange(self.key_len, device=device)
                 keep = (k >= start[0, :, None]) & (k <= pos[:, None])
                 if window is not None:
                     keep &= k > pos[:, None] - window
@@ -167,24 +182,33 @@ def attention_state(
         )
     cp = layout.cp_size > 1
     start, pos, key_len = query_bounds(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded)
-    return HFAttentionState(layout=layout, group=group, start=start, pos=pos, key_len=key_len, options=options)
+    exchange = cp and has_exchange(layout)
+    if exchange:
+        key_len = pos.numel() + int(layout.kv_exchange.n_recv)
+    return HFAttentionState(layout=layout, group=group, start=start, pos=pos, key_len=key_len, options=options,
+                            exchange=exchange)  # fmt: skip
 
 
-def _gather_kv(
-    layout: ShardLayout, group: Any, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``key``/``value [B, Hkv, L, E]`` -> every rank's, in global order ``[B, Hkv, cp*L, E]``.
+def _keys_values(state: HFAttentionState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``key``/``value [B, Hkv, L, E]`` -> the keys its queries attend over ``[B, Hkv, key_len, E]``.
 
-    The one place K/V cross ranks: one all-gather of ``cat(key, value)`` (its
-    backward a reduce-scatter, so each rank's K/V gradient sums every rank's
-    loss). A smaller exchange (only the keys a rank's documents need) would
-    replace this function. At cp 1 K/V are returned as they are.
+    The one place K/V cross ranks, as one tensor ``cat(key, value)``: with an
+    exchange plan one all-to-all of the keys this rank's documents need (own
+    keys first, then the received ones; backward the reverse all-to-all and an
+    ``index_add`` into each key's owner), else one all-gather to global order
+    (backward a reduce-scatter). Either way each rank's K/V gradient sums every
+    rank's loss. At cp 1 K/V are returned as they are.
     """
+    layout = state.layout
     if layout.cp_size == 1:
         return key, value
     if key.dtype != value.dtype:
-        raise ValueError(f"key {key.dtype} and value {value.dtype} must share a dtype (gathered as one tensor)")
-    kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, group, seq_dim=2)
+        raise ValueError(f"key {key.dtype} and value {value.dtype} must share a dtype (sent as one tensor)")
+    kv = torch.cat((key, value), dim=-1)
+    if state.exchange:
+        kv = exchange_tokens(kv, layout, state.group, seq_dim=2)
+    else:
+        kv = gather_token_tensor(kv, layout, state.group, seq_dim=2)
     key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
     return key_g, value_g
 
@@ -219,12 +243,12 @@ def _attention(
         )
     variant = layer_variant(module, query, kwargs)
     if state.layout.cp_size > 1 and not state.verified:
-        if state.layout.gather_index is None:  # a backend's layout: its inverse once (one index all-gather)
+        if state.layout.gather_index is None and not state.exchange:  # its inverse once (one index all-gather)
             state.layout = ensure_gather_index(state.layout, state.group)
         if state.options.verify_layout:
             verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
-    key_g, value_g = _gather_kv(state.layout, state.group, key, value)
+    key_g, value_g = _keys_values(state, key, value)
     if state.kernel_on(query.device) == "flex":
         if variant.dropout > 0:
             raise ValueError(

@@ -50,7 +50,7 @@ from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.gather import layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["block_mask_from_bounds", "document_causal_mask", "flex_block_mask", "query_bounds"]
+__all__ = ["block_mask_from_bounds", "block_mask_over_keys", "document_causal_mask", "flex_block_mask", "query_bounds"]
 
 KeyOrder = Literal["auto", "global", "exchange"]
 
@@ -164,6 +164,20 @@ def flex_block_mask(
     key_pos = _key_positions(layout, keys, row_len, start.device)
     if not (layout is not None and has_exchange(layout) and keys != "global"):  # global keys: one interval each
         return block_mask_from_bounds(start, pos, row_len, window=window, block_size=block_size)
+    return block_mask_over_keys(start, pos, key_pos, window=window, block_size=block_size)
+
+
+def block_mask_over_keys(
+    start: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, *, window: int | None = None,
+    block_size: int = 128,
+) -> Any:
+    """``BlockMask`` of ``start[b, q] <= key_pos[k] <= pos[q]`` (and ``pos[q] - key_pos[k] < window``).
+
+    For keys in any order (``key_pos`` int64 ``[K]``, e.g. the exchanged keys of
+    :func:`cpdata.device.kv_exchange.exchanged_key_positions`), so not one interval
+    per query: ``create_block_mask`` evaluates the predicate over the ``L x K``
+    grid (bool, in chunks on CUDA; ``K = L + n_recv``, smaller than the all-gather's ``S``).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, local = start.shape
