@@ -177,6 +177,9 @@ def _pipeline_plans(rank: int, cp: int) -> dict:
     return out
 
 
+WINDOW = 5
+
+
 def _check_batch_attention(batch, shards, rows: np.ndarray, rank: int, qkv: str) -> None:
     n_rows = batch["document_ids"].shape[0] if qkv == "bshd" else 1
     s = rows.size
@@ -199,6 +202,14 @@ def _check_batch_attention(batch, shards, rows: np.ndarray, rank: int, qkv: str)
     (o * w.index_select(2, idx)).sum().backward()
     for got, want in ((lq, q0), (lk, k0), (lv, v0)):
         assert _close(got.grad, want.grad.index_select(2, idx))
+    # window= (a non-HF sliding-window model): the exchanged keys still serve it, the window is in the mask
+    pos = torch.arange(s)
+    near = keep & (pos[None, :, None] - pos[None, None, :] < WINDOW)
+    ref_w = F.scaled_dot_product_attention(q, k, v, attn_mask=near[:, None]).index_select(2, idx)
+    with counting_collectives() as calls, factory(document_mask=True, window=WINDOW):
+        o_w = F.scaled_dot_product_attention(*(t.detach() for t in (lq, lk, lv)), is_causal=True)
+    assert {n for n, _ in calls} == {"all_to_all_single"}, calls
+    assert _close(o_w, ref_w) and not _close(o_w, o.detach())
 
 
 def test_pipeline_plans_are_deterministic_and_agree_across_processes():

@@ -28,7 +28,8 @@ With a K/V exchange plan (``layout.kv_exchange``, batches built with
 ``kv_exchange=True``), a document-causal call (``document_ids`` given,
 ``is_causal``, no ``attn_mask``) replaces the all-gather by one all-to-all of
 just the keys this rank's queries need (:mod:`cpdata.device.kv_exchange`): K/V and the
-mask are ``L + n_recv`` keys wide instead of ``cp*L``. Every other call (no
+mask are ``L + n_recv`` keys wide instead of ``cp*L`` (with ``window=`` too: a window keeps a subset of the
+keys the plan delivers). Every other call (no
 document mask, bidirectional, an explicit ``attn_mask``) keeps the all-gather.
 
 SDPA arguments:
@@ -270,8 +271,9 @@ class ContextParallelAttention:
             )
         ek = key.shape[-1]
         seq_dim = key.dim() - 2
-        if attn_mask is None and is_causal and self.document_ids is not None and self.window is None and has_exchange(layout):
-            # document-causal with a plan: only the keys this rank's queries need (own + received)
+        if attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout):
+            # document-causal with a plan: only the keys this rank's queries need (own + received); a window
+            # keeps a subset of them
             kv = exchange_tokens(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
             mask = self._exchange_mask(query.device)
         else:
@@ -325,7 +327,10 @@ class ContextParallelAttention:
                 doc_k = exchange_tokens(doc_q, self.layout, self.group, -1)
             same = doc_q[..., :, None] == doc_k[..., None, :]
             same = same[:, None] if same.dim() == 3 else same
-            self._masks[key] = same & (k_pos[None, :] <= q_pos[:, None])
+            keep = k_pos[None, :] <= q_pos[:, None]
+            if self.window is not None:
+                keep &= k_pos[None, :] > q_pos[:, None] - self.window
+            self._masks[key] = same & keep
         return self._masks[key]
 
     def _check_document_ids(self) -> torch.Tensor:
