@@ -120,6 +120,18 @@ def test_cp_peers_get_identical_packs():
     assert sum((b["labels"] != -100).sum().item() for r in batches for b in r) > 0
 
 
+def test_pack_ids_number_the_epoch_across_windows_and_resume():
+    ranks = [list(_node(Stream(), dp_rank=r)) for r in range(3)]
+    ids = sorted(p.index for plans in ranks for p in plans)
+    assert len({p.extras["window"] for p in ranks[0]}) >= 4
+    assert ids == list(range(len(ids))), "every pack of the epoch, all DP ranks, has its own id"
+    node = _node(Stream(), dp_rank=1)
+    head = [node.next().index for _ in range(9)]
+    again = WindowedPacks(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
+    again.reset(node.get_state())
+    assert head + [p.index for p in again] == [p.index for p in ranks[1]]
+
+
 @pytest.mark.parametrize("cut", [3, 17, 23])
 def test_loader_resume_mid_window_is_exact(cut):
     def make():

@@ -32,8 +32,15 @@ Workers: the rank's packs form one sequence over windows and epochs (pack
 ``j // micro_batches``); worker ``w`` of ``N`` serves items ``w, w + N, ...``
 of it, so the loader's round-robin gives the order of ``num_workers=0``.
 
+Pack ids: a plan's ``index`` (``batch.info["pack_indices"]``) numbers the
+packs of all DP ranks through the epoch's windows, the way a schedule of the
+whole epoch numbers its packs: window ``k``'s packs follow every pack of the
+windows before it, so no two packs of an epoch share an id (the window number
+is in ``plan.extras["window"]``).
+
 State: ``{"version", "config", "epoch", "first_epoch", "window", "item",
-"window_sha256"}``. A restore replays the stream up to the window's start
+"pack_base", "window_sha256"}`` (``pack_base``: the epoch's packs before the
+window; a state saved without it numbers from the window it resumes in). A restore replays the stream up to the window's start
 (``window × W`` rows skipped, not parsed; a ``BaseNode`` source is refused),
 re-plans that window and checks its lengths against ``window_sha256``.
 """
@@ -118,6 +125,7 @@ class WindowedPacks(BaseNode[PackPlan]):
             "labels_alignment": self.labels_alignment,
         }  # fmt: skip
         self._epoch = self._first_epoch = self._window = 0
+        self._pack_base = self._window_packs = 0  # the epoch's packs (all DP ranks) before / in this window
         self._item, self._started = self.worker[0], False
         self._clear()
         self.documents_read = self.documents_kept = 0
@@ -181,6 +189,7 @@ class WindowedPacks(BaseNode[PackPlan]):
         if initial_state is None:
             self._epoch = self._epoch + 1 if self._started else 0
             self._first_epoch, self._window, self._item, self._started = self._epoch, 0, self.worker[0], True
+            self._pack_base = 0
             self._it = iter(self.source)
             return
         check_state_version("WindowedPacks", initial_state, "version", self.VERSION)
@@ -191,6 +200,10 @@ class WindowedPacks(BaseNode[PackPlan]):
             raise ValueError(f"WindowedPacks state has {dict(zip(self.KEYS, values, strict=True))}; expected ints >= 0 "
                              "with first_epoch <= epoch")  # fmt: skip
         self._epoch, self._first_epoch, self._window, self._item = (int(v) for v in values)
+        base = initial_state.get("pack_base", 0)
+        if isinstance(base, bool) or not isinstance(base, (int, np.integer)) or base < 0:
+            raise ValueError(f"WindowedPacks state has pack_base={base!r}; expected an int >= 0")
+        self._pack_base = int(base)
         self._started, self._expect_sha = True, initial_state.get("window_sha256")
         self._it = iter(self.source)
         skip = self._window * self.window
@@ -231,6 +244,7 @@ class WindowedPacks(BaseNode[PackPlan]):
             raise ValueError(f"window {self._window} of the stream (documents {base} to {base + len(items) - 1}; "
                              f"add {base} to the document numbers that follow): {exc}") from exc  # fmt: skip
         st = sched.stats
+        self._window_packs = st.steps * self.plan_kw["dp_size"] * self.micro_batches
         for key, value in (("windows", 1), ("steps", st.steps), ("empty_packs", st.empty_packs),
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
             self.counts[key] += value
@@ -255,6 +269,7 @@ class WindowedPacks(BaseNode[PackPlan]):
                                    next_label=next_label))  # fmt: skip
         step, micro_batch = divmod(item, self.micro_batches)
         pack = (step * self.plan_kw["dp_size"] + self.dp_rank) * self.micro_batches + micro_batch  # the window's
+        pack += self._pack_base
         return PackPlan(pieces=tuple(pieces), slot_lens=np.array(s.slot_len[rows], dtype=np.int64),
                         capacity=self._config["capacity"], index=pack,
                         extras={"step": step, "micro_batch": micro_batch, "epoch": self._epoch,
@@ -267,13 +282,14 @@ class WindowedPacks(BaseNode[PackPlan]):
             if self._rows is None and not self._load_window():
                 if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
                     raise StopIteration
-                self._epoch, self._window, self._it = self._epoch + 1, 0, iter(self.source)
+                self._epoch, self._window, self._it, self._pack_base = self._epoch + 1, 0, iter(self.source), 0
                 continue
             assert self._rows is not None
             total = int(self._rows.offsets.shape[0]) - 1
             if self._item < total:
                 break
             self._item, self._window, self._rows, self._docs = self._item - total, self._window + 1, None, {}
+            self._pack_base += self._window_packs
         plan = self._plan(self._item)
         self._item += self.worker[1]
         return plan
@@ -281,4 +297,5 @@ class WindowedPacks(BaseNode[PackPlan]):
     def get_state(self) -> dict[str, Any]:
         return {"version": self.VERSION, "config": dict(self._config), "epoch": self._epoch,
                 "first_epoch": self._first_epoch, "window": self._window, "item": self._item,
+                "pack_base": self._pack_base,
                 "window_sha256": self._window_sha if self._rows is not None else None}  # fmt: skip
