@@ -229,16 +229,19 @@ def test_refusals_name_the_field_or_the_fix():
 
 def test_cp2_without_a_group_or_ctx_is_loud():
     """cp 2 in one process (every rank's batch, no process group): nothing silently local or cp x the loss."""
-    batch = _packs(cp=2, layout="balanced", n=1)[0][0]
+    ranks = _packs(cp=2, layout="balanced", n=1)[0]
+    batch = ranks[0]
+    # the worker records the pack's target count (both ranks' targets): no collective, no group needed
+    assert batch.info["n_targets"] == sum(int(b["labels"].ne(IGNORE_INDEX).sum()) for b in ranks) > 0
+    assert hf_model_kwargs(batch, "cpdata")["num_items_in_batch"] == batch.info["n_targets"]
+    relabelled = batch.replace(labels=batch["labels"].clone())  # new labels: the recorded count is dropped
+    assert "n_targets" not in relabelled.info
     with pytest.raises(ValueError, match=r"cp x the loss.*num_items_in_batch"):
-        hf_model_kwargs(batch, "cpdata")
+        hf_model_kwargs(relabelled, "cpdata")
     with pytest.raises(ValueError, match=r"inside the ctx.*'cpdata' attention"):
         hf_model_kwargs(batch, "sdpa", num_items_in_batch=10)
     with pytest.raises(ValueError, match="'cpdata' attention"):
         hf_model_kwargs(batch, "eager", num_items_in_batch=10)
-    batch.info["n_targets"] = 57  # a pipeline that records the pack's target count needs no collective
-    assert hf_model_kwargs(batch, "cpdata")["num_items_in_batch"] == 57
-    del batch.info["n_targets"]
 
 
 def test_labels_and_target_count_match_the_reference():
