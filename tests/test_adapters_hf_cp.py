@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, layout: str, qkv_format: str) -> list[tuple[flo
             ctx, local = sharder.shard(batch)
             n = global_target_count(batch, group, labels=local["labels"])
             with ctx():
-                loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n)).loss
+                loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n, config=model)).loss
             loss.backward()
             grad = _grads(model)
             dist.all_reduce(grad)

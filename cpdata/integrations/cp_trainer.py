@@ -180,7 +180,8 @@ class CPTrainerMixin:
         # DDP averages over all `world` ranks: scale so that the mean is the sum over CP (see the module docstring)
         self._cp_loss_scale = (world if args.average_tokens_across_devices else self.cp_size) if world > 1 else 1
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
-        self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"))
+        self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
+                                        self.model)  # fmt: skip
         self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device)
 
     def _cp_padding_token_id(self) -> int:
