@@ -164,7 +164,8 @@ def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group) ->
     ctx, local = sharder.shard(batch)  # one host-to-device copy: the worker already sharded the pack
     n_targets = global_target_count(batch, cp_group, labels=local["labels"])  # one all-reduce
     with ctx():  # cp > 1: SDPA gathers K/V over the CP group (1 collective per layer); cp 1: nothing
-        loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n_targets)).loss
+        kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n_targets, config=model)
+        loss = model(**kwargs).loss
         loss.backward()
     return loss.detach(), local, n_targets
 

@@ -104,7 +104,7 @@ def test_packed_loss_equals_each_document_alone(impl):
     splits = 0
     with torch.no_grad():
         for (batch,) in _batches():
-            kwargs = hf_model_kwargs(batch, name)
+            kwargs = hf_model_kwargs(batch, name, config=model)
             assert not CPDATA_KEYS & kwargs.keys()
             assert kwargs["input_ids"].shape == kwargs["position_ids"].shape == kwargs["shift_labels"].shape
             assert kwargs["input_ids"].shape[0] == 1 and kwargs["use_cache"] is False
@@ -126,7 +126,7 @@ def test_shift_labels_are_not_shifted_again():
     starts = batch["cu_seqlens"][:-1].tolist()
     lens = batch["seq_lens"].tolist()
     with torch.no_grad():
-        packed = model(**hf_model_kwargs(batch, "sdpa")).loss.item()
+        packed = model(**hf_model_kwargs(batch, "sdpa", config=model)).loss.item()
         total, count = 0.0, 0
         for s, n in zip(starts, lens, strict=True):
             doc = ids[s : s + n]
@@ -141,7 +141,7 @@ def test_bshd_rows_become_one_stream(impl):
     model = _model(impl)
     (batch,) = _batches(batch_size=2)[0]
     assert batch["input_ids"].shape == (2, 32)
-    kwargs = hf_model_kwargs(batch, "sdpa" if impl == "sdpa" else "flash_attention_2")
+    kwargs = hf_model_kwargs(batch, "sdpa" if impl == "sdpa" else "flash_attention_2", config=model)
     assert kwargs["input_ids"].shape == (1, 64)
     assert kwargs["attention_mask"].shape == (1, 1, 64, 64) if impl == "sdpa" else kwargs["max_length_q"] > 0
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_flex_kwargs_carry_a_block_mask():
     from torch.nn.attention.flex_attention import BlockMask
 
     (batch,) = _batches()[1]
-    kwargs = hf_model_kwargs(batch, "flex_attention")
+    kwargs = hf_model_kwargs(batch, "flex_attention", config=LlamaConfig())
     assert isinstance(kwargs["attention_mask"], BlockMask)
     assert kwargs["attention_mask"].shape == (1, 1, 32, 32)
 
@@ -165,6 +165,10 @@ def test_refusals_name_the_fix():
         hf_model_kwargs(batch, "paged_attention")
     with pytest.raises(TypeError, match="ShardedBatch"):
         hf_model_kwargs(dict(batch), "sdpa")
+    for impl in ("sdpa", "eager", "flex_attention"):  # masks need the model's windows: never built without them
+        with pytest.raises(ValueError, match=rf"attn_implementation='{impl}'.*config=model.*'cpdata' attention"):
+            hf_model_kwargs(batch, impl)
+    assert "cu_seq_lens_q" in hf_model_kwargs(batch, "flash_attention_2")  # the kernel applies the window itself
     shards = _batches(cp_size=2, layout="thd", qkv_format="thd")[0]
     with pytest.raises(ValueError, match="sdpa"):
         hf_model_kwargs(shards[0], "flash_attention_2")

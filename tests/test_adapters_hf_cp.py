@@ -5,20 +5,35 @@ Each rank runs the model on its own shard inside the ctx
 mask is ``hf_model_kwargs``' local-queries x global-keys mask. The ranks'
 losses (``num_items_in_batch`` = the pack's target count) sum to the cp = 1
 loss of the whole pack, and their parameter gradients sum to its gradient.
+
+The pack's target count comes from ``batch.info["n_targets"]``, which the worker
+records on every path (live, scheduled, windowed, mix, precomputed): it equals
+:func:`global_target_count`'s all-reduce, and ``hf_model_kwargs`` fills it in
+without any collective.
 """
 
 from __future__ import annotations
 
+import json
+from unittest import mock
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torchdata.nodes import Loader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs
+import cpdata
+from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs, register_hf_attention
 from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor
+from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import build_loader, closing_loader
+from cpdata.nodes.shard import ShardForRank
+from cpdata.offline import PrecomputedPacks, precompute
+from cpdata.sources.open import open_dataset
 from tests.dist_utils import run_ranks
 
 VOCAB = 64
@@ -52,9 +67,8 @@ def _rank(rank: int, world: int, layout: str, qkv_format: str) -> list[tuple[flo
         for batch in list(loader)[:3]:
             sharder = ContextParallelSharder(None, mesh, batch)
             ctx, local = sharder.shard(batch)
-            n = global_target_count(batch, group, labels=local["labels"])
-            with ctx():
-                loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n)).loss
+            with ctx():  # no num_items_in_batch: the pack's count from batch.info["n_targets"]
+                loss = model(**hf_model_kwargs(batch, "sdpa", tensors=local, config=model)).loss
             loss.backward()
             grad = _grads(model)
             dist.all_reduce(grad)
@@ -81,3 +95,73 @@ def test_cp2_losses_and_gradients_sum_to_the_cp1_ones(layout, qkv_format):
         assert total == pytest.approx(ref, rel=1e-6)  # HF computes the loss in float32
         assert grad_diff < 1e-6
     assert max(r[3] for r in results[0]) > 1, "a pack with several documents"
+
+
+def _labelled_docs() -> list[dict]:
+    """Every third document with labels of its own (some -100), the rest targets derived from the ids."""
+    rng = np.random.default_rng(3)
+    docs = []
+    for i, n in enumerate(LENS * 2):
+        ids = rng.integers(1, VOCAB, n)
+        docs.append({"input_ids": ids, "labels": np.where(ids % 4 == 0, -100, ids)} if i % 3 == 0 else
+                    {"input_ids": ids})  # fmt: skip
+    return docs
+
+
+class _Stream:  # a re-iterable without lengths (the windowed schedule reads it window by window)
+    def __init__(self, docs: list[dict]) -> None:
+        self.docs = docs
+
+    def __iter__(self):
+        return iter(self.docs)
+
+
+def _no_collective(*args, **kwargs):
+    raise AssertionError("hf_model_kwargs ran a collective for the target count")
+
+
+def _targets_rank(rank: int, world: int, plan: str, jsonl: str) -> list[tuple[str, int, int, int, int]]:
+    register_hf_attention()
+    group = dist.group.WORLD
+    docs = _labelled_docs()
+    common = dict(capacity=32, cp_size=world, cp_rank=rank, layout="balanced", overflow="split", prefetch=0,
+                  qkv_format="thd", batch_size=2, labels_alignment="targets")  # fmt: skip
+    lengths = [len(d["input_ids"]) for d in docs]
+    loaders = {
+        "live": lambda: build_loader(docs, **common),
+        "scheduled": lambda: build_loader(docs, schedule="balanced", lengths=lengths, micro_batches=2, **common),
+        "windowed": lambda: build_loader(_Stream(docs), schedule="balanced", schedule_window=6, **common),
+        "mix": lambda: build_loader(cpdata.mix({"a": docs[:7], "b": docs[7:]}, {"a": 1, "b": 2}, seed=1),
+                                    **common),  # fmt: skip
+        "precomputed": lambda: Loader(ShardForRank(Collate(PrecomputedPacks(plan, open_dataset(jsonl),
+                                                                            labels_alignment="targets"),
+                                                           batch_size=2, qkv_format="thd"),
+                                                   cp_size=world, cp_rank=rank, layout="balanced")),  # fmt: skip
+    }
+    out = []
+    for name, make in loaders.items():
+        with closing_loader(make()) as loader:
+            for batch in loader:
+                counted = int(global_target_count(batch, group))  # the all-reduce the recorded count replaces
+                with mock.patch.object(dist, "all_reduce", _no_collective):
+                    filled = hf_model_kwargs(batch, "cpdata", group=group)["num_items_in_batch"]
+                derived = batch.info["real_tokens"] - batch.info["n_documents"]  # targets if nothing were masked
+                out.append((name, batch.info["n_targets"], counted, filled, derived))
+    return out
+
+
+def test_the_recorded_target_count_is_the_all_reduced_one_on_every_path(tmp_path):
+    docs = _labelled_docs()
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({k: v.tolist() for k, v in d.items()}) + "\n" for d in docs))
+    plan = tmp_path / "plan"
+    precompute(open_dataset(jsonl), plan, capacity=32, cp_size=2, layout="balanced", overflow="split",
+               labels_alignment="targets")  # fmt: skip
+    results = run_ranks(_targets_rank, 2, str(plan), str(jsonl), timeout=240)
+    assert results[0] == results[1], "both CP ranks record the same count"
+    for name in ("live", "scheduled", "windowed", "mix", "precomputed"):
+        rows = [r for r in results[0] if r[0] == name]
+        assert len(rows) >= 2, name
+        for _, recorded, counted, filled, _ in rows:
+            assert type(recorded) is int and recorded == counted == filled > 0, (name, recorded, counted, filled)
+        assert any(n < derived for _, n, _, _, derived in rows), f"{name}: no batch with masked labels"

@@ -181,6 +181,7 @@ def reference_batches(plans: list[PackPlan], layout: str, cp: int, qkv_format: s
         "pack_indices": [p.index for p in plans],
         "real_tokens": int(full["seq_lens"].sum()),
         "pack_tokens": b_rows * cap,
+        "n_targets": int((full["labels"] != IGNORE_INDEX).sum()),
         "n_documents": sum(len(p.pieces) for p in plans),
         "causal_work": [float(flat_cost[..., rows[r]].sum()) for r in range(cp)],
         "digest": reference_digest(plans, layout, cp),

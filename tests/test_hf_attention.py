@@ -87,6 +87,8 @@ def test_cpdata_attention_equals_each_document_alone(family):
 def test_sdpa_and_eager_masks_per_layer_type_are_right_or_refused(family, impl):
     model = build(family, impl)
     batches = _packs(n=1)[0]
+    with pytest.raises(ValueError, match=r"config=model.*'cpdata' attention"):  # no config: no guessed windows
+        hf_model_kwargs(batches[0], impl)
     if impl == "sdpa" and family in ("gemma2", "gpt_oss"):  # softcap / sinks: SDPA cannot compute them
         with pytest.raises(ValueError, match="softcap|sinks|_supports_sdpa"):
             _packed(model, hf_model_kwargs(batches[0], impl, config=model))
@@ -97,8 +99,10 @@ def test_sdpa_and_eager_masks_per_layer_type_are_right_or_refused(family, impl):
     ref_loss, ref_grad, _ = _reference(family, 0, batches)
     err = max_rel_error(*_packed(model, kwargs), ref_loss, ref_grad)
     assert err < (1e-5 if impl == "eager" else 1e-6), err  # HF's eager takes its softmax in float32
-    if family in SLIDING:  # without the config the window is dropped: the bug this guards against, measurably
-        dropped = max_rel_error(*_packed(model, hf_model_kwargs(batches[0], impl)), ref_loss, ref_grad)
+    if family in SLIDING:  # what the refusal above prevents, measurably: the masks of a model without windows
+        windowless = build("llama", impl)
+        dropped = max_rel_error(*_packed(model, hf_model_kwargs(batches[0], impl, config=windowless)), ref_loss,
+                                ref_grad)  # fmt: skip
         print(f"{family} {impl}: {err:.1e} with config=, {dropped:.1e} with the window dropped")
         assert dropped > 1e-4, dropped
 
@@ -229,16 +233,21 @@ def test_refusals_name_the_field_or_the_fix():
 
 def test_cp2_without_a_group_or_ctx_is_loud():
     """cp 2 in one process (every rank's batch, no process group): nothing silently local or cp x the loss."""
-    batch = _packs(cp=2, layout="balanced", n=1)[0][0]
+    ranks = _packs(cp=2, layout="balanced", n=1)[0]
+    batch, llama = ranks[0], build("llama", "sdpa")
+    # the worker records the pack's target count (both ranks' targets): no collective, no group needed
+    assert batch.info["n_targets"] == sum(int(b["labels"].ne(IGNORE_INDEX).sum()) for b in ranks) > 0
+    assert hf_model_kwargs(batch, "cpdata")["num_items_in_batch"] == batch.info["n_targets"]
+    relabelled = batch.replace(labels=batch["labels"].clone())  # new labels: the recorded count is dropped
+    assert "n_targets" not in relabelled.info
     with pytest.raises(ValueError, match=r"cp x the loss.*num_items_in_batch"):
-        hf_model_kwargs(batch, "cpdata")
-    with pytest.raises(ValueError, match=r"inside the ctx.*'cpdata' attention"):
+        hf_model_kwargs(relabelled, "cpdata")
+    with pytest.raises(ValueError, match=r"config=model"):
         hf_model_kwargs(batch, "sdpa", num_items_in_batch=10)
+    with pytest.raises(ValueError, match=r"inside the ctx.*'cpdata' attention"):
+        hf_model_kwargs(batch, "sdpa", num_items_in_batch=10, config=llama)
     with pytest.raises(ValueError, match="'cpdata' attention"):
-        hf_model_kwargs(batch, "eager", num_items_in_batch=10)
-    batch.info["n_targets"] = 57  # a pipeline that records the pack's target count needs no collective
-    assert hf_model_kwargs(batch, "cpdata")["num_items_in_batch"] == 57
-    del batch.info["n_targets"]
+        hf_model_kwargs(batch, "eager", num_items_in_batch=10, config=llama)
 
 
 def test_labels_and_target_count_match_the_reference():

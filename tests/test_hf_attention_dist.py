@@ -3,8 +3,9 @@
 One spawn per cp size runs every family of tests/hf_zoo.py on every layout
 (contiguous, round_robin, thd, balanced). Each rank runs its own shard
 through ``model(**hf_model_kwargs(batch, "cpdata", group=...))`` WITHOUT
-``num_items_in_batch`` (hf_model_kwargs fills in the pack's target count with
-one all-reduce), backpropagates its own loss, and the ranks' losses and
+``num_items_in_batch`` (hf_model_kwargs fills in the pack's target count the
+worker recorded, ``batch.info["n_targets"]``, checked against
+``global_target_count``'s all-reduce), backpropagates its own loss, and the ranks' losses and
 parameter gradients are summed; rank 0 hands the sums and the whole pack
 back and this process compares them with every document run alone (HF's own
 attention, references shared by the layouts whose packs hold the same tokens).

@@ -208,13 +208,16 @@ def test_build_loader_and_cpdataset_workers_carry_the_plan():
 
 
 def test_hf_sdpa_kwargs_keep_the_global_key_mask_the_ctx_takes():
+    from transformers import LlamaConfig
+
     from cpdata.adapters import hf_model_kwargs
     from cpdata.device.cp_attention import ContextParallelAttention
 
     s = _shards("balanced", 2, "thd", 1)[0][1]
     assert s.layout.kv_exchange is not None
     with ContextParallelAttention(s.layout, None, check_every=0, require_calls=False):  # sdpa at cp 2: inside the ctx
-        mask = hf_model_kwargs(s, attn_implementation="sdpa", num_items_in_batch=1)["attention_mask"]
+        kwargs = hf_model_kwargs(s, attn_implementation="sdpa", num_items_in_batch=1, config=LlamaConfig())
+    mask = kwargs["attention_mask"]
     assert mask.shape[-1] == s.layout.padded_seq_len  # over all S keys, as the ctx's attn_mask path expects
 
 

@@ -10,7 +10,8 @@ document itself, never against another run of the library:
 - ``input_ids == document[position]``, ``position_ids == position`` (positions continue across cuts);
 - ``labels == document[position + 1]``, ``-100`` after the document's last token and on pads;
 - ``padding_mask`` exactly on the pads; every document token served once (all of them where nothing is
-  left out).
+  left out);
+- ``info["n_targets"]`` is the targets of all ranks' tokens (what the loss's all-reduce would count).
 
 Guards against a vacuous pass: every path cuts documents (pieces with ``doc_start > 0``) and checks the
 labels of cut pieces' last tokens (the next piece's first token).
@@ -72,6 +73,8 @@ class Oracle:
         assert len(doc_index) == len(doc_start) == len(names) == seq.shape[0] == cu.shape[0] - 1
         assert all(type(x) is int for x in doc_index + doc_start), "host ints, no tensors"
         covered = np.zeros(int(cu[-1]), dtype=np.int64)
+        trained = sum(int((b["labels"].numpy() != IGNORE_INDEX).sum()) for b in ranks)
+        assert type(info["n_targets"]) is int and info["n_targets"] == trained, "n_targets is not the pack's count"
         for b in ranks:
             g = b.layout.local_token_global_indices.numpy()
             ids, labels = b["input_ids"].numpy(), b["labels"].numpy()

@@ -1,7 +1,7 @@
 """Keyword arguments for a Hugging Face ``transformers`` causal LM on a cpdata batch (torch only).
 
-``model(**hf_model_kwargs(batch, model.config._attn_implementation))`` runs a
-packed batch as one padding-free row ``[1, T]`` with every document boundary
+``model(**hf_model_kwargs(batch, model.config._attn_implementation, config=model))``
+runs a packed batch as one padding-free row ``[1, T]`` with every document boundary
 explicit:
 
 - ``input_ids``, ``position_ids``: ``[1, T]`` (rows of a bshd batch are
@@ -42,16 +42,18 @@ at all; the kwargs carry the batch's attention state
 window, softcap and sinks, at cp 1 and cp > 1 alike (no ctx needed). This is
 the path for sliding-window models and for context parallelism.
 
-Per-layer variants on the mask paths (``config=`` the model or its config):
-a config with ``layer_types`` mixing ``full_attention`` and
-``sliding_attention`` gets ``attention_mask`` as a dict keyed by layer type
-(transformers 5 models that have ``layer_types`` take a mapping and pick each
-layer's mask from it); a uniform window (Mistral: ``config.sliding_window``
-without ``layer_types``) is one mask with the window. Flash varlen applies the
-layer's window itself, inside each ``cu_seq_lens`` slot (``window_size=(W-1,
-W-1)``, causal). Without ``config`` the masks are document-causal only, which
-is right only for a model without sliding windows: pass ``config=`` (or use
-``"cpdata"``).
+Per-layer variants on the mask paths: sdpa, eager and flex REQUIRE ``config=``
+(the model or its ``PretrainedConfig``; ``ValueError`` without it), because a
+mask built without the model's windows is document-causal only and a
+sliding-window model (Mistral, Qwen2 with sliding ``layer_types``, Gemma 2/3)
+would attend past its window with no error. A config with ``layer_types``
+mixing ``full_attention`` and ``sliding_attention`` gets ``attention_mask`` as
+a dict keyed by layer type (transformers 5 models that have ``layer_types``
+take a mapping and pick each layer's mask from it); a uniform window (Mistral:
+``config.sliding_window`` without ``layer_types``) is one mask with the
+window. Flash varlen applies the layer's window itself, inside each
+``cu_seq_lens`` slot (``window_size=(W-1, W-1)``, causal), and ``"cpdata"``
+reads each layer's own: there ``config=`` is optional (checked when given).
 
 Context parallelism (``cp_size > 1``): use ``"cpdata"``. The older path, HF
 ``sdpa`` inside the ctx ``ContextParallelSharder.shard`` returns (its SDPA
@@ -61,8 +63,10 @@ the gathered global keys (``S = cp * T``), the kwargs must be built inside
 shape error in the first layer), and flash/eager/flex are refused (they would
 attend within this rank's tokens only). Loss: without ``num_items_in_batch``
 at cp > 1, the pack's global target count is filled in (``batch.info
-["n_targets"]`` when the pipeline recorded it, else one all-reduce over
-``group``), so each rank's loss is its target sum over the pack's target count
+["n_targets"]``, which cpdata's worker records for every batch: no collective;
+else, e.g. after ``batch.replace(labels=...)``, one all-reduce over ``group``;
+labels changed in place or only in ``tensors=`` need ``num_items_in_batch``),
+so each rank's loss is its target sum over the pack's target count
 and the ranks' losses add up to the single-rank loss, never ``cp x`` it
 (:mod:`cpdata.adapters.loss` states the gradient contract).
 """
@@ -82,7 +86,7 @@ from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
 from cpdata.device.cp_attention import active_contexts
 from cpdata.layout.shard_layout import ShardLayout
-from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, POSITION_IDS
+from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
 
 __all__ = ["hf_model_kwargs"]
 
@@ -128,7 +132,9 @@ def hf_model_kwargs(
         group: the CP process group (None = the default group): the ``"cpdata"``
             attention's K/V gather and the target-count all-reduce.
         config: the model (or its ``PretrainedConfig``): its layer types and
-            windows decide the masks of sdpa/eager/flex; refusals name the field.
+            windows decide the masks of sdpa/eager/flex, which refuse to run
+            without it; optional for flash and ``"cpdata"`` (checked when given:
+            refusals name the field).
 
     No device sync: lengths come from ``batch.info``, masks are built on the
     tensors' device.
@@ -150,14 +156,21 @@ def hf_model_kwargs(
         )
     check_config(config)
     input_ids = tensors[INPUT_IDS]
+    if layout.cp_size > 1 and not ours and attn_implementation != "sdpa":
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} would attend within this rank's tokens only "
+            f"(cp_size={layout.cp_size}); use the 'cpdata' attention (register_hf_attention(), "
+            "model.set_attn_implementation('cpdata')), or 'sdpa' inside the ctx ContextParallelSharder.shard "
+            "returns, or Transformer Engine"
+        )
+    if attn_implementation in _MASKED and config is None:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} builds attention_mask from the model's sliding windows "
+            "(config.sliding_window, config.layer_types), and without them a sliding-window model would silently "
+            "attend past its window: pass config=model (or model.config), or use the 'cpdata' attention, which "
+            "reads each layer's window itself (register_hf_attention(), model.set_attn_implementation('cpdata'))"
+        )
     if layout.cp_size > 1:
-        if not ours and attn_implementation != "sdpa":
-            raise ValueError(
-                f"attn_implementation={attn_implementation!r} would attend within this rank's tokens only "
-                f"(cp_size={layout.cp_size}); use the 'cpdata' attention (register_hf_attention(), "
-                "model.set_attn_implementation('cpdata')), or 'sdpa' inside the ctx ContextParallelSharder.shard "
-                "returns, or Transformer Engine"
-            )
         if input_ids.shape[:-1].numel() != 1:
             raise ValueError(
                 f"at cp_size={layout.cp_size} a batch of {tuple(input_ids.shape)} holds one local slice per row; "
@@ -237,7 +250,7 @@ def _check_ctx_entered(layout: ShardLayout, local_len: int) -> None:
 
 def _global_targets(batch: Any, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any], group: Any) -> Any:
     """The pack's target count at cp > 1: ``info["n_targets"]`` if recorded, else one all-reduce over ``group``."""
-    recorded = info.get("n_targets")
+    recorded = info.get(N_TARGETS)
     if isinstance(recorded, int) and not isinstance(recorded, bool):
         return recorded
     try:

@@ -7,8 +7,9 @@ calls :class:`CPModelInputs` and never branches on it:
 ``"ctx"``   today's path. The model runs with ``attn_implementation="sdpa"`` inside the ctx
             ``ContextParallelSharder.shard`` returns: its SDPA override gathers K/V from the CP
             group (one collective per layer, backward a reduce-scatter) and
-            ``hf_model_kwargs(batch, "sdpa", ...)`` passes the document-causal mask of this
-            rank's queries over the gathered global keys (``[1, 1, L, cp*L]`` bool).
+            ``hf_model_kwargs(batch, "sdpa", config=model, ...)`` passes the mask of this
+            rank's queries over the gathered global keys (``[1, 1, L, cp*L]`` bool; document-causal,
+            within the window of a sliding-window model).
 ``"cpdata"``  the transformers attention registered as ``"cpdata"``
             (``cpdata.adapters.register_hf_attention``, being built): the layout travels as a
             model kwarg and every layer's own variant (sliding window, sinks) is honoured. Not on
@@ -19,7 +20,7 @@ Switching is the one line ``ATTENTION = "cpdata"`` once that adapter lands.
 
 At cp = 1 there is nothing to gather: the model keeps its own implementation
 (flash varlen ``cu_seq_lens``, sdpa/eager masks or flex, all from
-:func:`cpdata.adapters.hf_model_kwargs`) and no context is entered.
+:func:`cpdata.adapters.hf_model_kwargs`, the masks from the model's config) and no context is entered.
 
 Cost of the ctx path per layer at cp > 1: one all-gather of ``cat(K, V)``
 (``cp * L`` tokens) and an ``L x cp*L`` boolean mask built once per batch; SDPA
@@ -69,16 +70,19 @@ class CPModelInputs:
         mesh: the ``(dp, cp)`` device mesh, or None in a single process (cp = 1, no process group).
         device: where the batch goes (the Trainer's ``args.device``).
         attn_implementation: the model's own (``config._attn_implementation``), used at cp = 1.
+        config: the model (or its config), whose sliding windows and layer types the masks follow
+            (``hf_model_kwargs(config=...)``).
 
     The sharder is resolved from the first batch and reused; each call is one
     host-to-device copy of the batch's buffer (its tokens were sharded on the
     dataloader worker) and, at cp > 1, the ctx factory of that batch.
     """
 
-    def __init__(self, mesh: Any, device: torch.device, attn_implementation: str) -> None:
+    def __init__(self, mesh: Any, device: torch.device, attn_implementation: str, config: Any) -> None:
         self.mesh = mesh
         self.device = torch.device(device)
         self.attn_implementation = attn_implementation
+        self.config = config
         self._sharder: ContextParallelSharder | None = None
 
     def __call__(
@@ -101,8 +105,10 @@ class CPModelInputs:
                 # sdpa kwargs at cp > 1 are built inside the ctx (their mask is over the gathered keys); the step
                 # then runs in a fresh one (the SDPA override, K/V gathered)
                 with factory(require_calls=False):
-                    kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=num_items_in_batch)
+                    kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=num_items_in_batch,
+                                             config=self.config)  # fmt: skip
                 return factory(), kwargs
             ctx = factory()  # cp = 1: nullcontext
             impl = self.attn_implementation
-        return ctx, hf_model_kwargs(batch, impl, tensors=local, num_items_in_batch=num_items_in_batch)
+        return ctx, hf_model_kwargs(batch, impl, tensors=local, num_items_in_batch=num_items_in_batch,
+                                    config=self.config)  # fmt: skip

@@ -8,9 +8,10 @@
                                 :class:`~cpdata.nodes.dataset.CPDataset` over ``train_dataset`` for
                                 ``(dp_rank, cp_rank)`` of the ``(dp, cp)`` mesh, resumed from the
                                 checkpoint's loader state
-``_get_num_items_in_batch``     targets of the step's micro-batches, summed over the CP group (and
-                                the DP group when ``average_tokens_across_devices``): the
-                                divisor of every rank's loss
+``_get_num_items_in_batch``     targets of the step's micro-batches over the CP group (each
+                                batch's ``info["n_targets"]``, no collective) and the DP group
+                                when ``average_tokens_across_devices``: the divisor of every
+                                rank's loss
 ``_prepare_inputs``             nothing: the batch stays a ``ShardedBatch`` until the sharder moves it
 ``training_step``               Trainer's step inside the batch's CP attention context, backward
                                 included (activation checkpointing recomputes attention there)
@@ -60,7 +61,7 @@ from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
-from cpdata.worker.keys import IGNORE_INDEX, LABELS
+from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
 
 __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
 
@@ -180,7 +181,8 @@ class CPTrainerMixin:
         # DDP averages over all `world` ranks: scale so that the mean is the sum over CP (see the module docstring)
         self._cp_loss_scale = (world if args.average_tokens_across_devices else self.cp_size) if world > 1 else 1
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
-        self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"))
+        self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
+                                        self.model)  # fmt: skip
         self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device)
 
     def _cp_padding_token_id(self) -> int:
@@ -235,11 +237,15 @@ class CPTrainerMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         if not batch_samples:
             return None
-        count = sum(int(batch[LABELS].ne(IGNORE_INDEX).sum()) for batch in batch_samples)
-        total = torch.tensor(count, dtype=torch.int64, device=device)
+        recorded = [getattr(batch, "info", {}).get(N_TARGETS) for batch in batch_samples]
         cp_group, dp_group = self._cp_groups
-        if self.cp_size > 1:
-            dist.all_reduce(total, group=cp_group)
+        if all(type(n) is int for n in recorded):  # the worker counted every CP rank's targets
+            total = torch.tensor(sum(recorded), dtype=torch.int64, device=device)
+        else:
+            count = sum(int(batch[LABELS].ne(IGNORE_INDEX).sum()) for batch in batch_samples)
+            total = torch.tensor(count, dtype=torch.int64, device=device)
+            if self.cp_size > 1:
+                dist.all_reduce(total, group=cp_group)
         if self.dp_size > 1 and self.args.average_tokens_across_devices:
             dist.all_reduce(total, group=dp_group)
         return total

@@ -9,9 +9,10 @@ Modules, in pipeline order: ``keys`` (batch keys and their pad values),
 (the per-token arrays of many documents concatenated once), ``plan`` (documents,
 pieces, pack plans), ``stream_slots`` (a batch's slots, checked, and their
 metadata), ``stream_buffer`` (the buffer a batch's ranks gather from),
-``stream`` (both together, for a block of batches), ``collate`` (full pack or one
-rank's tokens), ``collated`` (``CollatedPack``, the record between ``Collate``
-and ``ShardForRank``), ``shard_block`` (the layout math of a block of batches),
+``stream`` (both together, for a block of batches), ``stream_targets`` (a
+batch's target count), ``collate`` (full pack or one rank's tokens),
+``collated`` (``CollatedPack``, the record between ``Collate`` and
+``ShardForRank``), ``shard_block`` (the layout math of a block of batches),
 ``buffer_spans`` (the byte spans of a batch's one storage) and ``batch``
 (``ShardedBatch``, what a rank receives).
 """

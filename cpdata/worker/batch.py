@@ -12,7 +12,10 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
   (it survives pickling, workers, ``.to(device)`` and ``pin_memory``). Scalars
   the model side needs without a device sync: ``layout`` (name),
   ``max_seqlen`` (longest real document), ``max_seqlen_padded`` (longest
-  slot); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
+  slot), ``n_targets`` (``labels != -100`` over the whole batch, every row
+  and every CP rank: the count the loss divides by, which
+  :func:`cpdata.adapters.global_target_count` all-reduces; :meth:`ShardedBatch.replace`
+  drops it when the labels change); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
   ``n_documents``, ``causal_work`` (per rank), ``digest``. Tracing: ``pack_indices``
   are the plan's own pack ids (a schedule's ``(step * dp_size + dp_rank) *
   micro_batches + micro_batch``, a precomputed plan's row, a window's pack id
@@ -100,6 +103,7 @@ from cpdata.worker.buffer_spans import (
     views,
     with_fields,
 )
+from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
 
@@ -403,14 +407,18 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return dict(self._tensor_dict())
 
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
-        """A new batch with keys set (or removed, for ``None``); layout and info kept."""
+        """A new batch with keys set (or removed, for ``None``); layout and info kept, but ``info["n_targets"]``
+        (the count of the pipeline's labels) dropped when ``labels`` is given."""
         out = dict(self._tensor_dict())
         for k, v in tensors.items():
             if v is None:
                 out.pop(k, None)
             else:
                 out[k] = v
-        return ShardedBatch(out, layout=self.layout, info=self._info)
+        info = self._info
+        if LABELS in tensors and N_TARGETS in info:
+            info = {k: v for k, v in info.items() if k != N_TARGETS}
+        return ShardedBatch(out, layout=self.layout, info=info)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
         """Tensors on ``device`` (one copy of the buffer's batch part when contiguous; views built when

@@ -17,6 +17,9 @@ conventions): ``cu_seqlens`` (int32 ``[n+1]``, real lengths),
 ``cu_seqlens_padded`` (int32 ``[n+1]``, slot offsets; the last slot absorbs
 the pack's tail padding), ``seq_lens`` and ``seq_lens_padded`` (int32 ``[n]``)
 and ``max_seqlen`` (0-d int32, longest real document).
+
+Beside the tensors, ``batch.info[N_TARGETS]`` (a host int): the batch's
+``labels != -100`` over every row and every CP rank's tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ __all__ = [
     "LABELS",
     "LOSS_MASK",
     "METADATA_KEYS",
+    "N_TARGETS",
     "PADDING_MASK",
     "POSITION_IDS",
     "STANDARD_TOKEN_KEYS",
@@ -43,3 +47,5 @@ IGNORE_INDEX = -100
 
 STANDARD_TOKEN_KEYS: tuple[str, ...] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS)
 METADATA_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_padded", "seq_lens", "seq_lens_padded", "max_seqlen")
+N_TARGETS = "n_targets"
+"""The ``batch.info`` key of the batch's target count (all rows, all CP ranks), written by the worker."""

@@ -4,7 +4,7 @@
 asks :func:`prepare_block` for each batch's :class:`BlockItem`: its stream
 (the per-slot tables every rank gathers from), the layout as a run table (or
 the cached rows and inverse map of a layout that ignores the documents), the
-``info`` dict (with the causal work per rank) and the plan digest. What
+``info`` dict (with the causal work per rank and the target count) and the plan digest. What
 scales with a rank's tokens (the rank's row, the inverse map, the gather, the
 batch buffer) is left to the node, per batch, when the batch is served.
 
@@ -28,8 +28,10 @@ import numpy as np
 from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
 from cpdata.worker.collated import CollatedPack
+from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
 from cpdata.worker.stream import Stream, StreamBlock, build_streams
+from cpdata.worker.stream_targets import target_counts
 
 __all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
 
@@ -269,6 +271,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     else:
         n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
     doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
+    n_targets = target_counts(block)
     items = []
     for i, batch in enumerate(batches):
         info = {
@@ -278,6 +281,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
             "pack_indices": indices[pf[i] : pf[i + 1]],
             "real_tokens": block.real_tokens[i],
             "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,
+            N_TARGETS: n_targets[i],
             "n_documents": n_documents[i],
             "causal_work": works[i],
             "digest": digests[i],
