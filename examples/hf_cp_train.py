@@ -10,22 +10,26 @@ The eight steps, each one function below:
 
 1. tokenizer: a byte-level BPE trained in-process on Python standard-library
    definitions (``tokenizers``, no download), or ``--model DIR``'s own.
-2. model: a tiny random ``LlamaForCausalLM`` with ``attn_implementation="sdpa"``,
-   or ``--model DIR`` (local weights only).
+2. model: a tiny random ``LlamaForCausalLM``, or ``--model DIR`` (local weights
+   only), with cpdata's registered attention (``--attention cpdata``, the
+   default: every layer's window, softcap and sinks) or ``sdpa``.
 3. mesh: ``(dp, cp)`` from the world size; CP ranks are neighbours.
 4. loader: a ``CPDataLoader`` over this rank's ``CPDataset`` (the documents are
    sharded by DP rank; every CP rank of a DP group packs the same documents and
    keeps only its own share of each pack, laid out on the dataloader worker).
-5. attention (:func:`forward_backward`): today the sharder's ctx, whose SDPA
-   override gathers K/V over the CP group, with ``hf_model_kwargs``' document
-   mask over the global keys. When ``cpdata.adapters.register_hf_attention``
-   lands this function is the only one to change.
+5. attention (:func:`forward_backward`): ``"cpdata"`` needs no ctx; each layer
+   brings the keys its rank's documents need in one collective (the all-to-all
+   of the batch's exchange plan, ``--kv-exchange``, on by default with the
+   ``tiled`` layout; else an all-gather). ``sdpa`` runs inside the sharder's
+   ctx, whose SDPA override gathers K/V over the CP group, with
+   ``hf_model_kwargs``' mask over the global keys.
 6. loss: each rank's target sum over the pack's GLOBAL target count
-   (``global_target_count``: one all-reduce), so the CP ranks' losses add up to
-   the cp 1 loss.
-7. gradients: the K/V gather's backward is a reduce-scatter, so each rank's
-   gradient is its tokens' share of the pack's gradient: SUM over CP, then
-   average over DP (one flat all-reduce over every rank, divided by dp).
+   (``batch.info["n_targets"]``, counted on the worker: no collective), so the
+   CP ranks' losses add up to the cp 1 loss.
+7. gradients: the K/V exchange's (or gather's) backward sends every key's
+   gradient back to its owner, so each rank's gradient is its tokens' share of
+   the pack's gradient: SUM over CP, then average over DP (one flat all-reduce
+   over every rank, divided by dp).
 8. checkpoint: model, optimizer and the loader's state, per rank; ``--resume``
    continues with exactly the batches an uninterrupted run would see.
 
@@ -53,7 +57,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from corpus import StdlibDefinitions  # noqa: E402
 
 from cpdata import ContextParallelSharder, CPDataLoader, CPDataset, verify_layout_consistency  # noqa: E402
-from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs  # noqa: E402
+from cpdata.adapters import document_causal_mask, hf_model_kwargs, register_hf_attention  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
 TOKEN_KEYS = ("input_ids", "position_ids", "labels", "document_ids")
@@ -64,7 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a local HF model folder (weights + tokenizer); default: tiny Llama")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cp-size", type=int, default=None, help="default: the world size (dp 1)")
-    p.add_argument("--layout", default="balanced")
+    p.add_argument("--layout", default="tiled", help="tiled: whole 128-token blocks, balanced kernel tiles")
+    p.add_argument("--attention", choices=("cpdata", "sdpa"), default="cpdata",
+                   help="cpdata: the registered attention (no ctx); sdpa: inside the sharder's ctx")
+    p.add_argument("--kv-exchange", action=argparse.BooleanOptionalAction, default=True,
+                   help="ship each batch's K/V exchange plan (the 'cpdata' attention moves only the keys needed)")
     p.add_argument("--capacity", type=int, default=512, help="tokens per pack, before CP sharding")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -130,6 +138,8 @@ def build_model(args, vocab_size: int, pad_id: int, dtype: torch.dtype):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.capacity,
                              pad_token_id=pad_id, attn_implementation="sdpa")  # fmt: skip
         model = LlamaForCausalLM(config)
+    if args.attention == "cpdata":
+        model.set_attn_implementation(register_hf_attention())
     return model.to(device=args.device, dtype=dtype)
 
 
@@ -152,18 +162,24 @@ def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader
     dataset = CPDataset(docs, capacity=args.capacity, cp_size=mesh["cp"].size(), cp_rank=mesh["cp"].get_local_rank(),
                         dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), layout=args.layout,
                         overflow="split", shuffle=True, seed=args.seed, padding_token_id=pad_id,
-                        vocab_size=vocab_size)  # fmt: skip
+                        vocab_size=vocab_size, kv_exchange=args.kv_exchange)  # fmt: skip
     context = {"multiprocessing_context": "fork", "persistent_workers": True} if args.workers else {}
     return CPDataLoader(dataset, num_workers=args.workers, pin_memory=args.device.startswith("cuda"), **context)
 
 
 # 5.-7. attention, loss, gradients -----------------------------------------------------------------------
-def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group) -> tuple[torch.Tensor, dict, int]:
     """This rank's loss (its target sum over the pack's target count) and its gradient; the only place that
-    chooses the attention. Backward runs inside the ctx too (activation checkpointing recomputes there)."""
+    chooses the attention."""
     ctx, local = sharder.shard(batch)  # one host-to-device copy: the worker already sharded the pack
-    n_targets = global_target_count(batch, cp_group, labels=local["labels"])  # one all-reduce
-    with ctx():  # cp > 1: SDPA gathers K/V over the CP group (1 collective per layer); cp 1: nothing
+    n_targets = batch.info["n_targets"]  # the pack's targets over every CP rank, counted on the worker
+    impl = model.config._attn_implementation
+    if impl != "sdpa":  # "cpdata": no ctx, every layer gathers (or exchanges) its own K/V
+        kwargs = hf_model_kwargs(batch, impl, tensors=local, num_items_in_batch=n_targets, group=cp_group)
+        loss = model(**kwargs).loss
+        loss.backward()
+        return loss.detach(), local, n_targets
+    with ctx():  # cp > 1: SDPA gathers K/V over the CP group (1 collective per layer); backward in it too
         kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n_targets, config=model)
         loss = model(**kwargs).loss
         loss.backward()
@@ -217,7 +233,10 @@ def train(args: argparse.Namespace) -> dict:
     model = build_model(args, vocab_size, tokenizer.token_to_id(PAD) or 0, dtype)
     pad_id, eos_id = special_ids(tokenizer, model.config)
     docs = tokenize(tokenizer, texts, eos_id)
-    models = {"model": model, **({"reference": copy.deepcopy(model)} if args.check_parity else {})}
+    models = {"model": model}
+    if args.check_parity:  # the same weights, HF's own sdpa over the whole pack
+        models["reference"] = copy.deepcopy(model)
+        models["reference"].set_attn_implementation("sdpa")
     opts = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01) for k, m in models.items()}
     loader = build_loader(args, docs, mesh, pad_id, vocab_size)
     start = 0
@@ -232,7 +251,8 @@ def train(args: argparse.Namespace) -> dict:
             print(f"resumed from {ckpt.parent} at step {start}")
     if rank0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={args.layout} capacity={args.capacity} "
+        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={args.layout} attention={args.attention} "
+              f"kv_exchange={args.kv_exchange} capacity={args.capacity} "
               f"params={params:,} vocab={vocab_size} documents={len(docs):,} dtype={str(dtype)[6:]}", flush=True)
     sharder, it, worst_loss, t_last, losses = None, iter(loader), 0.0, time.perf_counter(), {}
     for step in range(start, args.steps):

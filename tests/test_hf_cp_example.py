@@ -28,9 +28,11 @@ TINY = ["--files", "10", "--capacity", "256", "--steps", "4"]
 STEP = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\| docs\s+(\d+)", re.M)
 
 
-def test_parity_with_cp1_under_torchrun(tmp_path):
+@pytest.mark.parametrize("path", [[], ["--attention", "sdpa", "--layout", "balanced", "--no-kv-exchange"]],
+                         ids=["cpdata-tiled-exchange", "sdpa-ctx-balanced"])  # fmt: skip
+def test_parity_with_cp1_under_torchrun(tmp_path, path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           *TINY, "--check-parity", "--ckpt-dir", str(tmp_path)]  # fmt: skip
+           *TINY, *path, "--check-parity", "--ckpt-dir", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

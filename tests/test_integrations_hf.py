@@ -119,13 +119,48 @@ def test_settings_it_cannot_honour_are_refused_by_name(tmp_path, overrides, name
     assert all(name in str(err.value) for name in names), err.value
 
 
-def test_cp_attention_needs_sdpa_and_the_loader_options_stay_the_trainers():
+def tiny_mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=8)  # fmt: skip
+    model = MistralForCausalLM(config)
+    model.set_attn_implementation("cpdata")
+    return model
+
+
+def run_cpdata_attention(rank: int, world: int, out: str) -> dict:
+    """A sliding-window model through the registered "cpdata" attention: no ctx, K/V by the exchange plan."""
+    from cpdata.adapters import register_hf_attention
+
+    launch_env(rank, world)
+    register_hf_attention()
+    trainer = CPTrainer(model=tiny_mistral(), args=training_args(out, save_strategy="no"), train_dataset=documents(),
+                        cp_size=world, capacity=CAPACITY, layout="round_robin",
+                        loader_options={"kv_exchange": True})  # fmt: skip
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "weights": weights(trainer.model)}
+
+
+def test_the_cpdata_attention_trains_a_sliding_window_model_at_cp2_like_cp1(tmp_path):
+    cp1 = run_ranks(run_cpdata_attention, 1, str(tmp_path / "cp1"), timeout=180)[0]
+    cp2 = run_ranks(run_cpdata_attention, 2, str(tmp_path / "cp2"), timeout=180)
+    assert len(cp1["losses"]) == STEPS and len(set(cp1["losses"])) == STEPS
+    for rank in cp2:
+        np.testing.assert_allclose(rank["losses"], cp1["losses"], rtol=1e-4)
+        assert relative(rank["weights"], cp1["weights"]) < 1e-4
+
+
+def test_cp_attention_needs_cpdata_or_sdpa_and_the_loader_options_stay_the_trainers():
     from cpdata.integrations.attention import check_attention
 
     config = LlamaConfig(attn_implementation="eager")
     check_attention(config, 1)  # cp 1: the model keeps its own attention
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'") as err:
         check_attention(config, 2)
+    assert "set_attn_implementation('cpdata')" in str(err.value)
     with pytest.raises(ValueError, match=r"\['capacity'\]"):
         CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"capacity": 8})
 

@@ -1,65 +1,60 @@
 """How the CP trainers run a Hugging Face model on one rank's shard: the one place that chooses the attention.
 
-:data:`ATTENTION` names the path; everything else in :mod:`cpdata.integrations`
-calls :class:`CPModelInputs` and never branches on it:
+The model's own ``attn_implementation`` decides; everything else in
+:mod:`cpdata.integrations` calls :class:`CPModelInputs` and never branches on it.
+At cp > 1 two are accepted (anything else is refused by :func:`check_attention`,
+naming both):
 
-==========  ====================================================================================
-``"ctx"``   today's path. The model runs with ``attn_implementation="sdpa"`` inside the ctx
-            ``ContextParallelSharder.shard`` returns: its SDPA override gathers K/V from the CP
-            group (one collective per layer, backward a reduce-scatter) and
-            ``hf_model_kwargs(batch, "sdpa", config=model, ...)`` passes the mask of this
-            rank's queries over the gathered global keys (``[1, 1, L, cp*L]`` bool; document-causal,
-            within the window of a sliding-window model).
-``"cpdata"``  the transformers attention registered as ``"cpdata"``
-            (``cpdata.adapters.register_hf_attention``, being built): the layout travels as a
-            model kwarg and every layer's own variant (sliding window, sinks) is honoured. Not on
-            this branch yet; selecting it raises ``ValueError`` naming what is missing.
-==========  ====================================================================================
-
-Switching is the one line ``ATTENTION = "cpdata"`` once that adapter lands.
+=============  ====================================================================================
+``"cpdata"``   the transformers attention cpdata registers (``cpdata.adapters.register_hf_attention``,
+               ``model.set_attn_implementation("cpdata")``): the batch's layout travels as a model
+               kwarg, every layer's own variant (sliding window, softcap, sinks) is honoured, and K/V
+               cross ranks in one collective per layer (an all-gather, or the all-to-all of the
+               batch's exchange plan with ``kv_exchange=True``). No ctx; the flex kernel on CUDA.
+               The path for sliding-window and softcapped models.
+``"sdpa"``     the older path: the model runs inside the ctx ``ContextParallelSharder.shard``
+               returns, whose SDPA override gathers K/V from the CP group (one all-gather per layer,
+               backward a reduce-scatter), and ``hf_model_kwargs(batch, "sdpa", config=model, ...)``
+               passes the mask of this rank's queries over the gathered global keys (``[1, 1, L,
+               cp*L]`` bool; document-causal, within the window of a sliding-window model). SDPA then
+               runs with an explicit mask (no flash kernel): the correctness path, not the fastest.
+=============  ====================================================================================
 
 At cp = 1 there is nothing to gather: the model keeps its own implementation
-(flash varlen ``cu_seq_lens``, sdpa/eager masks or flex, all from
+("cpdata", flash varlen ``cu_seq_lens``, sdpa/eager masks or flex, all from
 :func:`cpdata.adapters.hf_model_kwargs`, the masks from the model's config) and no context is entered.
-
-Cost of the ctx path per layer at cp > 1: one all-gather of ``cat(K, V)``
-(``cp * L`` tokens) and an ``L x cp*L`` boolean mask built once per batch; SDPA
-then runs with an explicit mask (no flash kernel). It is the correctness path,
-not the fastest one.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from cpdata.adapters import hf_model_kwargs
+from cpdata.adapters.hf_attention import registered_options
 from cpdata.device.sharder import ContextParallelSharder
 
-__all__ = ["ATTENTION", "CPModelInputs", "check_attention"]
+__all__ = ["CPModelInputs", "check_attention"]
 
-ATTENTION: Literal["ctx", "cpdata"] = "ctx"
-"""The attention path of every CP trainer at cp > 1 (see the module docstring)."""
+
+def _registered(impl: Any) -> bool:
+    return isinstance(impl, str) and registered_options(impl) is not None
 
 
 def check_attention(config: Any, cp_size: int) -> None:
-    """Refuse a model whose attention the chosen path cannot run under CP (``ValueError`` naming the fix)."""
+    """Refuse a model whose attention cannot run under CP (``ValueError`` naming the fix)."""
     if cp_size <= 1:
         return
-    if ATTENTION != "ctx":
-        raise ValueError(
-            f"ATTENTION={ATTENTION!r} needs cpdata.adapters.register_hf_attention, which this cpdata does not "
-            "have yet; keep ATTENTION='ctx'"
-        )
     impl = getattr(config, "_attn_implementation", None)
-    if impl != "sdpa":
+    if impl != "sdpa" and not _registered(impl):
         raise ValueError(
-            f"the model's attn_implementation is {impl!r}; at cp_size={cp_size} cpdata runs attention through "
-            "the sharder's SDPA override, which gathers K/V over the CP group. Load the model with "
-            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
+            f"the model's attn_implementation is {impl!r}; at cp_size={cp_size} it would attend within this "
+            "rank's tokens only. Use cpdata's attention (cpdata.adapters.register_hf_attention(), then "
+            "model.set_attn_implementation('cpdata') or from_pretrained(..., attn_implementation='cpdata')), "
+            "or attn_implementation='sdpa' (the sharder's SDPA override gathers K/V over the CP group)"
         )
 
 
@@ -69,7 +64,8 @@ class CPModelInputs:
     Args:
         mesh: the ``(dp, cp)`` device mesh, or None in a single process (cp = 1, no process group).
         device: where the batch goes (the Trainer's ``args.device``).
-        attn_implementation: the model's own (``config._attn_implementation``), used at cp = 1.
+        attn_implementation: the model's own (``config._attn_implementation``): at cp > 1 a name
+            registered by ``register_hf_attention`` (``"cpdata"``) or ``"sdpa"`` (the ctx).
         config: the model (or its config), whose sliding windows and layer types the masks follow
             (``hf_model_kwargs(config=...)``).
 
@@ -101,6 +97,10 @@ class CPModelInputs:
             if self._sharder is None:
                 self._sharder = ContextParallelSharder(None, self.mesh, batch)
             factory, local = self._sharder.shard(batch)
+            if batch.layout.cp_size > 1 and _registered(self.attn_implementation):  # no ctx: the layers gather
+                return contextlib.nullcontext(), hf_model_kwargs(
+                    batch, self.attn_implementation, tensors=local, num_items_in_batch=num_items_in_batch,
+                    group=self.mesh["cp"].get_group())  # fmt: skip
             if batch.layout.cp_size > 1:
                 # sdpa kwargs at cp > 1 are built inside the ctx (their mask is over the gathered keys); the step
                 # then runs in a fresh one (the SDPA override, K/V gathered)
