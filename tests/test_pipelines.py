@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpdata.nodes.loader import close_loader
+from cpdata.nodes.loader import close_loader, closing_loader
 from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
 from cpdata.worker.keys import METADATA_KEYS
 
@@ -189,3 +189,27 @@ def test_precomputed_matches_online_packing(tmp_path, dp_size):
         assert_every_token_once(docs, seen)
     else:  # DP ranks serve disjoint packs
         assert all(len(ks) == len(set(ks)) for ks in seen.values())
+
+
+def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tmp_path):
+    from cpdata.offline.precompute import precompute
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for n in rng.integers(5, 60, 20):
+        ids = rng.integers(1, 500, int(n)).tolist()
+        rows.append({"input_ids": ids, "labels": [*ids[1:], -100]})  # Megatron-style: already next-token targets
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan_dir = tmp_path / "plan"
+    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", labels_alignment="targets")
+    with pytest.raises(ValueError, match="labels_alignment='targets'"):
+        precomputed.build(plan_dir, path, cp_size=CP, cp_rank=0, labels_alignment="inputs")
+    local = 0
+    for cp_rank in range(CP):
+        with closing_loader(precomputed.build(plan_dir, path, cp_size=CP, cp_rank=cp_rank, prefetch=0,
+                                              labels_alignment="targets")) as loader:  # fmt: skip
+            batches = list(loader)
+        local += sum(int((b["labels"] != -100).sum()) for b in batches)
+    expected = sum(len(r["input_ids"]) - 1 for r in rows)  # every given target, trained once
+    assert local == sum(b.info["n_targets"] for b in batches) == expected

@@ -28,6 +28,7 @@ from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.open import open_dataset
+from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["build"]
 
@@ -46,6 +47,7 @@ def build(
     padding_token_id: int = 0,
     prefetch: int = 2,
     pin_memory: bool | None = None,
+    labels_alignment: LabelsAlignment | None = None,
 ) -> Loader:
     """Loader over a precomputed plan for one CP rank.
 
@@ -61,13 +63,17 @@ def build(
         padding_token_id: ``input_ids`` on pads.
         prefetch: batches prepared ahead in a background thread (0: none).
         pin_memory: pin batches (None: when CUDA is available).
+        labels_alignment: the documents' label convention (``"inputs"``: HF/TRL, the model shifts;
+            ``"targets"``: Megatron/NeMo next-token targets), needed when they carry labels or masks and must
+            equal the one the plan was precomputed with (a mismatch is refused, naming both).
     """
     if not isinstance(documents, TokenizedDataset):
         if documents is None:
             raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "
                              "pass their path (e.g. --documents data.jsonl)")
         documents = open_dataset(documents)
-    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank, dp_size=dp_size)
+    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank, dp_size=dp_size,
+                             labels_alignment=labels_alignment)  # fmt: skip
     layout = str(plans.store.config["layout"])
     node: BaseNode = Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
     node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
