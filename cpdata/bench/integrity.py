@@ -4,7 +4,7 @@ A store of 20M tokens (4M with ``--quick``; uint16, documents of 64..4,096
 tokens) is written once, tokens only (row ``tokens``) and with an int8
 ``loss_mask`` on every other document (row ``tokens+loss_mask``: one more
 byte per token to hash, against a read of half as many), then read
-document by document, in order, three ways, alternately for ``ROUNDS``
+document by document, in order, four passes a round for ``ROUNDS``
 rounds (median of each; the files stay in the page cache, so the pass is
 CPU-bound and the share is the largest it can be):
 

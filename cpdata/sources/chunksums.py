@@ -16,20 +16,21 @@ the chunk's byte range and the document being read.
 
 Cost, by ``cpdata bench --sections integrity --runs 3`` (20M uint16 tokens,
 page cache warm, one core of a shared 2-core AMD EPYC; medians of paired
-passes, process CPU time): the first read of every chunk adds 3.5 % to a
-reading pass (tokens only) and 3.6 % (tokens and an int8 ``loss_mask``); a
-pass over checked chunks 1.3 % and 0.0 %. What remains is the hashing: xxh3
-runs ~35 GB/s over pages already mapped (1.2 ms per 40 MB of ``tokens.bin``,
-2.5 % of the 47 ms pass). The page faults of a fresh mapping are paid once, by
-the hash instead of the read, as both go through the reader's mapping. Chunks
-of 64 KiB, 256 KiB or 4 MiB read no faster (64 KiB: +8-13 %, the per-chunk
-calls). Each process checks for itself: with ``W`` dataloader
-workers reading interleaved documents every worker touches nearly every chunk,
-so the first epoch pays up to ``W x`` that share per worker (persistent workers
-pay it once per run). A chunk is checked once per process (a forked worker
-forgets what its parent checked, the index files' checks too, and checks
-again): bytes changed on disk after that are not seen again
-(``check_unchanged`` still catches resized or rewritten files at each epoch).
+passes, process CPU time; two runs): the first read of every chunk adds
+3.2-3.5 % to a reading pass (tokens only) and 3.1-3.6 % (tokens and an int8
+``loss_mask``); a pass over checked chunks 0.8-1.3 % and 0.0-0.2 %. What
+remains is the hashing: xxh3 runs ~35 GB/s over pages already mapped (1.2 ms
+per 40 MB of ``tokens.bin``, 2.5 % of the 47 ms pass). The page faults of a
+fresh mapping are paid once, by the hash instead of the read, as both go
+through the reader's mapping. Chunks of 64 KiB, 256 KiB or 4 MiB read no
+faster (64 KiB: +8-13 %, the per-chunk calls). Each process checks for itself:
+with ``W`` dataloader workers reading interleaved documents every worker
+touches nearly every chunk, so the first epoch pays up to ``W x`` that share
+per worker (persistent workers pay it once per run). A chunk is checked once
+per process (a forked worker forgets what its parent checked, the index files'
+checks too, and checks again): bytes changed on disk after that are not seen
+again (``check_unchanged`` still catches resized or rewritten files at each
+epoch).
 """
 
 from __future__ import annotations

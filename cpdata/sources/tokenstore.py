@@ -18,8 +18,9 @@ the manifest's min/max.
 
 Content is checked as it is read: the first read of a chunk in a process
 hashes it (xxh3) against the manifest, so changed bytes raise ``ValueError``
-naming the file, byte range and document instead of training on them (+3.5 %
-on a first reading pass, +1.3 % once checked; see :mod:`cpdata.sources.chunksums`). ``verify=True`` and
+naming the file, byte range and document instead of training on them (~3.5 %
+of a first reading pass, ~1 % once checked; see
+:mod:`cpdata.sources.chunksums`). ``verify=True`` and
 :meth:`TokenStore.verify_content` (which ``precompute`` calls) check every
 chunk at once, so a plan's recorded input digest names bytes that were read.
 
