@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpdata import build_loader, open_dataset, precompute
 from cpdata.cli import main as cli_main
 from cpdata.nodes.loader import close_loader
-from cpdata.sources.chunksums import CHUNK_BYTES
+from cpdata.sources import chunksums
+from cpdata.sources.chunksums import CHUNK_BYTES, ChunkChecker, ChunkHasher
 from cpdata.sources.manifest import canonical as _canonical
 from cpdata.sources.manifest import manifest_digest as _manifest_digest
 from cpdata.sources.tokenstore import TokenStore, write_token_store
@@ -99,18 +103,38 @@ def test_build_loader_epoch_and_precompute_refuse_the_changed_store(clean, tmp_p
     assert cli_main(argv) == 1 and not (tmp_path / "plan").exists()
 
 
-def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path):
+@pytest.mark.parametrize("file", ["tokens.bin", "offsets.npy", "loss_mask.present.npy"])
+def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path, file):
     from cpdata import CPDataLoader, CPDataset
 
     store_dir = _copy(clean[0], tmp_path / "s")
     store = open_dataset(store_dir)
     for i in (0, N_DOCS - 1):
-        store[i]  # the main process checked its chunks 0 and 4 before the edit: the worker checks for itself
-    _flip_token(store_dir / "tokens.bin", 10)
+        store[i]  # the main process checked the index files and token chunks 0 and 4 before the edit ...
+    assert all(c.complete for c in store._check_index)
+    if file == "tokens.bin":
+        _flip_token(store_dir / file, 10)
+    else:  # the index files: a worker's first read checks them whole again
+        header = store._offsets.offset if file == "offsets.npy" else store._extras["loss_mask"][1].offset
+        with open(store_dir / file, "r+b") as f:
+            f.seek(header + 3)
+            old = f.read(1)
+            f.seek(header + 3)
+            f.write(bytes([old[0] ^ 0x01]))
     loader = CPDataLoader(CPDataset(store, cp_rank=0, **PLAN), num_workers=1, multiprocessing_context="fork")
-    with pytest.raises(ValueError, match=r"tokens.bin bytes 0\.\.1048576 \(chunk 0 of 5\) do not match"):
+    with pytest.raises(ValueError, match=rf"{file} bytes 0\.\.\d+ \(chunk 0 of \d\) do not match"):  # ... the worker
         for _ in loader:
             pass
+
+
+def test_the_first_read_checks_the_index_even_for_an_empty_document(tmp_path):
+    docs = [{"input_ids": []}, *({"input_ids": [i, i + 1]} for i in range(9))]
+    store = write_token_store(docs, tmp_path / "s", vocab_size=100)
+    with open(tmp_path / "s" / "offsets.npy", "r+b") as f:
+        f.seek(store._offsets.offset + 8 * 5)  # offsets[5]: documents 4 and 5 would move
+        f.write(np.int64(7).tobytes())
+    with pytest.raises(ValueError, match=r"offsets.npy bytes .*while reading document 0;"):
+        TokenStore(tmp_path / "s")[0]  # document 0 reads no token byte, but the offsets that say so are checked
 
 
 def test_the_plan_records_the_digest_of_the_bytes_it_read(clean, tmp_path):
@@ -198,3 +222,36 @@ def test_a_store_with_masks_needs_an_alignment_to_be_planned_as_jsonl_does(clean
     assert store.per_token_keys == {"loss_mask"} and store.labels_alignment is None
     with pytest.raises(ValueError, match=r"carries \['loss_mask'\] but labels_alignment is not set"):
         precompute(store, tmp_path / "plan", capacity=8192, cp_size=1, layout="identity")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.integers(0, 120), st.sampled_from([1, 2, 4, 8, 32]), st.sampled_from([1, 2, 4]))
+def test_a_read_inside_the_checked_span_needs_no_check_and_every_read_byte_is_checked(data, n, chunk_bytes, width):
+    """The store's fast path (a read inside ``span`` skips ``check``) against the chunks each read overlaps."""
+    raw = np.random.default_rng(n).integers(0, 256, n * width, dtype=np.uint8)
+    hasher = ChunkHasher(chunk_bytes)
+    hasher.update(raw.tobytes())
+    checker = ChunkChecker(Path("f.bin"), hasher.finish(), raw.size, chunk_bytes, "fix", data=raw, itemsize=width)
+    needed: set[int] = set()
+    reach, chunksums._REACH = chunksums._REACH, data.draw(st.sampled_from([1, 3, chunksums._REACH]))
+    try:
+        _reads(data, checker, n, width, chunk_bytes, needed)
+    finally:
+        chunksums._REACH = reach
+    checker.check_all()
+    assert checker.complete and (n == 0 or checker.span == (0, n))  # (an empty file's span stays empty)
+
+
+def _reads(data, checker: ChunkChecker, n: int, width: int, chunk_bytes: int, needed: set[int]) -> None:
+    for _ in range(data.draw(st.integers(1, 12))):
+        start = data.draw(st.integers(0, n))
+        stop = data.draw(st.integers(start, n))
+        lo, hi = checker.span
+        if start < lo or stop > hi:
+            checker.check(start * width, stop * width, None)
+        if stop > start:
+            needed |= set(range(start * width // chunk_bytes, -(-stop * width // chunk_bytes)))
+        assert checker.checked == len(needed)  # every chunk the read overlaps, and no other, is checked
+        lo, hi = checker.span
+        if lo < hi:  # the span lies in checked chunks
+            assert set(range(lo * width // chunk_bytes, -(-hi * width // chunk_bytes))) <= needed

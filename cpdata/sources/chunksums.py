@@ -8,19 +8,29 @@ checksums describe.
 
 A reader (:class:`ChunkChecker`, one per file and process) checks a chunk the
 first time a read touches it and remembers it in a bytearray (1 byte per
-chunk): the fast path of a read whose chunks are checked is two bytearray
-lookups. A mismatch raises ``ValueError`` naming the file, the chunk's byte
-range and the document being read.
+chunk) and in ``span``: the elements of the run of checked chunks around the
+one checked last (the whole file once every chunk is). A read inside the span
+costs the reader two comparisons and no call; one outside it calls
+:meth:`ChunkChecker.check`. A mismatch raises ``ValueError`` naming the file,
+the chunk's byte range and the document being read.
 
-Cost: xxh3 hashes ~9 GB/s on one core, so checking every byte once costs
-~4 % of a single-process reading pass over a token store (``cpdata bench
---sections integrity``). Each process checks for itself: with ``W`` dataloader
-workers reading interleaved documents every worker touches nearly every chunk,
-so the first epoch pays up to ``W x`` that share per worker (persistent workers
-pay it once per run). A chunk is checked once per process (a forked worker
-forgets what its parent checked and checks again): bytes changed on disk
-after that are not seen again (``check_unchanged`` still catches resized or
-rewritten files at each epoch).
+Cost, by ``cpdata bench --sections integrity --runs 3`` (20M uint16 tokens,
+page cache warm, one core of a shared 2-core AMD EPYC; medians of paired
+passes, process CPU time; two runs): the first read of every chunk adds
+3.2-3.5 % to a reading pass (tokens only) and 3.1-3.6 % (tokens and an int8
+``loss_mask``); a pass over checked chunks 0.8-1.3 % and 0.0-0.2 %. What
+remains is the hashing: xxh3 runs ~35 GB/s over pages already mapped (1.2 ms
+per 40 MB of ``tokens.bin``, 2.5 % of the 47 ms pass). The page faults of a
+fresh mapping are paid once, by the hash instead of the read, as both go
+through the reader's mapping. Chunks of 64 KiB, 256 KiB or 4 MiB read no
+faster (64 KiB: +8-13 %, the per-chunk calls). Each process checks for itself:
+with ``W`` dataloader workers reading interleaved documents every worker
+touches nearly every chunk, so the first epoch pays up to ``W x`` that share
+per worker (persistent workers pay it once per run). A chunk is checked once
+per process (a forked worker forgets what its parent checked, the index files'
+checks too, and checks again): bytes changed on disk after that are not seen
+again (``check_unchanged`` still catches resized or rewritten files at each
+epoch).
 """
 
 from __future__ import annotations
@@ -91,10 +101,13 @@ def file_chunk_sums(path: str | os.PathLike[str], chunk_bytes: int = CHUNK_BYTES
 _LIVE: weakref.WeakSet[ChunkChecker] = weakref.WeakSet()
 """Every checker of this process: a forked child (a dataloader worker) forgets what its parent checked."""
 
+_REACH = 4096
+"""How many chunks either side of a newly checked one the checked span looks for neighbours (a bounded scan)."""
+
 
 def _forget_in_child() -> None:
     for checker in list(_LIVE):
-        checker._done = bytearray(len(checker.sums))
+        checker._forget()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -102,6 +115,13 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 class ChunkChecker:
     """Checks one store file's chunks against recorded checksums, each chunk once per process.
+
+    A reader asks :meth:`check` for the bytes it is about to serve, or first tests the
+    elements it reads against ``span``: ``(lo, hi)``, elements (``itemsize`` bytes each)
+    ``[lo, hi)`` lie in checked chunks (the run of checked chunks around the one checked
+    last; the whole file once every chunk is checked). A read inside it needs no call,
+    which makes the check two comparisons per file a read in order. ``span`` is one
+    tuple, replaced whole, so a thread never sees half an update.
 
     Args:
         path: the file.
@@ -113,13 +133,15 @@ class ChunkChecker:
             the error quotes it. Not pickled.
         data: the file's bytes as a uint8 array when the reader maps it already (its pages are then faulted
             in once, for the read and the check alike); else the file is memory-mapped on the first check.
+        itemsize: bytes per element of the reader's array, the unit of ``lo`` and ``hi``.
     """
 
-    __slots__ = ("__weakref__", "_bytes", "_done", "_shift", "chunk_bytes", "describe", "fix", "path", "size", "sums")
+    __slots__ = ("__weakref__", "_bytes", "_done", "_left", "_shift", "chunk_bytes", "describe", "fix", "itemsize",
+                 "path", "size", "span", "sums")  # fmt: skip
 
     def __init__(
         self, path: Path, sums: list[str], size: int, chunk_bytes: int, fix: str,
-        describe: Callable[[int, int], str] | None = None, data: np.ndarray | None = None,
+        describe: Callable[[int, int], str] | None = None, data: np.ndarray | None = None, itemsize: int = 1,
     ) -> None:  # fmt: skip
         if chunk_bytes < 1 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"{path}: chunk size {chunk_bytes} is not a power of two; {fix}")
@@ -128,27 +150,32 @@ class ChunkChecker:
             raise ValueError(f"{path}: the manifest records {len(sums)} chunk checksums for {size} bytes "
                              f"({expected} chunks of {chunk_bytes}); {fix}")  # fmt: skip
         self.path, self.sums, self.size, self.chunk_bytes, self.fix = path, sums, size, chunk_bytes, fix
-        self.describe = describe
+        self.describe, self.itemsize, self._bytes = describe, itemsize, data
         self._shift = chunk_bytes.bit_length() - 1
-        self._done = bytearray(len(sums))
-        self._bytes = data
+        self._forget()
         _LIVE.add(self)
 
     def __getstate__(self) -> dict[str, object]:  # a fresh process checks for itself
-        return {k: getattr(self, k) for k in ("path", "sums", "size", "chunk_bytes", "fix")}
+        return {k: getattr(self, k) for k in ("path", "sums", "size", "chunk_bytes", "fix", "itemsize")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
         self._shift = self.chunk_bytes.bit_length() - 1
-        self._done = bytearray(len(self.sums))
         self._bytes, self.describe = None, None
+        self._forget()
         _LIVE.add(self)
+
+    def _forget(self) -> None:
+        """Nothing checked (a new process): the checked span is empty."""
+        self._done = bytearray(len(self.sums))
+        self._left = len(self.sums)
+        self.span = (1, 0)  # no element, not even an empty read at 0
 
     @property
     def checked(self) -> int:
         """Chunks checked so far in this process."""
-        return len(self._done) - self._done.count(0)
+        return len(self.sums) - self._left
 
     def check(self, lo: int, hi: int, document: int | None) -> None:
         """Check every chunk overlapping bytes ``[lo, hi)`` not checked yet (``document``: the one being read)."""
@@ -162,8 +189,15 @@ class ChunkChecker:
             if not done[c]:
                 self._check_chunk(c, document)
 
+    @property
+    def complete(self) -> bool:
+        """Every chunk checked in this process."""
+        return not self._left
+
     def check_all(self, document: int | None = None) -> None:
         """Check every chunk of the file (what ``verify=True`` and ``precompute`` do)."""
+        if not self._left:
+            return
         for c in range(len(self.sums)):
             if not self._done[c]:
                 self._check_chunk(c, document)
@@ -181,7 +215,17 @@ class ChunkChecker:
                 f"checksum recorded when the store was written ({who}): the file was edited or damaged on disk "
                 f"after it was written; {self.fix}"
             )
-        self._done[c] = 1
+        done = self._done
+        done[c] = 1
+        self._left -= 1
+        if self._left:  # the run of checked chunks around c, looked for within _REACH chunks
+            start, stop = max(0, c - _REACH), min(len(done), c + 1 + _REACH)
+            first = done.rfind(0, start, c) + 1 or start
+            end = done.find(0, c + 1, stop)
+            lo, hi = first * self.chunk_bytes, min((stop if end < 0 else end) * self.chunk_bytes, self.size)
+        else:
+            lo, hi = 0, self.size
+        self.span = (-(-lo // self.itemsize), hi // self.itemsize)
 
 
 def legacy_chunks(path: Path, files: dict[str, Any], fix: str) -> dict[str, list[str]]:

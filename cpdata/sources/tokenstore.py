@@ -18,8 +18,9 @@ the manifest's min/max.
 
 Content is checked as it is read: the first read of a chunk in a process
 hashes it (xxh3) against the manifest, so changed bytes raise ``ValueError``
-naming the file, byte range and document instead of training on them (~4 %
-of a reading pass; see :mod:`cpdata.sources.chunksums`). ``verify=True`` and
+naming the file, byte range and document instead of training on them (~3.5 %
+of a first reading pass, ~1 % once checked; see
+:mod:`cpdata.sources.chunksums`). ``verify=True`` and
 :meth:`TokenStore.verify_content` (which ``precompute`` calls) check every
 chunk at once, so a plan's recorded input digest names bytes that were read.
 
@@ -175,7 +176,10 @@ class TokenStore(TokenizedDataset):
 
     def _checker(self, name: str, describe: Any, data: np.ndarray | None = None) -> ChunkChecker:
         size = next(e["bytes"] for e in self.manifest["files"].values() if e["file"] == name)
-        return ChunkChecker(self.path / name, self._sums[name], size, self._chunk_bytes, _DAMAGED, describe, data)
+        itemsize = 1 if data is None else data.dtype.itemsize
+        data = None if data is None else data.view(np.uint8)
+        return ChunkChecker(self.path / name, self._sums[name], size, self._chunk_bytes, _DAMAGED, describe, data,
+                            itemsize)  # fmt: skip
 
     def _open(self) -> None:
         n = self.manifest["tokens"]
@@ -186,20 +190,18 @@ class TokenStore(TokenizedDataset):
             for key, dtype in self.manifest["extras"].items()
         }
         self._lengths: np.ndarray | None = None
-        # the index files (8 B + 1 B per extra per document) are checked whole by the first read; a
+        # the index files (8 B + 1 B per extra per document) are checked whole by a process's first read; a
         # document's token and extra bytes chunk by chunk, through the mappings the reads use
-        self._index_checked = False
         at = _data_offset(self._offsets)
         self._check_index = [self._checker(OFFSETS_FILE, partial(self._listed, at, 8, "offsets"))]
-        width = self._tokens.dtype.itemsize
-        self._check_tokens = (self._checker(TOKENS_FILE, partial(self._stored, width), self._tokens.view(np.uint8)),
-                              width)  # fmt: skip
-        self._check_extras = {}
+        self._check_tokens = self._checker(TOKENS_FILE, partial(self._stored, self._tokens.dtype.itemsize),
+                                           self._tokens)  # fmt: skip
+        self._checked_extras = {}  # key: (values, present, checker), what a read walks
         for key, (values, present) in self._extras.items():
-            width, at = values.dtype.itemsize, _data_offset(present)
-            self._check_index.append(self._checker(f"{key}.present.npy", partial(self._listed, at, 1, "flags")))
-            self._check_extras[key] = (self._checker(f"{key}.bin", partial(self._stored, width), values.view(np.uint8)),
-                                       width)  # fmt: skip
+            flags = partial(self._listed, _data_offset(present), 1, "flags")
+            self._check_index.append(self._checker(f"{key}.present.npy", flags))
+            checker = self._checker(f"{key}.bin", partial(self._stored, values.dtype.itemsize), values)
+            self._checked_extras[key] = (values, present, checker)
 
     def _map(self, name: str, dtype: str, n: int) -> np.ndarray:
         if n == 0:
@@ -207,12 +209,11 @@ class TokenStore(TokenizedDataset):
         return np.memmap(self.path / name, dtype=np.dtype(dtype), mode="r", shape=(n,))
 
     def _checkers(self) -> list[ChunkChecker]:
-        return [*self._check_index, self._check_tokens[0], *(c for c, _ in self._check_extras.values())]
+        return [*self._check_index, self._check_tokens, *(c for _, _, c in self._checked_extras.values())]
 
     def _checked_index(self, document: int | None) -> None:
         for checker in self._check_index:
             checker.check_all(document)
-        self._index_checked = True
 
     def verify_content(self) -> None:
         """Check every chunk of every file against the manifest (~0.1 s per GB of hashing, plus the reads).
@@ -237,8 +238,7 @@ class TokenStore(TokenizedDataset):
     @property
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
-            if not self._index_checked:
-                self._checked_index(None)
+            self._checked_index(None)
             self._lengths = np.diff(self._offsets).astype(np.int64, copy=False)
         return self._lengths
 
@@ -246,18 +246,29 @@ class TokenStore(TokenizedDataset):
         return int(self.manifest["documents"])
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        if not self._index_checked:
-            self._checked_index(i)
+        # The checks' fast path, inlined: a read inside each file's checked span costs two comparisons per
+        # file (cpdata.sources.chunksums). The tokens' span is empty until this process checked the index
+        # files, so a process's first read (a forked worker's too) takes the slow path and checks them first.
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
-        tokens_check, width = self._check_tokens
-        tokens_check.check(start * width, stop * width, i)
+        lo, hi = self._check_tokens.span
+        if start < lo or stop > hi:
+            start, stop = self._check_document(i)
         out = {"input_ids": self._tokens[start:stop].astype(np.int64)}
-        for key, (values, present) in self._extras.items():
+        for key, (values, present, checker) in self._checked_extras.items():
             if present[i]:
-                data, width = self._check_extras[key]
-                data.check(start * width, stop * width, i)
+                lo, hi = checker.span
+                if start < lo or stop > hi:
+                    checker.check(start * checker.itemsize, stop * checker.itemsize, i)
                 out[key] = np.array(values[start:stop])
         return out
+
+    def _check_document(self, i: int) -> tuple[int, int]:
+        """Document ``i``'s token range, read once the index files and its token chunks are checked."""
+        self._checked_index(i)
+        start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
+        checker = self._check_tokens
+        checker.check(start * checker.itemsize, stop * checker.itemsize, i)
+        return start, stop
 
     def check_token_ids(self, vocab_size: int | None = None) -> None:
         """From the manifest's min/max (O(1)); the documents are read only to name a culprit."""
@@ -293,8 +304,8 @@ class TokenStore(TokenizedDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_index_checked", "_check_index", "_check_tokens",
-                    "_check_extras"):
+        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_check_index", "_check_tokens",
+                    "_checked_extras"):
             state.pop(key)
         return state
 
