@@ -90,7 +90,7 @@ class TiledBlock:
         self.pack_len, self.cp_size, self.tile, self.owners = pack_len, cp_size, tile, owners
         self.slot_lens, self.slot_counts = slot_lens, slot_counts
         key = owners if n_packs == 1 else owners + np.arange(n_packs, dtype=np.int64).repeat(n) * cp_size
-        self.by_rank = np.argsort(key, kind="stable")
+        self.by_rank = key.argsort(kind="stable")
         self.place = np.empty_like(self.by_rank)
         self.place[self.by_rank] = np.arange(n_packs * n, dtype=np.int64)
 

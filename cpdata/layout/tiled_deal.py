@@ -80,7 +80,7 @@ def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.nd
     """
     d = slot_lens.shape[0]
     bounds = np.zeros(max(d, 1) + 1, dtype=np.int64)
-    np.cumsum(slot_lens, out=bounds[1 : d + 1])
+    slot_lens.cumsum(out=bounds[1 : d + 1])  # (methods, not np.cumsum & co: no Python-level dispatch)
     bounds[-1] = pack_len
     starts = (bounds + (tile - 1)) // tile
     first = starts[:-1]
@@ -101,7 +101,7 @@ def _sequence(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, m: in
     order = None
     if first.shape[0] > 1 and size.max() > m:  # (one document: its tail first and head last already pair up)
         k = math.ceil(HEAD_FRACTION * int(((dense - 1) * size).sum()) / (2 * n)) - c0  # first block costing that
-        at = np.flatnonzero((size > m) & (k > 0) & (k < size))
+        at = ((size > m) & (k > 0) & (k < size)).nonzero()[0]
         if at.shape[0]:
             k = k[at]
             heads = first[at], c0[at]
@@ -109,7 +109,7 @@ def _sequence(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, m: in
             first[at] += k
             size[at] -= k
             c0[at] += k
-            order = np.argsort(first - (2 * c0 + size) * n)
+            order = (first - (2 * c0 + size) * n).argsort()
             cut = np.zeros(first.shape[0], dtype=bool)
             cut[at] = True
             # the heads go last, in the reverse order of their tails: the rank that takes a tail from the dense
@@ -119,12 +119,12 @@ def _sequence(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, m: in
             size = np.concatenate([size[order], k[back]])
             c0 = np.concatenate([c0[order], heads[1][back]])
     if order is None:
-        order = np.argsort(first - dense * n)  # densest first, then in global order
+        order = (first - dense * n).argsort()  # densest first, then in global order
         first, size, c0 = first[order], size[order], c0[order]
-    end = np.cumsum(size)
+    end = size.cumsum()
     back = _arange(n)
-    seq = np.repeat(first + end - 1, size) - back  # tail first: a piece's i-th position holds its block size - 1 - i
-    return seq, seq + np.repeat(c0 - first, size), np.repeat(end, size)
+    seq = (first + end - 1).repeat(size) - back  # tail first: a piece's i-th position holds its block size - 1 - i
+    return seq, seq + (c0 - first).repeat(size), end.repeat(size)
 
 
 def deal_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, cp: int
@@ -133,7 +133,7 @@ def deal_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, cp:
     m = n // cp
     seq, cost, piece_end = _sequence(first, size, c0, n, m)
     cs = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(cost, out=cs[1:])
+    cost.cumsum(out=cs[1:])
     lo, hi, left = 0, n, int(cs[n])
     took, loads = [], []
     for r in range(cp - 1):
@@ -204,7 +204,7 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         return
     limit = max(limit, -(-total // cp), int((c0 + size - 1).max()))  # no deal of whole blocks goes below these
     load = np.array(loads, dtype=np.int64)
-    gid = np.repeat(_arange(groups), size)
+    gid = _arange(groups).repeat(size)
     pos = _arange(n) - first[gid]
     reach_of = pos + 1  # a rank holding the block needs its document's keys up to it
     cost = c0[gid] + pos
@@ -216,12 +216,12 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         reach = np.zeros(cp * groups, dtype=np.int64)
         np.maximum.at(reach, key, reach_of)
         recv = reach.reshape(cp, groups).sum(axis=1) - m  # blocks a rank needs and does not hold
-        by = np.argsort(key, kind="stable")
+        by = key.argsort(kind="stable")
         same = key[by[1:]] == key[by[:-1]]
         prev = np.full(n, -1, dtype=np.int64)  # the rank's previous block of the document, -1: none
         prev[by[1:][same]] = pos[by[:-1][same]]
         mine = owner == a
-        ia, ib = np.flatnonzero(mine), np.flatnonzero(~mine)
+        ia, ib = mine.nonzero()[0], (~mine).nonzero()[0]
         if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # the first and last blocks of runs (of a rank and document)
             edge = np.ones(n + 1, dtype=bool)
             np.not_equal(key[1:], key[:-1], out=edge[1:n])
@@ -277,11 +277,11 @@ def resplit_pairs(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np
     m = n // cp
     if cp < 2 or m < 2:
         return
-    cost = np.repeat(c0 - first, size) + _arange(n)
+    cost = (c0 - first).repeat(size) + _arange(n)
     splits = _splits(m)
     pairs = np.array(list(itertools.combinations(range(cp), 2)), dtype=np.int64)
     for _ in range(4 * cp):
-        held = np.argsort(owner, kind="stable").reshape(cp, m)
+        held = owner.argsort(kind="stable").reshape(cp, m)
         load = cost[held].sum(axis=1)
         both = np.concatenate([held[pairs[:, 0]], held[pairs[:, 1]]], axis=1)  # [pairs, 2m]
         la = cost[both] @ splits.T  # [pairs, splits]
