@@ -12,9 +12,9 @@ only question is the deal (:mod:`cpdata.layout.tiled_deal`), solved from the
 slot lengths alone, the same on every rank: each document's blocks are a
 group (long ones cut into a cheap head and a dense tail); the groups, densest
 first and each tail first, are dealt so that every rank takes a run from the
-dense end and one from the sparse end with its cost within 0.25 % of an equal
-share (one block from deeper in the piece its run ends in fills the gap where a
-dense block is coarser than that); swaps that raise the most K/V any rank
+dense end and one from the sparse end, the split closest to an equal share (one
+block from deeper in the piece its run ends in fills the gap where a dense block
+is coarser than 0.25 % of the share); swaps that raise the most K/V any rank
 receives least bring the busiest rank within 0.5 % of the ideal, and pairwise
 re-splits finish deals of at most 4 blocks a rank. A rank that holds a run of a
 document needs the document's keys before it: the deal keeps documents in few

@@ -30,8 +30,8 @@ run, so a document's first blocks cost nothing to receive and each later one cos
    swaps stall): the pair of ranks whose ``2m`` blocks, re-split the best of all ``C(2m, m)`` ways, lowers the
    sum of squared costs most, while a pair does and the busiest does not rise (K/V are not weighed here).
 
-Cost at 32K cp 4, tile 128 (``n = 256``): ~10 numpy calls on the ``[D]`` slot arrays, ~15 on ``[n]`` (~25 more
-where a long document is cut), ~6 a cut (~15 more for a fine cut, ~1 a pack); none of steps 4-5 on most packs
+Cost at 32K cp 4, tile 128 (``n = 256``): ~10 numpy calls on the ``[D]`` slot arrays, ~15 on ``[n]`` (~20 more
+where a long document is cut), ~6 a cut (~10 more for a fine cut, ~1 a pack); none of steps 4-5 on most packs
 (0-1 of the bench's 10 at 32K cp 4 and 128K cp 8, most long_context ones at 32K cp 8), where a swap is ~40
 calls on ``[m, n - m]`` arrays. Measured: ``cpdata.layout.tiled``'s docstring.
 """
