@@ -23,6 +23,7 @@ from cpdata.layout.maps import (
     rank_indices,
 )
 from cpdata.layout.tiled import TILES, tiled_owners
+from cpdata.layout.tiled_deal import SWAP_TOLERANCE, block_groups, deal_blocks, resplit_pairs, swap_blocks
 from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles, segment_starts
 from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths
@@ -159,6 +160,68 @@ def test_tiled_balances_tiles_where_balanced_does_not_and_keeps_kv_local(name, c
         assert worst <= bound, (name, cp, tile, worst)
         assert worst_balanced > worst, (name, cp, tile, worst_balanced)
         assert np.mean(recv) < np.mean(recv_all), (name, cp, tile)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.integers(0, 900), max_size=14), tile=st.sampled_from(TILES), extra=st.integers(0, 3))
+def test_block_groups_are_every_documents_blocks_and_their_tiles(lens, tile, extra):
+    pack_len = (-(-sum(lens) // tile) + extra or 1) * tile
+    first, size, c0 = block_groups(np.asarray(lens, dtype=np.int64), pack_len, tile)
+    n = pack_len // tile
+    assert first[0] == 0 and int(size.sum()) == n and np.array_equal(first[1:], (first + size)[:-1])
+    assert np.array_equal(np.repeat(c0 - first, size) + np.arange(n), block_tiles(lens, pack_len, tile))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.integers(0, 3000), max_size=12), cp=st.integers(2, 8), tile=st.sampled_from(TILES),
+       extra=st.integers(0, 2))  # fmt: skip
+def test_the_deal_gives_every_rank_m_blocks_and_counts_their_tiles(lens, cp, tile, extra):
+    pack_len = (-(-sum(lens) // (cp * tile)) + extra or 1) * cp * tile
+    n = pack_len // tile
+    owner, loads = deal_blocks(*block_groups(np.asarray(lens, dtype=np.int64), pack_len, tile), n, cp)
+    assert np.array_equal(np.bincount(owner, minlength=cp), np.full(cp, n // cp))
+    assert loads == np.bincount(owner, block_tiles(lens, pack_len, tile), minlength=cp).astype(int).tolist()
+
+
+def test_swaps_balance_a_random_deal_and_keep_equal_counts():
+    lens, pack_len, cp, tile = np.array([9054, 10065, 12555, 1025]), 32768, 4, 128
+    n, cost = pack_len // tile, block_tiles(lens, pack_len, tile)
+    owner = np.random.default_rng(0).permutation(np.repeat(np.arange(cp), n // cp))
+    loads = np.bincount(owner, cost, minlength=cp).astype(int).tolist()
+    assert max(loads) > 1.03 * cost.sum() / cp  # a real imbalance to remove
+    swap_blocks(*block_groups(lens, pack_len, tile), owner, cp, loads)
+    assert np.array_equal(np.bincount(owner, minlength=cp), np.full(cp, n // cp))
+    assert np.bincount(owner, cost).max() <= (1 + SWAP_TOLERANCE) * cost.sum() / cp
+
+
+@pytest.mark.parametrize(("lens", "cp", "most"), [
+    ([9054, 10065, 12555, 1025], 4, 0.32),
+    ([7777, 1726, 7613, 7884, 7667], 4, 0.14),
+    ([7777, 1726, 7613, 7884, 7667], 8, 0.29),
+    ([3456, 13933, 34, 15170, 173], 8, 0.61),
+])  # fmt: skip
+def test_tiled_needs_few_keys_from_other_ranks_on_long_documents(lens, cp, most):
+    """K/V the busiest-receiving rank needs over an all-gather's, on 32K long_context packs of the bench (a deal
+    by density alone, documents cut every ``m`` blocks: 0.96, 0.37, 0.49, 0.87), and the tiles still balanced."""
+    pack_len, tile = 32768, 128
+    rows = rank_indices("tiled", cp, lens, pack_len, tile=tile)
+    assert kv_recv_tokens(rows, lens, pack_len).max() / ((cp - 1) / cp * pack_len) <= most
+    ideal = block_tiles(lens, pack_len, tile).sum() / cp
+    assert live_tiles(rows, lens, pack_len, tile).max() <= (1 + SWAP_TOLERANCE) * ideal
+
+
+def test_pairwise_resplits_take_a_small_deal_to_the_integer_bound():
+    lens, pack_len, cp, tile = np.array([2015, 2071]), 4096, 8, 128  # 4 blocks a rank
+    n, cost = pack_len // tile, block_tiles(lens, pack_len, tile)
+    bound = max(-(-int(cost.sum()) // cp), int(cost.max()))
+    first, size, c0 = block_groups(lens, pack_len, tile)
+    owner, loads = deal_blocks(first, size, c0, n, cp)
+    swap_blocks(first, size, c0, owner, cp, loads)
+    assert np.bincount(owner, cost).max() > bound  # where single swaps stall
+    resplit_pairs(first, size, c0, owner, cp)
+    assert np.bincount(owner, cost).max() == bound
+    assert np.array_equal(np.bincount(owner, minlength=cp), np.full(cp, n // cp))
+    assert np.array_equal(owner, tiled_owners(lens, pack_len, cp, tile))
 
 
 def test_tiled_causal_work_in_info_equals_the_rows_work():

@@ -8,32 +8,28 @@ mask do not depend on who owns the other blocks:
 ``cost[b] = b - first_block(document of b's first token) + 1``
 (:func:`cpdata.layout.tiles.block_tiles`). A rank pays the sum of its blocks'
 costs, and the ranks together pay exactly the pack's tiles at cp = 1, so the
-only question is the deal. It is solved from the slot lengths alone, the same
-on every rank, in ~15 numpy calls per rank:
+only question is the deal (:mod:`cpdata.layout.tiled_deal`), solved from the
+slot lengths alone, the same on every rank: each document's blocks are a
+group (long ones cut into a cheap head and a dense tail); the groups, densest
+first and each tail first, are dealt so that every rank takes a run from the
+dense end and one from the sparse end, the split closest to an equal share (one
+block from deeper in the piece its run ends in fills the gap where a dense block
+is coarser than 0.25 % of the share); swaps that raise the most K/V any rank
+receives least bring the busiest rank within 0.5 % of the ideal, and pairwise
+re-splits finish deals of at most 4 blocks a rank. A rank that holds a run of a
+document needs the document's keys before it: the deal keeps documents in few
+runs and gives a long document's tail and head to one rank.
 
-1. *Groups*: consecutive blocks whose first token lies in the same document
-   (a document's blocks; short documents make one-block groups). Each has a
-   cost (sum) and a density (cost per block).
-2. *Sequence*: the groups sorted by density, densest first (ties in global
-   order), each group's blocks in global order.
-3. *Deal*: rank ``r`` takes ``x`` blocks from the dense end of what is left
-   and ``m - x`` from the sparse end, ``x`` (one vectorized pass over
-   ``0..m``) bringing its cost closest to an equal share of what is left; the
-   last rank takes the middle. A group is split only where a rank's two cuts
-   fall (at most ``2 cp - 2`` splits), so a document's blocks stay on one rank
-   unless balance needs it elsewhere; a document longer than a rank's share is
-   cut into consecutive runs (one causal prefix each: a run's rank needs the
-   document's keys before it, never after).
-4. *Swaps*: while the busiest rank is over the ideal by more than
-   :data:`SWAP_TOLERANCE`, swap the one block pair between the busiest and the
-   idlest rank that brings both closest to their mean (at most
-   :data:`MAX_SWAPS`).
+Measured (``cpdata bench --sections attention``, 450 rows, docs/layouts-and-kernels.md): the busiest rank's
+tiles are 1.000-1.007 x the ideal at 32K-128K (tile 128; 1.000-1.014 at 256; balanced: 1.01-4.4) and within
+0.05 % of the integer bound ``max(ceil(tiles / cp), costliest block)`` on every 8K row (at most 1.016 at tile
+128; 1.0245 on ultrachat cp 8 tile 256, where a rank holds 4 blocks); the rank that needs most K/V receives
+0.01-0.18 of an all-gather's for short-document mixes and 0.37-0.47 for long_context at 32K-128K (2 of its 10
+packs at 32K are one document, where whoever owns the last block needs all of it); 53-74 us of CPU per pack at
+32K cp 4 and 81-150 us at 128K cp 8 (tile 128; balanced: 29-50 and 30-207 us). A deal by density alone, with
+documents cut every ``m`` blocks and swaps blind to K/V, measured 86-214 and 160-296 us and 0.43-0.60 on
+long_context at 32K on the same machine.
 
-Measured (``cpdata bench --sections attention``, docs/layouts-and-kernels.md):
-busiest rank's tiles 1.000-1.007 x the ideal at 32K-128K (tile 128; balanced:
-1.01-4.4), at most 1.016 at 8K; K/V a rank must receive 0.01-0.18 of an
-all-gather's for short-document mixes, 0.4-0.6 for long_context; 150-430 us of
-CPU per pack on a loaded 2-core machine (balanced: 55-640 us).
 The tables (:func:`tiled_block`) keep the blocks' owners and their rank-major
 order: a rank's row and the inverse map are one ``repeat`` and one add each.
 They have the run tables' interface (``tables()``, ``row``, ``inverse``,
@@ -47,134 +43,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import _frozen, segments
+from cpdata.layout.runs import _frozen
+from cpdata.layout.tiled_deal import RESPLIT_BLOCKS, block_groups, deal_blocks, resplit_pairs, swap_blocks
 
-__all__ = ["DEFAULT_TILE", "MAX_SWAPS", "SWAP_TOLERANCE", "TILES", "TiledBlock", "TiledTable", "block_costs", "tiled_block",
-           "tiled_owners"]
+__all__ = ["DEFAULT_TILE", "TILES", "TiledBlock", "TiledTable", "tiled_block", "tiled_owners"]
 
 TILES: tuple[int, ...] = (64, 128, 256)
 """Tile sizes ``tiled`` supports (the kernel's query and key block: 128 for flash/flex on most GPUs, 256 on newer)."""
 
 DEFAULT_TILE = 128
 
-SWAP_TOLERANCE = 0.005
-"""Swaps stop once the busiest rank is within this fraction of the ideal (each swap moves blocks off their
-document's rank; the deal alone is within ~1 %)."""
-
-MAX_SWAPS = 16
-
-ALL_PAIRS = 4096
-"""Swaps consider every rank's blocks when ``m * (n - m)`` is at most this (8K at cp 8, tile 256: 4 blocks per
-rank, 1.04 x ideal with the idlest rank's blocks only, 1.00x with all); larger deals are within ~1 % already."""
-
-PIECE_DIVISOR = 1
-"""Documents longer than ``m / PIECE_DIVISOR`` blocks are dealt as consecutive pieces of that many blocks (1:
-measured lowest K/V received on long_context, 0.49-0.51 of an all-gather against 0.53-0.55 with 2; balance the
-same)."""
-
-
-def block_costs(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(cost, within)`` int64 ``[pack_len // tile]``: each block's live key tiles, and its index among the
-    blocks whose first token lies in the same document (0: the first of them).
-
-    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the tail joins the last slot). The document
-    of block ``b``'s first token starts at ``s``: ``cost = b - s // tile + 1``, and its first such block is
-    ``ceil(s / tile)``.
-    """
-    ends = np.cumsum(slot_lens)
-    starts = np.zeros(max(ends.size, 1), dtype=np.int64)
-    if ends.size > 1:
-        starts[1:] = ends[:-1]
-    b = np.arange(pack_len // tile, dtype=np.int64)
-    start = starts[np.minimum(ends.searchsorted(b * tile, side="right"), starts.size - 1)]
-    head, part = np.divmod(start, tile)
-    cost = b - head
-    cost += 1
-    return cost, cost - 1 - (part > 0)
-
-
-def _deal(cost: np.ndarray, within: np.ndarray, cp: int) -> np.ndarray:
-    """int64 ``[n]``: the owner of every block (steps 1-3 of the module docstring)."""
-    n = cost.shape[0]
-    m = n // cp
-    piece = max(1, m // PIECE_DIVISOR)
-    # groups: a document's blocks, in pieces of at most `piece` blocks; costs rise by 1 per block of a group,
-    # so a group's density is its first cost plus (size - 1) / 2: doubled, an integer
-    first = np.flatnonzero(within % piece == 0)
-    size = np.diff(first, append=n)
-    twice = cost[first] * 2 + size
-    order = np.argsort(-twice, kind="stable")  # densest first, ties in global order
-    seq = segments(first[order], size[order])
-    cs = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(cost[seq], out=cs[1:])
-    lo, hi = 0, n
-    took = []  # blocks each rank takes from the dense end
-    for r in range(cp - 1):
-        share = (cs[hi] - cs[lo]) / (cp - r)
-        # x from the dense end and m - x from the sparse end cost cs[lo + x] - cs[lo] + cs[hi] - cs[hi - m + x]
-        miss = cs[lo : lo + m + 1] - cs[hi - m : hi + 1] + (cs[hi] - cs[lo] - share)  # float64 [m + 1]
-        k = int(np.abs(miss).argmin())
-        took.append(k)
-        lo, hi = lo + k, hi - m + k
-    # the sequence, in order: rank 0's dense blocks .. rank cp-2's, the last rank's middle, rank cp-2's sparse
-    # blocks .. rank 0's
-    counts = np.array([*took, hi - lo, *(m - k for k in reversed(took))], dtype=np.int64)
-    owner = np.empty(n, dtype=np.int64)
-    owner[seq] = _SNAKE[cp].repeat(counts)
-    return owner
-
-
-class _Snake(dict):
-    """``cp`` -> int64 ``[2cp - 1]``: ``0 .. cp-1 .. 0`` (cached)."""
-
-    def __missing__(self, cp: int) -> np.ndarray:
-        ranks = np.arange(cp, dtype=np.int64)
-        self[cp] = out = np.concatenate([ranks, ranks[-2::-1]])
-        return out
-
-
-_SNAKE = _Snake()
-
-
-def _swap(cost: np.ndarray, owner: np.ndarray, cp: int) -> None:
-    """Step 4, in place: swap one block of the busiest rank with one of another rank, the pair that lowers the
-    larger of their two loads most, until the busiest is within :data:`SWAP_TOLERANCE` of the ideal. While
-    ``m * (n - m) <= ALL_PAIRS`` (few blocks per rank, where the deal's granularity shows) every other rank's
-    blocks are candidates and swaps go on while one helps; above that, the idlest rank's blocks only."""
-    load = np.bincount(owner, cost, minlength=cp).astype(np.int64)
-    ideal = load.sum() / cp
-    n = cost.shape[0]
-    every = (n // cp) * (n - n // cp) <= ALL_PAIRS
-    limit = ideal if every else ideal * (1 + SWAP_TOLERANCE)  # small deals: swap while any pair helps
-    for _ in range(MAX_SWAPS):
-        a = int(load.argmax())
-        if load[a] <= limit:
-            return
-        mine = owner == a
-        on_a = np.flatnonzero(mine)
-        others = np.flatnonzero(~mine) if every else np.flatnonzero(owner == int(load.argmin()))
-        delta = cost[on_a][:, None] - cost[others][None, :]  # [m, k]: load moved from a to the other rank
-        after = np.maximum(load[a] - delta, load[owner[others]][None, :] + delta)
-        after[delta <= 0] = load[a]
-        best = int(after.argmin())
-        i, j = divmod(best, others.shape[0])
-        if after[i, j] >= load[a]:
-            return
-        ia, ib = on_a[i], others[j]
-        b = int(owner[ib])
-        owner[ia], owner[ib] = b, a
-        load[a] -= delta[i, j]
-        load[b] += delta[i, j]
-
 
 def tiled_owners(slot_lens: Sequence[int] | np.ndarray, pack_len: int, cp_size: int, tile: int) -> np.ndarray:
-    """int64 ``[pack_len // tile]``: the rank owning each block (validated lengths, ``pack_len % (cp*tile) == 0``)."""
-    lens = np.asarray(slot_lens, dtype=np.int64).reshape(-1)
-    cost, within = block_costs(lens, pack_len, tile)
-    if cp_size == 1 or cost.shape[0] == 0:
-        return np.zeros(cost.shape[0], dtype=np.int64)
-    owner = _deal(cost, within, cp_size)
-    _swap(cost, owner, cp_size)
+    """int64 ``[pack_len // tile]``: the rank owning each block (validated lengths, ``pack_len % (cp*tile) == 0``;
+    :mod:`cpdata.layout.tiled_deal`)."""
+    n = pack_len // tile
+    if cp_size == 1 or n == 0:
+        return np.zeros(n, dtype=np.int64)
+    first, size, c0 = block_groups(np.asarray(slot_lens, dtype=np.int64).reshape(-1), pack_len, tile)
+    owner, loads = deal_blocks(first, size, c0, n, cp_size)
+    swap_blocks(first, size, c0, owner, cp_size, loads)
+    if n // cp_size <= RESPLIT_BLOCKS:
+        resplit_pairs(first, size, c0, owner, cp_size)
     return owner
 
 
@@ -208,7 +98,7 @@ class TiledBlock:
         self.pack_len, self.cp_size, self.tile, self.owners = pack_len, cp_size, tile, owners
         self.slot_lens, self.slot_counts = slot_lens, slot_counts
         key = owners if n_packs == 1 else owners + np.arange(n_packs, dtype=np.int64).repeat(n) * cp_size
-        self.by_rank = np.argsort(key, kind="stable")
+        self.by_rank = key.argsort(kind="stable")
         self.place = np.empty_like(self.by_rank)
         self.place[self.by_rank] = np.arange(n_packs * n, dtype=np.int64)
 

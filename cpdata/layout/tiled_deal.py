@@ -1,0 +1,296 @@
+"""The ``tiled`` deal: which CP rank owns each ``tile``-token block of a pack, from the slot lengths alone.
+
+Block ``b`` costs ``b - first_block(document of b's first token) + 1`` live key tiles
+(:func:`cpdata.layout.tiles.block_tiles`) whoever owns the others, and every rank gets ``m = n / cp`` blocks,
+so the deal splits the pack's tiles into ``cp`` equal sums of ``m`` blocks. It also keeps small the K/V the
+busiest-receiving rank needs: a rank holding a run of a document's blocks needs the document's keys before the
+run, so a document's first blocks cost nothing to receive and each later one costs its position. Steps:
+
+1. *Groups* (:func:`block_groups`): each document's blocks, ``(first, size, c0)``: they cost ``c0, c0 + 1,
+   ...``. With more than one group, a group longer than ``m`` is cut where its blocks first cost
+   :data:`HEAD_FRACTION` of the pack's mean block, into a cheap head and a dense tail.
+2. *Sequence*: the groups (cut ones: their tails) by cost per block, densest first (ties in global order),
+   then the heads in the reverse order of their tails; every piece *tail first*. The dense end thus starts
+   with the last blocks of the densest documents and, read backwards, the sparse end with the first blocks of
+   the same documents: a rank that takes a long document's tail takes its head too and needs only the keys
+   between them (one document alone is already one such piece).
+3. *Cuts* (:func:`deal_blocks`): rank ``r`` takes the ``x`` blocks from the dense end and ``m - x`` from the
+   sparse end that bring its cost closest to an equal share of what is left (one vectorized pass over
+   ``0..m``); the last rank takes the middle. A document is split only at those ``2 cp - 2`` cuts and where
+   it was cut in two. Where the closest ``x`` misses the share by more than :data:`CUT_TOLERANCE` (a dense
+   block is a few % of a share), the rank takes one of its ``m`` blocks from deeper in the piece its dense run
+   ends in instead, the one whose cost fills the gap (its keys were needed anyway): ``q = lo + y +
+   round(gap)``, since a piece's costs fall by one a position.
+4. *Swaps* (:func:`swap_blocks`): while the busiest rank is more than :data:`SWAP_TOLERANCE` over the ideal
+   (and over the integer bound ``max(ceil(tiles / cp), costliest block)``), swap one of its blocks with one of
+   another rank's: of the pairs that bring both within the tolerance (else that lower the larger of the two
+   most), the one after which the rank receiving most K/V receives least, from each rank's reach into each
+   document (it needs the document's keys up to its last block of it).
+5. *Re-splits* (:func:`resplit_pairs`, ``m <= RESPLIT_BLOCKS``: a block is ~5 % of a share, where single
+   swaps stall): the pair of ranks whose ``2m`` blocks, re-split the best of all ``C(2m, m)`` ways, lowers the
+   sum of squared costs most, while a pair does and the busiest does not rise (K/V are not weighed here).
+
+Cost at 32K cp 4, tile 128 (``n = 256``): ~10 numpy calls on the ``[D]`` slot arrays, ~15 on ``[n]`` (~20 more
+where a long document is cut), ~6 a cut (~10 more for a fine cut, ~1 a pack); none of steps 4-5 on most packs
+(0-1 of the bench's 10 at 32K cp 4 and 128K cp 8, most long_context ones at 32K cp 8), where a swap is ~40
+calls on ``[m, n - m]`` arrays. Measured: ``cpdata.layout.tiled``'s docstring.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+
+__all__ = ["CUT_TOLERANCE", "HEAD_FRACTION", "MAX_PAIRS", "MAX_SWAPS", "RESPLIT_BLOCKS", "SWAP_TOLERANCE", "block_groups",
+           "deal_blocks", "resplit_pairs", "swap_blocks"]  # fmt: skip
+
+HEAD_FRACTION = 0.7
+"""Where a long group is cut: at its first block costing this fraction of the pack's mean block (long_context at
+32K, cp 4 and 8, tile 128 and 256: the busiest rank receives 0.40-0.47 of an all-gather's K/V, against
+0.43-0.52 with no cut; 0.5 and 1.0 of the mean land within 0.02 of 0.7)."""
+
+CUT_TOLERANCE = 0.0025
+"""A cut that misses its share by more than this fraction of it tries the fine cut (step 3)."""
+
+SWAP_TOLERANCE = 0.005
+"""Swaps stop once the busiest rank is within this fraction of the ideal."""
+
+MAX_SWAPS = 32
+
+MAX_PAIRS = 4096
+"""Swaps weigh every pair of the busiest rank's blocks and the others' up to this many pairs (32K cp 8, tile 128:
+32 x 224), else the first and last blocks of runs, then those with the idlest rank: the same tiles and K/V on
+the bench's rows, a swap ~0.2 ms rather than ~5 ms at 128K cp 8, tile 128 (128 x 896 pairs)."""
+
+RESPLIT_BLOCKS = 4
+"""Pairwise re-splits run where a rank holds at most this many blocks (``C(8, 4) = 70`` splits a pair)."""
+
+
+def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(first, size, c0)`` int64 ``[D]``: every slot's blocks (those whose first token lies in it), in global
+    order: ``first .. first + size - 1``, costing ``c0, c0 + 1, ...`` live tiles (``size`` 0 for a slot that
+    starts no block).
+
+    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the tail joins the last slot; no slots: one
+    slot of the whole pack). A slot ``[s, e)`` starts blocks ``ceil(s / tile) .. ceil(e / tile) - 1`` and its
+    first one costs ``ceil(s / tile) - s // tile + 1``; the groups tile ``[0, pack_len / tile)``.
+    """
+    d = slot_lens.shape[0]
+    bounds = np.zeros(max(d, 1) + 1, dtype=np.int64)
+    slot_lens.cumsum(out=bounds[1 : d + 1])  # (methods, not np.cumsum & co: no Python-level dispatch)
+    bounds[-1] = pack_len
+    starts = (bounds + (tile - 1)) // tile
+    first = starts[:-1]
+    return first, starts[1:] - first, first - bounds[:-1] // tile + 1
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def _sequence(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, m: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Steps 1-2: int64 ``[n]`` block, cost and end of its piece, of every sequence position."""
+    dense = 2 * c0 + size  # a piece's doubled mean cost, plus one
+    order = None
+    if first.shape[0] > 1 and size.max() > m:  # (one document: its tail first and head last already pair up)
+        k = math.ceil(HEAD_FRACTION * int(((dense - 1) * size).sum()) / (2 * n)) - c0  # first block costing that
+        at = ((size > m) & (k > 0) & (k < size)).nonzero()[0]
+        if at.shape[0]:
+            k = k[at]
+            heads = first[at], c0[at]
+            first, size, c0 = first.copy(), size.copy(), c0.copy()  # the cut groups' tails in their place
+            first[at] += k
+            size[at] -= k
+            c0[at] += k
+            order = (first - (2 * c0 + size) * n).argsort()
+            cut = np.zeros(first.shape[0], dtype=bool)
+            cut[at] = True
+            # the heads go last, in the reverse order of their tails: the rank that takes a tail from the dense
+            # end takes its head from the sparse end, and needs only the keys between the two
+            back = at.searchsorted(order[cut[order]][::-1])
+            first = np.concatenate([first[order], heads[0][back]])
+            size = np.concatenate([size[order], k[back]])
+            c0 = np.concatenate([c0[order], heads[1][back]])
+    if order is None:
+        order = (first - dense * n).argsort()  # densest first, then in global order
+        first, size, c0 = first[order], size[order], c0[order]
+    end = size.cumsum()
+    back = _arange(n)
+    seq = (first + end - 1).repeat(size) - back  # tail first: a piece's i-th position holds its block size - 1 - i
+    return seq, seq + (c0 - first).repeat(size), end.repeat(size)
+
+
+def deal_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, cp: int
+                ) -> tuple[np.ndarray, list[int]]:  # fmt: skip
+    """Steps 1-3 for ``n`` blocks: ``(owner int64 [n], loads)``: every block's rank and every rank's live tiles."""
+    m = n // cp
+    seq, cost, piece_end = _sequence(first, size, c0, n, m)
+    cs = np.zeros(n + 1, dtype=np.int64)
+    cost.cumsum(out=cs[1:])
+    lo, hi, left = 0, n, int(cs[n])
+    took, loads = [], []
+    for r in range(cp - 1):
+        share = left / (cp - r)
+        # x from the dense end and m - x from the sparse end cost cs[lo + x] - cs[lo] + cs[hi] - cs[hi - m + x]
+        gap = cs[lo : lo + m + 1] - cs[hi - m : hi + 1] + (left - share)  # float64 [m + 1]: cost - share
+        miss = np.abs(gap)
+        x = int(miss.argmin())
+        if miss[x] <= max(CUT_TOLERANCE * share, 0.5) or m == 1:  # (0.5: no whole x does better)
+            load = round(share + gap[x])
+        else:
+            x = _adjust(x, gap, miss, cost, seq, cs, piece_end, lo, hi, m)
+            load = int(cs[lo + x] - cs[lo] + cs[hi] - cs[hi - m + x])
+        took.append(x)
+        loads.append(load)
+        lo, hi, left = lo + x, hi - m + x, left - load
+    loads.append(left)
+    counts = np.array([*took, m, *(m - x for x in reversed(took))], dtype=np.int64)
+    owner = np.empty(n, dtype=np.int64)
+    owner[seq] = _SNAKE[cp].repeat(counts)
+    return owner, loads
+
+
+def _adjust(x: int, gap: np.ndarray, miss: np.ndarray, cost: np.ndarray, seq: np.ndarray, cs: np.ndarray,
+            piece_end: np.ndarray, lo: int, hi: int, m: int) -> int:  # fmt: skip
+    """Step 3's fine cut: ``y`` dense blocks, ``m - y - 1`` sparse ones and one block ``q`` from deeper in the
+    piece the dense run ends in, costing what the other ``m - 1`` miss (a piece's costs fall by one a position,
+    so ``q = lo + y + round(gap[y + 1])``). The block moves to position ``lo + y`` (``seq``, ``cost`` and ``cs``
+    follow) and ``y + 1`` is returned; ``x`` when no such block misses less than ``x`` does."""
+    at = _arange(cs.shape[0])
+    e = at[lo + 1 : lo + m]  # y = 1 .. m - 1: the first position after the dense run
+    shift = np.rint(gap[2:]).astype(np.int64)
+    q = e + shift
+    fine = np.abs(gap[2:] - shift)
+    below = np.minimum(piece_end[lo : lo + m - 1], at[hi - m + 2 : hi + 1])  # the run's piece, the sparse run
+    fine[(shift < 0) | (q >= below)] = np.inf
+    j = int(fine.argmin())
+    if fine[j] >= miss[x]:
+        return x
+    e, q = lo + 1 + j, int(q[j])
+    seq[e], seq[q] = seq[q], seq[e]
+    step = int(cost[q]) - int(cost[e])
+    cost[e], cost[q] = cost[q], cost[e]
+    cs[e + 1 : q + 1] += step
+    return j + 2
+
+
+class _Snake(dict):
+    """``cp`` -> int64 ``[2cp - 1]``: ``0 .. cp-1 .. 0``, the owner of each of the deal's segments (cached)."""
+
+    def __missing__(self, cp: int) -> np.ndarray:
+        ranks = np.arange(cp, dtype=np.int64)
+        self[cp] = out = np.concatenate([ranks, ranks[-2::-1]])
+        return out
+
+
+_SNAKE = _Snake()
+
+
+def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.ndarray, cp: int,
+                loads: list[int]) -> None:  # fmt: skip
+    """Step 4, in place on ``owner`` (int64 ``[n]``; ``loads``: every rank's live tiles)."""
+    n, groups = owner.shape[0], first.shape[0]
+    m = n // cp
+    total = sum(loads)
+    limit = total / cp * (1 + SWAP_TOLERANCE)
+    if max(loads) <= limit:
+        return
+    limit = max(limit, -(-total // cp), int((c0 + size - 1).max()))  # no deal of whole blocks goes below these
+    load = np.array(loads, dtype=np.int64)
+    gid = _arange(groups).repeat(size)
+    pos = _arange(n) - first[gid]
+    reach_of = pos + 1  # a rank holding the block needs its document's keys up to it
+    cost = c0[gid] + pos
+    for _ in range(MAX_SWAPS):
+        a = int(load.argmax())
+        if load[a] <= limit:
+            return
+        key = owner * groups + gid
+        reach = np.zeros(cp * groups, dtype=np.int64)
+        np.maximum.at(reach, key, reach_of)
+        recv = reach.reshape(cp, groups).sum(axis=1) - m  # blocks a rank needs and does not hold
+        by = key.argsort(kind="stable")
+        same = key[by[1:]] == key[by[:-1]]
+        prev = np.full(n, -1, dtype=np.int64)  # the rank's previous block of the document, -1: none
+        prev[by[1:][same]] = pos[by[:-1][same]]
+        mine = owner == a
+        ia, ib = mine.nonzero()[0], (~mine).nonzero()[0]
+        if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # the first and last blocks of runs (of a rank and document)
+            edge = np.ones(n + 1, dtype=bool)
+            np.not_equal(key[1:], key[:-1], out=edge[1:n])
+            edge = edge[:n] | edge[1:]
+            ia, ib = ia[edge[ia]], ib[edge[ib]]
+            if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # with the idlest rank's
+                ib = ib[owner[ib] == int(load.argmin())]
+        b = owner[ib]
+        reach_a = reach[a * groups + gid[ib]]
+        reach_b = reach[b[None, :] * groups + gid[ia][:, None]]
+        da = _given(ia, reach[key[ia]], reach_of, prev)[:, None] + (np.maximum(reach_a, reach_of[ib]) - reach_a - 1)
+        db = np.maximum(reach_b, reach_of[ia][:, None]) - reach_b - 1 + _given(ib, reach[key[ib]], reach_of, prev)
+        delta = cost[ia][:, None] - cost[ib]
+        after = np.maximum(load[a] - delta, load[b] + delta)
+        rest = recv.copy()  # the most any third rank receives, for each partner
+        rest[a] = -1
+        top = int(rest.argmax())
+        third = np.full(cp, rest[top])
+        rest[top] = -1
+        third[top] = max(int(rest.max()), 0)
+        worst = np.maximum(np.maximum(recv[a] + da, recv[b] + db), third[b])
+        fit = (delta > 0) & (after <= limit)
+        ok = fit if fit.any() else (delta > 0) & (after < load[a])
+        if not ok.any():
+            return
+        score = np.where(ok, worst * (2 * int(load[a]) + 1) + after, np.iinfo(np.int64).max)
+        i, j = divmod(int(score.argmin()), ib.shape[0])
+        x, z, r = int(ia[i]), int(ib[j]), int(b[j])
+        owner[x], owner[z] = r, a
+        load[a] -= delta[i, j]
+        load[r] += delta[i, j]
+
+
+def _given(x: np.ndarray, reach: np.ndarray, reach_of: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """Change in what a block's owner receives when it gives the block away: a hole (+1) inside its reach,
+    or, for its last block of the document, the reach falling back to its previous one."""
+    return np.where(reach_of[x] == reach, prev[x] + 2 - reach, 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _splits(m: int) -> np.ndarray:
+    """int64 ``[C(2m, m), 2m]``: every choice of ``m`` of ``2m`` blocks, as 0/1 rows (read-only, cached)."""
+    rows = np.zeros((math.comb(2 * m, m), 2 * m), dtype=np.int64)
+    for i, chosen in enumerate(itertools.combinations(range(2 * m), m)):
+        rows[i, list(chosen)] = 1
+    rows.flags.writeable = False
+    return rows
+
+
+def resplit_pairs(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.ndarray, cp: int) -> None:
+    """Step 5, in place on ``owner`` (int64 ``[n]``, ``m = n / cp <= RESPLIT_BLOCKS``)."""
+    n = owner.shape[0]
+    m = n // cp
+    if cp < 2 or m < 2:
+        return
+    cost = (c0 - first).repeat(size) + _arange(n)
+    splits = _splits(m)
+    pairs = np.array(list(itertools.combinations(range(cp), 2)), dtype=np.int64)
+    for _ in range(4 * cp):
+        held = owner.argsort(kind="stable").reshape(cp, m)
+        load = cost[held].sum(axis=1)
+        both = np.concatenate([held[pairs[:, 0]], held[pairs[:, 1]]], axis=1)  # [pairs, 2m]
+        la = cost[both] @ splits.T  # [pairs, splits]
+        lb = (load[pairs[:, 0]] + load[pairs[:, 1]])[:, None] - la
+        gain = (load[pairs[:, 0]] ** 2 + load[pairs[:, 1]] ** 2)[:, None] - la * la - lb * lb
+        gain[np.maximum(la, lb) > load.max()] = 0
+        k = int(gain.argmax())
+        if gain.flat[k] <= 0:
+            return
+        p, s = divmod(k, splits.shape[0])
+        owner[both[p][splits[s] == 1]] = pairs[p, 0]
+        owner[both[p][splits[s] == 0]] = pairs[p, 1]
