@@ -44,7 +44,7 @@ COLUMNS: tuple[str, ...] = ("store", "tokens", "chunks", "plain_s", "first_s", "
                             "steady_pct")
 TABLE: tuple[str, ...] = (*COLUMNS, "verify_gb_s")
 TITLE = "token store reading pass, chunk checks on first read vs none (page cache warm)"
-ROUNDS = 15
+ROUNDS = 41
 
 
 def _documents(tokens: int, mask: bool):

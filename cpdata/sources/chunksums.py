@@ -16,9 +16,9 @@ the chunk's byte range and the document being read.
 
 Cost, by ``cpdata bench --sections integrity --runs 3`` (20M uint16 tokens,
 page cache warm, one core of a shared 2-core AMD EPYC; medians of paired
-passes, process CPU time; two runs): the first read of every chunk adds
-3.2-3.5 % to a reading pass (tokens only) and 3.1-3.6 % (tokens and an int8
-``loss_mask``); a pass over checked chunks 0.8-1.3 % and 0.0-0.2 %. What
+passes, process CPU time; nine runs): the first read of every chunk adds
+1.6-5.4 % (median 3.2 %) to a reading pass (tokens only) and 3.1-6.9 % (median
+4.2 %, tokens and an int8 ``loss_mask``); a pass over checked chunks 0-2 %. What
 remains is the hashing: xxh3 runs ~35 GB/s over pages already mapped (1.2 ms
 per 40 MB of ``tokens.bin``, 2.5 % of the 47 ms pass). The page faults of a
 fresh mapping are paid once, by the hash instead of the read, as both go
