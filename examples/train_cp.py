@@ -25,8 +25,9 @@ Imbalance. Each step prints the busiest CP rank's live attention tiles over
 the ideal (``--tile`` x ``--tile``, 128 by default: the blocks flash / flex
 kernels compute whole), the ideal being the pack's tiles at cp 1 divided by
 cp (``cpdata.layout.tiles``). 1.000 is perfect; token-pair balance is not
-what such a kernel pays (``docs/layouts-and-kernels.md``). ``--layout tiled``
-balances exactly this count.
+what such a kernel pays (``docs/layouts-and-kernels.md``). The default
+layout, ``tiled``, balances exactly this count (whole tile-token blocks per
+rank, so the capacity must be a multiple of cp x tile).
 
 ``--check-parity`` trains a reference copy on the full pack (recovered by
 gathering the batch tensors) with no CP, and compares per-step losses
@@ -74,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--cp-size", type=int, default=None, help="default: world size / dp size")
-    p.add_argument("--layout", default=None, help="CP layout (default balanced, or a precomputed plan's), "
+    p.add_argument("--layout", default=None, help="CP layout (default tiled, or a precomputed plan's), "
                    "or a comma-separated list trained one after another")
     p.add_argument("--capacity", type=int, default=4096, help="tokens per pack (before CP sharding)")
     p.add_argument("--tile", type=int, default=128, help="attention tile the printed imbalance counts (and the "
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
     if args.data and Path(args.data).is_dir():  # a precomputed plan fixes capacity and layout
         plan = read_store(args.data, verify=False).config
         args.capacity, args.layout = int(plan["capacity"]), args.layout or str(plan["layout"])
-    layouts = (args.layout or "balanced").split(",")
+    layouts = (args.layout or "tiled").split(",")
     if args.summary_json and len(layouts) > 1 and "{layout}" not in args.summary_json:
         raise ValueError(f"--summary-json {args.summary_json!r} must contain '{{layout}}' with several layouts")
     mesh, dp_rank, cp_rank, cp_group = setup(args)

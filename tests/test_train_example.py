@@ -23,7 +23,7 @@ from dist_utils import run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_cp.py"
 sys.path.insert(0, str(ROOT / "examples"))
-TINY = ["--capacity", "128", "--layers", "1", "--d-model", "32"]
+TINY = ["--capacity", "256", "--layers", "1", "--d-model", "32"]  # the default tiled: cp x 128
 SUMMARY_KEYS = {"steps", "cp_size", "layout", "final_loss", "max_abs_loss_diff", "tokens_per_s",
                 "data_wait_fraction", "padding_pct", "imbalance"}
 STEP_LINE = re.compile(r"^step\s+(\d+) \| loss (\S+) .*\| docs\s+(\d+)", re.M)
