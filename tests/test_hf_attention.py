@@ -240,6 +240,12 @@ def test_cp2_without_a_group_or_ctx_is_loud():
     assert hf_model_kwargs(batch, "cpdata")["num_items_in_batch"] == batch.info["n_targets"]
     relabelled = batch.replace(labels=batch["labels"].clone())  # new labels: the recorded count is dropped
     assert "n_targets" not in relabelled.info
+    copied = batch.replace()  # the same labels as another tensor (a pinned copy): the count holds
+    copied["labels"] = batch["labels"].clone()
+    assert copied.info["n_targets"] == batch.info["n_targets"]
+    edited = batch.replace()
+    edited["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)  # other labels assigned: the count is dropped
+    assert "n_targets" not in edited.info and "n_targets" in batch.info
     with pytest.raises(ValueError, match=r"cp x the loss.*num_items_in_batch"):
         hf_model_kwargs(relabelled, "cpdata")
     with pytest.raises(ValueError, match=r"config=model"):

@@ -64,8 +64,9 @@ shape error in the first layer), and flash/eager/flex are refused (they would
 attend within this rank's tokens only). Loss: without ``num_items_in_batch``
 at cp > 1, the pack's global target count is filled in (``batch.info
 ["n_targets"]``, which cpdata's worker records for every batch: no collective;
-else, e.g. after ``batch.replace(labels=...)``, one all-reduce over ``group``;
-labels changed in place or only in ``tensors=`` need ``num_items_in_batch``),
+else, e.g. after ``batch.replace(labels=...)`` or ``batch["labels"] = other``, one
+all-reduce over ``group``; labels edited in place or only in ``tensors=`` need
+``num_items_in_batch``),
 so each rank's loss is its target sum over the pack's target count
 and the ranks' losses add up to the single-rank loss, never ``cp x`` it
 (:mod:`cpdata.adapters.loss` states the gradient contract).

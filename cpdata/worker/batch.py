@@ -15,7 +15,7 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
   slot), ``n_targets`` (``labels != -100`` over the whole batch, every row
   and every CP rank: the count the loss divides by, which
   :func:`cpdata.adapters.global_target_count` all-reduces; :meth:`ShardedBatch.replace`
-  drops it when the labels change); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
+  and ``batch["labels"] = other`` drop it when the labels change, a pinned copy keeps it); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
   ``n_documents``, ``causal_work`` (per rank), ``digest``. Tracing: ``pack_indices``
   are the plan's own pack ids (a schedule's ``(step * dp_size + dp_rank) *
   micro_batches + micro_batch``, a precomputed plan's row, a window's pack id
@@ -230,6 +230,12 @@ class BatchBuffer:
         return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
 
 
+def _same_values(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``new`` holds ``old``'s values (a pinned copy does; a check on the host only: another device
+    counts as changed, so no device sync)."""
+    return new.device == old.device and new.dtype == old.dtype and bool(torch.equal(new, old))
+
+
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
     """One rank's tensors (a mapping) plus ``.layout`` and ``.info``.
 
@@ -374,6 +380,10 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
             )
         if value is old:
             return
+        if key == LABELS and N_TARGETS in self._info and not _same_values(value, old):
+            # other labels than the pipeline counted: the recorded target count no longer holds (hf_model_kwargs
+            # then counts with one all-reduce, or asks for num_items_in_batch); a pinned copy keeps it
+            self._info = {k: v for k, v in self._info.items() if k != N_TARGETS}
         if self._views is not None:  # the buffer no longer backs every key: this batch owns its tensors
             self._layout, self._tensors, self._views = self.layout, dict(self._tensors), None
         self._tensors[key] = value
