@@ -52,7 +52,12 @@ import torch
 
 from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.adapters.masks import block_mask_from_bounds, block_mask_over_keys, query_bounds
+from cpdata.adapters.masks import (
+    block_mask_from_bounds,
+    block_mask_over_keys,
+    dense_mask_from_bounds,
+    query_bounds,
+)
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
@@ -146,19 +151,17 @@ class HFAttentionState:
         key = (kind, window, str(device))
         if key not in self._masks:
             start, pos = self.start.to(device), self.pos.to(device)
-            if self.exchange:  # own keys then received ones, at their global positions
-                k = exchanged_key_positions(self.layout, device)
-            else:  # one interval of the global order per query
-                k = torch.arange(self.key_len, device=device)
-            if kind == "flex" and self.exchange:
-                self._masks[key] = block_mask_over_keys(start, pos, k, window=window)
-            elif kind == "flex":
+            if kind == "flex" and not self.exchange:  # one interval of the global order per query
                 self._masks[key] = block_mask_from_bounds(start, pos, self.key_len, window=window)
-            else:
-                keep = (k >= start[0, :, None]) & (k <= pos[:, None])
-                if window is not None:
-                    keep &= k > pos[:, None] - window
-                self._masks[key] = keep[None, None]
+            else:  # each key's global position: exchanged keys (own, then received) or the global order
+                if self.exchange:
+                    k = exchanged_key_positions(self.layout, device)
+                else:
+                    k = torch.arange(self.key_len, device=device)
+                if kind == "flex":
+                    self._masks[key] = block_mask_over_keys(start, pos, k, window=window)
+                else:
+                    self._masks[key] = dense_mask_from_bounds(start, pos, k, window=window)
         return self._masks[key]
 
 

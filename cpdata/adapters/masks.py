@@ -50,7 +50,8 @@ from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.gather import layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["block_mask_from_bounds", "block_mask_over_keys", "document_causal_mask", "flex_block_mask", "query_bounds"]
+__all__ = ["block_mask_from_bounds", "block_mask_over_keys", "dense_mask_from_bounds", "document_causal_mask",
+           "flex_block_mask", "query_bounds"]
 
 KeyOrder = Literal["auto", "global", "exchange"]
 
@@ -131,10 +132,21 @@ def document_causal_mask(
     """
     _check_window(window)
     start, pos, row_len = query_bounds(layout, document_ids, cu_seqlens_padded)
-    k = _key_positions(layout, keys, row_len, start.device)
-    mask = (k[None, None, :] >= start[:, :, None]) & (k[None, None, :] <= pos[None, :, None])
+    return dense_mask_from_bounds(start, pos, _key_positions(layout, keys, row_len, start.device), window=window)
+
+
+def dense_mask_from_bounds(
+    start: torch.Tensor, pos: torch.Tensor, key_pos: torch.Tensor, *, window: int | None = None
+) -> torch.Tensor:
+    """Bool ``[B, 1, L, K]``: ``start[b, q] <= key_pos[k] <= pos[q]`` (and ``pos[q] - key_pos[k] < window``).
+
+    ``start`` int64 ``[B, L]``, ``pos`` int64 ``[L]`` (:func:`query_bounds`), ``key_pos`` int64 ``[K]``: the
+    global position of each key (``arange(S)`` for keys in global order, the exchanged keys' otherwise).
+    """
+    k = key_pos[None, None, :]
+    mask = (k >= start[:, :, None]) & (k <= pos[None, :, None])
     if window is not None:
-        mask &= k[None, None, :] > pos[None, :, None] - window
+        mask &= k > pos[None, :, None] - window
     return mask[:, None]
 
 
