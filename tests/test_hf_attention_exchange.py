@@ -24,8 +24,8 @@ from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
 from tests.hf_zoo import FAMILIES, alone_reference, build, max_rel_error
-from tests.test_hf_attention_dist import _summed
 from tests.test_hf_attention import full_pack
+from tests.test_hf_attention_dist import _summed
 
 LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled")
 TILE = 64
