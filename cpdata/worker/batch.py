@@ -236,6 +236,11 @@ def _same_values(new: torch.Tensor, old: torch.Tensor) -> bool:
     return new.device == old.device and new.dtype == old.dtype and bool(torch.equal(new, old))
 
 
+def _without_target_count(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` without ``n_targets`` (a new dict): the labels it counted were replaced."""
+    return {k: v for k, v in info.items() if k != N_TARGETS}
+
+
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
     """One rank's tensors (a mapping) plus ``.layout`` and ``.info``.
 
@@ -383,7 +388,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if key == LABELS and N_TARGETS in self._info and not _same_values(value, old):
             # other labels than the pipeline counted: the recorded target count no longer holds (hf_model_kwargs
             # then counts with one all-reduce, or asks for num_items_in_batch); a pinned copy keeps it
-            self._info = {k: v for k, v in self._info.items() if k != N_TARGETS}
+            self._info = _without_target_count(self._info)
         if self._views is not None:  # the buffer no longer backs every key: this batch owns its tensors
             self._layout, self._tensors, self._views = self.layout, dict(self._tensors), None
         self._tensors[key] = value
@@ -425,9 +430,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
                 out.pop(k, None)
             else:
                 out[k] = v
-        info = self._info
-        if LABELS in tensors and N_TARGETS in info:
-            info = {k: v for k, v in info.items() if k != N_TARGETS}
+        info = _without_target_count(self._info) if LABELS in tensors else self._info
         return ShardedBatch(out, layout=self.layout, info=info)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
