@@ -31,10 +31,11 @@ lengths; :func:`cpdata.layout.maps.layout_runs` validates.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments"]
+__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -78,6 +79,15 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
     if total == 0:
         return np.zeros(0, dtype=np.int64) if out is None else out
     return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
+
+
+def stacked_rows(table: Any) -> np.ndarray:
+    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (a run table or any table
+    with ``cp_size``, ``pack_len`` and ``row(rank, out)``, e.g. ``tiled``'s)."""
+    out = np.empty((table.cp_size, table.pack_len // table.cp_size), dtype=np.int64)
+    for r in range(table.cp_size):
+        table.row(r, out[r])
+    return out
 
 
 class RunBlock:
@@ -214,10 +224,7 @@ class RunTable:
 
     def rows(self) -> np.ndarray:
         """int64 ``[cp, local_len]``: every rank's row."""
-        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
-        for r in range(self.cp_size):
-            self.row(r, out[r])
-        return out
+        return stacked_rows(self)
 
     def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import _frozen
+from cpdata.layout.runs import _frozen, stacked_rows
 from cpdata.layout.tiled_deal import RESPLIT_BLOCKS, block_groups, deal_blocks, resplit_pairs, swap_blocks
 
 __all__ = ["DEFAULT_TILE", "TILES", "TiledBlock", "TiledTable", "tiled_block", "tiled_owners"]
@@ -192,10 +192,7 @@ class TiledTable:
 
     def rows(self) -> np.ndarray:
         """int64 ``[cp, pack_len / cp]``: every rank's row."""
-        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
-        for r in range(self.cp_size):
-            self.row(r, out[r])
-        return out
+        return stacked_rows(self)
 
     def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len]``: ``inverse[g]`` = position of token ``g`` in the rank-major concatenation."""
