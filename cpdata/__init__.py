@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Collate": "cpdata.nodes.collate",
     "CollatedPack": "cpdata.worker.collated",
     "ContextParallelAttention": "cpdata.device.cp_attention",
-    "ContextParallelSharder": "cpdata.device.sharder",
+    "ContextParallelSharder": "cpdata.nemo.sharder",
     "CostModel": "cpdata.schedule",
     "DocPiece": "cpdata.worker.plan",
     "Document": "cpdata.worker.plan",
