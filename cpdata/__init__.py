@@ -56,7 +56,7 @@ _EXPORTS: dict[str, str] = {
     "open_dataset": "cpdata.sources.open",
     "plan_lengths": "cpdata.packing",
     "plan_schedule": "cpdata.schedule",
-    "precompute": "cpdata.offline.precompute",
+    "precompute": "cpdata.offline.precompute_plan",
     "rank_indices": "cpdata.layout.maps",
     "verify_layout_consistency": "cpdata.device.consistency",
 }

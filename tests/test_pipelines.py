@@ -164,7 +164,7 @@ def test_sft_thd_passes_labels_and_loss_mask_through():
 
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_precomputed_matches_online_packing(tmp_path, dp_size):
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
 
     docs = make_docs(seed=3, max_len=200)
     path = tmp_path / "docs.jsonl"
@@ -192,7 +192,7 @@ def test_precomputed_matches_online_packing(tmp_path, dp_size):
 
 
 def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tmp_path):
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
 
     rng = np.random.default_rng(5)
     rows = []
