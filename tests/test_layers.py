@@ -25,9 +25,9 @@ LAYERS: dict[str, set[str]] = {
     "layout": {"errors"},
     "gather": {"layout"},
     "worker": {"errors", "layout"},
-    "packing": {"layout", "worker"},
-    "schedule": {"packing"},
-    "sources": {"worker"},
+    "packing": {"errors", "layout", "worker"},
+    "schedule": {"errors", "packing"},
+    "sources": {"errors", "worker"},
     "nodes": {"errors", "layout", "worker", "packing", "schedule", "sources"},
     "offline": {"errors", "layout", "worker", "packing", "schedule", "sources", "nodes"},
     "device": {"errors", "layout", "gather", "worker"},  # the native path: a worker batch moved, attention, checks

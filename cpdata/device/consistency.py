@@ -34,10 +34,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpdata.errors import check_int, is_int
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "verify_layout_consistency"]
 
+_INTERVAL = " (batches between checks; 0 or None: off)"
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
 
 
@@ -92,7 +94,7 @@ def verify_layout_consistency(
     layout = _layout_of(batch_or_layout)
     group, device = _group_and_device(cp_mesh_or_group, device)
     digest = layout.digest
-    valid = isinstance(digest, int) and not isinstance(digest, bool) and 0 <= digest < 2**63
+    valid = is_int(digest) and 0 <= digest < 2**63
     value = digest if valid else _MISSING
     seen = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
@@ -125,9 +127,7 @@ class LayoutCheck:
     """
 
     def __init__(self, every: int | None = DEFAULT_CHECK_EVERY) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"the layout check interval must be an int >= 0 (batches; 0 or None: off), got {every!r}")
-        self.every = int(every or 0)
+        self.every = 0 if every is None else check_int("the layout check interval", every, min=0, fix=_INTERVAL)
         self.calls = 0
 
     def __call__(self, layout: ShardLayout | None, group: Any = None) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
@@ -72,8 +73,7 @@ def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray
 
 
 def _check_epochs(epochs: Any, dataset: Any, dp_size: int | None) -> None:
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    check_int("epochs", epochs, min=1)
     if epochs == 1:
         return
     from cpdata.nodes.mix import Mix

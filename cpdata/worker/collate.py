@@ -52,6 +52,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.worker.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
@@ -89,8 +90,7 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
     fix = "pass an id the embedding can look up, e.g. padding_token_id=tokenizer.eos_token_id (pads are masked out)"
     if padding_token_id is None:
         raise TypeError(f"padding_token_id is None (the tokenizer defines no pad token); {fix}")
-    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, (int, np.integer)):
-        raise TypeError(f"padding_token_id must be an int, got {type(padding_token_id).__name__} {padding_token_id!r}; {fix}")
+    check_int("padding_token_id", padding_token_id, fix=f"; {fix}")
     if padding_token_id < 0:
         raise ValueError(
             f"padding_token_id={padding_token_id} is negative and would index outside the embedding "
