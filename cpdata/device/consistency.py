@@ -18,10 +18,8 @@ On by default: :class:`LayoutCheck` runs it on the first batch and then every
 on entering a ``ContextParallelAttention`` built by hand, so CP ranks of one
 DP group fed different packs (a ``dp_rank`` slip: the global rank passed on a
 pure-CP mesh) fail on every rank at the first step. Cost per check: the 16-byte
-all-reduce and one device-to-host read of it (a sync of the CP group). Measured
-on gloo, CPU ranks on a loaded 2-core machine: median 0.6 ms at cp 2, 3 ms at
-cp 4 (4 ranks on 2 cores), so 6-30 us per step averaged at N = 100; NCCL is
-not measured here (no GPU).
+all-reduce and one device-to-host read of it (a sync of the CP group), spread
+over ``N`` steps (figures on gloo: docs/benchmarks.md; NCCL not measured).
 ``check_layout_every=0`` (sharder) / ``check_every=0`` (ctx) turns it off.
 Worker batches and raw batches the sharder round-robins carry a digest;
 layouts without one (built by hand, the raw TE/THD path) are not checked.

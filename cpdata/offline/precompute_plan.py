@@ -8,8 +8,7 @@ plan it stores per-pack real tokens and per-rank causal attention work under
 the configured layout, so ``cpdata inspect`` reads them without tokens.
 
 Cost: planning is the planner's; the per-pack statistics are O(capacity) numpy
-work per pack (0.4 ms for a 32K-token thd pack at cp = 8: 200K documents, 272M
-tokens, 8346 packs precompute in 3.6 s), shown with a progress bar.
+work per pack (figures: docs/benchmarks.md), shown with a progress bar.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
 """Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound
-on the realistic distributions at 0.4-1.8 us per document (``python -m
-cpdata.packing``); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
+on the realistic distributions (``python -m cpdata.packing``; time per document:
+docs/benchmarks.md); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
 carry, and with it the ``Pack`` state, grows with the window)."""
 WINDOW_PACKS = 4
 """A window also holds at least this many packs of tokens (each document
@@ -173,7 +173,7 @@ class PackingStats:
     @staticmethod
     def fields_from_counts(*, capacity: int, **counts: int) -> dict[str, Any]:
         """What :meth:`from_counts` builds, as a fresh dict in field order (``dataclasses.asdict`` of it,
-        ~1 us instead of ~6 us for the object and ``asdict``; a ``Pack`` state holds it)."""
+        without building the object and walking it with ``asdict``; a ``Pack`` state holds it)."""
         tokens, packs = counts.get("tokens", 0), counts.get("packs", 0)
         lower = -(-counts.get("slot_tokens", 0) // capacity)
         fields = _STATS_DEFAULTS.copy()

@@ -39,7 +39,7 @@ micro_batches`` pieces longer than half a pack get one deadline (a step takes
 fewer while pieces taken ahead by the step before share its deadline), one
 per cell, so the check passes. On the bench distributions a step takes
 within a few percent of a step's tokens, so the steps track the token stream.
-Cost: ~3-4 us per document (``cpdata bench --sections schedule``).
+Cost: linear in the documents (time per document: ``cpdata bench --sections schedule``).
 
 Without a cost model (``cost=None``): the packs of
 :func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack

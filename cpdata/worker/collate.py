@@ -171,9 +171,10 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     labels read those instead. Pad position ids are clamped to ``S - 1`` only
     when some slot's pads would pass it (a piece continuing a long document).
 
-    Cost: ~12 numpy calls, each ~0.3-1 us at 512 positions (the methods, not the ``np.take``-style
-    wrappers, and slice assignment rather than ``np.copyto``: ~0.3 us less per call), plus ~3-4 ns per
-    position (8 passes; one two-row ``repeat`` of both shifts measured slower than two).
+    Cost: ~12 numpy calls, whose fixed overhead dominates short packs (the methods, not the
+    ``np.take``-style wrappers, and slice assignment rather than ``np.copyto``: each cheaper per call),
+    plus 8 passes over the positions (one two-row ``repeat`` of both shifts is slower than two); figures
+    in docs/benchmarks.md.
     """
     k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
     shape, tab = out_ids.shape, stream.segments
