@@ -10,7 +10,6 @@ epoch is epoch 0's) and keeps the current epoch's rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,16 +55,9 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
     return arr.astype(np.int64, copy=False)
 
 
-@dataclass(frozen=True, slots=True)
-class RankRows:
-    """One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``)."""
-
-    offsets: np.ndarray
-    doc_index: np.ndarray
-    doc_start: np.ndarray
-    doc_len: np.ndarray
-    slot_len: np.ndarray
-    continues: np.ndarray
+RankRows = dict[str, np.ndarray]
+"""One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``) is rows
+``offsets[j]:offsets[j + 1]`` of the columns ``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``."""
 
 
 def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
@@ -77,9 +69,8 @@ def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
     sizes = hi - lo
     rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return RankRows(offsets=offsets, doc_index=sched.doc_index[rows], doc_start=sched.doc_start[rows],
-                     doc_len=sched.doc_len[rows], slot_len=sched.slot_len[rows],
-                     continues=sched.continues[rows])  # fmt: skip
+    return {"offsets": offsets, "doc_index": sched.doc_index[rows], "doc_start": sched.doc_start[rows],
+            "doc_len": sched.doc_len[rows], "slot_len": sched.slot_len[rows], "continues": sched.continues[rows]}
 
 
 class EpochRows:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LIST_SAMPLES", "check_source_unchanged", "sample_positions", "source_fingerprint"]
+__all__ = ["LIST_SAMPLES", "check_source_unchanged", "lengths_identity", "sample_positions", "source_fingerprint"]
 
 LIST_SAMPLES = 16
 """Items of an in-memory list whose ``input_ids`` the fingerprint hashes."""
@@ -50,6 +50,11 @@ def sample_positions(n: int, k: int) -> list[int]:
     if n <= k:
         return list(range(n))
     return sorted({(s * (n - 1)) // (k - 1) for s in range(k)})
+
+
+def lengths_identity(lengths: np.ndarray) -> str:
+    """``"lengths:<sha256>"`` of int64 ``[n]`` document lengths: what a plan made from lengths alone is bound to."""
+    return "lengths:" + hashlib.sha256(np.ascontiguousarray(lengths, dtype="<i8").tobytes()).hexdigest()
 
 
 def _item_bytes(item: Any) -> bytes:
