@@ -90,11 +90,13 @@ class PlanRows(Protocol):
 
 
 def emit_plan(pack: PackRows, capacity: int, read: Any) -> PackPlan:
-    """The :class:`~cpdata.worker.plan.PackPlan` of ``pack``'s rows, documents from ``read(index)``."""
+    """The :class:`~cpdata.worker.plan.PackPlan` of ``pack``'s rows, documents from ``read(index, more)``
+    (``more``: a piece of the document follows in a later row)."""
     c, pieces = pack.columns, []
     for j in range(pack.rows.start, pack.rows.stop):
         doc, start, length = int(c["doc_index"][j]), int(c["doc_start"][j]), int(c["doc_len"][j])
-        arrays, continues = read(doc), bool(c["continues"][j])
+        continues = bool(c["continues"][j])
+        arrays = read(doc, continues)
         n = int(arrays[INPUT_IDS].shape[0])
         if start + length > n:
             raise ValueError(
@@ -205,10 +207,19 @@ class ServedPacks(EpochNode[PackPlan]):
         self.epoch_clock.restore(saved.epoch, saved.first)
         self._item = int(item)
 
-    def _document(self, index: int) -> Mapping[str, np.ndarray]:
-        if self._cached is None or self._cached[0] != index:
-            self._cached = (index, self.rows.document(index))
-        return self._cached[1]
+    def _document(self, index: int, more: bool) -> Mapping[str, np.ndarray]:
+        """Document ``index``, read once for all its pieces: a document cut into pieces (``overflow="split"``,
+        ``concat``) is kept while pieces of it follow (``more``), so a 5M-token JSONL row cut into 153 pieces
+        is parsed once per epoch; at most one such document is held (its pieces sit in consecutive packs)."""
+        if self._cached is not None and self._cached[0] == index:
+            arrays = self._cached[1]
+        else:
+            arrays = self.rows.document(index)
+            if more:
+                self._cached = (index, arrays)
+        if not more and self._cached is not None and self._cached[0] == index:
+            self._cached = None  # its last piece
+        return arrays
 
     def plan(self, item: int, epoch: int | None = None) -> PackPlan:
         """This rank's pack ``item`` (all workers together) of the current block of ``epoch`` (default: the
