@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 from torchdata.nodes import BaseNode
 
-__all__ = ["EpochNode", "EpochClock", "check_epoch", "graph_nodes", "set_graph_epoch"]
+__all__ = ["EpochClock", "EpochNode", "check_epoch", "check_num_epochs", "graph_nodes", "set_graph_epoch"]
 
 T = TypeVar("T")
 
@@ -34,6 +34,14 @@ def check_epoch(epoch: Any, what: str = "epoch") -> int:
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"{what} must be an int >= 0, got {epoch!r}")
     return int(epoch)
+
+
+def check_num_epochs(num_epochs: Any) -> int | None:
+    """``num_epochs`` (epochs per ``iter()``); ``ValueError`` unless an int >= 1 or None (one epoch per ``iter()``)."""
+    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
+                                   or num_epochs < 1):  # fmt: skip
+        raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
+    return None if num_epochs is None else int(num_epochs)
 
 
 class EpochClock:

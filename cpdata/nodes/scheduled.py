@@ -9,25 +9,19 @@ column, or ``lengths=`` given)::
 
 Every rank, CP rank and dataloader worker computes the same
 :func:`~cpdata.schedule.plan_schedule` from the same lengths (a pure
-function: ~3-5 us per document, once per process). This rank's packs form one
-sequence, step by step and micro-batch by micro-batch (pack ``j`` is
-micro-batch ``j % micro_batches`` of step ``j // micro_batches``); a
-``StatefulDataLoader`` worker ``w`` of ``N`` serves items ``w, w + N, ...`` of
-it (steps ``w, w + N, ...`` when ``micro_batches == 1``), so the loader's
-round-robin gives the same order for every ``N`` and each worker reads only
+function, once per process). This rank's packs form one sequence, step by
+step and micro-batch by micro-batch (pack ``j`` is micro-batch
+``j % micro_batches`` of step ``j // micro_batches``); dataloader workers
+split it as :class:`~cpdata.nodes.served.ServedPacks` does, each reading only
 the documents of its own packs: worker CPU per pack does not grow with ``N``.
+``shuffle=True`` plans epoch ``e`` over the documents in the ``(seed, e)``
+order, when the epoch starts (the schedule stays a pure function of its
+arguments and the epoch).
 
-Epochs: ``shuffle=True`` plans epoch ``e`` over the documents in the
-``(seed, e)`` order (every rank and worker plans it when the epoch starts:
-the schedule stays a pure function of its arguments and the epoch);
-``num_epochs`` runs that many epochs per ``iter()``, the items going on in one
-sequence across epoch ends, as :class:`~cpdata.nodes.source.Documents` does.
-
-Serving, epochs and state belong to :class:`~cpdata.nodes.served.ServedPacks`
-(``item``: the next pack of the epoch this worker serves; ``identity``: the
-lengths' digest): a restore is O(1) (no replay: at most the epoch's plan); one
-saved under another configuration, another DP split or over other lengths is
-refused with ``ValueError``.
+Serving, epochs and state belong to ``ServedPacks`` (``identity``: the
+source's and the lengths'): a restore is O(1) (no replay: at most the epoch's
+plan); one saved under another configuration, another DP split or over other
+lengths is refused with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -38,41 +32,54 @@ from typing import Any
 import numpy as np
 
 from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.scheduled_rows import EpochRows, check_dp_share, source_lengths
+from cpdata.nodes.scheduled_rows import SCHEDULES, RankRows, rank_rows, schedule_settings, source_lengths
 from cpdata.nodes.served import PackRows, ServedPacks
 from cpdata.nodes.source import to_document
-from cpdata.schedule import CostModel, Schedule
-from cpdata.sources.fingerprint import lengths_identity
+from cpdata.schedule import CostModel, Schedule, plan_schedule
+from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
 from cpdata.sources.hf import indexed_hf_documents
 from cpdata.worker.keys import INPUT_IDS
-from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
+from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["SCHEDULES", "ScheduleRows", "ScheduledPacks", "source_lengths"]
 
-SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
-"""``balanced``: packs cost-balanced across ranks and micro-batches (:class:`~cpdata.schedule.CostModel`);
-``in_order``: today's packs (``bfd``) in stream order, dealt to ranks step by step."""
-
-
 class ScheduleRows:
     """The rows of :class:`ScheduledPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this rank's packs of
-    each epoch's schedule, one block per epoch, and the source read by index."""
+    each epoch's schedule, one block per epoch, and the source read by index. An epoch is planned when
+    first asked for (``shuffle``: over the lengths in the ``(seed, epoch)`` order; otherwise every epoch is
+    epoch 0's), ~3-5 us per document on every rank and worker."""
 
     def __init__(self, source: Any, lengths: np.ndarray, plan_kw: dict[str, Any], config: dict[str, Any], *,
                  dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
         self.source, self.lengths, self.vocab_size, self.labels_alignment = source, lengths, vocab_size, labels_alignment
-        self.plans = EpochRows(lengths, dp_rank, plan_kw)
+        self.plan_kw, self.shuffle = plan_kw, bool(plan_kw["shuffle"])
         self.dp_rank, self.dp_size, self.capacity = dp_rank, int(plan_kw["dp_size"]), int(plan_kw["capacity"])
-        self.micro_batches = self.plans.schedule.micro_batches  # type: ignore[union-attr]
-        self.config = {**config, "overflow": self.plans.schedule.config.overflow}  # type: ignore[union-attr]
-        self.identity = lengths_identity(lengths)
+        self.micro_batches, self.config = int(plan_kw["micro_batches"]), config
+        self.schedule: Schedule | None = plan_schedule(lengths, **plan_kw, epoch=0)
+        """The last epoch planned's schedule (the whole plan; None in a dataloader worker, which gets its rows)."""
+        self._rows: tuple[int, RankRows] = (0, rank_rows(self.schedule, dp_rank))
+        self.identity = source_identity(source, lengths)
+        self._fingerprint = source_fingerprint(source)
         self.documents_read = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers need only this rank's rows (1 / dp_size of the schedule): the whole plan stays behind.
+        return {**self.__dict__, "schedule": None}
+
+    def rows(self, epoch: int) -> RankRows:
+        """This rank's rows of epoch ``epoch`` (the schedule of ``shuffle=False`` is the same every epoch)."""
+        epoch = epoch if self.shuffle else 0
+        if self._rows[0] != epoch:
+            self.schedule = plan_schedule(self.lengths, **self.plan_kw, epoch=epoch)
+            self._rows = (epoch, rank_rows(self.schedule, self.dp_rank))
+        return self._rows[1]
+
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
+        check_source_unchanged(self.source, self._fingerprint)  # changed data: refused naming file and document
         return 0
 
     def packs(self, epoch: int) -> int:
-        return int(self.plans.rows(epoch)["offsets"].shape[0]) - 1
+        return int(self.rows(epoch)["offsets"].shape[0]) - 1
 
     def load(self, epoch: int, block: int) -> int | None:
         return self.packs(epoch) if block == 0 else None
@@ -81,7 +88,7 @@ class ScheduleRows:
         return None
 
     def pack(self, epoch: int, item: int) -> PackRows:
-        s = self.plans.rows(epoch)
+        s = self.rows(epoch)
         step, micro_batch = divmod(item, self.micro_batches)
         pack = (step * self.dp_size + self.dp_rank) * self.micro_batches + micro_batch  # the schedule's pack id
         return PackRows(columns=s, rows=slice(int(s["offsets"][item]), int(s["offsets"][item + 1])), index=pack,
@@ -158,31 +165,22 @@ class ScheduledPacks(ServedPacks):
         worker: tuple[int, int] = (0, 1),
         labels_alignment: LabelsAlignment | None = None,
     ) -> None:
-        labels_alignment = check_labels_alignment(labels_alignment)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)} or None")
-        check_dp_share(dp_rank, dp_size, num_epochs)
+        plan_kw, config = schedule_settings(
+            schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
+            micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
+            seed=seed, tail=tail, labels_alignment=labels_alignment,
+        )  # fmt: skip
         source = indexed_hf_documents(source)  # a datasets.Dataset: lengths from its length column or offsets
-        arr = source_lengths(source, lengths)
-        cost = (cost or CostModel()) if schedule == "balanced" else None
-        plan_kw = dict(capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size, micro_batches=micro_batches,
-                       cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed,
-                       shuffle=shuffle, tail=tail)  # fmt: skip
-        config = {
-            "schedule": schedule, "capacity": int(capacity), "layout": layout, "cp_size": int(cp_size),
-            "dp": [int(dp_rank), int(dp_size)], "micro_batches": int(micro_batches), "max_delay": int(max_delay),
-            "algorithm": algorithm, "seed": int(seed), "shuffle": bool(shuffle), "tail": tail,
-            "cost": None if cost is None else [float(cost.a), float(cost.b)], "labels_alignment": labels_alignment,
-        }  # fmt: skip
-        rows = ScheduleRows(source, arr, plan_kw, config, dp_rank=int(dp_rank), vocab_size=vocab_size,
-                            labels_alignment=labels_alignment)  # fmt: skip
+        rows = ScheduleRows(source, source_lengths(source, lengths), {**plan_kw, "shuffle": shuffle},
+                            {**config, "shuffle": bool(shuffle)}, dp_rank=int(dp_rank), vocab_size=vocab_size,
+                            labels_alignment=config["labels_alignment"])  # fmt: skip
         super().__init__(rows, num_epochs=num_epochs, worker=worker)
-        self.num_steps, self.micro_batches = rows.plans.schedule.num_steps, rows.micro_batches  # type: ignore[union-attr]
+        self.num_steps, self.micro_batches = rows.schedule.num_steps, rows.micro_batches  # type: ignore[union-attr]
 
     @property
     def schedule(self) -> Schedule | None:
         """The current epoch's schedule (the whole plan; None in a dataloader worker, which gets its rows only)."""
-        return self.rows.plans.schedule
+        return self.rows.schedule
 
     @property
     def lengths(self) -> np.ndarray:

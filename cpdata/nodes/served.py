@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cpdata.nodes.epochs import EpochClock, EpochNode
+from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
@@ -134,10 +134,7 @@ class ServedPacks(EpochNode[PackPlan]):
     def __init__(self, rows: PlanRows, *, num_epochs: int | None = None, worker: tuple[int, int] = (0, 1),
                  batch: int = 1) -> None:  # fmt: skip
         super().__init__()
-        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                       or num_epochs < 1):  # fmt: skip
-            raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
-        self.rows, self.num_epochs = rows, num_epochs
+        self.rows, self.num_epochs = rows, check_num_epochs(num_epochs)
         self.worker, self.batch = _check_worker(worker, batch), int(batch)
         self._clear()
         self._item, self._block = self._first_item(), 0

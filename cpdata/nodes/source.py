@@ -33,7 +33,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.epochs import EpochNode
+from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
 from cpdata.nodes.source_window import WindowReader
@@ -126,9 +126,7 @@ class Documents(WindowReader, EpochNode[Document]):
             raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                       or num_epochs < 1):
-            raise ValueError(f"num_epochs must be an int >= 1 or None (one pass per iter()), got {num_epochs!r}")
+        check_num_epochs(num_epochs)
         self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -29,8 +29,7 @@ last step (smaller ``W``: more padding, less memory; see docs/scheduling.md).
 
 Workers: the rank's packs form one sequence over windows and epochs (pack
 ``j`` of a window is micro-batch ``j % micro_batches`` of its step
-``j // micro_batches``); worker ``w`` of ``N`` serves items ``w, w + N, ...``
-of it, so the loader's round-robin gives the order of ``num_workers=0``.
+``j // micro_batches``), split between workers by :class:`~cpdata.nodes.served.ServedPacks`.
 
 Pack ids: a plan's ``index`` (``batch.info["pack_indices"]``) numbers the
 packs of all DP ranks through the epoch's windows, the way a schedule of the
@@ -53,13 +52,13 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.scheduled_rows import RankRows, check_dp_share, rank_rows
+from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
 from cpdata.nodes.served import PackRows, ServedPacks
 from cpdata.nodes.source import source_kind
 from cpdata.nodes.validate import document_ids, to_document
 from cpdata.schedule import CostModel, plan_schedule
-from cpdata.sources.fingerprint import lengths_identity
-from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
+from cpdata.sources.fingerprint import lengths_sha256
+from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["WindowRows", "WindowedPacks"]
 
@@ -74,9 +73,7 @@ class WindowRows:
                  dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
         self.source, self.window, self.plan_kw, self.dp_rank = source, window, plan_kw, dp_rank
         self.vocab_size, self.labels_alignment = vocab_size, labels_alignment
-        probe = plan_schedule(np.zeros(0, dtype=np.int64), **plan_kw)  # validates every argument now
-        self.micro_batches, self.capacity = probe.micro_batches, int(plan_kw["capacity"])
-        self.config = {**config, "overflow": probe.config.overflow}
+        self.micro_batches, self.capacity, self.config = int(plan_kw["micro_batches"]), int(plan_kw["capacity"]), config
         self.documents_read = self.documents_kept = 0
         """Rows read from the stream (every row of every window, replay included); rows validated and kept
         (the documents of this worker's packs only)."""
@@ -142,7 +139,7 @@ class WindowRows:
         if not items:
             return None
         arr = np.asarray(lengths, dtype=np.int64)
-        identity = lengths_identity(arr)
+        identity = lengths_sha256(arr)
         if self._expect is not None and self._expect != identity:
             raise ValueError(f"window {block} of the stream has other document lengths than when the state "
                              "was saved; restore onto the same stream, in the same order")  # fmt: skip
@@ -205,28 +202,18 @@ class WindowedPacks(ServedPacks):
         tail: str = "pad", num_epochs: int | None = None, vocab_size: int | None = None,
         worker: tuple[int, int] = (0, 1), labels_alignment: LabelsAlignment | None = None,
     ) -> None:  # fmt: skip
-        if schedule not in ("balanced", "in_order"):
-            raise ValueError(f"unknown schedule {schedule!r}; choose 'balanced' or 'in_order'")
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"schedule_window must be an int >= 1 (documents per planned window), got {window!r}")
         if source_kind(source) == "node":
             raise TypeError("schedule_window= replays the stream on resume and needs a re-iterable source, not a "
                             "torchdata BaseNode; pass the iterable itself")  # fmt: skip
-        check_dp_share(dp_rank, dp_size, num_epochs)
-        cost = (cost or CostModel()) if schedule == "balanced" else None
-        labels_alignment = check_labels_alignment(labels_alignment)
-        plan_kw: dict[str, Any] = dict(
-            capacity=capacity, layout=layout, cp_size=cp_size, dp_size=int(dp_size), micro_batches=micro_batches,
-            cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail,
+        plan_kw, config = schedule_settings(
+            schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
+            micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
+            seed=seed, tail=tail, labels_alignment=labels_alignment,
         )  # fmt: skip
-        config = {
-            "schedule": schedule, "window": int(window), "capacity": int(capacity), "layout": layout,
-            "cp_size": int(cp_size), "dp": [int(dp_rank), int(dp_size)], "micro_batches": int(micro_batches),
-            "max_delay": int(max_delay), "algorithm": algorithm, "seed": int(seed), "tail": tail,
-            "cost": None if cost is None else [float(cost.a), float(cost.b)], "labels_alignment": labels_alignment,
-        }  # fmt: skip
-        rows = WindowRows(source, int(window), plan_kw, config, dp_rank=int(dp_rank), vocab_size=vocab_size,
-                          labels_alignment=labels_alignment)  # fmt: skip
+        rows = WindowRows(source, int(window), plan_kw, {**config, "window": int(window)}, dp_rank=int(dp_rank),
+                          vocab_size=vocab_size, labels_alignment=config["labels_alignment"])  # fmt: skip
         super().__init__(rows, num_epochs=num_epochs, worker=worker)
         self.window, self.micro_batches = int(window), rows.micro_batches
 

@@ -55,7 +55,7 @@ from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.served import PackRows, ServedPacks
 from cpdata.nodes.source import to_document
 from cpdata.offline.store import PackStore, read_store
-from cpdata.sources.fingerprint import check_source_unchanged
+from cpdata.sources.fingerprint import check_source_unchanged, source_identity
 from cpdata.sources.hf import indexed_hf_documents
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
@@ -120,7 +120,7 @@ class StoreRows:
         self.store, self.source, self.vocab_size, self.labels_alignment = store, documents, vocab_size, labels_alignment
         self.dp_rank, self.dp_size, self.capacity = dp_rank, dp_size, int(store.config["capacity"])
         self.config = {"dp": [dp_rank, dp_size]}
-        self.identity = store.digest
+        self.identity = f"{store.digest}|{source_identity(documents)}"  # the plan, and the documents it serves
         self.epochs = _planned_epochs(store)
         self.first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
