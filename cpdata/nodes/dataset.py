@@ -5,11 +5,8 @@
     loader = CPDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
                           num_workers=4, pin_memory=True)  # a StatefulDataLoader with batch_size=None
 
-With ``schedule="balanced"`` (a source with known lengths, see
-:class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is
-planned once, here, and each worker receives this rank's packs with the
-dataset; worker ``w`` of ``N`` serves items ``w, w+N, ...`` of them, reading
-only their documents: worker CPU per pack stays flat in ``N``.
+With ``schedule="balanced"`` the global schedule is planned once, here, and
+each worker serves its share of this rank's packs (:class:`~cpdata.nodes.served.ServedPacks`).
 
 Without a schedule, worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
 (Documents -> Pack -> Collate, all cheap per pack: no token tensors are built)

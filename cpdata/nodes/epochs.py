@@ -1,9 +1,8 @@
 """One epoch counter, and one way to set the epoch of a whole node graph.
 
-Every stateful stage with epochs (``Documents``, ``Mix``, the plan-serving
-:class:`~cpdata.nodes.served.ServedPacks`) derives from :class:`EpochNode` and
-counts in its :class:`EpochClock` (``epoch_clock``); so does ``CPDataLoader`` (whose fresh worker
-copies need the count from the main process). The rule, written once:
+Every stage with epochs (``Documents``, ``Mix``, :class:`~cpdata.nodes.served.ServedPacks`)
+is an :class:`EpochNode` counting in its :class:`EpochClock`, as ``CPDataLoader`` counts for
+its fresh worker copies. The rule, written once:
 
 - a fresh ``reset()`` (a new ``iter()``) starts the epoch :meth:`EpochNode.set_epoch`
   named, else the one after the last started, else epoch 0;

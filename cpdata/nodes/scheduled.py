@@ -33,7 +33,7 @@ import numpy as np
 
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.scheduled_rows import SCHEDULES, RankRows, rank_rows, schedule_settings, source_lengths
-from cpdata.nodes.served import PackRows, ServedPacks
+from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source import to_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
@@ -43,7 +43,7 @@ from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["SCHEDULES", "ScheduleRows", "ScheduledPacks", "source_lengths"]
 
-class ScheduleRows:
+class ScheduleRows(PlanRows):
     """The rows of :class:`ScheduledPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this rank's packs of
     each epoch's schedule, one block per epoch, and the source read by index. An epoch is planned when
     first asked for (``shuffle``: over the lengths in the ``(seed, epoch)`` order; otherwise every epoch is
@@ -80,12 +80,6 @@ class ScheduleRows:
 
     def packs(self, epoch: int) -> int:
         return int(self.rows(epoch)["offsets"].shape[0]) - 1
-
-    def load(self, epoch: int, block: int) -> int | None:
-        return self.packs(epoch) if block == 0 else None
-
-    def position(self) -> None:
-        return None
 
     def pack(self, epoch: int, item: int) -> PackRows:
         s = self.rows(epoch)
@@ -175,16 +169,11 @@ class ScheduledPacks(ServedPacks):
                             {**config, "shuffle": bool(shuffle)}, dp_rank=int(dp_rank), vocab_size=vocab_size,
                             labels_alignment=config["labels_alignment"])  # fmt: skip
         super().__init__(rows, num_epochs=num_epochs, worker=worker)
-        self.num_steps, self.micro_batches = rows.schedule.num_steps, rows.micro_batches  # type: ignore[union-attr]
 
     @property
     def schedule(self) -> Schedule | None:
         """The current epoch's schedule (the whole plan; None in a dataloader worker, which gets its rows only)."""
         return self.rows.schedule
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.rows.lengths
 
     @property
     def documents_read(self) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +58,9 @@ class PackRows:
     extras: Mapping[str, object] = field(default_factory=dict)
 
 
-class PlanRows(Protocol):
-    """A provider of plan rows for :class:`ServedPacks` (see the module docstring)."""
+class PlanRows:
+    """A provider of plan rows for :class:`ServedPacks` (see the module docstring); the defaults serve a
+    plan known an epoch at a time (one block per epoch, nothing to save but the item)."""
 
     config: dict[str, Any]
     """What a saved state must have been saved with (compared on restore)."""
@@ -72,21 +73,27 @@ class PlanRows(Protocol):
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         """Begin ``epoch`` at a saved ``block`` position (None: its start) and return the block to load
         first: check that the data did not change, refuse an epoch the plan does not hold, reopen a stream."""
+        return 0
 
     def packs(self, epoch: int) -> int | None:
         """This rank's packs in ``epoch`` when known before reading (None: a stream's)."""
+        raise NotImplementedError
 
     def load(self, epoch: int, block: int) -> int | None:
         """Make block ``block`` of ``epoch`` current; its count of this rank's packs, None past the last."""
+        return self.packs(epoch) if block == 0 else None
 
     def pack(self, epoch: int, item: int) -> PackRows:
         """This rank's pack ``item`` of the current block."""
+        raise NotImplementedError
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
         """Document ``index`` (as the columns number it), validated."""
+        raise NotImplementedError
 
     def position(self) -> Mapping[str, Any] | None:
         """The current block's position for a state (None: a block needs none)."""
+        return None
 
 
 def emit_plan(pack: PackRows, capacity: int, read: Any) -> PackPlan:

@@ -37,12 +37,10 @@ whole epoch numbers its packs: window ``k``'s packs follow every pack of the
 windows before it, so no two packs of an epoch share an id (the window number
 is in ``plan.extras["window"]``).
 
-State: :class:`~cpdata.nodes.served.ServedPacks`'s, its ``block`` being
-``{"window", "pack_base", "lengths"}`` (``pack_base``: the epoch's packs
-before the window; ``lengths``: the window's lengths' identity). A restore
-replays the stream up to the window's start (``window × W`` rows skipped, not
-parsed; a ``BaseNode`` source is refused), re-plans that window and checks its
-lengths against the saved identity.
+State: ``ServedPacks``'s, its ``block`` ``{"window", "pack_base", "lengths"}``
+(the epoch's packs before the window, the window's lengths' sha256). A restore
+skips the stream's rows up to the window unparsed (a ``BaseNode`` source is
+refused), re-plans that window and checks its lengths.
 """
 
 from __future__ import annotations
@@ -53,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
-from cpdata.nodes.served import PackRows, ServedPacks
+from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source import source_kind
 from cpdata.nodes.validate import document_ids, to_document
 from cpdata.schedule import CostModel, plan_schedule
@@ -63,7 +61,7 @@ from cpdata.worker.targets import LabelsAlignment
 __all__ = ["WindowRows", "WindowedPacks"]
 
 
-class WindowRows:
+class WindowRows(PlanRows):
     """The rows of :class:`WindowedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): one block per window of
     the stream, planned when read; documents validated when a pack of this worker first reads them."""
 
@@ -122,7 +120,7 @@ class WindowRows:
         return self._window + 1
 
     def packs(self, epoch: int) -> None:
-        return None
+        return None  # a stream's packs are known as its windows are read
 
     def load(self, epoch: int, block: int) -> int | None:
         """Read and plan window ``block`` (the one after the current); None when the stream has ended."""
@@ -215,7 +213,6 @@ class WindowedPacks(ServedPacks):
         rows = WindowRows(source, int(window), plan_kw, {**config, "window": int(window)}, dp_rank=int(dp_rank),
                           vocab_size=vocab_size, labels_alignment=config["labels_alignment"])  # fmt: skip
         super().__init__(rows, num_epochs=num_epochs, worker=worker)
-        self.window, self.micro_batches = int(window), rows.micro_batches
 
     @classmethod
     def for_graph(cls, source: Any, schedule_window: int, *, window: int | None, lengths: Any, shuffle: bool,

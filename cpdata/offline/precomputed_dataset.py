@@ -7,18 +7,11 @@
 
 Batch ``j`` of a DP rank is packs ``j·B .. j·B + B − 1`` of its stream
 (:class:`~cpdata.offline.reader.PrecomputedPacks`); worker ``w`` of ``N`` builds
-batches ``w, w + N, ...`` and reads only those packs' documents. The
-DataLoader takes workers round-robin, so the batches arrive in the
-``num_workers=0`` order for any ``N``, and unlike :class:`~cpdata.CPDataset`
-(where every worker packs the whole stream) no work is repeated across
-workers. A worker's state is the index of its next pack plus the plan's
-digest: a restore seeks in O(1) at any point of the plan.
-
-Epochs: a mix's plan holds its epochs' own packs (see
-:mod:`cpdata.offline.reader`); each worker counts epochs per ``iter()``, and
-:meth:`PrecomputedDataset.set_epoch` starts the next one at a given epoch (call
-it every epoch when workers are not persistent, as ``DistributedSampler.set_epoch``).
-An epoch the plan does not hold is refused with ``ValueError``.
+batches ``w, w + N, ...`` and reads only those packs' documents
+(``PrecomputedPacks.with_worker``). Unlike :class:`~cpdata.CPDataset` (where
+every worker packs the whole stream) no work is repeated across workers.
+Epochs and resume as for :class:`~cpdata.nodes.dataset.WorkerDataset`; an
+epoch the plan does not hold is refused with ``ValueError``.
 """
 
 from __future__ import annotations

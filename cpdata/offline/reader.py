@@ -1,24 +1,17 @@
 """``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
 
 The node replaces ``Documents -> Pack`` in the worker pipeline
-(``PrecomputedPacks -> Collate -> ShardForRank``). Each ``next()`` reads the
-pieces of one pack from memory-mapped arrays and the tokens of its documents
-from ``documents`` by index, so the node holds no buffer: its state is the pack
-index (plus version and the plan's manifest digest) and a restore is O(1), at
-any point of a 10M-pack plan.
-
-At every epoch start and restore the node re-reads the manifest digest from
-disk and asks the documents whether they changed since they were opened
-(:mod:`cpdata.sources.fingerprint`); a document whose bytes changed raises when read.
+(``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
+memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks`
+(documents read by index, no buffer, an O(1) restore at any point of a
+10M-pack plan). At every epoch start and restore it re-reads the manifest
+digest from disk and asks the documents whether they changed since they were
+opened (:mod:`cpdata.sources.fingerprint`).
 
 Nothing is served from a plan that does not match: the constructor refuses a
 plan written for other documents (input sha256, or the lengths' sha256 for a
 plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
 the caller asks, or whose manifest or any array fails its checksum.
-
-A document cut into several pieces is read and validated once while its
-pieces follow one another, not once per piece (the one-document cache of
-:class:`~cpdata.nodes.served.ServedPacks`).
 
 Epochs: a plan of a :func:`cpdata.mix` holds the epochs it was precomputed
 for (``precompute(..., epochs=n)``, default 1), each with its own packs over
@@ -52,7 +45,7 @@ import numpy as np
 
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import as_mixed_dataset
-from cpdata.nodes.served import PackRows, ServedPacks
+from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source import to_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.sources.fingerprint import check_source_unchanged, source_identity
@@ -111,7 +104,7 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
     return np.asarray(planned["first_pack"], dtype=np.int64)
 
 
-class StoreRows:
+class StoreRows(PlanRows):
     """The rows of :class:`PrecomputedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this DP rank's packs of
     the plan directory, one block per epoch, read from the memory-mapped columns."""
 
@@ -166,12 +159,6 @@ class StoreRows:
         if self.schedule is not None:
             return int(self.schedule["num_steps"]) * int(self.schedule["micro_batches"])
         return self._epoch_packs(epoch)[1] // self.dp_size
-
-    def load(self, epoch: int, block: int) -> int | None:
-        return self.packs(epoch) if block == 0 else None
-
-    def position(self) -> None:
-        return None
 
     def pack(self, epoch: int, item: int) -> PackRows:
         n = self.packs(epoch)
