@@ -136,3 +136,26 @@ def test_the_epoch_clock():
         else:
             raise AssertionError(f"set({bad!r}) was accepted")
     assert not isinstance(EpochClock(), BaseNode)
+
+
+def test_states_of_the_nodes_before_the_one_serving_node_are_refused_by_version(tmp_path):
+    docs = open_dataset(_sources(tmp_path)[0])
+    precompute(docs, tmp_path / "plan", **CFG)
+    nodes = {
+        "ScheduledPacks": (ScheduledPacks(docs, **CFG),
+                           {"version": 2, "config": {}, "lengths_sha256": "0" * 64, "epoch": 0, "first_epoch": 0,
+                            "item": 1}),
+        "WindowedPacks": (WindowedPacks(list(docs), window=4, **CFG),
+                          {"version": 1, "config": {}, "epoch": 0, "first_epoch": 0, "window": 0, "item": 1}),
+        "PrecomputedPacks": (PrecomputedPacks(tmp_path / "plan", docs),
+                             {"version": 2, "manifest_sha256": "0" * 64, "dp": [0, 1], "epoch": 0, "pack_index": 1}),
+    }  # fmt: skip
+    for name, (node, old) in nodes.items():
+        node.reset()
+        assert next(node).real_tokens > 0  # the node serves; only the old state is refused
+        try:
+            node.reset(old)
+        except ValueError as exc:
+            assert f"{name} state has version {old['version']}, this code reads version 3" in str(exc)
+        else:
+            raise AssertionError(f"{name} restored a state of the old format")
