@@ -199,3 +199,35 @@ def test_precomputed_plan_documents_edited_are_refused(tmp_path):
     _edit_in_place(path, 30)
     with pytest.raises(ValueError, match=r"document 30 \(byte offset \d+\) changed since the file was opened"):
         list(node)
+
+
+SCHEDULED = dict(capacity=64, cp_size=2, cp_rank=0, layout="thd", overflow="split", prefetch=0, schedule="balanced")
+
+
+def test_a_schedule_refuses_a_document_edited_between_epochs_naming_file_and_document(tmp_path):
+    path = _write(tmp_path / "d.jsonl", _docs(0))
+    with closing_loader(build_loader(open_dataset(path), **SCHEDULED)) as loader:
+        assert [b.info["digest"] for b in loader]
+        _edit_in_place(path, 0)  # same lengths: the schedule alone would not notice
+        os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+        with pytest.raises(ValueError, match=r"document 0 \(byte offset 0\) changed since the file was opened"):
+            next(iter(loader))
+
+
+def test_a_schedule_resumes_only_onto_the_same_data_not_the_same_lengths(tmp_path):
+    docs = _docs(0)
+    other = [[(t + 1) % 1000 for t in d] for d in docs]  # every length the same, other tokens
+    a, b = _write(tmp_path / "a.jsonl", docs), _write(tmp_path / "b.jsonl", other)
+    assert (open_dataset(a).lengths == open_dataset(b).lengths).all()
+    with closing_loader(build_loader(open_dataset(a), **SCHEDULED)) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        want = [x.info["digest"] for x in it]
+    with closing_loader(build_loader(open_dataset(b), **SCHEDULED)) as loader:
+        with pytest.raises(ValueError, match="saved over other data"):
+            loader.load_state_dict(state)
+            next(iter(loader))
+    with closing_loader(build_loader(open_dataset(a), **SCHEDULED)) as loader:  # the same file opened again
+        loader.load_state_dict(state)
+        assert [x.info["digest"] for x in loader] == want and want

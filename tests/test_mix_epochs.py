@@ -20,7 +20,6 @@ from cpdata import (
 from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
 from cpdata.nodes.pack import Pack
-from cpdata.offline.precomputed_dataset import _WorkerPacks
 from tests.test_mix import _plans
 
 OPTS = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
@@ -95,7 +94,7 @@ def test_a_restore_inside_a_later_epoch_continues_that_epoch(tmp_path, sources):
     run_save_load_contract(lambda: PrecomputedPacks(tmp_path / "plan", _mixed(sources)), points, epochs=2)
     store = _mixed(sources)  # a worker's packs: batches 1, 4, ... of two packs each, epoch after epoch
     plans = PrecomputedPacks(tmp_path / "plan", store)
-    run_save_load_contract(lambda: _WorkerPacks(plans, offset=1, stride=3, batch_size=2), [0, 3, 7, 12], epochs=2)
+    run_save_load_contract(lambda: plans.with_worker((1, 3), batch=2), [0, 3, 7, 12], epochs=2)
 
 
 def test_precomputed_dataset_serves_each_epoch_of_the_mix_as_the_live_loader(tmp_path, sources):

@@ -342,17 +342,17 @@ def test_state_is_a_pack_index_and_restores_anywhere(tmp_path, jsonl):
         for _ in range(k):
             next(node)
         state = node.state_dict()
-        assert state["pack_index"] == k and len(json.dumps(state)) < 200
+        assert state["item"] == k and len(json.dumps(state)) < 300
         fresh = PrecomputedPacks(plan, data)
         fresh.reset(state)
         assert [p.slot_lens.tolist() for p in fresh] == full[k:]
     other = plan_dir(tmp_path, jsonl, "other", layout="balanced")
-    with pytest.raises(ValueError, match="belongs to the plan with manifest sha256"):
+    with pytest.raises(ValueError, match="saved over other data"):
         PrecomputedPacks(other, data).reset(state)
     with pytest.raises(ValueError, match="version"):
         PrecomputedPacks(plan, data).reset({**state, "version": 0})
-    with pytest.raises(ValueError, match="pack_index=9999"):
-        PrecomputedPacks(plan, data).reset({**state, "pack_index": 9999})
+    with pytest.raises(ValueError, match="item=9999"):
+        PrecomputedPacks(plan, data).reset({**state, "item": 9999})
 
 
 def test_dp_ranks_share_the_packs_evenly(tmp_path, jsonl):
@@ -368,7 +368,7 @@ def test_dp_ranks_share_the_packs_evenly(tmp_path, jsonl):
         for i, p in enumerate(stream):
             assert [x.index for x in p.pieces] == [x.index for x in whole[i * 3 + r].pieces]
     node = PrecomputedPacks(plan, data, dp_rank=1, dp_size=3)
-    with pytest.raises(ValueError, match="same data-parallel split"):
+    with pytest.raises(ValueError, match=r"saved with \{.dp.: \[1, 3\].*resume with the same"):
         PrecomputedPacks(plan, data, dp_rank=0, dp_size=3).reset(node.state_dict())
     with pytest.raises(ValueError, match="dp_rank must be < dp_size"):
         PrecomputedPacks(plan, data, dp_rank=3, dp_size=3)

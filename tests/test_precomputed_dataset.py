@@ -7,7 +7,6 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import Collate, PrecomputedDataset, PrecomputedPacks, ShardForRank, precompute
-from cpdata.offline.precomputed_dataset import _WorkerPacks
 from cpdata.sources.tokenstore import write_token_store
 from tests.state_contract import run_save_load_contract
 from tests.test_precompute import assert_batches_equal
@@ -65,19 +64,19 @@ def test_a_worker_reads_only_its_packs_and_restores_without_reading(plan, monkey
     read: list[int] = []
     original = PrecomputedPacks.plan
     monkeypatch.setattr(PrecomputedPacks, "plan", lambda self, i, epoch=None: read.append(i) or original(self, i, epoch))
-    node = _WorkerPacks(plans, offset=1, stride=3, batch_size=2)
+    node = plans.with_worker((1, 3), batch=2)
     items = list(node)
     batches = range(1, -(-len(plans) // 2), 3)  # batches 1, 4, 7, ... of two packs each
     assert read == [p for j in batches for p in (2 * j, 2 * j + 1) if p < len(plans)]
     assert len(items) == len(read) and read[:4] == [2, 3, 8, 9]
     read.clear()
-    restored = _WorkerPacks(plans, offset=1, stride=3, batch_size=2)
-    restored.reset({**node.get_state(), "position": 4})
+    restored = plans.with_worker((1, 3), batch=2)
+    restored.reset({**node.get_state(), "item": 14})  # its 5th pack: the first of batch 7
     assert read == [] and next(restored).index == 14 and read == [14]
-    run_save_load_contract(lambda: _WorkerPacks(PrecomputedPacks(path, store), offset=1, stride=3, batch_size=2),
+    run_save_load_contract(lambda: PrecomputedPacks(path, store).with_worker((1, 3), batch=2),
                            midpoints=[0, 3, len(items)], epochs=2)  # fmt: skip
-    with pytest.raises(ValueError, match="PrecomputedDataset worker state was saved with"):
-        _WorkerPacks(plans, offset=0, stride=3, batch_size=2).reset(node.get_state())
+    with pytest.raises(ValueError, match="PrecomputedPacks state was saved with"):
+        plans.with_worker((0, 3), batch=2).reset(node.get_state())
 
 
 def test_configuration_is_checked_in_the_main_process(plan):

@@ -11,12 +11,13 @@ Stages, in pipeline order: ``tokenize`` (``Tokenize``: text/chat rows, optional)
 (``Documents``, with ``source_kinds``, ``source_window``, ``validate``,
 ``document_names``, ``shuffle_buffer``, ``window``) -> ``pack`` (``Pack``, with
 ``live_pieces`` and ``state_copy``), or ``scheduled`` + ``scheduled_rows``
-(``ScheduledPacks``: planned from lengths) or ``windowed`` (``WindowedPacks``)
--> ``collate`` (``Collate``) -> ``shard`` (``ShardForRank``) -> ``pin``
+(``ScheduledPacks``: planned from lengths) or ``windowed`` (``WindowedPacks``),
+plan rows served by ``served`` (``ServedPacks``) -> ``collate`` (``Collate``) -> ``shard`` (``ShardForRank``) -> ``pin``
 (``maybe_pin``). Assembly: ``mixed`` (a ``Mix`` as an indexable dataset for
 planning), ``loader`` (``build_node`` / ``build_loader``), ``dataset``
 (``CPDataset`` for ``StatefulDataLoader``), ``dataloader`` (``CPDataLoader``).
-Runtime helpers: ``state_version`` (the checks before a restore), ``heap``
+Runtime helpers: ``state_version`` (the checks before a restore), ``epochs``
+(the one epoch clock, and setting a graph's epoch), ``heap``
 (workers keep their freed heap), ``orphans`` (workers exit with their parent).
 The precomputed-plan reader, ``PrecomputedPacks``, lives in :mod:`cpdata.offline.reader`.
 """

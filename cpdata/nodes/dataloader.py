@@ -46,6 +46,7 @@ from torch.utils.data._utils.collate import default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import WorkerDataset, silence_set_vital_warning
+from cpdata.nodes.epochs import EpochClock
 from cpdata.nodes.heap import keeping_heap
 from cpdata.worker.batch import ShardedBatch
 
@@ -94,7 +95,7 @@ class CPDataLoader(StatefulDataLoader):
         if keep_heap:
             kwargs["worker_init_fn"] = keeping_heap(kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=None, **kwargs)
-        self._epoch: int | None = None  # of the iteration under way (None before the first)
+        self.epoch_clock = EpochClock()  # the epoch of the iteration under way
         self._resume_epoch: int | None = None  # a loaded state's, until its iter()
 
     EPOCH_KEY = "cpdata_epoch"
@@ -102,24 +103,25 @@ class CPDataLoader(StatefulDataLoader):
     def _begin_epoch(self) -> None:
         """Count the next epoch and tell the dataset, before an ``iter()`` makes (or reuses) the workers."""
         ds = self.dataset
-        if not isinstance(ds, WorkerDataset) or not callable(getattr(ds, "set_epoch", None)):
+        if not isinstance(ds, WorkerDataset):
             return
-        following = 0 if self._epoch is None else self._epoch + 1
-        asked = getattr(ds, "_start_epoch", None) if getattr(ds, "_epoch_asked", False) else None
+        following = self.epoch_clock.epoch + 1 if self.epoch_clock.started else 0
+        asked = ds.start_epoch if ds.epoch_asked else None
         live = self.persistent_workers and self.num_workers > 0 and self._iterator is not None
         if asked is not None and live and asked != following:
             raise ValueError(
                 f"set_epoch({asked}) cannot reach persistent workers, which go on to epoch {following}; build the "
                 "CPDataLoader with persistent_workers=False to choose epochs, or let it count them"
             )
-        epoch = following if asked is None else int(asked)
-        ds.set_epoch(epoch)
-        ds._epoch_asked = False
-        self._epoch = epoch
+        if asked is not None:
+            self.epoch_clock.set(asked)
+        ds.set_epoch(self.epoch_clock.start())
+        ds.epoch_asked = False
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         if self._resume_epoch is not None:  # the loaded state's epoch resumes; counting goes on from it
-            self._epoch, self._resume_epoch = self._resume_epoch, None
+            self.epoch_clock.restore(self._resume_epoch)
+            self._resume_epoch = None
         elif not self._initial_iter_for_state_dict:  # (state_dict() before the first iter() began it)
             self._begin_epoch()
         return super().__iter__()
@@ -128,7 +130,7 @@ class CPDataLoader(StatefulDataLoader):
         if self._iterator is None and self._resume_epoch is None and self.next_iter_state is None:
             self._begin_epoch()  # its workers are made now: they must start the epoch counted
         state = dict(super().state_dict())
-        state[self.EPOCH_KEY] = self._epoch if self._resume_epoch is None else self._resume_epoch
+        state[self.EPOCH_KEY] = self.epoch_clock.epoch if self._resume_epoch is None else self._resume_epoch
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -5,11 +5,8 @@
     loader = CPDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
                           num_workers=4, pin_memory=True)  # a StatefulDataLoader with batch_size=None
 
-With ``schedule="balanced"`` (a source with known lengths, see
-:class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is
-planned once, here, and each worker receives this rank's packs with the
-dataset; worker ``w`` of ``N`` serves items ``w, w+N, ...`` of them, reading
-only their documents: worker CPU per pack stays flat in ``N``.
+With ``schedule="balanced"`` the global schedule is planned once, here, and
+each worker serves its share of this rank's packs (:class:`~cpdata.nodes.served.ServedPacks`).
 
 Without a schedule, worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
 (Documents -> Pack -> Collate, all cheap per pack: no token tensors are built)
@@ -47,13 +44,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.layout.maps import layout_spec
-from cpdata.nodes.loader import ResumableLoader, _graph, check_keywords, close_loader, shard_graph
+from cpdata.nodes.epochs import check_epoch, set_graph_epoch
+from cpdata.nodes.loader import ResumableLoader, check_keywords, close_loader, shard_graph
 from cpdata.nodes.orphans import exit_with_parent
-from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
-from cpdata.nodes.source import Documents
 from cpdata.nodes.state_version import check_state_version
-from cpdata.nodes.windowed import WindowedPacks
 
 __all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
 
@@ -128,9 +123,26 @@ class WorkerDataset(IterableDataset):
         self._worker: tuple[int, int] | None = None
         self._pending: dict[str, Any] | None = None
         self._parent_main_thread: bool | None = None  # set when pickled for spawn/forkserver workers
+        self.start_epoch: int | None = None
+        """The epoch the next iteration starts (:meth:`set_epoch`; None: the graph counts its own)."""
+        self.epoch_asked = False  # set_epoch since the loader last began an epoch (cpdata.nodes.dataloader)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (a shuffled order: that of ``(seed, epoch)``; a mix's plan:
+        that epoch's packs): every node with epochs in the graph is told (:func:`~cpdata.nodes.epochs.set_graph_epoch`).
+
+        Call it before every epoch when ``StatefulDataLoader`` workers are not
+        persistent (each epoch then starts from a fresh copy of this dataset,
+        which would otherwise read epoch 0's order again), as with
+        ``DistributedSampler.set_epoch``. A process that keeps its graph
+        (``num_workers=0``, ``persistent_workers=True``) counts epochs itself.
+        """
+        self.start_epoch, self.epoch_asked = check_epoch(epoch), True
+        if self._loader is not None:
+            set_graph_epoch(self._loader.root, epoch)
 
     @staticmethod
     def _current_worker() -> tuple[int, int]:
@@ -145,6 +157,8 @@ class WorkerDataset(IterableDataset):
             if self._loader is not None:
                 close_loader(self._loader)
             node = self._worker_node(*worker)
+            if self.start_epoch is not None:
+                set_graph_epoch(node, self.start_epoch)
             if self.prefetch:
                 node = Prefetcher(node, prefetch_factor=self.prefetch)
             self._loader = ResumableLoader(node, restart_on_stop_iteration=False)
@@ -220,35 +234,11 @@ class CPDataset(WorkerDataset):
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if kwargs.get("schedule") is not None else None
 
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at ``epoch`` (the shuffled order of ``(seed, epoch)``).
-
-        Call it before every epoch when ``StatefulDataLoader`` workers are not
-        persistent (each epoch then starts from a fresh copy of this dataset,
-        which would otherwise read epoch 0's order again), as with
-        ``DistributedSampler.set_epoch``. A process that keeps its graph
-        (``num_workers=0``, ``persistent_workers=True``) counts epochs itself.
-        """
-        self._start_epoch, self._epoch_asked = epoch, True  # (a CPDataLoader starts it, counting on)
-        if self._loader is not None:
-            for node in _graph(self._loader.root):
-                if isinstance(node, (Documents, ScheduledPacks, WindowedPacks)):
-                    node.set_epoch(epoch)
-
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         node: BaseNode
         if self._scheduled is not None:  # this worker's packs only: reads only their documents
             node = shard_graph(self.source, worker=(worker_id, num_workers), packs=self._scheduled, **self.kwargs)
-            epoch = getattr(self, "_start_epoch", None)
-            if epoch is not None:
-                node.source.set_epoch(epoch)  # the worker's ScheduledPacks
         else:
-            collated = shard_graph(self.source, **self.kwargs)
-            epoch = getattr(self, "_start_epoch", None)
-            if epoch is not None:
-                for node in _graph(collated):
-                    if isinstance(node, Documents):
-                        node.set_epoch(epoch)
-            node = _EveryNth(collated, offset=worker_id, stride=num_workers)
+            node = _EveryNth(shard_graph(self.source, **self.kwargs), offset=worker_id, stride=num_workers)
         return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.layout,
                             block_size=self.block_size, kv_exchange=self.kv_exchange)  # fmt: skip

@@ -31,6 +31,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.epochs import graph_nodes
 from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
@@ -310,14 +311,6 @@ class ResumableLoader(Loader):
         super().load_state_dict(state_dict)
 
 
-def _graph(node: Any) -> Iterator[Any]:
-    seen: set[int] = set()
-    while isinstance(node, BaseNode) and id(node) not in seen:
-        seen.add(id(node))
-        yield node
-        node = getattr(node, "source", None)
-
-
 def close_loader(loader: Loader) -> None:
     """Stop the loader's background threads now and break the Loader <-> iterator cycle.
 
@@ -325,7 +318,7 @@ def close_loader(loader: Loader) -> None:
     ``iter()`` resets the graph, which restarts the threads).
     """
     loader._it = None
-    for node in _graph(loader.root):
+    for node in graph_nodes(loader.root):
         shutdown = getattr(getattr(node, "_it", None), "_shutdown", None)  # Prefetcher / PinMemory threads
         if callable(shutdown):
             shutdown()

@@ -56,8 +56,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from torchdata.nodes import BaseNode
 
+from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
     Draws,
@@ -75,7 +75,7 @@ __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
-class Mix(BaseNode[dict]):
+class Mix(EpochNode[dict]):
     """Documents of several sources, drawn by weight (see the module docstring; build it with :func:`mix`)."""
 
     VERSION = 1
@@ -115,7 +115,6 @@ class Mix(BaseNode[dict]):
         if by == "tokens":  # draws follow the tokens read, not (seed, epoch, draw): batches name no source live
             self.document_sources = None  # type: ignore[assignment]
         self._pass_tokens: dict[str, int] = {}
-        self._epoch, self._next_epoch, self._started = 0, None, False
         self._drawn, self._done = 0, False
         self._exhausted: set[str] = set()
         self._counts = {name: [0, 0] for name in self.names}
@@ -140,17 +139,9 @@ class Mix(BaseNode[dict]):
         return self._clock
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
     def counts(self) -> dict[str, dict[str, int]]:
         """``{name: {"documents": n, "tokens": t}}`` drawn this epoch by this DP rank (a fresh dict)."""
         return {n: {"documents": d, "tokens": t} for n, (d, t) in self._counts.items()}
-
-    def set_epoch(self, epoch: int) -> None:
-        """The next ``reset()`` without a state starts ``epoch`` (``Documents`` keeps the mix on its epoch)."""
-        self._next_epoch = int(epoch)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -161,34 +152,30 @@ class Mix(BaseNode[dict]):
                     f"Mix state was saved with {initial_state[self.CONFIG_KEY]}, this mix has {self.config}; restore "
                     "with the sources, weights, seed and stop policy the state was saved with"
                 )
-            self._epoch = int(initial_state[self.EPOCH_KEY])
+            self.epoch_clock.restore(initial_state[self.EPOCH_KEY])
             self._drawn, self._done = int(initial_state[self.DRAWS_KEY]), bool(initial_state[self.DONE_KEY])
             self._exhausted = set(initial_state[self.EXHAUSTED_KEY])
             self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
             for name, reader in self.readers.items():
                 reader.restart(initial_state[self.READERS_KEY][name])
             if self._clock is not None:
-                self._clock.start(self._epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
+                self._clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
         else:
-            if self._next_epoch is not None:
-                self._epoch, self._next_epoch = self._next_epoch, None
-            elif self._started:
-                self._epoch += 1
+            self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
             self._drawn, self._done, self._exhausted = 0, False, set()
             self._counts = {name: [0, 0] for name in self.names}
             for reader in self.readers.values():
                 reader.restart()
             if self._clock is not None:
-                self._clock.start(self._epoch)
+                self._clock.start(self.epoch)
         self._recent[:] = -1
         self._pass_tokens = {}
-        self._started = True
 
     def _advance(self, read: bool) -> Any:
         if self._done:
             raise StopIteration
         clock = self._clock
-        k = self._draws(self._epoch, self._drawn) if clock is None else clock.pick()
+        k = self._draws(self.epoch, self._drawn) if clock is None else clock.pick()
         name, self.last_source = self.names[k], k
         self._drawn += 1
         reader = self.readers[name]
@@ -234,7 +221,7 @@ class Mix(BaseNode[dict]):
 
     def skip_unread(self) -> None:
         """Draw the next document without reading it when its source is indexable (another DP rank's)."""
-        if not self._started:
+        if not self.epoch_clock.started:
             self.reset()
         self._advance(read=False)
 
@@ -242,7 +229,7 @@ class Mix(BaseNode[dict]):
         return {
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self.config,
-            self.EPOCH_KEY: self._epoch,
+            self.EPOCH_KEY: self.epoch,
             self.DRAWS_KEY: self._drawn,
             self.DONE_KEY: self._done,
             self.EXHAUSTED_KEY: sorted(self._exhausted),
@@ -257,27 +244,27 @@ class Mix(BaseNode[dict]):
         instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy; by tokens, the last 4096 draws."""
         if self._clock is not None:
             return self._describe_recent(int(j))
-        k, c = self._draws.locate(self._epoch, int(j))
+        k, c = self._draws.locate(self.epoch, int(j))
         name = self.names[k]
         reader = self.readers[name]
         size = reader.size
         if size is None and reader.passes:  # a stream read again since a resume from an older state
             return (f"a document of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                    f"{self._epoch}; its index in the source is unknown)")  # fmt: skip
+                    f"{self.epoch}; its index in the source is unknown)")  # fmt: skip
         passes = 0 if not size else c // size
         index = c if not size else c % size
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                f"{self._epoch}{again})")  # fmt: skip
+                f"{self.epoch}{again})")  # fmt: skip
 
     def _describe_recent(self, j: int) -> str:
         k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
         if k < 0 or j < self._drawn - BLOCK:
-            return (f"a document of the mix {self.names} (draw {j} of epoch {self._epoch}, by tokens: its source is "
+            return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source is "
                     f"known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
-                f"{self._epoch}{again})")  # fmt: skip
+                f"{self.epoch}{again})")  # fmt: skip
 
     def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
         """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
@@ -285,7 +272,7 @@ class Mix(BaseNode[dict]):
         batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.worker.shard_block`); a few us per
         batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`). ``by="tokens"``: None (each draw depends on
         the tokens read before it; a global schedule's listing names them)."""
-        k, c = self._draws.locate_many(self._epoch, js)
+        k, c = self._draws.locate_many(self.epoch, js)
         sizes = [self.readers[n].size for n in self.names]
         if all(sizes):  # sequences (and streams read to their end once): an index per pass
             index = c % np.asarray(sizes, dtype=np.int64)[k]

@@ -1,35 +1,57 @@
-"""One DP rank's packs of a global schedule, epoch by epoch, and the lengths a schedule is planned from.
+"""A global schedule's settings, the lengths it is planned from, and one DP rank's rows of it.
 
 :class:`RankRows` is the slice of a :class:`~cpdata.schedule.Schedule` one DP
 rank reads (``1 / dp_size`` of it: what a dataloader worker receives instead
-of the whole plan). :class:`EpochRows` plans each epoch's schedule when asked
-(``shuffle=True``: the lengths in the ``(seed, epoch)`` order; otherwise every
-epoch is epoch 0's) and keeps the current epoch's rows.
+of the whole plan); :func:`schedule_settings` checks the options a schedule of
+lengths and one of a stream's windows share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from cpdata.schedule import Schedule, plan_schedule
+from cpdata.schedule import CostModel, Schedule, plan_schedule
+from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
 
-__all__ = ["EpochRows", "RankRows", "check_dp_share", "rank_rows", "source_lengths"]
+__all__ = ["SCHEDULES", "RankRows", "rank_rows", "schedule_settings", "source_lengths"]
 
 
-def check_dp_share(dp_rank: int, dp_size: int, num_epochs: int | None) -> None:
-    """Refuse a DP rank/size that are not ints with ``0 <= dp_rank < dp_size``, or ``num_epochs`` not None or >= 1."""
+SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
+"""``balanced``: packs cost-balanced across ranks and micro-batches (:class:`~cpdata.schedule.CostModel`);
+``in_order``: today's packs (``bfd``) in stream order, dealt to ranks step by step."""
+
+
+def schedule_settings(
+    schedule: str, *, capacity: int, layout: str, cp_size: int, dp_rank: int, dp_size: int, micro_batches: int,
+    cost: CostModel | None, max_delay: int, algorithm: str, overflow: str | None, seed: int, tail: str,
+    labels_alignment: LabelsAlignment | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(plan_schedule keywords, the state's config)`` of a global schedule, checked: ``schedule`` one of
+    ``"balanced"`` / ``"in_order"`` (``cost`` defaults to the FlexSP 7B profile), ints with
+    ``0 <= dp_rank < dp_size``, a known ``labels_alignment``; the planner checks the rest (``overflow``'s
+    default resolved in the config)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)} or None")
     for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                   or num_epochs < 1):  # fmt: skip
-        raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
+    cost = (cost or CostModel()) if schedule == "balanced" else None
+    plan_kw = dict(capacity=capacity, layout=layout, cp_size=cp_size, dp_size=int(dp_size), micro_batches=micro_batches,
+                   cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail)  # fmt: skip
+    probe = plan_schedule(np.zeros(0, dtype=np.int64), **plan_kw)  # checks every argument now
+    config = {
+        "schedule": schedule, "capacity": int(capacity), "layout": layout, "cp_size": int(cp_size),
+        "dp": [int(dp_rank), int(dp_size)], "micro_batches": int(micro_batches), "max_delay": int(max_delay),
+        "algorithm": algorithm, "overflow": probe.config.overflow, "seed": int(seed), "tail": tail,
+        "cost": None if cost is None else [float(cost.a), float(cost.b)],
+        "labels_alignment": check_labels_alignment(labels_alignment),
+    }  # fmt: skip
+    return plan_kw, config
 
 
 def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
@@ -56,16 +78,9 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
     return arr.astype(np.int64, copy=False)
 
 
-@dataclass(frozen=True, slots=True)
-class RankRows:
-    """One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``)."""
-
-    offsets: np.ndarray
-    doc_index: np.ndarray
-    doc_start: np.ndarray
-    doc_len: np.ndarray
-    slot_len: np.ndarray
-    continues: np.ndarray
+RankRows = dict[str, np.ndarray]
+"""One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``) is rows
+``offsets[j]:offsets[j + 1]`` of the columns ``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``."""
 
 
 def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
@@ -77,32 +92,5 @@ def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
     sizes = hi - lo
     rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return RankRows(offsets=offsets, doc_index=sched.doc_index[rows], doc_start=sched.doc_start[rows],
-                     doc_len=sched.doc_len[rows], slot_len=sched.slot_len[rows],
-                     continues=sched.continues[rows])  # fmt: skip
-
-
-class EpochRows:
-    """A rank's rows for any epoch: planned with ``plan_kw`` (:func:`~cpdata.schedule.plan_schedule`'s
-    arguments but ``epoch``), once per epoch when ``shuffle`` is on, else once for all epochs.
-
-    Planning an epoch costs what the first did (~3-5 us per document, on every rank and worker).
-    """
-
-    def __init__(self, lengths: np.ndarray, dp_rank: int, plan_kw: dict[str, Any]) -> None:
-        self.lengths, self.dp_rank, self.plan_kw = lengths, dp_rank, plan_kw
-        self.shuffle = bool(plan_kw.get("shuffle", False))
-        self.schedule: Schedule | None = plan_schedule(lengths, **plan_kw, epoch=0)
-        self._rows: tuple[int, RankRows] = (0, rank_rows(self.schedule, dp_rank))
-
-    def rows(self, epoch: int) -> RankRows:
-        """The rows of epoch ``epoch`` (the schedule of ``shuffle=False`` is the same every epoch)."""
-        epoch = epoch if self.shuffle else 0
-        if self._rows[0] != epoch:
-            self.schedule = plan_schedule(self.lengths, **self.plan_kw, epoch=epoch)
-            self._rows = (epoch, rank_rows(self.schedule, self.dp_rank))
-        return self._rows[1]
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Workers need only this rank's rows (1 / dp_size of the schedule): the whole plan stays behind.
-        return {**self.__dict__, "schedule": None}
+    return {"offsets": offsets, "doc_index": sched.doc_index[rows], "doc_start": sched.doc_start[rows],
+            "doc_len": sched.doc_len[rows], "slot_len": sched.slot_len[rows], "continues": sched.continues[rows]}

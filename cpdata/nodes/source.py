@@ -33,6 +33,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
 from cpdata.nodes.source_window import WindowReader
@@ -61,7 +62,7 @@ def _list_lengths(items: list | tuple) -> np.ndarray | None:
     return out
 
 
-class Documents(WindowReader, BaseNode[Document]):
+class Documents(WindowReader, EpochNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
     Args:
@@ -125,9 +126,7 @@ class Documents(WindowReader, BaseNode[Document]):
             raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                       or num_epochs < 1):
-            raise ValueError(f"num_epochs must be an int >= 1 or None (one pass per iter()), got {num_epochs!r}")
+        check_num_epochs(num_epochs)
         self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -144,7 +143,6 @@ class Documents(WindowReader, BaseNode[Document]):
         self.source = source
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
         self.shuffle, self.seed, self.num_epochs = shuffle, int(seed), num_epochs
-        self._epoch, self._first_epoch, self._started = 0, 0, False
         self._order: tuple[int, np.ndarray] | None = None
         self._it: Iterator[Any] | None = None
         self._position = 0
@@ -204,26 +202,11 @@ class Documents(WindowReader, BaseNode[Document]):
     def _length(self) -> int | None:
         return len(self.source) if self._kind == "sequence" else None  # type: ignore[arg-type]
 
-    @property
-    def epoch(self) -> int:
-        """The epoch being read (0-based; counts on across ``iter()`` calls and restores)."""
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next fresh ``reset()`` (a new ``iter()``) start epoch ``epoch``.
-
-        For processes that rebuild the node every epoch (non-persistent
-        dataloader workers), like ``DistributedSampler.set_epoch``.
-        """
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch, self._started = int(epoch) - 1, epoch > 0
-
     def _permutation(self) -> np.ndarray:
         """int64 ``[len(source)]``: this epoch's order of a shuffled sequence (source index at each position)."""
-        if self._order is None or self._order[0] != self._epoch:
-            perm = np.random.default_rng((self.seed, self._epoch)).permutation(len(self.source))  # type: ignore[arg-type]
-            self._order = (self._epoch, perm)
+        if self._order is None or self._order[0] != self.epoch:
+            perm = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))  # type: ignore[arg-type]
+            self._order = (self.epoch, perm)
         return self._order[1]
 
     def _source_index(self, position: int) -> int:
@@ -237,11 +220,9 @@ class Documents(WindowReader, BaseNode[Document]):
         nested = None
         if initial_state is not None and self._buffer is not None:
             self._check(initial_state)
-            self._epoch = int(initial_state[self.EPOCH_KEY])
-            self._first_epoch = int(initial_state[self.FIRST_EPOCH_KEY])
-            self._started = True
+            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
             self._restart_source()
-            self._buffer.replay(self._epoch, initial_state[self.BUFFER_KEY], self._next_own)
+            self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
             self._consumed = int(initial_state[self.CONSUMED_KEY])
             if self._position != int(initial_state[self.POSITION_KEY]):
                 raise ValueError(
@@ -253,22 +234,18 @@ class Documents(WindowReader, BaseNode[Document]):
             self._check(initial_state)
             self._position = int(initial_state[self.POSITION_KEY])
             self._consumed = int(initial_state[self.CONSUMED_KEY])
-            self._epoch = int(initial_state[self.EPOCH_KEY])
-            self._first_epoch = int(initial_state[self.FIRST_EPOCH_KEY])
+            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
             nested = initial_state.get(self.SOURCE_KEY)
         else:
-            self._epoch = self._epoch + 1 if self._started else 0  # a new iter(): the next epoch
-            self._first_epoch = self._epoch
-        self._started = True
+            self.epoch_clock.start()  # a new iter(): the next epoch
         self._restart_source(nested)
 
     def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
         if self._buffer is not None:
-            self._buffer.start(self._epoch)
+            self._buffer.start(self.epoch)
         if self._kind == "node":
-            set_epoch = getattr(self.source, "set_epoch", None)
-            if nested is None and callable(set_epoch):  # a node with epochs of its own (cpdata.mix) follows ours
-                set_epoch(self._epoch)
+            if nested is None and isinstance(self.source, EpochNode):  # a node with epochs (cpdata.mix) follows ours
+                self.source.set_epoch(self.epoch)
             self.source.reset(nested)
         elif self._kind == "iterable":
             self._it = restart_iterable(self.source, self._position)
@@ -348,9 +325,9 @@ class Documents(WindowReader, BaseNode[Document]):
 
     def _pass_ended(self) -> bool:
         """At the end of a pass: start the next one (``num_epochs``) and return True; False after the last."""
-        if self._epoch + 1 - self._first_epoch >= (self.num_epochs or 1):
+        if not self.epoch_clock.advance(self.num_epochs):
             return False
-        self._epoch, self._position = self._epoch + 1, 0  # num_epochs: the next pass, same iter()
+        self._position = 0  # num_epochs: the next pass, same iter()
         self._check_source()
         self._restart_source()
         return True
@@ -387,8 +364,8 @@ class Documents(WindowReader, BaseNode[Document]):
             self.SHARD_KEY: (self.dp_rank, self.dp_size),
             self.LENGTH_KEY: self._length(),
             self.FINGERPRINT_KEY: self._fingerprint,
-            self.EPOCH_KEY: self._epoch,
-            self.FIRST_EPOCH_KEY: self._first_epoch,
+            self.EPOCH_KEY: self.epoch,
+            self.FIRST_EPOCH_KEY: self.epoch_clock.first,
             self.ORDER_KEY: self._order_config(),
         }
         if self._buffer is not None:  # a restore replays the epoch up to here (cpdata.nodes.shuffle_buffer)

@@ -47,7 +47,7 @@ class WindowReader:
     _permutation: Callable[[], np.ndarray]
     _next_item: Callable[[], tuple[int, Any]]
     _pass_ended: Callable[[], bool]
-    _epoch: int
+    epoch: int
     _ahead: tuple[tuple[int, int], list[Any]] | None  # ((epoch, position of the first), items) read past a window
 
     def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
@@ -59,7 +59,7 @@ class WindowReader:
         indices = self._permutation()[positions].tolist() if self.shuffle else list(positions)
         source = self.source
         ahead, self._ahead = self._ahead, None
-        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (self._epoch, first) else []
+        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (self.epoch, first) else []
         try:
             return list(positions), indices, kept + [source[i] for i in indices[len(kept) :]], None  # type: ignore[index]
         except Exception:
@@ -85,11 +85,11 @@ class WindowReader:
     def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
         """:meth:`_next_window`, its errors naming a document as ``next()`` does (a mix: document i of source
         'b'; a window that ran into the next pass keeps the stream's index, which the source cannot place)."""
-        epoch = self._epoch
+        epoch = self.epoch
         try:
             return self._next_window(limit, floor, capacity, room)
         except (TypeError, ValueError) as exc:
-            if self._epoch == epoch:
+            if self.epoch == epoch:
                 name_document_error(exc, self.source)
             raise
 
@@ -160,5 +160,5 @@ class WindowReader:
         if positions and taken:
             self._position = positions[taken - 1] + 1
         if positions and taken < len(chunk):  # read past the window's end: the next window starts with them
-            self._ahead = ((self._epoch, positions[taken]), chunk[taken:])
+            self._ahead = ((self.epoch, positions[taken]), chunk[taken:])
         return taken

@@ -7,18 +7,11 @@
 
 Batch ``j`` of a DP rank is packs ``j·B .. j·B + B − 1`` of its stream
 (:class:`~cpdata.offline.reader.PrecomputedPacks`); worker ``w`` of ``N`` builds
-batches ``w, w + N, ...`` and reads only those packs' documents. The
-DataLoader takes workers round-robin, so the batches arrive in the
-``num_workers=0`` order for any ``N``, and unlike :class:`~cpdata.CPDataset`
-(where every worker packs the whole stream) no work is repeated across
-workers. A worker's state is the index of its next pack plus the plan's
-digest: a restore seeks in O(1) at any point of the plan.
-
-Epochs: a mix's plan holds its epochs' own packs (see
-:mod:`cpdata.offline.reader`); each worker counts epochs per ``iter()``, and
-:meth:`PrecomputedDataset.set_epoch` starts the next one at a given epoch (call
-it every epoch when workers are not persistent, as ``DistributedSampler.set_epoch``).
-An epoch the plan does not hold is refused with ``ValueError``.
+batches ``w, w + N, ...`` and reads only those packs' documents
+(``PrecomputedPacks.with_worker``). Unlike :class:`~cpdata.CPDataset` (where
+every worker packs the whole stream) no work is repeated across workers.
+Epochs and resume as for :class:`~cpdata.nodes.dataset.WorkerDataset`; an
+epoch the plan does not hold is refused with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -30,57 +23,11 @@ from torchdata.nodes import BaseNode
 
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import WorkerDataset
-from cpdata.nodes.loader import _graph
+from cpdata.nodes.epochs import check_epoch
 from cpdata.nodes.shard import ShardForRank
-from cpdata.nodes.state_version import check_saved_config, check_state_version
-from cpdata.offline.reader import EpochCount, PrecomputedPacks
-from cpdata.worker.plan import PackPlan
+from cpdata.offline.reader import PrecomputedPacks
 
 __all__ = ["PrecomputedDataset"]
-
-
-class _WorkerPacks(BaseNode[PackPlan]):
-    """The packs of batches ``offset, offset + stride, ...`` (``batch_size`` packs each), by random access."""
-
-    VERSION = 2  # 2: the epoch
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
-    EPOCH_KEY = "epoch"
-    POSITION_KEY = "position"
-
-    def __init__(self, plans: PrecomputedPacks, *, offset: int, stride: int, batch_size: int,
-                 epoch: int | None = None) -> None:  # fmt: skip
-        super().__init__()
-        self.plans, self.offset, self.stride, self.batch_size = plans, offset, stride, batch_size
-        self._position, self._clock = 0, EpochCount(epoch)
-
-    def _config(self) -> dict[str, Any]:
-        return {"plan": self.plans.store.digest, "dp": self.plans._dp(), "worker": [self.offset, self.stride],
-                "batch_size": self.batch_size}  # fmt: skip
-
-    def _pack(self, position: int) -> int:
-        batch = self.offset + (position // self.batch_size) * self.stride
-        return batch * self.batch_size + position % self.batch_size
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._position = 0
-        if initial_state is not None:
-            check_state_version("PrecomputedDataset worker", initial_state, self.VERSION_KEY, self.VERSION)
-            check_saved_config("PrecomputedDataset worker", initial_state[self.CONFIG_KEY], self._config())
-            self._position = int(initial_state[self.POSITION_KEY])
-        self.plans.check_epoch(self._clock.start(None if initial_state is None else initial_state[self.EPOCH_KEY]))
-
-    def next(self) -> PackPlan:
-        pack = self._pack(self._position)
-        if pack >= self.plans.packs_in(self._clock.epoch):
-            raise StopIteration
-        self._position += 1
-        return self.plans.plan(pack, self._clock.epoch)
-
-    def get_state(self) -> dict[str, Any]:
-        return {self.VERSION_KEY: self.VERSION, self.CONFIG_KEY: self._config(), self.EPOCH_KEY: self._clock.epoch,
-                self.POSITION_KEY: self._position}  # fmt: skip
 
 
 class PrecomputedDataset(WorkerDataset):
@@ -130,21 +77,15 @@ class PrecomputedDataset(WorkerDataset):
         """Batches of epoch 0 (or the epoch :meth:`set_epoch` named) for this DP rank (the last may hold
         fewer than ``batch_size`` packs; a mix's epochs differ)."""
         b = self.collate_kwargs["batch_size"]
-        return -(-self.plans.packs_in(getattr(self, "_start_epoch", None) or 0) // b)
+        return -(-self.plans.packs_in(self.start_epoch or 0) // b)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs)."""
-        EpochCount().set(epoch)  # refuses a non-int or negative epoch
-        self.plans.check_epoch(epoch)
-        self._start_epoch, self._epoch_asked = epoch, True  # (a CPDataLoader starts it, counting on)
-        if self._loader is not None:
-            for node in _graph(self._loader.root):
-                if isinstance(node, _WorkerPacks):
-                    node._clock.set(epoch)
+        """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs);
+        an epoch the plan does not hold is refused here."""
+        self.plans.rows.check_epoch(check_epoch(epoch))
+        super().set_epoch(epoch)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
-        packs = _WorkerPacks(self.plans, offset=worker_id, stride=num_workers,
-                             batch_size=self.collate_kwargs["batch_size"],
-                             epoch=getattr(self, "_start_epoch", None))  # fmt: skip
+        packs = self.plans.with_worker((worker_id, num_workers), batch=self.collate_kwargs["batch_size"])
         return ShardForRank(Collate(packs, **self.collate_kwargs), cp_size=self.cp_size, cp_rank=self.cp_rank,
                             layout=self.layout)  # fmt: skip

@@ -1,23 +1,17 @@
 """``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
 
 The node replaces ``Documents -> Pack`` in the worker pipeline
-(``PrecomputedPacks -> Collate -> ShardForRank``). Each ``next()`` reads the
-pieces of one pack from memory-mapped arrays and the tokens of its documents
-from ``documents`` by index, so the node holds no buffer: its state is the pack
-index (plus version and the plan's manifest digest) and a restore is O(1), at
-any point of a 10M-pack plan.
-
-At every epoch start and restore the node re-reads the manifest digest from
-disk and asks the documents whether they changed since they were opened
-(:mod:`cpdata.sources.fingerprint`); a document whose bytes changed raises when read.
+(``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
+memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks`
+(documents read by index, no buffer, an O(1) restore at any point of a
+10M-pack plan). At every epoch start and restore it re-reads the manifest
+digest from disk and asks the documents whether they changed since they were
+opened (:mod:`cpdata.sources.fingerprint`).
 
 Nothing is served from a plan that does not match: the constructor refuses a
 plan written for other documents (input sha256, or the lengths' sha256 for a
 plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
 the caller asks, or whose manifest or any array fails its checksum.
-
-A document cut into several pieces is read and validated once while its
-pieces follow one another, not once per piece (see :meth:`PrecomputedPacks._document`).
 
 Epochs: a plan of a :func:`cpdata.mix` holds the epochs it was precomputed
 for (``precompute(..., epochs=n)``, default 1), each with its own packs over
@@ -48,20 +42,17 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
-from torchdata.nodes import BaseNode
 
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import as_mixed_dataset
+from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source import to_document
-from cpdata.nodes.state_version import check_state_version
 from cpdata.offline.store import PackStore, read_store
-from cpdata.sources.fingerprint import check_source_unchanged
+from cpdata.sources.fingerprint import check_source_unchanged, source_identity
 from cpdata.sources.hf import indexed_hf_documents
-from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
-from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
-from cpdata.worker.targets import LabelsAlignment, declared_alignment, piece_arrays
+from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
-__all__ = ["EpochCount", "PrecomputedPacks"]
+__all__ = ["PrecomputedPacks", "StoreRows"]
 
 
 class _Documents(Protocol):
@@ -105,32 +96,6 @@ def _check_expected(store: PackStore, name: str, expected: object) -> None:
         )
 
 
-class EpochCount:
-    """The epoch a node serves: 0 at first, +1 at each later fresh ``reset()``, or what :meth:`set` named."""
-
-    def __init__(self, start: int | None = None) -> None:
-        self.epoch, self._next, self._started = 0, None, False
-        if start is not None:
-            self.set(start)
-
-    def set(self, epoch: int) -> None:
-        """The next fresh start is ``epoch`` (as ``DistributedSampler.set_epoch``)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._next = int(epoch)
-
-    def start(self, restored: int | None = None) -> int:
-        """A ``reset()``: the restored state's epoch, else the next epoch; returns it."""
-        if restored is not None:
-            self.epoch = int(restored)
-        elif self._next is not None:
-            self.epoch, self._next = self._next, None
-        elif self._started:
-            self.epoch += 1
-        self._started = True
-        return self.epoch
-
-
 def _planned_epochs(store: PackStore) -> np.ndarray | None:
     """int64 ``[epochs + 1]``: the first pack of each epoch of a mix's plan; None for a plan served every epoch."""
     if "mix" not in store.manifest["input"] or "schedule" in store.manifest:
@@ -139,7 +104,94 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
     return np.asarray(planned["first_pack"], dtype=np.int64)
 
 
-class PrecomputedPacks(BaseNode[PackPlan]):
+class StoreRows(PlanRows):
+    """The rows of :class:`PrecomputedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this DP rank's packs of
+    the plan directory, one block per epoch, read from the memory-mapped columns."""
+
+    def __init__(self, store: PackStore, documents: Any, *, dp_rank: int, dp_size: int, vocab_size: int | None,
+                 labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
+        self.store, self.source, self.vocab_size, self.labels_alignment = store, documents, vocab_size, labels_alignment
+        self.dp_rank, self.dp_size, self.capacity = dp_rank, dp_size, int(store.config["capacity"])
+        self.config = {"dp": [dp_rank, dp_size]}
+        self.identity = f"{store.digest}|{source_identity(documents)}"  # the plan, and the documents it serves
+        self.epochs = _planned_epochs(store)
+        self.first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
+        """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
+        self.schedule = store.manifest.get("schedule")
+        if self.schedule is not None and self.schedule["dp_size"] != dp_size:
+            raise ValueError(
+                f"plan {store.path} is a schedule for dp_size={self.schedule['dp_size']}, this node has "
+                f"dp_size={dp_size}; serve it with the DP size it was planned for, or re-run "
+                f"`cpdata precompute ... --dp-size {dp_size}`"
+            )
+
+    def check_epoch(self, epoch: int) -> None:
+        """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
+        if self.epochs is not None and epoch >= len(self.epochs) - 1:
+            raise ValueError(
+                f"plan {self.store.path} holds {len(self.epochs) - 1} epoch(s) of its mix, this is epoch {epoch}: the "
+                f"mix draws other documents every epoch, so epoch {epoch} has no precomputed packs; run `cpdata "
+                f"precompute ... --epochs {epoch + 1}` (or more) for the epochs you train, or stream the mix with "
+                "build_loader"
+            )
+
+    def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
+        """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
+        on_disk = read_store(self.store.path, verify=False).digest
+        if on_disk != self.store.digest:
+            raise ValueError(
+                f"plan {self.store.path} changed on disk since this node opened it (manifest sha256 "
+                f"{self.store.digest[:16]}… then, {on_disk[:16]}… now: it was precomputed again); its packs differ: "
+                "build a new pipeline on the new plan, as a new run, or restore the old plan"
+            )
+        check_source_unchanged(self.source, None)
+        self.check_epoch(epoch)
+        return 0
+
+    def _epoch_packs(self, epoch: int) -> tuple[int, int]:
+        """``(first, count)``: the plan's packs of ``epoch``."""
+        if self.epochs is None:
+            return 0, self.store.n_packs
+        self.check_epoch(epoch)
+        return int(self.epochs[epoch]), int(self.epochs[epoch + 1] - self.epochs[epoch])
+
+    def packs(self, epoch: int) -> int:
+        if self.schedule is not None:
+            return int(self.schedule["num_steps"]) * int(self.schedule["micro_batches"])
+        return self._epoch_packs(epoch)[1] // self.dp_size
+
+    def pack(self, epoch: int, item: int) -> PackRows:
+        n = self.packs(epoch)
+        if not 0 <= item < n:
+            raise IndexError(f"pack {item} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
+        if self.schedule is None:
+            pack = self._epoch_packs(epoch)[0] + item * self.dp_size + self.dp_rank
+        else:
+            step, micro_batch = divmod(item, int(self.schedule["micro_batches"]))
+            pack = (step * self.dp_size + self.dp_rank) * int(self.schedule["micro_batches"]) + micro_batch
+        base = int(self.first_document[epoch]) if self.epochs is not None else 0
+        return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
+
+    def document(self, index: int) -> Mapping[str, np.ndarray]:
+        try:
+            return to_document(self.source[index], index, self.vocab_size, self.labels_alignment).arrays
+        except (TypeError, ValueError) as exc:
+            name_document_error(exc, self.source)  # a mix: document i of source 'b'
+            raise
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes reopen the memory maps instead of receiving copies of the arrays.
+        return {**self.__dict__, "store": (str(self.store.path), self.store.digest)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        path, digest = state["store"]
+        store = read_store(path, verify=False)
+        if store.digest != digest:
+            raise ValueError(f"plan {path} changed on disk since this node was built (manifest sha256 differs)")
+        self.__dict__.update(state, store=store)
+
+
+class PrecomputedPacks(ServedPacks):
     """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
     Args:
@@ -156,16 +208,11 @@ class PrecomputedPacks(BaseNode[PackPlan]):
             refused when the plan was precomputed under another one.
         verify: check every array's sha256 on open (reads each array once).
 
-    State: ``{"version", "manifest_sha256", "dp", "epoch", "pack_index"}``. A state from
-    another plan, DP split or version is refused.
+    State: :class:`~cpdata.nodes.served.ServedPacks`'s (``identity``: the plan's manifest sha256;
+    ``config``: the DP split). A state from another plan, DP split or version is refused.
     """
 
-    VERSION_KEY = "version"
-    DIGEST_KEY = "manifest_sha256"
-    DP_KEY = "dp"
-    EPOCH_KEY = "epoch"
-    INDEX_KEY = "pack_index"
-    VERSION = 2  # 2: the epoch (a mix plan's epochs have their own packs)
+    rows: StoreRows
 
     def __init__(
         self,
@@ -180,227 +227,46 @@ class PrecomputedPacks(BaseNode[PackPlan]):
         labels_alignment: LabelsAlignment | None = None,
         verify: bool = True,
     ) -> None:
-        super().__init__()
         for name, value, low in (("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
-        self.store = read_store(path, verify=verify)
-        self._epochs = _planned_epochs(self.store)
-        documents = as_mixed_dataset(indexed_hf_documents(documents), epochs=self.epochs or 1)
-        _check_expected(self.store, "cp_size", cp_size)
-        _check_expected(self.store, "layout", layout)
-        _check_documents(self.store, documents)
-        self.labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, documents)
-        planned = self.store.config.get("labels_alignment")
-        if planned is not None and planned != self.labels_alignment:
+        store = read_store(path, verify=verify)
+        planned = _planned_epochs(store)
+        documents = as_mixed_dataset(indexed_hf_documents(documents), epochs=1 if planned is None else len(planned) - 1)
+        _check_expected(store, "cp_size", cp_size)
+        _check_expected(store, "layout", layout)
+        _check_documents(store, documents)
+        labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, documents)
+        saved = store.config.get("labels_alignment")
+        if saved is not None and saved != labels_alignment:
             raise ValueError(
-                f"plan {self.store.path} was precomputed with labels_alignment={planned!r}, the pipeline asks for "
-                f"labels_alignment={self.labels_alignment!r}; pass labels_alignment={planned!r} or re-run "
-                f"`cpdata precompute ... --labels-alignment {self.labels_alignment}`"
+                f"plan {store.path} was precomputed with labels_alignment={saved!r}, the pipeline asks for "
+                f"labels_alignment={labels_alignment!r}; pass labels_alignment={saved!r} or re-run "
+                f"`cpdata precompute ... --labels-alignment {labels_alignment}`"
             )
-        self.documents = documents
+        super().__init__(StoreRows(store, documents, dp_rank=int(dp_rank), dp_size=int(dp_size),
+                                   vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
+        self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.document_sources = self._mix_sources if callable(getattr(documents, "document_sources", None)) else None
         """A mix's (source name, index) of pieces (:func:`cpdata.nodes.document_names.document_sources_of`)."""
-        self._first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
-        """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
-        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
-        self.vocab_size = vocab_size
-        self.capacity = int(self.store.config["capacity"])
-        self._schedule = self.store.manifest.get("schedule")
-        if self._schedule is not None and self._schedule["dp_size"] != self.dp_size:
-            raise ValueError(
-                f"plan {self.store.path} is a schedule for dp_size={self._schedule['dp_size']}, this node has "
-                f"dp_size={self.dp_size}; serve it with the DP size it was planned for, or re-run "
-                f"`cpdata precompute ... --dp-size {self.dp_size}`"
-            )
-        self._index, self._clock = 0, EpochCount()
-        self._open: tuple[int, Mapping[str, np.ndarray]] | None = None  # a document whose pieces go on
+
+    @property
+    def store(self) -> PackStore:
+        return self.rows.store
 
     @property
     def epochs(self) -> int | None:
         """Epochs the plan holds (a mix's plan), or None: the same packs every epoch."""
-        return None if self._epochs is None else len(self._epochs) - 1
-
-    @property
-    def epoch(self) -> int:
-        """The epoch being served (0-based; counts on across fresh ``reset()`` calls and restores)."""
-        return self._clock.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next fresh ``reset()`` start epoch ``epoch`` (a process that rebuilds the node every epoch)."""
-        self._clock.set(epoch)
-
-    def check_epoch(self, epoch: int) -> None:
-        """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
-        if self.epochs is not None and epoch >= self.epochs:
-            raise ValueError(
-                f"plan {self.store.path} holds {self.epochs} epoch(s) of its mix, this is epoch {epoch}: the mix draws "
-                f"other documents every epoch, so epoch {epoch} has no precomputed packs; run `cpdata precompute ... "
-                f"--epochs {epoch + 1}` (or more) for the epochs you train, or stream the mix with build_loader"
-            )
-
-    def _epoch_packs(self, epoch: int) -> tuple[int, int]:
-        """``(first, count)``: the plan's packs of ``epoch``."""
-        if self._epochs is None:
-            return 0, self.store.n_packs
-        self.check_epoch(epoch)
-        return int(self._epochs[epoch]), int(self._epochs[epoch + 1] - self._epochs[epoch])
-
-    def __len__(self) -> int:
-        """Packs this DP rank serves in the current epoch (equal for every rank)."""
-        return self.packs_in(self._clock.epoch)
+        return None if self.rows.epochs is None else len(self.rows.epochs) - 1
 
     def packs_in(self, epoch: int) -> int:
         """Packs this DP rank serves in ``epoch``."""
-        if self._schedule is not None:
-            return int(self._schedule["num_steps"]) * int(self._schedule["micro_batches"])
-        return self._epoch_packs(epoch)[1] // self.dp_size
-
-    def _check_unchanged(self) -> None:
-        """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
-        on_disk = read_store(self.store.path, verify=False).digest
-        if on_disk != self.store.digest:
-            raise ValueError(
-                f"plan {self.store.path} changed on disk since this node opened it (manifest sha256 "
-                f"{self.store.digest[:16]}… then, {on_disk[:16]}… now: it was precomputed again); its packs differ: "
-                "build a new pipeline on the new plan, as a new run, or restore the old plan"
-            )
-        check_source_unchanged(self.documents, None)
-
-    def _pack_id(self, index: int, epoch: int) -> int:
-        """Row of this rank's ``index``-th pack of ``epoch`` in the plan."""
-        if self._schedule is None:
-            return self._epoch_packs(epoch)[0] + index * self.dp_size + self.dp_rank
-        step, micro_batch = divmod(index, int(self._schedule["micro_batches"]))
-        return (step * self.dp_size + self.dp_rank) * int(self._schedule["micro_batches"]) + micro_batch
-
-    def _dp(self) -> list[int]:
-        return [self.dp_rank, self.dp_size]
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._open = None
-        self._check_unchanged()
-        if initial_state is None:
-            self._index = 0
-            self.check_epoch(self._clock.start())
-            return
-        check_state_version("PrecomputedPacks", initial_state, self.VERSION_KEY, self.VERSION)
-        digest = initial_state.get(self.DIGEST_KEY)
-        if digest != self.store.digest:
-            raise ValueError(
-                f"PrecomputedPacks state belongs to the plan with manifest sha256 {str(digest)[:16]}…, this node "
-                f"serves {self.store.path} ({self.store.digest[:16]}…); resume with the plan the state was saved from"
-            )
-        if list(initial_state.get(self.DP_KEY, [])) != self._dp():
-            raise ValueError(
-                f"PrecomputedPacks state was saved as [dp_rank, dp_size]={initial_state.get(self.DP_KEY)}, this node "
-                f"is {self._dp()}; resume with the same data-parallel split"
-            )
-        epoch = initial_state.get(self.EPOCH_KEY)
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"PrecomputedPacks state has epoch={epoch!r}, expected an int >= 0")
-        self.check_epoch(int(epoch))
-        index = initial_state.get(self.INDEX_KEY)
-        n = self.packs_in(int(epoch))
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= n:
-            raise ValueError(f"PrecomputedPacks state has pack_index={index!r}, expected 0..{n}")
-        self._clock.start(int(epoch))
-        self._index = int(index)
-
-    def next(self) -> PackPlan:
-        if self._index >= len(self):
-            raise StopIteration
-        plan = self.plan(self._index)
-        self._index += 1
-        return plan
-
-    def plan(self, index: int, epoch: int | None = None) -> PackPlan:
-        """The ``index``-th pack of this DP rank's stream in ``epoch`` (default: the current one; random access,
-        O(pack))."""
-        epoch = self._clock.epoch if epoch is None else int(epoch)
-        n = self.packs_in(epoch)
-        if not 0 <= index < n:
-            raise IndexError(f"pack {index} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
-        a = self.store.arrays
-        pack = self._pack_id(index, epoch)
-        rows = self.store.pack_slice(pack)
-        base = int(self._first_document[epoch]) if self._epochs is not None else 0
-        pieces = []
-        for j in range(rows.start, rows.stop):
-            doc, start, length = int(a["doc_index"][j]), int(a["doc_start"][j]), int(a["doc_len"][j])
-            arrays = self._document(doc, more=bool(a["continues"][j]))
-            n = int(arrays[INPUT_IDS].shape[0])
-            if start + length > n:
-                raise ValueError(
-                    f"plan {self.store.path} places tokens {start}:{start + length} of document {doc}, which has "
-                    f"{n} tokens; the documents do not match the plan, re-run `cpdata precompute` on them"
-                )
-            end = start + length
-            next_label = int(arrays[INPUT_IDS][end]) if a["continues"][j] else IGNORE_INDEX
-            pieces.append(
-                DocPiece(
-                    index=doc - base,
-                    start=start,
-                    arrays=piece_arrays(arrays, start, length, bool(a["continues"][j])),
-                    next_label=next_label,
-                )
-            )
-        return PackPlan(
-            pieces=PieceColumns.of(pieces),  # as the online Pack emits them
-            slot_lens=np.array(a["slot_len"][rows], dtype=np.int64),
-            capacity=self.capacity,
-            index=pack,  # the plan's own pack id (row of the store), not this rank's ordinal
-        )
+        return self.rows.packs(epoch)
 
     def _mix_sources(self, index: np.ndarray) -> tuple[list[str], np.ndarray]:
         """The mix's ``document_sources`` of this epoch's pieces (their index counts from the epoch's first draw)."""
-        base = int(self._first_document[self._clock.epoch]) if self._epochs is not None else 0
+        base = int(self.rows.first_document[self.epoch]) if self.rows.epochs is not None else 0
         return self.documents.document_sources(np.asarray(index, dtype=np.int64) + base)
-
-    def _document(self, i: int, *, more: bool) -> Mapping[str, np.ndarray]:
-        """Document ``i``, validated; read once for all its pieces.
-
-        A document cut into pieces (``overflow="split"``, ``concat``) is kept
-        while pieces of it follow (``more``), so a 5M-token JSONL row cut into
-        153 pieces is parsed once per epoch, not 153 times; at most one such
-        document is held (its pieces sit in consecutive packs).
-        """
-        if self._open is not None and self._open[0] == i:
-            arrays = self._open[1]
-        else:
-            try:
-                arrays = to_document(self.documents[i], i, self.vocab_size, self.labels_alignment).arrays
-            except (TypeError, ValueError) as exc:
-                name_document_error(exc, self.documents)  # a mix: document i of source 'b'
-                raise
-            if more:
-                self._open = (i, arrays)
-        if not more and self._open is not None and self._open[0] == i:
-            self._open = None  # its last piece
-        return arrays
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Worker processes reopen the memory maps instead of receiving copies of the arrays.
-        state = self.__dict__.copy()
-        state["store"] = (str(self.store.path), self.store.digest)
-        state["_open"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        path, digest = state["store"]
-        store = read_store(path, verify=False)
-        if store.digest != digest:
-            raise ValueError(f"plan {path} changed on disk since this node was built (manifest sha256 differs)")
-        self.__dict__.update(state, store=store)
-
-    def get_state(self) -> dict[str, Any]:
-        return {
-            self.VERSION_KEY: self.VERSION,
-            self.DIGEST_KEY: self.store.digest,
-            self.DP_KEY: self._dp(),
-            self.EPOCH_KEY: self._clock.epoch,
-            self.INDEX_KEY: self._index,
-        }

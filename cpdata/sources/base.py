@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.errors import is_int
+from cpdata.sources.fingerprint import lengths_sha256
 
 __all__ = ["DatasetSlice", "TokenizedDataset"]
 
@@ -133,11 +134,7 @@ class TokenizedDataset(ABC):
 
     def lengths_checksum(self) -> str:
         """Hex sha256 of ``lengths`` as little-endian int64: what a lengths-only plan binds to."""
-        h = hashlib.sha256()
-        lengths = self.lengths
-        for s in range(0, lengths.shape[0], _CHUNK):
-            h.update(np.ascontiguousarray(lengths[s : s + _CHUNK], dtype="<i8").tobytes())
-        return h.hexdigest()
+        return lengths_sha256(self.lengths)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"

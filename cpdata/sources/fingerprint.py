@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LIST_SAMPLES", "check_source_unchanged", "sample_positions", "source_fingerprint"]
+__all__ = ["LIST_SAMPLES", "check_source_unchanged", "lengths_sha256", "sample_positions", "source_fingerprint",
+           "source_identity"]
 
 LIST_SAMPLES = 16
 """Items of an in-memory list whose ``input_ids`` the fingerprint hashes."""
@@ -50,6 +51,22 @@ def sample_positions(n: int, k: int) -> list[int]:
     if n <= k:
         return list(range(n))
     return sorted({(s * (n - 1)) // (k - 1) for s in range(k)})
+
+
+def lengths_sha256(lengths: np.ndarray) -> str:
+    """Hex sha256 of int64 ``[n]`` document lengths as little-endian int64 (hashed 1M at a time): what a plan
+    made from lengths is bound to (a precomputed manifest's ``lengths_sha256``, a schedule's state)."""
+    h = hashlib.sha256()
+    for s in range(0, lengths.shape[0], 1 << 20):
+        h.update(np.ascontiguousarray(lengths[s : s + (1 << 20)], dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def source_identity(source: Any, lengths: np.ndarray | None = None) -> str:
+    """The one identity a resume or a plan is bound to: the source's fingerprint (:func:`source_fingerprint`;
+    its kind when it offers none), with the sha256 of the ``lengths`` a schedule was planned from."""
+    fingerprint = source_fingerprint(source) or type(source).__name__
+    return fingerprint if lengths is None else f"{fingerprint}|lengths:{lengths_sha256(lengths)}"
 
 
 def _item_bytes(item: Any) -> bytes:

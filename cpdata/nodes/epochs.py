@@ -1,0 +1,129 @@
+"""One epoch counter, and one way to set the epoch of a whole node graph.
+
+Every stage with epochs (``Documents``, ``Mix``, :class:`~cpdata.nodes.served.ServedPacks`)
+is an :class:`EpochNode` counting in its :class:`EpochClock`, as ``CPDataLoader`` counts for
+its fresh worker copies. The rule, written once:
+
+- a fresh ``reset()`` (a new ``iter()``) starts the epoch :meth:`EpochNode.set_epoch`
+  named, else the one after the last started, else epoch 0;
+- ``num_epochs`` epochs run in one ``iter()`` (:meth:`EpochClock.advance`), the
+  first of them remembered (``first``) so a restore knows when the ``iter()`` ends;
+- a restore takes the saved ``(epoch, first)`` and drops a pending ``set_epoch``.
+
+:func:`set_graph_epoch` reaches every :class:`EpochNode` of a graph by walking
+its ``source`` links (torchdata's own convention), so a caller never lists
+node classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+__all__ = ["EpochClock", "EpochNode", "check_epoch", "check_num_epochs", "graph_nodes", "set_graph_epoch"]
+
+T = TypeVar("T")
+
+
+def check_epoch(epoch: Any, what: str = "epoch") -> int:
+    """``epoch`` as an int; ``ValueError`` naming it unless it is an int >= 0."""
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"{what} must be an int >= 0, got {epoch!r}")
+    return int(epoch)
+
+
+def check_num_epochs(num_epochs: Any) -> int | None:
+    """``num_epochs`` (epochs per ``iter()``); ``ValueError`` unless an int >= 1 or None (one epoch per ``iter()``)."""
+    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
+                                   or num_epochs < 1):  # fmt: skip
+        raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
+    return None if num_epochs is None else int(num_epochs)
+
+
+class EpochClock:
+    """The epoch being served and the first epoch of the current ``iter()`` (see the module docstring)."""
+
+    __slots__ = ("epoch", "first", "_next", "_started")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        """The epoch being served (0-based; counts on across ``iter()`` calls and restores)."""
+        self.first = 0
+        """The first epoch of the current ``iter()``."""
+        self._next: int | None = None
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        """Whether an epoch was started or restored."""
+        return self._started
+
+    def set(self, epoch: int) -> None:
+        """The next fresh start is ``epoch`` (as ``DistributedSampler.set_epoch``)."""
+        self._next = check_epoch(epoch)
+
+    def start(self) -> int:
+        """A fresh ``reset()``: the epoch :meth:`set` named, else the next one; returns it."""
+        if self._next is not None:
+            self.epoch, self._next = self._next, None
+        elif self._started:
+            self.epoch += 1
+        self.first, self._started = self.epoch, True
+        return self.epoch
+
+    def restore(self, epoch: Any, first: Any = None) -> int:
+        """A restore: a saved ``epoch`` (and ``first``, default the same), checked; returns the epoch."""
+        epoch = check_epoch(epoch, "the saved epoch")
+        first = epoch if first is None else check_epoch(first, "the saved first epoch")
+        if first > epoch:
+            raise ValueError(f"the saved state has first_epoch={first} > epoch={epoch}; it is not a state of this node")
+        self.epoch, self.first, self._next, self._started = epoch, first, None, True
+        return epoch
+
+    def advance(self, num_epochs: int | None) -> bool:
+        """At an epoch's end inside one ``iter()``: go on to the next epoch and return True while fewer
+        than ``num_epochs`` (None: one) have run since :attr:`first`; False after the last."""
+        if self.epoch + 1 - self.first >= (num_epochs or 1):
+            return False
+        self.epoch += 1
+        return True
+
+
+class EpochNode(BaseNode[T]):
+    """A torchdata node with epochs: its count lives in :attr:`epoch_clock` (the one :class:`EpochClock`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch_clock = EpochClock()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being served (0-based; counts on across ``iter()`` calls and restores)."""
+        return self.epoch_clock.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next fresh ``reset()`` (a new ``iter()``) start epoch ``epoch`` (for processes that
+        rebuild the graph every epoch, like ``DistributedSampler.set_epoch``)."""
+        self.epoch_clock.set(epoch)
+
+
+def graph_nodes(node: Any) -> Iterator[BaseNode]:
+    """``node`` and the nodes upstream of it, following each node's ``source`` (torchdata's convention)."""
+    seen: set[int] = set()
+    while isinstance(node, BaseNode) and id(node) not in seen:
+        seen.add(id(node))
+        yield node
+        node = getattr(node, "source", None)
+
+
+def set_graph_epoch(root: Any, epoch: int) -> int:
+    """Make every :class:`EpochNode` of ``root``'s graph start ``epoch`` at its next fresh ``reset()``;
+    returns how many were reached."""
+    epoch = check_epoch(epoch)
+    nodes = [node for node in graph_nodes(root) if isinstance(node, EpochNode)]
+    for node in nodes:
+        node.set_epoch(epoch)
+    return len(nodes)

@@ -1,0 +1,253 @@
+"""``ServedPacks``: the one node that serves planned rows as ``PackPlan``s.
+
+A plan is CSR rows (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``,
+``continues``; pack ``p`` is rows ``offsets[p]:offsets[p + 1]``). Three
+providers make them (:class:`PlanRows`): a global schedule planned from lengths
+(:class:`~cpdata.nodes.scheduled.ScheduledPacks`), a stream planned window by
+window (:class:`~cpdata.nodes.windowed.WindowedPacks`) and a precomputed plan
+directory (:class:`~cpdata.offline.reader.PrecomputedPacks`). The provider only
+says where this DP rank's packs are and reads a document by index; this node
+owns, once for all three:
+
+- the rows -> ``PackPlan`` loop (:func:`emit_plan`);
+- the one-document cache (a document cut into pieces of consecutive packs is read once);
+- worker striding: worker ``w`` of ``N`` serves this rank's items in runs of
+  ``batch`` (``batch = 1``: items ``w, w + N, ...``), so a ``StatefulDataLoader``'s
+  round-robin gives the ``num_workers=0`` order for any ``N`` and every worker
+  reads only its own packs' documents;
+- epochs (:class:`~cpdata.nodes.epochs.EpochClock`): ``num_epochs`` per ``iter()``,
+  the items going on in one sequence across an epoch's end;
+- the state ``{"version", "config", "identity", "epoch", "first_epoch", "item",
+  "block"}``: ``item`` is this rank's next pack in the current block (an epoch is
+  one block, or one per window of a stream), ``block`` the provider's position
+  (None, or a window's number and digest). A restore is O(1) but for a stream,
+  which replays up to its window; a state from another configuration, identity
+  or version is refused with ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
+from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
+from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
+from cpdata.worker.targets import piece_arrays
+
+__all__ = ["PackRows", "PlanRows", "ServedPacks", "emit_plan"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackRows:
+    """Where one pack's rows are, and what names it."""
+
+    columns: Mapping[str, np.ndarray]
+    """The plan's row columns (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``)."""
+    rows: slice
+    """This pack's rows of the columns."""
+    index: int
+    """The plan's own id of the pack (``PackPlan.index``)."""
+    first_document: int = 0
+    """Subtracted from ``doc_index`` for a piece's ``index`` (added, when negative: a window's first row)."""
+    extras: Mapping[str, object] = field(default_factory=dict)
+
+
+class PlanRows:
+    """A provider of plan rows for :class:`ServedPacks` (see the module docstring); the defaults serve a
+    plan known an epoch at a time (one block per epoch, nothing to save but the item)."""
+
+    config: dict[str, Any]
+    """What a saved state must have been saved with (compared on restore)."""
+    identity: str | None
+    """The data the rows were planned over (compared on restore)."""
+    capacity: int
+    source: Any
+    """The documents the rows read (what names them in errors and batches)."""
+
+    def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
+        """Begin ``epoch`` at a saved ``block`` position (None: its start) and return the block to load
+        first: check that the data did not change, refuse an epoch the plan does not hold, reopen a stream."""
+        return 0
+
+    def packs(self, epoch: int) -> int | None:
+        """This rank's packs in ``epoch`` when known before reading (None: a stream's)."""
+        raise NotImplementedError
+
+    def load(self, epoch: int, block: int) -> int | None:
+        """Make block ``block`` of ``epoch`` current; its count of this rank's packs, None past the last."""
+        return self.packs(epoch) if block == 0 else None
+
+    def pack(self, epoch: int, item: int) -> PackRows:
+        """This rank's pack ``item`` of the current block."""
+        raise NotImplementedError
+
+    def document(self, index: int) -> Mapping[str, np.ndarray]:
+        """Document ``index`` (as the columns number it), validated."""
+        raise NotImplementedError
+
+    def position(self) -> Mapping[str, Any] | None:
+        """The current block's position for a state (None: a block needs none)."""
+        return None
+
+
+def emit_plan(pack: PackRows, capacity: int, read: Any) -> PackPlan:
+    """The :class:`~cpdata.worker.plan.PackPlan` of ``pack``'s rows, documents from ``read(index, more)``
+    (``more``: a piece of the document follows in a later row)."""
+    c, pieces = pack.columns, []
+    for j in range(pack.rows.start, pack.rows.stop):
+        doc, start, length = int(c["doc_index"][j]), int(c["doc_start"][j]), int(c["doc_len"][j])
+        continues = bool(c["continues"][j])
+        arrays = read(doc, continues)
+        n = int(arrays[INPUT_IDS].shape[0])
+        if start + length > n:
+            raise ValueError(
+                f"the plan places tokens {start}:{start + length} of document {doc}, which has {n} tokens; the "
+                "documents do not match the plan: re-plan them (re-run `cpdata precompute`, re-read the lengths)"
+            )
+        next_label = int(arrays[INPUT_IDS][start + length]) if continues else IGNORE_INDEX
+        pieces.append(DocPiece(index=doc - pack.first_document, start=start,
+                               arrays=piece_arrays(arrays, start, length, continues), next_label=next_label))  # fmt: skip
+    return PackPlan(pieces=PieceColumns.of(pieces), slot_lens=np.array(c["slot_len"][pack.rows], dtype=np.int64),
+                    capacity=capacity, index=pack.index, extras=dict(pack.extras))  # fmt: skip
+
+
+def _check_worker(worker: tuple[int, int], batch: int) -> tuple[int, int]:
+    worker_id, num_workers = worker
+    if not 0 <= worker_id < num_workers:
+        raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1 (packs a worker serves in a run), got {batch!r}")
+    return int(worker_id), int(num_workers)
+
+
+class ServedPacks(EpochNode[PackPlan]):
+    """This DP rank's packs from a :class:`PlanRows` provider, strided over dataloader workers.
+
+    Args:
+        rows: the provider.
+        num_epochs: epochs per ``iter()`` (None: one; the next ``iter()`` starts the next).
+        worker: ``(worker_id, num_workers)``; ``batch``: packs per run a worker serves (see the module docstring).
+    """
+
+    VERSION = 3  # 3: one state for every plan provider
+    KEYS = ("version", "config", "identity", "epoch", "first_epoch", "item", "block")
+
+    def __init__(self, rows: PlanRows, *, num_epochs: int | None = None, worker: tuple[int, int] = (0, 1),
+                 batch: int = 1) -> None:  # fmt: skip
+        super().__init__()
+        self.rows, self.num_epochs = rows, check_num_epochs(num_epochs)
+        self.worker, self.batch = _check_worker(worker, batch), int(batch)
+        self._clear()
+        self._item, self._block = self._first_item(), 0
+
+    def _clear(self) -> None:
+        self._count: int | None = None  # packs of the current block; None: not loaded
+        self._cached: tuple[int, Mapping[str, np.ndarray]] | None = None
+
+    def _first_item(self) -> int:
+        return self.worker[0] * self.batch
+
+    def with_worker(self, worker: tuple[int, int], batch: int = 1) -> ServedPacks:
+        """The same rank's packs for dataloader worker ``worker`` serving runs of ``batch``, not planned again."""
+        other = copy.copy(self)
+        EpochNode.__init__(other)
+        other.epoch_clock = copy.copy(self.epoch_clock)
+        other.rows = copy.copy(self.rows)
+        other.worker, other.batch = _check_worker(worker, batch), int(batch)
+        other._clear()
+        other._item, other._block = other._first_item(), 0
+        return other
+
+    @property
+    def source(self) -> Any:
+        """The documents the rows read (not a node: a walk of the graph ends here)."""
+        return self.rows.source
+
+    def config(self) -> dict[str, Any]:
+        return {**self.rows.config, "worker": list(self.worker), "batch": self.batch, "num_epochs": self.num_epochs}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cached": None}
+
+    def __len__(self) -> int:
+        """Items this worker serves of the current epoch (a plan known up front; a stream has no length)."""
+        total = self.rows.packs(self.epoch)
+        if total is None:
+            raise TypeError(f"{type(self).__name__} plans a stream as it reads it: its length is not known")
+        run = self.worker[1] * self.batch
+        return total // run * self.batch + min(max(total % run - self.worker[0] * self.batch, 0), self.batch)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._clear()
+        if initial_state is None:
+            self._block, self._item = self.rows.start(self.epoch_clock.start(), None), self._first_item()
+            return
+        name = type(self).__name__
+        check_state_version(name, initial_state, "version", self.VERSION)
+        check_saved_config(name, initial_state["config"], self.config())
+        if initial_state.get("identity") != self.rows.identity:
+            raise ValueError(
+                f"{name} state was saved over other data (identity {str(initial_state.get('identity'))[:24]}…, "
+                f"now {str(self.rows.identity)[:24]}…: other document lengths, or another plan); resume on the same "
+                "dataset and plan"
+            )
+        item = initial_state.get("item")
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
+            raise ValueError(f"{name} state has item={item!r}; expected an int >= 0")
+        saved = EpochClock()
+        saved.restore(initial_state.get("epoch"), initial_state.get("first_epoch"))
+        self._block = self.rows.start(saved.epoch, initial_state.get("block"))  # refuses an epoch not planned
+        total, run = self.rows.packs(saved.epoch), self.worker[1] * self.batch
+        if total is not None and item >= total + run:
+            raise ValueError(f"{name} state has item={item}, but this rank's epoch {saved.epoch} has {total} packs; "
+                             "it is not a state of this plan")  # fmt: skip
+        self.epoch_clock.restore(saved.epoch, saved.first)
+        self._item = int(item)
+
+    def _document(self, index: int, more: bool) -> Mapping[str, np.ndarray]:
+        """Document ``index``, read once for all its pieces: a document cut into pieces (``overflow="split"``,
+        ``concat``) is kept while pieces of it follow (``more``), so a 5M-token JSONL row cut into 153 pieces
+        is parsed once per epoch; at most one such document is held (its pieces sit in consecutive packs)."""
+        if self._cached is not None and self._cached[0] == index:
+            arrays = self._cached[1]
+        else:
+            arrays = self.rows.document(index)
+            if more:
+                self._cached = (index, arrays)
+        if not more and self._cached is not None and self._cached[0] == index:
+            self._cached = None  # its last piece
+        return arrays
+
+    def plan(self, item: int, epoch: int | None = None) -> PackPlan:
+        """This rank's pack ``item`` (all workers together) of the current block of ``epoch`` (default: the
+        current one): random access for a whole-epoch plan."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        return emit_plan(self.rows.pack(epoch, item), self.rows.capacity, self._document)
+
+    def next(self) -> PackPlan:
+        if self._count is None:
+            self._count = self.rows.load(self.epoch, self._block) or 0
+        while self._item >= self._count:  # past the block: the next block, else the next epoch of this iter()
+            count = self.rows.load(self.epoch, self._block + 1)
+            if count is not None:
+                self._block += 1
+            elif self.epoch_clock.advance(self.num_epochs):  # the items go on in one sequence across the epoch's end
+                self._block = self.rows.start(self.epoch, None)
+                count = self.rows.load(self.epoch, self._block) or 0
+            else:
+                raise StopIteration
+            self._item, self._count, self._cached = self._item - self._count, count, None
+        plan = self.plan(self._item)
+        self._item += 1 if (self._item + 1) % self.batch else 1 + (self.worker[1] - 1) * self.batch
+        return plan
+
+    def get_state(self) -> dict[str, Any]:
+        return dict(zip(self.KEYS, (self.VERSION, self.config(), self.rows.identity, self.epoch, self.epoch_clock.first,
+                                    self._item, self.rows.position()), strict=True))  # fmt: skip
