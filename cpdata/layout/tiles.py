@@ -25,6 +25,9 @@ one pair in it is live or all ``tile * tile``.
   up to that rank's last query of it, minus the rank's own. An all-gather
   delivers ``(cp - 1) / cp * S`` to every rank; a K/V exchange need move only
   these (the reference an exchange plan is checked against).
+- :func:`exchange_tiles`: live tiles per rank when the keys are what a K/V exchange leaves the rank (its own
+  in local order, then the received ones in receive order: the ``"cpdata"`` attention's key order with
+  ``kv_exchange``), for any layout's rows and its exchange plan.
 - :func:`first_keys`: every position's first key (its slot's start; a pad's, itself), the predicate the
   counters and their tests share.
 
@@ -36,10 +39,14 @@ not the worker path. :func:`block_tiles` is O(S / tile + D log D).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["block_tiles", "first_keys", "kv_recv_tokens", "live_tiles", "segment_starts"]
+if TYPE_CHECKING:
+    from cpdata.layout.exchange import ExchangePlan
+
+__all__ = ["block_tiles", "exchange_tiles", "first_keys", "kv_recv_tokens", "live_tiles", "segment_starts"]
 
 
 def _absorbed(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
@@ -153,3 +160,48 @@ def kv_recv_tokens(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
     owned = np.diff(np.concatenate([[-1], last]))
     need = q[last] - starts[key[last] % k] + 1 - owned
     return np.bincount(key[last] // k, need, minlength=cp).astype(np.int64)
+
+
+def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int,
+                   plan: ExchangePlan) -> np.ndarray:  # fmt: skip
+    """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (its row, local order) x the keys the
+    exchange leaves it: its own ``L`` keys in local order, then ``plan.rank(r).recv_positions()``.
+
+    Tile ``(query block, key block)`` is live when some document has a query in the one at or after a key in
+    the other (the minimum key position per ``(key block, document)`` against the maximum query position per
+    ``(query block, document)``, joined on the document); a pad query's only key is its own, at its own local
+    index: the diagonal tile. Cost: a sort of each rank's ``L + n_recv`` keys and the join's pairs
+    (``query blocks x key blocks`` of each document the rank holds); for tests and benchmarks.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    cp, local = rows.shape
+    slot, _ = segment_starts(slot_lens, pack_len)
+    end = _real_end(slot_lens, pack_len)
+    out = np.zeros(cp, dtype=np.int64)
+    for r in range(cp):
+        q = rows[r]
+        keys = np.concatenate([q, plan.rank(r).recv_positions()])
+        n_k = -(-keys.shape[0] // tile)
+        real_q = np.flatnonzero(q < end)
+        real_k = np.flatnonzero(keys < end)
+        # max query position per (document, query block), min key position per (document, key block)
+        qd, qb, qp = slot[q[real_q]], real_q // tile, q[real_q]
+        kd, kb, kp = slot[keys[real_k]], real_k // tile, keys[real_k]
+        qkey, kkey = qd * n_k + qb, kd * n_k + kb
+        order = np.lexsort((qp, qkey))
+        last = np.flatnonzero(np.diff(qkey[order], append=-1))
+        qkey, qp = qkey[order][last], qp[order][last]
+        order = np.lexsort((kp, kkey))
+        head = np.flatnonzero(np.diff(kkey[order], prepend=-1))
+        kkey, kp = kkey[order][head], kp[order][head]
+        # join on the document: every (query block, key block) pair of each document
+        q_doc, k_doc = qkey // n_k, kkey // n_k
+        lo, hi = k_doc.searchsorted(q_doc, side="left"), k_doc.searchsorted(q_doc, side="right")
+        count = hi - lo
+        at = np.repeat(np.arange(q_doc.shape[0]), count)
+        k_at = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+        live = kp[k_at] <= qp[at]
+        pairs = (qkey[at] % n_k)[live] * n_k + (kkey[k_at] % n_k)[live]
+        pad_blocks = np.unique(np.flatnonzero(q >= end) // tile)
+        out[r] = np.union1d(pairs, pad_blocks * n_k + pad_blocks).shape[0]
+    return out

@@ -1,0 +1,201 @@
+"""The ``world`` deal: which rank of the whole DP x CP world owns which tokens of one world micro-batch.
+
+Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
+Documents are dealt whole where they can be; the per-document CP degree comes out of the deal:
+
+1. *Spread* (long documents, longest first): a document longer than ``L``, or costing more tiles alone than
+   a rank's share (``share`` = the pack's tiles over ``W``), spreads over ``c`` ranks: the fewest for which
+   the predicted time of its busiest rank, ``max(tiles / c * per_tile, keys from its node / NVLink, keys
+   from other nodes / inter-node link)`` (:class:`~cpdata.layout.world_cost.WorldCost`; it receives the
+   other ``c - 1`` ranks' chunks, ``node_size - 1`` of them from its node), stays within the share's compute
+   time (else the ``c`` that predicts least), at least ``ceil(s / L)``. Its ``c`` ranks are the least loaded of one node
+   that has room (``c <= node_size``), else of the fewest nodes; it is cut into ``2c`` chunks and rank ``i``
+   of them takes chunks ``i`` and ``2c - 1 - i`` (TE THD's split: equal tokens, near-equal tiles; the rank
+   with the last chunk receives ``(c - 1) / c`` of it, as a ring does).
+2. *Whole* (the rest, costliest first): each document goes whole to the least loaded rank with room for it
+   (it receives no keys). One with no rank to hold it is cut over the ranks with most room, fewest pieces,
+   one node first (a later piece receives the earlier ones' keys).
+3. *Pad*: the pack's tail fills every rank up to ``L`` (a pad block costs one diagonal tile).
+
+Loads are the tiles a stream-grid kernel is expected to pay for a document in a rank's local order
+(:func:`grid_tiles`); the measured tiles (:func:`cpdata.layout.tiles.exchange_tiles`) differ by where the
+documents fall on the block grid.
+
+Cost: a Python loop over the documents (heap operations, no numpy call per whole document); at 128K tokens
+and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+
+__all__ = ["alone_tiles", "grid_tiles", "world_runs"]
+
+
+def alone_tiles(length: int, tile: int) -> int:
+    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
+    nb = -(-length // tile)
+    return nb * (nb + 1) // 2
+
+
+def grid_tiles(length: int, tile: int) -> float:
+    """Expected live tiles of a document of ``length`` tokens at a uniformly random offset in a stream of
+    documents cut into ``tile``-token blocks (a rank's local order under a stream-grid kernel):
+    ``x (x + 3) / 2`` for ``x = length / tile``. A query block costs from the first key block of the document
+    its first token lies in up to itself (:func:`cpdata.layout.tiles.block_tiles`), so a document pays for
+    the blocks whose first token it holds: ``k (k + 1) / 2`` when it starts on a block boundary, ``k (k + 3) /
+    2`` otherwise, for ``k = x`` whole blocks; a short document pays 2 with probability ``x``."""
+    x = length / tile
+    return x * (x + 3) / 2
+
+
+def _degree(s: int, t: float, local: int, share: float, cost: WorldCost, node_size: int, world: int) -> int:
+    """Step 1's ``c`` for a document of ``s`` tokens and ``t`` tiles alone."""
+    lo = max(1, -(-s // local))
+    budget = share * cost.per_tile_seconds
+    best, best_time = lo, math.inf
+    for c in range(lo, world + 1):
+        # the rank with the first and last chunks receives the other c - 1 ranks' share: from its own node's
+        # (up to node_size - 1 of them) over NVLink, the rest over the inter-node link
+        near = min(c, node_size) - 1
+        link = max(s * near / c / cost.keys_per_tile(inter_node=False),
+                   s * (c - 1 - near) / c / cost.keys_per_tile(inter_node=True))  # fmt: skip
+        predicted = max(t / c, link) * cost.per_tile_seconds
+        if predicted <= budget:
+            return c
+        if predicted < best_time:
+            best, best_time = c, predicted
+    return best
+
+
+def _pick(c: int, piece: int, room: list[int], load: list[float], node_size: int) -> list[int] | None:
+    """``c`` ranks with room for ``piece`` tokens: the least loaded of one node when one can host them, else of
+    the fewest nodes (nodes with most such ranks first); None when fewer than ``c`` ranks have room."""
+    fits = [r for r in range(len(room)) if room[r] >= piece]
+    if len(fits) < c:
+        return None
+    by_node: dict[int, list[int]] = {}
+    for r in fits:
+        by_node.setdefault(r // node_size, []).append(r)
+    if c <= node_size:
+        hosts = [rs for rs in by_node.values() if len(rs) >= c]
+        if hosts:
+            best = min(hosts, key=lambda rs: sum(sorted(load[r] for r in rs)[:c]))
+            return sorted(sorted(best, key=lambda r: load[r])[:c])
+    chosen: list[int] = []
+    for rs in sorted(by_node.values(), key=len, reverse=True):
+        chosen += sorted(rs, key=lambda r: load[r])[: c - len(chosen)]
+        if len(chosen) == c:
+            return sorted(chosen)
+    return None
+
+
+def _chunks(s: int, c: int) -> list[int]:
+    """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
+    q, r = divmod(s, 2 * c)
+    return [q + 1] * r + [q] * (2 * c - r)
+
+
+def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int, tile: int = 128,
+               cost: WorldCost = H100_DEFAULTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The deal of one pack: ``(starts, lengths, owners)`` int64 ``[R]``, runs of consecutive positions sorted
+    by global start, tiling ``[0, pack_len)``; every rank's runs hold ``pack_len / world`` positions.
+
+    ``slot_lens`` int64 ``[D]`` checked lengths summing to at most ``pack_len`` (the rest is the pad tail),
+    ``pack_len`` a multiple of ``world``, ``world`` a multiple of ``node_size`` (checked by the caller).
+    """
+    local = pack_len // world
+    lens = slot_lens.tolist()
+    offsets = [0] * len(lens)
+    acc = 0
+    for d, s in enumerate(lens):
+        offsets[d], acc = acc, acc + s
+    real_end = acc
+    alone = [grid_tiles(s, tile) for s in lens]
+    total = sum(alone) + (pack_len - real_end) // tile
+    share = total / world
+    room, load = [local] * world, [0.0] * world
+    runs: list[tuple[int, int, int]] = []  # (global start, length, rank)
+    spread = [d for d, s in enumerate(lens) if s > local or alone[d] > share]
+    spread.sort(key=lambda d: -lens[d])
+    leftover: list[int] = []
+    for d in spread:
+        s, t = lens[d], alone[d]
+        c = _degree(s, t, local, share, cost, node_size, world)
+        ranks = None
+        while c <= world:
+            ranks = _pick(c, -(-s // c), room, load, node_size)
+            if ranks is not None:
+                break
+            c += 1
+        if ranks is None:
+            leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
+            continue
+        chunk = _chunks(s, c)
+        at = offsets[d]
+        starts = [at + x for x in np.cumsum([0, *chunk[:-1]]).tolist()]
+        for i, r in enumerate(ranks):
+            for j in (i, 2 * c - 1 - i):
+                if chunk[j]:
+                    runs.append((starts[j], chunk[j], r))
+                    room[r] -= chunk[j]
+            load[r] += t / c
+    whole = [d for d, s in enumerate(lens) if not (s > local or alone[d] > share) and s > 0]
+    whole.sort(key=lambda d: (-alone[d], -lens[d]))
+    heap = [(load[r], r) for r in range(world)]
+    heapq.heapify(heap)
+    for d in whole:
+        s, aside, placed = lens[d], [], False
+        while heap:
+            item = heapq.heappop(heap)
+            r = item[1]
+            if room[r] >= s:
+                runs.append((offsets[d], s, r))
+                room[r] -= s
+                load[r] += alone[d]
+                heapq.heappush(heap, (load[r], r))
+                placed = True
+                break
+            aside.append(item)
+        for item in aside:
+            heapq.heappush(heap, item)
+        if not placed:
+            leftover.append(d)
+    for d in leftover:  # cut over the ranks with most room, one node first
+        _cut(offsets[d], lens[d], room, load, runs, node_size, tile)
+    at = real_end  # step 3: the pad tail fills every rank's room, in rank order
+    for r in range(world):
+        if room[r]:
+            runs.append((at, room[r], r))
+            at += room[r]
+            room[r] = 0
+    out = np.array(sorted(runs), dtype=np.int64).reshape(-1, 3)
+    return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()
+
+
+def _cut(start: int, s: int, room: list[int], load: list[float], runs: list[tuple[int, int, int]],
+         node_size: int, tile: int) -> None:  # fmt: skip
+    """Cut ``s`` tokens from ``start`` into pieces over the ranks with most room (the node with most room first),
+    each later piece on a rank that needs the earlier ones' keys."""
+    nodes: dict[int, int] = {}
+    for r, x in enumerate(room):
+        nodes[r // node_size] = nodes.get(r // node_size, 0) + x
+    order = sorted(range(len(room)), key=lambda r: (-nodes[r // node_size], -room[r]))
+    done = 0
+    for r in order:
+        if done == s:
+            break
+        take = min(room[r], s - done)
+        if take <= 0:
+            continue
+        runs.append((start + done, take, r))
+        room[r] -= take
+        end = done + take
+        load[r] += grid_tiles(end, tile) - grid_tiles(done, tile)
+        done = end
+    assert done == s, "the pack holds more tokens than its ranks"
