@@ -18,7 +18,7 @@ from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import exchange_tiles, first_keys
 from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
-from cpdata.layout.world_deal import alone_tiles, grid_tiles
+from cpdata.layout.world_deal import grid_tiles
 from cpdata.layout.world_keys import node_recv, world_exchange
 
 
@@ -47,10 +47,10 @@ def test_every_token_is_owned_once_and_short_documents_stay_whole(world, per_nod
     assert (np.diff(rows, axis=1) > 0).all()  # each rank's row increasing (the worker gathers in order)
     owner = _owners(rows)
     starts = np.cumsum([0, *kept])
-    share = (sum(alone_tiles(n, 128) for n in kept) + (pack - used) // 128) / world
+    share = (sum(grid_tiles(n, 128) for n in kept) + (pack - used) // 128) / world
     for d, n in enumerate(kept):
         ranks = set(owner[starts[d] : starts[d + 1]].tolist())
-        if n <= local // 2 and alone_tiles(n, 128) <= share and used <= pack // 2:  # room everywhere: whole
+        if n < local // 4 and grid_tiles(n, 128) <= share and used <= pack // 2:  # room everywhere: whole
             assert len(ranks) == 1, (d, n, ranks)
         assert len(ranks) <= max(-(-n // 1), 1)
 

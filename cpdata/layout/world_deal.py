@@ -38,11 +38,15 @@ import numpy as np
 
 from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
 
-__all__ = ["SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
+__all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
+
+MIN_SPREAD = 0.25
+"""Documents shorter than this fraction of a rank's tokens are spread only when they cost more than a share."""
 
 SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
 """The deal is tried spreading the documents that cost more than each of these fractions of a rank's share of
-tiles (step 1; distinct sets only) and the one whose busiest rank's load is least is kept: dense documents cut
+tiles (step 1; below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens; distinct sets only)
+and the one whose busiest rank's load is least is kept: dense documents cut
 into pieces fit the ranks' rooms where whole ones would leave some ranks one document each (``cpdata bench
 --sections world``: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
 three 1.07; sft 1.26 -> 1.19)."""
@@ -112,13 +116,22 @@ def _chunks(s: int, c: int) -> list[int]:
     return [q + 1] * r + [q] * (2 * c - r)
 
 
-def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, cut: float, local: int,
+def _spread(s: int, t: float, fraction: float, share: float, local: int, tile: int) -> bool:
+    """Whether a document of ``s`` tokens and ``t`` tiles is spread (step 1) at ``fraction`` of the share: one
+    longer than a rank, or costing more than its share; below 1.0, one of at least :data:`MIN_SPREAD` of a
+    rank's tokens and 4 tiles costing more than ``fraction`` of the share (shorter ones always stay whole)."""
+    if s > local or t > share:
+        return True
+    return fraction < 1.0 and s >= max(MIN_SPREAD * local, 4 * tile) and t > fraction * share
+
+
+def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, fraction: float, local: int,
           world: int, node_size: int, tile: int, cost: WorldCost
           ) -> tuple[list[tuple[int, int, int]], list[float], list[int]]:  # fmt: skip
-    """Steps 1-2 with documents costing more than ``cut`` spread: ``(runs, loads, rooms)``."""
+    """Steps 1-2 with the documents :func:`_spread` picks at ``fraction`` spread: ``(runs, loads, rooms)``."""
     room, load = [local] * world, [0.0] * world
     runs: list[tuple[int, int, int]] = []  # (global start, length, rank)
-    spread = [d for d, s in enumerate(lens) if s > local or alone[d] > cut]
+    spread = [d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile)]
     spread.sort(key=lambda d: -lens[d])
     leftover: list[int] = []
     for d in spread:
@@ -142,7 +155,7 @@ def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float,
                     runs.append((starts[j], chunk[j], r))
                     room[r] -= chunk[j]
             load[r] += t / c
-    whole = [d for d, s in enumerate(lens) if not (s > local or alone[d] > cut) and s > 0]
+    whole = [d for d, s in enumerate(lens) if s > 0 and not _spread(s, alone[d], fraction, share, local, tile)]
     whole.sort(key=lambda d: (-alone[d], -lens[d]))
     heap = [(load[r], r) for r in range(world)]
     heapq.heapify(heap)
@@ -189,12 +202,11 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     best = None
     seen: set[tuple[int, ...]] = set()
     for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
-        cut = fraction * share
-        key = tuple(d for d, s in enumerate(lens) if s > local or alone[d] > cut)
+        key = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
         if key in seen:
             continue
         seen.add(key)
-        runs, load, room = _deal(lens, offsets, alone, share, cut, local, world, node_size, tile, cost)
+        runs, load, room = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
         if best is None or max(load) < best[0]:
             best = (max(load), runs, room)
     assert best is not None
