@@ -50,6 +50,21 @@ class WorldTable:
         self._by_rank = by_rank
         self._rank_first = np.searchsorted(owners[by_rank], np.arange(cp_size + 1))
 
+    @property
+    def lens(self) -> np.ndarray:
+        """int64 ``[D]``: the pack's slot lengths."""
+        return self.slot_lens
+
+    @property
+    def doc(self) -> np.ndarray:
+        """int64 ``[D]``: the slot of each document (``arange(D)``, as for the run tables)."""
+        return np.arange(self.slot_lens.shape[0], dtype=np.int64)
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """int64 ``[D]``: global offset of each slot."""
+        return self.slot_lens.cumsum() - self.slot_lens
+
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len / cp]``: rank ``rank``'s positions in local order (increasing; into ``out``)."""
         at = self._by_rank[self._rank_first[rank] : self._rank_first[rank + 1]]
