@@ -173,7 +173,7 @@ def test_targets_and_markdown_cover_every_section(results):
     assert {t["section"] for t in results["targets"]} == set(runner.SECTIONS)
     text = render_markdown(results)
     for header in ("Per-step sharding", "Worker", "Handoff", "Packing", "Load balance", "Gather", "Long document",
-                   "Scheduling across DP ranks", "Kernel tiles", "Token store checks"):
+                   "Scheduling across DP ranks", "Kernel tiles", "World as one CP group", "Token store checks"):
         assert header in text
 
 

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
-from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, layout_tile
+from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, layout_tile, node_size_of
 from cpdata.layout.tiled import tiled_owners
+from cpdata.layout.world_deal import world_runs
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
@@ -61,6 +62,10 @@ def reference_rows(layout: str, cp: int, lens: list[int], pack_len: int) -> np.n
         tile = layout_tile(layout)
         for b, r in enumerate(tiled_owners(np.asarray(lens, dtype=np.int64), pack_len, cp, tile).tolist()):
             rows[r] += range(b * tile, (b + 1) * tile)
+    elif node_size_of(layout, cp) is not None:  # world: the deal's runs, in global order
+        starts, lengths, owners = world_runs(np.asarray(lens, dtype=np.int64), pack_len, cp, node_size_of(layout, cp))
+        for start, n, r in zip(starts.tolist(), lengths.tolist(), owners.tolist(), strict=True):
+            rows[r] += range(start, start + n)
     else:  # balanced
         ptr = start = 0
         for n in lens:

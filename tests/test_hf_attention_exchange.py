@@ -5,7 +5,8 @@ Batches built with ``kv_exchange=True`` carry each rank's plan
 documents need, one ``all_to_all_single`` per layer forward and one backward,
 and no all-gather. Every family of tests/hf_zoo.py (sliding windows, softcap,
 sinks, alternating layer types) runs on every layout, ``tiled`` included
-(tile 64, packs of 128 / 256 tokens); each rank backpropagates its own loss,
+(tile 64, packs of 128 / 256 tokens), and ``world`` (the ranks as nodes of 2:
+at cp 4, keys cross "nodes"); each rank backpropagates its own loss,
 the ranks' losses and gradients are summed and compared with every document
 run alone through HF's own attention. The collectives are counted on the
 way: all-to-alls per layer, none of the all-gather kind, and the K/V tokens
@@ -27,13 +28,13 @@ from tests.hf_zoo import FAMILIES, alone_reference, build, max_rel_error
 from tests.test_hf_attention import full_pack
 from tests.test_hf_attention_dist import _summed
 
-LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled")
+LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled", "world")
 TILE = 64
 
 
 def _pack(cp: int, rank: int, layout: str) -> tuple:
     """Every rank's batch (with its exchange plan) of the first pack holding at least three documents."""
-    spec = f"tiled:{TILE}" if layout == "tiled" else layout
+    spec = {"tiled": f"tiled:{TILE}", "world": "world:2"}.get(layout, layout)
     graph = shard_graph(hf_zoo.docs(), capacity=64 * cp, cp_size=cp, layout=spec, overflow="split",
                         qkv_format="thd" if layout == "thd" else "bshd")  # fmt: skip
     shards = ShardForRank(graph, cp_size=cp, cp_rank=rank, layout=spec, all_ranks=True, kv_exchange=True)

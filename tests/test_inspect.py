@@ -87,7 +87,8 @@ def test_summary_matches_brute_force(plan):
     assert (s.packs, s.docs_per_pack_max) == (store.n_packs, int(per_pack.max()))
     assert s.docs_per_pack_mean == pytest.approx(per_pack.mean())
     assert s.measured_packs == store.n_packs
-    assert [row.layout for row in s.layouts] == list(layouts_for(4)) == ["balanced", "contiguous", "round_robin", "thd", "tiled"]
+    assert [row.layout for row in s.layouts] == list(layouts_for(4)) == ["balanced", "contiguous", "round_robin", "thd", "tiled",
+                                                                         "world"]
     for row in s.layouts:
         d, m = alignment(row.layout, 4)
         ratios, chunks, pad, real = [], [], 0, 0

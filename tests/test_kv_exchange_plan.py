@@ -1,7 +1,8 @@
 """The worker's K/V exchange plan against a brute-force per-rank key need, and how batches carry it.
 
 Brute force: rank ``dst`` needs every key ``k`` owned by another rank with
-``slot_start(q) <= k <= q`` for some query ``q`` on ``dst`` (in some bshd row).
+``slot_start(q) <= k <= q`` for some real query ``q`` on ``dst`` (in some bshd
+row); a pad query (at or past its slot's real end) sees its own key only.
 The plan must list exactly those keys, in increasing position per source rank,
 and the sender's local indices must point at the same positions. Checked for any
 permutation rows (the plan assumes nothing of the layout), every cpdata layout
@@ -28,29 +29,38 @@ from cpdata.nodes.shard import ShardForRank
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
 
 
-def brute_need(rows: np.ndarray, slot_starts: list[int], n_rows: int) -> dict[tuple[int, int], list[int]]:
-    """``(src, dst) -> sorted global positions`` dst needs from src, one query at a time."""
+def brute_need(rows: np.ndarray, slot_starts: list[int], n_rows: int, real_ends: list[int] | None = None
+               ) -> dict[tuple[int, int], list[int]]:  # fmt: skip
+    """``(src, dst) -> sorted global positions`` dst needs from src, one query at a time (``real_ends``:
+    where each slot's real tokens end, None: all real)."""
     cp, local = rows.shape
     s = cp * local
     owner = np.empty(s, dtype=np.int64)
     owner[rows.reshape(-1)] = np.repeat(np.arange(cp), local)
     need: dict[tuple[int, int], set[int]] = {(a, b): set() for a in range(cp) for b in range(cp)}
     for b in range(n_rows):
-        starts = np.array([x - b * s for x in slot_starts if b * s <= x < (b + 1) * s])
+        in_row = [i for i, x in enumerate(slot_starts) if b * s <= x < (b + 1) * s]
+        starts = np.array([slot_starts[i] - b * s for i in in_row])
+        ends = np.array([(slot_starts + [n_rows * s])[i + 1] if real_ends is None else real_ends[i]
+                         for i in in_row]) - b * s  # fmt: skip
         for dst in range(cp):
             for q in rows[dst]:
-                first = int(starts[starts <= q].max())
+                d = int(np.flatnonzero(starts <= q)[-1])
+                if q >= ends[d]:
+                    continue  # a pad query: its own key, local
+                first = int(starts[d])
                 for k in range(first, int(q) + 1):
                     if owner[k] != dst:
                         need[(int(owner[k]), dst)].add(k)
     return {pair: sorted(keys) for pair, keys in need.items()}
 
 
-def check_against_brute(rows: np.ndarray, slot_starts: list[int], n_rows: int = 1) -> int:
+def check_against_brute(rows: np.ndarray, slot_starts: list[int], n_rows: int = 1,
+                        real_ends: list[int] | None = None) -> int:  # fmt: skip
     """Assert the plan equals the brute force; return the keys it moves."""
     cp = rows.shape[0]
-    plan = exchange_plan(rows, np.asarray(slot_starts), n_rows=n_rows)
-    want = brute_need(rows, slot_starts, n_rows)
+    plan = exchange_plan(rows, np.asarray(slot_starts), n_rows=n_rows, real_ends=real_ends)
+    want = brute_need(rows, slot_starts, n_rows, real_ends)
     parts = [plan.rank(r) for r in range(cp)]
     counts = plan.recv_counts()
     moved = 0
@@ -83,14 +93,16 @@ def layouts(draw):
     for b in range(n_rows):
         cuts = draw(st.sets(st.integers(1, max(1, s - 1)), max_size=s - 1)) if s > 1 else set()
         starts += [b * s + c for c in sorted({0, *cuts})]
-    return rows, starts, n_rows
+    nexts = [*starts[1:], n_rows * s]
+    real_ends = [draw(st.integers(a, b)) for a, b in zip(starts, nexts, strict=True)] if draw(st.booleans()) else None
+    return rows, starts, n_rows, real_ends
 
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_plan_equals_brute_force_for_any_permutation_rows(case):
-    rows, starts, n_rows = case
-    check_against_brute(rows, starts, n_rows)
+    rows, starts, n_rows, real_ends = case
+    check_against_brute(rows, starts, n_rows, real_ends)
 
 
 def test_known_needs_contiguous_one_document_and_one_document_per_rank():
@@ -131,7 +143,10 @@ def test_pipeline_plans_equal_brute_force_and_masks_cover_every_attended_key(lay
         docs = shards[0]["document_ids"]
         n_rows = docs.shape[0] if qkv_format == "bshd" else 1
         cu = shards[0]["cu_seqlens_padded"].numpy()
-        moved += check_against_brute(rows, cu[:-1].tolist(), n_rows)
+        real_ends = (cu[:-1] + np.diff(shards[0]["cu_seqlens"].numpy())).tolist()
+        moved += check_against_brute(rows, cu[:-1].tolist(), n_rows, real_ends)
+        row_of = np.searchsorted(cu[1:], np.arange(cu[-1]), side="right")  # each stream position's slot
+        is_real = np.arange(cu[-1]) < np.asarray(real_ends)[row_of]
         for r, s in enumerate(shards):
             plan = s.layout.kv_exchange
             assert plan is not None and plan.cp_rank == r and plan.cp_size == cp
@@ -140,7 +155,10 @@ def test_pipeline_plans_equal_brute_force_and_masks_cover_every_attended_key(lay
             k_pos = exchanged_key_positions(s.layout, "cpu")
             assert mine.shape[-1] == rows.shape[1] + plan.n_recv == k_pos.numel()
             assert torch.equal(mine, full[..., k_pos])  # the same predicate at the exchanged keys' positions
-            assert int(mine.sum()) == int(full.sum())  # and no attended key is missing from the exchange
+            # no key a real query attends is missing from the exchange (pad queries see their own key only)
+            cols = rows[r] + np.arange(n_rows)[:, None] * rows.size if n_rows > 1 else rows[r][None]
+            real_q = torch.from_numpy(is_real[cols])[:, None, :, None]  # [rows, 1, L, 1]
+            assert int((mine & real_q).sum()) == int((full & real_q).sum())
     assert moved > 0
 
 

@@ -24,7 +24,7 @@ from cpdata.layout.maps import (
 )
 from cpdata.layout.tiled import TILES, tiled_owners
 from cpdata.layout.tiled_deal import SWAP_TOLERANCE, block_groups, deal_blocks, resplit_pairs, swap_blocks
-from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles, segment_starts
+from cpdata.layout.tiles import block_tiles, first_keys, kv_recv_tokens, live_tiles
 from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
@@ -52,9 +52,8 @@ def _flex_tiles(rows: np.ndarray, lens: np.ndarray, pack_len: int, tile: int) ->
     """``kv_num_blocks + full_kv_num_blocks`` of flex's ``create_block_mask``, one batch entry per rank."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    slot, starts = segment_starts(lens, pack_len)
     pos = torch.from_numpy(rows)
-    start = torch.from_numpy(starts[slot[rows]])
+    start = torch.from_numpy(first_keys(lens, pack_len)[rows])  # a pad query: its own key only
     bm = create_block_mask(lambda b, h, q, k: (k >= start[b, q]) & (k <= pos[b, q]), rows.shape[0], None,
                            rows.shape[1], pack_len, device="cpu", BLOCK_SIZE=tile)  # fmt: skip
     full = bm.full_kv_num_blocks
@@ -113,12 +112,12 @@ def test_every_layout_is_a_permutation_with_equal_shards_for_every_cp_and_tile(l
 
 
 def _brute_recv(rows: np.ndarray, lens: np.ndarray, pack_len: int) -> list[int]:
-    slot, _ = segment_starts(lens, pack_len)
+    first = first_keys(lens, pack_len)
     out = []
     for row in rows:
         need = np.zeros(pack_len, dtype=bool)
         for q in row:
-            need[: q + 1] |= slot[: q + 1] == slot[q]
+            need[first[q] : q + 1] = True
         need[row] = False
         out.append(int(need.sum()))
     return out

@@ -104,7 +104,7 @@ def test_one_rank_equals_its_share_of_all_ranks(layout, cp):
 
 def test_layout_dependence_is_asked_of_the_layouts():
     assert {name: layout_depends_on_documents(name, 2) for name in LAYOUTS if name != "identity"} == {
-        "balanced": True, "contiguous": False, "round_robin": False, "thd": True, "tiled": True,
+        "balanced": True, "contiguous": False, "round_robin": False, "thd": True, "tiled": True, "world": True,
     }  # fmt: skip
     assert not any(layout_depends_on_documents(name, 1) for name in LAYOUTS)
 

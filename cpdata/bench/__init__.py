@@ -9,6 +9,7 @@
 | ``gather``   | :mod:`~cpdata.bench.gather_collectives` | all-gather + index all-gather + argsort (NeMo style) |
 | ``schedule`` | :mod:`~cpdata.bench.schedule_balance` | NeMo-RL FFD, verl Karmarkar-Karp, Megatron ``dp_balanced``, cpdata 0.1 |
 | ``attention`` | :mod:`~cpdata.bench.attention` | every layout's kernel tiles and K/V needs against ``tiled``'s |
+| ``world``    | :mod:`~cpdata.bench.world` | Megatron-core's ``BalancedCPScheduler`` (hybrid CP) against the ``world`` deal |
 | ``integrity`` | :mod:`~cpdata.bench.integrity` | the token store's reader without chunk checks |
 
 :func:`run_bench` returns a JSON-ready dict (``cpdata bench --json``);

@@ -152,6 +152,18 @@ def _attention(rows: list[dict]) -> str:
             "all-gather's)\n\n" + _md(head, body))  # fmt: skip
 
 
+def _world(rows: list[dict]) -> str:
+    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys and
+    predicted time, and the solve time per world micro-batch."""
+    body = [(r["distribution"], r["world"], r["system"], r["micro_batches"], r["tiles"], f"{r['over_mean']:.3f}",
+             r["recv_keys"], r["inter_keys"], f"{r['predicted_ms']:.1f}", f"{r['solve_ms']:.2f}")
+            for r in rows]  # fmt: skip
+    head = ("distribution", "world", "system", "micro-batches", "busiest tiles", "÷ mean rank", "busiest K/V recv",
+            "busiest inter-node K/V", "predicted ms", "solve ms / micro-batch")  # fmt: skip
+    return ("**World as one CP group** (sums over micro-batches of the busiest rank; 8 ranks per node)\n\n"
+            + _md(head, body))
+
+
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m = results["machine"]
@@ -183,6 +195,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_schedule(results["schedule"]))
     if results.get("attention"):
         parts.append(_attention(results["attention"]))
+    if results.get("world"):
+        parts.append(_world(results["world"]))
     if results.get("integrity"):
         parts.append(_integrity(results["integrity"]))
     return "\n\n".join(parts) + "\n"

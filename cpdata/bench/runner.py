@@ -38,6 +38,7 @@ SECTIONS: dict[str, str] = {
     "long_document": "cpdata.bench.long_document",
     "schedule": "cpdata.bench.schedule_balance",
     "attention": "cpdata.bench.attention",
+    "world": "cpdata.bench.world",
     "integrity": "cpdata.bench.integrity",
 }
 """Section name -> module, in run order."""

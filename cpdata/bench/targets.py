@@ -202,6 +202,40 @@ def _tiled_solve(rows: list[dict]) -> tuple[str, bool]:
     if not parts:
         return "no tiled row at 32K cp 4 or 128K cp 8", False
     return "; ".join(parts), ok
+def _world_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """``(cpdata, megatron)`` rows of each (distribution, world) the section measured both on."""
+    theirs = {(r["distribution"], r["world"]): r for r in rows if r["system"].startswith("megatron")}
+    return [(r, theirs[(r["distribution"], r["world"])]) for r in rows
+            if r["system"] == "cpdata world" and (r["distribution"], r["world"]) in theirs]  # fmt: skip
+
+
+def _world_tiles(rows: list[dict]) -> tuple[str, bool]:
+    pairs = _world_pairs(rows)
+    if not pairs:
+        return "no Megatron rows (megatron-core not importable)", False
+    worst = max(pairs, key=lambda p: p[0]["tiles"] / p[1]["tiles"])
+    flat = max(p[0]["over_mean"] for p in pairs)
+    ok = all(m["tiles"] <= t["tiles"] and m["over_mean"] <= 1.03 for m, t in pairs)
+    return (f"max {worst[0]['tiles'] / worst[1]['tiles']:.3f} x Megatron's ({worst[0]['distribution']} "
+            f"{worst[0]['world']}), max {flat:.3f} x the mean rank's"), ok
+
+
+def _world_keys(rows: list[dict]) -> tuple[str, bool]:
+    pairs = _world_pairs(rows)
+    if not pairs:
+        return "no Megatron rows (megatron-core not importable)", False
+    recv = sum(m["recv_keys"] <= t["recv_keys"] for m, t in pairs)
+    inter = sum(m["inter_keys"] <= t["inter_keys"] for m, t in pairs)
+    return f"received <= Megatron's on {recv} of {len(pairs)} rows, inter-node on {inter}", \
+        recv == inter == len(pairs)
+
+
+def _world_solve(rows: list[dict]) -> tuple[str, bool]:
+    mine = [r for r in rows if r["system"] == "cpdata world"]
+    worst = max(mine, key=lambda r: r["solve_ms"])
+    return f"max {worst['solve_ms']:.2f} ms ({worst['distribution']} {worst['world']})", worst["solve_ms"] <= 10.0
+
+
 def _integrity(rows: list[dict]) -> tuple[str, bool]:
     worst = max(rows, key=lambda r: r["overhead_pct"])
     text = ", ".join(f"{r['store']} {r['overhead_pct']:+.1f} %" for r in rows)
@@ -230,6 +264,10 @@ TARGETS: tuple[tuple[str, str, str, Callable], ...] = (
     ("attention", "tiled K/V", ">= 32K: receive <= 0.30 of an all-gather (alpaca, sft, ultrachat), 0.5 long_context",
      _tiled_kv),
     ("attention", "tiled solve", "<= 150 us per pack at 32K cp 4, 800 us at 128K cp 8 (tile 128)", _tiled_solve),
+    ("world", "world tiles", "busiest rank's tiles <= Megatron's and <= 1.03 x the mean rank's (every row)",
+     _world_tiles),
+    ("world", "world K/V", "busiest rank's received and inter-node keys <= Megatron's (every row)", _world_keys),
+    ("world", "world solve", "<= 10 ms per world micro-batch", _world_solve),
     ("integrity", "store checks", "chunk checks <= 5 % of a reading pass", _integrity),
 )
 

@@ -10,7 +10,11 @@ Modules, in pipeline order: ``maps`` (the layouts: ``rank_indices``,
 layout as runs of consecutive positions, the table the worker gathers from),
 ``blocks`` (run tables of a block of packs at once), ``tiled`` (the
 ``tiled`` layout: whole tile-token blocks dealt to balance kernel tiles),
-``tiled_deal`` (its deal: which rank owns each block), ``tiles`` (live kernel tiles and K/V needs per rank), ``exchange`` (the K/V
+``tiled_deal`` (its deal: which rank owns each block), ``world`` (the ``world`` layout: the whole DP x CP
+world as one CP group), ``world_deal`` (its deal: documents whole, long ones on few ranks of one node),
+``world_cost`` (the per-tile and per-byte cost model it weighs, replaceable by a calibration file),
+``world_keys`` (its exchange plan and intra- / inter-node keys), ``tiles`` (live kernel tiles and K/V needs
+per rank), ``exchange`` (the K/V
 exchange plan: which keys each rank needs from each other rank under the
 document-causal mask, for any layout), ``shard_layout``
 (``ShardLayout``, the torch record of a layout that travels with a batch; the

@@ -7,6 +7,12 @@ to that slot's last query on ``dst``, that ``src`` owns::
 
     need(src -> dst) = { k owned by src : slot(k) = d, k <= max{q on dst : slot(q) = d} }
 
+Padding is no document: a slot's positions from its real end on (``real_ends``;
+the pack's tail, a document padded to a layout's multiple) are queries that see
+their own key only, so they need nothing and count as no query of their slot
+(and no real query reaches a pad key: keys are needed up to a real query).
+Without ``real_ends`` every position is real (the old document-causal mask).
+
 An all-gather delivers ``(cp-1)/cp * S`` keys to every rank; with short
 documents most of them are masked out. The plan moves only the needed ones
 (one ``all_to_all_single``, :mod:`cpdata.device.kv_exchange`).
@@ -16,10 +22,11 @@ Algorithm (no assumption on the layout: any ``[cp, L]`` permutation rows):
 1. *runs*: maximal stretches of global positions whose rank-major index steps
    by one (one ``diff`` over the inverse map, O(S)), cut where a rank's row
    starts;
-2. *pieces*: the runs cut at every slot boundary (of every bshd row), sorted by
-   global start: each piece has one owner and, in each row, one slot;
-3. ``last[slot, rank]``: the last position of each slot on each rank
-   (``maximum.at`` over the pieces);
+2. *pieces*: the runs cut at every slot boundary and real end (of every bshd
+   row), sorted by global start: each piece has one owner and, in each row, one
+   slot, and is all real or all padding;
+3. ``last[slot, rank]``: the last real position of each slot on each rank
+   (``maximum.at`` over the real pieces);
 4. ``need[piece, dst]``: how many of the piece's keys ``dst`` needs: a prefix
    of the piece (keys are needed up to a position), the longest over the rows.
 
@@ -190,7 +197,8 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out[keep]
 
 
-def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1) -> ExchangePlan:
+def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1,
+                  real_ends: np.ndarray | None = None) -> ExchangePlan:  # fmt: skip
     """The K/V exchange of a layout under the document-causal mask of its slots.
 
     Args:
@@ -201,6 +209,9 @@ def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1)
             ``slot_starts``; ``cu_seqlens_padded[:-1]``). Each row's first position starts a slot; pads
             belong to their slot (they are queries and keys like any token).
         n_rows: bshd rows sharing the layout over their columns (1 for a thd stream or one pack).
+        real_ends: int ``[K]``: where each slot's real tokens end (``slot_starts + real lengths``, the
+            stream's ``real_ends``; ``cu_seqlens_padded[:-1] + diff(cu_seqlens)``); the positions from there
+            to the next slot are padding, which needs no key. None: every position is real.
 
     Returns:
         The :class:`ExchangePlan`; ``plan.rank(r)`` is rank ``r``'s part.
@@ -213,7 +224,24 @@ def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1)
         raise ValueError(f"rows must be int [cp, L] with L >= 1, got shape {rows.shape}")
     if rows.size and (rows.min() < 0 or rows.max() >= rows.size):
         raise ValueError(f"rows must hold positions in [0, {rows.size}) (a permutation of range(cp * L))")
-    return exchange_plan_of_inverse(inverse_indices(rows), rows.shape[0], slot_starts, n_rows=n_rows)
+    return exchange_plan_of_inverse(inverse_indices(rows), rows.shape[0], slot_starts, n_rows=n_rows,
+                                    real_ends=real_ends)  # fmt: skip
+
+
+def _checked_real_ends(real_ends: Any, slot_starts: np.ndarray, stream: int, n_rows: int) -> np.ndarray | None:
+    """``real_ends`` as int64 ``[K]`` (each in ``[its slot's start, the next slot's start]``), or ``ValueError``."""
+    if real_ends is None:
+        return None
+    ends = np.asarray(real_ends, dtype=_I64).reshape(-1)
+    nxt = np.empty_like(slot_starts)
+    nxt[:-1], nxt[-1:] = slot_starts[1:], n_rows * stream
+    if ends.shape != slot_starts.shape or (ends < slot_starts).any() or (ends > nxt).any():
+        raise ValueError(
+            f"real_ends must give every one of the {slot_starts.size} slots the end of its real tokens, between "
+            f"its start and the next slot's, got {ends[:16].tolist()}...; pass the stream's real_ends "
+            "(cu_seqlens_padded[:-1] + diff(cu_seqlens))"
+        )
+    return ends
 
 
 def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -245,29 +273,36 @@ def _checked_slots(slot_starts: Any, stream: int, n_rows: Any) -> np.ndarray:
 
 
 def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.ndarray, *, n_rows: int = 1,
-                             checked: bool = False) -> ExchangePlan:  # fmt: skip
+                             checked: bool = False, real_ends: np.ndarray | None = None) -> ExchangePlan:  # fmt: skip
     """:func:`exchange_plan` from the layout's inverse map (int64 ``[cp * L]``, ``inverse[g]`` = the rank-major
     index of global position ``g``: :func:`cpdata.layout.maps.inverse_indices`, a batch's ``gather_index``).
 
-    ``checked=True``: ``inverse`` is an int64 inverse map and ``slot_starts`` a stream's int64 slot offsets
-    (the worker's, already checked), so their checks are skipped.
+    ``checked=True``: ``inverse`` is an int64 inverse map and ``slot_starts`` (``real_ends``) a stream's int64
+    slot offsets (real ends; the worker's, already checked), so their checks are skipped.
 
     Cost: one pass over the inverse (a subtraction, a compare, ``flatnonzero``), then ~25 numpy calls on
     ``[pieces, cp]`` arrays (``balanced`` ~4cp pieces per document, ``thd`` 2cp, ``contiguous`` ~1).
     """
     if not checked:
         inverse, slot_starts = _checked(inverse, cp_size, slot_starts, n_rows)
+        real_ends = _checked_real_ends(real_ends, slot_starts, inverse.shape[0], n_rows)
     cp, stream = int(cp_size), inverse.shape[0]
     local = stream // cp
-    columns = slot_starts - slot_starts // stream * stream if n_rows > 1 else slot_starts
-    starts = _sorted_union(_runs(inverse, cp, local), columns)  # pieces: runs cut at every row's slot boundary
+    starts = _sorted_union(_runs(inverse, cp, local), _cuts(slot_starts, real_ends, stream, n_rows))
     owners, local_starts = np.divmod(inverse[starts], local)
-    return _pieces_plan(starts, owners, local_starts, cp, local, slot_starts, n_rows)
+    return _pieces_plan(starts, owners, local_starts, cp, local, slot_starts, n_rows, real_ends)
+
+
+def _cuts(slot_starts: np.ndarray, real_ends: np.ndarray | None, stream: int, n_rows: int) -> np.ndarray:
+    """int64: the columns where pieces must be cut, every row's slot starts and real ends (unsorted; the real
+    ends at the stream's end dropped)."""
+    cuts = slot_starts if real_ends is None else np.concatenate([slot_starts, real_ends[real_ends < n_rows * stream]])
+    return cuts - cuts // stream * stream if n_rows > 1 else cuts
 
 
 def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_local_starts: np.ndarray, *,
                           cp_size: int, local_len: int, slot_starts: np.ndarray, n_rows: int = 1,
-                          checked: bool = False) -> ExchangePlan:  # fmt: skip
+                          checked: bool = False, real_ends: np.ndarray | None = None) -> ExchangePlan:  # fmt: skip
     """:func:`exchange_plan` of a layout given as runs, with no pass over its tokens (O(runs + slots)).
 
     A layout built from runs (``tile``-token blocks, per-document chunks) knows them already: run ``i``
@@ -281,16 +316,15 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
         run_local_starts: int ``[R]``; each rank's runs tile ``[0, local_len)`` of its local order.
         cp_size: CP ranks.
         local_len: tokens per rank ``L``.
-        slot_starts, n_rows: as :func:`exchange_plan`.
+        slot_starts, n_rows, real_ends: as :func:`exchange_plan`.
         checked: the runs and slots are int64 arrays known to be valid (a layout's own): skip the checks
             (a lexsort and ~15 calls).
     """
     if checked:
-        starts = _sorted_union(run_starts, slot_starts - slot_starts // (cp_size * local_len) * (cp_size * local_len)
-                               if n_rows > 1 else slot_starts)  # fmt: skip
+        starts = _sorted_union(run_starts, _cuts(slot_starts, real_ends, cp_size * local_len, n_rows))
         run = run_starts.searchsorted(starts, side="right") - 1
         return _pieces_plan(starts, run_owners[run], run_local_starts[run] + (starts - run_starts[run]), cp_size,
-                            local_len, slot_starts, n_rows)  # fmt: skip
+                            local_len, slot_starts, n_rows, real_ends)  # fmt: skip
     starts_r = np.asarray(run_starts, dtype=_I64).reshape(-1)
     owners_r = np.asarray(run_owners, dtype=_I64).reshape(-1)
     local_r = np.asarray(run_local_starts, dtype=_I64).reshape(-1)
@@ -315,16 +349,17 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
     if not np.array_equal(local_r[order], expect) or not (np.bincount(owners_r, lengths, cp) == local).all():
         raise ValueError(f"every rank's runs must tile its local order [0, local_len={local}) exactly once")
     slot_starts = _checked_slots(slot_starts, stream, n_rows)
-    columns = slot_starts - slot_starts // stream * stream if n_rows > 1 else slot_starts
-    starts = _sorted_union(starts_r, columns)
+    real_ends = _checked_real_ends(real_ends, slot_starts, stream, n_rows)
+    starts = _sorted_union(starts_r, _cuts(slot_starts, real_ends, stream, n_rows))
     run = starts_r.searchsorted(starts, side="right") - 1
     return _pieces_plan(starts, owners_r[run], local_r[run] + (starts - starts_r[run]), cp, local, slot_starts,
-                        n_rows)  # fmt: skip
+                        n_rows, real_ends)  # fmt: skip
 
 
 def _pieces_plan(starts: np.ndarray, owners: np.ndarray, local_starts: np.ndarray, cp: int, local: int,
-                 slot_starts: np.ndarray, n_rows: int) -> ExchangePlan:  # fmt: skip
-    """The plan of pieces (sorted global starts, each with one owner and, in every row, one slot)."""
+                 slot_starts: np.ndarray, n_rows: int, real_ends: np.ndarray | None) -> ExchangePlan:  # fmt: skip
+    """The plan of pieces (sorted global starts, each with one owner and, in every row, one slot, all real or
+    all padding there)."""
     stream = cp * local
     ends = np.empty_like(starts)
     ends[:-1], ends[-1] = starts[1:], stream
@@ -338,7 +373,11 @@ def _pieces_plan(starts: np.ndarray, owners: np.ndarray, local_starts: np.ndarra
     key = slot * cp
     key += owners
     last = np.full(slot_starts.size * cp, -1, dtype=_I64)  # [slot, rank] flat
-    np.maximum.at(last, key.reshape(-1), np.tile(ends - 1, n_rows) if n_rows > 1 else ends - 1)
+    at_end = np.tile(ends - 1, n_rows) if n_rows > 1 else ends - 1
+    if real_ends is not None:  # a pad piece is no query of its slot
+        begin = (np.arange(n_rows, dtype=_I64)[:, None] * stream + starts[None, :]).reshape(-1)
+        at_end = np.where(begin < real_ends[slot.reshape(-1)], at_end, -1)
+    np.maximum.at(last, key.reshape(-1), at_end)
     reach = last.reshape(-1, cp)[slot]  # [rows, n, cp]: keys up to there are needed
     reach += 1
     np.minimum(reach, ends[None, :, None], out=reach)

@@ -15,11 +15,13 @@ global order: ``global = concat(shards)[inverse]``.
 | ``thd``       | chunks r and 2cp-1-r of every document slot (TE THD) | 2cp / 2cp         |
 | ``balanced``  | per-document head-tail, remainder from the middle dealt round-robin | 1 / cp |
 | ``tiled``     | whole ``tile``-token blocks, dealt to balance live kernel tiles (:mod:`cpdata.layout.tiled`) | 1 / cp*tile |
+| ``world``     | whole documents, long ones spread over few ranks of one node (:mod:`cpdata.layout.world`) | 1 / cp |
 
 ``tiled`` takes a tile size (64, 128 or 256; 128 by default): ``rank_indices("tiled", cp, lens, S, tile=256)``.
 Everywhere a layout travels as a string (packer, loader state, digest, precompute manifest), the tile travels
 in it: :func:`layout_spec` gives ``"tiled"`` for tile 128 and ``"tiled:64"`` / ``"tiled:256"`` for the others,
-and every function here accepts either form.
+and every function here accepts either form. ``world`` carries its ranks per node the same way:
+``layout_spec("world", node_size=8)`` is ``"world:8"`` (``"world"``: the whole world is one node).
 
 ``seq_lens`` are the document slots laid out in the pack, in order; the pack's
 tail (``pack_len - sum(seq_lens)``) is padding. For ``thd`` the last slot
@@ -39,6 +41,7 @@ import numpy as np
 from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
 from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
+from cpdata.layout.world import WorldBlock, WorldTable, world_block
 
 __all__ = [
     "LAYOUTS",
@@ -51,16 +54,30 @@ __all__ = [
     "layout_runs",
     "layout_spec",
     "layout_tile",
+    "node_size_of",
     "rank_indices",
     "thd_slot_lens",
 ]
 
-LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin", "thd", "tiled")
+LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin", "thd", "tiled", "world")
 
 
-def layout_spec(layout: str, tile: int | None = None) -> str:
-    """The layout string that carries ``tile``: ``"tiled"`` (tile 128), ``"tiled:64"``, ``"tiled:256"``; any
-    other layout unchanged (``tile`` must then be None). Raises ``ValueError`` for a tile ``tiled`` lacks."""
+def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None = None) -> str:
+    """The layout string that carries ``tile``: ``"tiled"`` (tile 128), ``"tiled:64"``, ``"tiled:256"``; or
+    ``node_size``: ``"world:8"``; any other layout unchanged (``tile`` and ``node_size`` must then be None).
+    Raises ``ValueError`` for a tile ``tiled`` lacks or a node size below 1."""
+    if node_size is not None:
+        if tile is not None or _split(layout)[0] != "world":
+            raise ValueError(f"node_size={node_size} applies to layout 'world' alone (no tile), got layout "
+                             f"{layout!r}, tile={tile}")  # fmt: skip
+        if isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer)) or node_size < 1:
+            raise ValueError(f"node_size must be an int >= 1 (ranks per node, torchrun's local world size), "
+                             f"got {node_size!r}")  # fmt: skip
+        given = _split(layout)[1]
+        if given is not None and given != node_size:
+            raise ValueError(f"layout {layout!r} already says node size {given}, but node_size={node_size} was "
+                             "given; give one")  # fmt: skip
+        return f"world:{int(node_size)}"
     if tile is None:
         return layout
     if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)):
@@ -77,12 +94,22 @@ def layout_spec(layout: str, tile: int | None = None) -> str:
 
 
 def _split(layout: str) -> tuple[str, int | None]:
-    """``"tiled:256"`` -> ``("tiled", 256)``; ``"thd"`` -> ``("thd", None)``; malformed -> ``(layout, None)``."""
-    if isinstance(layout, str) and layout.startswith("tiled:"):
-        digits = layout[len("tiled:"):]
-        if digits.isdigit():
-            return "tiled", int(digits)
+    """``"tiled:256"`` -> ``("tiled", 256)``; ``"world:8"`` -> ``("world", 8)``; ``"thd"`` -> ``("thd", None)``;
+    malformed -> ``(layout, None)``."""
+    for name in ("tiled", "world"):
+        if isinstance(layout, str) and layout.startswith(f"{name}:"):
+            digits = layout[len(name) + 1 :]
+            if digits.isdigit():
+                return name, int(digits)
     return layout, None
+
+
+def node_size_of(layout: str, cp_size: int) -> int | None:
+    """Ranks per node of a ``world`` layout string (``"world"``: ``cp_size``, one node); None for others."""
+    name, size = _split(layout)
+    if name != "world":
+        return None
+    return cp_size if size is None else size
 
 
 def layout_tile(layout: str) -> int | None:
@@ -98,14 +125,18 @@ def check_layout(layout: str, cp_size: int) -> None:
     name, tile = _split(layout)
     if not isinstance(layout, str) or name not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {list(LAYOUTS)} (tiled: also 'tiled:64', "
-                         "'tiled:256')")  # fmt: skip
-    if tile is not None and (tile not in TILES or tile == DEFAULT_TILE):
+                         "'tiled:256'; world: 'world:<node_size>')")  # fmt: skip
+    if name == "tiled" and tile is not None and (tile not in TILES or tile == DEFAULT_TILE):
         raise ValueError(f"layout {layout!r}: the tile must be one of {list(TILES)}, and 128 is written 'tiled'; "
                          "build the string with layout_spec('tiled', tile)")  # fmt: skip
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__} {cp_size!r}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}; use cp_size=1 to turn context parallelism off")
+    if name == "world" and tile is not None and (tile < 1 or cp_size % tile):
+        raise ValueError(f"layout {layout!r}: a world of cp_size={cp_size} ranks is not a whole number of nodes of "
+                         f"node_size={tile} ranks; pass torchrun's local world size as node_size, or a cp_size "
+                         f"that is a multiple of it")  # fmt: skip
     if layout == "identity" and cp_size != 1:
         raise ValueError(
             f"layout 'identity' gives every token to one rank and needs cp_size=1, got cp_size={cp_size}; "
@@ -128,7 +159,7 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
         return 2 * cp_size, 2 * cp_size
     if layout == "round_robin":
         return 1, 2 * cp_size
-    if layout in ("contiguous", "balanced"):
+    if layout in ("contiguous", "balanced") or _split(layout)[0] == "world":
         return 1, cp_size
     return 1, 1
 
@@ -182,7 +213,7 @@ def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.
 def layout_runs(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
     tile: int | None = None,
-) -> RunTable | TiledTable:
+) -> RunTable | TiledTable | WorldTable:
     """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`; ``tiled``: a
     :class:`~cpdata.layout.tiled.TiledTable`, the same verbs).
 
@@ -214,11 +245,14 @@ def layout_runs(
     tile = layout_tile(layout)
     if tile is not None:
         return tiled_block(lens, None, pack_len, cp_size, tile).tables()[0]
+    node_size = node_size_of(layout, cp_size)
+    if node_size is not None:
+        return world_block(lens, None, pack_len, cp_size, node_size).tables()[0]
     return balanced_runs(lens, pack_len, cp_size)
 
 
 def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
-                     ) -> RunBlock | TiledBlock:  # fmt: skip
+                     ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
     """:func:`layout_runs` (``checked=True``) of ``P`` packs of ``pack_len`` tokens at once, for a layout
     that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
 
@@ -233,7 +267,7 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
 
 
 def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.ndarray | None, pack_len: int
-                     ) -> RunBlock | TiledBlock:  # fmt: skip
+                     ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
     """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
     ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
     _, pack_multiple = alignment(layout, cp_size)
@@ -244,8 +278,11 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     tile = layout_tile(layout)
     if tile is not None:
         return tiled_block(lens, counts, pack_len, cp_size, tile)
+    node_size = node_size_of(layout, cp_size)
+    if node_size is not None:
+        return world_block(lens, counts, pack_len, cp_size, node_size)
     if layout != "thd":
-        raise ValueError(f"layout_run_block takes 'thd', 'balanced' or 'tiled' (the layouts that depend on the "
+        raise ValueError(f"layout_run_block takes 'thd', 'balanced', 'tiled' or 'world' (the layouts that depend on the "
                          f"documents), "
                          f"got {layout!r}; use layout_runs")  # fmt: skip
     sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts

@@ -70,21 +70,25 @@ RESPLIT_BLOCKS = 4
 
 
 def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(first, size, c0)`` int64 ``[D]``: every slot's blocks (those whose first token lies in it), in global
+    """``(first, size, c0)`` int64 ``[G]``: every slot's blocks (those whose first token lies in it), in global
     order: ``first .. first + size - 1``, costing ``c0, c0 + 1, ...`` live tiles (``size`` 0 for a slot that
-    starts no block).
+    starts no block); then every block whose first token is tail padding, a group of its own costing 1 (its
+    pads see their own keys: :func:`cpdata.layout.tiles.block_tiles`).
 
-    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the tail joins the last slot; no slots: one
-    slot of the whole pack). A slot ``[s, e)`` starts blocks ``ceil(s / tile) .. ceil(e / tile) - 1`` and its
-    first one costs ``ceil(s / tile) - s // tile + 1``; the groups tile ``[0, pack_len / tile)``.
+    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the rest is the tail padding). A slot
+    ``[s, e)`` starts blocks ``ceil(s / tile) .. ceil(e / tile) - 1`` and its first one costs
+    ``ceil(s / tile) - s // tile + 1``; the groups tile ``[0, pack_len / tile)``.
     """
     d = slot_lens.shape[0]
-    bounds = np.zeros(max(d, 1) + 1, dtype=np.int64)
-    slot_lens.cumsum(out=bounds[1 : d + 1])  # (methods, not np.cumsum & co: no Python-level dispatch)
-    bounds[-1] = pack_len
+    bounds = np.zeros(d + 1, dtype=np.int64)
+    slot_lens.cumsum(out=bounds[1:])  # (methods, not np.cumsum & co: no Python-level dispatch)
     starts = (bounds + (tile - 1)) // tile
-    first = starts[:-1]
-    return first, starts[1:] - first, first - bounds[:-1] // tile + 1
+    first, size, c0 = starts[:-1], starts[1:] - starts[:-1], starts[:-1] - bounds[:-1] // tile + 1
+    pad = _arange(pack_len // tile)[starts[-1] :]  # blocks that start in the tail
+    if pad.shape[0] == 0:
+        return first, size, c0
+    ones = np.ones(pad.shape[0], dtype=np.int64)
+    return np.concatenate([first, pad]), np.concatenate([size, ones]), np.concatenate([c0, ones])
 
 
 @functools.lru_cache(maxsize=16)

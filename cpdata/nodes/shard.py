@@ -341,6 +341,6 @@ class ShardForRank(BaseNode[Any]):
             if exchange is None:
                 n_rows = stream.rows if batch.qkv_format == "bshd" else 1
                 exchange = exchange_plan_of_inverse(gather, self.cp_size, stream.slot_starts, n_rows=n_rows,
-                                                    checked=True)  # fmt: skip
+                                                    checked=True, real_ends=stream.real_ends)  # fmt: skip
             fields["kv_exchange"] = exchange.rank(r)
         return buf.batch(layout=layout, info=item.info, fields=fields), gather, exchange

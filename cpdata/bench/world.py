@@ -1,0 +1,182 @@
+"""Section ``world``: the whole world as one CP group, cpdata's ``world`` deal beside Megatron-core's
+``BalancedCPScheduler`` (hybrid / dynamic CP), on the same documents.
+
+Documents of each distribution are packed by cpdata's default packer (``overflow="split"``) into world
+micro-batches of ``W x L`` tokens (``16 x 8K`` and ``32 x 4K``, 8 ranks per node); the first ``PACKS`` packs'
+slots are the documents both systems get:
+
+- cpdata deals each pack over the ``W`` ranks (``layout_spec("world", node_size=8)``; its K/V exchange plan
+  from the deal's runs);
+- Megatron-core's released ``BalancedCPScheduler(max_seq_len_per_rank=L)`` (constructed with a stand-in group
+  whose ``size()`` is ``W``, the one call its constructor makes) schedules all of them at once with
+  ``get_groups_and_subsamples``; each group is one world micro-batch. A sub-sample on ``c`` ranks is laid out
+  as TE THD's ``2c`` chunks (rank ``i`` of the group: chunks ``i`` and ``2c - 1 - i``) and each of its ranks
+  receives the other ranks' chunks (``(c - 1) / c`` of it; from other nodes: their chunks there).
+
+One tile counter for both, each system's kernel as it holds its keys (``tile = 128``; a tile is live when one
+of its pairs attends; a pad query sees its own key): a Megatron sub-sample is its own kernel call, its rank's
+two chunks against all of the sub-sample's keys in order (:func:`cpdata.layout.tiles.live_tiles`; on one rank,
+the document alone); cpdata's rank holds the pack's queries it owns against its own keys then the keys the
+exchange brings (:func:`cpdata.layout.tiles.exchange_tiles`, the ``"cpdata"`` attention with ``kv_exchange``). Columns, each summed over the row's micro-batches of the
+per-micro-batch busiest rank (every micro-batch ends when its slowest rank does):
+
+- ``tiles``: live tiles; ``over_mean``: that sum over the mean rank's sum;
+- ``recv_keys`` / ``inter_keys``: keys received in all / from other nodes;
+- ``predicted_ms``: :class:`cpdata.layout.world_cost.WorldCost`'s predicted seconds (H100 defaults);
+- ``solve_ms``: CPU time (this thread) of the deal, per world micro-batch: cpdata's ``layout_runs`` per pack,
+  Megatron's whole schedule over its number of groups;
+- ``*_vs_megatron``: cpdata's sum over Megatron's.
+
+Where megatron-core cannot be imported, the section prints why and gives cpdata's rows alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+
+from cpdata.bench.distributions import sample
+from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
+from cpdata.layout.tiles import exchange_tiles, live_tiles
+from cpdata.layout.world_cost import H100_DEFAULTS
+from cpdata.layout.world_deal import alone_tiles
+from cpdata.layout.world_keys import node_recv, world_exchange
+
+__all__ = ["COLUMNS", "TABLE", "megatron_micro_batches", "run"]
+
+COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
+                            "inter_keys", "predicted_ms", "solve_ms")  # fmt: skip
+TABLE: tuple[str, ...] = (*COLUMNS, "tiles_vs_megatron", "recv_vs_megatron", "inter_vs_megatron")
+TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's BalancedCPScheduler"
+NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
+WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
+NODE_SIZE, TILE = 8, 128
+PACKS, QUICK_PACKS = 8, 2
+
+
+class _Group:
+    """The stand-in ``dp_cp_group``: ``BalancedCPScheduler.__init__`` calls ``size()`` and nothing else."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _scheduler_class() -> type | str:
+    """Megatron-core's ``BalancedCPScheduler``, or why it cannot be imported."""
+    try:
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    except Exception as err:  # noqa: BLE001 (any import failure means: skip, and say why)
+        return f"{type(err).__name__}: {err}"
+    return BalancedCPScheduler
+
+
+@functools.lru_cache(maxsize=4096)
+def _thd_part(s: int, c: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(tiles, tokens)`` of each of ``c`` ranks holding a sub-sample of ``s`` tokens as TE THD's ``2c`` chunks
+    (padded to a multiple of ``2c``; the pad is tail padding)."""
+    if c == 1:
+        return (alone_tiles(s, TILE),), (s,)
+    padded = -(-s // (2 * c)) * 2 * c
+    rows = rank_indices("thd", c, [padded], padded)
+    tiles = live_tiles(rows, [s], padded, TILE)
+    tokens = (rows < s).sum(axis=1)
+    return tuple(tiles.tolist()), tuple(tokens.tolist())
+
+
+def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_size: int
+                           ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], float] | str:  # fmt: skip
+    """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys and inter-node keys,
+    and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
+    scheduler = _scheduler_class()
+    if isinstance(scheduler, str):
+        return scheduler
+    sched = scheduler(per_rank, _Group(world))
+    t0 = time.thread_time()
+    groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
+    seconds = time.thread_time() - t0
+    node = np.arange(world) // node_size
+    out = []
+    for gpu_ids in ids[: len(groups)]:
+        members: dict[int, list[int]] = {}
+        for r, sids in enumerate(gpu_ids):
+            for sid in sids:
+                members.setdefault(sid, []).append(r)
+        tiles, recv, inter = (np.zeros(world, dtype=np.int64) for _ in range(3))
+        for sid, ranks in members.items():
+            part_tiles, part_tokens = _thd_part(int(lengths[sid]), len(ranks))
+            held = np.asarray(part_tokens, dtype=np.int64)
+            at = np.asarray(ranks)
+            tiles[at] += part_tiles
+            recv[at] += held.sum() - held
+            other = node[at][:, None] != node[at][None, :]
+            inter[at] += (other * held[None, :]).sum(axis=1)
+        out.append((tiles, recv, inter))
+    return out, seconds
+
+
+def _cpdata(packs: list[np.ndarray], world: int, per_rank: int) -> tuple[list[tuple[np.ndarray, ...]], float]:
+    spec = layout_spec("world", node_size=NODE_SIZE)
+    capacity = world * per_rank
+    out, seconds = [], 0.0
+    for lens in packs:
+        t0 = time.thread_time()
+        table = layout_runs(spec, world, lens, capacity, checked=True)
+        seconds += time.thread_time() - t0
+        plan = world_exchange(table)
+        tiles = exchange_tiles(table.rows(), lens, capacity, TILE, plan)
+        intra, inter = node_recv(plan, NODE_SIZE)
+        out.append((tiles, intra + inter, inter))
+    return out, seconds
+
+
+def _row(name: str, world: int, per_rank: int, system: str, mbs: list[tuple[np.ndarray, ...]], seconds: float
+         ) -> dict:  # fmt: skip
+    tiles = sum(int(t.max()) for t, _, _ in mbs)
+    mean = sum(float(t.mean()) for t, _, _ in mbs)
+    predicted = sum(float(H100_DEFAULTS.seconds(t, r - i, i).max()) for t, r, i in mbs)
+    return {
+        "distribution": name, "world": f"{world}x{per_rank // 1024}K", "system": system,
+        "micro_batches": len(mbs), "tiles": tiles, "over_mean": tiles / mean if mean else 1.0,
+        "recv_keys": sum(int(r.max()) for _, r, _ in mbs), "inter_keys": sum(int(i.max()) for _, _, i in mbs),
+        "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
+    }  # fmt: skip
+
+
+def _packs(name: str, capacity: int, world: int, n: int) -> list[np.ndarray]:
+    from cpdata.packing import plan_lengths
+
+    probe = sample(name, 1000, 0)
+    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
+    result = plan_lengths(lengths, capacity=capacity, layout=layout_spec("world", node_size=NODE_SIZE),
+                          cp_size=world, overflow="split")  # fmt: skip
+    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
+    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
+
+
+def run(*, quick: bool) -> list[dict]:
+    names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
+    rows, skipped = [], None
+    for name in names:
+        for world, per_rank in WORLDS:
+            packs = _packs(name, world * per_rank, world, n)
+            mine = _row(name, world, per_rank, "cpdata world", *_cpdata(packs, world, per_rank))
+            theirs = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
+            if isinstance(theirs, str):
+                skipped = theirs
+                rows.append(mine)
+                continue
+            other = _row(name, world, per_rank, "megatron BalancedCPScheduler", *theirs)
+            for key in ("tiles", "recv", "inter"):
+                column = "tiles" if key == "tiles" else f"{key}_keys"
+                mine[f"{key}_vs_megatron"] = mine[column] / other[column] if other[column] else (
+                    1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
+            rows += [other, mine]
+    if skipped is not None:
+        print(f"world: megatron-core cannot be imported ({skipped}); its rows are skipped "
+              "(pip install megatron-core>=0.16.1)")  # fmt: skip
+    return rows

@@ -1,0 +1,110 @@
+"""The physics the ``world`` deal weighs: predicted per-rank seconds of attention compute and K/V traffic.
+
+A rank's predicted time for one micro-batch is the slowest of three things that overlap (the exchange runs
+while the kernel computes the rank's own keys; intra-node and inter-node links are separate)::
+
+    seconds = max(tiles * per_tile_seconds,
+                  intra_keys * bytes_per_key / intra_node_bytes_per_second,
+                  inter_keys * bytes_per_key / inter_node_bytes_per_second)
+
+``tiles``: the rank's live ``tile x tile`` tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` /
+``inter_keys``: keys it receives from ranks of its own node / of other nodes
+(:func:`cpdata.layout.world_keys.node_recv`).
+
+Defaults (:data:`H100_DEFAULTS`), from published H100 SXM figures, for one transformer layer of a model with
+32 query heads, 8 K/V heads, head dim 128, bf16, forward and backward:
+
+- ``per_tile_seconds`` = 1.94e-6: a 128 x 128 tile costs ``4 * 128 * 128 * 128 * 32`` = 268 MFLOP forward and
+  2.5 x that backward; FlashAttention-3 reaches ~600 TFLOP/s forward and ~450 backward on H100 (its paper);
+- ``bytes_per_key`` = 8192: K and V (``2 * 8 * 128 * 2`` bytes) sent forward, their gradients sent back;
+- ``intra_node_bytes_per_second`` = 370e9: NVLink 4 all-to-all as NCCL measures it (~370 GB/s of the 450
+  GB/s per direction);
+- ``inter_node_bytes_per_second`` = 50e9: one 400 Gb/s NIC per GPU.
+
+A GPU measures better numbers: a *calibration file* replaces any of them (:meth:`WorldCost.from_json`). Its
+format, one JSON object::
+
+    {"per_tile_seconds": 2.1e-06,            # required: seconds per live tile, forward + backward, one layer
+     "intra_node_bytes_per_second": 3.6e11,  # required
+     "inter_node_bytes_per_second": 4.6e10,  # required
+     "bytes_per_key": 8192,                  # required: bytes one key moves, forward + backward, one layer
+     "tile": 128,                            # optional: the tile per_tile_seconds was measured at (128)
+     "source": "make gpu-check on 8x H200"}  # optional: free text
+
+Unknown keys are refused (a misspelt key would silently keep a default). Only ratios matter to the deal:
+``per_tile_seconds * intra_node_bytes_per_second / bytes_per_key`` is how many keys from the node cost one tile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["H100_DEFAULTS", "WorldCost"]
+
+_REQUIRED = ("per_tile_seconds", "intra_node_bytes_per_second", "inter_node_bytes_per_second", "bytes_per_key")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldCost:
+    """Per-tile compute cost and link bandwidths (see the module docstring).
+
+    Attributes:
+        per_tile_seconds: seconds of one live ``tile x tile`` tile, forward and backward, one layer.
+        intra_node_bytes_per_second: effective all-to-all bandwidth per GPU between ranks of one node.
+        inter_node_bytes_per_second: the same between nodes.
+        bytes_per_key: bytes one key moves (K and V forward, their gradients backward), one layer.
+        tile: the tile ``per_tile_seconds`` belongs to.
+        source: where the figures come from.
+    """
+
+    per_tile_seconds: float = 1.94e-6
+    intra_node_bytes_per_second: float = 370e9
+    inter_node_bytes_per_second: float = 50e9
+    bytes_per_key: float = 8192.0
+    tile: int = 128
+    source: str = "published H100 SXM figures (cpdata.layout.world_cost)"
+
+    def __post_init__(self) -> None:
+        for name in _REQUIRED:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"WorldCost.{name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
+            raise ValueError(f"WorldCost.tile must be an int >= 1, got {self.tile!r}")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> WorldCost:
+        """The figures of a calibration file (format: the module docstring); ``ValueError`` naming a missing,
+        unknown or bad key."""
+        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"calibration file {path} must hold one JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        missing = [k for k in _REQUIRED if k not in data]
+        if unknown or missing:
+            raise ValueError(f"calibration file {path}: missing keys {missing}, unknown keys {unknown}; it holds "
+                             f"{list(_REQUIRED)} and optionally 'tile', 'source'")  # fmt: skip
+        return cls(**data)
+
+    def seconds(self, tiles: np.ndarray, intra_keys: np.ndarray, inter_keys: np.ndarray) -> np.ndarray:
+        """float64, the shape of the arguments: predicted seconds per rank (compute and the two links overlap)."""
+        compute = np.asarray(tiles, dtype=np.float64) * self.per_tile_seconds
+        intra = np.asarray(intra_keys, dtype=np.float64) * (self.bytes_per_key / self.intra_node_bytes_per_second)
+        inter = np.asarray(inter_keys, dtype=np.float64) * (self.bytes_per_key / self.inter_node_bytes_per_second)
+        return np.maximum(compute, np.maximum(intra, inter))
+
+    def keys_per_tile(self, inter_node: bool) -> float:
+        """Keys received over one link in the time of one tile (intra-node, or inter-node)."""
+        bw = self.inter_node_bytes_per_second if inter_node else self.intra_node_bytes_per_second
+        return self.per_tile_seconds * bw / self.bytes_per_key
+
+
+H100_DEFAULTS = WorldCost()
+"""The published-figure defaults."""

@@ -1,0 +1,241 @@
+"""The ``world`` deal: which rank of the whole DP x CP world owns which tokens of one world micro-batch.
+
+Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
+Documents are dealt whole where they can be; the per-document CP degree comes out of the deal:
+
+1. *Spread* (long documents, longest first): a document longer than ``L``, or costing more tiles alone than
+   a rank's share (``share`` = the pack's tiles over ``W``), spreads over ``c`` ranks: the fewest for which
+   the predicted time of its busiest rank, ``max(tiles / c * per_tile, keys from its node / NVLink, keys
+   from other nodes / inter-node link)`` (:class:`~cpdata.layout.world_cost.WorldCost`; it receives the
+   other ``c - 1`` ranks' chunks, ``node_size - 1`` of them from its node), stays within the share's compute
+   time (else the ``c`` that predicts least), at least ``ceil(s / L)``. Its ``c`` ranks are the least loaded of one node
+   that has room (``c <= node_size``), else of the fewest nodes; it is cut into ``2c`` chunks and rank ``i``
+   of them takes chunks ``i`` and ``2c - 1 - i`` (TE THD's split: equal tokens, near-equal tiles; the rank
+   with the last chunk receives ``(c - 1) / c`` of it, as a ring does).
+2. *Whole* (the rest, costliest first): each document goes whole to the least loaded rank with room for it
+   (it receives no keys). One with no rank to hold it is cut over the least loaded ranks with room, the first
+   piece's node first (a later piece receives the earlier ones' keys): a full pack has no room to spare, so
+   the last few documents fill the ranks' remainders.
+3. *Pad*: the pack's tail fills every rank up to ``L`` (a pad block costs one diagonal tile).
+
+Steps 1-2 run for each of :data:`SPREAD_FRACTIONS` (which documents count as long) and the deal whose busiest
+rank is predicted least is kept.
+
+Loads are the tiles a stream-grid kernel is expected to pay for a document in a rank's local order
+(:func:`grid_tiles`); the measured tiles (:func:`cpdata.layout.tiles.exchange_tiles`) differ by where the
+documents fall on the block grid.
+
+Cost: a Python loop over the documents (heap operations, no numpy call per whole document); at 128K tokens
+and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+
+__all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
+
+MIN_SPREAD = 0.25
+"""Documents shorter than this fraction of a rank's tokens are spread only when they cost more than a share."""
+
+SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
+"""The deal is tried spreading the documents that cost more than each of these fractions of a rank's share of
+tiles (step 1; below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens; distinct sets only)
+and the one whose busiest rank's load is least is kept: dense documents cut
+into pieces fit the ranks' rooms where whole ones would leave some ranks one document each (``cpdata bench
+--sections world``: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
+three 1.07; sft 1.26 -> 1.19)."""
+
+
+def alone_tiles(length: int, tile: int) -> int:
+    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
+    nb = -(-length // tile)
+    return nb * (nb + 1) // 2
+
+
+def grid_tiles(length: int, tile: int) -> float:
+    """Expected live tiles of a document of ``length`` tokens at a uniformly random offset in a stream of
+    documents cut into ``tile``-token blocks (a rank's local order under a stream-grid kernel):
+    ``x (x + 3) / 2`` for ``x = length / tile``. A query block costs from the first key block of the document
+    its first token lies in up to itself (:func:`cpdata.layout.tiles.block_tiles`), so a document pays for
+    the blocks whose first token it holds: ``k (k + 1) / 2`` when it starts on a block boundary, ``k (k + 3) /
+    2`` otherwise, for ``k = x`` whole blocks; a short document pays 2 with probability ``x``."""
+    x = length / tile
+    return x * (x + 3) / 2
+
+
+def _degree(s: int, t: float, local: int, share: float, cost: WorldCost, node_size: int, world: int) -> int:
+    """Step 1's ``c`` for a document of ``s`` tokens and ``t`` tiles alone."""
+    lo = max(2, -(-s // local))
+    budget = share * cost.per_tile_seconds
+    best, best_time = lo, math.inf
+    for c in range(lo, world + 1):
+        # the rank with the first and last chunks receives the other c - 1 ranks' share: from its own node's
+        # (up to node_size - 1 of them) over NVLink, the rest over the inter-node link
+        near = min(c, node_size) - 1
+        link = max(s * near / c / cost.keys_per_tile(inter_node=False),
+                   s * (c - 1 - near) / c / cost.keys_per_tile(inter_node=True))  # fmt: skip
+        predicted = max(t / c, link) * cost.per_tile_seconds
+        if predicted <= budget:
+            return c
+        if predicted < best_time:
+            best, best_time = c, predicted
+    return best
+
+
+def _pick(c: int, piece: int, room: list[int], load: list[float], node_size: int) -> list[int] | None:
+    """``c`` ranks with room for ``piece`` tokens: the least loaded of one node when one can host them, else of
+    the fewest nodes (nodes with most such ranks first); None when fewer than ``c`` ranks have room."""
+    fits = [r for r in range(len(room)) if room[r] >= piece]
+    if len(fits) < c:
+        return None
+    by_node: dict[int, list[int]] = {}
+    for r in fits:
+        by_node.setdefault(r // node_size, []).append(r)
+    if c <= node_size:
+        hosts = [rs for rs in by_node.values() if len(rs) >= c]
+        if hosts:
+            best = min(hosts, key=lambda rs: sum(sorted(load[r] for r in rs)[:c]))
+            return sorted(sorted(best, key=lambda r: load[r])[:c])
+    chosen: list[int] = []
+    for rs in sorted(by_node.values(), key=len, reverse=True):
+        chosen += sorted(rs, key=lambda r: load[r])[: c - len(chosen)]
+        if len(chosen) == c:
+            return sorted(chosen)
+    return None
+
+
+def _chunks(s: int, c: int) -> list[int]:
+    """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
+    q, r = divmod(s, 2 * c)
+    return [q + 1] * r + [q] * (2 * c - r)
+
+
+def _spread(s: int, t: float, fraction: float, share: float, local: int, tile: int) -> bool:
+    """Whether a document of ``s`` tokens and ``t`` tiles is spread (step 1) at ``fraction`` of the share: one
+    longer than a rank, or costing more than its share; below 1.0, one of at least :data:`MIN_SPREAD` of a
+    rank's tokens and 4 tiles costing more than ``fraction`` of the share (shorter ones always stay whole)."""
+    if s > local or t > share:
+        return True
+    return fraction < 1.0 and s >= max(MIN_SPREAD * local, 4 * tile) and t > fraction * share
+
+
+def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, fraction: float, local: int,
+          world: int, node_size: int, tile: int, cost: WorldCost
+          ) -> tuple[list[tuple[int, int, int]], list[float], list[int]]:  # fmt: skip
+    """Steps 1-2 with the documents :func:`_spread` picks at ``fraction`` spread: ``(runs, loads, rooms)``."""
+    room, load = [local] * world, [0.0] * world
+    runs: list[tuple[int, int, int]] = []  # (global start, length, rank)
+    spread = [d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile)]
+    spread.sort(key=lambda d: -lens[d])
+    leftover: list[int] = []
+    for d in spread:
+        s, t = lens[d], alone[d]
+        c = _degree(s, t, local, share, cost, node_size, world)
+        ranks = None
+        while c <= world:
+            ranks = _pick(c, -(-s // c), room, load, node_size)
+            if ranks is not None:
+                break
+            c += 1
+        if ranks is None:
+            leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
+            continue
+        chunk = _chunks(s, c)
+        at = offsets[d]
+        starts = [at + x for x in np.cumsum([0, *chunk[:-1]]).tolist()]
+        for i, r in enumerate(ranks):
+            for j in (i, 2 * c - 1 - i):
+                if chunk[j]:
+                    runs.append((starts[j], chunk[j], r))
+                    room[r] -= chunk[j]
+            load[r] += t / c
+    whole = [d for d, s in enumerate(lens) if s > 0 and not _spread(s, alone[d], fraction, share, local, tile)]
+    whole.sort(key=lambda d: (-alone[d], -lens[d]))
+    heap = [(load[r], r) for r in range(world)]
+    heapq.heapify(heap)
+    for d in whole:
+        s, aside, placed = lens[d], [], False
+        while heap:
+            item = heapq.heappop(heap)
+            r = item[1]
+            if room[r] >= s:
+                runs.append((offsets[d], s, r))
+                room[r] -= s
+                load[r] += alone[d]
+                heapq.heappush(heap, (load[r], r))
+                placed = True
+                break
+            aside.append(item)
+        for item in aside:
+            heapq.heappush(heap, item)
+        if not placed:
+            leftover.append(d)
+    for d in leftover:  # cut over the ranks with most room, one node first
+        _cut(offsets[d], lens[d], room, load, runs, node_size, tile)
+    return runs, load, room
+
+
+def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int, tile: int = 128,
+               cost: WorldCost = H100_DEFAULTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The deal of one pack: ``(starts, lengths, owners)`` int64 ``[R]``, runs of consecutive positions sorted
+    by global start, tiling ``[0, pack_len)``; every rank's runs hold ``pack_len / world`` positions.
+
+    ``slot_lens`` int64 ``[D]`` checked lengths summing to at most ``pack_len`` (the rest is the pad tail),
+    ``pack_len`` a multiple of ``world``, ``world`` a multiple of ``node_size`` (checked by the caller).
+    """
+    local = pack_len // world
+    lens = slot_lens.tolist()
+    offsets = [0] * len(lens)
+    acc = 0
+    for d, s in enumerate(lens):
+        offsets[d], acc = acc, acc + s
+    real_end = acc
+    alone = [grid_tiles(s, tile) for s in lens]
+    total = sum(alone) + (pack_len - real_end) // tile
+    share = total / world
+    best = None
+    seen: set[tuple[int, ...]] = set()
+    for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
+        key = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
+        if key in seen:
+            continue
+        seen.add(key)
+        runs, load, room = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
+        if best is None or max(load) < best[0]:
+            best = (max(load), runs, room)
+    assert best is not None
+    _, runs, room = best
+    at = real_end  # step 3: the pad tail fills every rank's room, in rank order
+    for r in range(world):
+        if room[r]:
+            runs.append((at, room[r], r))
+            at += room[r]
+            room[r] = 0
+    out = np.array(sorted(runs), dtype=np.int64).reshape(-1, 3)
+    return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()
+
+
+def _cut(start: int, s: int, room: list[int], load: list[float], runs: list[tuple[int, int, int]],
+         node_size: int, tile: int) -> None:  # fmt: skip
+    """Cut ``s`` tokens from ``start`` into pieces over the least loaded ranks with room, the first piece's node
+    first, each later piece on a rank that needs the earlier ones' keys."""
+    open_ranks = [r for r in range(len(room)) if room[r] > 0]
+    first = min(open_ranks, key=lambda r: (load[r], -room[r]))
+    order = sorted(open_ranks, key=lambda r: (r // node_size != first // node_size, load[r], -room[r]))
+    done = 0
+    for r in order:
+        if done == s:
+            break
+        take = min(room[r], s - done)
+        runs.append((start + done, take, r))
+        room[r] -= take
+        end = done + take
+        load[r] += grid_tiles(end, tile) - grid_tiles(done, tile)
+        done = end
+    assert done == s, "the pack holds more tokens than its ranks"

@@ -1,0 +1,32 @@
+"""The K/V a ``world`` deal moves: its exchange plan from the deal's runs, and each rank's keys split into
+intra-node and inter-node ones (what the links of :mod:`cpdata.layout.world_cost` carry)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_runs
+from cpdata.layout.world import WorldTable
+
+__all__ = ["node_recv", "world_exchange"]
+
+
+def world_exchange(table: WorldTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
+    """The K/V exchange plan of one pack's deal, from its runs (no pass over the tokens); ``real_lens`` int64
+    ``[D]`` (None: the slots are all real, the pack's tail is padding)."""
+    lens = table.slot_lens
+    starts = np.concatenate([[0], lens.cumsum()[:-1]]).astype(np.int64) if lens.shape[0] else np.zeros(1, np.int64)
+    real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)
+    ends = starts + real if lens.shape[0] else starts
+    return exchange_plan_of_runs(table.starts, table.owners, table.local_starts, cp_size=table.cp_size,
+                                 local_len=table.pack_len // table.cp_size, slot_starts=starts,
+                                 real_ends=ends)  # fmt: skip
+
+
+def node_recv(plan: ExchangePlan, node_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(intra, inter)`` int64 ``[cp]``: keys each rank receives from ranks of its own node, and of others
+    (rank ``r`` lies in node ``r // node_size``)."""
+    counts = plan.recv_counts()  # [dst, src]
+    node = np.arange(plan.cp_size) // node_size
+    same = node[:, None] == node[None, :]
+    return (counts * same).sum(axis=1), (counts * ~same).sum(axis=1)

@@ -1,0 +1,47 @@
+"""``cpdata bench --sections world``: Megatron-core's scheduler as the section counts it, and the section's rows.
+
+References: a sub-sample Megatron puts on one rank costs that document's tiles alone and receives nothing;
+one on ``c`` ranks holds TE THD's chunks (together the sub-sample, once) and each of its ranks receives the
+others' chunks, from other nodes only what other nodes hold. cpdata's rows come from the layout's own runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpdata.bench import world
+from cpdata.layout.world_deal import alone_tiles
+
+pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+
+
+def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
+    lengths = [3000, 2500, 700, 600, 500, 400, 300, 200, 100, 90]
+    got = world.megatron_micro_batches(lengths, 4, 1024, 2)
+    assert not isinstance(got, str)
+    groups, seconds = got
+    assert groups and seconds >= 0
+    tiles = sum(int(t.sum()) for t, _, _ in groups)
+    recv = sum(int(r.sum()) for _, r, _ in groups)
+    inter = sum(int(i.sum()) for _, _, i in groups)
+    # a 3000-token document needs ceil(log2(3000 / 1024)) -> 4 ranks: 4 THD chunk pairs; each rank receives
+    # the other three ranks' 750 tokens, of which 1500 from the other node (2 ranks per node)
+    big = world._thd_part(3000, 4)
+    assert sum(big[1]) == 3000 and sum(big[0]) > alone_tiles(3000, 128) // 4 * 4 - 4
+    assert recv >= 3 * 3000 and inter >= 4 * 1500  # the 2500-token one spreads too
+    assert tiles >= sum(alone_tiles(n, 128) for n in lengths[2:])  # the short ones alone on one rank each
+
+
+def test_the_quick_section_gives_both_systems_per_distribution_and_world(monkeypatch):
+    monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
+    rows = world.run(quick=True)
+    assert {r["system"] for r in rows} == {"cpdata world", "megatron BalancedCPScheduler"}
+    assert len(rows) == 4  # two distributions, one world, two systems
+    for r in rows:
+        assert all(k in r for k in world.COLUMNS), r
+        assert r["micro_batches"] >= 1 and r["tiles"] > 0 and r["over_mean"] >= 1.0
+        assert r["inter_keys"] <= r["recv_keys"] and np.isfinite(r["predicted_ms"])
+    for mine in (r for r in rows if r["system"] == "cpdata world"):
+        assert mine["micro_batches"] == world.QUICK_PACKS
+        assert mine["tiles_vs_megatron"] > 0 and "recv_vs_megatron" in mine

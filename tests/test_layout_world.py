@@ -1,0 +1,183 @@
+"""Layout ``world``: the whole world as one CP group. The deal's invariants (every token owned once, short
+documents whole, long ones on one node, refusal of a bad node size), its exchange plan against the brute force
+through the worker, the tile counter over exchanged keys against a dense brute force, the cost model's file,
+and the bench section's plumbing against Megatron-core's scheduler."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_kv_exchange_plan import check_against_brute
+
+from cpdata.layout.exchange import exchange_plan
+from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
+from cpdata.layout.tiles import exchange_tiles, first_keys
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.layout.world_deal import grid_tiles
+from cpdata.layout.world_keys import node_recv, world_exchange
+
+
+def _owners(rows: np.ndarray) -> np.ndarray:
+    owner = np.empty(rows.size, dtype=np.int64)
+    owner[rows.reshape(-1)] = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
+    return owner
+
+
+@settings(max_examples=120, deadline=None)
+@given(world=st.sampled_from([2, 4, 8, 16]), per_node=st.sampled_from([1, 2, 4, 8]), local=st.sampled_from([64, 256]),
+       lens=st.lists(st.integers(1, 1200), max_size=40), fill=st.floats(0.2, 1.0))  # fmt: skip
+def test_every_token_is_owned_once_and_short_documents_stay_whole(world, per_node, local, lens, fill):
+    node = min(per_node, world)
+    pack = world * local
+    kept, used = [], 0
+    for n in lens:  # documents up to `fill` of the pack
+        if used + n > fill * pack:
+            break
+        kept.append(n)
+        used += n
+    spec = layout_spec("world", node_size=node)
+    rows = rank_indices(spec, world, kept, pack)
+    assert rows.shape == (world, local)
+    assert np.array_equal(np.sort(rows.reshape(-1)), np.arange(pack))  # every position owned exactly once
+    assert (np.diff(rows, axis=1) > 0).all()  # each rank's row increasing (the worker gathers in order)
+    owner = _owners(rows)
+    starts = np.cumsum([0, *kept])
+    share = (sum(grid_tiles(n, 128) for n in kept) + (pack - used) // 128) / world
+    for d, n in enumerate(kept):
+        ranks = set(owner[starts[d] : starts[d + 1]].tolist())
+        if n < local // 4 and grid_tiles(n, 128) <= share and used <= pack // 2:  # room everywhere: whole
+            assert len(ranks) == 1, (d, n, ranks)
+        assert len(ranks) <= max(-(-n // 1), 1)
+
+
+def test_a_long_document_spreads_over_few_ranks_of_one_node_and_receives_like_a_ring():
+    world, node, local = 16, 8, 1024
+    lens = [2 * local + 100, *([512] * 26)]  # the 512s fit the rooms whole: one beside a chunk, two alone
+    table = layout_runs(layout_spec("world", node_size=node), world, lens, world * local)
+    owner = _owners(table.rows())
+    ranks = sorted(set(owner[: lens[0]].tolist()))
+    # as few ranks as balance needs: its tiles over a rank's share of the pack's (tail: a tile a block), one node
+    share = (grid_tiles(lens[0], 128) + 26 * grid_tiles(512, 128) + (world * local - sum(lens)) // 128) / world
+    assert len(ranks) == math.ceil(grid_tiles(lens[0], 128) / share) == 5 and len({r // node for r in ranks}) == 1
+    intra, inter = node_recv(world_exchange(table), node)
+    assert inter.sum() == 0 and intra.max() <= lens[0] * (len(ranks) - 1) / len(ranks) + 1  # as a ring of 5
+    short = [r for r in range(world) if r not in ranks]
+    assert (intra[short] == 0).all()  # whole documents receive nothing
+
+
+def test_a_document_too_long_for_a_node_takes_whole_nodes_first():
+    world, node, local = 16, 4, 512
+    lens = [6 * local]
+    table = layout_runs(layout_spec("world", node_size=node), world, lens, world * local)
+    ranks = sorted(set(_owners(table.rows())[: lens[0]].tolist()))
+    nodes = [r // node for r in ranks]
+    assert len(ranks) >= 6 and len(set(nodes)) == -(-len(ranks) // node), ranks  # as few nodes as it needs
+    intra, inter = node_recv(world_exchange(table), node)
+    assert inter.sum() > 0 and (intra + inter).sum() == world_exchange(table).recv_counts().sum()
+
+
+def test_a_world_not_a_multiple_of_the_node_size_is_refused():
+    with pytest.raises(ValueError, match=r"cp_size=16.*node_size=6"):
+        check_layout("world:6", 16)
+    with pytest.raises(ValueError, match="cp_size=12.*node_size=8"):
+        rank_indices(layout_spec("world", node_size=8), 12, [10], 12 * 8)
+    with pytest.raises(ValueError, match="node_size must be an int >= 1"):
+        layout_spec("world", node_size=0)
+    with pytest.raises(ValueError, match="applies to layout 'world'"):
+        layout_spec("tiled", node_size=8)
+    assert layout_spec("world", node_size=8) == "world:8" and node_size_of("world:8", 16) == 8
+    assert node_size_of("world", 16) == 16 and node_size_of("thd", 16) is None
+
+
+def test_the_plan_of_the_runs_equals_the_plan_of_the_rows():
+    rng = np.random.default_rng(5)
+    for world in (4, 8):
+        lens = rng.integers(1, 900, size=30)
+        pack = world * 1024
+        lens = lens[np.cumsum(lens) <= pack * 0.9]
+        table = layout_runs(layout_spec("world", node_size=2), world, lens, pack)
+        rows = table.rows()
+        starts = np.cumsum([0, *lens[:-1]])
+        by_rows = exchange_plan(rows, starts, real_ends=starts + lens)
+        by_runs = world_exchange(table)
+        assert np.array_equal(by_rows.recv_counts(), by_runs.recv_counts())
+        assert np.array_equal(table.inverse(), np.argsort(rows.reshape(-1)))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_worker_serves_world_batches_whose_plans_equal_the_brute_force(cp):
+    import torch
+
+    from cpdata.nodes.loader import shard_graph
+    from cpdata.nodes.shard import ShardForRank
+
+    layout = layout_spec("world", node_size=2)
+    g = torch.Generator().manual_seed(cp)
+    docs = [{"input_ids": torch.randint(1, 50, (int(n),), generator=g).tolist()}
+            for n in torch.randint(1, 150, (40,), generator=g)]  # fmt: skip
+    graph = shard_graph(docs, capacity=512, cp_size=cp, layout=layout, overflow="split", batch_size=1,
+                        qkv_format="thd")  # fmt: skip
+    moved = whole = 0
+    for shards in list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True,
+                                    kv_exchange=True))[:4]:  # fmt: skip
+        rows = np.stack([s.layout.local_token_global_indices.numpy() for s in shards])
+        cu = shards[0]["cu_seqlens_padded"].numpy()
+        ends = (cu[:-1] + np.diff(shards[0]["cu_seqlens"].numpy())).tolist()
+        moved += check_against_brute(rows, cu[:-1].tolist(), 1, ends)
+        owner = _owners(rows)
+        whole += sum(len(set(owner[a:b].tolist())) == 1 for a, b in zip(cu[:-1], ends, strict=True) if b > a)
+    assert whole > 10  # most documents on one rank
+
+
+def _dense_tiles(rows, lens, pack, tile, plan) -> list[int]:
+    first, out = first_keys(lens, pack), []
+    for r, q in enumerate(rows):
+        keys = np.concatenate([q, plan.rank(r).recv_positions()])
+        live = (first[q][:, None] <= keys[None, :]) & (keys[None, :] <= q[:, None])
+        nq, nk = -(-q.size // tile), -(-keys.size // tile)
+        grid = np.zeros((nq * tile, nk * tile), dtype=bool)
+        grid[: live.shape[0], : live.shape[1]] = live
+        out.append(int(grid.reshape(nq, tile, nk, tile).any(axis=(1, 3)).sum()))
+    return out
+
+
+def test_exchange_tiles_equal_a_dense_count_over_the_exchanged_keys():
+    rng = np.random.default_rng(0)
+    seen = 0
+    for layout in ("contiguous", "round_robin", "balanced", "tiled:64", "world:2"):
+        for cp in (2, 4):
+            pack = cp * 256
+            lens = rng.integers(1, pack // 3, size=8)
+            lens = lens[np.cumsum(lens) <= pack - int(rng.integers(0, 100))]
+            rows = rank_indices(layout, cp, lens, pack)
+            starts = np.cumsum([0, *lens[:-1]])
+            plan = exchange_plan(rows, starts, real_ends=starts + lens)
+            got = exchange_tiles(rows, lens, pack, 16, plan).tolist()
+            assert got == _dense_tiles(rows, lens, pack, 16, plan), (layout, cp)
+            seen += plan.recv_counts().sum() > 0
+    assert seen >= 6
+
+
+def test_the_cost_model_reads_a_calibration_file_and_takes_the_slowest_of_compute_and_links(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"per_tile_seconds": 1e-6, "intra_node_bytes_per_second": 4e11,
+                                "inter_node_bytes_per_second": 4e10, "bytes_per_key": 4096, "source": "test"}))
+    cost = WorldCost.from_json(path)
+    assert cost.per_tile_seconds == 1e-6 and cost.tile == 128 and cost.source == "test"
+    got = cost.seconds(np.array([1000, 10, 10]), np.array([0, 10**6, 0]), np.array([0, 0, 10**5]))
+    assert np.allclose(got, [1e-3, 10**6 * 4096 / 4e11, 10**5 * 4096 / 4e10])
+    path.write_text(json.dumps({"per_tile_seconds": 1e-6}))
+    with pytest.raises(ValueError, match="missing keys"):
+        WorldCost.from_json(path)
+    path.write_text(json.dumps({**{k: 1.0 for k in ("per_tile_seconds", "intra_node_bytes_per_second",
+                                                     "inter_node_bytes_per_second", "bytes_per_key")}, "tiles": 1}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        WorldCost.from_json(path)
+    with pytest.raises(ValueError, match="per_tile_seconds"):
+        WorldCost(per_tile_seconds=0.0)
+    assert H100_DEFAULTS.keys_per_tile(inter_node=False) > H100_DEFAULTS.keys_per_tile(inter_node=True)
