@@ -142,11 +142,11 @@ def test_mismatched_inputs_are_refused():
 
 @pytest.mark.parametrize("window", [None, 1, 5, 40])
 @pytest.mark.parametrize("block", [4, 16])
-def test_block_mask_from_bounds_equals_create_block_mask(window, block):
+def test_interval_block_mask_equals_create_block_mask(window, block):
     """The interval construction gives torch's own BlockMask tile for tile (partial and full), ragged tails too."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cpdata.adapters.masks import block_mask_from_bounds
+    from cpdata.device.attention_masks import QuerySlots, block_mask
 
     g = torch.Generator().manual_seed(block + (window or 0))
     row_len, local = 101, 37
@@ -157,7 +157,8 @@ def test_block_mask_from_bounds_equals_create_block_mask(window, block):
     else:  # any subset (round-robin / balanced ranks)
         pos = torch.sort(torch.randperm(row_len, generator=g)[:local]).values
     start = slot_start[torch.searchsorted(slot_start, pos, right=True) - 1][None]
-    mine = block_mask_from_bounds(start, pos, row_len, window=window, block_size=block)
+    slots = QuerySlots(pos=pos, start=start, end=torch.full_like(start, row_len), row_len=row_len)
+    mine = block_mask(*slots.intervals(window=window), row_len, block_size=block)
 
     def mask_mod(b, h, q, k):
         keep = (k >= start[b, q]) & (k <= pos[q])

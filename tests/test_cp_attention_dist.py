@@ -75,9 +75,13 @@ def _attention_matches_full(rank: int, cp: int) -> dict:
             gqa = heads_kv != 2
             ref, dq, dk, dv = _reference(q, k, v, w, docs, causal, document, gqa)
             lq, lk, lv = (t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v))
-            doc_local = torch.from_numpy(docs[rows[rank]]).expand(2, -1) if document else None
+            # two bshd rows: stream slots, the second row's after the first's
+            doc_local = torch.from_numpy(docs[rows[rank]]) + torch.tensor([[0], [int(docs[-1]) + 1]])
+            cu = torch.from_numpy(np.append(np.flatnonzero(np.diff(docs, prepend=-1)), s))
+            cu = torch.cat((cu, cu[1:] + s)) if document else None
             this = lay if not lazy else ShardLayout(local_token_global_indices=idx.to(torch.int32).view(1, -1))
-            with ContextParallelAttention(this, group, document_ids=doc_local):
+            with ContextParallelAttention(this, group, document_ids=doc_local if document else None,
+                                          cu_seqlens_padded=cu):  # fmt: skip
                 out = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa)
                 with counting_collectives() as calls:  # masks and the inverse are cached: one gather a call
                     again = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa)
@@ -188,7 +192,8 @@ def _sharder_ctx(rank: int, cp: int) -> list[str]:
     layout = ShardLayout(local_token_global_indices=torch.from_numpy(rows[rank]), padded_seq_len=pack_len,
                          gather_index=torch.from_numpy(inverse_indices(rows)), cp_size=cp, cp_rank=rank)
     idx = layout.local_token_global_indices
-    batch = _Presharded({"input_ids": ids[:, idx], "document_ids": docs[None, idx]}, layout)
+    cu = torch.from_numpy(np.append(0, np.cumsum(lens)))
+    batch = _Presharded({"input_ids": ids[:, idx], "document_ids": docs[None, idx], "cu_seqlens_padded": cu}, layout)
     ctx, out = ContextParallelSharder(None, mesh, batch).shard(batch)
     with ctx(document_mask=True):
         local = _tiny_attention(out["input_ids"], True)

@@ -84,18 +84,20 @@ def _exchange_matches_full(rank: int, cp: int) -> dict:
             q, k, v = (torch.randn(2, 2, s, e, generator=g, dtype=torch.float64) for e in (5, 5, 3))
             w = torch.randn(2, 2, s, 3, generator=g, dtype=torch.float64)
             ref, dq, dk, dv = _reference(q, k, v, w, docs)
-            doc_local = torch.from_numpy(docs[rows[rank]]).expand(2, -1)
+            doc_local = torch.from_numpy(docs[rows[rank]]) + torch.tensor([[0], [len(starts)]])  # two bshd rows
+            cu = torch.from_numpy(np.append(starts, s).astype(np.int32))
+            cu_rows = torch.cat((cu, cu[1:] + s))
             row_elems = 2 * 2 * (5 + 3)  # B * H * (Ek + Ev) per key
             for path in ("ctx", "mask"):
                 lq, lk, lv = (t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v))
                 with counting_collectives() as calls:
                     if path == "ctx":
-                        with ContextParallelAttention(lay, None, document_ids=doc_local) as attn:
+                        with ContextParallelAttention(lay, None, document_ids=doc_local,
+                                                      cu_seqlens_padded=cu_rows) as attn:  # fmt: skip
                             attn.attention(lq, lk, lv, is_causal=True)  # the first call exchanges the doc ids too
                             calls.clear()
                             o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
                     else:
-                        cu = torch.from_numpy(np.append(starts, s).astype(np.int32))
                         mask = document_causal_mask(lay, doc_local[0], cu)  # one stream: [1, 1, L, K]
                         assert mask.shape == (1, 1, local, local + plan.n_recv)
                         kv = exchange_tokens(torch.cat((lk, lv), dim=-1), lay, None, seq_dim=2)
@@ -194,7 +196,7 @@ def _check_batch_attention(batch, shards, rows: np.ndarray, rank: int, qkv: str)
     (ref * w).sum().backward()
     idx = torch.from_numpy(rows[rank])
     lq, lk, lv = (t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v))
-    factory = AttentionContextFactory(batch.layout, None, batch["document_ids"])  # what sharder.shard returns
+    factory = AttentionContextFactory.of_batch(batch.layout, None, batch)  # what sharder.shard returns
     with counting_collectives() as calls, factory(document_mask=True):
         o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
     assert {n for n, _ in calls} == {"all_to_all_single"}, calls  # K/V and (once) the document ids

@@ -12,7 +12,9 @@ mesh and moved), ``raw_shard`` (raw ``[B, S]`` batches sharded on the device),
 strategy), ``resolve`` (choosing a strategy once, NeMo's order),
 ``token_coords`` (token tensors between caller and layout coordinates),
 ``kv_exchange`` (the one all-to-all that moves only the K/V a layout's
-exchange plan names), ``cp_attention`` (the SDPA override that gathers or
+exchange plan names, and ``move_keys_values``, the one K/V mover of every CP
+attention), ``attention_masks`` (the one mask predicate: each query's key
+interval), ``cp_attention`` (the SDPA override that gathers or
 exchanges K/V), ``consistency`` (ranks
 agreeing on the plan and on the end of an epoch), ``sharder``
 (``ContextParallelSharder``, the entry point). The gather itself is

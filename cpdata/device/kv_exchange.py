@@ -24,6 +24,8 @@ delivers (``(cp-1)/cp * S`` keys; see README / the bench for measured values):
 ~0.1-0.3 for short documents, up to 1.0 when one document spans the pack.
 
 Layouts without a plan keep the single all-gather (:func:`cpdata.gather.gather_token_tensor`).
+:func:`move_keys_values` is the one place every CP attention moves K and V (the sharder's ctx, the
+``"cpdata"`` HF attention): one tensor ``cat(key, value)``, exchanged or gathered.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from cpdata.gather import gather_token_tensor
+
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange"]
+__all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange",
+           "move_keys_values"]
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple[int, str], tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
@@ -177,3 +182,32 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
             f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
         )
     return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
+
+
+def move_keys_values(
+    key: torch.Tensor, value: torch.Tensor, layout: ShardLayout, group: Any, *, exchange: bool, seq_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``key``/``value`` (``L`` tokens on ``seq_dim``) -> the keys its queries attend over.
+
+    One collective for ``cat(key, value)`` on the last dim: with ``exchange`` the plan's all-to-all
+    (:func:`exchange_tokens`: own keys, then the received ones), else the all-gather to global order
+    (:func:`cpdata.gather.gather_token_tensor`; backward a reduce-scatter). Either way each rank's K/V
+    gradient sums every rank's loss.
+
+    Key and value of different dtypes under autocast (Trainer's ``bf16=True``: RoPE leaves the key in
+    float32): travel together in the wider dtype; the kernel casts both to the autocast dtype as it would
+    have. Outside autocast refused, as the kernels refuse them.
+    """
+    if key.dtype != value.dtype and torch.is_autocast_enabled(key.device.type):
+        common = torch.promote_types(key.dtype, value.dtype)
+        key, value = key.to(common), value.to(common)
+    if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
+        raise ValueError(
+            f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
+            "every dim but the last and on dtype (they travel as one tensor)"
+        )
+    kv = torch.cat((key, value), dim=-1)
+    move = exchange_tokens if exchange else gather_token_tensor
+    kv = move(kv, layout, group, seq_dim)
+    key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
+    return key_g, value_g

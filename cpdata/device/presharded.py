@@ -25,7 +25,6 @@ import torch
 from cpdata.device.cp_attention import AttentionContextFactory
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.keys import DOCUMENT_IDS
 
 __all__ = ["PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded"]
 
@@ -58,8 +57,7 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     """
     if layout.cp_size <= 1:
         return contextlib.nullcontext
-    doc = tensors.get(DOCUMENT_IDS)
-    return AttentionContextFactory(layout, mesh_group(cp_mesh), doc if isinstance(doc, torch.Tensor) else None)
+    return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), tensors)
 
 
 def _to(value: Any, device: torch.device | None) -> Any:
@@ -131,4 +129,4 @@ class PreshardedMove:
             return contextlib.nullcontext, out, layout
         if self._group is self:
             self._group = mesh_group(self._cp_mesh)
-        return AttentionContextFactory(layout, self._group, out.get(DOCUMENT_IDS)), out, layout
+        return AttentionContextFactory.of_batch(layout, self._group, out), out, layout
