@@ -194,13 +194,16 @@ def move_keys_values(
     (:func:`cpdata.gather.gather_token_tensor`; backward a reduce-scatter). Either way each rank's K/V
     gradient sums every rank's loss.
 
-    Key and value of different dtypes under autocast (Trainer's ``bf16=True``: RoPE leaves the key in
-    float32): travel together in the wider dtype; the kernel casts both to the autocast dtype as it would
-    have. Outside autocast refused, as the kernels refuse them.
+    Dtypes, as the kernel would: under autocast (Trainer's ``bf16=True``: HF's RoPE returns a float32 key
+    while the value is bfloat16) SDPA and flex compute in the autocast dtype, so K and V are cast to it
+    (each floating tensor but float64, autocast's rule) before the one collective: no traffic in a wider
+    dtype than the kernel uses, and nothing else in the model changes precision. Outside autocast,
+    different dtypes are refused, as the kernels refuse them.
     """
-    if key.dtype != value.dtype and torch.is_autocast_enabled(key.device.type):
-        common = torch.promote_types(key.dtype, value.dtype)
-        key, value = key.to(common), value.to(common)
+    device_type = key.device.type
+    if torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        key, value = (t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (key, value))
     if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
         raise ValueError(
             f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
