@@ -24,19 +24,22 @@ def _shards(layout: str, cp: int, qkv_format: str = "bshd", batch_size: int = 1,
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True))
 
 
-def _brute(shards, rank: int) -> torch.Tensor:
-    """``[B, 1, L, S]`` from the global document ids (assembled from every rank) and global positions."""
+def _brute(shards, rank: int, pad_free: bool = False) -> torch.Tensor:
+    """``[B, 1, L, S]`` from the global document ids (assembled from every rank) and global positions;
+    ``pad_free``: a pad query keeps its own key only (the mask given ``cu_seqlens``)."""
     rows = shards[0]["document_ids"].reshape(-1, shards[0]["document_ids"].shape[-1]).shape[0]
     stream = shards[0].layout.padded_seq_len
     doc = torch.empty(rows, stream, dtype=torch.int64)
+    pad = torch.empty(rows, stream, dtype=torch.bool)
     for s in shards:
         doc[:, s.layout.local_token_global_indices] = s["document_ids"].reshape(rows, -1)
+        pad[:, s.layout.local_token_global_indices] = s["padding_mask"].reshape(rows, -1).bool()
     pos = shards[rank].layout.local_token_global_indices.tolist()
     mask = torch.zeros(rows, 1, len(pos), stream, dtype=torch.bool)
     for b in range(rows):
         for i, q in enumerate(pos):
             for k in range(q + 1):
-                mask[b, 0, i, k] = bool(doc[b, k] == doc[b, q])
+                mask[b, 0, i, k] = bool(doc[b, k] == doc[b, q]) and not (pad_free and pad[b, q] and k != q)
     return mask
 
 
@@ -47,14 +50,18 @@ CASES += [("thd", 2, "thd", 2), ("balanced", 2, "thd", 3), ("contiguous", 2, "bs
 
 @pytest.mark.parametrize("layout,cp,qkv_format,batch_size", CASES)
 def test_dense_mask_equals_brute_force(layout, cp, qkv_format, batch_size):
-    checked = 0
+    checked = pads = 0
     capacity = max(48, alignment(layout, cp)[1])  # tiled: whole 64-token blocks per rank
     for shards in _shards(layout, cp, qkv_format, batch_size, capacity)[:3]:
         for r, s in enumerate(shards):
             got = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
             assert torch.equal(got, _brute(shards, r)), (layout, cp, r)
+            pad_free = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"],
+                                            cu_seqlens=s["cu_seqlens"])  # fmt: skip
+            assert torch.equal(pad_free, _brute(shards, r, pad_free=True)), (layout, cp, r)
             checked += int(got.sum())
-    assert checked > 0
+            pads += int(s["padding_mask"].sum())
+    assert checked > 0 and pads > 0
 
 
 def test_whole_pack_without_a_layout_is_block_diagonal_causal():
@@ -79,9 +86,10 @@ FLEX_CASES = [("balanced", 2, "bshd", 1), ("thd", 2, "thd", 2), ("contiguous", 2
 def test_flex_block_mask_matches_the_dense_mask(layout, cp, qkv_format, batch_size):
     shards = _shards(layout, cp, qkv_format, batch_size)[0]
     s = shards[1]
-    dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
-    assert torch.equal(dense, _brute(shards, 1))
-    bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], block_size=16)
+    dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], cu_seqlens=s["cu_seqlens"])
+    assert torch.equal(dense, _brute(shards, 1, pad_free=True))
+    bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], block_size=16,
+                         cu_seqlens=s["cu_seqlens"])  # fmt: skip
     rows, _, local, keys = dense.shape
     assert rows == (batch_size if qkv_format == "bshd" else 1)
     if rows > 1:  # rows hold other documents: a mask that reused row 0's bounds would differ

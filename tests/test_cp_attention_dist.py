@@ -160,11 +160,11 @@ class _Presharded(dict):
         self.layout = layout
 
 
-def _tiny_attention(input_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """A one-layer 'model': fixed embeddings to Q/K/V ``[B, 2, S, 4]``, one SDPA call."""
+def _tiny_attention(input_ids: torch.Tensor, causal: bool, values: bool = False) -> torch.Tensor:
+    """A one-layer 'model': fixed embeddings to Q/K/V ``[B, 2, S, 4]``, one SDPA call (``values``: V itself)."""
     table = torch.randn(50, 3, 2, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     q, k, v = table[input_ids].permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return v if values else F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _sharder_ctx(rank: int, cp: int) -> list[str]:
@@ -210,7 +210,11 @@ def _sharder_ctx(rank: int, cp: int) -> list[str]:
     with ctx(document_mask=True):
         local = _tiny_attention(out["input_ids"][None], True)
     idx = sharder.shard_layout.local_token_global_indices
-    assert torch.allclose(local, per_doc.index_select(2, idx), atol=1e-12)
+    starts = np.append(0, np.cumsum(lens)[:-1])
+    is_real = torch.from_numpy(np.concatenate([np.arange(n) < r for n, r in zip(lens, real, strict=True)]))
+    v = _tiny_attention(ids, True, values=True)  # a pad query sees its own key only: its output is its value
+    want = torch.where(is_real[None, None, :, None], per_doc, v).index_select(2, idx)
+    assert torch.allclose(local, want, atol=1e-12) and starts.size == 3 and not is_real.all()
     done.append("thd")
     return done
 

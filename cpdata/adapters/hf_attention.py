@@ -162,12 +162,14 @@ def attention_state(
     layout: ShardLayout,
     document_ids: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     group: Any = None,
 ) -> HFAttentionState:
     """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``).
 
     ``document_ids``: this rank's slot id per token; rows are flattened into
-    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``).
+    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``). ``cu_seqlens``: the real
+    lengths, so pad queries see their own key only (None: pads attend their slot).
     """
     options = _REGISTERED.get(name)
     if options is None:
@@ -176,7 +178,7 @@ def attention_state(
             f"{name!r}) before building the model's kwargs (and model.set_attn_implementation({name!r}))"
         )
     cp = layout.cp_size > 1
-    slots = document_slots(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded)
+    slots = document_slots(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded, cu_seqlens)
     exchange = cp and has_exchange(layout)
     key_len = slots.pos.numel() + int(layout.kv_exchange.n_recv) if exchange else slots.row_len
     return HFAttentionState(layout=layout, group=group, slots=slots, key_len=key_len, options=options,

@@ -19,7 +19,9 @@ collective and no host sync. Two forms:
 Keys: a layout with a K/V exchange plan (``layout.kv_exchange``) is attended
 over its exchanged keys, ``K = L + n_recv`` of them (own then received, the
 order :func:`cpdata.device.kv_exchange.exchange_tokens` returns), unless
-``keys="global"`` asks for all ``S``.
+``keys="global"`` asks for all ``S``. With ``cu_seqlens`` (the batch's real
+lengths) a pad query sees its own key only: pad costs one diagonal tile per
+block and no softmax row is empty.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def document_causal_mask(
     *,
     window: int | None = None,
     keys: KeyOrder = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys (``[B, 1, L, K]``
     over the exchanged keys when the layout has a plan, see ``keys``).
@@ -73,9 +76,12 @@ def document_causal_mask(
             ``"global"``: a row's ``S`` positions in global order (``S = layout.padded_seq_len``, the
             length :func:`cpdata.gather.gather_token_tensor` returns); ``"exchange"``: the exchanged keys
             (refused without a plan).
+        cu_seqlens: int32 ``[K+1]``, the batch's real lengths: pad queries then see their own key only (one
+            diagonal tile per pad block; what cpdata's own attention does). None: pads attend their slot
+            like its last document token (same loss, more tiles).
     """
     check_window(window)
-    slots = document_slots(layout, document_ids, cu_seqlens_padded)
+    slots = document_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens)
     lo, hi = slots.intervals(window=window)
     if _exchanged(layout, keys):
         return dense_mask(lo, hi, exchanged_key_positions(layout, lo.device))
@@ -90,11 +96,12 @@ def flex_block_mask(
     window: int | None = None,
     block_size: int = 128,
     keys: KeyOrder = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> Any:
     """:func:`document_causal_mask` as a flex ``BlockMask`` (``Q_LEN = L``, ``KV_LEN = S`` or ``L + n_recv``,
     batch ``B``, heads broadcast) for ``flex_attention(q, k, v, block_mask=...)``; arguments as there."""
     check_window(window)
-    slots = document_slots(layout, document_ids, cu_seqlens_padded)
+    slots = document_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens)
     lo, hi = slots.intervals(window=window)
     key_pos = exchanged_key_positions(layout, lo.device) if _exchanged(layout, keys) else None
     return block_mask(lo, hi, slots.row_len, key_pos=key_pos, block_size=block_size)

@@ -323,7 +323,7 @@ class AttentionContextFactory:
     @classmethod
     def of_batch(cls, layout: ShardLayout, group: Any, tensors: Mapping[str, Any]) -> AttentionContextFactory:
         """The factory for a batch's tensors: its ``document_ids`` and slot offsets, where it has them."""
-        found = {name: tensors.get(name) for name in ("document_ids", "cu_seqlens_padded")}
+        found = {name: tensors.get(name) for name in ("document_ids", "cu_seqlens_padded", "cu_seqlens")}
         return cls(layout, group, **{k: v if isinstance(v, torch.Tensor) else None for k, v in found.items()})
 
     def __call__(

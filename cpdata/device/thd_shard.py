@@ -99,4 +99,5 @@ class ThdShard:
             cp_rank=rank,
         )
         docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)
-        return AttentionContextFactory(layout, mesh_group(cp_mesh), docs, cu_out), out, layout
+        factory = AttentionContextFactory(layout, mesh_group(cp_mesh), docs, cu_out, stream.batch["cu_seqlens"])
+        return factory, out, layout
