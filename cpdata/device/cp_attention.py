@@ -307,11 +307,15 @@ def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor
 class AttentionContextFactory:
     """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1.
 
-    ``ctx()`` → a :class:`ContextParallelAttention` without a document mask
-    (what SDPA computes on the packed row at cp = 1, and what torch's
-    ``context_parallel`` computes); ``ctx(document_mask=True)`` adds the
-    batch's document mask (refused when the batch has no ``document_ids``);
-    ``window=`` a sliding window over global positions.
+    ``ctx()`` → a :class:`ContextParallelAttention` with the batch's document
+    mask when the batch carries its documents (``document_ids`` and
+    ``cu_seqlens_padded``: a packed row's documents never see each other, and
+    pad queries only themselves), plain causal over the row otherwise (a raw
+    batch); ``window=`` a sliding window over global positions.
+    ``ctx(document_mask=False)`` opts out (SDPA's ``is_causal`` over the packed
+    row, what torch's ``context_parallel`` computes), allowed only where every
+    row holds one document: over several it would attend across them.
+    ``ctx(document_mask=True)`` is refused on a batch without its documents.
     """
 
     layout: ShardLayout
@@ -329,21 +333,28 @@ class AttentionContextFactory:
     def __call__(
         self,
         *,
-        document_mask: bool = False,
+        document_mask: bool | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
         window: int | None = None,
         require_calls: bool = True,
     ) -> ContextParallelAttention:
-        if document_mask and (self.document_ids is None or self.cu_seqlens_padded is None):
+        known = self.document_ids is not None and self.cu_seqlens_padded is not None
+        if document_mask and not known:
             raise ValueError(
                 "document_mask=True needs the batch's 'document_ids' (per-token document ids in local order) and "
-                "'cu_seqlens_padded'; "
-                "this batch has none — build it with cpdata's pipeline, or enter ctx() without document_mask"
+                "'cu_seqlens_padded'; this batch has none — build it with cpdata's pipeline, or enter ctx() "
+                "without document_mask"
+            )
+        if document_mask is False and known and self._most_documents_in_a_row() > 1:
+            raise ValueError(
+                f"ctx(document_mask=False) on a pack with {self._most_documents_in_a_row()} documents in one row: "
+                "causal attention over the packed row would attend across documents; enter ctx() (the document "
+                "mask is the default), or pack one document per row"
             )
         return ContextParallelAttention(
             self.layout,
             self.group,
-            document_ids=self.document_ids if document_mask else None,
+            document_ids=self.document_ids if document_mask is not False and known else None,
             cu_seqlens_padded=self.cu_seqlens_padded,
             cu_seqlens=self.cu_seqlens,
             local_attn_mask=local_attn_mask,
@@ -351,3 +362,11 @@ class AttentionContextFactory:
             window=window,
             require_calls=require_calls,
         )
+
+    def _most_documents_in_a_row(self) -> int:
+        """The most slots holding real tokens in one row of ``S`` global positions (one host read)."""
+        cu = self.cu_seqlens_padded.to("cpu", torch.int64).reshape(-1)
+        real = cu if self.cu_seqlens is None else self.cu_seqlens.to("cpu", torch.int64).reshape(-1)
+        row_len = self.layout.padded_seq_len or self.layout.local_token_global_indices.numel() * self.layout.cp_size
+        rows = cu[:-1][real.diff() > 0] // row_len
+        return int(rows.bincount().max()) if rows.numel() else 0

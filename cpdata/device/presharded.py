@@ -51,9 +51,8 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
 
     At cp > 1, ``ctx()`` makes SDPA on local Q/K/V attend over the whole
-    sequence (:class:`cpdata.device.cp_attention.ContextParallelAttention`);
-    ``ctx(document_mask=True)`` adds the document mask from the batch's
-    ``document_ids``.
+    sequence (:class:`cpdata.device.cp_attention.ContextParallelAttention`),
+    document-masked by default when the batch carries ``document_ids``.
     """
     if layout.cp_size <= 1:
         return contextlib.nullcontext
