@@ -55,6 +55,13 @@ def has_exchange(layout: ShardLayout) -> bool:
     return getattr(layout, "kv_exchange", None) is not None
 
 
+def _plan(layout: ShardLayout) -> Any:
+    if layout.kv_exchange is None:
+        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
+                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    return layout.kv_exchange
+
+
 def _expand(runs: Any, total: int, device: torch.device) -> torch.Tensor:
     """int64 ``[total]``: ``arange(start, start + length)`` of every ``(start, length)`` row of ``runs``, built
     on ``device`` from the small run table (``total`` is a host int: no sync)."""
@@ -72,10 +79,7 @@ def exchange_index(layout: ShardLayout, device: torch.device | str) -> tuple[tor
     ``send_index``: local indices of the keys sent, by destination rank; ``key_positions``: the global
     position of every key :func:`exchange_tokens` returns (own keys in local order, then received ones).
     """
-    plan = layout.kv_exchange
-    if plan is None:
-        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
-                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    plan = _plan(layout)
     device = torch.device(device)
     key = (id(layout), str(device))
     hit = _cache.get(key)
@@ -157,10 +161,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     Returns the own tokens (local order) then the received ones (:func:`exchanged_key_positions` gives
     every returned token's global position). One ``all_to_all_single`` forward, one backward.
     """
-    plan = layout.kv_exchange
-    if plan is None:
-        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
-                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    plan = _plan(layout)
     seq_dim = seq_dim % tensor.dim()
     local = tensor.shape[seq_dim]
     own = layout.local_token_global_indices
