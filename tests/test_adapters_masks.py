@@ -24,19 +24,22 @@ def _shards(layout: str, cp: int, qkv_format: str = "bshd", batch_size: int = 1,
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True))
 
 
-def _brute(shards, rank: int) -> torch.Tensor:
-    """``[B, 1, L, S]`` from the global document ids (assembled from every rank) and global positions."""
+def _brute(shards, rank: int, pad_free: bool = False) -> torch.Tensor:
+    """``[B, 1, L, S]`` from the global document ids (assembled from every rank) and global positions;
+    ``pad_free``: a pad query keeps its own key only (the mask given ``cu_seqlens``)."""
     rows = shards[0]["document_ids"].reshape(-1, shards[0]["document_ids"].shape[-1]).shape[0]
     stream = shards[0].layout.padded_seq_len
     doc = torch.empty(rows, stream, dtype=torch.int64)
+    pad = torch.empty(rows, stream, dtype=torch.bool)
     for s in shards:
         doc[:, s.layout.local_token_global_indices] = s["document_ids"].reshape(rows, -1)
+        pad[:, s.layout.local_token_global_indices] = s["padding_mask"].reshape(rows, -1).bool()
     pos = shards[rank].layout.local_token_global_indices.tolist()
     mask = torch.zeros(rows, 1, len(pos), stream, dtype=torch.bool)
     for b in range(rows):
         for i, q in enumerate(pos):
             for k in range(q + 1):
-                mask[b, 0, i, k] = bool(doc[b, k] == doc[b, q])
+                mask[b, 0, i, k] = bool(doc[b, k] == doc[b, q]) and not (pad_free and pad[b, q] and k != q)
     return mask
 
 
@@ -47,14 +50,18 @@ CASES += [("thd", 2, "thd", 2), ("balanced", 2, "thd", 3), ("contiguous", 2, "bs
 
 @pytest.mark.parametrize("layout,cp,qkv_format,batch_size", CASES)
 def test_dense_mask_equals_brute_force(layout, cp, qkv_format, batch_size):
-    checked = 0
+    checked = pads = 0
     capacity = max(48, alignment(layout, cp)[1])  # tiled: whole 64-token blocks per rank
     for shards in _shards(layout, cp, qkv_format, batch_size, capacity)[:3]:
         for r, s in enumerate(shards):
             got = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
             assert torch.equal(got, _brute(shards, r)), (layout, cp, r)
+            pad_free = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"],
+                                            cu_seqlens=s["cu_seqlens"])  # fmt: skip
+            assert torch.equal(pad_free, _brute(shards, r, pad_free=True)), (layout, cp, r)
             checked += int(got.sum())
-    assert checked > 0
+            pads += int(s["padding_mask"].sum())
+    assert checked > 0 and pads > 0
 
 
 def test_whole_pack_without_a_layout_is_block_diagonal_causal():
@@ -79,9 +86,10 @@ FLEX_CASES = [("balanced", 2, "bshd", 1), ("thd", 2, "thd", 2), ("contiguous", 2
 def test_flex_block_mask_matches_the_dense_mask(layout, cp, qkv_format, batch_size):
     shards = _shards(layout, cp, qkv_format, batch_size)[0]
     s = shards[1]
-    dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"])
-    assert torch.equal(dense, _brute(shards, 1))
-    bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], block_size=16)
+    dense = document_causal_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], cu_seqlens=s["cu_seqlens"])
+    assert torch.equal(dense, _brute(shards, 1, pad_free=True))
+    bm = flex_block_mask(s.layout, s["document_ids"], s["cu_seqlens_padded"], block_size=16,
+                         cu_seqlens=s["cu_seqlens"])  # fmt: skip
     rows, _, local, keys = dense.shape
     assert rows == (batch_size if qkv_format == "bshd" else 1)
     if rows > 1:  # rows hold other documents: a mask that reused row 0's bounds would differ
@@ -142,11 +150,11 @@ def test_mismatched_inputs_are_refused():
 
 @pytest.mark.parametrize("window", [None, 1, 5, 40])
 @pytest.mark.parametrize("block", [4, 16])
-def test_block_mask_from_bounds_equals_create_block_mask(window, block):
+def test_interval_block_mask_equals_create_block_mask(window, block):
     """The interval construction gives torch's own BlockMask tile for tile (partial and full), ragged tails too."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cpdata.adapters.masks import block_mask_from_bounds
+    from cpdata.device.attention_masks import QuerySlots, block_mask
 
     g = torch.Generator().manual_seed(block + (window or 0))
     row_len, local = 101, 37
@@ -157,7 +165,8 @@ def test_block_mask_from_bounds_equals_create_block_mask(window, block):
     else:  # any subset (round-robin / balanced ranks)
         pos = torch.sort(torch.randperm(row_len, generator=g)[:local]).values
     start = slot_start[torch.searchsorted(slot_start, pos, right=True) - 1][None]
-    mine = block_mask_from_bounds(start, pos, row_len, window=window, block_size=block)
+    slots = QuerySlots(pos=pos, start=start, end=torch.full_like(start, row_len), row_len=row_len)
+    mine = block_mask(*slots.intervals(window=window), row_len, block_size=block)
 
     def mask_mod(b, h, q, k):
         keep = (k >= start[b, q]) & (k <= pos[q])

@@ -106,7 +106,8 @@ def test_window_keeps_the_last_w_keys_over_global_positions(causal):
     docs = torch.tensor([0] * 7 + [1] * 5)[None]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    with ContextParallelAttention(layout, document_ids=docs, window=w) as ctx:
+    with ContextParallelAttention(layout, document_ids=docs, cu_seqlens_padded=torch.tensor([0, 7, 12]),
+                                  window=w) as ctx:  # fmt: skip
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     assert ctx.served == 1
     i = torch.arange(n)

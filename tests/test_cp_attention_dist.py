@@ -75,9 +75,13 @@ def _attention_matches_full(rank: int, cp: int) -> dict:
             gqa = heads_kv != 2
             ref, dq, dk, dv = _reference(q, k, v, w, docs, causal, document, gqa)
             lq, lk, lv = (t.index_select(2, idx).clone().requires_grad_() for t in (q, k, v))
-            doc_local = torch.from_numpy(docs[rows[rank]]).expand(2, -1) if document else None
+            # two bshd rows: stream slots, the second row's after the first's
+            doc_local = torch.from_numpy(docs[rows[rank]]) + torch.tensor([[0], [int(docs[-1]) + 1]])
+            cu = torch.from_numpy(np.append(np.flatnonzero(np.diff(docs, prepend=-1)), s))
+            cu = torch.cat((cu, cu[1:] + s)) if document else None
             this = lay if not lazy else ShardLayout(local_token_global_indices=idx.to(torch.int32).view(1, -1))
-            with ContextParallelAttention(this, group, document_ids=doc_local):
+            with ContextParallelAttention(this, group, document_ids=doc_local if document else None,
+                                          cu_seqlens_padded=cu):  # fmt: skip
                 out = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa)
                 with counting_collectives() as calls:  # masks and the inverse are cached: one gather a call
                     again = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, enable_gqa=gqa)
@@ -156,11 +160,11 @@ class _Presharded(dict):
         self.layout = layout
 
 
-def _tiny_attention(input_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """A one-layer 'model': fixed embeddings to Q/K/V ``[B, 2, S, 4]``, one SDPA call."""
+def _tiny_attention(input_ids: torch.Tensor, causal: bool, values: bool = False) -> torch.Tensor:
+    """A one-layer 'model': fixed embeddings to Q/K/V ``[B, 2, S, 4]``, one SDPA call (``values``: V itself)."""
     table = torch.randn(50, 3, 2, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     q, k, v = table[input_ids].permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, S, D]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return v if values else F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _sharder_ctx(rank: int, cp: int) -> list[str]:
@@ -188,7 +192,8 @@ def _sharder_ctx(rank: int, cp: int) -> list[str]:
     layout = ShardLayout(local_token_global_indices=torch.from_numpy(rows[rank]), padded_seq_len=pack_len,
                          gather_index=torch.from_numpy(inverse_indices(rows)), cp_size=cp, cp_rank=rank)
     idx = layout.local_token_global_indices
-    batch = _Presharded({"input_ids": ids[:, idx], "document_ids": docs[None, idx]}, layout)
+    cu = torch.from_numpy(np.append(0, np.cumsum(lens)))
+    batch = _Presharded({"input_ids": ids[:, idx], "document_ids": docs[None, idx], "cu_seqlens_padded": cu}, layout)
     ctx, out = ContextParallelSharder(None, mesh, batch).shard(batch)
     with ctx(document_mask=True):
         local = _tiny_attention(out["input_ids"], True)
@@ -205,7 +210,11 @@ def _sharder_ctx(rank: int, cp: int) -> list[str]:
     with ctx(document_mask=True):
         local = _tiny_attention(out["input_ids"][None], True)
     idx = sharder.shard_layout.local_token_global_indices
-    assert torch.allclose(local, per_doc.index_select(2, idx), atol=1e-12)
+    starts = np.append(0, np.cumsum(lens)[:-1])
+    is_real = torch.from_numpy(np.concatenate([np.arange(n) < r for n, r in zip(lens, real, strict=True)]))
+    v = _tiny_attention(ids, True, values=True)  # a pad query sees its own key only: its output is its value
+    want = torch.where(is_real[None, None, :, None], per_doc, v).index_select(2, idx)
+    assert torch.allclose(local, want, atol=1e-12) and starts.size == 3 and not is_real.all()
     done.append("thd")
     return done
 

@@ -153,9 +153,9 @@ def test_kernels_equal_hf_eager_for_softcap_and_sinks(variant):
         kw = {"sinks": module.sinks}
     ref = ref.transpose(1, 2)
     torch.testing.assert_close(dense_attention(q, k, v, keep, scale=0.3, **kw), ref, rtol=1e-6, atol=1e-7)
-    from cpdata.adapters.masks import block_mask_from_bounds
+    from cpdata.device.attention_masks import block_mask
 
-    bm = block_mask_from_bounds(torch.zeros(1, 10, dtype=torch.int64), torch.arange(10), 10)
+    bm = block_mask(torch.zeros(1, 10, dtype=torch.int64), torch.arange(10)[None], 10)
     with torch.no_grad():
         torch.testing.assert_close(flex_attention_call(q, k, v, bm, scale=0.3, **kw), ref, rtol=1e-6, atol=1e-7)
     plain = dense_attention(q, k, v, keep, scale=0.3)

@@ -80,7 +80,8 @@ def _ctx_checks(rank: int, world: int, group) -> tuple:
     batch = batches[rank]
     model = build("mistral", "cpdata")
     alone = model(**hf_model_kwargs(batch, "cpdata", group=group)).loss
-    with ContextParallelAttention(batch.layout, group, document_ids=batch["document_ids"]) as ctx:
+    with ContextParallelAttention(batch.layout, group, document_ids=batch["document_ids"],
+                                  cu_seqlens_padded=batch["cu_seqlens_padded"]) as ctx:  # fmt: skip
         inside = model(**hf_model_kwargs(batch, "cpdata", group=group)).loss
     assert torch.equal(alone, inside) and ctx.served == model.config.num_hidden_layers
     sdpa = build("mistral", "sdpa")
@@ -112,7 +113,7 @@ def _ctx_window(batch, full, group) -> float:
     keep = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).index_select(2, pos)
     with ContextParallelAttention(batch.layout, group, document_ids=batch["document_ids"].reshape(1, -1),
-                                  window=3) as ctx:  # fmt: skip
+                                  cu_seqlens_padded=batch["cu_seqlens_padded"], window=3) as ctx:  # fmt: skip
         out = F.scaled_dot_product_attention(*(t.index_select(2, pos) for t in (q, k, v)), is_causal=True)
     assert ctx.served == 1
     return (out - ref).abs().max().item()

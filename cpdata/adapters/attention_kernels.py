@@ -23,7 +23,8 @@ Memory per call, ``L`` local queries, ``S = cp * L`` keys:
                             ``sigmoid(lse - sink)`` (the log-sum-exp is differentiable in torch >= 2.5).
 ==========================  ===========================================================================
 
-The dense kernel is exact on CPU and CUDA and is the CPU default. flex runs
+:func:`attend` chooses the kernel by name, the one place a new kernel plugs in (with the mask form
+it takes, ``HFAttentionState.mask``). The dense kernel is exact on CPU and CUDA and is the CPU default. flex runs
 compiled on CUDA only; on CPU torch runs flex's eager reference forward (no
 backward), which the tests use to check this module's flex wiring.
 """
@@ -36,7 +37,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_attention", "flex_attention_call"]
+from cpdata.adapters.hf_layers import LayerVariant
+
+__all__ = ["KERNELS", "attend", "dense_attention", "flex_attention_call"]
+
+KERNELS = ("dense", "flex")
+"""The kernels :func:`attend` runs, by name (each takes the mask of the same name)."""
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's kernel, never a patched F attribute
 
@@ -119,3 +125,18 @@ def flex_attention_call(
     dtype = torch.promote_types(aux.lse.dtype, torch.float32)
     keep = torch.sigmoid(aux.lse.to(dtype) - sinks.to(dtype).reshape(1, -1, 1))
     return out * keep.unsqueeze(-1).to(out.dtype)
+
+
+def attend(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, variant: LayerVariant) -> Any:
+    """``out [B, H, L, Ev]`` of the kernel named ``kernel`` (one of :data:`KERNELS`) with its ``mask``."""
+    if kernel == "dense":
+        return dense_attention(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks,
+                               dropout=variant.dropout)  # fmt: skip
+    if kernel == "flex":
+        if variant.dropout > 0:
+            raise ValueError(
+                f"attention dropout {variant.dropout} on the flex kernel: flex_attention has no dropout; set "
+                "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
+            )
+        return flex_attention_call(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)
+    raise ValueError(f"kernel={kernel!r}: use one of {list(KERNELS)}")

@@ -192,7 +192,7 @@ def hf_model_kwargs(
         kwargs["num_items_in_batch"] = num_items_in_batch
     if ours:
         kwargs[STATE_KEY] = attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS],
-                                            tensors["cu_seqlens_padded"], group)  # fmt: skip
+                                            tensors["cu_seqlens_padded"], tensors.get("cu_seqlens"), group)  # fmt: skip
         return kwargs
     if flash:
         cu = tensors["cu_seqlens_padded"]
@@ -205,7 +205,7 @@ def hf_model_kwargs(
     windows = config_windows(config)
     by_window: dict[int | None, Any] = {}
     for window in (set(windows.values()) if windows is not None else {uniform_window(config)}):
-        by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors["cu_seqlens_padded"], window)
+        by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors, window)
     if windows is None or len(by_window) == 1:
         kwargs["attention_mask"] = next(iter(by_window.values()))
     else:  # transformers models with layer_types pick each layer's mask from a mapping keyed by layer type
@@ -226,11 +226,14 @@ def _check_model_supports(model: Any, impl: str) -> None:
         )
 
 
-def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, cu: torch.Tensor, window: int | None) -> Any:
+def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, tensors: Mapping[str, torch.Tensor],
+          window: int | None) -> Any:  # fmt: skip
+    """The document-causal mask ``impl`` takes; pad queries see their own key only."""
+    cu, real = tensors["cu_seqlens_padded"], tensors.get("cu_seqlens")
     if impl == "flex_attention":
-        return flex_block_mask(layout, doc_ids, cu, window=window)
+        return flex_block_mask(layout, doc_ids, cu, window=window, cu_seqlens=real)
     # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
-    mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global")
+    mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global", cu_seqlens=real)
     if impl == "eager":
         mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
             ~mask, torch.finfo(torch.float32).min

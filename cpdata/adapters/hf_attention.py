@@ -21,18 +21,21 @@ forwards them to every layer. Per call:
 2. on the first call for a batch at cp > 1, verify that the CP group holds one
    shard plan (:func:`cpdata.device.consistency.verify_layout_consistency`, one
    16-byte all-reduce; ``register_hf_attention(verify_layout=False)`` skips it);
-3. bring the keys this rank's queries need (:func:`_keys_values`, one
-   collective per layer for ``cat(k, v)``; nothing at cp 1): with a K/V
+3. bring the keys this rank's queries need
+   (:func:`cpdata.device.kv_exchange.move_keys_values`, one collective per
+   layer for ``cat(k, v)``; nothing at cp 1): with a K/V
    exchange plan (``layout.kv_exchange``, batches built with
    ``kv_exchange=True``) one all-to-all of only the keys the rank's documents
    reach (backward the reverse, :mod:`cpdata.device.kv_exchange`), else one
    all-gather of every rank's K/V to global order (backward a reduce-scatter);
-4. mask ``slot_start(q) <= key_pos(k) <= pos(q)`` and ``pos(q) - key_pos(k) <
-   window`` at each key's global position, built once per batch, window and
-   device and shared by the layers (a layer's window keeps a subset of the
-   document prefix, so the exchanged keys serve every window);
-5. run flex attention with a ``BlockMask`` on CUDA, or SDPA with the dense
-   mask elsewhere (:mod:`cpdata.adapters.attention_kernels`: the memory of each).
+4. mask each query's key interval (:mod:`cpdata.device.attention_masks`:
+   ``slot_start(q) <= key_pos(k) <= pos(q)`` and ``pos(q) - key_pos(k) <
+   window``, the sharder's ctx's predicate) at each key's global position,
+   built once per batch, kernel, window and device and shared by the layers
+   (a layer's window keeps a subset of the document prefix, so the exchanged
+   keys serve every window);
+5. run the kernel the options name (:func:`cpdata.adapters.attention_kernels.attend`:
+   flex with a ``BlockMask`` on CUDA, SDPA with the dense mask elsewhere).
 
 transformers builds no mask of its own for this name (it is not in
 ``AttentionMaskInterface``: ``_preprocess_mask_arguments`` returns None), so no
@@ -50,25 +53,19 @@ from typing import Any, Literal
 
 import torch
 
-from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
+from cpdata.adapters.attention_kernels import KERNELS, attend
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.adapters.masks import (
-    block_mask_from_bounds,
-    block_mask_over_keys,
-    dense_mask_from_bounds,
-    query_bounds,
-)
+from cpdata.device.attention_masks import QuerySlots, block_mask, dense_mask, document_slots
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
-from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
-from cpdata.gather import ensure_gather_index, gather_token_tensor
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
+from cpdata.gather import ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
 
 STATE_KEY = "cpdata_attention_state"
 Kernel = Literal["auto", "dense", "flex"]
-_KERNELS = ("auto", "dense", "flex")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +95,8 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
 
     Idempotent; registering again replaces the options. Imports transformers.
     """
-    if kernel not in _KERNELS:
-        raise ValueError(f"kernel={kernel!r}: use one of {list(_KERNELS)}")
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")
     from transformers import AttentionInterface
 
     def cpdata_attention(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
@@ -118,8 +115,7 @@ class HFAttentionState:
         layout: the batch's :class:`ShardLayout` (without ``gather_index`` at cp > 1, the
             first call builds it: one index all-gather).
         group: the CP process group (None = the default group).
-        start: int64 ``[1, L]``, each local query's document slot start (global position).
-        pos: int64 ``[L]``, each local query's global position.
+        slots: each local query's global position and document slot (one row ``[1, L]``).
         key_len: the keys each layer attends over: ``S = cp * L`` after the all-gather, ``L + n_recv``
             with an exchange plan.
         options: the registered name's options.
@@ -128,8 +124,7 @@ class HFAttentionState:
 
     layout: ShardLayout
     group: Any
-    start: torch.Tensor
-    pos: torch.Tensor
+    slots: QuerySlots
     key_len: int
     options: _Options
     exchange: bool = False
@@ -139,7 +134,7 @@ class HFAttentionState:
 
     @property
     def local_len(self) -> int:
-        return self.pos.numel()
+        return self.slots.pos.numel()
 
     def kernel_on(self, device: torch.device) -> str:
         if self.options.kernel == "auto":
@@ -147,21 +142,18 @@ class HFAttentionState:
         return self.options.kernel
 
     def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
-        """Dense bool ``[1, 1, L, key_len]`` (``kind="dense"``) or a ``BlockMask`` (``"flex"``); cached per batch."""
+        """The mask ``kind``'s kernel takes (``"dense"``: bool ``[1, 1, L, key_len]``; ``"flex"``: a
+        ``BlockMask``) over the keys :func:`move_keys_values` returns; cached per batch, kind, window, device."""
         key = (kind, window, str(device))
         if key not in self._masks:
-            start, pos = self.start.to(device), self.pos.to(device)
-            if kind == "flex" and not self.exchange:  # one interval of the global order per query
-                self._masks[key] = block_mask_from_bounds(start, pos, self.key_len, window=window)
-            else:  # each key's global position: exchanged keys (own, then received) or the global order
-                if self.exchange:
-                    k = exchanged_key_positions(self.layout, device)
-                else:
-                    k = torch.arange(self.key_len, device=device)
-                if kind == "flex":
-                    self._masks[key] = block_mask_over_keys(start, pos, k, window=window)
-                else:
-                    self._masks[key] = dense_mask_from_bounds(start, pos, k, window=window)
+            lo, hi = self.slots.intervals(window=window)
+            lo, hi = lo.to(device), hi.to(device)
+            key_pos = exchanged_key_positions(self.layout, device) if self.exchange else None
+            if kind == "flex":
+                self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=key_pos)
+            else:
+                keys = key_pos if key_pos is not None else torch.arange(self.key_len, device=device)
+                self._masks[key] = dense_mask(lo, hi, keys)
         return self._masks[key]
 
 
@@ -170,12 +162,14 @@ def attention_state(
     layout: ShardLayout,
     document_ids: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     group: Any = None,
 ) -> HFAttentionState:
     """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``).
 
     ``document_ids``: this rank's slot id per token; rows are flattened into
-    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``).
+    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``). ``cu_seqlens``: the real
+    lengths, so pad queries see their own key only (None: pads attend their slot).
     """
     options = _REGISTERED.get(name)
     if options is None:
@@ -184,36 +178,11 @@ def attention_state(
             f"{name!r}) before building the model's kwargs (and model.set_attn_implementation({name!r}))"
         )
     cp = layout.cp_size > 1
-    start, pos, key_len = query_bounds(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded)
+    slots = document_slots(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded, cu_seqlens)
     exchange = cp and has_exchange(layout)
-    if exchange:
-        key_len = pos.numel() + int(layout.kv_exchange.n_recv)
-    return HFAttentionState(layout=layout, group=group, start=start, pos=pos, key_len=key_len, options=options,
+    key_len = slots.pos.numel() + int(layout.kv_exchange.n_recv) if exchange else slots.row_len
+    return HFAttentionState(layout=layout, group=group, slots=slots, key_len=key_len, options=options,
                             exchange=exchange)  # fmt: skip
-
-
-def _keys_values(state: HFAttentionState, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``key``/``value [B, Hkv, L, E]`` -> the keys its queries attend over ``[B, Hkv, key_len, E]``.
-
-    The one place K/V cross ranks, as one tensor ``cat(key, value)``: with an
-    exchange plan one all-to-all of the keys this rank's documents need (own
-    keys first, then the received ones; backward the reverse all-to-all and an
-    ``index_add`` into each key's owner), else one all-gather to global order
-    (backward a reduce-scatter). Either way each rank's K/V gradient sums every
-    rank's loss. At cp 1 K/V are returned as they are.
-    """
-    layout = state.layout
-    if layout.cp_size == 1:
-        return key, value
-    if key.dtype != value.dtype:
-        raise ValueError(f"key {key.dtype} and value {value.dtype} must share a dtype (sent as one tensor)")
-    kv = torch.cat((key, value), dim=-1)
-    if state.exchange:
-        kv = exchange_tokens(kv, layout, state.group, seq_dim=2)
-    else:
-        kv = gather_token_tensor(kv, layout, state.group, seq_dim=2)
-    key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
-    return key_g, value_g
 
 
 def _attention(
@@ -251,18 +220,9 @@ def _attention(
         if state.options.verify_layout:
             verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
-    key_g, value_g = _keys_values(state, key, value)
-    if state.kernel_on(query.device) == "flex":
-        if variant.dropout > 0:
-            raise ValueError(
-                f"attention dropout {variant.dropout} on the flex kernel: flex_attention has no dropout; set "
-                "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
-            )
-        out = flex_attention_call(query, key_g, value_g, state.mask("flex", variant.window, query.device),
-                                  scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)  # fmt: skip
-    else:
-        out = dense_attention(query, key_g, value_g, state.mask("dense", variant.window, query.device),
-                              scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks,
-                              dropout=variant.dropout)  # fmt: skip
+    if state.layout.cp_size > 1:
+        key, value = move_keys_values(key, value, state.layout, state.group, exchange=state.exchange, seq_dim=2)
+    kernel = state.kernel_on(query.device)
+    out = attend(kernel, query, key, value, state.mask(kernel, variant.window, query.device), variant)
     record_served_call()
     return out.transpose(1, 2).contiguous(), None

@@ -10,7 +10,9 @@ Modules, in pipeline order: ``presharded`` (a worker batch checked against the
 mesh and moved: ``ShardedBatch.to``, the mesh helpers, the attention ctx
 factory), ``cp_attention`` (the SDPA override that gathers or exchanges K/V),
 ``kv_exchange`` (the one all-to-all that moves only the K/V a layout's exchange
-plan names), ``consistency`` (ranks agreeing on the plan and on the end of an
+plan names, and ``move_keys_values``, the one K/V mover of every CP attention),
+``attention_masks`` (the one mask predicate: each query's key interval),
+``consistency`` (ranks agreeing on the plan and on the end of an
 epoch). The gather itself is :mod:`cpdata.gather`, kept at the root so model
 code imports it alone. NeMo Automodel's sharder contract (raw batches sharded on
 the device, backend resolution, the token verbs) is :mod:`cpdata.nemo`, a layer

@@ -6,31 +6,25 @@ this rank's ``L`` local tokens on the sequence dim (``[..., L, E]``, SDPA's
 convention) computes attention of the local queries against the WHOLE
 sequence, masked at the queries' global positions:
 
-    kv      = cat(key, value, dim=-1)                  [B, Hkv, L, Ek+Ev]
-    kv_g    = cpdata.gather.gather_token_tensor(kv)    [B, Hkv, cp*L, Ek+Ev]  ONE collective, global order
-    mask    = k_pos <= q_pos (is_causal)  &  doc(q) == doc(k) (document_ids given)
-    out     = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]          local order
+    k_g, v_g = move_keys_values(key, value)            [B, Hkv, cp*L, E]  ONE collective, global order
+    mask     = lo(q) <= k_pos <= hi(q)                  causal / document slot / window intervals
+    out      = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]      local order
 
-``q_pos`` is the layout's ``local_token_global_indices`` and the gathered keys
-are in global (padded) order, so the result equals full attention over the
-padded sequence, row by row, for every layout (contiguous, round_robin, thd,
-balanced). The gather's backward is a reduce-scatter (SUM): each rank's
-``key.grad`` / ``value.grad`` is the gradient of the sum of every rank's loss,
-which is what data-parallel-style training over CP ranks needs.
+K/V move through :func:`cpdata.device.kv_exchange.move_keys_values` and the
+mask is :mod:`cpdata.device.attention_masks`' intervals at the layout's
+global positions, as in the ``"cpdata"`` HF attention, so the result equals
+full attention over the padded sequence, row by row, for every layout. The
+gather's backward is a reduce-scatter (SUM): each rank's K/V gradient is the
+gradient of the sum of every rank's loss.
 
 Trade-off: all-gather-KV attention holds the full K and V (``cp*L`` tokens) and
-an ``L x cp*L`` boolean mask per call, and runs SDPA with an explicit mask
-(no flash kernel). It needs no ring, works on CPU and CUDA and for any layout;
-it is the correctness path, not the fastest one. Masks are built once per
-context and device and reused by every layer.
-
-With a K/V exchange plan (``layout.kv_exchange``, batches built with
-``kv_exchange=True``), a document-causal call (``document_ids`` given,
-``is_causal``, no ``attn_mask``) replaces the all-gather by one all-to-all of
-just the keys this rank's queries need (:mod:`cpdata.device.kv_exchange`): K/V and the
-mask are ``L + n_recv`` keys wide instead of ``cp*L`` (with ``window=`` too: a window keeps a subset of the
-keys the plan delivers). Every other call (no
-document mask, bidirectional, an explicit ``attn_mask``) keeps the all-gather.
+an ``L x cp*L`` boolean mask (built once per context and device, shared by the
+layers), and runs SDPA with an explicit mask (no flash kernel): no ring, any
+device and layout; the correctness path, not the fastest one. With a K/V
+exchange plan (``layout.kv_exchange``) a document-causal call (document mask,
+``is_causal``, no ``attn_mask``) moves only the keys this rank's queries need
+(``L + n_recv`` wide; a ``window=`` keeps a subset of them); every other call
+keeps the all-gather.
 
 SDPA arguments:
 
@@ -45,9 +39,7 @@ SDPA arguments:
   (+ document) mask — the behaviour of NeMo's CP hooks, which strip the mask
   and set ``is_causal=True``.
 - ``is_causal`` with an ``attn_mask``: refused, as torch does.
-- key and value of different dtypes under autocast (Trainer's ``bf16=True``: RoPE
-  leaves the key in float32): gathered together in the wider dtype; the kernel
-  casts both to the autocast dtype as it would have. Outside autocast refused.
+- key and value of different dtypes: see :func:`cpdata.device.kv_exchange.move_keys_values`.
 - ``scale``, ``dropout_p``, ``enable_gqa``: passed to the kernel unchanged
   (GQA keys are gathered with their own head count).
 
@@ -84,16 +76,17 @@ in the same order (one collective each), as any CP attention requires.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from cpdata.device.attention_masks import check_window, dense_mask, document_slots, row_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
-from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
-from cpdata.gather import ensure_gather_index, gather_token_tensor, layout_tensor_on
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
+from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["AttentionContextFactory", "ContextParallelAttention", "active_contexts", "record_served_call"]
@@ -128,6 +121,8 @@ class ContextParallelAttention:
         group: Any = None,
         *,
         document_ids: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
         check_every: int | None = DEFAULT_CHECK_EVERY,
         window: int | None = None,
@@ -142,12 +137,14 @@ class ContextParallelAttention:
                 when missing.
             group: the CP process group (``cp_mesh.get_group()``); None = the
                 default group.
-            document_ids: this rank's document id per local token, in local
+            document_ids: this rank's stream slot per local token, in local
                 order (``[L]`` or ``[B, L]``, the batch's ``document_ids``).
-                Given: queries attend only keys of their own document (gathered
-                once per context, on the first masked call). None: no
+                Given: queries attend only keys of their own document slot
+                (needs ``cu_seqlens_padded``; no collective). None: no
                 document mask (a packed row is one sequence, as SDPA sees it
                 at cp = 1).
+            cu_seqlens_padded: int ``[K+1]``, the batch's global slot offsets (with ``document_ids``).
+            cu_seqlens: int ``[K+1]``, the batch's real lengths: given, pad queries see their own key only.
             local_attn_mask: what to do with an ``attn_mask`` over local keys:
                 ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
                 the layout's causal mask).
@@ -165,8 +162,10 @@ class ContextParallelAttention:
             )
         if local_attn_mask not in ("refuse", "causal"):
             raise ValueError(f"local_attn_mask={local_attn_mask!r}: use 'refuse' or 'causal'")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+        check_window(window)
+        if document_ids is not None and cu_seqlens_padded is None:
+            raise ValueError("document_ids needs cu_seqlens_padded (the batch's slot offsets) to place each "
+                             "document in global order; pass the batch's 'cu_seqlens_padded'")  # fmt: skip
         self.window = window
         self.require_calls = require_calls
         self.served = 0
@@ -174,10 +173,10 @@ class ContextParallelAttention:
         self.layout = layout
         self.group = group
         self.document_ids = document_ids
+        self.cu_seqlens_padded, self.cu_seqlens = cu_seqlens_padded, cu_seqlens
         self.local_attn_mask = local_attn_mask
         self.local_len = int(layout.local_token_global_indices.numel())
-        self._masks: dict[tuple[str, bool], torch.Tensor | None] = {}
-        self._doc_keys: dict[str, torch.Tensor] = {}
+        self._masks: dict[tuple[str, bool, bool], torch.Tensor | None] = {}
         self._previous: Callable[..., torch.Tensor] | None = None
         self._patched: Callable[..., torch.Tensor] | None = None
         self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
@@ -243,16 +242,6 @@ class ContextParallelAttention:
             return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
-        if key.dtype != value.dtype and torch.is_autocast_enabled(key.device.type):
-            # autocast (Trainer's bf16/fp16): RoPE leaves key in float32 and value in the autocast dtype; the
-            # kernel casts both to the autocast dtype itself, so gathering them in the wider one loses nothing
-            common = torch.promote_types(key.dtype, value.dtype)
-            key, value = key.to(common), value.to(common)
-        if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
-            raise ValueError(
-                f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
-                "every dim but the last and on dtype (they are gathered as one tensor)"
-            )
         layout = self._full_layout()
         global_len = n * layout.cp_size
         if attn_mask is not None and attn_mask.shape[-1] == n and n != global_len:
@@ -269,17 +258,11 @@ class ContextParallelAttention:
                 f"attn_mask of shape {tuple(attn_mask.shape)}: its last dim must be the {global_len} global keys "
                 f"(or {n} local keys with local_attn_mask='causal')"
             )
-        ek = key.shape[-1]
-        seq_dim = key.dim() - 2
-        if attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout):
-            # document-causal with a plan: only the keys this rank's queries need (own + received); a window
-            # keeps a subset of them
-            kv = exchange_tokens(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
-            mask = self._exchange_mask(query.device)
-        else:
-            kv = gather_token_tensor(torch.cat((key, value), dim=-1), layout, self.group, seq_dim)
-            mask = self._mask(query.device, is_causal)
-        key_g, value_g = kv.split((ek, value.shape[-1]), dim=-1)
+        # document-causal with a plan: only the keys this rank's queries need (own + received); a window
+        # keeps a subset of them
+        exchange = attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout)
+        key_g, value_g = move_keys_values(key, value, layout, self.group, exchange=exchange, seq_dim=key.dim() - 2)
+        mask = self._mask(query.device, is_causal, exchange)
         if attn_mask is not None:
             mask = _combine(attn_mask, mask)
         self.served += 1
@@ -291,70 +274,24 @@ class ContextParallelAttention:
             self.layout = ensure_gather_index(self.layout, self.group)
         return self.layout
 
-    def _mask(self, device: torch.device, causal: bool) -> torch.Tensor | None:
-        """Boolean ``[L, S]`` (causal) or ``[B, 1, L, S]`` (documents) keep-mask; None = attend all."""
-        key = (str(device), causal)
+    def _mask(self, device: torch.device, causal: bool, exchange: bool) -> torch.Tensor | None:
+        """Bool keep-mask ``[L, K]`` (no document ids, or ``[L]`` ones) or ``[B, 1, L, K]`` over the gathered
+        (``K = S``) or exchanged (``K = L + n_recv``) keys; None = attend all. Built once per context."""
+        key, layout, doc = (str(device), causal, exchange), self.layout, self.document_ids
         if key not in self._masks:
-            mask = None
-            q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
-            k_pos = torch.arange(self.local_len * self.layout.cp_size, device=device)
-            if causal:
-                mask = k_pos[None, :] <= q_pos[:, None]
-            if self.window is not None:
-                near = k_pos[None, :] > q_pos[:, None] - self.window
-                if not causal:
-                    near &= k_pos[None, :] < q_pos[:, None] + self.window
-                mask = near if mask is None else mask & near
-            if self.document_ids is not None:
-                doc_q = self.document_ids.to(device)
-                doc_k = self._document_keys(device)
-                same = (doc_q[..., :, None] == doc_k[..., None, :])
-                same = same[:, None] if same.dim() == 3 else same
-                mask = same if mask is None else same & mask
-            self._masks[key] = mask
+            row_len = self.local_len * layout.cp_size
+            if doc is not None:
+                slots = document_slots(layout, doc.to(device), self.cu_seqlens_padded, self.cu_seqlens)
+            elif causal or self.window is not None:
+                slots = row_slots(layout_tensor_on(layout, "local_token_global_indices", device), row_len)
+            else:
+                self._masks[key] = None
+                return None
+            lo, hi = slots.intervals(causal=causal, window=self.window)
+            keys = exchanged_key_positions(layout, device) if exchange else torch.arange(row_len, device=device)
+            mask = dense_mask(lo, hi, keys)
+            self._masks[key] = mask[0, 0] if doc is None or doc.dim() == 1 else mask
         return self._masks[key]
-
-    def _exchange_mask(self, device: torch.device) -> torch.Tensor:
-        """Boolean ``[B, 1, L, L + n_recv]`` (or ``[L, L + n_recv]``) document-causal keep-mask over the
-        exchanged keys (:func:`cpdata.device.kv_exchange.exchange_tokens`); their document ids travel once per
-        context through the same plan."""
-        key = (str(device), "exchange")
-        if key not in self._masks:
-            q_pos = layout_tensor_on(self.layout, "local_token_global_indices", device).reshape(-1)
-            k_pos = exchanged_key_positions(self.layout, device)
-            doc_q = self._check_document_ids().to(device)
-            with torch.no_grad():
-                doc_k = exchange_tokens(doc_q, self.layout, self.group, -1)
-            same = doc_q[..., :, None] == doc_k[..., None, :]
-            same = same[:, None] if same.dim() == 3 else same
-            keep = k_pos[None, :] <= q_pos[:, None]
-            if self.window is not None:
-                keep &= k_pos[None, :] > q_pos[:, None] - self.window
-            self._masks[key] = same & keep
-        return self._masks[key]
-
-    def _check_document_ids(self) -> torch.Tensor:
-        doc = self.document_ids
-        if doc.shape[-1] != self.local_len:
-            raise ValueError(
-                f"document_ids of shape {tuple(doc.shape)} must hold this rank's {self.local_len} local tokens "
-                "on its last dim, in local order (the batch's 'document_ids')"
-            )
-        return doc
-
-    def _document_keys(self, device: torch.device) -> torch.Tensor:
-        """Every key's document id in global order (one collective per context)."""
-        name = str(device)
-        if name not in self._doc_keys:
-            doc = self.document_ids
-            if doc.shape[-1] != self.local_len:
-                raise ValueError(
-                    f"document_ids of shape {tuple(doc.shape)} must hold this rank's {self.local_len} local tokens "
-                    "on its last dim, in local order (the batch's 'document_ids')"
-                )
-            with torch.no_grad():
-                self._doc_keys[name] = gather_token_tensor(doc.to(device), self._full_layout(), self.group, -1)
-        return self._doc_keys[name]
 
 
 def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -370,36 +307,66 @@ def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor
 class AttentionContextFactory:
     """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1.
 
-    ``ctx()`` → a :class:`ContextParallelAttention` without a document mask
-    (what SDPA computes on the packed row at cp = 1, and what torch's
-    ``context_parallel`` computes); ``ctx(document_mask=True)`` adds the
-    batch's document mask (refused when the batch has no ``document_ids``);
-    ``window=`` a sliding window over global positions.
+    ``ctx()`` → a :class:`ContextParallelAttention` with the batch's document
+    mask when the batch carries its documents (``document_ids`` and
+    ``cu_seqlens_padded``: a packed row's documents never see each other, and
+    pad queries only themselves), plain causal over the row otherwise (a raw
+    batch); ``window=`` a sliding window over global positions.
+    ``ctx(document_mask=False)`` opts out (SDPA's ``is_causal`` over the packed
+    row, what torch's ``context_parallel`` computes), allowed only where every
+    row holds one document: over several it would attend across them.
+    ``ctx(document_mask=True)`` is refused on a batch without its documents.
     """
 
     layout: ShardLayout
     group: Any = None
     document_ids: torch.Tensor | None = None
+    cu_seqlens_padded: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def of_batch(cls, layout: ShardLayout, group: Any, tensors: Mapping[str, Any]) -> AttentionContextFactory:
+        """The factory for a batch's tensors: its ``document_ids`` and slot offsets, where it has them."""
+        found = {name: tensors.get(name) for name in ("document_ids", "cu_seqlens_padded", "cu_seqlens")}
+        return cls(layout, group, **{k: v if isinstance(v, torch.Tensor) else None for k, v in found.items()})
 
     def __call__(
         self,
         *,
-        document_mask: bool = False,
+        document_mask: bool | None = None,
         local_attn_mask: LocalMaskPolicy = "refuse",
         window: int | None = None,
         require_calls: bool = True,
     ) -> ContextParallelAttention:
-        if document_mask and self.document_ids is None:
+        known = self.document_ids is not None and self.cu_seqlens_padded is not None
+        if document_mask and not known:
             raise ValueError(
-                "document_mask=True needs the batch's 'document_ids' (per-token document ids in local order); "
-                "this batch has none — build it with cpdata's pipeline, or enter ctx() without document_mask"
+                "document_mask=True needs the batch's 'document_ids' (per-token document ids in local order) and "
+                "'cu_seqlens_padded'; this batch has none — build it with cpdata's pipeline, or enter ctx() "
+                "without document_mask"
+            )
+        if document_mask is False and known and self._most_documents_in_a_row() > 1:
+            raise ValueError(
+                f"ctx(document_mask=False) on a pack with {self._most_documents_in_a_row()} documents in one row: "
+                "causal attention over the packed row would attend across documents; enter ctx() (the document "
+                "mask is the default), or pack one document per row"
             )
         return ContextParallelAttention(
             self.layout,
             self.group,
-            document_ids=self.document_ids if document_mask else None,
+            document_ids=self.document_ids if document_mask is not False and known else None,
+            cu_seqlens_padded=self.cu_seqlens_padded,
+            cu_seqlens=self.cu_seqlens,
             local_attn_mask=local_attn_mask,
             check_every=0,  # sharder.shard() checked the layout
             window=window,
             require_calls=require_calls,
         )
+
+    def _most_documents_in_a_row(self) -> int:
+        """The most slots holding real tokens in one row of ``S`` global positions (one host read)."""
+        cu = self.cu_seqlens_padded.to("cpu", torch.int64).reshape(-1)
+        real = cu if self.cu_seqlens is None else self.cu_seqlens.to("cpu", torch.int64).reshape(-1)
+        row_len = self.layout.padded_seq_len or self.layout.local_token_global_indices.numel() * self.layout.cp_size
+        rows = cu[:-1][real.diff() > 0] // row_len
+        return int(rows.bincount().max()) if rows.numel() else 0

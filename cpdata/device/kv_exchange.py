@@ -24,6 +24,8 @@ delivers (``(cp-1)/cp * S`` keys; see README / the bench for measured values):
 ~0.1-0.3 for short documents, up to 1.0 when one document spans the pack.
 
 Layouts without a plan keep the single all-gather (:func:`cpdata.gather.gather_token_tensor`).
+:func:`move_keys_values` is the one place every CP attention moves K and V (the sharder's ctx, the
+``"cpdata"`` HF attention): one tensor ``cat(key, value)``, exchanged or gathered.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from cpdata.gather import gather_token_tensor
+
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange"]
+__all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange",
+           "move_keys_values"]
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple[int, str], tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
@@ -48,6 +53,13 @@ _cache: OrderedDict[tuple[int, str], tuple[Any, tuple[torch.Tensor, torch.Tensor
 def has_exchange(layout: ShardLayout) -> bool:
     """Whether ``layout`` carries a K/V exchange plan (built with ``kv_exchange=True`` on the worker)."""
     return getattr(layout, "kv_exchange", None) is not None
+
+
+def _plan(layout: ShardLayout) -> Any:
+    if layout.kv_exchange is None:
+        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
+                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    return layout.kv_exchange
 
 
 def _expand(runs: Any, total: int, device: torch.device) -> torch.Tensor:
@@ -67,10 +79,7 @@ def exchange_index(layout: ShardLayout, device: torch.device | str) -> tuple[tor
     ``send_index``: local indices of the keys sent, by destination rank; ``key_positions``: the global
     position of every key :func:`exchange_tokens` returns (own keys in local order, then received ones).
     """
-    plan = layout.kv_exchange
-    if plan is None:
-        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
-                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    plan = _plan(layout)
     device = torch.device(device)
     key = (id(layout), str(device))
     hit = _cache.get(key)
@@ -152,10 +161,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     Returns the own tokens (local order) then the received ones (:func:`exchanged_key_positions` gives
     every returned token's global position). One ``all_to_all_single`` forward, one backward.
     """
-    plan = layout.kv_exchange
-    if plan is None:
-        raise ValueError("layout.kv_exchange is None; build the batches with kv_exchange=True (ShardForRank / "
-                         "build_loader) or use cpdata.gather.gather_token_tensor")  # fmt: skip
+    plan = _plan(layout)
     seq_dim = seq_dim % tensor.dim()
     local = tensor.shape[seq_dim]
     own = layout.local_token_global_indices
@@ -177,3 +183,35 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
             f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
         )
     return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
+
+
+def move_keys_values(
+    key: torch.Tensor, value: torch.Tensor, layout: ShardLayout, group: Any, *, exchange: bool, seq_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``key``/``value`` (``L`` tokens on ``seq_dim``) -> the keys its queries attend over.
+
+    One collective for ``cat(key, value)`` on the last dim: with ``exchange`` the plan's all-to-all
+    (:func:`exchange_tokens`: own keys, then the received ones), else the all-gather to global order
+    (:func:`cpdata.gather.gather_token_tensor`; backward a reduce-scatter). Either way each rank's K/V
+    gradient sums every rank's loss.
+
+    Dtypes, as the kernel would: under autocast (Trainer's ``bf16=True``: HF's RoPE returns a float32 key
+    while the value is bfloat16) SDPA and flex compute in the autocast dtype, so K and V are cast to it
+    (each floating tensor but float64, autocast's rule) before the one collective: no traffic in a wider
+    dtype than the kernel uses, and nothing else in the model changes precision. Outside autocast,
+    different dtypes are refused, as the kernels refuse them.
+    """
+    device_type = key.device.type
+    if torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        key, value = (t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (key, value))
+    if key.shape[:-1] != value.shape[:-1] or key.dtype != value.dtype:
+        raise ValueError(
+            f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
+            "every dim but the last and on dtype (they travel as one tensor)"
+        )
+    kv = torch.cat((key, value), dim=-1)
+    move = exchange_tokens if exchange else gather_token_tensor
+    kv = move(kv, layout, group, seq_dim)
+    key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
+    return key_g, value_g

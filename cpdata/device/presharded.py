@@ -25,7 +25,6 @@ import torch
 from cpdata.device.cp_attention import AttentionContextFactory
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.keys import DOCUMENT_IDS
 
 __all__ = [
     "PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded", "to_device",
@@ -54,14 +53,12 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
 
     At cp > 1, ``ctx()`` makes SDPA on local Q/K/V attend over the whole
-    sequence (:class:`cpdata.device.cp_attention.ContextParallelAttention`);
-    ``ctx(document_mask=True)`` adds the document mask from the batch's
-    ``document_ids``.
+    sequence (:class:`cpdata.device.cp_attention.ContextParallelAttention`),
+    document-masked by default when the batch carries ``document_ids``.
     """
     if layout.cp_size <= 1:
         return contextlib.nullcontext
-    doc = tensors.get(DOCUMENT_IDS)
-    return AttentionContextFactory(layout, mesh_group(cp_mesh), doc if isinstance(doc, torch.Tensor) else None)
+    return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), tensors)
 
 
 def to_device(value: Any, device: torch.device | None) -> Any:
@@ -134,4 +131,4 @@ class PreshardedMove:
             return contextlib.nullcontext, out, layout
         if self._group is self:
             self._group = mesh_group(self._cp_mesh)
-        return AttentionContextFactory(layout, self._group, out.get(DOCUMENT_IDS)), out, layout
+        return AttentionContextFactory.of_batch(layout, self._group, out), out, layout

@@ -95,4 +95,5 @@ class ThdShard:
         if size <= 1:
             return contextlib.nullcontext, out, layout
         docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)
-        return AttentionContextFactory(layout, mesh_group(cp_mesh), docs), out, layout
+        factory = AttentionContextFactory(layout, mesh_group(cp_mesh), docs, cu_out, stream.batch["cu_seqlens"])
+        return factory, out, layout

@@ -255,7 +255,7 @@ def build_node(
             and read the graph's state less often, and keep more plans alive and delay the first batch. Not
             part of the saved state.
         kv_exchange: build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``):
-            document-causal attention (the sharder's ctx with ``document_mask=True``, the mask helpers) then
+            document-causal attention (the sharder's ctx, document-masked by default; the mask helpers) then
             moves only the keys each rank needs, in one all-to-all, instead of all-gathering K/V. Not part of
             the saved state.
     """

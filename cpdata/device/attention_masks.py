@@ -1,0 +1,197 @@
+"""The one mask of every CP attention: each local query keeps one interval of global key positions (torch only).
+
+Every attention cpdata runs (the sharder's ctx, the ``"cpdata"`` HF attention,
+the mask helpers of :mod:`cpdata.adapters.masks`) keeps, for local query ``q``
+of row ``b`` and a key at global position ``key_pos[k]``::
+
+    keep[b, q, k] = lo[b, q] <= key_pos[k] <= hi[b, q]
+
+    real query (pos < end of its document):  lo = slot start,  hi = pos (causal) or end - 1 (bidirectional)
+    pad query  (pos >= end):                 lo = hi = pos      its own key only
+    window W:                                lo >= pos - W + 1  (and hi <= pos + W - 1 when bidirectional)
+
+A slot is a document's span in global order (``cu_seqlens_padded``: its real
+tokens, then its pads; the pack's tail padding belongs to the last slot);
+``end`` is one past its last real token (``cu_seqlens``). Without a document
+mask a row is one slot with no pads. ``pos`` is the layout's
+``local_token_global_indices``; building a mask needs no collective and no
+host sync.
+
+Pad is free: a pad query sees its own key only, so a pad block costs one
+diagonal tile and no softmax row is empty (no NaN); real queries never reach a
+pad key (pads follow the real tokens of their slot). Loss and gradients of real
+tokens are those of the old slot-wide mask exactly (pads carry no target).
+
+Two forms of the same intervals:
+
+- :func:`dense_mask`: bool ``[B, 1, L, K]`` (True = attend) for SDPA; ``L*K`` bytes.
+- :func:`block_mask`: a flex ``BlockMask``. Keys in global order (``K = S``)
+  are one interval per query, so tiles come from two difference arrays over
+  ``[B, L/128, S/128 + 1]`` (int32, kilobytes) instead of the ``L x S`` grid
+  ``create_block_mask`` evaluates; keys in any other order (an exchange's own
+  then received keys) go through ``create_block_mask`` over ``L x K``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cpdata.gather import layout_tensor_on
+
+if TYPE_CHECKING:
+    from cpdata.layout.shard_layout import ShardLayout
+
+__all__ = ["QuerySlots", "block_mask", "check_window", "dense_mask", "document_slots", "row_slots"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class QuerySlots:
+    """Where each local query's document lies in its row's global order."""
+
+    pos: torch.Tensor
+    """int64 ``[L]``: each local query's global position."""
+    start: torch.Tensor
+    """int64 ``[B, L]``: the first key of the query's slot."""
+    end: torch.Tensor
+    """int64 ``[B, L]``: one past the slot's last real token (``pos >= end``: a pad query)."""
+    row_len: int
+    """``S``: keys per row in global order."""
+
+    def intervals(self, *, causal: bool = True, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lo, hi)`` int64 ``[B, L]``: the global key positions each query keeps (see the module)."""
+        pos = self.pos[None, :]
+        lo = self.start
+        hi = pos.expand_as(lo) if causal else self.end - 1
+        if window is not None:
+            lo = torch.maximum(lo, pos - (window - 1))
+            if not causal:
+                hi = torch.minimum(hi, pos + (window - 1))
+        real = pos < self.end
+        return torch.where(real, lo, pos), torch.where(real, hi, pos)
+
+
+def row_slots(pos: torch.Tensor, row_len: int) -> QuerySlots:
+    """Every query's slot is its whole row, without pads (no document mask)."""
+    pos = pos.reshape(-1).to(torch.int64)
+    return QuerySlots(pos=pos, start=torch.zeros_like(pos)[None], end=torch.full_like(pos, row_len)[None],
+                      row_len=row_len)  # fmt: skip
+
+
+def document_slots(
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+) -> QuerySlots:
+    """Each local query's slot from the batch's ``document_ids`` and global slot offsets.
+
+    Args:
+        layout: the batch's :class:`ShardLayout`; None for a whole pack on one rank (positions ``0..L-1``).
+        document_ids: int ``[B, L]`` (bshd rows) or ``[L]`` (one stream): the stream slot of each local token.
+        cu_seqlens_padded: int ``[K+1]``, the stream's slot offsets (rows of ``S`` concatenated).
+        cu_seqlens: int ``[K+1]``, the real lengths; given, a slot's pads see only themselves; None, a
+            slot's pads attend it like its last document token.
+    """
+    if document_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"document_ids must be [L] (thd stream) or [B, L] (bshd rows), got shape {tuple(document_ids.shape)}"
+        )
+    doc = document_ids.reshape(-1, document_ids.shape[-1]).to(torch.int64)
+    rows, local = doc.shape
+    device = doc.device
+    if layout is None:  # the whole pack on one rank: every position is local
+        pos, row_len = torch.arange(local, device=device), local
+    else:
+        if layout.local_token_global_indices is None:
+            raise ValueError("layout.local_token_global_indices is None; pass the ShardLayout the batch came with")
+        pos = layout_tensor_on(layout, "local_token_global_indices", device).reshape(-1).to(torch.int64)
+        if pos.numel() != local:
+            raise ValueError(
+                f"document_ids has {local} tokens per row but the layout holds {pos.numel()} local positions; "
+                "pass this batch's document_ids and layout"
+            )
+        row_len = layout.padded_seq_len if layout.padded_seq_len is not None else local * layout.cp_size
+    cu = cu_seqlens_padded.to(device=device, dtype=torch.int64).reshape(-1)
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seqlens_padded needs at least 2 entries, got {cu.numel()}")
+    row_offset = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * row_len
+    start = cu[doc] - row_offset
+    if cu_seqlens is None:
+        end = cu[doc + 1] - row_offset
+    else:
+        real = cu_seqlens.to(device=device, dtype=torch.int64).reshape(-1)
+        if real.numel() != cu.numel():
+            raise ValueError(f"cu_seqlens has {real.numel()} entries and cu_seqlens_padded {cu.numel()}: pass the "
+                             "same batch's offsets")  # fmt: skip
+        end = start + (real[doc + 1] - real[doc])
+    return QuerySlots(pos=pos, start=start, end=end, row_len=row_len)
+
+
+def check_window(window: int | None) -> None:
+    """``ValueError`` unless ``window`` is None or a positive int."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+
+
+def dense_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, 1, L, K]``: ``lo[b, q] <= key_pos[k] <= hi[b, q]`` (``key_pos`` int64 ``[K]``)."""
+    k = key_pos[None, None, :]
+    return ((k >= lo[:, :, None]) & (k <= hi[:, :, None]))[:, None]
+
+
+def block_mask(
+    lo: torch.Tensor, hi: torch.Tensor, row_len: int, *, key_pos: torch.Tensor | None = None, block_size: int = 128
+) -> Any:
+    """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``; ``key_pos`` None: keys are ``arange(row_len)``.
+
+    Keys in global order: built from the intervals without the dense grid (two difference arrays; equal
+    to ``create_block_mask`` of the same predicate tile for tile, padded tail tiles included, never full).
+    Keys in any order (``key_pos`` int64 ``[K]``): ``create_block_mask`` over the ``L x K`` grid.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    rows, local = lo.shape
+    device = lo.device
+    if key_pos is not None:
+
+        def over_keys(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            k = key_pos[kv_idx]
+            return (k >= lo[b, q_idx]) & (k <= hi[b, q_idx])
+
+        return create_block_mask(over_keys, rows, None, local, key_pos.numel(), device=device, BLOCK_SIZE=block_size)
+
+    q_blocks, k_blocks = -(-local // block_size), -(-row_len // block_size)
+    first, last = lo, hi
+    pad = q_blocks * block_size - local
+    if pad:  # padded queries own no keys: their tiles are never full
+        first = torch.nn.functional.pad(lo, (0, pad), value=row_len)
+        last = torch.nn.functional.pad(hi, (0, pad), value=-1)
+    q_block = torch.arange(q_blocks * block_size, device=device) // block_size
+    flat = (torch.arange(rows, device=device)[:, None] * q_blocks + q_block[None, :]) * (k_blocks + 1)
+
+    def cover(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Per tile, how many of its queries have ``a <= key block <= b``: ``[B, Qb, Kb]``."""
+        one = (a <= b).to(torch.int32).reshape(-1)
+        diff = torch.zeros(rows * q_blocks * (k_blocks + 1), dtype=torch.int32, device=device)
+        diff.scatter_add_(0, (flat + a.clamp(0, k_blocks)).reshape(-1), one)
+        diff.scatter_add_(0, (flat + (b + 1).clamp(0, k_blocks)).reshape(-1), -one)
+        return diff.view(rows, q_blocks, k_blocks + 1).cumsum(-1)[..., :k_blocks]
+
+    live = cover(first // block_size, last // block_size) > 0
+    full = cover(-(-first // block_size), (last + 1) // block_size - 1) == block_size
+    partial = live & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # torch's _dense_to_ordered
+        dense = dense[:, None].to(torch.int32)
+        return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
+            torch.int32
+        )
+
+    def in_order(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (kv_idx >= lo[b, q_idx]) & (kv_idx <= hi[b, q_idx])
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block_size, block_size),
+                                    mask_mod=in_order, seq_lengths=(local, row_len))  # fmt: skip
