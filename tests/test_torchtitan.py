@@ -7,8 +7,9 @@ except under CI (``CI=true``), where a missing environment fails.
 
 Two ``torchrun`` launches (one rank, two ranks) run every job of
 :mod:`tests.torchtitan_run` under the CPU shim (:mod:`tests.torchtitan_cpu_shim`)
-on a corpus of 20-240-token documents, 256-token packs, torchtitan's llama3
-debug model in float32, 4 steps:
+on a corpus of 20-240-token documents, torchtitan's llama3 debug model in
+float32, 4 steps from one seed checkpoint (512-token packs for the page's
+command, 256 for its config module):
 
 - the command of ``docs/torchtitan.md`` as written (``tiled``, cp 2), and its
   config module (``balanced``), each against the same packs at cp 1: loss and
@@ -41,7 +42,7 @@ LOSS_TOL = 1e-5
 """cp 2 against cp 1, absolute, per step (losses ~8.1; float32 sums in another order over 4 Adam steps)."""
 GRAD_NORM_TOL = 1e-4
 """relative, per step, on the gradient norm torchtitan logs (float32 sums of squares: ~5e-5 off either way)."""
-PARAM_GRAD_TOL = 1e-5
+PARAM_GRAD_TOL = 1e-6
 """relative, per step and parameter, on each parameter's float64 gradient norm."""
 
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
@@ -167,7 +168,7 @@ def test_cp2_equals_cp1(runs: dict, layout: str, cp2: str, mask: str) -> None:
         # the same packs (documents and offsets per slot), sharded: half the tokens per rank
         assert len(r["batches"]) == len(g["batches"]) == 1
         assert [b["docs"] for b in r["batches"]] == [b["docs"] for b in g["batches"]]
-        assert g["batches"][0]["tokens"] * 2 == r["batches"][0]["tokens"] == 256
+        assert g["batches"][0]["tokens"] * 2 == r["batches"][0]["tokens"]
         assert g["batches"][0]["mask"] == mask
         assert abs(g["loss"] - r["loss"]) < LOSS_TOL, (layout, cp2, r, g)
         assert abs(g["grad_norm"] - r["grad_norm"]) < GRAD_NORM_TOL * r["grad_norm"], (layout, cp2, r, g)
@@ -176,6 +177,8 @@ def test_cp2_equals_cp1(runs: dict, layout: str, cp2: str, mask: str) -> None:
             assert a > 0 and abs(a - b) <= PARAM_GRAD_TOL * a, (layout, cp2, r["step"], a, b)
     digests = [s["batches"][0]["digest"] for s in ref]
     assert len(set(digests)) == STEPS  # a new pack every step
+    # keys reach the kernel out of global order on some step (a mask in global order would then be wrong)
+    assert max(s["batches"][0]["runs"] for rank in runs[cp2] for s in rank) > 1
     assert len({round(s["loss"], 4) for s in ref}) > 1  # training moves
 
 
@@ -190,7 +193,7 @@ def test_resume_continues_with_the_same_batches(runs: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("job, words", [("refuse_split", ["ValueError", "overflow split", "training.seq_len=256",
+@pytest.mark.parametrize("job, words", [("refuse_split", ["ValueError", "overflow split", "training.seq_len=512",
                                                           "RoPE"]),
                                         ("refuse_backend", ["spmd_backend", "partial_dtensor"])])  # fmt: skip
 def test_refusals_name_the_setting(runs: dict, job: str, words: list[str]) -> None:

@@ -8,8 +8,10 @@ train, close. One process pays torch's and torchtitan's imports once for every j
 A job is ``{"record": PATH, "args": [torchtitan flags], "kind": "train"}``. Every rank appends JSON
 lines to ``PATH.rank{r}``: per training step the logged loss and gradient norm (the metrics call every
 rank makes; torchtitan sums the norm's squares in float32, ~5e-5 relative off), every parameter's
-gradient norm in float64 (from the full gradient, before clipping) and, per batch the step consumed, its plan digest, its documents (``doc_index`` and
-``doc_start`` per slot), its local token count and the kind of mask the attention got. Other kinds:
+gradient norm in float64 (from the full gradient, before clipping) and, per batch the step consumed,
+its plan digest, its documents (``doc_index`` and ``doc_start`` per slot), its local token count, how
+many contiguous runs of global positions the rank holds (1: its keys sit in global order) and the
+kind of mask the attention got. Other kinds:
 ``"seed"`` saves torchtitan's seed checkpoint (step 0, model only; what ``--checkpoint.create_seed_checkpoint``
 does in ``torchtitan.train``) so that runs at different world sizes start from the same weights;
 ``"error"`` must raise, and records one line ``{"error": "..."}`` with the message (tyro prints a
@@ -31,6 +33,7 @@ import torchtitan_cpu_shim  # noqa: E402
 torchtitan_cpu_shim.apply()
 
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
@@ -55,17 +58,20 @@ def _install_recorders() -> None:
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     def post_and_record(self, input_dict, labels):
-        info = input_dict[BATCH_KEY].info
+        batch = input_dict[BATCH_KEY]
+        info, positions = batch.info, batch.layout.local_token_global_indices
         inputs, labels, kwargs = post(self, input_dict, labels)
-        _record["batches"].append({"digest": int(info["digest"]), "docs": [list(map(int, info["doc_index"])),
-                                   list(map(int, info["doc_start"]))], "tokens": labels.numel(),
-                                   "mask": type(kwargs["attention_masks"]).__name__})  # fmt: skip
+        _record["batches"].append({
+            "digest": int(info["digest"]), "docs": [list(map(int, info["doc_index"])), list(map(int, info["doc_start"]))],
+            "tokens": labels.numel(), "runs": int((positions[1:] - positions[:-1] != 1).sum()) + 1,
+            "mask": type(kwargs["attention_masks"]).__name__,
+        })  # fmt: skip
         return inputs, labels, kwargs
 
     def record_and_clip(parameters, *args, **kwargs):
         parameters = list(parameters)
         for p in parameters:  # every rank joins each full_tensor's all-gather, in the same order
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             _record["grad_norms"].append(float(grad.double().norm()))
         return clip(parameters, *args, **kwargs)
 
