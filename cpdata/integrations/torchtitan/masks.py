@@ -49,19 +49,20 @@ from cpdata.worker.keys import DOCUMENT_IDS
 __all__ = ["ExchangeMask", "batch_attention_mask", "gathered_key_positions", "install_exchange_attention"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ExchangeMask:
     """What the swapped attention needs per batch: the ``BlockMask`` over exchanged keys and the exchange plan.
 
-    Attributes:
-        block_mask: ``BlockMask`` ``[1, 1, L, L + n_recv]`` at the exchanged keys' global positions.
-        layout: the batch's :class:`ShardLayout` (with ``kv_exchange``).
-        group: the CP process group.
+    The ``BlockMask`` is evaluated at the exchanged keys' global positions (own keys in local order, then the
+    received ones by source rank: what :func:`cpdata.device.kv_exchange.exchange_tokens` returns).
     """
 
     block_mask: Any
+    """``BlockMask`` ``[1, 1, L, L + n_recv]``."""
     layout: ShardLayout
+    """The batch's layout, carrying ``kv_exchange``."""
     group: Any
+    """The CP process group the plan was built for."""
 
 
 def gathered_key_positions(layout: ShardLayout, group: Any, device: torch.device) -> torch.Tensor:
@@ -99,7 +100,7 @@ def batch_attention_mask(
     else:
         keys = pos
     block_mask = block_mask_over_keys(start, pos, keys, block_size=block_size)
-    return ExchangeMask(block_mask, layout, group) if exchange else block_mask
+    return ExchangeMask(block_mask=block_mask, layout=layout, group=group) if exchange else block_mask
 
 
 def _exchange_forward(module: FlexAttention) -> Any:
