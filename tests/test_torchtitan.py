@@ -41,7 +41,7 @@ TEST_ARGS = ["--debug.seed", "0", "--training.mixed_precision_param", "float32"]
 LOSS_TOL = 1e-5
 """cp 2 against cp 1, absolute, per step (losses ~8.1; float32 sums in another order over 4 Adam steps)."""
 GRAD_NORM_TOL = 1e-4
-"""relative, per step, on the gradient norm torchtitan logs (float32 sums of squares: ~5e-5 off either way)."""
+"""relative, per step, on the gradient norm torchtitan logs (float32 sums of squares: 3e-5 to 6e-5 off the float64 norm)."""
 PARAM_GRAD_TOL = 1e-6
 """relative, per step and parameter, on each parameter's float64 gradient norm."""
 

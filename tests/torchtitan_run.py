@@ -7,7 +7,7 @@ train, close. One process pays torch's and torchtitan's imports once for every j
 
 A job is ``{"record": PATH, "args": [torchtitan flags], "kind": "train"}``. Every rank appends JSON
 lines to ``PATH.rank{r}``: per training step the logged loss and gradient norm (the metrics call every
-rank makes; torchtitan sums the norm's squares in float32, ~5e-5 relative off), every parameter's
+rank makes; torchtitan sums the norm's squares in float32: 3e-5 to 6e-5 relative off), every parameter's
 gradient norm in float64 (from the full gradient, before clipping) and, per batch the step consumed,
 its plan digest, its documents (``doc_index`` and ``doc_start`` per slot), its local token count, how
 many contiguous runs of global positions the rank holds (1: its keys sit in global order) and the
