@@ -12,7 +12,8 @@ float32, 4 steps from one seed checkpoint (512-token packs for the page's
 command, 256 for its config module):
 
 - the command of ``docs/torchtitan.md`` as written (``tiled``, cp 2), and its
-  config module (``balanced``), each against the same packs at cp 1: loss and
+  config module (``balanced``, two micro-batches per step), each against the
+  same packs at cp 1: loss, logged gradient norm and every parameter's float64
   gradient norm per step;
 - ``tiled`` with ``--dataloader.kv_exchange`` (cpdata's exchange in place of
   torchtitan's all-gather) against the same cp 1 run, saving a checkpoint at
@@ -24,6 +25,7 @@ command, 256 for its config module):
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -37,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "torchtitan.md"
 TITAN_PYTHON = Path(os.environ.get("CPDATA_TITAN_PYTHON", ROOT / ".venv-titan" / "bin" / "python"))
 STEPS = 4
+VOCAB = 2048
+"""llama3 debugmodel's vocabulary."""
 TEST_ARGS = ["--debug.seed", "0", "--training.mixed_precision_param", "float32"]
 LOSS_TOL = 1e-5
 """cp 2 against cp 1, absolute, per step (losses ~8.1; float32 sums in another order over 4 Adam steps)."""
@@ -121,18 +125,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[dict]]
         return {"record": str(folder / name), "args": add(args, extra), "kind": kind}
 
     exchange = ["--dataloader.kv_exchange", "--checkpoint.interval", "2"]
+    accumulate = ["--training.global_batch_size", "2"]  # two micro-batches of one pack per step
     steps = ["--training.seq_len", "256", "--training.local_batch_size", "1", "--training.steps", str(STEPS),
              "activation-checkpoint:none"]  # fmt: skip
     one = [
         job("seed", add(at_cp1, ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]), kind="seed"),
         job("tiled_cp1", at_cp1),
-        job("balanced_cp1", own + steps),
+        job("balanced_cp1", own + accumulate + steps),
         job("refuse_split", add(at_cp1, ["--dataloader.overflow", "split"]), kind="error"),
         job("refuse_backend", add(at_cp1, ["--parallelism.spmd_backend", "spmd_types"]), kind="error"),
     ]
     two = [
         job("tiled_cp2", flags),
-        job("balanced_cp2", add(own + steps, ["--parallelism.context_parallel_degree", "2"])),
+        job("balanced_cp2", add(own + accumulate + steps, ["--parallelism.context_parallel_degree", "2"])),
         job("exchange_cp2", add(flags, exchange)),
         job("resumed_cp2", add(flags, exchange + ["--checkpoint.load_step", "2"]), dump="exchange_cp2"),
     ]
@@ -158,27 +163,29 @@ def steps_of(record: list[list[dict]]) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout, cp2, mask", [("tiled", "tiled_cp2", "BlockMask"),
-                                               ("tiled", "exchange_cp2", "ExchangeMask"),
-                                               ("balanced", "balanced_cp2", "BlockMask")])  # fmt: skip
-def test_cp2_equals_cp1(runs: dict, layout: str, cp2: str, mask: str) -> None:
+@pytest.mark.parametrize("layout, cp2, mask, micro", [("tiled", "tiled_cp2", "BlockMask", 1),
+                                                      ("tiled", "exchange_cp2", "ExchangeMask", 1),
+                                                      ("balanced", "balanced_cp2", "BlockMask", 2)])  # fmt: skip
+def test_cp2_equals_cp1(runs: dict, layout: str, cp2: str, mask: str, micro: int) -> None:
     ref, got = steps_of(runs[f"{layout}_cp1"]), steps_of(runs[cp2])
     assert [s["step"] for s in ref] == [s["step"] for s in got] == list(range(1, STEPS + 1))
+    # a randomly initialized model's loss is near ln(vocab): the divisor counts each target once per step
+    assert abs(ref[0]["loss"] - math.log(VOCAB)) < 1, ref[0]
     for r, g in zip(ref, got, strict=True):
         # the same packs (documents and offsets per slot), sharded: half the tokens per rank
-        assert len(r["batches"]) == len(g["batches"]) == 1
+        assert len(r["batches"]) == len(g["batches"]) == micro  # micro-batches of the step (gradient accumulation)
         assert [b["docs"] for b in r["batches"]] == [b["docs"] for b in g["batches"]]
-        assert g["batches"][0]["tokens"] * 2 == r["batches"][0]["tokens"]
-        assert g["batches"][0]["mask"] == mask
+        assert all(b["tokens"] * 2 == a["tokens"] for a, b in zip(r["batches"], g["batches"], strict=True))
+        assert {b["mask"] for b in g["batches"]} == {mask}
         assert abs(g["loss"] - r["loss"]) < LOSS_TOL, (layout, cp2, r, g)
         assert abs(g["grad_norm"] - r["grad_norm"]) < GRAD_NORM_TOL * r["grad_norm"], (layout, cp2, r, g)
         assert len(r["grad_norms"]) == len(g["grad_norms"]) == 45  # every parameter of the debug model
         for a, b in zip(r["grad_norms"], g["grad_norms"], strict=True):
             assert a > 0 and abs(a - b) <= PARAM_GRAD_TOL * a, (layout, cp2, r["step"], a, b)
-    digests = [s["batches"][0]["digest"] for s in ref]
-    assert len(set(digests)) == STEPS  # a new pack every step
+    digests = [b["digest"] for s in ref for b in s["batches"]]
+    assert len(set(digests)) == STEPS * micro  # a new pack every micro-batch
     # keys reach the kernel out of global order on some step (a mask in global order would then be wrong)
-    assert max(s["batches"][0]["runs"] for rank in runs[cp2] for s in rank) > 1
+    assert max(b["runs"] for rank in runs[cp2] for s in rank for b in s["batches"]) > 1
     assert len({round(s["loss"], 4) for s in ref}) > 1  # training moves
 
 
