@@ -1,6 +1,6 @@
 """``CPTitanTrainer``: torchtitan's ``Trainer`` training on cpdata's per-rank batches and layouts.
 
-Four overrides, each the seam torchtitan offers for it:
+Five overrides, each the seam torchtitan offers for it:
 
 ==============================  ==================================================================
 ``init_distributed``            torchtitan's mesh, then the checks below, and this rank's CP
@@ -8,6 +8,8 @@ Four overrides, each the seam torchtitan offers for it:
                                 torchtitan with ``dp_rank``/``dp_world_size`` only)
 ``batch_generator``             records each micro-batch's ``info["n_targets"]`` (every CP rank's
                                 targets of the pack, counted on the worker)
+``train_step``                  starts each step's record afresh (torchtitan fetches all of a
+                                step's micro-batches before its first forward)
 ``post_dataloading_process``    no torchtitan CP sharding (the batch is this rank's shard already):
                                 ``positions`` as given, the mask from the layout
                                 (:func:`~cpdata.integrations.torchtitan.masks.batch_attention_mask`)
