@@ -12,8 +12,15 @@ DEV_STAMP := $(VENV)/.cpdata-dev
 # Peers the tests compare against side by side; their CP and indexed-dataset modules import with torch alone,
 # and their own dependency lists would pull GPU stacks, hence --no-deps.
 PEERS := "nemo-automodel==0.7.0" "megatron-core==0.16.1"
+# torchtitan 0.3.0 does not co-install with the dev extra (pip would take datasets 5.2 -> 4.7 and huggingface_hub
+# 2.4 -> 1.33 under transformers), so the torchtitan tests run it from its own environment: torch at the same pin,
+# torchtitan and cpdata (editable). tests/test_torchtitan.py finds it here; under CI a missing one fails the test.
+TITAN_VENV ?= .venv-titan
+TITAN_PY := $(TITAN_VENV)/bin/python
+TITAN_SPEC ?= torchtitan==0.3.0
+TITAN_STAMP := $(TITAN_VENV)/.cpdata-titan
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint clean titan-venv
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,10 +39,22 @@ $(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(PEERS)
 	touch $(RUNTIME_STAMP) $(DEV_STAMP)
 
+$(TITAN_PY):
+	python3 -m venv $(TITAN_VENV)
+
+$(TITAN_STAMP): $(TITAN_PY) pyproject.toml
+	$(TITAN_PY) -m pip install --upgrade --quiet pip
+	$(TITAN_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(TITAN_PY) -m pip install --quiet "$(TITAN_SPEC)"
+	$(TITAN_PY) -m pip install --quiet -e .
+	touch $(TITAN_STAMP)
+
+titan-venv: $(TITAN_STAMP)
+
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_cp.py
 
-test: $(DEV_STAMP)
+test: $(DEV_STAMP) $(TITAN_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(DEV_STAMP)
@@ -45,4 +64,4 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check cpdata pipelines examples tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TITAN_VENV) build *.egg-info

@@ -46,6 +46,7 @@ OWN_TEST = {
     "docs/bring-your-data.md": "tests/test_docs_bring_your_data.py",
     "docs/trainers.md": "tests/test_docs_trainers.py",
     "docs/hf-attention.md": "tests/test_hf_attention_docs.py",
+    "docs/torchtitan.md": "tests/test_torchtitan.py",
 }
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
 

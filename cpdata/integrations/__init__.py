@@ -9,6 +9,7 @@ heavy: each module pulls in its trainer library when imported itself.
 :mod:`cpdata.integrations.cp_trainer`  the mixin: mesh, loader, loss, gradient scale, resume, logs
 :mod:`cpdata.integrations.hf`          ``CPTrainer`` (``transformers.Trainer``; ``pip install 'cpdata[hf]'``)
 :mod:`cpdata.integrations.trl`         ``CPSFTTrainer`` (TRL's ``SFTTrainer``; ``pip install 'cpdata[trl]'``)
+:mod:`cpdata.integrations.torchtitan`  ``CPTitanTrainer`` (torchtitan's ``Trainer``; ``pip install torchtitan==0.3.0``)
 =====================================  ==========================================================
 """
 

@@ -1,0 +1,160 @@
+"""``CPTitanTrainer``: torchtitan's ``Trainer`` training on cpdata's per-rank batches and layouts.
+
+Five overrides, each the seam torchtitan offers for it:
+
+==============================  ==================================================================
+``init_distributed``            torchtitan's mesh, then the checks below, and this rank's CP
+                                coordinates handed to the loader config (built later by
+                                torchtitan with ``dp_rank``/``dp_world_size`` only)
+``batch_generator``             records each micro-batch's ``info["n_targets"]`` (every CP rank's
+                                targets of the pack, counted on the worker)
+``train_step``                  starts each step's record afresh (torchtitan fetches all of a
+                                step's micro-batches before its first forward)
+``post_dataloading_process``    no torchtitan CP sharding (the batch is this rank's shard already):
+                                ``positions`` as given, the mask from the layout
+                                (:func:`~cpdata.integrations.torchtitan.masks.batch_attention_mask`)
+``forward_backward_step``       the loss divisor is the step's target count: the micro-batches'
+                                ``n_targets`` summed, over the DP group (one all-reduce per step)
+==============================  ==================================================================
+
+Loss and gradients. torchtitan divides each rank's summed token loss by the
+divisor it is given and sums gradients over the FSDP mesh (DP x CP,
+gradient divide factor 1). With the pack's target count as the divisor the
+CP ranks' losses add up to the pack's mean loss, and the K/V collective's
+backward hands each rank its keys' share of every rank's loss: cp N trains
+like cp 1 on the same packs (the tests compare loss and gradient norm). The
+logged ``loss`` is that mean; torchtitan's ``max_loss`` divides by its own
+local label count and is only indicative here.
+
+With ``--dataloader.kv_exchange`` the attention's all-gather is swapped for
+cpdata's exchange (:func:`~cpdata.integrations.torchtitan.masks.install_exchange_attention`)
+after torchtitan has built and parallelized the model.
+
+Resume is torchtitan's checkpointer (``--checkpoint.enable``): model,
+optimizer, scheduler, step and the loader state of every rank
+(:class:`~cpdata.integrations.torchtitan.loader.CPTitanLoader`).
+
+Refused with ``ValueError`` naming the setting: pipeline or tensor
+parallelism, CUDA graphs, a ``parallelism.spmd_backend`` other than ``partial_dtensor``,
+an inner attention other than torchtitan's ``FlexAttention``, the validator,
+and a dataloader other than :class:`CPTitanLoader`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.trainer import Trainer
+
+from cpdata.device.consistency import verify_layout_consistency
+from cpdata.integrations.torchtitan.loader import BATCH_KEY, CPTitanLoader
+from cpdata.integrations.torchtitan.masks import batch_attention_mask, install_exchange_attention
+from cpdata.worker.keys import N_TARGETS
+
+__all__ = ["CPTitanTrainer"]
+
+
+class CPTitanTrainer(Trainer):
+    """torchtitan's ``Trainer`` on cpdata batches (see the module docstring). Build it from ``CPTitanTrainer.Config``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        def __post_init__(self) -> None:
+            Trainer.Config.__post_init__(self)
+            _check_config(self)
+
+    def __init__(self, config: Config) -> None:
+        self._step_targets: list[int] = []
+        self._step_divisor: torch.Tensor | None = None
+        super().__init__(config)
+        self._cp_group = self.parallel_dims.get_mesh("cp").get_group() if self.parallel_dims.cp_enabled else None
+        self._exchange = bool(config.dataloader.kv_exchange)
+        if self._exchange:
+            for model in self.model_parts:
+                install_exchange_attention(model)
+
+    # -- mesh -------------------------------------------------------------------------------------------
+    def init_distributed(self) -> ParallelDims:
+        parallel_dims = super().init_distributed()
+        if parallel_dims.pp_enabled or parallel_dims.tp_enabled:
+            raise ValueError(
+                f"CPTitanTrainer: pipeline_parallel_degree={parallel_dims.pp} / tensor_parallel_degree="
+                f"{parallel_dims.tp}: cpdata batches are tested with data (FSDP) and context parallelism only; "
+                "set both to 1"
+            )
+        loader = self.config.dataloader
+        loader.cp_degree = parallel_dims.cp
+        loader.cp_rank = parallel_dims.get_mesh("cp").get_local_rank() if parallel_dims.cp_enabled else 0
+        return parallel_dims
+
+    # -- data -------------------------------------------------------------------------------------------
+    def batch_generator(self, data_iterable: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> Iterator[Any]:
+        for input_dict, labels in super().batch_generator(data_iterable):
+            self._step_targets.append(int(input_dict[BATCH_KEY].info[N_TARGETS]))
+            yield input_dict, labels
+
+    def train_step(self, data_iterator: Iterator[Any]) -> None:
+        self._step_targets, self._step_divisor = [], None
+        super().train_step(data_iterator)  # fetches every micro-batch of the step before the first forward
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, Any], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        batch = input_dict[BATCH_KEY]
+        if self._cp_group is not None and self.config.dataloader.verify_layout:
+            verify_layout_consistency(batch.layout, self._cp_group, device=self.device)
+        block_size = self.model_config.first_attention.inner_attention.block_size
+        mask = batch_attention_mask(batch, group=self._cp_group, device=self.device, block_size=block_size,
+                                    exchange=self._exchange)  # fmt: skip
+        self.ntokens_seen += labels.numel()
+        return input_dict["input"], labels, {"positions": input_dict["positions"], "attention_masks": mask}
+
+    # -- loss -------------------------------------------------------------------------------------------
+    def step_divisor(self) -> torch.Tensor:
+        """The step's target count: every micro-batch's ``n_targets`` (all CP ranks), summed over DP."""
+        if self._step_divisor is None:
+            total = torch.tensor(sum(self._step_targets), dtype=torch.int64, device=self.device)
+            if self.parallel_dims.dp_enabled:
+                dist.all_reduce(total, group=self.parallel_dims.get_mesh("batch").get_group())
+            self._step_divisor = total
+        return self._step_divisor
+
+    def forward_backward_step(
+        self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        return super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=self.step_divisor())  # fmt: skip
+
+
+def _check_config(config: Trainer.Config) -> None:
+    """Refuse, with one ``ValueError`` naming each setting, what CPTitanTrainer cannot honour."""
+    problems = []
+    if not isinstance(config.dataloader, CPTitanLoader.Config):
+        problems.append(f"dataloader={type(config.dataloader).__qualname__}: use CPTitanLoader.Config (cpdata's "
+                        "batches are the point of CPTitanTrainer)")  # fmt: skip
+    if config.parallelism.spmd_backend != "partial_dtensor":
+        problems.append(f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: cpdata shards the batches "
+                        "itself and feeds torchtitan's flex attention plain local tensors; set "
+                        "--parallelism.spmd_backend partial_dtensor")  # fmt: skip
+    if config.validator.enable:
+        problems.append("validator.enable: validation would read torchtitan's own dataloader, unsharded; "
+                        "turn it off (--validator.no-enable) and evaluate the saved model separately")  # fmt: skip
+    if not config.training.disable_cuda_graphs:
+        problems.append("training.disable_cuda_graphs=False: a CUDA graph would replay the first batch's "
+                        "document mask on every batch; set --training.disable_cuda_graphs")  # fmt: skip
+    model = config.model_spec.model if config.model_spec is not None else None
+    if model is not None:
+        attention = model.first_attention if isinstance(model, Decoder.Config) else None
+        inner = attention.inner_attention if attention is not None else None
+        if not isinstance(inner, FlexAttention.Config):
+            problems.append(f"the model's inner attention is {type(inner).__qualname__}: cpdata's document "
+                            "masks need torchtitan's FlexAttention (a decoder with attn_backend='flex')")  # fmt: skip
+    if problems:
+        raise ValueError("CPTitanTrainer cannot honour: " + "; ".join(problems))
