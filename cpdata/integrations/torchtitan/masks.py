@@ -9,17 +9,19 @@ pack at rank-order index ``gather_index[g]``, so key ``j`` sits at global
 position ``argsort(gather_index)[j]``. The mask is cpdata's document-causal
 predicate at each key's global position::
 
-    attend[q, j] = slot_start(q) <= key_pos[j] <= pos(q)
+    attend[q, j] = lo(q) <= key_pos[j] <= hi(q)
 
-(:func:`cpdata.adapters.masks.block_mask_over_keys`; ``pos`` and
-``slot_start`` from the layout and the batch's ``document_ids`` /
-``cu_seqlens_padded``). No collective when the layout carries its inverse map
+(:mod:`cpdata.device.attention_masks`, the one mask of every cpdata attention:
+``lo`` the query's slot start and ``hi`` its position for a real query, both its
+own position for a pad; from the layout and the batch's ``document_ids`` /
+``cu_seqlens_padded`` / ``cu_seqlens``). No collective when the layout carries its inverse map
 (the worker builds it), one index all-gather otherwise.
 
 With ``kv_exchange=True`` the keys come instead from cpdata's exchange
 (:mod:`cpdata.device.kv_exchange`): :func:`install_exchange_attention` swaps
 the forward of every ``FlexAttention`` module for one that sends each rank
-only the keys its documents reach (one all-to-all of ``cat(k, v)``, the
+only the keys its documents reach (one all-to-all of ``cat(k, v)`` through
+:func:`cpdata.device.kv_exchange.move_keys_values`, the
 reverse in backward) and runs the same flex call over ``own + received``
 keys, with the mask at those keys' global positions. The batch's layout rides
 to the layers inside the mask object (:class:`ExchangeMask`), which torchtitan
@@ -39,8 +41,8 @@ from typing import Any
 import torch
 from torchtitan.models.common.attention import FlexAttention
 
-from cpdata.adapters.masks import block_mask_over_keys, query_bounds
-from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
+from cpdata.device.attention_masks import block_mask, document_slots
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.gather import ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
@@ -89,7 +91,8 @@ def batch_attention_mask(
     """
     layout = batch.layout
     document_ids = batch[DOCUMENT_IDS].reshape(1, -1).to(device)
-    start, pos, _ = query_bounds(layout, document_ids, batch["cu_seqlens_padded"].to(device))
+    slots = document_slots(layout, document_ids, batch["cu_seqlens_padded"].to(device), batch["cu_seqlens"].to(device))
+    lo, hi = slots.intervals()
     if exchange:
         if not has_exchange(layout):
             raise ValueError("the attention swap needs batches built with kv_exchange=True; set "
@@ -98,9 +101,12 @@ def batch_attention_mask(
     elif layout.cp_size > 1:
         keys = gathered_key_positions(layout, group, device)
     else:
-        keys = pos
-    block_mask = block_mask_over_keys(start, pos, keys, block_size=block_size)
-    return ExchangeMask(block_mask=block_mask, layout=layout, group=group) if exchange else block_mask
+        keys = None  # one rank: keys in global order
+    size = block_size if isinstance(block_size, int) else block_size[0]
+    if not isinstance(block_size, int) and block_size[0] != block_size[1]:
+        raise ValueError(f"block_size={block_size}: cpdata's masks use square tiles; set the same q and kv block size")
+    mask = block_mask(lo, hi, slots.row_len, key_pos=keys, block_size=size)
+    return ExchangeMask(block_mask=mask, layout=layout, group=group) if exchange else mask
 
 
 def _exchange_forward(module: FlexAttention) -> Any:
@@ -112,9 +118,7 @@ def _exchange_forward(module: FlexAttention) -> Any:
                 f"the cpdata exchange attention got attention_masks={type(attention_masks).__name__}; it runs "
                 "only inside CPTitanTrainer, whose post_dataloading_process builds an ExchangeMask per batch"
             )
-        kv = torch.cat((k.contiguous(), v.contiguous()), dim=-1)  # [B, L, N, Hk + Hv]: one collective for both
-        kv = exchange_tokens(kv, attention_masks.layout, attention_masks.group, seq_dim=1)
-        k_x, v_x = kv.split((k.shape[-1], v.shape[-1]), dim=-1)
+        k_x, v_x = move_keys_values(k, v, attention_masks.layout, attention_masks.group, exchange=True, seq_dim=1)
         return FlexAttention.forward(module, q, k_x, v_x, attention_masks=attention_masks.block_mask, **kwargs)
 
     return forward
