@@ -63,7 +63,7 @@ from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
 
-__all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
+__all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args", "cp_loss_scale"]
 
 LOADER_STATE = "cpdata_loader_rank{rank}.pt"
 """File name of each rank's loader state inside a Trainer checkpoint folder."""
@@ -99,6 +99,21 @@ def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, comp
                         "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
     if problems:
         raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
+
+
+
+def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
+    """What each rank's loss is multiplied by so that DDP's mean over ``world_size`` ranks trains like cp 1.
+
+    Each rank's loss is its target sum over ``N``: the pack's count across its CP
+    group (``average_tokens_across_devices=False``), or across every rank (True).
+    DDP averages over all ``W = dp * cp`` ranks, so the scale is ``cp`` (the sum
+    over CP, then the mean over DP groups of their pack means) or ``W`` (the sum
+    over every rank: the global token mean). 1 on a single rank (no DDP).
+    """
+    if world_size <= 1:
+        return 1
+    return world_size if average_tokens_across_devices else cp_size
 
 
 class CPTrainerMixin:
@@ -178,8 +193,7 @@ class CPTrainerMixin:
             self.cp_rank = self.cp_mesh["cp"].get_local_rank()
             dp_group = self.cp_mesh["dp"].get_group()
         self._cp_groups = (self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None, dp_group)
-        # DDP averages over all `world` ranks: scale so that the mean is the sum over CP (see the module docstring)
-        self._cp_loss_scale = (world if args.average_tokens_across_devices else self.cp_size) if world > 1 else 1
+        self._cp_loss_scale = cp_loss_scale(world, self.cp_size, bool(args.average_tokens_across_devices))
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
         self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
                                         self.model)  # fmt: skip
