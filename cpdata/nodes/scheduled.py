@@ -66,7 +66,8 @@ class ScheduledPacks(BaseNode[PackPlan]):
             :func:`~cpdata.schedule.plan_schedule`.
         dp_rank, dp_size, micro_batches: this rank, the DP size, packs per rank per step.
         schedule: one of :data:`SCHEDULES`.
-        cost: the cost model of ``"balanced"`` (default: the FlexSP 7B profile).
+        cost: the cost model of ``"balanced"``; default: the FlexSP 7B profile, with the token plan
+            taken instead when it is cheaper once pads are counted (``plan_schedule(fallback=True)``).
         shuffle: plan epoch ``e`` over the documents in the ``(seed, e)`` order (the order
             :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in): each epoch's schedule
             is planned when it starts, on every rank and worker alike.
@@ -124,14 +125,15 @@ class ScheduledPacks(BaseNode[PackPlan]):
             raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
         source = indexed_hf_documents(source)  # a datasets.Dataset: lengths from its length column or offsets
         arr = source_lengths(source, lengths)
-        if schedule == "balanced" and cost is None:
+        fallback = schedule == "balanced" and cost is None  # the default: the token plan when it is cheaper
+        if fallback:
             cost = CostModel()
         self.source, self.vocab_size, self.num_epochs = source, vocab_size, num_epochs
         self.dp_rank, self.dp_size, self.worker = int(dp_rank), int(dp_size), (int(worker_id), int(num_workers))
         self._plans = EpochRows(arr, self.dp_rank, dict(
             capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size, micro_batches=micro_batches,
             cost=cost if schedule == "balanced" else None, max_delay=max_delay, algorithm=algorithm,
-            overflow=overflow, seed=seed, shuffle=shuffle, tail=tail,
+            overflow=overflow, seed=seed, shuffle=shuffle, tail=tail, fallback=fallback,
         ))  # fmt: skip
         self.schedule: Schedule = self._plans.schedule  # type: ignore[assignment]
         """Epoch 0's schedule (the whole plan; not sent to dataloader workers)."""
@@ -144,6 +146,7 @@ class ScheduledPacks(BaseNode[PackPlan]):
             "algorithm": algorithm, "overflow": self.schedule.config.overflow, "seed": int(seed),
             "shuffle": bool(shuffle), "num_epochs": num_epochs, "tail": tail, "worker": list(self.worker),
             "cost": None if cost is None or schedule != "balanced" else [float(cost.a), float(cost.b)],
+            "fallback": fallback,
             "labels_alignment": self.labels_alignment,
         }  # fmt: skip
         self._epoch, self._first_epoch, self._item, self._started = 0, 0, self.worker[0], False
