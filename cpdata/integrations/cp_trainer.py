@@ -17,7 +17,7 @@
                                 included (activation checkpointing recomputes attention there)
 ``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
                                 (the one place that picks the attention), loss x the gradient scale
-``log``                         adds ``cp_padding_pct``, ``cp_imbalance``, ``cp_tokens_per_s``
+``log``                         adds ``cp_padding_pct``, ``cp_tiles_max_over_ideal``, ``cp_tokens_per_s``
 ``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
 ``train``                       a resume reads that loader state instead of Trainer's batch skipping
 ==============================  ===================================================================
@@ -197,7 +197,8 @@ class CPTrainerMixin:
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
         self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
                                         self.model)  # fmt: skip
-        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device)
+        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=self._cp_groups[0],
+                                       cp_size=self.cp_size)  # fmt: skip
 
     def _cp_padding_token_id(self) -> int:
         for owner in (self.processing_class, getattr(self.model, "config", None)):
@@ -291,7 +292,7 @@ class CPTrainerMixin:
                 outputs = model(**kwargs)
         loss = outputs.loss * self._cp_loss_scale
         if self.model.training:
-            self._cp_metrics.add(inputs.info)
+            self._cp_metrics.add(inputs)
         return (loss, outputs) if return_outputs else loss
 
     # -- logs, checkpoints, resume -------------------------------------------------------------------
