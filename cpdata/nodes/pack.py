@@ -316,11 +316,13 @@ class Pack(BaseNode[PackPlan]):
 def _name_mixed_overlong(exc: OverlongDocumentError, source: Any) -> None:
     """Re-raise an overlong draw of a :func:`cpdata.mix` named by its source and its index there."""
     sources = document_sources_of(source)
-    if sources is None:
+    overlong = exc.overlong
+    if sources is None or overlong is None:
         return
-    names, index = sources(np.array([exc.index], dtype=np.int64))
-    where = f"draw {exc.index} of the mix" if index[0] < 0 else f"document {int(index[0])} of mix source {names[0]!r}"
-    hint = (f"(draw {exc.index} of the mixed stream.) A mix checks each document when it draws it; to name every "
-            "overlong document of a source at once, check that source's lengths first (cpdata.plan_lengths("
+    names, index = sources(np.array([overlong.index], dtype=np.int64))
+    where = (f"draw {overlong.index} of the mix" if index[0] < 0
+             else f"document {int(index[0])} of mix source {names[0]!r}")  # fmt: skip
+    hint = (f"(draw {overlong.index} of the mixed stream.) A mix checks each document when it draws it; to name "
+            "every overlong document of a source at once, check that source's lengths first (cpdata.plan_lengths("
             "lengths, capacity=..., layout=..., cp_size=...) raises naming them all)")  # fmt: skip
-    raise exc.named(where, hint) from None
+    raise OverlongDocumentError(overlong.message(where, hint), overlong=overlong) from None

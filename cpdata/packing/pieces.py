@@ -32,7 +32,7 @@ from cpdata.layout.maps import alignment
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
 from cpdata.worker.targets import NO_TRAINED_TARGET, UNLABELED
 
-__all__ = ["COUNT_FIELDS", "OverlongDocumentError", "Pieces", "check_lengths", "cut_documents"]
+__all__ = ["COUNT_FIELDS", "Overlong", "OverlongDocumentError", "Pieces", "check_lengths", "cut_documents"]
 
 COUNT_FIELDS: tuple[str, ...] = (
     "documents",
@@ -128,27 +128,35 @@ _STREAM_HINT = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Overlong:
+    """The numbers of a document longer than the capacity: its stream ``index``, ``tokens``, aligned ``slot``."""
+
+    index: int
+    tokens: int
+    slot: int
+    multiple: int
+    capacity: int
+
+    def message(self, where: str | None = None, hint: str = _STREAM_HINT) -> str:
+        others = [p for p in OVERFLOW_POLICIES if p != "error"]
+        return (
+            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a multiple "
+            f"of {self.multiple}), more than capacity={self.capacity}; raise the capacity or pass overflow= one of "
+            f"{others} (choices: {list(OVERFLOW_POLICIES)}). {hint}"
+        )
+
+
 class OverlongDocumentError(ValueError):
     """A document longer than the capacity under ``overflow="error"``, met while reading a stream.
 
-    Carries the numbers so a stage that knows where the document came from (a
-    mix: its source and index there) can say so with :meth:`named`.
+    ``overlong`` carries the numbers, so a stage that knows where the document came from (a mix: its source
+    and its index there) can say so; constructible from the message alone (pickling, worker processes).
     """
 
-    def __init__(self, index: int, tokens: int, slot: int, multiple: int, capacity: int, *,
-                 where: str | None = None, hint: str = _STREAM_HINT) -> None:  # fmt: skip
-        self.index, self.tokens, self.slot, self.multiple, self.capacity = index, tokens, slot, multiple, capacity
-        others = [p for p in OVERFLOW_POLICIES if p != "error"]
-        super().__init__(
-            f"{where or f'document {index}'} has {tokens} tokens ({slot} after aligning to a multiple of "
-            f"{multiple}), more than capacity={capacity}; raise the capacity or pass overflow= one of {others} "
-            f"(choices: {list(OVERFLOW_POLICIES)}). {hint}"
-        )
-
-    def named(self, where: str, hint: str) -> OverlongDocumentError:
-        """The same error with the document named as ``where`` and another closing ``hint``."""
-        return OverlongDocumentError(self.index, self.tokens, self.slot, self.multiple, self.capacity, where=where,
-                                     hint=hint)  # fmt: skip
+    def __init__(self, message: str, *, overlong: Overlong | None = None) -> None:
+        super().__init__(message)
+        self.overlong = overlong
 
 
 def cut_documents(
@@ -187,7 +195,8 @@ def cut_documents(
     if over.any():
         first = int(np.flatnonzero(over)[0])
         if config.overflow == "error":
-            raise OverlongDocumentError(int(source_index[first]), int(lengths[first]), int(slot[first]), m, cap)
+            overlong = Overlong(int(source_index[first]), int(lengths[first]), int(slot[first]), m, cap)
+            raise OverlongDocumentError(overlong.message(), overlong=overlong)
         if config.overflow == "drop":
             counts["dropped"] = int(over.sum())
             counts["dropped_tokens"] = int(lengths[over].sum())
