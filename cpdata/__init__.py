@@ -47,6 +47,8 @@ _EXPORTS: dict[str, str] = {
     "closing_loader": "cpdata.nodes.loader",
     "collate_pack": "cpdata.worker.collate",
     "collate_rank": "cpdata.worker.collate",
+    "exchange_tokens": "cpdata.device.kv_exchange",
+    "exchanged_key_positions": "cpdata.device.kv_exchange",
     "exit_with_parent": "cpdata.nodes.orphans",
     "gather_token_tensor": "cpdata.gather",
     "inverse_indices": "cpdata.layout.maps",

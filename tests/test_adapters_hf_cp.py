@@ -103,7 +103,8 @@ def _labelled_docs() -> list[dict]:
     docs = []
     for i, n in enumerate(LENS * 2):
         ids = rng.integers(1, VOCAB, n)
-        docs.append({"input_ids": ids, "labels": np.where(ids % 4 == 0, -100, ids)} if i % 3 == 0 else
+        targets = np.append(ids[1:], -100)  # labels_alignment="targets": the next token, some masked
+        docs.append({"input_ids": ids, "labels": np.where(targets % 4 == 0, -100, targets)} if i % 3 == 0 else
                     {"input_ids": ids})  # fmt: skip
     return docs
 
@@ -143,7 +144,9 @@ def _targets_rank(rank: int, world: int, plan: str, jsonl: str) -> list[tuple[st
         with closing_loader(make()) as loader:
             for batch in loader:
                 counted = int(global_target_count(batch, group))  # the all-reduce the recorded count replaces
-                with mock.patch.object(dist, "all_reduce", _no_collective):
+                # kwargs read, never run through a model: the guard that they reach a "cpdata" layer is off here
+                with mock.patch.object(dist, "all_reduce", _no_collective), \
+                        mock.patch("cpdata.adapters.hf.check_reaches_cpdata"):
                     filled = hf_model_kwargs(batch, "cpdata", group=group)["num_items_in_batch"]
                 derived = batch.info["real_tokens"] - batch.info["n_documents"]  # targets if nothing were masked
                 out.append((name, batch.info["n_targets"], counted, filled, derived))

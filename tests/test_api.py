@@ -14,7 +14,8 @@ PUBLIC = [
     "PackPlan", "PackingResult", "PackingStats", "PrecomputedDataset", "PrecomputedPacks", "Schedule",
     "ShardForRank", "ShardLayout", "ShardedBatch", "Tokenize", "TokenizedDataset", "alignment",
     "all_ranks_have_batch", "build_loader", "build_node", "close_loader", "closing_loader", "collate_pack",
-    "collate_rank", "exit_with_parent", "gather_token_tensor", "inverse_indices", "keep_heap", "maybe_pin", "mix",
+    "collate_rank", "exchange_tokens", "exchanged_key_positions", "exit_with_parent", "gather_token_tensor",
+    "inverse_indices", "keep_heap", "maybe_pin", "mix",
     "open_dataset", "plan_lengths", "plan_schedule", "precompute", "rank_indices", "verify_layout_consistency",
 ]  # fmt: skip
 

@@ -386,7 +386,8 @@ def test_the_pipeline_with_labels_masks_and_small_windows_equals_the_reference(l
         ids = rng.integers(0, 32000, size=n, dtype=np.int64)
         doc = {"input_ids": ids, "token_type": (ids % 4).astype(np.int16)}
         if i % 3 == 0:
-            doc["labels"] = np.where(ids % 5 == 0, IGNORE_INDEX, ids)
+            targets = np.append(ids[1:], IGNORE_INDEX)  # labels_alignment="targets": the next token, some masked
+            doc["labels"] = np.where(targets % 5 == 0, IGNORE_INDEX, targets)
         if i % 4 == 1:
             doc["loss_mask"] = (ids % 3 != 0).astype(np.int8)
         docs.append(doc)

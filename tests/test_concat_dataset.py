@@ -87,3 +87,20 @@ def test_errors_name_the_shard(tmp_path):
     (tmp_path / "bad.jsonl").write_text("")
     with pytest.raises(ValueError, match="part 1 of 2: .*bad.jsonl changed since it was opened"):
         ds.check_unchanged()
+
+
+def test_shards_declaring_different_label_conventions_are_refused(tmp_path):
+    """A shard of HF labels ("inputs") beside one of Megatron targets ("targets"): no choice reads both right."""
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(3, 500, 30) for _ in range(6)]
+    hf = [{"input_ids": x, "labels": np.where(np.arange(30) < 5, -100, x)} for x in ids[:3]]
+    megatron = [{"input_ids": x, "labels": np.append(np.where(np.arange(29) < 4, -100, x[1:]), -100)} for x in ids[3:]]
+    write_token_store(hf, tmp_path / "hf", vocab_size=500, labels_alignment="inputs")
+    write_token_store(megatron, tmp_path / "mg", vocab_size=500, labels_alignment="targets")
+    write_megatron(_docs(5, 1), tmp_path / "plain_text_document", vocab_size=500)  # no labels, no convention
+    with pytest.raises(ValueError, match=r"parts \[0\] .*hf.* declare labels_alignment='inputs'; parts \[1\] .*mg.* "
+                                         r"declare labels_alignment='targets'.*shift them by one token"):
+        open_dataset([tmp_path / "hf", tmp_path / "mg"])
+    same = open_dataset([tmp_path / "hf", tmp_path / "plain_text_document", tmp_path / "hf"])
+    assert same.labels_alignment == "inputs"  # a part without labels takes the others' convention
+    assert open_dataset([tmp_path / "plain_text_document"] * 2).labels_alignment is None

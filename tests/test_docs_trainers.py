@@ -22,7 +22,7 @@ def test_trainers_page_blocks_run(tmp_path, monkeypatch):
             exec(compile(block, f"{DOC.name}:block{i}", "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
-    assert namespace["last"]["cp_imbalance"] >= 1.0 and namespace["last"]["step"] == 4
+    assert namespace["last"]["cp_tiles_max_over_ideal"] >= 1.0 and namespace["last"]["step"] == 4
     assert (tmp_path / "out" / "hf" / "checkpoint-2" / "cpdata_loader_rank0.pt").is_file()
     losses = [h["loss"] for h in namespace["sft"].state.log_history if "loss" in h]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)

@@ -117,3 +117,38 @@ def test_a_worker_sharded_batch_for_a_magi_model_is_refused():
     batch = ShardedBatch({"input_ids": torch.arange(4).view(1, 4)}, layout=ShardLayout(cp_size=2), info={})
     with pytest.raises(ValueError, match="MagiAttention.*already sharded by cpdata"):
         ContextParallelSharder(MAGI, FakeMesh(2, 0), batch)
+
+
+def test_rows_whose_slots_do_not_reach_s_differ_only_where_the_release_misplaces_later_documents():
+    """Documented in docs/nemo.md: each row's slots sum to 4 of S = 6. The release lays the slots back to back
+    across rows, so row 1's documents start at stream position 4 (row 0's tail) and its padding mask marks the
+    wrong tokens; cpdata's tail joins each row's last slot. Every other key is equal."""
+
+    def batch() -> dict:
+        ids = torch.arange(1, 13).view(2, 6)
+        lens = torch.tensor([[3, 1], [2, 2]])
+        return {"input_ids": ids, "labels": ids + 100, "position_ids": torch.arange(6).repeat(2, 1),
+                "seq_lens": lens, "seq_lens_padded": lens.clone(), "qkv_format": "thd"}  # fmt: skip
+
+    _, want = NemoSharder(TE, None, batch()).shard(batch())
+    _, got = ContextParallelSharder(TE, None, batch()).shard(batch())
+    # brute force: the flattened rows' real tokens and document starts
+    real = torch.zeros(12, dtype=torch.bool)
+    starts = []
+    for row, lens in enumerate(batch()["seq_lens"].tolist()):
+        at = 6 * row
+        for n in lens:
+            starts.append(at)
+            real[at : at + n] = True
+            at += n
+    assert torch.equal(got["padding_mask"], ~real)
+    assert got["cu_seqlens_padded"][:-1].tolist() == starts and int(got["cu_seqlens_padded"][-1]) == 12
+    assert not torch.equal(want["padding_mask"], ~real)  # the release marks row 0's tail as real, row 1's as pad
+    assert want["cu_seqlens"].tolist()[:4] == [0, 3, 4, 6]  # row 1's first document at 4, inside row 0's tail
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return type(a) is type(b) and a == b
+
+    differing = {k for k in set(want) | set(got) if not same(want.get(k), got.get(k))}
+    assert differing == {"cu_seqlens", "cu_seqlens_padded", "max_seqlen", "padding_mask"}, differing

@@ -85,3 +85,23 @@ def test_configuration_is_checked_in_the_main_process(plan):
         PrecomputedDataset(path, store, cp_rank=0, cp_size=4)
     with pytest.raises(ValueError, match="cp_rank"):
         PrecomputedDataset(path, store, cp_rank=2)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kv_exchange_and_block_size_reach_the_workers_batches(plan, workers):
+    """The live path's shard options: each batch carries the exchange plan ShardForRank builds for the same pack."""
+    path, store = plan
+    expected = list(ShardForRank(Collate(PrecomputedPacks(path, store), batch_size=2, qkv_format="thd"),
+                                 cp_size=2, cp_rank=1, layout="thd", kv_exchange=True))  # fmt: skip
+    ds = PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd", kv_exchange=True, block_size=3)
+    got = list(_loader(ds, workers))
+    assert len(got) == len(expected) > 6
+    for a, e in zip(got, expected, strict=True):
+        assert_batches_equal(a, e)
+        mine, ref = a.layout.kv_exchange, e.layout.kv_exchange
+        assert mine is not None and ref is not None
+        assert (mine.send_counts, mine.recv_counts) == (ref.send_counts, ref.recv_counts)
+        assert np.array_equal(mine.send_runs, ref.send_runs) and np.array_equal(mine.recv_runs, ref.recv_runs)
+    assert sum(b.layout.kv_exchange.n_recv for b in got) > 0  # something is exchanged at all
+    plain = next(iter(_loader(PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd"), 0)))
+    assert plain.layout.kv_exchange is None

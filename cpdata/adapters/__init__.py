@@ -21,7 +21,8 @@ never imported here (``register_hf_attention()`` imports transformers when calle
 
 Role: the top of the device half, for model stacks; modules: ``_batch`` (what
 every adapter reads from a batch), ``masks`` (document-causal masks), ``loss``
-(CP-summable loss), ``hf`` (Hugging Face kwargs), ``hf_attention`` (the ``"cpdata"``
+(CP-summable loss), ``hf`` (Hugging Face kwargs), ``hf_guard`` (every CP rank's model on the
+``"cpdata"`` attention, or every rank refuses), ``hf_attention`` (the ``"cpdata"``
 transformers attention), ``hf_layers`` (each layer's variant from its config),
 ``attention_kernels`` (dense SDPA and flex kernels behind it), ``te`` (Transformer Engine).
 """

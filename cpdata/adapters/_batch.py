@@ -54,8 +54,9 @@ def check_cp_group(group: Any, layout: ShardLayout) -> None:
         )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if (size, rank) != (layout.cp_size, layout.cp_rank):
+        which = "group=None (the default group of every rank)" if group is None else "the group passed"
         raise ValueError(
-            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the group has "
-            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for "
-            "(cp_mesh.get_group())"
+            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but {which} has "
+            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for: "
+            "group=mesh['cp'].get_group() on a (dp, cp) DeviceMesh (cp_mesh.get_group() on a 1-D one)"
         )

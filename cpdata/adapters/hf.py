@@ -82,6 +82,7 @@ import torch
 
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
+from cpdata.adapters.hf_guard import check_reaches_cpdata, remember
 from cpdata.adapters.hf_layers import check_config, config_windows, uniform_window
 from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
@@ -156,6 +157,8 @@ def hf_model_kwargs(
             "(attention_mask)"
         )
     check_config(config)
+    if ours:  # before any collective: the CP group, then every rank's model on this attention
+        check_reaches_cpdata(attn_implementation, config, layout, group)
     input_ids = tensors[INPUT_IDS]
     if layout.cp_size > 1 and not ours and attn_implementation != "sdpa":
         raise ValueError(
@@ -191,8 +194,11 @@ def hf_model_kwargs(
     if num_items_in_batch is not None:
         kwargs["num_items_in_batch"] = num_items_in_batch
     if ours:
-        kwargs[STATE_KEY] = attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS],
-                                            tensors["cu_seqlens_padded"], tensors.get("cu_seqlens"), group)  # fmt: skip
+        state = attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS], tensors["cu_seqlens_padded"],
+                                tensors.get("cu_seqlens"), group)  # fmt: skip
+        if layout.cp_size > 1:
+            remember(state)
+        kwargs[STATE_KEY] = state
         return kwargs
     if flash:
         cu = tensors["cu_seqlens_padded"]

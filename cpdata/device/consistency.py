@@ -35,7 +35,13 @@ import torch.distributed as dist
 from cpdata.errors import check_int, is_int
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "verify_layout_consistency"]
+__all__ = [
+    "DEFAULT_CHECK_EVERY",
+    "LayoutCheck",
+    "all_ranks_have_batch",
+    "any_rank_flags",
+    "verify_layout_consistency",
+]
 
 _INTERVAL = " (batches between checks; 0 or None: off)"
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
@@ -164,11 +170,22 @@ def all_ranks_have_batch(has_batch: bool, group: Any = None, *, device: Any = No
 
     Without an initialized process group it returns ``has_batch``.
     """
+    return not any_rank_flags((not has_batch,), group, device=device)[0]
+
+
+def any_rank_flags(flags: tuple[bool, ...], group: Any = None, *, device: Any = None) -> tuple[bool, ...]:
+    """Each flag OR-ed over ``group``: one all-reduce (MAX) of ``len(flags)`` int64 and one device-to-host read.
+
+    Every rank must call it with the same number of flags (whatever their
+    values), so ranks that found a problem and ranks that did not take the same
+    collective path and can all raise together. Without an initialized process
+    group it returns ``flags``.
+    """
     if not (dist.is_available() and dist.is_initialized()):
-        return bool(has_batch)
+        return tuple(bool(f) for f in flags)
     if device is None:
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    flag = torch.tensor([1 if has_batch else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    seen = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    return tuple(bool(v) for v in seen.tolist())

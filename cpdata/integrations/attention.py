@@ -49,6 +49,13 @@ def check_attention(config: Any, cp_size: int) -> None:
     if cp_size <= 1:
         return
     impl = getattr(config, "_attn_implementation", None)
+    if impl == "cpdata" and not _registered(impl):
+        raise ValueError(
+            "the model's attn_implementation is 'cpdata', which is not registered in this process: call "
+            "cpdata.adapters.register_hf_attention() first, on every rank, before set_attn_implementation('cpdata') "
+            "or from_pretrained(..., attn_implementation='cpdata') (transformers refuses the name until then: "
+            "'Specified `attn_implementation=\"cpdata\"` is not supported')"
+        )
     if impl != "sdpa" and not _registered(impl):
         raise ValueError(
             f"the model's attn_implementation is {impl!r}; at cp_size={cp_size} it would attend within this "

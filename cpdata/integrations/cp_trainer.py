@@ -17,7 +17,7 @@
                                 included (activation checkpointing recomputes attention there)
 ``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
                                 (the one place that picks the attention), loss x the gradient scale
-``log``                         adds ``cp_padding_pct``, ``cp_imbalance``, ``cp_tokens_per_s``
+``log``                         adds ``cp_padding_pct``, ``cp_tiles_max_over_ideal``, ``cp_tokens_per_s``
 ``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
 ``train``                       a resume reads that loader state instead of Trainer's batch skipping
 ==============================  ===================================================================
@@ -63,7 +63,7 @@ from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
 
-__all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args"]
+__all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args", "cp_loss_scale"]
 
 LOADER_STATE = "cpdata_loader_rank{rank}.pt"
 """File name of each rank's loader state inside a Trainer checkpoint folder."""
@@ -99,6 +99,21 @@ def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, comp
                         "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
     if problems:
         raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
+
+
+
+def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
+    """What each rank's loss is multiplied by so that DDP's mean over ``world_size`` ranks trains like cp 1.
+
+    Each rank's loss is its target sum over ``N``: the pack's count across its CP
+    group (``average_tokens_across_devices=False``), or across every rank (True).
+    DDP averages over all ``W = dp * cp`` ranks, so the scale is ``cp`` (the sum
+    over CP, then the mean over DP groups of their pack means) or ``W`` (the sum
+    over every rank: the global token mean). 1 on a single rank (no DDP).
+    """
+    if world_size <= 1:
+        return 1
+    return world_size if average_tokens_across_devices else cp_size
 
 
 class CPTrainerMixin:
@@ -178,12 +193,12 @@ class CPTrainerMixin:
             self.cp_rank = self.cp_mesh["cp"].get_local_rank()
             dp_group = self.cp_mesh["dp"].get_group()
         self._cp_groups = (self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None, dp_group)
-        # DDP averages over all `world` ranks: scale so that the mean is the sum over CP (see the module docstring)
-        self._cp_loss_scale = (world if args.average_tokens_across_devices else self.cp_size) if world > 1 else 1
+        self._cp_loss_scale = cp_loss_scale(world, self.cp_size, bool(args.average_tokens_across_devices))
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
         self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
                                         self.model)  # fmt: skip
-        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device)
+        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=self._cp_groups[0],
+                                       cp_size=self.cp_size)  # fmt: skip
 
     def _cp_padding_token_id(self) -> int:
         for owner in (self.processing_class, getattr(self.model, "config", None)):
@@ -277,7 +292,7 @@ class CPTrainerMixin:
                 outputs = model(**kwargs)
         loss = outputs.loss * self._cp_loss_scale
         if self.model.training:
-            self._cp_metrics.add(inputs.info)
+            self._cp_metrics.add(inputs)
         return (loss, outputs) if return_outputs else loss
 
     # -- logs, checkpoints, resume -------------------------------------------------------------------

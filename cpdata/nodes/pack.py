@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.nodes.document_names import document_sources_of
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     FIELDS,
@@ -53,7 +54,7 @@ from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.window import DocumentWindow
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
-from cpdata.packing.pieces import check_lengths
+from cpdata.packing.pieces import OverlongDocumentError, check_lengths
 from cpdata.packing.records import PackKeys
 from cpdata.worker.keys import IGNORE_INDEX
 from cpdata.worker.plan import Document, PackPlan, PieceColumns
@@ -269,7 +270,11 @@ class Pack(BaseNode[PackPlan]):
         room = carried_room(self._live.live()[0])  # the carried pieces may join this window's buffer
         window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity,
                                                room)  # fmt: skip
-        pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
+        try:
+            pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
+        except OverlongDocumentError as exc:
+            _name_mixed_overlong(exc, self.source)
+            raise
         self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
         if self._exhausted:
             packs = PackKeys.concat([packs, self._planner.finish()])
@@ -306,3 +311,18 @@ class Pack(BaseNode[PackPlan]):
             self.EMITTED_KEY: self._emitted,
             self.STATS_KEY: stats_dict(self._planner.stats_fields(), **self._stats_fields()),
         }
+
+
+def _name_mixed_overlong(exc: OverlongDocumentError, source: Any) -> None:
+    """Re-raise an overlong draw of a :func:`cpdata.mix` named by its source and its index there."""
+    sources = document_sources_of(source)
+    overlong = exc.overlong
+    if sources is None or overlong is None:
+        return
+    names, index = sources(np.array([overlong.index], dtype=np.int64))
+    where = (f"draw {overlong.index} of the mix" if index[0] < 0
+             else f"document {int(index[0])} of mix source {names[0]!r}")  # fmt: skip
+    hint = (f"(draw {overlong.index} of the mixed stream.) A mix checks each document when it draws it; to name "
+            "every overlong document of a source at once, check that source's lengths first (cpdata.plan_lengths("
+            "lengths, capacity=..., layout=..., cp_size=...) raises naming them all)")  # fmt: skip
+    raise OverlongDocumentError(overlong.message(where, hint), overlong=overlong) from None

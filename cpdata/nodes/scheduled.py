@@ -117,7 +117,8 @@ class ScheduledPacks(ServedPacks):
             :func:`~cpdata.schedule.plan_schedule`.
         dp_rank, dp_size, micro_batches: this rank, the DP size, packs per rank per step.
         schedule: one of :data:`SCHEDULES`.
-        cost: the cost model of ``"balanced"`` (default: the FlexSP 7B profile).
+        cost: the cost model of ``"balanced"``; default: the FlexSP 7B profile, with the token plan
+            taken instead when it is cheaper once pads are counted (``plan_schedule(fallback=True)``).
         shuffle: plan epoch ``e`` over the documents in the ``(seed, e)`` order (the order
             :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in): each epoch's schedule
             is planned when it starts, on every rank and worker alike.

@@ -30,7 +30,8 @@ def schedule_settings(
     labels_alignment: LabelsAlignment | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(plan_schedule keywords, the state's config)`` of a global schedule, checked: ``schedule`` one of
-    ``"balanced"`` / ``"in_order"`` (``cost`` defaults to the FlexSP 7B profile), ints with
+    ``"balanced"`` / ``"in_order"`` (``cost`` defaults to the FlexSP 7B profile, with the token plan taken
+    instead when it is cheaper once pads are counted: ``plan_schedule(fallback=True)``), ints with
     ``0 <= dp_rank < dp_size``, a known ``labels_alignment``; the planner checks the rest (``overflow``'s
     default resolved in the config)."""
     if schedule not in SCHEDULES:
@@ -40,15 +41,17 @@ def schedule_settings(
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    fallback = schedule == "balanced" and cost is None  # the default: the token plan when it is cheaper
     cost = (cost or CostModel()) if schedule == "balanced" else None
     plan_kw = dict(capacity=capacity, layout=layout, cp_size=cp_size, dp_size=int(dp_size), micro_batches=micro_batches,
-                   cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail)  # fmt: skip
+                   cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail,
+                   fallback=fallback)  # fmt: skip
     probe = plan_schedule(np.zeros(0, dtype=np.int64), **plan_kw)  # checks every argument now
     config = {
         "schedule": schedule, "capacity": int(capacity), "layout": layout, "cp_size": int(cp_size),
         "dp": [int(dp_rank), int(dp_size)], "micro_batches": int(micro_batches), "max_delay": int(max_delay),
         "algorithm": algorithm, "overflow": probe.config.overflow, "seed": int(seed), "tail": tail,
-        "cost": None if cost is None else [float(cost.a), float(cost.b)],
+        "cost": None if cost is None else [float(cost.a), float(cost.b)], "fallback": fallback,
         "labels_alignment": check_labels_alignment(labels_alignment),
     }  # fmt: skip
     return plan_kw, config

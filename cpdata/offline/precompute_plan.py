@@ -254,7 +254,7 @@ def precompute(
         cost = CostModel() if schedule == "balanced" else None
         sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size,
                               micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm,
-                              overflow=overflow, seed=seed)  # fmt: skip
+                              overflow=overflow, seed=seed, fallback=cost is not None)  # fmt: skip
         result = sched.as_packing_result()
         st = sched.stats
         schedule_info = {

@@ -44,6 +44,9 @@ class PrecomputedDataset(WorkerDataset):
             store written by ``cpdata tokenize --assistant-only``).
         batch_size, qkv_format, padding_token_id: as for :class:`~cpdata.nodes.collate.Collate`.
         prefetch: batches prepared ahead per worker in a thread (default 0).
+        block_size, kv_exchange: as for :class:`~cpdata.nodes.shard.ShardForRank` (and ``CPDataset``):
+            batches prepared at once, and each batch's K/V exchange plan (``batch.layout.kv_exchange``,
+            which the ``"cpdata"`` attention and :func:`cpdata.exchange_tokens` use instead of an all-gather).
     """
 
     def __init__(
@@ -62,6 +65,8 @@ class PrecomputedDataset(WorkerDataset):
         qkv_format: str = "bshd",
         padding_token_id: int = 0,
         prefetch: int = 0,
+        block_size: int | None = None,
+        kv_exchange: bool = False,
     ) -> None:
         super().__init__(prefetch=prefetch)
         self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank,
@@ -71,6 +76,7 @@ class PrecomputedDataset(WorkerDataset):
         self.cp_size = int(self.plans.store.config["cp_size"])
         self.layout = str(self.plans.store.config["layout"])
         self.collate_kwargs = {"batch_size": batch_size, "qkv_format": qkv_format, "padding_token_id": padding_token_id}
+        self.block_size, self.kv_exchange = block_size, kv_exchange
         self._worker_node(0, 1)  # validate the configuration in the main process
 
     def __len__(self) -> int:
@@ -88,4 +94,4 @@ class PrecomputedDataset(WorkerDataset):
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         packs = self.plans.with_worker((worker_id, num_workers), batch=self.collate_kwargs["batch_size"])
         return ShardForRank(Collate(packs, **self.collate_kwargs), cp_size=self.cp_size, cp_rank=self.cp_rank,
-                            layout=self.layout)  # fmt: skip
+                            layout=self.layout, block_size=self.block_size, kv_exchange=self.kv_exchange)  # fmt: skip

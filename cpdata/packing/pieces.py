@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpdata.layout.maps import alignment
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
 from cpdata.worker.targets import NO_TRAINED_TARGET, UNLABELED
 
-__all__ = ["COUNT_FIELDS", "Pieces", "check_lengths", "cut_documents"]
+__all__ = ["COUNT_FIELDS", "Overlong", "OverlongDocumentError", "Pieces", "check_lengths", "cut_documents"]
 
 COUNT_FIELDS: tuple[str, ...] = (
     "documents",
@@ -106,14 +107,56 @@ def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
     if not over.size:
         return
     first, longest = int(over[0]), int(over[np.argmax(lengths[over])])
+    pack_multiple = alignment(config.layout, config.cp_size)[1]
+    enough = -(-int(slots[longest]) // pack_multiple) * pack_multiple  # a capacity the layout accepts
     others = [p for p in OVERFLOW_POLICIES if p != "error"]
     raise ValueError(
         f"document {first} has {int(lengths[first])} tokens ({int(slots[first])} after aligning to a multiple of "
         f"{m}), more than capacity={cap}; {over.size} of {lengths.size} documents are longer than the capacity "
         f"(first: {over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); raise "
-        f"the capacity (to {int(slots[longest])} for all) or pass overflow= one of {others} "
+        f"the capacity (to {enough} for all) or pass overflow= one of {others} "
         f"(choices: {list(OVERFLOW_POLICIES)})"
     )
+
+
+_STREAM_HINT = (
+    "This source does not state its lengths up front, so each document is checked when it is read; "
+    "to name every overlong document at once, check the lengths first (cpdata.plan_lengths(lengths, "
+    "capacity=..., layout=..., cp_size=...) raises naming them all), or give the pipeline a source "
+    "whose lengths are known (cpdata.open_dataset(path), a datasets.Dataset, a list): it is checked "
+    "when the pipeline is built"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Overlong:
+    """The numbers of a document longer than the capacity: its stream ``index``, ``tokens``, aligned ``slot``."""
+
+    index: int
+    tokens: int
+    slot: int
+    multiple: int
+    capacity: int
+
+    def message(self, where: str | None = None, hint: str = _STREAM_HINT) -> str:
+        others = [p for p in OVERFLOW_POLICIES if p != "error"]
+        return (
+            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a multiple "
+            f"of {self.multiple}), more than capacity={self.capacity}; raise the capacity or pass overflow= one of "
+            f"{others} (choices: {list(OVERFLOW_POLICIES)}). {hint}"
+        )
+
+
+class OverlongDocumentError(ValueError):
+    """A document longer than the capacity under ``overflow="error"``, met while reading a stream.
+
+    ``overlong`` carries the numbers, so a stage that knows where the document came from (a mix: its source
+    and its index there) can say so; constructible from the message alone (pickling, worker processes).
+    """
+
+    def __init__(self, message: str, *, overlong: Overlong | None = None) -> None:
+        super().__init__(message)
+        self.overlong = overlong
 
 
 def cut_documents(
@@ -152,17 +195,8 @@ def cut_documents(
     if over.any():
         first = int(np.flatnonzero(over)[0])
         if config.overflow == "error":
-            others = [p for p in OVERFLOW_POLICIES if p != "error"]
-            raise ValueError(
-                f"document {int(source_index[first])} has {int(lengths[first])} tokens "
-                f"({int(slot[first])} after aligning to a multiple of {m}), more than capacity={cap}; "
-                f"raise the capacity or pass overflow= one of {others} (choices: {list(OVERFLOW_POLICIES)}). "
-                "This source does not state its lengths up front, so each document is checked when it is read; "
-                "to name every overlong document at once, check the lengths first (cpdata.plan_lengths(lengths, "
-                "capacity=..., layout=..., cp_size=...) raises naming them all), or give the pipeline a source "
-                "whose lengths are known (cpdata.open_dataset(path), a datasets.Dataset, a list): it is checked "
-                "when the pipeline is built"
-            )
+            overlong = Overlong(int(source_index[first]), int(lengths[first]), int(slot[first]), m, cap)
+            raise OverlongDocumentError(overlong.message(), overlong=overlong)
         if config.overflow == "drop":
             counts["dropped"] = int(over.sum())
             counts["dropped_tokens"] = int(lengths[over].sum())

@@ -50,8 +50,7 @@ class ConcatDataset(TokenizedDataset):
         """int64 ``[parts + 1]``: part ``s`` is documents ``starts[s]:starts[s + 1]``."""
         self.serves_tokens = all(p.serves_tokens for p in parts)
         self.per_token_keys = frozenset().union(*(p.per_token_keys for p in parts))
-        alignments = {getattr(p, "labels_alignment", None) for p in parts}
-        self.labels_alignment = alignments.pop() if len(alignments) == 1 else None
+        self.labels_alignment = _one_alignment(parts)
         self._lengths: np.ndarray | None = None
 
     @property
@@ -106,3 +105,26 @@ class ConcatDataset(TokenizedDataset):
         state = self.__dict__.copy()
         state["_lengths"] = None
         return state
+
+
+def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
+    """The ``labels_alignment`` the parts declare (parts declaring none hold no labels or masks of their own).
+
+    Parts declaring different ones are refused: one pipeline reads every label
+    under one convention, so either choice would misread the other parts.
+    """
+    declared: dict[str, list[int]] = {}
+    for k, part in enumerate(parts):
+        alignment = getattr(part, "labels_alignment", None)
+        if alignment is not None:
+            declared.setdefault(alignment, []).append(k)
+    if len(declared) > 1:
+        named = "; ".join(f"parts {ks} ({', '.join(str(parts[k].path) for k in ks[:2])}"
+                          f"{', ...' if len(ks) > 2 else ''}) declare labels_alignment={a!r}"
+                          for a, ks in declared.items())  # fmt: skip
+        raise ValueError(
+            f"open_dataset([...]): {named}; one dataset reads every label under one convention: rewrite one "
+            "side's labels in the other convention (shift them by one token) before concatenating, or train on "
+            "them as separate sources"
+        )
+    return next(iter(declared), None)

@@ -28,6 +28,7 @@ Cost: O(tokens) numpy per document with labels or a mask, nothing otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -37,7 +38,7 @@ from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 __all__ = [
     "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED",
     "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
-    "to_targets",
+    "to_targets", "unchecked_alignment", "CONVENTION_CHECK",
 ]  # fmt: skip
 
 LabelsAlignment = Literal["inputs", "targets"]
@@ -79,6 +80,78 @@ def declared_alignment(owner: str, labels_alignment: object, source: object) -> 
             f"and masks it produces, but labels_alignment={given!r} was passed; drop the argument or pass {declared!r}"
         )
     return declared
+
+
+class _Unchecked(str):
+    """A ``labels_alignment`` whose labels are not compared with the other convention (:func:`unchecked_alignment`)."""
+
+    __slots__ = ()
+
+
+def unchecked_alignment(labels_alignment: LabelsAlignment) -> LabelsAlignment:
+    """``labels_alignment`` with the wrong-convention check of :data:`CONVENTION_CHECK` turned off.
+
+    Pass it wherever ``labels_alignment`` is taken (``build_loader``,
+    ``CPDataset``, ``precompute``): it equals the plain string everywhere, so
+    only the check sees the difference. For data whose labels really copy the
+    input at the same position (declared ``"targets"``) or the next input
+    (declared ``"inputs"``).
+    """
+    return _Unchecked(check_labels_alignment(labels_alignment))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ConventionCheck:
+    documents: int = 16
+    """Documents checked: those with a source index below this."""
+    min_trained: int = 8
+    """A document with fewer trained labels is not judged."""
+    looks_like: float = 0.9
+    """Share of trained labels equal to the other convention's token that refuses the document..."""
+    unlike: float = 0.5
+    """...when under this share equals the declared convention's token."""
+
+
+CONVENTION_CHECK = _ConventionCheck()
+"""How :func:`to_targets` refuses labels in the other convention (the first documents of a source only).
+
+A declared ``"targets"`` whose trained labels (``!= -100``) mostly equal the
+input at the same position (``labels[i] == input_ids[i]``: Hugging Face labels),
+or a declared ``"inputs"`` whose trained labels mostly equal the next input
+(``labels[i] == input_ids[i + 1]``: Megatron targets), trains the model to copy
+its input or to predict two tokens ahead, with no error. Labels masked with
+-100 (chat prompts) are not counted, so masked data in its declared convention
+passes. Cost: two comparisons over the document's tokens, for 16 documents.
+"""
+
+
+def _check_convention(ids: np.ndarray, labels: np.ndarray, index: int, declared: LabelsAlignment) -> None:
+    if isinstance(declared, _Unchecked) or index >= CONVENTION_CHECK.documents or ids.shape[0] < 2:
+        return
+    trained = labels[:-1] != IGNORE_INDEX  # the last token has no next input to compare with
+    n = int(trained.sum())
+    if n < CONVENTION_CHECK.min_trained:
+        return
+    same = float((labels[:-1] == ids[:-1])[trained].mean())
+    following = float((labels[:-1] == ids[1:])[trained].mean())
+    other, mine = (same, following) if declared == "targets" else (following, same)
+    if other < CONVENTION_CHECK.looks_like or mine >= CONVENTION_CHECK.unlike:
+        return
+    other_name = "inputs" if declared == "targets" else "targets"
+    looks, convention, learns = _OTHER_CONVENTION[declared]
+    raise ValueError(
+        f"document {index}: labels_alignment={declared!r} was declared, but {other:.0%} of its {n} trained labels "
+        f"equal {looks} (labels_alignment={other_name!r}: {convention}); trained as declared, the model would learn "
+        f"{learns}. Pass labels_alignment={other_name!r}; if these labels are meant as they are, pass "
+        f"labels_alignment=cpdata.worker.targets.unchecked_alignment({declared!r})"
+    )
+
+
+_OTHER_CONVENTION = {  # declared -> what its labels look like, whose convention that is, what training would learn
+    "targets": ("the input at the same position", "Hugging Face / TRL labels, which the model shifts",
+                "to copy its input"),
+    "inputs": ("the next input", "next-token targets, Megatron-LM / NeMo", "to predict the token two ahead"),
+}  # fmt: skip
 
 
 def missing_alignment_message(where: str, keys: list[str]) -> str:
@@ -148,6 +221,7 @@ def to_targets(
     if LABELS in arrays:
         labels = arrays[LABELS]
         _check_labels(labels, index, vocab_size)
+        _check_convention(ids, labels, index, labels_alignment)
         if labels_alignment == "inputs":
             targets[:-1] = labels[1:]
         else:
