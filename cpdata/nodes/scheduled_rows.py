@@ -27,13 +27,14 @@ SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
 def schedule_settings(
     schedule: str, *, capacity: int, layout: str, cp_size: int, dp_rank: int, dp_size: int, micro_batches: int,
     cost: CostModel | None, max_delay: int, algorithm: str, overflow: str | None, seed: int, tail: str,
-    labels_alignment: LabelsAlignment | None,
+    labels_alignment: LabelsAlignment | None, fallback: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(plan_schedule keywords, the state's config)`` of a global schedule, checked: ``schedule`` one of
     ``"balanced"`` / ``"in_order"`` (``cost`` defaults to the FlexSP 7B profile, with the token plan taken
     instead when it is cheaper once pads are counted: ``plan_schedule(fallback=True)``), ints with
     ``0 <= dp_rank < dp_size``, a known ``labels_alignment``; the planner checks the rest (``overflow``'s
-    default resolved in the config)."""
+    default resolved in the config). ``fallback=False`` keeps the balanced plan even without ``cost`` (a
+    window's plan: its tail policy applies per window, so the token plan could drop other pieces)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)} or None")
     for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
@@ -41,7 +42,7 @@ def schedule_settings(
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-    fallback = schedule == "balanced" and cost is None  # the default: the token plan when it is cheaper
+    fallback = fallback and schedule == "balanced" and cost is None  # the default: the token plan when it is cheaper
     cost = (cost or CostModel()) if schedule == "balanced" else None
     plan_kw = dict(capacity=capacity, layout=layout, cp_size=cp_size, dp_size=int(dp_size), micro_batches=micro_batches,
                    cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow, seed=seed, tail=tail,

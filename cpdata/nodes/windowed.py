@@ -208,7 +208,7 @@ class WindowedPacks(ServedPacks):
         plan_kw, config = schedule_settings(
             schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
             micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
-            seed=seed, tail=tail, labels_alignment=labels_alignment,
+            seed=seed, tail=tail, labels_alignment=labels_alignment, fallback=False,
         )  # fmt: skip
         rows = WindowRows(source, int(window), plan_kw, {**config, "window": int(window)}, dp_rank=int(dp_rank),
                           vocab_size=vocab_size, labels_alignment=config["labels_alignment"])  # fmt: skip
