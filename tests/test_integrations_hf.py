@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from cpdata.integrations.cp_trainer import LOADER_STATE
 from cpdata.integrations.hf import CPTrainer
+from cpdata.nodes.options import DataPolicy, Delivery
 
 VOCAB = 64
 CAPACITY = 64
@@ -139,7 +140,7 @@ def run_cpdata_attention(rank: int, world: int, out: str) -> dict:
     register_hf_attention()
     trainer = CPTrainer(model=tiny_mistral(), args=training_args(out, save_strategy="no"), train_dataset=documents(),
                         cp_size=world, capacity=CAPACITY, layout="round_robin",
-                        loader_options={"kv_exchange": True})  # fmt: skip
+                        delivery=Delivery(kv_exchange=True))  # fmt: skip
     trainer.train()
     return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "weights": weights(trainer.model)}
 
@@ -161,8 +162,10 @@ def test_cp_attention_needs_cpdata_or_sdpa_and_the_loader_options_stay_the_train
     with pytest.raises(ValueError, match="attn_implementation='sdpa'") as err:
         check_attention(config, 2)
     assert "set_attn_implementation('cpdata')" in str(err.value)
-    with pytest.raises(ValueError, match=r"\['capacity'\]"):
-        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"capacity": 8})
+    with pytest.raises(ValueError, match=r"sets the DP rank and size from its \(dp, cp\) mesh"):
+        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, data=DataPolicy(dp_size=2))
+    with pytest.raises(TypeError, match=r"no longer takes loader_options=; pass the records plan="):
+        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"shuffle": True})
 
 
 def run_dp2(rank: int, world: int, cp_size: int, out: str, average_tokens: bool) -> dict:

@@ -21,6 +21,7 @@ from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
 from cpdata.nodes.pack import Pack
 from cpdata.offline.precomputed_dataset import _WorkerPacks
+from tests.flat_options import records
 from tests.test_mix import _plans
 
 OPTS = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
@@ -105,7 +106,7 @@ def test_precomputed_dataset_serves_each_epoch_of_the_mix_as_the_live_loader(tmp
     def ids(batches):
         return [b.tensors()["input_ids"].tolist() for b in batches]
 
-    with closing_loader(build_loader(_mixed(sources), **kw)) as loader:
+    with closing_loader(build_loader(_mixed(sources), **records(**kw))) as loader:
         live = [ids(loader), ids(loader)]
     assert live[0] != live[1]
     ds = PrecomputedDataset(tmp_path / "plan", _mixed(sources), cp_rank=1)
