@@ -29,7 +29,8 @@ def _docs(n: int = 64, seed: int = 0) -> list[dict[str, np.ndarray]]:
 def test_batches_arrive_pinned_and_copy_without_blocking():
     from cpdata.nodes.loader import build_loader, closing_loader
 
-    with closing_loader(build_loader(_docs(), capacity=2048, cp_size=2, cp_rank=0, layout="balanced", delivery=Delivery(pin_memory=True))) as loader:  # fmt: skip
+    with closing_loader(build_loader(_docs(), capacity=2048, cp_size=2, cp_rank=0, layout="balanced",
+                                     delivery=Delivery(pin_memory=True))) as loader:  # fmt: skip
         batch = next(iter(loader))
     assert all(t.is_pinned() for t in batch.values())
     assert batch.layout.gather_index.is_pinned()

@@ -19,7 +19,7 @@ from cpdata.cli import main as cli
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.pack import Pack
-from tests.flat_options import records
+from tests.flat_options import precompute_records, records
 
 
 def _docs(n, lo=0, seed=0, max_len=30):
@@ -331,7 +331,7 @@ def test_precompute_of_a_mix_reproduces_the_loader_packs(tmp_path, stop, capsys)
                    stop=stop)  # fmt: skip
 
     opts = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
-    store = precompute_plan(mixed(), tmp_path / "plan", **opts)
+    store = precompute_plan(mixed(), tmp_path / "plan", **precompute_records(**opts))
     online = Pack(Documents(mixed()), **opts)
     want = _plans(online)
     assert _plans(PrecomputedPacks(tmp_path / "plan", mixed())) == want and len(want) > 10

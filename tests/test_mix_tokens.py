@@ -15,7 +15,7 @@ from cpdata.cli import main as cli
 from cpdata.nodes.mix_tokens import tie_ranks
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.pack import Pack
-from tests.flat_options import records
+from tests.flat_options import precompute_records, records
 from tests.test_mix import Stream, _plans, _write
 
 
@@ -189,7 +189,7 @@ def test_precompute_of_a_token_mix_reproduces_the_loader_packs(tmp_path, stop):
                    stop=stop, by="tokens")  # fmt: skip
 
     opts = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
-    store = precompute_plan(mixed(), tmp_path / "plan", **opts)
+    store = precompute_plan(mixed(), tmp_path / "plan", **precompute_records(**opts))
     online = Pack(Documents(mixed()), **opts)
     want = _plans(online)
     assert _plans(PrecomputedPacks(tmp_path / "plan", mixed())) == want and len(want) > 10

@@ -20,6 +20,7 @@ from cpdata.nodes import shard as shard_module
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, build_node, shard_graph
+from cpdata.nodes.options import Delivery
 from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, ShardForRank
 from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.plan import PackPlan
@@ -312,8 +313,6 @@ def test_the_loaders_pass_block_size_to_the_node_and_refuse_a_bad_one():
     assert len(want) > 5 and [b.info["digest"] for b in build_loader(docs, **records(block_size=5, **cfg))] == want
     dataset = CPDataset(docs, **records(block_size=2, **{k: v for k, v in cfg.items() if k != "prefetch"}))
     assert [b.info["digest"] for b in StatefulDataLoader(dataset, batch_size=None)] == want
-    for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
-            build_node(docs, **records(block_size=bad, **cfg))
-        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
-            CPDataset(docs, **records(block_size=bad, **{k: v for k, v in cfg.items() if k != "prefetch"}))
+    for bad, error in ((0, ValueError), (2.5, TypeError), (True, TypeError)):  # refused where it is written
+        with pytest.raises(error, match=r"^Delivery.block_size must be"):
+            Delivery(block_size=bad)

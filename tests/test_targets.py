@@ -293,5 +293,5 @@ def test_precompute_checks_its_configuration_before_reading_the_input(tmp_path, 
     path.write_text('{"input_ids": [1, 2, 3]}\n')
     with pytest.raises(ValueError, match="capacity=30 is not a multiple of 4"):
         pre.precompute(path, tmp_path / "plan", capacity=30, cp_size=2, layout="thd")
-    with pytest.raises(ValueError, match="unknown overflow policy"):
-        pre.precompute(path, tmp_path / "plan", capacity=32, cp_size=2, layout="thd", plan=StreamPlan(overflow="cut"))
+    with pytest.raises(ValueError, match="unknown StreamPlan.overflow 'cut'"):
+        StreamPlan(overflow="cut")  # refused where it is written, before precompute is called

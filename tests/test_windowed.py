@@ -13,7 +13,8 @@ from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import CPDataset
-from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, build_loader, closing_loader, shard_graph
+from cpdata.nodes.options import DataPolicy, SchedulePlan
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.windowed import WindowedPacks
 from tests.flat_options import graph_options, records
@@ -186,16 +187,16 @@ def test_epochs_go_on_and_resume_across_the_epoch_end():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="schedule="):
-        shard_graph(Stream(), graph_options(schedule_window=8, **CFG))
-    with pytest.raises(ValueError, match="shuffle"):
-        shard_graph(Stream(), graph_options(schedule="balanced", schedule_window=8, shuffle=True, **CFG))
-    with pytest.raises(ValueError, match="schedule_window must be an int"):
-        shard_graph(Stream(), graph_options(schedule="balanced", schedule_window=0, **CFG))
+    with pytest.raises(TypeError, match=r"no longer takes schedule_window=; pass plan=SchedulePlan\(window=\.\.\.\)"):
+        build_loader(Stream(), cp_rank=0, schedule_window=8, **CFG)
+    with pytest.raises(ValueError, match="shuffle the stream upstream instead of DataPolicy\\(shuffle=True\\)"):
+        GraphOptions(**CFG, plan=SchedulePlan(window=8), data=DataPolicy(shuffle=True))
+    with pytest.raises(ValueError, match="SchedulePlan.window must be >= 1, got window=0"):
+        SchedulePlan(window=0)
     with pytest.raises(TypeError, match=r"SchedulePlan\(window=W\)"):
-        shard_graph(Stream(), graph_options(schedule="balanced", **CFG))
+        shard_graph(Stream(), GraphOptions(**CFG, plan=SchedulePlan()))
     with pytest.raises(TypeError, match="re-iterable source"):
-        shard_graph(IterableWrapper(Stream().docs), graph_options(schedule="balanced", schedule_window=8, **CFG))
+        shard_graph(IterableWrapper(Stream().docs), GraphOptions(**CFG, plan=SchedulePlan(window=8)))
     node = _node(Stream(), dp_rank=1)
     [node.next() for _ in range(5)]
     state = node.get_state()
