@@ -9,10 +9,10 @@ from test_loader import CONFIG, documents
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import CPDataset
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import Delivery
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.batch import ShardedBatch
-from tests.flat_options import graph_options, records
 
 CFG = {**CONFIG, "batch_size": 2, "qkv_format": "thd"}
 
@@ -21,7 +21,7 @@ def _odd_stream() -> list[dict[str, np.ndarray]]:
     """Documents giving an odd number of batches, so two workers end unevenly."""
     for n in range(36, 60):
         docs = documents(n)
-        if len(list(shard_graph(docs, graph_options(**CFG)))) % 2:
+        if len(list(shard_graph(docs, GraphOptions(**CFG)))) % 2:
             return docs
     raise AssertionError("no document count in 36..59 gives an odd number of batches")
 
@@ -30,8 +30,8 @@ DOCS = _odd_stream()
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
 
-def make_loader(num_workers: int, cp_rank: int = 0, **kw) -> StatefulDataLoader:
-    ds = CPDataset(DOCS, **records(cp_rank=cp_rank, **{**CFG, **kw}))
+def make_loader(num_workers: int, cp_rank: int = 0, prefetch: int = 0) -> StatefulDataLoader:
+    ds = CPDataset(DOCS, cp_rank=cp_rank, delivery=Delivery(prefetch=prefetch), **CFG)
     extra = {"multiprocessing_context": "fork"} if num_workers else {}
     return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, **extra)
 
@@ -39,7 +39,7 @@ def make_loader(num_workers: int, cp_rank: int = 0, **kw) -> StatefulDataLoader:
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[ShardedBatch, ...]]:
     """Every rank's batches from one process: the order any worker count must reproduce."""
-    return list(ShardForRank(shard_graph(DOCS, graph_options(**CFG)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
+    return list(ShardForRank(shard_graph(DOCS, GraphOptions(**CFG)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
 
 
 def digests(batches) -> list[int]:
@@ -60,11 +60,11 @@ def test_order_matches_the_single_process_stream(num_workers, reference):
 
 
 def test_dataset_state_dict_before_load_does_not_swallow_the_restore(reference):
-    ds = CPDataset(DOCS, **records(cp_rank=0, **CFG))
+    ds = CPDataset(DOCS, cp_rank=0, **CFG)
     it = iter(ds)
     head = [next(it).info["digest"] for _ in range(2)]
     state = ds.state_dict()
-    fresh = CPDataset(DOCS, **records(cp_rank=0, **CFG))
+    fresh = CPDataset(DOCS, cp_rank=0, **CFG)
     fresh.state_dict()
     fresh.load_state_dict(state)
     assert head + [b.info["digest"] for b in fresh] == [s[0].info["digest"] for s in reference]
@@ -74,7 +74,7 @@ def test_dataset_state_dict_before_load_does_not_swallow_the_restore(reference):
 def test_forgetting_batch_size_none_fails_loudly(num_workers):
     # default_collate would stack [1, ...] tensors; a silent fallback to a plain dict would lose the layout.
     extra = {"multiprocessing_context": "fork"} if num_workers else {}
-    loader = StatefulDataLoader(CPDataset(DOCS, **records(cp_rank=0, **CFG)), batch_size=1, num_workers=num_workers, **extra)
+    loader = StatefulDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), batch_size=1, num_workers=num_workers, **extra)
     with pytest.raises(ValueError, match="batch_size=None"):
         next(iter(loader))
 
@@ -113,7 +113,7 @@ def test_resume_needs_the_same_worker_count():
     worker_state = loader.state_dict()["_snapshot"]["_worker_snapshots"]["worker_0"]["dataset_state"]
     del it
     assert worker_state["worker"] == [0, 2]
-    ds = CPDataset(DOCS, **records(cp_rank=0, **CFG))  # in the main process: worker 0 of 1
+    ds = CPDataset(DOCS, cp_rank=0, **CFG)  # in the main process: worker 0 of 1
     ds.load_state_dict(worker_state)
     assert ds.state_dict() is worker_state  # pending until the next __iter__
     with pytest.raises(ValueError, match="same num_workers"):
@@ -122,12 +122,12 @@ def test_resume_needs_the_same_worker_count():
 
 def test_constructor_checks():
     with pytest.raises(TypeError, match="pin_memory"):
-        CPDataset(DOCS, **records(cp_rank=0, pin_memory=True, **CFG))
+        CPDataset(DOCS, cp_rank=0, delivery=Delivery(pin_memory=True), **CFG)
     with pytest.raises(ValueError, match="cp_rank"):
-        CPDataset(DOCS, **records(cp_rank=2, **CFG))
+        CPDataset(DOCS, cp_rank=2, **CFG)
     with pytest.raises(ValueError, match="qkv_format='thd'"):
-        CPDataset(DOCS, **records(cp_rank=0, **{**CFG, "qkv_format": "bshd"}))
-    ds = CPDataset(DOCS, **records(cp_rank=0, **CFG))
+        CPDataset(DOCS, cp_rank=0, **{**CFG, "qkv_format": "bshd"})
+    ds = CPDataset(DOCS, cp_rank=0, **CFG)
     with pytest.raises(ValueError, match="version"):
         ds.load_state_dict({"loader": {}})
     assert np.asarray(ds.state_dict()["worker"]).tolist() == [0, 1]
@@ -140,7 +140,7 @@ def test_state_from_another_worker_count_is_refused_naming_both(saved, restored)
 
     def make(num_workers):
         extra = {"multiprocessing_context": "fork"} if num_workers else {}
-        return CPDataLoader(CPDataset(DOCS, **records(cp_rank=0, **CFG)), num_workers=num_workers, **extra)
+        return CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), num_workers=num_workers, **extra)
 
     loader = make(saved)
     it = iter(loader)
@@ -161,7 +161,7 @@ def test_cp_data_loader_resumes_exactly_with_the_same_worker_count(num_workers, 
 
     def make():
         extra = {"multiprocessing_context": "fork"} if num_workers else {}
-        return CPDataLoader(CPDataset(DOCS, **records(cp_rank=0, **CFG)), num_workers=num_workers, **extra)
+        return CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), num_workers=num_workers, **extra)
 
     loader = make()
     it = iter(loader)
@@ -172,4 +172,4 @@ def test_cp_data_loader_resumes_exactly_with_the_same_worker_count(num_workers, 
     resumed.load_state_dict(state)
     assert head + digests(resumed) == digests(s[0] for s in reference)
     with pytest.raises(ValueError, match="batch_size=1"):
-        CPDataLoader(CPDataset(DOCS, **records(cp_rank=0, **CFG)), batch_size=1)
+        CPDataLoader(CPDataset(DOCS, cp_rank=0, **CFG), batch_size=1)
