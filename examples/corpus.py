@@ -117,7 +117,7 @@ class StdlibDefinitions(Sequence):
     @property
     def lengths(self) -> np.ndarray:
         """int64 ``[n_docs]`` tokens (bytes) per definition, known without reading a file: a global schedule
-        (``build_loader(..., schedule="balanced")``) plans from these."""
+        (``build_loader(..., plan=SchedulePlan())``) plans from these."""
         return self.spans[:, 2] - self.spans[:, 1]
 
     def __getitem__(self, index):

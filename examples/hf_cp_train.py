@@ -56,7 +56,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from corpus import StdlibDefinitions  # noqa: E402
 
-from cpdata import ContextParallelSharder, CPDataLoader, CPDataset, verify_layout_consistency  # noqa: E402
+from cpdata import (  # noqa: E402
+    ContextParallelSharder,
+    CPDataLoader,
+    CPDataset,
+    DataPolicy,
+    Delivery,
+    StreamPlan,
+    verify_layout_consistency,
+)
 from cpdata.adapters import document_causal_mask, hf_model_kwargs, register_hf_attention  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
@@ -160,9 +168,10 @@ def build_mesh(args):
 # 4. loader -------------------------------------------------------------------------------------------
 def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader:
     dataset = CPDataset(docs, capacity=args.capacity, cp_size=mesh["cp"].size(), cp_rank=mesh["cp"].get_local_rank(),
-                        dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), layout=args.layout,
-                        overflow="split", shuffle=True, seed=args.seed, padding_token_id=pad_id,
-                        vocab_size=vocab_size, kv_exchange=args.kv_exchange)  # fmt: skip
+                        layout=args.layout, padding_token_id=pad_id, plan=StreamPlan(overflow="split"),
+                        data=DataPolicy(dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), shuffle=True,
+                                        seed=args.seed, vocab_size=vocab_size),
+                        delivery=Delivery(kv_exchange=args.kv_exchange))  # fmt: skip
     context = {"multiprocessing_context": "fork", "persistent_workers": True} if args.workers else {}
     return CPDataLoader(dataset, num_workers=args.workers, pin_memory=args.device.startswith("cuda"), **context)
 

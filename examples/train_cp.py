@@ -64,6 +64,7 @@ from cpdata.layout.maps import layout_spec  # noqa: E402
 from cpdata.layout.tiles import live_tiles  # noqa: E402
 from cpdata.nemo.sharder import ContextParallelSharder  # noqa: E402
 from cpdata.nodes.loader import build_loader, close_loader  # noqa: E402
+from cpdata.nodes.options import DataPolicy, SchedulePlan  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402
 
@@ -120,9 +121,11 @@ def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
         lengths = getattr(source, "lengths", None)
         if lengths is None:
             lengths = np.array([len(d["input_ids"]) for d in source], dtype=np.int64)
-        return build_loader(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB, seed=args.seed,
-                            overflow="split", qkv_format="bshd", schedule=args.schedule, lengths=lengths,
-                            **common)  # fmt: skip
+        return build_loader(source, capacity=args.capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout,
+                            qkv_format="bshd", padding_token_id=PAD_ID,
+                            plan=SchedulePlan(kind=args.schedule, lengths=lengths, overflow="split"),
+                            data=DataPolicy(dp_rank=dp_rank, dp_size=args.dp_size, seed=args.seed,
+                                            vocab_size=BYTE_VOCAB))  # fmt: skip
     return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
                                     seed=args.seed, **common)
 

@@ -19,6 +19,7 @@ from cpdata.adapters import hf_model_kwargs
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.keys import IGNORE_INDEX
+from tests.flat_options import graph_options
 
 VOCAB = 64
 LENS = [5, 23, 9, 40, 3, 17, 30, 11, 2, 26]
@@ -32,8 +33,7 @@ def _docs(lens=LENS) -> list[dict]:
 
 
 def _batches(cp_size: int = 1, layout: str = "identity", lens=LENS, **kw) -> list[tuple]:
-    graph = shard_graph(_docs(lens), capacity=32, cp_size=cp_size, layout=layout, algorithm="concat",
-                        overflow="split", **kw)  # fmt: skip
+    graph = shard_graph(_docs(lens), graph_options(capacity=32, cp_size=cp_size, layout=layout, algorithm="concat", overflow="split", **kw))  # fmt: skip
     return list(ShardForRank(graph, cp_size=cp_size, cp_rank=0, layout=layout, all_ranks=True))
 
 

@@ -31,10 +31,12 @@ from cpdata.gather import gather_token_tensor
 from cpdata.nemo.sharder import ContextParallelSharder
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import build_loader, closing_loader
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from cpdata.offline import PrecomputedPacks, precompute
 from cpdata.sources.open import open_dataset
 from tests.dist_utils import run_ranks
+from tests.flat_options import records
 
 VOCAB = 64
 LENS = [5, 23, 9, 40, 3, 17, 30, 11, 2, 26]
@@ -61,8 +63,7 @@ def _rank(rank: int, world: int, layout: str, qkv_format: str) -> list[tuple[flo
     group = mesh.get_group()
     model = _model()
     out = []
-    loader = build_loader(docs, capacity=32, cp_size=world, cp_rank=rank, layout=layout, qkv_format=qkv_format,
-                          overflow="split", prefetch=0)  # fmt: skip
+    loader = build_loader(docs, capacity=32, cp_size=world, cp_rank=rank, layout=layout, qkv_format=qkv_format, plan=StreamPlan(overflow="split"), delivery=Delivery(prefetch=0))  # fmt: skip
     with closing_loader(loader):
         for batch in list(loader)[:3]:
             sharder = ContextParallelSharder(None, mesh, batch)
@@ -129,11 +130,11 @@ def _targets_rank(rank: int, world: int, plan: str, jsonl: str) -> list[tuple[st
                   qkv_format="thd", batch_size=2, labels_alignment="targets")  # fmt: skip
     lengths = [len(d["input_ids"]) for d in docs]
     loaders = {
-        "live": lambda: build_loader(docs, **common),
-        "scheduled": lambda: build_loader(docs, schedule="balanced", lengths=lengths, micro_batches=2, **common),
-        "windowed": lambda: build_loader(_Stream(docs), schedule="balanced", schedule_window=6, **common),
+        "live": lambda: build_loader(docs, **records(**common)),
+        "scheduled": lambda: build_loader(docs, **records(schedule="balanced", lengths=lengths, micro_batches=2, **common)),
+        "windowed": lambda: build_loader(_Stream(docs), **records(schedule="balanced", schedule_window=6, **common)),
         "mix": lambda: build_loader(cpdata.mix({"a": docs[:7], "b": docs[7:]}, {"a": 1, "b": 2}, seed=1),
-                                    **common),  # fmt: skip
+                                    **records(**common)),  # fmt: skip
         "precomputed": lambda: Loader(ShardForRank(Collate(PrecomputedPacks(plan, open_dataset(jsonl),
                                                                             labels_alignment="targets"),
                                                            batch_size=2, qkv_format="thd"),
@@ -158,8 +159,7 @@ def test_the_recorded_target_count_is_the_all_reduced_one_on_every_path(tmp_path
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({k: v.tolist() for k, v in d.items()}) + "\n" for d in docs))
     plan = tmp_path / "plan"
-    precompute(open_dataset(jsonl), plan, capacity=32, cp_size=2, layout="balanced", overflow="split",
-               labels_alignment="targets")  # fmt: skip
+    precompute(open_dataset(jsonl), plan, capacity=32, cp_size=2, layout="balanced", plan=StreamPlan(overflow="split"), data=DataPolicy(labels_alignment="targets"))  # fmt: skip
     results = run_ranks(_targets_rank, 2, str(plan), str(jsonl), timeout=240)
     assert results[0] == results[1], "both CP ranks record the same count"
     for name in ("live", "scheduled", "windowed", "mix", "precomputed"):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from cpdata.adapters import global_target_count, token_loss
 from cpdata.gather import gather_token_tensor
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from tests.dist_utils import run_ranks
 
@@ -25,8 +26,7 @@ VOCAB = 50
 def _shards(cp: int, layout: str, dp_rank: int = 0, dp_size: int = 1):
     g = torch.Generator().manual_seed(0)
     docs = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in LENS]
-    graph = shard_graph(docs, capacity=64, cp_size=cp, layout=layout, overflow="split", dp_rank=dp_rank,
-                        dp_size=dp_size)  # fmt: skip
+    graph = shard_graph(docs, GraphOptions(capacity=64, cp_size=cp, layout=layout, plan=StreamPlan(overflow="split"), data=DataPolicy(dp_rank=dp_rank, dp_size=dp_size)))  # fmt: skip
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True))
 
 

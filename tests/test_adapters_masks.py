@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from cpdata.adapters import document_causal_mask, flex_block_mask
 from cpdata.layout.maps import LAYOUTS, alignment
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
 
 LENS = [7, 30, 3, 12, 45, 1, 9, 20, 16, 5]
@@ -19,8 +20,7 @@ LENS = [7, 30, 3, 12, 45, 1, 9, 20, 16, 5]
 def _shards(layout: str, cp: int, qkv_format: str = "bshd", batch_size: int = 1, capacity: int = 48):
     g = torch.Generator().manual_seed(cp)
     docs = [{"input_ids": torch.randint(1, 50, (n,), generator=g).tolist()} for n in LENS]
-    graph = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, overflow="split", batch_size=batch_size,
-                        qkv_format=qkv_format)  # fmt: skip
+    graph = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp, layout=layout, batch_size=batch_size, qkv_format=qkv_format, plan=StreamPlan(overflow="split")))  # fmt: skip
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True))
 
 

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import te_attention_kwargs, te_forward_kwargs
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from tests.dist_utils import run_ranks
 
 
 def _shards(lens, cp, capacity, layout="thd", qkv_format="thd", batch_size=1, algorithm="concat"):
     docs = [{"input_ids": list(range(1, n + 1))} for n in lens]
-    graph = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, algorithm=algorithm,
-                        qkv_format=qkv_format, batch_size=batch_size, overflow="split")  # fmt: skip
+    graph = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp, layout=layout, qkv_format=qkv_format, batch_size=batch_size, plan=StreamPlan(algorithm=algorithm, overflow="split")))  # fmt: skip
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True))
 
 

@@ -10,9 +10,10 @@ import cpdata.nodes
 
 PUBLIC = [
     "CPDataLoader", "CPDataset", "Collate", "CollatedPack", "ContextParallelAttention",
-    "ContextParallelSharder", "CostModel", "DocPiece", "Document", "Documents", "LAYOUTS", "Mix", "Pack",
-    "PackPlan", "PackingResult", "PackingStats", "PrecomputedDataset", "PrecomputedPacks", "Schedule",
-    "ShardForRank", "ShardLayout", "ShardedBatch", "Tokenize", "TokenizedDataset", "alignment",
+    "ContextParallelSharder", "CostModel", "DataPolicy", "Delivery", "DocPiece", "Document", "Documents",
+    "LAYOUTS", "Mix", "Pack", "PackPlan", "PackingResult", "PackingStats", "PrecomputedDataset",
+    "PrecomputedPacks", "Schedule", "SchedulePlan", "ShardForRank", "ShardLayout", "ShardedBatch", "StreamPlan",
+    "Tokenize", "TokenizedDataset", "alignment",
     "all_ranks_have_batch", "build_loader", "build_node", "close_loader", "closing_loader", "collate_pack",
     "collate_rank", "exchange_tokens", "exchanged_key_positions", "exit_with_parent", "gather_token_tensor",
     "inverse_indices", "keep_heap", "maybe_pin", "mix",

@@ -17,12 +17,13 @@ from tokenizer_fixture import CORPUS, chat_tokenizer
 
 import cpdata
 from cpdata.sources.open import open_dataset
+from tests.flat_options import records
 
 CONFIG = dict(capacity=64, cp_size=2, cp_rank=0, layout="balanced")
 
 
 def _batches(source, **kw):
-    return list(cpdata.build_loader(source, **{**CONFIG, **kw}))
+    return list(cpdata.build_loader(source, **records(**{**CONFIG, **kw})))
 
 
 def _same(a, b) -> None:

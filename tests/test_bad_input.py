@@ -31,8 +31,10 @@ from cpdata.layout.maps import alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nemo.sharder import ContextParallelSharder
 from cpdata.nodes.dataset import CPDataset
-from cpdata.nodes.loader import build_loader, build_node, closing_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, build_loader, build_node, closing_loader, shard_graph
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options, records
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -54,7 +56,7 @@ def with_bad(item: object) -> list:
 def first_batch(source, **kw):
     """``next()`` of DP rank 1's pipeline (documents 1, 3, 5, ... of ``source``)."""
     cfg = dict(capacity=32, cp_size=2, cp_rank=0, layout="thd", dp_rank=1, dp_size=2, prefetch=0, pin_memory=False)
-    return next(build_node(source, **{**cfg, **kw}))
+    return next(build_node(source, **records(**{**cfg, **kw})))
 
 
 def error_of(fn, exc: type[Exception] = Exception) -> str:
@@ -130,7 +132,7 @@ def test_bad_document_on_another_dp_rank_is_not_read():
     """DP rank 0 never reads document 5 (an odd index): its whole epoch reads each even document once, no other."""
     source = CountingSource(with_bad([1, 2, 3]))
     cfg = dict(capacity=32, cp_size=2, cp_rank=0, layout="thd", dp_rank=0, dp_size=2, prefetch=0, pin_memory=False)
-    batches = list(build_node(source, **cfg))
+    batches = list(build_node(source, **records(**cfg)))
     assert sum(b.info["real_tokens"] for b in batches) == sum(len(d["input_ids"]) for d in good_docs()[0::2])
     assert sorted(source.read) == list(range(0, len(source), 2)), source.read
 
@@ -141,7 +143,7 @@ def batches_before_reading(docs: list, index: int, **cfg) -> list:
     source = CountingSource(docs)
     out = []
     opts = {k: v for k, v in cfg.items() if k != "cp_rank"}
-    node = ShardForRank(shard_graph(source, **opts), cp_size=cfg["cp_size"], cp_rank=cfg["cp_rank"],
+    node = ShardForRank(shard_graph(source, graph_options(**opts)), cp_size=cfg["cp_size"], cp_rank=cfg["cp_rank"],
                         layout=cfg["layout"], block_size=1)  # fmt: skip
     for batch in node:
         if index in source.read:
@@ -158,7 +160,7 @@ def test_a_bad_document_stops_the_stream_where_it_is_read():
     docs = good_docs(40)
     docs[31] = {"input_ids": [1, -7]}
     seen = []
-    with closing_loader(build_loader(docs, **cfg)) as loader:
+    with closing_loader(build_loader(docs, **records(**cfg))) as loader:
         with pytest.raises(ValueError, match=r"document 31: 'input_ids' must be >= 0, got -7 at position 1"):
             for batch in loader:
                 seen.append(batch)
@@ -203,7 +205,7 @@ def test_negative_id_message_names_the_fix():
 
 def _drain_pack_stats(docs, **kw):
     """Every batch of one pipeline (all ranks) and the packer's final stats."""
-    collated = shard_graph(docs, **kw)
+    collated = shard_graph(docs, graph_options(**kw))
     shard = ShardForRank(collated, cp_size=kw["cp_size"], cp_rank=0, layout=kw["layout"], all_ranks=True)
     batches = list(shard)
     return batches, collated.source.stats
@@ -270,8 +272,7 @@ def test_overlong_documents_follow_the_policy_and_are_counted(overflow, algorith
 
 def test_overlong_document_with_overflow_error_names_document_capacity_and_fix():
     # a list states its lengths (one len() per item): every overlong document is named when the pipeline is built
-    message = error_of(lambda: build_node(_long_docs(), capacity=32, cp_size=2, cp_rank=0, layout="thd", dp_rank=1,
-                                          dp_size=2, overflow="error"), ValueError)  # fmt: skip
+    message = error_of(lambda: build_node(_long_docs(), capacity=32, cp_size=2, cp_rank=0, layout="thd", plan=StreamPlan(overflow="error"), data=DataPolicy(dp_rank=1, dp_size=2)), ValueError)  # fmt: skip
     for part in ("document 1 has 45 tokens", "48 after aligning to a multiple of 4", "capacity=32",
                  "2 of 8 documents", "raise the capacity (to", "or pass overflow=", "'split'", "'truncate'", "'drop'"):
         assert part in message, (part, message)
@@ -320,8 +321,8 @@ def test_bad_configuration_is_refused_before_any_data_is_read(case):
             raise AssertionError("a refused configuration must not read the source")
 
     cfg = {**dict(capacity=32, cp_size=2, cp_rank=0, layout="thd"), **change}
-    for build in (lambda: build_loader(Untouchable(good_docs()), **cfg),
-                  lambda: CPDataset(Untouchable(good_docs()), **cfg)):  # fmt: skip
+    for build in (lambda: build_loader(Untouchable(good_docs()), **records(**cfg)),
+                  lambda: CPDataset(Untouchable(good_docs()), **records(**cfg))):  # fmt: skip
         message = error_of(build, exc)
         missing = [p for p in parts if p not in message]
         assert not missing, f"message {message!r} lacks {missing}"
@@ -355,8 +356,7 @@ def test_padding_id_in_the_content_does_not_matter(pad, layout, cp, qkv_format, 
     docs = [{"input_ids": np.array(ids)} for ids in PAD_CONTENT_DOCS * 3]
     multiple = alignment(layout, cp)[1]
     capacity = multiple * -(-16 // multiple)
-    graph = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, padding_token_id=pad,
-                        batch_size=batch_size, qkv_format=qkv_format, algorithm="next_fit")  # fmt: skip
+    graph = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp, layout=layout, padding_token_id=pad, batch_size=batch_size, qkv_format=qkv_format, plan=StreamPlan(algorithm="next_fit")))  # fmt: skip
     found, pads, content_equal_to_pad = [], 0, 0
     for shards in ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True):
         s = stream(shards)
@@ -384,7 +384,7 @@ CFG = dict(capacity=32, cp_size=2, cp_rank=0, layout="thd", window=4)
 
 
 def _saved_state(docs, **kw) -> dict:
-    with closing_loader(build_loader(docs, **{**CFG, **kw})) as loader:
+    with closing_loader(build_loader(docs, **records(**{**CFG, **kw}))) as loader:
         it = iter(loader)
         next(it), next(it)
         return loader.state_dict()
@@ -409,7 +409,7 @@ def _set(state: dict, path: tuple, key: str, value) -> dict:
 
 
 def _restore_error(state: dict, docs, **kw) -> str:
-    with closing_loader(build_loader(docs, **{**CFG, **kw})) as loader:
+    with closing_loader(build_loader(docs, **records(**{**CFG, **kw}))) as loader:
         loader.load_state_dict(state)
         return error_of(lambda: next(iter(loader)), ValueError)
 
@@ -453,7 +453,7 @@ def test_worker_state_from_another_configuration_is_refused_through_the_dataload
     kw = dict(capacity=32, cp_size=2, cp_rank=0, layout="thd", qkv_format="thd", window=4)
 
     def make(**over):
-        return StatefulDataLoader(CPDataset(docs, **{**kw, **over}), batch_size=None, num_workers=2,
+        return StatefulDataLoader(CPDataset(docs, **records(**{**kw, **over})), batch_size=None, num_workers=2,
                                   multiprocessing_context="fork")  # fmt: skip
 
     before = {p.pid for p in psutil.Process().children()}
@@ -494,23 +494,23 @@ def _plans_disagree(rank: int, world: int) -> dict[str, str]:
             out[name] = str(err)
         out[name + "_s"] = time.monotonic() - start
 
-    check("agree", next(build_node(docs, **kw)))
-    check("other_seed_docs", next(build_node(good_docs(60, seed=rank), **kw)))
+    check("agree", next(build_node(docs, **records(**kw))))
+    check("other_seed_docs", next(build_node(good_docs(60, seed=rank), **records(**kw))))
     # Same shape (lengths, provenance, slots), other tokens: only the content tells the ranks apart.
     other_tokens = [{"input_ids": d["input_ids"] + 100 * rank} for d in docs]
-    same_shape = next(build_node(other_tokens, **kw))
-    out["same_shape"] = str(same_shape.info["real_tokens"] == next(build_node(docs, **kw)).info["real_tokens"])
+    same_shape = next(build_node(other_tokens, **records(**kw)))
+    out["same_shape"] = str(same_shape.info["real_tokens"] == next(build_node(docs, **records(**kw))).info["real_tokens"])
     check("same_shape_other_tokens", same_shape)
-    node = build_node(docs, **kw)
+    node = build_node(docs, **records(**kw))
     if rank == 1:
         next(node)  # one step ahead, as after a resume from the wrong checkpoint
     check("one_step_off", next(node))
     rows = dict(batch_size=2, qkv_format="thd") if rank == 1 else {}
-    check("other_length", next(build_node(docs, **{**kw, **rows})))  # a gather here would abort gloo
+    check("other_length", next(build_node(docs, **records(**{**kw, **rows}))))  # a gather here would abort gloo
 
     # A tensor from another batch (wrong length for this layout): refused locally on every rank, before the
     # collective; the ranks stay in step and the next, correct gather works.
-    batch = next(build_node(docs, **kw))
+    batch = next(build_node(docs, **records(**kw)))
     local = batch["input_ids"].to(torch.float32)
     try:
         gather_token_tensor(local[..., :-1], batch.layout, None, seq_dim=-1)

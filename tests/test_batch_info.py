@@ -8,6 +8,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import CPDataset, build_loader, closing_loader
+from tests.flat_options import records
 
 LENS = [7, 30, 3, 12, 45, 1, 9, 20, 16, 5, 33, 2]
 CFG = dict(capacity=48, cp_size=2, layout="thd", qkv_format="thd", overflow="split")
@@ -29,7 +30,7 @@ def _check(batch) -> None:
 
 
 def test_info_carries_the_lengths_as_python_ints_through_copies():
-    with closing_loader(build_loader(_docs(), cp_rank=1, prefetch=0, **CFG)) as loader:
+    with closing_loader(build_loader(_docs(), **records(cp_rank=1, prefetch=0, **CFG))) as loader:
         batches = list(loader)
     assert len(batches) > 2
     for batch in batches:
@@ -40,7 +41,7 @@ def test_info_carries_the_lengths_as_python_ints_through_copies():
 
 
 def test_info_survives_stateful_dataloader_workers():
-    ds = CPDataset(_docs(), cp_rank=0, **CFG)
+    ds = CPDataset(_docs(), **records(cp_rank=0, **CFG))
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     batches = list(loader)
     assert len(batches) > 2

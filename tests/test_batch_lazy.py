@@ -24,6 +24,7 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.dataloader import hand_over
 from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.buffer_spans import views
+from tests.flat_options import records
 
 MAPS = ("local_token_global_indices", "gather_index")
 DOCS = [{"input_ids": np.arange(1, 1 + 40 + (i * 37) % 300, dtype=np.int64)} for i in range(40)]
@@ -145,13 +146,13 @@ def test_byte_counts_come_from_the_plan_and_match_the_tensors():
 
 
 def test_the_loader_hands_batches_over_without_viewing_them():
-    batch = next(iter(CPDataset(DOCS, **CFG)))
+    batch = next(iter(CPDataset(DOCS, **records(**CFG))))
     assert untouched(batch) and hand_over(batch) is batch and untouched(batch)
     assert hand_over({"x": np.zeros(2)})["x"].dtype == torch.float64  # anything else: default_convert
-    local = list(CPDataset(DOCS, **CFG))
-    in_process = list(CPDataLoader(CPDataset(DOCS, **CFG), num_workers=0))
+    local = list(CPDataset(DOCS, **records(**CFG)))
+    in_process = list(CPDataLoader(CPDataset(DOCS, **records(**CFG)), num_workers=0))
     assert all(untouched(b) for b in in_process)
-    got = list(CPDataLoader(CPDataset(DOCS, **CFG), num_workers=1, multiprocessing_context="fork"))
+    got = list(CPDataLoader(CPDataset(DOCS, **records(**CFG)), num_workers=1, multiprocessing_context="fork"))
     assert len(got) == len(local) == len(in_process) > 1
     for a, b, want in zip(got, in_process, local, strict=True):
         assert untouched(a) and a._buffer.untyped_storage().is_shared()  # one shared storage, views not built

@@ -20,6 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import CPDataset
 from cpdata.worker.batch import ShardedBatch
+from tests.flat_options import records
 
 DOCS = [{"input_ids": np.arange(1, 1 + 40 + (i * 37) % 300, dtype=np.int64)} for i in range(60)]
 CFG = {"capacity": 512, "cp_size": 4, "layout": "balanced", "seed": 0}
@@ -35,7 +36,7 @@ def storages(batch: ShardedBatch) -> int:
 
 
 def first_batch(**over) -> ShardedBatch:
-    return next(iter(CPDataset(DOCS, cp_rank=1, **{**CFG, **over})))
+    return next(iter(CPDataset(DOCS, **records(cp_rank=1, **{**CFG, **over}))))
 
 
 def assert_same(a: ShardedBatch, b: ShardedBatch) -> None:
@@ -103,9 +104,9 @@ def test_to_device_is_one_copy_and_leaves_the_maps_on_the_host(monkeypatch):
 
 
 def test_a_worker_batch_arrives_as_one_shared_memory_storage():
-    loader = StatefulDataLoader(CPDataset(DOCS, cp_rank=1, **CFG), batch_size=None, num_workers=1,
+    loader = StatefulDataLoader(CPDataset(DOCS, **records(cp_rank=1, **CFG)), batch_size=None, num_workers=1,
                                 multiprocessing_context="fork")  # fmt: skip
-    local = list(CPDataset(DOCS, cp_rank=1, **CFG))
+    local = list(CPDataset(DOCS, **records(cp_rank=1, **CFG)))
     got = list(loader)
     assert len(got) == len(local) > 1
     for batch, want in zip(got, local, strict=True):

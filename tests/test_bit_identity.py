@@ -28,7 +28,8 @@ from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, lay
 from cpdata.layout.tiled import tiled_owners
 from cpdata.layout.world_deal import world_runs
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.worker.keys import IGNORE_INDEX, METADATA_KEYS
 from cpdata.worker.plan import DIGEST_SAMPLES, DocPiece, PackPlan
@@ -335,8 +336,7 @@ def test_the_pipeline_from_documents_equals_the_reference(layout, cp):
         ids = rng.integers(0, 32000, size=n, dtype=np.int64)
         docs.append({"input_ids": ids, "token_type": (ids % 4).astype(np.int16)})
     capacity = _capacity(16384, layout, cp)
-    collate = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, overflow="split",
-                          qkv_format="thd", batch_size=2)  # fmt: skip
+    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp, layout=layout, qkv_format="thd", batch_size=2, plan=StreamPlan(overflow="split")))  # fmt: skip
     collate.reset()
     collated = list(collate)
     plans = [p for c in collated for p in c.plans]
@@ -392,8 +392,7 @@ def test_the_pipeline_with_labels_masks_and_small_windows_equals_the_reference(l
             doc["loss_mask"] = (ids % 3 != 0).astype(np.int8)
         docs.append(doc)
     capacity = _capacity(4096, layout, cp)
-    collate = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, overflow=overflow, algorithm=algorithm,
-                          window=12, labels_alignment="targets", qkv_format="thd", batch_size=1)  # fmt: skip
+    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp, layout=layout, qkv_format="thd", batch_size=1, plan=StreamPlan(overflow=overflow, algorithm=algorithm, window=12), data=DataPolicy(labels_alignment="targets")))  # fmt: skip
     collate.reset()
     plans = [p for c in list(collate) for p in c.plans]  # every pack held while later windows are read
     in_buffer = [p.piece_columns.buffer is not None for p in plans]

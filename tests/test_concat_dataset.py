@@ -22,6 +22,7 @@ from cpdata import (
 from cpdata.sources.concat import ConcatDataset
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenstore import write_token_store
+from tests.flat_options import precompute_records, records
 from tests.test_precompute import assert_batches_equal
 
 
@@ -60,17 +61,17 @@ def test_a_plan_from_the_engines_lengths_serves_from_the_shards(tmp_path):
     lengths = np.array([len(d["input_ids"]) for d in docs], dtype=np.int64)  # what the engine wrote beside its shards
     np.save(tmp_path / "lengths.npy", lengths)
     kw = {"capacity": 128, "cp_size": 2, "layout": "balanced", "overflow": "split"}
-    precompute(tmp_path / "lengths.npy", tmp_path / "plan", **kw)
+    precompute(tmp_path / "lengths.npy", tmp_path / "plan", **precompute_records(**kw))
     served = list(ShardForRank(Collate(PrecomputedPacks(tmp_path / "plan", open_dataset(paths))), cp_size=2,
                                cp_rank=0, layout="balanced"))  # fmt: skip
-    loader = build_loader(docs, cp_rank=0, restart_on_stop_iteration=False, **kw)
+    loader = build_loader(docs, **records(cp_rank=0, restart_on_stop_iteration=False, **kw))
     online = list(loader)
     close_loader(loader)
     assert len(served) == len(online) > 5
     for a, e in zip(served, online, strict=True):
         assert_batches_equal(a, e)
     np.save(tmp_path / "other.npy", lengths[::-1].copy())
-    precompute(tmp_path / "other.npy", tmp_path / "plan2", **kw)
+    precompute(tmp_path / "other.npy", tmp_path / "plan2", **precompute_records(**kw))
     with pytest.raises(ValueError, match="have other lengths"):
         PrecomputedPacks(tmp_path / "plan2", open_dataset(paths))
 

@@ -9,7 +9,8 @@ from test_loader import CONFIG, documents
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import CPDataset
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import Delivery
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.batch import ShardedBatch
 
@@ -20,7 +21,7 @@ def _odd_stream() -> list[dict[str, np.ndarray]]:
     """Documents giving an odd number of batches, so two workers end unevenly."""
     for n in range(36, 60):
         docs = documents(n)
-        if len(list(shard_graph(docs, **CFG))) % 2:
+        if len(list(shard_graph(docs, GraphOptions(**CFG)))) % 2:
             return docs
     raise AssertionError("no document count in 36..59 gives an odd number of batches")
 
@@ -29,8 +30,8 @@ DOCS = _odd_stream()
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
 
-def make_loader(num_workers: int, cp_rank: int = 0, **kw) -> StatefulDataLoader:
-    ds = CPDataset(DOCS, cp_rank=cp_rank, **{**CFG, **kw})
+def make_loader(num_workers: int, cp_rank: int = 0, prefetch: int = 0) -> StatefulDataLoader:
+    ds = CPDataset(DOCS, cp_rank=cp_rank, delivery=Delivery(prefetch=prefetch), **CFG)
     extra = {"multiprocessing_context": "fork"} if num_workers else {}
     return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers, **extra)
 
@@ -38,7 +39,7 @@ def make_loader(num_workers: int, cp_rank: int = 0, **kw) -> StatefulDataLoader:
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[ShardedBatch, ...]]:
     """Every rank's batches from one process: the order any worker count must reproduce."""
-    return list(ShardForRank(shard_graph(DOCS, **CFG), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
+    return list(ShardForRank(shard_graph(DOCS, GraphOptions(**CFG)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
 
 
 def digests(batches) -> list[int]:
@@ -121,7 +122,7 @@ def test_resume_needs_the_same_worker_count():
 
 def test_constructor_checks():
     with pytest.raises(TypeError, match="pin_memory"):
-        CPDataset(DOCS, cp_rank=0, pin_memory=True, **CFG)
+        CPDataset(DOCS, cp_rank=0, delivery=Delivery(pin_memory=True), **CFG)
     with pytest.raises(ValueError, match="cp_rank"):
         CPDataset(DOCS, cp_rank=2, **CFG)
     with pytest.raises(ValueError, match="qkv_format='thd'"):

@@ -43,10 +43,12 @@ from torchdata.nodes import BaseNode
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.gather import gather_token_tensor
 from cpdata.layout.maps import LAYOUTS, alignment
-from cpdata.nodes.loader import build_node, shard_graph
+from cpdata.nodes.loader import GraphOptions, build_node, shard_graph
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.packing import ALGORITHMS, OVERFLOW_POLICIES
 from cpdata.worker.keys import METADATA_KEYS
+from tests.flat_options import graph_options, records
 
 TAG = 1 << 16
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids", "tag")
@@ -156,10 +158,7 @@ def first_overlong(case: dict, docs: list[dict], *, every_rank: bool = False) ->
 
 def run_pipeline(case: dict, docs: list[dict]):
     collated = shard_graph(
-        docs, capacity=case["capacity"], cp_size=case["cp"], layout=case["layout"], algorithm=case["algorithm"],
-        overflow=case["overflow"], padding_token_id=case["padding_token_id"], dp_rank=case["dp_rank"],
-        dp_size=case["dp_size"], batch_size=case["batch_size"], qkv_format=case["qkv_format"], window=case["window"],
-        labels_alignment="targets",
+        docs, GraphOptions(capacity=case["capacity"], cp_size=case["cp"], layout=case["layout"], padding_token_id=case["padding_token_id"], batch_size=case["batch_size"], qkv_format=case["qkv_format"], plan=StreamPlan(algorithm=case["algorithm"], overflow=case["overflow"], window=case["window"]), data=DataPolicy(dp_rank=case["dp_rank"], dp_size=case["dp_size"], labels_alignment="targets")),
     )  # fmt: skip
     packs: list = []
     node = ShardForRank(Tap(collated, packs), cp_size=case["cp"], cp_rank=0, layout=case["layout"], all_ranks=True)
@@ -358,8 +357,8 @@ def _gather_on_ranks(rank: int, cp: int) -> int:
     for layout in ("contiguous", "round_robin", "thd", "balanced"):
         kw = dict(capacity=8 * alignment(layout, cp)[1], cp_size=cp, layout=layout, overflow="split",
                   batch_size=2, qkv_format="thd", padding_token_id=0)  # fmt: skip
-        reference = shard_graph(GLOO_DOCS, **kw)
-        for batch in build_node(GLOO_DOCS, cp_rank=rank, prefetch=0, pin_memory=False, **kw):
+        reference = shard_graph(GLOO_DOCS, graph_options(**kw))
+        for batch in build_node(GLOO_DOCS, **records(cp_rank=rank, prefetch=0, pin_memory=False, **kw)):
             verify_layout_consistency(batch, None, device="cpu")
             full = next(reference).tensors()
             for key in ("input_ids", "labels", "position_ids", "padding_mask", "tag"):

@@ -26,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, build_node, close_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options, records
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.set_vital. is deprecated"), pytest.mark.timeout(120)]
 
@@ -117,7 +118,7 @@ def every_token_once(batches: list[list[Piece]], n_docs: int = N_DOCS) -> None:
 
 
 def reference() -> list[list[Piece]]:
-    return [pieces(b) for b in build_node(Corpus(), cp_rank=0, prefetch=0, pin_memory=False, **CFG)]
+    return [pieces(b) for b in build_node(Corpus(), **records(cp_rank=0, prefetch=0, pin_memory=False, **CFG))]
 
 
 def batches_before_reading(index: int) -> int:
@@ -131,7 +132,7 @@ def batches_before_reading(index: int) -> int:
             return super().__getitem__(i)
 
     opts = {k: v for k, v in CFG.items() if k not in ("cp_size", "layout")}
-    node = ShardForRank(shard_graph(Recording(), cp_size=CFG["cp_size"], layout=CFG["layout"], **opts),
+    node = ShardForRank(shard_graph(Recording(), graph_options(cp_size=CFG["cp_size"], layout=CFG["layout"], **opts)),
                         cp_size=CFG["cp_size"], cp_rank=0, layout=CFG["layout"], block_size=1)  # fmt: skip
     for k, _ in enumerate(node):
         if index in read:
@@ -142,7 +143,7 @@ def batches_before_reading(index: int) -> int:
 def loader(source, **kw) -> StatefulDataLoader:
     # blocks of 16 batches: the default block of such short packs would need more documents than the
     # workers read before the source stalls, so no batch would come before the kill
-    return StatefulDataLoader(CPDataset(source, cp_rank=0, block_size=16, **CFG), batch_size=None, num_workers=2,
+    return StatefulDataLoader(CPDataset(source, **records(cp_rank=0, block_size=16, **CFG)), batch_size=None, num_workers=2,
                               multiprocessing_context="fork", snapshot_every_n_steps=1, **kw)  # fmt: skip
 
 
@@ -235,7 +236,7 @@ def test_source_error_mid_stream_propagates_with_the_document_index_through_buil
     ref = reference()
     threads = threading.active_count()
     got = []
-    ld = build_loader(source, cp_rank=0, prefetch=2, **CFG)
+    ld = build_loader(source, **records(cp_rank=0, prefetch=2, **CFG))
     start = time.monotonic()
     with pytest.raises(OSError) as info:
         for batch in ld:

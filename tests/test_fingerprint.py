@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from cpdata.nodes.loader import build_loader, closing_loader
+from cpdata.nodes.options import StreamPlan
 from cpdata.offline import PrecomputedPacks, precompute
 from cpdata.sources import open_dataset
 from cpdata.sources.fingerprint import source_fingerprint
+from tests.flat_options import records
 
 CFG = dict(capacity=64, cp_size=2, cp_rank=0, layout="thd", window=4, overflow="split", prefetch=0)
 
@@ -53,7 +55,7 @@ def _epochs(loader, n: int) -> list[list[int]]:
 
 def test_a_document_edited_in_place_mid_epoch_raises_naming_file_and_document(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0, n=200))
-    with closing_loader(build_loader(open_dataset(path), block_size=16, **CFG)) as loader:
+    with closing_loader(build_loader(open_dataset(path), **records(block_size=16, **CFG))) as loader:
         it = iter(loader)
         next(it)
         _edit_in_place(path, 150)  # a document not read yet (the first block of 16 batches reads ~50)
@@ -66,7 +68,7 @@ def test_a_document_edited_in_place_mid_epoch_raises_naming_file_and_document(tm
 
 def test_a_document_edited_between_epochs_is_refused_at_the_epoch_start(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0))
-    with closing_loader(build_loader(open_dataset(path), **CFG)) as loader:
+    with closing_loader(build_loader(open_dataset(path), **records(**CFG))) as loader:
         first = [b.info["digest"] for b in loader]
         assert first
         _edit_in_place(path, 0)
@@ -77,7 +79,7 @@ def test_a_document_edited_between_epochs_is_refused_at_the_epoch_start(tmp_path
 
 def test_a_touched_but_unchanged_file_is_served(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0))
-    with closing_loader(build_loader(open_dataset(path), **CFG)) as loader:
+    with closing_loader(build_loader(open_dataset(path), **records(**CFG))) as loader:
         first = [b.info["digest"] for b in loader]
         os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
         assert [b.info["digest"] for b in loader] == first
@@ -86,7 +88,7 @@ def test_a_touched_but_unchanged_file_is_served(tmp_path):
 def test_rows_appended_after_opening_are_refused_at_the_next_epoch(tmp_path):
     """The dataset of a run is the file as opened: appended rows are never silently mixed in."""
     path = _write(tmp_path / "d.jsonl", _docs(0))
-    with closing_loader(build_loader(open_dataset(path), **CFG)) as loader:
+    with closing_loader(build_loader(open_dataset(path), **records(**CFG))) as loader:
         it = iter(loader)
         next(it)
         with open(path, "a") as f:
@@ -117,7 +119,7 @@ def test_npy_folder_file_rewritten_is_refused_naming_the_file(tmp_path):
 
 def test_in_memory_list_changed_between_epochs_is_refused():
     docs = [{"input_ids": np.array(d)} for d in _docs(0)]
-    with closing_loader(build_loader(docs, **CFG)) as loader:
+    with closing_loader(build_loader(docs, **records(**CFG))) as loader:
         assert [b.info["digest"] for b in loader]
         docs[0] = {"input_ids": np.array([5, 6, 7])}
         with pytest.raises(ValueError, match="the source list changed since it was first read"):
@@ -128,14 +130,14 @@ def test_in_memory_list_changed_between_epochs_is_refused():
 
 
 def _state(source) -> dict:
-    with closing_loader(build_loader(source, **CFG)) as loader:
+    with closing_loader(build_loader(source, **records(**CFG))) as loader:
         it = iter(loader)
         next(it), next(it)
         return loader.state_dict()
 
 
 def _restore_error(state, source) -> str:
-    with closing_loader(build_loader(source, **CFG)) as loader:
+    with closing_loader(build_loader(source, **records(**CFG))) as loader:
         loader.load_state_dict(state)
         with pytest.raises(ValueError) as info:
             next(iter(loader))
@@ -163,7 +165,7 @@ def test_resume_onto_another_dataset_with_the_same_row_count_is_refused(tmp_path
     assert "fingerprint" in message and "same length, other content" in message and "same dataset" in message
     # the same data, opened again (another process, another machine), resumes
     again = make("c", 0) if kind != "list" else [dict(d) for d in same]
-    with closing_loader(build_loader(again, **CFG)) as loader:
+    with closing_loader(build_loader(again, **records(**CFG))) as loader:
         loader.load_state_dict(state)
         assert next(iter(loader)).info["real_tokens"] > 0
 
@@ -183,10 +185,10 @@ def test_fingerprints_ignore_paths_and_mtimes(tmp_path):
 def test_precomputed_plan_replaced_on_disk_is_refused_at_the_next_epoch(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0))
     data = open_dataset(path)
-    precompute(data, tmp_path / "plan", capacity=64, cp_size=2, layout="thd", overflow="split")
+    precompute(data, tmp_path / "plan", capacity=64, cp_size=2, layout="thd", plan=StreamPlan(overflow="split"))
     node = PrecomputedPacks(tmp_path / "plan", data)
     assert list(node)
-    precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", overflow="split", overwrite=True)
+    precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", overwrite=True, plan=StreamPlan(overflow="split"))
     with pytest.raises(ValueError, match="plan .* changed on disk since this node opened it"):
         node.reset()
 
@@ -194,7 +196,7 @@ def test_precomputed_plan_replaced_on_disk_is_refused_at_the_next_epoch(tmp_path
 def test_precomputed_plan_documents_edited_are_refused(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0))
     data = open_dataset(path)
-    precompute(data, tmp_path / "plan", capacity=64, cp_size=2, layout="thd", overflow="split")
+    precompute(data, tmp_path / "plan", capacity=64, cp_size=2, layout="thd", plan=StreamPlan(overflow="split"))
     node = PrecomputedPacks(tmp_path / "plan", data)
     _edit_in_place(path, 30)
     with pytest.raises(ValueError, match=r"document 30 \(byte offset \d+\) changed since the file was opened"):

@@ -11,6 +11,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import CPDataset, open_dataset
+from cpdata.nodes.options import DataPolicy
 
 
 def _write(path, n=400, seed=0):
@@ -57,8 +58,7 @@ def test_threads_racing_on_the_first_read_share_one_handle(tmp_path):
 
 
 def _batches(ds, num_workers):
-    data = CPDataset(ds, capacity=128, cp_size=2, cp_rank=0, layout="thd", qkv_format="thd",
-                     labels_alignment="inputs")  # fmt: skip
+    data = CPDataset(ds, capacity=128, cp_size=2, cp_rank=0, layout="thd", qkv_format="thd", data=DataPolicy(labels_alignment="inputs"))  # fmt: skip
     kw = {"multiprocessing_context": "fork"} if num_workers else {}
     loader = StatefulDataLoader(data, batch_size=None, num_workers=num_workers, **kw)
     return [{k: v.clone() for k, v in b.items()} for b in loader]

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from cpdata.nodes.options import Delivery
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinning and H2D overlap are GPU-only"),
@@ -28,7 +30,7 @@ def test_batches_arrive_pinned_and_copy_without_blocking():
     from cpdata.nodes.loader import build_loader, closing_loader
 
     with closing_loader(build_loader(_docs(), capacity=2048, cp_size=2, cp_rank=0, layout="balanced",
-                                     pin_memory=True)) as loader:  # fmt: skip
+                                     delivery=Delivery(pin_memory=True))) as loader:  # fmt: skip
         batch = next(iter(loader))
     assert all(t.is_pinned() for t in batch.values())
     assert batch.layout.gather_index.is_pinned()

@@ -24,6 +24,7 @@ from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.keys import IGNORE_INDEX
 from tests import hf_zoo
+from tests.flat_options import graph_options
 from tests.hf_zoo import FAMILIES, SLIDING, alone_reference, build, grads, max_rel_error
 
 KEYS = ("input_ids", "position_ids", "labels", "document_ids", "padding_mask")
@@ -34,7 +35,7 @@ _REF: dict[tuple, tuple] = {}
 
 def _packs(cp: int = 1, layout: str = "identity", n: int = 2, **kw) -> list[tuple]:
     """The first ``n`` packs holding at least two documents with targets, every rank's batch (no collective)."""
-    graph = shard_graph(hf_zoo.docs(), capacity=64, cp_size=cp, layout=layout, overflow="split", **kw)
+    graph = shard_graph(hf_zoo.docs(), graph_options(capacity=64, cp_size=cp, layout=layout, overflow="split", **kw))
     out = [b for b in ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True)
            if b[0].info["n_documents"] >= 2]  # fmt: skip
     assert len(out) >= n

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from cpdata.adapters import global_target_count, hf_model_kwargs, register_hf_attention
 from cpdata.device.cp_attention import ContextParallelAttention
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
@@ -35,8 +36,7 @@ _REF: dict[tuple, tuple] = {}
 
 def _pack(cp: int, rank: int, layout: str) -> tuple:
     """Every rank's batch of the first pack holding at least three documents (built in-process, no collective)."""
-    graph = shard_graph(hf_zoo.docs(), capacity=32, cp_size=cp, layout=layout, overflow="split",
-                        qkv_format="thd" if layout == "thd" else "bshd")  # fmt: skip
+    graph = shard_graph(hf_zoo.docs(), GraphOptions(capacity=32, cp_size=cp, layout=layout, qkv_format="thd" if layout == "thd" else "bshd", plan=StreamPlan(overflow="split")))  # fmt: skip
     for batches in ShardForRank(graph, cp_size=cp, cp_rank=rank, layout=layout, all_ranks=True):
         if batches[0].info["n_documents"] >= 3:
             return batches

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
@@ -35,8 +36,7 @@ TILE = 64
 def _pack(cp: int, rank: int, layout: str) -> tuple:
     """Every rank's batch (with its exchange plan) of the first pack holding at least three documents."""
     spec = {"tiled": f"tiled:{TILE}", "world": "world:2"}.get(layout, layout)
-    graph = shard_graph(hf_zoo.docs(), capacity=64 * cp, cp_size=cp, layout=spec, overflow="split",
-                        qkv_format="thd" if layout == "thd" else "bshd")  # fmt: skip
+    graph = shard_graph(hf_zoo.docs(), GraphOptions(capacity=64 * cp, cp_size=cp, layout=spec, qkv_format="thd" if layout == "thd" else "bshd", plan=StreamPlan(overflow="split")))  # fmt: skip
     shards = ShardForRank(graph, cp_size=cp, cp_rank=rank, layout=spec, all_ranks=True, kv_exchange=True)
     for batches in shards:
         if batches[0].info["n_documents"] >= 3:

@@ -12,6 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata import Collate, CPDataset, PrecomputedPacks, ShardForRank, build_loader, precompute
 from cpdata.nodes.loader import close_loader
 from cpdata.sources.hf import HFDocuments
+from tests.flat_options import precompute_records, records
 from tests.test_precompute import assert_batches_equal
 
 CAP = 64
@@ -66,7 +67,7 @@ def test_planning_reads_no_token_rows(tmp_path, monkeypatch):
         raise AssertionError(f"planning read row {i}")
 
     monkeypatch.setattr(HFDocuments, "_read", no_rows)
-    store = precompute(ds, tmp_path / "plan", **KW, overflow="split")
+    store = precompute(ds, tmp_path / "plan", **precompute_records(**KW, overflow="split"))
     assert store.manifest["input"]["kind"] == "hf_dataset"
     assert store.manifest["input"]["tokens"] == sum(len(r) for r in _rows())
 
@@ -84,12 +85,12 @@ def test_precomputed_plan_from_a_dataset_serves_the_online_packs(tmp_path):
     rows = _rows()
     ds = _dataset(rows)
     plan = tmp_path / "plan"
-    precompute(ds, plan, **KW, overflow="split")
+    precompute(ds, plan, **precompute_records(**KW, overflow="split"))
     served = list(ShardForRank(Collate(PrecomputedPacks(plan, ds, cp_size=2, layout="thd")), cp_size=2, cp_rank=0,
                                layout="thd"))  # fmt: skip
     again = list(PrecomputedPacks(plan, _dataset(rows)))  # another Dataset object over the same data
     assert len(again) == len(served)
-    online = _batches(build_loader(_as_list(rows), cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False))
+    online = _batches(build_loader(_as_list(rows), **records(cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False)))
     assert len(served) == len(online) > 3
     for a, e in zip(served, online, strict=True):
         assert_batches_equal(a, e)
@@ -101,7 +102,7 @@ def test_fingerprint_binds_the_plan_to_the_data(tmp_path):
     assert HFDocuments(ds).checksum() == HFDocuments(_dataset(rows)).checksum()  # stable across objects
     assert HFDocuments(pickle.loads(pickle.dumps(ds))).checksum() == HFDocuments(ds).checksum()
     plan = tmp_path / "plan"
-    precompute(ds, plan, **KW, overflow="split")
+    precompute(ds, plan, **precompute_records(**KW, overflow="split"))
     changed = ds.map(lambda row: {"input_ids": row["input_ids"][::-1]})
     for other in (changed, ds.select(range(len(ds) - 1)), _dataset(_rows(seed=1))):
         assert HFDocuments(other).checksum() != HFDocuments(ds).checksum()
@@ -111,15 +112,15 @@ def test_fingerprint_binds_the_plan_to_the_data(tmp_path):
 
 def test_build_loader_and_workers_take_a_dataset_and_a_streaming_dataset():
     rows = _rows()
-    expected = _batches(build_loader(_as_list(rows), cp_rank=1, overflow="split", **KW, restart_on_stop_iteration=False))
+    expected = _batches(build_loader(_as_list(rows), **records(cp_rank=1, overflow="split", **KW, restart_on_stop_iteration=False)))
     assert len(expected) > 3
     sources = {"arrow": _dataset(rows), "streaming": _dataset(rows).to_iterable_dataset()}
     for name, source in sources.items():
-        got = _batches(build_loader(source, cp_rank=1, overflow="split", **KW, restart_on_stop_iteration=False))
+        got = _batches(build_loader(source, **records(cp_rank=1, overflow="split", **KW, restart_on_stop_iteration=False)))
         assert len(got) == len(expected), name
         for a, e in zip(got, expected, strict=True):
             assert_batches_equal(a, e)
-    loader = StatefulDataLoader(CPDataset(sources["arrow"], cp_rank=1, overflow="split", **KW),
+    loader = StatefulDataLoader(CPDataset(sources["arrow"], **records(cp_rank=1, overflow="split", **KW)),
                                 batch_size=None, num_workers=2, multiprocessing_context="fork")  # fmt: skip
     got = list(loader)
     assert len(got) == len(expected)
@@ -130,13 +131,13 @@ def test_build_loader_and_workers_take_a_dataset_and_a_streaming_dataset():
 def test_resume_over_a_dataset_is_exact():
     rows = _rows()
     for source in (_dataset(rows), _dataset(rows).to_iterable_dataset()):
-        reference = _batches(build_loader(source, cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False))
-        loader = build_loader(source, cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False)
+        reference = _batches(build_loader(source, **records(cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False)))
+        loader = build_loader(source, **records(cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False))
         it = iter(loader)
         head = [next(it) for _ in range(2)]
         state = loader.state_dict()
         close_loader(loader)
-        resumed = build_loader(source, cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False)
+        resumed = build_loader(source, **records(cp_rank=0, overflow="split", **KW, restart_on_stop_iteration=False))
         resumed.load_state_dict(state)
         tail = _batches(resumed)
         assert len(head) + len(tail) == len(reference)
@@ -156,21 +157,21 @@ def test_masks_travel_padding_is_refused_and_streaming_cannot_be_indexed(tmp_pat
         HFDocuments(datasets.Dataset.from_dict({"text": ["a"]}))
     streaming = _dataset(rows).to_iterable_dataset()
     with pytest.raises(TypeError, match="streaming datasets.IterableDataset has no index"):
-        precompute(streaming, tmp_path / "plan", **KW, overflow="split")
+        precompute(streaming, tmp_path / "plan", **precompute_records(**KW, overflow="split"))
     assert not (tmp_path / "plan").exists()
     bad = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, -4]]})
     with pytest.raises(ValueError, match="document 1 has token id -4 at position 1"):
-        precompute(bad, tmp_path / "plan", **KW)
+        precompute(bad, tmp_path / "plan", **precompute_records(**KW))
 
 
 def test_fingerprint_hooks_refuse_another_dataset_on_resume(tmp_path):
     rows = _rows()
-    loader = build_loader(_dataset(rows), cp_rank=0, overflow="split", **KW)
+    loader = build_loader(_dataset(rows), **records(cp_rank=0, overflow="split", **KW))
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     close_loader(loader)
-    other = build_loader(_dataset([r[::-1] for r in rows]), cp_rank=0, overflow="split", **KW)
+    other = build_loader(_dataset([r[::-1] for r in rows]), **records(cp_rank=0, overflow="split", **KW))
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="fingerprint hf_dataset:"):
         next(iter(other))

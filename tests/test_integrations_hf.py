@@ -22,6 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from cpdata.integrations.cp_trainer import LOADER_STATE
 from cpdata.integrations.hf import CPTrainer
+from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 
 VOCAB = 64
 CAPACITY = 64
@@ -139,7 +141,7 @@ def run_cpdata_attention(rank: int, world: int, out: str) -> dict:
     register_hf_attention()
     trainer = CPTrainer(model=tiny_mistral(), args=training_args(out, save_strategy="no"), train_dataset=documents(),
                         cp_size=world, capacity=CAPACITY, layout="round_robin",
-                        loader_options={"kv_exchange": True})  # fmt: skip
+                        delivery=Delivery(kv_exchange=True))  # fmt: skip
     trainer.train()
     return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "weights": weights(trainer.model)}
 
@@ -161,8 +163,10 @@ def test_cp_attention_needs_cpdata_or_sdpa_and_the_loader_options_stay_the_train
     with pytest.raises(ValueError, match="attn_implementation='sdpa'") as err:
         check_attention(config, 2)
     assert "set_attn_implementation('cpdata')" in str(err.value)
-    with pytest.raises(ValueError, match=r"\['capacity'\]"):
-        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"capacity": 8})
+    with pytest.raises(ValueError, match=r"sets the DP rank and size from its \(dp, cp\) mesh"):
+        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, data=DataPolicy(dp_size=2))
+    with pytest.raises(TypeError, match=r"no longer takes loader_options=; pass the records plan="):
+        CPTrainer(model=tiny_llama(), cp_size=1, capacity=CAPACITY, loader_options={"shuffle": True})
 
 
 def run_dp2(rank: int, world: int, cp_size: int, out: str, average_tokens: bool) -> dict:
@@ -183,3 +187,21 @@ def test_dp2_cp2_trains_like_dp2_cp1(tmp_path, average_tokens):
     for rank in cp2:
         np.testing.assert_allclose(rank["losses"], ref[0]["losses"], rtol=1e-4)
         assert relative(rank["weights"], ref[0]["weights"]) < 1e-4
+
+
+def test_the_trainer_fills_the_data_policy_it_owns_and_keeps_the_users_choices(tmp_path):
+    """The mesh's DP rank and size always; seed, vocabulary and alignment only where left at their defaults."""
+    args = training_args(str(tmp_path), seed=11)
+    mine = CPTrainer(model=tiny_llama(), args=args, train_dataset=documents(), cp_size=1, capacity=CAPACITY,
+                     plan=StreamPlan(overflow="split"), data=DataPolicy(shuffle=True, epochs=2, seed=5),
+                     delivery=Delivery(prefetch=1))  # fmt: skip
+    options = mine._cp_dataset_options()
+    assert options["plan"] == StreamPlan(overflow="split") and options["delivery"] == Delivery(prefetch=1)
+    assert options["data"] == DataPolicy(dp_rank=0, dp_size=1, shuffle=True, epochs=2, seed=5, vocab_size=VOCAB,
+                                         labels_alignment="inputs")  # fmt: skip
+    default = CPTrainer(model=tiny_llama(), args=args, train_dataset=documents(), cp_size=1, capacity=CAPACITY)
+    assert default._cp_dataset_options()["data"] == DataPolicy(seed=11, vocab_size=VOCAB, labels_alignment="inputs")
+    assert default._cp_dataset_options()["plan"] == StreamPlan()
+    served = [b.info["digest"] for b in default.get_train_dataloader()]
+    direct = [b.info["digest"] for b in CPDataset(documents(), cp_rank=0, **default._cp_dataset_options())]
+    assert len(served) > 4 and served == direct  # the loader is the CPDataset of exactly those options

@@ -35,6 +35,7 @@ from cpdata.layout.maps import alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options
 
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
 TOL = 1e-10
@@ -150,8 +151,8 @@ def _pipeline_plans(rank: int, cp: int) -> dict:
     for layout, qkv, batch_size in (("balanced", "thd", 2), ("thd", "thd", 1), ("contiguous", "bshd", 2),
                                     ("round_robin", "bshd", 1)):  # fmt: skip
         kw = dict(capacity=128, cp_size=cp, layout=layout, overflow="split", batch_size=batch_size, qkv_format=qkv)
-        mine = ShardForRank(shard_graph(docs, **kw), cp_size=cp, cp_rank=rank, layout=layout, kv_exchange=True)
-        every = ShardForRank(shard_graph(docs, **kw), cp_size=cp, cp_rank=0, layout=layout, all_ranks=True)
+        mine = ShardForRank(shard_graph(docs, graph_options(**kw)), cp_size=cp, cp_rank=rank, layout=layout, kv_exchange=True)
+        every = ShardForRank(shard_graph(docs, graph_options(**kw)), cp_size=cp, cp_rank=0, layout=layout, all_ranks=True)
         for batch, shards in zip(mine, every, strict=True):
             ex = batch.layout.kv_exchange
             assert ex.cp_rank == rank and ex.cp_size == cp

@@ -23,8 +23,10 @@ from cpdata.adapters import document_causal_mask, flex_block_mask
 from cpdata.device.kv_exchange import exchanged_key_positions
 from cpdata.layout.exchange import exchange_plan, expand_runs, kv_recv_fraction
 from cpdata.layout.maps import rank_indices
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import records
 
 CP_LAYOUTS = ("balanced", "contiguous", "round_robin", "thd")
 
@@ -126,8 +128,7 @@ def _shards(layout: str, cp: int, qkv_format: str, batch_size: int, kv_exchange:
     g = torch.Generator().manual_seed(cp + batch_size)
     docs = [{"input_ids": torch.randint(1, 50, (int(n),), generator=g).tolist()}
             for n in torch.randint(1, 60, (30,), generator=g)]  # fmt: skip
-    graph = shard_graph(docs, capacity=96, cp_size=cp, layout=layout, overflow="split", batch_size=batch_size,
-                        qkv_format=qkv_format)  # fmt: skip
+    graph = shard_graph(docs, GraphOptions(capacity=96, cp_size=cp, layout=layout, batch_size=batch_size, qkv_format=qkv_format, plan=StreamPlan(overflow="split")))  # fmt: skip
     return list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True, kv_exchange=kv_exchange))
 
 
@@ -213,8 +214,8 @@ def test_build_loader_and_cpdataset_workers_carry_the_plan():
 
     docs = [{"input_ids": list(range(1, n + 1))} for n in (5, 40, 17, 33, 9, 60, 22)]
     kw = dict(capacity=64, cp_size=2, layout="balanced", overflow="split", qkv_format="thd")
-    direct = list(build_loader(docs, cp_rank=1, kv_exchange=True, pin_memory=False, **kw))
-    loader = StatefulDataLoader(CPDataset(docs, cp_rank=1, kv_exchange=True, **kw), batch_size=None, num_workers=1)
+    direct = list(build_loader(docs, **records(cp_rank=1, kv_exchange=True, pin_memory=False, **kw)))
+    loader = StatefulDataLoader(CPDataset(docs, **records(cp_rank=1, kv_exchange=True, **kw)), batch_size=None, num_workers=1)
     served = list(loader)
     assert len(served) == len(direct) >= 2
     for a, b in zip(direct, served, strict=True):
@@ -222,7 +223,7 @@ def test_build_loader_and_cpdataset_workers_carry_the_plan():
         assert pa is not None and pb is not None and pa.cp_rank == pb.cp_rank == 1
         assert pa.recv_counts == pb.recv_counts and np.array_equal(pa.recv_runs, pb.recv_runs)
         assert np.array_equal(pa.send_runs, pb.send_runs)
-    assert all(b.layout.kv_exchange is None for b in build_loader(docs, cp_rank=1, pin_memory=False, **kw))
+    assert all(b.layout.kv_exchange is None for b in build_loader(docs, **records(cp_rank=1, pin_memory=False, **kw)))
 
 
 def test_hf_sdpa_kwargs_keep_the_global_key_mask_the_ctx_takes():

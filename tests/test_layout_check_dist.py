@@ -14,6 +14,7 @@ from cpdata import build_loader
 from cpdata.device.consistency import LayoutCheck
 from cpdata.device.cp_attention import ContextParallelAttention
 from cpdata.nemo.sharder import ContextParallelSharder
+from cpdata.nodes.options import DataPolicy, Delivery
 
 RNG = np.random.default_rng(4)
 DOCS = [{"input_ids": RNG.integers(1, 300, int(n))} for n in RNG.integers(8, 60, 40)]
@@ -29,8 +30,7 @@ def _outcome(fn) -> str:
 
 def _batches(rank: int, cp: int, dp_rank: int, n: int) -> list:
     """The first ``n`` batches of CP rank ``rank`` when the pipeline is told ``dp_rank`` (of 2)."""
-    loader = build_loader(DOCS, capacity=128, cp_size=cp, cp_rank=rank, layout="thd", dp_rank=dp_rank, dp_size=2,
-                          prefetch=0)  # fmt: skip
+    loader = build_loader(DOCS, capacity=128, cp_size=cp, cp_rank=rank, layout="thd", data=DataPolicy(dp_rank=dp_rank, dp_size=2), delivery=Delivery(prefetch=0))  # fmt: skip
     return [b for b, _ in zip(loader, range(n), strict=False)]
 
 

@@ -28,6 +28,7 @@ from cpdata.layout.tiles import block_tiles, first_keys, kv_recv_tokens, live_ti
 from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
+from tests.flat_options import records
 
 SPECS = [layout_spec("tiled", t) for t in TILES]
 ALL = [name for name in LAYOUTS if name != "tiled"] + SPECS
@@ -275,7 +276,7 @@ def test_tiled_loader_resumes_exactly_and_refuses_another_tile():
         assert_items_equal(actual.layout, expected.layout, "layout")
         assert_items_equal(actual.info, expected.info, "info")
 
-    make = lambda: build_node(docs, cp_rank=1, **config)  # noqa: E731
+    make = lambda: build_node(docs, **records(cp_rank=1, **config))  # noqa: E731
     items = list(make())
     assert len(items) >= 4 and items[0].info["layout"] == "tiled:64"
     rows = items[0].layout.local_token_global_indices.numpy().reshape(-1, 64)
@@ -284,7 +285,7 @@ def test_tiled_loader_resumes_exactly_and_refuses_another_tile():
     node = make()
     next(node)
     state = node.get_state()
-    other = build_node(docs, cp_rank=1, **{**config, "tile": 128})
+    other = build_node(docs, **records(cp_rank=1, **{**config, "tile": 128}))
     with pytest.raises(ValueError, match="saved with .*'tiled:64'.* this node has .*'tiled'"):
         other.reset(state)
 

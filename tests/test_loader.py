@@ -11,11 +11,19 @@ import torch
 from state_contract import assert_items_equal, run_save_load_contract
 from torchdata.nodes import IterableWrapper
 
-from cpdata.nodes.loader import build_loader, build_node, close_loader, closing_loader, shard_graph
+from cpdata.nodes.loader import (
+    GraphOptions,
+    build_loader,
+    build_node,
+    close_loader,
+    closing_loader,
+    shard_graph,
+)
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.batch import ShardedBatch
 
-CONFIG = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3}
+CONFIG = {"capacity": 64, "cp_size": 2, "layout": "thd", "plan": StreamPlan(algorithm="bfd"), "data": DataPolicy(seed=3)}
 
 
 def documents(n: int = 40, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -42,7 +50,8 @@ def real_tokens(shards: tuple[ShardedBatch, ...]) -> list[np.ndarray]:
                          [("thd", 2, "bshd", 1), ("balanced", 4, "thd", 2), ("round_robin", 2, "bshd", 2)])  # fmt: skip
 def test_every_token_arrives_once_and_ranks_agree(layout, cp_size, qkv_format, batch_size):
     docs = documents()
-    kw = dict(capacity=64, cp_size=cp_size, layout=layout, qkv_format=qkv_format, batch_size=batch_size, prefetch=2)
+    kw = dict(capacity=64, cp_size=cp_size, layout=layout, qkv_format=qkv_format, batch_size=batch_size,
+              delivery=Delivery(prefetch=2))
     per_rank = []
     for r in range(cp_size):
         with closing_loader(build_loader(docs, cp_rank=r, **kw)) as loader:
@@ -59,8 +68,8 @@ def test_every_token_arrives_once_and_ranks_agree(layout, cp_size, qkv_format, b
 
 def test_node_and_all_ranks_agree():
     docs = documents()
-    every = list(ShardForRank(shard_graph(docs, **CONFIG), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
-    node = build_node(docs, cp_rank=1, pin_memory=False, prefetch=0, **CONFIG)
+    every = list(ShardForRank(shard_graph(docs, GraphOptions(**CONFIG)), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
+    node = build_node(docs, cp_rank=1, delivery=Delivery(pin_memory=False, prefetch=0), **CONFIG)
     for one, both in zip(node, every, strict=True):
         assert all(torch.equal(one[k], both[1][k]) for k in one)
 
@@ -73,7 +82,7 @@ def run_loader(loader, n: int | None = None) -> list[int]:
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_resume_at_midpoints_and_across_epochs(prefetch):
     docs = documents(30)
-    make = lambda: build_loader(docs, cp_rank=0, prefetch=prefetch, **CONFIG)  # noqa: E731
+    make = lambda: build_loader(docs, cp_rank=0, delivery=Delivery(prefetch=prefetch), **CONFIG)  # noqa: E731
     with closing_loader(make()) as loader:
         epoch = run_loader(loader)
         second = run_loader(loader)  # restart_on_stop_iteration: a new epoch
@@ -100,7 +109,7 @@ def test_resume_at_midpoints_and_across_epochs(prefetch):
 def test_state_dict_before_load_does_not_swallow_the_restore():
     # torch.distributed.checkpoint calls state_dict() on a fresh loader before load_state_dict().
     docs = documents(30)
-    make = lambda: build_loader(docs, cp_rank=0, prefetch=0, **CONFIG)  # noqa: E731
+    make = lambda: build_loader(docs, cp_rank=0, delivery=Delivery(prefetch=0), **CONFIG)  # noqa: E731
     with closing_loader(make()) as loader:
         epoch = run_loader(loader)
         it = iter(loader)
@@ -148,7 +157,7 @@ def test_refuses_state_from_another_configuration(change, match):
 def test_close_stops_threads():
     gc.collect()
     before = threading.active_count()
-    loader = build_loader(documents(20), cp_rank=0, prefetch=4, **CONFIG)
+    loader = build_loader(documents(20), cp_rank=0, delivery=Delivery(prefetch=4), **CONFIG)
     it = iter(loader)
     next(it)
     assert threading.active_count() > before  # the prefetch thread runs
@@ -166,7 +175,7 @@ def test_split_documents_keep_targets_inside_documents(algorithm):
     rng = np.random.default_rng(7)
     docs = [{"input_ids": rng.integers(1, 1000, size=int(rng.integers(3, 150)), dtype=np.int64)} for _ in range(30)]
     assert any(len(d["input_ids"]) > 64 for d in docs)
-    collated = list(shard_graph(docs, overflow="split", **{**CONFIG, "algorithm": algorithm}))
+    collated = list(shard_graph(docs, GraphOptions(**{**CONFIG, "plan": StreamPlan(algorithm=algorithm, overflow="split")})))
     batches = list(ShardForRank(IterableWrapper(collated), cp_size=2, cp_rank=0, layout="thd", all_ranks=True))
     by_doc: dict[int, dict[int, tuple[int, int]]] = {}
     continued = 0
@@ -204,11 +213,11 @@ def compare_batches(actual, expected) -> None:
 
 
 GRAPHS = {
-    "collate": lambda docs: shard_graph(docs, **CONFIG),
-    "shard": lambda docs: ShardForRank(shard_graph(docs, **CONFIG), cp_size=2, cp_rank=1, layout="thd"),
-    "all_ranks_thd_b2": lambda docs: ShardForRank(shard_graph(docs, **{**CONFIG, "batch_size": 2, "qkv_format": "thd"}),
+    "collate": lambda docs: shard_graph(docs, GraphOptions(**CONFIG)),
+    "shard": lambda docs: ShardForRank(shard_graph(docs, GraphOptions(**CONFIG)), cp_size=2, cp_rank=1, layout="thd"),
+    "all_ranks_thd_b2": lambda docs: ShardForRank(shard_graph(docs, GraphOptions(**{**CONFIG, "batch_size": 2, "qkv_format": "thd"})),
                                                   cp_size=2, cp_rank=0, layout="thd", all_ranks=True),
-    "build_node_prefetch": lambda docs: build_node(docs, cp_rank=0, prefetch=2, pin_memory=False, **CONFIG),
+    "build_node_prefetch": lambda docs: build_node(docs, cp_rank=0, delivery=Delivery(prefetch=2, pin_memory=False), **CONFIG),
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cpdata import CPDataLoader, CPDataset
+from tests.flat_options import records
 
 RNG = np.random.default_rng(11)
 DOCS = [{"input_ids": RNG.integers(1, 500, int(n))} for n in RNG.integers(4, 40, 48)]
@@ -30,7 +31,7 @@ def _same(a: list[tuple], b: list[tuple]) -> bool:
 
 def _loader(kind: str, workers: int, persistent: bool = False, **kw) -> CPDataLoader:
     extra = dict(multiprocessing_context="fork", persistent_workers=persistent) if workers else {}
-    return CPDataLoader(CPDataset(DOCS, cp_rank=0, **KINDS[kind]), num_workers=workers, **extra, **kw)
+    return CPDataLoader(CPDataset(DOCS, **records(cp_rank=0, **KINDS[kind])), num_workers=workers, **extra, **kw)
 
 
 @pytest.fixture(scope="module", params=list(KINDS))

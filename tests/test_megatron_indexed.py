@@ -29,6 +29,7 @@ from cpdata import (
 from cpdata.cli import main as cli_main
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
+from tests.flat_options import precompute_records, records
 from tests.test_precompute import assert_batches_equal
 from tests.tokenizer_fixture import CORPUS, chat_tokenizer
 
@@ -118,17 +119,17 @@ def test_packs_and_precomputes_like_the_online_pipeline(tmp_path):
     prefix = _build(tmp_path / "c", docs, np.uint16, _sentences(docs))
     kw = {"capacity": 64, "cp_size": 2, "layout": "thd", "overflow": "split"}
     reference = [{"input_ids": ids.astype(np.int64)} for ids in docs]
-    loader = build_loader(reference, cp_rank=1, restart_on_stop_iteration=False, **kw)
+    loader = build_loader(reference, **records(cp_rank=1, restart_on_stop_iteration=False, **kw))
     online = list(loader)
     close_loader(loader)
     assert len(online) > 5
-    from_megatron = build_loader(open_dataset(prefix), cp_rank=1, restart_on_stop_iteration=False, **kw)
+    from_megatron = build_loader(open_dataset(prefix), **records(cp_rank=1, restart_on_stop_iteration=False, **kw))
     got = list(from_megatron)
     close_loader(from_megatron)
     assert len(got) == len(online)
     for a, e in zip(got, online, strict=True):
         assert_batches_equal(a, e)
-    store = precompute(prefix, tmp_path / "plan", **kw)
+    store = precompute(prefix, tmp_path / "plan", **precompute_records(**kw))
     assert store.manifest["input"]["kind"] == "megatron" and store.manifest["input"]["documents"] == len(docs)
     served = list(ShardForRank(Collate(PrecomputedPacks(tmp_path / "plan", open_dataset(prefix))),
                                cp_size=2, cp_rank=1, layout="thd"))  # fmt: skip

@@ -22,6 +22,7 @@ from dist_utils import run_ranks
 from cpdata import build_loader, open_dataset, precompute
 from cpdata.cli import main as cli_main
 from cpdata.nodes.loader import close_loader
+from cpdata.nodes.options import Delivery
 from cpdata.offline import PrecomputedPacks
 from cpdata.sources.base import DatasetSlice
 from cpdata.sources.tokenstore import TokenStore, write_token_store
@@ -43,7 +44,7 @@ def _mesh_without_cp(rank: int, world: int) -> dict[str, str]:
     from cpdata.nodes.loader import build_node
 
     docs = [{"input_ids": np.arange(1, 20)}, {"input_ids": np.arange(1, 9)}]
-    batch = next(build_node(docs, capacity=32, cp_size=world, cp_rank=rank, layout="thd", prefetch=0))
+    batch = next(build_node(docs, capacity=32, cp_size=world, cp_rank=rank, layout="thd", delivery=Delivery(prefetch=0)))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("context",))  # the CP dim, misnamed
     out = {}
     try:

@@ -16,8 +16,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata import CPDataset, Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset
 from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.pack import Pack
+from tests.flat_options import precompute_records, records
 
 
 def _docs(n, lo=0, seed=0, max_len=30):
@@ -154,8 +156,7 @@ def test_dp_ranks_take_every_dp_size_th_draw_without_reading_the_others():
 
 def test_pack_stats_count_documents_and_tokens_per_source():
     a, b = _docs(50), _docs(30, lo=100)
-    collated = shard_graph(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"), capacity=64, cp_size=1,
-                           layout="identity")  # fmt: skip
+    collated = shard_graph(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"), GraphOptions(capacity=64, cp_size=1, layout="identity"))  # fmt: skip
     collated.reset()
     batches = list(collated)
     stats = collated.source.stats
@@ -164,7 +165,7 @@ def test_pack_stats_count_documents_and_tokens_per_source():
     assert sources["a"]["documents"] + sources["b"]["documents"] == stats.documents
     assert sources["a"]["tokens"] + sources["b"]["tokens"] == sum(int(t["seq_lens"].sum()) for t in
                                                                      (x.tensors() for x in batches)) == stats.tokens
-    assert shard_graph(a, capacity=64, cp_size=1, layout="identity").source.stats.sources is None
+    assert shard_graph(a, GraphOptions(capacity=64, cp_size=1, layout="identity")).source.stats.sources is None
 
 
 def _sources():
@@ -190,7 +191,7 @@ def _clone(batch):
 def test_loader_resume_mid_epoch_is_bit_identical(epoch, cut):
     kw = dict(capacity=64, cp_size=2, cp_rank=1, layout="thd", prefetch=0, dp_rank=1, dp_size=2)
     sources = _sources()
-    with closing_loader(build_loader(mix(sources, WEIGHTS, seed=5, stop="all_exhausted"), **kw)) as loader:
+    with closing_loader(build_loader(mix(sources, WEIGHTS, seed=5, stop="all_exhausted"), **records(**kw))) as loader:
         for _ in range(epoch):
             list(loader)
         it = iter(loader)
@@ -198,12 +199,12 @@ def test_loader_resume_mid_epoch_is_bit_identical(epoch, cut):
             next(it)
         state = loader.state_dict()
         tail = [_clone(b) for b in it]
-    with closing_loader(build_loader(mix(sources, WEIGHTS, seed=5, stop="all_exhausted"), **kw)) as restored:
+    with closing_loader(build_loader(mix(sources, WEIGHTS, seed=5, stop="all_exhausted"), **records(**kw))) as restored:
         restored.load_state_dict(state)
         again = [_clone(b) for b in restored]
     assert len(again) == len(tail) > 0
     assert all(torch.equal(a[k], b[k]) for a, b in zip(again, tail, strict=True) for k in a)
-    with closing_loader(build_loader(mix(sources, {**WEIGHTS, "node": 2}, seed=5, stop="all_exhausted"), **kw)) as o:
+    with closing_loader(build_loader(mix(sources, {**WEIGHTS, "node": 2}, seed=5, stop="all_exhausted"), **records(**kw))) as o:
         o.load_state_dict(state)
         with pytest.raises(ValueError, match="restore onto the same dataset|Mix state was saved with"):
             next(iter(o))
@@ -214,7 +215,7 @@ def test_stateful_dataloader_workers_resume_a_shuffled_mix_exactly():
     sources = {"a": _docs(80), "b": Stream(_docs(50, lo=100, seed=3))}
 
     def loader():
-        data = CPDataset(mix(sources, {"a": 1, "b": 1}, stop="all_exhausted"), cp_rank=0, **kw)
+        data = CPDataset(mix(sources, {"a": 1, "b": 1}, stop="all_exhausted"), **records(cp_rank=0, **kw))
         return StatefulDataLoader(data, batch_size=None, num_workers=2, multiprocessing_context="fork")
 
     whole = [_clone(b) for b in loader()]
@@ -263,8 +264,7 @@ def test_a_labelled_chat_source_mixes_with_plain_text_in_one_pack():
 
 
 def _collect(mixed, labels_alignment):
-    (batch,) = [b.tensors() for b in _run(shard_graph(mixed, capacity=512, cp_size=1, layout="identity",
-                                                      labels_alignment=labels_alignment))]  # fmt: skip
+    (batch,) = [b.tensors() for b in _run(shard_graph(mixed, GraphOptions(capacity=512, cp_size=1, layout="identity", data=DataPolicy(labels_alignment=labels_alignment))))]  # fmt: skip
     return batch
 
 
@@ -276,13 +276,13 @@ def _run(node):
 def test_a_source_changed_under_the_run_is_refused():
     a, b = _docs(40), _docs(40, lo=100)
     kw = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0)
-    with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}), **kw)) as loader:
+    with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}), **records(**kw))) as loader:
         it = iter(loader)
         next(it)
         state = loader.state_dict()
     edited = [dict(d) for d in b]
     edited[0] = {"input_ids": np.arange(5)}
-    with closing_loader(build_loader(mix({"a": a, "b": edited}, {"a": 1, "b": 1}), **kw)) as other:
+    with closing_loader(build_loader(mix({"a": a, "b": edited}, {"a": 1, "b": 1}), **records(**kw))) as other:
         other.load_state_dict(state)
         with pytest.raises(ValueError, match="fingerprint"):
             next(iter(other))
@@ -331,7 +331,7 @@ def test_precompute_of_a_mix_reproduces_the_loader_packs(tmp_path, stop, capsys)
                    stop=stop)  # fmt: skip
 
     opts = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
-    store = precompute_plan(mixed(), tmp_path / "plan", **opts)
+    store = precompute_plan(mixed(), tmp_path / "plan", **precompute_records(**opts))
     online = Pack(Documents(mixed()), **opts)
     want = _plans(online)
     assert _plans(PrecomputedPacks(tmp_path / "plan", mixed())) == want and len(want) > 10
@@ -370,14 +370,14 @@ def test_precompute_command_line_refusals(tmp_path, capsys):
 def test_schedule_plans_a_mix_with_lengths_and_refuses_a_stream():
     a, b = _docs(60), _docs(40, lo=100)
     kw = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, schedule="balanced")
-    with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"), **kw)) as loader:
+    with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"), **records(**kw))) as loader:
         tokens = sum(int(batch["padding_mask"].logical_not().sum()) for batch in loader)
     from cpdata.nodes.mixed import MixedDataset
 
     listed = MixedDataset(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted"))
     assert tokens == int(listed.lengths.sum()) and listed.counts["b"]["documents"] > 40
-    with pytest.raises(ValueError, match=r"mix sources 'b' \(iterable\) cannot be addressed by index.*schedule=None"):
-        build_loader(mix({"a": a, "b": Stream(b)}, {"a": 1, "b": 1}), **kw)
+    with pytest.raises(ValueError, match=r"mix sources 'b' \(iterable\) cannot be addressed by index.*plan=StreamPlan\(\)"):
+        build_loader(mix({"a": a, "b": Stream(b)}, {"a": 1, "b": 1}), **records(**kw))
 
 
 def test_docs_mixing_example_runs_as_written(tmp_path, monkeypatch, capsys):
@@ -403,8 +403,7 @@ def test_every_cp_rank_of_a_dp_group_packs_the_same_mix():
     digests = []
     for cp_rank in range(2):
         m = mix(sources, {"a": 1, "b": 2}, seed=4, stop="all_exhausted")
-        with closing_loader(build_loader(m, capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced", dp_rank=1,
-                                         dp_size=2, shuffle=True, shuffle_buffer=8, prefetch=0)) as loader:  # fmt: skip
+        with closing_loader(build_loader(m, capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced", plan=StreamPlan(shuffle_buffer=8), data=DataPolicy(dp_rank=1, dp_size=2, shuffle=True), delivery=Delivery(prefetch=0))) as loader:  # fmt: skip
             digests.append([b.layout.digest for b in loader])
     assert digests[0] == digests[1] and len(digests[0]) > 3
 
@@ -440,8 +439,7 @@ def test_a_tokenize_node_and_a_hugging_face_dataset_mix():
     hf = datasets.Dataset.from_dict({"input_ids": [tok(t)["input_ids"] for t in texts]})
     m = mix({"chat": chats, "hf": hf}, {"chat": 1, "hf": 1}, stop="all_exhausted", seed=3)
     assert m.labels_alignment is None, "only one source declares an alignment: the caller says it"
-    (batch,) = [b.tensors() for b in _run(shard_graph(m, capacity=512, cp_size=1, layout="identity",
-                                                      labels_alignment="inputs"))]  # fmt: skip
+    (batch,) = [b.tensors() for b in _run(shard_graph(m, GraphOptions(capacity=512, cp_size=1, layout="identity", data=DataPolicy(labels_alignment="inputs"))))]  # fmt: skip
     counts = m.counts
     assert counts["chat"]["documents"] >= 3 and counts["hf"]["documents"] >= 3
     assert int(batch["seq_lens"].sum()) == counts["chat"]["tokens"] + counts["hf"]["tokens"]

@@ -20,6 +20,7 @@ from cpdata import (
 from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
 from cpdata.nodes.pack import Pack
+from tests.flat_options import precompute_records, records
 from tests.test_mix import _plans
 
 OPTS = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
@@ -45,7 +46,7 @@ def _mixed(sources, stop="first_exhausted"):
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])
 def test_each_precomputed_epoch_is_the_live_epoch(tmp_path, sources, stop):
-    store = precompute_plan(_mixed(sources, stop), tmp_path / "plan", epochs=3, **OPTS)
+    store = precompute_plan(_mixed(sources, stop), tmp_path / "plan", **precompute_records(epochs=3, **OPTS))
     online = Pack(Documents(_mixed(sources, stop)), **OPTS)
     live = []
     for _ in range(3):
@@ -70,7 +71,7 @@ def test_each_precomputed_epoch_is_the_live_epoch(tmp_path, sources, stop):
 
 
 def test_a_one_epoch_plan_of_a_mix_refuses_the_second_epoch_instead_of_repeating_the_first(tmp_path, sources):
-    precompute_plan(_mixed(sources), tmp_path / "plan", **OPTS)
+    precompute_plan(_mixed(sources), tmp_path / "plan", **precompute_records(**OPTS))
     served = PrecomputedPacks(tmp_path / "plan", _mixed(sources))
     assert served.epochs == 1 and _plans(served) == _plans(Pack(Documents(_mixed(sources)), **OPTS))
     with pytest.raises(ValueError, match=r"holds 1 epoch\(s\) of its mix, this is epoch 1: the mix draws other"):
@@ -78,7 +79,7 @@ def test_a_one_epoch_plan_of_a_mix_refuses_the_second_epoch_instead_of_repeating
 
 
 def test_a_restore_inside_a_later_epoch_continues_that_epoch(tmp_path, sources):
-    precompute_plan(_mixed(sources), tmp_path / "plan", epochs=2, **OPTS)
+    precompute_plan(_mixed(sources), tmp_path / "plan", **precompute_records(epochs=2, **OPTS))
     node = PrecomputedPacks(tmp_path / "plan", _mixed(sources))
     _plans(node)
     node.reset()
@@ -98,13 +99,13 @@ def test_a_restore_inside_a_later_epoch_continues_that_epoch(tmp_path, sources):
 
 
 def test_precomputed_dataset_serves_each_epoch_of_the_mix_as_the_live_loader(tmp_path, sources):
-    precompute_plan(_mixed(sources), tmp_path / "plan", epochs=2, **OPTS)
+    precompute_plan(_mixed(sources), tmp_path / "plan", **precompute_records(epochs=2, **OPTS))
     kw = dict(capacity=256, cp_size=2, cp_rank=1, layout="thd", overflow="split", prefetch=0)
 
     def ids(batches):
         return [b.tensors()["input_ids"].tolist() for b in batches]
 
-    with closing_loader(build_loader(_mixed(sources), **kw)) as loader:
+    with closing_loader(build_loader(_mixed(sources), **records(**kw))) as loader:
         live = [ids(loader), ids(loader)]
     assert live[0] != live[1]
     ds = PrecomputedDataset(tmp_path / "plan", _mixed(sources), cp_rank=1)
@@ -122,11 +123,11 @@ def test_epochs_on_the_command_line_and_its_refusals(tmp_path, sources, capsys):
             "256", "--cp-size", "2", "--layout", "thd", "--overflow", "split", "--quiet"]  # fmt: skip
     assert cli([*base, "--epochs", "2", "--out", str(tmp_path / "cli")]) == 0
     assert "mix epochs planned: 2" in capsys.readouterr().out
-    precompute_plan(_mixed(sources), tmp_path / "api", epochs=2, **OPTS)
+    precompute_plan(_mixed(sources), tmp_path / "api", **precompute_records(epochs=2, **OPTS))
     cli_node, api_node = (PrecomputedPacks(tmp_path / n, _mixed(sources)) for n in ("cli", "api"))
     assert [_plans(cli_node), _plans(cli_node)] == [_plans(api_node), _plans(api_node)]
     assert cli([*base, "--epochs", "0", "--out", str(tmp_path / "o")]) == 1
-    assert "epochs must be an int >= 1, got 0" in capsys.readouterr().err
+    assert "DataPolicy.epochs must be >= 1, got --epochs 0" in capsys.readouterr().err
     assert cli([*base, "--epochs", "2", "--dp-size", "2", "--out", str(tmp_path / "o")]) == 1
     assert "a global schedule over a mix plans epoch 0's draws for every epoch" in capsys.readouterr().err
     assert cli(["precompute", str(web), "--epochs", "2", "--capacity", "256", "--cp-size", "2", "--layout", "thd",

@@ -8,6 +8,7 @@ import pytest
 
 from cpdata import Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset, precompute
 from cpdata.nodes.mixed import MixedDataset
+from tests.flat_options import precompute_records, records
 
 KW = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0)
 WHERE = r"document 3 of mix source 'b' \(source 1 of \['a', 'b'\], draw \d+ of epoch 0\)"
@@ -29,7 +30,7 @@ def _sources(bad):
 
 
 def _drain(source, **kw):
-    with closing_loader(build_loader(source, **{**KW, **kw})) as loader:
+    with closing_loader(build_loader(source, **records(**{**KW, **kw}))) as loader:
         return sum(1 for _ in loader)
 
 
@@ -79,8 +80,8 @@ def test_precompute_and_precomputed_packs_name_the_source(tmp_path):
     opts = dict(capacity=64, cp_size=1, layout="identity")
     with pytest.raises(ValueError, match=r"mix source 'b' \(source 1 of \['a', 'b'\]\): .*b.jsonl: document 3 has "
                                          r"token id 500 at position 1, >= vocab_size=100"):  # fmt: skip
-        precompute(mixed(), tmp_path / "checked", vocab_size=100, **opts)
-    precompute(mixed(), tmp_path / "plan", **opts)
+        precompute(mixed(), tmp_path / "checked", **precompute_records(vocab_size=100, **opts))
+    precompute(mixed(), tmp_path / "plan", **precompute_records(**opts))
     with pytest.raises(ValueError, match=WHERE + r": input_ids\[1\]=500 is >= vocab_size=100"):
         list(PrecomputedPacks(tmp_path / "plan", mixed(), vocab_size=100))
 

@@ -15,6 +15,7 @@ from cpdata.cli import main as cli
 from cpdata.nodes.mix_tokens import tie_ranks
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.pack import Pack
+from tests.flat_options import precompute_records, records
 from tests.test_mix import Stream, _plans, _write
 
 
@@ -159,7 +160,7 @@ def test_loader_resume_mid_epoch_is_bit_identical_and_another_by_is_refused():
     sources = _sources()
 
     def loader(by="tokens"):
-        return build_loader(mix(sources, TOKEN_WEIGHTS, seed=5, stop="all_exhausted", by=by), **kw)
+        return build_loader(mix(sources, TOKEN_WEIGHTS, seed=5, stop="all_exhausted", by=by), **records(**kw))
 
     with closing_loader(loader()) as first:
         it = iter(first)
@@ -188,7 +189,7 @@ def test_precompute_of_a_token_mix_reproduces_the_loader_packs(tmp_path, stop):
                    stop=stop, by="tokens")  # fmt: skip
 
     opts = dict(capacity=256, cp_size=2, layout="thd", overflow="split")
-    store = precompute_plan(mixed(), tmp_path / "plan", **opts)
+    store = precompute_plan(mixed(), tmp_path / "plan", **precompute_records(**opts))
     online = Pack(Documents(mixed()), **opts)
     want = _plans(online)
     assert _plans(PrecomputedPacks(tmp_path / "plan", mixed())) == want and len(want) > 10
@@ -227,7 +228,7 @@ def test_a_schedule_plans_a_token_mix_over_its_listed_draws():
     a, b = _docs(60, max_len=60), _docs(200, lo=100, max_len=8)
     kw = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, schedule="balanced")
     with closing_loader(build_loader(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted", by="tokens"),
-                                     **kw)) as loader:  # fmt: skip
+                                     **records(**kw))) as loader:  # fmt: skip
         tokens = sum(int(batch["padding_mask"].logical_not().sum()) for batch in loader)
     listed = MixedDataset(mix({"a": a, "b": b}, {"a": 1, "b": 1}, stop="all_exhausted", by="tokens"))
     assert tokens == int(listed.lengths.sum())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cpdata.cli import main as cli_main
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.offline import precompute
 from cpdata.sources import open_dataset
 
@@ -102,11 +103,11 @@ def test_precompute_refuses_bad_ids_with_the_document_and_writes_nothing(tmp_pat
     data = fmt(tmp_path, docs)
     out = tmp_path / "plan"
     if parts is None:
-        precompute(data, out, capacity=16, cp_size=1, layout="identity", vocab_size=vocab)
+        precompute(data, out, capacity=16, cp_size=1, layout="identity", data=DataPolicy(vocab_size=vocab))
         assert (out / "manifest.json").is_file()
         return
     with pytest.raises(ValueError) as info:
-        precompute(data, out, capacity=16, cp_size=1, layout="identity", vocab_size=vocab)
+        precompute(data, out, capacity=16, cp_size=1, layout="identity", data=DataPolicy(vocab_size=vocab))
     message = str(info.value)
     assert all(p in message for p in parts), (parts, message)
     assert data in message
@@ -126,8 +127,7 @@ def test_cli_vocab_size_refusal_names_the_document(tmp_path, capsys):
 def test_vocab_size_with_a_lengths_file_is_refused(tmp_path):
     np.save(tmp_path / "lengths.npy", np.array([3, 4], dtype=np.int64))
     with pytest.raises(ValueError, match="holds document lengths only"):
-        precompute(tmp_path / "lengths.npy", tmp_path / "plan", capacity=16, cp_size=1, layout="identity",
-                   vocab_size=10)  # fmt: skip
+        precompute(tmp_path / "lengths.npy", tmp_path / "plan", capacity=16, cp_size=1, layout="identity", data=DataPolicy(vocab_size=10))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- long documents
@@ -143,7 +143,7 @@ def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, m
     docs = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(1, 60, 40)]
     docs.insert(20, rng.integers(0, 1000, 5000).tolist())  # 5000 tokens at capacity 128: ~40 pieces
     data = _jsonl(tmp_path, docs)
-    precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", overflow="split", algorithm=algorithm)
+    precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", plan=StreamPlan(overflow="split", algorithm=algorithm))
     reads: list[int] = []
     real_read = JsonlDocuments._read
     monkeypatch.setattr(JsonlDocuments, "_read", lambda self, i: (reads.append(i), real_read(self, i))[1])

@@ -29,12 +29,14 @@ import pytest
 
 import cpdata
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.offline import precompute
 from cpdata.offline.reader import PrecomputedPacks
 from cpdata.sources.open import open_dataset
 from cpdata.worker.keys import IGNORE_INDEX
+from tests.flat_options import graph_options, precompute_records
 
 CAPACITY = 64
 RNG = np.random.default_rng(2812)
@@ -140,12 +142,12 @@ def _graphs(path: str, layout: str, cp: int, qkv: str, batch: int, tmp: Path, js
     lengths = LENGTHS.tolist()
     docs = {None: _flat(DOCS)}
     if path == "live":
-        return [(shard_graph(DOCS, **common), docs)], True
+        return [(shard_graph(DOCS, graph_options(**common)), docs)], True
     if path in ("balanced", "in_order"):
-        return [(shard_graph(DOCS, schedule=path, lengths=lengths, dp_size=2, dp_rank=r, micro_batches=2, **common),
+        return [(shard_graph(DOCS, graph_options(schedule=path, lengths=lengths, dp_size=2, dp_rank=r, micro_batches=2, **common)),
                  docs) for r in range(2)], True  # fmt: skip
     if path == "windowed":
-        return [(shard_graph(iter_docs(), schedule="balanced", schedule_window=12, dp_size=2, dp_rank=r, **common),
+        return [(shard_graph(iter_docs(), graph_options(schedule="balanced", schedule_window=12, dp_size=2, dp_rank=r, **common)),
                  docs) for r in range(2)], True  # fmt: skip
     if path in ("mix", "mix_balanced", "mix_tokens_balanced"):
         parts = {"a": DOCS[:18], "b": DOCS[18:]}
@@ -154,16 +156,15 @@ def _graphs(path: str, layout: str, cp: int, qkv: str, batch: int, tmp: Path, js
         ranks = [0] if path == "mix" else [0, 1]
         by = {"by": "tokens"} if path == "mix_tokens_balanced" else {}
         return [(shard_graph(cpdata.mix(parts, {"a": 1, "b": 2}, seed=3, **by),
-                             **{**kw, "dp_rank": r} if kw else {}, **common), mixed) for r in ranks], False  # fmt: skip
+                             graph_options(**{**kw, "dp_rank": r} if kw else {}, **common)), mixed) for r in ranks], False  # fmt: skip
     if path == "tokenize":
         want, tok = _tokenized()
         rows = cpdata.Tokenize([{"text": t} for t in TEXTS], tok, append_eos=True, eos_token_id=1)
-        return [(shard_graph(rows, **common), {None: want})], True
+        return [(shard_graph(rows, graph_options(**common)), {None: want})], True
     sched = {} if path == "precomputed" else {"dp_size": 2, "micro_batches": 2}
     plan = tmp / f"{path}-{layout}-{cp}"
     if not plan.exists():
-        precompute(open_dataset(jsonl), plan, capacity=CAPACITY, cp_size=cp, layout=layout, overflow="split",
-                   **sched)  # fmt: skip
+        precompute(open_dataset(jsonl), plan, **precompute_records(capacity=CAPACITY, cp_size=cp, layout=layout, overflow="split", **sched))  # fmt: skip
     dp = sched.get("dp_size", 1)
     return [(Collate(PrecomputedPacks(plan, open_dataset(jsonl), dp_rank=r, dp_size=dp), batch_size=batch,
                      qkv_format=qkv), docs) for r in range(dp)], dp > 1  # fmt: skip
@@ -250,13 +251,12 @@ def test_a_live_mix_over_several_epochs_per_iter_names_no_source_rather_than_a_w
     """Packs of ``num_epochs=2`` can join draws of two epochs, whose stream positions repeat: no source is named
     (one epoch per ``iter()``, the default, names them, as the oracle above checks); nor live by tokens."""
     mixed = cpdata.mix({"a": DOCS[:18], "b": DOCS[18:]}, {"a": 1, "b": 2}, seed=3)
-    node = ShardForRank(shard_graph(mixed, capacity=CAPACITY, cp_size=2, layout="thd", overflow="split",
-                                    num_epochs=2), cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
+    node = ShardForRank(shard_graph(mixed, GraphOptions(capacity=CAPACITY, cp_size=2, layout="thd", plan=StreamPlan(overflow="split"), data=DataPolicy(epochs=2))), cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
     node.reset()
     infos = [b.info for b in node]
     assert len(infos) > 2 and not any("doc_source" in i for i in infos)
     by_tokens = cpdata.mix({"a": DOCS[:18], "b": DOCS[18:]}, {"a": 1, "b": 2}, seed=3, by="tokens")
-    node = ShardForRank(shard_graph(by_tokens, capacity=CAPACITY, cp_size=2, layout="thd", overflow="split"),
+    node = ShardForRank(shard_graph(by_tokens, GraphOptions(capacity=CAPACITY, cp_size=2, layout="thd", plan=StreamPlan(overflow="split"))),
                         cp_size=2, cp_rank=0, layout="thd")  # fmt: skip
     node.reset()
     infos = [b.info for b in node]  # live by tokens: each draw follows the tokens read, named by a schedule only

@@ -13,6 +13,7 @@ import pytest
 import cpdata
 from cpdata.cli import cli_wording
 from cpdata.cli import main as cli_main
+from tests.flat_options import records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,13 +105,13 @@ def test_unknown_keywords_name_the_public_function():
     common = {"capacity": 16, "cp_size": 1, "cp_rank": 0, "layout": "identity"}
     with pytest.raises(TypeError, match=r"^build_loader\(\) got an unexpected keyword argument 'capacty'; "
                                         r"did you mean 'capacity'\?"):
-        build_loader(_docs(), **common, capacty=3)
+        build_loader(_docs(), **records(**common, capacty=3))
     with pytest.raises(TypeError, match=r"^CPDataset\(\) got an unexpected keyword argument 'algoritm'; "
-                                        r"did you mean 'algorithm'\?"):
-        CPDataset(_docs(), **common, algoritm="bfd")
+                                        r"did you mean 'algorithm'\? It is now plan=StreamPlan\(algorithm=\.\.\.\)"):
+        CPDataset(_docs(), **records(**common, algoritm="bfd"))
     with pytest.raises(TypeError, match=r"^CPDataset\(\) got an unexpected keyword argument 'zzz'; it takes "):
-        CPDataset(_docs(), **common, zzz=1)
-    with pytest.raises(TypeError, match=r"^CPDataset\(\) is missing the keyword argument 'cp_size'"):
+        CPDataset(_docs(), **records(**common, zzz=1))
+    with pytest.raises(TypeError, match=r"^CPDataset.__init__\(\) missing 1 required keyword-only argument: 'cp_size'"):
         CPDataset(_docs(), capacity=16, cp_rank=0, layout="identity")
 
 

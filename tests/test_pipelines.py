@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cpdata.nodes.loader import close_loader, closing_loader
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
 from cpdata.worker.keys import METADATA_KEYS
 
@@ -170,7 +171,7 @@ def test_precomputed_matches_online_packing(tmp_path, dp_size):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"input_ids": d["input_ids"].tolist()}) + "\n" for d in docs))
     plan_dir = tmp_path / "plan"
-    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", overflow="split")
+    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", plan=StreamPlan(overflow="split"))
     seen: dict[int, list[int]] = {}
     for dp_rank in range(dp_size):
         fulls, part = run_epoch(
@@ -202,7 +203,7 @@ def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tm
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plan_dir = tmp_path / "plan"
-    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", labels_alignment="targets")
+    precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", data=DataPolicy(labels_alignment="targets"))
     with pytest.raises(ValueError, match="labels_alignment='targets'"):
         precomputed.build(plan_dir, path, cp_size=CP, cp_rank=0, labels_alignment="inputs")
     local = 0

@@ -17,6 +17,7 @@ from state_contract import assert_items_equal, run_save_load_contract
 
 from cpdata.cli import main as cli_main
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
@@ -27,6 +28,7 @@ from cpdata.packing import plan_lengths
 from cpdata.sources import open_dataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
 from cpdata.worker.keys import IGNORE_INDEX
+from tests.flat_options import precompute_records
 
 CAPACITY, CP, LAYOUT = 256, 2, "thd"
 
@@ -70,7 +72,7 @@ def jsonl(tmp_path, docs) -> Path:
 
 def plan_dir(tmp_path: Path, data: Path | object, name: str = "plan", **kw) -> Path:
     opts = {"capacity": CAPACITY, "cp_size": CP, "layout": LAYOUT, "overflow": "split"} | kw
-    precompute(data, tmp_path / name, **opts)
+    precompute(data, tmp_path / name, **precompute_records(**opts))
     return tmp_path / name
 
 
@@ -205,7 +207,7 @@ def test_rerun_is_byte_identical(tmp_path, jsonl):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
     manifest = (first / MANIFEST).read_text()
     assert str(tmp_path) not in manifest  # relocatable: no absolute paths, no timestamps
-    precompute(jsonl, first, capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overflow="split", overwrite=True)
+    precompute(jsonl, first, capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overwrite=True, plan=StreamPlan(overflow="split"))
     assert (first / MANIFEST).read_text() == manifest
 
 
@@ -226,7 +228,7 @@ def test_existing_output_is_refused_and_a_crash_leaves_nothing(tmp_path, jsonl, 
     with pytest.raises(OSError, match="disk full"):
         plan_dir(tmp_path, jsonl, "crashed")
     with pytest.raises(OSError, match="disk full"):
-        precompute(jsonl, plan, capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overflow="split", overwrite=True)
+        precompute(jsonl, plan, capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overwrite=True, plan=StreamPlan(overflow="split"))
     assert calls["n"] == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "plan"]  # no half or temp directory
     read_store(plan)  # the old plan survived the failed overwrite
@@ -450,7 +452,7 @@ def test_precomputed_pipeline_equals_the_online_pipeline(tmp_path, docs, fmt, la
     opts = dict(capacity=capacity, layout=layout, cp_size=cp, algorithm=algorithm, overflow=overflow, window=window)
     data = open_dataset(path)
     plan = tmp_path / "plan"
-    precompute(data, plan, **opts, labels_alignment="targets")
+    precompute(data, plan, **precompute_records(**opts, labels_alignment="targets"))
 
     def offline_plans():
         return PrecomputedPacks(plan, data, cp_size=cp, layout=layout, labels_alignment="targets")

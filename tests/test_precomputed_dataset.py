@@ -8,6 +8,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import Collate, PrecomputedDataset, PrecomputedPacks, ShardForRank, precompute
 from cpdata.sources.tokenstore import write_token_store
+from tests.flat_options import precompute_records
 from tests.state_contract import run_save_load_contract
 from tests.test_precompute import assert_batches_equal
 
@@ -20,7 +21,7 @@ def plan(tmp_path_factory):
     rng = np.random.default_rng(0)
     docs = [{"input_ids": rng.integers(0, 999, size=int(rng.integers(1, 60)))} for _ in range(120)]
     store = write_token_store(docs, root / "tokens")
-    precompute(store, root / "plan", **KW)
+    precompute(store, root / "plan", **precompute_records(**KW))
     return root / "plan", store
 
 

@@ -10,8 +10,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
+from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options, precompute_records, records
 
 CFG = {"capacity": 256, "cp_size": 2, "layout": "thd"}
 
@@ -128,8 +130,8 @@ def test_sources_without_lengths_are_refused_with_the_fix():
     node.reset()
     with pytest.raises(ValueError, match="its length was given as"):
         list(node)
-    with pytest.raises(ValueError, match="schedule="):
-        build_loader(CountingDocs(), cp_rank=0, micro_batches=2, **CFG)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'micro_batches'"):
+        StreamPlan(micro_batches=2)  # an option of the schedule cannot reach the streaming packer
 
 
 def _digests(loader) -> list[int]:
@@ -139,15 +141,14 @@ def _digests(loader) -> list[int]:
 
 def test_in_order_at_one_rank_equals_todays_pipeline():
     src = CountingDocs(200)
-    today = _digests(build_loader(src.docs, cp_rank=0, prefetch=0, **CFG))
-    planned = _digests(build_loader(src, cp_rank=0, prefetch=0, schedule="in_order", **CFG))
+    today = _digests(build_loader(src.docs, **records(cp_rank=0, prefetch=0, **CFG)))
+    planned = _digests(build_loader(src, **records(cp_rank=0, prefetch=0, schedule="in_order", **CFG)))
     assert planned == today and len(today) > 10
 
 
 def test_loader_resume_exact_and_equal_counts_per_rank():
     def make(rank):
-        return build_loader(CountingDocs(), cp_rank=0, dp_rank=rank, dp_size=2, micro_batches=2,
-                            schedule="balanced", overflow="split", prefetch=0, **CFG)  # fmt: skip
+        return build_loader(CountingDocs(), **records(cp_rank=0, dp_rank=rank, dp_size=2, micro_batches=2, schedule="balanced", overflow="split", prefetch=0, **CFG))  # fmt: skip
 
     counts = [len(_digests(make(r))) for r in range(2)]
     assert counts[0] == counts[1] > 4
@@ -164,12 +165,12 @@ def test_loader_resume_exact_and_equal_counts_per_rank():
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_dataloader_with_workers_resumes_exactly(num_workers):
     kw = dict(CFG, dp_rank=1, dp_size=2, micro_batches=2, schedule="balanced", overflow="split")
-    reference = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), **kw), cp_size=2, cp_rank=0,
+    reference = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), graph_options(**kw)), cp_size=2, cp_rank=0,
                                                          layout="thd")]  # fmt: skip
 
     def make():
         extra = {"multiprocessing_context": "fork"} if num_workers else {}
-        return StatefulDataLoader(CPDataset(CountingDocs(), cp_rank=0, **kw), batch_size=None,
+        return StatefulDataLoader(CPDataset(CountingDocs(), **records(cp_rank=0, **kw)), batch_size=None,
                                   num_workers=num_workers, **extra)  # fmt: skip
 
     assert [b.info["digest"] for b in make()] == reference
@@ -205,7 +206,7 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
     path.write_text("".join(json.dumps({"input_ids": d["input_ids"].tolist()}) + "\n" for d in src.docs))
     docs = open_dataset(path)
     kw = dict(CFG, overflow="split")
-    store = precompute(docs, tmp_path / "plan", dp_size=2, micro_batches=2, max_delay=1, **kw)
+    store = precompute(docs, tmp_path / "plan", **precompute_records(dp_size=2, micro_batches=2, max_delay=1, **kw))
     assert store.manifest["schedule"]["dp_size"] == 2
     counts = []
     for rank in range(2):
@@ -248,7 +249,7 @@ def test_dataloader_workers_read_only_their_own_documents(tmp_path):
     reads = {}
     for workers in (1, 2):
         log = tmp_path / f"reads{workers}.txt"
-        ds = CPDataset(LoggedDocs(log), cp_rank=0, **kw)
+        ds = CPDataset(LoggedDocs(log), **records(cp_rank=0, **kw))
         log.write_text("")  # planning in the main process reads lengths only
         batches = list(StatefulDataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork"))
         rows = [line.split() for line in log.read_text().splitlines()]
@@ -278,9 +279,8 @@ def test_labels_follow_the_declared_alignment_as_in_todays_pipeline():
         with closing_loader(loader):
             return [np.asarray(b["labels"]) for b in loader]
 
-    today = labels_of(build_loader(src.docs, cp_rank=0, prefetch=0, labels_alignment="inputs", **CFG))
-    planned = labels_of(build_loader(src, cp_rank=0, prefetch=0, labels_alignment="inputs", schedule="in_order",
-                                     **CFG))  # fmt: skip
+    today = labels_of(build_loader(src.docs, **records(cp_rank=0, prefetch=0, labels_alignment="inputs", **CFG)))
+    planned = labels_of(build_loader(src, **records(cp_rank=0, prefetch=0, labels_alignment="inputs", schedule="in_order", **CFG)))  # fmt: skip
     assert len(planned) == len(today) > 5
     for a, b in zip(planned, today, strict=True):
         np.testing.assert_array_equal(a, b)

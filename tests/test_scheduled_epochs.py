@@ -11,6 +11,7 @@ from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.schedule import CostModel, plan_schedule
+from tests.flat_options import graph_options, records
 
 
 def _pieces(plans) -> list[tuple[int, int, int]]:
@@ -80,11 +81,11 @@ def test_resume_across_an_epoch_boundary_is_exact():
 def test_workers_and_loader_follow_epochs_exactly():
     kw = dict(CFG, dp_rank=1, dp_size=2, micro_batches=2, schedule="balanced", overflow="split", shuffle=True,
               num_epochs=2, seed=4)  # fmt: skip
-    reference = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), **kw), cp_size=2, cp_rank=0,
+    reference = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), graph_options(**kw)), cp_size=2, cp_rank=0,
                                                          layout="thd")]  # fmt: skip
 
     def make():
-        return StatefulDataLoader(CPDataset(CountingDocs(), cp_rank=0, **kw), batch_size=None, num_workers=2,
+        return StatefulDataLoader(CPDataset(CountingDocs(), **records(cp_rank=0, **kw)), batch_size=None, num_workers=2,
                                   multiprocessing_context="fork")  # fmt: skip
 
     assert [b.info["digest"] for b in make()] == reference
@@ -98,12 +99,12 @@ def test_workers_and_loader_follow_epochs_exactly():
     assert head + [b.info["digest"] for b in again] == reference
 
     # build_loader: the same sequence; set_epoch on a CPDataset starts that epoch's order.
-    loader = build_loader(CountingDocs(), cp_rank=0, prefetch=0, **kw)
+    loader = build_loader(CountingDocs(), **records(cp_rank=0, prefetch=0, **kw))
     assert [b.info["digest"] for b in loader] == reference
     one = dict(kw, num_epochs=None)
-    second = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), **one), cp_size=2, cp_rank=0,
+    second = [b.info["digest"] for b in ShardForRank(shard_graph(CountingDocs(), graph_options(**one)), cp_size=2, cp_rank=0,
                                                       layout="thd")]  # fmt: skip
-    dataset = CPDataset(CountingDocs(), cp_rank=0, **one)
+    dataset = CPDataset(CountingDocs(), **records(cp_rank=0, **one))
     dataset.set_epoch(1)
     epoch1 = [b.info["digest"] for b in StatefulDataLoader(dataset, batch_size=None, num_workers=0)]
     assert epoch1 == reference[len(second):] and epoch1 != second

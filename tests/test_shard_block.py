@@ -20,9 +20,11 @@ from cpdata.nodes import shard as shard_module
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, build_node, shard_graph
+from cpdata.nodes.options import Delivery
 from cpdata.nodes.shard import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, ShardForRank
 from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.plan import PackPlan
+from tests.flat_options import graph_options, records
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -264,7 +266,7 @@ def test_loader_with_a_prefetcher_resumes_at_every_batch_of_a_block():
     cfg = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3}
 
     def make() -> Loader:
-        return Loader(Prefetcher(ShardForRank(shard_graph(docs, **cfg), cp_size=2, cp_rank=0, layout="thd",
+        return Loader(Prefetcher(ShardForRank(shard_graph(docs, graph_options(**cfg)), cp_size=2, cp_rank=0, layout="thd",
                                               block_size=3), prefetch_factor=2))  # fmt: skip
 
     want = [b.info["digest"] for b in make()]
@@ -285,7 +287,7 @@ def test_stateful_dataloader_with_workers_resumes_inside_a_block():
     cfg = {"capacity": 64, "cp_size": 2, "layout": "thd", "algorithm": "bfd", "seed": 3, "prefetch": 0, "block_size": k}
 
     def make() -> StatefulDataLoader:
-        return StatefulDataLoader(CPDataset(docs, cp_rank=0, **cfg), batch_size=None, num_workers=2,
+        return StatefulDataLoader(CPDataset(docs, **records(cp_rank=0, **cfg)), batch_size=None, num_workers=2,
                                   multiprocessing_context="fork")  # fmt: skip
 
     want = [b.info["digest"] for b in make()]
@@ -304,15 +306,13 @@ def test_stateful_dataloader_with_workers_resumes_inside_a_block():
 def test_the_loaders_pass_block_size_to_the_node_and_refuse_a_bad_one():
     docs = documents(60, seed=2)
     cfg = {"capacity": 64, "cp_size": 2, "cp_rank": 0, "layout": "balanced", "seed": 3, "prefetch": 0}
-    node = build_node(docs, block_size=3, **cfg)
+    node = build_node(docs, **records(block_size=3, **cfg))
     assert isinstance(node, ShardForRank) and node.block_size == 3
-    assert build_node(docs, **cfg).block_size is None  # sized by tokens
-    want = [b.info["digest"] for b in build_loader(docs, block_size=1, **cfg)]
-    assert len(want) > 5 and [b.info["digest"] for b in build_loader(docs, block_size=5, **cfg)] == want
-    dataset = CPDataset(docs, block_size=2, **{k: v for k, v in cfg.items() if k != "prefetch"})
+    assert build_node(docs, **records(**cfg)).block_size is None  # sized by tokens
+    want = [b.info["digest"] for b in build_loader(docs, **records(block_size=1, **cfg))]
+    assert len(want) > 5 and [b.info["digest"] for b in build_loader(docs, **records(block_size=5, **cfg))] == want
+    dataset = CPDataset(docs, **records(block_size=2, **{k: v for k, v in cfg.items() if k != "prefetch"}))
     assert [b.info["digest"] for b in StatefulDataLoader(dataset, batch_size=None)] == want
-    for bad in (0, 2.5, True):
-        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
-            build_node(docs, block_size=bad, **cfg)
-        with pytest.raises(ValueError, match=rf"block_size={bad!r}"):
-            CPDataset(docs, block_size=bad, **{k: v for k, v in cfg.items() if k != "prefetch"})
+    for bad, error in ((0, ValueError), (2.5, TypeError), (True, TypeError)):  # refused where it is written
+        with pytest.raises(error, match=r"^Delivery.block_size must be"):
+            Delivery(block_size=bad)

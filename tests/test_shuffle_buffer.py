@@ -10,7 +10,9 @@ from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import CPDataset, Documents, build_loader, closing_loader
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.shuffle_buffer import ShuffleBuffer
+from tests.flat_options import records
 
 
 def _docs(n=60, seed=0):
@@ -58,8 +60,7 @@ def test_dp_ranks_shuffle_their_own_share_and_cp_peers_agree():
         assert sorted(shard) == list(range(r, 90, 3)) and shard != sorted(shard)
     digests = []
     for cp_rank in range(2):
-        with closing_loader(build_loader(Stream(docs), capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced",
-                                         shuffle=True, seed=9, shuffle_buffer=16, prefetch=0)) as loader:  # fmt: skip
+        with closing_loader(build_loader(Stream(docs), capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced", plan=StreamPlan(shuffle_buffer=16), data=DataPolicy(shuffle=True, seed=9), delivery=Delivery(prefetch=0))) as loader:  # fmt: skip
             digests.append([b.layout.digest for b in loader])
     assert digests[0] == digests[1] and len(digests[0]) > 3
 
@@ -99,24 +100,24 @@ def _clone(batch):
 def test_loader_resume_mid_epoch_is_bit_identical(cut):
     docs = _docs(120)
     kw = dict(capacity=64, cp_size=2, cp_rank=1, layout="thd", shuffle=True, seed=3, shuffle_buffer=24, prefetch=0)
-    with closing_loader(build_loader(Stream(docs), **kw)) as loader:
+    with closing_loader(build_loader(Stream(docs), **records(**kw))) as loader:
         list(loader)
         it = iter(loader)  # epoch 1
         for _ in range(cut + 2):
             next(it)
         state = loader.state_dict()
         tail = [_clone(b) for b in it]
-    with closing_loader(build_loader(Stream(docs), **kw)) as restored:
+    with closing_loader(build_loader(Stream(docs), **records(**kw))) as restored:
         restored.load_state_dict(state)
         again = [_clone(b) for b in restored]
     assert len(again) == len(tail) > 0
     for a, b in zip(again, tail, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    with closing_loader(build_loader(Stream(docs), **{**kw, "shuffle_buffer": 25})) as other:
+    with closing_loader(build_loader(Stream(docs), **records(**{**kw, "shuffle_buffer": 25}))) as other:
         other.load_state_dict(state)
         with pytest.raises(ValueError, match=r"shuffle_buffer\)=\(True, 3, None, 24\).*\(True, 3, None, 25\)"):
             next(iter(other))
-    with closing_loader(build_loader(Stream(docs[:50]), **kw)) as shorter:
+    with closing_loader(build_loader(Stream(docs[:50]), **records(**kw))) as shorter:
         shorter.load_state_dict(state)
         with pytest.raises(ValueError, match="restore onto the same source|source changed"):
             next(iter(shorter))
@@ -127,7 +128,7 @@ def test_stateful_dataloader_workers_resume_a_buffered_stream_exactly():
     kw = dict(capacity=64, cp_size=1, layout="identity", shuffle=True, seed=2, shuffle_buffer=16)
 
     def loader():
-        return StatefulDataLoader(CPDataset(Stream(docs), cp_rank=0, **kw), batch_size=None, num_workers=2,
+        return StatefulDataLoader(CPDataset(Stream(docs), **records(cp_rank=0, **kw)), batch_size=None, num_workers=2,
                                   multiprocessing_context="fork")  # fmt: skip
 
     first = loader()

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from cpdata import Documents, build_loader, closing_loader
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, Delivery
+from tests.flat_options import records
 
 
 def _docs(n=60, seed=0):
@@ -42,7 +44,7 @@ def test_num_epochs_passes_per_iter_and_the_epoch_is_in_stats_and_state():
     assert len(seen) == 60 and all(sorted(seen[k * 20 : (k + 1) * 20]) == list(range(20)) for k in range(3))
     assert node.epoch == 2 and node.state_dict()["epoch"] == 2
     assert len(_indices(Documents(docs, num_epochs=2))) == 40
-    collated = shard_graph(docs, capacity=64, cp_size=1, layout="identity", num_epochs=2, shuffle=True)
+    collated = shard_graph(docs, GraphOptions(capacity=64, cp_size=1, layout="identity", data=DataPolicy(epochs=2, shuffle=True)))
     collated.reset()
     list(collated)
     assert collated.source.stats.epoch == 1 and collated.source.stats.documents == 40
@@ -56,20 +58,20 @@ def _clone(batch):
 def test_resume_mid_epoch_after_a_shuffled_epoch_is_exact(cut):
     docs = _docs(80)
     kw = dict(capacity=64, cp_size=2, cp_rank=0, layout="thd", shuffle=True, seed=3, prefetch=0)
-    with closing_loader(build_loader(docs, **kw)) as loader:
+    with closing_loader(build_loader(docs, **records(**kw))) as loader:
         epoch0 = [_clone(b) for b in loader]
         it = iter(loader)  # epoch 1
         head = [_clone(next(it)) for _ in range(cut + 2)]
         state = loader.state_dict()
         tail = [_clone(b) for b in it]
     assert not all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(epoch0, head, strict=False))
-    with closing_loader(build_loader(docs, **kw)) as restored:
+    with closing_loader(build_loader(docs, **records(**kw))) as restored:
         restored.load_state_dict(state)
         again = [_clone(b) for b in restored]
     assert len(again) == len(tail) > 0
     for a, b in zip(again, tail, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    with closing_loader(build_loader(docs, **{**kw, "seed": 4})) as other:
+    with closing_loader(build_loader(docs, **records(**{**kw, "seed": 4}))) as other:
         other.load_state_dict(state)
         with pytest.raises(ValueError, match=r"\(shuffle, seed, num_epochs\)=\(True, 3, None\).*\(True, 4, None\)"):
             next(iter(other))
@@ -79,8 +81,7 @@ def test_every_cp_rank_of_a_group_sees_the_same_shuffled_packs():
     docs = _docs(50)
     digests = []
     for rank in range(2):
-        with closing_loader(build_loader(docs, capacity=64, cp_size=2, cp_rank=rank, layout="balanced",
-                                         shuffle=True, seed=9, prefetch=0)) as loader:  # fmt: skip
+        with closing_loader(build_loader(docs, capacity=64, cp_size=2, cp_rank=rank, layout="balanced", data=DataPolicy(shuffle=True, seed=9), delivery=Delivery(prefetch=0))) as loader:  # fmt: skip
             digests.append([b.layout.digest for b in loader])
     assert digests[0] == digests[1] and len(digests[0]) > 3
 
@@ -101,9 +102,9 @@ def test_stateful_dataloader_workers_follow_set_epoch():
 
     docs = _docs(60)
     kw = dict(capacity=64, cp_size=1, layout="identity", shuffle=True, seed=5)
-    plain = StatefulDataLoader(CPDataset(docs, cp_rank=0, **kw), batch_size=None, num_workers=0)
+    plain = StatefulDataLoader(CPDataset(docs, **records(cp_rank=0, **kw)), batch_size=None, num_workers=0)
     want = [[_clone(b) for b in plain] for _ in range(2)]
-    data = CPDataset(docs, cp_rank=0, **kw)
+    data = CPDataset(docs, **records(cp_rank=0, **kw))
     workers = StatefulDataLoader(data, batch_size=None, num_workers=2, multiprocessing_context="fork")
     got = []
     for epoch in range(2):

@@ -27,6 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, close_loader
+from tests.flat_options import records
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.set_vital. is deprecated"),
               pytest.mark.timeout(900)]  # fmt: skip
@@ -92,7 +93,7 @@ def test_soak_10000_packs_through_stateful_dataloader_with_2_workers():
     gc.collect()
     threads0, children0 = threading.active_count(), children()
     corpus = corpus_for(PACKS)
-    dl = StatefulDataLoader(CPDataset(corpus, cp_rank=0, **CFG), batch_size=None, num_workers=2,
+    dl = StatefulDataLoader(CPDataset(corpus, **records(cp_rank=0, **CFG)), batch_size=None, num_workers=2,
                             multiprocessing_context="fork", snapshot_every_n_steps=1)  # fmt: skip
     start = time.monotonic()
     packs, real, samples, warm, peak_threads = 0, 0, [], None, 0
@@ -140,7 +141,7 @@ def test_abandoned_loaders_leave_no_threads_or_processes():
     corpus = corpus_for(2_000)
 
     # In-process Loader with a prefetch thread, abandoned mid-epoch.
-    loader = build_loader(corpus, cp_rank=1, prefetch=4, **CFG)
+    loader = build_loader(corpus, **records(cp_rank=1, prefetch=4, **CFG))
     it = iter(loader)
     for _ in range(300):
         next(it)
@@ -150,7 +151,7 @@ def test_abandoned_loaders_leave_no_threads_or_processes():
     after_close = threading.active_count()
 
     # StatefulDataLoader with workers, abandoned mid-epoch.
-    dl = StatefulDataLoader(CPDataset(corpus, cp_rank=0, **CFG), batch_size=None, num_workers=2,
+    dl = StatefulDataLoader(CPDataset(corpus, **records(cp_rank=0, **CFG)), batch_size=None, num_workers=2,
                             multiprocessing_context="fork")  # fmt: skip
     it = iter(dl)
     for _ in range(300):

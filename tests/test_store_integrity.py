@@ -25,6 +25,7 @@ from cpdata.sources.chunksums import CHUNK_BYTES, ChunkChecker, ChunkHasher
 from cpdata.sources.manifest import canonical as _canonical
 from cpdata.sources.manifest import manifest_digest as _manifest_digest
 from cpdata.sources.tokenstore import TokenStore, write_token_store
+from tests.flat_options import precompute_records, records
 
 N_DOCS, DOC_TOKENS = 600, 4000  # 2.4M tokens x 2 bytes: chunks 0..4 of tokens.bin
 PLAN = {"capacity": 8192, "cp_size": 1, "layout": "identity", "labels_alignment": "inputs"}
@@ -89,14 +90,14 @@ def test_build_loader_epoch_and_precompute_refuse_the_changed_store(clean, tmp_p
     store_dir = _copy(clean[0], tmp_path / "s")
     last = N_DOCS * DOC_TOKENS - 1  # the last token of the last document: the last, short chunk
     _flip_token(store_dir / "tokens.bin", last)
-    loader = build_loader(open_dataset(store_dir), cp_rank=0, restart_on_stop_iteration=False, **PLAN)
+    loader = build_loader(open_dataset(store_dir), **records(cp_rank=0, restart_on_stop_iteration=False, **PLAN))
     with pytest.raises(ValueError, match=rf"tokens.bin bytes {4 * CHUNK_BYTES}\.\.{2 * N_DOCS * DOC_TOKENS} "
                                          rf"\(chunk 4 of 5\).*documents \d+\.\.{N_DOCS - 1} are stored there"):  # fmt: skip
         for _ in loader:
             pass
     close_loader(loader)
     with pytest.raises(ValueError, match=rf"checking the whole file; documents \d+\.\.{N_DOCS - 1} are stored there"):
-        precompute(store_dir, tmp_path / "plan", **PLAN)
+        precompute(store_dir, tmp_path / "plan", **precompute_records(**PLAN))
     assert not (tmp_path / "plan").exists()
     argv = ["precompute", str(store_dir), "--capacity", "8192", "--cp-size", "1", "--layout", "identity", "--out",
             str(tmp_path / "plan"), "--quiet", "--labels-alignment", "inputs"]  # fmt: skip
@@ -121,7 +122,7 @@ def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path, file):
             old = f.read(1)
             f.seek(header + 3)
             f.write(bytes([old[0] ^ 0x01]))
-    loader = CPDataLoader(CPDataset(store, cp_rank=0, **PLAN), num_workers=1, multiprocessing_context="fork")
+    loader = CPDataLoader(CPDataset(store, **records(cp_rank=0, **PLAN)), num_workers=1, multiprocessing_context="fork")
     with pytest.raises(ValueError, match=rf"{file} bytes 0\.\.\d+ \(chunk 0 of \d\) do not match"):  # ... the worker
         for _ in loader:
             pass
@@ -140,7 +141,7 @@ def test_the_first_read_checks_the_index_even_for_an_empty_document(tmp_path):
 def test_the_plan_records_the_digest_of_the_bytes_it_read(clean, tmp_path):
     opened = TokenStore(clean[0])
     assert all(c.checked == 0 for c in opened._checkers())
-    plan = precompute(opened, tmp_path / "plan", **PLAN)
+    plan = precompute(opened, tmp_path / "plan", **precompute_records(**PLAN))
     assert plan.manifest["input"]["sha256"] == opened.checksum() == opened.manifest["manifest_sha256"]
     # ... the digest covers the chunk checksums, and precompute checked every chunk of every file against them
     assert all(c.checked == len(c.sums) > 0 for c in opened._checkers())

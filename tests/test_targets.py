@@ -9,14 +9,16 @@ from tokenizer_fixture import chat_tokenizer, conversations
 from torchdata.nodes import IterableWrapper
 
 from cpdata import Documents, build_loader, closing_loader
-from cpdata.nodes.loader import shard_graph
+from cpdata.nodes.loader import GraphOptions, shard_graph
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.nodes.pack import Pack
+from tests.flat_options import graph_options, precompute_records
 
 PACK = dict(capacity=128, cp_size=1, layout="identity", algorithm="next_fit")
 
 
 def _full_batches(docs, **kwargs) -> list[dict[str, np.ndarray]]:
-    node = shard_graph(docs, **{**PACK, **kwargs})
+    node = shard_graph(docs, graph_options(**{**PACK, **kwargs}))
     node.reset()
     return [batch.tensors() for batch in node]
 
@@ -90,7 +92,7 @@ def test_hf_and_megatron_conventions_give_the_same_batch():
 @pytest.mark.parametrize("key", ["labels", "loss_mask", "assistant_masks", "completion_mask"])
 def test_labels_or_a_mask_without_an_alignment_is_refused(key):
     docs = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6], key: [1, 1, 0]}]
-    node = shard_graph(docs, **PACK)
+    node = shard_graph(docs, graph_options(**PACK))
     node.reset()
     with pytest.raises(ValueError) as err:
         list(node)
@@ -133,8 +135,7 @@ def test_fully_masked_and_truncated_documents_are_dropped_and_counted():
         {"input_ids": ids, "loss_mask": (np.arange(20) >= 15).astype(np.float32)},  # one target survives
         {"input_ids": ids[:4], "loss_mask": np.ones(4)},
     ]
-    node = shard_graph(docs, labels_alignment="inputs", capacity=16, cp_size=1, layout="identity",
-                       overflow="truncate")  # fmt: skip
+    node = shard_graph(docs, GraphOptions(capacity=16, cp_size=1, layout="identity", plan=StreamPlan(overflow="truncate"), data=DataPolicy(labels_alignment="inputs")))  # fmt: skip
     node.reset()
     collated = list(node)
     batches = [b.tensors() for b in collated]
@@ -183,8 +184,7 @@ def test_cp_shards_carry_the_shifted_targets():
     (full,) = _full_batches(chats, labels_alignment="inputs", capacity=128, layout="thd", cp_size=2)
     got = np.full(128, -7)
     for r in range(2):
-        loader = build_loader(chats, capacity=128, cp_size=2, cp_rank=r, layout="thd", labels_alignment="inputs",
-                              prefetch=0)  # fmt: skip
+        loader = build_loader(chats, capacity=128, cp_size=2, cp_rank=r, layout="thd", data=DataPolicy(labels_alignment="inputs"), delivery=Delivery(prefetch=0))  # fmt: skip
         with closing_loader(loader):
             (batch,) = list(loader)
         got[batch.layout.local_token_global_indices.numpy()] = batch["labels"].numpy().reshape(-1)
@@ -238,8 +238,8 @@ def test_precompute_records_the_alignment_and_plans_like_the_online_pipeline(tmp
             f.write(json.dumps({"input_ids": ids, "assistant_masks": mask}) + "\n")
     opts = dict(capacity=64, layout="thd", cp_size=2)
     with pytest.raises(ValueError, match="labels_alignment='inputs'.*labels_alignment='targets'"):
-        precompute(path, tmp_path / "refused", **opts)
-    store = precompute(path, tmp_path / "plan", **opts, labels_alignment="inputs")
+        precompute(path, tmp_path / "refused", **precompute_records(**opts))
+    store = precompute(path, tmp_path / "plan", **precompute_records(**opts, labels_alignment="inputs"))
     assert store.config["labels_alignment"] == "inputs"
     assert store.manifest["stats"]["untrained"] == 4
     data = open_dataset(path)
@@ -277,8 +277,7 @@ class _Unreadable:
 )
 def test_padding_token_id_is_checked_when_the_pipeline_is_built(pad, exc, pattern):
     with pytest.raises(exc, match=pattern):
-        build_loader(_Unreadable(), capacity=16, cp_size=1, cp_rank=0, layout="identity", padding_token_id=pad,
-                     vocab_size=300)  # fmt: skip
+        build_loader(_Unreadable(), capacity=16, cp_size=1, cp_rank=0, layout="identity", padding_token_id=pad, data=DataPolicy(vocab_size=300))  # fmt: skip
 
 
 def test_precompute_checks_its_configuration_before_reading_the_input(tmp_path, monkeypatch):
@@ -294,5 +293,5 @@ def test_precompute_checks_its_configuration_before_reading_the_input(tmp_path, 
     path.write_text('{"input_ids": [1, 2, 3]}\n')
     with pytest.raises(ValueError, match="capacity=30 is not a multiple of 4"):
         pre.precompute(path, tmp_path / "plan", capacity=30, cp_size=2, layout="thd")
-    with pytest.raises(ValueError, match="unknown overflow policy"):
-        pre.precompute(path, tmp_path / "plan", capacity=32, cp_size=2, layout="thd", overflow="cut")
+    with pytest.raises(ValueError, match="unknown StreamPlan.overflow 'cut'"):
+        StreamPlan(overflow="cut")  # refused where it is written, before precompute is called

@@ -7,6 +7,7 @@ import pytest
 import torchdata.nodes as tn
 
 from cpdata import Tokenize
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.sources.tokenizer import RowTokenizer, load_tokenizer
 from tests.state_contract import run_save_load_contract
 from tests.tokenizer_fixture import CHAT_TEMPLATE, CORPUS, chat_tokenizer, conversations
@@ -159,8 +160,7 @@ def test_assistant_only_trains_only_the_replies_end_to_end():
         labels = np.full(ids.shape, -100, dtype=np.int64)
         labels[:-1] = np.where(mask[1:] == 1, ids[1:], -100)
         expected.append(labels)
-    loader = build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0,
-                          layout="identity", algorithm="next_fit", restart_on_stop_iteration=False)  # fmt: skip
+    loader = build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0, layout="identity", restart_on_stop_iteration=False, plan=StreamPlan(algorithm="next_fit"))  # fmt: skip
     batches = list(loader)
     close_loader(loader)
     assert len(batches) == 1
@@ -170,5 +170,4 @@ def test_assistant_only_trains_only_the_replies_end_to_end():
     trained = int((labels != -100).sum())
     assert 0 < trained < total - len(CORPUS[0].split())  # prompts are not trained, the text row is
     with pytest.raises(ValueError, match="labels_alignment"):
-        build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0,
-                     layout="identity", labels_alignment="targets")  # fmt: skip
+        build_loader(Tokenize(rows, tok, assistant_only=True), capacity=256, cp_size=1, cp_rank=0, layout="identity", data=DataPolicy(labels_alignment="targets"))  # fmt: skip

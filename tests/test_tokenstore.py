@@ -12,6 +12,7 @@ from cpdata import PrecomputedPacks, build_loader, open_dataset, precompute
 from cpdata.cli import main as cli_main
 from cpdata.nodes.loader import close_loader
 from cpdata.sources.tokenstore import TokenStore, write_token_store
+from tests.flat_options import precompute_records, records
 from tests.test_precompute import assert_batches_equal
 from tests.tokenizer_fixture import CORPUS, chat_tokenizer, conversations
 
@@ -108,18 +109,18 @@ def test_a_store_plans_and_serves_like_the_online_pipeline(tmp_path):
     docs = [{"input_ids": d["input_ids"]} for d in docs]
     store = write_token_store(docs, tmp_path / "s")
     kw = {"capacity": 64, "cp_size": 2, "layout": "thd", "overflow": "split"}
-    precompute(store, tmp_path / "plan", **kw)
+    precompute(store, tmp_path / "plan", **precompute_records(**kw))
     from cpdata import Collate, ShardForRank
 
     served = list(ShardForRank(Collate(PrecomputedPacks(tmp_path / "plan", open_dataset(tmp_path / "s"))),
                                cp_size=2, cp_rank=1, layout="thd"))  # fmt: skip
-    loader = build_loader(docs, cp_rank=1, restart_on_stop_iteration=False, **kw)
+    loader = build_loader(docs, **records(cp_rank=1, restart_on_stop_iteration=False, **kw))
     online = list(loader)
     close_loader(loader)
     assert len(served) == len(online) > 3
     for a, e in zip(served, online, strict=True):
         assert_batches_equal(a, e)
-    from_store = build_loader(store, cp_rank=1, restart_on_stop_iteration=False, **kw)
+    from_store = build_loader(store, **records(cp_rank=1, restart_on_stop_iteration=False, **kw))
     for a, e in zip(from_store, online, strict=True):
         assert_batches_equal(a, e)
     close_loader(from_store)
@@ -184,12 +185,12 @@ def test_resume_onto_another_store_and_a_rewritten_store_are_refused(tmp_path):
     a = write_token_store(docs, tmp_path / "a")
     b = write_token_store([{"input_ids": d["input_ids"][::-1].copy()} for d in docs], tmp_path / "b")
     kw = {"capacity": 64, "cp_size": 1, "cp_rank": 0, "layout": "identity", "overflow": "split"}
-    loader = build_loader(a, **kw)
+    loader = build_loader(a, **records(**kw))
     it = iter(loader)
     next(it)
     state = loader.state_dict()
     close_loader(loader)
-    other = build_loader(b, **kw)
+    other = build_loader(b, **records(**kw))
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="fingerprint token_store:"):
         next(iter(other))

@@ -20,6 +20,8 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
+from cpdata.nodes.options import StreamPlan
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_cp.py"
 sys.path.insert(0, str(ROOT / "examples"))
@@ -124,7 +126,7 @@ def test_resume_gives_identical_losses(tmp_path, jsonl, source):
                                for line in jsonl.read_text().splitlines()))
         from cpdata.offline.precompute_plan import precompute
 
-        precompute(ids, tmp_path / "plan", capacity=128, cp_size=2, layout="balanced", overflow="split")
+        precompute(ids, tmp_path / "plan", capacity=128, cp_size=2, layout="balanced", plan=StreamPlan(overflow="split"))
         data = ["--data", str(tmp_path / "plan"), "--documents", str(ids)]
     common = [*TINY, *data]
     straight = torchrun(2, *common, "--steps", "6", "--summary-json", str(tmp_path / "a.json"))

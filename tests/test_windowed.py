@@ -13,9 +13,11 @@ from torchdata.nodes import IterableWrapper
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import CPDataset
-from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, build_loader, closing_loader, shard_graph
+from cpdata.nodes.options import DataPolicy, SchedulePlan
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.windowed import WindowedPacks
+from tests.flat_options import graph_options, records
 
 CFG = {"capacity": 256, "cp_size": 2, "layout": "thd"}
 WKW = dict(CFG, dp_size=3, micro_batches=2, schedule="balanced", overflow="split", schedule_window=64)
@@ -55,7 +57,7 @@ def _digests(loader) -> list[int]:
 
 def test_equal_steps_per_rank_where_the_fallback_is_unequal():
     def count(rank, **kw):
-        return len(_digests(build_loader(Stream(), cp_rank=0, dp_rank=rank, dp_size=3, prefetch=0, **CFG, **kw)))
+        return len(_digests(build_loader(Stream(), **records(cp_rank=0, dp_rank=rank, dp_size=3, prefetch=0, **CFG, **kw))))
 
     fallback = [count(r, overflow="split") for r in range(3)]
     windowed = [count(r, **{k: v for k, v in WKW.items() if k not in CFG and k != "dp_size"}) for r in range(3)]
@@ -108,10 +110,10 @@ def test_deterministic_across_processes():
 
 def test_cp_peers_get_identical_packs():
     kw = {k: v for k, v in WKW.items()}
-    a = [_pieces([p]) for p in shard_graph(Stream(), dp_rank=1, **kw).source]
-    b = [_pieces([p]) for p in shard_graph(Stream(), dp_rank=1, **kw).source]
+    a = [_pieces([p]) for p in shard_graph(Stream(), graph_options(dp_rank=1, **kw)).source]
+    b = [_pieces([p]) for p in shard_graph(Stream(), graph_options(dp_rank=1, **kw)).source]
     assert a == b and len(a) > 4
-    batches = [list(ShardForRank(shard_graph(Stream(), dp_rank=1, **kw), cp_size=2, cp_rank=r, layout="thd"))
+    batches = [list(ShardForRank(shard_graph(Stream(), graph_options(dp_rank=1, **kw)), cp_size=2, cp_rank=r, layout="thd"))
                for r in range(2)]  # fmt: skip
     assert len(batches[0]) == len(batches[1])
     keys = ("digest", "real_tokens", "n_documents", "pack_indices", "max_seqlen")
@@ -135,8 +137,7 @@ def test_pack_ids_number_the_epoch_across_windows_and_resume():
 @pytest.mark.parametrize("cut", [3, 17, 23])
 def test_loader_resume_mid_window_is_exact(cut):
     def make():
-        return build_loader(Stream(), cp_rank=0, dp_rank=1, prefetch=0, **{k: v for k, v in WKW.items() if k not in CFG},
-                            **CFG)  # fmt: skip
+        return build_loader(Stream(), **records(cp_rank=0, dp_rank=1, prefetch=0, **{k: v for k, v in WKW.items() if k not in CFG}, **CFG))  # fmt: skip
 
     full = _digests(make())
     plans = list(_node(Stream(), dp_rank=1))
@@ -153,12 +154,12 @@ def test_loader_resume_mid_window_is_exact(cut):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_dataloader_with_workers_resumes_exactly(num_workers):
     kw = dict(WKW, dp_rank=2)
-    reference = [b.info["digest"] for b in ShardForRank(shard_graph(Stream(), **kw), cp_size=2, cp_rank=0,
+    reference = [b.info["digest"] for b in ShardForRank(shard_graph(Stream(), graph_options(**kw)), cp_size=2, cp_rank=0,
                                                          layout="thd")]  # fmt: skip
 
     def make():
         extra = {"multiprocessing_context": "fork"} if num_workers else {}
-        return StatefulDataLoader(CPDataset(Stream(), cp_rank=0, **kw), batch_size=None,
+        return StatefulDataLoader(CPDataset(Stream(), **records(cp_rank=0, **kw)), batch_size=None,
                                   num_workers=num_workers, **extra)  # fmt: skip
 
     assert [b.info["digest"] for b in make()] == reference
@@ -186,16 +187,16 @@ def test_epochs_go_on_and_resume_across_the_epoch_end():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="schedule="):
-        shard_graph(Stream(), schedule_window=8, **CFG)
-    with pytest.raises(ValueError, match="shuffle"):
-        shard_graph(Stream(), schedule="balanced", schedule_window=8, shuffle=True, **CFG)
-    with pytest.raises(ValueError, match="schedule_window must be an int"):
-        shard_graph(Stream(), schedule="balanced", schedule_window=0, **CFG)
-    with pytest.raises(TypeError, match="schedule_window=W"):
-        shard_graph(Stream(), schedule="balanced", **CFG)
+    with pytest.raises(TypeError, match=r"no longer takes schedule_window=; pass plan=SchedulePlan\(window=\.\.\.\)"):
+        build_loader(Stream(), cp_rank=0, schedule_window=8, **CFG)
+    with pytest.raises(ValueError, match="shuffle the stream upstream instead of DataPolicy\\(shuffle=True\\)"):
+        GraphOptions(**CFG, plan=SchedulePlan(window=8), data=DataPolicy(shuffle=True))
+    with pytest.raises(ValueError, match="SchedulePlan.window must be >= 1, got window=0"):
+        SchedulePlan(window=0)
+    with pytest.raises(TypeError, match=r"SchedulePlan\(window=W\)"):
+        shard_graph(Stream(), GraphOptions(**CFG, plan=SchedulePlan()))
     with pytest.raises(TypeError, match="re-iterable source"):
-        shard_graph(IterableWrapper(Stream().docs), schedule="balanced", schedule_window=8, **CFG)
+        shard_graph(IterableWrapper(Stream().docs), GraphOptions(**CFG, plan=SchedulePlan(window=8)))
     node = _node(Stream(), dp_rank=1)
     [node.next() for _ in range(5)]
     state = node.get_state()

@@ -53,13 +53,14 @@ def _epoch(node) -> tuple[float, int]:
 
 def run(*, quick: bool = False) -> list[dict]:
     from cpdata.nodes.collate import Collate
-    from cpdata.nodes.loader import shard_graph
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
     from cpdata.nodes.shard import ShardForRank
     from cpdata.offline import PrecomputedPacks, precompute
     from cpdata.sources import open_dataset
 
     long_tokens = 500_000 if quick else 5_000_000
-    kw = dict(capacity=CAPACITY, cp_size=CP, layout=LAYOUT, overflow="split")
+    kw = dict(capacity=CAPACITY, cp_size=CP, layout=LAYOUT, plan=StreamPlan(overflow="split"))
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "long.jsonl"
         _write_corpus(data, long_tokens)
@@ -71,7 +72,7 @@ def run(*, quick: bool = False) -> list[dict]:
         pieces = int((store.arrays["doc_index"] == long_index).sum())
         online, offline = [], []
         for _ in range(REPEATS):  # alternated, best of each: both see the same caches and load
-            online.append(_epoch(ShardForRank(shard_graph(docs, **kw), cp_size=CP, cp_rank=0, layout=LAYOUT)))
+            online.append(_epoch(ShardForRank(shard_graph(docs, GraphOptions(**kw)), cp_size=CP, cp_rank=0, layout=LAYOUT)))
             plans = PrecomputedPacks(Path(tmp) / "plan", docs, cp_size=CP, layout=LAYOUT)
             offline.append(_epoch(ShardForRank(Collate(plans), cp_size=CP, cp_rank=0, layout=LAYOUT)))
         (online_s, packs), (offline_s, offline_packs) = min(online), min(offline)

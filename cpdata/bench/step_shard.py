@@ -74,13 +74,15 @@ class LocalMesh:
 
 def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed: int = 0):
     """``(full_batch, sharded_batch)``: the first pack of an SFT-like stream, full and for ``cp_rank``."""
-    from cpdata.nodes.loader import shard_graph
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
     from cpdata.nodes.shard import ShardForRank
 
     rng = np.random.default_rng(seed)
     lengths = sample("sft", int(tokens / 500) + 64, seed)
     docs = [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
-    collate = shard_graph(docs, capacity=tokens, cp_size=cp_size, layout=layout, overflow="split")
+    collate = shard_graph(docs, GraphOptions(capacity=tokens, cp_size=cp_size, layout=layout,
+                                             plan=StreamPlan(overflow="split")))
     collate.reset()
     collated = next(collate)
     full = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in collated.tensors().items()}

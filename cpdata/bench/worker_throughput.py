@@ -88,10 +88,12 @@ def _documents(tokens: int, seed: int) -> list[dict[str, np.ndarray]]:
 
 
 def _pipeline(docs, capacity: int, cp_size: int, layout: str):
-    from cpdata.nodes.loader import shard_graph
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
     from cpdata.nodes.shard import ShardForRank
 
-    collate = shard_graph(docs, capacity=capacity, cp_size=cp_size, layout=layout, overflow="split")
+    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout,
+                                             plan=StreamPlan(overflow="split")))
     return ShardForRank(collate, cp_size=cp_size, cp_rank=0, layout=layout)
 
 
@@ -109,9 +111,11 @@ def _run_pipeline(node) -> tuple[float, list[int], int, int]:
 
 
 def _plans(docs, capacity: int, cp_size: int, layout: str) -> list:
-    from cpdata.nodes.loader import shard_graph
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
 
-    collate = shard_graph(docs, capacity=capacity, cp_size=cp_size, layout=layout, overflow="split")
+    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout,
+                                             plan=StreamPlan(overflow="split")))
     collate.reset()
     return [plan for batch in collate for plan in batch.plans]
 

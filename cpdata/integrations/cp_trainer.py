@@ -49,8 +49,8 @@ loaded with ``attn_implementation="sdpa"``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.options import DataPolicy, Delivery, PlanChoice, StreamPlan, check_records
 from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
 
 __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args", "cp_loss_scale"]
@@ -70,7 +71,7 @@ LOADER_STATE = "cpdata_loader_rank{rank}.pt"
 _TRAINER_HOOKS = ("get_train_dataloader", "_get_num_items_in_batch", "_prepare_inputs", "training_step",
                   "compute_loss", "log", "_save_checkpoint", "_get_output_dir", "loss_is_scaled_for_ga")
 """What the mixin overrides or relies on in ``transformers.Trainer`` (all present in transformers 5.24, tested)."""
-_OWN_OPTIONS = ("capacity", "cp_size", "cp_rank", "layout", "dp_rank", "dp_size", "batch_size")
+_DATA_DEFAULTS = DataPolicy()
 
 
 def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, compute_loss_func: Any = None) -> None:
@@ -124,8 +125,10 @@ class CPTrainerMixin:
     - ``cp_size``: ranks per CP group; ``dp = world_size // cp_size``.
     - ``capacity``: tokens per pack (before CP sharding); a multiple of the layout's pack multiple.
     - ``layout``: a cpdata layout (``"balanced"``, ``"thd"``, ``"round_robin"``, ``"contiguous"``).
-    - ``loader_options``: more :class:`~cpdata.nodes.dataset.CPDataset` keywords (``algorithm``,
-      ``overflow``, ``shuffle``, ``schedule``, ``labels_alignment``, ...).
+    - ``plan``, ``data``, ``delivery``: :class:`~cpdata.nodes.dataset.CPDataset`'s option records
+      (:mod:`cpdata.nodes.options`). The trainer fills ``data``'s DP rank and size from the mesh, and its
+      ``seed`` (``args.data_seed`` or ``args.seed``), ``vocab_size`` (the model's) and ``labels_alignment``
+      (``"inputs"``) where they are left at their defaults.
 
     ``per_device_train_batch_size`` packs make one micro-batch (concatenated into one
     stream, ``qkv_format="thd"``, when more than one).
@@ -137,17 +140,22 @@ class CPTrainerMixin:
         cp_size: int = 1,
         capacity: int | None = None,
         layout: str = "balanced",
-        loader_options: Mapping[str, Any] | None = None,
+        plan: PlanChoice = StreamPlan(),
+        data: DataPolicy = DataPolicy(),
+        delivery: Delivery = Delivery(),
         **kwargs: Any,
     ) -> None:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
             raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-        options = dict(loader_options or {})
-        own = sorted(set(options) & set(_OWN_OPTIONS))
-        if own:
-            raise ValueError(f"loader_options {own} are set by {type(self).__name__} itself (cp_size, capacity, "
-                             "layout, the mesh's ranks, per_device_train_batch_size); drop them")  # fmt: skip
-        self.cp_size, self.cp_capacity, self.cp_layout, self.cp_loader_options = cp_size, capacity, layout, options
+        if "loader_options" in kwargs:
+            raise TypeError(f"{type(self).__name__}() no longer takes loader_options=; pass the records "
+                            "plan=StreamPlan(...)/SchedulePlan(...), data=DataPolicy(...), delivery=Delivery(...)")  # fmt: skip
+        check_records(plan=plan, data=data, delivery=delivery)
+        if (data.dp_rank, data.dp_size) != (_DATA_DEFAULTS.dp_rank, _DATA_DEFAULTS.dp_size):
+            raise ValueError(f"DataPolicy(dp_rank={data.dp_rank}, dp_size={data.dp_size}): {type(self).__name__} "
+                             "sets the DP rank and size from its (dp, cp) mesh; leave them out")  # fmt: skip
+        self.cp_size, self.cp_capacity, self.cp_layout = cp_size, capacity, layout
+        self.cp_plan, self.cp_data, self.cp_delivery = plan, data, delivery
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:  # fail before the (possibly slow) dataset preparation
             check_training_args(training_args, type(self).__name__, eval_dataset=kwargs.get("eval_dataset"),
@@ -210,18 +218,20 @@ class CPTrainerMixin:
 
     def _cp_dataset_options(self) -> dict[str, Any]:
         batch_size = int(self.args.per_device_train_batch_size)
-        options: dict[str, Any] = {
-            "capacity": self.cp_capacity, "cp_size": self.cp_size, "layout": self.cp_layout,
-            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "batch_size": batch_size,
-            "qkv_format": "thd" if batch_size > 1 else "bshd", "padding_token_id": self._cp_padding_token_id(),
-            "labels_alignment": "inputs", "seed": int(self.args.data_seed if self.args.data_seed is not None
-                                                      else self.args.seed),
-        }  # fmt: skip
+        given = self.cp_data
+        seed = int(self.args.data_seed if self.args.data_seed is not None else self.args.seed)
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if isinstance(vocab, int):
-            options["vocab_size"] = vocab
-        options.update(self.cp_loader_options)
-        return options
+        data = dataclasses.replace(
+            given, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            seed=seed if given.seed == _DATA_DEFAULTS.seed else given.seed,
+            vocab_size=vocab if given.vocab_size is None and isinstance(vocab, int) else given.vocab_size,
+            labels_alignment=given.labels_alignment or "inputs",
+        )  # fmt: skip
+        return {
+            "capacity": self.cp_capacity, "cp_size": self.cp_size, "layout": self.cp_layout, "batch_size": batch_size,
+            "qkv_format": "thd" if batch_size > 1 else "bshd", "padding_token_id": self._cp_padding_token_id(),
+            "plan": self.cp_plan, "data": data, "delivery": self.cp_delivery,
+        }  # fmt: skip
 
     # -- data ---------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> CPDataLoader:

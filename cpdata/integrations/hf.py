@@ -30,11 +30,11 @@ __all__ = ["CPTrainer"]
 
 
 class CPTrainer(CPTrainerMixin, Trainer):
-    """``transformers.Trainer`` + ``cp_size``, ``capacity``, ``layout``, ``loader_options`` (see
+    """``transformers.Trainer`` + ``cp_size``, ``capacity``, ``layout``, ``plan``, ``data``, ``delivery`` (see
     :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`)."""
 
     def __init__(self, *args, data_collator=None, **kwargs) -> None:
         if data_collator is not None:
             raise ValueError("CPTrainer takes no data_collator: cpdata packs, collates and shards the batches "
-                             "(pass loader_options for the packer's settings)")  # fmt: skip
+                             "(pass plan=cpdata.StreamPlan(...) for the packer's settings)")  # fmt: skip
         super().__init__(*args, **kwargs)

@@ -41,11 +41,13 @@ logits aligned with unshifted labels); the CP figures are.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from trl import SFTTrainer
 
 from cpdata.integrations.cp_trainer import CPTrainerMixin
+from cpdata.nodes.options import PlanChoice, SchedulePlan, StreamPlan
 
 __all__ = ["CPSFTTrainer", "check_sft_config"]
 
@@ -81,18 +83,17 @@ def check_sft_config(args: Any, capacity: int | None) -> int:
 
 class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` + ``cp_size``, ``capacity`` (default ``args.max_length``), ``layout``,
-    ``loader_options`` (see the module docstring and :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`)."""
+    ``plan``, ``data``, ``delivery`` (see the module docstring and :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`)."""
 
     def __init__(self, model: Any, args: Any = None, *, capacity: int | None = None,
-                 loader_options: dict[str, Any] | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 plan: PlanChoice = StreamPlan(), **kwargs: Any) -> None:  # fmt: skip
         if args is None:
             raise ValueError("CPSFTTrainer needs args=SFTConfig(packing=True, max_length=..., max_steps=...)")
         capacity = check_sft_config(args, capacity)
-        options = dict(loader_options or {})
         overflow = _STRATEGY_OVERFLOW[args.packing_strategy]
-        if overflow is not None:
-            options.setdefault("overflow", overflow)
-        super().__init__(model=model, args=args, capacity=capacity, loader_options=options, **kwargs)
+        if overflow is not None and isinstance(plan, (StreamPlan, SchedulePlan)) and plan.overflow is None:
+            plan = dataclasses.replace(plan, overflow=overflow)
+        super().__init__(model=model, args=args, capacity=capacity, plan=plan, **kwargs)
 
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, packing: bool,
                          formatting_func: Any, dataset_name: str) -> Any:  # fmt: skip

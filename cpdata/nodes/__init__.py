@@ -13,7 +13,8 @@ Stages, in pipeline order: ``tokenize`` (``Tokenize``: text/chat rows, optional)
 ``live_pieces`` and ``state_copy``), or ``scheduled`` + ``scheduled_rows``
 (``ScheduledPacks``: planned from lengths) or ``windowed`` (``WindowedPacks``),
 plan rows served by ``served`` (``ServedPacks``) -> ``collate`` (``Collate``) -> ``shard`` (``ShardForRank``) -> ``pin``
-(``maybe_pin``). Assembly: ``mixed`` (a ``Mix`` as an indexable dataset for
+(``maybe_pin``). Assembly: ``options`` (the option records: ``StreamPlan`` / ``SchedulePlan``,
+``DataPolicy``, ``Delivery``), ``mixed`` (a ``Mix`` as an indexable dataset for
 planning), ``loader`` (``build_node`` / ``build_loader``), ``dataset``
 (``CPDataset`` for ``StatefulDataLoader``), ``dataloader`` (``CPDataLoader``).
 Runtime helpers: ``state_version`` (the checks before a restore), ``epochs``

@@ -5,8 +5,11 @@
     loader = CPDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
                           num_workers=4, pin_memory=True)  # a StatefulDataLoader with batch_size=None
 
-With ``schedule="balanced"`` the global schedule is planned once, here, and
-each worker serves its share of this rank's packs (:class:`~cpdata.nodes.served.ServedPacks`).
+With ``plan=SchedulePlan()`` (a source with known lengths, see
+:class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is
+planned once, here, and each worker serves its share of this rank's packs
+(:class:`~cpdata.nodes.served.ServedPacks`), reading only their documents:
+worker CPU per pack stays flat in ``N``.
 
 Without a schedule, worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
 (Documents -> Pack -> Collate, all cheap per pack: no token tensors are built)
@@ -43,9 +46,18 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.layout.maps import layout_spec
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
-from cpdata.nodes.loader import ResumableLoader, check_keywords, close_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, shard_graph
+from cpdata.nodes.options import (
+    ENTRY_KEYWORDS,
+    DataPolicy,
+    Delivery,
+    PlanChoice,
+    SchedulePlan,
+    StreamPlan,
+    check_records,
+    refuse_keywords,
+)
 from cpdata.nodes.orphans import exit_with_parent
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.state_version import check_state_version
@@ -207,38 +219,55 @@ class WorkerDataset(IterableDataset):
 class CPDataset(WorkerDataset):
     """One CP rank's batches (:class:`~cpdata.worker.batch.ShardedBatch`) for ``StatefulDataLoader(batch_size=None)``.
 
-    Takes :func:`cpdata.nodes.loader.build_node`'s keyword arguments except
-    ``pin_memory``; ``prefetch`` defaults to 0 here (the DataLoader's own
-    ``prefetch_factor`` already queues batches per worker). ``kv_exchange=True``: the workers build each
-    batch's K/V exchange plan too (``batch.layout.kv_exchange``).
+    Takes :func:`cpdata.nodes.loader.build_node`'s keyword arguments; of :class:`~cpdata.nodes.options.Delivery`,
+    ``prefetch`` defaults to 0 here (the DataLoader's own ``prefetch_factor`` already queues batches per
+    worker) and ``pin_memory`` belongs to the DataLoader. ``Delivery(kv_exchange=True)``: the workers build
+    each batch's K/V exchange plan too (``batch.layout.kv_exchange``).
     """
 
     def __init__(
-        self, source: Any, *, cp_rank: int, prefetch: int = 0, block_size: int | None = None,
-        kv_exchange: bool = False, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        if "pin_memory" in kwargs:
-            raise TypeError("CPDataset does not pin; pass pin_memory to StatefulDataLoader instead")
-        check_keywords("CPDataset", kwargs, shard_graph, required=("capacity", "cp_size", "layout"))
-        super().__init__(prefetch=prefetch)
+        self,
+        source: Any,
+        *,
+        capacity: int,
+        cp_size: int,
+        cp_rank: int,
+        layout: str,
+        tile: int | None = None,
+        batch_size: int = 1,
+        qkv_format: str = "bshd",
+        padding_token_id: int = 0,
+        plan: PlanChoice = StreamPlan(),
+        data: DataPolicy = DataPolicy(),
+        delivery: Delivery = Delivery(),
+        **removed: Any,
+    ) -> None:
+        refuse_keywords("CPDataset", removed, ENTRY_KEYWORDS)
+        check_records(delivery=delivery)
+        if delivery.pin_memory is not None:
+            raise TypeError("CPDataset does not pin: leave Delivery.pin_memory out and pass pin_memory to "
+                            "StatefulDataLoader (CPDataLoader) instead")  # fmt: skip
+        super().__init__(prefetch=0 if delivery.prefetch is None else delivery.prefetch)
         self.source = source
         self.cp_rank = cp_rank
-        self.block_size = block_size
-        self.kv_exchange = kv_exchange
-        self.kwargs = kwargs
+        self.delivery = delivery
+        self.options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, tile=tile,
+                                    batch_size=batch_size, qkv_format=qkv_format,
+                                    padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
         # Validate the configuration now, in the main process, not in every worker.
-        graph = shard_graph(source, **kwargs)
-        self.layout = layout_spec(kwargs["layout"], kwargs.get("tile"))  # tiled: the tile joins the string
-        ShardForRank(graph, cp_size=kwargs["cp_size"], cp_rank=cp_rank, layout=self.layout, block_size=block_size,
-                     kv_exchange=kv_exchange)  # fmt: skip
+        graph = shard_graph(source, self.options)
+        self._shard(graph)
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
-        self._scheduled = graph.source if kwargs.get("schedule") is not None else None
+        self._scheduled = graph.source if isinstance(plan, SchedulePlan) else None
+
+    def _shard(self, node: BaseNode) -> ShardForRank:
+        return ShardForRank(node, cp_size=self.options.cp_size, cp_rank=self.cp_rank, layout=self.options.layout,
+                            block_size=self.delivery.block_size, kv_exchange=self.delivery.kv_exchange)  # fmt: skip
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         node: BaseNode
         if self._scheduled is not None:  # this worker's packs only: reads only their documents
-            node = shard_graph(self.source, worker=(worker_id, num_workers), packs=self._scheduled, **self.kwargs)
+            node = shard_graph(self.source, self.options, worker=(worker_id, num_workers), packs=self._scheduled)
         else:
-            node = _EveryNth(shard_graph(self.source, **self.kwargs), offset=worker_id, stride=num_workers)
-        return ShardForRank(node, cp_size=self.kwargs["cp_size"], cp_rank=self.cp_rank, layout=self.layout,
-                            block_size=self.block_size, kv_exchange=self.kv_exchange)  # fmt: skip
+            node = _EveryNth(shard_graph(self.source, self.options), offset=worker_id, stride=num_workers)
+        return self._shard(node)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
-import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from torchdata.nodes import BaseNode, Loader, Prefetcher
@@ -33,173 +31,106 @@ from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.epochs import graph_nodes
 from cpdata.nodes.mixed import as_mixed_dataset
+from cpdata.nodes.options import (
+    ENTRY_KEYWORDS,
+    DataPolicy,
+    Delivery,
+    PlanChoice,
+    SchedulePlan,
+    StreamPlan,
+    check_records,
+    refuse_keywords,
+)
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
-from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
-from cpdata.schedule import CostModel
 from cpdata.worker.collate import check_padding_token_id
-from cpdata.worker.targets import LabelsAlignment
 
 __all__ = [
     "GraphOptions",
     "ResumableLoader",
     "build_loader",
     "build_node",
-    "check_keywords",
     "close_loader",
     "closing_loader",
     "shard_graph",
 ]
 
 
-def check_keywords(
-    caller: str,
-    kwargs: Mapping[str, Any],
-    accepted: Callable[..., Any],
-    *,
-    exclude: tuple[str, ...] = ("source",),
-    required: tuple[str, ...] = (),
-) -> None:
-    """Refuse keyword arguments that ``accepted`` does not take, naming the public ``caller``.
-
-    ``build_loader(**kwargs)`` and ``CPDataset(**kwargs)`` forward to inner
-    builders; without this check a typo would surface as
-    ``shard_graph() got an unexpected keyword argument``, a function the user
-    never called.
-
-    Raises:
-        TypeError: ``"{caller}() got an unexpected keyword argument 'capacty'; did you mean 'capacity'?"``,
-            or ``"{caller}() is missing the keyword argument 'cp_size'"`` for a name in ``required``.
-    """
-    names = [n for n in inspect.signature(accepted).parameters if n not in exclude]
-    for name in kwargs:
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(names)}"
-            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}")
-    for name in required:
-        if name not in kwargs:
-            raise TypeError(f"{caller}() is missing the keyword argument {name!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GraphOptions:
-    """The options :func:`shard_graph` and :func:`build_node` share, defined once (documented in
-    :func:`build_node`); both functions' signatures list these fields (``inspect.signature``, ``help``)."""
+    """What every CP rank of a DP group shares: the graph up to :class:`~cpdata.nodes.collate.Collate`.
+
+    The fields are :func:`build_loader`'s keywords of the same names (documented there); ``tile`` joins
+    the layout string (``layout="tiled", tile=256`` -> ``"tiled:256"``,
+    :func:`cpdata.layout.maps.layout_spec`), so every node downstream sees one layout string.
+    """
 
     capacity: int
     cp_size: int
     layout: str
-    algorithm: str = "bfd"
-    overflow: str | None = None
-    padding_token_id: int = 0
-    dp_rank: int = 0
-    dp_size: int = 1
-    seed: int = 0
+    tile: int | None = None
     batch_size: int = 1
     qkv_format: str = "bshd"
-    vocab_size: int | None = None
-    window: int | None = None
-    labels_alignment: LabelsAlignment | None = None
-    shuffle: bool = False
-    num_epochs: int | None = None
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
-    micro_batches: int = 1
-    schedule: str | None = None
-    max_delay: int = 0
-    cost: CostModel | None = None
-    lengths: Any = None
-    tail: str = "pad"
-    schedule_window: int | None = None
-    tile: int | None = None
+    padding_token_id: int = 0
+    plan: PlanChoice = StreamPlan()
+    data: DataPolicy = DataPolicy()
 
     def __post_init__(self) -> None:
-        """``tile`` joins the layout string (``layout="tiled", tile=256`` -> ``"tiled:256"``,
-        :func:`cpdata.layout.maps.layout_spec`): every node downstream sees one layout string."""
         object.__setattr__(self, "layout", layout_spec(self.layout, self.tile))
-
-    @classmethod
-    def of(cls, caller: str, options: Mapping[str, Any]) -> GraphOptions:
-        """``options`` checked as ``caller(**options)`` would check them: Python's own ``TypeError`` for an
-        unknown or missing keyword, naming ``caller``."""
-        try:
-            return cls(**options)
-        except TypeError as exc:
-            prefix = f"{cls.__name__}.__init__()"
-            if not str(exc).startswith(prefix):
-                raise
-            raise TypeError(f"{caller}(){str(exc)[len(prefix):]}") from None
-
-
-def _list_options(func: Callable[..., Any], after: Mapping[str, str]) -> None:
-    """Give ``func(source, *, own..., **options)`` the signature it accepts: ``source``, the fields of
-    :class:`GraphOptions`, and its own keywords, each after the field ``after`` names (else at the end)."""
-    own = inspect.signature(func)
-    source, *extra = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params = [source]
-    for field in dataclasses.fields(GraphOptions):
-        default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
-        params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                        annotation=field.type))  # fmt: skip
-        params += [p for p in extra if after.get(p.name) == field.name]
-    func.__signature__ = own.replace(parameters=params + [p for p in extra if p.name not in after])  # type: ignore[attr-defined]
+        check_records(plan=self.plan, data=self.data)
+        if isinstance(self.plan, SchedulePlan) and self.plan.window is not None and self.data.shuffle:
+            raise ValueError("SchedulePlan.window plans each window of the stream in stream order: shuffle the "
+                             "stream upstream instead of DataPolicy(shuffle=True), or give the lengths and plan "
+                             "without a window")  # fmt: skip
+        check_padding_token_id(self.padding_token_id, self.data.vocab_size)
 
 
 def shard_graph(
     source: Any,
+    options: GraphOptions,
     *,
     worker: tuple[int, int] = (0, 1),
     packs: ScheduledPacks | WindowedPacks | None = None,
-    **options: Any,
 ) -> Collate:
     """Documents -> Pack -> Collate (or ScheduledPacks -> Collate): the part every CP rank of a DP group shares.
 
-    ``options``: the fields of :class:`GraphOptions` (see :func:`build_node`). ``worker`` (``(worker_id,
-    num_workers)``, ``schedule=`` only): that worker's share of the packs; ``packs`` reuses a
-    :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same arguments.
+    ``worker`` (``(worker_id, num_workers)``, a :class:`SchedulePlan` only): that worker's share of the
+    packs; ``packs`` reuses a :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same options.
     """
-    o = GraphOptions.of("shard_graph", options)
-    check_padding_token_id(o.padding_token_id, o.vocab_size)
+    o, plan, data = options, options.plan, options.data
     plans: BaseNode
     if packs is not None:
         plans = packs.with_worker(worker)
-    elif o.schedule_window is not None:
-        plans = WindowedPacks.for_graph(source, o.schedule_window, window=o.window, lengths=o.lengths,
-            shuffle=o.shuffle, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=o.dp_rank,
-            dp_size=o.dp_size, micro_batches=o.micro_batches, schedule=o.schedule, cost=o.cost,
-            max_delay=o.max_delay, algorithm=o.algorithm, overflow=o.overflow, seed=o.seed, tail=o.tail,
-            num_epochs=o.num_epochs, vocab_size=o.vocab_size, worker=worker,
-            labels_alignment=o.labels_alignment)  # fmt: skip
-    elif o.schedule is not None:
+    elif isinstance(plan, SchedulePlan) and plan.window is not None:
+        plans = WindowedPacks.for_graph(source, plan.window, window=None, lengths=plan.lengths,
+            shuffle=data.shuffle, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
+            dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,
+            max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow, seed=data.seed,
+            tail=plan.tail, num_epochs=data.epochs, vocab_size=data.vocab_size, worker=worker,
+            labels_alignment=data.labels_alignment)  # fmt: skip
+    elif isinstance(plan, SchedulePlan):
         source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
-        if o.window is not None:
-            raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
         plans = ScheduledPacks(
-            source, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=o.dp_rank, dp_size=o.dp_size,
-            micro_batches=o.micro_batches, schedule=o.schedule, cost=o.cost, max_delay=o.max_delay,
-            algorithm=o.algorithm, overflow=o.overflow, seed=o.seed, shuffle=o.shuffle, num_epochs=o.num_epochs,
-            tail=o.tail, lengths=o.lengths, vocab_size=o.vocab_size, worker=worker,
-            labels_alignment=o.labels_alignment,
+            source, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
+            dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,
+            max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow, seed=data.seed,
+            shuffle=data.shuffle, num_epochs=data.epochs, tail=plan.tail, lengths=plan.lengths,
+            vocab_size=data.vocab_size, worker=worker, labels_alignment=data.labels_alignment,
         )  # fmt: skip
     else:
-        if o.micro_batches != 1 or o.cost is not None or o.max_delay or o.lengths is not None:
-            raise ValueError(
-                "micro_batches, cost, max_delay and lengths belong to a global schedule: pass schedule='balanced' "
-                "(or 'in_order') with them, or leave them out"
-            )
         docs = Documents(
-            source, dp_rank=o.dp_rank, dp_size=o.dp_size, vocab_size=o.vocab_size,
-            labels_alignment=o.labels_alignment, shuffle=o.shuffle, seed=o.seed, num_epochs=o.num_epochs,
-            shuffle_buffer=o.shuffle_buffer,
+            source, dp_rank=data.dp_rank, dp_size=data.dp_size, vocab_size=data.vocab_size,
+            labels_alignment=data.labels_alignment, shuffle=data.shuffle, seed=data.seed, num_epochs=data.epochs,
+            shuffle_buffer=plan.shuffle_buffer,
         )  # fmt: skip
-        pack_kw: dict[str, Any] = {} if o.window is None else {"window": o.window}
+        pack_kw: dict[str, Any] = {} if plan.window is None else {"window": plan.window}
         plans = Pack(
-            docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=o.algorithm,
-            overflow=o.overflow, seed=o.seed, **pack_kw,
+            docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=plan.algorithm,
+            overflow=plan.overflow, seed=data.seed, **pack_kw,
         )  # fmt: skip
     return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
 
@@ -207,12 +138,18 @@ def shard_graph(
 def build_node(
     source: Any,
     *,
+    capacity: int,
+    cp_size: int,
     cp_rank: int,
-    pin_memory: bool | None = None,
-    prefetch: int = 2,
-    block_size: int | None = None,
-    kv_exchange: bool = False,
-    **options: Any,
+    layout: str,
+    tile: int | None = None,
+    batch_size: int = 1,
+    qkv_format: str = "bshd",
+    padding_token_id: int = 0,
+    plan: PlanChoice = StreamPlan(),
+    data: DataPolicy = DataPolicy(),
+    delivery: Delivery = Delivery(),
+    **removed: Any,
 ) -> BaseNode:
     """The root node of one CP rank's pipeline (see the module docstring).
 
@@ -223,56 +160,30 @@ def build_node(
         layout: a name from :data:`cpdata.layout.maps.LAYOUTS`.
         tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256; default 128); packs are a multiple
             of ``cp_size * tile`` tokens.
-        algorithm, overflow, seed, window: packer settings (:class:`cpdata.nodes.pack.Pack`).
-        padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
-            (a tokenizer without a pad token can use its EOS id).
-        dp_rank, dp_size: data-parallel rank and size. Without ``schedule`` each rank reads and packs
-            documents ``i % dp_size == dp_rank`` as they stream (any source; epochs may differ by rank).
-        micro_batches, schedule, max_delay, cost, lengths, tail: ``schedule="balanced"`` (or ``"in_order"``)
-            plans every document's length first (:class:`cpdata.nodes.scheduled.ScheduledPacks`): every rank
-            gets the same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own
-            documents; needs ``lengths`` (default ``source.lengths``) and an indexable source. ``shuffle``
-            plans each epoch over the ``(seed, epoch)`` order; ``num_epochs`` as below.
-        schedule_window: with ``schedule=``, plan a stream without lengths in windows of this many documents
-            (:class:`cpdata.nodes.windowed.WindowedPacks`: equal steps per DP rank, own packs only).
         batch_size: plans per batch (rows for bshd, concatenated for thd).
         qkv_format: ``"bshd"`` or ``"thd"``.
-        vocab_size: token ids are checked against it when given.
-        labels_alignment: ``"inputs"`` (HF, TRL, torchtune) or ``"targets"``
-            (Megatron, NeMo); required when documents carry ``labels`` or a
-            mask (see :mod:`cpdata.worker.targets`). Batch ``labels`` are always
-            next-token targets.
-        shuffle, num_epochs: document order (:class:`~cpdata.nodes.source.Documents`):
-            ``shuffle=True`` draws a fresh permutation of a sequence source per
-            epoch from ``(seed, epoch)`` and shuffles a stream through a buffer of
-            ``shuffle_buffer`` documents (default 10,000); ``num_epochs`` passes
-            per ``iter()`` (default one). ``bfd`` packs best from a mixed order.
-        pin_memory: pin batches (None: when CUDA is available).
-        prefetch: batches prepared ahead in a background thread (0: none).
-        block_size: collated batches :class:`~cpdata.nodes.shard.ShardForRank` pulls and prepares at once
-            (default None: 16 batches, more for short packs, up to 64 at 8K tokens or fewer per batch; see
-            :data:`~cpdata.nodes.shard.BLOCK_TOKENS`): larger blocks share more of the per-batch layout math
-            and read the graph's state less often, and keep more plans alive and delay the first batch. Not
-            part of the saved state.
-        kv_exchange: build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``):
-            document-causal attention (the sharder's ctx, document-masked by default; the mask helpers) then
-            moves only the keys each rank needs, in one all-to-all, instead of all-gathering K/V. Not part of
-            the saved state.
+        padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
+            (a tokenizer without a pad token can use its EOS id).
+        plan: :class:`~cpdata.nodes.options.StreamPlan` (default: pack documents as they stream) or
+            :class:`~cpdata.nodes.options.SchedulePlan` (a global schedule: equal steps per DP rank).
+        data: :class:`~cpdata.nodes.options.DataPolicy`: DP rank and size, seed, shuffle, epochs,
+            vocabulary, labels alignment.
+        delivery: :class:`~cpdata.nodes.options.Delivery`: prefetch (default 2), pinning, shard blocks,
+            the K/V exchange plan; none of it is in the saved state.
+        removed: the keywords of cpdata 0.3, each refused with the record field that replaces it
+            (:data:`cpdata.nodes.options.RENAMED`).
     """
-    o = GraphOptions.of("build_node", options)  # an unknown keyword first, as Python refuses it at the call
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    collated = shard_graph(source, **options)
-    node: BaseNode = ShardForRank(collated, cp_size=o.cp_size, cp_rank=cp_rank, layout=o.layout, block_size=block_size,
-                                  kv_exchange=kv_exchange)  # fmt: skip
+    refuse_keywords("build_node", removed, ENTRY_KEYWORDS)
+    check_records(delivery=delivery)
+    options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, tile=tile, batch_size=batch_size,
+                           qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
+    collated = shard_graph(source, options)
+    node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=options.layout,
+                                  block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
+    prefetch = 2 if delivery.prefetch is None else delivery.prefetch
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
-    return maybe_pin(node, pin_memory=pin_memory)
-
-
-_list_options(shard_graph, {})
-_list_options(build_node, {"cp_rank": "cp_size", "pin_memory": "vocab_size", "prefetch": "vocab_size",
-                          "block_size": "vocab_size", "kv_exchange": "vocab_size"})  # fmt: skip
+    return maybe_pin(node, pin_memory=delivery.pin_memory)
 
 
 def build_loader(
@@ -282,8 +193,15 @@ def build_loader(
     cp_size: int,
     cp_rank: int,
     layout: str,
+    tile: int | None = None,
+    batch_size: int = 1,
+    qkv_format: str = "bshd",
+    padding_token_id: int = 0,
+    plan: PlanChoice = StreamPlan(),
+    data: DataPolicy = DataPolicy(),
+    delivery: Delivery = Delivery(),
     restart_on_stop_iteration: bool = True,
-    **kwargs: Any,
+    **removed: Any,
 ) -> ResumableLoader:
     """A ``torchdata.nodes.Loader`` (:class:`ResumableLoader`) over :func:`build_node` (same keyword arguments).
 
@@ -291,8 +209,10 @@ def build_loader(
     when ``iter()`` is called on a finished loader, also right after restoring a
     state saved at the end of an epoch.
     """
-    check_keywords("build_loader", kwargs, build_node)
-    root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, **kwargs)
+    refuse_keywords("build_loader", removed, (*ENTRY_KEYWORDS, "restart_on_stop_iteration"))
+    root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, tile=tile,
+                      batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan,
+                      data=data, delivery=delivery)  # fmt: skip
     return ResumableLoader(root, restart_on_stop_iteration=restart_on_stop_iteration)
 
 

@@ -4,7 +4,8 @@
 
     mixed = cpdata.mix({"web": open_dataset("web.jsonl"), "chat": chat_rows},
                        {"web": 0.7, "chat": 0.3}, seed=0, stop="all_exhausted")
-    loader = build_loader(mixed, capacity=8192, cp_size=2, cp_rank=r, layout="thd", labels_alignment="inputs")
+    loader = build_loader(mixed, capacity=8192, cp_size=2, cp_rank=r, layout="thd",
+                          data=DataPolicy(labels_alignment="inputs"))
 
 Every draw picks a source with probability ``weight / sum(weights)`` (a pure
 function of ``(seed, epoch, draw)``, :class:`~cpdata.nodes.mix_readers.Draws`)

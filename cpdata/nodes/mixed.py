@@ -46,7 +46,7 @@ from cpdata.worker.targets import TARGET_KEYS
 
 __all__ = ["MixedDataset", "as_mixed_dataset", "draw_order"]
 
-_WHY = "precompute and schedule= plan every document's length before training"
+_WHY = "precompute and a SchedulePlan plan every document's length before training"
 
 
 def _source_lengths(name: str, source: Any) -> np.ndarray:
@@ -55,7 +55,7 @@ def _source_lengths(name: str, source: Any) -> np.ndarray:
         return lengths
     raise ValueError(
         f"mix source {name!r} ({type(source).__name__}) does not state its documents' lengths, which {_WHY}; open "
-        "it with cpdata.open_dataset(path) (or pass a datasets.Dataset or a list), or stream the mix (schedule=None)"
+        "it with cpdata.open_dataset(path) (or pass a datasets.Dataset or a list), or stream the mix (plan=StreamPlan())"
     )
 
 
@@ -139,7 +139,7 @@ class MixedDataset(TokenizedDataset):
         if streams:
             raise ValueError(
                 f"mix sources {', '.join(streams)} cannot be addressed by index, which {_WHY}; open them with "
-                "cpdata.open_dataset(path) or a datasets.Dataset, or stream the mix (schedule=None, no precompute)"
+                "cpdata.open_dataset(path) or a datasets.Dataset, or stream the mix (plan=StreamPlan(), no precompute)"
             )
         super().__init__(Path(f"mix({','.join(mixed.names)})"))
         self.mix, self.epoch, self.epochs = mixed, int(epoch), int(epochs)

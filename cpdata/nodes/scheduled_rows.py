@@ -64,17 +64,17 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
         lengths = getattr(source, "lengths", None)
     if lengths is None:
         raise TypeError(
-            f"schedule= plans from every document's length before reading any, but the source "
-            f"({type(source).__name__}) has no .lengths; pass lengths=[...] (tokens per document), use "
-            "cpdata.open_dataset(path) (it has .lengths), or schedule=None (each DP rank reads and packs "
-            "documents i % dp_size as it streams), or schedule_window=W (plan a stream W documents at a time)"
+            f"a SchedulePlan plans from every document's length before reading any, but the source "
+            f"({type(source).__name__}) has no .lengths; pass SchedulePlan(lengths=[...]) (tokens per document), "
+            "use cpdata.open_dataset(path) (it has .lengths), or plan=StreamPlan() (each DP rank reads and packs "
+            "documents i % dp_size as it streams), or SchedulePlan(window=W) (plan a stream W documents at a time)"
         )
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"lengths must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
     if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
         raise TypeError(
-            f"schedule= reads documents by index; the source ({type(source).__name__}) needs __len__ and "
+            f"a SchedulePlan reads documents by index; the source ({type(source).__name__}) needs __len__ and "
             "__getitem__ (a list, a map-style dataset, cpdata.open_dataset(path))"
         )
     if len(source) != arr.shape[0]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from cpdata.layout.maps import LAYOUTS
 from cpdata.layout.tiled import TILES
+from cpdata.nodes.options import DataPolicy, PlanChoice, SchedulePlan, StreamPlan
 from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]
@@ -110,6 +111,20 @@ def parse_mix(entries: list[str], *, seed: int, stop: str, by: str = "documents"
     return mix({name: open_dataset(path) for name, path in paths.items()}, weights, seed=seed, stop=stop, by=by)
 
 
+def _plan(args: argparse.Namespace) -> PlanChoice:
+    """``--dp-size`` plans a global schedule (with ``--schedule``, ``--micro-batches``, ``--max-delay``); without
+    it, the packs of the streaming packer (with ``--window``)."""
+    if args.dp_size is None:
+        if args.micro_batches != 1 or args.max_delay:
+            raise ValueError("--micro-batches and --max-delay shape a global schedule: pass --dp-size with them")
+        return StreamPlan(algorithm=args.algorithm, overflow=args.overflow, window=args.window)
+    if args.window is not None:
+        raise ValueError("--window sets the streaming packer's window; a global schedule (--dp-size) plans every "
+                         "document at once: leave --window out")  # fmt: skip
+    return SchedulePlan(kind=args.schedule, micro_batches=args.micro_batches, max_delay=args.max_delay,
+                        algorithm=args.algorithm, overflow=args.overflow)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from cpdata.offline.precompute_plan import precompute
 
@@ -133,27 +148,10 @@ def run(args: argparse.Namespace) -> int:
     elif args.tokens_out or args.append_eos or args.assistant_only or args.max_length or args.chat_template:
         raise ValueError("--tokens-out, --append-eos, --assistant-only, --max-length and --chat-template need "
                          "--tokenizer PATH (INPUT is then a .jsonl of text or chat rows)")  # fmt: skip
-    store = precompute(
-        data,
-        args.out,
-        capacity=args.capacity,
-        cp_size=args.cp_size,
-        layout=args.layout,
-        algorithm=args.algorithm,
-        overflow=args.overflow,
-        seed=args.seed,
-        window=args.window,
-        overwrite=args.force,
-        dp_size=args.dp_size,
-        micro_batches=args.micro_batches,
-        schedule=args.schedule,
-        max_delay=args.max_delay,
-        progress=not args.quiet,
-        vocab_size=args.vocab_size,
-        labels_alignment=args.labels_alignment,
-        epochs=args.epochs,
-        tile=args.tile,
-    )
+    store = precompute(data, args.out, capacity=args.capacity, cp_size=args.cp_size, layout=args.layout,
+                       tile=args.tile, plan=_plan(args), overwrite=args.force, progress=not args.quiet,
+                       data=DataPolicy(seed=args.seed, dp_size=args.dp_size or 1, epochs=args.epochs,
+                                       vocab_size=args.vocab_size, labels_alignment=args.labels_alignment))  # fmt: skip
     m = store.manifest
     stats = m["stats"]
     print(
@@ -171,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                   "is refused: re-run with a larger --epochs)")  # fmt: skip
         else:
             print("mix schedule: epoch 0's draws are planned once and served every epoch, as "
-                  "build_loader(schedule=...) does")  # fmt: skip
+                  "build_loader(plan=SchedulePlan()) does")  # fmt: skip
     if "schedule" in m:
         sc = m["schedule"]
         print(f"schedule: {sc['num_steps']} steps x {sc['dp_size']} DP ranks x {sc['micro_batches']} micro-batches "

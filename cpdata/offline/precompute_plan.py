@@ -22,10 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
 from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
+from cpdata.nodes.options import (
+    DataPolicy,
+    PlanChoice,
+    SchedulePlan,
+    StreamPlan,
+    check_records,
+    refuse_keywords,
+)
 from cpdata.nodes.source import to_document
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
@@ -36,7 +43,6 @@ from cpdata.sources.open import open_dataset
 from cpdata.worker.targets import (
     TARGET_KEYS,
     LabelsAlignment,
-    check_labels_alignment,
     declared_alignment,
     first_target,
     missing_alignment_message,
@@ -71,8 +77,24 @@ def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray
     return out
 
 
-def _check_epochs(epochs: Any, dataset: Any, dp_size: int | None) -> None:
-    check_int("epochs", epochs, min=1)
+def _check_options(plan: Any, data: Any, dataset: Any) -> None:
+    """Refuse records of another type and the fields that do not apply to a plan written ahead of training."""
+    check_records(plan=plan, data=data)
+    if data.dp_rank or data.shuffle:
+        raise ValueError("a precomputed plan holds every DP rank's packs in the planner's order: leave "
+                         "DataPolicy.dp_rank and shuffle out (the reader takes dp_rank)")  # fmt: skip
+    if isinstance(plan, StreamPlan):
+        if data.dp_size != 1:
+            raise ValueError(f"DataPolicy(dp_size={data.dp_size}) with a StreamPlan: a streamed plan is split "
+                             "between DP ranks when served; pass plan=SchedulePlan() to plan a global schedule "
+                             "for dp_size ranks, or leave dp_size out")  # fmt: skip
+        if plan.shuffle_buffer != StreamPlan().shuffle_buffer:
+            raise ValueError("StreamPlan.shuffle_buffer shuffles a stream online; a precomputed plan keeps the "
+                             "dataset's order: leave it out")  # fmt: skip
+    elif plan.lengths is not None or plan.window is not None:
+        raise ValueError("SchedulePlan.lengths and SchedulePlan.window do not apply to precompute: it reads every "
+                         "length from the dataset and plans them at once; leave them out")  # fmt: skip
+    epochs = 1 if data.epochs is None else data.epochs
     if epochs == 1:
         return
     from cpdata.nodes.mix import Mix
@@ -83,10 +105,11 @@ def _check_epochs(epochs: Any, dataset: Any, dp_size: int | None) -> None:
             f"dataset ({type(dataset).__name__}) is not a mix: it gives the same packs every epoch; precompute it "
             "once (epochs=1) and serve that plan every epoch"
         )
-    if dp_size is not None:
+    if isinstance(plan, SchedulePlan):
         raise ValueError(
-            f"epochs={epochs} with dp_size={dp_size}: a global schedule over a mix plans epoch 0's draws for every "
-            "epoch, as build_loader(schedule=...) does; leave epochs out, or drop dp_size to plan each epoch's draws"
+            f"epochs={epochs} with a SchedulePlan: a global schedule over a mix plans epoch 0's draws for every "
+            "epoch, as build_loader(plan=SchedulePlan()) does; leave epochs out, or use a StreamPlan to plan "
+            "each epoch's draws"
         )
 
 
@@ -149,20 +172,12 @@ def precompute(
     capacity: int,
     cp_size: int,
     layout: str,
-    algorithm: str = "bfd",
-    overflow: str | None = None,
-    seed: int = 0,
-    window: int | None = None,
-    labels_alignment: LabelsAlignment | None = None,
+    tile: int | None = None,
+    plan: PlanChoice = StreamPlan(),
+    data: DataPolicy = DataPolicy(),
     overwrite: bool = False,
     progress: bool = False,
-    vocab_size: int | None = None,
-    dp_size: int | None = None,
-    micro_batches: int = 1,
-    schedule: str = "balanced",
-    max_delay: int = 0,
-    epochs: int = 1,
-    tile: int | None = None,
+    **removed: Any,
 ) -> PackStore:
     """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
 
@@ -171,45 +186,54 @@ def precompute(
             ``length``/``num_tokens`` column when present), or a path for
             :func:`open_dataset` (a lengths-only ``.npy``/``.npz`` is enough here).
         out_dir: target directory, written atomically (see :mod:`cpdata.offline.store`).
-        capacity, cp_size, layout, algorithm, overflow, seed, window: planner
-            options, as for the online ``Pack`` node (``None`` = the planner's
-            default); the manifest records the resolved values.
-        labels_alignment: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.worker.targets`),
-            required when the documents carry ``labels`` or a mask; recorded in
-            the manifest, and a reader with another alignment is refused. Such
-            documents are read once more to find those that train nothing
-            (left out and counted as ``untrained``, as online).
-        overwrite: replace an existing ``out_dir``.
-        progress: show progress on stderr.
-        dp_size, micro_batches, schedule, max_delay: with ``dp_size`` the plan is the global
-            schedule of :func:`cpdata.schedule.plan_schedule` (``schedule="balanced"`` with the
-            FlexSP 7B cost model, or ``"in_order"``): packs in (step, DP rank, micro-batch) order,
-            the same packs ``build_loader(..., schedule=...)`` serves, and
-            :class:`~cpdata.offline.reader.PrecomputedPacks` serves each DP rank its own with
-            equal counts. ``window`` does not apply then.
-        vocab_size: if given, token ids ``>= vocab_size`` are refused. Negative
-            ids are always refused. Both are checked before planning, naming
-            the document, so a bad id never reaches a written plan.
+        capacity, cp_size, layout: as for :func:`cpdata.build_loader`; the manifest records the resolved
+            planner values.
         tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256); the manifest's layout is the string
             that carries it (:func:`cpdata.layout.maps.layout_spec`: ``"tiled:256"``), which the readers take.
-        epochs: with a :func:`cpdata.mix` dataset (no ``dp_size``): plan epochs ``0 .. epochs - 1``, each over
-            the documents the mix draws in that epoch and packed on its own, as the loader packs epoch after
-            epoch (one per ``iter()``); ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch
-            ``epochs``. The manifest's ``epochs`` lists each epoch's first pack and per-source counts. Any
-            other dataset gives the same packs every epoch: one plan serves them all.
+        plan: :class:`~cpdata.nodes.options.StreamPlan` (default): the packs the online ``Pack`` node
+            gives (``algorithm``, ``overflow``, ``window``); or :class:`~cpdata.nodes.options.SchedulePlan`:
+            the global schedule of :func:`cpdata.schedule.plan_schedule` for ``data.dp_size`` DP ranks
+            (``kind``, ``micro_batches``, ``max_delay``, ``cost``, ``tail``, ``algorithm``, ``overflow``):
+            packs in (step, DP rank, micro-batch) order, the same packs ``build_loader(plan=SchedulePlan())``
+            serves, and :class:`~cpdata.offline.reader.PrecomputedPacks` serves each DP rank its own with
+            equal counts. Lengths come from ``dataset``, so ``SchedulePlan.lengths`` and ``window`` do not apply.
+        data: :class:`~cpdata.nodes.options.DataPolicy`. ``seed``: the planner's. ``dp_size``: with a
+            ``SchedulePlan``, the DP ranks it plans for (a stream plan is split between ranks when served).
+            ``vocab_size``: token ids ``>= vocab_size`` are refused (negative ids always are), both checked
+            before planning, naming the document, so a bad id never reaches a written plan.
+            ``labels_alignment``: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.worker.targets`), required when
+            the documents carry ``labels`` or a mask; recorded in the manifest, and a reader with another
+            alignment is refused. Such documents are read once more to find those that train nothing (left
+            out and counted as ``untrained``, as online). ``epochs``: with a :func:`cpdata.mix` dataset and a
+            stream plan, plan epochs ``0 .. epochs - 1``, each over the documents the mix draws in that epoch
+            and packed on its own, as the loader packs epoch after epoch (one per ``iter()``);
+            ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch ``epochs``. The manifest's
+            ``epochs`` lists each epoch's first pack and per-source counts. Any other dataset gives the same
+            packs every epoch: one plan serves them all. ``dp_rank`` and ``shuffle`` do not apply (a plan
+            holds every rank's packs, in the planner's order).
+        overwrite: replace an existing ``out_dir``.
+        progress: show progress on stderr.
+        removed: the keywords of cpdata 0.3, each refused with the record field that replaces it
+            (:data:`cpdata.nodes.options.RENAMED`).
 
     Returns:
         The written directory, opened and verified.
     """
     from cpdata.packing import PackingConfig
 
+    refuse_keywords("precompute", removed, ("capacity", "cp_size", "layout", "tile", "plan", "data", "overwrite",
+                                            "progress"))  # fmt: skip
+    _check_options(plan, data, dataset)
     layout = layout_spec(layout, tile)
     check_layout(layout, cp_size)
+    scheduled = isinstance(plan, SchedulePlan)
+    window = None if scheduled else plan.window
+    algorithm, overflow, seed, vocab_size = plan.algorithm, plan.overflow, data.seed, data.vocab_size
+    epochs = 1 if data.epochs is None else data.epochs
     # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
     PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
                           seed=seed, window=window)  # fmt: skip
-    labels_alignment = check_labels_alignment(labels_alignment)
-    _check_epochs(epochs, dataset, dp_size)
+    labels_alignment = data.labels_alignment
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
     dataset = as_mixed_dataset(indexed_hf_documents(dataset), epochs=epochs)
@@ -231,9 +255,7 @@ def precompute(
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
     schedule_info: dict[str, Any] | None = None
-    if dp_size is None:
-        if micro_batches != 1 or max_delay:
-            raise ValueError("micro_batches and max_delay shape a global schedule: pass dp_size= with them")
+    if not scheduled:
         firsts = _first_targets(dataset, labels_alignment, progress)
         starts = getattr(dataset, "epoch_starts", np.array([0, lengths.shape[0]], dtype=np.int64))
         result, epoch_packs = _plan_epochs(
@@ -241,25 +263,21 @@ def precompute(
             overflow=overflow, seed=seed, window=window,
         )  # fmt: skip
     else:
-        from cpdata.nodes.scheduled import SCHEDULES
         from cpdata.schedule import CostModel, plan_schedule
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
-        if window is not None:
-            raise ValueError("window= sets the streaming packer's window; a global schedule plans every document")
         present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
         if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
             raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
-        cost = CostModel() if schedule == "balanced" else None
-        sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=dp_size,
-                              micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm,
-                              overflow=overflow, seed=seed, fallback=cost is not None)  # fmt: skip
+        cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None
+        sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=data.dp_size,
+                              micro_batches=plan.micro_batches, cost=cost, max_delay=plan.max_delay,
+                              algorithm=algorithm, overflow=overflow, seed=seed, tail=plan.tail,
+                              fallback=plan.kind == "balanced" and plan.cost is None)  # fmt: skip
         result = sched.as_packing_result()
         st = sched.stats
         schedule_info = {
-            "kind": schedule, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
-            "num_steps": sched.num_steps, "max_delay": int(max_delay), "tail": st.tail,
+            "kind": plan.kind, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
+            "num_steps": sched.num_steps, "max_delay": int(plan.max_delay), "tail": st.tail,
             "cost": None if cost is None else [cost.a, cost.b], "empty_packs": st.empty_packs,
             "delay_counts": list(st.delay_counts),
             "imb_step_mean": st.imb_step_mean, "imb_mb_mean": st.imb_mb_mean,

@@ -22,6 +22,7 @@ from typing import Any
 from torchdata.nodes import Loader
 
 from cpdata.nodes.loader import build_loader
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 
 __all__ = ["build"]
 
@@ -54,7 +55,8 @@ def build(
         prefetch: batches prepared ahead in a background thread.
     """
     return build_loader(
-        source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="round_robin", algorithm="concat",
-        padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed, batch_size=batch_size,
-        qkv_format="bshd", vocab_size=vocab_size, prefetch=prefetch,
+        source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="round_robin", batch_size=batch_size,
+        qkv_format="bshd", padding_token_id=padding_token_id, plan=StreamPlan(algorithm="concat"),
+        data=DataPolicy(dp_rank=dp_rank, dp_size=dp_size, seed=seed, vocab_size=vocab_size),
+        delivery=Delivery(prefetch=prefetch),
     )  # fmt: skip

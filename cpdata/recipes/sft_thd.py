@@ -26,6 +26,7 @@ from typing import Any
 from torchdata.nodes import Loader
 
 from cpdata.nodes.loader import build_loader
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 
 __all__ = ["build"]
 
@@ -61,8 +62,9 @@ def build(
         labels_alignment: ``"inputs"`` or ``"targets"``, required when examples carry labels or a mask.
     """
     return build_loader(
-        source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="thd", algorithm="bfd",
-        overflow=overflow, padding_token_id=padding_token_id, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
-        batch_size=batch_size, qkv_format="thd", vocab_size=vocab_size, prefetch=prefetch,
-        labels_alignment=labels_alignment,
+        source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="thd", batch_size=batch_size,
+        qkv_format="thd", padding_token_id=padding_token_id, plan=StreamPlan(algorithm="bfd", overflow=overflow),
+        data=DataPolicy(dp_rank=dp_rank, dp_size=dp_size, seed=seed, vocab_size=vocab_size,
+                        labels_alignment=labels_alignment),
+        delivery=Delivery(prefetch=prefetch),
     )  # fmt: skip

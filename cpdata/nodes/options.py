@@ -1,0 +1,281 @@
+"""The typed options of :func:`~cpdata.build_loader`, :class:`~cpdata.CPDataset` and :func:`~cpdata.precompute`.
+
+Choices that belong together travel as one frozen, keyword-only record,
+checked when it is built, so a bad value fails at the line that wrote it::
+
+    build_loader(docs, capacity=8192, cp_size=4, cp_rank=r, layout="thd",
+                 plan=SchedulePlan(micro_batches=2),            # how packs are planned
+                 data=DataPolicy(dp_rank=d, dp_size=8, shuffle=True, epochs=3),  # which documents, in what order
+                 delivery=Delivery(prefetch=4, kv_exchange=True))               # how batches reach the step
+
+- the plan is one of :class:`StreamPlan` (pack documents as they stream; any
+  source) and :class:`SchedulePlan` (plan every document's length first: equal
+  steps per DP rank, cost-balanced). Each record holds only the options of its
+  own planner, so an option of the other cannot be given to it;
+- :class:`DataPolicy`: DP rank and size, seed, shuffle, epochs, vocabulary, label
+  convention: what every planner shares;
+- :class:`Delivery`: prefetch, pinning, shard blocks and the K/V exchange plan:
+  how the batches are made and handed over, never which batches (none is in
+  the saved state).
+
+Each concept has one spelling: ``epochs`` (passes per ``iter()``, or the epochs
+a plan holds), ``window`` (documents planned at once, for either planner).
+The keywords of 0.3 that these records replace are refused with a
+``TypeError`` naming the record and field (:data:`RENAMED`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Collection, Mapping
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from cpdata.nodes.scheduled import SCHEDULES
+from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
+from cpdata.packing.records import ALGORITHMS, OVERFLOW_POLICIES
+from cpdata.schedule import TAIL_POLICIES, CostModel
+from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
+
+__all__ = [
+    "RENAMED",
+    "DataPolicy",
+    "Delivery",
+    "ENTRY_KEYWORDS",
+    "PlanChoice",
+    "SchedulePlan",
+    "StreamPlan",
+    "check_records",
+    "refuse_keywords",
+]
+
+def _int(owner: str, name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is an int ``>= low`` (or None when ``optional``), naming ``owner.name``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        none = " or None" if optional else ""
+        raise TypeError(f"{owner}.{name} must be an int{none}, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{owner}.{name} must be >= {low}, got {name}={value!r}")
+
+
+def _bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        none = ", or None" if optional else ""
+        raise TypeError(f"{owner}.{name} must be True or False{none}, got {type(value).__name__} {value!r}")
+
+
+def _choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {owner}.{name} {value!r}; choose one of {list(choices)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StreamPlan:
+    """Pack documents as they stream (:class:`~cpdata.nodes.pack.Pack`): any source, no lengths needed.
+
+    Without a global schedule each DP rank reads and packs documents ``i % dp_size == dp_rank``, so
+    ranks may end an epoch a few steps apart (use :class:`SchedulePlan` for equal steps).
+    """
+
+    algorithm: str = "bfd"
+    """Packing algorithm, one of :data:`cpdata.packing.ALGORITHMS` (``bfd`` packs best from a mixed order)."""
+    overflow: str | None = None
+    """Documents longer than a pack: ``"error"`` (None: the algorithm's default), ``"split"``, ``"truncate"``,
+    ``"drop"``."""
+    window: int | None = None
+    """Documents the packer holds and plans at once (None: :data:`cpdata.packing.DEFAULT_WINDOW`; all for
+    ``ffd``). Larger windows pack tighter and hold more documents in memory."""
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    """With ``DataPolicy(shuffle=True)`` over a stream (no ``len``): documents held to draw from."""
+
+    def __post_init__(self) -> None:
+        _choice("StreamPlan", "algorithm", self.algorithm, ALGORITHMS)
+        if self.overflow is not None:
+            _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        _int("StreamPlan", "window", self.window, 1, optional=True)
+        _int("StreamPlan", "shuffle_buffer", self.shuffle_buffer, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulePlan:
+    """Plan every document's length first (:func:`cpdata.schedule.plan_schedule`): every DP rank gets the
+    same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own documents.
+
+    Needs the lengths (``lengths``, else ``source.lengths``) and an indexable source; or, with ``window``,
+    plans a stream without lengths window by window (equal steps per DP rank, own packs only, stream order).
+    """
+
+    kind: str = "balanced"
+    """``"balanced"``: packs balanced by attention cost; ``"in_order"``: the planner's packs dealt in order."""
+    micro_batches: int = 1
+    """Packs per DP rank per step."""
+    max_delay: int = 0
+    """Steps a long document may wait for partners of its size."""
+    cost: CostModel | None = None
+    """``kind="balanced"`` only: the cost model (None: the FlexSP 7B fit)."""
+    tail: str = "pad"
+    """The last, short step: ``"pad"`` it with empty packs or ``"drop"`` it."""
+    lengths: Any = dataclasses.field(default=None, compare=False)
+    """Token count of every document (None: ``source.lengths``); not with ``window``."""
+    window: int | None = None
+    """Plan a stream without lengths in windows of this many documents (None: plan all documents at once)."""
+    algorithm: str = "bfd"
+    """Packing algorithm of the planner (as :attr:`StreamPlan.algorithm`)."""
+    overflow: str | None = None
+    """Documents longer than a pack (as :attr:`StreamPlan.overflow`)."""
+
+    def __post_init__(self) -> None:
+        _choice("SchedulePlan", "kind", self.kind, SCHEDULES)
+        _int("SchedulePlan", "micro_batches", self.micro_batches, 1)
+        _int("SchedulePlan", "max_delay", self.max_delay, 0)
+        _choice("SchedulePlan", "tail", self.tail, TAIL_POLICIES)
+        _int("SchedulePlan", "window", self.window, 1, optional=True)
+        _choice("SchedulePlan", "algorithm", self.algorithm, ALGORITHMS)
+        if self.overflow is not None:
+            _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        if self.cost is not None:
+            if not isinstance(self.cost, CostModel):
+                raise TypeError(f"SchedulePlan.cost must be a cpdata.CostModel or None, got {type(self.cost).__name__}")
+            if self.kind != "balanced":
+                raise ValueError(f"SchedulePlan.cost balances packs by cost; kind={self.kind!r} deals them in order: "
+                                 "drop cost= or use kind='balanced'")  # fmt: skip
+        if self.window is not None and self.lengths is not None:
+            raise ValueError("SchedulePlan.window plans a stream from the lengths it reads window by window; "
+                             "SchedulePlan.lengths plans every document at once: give one of them")  # fmt: skip
+
+
+PlanChoice: TypeAlias = StreamPlan | SchedulePlan
+"""How packs are planned: as documents stream, or by a global schedule."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataPolicy:
+    """Which documents a DP rank reads, in what order, and what their tokens must satisfy."""
+
+    dp_rank: int = 0
+    """This data-parallel rank, ``0 <= dp_rank < dp_size``."""
+    dp_size: int = 1
+    """Data-parallel ranks: a stream gives rank ``r`` documents ``i % dp_size == r``; a schedule plans all
+    ranks' steps at once. ``precompute`` with a :class:`SchedulePlan` plans for this many ranks."""
+    seed: int = 0
+    """Seed of the planner and of the shuffled order ``(seed, epoch)``."""
+    shuffle: bool = False
+    """A fresh permutation of a sequence source every epoch (a stream: through ``StreamPlan.shuffle_buffer``)."""
+    epochs: int | None = None
+    """Passes per ``iter()`` (None: one); ``precompute``: the epochs of a :func:`cpdata.mix` to plan."""
+    vocab_size: int | None = None
+    """Token ids ``>= vocab_size`` are refused, naming the document (negative ids always are)."""
+    labels_alignment: LabelsAlignment | None = None
+    """``"inputs"`` (HF, TRL, torchtune) or ``"targets"`` (Megatron, NeMo): the meaning of the documents'
+    ``labels`` and masks, required when they carry any (:mod:`cpdata.worker.targets`)."""
+
+    def __post_init__(self) -> None:
+        _int("DataPolicy", "dp_size", self.dp_size, 1)
+        _int("DataPolicy", "dp_rank", self.dp_rank, 0)
+        if self.dp_rank >= self.dp_size:
+            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={self.dp_rank}, dp_size={self.dp_size}")
+        _int("DataPolicy", "seed", self.seed, 0)
+        _bool("DataPolicy", "shuffle", self.shuffle)
+        _int("DataPolicy", "epochs", self.epochs, 1, optional=True)
+        _int("DataPolicy", "vocab_size", self.vocab_size, 1, optional=True)
+        check_labels_alignment(self.labels_alignment)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Delivery:
+    """How batches are made and handed over; never which batches, so none of these is in the saved state."""
+
+    prefetch: int | None = None
+    """Batches prepared ahead in a background thread (None: 2 for ``build_loader``, 0 for ``CPDataset``,
+    whose DataLoader already queues ``prefetch_factor`` batches per worker)."""
+    pin_memory: bool | None = None
+    """``build_loader`` only: pin batches (None: when CUDA is available). A ``CPDataset`` leaves pinning
+    to ``StatefulDataLoader(pin_memory=...)``."""
+    block_size: int | None = None
+    """Collated batches :class:`~cpdata.nodes.shard.ShardForRank` prepares at once (None: 16, more for
+    short packs): larger blocks share more layout work and keep more plans alive."""
+    kv_exchange: bool = False
+    """Build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``): document-causal
+    attention then moves only the keys each rank needs, in one all-to-all, instead of all-gathering K/V."""
+
+    def __post_init__(self) -> None:
+        _int("Delivery", "prefetch", self.prefetch, 0, optional=True)
+        _bool("Delivery", "pin_memory", self.pin_memory, optional=True)
+        _int("Delivery", "block_size", self.block_size, 1, optional=True)
+        _bool("Delivery", "kv_exchange", self.kv_exchange)
+
+
+def check_records(*, plan: Any = None, data: Any = None, delivery: Any = None) -> None:
+    """Refuse a record of the wrong kind for ``plan=``, ``data=`` or ``delivery=`` (None: not checked)."""
+    for name, value, kinds, example in (
+        ("plan", plan, (StreamPlan, SchedulePlan), "plan=cpdata.SchedulePlan(micro_batches=2)"),
+        ("data", data, (DataPolicy,), "data=cpdata.DataPolicy(dp_rank=0, dp_size=2)"),
+        ("delivery", delivery, (Delivery,), "delivery=cpdata.Delivery(prefetch=0)"),
+    ):
+        if value is not None and not isinstance(value, kinds):
+            wanted = " or a ".join(k.__name__ for k in kinds)
+            raise TypeError(f"{name} must be a {wanted}, got {type(value).__name__} {value!r}; e.g. {example}")
+
+
+ENTRY_KEYWORDS: tuple[str, ...] = ("capacity", "cp_size", "cp_rank", "layout", "tile", "batch_size", "qkv_format",
+                                   "padding_token_id", "plan", "data", "delivery")  # fmt: skip
+"""The keywords ``build_node`` and ``CPDataset`` take (``build_loader`` adds ``restart_on_stop_iteration``)."""
+
+RENAMED: Mapping[str, tuple[str, str]] = {
+    "algorithm": ("plan", "StreamPlan.algorithm or SchedulePlan.algorithm"),
+    "overflow": ("plan", "StreamPlan.overflow or SchedulePlan.overflow"),
+    "window": ("plan", "StreamPlan.window"),
+    "shuffle_buffer": ("plan", "StreamPlan.shuffle_buffer"),
+    "schedule": ("plan", "SchedulePlan.kind"),
+    "schedule_window": ("plan", "SchedulePlan.window"),
+    "micro_batches": ("plan", "SchedulePlan.micro_batches"),
+    "max_delay": ("plan", "SchedulePlan.max_delay"),
+    "cost": ("plan", "SchedulePlan.cost"),
+    "lengths": ("plan", "SchedulePlan.lengths"),
+    "tail": ("plan", "SchedulePlan.tail"),
+    "dp_rank": ("data", "DataPolicy.dp_rank"),
+    "dp_size": ("data", "DataPolicy.dp_size"),
+    "seed": ("data", "DataPolicy.seed"),
+    "shuffle": ("data", "DataPolicy.shuffle"),
+    "num_epochs": ("data", "DataPolicy.epochs"),
+    "epochs": ("data", "DataPolicy.epochs"),
+    "vocab_size": ("data", "DataPolicy.vocab_size"),
+    "labels_alignment": ("data", "DataPolicy.labels_alignment"),
+    "prefetch": ("delivery", "Delivery.prefetch"),
+    "pin_memory": ("delivery", "Delivery.pin_memory"),
+    "block_size": ("delivery", "Delivery.block_size"),
+    "kv_exchange": ("delivery", "Delivery.kv_exchange"),
+}
+"""Keyword of cpdata 0.3 -> (the keyword that now carries it, ``Record.field``). The one table of renames:
+:func:`refuse_keywords` words its ``TypeError`` from it, and the README lists it."""
+
+
+def refuse_keywords(caller: str, given: Mapping[str, Any], accepted: Collection[str]) -> None:
+    """Raise ``TypeError`` for the first keyword in ``given`` (``caller``'s ``**removed``), naming its replacement.
+
+    A keyword of 0.3 names its record and field (``build_loader() no longer takes num_epochs=; pass
+    data=DataPolicy(epochs=...)``); any other is refused as Python refuses an unknown keyword, with the close
+    match among ``accepted`` (``caller``'s own keywords) and the old keywords, else the list of ``accepted``.
+    """
+    for name in given:
+        if name in RENAMED:
+            raise TypeError(f"{caller}() no longer takes {name}=; pass {_replacement(name)}")
+        close = difflib.get_close_matches(name, [*accepted, *RENAMED], n=1)
+        if not close:
+            hint = f"it takes {', '.join(accepted)}"
+        elif close[0] in RENAMED:
+            hint = f"did you mean {close[0]!r}? It is now {_replacement(close[0])}"
+        else:
+            hint = f"did you mean {close[0]!r}?"
+        raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}; {hint}")
+
+
+def _replacement(old: str) -> str:
+    """``"data=DataPolicy(epochs=...) (DataPolicy.epochs)"`` for ``num_epochs``."""
+    keyword, field = RENAMED[old]
+    record, _, attr = field.partition(" or ")[0].partition(".")
+    return f"{keyword}={record}({attr}=...) ({field})"
