@@ -128,6 +128,17 @@ def alone_reference(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) ->
     return total, grads(ref), n_docs
 
 
+def error_against_alone(family: str, full: Mapping[str, torch.Tensor], loss: float, grad: Mapping, cache: dict
+                        ) -> tuple[float, int]:  # fmt: skip
+    """``(max_rel_error, documents)`` of a packed run of ``family`` on the pack ``full`` against its documents
+    alone (:func:`alone_reference`, memoized in ``cache`` per family and pack)."""
+    key = (family, tuple(full["input_ids"].tolist()), tuple(full["padding_mask"].tolist()))
+    if key not in cache:
+        cache[key] = alone_reference(build(family, "eager"), full)
+    ref_loss, ref_grad, n_docs = cache[key]
+    return max_rel_error(loss, grad, ref_loss, ref_grad), n_docs
+
+
 def max_rel_error(loss: float, grad: Mapping[str, torch.Tensor], ref_loss: float, ref_grad: Mapping) -> float:
     """Largest relative error of the loss and of each parameter's gradient (norm of the difference / norm)."""
     errs = [abs(loss - ref_loss) / abs(ref_loss)]

@@ -32,7 +32,9 @@ forwards them to every layer. Per call:
    device and shared by the layers (a layer's window keeps a subset of the
    document prefix, so the exchanged keys serve every window);
 5. run flex attention with a ``BlockMask`` on CUDA, or SDPA with the dense
-   mask elsewhere (:mod:`cpdata.adapters.attention_kernels`: the memory of each).
+   mask elsewhere (:mod:`cpdata.adapters.attention_kernels`: the memory of each),
+   or varlen (flash) over per-document segments (:mod:`cpdata.device.varlen`:
+   the default on CUDA where the layer has no softcap or sinks).
 
 transformers builds no mask of its own for this name (it is not in
 ``AttentionMaskInterface``: ``_preprocess_mask_arguments`` returns None), so no
@@ -61,14 +63,15 @@ from cpdata.adapters.masks import (
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchange_tokens, exchanged_key_positions, has_exchange
+from cpdata.device.varlen import choose_kernel, varlen_attention, varlen_plan
 from cpdata.gather import ensure_gather_index, gather_token_tensor
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
 
 STATE_KEY = "cpdata_attention_state"
-Kernel = Literal["auto", "dense", "flex"]
-_KERNELS = ("auto", "dense", "flex")
+Kernel = Literal["auto", "dense", "flex", "varlen"]
+_KERNELS = ("auto", "dense", "flex", "varlen")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +93,12 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
 
     Args:
         name: the ``attn_implementation`` to register (``"cpdata"``).
-        kernel: ``"auto"`` (flex on CUDA, dense SDPA elsewhere), ``"dense"``
-            (SDPA with a dense mask, any device) or ``"flex"`` (``flex_attention``:
-            compiled on CUDA; on CPU torch's eager flex runs forward only).
+        kernel: ``"auto"`` (varlen on CUDA where the layer allows it, else flex;
+            dense SDPA elsewhere), ``"dense"`` (SDPA with a dense mask, any device),
+            ``"flex"`` (``flex_attention``: compiled on CUDA; on CPU torch's eager
+            flex runs forward only) or ``"varlen"`` (``torch.nn.attention.varlen``
+            per document run, CUDA; softcap / sinks layers fall back to flex,
+            :func:`cpdata.device.varlen.choose_kernel`).
         verify_layout: at cp > 1, check on each batch's first attention call
             that every CP rank holds the same shard plan (one 16-byte all-reduce).
 
@@ -141,13 +147,9 @@ class HFAttentionState:
     def local_len(self) -> int:
         return self.pos.numel()
 
-    def kernel_on(self, device: torch.device) -> str:
-        if self.options.kernel == "auto":
-            return "flex" if device.type == "cuda" else "dense"
-        return self.options.kernel
-
     def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
-        """Dense bool ``[1, 1, L, key_len]`` (``kind="dense"``) or a ``BlockMask`` (``"flex"``); cached per batch."""
+        """Dense bool ``[1, 1, L, key_len]`` (``kind="dense"``), a ``BlockMask`` (``"flex"``) or a
+        :class:`~cpdata.device.varlen.VarlenPlan` (``"varlen"``); cached per batch."""
         key = (kind, window, str(device))
         if key not in self._masks:
             start, pos = self.start.to(device), self.pos.to(device)
@@ -158,7 +160,9 @@ class HFAttentionState:
                     k = exchanged_key_positions(self.layout, device)
                 else:
                     k = torch.arange(self.key_len, device=device)
-                if kind == "flex":
+                if kind == "varlen":
+                    self._masks[key] = varlen_plan(start, pos, k, window=window, device=device)
+                elif kind == "flex":
                     self._masks[key] = block_mask_over_keys(start, pos, k, window=window)
                 else:
                     self._masks[key] = dense_mask_from_bounds(start, pos, k, window=window)
@@ -252,12 +256,17 @@ def _attention(
             verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
     key_g, value_g = _keys_values(state, key, value)
-    if state.kernel_on(query.device) == "flex":
-        if variant.dropout > 0:
-            raise ValueError(
-                f"attention dropout {variant.dropout} on the flex kernel: flex_attention has no dropout; set "
-                "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
-            )
+    kernel = choose_kernel(state.options.kernel, softcap=variant.softcap, sinks=variant.sinks,
+                           device=query.device, dtype=query.dtype)  # fmt: skip
+    if kernel != "dense" and variant.dropout > 0:
+        raise ValueError(
+            f"attention dropout {variant.dropout} on the {kernel} kernel: it has no dropout; set "
+            "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
+        )
+    if kernel == "varlen":
+        out = varlen_attention(query, key_g, value_g, state.mask("varlen", variant.window, query.device),
+                               scale=variant.scale)  # fmt: skip
+    elif kernel == "flex":
         out = flex_attention_call(query, key_g, value_g, state.mask("flex", variant.window, query.device),
                                   scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)  # fmt: skip
     else:
