@@ -198,6 +198,25 @@ def test_kernel_choice_and_its_logged_fallbacks(caplog, monkeypatch):
         choose("ring", softcap=None, sinks=None, device=cpu, dtype=f32)
 
 
+def test_a_layout_cutting_documents_token_by_token_falls_back(caplog, monkeypatch):
+    """balanced makes one segment per query, each re-reading its document's prefix: past MAX_KEY_COPIES times
+    the keys held, the call falls back (logged); tiled's plan of the same pack stays on varlen."""
+    monkeypatch.setattr(varlen, "_LOGGED", set())
+    chosen, copies = {}, {}
+    for layout in ("balanced", "tiled"):
+        batch = _batches(4, layout, True)[1]
+        start, pos, _ = query_bounds(batch.layout, batch["document_ids"].reshape(1, -1), batch["cu_seqlens_padded"])
+        keys = exchanged_key_positions(batch.layout, "cpu")
+        plan = varlen.varlen_plan(start, pos, keys, window=None, device=torch.device("cpu"))
+        copies[layout] = plan.key_index.numel() / plan.held_keys
+        with caplog.at_level(logging.WARNING, logger="cpdata.device.varlen"):
+            chosen[layout] = varlen.choose_kernel("varlen", softcap=None, sinks=None, device=torch.device("cpu"),
+                                                  dtype=torch.float64, plan=lambda p=plan: p)  # fmt: skip
+    assert copies["balanced"] > varlen.MAX_KEY_COPIES and copies["tiled"] <= 2, copies
+    assert chosen == {"balanced": "dense", "tiled": "varlen"}
+    assert len(caplog.records) == 1 and "runs on this rank" in caplog.records[0].getMessage()
+
+
 class CountingReference:
     """torch's ``varlen_attn`` stand-in: the reference, counting its calls."""
 
@@ -235,3 +254,14 @@ def test_zoo_at_cp1_through_varlen_equals_each_document_alone(monkeypatch, caplo
         worst[family] = max_rel_error(out.loss.item(), grads(model), ref_loss, ref_grad)
         assert worst[family] < 1e-6 and n_docs >= 3, (family, worst[family])
     print("cp 1, varlen: max relative error per family: " + ", ".join(f"{f} {e:.1e}" for f, e in worst.items()))
+
+
+def test_bench_attention_rows_count_varlen_tiles_per_segment():
+    """The bench's varlen columns: token-level balance cuts documents into one-token segments, each paying a tile;
+    tiled keeps a document's blocks together (sft, 32K at cp 4, two packs)."""
+    from cpdata.bench.attention import _cell
+
+    rows = {layout: _cell("sft", 32768, 4, layout, (128,), 2, 1)[0] for layout in ("balanced", "tiled")}
+    tiled, balanced = rows["tiled"], rows["balanced"]
+    assert 1.0 <= tiled["varlen_max_over_ideal"] < 1.3 < 1.5 < balanced["varlen_max_over_ideal"], rows
+    assert tiled["varlen_max_over_flex_ideal"] > 0.5

@@ -6,7 +6,9 @@ against brute force in tests/test_varlen.py) inside each rank, so the code
 under test is everything around the kernel: the segments of the rank's
 queries, ``cu_seq_q`` / ``cu_seq_k``, the gather of each segment's keys from
 the own and exchanged keys (or the all-gathered ones), the window and GQA
-arguments. Every family of tests/hf_zoo.py on every layout (``tiled`` with
+arguments. The copy limit that sends token-cut layouts to the fallback is
+lifted here, so ``balanced`` (one segment per query) runs through varlen too.
+Every family of tests/hf_zoo.py on every layout (``tiled`` with
 tile 64), keys exchanged and all-gathered; the ranks' summed loss and
 gradients must equal every document run alone through HF's own attention
 (< 1e-6 relative). Gemma 2 (softcap) and gpt-oss (sinks) must take the
@@ -57,6 +59,7 @@ def _rank(rank: int, world: int) -> list:
     kernel = CountingReference()
     torch_varlen.varlen_attn = kernel  # this forked rank's torch: the reference behind the same call
     varlen._LOGGED.clear()  # a fresh process's log-once state (the rank is forked from the test process)
+    varlen.MAX_KEY_COPIES = 10**9  # balanced's one-query segments too: the most fragmented plan stays on varlen
     records = _Records()
     logging.getLogger("cpdata.device.varlen").addHandler(records)
     register_hf_attention("cpdata_varlen", kernel="varlen")

@@ -256,8 +256,8 @@ def _attention(
             verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
     key_g, value_g = _keys_values(state, key, value)
-    kernel = choose_kernel(state.options.kernel, softcap=variant.softcap, sinks=variant.sinks,
-                           device=query.device, dtype=query.dtype)  # fmt: skip
+    kernel = choose_kernel(state.options.kernel, softcap=variant.softcap, sinks=variant.sinks, device=query.device,
+                           dtype=query.dtype, plan=lambda: state.mask("varlen", variant.window, query.device))
     if kernel != "dense" and variant.dropout > 0:
         raise ValueError(
             f"attention dropout {variant.dropout} on the {kernel} kernel: it has no dropout; set "

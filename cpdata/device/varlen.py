@@ -36,6 +36,7 @@ the reason logged once per process.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 Kernel = Literal["varlen", "flex", "dense"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _LOGGED: set[str] = set()
+MAX_KEY_COPIES = 4
+"""A plan gathering more than this many times the keys the rank holds falls back (see :func:`choose_kernel`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +69,8 @@ class VarlenPlan:
     """Longest segment in keys."""
     key_index: torch.Tensor
     """int64 ``[Kv]``: each gathered key's row in the keys the rank holds."""
+    held_keys: int
+    """``K``: the keys the rank holds (own + received, or all ``S``)."""
     window_size: tuple[int, int]
     """``(-1, 0)`` causal, ``(W - 1, 0)`` a window of ``W`` keys up to the query."""
 
@@ -113,26 +118,35 @@ def varlen_plan(
         )
     return VarlenPlan(cu_seq_q=_offsets(q_len, device), cu_seq_k=_offsets(k_len, device),
                       max_q=int(q_len.max(initial=0)), max_k=int(k_len.max(initial=0)),
-                      key_index=torch.as_tensor(index).to(device),
+                      key_index=torch.as_tensor(index).to(device), held_keys=int(keys_np.size),
                       window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
 
 
-def _log_once(reason: str, fallback: str) -> None:
-    if reason not in _LOGGED:
-        _LOGGED.add(reason)
+def _log_once(kind: str, reason: str, fallback: str) -> None:
+    if kind not in _LOGGED:
+        _LOGGED.add(kind)
         log.warning("cpdata attention: %s, so these layers run %s instead of varlen", reason, fallback)
 
 
 def choose_kernel(
-    requested: str, *, softcap: float | None, sinks: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+    requested: str,
+    *,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    plan: Callable[[], VarlenPlan] | None = None,
 ) -> Kernel:
     """The kernel one attention call runs: ``"varlen"``, ``"flex"`` or ``"dense"``.
 
     ``"dense"`` and ``"flex"`` stand. ``"auto"`` is varlen on CUDA where the layer allows it, else flex on
     CUDA and dense elsewhere. ``"varlen"`` falls back where the layer does not allow it: to flex on CUDA, and to
     dense SDPA elsewhere (torch's CPU flex has no backward). A layer allows varlen without logit softcap and
-    sinks (the varlen API has neither), on CUDA in fp16 / bf16 (flash's dtypes). Each fallback reason is logged
-    once per process (logger ``cpdata.device.varlen``, WARNING).
+    sinks (the varlen API has neither), on CUDA in fp16 / bf16 (flash's dtypes), and where the batch's
+    ``plan()`` (built only then) gathers at most ``MAX_KEY_COPIES`` times the keys the rank holds: a layout
+    that cuts documents token by token (``balanced``) makes one segment per query, each re-reading its
+    document's prefix. Each fallback reason is logged once per process (logger ``cpdata.device.varlen``,
+    WARNING).
     """
     if requested in ("dense", "flex"):
         return requested
@@ -142,16 +156,27 @@ def choose_kernel(
     if requested == "auto" and not cuda:
         return "dense"
     if softcap is not None:
-        reason = "logit softcap (varlen_attn has no score modifier)"
+        kind, reason = "softcap", "logit softcap (varlen_attn has no score modifier)"
     elif sinks is not None:
-        reason = "attention sinks (varlen_attn has no sink logits)"
+        kind, reason = "sinks", "attention sinks (varlen_attn has no sink logits)"
     elif cuda and dtype not in _FLASH_DTYPES:
-        reason = f"{dtype} on CUDA (flash takes float16 / bfloat16)"
+        kind, reason = "dtype", f"{dtype} on CUDA (flash takes float16 / bfloat16)"
     else:
-        return "varlen"
+        kind, reason = "copies", None if plan is None else _copies(plan())
+        if reason is None:
+            return "varlen"
     fallback: Kernel = "flex" if cuda else "dense"
-    _log_once(reason, fallback)
+    _log_once(kind, reason, fallback)
     return fallback
+
+
+def _copies(plan: VarlenPlan) -> str | None:
+    """Why ``plan`` gathers too many keys (None: it does not)."""
+    gathered, held = plan.key_index.numel(), max(plan.held_keys, 1)
+    if gathered <= MAX_KEY_COPIES * held:
+        return None
+    return (f"the layout cuts documents into {plan.cu_seq_q.numel() - 1} runs on this rank (varlen would gather "
+            f"{gathered} keys, {gathered / held:.0f}x the {held} held; layout 'tiled' keeps documents together)")
 
 
 def varlen_attention(
