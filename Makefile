@@ -1,7 +1,7 @@
-# Two entry points: `make demo` (the CP training demo) and `make test`.
+# Entry points: `make demo` (the CP training demo), `make test` and `make gpu-check` (a CUDA machine).
 # Both create .venv on first use. torch is pinned first so that pip does not
 # pull a multi-GB CUDA build on a CPU-only machine. `make demo` installs only
-# the runtime (torch, torchdata, numpy and cpdata itself); `make test`, `bench`
+# the runtime (torch, torchdata, numpy and cpdata itself), `make gpu-check` adds transformers; `make test`, `bench`
 # and `lint` add the dev extra (pytest, ruff, transformers, datasets, trl, ...) and the peers below.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,11 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.cpdata-torch
 RUNTIME_STAMP := $(VENV)/.cpdata-runtime
 DEV_STAMP := $(VENV)/.cpdata-dev
+HF_STAMP := $(VENV)/.cpdata-hf
+GPU_CHECK_OUT ?= gpu-check
 # Peers the tests compare against side by side; their CP and indexed-dataset modules import with torch alone,
 # and their own dependency lists would pull GPU stacks, hence --no-deps.
 PEERS := "nemo-automodel==0.7.0" "megatron-core==0.16.1"
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,6 +34,11 @@ $(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(PEERS)
 	touch $(RUNTIME_STAMP) $(DEV_STAMP)
 
+# The runtime plus transformers (the HF parts): no test or lint tools.
+$(HF_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[hf]"
+	touch $(RUNTIME_STAMP) $(HF_STAMP)
+
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_cp.py
 
@@ -40,6 +47,10 @@ test: $(DEV_STAMP)
 
 bench: $(DEV_STAMP)
 	$(VENV)/bin/cpdata bench
+
+# On a machine with CUDA GPUs: <= 8 minutes on one H100 / H200; prints the folder it writes.
+gpu-check: $(HF_STAMP)
+	$(PY) -m cpdata.bench.gpu_check --out $(GPU_CHECK_OUT)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check cpdata pipelines examples tests

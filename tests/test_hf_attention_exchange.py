@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
+from cpdata.bench.hf_reference import full_pack
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
 from tests.hf_zoo import FAMILIES, build, error_against_alone
-from tests.test_hf_attention import full_pack
 from tests.test_hf_attention_dist import _summed
 
 LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled")

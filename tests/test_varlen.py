@@ -137,8 +137,10 @@ def _batches(cp: int, layout: str, exchange: bool, pack_min_docs: int = 3) -> tu
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout):
-    """Every (query, key position) pair the plan's segments attend is one the dense mask keeps, and no other."""
+def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout, monkeypatch):
+    """Every (query, key position) pair the plan's segments attend is one the dense mask keeps, and no other
+    (balanced's one-query segments included: the copy limit is lifted)."""
+    monkeypatch.setattr(varlen, "MAX_KEY_COPIES", 10**9)
     checked = 0
     for cp in (2, 4):
         for exchange in (False, True):
@@ -200,18 +202,23 @@ def test_kernel_choice_and_its_logged_fallbacks(caplog, monkeypatch):
 
 def test_a_layout_cutting_documents_token_by_token_falls_back(caplog, monkeypatch):
     """balanced makes one segment per query, each re-reading its document's prefix: past MAX_KEY_COPIES times
-    the keys held, the call falls back (logged); tiled's plan of the same pack stays on varlen."""
+    the keys held the plan is refused and the call falls back (logged); tiled's plan of the pack stays varlen."""
     monkeypatch.setattr(varlen, "_LOGGED", set())
     chosen, copies = {}, {}
     for layout in ("balanced", "tiled"):
         batch = _batches(4, layout, True)[1]
         start, pos, _ = query_bounds(batch.layout, batch["document_ids"].reshape(1, -1), batch["cu_seqlens_padded"])
         keys = exchanged_key_positions(batch.layout, "cpu")
-        plan = varlen.varlen_plan(start, pos, keys, window=None, device=torch.device("cpu"))
-        copies[layout] = plan.key_index.numel() / plan.held_keys
+
+        def plan(start=start, pos=pos, keys=keys):
+            return varlen.varlen_plan(start, pos, keys, window=None, device=torch.device("cpu"))
+
         with caplog.at_level(logging.WARNING, logger="cpdata.device.varlen"):
             chosen[layout] = varlen.choose_kernel("varlen", softcap=None, sinks=None, device=torch.device("cpu"),
-                                                  dtype=torch.float64, plan=lambda p=plan: p)  # fmt: skip
+                                                  dtype=torch.float64, plan=plan)  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(varlen, "MAX_KEY_COPIES", 10**9)
+            copies[layout] = plan().key_index.numel() / keys.numel()
     assert copies["balanced"] > varlen.MAX_KEY_COPIES and copies["tiled"] <= 2, copies
     assert chosen == {"balanced": "dense", "tiled": "varlen"}
     assert len(caplog.records) == 1 and "runs on this rank" in caplog.records[0].getMessage()

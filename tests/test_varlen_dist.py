@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.nn.attention.varlen as torch_varlen
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
+from cpdata.bench.hf_reference import full_pack
 from cpdata.device import varlen
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
 from tests.hf_zoo import FAMILIES, build, error_against_alone
-from tests.test_hf_attention import full_pack
 from tests.test_hf_attention_dist import _summed
 from tests.test_varlen import FALLBACK, LAYOUTS, CountingReference
 

@@ -45,14 +45,18 @@ import torch
 
 from cpdata.layout.varlen_tiles import query_runs
 
-__all__ = ["VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
+__all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
 
 log = logging.getLogger(__name__)
 Kernel = Literal["varlen", "flex", "dense"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _LOGGED: set[str] = set()
 MAX_KEY_COPIES = 4
-"""A plan gathering more than this many times the keys the rank holds falls back (see :func:`choose_kernel`)."""
+"""A plan gathering more than this many times the keys the rank holds is refused (:class:`KeyCopiesError`)."""
+
+
+class KeyCopiesError(ValueError):
+    """The segments would gather more than ``MAX_KEY_COPIES`` times the keys the rank holds."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,8 +73,6 @@ class VarlenPlan:
     """Longest segment in keys."""
     key_index: torch.Tensor
     """int64 ``[Kv]``: each gathered key's row in the keys the rank holds."""
-    held_keys: int
-    """``K``: the keys the rank holds (own + received, or all ``S``)."""
     window_size: tuple[int, int]
     """``(-1, 0)`` causal, ``(W - 1, 0)`` a window of ``W`` keys up to the query."""
 
@@ -92,7 +94,10 @@ def varlen_plan(
         window: sliding window in keys (None: the whole document prefix).
         device: where the plan's tensors live (the queries').
 
-    ``ValueError`` when a segment needs a key ``key_pos`` lacks (a plan from another batch).
+    ``ValueError`` when a segment needs a key ``key_pos`` lacks (a plan from another batch);
+    :class:`KeyCopiesError` (before any O(Kv) work) when the segments would gather more than
+    ``MAX_KEY_COPIES`` times the ``K`` keys held: a layout that cuts documents token by token
+    (``balanced``) makes one segment per query, each re-reading its document's prefix.
     """
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
@@ -105,7 +110,12 @@ def varlen_plan(
     if window is not None:
         lo = np.maximum(lo, pos_np[first] - (window - 1))
     k_len = last - lo + 1
-    total = int(k_len.sum())
+    total, held = int(k_len.sum()), max(int(keys_np.size), 1)
+    if total > MAX_KEY_COPIES * held:
+        raise KeyCopiesError(
+            f"the layout cuts documents into {first.size} runs on this rank (varlen would gather {total} keys, "
+            f"{total / held:.0f}x the {held} held; layout 'tiled' keeps documents together)"
+        )
     wanted = np.repeat(lo - np.cumsum(k_len) + k_len, k_len) + np.arange(total, dtype=np.int64)
     inverse = np.full(int(max(keys_np.max(initial=-1), wanted.max(initial=-1))) + 1, -1, dtype=np.int64)
     inverse[keys_np] = np.arange(keys_np.size, dtype=np.int64)
@@ -118,7 +128,7 @@ def varlen_plan(
         )
     return VarlenPlan(cu_seq_q=_offsets(q_len, device), cu_seq_k=_offsets(k_len, device),
                       max_q=int(q_len.max(initial=0)), max_k=int(k_len.max(initial=0)),
-                      key_index=torch.as_tensor(index).to(device), held_keys=int(keys_np.size),
+                      key_index=torch.as_tensor(index).to(device),
                       window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
 
 
@@ -143,10 +153,8 @@ def choose_kernel(
     CUDA and dense elsewhere. ``"varlen"`` falls back where the layer does not allow it: to flex on CUDA, and to
     dense SDPA elsewhere (torch's CPU flex has no backward). A layer allows varlen without logit softcap and
     sinks (the varlen API has neither), on CUDA in fp16 / bf16 (flash's dtypes), and where the batch's
-    ``plan()`` (built only then) gathers at most ``MAX_KEY_COPIES`` times the keys the rank holds: a layout
-    that cuts documents token by token (``balanced``) makes one segment per query, each re-reading its
-    document's prefix. Each fallback reason is logged once per process (logger ``cpdata.device.varlen``,
-    WARNING).
+    ``plan()`` (built only then) does not raise :class:`KeyCopiesError`. Each fallback reason is logged once
+    per process (logger ``cpdata.device.varlen``, WARNING).
     """
     if requested in ("dense", "flex"):
         return requested
@@ -162,21 +170,15 @@ def choose_kernel(
     elif cuda and dtype not in _FLASH_DTYPES:
         kind, reason = "dtype", f"{dtype} on CUDA (flash takes float16 / bfloat16)"
     else:
-        kind, reason = "copies", None if plan is None else _copies(plan())
-        if reason is None:
+        try:
+            if plan is not None:
+                plan()
             return "varlen"
+        except KeyCopiesError as e:
+            kind, reason = "copies", str(e)
     fallback: Kernel = "flex" if cuda else "dense"
     _log_once(kind, reason, fallback)
     return fallback
-
-
-def _copies(plan: VarlenPlan) -> str | None:
-    """Why ``plan`` gathers too many keys (None: it does not)."""
-    gathered, held = plan.key_index.numel(), max(plan.held_keys, 1)
-    if gathered <= MAX_KEY_COPIES * held:
-        return None
-    return (f"the layout cuts documents into {plan.cu_seq_q.numel() - 1} runs on this rank (varlen would gather "
-            f"{gathered} keys, {gathered / held:.0f}x the {held} held; layout 'tiled' keeps documents together)")
 
 
 def varlen_attention(
