@@ -65,3 +65,13 @@ def test_rank_cases_cover_the_pack_and_hold_every_key_their_queries_need(layout)
         for case in cases:
             mask = block_mask_from_bounds(torch.as_tensor(case.start)[None], torch.as_tensor(case.pos), 8192)
             assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) == want[case.rank]
+
+
+def test_autocast_part_runs_cp2_on_cpu_ranks_within_bf16_tolerance():
+    """The autocast part's code on CPU (gloo, spawned ranks): bf16 autocast through "cpdata" at cp 2 against the
+    documents alone under the same autocast. Rotary leaves q and k in float32 and v in bf16 under autocast; the
+    attention casts them as autocast casts SDPA's inputs (before, the K/V concatenation refused the mix)."""
+    from cpdata.bench.gpu_steps import BF16_TOL, autocast_cp2
+
+    result = autocast_cp2("cpu")
+    assert result["ok"] and 0 < result["max_rel_error"] < BF16_TOL and result["documents"] >= 3, result

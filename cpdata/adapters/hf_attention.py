@@ -248,6 +248,9 @@ def _attention(
             f"this batch's {n} tokens as one row (a KV cache or generation step?); use_cache=False and the "
             "kwargs of hf_model_kwargs for this batch"
         )
+    if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs (rotary leaves q, k fp32)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     variant = layer_variant(module, query, kwargs)
     if state.layout.cp_size > 1 and not state.verified:
         if state.layout.gather_index is None and not state.exchange:  # its inverse once (one index all-gather)

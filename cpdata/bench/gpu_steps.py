@@ -132,8 +132,10 @@ def _autocast_rank(rank: int, world: int, device: str) -> dict | None:
     register_hf_attention()
     batches = _shards(world, "tiled", True)
     model = _model(torch.float32, device)
+    model.config._attn_implementation = "cpdata"
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-        loss = model(**hf_model_kwargs(batches[rank].to(device), "cpdata", group=dist.group.WORLD)).loss
+        loss = model(**hf_model_kwargs(batches[rank].to(device), "cpdata", group=dist.group.WORLD,
+                                       config=model)).loss  # fmt: skip
     loss.backward()
     grads = model_grads(model)
     flat = torch.cat([g.reshape(-1).float() for g in grads.values()] + [loss.detach().float().reshape(1)])
@@ -156,5 +158,5 @@ def autocast_cp2(device: str = "cuda") -> dict:
     model = _model(torch.float32, device)
     ref_loss, ref_grads, n_docs = documents_alone(model, cp2["full"], autocast=torch.bfloat16)
     err = _rel_error(cp2["loss"], cp2["grads"], ref_loss, {n: g.cpu() for n, g in ref_grads.items()})
-    return {"backend": backend, "ranks_on": "two GPUs" if gpus >= 2 else "GPU 0 (both ranks)",
+    return {"backend": backend, "ranks_on": device if device != "cuda" else "two GPUs" if gpus >= 2 else "GPU 0",
             "max_rel_error": err, "tolerance": BF16_TOL, "documents": n_docs, "ok": err < BF16_TOL}  # fmt: skip
