@@ -193,7 +193,7 @@ def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layout
     """
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # one per shape
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per shape
     device = torch.device(device)
     ranks, rows, skipped = [], [], []
     for name in distributions:  # every distribution at both sizes before the next (the budget may cut the tail)

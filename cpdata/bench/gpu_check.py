@@ -23,7 +23,7 @@ attention part ran, ``DIR/calibration.json`` (format in
 :mod:`cpdata.bench.gpu_attention`); prints the folder. Without CUDA every part
 is skipped, named, and the exit status is 0; a part that fails or misses its
 tolerance makes it 1. Sized for <= 8 minutes on one H100 / H200:
-``--attention-seconds`` (default 240) stops the attention part from starting
+``--attention-seconds`` (default 210) stops the attention part from starting
 new packs past its budget, naming what it left out.
 """
 
@@ -76,7 +76,7 @@ def _call(part: str, attention_seconds: float) -> dict:
     return calls[part]()
 
 
-def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 240.0,
+def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
               log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """``{part: {"status", "seconds", "reason" | "error" | "result"}}``: ``skipped`` (with the reason),
     ``ok``, ``mismatch`` (ran, missed a tolerance) or ``failed`` (raised; the traceback's tail)."""
@@ -145,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpdata.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md, calibration.json")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
-    parser.add_argument("--attention-seconds", type=float, default=240.0,
-                        help="budget of the attention part: no new pack starts after it (default 240)")
+    parser.add_argument("--attention-seconds", type=float, default=210.0,
+                        help="budget of the attention part: no new pack starts after it (default 210)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
