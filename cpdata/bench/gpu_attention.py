@@ -58,7 +58,7 @@ from cpdata.layout.maps import layout_runs
 from cpdata.layout.tiles import segment_starts
 from cpdata.layout.varlen_tiles import query_runs, segment_tiles
 
-__all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "fit_line", "rank_cases", "run"]
+__all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "fit_line", "rank_cases", "run", "time_step"]
 
 TILE, HEADS, KV_HEADS, HEAD_DIM = 128, 32, 8, 128
 CONFIGS: tuple[tuple[int, int], ...] = ((32768, 4), (131072, 8))
@@ -118,7 +118,7 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, (n - 1).bit_length()))
 
 
-def _time(step, repeats: int) -> float:
+def time_step(step, repeats: int) -> float:
     """Median seconds of ``step()`` (forward + backward) after one warm-up call (which compiles); CUDA events
     where CUDA runs, else the host clock."""
     step()
@@ -160,7 +160,7 @@ def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, f
     def step() -> None:
         flex_attention_call(q, k, v, mask, scale=HEAD_DIM**-0.5).backward(grad)
 
-    return tiles, _time(step, REPEATS)
+    return tiles, time_step(step, REPEATS)
 
 
 def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float | None, str | None]:
@@ -181,7 +181,7 @@ def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int,
     def step() -> None:
         varlen.varlen_attention(q, k, v, plan, scale=HEAD_DIM**-0.5).backward(grad)
 
-    return tiles, _time(step, REPEATS), None
+    return tiles, time_step(step, REPEATS), None
 
 
 def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"

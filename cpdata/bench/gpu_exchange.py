@@ -13,6 +13,8 @@ forward.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -36,37 +38,28 @@ def _batches(world: int, distribution: str) -> tuple:
                                   kv_exchange=True)))  # fmt: skip
 
 
-def _time(step) -> float:
+def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
     import torch.distributed as dist
 
-    step()
-    times = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return float(np.median(times))
-
-
-def _rank(rank: int, world: int) -> list[dict]:
+    from cpdata.bench.gpu_attention import time_step
     from cpdata.device.kv_exchange import exchange_tokens
-    from cpdata.gather import ensure_gather_index, gather_token_tensor
+    from cpdata.gather import gather_token_tensor
 
     out = []
     for distribution in DISTRIBUTIONS:
-        layout = _batches(world, distribution)[rank].layout
-        gathered_layout = ensure_gather_index(layout, None)
+        batches = _batches(world, distribution)  # every rank's (the same on each): the inverse needs no collective
+        layout = batches[rank].layout
+        rows = torch.cat([b.layout.local_token_global_indices.reshape(-1) for b in batches])
+        gathered_layout = replace(layout, gather_index=torch.argsort(rows), cp_size=world, cp_rank=rank)
         n_recv = int(layout.kv_exchange.n_recv)
-        kv = torch.randn(1, KV_HEADS, LOCAL, KV_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g_ex = torch.randn(1, KV_HEADS, LOCAL + n_recv, KV_DIM, device="cuda", dtype=torch.bfloat16)
-        g_ag = torch.randn(1, KV_HEADS, LOCAL * world, KV_DIM, device="cuda", dtype=torch.bfloat16)
-        exchange = _time(lambda: exchange_tokens(kv, layout, None, seq_dim=2).backward(g_ex))  # noqa: B023
-        gather = _time(lambda: gather_token_tensor(kv, gathered_layout, None, seq_dim=2).backward(g_ag))  # noqa: B023
+        kv = torch.randn(1, KV_HEADS, LOCAL, KV_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+        g_ex = torch.randn(1, KV_HEADS, LOCAL + n_recv, KV_DIM, device=device, dtype=torch.bfloat16)
+        g_ag = torch.randn(1, KV_HEADS, LOCAL * world, KV_DIM, device=device, dtype=torch.bfloat16)
+        dist.barrier()
+        exchange = time_step(lambda: exchange_tokens(kv, layout, None, seq_dim=2).backward(g_ex), REPEATS)  # noqa: B023
+        dist.barrier()
+        gather = time_step(lambda: gather_token_tensor(kv, gathered_layout, None, seq_dim=2).backward(g_ag),  # noqa: B023
+                           REPEATS)  # fmt: skip
         token_bytes = KV_HEADS * KV_DIM * 2
         out.append({"distribution": distribution, "rank": rank, "exchange_ms": 1e3 * exchange,
                     "all_gather_ms": 1e3 * gather, "exchange_recv_bytes": n_recv * token_bytes,
