@@ -13,7 +13,9 @@ strategy), ``resolve`` (choosing a strategy once, NeMo's order),
 ``token_coords`` (token tensors between caller and layout coordinates),
 ``kv_exchange`` (the one all-to-all that moves only the K/V a layout's
 exchange plan names), ``cp_attention`` (the SDPA override that gathers or
-exchanges K/V), ``consistency`` (ranks
+exchanges K/V), ``varlen`` (the varlen / flash kernel of the ``"cpdata"``
+attention: per-document-run segments, ``cu_seq``, the key gather; ``varlen_reference`` its exact CPU reference),
+``consistency`` (ranks
 agreeing on the plan and on the end of an epoch), ``sharder``
 (``ContextParallelSharder``, the entry point). The gather itself is
 :mod:`cpdata.gather`, kept at the root so model code imports it alone.

@@ -10,7 +10,8 @@ Modules, in pipeline order: ``maps`` (the layouts: ``rank_indices``,
 layout as runs of consecutive positions, the table the worker gathers from),
 ``blocks`` (run tables of a block of packs at once), ``tiled`` (the
 ``tiled`` layout: whole tile-token blocks dealt to balance kernel tiles),
-``tiled_deal`` (its deal: which rank owns each block), ``tiles`` (live kernel tiles and K/V needs per rank), ``exchange`` (the K/V
+``tiled_deal`` (its deal: which rank owns each block), ``tiles`` (live kernel tiles and K/V needs per rank),
+``varlen_tiles`` (the tiles a varlen kernel pays: each document run tiled by itself), ``exchange`` (the K/V
 exchange plan: which keys each rank needs from each other rank under the
 document-causal mask, for any layout), ``shard_layout``
 (``ShardLayout``, the torch record of a layout that travels with a batch; the
