@@ -1,7 +1,7 @@
-# Two entry points: `make demo` (the CP training demo) and `make test`.
+# Entry points: `make demo` (the CP training demo), `make test` and `make gpu-check` (a CUDA machine).
 # Both create .venv on first use. torch is pinned first so that pip does not
 # pull a multi-GB CUDA build on a CPU-only machine. `make demo` installs only
-# the runtime (torch, torchdata, numpy and cpdata itself); `make test`, `bench`
+# the runtime (torch, torchdata, numpy and cpdata itself), `make gpu-check` adds transformers; `make test`, `bench`
 # and `lint` add the dev extra (pytest, ruff, transformers, datasets, trl, ...) and the peers below.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.cpdata-torch
 RUNTIME_STAMP := $(VENV)/.cpdata-runtime
 DEV_STAMP := $(VENV)/.cpdata-dev
+HF_STAMP := $(VENV)/.cpdata-hf
+GPU_CHECK_OUT ?= gpu-check
 # Peers the tests compare against side by side; their CP and indexed-dataset modules import with torch alone,
 # and their own dependency lists would pull GPU stacks, hence --no-deps.
 PEERS := "nemo-automodel==0.7.0" "megatron-core==0.16.1"
@@ -20,7 +22,7 @@ TITAN_PY := $(TITAN_VENV)/bin/python
 TITAN_SPEC ?= torchtitan==0.3.0
 TITAN_STAMP := $(TITAN_VENV)/.cpdata-titan
 
-.PHONY: demo test bench lint clean titan-venv
+.PHONY: demo test bench lint gpu-check clean titan-venv
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -51,6 +53,11 @@ $(TITAN_STAMP): $(TITAN_PY) pyproject.toml
 
 titan-venv: $(TITAN_STAMP)
 
+# The runtime plus transformers (the HF parts): no test or lint tools.
+$(HF_STAMP): $(TORCH_STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[hf]"
+	touch $(RUNTIME_STAMP) $(HF_STAMP)
+
 demo: $(RUNTIME_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_cp.py
 
@@ -59,6 +66,10 @@ test: $(DEV_STAMP) $(TITAN_STAMP)
 
 bench: $(DEV_STAMP)
 	$(VENV)/bin/cpdata bench
+
+# On a machine with CUDA GPUs: <= 8 minutes on one H100 / H200; prints the folder it writes.
+gpu-check: $(HF_STAMP)
+	$(PY) -m cpdata.bench.gpu_check --out $(GPU_CHECK_OUT)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check cpdata pipelines examples tests

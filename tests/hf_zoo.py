@@ -12,14 +12,12 @@ gradient, parameter by parameter.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 
-from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.bench.hf_reference import documents_alone, model_grads
 
 VOCAB, WINDOW = 64, 6
 LENS = [5, 23, 9, 40, 3, 17, 30, 11, 2, 26, 14, 7]
@@ -91,41 +89,25 @@ def docs(lens=LENS) -> list[dict]:
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return out
+    return model_grads(model)
 
 
 def alone_reference(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> tuple[float, dict, int]:
-    """``(loss, grads, documents)``: every document of the pack ``full`` (flat ``[T]`` tensors) alone.
+    """``(loss, grads, documents)``: every document of the pack ``full`` (flat ``[T]`` tensors) alone, through HF's
+    own attention (:func:`cpdata.bench.hf_reference.documents_alone`: sdpa where the class has it, float64
+    throughout, else eager: Gemma 2, gpt-oss' softcap and sinks). HF computes the loss in float32."""
+    return documents_alone(model, full)
 
-    ``full`` holds ``input_ids``, ``position_ids``, ``labels``, ``document_ids`` and
-    ``padding_mask`` of the whole pack in global order. Each document's real
-    tokens run as their own ``[1, n]`` row, so transformers builds every mask
-    itself (causal, its sliding windows); a document continued from an
-    earlier pack keeps its positions (> 0). (One padded batch of all
-    documents would be faster, but Gemma 2's eager softmax turns a pad row
-    whose window holds only pads into NaN.) The
-    attention is HF's ``sdpa`` where the model class supports it (float64
-    throughout), else its ``eager`` (Gemma 2, gpt-oss: softcap, sinks).
-    The loss is in float64: the sum of target cross-entropies over the pack's
-    target count.
-    """
-    ref = copy.deepcopy(model)
-    ref.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
-    ids, pos, labels, doc = (full[k].reshape(-1) for k in ("input_ids", "position_ids", "labels", "document_ids"))
-    real = ~full["padding_mask"].reshape(-1).bool()
-    n_targets = int(labels[real].ne(IGNORE_INDEX).sum())
-    total, n_docs = 0.0, 0
-    for d in doc.unique().tolist():
-        sel = (doc == d) & real
-        if not sel.any() or not labels[sel].ne(IGNORE_INDEX).any():
-            continue
-        logits = ref(input_ids=ids[sel][None], position_ids=pos[sel][None], use_cache=False).logits[0]
-        loss = F.cross_entropy(logits, labels[sel], ignore_index=IGNORE_INDEX, reduction="sum") / n_targets
-        loss.backward()
-        total, n_docs = total + loss.item(), n_docs + 1
-    return total, grads(ref), n_docs
+
+def error_against_alone(family: str, full: Mapping[str, torch.Tensor], loss: float, grad: Mapping, cache: dict
+                        ) -> tuple[float, int]:  # fmt: skip
+    """``(max_rel_error, documents)`` of a packed run of ``family`` on the pack ``full`` against its documents
+    alone (:func:`alone_reference`, memoized in ``cache`` per family and pack)."""
+    key = (family, tuple(full["input_ids"].tolist()), tuple(full["padding_mask"].tolist()))
+    if key not in cache:
+        cache[key] = alone_reference(build(family, "eager"), full)
+    ref_loss, ref_grad, n_docs = cache[key]
+    return max_rel_error(loss, grad, ref_loss, ref_grad), n_docs
 
 
 def max_rel_error(loss: float, grad: Mapping[str, torch.Tensor], ref_loss: float, ref_grad: Mapping) -> float:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.adapters.attention_kernels import dense_attention, flex_attention_call
 from cpdata.adapters.hf_attention import STATE_KEY
+from cpdata.bench.hf_reference import full_pack
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.keys import IGNORE_INDEX
@@ -27,7 +28,6 @@ from tests import hf_zoo
 from tests.flat_options import graph_options
 from tests.hf_zoo import FAMILIES, SLIDING, alone_reference, build, grads, max_rel_error
 
-KEYS = ("input_ids", "position_ids", "labels", "document_ids", "padding_mask")
 register_hf_attention()
 register_hf_attention("cpdata_flex", kernel="flex")
 _REF: dict[tuple, tuple] = {}
@@ -40,20 +40,6 @@ def _packs(cp: int = 1, layout: str = "identity", n: int = 2, **kw) -> list[tupl
            if b[0].info["n_documents"] >= 2]  # fmt: skip
     assert len(out) >= n
     return out[:n]
-
-
-def full_pack(batches: tuple) -> dict[str, torch.Tensor]:
-    """The whole pack in global order, rebuilt from every rank's batch and layout."""
-    if len(batches) == 1:  # cp 1: the batch is the pack (bshd rows concatenated into one stream)
-        return {key: batches[0][key].reshape(-1) for key in KEYS}
-    full = {}
-    for key in KEYS:
-        parts = [b[key].reshape(-1) for b in batches]
-        out = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
-        for b, p in zip(batches, parts, strict=True):
-            out[b.layout.local_token_global_indices.reshape(-1)] = p
-        full[key] = out
-    return full
 
 
 def _reference(family: str, i: int, batches: tuple) -> tuple:

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
+from cpdata.bench.hf_reference import full_pack
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
-from tests.hf_zoo import FAMILIES, alone_reference, build, max_rel_error
-from tests.test_hf_attention import full_pack
+from tests.hf_zoo import FAMILIES, build, error_against_alone
 from tests.test_hf_attention_dist import _summed
 
 LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled", "world")
@@ -130,11 +130,7 @@ def test_exchanged_keys_give_each_document_alone_with_one_all_to_all_per_layer(c
     worst: dict[str, float] = {}
     assert len(results) == len(FAMILIES) * len(LAYOUTS)
     for family, layout, loss, g, full, fraction in results:
-        key = (family, tuple(full["input_ids"].tolist()), tuple(full["padding_mask"].tolist()))
-        if key not in refs:
-            refs[key] = alone_reference(build(family, "eager"), full)
-        ref_loss, ref_grad, n_docs = refs[key]
-        err = max_rel_error(loss, g, ref_loss, ref_grad)
+        err, n_docs = error_against_alone(family, full, loss, g, refs)
         assert err < 1e-6 and n_docs >= 3, (family, layout, cp, err)
         assert 0 <= fraction <= 1, (family, layout, fraction)
         worst[family] = max(worst.get(family, 0.0), err)

@@ -1,4 +1,4 @@
-"""The two kernels behind the ``"cpdata"`` attention: dense masked SDPA (any device) and flex (CUDA).
+"""The kernels behind the ``"cpdata"`` attention: dense masked SDPA (any device) and flex (CUDA).
 
 Both compute, for local queries ``q [B, H, L, E]`` over keys/values in global
 order ``k [B, Hkv, S, E]``, ``v [B, Hkv, S, Ev]`` (``H % Hkv == 0``, GQA query
@@ -38,10 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from cpdata.adapters.hf_layers import LayerVariant
+from cpdata.device.varlen import varlen_attention
 
 __all__ = ["KERNELS", "attend", "dense_attention", "flex_attention_call"]
 
-KERNELS = ("dense", "flex")
+KERNELS = ("dense", "flex", "varlen")
 """The kernels :func:`attend` runs, by name (each takes the mask of the same name)."""
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's kernel, never a patched F attribute
@@ -139,4 +140,11 @@ def attend(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                 "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
             )
         return flex_attention_call(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)
+    if kernel == "varlen":
+        if variant.dropout > 0:
+            raise ValueError(
+                f"attention dropout {variant.dropout} on the varlen kernel: cpdata's varlen call has no dropout; "
+                "set config.attention_dropout=0 or register_hf_attention(kernel='dense')"
+            )
+        return varlen_attention(q, k, v, mask, scale=variant.scale)
     raise ValueError(f"kernel={kernel!r}: use one of {list(KERNELS)}")

@@ -35,7 +35,9 @@ forwards them to every layer. Per call:
    (a layer's window keeps a subset of the document prefix, so the exchanged
    keys serve every window);
 5. run the kernel the options name (:func:`cpdata.adapters.attention_kernels.attend`:
-   flex with a ``BlockMask`` on CUDA, SDPA with the dense mask elsewhere).
+   flex with a ``BlockMask``, SDPA with the dense mask, or varlen (flash) over
+   per-document segments, :mod:`cpdata.device.varlen`; ``"auto"`` picks
+   varlen on CUDA where the layer allows it, :func:`cpdata.device.varlen.choose_kernel`).
 
 transformers builds no mask of its own for this name (it is not in
 ``AttentionMaskInterface``: ``_preprocess_mask_arguments`` returns None), so no
@@ -59,13 +61,14 @@ from cpdata.device.attention_masks import QuerySlots, block_mask, dense_mask, do
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
+from cpdata.device.varlen import choose_kernel, varlen_plan
 from cpdata.gather import ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
 
 STATE_KEY = "cpdata_attention_state"
-Kernel = Literal["auto", "dense", "flex"]
+Kernel = Literal["auto", "dense", "flex", "varlen"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +90,12 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
 
     Args:
         name: the ``attn_implementation`` to register (``"cpdata"``).
-        kernel: ``"auto"`` (flex on CUDA, dense SDPA elsewhere), ``"dense"``
-            (SDPA with a dense mask, any device) or ``"flex"`` (``flex_attention``:
-            compiled on CUDA; on CPU torch's eager flex runs forward only).
+        kernel: ``"auto"`` (varlen on CUDA where the layer allows it, else flex;
+            dense SDPA elsewhere), ``"dense"`` (SDPA with a dense mask, any device),
+            ``"flex"`` (``flex_attention``: compiled on CUDA; on CPU torch's eager
+            flex runs forward only) or ``"varlen"`` (``torch.nn.attention.varlen``
+            per document run, CUDA; softcap / sinks layers fall back to flex,
+            :func:`cpdata.device.varlen.choose_kernel`).
         verify_layout: at cp > 1, check on each batch's first attention call
             that every CP rank holds the same shard plan (one 16-byte all-reduce).
 
@@ -136,15 +142,16 @@ class HFAttentionState:
     def local_len(self) -> int:
         return self.slots.pos.numel()
 
-    def kernel_on(self, device: torch.device) -> str:
-        if self.options.kernel == "auto":
-            return "flex" if device.type == "cuda" else "dense"
-        return self.options.kernel
-
     def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
         """The mask ``kind``'s kernel takes (``"dense"``: bool ``[1, 1, L, key_len]``; ``"flex"``: a
-        ``BlockMask``) over the keys :func:`move_keys_values` returns; cached per batch, kind, window, device."""
+        ``BlockMask``; ``"varlen"``: a :class:`~cpdata.device.varlen.VarlenPlan`) over the keys
+        :func:`move_keys_values` returns; cached per batch, kind, window, device."""
         key = (kind, window, str(device))
+        if key not in self._masks and kind == "varlen":
+            keys = (exchanged_key_positions(self.layout, device) if self.exchange
+                    else torch.arange(self.key_len, device=device))  # fmt: skip
+            self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window, device=device,
+                                           end=self.slots.end)  # fmt: skip
         if key not in self._masks:
             lo, hi = self.slots.intervals(window=window)
             lo, hi = lo.to(device), hi.to(device)
@@ -222,7 +229,11 @@ def _attention(
         state.verified = True
     if state.layout.cp_size > 1:
         key, value = move_keys_values(key, value, state.layout, state.group, exchange=state.exchange, seq_dim=2)
-    kernel = state.kernel_on(query.device)
+    kernel = choose_kernel(state.options.kernel, softcap=variant.softcap, sinks=variant.sinks, device=query.device,
+                           dtype=query.dtype, plan=lambda: state.mask("varlen", variant.window, query.device))
+    if kernel == "varlen" and torch.is_autocast_enabled(query.device.type):  # flash is no autocast op
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     out = attend(kernel, query, key, value, state.mask(kernel, variant.window, query.device), variant)
     record_served_call()
     return out.transpose(1, 2).contiguous(), None

@@ -21,7 +21,9 @@ results), ``targets`` (the targets checked against a result), ``report`` and
 ``table`` (markdown and plain tables), ``timing`` (timers, machine description),
 ``distributions`` (seeded length distributions), ``anchors`` (in-step sharding
 as trainers do it), ``schedule_methods`` (trainers' DP placement),
-``collectives`` (counting collectives), ``ranks`` (forked gloo ranks), plus the
+``collectives`` (counting collectives), ``ranks`` (forked gloo ranks, or spawned NCCL ones),
+``hf_reference`` (a HF model's documents run alone, the reference of the HF checks), ``gpu_check``
+(``make gpu-check``: ``gpu_attention``, ``gpu_steps``, ``gpu_exchange``, the parts only a GPU runs), plus the
 ``handoff`` (worker-to-trainer receive cost) and ``long_document`` (a very long
 document, online and offline) sections.
 """

@@ -21,6 +21,12 @@ row's packs:
   of ``contiguous`` / ``round_robin`` cost ~0; a K/V exchange plan is not part
   of it); ``maps_us_per_pack``: then one rank's row and the inverse map, the
   O(S) writes every layout pays;
+- ``varlen_max_over_ideal``: the same for a varlen (flash) kernel, which
+  tiles each run of a rank's queries in one document by itself
+  (:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`): the busiest rank's
+  segment tiles over the pack's at cp 1 (every document whole) divided by cp;
+  ``varlen_max_over_flex_ideal``: the same busiest rank's over the stream
+  grid's ideal (below 1: varlen pays fewer tiles than the best flex deal);
 - ``dense_mask_mib``: one rank's dense bool ``[L, S]`` mask of the all-gather
   path; ``flex_mask_mib``: the int32 tensors of a flex ``BlockMask`` over the
   same ``[L, S]`` (:func:`flex_mask_bytes`).
@@ -35,6 +41,7 @@ import numpy as np
 from cpdata.bench.distributions import sample
 from cpdata.layout.maps import layout_runs, layout_spec
 from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
+from cpdata.layout.varlen_tiles import varlen_live_tiles
 
 __all__ = ["COLUMNS", "LAYOUTS", "TABLE", "flex_mask_bytes", "run"]
 
@@ -43,7 +50,7 @@ COLUMNS: tuple[str, ...] = (
     "solve_us_per_pack",
 )  # fmt: skip
 TABLE: tuple[str, ...] = (*COLUMNS, "maps_us_per_pack", "tiles_max_over_ideal_p95", "tiles_integer_bound",
-                          "dense_mask_mib", "flex_mask_mib", "packs")  # fmt: skip
+                          "varlen_max_over_ideal", "varlen_max_over_flex_ideal", "dense_mask_mib", "flex_mask_mib", "packs")  # fmt: skip
 TITLE = "busiest rank's live kernel tiles over the ideal, K/V it must receive, layout solve time"
 LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced", "tiled")
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
@@ -106,12 +113,17 @@ def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...]
             over = [float(live_tiles(r, lens, capacity, tile).max() / (total / cp))
                     for r, lens, total in zip(rows, packs, totals, strict=True)]  # fmt: skip
             bound = [max(-(-total // cp), int(c.max())) / (total / cp) for c, total in zip(costs, totals, strict=True)]
+            whole = [int(varlen_live_tiles(np.arange(capacity)[None], lens, capacity, tile)[0]) for lens in packs]
+            busiest = [int(varlen_live_tiles(r, lens, capacity, tile).max()) for r, lens in zip(rows, packs, strict=True)]
             local = capacity // cp
             out.append({
                 "distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout, "tile": tile,
                 "tiles_max_over_ideal": float(np.mean(over)),
                 "tiles_max_over_ideal_p95": float(np.percentile(over, 95)),
                 "tiles_integer_bound": float(np.mean(bound)),
+                "varlen_max_over_ideal": float(np.mean([b / (w / cp) for b, w in zip(busiest, whole, strict=True)])),
+                "varlen_max_over_flex_ideal": float(np.mean([b / (t / cp) for b, t in zip(busiest, totals,
+                                                                                           strict=True)])),
                 "kv_recv_fraction": recv, "solve_us_per_pack": solve, "maps_us_per_pack": maps,
                 "dense_mask_mib": local * capacity / 2**20,
                 "flex_mask_mib": flex_mask_bytes(local, capacity, tile) / 2**20, "packs": len(packs),

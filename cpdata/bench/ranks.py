@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks forked from this process (CPU benchmarks).
+"""Run a function on N gloo ranks forked from this process (CPU benchmarks), or N spawned ranks of any backend.
 
 Each rank joins a fresh gloo group on a free localhost port with one intra-op
 thread, calls ``fn(rank, world_size, *args)``, sends the pickled result back
@@ -33,11 +33,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, fn, args) -> None:
+def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, fn, args, backend: str = "gloo"
+               ) -> None:  # fmt: skip
     code = 0
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":  # one GPU per rank, set before the group binds it
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         dist.barrier()  # without it gloo ranks abort intermittently at exit
@@ -51,17 +54,22 @@ def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, f
         os._exit(code)  # forked children must not run the parent's atexit handlers
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo",
+                 start_method: str = "fork") -> list[Any]:  # fmt: skip
     """``[fn(r, world_size, *args) for r in ranks]``, each on its own forked gloo rank.
 
-    ``fn`` may be a closure (the ranks are forked); its result must pickle.
+    ``fn`` may be a closure (the ranks are forked); its result must pickle. A
+    process that has touched CUDA must not fork: pass ``start_method="spawn"``
+    (``fn`` and ``args`` must then pickle) and ``backend="nccl"`` for one GPU
+    per rank.
     Raises ``RuntimeError`` with the failing ranks' tracebacks when a rank
     raises, exits non-zero or does not report within ``timeout`` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, results, timeout, fn, args), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, results, timeout, fn, args, backend),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,238 @@
+"""Per-rank attention time on one GPU against the live tiles each kernel pays, and the fitted cost of a tile.
+
+One GPU plays every CP rank of a pack in turn: for each rank, its queries
+(``L = S / cp``, local order) over the keys it holds (all ``S`` after the
+all-gather; own + received with the ``tiled`` layout's exchange plan), in
+bf16 with ``32`` query / ``8`` KV heads of dim ``128``, forward + backward,
+through the two CUDA kernels of the ``"cpdata"`` attention:
+
+- ``flex``: compiled ``flex_attention`` with the rank's ``BlockMask``; its live
+  tiles are the mask's ``kv_num_blocks + full_kv_num_blocks``. Exchanged keys
+  are padded with never-attended keys to a power-of-two count (at most ``S``),
+  so a config compiles a handful of shapes, not one per rank.
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` over the rank's segments
+  (:mod:`cpdata.device.varlen`); its live tiles are
+  :func:`cpdata.layout.varlen_tiles.segment_tiles` of the segments. A plan the
+  ``"cpdata"`` attention would send to the fallback (``balanced``: one segment
+  per query) is not run; its row says so.
+
+Packs: the first pack of each bench distribution at 32K (cp 4) and 128K (cp 8),
+packed for each layout as the bench packs it. Per (pack, layout, kernel) the
+rows give the busiest rank's time over the mean and its tiles over the mean;
+every rank's point ``(tiles, seconds)`` goes into one least-squares line per
+kernel, ``seconds = intercept + per_tile * tiles``.
+
+Calibration file (``calibration.json``, what the world deal's cost model reads)::
+
+    {
+      "per_tile_seconds": 2.1e-06,   # forward + backward seconds per live tile of the flex kernel (stream grid)
+      "tile": 128,                   # the tile side the counts use (128 x 128 query x key)
+      "kernel": "flex",              # the kernel per_tile_seconds is fitted on
+      "device": "NVIDIA H200",       # torch.cuda.get_device_name()
+      "dtype": "bfloat16", "heads": 32, "kv_heads": 8, "head_dim": 128,
+      "per_kernel": {                # every kernel's own fit
+        "flex": {"per_tile_seconds": ..., "intercept_seconds": ..., "r2": ..., "points": ...},
+        "varlen": {...}
+      },
+      "torch": "2.13.0"
+    }
+
+A cost model multiplies a rank's live tiles, counted the way its kernel pays
+them (:func:`cpdata.layout.tiles.live_tiles` for flex,
+:func:`cpdata.layout.varlen_tiles.varlen_live_tiles` for varlen), by
+``per_tile_seconds`` (per layer; the intercept is launch overhead, the same on
+every rank).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpdata.bench.attention import _packs
+from cpdata.layout.exchange import exchange_plan
+from cpdata.layout.maps import layout_runs
+from cpdata.layout.tiles import segment_starts
+from cpdata.layout.varlen_tiles import query_runs, segment_tiles
+
+__all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "fit_line", "rank_cases", "run", "time_step"]
+
+TILE, HEADS, KV_HEADS, HEAD_DIM = 128, 32, 8, 128
+CONFIGS: tuple[tuple[int, int], ...] = ((32768, 4), (131072, 8))
+DISTRIBUTIONS: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context")
+LAYOUTS: tuple[str, ...] = ("tiled", "balanced", "thd", "round_robin")  # tiled with its exchange plan
+REPEATS = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankCase:
+    """One rank of one pack: its queries and the keys it holds (numpy, host)."""
+
+    distribution: str
+    capacity: int
+    cp: int
+    layout: str
+    rank: int
+    start: np.ndarray
+    """int64 ``[L]``: each query's document slot start (the tail padding joins the last slot)."""
+    pos: np.ndarray
+    """int64 ``[L]``: each query's global position."""
+    key_pos: np.ndarray
+    """int64 ``[K]``: the global position of each key held (own then received with an exchange; else ``arange(S)``)."""
+    exchange: bool
+
+
+def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[RankCase]:
+    """Every rank of the distribution's first pack under ``layout`` (``tiled``: with its exchange plan)."""
+    lens = _packs(distribution, capacity, layout, cp, 1)[0]
+    rows = layout_runs(layout, cp, lens, capacity).rows()
+    slot, starts = segment_starts(lens, capacity)
+    doc_start = starts[slot]
+    exchange = layout == "tiled"
+    plan = exchange_plan(rows, starts) if exchange else None
+    out = []
+    for rank, row in enumerate(rows):
+        keys = np.concatenate([row, plan.rank(rank).recv_positions()]) if plan is not None else np.arange(capacity)
+        out.append(RankCase(distribution=distribution, capacity=capacity, cp=cp, layout=layout, rank=rank,
+                            start=doc_start[row], pos=row, key_pos=keys, exchange=exchange))  # fmt: skip
+    return out
+
+
+def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
+    """Least squares ``seconds = intercept + per_tile * tiles``: ``{per_tile_seconds, intercept_seconds, r2,
+    points}`` (None figures with fewer than two distinct tile counts)."""
+    x, y = np.asarray(tiles, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if x.size < 2 or np.unique(x).size < 2:
+        return {"per_tile_seconds": None, "intercept_seconds": None, "r2": None, "points": int(x.size)}
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = y - (intercept + slope * x)
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
+    return {"per_tile_seconds": float(slope), "intercept_seconds": float(intercept), "r2": r2, "points": int(x.size)}
+
+
+def _bucket(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+def time_step(step, repeats: int) -> float:
+    """Median seconds of ``step()`` (forward + backward) after one warm-up call (which compiles); CUDA events
+    where CUDA runs, else the host clock."""
+    step()
+    times = []
+    for _ in range(repeats):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+            continue
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float]:
+    from cpdata.adapters.attention_kernels import flex_attention_call
+    from cpdata.adapters.masks import block_mask_from_bounds, block_mask_over_keys
+
+    start = torch.as_tensor(case.start, device=device)[None]
+    pos = torch.as_tensor(case.pos, device=device)
+    if case.exchange:
+        keys = np.full(_bucket(case.key_pos.size, case.capacity), -1, dtype=np.int64)  # -1: never attended
+        keys[: case.key_pos.size] = case.key_pos
+        mask = block_mask_over_keys(start, pos, torch.as_tensor(keys, device=device), block_size=TILE)
+        n_keys = keys.size
+    else:
+        mask = block_mask_from_bounds(start, pos, case.capacity, block_size=TILE)
+        n_keys = case.capacity
+    tiles = int((mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item())
+    k, v = (torch.randn(1, KV_HEADS, n_keys, HEAD_DIM, device=device, dtype=q.dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn_like(q)
+
+    def step() -> None:
+        flex_attention_call(q, k, v, mask, scale=HEAD_DIM**-0.5).backward(grad)
+
+    return tiles, time_step(step, REPEATS)
+
+
+def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float | None, str | None]:
+    from cpdata.device import varlen
+
+    first, q_len = query_runs(case.pos, case.start)
+    k_len = case.pos[first + q_len - 1] - case.start[first] + 1
+    tiles = int(segment_tiles(q_len, k_len, TILE).sum())
+    try:
+        plan = varlen.varlen_plan(torch.as_tensor(case.start), torch.as_tensor(case.pos),
+                                  torch.as_tensor(case.key_pos), window=None, device=device)  # fmt: skip
+    except varlen.KeyCopiesError as e:
+        return tiles, None, f"not run ('cpdata' falls back to flex): {e}"
+    k, v = (torch.randn(1, KV_HEADS, case.key_pos.size, HEAD_DIM, device=device, dtype=q.dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn_like(q)
+
+    def step() -> None:
+        varlen.varlen_attention(q, k, v, plan, scale=HEAD_DIM**-0.5).backward(grad)
+
+    return tiles, time_step(step, REPEATS), None
+
+
+def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"
+        ) -> dict:  # fmt: skip
+    """``{"rows": [...], "ranks": [...], "calibration": {...}, "skipped": [...]}`` (see the module).
+
+    On CUDA (torch has no CPU varlen kernel, and CPU flex no backward; a CPU run needs both swapped).
+    Stops starting new packs at ``deadline`` (``time.monotonic()``), naming what it left out.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per shape
+    device = torch.device(device)
+    ranks, rows, skipped = [], [], []
+    for name in distributions:  # every distribution at both sizes before the next (the budget may cut the tail)
+        for capacity, cp in configs:
+            for layout in layouts:
+                if time.monotonic() > deadline:
+                    skipped.append(f"{name} {capacity // 1024}K cp {cp} {layout}: time budget spent")
+                    continue
+                per_kernel: dict[str, list[tuple[int, float | None, str | None]]] = {"flex": [], "varlen": []}
+                for case in rank_cases(name, capacity, cp, layout):
+                    q = torch.randn(1, HEADS, case.pos.size, HEAD_DIM, device=device, dtype=torch.bfloat16,
+                                    requires_grad=True)  # fmt: skip
+                    per_kernel["flex"].append((*_flex(case, q, device), None))
+                    per_kernel["varlen"].append(_varlen(case, q, device))
+                    for kernel, points in per_kernel.items():
+                        tiles, seconds, note = points[-1]
+                        ranks.append({"distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout,
+                                      "kernel": kernel, "rank": case.rank, "tiles": tiles, "seconds": seconds,
+                                      "note": note})  # fmt: skip
+                    del q
+                for kernel, points in per_kernel.items():
+                    tiles = np.array([p[0] for p in points], dtype=np.float64)
+                    secs = [p[1] for p in points]
+                    ran = all(s is not None for s in secs)
+                    rows.append({
+                        "distribution": name, "capacity": capacity, "cp_size": cp, "layout": layout, "kernel": kernel,
+                        "busiest_ms": 1e3 * max(secs) if ran else None,
+                        "time_max_over_mean": max(secs) / float(np.mean(secs)) if ran else None,
+                        "tiles_max_over_mean": float(tiles.max() / tiles.mean()),
+                        "busiest_tiles": int(tiles.max()),
+                        "note": next((p[2] for p in points if p[2]), None),
+                    })  # fmt: skip
+    fits = {}
+    for kernel in ("flex", "varlen"):
+        points = [(r["tiles"], r["seconds"]) for r in ranks if r["kernel"] == kernel and r["seconds"] is not None]
+        fits[kernel] = fit_line(np.array([p[0] for p in points]), np.array([p[1] for p in points]))
+    calibration = {
+        "per_tile_seconds": fits["flex"]["per_tile_seconds"], "tile": TILE, "kernel": "flex",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device), "dtype": "bfloat16", "heads": HEADS, "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "per_kernel": fits, "torch": torch.__version__,
+    }  # fmt: skip
+    return {"rows": rows, "ranks": ranks, "calibration": calibration, "skipped": skipped}

@@ -1,0 +1,170 @@
+"""``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one call.
+
+Parts, in order (each says why when it cannot run, and the next one goes on):
+
+==========================  ==========================================================================
+``pinned_batches``          a ``pin_memory=True`` loader's batches arrive pinned and copy unchanged
+``copy_overlap``            a non-blocking pinned H2D copy overlaps compute on another stream
+``attention_per_rank``      per rank, forward + backward of the attention it runs (flex compiled,
+                            varlen), bf16, 32 / 8 heads, dim 128, ``tiled`` (exchange), ``balanced``,
+                            ``thd``, ``round_robin``, packs of 32K cp 4 and 128K cp 8; busiest rank over
+                            the mean, time against live tiles, the per-tile fit
+                            (:mod:`cpdata.bench.gpu_attention`; writes ``calibration.json``)
+``hf_step_compiled``        a tiny HF model through ``"cpdata"``, ``torch.compile``'d, equal to the
+                            documents alone at cp 1 (float32 flex, bf16 varlen)
+``autocast_cp2_vs_cp1``     bf16 autocast, ``"cpdata"`` at cp 2 against cp 1 (:mod:`cpdata.bench.gpu_steps`)
+``exchange_vs_all_gather``  with >= 2 GPUs, the K/V exchange against the all-gather on NCCL: time and
+                            bytes (:mod:`cpdata.bench.gpu_exchange`)
+==========================  ==========================================================================
+
+Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds and the
+machine), ``DIR/gpu_check.md`` (the same as markdown tables) and, when the
+attention part ran, ``DIR/calibration.json`` (format in
+:mod:`cpdata.bench.gpu_attention`); prints the folder. Without CUDA every part
+is skipped, named, and the exit status is 0; a part that fails or misses its
+tolerance makes it 1. Sized for <= 8 minutes on one H100 / H200:
+``--attention-seconds`` (default 210) stops the attention part from starting
+new packs past its budget, naming what it left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from cpdata.bench.table import format_value
+
+__all__ = ["PARTS", "main", "render_markdown", "run_parts"]
+
+PARTS: tuple[str, ...] = ("pinned_batches", "copy_overlap", "attention_per_rank", "hf_step_compiled",
+                          "autocast_cp2_vs_cp1", "exchange_vs_all_gather")  # fmt: skip
+
+
+def _missing(part: str) -> str | None:
+    """Why ``part`` cannot run on this machine (None: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if part in ("hf_step_compiled", "autocast_cp2_vs_cp1"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return "transformers is not installed (pip install 'cpdata[hf]')"
+    if part == "exchange_vs_all_gather" and torch.cuda.device_count() < 2:
+        return f"needs >= 2 GPUs for NCCL ranks, found {torch.cuda.device_count()}"
+    return None
+
+
+def _call(part: str, attention_seconds: float) -> dict:
+    from cpdata.bench import gpu_attention, gpu_exchange, gpu_steps
+
+    calls: dict[str, Callable[[], dict]] = {
+        "pinned_batches": gpu_steps.pinned_batches,
+        "copy_overlap": gpu_steps.copy_overlap,
+        "attention_per_rank": lambda: gpu_attention.run(deadline=time.monotonic() + attention_seconds),
+        "hf_step_compiled": gpu_steps.hf_step,
+        "autocast_cp2_vs_cp1": gpu_steps.autocast_cp2,
+        "exchange_vs_all_gather": gpu_exchange.run,
+    }
+    return calls[part]()
+
+
+def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
+              log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """``{part: {"status", "seconds", "reason" | "error" | "result"}}``: ``skipped`` (with the reason),
+    ``ok``, ``mismatch`` (ran, missed a tolerance) or ``failed`` (raised; the traceback's tail)."""
+    out = {}
+    for part in parts:
+        if part not in PARTS:
+            raise ValueError(f"unknown part {part!r}; the parts are {list(PARTS)}")
+        reason = _missing(part)
+        if reason is not None:
+            out[part] = {"status": "skipped", "reason": reason, "seconds": 0.0}
+            log(f"[gpu-check] {part}: skipped: {reason}")
+            continue
+        t0 = time.monotonic()
+        try:
+            result = _call(part, attention_seconds)
+            status = "ok" if result.get("ok", True) else "mismatch"
+            out[part] = {"status": status, "result": result}
+        except Exception as e:  # noqa: BLE001 (every part's failure is reported and the next part runs)
+            out[part] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                         "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+        out[part]["seconds"] = time.monotonic() - t0
+        log(f"[gpu-check] {part}: {out[part]['status']} ({out[part]['seconds']:.1f} s)")
+    return out
+
+
+def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(format_value(v) for v in row) + " |" for row in rows])
+
+
+def render_markdown(report: dict) -> str:
+    """The report as markdown: the parts, then the attention rows and fits, then the exchange rows."""
+    machine, parts = report["machine"], report["parts"]
+    text = [f"# cpdata GPU check\n\n{machine['device']}, torch {machine['torch']}, {machine['gpus']} GPU(s)\n"]
+    notes = []
+    for name, part in parts.items():
+        note = part.get("reason") or part.get("error") or ""
+        if part["status"] in ("ok", "mismatch"):
+            note = ", ".join(f"{k} {format_value(v)}" for k, v in part["result"].items()
+                             if isinstance(v, (int, float, bool, str)) and k != "ok")  # fmt: skip
+        notes.append((name, part["status"], round(part["seconds"], 1), note))
+    text.append(_md(("part", "status", "seconds", "figures / reason"), notes))
+    attention = parts.get("attention_per_rank", {}).get("result")
+    if attention:
+        cols = ("distribution", "capacity", "cp_size", "layout", "kernel", "busiest_ms", "time_max_over_mean",
+                "tiles_max_over_mean", "busiest_tiles", "note")  # fmt: skip
+        text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
+        text.append(_md(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]))
+        fits = attention["calibration"]["per_kernel"]
+        text.append("\n## Seconds per live tile (least squares over every rank)\n")
+        text.append(_md(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
+                        [[k, *("-" if f[c] is None else f[c] for c in ("per_tile_seconds", "intercept_seconds",
+                                                                        "r2", "points"))] for k, f in fits.items()]))  # fmt: skip
+        if attention["skipped"]:
+            text.append("\nLeft out (time budget): " + "; ".join(attention["skipped"]))
+    exchange = parts.get("exchange_vs_all_gather", {}).get("result")
+    if exchange:
+        cols = ("distribution", "cp_size", "exchange_ms", "all_gather_ms", "exchange_recv_bytes",
+                "all_gather_recv_bytes")  # fmt: skip
+        text.append("\n## K/V exchange vs all-gather on NCCL (busiest rank, forward + backward)\n")
+        text.append(_md(cols, [[r[c] for c in cols] for r in exchange["rows"]]))
+    return "\n".join(text) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cpdata.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md, calibration.json")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="parts to run (default: all)")
+    parser.add_argument("--attention-seconds", type=float, default=210.0,
+                        help="budget of the attention part: no new pack starts after it (default 210)")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    cuda = torch.cuda.is_available()
+    machine = {"device": torch.cuda.get_device_name() if cuda else "cpu (no CUDA)", "gpus": torch.cuda.device_count(),
+               "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}  # fmt: skip
+    parts = run_parts(args.parts, attention_seconds=args.attention_seconds)
+    report = {"machine": machine, "parts": parts, "seconds": time.monotonic() - t0}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "gpu_check.md").write_text(render_markdown(report))
+    attention = parts.get("attention_per_rank", {}).get("result")
+    if attention and attention["calibration"]["per_tile_seconds"] is not None:
+        (out / "calibration.json").write_text(json.dumps(attention["calibration"], indent=1))
+    print(render_markdown(report))
+    print(f"[gpu-check] wrote {out} ({report['seconds']:.0f} s)")
+    return 1 if any(p["status"] in ("failed", "mismatch") for p in parts.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

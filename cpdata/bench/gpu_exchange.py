@@ -1,0 +1,90 @@
+"""GPU check part: the K/V exchange against the all-gather on NCCL, one GPU per rank (needs >= 2 GPUs).
+
+Each rank holds its shard of ``cat(K, V)`` for one layer, bf16 ``[1, 8, L, 256]``
+(8 KV heads of dim 128, K and V together, as the ``"cpdata"`` attention sends
+them), ``L = 8192``, of a ``tiled`` pack of the ``sft`` and ``long_context``
+distributions at ``8192 * cp`` tokens, ``cp`` = the GPUs (at most 8). Timed,
+forward + backward, median of 5 after a warm-up:
+:func:`cpdata.device.kv_exchange.exchange_tokens` (one all-to-all each way of
+the keys the plan names) and :func:`cpdata.gather.gather_token_tensor` (one
+all-gather, backward a reduce-scatter). Bytes: what the busiest rank receives
+forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+__all__ = ["DISTRIBUTIONS", "run"]
+
+KV_HEADS, KV_DIM, LOCAL, REPEATS = 8, 256, 8192, 5
+DISTRIBUTIONS = ("sft", "long_context")
+
+
+def _batches(world: int, distribution: str) -> tuple:
+    from cpdata.bench.distributions import sample
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
+    from cpdata.nodes.shard import ShardForRank
+
+    lens = sample(distribution, 4096, 0)
+    lens = lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1]
+    rng = np.random.default_rng(0)
+    docs = [{"input_ids": rng.integers(1, 1000, int(n))} for n in lens]
+    graph = shard_graph(docs, GraphOptions(capacity=LOCAL * world, cp_size=world, layout="tiled",
+                                       plan=StreamPlan(overflow="split")))
+    return next(iter(ShardForRank(graph, cp_size=world, cp_rank=0, layout="tiled", all_ranks=True,
+                                  kv_exchange=True)))  # fmt: skip
+
+
+def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
+    import torch.distributed as dist
+
+    from cpdata.bench.gpu_attention import time_step
+    from cpdata.device.kv_exchange import exchange_tokens
+    from cpdata.gather import gather_token_tensor
+
+    out = []
+    for distribution in DISTRIBUTIONS:
+        batches = _batches(world, distribution)  # every rank's (the same on each): the inverse needs no collective
+        layout = batches[rank].layout
+        rows = torch.cat([b.layout.local_token_global_indices.reshape(-1) for b in batches])
+        gathered_layout = replace(layout, gather_index=torch.argsort(rows), cp_size=world, cp_rank=rank)
+        n_recv = int(layout.kv_exchange.n_recv)
+        kv = torch.randn(1, KV_HEADS, LOCAL, KV_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
+        g_ex = torch.randn(1, KV_HEADS, LOCAL + n_recv, KV_DIM, device=device, dtype=torch.bfloat16)
+        g_ag = torch.randn(1, KV_HEADS, LOCAL * world, KV_DIM, device=device, dtype=torch.bfloat16)
+        dist.barrier()
+        exchange = time_step(lambda: exchange_tokens(kv, layout, None, seq_dim=2).backward(g_ex), REPEATS)  # noqa: B023
+        dist.barrier()
+        gather = time_step(lambda: gather_token_tensor(kv, gathered_layout, None, seq_dim=2).backward(g_ag),  # noqa: B023
+                           REPEATS)  # fmt: skip
+        token_bytes = KV_HEADS * KV_DIM * 2
+        out.append({"distribution": distribution, "rank": rank, "exchange_ms": 1e3 * exchange,
+                    "all_gather_ms": 1e3 * gather, "exchange_recv_bytes": n_recv * token_bytes,
+                    "all_gather_recv_bytes": (world - 1) * LOCAL * token_bytes})  # fmt: skip
+    return out
+
+
+def run() -> dict:
+    """``{"cp_size": cp, "rows": [...]}``: per distribution the busiest rank's times and bytes (see the module).
+
+    ``RuntimeError`` naming the count with fewer than two GPUs.
+    """
+    from cpdata.bench.ranks import run_on_ranks
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        raise RuntimeError(f"needs >= 2 GPUs, found {gpus}")
+    world = min(gpus, 8)
+    per_rank = run_on_ranks(_rank, world, timeout=300, backend="nccl", start_method="spawn")
+    rows = []
+    for i, distribution in enumerate(DISTRIBUTIONS):
+        ranks = [r[i] for r in per_rank]
+        rows.append({"distribution": distribution, "cp_size": world,
+                     **{key: max(r[key] for r in ranks) for key in ("exchange_ms", "all_gather_ms",
+                                                                    "exchange_recv_bytes", "all_gather_recv_bytes")}})  # fmt: skip
+    return {"cp_size": world, "rows": rows}

@@ -1,0 +1,236 @@
+"""Varlen (flash) attention over cpdata's document-causal mask at any cp: segments, ``cu_seq`` and the key gather.
+
+A rank's local queries, in local order, fall into runs of consecutive global
+positions inside one document slot (:func:`cpdata.layout.varlen_tiles.query_runs`;
+a whole document at cp 1, one or more chunks of it under ``thd``, ``balanced``,
+``round_robin``, ...). Each run is one varlen segment::
+
+    queries  q[first : first + n]                  contiguous in local order: no permutation
+    keys     global positions lo .. last           the document's prefix up to the run's last query
+             lo = slot start                       (window W: max(slot start, first query - W + 1))
+    mask     key j <= i + sk - sq                  causal aligned bottom-right, as FA for sq != sk;
+             j >= i + sk - sq - (W - 1)            window_size=(W - 1, 0) (transformers' kv > q - W)
+
+The keys come from the tensor the rank already holds (own + received with an
+exchange plan, all ``S`` after the all-gather) through one ``index_select``:
+``key_index`` maps each segment key to its row there. The kernel is
+``torch.nn.attention.varlen.varlen_attn`` (FA2 on CUDA, bf16 / fp16; torch has
+no CPU kernel), looked up at every call so tests can swap in
+:func:`cpdata.device.varlen_reference.reference_varlen_attn`; GQA is its
+``enable_gqa``.
+
+Trade-offs against flex over the packed stream: each segment is tiled by
+itself (:func:`cpdata.layout.varlen_tiles.segment_tiles`: a short document pays
+its own triangle wherever it sits) and no mask is built, but the gathered K/V
+``[Kv, Hkv, E]`` are a copy, ``Kv`` = the segments' key counts summed: the
+rank's tokens at cp 1 (each document once), up to ``r`` times a document's
+prefix when a rank holds ``r`` runs of it (``thd``: 2 per document). The plan
+(:func:`varlen_plan`) costs one host copy of the queries' bounds and the key
+positions per batch, window and device (O(L + K) numpy), cached by the caller.
+
+Layers the varlen API cannot compute (logit softcap, attention sinks) and
+dtypes flash does not take on CUDA fall back per call (:func:`choose_kernel`),
+the reason logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from cpdata.layout.varlen_tiles import query_runs
+
+__all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
+
+log = logging.getLogger(__name__)
+Kernel = Literal["varlen", "flex", "dense"]
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_LOGGED: set[str] = set()
+MAX_KEY_COPIES = 4
+"""A plan gathering more than this many times the keys the rank holds is refused (:class:`KeyCopiesError`)."""
+
+
+class KeyCopiesError(ValueError):
+    """The segments would gather more than ``MAX_KEY_COPIES`` times the keys the rank holds."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VarlenPlan:
+    """One batch's varlen segments over the keys a rank holds, for one window and device."""
+
+    cu_seq_q: torch.Tensor
+    """int32 ``[N + 1]``: segment offsets in the local queries."""
+    cu_seq_k: torch.Tensor
+    """int32 ``[N + 1]``: segment offsets in the gathered keys."""
+    max_q: int
+    """Longest segment in queries."""
+    max_k: int
+    """Longest segment in keys."""
+    key_index: torch.Tensor
+    """int64 ``[Kv]``: each gathered key's row in the keys the rank holds."""
+    window_size: tuple[int, int]
+    """``(-1, 0)`` causal, ``(W - 1, 0)`` a window of ``W`` keys up to the query."""
+
+
+def _offsets(lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32).to(device)
+
+
+PAD_CHUNK = 128
+"""Pad queries run as segments of at most this many queries over their own keys: one diagonal tile each."""
+
+
+def _pad_chunks(first: np.ndarray, q_len: np.ndarray, is_pad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs with pad runs cut into pieces of at most :data:`PAD_CHUNK` queries."""
+    pieces = np.where(is_pad, -(-q_len // PAD_CHUNK), 1)
+    run = np.repeat(np.arange(first.size), pieces)
+    k = np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece index inside its run
+    step = np.where(is_pad[run], PAD_CHUNK, 0)
+    new_first = first[run] + k * step
+    new_len = np.where(is_pad[run], np.minimum(PAD_CHUNK, q_len[run] - k * PAD_CHUNK), q_len[run])
+    return new_first.astype(np.int64), new_len.astype(np.int64)
+
+
+def varlen_plan(
+    start: torch.Tensor,
+    pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    window: int | None,
+    device: torch.device,
+    end: torch.Tensor | None = None,
+) -> VarlenPlan:
+    """The segments of one row of local queries over keys at global positions ``key_pos``.
+
+    Args:
+        start: int ``[1, L]`` or ``[L]``: each query's document slot start (global position).
+        pos: int ``[L]``: each query's global position.
+        key_pos: int ``[K]``: the global position of each key the rank holds (``arange(S)`` after the
+            all-gather, :func:`cpdata.device.kv_exchange.exchanged_key_positions` with an exchange plan).
+        window: sliding window in keys (None: the whole document prefix).
+        device: where the plan's tensors live (the queries').
+        end: int ``[1, L]`` or ``[L]``: one past each query's slot's last real token (``pos >= end``: a pad
+            query). Given, pads are free: a pad run is cut into segments of at most :data:`PAD_CHUNK` queries,
+            each over its own keys only (one diagonal tile, no empty row; varlen has no per-segment window,
+            so a pad sees the pads before it in its piece, never a real key). None: pads attend their slot
+            like its last document token.
+
+    ``ValueError`` when a segment needs a key ``key_pos`` lacks (a plan from another batch);
+    :class:`KeyCopiesError` (before any O(Kv) work) when the segments would gather more than
+    ``MAX_KEY_COPIES`` times the ``K`` keys held: a layout that cuts documents token by token
+    (``balanced``) makes one segment per query, each re-reading its document's prefix.
+    """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+    start_np = start.detach().reshape(-1).cpu().numpy().astype(np.int64)
+    pos_np = pos.detach().reshape(-1).cpu().numpy().astype(np.int64)
+    keys_np = key_pos.detach().reshape(-1).cpu().numpy().astype(np.int64)
+    if end is not None:  # a slot's pads run apart from its real tokens, from the first pad
+        end_np = end.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        start_np = np.where(pos_np < end_np, start_np, end_np)
+    first, q_len = query_runs(pos_np, start_np)
+    is_pad = np.zeros(first.size, dtype=bool) if end is None else pos_np[first] >= end_np[first]
+    if is_pad.any():
+        first, q_len = _pad_chunks(first, q_len, is_pad)
+        is_pad = pos_np[first] >= end_np[first]
+    last = pos_np[first + q_len - 1]
+    lo = np.where(is_pad, pos_np[first], start_np[first])
+    if window is not None:
+        lo = np.maximum(lo, pos_np[first] - (window - 1))
+    k_len = last - lo + 1
+    total, held = int(k_len.sum()), max(int(keys_np.size), 1)
+    if total > MAX_KEY_COPIES * held:
+        raise KeyCopiesError(
+            f"the layout cuts documents into {first.size} runs on this rank (varlen would gather {total} keys, "
+            f"{total / held:.0f}x the {held} held; layout 'tiled' keeps documents together)"
+        )
+    wanted = np.repeat(lo - np.cumsum(k_len) + k_len, k_len) + np.arange(total, dtype=np.int64)
+    inverse = np.full(int(max(keys_np.max(initial=-1), wanted.max(initial=-1))) + 1, -1, dtype=np.int64)
+    inverse[keys_np] = np.arange(keys_np.size, dtype=np.int64)
+    index = inverse[wanted]
+    if (index < 0).any():
+        missing = wanted[index < 0]
+        raise ValueError(
+            f"{missing.size} keys the queries attend (global positions {missing[:8].tolist()}...) are not among "
+            f"the {keys_np.size} keys this rank holds; pass this batch's layout (and its exchange plan)"
+        )
+    return VarlenPlan(cu_seq_q=_offsets(q_len, device), cu_seq_k=_offsets(k_len, device),
+                      max_q=int(q_len.max(initial=0)), max_k=int(k_len.max(initial=0)),
+                      key_index=torch.as_tensor(index).to(device),
+                      window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
+
+
+def _log_once(kind: str, reason: str, fallback: str) -> None:
+    if kind not in _LOGGED:
+        _LOGGED.add(kind)
+        log.warning("cpdata attention: %s, so these layers run %s instead of varlen", reason, fallback)
+
+
+def choose_kernel(
+    requested: str,
+    *,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    plan: Callable[[], VarlenPlan] | None = None,
+) -> Kernel:
+    """The kernel one attention call runs: ``"varlen"``, ``"flex"`` or ``"dense"``.
+
+    ``"dense"`` and ``"flex"`` stand. ``"auto"`` is varlen on CUDA where the layer allows it, else flex on
+    CUDA and dense elsewhere. ``"varlen"`` falls back where the layer does not allow it: to flex on CUDA, and to
+    dense SDPA elsewhere (torch's CPU flex has no backward). A layer allows varlen without logit softcap and
+    sinks (the varlen API has neither), on CUDA in fp16 / bf16 (flash's dtypes), and where the batch's
+    ``plan()`` (built only then) does not raise :class:`KeyCopiesError`. Each fallback reason is logged once
+    per process (logger ``cpdata.device.varlen``, WARNING).
+    """
+    if requested in ("dense", "flex"):
+        return requested
+    if requested not in ("auto", "varlen"):
+        raise ValueError(f"kernel={requested!r}: use 'auto', 'dense', 'flex' or 'varlen'")
+    cuda = torch.device(device).type == "cuda"
+    if requested == "auto" and not cuda:
+        return "dense"
+    if softcap is not None:
+        kind, reason = "softcap", "logit softcap (varlen_attn has no score modifier)"
+    elif sinks is not None:
+        kind, reason = "sinks", "attention sinks (varlen_attn has no sink logits)"
+    elif cuda and dtype not in _FLASH_DTYPES:
+        kind, reason = "dtype", f"{dtype} on CUDA (flash takes float16 / bfloat16)"
+    else:
+        try:
+            if plan is not None:
+                plan()
+            return "varlen"
+        except KeyCopiesError as e:
+            kind, reason = "copies", str(e)
+    fallback: Kernel = "flex" if cuda else "dense"
+    _log_once(kind, reason, fallback)
+    return fallback
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, *, scale: float
+) -> torch.Tensor:
+    """``out [1, H, L, Ev]`` of local queries ``q [1, H, L, E]`` over the keys ``k [1, Hkv, K, E]``,
+    ``v [1, Hkv, K, Ev]`` the rank holds, through ``torch.nn.attention.varlen.varlen_attn`` (see the module).
+
+    Differentiable: the key gather's backward sums each key's gradient over the segments that read it.
+    """
+    import torch.nn.attention.varlen as torch_varlen
+
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one row of queries and keys, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")  # fmt: skip
+    groups = q.shape[1] // k.shape[1]
+    q_t = q[0].transpose(0, 1).contiguous()  # [L, H, E]
+    k_t = k[0].transpose(0, 1).index_select(0, plan.key_index)  # [Kv, Hkv, E]
+    v_t = v[0].transpose(0, 1).index_select(0, plan.key_index)
+    out = torch_varlen.varlen_attn(q_t, k_t, v_t, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k,
+                                   scale=scale, window_size=plan.window_size, enable_gqa=groups > 1)  # fmt: skip
+    return out.transpose(0, 1).unsqueeze(0)

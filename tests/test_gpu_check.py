@@ -1,0 +1,77 @@
+"""The GPU check's plumbing on CPU: every part skipped and named, the JSON and markdown written, exit 0; its
+per-rank cases and its per-tile fit checked on their own (the timed parts need CUDA)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpdata.bench import gpu_check
+from cpdata.bench.gpu_attention import LAYOUTS, fit_line, rank_cases
+from cpdata.device.varlen import varlen_plan
+from cpdata.layout.tiles import live_tiles
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (every part skipped)")
+
+
+def test_cpu_machine_skips_every_part_by_name_and_exits_0(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "cpdata.bench.gpu_check", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert list(report["parts"]) == list(gpu_check.PARTS)
+    for name, part in report["parts"].items():
+        assert part["status"] == "skipped" and "no CUDA device" in part["reason"], (name, part)
+        assert f"{name}: skipped" in done.stdout
+    text = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert all(f"| {name} | skipped |" in text for name in gpu_check.PARTS)
+    assert not (tmp_path / "out" / "calibration.json").exists()
+    assert f"wrote {tmp_path / 'out'}" in done.stdout
+
+
+def test_fit_recovers_a_line_and_refuses_one_point():
+    tiles = np.array([10, 200, 3000, 45000])
+    fit = fit_line(tiles, 1e-4 + 2e-6 * tiles)
+    assert fit["per_tile_seconds"] == pytest.approx(2e-6) and fit["intercept_seconds"] == pytest.approx(1e-4)
+    assert fit["r2"] == pytest.approx(1.0) and fit["points"] == 4
+    assert fit_line(np.array([5, 5]), np.array([1.0, 2.0]))["per_tile_seconds"] is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rank_cases_cover_the_pack_and_hold_every_key_their_queries_need(layout):
+    cases = rank_cases("sft", 8192, 4, layout)
+    assert [c.rank for c in cases] == [0, 1, 2, 3]
+    assert np.array_equal(np.sort(np.concatenate([c.pos for c in cases])), np.arange(8192))
+    for case in cases:
+        assert case.exchange == (layout == "tiled") and np.all(case.start <= case.pos)
+        assert np.array_equal(case.key_pos[: case.pos.size], case.pos) or not case.exchange
+        plan = varlen_plan(torch.as_tensor(case.start), torch.as_tensor(case.pos), torch.as_tensor(case.key_pos),
+                           window=None, device=torch.device("cpu"))  # fmt: skip (raises if a key is missing)
+        assert plan.cu_seq_q[-1] == case.pos.size
+    if layout != "tiled":  # keys in global order: the flex mask's tiles are the stream-grid counter's
+        from cpdata.adapters.masks import block_mask_from_bounds
+
+        rows = np.stack([c.pos for c in cases])
+        lens = np.diff(np.unique(np.concatenate([c.start for c in cases] + [[8192]])))
+        want = live_tiles(rows, lens, 8192, 128)
+        for case in cases:
+            mask = block_mask_from_bounds(torch.as_tensor(case.start)[None], torch.as_tensor(case.pos), 8192)
+            assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) == want[case.rank]
+
+
+def test_autocast_part_runs_cp2_on_cpu_ranks_within_bf16_tolerance():
+    """The autocast part's code on CPU (gloo, spawned ranks): bf16 autocast through "cpdata" at cp 2 against the
+    documents alone under the same autocast. Rotary leaves q and k in float32 and v in bf16 under autocast; the
+    attention casts them as autocast casts SDPA's inputs (before, the K/V concatenation refused the mix)."""
+    from cpdata.bench.gpu_steps import BF16_TOL, autocast_cp2
+
+    result = autocast_cp2("cpu")
+    assert result["ok"] and 0 < result["max_rel_error"] < BF16_TOL and result["documents"] >= 3, result
