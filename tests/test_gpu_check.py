@@ -57,13 +57,13 @@ def test_rank_cases_cover_the_pack_and_hold_every_key_their_queries_need(layout)
                            window=None, device=torch.device("cpu"))  # fmt: skip (raises if a key is missing)
         assert plan.cu_seq_q[-1] == case.pos.size
     if layout != "tiled":  # keys in global order: the flex mask's tiles are the stream-grid counter's
-        from cpdata.adapters.masks import block_mask_from_bounds
+        from cpdata.device.attention_masks import block_mask
 
         rows = np.stack([c.pos for c in cases])
         lens = np.diff(np.unique(np.concatenate([c.start for c in cases] + [[8192]])))
         want = live_tiles(rows, lens, 8192, 128)
         for case in cases:
-            mask = block_mask_from_bounds(torch.as_tensor(case.start)[None], torch.as_tensor(case.pos), 8192)
+            mask = block_mask(torch.as_tensor(case.start)[None], torch.as_tensor(case.pos)[None], 8192)
             assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) == want[case.rank]
 
 

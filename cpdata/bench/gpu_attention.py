@@ -140,17 +140,17 @@ def time_step(step, repeats: int) -> float:
 
 def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float]:
     from cpdata.adapters.attention_kernels import flex_attention_call
-    from cpdata.adapters.masks import block_mask_from_bounds, block_mask_over_keys
+    from cpdata.device.attention_masks import block_mask
 
-    start = torch.as_tensor(case.start, device=device)[None]
-    pos = torch.as_tensor(case.pos, device=device)
+    lo = torch.as_tensor(case.start, device=device)[None]  # each query's key interval: its slot start ..
+    hi = torch.as_tensor(case.pos, device=device)[None]  # .. itself (the one mask of every cpdata attention)
     if case.exchange:
         keys = np.full(_bucket(case.key_pos.size, case.capacity), -1, dtype=np.int64)  # -1: never attended
         keys[: case.key_pos.size] = case.key_pos
-        mask = block_mask_over_keys(start, pos, torch.as_tensor(keys, device=device), block_size=TILE)
+        mask = block_mask(lo, hi, case.capacity, key_pos=torch.as_tensor(keys, device=device), block_size=TILE)
         n_keys = keys.size
     else:
-        mask = block_mask_from_bounds(start, pos, case.capacity, block_size=TILE)
+        mask = block_mask(lo, hi, case.capacity, block_size=TILE)
         n_keys = case.capacity
     tiles = int((mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item())
     k, v = (torch.randn(1, KV_HEADS, n_keys, HEAD_DIM, device=device, dtype=q.dtype, requires_grad=True)
