@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "Collate": "cpdata.nodes.collate",
     "CollatedPack": "cpdata.worker.collated",
     "ContextParallelAttention": "cpdata.device.cp_attention",
-    "ContextParallelSharder": "cpdata.device.sharder",
+    "ContextParallelSharder": "cpdata.nemo.sharder",
     "CostModel": "cpdata.schedule",
     "DocPiece": "cpdata.worker.plan",
     "Document": "cpdata.worker.plan",
@@ -56,7 +56,7 @@ _EXPORTS: dict[str, str] = {
     "open_dataset": "cpdata.sources.open",
     "plan_lengths": "cpdata.packing",
     "plan_schedule": "cpdata.schedule",
-    "precompute": "cpdata.offline.precompute",
+    "precompute": "cpdata.offline.precompute_plan",
     "rank_indices": "cpdata.layout.maps",
     "verify_layout_consistency": "cpdata.device.consistency",
 }

@@ -1,14 +1,21 @@
-"""Exception types that are both what NeMo Automodel raises and what cpdata promises (``ValueError``).
+"""Exception types that are both what Python or NeMo Automodel raises and what cpdata promises (``ValueError``).
 
 Code written against NeMo's sharder catches ``KeyError`` (a THD batch without
 ``seq_lens``) and ``NotImplementedError`` (token verbs of a data-dependent
 layout before the first shard, ``trim=True`` with nothing to trim to); code
 written against cpdata catches ``ValueError``. These subclasses satisfy both.
+
+Also here, the one check of integer arguments (:func:`check_int`,
+:func:`is_int`): a Python or numpy integer, never a ``bool``. A value of
+another type raises :class:`NotAnIntError`, a ``TypeError`` that is also the
+``ValueError`` cpdata promises for any bad argument.
 """
 
 from __future__ import annotations
 
-__all__ = ["MissingBatchKeyError", "NotAvailableYetError"]
+import numbers
+
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -25,3 +32,33 @@ class MissingBatchKeyError(KeyError, ValueError):
 
 class NotAvailableYetError(NotImplementedError, ValueError):
     """A token verb cannot run on what the sharder knows yet (no layout, nothing to trim to)."""
+
+
+class NotAnIntError(TypeError, ValueError):
+    """An integer argument of another type (a float, a string, a ``bool``): ``TypeError`` and ``ValueError``."""
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer: ``int`` or a numpy integer, not ``bool`` (``True`` is no count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, min: int | None = None, fix: str = "") -> int:
+    """``int(value)`` after checking it; the errors name the argument, its value, the bound and ``fix``.
+
+    Args:
+        name: the argument as the caller spells it (``"capacity"``).
+        value: what was passed.
+        min: the smallest value allowed; None for no bound.
+        fix: appended to the message (``"; use 1 for a single run"``).
+
+    Raises:
+        NotAnIntError: ``value`` is not an integer (``"capacity must be an int >= 1, got float 2.0"``).
+        ValueError: ``value < min`` (``"capacity must be an int >= 1, got 0"``).
+    """
+    bound = "" if min is None else f" >= {min}"
+    if not is_int(value):
+        raise NotAnIntError(f"{name} must be an int{bound}, got {type(value).__name__} {value!r}{fix}")
+    if min is not None and value < min:
+        raise ValueError(f"{name} must be an int{bound}, got {value!r}{fix}")
+    return int(value)

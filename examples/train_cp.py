@@ -60,9 +60,9 @@ from cp_model import CPTransformer, ModelConfig, TokenView  # noqa: E402
 
 from cpdata.adapters import global_target_count, token_loss  # noqa: E402
 from cpdata.device.consistency import verify_layout_consistency  # noqa: E402
-from cpdata.device.sharder import ContextParallelSharder  # noqa: E402
 from cpdata.layout.maps import layout_spec  # noqa: E402
 from cpdata.layout.tiles import live_tiles  # noqa: E402
+from cpdata.nemo.sharder import ContextParallelSharder  # noqa: E402
 from cpdata.nodes.loader import build_loader, close_loader  # noqa: E402
 from cpdata.offline.store import read_store  # noqa: E402
 from cpdata.recipes import balanced_allgather, precomputed  # noqa: E402

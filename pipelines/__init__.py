@@ -1,16 +1,12 @@
-"""Ready-made cpdata pipelines, installed as :mod:`cpdata.recipes`.
+"""Ready-made cpdata pipelines: this checkout's entry to :mod:`cpdata.recipes`, where they live and are installed.
 
-This folder is not installed: each module here re-exports the installed
-recipe's ``build`` so scripts run from a checkout can ``import pipelines.sft_thd``
-and users have a place to copy a recipe to before changing it. Installed code
-should import ``cpdata.recipes`` (``from cpdata.recipes import sft_thd``).
-
-| module               | packing        | layout        | qkv   | attention it feeds                        |
-|----------------------|----------------|---------------|-------|-------------------------------------------|
-| ``balanced_allgather`` | bfd, split   | balanced      | bshd  | all-gather K/V with a document mask       |
-| ``pretrain_concat``  | concat         | round_robin   | bshd  | torch ``context_parallel`` (causal SDPA)  |
-| ``sft_thd``          | bfd, truncate  | thd           | thd   | Transformer Engine THD (``cu_seqlens``)   |
-| ``precomputed``      | from the plan directory written by ``cpdata precompute``                  |
+``from pipelines import sft_thd`` (a script run from a checkout) is the module
+``cpdata.recipes.sft_thd``; installed code imports ``cpdata.recipes``. Each
+recipe is a short ``build(...)`` made only of library parts; to change one,
+copy its module from ``cpdata/recipes/``. The recipes and what each feeds are
+listed in :mod:`cpdata.recipes` and ``docs/recipes.md``.
 """
+
+from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
 
 __all__ = ["balanced_allgather", "precomputed", "pretrain_concat", "sft_thd"]

@@ -1,6 +1,6 @@
 """Test configuration: the repository root on ``sys.path``.
 
-``examples/`` (runnable programs) and ``pipelines/`` (copy-me re-exports of
+``examples/`` (runnable programs) and ``pipelines/`` (a checkout's entry to
 ``cpdata.recipes``) sit beside the package and are not installed; tests import
 them from the checkout.
 No fixtures are defined here.

@@ -21,6 +21,6 @@ def test_adapters_all_is_frozen_and_sorted():
 
 def test_cpdata_never_imports_the_adapters_and_they_import_no_model_stack():
     probe = "print(sorted(m for m in ('cpdata.adapters', 'transformers', 'transformer_engine') if m in sys.modules))"
-    code = f"import sys, cpdata, cpdata.nodes.loader, cpdata.device.sharder, cpdata.nodes.dataset; {probe}; import cpdata.adapters; {probe}"
+    code = f"import sys, cpdata, cpdata.nodes.loader, cpdata.nemo.sharder, cpdata.nodes.dataset; {probe}; import cpdata.adapters; {probe}"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["[]", "['cpdata.adapters']"]

@@ -27,8 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cpdata
 from cpdata.adapters import document_causal_mask, global_target_count, hf_model_kwargs, register_hf_attention
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor
+from cpdata.nemo.sharder import ContextParallelSharder
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import build_loader, closing_loader
 from cpdata.nodes.shard import ShardForRank

@@ -26,10 +26,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.device.consistency import verify_layout_consistency
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor
 from cpdata.layout.maps import alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.sharder import ContextParallelSharder
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, build_node, closing_loader, shard_graph
 from cpdata.nodes.shard import ShardForRank

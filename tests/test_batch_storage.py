@@ -116,7 +116,7 @@ def test_a_worker_batch_arrives_as_one_shared_memory_storage():
 
 def test_sharder_moves_a_presharded_batch_in_one_call(monkeypatch):
     from cpdata.bench.step_shard import LocalMesh
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.sharder import ContextParallelSharder
 
     batch = first_batch()
     sharder = ContextParallelSharder(None, LocalMesh(1, 4, "cpu"), batch)
@@ -152,8 +152,8 @@ def test_moved_views_are_the_spans_views_and_the_plan_travels():
 def test_sharder_fast_path_equals_the_general_path():
     from cpdata.bench.step_shard import LocalMesh
     from cpdata.device.cp_attention import AttentionContextFactory
-    from cpdata.device.raw_shard import DeviceShard
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.raw_shard import DeviceShard
+    from cpdata.nemo.sharder import ContextParallelSharder
 
     batch = first_batch()
     mesh = LocalMesh(1, 4, "cpu")

@@ -166,7 +166,7 @@ def _tiny_attention(input_ids: torch.Tensor, causal: bool) -> torch.Tensor:
 def _sharder_ctx(rank: int, cp: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.sharder import ContextParallelSharder
 
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     done = []

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.layout.maps import LAYOUTS, alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.sharder import ContextParallelSharder
 
 COLLECTIVES = (
     "all_gather_single",

@@ -78,7 +78,7 @@ def one_rank_nccl(tmp_path):
 
 
 def test_sharder_moves_a_worker_batch_to_cuda_and_gathers(one_rank_nccl):
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.sharder import ContextParallelSharder
     from cpdata.nodes.loader import build_loader, closing_loader
 
     with closing_loader(build_loader(_docs(), capacity=1024, cp_size=1, cp_rank=0, layout="identity")) as loader:

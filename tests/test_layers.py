@@ -25,18 +25,19 @@ LAYERS: dict[str, set[str]] = {
     "layout": {"errors"},
     "gather": {"layout"},
     "worker": {"errors", "layout"},
-    "packing": {"layout", "worker"},
-    "schedule": {"packing"},
-    "sources": {"worker"},
+    "packing": {"errors", "layout", "worker"},
+    "schedule": {"errors", "packing"},
+    "sources": {"errors", "worker"},
     "nodes": {"errors", "layout", "worker", "packing", "schedule", "sources"},
     "offline": {"errors", "layout", "worker", "packing", "schedule", "sources", "nodes"},
-    "device": {"errors", "layout", "gather", "worker"},
+    "device": {"errors", "layout", "gather", "worker"},  # the native path: a worker batch moved, attention, checks
+    "nemo": {"errors", "layout", "gather", "worker", "device"},  # NeMo's sharder contract, above the native path
     "adapters": {"errors", "layout", "gather", "worker", "device"},
     "integrations": {"errors", "layout", "gather", "worker", "packing", "schedule", "sources", "nodes", "offline",
-                     "device", "adapters"},  # fmt: skip
+                     "device", "nemo", "adapters"},  # fmt: skip
     "recipes": {"errors", "layout", "worker", "packing", "schedule", "sources", "nodes", "offline", "device"},
     "bench": {"errors", "layout", "gather", "worker", "packing", "schedule", "sources", "nodes", "offline", "device",
-              "adapters", "recipes"},  # fmt: skip
+              "nemo", "adapters", "recipes"},  # fmt: skip
     "cli": {"__init__"},
 }
 ROOT_MODULES = {"__init__", "cli", "errors", "gather"}

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from cpdata import build_loader
 from cpdata.device.consistency import LayoutCheck
 from cpdata.device.cp_attention import ContextParallelAttention
-from cpdata.device.sharder import ContextParallelSharder
+from cpdata.nemo.sharder import ContextParallelSharder
 
 RNG = np.random.default_rng(4)
 DOCS = [{"input_ids": RNG.integers(1, 300, int(n))} for n in RNG.integers(8, 60, 40)]

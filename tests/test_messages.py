@@ -39,7 +39,7 @@ def _ids_jsonl(path, n: int = 20):
 def _mesh_without_cp(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.sharder import ContextParallelSharder
     from cpdata.nodes.loader import build_node
 
     docs = [{"input_ids": np.arange(1, 20)}, {"input_ids": np.arange(1, 9)}]

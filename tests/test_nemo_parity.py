@@ -17,8 +17,8 @@ import torch
 from test_sharder import FakeMesh, direct
 
 from cpdata.device.cp_attention import AttentionContextFactory
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.sharder import ContextParallelSharder
 
 TE = SimpleNamespace(backend=SimpleNamespace(attn="te"))
 SDPA_MODEL = SimpleNamespace(backend=SimpleNamespace(attn="sdpa"))

@@ -17,10 +17,10 @@ from dist_utils import run_ranks
 from test_gather_dist import GATHERS, counting_collectives
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.device.raw_shard import closed_form_indices
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.layout.maps import rank_indices
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.raw_shard import closed_form_indices
+from cpdata.nemo.sharder import ContextParallelSharder
 
 
 def _lazy_inverse(rank: int, cp: int) -> list[int]:

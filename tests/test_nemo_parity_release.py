@@ -24,7 +24,7 @@ import pytest
 import torch
 from test_sharder import FakeMesh
 
-from cpdata.device.sharder import ContextParallelSharder
+from cpdata.nemo.sharder import ContextParallelSharder
 
 nemo_utils = pytest.importorskip("nemo_automodel.components.distributed.context_parallel.utils")
 nemo_sharder = pytest.importorskip("nemo_automodel.components.distributed.context_parallel.sharder")

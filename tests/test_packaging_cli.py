@@ -37,10 +37,10 @@ def test_recipes_are_in_the_installed_package_and_pipelines_reexports_them():
 
     installed = find_packages(str(ROOT), include=["cpdata*"])
     assert "cpdata.recipes" in installed and not any(p.startswith("pipelines") for p in installed)
-    import pipelines.sft_thd
     from cpdata.recipes import sft_thd
+    from pipelines import sft_thd as entry
 
-    assert pipelines.sft_thd.build is sft_thd.build
+    assert entry is sft_thd
 
 
 # ------------------------------------------------------------------------------------------ command line

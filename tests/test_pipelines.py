@@ -164,7 +164,7 @@ def test_sft_thd_passes_labels_and_loss_mask_through():
 
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_precomputed_matches_online_packing(tmp_path, dp_size):
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
 
     docs = make_docs(seed=3, max_len=200)
     path = tmp_path / "docs.jsonl"
@@ -192,7 +192,7 @@ def test_precomputed_matches_online_packing(tmp_path, dp_size):
 
 
 def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tmp_path):
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
 
     rng = np.random.default_rng(5)
     rows = []
@@ -213,3 +213,17 @@ def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tm
         local += sum(int((b["labels"] != -100).sum()) for b in batches)
     expected = sum(len(r["input_ids"]) - 1 for r in rows)  # every given target, trained once
     assert local == sum(b.info["n_targets"] for b in batches) == expected
+
+
+def test_recipes_have_one_home_and_pipelines_is_its_entry():
+    from pathlib import Path
+
+    import cpdata.recipes
+    import pipelines
+
+    assert pipelines.__all__ == cpdata.recipes.__all__ and len(pipelines.__all__) == 4
+    for name in pipelines.__all__:  # the same module object, not a second copy or a wrapper around build
+        assert getattr(pipelines, name) is getattr(cpdata.recipes, name), name
+        assert getattr(pipelines, name).__name__ == f"cpdata.recipes.{name}"
+    folder = Path(pipelines.__file__).parent
+    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py"], "a recipe module belongs in cpdata/recipes"

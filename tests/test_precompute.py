@@ -532,3 +532,11 @@ def test_jsonl_rows_are_validated_not_cast(tmp_path, bad):
     path.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match="line 2: .* must be a flat list of integers"):
         open_dataset(path)
+
+
+def test_precompute_stays_the_function_after_its_module_is_imported():
+    # the function and its module have different names, so importing the module cannot rebind the package's name
+    code = ("import cpdata, cpdata.offline.precompute_plan as m; from cpdata.offline import precompute; "
+            "print(precompute is m.precompute is cpdata.precompute, type(precompute).__name__)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "function"]

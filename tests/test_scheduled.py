@@ -197,7 +197,7 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
 
     from cpdata.cli import main as cli_main
     from cpdata.offline import PrecomputedPacks
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
     from cpdata.sources import open_dataset
 
     src = CountingDocs(120)

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.device.cp_attention import AttentionContextFactory
-from cpdata.device.raw_shard import DeviceShard
-from cpdata.device.sharder import ContextParallelSharder
 from cpdata.gather import gather_token_tensor, layout_tensor_on
 from cpdata.layout.maps import LAYOUTS, alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.raw_shard import DeviceShard
+from cpdata.nemo.sharder import ContextParallelSharder
 
 
 class FakeMesh:

@@ -284,7 +284,7 @@ def test_padding_token_id_is_checked_when_the_pipeline_is_built(pad, exc, patter
 def test_precompute_checks_its_configuration_before_reading_the_input(tmp_path, monkeypatch):
     import importlib
 
-    pre = importlib.import_module("cpdata.offline.precompute")  # the package re-exports the function's name
+    pre = importlib.import_module("cpdata.offline.precompute_plan")
 
     def unreadable(*args, **kwargs):
         raise AssertionError("the input was read before the configuration was checked")

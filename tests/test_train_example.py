@@ -122,7 +122,7 @@ def test_resume_gives_identical_losses(tmp_path, jsonl, source):
         ids = tmp_path / "ids.jsonl"
         ids.write_text("".join(json.dumps({"input_ids": list(json.loads(line)["text"].encode())}) + "\n"
                                for line in jsonl.read_text().splitlines()))
-        from cpdata.offline.precompute import precompute
+        from cpdata.offline.precompute_plan import precompute
 
         precompute(ids, tmp_path / "plan", capacity=128, cp_size=2, layout="balanced", overflow="split")
         data = ["--data", str(tmp_path / "plan"), "--documents", str(ids)]

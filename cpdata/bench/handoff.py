@@ -19,7 +19,7 @@ A received :class:`~cpdata.worker.batch.ShardedBatch` has not built its torch vi
 built on the device copy after ``pin_memory`` and ``to()`` (the
 ``step_shard`` section's time), never on the received host batch, so the
 receive time leaves them out; a CPU step reading the host batch pays them on
-first read (~1-3 us per key). The baseline's tensors are built by unpickling.
+first read (one torch call per key). The baseline's tensors are built by unpickling.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
+from cpdata.errors import check_int, is_int
 from cpdata.nodes.heap import keep_heap
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
@@ -82,7 +83,7 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
             values = [rows[i][key] for rows in runs]
             if isinstance(value, float):
                 out[key] = statistics.median(values)
-            elif isinstance(value, int) and not isinstance(value, bool):
+            elif is_int(value):
                 out[key] = statistics.median_low(values)
             else:
                 assert all(v == value for v in values), f"section {section!r}, row {i}: {key} differs: {values}"
@@ -108,8 +109,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     """
     from cpdata.bench.packing_quality import default_algorithm
 
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be an int >= 1, got {runs!r}; use 1 for a single run, 3 for medians of three")
+    check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,

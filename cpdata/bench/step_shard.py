@@ -94,7 +94,7 @@ def _nbytes(tensors) -> int:
 
 
 def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: int) -> dict:
-    from cpdata.device.sharder import ContextParallelSharder
+    from cpdata.nemo.sharder import ContextParallelSharder
 
     full, sharded = make_batches(tokens, layout, cp_size)
     if device.type == "cuda":

@@ -18,10 +18,8 @@ On by default: :class:`LayoutCheck` runs it on the first batch and then every
 on entering a ``ContextParallelAttention`` built by hand, so CP ranks of one
 DP group fed different packs (a ``dp_rank`` slip: the global rank passed on a
 pure-CP mesh) fail on every rank at the first step. Cost per check: the 16-byte
-all-reduce and one device-to-host read of it (a sync of the CP group). Measured
-on gloo, CPU ranks on a loaded 2-core machine: median 0.6 ms at cp 2, 3 ms at
-cp 4 (4 ranks on 2 cores), so 6-30 us per step averaged at N = 100; NCCL is
-not measured here (no GPU).
+all-reduce and one device-to-host read of it (a sync of the CP group), spread
+over ``N`` steps (figures on gloo: docs/benchmarks.md; NCCL not measured).
 ``check_layout_every=0`` (sharder) / ``check_every=0`` (ctx) turns it off.
 Worker batches and raw batches the sharder round-robins carry a digest;
 layouts without one (built by hand, the raw TE/THD path) are not checked.
@@ -34,10 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpdata.errors import check_int, is_int
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "verify_layout_consistency"]
 
+_INTERVAL = " (batches between checks; 0 or None: off)"
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
 
 
@@ -92,7 +92,7 @@ def verify_layout_consistency(
     layout = _layout_of(batch_or_layout)
     group, device = _group_and_device(cp_mesh_or_group, device)
     digest = layout.digest
-    valid = isinstance(digest, int) and not isinstance(digest, bool) and 0 <= digest < 2**63
+    valid = is_int(digest) and 0 <= digest < 2**63
     value = digest if valid else _MISSING
     seen = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
@@ -125,9 +125,7 @@ class LayoutCheck:
     """
 
     def __init__(self, every: int | None = DEFAULT_CHECK_EVERY) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ValueError(f"the layout check interval must be an int >= 0 (batches; 0 or None: off), got {every!r}")
-        self.every = int(every or 0)
+        self.every = 0 if every is None else check_int("the layout check interval", every, min=0, fix=_INTERVAL)
         self.calls = 0
 
     def __call__(self, layout: ShardLayout | None, group: Any = None) -> None:

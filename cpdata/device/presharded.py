@@ -27,7 +27,9 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.keys import DOCUMENT_IDS
 
-__all__ = ["PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded"]
+__all__ = [
+    "PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded", "to_device",
+]  # fmt: skip
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
@@ -62,7 +64,8 @@ def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any])
     return AttentionContextFactory(layout, mesh_group(cp_mesh), doc if isinstance(doc, torch.Tensor) else None)
 
 
-def _to(value: Any, device: torch.device | None) -> Any:
+def to_device(value: Any, device: torch.device | None) -> Any:
+    """``value`` moved to ``device`` (``non_blocking``) when it is a tensor and a device is given, else itself."""
     if device is None or not isinstance(value, torch.Tensor):
         return value
     return value.to(device, non_blocking=True)
@@ -102,7 +105,7 @@ def shard_presharded(
     if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
         out = (batch if device is None else batch.to(device, non_blocking=True)).tensors()
     else:
-        out = {k: _to(v, device) for k, v in batch.items()}
+        out = {k: to_device(v, device) for k, v in batch.items()}
     return attention_ctx(cp_mesh, layout, out), out, layout
 
 

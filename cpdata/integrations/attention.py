@@ -35,7 +35,7 @@ import torch
 
 from cpdata.adapters import hf_model_kwargs
 from cpdata.adapters.hf_attention import registered_options
-from cpdata.device.sharder import ContextParallelSharder
+from cpdata.nemo.sharder import ContextParallelSharder
 
 __all__ = ["CPModelInputs", "check_attention"]
 

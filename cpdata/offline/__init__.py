@@ -15,7 +15,7 @@ writes the plan as a versioned directory, and serves it back as a node.
 
 Modules, in pipeline order: ``tokenize_files`` / ``tokenstore_cli`` (``cpdata
 tokenize`` / ``pack-store``: text to a token store), ``progress`` (progress
-lines), ``precompute`` (planning + writing) and ``precompute_cli`` (``cpdata
+lines), ``precompute_plan`` (``precompute``: planning + writing) and ``precompute_cli`` (``cpdata
 precompute``), ``store`` (the plan directory format), ``reader``
 (``PrecomputedPacks``, the node serving a plan), ``precomputed_dataset`` (a plan
 for ``StatefulDataLoader`` workers), ``metrics`` / ``summary`` / ``plot`` /
@@ -28,15 +28,13 @@ does not pull in torch.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
     "PackStore": "cpdata.offline.store",
     "PrecomputedDataset": "cpdata.offline.precomputed_dataset",
     "PrecomputedPacks": "cpdata.offline.reader",
-    "precompute": "cpdata.offline.precompute",
+    "precompute": "cpdata.offline.precompute_plan",
     "read_store": "cpdata.offline.store",
 }
 
@@ -55,20 +53,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """Keeps ``cpdata.offline.precompute`` the function when the submodule of the same name is imported.
-
-    Importing ``cpdata.offline.precompute`` (the module) makes the import system
-    set the package attribute ``precompute`` to the module, after which
-    ``from cpdata.offline import precompute`` would return a module. The
-    exported object of that name is bound instead.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__ and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -111,7 +111,7 @@ def parse_mix(entries: list[str], *, seed: int, stop: str, by: str = "documents"
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpdata.offline.precompute import precompute
+    from cpdata.offline.precompute_plan import precompute
 
     data = args.input
     if args.mix:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
@@ -139,8 +140,7 @@ def _prepare(path: str | os.PathLike[str], tokenizer: RowTokenizer | None, vocab
     src = Path(path)
     if not src.is_file():
         raise ValueError(f"input {str(src)!r} does not exist or is not a file; pass a .jsonl file")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    check_int("workers", workers, min=1)
     if vocab_size is None and tokenizer is not None:
         size = getattr(tokenizer._tok, "__len__", None)
         vocab_size = size() if callable(size) else None

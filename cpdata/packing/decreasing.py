@@ -24,7 +24,7 @@
 
 At the end of the stream the carried bins are emitted, re-packed first
 (best-fit-decreasing, or :func:`~cpdata.packing.filling.exact_fill`) if that
-needs fewer bins; the exact fill (a few ms for ~1,000 carried pieces) is skipped
+needs fewer bins; the exact fill (the costlier of the two) is skipped
 when best-fit already reaches ``ceil(slot tokens / capacity)`` bins. Memory: the window plus at most the largest window's slot
 tokens carried.
 
@@ -38,9 +38,8 @@ does better here: 1.0 pp against 3.9).
 Measured with ``python -m cpdata.packing`` on the distributions of
 :mod:`cpdata.packing.distributions` at 4K-128K (window 1024 documents and at
 least :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens): 0.000-0.042
-percentage points above ``ceil(slot tokens / capacity)`` packs, at 0.4-1.8 us
-per document (~1.7 on 4K chat, where most of it is the best-fit loop and
-the trades); first-fit-decreasing over the whole stream: 0.00-0.08. Without
+percentage points above ``ceil(slot tokens / capacity)`` packs (time per document:
+docs/benchmarks.md; most of it the best-fit loop and the trades); first-fit-decreasing over the whole stream: 0.00-0.08. Without
 the gap rule of step 2, 4K chat (``ultrachat``) sits at 0.06-0.09 pp; without
 the trades of step 3, at ~1 pp. Latency: 99% of pieces leave within 10
 windows of their arrival, all within ~MAX_WAIT + 5 (the end of the stream

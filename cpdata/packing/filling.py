@@ -13,7 +13,7 @@ want the same size take distinct pieces of it, fullest bin first, or wait for
 the next round); :data:`ROUNDS` rounds at most. A trade never overfills either bin (the carried
 one only gains room). Without the trades ``bfd`` sits ~1 pp above the bound
 on 4K chat (``ultrachat``), with them ~0.04 pp. Cost: a few numpy passes over
-the pool per round, ~0.3-0.5 us per document at 4K.
+the pool per round.
 
 :func:`exact_fill` packs one pool bin by bin, for the carried pieces at the
 end of the stream (where nothing comes later to fill a gap): each bin takes
@@ -23,9 +23,8 @@ smallest; runs of pieces that no one or two pieces could complete go in at
 once. The carried pieces are the hard ones (sizes just under ``capacity / k``
 that best-fit-decreasing stacks ``k`` to a bin with a gap nothing fills):
 there it needs 2-3% fewer bins than best-fit-decreasing (613 instead of 627
-for 2,870 pieces of chat at 4K), once per stream: 0.8 ms for the 932 pieces
-carried to the end of the 8K worker benchmark's stream (3.0 ms with numpy calls
-in the loop). On a 40K-document
+for 2,870 pieces of chat at 4K), once per stream, in plain Python per bin (numpy calls in the loop
+cost more at these sizes; figures: docs/benchmarks.md). On a 40K-document
 chat stream at 4K this is 0.09 -> 0.04 pp above the bound.
 """
 
@@ -45,7 +44,7 @@ ROUNDS = 4
 
 def stable_order(values: np.ndarray) -> np.ndarray:
     """``np.argsort(values, kind="stable")`` of int64 ``values``, sorted as uint16 when every value is in
-    ``[0, 65536)`` (slot lengths up to a 64K capacity): numpy's radix sort, ~3x faster than its int64
+    ``[0, 65536)`` (slot lengths up to a 64K capacity): numpy's radix sort, faster than its int64
     timsort on a window's 1-2K pieces."""
     if values.size and int(values.min()) >= 0 and int(values.max()) < 1 << 16:
         return np.argsort(values.astype(np.uint16), kind="stable")

@@ -68,8 +68,8 @@ def plan_lengths(
     Returns:
         :class:`~cpdata.packing.PackingResult`; ``doc_index`` refers to positions in ``lengths``.
 
-    Cost: ``bfd`` 0.4-1.8 us per document, O(window) working memory beside the
-    O(n) result.
+    Cost: O(n) through the packer (time per document: docs/benchmarks.md), O(window) working memory
+    beside the O(n) result.
     """
     config = PackingConfig.resolve(
         capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.layout.maps import alignment
 
 __all__ = [
@@ -27,8 +28,8 @@ ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
 """Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound
-on the realistic distributions at 0.4-1.8 us per document (``python -m
-cpdata.packing``); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
+on the realistic distributions (``python -m cpdata.packing``; time per document:
+docs/benchmarks.md); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
 carry, and with it the ``Pack`` state, grows with the window)."""
 WINDOW_PACKS = 4
 """A window also holds at least this many packs of tokens (each document
@@ -37,14 +38,6 @@ capacity (90-token documents at 128K) 1024 documents are less than one pack,
 and a packer that sees less than a pack at a time emits it under-filled. The
 window then grows to ``WINDOW_PACKS * capacity / mean length`` documents
 (~5,800 at 128K for 90-token documents), never past ``WINDOW_PACKS * capacity``."""
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +76,7 @@ class PackingConfig:
         doc_multiple, pack_multiple = alignment(layout, cp_size)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
-        capacity = _check_int("capacity", capacity, 1)
+        capacity = check_int("capacity", capacity, min=1)
         if capacity % pack_multiple:
             below = capacity - capacity % pack_multiple
             above = below + pack_multiple
@@ -104,7 +97,7 @@ class PackingConfig:
         if window is None:
             window = None if algorithm == "ffd" else DEFAULT_WINDOW
         else:
-            window = _check_int("window", window, 1)
+            window = check_int("window", window, min=1)
         return cls(
             capacity=capacity,
             layout=layout,
@@ -113,7 +106,7 @@ class PackingConfig:
             overflow=overflow,
             window=window,
             doc_multiple=doc_multiple,
-            seed=_check_int("seed", seed, 0) if seed is not None else 0,
+            seed=check_int("seed", seed, min=0) if seed is not None else 0,
         )
 
     @property
@@ -180,7 +173,7 @@ class PackingStats:
     @staticmethod
     def fields_from_counts(*, capacity: int, **counts: int) -> dict[str, Any]:
         """What :meth:`from_counts` builds, as a fresh dict in field order (``dataclasses.asdict`` of it,
-        ~1 us instead of ~6 us for the object and ``asdict``; a ``Pack`` state holds it)."""
+        without building the object and walking it with ``asdict``; a ``Pack`` state holds it)."""
         tokens, packs = counts.get("tokens", 0), counts.get("packs", 0)
         lower = -(-counts.get("slot_tokens", 0) // capacity)
         fields = _STATS_DEFAULTS.copy()

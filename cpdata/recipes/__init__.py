@@ -6,9 +6,9 @@ Each module documents when to use it and exposes ``build(...)`` returning a
     from cpdata.recipes import sft_thd
     loader = sft_thd.build(docs, capacity=32768, cp_size=cp, cp_rank=r)
 
-They are installed with the package. The repository's top-level
-``pipelines/`` folder holds the same recipes as short copy-me starting points
-that import from here.
+This is their one home, installed with the package; the repository's
+top-level ``pipelines/`` is a checkout's entry to the same modules
+(``from pipelines import sft_thd``). Copy a module from here to change a recipe.
 
 | module               | packing        | layout        | qkv   | attention it feeds                        |
 |----------------------|----------------|---------------|-------|-------------------------------------------|

@@ -26,10 +26,10 @@ B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), when the
    cost: phase B never takes a piece back, so pieces of at most half a pack
    are exchanged or moved between cells (any slot) while that lowers the sum
    of the slots' costliest cells (D2 at dp 8 with ``max_delay=4``: ``imb_mb``
-   2.56 -> 2.16 % over 12 sampling seeds, for ~1 us per document). At 8K under
-   the 7B model the linear part dominates and slots are within 0.5 %
-   already: there (D1) the pass gained 0.005 pp at 3x the planning time, so
-   it is skipped.
+   2.56 -> 2.16 % over 12 sampling seeds, for a small share of the planning
+   time). At 8K under the 7B model the linear part dominates and slots are
+   within 0.5 % already: there (D1) the pass gained 0.005 pp for several
+   times the planning time (docs/benchmarks.md), so it is skipped.
 C. *Fillers.* The short pieces (overdue ones first) fill the remaining room
    in rounds: each round, cells in order of their gap take the longest filler
    that fits, or a shorter one when the longest would strand a gap smaller

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpdata.errors import check_int
+
 __all__ = ["FLEXSP_7B", "CostModel"]
 
 _DEFAULT_FLOPS = 2.2e14
@@ -60,8 +62,7 @@ class CostModel:
         kernels run below the matmul rate).
         """
         for name, value in (("num_layers", num_layers), ("hidden_size", hidden_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1)
         if not num_params > 0 or not flops_per_second > 0:
             raise ValueError(
                 f"num_params and flops_per_second must be > 0, got num_params={num_params!r}, "

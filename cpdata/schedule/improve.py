@@ -13,8 +13,8 @@ must keep both cells within ``capacity``; it is scored by the change of
 the best one is applied while it lowers that sum, then in the same round the
 best among those that touch neither of its slots (their scores still hold),
 and so on; at most :data:`ROUNDS` rounds per step. All candidates of a round are scored at once with numpy
-(``[pieces in slot maxima, placed pieces + one empty partner per cell]``), a
-round costs ~50-100 us on D2 (``cpdata bench --sections schedule``).
+(``[pieces in slot maxima, placed pieces + one empty partner per cell]``), so
+a round is a few numpy calls (its time: ``cpdata bench --sections schedule``).
 
 A cell's score is its balancing key plus what the fillers (phase C, which
 fills every cell to within a few tokens) will still add to its free room:

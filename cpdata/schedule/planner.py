@@ -39,7 +39,7 @@ micro_batches`` pieces longer than half a pack get one deadline (a step takes
 fewer while pieces taken ahead by the step before share its deadline), one
 per cell, so the check passes. On the bench distributions a step takes
 within a few percent of a step's tokens, so the steps track the token stream.
-Cost: ~3-4 us per document (``cpdata bench --sections schedule``).
+Cost: linear in the documents (time per document: ``cpdata bench --sections schedule``).
 
 Without a cost model (``cost=None``): the packs of
 :func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.packing import PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents
 from cpdata.schedule.balance import choose_runs, place_step
@@ -73,14 +74,6 @@ REFILLS = 3
 """Extra intake rounds of a step whose pool left outliers waiting (and so room)."""
 REFILL_SHARE = 200
 """A refill round runs while more than ``1 / REFILL_SHARE`` of the step's tokens is free."""
-
-
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return int(value)
 
 
 def _lengths(lengths: object) -> np.ndarray:
@@ -133,8 +126,8 @@ def plan_schedule(
         ValueError / TypeError: naming the bad argument.
     """
     lengths = _lengths(lengths)
-    R, M = _int("dp_size", dp_size, 1), _int("micro_batches", micro_batches, 1)
-    max_delay, epoch = _int("max_delay", max_delay, 0), _int("epoch", epoch, 0)
+    R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
+    max_delay, epoch = check_int("max_delay", max_delay, min=0), check_int("epoch", epoch, min=0)
     if tail not in TAIL_POLICIES:
         raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
     if cost is not None and not isinstance(cost, CostModel):

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import is_int
 from cpdata.sources.fingerprint import lengths_sha256
 
 __all__ = ["DatasetSlice", "TokenizedDataset"]
@@ -88,7 +89,7 @@ class TokenizedDataset(ABC):
         if isinstance(i, slice):
             return DatasetSlice(self, i)  # type: ignore[return-value]
         n = len(self)
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        if not is_int(i):
             raise TypeError(f"documents are addressed by an int index or a slice (dataset[:1000], a view), got "
                             f"{type(i).__name__} {i!r}")  # fmt: skip
         if not -n <= i < n:

@@ -14,16 +14,13 @@ costs the reader two comparisons and no call; one outside it calls
 :meth:`ChunkChecker.check`. A mismatch raises ``ValueError`` naming the file,
 the chunk's byte range and the document being read.
 
-Cost, by ``cpdata bench --sections integrity --runs 3`` (20M uint16 tokens,
-page cache warm, one core of a shared 2-core AMD EPYC; medians of paired
-passes, process CPU time; nine runs): the first read of every chunk adds
-1.6-5.4 % (median 3.2 %) to a reading pass (tokens only) and 3.1-6.9 % (median
-4.2 %, tokens and an int8 ``loss_mask``); a pass over checked chunks 0-2 %. What
-remains is the hashing: xxh3 runs ~35 GB/s over pages already mapped (1.2 ms
-per 40 MB of ``tokens.bin``, 2.5 % of the 47 ms pass). The page faults of a
+Cost (``cpdata bench --sections integrity``; figures in docs/benchmarks.md): the
+first read of every chunk adds a few percent to a reading pass, a pass over
+checked chunks next to nothing. What remains is the hashing (xxh3 over pages
+already mapped, once per byte per process). The page faults of a
 fresh mapping are paid once, by the hash instead of the read, as both go
 through the reader's mapping. Chunks of 64 KiB, 256 KiB or 4 MiB read no
-faster (64 KiB: +8-13 %, the per-chunk calls). Each process checks for itself:
+faster (64 KiB pays more per-chunk calls). Each process checks for itself:
 with ``W`` dataloader workers reading interleaved documents every worker
 touches nearly every chunk, so the first epoch pays up to ``W x`` that share
 per worker (persistent workers pay it once per run). A chunk is checked once

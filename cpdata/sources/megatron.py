@@ -28,12 +28,11 @@ Cost and checks (``n`` sequences):
 | open | 34-byte header, 2 ``stat``, 2 memory maps, 128 sampled 4 KiB blocks: O(1) | missing file, wrong magic, version, dtype code; an ``.idx`` whose size disagrees with its counts; a ``.bin`` shorter (truncated) or longer (another dataset's) than the index says |
 | ``lengths`` | O(n) numpy once (~12 B/sequence read) | sequences not back to back, decreasing document indices, non-text modes |
 | read document ``d`` | its sequences' rows of the index + one slice of the map | the same, for that document; float tokens that are not whole numbers |
-| ``fingerprint()`` / ``checksum()`` | sha256 of the whole ``.idx`` + 64 sampled 4 KiB blocks of the ``.bin`` + its size (computed once: ~20 ms per million documents) | |
+| ``fingerprint()`` / ``checksum()`` | sha256 of the whole ``.idx`` + 64 sampled 4 KiB blocks of the ``.bin`` + its size (computed once, O(index)) | |
 | ``check_unchanged()`` | 2 ``stat``; when an mtime moved, 64 sampled blocks of each file again (taken at open) | a file resized, or rewritten with other content where sampled |
 
-Measured on 1M documents (50M uint16 tokens) on a shared 2-core machine: open 2-3 ms, ``lengths`` 160-190 ms,
-``fingerprint()`` 75 ms, a read 14 us (29 us before ``lengths`` is known), ``check_token_ids(vocab)`` 1.3 s;
-megatron-core's ``IndexedDataset`` on the same files: open 0.8 ms, a read as int64 20 us.
+Times of each step on 1M documents, beside megatron-core's ``IndexedDataset`` on the same files, are in
+docs/benchmarks.md.
 
 The format holds no checksums, so unlike the token store there is nothing to re-hash the ``.bin``
 against: a plan is bound to the digest above, and an edit of the ``.bin`` in place that keeps its size
@@ -168,7 +167,7 @@ class MegatronIndexed(TokenizedDataset):
                     "longer than its index: the .idx belongs to another .bin, or the .bin was appended to")  # fmt: skip
             raise ValueError(f"{self.bin_path} has {size} bytes but {self.idx_path} says its last sequence ends at "
                              f"byte {end}: the .bin is {what}; copy both files again from the same build, or {_FIX}")  # fmt: skip
-        # a plain ndarray over the map: slicing an np.memmap costs ~10 us of subclass bookkeeping per read
+        # a plain ndarray over the map: slicing an np.memmap pays subclass bookkeeping on every read
         self._tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r").view(np.ndarray) if size else
                         np.zeros(0, self.dtype))  # fmt: skip
         self._offsets: np.ndarray | None = None

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import is_int
+
 __all__ = ["ASSISTANT_MASKS", "RowTokenizer", "TokenizeStats", "load_tokenizer"]
 
 ASSISTANT_MASKS = "assistant_masks"
@@ -120,7 +122,7 @@ class RowTokenizer:
     ) -> None:
         self.source = tokenizer
         self._tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        if max_length is not None and (not is_int(max_length) or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         if eos_token_id is None:
             eos_token_id = getattr(self._tok, "eos_token_id", None)

@@ -26,7 +26,7 @@ chunk at once, so a plan's recorded input digest names bytes that were read.
 
 Stores written before chunk checksums (``format_version`` 1) still open: the
 opening process hashes every file whole once against its recorded sha256
-(a few seconds per GB) and derives the chunk checksums the workers then use,
+(O(bytes), once) and derives the chunk checksums the workers then use,
 with a warning to rewrite the store (``cpdata pack-store OLD --out NEW``) for
 an O(1) open.
 

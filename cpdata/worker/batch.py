@@ -25,8 +25,8 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
   a :func:`cpdata.mix` also ``doc_source`` (the source's name; ``doc_index``
   is then the index in that source; not for a live mix read ``num_epochs > 1``
   times per ``iter()``, whose packs can join two epochs' draws: ``doc_index``
-  is then the draw's position in its epoch's mixed stream). Host ints only: 0.7-11 us per batch
-  (8K-128K-token packs).
+  is then the draw's position in its epoch's mixed stream). Host ints only, built per block
+  (cost: docs/benchmarks.md).
 
 Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
 an existing key may be replaced by a tensor of the same shape (the path
@@ -76,9 +76,8 @@ frozen dataclass that the gather, the sharder and CP attention read with
 there would need a descriptor changing what those see; deferring the whole
 record keeps it a plain value, and a stable ``batch.layout`` keeps
 identity-keyed caches (:func:`cpdata.gather.layout_tensor_on`) hitting.
-Trade-off: the first read pays the views (~1-3 us per key, one torch call
-each; ~3-5 us for the layout: two map views and a record copy) where
-construction used to; a batch whose keys are all read pays the same total.
+Trade-off: the first read pays the views (one torch call per key; two map
+views and a record copy for the layout) where construction used to; a batch whose keys are all read pays the same total.
 Two threads reading a fresh batch at once may both build (equal views,
 different tensor objects); the pin-memory thread reads none.
 """
@@ -190,8 +189,8 @@ class BatchBuffer:
         maps: layout field -> numpy view.
 
     Cost: one cached plan lookup (none through :meth:`of`), one allocation (numpy's, wrapped by torch:
-    ~2 us less than ``torch.empty`` + ``.numpy()``) and one field read of a structured view per array
-    (~0.15 us each, :class:`~cpdata.worker.buffer_spans.BufferPlan`); no torch view (the batch builds those when
+    cheaper than ``torch.empty`` + ``.numpy()``) and one field read of a structured view per array
+    (:class:`~cpdata.worker.buffer_spans.BufferPlan`); no torch view (the batch builds those when
     read).
     """
 

@@ -9,13 +9,12 @@ it is built once per shape set (:func:`buffer_plan` is cached: a pipeline
 repeats a few shapes), never mutated, and carried by every batch derived from
 another (pickle included).
 
-Cost model (one thread, a 32K cp 4 batch of 10 keys): each view is one torch
-call, ~1.2-1.6 us of argument parsing and dispatch whatever its size (the
-cheapest aliasing op, ``detach``, is ~0.5 us). Grouping keys by dtype and
-shape so that one ``as_strided`` + ``unbind`` (or ``split_with_sizes``)
-yields several views measured no faster (``unbind`` costs ~0.6-1 us per
-output plus its own call), so the buffer keeps the key order and every
-span's alignment.
+Cost model: each view is one torch call, whose argument parsing and dispatch
+cost the same whatever its size (figures: docs/benchmarks.md). Grouping keys
+by dtype and shape so that one ``as_strided`` + ``unbind`` (or
+``split_with_sizes``) yields several views is no faster (``unbind`` pays per
+output plus its own call), so the buffer keeps the key order and every span's
+alignment.
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ def gap_index(tables: tuple[Mapping[str, Span], ...], total: int) -> np.ndarray:
     ``np.empty`` or ``torch.empty``, and without this its gaps would carry whatever the allocator left
     there into pickles, shared memory and device copies.
 
-    Cost: O(spans log spans + gaps), from the span table alone (a byte mask over the buffer cost ~0.5 ms at
-    32K tokens, paid once per new batch shape in every worker).
+    Cost: O(spans log spans + gaps), from the span table alone (a byte mask over the buffer would be
+    O(bytes), paid once per new batch shape in every worker).
     """
     runs = sorted((offset, offset + nbytes) for table in tables for offset, nbytes, *_ in table.values())
     gaps, covered = [], 0  # covered: the end of the spans so far
@@ -159,13 +158,13 @@ class BufferPlan(NamedTuple):
     record: np.dtype
     """A structured dtype of the buffer's bytes, one field per array at its span (fields ``"0"``, ``"1"``,
     ...: the tensors in key order, then the maps): a 0-d array of it over the buffer gives every numpy
-    view by a field read, ~0.15 us each against ~0.3 us for an ``np.ndarray(shape, dtype, buffer, offset)``."""
+    view by a field read, about half the cost of an ``np.ndarray(shape, dtype, buffer, offset)``."""
     arrays: tuple[tuple[str, str], ...]
     """``(key, field)`` of the tensors, in key order."""
     maps: tuple[tuple[str, str], ...]
     """``(layout field, field)`` of the layout maps, after the tensors."""
     gaps: np.ndarray
-    """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation (~0.5 us)."""
+    """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation (one small scatter)."""
 
 
 @functools.lru_cache(maxsize=256)

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.worker.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
@@ -89,8 +90,7 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
     fix = "pass an id the embedding can look up, e.g. padding_token_id=tokenizer.eos_token_id (pads are masked out)"
     if padding_token_id is None:
         raise TypeError(f"padding_token_id is None (the tokenizer defines no pad token); {fix}")
-    if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, (int, np.integer)):
-        raise TypeError(f"padding_token_id must be an int, got {type(padding_token_id).__name__} {padding_token_id!r}; {fix}")
+    check_int("padding_token_id", padding_token_id, fix=f"; {fix}")
     if padding_token_id < 0:
         raise ValueError(
             f"padding_token_id={padding_token_id} is negative and would index outside the embedding "
@@ -171,9 +171,10 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     labels read those instead. Pad position ids are clamped to ``S - 1`` only
     when some slot's pads would pass it (a piece continuing a long document).
 
-    Cost: ~12 numpy calls, each ~0.3-1 us at 512 positions (the methods, not the ``np.take``-style
-    wrappers, and slice assignment rather than ``np.copyto``: ~0.3 us less per call), plus ~3-4 ns per
-    position (8 passes; one two-row ``repeat`` of both shifts measured slower than two).
+    Cost: ~12 numpy calls, whose fixed overhead dominates short packs (the methods, not the
+    ``np.take``-style wrappers, and slice assignment rather than ``np.copyto``: each cheaper per call),
+    plus 8 passes over the positions (one two-row ``repeat`` of both shifts is slower than two); figures
+    in docs/benchmarks.md.
     """
     k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
     shape, tab = out_ids.shape, stream.segments

@@ -216,7 +216,7 @@ def plan_digest(
     last included). Columnar: the provenance is the plan's four int64
     columns, the samples of every piece come from one gather over the
     concatenated ids, and the hash covers ``n_pieces * 12`` int64s, instead
-    of hashing every id (1.5 ms at 128K); ranks that read other data of the
+    of hashing every id (O(tokens) per batch); ranks that read other data of the
     same shape (same lengths, other tokens) disagree on the sampled ids,
     while a change confined to unsampled positions goes unseen.
 

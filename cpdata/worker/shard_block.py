@@ -213,8 +213,7 @@ def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSou
            ) -> tuple[list[list[int]], list[list[int]], list[list[str | None]] | None]:  # fmt: skip
     """Per batch, per slot (``cu_seqlens_padded`` order): the document index, the piece's offset in it and, with
     ``sources``, the mix source's name (the index then the document's index in that source). An empty plan's
-    padding slot: index -1, offset 0, name None. Two ``tolist`` per block: measured 0.7 / 4 / 11 us per batch at
-    8K / 32K / 128K-token packs (10 / 42 / 116 slots; a loaded 2-core machine), a mix's lookup on top."""
+    padding slot: index -1, offset 0, name None. Two ``tolist`` per block (cost per batch: docs/benchmarks.md), a mix's lookup on top."""
     index, start = table[:, 0], table[:, 1]
     names: list[str | None] | None = None
     if sources is not None:

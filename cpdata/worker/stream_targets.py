@@ -11,14 +11,12 @@ Without labels in the buffer (the usual case) the targets are the next ids,
 which are token ids inside the piece and the element after it for its last
 token (``next_label``: -100 unless the document continues), so a slot holds
 ``n - 1`` targets plus one if that element is not -100: one ``take`` of the
-slot ends, O(slots), ~1 us per batch. With labels, each slot's labels are
-counted (one compare of a contiguous slice per slot, O(tokens + slots)):
-measured 15 / 22 / 67 us per batch at 8K / 32K / 128K-token packs of ~9 slots
-and 28 / 113 / 426 us at 18 / 55 / 241 slots (a loaded 2-core machine), against
-27-47 us for the rest of an unlabelled batch's block math. One gather of every
-slot's labels costs the same at 241 slots and up to 4x more at few slots; a
-prefix count over the buffer reads the whole packing window (4-60x the
-batch's tokens).
+slot ends, O(slots). With labels, each slot's labels are counted (one compare
+of a contiguous slice per slot, O(tokens + slots)): about the rest of an
+unlabelled batch's block math at ~10 slots, several times it at hundreds of
+slots (figures: docs/benchmarks.md). One gather of every slot's labels costs
+the same at many slots and more at few; a prefix count over the buffer reads
+the whole packing window (4-60x the batch's tokens).
 """
 
 from __future__ import annotations

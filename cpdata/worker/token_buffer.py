@@ -23,8 +23,8 @@ followed by one element, the target of its last token (-100 after a document,
 
 :class:`BufferPool` hands out the large ``ids`` arrays: a buffer is reused only
 once nothing refers to it any more (no pack of its window is alive), because a
-fresh multi-MB array per window costs page faults, measured at up to 10x the
-copy itself.
+fresh multi-MB array per window costs page faults that outweigh the copy itself
+(figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
   the same object, untouched.
 
 Raw THD batches of Transformer Engine models go through
-:mod:`cpdata.device.thd_shard`. Cost of the raw path: O(S) numpy on the host for the
+:mod:`cpdata.nemo.thd_shard`. Cost of the raw path: O(S) numpy on the host for the
 layout plus one gather per token tensor on device.
 
 Raw batch keys at cp > 1: sharded — the primary, ``labels``,
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded
+from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded, to_device
 from cpdata.layout.maps import alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import (
@@ -65,10 +65,6 @@ PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
 """Sequence-shaped keys that pass through unsharded (as NeMo passes them), besides ``_``-prefixed keys."""
 
 
-
-
-
-
 def closed_form_indices(layout: str, cp_mesh: Any, padded_seq_len: int, device: Any = None) -> torch.Tensor:
     """This rank's global positions for a layout that needs no slot lengths.
 
@@ -77,18 +73,6 @@ def closed_form_indices(layout: str, cp_mesh: Any, padded_seq_len: int, device: 
     """
     rank, size = mesh_rank_size(cp_mesh)
     return torch.from_numpy(rank_indices(layout, size, (), padded_seq_len)[rank]).to(device)
-
-
-def _to(value: Any, device: torch.device | None) -> Any:
-    if device is None or not isinstance(value, torch.Tensor):
-        return value
-    return value.to(device, non_blocking=True)
-
-
-
-
-
-
 
 
 def primary_key(batch: Mapping[str, Any]) -> str:
@@ -213,10 +197,10 @@ class DeviceShard:
         rank, size = mesh_rank_size(cp_mesh)
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
-        out = {k: _to(v, self.device) for k, v in batch.items()}
+        out = {k: to_device(v, self.device) for k, v in batch.items()}
         _attention_to_padding_mask(out)
         if loss_mask is not None:
-            out[LOSS_MASK] = _to(loss_mask, self.device)
+            out[LOSS_MASK] = to_device(loss_mask, self.device)
         key = primary_key(out)
         primary = out[key]
         if primary.dim() != (3 if key == INPUTS_EMBEDS else 2):

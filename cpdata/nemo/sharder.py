@@ -7,7 +7,7 @@ keeps the batch's :class:`ShardLayout`; the token verbs
 tensor between the caller's coordinates and this rank's local order with that
 layout. A worker-sharded batch (a Mapping with ``.layout``) is only copied to
 the device; a raw full batch is laid out on device by the same layout functions
-(:mod:`cpdata.device.raw_shard`). The gather is one collective (:mod:`cpdata.gather`).
+(:mod:`cpdata.nemo.raw_shard`). The gather is one collective (:mod:`cpdata.gather`).
 
 Construction follows one of two forms:
 
@@ -15,7 +15,7 @@ Construction follows one of two forms:
   with a backend's own ``shard_batch``;
 - resolved: ``ContextParallelSharder(model, mesh, batch, ...)`` picks the
   model's sharder (``model.prepare_model_inputs_for_cp(batch, num_chunks=...)``,
-  NeMo's hook) or cpdata's own (:func:`cpdata.device.resolve.resolve_strategy`).
+  NeMo's hook) or cpdata's own (:func:`cpdata.nemo.resolve.resolve_strategy`).
 
 At cp <= 1 a raw batch comes back as the same object and
 ``gather_token_tensor(t)`` returns ``t``. Errors NeMo raises as
@@ -34,13 +34,13 @@ import torch
 
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.presharded import PreshardedMove, mesh_rank_size
-from cpdata.device.raw_shard import DeviceShard
-from cpdata.device.resolve import Strategy, mesh_device, resolve_strategy, submesh
-from cpdata.device.token_coords import to_padded_stream, trim_to_caller
 from cpdata.errors import NotAvailableYetError
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.raw_shard import DeviceShard
+from cpdata.nemo.resolve import Strategy, mesh_device, resolve_strategy, submesh
+from cpdata.nemo.token_coords import to_padded_stream, trim_to_caller
 from cpdata.worker.batch import ShardedBatch
 
 __all__ = ["ContextParallelSharder"]

@@ -21,7 +21,7 @@ Output (NeMo's ``process_input_for_thd`` contract, same keys and values):
 | every other key | unchanged, except ``seq_lens``/``seq_lens_padded`` (consumed), ``attention_mask`` (dropped) |
 
 A flat ``[T]`` stream is taken as one row. Sequence-shaped keys pass
-through only by :data:`cpdata.device.raw_shard.PASSTHROUGH_TOKEN_KEYS` or a ``_``
+through only by :data:`cpdata.nemo.raw_shard.PASSTHROUGH_TOKEN_KEYS` or a ``_``
 prefix (``_global_vision_mask``); any other ``[B, S]`` tensor is refused
 (declare it in ``extra_seq_buffers``).
 
@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.device.raw_shard import check_undeclared
 from cpdata.errors import MissingBatchKeyError
 from cpdata.layout.maps import rank_indices
+from cpdata.nemo.raw_shard import check_undeclared
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
 __all__ = ["SEQ_LENS_SENTINEL", "ThdStream", "shard_thd_stream", "to_thd_stream"]

@@ -19,8 +19,8 @@
 3. A ``qkv_format="thd"`` batch for a Transformer Engine model
    (``model.backend.attn == "te"``, ``config._attn_implementation == "te"``
    or ``model._te_attention_injected``), or with no model at all:
-   :class:`cpdata.device.thd_shard.ThdShard`, at every CP size.
-4. cp > 1: :class:`cpdata.device.raw_shard.DeviceShard` (``round_robin``).
+   :class:`cpdata.nemo.thd_shard.ThdShard`, at every CP size.
+4. cp > 1: :class:`cpdata.nemo.raw_shard.DeviceShard` (``round_robin``).
 5. Otherwise the identity: ``shard()`` hands back the caller's batch.
 
 Call sites never branch on backends; they hold the resulting
@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from cpdata.device.presharded import is_presharded, mesh_rank_size
-from cpdata.device.raw_shard import DeviceShard, closed_form_indices, shard_identity
-from cpdata.device.thd_shard import ThdShard
+from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.raw_shard import DeviceShard, closed_form_indices, shard_identity
+from cpdata.nemo.thd_shard import ThdShard
 
 __all__ = ["Strategy", "attention_backend", "mesh_device", "resolve_strategy", "submesh", "uses_te_attention"]
 
@@ -51,9 +52,9 @@ class Strategy:
 
     shard_batch: Callable[..., Any]
     """``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) -> (ctx, batch, ShardLayout | None)``."""
-    local_token_global_indices: Callable[..., torch.Tensor] | None
+    local_token_global_indices: Callable[..., torch.Tensor] | None = None
     """Closed-form ``(cp_mesh, padded_seq_len, device)`` index map, or None (data-dependent)."""
-    shard_layout: ShardLayout | None
+    shard_layout: ShardLayout | None = None
     """A layout known before the first shard (usually None)."""
 
 
@@ -131,8 +132,7 @@ def _magi_strategy(model: Any, device_mesh: Any, batch: Mapping[str, Any], num_c
 
     nemo = _prepare_cp_sharder(model, device_mesh, batch, num_chunks=num_chunks, invoke_pre_embed=invoke_pre_embed,
                                extra_seq_buffers=dict(extra_seq_buffers) if extra_seq_buffers else None)  # fmt: skip
-    return Strategy(shard_batch=_ForeignLayout(nemo.shard_batch),
-                    local_token_global_indices=nemo.local_token_global_indices, shard_layout=None)  # fmt: skip
+    return Strategy(shard_batch=_ForeignLayout(nemo.shard_batch), local_token_global_indices=nemo.local_token_global_indices)
 
 
 def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strategy | None:
@@ -175,7 +175,7 @@ def resolve_strategy(
     extra_seq_buffers: Mapping[str, int] | None = None,
 ) -> Strategy:
     """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+    if not is_int(num_chunks) or num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")
     if model is not None and attention_backend(model) == "magi":
         return _magi_strategy(model, device_mesh, batch, num_chunks, invoke_pre_embed, extra_seq_buffers)
@@ -189,21 +189,11 @@ def resolve_strategy(
             return owned
     device, extras = mesh_device(device_mesh), dict(extra_seq_buffers or {})
     if is_presharded(batch):
-        return Strategy(shard_batch=DeviceShard(device=device), local_token_global_indices=None, shard_layout=None)
+        return Strategy(shard_batch=DeviceShard(device=device))
     if batch_is_thd and (model is None or uses_te_attention(model)):
-        return Strategy(
-            shard_batch=ThdShard(num_chunks=num_chunks, device=device, extra_seq_buffers=extras),
-            local_token_global_indices=None,
-            shard_layout=None,
-        )
+        return Strategy(shard_batch=ThdShard(num_chunks=num_chunks, device=device, extra_seq_buffers=extras))
     if cp_size > 1:
-        return Strategy(
-            shard_batch=DeviceShard(device=device, extra_seq_buffers=extras),
-            local_token_global_indices=functools.partial(closed_form_indices, "round_robin"),
-            shard_layout=None,
-        )
-    return Strategy(
-        shard_batch=shard_identity,
-        local_token_global_indices=functools.partial(closed_form_indices, "identity"),
-        shard_layout=None,
-    )
+        return Strategy(shard_batch=DeviceShard(device=device, extra_seq_buffers=extras),
+                        local_token_global_indices=functools.partial(closed_form_indices, "round_robin"))
+    return Strategy(shard_batch=shard_identity,
+                    local_token_global_indices=functools.partial(closed_form_indices, "identity"))

@@ -1,6 +1,6 @@
 """``shard_batch`` for raw THD batches of Transformer Engine models (NeMo's TE/THD path, any CP size).
 
-:func:`cpdata.device.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every
+:func:`cpdata.nemo.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every
 token tensor is then cut by TE's partition (``thd_get_partitioned_indices``,
 which is cpdata's ``thd`` layout: chunks ``r`` and ``2cp-1-r`` of every
 document slot) and the metadata takes NeMo's cp > 1 form:
@@ -25,7 +25,7 @@ Example (cp = 2, real [3, 5] in slots [4, 8]): rank 0 holds stream positions
 
 Pipeline parallelism (``num_chunks > 1``): the ``B`` rows split into
 ``num_chunks`` equal groups, each converted on its own and stacked
-(:mod:`cpdata.device.pp_chunks`); chunked batches have no single token layout.
+(:mod:`cpdata.nemo.pp_chunks`); chunked batches have no single token layout.
 mRoPE positions keep their leading dim (``[P, 1, T/cp]``); NeMo indexes
 them on that dim at cp > 1, cpdata on the token dim.
 """
@@ -36,14 +36,15 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cpdata.device.cp_attention import AttentionContextFactory
-from cpdata.device.pp_chunks import split_thd_chunks
-from cpdata.device.presharded import mesh_group, mesh_rank_size
-from cpdata.device.thd_batch import shard_thd_stream, to_thd_stream
+from cpdata.device.presharded import mesh_group, mesh_rank_size, to_device
 from cpdata.layout.maps import inverse_indices
 from cpdata.layout.shard_layout import ShardLayout
+from cpdata.nemo.pp_chunks import split_thd_chunks
+from cpdata.nemo.thd_batch import shard_thd_stream, to_thd_stream
 from cpdata.worker.keys import INPUT_IDS
 
 __all__ = ["THD_LOCAL_INDICES", "ThdShard"]
@@ -70,24 +71,17 @@ class ThdShard:
     def __call__(self, cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
         del tp_mesh, padding_token_id  # pads come from the lengths, never from token values
         rank, size = mesh_rank_size(cp_mesh)
-        batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) and self.device else v
-                 for k, v in batch.items()}  # fmt: skip
-        if loss_mask is not None and self.device is not None:
-            loss_mask = loss_mask.to(self.device, non_blocking=True)
+        batch = {k: to_device(v, self.device) for k, v in batch.items()}
+        loss_mask = to_device(loss_mask, self.device)
         if self.num_chunks > 1:
             return contextlib.nullcontext, split_thd_chunks(batch, self.num_chunks, size, rank, loss_mask), None
         stream = to_thd_stream(batch, loss_mask=loss_mask, extra_seq_buffers=self.extra_seq_buffers)
         total = int(stream.slots.sum())
-        if size <= 1:
-            layout = ShardLayout(
-                local_token_global_indices=torch.arange(total), padded_seq_len=total,
-                input_row_shape=stream.row_shape, gather_index=torch.arange(total),
-            )  # fmt: skip
-            out = dict(stream.batch)
-            out[THD_LOCAL_INDICES] = torch.arange(total, dtype=torch.long, device=out[INPUT_IDS].device)
-            return contextlib.nullcontext, out, layout
-        cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
-        out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
+        if size <= 1:  # NeMo's cp = 1 keys: the stream as is, every position local
+            out, rows = dict(stream.batch), np.arange(total, dtype=np.int64)[None]
+        else:
+            cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
+            out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
         local = torch.from_numpy(rows[rank])
         out[THD_LOCAL_INDICES] = local.to(out[INPUT_IDS].device, non_blocking=True)
         layout = ShardLayout(
@@ -98,5 +92,7 @@ class ThdShard:
             cp_size=size,
             cp_rank=rank,
         )
+        if size <= 1:
+            return contextlib.nullcontext, out, layout
         docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)
         return AttentionContextFactory(layout, mesh_group(cp_mesh), docs), out, layout

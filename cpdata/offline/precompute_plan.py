@@ -8,8 +8,7 @@ plan it stores per-pack real tokens and per-rank causal attention work under
 the configured layout, so ``cpdata inspect`` reads them without tokens.
 
 Cost: planning is the planner's; the per-pack statistics are O(capacity) numpy
-work per pack (0.4 ms for a 32K-token thd pack at cp = 8: 200K documents, 272M
-tokens, 8346 packs precompute in 3.6 s), shown with a progress bar.
+work per pack (figures: docs/benchmarks.md), shown with a progress bar.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
@@ -72,8 +72,7 @@ def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray
 
 
 def _check_epochs(epochs: Any, dataset: Any, dp_size: int | None) -> None:
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    check_int("epochs", epochs, min=1)
     if epochs == 1:
         return
     from cpdata.nodes.mix import Mix

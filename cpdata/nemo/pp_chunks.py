@@ -3,7 +3,7 @@
 With pipeline parallelism the trainer asks for ``num_chunks`` chunks: the
 ``B`` rows split into ``num_chunks`` equal groups (``B % num_chunks == 0``;
 NeMo would silently drop the remainder rows, cpdata refuses), each group
-becomes one flat THD stream (:func:`cpdata.device.thd_batch.to_thd_stream`), and the
+becomes one flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), and the
 streams are stacked:
 
 | key | shape |
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from cpdata.device.thd_batch import SEQ_LENS_SENTINEL, ThdStream, shard_thd_stream, to_thd_stream
 from cpdata.errors import NotAvailableYetError
+from cpdata.nemo.thd_batch import SEQ_LENS_SENTINEL, ThdStream, shard_thd_stream, to_thd_stream
 from cpdata.worker.keys import INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
 __all__ = ["split_thd_chunks"]
@@ -38,9 +38,14 @@ __all__ = ["split_thd_chunks"]
 _STACKED = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
 
 
+def _pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
+    """A 1-D offsets row right-padded to ``width`` with the sentinel (NeMo's ragged ``cu_seqlens`` rows)."""
+    return torch.cat([row, row.new_full((width - row.numel(),), SEQ_LENS_SENTINEL)])
+
+
 def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
     width = max(r.numel() for r in rows)
-    return torch.stack([torch.cat([r, r.new_full((width - r.numel(),), SEQ_LENS_SENTINEL)]) for r in rows])
+    return torch.stack([_pad_to(r, width) for r in rows])
 
 
 def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor | None) -> list[ThdStream]:
@@ -72,11 +77,10 @@ def split_thd_chunks(
     streams = _chunks(batch, num_chunks, loss_mask)
     keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
     if cp_size > 1:
+        width = max(s.batch["cu_seqlens"].numel() for s in streams)
         parts = []
         for s in streams:
-            cu_out = s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"])
-            width = max(t.batch["cu_seqlens"].numel() for t in streams)
-            cu_out = torch.cat([cu_out, cu_out.new_full((width - cu_out.numel(),), SEQ_LENS_SENTINEL)])
+            cu_out = _pad_to(s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"]), width)
             parts.append(shard_thd_stream(s.batch, s.token_dims, cu_out, cp_size, cp_rank)[0])
         out = {k: torch.stack([p[k] for p in parts]) for k in (*keys, "cu_seqlens", "max_seqlen")}
         out.update(qkv_format="thd", cp_size=cp_size, cp_rank=cp_rank)

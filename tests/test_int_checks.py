@@ -1,0 +1,70 @@
+"""One integer-argument check (``cpdata.errors.check_int`` / ``is_int``) for every converted package.
+
+The check is compared against the rule it replaced, written out once here:
+``not isinstance(v, bool) and isinstance(v, (int, np.integer))``. A second
+test fails if the hand-written form comes back in a package that uses the
+check.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpdata.errors import NotAnIntError, check_int, is_int
+
+ROOT = Path(__file__).resolve().parents[1] / "cpdata"
+# packages (and files) whose integer arguments go through check_int / is_int
+CONVERTED = ["packing", "schedule", "sources", "worker", "nemo", "bench", "device/consistency.py",
+             "offline/precompute_plan.py", "offline/tokenize_files.py", "offline/precompute_cli.py"]  # fmt: skip
+HAND_WRITTEN = re.compile(r"isinstance\(([\w.]+), bool\) or not isinstance\(\1, (int|\(int, np\.integer\)|numbers\.Integral)\)")
+
+
+def _reference_is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+VALUES = st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=False), st.text(max_size=3), st.none(),
+                   st.integers(-(2**62), 2**62).map(np.int64), st.integers(0, 255).map(np.uint8),
+                   st.booleans().map(np.bool_))  # fmt: skip
+
+
+@given(VALUES, st.one_of(st.none(), st.integers(-3, 3)))
+def test_check_int_accepts_exactly_the_integers_at_or_above_the_bound(value, bound):
+    ok = _reference_is_int(value) and (bound is None or value >= bound)
+    if ok:
+        got = check_int("count", value, min=bound)
+        assert type(got) is int and got == value
+        return
+    with pytest.raises(ValueError) as err:  # every refusal is a ValueError, as cpdata promises
+        check_int("count", value, min=bound, fix="; use 4")
+    message = str(err.value)
+    assert message.startswith("count must be an int") and message.endswith("; use 4") and repr(value) in message
+    assert isinstance(err.value, TypeError) == (not _reference_is_int(value))  # wrong type: also a TypeError
+    assert isinstance(err.value, NotAnIntError) == (not _reference_is_int(value))
+    if bound is not None:
+        assert f">= {bound}" in message
+    assert is_int(value) == _reference_is_int(value)
+
+
+def test_the_messages_name_the_argument_the_value_and_the_bound():
+    with pytest.raises(ValueError, match=r"^capacity must be an int >= 1, got 0$"):
+        check_int("capacity", 0, min=1)
+    with pytest.raises(TypeError, match=r"^capacity must be an int >= 1, got float 2\.0$"):
+        check_int("capacity", 2.0, min=1)
+    with pytest.raises(TypeError, match=r"^seed must be an int, got bool True$"):
+        check_int("seed", True)
+
+
+def test_converted_packages_have_no_hand_written_int_check():
+    files = [p for entry in CONVERTED for p in ((ROOT / entry).rglob("*.py") if (ROOT / entry).is_dir() else
+                                                [ROOT / entry])]  # fmt: skip
+    assert len(files) > 40  # the packages were really read
+    found = [f"{p.relative_to(ROOT)}:{m.group(0)}" for p in files for m in HAND_WRITTEN.finditer(p.read_text("utf-8"))]
+    assert not found, f"use cpdata.errors.check_int / is_int instead: {found}"
+    assert HAND_WRITTEN.search("if isinstance(x, bool) or not isinstance(x, (int, np.integer)):")  # the pattern works
