@@ -32,7 +32,6 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.epochs import graph_nodes
-from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
@@ -175,7 +174,6 @@ def shard_graph(
             num_epochs=o.num_epochs, vocab_size=o.vocab_size, worker=worker,
             labels_alignment=o.labels_alignment)  # fmt: skip
     elif o.schedule is not None:
-        source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
         if o.window is not None:
             raise ValueError("window= sets the streaming packer's window; schedule= plans every document at once")
         plans = ScheduledPacks(

@@ -66,9 +66,11 @@ from cpdata.nodes.mix_readers import (
     declared_alignment,
     document_tokens,
 )
-from cpdata.nodes.mix_tokens import BY, TokenClock, source_lengths
+from cpdata.nodes.mix_tokens import BY, TokenClock
+from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.state_version import check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.sources.protocol import stated_lengths
 
 __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 
@@ -106,7 +108,7 @@ class Mix(EpochNode[dict]):
         self.labels_alignment = declared_alignment(self.readers)
         self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
         self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
-        self._lengths = {n: source_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
+        self._lengths = {n: stated_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
         for name, lengths in self._lengths.items():
             if self._clock is not None and lengths is not None and not int(lengths.sum()):
                 raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
@@ -297,6 +299,11 @@ class Mix(EpochNode[dict]):
             parts.append(fp if fp is not None else f"{reader.kind}:{len(reader) if reader.kind == 'sequence' else '?'}")
         digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
         return f"mix:{digest}"
+
+    def listed(self, epochs: int = 1) -> MixedDataset:
+        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths
+        (:class:`~cpdata.nodes.mixed.MixedDataset`; :func:`cpdata.sources.open.as_source` asks for it)."""
+        return MixedDataset(self, epochs=epochs)
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` naming the source if any source changed since the mix first read it."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.source import reading_error, restart_iterable, source_kind
-from cpdata.sources.hf import as_hf_documents
+from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind
+from cpdata.sources.open import as_source
+from cpdata.sources.protocol import declared_labels
 from cpdata.worker.targets import check_labels_alignment
 
 __all__ = ["BLOCK", "Draws", "SourceReader", "check_weights", "declared_alignment", "document_tokens"]
@@ -67,7 +68,7 @@ def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dic
 
 def declared_alignment(readers: Mapping[str, SourceReader]) -> str | None:
     """The labels_alignment every source declares, or None when some declare none; conflicting ones are refused."""
-    declared = {n: check_labels_alignment(getattr(r.source, "labels_alignment", None)) for n, r in readers.items()}
+    declared = {n: check_labels_alignment(declared_labels(r.source)) for n, r in readers.items()}
     values = set(declared.values())
     if len(values - {None}) > 1:
         raise ValueError(
@@ -181,7 +182,7 @@ class SourceReader:
 
     def __init__(self, name: str, source: Any) -> None:
         self.name = name
-        self.source = as_hf_documents(source)
+        self.source = as_source(source)
         try:
             self.kind = source_kind(self.source)
         except TypeError as exc:

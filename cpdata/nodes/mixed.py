@@ -34,23 +34,26 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.nodes.mix import Mix
-from cpdata.nodes.mix_tokens import source_lengths, tie_ranks, token_draw_order
+from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
+from cpdata.sources.protocol import Carried, Checked, Hashed, stated_lengths
 from cpdata.worker.targets import TARGET_KEYS
 
-__all__ = ["MixedDataset", "as_mixed_dataset", "draw_order"]
+if TYPE_CHECKING:
+    from cpdata.nodes.mix import Mix
+
+__all__ = ["MixedDataset", "draw_order"]
 
 _WHY = "precompute and schedule= plan every document's length before training"
 
 
 def _source_lengths(name: str, source: Any) -> np.ndarray:
-    lengths = source_lengths(source)
+    lengths = stated_lengths(source)
     if lengths is not None:
         return lengths
     raise ValueError(
@@ -105,7 +108,7 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
 def _keys(source: Any) -> set[str]:
     if type(source) in (list, tuple):
         return {k for item in source if isinstance(item, dict) for k in item if k in TARGET_KEYS}
-    return set(getattr(source, "per_token_keys", ()))
+    return set(source.per_token_keys) if isinstance(source, Carried) else set()
 
 
 class MixedDataset(TokenizedDataset):
@@ -161,7 +164,7 @@ class MixedDataset(TokenizedDataset):
         self.epoch_counts = [self._counts(slice(int(lo), int(hi)))
                              for lo, hi in zip(self.epoch_starts[:-1], self.epoch_starts[1:], strict=True)]  # fmt: skip
         self.counts = self._counts(slice(None))
-        self.serves_tokens = all(getattr(s, "serves_tokens", True) for s in self._sources)
+        self.serves_tokens = all(s.serves_tokens for s in self._sources if isinstance(s, Carried))
         self.per_token_keys = frozenset().union(*(_keys(s) for s in self._sources))
 
     def _counts(self, rows: slice) -> dict[str, dict[str, int]]:
@@ -196,10 +199,9 @@ class MixedDataset(TokenizedDataset):
         """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read.
         An error names the source (its documents keep their own indices)."""
         for name, source in zip(self.mix.names, self._sources, strict=True):
-            check = getattr(source, "check_token_ids", None)
-            if callable(check):
+            if isinstance(source, Checked):
                 try:
-                    check(vocab_size)
+                    source.check_token_ids(vocab_size)
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"mix source {name!r} (source {self.mix.names.index(name)} of "
                                     f"{self.mix.names}): {exc}") from exc  # fmt: skip
@@ -207,18 +209,16 @@ class MixedDataset(TokenizedDataset):
     def verify_content(self) -> None:
         """Every source checks its stored bytes (:meth:`TokenizedDataset.verify_content`); errors name the source."""
         for k, (name, source) in enumerate(zip(self.mix.names, self._sources, strict=True)):
-            verify = getattr(source, "verify_content", None)
-            if callable(verify):
+            if isinstance(source, Checked):
                 try:
-                    verify()
+                    source.verify_content()
                 except ValueError as exc:
                     raise ValueError(f"mix source {name!r} (source {k} of {self.mix.names}): {exc}") from exc
 
     def _compute_checksum(self) -> str:
         parts = []
         for source in self._sources:
-            checksum = getattr(source, "checksum", None)
-            parts.append(checksum() if callable(checksum) else source_fingerprint(source))
+            parts.append(source.checksum() if isinstance(source, Hashed) else source_fingerprint(source))
         epochs = self.epoch if self.epochs == 1 else [self.epoch, self.epochs]  # one epoch: as before epochs=
         return hashlib.sha256(json.dumps([self.mix.config, epochs, parts]).encode()).hexdigest()
 
@@ -228,8 +228,3 @@ class MixedDataset(TokenizedDataset):
     def check_unchanged(self) -> None:
         self.mix.check_unchanged()
 
-
-def as_mixed_dataset(source: Any, epochs: int = 1) -> Any:
-    """``source`` as a :class:`MixedDataset` (epochs ``0 .. epochs - 1``) when it is a
-    :class:`~cpdata.nodes.mix.Mix`, else unchanged."""
-    return MixedDataset(source, epochs=epochs) if isinstance(source, Mix) else source

@@ -37,7 +37,7 @@ from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source import to_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
-from cpdata.sources.hf import indexed_hf_documents
+from cpdata.sources.open import as_source
 from cpdata.worker.keys import INPUT_IDS
 from cpdata.worker.targets import LabelsAlignment
 
@@ -164,7 +164,7 @@ class ScheduledPacks(ServedPacks):
             micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
             seed=seed, tail=tail, labels_alignment=labels_alignment,
         )  # fmt: skip
-        source = indexed_hf_documents(source)  # a datasets.Dataset: lengths from its length column or offsets
+        source = as_source(source, indexed=True)  # a datasets.Dataset: its lengths; a mix: its draw listing
         rows = ScheduleRows(source, source_lengths(source, lengths), {**plan_kw, "shuffle": shuffle},
                             {**config, "shuffle": bool(shuffle)}, dp_rank=int(dp_rank), vocab_size=vocab_size,
                             labels_alignment=config["labels_alignment"])  # fmt: skip

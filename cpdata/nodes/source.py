@@ -40,26 +40,12 @@ from cpdata.nodes.source_window import WindowReader
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import Scratch, to_document
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
-from cpdata.sources.hf import as_hf_documents
+from cpdata.sources.open import as_source
+from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
-
-
-def _list_lengths(items: list | tuple) -> np.ndarray | None:
-    """``len(item["input_ids"])`` of every item, or None when one is not a dict with sized ids (the reader then
-    names it when it gets there)."""
-    out = np.empty(len(items), dtype=np.int64)
-    for i, item in enumerate(items):
-        ids = item.get("input_ids") if isinstance(item, Mapping) else None
-        if isinstance(ids, (list, tuple)):
-            out[i] = len(ids)
-        elif getattr(ids, "ndim", None) == 1:  # numpy array, torch tensor
-            out[i] = ids.shape[0]
-        else:
-            return None
-    return out
 
 
 class Documents(WindowReader, EpochNode[Document]):
@@ -127,7 +113,8 @@ class Documents(WindowReader, EpochNode[Document]):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         check_num_epochs(num_epochs)
-        self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
+        source = as_source(source)
+        self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -136,7 +123,6 @@ class Documents(WindowReader, EpochNode[Document]):
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
                                        or vocab_size < 1):
             raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-        source = as_hf_documents(source)
         self._kind = source_kind(source)
         buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
         self._buffer = buffer if shuffle and self._kind != "sequence" else None
@@ -163,22 +149,12 @@ class Documents(WindowReader, EpochNode[Document]):
         """int64 ``[n]`` token counts of every source document when the source states them up front
         (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`; an
         in-memory ``list``/``tuple`` of documents, counted with one ``len`` per item, ~0.1 us each), else None."""
-        if self._kind == "sequence" and type(self.source) in (list, tuple):
-            return _list_lengths(self.source)  # type: ignore[arg-type]
-        lengths = getattr(self.source, "lengths", None) if self._kind == "sequence" else None
-        if lengths is None:
-            return None
-        lengths = np.asarray(lengths)
-        n = len(self.source)  # type: ignore[arg-type]
-        if lengths.ndim != 1 or lengths.shape[0] != n or lengths.dtype.kind not in "iu":
-            return None
-        return lengths
+        return stated_lengths(self.source) if self._kind == "sequence" else None
 
     @property
     def source_counts(self) -> dict[str, dict[str, int]] | None:
         """Per-source counters of a :func:`cpdata.mix` source (``Mix.counts``), else None."""
-        counts = getattr(self.source, "counts", None) if self._kind == "node" else None
-        return counts if isinstance(counts, dict) else None
+        return self.source.counts if self._kind == "node" and isinstance(self.source, Mixture) else None
 
     @property
     def document_sources(self) -> Any:
@@ -186,7 +162,7 @@ class Documents(WindowReader, EpochNode[Document]):
         mix read for ``num_epochs > 1`` passes in one ``iter()`` can pack draws of two epochs together, whose
         positions in the mixed stream do not say which epoch they are from, so no source is named there
         (``info["doc_index"]`` is then the draw's position in its epoch)."""
-        found = getattr(self.source, "document_sources", None)
+        found = self.source.document_sources if isinstance(self.source, NamesSources) else None
         return found if callable(found) and (self.num_epochs or 1) == 1 else None
 
     def fetch(self, index: int) -> Document:
@@ -313,9 +289,9 @@ class Documents(WindowReader, EpochNode[Document]):
     def _next_own(self) -> tuple[int, int, Any]:
         """This rank's next ``(position, source index, item)``; a node with ``skip_unread()`` (``cpdata.mix``)
         passes other ranks' items without reading them."""
-        skip = getattr(self.source, "skip_unread", None) if self._kind == "node" else None
+        skip = self.source.skip_unread if self._kind == "node" and isinstance(self.source, Mixture) else None
         while True:
-            if callable(skip) and self._position % self.dp_size != self.dp_rank:
+            if skip is not None and self._position % self.dp_size != self.dp_rank:
                 skip()  # StopIteration at the stream's end
                 self._position += 1
                 continue

@@ -25,14 +25,14 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
+from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.source import to_document
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.hf import indexed_hf_documents
-from cpdata.sources.open import open_dataset
+from cpdata.sources.open import as_source, open_dataset
+from cpdata.sources.protocol import Carried, Listed, declared_labels
 from cpdata.worker.targets import (
     TARGET_KEYS,
     LabelsAlignment,
@@ -94,7 +94,7 @@ def _first_targets(
     dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
 ) -> np.ndarray | None:
     """First trained target of every document when the dataset carries labels or masks, else None."""
-    present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
     if not present:
         return None
     if labels_alignment is None:
@@ -212,14 +212,14 @@ def precompute(
     _check_epochs(epochs, dataset, dp_size)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = as_mixed_dataset(indexed_hf_documents(dataset), epochs=epochs)
+    dataset = as_source(dataset, indexed=True, epochs=epochs)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
-    labels_alignment = declared_alignment("precompute", labels_alignment, dataset)
+    labels_alignment = declared_alignment("precompute", labels_alignment, declared_labels(dataset), dataset)
     if vocab_size is not None and not dataset.serves_tokens:
         raise ValueError(
             f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "
@@ -235,7 +235,7 @@ def precompute(
         if micro_batches != 1 or max_delay:
             raise ValueError("micro_batches and max_delay shape a global schedule: pass dp_size= with them")
         firsts = _first_targets(dataset, labels_alignment, progress)
-        starts = getattr(dataset, "epoch_starts", np.array([0, lengths.shape[0]], dtype=np.int64))
+        starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
         result, epoch_packs = _plan_epochs(
             lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
             overflow=overflow, seed=seed, window=window,
@@ -248,7 +248,7 @@ def precompute(
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
         if window is not None:
             raise ValueError("window= sets the streaming packer's window; a global schedule plans every document")
-        present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+        present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
         if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
             raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
         cost = CostModel() if schedule == "balanced" else None

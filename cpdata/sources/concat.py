@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.protocol import Identified, Watched, declared_labels
 
 __all__ = ["ConcatDataset"]
 
@@ -50,7 +51,7 @@ class ConcatDataset(TokenizedDataset):
         """int64 ``[parts + 1]``: part ``s`` is documents ``starts[s]:starts[s + 1]``."""
         self.serves_tokens = all(p.serves_tokens for p in parts)
         self.per_token_keys = frozenset().union(*(p.per_token_keys for p in parts))
-        alignments = {getattr(p, "labels_alignment", None) for p in parts}
+        alignments = {declared_labels(p) for p in parts}
         self.labels_alignment = alignments.pop() if len(alignments) == 1 else None
         self._lengths: np.ndarray | None = None
 
@@ -90,15 +91,14 @@ class ConcatDataset(TokenizedDataset):
         return hashlib.sha256(json.dumps([p.checksum() for p in self.parts]).encode()).hexdigest()
 
     def fingerprint(self) -> str:
-        parts = [getattr(p, "fingerprint", lambda: None)() or f"{p.kind}:{len(p)}" for p in self.parts]
+        parts = [(p.fingerprint() if isinstance(p, Identified) else None) or f"{p.kind}:{len(p)}" for p in self.parts]
         return f"concat:{hashlib.blake2b(json.dumps(parts).encode(), digest_size=16).hexdigest()}"
 
     def check_unchanged(self) -> None:
         for s, part in enumerate(self.parts):
-            check = getattr(part, "check_unchanged", None)
-            if callable(check):
+            if isinstance(part, Watched):
                 try:
-                    check()
+                    part.check_unchanged()
                 except ValueError as exc:
                     raise ValueError(f"part {s} of {len(self.parts)}: {exc}") from exc
 
