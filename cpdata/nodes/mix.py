@@ -61,7 +61,7 @@ from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
     Draws,
-    SourceReader,
+    MixSource,
     check_weights,
     declared_alignment,
     document_tokens,
@@ -104,7 +104,7 @@ class Mix(EpochNode[dict]):
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
         self.seed, self.stop = int(seed), stop
-        self.readers = {name: SourceReader(name, sources[name]) for name in self.names}
+        self.readers = {name: MixSource(name, sources[name]) for name in self.names}
         self.labels_alignment = declared_alignment(self.readers)
         self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
         self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None

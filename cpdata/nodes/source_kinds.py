@@ -1,17 +1,28 @@
-"""How a document source is read and restarted: its kind, a restart at a position, read errors.
+"""How a document source is read and restarted: its kind, :class:`SourceReader`, read errors.
 
-Shared by :class:`~cpdata.nodes.source.Documents` and the other readers of user
-sources (tokenizing, mixing, scheduled packs).
+:class:`SourceReader` is the one reader of a user source, shared by
+:class:`~cpdata.nodes.source.Documents` and each source of a :func:`cpdata.mix`
+(:class:`~cpdata.nodes.mix_readers.MixSource`); the tokenizing node uses the same
+kind and restart rules.
+
+| kind | reads item ``i`` | restart at ``position`` |
+|---|---|---|
+| ``"sequence"`` (``__len__`` + ``__getitem__``) | ``source[i]`` | nothing to do: items are read by index |
+| ``"iterable"`` (``__iter__`` returns a fresh iterator) | ``next(iterator)`` | re-iterate and skip ``position`` items |
+| ``"node"`` (``torchdata`` ``BaseNode``) | ``next(node)`` | the node's own state |
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import copy
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
-__all__ = ["reading_error", "restart_iterable", "source_kind", "with_index"]
+from cpdata.sources.open import as_source
+
+__all__ = ["SourceReader", "reading_error", "restart_iterable", "source_kind"]
 
 
 def source_kind(source: Any, items: str = "document dicts") -> str:
@@ -52,9 +63,76 @@ def restart_iterable(source: Iterable[Any], position: int, items: str = "documen
     return it
 
 
-def with_index(exc: Exception, index: int) -> Exception:
-    """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
-    return reading_error(exc, f"reading document {index} from the source failed")
+class SourceReader:
+    """One user source (normalized by :func:`~cpdata.sources.open.as_source`), read by index or as a stream.
+
+    Args:
+        source: a sequence, a re-iterable or a node of document dicts.
+        label: how a read error names the source: ``"reading document 7 {label} failed: ..."``.
+
+    Raises:
+        TypeError: ``source`` cannot be read and restarted (:func:`source_kind`'s message).
+    """
+
+    def __init__(self, source: Any, label: str = "from the source") -> None:
+        self.source = as_source(source)
+        self.kind = source_kind(self.source)
+        self.label = label
+        self._it: Iterator[Any] | None = None
+
+    def open(self, position: int = 0, nested: Mapping[str, Any] | None = None) -> None:
+        """Start reading again at ``position`` (a stream) or from ``nested`` (a node's saved state)."""
+        self._it = None
+        if self.kind == "node":
+            self.source.reset(nested)
+        elif self.kind == "iterable":
+            self._it = restart_iterable(self.source, position)
+
+    def read(self, index: int) -> Any:
+        """Item ``index`` of a sequence; errors name the document and the source."""
+        try:
+            return self.source[index]
+        except Exception as exc:
+            raise self.error(exc, index) from exc
+
+    def read_many(self, indices: Sequence[int]) -> tuple[list[Any], Exception | None]:
+        """Items ``indices`` of a sequence, read up to the first that fails: ``(items, error)``, ``error`` (not
+        raised) that item's read error, or None."""
+        source = self.source
+        try:
+            return [source[i] for i in indices], None
+        except Exception:
+            items: list[Any] = []
+            for i in indices:
+                try:
+                    items.append(source[i])
+                except Exception as exc:
+                    error = self.error(exc, i)
+                    error.__cause__ = exc
+                    return items, error
+            raise
+
+    def next(self, index: int) -> Any:
+        """The next item of a stream, document ``index`` of its pass (a stream not open is opened there)."""
+        if self.kind == "iterable" and self._it is None:
+            self.open(index)
+        try:
+            return next(self._it if self.kind == "iterable" else self.source)  # type: ignore[arg-type]
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise self.error(exc, index) from exc
+
+    def error(self, exc: Exception, index: int) -> Exception:
+        """``exc``'s type, its message naming document ``index`` and the source."""
+        return reading_error(exc, f"reading document {index} {self.label} failed")
+
+    def node_state(self) -> dict[str, Any]:
+        """A node source's own state (a copy), for the reader's state."""
+        return copy.deepcopy(self.source.state_dict())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_it": None}  # an open iterator does not pickle; the next read reopens it
 
 
 def reading_error(exc: Exception, what: str) -> Exception:
