@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.nodes.source_kinds import SourceReader
+from cpdata.sources.open import as_source
 from cpdata.sources.protocol import declared_labels
 from cpdata.worker.targets import check_labels_alignment
 
@@ -180,7 +181,7 @@ class MixSource(SourceReader):
 
     def __init__(self, name: str, source: Any) -> None:
         try:
-            super().__init__(source, f"of mix source {name!r}")
+            super().__init__(as_source(source), f"of mix source {name!r}")
         except TypeError as exc:
             raise TypeError(f"mix source {name!r}: {exc}") from None
         self.name = name

@@ -31,10 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.scheduled_rows import SCHEDULES, RankRows, rank_rows, schedule_settings, source_lengths
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source import to_document
+from cpdata.nodes.source_kinds import read_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
 from cpdata.sources.open import as_source
@@ -89,15 +88,7 @@ class ScheduleRows(PlanRows):
                         extras={"step": step, "micro_batch": micro_batch, "epoch": epoch})  # fmt: skip
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        try:
-            item = self.source[index]
-        except Exception as exc:
-            raise type(exc)(f"reading document {index} from the source failed: {exc}") from exc
-        try:
-            arrays = to_document(item, index, self.vocab_size, self.labels_alignment).arrays
-        except (TypeError, ValueError) as exc:
-            name_document_error(exc, self.source)  # a mix: document i of source 'b'
-            raise
+        arrays = read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
         self.documents_read += 1
         n = int(arrays[INPUT_IDS].shape[0])
         if n != int(self.lengths[index]):

@@ -40,6 +40,7 @@ from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import to_document
 from cpdata.nodes.window import DocumentWindow
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
@@ -112,8 +113,8 @@ class Documents(EpochNode[Document]):
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         check_num_epochs(num_epochs)
+        self.source = source = as_source(source)
         self.reader = SourceReader(source)
-        self.source = source = self.reader.source
         self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
         for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -20,12 +20,15 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from cpdata.sources.open import as_source
+from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.validate import to_document
+from cpdata.worker.plan import Document
+from cpdata.worker.targets import LabelsAlignment
 
-__all__ = ["SourceReader", "reading_error", "restart_iterable", "source_kind"]
+__all__ = ["SourceReader", "read_document", "reading_error", "restart_iterable", "source_kind"]
 
 
-def source_kind(source: Any, items: str = "document dicts") -> str:
+def source_kind(source: Any, items: str = "documents") -> str:
     """How a source is read and resumed (the module table): ``"node"``, ``"sequence"`` or ``"iterable"``.
 
     Raises:
@@ -64,20 +67,21 @@ def restart_iterable(source: Iterable[Any], position: int, items: str = "documen
 
 
 class SourceReader:
-    """One user source (normalized by :func:`~cpdata.sources.open.as_source`), read by index or as a stream.
+    """One user source, read by index or as a stream (documents: normalized first by
+    :func:`~cpdata.sources.open.as_source`; ``Tokenize``'s rows are read as given).
 
     Args:
-        source: a sequence, a re-iterable or a node of document dicts.
+        source: a sequence, a re-iterable or a node.
         label: how a read error names the source: ``"reading document 7 {label} failed: ..."``.
+        items: what the source holds, for errors (``"documents"``, ``"rows"``).
 
     Raises:
         TypeError: ``source`` cannot be read and restarted (:func:`source_kind`'s message).
     """
 
-    def __init__(self, source: Any, label: str = "from the source") -> None:
-        self.source = as_source(source)
-        self.kind = source_kind(self.source)
-        self.label = label
+    def __init__(self, source: Any, label: str = "from the source", items: str = "documents") -> None:
+        self.source, self.label, self.items = source, label, items
+        self.kind = source_kind(source, items)
         self._it: Iterator[Any] | None = None
 
     def open(self, position: int = 0, nested: Mapping[str, Any] | None = None) -> None:
@@ -86,7 +90,7 @@ class SourceReader:
         if self.kind == "node":
             self.source.reset(nested)
         elif self.kind == "iterable":
-            self._it = restart_iterable(self.source, position)
+            self._it = restart_iterable(self.source, position, self.items)
 
     def read(self, index: int) -> Any:
         """Item ``index`` of a sequence; errors name the document and the source."""
@@ -133,6 +137,21 @@ class SourceReader:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_it": None}  # an open iterator does not pickle; the next read reopens it
+
+
+def read_document(source: Any, index: int, vocab_size: int | None,
+                  labels_alignment: LabelsAlignment | None) -> Document:  # fmt: skip
+    """Document ``index`` of an indexed source, validated (:func:`~cpdata.nodes.validate.to_document`): what a
+    plan served by index reads. Errors name the document where it came from (a mix: document i of source 'b')."""
+    try:
+        item = source[index]
+    except Exception as exc:
+        raise reading_error(exc, f"reading document {index} from the source failed") from exc
+    try:
+        return to_document(item, index, vocab_size, labels_alignment)
+    except (TypeError, ValueError) as exc:
+        name_document_error(exc, source)
+        raise
 
 
 def reading_error(exc: Exception, what: str) -> Exception:

@@ -43,9 +43,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source import to_document
+from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
@@ -173,11 +172,7 @@ class StoreRows(PlanRows):
         return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        try:
-            return to_document(self.source[index], index, self.vocab_size, self.labels_alignment).arrays
-        except (TypeError, ValueError) as exc:
-            name_document_error(exc, self.source)  # a mix: document i of source 'b'
-            raise
+        return read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
 
     def __getstate__(self) -> dict[str, Any]:
         # Worker processes reopen the memory maps instead of receiving copies of the arrays.
