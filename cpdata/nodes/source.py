@@ -34,7 +34,7 @@ from torchdata.nodes import BaseNode
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.source_kinds import SourceReader, reading_error, restart_iterable, source_kind
+from cpdata.nodes.source_kinds import SourceReader, source_kind
 from cpdata.nodes.source_window import SourceWindows
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import to_document
@@ -45,7 +45,7 @@ from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stat
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
-__all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
+__all__ = ["Documents", "source_kind", "to_document"]
 
 
 class Documents(EpochNode[Document]):

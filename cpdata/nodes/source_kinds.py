@@ -1,15 +1,9 @@
 """How a document source is read and restarted: its kind, :class:`SourceReader`, read errors.
 
-:class:`SourceReader` is the one reader of a user source, shared by
-:class:`~cpdata.nodes.source.Documents` and each source of a :func:`cpdata.mix`
-(:class:`~cpdata.nodes.mix_readers.MixSource`); the tokenizing node uses the same
-kind and restart rules.
-
-| kind | reads item ``i`` | restart at ``position`` |
-|---|---|---|
-| ``"sequence"`` (``__len__`` + ``__getitem__``) | ``source[i]`` | nothing to do: items are read by index |
-| ``"iterable"`` (``__iter__`` returns a fresh iterator) | ``next(iterator)`` | re-iterate and skip ``position`` items |
-| ``"node"`` (``torchdata`` ``BaseNode``) | ``next(node)`` | the node's own state |
+:class:`SourceReader` is the one reader of a user source (the kinds and their restarts:
+:mod:`cpdata.nodes.source`'s table), shared by :class:`~cpdata.nodes.source.Documents`,
+each source of a :func:`cpdata.mix` (:class:`~cpdata.nodes.mix_readers.MixSource`)
+and ``Tokenize``'s rows; :func:`read_document` is the read of a plan served by index.
 """
 
 from __future__ import annotations

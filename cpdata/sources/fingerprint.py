@@ -1,6 +1,7 @@
 """Source fingerprints: refuse resuming onto other data, and notice data that changes under a run.
 
-Two questions, two hooks a source may implement:
+Two questions, two members of the source protocol (:class:`~cpdata.sources.protocol.Identified`,
+:class:`~cpdata.sources.protocol.Watched`):
 
 | hook | question | when cpdata asks |
 |---|---|---|
