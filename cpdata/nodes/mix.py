@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
@@ -100,8 +101,7 @@ class Mix(EpochNode[dict]):
         if by not in BY:
             raise ValueError(f"by must be one of {list(BY)} (what the weights share out), got {by!r}")
         self.by = by
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("seed", seed, min=0)
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
         self.seed, self.stop = int(seed), stop
         self.readers = {name: MixSource(name, sources[name]) for name in self.names}

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
@@ -131,9 +132,8 @@ class MixedDataset(TokenizedDataset):
     kind = "mix"
 
     def __init__(self, mixed: Mix, epoch: int = 0, epochs: int = 1) -> None:
-        for what, value, low in (("epoch", epoch, 0), ("epochs", epochs, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
+        check_int("epoch", epoch, min=0)
+        check_int("epochs", epochs, min=1)
         if mixed.stop == "never":
             raise ValueError(
                 f"a mix with stop='never' is endless, but {_WHY}; pass stop='first_exhausted' or 'all_exhausted'"

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.errors import check_int
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
@@ -110,20 +111,16 @@ class Documents(EpochNode[Document]):
         super().__init__()
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("seed", seed, min=0)
         check_num_epochs(num_epochs)
         self.source = source = as_source(source)
         self.reader = SourceReader(source)
         self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
-        for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        dp_rank, dp_size = check_int("dp_rank", dp_rank), check_int("dp_size", dp_size)
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size, min=1, fix=" or None")
         buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
         self._buffer = buffer if shuffle and self.reader.kind != "sequence" else None
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
@@ -222,9 +223,8 @@ class PrecomputedPacks(ServedPacks):
         labels_alignment: LabelsAlignment | None = None,
         verify: bool = True,
     ) -> None:
-        for name, value, low in (("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("dp_size", dp_size, min=1)
+        check_int("dp_rank", dp_rank, min=0)
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
         store = read_store(path, verify=verify)
