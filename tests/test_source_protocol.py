@@ -39,15 +39,19 @@ from cpdata.sources.protocol import (
 )
 
 PACKAGE = Path(cpdata.__file__).parent
+NODE_MEMBERS = frozenset({"next_window", "known_lengths", "seekable", "source_counts", "fetch"})
+"""What the Documents node offers the packer (asked with isinstance(source, Documents), never by name)."""
+PROBED = SOURCE_MEMBERS | NODE_MEMBERS
 
 
 def _member_probes(tree: ast.AST) -> list[tuple[int, str]]:
-    """``(line, member)`` of every ``getattr(x, "m", ...)`` / ``hasattr(x, "m")`` naming a protocol member."""
+    """``(line, member)`` of every ``getattr(x, "m", ...)`` / ``hasattr(x, "m")`` naming a source or source-node
+    member."""
     found = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in SOURCE_MEMBERS):  # fmt: skip
+                and node.args[1].value in PROBED):  # fmt: skip
             found.append((node.lineno, node.args[1].value))
     return found
 
@@ -58,8 +62,8 @@ def test_the_protocol_lists_the_members_a_source_may_offer():
 
 
 def test_the_scan_finds_a_probe():
-    snippet = 'def f(source):\n    return getattr(source, "lengths", None), hasattr(source, "fingerprint")\n'
-    assert _member_probes(ast.parse(snippet)) == [(2, "lengths"), (2, "fingerprint")]
+    snippet = 'def f(source):\n    return getattr(source, "lengths", None), hasattr(source, "seekable"), getattr(x, "y")\n'
+    assert _member_probes(ast.parse(snippet)) == [(2, "lengths"), (2, "seekable")]
 
 
 def test_no_module_probes_a_source_for_a_protocol_member_by_name():
