@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
@@ -307,11 +307,8 @@ class Mix(EpochNode[dict]):
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` naming the source if any source changed since the mix first read it."""
-        for name, fp in self._source_fingerprints().items():
-            try:
-                check_source_unchanged(self.readers[name].source, fp)
-            except ValueError as exc:
-                raise ValueError(f"mix source {name!r}: {exc}") from exc
+        named = [(f"mix source {n!r}", (self.readers[n].source, fp)) for n, fp in self._source_fingerprints().items()]
+        naming_parts(named, lambda source_fp: check_source_unchanged(*source_fp))
 
 
 def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
@@ -198,22 +198,17 @@ class MixedDataset(TokenizedDataset):
     def check_token_ids(self, vocab_size: int | None = None) -> None:
         """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read.
         An error names the source (its documents keep their own indices)."""
-        for name, source in zip(self.mix.names, self._sources, strict=True):
-            if isinstance(source, Checked):
-                try:
-                    source.check_token_ids(vocab_size)
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"mix source {name!r} (source {self.mix.names.index(name)} of "
-                                    f"{self.mix.names}): {exc}") from exc  # fmt: skip
+        naming_parts(self._checked(), lambda source: source.check_token_ids(vocab_size))
 
     def verify_content(self) -> None:
         """Every source checks its stored bytes (:meth:`TokenizedDataset.verify_content`); errors name the source."""
-        for k, (name, source) in enumerate(zip(self.mix.names, self._sources, strict=True)):
-            if isinstance(source, Checked):
-                try:
-                    source.verify_content()
-                except ValueError as exc:
-                    raise ValueError(f"mix source {name!r} (source {k} of {self.mix.names}): {exc}") from exc
+        naming_parts(self._checked(), lambda source: source.verify_content())
+
+    def _checked(self) -> list[tuple[str, Checked]]:
+        """``(how errors name it, source)`` of every source that checks its own content."""
+        names = self.mix.names
+        return [(f"mix source {n!r} (source {k} of {names})", s)
+                for k, (n, s) in enumerate(zip(names, self._sources, strict=True)) if isinstance(s, Checked)]  # fmt: skip
 
     def _compute_checksum(self) -> str:
         parts = []
