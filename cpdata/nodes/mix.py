@@ -296,7 +296,7 @@ class Mix(EpochNode[dict]):
         parts = []
         for name, fp in self._source_fingerprints().items():
             reader = self.readers[name]
-            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader) if reader.kind == 'sequence' else '?'}")
+            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader.source) if reader.kind == 'sequence' else '?'}")
         digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
         return f"mix:{digest}"
 

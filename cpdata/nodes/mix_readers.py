@@ -192,12 +192,6 @@ class MixSource(SourceReader):
         self.size: int | None = len(self.source) if self.kind == "sequence" else None
         """Documents per pass: a sequence's length, a stream's once it ran out (None before)."""
 
-    def __len__(self) -> int:
-        """Documents of a sequence source (``TypeError`` for a stream)."""
-        if self.kind != "sequence":
-            raise TypeError(f"mix source {self.name!r} is a {self.kind}: its length is unknown")
-        return len(self.source)
-
     def restart(self, state: Mapping[str, Any] | None = None) -> None:
         """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""
         self.position = 0 if state is None else int(state[self.POSITION_KEY])
