@@ -29,8 +29,8 @@ them; :func:`cpdata.mix` offers the mixture's; a plain list offers
 
 :func:`cpdata.sources.open.as_source` is the entry point every reader of a user source goes through, once.
 
-Cost: an ``isinstance`` on a runtime protocol checks each member's presence (a few
-us): it is asked once per node, per epoch or per error, never per document.
+Cost: an ``isinstance`` on a runtime protocol checks each member's presence, slower than
+an attribute read: it is asked once per node, per epoch or per error, never per document.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _list_lengths(items: list | tuple) -> np.ndarray | None:
 def stated_lengths(source: Any) -> np.ndarray | None:
     """int64 ``[len(source)]`` token counts when the source states them up front: a :class:`StatedLengths`
     sequence's ``lengths`` (1-D integers, one per document), an in-memory ``list``/``tuple`` counted with one
-    ``len`` per item (~0.1 us each); else None (a stream, a sequence without lengths, a list with a malformed item)."""
+    ``len`` per item; else None (a stream, a sequence without lengths, a list with a malformed item)."""
     if type(source) in (list, tuple):
         return _list_lengths(source)
     if not isinstance(source, Indexed) or not isinstance(source, StatedLengths) or source.lengths is None:
