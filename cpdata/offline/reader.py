@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -55,12 +55,7 @@ from cpdata.worker.targets import LabelsAlignment, declared_alignment
 __all__ = ["PrecomputedPacks", "StoreRows"]
 
 
-class _Documents(Protocol):
-    def __getitem__(self, i: int) -> Any: ...
-    def checksum(self) -> str: ...
-
-
-def _check_documents(store: PackStore, documents: _Documents) -> None:
+def _check_documents(store: PackStore, documents: Any) -> None:
     source = store.manifest["input"]
     if not isinstance(documents, Hashed):
         raise TypeError(
@@ -213,7 +208,7 @@ class PrecomputedPacks(ServedPacks):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        documents: _Documents,
+        documents: Any,
         *,
         cp_size: int | None = None,
         layout: str | None = None,
