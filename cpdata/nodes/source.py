@@ -115,6 +115,7 @@ class Documents(EpochNode[Document]):
         check_num_epochs(num_epochs)
         self.source = source = as_source(source)
         self.reader = SourceReader(source)
+        self._mixture = self.reader.kind == "node" and isinstance(source, Mixture)  # asked once: not per document
         self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
         dp_rank, dp_size = check_int("dp_rank", dp_rank), check_int("dp_size", dp_size)
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -149,7 +150,7 @@ class Documents(EpochNode[Document]):
     @property
     def source_counts(self) -> dict[str, dict[str, int]] | None:
         """Per-source counters of a :func:`cpdata.mix` source (``Mix.counts``), else None."""
-        return self.source.counts if self.reader.kind == "node" and isinstance(self.source, Mixture) else None
+        return self.source.counts if self._mixture else None
 
     @property
     def document_sources(self) -> Any:
@@ -274,10 +275,9 @@ class Documents(EpochNode[Document]):
     def _next_own(self) -> tuple[int, int, Any]:
         """This rank's next ``(position, source index, item)``; a node with ``skip_unread()`` (``cpdata.mix``)
         passes other ranks' items without reading them."""
-        skip = self.source.skip_unread if self.reader.kind == "node" and isinstance(self.source, Mixture) else None
         while True:
-            if skip is not None and self.position % self.dp_size != self.dp_rank:
-                skip()  # StopIteration at the stream's end
+            if self._mixture and self.position % self.dp_size != self.dp_rank:
+                self.source.skip_unread()  # StopIteration at the stream's end
                 self.position += 1
                 continue
             position, index, item = self._read()
