@@ -14,8 +14,10 @@ another type raises :class:`NotAnIntError`, a ``TypeError`` that is also the
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
 
-__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int"]
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int", "naming_parts"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -62,3 +64,13 @@ def check_int(name: str, value: object, *, min: int | None = None, fix: str = ""
     if min is not None and value < min:
         raise ValueError(f"{name} must be an int{bound}, got {value!r}{fix}")
     return int(value)
+
+
+def naming_parts(parts: Iterable[tuple[str, Any]], check: Callable[[Any], object]) -> None:
+    """``check(part)`` for each ``(name, part)``; a ``ValueError`` it raises is raised again with ``"{name}: "``
+    before its message (which shard of a concatenation, which source of a mix failed)."""
+    for name, part in parts:
+        try:
+            check(part)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc

@@ -19,8 +19,8 @@ import torch
 import torch.nn.attention.varlen as torch_varlen
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
-from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device import varlen
+from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions
 from cpdata.device.varlen_reference import reference_varlen_attn, segment_mask
 from cpdata.layout.maps import layout_runs

@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cpdata.sources.protocol import Described, NamesSources
+
 __all__ = ["document_sources_of", "name_document_error"]
 
 _LEADING = re.compile(r"document (\d+)")
@@ -34,14 +36,13 @@ def name_document_error(exc: BaseException, source: Any) -> None:
     not start with ``"document {index}"``, or the description is None (the caller then
     re-raises ``exc`` unchanged).
     """
-    describe = getattr(source, "describe_document", None)
-    if not callable(describe) or not isinstance(exc, (TypeError, ValueError)):
+    if not isinstance(source, Described) or not isinstance(exc, (TypeError, ValueError)):
         return
     message = str(exc)
     match = _LEADING.match(message)
     if match is None:
         return
-    where = describe(int(match.group(1)))
+    where = source.describe_document(int(match.group(1)))
     if where is None:
         return
     try:
@@ -59,7 +60,7 @@ def document_sources_of(node: Any, depth: int = 16) -> Any:
     seen: set[int] = set()
     while node is not None and depth and id(node) not in seen:
         seen.add(id(node))
-        if hasattr(node, "document_sources"):  # None: this stage knows no source can be named below it
+        if isinstance(node, NamesSources):  # None: this stage knows no source can be named below it
             found = node.document_sources
             return found if callable(found) else None
         nxt = getattr(node, "source", None)

@@ -30,7 +30,6 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.epochs import graph_nodes
-from cpdata.nodes.mixed import as_mixed_dataset
 from cpdata.nodes.options import (
     ENTRY_KEYWORDS,
     DataPolicy,
@@ -113,7 +112,6 @@ def shard_graph(
             tail=plan.tail, num_epochs=data.epochs, vocab_size=data.vocab_size, worker=worker,
             labels_alignment=data.labels_alignment)  # fmt: skip
     elif isinstance(plan, SchedulePlan):
-        source = as_mixed_dataset(source)  # a mix: its draw order with lengths, or refused naming the fix
         plans = ScheduledPacks(
             source, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
             dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,

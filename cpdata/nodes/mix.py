@@ -58,18 +58,21 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
     Draws,
-    SourceReader,
+    MixSource,
     check_weights,
     declared_alignment,
     document_tokens,
 )
-from cpdata.nodes.mix_tokens import BY, TokenClock, source_lengths
+from cpdata.nodes.mix_tokens import BY, TokenClock
+from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.state_version import check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
+from cpdata.sources.protocol import stated_lengths
 
 __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 
@@ -99,15 +102,14 @@ class Mix(EpochNode[dict]):
         if by not in BY:
             raise ValueError(f"by must be one of {list(BY)} (what the weights share out), got {by!r}")
         self.by = by
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("seed", seed, min=0)
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
         self.seed, self.stop = int(seed), stop
-        self.readers = {name: SourceReader(name, sources[name]) for name in self.names}
+        self.readers = {name: MixSource(name, sources[name]) for name in self.names}
         self.labels_alignment = declared_alignment(self.readers)
         self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
         self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
-        self._lengths = {n: source_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
+        self._lengths = {n: stated_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
         for name, lengths in self._lengths.items():
             if self._clock is not None and lengths is not None and not int(lengths.sum()):
                 raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
@@ -295,17 +297,19 @@ class Mix(EpochNode[dict]):
         parts = []
         for name, fp in self._source_fingerprints().items():
             reader = self.readers[name]
-            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader) if reader.kind == 'sequence' else '?'}")
+            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader.source) if reader.kind == 'sequence' else '?'}")
         digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
         return f"mix:{digest}"
 
+    def listed(self, epochs: int = 1) -> MixedDataset:
+        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths
+        (:class:`~cpdata.nodes.mixed.MixedDataset`; :func:`cpdata.sources.open.as_source` asks for it)."""
+        return MixedDataset(self, epochs=epochs)
+
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` naming the source if any source changed since the mix first read it."""
-        for name, fp in self._source_fingerprints().items():
-            try:
-                check_source_unchanged(self.readers[name].source, fp)
-            except ValueError as exc:
-                raise ValueError(f"mix source {name!r}: {exc}") from exc
+        named = [(f"mix source {n!r}", (self.readers[n].source, fp)) for n, fp in self._source_fingerprints().items()]
+        naming_parts(named, lambda source_fp: check_source_unchanged(*source_fp))
 
 
 def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",

@@ -18,18 +18,18 @@ A reader walks one source in its own order, pass after pass:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.source import reading_error, restart_iterable, source_kind
-from cpdata.sources.hf import as_hf_documents
+from cpdata.nodes.source_kinds import SourceReader
+from cpdata.sources.open import as_source
+from cpdata.sources.protocol import declared_labels
 from cpdata.worker.targets import check_labels_alignment
 
-__all__ = ["BLOCK", "Draws", "SourceReader", "check_weights", "declared_alignment", "document_tokens"]
+__all__ = ["BLOCK", "Draws", "MixSource", "check_weights", "declared_alignment", "document_tokens"]
 
 BLOCK = 4096
 """Draws generated at once (one ``rng.random(BLOCK)`` call)."""
@@ -65,9 +65,9 @@ def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dic
     return out
 
 
-def declared_alignment(readers: Mapping[str, SourceReader]) -> str | None:
+def declared_alignment(readers: Mapping[str, MixSource]) -> str | None:
     """The labels_alignment every source declares, or None when some declare none; conflicting ones are refused."""
-    declared = {n: check_labels_alignment(getattr(r.source, "labels_alignment", None)) for n, r in readers.items()}
+    declared = {n: check_labels_alignment(declared_labels(r.source)) for n, r in readers.items()}
     values = set(declared.values())
     if len(values - {None}) > 1:
         raise ValueError(
@@ -166,7 +166,7 @@ def document_tokens(item: Any) -> int:
         return 0
 
 
-class SourceReader:
+class MixSource(SourceReader):
     """One named source of a mix, read in its own order, restarted for every pass (see the module table).
 
     Raises:
@@ -180,25 +180,17 @@ class SourceReader:
     SIZE_KEY = "size"
 
     def __init__(self, name: str, source: Any) -> None:
-        self.name = name
-        self.source = as_hf_documents(source)
         try:
-            self.kind = source_kind(self.source)
+            super().__init__(as_source(source), f"of mix source {name!r}")
         except TypeError as exc:
             raise TypeError(f"mix source {name!r}: {exc}") from None
+        self.name = name
         if self.kind == "sequence" and len(self.source) == 0:
             raise ValueError(f"mix source {name!r} is empty (0 documents); leave it out of the mix")
         self.position = 0
         self.passes = 0
         self.size: int | None = len(self.source) if self.kind == "sequence" else None
         """Documents per pass: a sequence's length, a stream's once it ran out (None before)."""
-        self._it: Any = None
-
-    def __len__(self) -> int:
-        """Documents of a sequence source (``TypeError`` for a stream)."""
-        if self.kind != "sequence":
-            raise TypeError(f"mix source {self.name!r} is a {self.kind}: its length is unknown")
-        return len(self.source)
 
     def restart(self, state: Mapping[str, Any] | None = None) -> None:
         """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""
@@ -206,7 +198,7 @@ class SourceReader:
         self.passes = 0 if state is None else int(state[self.PASSES_KEY])
         if state is not None and state.get(self.SIZE_KEY) is not None:
             self.size = int(state[self.SIZE_KEY])
-        self._open(None if state is None else state.get(self.SOURCE_KEY))
+        self.open(self.position, None if state is None else state.get(self.SOURCE_KEY))
 
     def new_pass(self) -> None:
         """The source ran out: start reading it again from its beginning."""
@@ -214,14 +206,7 @@ class SourceReader:
             self.size = self.position
         self.passes += 1
         self.position = 0
-        self._open(None)
-
-    def _open(self, nested: Mapping[str, Any] | None) -> None:
-        self._it = None
-        if self.kind == "node":
-            self.source.reset(nested)
-        elif self.kind == "iterable":
-            self._it = restart_iterable(self.source, self.position)
+        self.open()
 
     def take(self, read: bool) -> tuple[int, Any]:
         """``(index in this pass, item)``; ``item`` is None for an unread sequence item. StopIteration at the end."""
@@ -229,34 +214,16 @@ class SourceReader:
         if self.kind == "sequence":
             if index >= len(self.source):
                 raise StopIteration
-            item = self._read(index) if read else None
+            item = self.read(index) if read else None
         else:
-            if self.kind == "iterable" and self._it is None:
-                self._open(None)
-            try:
-                item = next(self._it if self.kind == "iterable" else self.source)
-            except StopIteration:
-                raise
-            except Exception as exc:
-                raise reading_error(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
+            item = self.next(index)
         self.position = index + 1
         return index, item
-
-    def _read(self, index: int) -> Any:
-        try:
-            return self.source[index]
-        except Exception as exc:
-            raise reading_error(exc, f"reading document {index} of mix source {self.name!r} failed") from exc
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {self.POSITION_KEY: self.position, self.PASSES_KEY: self.passes}
         if self.kind == "node":
-            out[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+            out[self.SOURCE_KEY] = self.node_state()
         if self.kind != "sequence" and self.size is not None:
             out[self.SIZE_KEY] = self.size  # a stream's documents per pass, known once it ran out
         return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_it"] = None  # an open iterator does not pickle; the next restart reopens it
-        return state

@@ -28,28 +28,13 @@ three sources (30 vs 24 us per draw including the reads, on a shared 2-core mach
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.mix_readers import document_tokens
-
-__all__ = ["BY", "TokenClock", "source_lengths", "token_draw_order"]
+__all__ = ["BY", "TokenClock", "token_draw_order"]
 
 BY: tuple[str, ...] = ("documents", "tokens")
 _TAG = 0x70C5  # separates the tie order's random stream from the document draws'
-
-
-def source_lengths(source: Any) -> np.ndarray | None:
-    """int64 ``[len(source)]``: a sequence's ``lengths`` when it states them, a list's counted; else None."""
-    lengths = getattr(source, "lengths", None)
-    if lengths is not None:
-        arr = np.asarray(lengths)
-        if arr.ndim == 1 and arr.shape[0] == len(source) and arr.dtype.kind in "iu":
-            return arr.astype(np.int64, copy=False)
-    if type(source) in (list, tuple):
-        return np.fromiter((document_tokens(item) for item in source), dtype=np.int64, count=len(source))
-    return None
 
 
 def tie_ranks(seed: int, epoch: int, k: int) -> np.ndarray:

@@ -34,23 +34,27 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.nodes.mix import Mix
-from cpdata.nodes.mix_tokens import source_lengths, tie_ranks, token_draw_order
+from cpdata.errors import check_int, naming_parts
+from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
+from cpdata.sources.protocol import Carried, Checked, Hashed, stated_lengths
 from cpdata.worker.targets import TARGET_KEYS
 
-__all__ = ["MixedDataset", "as_mixed_dataset", "draw_order"]
+if TYPE_CHECKING:
+    from cpdata.nodes.mix import Mix
+
+__all__ = ["MixedDataset", "draw_order"]
 
 _WHY = "precompute and a SchedulePlan plan every document's length before training"
 
 
 def _source_lengths(name: str, source: Any) -> np.ndarray:
-    lengths = source_lengths(source)
+    lengths = stated_lengths(source)
     if lengths is not None:
         return lengths
     raise ValueError(
@@ -105,7 +109,7 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
 def _keys(source: Any) -> set[str]:
     if type(source) in (list, tuple):
         return {k for item in source if isinstance(item, dict) for k in item if k in TARGET_KEYS}
-    return set(getattr(source, "per_token_keys", ()))
+    return set(source.per_token_keys) if isinstance(source, Carried) else set()
 
 
 class MixedDataset(TokenizedDataset):
@@ -128,9 +132,8 @@ class MixedDataset(TokenizedDataset):
     kind = "mix"
 
     def __init__(self, mixed: Mix, epoch: int = 0, epochs: int = 1) -> None:
-        for what, value, low in (("epoch", epoch, 0), ("epochs", epochs, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
+        check_int("epoch", epoch, min=0)
+        check_int("epochs", epochs, min=1)
         if mixed.stop == "never":
             raise ValueError(
                 f"a mix with stop='never' is endless, but {_WHY}; pass stop='first_exhausted' or 'all_exhausted'"
@@ -161,7 +164,7 @@ class MixedDataset(TokenizedDataset):
         self.epoch_counts = [self._counts(slice(int(lo), int(hi)))
                              for lo, hi in zip(self.epoch_starts[:-1], self.epoch_starts[1:], strict=True)]  # fmt: skip
         self.counts = self._counts(slice(None))
-        self.serves_tokens = all(getattr(s, "serves_tokens", True) for s in self._sources)
+        self.serves_tokens = all(s.serves_tokens for s in self._sources if isinstance(s, Carried))
         self.per_token_keys = frozenset().union(*(_keys(s) for s in self._sources))
 
     def _counts(self, rows: slice) -> dict[str, dict[str, int]]:
@@ -195,30 +198,22 @@ class MixedDataset(TokenizedDataset):
     def check_token_ids(self, vocab_size: int | None = None) -> None:
         """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read.
         An error names the source (its documents keep their own indices)."""
-        for name, source in zip(self.mix.names, self._sources, strict=True):
-            check = getattr(source, "check_token_ids", None)
-            if callable(check):
-                try:
-                    check(vocab_size)
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"mix source {name!r} (source {self.mix.names.index(name)} of "
-                                    f"{self.mix.names}): {exc}") from exc  # fmt: skip
+        naming_parts(self._checked(), lambda source: source.check_token_ids(vocab_size))
 
     def verify_content(self) -> None:
         """Every source checks its stored bytes (:meth:`TokenizedDataset.verify_content`); errors name the source."""
-        for k, (name, source) in enumerate(zip(self.mix.names, self._sources, strict=True)):
-            verify = getattr(source, "verify_content", None)
-            if callable(verify):
-                try:
-                    verify()
-                except ValueError as exc:
-                    raise ValueError(f"mix source {name!r} (source {k} of {self.mix.names}): {exc}") from exc
+        naming_parts(self._checked(), lambda source: source.verify_content())
+
+    def _checked(self) -> list[tuple[str, Checked]]:
+        """``(how errors name it, source)`` of every source that checks its own content."""
+        names = self.mix.names
+        return [(f"mix source {n!r} (source {k} of {names})", s)
+                for k, (n, s) in enumerate(zip(names, self._sources, strict=True)) if isinstance(s, Checked)]  # fmt: skip
 
     def _compute_checksum(self) -> str:
         parts = []
         for source in self._sources:
-            checksum = getattr(source, "checksum", None)
-            parts.append(checksum() if callable(checksum) else source_fingerprint(source))
+            parts.append(source.checksum() if isinstance(source, Hashed) else source_fingerprint(source))
         epochs = self.epoch if self.epochs == 1 else [self.epoch, self.epochs]  # one epoch: as before epochs=
         return hashlib.sha256(json.dumps([self.mix.config, epochs, parts]).encode()).hexdigest()
 
@@ -228,8 +223,3 @@ class MixedDataset(TokenizedDataset):
     def check_unchanged(self) -> None:
         self.mix.check_unchanged()
 
-
-def as_mixed_dataset(source: Any, epochs: int = 1) -> Any:
-    """``source`` as a :class:`MixedDataset` (epochs ``0 .. epochs - 1``) when it is a
-    :class:`~cpdata.nodes.mix.Mix`, else unchanged."""
-    return MixedDataset(source, epochs=epochs) if isinstance(source, Mix) else source

@@ -50,6 +50,7 @@ from cpdata.nodes.live_pieces import (
     window_buffer,
     window_rows,
 )
+from cpdata.nodes.source import Documents
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.window import DocumentWindow
@@ -69,9 +70,8 @@ def _read_window(
     """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
     source ended: ``source.next_window`` when it reads windows at once (``Documents``: its ids concatenated
     with ``room`` elements to spare), else ``next()`` one document at a time."""
-    next_window = getattr(source, "next_window", None)
-    if next_window is not None:
-        return next_window(limit, floor, capacity, room)
+    if isinstance(source, Documents):
+        return source.next_window(limit, floor, capacity, room)
     documents: list[Document] = []
     tokens = 0
     while limit is None or len(documents) < limit or tokens < floor:
@@ -166,10 +166,11 @@ class Pack(BaseNode[PackPlan]):
             capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
             overflow=overflow, seed=seed, window=window,
         )
-        known = getattr(source_node, "known_lengths", None)
+        known = source_node.known_lengths if isinstance(source_node, Documents) else None
         if known is not None:
             check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
+        self._seekable = isinstance(source_node, Documents) and source_node.seekable
         self._planner = StreamPlanner(self.config)
         self._queue: deque[_Finished] = deque()  # every finished pack, not yet emitted
         self._live = LivePieces()
@@ -185,7 +186,8 @@ class Pack(BaseNode[PackPlan]):
 
     def _stats_fields(self) -> dict[str, Any]:
         """The fields of :attr:`stats` that come from the source."""
-        return {"epoch": int(getattr(self.source, "epoch", 0)), "sources": getattr(self.source, "source_counts", None)}
+        documents = self.source if isinstance(self.source, Documents) else None
+        return {"epoch": documents.epoch if documents else 0, "sources": documents.source_counts if documents else None}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -229,7 +231,7 @@ class Pack(BaseNode[PackPlan]):
     def _restore_carry(self, carry: dict[str, Any]) -> None:
         columns = {name: np.asarray(carry[name]).tolist() for name in CARRY_COLUMNS}
         stored = carry["arrays"]
-        if stored is None and not getattr(self.source, "seekable", False):
+        if stored is None and not self._seekable:
             raise ValueError(
                 "the Pack state holds references to source documents, but this source cannot fetch them "
                 "by index; restore onto a Documents node over the same sequence"
@@ -301,7 +303,7 @@ class Pack(BaseNode[PackPlan]):
         snap = self._snapshot
         assert snap is not None, "reset() runs before get_state()"
         if self._carry_records is None:  # serialised once per window; arrays are read-only
-            self._carry_records = carry_state(snap.carried, not getattr(self.source, "seekable", False))
+            self._carry_records = carry_state(snap.carried, not self._seekable)
         return {
             self.VERSION_KEY: self.VERSION,
             self.CONFIG_KEY: self.config.identity(),

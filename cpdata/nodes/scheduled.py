@@ -31,13 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.scheduled_rows import SCHEDULES, RankRows, rank_rows, schedule_settings, source_lengths
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source import to_document
+from cpdata.nodes.source_kinds import read_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
-from cpdata.sources.hf import indexed_hf_documents
+from cpdata.sources.open import as_source
 from cpdata.worker.keys import INPUT_IDS
 from cpdata.worker.targets import LabelsAlignment
 
@@ -89,15 +88,7 @@ class ScheduleRows(PlanRows):
                         extras={"step": step, "micro_batch": micro_batch, "epoch": epoch})  # fmt: skip
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        try:
-            item = self.source[index]
-        except Exception as exc:
-            raise type(exc)(f"reading document {index} from the source failed: {exc}") from exc
-        try:
-            arrays = to_document(item, index, self.vocab_size, self.labels_alignment).arrays
-        except (TypeError, ValueError) as exc:
-            name_document_error(exc, self.source)  # a mix: document i of source 'b'
-            raise
+        arrays = read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
         self.documents_read += 1
         n = int(arrays[INPUT_IDS].shape[0])
         if n != int(self.lengths[index]):
@@ -165,7 +156,7 @@ class ScheduledPacks(ServedPacks):
             micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
             seed=seed, tail=tail, labels_alignment=labels_alignment,
         )  # fmt: skip
-        source = indexed_hf_documents(source)  # a datasets.Dataset: lengths from its length column or offsets
+        source = as_source(source, indexed=True)  # a datasets.Dataset: its lengths; a mix: its draw listing
         rows = ScheduleRows(source, source_lengths(source, lengths), {**plan_kw, "shuffle": shuffle},
                             {**config, "shuffle": bool(shuffle)}, dp_rank=int(dp_rank), vocab_size=vocab_size,
                             labels_alignment=config["labels_alignment"])  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.schedule import CostModel, Schedule, plan_schedule
+from cpdata.sources.protocol import Indexed, StatedLengths
 from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
 
 __all__ = ["SCHEDULES", "RankRows", "rank_rows", "schedule_settings", "source_lengths"]
@@ -60,8 +61,8 @@ def schedule_settings(
 
 def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
     """int64 ``[n_docs]``: ``lengths`` if given, else ``source.lengths``; ``TypeError`` naming the fix otherwise."""
-    if lengths is None:
-        lengths = getattr(source, "lengths", None)
+    if lengths is None and isinstance(source, StatedLengths):
+        lengths = source.lengths
     if lengths is None:
         raise TypeError(
             f"a SchedulePlan plans from every document's length before reading any, but the source "
@@ -72,7 +73,7 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"lengths must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
-    if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
+    if not isinstance(source, Indexed):
         raise TypeError(
             f"a SchedulePlan reads documents by index; the source ({type(source).__name__}) needs __len__ and "
             "__getitem__ (a list, a map-style dataset, cpdata.open_dataset(path))"

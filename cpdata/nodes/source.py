@@ -25,44 +25,31 @@ int64, other arrays keep their dtype. Values that are not numeric arrays
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.errors import check_int
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.source_kinds import reading_error, restart_iterable, source_kind, with_index
-from cpdata.nodes.source_window import WindowReader
+from cpdata.nodes.source_kinds import SourceReader, source_kind
+from cpdata.nodes.source_window import SourceWindows
 from cpdata.nodes.state_version import check_state_version
-from cpdata.nodes.validate import Scratch, to_document
+from cpdata.nodes.validate import to_document
+from cpdata.nodes.window import DocumentWindow
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
-from cpdata.sources.hf import as_hf_documents
+from cpdata.sources.open import as_source
+from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
-__all__ = ["Documents", "reading_error", "restart_iterable", "source_kind", "to_document"]
+__all__ = ["Documents", "source_kind", "to_document"]
 
 
-def _list_lengths(items: list | tuple) -> np.ndarray | None:
-    """``len(item["input_ids"])`` of every item, or None when one is not a dict with sized ids (the reader then
-    names it when it gets there)."""
-    out = np.empty(len(items), dtype=np.int64)
-    for i, item in enumerate(items):
-        ids = item.get("input_ids") if isinstance(item, Mapping) else None
-        if isinstance(ids, (list, tuple)):
-            out[i] = len(ids)
-        elif getattr(ids, "ndim", None) == 1:  # numpy array, torch tensor
-            out[i] = ids.shape[0]
-        else:
-            return None
-    return out
-
-
-class Documents(WindowReader, EpochNode[Document]):
+class Documents(EpochNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
     Args:
@@ -124,61 +111,46 @@ class Documents(WindowReader, EpochNode[Document]):
         super().__init__()
         if not isinstance(shuffle, bool):
             raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_int("seed", seed, min=0)
         check_num_epochs(num_epochs)
-        self.labels_alignment = declared_alignment("Documents", labels_alignment, source)
-        for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        self.source = source = as_source(source)
+        self.reader = SourceReader(source)
+        self._mixture = self.reader.kind == "node" and isinstance(source, Mixture)  # asked once: not per document
+        self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
+        dp_rank, dp_size = check_int("dp_rank", dp_rank), check_int("dp_size", dp_size)
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
-        source = as_hf_documents(source)
-        self._kind = source_kind(source)
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size, min=1, fix=" or None")
         buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
-        self._buffer = buffer if shuffle and self._kind != "sequence" else None
-        self.source = source
+        self._buffer = buffer if shuffle and self.reader.kind != "sequence" else None
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
         self.shuffle, self.seed, self.num_epochs = shuffle, int(seed), num_epochs
         self._order: tuple[int, np.ndarray] | None = None
-        self._it: Iterator[Any] | None = None
-        self._position = 0
-        self._consumed = 0
+        self.position = 0
+        """Source items of this pass read so far (every rank's: the next is this rank's first at or after it)."""
+        self.consumed = 0
+        """Documents this rank emitted."""
         self._fingerprint: str | None = None
         self._fingerprinted = False
-        self._window_mean = 0.0  # counted tokens per document of the last window (read-ahead estimate)
-        self._scratch = Scratch()  # the window's ids, concatenated to check them
-        self._ahead = None  # items a window read past its end, for the next window (a cache, not state)
+        self._windows = SourceWindows(self)  # next_window's caches
 
     @property
     def seekable(self) -> bool:
         """Whether :meth:`fetch` works (sequence sources): packers then keep only references in their state."""
-        return self._kind == "sequence"
+        return self.reader.kind == "sequence"
 
     @property
     def known_lengths(self) -> np.ndarray | None:
         """int64 ``[n]`` token counts of every source document when the source states them up front
         (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`; an
         in-memory ``list``/``tuple`` of documents, counted with one ``len`` per item, ~0.1 us each), else None."""
-        if self._kind == "sequence" and type(self.source) in (list, tuple):
-            return _list_lengths(self.source)  # type: ignore[arg-type]
-        lengths = getattr(self.source, "lengths", None) if self._kind == "sequence" else None
-        if lengths is None:
-            return None
-        lengths = np.asarray(lengths)
-        n = len(self.source)  # type: ignore[arg-type]
-        if lengths.ndim != 1 or lengths.shape[0] != n or lengths.dtype.kind not in "iu":
-            return None
-        return lengths
+        return stated_lengths(self.source) if self.reader.kind == "sequence" else None
 
     @property
     def source_counts(self) -> dict[str, dict[str, int]] | None:
         """Per-source counters of a :func:`cpdata.mix` source (``Mix.counts``), else None."""
-        counts = getattr(self.source, "counts", None) if self._kind == "node" else None
-        return counts if isinstance(counts, dict) else None
+        return self.source.counts if self._mixture else None
 
     @property
     def document_sources(self) -> Any:
@@ -186,23 +158,24 @@ class Documents(WindowReader, EpochNode[Document]):
         mix read for ``num_epochs > 1`` passes in one ``iter()`` can pack draws of two epochs together, whose
         positions in the mixed stream do not say which epoch they are from, so no source is named there
         (``info["doc_index"]`` is then the draw's position in its epoch)."""
-        found = getattr(self.source, "document_sources", None)
+        found = self.source.document_sources if isinstance(self.source, NamesSources) else None
         return found if callable(found) and (self.num_epochs or 1) == 1 else None
 
     def fetch(self, index: int) -> Document:
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:
-            raise TypeError(f"fetch needs a sequence source, this node reads a {self._kind}")
-        try:
-            item = self.source[index]  # type: ignore[index]
-        except Exception as exc:
-            raise with_index(exc, index) from exc
-        return to_document(item, index, self.vocab_size, self.labels_alignment)
+            raise TypeError(f"fetch needs a sequence source, this node reads a {self.reader.kind}")
+        return to_document(self.reader.read(index), index, self.vocab_size, self.labels_alignment)
+
+    def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
+        """The documents ``next()`` would give until a packing window is full, read and validated together
+        (:meth:`cpdata.nodes.source_window.SourceWindows.next_window`): ``(window, exhausted)``."""
+        return self._windows.next_window(limit, floor, capacity, room)
 
     def _length(self) -> int | None:
-        return len(self.source) if self._kind == "sequence" else None  # type: ignore[arg-type]
+        return len(self.source) if self.reader.kind == "sequence" else None  # type: ignore[arg-type]
 
-    def _permutation(self) -> np.ndarray:
+    def permutation(self) -> np.ndarray:
         """int64 ``[len(source)]``: this epoch's order of a shuffled sequence (source index at each position)."""
         if self._order is None or self._order[0] != self.epoch:
             perm = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.source))  # type: ignore[arg-type]
@@ -211,11 +184,11 @@ class Documents(WindowReader, EpochNode[Document]):
 
     def _source_index(self, position: int) -> int:
         """Source index at ``position`` of this epoch's order."""
-        return int(self._permutation()[position]) if self.shuffle else position
+        return int(self.permutation()[position]) if self.shuffle else position
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._position, self._consumed, self._it, self._ahead = 0, 0, None, None
+        self.position, self.consumed, self._windows.ahead = 0, 0, None
         self._check_source()
         nested = None
         if initial_state is not None and self._buffer is not None:
@@ -223,17 +196,17 @@ class Documents(WindowReader, EpochNode[Document]):
             self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
             self._restart_source()
             self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
-            self._consumed = int(initial_state[self.CONSUMED_KEY])
-            if self._position != int(initial_state[self.POSITION_KEY]):
+            self.consumed = int(initial_state[self.CONSUMED_KEY])
+            if self.position != int(initial_state[self.POSITION_KEY]):
                 raise ValueError(
-                    f"replaying the shuffle buffer read {self._position} source items, the saved state had read "
+                    f"replaying the shuffle buffer read {self.position} source items, the saved state had read "
                     f"{initial_state[self.POSITION_KEY]}; the source changed since the state was saved"
                 )
             return
         if initial_state is not None:
             self._check(initial_state)
-            self._position = int(initial_state[self.POSITION_KEY])
-            self._consumed = int(initial_state[self.CONSUMED_KEY])
+            self.position = int(initial_state[self.POSITION_KEY])
+            self.consumed = int(initial_state[self.CONSUMED_KEY])
             self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
             nested = initial_state.get(self.SOURCE_KEY)
         else:
@@ -243,12 +216,9 @@ class Documents(WindowReader, EpochNode[Document]):
     def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
         if self._buffer is not None:
             self._buffer.start(self.epoch)
-        if self._kind == "node":
-            if nested is None and isinstance(self.source, EpochNode):  # a node with epochs (cpdata.mix) follows ours
-                self.source.set_epoch(self.epoch)
-            self.source.reset(nested)
-        elif self._kind == "iterable":
-            self._it = restart_iterable(self.source, self._position)
+        if self.reader.kind == "node" and nested is None and isinstance(self.source, EpochNode):
+            self.source.set_epoch(self.epoch)  # a node with epochs (cpdata.mix) follows ours
+        self.reader.open(self.position, nested)
 
     def _check_source(self) -> None:
         """At every epoch start and restore: the source is the one first read, unchanged (cpdata.sources.fingerprint)."""
@@ -289,50 +259,41 @@ class Documents(WindowReader, EpochNode[Document]):
 
     def _read(self) -> tuple[int, int, Any]:
         """The next item of this pass: ``(position, source index, item)`` (StopIteration at the pass's end)."""
-        position = index = self._position
-        if self._kind == "sequence":
+        position = index = self.position
+        if self.reader.kind == "sequence":
             position += (self.dp_rank - position) % self.dp_size  # jump straight to this rank's next item
             if position >= len(self.source):  # type: ignore[arg-type]
-                self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
+                self.position = max(self.position, len(self.source))  # type: ignore[arg-type]
                 raise StopIteration
             index = self._source_index(position)
-            try:
-                item = self.source[index]  # type: ignore[index]
-            except Exception as exc:
-                raise with_index(exc, index) from exc
+            item = self.reader.read(index)
         else:
-            try:
-                item = next(self.source if self._kind == "node" else self._it)  # type: ignore[arg-type]
-            except StopIteration:
-                raise
-            except Exception as exc:
-                raise with_index(exc, index) from exc
-        self._position = position + 1
+            item = self.reader.next(index)
+        self.position = position + 1
         return position, index, item
 
     def _next_own(self) -> tuple[int, int, Any]:
         """This rank's next ``(position, source index, item)``; a node with ``skip_unread()`` (``cpdata.mix``)
         passes other ranks' items without reading them."""
-        skip = getattr(self.source, "skip_unread", None) if self._kind == "node" else None
         while True:
-            if callable(skip) and self._position % self.dp_size != self.dp_rank:
-                skip()  # StopIteration at the stream's end
-                self._position += 1
+            if self._mixture and self.position % self.dp_size != self.dp_rank:
+                self.source.skip_unread()  # StopIteration at the stream's end
+                self.position += 1
                 continue
             position, index, item = self._read()
             if position % self.dp_size == self.dp_rank:
                 return position, index, item
 
-    def _pass_ended(self) -> bool:
+    def pass_ended(self) -> bool:
         """At the end of a pass: start the next one (``num_epochs``) and return True; False after the last."""
         if not self.epoch_clock.advance(self.num_epochs):
             return False
-        self._position = 0  # num_epochs: the next pass, same iter()
+        self.position = 0  # num_epochs: the next pass, same iter()
         self._check_source()
         self._restart_source()
         return True
 
-    def _next_item(self) -> tuple[int, Any]:
+    def next_item(self) -> tuple[int, Any]:
         """This rank's next ``(source index, item)``, across epochs (StopIteration after the last)."""
         while True:
             try:
@@ -341,26 +302,26 @@ class Documents(WindowReader, EpochNode[Document]):
                 else:
                     position, index, item = self._next_own()
             except StopIteration:
-                if not self._pass_ended():
+                if not self.pass_ended():
                     raise
                 continue
             return index, item
 
     def next(self) -> Document:
-        index, item = self._next_item()
+        index, item = self.next_item()
         try:
             document = to_document(item, index, self.vocab_size, self.labels_alignment)
         except (TypeError, ValueError) as exc:
             name_document_error(exc, self.source)  # a mix: document i of source 'b', not draw j
             raise
-        self._consumed += 1
+        self.consumed += 1
         return document
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             self.VERSION_KEY: self.VERSION,
-            self.CONSUMED_KEY: self._consumed,
-            self.POSITION_KEY: self._position,
+            self.CONSUMED_KEY: self.consumed,
+            self.POSITION_KEY: self.position,
             self.SHARD_KEY: (self.dp_rank, self.dp_size),
             self.LENGTH_KEY: self._length(),
             self.FINGERPRINT_KEY: self._fingerprint,
@@ -370,6 +331,6 @@ class Documents(WindowReader, EpochNode[Document]):
         }
         if self._buffer is not None:  # a restore replays the epoch up to here (cpdata.nodes.shuffle_buffer)
             state[self.BUFFER_KEY] = self._buffer.drawn
-        elif self._kind == "node":
-            state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+        elif self.reader.kind == "node":
+            state[self.SOURCE_KEY] = self.reader.node_state()
         return state

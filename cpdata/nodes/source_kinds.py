@@ -1,20 +1,28 @@
-"""How a document source is read and restarted: its kind, a restart at a position, read errors.
+"""How a document source is read and restarted: its kind, :class:`SourceReader`, read errors.
 
-Shared by :class:`~cpdata.nodes.source.Documents` and the other readers of user
-sources (tokenizing, mixing, scheduled packs).
+:class:`SourceReader` is the one reader of a user source (the kinds and their restarts:
+:mod:`cpdata.nodes.source`'s table), shared by :class:`~cpdata.nodes.source.Documents`,
+each source of a :func:`cpdata.mix` (:class:`~cpdata.nodes.mix_readers.MixSource`)
+and ``Tokenize``'s rows; :func:`read_document` is the read of a plan served by index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import copy
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
-__all__ = ["reading_error", "restart_iterable", "source_kind", "with_index"]
+from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.validate import to_document
+from cpdata.worker.plan import Document
+from cpdata.worker.targets import LabelsAlignment
+
+__all__ = ["SourceReader", "read_document", "reading_error", "restart_iterable", "source_kind"]
 
 
-def source_kind(source: Any, items: str = "document dicts") -> str:
+def source_kind(source: Any, items: str = "documents") -> str:
     """How a source is read and resumed (the module table): ``"node"``, ``"sequence"`` or ``"iterable"``.
 
     Raises:
@@ -52,9 +60,92 @@ def restart_iterable(source: Iterable[Any], position: int, items: str = "documen
     return it
 
 
-def with_index(exc: Exception, index: int) -> Exception:
-    """``exc``'s type with the document index in the message (RuntimeError if not constructible)."""
-    return reading_error(exc, f"reading document {index} from the source failed")
+class SourceReader:
+    """One user source, read by index or as a stream (documents: normalized first by
+    :func:`~cpdata.sources.open.as_source`; ``Tokenize``'s rows are read as given).
+
+    Args:
+        source: a sequence, a re-iterable or a node.
+        label: how a read error names the source: ``"reading document 7 {label} failed: ..."``.
+        items: what the source holds, for errors (``"documents"``, ``"rows"``).
+
+    Raises:
+        TypeError: ``source`` cannot be read and restarted (:func:`source_kind`'s message).
+    """
+
+    def __init__(self, source: Any, label: str = "from the source", items: str = "documents") -> None:
+        self.source, self.label, self.items = source, label, items
+        self.kind = source_kind(source, items)
+        self._it: Iterator[Any] | None = None
+
+    def open(self, position: int = 0, nested: Mapping[str, Any] | None = None) -> None:
+        """Start reading again at ``position`` (a stream) or from ``nested`` (a node's saved state)."""
+        self._it = None
+        if self.kind == "node":
+            self.source.reset(nested)
+        elif self.kind == "iterable":
+            self._it = restart_iterable(self.source, position, self.items)
+
+    def read(self, index: int) -> Any:
+        """Item ``index`` of a sequence; errors name the document and the source."""
+        try:
+            return self.source[index]
+        except Exception as exc:
+            raise self.error(exc, index) from exc
+
+    def read_many(self, indices: Sequence[int]) -> tuple[list[Any], Exception | None]:
+        """Items ``indices`` of a sequence, read up to the first that fails: ``(items, error)``, ``error`` (not
+        raised) that item's read error, or None."""
+        source = self.source
+        try:
+            return [source[i] for i in indices], None
+        except Exception:
+            items: list[Any] = []
+            for i in indices:
+                try:
+                    items.append(source[i])
+                except Exception as exc:
+                    error = self.error(exc, i)
+                    error.__cause__ = exc
+                    return items, error
+            raise
+
+    def next(self, index: int) -> Any:
+        """The next item of a stream, document ``index`` of its pass (a stream not open is opened there)."""
+        if self.kind == "iterable" and self._it is None:
+            self.open(index)
+        try:
+            return next(self._it if self.kind == "iterable" else self.source)  # type: ignore[arg-type]
+        except StopIteration:
+            raise
+        except Exception as exc:
+            raise self.error(exc, index) from exc
+
+    def error(self, exc: Exception, index: int) -> Exception:
+        """``exc``'s type, its message naming document ``index`` and the source."""
+        return reading_error(exc, f"reading document {index} {self.label} failed")
+
+    def node_state(self) -> dict[str, Any]:
+        """A node source's own state (a copy), for the reader's state."""
+        return copy.deepcopy(self.source.state_dict())
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_it": None}  # an open iterator does not pickle; the next read reopens it
+
+
+def read_document(source: Any, index: int, vocab_size: int | None,
+                  labels_alignment: LabelsAlignment | None) -> Document:  # fmt: skip
+    """Document ``index`` of an indexed source, validated (:func:`~cpdata.nodes.validate.to_document`): what a
+    plan served by index reads. Errors name the document where it came from (a mix: document i of source 'b')."""
+    try:
+        item = source[index]
+    except Exception as exc:
+        raise reading_error(exc, f"reading document {index} from the source failed") from exc
+    try:
+        return to_document(item, index, vocab_size, labels_alignment)
+    except (TypeError, ValueError) as exc:
+        name_document_error(exc, source)
+        raise
 
 
 def reading_error(exc: Exception, what: str) -> Exception:

@@ -1,7 +1,8 @@
 """Reading a packing window from :class:`~cpdata.nodes.source.Documents`: a sequence by slices, as columns.
 
 ``next()`` reads and validates one document at a time; the ``Pack`` node
-instead asks for a whole window (:meth:`WindowReader.next_window`). A sequence
+instead asks for a whole window (:meth:`Documents.next_window`, which
+:class:`SourceWindows`, a part the node holds, answers). A sequence
 source is then read by slices of this rank's positions, the window rule
 applied to a slice with one cumulative sum (:class:`~cpdata.nodes.window.WindowFill`),
 and the window validated at once (:func:`~cpdata.nodes.validate.to_window`):
@@ -14,83 +15,65 @@ pass drops them. Other sources are read one item at a time, as by ``next()``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.source_kinds import with_index
 from cpdata.nodes.validate import Scratch, document_ids, plain_ids, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
-from cpdata.worker.targets import LabelsAlignment
 
-__all__ = ["WindowReader"]
+if TYPE_CHECKING:
+    from cpdata.nodes.source import Documents
+
+__all__ = ["SourceWindows"]
 
 
-class WindowReader:
-    """``next_window`` for :class:`~cpdata.nodes.source.Documents` (a mixin: it uses the node's reading
-    state: ``_kind``, ``_position``, ``source``, ``dp_rank``/``dp_size``, ``shuffle``, ``_permutation()``,
-    ``_next_item()``, ``_pass_ended()``, ``_scratch``, ``_window_mean``, ``_consumed``, ``_ahead``)."""
+class SourceWindows:
+    """The windows of one :class:`~cpdata.nodes.source.Documents` node (its part, not a mixin): the node
+    keeps the reading state (position, order, epochs), this part keeps only a window's caches.
 
-    _kind: str
-    _position: int
-    _consumed: int
-    _window_mean: float
-    _scratch: Scratch
-    source: Any
-    dp_rank: int
-    dp_size: int
-    shuffle: bool
-    vocab_size: int | None
-    labels_alignment: LabelsAlignment | None
-    _permutation: Callable[[], np.ndarray]
-    _next_item: Callable[[], tuple[int, Any]]
-    _pass_ended: Callable[[], bool]
-    epoch: int
-    _ahead: tuple[tuple[int, int], list[Any]] | None  # ((epoch, position of the first), items) read past a window
+    Args:
+        documents: the node whose documents it reads (its position moves as ``next()`` would move it).
+    """
+
+    def __init__(self, documents: Documents) -> None:
+        self.documents = documents
+        self.mean = 0.0
+        """Counted tokens per document of the last window (the read-ahead estimate)."""
+        self.scratch = Scratch()  # the window's ids, concatenated to check them
+        self.ahead: tuple[tuple[int, int], list[Any]] | None = None
+        """``((epoch, position of the first), items)`` read past a window's end (a cache, not state)."""
 
     def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
         """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
         ``(positions, source indices, items, error)``, ``error`` the read error of the item after the last
         (raised only if the window gets to it)."""
-        first = self._position + (self.dp_rank - self._position) % self.dp_size
-        positions = range(first, min(len(self.source), first + count * self.dp_size), self.dp_size)  # type: ignore[arg-type]
-        indices = self._permutation()[positions].tolist() if self.shuffle else list(positions)
-        source = self.source
-        ahead, self._ahead = self._ahead, None
-        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (self.epoch, first) else []
-        try:
-            return list(positions), indices, kept + [source[i] for i in indices[len(kept) :]], None  # type: ignore[index]
-        except Exception:
-            items: list[Any] = list(kept)
-            for i in indices[len(kept) :]:
-                try:
-                    items.append(source[i])  # type: ignore[index]
-                except Exception as exc:
-                    error = with_index(exc, i)
-                    error.__cause__ = exc
-                    return list(positions), indices, items, error
-            raise
+        docs = self.documents
+        first = docs.position + (docs.dp_rank - docs.position) % docs.dp_size
+        positions = range(first, min(len(docs.source), first + count * docs.dp_size), docs.dp_size)
+        indices = docs.permutation()[positions].tolist() if docs.shuffle else list(positions)
+        ahead, self.ahead = self.ahead, None
+        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (docs.epoch, first) else []
+        items, error = docs.reader.read_many(indices[len(kept) :])
+        return list(positions), indices, kept + items, error
 
     def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
         """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens (a few
         more than the estimate: the ones not used are kept for the next window)."""
         if limit is None:
             return 4096
-        mean = tokens / count if count else self._window_mean
+        mean = tokens / count if count else self.mean
         more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
         return min(max(limit - count, more), 1 << 14)
 
     def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
         """:meth:`_next_window`, its errors naming a document as ``next()`` does (a mix: document i of source
         'b'; a window that ran into the next pass keeps the stream's index, which the source cannot place)."""
-        epoch = self.epoch
+        epoch = self.documents.epoch
         try:
             return self._next_window(limit, floor, capacity, room)
         except (TypeError, ValueError) as exc:
-            if self.epoch == epoch:
-                name_document_error(exc, self.source)
+            if self.documents.epoch == epoch:
+                name_document_error(exc, self.documents.source)
             raise
 
     def _next_window(self, limit: int | None, floor: int, capacity: int, room: int) -> tuple[DocumentWindow, bool]:
@@ -109,20 +92,21 @@ class WindowReader:
         Returns:
             ``(window, exhausted)``: ``exhausted`` when the source ended first.
         """
+        docs = self.documents
         fill, exhausted = WindowFill(limit, floor, capacity), False
         while fill.wants():
-            if self._kind == "sequence":
+            if docs.reader.kind == "sequence":
                 count = self._chunk(limit, floor, len(fill.items), fill.tokens)
                 positions, chunk_indices, chunk, error = self._read_ahead(count)
                 if not chunk and error is None:
-                    self._position = max(self._position, len(self.source))  # type: ignore[arg-type]
-                    if self._pass_ended():
+                    docs.position = max(docs.position, len(docs.source))
+                    if docs.pass_ended():
                         continue
                     exhausted = True
                     break
             else:
                 try:
-                    index, item = self._next_item()
+                    index, item = docs.next_item()
                 except StopIteration:
                     exhausted = True
                     break
@@ -130,16 +114,17 @@ class WindowReader:
             taken = self._take(fill, positions, chunk, chunk_indices)
             if error is not None and taken == len(chunk) and fill.wants():
                 raise error
-        window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch,
+        window = to_window(fill.items, fill.indices, fill.ids, docs.vocab_size, docs.labels_alignment, self.scratch,
                            room, fill.lengths())  # fmt: skip
-        self._consumed += len(window)
+        docs.consumed += len(window)
         if len(window):
-            self._window_mean = fill.tokens / len(window)
+            self.mean = fill.tokens / len(window)
         return window, exhausted
 
     def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
         """Add the items of ``chunk`` to ``fill`` until it is full; returns how many. Items of a
         sequence (``positions`` given) move the position past the last one taken."""
+        docs = self.documents
         plain = plain_ids(chunk)
         if plain is not None:
             taken = fill.add_run(chunk, chunk_indices, *plain)
@@ -152,13 +137,13 @@ class WindowReader:
                     doc_ids = document_ids(item, index)
                 except Exception:
                     if positions:
-                        self._position = positions[taken] + 1
-                    to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment)
+                        docs.position = positions[taken] + 1
+                    to_window(fill.items, fill.indices, fill.ids, docs.vocab_size, docs.labels_alignment)
                     raise  # the earlier documents are fine: this one's own error
                 fill.add(item, index, doc_ids)
                 taken += 1
         if positions and taken:
-            self._position = positions[taken - 1] + 1
+            docs.position = positions[taken - 1] + 1
         if positions and taken < len(chunk):  # read past the window's end: the next window starts with them
-            self._ahead = ((self.epoch, positions[taken]), chunk[taken:])
+            self.ahead = ((docs.epoch, positions[taken]), chunk[taken:])
         return taken

@@ -23,14 +23,13 @@ row; nothing is buffered.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.source import restart_iterable, source_kind
+from cpdata.nodes.source_kinds import SourceReader
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
 
@@ -69,13 +68,12 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self.tokenizer = tokenizer
         else:
             self.tokenizer = RowTokenizer(tokenizer, **options)
-        self._kind = source_kind(source, "rows")
+        self.reader = SourceReader(source, "of the rows", "rows")
         self.labels_alignment: str | None = "inputs" if self.tokenizer.assistant_only else None
         """``"inputs"`` when the node emits ``assistant_masks`` (they belong to ``input_ids[i]`` itself, as
         ``apply_chat_template`` returns them); ``Documents`` takes it from here."""
         self.source = source
         self._position = 0
-        self._it: Iterator[Any] | None = None
 
     @property
     def stats(self) -> TokenizeStats:
@@ -89,12 +87,12 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             "assistant_only": t.assistant_only,
             "eos_token_id": None if t.eos_token_id is None else int(t.eos_token_id),
             "max_length": t.max_length,
-            "source_length": len(self.source) if self._kind == "sequence" else None,
+            "source_length": len(self.source) if self.reader.kind == "sequence" else None,
         }
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._position, self._it, nested = 0, None, None
+        self._position, nested = 0, None
         self.tokenizer.stats = TokenizeStats()
         if initial_state is not None:
             check_state_version("Tokenize", initial_state, self.VERSION_KEY, self.VERSION)
@@ -102,19 +100,16 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self._position = int(initial_state[self.POSITION_KEY])
             self.tokenizer.stats = TokenizeStats(**initial_state[self.STATS_KEY])
             nested = initial_state.get(self.SOURCE_KEY)
-        if self._kind == "node":
-            self.source.reset(nested)
-        elif self._kind == "iterable":
-            self._it = restart_iterable(self.source, self._position, "rows")
+        self.reader.open(self._position, nested)
 
     def next(self) -> dict[str, np.ndarray]:
         index = self._position
-        if self._kind == "sequence":
+        if self.reader.kind == "sequence":
             if index >= len(self.source):
                 raise StopIteration
-            row = self.source[index]
+            row = self.reader.read(index)
         else:
-            row = next(self.source if self._kind == "node" else self._it)
+            row = self.reader.next(index)
         self._position = index + 1
         return self.tokenizer(row, index)
 
@@ -125,7 +120,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self.POSITION_KEY: self._position,
             self.STATS_KEY: self.tokenizer.stats.as_dict(),
         }
-        if self._kind == "node":
-            state[self.SOURCE_KEY] = copy.deepcopy(self.source.state_dict())
+        if self.reader.kind == "node":
+            state[self.SOURCE_KEY] = self.reader.node_state()
         return state
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source import source_kind
+from cpdata.nodes.source_kinds import source_kind
 from cpdata.nodes.validate import document_ids, to_document
 from cpdata.schedule import CostModel, plan_schedule
 from cpdata.sources.fingerprint import lengths_sha256

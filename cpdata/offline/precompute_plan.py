@@ -24,7 +24,7 @@ import numpy as np
 
 from cpdata.layout.maps import alignment, check_layout, layout_spec
 from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.mixed import MixedDataset, as_mixed_dataset
+from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.options import (
     DataPolicy,
     PlanChoice,
@@ -38,8 +38,8 @@ from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.hf import indexed_hf_documents
-from cpdata.sources.open import open_dataset
+from cpdata.sources.open import as_source, open_dataset
+from cpdata.sources.protocol import Carried, Listed, declared_labels
 from cpdata.worker.targets import (
     TARGET_KEYS,
     LabelsAlignment,
@@ -117,7 +117,7 @@ def _first_targets(
     dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
 ) -> np.ndarray | None:
     """First trained target of every document when the dataset carries labels or masks, else None."""
-    present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
     if not present:
         return None
     if labels_alignment is None:
@@ -236,14 +236,14 @@ def precompute(
     labels_alignment = data.labels_alignment
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = as_mixed_dataset(indexed_hf_documents(dataset), epochs=epochs)
+    dataset = as_source(dataset, indexed=True, epochs=epochs)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
-    labels_alignment = declared_alignment("precompute", labels_alignment, dataset)
+    labels_alignment = declared_alignment("precompute", labels_alignment, declared_labels(dataset), dataset)
     if vocab_size is not None and not dataset.serves_tokens:
         raise ValueError(
             f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "
@@ -257,7 +257,7 @@ def precompute(
     schedule_info: dict[str, Any] | None = None
     if not scheduled:
         firsts = _first_targets(dataset, labels_alignment, progress)
-        starts = getattr(dataset, "epoch_starts", np.array([0, lengths.shape[0]], dtype=np.int64))
+        starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
         result, epoch_packs = _plan_epochs(
             lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
             overflow=overflow, seed=seed, window=window,
@@ -265,7 +265,7 @@ def precompute(
     else:
         from cpdata.schedule import CostModel, plan_schedule
 
-        present = sorted(set(TARGET_KEYS) & set(getattr(dataset, "per_token_keys", ())))
+        present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
         if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
             raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
         cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None

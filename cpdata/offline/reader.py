@@ -39,36 +39,31 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from cpdata.nodes.document_names import name_document_error
-from cpdata.nodes.mixed import as_mixed_dataset
+from cpdata.errors import check_int
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source import to_document
+from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
-from cpdata.sources.fingerprint import check_source_unchanged, source_identity
-from cpdata.sources.hf import indexed_hf_documents
+from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
+from cpdata.sources.open import as_source
+from cpdata.sources.protocol import Hashed, Listed, NamesSources, StatedLengths, declared_labels
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["PrecomputedPacks", "StoreRows"]
 
 
-class _Documents(Protocol):
-    def __getitem__(self, i: int) -> Any: ...
-    def checksum(self) -> str: ...
-
-
-def _check_documents(store: PackStore, documents: _Documents) -> None:
+def _check_documents(store: PackStore, documents: Any) -> None:
     source = store.manifest["input"]
-    if not callable(getattr(documents, "checksum", None)):
+    if not isinstance(documents, Hashed):
         raise TypeError(
             f"documents must provide checksum() (e.g. cpdata.sources.open_dataset(path)), got {type(documents).__name__}"
         )
     if source["kind"] == "lengths":
-        lengths = getattr(documents, "lengths", None)
-        digest = documents.lengths_checksum() if hasattr(documents, "lengths_checksum") else None
+        lengths = documents.lengths if isinstance(documents, StatedLengths) else None
+        digest = lengths_sha256(np.asarray(lengths, dtype=np.int64)) if lengths is not None else None
         if lengths is None or digest != source["lengths_sha256"]:
             n = "?" if lengths is None else len(lengths)
             raise ValueError(
@@ -115,7 +110,7 @@ class StoreRows(PlanRows):
         self.config = {"dp": [dp_rank, dp_size]}
         self.identity = f"{store.digest}|{source_identity(documents)}"  # the plan, and the documents it serves
         self.epochs = _planned_epochs(store)
-        self.first_document = np.asarray(getattr(documents, "epoch_starts", [0]), dtype=np.int64)
+        self.first_document = np.asarray(documents.epoch_starts if isinstance(documents, Listed) else [0], dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.schedule = store.manifest.get("schedule")
         if self.schedule is not None and self.schedule["dp_size"] != dp_size:
@@ -173,11 +168,7 @@ class StoreRows(PlanRows):
         return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        try:
-            return to_document(self.source[index], index, self.vocab_size, self.labels_alignment).arrays
-        except (TypeError, ValueError) as exc:
-            name_document_error(exc, self.source)  # a mix: document i of source 'b'
-            raise
+        return read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
 
     def __getstate__(self) -> dict[str, Any]:
         # Worker processes reopen the memory maps instead of receiving copies of the arrays.
@@ -217,7 +208,7 @@ class PrecomputedPacks(ServedPacks):
     def __init__(
         self,
         path: str | os.PathLike[str],
-        documents: _Documents,
+        documents: Any,
         *,
         cp_size: int | None = None,
         layout: str | None = None,
@@ -227,18 +218,17 @@ class PrecomputedPacks(ServedPacks):
         labels_alignment: LabelsAlignment | None = None,
         verify: bool = True,
     ) -> None:
-        for name, value, low in (("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int("dp_size", dp_size, min=1)
+        check_int("dp_rank", dp_rank, min=0)
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
         store = read_store(path, verify=verify)
         planned = _planned_epochs(store)
-        documents = as_mixed_dataset(indexed_hf_documents(documents), epochs=1 if planned is None else len(planned) - 1)
+        documents = as_source(documents, indexed=True, epochs=1 if planned is None else len(planned) - 1)
         _check_expected(store, "cp_size", cp_size)
         _check_expected(store, "layout", layout)
         _check_documents(store, documents)
-        labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, documents)
+        labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, declared_labels(documents), documents)
         saved = store.config.get("labels_alignment")
         if saved is not None and saved != labels_alignment:
             raise ValueError(
@@ -250,7 +240,8 @@ class PrecomputedPacks(ServedPacks):
                                    vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
-        self.document_sources = self._mix_sources if callable(getattr(documents, "document_sources", None)) else None
+        named = isinstance(documents, NamesSources) and callable(documents.document_sources)
+        self.document_sources = self._mix_sources if named else None
         """A mix's (source name, index) of pieces (:func:`cpdata.nodes.document_names.document_sources_of`)."""
 
     @property

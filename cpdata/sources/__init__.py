@@ -4,7 +4,9 @@ Role: below the nodes; each reader is a ``Sequence`` of ``{"input_ids": int64 [n
 ...}`` with its lengths known up front, a checksum and a fingerprint, so the
 planner can work from lengths and resume can refuse other data.
 
-Modules, in pipeline order: ``tokenizer`` (text and chat rows to token
+Modules, in pipeline order: ``protocol`` (what a source may offer: lengths,
+identity, unchanged-check, labels convention, document names; one
+``typing.Protocol`` per capability), ``tokenizer`` (text and chat rows to token
 documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
 JSON and digests of a format directory), ``atomic`` (crash-safe directory
 writes), ``base`` (``TokenizedDataset``, ``DatasetSlice``), ``files`` (lengths
@@ -14,7 +16,8 @@ shards), ``chunksums`` (per-chunk content checksums of a token store's files),
 token store: reader, ``write_token_store``), ``megatron`` and ``megatron_writer``
 (Megatron indexed datasets, ``PREFIX.bin`` + ``PREFIX.idx``, read in place and
 written as megatron-core does), ``hf`` (Hugging Face ``datasets``), ``open``
-(``open_dataset``: a reader chosen from a path).
+(``open_dataset``: a reader chosen from a path; ``as_source``: the one
+normalization of any accepted source).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "TokenStore": "cpdata.sources.tokenstore",
     "TokenizedDataset": "cpdata.sources.base",
     "atomic_directory": "cpdata.sources.atomic",
+    "as_source": "cpdata.sources.open",
     "open_dataset": "cpdata.sources.open",
     "write_megatron": "cpdata.sources.megatron_writer",
     "write_token_store": "cpdata.sources.tokenstore",

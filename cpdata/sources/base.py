@@ -19,6 +19,7 @@ import numpy as np
 
 from cpdata.errors import is_int
 from cpdata.sources.fingerprint import lengths_sha256
+from cpdata.sources.protocol import Identified, Watched, declared_labels
 
 __all__ = ["DatasetSlice", "TokenizedDataset"]
 
@@ -162,7 +163,7 @@ class DatasetSlice(TokenizedDataset):
         self.kind = parent.kind
         self.serves_tokens = parent.serves_tokens
         self.per_token_keys = parent.per_token_keys
-        alignment = getattr(parent, "labels_alignment", None)
+        alignment = declared_labels(parent)
         if alignment is not None:
             self.labels_alignment = alignment
         self._lengths: np.ndarray | None = None
@@ -196,14 +197,12 @@ class DatasetSlice(TokenizedDataset):
         return hashlib.sha256(f"{self.parent.checksum()}{self._part}".encode()).hexdigest()
 
     def fingerprint(self) -> str:
-        hook = getattr(self.parent, "fingerprint", None)
-        parent = hook() if callable(hook) else f"{self.parent.kind}:{len(self.parent)}"
+        parent = self.parent.fingerprint() if isinstance(self.parent, Identified) else f"{self.parent.kind}:{len(self.parent)}"
         return f"{parent}{self._part}"
 
     def check_unchanged(self) -> None:
-        hook = getattr(self.parent, "check_unchanged", None)
-        if callable(hook):
-            hook()
+        if isinstance(self.parent, Watched):
+            self.parent.check_unchanged()
 
     def __repr__(self) -> str:
         return f"{self.parent!r}{self._part}"

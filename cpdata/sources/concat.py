@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import naming_parts
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.protocol import Identified, Watched, declared_labels
 
 __all__ = ["ConcatDataset"]
 
@@ -79,27 +81,19 @@ class ConcatDataset(TokenizedDataset):
         return f"document {j} of part {s} ({self.parts[s].path})"
 
     def check_token_ids(self, vocab_size: int | None = None) -> None:
-        for s, part in enumerate(self.parts):
-            try:
-                part.check_token_ids(vocab_size)
-            except ValueError as exc:
-                raise ValueError(f"part {s} of {len(self.parts)} ({part.path}): {exc}") from exc
+        named = ((f"part {s} of {len(self.parts)} ({p.path})", p) for s, p in enumerate(self.parts))
+        naming_parts(named, lambda part: part.check_token_ids(vocab_size))
 
     def _compute_checksum(self) -> str:
         return hashlib.sha256(json.dumps([p.checksum() for p in self.parts]).encode()).hexdigest()
 
     def fingerprint(self) -> str:
-        parts = [getattr(p, "fingerprint", lambda: None)() or f"{p.kind}:{len(p)}" for p in self.parts]
+        parts = [(p.fingerprint() if isinstance(p, Identified) else None) or f"{p.kind}:{len(p)}" for p in self.parts]
         return f"concat:{hashlib.blake2b(json.dumps(parts).encode(), digest_size=16).hexdigest()}"
 
     def check_unchanged(self) -> None:
-        for s, part in enumerate(self.parts):
-            check = getattr(part, "check_unchanged", None)
-            if callable(check):
-                try:
-                    check()
-                except ValueError as exc:
-                    raise ValueError(f"part {s} of {len(self.parts)}: {exc}") from exc
+        named = ((f"part {s} of {len(self.parts)}", p) for s, p in enumerate(self.parts) if isinstance(p, Watched))
+        naming_parts(named, lambda part: part.check_unchanged())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -115,7 +109,7 @@ def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
     """
     declared: dict[str, list[int]] = {}
     for k, part in enumerate(parts):
-        alignment = getattr(part, "labels_alignment", None)
+        alignment = declared_labels(part)
         if alignment is not None:
             declared.setdefault(alignment, []).append(k)
     if len(declared) > 1:

@@ -1,6 +1,7 @@
 """Source fingerprints: refuse resuming onto other data, and notice data that changes under a run.
 
-Two questions, two hooks a source may implement:
+Two questions, two members of the source protocol (:class:`~cpdata.sources.protocol.Identified`,
+:class:`~cpdata.sources.protocol.Watched`):
 
 | hook | question | when cpdata asks |
 |---|---|---|
@@ -38,6 +39,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from cpdata.sources.protocol import Identified, Watched
 
 __all__ = ["LIST_SAMPLES", "check_source_unchanged", "lengths_sha256", "sample_positions", "source_fingerprint",
            "source_identity"]
@@ -94,9 +97,8 @@ def _list_fingerprint(items: list | tuple) -> str:
 
 def source_fingerprint(source: Any) -> str | None:
     """The source's identity (see the module table), or None when it offers none."""
-    hook = getattr(source, "fingerprint", None)
-    if callable(hook):
-        return str(hook())
+    if isinstance(source, Identified):
+        return str(source.fingerprint())
     if type(source) in (list, tuple):  # exactly: a subclass may read lazily or count reads
         return _list_fingerprint(source)
     return None
@@ -108,9 +110,8 @@ def check_source_unchanged(source: Any, opened: str | None) -> None:
     Calls the source's ``check_unchanged()`` hook when it has one; an
     in-memory list is re-fingerprinted and compared with ``opened``.
     """
-    hook = getattr(source, "check_unchanged", None)
-    if callable(hook):
-        hook()
+    if isinstance(source, Watched):
+        source.check_unchanged()
         return
     if opened is not None and type(source) in (list, tuple):
         now = _list_fingerprint(source)

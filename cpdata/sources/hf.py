@@ -43,8 +43,6 @@ from cpdata.worker.targets import check_unpadded
 __all__ = [
     "LENGTH_COLUMNS",
     "HFDocuments",
-    "as_hf_documents",
-    "indexed_hf_documents",
     "is_hf_dataset",
     "is_hf_iterable",
 ]
@@ -233,19 +231,3 @@ class HFDocuments(TokenizedDataset):
     def __repr__(self) -> str:
         return f"HFDocuments(fingerprint={self.dataset._fingerprint!r}, documents={len(self)})"
 
-
-def as_hf_documents(documents: Any) -> Any:
-    """``documents`` wrapped in :class:`HFDocuments` when it is a map-style ``datasets.Dataset``, else unchanged.
-
-    A streaming ``IterableDataset`` is returned as is (an ordered re-iterable);
-    callers that need an index refuse it through :class:`HFDocuments`.
-    """
-    return HFDocuments(documents) if is_hf_dataset(documents) else documents
-
-
-def indexed_hf_documents(documents: Any) -> Any:
-    """For callers that address documents by index (``precompute``, ``PrecomputedPacks``): a ``datasets``
-    dataset becomes :class:`HFDocuments` (a streaming one is refused with the fix), anything else is unchanged."""
-    if is_hf_dataset(documents) or is_hf_iterable(documents):
-        return HFDocuments(documents)
-    return documents

@@ -21,11 +21,32 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
+from cpdata.sources.hf import HFDocuments, is_hf_dataset, is_hf_iterable
+from cpdata.sources.protocol import Listable
 
-__all__ = ["open_dataset"]
+__all__ = ["as_source", "open_dataset"]
+
+
+def as_source(source: Any, *, indexed: bool = False, epochs: int = 1) -> Any:
+    """The one normalization of a user source (:mod:`cpdata.sources.protocol`), done once where a node or
+    planner takes it.
+
+    - a map-style ``datasets.Dataset`` becomes :class:`~cpdata.sources.hf.HFDocuments` (lengths, fingerprint);
+    - with ``indexed=True`` (callers that address documents by index before reading: ``schedule=``,
+      ``precompute``, ``PrecomputedPacks``), a streaming ``datasets.IterableDataset`` is refused with the fix
+      and a :class:`~cpdata.sources.protocol.Listable` source (a mix) becomes its draw listing of epochs
+      ``0 .. epochs - 1``;
+    - anything else is returned as is (a list, a re-iterable, a node, an ``open_dataset`` dataset).
+    """
+    if is_hf_dataset(source) or (indexed and is_hf_iterable(source)):
+        return HFDocuments(source)
+    if indexed and isinstance(source, Listable):
+        return source.listed(epochs)
+    return source
 
 
 def open_dataset(
@@ -53,7 +74,6 @@ def open_dataset(
         if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
             import datasets
 
-            from cpdata.sources.hf import HFDocuments
 
             return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)

@@ -63,15 +63,16 @@ def check_labels_alignment(labels_alignment: object) -> LabelsAlignment | None:
     return labels_alignment  # type: ignore[return-value]
 
 
-def declared_alignment(owner: str, labels_alignment: object, source: object) -> LabelsAlignment | None:
-    """``labels_alignment``, or the one ``source`` declares in its ``labels_alignment`` attribute.
+def declared_alignment(owner: str, labels_alignment: object, declared: object, source: object) -> LabelsAlignment | None:
+    """``labels_alignment``, or ``declared``, the one ``source`` declares
+    (:func:`cpdata.sources.protocol.declared_labels`).
 
     Sources that produce masks themselves know their convention and say so
     (``Tokenize(assistant_only=True)`` and a token store written from it: ``"inputs"``),
     so the caller need not repeat it. A caller that passes the other one is refused.
     """
     given = check_labels_alignment(labels_alignment)
-    declared = check_labels_alignment(getattr(source, "labels_alignment", None))
+    declared = check_labels_alignment(declared)
     if declared is None:
         return given
     if given is not None and given != declared:
