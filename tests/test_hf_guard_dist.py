@@ -21,12 +21,13 @@ from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
+from tests.flat_options import graph_options
 from tests.hf_zoo import alone_reference, build
 from tests.test_hf_attention import full_pack
 
 
 def _packs(cp: int, rank: int, n: int = 2) -> list[tuple]:
-    graph = shard_graph(hf_zoo.docs(), capacity=32, cp_size=cp, layout="balanced", overflow="split")
+    graph = shard_graph(hf_zoo.docs(), graph_options(capacity=32, cp_size=cp, layout="balanced", overflow="split"))
     out = []
     for batches in ShardForRank(graph, cp_size=cp, cp_rank=rank, layout="balanced", all_ranks=True):
         out.append(batches)
@@ -91,7 +92,7 @@ def test_both_ranks_on_sdpa_without_config_fail_at_the_next_call():
 def _forgotten_group(rank: int, world: int) -> str:
     register_hf_attention()
     dp_rank, cp_rank = divmod(rank, 2)
-    graph = shard_graph(hf_zoo.docs()[dp_rank::2], capacity=32, cp_size=2, layout="balanced", overflow="split")
+    graph = shard_graph(hf_zoo.docs()[dp_rank::2], graph_options(capacity=32, cp_size=2, layout="balanced", overflow="split"))
     batch = next(iter(ShardForRank(graph, cp_size=2, cp_rank=cp_rank, layout="balanced")))
     try:
         hf_model_kwargs(batch, "cpdata")  # group= forgotten: the default group holds all 4 ranks

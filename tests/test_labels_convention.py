@@ -15,6 +15,7 @@ import pytest
 
 from cpdata.nodes.loader import shard_graph
 from cpdata.worker.targets import CONVENTION_CHECK, unchecked_alignment
+from tests.flat_options import graph_options
 
 PACK = dict(capacity=256, cp_size=1, layout="identity", algorithm="next_fit")
 
@@ -38,7 +39,7 @@ def _chats(convention: str, n: int = 6, seed: int = 0) -> list[dict]:
 
 def _targets(docs, alignment) -> list[tuple[int, int]]:
     """(input token, its target) at every trained position of the packed batches."""
-    node = shard_graph(docs, labels_alignment=alignment, **PACK)
+    node = shard_graph(docs, graph_options(labels_alignment=alignment, **PACK))
     node.reset()
     pairs = []
     for batch in node:

@@ -41,6 +41,7 @@ from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo
 from tests.dist_utils import run_ranks
+from tests.flat_options import graph_options
 from tests.hf_zoo import build, grads
 from tests.test_gather_dist import counting_collectives
 from tests.test_hf_attention import full_pack
@@ -53,7 +54,7 @@ LAYOUT = "balanced"
 
 def _batches(cp: int, exchange: bool) -> tuple:
     """Every rank's batch of the first pack holding at least three documents (no collective)."""
-    graph = shard_graph(hf_zoo.docs(), capacity=64, cp_size=cp, layout=LAYOUT, overflow="split")
+    graph = shard_graph(hf_zoo.docs(), graph_options(capacity=64, cp_size=cp, layout=LAYOUT, overflow="split"))
     for batches in ShardForRank(graph, cp_size=cp, cp_rank=0, layout=LAYOUT, all_ranks=True, kv_exchange=exchange):
         if batches[0].info["n_documents"] >= 3:
             return batches

@@ -20,6 +20,7 @@ from cpdata.layout.maps import LAYOUTS, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options
 
 TILE = 128
 SIX = [200, 180, 230, 150, 210, 230]  # 1,200 real tokens in a 16K pack
@@ -29,7 +30,7 @@ register_hf_attention()
 def _pack(layout: str, cp: int, lens=SIX, capacity: int = 16384) -> tuple:
     g = torch.Generator().manual_seed(cp)
     docs = [{"input_ids": torch.randint(1, 50, (n,), generator=g).tolist()} for n in lens]
-    graph = shard_graph(docs, capacity=capacity, cp_size=cp, layout=layout, overflow="split")
+    graph = shard_graph(docs, graph_options(capacity=capacity, cp_size=cp, layout=layout, overflow="split"))
     return next(iter(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True)))
 
 

@@ -18,6 +18,7 @@ from cpdata.layout.tiles import block_tiles, live_tiles
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests.dist_utils import run_ranks
+from tests.flat_options import graph_options
 
 CAPACITY = 1024
 
@@ -28,7 +29,7 @@ def _docs() -> list[dict]:
 
 
 def _packs(layout: str, rank: int | None) -> list:
-    graph = shard_graph(_docs(), capacity=CAPACITY, cp_size=2, layout=layout, overflow="split")
+    graph = shard_graph(_docs(), graph_options(capacity=CAPACITY, cp_size=2, layout=layout, overflow="split"))
     node = ShardForRank(graph, cp_size=2, cp_rank=rank or 0, layout=layout, all_ranks=rank is None)
     return list(node)
 
