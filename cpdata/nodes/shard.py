@@ -18,14 +18,11 @@ by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd a
 a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
 ``batch_size=1``).
 
-Block size trade-off: ``k`` batches' plans stay alive (their token buffers
-with them) and the first batch of a block waits for the block's math and
-pulls, but the per-batch numpy calls of the small tables run once per block,
-and the source's state is read once per block instead of once per batch (a
-``Prefetcher`` after this node asks for the state after every batch). The
+Block size trade-off (:data:`DEFAULT_BLOCK_SIZE`): ``k`` batches' plans stay
+alive and the first batch of a block waits for the block's math, but the
+per-batch numpy calls and the source's state read run once per block. The
 output never depends on ``k``. Cost per batch and rank, beyond the rank's own
-tokens: O(stream_len) for the map, its inverse, the causal-work figures in
-``info`` and the plan digest.
+tokens: O(stream_len) for the map, its inverse, the causal work and the digest.
 """
 
 from __future__ import annotations
