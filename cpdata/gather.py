@@ -43,7 +43,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["GatherFromShards", "ensure_gather_index", "gather_token_tensor", "layout_tensor_on"]
+__all__ = ["GatherFromShards", "check_cp_group", "ensure_gather_index", "gather_token_tensor", "layout_tensor_on"]
 
 _CACHE_SIZE = 32
 _device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor]] = OrderedDict()
@@ -179,18 +179,22 @@ def gather_token_tensor(
     index = layout_tensor_on(layout, "gather_index", tensor.device)
     if layout.cp_size == 1:
         return tensor.index_select(seq_dim, index)
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"layout is for cp_size={layout.cp_size} but no process group is initialized; "
-            "call torch.distributed.init_process_group and pass the CP group"
-        )
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (world, rank) != (layout.cp_size, layout.cp_rank):
-        raise ValueError(
-            f"layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the group has "
-            f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
-        )
+    check_cp_group(layout.cp_size, layout.cp_rank, group, "layout")
     return GatherFromShards.apply(tensor, index, group, seq_dim)
+
+
+def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str) -> None:
+    """``ValueError`` unless a process group is initialized and ``group`` has ``cp_size`` ranks, this one
+    ``cp_rank`` (``what`` names the record built for them: ``"layout"``, ``"the exchange plan"``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
+                         "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if (world, rank) != (cp_size, cp_rank):
+        raise ValueError(
+            f"{what} was built for cp_size={cp_size}, cp_rank={cp_rank} but the group has size {world} and "
+            f"this process is rank {rank} in it; pass the CP group the batch was sharded for"
+        )
 
 
 def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:

@@ -177,26 +177,11 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(_md(("target", "rule", "measured", "met"),
                          [(t["target"], t["rule"], t["measured"], "yes" if t["met"] else "**no**")
                           for t in results["targets"]]))
-    if results.get("step_shard"):
-        parts.append(_step(results["step_shard"], m["device"]))
-    if results.get("worker"):
-        parts.append(_worker(results["worker"]))
-    if results.get("handoff"):
-        parts.append(_handoff(results["handoff"]))
-    if results.get("packing"):
-        parts.append(_packing(results["packing"], str(results.get("default_algorithm", "bfd"))))
-    if results.get("balance"):
-        parts.append(_balance(results["balance"]))
-    if results.get("gather"):
-        parts.append(_gather(results["gather"]))
-    if results.get("long_document"):
-        parts.append(_long_document(results["long_document"]))
-    if results.get("schedule"):
-        parts.append(_schedule(results["schedule"]))
-    if results.get("attention"):
-        parts.append(_attention(results["attention"]))
-    if results.get("world"):
-        parts.append(_world(results["world"]))
-    if results.get("integrity"):
-        parts.append(_integrity(results["integrity"]))
+    sections: dict[str, Any] = {
+        "step_shard": lambda rows: _step(rows, m["device"]), "worker": _worker, "handoff": _handoff,
+        "packing": lambda rows: _packing(rows, str(results.get("default_algorithm", "bfd"))), "balance": _balance,
+        "gather": _gather, "long_document": _long_document, "schedule": _schedule, "attention": _attention,
+        "world": _world, "integrity": _integrity,
+    }  # in the order of docs/benchmarks.md
+    parts += [render(results[name]) for name, render in sections.items() if results.get(name)]
     return "\n\n".join(parts) + "\n"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cpdata.errors import check_int
 from cpdata.gather import layout_tensor_on
 
 if TYPE_CHECKING:
@@ -132,8 +133,8 @@ def document_slots(
 
 def check_window(window: int | None) -> None:
     """``ValueError`` unless ``window`` is None or a positive int."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+    if window is not None:
+        check_int("window", window, min=1, fix=" (a sliding window's keys; None: no window)")
 
 
 def dense_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:

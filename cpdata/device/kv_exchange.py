@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from cpdata.gather import gather_token_tensor
+from cpdata.gather import check_cp_group, gather_token_tensor
 
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
@@ -173,15 +173,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     send_index, _ = exchange_index(layout, tensor.device)
     if plan.cp_size == 1:
         return tensor
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"layout is for cp_size={plan.cp_size} but no process group is initialized; "
-                         "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (world, rank) != (plan.cp_size, plan.cp_rank):
-        raise ValueError(
-            f"the exchange plan was built for cp_size={plan.cp_size}, cp_rank={plan.cp_rank} but the group has "
-            f"size {world} and this process is rank {rank} in it; pass the CP group the batch was sharded for"
-        )
+    check_cp_group(plan.cp_size, plan.cp_rank, group, "the exchange plan")
     return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int, is_int
 from cpdata.layout.maps import inverse_indices
 
 __all__ = [
@@ -146,7 +147,7 @@ class ExchangePlan:
     def rank(self, r: int) -> RankExchange:
         """Rank ``r``'s :class:`RankExchange`."""
         cp = self.cp_size
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < cp:
+        if not is_int(r) or not 0 <= r < cp:
             raise ValueError(f"rank must be an int in [0, cp_size={cp}), got {r!r}")
         mine = np.flatnonzero(self.owners == r)
         sent = self.need[mine]  # [pieces of r, cp]
@@ -247,9 +248,7 @@ def _checked_real_ends(real_ends: Any, slot_starts: np.ndarray, stream: int, n_r
 def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(inverse, slot_starts)`` as int64 arrays, or ``ValueError`` naming the bad argument."""
     inverse = np.asarray(inverse, dtype=_I64).reshape(-1)
-    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
-        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    cp, stream = int(cp_size), inverse.shape[0]
+    cp, stream = check_int("cp_size", cp_size, min=1), inverse.shape[0]
     if stream == 0 or stream % cp:
         raise ValueError(f"the inverse map covers {stream} positions, not a positive multiple of cp_size={cp}")
     return inverse, _checked_slots(slot_starts, stream, n_rows)
@@ -257,8 +256,7 @@ def _checked(inverse: Any, cp_size: Any, slot_starts: Any, n_rows: Any) -> tuple
 
 def _checked_slots(slot_starts: Any, stream: int, n_rows: Any) -> np.ndarray:
     """``slot_starts`` as int64 ``[K]`` over ``n_rows`` rows of ``stream`` positions, or ``ValueError``."""
-    if isinstance(n_rows, bool) or not isinstance(n_rows, (int, np.integer)) or n_rows < 1:
-        raise ValueError(f"n_rows must be an int >= 1 (bshd rows sharing the layout), got {n_rows!r}")
+    check_int("n_rows", n_rows, min=1, fix=" (bshd rows sharing the layout)")
     starts = np.asarray(slot_starts, dtype=_I64).reshape(-1)
     row_firsts = np.arange(n_rows, dtype=_I64) * stream
     firsts_at = starts.searchsorted(row_firsts)
@@ -328,10 +326,7 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
     starts_r = np.asarray(run_starts, dtype=_I64).reshape(-1)
     owners_r = np.asarray(run_owners, dtype=_I64).reshape(-1)
     local_r = np.asarray(run_local_starts, dtype=_I64).reshape(-1)
-    for name, value in (("cp_size", cp_size), ("local_len", local_len)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    cp, local = int(cp_size), int(local_len)
+    cp, local = check_int("cp_size", cp_size, min=1), check_int("local_len", local_len, min=1)
     stream = cp * local
     if not (starts_r.size and starts_r.shape == owners_r.shape == local_r.shape and starts_r[0] == 0
             and (starts_r[1:] > starts_r[:-1]).all() and starts_r[-1] < stream

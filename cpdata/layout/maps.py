@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.errors import check_int, is_int
 from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
 from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
@@ -70,9 +71,7 @@ def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None =
         if tile is not None or _split(layout)[0] != "world":
             raise ValueError(f"node_size={node_size} applies to layout 'world' alone (no tile), got layout "
                              f"{layout!r}, tile={tile}")  # fmt: skip
-        if isinstance(node_size, bool) or not isinstance(node_size, (int, np.integer)) or node_size < 1:
-            raise ValueError(f"node_size must be an int >= 1 (ranks per node, torchrun's local world size), "
-                             f"got {node_size!r}")  # fmt: skip
+        check_int("node_size", node_size, min=1, fix=" (ranks per node, torchrun's local world size)")
         given = _split(layout)[1]
         if given is not None and given != node_size:
             raise ValueError(f"layout {layout!r} already says node size {given}, but node_size={node_size} was "
@@ -80,7 +79,7 @@ def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None =
         return f"world:{int(node_size)}"
     if tile is None:
         return layout
-    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)):
+    if not is_int(tile):
         raise TypeError(f"tile must be an int, got {type(tile).__name__} {tile!r}")
     name, given = _split(layout)
     if name != "tiled":
@@ -129,7 +128,7 @@ def check_layout(layout: str, cp_size: int) -> None:
     if name == "tiled" and tile is not None and (tile not in TILES or tile == DEFAULT_TILE):
         raise ValueError(f"layout {layout!r}: the tile must be one of {list(TILES)}, and 128 is written 'tiled'; "
                          "build the string with layout_spec('tiled', tile)")  # fmt: skip
-    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)):
+    if not is_int(cp_size):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__} {cp_size!r}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}; use cp_size=1 to turn context parallelism off")
@@ -167,8 +166,7 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
 def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, int]:
     """Checked int64 ``[n]`` lengths and their sum."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-    if isinstance(pack_len, bool) or not isinstance(pack_len, (int, np.integer)) or pack_len < 0:
-        raise ValueError(f"pack_len must be a non-negative int, got {pack_len!r}")
+    check_int("pack_len", pack_len, min=0)
     if lens.size and lens.min() < 0:
         bad = int(np.flatnonzero(lens < 0)[0])
         raise ValueError(f"seq_lens must be >= 0, got seq_lens[{bad}]={int(lens[bad])}")

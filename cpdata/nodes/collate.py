@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchdata.nodes import BaseNode
 
+from cpdata.errors import check_int
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.collate import check_padding_token_id, check_qkv_format
 from cpdata.worker.collated import CollatedPack
@@ -50,11 +51,9 @@ class Collate(BaseNode[CollatedPack]):
         padding_token_id: int = 0,
     ) -> None:
         super().__init__()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        self.batch_size = check_int("batch_size", batch_size, min=1)
         check_qkv_format(qkv_format)
         self.source = pack_node
-        self.batch_size = batch_size
         self.qkv_format = qkv_format
         self.padding_token_id = check_padding_token_id(padding_token_id)
         self._exhausted = False

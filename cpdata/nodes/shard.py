@@ -18,14 +18,11 @@ by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd a
 a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
 ``batch_size=1``).
 
-Block size trade-off: ``k`` batches' plans stay alive (their token buffers
-with them) and the first batch of a block waits for the block's math and
-pulls, but the per-batch numpy calls of the small tables run once per block,
-and the source's state is read once per block instead of once per batch (a
-``Prefetcher`` after this node asks for the state after every batch). The
+Block size trade-off (:data:`DEFAULT_BLOCK_SIZE`): ``k`` batches' plans stay
+alive and the first batch of a block waits for the block's math, but the
+per-batch numpy calls and the source's state read run once per block. The
 output never depends on ``k``. Cost per batch and rank, beyond the rank's own
-tokens: O(stream_len) for the map, its inverse, the causal-work figures in
-``info`` and the plan digest.
+tokens: O(stream_len) for the map, its inverse, the causal work and the digest.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from typing import Any, NoReturn
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from cpdata.errors import is_int
 from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
@@ -157,17 +155,16 @@ class ShardForRank(BaseNode[Any]):
     ) -> None:
         super().__init__()
         check_layout(layout, cp_size)
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
+        if not is_int(cp_rank) or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be an int in [0, cp_size={cp_size}), got cp_rank={cp_rank!r}")
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
-                                       or block_size < 1):  # fmt: skip
-            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once) or None (sized by tokens), "
-                             f"got block_size={block_size!r}")  # fmt: skip
         self.source = collate_node
         self.cp_size = int(cp_size)
         self.cp_rank = int(cp_rank)
         self.layout = layout
         self.all_ranks = all_ranks
+        if block_size is not None and (not is_int(block_size) or block_size < 1):
+            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once) or None (sized by tokens), "
+                             f"got block_size={block_size!r}")  # fmt: skip
         self.block_size = None if block_size is None else int(block_size)
         if not isinstance(kv_exchange, bool):
             raise TypeError(f"kv_exchange must be a bool, got {type(kv_exchange).__name__} {kv_exchange!r}")

@@ -37,6 +37,7 @@ from cpdata.nodes.source import to_document
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
+from cpdata.packing.pieces import piece_continues
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.open import as_source, open_dataset
 from cpdata.sources.protocol import Carried, Listed, declared_labels
@@ -60,20 +61,6 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
         elif isinstance(value, (np.floating, float)):
             value = float(value)
         out[key] = value
-    return out
-
-
-def _continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray) -> np.ndarray:
-    """bool ``[n_pieces]``: the piece's document goes on in another piece (the one starting where it ends).
-
-    O(n log n): pieces sorted by (document, start); the pieces of one document tile it.
-    """
-    order = np.lexsort((doc_start, doc_index))
-    d, s, n = doc_index[order], doc_start[order], doc_len[order]
-    follows = np.zeros(order.shape[0], dtype=bool)
-    follows[:-1] = (d[1:] == d[:-1]) & (s[1:] == s[:-1] + n[:-1])
-    out = np.empty_like(follows)
-    out[order] = follows
     return out
 
 
@@ -292,7 +279,7 @@ def precompute(
         "doc_len": np.asarray(result.doc_len, dtype=np.int64),
         "slot_len": np.asarray(result.slot_len, dtype=np.int64),
     }
-    plan_arrays["continues"] = _continues(plan_arrays["doc_index"], plan_arrays["doc_start"], plan_arrays["doc_len"])
+    plan_arrays["continues"] = piece_continues(plan_arrays["doc_index"], plan_arrays["doc_start"], plan_arrays["doc_len"])
     n_packs = offsets.shape[0] - 1
     tokens_before = np.concatenate([[0], np.cumsum(plan_arrays["doc_len"])]).astype(np.int64)
     pack_tokens = tokens_before[offsets[1:]] - tokens_before[offsets[:-1]]

@@ -32,7 +32,8 @@ from cpdata.layout.maps import alignment
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
 from cpdata.worker.targets import NO_TRAINED_TARGET, UNLABELED
 
-__all__ = ["COUNT_FIELDS", "Overlong", "OverlongDocumentError", "Pieces", "check_lengths", "cut_documents"]
+__all__ = ["COUNT_FIELDS", "Overlong", "OverlongDocumentError", "Pieces", "check_lengths", "cut_documents",
+           "piece_continues"]  # fmt: skip
 
 COUNT_FIELDS: tuple[str, ...] = (
     "documents",
@@ -236,3 +237,17 @@ def cut_documents(
     )
     counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
     return pieces, counts
+
+
+def piece_continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray) -> np.ndarray:
+    """bool ``[n_pieces]``: the piece's document goes on in another piece (the one starting where it ends).
+
+    O(n log n): pieces sorted by (document, start); the pieces of one document tile it.
+    """
+    order = np.lexsort((doc_start, doc_index))
+    d, s, n = doc_index[order], doc_start[order], doc_len[order]
+    follows = np.zeros(order.shape[0], dtype=bool)
+    follows[:-1] = (d[1:] == d[:-1]) & (s[1:] == s[:-1] + n[:-1])
+    out = np.empty_like(follows)
+    out[order] = follows
+    return out

@@ -67,7 +67,7 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.packing import PackingConfig, plan_lengths
-from cpdata.packing.pieces import cut_documents
+from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
@@ -186,22 +186,12 @@ def _in_order(lengths: np.ndarray, config: PackingConfig) -> tuple[tuple[np.ndar
                        algorithm=config.algorithm, overflow=config.overflow, window=config.window)  # fmt: skip
     sizes = np.diff(res.pack_offsets)
     cells = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
-    cont = _continues(res.doc_index, res.doc_start, res.doc_len)
+    cont = piece_continues(res.doc_index, res.doc_start, res.doc_len)
     st = res.stats
     counts = {k: getattr(st, k) for k in ("documents", "skipped", "split", "truncated", "dropped",
                                           "truncated_tokens", "dropped_tokens")}  # fmt: skip
     delay = np.zeros(cells.shape[0], dtype=np.int64)
     return (cells, res.doc_index, res.doc_start, res.doc_len, res.slot_len, cont, delay), counts
-
-
-def _continues(doc: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    order = np.lexsort((start, doc))
-    d, s, n = doc[order], start[order], length[order]
-    follows = np.zeros(order.shape[0], dtype=bool)
-    follows[:-1] = (d[1:] == d[:-1]) & (s[1:] == s[:-1] + n[:-1])
-    out = np.empty_like(follows)
-    out[order] = follows
-    return out
 
 
 def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: CostModel, max_delay: int):

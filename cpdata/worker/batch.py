@@ -9,24 +9,11 @@ thd) and the global stream metadata (``cu_seqlens`` & co., see
 - ``layout`` (:class:`~cpdata.layout.shard_layout.ShardLayout`): what the shard did,
   for the device sharder and the gather.
 - ``info``: a small plain-python dict, on the host wherever the tensors are
-  (it survives pickling, workers, ``.to(device)`` and ``pin_memory``). Scalars
-  the model side needs without a device sync: ``layout`` (name),
-  ``max_seqlen`` (longest real document), ``max_seqlen_padded`` (longest
-  slot), ``n_targets`` (``labels != -100`` over the whole batch, every row
-  and every CP rank: the count the loss divides by, which
-  :func:`cpdata.adapters.global_target_count` all-reduces; :meth:`ShardedBatch.replace`
-  and ``batch["labels"] = other`` drop it when the labels change, a pinned copy keeps it); and for logging: ``pack_indices``, ``real_tokens``, ``pack_tokens``,
-  ``n_documents``, ``causal_work`` (per rank), ``digest``. Tracing: ``pack_indices``
-  are the plan's own pack ids (a schedule's ``(step * dp_size + dp_rank) *
-  micro_batches + micro_batch``, a precomputed plan's row, a window's pack id
-  with ``schedule_window``, the DP rank's packer count live); per slot in
-  ``cu_seqlens_padded`` order ``doc_index`` (the source document, -1 on an
-  empty pack's padding slot) and ``doc_start`` (the piece's offset in it); in
-  a :func:`cpdata.mix` also ``doc_source`` (the source's name; ``doc_index``
-  is then the index in that source; not for a live mix read ``num_epochs > 1``
-  times per ``iter()``, whose packs can join two epochs' draws: ``doc_index``
-  is then the draw's position in its epoch's mixed stream). Host ints only, built per block
-  (cost: docs/benchmarks.md).
+  (it survives pickling, workers, ``.to(device)`` and ``pin_memory``): the
+  scalars the model side needs without a device sync and the tracing of
+  each slot to its document (keys: docs/batch-contents.md; built per block,
+  cost: docs/benchmarks.md). :meth:`ShardedBatch.replace` and
+  ``batch["labels"] = other`` drop ``info["n_targets"]``.
 
 Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
 an existing key may be replaced by a tensor of the same shape (the path
@@ -57,29 +44,18 @@ Replacing a key by another tensor falls back to per-key copies for that batch.
 Lazy views: a contiguous batch holds its buffer, its :class:`ViewPlan`
 (shared, cached per shape set) and its layout record without the index maps;
 the torch views of its keys are built on the first read of the mapping
-(``batch[key]``, ``items``/``values``, ``tensors()``, ``repr``, ``replace``,
-``__setitem__``; iterating the keys and ``len`` read the plan) and its
-layout's index maps on the first ``batch.layout``. Built once per batch and
-shared with its shallow copies (``copy.copy``, hence ``default_convert``) and
-with batches moved from it. Pickling (the buffer and the plan travel; the
-receiver builds its views when it reads them), ``pin_memory`` (views of the
-pinned buffer) and ``to()`` (one copy of the batch part, device views when
-read) build none on the host: a dataloader worker makes the buffer and hands
-it over without viewing it, and a batch pinned then moved builds its key
-views once, on the device (the layout's maps are viewed on the pinned host
-buffer when the sharder reads ``batch.layout``). ``batch.layout`` is an ordinary, complete
-:class:`ShardLayout` (the same object on every read; maps are views of the
-buffer, as eager ones were): what is lazy is when the batch builds it, not
-the record. The maps are not lazy fields of ``ShardLayout`` itself: it is a
-frozen dataclass that the gather, the sharder and CP attention read with
-``getattr``, ``dataclasses.replace`` and ``ShardLayout.to``, and a lazy field
-there would need a descriptor changing what those see; deferring the whole
-record keeps it a plain value, and a stable ``batch.layout`` keeps
-identity-keyed caches (:func:`cpdata.gather.layout_tensor_on`) hitting.
-Trade-off: the first read pays the views (one torch call per key; two map
-views and a record copy for the layout) where construction used to; a batch whose keys are all read pays the same total.
-Two threads reading a fresh batch at once may both build (equal views,
-different tensor objects); the pin-memory thread reads none.
+(iterating the keys and ``len`` read the plan) and its layout's index maps on
+the first ``batch.layout``, once per batch, shared with its shallow copies and
+with batches moved from it. Pickling, ``pin_memory`` and ``to()`` build none
+on the host, so a worker hands its buffer over without viewing it.
+``batch.layout`` is an ordinary, complete :class:`ShardLayout` (the same
+object on every read, which keeps identity-keyed caches such as
+:func:`cpdata.gather.layout_tensor_on` hitting): what is lazy is when the batch
+builds it, not the record (a lazy field of the frozen record would change
+what ``getattr``/``dataclasses.replace`` see). Trade-off: the first read pays
+the views (one torch call per key) where construction used to. Two threads
+reading a fresh batch at once may both build (equal views, different tensor
+objects); the pin-memory thread reads none.
 """
 
 from __future__ import annotations

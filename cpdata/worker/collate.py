@@ -5,26 +5,12 @@ row-major concatenation of their slots: ``B*S`` positions, stream slot ``k``
 starting at ``slot_starts[k]``. Each pack's tail padding belongs to its last
 slot (TE's rule, :func:`cpdata.layout.maps.thd_slot_lens`); a pack without pieces
 is one padding slot of real length 0. Every output is a pure function of the
-plans:
-
-- ``input_ids``: piece tokens, ``padding_token_id`` on pads.
-- ``labels``: the piece's own ``"labels"`` if it has them, else next-token
-  targets inside the piece; the last token's target is ``piece.next_label``
-  (-100 unless the document continues in a later pack). Pads are -100. A target
-  never crosses a document boundary.
-- ``position_ids``: ``piece.start + offset`` in the slot, continuing through the
-  slot's padding (and the pack tail, which continues the last slot), pads
-  clamped to ``S - 1`` (torchtune's rule: a position table of ``S`` entries is
-  never indexed past its end by padding). A piece continued from an earlier
-  pack starts at ``piece.start > 0``.
-- ``padding_mask`` (True = pad), ``document_ids`` (int64 stream slot index, so
-  ``document_ids`` indexes ``seq_lens``; unique across the packs of a THD
-  stream), and every extra per-token array of the pieces (pad 0).
-- ``loss_mask`` when some piece carries one: the pieces' own (target-aligned,
-  :mod:`cpdata.worker.targets`), and ``labels != -100`` for pieces without one.
-- metadata over the stream (:data:`cpdata.worker.keys.METADATA_KEYS`): ``seq_lens``,
-  ``seq_lens_padded`` (int32 ``[K]``, tail absorbed), ``cu_seqlens``,
-  ``cu_seqlens_padded`` (int32 ``[K+1]``) and ``max_seqlen`` (0-d int32).
+plans: the keys, dtypes and pad values of :mod:`cpdata.worker.keys`
+(meanings: docs/batch-contents.md). A piece's last target is
+``piece.next_label`` (-100 unless the document continues in a later pack), so
+no target crosses a document boundary; ``position_ids`` continue through the
+slot's padding, clamped to ``S - 1``; ``document_ids`` index the stream's
+``seq_lens``.
 
 Shapes: ``qkv_format="bshd"`` gives token tensors ``[B, S]`` (one pack per
 row; metadata still describes the row-major stream, so with ``B=1`` it is the

@@ -1,17 +1,10 @@
 """The layout math of a block of collated batches, before any rank's tokens are gathered.
 
-:class:`~cpdata.nodes.shard.ShardForRank` pulls ``k`` batches at a time and
-asks :func:`prepare_block` for each batch's :class:`BlockItem`: its stream
-(the per-slot tables every rank gathers from), the layout as a run table (or
-the cached rows and inverse map of a layout that ignores the documents), the
-``info`` dict (with the causal work per rank and the target count) and the plan digest. What
-scales with a rank's tokens (the rank's row, the inverse map, the gather, the
-batch buffer) is left to the node, per batch, when the batch is served.
-
-Every output is a function of its own batch only: grouping batches into blocks
-of any size gives the same items. Errors carry the messages of the per-batch
-checks; a block that raises is redone one batch at a time by the caller so the
-error surfaces at the bad batch.
+:func:`prepare_block` gives each batch's :class:`BlockItem` (stream, run table
+or cached maps, ``info``, digest) for all batches at once; what scales with a
+rank's tokens is left to :class:`~cpdata.nodes.shard.ShardForRank`, per batch,
+when it is served. Every output is a function of its own batch only: blocks
+of any size give the same items.
 """
 
 from __future__ import annotations
