@@ -58,6 +58,7 @@ from corpus import StdlibDefinitions  # noqa: E402
 
 from cpdata import ContextParallelSharder, CPDataLoader, CPDataset, verify_layout_consistency  # noqa: E402
 from cpdata.adapters import document_causal_mask, hf_model_kwargs, register_hf_attention  # noqa: E402
+from cpdata.layout.maps import layout_spec  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
 TOKEN_KEYS = ("input_ids", "position_ids", "labels", "document_ids")
@@ -68,7 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a local HF model folder (weights + tokenizer); default: tiny Llama")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cp-size", type=int, default=None, help="default: the world size (dp 1)")
-    p.add_argument("--layout", default="tiled", help="tiled: whole 128-token blocks, balanced kernel tiles")
+    p.add_argument("--layout", default="tiled", help="tiled: whole 128-token blocks, balanced kernel tiles; world: "
+                   "the whole world one CP group, short documents whole on one rank (with --cp-size = the world)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks per node for --layout world (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--attention", choices=("cpdata", "sdpa"), default="cpdata",
                    help="cpdata: the registered attention (no ctx); sdpa: inside the sharder's ctx")
     p.add_argument("--kv-exchange", action=argparse.BooleanOptionalAction, default=True,
@@ -158,9 +162,18 @@ def build_mesh(args):
 
 
 # 4. loader -------------------------------------------------------------------------------------------
+def layout_of(args, cp: int) -> str:
+    """``--layout``; ``world`` with its node size (``--node-size``, else torchrun's ``LOCAL_WORLD_SIZE``, read
+    here: the worker half never reads the environment), e.g. ``"world:8"``."""
+    if args.layout != "world":
+        return args.layout
+    return layout_spec("world", node_size=args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cp)))
+
+
 def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader:
-    dataset = CPDataset(docs, capacity=args.capacity, cp_size=mesh["cp"].size(), cp_rank=mesh["cp"].get_local_rank(),
-                        dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), layout=args.layout,
+    cp = mesh["cp"].size()
+    dataset = CPDataset(docs, capacity=args.capacity, cp_size=cp, cp_rank=mesh["cp"].get_local_rank(),
+                        dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), layout=layout_of(args, cp),
                         overflow="split", shuffle=True, seed=args.seed, padding_token_id=pad_id,
                         vocab_size=vocab_size, kv_exchange=args.kv_exchange)  # fmt: skip
     context = {"multiprocessing_context": "fork", "persistent_workers": True} if args.workers else {}
@@ -251,7 +264,7 @@ def train(args: argparse.Namespace) -> dict:
             print(f"resumed from {ckpt.parent} at step {start}")
     if rank0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={args.layout} attention={args.attention} "
+        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={layout_of(args, mesh['cp'].size())} attention={args.attention} "
               f"kv_exchange={args.kv_exchange} capacity={args.capacity} "
               f"params={params:,} vocab={vocab_size} documents={len(docs):,} dtype={str(dtype)[6:]}", flush=True)
     sharder, it, worst_loss, t_last, losses = None, iter(loader), 0.0, time.perf_counter(), {}
