@@ -24,6 +24,8 @@ which a deal free to cut would spread at the price of keys (``cpdata bench --sec
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 __all__ = ["WorldBins", "grid_tiles", "plan_runs", "thd_chunks"]
@@ -50,7 +52,7 @@ class WorldBins:
     """``world`` per-rank bins of ``local`` tokens (``node_size`` ranks per node); :meth:`place` adds one
     document and records its runs ``(offset in the document, length, rank)``."""
 
-    __slots__ = ("local", "world", "node_size", "tile", "room", "load", "max_room", "total_room")
+    __slots__ = ("local", "world", "node_size", "tile", "room", "load", "max_room", "total_room", "_heap", "_version")
 
     def __init__(self, local: int, world: int, node_size: int, tile: int = 128) -> None:
         self.local, self.world, self.node_size, self.tile = local, world, node_size, tile
@@ -58,6 +60,8 @@ class WorldBins:
         self.load = [0.0] * world
         self.max_room = local
         self.total_room = local * world
+        self._heap = [(0.0, r, 0) for r in range(world)]  # (load, rank, version): a valid heap as built
+        self._version = [0] * world
 
     def place(self, s: int) -> list[tuple[int, int, int]] | None:
         """Place a document of ``s`` tokens; its runs ``(offset, length, rank)``, or None (state unchanged)
@@ -65,10 +69,7 @@ class WorldBins:
         if s <= self.local:  # whole, or not in this micro-batch
             if s > self.max_room:
                 return None
-            best = -1
-            for r in range(self.world):
-                if self.room[r] >= s and (best < 0 or self.load[r] < self.load[best]):
-                    best = r
+            best = self._least_loaded(s)
             self._take(best, s, grid_tiles(s, self.tile))
             return [(0, s, best)] if s else []
         if s > self.total_room:
@@ -105,11 +106,30 @@ class WorldBins:
             self._take(best + i, need[i], share)
         return runs
 
+    def _least_loaded(self, s: int) -> int:
+        """The least loaded rank (ties: the lowest) with room for ``s`` tokens (one exists: ``s <= max_room``).
+        A heap of ``(load, rank, version)``; an entry whose version is not the rank's is stale."""
+        aside = []
+        heap = self._heap
+        while True:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            if entry[2] != self._version[r]:
+                continue
+            if self.room[r] >= s:
+                break
+            aside.append(entry)
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return r
+
     def _take(self, r: int, s: int, tiles: float) -> None:
         full = self.room[r] == self.max_room
         self.room[r] -= s
         self.total_room -= s
         self.load[r] += tiles
+        self._version[r] += 1
+        heapq.heappush(self._heap, (self.load[r], r, self._version[r]))
         if full and s:
             self.max_room = max(self.room)
 
