@@ -75,7 +75,11 @@ class WorldBins:
         if s > self.total_room:
             return None
         fewest = max(2, -(-s // self.local))
-        for c in range(fewest, min(self.world, 2 * fewest) + 1):  # more ranks only while pieces shrink
+        most = min(self.world, 2 * fewest)
+        least_need = s // most - 1  # no rank of any c in [fewest, most] takes fewer tokens
+        if sum(room >= least_need for room in self.room) < fewest:
+            return None  # (a necessary condition, checked at once)
+        for c in range(fewest, most + 1):  # more ranks only while pieces shrink
             runs = self._spread(s, c)
             if runs is not None:
                 return runs
