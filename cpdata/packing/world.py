@@ -12,7 +12,7 @@ Nothing is carried between windows (like ``ffd``); with ``window=None`` the wind
 Cost: a Python loop over the open packs per piece (packs whose emptiest rank cannot hold a short piece, or
 too few of whose ranks can hold a long piece's share, are skipped after one check), a heap over the ranks per
 short piece and a scan of rank windows per long one; a stream of long documents (many open packs, each tried
-for each long piece) costs the most per document (``python -m cpdata.packing`` measures the packers).
+for each long piece) costs the most per document.
 """
 
 from __future__ import annotations
