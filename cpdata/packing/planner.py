@@ -76,7 +76,7 @@ def make_packer(config: PackingConfig) -> BinPacker:
     each pack as the world's per-rank bins (the other algorithms fill packs to the token and the deal cuts)."""
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
-        return WorldPacker(config.capacity, config.cp_size, node_size)
+        return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
     factories = {
         "bfd": BestFitDecreasing,
         "ffd": FirstFitDecreasing,
