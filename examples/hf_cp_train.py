@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --check-parity      # each step vs cp 1
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --save-every 2
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --resume  # steps 3-4 again
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/hf_cp_train.py --layout world  # one CP group of 16
 
 The eight steps, each one function below:
 
@@ -17,6 +18,10 @@ The eight steps, each one function below:
 4. loader: a ``CPDataLoader`` over this rank's ``CPDataset`` (the documents are
    sharded by DP rank; every CP rank of a DP group packs the same documents and
    keeps only its own share of each pack, laid out on the dataloader worker).
+   ``--layout world``: the whole world one CP group, each pack planned as
+   per-rank bins (short documents whole on one rank, long ones over the
+   fewest ranks of one node); ``--node-size`` defaults to torchrun's
+   ``LOCAL_WORLD_SIZE``, read here, never on the worker.
 5. attention (:func:`forward_backward`): ``"cpdata"`` needs no ctx; each layer
    brings the keys its rank's documents need in one collective (the all-to-all
    of the batch's exchange plan, ``--kv-exchange``, on by default with the
