@@ -32,7 +32,7 @@ Loads are the tiles a stream-grid kernel is expected to pay for a document in a 
 documents fall on the block grid.
 
 Cost: a Python loop over the documents (heap operations, no numpy call per whole document); at 128K tokens
-and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures it).
+and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures the deal of planned packs, step 0).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
 tiles (step 1; below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens; distinct sets only)
 and the one whose busiest rank's load is least is kept: dense documents cut
 into pieces fit the ranks' rooms where whole ones would leave some ranks one document each (``cpdata bench
---sections world``: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
+--sections world`` when its packs were filled to the token, before the world packer: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
 three 1.07; sft 1.26 -> 1.19)."""
 
 
