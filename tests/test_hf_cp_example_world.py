@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = ("world", "tiled", "balanced", "contiguous", "round_robin")
+LAYOUTS = ("world", "tiled", "balanced", "contiguous", "round_robin", "thd")
 
 
 def _rank(rank: int, world: int) -> list[tuple]:
