@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --check-parity      # each step vs cp 1
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --save-every 2
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --resume  # steps 3-4 again
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/hf_cp_train.py --layout world  # one CP group of 16
 
 The eight steps, each one function below:
 
@@ -17,6 +18,10 @@ The eight steps, each one function below:
 4. loader: a ``CPDataLoader`` over this rank's ``CPDataset`` (the documents are
    sharded by DP rank; every CP rank of a DP group packs the same documents and
    keeps only its own share of each pack, laid out on the dataloader worker).
+   ``--layout world``: the whole world one CP group, each pack planned as
+   per-rank bins (short documents whole on one rank, long ones over the
+   fewest ranks of one node); ``--node-size`` defaults to torchrun's
+   ``LOCAL_WORLD_SIZE``, read here, never on the worker.
 5. attention (:func:`forward_backward`): ``"cpdata"`` needs no ctx; each layer
    brings the keys its rank's documents need in one collective (the all-to-all
    of the batch's exchange plan, ``--kv-exchange``, on by default with the
@@ -66,6 +71,7 @@ from cpdata import (  # noqa: E402
     verify_layout_consistency,
 )
 from cpdata.adapters import document_causal_mask, hf_model_kwargs, register_hf_attention  # noqa: E402
+from cpdata.layout.maps import layout_spec  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
 TOKEN_KEYS = ("input_ids", "position_ids", "labels", "document_ids")
@@ -76,7 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a local HF model folder (weights + tokenizer); default: tiny Llama")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--cp-size", type=int, default=None, help="default: the world size (dp 1)")
-    p.add_argument("--layout", default="tiled", help="tiled: whole 128-token blocks, balanced kernel tiles")
+    p.add_argument("--layout", default="tiled", help="tiled: whole 128-token blocks, balanced kernel tiles; world: "
+                   "the whole world one CP group, short documents whole on one rank (with --cp-size = the world)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks per node for --layout world (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--attention", choices=("cpdata", "sdpa"), default="cpdata",
                    help="cpdata: the registered attention (no ctx); sdpa: inside the sharder's ctx")
     p.add_argument("--kv-exchange", action=argparse.BooleanOptionalAction, default=True,
@@ -166,9 +175,18 @@ def build_mesh(args):
 
 
 # 4. loader -------------------------------------------------------------------------------------------
+def layout_of(args, cp: int) -> str:
+    """``--layout``; ``world`` with its node size (``--node-size``, else torchrun's ``LOCAL_WORLD_SIZE``, read
+    here: the worker half never reads the environment), e.g. ``"world:8"``."""
+    if args.layout != "world":
+        return args.layout
+    return layout_spec("world", node_size=args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cp)))
+
+
 def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader:
-    dataset = CPDataset(docs, capacity=args.capacity, cp_size=mesh["cp"].size(), cp_rank=mesh["cp"].get_local_rank(),
-                        layout=args.layout, padding_token_id=pad_id, plan=StreamPlan(overflow="split"),
+    cp = mesh["cp"].size()
+    dataset = CPDataset(docs, capacity=args.capacity, cp_size=cp, cp_rank=mesh["cp"].get_local_rank(),
+                        layout=layout_of(args, cp), padding_token_id=pad_id, plan=StreamPlan(overflow="split"),
                         data=DataPolicy(dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), shuffle=True,
                                         seed=args.seed, vocab_size=vocab_size),
                         delivery=Delivery(kv_exchange=args.kv_exchange))  # fmt: skip
@@ -260,7 +278,7 @@ def train(args: argparse.Namespace) -> dict:
             print(f"resumed from {ckpt.parent} at step {start}")
     if rank0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={args.layout} attention={args.attention} "
+        print(f"dp={dp_size} cp={mesh['cp'].size()} layout={layout_of(args, mesh['cp'].size())} attention={args.attention} "
               f"kv_exchange={args.kv_exchange} capacity={args.capacity} "
               f"params={params:,} vocab={vocab_size} documents={len(docs):,} dtype={str(dtype)[6:]}", flush=True)
     sharder, it, worst_loss, t_last, losses = None, iter(loader), 0.0, time.perf_counter(), {}

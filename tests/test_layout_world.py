@@ -55,19 +55,33 @@ def test_every_token_is_owned_once_and_short_documents_stay_whole(world, per_nod
         assert len(ranks) <= max(-(-n // 1), 1)
 
 
-def test_a_long_document_spreads_over_few_ranks_of_one_node_and_receives_like_a_ring():
+def test_a_long_document_spreads_over_as_few_consecutive_ranks_of_one_node_as_it_needs_and_receives_like_a_ring():
     world, node, local = 16, 8, 1024
-    lens = [2 * local + 100, *([512] * 26)]  # the 512s fit the rooms whole: one beside a chunk, two alone
+    lens = [2 * local + 100, *([512] * 26)]  # the plan's bins hold it on 3 ranks and every 512 whole
+    table = layout_runs(layout_spec("world", node_size=node), world, lens, world * local)
+    owner = _owners(table.rows())
+    ranks = sorted(set(owner[: lens[0]].tolist()))
+    assert len(ranks) == math.ceil(lens[0] / local) == 3 and ranks == list(range(ranks[0], ranks[0] + 3))
+    assert len({r // node for r in ranks}) == 1
+    intra, inter = node_recv(world_exchange(table), node)
+    assert inter.sum() == 0 and intra.max() <= lens[0] * (len(ranks) - 1) / len(ranks) + 1  # as a ring of 3
+    short = [r for r in range(world) if r not in ranks]
+    assert (intra[short] == 0).all()  # whole documents receive nothing
+    starts = np.cumsum([0, *lens])
+    assert all(len(set(owner[starts[d] : starts[d + 1]].tolist())) == 1 for d in range(1, len(lens)))
+
+
+def test_a_pack_the_plan_cannot_hold_is_cut_by_the_cost_aware_deal():
+    world, node, local = 16, 8, 1024
+    lens = [2 * local + 100, *([700] * 20)]  # 20 x 700 need 20 ranks whole: the deal cuts some, by cost
     table = layout_runs(layout_spec("world", node_size=node), world, lens, world * local)
     owner = _owners(table.rows())
     ranks = sorted(set(owner[: lens[0]].tolist()))
     # as few ranks as balance needs: its tiles over a rank's share of the pack's (tail: a tile a block), one node
-    share = (grid_tiles(lens[0], 128) + 26 * grid_tiles(512, 128) + (world * local - sum(lens)) // 128) / world
-    assert len(ranks) == math.ceil(grid_tiles(lens[0], 128) / share) == 5 and len({r // node for r in ranks}) == 1
-    intra, inter = node_recv(world_exchange(table), node)
-    assert inter.sum() == 0 and intra.max() <= lens[0] * (len(ranks) - 1) / len(ranks) + 1  # as a ring of 5
-    short = [r for r in range(world) if r not in ranks]
-    assert (intra[short] == 0).all()  # whole documents receive nothing
+    share = (grid_tiles(lens[0], 128) + 20 * grid_tiles(700, 128) + (world * local - sum(lens)) // 128) / world
+    assert len(ranks) == math.ceil(grid_tiles(lens[0], 128) / share) and len({r // node for r in ranks}) == 1
+    starts = np.cumsum([0, *lens])
+    assert any(len(set(owner[starts[d] : starts[d + 1]].tolist())) > 1 for d in range(1, len(lens)))  # cut
 
 
 def test_a_document_too_long_for_a_node_takes_whole_nodes_first():
@@ -115,13 +129,14 @@ def test_the_worker_serves_world_batches_whose_plans_equal_the_brute_force(cp):
 
     from cpdata.nodes.loader import shard_graph
     from cpdata.nodes.shard import ShardForRank
+    from tests.flat_options import graph_options
 
     layout = layout_spec("world", node_size=2)
     g = torch.Generator().manual_seed(cp)
     docs = [{"input_ids": torch.randint(1, 50, (int(n),), generator=g).tolist()}
             for n in torch.randint(1, 150, (40,), generator=g)]  # fmt: skip
-    graph = shard_graph(docs, capacity=512, cp_size=cp, layout=layout, overflow="split", batch_size=1,
-                        qkv_format="thd")  # fmt: skip
+    graph = shard_graph(docs, graph_options(capacity=512, cp_size=cp, layout=layout, overflow="split", batch_size=1,
+                                            qkv_format="thd"))  # fmt: skip
     moved = whole = 0
     for shards in list(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True,
                                     kv_exchange=True))[:4]:  # fmt: skip
@@ -181,3 +196,35 @@ def test_the_cost_model_reads_a_calibration_file_and_takes_the_slowest_of_comput
     with pytest.raises(ValueError, match="per_tile_seconds"):
         WorldCost(per_tile_seconds=0.0)
     assert H100_DEFAULTS.keys_per_tile(inter_node=False) > H100_DEFAULTS.keys_per_tile(inter_node=True)
+
+
+@pytest.mark.parametrize(("name", "world", "node"), [("sft", 8, 4), ("long_context", 8, 2), ("ultrachat", 16, 8)])
+def test_the_world_packer_plans_packs_the_deal_follows_without_cutting(name, world, node):
+    from cpdata.bench.distributions import sample
+    from cpdata.packing import plan_lengths
+
+    local = 2048
+    spec = layout_spec("world", node_size=node)
+    result = plan_lengths(sample(name, 300, 3), capacity=world * local, layout=spec, cp_size=world, overflow="split")
+    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
+    long_seen = 0
+    for p in range(off.size - 1):
+        lens = slot[off[p] : off[p + 1]]
+        assert lens.sum() <= world * local
+        owner = _owners(layout_runs(spec, world, lens, world * local).rows())
+        starts = np.cumsum([0, *lens])
+        for d, n in enumerate(lens.tolist()):
+            ranks = sorted(set(owner[starts[d] : starts[d + 1]].tolist()))
+            if n <= local:
+                assert len(ranks) <= 1, (p, d, n, ranks)  # whole: receives no keys
+            else:  # the fewest consecutive ranks (up to 2x when rooms are short), one node when it fits
+                long_seen += 1
+                assert -(-n // local) <= len(ranks) <= 2 * -(-n // local)
+                assert ranks == list(range(ranks[0], ranks[-1] + 1))
+                if len(ranks) <= node:
+                    assert len({r // node for r in ranks}) == 1
+        intra, inter = node_recv(world_exchange(layout_runs(spec, world, lens, world * local)), node)
+        spread = {int(r) for d, n in enumerate(lens.tolist()) if n > local for r in owner[starts[d] : starts[d + 1]]}
+        assert all(intra[r] + inter[r] == 0 for r in range(world) if r not in spread)  # whole ones receive none
+        assert (intra + inter).sum() > 0 or not spread
+    assert long_seen > 0 or name == "ultrachat"

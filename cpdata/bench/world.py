@@ -1,8 +1,8 @@
 """Section ``world``: the whole world as one CP group, cpdata's ``world`` deal beside Megatron-core's
 ``BalancedCPScheduler`` (hybrid / dynamic CP), on the same documents.
 
-Documents of each distribution are packed by cpdata's default packer (``overflow="split"``) into world
-micro-batches of ``W x L`` tokens (``16 x 8K`` and ``32 x 4K``, 8 ranks per node); the first ``PACKS`` packs'
+Documents of each distribution are packed by cpdata's default packer (``overflow="split"``; under the world
+layout that is the world packer, :mod:`cpdata.packing.world`) into world micro-batches of ``W x L`` tokens (``16 x 8K`` and ``32 x 4K``, 8 ranks per node); the first ``PACKS`` packs'
 slots are the documents both systems get:
 
 - cpdata deals each pack over the ``W`` ranks (``layout_spec("world", node_size=8)``; its K/V exchange plan
@@ -24,7 +24,8 @@ per-micro-batch busiest rank (every micro-batch ends when its slowest rank does)
 - ``recv_keys`` / ``inter_keys``: keys received in all / from other nodes;
 - ``predicted_ms``: :class:`cpdata.layout.world_cost.WorldCost`'s predicted seconds (H100 defaults);
 - ``solve_ms``: CPU time (this thread) of the deal, per world micro-batch: cpdata's ``layout_runs`` per pack,
-  Megatron's whole schedule over its number of groups;
+  Megatron's whole schedule over its number of groups (each after a ``gc.collect()``: a full collection owed
+  to the packing and imports before it would otherwise land in whichever call triggers it);
 - ``*_vs_megatron``: cpdata's sum over Megatron's.
 
 Where megatron-core cannot be imported, the section prints why and gives cpdata's rows alone.
@@ -33,6 +34,7 @@ Where megatron-core cannot be imported, the section prints why and gives cpdata'
 from __future__ import annotations
 
 import functools
+import gc
 import time
 
 import numpy as np
@@ -96,6 +98,7 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
     if isinstance(scheduler, str):
         return scheduler
     sched = scheduler(per_rank, _Group(world))
+    gc.collect()  # a full collection owed to earlier allocations is not the schedule's
     t0 = time.thread_time()
     groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
     seconds = time.thread_time() - t0
@@ -123,6 +126,7 @@ def _cpdata(packs: list[np.ndarray], world: int, per_rank: int) -> tuple[list[tu
     spec = layout_spec("world", node_size=NODE_SIZE)
     capacity = world * per_rank
     out, seconds = [], 0.0
+    gc.collect()  # a full collection owed to earlier allocations (packing, imports) is not the deal's
     for lens in packs:
         t0 = time.thread_time()
         table = layout_runs(spec, world, lens, capacity, checked=True)

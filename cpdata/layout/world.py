@@ -5,7 +5,10 @@ by the caller: nothing here reads the environment). The layout string carries it
 ``cp_size`` ranks, ``"world:8"`` nodes of 8 (:func:`cpdata.layout.maps.layout_spec` with ``node_size=``); a
 world that is not a multiple of the node size is refused.
 
-The deal (:mod:`cpdata.layout.world_deal`) keeps documents whole where it can (they receive no keys), spreads
+Under this layout the default packers plan each pack as the world's per-rank bins (:mod:`cpdata.packing.world`,
+:mod:`cpdata.layout.world_plan`) and the deal replays that plan: documents of at most ``S / W`` tokens whole,
+longer ones over the fewest consecutive ranks of one node, nothing cut. For any other pack the
+deal (:mod:`cpdata.layout.world_deal`) keeps documents whole where it can (they receive no keys), spreads
 long ones over as few ranks as the predicted per-rank time allows (:mod:`cpdata.layout.world_cost`), on one
 node where they fit, and fills each rank to ``S / W`` positions with the pack's tail. The per-document CP
 degree comes out of the deal on the dataloader worker: no process group per size, no in-step collective, no

@@ -1,7 +1,13 @@
 """The ``world`` deal: which rank of the whole DP x CP world owns which tokens of one world micro-batch.
 
 Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
-Documents are dealt whole where they can be; the per-document CP degree comes out of the deal:
+
+0. *Plan*: a pack the world packer made (:mod:`cpdata.layout.world_plan`: the default packers under a
+   ``world`` layout) is dealt as it was planned, replayed from its slot lengths: documents of at most ``L``
+   tokens whole, longer ones over ``ceil(s / L)`` consecutive ranks of one node; nothing else is cut.
+
+Any other pack (one whose documents do not fit the plan's bins) is dealt by steps 1-3. Documents are dealt
+whole where they can be; the per-document CP degree comes out of the deal:
 
 1. *Spread* (long documents, longest first): a document longer than ``L``, or costing more tiles alone than
    a rank's share (``share`` = the pack's tiles over ``W``), spreads over ``c`` ranks: the fewest for which
@@ -26,7 +32,7 @@ Loads are the tiles a stream-grid kernel is expected to pay for a document in a 
 documents fall on the block grid.
 
 Cost: a Python loop over the documents (heap operations, no numpy call per whole document); at 128K tokens
-and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures it).
+and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures the deal of planned packs, step 0).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import math
 import numpy as np
 
 from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.layout.world_plan import grid_tiles, plan_runs, thd_chunks
 
 __all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
 
@@ -48,7 +55,7 @@ SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
 tiles (step 1; below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens; distinct sets only)
 and the one whose busiest rank's load is least is kept: dense documents cut
 into pieces fit the ranks' rooms where whole ones would leave some ranks one document each (``cpdata bench
---sections world``: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
+--sections world`` when its packs were filled to the token, before the world packer: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
 three 1.07; sft 1.26 -> 1.19)."""
 
 
@@ -56,17 +63,6 @@ def alone_tiles(length: int, tile: int) -> int:
     """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
     nb = -(-length // tile)
     return nb * (nb + 1) // 2
-
-
-def grid_tiles(length: int, tile: int) -> float:
-    """Expected live tiles of a document of ``length`` tokens at a uniformly random offset in a stream of
-    documents cut into ``tile``-token blocks (a rank's local order under a stream-grid kernel):
-    ``x (x + 3) / 2`` for ``x = length / tile``. A query block costs from the first key block of the document
-    its first token lies in up to itself (:func:`cpdata.layout.tiles.block_tiles`), so a document pays for
-    the blocks whose first token it holds: ``k (k + 1) / 2`` when it starts on a block boundary, ``k (k + 3) /
-    2`` otherwise, for ``k = x`` whole blocks; a short document pays 2 with probability ``x``."""
-    x = length / tile
-    return x * (x + 3) / 2
 
 
 def _degree(s: int, t: float, local: int, share: float, cost: WorldCost, node_size: int, world: int) -> int:
@@ -110,12 +106,6 @@ def _pick(c: int, piece: int, room: list[int], load: list[float], node_size: int
     return None
 
 
-def _chunks(s: int, c: int) -> list[int]:
-    """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
-    q, r = divmod(s, 2 * c)
-    return [q + 1] * r + [q] * (2 * c - r)
-
-
 def _spread(s: int, t: float, fraction: float, share: float, local: int, tile: int) -> bool:
     """Whether a document of ``s`` tokens and ``t`` tiles is spread (step 1) at ``fraction`` of the share: one
     longer than a rank, or costing more than its share; below 1.0, one of at least :data:`MIN_SPREAD` of a
@@ -146,7 +136,7 @@ def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float,
         if ranks is None:
             leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
             continue
-        chunk = _chunks(s, c)
+        chunk = thd_chunks(s, c)
         at = offsets[d]
         starts = [at + x for x in np.cumsum([0, *chunk[:-1]]).tolist()]
         for i, r in enumerate(ranks):
@@ -190,6 +180,9 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     ``pack_len`` a multiple of ``world``, ``world`` a multiple of ``node_size`` (checked by the caller).
     """
     local = pack_len // world
+    planned = plan_runs(slot_lens, pack_len, world, node_size, tile)
+    if planned is not None:  # the world packer's plan: nothing cut
+        return _with_pad(planned, int(slot_lens.sum()), local, world)
     lens = slot_lens.tolist()
     offsets = [0] * len(lens)
     acc = 0
@@ -206,17 +199,25 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
         if key in seen:
             continue
         seen.add(key)
-        runs, load, room = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
+        runs, load, _ = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
         if best is None or max(load) < best[0]:
-            best = (max(load), runs, room)
+            best = (max(load), runs)
     assert best is not None
-    _, runs, room = best
-    at = real_end  # step 3: the pad tail fills every rank's room, in rank order
+    return _with_pad(best[1], real_end, local, world)
+
+
+def _with_pad(runs: list[tuple[int, int, int]], real_end: int, local: int, world: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Step 3: the pad tail from ``real_end`` fills every rank up to ``local`` positions, in rank order; the
+    runs as int64 ``(starts, lengths, owners)`` sorted by global start."""
+    room = [local] * world
+    for _, n, r in runs:
+        room[r] -= n
+    at = real_end
     for r in range(world):
         if room[r]:
             runs.append((at, room[r], r))
             at += room[r]
-            room[r] = 0
     out = np.array(sorted(runs), dtype=np.int64).reshape(-1, 3)
     return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()
 

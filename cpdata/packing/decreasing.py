@@ -66,7 +66,7 @@ from cpdata.layout.runs import segments
 from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.records import PackKeys
 
-__all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing"]
+__all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing", "decreasing", "packs_by_bin"]
 
 MAX_WAIT = 32
 """Windows a carried bin may stay open: one that holds a piece which arrived
@@ -76,7 +76,7 @@ little emptier than the others can stay open for the whole stream (100+
 windows with 1M short documents at 128K)."""
 
 
-def _decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keys and slots sorted by slot descending, ties by key ascending (keys ascending as given: one stable
     sort of the slots; else a sort by both)."""
     if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
@@ -98,7 +98,7 @@ def _by_bin_then_key(bin_of: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return np.argsort(bin_of * span + (keys - low), kind="stable")
 
 
-def _packs(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
+def packs_by_bin(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
     """Pieces grouped by bin: keys ascending inside a pack, packs by their smallest key."""
     order = _by_bin_then_key(bin_of, keys)
     k, b = keys[order], bin_of[order]
@@ -203,7 +203,7 @@ class BestFitDecreasing:
         stale = self._keys[np.searchsorted(self._bins, np.arange(m))] < oldest
         full = slots == cap
         singles = keys[full]
-        keys, slots = _decreasing(keys[~full], slots[~full])
+        keys, slots = decreasing(keys[~full], slots[~full])
         rooms = cap - np.bincount(self._bins, weights=self._slots, minlength=m).astype(np.int64)
         bin_new, open_room, open_bin = best_fit_decreasing(slots, cap, rooms, avoid=True)
         ks, ss = np.concatenate([self._keys, keys]), np.concatenate([self._slots, slots])
@@ -228,7 +228,7 @@ class BestFitDecreasing:
         order = _by_bin_then_key(bins, carried_keys)
         self._keys, self._slots, self._bins = carried_keys[order], ss[carried][order], bins[order]
         out_b = np.concatenate([bin_of[~carried], np.arange(n_bins, n_bins + singles.shape[0], dtype=np.int64)])
-        return _packs(np.concatenate([ks[~carried], singles]), out_b)
+        return packs_by_bin(np.concatenate([ks[~carried], singles]), out_b)
 
     def finish(self) -> PackKeys:
         """Emit the carried bins, re-packed first if that needs fewer bins."""
@@ -239,14 +239,14 @@ class BestFitDecreasing:
         cap, n_bins = self.capacity, int(bin_of.max()) + 1
         bound = -(-int(slots.sum()) // cap)
         if n_bins > bound:
-            ks, ss = _decreasing(keys, slots)
+            ks, ss = decreasing(keys, slots)
             for fill in (_best_fit_bins, exact_fill):
                 if n_bins == bound:  # no packing takes fewer bins: the slower exact fill need not run
                     break
                 other = fill(ss, cap)
                 if int(other.max()) + 1 < n_bins:
                     keys, bin_of, n_bins = ks, other, int(other.max()) + 1
-        return _packs(keys, bin_of)
+        return packs_by_bin(keys, bin_of)
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
@@ -279,7 +279,7 @@ class FirstFitDecreasing:
         n = int(keys.shape[0])
         if n == 0:
             return PackKeys.concat([])
-        ks, ss = _decreasing(keys, slots)
+        ks, ss = decreasing(keys, slots)
         size = 1 << max(n - 1, 1).bit_length()
         # Max segment tree over the room of bins 0..size-1 (unused bins have full room).
         tree = [self.capacity] * (2 * size)
@@ -297,7 +297,7 @@ class FirstFitDecreasing:
                     break
                 tree[i] = m
                 i >>= 1
-        return _packs(ks, np.asarray(bin_of, dtype=np.int64))
+        return packs_by_bin(ks, np.asarray(bin_of, dtype=np.int64))
 
     def finish(self) -> PackKeys:
         return PackKeys.concat([])

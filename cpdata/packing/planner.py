@@ -24,10 +24,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cpdata.layout.maps import node_size_of
 from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing
 from cpdata.packing.greedy import FirstFit, NextFit
 from cpdata.packing.pieces import COUNT_FIELDS, Pieces, cut_documents
 from cpdata.packing.records import PackingConfig, PackingStats, PackKeys
+from cpdata.packing.world import WorldPacker
 
 __all__ = ["BinPacker", "StreamPlanner", "carry_columns", "make_packer", "window_ends"]
 
@@ -69,7 +71,12 @@ def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def make_packer(config: PackingConfig) -> BinPacker:
-    """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts)."""
+    """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); under a ``world``
+    layout the decreasing ones (``bfd``, ``ffd``) are :class:`~cpdata.packing.world.WorldPacker`, which plans
+    each pack as the world's per-rank bins (the other algorithms fill packs to the token and the deal cuts)."""
+    node_size = node_size_of(config.layout, config.cp_size)
+    if node_size is not None and config.algorithm in ("bfd", "ffd"):
+        return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
     factories = {
         "bfd": BestFitDecreasing,
         "ffd": FirstFitDecreasing,

@@ -1,0 +1,158 @@
+"""The world plan: ``W`` per-rank bins of ``L = S / W`` tokens, shared by the world packer and the world deal.
+
+A world micro-batch is planned as ``W`` bins, one per rank, each holding at most ``L`` tokens:
+
+- a document of at most ``L`` tokens goes whole into the least loaded bin (predicted tiles,
+  :func:`~cpdata.layout.world_deal.grid_tiles`; ties: the lowest rank) with room for it: it receives no keys;
+- a longer one spans ``c = ceil(s / L)`` consecutive ranks (up to ``2c`` only when no ``c`` ranks have room for
+  its pieces), inside one node when ``c <= node_size`` (else over the fewest nodes), the window of ranks whose
+  summed load is least; it is cut into ``2c`` chunks and rank ``i`` of the ``c`` takes chunks ``i`` and
+  ``2c - 1 - i`` (TE THD's split: equal tokens, near-equal tiles).
+
+Documents are placed longest first (ties: slot order). :class:`WorldBins` is the incremental form: the world
+packer (:class:`cpdata.packing.world.WorldPacker`) offers each piece of a window, longest first, to each open
+micro-batch's bins and keeps it where :meth:`WorldBins.place` succeeds. A placement depends only on the bins'
+state and the piece's length, so :func:`plan_runs` replaying a packed micro-batch's slots longest first puts
+every document where the packer did: the deal follows the packer's plan from the slot lengths alone (no
+side channel through the pipeline), and nothing is cut. Slots from another packer may not fit; then
+:func:`plan_runs` returns None and the deal cuts (:func:`~cpdata.layout.world_deal.world_runs`).
+
+Trade-off: bins balance tokens first (every rank at most ``L``) and tiles second (least loaded bin); a
+micro-batch of a few dense documents and many short ones can still leave one rank busier than the mean,
+which a deal free to cut would spread at the price of keys (``cpdata bench --sections world``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+__all__ = ["WorldBins", "grid_tiles", "plan_runs", "thd_chunks"]
+
+
+def thd_chunks(s: int, c: int) -> list[int]:
+    """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
+    q, r = divmod(s, 2 * c)
+    return [q + 1] * r + [q] * (2 * c - r)
+
+
+def grid_tiles(length: int, tile: int) -> float:
+    """Expected live tiles of a document of ``length`` tokens at a uniformly random offset in a stream of
+    documents cut into ``tile``-token blocks (a rank's local order under a stream-grid kernel):
+    ``x (x + 3) / 2`` for ``x = length / tile``. A query block costs from the first key block of the document
+    its first token lies in up to itself (:func:`cpdata.layout.tiles.block_tiles`), so a document pays for
+    the blocks whose first token it holds: ``k (k + 1) / 2`` when it starts on a block boundary, ``k (k + 3) /
+    2`` otherwise, for ``k = x`` whole blocks; a short document pays 2 with probability ``x``."""
+    x = length / tile
+    return x * (x + 3) / 2
+
+
+class WorldBins:
+    """``world`` per-rank bins of ``local`` tokens (``node_size`` ranks per node); :meth:`place` adds one
+    document and records its runs ``(offset in the document, length, rank)``."""
+
+    __slots__ = ("local", "world", "node_size", "tile", "room", "load", "max_room", "total_room", "_heap", "_version")
+
+    def __init__(self, local: int, world: int, node_size: int, tile: int = 128) -> None:
+        self.local, self.world, self.node_size, self.tile = local, world, node_size, tile
+        self.room = [local] * world
+        self.load = [0.0] * world
+        self.max_room = local
+        self.total_room = local * world
+        self._heap = [(0.0, r, 0) for r in range(world)]  # (load, rank, version): a valid heap as built
+        self._version = [0] * world
+
+    def place(self, s: int) -> list[tuple[int, int, int]] | None:
+        """Place a document of ``s`` tokens; its runs ``(offset, length, rank)``, or None (state unchanged)
+        when it does not fit."""
+        if s <= self.local:  # whole, or not in this micro-batch
+            if s > self.max_room:
+                return None
+            best = self._least_loaded(s)
+            self._take(best, s, grid_tiles(s, self.tile))
+            return [(0, s, best)] if s else []
+        if s > self.total_room:
+            return None
+        fewest = max(2, -(-s // self.local))
+        most = min(self.world, 2 * fewest)
+        least_need = s // most - 1  # no rank of any c in [fewest, most] takes fewer tokens
+        if sum(room >= least_need for room in self.room) < fewest:
+            return None  # (a necessary condition, checked at once)
+        for c in range(fewest, most + 1):  # more ranks only while pieces shrink
+            runs = self._spread(s, c)
+            if runs is not None:
+                return runs
+        return None
+
+    def _spread(self, s: int, c: int) -> list[tuple[int, int, int]] | None:
+        chunk = thd_chunks(s, c)
+        need = [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
+        nodes = -(-c // self.node_size)
+        best, best_load = -1, 0.0
+        for a in range(self.world - c + 1):
+            if (a + c - 1) // self.node_size - a // self.node_size + 1 > nodes:
+                continue
+            if any(self.room[a + i] < need[i] for i in range(c)):
+                continue
+            load = sum(self.load[a : a + c])
+            if best < 0 or load < best_load:
+                best, best_load = a, load
+        if best < 0:
+            return None
+        starts = np.cumsum([0, *chunk[:-1]]).tolist()
+        share = grid_tiles(s, self.tile) / c
+        runs = []
+        for i in range(c):
+            for j in (i, 2 * c - 1 - i):
+                if chunk[j]:
+                    runs.append((starts[j], chunk[j], best + i))
+            self._take(best + i, need[i], share)
+        return runs
+
+    def _least_loaded(self, s: int) -> int:
+        """The least loaded rank (ties: the lowest) with room for ``s`` tokens (one exists: ``s <= max_room``).
+        A heap of ``(load, rank, version)``; an entry whose version is not the rank's is stale."""
+        aside = []
+        heap = self._heap
+        while True:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            if entry[2] != self._version[r]:
+                continue
+            if self.room[r] >= s:
+                break
+            aside.append(entry)
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return r
+
+    def _take(self, r: int, s: int, tiles: float) -> None:
+        full = self.room[r] == self.max_room
+        self.room[r] -= s
+        self.total_room -= s
+        self.load[r] += tiles
+        self._version[r] += 1
+        heapq.heappush(self._heap, (self.load[r], r, self._version[r]))
+        if full and s:
+            self.max_room = max(self.room)
+
+
+def plan_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int, tile: int = 128
+              ) -> list[tuple[int, int, int]] | None:  # fmt: skip
+    """Replay the plan over one micro-batch: runs ``(global start, length, rank)`` of its documents (no pad),
+    or None when some document finds no room (the slots were not packed by the world packer).
+
+    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len``; documents are placed longest first, ties in
+    slot order, as the packer placed them.
+    """
+    lens = slot_lens.tolist()
+    offsets = np.concatenate([[0], np.cumsum(slot_lens)[:-1]]).tolist() if lens else []
+    bins = WorldBins(pack_len // world, world, node_size, tile)
+    runs: list[tuple[int, int, int]] = []
+    for d in sorted(range(len(lens)), key=lambda d: -lens[d]):
+        placed = bins.place(lens[d])
+        if placed is None:
+            return None
+        runs += [(offsets[d] + o, n, r) for o, n, r in placed]
+    return runs

@@ -1,0 +1,79 @@
+"""The world packer (``bfd`` / ``ffd`` under a ``world`` layout): every piece packed once, each pack a plan the
+deal replays from its slot lengths (no piece cut, short ones whole), packs near ``ceil(tokens / capacity)``
+with the carry, and a planner restored from its state mid-stream emits the packs of the uninterrupted one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpdata.bench.distributions import sample
+from cpdata.layout.maps import layout_spec
+from cpdata.layout.world_plan import plan_runs
+from cpdata.packing import plan_lengths
+from cpdata.packing.planner import StreamPlanner
+from cpdata.packing.records import PackingConfig
+from cpdata.packing.world import WorldPacker
+
+WORLD, NODE, LOCAL = 8, 4, 1024
+
+
+@pytest.mark.parametrize("name", ["alpaca", "sft", "long_context"])
+@pytest.mark.parametrize("algorithm", ["bfd", "ffd"])  # bfd: windows of 256 and the carry; ffd: one window
+def test_every_pack_is_a_plan_the_deal_replays_and_packs_stay_near_the_bound(name, algorithm):
+    lengths = sample(name, 3000, 2)
+    spec = layout_spec("world", node_size=NODE)
+    capacity = WORLD * LOCAL
+    world = plan_lengths(lengths, capacity=capacity, layout=spec, cp_size=WORLD, overflow="split",
+                         algorithm=algorithm, window=256 if algorithm == "bfd" else None)  # fmt: skip
+    plain = plan_lengths(lengths, capacity=capacity, layout="contiguous", cp_size=WORLD, overflow="split",
+                         algorithm=algorithm, window=256)  # fmt: skip
+    assert sorted(world.slot_len.tolist()) == sorted(plain.slot_len.tolist())  # the same pieces, each once
+    off, slot = np.asarray(world.pack_offsets), np.asarray(world.slot_len)
+    for p in range(off.size - 1):
+        lens = slot[off[p] : off[p + 1]]
+        runs = plan_runs(lens, capacity, WORLD, NODE)
+        assert runs is not None, (p, lens.tolist())  # the deal follows the packer's plan
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        pieces = {}
+        for start, n, rank in runs:
+            d = int(np.searchsorted(starts, start, side="right") - 1)
+            pieces.setdefault(d, []).append((rank, n))
+        per_rank = np.zeros(WORLD, dtype=np.int64)
+        for d, parts in pieces.items():
+            assert sum(n for _, n in parts) == lens[d]
+            ranks = sorted({r for r, _ in parts})
+            assert len(ranks) == 1 if lens[d] <= LOCAL else -(-lens[d] // LOCAL) <= len(ranks) <= WORLD
+            for r, n in parts:
+                per_rank[r] += n
+        assert (per_rank <= LOCAL).all()
+    bound = -(-int(slot.sum()) // capacity)
+    assert off.size - 1 <= bound * 1.08 + 1, (off.size - 1, bound)
+
+
+def test_a_restored_planner_emits_the_packs_of_the_uninterrupted_one():
+    config = PackingConfig.resolve(capacity=WORLD * LOCAL, layout=layout_spec("world", node_size=NODE),
+                                   cp_size=WORLD, overflow="split", window=200)  # fmt: skip
+    lengths = sample("ultrachat", 1600, 4)
+    windows = [(lo, lo + 200) for lo in range(0, 1600, 200)]
+
+    def run(restore_after: int | None) -> list[list[int]]:
+        planner, packs = StreamPlanner(config), []
+        for i, (lo, hi) in enumerate(windows):
+            packs += list(planner.add_window(lengths[lo:hi], np.arange(lo, hi))[2])
+            if i == restore_after:
+                assert planner._packer.carry(), "the carry is exercised"
+                fresh = StreamPlanner(config)
+                fresh.load_state(planner.state())
+                planner = fresh
+        return packs + list(planner.finish())
+
+    assert isinstance(StreamPlanner(config)._packer, WorldPacker)
+    straight = run(None)
+    assert run(3) == straight and sum(map(len, straight)) > 0
+
+
+def test_ffd_state_with_open_packs_is_refused():
+    packer = WorldPacker(WORLD * LOCAL, WORLD, NODE, carry=False)
+    with pytest.raises(ValueError, match="carries nothing between windows"):
+        packer.load_carry([([0], [10])])
