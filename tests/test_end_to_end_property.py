@@ -303,7 +303,7 @@ def test_documents_to_cp_shards_for_any_input(layout, cp, data):
 
 
 def test_every_layout_and_cp_pair_is_parametrized():
-    assert len(PAIRS) == 41 and len(set(PAIRS)) == 41
+    assert len(PAIRS) == 49 and len(set(PAIRS)) == 49
     assert {cp for _, cp in PAIRS} == set(range(1, 9)) and {layout for layout, _ in PAIRS} == set(LAYOUTS)
     assert ("balanced", 8) in PAIRS and all(("thd", cp) in PAIRS for cp in (2, 4, 5))
 

@@ -203,7 +203,7 @@ def test_precomputed_plan_documents_edited_are_refused(tmp_path):
         list(node)
 
 
-SCHEDULED = dict(capacity=64, cp_size=2, cp_rank=0, layout="thd", overflow="split", prefetch=0, schedule="balanced")
+SCHEDULED = records(capacity=64, cp_size=2, cp_rank=0, layout="thd", overflow="split", prefetch=0, schedule="balanced")
 
 
 def test_a_schedule_refuses_a_document_edited_between_epochs_naming_file_and_document(tmp_path):

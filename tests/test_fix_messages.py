@@ -18,6 +18,7 @@ import cpdata
 from cpdata import build_loader, closing_loader, open_dataset, precompute
 from cpdata.adapters import hf_attention
 from cpdata.integrations.attention import check_attention
+from tests.flat_options import records
 
 
 def test_an_overlong_document_in_a_mix_of_lists_is_named_by_its_source_and_index():
@@ -25,7 +26,7 @@ def test_an_overlong_document_in_a_mix_of_lists_is_named_by_its_source_and_index
     b = [{"input_ids": np.arange(1, 20)} for _ in range(5)]
     b[3] = {"input_ids": np.arange(1, 200)}
     mixed = cpdata.mix({"a": a, "b": b}, {"a": 1, "b": 1}, seed=0)
-    loader = build_loader(mixed, capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, pin_memory=False)
+    loader = build_loader(mixed, **records(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0, pin_memory=False))
     with pytest.raises(ValueError) as info, closing_loader(loader):
         list(loader)
     message = str(info.value)

@@ -28,6 +28,7 @@ missing CP attention makes) is off by more than the loss tolerance.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -70,6 +71,15 @@ def _precision(precision: str) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
 
 
+def _not_run() -> contextlib.AbstractContextManager:
+    """Kwargs built for "cpdata" that this test runs through an sdpa model on purpose: the guard that a built
+    state reaches a "cpdata" layer (``cpdata.adapters.hf_guard``) neither checks nor remembers them."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("cpdata.adapters.hf.check_reaches_cpdata"))
+    stack.enter_context(mock.patch("cpdata.adapters.hf.remember"))
+    return stack
+
+
 def _run(path: str, precision: str, cp: int, rank: int, group) -> tuple[float, dict | None, torch.Tensor]:
     """This rank's loss and gradients for one path (gradients None on the forward-only flex path)."""
     exchange = path in ("exchange", "ctx_exchange")
@@ -78,7 +88,8 @@ def _run(path: str, precision: str, cp: int, rank: int, group) -> tuple[float, d
     name = "cpdata_flex" if path == "cpdata_flex" else "cpdata"
     if path.startswith("ctx"):
         model = _model(precision, "sdpa")
-        kwargs = hf_model_kwargs(batch, name, group=group)  # the loss arguments and the pack's target count
+        with _not_run():  # the loss arguments and the pack's target count; the state is dropped
+            kwargs = hf_model_kwargs(batch, name, group=group)
         kwargs.pop(STATE_KEY)
         ctx = contextlib.nullcontext()
         if cp > 1:
@@ -128,7 +139,8 @@ def _rank(rank: int, cp: int) -> list:
     if cp == 2:  # local-only attention at cp 2 (every rank attends its own tokens): what the figures must rule out
         batch = _batches(cp, False)[rank]
         model = _model("autocast", "sdpa")
-        kwargs = hf_model_kwargs(batch, "cpdata", group=group)
+        with _not_run():
+            kwargs = hf_model_kwargs(batch, "cpdata", group=group)
         kwargs.pop(STATE_KEY)
         with _precision("autocast"):
             loss = model(**kwargs).loss

@@ -23,6 +23,7 @@ from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
 from cpdata.offline.reader import PrecomputedPacks
+from tests.flat_options import records
 
 ROOT = Path(__file__).resolve().parents[1] / "cpdata"
 CFG = {"capacity": 128, "cp_size": 2, "layout": "thd"}
@@ -95,10 +96,10 @@ def test_every_stateful_node_keeps_its_epoch_in_one_clock_and_the_walk_reaches_i
     docs = open_dataset(web)
     precompute(docs, tmp_path / "plan", **CFG)
     graphs = {
-        "live": build_node(mixed, cp_rank=0, prefetch=0, pin_memory=False, **CFG),
-        "scheduled": build_node(docs, cp_rank=0, prefetch=0, pin_memory=False, schedule="balanced", **CFG),
-        "windowed": build_node(list(docs), cp_rank=0, prefetch=0, pin_memory=False, schedule="balanced",
-                               schedule_window=16, **CFG),  # fmt: skip
+        "live": build_node(mixed, **records(cp_rank=0, prefetch=0, pin_memory=False, **CFG)),
+        "scheduled": build_node(docs, **records(cp_rank=0, prefetch=0, pin_memory=False, schedule="balanced", **CFG)),
+        "windowed": build_node(list(docs), **records(cp_rank=0, prefetch=0, pin_memory=False, schedule="balanced",
+                                                   schedule_window=16, **CFG)),  # fmt: skip
         "precomputed": PrecomputedPacks(tmp_path / "plan", docs),
     }
     kinds = {name: [type(n) for n in graph_nodes(g) if isinstance(n, EpochNode)] for name, g in graphs.items()}

@@ -58,7 +58,9 @@ def child(deathsig, watchdog):
 def loader(ctx):
     from torchdata.stateful_dataloader import StatefulDataLoader
     from cpdata.nodes.dataset import CPDataset
-    ds = CPDataset(SlowStorage(), capacity=32, cp_size=1, cp_rank=0, layout="identity", overflow="split")
+    from cpdata.nodes.options import StreamPlan
+    ds = CPDataset(SlowStorage(), capacity=32, cp_size=1, cp_rank=0, layout="identity",
+                   plan=StreamPlan(overflow="split"))
     return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx)
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cpdata import CPDataset, build_loader, open_dataset, plan_lengths
+from cpdata import CPDataset, StreamPlan, build_loader, open_dataset, plan_lengths
 
 LENGTHS = [5, 40, 3, 70, 9, 33, 12]
 """Capacity 32 (thd, cp 2: multiples of 4): documents 1, 3 and 5 are too long, 3 the longest (70 -> 72)."""
@@ -38,7 +38,7 @@ def test_known_lengths_are_checked_when_the_pipeline_is_built(tmp_path, build):
     with pytest.raises(ValueError) as err:
         make(ds, capacity=32, cp_size=2, cp_rank=0, layout="thd")
     _check(str(err.value))
-    make(ds, capacity=32, cp_size=2, cp_rank=0, layout="thd", overflow="truncate")  # other policies: no check
+    make(ds, capacity=32, cp_size=2, cp_rank=0, layout="thd", plan=StreamPlan(overflow="truncate"))  # other policies: no check
 
 
 def test_plan_lengths_names_every_overlong_document_before_planning():

@@ -18,6 +18,7 @@ from cpdata.layout.tiled_deal import block_groups
 from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
+from tests.flat_options import graph_options
 
 LAYOUTS = ("contiguous", "round_robin", "thd", "balanced", "tiled")
 
@@ -63,8 +64,8 @@ def test_exchange_without_real_ends_is_the_old_plan_and_with_them_needs_no_pad_k
 def test_an_exchange_over_a_pack_with_a_pad_tail_receives_at_most_the_real_tokens(layout, cp):
     g = torch.Generator().manual_seed(cp)
     docs = [{"input_ids": torch.randint(1, 50, (200,), generator=g).tolist()} for _ in range(6)]
-    graph = shard_graph(docs, capacity=8192, cp_size=cp, layout=layout, overflow="split", batch_size=1,
-                        qkv_format="thd")  # fmt: skip
+    graph = shard_graph(docs, graph_options(capacity=8192, cp_size=cp, layout=layout, overflow="split", batch_size=1,
+                        qkv_format="thd"))  # fmt: skip
     shards = next(iter(ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True, kv_exchange=True)))
     real = int(shards[0]["cu_seqlens"][-1])
     assert real == 1200 and int(shards[0]["cu_seqlens_padded"][-1]) == 8192  # one pack, a 6,992-token tail

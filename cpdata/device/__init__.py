@@ -14,7 +14,7 @@ plan names, and ``move_keys_values``, the one K/V mover of every CP attention),
 ``attention_masks`` (the one mask predicate: each query's key interval),
 ``varlen`` (the varlen / flash kernel of the ``"cpdata"`` attention: per-document-run
 segments, ``cu_seq``, the key gather; ``varlen_reference`` its exact CPU reference),
-X on the plan and on the end of an
+``consistency`` (ranks agreeing on the plan and on the end of an
 epoch). The gather itself is :mod:`cpdata.gather`, kept at the root so model
 code imports it alone. NeMo Automodel's sharder contract (raw batches sharded on
 the device, backend resolution, the token verbs) is :mod:`cpdata.nemo`, a layer

@@ -13,6 +13,7 @@ layout as runs of consecutive positions, the table the worker gathers from),
 ``tiled_deal`` (its deal: which rank owns each block), ``world`` (the ``world`` layout: the whole DP x CP
 world as one CP group), ``world_deal`` (its deal: documents whole, long ones on few ranks of one node),
 ``world_cost`` (the per-tile and per-byte cost model it weighs, replaceable by a calibration file),
+``world_plan`` (the per-rank bins a world micro-batch fills: documents whole, long ones on consecutive ranks),
 ``world_keys`` (its exchange plan and intra- / inter-node keys), ``tiles`` (live kernel tiles and K/V needs
 per rank), ``varlen_tiles`` (the tiles a varlen kernel pays: each document run tiled by itself), ``exchange`` (the K/V
 exchange plan: which keys each rank needs from each other rank under the

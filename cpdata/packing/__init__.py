@@ -20,7 +20,8 @@ live packer and an offline precompute give the same packs. Modules, in
 pipeline order: ``records`` (configuration, stats, results), ``pieces``
 (documents to aligned pieces, the overflow policy), ``greedy`` (``next_fit``,
 ``first_fit``), ``decreasing`` (``bfd``, ``ffd``), ``filling`` (exact fills at
-the end of the stream), ``planner`` (the core shared by the node and the
+the end of the stream), ``world`` (the world layout's packer: per-rank bins,
+documents whole), ``planner`` (the core shared by the node and the
 offline planner), ``offline`` (``plan_lengths``), ``distributions`` (realistic
 length distributions for tests and benchmarks).
 """

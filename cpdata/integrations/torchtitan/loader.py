@@ -45,6 +45,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 
 from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.sources.open import open_dataset
 from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.keys import INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
@@ -130,18 +131,14 @@ class CPTitanLoader(BaseDataLoader):
         self.dp_rank, self.dp_size = dp_rank, dp_world_size
         self.cp_rank, self.cp_size = config.cp_rank, config.cp_degree
         self.verify_layout = config.verify_layout
-        options: dict[str, Any] = {
-            "capacity": seq_len, "cp_size": self.cp_size, "layout": config.layout, "dp_rank": dp_rank,
-            "dp_size": dp_world_size, "batch_size": local_batch_size, "qkv_format": "thd",
-            "overflow": config.overflow, "shuffle": config.shuffle, "seed": config.seed,
-            "padding_token_id": config.padding_token_id,
-        }  # fmt: skip
-        if config.algorithm is not None:
-            options["algorithm"] = config.algorithm
-        if tokenizer is not None:
-            options["vocab_size"] = tokenizer.get_vocab_size()
-        dataset = CPDataset(open_dataset(config.dataset), cp_rank=self.cp_rank, kv_exchange=config.kv_exchange,
-                            **options)  # fmt: skip
+        stream = StreamPlan(overflow=config.overflow) if config.algorithm is None else StreamPlan(
+            overflow=config.overflow, algorithm=config.algorithm)  # fmt: skip
+        data = DataPolicy(dp_rank=dp_rank, dp_size=dp_world_size, shuffle=config.shuffle, seed=config.seed,
+                          vocab_size=None if tokenizer is None else tokenizer.get_vocab_size())  # fmt: skip
+        dataset = CPDataset(open_dataset(config.dataset), capacity=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                            layout=config.layout, batch_size=local_batch_size, qkv_format="thd",
+                            padding_token_id=config.padding_token_id, plan=stream, data=data,
+                            delivery=Delivery(kv_exchange=config.kv_exchange))  # fmt: skip
         self._loader = CPDataLoader(dataset, num_workers=config.num_workers)
         self._key = f"cpdata_dp{dp_rank}_cp{self.cp_rank}"
 
