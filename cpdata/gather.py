@@ -183,17 +183,20 @@ def gather_token_tensor(
     return GatherFromShards.apply(tensor, index, group, seq_dim)
 
 
-def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str) -> None:
-    """``ValueError`` unless a process group is initialized and ``group`` has ``cp_size`` ranks, this one
-    ``cp_rank`` (``what`` names the record built for them: ``"layout"``, ``"the exchange plan"``)."""
+def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: str = "built") -> None:
+    """``ValueError`` unless a process group is initialized and ``group`` (None: the default group) has
+    ``cp_size`` ranks, this one ``cp_rank``; ``what`` names the record ``verb`` for them (``"layout"``,
+    ``"the exchange plan"``, ``"the batch"`` sharded). The one check of every device-side entry point."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
                          "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if (world, rank) != (cp_size, cp_rank):
+        which = " (group=None: the default group of every rank)" if group is None else ""
         raise ValueError(
-            f"{what} was built for cp_size={cp_size}, cp_rank={cp_rank} but the group has size {world} and "
-            f"this process is rank {rank} in it; pass the CP group the batch was sharded for"
+            f"{what} was {verb} for cp_size={cp_size}, cp_rank={cp_rank} but the group has size {world} and this "
+            f"process is rank {rank} in it{which}; pass the CP group it was {verb} for: group=mesh['cp'].get_group() "
+            "on a (dp, cp) DeviceMesh (cp_mesh.get_group() on a 1-D one)"
         )
 
 

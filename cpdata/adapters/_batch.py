@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from cpdata.gather import check_cp_group as check_layout_group
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["batch_parts", "check_cp_group", "info_int"]
@@ -44,19 +44,7 @@ def info_int(info: Mapping[str, Any], key: str) -> int:
 
 
 def check_cp_group(group: Any, layout: ShardLayout) -> None:
-    """``ValueError`` unless ``group`` (None = the default group) is the CP group ``layout`` was built for."""
-    if layout.cp_size == 1:
-        return
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"the batch is sharded over cp_size={layout.cp_size} ranks but no process group is initialized; "
-            "call torch.distributed.init_process_group and pass the CP group"
-        )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (size, rank) != (layout.cp_size, layout.cp_rank):
-        which = "group=None (the default group of every rank)" if group is None else "the group passed"
-        raise ValueError(
-            f"the batch was sharded for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but {which} has "
-            f"size {size} and this process is rank {rank} in it; pass the CP group the pipeline was built for: "
-            "group=mesh['cp'].get_group() on a (dp, cp) DeviceMesh (cp_mesh.get_group() on a 1-D one)"
-        )
+    """``ValueError`` unless ``group`` (None = the default group) is the CP group ``layout`` was built for
+    (:func:`cpdata.gather.check_cp_group`)."""
+    if layout.cp_size > 1:
+        check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")
