@@ -43,6 +43,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from cpdata.device.attention_masks import check_window
 from cpdata.layout.varlen_tiles import query_runs
 
 __all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
@@ -125,8 +126,7 @@ def varlen_plan(
     ``MAX_KEY_COPIES`` times the ``K`` keys held: a layout that cuts documents token by token
     (``balanced``) makes one segment per query, each re-reading its document's prefix.
     """
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r}: a sliding window is a positive int number of keys (or None)")
+    check_window(window)
     start_np = start.detach().reshape(-1).cpu().numpy().astype(np.int64)
     pos_np = pos.detach().reshape(-1).cpu().numpy().astype(np.int64)
     keys_np = key_pos.detach().reshape(-1).cpu().numpy().astype(np.int64)

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from cpdata.errors import check_int
 from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
@@ -145,8 +146,7 @@ class CPTrainerMixin:
         delivery: Delivery = Delivery(),
         **kwargs: Any,
     ) -> None:
-        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+        check_int("cp_size", cp_size, min=1)
         if "loader_options" in kwargs:
             raise TypeError(f"{type(self).__name__}() no longer takes loader_options=; pass the records "
                             "plan=StreamPlan(...)/SchedulePlan(...), data=DataPolicy(...), delivery=Delivery(...)")  # fmt: skip
@@ -179,8 +179,7 @@ class CPTrainerMixin:
         if args.n_gpu > 1:
             raise ValueError(f"{type(self).__name__}: nn.DataParallel (several GPUs in one process) is not "
                              "supported; launch one process per GPU with torchrun")  # fmt: skip
-        if isinstance(self.cp_capacity, bool) or not isinstance(self.cp_capacity, int) or self.cp_capacity < 1:
-            raise ValueError(f"capacity must be the tokens per pack, an int >= 1, got {self.cp_capacity!r}")
+        check_int("capacity", self.cp_capacity, min=1, fix=" (the tokens per pack)")
         world = int(args.world_size)
         if world % self.cp_size:
             raise ValueError(f"cp_size={self.cp_size} must divide the world size {world} (dp = world // cp_size)")

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
+
 __all__ = ["H100_DEFAULTS", "WorldCost"]
 
 _REQUIRED = ("per_tile_seconds", "intra_node_bytes_per_second", "inter_node_bytes_per_second", "bytes_per_key")
@@ -75,8 +77,7 @@ class WorldCost:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"WorldCost.{name} must be a finite number > 0, got {value!r}")
-        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
-            raise ValueError(f"WorldCost.tile must be an int >= 1, got {self.tile!r}")
+        check_int("WorldCost.tile", self.tile, min=1)
 
     @classmethod
     def from_json(cls, path: str | Path) -> WorldCost:

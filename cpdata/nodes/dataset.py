@@ -46,6 +46,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from cpdata.errors import check_int
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
 from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, shard_graph
 from cpdata.nodes.options import (
@@ -127,8 +128,7 @@ class WorkerDataset(IterableDataset):
 
     def __init__(self, *, prefetch: int = 0) -> None:
         super().__init__()
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        check_int("prefetch", prefetch, min=0)
         silence_set_vital_warning()
         self.prefetch = prefetch
         self._loader: Loader | None = None

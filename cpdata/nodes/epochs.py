@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-import numpy as np
 from torchdata.nodes import BaseNode
+
+from cpdata.errors import check_int
 
 __all__ = ["EpochClock", "EpochNode", "check_epoch", "check_num_epochs", "graph_nodes", "set_graph_epoch"]
 
@@ -30,17 +31,14 @@ T = TypeVar("T")
 
 def check_epoch(epoch: Any, what: str = "epoch") -> int:
     """``epoch`` as an int; ``ValueError`` naming it unless it is an int >= 0."""
-    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-        raise ValueError(f"{what} must be an int >= 0, got {epoch!r}")
-    return int(epoch)
+    return check_int(what, epoch, min=0)
 
 
 def check_num_epochs(num_epochs: Any) -> int | None:
     """``num_epochs`` (epochs per ``iter()``); ``ValueError`` unless an int >= 1 or None (one epoch per ``iter()``)."""
-    if num_epochs is not None and (isinstance(num_epochs, bool) or not isinstance(num_epochs, (int, np.integer))
-                                   or num_epochs < 1):  # fmt: skip
-        raise ValueError(f"num_epochs must be an int >= 1 or None (one epoch per iter()), got {num_epochs!r}")
-    return None if num_epochs is None else int(num_epochs)
+    if num_epochs is None:
+        return None
+    return check_int("num_epochs", num_epochs, min=1, fix=" (or None: one epoch per iter())")
 
 
 class EpochClock:

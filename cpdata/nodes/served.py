@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
@@ -121,8 +122,7 @@ def _check_worker(worker: tuple[int, int], batch: int) -> tuple[int, int]:
     worker_id, num_workers = worker
     if not 0 <= worker_id < num_workers:
         raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1 (packs a worker serves in a run), got {batch!r}")
+    check_int("batch", batch, min=1, fix=" (packs a worker serves in a run)")
     return int(worker_id), int(num_workers)
 
 

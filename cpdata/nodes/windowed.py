@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int, is_int
 from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import source_kind
@@ -102,7 +103,7 @@ class WindowRows(PlanRows):
         if block is None:
             return 0
         values = [block.get(k) for k in ("window", "pack_base")]
-        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in values):
+        if not all(is_int(v) and v >= 0 for v in values):
             raise ValueError(f"WindowedPacks state has block={dict(block)}; expected window and pack_base ints >= 0")
         self._window, self._pack_base, self._expect = int(values[0]), int(values[1]), block.get("lengths")
         skip = self._window * self.window
@@ -200,8 +201,7 @@ class WindowedPacks(ServedPacks):
         tail: str = "pad", num_epochs: int | None = None, vocab_size: int | None = None,
         worker: tuple[int, int] = (0, 1), labels_alignment: LabelsAlignment | None = None,
     ) -> None:  # fmt: skip
-        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-            raise ValueError(f"schedule_window must be an int >= 1 (documents per planned window), got {window!r}")
+        check_int("schedule_window", window, min=1, fix=" (documents per planned window)")
         if source_kind(source) == "node":
             raise TypeError("schedule_window= replays the stream on resume and needs a re-iterable source, not a "
                             "torchdata BaseNode; pass the iterable itself")  # fmt: skip
