@@ -147,20 +147,19 @@ class HFAttentionState:
         ``BlockMask``; ``"varlen"``: a :class:`~cpdata.device.varlen.VarlenPlan`) over the keys
         :func:`move_keys_values` returns; cached per batch, kind, window, device."""
         key = (kind, window, str(device))
-        if key not in self._masks and kind == "varlen":
-            keys = (exchanged_key_positions(self.layout, device) if self.exchange
-                    else torch.arange(self.key_len, device=device))  # fmt: skip
-            self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window, device=device,
-                                           end=self.slots.end)  # fmt: skip
         if key not in self._masks:
-            lo, hi = self.slots.intervals(window=window)
-            lo, hi = lo.to(device), hi.to(device)
-            key_pos = exchanged_key_positions(self.layout, device) if self.exchange else None
-            if kind == "flex":
-                self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=key_pos)
+            exchanged = exchanged_key_positions(self.layout, device) if self.exchange else None
+            if kind == "flex":  # keys in global order: None, the interval path without the L x S grid
+                lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
+                self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=exchanged)
             else:
-                keys = key_pos if key_pos is not None else torch.arange(self.key_len, device=device)
-                self._masks[key] = dense_mask(lo, hi, keys)
+                keys = exchanged if exchanged is not None else torch.arange(self.key_len, device=device)
+                if kind == "varlen":
+                    self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
+                                                   device=device, end=self.slots.end)  # fmt: skip
+                else:
+                    lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
+                    self._masks[key] = dense_mask(lo, hi, keys)
         return self._masks[key]
 
 
