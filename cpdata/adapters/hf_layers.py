@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from cpdata.errors import check_int
+
 __all__ = ["KNOWN_LAYER_TYPES", "LayerVariant", "check_config", "config_windows", "layer_variant", "uniform_window"]
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -79,9 +81,7 @@ def check_config(config: Any) -> None:
 
 
 def _positive_window(window: Any, name: str) -> int:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"{name}={window!r}: sliding layers need a positive int window")
-    return window
+    return check_int(name, window, min=1, fix=" (sliding layers need a window)")
 
 
 def config_windows(config: Any) -> dict[str, int | None] | None:
