@@ -61,7 +61,7 @@ from cpdata.device.attention_masks import QuerySlots, block_mask, dense_mask, do
 from cpdata.device.consistency import verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
-from cpdata.device.varlen import choose_kernel, varlen_plan
+from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
 from cpdata.gather import ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -154,13 +154,19 @@ class HFAttentionState:
                 self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=exchanged)
             else:
                 keys = exchanged if exchanged is not None else torch.arange(self.key_len, device=device)
-                if kind == "varlen":
-                    self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
-                                                   device=device, end=self.slots.end)  # fmt: skip
+                if kind == "varlen":  # a refused plan is kept too: every layer falls back without re-planning
+                    try:
+                        self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
+                                                       device=device, end=self.slots.end)  # fmt: skip
+                    except KeyCopiesError as refused:
+                        self._masks[key] = refused
                 else:
                     lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
                     self._masks[key] = dense_mask(lo, hi, keys)
-        return self._masks[key]
+        mask = self._masks[key]
+        if isinstance(mask, KeyCopiesError):
+            raise mask
+        return mask
 
 
 def attention_state(
