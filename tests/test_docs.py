@@ -76,7 +76,9 @@ def _ran(returncode: int, output: str) -> bool:
     return bool(done) and returncode == -6 and tail.strip() == TEARDOWN
 
 
-def run_ranks_program(body: str, world: int, folder: Path, name: str) -> None:
+def run_ranks_program(body: str, world: int, folder: Path, name: str) -> list[str]:
+    """Run ``body`` as ``world`` gloo ranks (torchrun's environment) in ``folder``; every rank must run it
+    (:func:`_ran`). Returns each rank's output up to the block's end (the sentinel and any teardown after it cut)."""
     script = folder / f"{name}.py"
     script.write_text(body + f"\nprint({DONE!r}, flush=True)\n")
     port = free_port()
@@ -98,6 +100,7 @@ def run_ranks_program(body: str, world: int, folder: Path, name: str) -> None:
             raise AssertionError(f"{name}: ranks did not finish within 180 s") from None
     failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outs, strict=True)) if not _ran(p.returncode, o)]
     assert not failed, f"{name}: rank {failed[0][0]} failed:\n{failed[0][1][-3000:]}"
+    return [o.rpartition(DONE + "\n")[0] for o in outs]
 
 
 def run_page(page: str, folder: Path, given: dict | None = None) -> int:

@@ -2,43 +2,21 @@
 
 Its ```python blocks run in order in one namespace, in a fresh folder; a ```text block right after one is what it
 must print, exactly. A ```python cp=N block runs as N processes with torchrun's environment (gloo), every rank
-must exit 0, and the ```text block after it is what rank 0 prints (the cp 2 program prints the cp 1 losses).
+must run it (``tests.test_docs.run_ranks_program``: gloo's teardown abort after the block counts as ran), and the ```text block after it is what rank 0 prints (the cp 2 program prints the cp 1 losses).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from tests.test_docs import run_ranks_program
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "hf-attention.md"
 _FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
-
-
-def _run_ranks(code: str, n: int, folder: Path) -> list[str]:
-    script = folder / "ranks.py"
-    script.write_text(code, encoding="utf-8")
-    port = str(free_port())
-    procs = []
-    for rank in range(n):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
-               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "PYTHONPATH": str(ROOT)}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=folder, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
-    outs = []
-    for rank, p in enumerate(procs):
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}"
-        outs.append(out)
-    return outs
 
 
 def test_page_runs_as_written(tmp_path, monkeypatch):
@@ -51,7 +29,7 @@ def test_page_runs_as_written(tmp_path, monkeypatch):
             continue
         ranks = re.search(r"cp=(\d+)", info)
         if ranks:
-            outs = _run_ranks(body, int(ranks.group(1)), tmp_path)
+            outs = run_ranks_program(body, int(ranks.group(1)), tmp_path, f"block{i}")
             after = blocks[i + 1] if i + 1 < len(blocks) else None
             assert after is not None and after[0] == "text" and outs[0] == after[2], outs[0]
             assert not any(outs[1:]), "only rank 0 prints"
