@@ -1,34 +1,16 @@
 """Section ``world``: the whole world as one CP group, cpdata's ``world`` deal beside Megatron-core's
 ``BalancedCPScheduler`` (hybrid / dynamic CP), on the same documents.
 
-Documents of each distribution are packed by cpdata's default packer (``overflow="split"``; under the world
-layout that is the world packer, :mod:`cpdata.packing.world`) into world micro-batches of ``W x L`` tokens (``16 x 8K`` and ``32 x 4K``, 8 ranks per node); the first ``PACKS`` packs'
-slots are the documents both systems get:
-
-- cpdata deals each pack over the ``W`` ranks (``layout_spec("world", node_size=8)``; its K/V exchange plan
-  from the deal's runs);
-- Megatron-core's released ``BalancedCPScheduler(max_seq_len_per_rank=L)`` (constructed with a stand-in group
-  whose ``size()`` is ``W``, the one call its constructor makes) schedules all of them at once with
-  ``get_groups_and_subsamples``; each group is one world micro-batch. A sub-sample on ``c`` ranks is laid out
-  as TE THD's ``2c`` chunks (rank ``i`` of the group: chunks ``i`` and ``2c - 1 - i``) and each of its ranks
-  receives the other ranks' chunks (``(c - 1) / c`` of it; from other nodes: their chunks there).
-
-One tile counter for both, each system's kernel as it holds its keys (``tile = 128``; a tile is live when one
-of its pairs attends; a pad query sees its own key): a Megatron sub-sample is its own kernel call, its rank's
-two chunks against all of the sub-sample's keys in order (:func:`cpdata.layout.tiles.live_tiles`; on one rank,
-the document alone); cpdata's rank holds the pack's queries it owns against its own keys then the keys the
-exchange brings (:func:`cpdata.layout.tiles.exchange_tiles`, the ``"cpdata"`` attention with ``kv_exchange``). Columns, each summed over the row's micro-batches of the
-per-micro-batch busiest rank (every micro-batch ends when its slowest rank does):
-
-- ``tiles``: live tiles; ``over_mean``: that sum over the mean rank's sum;
-- ``recv_keys`` / ``inter_keys``: keys received in all / from other nodes;
-- ``predicted_ms``: :class:`cpdata.layout.world_cost.WorldCost`'s predicted seconds (H100 defaults);
-- ``solve_ms``: CPU time (this thread) of the deal, per world micro-batch: cpdata's ``layout_runs`` per pack,
-  Megatron's whole schedule over its number of groups (each after a ``gc.collect()``: a full collection owed
-  to the packing and imports before it would otherwise land in whichever call triggers it);
-- ``*_vs_megatron``: cpdata's sum over Megatron's.
-
-Where megatron-core cannot be imported, the section prints why and gives cpdata's rows alone.
+The first ``PACKS`` world micro-batches the default packer makes of each distribution (``16 x 8K`` and
+``32 x 4K``, 8 ranks per node) go to both systems: cpdata deals each pack (``layout_spec("world",
+node_size=8)`` and its K/V exchange plan); Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in
+group whose ``size()`` is ``W``, the one call its constructor makes) schedules all of them at once, each group
+one micro-batch, a sub-sample on ``c`` ranks laid out as TE THD's ``2c`` chunks. One tile counter, each
+system's kernel as it holds its keys (``tile = 128``): a Megatron sub-sample is its own kernel call
+(:func:`cpdata.layout.tiles.live_tiles`), a cpdata rank holds its queries against its own keys then the
+exchanged ones (:func:`cpdata.layout.tiles.exchange_tiles`). Every column but ``solve_ms`` is summed over
+micro-batches of the busiest rank (a micro-batch ends with its slowest rank); docs/benchmarks.md defines
+each column. Where megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Layout ``world``: the whole DP x CP world as one CP group, short documents whole on one rank.
 
-``cp_size`` is the world (DP folded in), ``node_size`` the ranks per node (torchrun's local world size, passed
-by the caller: nothing here reads the environment). The layout string carries it: ``"world"`` is one node of
-``cp_size`` ranks, ``"world:8"`` nodes of 8 (:func:`cpdata.layout.maps.layout_spec` with ``node_size=``); a
-world that is not a multiple of the node size is refused.
-
-Under this layout the default packers plan each pack as the world's per-rank bins (:mod:`cpdata.packing.world`,
-:mod:`cpdata.layout.world_plan`) and the deal replays that plan: documents of at most ``S / W`` tokens whole,
-longer ones over the fewest consecutive ranks of one node, nothing cut. For any other pack the
-deal (:mod:`cpdata.layout.world_deal`) keeps documents whole where it can (they receive no keys), spreads
-long ones over as few ranks as the predicted per-rank time allows (:mod:`cpdata.layout.world_cost`), on one
-node where they fit, and fills each rank to ``S / W`` positions with the pack's tail. The per-document CP
-degree comes out of the deal on the dataloader worker: no process group per size, no in-step collective, no
-host sync; the K/V exchange plan (:mod:`cpdata.layout.exchange`) moves exactly the keys the cut documents
-need, and :func:`cpdata.layout.world_keys.node_recv` splits what a rank receives into intra-node and inter-node keys.
-
-The tables (:func:`world_block`) have the run tables' verbs (``tables()``, ``row``, ``inverse``,
-``causal_work``), which is all the worker asks of a layout: a rank's row and the inverse map are one
+``cp_size`` is the world (DP folded in); the layout string carries the ranks per node (``"world:8"``,
+:func:`cpdata.layout.maps.layout_spec` with ``node_size=``; ``"world"`` is one node), passed by the caller:
+nothing here reads the environment, and a world that is not a multiple of the node size is refused. The deal
+(:mod:`cpdata.layout.world_deal`) runs on the dataloader worker, so the per-document CP degree costs no
+process group per size, no in-step collective and no host sync. :func:`world_block`'s tables have the run
+tables' verbs (``tables()``, ``row``, ``inverse``, ``causal_work``): a rank's row and the inverse map are one
 ``repeat`` and one add over the deal's runs.
 """
 

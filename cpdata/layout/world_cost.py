@@ -1,38 +1,18 @@
 """The physics the ``world`` deal weighs: predicted per-rank seconds of attention compute and K/V traffic.
 
-A rank's predicted time for one micro-batch is the slowest of three things that overlap (the exchange runs
-while the kernel computes the rank's own keys; intra-node and inter-node links are separate)::
+Compute and the two links overlap (the exchange runs while the kernel computes the rank's own keys)::
 
     seconds = max(tiles * per_tile_seconds,
                   intra_keys * bytes_per_key / intra_node_bytes_per_second,
                   inter_keys * bytes_per_key / inter_node_bytes_per_second)
 
-``tiles``: the rank's live ``tile x tile`` tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` /
-``inter_keys``: keys it receives from ranks of its own node / of other nodes
-(:func:`cpdata.layout.world_keys.node_recv`).
-
-Defaults (:data:`H100_DEFAULTS`), from published H100 SXM figures, for one transformer layer of a model with
-32 query heads, 8 K/V heads, head dim 128, bf16, forward and backward:
-
-- ``per_tile_seconds`` = 1.94e-6: a 128 x 128 tile costs ``4 * 128 * 128 * 128 * 32`` = 268 MFLOP forward and
-  2.5 x that backward; FlashAttention-3 reaches ~600 TFLOP/s forward and ~450 backward on H100 (its paper);
-- ``bytes_per_key`` = 8192: K and V (``2 * 8 * 128 * 2`` bytes) sent forward, their gradients sent back;
-- ``intra_node_bytes_per_second`` = 370e9: NVLink 4 all-to-all as NCCL measures it (~370 GB/s of the 450
-  GB/s per direction);
-- ``inter_node_bytes_per_second`` = 50e9: one 400 Gb/s NIC per GPU.
-
-A GPU measures better numbers: a *calibration file* replaces any of them (:meth:`WorldCost.from_json`). Its
-format, one JSON object::
-
-    {"per_tile_seconds": 2.1e-06,            # required: seconds per live tile, forward + backward, one layer
-     "intra_node_bytes_per_second": 3.6e11,  # required
-     "inter_node_bytes_per_second": 4.6e10,  # required
-     "bytes_per_key": 8192,                  # required: bytes one key moves, forward + backward, one layer
-     "tile": 128,                            # optional: the tile per_tile_seconds was measured at (128)
-     "source": "make gpu-check on 8x H200"}  # optional: free text
-
-Unknown keys are refused (a misspelt key would silently keep a default). Only ratios matter to the deal:
-``per_tile_seconds * intra_node_bytes_per_second / bytes_per_key`` is how many keys from the node cost one tile.
+``tiles``: live ``tile x tile`` tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` /
+``inter_keys``: keys received from the rank's own node / other nodes
+(:func:`cpdata.layout.world_keys.node_recv`). :data:`H100_DEFAULTS` come from published H100 SXM figures for
+one layer of 32 query heads, 8 K/V heads, head dim 128, bf16, forward and backward (their derivation:
+docs/layouts-and-kernels.md); a calibration file measured on a GPU replaces them (:meth:`WorldCost.from_json`:
+one JSON object with the four fields of ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are
+refused, a misspelt key would silently keep a default). Only ratios matter to the deal.
 """
 
 from __future__ import annotations

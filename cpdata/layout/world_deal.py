@@ -2,37 +2,24 @@
 
 Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
 
-0. *Plan*: a pack the world packer made (:mod:`cpdata.layout.world_plan`: the default packers under a
-   ``world`` layout) is dealt as it was planned, replayed from its slot lengths: documents of at most ``L``
-   tokens whole, longer ones over ``ceil(s / L)`` consecutive ranks of one node; nothing else is cut.
+0. *Plan*: a pack the world packer made is replayed from its slot lengths (:func:`~cpdata.layout.world_plan.
+   plan_runs`): documents of at most ``L`` tokens whole, longer ones over ``ceil(s / L)`` consecutive ranks
+   of one node; nothing else is cut.
 
-Any other pack (one whose documents do not fit the plan's bins) is dealt by steps 1-3. Documents are dealt
-whole where they can be; the per-document CP degree comes out of the deal:
+Any other pack is dealt by steps 1-3; the per-document CP degree comes out of the deal:
 
-1. *Spread* (long documents, longest first): a document longer than ``L``, or costing more tiles alone than
-   a rank's share (``share`` = the pack's tiles over ``W``), spreads over ``c`` ranks: the fewest for which
-   the predicted time of its busiest rank, ``max(tiles / c * per_tile, keys from its node / NVLink, keys
-   from other nodes / inter-node link)`` (:class:`~cpdata.layout.world_cost.WorldCost`; it receives the
-   other ``c - 1`` ranks' chunks, ``node_size - 1`` of them from its node), stays within the share's compute
-   time (else the ``c`` that predicts least), at least ``ceil(s / L)``. Its ``c`` ranks are the least loaded of one node
-   that has room (``c <= node_size``), else of the fewest nodes; it is cut into ``2c`` chunks and rank ``i``
-   of them takes chunks ``i`` and ``2c - 1 - i`` (TE THD's split: equal tokens, near-equal tiles; the rank
-   with the last chunk receives ``(c - 1) / c`` of it, as a ring does).
-2. *Whole* (the rest, costliest first): each document goes whole to the least loaded rank with room for it
-   (it receives no keys). One with no rank to hold it is cut over the least loaded ranks with room, the first
-   piece's node first (a later piece receives the earlier ones' keys): a full pack has no room to spare, so
-   the last few documents fill the ranks' remainders.
-3. *Pad*: the pack's tail fills every rank up to ``L`` (a pad block costs one diagonal tile).
+1. *Spread* (longest first): a document longer than ``L``, or costing more tiles alone than a rank's share
+   (the pack's tiles over ``W``), spreads over the fewest ``c >= ceil(s / L)`` ranks whose predicted busiest
+   time, ``max(tiles / c, keys over each link)`` (:class:`~cpdata.layout.world_cost.WorldCost`), stays within
+   the share (else the ``c`` predicting least): the least loaded ranks of one node when they fit, in TE
+   THD's ``2c`` chunks (rank ``i`` takes chunks ``i`` and ``2c - 1 - i``).
+2. *Whole* (costliest first): each document to the least loaded rank with room (it receives no keys); one
+   that no rank can hold is cut over the least loaded ranks with room, the first piece's node first.
+3. *Pad*: the tail fills every rank up to ``L`` (a pad block costs one diagonal tile).
 
-Steps 1-2 run for each of :data:`SPREAD_FRACTIONS` (which documents count as long) and the deal whose busiest
-rank is predicted least is kept.
-
-Loads are the tiles a stream-grid kernel is expected to pay for a document in a rank's local order
-(:func:`grid_tiles`); the measured tiles (:func:`cpdata.layout.tiles.exchange_tiles`) differ by where the
-documents fall on the block grid.
-
-Cost: a Python loop over the documents (heap operations, no numpy call per whole document); at 128K tokens
-and 32 ranks a few ms per pack (``cpdata bench --sections world`` measures the deal of planned packs, step 0).
+Steps 1-2 run for each of :data:`SPREAD_FRACTIONS` and the deal whose busiest rank is predicted least is
+kept. Loads are :func:`grid_tiles`, a stream-grid kernel's expected tiles; ``cpdata bench --sections world``
+measures the real ones (:func:`cpdata.layout.tiles.exchange_tiles`) and the cost of the deal.
 """
 
 from __future__ import annotations
@@ -51,12 +38,9 @@ MIN_SPREAD = 0.25
 """Documents shorter than this fraction of a rank's tokens are spread only when they cost more than a share."""
 
 SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
-"""The deal is tried spreading the documents that cost more than each of these fractions of a rank's share of
-tiles (step 1; below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens; distinct sets only)
-and the one whose busiest rank's load is least is kept: dense documents cut
-into pieces fit the ranks' rooms where whole ones would leave some ranks one document each (``cpdata bench
---sections world`` when its packs were filled to the token, before the world packer: 1.0 alone left ultrachat's busiest rank at 1.22 x the mean rank's tiles at 32 x 4K, the
-three 1.07; sft 1.26 -> 1.19)."""
+"""Step 1 is tried spreading the documents that cost more than each of these fractions of a rank's share of
+tiles (below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens); docs/benchmarks.md measures
+what the three buy over 1.0 alone."""
 
 
 def alone_tiles(length: int, tile: int) -> int:

@@ -1,25 +1,20 @@
 """The world plan: ``W`` per-rank bins of ``L = S / W`` tokens, shared by the world packer and the world deal.
 
-A world micro-batch is planned as ``W`` bins, one per rank, each holding at most ``L`` tokens:
-
 - a document of at most ``L`` tokens goes whole into the least loaded bin (predicted tiles,
-  :func:`~cpdata.layout.world_deal.grid_tiles`; ties: the lowest rank) with room for it: it receives no keys;
-- a longer one spans ``c = ceil(s / L)`` consecutive ranks (up to ``2c`` only when no ``c`` ranks have room for
-  its pieces), inside one node when ``c <= node_size`` (else over the fewest nodes), the window of ranks whose
-  summed load is least; it is cut into ``2c`` chunks and rank ``i`` of the ``c`` takes chunks ``i`` and
-  ``2c - 1 - i`` (TE THD's split: equal tokens, near-equal tiles).
+  :func:`grid_tiles`; ties: the lowest rank) with room for it: it receives no keys;
+- a longer one spans ``c = ceil(s / L)`` consecutive ranks (up to ``2c`` when no ``c`` ranks have room for its
+  pieces), inside one node when ``c <= node_size``, the window of ranks whose summed load is least, in TE
+  THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and ``2c - 1 - i``).
 
-Documents are placed longest first (ties: slot order). :class:`WorldBins` is the incremental form: the world
-packer (:class:`cpdata.packing.world.WorldPacker`) offers each piece of a window, longest first, to each open
-micro-batch's bins and keeps it where :meth:`WorldBins.place` succeeds. A placement depends only on the bins'
-state and the piece's length, so :func:`plan_runs` replaying a packed micro-batch's slots longest first puts
-every document where the packer did: the deal follows the packer's plan from the slot lengths alone (no
-side channel through the pipeline), and nothing is cut. Slots from another packer may not fit; then
-:func:`plan_runs` returns None and the deal cuts (:func:`~cpdata.layout.world_deal.world_runs`).
+Documents are placed longest first (ties: slot order), and a placement depends only on the bins' state and
+the piece's length: :func:`plan_runs` replaying a packed micro-batch's slots puts every document where the
+packer (:class:`cpdata.packing.world.WorldPacker`, through :class:`WorldBins`) did, from the slot lengths
+alone (no side channel through the pipeline). Slots from another packer may not fit: :func:`plan_runs`
+returns None and :func:`~cpdata.layout.world_deal.world_runs` cuts.
 
-Trade-off: bins balance tokens first (every rank at most ``L``) and tiles second (least loaded bin); a
-micro-batch of a few dense documents and many short ones can still leave one rank busier than the mean,
-which a deal free to cut would spread at the price of keys (``cpdata bench --sections world``).
+Trade-off: bins balance tokens first (every rank at most ``L``) and tiles second; a micro-batch of a few
+dense documents among many short ones can leave one rank busier than the mean (``cpdata bench --sections
+world``).
 """
 
 from __future__ import annotations

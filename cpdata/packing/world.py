@@ -1,25 +1,15 @@
 """The world packer: each pack is one world micro-batch planned as ``W`` per-rank bins of ``S / W`` tokens.
 
-Under a ``world`` layout (``"world"`` / ``"world:8"``, :mod:`cpdata.layout.world`) the decreasing packers
-(``bfd``, the default, and ``ffd``) pack with :class:`WorldPacker`: first-fit-decreasing over each window
-where a pack takes a piece only when the plan's bins (:class:`~cpdata.layout.world_plan.WorldBins`) have room
-for it whole (at most ``L = S / W`` tokens) or, for a longer piece, on ``ceil(s / L)`` consecutive ranks of
-one node. The deal (:func:`~cpdata.layout.world_deal.world_runs`) replays the same bins from the pack's slot
-lengths, longest first, so no document is cut to fill a rank and the short ones receive no keys; the price
-is packs that are not filled to the last token (pad is free in the layout half, and every rank keeps ``L``
-positions).
+Under a ``world`` layout the decreasing packers (``bfd``, the default, and ``ffd``) pack with
+:class:`WorldPacker`: first-fit-decreasing over each window, a pack taking a piece only when its bins
+(:class:`~cpdata.layout.world_plan.WorldBins`) hold it whole (at most ``L = S / W`` tokens) or, for a longer
+piece, on ``ceil(s / L)`` consecutive ranks of one node. The deal replays the bins from the slot lengths, so
+no document is cut to fill a rank; the price is packs not filled to the last token.
 
-Carry (``bfd``): at the end of a window the :data:`CARRY` emptiest packs with a quarter rank of room are not
-emitted: their pieces go back to the next window, packed again with its pieces (every pack is built in one
-pass, longest first, so the deal's replay finds every piece where the packer put it), unless they hold a piece
-:data:`MAX_AGE` windows' pieces old. Without the carry each window's last packs leave part-empty (20,000 sft
-documents at 16 x 8K, default window: 116 packs without, 103 with, ``ceil(tokens / capacity)`` = 102).
-``ffd`` emits every pack at the end of its window.
-
-Cost: a Python loop over the open packs per piece (packs whose emptiest rank cannot hold a short piece, or
-too few of whose ranks can hold a long piece's share, are skipped after one check), a heap over the ranks per
-short piece and a scan of rank windows per long one; a stream of long documents (many open packs, each tried
-for each long piece) costs the most per document.
+Carry (``bfd``): the :data:`CARRY` emptiest packs of a window with a quarter rank of room go back to the next
+window, packed again with its pieces, unless they hold a piece :data:`MAX_AGE` windows old (``ffd`` emits
+every pack). Cost: a loop over the open packs per piece, a heap over the ranks per short piece and a scan of
+rank windows per long one (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
