@@ -1,12 +1,8 @@
 """cpdata: context-parallel batch preparation on dataloader workers.
 
-Workers pack documents, lay them out for a CP backend and hand each CP rank
-only its own tokens plus the :class:`ShardLayout` that produced them; on the
-device, :class:`ContextParallelSharder` moves them and does the one
-differentiable gather.
-
-Attributes are imported lazily, so ``import cpdata.gather`` (model code) pulls
-in torch and nothing else, and spawned ranks start fast.
+Workers pack documents, lay them out for a CP backend and hand each CP rank only its tokens and their
+:class:`ShardLayout`; on the device :func:`gather_token_tensor` is the one differentiable gather. Attributes are
+imported lazily, so ``import cpdata.gather`` pulls in torch alone and spawned ranks start fast.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``cpdata`` command line: one subcommand per module, imported on demand.
 
-Each subcommand module exposes ``register(subparsers)``, which adds its parser
-and sets ``func(args) -> int`` as the handler. A handler raises ``ValueError``,
-``TypeError`` or ``OSError`` for bad input; :func:`main` prints it as
-``cpdata CMD: error: ...`` with the library's keyword arguments reworded as the
-command's flags (``overwrite=True`` -> ``--force``, ``overflow=`` ->
-``--overflow``) and returns 1.
+Each subcommand module's ``register(subparsers)`` adds its parser and sets ``func(args) -> int``. A
+``ValueError``, ``TypeError`` or ``OSError`` it raises is printed as ``cpdata CMD: error: ...`` with the
+library's keywords written as the command's flags (:func:`cli_wording`), and :func:`main` returns 1.
 """
 
 from __future__ import annotations
@@ -47,11 +44,10 @@ _API_TO_FLAG: dict[str, str] = {"overwrite": "force"}
 
 
 def cli_wording(message: str, flags: Sequence[str]) -> str:
-    """``message`` with the library's ``name=value`` keywords written as the command's flags.
+    """``message`` with the library's ``name=value`` keywords written as the command's flags (argument dests).
 
-    ``flags`` are the subcommand's argument dests (``cp_size`` for ``--cp-size``).
-    ``overwrite=True (--force)`` becomes ``--force``; ``capacity=30`` becomes
-    ``--capacity 30``; ``overflow= one of [...]`` becomes ``--overflow one of [...]``.
+    ``overwrite=True (--force)`` becomes ``--force``, ``capacity=30`` ``--capacity 30``, ``overflow= one of
+    [...]`` ``--overflow one of [...]``.
     """
     known = set(flags)
 
@@ -92,8 +88,7 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
 
 
 def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: Sequence[str]) -> None:
-    """A misspelt ``--flag`` is named with its close match before argparse would report a missing required
-    one instead (``--capcity 64`` read "--capacity is required"); as the API does for keyword arguments."""
+    """Name a misspelt ``--flag`` and its close match, before argparse reports a required one missing instead."""
     if selected is None:
         return
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

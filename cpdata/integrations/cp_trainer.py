@@ -1,50 +1,9 @@
 """What every CP trainer adds to a ``transformers.Trainer``: mesh, loader, loss, gradient scale, resume, logs.
 
-:class:`CPTrainerMixin` goes before the Trainer class in the bases
-(``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides eight methods:
-
-==============================  ===================================================================
-``get_train_dataloader``        this rank's :class:`~cpdata.nodes.dataloader.CPDataLoader`: a
-                                :class:`~cpdata.nodes.dataset.CPDataset` over ``train_dataset`` for
-                                ``(dp_rank, cp_rank)`` of the ``(dp, cp)`` mesh, resumed from the
-                                checkpoint's loader state
-``_get_num_items_in_batch``     targets of the step's micro-batches over the CP group (each
-                                batch's ``info["n_targets"]``, no collective) and the DP group
-                                when ``average_tokens_across_devices``: the divisor of every
-                                rank's loss
-``_prepare_inputs``             nothing: the batch stays a ``ShardedBatch`` until the sharder moves it
-``training_step``               Trainer's step inside the batch's CP attention context, backward
-                                included (activation checkpointing recomputes attention there)
-``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
-                                (the one place that picks the attention), loss x the gradient scale
-``log``                         adds ``cp_padding_pct``, ``cp_tiles_max_over_ideal``, ``cp_tokens_per_s``
-``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
-``train``                       a resume reads that loader state instead of Trainer's batch skipping
-==============================  ===================================================================
-
-Gradients. DDP (what accelerate wraps the model in when ``world > 1``)
-averages gradients over all ``W = dp * cp`` ranks. Each rank's loss is its
-local target sum over the count ``N`` above, multiplied by ``cp``
-(``average_tokens_across_devices=False``: ``N`` is the DP group's count) or by
-``W`` (``True``, transformers' default: ``N`` spans every rank, as Trainer
-itself scales). DDP's mean then yields the sum over CP ranks (the K/V gather's
-backward already sent each rank its share of every rank's loss, see
-:mod:`cpdata.adapters.loss`) and the mean over DP groups (or the global token
-mean), so cp N trains like cp 1 on the same packs. The loss Trainer logs is the
-mean over ranks of those scaled losses: the pack's mean loss.
-
-Resume. ``train(resume_from_checkpoint=...)`` restores the model, optimizer,
-scheduler and RNG as Trainer does; the data position comes from the loader
-state saved beside them, exactly, in O(1) for a planned source, never by
-re-reading and dropping batches (``ignore_data_skip`` is forced on for the
-call). The same world size, ``cp_size``, capacity, layout and
-``dataloader_num_workers`` are needed (the loader refuses others).
-
-Refused with ``ValueError`` (naming the option): no ``max_steps`` (the loader
-has no length), evaluation, label smoothing, ``compute_loss_func``, DeepSpeed
-and FSDP (untested here), accelerate's own context parallelism, ``nn.DataParallel``,
-a ``cp_size`` that does not divide the world size, and at cp > 1 a model not
-loaded with ``attn_implementation="sdpa"``.
+:class:`CPTrainerMixin` goes before the Trainer class in the bases (``class CPTrainer(CPTrainerMixin,
+Trainer)``). Each rank's loss is its target sum over the pack's target count times :func:`cp_loss_scale`, so
+DDP's mean trains like cp 1. A resume reads each rank's loader state (:data:`LOADER_STATE`) instead of
+skipping batches. docs/trainers.md lists what the trainers do and refuse.
 """
 
 from __future__ import annotations
@@ -105,13 +64,12 @@ def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, comp
 
 
 def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
-    """What each rank's loss is multiplied by so that DDP's mean over ``world_size`` ranks trains like cp 1.
+    """What each rank's loss is multiplied by so that DDP's mean over ``W = dp * cp`` ranks trains like cp 1.
 
-    Each rank's loss is its target sum over ``N``: the pack's count across its CP
-    group (``average_tokens_across_devices=False``), or across every rank (True).
-    DDP averages over all ``W = dp * cp`` ranks, so the scale is ``cp`` (the sum
-    over CP, then the mean over DP groups of their pack means) or ``W`` (the sum
-    over every rank: the global token mean). 1 on a single rank (no DDP).
+    The loss divides by the CP group's target count (``average_tokens_across_devices=False``: scale ``cp``,
+    DDP then sums over CP and averages the DP groups' pack means) or every rank's (True: scale ``W``, the
+    global token mean). The K/V gather's backward already sent each rank its share of every rank's loss
+    (:mod:`cpdata.adapters.loss`). 1 on a single rank (no DDP).
     """
     if world_size <= 1:
         return 1
@@ -119,20 +77,14 @@ def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: 
 
 
 class CPTrainerMixin:
-    """Context parallelism for a ``transformers.Trainer`` subclass (see the module docstring).
+    """Context parallelism for a ``transformers.Trainer`` subclass; keywords taken before the Trainer's own:
 
-    Keyword arguments taken before the Trainer's own:
+    - ``cp_size`` (``dp = world_size // cp_size``), ``capacity`` (tokens per pack), ``layout`` (a cpdata layout).
+    - ``plan``, ``data``, ``delivery``: :class:`~cpdata.nodes.dataset.CPDataset`'s option records. The trainer
+      sets ``data``'s DP rank and size from the mesh, and its ``seed`` (``args.data_seed`` or ``args.seed``),
+      ``vocab_size`` (the model's) and ``labels_alignment`` (``"inputs"``) where left at their defaults.
 
-    - ``cp_size``: ranks per CP group; ``dp = world_size // cp_size``.
-    - ``capacity``: tokens per pack (before CP sharding); a multiple of the layout's pack multiple.
-    - ``layout``: a cpdata layout (``"balanced"``, ``"thd"``, ``"round_robin"``, ``"contiguous"``).
-    - ``plan``, ``data``, ``delivery``: :class:`~cpdata.nodes.dataset.CPDataset`'s option records
-      (:mod:`cpdata.nodes.options`). The trainer fills ``data``'s DP rank and size from the mesh, and its
-      ``seed`` (``args.data_seed`` or ``args.seed``), ``vocab_size`` (the model's) and ``labels_alignment``
-      (``"inputs"``) where they are left at their defaults.
-
-    ``per_device_train_batch_size`` packs make one micro-batch (concatenated into one
-    stream, ``qkv_format="thd"``, when more than one).
+    ``per_device_train_batch_size`` packs make one micro-batch (one ``"thd"`` stream when more than one).
     """
 
     def __init__(

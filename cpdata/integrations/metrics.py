@@ -1,41 +1,25 @@
-"""What a CP trainer adds to each Trainer log line: padding, CP imbalance in kernel tiles and tokens per second.
+"""What a CP trainer adds to each Trainer log line, summed between two logs from each batch's host-side ``info``.
 
-Read from each batch's host-side ``info`` (Python ints, no device sync), summed
-between two log calls:
-
-==================  ===========================================================================
-``cp_padding_pct``  100 x (1 - real tokens / pack tokens) over the packs trained since the last log
-``cp_tiles_max_over_ideal``  the bench's attention imbalance (``cpdata bench --sections attention``,
-                    ``tiles_max_over_ideal``): per pack, the busiest CP rank's live 128 x 128 tiles of the
-                    document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, what flex and flash pay)
-                    over the pack's tiles at cp 1 divided by cp; mean over packs (1.0 = perfectly even)
-``cp_tokens_per_s`` real (non-pad) tokens trained per second, over every DP group
-                    (one all-reduce over the DP group per log when dp > 1)
-==================  ===========================================================================
-
-Every CP rank of a DP group sees the same packs, so the figures are the same on
-each of them. The tiles: each rank counts its own row's (one sort of its ``L``
-queries and of the pack's ``S`` for cp 1: ~1-3 ms of host time per 32K pack),
-and a log line takes the busiest per pack with one all-reduce (MAX) over the
-CP group.
+- ``cp_padding_pct``: 100 x (1 - real tokens / pack tokens).
+- ``cp_tiles_max_over_ideal``: the bench's attention imbalance; per pack, the busiest CP rank's live
+  ``TILE x TILE`` tiles of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`) over the pack's
+  tiles at cp 1 divided by cp, mean over packs (1.0 = even). One all-reduce (MAX) over the CP group per log.
+- ``cp_tokens_per_s``: real tokens per second over every DP group (one all-reduce per log when dp > 1).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpdata.layout.tiled import DEFAULT_TILE as TILE
 from cpdata.layout.tiles import live_tiles
 
 __all__ = ["TILE", "PackMetrics", "pack_tiles"]
-
-TILE = 128
-"""Tile edge of ``cp_tiles_max_over_ideal`` (flex attention's default block size; the bench's quick row)."""
 
 
 def pack_tiles(batch: Any, tile: int = TILE) -> tuple[float, float]:
@@ -63,16 +47,14 @@ class PackMetrics:
         self.dp_group, self.dp_size, self.device = dp_group, dp_size, torch.device(device)
         self.cp_group, self.cp_size = cp_group, cp_size
         self._since = time.perf_counter()
-        self._real = self._pack = self._packs = 0
+        self._real = self._pack = 0
         self._tiles: list[tuple[float, float]] = []
 
     def add(self, batch: Any) -> None:
-        """One trained batch (``ShardedBatch``: ``info["real_tokens"]``, ``info["pack_tokens"]``, its layout)."""
-        info: Mapping[str, Any] = batch.info
-        self._real += int(info["real_tokens"])
-        self._pack += int(info["pack_tokens"])
+        """One trained ``ShardedBatch`` (its ``info["real_tokens"]``, ``info["pack_tokens"]`` and layout)."""
+        self._real += int(batch.info["real_tokens"])
+        self._pack += int(batch.info["pack_tokens"])
         self._tiles.append(pack_tiles(batch))
-        self._packs += 1
 
     def drain(self) -> dict[str, float]:
         """The figures since the last drain (empty when no pack was trained); collective when dp > 1."""
@@ -84,13 +66,13 @@ class PackMetrics:
             dist.all_reduce(total, group=self.dp_group)
             real = total.item()
         out: dict[str, float] = {}
-        if self._packs:
+        if self._tiles:
             out = {
                 "cp_padding_pct": 100.0 * (1.0 - self._real / self._pack) if self._pack else 0.0,
                 "cp_tiles_max_over_ideal": self._tiles_over_ideal(),
                 "cp_tokens_per_s": real / elapsed if elapsed > 0 else 0.0,
             }
-        self._real = self._pack = self._packs = 0
+        self._real = self._pack = 0
         self._tiles = []
         return out
 

@@ -1,18 +1,9 @@
-"""Serve a plan directory written by ``cpdata precompute``.
-
-Use when packing a large dataset online would cost start-up time or planner
-memory on every rank, or when the same packs must be replayed exactly across
-jobs. ``cpdata precompute DATASET OUT --capacity ... --cp-size ... --layout ...``
-plans the whole dataset once; this pipeline reads that plan with O(1) seek
-(resume restores a pack index, not a replay) and fetches each pack's
-documents by index:
+"""Serve a plan directory written by ``cpdata precompute``: no packing on the ranks, exact replay across jobs.
 
     PrecomputedPacks -> Collate -> ShardForRank -> Prefetcher -> PinMemory (CUDA only) -> Loader
 
-Capacity, layout and ``cp_size`` come from the plan's manifest; a plan written
-for another ``cp_size`` or layout, or for other documents (sha256), is refused.
-With data parallelism DP rank ``d`` serves packs ``d, d + dp, ...`` of the one
-plan (every rank the same count).
+Capacity, layout and ``cp_size`` come from the plan's manifest; a plan for another ``cp_size``, layout or other
+documents (sha256) is refused. DP rank ``d`` serves packs ``d, d + dp, ...``; resume restores a pack index.
 """
 
 from __future__ import annotations
@@ -51,21 +42,9 @@ def build(
 ) -> Loader:
     """Loader over a precomputed plan for one CP rank.
 
-    Args:
-        plan_dir: the directory ``cpdata precompute`` wrote.
-        documents: the tokenized dataset the plan was computed over, or its
-            path (``.jsonl`` or a folder of ``.npy``; see
-            :func:`cpdata.sources.open.open_dataset`).
-        cp_size, cp_rank: must match the plan's ``cp_size``; this rank.
-        layout: checked against the plan's layout when given (None: the plan's).
-        dp_rank, dp_size: this rank's share of the packs.
-        batch_size, qkv_format: packs per batch; ``"bshd"`` rows or a ``"thd"`` stream.
-        padding_token_id: ``input_ids`` on pads.
-        prefetch: batches prepared ahead in a background thread (0: none).
-        pin_memory: pin batches (None: when CUDA is available).
-        labels_alignment: the documents' label convention (``"inputs"``: HF/TRL, the model shifts;
-            ``"targets"``: Megatron/NeMo next-token targets), needed when they carry labels or masks and must
-            equal the one the plan was precomputed with (a mismatch is refused, naming both).
+    ``documents``: the tokenized dataset the plan was computed over, or its path (:func:`cpdata.open_dataset`).
+    ``cp_size`` and ``layout`` (None: the plan's) must match the plan, as must ``labels_alignment`` when the
+    documents carry labels or masks. ``pin_memory`` None pins when CUDA is available; ``prefetch=0`` for none.
     """
     if not isinstance(documents, TokenizedDataset):
         if documents is None:

@@ -1,18 +1,10 @@
-"""Concatenated pretraining packs for torch ``context_parallel``.
+"""Concatenated pretraining packs for torch ``context_parallel`` with causal SDPA.
 
-Use for pretraining with ``torch.distributed.tensor.experimental.context_parallel``
-and causal SDPA. Documents are concatenated in order and cut at ``capacity``
-(``algorithm="concat"``): every pack is full except possibly the last, so
-padding is ~0; a document cut at a pack boundary continues in the next pack
-with its position ids continuing.
-
-Layout ``round_robin``: rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of the
-pack, the order torch's head-tail load balancer expects for ``is_causal``
-attention (causal work max/mean ~1.0 instead of ~(2cp-1)/cp for contiguous
-chunks). Shards are ``[batch_size, capacity / cp_size]`` BSHD. Causal SDPA
-attends across document boundaries inside a pack, as concatenated pretraining
-usually does; ``document_ids`` and the ``cu_seqlens`` metadata are there for a
-model that masks them.
+Documents are concatenated in order and cut at ``capacity`` (``algorithm="concat"``): padding ~0, a cut
+document continuing in the next pack with its positions. Layout ``round_robin`` gives rank ``r`` chunks ``r`` and
+``2cp-1-r``, torch's head-tail order for ``is_causal`` (causal work max/mean ~1.0 instead of ~(2cp-1)/cp for
+contiguous chunks). Causal SDPA attends across documents inside a pack, as concatenated pretraining usually
+does; ``document_ids`` and ``cu_seqlens`` are there for a model that masks them.
 """
 
 from __future__ import annotations
@@ -43,16 +35,8 @@ def build(
 ) -> Loader:
     """Loader of ``[batch_size, capacity / cp_size]`` round-robin shards for one CP rank.
 
-    Args:
-        source: documents ``{"input_ids": int [n]}`` (a sequence, iterable or node).
-        capacity: tokens per pack, a multiple of ``2 * cp_size``.
-        cp_size, cp_rank: the CP group and this rank in it.
-        dp_rank, dp_size: the data-parallel shard of ``source`` this group reads.
-        seed: packer seed (all CP ranks of a group must use the same).
-        batch_size: packs per batch (rows; the layout is the same for every row).
-        padding_token_id, vocab_size: pad id (only the final pack is padded);
-            ids are checked against ``vocab_size``.
-        prefetch: batches prepared ahead in a background thread.
+    ``source``: documents ``{"input_ids": int [n]}`` (a sequence, iterable or node); ``capacity`` a multiple of
+    ``2 * cp_size``. All CP ranks of a group use the same ``seed``; only the final pack is padded.
     """
     return build_loader(
         source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="round_robin", batch_size=batch_size,

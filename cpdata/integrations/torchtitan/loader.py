@@ -1,34 +1,16 @@
 """torchtitan's data seam fed by cpdata: one CP rank's packs as torchtitan ``(input_dict, labels)`` pairs.
 
-:class:`CPTitanLoader` is a torchtitan ``BaseDataLoader``: it opens the
-tokenized documents at ``--dataloader.dataset`` (:func:`cpdata.open_dataset`),
-and runs cpdata's pipeline for this rank's ``(dp, cp)`` coordinates
-(:class:`~cpdata.nodes.dataset.CPDataset` on a
-:class:`~cpdata.nodes.dataloader.CPDataLoader`). Each micro-batch is
-``training.local_batch_size`` packs of ``training.seq_len`` tokens,
-concatenated into one stream (``qkv_format="thd"``), already laid out and
-sharded: every tensor is this rank's ``L = local_batch_size * seq_len / cp``
-tokens as one row::
+:class:`CPTitanLoader` (a ``BaseDataLoader``) runs :class:`~cpdata.nodes.dataset.CPDataset` on a
+:class:`~cpdata.nodes.dataloader.CPDataLoader` for this rank's ``(dp, cp)`` coordinates over
+``--dataloader.dataset`` (:func:`cpdata.open_dataset`). A micro-batch is ``training.local_batch_size`` packs of
+``training.seq_len`` tokens in one ``"thd"`` stream, already sharded; every tensor is this rank's
+``L = local_batch_size * seq_len / cp`` tokens as one row::
 
     input_dict = {"input": int64 [1, L], "positions": int64 [1, L], BATCH_KEY: ShardedBatch}
     labels     = int64 [1, L]       (next-token targets, -100 at document ends and on pads)
 
-``positions`` are positions within each document (RoPE restarts per
-document); the :class:`~cpdata.worker.batch.ShardedBatch` rides along for the
-mask and the target count (:class:`~cpdata.integrations.torchtitan.trainer.CPTitanTrainer`
-takes it out before the model sees the dict). The documents are token ids
-already, so torchtitan's tokenizer is :class:`TokenIds` (no files).
-
-State: each rank saves its own loader state under its own key
-(``cpdata_dp{d}_cp{c}``: CP ranks of a DP group hold equal packs, but a key
-per rank keeps DCP from merging them) plus the ``(dp, cp)`` shape; a resume
-with another shape is refused. The CP coordinates come from the trainer's
-mesh (``CPTitanTrainer.init_distributed``); built by any other trainer the
-loader refuses to start.
-
-Refused by name: ``overflow="split"`` (a split document continues its
-positions into the next pack, past ``training.seq_len``, the length of
-torchtitan's RoPE cache), and any batch whose positions reach ``seq_len``.
+``positions`` restart per document (so does RoPE); the batch rides along for the mask and the target count.
+Each rank saves its loader state under its own key plus the ``(dp, cp)`` shape, which a resume must match.
 """
 
 from __future__ import annotations
@@ -86,13 +68,13 @@ class CPTitanLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         # dataset (inherited): the tokenized documents, any path cpdata.open_dataset reads
         layout: str = "tiled"
-        """A cpdata layout (cpdata.LAYOUTS): "tiled", "balanced", "round_robin", ..."""
+        """A cpdata layout (cpdata.LAYOUTS)."""
         kv_exchange: bool = False
         """Build each batch's K/V exchange plan and swap the attention's all-gather for cpdata's exchange."""
         overflow: str = "truncate"
-        """Documents longer than a pack: "truncate", "drop" or "error" ("split" is refused, see the module)."""
+        """Documents longer than a pack: "truncate", "drop" or "error" ("split" would run past seq_len)."""
         algorithm: str | None = None
-        """cpdata packer (None: its default)."""
+        """cpdata packer (None: the default)."""
         shuffle: bool = False
         seed: int = 0
         num_workers: int = 0

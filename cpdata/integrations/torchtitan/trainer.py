@@ -1,43 +1,12 @@
 """``CPTitanTrainer``: torchtitan's ``Trainer`` training on cpdata's per-rank batches and layouts.
 
-Five overrides, each the seam torchtitan offers for it:
-
-==============================  ==================================================================
-``init_distributed``            torchtitan's mesh, then the checks below, and this rank's CP
-                                coordinates handed to the loader config (built later by
-                                torchtitan with ``dp_rank``/``dp_world_size`` only)
-``batch_generator``             records each micro-batch's ``info["n_targets"]`` (every CP rank's
-                                targets of the pack, counted on the worker)
-``train_step``                  starts each step's record afresh (torchtitan fetches all of a
-                                step's micro-batches before its first forward)
-``post_dataloading_process``    no torchtitan CP sharding (the batch is this rank's shard already):
-                                ``positions`` as given, the mask from the layout
-                                (:func:`~cpdata.integrations.torchtitan.masks.batch_attention_mask`)
-``forward_backward_step``       the loss divisor is the step's target count: the micro-batches'
-                                ``n_targets`` summed, over the DP group (one all-reduce per step)
-==============================  ==================================================================
-
-Loss and gradients. torchtitan divides each rank's summed token loss by the
-divisor it is given and sums gradients over the FSDP mesh (DP x CP,
-gradient divide factor 1). With the pack's target count as the divisor the
-CP ranks' losses add up to the pack's mean loss, and the K/V collective's
-backward hands each rank its keys' share of every rank's loss: cp N trains
-like cp 1 on the same packs (the tests compare loss and gradient norm). The
-logged ``loss`` is that mean; torchtitan's ``max_loss`` divides by its own
-local label count and is only indicative here.
-
-With ``--dataloader.kv_exchange`` the attention's all-gather is swapped for
-cpdata's exchange (:func:`~cpdata.integrations.torchtitan.masks.install_exchange_attention`)
-after torchtitan has built and parallelized the model.
-
-Resume is torchtitan's checkpointer (``--checkpoint.enable``): model,
-optimizer, scheduler, step and the loader state of every rank
-(:class:`~cpdata.integrations.torchtitan.loader.CPTitanLoader`).
-
-Refused with ``ValueError`` naming the setting: pipeline or tensor
-parallelism, CUDA graphs, a ``parallelism.spmd_backend`` other than ``partial_dtensor``,
-an inner attention other than torchtitan's ``FlexAttention``, the validator,
-and a dataloader other than :class:`CPTitanLoader`.
+Overrides, each torchtitan's seam for it: ``init_distributed`` hands this rank's CP coordinates to the loader
+config; ``post_dataloading_process`` skips torchtitan's CP sharding (the batch is this rank's shard) and builds
+the mask from the layout; ``batch_generator``, ``train_step`` and ``forward_backward_step`` make the loss divisor
+the step's target count (the micro-batches' ``info["n_targets"]``, summed over DP). The CP ranks' losses then add
+up to the pack's mean loss and the K/V collective's backward hands each rank its keys' share, so cp N trains like
+cp 1. torchtitan's ``max_loss`` divides by its own local label count and is only indicative. docs/torchtitan.md
+lists what it refuses.
 """
 
 from __future__ import annotations
