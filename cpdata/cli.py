@@ -39,9 +39,6 @@ typical use:
 
 Run `cpdata COMMAND --help` for a command's options. In Python: `from cpdata import build_loader`."""
 
-_API_TO_FLAG: dict[str, str] = {"overwrite": "force"}
-"""Library keyword -> CLI flag (dest) where the names differ."""
-
 
 def cli_wording(message: str, flags: Sequence[str]) -> str:
     """``message`` with the library's ``name=value`` keywords written as the command's flags (argument dests).
@@ -50,19 +47,14 @@ def cli_wording(message: str, flags: Sequence[str]) -> str:
     [...]`` ``--overflow one of [...]``.
     """
     known = set(flags)
-
-    def flag(dest: str) -> str:
-        return "--" + dest.replace("_", "-")
-
-    for api, dest in _API_TO_FLAG.items():
-        if dest in known:
-            message = re.sub(rf"\b{api}=True(?: \({re.escape(flag(dest))}\))?", flag(dest), message)
+    if "force" in known:  # the library's overwrite=True is the commands' --force
+        message = re.sub(r"\boverwrite=True(?: \(--force\))?", "--force", message)
 
     def reword(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2)
         if name not in known:
             return m.group(0)
-        return flag(name) + (f" {value}" if value else "")
+        return "--" + name.replace("_", "-") + (f" {value}" if value else "")
 
     return re.sub(r"(?<![^\s(])([a-z][a-z0-9_]*)=(\S*)", reword, message)
 

@@ -37,30 +37,27 @@ _DATA_DEFAULTS = DataPolicy()
 def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, compute_loss_func: Any = None) -> None:
     """Refuse the Trainer settings a CP trainer cannot honour; one ``ValueError`` lists every one found."""
     problems = []
-    if getattr(args, "max_steps", -1) is None or args.max_steps <= 0:
+    if args.max_steps is None or args.max_steps <= 0:
         problems.append(
             f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
             "set TrainingArguments(max_steps=N)"
         )
-    strategy = getattr(args, "eval_strategy", "no")
-    if eval_dataset is not None or getattr(strategy, "value", strategy) != "no":
+    if eval_dataset is not None or args.eval_strategy != "no":
         problems.append("evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a "
                         "plain Trainer on the saved model")  # fmt: skip
-    if getattr(args, "label_smoothing_factor", 0) > 0:
+    if args.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's "
                         "token cross-entropy over the pack's target count")  # fmt: skip
     if compute_loss_func is not None:
         problems.append("compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the "
                         "pack's target count); subclass and override compute_loss instead")  # fmt: skip
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+    if args.deepspeed or args.fsdp:
         problems.append("deepspeed / fsdp: the CP trainers are tested with DDP only")
-    config = getattr(args, "parallelism_config", None)
-    if config is not None and getattr(config, "cp_enabled", False):
+    if args.parallelism_config is not None and args.parallelism_config.cp_enabled:
         problems.append("parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention "
                         "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
     if problems:
         raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
-
 
 
 def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
@@ -117,7 +114,6 @@ class CPTrainerMixin:
         super().__init__(*args, **kwargs)
         self._cp_setup()
 
-    # -- set-up -------------------------------------------------------------------------------------
     def _cp_setup(self) -> None:
         from transformers import Trainer, __version__
 
@@ -144,19 +140,18 @@ class CPTrainerMixin:
         self.dp_size = world // self.cp_size
         self.cp_mesh = None
         self.dp_rank = self.cp_rank = 0
-        dp_group = None
+        cp_group = dp_group = None
         if world > 1:
             device_type = "cuda" if args.device.type == "cuda" else "cpu"
             self.cp_mesh = init_device_mesh(device_type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
-            self.dp_rank = self.cp_mesh["dp"].get_local_rank()
-            self.cp_rank = self.cp_mesh["cp"].get_local_rank()
-            dp_group = self.cp_mesh["dp"].get_group()
-        self._cp_groups = (self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None, dp_group)
+            self.dp_rank, self.cp_rank = self.cp_mesh["dp"].get_local_rank(), self.cp_mesh["cp"].get_local_rank()
+            cp_group, dp_group = self.cp_mesh["cp"].get_group(), self.cp_mesh["dp"].get_group()
+        self._cp_groups = (cp_group, dp_group)
         self._cp_loss_scale = cp_loss_scale(world, self.cp_size, bool(args.average_tokens_across_devices))
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
         self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
                                         self.model)  # fmt: skip
-        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=self._cp_groups[0],
+        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=cp_group,
                                        cp_size=self.cp_size)  # fmt: skip
 
     def _cp_padding_token_id(self) -> int:
@@ -184,7 +179,6 @@ class CPTrainerMixin:
             "plan": self.cp_plan, "data": data, "delivery": self.cp_delivery,
         }  # fmt: skip
 
-    # -- data ---------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> CPDataLoader:
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
@@ -226,7 +220,6 @@ class CPTrainerMixin:
             dist.all_reduce(total, group=dp_group)
         return total
 
-    # -- loss ---------------------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """Trainer's step inside the batch's CP attention context, backward included: activation
         checkpointing (TRL's default) recomputes attention during backward, which must gather K/V too."""
@@ -256,7 +249,6 @@ class CPTrainerMixin:
             self._cp_metrics.add(inputs)
         return (loss, outputs) if return_outputs else loss
 
-    # -- logs, checkpoints, resume -------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log line (every rank logs at the same steps)
             logs = {**logs, **self._cp_metrics.drain()}

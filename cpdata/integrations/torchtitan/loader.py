@@ -29,13 +29,12 @@ from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.sources.open import open_dataset
-from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.keys import INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
+from cpdata.worker.keys import INPUT_IDS, LABELS, POSITION_IDS
 
 __all__ = ["BATCH_KEY", "CPTitanLoader", "TokenIds"]
 
 BATCH_KEY = "cpdata_batch"
-"""The ``input_dict`` key of the :class:`ShardedBatch` (not a tensor: torchtitan leaves it on the host)."""
+"""The ``input_dict`` key of the ``ShardedBatch`` (not a tensor: torchtitan leaves it on the host)."""
 
 
 class TokenIds(BaseTokenizer):
@@ -109,10 +108,8 @@ class CPTitanLoader(BaseDataLoader):
         if not config.dataset:
             raise ValueError("--dataloader.dataset is empty: give the path of tokenized documents "
                              "(anything cpdata.open_dataset reads: .jsonl, a token store, .npy folder, ...)")  # fmt: skip
-        self.seq_len = seq_len
-        self.dp_rank, self.dp_size = dp_rank, dp_world_size
+        self.seq_len, self.dp_size = seq_len, dp_world_size
         self.cp_rank, self.cp_size = config.cp_rank, config.cp_degree
-        self.verify_layout = config.verify_layout
         stream = StreamPlan(overflow=config.overflow) if config.algorithm is None else StreamPlan(
             overflow=config.overflow, algorithm=config.algorithm)  # fmt: skip
         data = DataPolicy(dp_rank=dp_rank, dp_size=dp_world_size, shuffle=config.shuffle, seed=config.seed,
@@ -125,23 +122,17 @@ class CPTitanLoader(BaseDataLoader):
         self._key = f"cpdata_dp{dp_rank}_cp{self.cp_rank}"
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        """``(input_dict, labels)`` per batch, every tensor ``[1, L]`` (see the module docstring)."""
         for batch in self._loader:
-            yield self.titan_pair(batch)
-
-    def titan_pair(self, batch: ShardedBatch) -> tuple[dict[str, Any], torch.Tensor]:
-        """``(input_dict, labels)`` of one batch, every tensor ``[1, L]`` (see the module docstring)."""
-        if N_TARGETS not in batch.info:
-            raise ValueError(f"batch.info has no {N_TARGETS!r}: the loss divides by the pack's target count, "
-                             "which cpdata's workers record; feed batches straight from CPDataset")  # fmt: skip
-        positions = batch[POSITION_IDS].reshape(1, -1)
-        top = int(positions.max()) if positions.numel() else 0
-        if top >= self.seq_len:
-            raise ValueError(
-                f"a batch holds position {top}, past training.seq_len={self.seq_len} (torchtitan's RoPE cache "
-                "has seq_len positions); use --dataloader.overflow truncate or drop, or raise training.seq_len"
-            )
-        inputs = {"input": batch[INPUT_IDS].reshape(1, -1), "positions": positions, BATCH_KEY: batch}
-        return inputs, batch[LABELS].reshape(1, -1)
+            positions = batch[POSITION_IDS].reshape(1, -1)
+            top = int(positions.max()) if positions.numel() else 0
+            if top >= self.seq_len:
+                raise ValueError(
+                    f"a batch holds position {top}, past training.seq_len={self.seq_len} (torchtitan's RoPE cache "
+                    "has seq_len positions); use --dataloader.overflow truncate or drop, or raise training.seq_len"
+                )
+            inputs = {"input": batch[INPUT_IDS].reshape(1, -1), "positions": positions, BATCH_KEY: batch}
+            yield inputs, batch[LABELS].reshape(1, -1)
 
     def state_dict(self) -> dict[str, Any]:
         return {self._key: pickle.dumps(self._loader.state_dict()), "dp_size": self.dp_size, "cp_size": self.cp_size}

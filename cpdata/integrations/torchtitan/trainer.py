@@ -31,7 +31,7 @@ __all__ = ["CPTitanTrainer"]
 
 
 class CPTitanTrainer(Trainer):
-    """torchtitan's ``Trainer`` on cpdata batches (see the module docstring). Build it from ``CPTitanTrainer.Config``."""
+    """torchtitan's ``Trainer`` on cpdata batches (see the module docstring), built from its ``Config``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -49,7 +49,6 @@ class CPTitanTrainer(Trainer):
             for model in self.model_parts:
                 install_exchange_attention(model)
 
-    # -- mesh -------------------------------------------------------------------------------------------
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
         if parallel_dims.pp_enabled or parallel_dims.tp_enabled:
@@ -63,7 +62,6 @@ class CPTitanTrainer(Trainer):
         loader.cp_rank = parallel_dims.get_mesh("cp").get_local_rank() if parallel_dims.cp_enabled else 0
         return parallel_dims
 
-    # -- data -------------------------------------------------------------------------------------------
     def batch_generator(self, data_iterable: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> Iterator[Any]:
         for input_dict, labels in super().batch_generator(data_iterable):
             self._step_targets.append(int(input_dict[BATCH_KEY].info[N_TARGETS]))
@@ -85,21 +83,16 @@ class CPTitanTrainer(Trainer):
         self.ntokens_seen += labels.numel()
         return input_dict["input"], labels, {"positions": input_dict["positions"], "attention_masks": mask}
 
-    # -- loss -------------------------------------------------------------------------------------------
-    def step_divisor(self) -> torch.Tensor:
-        """The step's target count: every micro-batch's ``n_targets`` (all CP ranks), summed over DP."""
-        if self._step_divisor is None:
-            total = torch.tensor(sum(self._step_targets), dtype=torch.int64, device=self.device)
-            if self.parallel_dims.dp_enabled:
-                dist.all_reduce(total, group=self.parallel_dims.get_mesh("batch").get_group())
-            self._step_divisor = total
-        return self._step_divisor
-
     def forward_backward_step(
         self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
+        """torchtitan's step over the step's target count: every micro-batch's ``n_targets``, summed over DP."""
+        if self._step_divisor is None:
+            self._step_divisor = torch.tensor(sum(self._step_targets), dtype=torch.int64, device=self.device)
+            if self.parallel_dims.dp_enabled:
+                dist.all_reduce(self._step_divisor, group=self.parallel_dims.get_mesh("batch").get_group())
         return super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                             global_valid_tokens=self.step_divisor())  # fmt: skip
+                                             global_valid_tokens=self._step_divisor)  # fmt: skip
 
 
 def _check_config(config: Trainer.Config) -> None:
