@@ -57,7 +57,7 @@ class PackMetrics:
         self._tiles.append(pack_tiles(batch))
 
     def drain(self) -> dict[str, float]:
-        """The figures since the last drain (empty when no pack was trained); collective when dp > 1."""
+        """The figures since the last drain (empty when no pack was trained); collective when dp or cp > 1."""
         now = time.perf_counter()
         elapsed, self._since = now - self._since, now
         real = float(self._real)
@@ -67,19 +67,14 @@ class PackMetrics:
             real = total.item()
         out: dict[str, float] = {}
         if self._tiles:
+            tiles = torch.tensor(self._tiles, dtype=torch.float64, device=self.device)  # [packs, (mine, ideal)]
+            if self.cp_size > 1 and dist.is_available() and dist.is_initialized():  # every rank's ideal is equal
+                dist.all_reduce(tiles, op=dist.ReduceOp.MAX, group=self.cp_group)
             out = {
                 "cp_padding_pct": 100.0 * (1.0 - self._real / self._pack) if self._pack else 0.0,
-                "cp_tiles_max_over_ideal": self._tiles_over_ideal(),
+                "cp_tiles_max_over_ideal": (tiles[:, 0] / tiles[:, 1].clamp_min(1e-12)).mean().item(),
                 "cp_tokens_per_s": real / elapsed if elapsed > 0 else 0.0,
             }
         self._real = self._pack = 0
         self._tiles = []
         return out
-
-    def _tiles_over_ideal(self) -> float:
-        """Mean over packs of the busiest CP rank's tiles over the ideal (one all-reduce over the CP group)."""
-        mine = torch.tensor([t for t, _ in self._tiles], dtype=torch.float64, device=self.device)
-        if self.cp_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.cp_group)
-        ideal = torch.tensor([i for _, i in self._tiles], dtype=torch.float64, device=self.device)
-        return (mine / ideal.clamp_min(1e-12)).mean().item()

@@ -1,11 +1,5 @@
 """``CPSFTTrainer``: TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)``, packed and CP-sharded by cpdata.
 
-::
-
-    config = SFTConfig(output_dir="out", packing=True, max_length=4096, assistant_only_loss=True, max_steps=1000)
-    trainer = CPSFTTrainer(model=model, args=config, train_dataset=chats, processing_class=tokenizer,
-                           cp_size=2, layout="balanced")   # capacity defaults to max_length
-
 TRL prepares the rows as always (chat template, ``assistant_masks``, ``completion_mask``, ``labels``) but does not
 pack: cpdata packs them (``"bfd"``: TRL truncates, cpdata packs best-fit-decreasing; ``"bfd_split"``: no
 truncation, cpdata ``overflow="split"``), reading TRL's input-aligned ``labels`` with

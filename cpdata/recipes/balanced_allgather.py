@@ -1,9 +1,6 @@
-"""Balanced packs for all-gather attention with a document mask (flex-attention CP, ``examples/cp_model.py``).
+"""Balanced packs (best-fit-decreasing, long documents split) for all-gather attention with a document mask.
 
-Best-fit-decreasing packing (padding within ~0.05 pp of the lower bound); documents longer than ``capacity``
-are split, their position ids continuing (``overflow="split"``). Layout ``balanced`` cuts every document
-head-tail across the CP ranks without per-document padding: causal work max/mean ~1.00, against ~1.5 for
-``contiguous`` on long documents. Any layout of :data:`cpdata.LAYOUTS` works with all-gather attention.
+Feeds flex-attention CP or ``examples/cp_model.py``; why ``balanced`` is in docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ def build(
     vocab_size: int | None = None,
     prefetch: int = 2,
 ) -> Loader:
-    """Loader of ``[1, capacity / cp_size]`` BSHD shards for one CP rank.
-
-    ``source``: documents ``{"input_ids": int [n], ...}`` (a sequence, iterable or node); ``capacity`` a
-    multiple of the layout's pack multiple. All CP ranks of a group use the same ``seed``; ``prefetch`` batches
-    are prepared ahead in a thread.
-    """
+    """Loader of ``[1, capacity / cp_size]`` BSHD shards of ``source`` (``{"input_ids": int [n], ...}``
+    documents) for one CP rank; every CP rank of a group passes the same ``seed``."""
     return build_loader(
         source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, batch_size=1, qkv_format="bshd",
         padding_token_id=padding_token_id, plan=StreamPlan(algorithm="bfd", overflow=overflow),

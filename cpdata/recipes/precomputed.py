@@ -1,9 +1,8 @@
-"""Serve a plan directory written by ``cpdata precompute``: no packing on the ranks, exact replay across jobs.
+"""Serve a plan directory written by ``cpdata precompute`` (docs/recipes.md)::
 
     PrecomputedPacks -> Collate -> ShardForRank -> Prefetcher -> PinMemory (CUDA only) -> Loader
 
-Capacity, layout and ``cp_size`` come from the plan's manifest; a plan for another ``cp_size``, layout or other
-documents (sha256) is refused. DP rank ``d`` serves packs ``d, d + dp, ...``; resume restores a pack index.
+Capacity, layout and ``cp_size`` come from the plan's manifest.
 """
 
 from __future__ import annotations
@@ -40,12 +39,8 @@ def build(
     pin_memory: bool | None = None,
     labels_alignment: LabelsAlignment | None = None,
 ) -> Loader:
-    """Loader over a precomputed plan for one CP rank.
-
-    ``documents``: the tokenized dataset the plan was computed over, or its path (:func:`cpdata.open_dataset`).
-    ``cp_size`` and ``layout`` (None: the plan's) must match the plan, as must ``labels_alignment`` when the
-    documents carry labels or masks. ``pin_memory`` None pins when CUDA is available; ``prefetch=0`` for none.
-    """
+    """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
+    over; ``cp_size``, ``layout`` (None: the plan's) and ``labels_alignment`` must match the plan's."""
     if not isinstance(documents, TokenizedDataset):
         if documents is None:
             raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "

@@ -1,10 +1,6 @@
-"""Concatenated pretraining packs for torch ``context_parallel`` with causal SDPA.
+"""Concatenated pretraining packs (padding ~0) in ``round_robin`` layout for torch ``context_parallel``.
 
-Documents are concatenated in order and cut at ``capacity`` (``algorithm="concat"``): padding ~0, a cut
-document continuing in the next pack with its positions. Layout ``round_robin`` gives rank ``r`` chunks ``r`` and
-``2cp-1-r``, torch's head-tail order for ``is_causal`` (causal work max/mean ~1.0 instead of ~(2cp-1)/cp for
-contiguous chunks). Causal SDPA attends across documents inside a pack, as concatenated pretraining usually
-does; ``document_ids`` and ``cu_seqlens`` are there for a model that masks them.
+Causal SDPA attends across documents inside a pack; the trade-offs are in docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ def build(
     vocab_size: int | None = None,
     prefetch: int = 2,
 ) -> Loader:
-    """Loader of ``[batch_size, capacity / cp_size]`` round-robin shards for one CP rank.
-
-    ``source``: documents ``{"input_ids": int [n]}`` (a sequence, iterable or node); ``capacity`` a multiple of
-    ``2 * cp_size``. All CP ranks of a group use the same ``seed``; only the final pack is padded.
-    """
+    """Loader of ``[batch_size, capacity / cp_size]`` round-robin shards of ``source`` (``{"input_ids": int
+    [n]}`` documents) for one CP rank; every CP rank of a group passes the same ``seed``."""
     return build_loader(
         source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout="round_robin", batch_size=batch_size,
         qkv_format="bshd", padding_token_id=padding_token_id, plan=StreamPlan(algorithm="concat"),

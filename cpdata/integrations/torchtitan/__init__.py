@@ -1,12 +1,6 @@
 """torchtitan on cpdata's per-rank batches and layouts (``pip install torchtitan==0.3.0``; docs/torchtitan.md).
 
-::
-
-    torchrun --nproc-per-node 2 -m torchtitan.train \\
-        --module cpdata.integrations.torchtitan --config cpdata_llama3_debugmodel \\
-        --dataloader.dataset docs.jsonl --dataloader.layout tiled [--dataloader.kv_exchange] \\
-        --parallelism.context_parallel_degree 2
-
+``torchrun ... -m torchtitan.train --module cpdata.integrations.torchtitan --config cpdata_llama3_debugmodel``.
 ``loader``: ``CPTitanLoader`` and ``TokenIds``; ``masks``: the flex ``BlockMask`` and the K/V exchange swap;
 ``trainer``: ``CPTitanTrainer``; ``config_registry``: configs for ``--config``. Importing this imports torchtitan.
 """

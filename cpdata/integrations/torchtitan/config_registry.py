@@ -17,11 +17,8 @@ __all__ = ["cpdata_config", "cpdata_llama3_debugmodel"]
 
 
 def cpdata_config(base: Trainer.Config, loader: CPTitanLoader.Config | None = None) -> CPTitanTrainer.Config:
-    """``base`` as a :class:`CPTitanTrainer` config reading cpdata batches (``loader``, default options).
-
-    Also sets what cpdata needs: ``spmd_backend="partial_dtensor"``, the validator and CUDA graphs off (a graph
-    would replay the first batch's mask) and :class:`TokenIds` of the model's vocabulary as the tokenizer.
-    """
+    """``base`` as a :class:`CPTitanTrainer` config reading cpdata batches (``loader``), with what cpdata needs:
+    ``spmd_backend="partial_dtensor"``, no validator, no CUDA graphs, :class:`TokenIds` as the tokenizer."""
     values = {f.name: getattr(base, f.name) for f in fields(base)}
     values["dataloader"] = loader if loader is not None else CPTitanLoader.Config()
     values["tokenizer"] = TokenIds.Config(vocab_size=int(base.model_spec.model.vocab_size))
