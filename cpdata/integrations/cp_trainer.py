@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.errors import check_int
+from cpdata.adapters.loss import global_target_count
+from cpdata.errors import check_int, is_int
 from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.options import DataPolicy, Delivery, PlanChoice, StreamPlan, check_records
-from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
+from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args", "cp_loss_scale"]
 
@@ -209,13 +210,10 @@ class CPTrainerMixin:
             return None
         recorded = [getattr(batch, "info", {}).get(N_TARGETS) for batch in batch_samples]
         cp_group, dp_group = self._cp_groups
-        if all(type(n) is int for n in recorded):  # the worker counted every CP rank's targets
+        if all(is_int(n) for n in recorded):  # the worker counted every CP rank's targets
             total = torch.tensor(sum(recorded), dtype=torch.int64, device=device)
-        else:
-            count = sum(int(batch[LABELS].ne(IGNORE_INDEX).sum()) for batch in batch_samples)
-            total = torch.tensor(count, dtype=torch.int64, device=device)
-            if self.cp_size > 1:
-                dist.all_reduce(total, group=cp_group)
+        else:  # labels replaced since: count them over the CP group
+            total = sum(global_target_count(b, cp_group, labels=b[LABELS].to(device)) for b in batch_samples)
         if self.dp_size > 1 and self.args.average_tokens_across_devices:
             dist.all_reduce(total, group=dp_group)
         return total
