@@ -59,7 +59,8 @@ def cli_wording(message: str, flags: Sequence[str]) -> str:
     return re.sub(r"(?<![^\s(])([a-z][a-z0-9_]*)=(\S*)", reword, message)
 
 
-def _parser(selected: str | None) -> argparse.ArgumentParser:
+def _parser(selected: str | None) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The parser and its subcommands, with only ``selected``'s module imported (None: every one)."""
     from cpdata import __version__
 
     parser = argparse.ArgumentParser(
@@ -76,15 +77,11 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
             getattr(importlib.import_module(module), function or "register")(sub)
         else:
             sub.add_parser(name, help=f"see `cpdata {name} --help`")
-    return parser
+    return parser, sub
 
 
-def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: Sequence[str]) -> None:
+def _check_options(sub: argparse.ArgumentParser, selected: str, argv: Sequence[str]) -> None:
     """Name a misspelt ``--flag`` and its close match, before argparse reports a required one missing instead."""
-    if selected is None:
-        return
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub = commands.choices[selected]
     known = sorted(s for s in sub._option_string_actions if s.startswith("--"))
     for arg in argv:
         if arg == "--":
@@ -100,11 +97,12 @@ def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if a in _SUBCOMMANDS), None)
-    parser = _parser(selected)
-    _check_options(parser, selected, argv)
+    parser, commands = _parser(selected)
+    if selected is not None:
+        _check_options(commands.choices[selected], selected, argv)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
-        _parser(None).print_help()
+        _parser(None)[0].print_help()
         return 2
     try:
         return int(args.func(args) or 0)
