@@ -1,10 +1,7 @@
 """The one place that chooses how the CP trainers run a Hugging Face model's attention on one rank's shard.
 
-The model's own ``attn_implementation`` decides; the rest of :mod:`cpdata.integrations` calls
-:class:`CPModelInputs`. At cp > 1 it is ``"cpdata"`` (:func:`cpdata.adapters.register_hf_attention`: each layer
-moves K/V in one collective and honours its own window, softcap and sinks; no ctx) or ``"sdpa"`` (inside the
-sharder's ctx, whose SDPA override gathers K/V; the ``[1, 1, L, cp*L]`` mask rules out flash kernels). At cp = 1
-the model keeps its own attention and no ctx is entered (docs/trainers.md).
+The model's own ``attn_implementation`` decides: at cp > 1 ``"cpdata"`` (no ctx; each layer moves its K/V) or
+``"sdpa"`` (inside the sharder's ctx, which gathers K/V); at cp = 1 its own, no ctx (docs/trainers.md).
 """
 
 from __future__ import annotations

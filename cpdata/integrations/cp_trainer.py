@@ -1,9 +1,7 @@
 """What every CP trainer adds to a ``transformers.Trainer``: mesh, loader, loss, gradient scale, resume, logs.
 
 :class:`CPTrainerMixin` goes before the Trainer class in the bases (``class CPTrainer(CPTrainerMixin,
-Trainer)``). Each rank's loss is its target sum over the pack's target count times :func:`cp_loss_scale`, so
-DDP's mean trains like cp 1. A resume reads each rank's loader state (:data:`LOADER_STATE`) instead of
-skipping batches. docs/trainers.md lists what the trainers do and refuse.
+Trainer)``); docs/trainers.md lists what the trainers do and refuse.
 """
 
 from __future__ import annotations
@@ -62,27 +60,19 @@ def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, comp
 
 
 def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
-    """What each rank's loss is multiplied by so that DDP's mean over ``W = dp * cp`` ranks trains like cp 1.
-
-    The loss divides by the CP group's target count (``average_tokens_across_devices=False``: scale ``cp``,
-    DDP then sums over CP and averages the DP groups' pack means) or every rank's (True: scale ``W``, the
-    global token mean). The K/V gather's backward already sent each rank its share of every rank's loss
-    (:mod:`cpdata.adapters.loss`). 1 on a single rank (no DDP).
-    """
+    """What each rank's loss is multiplied by so that DDP's mean over ``W = dp * cp`` ranks trains like cp 1:
+    ``cp`` when the loss divides by the CP group's target count (``average_tokens_across_devices=False``),
+    ``W`` when by every rank's (the global token mean), 1 on a single rank."""
     if world_size <= 1:
         return 1
     return world_size if average_tokens_across_devices else cp_size
 
 
 class CPTrainerMixin:
-    """Context parallelism for a ``transformers.Trainer`` subclass; keywords taken before the Trainer's own:
-
-    - ``cp_size`` (``dp = world_size // cp_size``), ``capacity`` (tokens per pack), ``layout`` (a cpdata layout).
-    - ``plan``, ``data``, ``delivery``: :class:`~cpdata.nodes.dataset.CPDataset`'s option records. The trainer
-      sets ``data``'s DP rank and size from the mesh, and its ``seed`` (``args.data_seed`` or ``args.seed``),
-      ``vocab_size`` (the model's) and ``labels_alignment`` (``"inputs"``) where left at their defaults.
-
-    ``per_device_train_batch_size`` packs make one micro-batch (one ``"thd"`` stream when more than one).
+    """Context parallelism for a ``transformers.Trainer`` subclass: ``cp_size``, ``capacity`` (tokens per
+    pack), ``layout`` and :class:`~cpdata.nodes.dataset.CPDataset`'s records, whose DP rank and size come from
+    the mesh (and ``seed``, ``vocab_size``, ``labels_alignment`` from the Trainer where left at their
+    defaults). A micro-batch is ``per_device_train_batch_size`` packs (one ``"thd"`` stream if several).
     """
 
     def __init__(

@@ -1,10 +1,5 @@
-"""What a CP trainer adds to each Trainer log line, summed between two logs from each batch's host-side ``info``.
-
-- ``cp_padding_pct``: 100 x (1 - real tokens / pack tokens).
-- ``cp_tiles_max_over_ideal``: the bench's attention imbalance; per pack, the busiest CP rank's live
-  ``TILE x TILE`` tiles of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`) over the pack's
-  tiles at cp 1 divided by cp, mean over packs (1.0 = even). One all-reduce (MAX) over the CP group per log.
-- ``cp_tokens_per_s``: real tokens per second over every DP group (one all-reduce per log when dp > 1).
+"""What a CP trainer adds to each Trainer log line (``cp_padding_pct``, ``cp_tiles_max_over_ideal``,
+``cp_tokens_per_s``; docs/trainers.md), summed between two logs from each batch's host-side ``info``.
 """
 
 from __future__ import annotations

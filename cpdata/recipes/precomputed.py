@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from torchdata.nodes import BaseNode, Loader, Prefetcher
+from torchdata.nodes import BaseNode, Prefetcher
 
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import ResumableLoader
@@ -38,7 +38,7 @@ def build(
     prefetch: int = 2,
     pin_memory: bool | None = None,
     labels_alignment: LabelsAlignment | None = None,
-) -> Loader:
+) -> ResumableLoader:
     """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
     over; ``cp_size``, ``layout`` (None: the plan's) and ``labels_alignment`` must match the plan's."""
     if not isinstance(documents, TokenizedDataset):

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchdata.nodes import Loader
-
-from cpdata.nodes.loader import build_loader
+from cpdata.nodes.loader import ResumableLoader, build_loader
 from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 
 __all__ = ["build"]
@@ -28,7 +26,7 @@ def build(
     padding_token_id: int = 0,
     vocab_size: int | None = None,
     prefetch: int = 2,
-) -> Loader:
+) -> ResumableLoader:
     """Loader of ``[batch_size, capacity / cp_size]`` round-robin shards of ``source`` (``{"input_ids": int
     [n]}`` documents) for one CP rank; every CP rank of a group passes the same ``seed``."""
     return build_loader(

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchdata.nodes import Loader
-
-from cpdata.nodes.loader import build_loader
+from cpdata.nodes.loader import ResumableLoader, build_loader
 from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 
 __all__ = ["build"]
@@ -32,7 +30,7 @@ def build(
     vocab_size: int | None = None,
     prefetch: int = 2,
     labels_alignment: str | None = None,
-) -> Loader:
+) -> ResumableLoader:
     """Loader of flat THD shards ``[batch_size * capacity / cp_size]`` of ``source`` (``{"input_ids": int [n],
     "labels"?: int [n], "loss_mask"?: [n]}`` examples; ``labels_alignment`` is needed with labels or a mask)."""
     return build_loader(

@@ -1,8 +1,5 @@
-"""Configs for ``torchtitan --module cpdata.integrations.torchtitan --config NAME`` (torchtitan's registry seam).
-
-torchtitan imports ``<module>.config_registry`` and calls the function named by ``--config``; every CLI flag
-then overrides its result.
-"""
+"""Configs for ``torchtitan --module cpdata.integrations.torchtitan --config NAME``: torchtitan imports
+``<module>.config_registry`` and calls the function named by ``--config``; CLI flags override its result."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The attention torchtitan runs on a cpdata batch: masks in the key order its kernel receives, and the K/V swap.
 
-torchtitan's flex attention (``q/k/v [B, L, N, H]``) takes a ``BlockMask`` of ``L`` local queries. Under CP its
-all-gather delivers keys in rank order, so key ``j`` sits at global position ``argsort(gather_index)[j]``; the
-mask is cpdata's document-causal predicate (:mod:`cpdata.device.attention_masks`) at each key's global position.
-With ``kv_exchange=True``, :func:`install_exchange_attention` makes each ``FlexAttention`` fetch only the keys its
-documents reach (:func:`cpdata.device.kv_exchange.move_keys_values`) and mask over own + received keys; the
-layout reaches the layers inside :class:`ExchangeMask`. One mask per batch, shared by every layer.
+The ``BlockMask`` of ``L`` local queries is cpdata's document-causal predicate
+(:mod:`cpdata.device.attention_masks`) at each key's global position: rank order under torchtitan's
+all-gather, own + received keys under cpdata's exchange (:func:`install_exchange_attention`). One mask per
+batch, shared by every layer (docs/torchtitan.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``CPTitanTrainer``: torchtitan's ``Trainer`` training on cpdata's per-rank batches and layouts.
 
-Overrides, each torchtitan's seam for it: ``init_distributed`` hands this rank's CP coordinates to the loader
-config; ``post_dataloading_process`` skips torchtitan's CP sharding (the batch is this rank's shard) and builds
-the mask from the layout; ``batch_generator``, ``train_step`` and ``forward_backward_step`` make the loss divisor
-the step's target count (the micro-batches' ``info["n_targets"]``, summed over DP). The CP ranks' losses then add
-up to the pack's mean loss and the K/V collective's backward hands each rank its keys' share, so cp N trains like
-cp 1. torchtitan's ``max_loss`` divides by its own local label count and is only indicative. docs/torchtitan.md
-lists what it refuses.
+Each override is torchtitan's seam for it: the mesh's CP coordinates go to the loader config, the batch (this
+rank's shard already) gets its mask from the layout, and the loss divisor is the step's target count, so cp N
+trains like cp 1 (docs/torchtitan.md). torchtitan's ``max_loss`` divides by its own label count (indicative).
 """
 
 from __future__ import annotations
