@@ -39,12 +39,9 @@ def is_int(value: object) -> bool:
 
 
 def check_int(name: str, value: object, *, min: int | None = None, fix: str = "") -> int:
-    """``int(value)`` after checking it is an integer ``>= min``; the errors name ``name``, the value, the bound
-    and ``fix`` (appended: ``"; use 1 for a single run"``).
-
-    Raises :class:`NotAnIntError` for another type (``"capacity must be an int >= 1, got float 2.0"``) and
-    ``ValueError`` below ``min`` (``"capacity must be an int >= 1, got 0"``).
-    """
+    """``int(value)`` after checking it is an integer ``>= min``: :class:`NotAnIntError` for another type
+    (``"capacity must be an int >= 1, got float 2.0"``), ``ValueError`` below ``min`` (``"..., got 0"``);
+    ``fix`` is appended to either message (``"; use 1 for a single run"``)."""
     bound = "" if min is None else f" >= {min}"
     if not is_int(value):
         raise NotAnIntError(f"{name} must be an int{bound}, got {type(value).__name__} {value!r}{fix}")

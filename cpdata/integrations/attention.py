@@ -45,12 +45,9 @@ def check_attention(config: Any, cp_size: int) -> None:
 
 
 class CPModelInputs:
-    """``(context, model kwargs)`` for one :class:`~cpdata.worker.batch.ShardedBatch` on this rank.
-
-    ``mesh`` is the ``(dp, cp)`` device mesh (None in a single process); ``config`` the model or its config,
-    whose sliding windows and layer types the masks follow. Each call is one host-to-device copy of the batch's
-    buffer and, at cp > 1, the ctx factory of that batch (the sharder is made from the first batch).
-    """
+    """``(context, model kwargs)`` for one :class:`~cpdata.worker.batch.ShardedBatch` on this rank: one
+    host-to-device copy of its buffer. ``mesh`` is the ``(dp, cp)`` mesh (None in a single process);
+    ``config`` the model or its config, whose sliding windows and layer types the masks follow."""
 
     def __init__(self, mesh: Any, device: torch.device, attn_implementation: str, config: Any) -> None:
         self.mesh = mesh

@@ -1,8 +1,7 @@
 """``CPTrainer``: a ``transformers.Trainer`` that trains with context parallelism on cpdata's packs.
 
-``CPTrainer(model=..., args=TrainingArguments(max_steps=N, ...), train_dataset=tokenized, cp_size=2,
-capacity=4096)``, launched with ``torchrun`` (docs/trainers.md). ``train_dataset`` is anything
-:class:`~cpdata.nodes.dataset.CPDataset` reads; there is no ``data_collator``.
+``CPTrainer(model=..., args=TrainingArguments(max_steps=N), train_dataset=docs, cp_size=2, capacity=4096)``
+under ``torchrun`` (docs/trainers.md); ``train_dataset`` is anything ``CPDataset`` reads.
 """
 
 from __future__ import annotations

@@ -18,11 +18,8 @@ __all__ = ["TILE", "PackMetrics", "pack_tiles"]
 
 
 def pack_tiles(batch: Any, tile: int = TILE) -> tuple[float, float]:
-    """``(this rank's live tiles, the pack's tiles at cp 1 / cp)`` of a :class:`~cpdata.worker.batch.ShardedBatch`.
-
-    Queries: this rank's row (``layout.local_token_global_indices``) in local order; keys: the stream's
-    ``S = padded_seq_len`` positions, documents from ``cu_seqlens_padded`` (the tail joins the last slot).
-    """
+    """``(this rank's live tiles, the pack's tiles at cp 1 / cp)`` of a ``ShardedBatch``: its row's queries
+    over the ``padded_seq_len`` keys, documents from ``cu_seqlens_padded``."""
     layout = batch.layout
     if layout.cp_size == 1:  # one rank holds the pack: even by definition
         return 1.0, 1.0

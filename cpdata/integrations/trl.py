@@ -1,9 +1,8 @@
 """``CPSFTTrainer``: TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)``, packed and CP-sharded by cpdata.
 
-TRL prepares the rows as always (chat template, ``assistant_masks``, ``completion_mask``, ``labels``) but does not
-pack: cpdata packs them (``"bfd"``: TRL truncates, cpdata packs best-fit-decreasing; ``"bfd_split"``: no
-truncation, cpdata ``overflow="split"``), reading TRL's input-aligned ``labels`` with
-``labels_alignment="inputs"``. The settings it refuses are in docs/trainers.md.
+TRL prepares the rows as always (chat template, masks, ``labels``) but does not pack: cpdata packs them
+(``packing_strategy`` ``"bfd"`` or ``"bfd_split"``: docs/trainers.md says what each does, what is refused),
+reading TRL's input-aligned ``labels`` with ``labels_alignment="inputs"``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Serve a plan directory written by ``cpdata precompute`` (docs/recipes.md)::
+"""Serve a plan written by ``cpdata precompute``, with its manifest's capacity, layout and ``cp_size``::
 
     PrecomputedPacks -> Collate -> ShardForRank -> Prefetcher -> PinMemory (CUDA only) -> Loader
-
-Capacity, layout and ``cp_size`` come from the plan's manifest.
 """
 
 from __future__ import annotations

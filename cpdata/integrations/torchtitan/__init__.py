@@ -15,13 +15,6 @@ from cpdata.integrations.torchtitan.masks import (
 from cpdata.integrations.torchtitan.trainer import CPTitanTrainer
 
 __all__ = [
-    "BATCH_KEY",
-    "CPTitanLoader",
-    "CPTitanTrainer",
-    "ExchangeMask",
-    "TokenIds",
-    "batch_attention_mask",
-    "cpdata_config",
-    "cpdata_llama3_debugmodel",
-    "install_exchange_attention",
-]
+    "BATCH_KEY", "CPTitanLoader", "CPTitanTrainer", "ExchangeMask", "TokenIds", "batch_attention_mask",
+    "cpdata_config", "cpdata_llama3_debugmodel", "install_exchange_attention",
+]  # fmt: skip

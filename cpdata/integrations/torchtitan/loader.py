@@ -9,8 +9,8 @@
     input_dict = {"input": int64 [1, L], "positions": int64 [1, L], BATCH_KEY: ShardedBatch}
     labels     = int64 [1, L]       (next-token targets, -100 at document ends and on pads)
 
-``positions`` restart per document (so does RoPE); the batch rides along for the mask and the target count.
-Each rank saves its loader state under its own key plus the ``(dp, cp)`` shape, which a resume must match.
+``positions`` restart per document; the batch rides along for the mask and the target count. Each rank saves
+its loader state under its own key with the ``(dp, cp)`` shape, which a resume must match.
 """
 
 from __future__ import annotations
