@@ -1,12 +1,8 @@
 """cpdata: context-parallel batch preparation on dataloader workers.
 
-Workers pack documents, lay them out for a CP backend and hand each CP rank
-only its own tokens plus the :class:`ShardLayout` that produced them; on the
-device, :class:`ContextParallelSharder` moves them and does the one
-differentiable gather.
-
-Attributes are imported lazily, so ``import cpdata.gather`` (model code) pulls
-in torch and nothing else, and spawned ranks start fast.
+Workers pack documents, lay them out for a CP backend and hand each CP rank only its tokens and their
+:class:`ShardLayout`; on the device :func:`gather_token_tensor` is the one differentiable gather. Attributes are
+imported lazily, so ``import cpdata.gather`` pulls in torch alone and spawned ranks start fast.
 """
 
 from __future__ import annotations
@@ -14,58 +10,41 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS: dict[str, str] = {
-    "CPDataLoader": "cpdata.nodes.dataloader",
-    "CPDataset": "cpdata.nodes.dataset",
-    "Collate": "cpdata.nodes.collate",
-    "CollatedPack": "cpdata.worker.collated",
-    "ContextParallelAttention": "cpdata.device.cp_attention",
-    "ContextParallelSharder": "cpdata.nemo.sharder",
-    "CostModel": "cpdata.schedule",
-    "DataPolicy": "cpdata.nodes.options",
-    "Delivery": "cpdata.nodes.options",
-    "DocPiece": "cpdata.worker.plan",
-    "Document": "cpdata.worker.plan",
-    "Documents": "cpdata.nodes.source",
-    "LAYOUTS": "cpdata.layout.maps",
-    "Mix": "cpdata.nodes.mix",
-    "Pack": "cpdata.nodes.pack",
-    "PackPlan": "cpdata.worker.plan",
-    "PackingResult": "cpdata.packing",
-    "PackingStats": "cpdata.packing",
-    "PrecomputedDataset": "cpdata.offline.precomputed_dataset",
-    "PrecomputedPacks": "cpdata.offline.reader",
-    "Schedule": "cpdata.schedule",
-    "SchedulePlan": "cpdata.nodes.options",
-    "ShardForRank": "cpdata.nodes.shard",
-    "ShardLayout": "cpdata.layout.shard_layout",
-    "ShardedBatch": "cpdata.worker.batch",
-    "StreamPlan": "cpdata.nodes.options",
-    "Tokenize": "cpdata.nodes.tokenize",
-    "TokenizedDataset": "cpdata.sources.base",
-    "alignment": "cpdata.layout.maps",
-    "all_ranks_have_batch": "cpdata.device.consistency",
-    "build_loader": "cpdata.nodes.loader",
-    "build_node": "cpdata.nodes.loader",
-    "close_loader": "cpdata.nodes.loader",
-    "closing_loader": "cpdata.nodes.loader",
-    "collate_pack": "cpdata.worker.collate",
-    "collate_rank": "cpdata.worker.collate",
-    "exchange_tokens": "cpdata.device.kv_exchange",
-    "exchanged_key_positions": "cpdata.device.kv_exchange",
-    "exit_with_parent": "cpdata.nodes.orphans",
-    "gather_token_tensor": "cpdata.gather",
-    "inverse_indices": "cpdata.layout.maps",
-    "keep_heap": "cpdata.nodes.heap",
-    "maybe_pin": "cpdata.nodes.pin",
-    "mix": "cpdata.nodes.mix",
-    "open_dataset": "cpdata.sources.open",
-    "plan_lengths": "cpdata.packing",
-    "plan_schedule": "cpdata.schedule",
-    "precompute": "cpdata.offline.precompute_plan",
-    "rank_indices": "cpdata.layout.maps",
-    "verify_layout_consistency": "cpdata.device.consistency",
+_HOMES: dict[str, tuple[str, ...]] = {
+    "cpdata.device.consistency": ("all_ranks_have_batch", "verify_layout_consistency"),
+    "cpdata.device.cp_attention": ("ContextParallelAttention",),
+    "cpdata.device.kv_exchange": ("exchange_tokens", "exchanged_key_positions"),
+    "cpdata.gather": ("gather_token_tensor",),
+    "cpdata.layout.maps": ("LAYOUTS", "alignment", "inverse_indices", "rank_indices"),
+    "cpdata.layout.shard_layout": ("ShardLayout",),
+    "cpdata.nemo.sharder": ("ContextParallelSharder",),
+    "cpdata.nodes.collate": ("Collate",),
+    "cpdata.nodes.dataloader": ("CPDataLoader",),
+    "cpdata.nodes.dataset": ("CPDataset",),
+    "cpdata.nodes.heap": ("keep_heap",),
+    "cpdata.nodes.loader": ("build_loader", "build_node", "close_loader", "closing_loader"),
+    "cpdata.nodes.mix": ("Mix", "mix"),
+    "cpdata.nodes.options": ("DataPolicy", "Delivery", "SchedulePlan", "StreamPlan"),
+    "cpdata.nodes.orphans": ("exit_with_parent",),
+    "cpdata.nodes.pack": ("Pack",),
+    "cpdata.nodes.pin": ("maybe_pin",),
+    "cpdata.nodes.shard": ("ShardForRank",),
+    "cpdata.nodes.source": ("Documents",),
+    "cpdata.nodes.tokenize": ("Tokenize",),
+    "cpdata.offline.precompute_plan": ("precompute",),
+    "cpdata.offline.precomputed_dataset": ("PrecomputedDataset",),
+    "cpdata.offline.reader": ("PrecomputedPacks",),
+    "cpdata.packing": ("PackingResult", "PackingStats", "plan_lengths"),
+    "cpdata.schedule": ("CostModel", "Schedule", "plan_schedule"),
+    "cpdata.sources.base": ("TokenizedDataset",),
+    "cpdata.sources.open": ("open_dataset",),
+    "cpdata.worker.batch": ("ShardedBatch",),
+    "cpdata.worker.collate": ("collate_pack", "collate_rank"),
+    "cpdata.worker.collated": ("CollatedPack",),
+    "cpdata.worker.plan": ("DocPiece", "Document", "PackPlan"),
 }
+"""Module -> the public names it is the home of."""
+_EXPORTS: dict[str, str] = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.3.0"

@@ -1,11 +1,8 @@
 """``cpdata`` command line: one subcommand per module, imported on demand.
 
-Each subcommand module exposes ``register(subparsers)``, which adds its parser
-and sets ``func(args) -> int`` as the handler. A handler raises ``ValueError``,
-``TypeError`` or ``OSError`` for bad input; :func:`main` prints it as
-``cpdata CMD: error: ...`` with the library's keyword arguments reworded as the
-command's flags (``overwrite=True`` -> ``--force``, ``overflow=`` ->
-``--overflow``) and returns 1.
+Each subcommand module's ``register(subparsers)`` adds its parser and sets ``func(args) -> int``. A
+``ValueError``, ``TypeError`` or ``OSError`` it raises is printed as ``cpdata CMD: error: ...`` with the
+library's keywords written as the command's flags (:func:`cli_wording`), and :func:`main` returns 1.
 """
 
 from __future__ import annotations
@@ -42,36 +39,28 @@ typical use:
 
 Run `cpdata COMMAND --help` for a command's options. In Python: `from cpdata import build_loader`."""
 
-_API_TO_FLAG: dict[str, str] = {"overwrite": "force"}
-"""Library keyword -> CLI flag (dest) where the names differ."""
-
 
 def cli_wording(message: str, flags: Sequence[str]) -> str:
-    """``message`` with the library's ``name=value`` keywords written as the command's flags.
+    """``message`` with the library's ``name=value`` keywords written as the command's flags (argument dests).
 
-    ``flags`` are the subcommand's argument dests (``cp_size`` for ``--cp-size``).
-    ``overwrite=True (--force)`` becomes ``--force``; ``capacity=30`` becomes
-    ``--capacity 30``; ``overflow= one of [...]`` becomes ``--overflow one of [...]``.
+    ``overwrite=True (--force)`` becomes ``--force``, ``capacity=30`` ``--capacity 30``, ``overflow= one of
+    [...]`` ``--overflow one of [...]``.
     """
     known = set(flags)
-
-    def flag(dest: str) -> str:
-        return "--" + dest.replace("_", "-")
-
-    for api, dest in _API_TO_FLAG.items():
-        if dest in known:
-            message = re.sub(rf"\b{api}=True(?: \({re.escape(flag(dest))}\))?", flag(dest), message)
+    if "force" in known:  # the library's overwrite=True is the commands' --force
+        message = re.sub(r"\boverwrite=True(?: \(--force\))?", "--force", message)
 
     def reword(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2)
         if name not in known:
             return m.group(0)
-        return flag(name) + (f" {value}" if value else "")
+        return "--" + name.replace("_", "-") + (f" {value}" if value else "")
 
     return re.sub(r"(?<![^\s(])([a-z][a-z0-9_]*)=(\S*)", reword, message)
 
 
-def _parser(selected: str | None) -> argparse.ArgumentParser:
+def _parser(selected: str | None) -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The parser and its subcommands, with only ``selected``'s module imported (None: every one)."""
     from cpdata import __version__
 
     parser = argparse.ArgumentParser(
@@ -88,16 +77,11 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
             getattr(importlib.import_module(module), function or "register")(sub)
         else:
             sub.add_parser(name, help=f"see `cpdata {name} --help`")
-    return parser
+    return parser, sub
 
 
-def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: Sequence[str]) -> None:
-    """A misspelt ``--flag`` is named with its close match before argparse would report a missing required
-    one instead (``--capcity 64`` read "--capacity is required"); as the API does for keyword arguments."""
-    if selected is None:
-        return
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub = commands.choices[selected]
+def _check_options(sub: argparse.ArgumentParser, selected: str, argv: Sequence[str]) -> None:
+    """Name a misspelt ``--flag`` and its close match, before argparse reports a required one missing instead."""
     known = sorted(s for s in sub._option_string_actions if s.startswith("--"))
     for arg in argv:
         if arg == "--":
@@ -113,11 +97,12 @@ def _check_options(parser: argparse.ArgumentParser, selected: str | None, argv: 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if a in _SUBCOMMANDS), None)
-    parser = _parser(selected)
-    _check_options(parser, selected, argv)
+    parser, commands = _parser(selected)
+    if selected is not None:
+        _check_options(commands.choices[selected], selected, argv)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
-        _parser(None).print_help()
+        _parser(None)[0].print_help()
         return 2
     try:
         return int(args.func(args) or 0)

@@ -1,14 +1,7 @@
-"""Exception types that are both what Python or NeMo Automodel raises and what cpdata promises (``ValueError``).
+"""Exceptions that are both what Python or NeMo Automodel raises and the ``ValueError`` cpdata promises.
 
-Code written against NeMo's sharder catches ``KeyError`` (a THD batch without
-``seq_lens``) and ``NotImplementedError`` (token verbs of a data-dependent
-layout before the first shard, ``trim=True`` with nothing to trim to); code
-written against cpdata catches ``ValueError``. These subclasses satisfy both.
-
-Also here, the one check of integer arguments (:func:`check_int`,
-:func:`is_int`): a Python or numpy integer, never a ``bool``. A value of
-another type raises :class:`NotAnIntError`, a ``TypeError`` that is also the
-``ValueError`` cpdata promises for any bad argument.
+Code written against NeMo's sharder catches ``KeyError`` or ``NotImplementedError``, code written against cpdata
+``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`.
 """
 
 from __future__ import annotations
@@ -46,18 +39,9 @@ def is_int(value: object) -> bool:
 
 
 def check_int(name: str, value: object, *, min: int | None = None, fix: str = "") -> int:
-    """``int(value)`` after checking it; the errors name the argument, its value, the bound and ``fix``.
-
-    Args:
-        name: the argument as the caller spells it (``"capacity"``).
-        value: what was passed.
-        min: the smallest value allowed; None for no bound.
-        fix: appended to the message (``"; use 1 for a single run"``).
-
-    Raises:
-        NotAnIntError: ``value`` is not an integer (``"capacity must be an int >= 1, got float 2.0"``).
-        ValueError: ``value < min`` (``"capacity must be an int >= 1, got 0"``).
-    """
+    """``int(value)`` after checking it is an integer ``>= min``: :class:`NotAnIntError` for another type
+    (``"capacity must be an int >= 1, got float 2.0"``), ``ValueError`` below ``min`` (``"..., got 0"``);
+    ``fix`` is appended to either message (``"; use 1 for a single run"``)."""
     bound = "" if min is None else f" >= {min}"
     if not is_int(value):
         raise NotAnIntError(f"{name} must be an int{bound}, got {type(value).__name__} {value!r}{fix}")

@@ -59,6 +59,10 @@ def run_trainer(rank: int, world: int, out: str, resume: str | None = None) -> d
     class Counting(CPTrainer):
         def _get_num_items_in_batch(self, batch_samples, device):
             total = super()._get_num_items_in_batch(batch_samples, device)
+            # labels replaced after the workers counted them: the trainer counts them itself (over CP)
+            relabelled = [b.replace(labels=b["labels"].clone()) for b in batch_samples]
+            assert all("n_targets" not in b.info for b in relabelled)
+            assert int(super()._get_num_items_in_batch(relabelled, device)) == int(total)
             counts.append(int(total))
             return total
 

@@ -1,50 +1,7 @@
 """What every CP trainer adds to a ``transformers.Trainer``: mesh, loader, loss, gradient scale, resume, logs.
 
-:class:`CPTrainerMixin` goes before the Trainer class in the bases
-(``class CPTrainer(CPTrainerMixin, Trainer)``) and overrides eight methods:
-
-==============================  ===================================================================
-``get_train_dataloader``        this rank's :class:`~cpdata.nodes.dataloader.CPDataLoader`: a
-                                :class:`~cpdata.nodes.dataset.CPDataset` over ``train_dataset`` for
-                                ``(dp_rank, cp_rank)`` of the ``(dp, cp)`` mesh, resumed from the
-                                checkpoint's loader state
-``_get_num_items_in_batch``     targets of the step's micro-batches over the CP group (each
-                                batch's ``info["n_targets"]``, no collective) and the DP group
-                                when ``average_tokens_across_devices``: the divisor of every
-                                rank's loss
-``_prepare_inputs``             nothing: the batch stays a ``ShardedBatch`` until the sharder moves it
-``training_step``               Trainer's step inside the batch's CP attention context, backward
-                                included (activation checkpointing recomputes attention there)
-``compute_loss``                the forward on the kwargs of :class:`~cpdata.integrations.attention.CPModelInputs`
-                                (the one place that picks the attention), loss x the gradient scale
-``log``                         adds ``cp_padding_pct``, ``cp_tiles_max_over_ideal``, ``cp_tokens_per_s``
-``_save_checkpoint``            also writes ``cpdata_loader_rank{r}.pt`` (every rank its own)
-``train``                       a resume reads that loader state instead of Trainer's batch skipping
-==============================  ===================================================================
-
-Gradients. DDP (what accelerate wraps the model in when ``world > 1``)
-averages gradients over all ``W = dp * cp`` ranks. Each rank's loss is its
-local target sum over the count ``N`` above, multiplied by ``cp``
-(``average_tokens_across_devices=False``: ``N`` is the DP group's count) or by
-``W`` (``True``, transformers' default: ``N`` spans every rank, as Trainer
-itself scales). DDP's mean then yields the sum over CP ranks (the K/V gather's
-backward already sent each rank its share of every rank's loss, see
-:mod:`cpdata.adapters.loss`) and the mean over DP groups (or the global token
-mean), so cp N trains like cp 1 on the same packs. The loss Trainer logs is the
-mean over ranks of those scaled losses: the pack's mean loss.
-
-Resume. ``train(resume_from_checkpoint=...)`` restores the model, optimizer,
-scheduler and RNG as Trainer does; the data position comes from the loader
-state saved beside them, exactly, in O(1) for a planned source, never by
-re-reading and dropping batches (``ignore_data_skip`` is forced on for the
-call). The same world size, ``cp_size``, capacity, layout and
-``dataloader_num_workers`` are needed (the loader refuses others).
-
-Refused with ``ValueError`` (naming the option): no ``max_steps`` (the loader
-has no length), evaluation, label smoothing, ``compute_loss_func``, DeepSpeed
-and FSDP (untested here), accelerate's own context parallelism, ``nn.DataParallel``,
-a ``cp_size`` that does not divide the world size, and at cp > 1 a model not
-loaded with ``attn_implementation="sdpa"``.
+:class:`CPTrainerMixin` goes before the Trainer class in the bases (``class CPTrainer(CPTrainerMixin,
+Trainer)``); docs/trainers.md lists what the trainers do and refuse.
 """
 
 from __future__ import annotations
@@ -57,13 +14,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from cpdata.errors import check_int
+from cpdata.adapters.loss import global_target_count
+from cpdata.errors import check_int, is_int
 from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.options import DataPolicy, Delivery, PlanChoice, StreamPlan, check_records
-from cpdata.worker.keys import IGNORE_INDEX, LABELS, N_TARGETS
+from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["LOADER_STATE", "CPTrainerMixin", "check_training_args", "cp_loss_scale"]
 
@@ -78,61 +36,43 @@ _DATA_DEFAULTS = DataPolicy()
 def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, compute_loss_func: Any = None) -> None:
     """Refuse the Trainer settings a CP trainer cannot honour; one ``ValueError`` lists every one found."""
     problems = []
-    if getattr(args, "max_steps", -1) is None or args.max_steps <= 0:
+    if args.max_steps is None or args.max_steps <= 0:
         problems.append(
             f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
             "set TrainingArguments(max_steps=N)"
         )
-    strategy = getattr(args, "eval_strategy", "no")
-    if eval_dataset is not None or getattr(strategy, "value", strategy) != "no":
+    if eval_dataset is not None or args.eval_strategy != "no":
         problems.append("evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a "
                         "plain Trainer on the saved model")  # fmt: skip
-    if getattr(args, "label_smoothing_factor", 0) > 0:
+    if args.label_smoothing_factor > 0:
         problems.append(f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's "
                         "token cross-entropy over the pack's target count")  # fmt: skip
     if compute_loss_func is not None:
         problems.append("compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the "
                         "pack's target count); subclass and override compute_loss instead")  # fmt: skip
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+    if args.deepspeed or args.fsdp:
         problems.append("deepspeed / fsdp: the CP trainers are tested with DDP only")
-    config = getattr(args, "parallelism_config", None)
-    if config is not None and getattr(config, "cp_enabled", False):
+    if args.parallelism_config is not None and args.parallelism_config.cp_enabled:
         problems.append("parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention "
                         "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
     if problems:
         raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
 
 
-
 def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
-    """What each rank's loss is multiplied by so that DDP's mean over ``world_size`` ranks trains like cp 1.
-
-    Each rank's loss is its target sum over ``N``: the pack's count across its CP
-    group (``average_tokens_across_devices=False``), or across every rank (True).
-    DDP averages over all ``W = dp * cp`` ranks, so the scale is ``cp`` (the sum
-    over CP, then the mean over DP groups of their pack means) or ``W`` (the sum
-    over every rank: the global token mean). 1 on a single rank (no DDP).
-    """
+    """What each rank's loss is multiplied by so that DDP's mean over ``W = dp * cp`` ranks trains like cp 1:
+    ``cp`` when the loss divides by the CP group's target count (``average_tokens_across_devices=False``),
+    ``W`` when by every rank's (the global token mean), 1 on a single rank."""
     if world_size <= 1:
         return 1
     return world_size if average_tokens_across_devices else cp_size
 
 
 class CPTrainerMixin:
-    """Context parallelism for a ``transformers.Trainer`` subclass (see the module docstring).
-
-    Keyword arguments taken before the Trainer's own:
-
-    - ``cp_size``: ranks per CP group; ``dp = world_size // cp_size``.
-    - ``capacity``: tokens per pack (before CP sharding); a multiple of the layout's pack multiple.
-    - ``layout``: a cpdata layout (``"balanced"``, ``"thd"``, ``"round_robin"``, ``"contiguous"``).
-    - ``plan``, ``data``, ``delivery``: :class:`~cpdata.nodes.dataset.CPDataset`'s option records
-      (:mod:`cpdata.nodes.options`). The trainer fills ``data``'s DP rank and size from the mesh, and its
-      ``seed`` (``args.data_seed`` or ``args.seed``), ``vocab_size`` (the model's) and ``labels_alignment``
-      (``"inputs"``) where they are left at their defaults.
-
-    ``per_device_train_batch_size`` packs make one micro-batch (concatenated into one
-    stream, ``qkv_format="thd"``, when more than one).
+    """Context parallelism for a ``transformers.Trainer`` subclass: ``cp_size``, ``capacity`` (tokens per
+    pack), ``layout`` and :class:`~cpdata.nodes.dataset.CPDataset`'s records, whose DP rank and size come from
+    the mesh (and ``seed``, ``vocab_size``, ``labels_alignment`` from the Trainer where left at their
+    defaults). A micro-batch is ``per_device_train_batch_size`` packs (one ``"thd"`` stream if several).
     """
 
     def __init__(
@@ -165,7 +105,6 @@ class CPTrainerMixin:
         super().__init__(*args, **kwargs)
         self._cp_setup()
 
-    # -- set-up -------------------------------------------------------------------------------------
     def _cp_setup(self) -> None:
         from transformers import Trainer, __version__
 
@@ -192,19 +131,18 @@ class CPTrainerMixin:
         self.dp_size = world // self.cp_size
         self.cp_mesh = None
         self.dp_rank = self.cp_rank = 0
-        dp_group = None
+        cp_group = dp_group = None
         if world > 1:
             device_type = "cuda" if args.device.type == "cuda" else "cpu"
             self.cp_mesh = init_device_mesh(device_type, (self.dp_size, self.cp_size), mesh_dim_names=("dp", "cp"))
-            self.dp_rank = self.cp_mesh["dp"].get_local_rank()
-            self.cp_rank = self.cp_mesh["cp"].get_local_rank()
-            dp_group = self.cp_mesh["dp"].get_group()
-        self._cp_groups = (self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None, dp_group)
+            self.dp_rank, self.cp_rank = self.cp_mesh["dp"].get_local_rank(), self.cp_mesh["cp"].get_local_rank()
+            cp_group, dp_group = self.cp_mesh["cp"].get_group(), self.cp_mesh["dp"].get_group()
+        self._cp_groups = (cp_group, dp_group)
         self._cp_loss_scale = cp_loss_scale(world, self.cp_size, bool(args.average_tokens_across_devices))
         self.loss_is_scaled_for_ga = True  # the divisor counts every micro-batch of the step
         self._cp_inputs = CPModelInputs(self.cp_mesh, args.device, getattr(config, "_attn_implementation", "sdpa"),
                                         self.model)  # fmt: skip
-        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=self._cp_groups[0],
+        self._cp_metrics = PackMetrics(dp_group, self.dp_size, args.device, cp_group=cp_group,
                                        cp_size=self.cp_size)  # fmt: skip
 
     def _cp_padding_token_id(self) -> int:
@@ -232,7 +170,6 @@ class CPTrainerMixin:
             "plan": self.cp_plan, "data": data, "delivery": self.cp_delivery,
         }  # fmt: skip
 
-    # -- data ---------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> CPDataLoader:
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset")
@@ -263,18 +200,14 @@ class CPTrainerMixin:
             return None
         recorded = [getattr(batch, "info", {}).get(N_TARGETS) for batch in batch_samples]
         cp_group, dp_group = self._cp_groups
-        if all(type(n) is int for n in recorded):  # the worker counted every CP rank's targets
+        if all(is_int(n) for n in recorded):  # the worker counted every CP rank's targets
             total = torch.tensor(sum(recorded), dtype=torch.int64, device=device)
-        else:
-            count = sum(int(batch[LABELS].ne(IGNORE_INDEX).sum()) for batch in batch_samples)
-            total = torch.tensor(count, dtype=torch.int64, device=device)
-            if self.cp_size > 1:
-                dist.all_reduce(total, group=cp_group)
+        else:  # labels replaced since: count them over the CP group
+            total = sum(global_target_count(b, cp_group, labels=b[LABELS].to(device)) for b in batch_samples)
         if self.dp_size > 1 and self.args.average_tokens_across_devices:
             dist.all_reduce(total, group=dp_group)
         return total
 
-    # -- loss ---------------------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         """Trainer's step inside the batch's CP attention context, backward included: activation
         checkpointing (TRL's default) recomputes attention during backward, which must gather K/V too."""
@@ -304,7 +237,6 @@ class CPTrainerMixin:
             self._cp_metrics.add(inputs)
         return (loss, outputs) if return_outputs else loss
 
-    # -- logs, checkpoints, resume -------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log line (every rank logs at the same steps)
             logs = {**logs, **self._cp_metrics.drain()}

@@ -1,49 +1,25 @@
-"""What a CP trainer adds to each Trainer log line: padding, CP imbalance in kernel tiles and tokens per second.
-
-Read from each batch's host-side ``info`` (Python ints, no device sync), summed
-between two log calls:
-
-==================  ===========================================================================
-``cp_padding_pct``  100 x (1 - real tokens / pack tokens) over the packs trained since the last log
-``cp_tiles_max_over_ideal``  the bench's attention imbalance (``cpdata bench --sections attention``,
-                    ``tiles_max_over_ideal``): per pack, the busiest CP rank's live 128 x 128 tiles of the
-                    document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, what flex and flash pay)
-                    over the pack's tiles at cp 1 divided by cp; mean over packs (1.0 = perfectly even)
-``cp_tokens_per_s`` real (non-pad) tokens trained per second, over every DP group
-                    (one all-reduce over the DP group per log when dp > 1)
-==================  ===========================================================================
-
-Every CP rank of a DP group sees the same packs, so the figures are the same on
-each of them. The tiles: each rank counts its own row's (one sort of its ``L``
-queries and of the pack's ``S`` for cp 1: ~1-3 ms of host time per 32K pack),
-and a log line takes the busiest per pack with one all-reduce (MAX) over the
-CP group.
+"""What a CP trainer adds to each Trainer log line (``cp_padding_pct``, ``cp_tiles_max_over_ideal``,
+``cp_tokens_per_s``; docs/trainers.md), summed between two logs from each batch's host-side ``info``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpdata.layout.tiled import DEFAULT_TILE as TILE
 from cpdata.layout.tiles import live_tiles
 
 __all__ = ["TILE", "PackMetrics", "pack_tiles"]
 
-TILE = 128
-"""Tile edge of ``cp_tiles_max_over_ideal`` (flex attention's default block size; the bench's quick row)."""
-
 
 def pack_tiles(batch: Any, tile: int = TILE) -> tuple[float, float]:
-    """``(this rank's live tiles, the pack's tiles at cp 1 / cp)`` of a :class:`~cpdata.worker.batch.ShardedBatch`.
-
-    Queries: this rank's row (``layout.local_token_global_indices``) in local order; keys: the stream's
-    ``S = padded_seq_len`` positions, documents from ``cu_seqlens_padded`` (the tail joins the last slot).
-    """
+    """``(this rank's live tiles, the pack's tiles at cp 1 / cp)`` of a ``ShardedBatch``: its row's queries
+    over the ``padded_seq_len`` keys, documents from ``cu_seqlens_padded``."""
     layout = batch.layout
     if layout.cp_size == 1:  # one rank holds the pack: even by definition
         return 1.0, 1.0
@@ -63,19 +39,17 @@ class PackMetrics:
         self.dp_group, self.dp_size, self.device = dp_group, dp_size, torch.device(device)
         self.cp_group, self.cp_size = cp_group, cp_size
         self._since = time.perf_counter()
-        self._real = self._pack = self._packs = 0
+        self._real = self._pack = 0
         self._tiles: list[tuple[float, float]] = []
 
     def add(self, batch: Any) -> None:
-        """One trained batch (``ShardedBatch``: ``info["real_tokens"]``, ``info["pack_tokens"]``, its layout)."""
-        info: Mapping[str, Any] = batch.info
-        self._real += int(info["real_tokens"])
-        self._pack += int(info["pack_tokens"])
+        """One trained ``ShardedBatch`` (its ``info["real_tokens"]``, ``info["pack_tokens"]`` and layout)."""
+        self._real += int(batch.info["real_tokens"])
+        self._pack += int(batch.info["pack_tokens"])
         self._tiles.append(pack_tiles(batch))
-        self._packs += 1
 
     def drain(self) -> dict[str, float]:
-        """The figures since the last drain (empty when no pack was trained); collective when dp > 1."""
+        """The figures since the last drain (empty when no pack was trained); collective when dp or cp > 1."""
         now = time.perf_counter()
         elapsed, self._since = now - self._since, now
         real = float(self._real)
@@ -84,20 +58,15 @@ class PackMetrics:
             dist.all_reduce(total, group=self.dp_group)
             real = total.item()
         out: dict[str, float] = {}
-        if self._packs:
+        if self._tiles:
+            tiles = torch.tensor(self._tiles, dtype=torch.float64, device=self.device)  # [packs, (mine, ideal)]
+            if self.cp_size > 1 and dist.is_available() and dist.is_initialized():  # every rank's ideal is equal
+                dist.all_reduce(tiles, op=dist.ReduceOp.MAX, group=self.cp_group)
             out = {
                 "cp_padding_pct": 100.0 * (1.0 - self._real / self._pack) if self._pack else 0.0,
-                "cp_tiles_max_over_ideal": self._tiles_over_ideal(),
+                "cp_tiles_max_over_ideal": (tiles[:, 0] / tiles[:, 1].clamp_min(1e-12)).mean().item(),
                 "cp_tokens_per_s": real / elapsed if elapsed > 0 else 0.0,
             }
-        self._real = self._pack = self._packs = 0
+        self._real = self._pack = 0
         self._tiles = []
         return out
-
-    def _tiles_over_ideal(self) -> float:
-        """Mean over packs of the busiest CP rank's tiles over the ideal (one all-reduce over the CP group)."""
-        mine = torch.tensor([t for t, _ in self._tiles], dtype=torch.float64, device=self.device)
-        if self.cp_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.cp_group)
-        ideal = torch.tensor([i for _, i in self._tiles], dtype=torch.float64, device=self.device)
-        return (mine / ideal.clamp_min(1e-12)).mean().item()

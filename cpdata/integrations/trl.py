@@ -1,41 +1,8 @@
 """``CPSFTTrainer``: TRL's ``SFTTrainer`` with ``SFTConfig(packing=True)``, packed and CP-sharded by cpdata.
 
-::
-
-    config = SFTConfig(output_dir="out", packing=True, max_length=4096, assistant_only_loss=True, max_steps=1000)
-    trainer = CPSFTTrainer(model=model, args=config, train_dataset=chats, processing_class=tokenizer,
-                           cp_size=2, layout="balanced")   # capacity defaults to max_length
-
-TRL prepares the dataset as it always does (chat template, ``assistant_masks``
-for ``assistant_only_loss``, ``completion_mask`` for prompt-completion rows and
-``completion_only_loss``, the ``labels`` column built from them, truncation),
-except that it does not pack: the tokenized rows go to cpdata, which packs them
-(``packing_strategy`` -> cpdata's planner, below), lays each pack out over the
-CP group and feeds each rank its share; the mixin
-(:mod:`cpdata.integrations.cp_trainer`) does the rest as for ``CPTrainer``.
-
-Labels. TRL's ``labels`` are aligned with ``input_ids`` (the model shifts):
-cpdata reads them with ``labels_alignment="inputs"`` and shifts each document
-once, before packing and sharding, so a rank whose shard ends mid-document still
-trains the target of its last token, and a document's last token never targets
-the next document's first.
-
-================================  ====================================================================
-``packing_strategy="bfd"``        TRL truncates each row to ``max_length`` (its ``truncation_mode``), cpdata
-                                  packs best-fit-decreasing; ``capacity`` must be >= ``max_length``
-``packing_strategy="bfd_split"``  no truncation; rows longer than ``capacity`` are split into pieces
-                                  (cpdata ``overflow="split"``: positions and the target at each cut continue)
-``packing_strategy="wrapped"``    refused: it lets attention cross document boundaries, which cpdata's
-                                  layouts and masks never do
-================================  ====================================================================
-
-Also refused, with ``ValueError`` naming them: ``packing=False`` (CP trains
-packs), ``use_liger_kernel`` and ``loss_type="dft"`` (another loss than the
-model's cross-entropy over the pack's target count), ``neftune_noise_alpha``
-(its noise scale depends on the sequence length a rank sees), and what the mixin
-refuses (evaluation, label smoothing, ``compute_loss_func``, ...). TRL's
-``entropy`` / ``mean_token_accuracy`` metrics are not logged (they read full
-logits aligned with unshifted labels); the CP figures are.
+TRL prepares the rows as always (chat template, masks, ``labels``) but does not pack: cpdata packs them
+(``packing_strategy`` ``"bfd"`` or ``"bfd_split"``: docs/trainers.md says what each does, what is refused),
+reading TRL's input-aligned ``labels`` with ``labels_alignment="inputs"``.
 """
 
 from __future__ import annotations
@@ -82,8 +49,8 @@ def check_sft_config(args: Any, capacity: int | None) -> int:
 
 
 class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
-    """``trl.SFTTrainer`` + ``cp_size``, ``capacity`` (default ``args.max_length``), ``layout``,
-    ``plan``, ``data``, ``delivery`` (see the module docstring and :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`)."""
+    """``trl.SFTTrainer`` + :class:`~cpdata.integrations.cp_trainer.CPTrainerMixin`'s keywords (``capacity``
+    defaults to ``args.max_length``)."""
 
     def __init__(self, model: Any, args: Any = None, *, capacity: int | None = None,
                  plan: PlanChoice = StreamPlan(), **kwargs: Any) -> None:  # fmt: skip

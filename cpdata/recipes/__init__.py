@@ -1,21 +1,9 @@
-"""Ready-made cpdata pipelines: short recipes built only from library parts.
+"""Ready-made cpdata pipelines (docs/recipes.md): each module's ``build(...)`` returns a torchdata ``Loader`` of
+:class:`cpdata.ShardedBatch` for one CP rank (``sft_thd.build(docs, capacity=32768, cp_size=cp, cp_rank=r)``).
 
-Each module documents when to use it and exposes ``build(...)`` returning a
-``torchdata.nodes.Loader`` of :class:`cpdata.ShardedBatch` for one CP rank::
-
-    from cpdata.recipes import sft_thd
-    loader = sft_thd.build(docs, capacity=32768, cp_size=cp, cp_rank=r)
-
-This is their one home, installed with the package; the repository's
-top-level ``pipelines/`` is a checkout's entry to the same modules
-(``from pipelines import sft_thd``). Copy a module from here to change a recipe.
-
-| module               | packing        | layout        | qkv   | attention it feeds                        |
-|----------------------|----------------|---------------|-------|-------------------------------------------|
-| ``balanced_allgather`` | bfd, split   | balanced      | bshd  | all-gather K/V with a document mask       |
-| ``pretrain_concat``  | concat         | round_robin   | bshd  | torch ``context_parallel`` (causal SDPA)  |
-| ``sft_thd``          | bfd, truncate  | thd           | thd   | Transformer Engine THD (``cu_seqlens``)   |
-| ``precomputed``      | from the plan directory written by ``cpdata precompute``                  |
+Recipes: ``balanced_allgather`` (all-gather attention), ``pretrain_concat`` (torch ``context_parallel``),
+``sft_thd`` (Transformer Engine THD), ``precomputed`` (a ``cpdata precompute`` plan). This is their one home;
+the repository's ``pipelines/`` re-exports them. Copy a module to change a recipe.
 """
 
 __all__ = ["balanced_allgather", "precomputed", "pretrain_concat", "sft_thd"]

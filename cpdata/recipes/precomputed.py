@@ -1,25 +1,13 @@
-"""Serve a plan directory written by ``cpdata precompute``.
-
-Use when packing a large dataset online would cost start-up time or planner
-memory on every rank, or when the same packs must be replayed exactly across
-jobs. ``cpdata precompute DATASET OUT --capacity ... --cp-size ... --layout ...``
-plans the whole dataset once; this pipeline reads that plan with O(1) seek
-(resume restores a pack index, not a replay) and fetches each pack's
-documents by index:
+"""Serve a plan written by ``cpdata precompute``, with its manifest's capacity, layout and ``cp_size``::
 
     PrecomputedPacks -> Collate -> ShardForRank -> Prefetcher -> PinMemory (CUDA only) -> Loader
-
-Capacity, layout and ``cp_size`` come from the plan's manifest; a plan written
-for another ``cp_size`` or layout, or for other documents (sha256), is refused.
-With data parallelism DP rank ``d`` serves packs ``d, d + dp, ...`` of the one
-plan (every rank the same count).
 """
 
 from __future__ import annotations
 
 import os
 
-from torchdata.nodes import BaseNode, Loader, Prefetcher
+from torchdata.nodes import BaseNode, Prefetcher
 
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import ResumableLoader
@@ -48,25 +36,9 @@ def build(
     prefetch: int = 2,
     pin_memory: bool | None = None,
     labels_alignment: LabelsAlignment | None = None,
-) -> Loader:
-    """Loader over a precomputed plan for one CP rank.
-
-    Args:
-        plan_dir: the directory ``cpdata precompute`` wrote.
-        documents: the tokenized dataset the plan was computed over, or its
-            path (``.jsonl`` or a folder of ``.npy``; see
-            :func:`cpdata.sources.open.open_dataset`).
-        cp_size, cp_rank: must match the plan's ``cp_size``; this rank.
-        layout: checked against the plan's layout when given (None: the plan's).
-        dp_rank, dp_size: this rank's share of the packs.
-        batch_size, qkv_format: packs per batch; ``"bshd"`` rows or a ``"thd"`` stream.
-        padding_token_id: ``input_ids`` on pads.
-        prefetch: batches prepared ahead in a background thread (0: none).
-        pin_memory: pin batches (None: when CUDA is available).
-        labels_alignment: the documents' label convention (``"inputs"``: HF/TRL, the model shifts;
-            ``"targets"``: Megatron/NeMo next-token targets), needed when they carry labels or masks and must
-            equal the one the plan was precomputed with (a mismatch is refused, naming both).
-    """
+) -> ResumableLoader:
+    """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
+    over; ``cp_size``, ``layout`` (None: the plan's) and ``labels_alignment`` must match the plan's."""
     if not isinstance(documents, TokenizedDataset):
         if documents is None:
             raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "

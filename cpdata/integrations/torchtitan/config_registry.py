@@ -1,13 +1,5 @@
-"""Configs for ``torchtitan --module cpdata.integrations.torchtitan --config NAME`` (torchtitan's registry seam).
-
-torchtitan's ``ConfigManager`` imports ``<module>.config_registry`` and calls
-the function named by ``--config``; every CLI flag then overrides its result
-(``--dataloader.dataset docs.jsonl --dataloader.layout tiled``).
-:func:`cpdata_config` turns any torchtitan ``Trainer.Config`` (a registry
-function's result, or a user's own) into a :class:`CPTitanTrainer` config
-fed by cpdata; :func:`cpdata_llama3_debugmodel` is it applied to torchtitan's
-llama3 debug model.
-"""
+"""Configs for ``torchtitan --module cpdata.integrations.torchtitan --config NAME``: torchtitan imports
+``<module>.config_registry`` and calls the function named by ``--config``; CLI flags override its result."""
 
 from __future__ import annotations
 
@@ -22,13 +14,8 @@ __all__ = ["cpdata_config", "cpdata_llama3_debugmodel"]
 
 
 def cpdata_config(base: Trainer.Config, loader: CPTitanLoader.Config | None = None) -> CPTitanTrainer.Config:
-    """``base`` as a :class:`CPTitanTrainer` config reading cpdata batches (``loader``, default options).
-
-    Also set, since cpdata needs them: ``parallelism.spmd_backend = "partial_dtensor"``, the validator and
-    CUDA graphs off (a graph would replay the first batch's mask),
-    the tokenizer :class:`TokenIds` of the model's vocabulary (documents are token ids already). Everything
-    else (model, optimizer, schedule, checkpointing, parallel degrees) is ``base``'s.
-    """
+    """``base`` as a :class:`CPTitanTrainer` config reading cpdata batches (``loader``), with what cpdata needs:
+    ``spmd_backend="partial_dtensor"``, no validator, no CUDA graphs, :class:`TokenIds` as the tokenizer."""
     values = {f.name: getattr(base, f.name) for f in fields(base)}
     values["dataloader"] = loader if loader is not None else CPTitanLoader.Config()
     values["tokenizer"] = TokenIds.Config(vocab_size=int(base.model_spec.model.vocab_size))

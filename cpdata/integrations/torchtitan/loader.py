@@ -1,34 +1,16 @@
 """torchtitan's data seam fed by cpdata: one CP rank's packs as torchtitan ``(input_dict, labels)`` pairs.
 
-:class:`CPTitanLoader` is a torchtitan ``BaseDataLoader``: it opens the
-tokenized documents at ``--dataloader.dataset`` (:func:`cpdata.open_dataset`),
-and runs cpdata's pipeline for this rank's ``(dp, cp)`` coordinates
-(:class:`~cpdata.nodes.dataset.CPDataset` on a
-:class:`~cpdata.nodes.dataloader.CPDataLoader`). Each micro-batch is
-``training.local_batch_size`` packs of ``training.seq_len`` tokens,
-concatenated into one stream (``qkv_format="thd"``), already laid out and
-sharded: every tensor is this rank's ``L = local_batch_size * seq_len / cp``
-tokens as one row::
+:class:`CPTitanLoader` (a ``BaseDataLoader``) runs :class:`~cpdata.nodes.dataset.CPDataset` on a
+:class:`~cpdata.nodes.dataloader.CPDataLoader` for this rank's ``(dp, cp)`` coordinates over
+``--dataloader.dataset`` (:func:`cpdata.open_dataset`). A micro-batch is ``training.local_batch_size`` packs of
+``training.seq_len`` tokens in one ``"thd"`` stream, already sharded; every tensor is this rank's
+``L = local_batch_size * seq_len / cp`` tokens as one row::
 
     input_dict = {"input": int64 [1, L], "positions": int64 [1, L], BATCH_KEY: ShardedBatch}
     labels     = int64 [1, L]       (next-token targets, -100 at document ends and on pads)
 
-``positions`` are positions within each document (RoPE restarts per
-document); the :class:`~cpdata.worker.batch.ShardedBatch` rides along for the
-mask and the target count (:class:`~cpdata.integrations.torchtitan.trainer.CPTitanTrainer`
-takes it out before the model sees the dict). The documents are token ids
-already, so torchtitan's tokenizer is :class:`TokenIds` (no files).
-
-State: each rank saves its own loader state under its own key
-(``cpdata_dp{d}_cp{c}``: CP ranks of a DP group hold equal packs, but a key
-per rank keeps DCP from merging them) plus the ``(dp, cp)`` shape; a resume
-with another shape is refused. The CP coordinates come from the trainer's
-mesh (``CPTitanTrainer.init_distributed``); built by any other trainer the
-loader refuses to start.
-
-Refused by name: ``overflow="split"`` (a split document continues its
-positions into the next pack, past ``training.seq_len``, the length of
-torchtitan's RoPE cache), and any batch whose positions reach ``seq_len``.
+``positions`` restart per document; the batch rides along for the mask and the target count. Each rank saves
+its loader state under its own key with the ``(dp, cp)`` shape, which a resume must match.
 """
 
 from __future__ import annotations
@@ -47,13 +29,12 @@ from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.sources.open import open_dataset
-from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.keys import INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
+from cpdata.worker.keys import INPUT_IDS, LABELS, POSITION_IDS
 
 __all__ = ["BATCH_KEY", "CPTitanLoader", "TokenIds"]
 
 BATCH_KEY = "cpdata_batch"
-"""The ``input_dict`` key of the :class:`ShardedBatch` (not a tensor: torchtitan leaves it on the host)."""
+"""The ``input_dict`` key of the ``ShardedBatch`` (not a tensor: torchtitan leaves it on the host)."""
 
 
 class TokenIds(BaseTokenizer):
@@ -86,13 +67,13 @@ class CPTitanLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         # dataset (inherited): the tokenized documents, any path cpdata.open_dataset reads
         layout: str = "tiled"
-        """A cpdata layout (cpdata.LAYOUTS): "tiled", "balanced", "round_robin", ..."""
+        """A cpdata layout (cpdata.LAYOUTS)."""
         kv_exchange: bool = False
         """Build each batch's K/V exchange plan and swap the attention's all-gather for cpdata's exchange."""
         overflow: str = "truncate"
-        """Documents longer than a pack: "truncate", "drop" or "error" ("split" is refused, see the module)."""
+        """Documents longer than a pack: "truncate", "drop" or "error" ("split" would run past seq_len)."""
         algorithm: str | None = None
-        """cpdata packer (None: its default)."""
+        """cpdata packer (None: the default)."""
         shuffle: bool = False
         seed: int = 0
         num_workers: int = 0
@@ -127,10 +108,8 @@ class CPTitanLoader(BaseDataLoader):
         if not config.dataset:
             raise ValueError("--dataloader.dataset is empty: give the path of tokenized documents "
                              "(anything cpdata.open_dataset reads: .jsonl, a token store, .npy folder, ...)")  # fmt: skip
-        self.seq_len = seq_len
-        self.dp_rank, self.dp_size = dp_rank, dp_world_size
+        self.seq_len, self.dp_size = seq_len, dp_world_size
         self.cp_rank, self.cp_size = config.cp_rank, config.cp_degree
-        self.verify_layout = config.verify_layout
         stream = StreamPlan(overflow=config.overflow) if config.algorithm is None else StreamPlan(
             overflow=config.overflow, algorithm=config.algorithm)  # fmt: skip
         data = DataPolicy(dp_rank=dp_rank, dp_size=dp_world_size, shuffle=config.shuffle, seed=config.seed,
@@ -143,23 +122,17 @@ class CPTitanLoader(BaseDataLoader):
         self._key = f"cpdata_dp{dp_rank}_cp{self.cp_rank}"
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        """``(input_dict, labels)`` per batch, every tensor ``[1, L]`` (see the module docstring)."""
         for batch in self._loader:
-            yield self.titan_pair(batch)
-
-    def titan_pair(self, batch: ShardedBatch) -> tuple[dict[str, Any], torch.Tensor]:
-        """``(input_dict, labels)`` of one batch, every tensor ``[1, L]`` (see the module docstring)."""
-        if N_TARGETS not in batch.info:
-            raise ValueError(f"batch.info has no {N_TARGETS!r}: the loss divides by the pack's target count, "
-                             "which cpdata's workers record; feed batches straight from CPDataset")  # fmt: skip
-        positions = batch[POSITION_IDS].reshape(1, -1)
-        top = int(positions.max()) if positions.numel() else 0
-        if top >= self.seq_len:
-            raise ValueError(
-                f"a batch holds position {top}, past training.seq_len={self.seq_len} (torchtitan's RoPE cache "
-                "has seq_len positions); use --dataloader.overflow truncate or drop, or raise training.seq_len"
-            )
-        inputs = {"input": batch[INPUT_IDS].reshape(1, -1), "positions": positions, BATCH_KEY: batch}
-        return inputs, batch[LABELS].reshape(1, -1)
+            positions = batch[POSITION_IDS].reshape(1, -1)
+            top = int(positions.max()) if positions.numel() else 0
+            if top >= self.seq_len:
+                raise ValueError(
+                    f"a batch holds position {top}, past training.seq_len={self.seq_len} (torchtitan's RoPE cache "
+                    "has seq_len positions); use --dataloader.overflow truncate or drop, or raise training.seq_len"
+                )
+            inputs = {"input": batch[INPUT_IDS].reshape(1, -1), "positions": positions, BATCH_KEY: batch}
+            yield inputs, batch[LABELS].reshape(1, -1)
 
     def state_dict(self) -> dict[str, Any]:
         return {self._key: pickle.dumps(self._loader.state_dict()), "dp_size": self.dp_size, "cp_size": self.cp_size}

@@ -1,36 +1,9 @@
 """The attention torchtitan runs on a cpdata batch: masks in the key order its kernel receives, and the K/V swap.
 
-torchtitan's flex attention (``FlexAttention``, ``q/k/v [B, L, N, H]``) takes
-a ``BlockMask`` of ``Q_LEN = L`` local queries over ``KV_LEN`` keys. Under CP
-torchtitan wraps it with an all-gather of K/V along the sequence
-(``flex_cp_allgather``), so the keys arrive in *rank order*: every rank's
-local tokens, rank 0 first. A cpdata layout puts global position ``g`` of the
-pack at rank-order index ``gather_index[g]``, so key ``j`` sits at global
-position ``argsort(gather_index)[j]``. The mask is cpdata's document-causal
-predicate at each key's global position::
-
-    attend[q, j] = lo(q) <= key_pos[j] <= hi(q)
-
-(:mod:`cpdata.device.attention_masks`, the one mask of every cpdata attention:
-``lo`` the query's slot start and ``hi`` its position for a real query, both its
-own position for a pad; from the layout and the batch's ``document_ids`` /
-``cu_seqlens_padded`` / ``cu_seqlens``). No collective when the layout carries its inverse map
-(the worker builds it), one index all-gather otherwise.
-
-With ``kv_exchange=True`` the keys come instead from cpdata's exchange
-(:mod:`cpdata.device.kv_exchange`): :func:`install_exchange_attention` swaps
-the forward of every ``FlexAttention`` module for one that sends each rank
-only the keys its documents reach (one all-to-all of ``cat(k, v)`` through
-:func:`cpdata.device.kv_exchange.move_keys_values`, the
-reverse in backward) and runs the same flex call over ``own + received``
-keys, with the mask at those keys' global positions. The batch's layout rides
-to the layers inside the mask object (:class:`ExchangeMask`), which torchtitan
-passes through its ``Decoder`` untouched.
-
-Trade-off: the mask is built by ``create_block_mask`` over the ``L x K`` key
-grid (``K = cp * L`` gathered, ``L + n_recv`` exchanged), once per batch and
-shared by every layer; the exchange moves fewer keys (the busiest rank
-receives ``kv_recv_fraction`` of the all-gather's) and its mask is smaller.
+The ``BlockMask`` of ``L`` local queries is cpdata's document-causal predicate
+(:mod:`cpdata.device.attention_masks`) at each key's global position: rank order under torchtitan's
+all-gather, own + received keys under cpdata's exchange (:func:`install_exchange_attention`). One mask per
+batch, shared by every layer (docs/torchtitan.md).
 """
 
 from __future__ import annotations
@@ -53,26 +26,19 @@ __all__ = ["ExchangeMask", "batch_attention_mask", "gathered_key_positions", "in
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ExchangeMask:
-    """What the swapped attention needs per batch: the ``BlockMask`` over exchanged keys and the exchange plan.
-
-    The ``BlockMask`` is evaluated at the exchanged keys' global positions (own keys in local order, then the
-    received ones by source rank: what :func:`cpdata.device.kv_exchange.exchange_tokens` returns).
-    """
+    """What the swapped attention needs per batch: the ``BlockMask`` over the exchanged keys (in
+    :func:`cpdata.device.kv_exchange.exchange_tokens`'s order) and the layout carrying the exchange plan."""
 
     block_mask: Any
     """``BlockMask`` ``[1, 1, L, L + n_recv]``."""
     layout: ShardLayout
-    """The batch's layout, carrying ``kv_exchange``."""
     group: Any
     """The CP process group the plan was built for."""
 
 
 def gathered_key_positions(layout: ShardLayout, group: Any, device: torch.device) -> torch.Tensor:
-    """int64 ``[cp * L]``: the global position of each key torchtitan's all-gather returns (rank order).
-
-    ``argsort`` of the layout's inverse map ``gather_index`` (``global = concat(shards)[gather_index]``);
-    a layout without it gets it from one index all-gather (:func:`cpdata.gather.ensure_gather_index`).
-    """
+    """int64 ``[cp * L]``: the global position of each key torchtitan's all-gather returns (rank order):
+    ``argsort(gather_index)``, after one index all-gather if the layout lacks it."""
     layout = ensure_gather_index(layout, group)
     order = layout.gather_index.reshape(-1).to(device=device, dtype=torch.int64)
     positions = torch.empty_like(order)
@@ -85,9 +51,8 @@ def batch_attention_mask(
 ) -> Any:
     """The mask torchtitan's attention gets for ``batch``: a ``BlockMask``, or an :class:`ExchangeMask`.
 
-    Queries are the batch's local tokens as one row (``[1, L]``, the stream of its packs); keys are, at
-    cp 1, the same tokens; at cp > 1 the rank-order all-gather (``exchange=False``) or own + received
-    keys (``exchange=True``, the layout must carry a plan).
+    Queries are the local tokens as one row ``[1, L]``; keys the same at cp 1, else the rank-order all-gather or
+    (``exchange=True``) own + received keys.
     """
     layout = batch.layout
     document_ids = batch[DOCUMENT_IDS].reshape(1, -1).to(device)
@@ -125,11 +90,8 @@ def _exchange_forward(module: FlexAttention) -> Any:
 
 
 def install_exchange_attention(model: torch.nn.Module) -> int:
-    """Swap every ``FlexAttention`` module's forward in ``model`` for the exchange one; returns how many.
-
-    Replaces torchtitan's CP wrapper (the all-gather) where it was applied; the kernel call itself is
-    torchtitan's ``FlexAttention.forward`` (compiled flex where torchtitan compiles it).
-    """
+    """Swap every ``FlexAttention`` forward in ``model`` (torchtitan's all-gather wrapper included) for the
+    exchange one, still calling ``FlexAttention.forward`` for the kernel; returns how many."""
     count = 0
     for module in model.modules():
         if isinstance(module, FlexAttention):

@@ -1,43 +1,8 @@
 """``CPTitanTrainer``: torchtitan's ``Trainer`` training on cpdata's per-rank batches and layouts.
 
-Five overrides, each the seam torchtitan offers for it:
-
-==============================  ==================================================================
-``init_distributed``            torchtitan's mesh, then the checks below, and this rank's CP
-                                coordinates handed to the loader config (built later by
-                                torchtitan with ``dp_rank``/``dp_world_size`` only)
-``batch_generator``             records each micro-batch's ``info["n_targets"]`` (every CP rank's
-                                targets of the pack, counted on the worker)
-``train_step``                  starts each step's record afresh (torchtitan fetches all of a
-                                step's micro-batches before its first forward)
-``post_dataloading_process``    no torchtitan CP sharding (the batch is this rank's shard already):
-                                ``positions`` as given, the mask from the layout
-                                (:func:`~cpdata.integrations.torchtitan.masks.batch_attention_mask`)
-``forward_backward_step``       the loss divisor is the step's target count: the micro-batches'
-                                ``n_targets`` summed, over the DP group (one all-reduce per step)
-==============================  ==================================================================
-
-Loss and gradients. torchtitan divides each rank's summed token loss by the
-divisor it is given and sums gradients over the FSDP mesh (DP x CP,
-gradient divide factor 1). With the pack's target count as the divisor the
-CP ranks' losses add up to the pack's mean loss, and the K/V collective's
-backward hands each rank its keys' share of every rank's loss: cp N trains
-like cp 1 on the same packs (the tests compare loss and gradient norm). The
-logged ``loss`` is that mean; torchtitan's ``max_loss`` divides by its own
-local label count and is only indicative here.
-
-With ``--dataloader.kv_exchange`` the attention's all-gather is swapped for
-cpdata's exchange (:func:`~cpdata.integrations.torchtitan.masks.install_exchange_attention`)
-after torchtitan has built and parallelized the model.
-
-Resume is torchtitan's checkpointer (``--checkpoint.enable``): model,
-optimizer, scheduler, step and the loader state of every rank
-(:class:`~cpdata.integrations.torchtitan.loader.CPTitanLoader`).
-
-Refused with ``ValueError`` naming the setting: pipeline or tensor
-parallelism, CUDA graphs, a ``parallelism.spmd_backend`` other than ``partial_dtensor``,
-an inner attention other than torchtitan's ``FlexAttention``, the validator,
-and a dataloader other than :class:`CPTitanLoader`.
+Each override is torchtitan's seam for it: the mesh's CP coordinates go to the loader config, the batch (this
+rank's shard already) gets its mask from the layout, and the loss divisor is the step's target count, so cp N
+trains like cp 1 (docs/torchtitan.md). torchtitan's ``max_loss`` divides by its own label count (indicative).
 """
 
 from __future__ import annotations
@@ -62,7 +27,7 @@ __all__ = ["CPTitanTrainer"]
 
 
 class CPTitanTrainer(Trainer):
-    """torchtitan's ``Trainer`` on cpdata batches (see the module docstring). Build it from ``CPTitanTrainer.Config``."""
+    """torchtitan's ``Trainer`` on cpdata batches (see the module docstring), built from its ``Config``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -80,7 +45,6 @@ class CPTitanTrainer(Trainer):
             for model in self.model_parts:
                 install_exchange_attention(model)
 
-    # -- mesh -------------------------------------------------------------------------------------------
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
         if parallel_dims.pp_enabled or parallel_dims.tp_enabled:
@@ -94,7 +58,6 @@ class CPTitanTrainer(Trainer):
         loader.cp_rank = parallel_dims.get_mesh("cp").get_local_rank() if parallel_dims.cp_enabled else 0
         return parallel_dims
 
-    # -- data -------------------------------------------------------------------------------------------
     def batch_generator(self, data_iterable: Iterable[tuple[dict[str, Any], torch.Tensor]]) -> Iterator[Any]:
         for input_dict, labels in super().batch_generator(data_iterable):
             self._step_targets.append(int(input_dict[BATCH_KEY].info[N_TARGETS]))
@@ -116,21 +79,16 @@ class CPTitanTrainer(Trainer):
         self.ntokens_seen += labels.numel()
         return input_dict["input"], labels, {"positions": input_dict["positions"], "attention_masks": mask}
 
-    # -- loss -------------------------------------------------------------------------------------------
-    def step_divisor(self) -> torch.Tensor:
-        """The step's target count: every micro-batch's ``n_targets`` (all CP ranks), summed over DP."""
-        if self._step_divisor is None:
-            total = torch.tensor(sum(self._step_targets), dtype=torch.int64, device=self.device)
-            if self.parallel_dims.dp_enabled:
-                dist.all_reduce(total, group=self.parallel_dims.get_mesh("batch").get_group())
-            self._step_divisor = total
-        return self._step_divisor
-
     def forward_backward_step(
         self, *, input_dict: Any, labels: Any, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
+        """torchtitan's step over the step's target count: every micro-batch's ``n_targets``, summed over DP."""
+        if self._step_divisor is None:
+            self._step_divisor = torch.tensor(sum(self._step_targets), dtype=torch.int64, device=self.device)
+            if self.parallel_dims.dp_enabled:
+                dist.all_reduce(self._step_divisor, group=self.parallel_dims.get_mesh("batch").get_group())
         return super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                             global_valid_tokens=self.step_divisor())  # fmt: skip
+                                             global_valid_tokens=self._step_divisor)  # fmt: skip
 
 
 def _check_config(config: Trainer.Config) -> None:
