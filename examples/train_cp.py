@@ -113,9 +113,12 @@ def setup(args):
 
 
 def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
-    common = dict(cp_size=cp_size, cp_rank=cp_rank, dp_rank=dp_rank, dp_size=args.dp_size, padding_token_id=PAD_ID)
-    if args.data and Path(args.data).is_dir():  # capacity and layout come from the plan's manifest
-        return precomputed.build(args.data, args.documents, layout=layout, **common)
+    common = dict(cp_size=cp_size, cp_rank=cp_rank, padding_token_id=PAD_ID)
+    data = DataPolicy(dp_rank=dp_rank, dp_size=args.dp_size, seed=args.seed, vocab_size=BYTE_VOCAB)
+    if args.data and Path(args.data).is_dir():  # capacity, layout and order come from the plan's manifest
+        return precomputed.build(args.data, args.documents, layout=layout,
+                                 data=DataPolicy(dp_rank=dp_rank, dp_size=args.dp_size, vocab_size=BYTE_VOCAB),
+                                 **common)  # fmt: skip
     source = load_jsonl(args.data) if args.data else StdlibDefinitions()
     if args.schedule != "none":  # the recipe's pipeline, planned globally from the lengths
         lengths = getattr(source, "lengths", None)
@@ -124,10 +127,8 @@ def make_loader(args, layout: str, cp_size: int, cp_rank: int, dp_rank: int):
         return build_loader(source, capacity=args.capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout,
                             qkv_format="bshd", padding_token_id=PAD_ID,
                             plan=SchedulePlan(kind=args.schedule, lengths=lengths, overflow="split"),
-                            data=DataPolicy(dp_rank=dp_rank, dp_size=args.dp_size, seed=args.seed,
-                                            vocab_size=BYTE_VOCAB))  # fmt: skip
-    return balanced_allgather.build(source, capacity=args.capacity, layout=layout, vocab_size=BYTE_VOCAB,
-                                    seed=args.seed, **common)
+                            data=data)  # fmt: skip
+    return balanced_allgather.build(source, capacity=args.capacity, layout=layout, data=data, **common)
 
 
 def tile_imbalance(batch, cp_group, tile: int) -> float:

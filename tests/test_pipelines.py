@@ -10,13 +10,14 @@ right target, and every document's tokens must appear exactly once per epoch.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from cpdata.nodes.loader import close_loader, closing_loader
-from cpdata.nodes.options import DataPolicy, StreamPlan
+from cpdata.nodes.options import DataPolicy, Delivery, StreamPlan
 from cpdata.recipes import balanced_allgather, precomputed, pretrain_concat, sft_thd
 from cpdata.worker.keys import METADATA_KEYS
 
@@ -150,7 +151,8 @@ def test_pretrain_concat_is_full_round_robin_packs():
 
 def test_sft_thd_passes_labels_and_loss_mask_through():
     docs = make_docs(seed=2, max_len=300, sft=True)
-    fulls, seen = run_epoch(sft_thd.build, docs, sft=True, capacity=256, batch_size=2, labels_alignment="targets")
+    fulls, seen = run_epoch(sft_thd.build, docs, sft=True, capacity=256, batch_size=2,
+                            data=DataPolicy(labels_alignment="targets"))
     assert_every_token_once(docs, seen, limit=256)  # over-long examples are truncated to the capacity
     assert any(len(d["input_ids"]) > 256 for d in docs), "no example exercised truncation"
     for full, layout in fulls:
@@ -175,8 +177,8 @@ def test_precomputed_matches_online_packing(tmp_path, dp_size):
     seen: dict[int, list[int]] = {}
     for dp_rank in range(dp_size):
         fulls, part = run_epoch(
-            lambda _docs, dp_rank=dp_rank, **kw: precomputed.build(plan_dir, path, dp_rank=dp_rank, dp_size=dp_size,
-                                                                  **kw),
+            lambda _docs, dp_rank=dp_rank, **kw: precomputed.build(
+                plan_dir, path, data=DataPolicy(dp_rank=dp_rank, dp_size=dp_size), **kw),
             docs,
         )
         for d, ks in part.items():
@@ -205,11 +207,11 @@ def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tm
     plan_dir = tmp_path / "plan"
     precompute(path, plan_dir, capacity=128, cp_size=CP, layout="balanced", data=DataPolicy(labels_alignment="targets"))
     with pytest.raises(ValueError, match="labels_alignment='targets'"):
-        precomputed.build(plan_dir, path, cp_size=CP, cp_rank=0, labels_alignment="inputs")
+        precomputed.build(plan_dir, path, cp_size=CP, cp_rank=0, data=DataPolicy(labels_alignment="inputs"))
     local = 0
     for cp_rank in range(CP):
-        with closing_loader(precomputed.build(plan_dir, path, cp_size=CP, cp_rank=cp_rank, prefetch=0,
-                                              labels_alignment="targets")) as loader:  # fmt: skip
+        with closing_loader(precomputed.build(plan_dir, path, cp_size=CP, cp_rank=cp_rank, delivery=Delivery(prefetch=0),
+                                              data=DataPolicy(labels_alignment="targets"))) as loader:  # fmt: skip
             batches = list(loader)
         local += sum(int((b["labels"] != -100).sum()) for b in batches)
     expected = sum(len(r["input_ids"]) - 1 for r in rows)  # every given target, trained once
@@ -228,3 +230,36 @@ def test_recipes_have_one_home_and_pipelines_is_its_entry():
         assert getattr(pipelines, name).__name__ == f"cpdata.recipes.{name}"
     folder = Path(pipelines.__file__).parent
     assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py"], "a recipe module belongs in cpdata/recipes"
+
+
+@pytest.mark.parametrize("recipe", [balanced_allgather, pretrain_concat, sft_thd])
+@pytest.mark.parametrize(("old", "record"), [("dp_rank", "data=DataPolicy(dp_rank=...)"),
+                                             ("seed", "data=DataPolicy(seed=...)"),
+                                             ("prefetch", "delivery=Delivery(prefetch=...)")])
+def test_recipes_take_the_option_records_and_name_them_for_an_old_keyword(recipe, old, record):
+    name = recipe.__name__.rsplit(".", 1)[1]
+    with pytest.raises(TypeError, match=rf"{name}.build\(\) no longer takes {old}=; pass {re.escape(record)}"):
+        recipe.build(make_docs(4), capacity=128, cp_size=1, cp_rank=0, **{old: 1})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'padding_tokn_id'; did you mean 'padding_token_id'"):
+        recipe.build(make_docs(4), capacity=128, cp_size=1, cp_rank=0, padding_tokn_id=0)
+    # the records reach the loader: DP rank 1 of 2 serves other documents than rank 0
+    docs = make_docs(12)
+    firsts = []
+    for dp_rank in (0, 1):
+        with closing_loader(recipe.build(docs, capacity=512, cp_size=1, cp_rank=0, delivery=Delivery(prefetch=0),
+                                         data=DataPolicy(dp_rank=dp_rank, dp_size=2))) as loader:  # fmt: skip
+            firsts.append(next(iter(loader))["input_ids"].flatten()[:8].tolist())
+    assert firsts[0] != firsts[1]
+
+
+def test_precomputed_recipe_refuses_an_order_the_plan_fixed(tmp_path):
+    from cpdata.offline.precompute_plan import precompute
+
+    docs = make_docs(seed=4, max_len=100)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": d["input_ids"].tolist()}) + "\n" for d in docs))
+    precompute(path, tmp_path / "plan", capacity=128, cp_size=CP, layout="balanced", plan=StreamPlan(overflow="split"))
+    with pytest.raises(ValueError, match=r"DataPolicy\(seed=3, shuffle=True\) does not apply here"):
+        precomputed.build(tmp_path / "plan", path, cp_size=CP, cp_rank=0, data=DataPolicy(seed=3, shuffle=True))
+    with pytest.raises(TypeError, match=r"precomputed.build\(\) no longer takes dp_size=; pass data=DataPolicy"):
+        precomputed.build(tmp_path / "plan", path, cp_size=CP, cp_rank=0, dp_size=2)

@@ -167,10 +167,12 @@ def _grad_contract_rank(rank: int, world: int, docs: list) -> dict[str, float]:
 
     from cpdata.adapters import token_loss
     from cpdata.gather import gather_token_tensor
+    from cpdata.nodes.options import Delivery
     from cpdata.recipes import balanced_allgather
 
     torch.set_default_dtype(torch.float64)
-    batch = next(iter(balanced_allgather.build(docs, capacity=96, cp_size=world, cp_rank=rank, prefetch=0)))
+    batch = next(iter(balanced_allgather.build(docs, capacity=96, cp_size=world, cp_rank=rank,
+                                               delivery=Delivery(prefetch=0))))
     layout, keys = batch.layout, ("input_ids", "position_ids", "document_ids", "cu_seqlens_padded")
     full = {k: gather_token_tensor(batch[k], layout, seq_dim=1) for k in (*keys[:3], "labels")}
     full["cu_seqlens_padded"] = batch["cu_seqlens_padded"]

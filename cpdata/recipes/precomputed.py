@@ -6,17 +6,18 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from torchdata.nodes import BaseNode, Prefetcher
 
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.loader import ResumableLoader
+from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.open import open_dataset
-from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["build"]
 
@@ -28,27 +29,37 @@ def build(
     cp_size: int,
     cp_rank: int,
     layout: str | None = None,
-    dp_rank: int = 0,
-    dp_size: int = 1,
     batch_size: int = 1,
     qkv_format: str = "bshd",
     padding_token_id: int = 0,
-    prefetch: int = 2,
-    pin_memory: bool | None = None,
-    labels_alignment: LabelsAlignment | None = None,
+    data: DataPolicy = DataPolicy(),
+    delivery: Delivery = Delivery(),
+    **removed: Any,
 ) -> ResumableLoader:
     """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
-    over; ``cp_size``, ``layout`` (None: the plan's) and ``labels_alignment`` must match the plan's."""
+    over; ``cp_size``, ``layout`` (None: the plan's) and ``data.labels_alignment`` must match the plan's. The
+    plan fixed the order, so ``data`` gives only the DP rank and size, ``vocab_size`` and ``labels_alignment``."""
+    refuse_keywords("precomputed.build", removed, ("cp_size", "cp_rank", "layout", "batch_size", "qkv_format",
+                                                   "padding_token_id", "data", "delivery"))  # fmt: skip
+    check_records(data=data, delivery=delivery)
+    fixed = [f"{k}={getattr(data, k)!r}" for k in ("seed", "shuffle", "epochs")
+             if getattr(data, k) != getattr(DataPolicy(), k)]  # fmt: skip
+    if fixed:
+        raise ValueError(f"a precomputed plan ({plan_dir}) fixed its order when it was computed; DataPolicy("
+                         f"{', '.join(fixed)}) does not apply here: pass them to cpdata precompute instead")
     if not isinstance(documents, TokenizedDataset):
         if documents is None:
             raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "
                              "pass their path (e.g. --documents data.jsonl)")
         documents = open_dataset(documents)
-    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank, dp_size=dp_size,
-                             labels_alignment=labels_alignment)  # fmt: skip
+    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, dp_rank=data.dp_rank,
+                             dp_size=data.dp_size, vocab_size=data.vocab_size,
+                             labels_alignment=data.labels_alignment)  # fmt: skip
     layout = str(plans.store.config["layout"])
     node: BaseNode = Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
-    node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout)
+    node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout, block_size=delivery.block_size,
+                        kv_exchange=delivery.kv_exchange)  # fmt: skip
+    prefetch = 2 if delivery.prefetch is None else delivery.prefetch
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
-    return ResumableLoader(maybe_pin(node, pin_memory=pin_memory))
+    return ResumableLoader(maybe_pin(node, pin_memory=delivery.pin_memory))
