@@ -1,8 +1,6 @@
 """The one mask of every CP attention: each local query keeps one interval of global key positions (torch only).
 
-Every attention cpdata runs (the sharder's ctx, the ``"cpdata"`` HF attention,
-the mask helpers of :mod:`cpdata.adapters.masks`) keeps, for local query ``q``
-of row ``b`` and a key at global position ``key_pos[k]``::
+For local query ``q`` of row ``b`` and a key at global position ``key_pos[k]``::
 
     keep[b, q, k] = lo[b, q] <= key_pos[k] <= hi[b, q]
 
@@ -10,26 +8,11 @@ of row ``b`` and a key at global position ``key_pos[k]``::
     pad query  (pos >= end):                 lo = hi = pos      its own key only
     window W:                                lo >= pos - W + 1  (and hi <= pos + W - 1 when bidirectional)
 
-A slot is a document's span in global order (``cu_seqlens_padded``: its real
-tokens, then its pads; the pack's tail padding belongs to the last slot);
-``end`` is one past its last real token (``cu_seqlens``). Without a document
-mask a row is one slot with no pads. ``pos`` is the layout's
-``local_token_global_indices``; building a mask needs no collective and no
-host sync.
-
-Pad is free: a pad query sees its own key only, so a pad block costs one
-diagonal tile and no softmax row is empty (no NaN); real queries never reach a
-pad key (pads follow the real tokens of their slot). Loss and gradients of real
-tokens are those of the old slot-wide mask exactly (pads carry no target).
-
-Two forms of the same intervals:
-
-- :func:`dense_mask`: bool ``[B, 1, L, K]`` (True = attend) for SDPA; ``L*K`` bytes.
-- :func:`block_mask`: a flex ``BlockMask``. Keys in global order (``K = S``)
-  are one interval per query, so tiles come from two difference arrays over
-  ``[B, L/128, S/128 + 1]`` (int32, kilobytes) instead of the ``L x S`` grid
-  ``create_block_mask`` evaluates; keys in any other order (an exchange's own
-  then received keys) go through ``create_block_mask`` over ``L x K``.
+A slot is a document's span in global order (``cu_seqlens_padded``: real tokens, then pads); ``end`` is one
+past its last real token (``cu_seqlens``); ``pos`` is the layout's ``local_token_global_indices``. A pad
+query costs one diagonal tile and no softmax row is empty. Two forms: :func:`dense_mask` (bool
+``[B, 1, L, K]``, ``L*K`` bytes) and :func:`block_mask` (a flex ``BlockMask``; kilobytes when keys are in
+global order). No collective, no host sync.
 """
 
 from __future__ import annotations
@@ -87,14 +70,11 @@ def document_slots(
     cu_seqlens_padded: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
 ) -> QuerySlots:
-    """Each local query's slot from the batch's ``document_ids`` and global slot offsets.
+    """Each local query's slot from ``document_ids`` (int ``[B, L]`` or ``[L]``: the stream slot of each local
+    token) and the stream's slot offsets ``cu_seqlens_padded`` (int ``[K+1]``, rows of ``S`` concatenated).
 
-    Args:
-        layout: the batch's :class:`ShardLayout`; None for a whole pack on one rank (positions ``0..L-1``).
-        document_ids: int ``[B, L]`` (bshd rows) or ``[L]`` (one stream): the stream slot of each local token.
-        cu_seqlens_padded: int ``[K+1]``, the stream's slot offsets (rows of ``S`` concatenated).
-        cu_seqlens: int ``[K+1]``, the real lengths; given, a slot's pads see only themselves; None, a
-            slot's pads attend it like its last document token.
+    ``layout`` None: a whole pack on one rank (positions ``0..L-1``). ``cu_seqlens`` (the real lengths)
+    given: a slot's pads see only themselves; None: they attend it like its last document token.
     """
     if document_ids.dim() not in (1, 2):
         raise ValueError(
@@ -148,9 +128,9 @@ def block_mask(
 ) -> Any:
     """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``; ``key_pos`` None: keys are ``arange(row_len)``.
 
-    Keys in global order: built from the intervals without the dense grid (two difference arrays; equal
-    to ``create_block_mask`` of the same predicate tile for tile, padded tail tiles included, never full).
-    Keys in any order (``key_pos`` int64 ``[K]``): ``create_block_mask`` over the ``L x K`` grid.
+    Keys in global order: two difference arrays over ``[B, L/128, S/128 + 1]`` tiles, equal to
+    ``create_block_mask`` tile for tile without its ``L x S`` grid. Keys in any order (``key_pos`` int64
+    ``[K]``): ``create_block_mask`` over ``L x K``.
     """
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
