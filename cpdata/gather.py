@@ -9,7 +9,6 @@ O(n log n) argsort when every rank's indices are gathered too. Model code import
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import replace
@@ -44,18 +43,10 @@ def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str)
         _device_cache.move_to_end(key)
         return hit[1]
     moved = value.to(device, non_blocking=True)
-    try:
-        ref = weakref.ref(layout)
-    except TypeError:  # a slotted layout without __weakref__: hold it strongly (the cache is bounded)
-        ref = functools.partial(_same, layout)
-    _device_cache[key] = (ref, moved)
+    _device_cache[key] = (weakref.ref(layout), moved)
     while len(_device_cache) > _CACHE_SIZE:
         _device_cache.popitem(last=False)
     return moved
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
@@ -79,9 +70,7 @@ class GatherFromShards(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int
-    ) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int) -> torch.Tensor:
         world = dist.get_world_size(group)
         x = local.movedim(seq_dim, 0).contiguous()
         stacked = x.new_empty((world * x.shape[0], *x.shape[1:]))
@@ -168,11 +157,10 @@ def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:
     world, rank = 1, 0
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = local
     if world > 1:
         rows = local.new_empty((world * local.numel(),))
         _all_gather(rows, local.contiguous(), group)
-    else:
-        rows = local
     inverse = torch.argsort(rows)
     if not torch.equal(rows[inverse], torch.arange(rows.numel(), device=rows.device)):
         raise ValueError(

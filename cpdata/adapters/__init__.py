@@ -1,13 +1,10 @@
 """Model-side adapters: a cpdata batch as a model stack takes it (torch only; transformers and TE never imported).
 
-:func:`hf_model_kwargs` (Hugging Face causal LMs), :func:`register_hf_attention` (the ``"cpdata"``
-attention: every layer's window, softcap and sinks at any cp), :func:`te_attention_kwargs` (Transformer
-Engine THD), :func:`document_causal_mask` / :func:`flex_block_mask` (masks of local queries over global
-keys), :func:`token_loss` / :func:`global_target_count` (a loss whose CP ranks' values sum to the
-single-rank loss). Every adapter reads host-side lengths from ``batch.info``, so none needs ``.item()``.
-Modules: ``_batch`` (what adapters read from a batch), ``masks``, ``loss``, ``hf``, ``hf_guard`` (every CP
-rank on the ``"cpdata"`` attention, or all refuse), ``hf_attention``, ``hf_layers`` (each layer's variant),
-``attention_kernels`` (its kernels), ``te``.
+Modules: ``hf`` (:func:`hf_model_kwargs` for Hugging Face causal LMs), ``hf_attention`` (the ``"cpdata"``
+attention, every layer's variant from ``hf_layers``, its kernels in ``attention_kernels``; ``hf_guard``:
+every CP rank on it, or all refuse), ``te`` (Transformer Engine THD), ``masks`` (document-causal masks of
+local queries over global keys), ``loss`` (CP ranks' losses summing to the single-rank loss) and ``_batch``
+(what every adapter reads from a batch: host-side lengths from ``batch.info``, so no ``.item()``).
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ query head ``h`` reads key head ``h // (H / Hkv)``, as transformers' ``repeat_kv
     p = softmax([s, sink_h])[..., :S]          (attention sinks, gpt-oss: an extra logit per head, no value)
     out = dropout(p) v                         [B, H, L, Ev]
 
-Dense holds a bool ``[1, 1, L, S]`` mask (and, with softcap or sinks, float scores); flex a ``BlockMask`` of
-kilobytes and skips ruled-out blocks (memory per path: docs/hf-attention.md). :func:`attend` is the one
-place a new kernel plugs in, with the mask form it takes (``HFAttentionState.mask``).
+Memory per kernel: docs/hf-attention.md. :func:`attend` is the one place a new kernel plugs in, with the
+mask form it takes (``HFAttentionState.mask``).
 """
 
 from __future__ import annotations

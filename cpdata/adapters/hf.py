@@ -3,20 +3,9 @@
 ``model(**hf_model_kwargs(batch, model.config._attn_implementation, config=model))`` runs a packed batch as
 one padding-free row ``[1, T]``: ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both the
 batch's next-token labels: ``ForCausalLMLoss`` does not shift ``shift_labels`` again), ``use_cache=False``,
-and every document boundary explicit, never guessed from ``position_ids`` (docs/hugging-face.md):
-
-============================  ==========================================================
-``"cpdata"`` (registered)     no mask: ``cpdata_attention_state`` for every layer
-``flash_attention_*``         ``cu_seq_lens_q/k`` (int32 slot offsets), ``max_length_q/k`` (ints)
-``sdpa``                      ``attention_mask``: bool ``[1, 1, T, S]`` document-causal
-``eager``                     ``attention_mask``: float32 ``[1, 1, T, S]``, 0 or the dtype's minimum
-``flex_attention``            ``attention_mask``: a flex ``BlockMask``
-============================  ==========================================================
-
-sdpa, eager and flex require ``config=``: their masks follow the model's windows (a dict keyed by layer type
-for mixed ``layer_types``). At cp > 1 use ``"cpdata"``, or ``sdpa`` inside the sharder's ctx; without
-``num_items_in_batch`` the pack's global target count is filled in (``batch.info["n_targets"]``, else one
-all-reduce over ``group``), so the ranks' losses add up to the single-rank loss.
+and every document boundary explicit, never guessed from ``position_ids``: the ``"cpdata"`` attention's
+state, flash's ``cu_seq_lens_q/k``, or an sdpa / eager / flex ``attention_mask`` (bool / float32
+``[1, 1, T, S]`` / ``BlockMask``; table: docs/hugging-face.md), which follows the windows of ``config=``.
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ import torch
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
 from cpdata.adapters.hf_guard import check_reaches_cpdata, remember
-from cpdata.adapters.hf_layers import check_config, config_windows, uniform_window
+from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
 from cpdata.device.cp_attention import active_contexts
@@ -68,12 +57,9 @@ def hf_model_kwargs(
 ) -> dict[str, Any]:
     """``model(**kwargs)`` arguments for this rank's batch (see the module docstring); no device sync.
 
-    ``attn_implementation``: the model's (a name registered with
-    :func:`~cpdata.adapters.register_hf_attention`, ``flash_attention_*``, ``"sdpa"``, ``"eager"`` or
-    ``"flex_attention"``). ``tensors``: the batch's device tensors (default ``batch``).
-    ``num_items_in_batch``: the target count the HF loss divides by (None: HF's mean at cp 1, the pack's
-    global count at cp > 1). ``group``: the CP group (None: the default group). ``config``: the model or its
-    ``PretrainedConfig``, required for the masks of sdpa / eager / flex, checked when given.
+    ``tensors``: the batch's device tensors (default ``batch``). ``num_items_in_batch``: the target count the
+    HF loss divides by (None: HF's mean at cp 1; at cp > 1 ``batch.info["n_targets"]``, else one all-reduce
+    over ``group``). ``config``: the model or its ``PretrainedConfig`` (checked when given).
     """
     _check_transformers()
     tensors, layout, info = batch_parts(batch, tensors)
@@ -114,8 +100,14 @@ def hf_model_kwargs(
                 f"at cp_size={layout.cp_size} a batch of {tuple(input_ids.shape)} holds one local slice per row; "
                 "build the pipeline with qkv_format='thd' or batch_size=1 for a single stream"
             )
-        if not ours:
-            _check_ctx_entered(layout, input_ids.numel())
+        n = input_ids.numel()  # the sdpa masks are over the gathered keys: without the ctx, SDPA fails on shapes
+        if not ours and not any(ctx.local_len == n for ctx in active_contexts()):
+            raise ValueError(
+                f"attn_implementation='sdpa' at cp_size={layout.cp_size} runs only inside the ctx "
+                "ContextParallelSharder.shard returns (its SDPA gathers K/V; the mask is over all "
+                f"{n * layout.cp_size} keys): build the kwargs inside `with ctx():`, or use the 'cpdata' "
+                "attention, which needs no ctx (register_hf_attention(), model.set_attn_implementation('cpdata'))"
+            )
         if num_items_in_batch is None:
             num_items_in_batch = _global_targets(batch, tensors, info, group)
     kwargs: dict[str, Any] = {
@@ -144,7 +136,7 @@ def hf_model_kwargs(
     mask_layout = layout if layout.cp_size > 1 else None
     windows = config_windows(config)
     by_window: dict[int | None, Any] = {}
-    for window in (set(windows.values()) if windows is not None else {uniform_window(config)}):
+    for window in (set(windows.values()) if windows is not None else {layer_window(config, None)}):
         by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors, window)
     if windows is None or len(by_window) == 1:
         kwargs["attention_mask"] = next(iter(by_window.values()))
@@ -175,21 +167,8 @@ def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, tensors:
     # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
     mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global", cu_seqlens=real)
     if impl == "eager":
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(torch.float32).min
-        )
+        mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
     return mask
-
-
-def _check_ctx_entered(layout: ShardLayout, local_len: int) -> None:
-    """At cp > 1 the sdpa masks are over the gathered keys: without the ctx, torch's SDPA fails on shapes."""
-    if not any(ctx.local_len == local_len for ctx in active_contexts()):
-        raise ValueError(
-            f"attn_implementation='sdpa' at cp_size={layout.cp_size} runs only inside the ctx "
-            "ContextParallelSharder.shard returns (its SDPA gathers K/V; the mask is over all "
-            f"{local_len * layout.cp_size} keys): build the kwargs inside `with ctx():`, or use the 'cpdata' "
-            "attention, which needs no ctx (register_hf_attention(), model.set_attn_implementation('cpdata'))"
-        )
 
 
 def _global_targets(batch: Any, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any], group: Any) -> Any:

@@ -6,14 +6,11 @@
     model.set_attn_implementation("cpdata")      # or from_pretrained(..., attn_implementation="cpdata")
     loss = model(**hf_model_kwargs(batch, "cpdata", tensors=local, group=cp_group)).loss
 
-transformers calls it in every layer with local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]``
-(rotary applied) and the layer's kwargs; the batch's :class:`HFAttentionState` rides in the ``model(...)``
-kwargs. Per call: check the layer's variant (:mod:`cpdata.adapters.hf_layers`); on a batch's first call at
-cp > 1 verify the plan digest (one 16-byte all-reduce); bring the keys (:func:`move_keys_values`: an
-all-to-all with an exchange plan, else an all-gather; nothing at cp 1); mask each query's key interval
-(built once per batch, kernel, window and device); run the kernel (:func:`attend`; ``"auto"``: varlen on
-CUDA where the layer allows it). transformers builds no mask for this name. Generation (a KV cache) is
-refused. Inside the sharder's ctx the call is counted as served.
+Each layer gets local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` and the batch's
+:class:`HFAttentionState` (in the ``model(...)`` kwargs). Per call: check the layer's variant; on a batch's
+first call at cp > 1 verify the plan digest; bring the keys (:func:`move_keys_values`); mask each query's key
+interval (once per batch, kernel, window and device); run the kernel (:func:`attend`). transformers builds
+no mask for this name; generation (a KV cache) is refused.
 """
 
 from __future__ import annotations
@@ -56,11 +53,9 @@ def registered_options(name: str) -> _Options | None:
 def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
     """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name``; returns ``name``.
 
-    ``kernel``: ``"auto"`` (varlen on CUDA where the layer allows it, else flex; dense SDPA off CUDA),
-    ``"dense"`` (any device), ``"flex"`` (compiled on CUDA; forward only on CPU) or ``"varlen"`` (CUDA;
-    falls back per :func:`cpdata.device.varlen.choose_kernel`). ``verify_layout``: at cp > 1, check on each
-    batch's first call that every CP rank holds the same shard plan. Idempotent (registering again replaces
-    the options); imports transformers.
+    ``kernel``: ``"auto"``, ``"dense"``, ``"flex"`` or ``"varlen"`` (:func:`cpdata.device.varlen.choose_kernel`).
+    ``verify_layout``: at cp > 1, check on each batch's first call that every CP rank holds the same plan.
+    Registering again replaces the options; imports transformers.
     """
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")

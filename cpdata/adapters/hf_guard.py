@@ -1,13 +1,9 @@
 """Kwargs built for the ``"cpdata"`` attention at cp > 1 reach it on every rank, or every rank refuses.
 
-A model left on ``sdpa``/``eager`` ignores the ``cpdata_attention_state`` kwarg: each rank attends to its own
-tokens (a wrong loss, no error), and if only one rank slipped the others hang in the attention's
-collectives. :func:`check_reaches_cpdata` checks ``group`` against the batch, then finds the slip from the
-configured implementation (``config=``) or from the previous batch's state never being consumed (one step
-late). One 16-byte all-reduce of both flags, on the first two calls and every
-:data:`~cpdata.device.consistency.DEFAULT_CHECK_EVERY` after, makes all ranks raise together; between them
-a slip raises on its own rank, still before the model runs. The previous state is released before the next
-step's masks are built, so peak memory does not grow.
+A model left on ``sdpa``/``eager`` ignores the state kwarg: a wrong loss, or a hang if only one rank slipped.
+The slip shows in the configured implementation (``config=``) or in the previous batch's state never being
+consumed (one step late). One 16-byte all-reduce of both flags, on the first two calls and every
+:data:`~cpdata.device.consistency.DEFAULT_CHECK_EVERY` after, makes all ranks raise together.
 """
 
 from __future__ import annotations
@@ -42,27 +38,20 @@ def check_reaches_cpdata(name: str, config: Any, layout: ShardLayout, group: Any
     """
     configured = getattr(getattr(config, "config", config), "_attn_implementation", None)  # a model or its config
     configured = configured if isinstance(configured, str) else None
-    wrong_config = configured is not None and configured != name
-    if layout.cp_size == 1:  # no peer to hang, no state to track: the configured name only
-        _raise_if(name, layout, configured, (wrong_config, False), (wrong_config, False))
-        return
-    if dist.is_available() and dist.is_initialized():  # without a group the attention's collective refuses
-        check_cp_group(group, layout)
-    previous = _LAST.state
-    # kwargs rebuilt for the same batch (e.g. to read num_items_in_batch first) replace the previous ones
-    unconsumed = previous is not None and not previous.verified and previous.layout is not layout
-    _LAST.state = None  # release the previous batch's masks before this step builds its own
-    due = _LAST.calls < 2 or _LAST.calls % DEFAULT_CHECK_EVERY == 0
-    _LAST.calls += 1
-    anywhere = any_rank_flags((wrong_config, unconsumed), group) if due else (wrong_config, unconsumed)
-    _raise_if(name, layout, configured, (wrong_config, unconsumed), anywhere)
-
-
-def _raise_if(name: str, layout: ShardLayout, configured: str | None, here: tuple[bool, bool],
-              anywhere: tuple[bool, ...]) -> None:  # fmt: skip
+    wrong_config, unconsumed = configured is not None and configured != name, False
+    anywhere: tuple[bool, ...] = (wrong_config,)
+    if layout.cp_size > 1:  # at cp 1 no peer to hang, no state to track: the configured name only
+        if dist.is_available() and dist.is_initialized():  # without a group the attention's collective refuses
+            check_cp_group(group, layout)
+        previous = _LAST.state
+        # kwargs rebuilt for the same batch (e.g. to read num_items_in_batch first) replace the previous ones
+        unconsumed = previous is not None and not previous.verified and previous.layout is not layout
+        _LAST.state = None  # release the previous batch's masks before this step builds its own
+        due = _LAST.calls < 2 or _LAST.calls % DEFAULT_CHECK_EVERY == 0
+        _LAST.calls += 1
+        anywhere = any_rank_flags((wrong_config, unconsumed), group) if due else (wrong_config, unconsumed)
     if not any(anywhere):
         return
-    wrong_config, unconsumed = here
     what = (
         f"this rank's model is configured with attn_implementation={configured!r}"
         if wrong_config

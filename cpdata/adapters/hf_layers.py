@@ -17,7 +17,7 @@ import torch
 
 from cpdata.errors import check_int
 
-__all__ = ["KNOWN_LAYER_TYPES", "LayerVariant", "check_config", "config_windows", "layer_variant", "uniform_window"]
+__all__ = ["KNOWN_LAYER_TYPES", "LayerVariant", "check_config", "config_windows", "layer_variant", "layer_window"]
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 # per-call kwargs that change the scores in ways neither kernel computes
@@ -64,27 +64,22 @@ def check_config(config: Any) -> None:
             "(a sliding window on positions within each document); other layer types are refused"
         )
     if "sliding_attention" in types:
-        _positive_window(getattr(config, "sliding_window", None), "config.sliding_window")
+        layer_window(config, "sliding_attention")
 
 
-def _positive_window(window: Any, name: str) -> int:
-    return check_int(name, window, min=1, fix=" (sliding layers need a window)")
+def layer_window(config: Any, layer_type: str | None) -> int | None:
+    """The window of a layer of ``layer_type`` (None: full attention); a layer without a type takes
+    ``config.sliding_window`` if set (Mistral), a sliding one must have it."""
+    window = None if layer_type == "full_attention" else getattr(config, "sliding_window", None)
+    if window is None and layer_type != "sliding_attention":
+        return None
+    return check_int("config.sliding_window", window, min=1, fix=" (sliding layers need a window)")
 
 
 def config_windows(config: Any) -> dict[str, int | None] | None:
     """``{layer_type: window}`` for each type in ``config.layer_types``; None without ``layer_types``."""
-    check_config(config)
     types = getattr(config, "layer_types", None)
-    if types is None:
-        return None
-    window = getattr(config, "sliding_window", None)
-    return {t: (window if t == "sliding_attention" else None) for t in dict.fromkeys(types)}
-
-
-def uniform_window(config: Any) -> int | None:
-    """The window of every layer of a config without ``layer_types`` (``config.sliding_window``)."""
-    window = getattr(config, "sliding_window", None) if config is not None else None
-    return None if window is None else _positive_window(window, "config.sliding_window")
+    return None if types is None else {t: layer_window(config, t) for t in dict.fromkeys(types)}
 
 
 def _layer_type(module: Any, config: Any) -> str | None:
@@ -122,12 +117,7 @@ def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -
             "use_bidirectional_attention): cpdata's document masks are causal"
         )
     layer_type = _layer_type(module, config)
-    if layer_type == "sliding_attention":
-        expected = _positive_window(getattr(config, "sliding_window", None), "config.sliding_window")
-    elif layer_type == "full_attention":
-        expected = None
-    else:
-        expected = uniform_window(config)
+    expected = layer_window(config, layer_type)
     window = kwargs.get("sliding_window", expected)
     if window != expected:
         raise ValueError(

@@ -6,9 +6,8 @@ pack's target count (one 8-byte all-reduce over the CP group, no host sync)::
     loss_r = sum_{t local, labels[t] != -100} CE(logits[t], labels[t]) / N_global
     sum_r loss_r = the mean loss of the whole pack on one rank
 
-The K/V gather's backward reduce-scatters, so SUM parameter gradients over the CP group (averaging gives
-``1/cp`` of the single-rank gradient). With ``dp_group`` the count spans the DP group too (every token
-weighs the same across DP ranks); then sum gradients over DP as well.
+SUM parameter gradients over the CP group (averaging gives ``1/cp`` of the single-rank gradient). With
+``dp_group`` the count spans the DP group too; then sum gradients over DP as well.
 """
 
 from __future__ import annotations

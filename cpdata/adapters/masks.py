@@ -1,10 +1,7 @@
-"""Document-causal attention masks for a CP shard, for model code: this rank's queries x every rank's keys.
+"""Document-causal attention masks for model code: this rank's queries x every rank's keys (torch only).
 
-The predicate is :mod:`cpdata.device.attention_masks`, the one every cpdata attention applies; building a
-mask needs no collective and no host sync. :func:`document_causal_mask` is dense bool ``[B, 1, L, S]`` for
-SDPA (``B*L*S`` bytes, full ``L x S`` work); :func:`flex_block_mask` a ``BlockMask`` whose kernel skips
-the blocks the documents rule out. A layout with a K/V exchange plan is attended over its exchanged keys
-(``K = L + n_recv``, own then received) unless ``keys="global"``.
+The predicate is :mod:`cpdata.device.attention_masks`, the one every cpdata attention applies; dense for
+SDPA (``B*L*S`` bytes, full ``L x S`` work) or a flex ``BlockMask`` whose kernel skips ruled-out blocks.
 """
 
 from __future__ import annotations
@@ -58,15 +55,11 @@ def document_causal_mask(
     """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys (``[B, 1, L, K]``
     over the exchanged keys).
 
-    Args:
-        layout: the batch's :class:`ShardLayout`; None for a whole pack on one rank (queries ``0..L-1``).
-        document_ids: int ``[B, L]`` (bshd) or ``[L]`` (thd stream), the batch's ``document_ids``.
-        cu_seqlens_padded: int32 ``[K+1]``, the batch's global slot offsets.
-        window: keep only keys with ``pos(q) - k < window``; None: the whole document prefix.
-        keys: ``"auto"`` (exchanged when ``layout.kv_exchange`` is set, else global), ``"global"`` (a row's
-            ``S = layout.padded_seq_len`` positions in order) or ``"exchange"`` (refused without a plan).
-        cu_seqlens: int32 ``[K+1]``, the real lengths: pad queries see their own key only (what cpdata's
-            own attention does). None: pads attend their slot like its last document token.
+    ``layout`` None: a whole pack on one rank. ``document_ids``: int ``[B, L]`` or ``[L]``;
+    ``cu_seqlens_padded`` / ``cu_seqlens``: int32 ``[K+1]`` slot offsets / real lengths (given, pad queries
+    see their own key only), as :func:`cpdata.device.attention_masks.document_slots`. ``window``: keep keys
+    with ``pos(q) - k < window``. ``keys``: ``"auto"`` (exchanged when ``layout.kv_exchange`` is set),
+    ``"global"`` (a row's ``S`` positions in order) or ``"exchange"`` (refused without a plan).
     """
     lo, hi, row_len, key_pos = _intervals(layout, document_ids, cu_seqlens_padded, cu_seqlens, window, keys)
     return dense_mask(lo, hi, torch.arange(row_len, device=lo.device) if key_pos is None else key_pos)

@@ -1,11 +1,8 @@
 """Transformer Engine ``DotProductAttention`` arguments for a cpdata THD batch (torch only; TE not imported).
 
-TE's THD contract with CP: Q/K/V are this rank's ``[T_local, H, D]`` in TE's partition (chunks ``r`` and
-``2cp-1-r`` of every padded sequence: cpdata's ``layout="thd"``); ``cu_seqlens_q/kv`` are the GLOBAL real
-offsets and ``cu_seqlens_q/kv_padded`` the GLOBAL slot offsets (int32 ``[K+1]``; the last slot absorbs the
-pack's tail); ``max_seqlen_q/kv`` GLOBAL Python ints (the longest padded slot, sparing TE an ``.item()``).
-The CP group, ranks, stream and comm type go to the constructor or ``set_context_parallel_group``, once.
-Worked example: docs/transformer-engine.md.
+TE's THD partition (chunks ``r`` and ``2cp-1-r`` of every padded sequence) is cpdata's ``layout="thd"``;
+``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded`` (slots) are GLOBAL int32 ``[K+1]`` offsets and
+``max_seqlen_q/kv`` GLOBAL Python ints (no ``.item()`` in TE). Worked example: docs/transformer-engine.md.
 """
 
 from __future__ import annotations
@@ -95,7 +92,9 @@ def te_attention_kwargs(
         cp_group = None
     else:
         if cp_group is None:
-            raise ValueError(f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())")
+            raise ValueError(
+                f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())"
+            )
         check_cp_group(cp_group, layout)
         ranks = dist.get_process_group_ranks(cp_group)
     return TEAttentionArgs(

@@ -1,12 +1,9 @@
 """Ranks agreeing without exchanging data: the same shard plan, and the same end of epoch.
 
-CP ranks of one data-parallel group plan their batches independently and agree without talking; if they
-ever do not (another seed, a resumed rank one step off, a ``dp_rank`` slip) the gather would silently mix
-batches. :func:`verify_layout_consistency` all-reduces ``[d, -d]`` (int64, MAX) of the layout's 63-bit
-digest ``d``: one 16-byte all-reduce, every rank on the same collective path, so a mismatch raises on every
-rank instead of hanging. :class:`LayoutCheck` runs it on the first batch and every
-:data:`DEFAULT_CHECK_EVERY` after (``check_layout_every=0`` / ``check_every=0``: off; costs in
-docs/benchmarks.md). Layouts without a digest (built by hand, the raw TE/THD path) are not checked.
+CP ranks plan their batches independently; if they ever disagree (another seed, a ``dp_rank`` slip) the
+gather would silently mix batches. :func:`verify_layout_consistency` all-reduces ``[d, -d]`` (int64, MAX) of
+the layout's 63-bit digest: 16 bytes, every rank on the same collective path, so a mismatch raises on every
+rank instead of hanging. Layouts without a digest (built by hand, the raw TE/THD path) are not checked.
 """
 
 from __future__ import annotations
@@ -20,21 +17,14 @@ from cpdata.errors import check_int, is_int
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = [
-    "DEFAULT_CHECK_EVERY",
-    "LayoutCheck",
-    "all_ranks_have_batch",
-    "any_rank_flags",
-    "verify_layout_consistency",
-]
+    "DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "any_rank_flags", "verify_layout_consistency",
+]  # fmt: skip
 
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
 
 
 def _max_over(values: list[int], group: Any, device: Any) -> list[int]:
-    """Each value's maximum over ``group``: one int64 all-reduce and one device-to-host read.
-
-    ``device`` None: CUDA for an NCCL group, else the CPU.
-    """
+    """Each value's maximum over ``group`` (one int64 all-reduce; ``device`` None: CUDA for NCCL, else CPU)."""
     if device is None:
         nccl = dist.get_backend(group) == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -43,16 +33,16 @@ def _max_over(values: list[int], group: Any, device: Any) -> list[int]:
     return seen.tolist()
 
 
-def verify_layout_consistency(
-    batch_or_layout: Any, cp_mesh_or_group: Any = None, *, device: Any = None
-) -> None:
+def verify_layout_consistency(batch_or_layout: Any, cp_mesh_or_group: Any = None, *, device: Any = None) -> None:
     """Raise ``ValueError`` on every CP rank unless all ranks hold the same plan digest.
 
     ``batch_or_layout``: a :class:`ShardLayout` or a batch with one as ``.layout``. ``cp_mesh_or_group``: the
     CP mesh (1-D, or with a ``"cp"`` dim) or a process group; None: the default group. ``device``: where the
     2-element tensor lives (default CUDA for an NCCL group, else the CPU).
     """
-    layout = batch_or_layout if isinstance(batch_or_layout, ShardLayout) else getattr(batch_or_layout, "layout", None)
+    layout = batch_or_layout
+    if not isinstance(layout, ShardLayout):
+        layout = getattr(batch_or_layout, "layout", None)
     if not isinstance(layout, ShardLayout):
         raise TypeError(
             "verify_layout_consistency takes a ShardLayout or a batch with a .layout (ShardedBatch), "
@@ -88,10 +78,7 @@ DEFAULT_CHECK_EVERY = 100
 
 class LayoutCheck:
     """:func:`verify_layout_consistency` on the first checked batch and every ``every``-th after; 0 or None: never.
-
-    Counts only batches that can be checked (cp > 1, a digest, a process group), so every rank of a CP group
-    runs the collective at the same calls.
-    """
+    Counts only checkable batches (cp > 1, a digest, a process group), the same on every rank of a CP group."""
 
     def __init__(self, every: int | None = DEFAULT_CHECK_EVERY) -> None:
         fix = " (batches between checks; 0 or None: off)"
@@ -119,11 +106,8 @@ def all_ranks_have_batch(has_batch: bool, group: Any = None, *, device: Any = No
 
 
 def any_rank_flags(flags: tuple[bool, ...], group: Any = None, *, device: Any = None) -> tuple[bool, ...]:
-    """Each flag OR-ed over ``group`` (one all-reduce; ``flags`` as they are without a process group).
-
-    Every rank passes as many flags, whatever their values, so all take the same collective path and can
-    raise together.
-    """
+    """Each flag OR-ed over ``group`` (one all-reduce; ``flags`` as they are without a process group); every
+    rank passes as many flags, so all take the same collective path and can raise together."""
     if not (dist.is_available() and dist.is_initialized()):
         return tuple(bool(f) for f in flags)
     return tuple(bool(v) for v in _max_over([int(bool(f)) for f in flags], group, device))

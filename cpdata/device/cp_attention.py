@@ -7,13 +7,11 @@ Inside ``with ContextParallelAttention(layout, group):`` every call of
     mask     = lo(q) <= k_pos <= hi(q)                  cpdata.device.attention_masks' intervals
     out      = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]      local order
 
-equals full attention over the padded sequence, row by row, for every layout (the behaviour and the
-``attn_mask`` / ``local_attn_mask`` rules: docs/usage.md). Trade-off: full K/V and an ``L x cp*L`` bool mask
-(built once per context and device), SDPA with an explicit mask (no flash): the correctness path, any device.
-With a K/V exchange plan a document-causal call moves only the keys its queries need (``L + n_recv``).
-Calls of other lengths pass through. The patch is process-global: contexts nest, exit in LIFO order, and
-two threads must not run different ones at once. Leaving a context at cp > 1 with no served call raises
-(the model's attention bypassed SDPA; ``require_calls=False`` for code that makes none on purpose).
+equals full attention over the padded sequence, row by row, for every layout (``attn_mask`` rules:
+docs/usage.md). Trade-off: full K/V and an ``L x cp*L`` bool mask per context and device, SDPA with an
+explicit mask (no flash): the correctness path, any device. With a K/V exchange plan a document-causal call
+moves only the ``L + n_recv`` keys its queries need. The patch is process-global: contexts nest, exit in
+LIFO order, and two threads must not run different ones at once.
 """
 
 from __future__ import annotations
@@ -92,15 +90,10 @@ class ContextParallelAttention:
         if document_ids is not None and cu_seqlens_padded is None:
             raise ValueError("document_ids needs cu_seqlens_padded (the batch's slot offsets) to place each "
                              "document in global order; pass the batch's 'cu_seqlens_padded'")  # fmt: skip
-        self.window = window
+        self.layout, self.group, self.window, self.local_attn_mask = layout, group, window, local_attn_mask
+        self.document_ids, self.cu_seqlens_padded, self.cu_seqlens = document_ids, cu_seqlens_padded, cu_seqlens
         self.require_calls = require_calls
-        self.served = 0
-        self.passed = 0
-        self.layout = layout
-        self.group = group
-        self.document_ids = document_ids
-        self.cu_seqlens_padded, self.cu_seqlens = cu_seqlens_padded, cu_seqlens
-        self.local_attn_mask = local_attn_mask
+        self.served = self.passed = 0
         self.local_len = int(layout.local_token_global_indices.numel())
         self._masks: dict[tuple[str, bool, bool], torch.Tensor | None] = {}
         self._previous: Callable[..., torch.Tensor] | None = None
@@ -166,7 +159,7 @@ class ContextParallelAttention:
             return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
-        layout = self._full_layout()
+        layout = self.layout = ensure_gather_index(self.layout, self.group)  # its inverse, built once
         global_len = n * layout.cp_size
         if attn_mask is not None and attn_mask.shape[-1] == n and n != global_len:
             if self.local_attn_mask == "refuse":
@@ -182,8 +175,7 @@ class ContextParallelAttention:
                 f"attn_mask of shape {tuple(attn_mask.shape)}: its last dim must be the {global_len} global keys "
                 f"(or {n} local keys with local_attn_mask='causal')"
             )
-        # document-causal with a plan: only the keys this rank's queries need (own + received); a window
-        # keeps a subset of them
+        # document-causal with a plan: only the keys this rank's queries need (a window keeps a subset)
         exchange = attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout)
         key_g, value_g = move_keys_values(key, value, layout, self.group, exchange=exchange, seq_dim=key.dim() - 2)
         mask = self._mask(query.device, is_causal, exchange)
@@ -191,11 +183,6 @@ class ContextParallelAttention:
             mask = _combine(attn_mask, mask)
         self.served += 1
         return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
-
-    def _full_layout(self) -> ShardLayout:
-        if self.layout.gather_index is None:
-            self.layout = ensure_gather_index(self.layout, self.group)
-        return self.layout
 
     def _mask(self, device: torch.device, causal: bool, exchange: bool) -> torch.Tensor | None:
         """Bool keep-mask ``[L, K]`` (no document ids, or ``[L]`` ones) or ``[B, 1, L, K]`` over the gathered
@@ -228,13 +215,9 @@ def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor
 
 @dataclass(frozen=True)
 class AttentionContextFactory:
-    """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1.
-
-    ``ctx()``: a :class:`ContextParallelAttention` with the batch's document mask when the batch carries
-    ``document_ids`` and ``cu_seqlens_padded``, plain causal otherwise. ``ctx(document_mask=False)`` opts
-    out, allowed only where every row holds one document; ``ctx(document_mask=True)`` is refused on a batch
-    without its documents.
-    """
+    """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1: ``ctx()`` is a
+    :class:`ContextParallelAttention` with the batch's document mask when it carries one, plain causal
+    otherwise; ``document_mask=False`` is allowed only where every row holds one document."""
 
     layout: ShardLayout
     group: Any = None
@@ -269,17 +252,12 @@ class AttentionContextFactory:
                 "causal attention over the packed row would attend across documents; enter ctx() (the document "
                 "mask is the default), or pack one document per row"
             )
-        return ContextParallelAttention(
-            self.layout,
-            self.group,
-            document_ids=self.document_ids if document_mask is not False and known else None,
-            cu_seqlens_padded=self.cu_seqlens_padded,
-            cu_seqlens=self.cu_seqlens,
-            local_attn_mask=local_attn_mask,
-            check_every=0,  # sharder.shard() checked the layout
-            window=window,
+        document_ids = self.document_ids if document_mask is not False and known else None
+        return ContextParallelAttention(  # check_every=0: sharder.shard() checked the layout
+            self.layout, self.group, document_ids=document_ids, cu_seqlens_padded=self.cu_seqlens_padded,
+            cu_seqlens=self.cu_seqlens, local_attn_mask=local_attn_mask, check_every=0, window=window,
             require_calls=require_calls,
-        )
+        )  # fmt: skip
 
     def _most_documents_in_a_row(self) -> int:
         """The most slots holding real tokens in one row of ``S`` global positions (one host read)."""

@@ -60,6 +60,10 @@ class VarlenPlan:
     """``(-1, 0)`` causal, ``(W - 1, 0)`` a window of ``W`` keys up to the query."""
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).cpu().numpy().astype(np.int64)
+
+
 def _offsets(lengths: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32).to(device)
 
@@ -98,9 +102,9 @@ def varlen_plan(
     work) past ``MAX_KEY_COPIES`` times the keys held (``balanced`` makes one segment per query).
     """
     check_window(window)
-    start_np, pos_np, keys_np = (t.detach().reshape(-1).cpu().numpy().astype(np.int64) for t in (start, pos, key_pos))
+    start_np, pos_np, keys_np = (_host(t) for t in (start, pos, key_pos))
     if end is not None:  # a slot's pads run apart from its real tokens, from the first pad
-        end_np = end.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        end_np = _host(end)
         start_np = np.where(pos_np < end_np, start_np, end_np)
     first, q_len = query_runs(pos_np, start_np)
     is_pad = np.zeros(first.size, dtype=bool) if end is None else pos_np[first] >= end_np[first]
