@@ -1,10 +1,7 @@
 """Differentiable gather of a token-aligned CP shard back to global order (torch and the standard library only).
 
 The layout carries the inverse map (``gather_index``, built on the dataloader worker), so a gather is one
-collective on the tensor itself, never on indices: forward all-gathers ``[L, ...]`` into the rank-major
-``[cp*L, ...]`` and applies ``index_select(gather_index)``; backward puts the gradient back in rank-major
-order and reduce-scatters (SUM). One collective and an O(n) select, against two collectives and an
-O(n log n) argsort when every rank's indices are gathered too. Model code imports this module alone.
+collective on the tensor and an O(n) ``index_select``, never a collective on indices and an argsort.
 """
 
 from __future__ import annotations
@@ -27,10 +24,8 @@ _device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor
 
 
 def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str) -> torch.Tensor:
-    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) at most once per (layout, device).
-
-    The bounded cache validates the layout by identity, so a recycled ``id`` never returns a stale map.
-    """
+    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) at most once per (layout, device); the
+    bounded cache checks the layout by identity, so a recycled ``id`` never returns a stale map."""
     value = getattr(layout, name)
     if value is None:
         raise ValueError(f"ShardLayout.{name} is None; build the layout with {name} set")
@@ -50,7 +45,8 @@ def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str)
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (same collective); keep older torch working.
+    # torch 2.13 renamed all_gather_into_tensor (same collective); keep older torch working. Looked up per
+    # call: tests and the bench count collectives by patching torch.distributed.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, x, group=group)
 
@@ -61,13 +57,9 @@ def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
 
 
 class GatherFromShards(torch.autograd.Function):
-    """All-gather a local shard and restore global token order; backward reduce-scatters (SUM).
-
-    ``apply(local, gather_index, group, seq_dim)``: ``local`` holds ``L`` tokens on ``seq_dim``;
-    ``gather_index`` is int64 ``[cp*L]`` on its device (``global = concat(shards)[gather_index]``); returns
-    ``[..., cp*L, ...]`` in global order. With a loss replicated on every CP rank each rank's gradient is
-    ``cp_size x`` the single-loss gradient: scale the loss by ``1 / cp_size`` if that is not wanted.
-    """
+    """All-gather a local shard (``L`` tokens on ``seq_dim``) and index it by ``gather_index`` (int64 ``[cp*L]``)
+    into global order; backward reduce-scatters (SUM), so a loss replicated on every CP rank gives each rank
+    ``cp_size x`` the single-loss gradient (scale it by ``1 / cp_size``)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int) -> torch.Tensor:
@@ -92,13 +84,9 @@ class GatherFromShards(torch.autograd.Function):
 def gather_token_tensor(
     tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Differentiably gather this rank's shard to the full padded sequence, in global order.
-
-    ``tensor`` holds ``L`` tokens on ``seq_dim`` in the layout's local order (``[B, L, H]`` hidden states,
-    ``[B, L]`` log-probs); ``group`` is the CP group (None: the default group). Returns
-    ``[..., cp_size*L, ...]`` in global padded order. At ``cp_size == 1`` no collective runs (an
-    ``index_select``, still right for a layout that reorders tokens); else see :class:`GatherFromShards`.
-    """
+    """Differentiably gather this rank's shard (``L`` tokens on ``seq_dim``, local order) to
+    ``[..., cp_size*L, ...]`` in global padded order over the CP ``group`` (None: the default group); at
+    ``cp_size == 1`` an ``index_select`` and no collective, else :class:`GatherFromShards`."""
     seq_dim = seq_dim % tensor.dim()
     if layout.gather_index is None:
         raise ValueError(
@@ -126,10 +114,8 @@ def gather_token_tensor(
 
 
 def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: str = "built") -> None:
-    """``ValueError`` unless ``group`` (None: the default group) has ``cp_size`` ranks, this one ``cp_rank``.
-
-    ``what`` names the record ``verb`` for them (``"layout"`` built, ``"the batch"`` sharded).
-    """
+    """``ValueError`` unless ``group`` (None: the default group) has ``cp_size`` ranks, this one ``cp_rank``;
+    ``what`` names the record ``verb`` for them (``"layout"`` built, ``"the batch"`` sharded)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
                          "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
@@ -144,11 +130,8 @@ def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: s
 
 
 def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:
-    """``layout`` with ``gather_index``, ``cp_size`` and ``cp_rank`` filled in from the ranks' index maps.
-
-    A layout with only ``local_token_global_indices`` costs one all-gather of the maps (every CP rank must
-    join) and an argsort, checked to be a permutation; keep the copy so later gathers stay one collective.
-    """
+    """``layout`` with ``gather_index``, ``cp_size`` and ``cp_rank`` from the ranks' index maps, if missing: one
+    all-gather every CP rank must join and an argsort; keep the copy so later gathers stay one collective."""
     if layout.gather_index is not None:
         return layout
     if layout.local_token_global_indices is None:

@@ -42,5 +42,4 @@ def info_int(info: Mapping[str, Any], key: str) -> int:
 
 def check_cp_group(group: Any, layout: ShardLayout) -> None:
     """``ValueError`` unless ``group`` (None: the default group) is the CP group ``layout`` was built for."""
-    if layout.cp_size > 1:
-        check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")
+    check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")

@@ -81,10 +81,8 @@ def flex_attention_call(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out [B, H, L, Ev]`` through ``flex_attention`` (compiled once per process on CUDA, eager elsewhere).
-
-    Softcap is a ``score_mod``; sinks rescale the output by ``sigmoid(lse - sink)``. No dropout.
-    """
+    """``out [B, H, L, Ev]`` through ``flex_attention`` (compiled once on CUDA, eager elsewhere; no dropout):
+    softcap is a ``score_mod``, sinks rescale the output by ``sigmoid(lse - sink)``."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = _compiled_flex() if q.is_cuda else flex_attention

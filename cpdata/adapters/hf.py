@@ -55,12 +55,9 @@ def hf_model_kwargs(
     group: Any = None,
     config: Any = None,
 ) -> dict[str, Any]:
-    """``model(**kwargs)`` arguments for this rank's batch (see the module docstring); no device sync.
-
-    ``tensors``: the batch's device tensors (default ``batch``). ``num_items_in_batch``: the target count the
-    HF loss divides by (None: HF's mean at cp 1; at cp > 1 ``batch.info["n_targets"]``, else one all-reduce
-    over ``group``). ``config``: the model or its ``PretrainedConfig`` (checked when given).
-    """
+    """``model(**kwargs)`` for this rank's batch (no device sync); ``tensors``: its device tensors.
+    ``num_items_in_batch`` None: HF's mean at cp 1; at cp > 1 ``batch.info["n_targets"]``, else one all-reduce
+    over ``group``. ``config``: the model or its ``PretrainedConfig`` (checked when given)."""
     _check_transformers()
     tensors, layout, info = batch_parts(batch, tensors)
     _check_model_supports(config, attn_implementation)

@@ -7,10 +7,8 @@
     loss = model(**hf_model_kwargs(batch, "cpdata", tensors=local, group=cp_group)).loss
 
 Each layer gets local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` and the batch's
-:class:`HFAttentionState` (in the ``model(...)`` kwargs). Per call: check the layer's variant; on a batch's
-first call at cp > 1 verify the plan digest; bring the keys (:func:`move_keys_values`); mask each query's key
-interval (once per batch, kernel, window and device); run the kernel (:func:`attend`). transformers builds
-no mask for this name; generation (a KV cache) is refused.
+:class:`HFAttentionState`; it checks the layer's variant, brings the keys (:func:`move_keys_values`), masks
+each query's key interval (once per batch, kernel, window, device) and runs :func:`attend`. No KV cache.
 """
 
 from __future__ import annotations
@@ -51,12 +49,9 @@ def registered_options(name: str) -> _Options | None:
 
 
 def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
-    """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name``; returns ``name``.
-
-    ``kernel``: ``"auto"``, ``"dense"``, ``"flex"`` or ``"varlen"`` (:func:`cpdata.device.varlen.choose_kernel`).
-    ``verify_layout``: at cp > 1, check on each batch's first call that every CP rank holds the same plan.
-    Registering again replaces the options; imports transformers.
-    """
+    """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name`` (again: new options).
+    ``kernel``: ``"auto"``, ``"dense"``, ``"flex"`` or ``"varlen"`` (:func:`cpdata.device.varlen.choose_kernel`);
+    ``verify_layout``: at cp > 1, check on each batch's first call that every CP rank holds the same plan."""
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")
     from transformers import AttentionInterface
@@ -71,12 +66,8 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
 
 @dataclass(eq=False)
 class HFAttentionState:
-    """One batch's attention state, built by :func:`attention_state` (``hf_model_kwargs``).
-
-    ``slots``: each local query's position and document slot (one row ``[1, L]``); ``key_len``: the keys each
-    layer attends over (``S = cp * L`` all-gathered, ``L + n_recv`` with an exchange plan); ``exchange``: the
-    keys are own + received. At cp > 1 the first call builds ``layout``'s ``gather_index`` when missing.
-    """
+    """One batch's attention state (:func:`attention_state`): ``slots`` of its one row ``[1, L]`` of queries,
+    ``key_len`` keys per layer (``S = cp * L`` all-gathered, ``L + n_recv`` own + received with ``exchange``)."""
 
     layout: ShardLayout
     group: Any

@@ -31,11 +31,8 @@ _LAST = _LastState()
 
 
 def check_reaches_cpdata(name: str, config: Any, layout: ShardLayout, group: Any) -> None:
-    """``ValueError`` on every CP rank when any rank's ``name`` kwargs would not reach the ``name`` attention.
-
-    Call before building this step's state and :func:`remember` it after; at cp 1 only the configured name
-    is checked (no collective).
-    """
+    """``ValueError`` on every CP rank when any rank's ``name`` kwargs would not reach the ``name`` attention;
+    call before building this step's state and :func:`remember` it after (at cp 1: no collective)."""
     configured = getattr(getattr(config, "config", config), "_attn_implementation", None)  # a model or its config
     configured = configured if isinstance(configured, str) else None
     wrong_config, unconsumed = configured is not None and configured != name, False

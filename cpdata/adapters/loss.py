@@ -6,8 +6,7 @@ pack's target count (one 8-byte all-reduce over the CP group, no host sync)::
     loss_r = sum_{t local, labels[t] != -100} CE(logits[t], labels[t]) / N_global
     sum_r loss_r = the mean loss of the whole pack on one rank
 
-SUM parameter gradients over the CP group (averaging gives ``1/cp`` of the single-rank gradient). With
-``dp_group`` the count spans the DP group too; then sum gradients over DP as well.
+SUM parameter gradients over the CP group (and over DP with ``dp_group``, whose count spans it too).
 """
 
 from __future__ import annotations
@@ -29,11 +28,8 @@ __all__ = ["global_target_count", "token_loss"]
 def global_target_count(
     batch: Mapping[str, Any], group: Any = None, *, dp_group: Any = None, labels: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """int64 0-d tensor on the labels' device: targets of the whole pack (and of every DP rank with ``dp_group``).
-
-    One all-reduce over ``group`` (the CP group; None: the default group) at ``cp_size > 1``, one more over
-    ``dp_group``; no ``.item()``. ``labels`` overrides ``batch["labels"]`` (e.g. the device copy).
-    """
+    """int64 0-d tensor: targets of the whole pack (and of every DP rank with ``dp_group``), one all-reduce over
+    each group, no ``.item()``; ``labels`` overrides ``batch["labels"]`` (e.g. the device copy)."""
     labels = batch[LABELS] if labels is None else labels
     count = labels.ne(IGNORE_INDEX).sum()
     layout = getattr(batch, "layout", None)
@@ -54,12 +50,8 @@ def token_loss(
     num_targets: int | torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of this rank's targets over the pack's global target count (see the module).
-
-    ``logits_local``: ``[..., V]`` in the batch's local order (half precision computed in float32);
-    ``num_targets``: the global count if known (skips the all-reduce); other arguments as
-    :func:`global_target_count`. Returns a 0-d float32 (float64 for float64 logits); no targets gives 0.
-    """
+    """0-d float32 (float64 for float64 logits): cross-entropy of ``logits_local`` (``[..., V]``, local order)
+    over the pack's target count (``num_targets`` if known; no targets: 0), as :func:`global_target_count`."""
     labels = batch[LABELS] if labels is None else labels
     if logits_local.shape[:-1].numel() != labels.numel():
         raise ValueError(

@@ -52,15 +52,11 @@ def document_causal_mask(
     keys: KeyOrder = "auto",
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys (``[B, 1, L, K]``
-    over the exchanged keys).
-
-    ``layout`` None: a whole pack on one rank. ``document_ids``: int ``[B, L]`` or ``[L]``;
-    ``cu_seqlens_padded`` / ``cu_seqlens``: int32 ``[K+1]`` slot offsets / real lengths (given, pad queries
-    see their own key only), as :func:`cpdata.device.attention_masks.document_slots`. ``window``: keep keys
-    with ``pos(q) - k < window``. ``keys``: ``"auto"`` (exchanged when ``layout.kv_exchange`` is set),
-    ``"global"`` (a row's ``S`` positions in order) or ``"exchange"`` (refused without a plan).
-    """
+    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys, ``[B, 1, L, K]`` over
+    exchanged ones. ``layout`` (None: a whole pack on one rank), ``document_ids`` (``[B, L]`` or ``[L]``),
+    ``cu_seqlens_padded``, ``cu_seqlens``: as :func:`cpdata.device.attention_masks.document_slots`. ``window``:
+    keep keys with ``pos(q) - k < window``. ``keys``: ``"auto"`` (exchanged when ``layout.kv_exchange`` is
+    set), ``"global"`` (a row's ``S`` positions in order) or ``"exchange"`` (refused without a plan)."""
     lo, hi, row_len, key_pos = _intervals(layout, document_ids, cu_seqlens_padded, cu_seqlens, window, keys)
     return dense_mask(lo, hi, torch.arange(row_len, device=lo.device) if key_pos is None else key_pos)
 

@@ -76,13 +76,9 @@ def te_attention_kwargs(
     cp_comm_type: str = "p2p",
     cp_stream: Any = None,
 ) -> TEAttentionArgs:
-    """TE THD attention arguments for this rank's batch (no device sync, no collective).
-
-    ``cp_group``: the CP process group, required at cp > 1 and checked against the layout. ``tensors``: the
-    batch's device tensors (default ``batch``). ``cp_comm_type``: ``"p2p"``, ``"all_gather"`` or ``"a2a"``
-    (TE's ``"a2a+p2p"`` takes two sub-groups: build those yourself). ``cp_stream``: the one CUDA stream TE
-    overlaps CP steps on, the same every step.
-    """
+    """TE THD attention arguments for this rank's batch (no device sync, no collective); ``cp_group`` is
+    required at cp > 1 and checked against the layout; ``cp_comm_type`` is ``"p2p"``, ``"all_gather"`` or
+    ``"a2a"`` (``"a2a+p2p"`` takes two sub-groups: build those yourself); pass the same ``cp_stream`` each step."""
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {cp_comm_type!r}")
     forward = te_forward_kwargs(batch, tensors=tensors)

@@ -8,11 +8,9 @@ For local query ``q`` of row ``b`` and a key at global position ``key_pos[k]``::
     pad query  (pos >= end):                 lo = hi = pos      its own key only
     window W:                                lo >= pos - W + 1  (and hi <= pos + W - 1 when bidirectional)
 
-A slot is a document's span in global order (``cu_seqlens_padded``: real tokens, then pads); ``end`` is one
-past its last real token (``cu_seqlens``); ``pos`` is the layout's ``local_token_global_indices``. A pad
-query costs one diagonal tile and no softmax row is empty. Two forms: :func:`dense_mask` (bool
-``[B, 1, L, K]``, ``L*K`` bytes) and :func:`block_mask` (a flex ``BlockMask``; kilobytes when keys are in
-global order). No collective, no host sync.
+A slot is a document's span in global order (real tokens, then pads), ``end`` one past its last real token,
+``pos`` the layout's ``local_token_global_indices``: a pad costs one diagonal tile, no softmax row is empty.
+Forms: :func:`dense_mask` (bool, ``L*K`` bytes) and :func:`block_mask` (flex). No collective, no host sync.
 """
 
 from __future__ import annotations
@@ -70,12 +68,9 @@ def document_slots(
     cu_seqlens_padded: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
 ) -> QuerySlots:
-    """Each local query's slot from ``document_ids`` (int ``[B, L]`` or ``[L]``: the stream slot of each local
-    token) and the stream's slot offsets ``cu_seqlens_padded`` (int ``[K+1]``, rows of ``S`` concatenated).
-
-    ``layout`` None: a whole pack on one rank (positions ``0..L-1``). ``cu_seqlens`` (the real lengths)
-    given: a slot's pads see only themselves; None: they attend it like its last document token.
-    """
+    """Each local query's slot from ``document_ids`` (int ``[B, L]`` or ``[L]``) and the stream's slot offsets
+    ``cu_seqlens_padded`` (int ``[K+1]``, rows of ``S`` concatenated). ``layout`` None: a whole pack on one rank.
+    ``cu_seqlens`` (real lengths) given: pads see only themselves; None: pads attend like the last real token."""
     if document_ids.dim() not in (1, 2):
         raise ValueError(
             f"document_ids must be [L] (thd stream) or [B, L] (bshd rows), got shape {tuple(document_ids.shape)}"
@@ -126,12 +121,9 @@ def dense_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor) -> tor
 def block_mask(
     lo: torch.Tensor, hi: torch.Tensor, row_len: int, *, key_pos: torch.Tensor | None = None, block_size: int = 128
 ) -> Any:
-    """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``; ``key_pos`` None: keys are ``arange(row_len)``.
-
-    Keys in global order: two difference arrays over ``[B, L/128, S/128 + 1]`` tiles, equal to
-    ``create_block_mask`` tile for tile without its ``L x S`` grid. Keys in any order (``key_pos`` int64
-    ``[K]``): ``create_block_mask`` over ``L x K``.
-    """
+    """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``. ``key_pos`` None (``arange(row_len)``): two
+    difference arrays over ``[B, L/128, S/128 + 1]`` tiles, equal to ``create_block_mask`` without its ``L x S``
+    grid; keys in any order (int64 ``[K]``): ``create_block_mask`` over ``L x K``."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     rows, local = lo.shape

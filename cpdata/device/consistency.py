@@ -34,12 +34,9 @@ def _max_over(values: list[int], group: Any, device: Any) -> list[int]:
 
 
 def verify_layout_consistency(batch_or_layout: Any, cp_mesh_or_group: Any = None, *, device: Any = None) -> None:
-    """Raise ``ValueError`` on every CP rank unless all ranks hold the same plan digest.
-
-    ``batch_or_layout``: a :class:`ShardLayout` or a batch with one as ``.layout``. ``cp_mesh_or_group``: the
-    CP mesh (1-D, or with a ``"cp"`` dim) or a process group; None: the default group. ``device``: where the
-    2-element tensor lives (default CUDA for an NCCL group, else the CPU).
-    """
+    """Raise ``ValueError`` on every CP rank unless all ranks hold the same plan digest; ``batch_or_layout``: a
+    :class:`ShardLayout` or a batch with one; ``cp_mesh_or_group``: the CP mesh (1-D, or with a ``"cp"`` dim) or
+    a process group (None: the default group); ``device`` default: CUDA for an NCCL group, else the CPU."""
     layout = batch_or_layout
     if not isinstance(layout, ShardLayout):
         layout = getattr(batch_or_layout, "layout", None)
@@ -97,11 +94,8 @@ class LayoutCheck:
 
 
 def all_ranks_have_batch(has_batch: bool, group: Any = None, *, device: Any = None) -> bool:
-    """Whether every rank of ``group`` still has a batch (one 8-byte all-reduce); ``has_batch`` without a group.
-
-    DP ranks' epochs can end a few batches apart; a loop whose step runs collectives stops every rank at the
-    same step with ``while all_ranks_have_batch((batch := next(it, None)) is not None): ...``.
-    """
+    """Whether every rank of ``group`` still has a batch (one all-reduce; ``has_batch`` without a process group):
+    ``while all_ranks_have_batch((batch := next(it, None)) is not None):`` stops DP ranks at one step."""
     return not any_rank_flags((not has_batch,), group, device=device)[0]
 
 

@@ -7,11 +7,9 @@ Inside ``with ContextParallelAttention(layout, group):`` every call of
     mask     = lo(q) <= k_pos <= hi(q)                  cpdata.device.attention_masks' intervals
     out      = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]      local order
 
-equals full attention over the padded sequence, row by row, for every layout (``attn_mask`` rules:
-docs/usage.md). Trade-off: full K/V and an ``L x cp*L`` bool mask per context and device, SDPA with an
-explicit mask (no flash): the correctness path, any device. With a K/V exchange plan a document-causal call
-moves only the ``L + n_recv`` keys its queries need. The patch is process-global: contexts nest, exit in
-LIFO order, and two threads must not run different ones at once.
+equals full attention over the padded sequence, for every layout (``attn_mask`` rules: docs/usage.md).
+Trade-off: full K/V and an ``L x cp*L`` bool mask, SDPA without flash: the correctness path, any device.
+The patch is process-global: contexts nest, exit in LIFO order, one thread at a time.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ def active_contexts() -> tuple[ContextParallelAttention, ...]:
 
 
 def record_served_call() -> None:
-    """Count one attention call served by other CP-aware code (the ``"cpdata"`` HF attention) in the
-    innermost active context, so leaving it does not report a model that bypassed SDPA."""
+    """Count a call served by the ``"cpdata"`` HF attention in the innermost context (not a bypass of SDPA)."""
     with _PATCH_LOCK:
         if _ACTIVE:
             _ACTIVE[-1].served += 1
@@ -69,15 +66,13 @@ class ContextParallelAttention:
         window: int | None = None,
         require_calls: bool = True,
     ) -> None:
-        """Bind the override to one sharded batch.
+        """Bind the override to one sharded batch (``layout`` with ``local_token_global_indices``).
 
-        ``layout`` needs ``local_token_global_indices`` (its ``gather_index`` is built once when missing).
-        ``document_ids`` (this rank's stream slot per local token, ``[L]`` or ``[B, L]``) with
-        ``cu_seqlens_padded``: queries attend only their own document slot; None: no document mask.
-        ``cu_seqlens``: pad queries see their own key only. ``local_attn_mask``: an ``attn_mask`` over
-        local keys is refused (``"refuse"``) or replaced by the causal mask (``"causal"``). ``check_every``:
-        :class:`~cpdata.device.consistency.LayoutCheck` interval (0 or None: off). ``window``: sliding window
-        over global positions. ``require_calls``: at cp > 1, raise on exit if no SDPA call was served.
+        ``document_ids`` (``[L]`` or ``[B, L]``), ``cu_seqlens_padded``, ``cu_seqlens``: the document mask, as
+        :func:`~cpdata.device.attention_masks.document_slots` (None: none). ``local_attn_mask``: an
+        ``attn_mask`` over local keys is refused or replaced by the causal mask. ``check_every``: the
+        :class:`~cpdata.device.consistency.LayoutCheck` interval. ``require_calls``: at cp > 1, raise on exit
+        if no SDPA call was served.
         """
         if layout.local_token_global_indices is None:
             raise ValueError(

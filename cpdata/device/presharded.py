@@ -1,10 +1,8 @@
 """The pre-sharded path of ``shard_batch``: a worker batch checked against the mesh and moved.
 
-A worker batch (a Mapping carrying ``.layout``, normally a :class:`~cpdata.worker.batch.ShardedBatch`)
-already holds this rank's tokens in local order, checked on the worker. Two O(1) facts remain: the layout
-was built for this mesh's CP size and this rank. Then the batch moves as one buffer copy (``non_blocking``),
-its views rebuilt from its span plan; a plain Mapping with a layout moves key by key. Also here: the mesh
-helpers of every ``shard_batch`` and the ctx factory ``shard()`` returns.
+A worker batch (a Mapping carrying ``.layout``) holds this rank's tokens, checked on the worker; two O(1)
+facts remain (the layout's CP size and rank), then a :class:`~cpdata.worker.batch.ShardedBatch` moves as one
+buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers and the ctx factory.
 """
 
 from __future__ import annotations
@@ -66,10 +64,8 @@ def _moved(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, A
 def shard_presharded(
     cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None, *, mesh_dims: Any = None
 ) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
-    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks.
-
-    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only).
-    """
+    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks;
+    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only)."""
     layout: ShardLayout = batch.layout
     rank, size = mesh_rank_size(cp_mesh)
     if layout.cp_size != size and cp_mesh is None:
@@ -96,10 +92,8 @@ def shard_presharded(
 
 
 class PreshardedMove:
-    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path).
-
-    A batch laid out for another rank or size takes :func:`shard_presharded`, which raises the precise error.
-    """
+    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path); a batch
+    for another rank or size takes :func:`shard_presharded`, which raises the precise error."""
 
     __slots__ = ("_cp_mesh", "_device", "_group", "_mesh_dims", "_rank", "_size")
 

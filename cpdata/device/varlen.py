@@ -9,10 +9,9 @@ Each run of a rank's local queries with consecutive global positions inside one 
     mask     key j <= i + sk - sq                  causal aligned bottom-right, as FA for sq != sk;
              j >= i + sk - sq - (W - 1)            window_size=(W - 1, 0) (transformers' kv > q - W)
 
-The keys come from what the rank holds (own + received, or all ``S``) through one ``index_select``; the
-kernel is ``torch.nn.attention.varlen.varlen_attn`` (FA2 on CUDA, fp16 / bf16), looked up per call so tests
-can swap in :func:`cpdata.device.varlen_reference.reference_varlen_attn`. No mask is built, but the gathered
-K/V are a copy of the segments' key counts summed (costs by layout: docs/layouts-and-kernels.md).
+Keys come from those the rank holds through one ``index_select`` (a copy; costs by layout:
+docs/layouts-and-kernels.md); the kernel, ``torch.nn.attention.varlen.varlen_attn`` (FA2, CUDA), is looked
+up per call so tests can swap in :func:`cpdata.device.varlen_reference.reference_varlen_attn`.
 """
 
 from __future__ import annotations
@@ -92,15 +91,10 @@ def varlen_plan(
     device: torch.device,
     end: torch.Tensor | None = None,
 ) -> VarlenPlan:
-    """The segments of one row of local queries over keys at global positions ``key_pos``.
-
-    ``start`` / ``end``: int ``[1, L]`` or ``[L]``, each query's slot start and one past its slot's last real
-    token; ``pos``: int ``[L]``, each query's global position; ``key_pos``: int ``[K]``, the global position
-    of each key the rank holds. ``end`` given: a pad run is cut into segments of at most :data:`PAD_CHUNK`
-    queries over their own keys (one diagonal tile each, never a real key); None: pads attend their slot.
-    ``ValueError`` when a segment needs a key ``key_pos`` lacks; :class:`KeyCopiesError` (before any O(Kv)
-    work) past ``MAX_KEY_COPIES`` times the keys held (``balanced`` makes one segment per query).
-    """
+    """The segments of one row of local queries (slot ``start`` / real ``end``, ``pos``: int ``[L]``) over keys
+    held at global positions ``key_pos`` (int ``[K]``). With ``end``, pad runs become segments of at most
+    :data:`PAD_CHUNK` queries over their own keys; without, pads attend their slot. ``ValueError`` when a key
+    is not held; :class:`KeyCopiesError` (before any O(Kv) work) past ``MAX_KEY_COPIES`` times the keys held."""
     check_window(window)
     start_np, pos_np, keys_np = (_host(t) for t in (start, pos, key_pos))
     if end is not None:  # a slot's pads run apart from its real tokens, from the first pad
@@ -147,13 +141,9 @@ def choose_kernel(
     dtype: torch.dtype,
     plan: Callable[[], VarlenPlan] | None = None,
 ) -> Kernel:
-    """The kernel one attention call runs: ``"varlen"``, ``"flex"`` or ``"dense"``.
-
-    ``"dense"`` and ``"flex"`` stand. ``"auto"`` and ``"varlen"`` run varlen where the layer allows it (no
-    softcap, no sinks, CUDA in fp16 / bf16, and ``plan()`` not raising :class:`KeyCopiesError`), else flex on
-    CUDA and dense SDPA elsewhere (``"auto"`` off CUDA: dense). Each fallback reason is logged once per
-    process (logger ``cpdata.device.varlen``, WARNING).
-    """
+    """The kernel one attention call runs: ``"dense"`` and ``"flex"`` stand; ``"auto"`` and ``"varlen"`` run
+    varlen where the layer allows it (no softcap or sinks, CUDA in fp16 / bf16, ``plan()`` not raising
+    :class:`KeyCopiesError`), else flex on CUDA and dense elsewhere, each reason logged once per process."""
     if requested in ("dense", "flex"):
         return requested
     if requested not in ("auto", "varlen"):

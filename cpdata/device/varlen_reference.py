@@ -1,9 +1,8 @@
 """An exact reference of ``torch.nn.attention.varlen.varlen_attn``'s semantics, on any device (SDPA per segment).
 
-Same call as torch's. Segment ``s`` holds queries ``cu_seq_q[s]..cu_seq_q[s+1]`` and keys
-``cu_seq_k[s]..cu_seq_k[s+1]``; query ``i`` of ``sq`` sees key ``j`` of ``sk`` (``d = sk - sq``, flash's
-bottom-right alignment) when ``i + d - left <= j <= i + d + right`` (``-1``: no bound; ``(-1, 0)`` is
-causal). A query with no key gets zeros, as flash. A Python loop over segments: for tests, not training.
+Same call as torch's. In each segment query ``i`` of ``sq`` sees key ``j`` of ``sk`` (``d = sk - sq``,
+bottom-right aligned) when ``i + d - left <= j <= i + d + right`` (``-1``: no bound; ``(-1, 0)``: causal);
+a query with no key gets zeros, as flash. A Python loop over segments: for tests, not training.
 """
 
 from __future__ import annotations
