@@ -1,15 +1,9 @@
-"""Online greedy packers: ``next_fit`` (one open bin) and ``first_fit`` (Grain-style, 8 bins).
+"""Online greedy packers: ``next_fit`` (one open bin; torchtune / NeMo ``pack_dataset``) and
+``first_fit`` (Grain's ``FirstFitPackIterDataset``, 8 bins).
 
-Both place pieces one at a time, in arrival order, so their packs do not
-depend on how the stream is cut into windows. A packer sees pieces as integer
-keys (increasing arrival numbers) with slot lengths and returns finished packs
-(keys in arrival order) as :class:`~cpdata.packing.records.PackKeys`.
-
-| packer      | open bins | a piece that fits no open bin...               | reference |
-|-------------|-----------|--------------------------------------------------|-----------|
-| ``next_fit``  | 1         | closes the bin and opens a new one (a bin that is exactly full closes at once) | torchtune / NeMo ``pack_dataset`` |
-| ``first_fit`` | 8         | closes *all* bins (the whole row batch) and starts a new batch | Grain ``FirstFitPackIterDataset`` |
-"""
+Both place pieces one at a time in arrival order, so their packs do not depend on the windows. A piece
+that fits no open bin closes the bin (``next_fit``; an exactly full bin closes at once) or all the bins
+(``first_fit``, which then starts a new batch of rows)."""
 
 from __future__ import annotations
 
@@ -70,11 +64,7 @@ class NextFit:
 
 
 class FirstFit:
-    """First-fit over a batch of ``n_bins`` rows (Grain's multi-bin packing).
-
-    A piece goes into the first row with room; when no row has room and all
-    rows are in use, the batch is emitted row by row and a new batch starts.
-    """
+    """First-fit over a batch of ``n_bins`` rows, emitted together when a piece fits none of them."""
 
     def __init__(self, capacity: int, n_bins: int = 8) -> None:
         self.capacity = capacity

@@ -1,16 +1,9 @@
 """The stream of a batch: per-slot tables and the token buffer every rank gathers from.
 
-A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
-row-major concatenation of their slots (``B*S`` positions, each pack's tail
-absorbed by its last slot, an empty pack one padding slot of real length 0).
-:func:`build_streams` reads the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`)
-once: the slots of ``k`` batches are checked (:func:`cpdata.worker.stream_slots.slot_block`) and turned
-into per-slot tables with one set of numpy calls over their concatenation,
-and the pieces' tokens stay where the packing window concatenated them
-(:mod:`cpdata.worker.token_buffer`); only pieces in no common buffer are
-concatenated, per batch. :mod:`cpdata.worker.collate` builds the full pack or one
-rank's tokens from a stream.
-"""
+:func:`build_streams` reads the plans' columns once for ``k`` batches: their slots are checked
+(:func:`cpdata.worker.stream_slots.slot_block`) and turned into per-slot tables by one set of numpy
+calls over the concatenation; tokens stay in the packing window's buffer (only pieces in no common
+buffer are concatenated, per batch). :mod:`cpdata.worker.collate` gathers from a stream."""
 
 from __future__ import annotations
 
@@ -44,18 +37,13 @@ _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 class Stream:
     """Per-slot tables of one batch and the token buffer its ranks gather from (internal).
 
-    ``K`` stream slots, ``T`` real tokens, in a :class:`~cpdata.worker.token_buffer.TokenBuffer`
-    of ``W >= T`` tokens (the packing window's, or the batch's own pieces concatenated).
-    Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
-    position reads index ``W`` (:attr:`pad_at`). The per-slot columns are views of
-    :attr:`segments`.
+    ``K`` slots, ``T`` real tokens in a :class:`~cpdata.worker.token_buffer.TokenBuffer` of ``W >= T``.
+    Position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad reads index ``W``.
 
-    ``segments`` int64 ``[6K + 1]``, the stream's ``2K`` segments (each slot's real tokens then its
-    pads, in stream order): ``[:2K]`` the first stream position of each (``slot_starts`` and
-    ``real_ends`` interleaved), then a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index
-    minus stream position (``src_shift``, then ``W`` for the pads: past every real element);
-    ``[4K + 1:]`` position id minus stream position (``pos_shift`` twice).
-    """
+    ``segments`` int64 ``[6K + 1]``, over the ``2K`` segments (each slot's real tokens, then its pads):
+    ``[:2K]`` each segment's first stream position, then a bound past every position; ``[2K + 1 : 4K + 1]``
+    buffer index minus position (``src_shift``, then ``W`` for pads); ``[4K + 1:]`` position id minus
+    position (``pos_shift`` twice). The per-slot properties are views of it."""
 
     rows: int
     row_len: int
@@ -117,17 +105,12 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class StreamBlock:
-    """The streams of ``k`` batches and the block arrays they are views of (``N`` slots in all).
+    """The streams of ``k`` batches and the block arrays they view (``N`` slots in all).
 
     Attributes:
-        streams: each batch's :class:`Stream`.
-        slots: the batches' :class:`SlotBlock`.
-        offsets: int64 ``[N]``: each slot's offset in the block's concatenated streams (batch ``b``'s
-            stream starts at ``offsets[slots.first[b]]``, after ``B*S`` positions of each batch before it).
-        src_starts: int64 ``[N]``: buffer index of each slot's first token (in its batch's buffer).
-        real_tokens: ``k`` ints: ``T`` of each batch.
-        max_seqlen: ``k`` ints: each batch's longest piece.
-        max_slot_len: ``k`` ints: each batch's longest slot (tail absorbed).
+        offsets: int64 ``[N]``: each slot's offset in the block's streams back to back.
+        src_starts: int64 ``[N]``: buffer index of each slot's first token.
+        real_tokens, max_seqlen, max_slot_len: ``k`` ints each: ``T``, longest piece, longest slot.
     """
 
     streams: list[Stream]
@@ -140,26 +123,17 @@ class StreamBlock:
 
 
 def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
-    """The per-slot tables of a batch and the token buffer every rank of it gathers from: :func:`build_streams`
-    of one batch."""
+    """:func:`build_streams` of one batch."""
     return build_streams([(plans, padding_token_id)]).streams[0]
 
 
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
     """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
 
-    Read from the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`): the
-    slots of all batches (:func:`slot_block`) and each batch's token buffer
-    (:func:`~cpdata.worker.stream_buffer.batch_tokens`: the packing window's as is,
-    or the pieces concatenated); then the per-slot columns, the segment
-    tables and the stream metadata of all ``k`` batches with one set of numpy
-    calls over the concatenated slots, running sums restarted at each batch.
-    Each stream's columns are views of the block's arrays. Cost: O(N) in ~30
-    numpy calls per block plus O(k + plans) Python.
-
-    Raises:
-        TypeError, ValueError: the checks of :func:`slot_block` and :func:`~cpdata.worker.stream_buffer.batch_tokens`.
-    """
+    Slots of all batches (:func:`slot_block`) and each batch's buffer
+    (:func:`~cpdata.worker.stream_buffer.batch_tokens`), then the segment tables and metadata of all batches
+    with one set of numpy calls, running sums restarted at each batch: O(N) in ~30 numpy calls per block
+    plus O(k + plans) Python. Raises the errors of those two."""
     slots = slot_block([plans for plans, _ in batches])
     tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
@@ -220,8 +194,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
-    """Per-piece ``values`` ``[n]`` (plan after plan, ``counts`` pieces each) as a per-slot column ``[K]``:
-    ``pad`` for the padding slot of an empty plan."""
+    """Per-piece ``values`` ``[n]`` as a per-slot column ``[K]``: ``pad`` for an empty plan's padding slot."""
     if all(counts):
         return values
     parts, at = [], 0

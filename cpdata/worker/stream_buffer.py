@@ -1,14 +1,8 @@
 """The token buffer a batch's ranks gather from: the packing window's, or the batch's pieces concatenated.
 
-A pack from the ``Pack`` node refers to its window's
-:class:`~cpdata.worker.token_buffer.TokenBuffer` when every one of its pieces lies in
-it (:class:`~cpdata.worker.plan.PieceColumns` ``buffer`` and ``at``). A batch whose
-plans share one buffer that also holds the batch's extra keys in the dtypes the
-pieces promote to gathers from it as is; any other batch (plans of several
-windows, precomputed, hand-made or unpickled plans, a cut piece that did not fit
-its window's buffer) concatenates its pieces into a buffer of its own, each
-piece followed by its ``next_label``, by the same :func:`~cpdata.worker.token_buffer.concatenate_arrays`.
-"""
+Plans that share one window buffer (:class:`~cpdata.worker.plan.PieceColumns` ``buffer``) holding the
+batch's labels and extra keys in the pieces' promoted dtypes gather from it as is; any other batch
+concatenates its pieces (:func:`~cpdata.worker.token_buffer.concatenate_arrays`)."""
 
 from __future__ import annotations
 
@@ -29,11 +23,9 @@ class BatchTokens:
     """Where the ``n`` pieces of a batch (plan after plan) lie.
 
     Attributes:
-        buffer: the token buffer holding them.
         at: int64 ``[n]`` index of each piece's first token in ``buffer``.
         keys: the batch's extra per-token keys, sorted, ``loss_mask`` last.
-        no_mask: bool ``[n]``: pieces without a loss mask of their own (their mask is
-            ``labels != -100``) when some piece has one; None otherwise.
+        no_mask: bool ``[n]``: pieces without a loss mask of their own when some piece has one; else None.
     """
 
     buffer: TokenBuffer
@@ -43,11 +35,10 @@ class BatchTokens:
 
 
 def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
-    """The :class:`BatchTokens` of ``plans``: their shared window buffer, or their pieces concatenated.
+    """The :class:`BatchTokens` of ``plans``.
 
     Raises:
-        ValueError: a piece lacks an extra array other pieces of the batch carry (``loss_mask``
-            excepted: derived from the labels where missing).
+        ValueError: a piece lacks an extra array other pieces of the batch carry (``loss_mask`` excepted).
     """
     cols = [p.piece_columns for p in plans]
     sources = cols[0].sources if len(cols) == 1 else tuple(src for c in cols for src in c.sources)

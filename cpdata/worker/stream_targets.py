@@ -1,23 +1,9 @@
-"""The target count of each batch: ``labels != -100`` over its whole stream, every row and every CP rank's part.
+"""The target count of each batch: ``labels != -100`` over every row and every CP rank's part.
 
-``batch.info["n_targets"]`` is what the loss divides by at ``cp_size > 1``
-(:func:`cpdata.adapters.global_target_count` all-reduces the same count over the
-CP group); every rank's worker knows it from the slot table and the token
-buffer, before any rank's tokens are gathered, so the training step needs no
-collective for it.
-
-A slot's real tokens read buffer indices ``[at, at + n)``; pads have no target.
-Without labels in the buffer (the usual case) the targets are the next ids,
-which are token ids inside the piece and the element after it for its last
-token (``next_label``: -100 unless the document continues), so a slot holds
-``n - 1`` targets plus one if that element is not -100: one ``take`` of the
-slot ends, O(slots). With labels, each slot's labels are counted (one compare
-of a contiguous slice per slot, O(tokens + slots)): about the rest of an
-unlabelled batch's block math at ~10 slots, several times it at hundreds of
-slots (figures: docs/benchmarks.md). One gather of every slot's labels costs
-the same at many slots and more at few; a prefix count over the buffer reads
-the whole packing window (4-60x the batch's tokens).
-"""
+``batch.info["n_targets"]`` is what the loss divides by at ``cp_size > 1``; the worker knows it from the
+slot table and the token buffer, so the step needs no collective for it. Without labels a slot of
+``n`` real tokens holds ``n - 1`` targets plus one if the element after it (its ``next_label``) is not
+-100: O(slots). With labels each slot's labels are counted: O(tokens + slots)."""
 
 from __future__ import annotations
 
@@ -31,10 +17,7 @@ __all__ = ["target_counts"]
 
 
 def target_counts(block: StreamBlock) -> list[int]:
-    """``k`` host ints: the targets of each batch of ``block`` (what ``collate_pack`` gives ``labels != -100``).
-
-    Batches reading one buffer (a packing window's) are counted together.
-    """
+    """``k`` host ints: the targets of each batch of ``block``, batches sharing a buffer counted together."""
     slots, streams, starts = block.slots, block.streams, block.src_starts
     real, first, k = slots.table[:, 2], slots.first, len(streams)
     per_slot = np.empty(real.shape[0], dtype=np.int64)
@@ -53,7 +36,7 @@ def target_counts(block: StreamBlock) -> list[int]:
 
 
 def _slot_targets(buffer: TokenBuffer, at: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """int64 ``[K]``: targets of slots whose ``n`` real tokens start at buffer index ``at`` (int64 ``[K]``)."""
+    """int64 ``[K]``: targets of slots whose ``n`` real tokens start at buffer index ``at``."""
     if buffer.labels is None:
         after = buffer.ids.take(at + n)  # the target of each slot's last token (an empty slot's: unused)
         return np.where(n > 0, n - 1 + (after != IGNORE_INDEX), 0)
