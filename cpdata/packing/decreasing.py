@@ -133,11 +133,6 @@ def best_fit_decreasing(
     return bin_of, codes >> shift, codes & mask
 
 
-def _best_fit_bins(slots: np.ndarray, capacity: int) -> np.ndarray:
-    """int64 ``[n]``: the bin of every piece of :func:`best_fit_decreasing` into new bins."""
-    return best_fit_decreasing(slots, capacity)[0]
-
-
 class BestFitDecreasing:
     """Streaming best-fit-decreasing with carried bins; see the module docstring."""
 
@@ -192,7 +187,7 @@ class BestFitDecreasing:
         bound = -(-int(slots.sum()) // cap)
         if n_bins > bound:
             ks, ss = decreasing(keys, slots)
-            for fill in (_best_fit_bins, exact_fill):
+            for fill in (lambda s, c: best_fit_decreasing(s, c)[0], exact_fill):
                 if n_bins == bound:  # no packing takes fewer bins: the slower exact fill need not run
                     break
                 other = fill(ss, cap)

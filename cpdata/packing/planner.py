@@ -30,15 +30,12 @@ class BinPacker(Protocol):
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         """Add one window of pieces; return the packs now finished (keys in arrival order)."""
-        ...
 
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
-        ...
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)``, in bin order."""
-        ...
 
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 

@@ -3,7 +3,7 @@ between packing and handing a batch over (the nodes of :mod:`cpdata.nodes` wrap 
 touches ``torch.distributed`` or the environment.
 
 Modules, in pipeline order: ``keys``, ``targets`` (labels conventions), ``token_buffer``, ``plan``
-(documents, pieces, plans), ``stream_slots``, ``stream_buffer``, ``stream``, ``stream_targets``,
+(documents, pieces, plans), ``stream_slots``, ``stream`` (buffers and target counts too),
 ``collate``, ``collated`` (``CollatedPack``), ``shard_block`` (a block's layout math), ``buffer_spans``
 and ``batch`` (``ShardedBatch``)."""
 

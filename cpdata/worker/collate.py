@@ -31,7 +31,8 @@ from cpdata.worker.keys import (
     POSITION_IDS,
 )
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream, slot_tables, stream_slot_lens
+from cpdata.worker.stream import Stream, build_stream
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 __all__ = [
     "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
@@ -64,11 +65,6 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
     if vocab_size is not None and padding_token_id >= vocab_size:
         raise ValueError(f"padding_token_id={padding_token_id} is >= vocab_size={vocab_size}; {fix}")
     return int(padding_token_id)
-
-
-def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
-    """Stream metadata only (``cu_seqlens`` & co.); O(slots)."""
-    return slot_tables(plans).metadata()
 
 
 Spec = tuple[tuple[int, ...], np.dtype]

@@ -8,7 +8,7 @@ import numpy as np
 
 from cpdata.worker.collate import collate_pack
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import slot_tables
+from cpdata.worker.stream_slots import pack_metadata
 
 __all__ = ["CollatedPack"]
 
@@ -36,7 +36,7 @@ class CollatedPack:
     def _read_metadata(self) -> dict[str, np.ndarray]:
         """Stream metadata (``cu_seqlens`` & co.), computed on first read."""
         if self._metadata is None:
-            object.__setattr__(self, "_metadata", slot_tables(self.plans).metadata())
+            object.__setattr__(self, "_metadata", pack_metadata(self.plans))
         return self._metadata
 
     @property

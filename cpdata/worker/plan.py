@@ -16,10 +16,8 @@ import numpy as np
 
 from cpdata.worker.token_buffer import TokenBuffer
 
-__all__ = [
-    "DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans", "plan_digest",
-    "plan_digests", "sample_ids",
-]  # fmt: skip
+__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans",
+           "plan_digest", "sample_ids"]  # fmt: skip
 
 DIGEST_SAMPLES = 8
 """Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
@@ -204,22 +202,9 @@ def plan_digest(
     if starts is None:
         starts = lens.cumsum()
         starts -= lens  # each piece's first id
-    return plan_digests([plan], layout, cp_size, ids, starts)[0]
-
-
-def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray,
-                 columns: np.ndarray | None = None) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan, the samples of all pieces from one gather.
-
-    ``starts``: int64 ``[n]`` each piece's first index in ``ids``, plan after plan; ``columns``: the plans'
-    columns concatenated, when the caller has them."""
-    if columns is not None:
-        cols = columns
-    else:
-        cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
-    rows = digest_rows(cols)
+    rows = digest_rows(plan.columns)
     sample_ids(ids, starts, rows)
-    return hash_plans(plans, layout, cp_size, rows, [p.columns.shape[0] for p in plans])
+    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]])[0]
 
 
 def digest_rows(columns: np.ndarray) -> np.ndarray:

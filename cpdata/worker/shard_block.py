@@ -20,8 +20,7 @@ from cpdata.layout.runs import RunTable
 from cpdata.worker.collated import CollatedPack
 from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
-from cpdata.worker.stream import Stream, StreamBlock, build_streams
-from cpdata.worker.stream_targets import target_counts
+from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
 
 __all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
 
@@ -132,13 +131,9 @@ def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, c
         pf = slots.plan_first
         first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
     rows = digest_rows(columns)
-    k, b = len(batches), 0
-    while b < k:  # a run of batches reading one buffer: one gather
-        buffer, e = streams[b].buffer, b + 1
-        while e < k and streams[e].buffer is buffer:
-            e += 1
-        sample_ids(buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
-        b = e
+    k = len(batches)
+    for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
+        sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
     digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
     if len(digests) == k:  # one plan per batch: its digest
         return digests

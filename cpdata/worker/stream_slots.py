@@ -15,9 +15,7 @@ from cpdata.layout.maps import thd_slot_lens
 from cpdata.worker.keys import IGNORE_INDEX
 from cpdata.worker.plan import PackPlan
 
-__all__ = [
-    "SlotBlock", "SlotTables", "metadata_block", "slot_block", "slot_tables", "stream_metadata", "stream_slot_lens",
-]  # fmt: skip
+__all__ = ["SlotBlock", "metadata_block", "pack_metadata", "slot_block", "stream_slot_lens"]
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
@@ -54,27 +52,6 @@ class SlotBlock:
         """int64 ``[K']``: :func:`stream_slot_lens` of batch ``b`` (a view)."""
         end = self.first[b + 1] - (not self.counts[self.plan_first[b + 1] - 1])  # an empty last plan: no slot
         return self.layout_lens[self.first[b] : end]
-
-
-@dataclass(frozen=True, slots=True)
-class SlotTables:
-    """The slots of one batch's stream (``K`` slots; fields as :class:`SlotBlock`'s)."""
-
-    capacity: int
-    table: np.ndarray
-    slot_lens: np.ndarray
-    layout_lens: np.ndarray
-    counts: list[int]
-
-    def metadata(self) -> dict[str, np.ndarray]:
-        """The stream metadata of these slots (:func:`stream_metadata`)."""
-        return stream_metadata(self.table[:, 2], self.slot_lens)
-
-
-def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
-    """:func:`slot_block` of one batch."""
-    block = slot_block([plans])
-    return SlotTables(block.capacities[0], block.table, block.slot_lens, block.layout_lens_of(0), block.counts)
 
 
 def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
@@ -152,18 +129,19 @@ def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
 def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
     """int64 ``[K]`` slot lengths as :func:`cpdata.layout.maps.rank_indices` takes them: every pack's
     tail absorbed but the last one's (so one plan gives ``plan.slot_lens``)."""
-    return slot_tables(plans).layout_lens
+    return slot_block([plans]).layout_lens_of(0)
 
 
-def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
-    """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded``
-    (int32 ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
-    return metadata_block(real_lens, slot_lens, np.asarray([0, real_lens.shape[0]], dtype=np.int64), None)[0][0]
+def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
+    """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
+    ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
+    block = slot_block([plans])
+    return metadata_block(block.table[:, 2], block.slot_lens, np.asarray(block.first, dtype=np.int64), None)[0][0]
 
 
 def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
-    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens, longest piece
+    """:func:`pack_metadata` of each batch of a block, then each batch's real tokens, longest piece
     and longest slot.
 
     Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch (None

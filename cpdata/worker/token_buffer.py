@@ -26,9 +26,6 @@ from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS
 
 __all__ = ["BufferPool", "TokenBuffer", "concatenate_arrays"]
 
-_INT64 = np.dtype(np.int64)
-
-
 @dataclass(frozen=True, eq=False, slots=True)
 class TokenBuffer:
     """Per-token arrays of ``W`` tokens, concatenated (trailing elements: the module docstring).
