@@ -20,15 +20,5 @@ from cpdata.packing.records import (
     PackKeys,
 )
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_WINDOW",
-    "OVERFLOW_POLICIES",
-    "WINDOW_PACKS",
-    "PackKeys",
-    "PackingConfig",
-    "PackingResult",
-    "PackingStats",
-    "StreamPlanner",
-    "plan_lengths",
-]
+__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
+           "PackingResult", "PackingStats", "StreamPlanner", "plan_lengths"]  # fmt: skip

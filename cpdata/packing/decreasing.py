@@ -1,20 +1,16 @@
 """Decreasing-order packers: streaming best-fit-decreasing (``bfd``) and first-fit-decreasing (``ffd``).
 
-``bfd`` (the default) keeps open bins across windows. Per window: pieces of exactly the capacity leave
-at once; the others, longest first, go best-fit into the open bins or new ones (bisect on sorted
-``room << shift | bin`` codes), except that a piece leaving a gap no piece of the window fills goes to a
-bin where it leaves at least the smallest piece's room; the emptiest bins stay open while they hold at
-most one window's slot tokens and no piece older than :data:`MAX_WAIT` windows, and every emitted bin is
-first topped up by trading with them (:func:`~cpdata.packing.filling.top_up`). At the end of the stream
-the carry is re-packed (best-fit, then :func:`~cpdata.packing.filling.exact_fill`) when that needs fewer
-bins. Trade-off: carried bins change only by trades (half the best-fit work per window), which costs
-nothing on shuffled data but 8 pp on a stream sorted by length; 0.000-0.042 pp above
-``ceil(slot tokens / capacity)`` on the distributions of :mod:`cpdata.packing.distributions`
-(``python -m cpdata.packing``). The steps and their measured effect: docs/packing-and-mixing.md.
+``bfd`` (the default) keeps open bins across windows: per window, pieces of the full capacity leave at
+once, the others go best-fit, longest first, into the open bins or new ones (bisect on sorted ``room <<
+shift | bin`` codes), avoiding gaps that no piece of the window fills; the emptiest bins stay open while
+they hold at most a window's slot tokens and nothing older than :data:`MAX_WAIT` windows, and each
+emitted bin is first topped up by trades with them (:mod:`cpdata.packing.filling`); the final carry is
+re-packed when that saves bins. Trade-off: carried bins change only by trades (half the best-fit work),
+free on shuffled data, 8 pp on a length-sorted stream; 0.000-0.042 pp above ``ceil(slot tokens /
+capacity)`` on realistic distributions (steps and figures: docs/packing-and-mixing.md).
 
-``ffd`` is first-fit-decreasing over each window (a max segment tree over bin room); with
-``window=None`` the whole stream. Ties break by arrival order, packs leave in order of their earliest
-piece; no random numbers."""
+``ffd`` is first-fit-decreasing over each window (a max segment tree over bin room), the whole stream
+with ``window=None``. Ties break by arrival order; no random numbers."""
 
 from __future__ import annotations
 

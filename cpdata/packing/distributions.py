@@ -10,7 +10,9 @@ more short conversations than one lognormal of its mean:
 | ``ultrachat``  | 1 + Poisson(2.2) turns of lognormal(60, 0.9) + lognormal(300, 0.6), + 20 | ~1450 | 32K |
 | ``web``        | lognormal(380, 1.10)                             | ~690  | 128K |
 | ``long_context`` | lognormal(2000, 1.50)                          | ~6100 | 128K |
-| ``chat_narrow``| lognormal(1250, 0.55): almost nothing under 300 tokens, so at 4K even ffd stays ~0.4 pp above the bound | ~1450 | 32K |"""
+| ``chat_narrow``| lognormal(1250, 0.55): hardly any under 300 tokens (hard case) | ~1450 | 32K  |
+
+At 4K, ``chat_narrow``'s gaps cannot be filled: even ffd over the whole set stays ~0.4 pp above the bound."""
 
 from __future__ import annotations
 

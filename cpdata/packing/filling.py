@@ -1,16 +1,13 @@
 """Filling bins exactly: trades with the carried bins, and an exact fill for the end of the stream.
 
-:func:`top_up` moves slack from the bins ``bfd`` is about to emit into the carried ones, where later
-pieces still fill it: an emitted bin with room ``r`` takes a carried piece ``y <= r``, or gives a piece
-``x`` for a carried ``y`` with ``x < y <= x + r`` (locked pieces, which waited long enough, never go
-back). Each round every emitted bin makes its largest trade, all at once in numpy (bins wanting one
-size take distinct pieces, fullest bin first); :data:`ROUNDS` rounds at most. Without it ``bfd`` sits
-~1 pp above the bound on 4K chat, with it ~0.04 pp.
+:func:`top_up` moves slack from the bins ``bfd`` emits into the carried ones, which later pieces still
+fill: an emitted bin with room ``r`` takes a carried piece ``y <= r``, or swaps a piece ``x`` (not
+locked) for a carried ``y <= x + r``; each round, every emitted bin makes its largest trade at once in
+numpy, :data:`ROUNDS` rounds at most (~1 pp -> ~0.04 pp on 4K chat).
 
-:func:`exact_fill` packs the carried pieces at the end of the stream bin by bin: the largest piece
-left, then one or two pieces that fill the bin exactly if any, else the largest that still leaves room
-for the smallest. It needs 2-3% fewer bins than best-fit-decreasing on these hard sizes (just under
-``capacity / k``), in plain Python per bin (faster than numpy at a few hundred sizes)."""
+:func:`exact_fill` packs the final carry bin by bin: the largest piece left, then one or two pieces
+that fill the bin exactly, else the largest that still leaves room for the smallest; 2-3% fewer bins
+than best-fit on these hard sizes, in plain Python (faster than numpy at a few hundred sizes)."""
 
 from __future__ import annotations
 
@@ -165,7 +162,8 @@ def exact_fill(slots: np.ndarray, capacity: int) -> np.ndarray:
 
 def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int, bottom: int,
           half: int) -> tuple[int, int] | None:  # fmt: skip
-    """Size indices ``(s, p)`` of two pieces left that fill ``room``, ``s`` the largest of ``[bottom, half)``."""
+    """Size indices ``(s, p)`` of two pieces left that fill ``room``, ``s`` the largest possible of
+    ``[bottom, half)``."""
     for s in range(half - 1, bottom - 1, -1):
         if left[s]:
             p = index_of.get(room - vals[s])

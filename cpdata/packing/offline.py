@@ -42,23 +42,18 @@ def plan_lengths(
     window: int | None = None,
     first_target: np.ndarray | None = None,
 ) -> PackingResult:
-    """Plan the packs of a whole dataset from its document lengths.
-
-    The same core as the :class:`~cpdata.nodes.pack.Pack` node, one window at a time
-    (:func:`~cpdata.packing.planner.window_ends`): the node over the same documents yields the same packs.
+    """Plan the packs of a whole dataset from its document lengths, one window at a time as the
+    :class:`~cpdata.nodes.pack.Pack` node does: same documents, same packs.
 
     Args:
         lengths: int ``[n]`` real tokens per document, in stream order.
-        capacity: tokens per pack, a multiple of ``alignment(layout, cp_size)[1]``.
-        layout, cp_size: the CP layout the packs are for (sets the per-document alignment).
-        algorithm, overflow, window: as :class:`~cpdata.packing.records.PackingConfig` resolves them.
-        seed: recorded in the config; the algorithms draw no random numbers.
+        capacity, layout, cp_size, algorithm, overflow, window: as
+            :meth:`~cpdata.packing.records.PackingConfig.resolve` takes them; ``seed`` is recorded only.
         first_target: int ``[n]`` each document's first trained target, -1 if none (left out, counted
             ``untrained``); ``None``: every document is trained.
 
     Returns:
-        :class:`~cpdata.packing.PackingResult`; ``doc_index`` refers to positions in ``lengths``. O(n) time,
-        O(window) working memory beside the result.
+        :class:`~cpdata.packing.PackingResult` (``doc_index`` into ``lengths``); O(n) time, O(window) memory.
     """
     config = PackingConfig.resolve(
         capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,

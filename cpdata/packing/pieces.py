@@ -59,7 +59,8 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 
 
 def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
-    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple of ``capacity``."""
+    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple
+    of ``capacity``."""
     first = origin // capacity
     n = (origin + slot - 1) // capacity - first + 1
     doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)

@@ -105,7 +105,7 @@ class StreamPlanner:
         """Cut and place one window: int64 ``[k]`` ``lengths``, ``source_index`` (for errors) and
         ``first_target`` (:func:`~cpdata.packing.pieces.cut_documents`).
 
-        Returns ``(pieces, keys, packs)``: the pieces, their int64 keys ``[p]``, the packs this window finished."""
+        Returns ``(pieces, keys, packs)``: the pieces, their int64 keys ``[p]``, the packs now finished."""
         fill = self._packer.fill if isinstance(self._packer, NextFit) else 0
         pieces, counts = cut_documents(
             lengths, self.config, source_index=source_index, fill=fill, first_target=first_target

@@ -13,16 +13,8 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.maps import alignment
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_WINDOW",
-    "OVERFLOW_POLICIES",
-    "WINDOW_PACKS",
-    "PackKeys",
-    "PackingConfig",
-    "PackingResult",
-    "PackingStats",
-]
+__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
+           "PackingResult", "PackingStats"]  # fmt: skip
 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")

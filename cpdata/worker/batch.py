@@ -1,20 +1,16 @@
 """``ShardedBatch``: one CP rank's batch, a mapping of tensors with its layout beside it.
 
-The model reads it as ``Mapping[str, torch.Tensor]``: this rank's token tensors in local order (``[B, L]``
-bshd, ``[L]`` thd) and the global stream metadata (:mod:`cpdata.worker.keys`). Beside the keys travel
-``layout`` (:class:`~cpdata.layout.shard_layout.ShardLayout`, for the sharder and the gather) and ``info``
-(host-side values that survive pickling, workers, ``to()`` and ``pin_memory``; docs/batch-contents.md).
-The key set is fixed; a key may be replaced by a tensor of the same shape (what ``default_convert`` and
-``pin_memory`` do), which drops ``info["n_targets"]`` for ``labels``; :meth:`ShardedBatch.replace` or
-``dict(batch)`` change keys.
+Keys: this rank's token tensors in local order (``[B, L]`` bshd, ``[L]`` thd) and the global stream
+metadata (:mod:`cpdata.worker.keys`). Beside them travel ``layout`` (for the sharder and the gather) and
+``info`` (host values surviving pickling, workers, ``to()`` and ``pin_memory``; docs/batch-contents.md).
+The key set is fixed; a key may be replaced by a tensor of its shape (as ``default_convert`` and
+``pin_memory`` do; ``labels`` drops ``info["n_targets"]``); :meth:`ShardedBatch.replace` changes keys.
 
-One storage: :meth:`ShardedBatch.contiguous` and :class:`BatchBuffer` (what ``ShardForRank`` emits) put
-the batch's tensors, then the layout's index maps, in one 16-byte-aligned byte buffer, so a batch
-crosses processes as one shared-memory storage, pins in one call and moves to the device in one copy of
-its batch part (the maps move on the first gather that needs them). Replacing a key falls back to
-per-key tensors for that batch. Views are lazy: the torch views of the keys and the layout's maps are
-built once, on first read, and shared with shallow copies and moved batches (two threads reading a fresh
-batch at once may both build equal views); pickling, pinning and ``to()`` build none."""
+One storage (docs/architecture.md): :meth:`ShardedBatch.contiguous` and :class:`BatchBuffer` put the
+tensors, then the layout's index maps, in one 16-byte-aligned buffer: one shared-memory storage across
+processes, one ``pin_memory`` call, one device copy of the batch part. Replacing a key falls back to
+per-key tensors. The torch views are built once, on first read, and shared with copies and moved
+batches; pickling, pinning and ``to()`` build none."""
 
 from __future__ import annotations
 
@@ -110,16 +106,9 @@ class _BufferViews:
 class BatchBuffer:
     """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
 
-    Args:
-        tensors: key -> ``(shape, numpy dtype)`` of every batch tensor, in order.
-        maps: layout field -> ``(shape, dtype)``; placed after the tensors.
-
-    Attributes:
-        arrays: key -> numpy view of the buffer (uninitialised but for the zeroed alignment gaps).
-        maps: layout field -> numpy view.
-
-    One cached plan lookup, one numpy allocation and one field read of a structured view per array; no
-    torch view."""
+    ``tensors`` and ``maps`` (layout field, placed after the tensors) map keys to ``(shape, numpy dtype)``;
+    ``arrays`` and ``maps`` hold the numpy views (uninitialised but for the zeroed alignment gaps). One
+    cached plan lookup, one allocation and one structured-field read per array; no torch view."""
 
     __slots__ = ("buffer", "plan", "arrays", "maps")
 
@@ -206,8 +195,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     ) -> ShardedBatch:  # fmt: skip
         """A batch of ``buffer`` by ``plan``, views built when read.
 
-        ``maps``: the buffer holds the layout's maps (they become views too), else it is the batch part alone
-        and ``layout`` may be the :class:`_BufferViews` it was moved from; ``fields`` are set in the layout copy."""
+        ``maps``: the buffer holds the layout's maps, else it is the batch part alone and ``layout`` may be
+        the :class:`_BufferViews` it was moved from; ``fields`` are set in the layout copy."""
         batch = cls.__new__(cls)
         maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
         batch._views = _BufferViews(buffer, plan, maps, layout, fields)

@@ -32,7 +32,7 @@ Steps = tuple[tuple[torch.dtype, ...], tuple[Item, ...]]
 
 
 def with_fields(layout: ShardLayout, fields: Mapping[str, Any]) -> ShardLayout:
-    """``dataclasses.replace(layout, **fields)`` without re-running ``__init__`` (a field copy, for the hot path)."""
+    """``dataclasses.replace(layout, **fields)`` without re-running ``__init__`` (a field copy)."""
     out = object.__new__(type(layout))
     out.__dict__.update(layout.__dict__)
     out.__dict__.update(fields)

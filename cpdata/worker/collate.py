@@ -1,17 +1,13 @@
 """Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only.
 
-A batch is ``B`` plans of capacity ``S``; its stream is their slots row after row (``B*S`` positions),
-each pack's tail padding in its last slot (TE's rule), an empty pack one padding slot. Keys, dtypes and
-pad values: :mod:`cpdata.worker.keys` (meanings: docs/batch-contents.md). A piece's last target is its
-``next_label``, so no target crosses a document end; ``position_ids`` continue through the slot's
-padding, clamped to ``S - 1``; ``document_ids`` index ``seq_lens``. bshd gives ``[B, S]`` rows, thd the
-flat ``[B*S]`` stream; metadata describe the row-major stream either way.
+A batch's stream is its ``B`` plans' slots row after row (``B*S`` positions), each pack's tail in its
+last slot (TE's rule), an empty pack one padding slot; keys and pad values: :mod:`cpdata.worker.keys`.
+No target crosses a document end (a piece's last target is its ``next_label``); ``position_ids``
+continue through a slot's padding, clamped to ``S - 1``. bshd gives ``[B, S]`` rows, thd the flat
+stream; the metadata describe the row-major stream either way.
 
-:func:`collate_rank` gives the same tensors at one rank's positions without building the pack: the
-positions split into each slot's real tokens and pads by one ``searchsorted``, per-position values are
-``repeat`` calls of per-slot ones, and tokens are gathered from the batch's token buffer
-(:mod:`cpdata.worker.token_buffer`). O(local tokens + slots) per rank, ~cp times less than the full
-pack; :func:`collate_pack` is the one rank of ``cp_size=1``."""
+:func:`collate_rank` gathers one rank's positions from the batch's token buffer without building the
+pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of ``cp_size=1``."""
 
 from __future__ import annotations
 
@@ -34,11 +30,9 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
-__all__ = [
-    "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
-    "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key", "rank_specs", "spec_items",
-    "stream_slot_lens",
-]  # fmt: skip
+__all__ = ["QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
+           "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key",
+           "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -50,9 +44,9 @@ def check_qkv_format(qkv_format: str) -> None:
 
 
 def check_padding_token_id(padding_token_id: object, vocab_size: int | None = None) -> int:
-    """``padding_token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming the fix otherwise.
+    """``padding_token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` otherwise.
 
-    Pads are masked out of attention and loss, so any id the embedding can look up works (EOS for GPT-2, Llama)."""
+    Pads are masked out of attention and loss, so any id the embedding looks up works (EOS for GPT-2)."""
     fix = "pass an id the embedding can look up, e.g. padding_token_id=tokenizer.eos_token_id (pads are masked out)"
     if padding_token_id is None:
         raise TypeError(f"padding_token_id is None (the tokenizer defines no pad token); {fix}")
@@ -114,15 +108,12 @@ def _slot_pattern(n: int) -> np.ndarray:
 
 
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
-    """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out`` (``N`` elements each).
+    """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out``.
 
     One ``searchsorted`` splits the positions into the ``2K`` segments of
-    :attr:`~cpdata.worker.stream.Stream.segments`; every value constant on a segment (slot, buffer index
-    minus position, position id minus position) is one ``repeat``. Real tokens read buffer index
-    ``position + src_shift``, pads read past the real elements (the padding mask), ``mode="clip"`` landing
-    on the pad elements; next-token targets read ``ids[src + 1]`` unless pieces carry labels. Pad position
-    ids are clamped only when some slot's pads would pass ``S - 1``. ~12 numpy calls and 8 passes over the
-    positions (figures: docs/benchmarks.md)."""
+    :attr:`~cpdata.worker.stream.Stream.segments`; each per-segment value is one ``repeat``. Pads read past
+    the real elements (the padding mask), ``mode="clip"`` landing on the pad elements; next-token targets
+    read ``ids[src + 1]`` unless pieces carry labels. ~12 numpy calls and 8 passes over the positions."""
     k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
     shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N

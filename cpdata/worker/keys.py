@@ -14,18 +14,8 @@ Stream metadata (global, TE / flash-attn varlen conventions): ``cu_seqlens`` and
 
 from __future__ import annotations
 
-__all__ = [
-    "DOCUMENT_IDS",
-    "INPUT_IDS",
-    "LABELS",
-    "LOSS_MASK",
-    "METADATA_KEYS",
-    "N_TARGETS",
-    "PADDING_MASK",
-    "POSITION_IDS",
-    "STANDARD_TOKEN_KEYS",
-    "IGNORE_INDEX",
-]
+__all__ = ["DOCUMENT_IDS", "IGNORE_INDEX", "INPUT_IDS", "LABELS", "LOSS_MASK", "METADATA_KEYS", "N_TARGETS",
+           "PADDING_MASK", "POSITION_IDS", "STANDARD_TOKEN_KEYS"]  # fmt: skip
 
 INPUT_IDS = "input_ids"
 LABELS = "labels"

@@ -91,7 +91,7 @@ class PieceColumns(Sequence[DocPiece]):
         cls, table: np.ndarray, sources: tuple[Mapping[str, np.ndarray], ...], offsets: np.ndarray,
         buffer: TokenBuffer | None, at: np.ndarray | None,
     ) -> PieceColumns:  # fmt: skip
-        """The columns with ``table`` and ``offsets`` already read-only and ``sources`` a tuple: nothing per pack."""
+        """The columns, ``table`` and ``offsets`` already read-only and ``sources`` a tuple: nothing per pack."""
         cols = cls.__new__(cls)
         cols.table, cols.sources, cols.offsets = table, sources, offsets
         cols.buffer, cols.at = (buffer, at) if at is not None else (None, None)

@@ -84,7 +84,7 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
 
 
 def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_lens: Sequence[int]) -> list[list[float]]:
-    """Per-rank :func:`cpdata.layout.maps.causal_work` of each batch under a layout that ignores the documents.
+    """Per-rank :func:`cpdata.layout.maps.causal_work` of each batch under a document-blind layout.
 
     A real token at offset ``o`` of its slot attends to ``o + 1`` keys, pads to none; each run costs
     ``W(end) - W(first)``, ``W(g)`` the work of the block's positions ``< g``: one search per stream length,

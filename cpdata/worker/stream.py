@@ -1,16 +1,10 @@
 """The stream of a batch: per-slot tables, the token buffer every rank gathers from, the target count.
 
-:func:`build_streams` reads the plans' columns once for ``k`` batches: their slots are checked
-(:func:`cpdata.worker.stream_slots.slot_block`) and turned into per-slot tables by one set of numpy
-calls over the concatenation. Plans sharing one packing window's buffer that holds the batch's labels
-and extra keys in the pieces' promoted dtypes gather from it as is; any other batch concatenates its
-pieces (:func:`~cpdata.worker.token_buffer.concatenate_arrays`). :mod:`cpdata.worker.collate` gathers
-from a stream.
-
-:func:`target_counts` gives ``batch.info["n_targets"]``, what the loss divides by at ``cp_size > 1``,
-from the slot table and the buffer, so the step needs no collective for it: without labels a slot of
-``n`` real tokens holds ``n - 1`` targets plus one if its ``next_label`` is not -100 (O(slots)); with
-labels each slot's labels are counted (O(tokens + slots))."""
+:func:`build_streams` checks the slots of ``k`` batches (:func:`~cpdata.worker.stream_slots.slot_block`)
+and builds their tables with one set of numpy calls. A batch whose plans share a packing window's
+buffer (holding its labels and extras in the promoted dtypes) gathers from it as is; any other
+concatenates its pieces. :func:`target_counts` gives ``info["n_targets"]`` (the loss divisor at
+``cp_size > 1``, so the step needs no collective): O(slots) without labels, O(tokens) with them."""
 
 from __future__ import annotations
 
@@ -24,8 +18,8 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream_slots import SlotBlock, metadata_block, slot_block
 from cpdata.worker.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_stream", "build_streams",
-           "target_counts"]  # fmt: skip
+__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_stream",
+           "build_streams", "target_counts"]  # fmt: skip
 
 _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 
@@ -281,7 +275,7 @@ def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list
 
 
 def buffer_runs(streams: Sequence[Stream]) -> Iterator[tuple[int, int]]:
-    """``(b, e)``: each run of consecutive batches ``[b, e)`` that read one token buffer (a packing window's)."""
+    """``(b, e)``: each run of consecutive batches ``[b, e)`` reading one token buffer."""
     b, k = 0, len(streams)
     while b < k:
         e = b + 1

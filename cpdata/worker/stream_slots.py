@@ -136,7 +136,8 @@ def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
     ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
     block = slot_block([plans])
-    return metadata_block(block.table[:, 2], block.slot_lens, np.asarray(block.first, dtype=np.int64), None)[0][0]
+    first = np.asarray(block.first, dtype=np.int64)
+    return metadata_block(block.table[:, 2], block.slot_lens, first, None)[0][0]
 
 
 def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None

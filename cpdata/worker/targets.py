@@ -18,11 +18,10 @@ import numpy as np
 
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
-__all__ = [
-    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED",
-    "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
-    "to_targets", "unchecked_alignment", "CONVENTION_CHECK",
-]  # fmt: skip
+__all__ = ["ATTENTION_MASK", "CONVENTION_CHECK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS",
+           "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED", "check_labels_alignment", "check_unpadded",
+           "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays", "to_targets",
+           "unchecked_alignment"]  # fmt: skip
 
 LabelsAlignment = Literal["inputs", "targets"]
 LABELS_ALIGNMENTS: tuple[str, ...] = ("inputs", "targets")

@@ -1,18 +1,14 @@
 """Token buffers: the per-token arrays of many documents concatenated once, for every CP rank to gather from.
 
-A packing window's documents are concatenated into one :class:`TokenBuffer` when it is read; its packs
-refer to it by offset and every rank gathers from it (:mod:`cpdata.worker.collate`), so tokens are read
-once per window and once per rank. Pieces in no common buffer are concatenated per batch by the same
-:func:`concatenate_arrays`.
+A packing window's documents become one :class:`TokenBuffer` when read; its packs refer to it by offset,
+so tokens are read once per window and once per rank. Pieces in no common buffer are concatenated per
+batch by the same :func:`concatenate_arrays`.
 
-Layout of ``W`` elements: every item's ids followed by the target of its last token (-100 after a
-document, ``next_label`` after a piece), so next-token targets are ``ids[index + 1]``; then ``ids[W]``,
-the pad a pad position reads (0), and ``ids[W + 1]`` = -100, its target. ``labels`` int64 ``[W + 1]``
-when some item carries labels (next-token ids for the others; ``labels[W]`` = -100); one ``[W + 1]``
-array per extra key (0 where absent and at ``[W]``).
-
-:class:`BufferPool` reuses the large ``ids`` arrays once nothing refers to them: a fresh multi-MB array
-per window costs more in page faults than the copy itself (docs/benchmarks.md)."""
+Layout of ``W`` elements: each item's ids, then its last token's target (-100 after a document,
+``next_label`` after a piece), so next-token targets are ``ids[index + 1]``; then ``ids[W]`` = 0 and
+``ids[W + 1]`` = -100, what a pad position reads. ``labels`` (``[W + 1]``, when some item has labels) and
+each extra key (``[W + 1]``, 0 where absent) follow the same layout. :class:`BufferPool` reuses the
+large ``ids`` arrays: fresh ones per window cost more in page faults than the copy."""
 
 from __future__ import annotations
 
@@ -93,18 +89,12 @@ def concatenate_arrays(
     ids: np.ndarray | None = None,
     pool: BufferPool | None = None,
 ) -> TokenBuffer:
-    """The :class:`TokenBuffer` of items ``arrays`` in order, each followed by its ``ends`` value.
+    """The :class:`TokenBuffer` of items ``arrays`` in order, each followed by its ``ends`` value
+    (int64 ``[n]``); item ``i`` (``lengths[i]`` tokens) starts at ``sum(lengths[:i]) + i``.
 
-    Item ``i`` (``lengths[i]`` tokens) starts at ``sum(lengths[:i]) + i``; ``W = sum(lengths) + n``.
-
-    Args:
-        arrays: each item's ``input_ids`` ``[n_i]`` and optional ``labels`` and extras; may be empty when
-            ``ids`` are given and every item holds ``input_ids`` alone.
-        lengths: int ``[n]``.
-        ends: int64 ``[n]``: each item's last target.
-        ids: int64 ``[W + 2]`` already holding the ids with one element between items (the window check
-            made them); else concatenated here, into an array of ``pool`` when given.
-    """
+    ``arrays``: each item's ``input_ids`` and optional ``labels`` and extras (may be empty when ``ids`` is
+    given and items hold ``input_ids`` alone); ``ids``: int64 ``[W + 2]`` already holding the ids one
+    element apart (the window check made them), else concatenated here, into an array of ``pool``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = lengths.shape[0]
     after = lengths.cumsum()
