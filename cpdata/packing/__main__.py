@@ -26,7 +26,7 @@ def _carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, in
         lo = hi
         arrival.append(np.full(keys.shape[0], w))
         born = np.concatenate(arrival)
-        carry = max(carry, len(planner.carry_keys()))
+        carry = max(carry, len(planner.state()["carry_keys"]))
         for p in packs:
             wait = max(wait, w - int(born[min(p)]))
     # Pieces still open at the end of the stream leave after the last window.

@@ -138,10 +138,6 @@ class StreamPlanner:
         """:meth:`stats` as a fresh dict in field order."""
         return PackingStats.fields_from_counts(capacity=self.config.capacity, **self._counts)
 
-    def carry_keys(self) -> list[int]:
-        """Keys of the pieces in open bins."""
-        return [k for keys, _ in self._packer.carry() for k in keys]
-
     def state(self) -> dict[str, Any]:
         offsets, keys, slots = carry_columns(self._packer)
         return {

@@ -31,8 +31,8 @@ from cpdata.worker.stream import Stream, build_stream
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 __all__ = ["QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
-           "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key",
-           "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
+           "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata",
+           "rank_spec_key", "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -96,15 +96,10 @@ def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype
 
 @functools.lru_cache(maxsize=4)
 def _pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only)."""
+    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only), the slot of each segment; ``n`` a power of two."""
     out = np.arange(n, dtype=np.int64) // 2
     out.flags.writeable = False
     return out
-
-
-def _slot_pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: the slot of each of ``n`` segments (real tokens, then pads), from a cached pattern."""
-    return _pattern(1 << max(n - 1, 63).bit_length())[:n]
 
 
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
@@ -118,7 +113,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
-    out[DOCUMENT_IDS][...] = _slot_pattern(k2).repeat(counts).reshape(shape)
+    out[DOCUMENT_IDS][...] = _pattern(1 << max(k2 - 1, 63).bit_length())[:k2].repeat(counts).reshape(shape)
     src = tab[k2 + 1 : 2 * k2 + 1].repeat(counts)
     src += positions
     src = src.reshape(shape)
@@ -164,7 +159,7 @@ def fill_rank(
     if increasing:
         _gather(stream, positions, out)
     else:
-        keys = _token_keys(stream)
+        keys = [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]  # what _gather writes
         order = np.argsort(positions, kind="stable")
         part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
         _gather(stream, positions[order], part)
@@ -174,11 +169,6 @@ def fill_rank(
             out[key][...] = put.reshape(out[key].shape)
     for key, value in stream.metadata.items():
         out[key][...] = value
-
-
-def _token_keys(stream: Stream) -> list[str]:
-    """The per-token keys :func:`_gather` writes, in :func:`rank_specs` order."""
-    return [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]
 
 
 def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:

@@ -65,14 +65,11 @@ class BufferPool:
         self._arrays: list[np.ndarray] = []
         self.size = size
 
-    def _free(self, i: int) -> bool:
-        return sys.getrefcount(self._arrays[i]) == _UNUSED_REFS
-
     def take(self, n: int) -> np.ndarray:
         """int64 ``[n]``, uninitialised; valid while the caller (or anything made from it) holds it."""
         arrays = self._arrays
         for i in range(len(arrays)):
-            if self._free(i):
+            if sys.getrefcount(arrays[i]) == _UNUSED_REFS:  # nothing else holds it
                 if arrays[i].shape[0] < n:
                     arrays[i] = np.empty(2 * max(n, arrays[i].shape[0]), dtype=np.int64)
                 return arrays[i][:n]
