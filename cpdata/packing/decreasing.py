@@ -193,8 +193,8 @@ class BestFitDecreasing:
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
-        k, s, b = self._keys.tolist(), self._slots.tolist(), self._bins
-        bounds = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])).tolist() if b.size else [0]
+        offsets, keys, slots = self.carry_columns()
+        k, s, bounds = keys.tolist(), slots.tolist(), offsets.tolist()
         return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

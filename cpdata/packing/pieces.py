@@ -9,6 +9,7 @@ cut falls inside alignment padding."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,13 +202,7 @@ def cut_documents(
     else:
         origin = np.zeros(keep.shape[0], dtype=np.int64)
     pieces = _cut(origin, slot[keep], lengths[keep], cap)
-    pieces = Pieces(
-        doc=keep[pieces.doc],
-        start=pieces.start,
-        length=pieces.length,
-        slot=pieces.slot,
-        continues=pieces.continues,
-    )
+    pieces = dataclasses.replace(pieces, doc=keep[pieces.doc])
     counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
     return pieces, counts
 

@@ -42,9 +42,8 @@ class BinPacker(Protocol):
 
 def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A packer's open bins in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
-    columns = getattr(packer, "carry_columns", None)
-    if columns is not None:
-        return columns()
+    if isinstance(packer, BestFitDecreasing):  # its own columns: no list per piece
+        return packer.carry_columns()
     bins = packer.carry()
     sizes = [len(k) for k, _ in bins]
     return (

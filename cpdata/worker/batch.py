@@ -45,12 +45,6 @@ def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[s
     return ShardedBatch(tensors, layout=layout, info=info)
 
 
-def _restore_buffer(
-    buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: dict[str, Any], maps: bool
-) -> ShardedBatch:
-    return ShardedBatch._from_buffer(buffer, plan, layout, info, maps)
-
-
 class _BufferViews:
     """One buffer's torch views, built on first need and shared by a batch, its copies and moved batches.
 
@@ -311,7 +305,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         views = self._views
         if views is not None:  # one storage: the views are rebuilt from the spans on the other side
             base = views.record() if views.maps else self.layout
-            return _restore_buffer, (views.buffer, views.plan, base, self._info, views.maps)
+            return ShardedBatch._from_buffer, (views.buffer, views.plan, base, self._info, views.maps)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:

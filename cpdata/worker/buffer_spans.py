@@ -106,15 +106,18 @@ class ViewPlan(NamedTuple):
 
     def tensor_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's tensors, keys in order, as views of ``buffer`` (whole or batch part)."""
-        dtypes, items = self.tensor_steps
-        typed = [buffer.view(dt).as_strided for dt in dtypes]
-        return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
+        return _apply(self.tensor_steps, buffer)
 
     def map_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Layout field -> view of a whole buffer."""
-        dtypes, items = self.map_steps
-        typed = [buffer.view(dt).as_strided for dt in dtypes]
-        return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
+        return _apply(self.map_steps, buffer)
+
+
+def _apply(steps: Steps, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Key -> view of ``buffer`` by ``steps``: one reinterpretation per dtype, one ``as_strided`` per key."""
+    dtypes, items = steps
+    typed = [buffer.view(dt).as_strided for dt in dtypes]
+    return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
 
 
 def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> ViewPlan:
