@@ -65,17 +65,12 @@ def packs_by_bin(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
 def best_fit_decreasing(
     slots: np.ndarray, capacity: int, rooms: np.ndarray | None = None, *, avoid: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Best-fit of pieces, longest first, into open bins and then new ones.
+    """Best-fit of pieces, longest first, into open bins (int64 ``[m]`` ``rooms``, bins ``0..m-1``, or
+    None) and then new ones; ``slots``: int64 ``[n]``, non-increasing, each ``<= capacity``; ``avoid``:
+    steer a piece that would leave a gap below the smallest piece to a bin where it does not.
 
-    Args:
-        slots: int64 ``[n]`` slot lengths, non-increasing, each ``<= capacity``.
-        rooms: int64 ``[m]`` room of the bins already open (bins ``0..m-1``), or None.
-        avoid: steer a piece that would leave a gap below the smallest piece to a bin where it does not.
-
-    Returns:
-        ``(bin_of, open_room, open_bin)``: int64 ``[n]`` bin of every piece (new bins numbered from ``m``),
-        and the room and number of every bin with room left, fullest first.
-    """
+    Returns ``(bin_of, open_room, open_bin)``: int64 ``[n]`` bin of every piece (new bins numbered from
+    ``m``), and the room and number of every bin with room left, fullest first."""
     n, m = int(slots.shape[0]), 0 if rooms is None else int(rooms.shape[0])
     rooms = np.zeros(0, dtype=np.int64) if rooms is None else rooms
     shift = max(n + m, 1).bit_length()  # as small as the bin numbers allow: faster int compares

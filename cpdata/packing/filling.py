@@ -41,13 +41,9 @@ def top_up(
 ) -> int:
     """Fill the target bins with pieces of the sink bins, in place; returns the tokens of room removed.
 
-    Args:
-        slots: int64 ``[n]`` slot length per piece.
-        bin_of: int64 ``[n]`` bin per piece; updated with the trades.
-        t_bin, t_room: int64 ``[t]`` the bins to fill and their rooms, fullest first (``t_room`` updated).
-        sinks: bool ``[bins]``: the bins whose pieces may be traded.
-        locked: bool ``[n]``: pieces that must not move into a sink.
-    """
+    ``slots``, ``bin_of`` (updated), ``locked`` (pieces that must not move into a sink): ``[n]`` per piece;
+    ``t_bin``, ``t_room`` (updated): ``[t]`` the bins to fill and their rooms, fullest first; ``sinks``: bool
+    ``[bins]``, the bins whose pieces may be traded."""
     if not t_bin.size:
         return 0
     target_of_bin = np.full(sinks.shape[0], -1, dtype=np.int64)

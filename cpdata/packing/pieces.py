@@ -146,18 +146,12 @@ def cut_documents(
     fill: int = 0,
     first_target: np.ndarray | None = None,
 ) -> tuple[Pieces, dict[str, int]]:
-    """Turn one window of documents into pieces, applying alignment and overflow.
+    """One window of documents (int64 ``[k]`` ``lengths``) as pieces, aligned and under the overflow policy,
+    and the window's :data:`COUNT_FIELDS` counters; ``doc`` indexes ``lengths``.
 
-    Args:
-        lengths: int64 ``[k]`` real tokens per document.
-        source_index: int64 ``[k]`` source index per document (error messages only).
-        fill: ``concat`` only: slot tokens already used in the open pack.
-        first_target: int64 ``[k]`` each document's :func:`cpdata.worker.targets.first_target`; ``None``:
-            all unlabeled.
-
-    Returns:
-        the pieces (``doc`` indexes ``lengths``) and this window's :data:`COUNT_FIELDS` counters.
-    """
+    ``source_index`` (int64 ``[k]``) names documents in errors; ``fill``: ``concat``'s slot tokens already in
+    the open pack; ``first_target``: each document's :func:`cpdata.worker.targets.first_target` (None: all
+    unlabeled)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     cap, m = config.capacity, config.doc_multiple
     slot = -(-lengths // m) * m

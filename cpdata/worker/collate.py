@@ -223,14 +223,9 @@ def collate_rank(
     padding_token_id: int = 0,
     qkv_format: str = "bshd",
 ) -> dict[str, np.ndarray]:
-    """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit.
+    """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit, plus the
+    full (global) stream metadata.
 
-    Args:
-        plans: the ``B`` plans of the batch (equal capacity ``S``).
-        rows_r: int ``[L]`` this rank's global positions in local order: columns of every row (bshd,
-            result ``[B, L]``) or stream positions (thd, result ``[L]``).
-
-    Returns:
-        token tensors for ``rows_r`` plus the full (global) stream metadata.
-    """
+    ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
+    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
     return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]

@@ -163,16 +163,11 @@ def to_targets(
 ) -> dict[str, np.ndarray]:
     """One document's per-token arrays with ``labels`` as next-token targets.
 
-    Args:
-        arrays: validated 1-D arrays of one document, ``input_ids`` int64 ``[n]``, the others ``[n]``.
-        index: the document's source index (for errors).
-        labels_alignment: required when ``arrays`` holds any of :data:`TARGET_KEYS`.
-        vocab_size: labels ``>= vocab_size`` are refused when given.
-
-    Returns:
-        ``arrays`` unchanged without labels or mask; else a copy with ``labels`` int64 ``[n]`` (targets),
-        ``loss_mask`` (the given mask's dtype) when a mask was given, and no mask synonyms.
-    """
+    ``arrays``: validated 1-D arrays, ``input_ids`` int64 ``[n]`` and the others ``[n]``; ``index``: the
+    source index (for errors); ``labels_alignment`` is required when ``arrays`` holds any of
+    :data:`TARGET_KEYS`; labels ``>= vocab_size`` are refused when it is given. Returns ``arrays`` as is
+    without labels or mask, else a copy with ``labels`` int64 ``[n]`` (targets), ``loss_mask`` (the given
+    mask's dtype) when a mask was given, and no mask synonyms."""
     present = [k for k in TARGET_KEYS if k in arrays]
     if not present or arrays[INPUT_IDS].shape[0] == 0:  # an empty document is skipped anyway
         return arrays if isinstance(arrays, dict) else dict(arrays)
