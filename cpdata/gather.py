@@ -1,37 +1,11 @@
-"""Differentiable gather of a token-aligned CP shard back to global order (torch only).
+"""Differentiable gather of a token-aligned CP shard back to global order (torch and the standard library only).
 
-Model code that holds a :class:`~cpdata.layout.shard_layout.ShardLayout` and a process
-group calls :func:`gather_token_tensor`; the sharder's verb of the same name
-calls it too. The layout already carries the inverse map (``gather_index``,
-computed on the dataloader worker), so a gather is exactly one collective on
-the tensor itself, never on indices:
-
-    forward:  all-gather the local shard ``[L, ...]`` into the rank-major
-              concatenation ``[cp*L, ...]``, then ``index_select(gather_index)``
-    backward: scatter the gradient back to rank-major order (same permutation),
-              then reduce-scatter (SUM) so each rank receives its own tokens' sum
-
-The reference approach (all-gather the tensor, all-gather every rank's indices,
-argsort) costs two collectives plus an O(n log n) sort per call; here it is
-one collective plus an O(n) index_select.
-
-Gradient contract: backward sums over CP ranks. When every CP rank computes the
-same (replicated) loss from the gathered tensor, each rank's local gradient is
-``cp_size x`` the gradient of that single loss; scale the loss by
-``1 / cp_size`` (or average over the CP group) if the single-loss gradient is
-wanted.
-
-Layout index tensors live on CPU in the batch; :func:`layout_tensor_on` moves
-one to the compute device on first use and caches it per (layout, device), so
-repeated gathers in one step copy it once.
-
-This module imports torch and the standard library only (model code imports it
-alone; tests/test_gather_import.py guards that).
+The layout carries the inverse map (``gather_index``, built on the dataloader worker), so a gather is one
+collective on the tensor and an O(n) ``index_select``, never a collective on indices and an argsort.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import replace
@@ -50,12 +24,8 @@ _device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor
 
 
 def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str) -> torch.Tensor:
-    """``getattr(layout, name)`` on ``device``, copied at most once per (layout, device).
-
-    The copy is ``non_blocking`` (overlaps with compute when the layout is
-    pinned). The cache holds at most a few dozen entries and validates the
-    layout by identity, so a recycled ``id`` never returns a stale map.
-    """
+    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) at most once per (layout, device); the
+    bounded cache checks the layout by identity, so a recycled ``id`` never returns a stale map."""
     value = getattr(layout, name)
     if value is None:
         raise ValueError(f"ShardLayout.{name} is None; build the layout with {name} set")
@@ -68,22 +38,15 @@ def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str)
         _device_cache.move_to_end(key)
         return hit[1]
     moved = value.to(device, non_blocking=True)
-    try:
-        ref = weakref.ref(layout)
-    except TypeError:  # a slotted layout without __weakref__: hold it strongly (the cache is bounded)
-        ref = functools.partial(_same, layout)
-    _device_cache[key] = (ref, moved)
+    _device_cache[key] = (weakref.ref(layout), moved)
     while len(_device_cache) > _CACHE_SIZE:
         _device_cache.popitem(last=False)
     return moved
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (same collective); keep older torch working.
+    # torch 2.13 renamed all_gather_into_tensor (same collective); keep older torch working. Looked up per
+    # call: tests and the bench count collectives by patching torch.distributed.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, x, group=group)
 
@@ -94,28 +57,12 @@ def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
 
 
 class GatherFromShards(torch.autograd.Function):
-    """All-gather a local shard and restore global token order; backward reduce-scatters.
-
-    ``apply(local, gather_index, group, seq_dim)``:
-
-    - ``local``: this rank's shard, any dtype, ``L`` tokens on ``seq_dim``.
-    - ``gather_index``: int64 ``[cp*L]`` on ``local``'s device,
-      ``global = concat(shards)[gather_index]``.
-    - returns: ``[..., cp*L, ...]`` in global order (a view with ``seq_dim``
-      moved back into place; call ``.contiguous()`` if needed).
-
-    Forward: ``seq_dim`` moves to the front, one ``all_gather_into_tensor``
-    (``all_gather_single`` on torch >= 2.13) fills ``[cp*L, ...]``, then
-    ``index_select(0, gather_index)``. Backward: ``index_copy`` puts the
-    incoming gradient back into rank-major order, one ``reduce_scatter_tensor``
-    (SUM) hands each rank the gradient of its own tokens summed over ranks: with
-    a replicated loss that is ``cp_size x`` the single-loss gradient.
-    """
+    """All-gather a local shard (``L`` tokens on ``seq_dim``) and index it by ``gather_index`` (int64 ``[cp*L]``)
+    into global order; backward reduce-scatters (SUM), so a loss replicated on every CP rank gives each rank
+    ``cp_size x`` the single-loss gradient (scale it by ``1 / cp_size``)."""
 
     @staticmethod
-    def forward(
-        ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int
-    ) -> torch.Tensor:
+    def forward(ctx, local: torch.Tensor, gather_index: torch.Tensor, group: Any, seq_dim: int) -> torch.Tensor:
         world = dist.get_world_size(group)
         x = local.movedim(seq_dim, 0).contiguous()
         stacked = x.new_empty((world * x.shape[0], *x.shape[1:]))
@@ -137,26 +84,9 @@ class GatherFromShards(torch.autograd.Function):
 def gather_token_tensor(
     tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Differentiably gather this rank's shard to the full padded sequence, in global order.
-
-    Args:
-        tensor: local shard, ``L`` tokens on ``seq_dim`` in the layout's local
-            order (e.g. ``[B, L, H]`` hidden states or ``[B, L]`` log-probs).
-        layout: the :class:`ShardLayout` the batch was sharded with; needs
-            ``gather_index`` (int64 ``[cp_size*L]``).
-        group: the CP process group (``cp_mesh.get_group()``); None = the
-            default group. Unused when ``layout.cp_size == 1``.
-        seq_dim: sequence dimension of ``tensor`` (negative allowed).
-
-    Returns:
-        ``[..., cp_size*L, ...]`` in global (padded) order; trim padding with
-        the sharder's ``gather_token_tensor(trim=True)`` or ``narrow``.
-
-    With ``cp_size == 1`` no collective runs: the result is
-    ``tensor.index_select(seq_dim, gather_index)`` (still correct for a layout
-    that reorders tokens). Otherwise one collective forward and one backward
-    (see :class:`GatherFromShards` for the ``cp_size x`` gradient contract).
-    """
+    """Differentiably gather this rank's shard (``L`` tokens on ``seq_dim``, local order) to
+    ``[..., cp_size*L, ...]`` in global padded order over the CP ``group`` (None: the default group); at
+    ``cp_size == 1`` an ``index_select`` and no collective, else :class:`GatherFromShards`."""
     seq_dim = seq_dim % tensor.dim()
     if layout.gather_index is None:
         raise ValueError(
@@ -184,9 +114,8 @@ def gather_token_tensor(
 
 
 def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: str = "built") -> None:
-    """``ValueError`` unless a process group is initialized and ``group`` (None: the default group) has
-    ``cp_size`` ranks, this one ``cp_rank``; ``what`` names the record ``verb`` for them (``"layout"``,
-    ``"the exchange plan"``, ``"the batch"`` sharded). The one check of every device-side entry point."""
+    """``ValueError`` unless ``group`` (None: the default group) has ``cp_size`` ranks, this one ``cp_rank``;
+    ``what`` names the record ``verb`` for them (``"layout"`` built, ``"the batch"`` sharded)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
                          "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip
@@ -201,16 +130,8 @@ def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: s
 
 
 def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:
-    """``layout`` with its inverse map, built from the ranks' index maps when it has none.
-
-    A layout reported by a backend (or built from a closed-form index map)
-    may carry ``local_token_global_indices`` only. This all-gathers every
-    rank's map once (int64, ``[cp*L]``; one collective that every CP rank must
-    join), checks it is a permutation of ``range(cp*L)`` and returns a copy
-    with ``gather_index`` (argsort), ``cp_size`` and ``cp_rank`` filled in;
-    callers keep the copy, so later gathers stay one collective on the data.
-    A layout that already has ``gather_index`` is returned as is.
-    """
+    """``layout`` with ``gather_index``, ``cp_size`` and ``cp_rank`` from the ranks' index maps, if missing: one
+    all-gather every CP rank must join and an argsort; keep the copy so later gathers stay one collective."""
     if layout.gather_index is not None:
         return layout
     if layout.local_token_global_indices is None:
@@ -219,11 +140,10 @@ def ensure_gather_index(layout: ShardLayout, group: Any = None) -> ShardLayout:
     world, rank = 1, 0
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = local
     if world > 1:
         rows = local.new_empty((world * local.numel(),))
         _all_gather(rows, local.contiguous(), group)
-    else:
-        rows = local
     inverse = torch.argsort(rows)
     if not torch.equal(rows[inverse], torch.arange(rows.numel(), device=rows.device)):
         raise ValueError(

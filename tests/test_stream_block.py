@@ -15,7 +15,8 @@ from cpdata.nodes.collate import Collate
 from cpdata.worker.collate import pack_metadata
 from cpdata.worker.collated import CollatedPack
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream, build_streams, slot_tables
+from cpdata.worker.stream import Stream, build_stream, build_streams
+from cpdata.worker.stream_slots import stream_slot_lens
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:
@@ -101,7 +102,7 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
         assert_stream(build_stream(plans, pad), plans)
         assert (block.real_tokens[b], block.max_slot_len[b]) == (stream.total, stream.max_slot_len)
         assert block.max_seqlen[b] == int(stream.metadata["max_seqlen"])
-        np.testing.assert_array_equal(block.slots.layout_lens_of(b), slot_tables(plans).layout_lens)
+        np.testing.assert_array_equal(block.slots.layout_lens_of(b), stream_slot_lens(plans))
         slot = slice(block.slots.first[b], block.slots.first[b + 1])
         np.testing.assert_array_equal(block.src_starts[slot], stream.src_starts)
         before = sum(64 * len(p) for p, _ in batches[:b])  # the streams of the batches before it

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from cpdata.errors import is_int
 from cpdata.gather import check_cp_group as check_layout_group
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -16,12 +17,8 @@ __all__ = ["batch_parts", "check_cp_group", "info_int"]
 def batch_parts(
     batch: Any, tensors: Mapping[str, torch.Tensor] | None = None
 ) -> tuple[Mapping[str, torch.Tensor], ShardLayout, Mapping[str, Any]]:
-    """``(tensors, layout, info)`` of a :class:`~cpdata.worker.batch.ShardedBatch`.
-
-    ``tensors`` replaces the batch's own tensors when given: the same batch on
-    the device as :meth:`ContextParallelSharder.shard` returns it (a plain
-    dict, without ``.layout``/``.info``).
-    """
+    """``(tensors, layout, info)`` of a :class:`~cpdata.worker.batch.ShardedBatch`; ``tensors``, when given,
+    replaces its tensors (the device copy ``ContextParallelSharder.shard`` returns, a plain dict)."""
     layout, info = getattr(batch, "layout", None), getattr(batch, "info", None)
     if not isinstance(layout, ShardLayout) or not isinstance(info, Mapping):
         raise TypeError(
@@ -35,16 +32,14 @@ def batch_parts(
 def info_int(info: Mapping[str, Any], key: str) -> int:
     """``info[key]`` as a Python int; ``ValueError`` naming the producer when it is missing."""
     value = info.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(
             f"batch.info[{key!r}] is {value!r}, expected a Python int; batches from cpdata's ShardForRank "
             "(build_loader, CPDataset, PrecomputedPacks) carry it"
         )
-    return value
+    return int(value)
 
 
 def check_cp_group(group: Any, layout: ShardLayout) -> None:
-    """``ValueError`` unless ``group`` (None = the default group) is the CP group ``layout`` was built for
-    (:func:`cpdata.gather.check_cp_group`)."""
-    if layout.cp_size > 1:
-        check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")
+    """``ValueError`` unless ``group`` (None: the default group) is the CP group ``layout`` was built for."""
+    check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")

@@ -1,8 +1,7 @@
-"""The kernels behind the ``"cpdata"`` attention: dense masked SDPA (any device) and flex (CUDA).
+"""The kernels behind the ``"cpdata"`` attention: dense masked SDPA (any device), flex (CUDA) and varlen.
 
-Both compute, for local queries ``q [B, H, L, E]`` over keys/values in global
-order ``k [B, Hkv, S, E]``, ``v [B, Hkv, S, Ev]`` (``H % Hkv == 0``, GQA query
-head ``h`` reads key head ``h // (H / Hkv)`` as transformers' ``repeat_kv``)::
+For local queries ``q [B, H, L, E]`` over keys/values ``k [B, Hkv, S, E]``, ``v [B, Hkv, S, Ev]`` (GQA
+query head ``h`` reads key head ``h // (H / Hkv)``, as transformers' ``repeat_kv``)::
 
     s = scale * q k^T                          [B, H, L, S]
     s = softcap * tanh(s / softcap)            (logit softcapping, Gemma 2)
@@ -10,23 +9,8 @@ head ``h`` reads key head ``h // (H / Hkv)`` as transformers' ``repeat_kv``)::
     p = softmax([s, sink_h])[..., :S]          (attention sinks, gpt-oss: an extra logit per head, no value)
     out = dropout(p) v                         [B, H, L, Ev]
 
-Memory per call, ``L`` local queries, ``S = cp * L`` keys:
-
-==========================  ===========================================================================
-:func:`dense_attention`     ``keep`` bool ``[1, 1, L, S]`` (``L*S`` bytes, shared by every layer with the
-                            same window; 32K pack at cp 4: 256 MiB, 128K at cp 8: 2 GiB), plus, with
-                            softcap or sinks, the float scores ``[B, H, L, S+1]`` (the math path); without
-                            them torch's SDPA (math / memory-efficient kernel, full ``L x S`` work).
-:func:`flex_attention_call`  a ``BlockMask``: ``O(L*S / 128^2)`` int32 (kilobytes); the compiled kernel
-                            skips blocks the documents and the window rule out and never holds scores.
-                            Softcap is a ``score_mod``; sinks rescale the output by
-                            ``sigmoid(lse - sink)`` (the log-sum-exp is differentiable in torch >= 2.5).
-==========================  ===========================================================================
-
-:func:`attend` chooses the kernel by name, the one place a new kernel plugs in (with the mask form
-it takes, ``HFAttentionState.mask``). The dense kernel is exact on CPU and CUDA and is the CPU default. flex runs
-compiled on CUDA only; on CPU torch runs flex's eager reference forward (no
-backward), which the tests use to check this module's flex wiring.
+Memory per kernel: docs/hf-attention.md. :func:`attend` is the one place a new kernel plugs in, with the
+mask form it takes (``HFAttentionState.mask``).
 """
 
 from __future__ import annotations
@@ -59,12 +43,8 @@ def dense_attention(
     sinks: torch.Tensor | None = None,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """``out [B, H, L, Ev]`` with a dense bool ``keep`` mask ``[B|1, 1, L, S]`` (see the module).
-
-    Without softcap and sinks this is one ``scaled_dot_product_attention`` call
-    (``enable_gqa`` for grouped heads). With either, the scores are built
-    explicitly in ``q``'s dtype and the softmax runs in at least float32.
-    """
+    """``out [B, H, L, Ev]`` with a dense bool ``keep`` mask ``[B|1, 1, L, S]``: one SDPA call, or with softcap
+    or sinks explicit scores in ``q``'s dtype and a softmax in at least float32."""
     groups = q.shape[1] // k.shape[1]
     if softcap is None and sinks is None:
         return _SDPA(q, k, v, attn_mask=keep, dropout_p=dropout, scale=scale, enable_gqa=groups > 1)
@@ -101,11 +81,8 @@ def flex_attention_call(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out [B, H, L, Ev]`` through ``flex_attention`` with ``block_mask`` (see the module).
-
-    Compiled (once per process) on CUDA; torch's eager flex elsewhere. Dropout
-    is not supported by flex (the caller refuses it).
-    """
+    """``out [B, H, L, Ev]`` through ``flex_attention`` (compiled once on CUDA, eager elsewhere; no dropout):
+    softcap is a ``score_mod``, sinks rescale the output by ``sigmoid(lse - sink)``."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = _compiled_flex() if q.is_cuda else flex_attention
@@ -133,18 +110,14 @@ def attend(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     if kernel == "dense":
         return dense_attention(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks,
                                dropout=variant.dropout)  # fmt: skip
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {list(KERNELS)}")
+    if variant.dropout > 0:
+        call = "flex_attention" if kernel == "flex" else "cpdata's varlen call"
+        raise ValueError(
+            f"attention dropout {variant.dropout} on the {kernel} kernel: {call} has no dropout; set "
+            "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
+        )
     if kernel == "flex":
-        if variant.dropout > 0:
-            raise ValueError(
-                f"attention dropout {variant.dropout} on the flex kernel: flex_attention has no dropout; set "
-                "config.attention_dropout=0 or register_hf_attention(kernel='dense')"
-            )
         return flex_attention_call(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks)
-    if kernel == "varlen":
-        if variant.dropout > 0:
-            raise ValueError(
-                f"attention dropout {variant.dropout} on the varlen kernel: cpdata's varlen call has no dropout; "
-                "set config.attention_dropout=0 or register_hf_attention(kernel='dense')"
-            )
-        return varlen_attention(q, k, v, mask, scale=variant.scale)
-    raise ValueError(f"kernel={kernel!r}: use one of {list(KERNELS)}")
+    return varlen_attention(q, k, v, mask, scale=variant.scale)

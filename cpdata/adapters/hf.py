@@ -1,75 +1,11 @@
 """Keyword arguments for a Hugging Face ``transformers`` causal LM on a cpdata batch (torch only).
 
-``model(**hf_model_kwargs(batch, model.config._attn_implementation, config=model))``
-runs a packed batch as one padding-free row ``[1, T]`` with every document boundary
-explicit:
-
-- ``input_ids``, ``position_ids``: ``[1, T]`` (rows of a bshd batch are
-  concatenated; positions restart per document and continue through pads).
-- ``labels`` and ``shift_labels``: both the batch's labels, which are already
-  next-token targets. ``ForCausalLMLoss`` (transformers >= 4.50) uses
-  ``shift_labels`` as given and does not shift again; ``labels`` only has to be
-  non-None for the model to compute a loss. (A model whose own loss ignores
-  ``shift_labels`` would shift the targets again: check its ``loss_function``.)
-- ``use_cache=False``; ``num_items_in_batch`` when given (see below).
-- boundaries for the attention implementation named:
-
-  ============================  ==========================================================
-  ``"cpdata"`` (registered)     no mask: ``cpdata_attention_state`` (the batch's layout,
-                                group, query slots and positions) for every layer
-  ``flash_attention_*``         ``cu_seq_lens_q/k`` (int32, slot offsets of the stream),
-                                ``max_length_q/k`` (Python ints, from ``batch.info``)
-  ``sdpa``                      ``attention_mask``: bool ``[1, 1, T, S]`` document-causal
-  ``eager``                     ``attention_mask``: float32 ``[1, 1, T, S]``, 0 or the
-                                dtype's minimum (eager adds it to the scores)
-  ``flex_attention``            ``attention_mask``: a flex ``BlockMask``
-  ============================  ==========================================================
-
-Why explicit: without them transformers derives segments from
-``position_ids`` (a new segment where positions restart at 0, or where they
-do not increase by one). A document split across packs continues at a position
-> 0, so that rule merges it into the previous document (flash varlen) or
-depends on where the previous slot's pads end (sdpa). With these arguments no
-rule is guessed. Flash slots include their pads (real tokens first, so real
-queries never see them; pads have no targets).
-
-No cpdata tensor key (``padding_mask``, ``document_ids``, ``cu_seqlens`` &
-co.) is passed to the model.
-
-``"cpdata"`` (after :func:`~cpdata.adapters.register_hf_attention`): no mask
-at all; the kwargs carry the batch's attention state
-(:mod:`cpdata.adapters.hf_attention`), which every layer reads with its own
-window, softcap and sinks, at cp 1 and cp > 1 alike (no ctx needed). This is
-the path for sliding-window models and for context parallelism.
-
-Per-layer variants on the mask paths: sdpa, eager and flex REQUIRE ``config=``
-(the model or its ``PretrainedConfig``; ``ValueError`` without it), because a
-mask built without the model's windows is document-causal only and a
-sliding-window model (Mistral, Qwen2 with sliding ``layer_types``, Gemma 2/3)
-would attend past its window with no error. A config with ``layer_types``
-mixing ``full_attention`` and ``sliding_attention`` gets ``attention_mask`` as
-a dict keyed by layer type (transformers 5 models that have ``layer_types``
-take a mapping and pick each layer's mask from it); a uniform window (Mistral:
-``config.sliding_window`` without ``layer_types``) is one mask with the
-window. Flash varlen applies the layer's window itself, inside each
-``cu_seq_lens`` slot (``window_size=(W-1, W-1)``, causal), and ``"cpdata"``
-reads each layer's own: there ``config=`` is optional (checked when given).
-
-Context parallelism (``cp_size > 1``): use ``"cpdata"``. The older path, HF
-``sdpa`` inside the ctx ``ContextParallelSharder.shard`` returns (its SDPA
-gathers K/V), still works: ``attention_mask`` is then this rank's queries over
-the gathered global keys (``S = cp * T``), the kwargs must be built inside
-``with ctx():`` (a ``ValueError`` names the fix otherwise, rather than torch's
-shape error in the first layer), and flash/eager/flex are refused (they would
-attend within this rank's tokens only). Loss: without ``num_items_in_batch``
-at cp > 1, the pack's global target count is filled in (``batch.info
-["n_targets"]``, which cpdata's worker records for every batch: no collective;
-else, e.g. after ``batch.replace(labels=...)`` or ``batch["labels"] = other``, one
-all-reduce over ``group``; labels edited in place or only in ``tensors=`` need
-``num_items_in_batch``),
-so each rank's loss is its target sum over the pack's target count
-and the ranks' losses add up to the single-rank loss, never ``cp x`` it
-(:mod:`cpdata.adapters.loss` states the gradient contract).
+``model(**hf_model_kwargs(batch, model.config._attn_implementation, config=model))`` runs a packed batch as
+one padding-free row ``[1, T]``: ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both the
+batch's next-token labels: ``ForCausalLMLoss`` does not shift ``shift_labels`` again), ``use_cache=False``,
+and every document boundary explicit, never guessed from ``position_ids``: the ``"cpdata"`` attention's
+state, flash's ``cu_seq_lens_q/k``, or an sdpa / eager / flex ``attention_mask`` (bool / float32
+``[1, 1, T, S]`` / ``BlockMask``; table: docs/hugging-face.md), which follows the windows of ``config=``.
 """
 
 from __future__ import annotations
@@ -83,10 +19,11 @@ import torch
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
 from cpdata.adapters.hf_guard import check_reaches_cpdata, remember
-from cpdata.adapters.hf_layers import check_config, config_windows, uniform_window
+from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
 from cpdata.device.cp_attention import active_contexts
+from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
 
@@ -118,29 +55,9 @@ def hf_model_kwargs(
     group: Any = None,
     config: Any = None,
 ) -> dict[str, Any]:
-    """``model(**kwargs)`` arguments for this rank's batch (see the module docstring).
-
-    Args:
-        batch: the :class:`~cpdata.worker.batch.ShardedBatch` (``.layout``, ``.info``).
-        attn_implementation: the model's (``model.config._attn_implementation``):
-            a name registered with :func:`~cpdata.adapters.register_hf_attention`
-            (``"cpdata"``), ``"flash_attention_2"``/``"flash_attention_3"`` (any
-            name with ``flash``), ``"sdpa"``, ``"eager"`` or ``"flex_attention"``.
-        tensors: the batch's tensors on the device (e.g. the dict
-            ``ContextParallelSharder.shard`` returns); default: ``batch``.
-        num_items_in_batch: target count the HF loss divides its sum by
-            (``global_target_count(...)``); None: at cp 1 HF's mean over the
-            targets, at cp > 1 the pack's global count (filled in, see the module).
-        group: the CP process group (None = the default group): the ``"cpdata"``
-            attention's K/V gather and the target-count all-reduce.
-        config: the model (or its ``PretrainedConfig``): its layer types and
-            windows decide the masks of sdpa/eager/flex, which refuse to run
-            without it; optional for flash and ``"cpdata"`` (checked when given:
-            refusals name the field).
-
-    No device sync: lengths come from ``batch.info``, masks are built on the
-    tensors' device.
-    """
+    """``model(**kwargs)`` for this rank's batch (no device sync); ``tensors``: its device tensors.
+    ``num_items_in_batch`` None: HF's mean at cp 1; at cp > 1 ``batch.info["n_targets"]``, else one all-reduce
+    over ``group``. ``config``: the model or its ``PretrainedConfig`` (checked when given)."""
     _check_transformers()
     tensors, layout, info = batch_parts(batch, tensors)
     _check_model_supports(config, attn_implementation)
@@ -180,8 +97,14 @@ def hf_model_kwargs(
                 f"at cp_size={layout.cp_size} a batch of {tuple(input_ids.shape)} holds one local slice per row; "
                 "build the pipeline with qkv_format='thd' or batch_size=1 for a single stream"
             )
-        if not ours:
-            _check_ctx_entered(layout, input_ids.numel())
+        n = input_ids.numel()  # the sdpa masks are over the gathered keys: without the ctx, SDPA fails on shapes
+        if not ours and not any(ctx.local_len == n for ctx in active_contexts()):
+            raise ValueError(
+                f"attn_implementation='sdpa' at cp_size={layout.cp_size} runs only inside the ctx "
+                "ContextParallelSharder.shard returns (its SDPA gathers K/V; the mask is over all "
+                f"{n * layout.cp_size} keys): build the kwargs inside `with ctx():`, or use the 'cpdata' "
+                "attention, which needs no ctx (register_hf_attention(), model.set_attn_implementation('cpdata'))"
+            )
         if num_items_in_batch is None:
             num_items_in_batch = _global_targets(batch, tensors, info, group)
     kwargs: dict[str, Any] = {
@@ -210,7 +133,7 @@ def hf_model_kwargs(
     mask_layout = layout if layout.cp_size > 1 else None
     windows = config_windows(config)
     by_window: dict[int | None, Any] = {}
-    for window in (set(windows.values()) if windows is not None else {uniform_window(config)}):
+    for window in (set(windows.values()) if windows is not None else {layer_window(config, None)}):
         by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors, window)
     if windows is None or len(by_window) == 1:
         kwargs["attention_mask"] = next(iter(by_window.values()))
@@ -241,27 +164,14 @@ def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, tensors:
     # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
     mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global", cu_seqlens=real)
     if impl == "eager":
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(torch.float32).min
-        )
+        mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
     return mask
-
-
-def _check_ctx_entered(layout: ShardLayout, local_len: int) -> None:
-    """At cp > 1 the sdpa masks are over the gathered keys: without the ctx, torch's SDPA fails on shapes."""
-    if not any(ctx.local_len == local_len for ctx in active_contexts()):
-        raise ValueError(
-            f"attn_implementation='sdpa' at cp_size={layout.cp_size} runs only inside the ctx "
-            "ContextParallelSharder.shard returns (its SDPA gathers K/V; the mask is over all "
-            f"{local_len * layout.cp_size} keys): build the kwargs inside `with ctx():`, or use the 'cpdata' "
-            "attention, which needs no ctx (register_hf_attention(), model.set_attn_implementation('cpdata'))"
-        )
 
 
 def _global_targets(batch: Any, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any], group: Any) -> Any:
     """The pack's target count at cp > 1: ``info["n_targets"]`` if recorded, else one all-reduce over ``group``."""
     recorded = info.get(N_TARGETS)
-    if isinstance(recorded, int) and not isinstance(recorded, bool):
+    if is_int(recorded):
         return recorded
     try:
         return global_target_count(batch, group, labels=tensors[LABELS])

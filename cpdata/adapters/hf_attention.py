@@ -2,50 +2,13 @@
 
 ::
 
-    from cpdata.adapters import hf_model_kwargs, register_hf_attention
     register_hf_attention()                      # once per process: AttentionInterface.register("cpdata", ...)
     model.set_attn_implementation("cpdata")      # or from_pretrained(..., attn_implementation="cpdata")
     loss = model(**hf_model_kwargs(batch, "cpdata", tensors=local, group=cp_group)).loss
 
-transformers calls the registered function in every attention layer with the
-module, ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` (local
-tokens, rotary already applied) and the layer's own kwargs: ``sliding_window``,
-``scaling``, ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss), ``dropout``.
-Per-batch state (:class:`HFAttentionState`: the batch's ``ShardLayout``, the
-CP group, each local query's document slot start and global position) rides
-in the ``model(...)`` kwargs that :func:`hf_model_kwargs` returns; transformers
-forwards them to every layer. Per call:
-
-1. check the layer's variant against its config (:mod:`cpdata.adapters.hf_layers`):
-   known layer types, windows, causal; anything else is a ``ValueError``;
-2. on the first call for a batch at cp > 1, verify that the CP group holds one
-   shard plan (:func:`cpdata.device.consistency.verify_layout_consistency`, one
-   16-byte all-reduce; ``register_hf_attention(verify_layout=False)`` skips it);
-3. bring the keys this rank's queries need
-   (:func:`cpdata.device.kv_exchange.move_keys_values`, one collective per
-   layer for ``cat(k, v)``; nothing at cp 1): with a K/V
-   exchange plan (``layout.kv_exchange``, batches built with
-   ``kv_exchange=True``) one all-to-all of only the keys the rank's documents
-   reach (backward the reverse, :mod:`cpdata.device.kv_exchange`), else one
-   all-gather of every rank's K/V to global order (backward a reduce-scatter);
-4. mask each query's key interval (:mod:`cpdata.device.attention_masks`:
-   ``slot_start(q) <= key_pos(k) <= pos(q)`` and ``pos(q) - key_pos(k) <
-   window``, the sharder's ctx's predicate) at each key's global position,
-   built once per batch, kernel, window and device and shared by the layers
-   (a layer's window keeps a subset of the document prefix, so the exchanged
-   keys serve every window);
-5. run the kernel the options name (:func:`cpdata.adapters.attention_kernels.attend`:
-   flex with a ``BlockMask``, SDPA with the dense mask, or varlen (flash) over
-   per-document segments, :mod:`cpdata.device.varlen`; ``"auto"`` picks
-   varlen on CUDA where the layer allows it, :func:`cpdata.device.varlen.choose_kernel`).
-
-transformers builds no mask of its own for this name (it is not in
-``AttentionMaskInterface``: ``_preprocess_mask_arguments`` returns None), so no
-``[T, T]`` mask is ever materialized for it. Generation (a KV cache, queries
-shorter than keys) is refused: train with ``"cpdata"``, generate with another
-implementation. Inside the sharder's ctx the result is the same (keys arrive
-already gathered, so the ctx's SDPA patch passes the call through), and the
-call is counted as served.
+Each layer gets local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` and the batch's
+:class:`HFAttentionState`; it checks the layer's variant, brings the keys (:func:`move_keys_values`), masks
+each query's key interval (once per batch, kernel, window, device) and runs :func:`attend`. No KV cache.
 """
 
 from __future__ import annotations
@@ -86,21 +49,9 @@ def registered_options(name: str) -> _Options | None:
 
 
 def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
-    """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name``; returns ``name``.
-
-    Args:
-        name: the ``attn_implementation`` to register (``"cpdata"``).
-        kernel: ``"auto"`` (varlen on CUDA where the layer allows it, else flex;
-            dense SDPA elsewhere), ``"dense"`` (SDPA with a dense mask, any device),
-            ``"flex"`` (``flex_attention``: compiled on CUDA; on CPU torch's eager
-            flex runs forward only) or ``"varlen"`` (``torch.nn.attention.varlen``
-            per document run, CUDA; softcap / sinks layers fall back to flex,
-            :func:`cpdata.device.varlen.choose_kernel`).
-        verify_layout: at cp > 1, check on each batch's first attention call
-            that every CP rank holds the same shard plan (one 16-byte all-reduce).
-
-    Idempotent; registering again replaces the options. Imports transformers.
-    """
+    """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name`` (again: new options).
+    ``kernel``: ``"auto"``, ``"dense"``, ``"flex"`` or ``"varlen"`` (:func:`cpdata.device.varlen.choose_kernel`);
+    ``verify_layout``: at cp > 1, check on each batch's first call that every CP rank holds the same plan."""
     if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")
     from transformers import AttentionInterface
@@ -115,18 +66,8 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
 
 @dataclass(eq=False)
 class HFAttentionState:
-    """One batch's attention state, built by :func:`attention_state` (``hf_model_kwargs``).
-
-    Attributes:
-        layout: the batch's :class:`ShardLayout` (without ``gather_index`` at cp > 1, the
-            first call builds it: one index all-gather).
-        group: the CP process group (None = the default group).
-        slots: each local query's global position and document slot (one row ``[1, L]``).
-        key_len: the keys each layer attends over: ``S = cp * L`` after the all-gather, ``L + n_recv``
-            with an exchange plan.
-        options: the registered name's options.
-        exchange: cp > 1 and the layout carries a K/V exchange plan (keys are own + received).
-    """
+    """One batch's attention state (:func:`attention_state`): ``slots`` of its one row ``[1, L]`` of queries,
+    ``key_len`` keys per layer (``S = cp * L`` all-gathered, ``L + n_recv`` own + received with ``exchange``)."""
 
     layout: ShardLayout
     group: Any
@@ -177,12 +118,8 @@ def attention_state(
     cu_seqlens: torch.Tensor | None,
     group: Any = None,
 ) -> HFAttentionState:
-    """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``).
-
-    ``document_ids``: this rank's slot id per token; rows are flattened into
-    one stream (``[1, B*T]`` at cp 1, where positions are ``0..B*T-1``). ``cu_seqlens``: the real
-    lengths, so pad queries see their own key only (None: pads attend their slot).
-    """
+    """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``); ``document_ids`` rows are
+    flattened into one stream, ``cu_seqlens`` (real lengths) makes pad queries see their own key only."""
     options = _REGISTERED.get(name)
     if options is None:
         raise ValueError(

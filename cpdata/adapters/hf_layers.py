@@ -1,23 +1,10 @@
 """What each attention layer of a Hugging Face model computes, read from its config (no transformers import).
 
-transformers 5.x models describe their attention variants in the config and
-hand each layer's values to the attention function per call:
-
-====================================  ======================================================================
-``config.layer_types[i]``             ``"full_attention"`` or ``"sliding_attention"`` (Qwen2/3, Gemma 2/3,
-                                      gpt-oss, Cohere2, ...); any other type (chunked, linear, ...) refused
-``config.sliding_window``             the window of sliding layers; without ``layer_types`` of every layer
-                                      (Mistral, Mixtral, Phi-3); kwarg ``sliding_window`` per call
-``config.attn_logit_softcapping``     kwarg ``softcap`` (Gemma 2)
-sinks (``module.sinks``)              kwarg ``s_aux``, one logit per query head (gpt-oss)
-``num_key_value_heads``               GQA: fewer key heads than query heads
-``config.use_bidirectional_attention``  non-causal layers: refused (cpdata packs causal LMs)
-``config.attention_chunk_size``       chunked attention (Llama 4): refused
-====================================  ======================================================================
-
-A window ``W`` keeps the ``W`` keys up to and including the query
-(``kv_idx > q_idx - W``, transformers' ``sliding_window_overlay``; flash-attn's
-``window_size=(W-1, W-1)`` with ``causal=True``).
+``config.layer_types[i]`` (``"full_attention"`` / ``"sliding_attention"``; other types refused),
+``config.sliding_window`` (of sliding layers, or of every layer without ``layer_types``: Mistral), per-call
+``softcap`` (Gemma 2) and ``s_aux`` sinks (gpt-oss); bidirectional and chunked attention are refused (the
+table: docs/hf-attention.md). A window ``W`` keeps the ``W`` keys up to and including the query
+(``kv_idx > q_idx - W``, transformers' ``sliding_window_overlay``).
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import torch
 
 from cpdata.errors import check_int
 
-__all__ = ["KNOWN_LAYER_TYPES", "LayerVariant", "check_config", "config_windows", "layer_variant", "uniform_window"]
+__all__ = ["KNOWN_LAYER_TYPES", "LayerVariant", "check_config", "config_windows", "layer_variant", "layer_window"]
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 # per-call kwargs that change the scores in ways neither kernel computes
@@ -77,31 +64,22 @@ def check_config(config: Any) -> None:
             "(a sliding window on positions within each document); other layer types are refused"
         )
     if "sliding_attention" in types:
-        _positive_window(getattr(config, "sliding_window", None), "config.sliding_window")
+        layer_window(config, "sliding_attention")
 
 
-def _positive_window(window: Any, name: str) -> int:
-    return check_int(name, window, min=1, fix=" (sliding layers need a window)")
+def layer_window(config: Any, layer_type: str | None) -> int | None:
+    """The window of a layer of ``layer_type`` (None: full attention); a layer without a type takes
+    ``config.sliding_window`` if set (Mistral), a sliding one must have it."""
+    window = None if layer_type == "full_attention" else getattr(config, "sliding_window", None)
+    if window is None and layer_type != "sliding_attention":
+        return None
+    return check_int("config.sliding_window", window, min=1, fix=" (sliding layers need a window)")
 
 
 def config_windows(config: Any) -> dict[str, int | None] | None:
-    """``{layer_type: window}`` for each type in ``config.layer_types``; None without ``layer_types``.
-
-    Without ``layer_types`` every layer uses ``config.sliding_window`` (None:
-    full attention), as Mistral-style models build one mask for all layers.
-    """
-    check_config(config)
+    """``{layer_type: window}`` for each type in ``config.layer_types``; None without ``layer_types``."""
     types = getattr(config, "layer_types", None)
-    if types is None:
-        return None
-    window = getattr(config, "sliding_window", None)
-    return {t: (window if t == "sliding_attention" else None) for t in dict.fromkeys(types)}
-
-
-def uniform_window(config: Any) -> int | None:
-    """The window of every layer of a config without ``layer_types`` (``config.sliding_window``)."""
-    window = getattr(config, "sliding_window", None) if config is not None else None
-    return None if window is None else _positive_window(window, "config.sliding_window")
+    return None if types is None else {t: layer_window(config, t) for t in dict.fromkeys(types)}
 
 
 def _layer_type(module: Any, config: Any) -> str | None:
@@ -119,13 +97,9 @@ def _layer_type(module: Any, config: Any) -> str | None:
 
 
 def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -> LayerVariant:
-    """The variant of one call of an HF attention function, checked against the module's config.
-
-    ``ValueError`` (naming the config field) for a non-causal layer, an
-    unknown layer type, a per-call ``sliding_window`` that disagrees with the
-    window the model's own mask would use, or a score modifier cpdata does not
-    compute (``position_bias``, ``alibi``, chunked attention).
-    """
+    """The variant of one call of an HF attention function; ``ValueError`` (naming the config field) for a
+    non-causal layer, an unknown layer type, a ``sliding_window`` the config disagrees with, or a score
+    modifier cpdata does not compute (``position_bias``, ``alibi``, chunked attention)."""
     config = getattr(module, "config", None)
     check_config(config)
     for name in _REFUSED_KWARGS:
@@ -143,12 +117,7 @@ def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -
             "use_bidirectional_attention): cpdata's document masks are causal"
         )
     layer_type = _layer_type(module, config)
-    if layer_type == "sliding_attention":
-        expected = _positive_window(getattr(config, "sliding_window", None), "config.sliding_window")
-    elif layer_type == "full_attention":
-        expected = None
-    else:
-        expected = uniform_window(config)
+    expected = layer_window(config, layer_type)
     window = kwargs.get("sliding_window", expected)
     if window != expected:
         raise ValueError(

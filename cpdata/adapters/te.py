@@ -1,27 +1,8 @@
 """Transformer Engine ``DotProductAttention`` arguments for a cpdata THD batch (torch only; TE not imported).
 
-TE's THD contract with context parallelism (``DotProductAttention.forward`` and
-``set_context_parallel_group``):
-
-- Q/K/V are this rank's tokens ``[T_local, H, D]`` in TE's partition: chunks
-  ``r`` and ``2cp-1-r`` of every padded sequence, sequences in order. That is
-  cpdata's ``layout="thd"``, token for token.
-- ``cu_seqlens_q/kv`` are the GLOBAL cumulative real lengths (int32
-  ``[K+1]``), ``cu_seqlens_q/kv_padded`` the GLOBAL slot offsets; TE divides
-  the padded offsets by ``cp`` itself. Every padded length must be a multiple
-  of ``2*cp``, and no token may lie past ``cu_seqlens_padded[-1]``: the last
-  slot absorbs the pack's tail padding (cpdata's collate does both).
-- ``max_seqlen_q/kv`` are GLOBAL Python ints (TE divides them by ``cp``);
-  passing them avoids TE's own ``.item()`` on ``cu_seqlens``. cpdata passes the
-  longest padded slot (``batch.info["max_seqlen_padded"]``), which is what TE
-  derives itself when they are omitted (before its rounding up to 64).
-- ``cp_group``, ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type`` are not
-  forward arguments: they go to ``DotProductAttention(...)`` or
-  ``dpa.set_context_parallel_group(...)``, once.
-
-Worked example (DESIGN): real lengths ``[5, 3, 8]``, cp = 2, slots ``[8, 4, 8]``:
-``cu_seqlens = [0, 5, 8, 16]``, ``cu_seqlens_padded = [0, 8, 12, 20]``,
-``max_seqlen = 8``; rank 0 holds stream positions ``[0,1,6,7, 8,11, 12,13,18,19]``.
+TE's THD partition (chunks ``r`` and ``2cp-1-r`` of every padded sequence) is cpdata's ``layout="thd"``;
+``cu_seqlens_q/kv`` (real) and ``cu_seqlens_q/kv_padded`` (slots) are GLOBAL int32 ``[K+1]`` offsets and
+``max_seqlen_q/kv`` GLOBAL Python ints (no ``.item()`` in TE). Worked example: docs/transformer-engine.md.
 """
 
 from __future__ import annotations
@@ -46,23 +27,15 @@ class TEAttentionArgs:
     """Arguments for TE's ``DotProductAttention``, split by where TE takes them."""
 
     forward: dict[str, Any]
-    """Per step: ``dpa(q, k, v, **forward)`` with ``qkv_format="thd"``,
-    ``attn_mask_type="padding_causal"``, ``cu_seqlens_q/kv`` (int32, global,
-    real), ``cu_seqlens_q/kv_padded`` (int32, global slot offsets),
-    ``max_seqlen_q/kv`` (Python ints)."""
+    """Per step: ``dpa(q, k, v, **forward)`` (:func:`te_forward_kwargs`)."""
     context_parallel: dict[str, Any]
-    """Once: ``dpa.set_context_parallel_group(**context_parallel)`` (or the same
-    keywords to the constructor): ``cp_group``, ``cp_global_ranks``,
-    ``cp_stream``, ``cp_comm_type``. ``cp_group`` is None at cp = 1."""
+    """Once: ``dpa.set_context_parallel_group(**context_parallel)`` or the constructor: ``cp_group`` (None at
+    cp = 1), ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type``."""
 
 
 def te_forward_kwargs(batch: Any, *, tensors: Any = None) -> dict[str, Any]:
-    """The per-step half of :func:`te_attention_kwargs`: ``dpa(q, k, v, **te_forward_kwargs(batch))``.
-
-    Checks, without a process group, that TE's partition of these arguments is
-    this rank's tokens: at cp > 1 the batch must come from ``layout="thd"`` and
-    hold one stream (``qkv_format="thd"``, or ``batch_size=1``).
-    """
+    """The per-step half of :func:`te_attention_kwargs`, checked without a process group: at cp > 1 the batch
+    must come from ``layout="thd"`` and hold one stream (``qkv_format="thd"``, or ``batch_size=1``)."""
     tensors, layout, info = batch_parts(batch, tensors)
     max_seqlen = info_int(info, "max_seqlen_padded")
     forward = {
@@ -103,41 +76,25 @@ def te_attention_kwargs(
     cp_comm_type: str = "p2p",
     cp_stream: Any = None,
 ) -> TEAttentionArgs:
-    """TE THD attention arguments for this rank's batch (no device sync, no collective).
-
-    Args:
-        batch: the :class:`~cpdata.worker.batch.ShardedBatch` (for ``.layout`` and
-            ``.info``); see :func:`te_forward_kwargs` for what is checked.
-        cp_group: the CP process group (``cp_mesh.get_group()``); required at
-            cp > 1, where its size and this process's rank in it must match
-            the batch's layout.
-        tensors: the batch's tensors on the device (e.g. the dict
-            ``ContextParallelSharder.shard`` returns); default: ``batch``.
-        cp_comm_type: TE's CP communication, ``"p2p"``, ``"all_gather"`` or
-            ``"a2a"``. (TE's hierarchical ``"a2a+p2p"`` takes two sub-groups;
-            build those arguments yourself, the ``forward`` ones do not change.)
-        cp_stream: the CUDA stream TE overlaps CP steps on; create it once
-            (``torch.cuda.Stream()``) and pass the same one every step.
-    """
+    """TE THD attention arguments for this rank's batch (no device sync, no collective); ``cp_group`` is
+    required at cp > 1 and checked against the layout; ``cp_comm_type`` is ``"p2p"``, ``"all_gather"`` or
+    ``"a2a"`` (``"a2a+p2p"`` takes two sub-groups: build those yourself); pass the same ``cp_stream`` each step."""
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {cp_comm_type!r}")
     forward = te_forward_kwargs(batch, tensors=tensors)
     layout = batch.layout
+    ranks = None
     if layout.cp_size == 1:
-        return TEAttentionArgs(
-            forward=forward,
-            context_parallel={"cp_group": None, "cp_global_ranks": None, "cp_stream": cp_stream,
-                              "cp_comm_type": cp_comm_type},
-        )  # fmt: skip
-    if cp_group is None:
-        raise ValueError(f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())")
-    check_cp_group(cp_group, layout)
+        cp_group = None
+    else:
+        if cp_group is None:
+            raise ValueError(
+                f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())"
+            )
+        check_cp_group(cp_group, layout)
+        ranks = dist.get_process_group_ranks(cp_group)
     return TEAttentionArgs(
         forward=forward,
-        context_parallel={
-            "cp_group": cp_group,
-            "cp_global_ranks": dist.get_process_group_ranks(cp_group),
-            "cp_stream": cp_stream,
-            "cp_comm_type": cp_comm_type,
-        },
-    )
+        context_parallel={"cp_group": cp_group, "cp_global_ranks": ranks, "cp_stream": cp_stream,
+                          "cp_comm_type": cp_comm_type},
+    )  # fmt: skip

@@ -1,8 +1,6 @@
 """The one mask of every CP attention: each local query keeps one interval of global key positions (torch only).
 
-Every attention cpdata runs (the sharder's ctx, the ``"cpdata"`` HF attention,
-the mask helpers of :mod:`cpdata.adapters.masks`) keeps, for local query ``q``
-of row ``b`` and a key at global position ``key_pos[k]``::
+For local query ``q`` of row ``b`` and a key at global position ``key_pos[k]``::
 
     keep[b, q, k] = lo[b, q] <= key_pos[k] <= hi[b, q]
 
@@ -10,26 +8,9 @@ of row ``b`` and a key at global position ``key_pos[k]``::
     pad query  (pos >= end):                 lo = hi = pos      its own key only
     window W:                                lo >= pos - W + 1  (and hi <= pos + W - 1 when bidirectional)
 
-A slot is a document's span in global order (``cu_seqlens_padded``: its real
-tokens, then its pads; the pack's tail padding belongs to the last slot);
-``end`` is one past its last real token (``cu_seqlens``). Without a document
-mask a row is one slot with no pads. ``pos`` is the layout's
-``local_token_global_indices``; building a mask needs no collective and no
-host sync.
-
-Pad is free: a pad query sees its own key only, so a pad block costs one
-diagonal tile and no softmax row is empty (no NaN); real queries never reach a
-pad key (pads follow the real tokens of their slot). Loss and gradients of real
-tokens are those of the old slot-wide mask exactly (pads carry no target).
-
-Two forms of the same intervals:
-
-- :func:`dense_mask`: bool ``[B, 1, L, K]`` (True = attend) for SDPA; ``L*K`` bytes.
-- :func:`block_mask`: a flex ``BlockMask``. Keys in global order (``K = S``)
-  are one interval per query, so tiles come from two difference arrays over
-  ``[B, L/128, S/128 + 1]`` (int32, kilobytes) instead of the ``L x S`` grid
-  ``create_block_mask`` evaluates; keys in any other order (an exchange's own
-  then received keys) go through ``create_block_mask`` over ``L x K``.
+A slot is a document's span in global order (real tokens, then pads), ``end`` one past its last real token,
+``pos`` the layout's ``local_token_global_indices``: a pad costs one diagonal tile, no softmax row is empty.
+Forms: :func:`dense_mask` (bool, ``L*K`` bytes) and :func:`block_mask` (flex). No collective, no host sync.
 """
 
 from __future__ import annotations
@@ -87,15 +68,9 @@ def document_slots(
     cu_seqlens_padded: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
 ) -> QuerySlots:
-    """Each local query's slot from the batch's ``document_ids`` and global slot offsets.
-
-    Args:
-        layout: the batch's :class:`ShardLayout`; None for a whole pack on one rank (positions ``0..L-1``).
-        document_ids: int ``[B, L]`` (bshd rows) or ``[L]`` (one stream): the stream slot of each local token.
-        cu_seqlens_padded: int ``[K+1]``, the stream's slot offsets (rows of ``S`` concatenated).
-        cu_seqlens: int ``[K+1]``, the real lengths; given, a slot's pads see only themselves; None, a
-            slot's pads attend it like its last document token.
-    """
+    """Each local query's slot from ``document_ids`` (int ``[B, L]`` or ``[L]``) and the stream's slot offsets
+    ``cu_seqlens_padded`` (int ``[K+1]``, rows of ``S`` concatenated). ``layout`` None: a whole pack on one rank.
+    ``cu_seqlens`` (real lengths) given: pads see only themselves; None: pads attend like the last real token."""
     if document_ids.dim() not in (1, 2):
         raise ValueError(
             f"document_ids must be [L] (thd stream) or [B, L] (bshd rows), got shape {tuple(document_ids.shape)}"
@@ -146,12 +121,9 @@ def dense_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor) -> tor
 def block_mask(
     lo: torch.Tensor, hi: torch.Tensor, row_len: int, *, key_pos: torch.Tensor | None = None, block_size: int = 128
 ) -> Any:
-    """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``; ``key_pos`` None: keys are ``arange(row_len)``.
-
-    Keys in global order: built from the intervals without the dense grid (two difference arrays; equal
-    to ``create_block_mask`` of the same predicate tile for tile, padded tail tiles included, never full).
-    Keys in any order (``key_pos`` int64 ``[K]``): ``create_block_mask`` over the ``L x K`` grid.
-    """
+    """``BlockMask`` of ``lo[b, q] <= key_pos[k] <= hi[b, q]``. ``key_pos`` None (``arange(row_len)``): two
+    difference arrays over ``[B, L/128, S/128 + 1]`` tiles, equal to ``create_block_mask`` without its ``L x S``
+    grid; keys in any order (int64 ``[K]``): ``create_block_mask`` over ``L x K``."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     rows, local = lo.shape

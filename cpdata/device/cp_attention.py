@@ -1,76 +1,15 @@
 """Full-sequence SDPA from this rank's shard: an override active inside a context (torch only).
 
 Inside ``with ContextParallelAttention(layout, group):`` every call of
-``torch.nn.functional.scaled_dot_product_attention`` whose query and key carry
-this rank's ``L`` local tokens on the sequence dim (``[..., L, E]``, SDPA's
-convention) computes attention of the local queries against the WHOLE
-sequence, masked at the queries' global positions:
+``torch.nn.functional.scaled_dot_product_attention`` whose query and key hold this rank's ``L`` tokens::
 
-    k_g, v_g = move_keys_values(key, value)            [B, Hkv, cp*L, E]  ONE collective, global order
-    mask     = lo(q) <= k_pos <= hi(q)                  causal / document slot / window intervals
+    k_g, v_g = move_keys_values(key, value)            [B, Hkv, cp*L, E]  one collective, global order
+    mask     = lo(q) <= k_pos <= hi(q)                  cpdata.device.attention_masks' intervals
     out      = SDPA(query, k_g, v_g, mask, ...)         [B, H, L, Ev]      local order
 
-K/V move through :func:`cpdata.device.kv_exchange.move_keys_values` and the
-mask is :mod:`cpdata.device.attention_masks`' intervals at the layout's
-global positions, as in the ``"cpdata"`` HF attention, so the result equals
-full attention over the padded sequence, row by row, for every layout. The
-gather's backward is a reduce-scatter (SUM): each rank's K/V gradient is the
-gradient of the sum of every rank's loss.
-
-Trade-off: all-gather-KV attention holds the full K and V (``cp*L`` tokens) and
-an ``L x cp*L`` boolean mask (built once per context and device, shared by the
-layers), and runs SDPA with an explicit mask (no flash kernel): no ring, any
-device and layout; the correctness path, not the fastest one. With a K/V
-exchange plan (``layout.kv_exchange``) a document-causal call (document mask,
-``is_causal``, no ``attn_mask``) moves only the keys this rank's queries need
-(``L + n_recv`` wide; a ``window=`` keeps a subset of them); every other call
-keeps the all-gather.
-
-SDPA arguments:
-
-- ``attn_mask=None``: causal over global positions iff ``is_causal``;
-  bidirectional over all global keys otherwise (encoders).
-- ``attn_mask`` over global keys (last dim ``cp*L``, keys in global order):
-  applied as given (combined with the document mask when one is active).
-- ``attn_mask`` over local keys (last dim ``L``): a mask the model built from
-  this rank's tokens only; it cannot be mapped to global keys. Refused with
-  ``ValueError`` (``local_attn_mask="refuse"``, default), or, with
-  ``local_attn_mask="causal"``, ignored and replaced by the layout's causal
-  (+ document) mask — the behaviour of NeMo's CP hooks, which strip the mask
-  and set ``is_causal=True``.
-- ``is_causal`` with an ``attn_mask``: refused, as torch does.
-- key and value of different dtypes: see :func:`cpdata.device.kv_exchange.move_keys_values`.
-- ``scale``, ``dropout_p``, ``enable_gqa``: passed to the kernel unchanged
-  (GQA keys are gathered with their own head count).
-
-Calls whose query or key length is not ``L`` (a vision tower, keys the model
-already gathered itself) pass through to torch's kernel untouched.
-
-``window=W`` (models that are not Hugging Face ones; HF models take the
-``"cpdata"`` attention, :func:`cpdata.adapters.register_hf_attention`, which
-reads each layer's own window) keeps, for every served call, only keys with
-``q_pos - W < k_pos`` (and ``k_pos < q_pos + W`` for non-causal calls):
-sliding-window attention over global positions, hence within a document too.
-
-Calls are counted (``served``: gathered calls; ``passed``: pass-through
-calls). Leaving a context at ``cp_size > 1`` when the model made no SDPA call
-at all raises ``ValueError``: its attention never reached
-``scaled_dot_product_attention`` (HF ``eager``, a model registering its own
-attention function, a kernel bound before the patch), so every rank attended
-to its own tokens only. The fix for a Hugging Face model is the ``"cpdata"``
-attention implementation (``require_calls=False`` for code that may
-legitimately make none, e.g. a pipeline stage without attention layers).
-:func:`active_contexts` lists the entered contexts
-(innermost last) so adapters can tell a missing ``with ctx():`` before the
-model runs.
-
-Scope: the patch replaces the attribute on ``torch.nn.functional`` for the
-whole process while the context is active; code that bound the function
-before (``from torch.nn.functional import scaled_dot_product_attention``) is
-not affected. Contexts nest (each restores what it found) and must exit in
-LIFO order. The patch is process-global, so two threads must not run
-different contexts concurrently. Every CP rank must make the same SDPA calls
-in the same order (one collective each), as any CP attention requires.
+equals full attention over the padded sequence, for every layout (``attn_mask`` rules: docs/usage.md).
+Trade-off: full K/V and an ``L x cp*L`` bool mask, SDPA without flash: the correctness path, any device.
+The patch is process-global: contexts nest, exit in LIFO order, one thread at a time.
 """
 
 from __future__ import annotations
@@ -105,8 +44,7 @@ def active_contexts() -> tuple[ContextParallelAttention, ...]:
 
 
 def record_served_call() -> None:
-    """Count one attention call served by other CP-aware code (the ``"cpdata"`` HF attention) in the
-    innermost active context, so leaving it does not report a model that bypassed SDPA."""
+    """Count a call served by the ``"cpdata"`` HF attention in the innermost context (not a bypass of SDPA)."""
     with _PATCH_LOCK:
         if _ACTIVE:
             _ACTIVE[-1].served += 1
@@ -128,32 +66,13 @@ class ContextParallelAttention:
         window: int | None = None,
         require_calls: bool = True,
     ) -> None:
-        """Bind the override to one sharded batch.
+        """Bind the override to one sharded batch (``layout`` with ``local_token_global_indices``).
 
-        Args:
-            layout: the batch's :class:`~cpdata.layout.shard_layout.ShardLayout`; needs
-                ``local_token_global_indices`` (int ``[L]``). Its
-                ``gather_index`` is built once (one index all-gather, cached)
-                when missing.
-            group: the CP process group (``cp_mesh.get_group()``); None = the
-                default group.
-            document_ids: this rank's stream slot per local token, in local
-                order (``[L]`` or ``[B, L]``, the batch's ``document_ids``).
-                Given: queries attend only keys of their own document slot
-                (needs ``cu_seqlens_padded``; no collective). None: no
-                document mask (a packed row is one sequence, as SDPA sees it
-                at cp = 1).
-            cu_seqlens_padded: int ``[K+1]``, the batch's global slot offsets (with ``document_ids``).
-            cu_seqlens: int ``[K+1]``, the batch's real lengths: given, pad queries see their own key only.
-            local_attn_mask: what to do with an ``attn_mask`` over local keys:
-                ``"refuse"`` (``ValueError``) or ``"causal"`` (ignore it, use
-                the layout's causal mask).
-            check_every: :func:`cpdata.device.consistency.verify_layout_consistency` of ``layout`` on entering the
-                first context of this process and every this many after (default 100; 0 or None: off; the
-                ctx ``sharder.shard()`` returns leaves it to the sharder, which checked already).
-            window: sliding window over global positions (see the module);
-                None = none.
-            require_calls: at cp > 1, raise on exit if no SDPA call was made.
+        ``document_ids`` (``[L]`` or ``[B, L]``), ``cu_seqlens_padded``, ``cu_seqlens``: the document mask, as
+        :func:`~cpdata.device.attention_masks.document_slots` (None: none). ``local_attn_mask``: an
+        ``attn_mask`` over local keys is refused or replaced by the causal mask. ``check_every``: the
+        :class:`~cpdata.device.consistency.LayoutCheck` interval. ``require_calls``: at cp > 1, raise on exit
+        if no SDPA call was served.
         """
         if layout.local_token_global_indices is None:
             raise ValueError(
@@ -166,22 +85,16 @@ class ContextParallelAttention:
         if document_ids is not None and cu_seqlens_padded is None:
             raise ValueError("document_ids needs cu_seqlens_padded (the batch's slot offsets) to place each "
                              "document in global order; pass the batch's 'cu_seqlens_padded'")  # fmt: skip
-        self.window = window
+        self.layout, self.group, self.window, self.local_attn_mask = layout, group, window, local_attn_mask
+        self.document_ids, self.cu_seqlens_padded, self.cu_seqlens = document_ids, cu_seqlens_padded, cu_seqlens
         self.require_calls = require_calls
-        self.served = 0
-        self.passed = 0
-        self.layout = layout
-        self.group = group
-        self.document_ids = document_ids
-        self.cu_seqlens_padded, self.cu_seqlens = cu_seqlens_padded, cu_seqlens
-        self.local_attn_mask = local_attn_mask
+        self.served = self.passed = 0
         self.local_len = int(layout.local_token_global_indices.numel())
         self._masks: dict[tuple[str, bool, bool], torch.Tensor | None] = {}
         self._previous: Callable[..., torch.Tensor] | None = None
         self._patched: Callable[..., torch.Tensor] | None = None
         self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
 
-    # -- context ----------------------------------------------------------------
     def __enter__(self) -> ContextParallelAttention:
         self._check(self.layout, self.group)  # before patching: a mismatch raises with SDPA untouched
         with _PATCH_LOCK:
@@ -222,7 +135,6 @@ class ContextParallelAttention:
                 "(require_calls=False if this code makes no attention call on purpose)"
             )
 
-    # -- attention ----------------------------------------------------------------
     def attention(
         self,
         query: torch.Tensor,
@@ -242,7 +154,7 @@ class ContextParallelAttention:
             return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
-        layout = self._full_layout()
+        layout = self.layout = ensure_gather_index(self.layout, self.group)  # its inverse, built once
         global_len = n * layout.cp_size
         if attn_mask is not None and attn_mask.shape[-1] == n and n != global_len:
             if self.local_attn_mask == "refuse":
@@ -258,8 +170,7 @@ class ContextParallelAttention:
                 f"attn_mask of shape {tuple(attn_mask.shape)}: its last dim must be the {global_len} global keys "
                 f"(or {n} local keys with local_attn_mask='causal')"
             )
-        # document-causal with a plan: only the keys this rank's queries need (own + received); a window
-        # keeps a subset of them
+        # document-causal with a plan: only the keys this rank's queries need (a window keeps a subset)
         exchange = attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout)
         key_g, value_g = move_keys_values(key, value, layout, self.group, exchange=exchange, seq_dim=key.dim() - 2)
         mask = self._mask(query.device, is_causal, exchange)
@@ -267,12 +178,6 @@ class ContextParallelAttention:
             mask = _combine(attn_mask, mask)
         self.served += 1
         return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
-
-    # -- masks ----------------------------------------------------------------------
-    def _full_layout(self) -> ShardLayout:
-        if self.layout.gather_index is None:
-            self.layout = ensure_gather_index(self.layout, self.group)
-        return self.layout
 
     def _mask(self, device: torch.device, causal: bool, exchange: bool) -> torch.Tensor | None:
         """Bool keep-mask ``[L, K]`` (no document ids, or ``[L]`` ones) or ``[B, 1, L, K]`` over the gathered
@@ -305,18 +210,9 @@ def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor
 
 @dataclass(frozen=True)
 class AttentionContextFactory:
-    """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1.
-
-    ``ctx()`` → a :class:`ContextParallelAttention` with the batch's document
-    mask when the batch carries its documents (``document_ids`` and
-    ``cu_seqlens_padded``: a packed row's documents never see each other, and
-    pad queries only themselves), plain causal over the row otherwise (a raw
-    batch); ``window=`` a sliding window over global positions.
-    ``ctx(document_mask=False)`` opts out (SDPA's ``is_causal`` over the packed
-    row, what torch's ``context_parallel`` computes), allowed only where every
-    row holds one document: over several it would attend across them.
-    ``ctx(document_mask=True)`` is refused on a batch without its documents.
-    """
+    """What ``ContextParallelSharder.shard`` returns as its ctx at cp > 1: ``ctx()`` is a
+    :class:`ContextParallelAttention` with the batch's document mask when it carries one, plain causal
+    otherwise; ``document_mask=False`` is allowed only where every row holds one document."""
 
     layout: ShardLayout
     group: Any = None
@@ -351,17 +247,12 @@ class AttentionContextFactory:
                 "causal attention over the packed row would attend across documents; enter ctx() (the document "
                 "mask is the default), or pack one document per row"
             )
-        return ContextParallelAttention(
-            self.layout,
-            self.group,
-            document_ids=self.document_ids if document_mask is not False and known else None,
-            cu_seqlens_padded=self.cu_seqlens_padded,
-            cu_seqlens=self.cu_seqlens,
-            local_attn_mask=local_attn_mask,
-            check_every=0,  # sharder.shard() checked the layout
-            window=window,
+        document_ids = self.document_ids if document_mask is not False and known else None
+        return ContextParallelAttention(  # check_every=0: sharder.shard() checked the layout
+            self.layout, self.group, document_ids=document_ids, cu_seqlens_padded=self.cu_seqlens_padded,
+            cu_seqlens=self.cu_seqlens, local_attn_mask=local_attn_mask, check_every=0, window=window,
             require_calls=require_calls,
-        )
+        )  # fmt: skip
 
     def _most_documents_in_a_row(self) -> int:
         """The most slots holding real tokens in one row of ``S`` global positions (one host read)."""

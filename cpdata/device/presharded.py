@@ -1,17 +1,8 @@
 """The pre-sharded path of ``shard_batch``: a worker batch checked against the mesh and moved.
 
-A worker-sharded batch (a Mapping carrying ``.layout``, normally a
-:class:`~cpdata.worker.batch.ShardedBatch`) already holds this rank's tokens in local
-order: the workers validated the documents, laid them out and checked every
-row. On the device side only two facts remain to check, both O(1): the layout
-was built for this mesh's CP size and for this rank. Then the batch moves as
-one buffer copy (``non_blocking``) and its views are rebuilt from the span
-plan it carries (:class:`cpdata.worker.buffer_spans.ViewPlan`); a plain Mapping with a
-layout moves key by key. No padding, no index math, no per-key checks.
-
-Also here: the mesh helpers every ``shard_batch`` uses (:func:`mesh_rank_size`,
-:func:`mesh_group`) and the ctx factory ``shard()`` returns
-(:func:`attention_ctx`).
+A worker batch (a Mapping carrying ``.layout``) holds this rank's tokens, checked on the worker; two O(1)
+facts remain (the layout's CP size and rank), then a :class:`~cpdata.worker.batch.ShardedBatch` moves as one
+buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers and the ctx factory.
 """
 
 from __future__ import annotations
@@ -50,12 +41,8 @@ def is_presharded(batch: Any) -> bool:
 
 
 def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any]) -> Callable[..., Any]:
-    """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else CP attention over ``layout``.
-
-    At cp > 1, ``ctx()`` makes SDPA on local Q/K/V attend over the whole
-    sequence (:class:`cpdata.device.cp_attention.ContextParallelAttention`),
-    document-masked by default when the batch carries ``document_ids``.
-    """
+    """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else an
+    :class:`~cpdata.device.cp_attention.AttentionContextFactory` over ``layout``."""
     if layout.cp_size <= 1:
         return contextlib.nullcontext
     return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), tensors)
@@ -68,27 +55,28 @@ def to_device(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def _no_cp_mesh(layout: ShardLayout, mesh_dims: Any) -> ValueError:
-    dims = f" (its dims: {tuple(mesh_dims)})" if mesh_dims else ""
-    return ValueError(
-        f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP mesh: the device "
-        f"mesh has no dimension named 'cp'{dims}, or none was given, so the sharder runs at cp_size=1; name the "
-        "context-parallel dimension 'cp' (init_device_mesh(..., mesh_dim_names=(..., 'cp'))) or pass the CP "
-        f"submesh (the pipeline's cp_size={layout.cp_size} is right if that dimension has {layout.cp_size} ranks)"
-    )
+def _moved(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
+    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
+        return (batch if device is None else batch.to(device, non_blocking=True)).tensors()
+    return {k: to_device(v, device) for k, v in batch.items()}
 
 
 def shard_presharded(
     cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None, *, mesh_dims: Any = None
-):
-    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks.
-
-    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only).
-    """
+) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
+    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks;
+    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only)."""
     layout: ShardLayout = batch.layout
     rank, size = mesh_rank_size(cp_mesh)
     if layout.cp_size != size and cp_mesh is None:
-        raise _no_cp_mesh(layout, mesh_dims)
+        dims = f" (its dims: {tuple(mesh_dims)})" if mesh_dims else ""
+        raise ValueError(
+            f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP mesh: the "
+            f"device mesh has no dimension named 'cp'{dims}, or none was given, so the sharder runs at cp_size=1; "
+            "name the context-parallel dimension 'cp' (init_device_mesh(..., mesh_dim_names=(..., 'cp'))) or pass "
+            f"the CP submesh (the pipeline's cp_size={layout.cp_size} is right if that dimension has "
+            f"{layout.cp_size} ranks)"
+        )
     if layout.cp_size != size:
         raise ValueError(
             f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has cp_size={size}; "
@@ -99,21 +87,13 @@ def shard_presharded(
             f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
             "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )
-    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
-        out = (batch if device is None else batch.to(device, non_blocking=True)).tensors()
-    else:
-        out = {k: to_device(v, device) for k, v in batch.items()}
+    out = _moved(batch, device)
     return attention_ctx(cp_mesh, layout, out), out, layout
 
 
 class PreshardedMove:
-    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path).
-
-    Per call: two int compares against the rank and size read at construction,
-    one buffer move (``ShardedBatch.to``: one copy, views rebuilt from the
-    batch's cached view plan) and the ctx factory. A batch laid out for another
-    rank or size takes :func:`shard_presharded`, which raises the precise error.
-    """
+    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path); a batch
+    for another rank or size takes :func:`shard_presharded`, which raises the precise error."""
 
     __slots__ = ("_cp_mesh", "_device", "_group", "_mesh_dims", "_rank", "_size")
 
@@ -126,7 +106,7 @@ class PreshardedMove:
         layout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
             return shard_presharded(self._cp_mesh, batch, self._device, mesh_dims=self._mesh_dims)
-        out = (batch if self._device is None else batch.to(self._device, non_blocking=True)).tensors()
+        out = _moved(batch, self._device)
         if self._size <= 1:
             return contextlib.nullcontext, out, layout
         if self._group is self:

@@ -1,9 +1,7 @@
 """Varlen (flash) attention over cpdata's document-causal mask at any cp: segments, ``cu_seq`` and the key gather.
 
-A rank's local queries, in local order, fall into runs of consecutive global
-positions inside one document slot (:func:`cpdata.layout.varlen_tiles.query_runs`;
-a whole document at cp 1, one or more chunks of it under ``thd``, ``balanced``,
-``round_robin``, ...). Each run is one varlen segment::
+Each run of a rank's local queries with consecutive global positions inside one document slot
+(:func:`cpdata.layout.varlen_tiles.query_runs`) is one varlen segment::
 
     queries  q[first : first + n]                  contiguous in local order: no permutation
     keys     global positions lo .. last           the document's prefix up to the run's last query
@@ -11,26 +9,9 @@ a whole document at cp 1, one or more chunks of it under ``thd``, ``balanced``,
     mask     key j <= i + sk - sq                  causal aligned bottom-right, as FA for sq != sk;
              j >= i + sk - sq - (W - 1)            window_size=(W - 1, 0) (transformers' kv > q - W)
 
-The keys come from the tensor the rank already holds (own + received with an
-exchange plan, all ``S`` after the all-gather) through one ``index_select``:
-``key_index`` maps each segment key to its row there. The kernel is
-``torch.nn.attention.varlen.varlen_attn`` (FA2 on CUDA, bf16 / fp16; torch has
-no CPU kernel), looked up at every call so tests can swap in
-:func:`cpdata.device.varlen_reference.reference_varlen_attn`; GQA is its
-``enable_gqa``.
-
-Trade-offs against flex over the packed stream: each segment is tiled by
-itself (:func:`cpdata.layout.varlen_tiles.segment_tiles`: a short document pays
-its own triangle wherever it sits) and no mask is built, but the gathered K/V
-``[Kv, Hkv, E]`` are a copy, ``Kv`` = the segments' key counts summed: the
-rank's tokens at cp 1 (each document once), up to ``r`` times a document's
-prefix when a rank holds ``r`` runs of it (``thd``: 2 per document). The plan
-(:func:`varlen_plan`) costs one host copy of the queries' bounds and the key
-positions per batch, window and device (O(L + K) numpy), cached by the caller.
-
-Layers the varlen API cannot compute (logit softcap, attention sinks) and
-dtypes flash does not take on CUDA fall back per call (:func:`choose_kernel`),
-the reason logged once per process.
+Keys come from those the rank holds through one ``index_select`` (a copy; costs by layout:
+docs/layouts-and-kernels.md); the kernel, ``torch.nn.attention.varlen.varlen_attn`` (FA2, CUDA), is looked
+up per call so tests can swap in :func:`cpdata.device.varlen_reference.reference_varlen_attn`.
 """
 
 from __future__ import annotations
@@ -78,6 +59,10 @@ class VarlenPlan:
     """``(-1, 0)`` causal, ``(W - 1, 0)`` a window of ``W`` keys up to the query."""
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).cpu().numpy().astype(np.int64)
+
+
 def _offsets(lengths: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32).to(device)
 
@@ -106,32 +91,14 @@ def varlen_plan(
     device: torch.device,
     end: torch.Tensor | None = None,
 ) -> VarlenPlan:
-    """The segments of one row of local queries over keys at global positions ``key_pos``.
-
-    Args:
-        start: int ``[1, L]`` or ``[L]``: each query's document slot start (global position).
-        pos: int ``[L]``: each query's global position.
-        key_pos: int ``[K]``: the global position of each key the rank holds (``arange(S)`` after the
-            all-gather, :func:`cpdata.device.kv_exchange.exchanged_key_positions` with an exchange plan).
-        window: sliding window in keys (None: the whole document prefix).
-        device: where the plan's tensors live (the queries').
-        end: int ``[1, L]`` or ``[L]``: one past each query's slot's last real token (``pos >= end``: a pad
-            query). Given, pads are free: a pad run is cut into segments of at most :data:`PAD_CHUNK` queries,
-            each over its own keys only (one diagonal tile, no empty row; varlen has no per-segment window,
-            so a pad sees the pads before it in its piece, never a real key). None: pads attend their slot
-            like its last document token.
-
-    ``ValueError`` when a segment needs a key ``key_pos`` lacks (a plan from another batch);
-    :class:`KeyCopiesError` (before any O(Kv) work) when the segments would gather more than
-    ``MAX_KEY_COPIES`` times the ``K`` keys held: a layout that cuts documents token by token
-    (``balanced``) makes one segment per query, each re-reading its document's prefix.
-    """
+    """The segments of one row of local queries (slot ``start`` / real ``end``, ``pos``: int ``[L]``) over keys
+    held at global positions ``key_pos`` (int ``[K]``). With ``end``, pad runs become segments of at most
+    :data:`PAD_CHUNK` queries over their own keys; without, pads attend their slot. ``ValueError`` when a key
+    is not held; :class:`KeyCopiesError` (before any O(Kv) work) past ``MAX_KEY_COPIES`` times the keys held."""
     check_window(window)
-    start_np = start.detach().reshape(-1).cpu().numpy().astype(np.int64)
-    pos_np = pos.detach().reshape(-1).cpu().numpy().astype(np.int64)
-    keys_np = key_pos.detach().reshape(-1).cpu().numpy().astype(np.int64)
+    start_np, pos_np, keys_np = (_host(t) for t in (start, pos, key_pos))
     if end is not None:  # a slot's pads run apart from its real tokens, from the first pad
-        end_np = end.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        end_np = _host(end)
         start_np = np.where(pos_np < end_np, start_np, end_np)
     first, q_len = query_runs(pos_np, start_np)
     is_pad = np.zeros(first.size, dtype=bool) if end is None else pos_np[first] >= end_np[first]
@@ -165,12 +132,6 @@ def varlen_plan(
                       window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
 
 
-def _log_once(kind: str, reason: str, fallback: str) -> None:
-    if kind not in _LOGGED:
-        _LOGGED.add(kind)
-        log.warning("cpdata attention: %s, so these layers run %s instead of varlen", reason, fallback)
-
-
 def choose_kernel(
     requested: str,
     *,
@@ -180,15 +141,9 @@ def choose_kernel(
     dtype: torch.dtype,
     plan: Callable[[], VarlenPlan] | None = None,
 ) -> Kernel:
-    """The kernel one attention call runs: ``"varlen"``, ``"flex"`` or ``"dense"``.
-
-    ``"dense"`` and ``"flex"`` stand. ``"auto"`` is varlen on CUDA where the layer allows it, else flex on
-    CUDA and dense elsewhere. ``"varlen"`` falls back where the layer does not allow it: to flex on CUDA, and to
-    dense SDPA elsewhere (torch's CPU flex has no backward). A layer allows varlen without logit softcap and
-    sinks (the varlen API has neither), on CUDA in fp16 / bf16 (flash's dtypes), and where the batch's
-    ``plan()`` (built only then) does not raise :class:`KeyCopiesError`. Each fallback reason is logged once
-    per process (logger ``cpdata.device.varlen``, WARNING).
-    """
+    """The kernel one attention call runs: ``"dense"`` and ``"flex"`` stand; ``"auto"`` and ``"varlen"`` run
+    varlen where the layer allows it (no softcap or sinks, CUDA in fp16 / bf16, ``plan()`` not raising
+    :class:`KeyCopiesError`), else flex on CUDA and dense elsewhere, each reason logged once per process."""
     if requested in ("dense", "flex"):
         return requested
     if requested not in ("auto", "varlen"):
@@ -210,7 +165,9 @@ def choose_kernel(
         except KeyCopiesError as e:
             kind, reason = "copies", str(e)
     fallback: Kernel = "flex" if cuda else "dense"
-    _log_once(kind, reason, fallback)
+    if kind not in _LOGGED:
+        _LOGGED.add(kind)
+        log.warning("cpdata attention: %s, so these layers run %s instead of varlen", reason, fallback)
     return fallback
 
 
@@ -218,10 +175,7 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, *, scale: float
 ) -> torch.Tensor:
     """``out [1, H, L, Ev]`` of local queries ``q [1, H, L, E]`` over the keys ``k [1, Hkv, K, E]``,
-    ``v [1, Hkv, K, Ev]`` the rank holds, through ``torch.nn.attention.varlen.varlen_attn`` (see the module).
-
-    Differentiable: the key gather's backward sums each key's gradient over the segments that read it.
-    """
+    ``v [1, Hkv, K, Ev]`` the rank holds (differentiable: the key gather's backward sums over segments)."""
     import torch.nn.attention.varlen as torch_varlen
 
     if q.shape[0] != 1 or k.shape[0] != 1:

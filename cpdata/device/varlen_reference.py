@@ -1,19 +1,8 @@
 """An exact reference of ``torch.nn.attention.varlen.varlen_attn``'s semantics, on any device (SDPA per segment).
 
-Same call as torch's (``query [Tq, H, E]``, ``key`` / ``value [Tk, Hkv, E]``,
-``cu_seq_q`` / ``cu_seq_k [N + 1]``, ``max_q``, ``max_k``, ``scale``,
-``window_size=(left, right)``, ``enable_gqa``). Segment ``s`` holds queries
-``cu_seq_q[s]..cu_seq_q[s+1]`` and keys ``cu_seq_k[s]..cu_seq_k[s+1]``;
-query ``i`` of ``sq`` sees key ``j`` of ``sk`` when, with ``d = sk - sq``
-(flash's bottom-right alignment)::
-
-    j <= i + d + right      (right = -1: no upper bound)
-    j >= i + d - left       (left = -1: no lower bound)
-
-``window_size=(-1, 0)`` is causal. A query with no key gets zeros (flash's
-output for an empty row). One ``scaled_dot_product_attention`` per segment
-with the bool mask above: a Python loop over segments, O(sum sq * sk) memory,
-for tests and for checking the real kernel on a GPU, not for training.
+Same call as torch's. In each segment query ``i`` of ``sq`` sees key ``j`` of ``sk`` (``d = sk - sq``,
+bottom-right aligned) when ``i + d - left <= j <= i + d + right`` (``-1``: no bound; ``(-1, 0)``: causal);
+a query with no key gets zeros, as flash. A Python loop over segments: for tests, not training.
 """
 
 from __future__ import annotations
@@ -51,11 +40,7 @@ def reference_varlen_attn(
     window_size: tuple[int, int] = (-1, -1),
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``out [Tq, H, Ev]``: varlen attention computed segment by segment (see the module).
-
-    ``ValueError`` where torch's kernel would refuse (head counts without ``enable_gqa``, offsets that do not
-    cover the tensors) or the call is inconsistent (a segment longer than ``max_q`` / ``max_k``).
-    """
+    """``out [Tq, H, Ev]`` segment by segment; ``ValueError`` where torch's kernel would refuse the call."""
     if not enable_gqa and query.shape[1] != key.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads, key {key.shape[1]}: pass enable_gqa=True for GQA")
     if query.shape[1] % key.shape[1]:

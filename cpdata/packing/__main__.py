@@ -1,13 +1,8 @@
 """``python -m cpdata.packing``: padding vs the lower bound and planning speed.
 
-Runs :func:`~cpdata.packing.plan_lengths` over the benchmark cases of
-:mod:`cpdata.packing.distributions` and prints, per case, the packs above the
-lower bound, the padding, the excess in percentage points, the CPU time per
-document (best of ``--repeat``), and for windowed algorithms the largest carry
-(pieces) and the longest wait of a piece (windows between arrival and
-emission; pieces emitted at the end of the stream count as leaving after the
-last window).
-"""
+Per case of :mod:`cpdata.packing.distributions`: packs above the bound, padding, excess (pp), CPU time
+per document (best of ``--repeat``), and for windowed algorithms the largest carry (pieces) and the
+longest wait of a piece (windows; pieces left at the end leave after the last window)."""
 
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ def _carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, in
         lo = hi
         arrival.append(np.full(keys.shape[0], w))
         born = np.concatenate(arrival)
-        carry = max(carry, len(planner.carry_keys()))
+        carry = max(carry, len(planner.state()["carry_keys"]))
         for p in packs:
             wait = max(wait, w - int(born[min(p)]))
     # Pieces still open at the end of the stream leave after the last window.

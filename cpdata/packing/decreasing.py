@@ -1,59 +1,16 @@
 """Decreasing-order packers: streaming best-fit-decreasing (``bfd``) and first-fit-decreasing (``ffd``).
 
-``bfd`` (the default) keeps a set of open bins across windows. Per window:
+``bfd`` (the default) keeps open bins across windows: per window, pieces of the full capacity leave at
+once, the others go best-fit, longest first, into the open bins or new ones (bisect on sorted ``room <<
+shift | bin`` codes), avoiding gaps that no piece of the window fills; the emptiest bins stay open while
+they hold at most a window's slot tokens and nothing older than :data:`MAX_WAIT` windows, and each
+emitted bin is first topped up by trades with them (:mod:`cpdata.packing.filling`); the final carry is
+re-packed when that saves bins. Trade-off: carried bins change only by trades (half the best-fit work),
+free on shuffled data, 8 pp on a length-sorted stream; 0.000-0.042 pp above ``ceil(slot tokens /
+capacity)`` on realistic distributions (steps and figures: docs/packing-and-mixing.md).
 
-1. Pieces of exactly the capacity are packs on their own and leave at once.
-2. The other pieces, longest first, go best-fit into the open bins or new
-   ones: the bin with the least room that still fits (bisect on a sorted
-   list of ``room << shift | bin`` codes: O(log bins) plus a memmove). The
-   carried bins are not taken apart. One exception: a piece that would leave
-   a gap smaller than every piece of the window (which nothing later in the
-   window fills) in a bin with room for two of the smallest goes instead to
-   the best bin where it leaves at least that room, or to a new bin. Without
-   it, sizes just under ``capacity / k`` stack ``k`` to a bin with such a gap
-   (3 x 1,320 tokens in 4,096 leave 136 where nothing fits), and those bins
-   pile up in the carry.
-3. The emptiest bins stay open (carried) while they hold at most one
-   window's slot tokens (or what was carried before, if more: a short last
-   window does not flush the carry), unless they hold a piece older than
-   :data:`MAX_WAIT` windows; the others are emitted, each first topped up by
-   trading pieces with the carried bins
-   (:func:`~cpdata.packing.filling.top_up`; old pieces are never traded back
-   into the carry), which moves its slack into bins that later pieces still
-   fill.
-
-At the end of the stream the carried bins are emitted, re-packed first
-(best-fit-decreasing, or :func:`~cpdata.packing.filling.exact_fill`) if that
-needs fewer bins; the exact fill (the costlier of the two) is skipped
-when best-fit already reaches ``ceil(slot tokens / capacity)`` bins. Memory: the window plus at most the largest window's slot
-tokens carried.
-
-Trade-off: carried bins change only by trades, never by re-packing all
-carried pieces with the new ones, which halves the best-fit work per window.
-On shuffled data that costs nothing; on a stream sorted by increasing length
-it does (``sft`` at 4K: 8 pp above the bound, 2.5 pp when the carry is
-re-packed; sorted streams defeat any streaming packer, and decreasing order
-does better here: 1.0 pp against 3.9).
-
-Measured with ``python -m cpdata.packing`` on the distributions of
-:mod:`cpdata.packing.distributions` at 4K-128K (window 1024 documents and at
-least :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens): 0.000-0.042
-percentage points above ``ceil(slot tokens / capacity)`` packs (time per document:
-docs/benchmarks.md; most of it the best-fit loop and the trades); first-fit-decreasing over the whole stream: 0.00-0.08. Without
-the gap rule of step 2, 4K chat (``ultrachat``) sits at 0.06-0.09 pp; without
-the trades of step 3, at ~1 pp. Latency: 99% of pieces leave within 10
-windows of their arrival, all within ~MAX_WAIT + 5 (the end of the stream
-included); the largest carry is 1,000-4,600 pieces.
-
-``ffd`` is classic first-fit-decreasing over a whole window (a max segment
-tree over bin room finds the first bin that fits in O(log n)); with
-``window=None`` the window is the whole stream, the offline optimum in
-practice. Every bin is emitted at the end of its window.
-
-Ties (equal slot lengths) break by arrival order; the packers draw no random
-numbers. Packs are emitted in order of their earliest piece, pieces in arrival
-order, so documents leave the packer roughly in the order they came in.
-"""
+``ffd`` is first-fit-decreasing over each window (a max segment tree over bin room), the whole stream
+with ``window=None``. Ties break by arrival order; no random numbers."""
 
 from __future__ import annotations
 
@@ -69,16 +26,12 @@ from cpdata.packing.records import PackKeys
 __all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing", "decreasing", "packs_by_bin"]
 
 MAX_WAIT = 32
-"""Windows a carried bin may stay open: one that holds a piece which arrived
-more than ``MAX_WAIT`` windows ago is emitted (a window counted as the larger
-of the current window's and the carry's pieces). Without it a bin that stays a
-little emptier than the others can stay open for the whole stream (100+
-windows with 1M short documents at 128K)."""
+"""Windows a carried bin may stay open (a window counted as the larger of the current window's and the
+carry's pieces); without it a slightly emptier bin can stay open for the whole stream."""
 
 
 def decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and slots sorted by slot descending, ties by key ascending (keys ascending as given: one stable
-    sort of the slots; else a sort by both)."""
+    """Keys and slots sorted by slot descending, ties by key ascending."""
     if keys.shape[0] < 2 or bool((keys[1:] > keys[:-1]).all()):
         order = stable_order(slots.max(initial=0) - slots)  # descending, ties in key order
     else:
@@ -87,8 +40,7 @@ def decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def _by_bin_then_key(bin_of: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``np.lexsort((keys, bin_of))`` (int64 ``[n]`` each, bins >= 0): one stable sort of ``bin * span + key``
-    (~35% faster than ``lexsort`` on a window's pieces) when that fits an int64, as it does for any real stream."""
+    """``np.lexsort((keys, bin_of))`` as one stable sort of ``bin * span + key`` when that fits an int64."""
     if keys.shape[0] < 2:
         return np.arange(keys.shape[0])
     low = int(keys.min())
@@ -113,21 +65,12 @@ def packs_by_bin(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
 def best_fit_decreasing(
     slots: np.ndarray, capacity: int, rooms: np.ndarray | None = None, *, avoid: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Best-fit of pieces, longest first, into open bins and then new ones.
+    """Best-fit of pieces, longest first, into open bins (int64 ``[m]`` ``rooms``, bins ``0..m-1``, or
+    None) and then new ones; ``slots``: int64 ``[n]``, non-increasing, each ``<= capacity``; ``avoid``:
+    steer a piece that would leave a gap below the smallest piece to a bin where it does not.
 
-    Args:
-        slots: int64 ``[n]`` slot lengths, non-increasing, each ``<= capacity``.
-        capacity: bin size.
-        rooms: int64 ``[m]`` room of the bins already open (bins ``0..m-1``), or None.
-        avoid: a piece that would leave a room below the smallest piece (and
-            above 0) in a bin with room for two of the smallest goes to the best
-            bin where it leaves at least the smallest piece's room, or a new one.
-
-    Returns:
-        ``(bin_of, open_room, open_bin)``: int64 ``[n]`` bin of every piece (new
-        bins numbered from ``m`` in opening order), and the room and number of
-        every bin with room left, fullest first.
-    """
+    Returns ``(bin_of, open_room, open_bin)``: int64 ``[n]`` bin of every piece (new bins numbered from
+    ``m``), and the room and number of every bin with room left, fullest first."""
     n, m = int(slots.shape[0]), 0 if rooms is None else int(rooms.shape[0])
     rooms = np.zeros(0, dtype=np.int64) if rooms is None else rooms
     shift = max(n + m, 1).bit_length()  # as small as the bin numbers allow: faster int compares
@@ -179,11 +122,6 @@ def best_fit_decreasing(
     codes = np.sort(np.asarray(free + closed, dtype=np.int64))
     bin_of = np.concatenate([np.arange(m, m + n_bulk, dtype=np.int64), np.asarray(placed, dtype=np.int64) & mask])
     return bin_of, codes >> shift, codes & mask
-
-
-def _best_fit_bins(slots: np.ndarray, capacity: int) -> np.ndarray:
-    """int64 ``[n]``: the bin of every piece of :func:`best_fit_decreasing` into new bins."""
-    return best_fit_decreasing(slots, capacity)[0]
 
 
 class BestFitDecreasing:
@@ -240,7 +178,7 @@ class BestFitDecreasing:
         bound = -(-int(slots.sum()) // cap)
         if n_bins > bound:
             ks, ss = decreasing(keys, slots)
-            for fill in (_best_fit_bins, exact_fill):
+            for fill in (lambda s, c: best_fit_decreasing(s, c)[0], exact_fill):
                 if n_bins == bound:  # no packing takes fewer bins: the slower exact fill need not run
                     break
                 other = fill(ss, cap)
@@ -250,13 +188,12 @@ class BestFitDecreasing:
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
-        k, s, b = self._keys.tolist(), self._slots.tolist(), self._bins
-        bounds = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])).tolist() if b.size else [0]
+        offsets, keys, slots = self.carry_columns()
+        k, s, bounds = keys.tolist(), slots.tolist(), offsets.tolist()
         return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`carry` in CSR form, from the columns as kept (pieces sorted by bin, then key): int64
-        offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        """:meth:`carry` in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
         b = self._bins
         offsets = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])) if b.size else np.zeros(1)
         return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()

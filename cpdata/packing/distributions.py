@@ -1,23 +1,18 @@
 """Realistic document-length distributions, for tests and packing benchmarks.
 
-Token counts of real corpora are close to lognormal (parameterised here by
-median and sigma; mean = median * exp(sigma^2 / 2)), clipped to ``[1, cap]``.
-Multi-turn chat is a sum of turns, which puts more short conversations in the
-left tail than a single lognormal of the same mean.
+Lognormal token counts (median, sigma), clipped to ``[1, cap]``; ``ultrachat`` is a sum of turns, with
+more short conversations than one lognormal of its mean:
 
-| name           | model                                           | mean  | cap  |
-|----------------|-------------------------------------------------|-------|------|
-| ``alpaca``     | lognormal, median 70, sigma 0.70                | ~90   | 4K   |
-| ``sft``        | lognormal, median 450, sigma 0.90               | ~670  | 32K  |
-| ``ultrachat``  | 1 + Poisson(2.2) turns of user lognormal(60, 0.9) + assistant lognormal(300, 0.6), + 20 | ~1450 | 32K |
-| ``web``        | lognormal, median 380, sigma 1.10               | ~690  | 128K |
-| ``long_context`` | lognormal, median 2000, sigma 1.50            | ~6100 | 128K |
-| ``chat_narrow``| lognormal, median 1250, sigma 0.55 (hard case)  | ~1450 | 32K  |
+| name           | model                                            | mean  | cap  |
+|----------------|--------------------------------------------------|-------|------|
+| ``alpaca``     | lognormal(70, 0.70)                              | ~90   | 4K   |
+| ``sft``        | lognormal(450, 0.90)                             | ~670  | 32K  |
+| ``ultrachat``  | 1 + Poisson(2.2) turns of lognormal(60, 0.9) + lognormal(300, 0.6), + 20 | ~1450 | 32K |
+| ``web``        | lognormal(380, 1.10)                             | ~690  | 128K |
+| ``long_context`` | lognormal(2000, 1.50)                          | ~6100 | 128K |
+| ``chat_narrow``| lognormal(1250, 0.55): hardly any under 300 tokens (hard case) | ~1450 | 32K  |
 
-``chat_narrow`` has almost no documents shorter than 300 tokens, so at a 4K
-capacity the gaps cannot be filled: even first-fit-decreasing over the whole
-set stays ~0.4 percentage points above ``ceil(tokens / capacity)``.
-"""
+At 4K, ``chat_narrow``'s gaps cannot be filled: even ffd over the whole set stays ~0.4 pp above the bound."""
 
 from __future__ import annotations
 
@@ -69,13 +64,11 @@ BENCHMARK_CASES: tuple[tuple[str, int, str, int], ...] = (
     ("sft", 131072, "split", 400_000),
     ("web", 131072, "split", 400_000),
 )
-"""(distribution, capacity, overflow, documents): enough documents for about
-2000+ packs, so that one extra pack costs under 0.05 percentage points; the
-short documents at 128K (1024 of them are less than one pack) make ~280
-(``alpaca``) and ~2,100 packs, where the bound is reachable exactly."""
+"""(distribution, capacity, overflow, documents): 2000+ packs each (one extra pack < 0.05 pp), but
+~280 for ``alpaca`` at 128K, where the bound is reachable exactly."""
 
 HARD_CASES: tuple[tuple[str, int, str, int], ...] = (("chat_narrow", 4096, "split", 20_000),)
-"""Cases where the lower bound is out of reach for any packer (see module docstring)."""
+"""Cases where the lower bound is out of reach for any packer."""
 
 
 def sample_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:

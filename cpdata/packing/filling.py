@@ -1,32 +1,13 @@
 """Filling bins exactly: trades with the carried bins, and an exact fill for the end of the stream.
 
-Best-fit leaves a bin a few tokens short when no remaining piece fits its
-room. ``bfd`` carries its emptiest bins into the next window, where they take
-more pieces, so slack in a carried bin is harmless while slack in an emitted
-bin is padding for good. :func:`top_up` moves slack from the bins about to be
-emitted into the carried ones by trading pieces: an emitted bin with room
-``r`` takes a carried piece ``y <= r``, or gives a piece ``x`` for a carried
-piece ``y`` with ``x < y <= x + r`` (unless ``x`` is locked: a piece that
-has waited long enough does not go back into the carry). Each round every
-emitted bin makes its largest such trade, all at once in numpy (bins that
-want the same size take distinct pieces of it, fullest bin first, or wait for
-the next round); :data:`ROUNDS` rounds at most. A trade never overfills either bin (the carried
-one only gains room). Without the trades ``bfd`` sits ~1 pp above the bound
-on 4K chat (``ultrachat``), with them ~0.04 pp. Cost: a few numpy passes over
-the pool per round.
+:func:`top_up` moves slack from the bins ``bfd`` emits into the carried ones, which later pieces still
+fill: an emitted bin with room ``r`` takes a carried piece ``y <= r``, or swaps a piece ``x`` (not
+locked) for a carried ``y <= x + r``; each round, every emitted bin makes its largest trade at once in
+numpy, :data:`ROUNDS` rounds at most (~1 pp -> ~0.04 pp on 4K chat).
 
-:func:`exact_fill` packs one pool bin by bin, for the carried pieces at the
-end of the stream (where nothing comes later to fill a gap): each bin takes
-the largest piece left, then a piece or a pair of pieces that fills it exactly
-if there is one, else the largest piece that still leaves room for the
-smallest; runs of pieces that no one or two pieces could complete go in at
-once. The carried pieces are the hard ones (sizes just under ``capacity / k``
-that best-fit-decreasing stacks ``k`` to a bin with a gap nothing fills):
-there it needs 2-3% fewer bins than best-fit-decreasing (613 instead of 627
-for 2,870 pieces of chat at 4K), once per stream, in plain Python per bin (numpy calls in the loop
-cost more at these sizes; figures: docs/benchmarks.md). On a 40K-document
-chat stream at 4K this is 0.09 -> 0.04 pp above the bound.
-"""
+:func:`exact_fill` packs the final carry bin by bin: the largest piece left, then one or two pieces
+that fill the bin exactly, else the largest that still leaves room for the smallest; 2-3% fewer bins
+than best-fit on these hard sizes, in plain Python (faster than numpy at a few hundred sizes)."""
 
 from __future__ import annotations
 
@@ -43,9 +24,7 @@ ROUNDS = 4
 
 
 def stable_order(values: np.ndarray) -> np.ndarray:
-    """``np.argsort(values, kind="stable")`` of int64 ``values``, sorted as uint16 when every value is in
-    ``[0, 65536)`` (slot lengths up to a 64K capacity): numpy's radix sort, faster than its int64
-    timsort on a window's 1-2K pieces."""
+    """``np.argsort(values, kind="stable")`` of int64 ``values``, as a uint16 radix sort when they fit."""
     if values.size and int(values.min()) >= 0 and int(values.max()) < 1 << 16:
         return np.argsort(values.astype(np.uint16), kind="stable")
     return np.argsort(values, kind="stable")
@@ -60,19 +39,11 @@ def top_up(
     slots: np.ndarray, bin_of: np.ndarray, t_bin: np.ndarray, t_room: np.ndarray, sinks: np.ndarray,
     locked: np.ndarray,
 ) -> int:
-    """Fill the target bins with pieces of the sink bins, in place.
+    """Fill the target bins with pieces of the sink bins, in place; returns the tokens of room removed.
 
-    Args:
-        slots: int64 ``[n]`` slot length per piece.
-        bin_of: int64 ``[n]`` bin per piece; updated with the trades.
-        t_bin, t_room: int64 ``[t]`` the bins to fill and their rooms, fullest
-            first (priority order); ``t_room`` is updated.
-        sinks: bool ``[bins]``: the bins whose pieces may be traded.
-        locked: bool ``[n]``: pieces that must not move into a sink (they have waited long enough).
-
-    Returns:
-        The tokens of room removed from the targets.
-    """
+    ``slots``, ``bin_of`` (updated), ``locked`` (pieces that must not move into a sink): ``[n]`` per piece;
+    ``t_bin``, ``t_room`` (updated): ``[t]`` the bins to fill and their rooms, fullest first; ``sinks``: bool
+    ``[bins]``, the bins whose pieces may be traded."""
     if not t_bin.size:
         return 0
     target_of_bin = np.full(sinks.shape[0], -1, dtype=np.int64)
@@ -133,11 +104,8 @@ def _trade_round(
 def exact_fill(slots: np.ndarray, capacity: int) -> np.ndarray:
     """Pack ``slots`` (int64 ``[n]``, each ``<= capacity``) bin by bin; int64 ``[n]`` bin per piece.
 
-    Ties between pieces of one size go to the earlier index. The search runs on Python lists of the
-    distinct sizes (``bisect`` and a size -> index dict: a pair is found scanning down from the largest
-    small size, the first hit the one a vectorised search would pick), ~10x fewer microseconds than
-    numpy calls on arrays of a few hundred sizes; the bins are written once at the end.
-    """
+    Ties go to the earlier index. The search runs on Python lists of the distinct sizes (``bisect`` and a
+    size -> index dict); the bins are written once at the end."""
     n = int(slots.shape[0])
     if not n:
         return np.zeros(0, dtype=np.int64)
@@ -190,8 +158,8 @@ def exact_fill(slots: np.ndarray, capacity: int) -> np.ndarray:
 
 def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int, bottom: int,
           half: int) -> tuple[int, int] | None:  # fmt: skip
-    """The size indices ``(s, p)`` of two pieces left that fill ``room`` exactly, ``s`` the largest of
-    ``[bottom, half)`` that has a partner, else None."""
+    """Size indices ``(s, p)`` of two pieces left that fill ``room``, ``s`` the largest possible of
+    ``[bottom, half)``."""
     for s in range(half - 1, bottom - 1, -1):
         if left[s]:
             p = index_of.get(room - vals[s])
@@ -209,8 +177,7 @@ def _last_left(left: list[int], lo: int, hi: int) -> int:
 
 
 def _bins_of(takes: list[int], order: np.ndarray) -> np.ndarray:
-    """int64 ``[n]`` bin per piece from the takes ``(first sorted position, count, bin)`` (flat): take ``t``
-    puts pieces ``order[lo_t : lo_t + q_t]`` in its bin."""
+    """int64 ``[n]`` bin per piece from the flat takes ``(first sorted position, count, bin)``."""
     lo, q, b = np.asarray(takes, dtype=np.int64).reshape(-1, 3).T
     positions = segments(lo, q)
     bin_of = np.empty(order.shape[0], dtype=np.int64)

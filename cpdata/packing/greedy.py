@@ -1,15 +1,9 @@
-"""Online greedy packers: ``next_fit`` (one open bin) and ``first_fit`` (Grain-style, 8 bins).
+"""Online greedy packers: ``next_fit`` (one open bin; torchtune / NeMo ``pack_dataset``) and
+``first_fit`` (Grain's ``FirstFitPackIterDataset``, 8 bins).
 
-Both place pieces one at a time, in arrival order, so their packs do not
-depend on how the stream is cut into windows. A packer sees pieces as integer
-keys (increasing arrival numbers) with slot lengths and returns finished packs
-(keys in arrival order) as :class:`~cpdata.packing.records.PackKeys`.
-
-| packer      | open bins | a piece that fits no open bin...               | reference |
-|-------------|-----------|--------------------------------------------------|-----------|
-| ``next_fit``  | 1         | closes the bin and opens a new one (a bin that is exactly full closes at once) | torchtune / NeMo ``pack_dataset`` |
-| ``first_fit`` | 8         | closes *all* bins (the whole row batch) and starts a new batch | Grain ``FirstFitPackIterDataset`` |
-"""
+Both place pieces one at a time in arrival order, so their packs do not depend on the windows. A piece
+that fits no open bin closes the bin (``next_fit``; an exactly full bin closes at once) or all the bins
+(``first_fit``, which then starts a new batch of rows)."""
 
 from __future__ import annotations
 
@@ -22,24 +16,40 @@ from cpdata.packing.records import PackKeys
 __all__ = ["FirstFit", "NextFit"]
 
 
-class NextFit:
-    """Sequential packing with a single open bin; also the back end of ``concat``."""
+class _OpenBins:
+    """Open bins as lists of keys and slot lengths with their fill: what both packers carry."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._keys: list[int] = []
-        self._slots: list[int] = []
-        self._used = 0
+        self.load_carry([])
+
+    def finish(self) -> PackKeys:
+        out = self._keys
+        self.load_carry([])
+        return PackKeys.from_lists(out)
+
+    def carry(self) -> list[tuple[list[int], list[int]]]:
+        """Open bins as ``(keys, slots)`` pairs, in bin order."""
+        return [(list(k), list(s)) for k, s in zip(self._keys, self._slots, strict=True)]
+
+    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        self._keys = [list(k) for k, _ in bins]
+        self._slots = [list(s) for _, s in bins]
+        self._used = [sum(s) for s in self._slots]
+
+
+class NextFit(_OpenBins):
+    """Sequential packing with a single open bin (never an empty one); also the back end of ``concat``."""
 
     @property
     def fill(self) -> int:
         """Slot tokens in the open bin."""
-        return self._used
+        return self._used[0] if self._used else 0
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         out: list[list[int]] = []
-        cap, used = self.capacity, self._used
-        cur_k, cur_s = self._keys, self._slots
+        cap, used = self.capacity, self.fill
+        cur_k, cur_s = (self._keys[0], self._slots[0]) if self._keys else ([], [])
         for k, s in zip(keys.tolist(), slots.tolist(), strict=True):
             if used + s > cap:
                 out.append(cur_k)
@@ -50,38 +60,16 @@ class NextFit:
             if used == cap:
                 out.append(cur_k)
                 cur_k, cur_s, used = [], [], 0
-        self._keys, self._slots, self._used = cur_k, cur_s, used
+        self._keys, self._slots, self._used = ([cur_k], [cur_s], [used]) if cur_k else ([], [], [])
         return PackKeys.from_lists(out)
 
-    def finish(self) -> PackKeys:
-        out = [self._keys] if self._keys else []
-        self._keys, self._slots, self._used = [], [], 0
-        return PackKeys.from_lists(out)
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)`` pairs, in bin order."""
-        return [(list(self._keys), list(self._slots))] if self._keys else []
-
-    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        assert len(bins) <= 1, "next_fit carries at most one bin"
-        self._keys = list(bins[0][0]) if bins else []
-        self._slots = list(bins[0][1]) if bins else []
-        self._used = sum(self._slots)
-
-
-class FirstFit:
-    """First-fit over a batch of ``n_bins`` rows (Grain's multi-bin packing).
-
-    A piece goes into the first row with room; when no row has room and all
-    rows are in use, the batch is emitted row by row and a new batch starts.
-    """
+class FirstFit(_OpenBins):
+    """First-fit over a batch of ``n_bins`` rows, emitted together when a piece fits none of them."""
 
     def __init__(self, capacity: int, n_bins: int = 8) -> None:
-        self.capacity = capacity
+        super().__init__(capacity)
         self.n_bins = n_bins
-        self._keys: list[list[int]] = []
-        self._slots: list[list[int]] = []
-        self._used: list[int] = []
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         out: list[list[int]] = []
@@ -102,16 +90,3 @@ class FirstFit:
                 self._slots.append([s])
                 used.append(s)
         return PackKeys.from_lists(out)
-
-    def finish(self) -> PackKeys:
-        out = self._keys
-        self._keys, self._slots, self._used = [], [], []
-        return PackKeys.from_lists(out)
-
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        return [(list(k), list(s)) for k, s in zip(self._keys, self._slots, strict=True)]
-
-    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        self._keys = [list(k) for k, _ in bins]
-        self._slots = [list(s) for _, s in bins]
-        self._used = [sum(s) for s in self._slots]

@@ -42,34 +42,18 @@ def plan_lengths(
     window: int | None = None,
     first_target: np.ndarray | None = None,
 ) -> PackingResult:
-    """Plan the packs of a whole dataset from its document lengths.
-
-    The same core as the :class:`~cpdata.nodes.pack.Pack` node: documents are
-    consumed one window at a time in the given order (:func:`~cpdata.packing.planner.window_ends`),
-    so the online node over the same documents yields the same packs.
+    """Plan the packs of a whole dataset from its document lengths, one window at a time as the
+    :class:`~cpdata.nodes.pack.Pack` node does: same documents, same packs.
 
     Args:
         lengths: int ``[n]`` real tokens per document, in stream order.
-        capacity: tokens per pack, a multiple of ``alignment(layout, cp_size)[1]``.
-        layout, cp_size: the CP layout the packs are for (sets the per-document
-            alignment: ``thd`` pads every document to a multiple of ``2 * cp_size``).
-        algorithm: ``"bfd"`` (default), ``"ffd"``, ``"first_fit"``, ``"next_fit"`` or ``"concat"``.
-        overflow: documents longer than ``capacity``: ``"error"`` (default; ``"split"``
-            for concat), ``"split"``, ``"truncate"`` or ``"drop"``.
-        seed: recorded in the config; the algorithms are deterministic and draw
-            no random numbers.
-        window: documents per window, at least (default 1024; the whole dataset for
-            ``ffd``); a window also holds ``WINDOW_PACKS`` packs of tokens.
-        first_target: int ``[n]`` position of each document's first trained
-            target, -1 if none; such documents are left out and counted as
-            ``untrained`` (what the online node does with documents whose
-            labels or mask train nothing). ``None``: every document is trained.
+        capacity, layout, cp_size, algorithm, overflow, window: as
+            :meth:`~cpdata.packing.records.PackingConfig.resolve` takes them; ``seed`` is recorded only.
+        first_target: int ``[n]`` each document's first trained target, -1 if none (left out, counted
+            ``untrained``); ``None``: every document is trained.
 
     Returns:
-        :class:`~cpdata.packing.PackingResult`; ``doc_index`` refers to positions in ``lengths``.
-
-    Cost: O(n) through the packer (time per document: docs/benchmarks.md), O(window) working memory
-    beside the O(n) result.
+        :class:`~cpdata.packing.PackingResult` (``doc_index`` into ``lengths``); O(n) time, O(window) memory.
     """
     config = PackingConfig.resolve(
         capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,

@@ -1,29 +1,15 @@
 """Documents to pieces: alignment and the overflow policy, vectorized over a window.
 
-A document of ``n`` real tokens occupies a slot of ``ceil(n / m) * m`` tokens
-(``m`` = the layout's document multiple). A document whose slot exceeds the
-capacity ``C`` is handled by the overflow policy:
-
-| overflow   | what happens                                            | counted as |
-|------------|---------------------------------------------------------|------------|
-| ``error``  | ``ValueError`` naming the document (default, bin packers) | -        |
-| ``split``  | cut into pieces of ``C`` tokens (+ a remainder); each piece packs on its own (default, ``concat``) | ``split`` |
-| ``truncate`` | keep the first ``C`` tokens                           | ``truncated``, ``truncated_tokens`` |
-| ``drop``   | skip the document                                       | ``dropped``, ``dropped_tokens`` |
-
-Empty documents are skipped (``skipped``). A document whose labels leave
-nothing to train (fully masked, or masked everywhere but at the last kept
-token of a truncated document, whose target was cut off) is left out and
-counted (``untrained``, ``untrained_tokens``): packed, it would add pack
-space but no target. ``concat`` lays every document at
-the running offset of the open pack and cuts at every multiple of ``C``;
-because ``C`` and every slot are multiples of ``m``, a cut never falls inside
-a document's alignment padding, and the pieces of one document together span
-exactly its slot.
-"""
+A document of ``n`` tokens takes a slot of ``ceil(n / m) * m`` (``m``: the layout's document multiple).
+A slot over the capacity ``C`` follows the overflow policy (docs/packing-and-mixing.md): ``error``,
+``split`` (pieces of ``C`` tokens), ``truncate`` or ``drop``. Empty documents are ``skipped``; documents
+whose labels train nothing are left out (``untrained``). ``concat`` lays documents at the running offset
+of the open pack and cuts at every multiple of ``C``; as ``C`` and every slot are multiples of ``m``, no
+cut falls inside alignment padding."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +32,6 @@ COUNT_FIELDS: tuple[str, ...] = (
     "untrained",
     "untrained_tokens",
 )
-"""Document-level counters produced by :func:`cut_documents`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,8 +45,7 @@ class Pieces:
     length: np.ndarray
     """int64: real tokens."""
     slot: np.ndarray
-    """int64: slot tokens (``length`` rounded up to the document multiple, or the
-    exact span for a piece cut at a pack boundary)."""
+    """int64: slot tokens (``length`` aligned, or the exact span of a piece cut at a pack boundary)."""
     continues: np.ndarray
     """bool: another piece of the same document follows this one."""
 
@@ -76,8 +60,8 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 
 
 def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
-    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])`` on a grid of
-    ``capacity``) at every grid line. ``slot > 0`` for every document."""
+    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple
+    of ``capacity``."""
     first = origin // capacity
     n = (origin + slot - 1) // capacity - first + 1
     doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)
@@ -93,12 +77,8 @@ def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) 
 def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
     """With ``overflow="error"``: raise ``ValueError`` naming every document longer than the capacity at once.
 
-    Run when the lengths are known up front (a tokenized dataset, a lengths
-    file, a whole-dataset plan), so an overlong document fails the build, not
-    a step hours in. The message gives the first offender as the streaming
-    check does, plus the count, the first indices and the longest. O(n) numpy;
-    nothing for the other policies.
-    """
+    Run when the lengths are known up front, so an overlong document fails the build, not a step hours
+    in. O(n) numpy; nothing for the other policies."""
     if config.overflow != "error":
         return
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -131,7 +111,7 @@ _STREAM_HINT = (
 
 @dataclass(frozen=True, slots=True)
 class Overlong:
-    """The numbers of a document longer than the capacity: its stream ``index``, ``tokens``, aligned ``slot``."""
+    """The numbers of a document longer than the capacity: stream ``index``, ``tokens``, aligned ``slot``."""
 
     index: int
     tokens: int
@@ -151,9 +131,7 @@ class Overlong:
 class OverlongDocumentError(ValueError):
     """A document longer than the capacity under ``overflow="error"``, met while reading a stream.
 
-    ``overlong`` carries the numbers, so a stage that knows where the document came from (a mix: its source
-    and its index there) can say so; constructible from the message alone (pickling, worker processes).
-    """
+    ``overlong`` carries the numbers, so a stage that knows the document's origin (a mix) can name it."""
 
     def __init__(self, message: str, *, overlong: Overlong | None = None) -> None:
         super().__init__(message)
@@ -168,22 +146,12 @@ def cut_documents(
     fill: int = 0,
     first_target: np.ndarray | None = None,
 ) -> tuple[Pieces, dict[str, int]]:
-    """Turn one window of documents into pieces, applying alignment and overflow.
+    """One window of documents (int64 ``[k]`` ``lengths``) as pieces, aligned and under the overflow policy,
+    and the window's :data:`COUNT_FIELDS` counters; ``doc`` indexes ``lengths``.
 
-    Args:
-        lengths: int64 ``[k]`` real tokens per document.
-        config: the packer configuration.
-        source_index: int64 ``[k]`` source index per document (error messages only).
-        fill: ``concat`` only: slot tokens already used in the open pack.
-        first_target: int64 ``[k]`` position of each document's first trained
-            target, :data:`~cpdata.worker.targets.NO_TRAINED_TARGET` if none, :data:`~cpdata.worker.targets.UNLABELED`
-            for a document without labels (never left out; :func:`cpdata.worker.targets.first_target`); ``None``: all
-            unlabeled.
-
-    Returns:
-        the pieces (``doc`` indexes ``lengths``) and the document counters
-        (:data:`COUNT_FIELDS`) of this window.
-    """
+    ``source_index`` (int64 ``[k]``) names documents in errors; ``fill``: ``concat``'s slot tokens already in
+    the open pack; ``first_target``: each document's :func:`cpdata.worker.targets.first_target` (None: all
+    unlabeled)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     cap, m = config.capacity, config.doc_multiple
     slot = -(-lengths // m) * m
@@ -228,22 +196,13 @@ def cut_documents(
     else:
         origin = np.zeros(keep.shape[0], dtype=np.int64)
     pieces = _cut(origin, slot[keep], lengths[keep], cap)
-    pieces = Pieces(
-        doc=keep[pieces.doc],
-        start=pieces.start,
-        length=pieces.length,
-        slot=pieces.slot,
-        continues=pieces.continues,
-    )
+    pieces = dataclasses.replace(pieces, doc=keep[pieces.doc])
     counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
     return pieces, counts
 
 
 def piece_continues(doc_index: np.ndarray, doc_start: np.ndarray, doc_len: np.ndarray) -> np.ndarray:
-    """bool ``[n_pieces]``: the piece's document goes on in another piece (the one starting where it ends).
-
-    O(n log n): pieces sorted by (document, start); the pieces of one document tile it.
-    """
+    """bool ``[n_pieces]``: the piece's document goes on in the piece starting where it ends (O(n log n))."""
     order = np.lexsort((doc_start, doc_index))
     d, s, n = doc_index[order], doc_start[order], doc_len[order]
     follows = np.zeros(order.shape[0], dtype=bool)

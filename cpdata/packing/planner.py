@@ -1,22 +1,11 @@
 """The packing core shared by the offline planner and the ``Pack`` node.
 
-A :class:`StreamPlanner` consumes the stream one *window* of documents at a
-time (at least ``config.window`` documents, counting empty and dropped ones,
-and at least :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens, see
-:func:`window_ends`; the last window may be shorter): it cuts the window into
-pieces (alignment, overflow policy, ``concat`` cuts), numbers the pieces with
-increasing integer keys and hands them to the algorithm's packer, which
-returns the packs it has finished (:class:`~cpdata.packing.records.PackKeys`,
-keys in CSR form). Feeding the same lengths in the same windows gives the
-same packs, which is why :func:`~cpdata.packing.plan_lengths` and the online
-node agree pack for pack.
-
-State (:meth:`StreamPlanner.state`): the next key, the counters and the
-packer's open bins (keys and slot lengths, int64 CSR arrays). The bins are
-the only part that grows: at most 1 (``next_fit``, ``concat``) or 8
-(``first_fit``) bins, at most the largest window's slot tokens (``bfd``;
-~1.5M tokens in ~1,200 pieces on 4K chat); ``ffd`` carries nothing.
-"""
+A :class:`StreamPlanner` takes the stream one window of documents at a time (:func:`window_ends`),
+cuts it into pieces, numbers them with increasing keys and hands them to the algorithm's packer, which
+returns the packs it finished (:class:`~cpdata.packing.records.PackKeys`). Same lengths in the same
+windows, same packs: so :func:`~cpdata.packing.plan_lengths` and the online node agree pack for pack.
+The state is the next key, the counters and the packer's open bins (int64 CSR), which grow to at most
+8 bins (``first_fit``) or the largest window's slot tokens (``bfd``)."""
 
 from __future__ import annotations
 
@@ -41,26 +30,20 @@ class BinPacker(Protocol):
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         """Add one window of pieces; return the packs now finished (keys in arrival order)."""
-        ...
 
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
-        ...
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)``, in bin order."""
-        ...
 
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 
 
 def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A packer's open bins (:meth:`BinPacker.carry`) in CSR form: int64 offsets ``[bins + 1]``, keys and
-    slots ``[pieces]`` (fresh arrays); read from the packer's own columns when it keeps them
-    (``carry_columns()``, e.g. :class:`~cpdata.packing.decreasing.BestFitDecreasing`: no list per piece)."""
-    columns = getattr(packer, "carry_columns", None)
-    if columns is not None:
-        return columns()
+    """A packer's open bins in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+    if isinstance(packer, BestFitDecreasing):  # its own columns: no list per piece
+        return packer.carry_columns()
     bins = packer.carry()
     sizes = [len(k) for k, _ in bins]
     return (
@@ -71,9 +54,8 @@ def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def make_packer(config: PackingConfig) -> BinPacker:
-    """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); under a ``world``
-    layout the decreasing ones (``bfd``, ``ffd``) are :class:`~cpdata.packing.world.WorldPacker`, which plans
-    each pack as the world's per-rank bins (the other algorithms fill packs to the token and the deal cuts)."""
+    """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); a world layout's
+    ``bfd``/``ffd`` is :class:`~cpdata.packing.world.WorldPacker`."""
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
@@ -88,15 +70,11 @@ def make_packer(config: PackingConfig) -> BinPacker:
 
 
 def window_ends(lengths: np.ndarray, config: PackingConfig) -> list[int]:
-    """Exclusive end of every window over a whole stream of document lengths.
+    """Exclusive end of every window over a stream of document lengths.
 
-    A window closes after the first document at which it holds at least
-    ``config.window`` documents and ``config.window_tokens`` tokens, counting
-    each document's tokens up to the capacity and at least 1 (or at the end of
-    the stream); so a window is at most ``max(window, window_tokens)``
-    documents. The :class:`~cpdata.nodes.pack.Pack` node applies the same rule
-    one document at a time.
-    """
+    A window closes at the first document at which it holds ``config.window`` documents and
+    ``config.window_tokens`` tokens (each document counted up to the capacity, at least 1), or at the end
+    of the stream. The :class:`~cpdata.nodes.pack.Pack` node applies the same rule one document at a time."""
     n = int(lengths.shape[0])
     if config.window is None:
         return [n] if n else []
@@ -123,18 +101,10 @@ class StreamPlanner:
     def add_window(
         self, lengths: np.ndarray, source_index: np.ndarray, first_target: np.ndarray | None = None
     ) -> tuple[Pieces, np.ndarray, PackKeys]:
-        """Cut and place one window.
+        """Cut and place one window: int64 ``[k]`` ``lengths``, ``source_index`` (for errors) and
+        ``first_target`` (:func:`~cpdata.packing.pieces.cut_documents`).
 
-        Args:
-            lengths: int64 ``[k]`` real tokens per document.
-            source_index: int64 ``[k]`` source index per document (for error messages).
-            first_target: int64 ``[k]`` first trained target per document, -1 if
-                none (see :func:`~cpdata.packing.pieces.cut_documents`).
-
-        Returns:
-            ``(pieces, keys, packs)``: the window's pieces, their int64 keys
-            ``[p]``, and the packs finished by this window.
-        """
+        Returns ``(pieces, keys, packs)``: the pieces, their int64 keys ``[p]``, the packs now finished."""
         fill = self._packer.fill if isinstance(self._packer, NextFit) else 0
         pieces, counts = cut_documents(
             lengths, self.config, source_index=source_index, fill=fill, first_target=first_target
@@ -164,12 +134,8 @@ class StreamPlanner:
         return PackingStats.from_counts(capacity=self.config.capacity, **self._counts)
 
     def stats_fields(self) -> dict[str, Any]:
-        """:meth:`stats` as a fresh dict in field order (:meth:`PackingStats.fields_from_counts`)."""
+        """:meth:`stats` as a fresh dict in field order."""
         return PackingStats.fields_from_counts(capacity=self.config.capacity, **self._counts)
-
-    def carry_keys(self) -> list[int]:
-        """Keys of the pieces in open bins."""
-        return [k for keys, _ in self._packer.carry() for k in keys]
 
     def state(self) -> dict[str, Any]:
         offsets, keys, slots = carry_columns(self._packer)

@@ -13,31 +13,18 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.maps import alignment
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_WINDOW",
-    "OVERFLOW_POLICIES",
-    "WINDOW_PACKS",
-    "PackKeys",
-    "PackingConfig",
-    "PackingResult",
-    "PackingStats",
-]
+__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
+           "PackingResult", "PackingStats"]  # fmt: skip
 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
-"""Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound
-on the realistic distributions (``python -m cpdata.packing``; time per document:
-docs/benchmarks.md); a 512 window costs ~0.02 pp more, 2048 ~0.01 pp less (the
-carry, and with it the ``Pack`` state, grows with the window)."""
+"""Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound (``python -m
+cpdata.packing``); 512 costs ~0.02 pp more, 2048 saves ~0.01 pp (the carry, and the ``Pack`` state, grow
+with the window)."""
 WINDOW_PACKS = 4
-"""A window also holds at least this many packs of tokens (each document
-counted up to the capacity, and at least 1): with short documents at a long
-capacity (90-token documents at 128K) 1024 documents are less than one pack,
-and a packer that sees less than a pack at a time emits it under-filled. The
-window then grows to ``WINDOW_PACKS * capacity / mean length`` documents
-(~5,800 at 128K for 90-token documents), never past ``WINDOW_PACKS * capacity``."""
+"""A window also holds at least this many packs of tokens (each document counted up to the capacity,
+at least 1), so short documents at a long capacity are not packed from less than a pack at a time."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,8 +39,7 @@ class PackingConfig:
     overflow: str
     """What happens to a document whose aligned length exceeds ``capacity``."""
     window: int | None
-    """Documents per planning window, at least (a window also holds :attr:`window_tokens`);
-    ``None`` = the whole stream (``ffd`` default)."""
+    """Documents per planning window, at least (see :attr:`window_tokens`); ``None`` = the whole stream."""
     doc_multiple: int
     """Every document slot is rounded up to this multiple (``alignment(layout, cp)[0]``)."""
     seed: int = 0
@@ -71,8 +57,8 @@ class PackingConfig:
         seed: int = 0,
         window: int | None = None,
     ) -> PackingConfig:
-        """Validate the arguments; ``overflow=None`` means ``"split"`` for concat, else ``"error"``;
-        ``window=None`` means :data:`DEFAULT_WINDOW`, or the whole stream for ``ffd``."""
+        """Validate the arguments; ``overflow=None``: ``"split"`` for concat, else ``"error"``;
+        ``window=None``: :data:`DEFAULT_WINDOW`, or the whole stream for ``ffd``."""
         doc_multiple, pack_multiple = alignment(layout, cp_size)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
@@ -111,8 +97,7 @@ class PackingConfig:
 
     @property
     def window_tokens(self) -> int:
-        """Least tokens per window, each document counted up to ``capacity`` and at
-        least 1 (``WINDOW_PACKS * capacity``); 0 with ``window=None``."""
+        """Least tokens per window (``WINDOW_PACKS * capacity``); 0 with ``window=None``."""
         return 0 if self.window is None else WINDOW_PACKS * self.capacity
 
     def identity(self) -> dict[str, object]:
@@ -129,12 +114,10 @@ class PackingConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackingStats:
-    """Counters of one packing run (a snapshot; build with :meth:`from_counts`).
+    """Counters of one packing run (a snapshot).
 
-    Documents are counted when the packer reads them; tokens and packs when a
-    pack is emitted. Real tokens in packs + ``truncated_tokens`` +
-    ``dropped_tokens`` + ``untrained_tokens`` = tokens of all documents read, once every pack is out.
-    """
+    Documents are counted when read, tokens and packs when a pack is emitted. Once every pack is out, real
+    tokens in packs + ``truncated_tokens`` + ``dropped_tokens`` + ``untrained_tokens`` = tokens read."""
 
     capacity: int
     documents: int = 0
@@ -142,29 +125,28 @@ class PackingStats:
     tokens: int = 0
     """Real tokens in the emitted packs."""
     slot_tokens: int = 0
-    """Tokens of the emitted slots: real tokens plus per-document alignment padding."""
+    """Real tokens plus per-document alignment padding of the emitted slots."""
     packs: int = 0
     padding_pct: float = 0.0
     """``100 * (1 - tokens / (packs * capacity))``."""
     lower_bound_pct: float = 0.0
     """Padding of a perfect packing of the same slots: ``ceil(slot_tokens / capacity)`` packs."""
     skipped: int = 0
-    """Empty documents (nothing to pack)."""
+    """Empty documents."""
     truncated: int = 0
     dropped: int = 0
     split: int = 0
-    """Documents cut into more than one piece (``overflow="split"``, or every cut in ``concat``)."""
+    """Documents cut into more than one piece."""
     truncated_tokens: int = 0
     dropped_tokens: int = 0
     untrained: int = 0
-    """Documents with labels or a mask that leave no target to train (fully masked, or only at the
-    truncated last token): left out, never packed."""
+    """Documents whose labels or mask leave no target to train: left out."""
     untrained_tokens: int = 0
     epoch: int = 0
-    """The source's epoch being read (``Documents(num_epochs=..., shuffle=...)``); 0 offline."""
+    """The source's epoch being read; 0 offline."""
     sources: dict[str, dict[str, int]] | None = None
-    """A :func:`cpdata.mix` source's counters: ``{name: {"documents", "tokens"}}`` drawn this epoch by this
-    DP rank (before packing leaves anything out); None for other sources."""
+    """A :func:`cpdata.mix` source's ``{name: {"documents", "tokens"}}`` drawn this epoch by this DP
+    rank; None for other sources."""
 
     @classmethod
     def from_counts(cls, *, capacity: int, **counts: int) -> PackingStats:
@@ -172,8 +154,7 @@ class PackingStats:
 
     @staticmethod
     def fields_from_counts(*, capacity: int, **counts: int) -> dict[str, Any]:
-        """What :meth:`from_counts` builds, as a fresh dict in field order (``dataclasses.asdict`` of it,
-        without building the object and walking it with ``asdict``; a ``Pack`` state holds it)."""
+        """What :meth:`from_counts` builds, as a fresh dict in field order (a ``Pack`` state holds it)."""
         tokens, packs = counts.get("tokens", 0), counts.get("packs", 0)
         lower = -(-counts.get("slot_tokens", 0) // capacity)
         fields = _STATS_DEFAULTS.copy()
@@ -198,23 +179,19 @@ _STATS_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields
 class PackingResult:
     """A whole-dataset packing plan in CSR form (read-only arrays).
 
-    Pack ``p`` holds pieces ``pack_offsets[p]:pack_offsets[p+1]`` of the piece
-    arrays, in slot order. Piece ``i`` is tokens
-    ``doc_start[i] : doc_start[i] + doc_len[i]`` of document ``doc_index[i]``
-    (its position in the input lengths), laid out in a slot of ``slot_len[i]``
-    tokens.
-    """
+    Pack ``p`` holds pieces ``pack_offsets[p]:pack_offsets[p+1]`` in slot order; piece ``i`` is tokens
+    ``doc_start[i] : doc_start[i] + doc_len[i]`` of document ``doc_index[i]`` in a slot of ``slot_len[i]``."""
 
     pack_offsets: np.ndarray
     """int64 ``[n_packs + 1]``."""
     doc_index: np.ndarray
-    """int64 ``[n_pieces]``: source index of the piece's document."""
+    """int64 ``[n_pieces]``: the document's position in the input lengths."""
     doc_start: np.ndarray
-    """int64 ``[n_pieces]``: offset inside the document (nonzero for split pieces)."""
+    """int64 ``[n_pieces]``."""
     doc_len: np.ndarray
-    """int64 ``[n_pieces]``: real tokens of the piece."""
+    """int64 ``[n_pieces]``."""
     slot_len: np.ndarray
-    """int64 ``[n_pieces]``: ``doc_len`` rounded up to the layout's document multiple."""
+    """int64 ``[n_pieces]``."""
     stats: PackingStats
     config: PackingConfig
 
@@ -230,14 +207,11 @@ class PackingResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackKeys:
-    """Packs a packer finished, as piece keys in CSR form (no Python list per pack).
-
-    Pack ``p`` is ``keys[o[p]:o[p + 1]]`` with ``o`` the running sum of
-    ``sizes`` from 0; iterating yields each pack as a list of keys.
-    """
+    """Packs a packer finished, as piece keys in CSR form: pack ``p`` is ``keys[o[p]:o[p + 1]]``, ``o``
+    the running sum of ``sizes``; iterating yields each pack as a list of keys."""
 
     keys: np.ndarray
-    """int64 ``[pieces]``: the keys of every pack, pack after pack."""
+    """int64 ``[pieces]``, pack after pack."""
     sizes: np.ndarray
     """int64 ``[packs]``: pieces per pack."""
 

@@ -1,62 +1,16 @@
 """``ShardedBatch``: one CP rank's batch, a mapping of tensors with its layout beside it.
 
-The model reads it like ``Mapping[str, torch.Tensor]``: the token tensors of
-this rank in local order (``input_ids``, ``labels``, ``position_ids``,
-``padding_mask``, ``document_ids``, extras; ``[B, L]`` for bshd, ``[L]`` for
-thd) and the global stream metadata (``cu_seqlens`` & co., see
-:mod:`cpdata.worker.keys`). Two attributes travel beside the keys, never inside them:
+Keys: this rank's token tensors in local order (``[B, L]`` bshd, ``[L]`` thd) and the global stream
+metadata (:mod:`cpdata.worker.keys`). Beside them travel ``layout`` (for the sharder and the gather) and
+``info`` (host values surviving pickling, workers, ``to()`` and ``pin_memory``; docs/batch-contents.md).
+The key set is fixed; a key may be replaced by a tensor of its shape (as ``default_convert`` and
+``pin_memory`` do; ``labels`` drops ``info["n_targets"]``); :meth:`ShardedBatch.replace` changes keys.
 
-- ``layout`` (:class:`~cpdata.layout.shard_layout.ShardLayout`): what the shard did,
-  for the device sharder and the gather.
-- ``info``: a small plain-python dict, on the host wherever the tensors are
-  (it survives pickling, workers, ``.to(device)`` and ``pin_memory``): the
-  scalars the model side needs without a device sync and the tracing of
-  each slot to its document (keys: docs/batch-contents.md; built per block,
-  cost: docs/benchmarks.md). :meth:`ShardedBatch.replace` and
-  ``batch["labels"] = other`` drop ``info["n_targets"]``.
-
-Frozen-ish: the key set is fixed and ``layout``/``info`` cannot be reassigned;
-an existing key may be replaced by a tensor of the same shape (the path
-torch's ``default_convert`` and ``pin_memory`` take: ``copy.copy`` then
-``update``), which keeps the batch a ``ShardedBatch`` through
-``StatefulDataLoader(batch_size=None)`` and its pin-memory thread. To add or
-drop keys, build a new batch with :meth:`replace` or use ``dict(batch)``.
-Pickles by value (tensors through torch's shared-memory reducers across
-worker processes).
-
-Memory layout: :meth:`ShardedBatch.contiguous` (what ``ShardForRank`` emits)
-places every tensor in one byte buffer (16-byte aligned views): first the
-batch's tensors, then the layout's index maps. So
-
-- a batch crosses from a dataloader worker to the training process as one
-  shared-memory storage (torch's reducers pass one file descriptor per
-  storage; the receiver maps it and views it by its byte spans when read);
-- pinning is one ``pin_memory`` call;
-- the host-to-device move (:meth:`ShardedBatch.to`) is one copy of the
-  buffer's batch part (~10 keys: ten small copies, each paying the
-  launch/latency cost, become one). The index maps stay on the host, pinned
-  with the rest, and move on the first gather that needs them
-  (:func:`cpdata.gather.layout_tensor_on`), so a model that never gathers
-  never copies them.
-
-Replacing a key by another tensor falls back to per-key copies for that batch.
-
-Lazy views: a contiguous batch holds its buffer, its :class:`ViewPlan`
-(shared, cached per shape set) and its layout record without the index maps;
-the torch views of its keys are built on the first read of the mapping
-(iterating the keys and ``len`` read the plan) and its layout's index maps on
-the first ``batch.layout``, once per batch, shared with its shallow copies and
-with batches moved from it. Pickling, ``pin_memory`` and ``to()`` build none
-on the host, so a worker hands its buffer over without viewing it.
-``batch.layout`` is an ordinary, complete :class:`ShardLayout` (the same
-object on every read, which keeps identity-keyed caches such as
-:func:`cpdata.gather.layout_tensor_on` hitting): what is lazy is when the batch
-builds it, not the record (a lazy field of the frozen record would change
-what ``getattr``/``dataclasses.replace`` see). Trade-off: the first read pays
-the views (one torch call per key) where construction used to. Two threads
-reading a fresh batch at once may both build (equal views, different tensor
-objects); the pin-memory thread reads none.
-"""
+One storage (docs/architecture.md): :meth:`ShardedBatch.contiguous` and :class:`BatchBuffer` put the
+tensors, then the layout's index maps, in one 16-byte-aligned buffer: one shared-memory storage across
+processes, one ``pin_memory`` call, one device copy of the batch part. Replacing a key falls back to
+per-key tensors. The torch views are built once, on first read, and shared with copies and moved
+batches; pickling, pinning and ``to()`` build none."""
 
 from __future__ import annotations
 
@@ -84,28 +38,19 @@ __all__ = ["BatchBuffer", "ShardedBatch"]
 
 
 _LAYOUT_MAPS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
-"""The :class:`ShardLayout` tensor fields a contiguous batch keeps in its buffer, after the batch's tensors."""
+"""The :class:`ShardLayout` tensor fields a contiguous batch keeps after its tensors."""
 
 
 def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
     return ShardedBatch(tensors, layout=layout, info=info)
 
 
-def _restore_buffer(
-    buffer: torch.Tensor, plan: ViewPlan, layout: ShardLayout, info: dict[str, Any], maps: bool
-) -> ShardedBatch:
-    return ShardedBatch._from_buffer(buffer, plan, layout, info, maps)
-
-
 class _BufferViews:
-    """One buffer's torch views, built on first need and shared by a batch, its shallow copies and the
-    batches moved from it (never mutated once built).
+    """One buffer's torch views, built on first need and shared by a batch, its copies and moved batches.
 
-    ``base`` is the layout record when ``maps`` (the buffer holds the index maps: the layout is the
-    record with its map fields set to views of the buffer, and its ``fields`` set, e.g. the batch's
-    digest: one record copy per batch, made when the layout is read); otherwise the layout itself, or
-    the :class:`_BufferViews` of the batch this one was moved from (whose layout it shares).
-    """
+    ``base`` is the layout record when ``maps`` (the layout is then the record with its map fields set to
+    views of the buffer and ``fields`` set: one copy per batch, made when read); otherwise the layout, or
+    the :class:`_BufferViews` of the batch this one was moved from."""
 
     __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "head", "builds")
 
@@ -144,7 +89,7 @@ class _BufferViews:
         return self.head
 
     def record(self) -> ShardLayout:
-        """The layout without the map fields this buffer holds (what a pickle of the buffer carries)."""
+        """The layout without the map fields this buffer holds (what a pickle carries)."""
         base, names = self.base, self.plan.map_spans
         changes = dict(self.fields or {})
         if any(base.__dict__.get(name) is not None for name in names):
@@ -155,20 +100,9 @@ class _BufferViews:
 class BatchBuffer:
     """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
 
-    Args:
-        tensors: key -> ``(shape, numpy dtype)`` of every batch tensor, in order.
-        maps: layout field (``local_token_global_indices``, ...) -> ``(shape, dtype)``; placed after the tensors.
-
-    Attributes:
-        arrays: key -> numpy view of the buffer (uninitialised: the writer fills every element; the alignment
-            gaps between arrays are zeroed).
-        maps: layout field -> numpy view.
-
-    Cost: one cached plan lookup (none through :meth:`of`), one allocation (numpy's, wrapped by torch:
-    cheaper than ``torch.empty`` + ``.numpy()``) and one field read of a structured view per array
-    (:class:`~cpdata.worker.buffer_spans.BufferPlan`); no torch view (the batch builds those when
-    read).
-    """
+    ``tensors`` and ``maps`` (layout field, placed after the tensors) map keys to ``(shape, numpy dtype)``;
+    ``arrays`` and ``maps`` hold the numpy views (uninitialised but for the zeroed alignment gaps). One
+    cached plan lookup, one allocation and one structured-field read per array; no torch view."""
 
     __slots__ = ("buffer", "plan", "arrays", "maps")
 
@@ -183,8 +117,7 @@ class BatchBuffer:
 
     @classmethod
     def of(cls, plan: BufferPlan) -> BatchBuffer:
-        """A buffer laid out by ``plan`` (:func:`~cpdata.worker.buffer_spans.buffer_plan` of the specs, kept by a
-        caller that serves many batches of one shape)."""
+        """A buffer laid out by a :func:`~cpdata.worker.buffer_spans.buffer_plan` kept by the caller."""
         buf = cls.__new__(cls)
         buf._allocate(plan)
         return buf
@@ -200,14 +133,13 @@ class BatchBuffer:
 
     def batch(self, *, layout: ShardLayout, info: Mapping[str, Any] | None = None,
               fields: Mapping[str, Any] | None = None) -> ShardedBatch:  # fmt: skip
-        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the buffer
-        (when read), its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same copy of the record."""
+        """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the
+        buffer, its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same record copy."""
         return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
 
 
 def _same_values(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether ``new`` holds ``old``'s values (a pinned copy does; a check on the host only: another device
-    counts as changed, so no device sync)."""
+    """Whether ``new`` holds ``old``'s values, checked on the host only (another device counts as changed)."""
     return new.device == old.device and new.dtype == old.dtype and bool(torch.equal(new, old))
 
 
@@ -217,13 +149,8 @@ def _without_target_count(info: dict[str, Any]) -> dict[str, Any]:
 
 
 class ShardedBatch(MutableMapping[str, torch.Tensor]):
-    """One rank's tensors (a mapping) plus ``.layout`` and ``.info``.
-
-    Args:
-        tensors: key -> tensor; see the module docstring for the keys.
-        layout: the :class:`ShardLayout` that produced the token tensors.
-        info: small plain-python metadata (no tensors).
-    """
+    """One rank's tensors (a mapping) plus ``.layout`` (the :class:`ShardLayout` that produced them) and
+    ``.info`` (small plain-python metadata)."""
 
     __slots__ = ("_tensors", "_layout", "_info", "_views")
 
@@ -244,12 +171,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     def contiguous(
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
-        """A batch whose tensors and layout maps are views of one host buffer (one extra host copy).
-
-        Buffer: ``tensors`` in order, then the layout's index maps
-        (``local_token_global_indices``, ``input_token_stream_positions``,
-        ``gather_index``, those that are set), each span 16-byte aligned.
-        """
+        """A batch whose tensors and layout maps (those set) are views of one host buffer."""
         spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
         map_spans, total = span_table(tensor_specs(maps), end)
@@ -265,11 +187,10 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         cls, buffer: torch.Tensor, plan: ViewPlan, layout: Any, info: Mapping[str, Any] | None, maps: bool,
         fields: Mapping[str, Any] | None = None,
     ) -> ShardedBatch:  # fmt: skip
-        """A batch of ``buffer`` by ``plan``, views built when read: the whole buffer when ``maps``
-        (``layout``'s map fields become views too), else the batch part alone (a moved batch; ``layout``
-        may then be the :class:`_BufferViews` it was moved from); ``fields`` are set in ``layout``'s copy
-        that gets the map views (made when the layout is read). No per-key checks (the spans were made
-        from tensors). Plans are never mutated, so batches derived from one another share them."""
+        """A batch of ``buffer`` by ``plan``, views built when read.
+
+        ``maps``: the buffer holds the layout's maps, else it is the batch part alone and ``layout`` may be
+        the :class:`_BufferViews` it was moved from; ``fields`` are set in the layout copy."""
         batch = cls.__new__(cls)
         maps = maps and bool(plan.map_spans)  # a buffer without maps is its batch part
         batch._views = _BufferViews(buffer, plan, maps, layout, fields)
@@ -284,11 +205,11 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
 
     @property
     def _plan(self) -> ViewPlan | None:
-        """The buffer's span tables and how to view them (shared, immutable), when contiguous."""
+        """The buffer's shared, immutable :class:`ViewPlan`, when contiguous."""
         return self._views.plan if self._views is not None else None
 
     def _batch_bytes(self) -> int:
-        """Bytes of the buffer's batch part (every key; the layout maps follow)."""
+        """Bytes of the buffer's batch part (the layout maps follow)."""
         return self._views.plan.head if self._views is not None else 0
 
     @property
@@ -297,21 +218,20 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return self._views.plan.spans if self._views is not None else {}
 
     def _tensor_dict(self) -> dict[str, torch.Tensor]:
-        """Key -> tensor (a buffer's views are built here, once); never mutated while a buffer backs it."""
+        """Key -> tensor (a buffer's views built here, once)."""
         tensors = self._tensors
         if tensors is None:
             tensors = self._tensors = self._views.get_tensors()
         return tensors
 
     def nbytes(self) -> int:
-        """Bytes of the batch's tensors, ``sum(t.numel() * t.element_size())`` over the keys (the layout
-        maps excluded); read from the buffer's plan when contiguous, so no view is built."""
+        """Bytes of the batch's tensors (the layout maps excluded); from the plan when contiguous."""
         if self._views is not None:
             return self._views.plan.tensor_bytes
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def _map_nbytes(self) -> int:
-        """Bytes of the layout's index maps (those set), from the plan when the buffer holds them."""
+        """Bytes of the layout's index maps (those set)."""
         views = self._views
         if views is not None and views.maps:
             return views.plan.map_bytes
@@ -385,7 +305,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         views = self._views
         if views is not None:  # one storage: the views are rebuilt from the spans on the other side
             base = views.record() if views.maps else self.layout
-            return _restore_buffer, (views.buffer, views.plan, base, self._info, views.maps)
+            return ShardedBatch._from_buffer, (views.buffer, views.plan, base, self._info, views.maps)
         return _restore, (self._tensors, self._layout, self._info)
 
     def __repr__(self) -> str:
@@ -397,8 +317,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return dict(self._tensor_dict())
 
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
-        """A new batch with keys set (or removed, for ``None``); layout and info kept, but ``info["n_targets"]``
-        (the count of the pipeline's labels) dropped when ``labels`` is given."""
+        """A new batch with keys set (or removed, for ``None``); ``info["n_targets"]`` dropped when
+        ``labels`` is given."""
         out = dict(self._tensor_dict())
         for k, v in tensors.items():
             if v is None:
@@ -409,9 +329,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return ShardedBatch(out, layout=self.layout, info=info)
 
     def to(self, device: torch.device | str, non_blocking: bool = False, copy: bool = False) -> ShardedBatch:
-        """Tensors on ``device`` (one copy of the buffer's batch part when contiguous; views built when
-        read); the layout stays on the host (the gather moves its maps on first use). ``copy=True``
-        copies even when already on ``device`` (a ``clone()``), as ``Tensor.to``."""
+        """Tensors on ``device`` (one copy of the buffer's batch part when contiguous); the layout stays on
+        the host. ``copy=True`` copies even on the same device, as ``Tensor.to``."""
         views = self._views
         if views is None:
             moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}

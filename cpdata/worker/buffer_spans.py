@@ -1,21 +1,11 @@
-"""Byte spans of a batch's one buffer, and the typed views over them (the mechanics behind
+"""Byte spans of a batch's one buffer, and the typed views over them (behind
 :class:`cpdata.worker.batch.ShardedBatch`'s single storage).
 
-A span is ``(byte offset, bytes, dtype, shape, strides)``: tensors are laid
-out in key order, C-contiguous, each start 16-byte aligned. A
-:class:`ViewPlan` holds what depends only on the span tables (the distinct
-dtypes, per key its dtype's index and element offset, the batch part's size);
-it is built once per shape set (:func:`buffer_plan` is cached: a pipeline
-repeats a few shapes), never mutated, and carried by every batch derived from
-another (pickle included).
-
-Cost model: each view is one torch call, whose argument parsing and dispatch
-cost the same whatever its size (figures: docs/benchmarks.md). Grouping keys
-by dtype and shape so that one ``as_strided`` + ``unbind`` (or
-``split_with_sizes``) yields several views is no faster (``unbind`` pays per
-output plus its own call), so the buffer keeps the key order and every span's
-alignment.
-"""
+A span is ``(byte offset, bytes, dtype, shape, strides)``: tensors in key order, C-contiguous, each
+start 16-byte aligned. A :class:`ViewPlan` holds what depends only on the span tables and is built once
+per shape set (:func:`buffer_plan` is cached), never mutated. Each view is one torch call of fixed
+cost; grouping keys by dtype into one ``as_strided`` + ``unbind`` is no faster, so the buffer keeps the
+key order."""
 
 from __future__ import annotations
 
@@ -42,8 +32,7 @@ Steps = tuple[tuple[torch.dtype, ...], tuple[Item, ...]]
 
 
 def with_fields(layout: ShardLayout, fields: Mapping[str, Any]) -> ShardLayout:
-    """``dataclasses.replace(layout, **fields)`` without re-running ``__init__`` (a plain frozen dataclass
-    with no checks: a field copy, ~10x cheaper; used per batch on the hot path)."""
+    """``dataclasses.replace(layout, **fields)`` without re-running ``__init__`` (a field copy)."""
     out = object.__new__(type(layout))
     out.__dict__.update(layout.__dict__)
     out.__dict__.update(fields)
@@ -53,8 +42,7 @@ def with_fields(layout: ShardLayout, fields: Mapping[str, Any]) -> ShardLayout:
 def span_table(
     specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, int]], offset: int = 0
 ) -> tuple[dict[str, Span], int]:
-    """Byte spans for ``key -> (shape, dtype, itemsize)`` packed from ``offset`` (C-contiguous, each
-    start 16-byte aligned), and the end offset."""
+    """Byte spans for ``key -> (shape, dtype, itemsize)`` packed from ``offset``, and the end offset."""
     spans: dict[str, Span] = {}
     for k, (shape, dtype, itemsize) in specs.items():
         n = math.prod(shape) * itemsize
@@ -67,16 +55,10 @@ def span_table(
 
 
 def gap_index(tables: tuple[Mapping[str, Span], ...], total: int) -> np.ndarray:
-    """int64 ``[g]``: the bytes of a ``total``-byte buffer laid out by the span ``tables`` that no span covers
-    (the alignment gaps after spans whose size is not a multiple of 16 bytes, at most 15 each), in order.
+    """int64 ``[g]``: the bytes of a ``total``-byte buffer that no span of ``tables`` covers (alignment gaps).
 
-    Writers zero them so that a buffer's bytes are a function of its tensors: a buffer comes from
-    ``np.empty`` or ``torch.empty``, and without this its gaps would carry whatever the allocator left
-    there into pickles, shared memory and device copies.
-
-    Cost: O(spans log spans + gaps), from the span table alone (a byte mask over the buffer would be
-    O(bytes), paid once per new batch shape in every worker).
-    """
+    Writers zero them so a buffer's bytes are a function of its tensors (no allocator leftovers in
+    pickles, shared memory and device copies). O(spans log spans + gaps)."""
     runs = sorted((offset, offset + nbytes) for table in tables for offset, nbytes, *_ in table.values())
     gaps, covered = [], 0  # covered: the end of the spans so far
     for start, end in runs:
@@ -106,11 +88,8 @@ def _steps(table: Mapping[str, Span]) -> Steps:
 class ViewPlan(NamedTuple):
     """A buffer's span tables and how to view them, computed once per table (:func:`plan_of`).
 
-    The batch's tensors start at byte 0 whether the buffer holds the layout
-    maps after them or is the batch part alone (``head`` bytes: what
-    :meth:`~cpdata.worker.batch.ShardedBatch.to` moves), so one set of steps views
-    both; the maps have their own.
-    """
+    The batch's tensors start at byte 0 whether the buffer holds the layout maps after them or is the batch
+    part alone (``head`` bytes, what :meth:`~cpdata.worker.batch.ShardedBatch.to` moves)."""
 
     spans: dict[str, Span]
     """Batch key -> span, in key order."""
@@ -121,21 +100,24 @@ class ViewPlan(NamedTuple):
     tensor_steps: Steps
     map_steps: Steps
     tensor_bytes: int
-    """Bytes of the batch's tensors (``sum(numel * element_size)`` over the keys; no alignment gaps)."""
+    """``sum(numel * element_size)`` of the batch's tensors."""
     map_bytes: int
-    """Bytes of the layout maps (``sum(numel * element_size)``)."""
+    """``sum(numel * element_size)`` of the layout maps."""
 
     def tensor_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch's tensors, keys in order, as views of ``buffer`` (storage offset 0; whole or batch part)."""
-        dtypes, items = self.tensor_steps
-        typed = [buffer.view(dt).as_strided for dt in dtypes]
-        return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
+        """The batch's tensors, keys in order, as views of ``buffer`` (whole or batch part)."""
+        return _apply(self.tensor_steps, buffer)
 
     def map_views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Layout field -> view of a whole buffer (storage offset 0, the maps after the batch part)."""
-        dtypes, items = self.map_steps
-        typed = [buffer.view(dt).as_strided for dt in dtypes]
-        return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
+        """Layout field -> view of a whole buffer."""
+        return _apply(self.map_steps, buffer)
+
+
+def _apply(steps: Steps, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Key -> view of ``buffer`` by ``steps``: one reinterpretation per dtype, one ``as_strided`` per key."""
+    dtypes, items = steps
+    typed = [buffer.view(dt).as_strided for dt in dtypes]
+    return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
 
 
 def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> ViewPlan:
@@ -156,21 +138,20 @@ class BufferPlan(NamedTuple):
     view: ViewPlan
     """The torch views of the filled buffer."""
     record: np.dtype
-    """A structured dtype of the buffer's bytes, one field per array at its span (fields ``"0"``, ``"1"``,
-    ...: the tensors in key order, then the maps): a 0-d array of it over the buffer gives every numpy
-    view by a field read, about half the cost of an ``np.ndarray(shape, dtype, buffer, offset)``."""
+    """A structured dtype of the buffer, one field per array at its span (``"0"``, ``"1"``, ...: the
+    tensors in key order, then the maps): a field read of one 0-d array gives each numpy view."""
     arrays: tuple[tuple[str, str], ...]
     """``(key, field)`` of the tensors, in key order."""
     maps: tuple[tuple[str, str], ...]
     """``(layout field, field)`` of the layout maps, after the tensors."""
     gaps: np.ndarray
-    """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation (one small scatter)."""
+    """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation."""
 
 
 @functools.lru_cache(maxsize=256)
 def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
-    """The :class:`BufferPlan` of a :class:`~cpdata.worker.batch.BatchBuffer` (``(key, (shape, numpy dtype))``
-    items in order); cached: batches of one pipeline repeat a few shapes (the slot count varies)."""
+    """The cached :class:`BufferPlan` of a :class:`~cpdata.worker.batch.BatchBuffer` (``(key, (shape,
+    numpy dtype))`` items in order)."""
 
     def specs(items):
         return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
@@ -189,8 +170,7 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
 
 
 def views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
-    """Typed views of ``buffer`` (storage offset 0) by a span table, one ``as_strided`` per key (for
-    one-off uses; the hot paths use a cached :class:`ViewPlan`)."""
+    """Typed views of ``buffer`` by a span table, one ``as_strided`` per key (one-off uses)."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     out = {}
     for k, (offset, _, dtype, shape, strides) in spans.items():

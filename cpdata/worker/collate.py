@@ -1,35 +1,13 @@
 """Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only.
 
-A batch is ``B`` pack plans of equal capacity ``S``. Its *stream* is the
-row-major concatenation of their slots: ``B*S`` positions, stream slot ``k``
-starting at ``slot_starts[k]``. Each pack's tail padding belongs to its last
-slot (TE's rule, :func:`cpdata.layout.maps.thd_slot_lens`); a pack without pieces
-is one padding slot of real length 0. Every output is a pure function of the
-plans: the keys, dtypes and pad values of :mod:`cpdata.worker.keys`
-(meanings: docs/batch-contents.md). A piece's last target is
-``piece.next_label`` (-100 unless the document continues in a later pack), so
-no target crosses a document boundary; ``position_ids`` continue through the
-slot's padding, clamped to ``S - 1``; ``document_ids`` index the stream's
-``seq_lens``.
+A batch's stream is its ``B`` plans' slots row after row (``B*S`` positions), each pack's tail in its
+last slot (TE's rule), an empty pack one padding slot; keys and pad values: :mod:`cpdata.worker.keys`.
+No target crosses a document end (a piece's last target is its ``next_label``); ``position_ids``
+continue through a slot's padding, clamped to ``S - 1``. bshd gives ``[B, S]`` rows, thd the flat
+stream; the metadata describe the row-major stream either way.
 
-Shapes: ``qkv_format="bshd"`` gives token tensors ``[B, S]`` (one pack per
-row; metadata still describes the row-major stream, so with ``B=1`` it is the
-pack's own); ``"thd"`` gives the flat ``[B*S]`` stream.
-
-:func:`collate_rank` returns the same tensors restricted to one rank's
-positions (columns for BSHD, stream positions for THD) without building the
-full pack: the rank's positions (increasing, as every layout's row is) split
-into each slot's real tokens and pads by one ``searchsorted`` of the slot
-bounds, each position's slot and buffer offset are ``repeat`` calls of per-slot
-values, and the tokens are gathered from the batch's token buffer
-(:mod:`cpdata.worker.token_buffer`: the packing window's arrays, concatenated once per
-window, or the batch's pieces concatenated), which ends with pad elements so
-pads need no second pass and follows each piece with its last token's target
-so next-token labels are one ``take``. Cost per rank: O(local tokens + slots)
-(plus O(real tokens) per batch when its pieces are concatenated; rows in any
-other order are sorted first); at 128K tokens and cp=8 the output is ~8x less
-than the full pack. :func:`collate_pack` is the one rank of ``cp_size=1``.
-"""
+:func:`collate_rank` gathers one rank's positions from the batch's token buffer without building the
+pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of ``cp_size=1``."""
 
 from __future__ import annotations
 
@@ -49,13 +27,12 @@ from cpdata.worker.keys import (
     POSITION_IDS,
 )
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream, slot_tables, stream_slot_lens
+from cpdata.worker.stream import Stream, build_stream
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
-__all__ = [
-    "QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack", "collate_rank",
-    "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key", "rank_specs", "spec_items",
-    "stream_slot_lens",
-]  # fmt: skip
+__all__ = ["QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
+           "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata",
+           "rank_spec_key", "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -67,12 +44,9 @@ def check_qkv_format(qkv_format: str) -> None:
 
 
 def check_padding_token_id(padding_token_id: object, vocab_size: int | None = None) -> int:
-    """``padding_token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming the fix otherwise.
+    """``padding_token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` otherwise.
 
-    Pads are left out of attention (``padding_mask``, ``cu_seqlens``) and of the
-    loss (label -100), so any id the embedding can look up works; a tokenizer
-    without a pad token (GPT-2, Llama) can use its EOS id.
-    """
+    Pads are masked out of attention and loss, so any id the embedding looks up works (EOS for GPT-2)."""
     fix = "pass an id the embedding can look up, e.g. padding_token_id=tokenizer.eos_token_id (pads are masked out)"
     if padding_token_id is None:
         raise TypeError(f"padding_token_id is None (the tokenizer defines no pad token); {fix}")
@@ -87,15 +61,10 @@ def check_padding_token_id(padding_token_id: object, vocab_size: int | None = No
     return int(padding_token_id)
 
 
-def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
-    """Stream metadata only (``cu_seqlens`` & co., see the module docstring); O(slots), a few numpy calls."""
-    return slot_tables(plans).metadata()
-
-
 Spec = tuple[tuple[int, ...], np.dtype]
 """``(shape, numpy dtype)`` of one tensor."""
 SpecKey = tuple[tuple[int, ...], int, tuple[tuple[str, np.dtype], ...]]
-"""What a rank's specs depend on: the token shape, the slot count ``K`` and the extras' ``(key, dtype)``."""
+"""What a rank's specs depend on: token shape, slot count ``K`` and the extras' ``(key, dtype)``."""
 
 
 def rank_specs(stream: Stream, local_len: int, qkv_format: str) -> dict[str, Spec]:
@@ -117,8 +86,7 @@ _I64, _I32, _BOOL = np.dtype(np.int64), np.dtype(np.int32), np.dtype(bool)
 
 @functools.lru_cache(maxsize=256)
 def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype], ...]) -> tuple[tuple[str, Spec], ...]:
-    """:func:`rank_specs` as ``(key, spec)`` items, cached per :data:`SpecKey` (a pipeline repeats a few
-    shapes; the slot count varies)."""
+    """:func:`rank_specs` as ``(key, spec)`` items, cached per :data:`SpecKey`."""
     tokens = ((INPUT_IDS, _I64), (LABELS, _I64), (POSITION_IDS, _I64), (PADDING_MASK, _BOOL), (DOCUMENT_IDS, _I64),
               *extras)  # fmt: skip
     return (*((key, (shape, dt)) for key, dt in tokens),
@@ -128,45 +96,24 @@ def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype
 
 @functools.lru_cache(maxsize=4)
 def _pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only)."""
+    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only), the slot of each segment; ``n`` a power of two."""
     out = np.arange(n, dtype=np.int64) // 2
     out.flags.writeable = False
     return out
 
 
-def _slot_pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: the slot of each of ``n`` segments (each slot's real tokens, then its pads), sliced
-    from one cached per power of two."""
-    return _pattern(1 << max(n - 1, 63).bit_length())[:n]
-
-
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
-    """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out`` (arrays of
-    ``N`` elements, C order: ``[L]`` or ``[B, L]``).
+    """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out``.
 
-    The positions fall into ``2K`` segments, each slot's real tokens then its
-    pads (one ``searchsorted`` of the ``2K`` segment bounds, O(K log N)); every
-    per-position value constant on a segment (slot, buffer index minus
-    position, position id minus position) is one ``repeat`` of a ``[2K]``
-    column (:attr:`cpdata.worker.stream.Stream.segments`): no ``take`` of a per-slot
-    table and no pass over the ``B*S`` stream. Real tokens read buffer index
-    ``position + src_shift``, pads ``position + W``: past the real elements,
-    which is the padding mask, and ``mode="clip"`` reads the pad elements
-    (``ids[W]``, and the -100/0 that end the targets and extras). Next-token
-    targets read the ids one further (``ids[src + 1]``); pieces with their own
-    labels read those instead. Pad position ids are clamped to ``S - 1`` only
-    when some slot's pads would pass it (a piece continuing a long document).
-
-    Cost: ~12 numpy calls, whose fixed overhead dominates short packs (the methods, not the
-    ``np.take``-style wrappers, and slice assignment rather than ``np.copyto``: each cheaper per call),
-    plus 8 passes over the positions (one two-row ``repeat`` of both shifts is slower than two); figures
-    in docs/benchmarks.md.
-    """
+    One ``searchsorted`` splits the positions into the ``2K`` segments of
+    :attr:`~cpdata.worker.stream.Stream.segments`; each per-segment value is one ``repeat``. Pads read past
+    the real elements (the padding mask), ``mode="clip"`` landing on the pad elements; next-token targets
+    read ``ids[src + 1]`` unless pieces carry labels. ~12 numpy calls and 8 passes over the positions."""
     k2, out_ids = 2 * stream.slot_lens.shape[0], out[INPUT_IDS]
     shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
-    out[DOCUMENT_IDS][...] = _slot_pattern(k2).repeat(counts).reshape(shape)
+    out[DOCUMENT_IDS][...] = _pattern(1 << max(k2 - 1, 63).bit_length())[:k2].repeat(counts).reshape(shape)
     src = tab[k2 + 1 : 2 * k2 + 1].repeat(counts)
     src += positions
     src = src.reshape(shape)
@@ -193,21 +140,17 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
 
 
 def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
-    """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors: ``rows_r`` int ``[L]``
-    as for :func:`collate_rank` (checked)."""
+    """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors (``rows_r`` checked)."""
     fill_rank(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format, out)
 
 
 def fill_rank(
     stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray], increasing: bool | None = None
 ) -> None:  # fmt: skip
-    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r`` (a layout's row); the stream
-    metadata are the stream's own (:attr:`Stream.metadata <cpdata.worker.stream.Stream>`).
+    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r``; metadata are the stream's own.
 
-    ``increasing``: whether ``rows_r`` never decreases (every layout's row does, see
-    :mod:`cpdata.layout.runs`); None checks it (one O(L) pass). Other rows are gathered in
-    increasing order and put back in theirs (an ``argsort``: O(L log L)).
-    """
+    ``increasing``: whether ``rows_r`` never decreases (every layout's row does); None checks it. Other
+    rows are gathered sorted and put back (an ``argsort``)."""
     positions = rows_r
     if qkv_format == "bshd" and stream.rows > 1:  # every row's columns, as positions of the B*S stream
         positions = (np.arange(stream.rows, dtype=np.int64)[:, None] * stream.row_len + rows_r).reshape(-1)
@@ -216,7 +159,7 @@ def fill_rank(
     if increasing:
         _gather(stream, positions, out)
     else:
-        keys = _token_keys(stream)
+        keys = [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]  # what _gather writes
         order = np.argsort(positions, kind="stable")
         part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
         _gather(stream, positions[order], part)
@@ -226,11 +169,6 @@ def fill_rank(
             out[key][...] = put.reshape(out[key].shape)
     for key, value in stream.metadata.items():
         out[key][...] = value
-
-
-def _token_keys(stream: Stream) -> list[str]:
-    """The per-token keys :func:`_gather` writes, in :func:`rank_specs` order."""
-    return [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]
 
 
 def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
@@ -250,10 +188,7 @@ def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.nda
 def collate_pack(
     plans: Sequence[PackPlan], *, padding_token_id: int = 0, qkv_format: str = "bshd"
 ) -> dict[str, np.ndarray]:
-    """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata.
-
-    The one rank of ``cp_size=1``: :func:`collate_rank` at every position.
-    """
+    """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata."""
     check_qkv_format(qkv_format)
     stream = build_stream(plans, padding_token_id)
     n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
@@ -288,15 +223,9 @@ def collate_rank(
     padding_token_id: int = 0,
     qkv_format: str = "bshd",
 ) -> dict[str, np.ndarray]:
-    """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit.
+    """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit, plus the
+    full (global) stream metadata.
 
-    Args:
-        plans: the ``B`` plans of the batch (equal capacity ``S``).
-        rows_r: int ``[L]`` global positions of this rank, in local order:
-            columns ``0..S-1`` of every row for bshd (result ``[B, L]``),
-            stream positions ``0..B*S-1`` for thd (result ``[L]``).
-
-    Returns:
-        token tensors for ``rows_r`` plus the full (global) stream metadata.
-    """
+    ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
+    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
     return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]

@@ -1,10 +1,4 @@
-"""``CollatedPack``: ``B`` pack plans of one batch, with stream metadata computed on first read.
-
-The record the ``Collate`` node emits and ``ShardForRank`` consumes. Its stream
-metadata (O(slots)) is computed when first read, the full token tensors only on
-demand (:meth:`CollatedPack.tensors`); a rank's own tokens are gathered by
-:class:`~cpdata.nodes.shard.ShardForRank` (~cp times less work).
-"""
+"""``CollatedPack``: the record between ``Collate`` and ``ShardForRank``, ``B`` plans of one batch."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import numpy as np
 
 from cpdata.worker.collate import collate_pack
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import slot_tables
+from cpdata.worker.stream_slots import pack_metadata
 
 __all__ = ["CollatedPack"]
 
@@ -23,14 +17,11 @@ __all__ = ["CollatedPack"]
 class CollatedPack:
     """``B`` plans of equal capacity, ready to collate.
 
-    ``metadata`` (keyword): the stream metadata when already computed; None (the default, the
-    ``Collate`` node's): computed from the plans' slot tables when first read. Lazy because
-    :class:`~cpdata.nodes.shard.ShardForRank` computes the metadata of a block of batches at once
-    (:func:`cpdata.worker.stream.build_streams`) and never reads this one.
-    """
+    ``metadata``: the stream metadata when already computed, else computed from the slot tables when first
+    read (``ShardForRank`` computes a block's at once and never reads this one)."""
 
     plans: tuple[PackPlan, ...]
-    """The batch's plans, one per row (bshd) or concatenated (thd)."""
+    """One per row (bshd) or concatenated (thd)."""
     pack_len: int
     """Tokens per plan (the capacity ``S``)."""
     qkv_format: str
@@ -43,9 +34,9 @@ class CollatedPack:
         object.__setattr__(self, "_metadata", metadata)
 
     def _read_metadata(self) -> dict[str, np.ndarray]:
-        """Stream metadata (``cu_seqlens`` & co., see :mod:`cpdata.worker.collate`), computed on first read."""
+        """Stream metadata (``cu_seqlens`` & co.), computed on first read."""
         if self._metadata is None:
-            object.__setattr__(self, "_metadata", slot_tables(self.plans).metadata())
+            object.__setattr__(self, "_metadata", pack_metadata(self.plans))
         return self._metadata
 
     @property
@@ -54,7 +45,7 @@ class CollatedPack:
         return (len(self.plans), self.pack_len)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """The full batch (every token), built now: O(B*S)."""
+        """The full batch, built now: O(B*S)."""
         return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)
 
 

@@ -1,6 +1,4 @@
-"""Batch keys and their pad values: one table every stage reads.
-
-Token-aligned tensors (sharded per CP rank, in the rank's local order):
+"""Batch keys and their pad values: one table every stage reads (meanings: docs/batch-contents.md).
 
 | key            | dtype  | pad value                         |
 |----------------|--------|-----------------------------------|
@@ -8,34 +6,16 @@ Token-aligned tensors (sharded per CP rank, in the rank's local order):
 | labels         | int64  | -100 (also at every document end) |
 | position_ids   | int64  | continue the slot's document      |
 | padding_mask   | bool   | True                              |
-| document_ids   | int64  | the slot's index (pads belong to their slot; tail padding to the last) |
-| loss_mask      | source | 0                                 |
-| any extra      | source | 0                                 |
+| document_ids   | int64  | the slot's index                  |
+| loss_mask, extras | source | 0                              |
 
-Stream metadata (global, identical on every rank, TE / flash-attn varlen
-conventions): ``cu_seqlens`` (int32 ``[n+1]``, real lengths),
-``cu_seqlens_padded`` (int32 ``[n+1]``, slot offsets; the last slot absorbs
-the pack's tail padding), ``seq_lens`` and ``seq_lens_padded`` (int32 ``[n]``)
-and ``max_seqlen`` (0-d int32, longest real document).
-
-Beside the tensors, ``batch.info[N_TARGETS]`` (a host int): the batch's
-``labels != -100`` over every row and every CP rank's tokens.
-"""
+Stream metadata (global, TE / flash-attn varlen conventions): ``cu_seqlens`` and ``cu_seqlens_padded``
+(int32 ``[n+1]``), ``seq_lens`` and ``seq_lens_padded`` (int32 ``[n]``), ``max_seqlen`` (0-d int32)."""
 
 from __future__ import annotations
 
-__all__ = [
-    "DOCUMENT_IDS",
-    "INPUT_IDS",
-    "LABELS",
-    "LOSS_MASK",
-    "METADATA_KEYS",
-    "N_TARGETS",
-    "PADDING_MASK",
-    "POSITION_IDS",
-    "STANDARD_TOKEN_KEYS",
-    "IGNORE_INDEX",
-]
+__all__ = ["DOCUMENT_IDS", "IGNORE_INDEX", "INPUT_IDS", "LABELS", "LOSS_MASK", "METADATA_KEYS", "N_TARGETS",
+           "PADDING_MASK", "POSITION_IDS", "STANDARD_TOKEN_KEYS"]  # fmt: skip
 
 INPUT_IDS = "input_ids"
 LABELS = "labels"
@@ -48,4 +28,4 @@ IGNORE_INDEX = -100
 STANDARD_TOKEN_KEYS: tuple[str, ...] = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS)
 METADATA_KEYS: tuple[str, ...] = ("cu_seqlens", "cu_seqlens_padded", "seq_lens", "seq_lens_padded", "max_seqlen")
 N_TARGETS = "n_targets"
-"""The ``batch.info`` key of the batch's target count (all rows, all CP ranks), written by the worker."""
+"""The ``batch.info`` key of the batch's target count (all rows, all CP ranks)."""

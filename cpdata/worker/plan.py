@@ -1,13 +1,9 @@
 """Records passed between the worker stages: documents, pieces and pack plans.
 
-A *document* is one item of the user's source: ``{"input_ids": 1-D ints, ...}``
-plus optional per-token arrays of the same length (``labels``, ``loss_mask``,
-extras). The packer cuts documents into *pieces* (a whole document, or a part of
-it when ``overflow="split"``/``"truncate"`` or in ``concat`` mode) and lays the
-pieces of one pack out as *slots*: slot ``i`` holds piece ``i`` followed by
-``slot_lens[i] - len(piece)`` padding tokens (the layout's per-document
-alignment). The pack's tail ``capacity - sum(slot_lens)`` is padding too.
-"""
+A *document* is one source item: 1-D ``input_ids`` plus optional per-token arrays of the same length.
+The packer cuts documents into *pieces* and lays a pack's pieces out as *slots*: slot ``i`` holds piece
+``i`` then ``slot_lens[i] - len(piece)`` pads (the layout's alignment); the pack's tail
+``capacity - sum(slot_lens)`` is padding too."""
 
 from __future__ import annotations
 
@@ -20,10 +16,8 @@ import numpy as np
 
 from cpdata.worker.token_buffer import TokenBuffer
 
-__all__ = [
-    "DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans", "plan_digest",
-    "plan_digests", "sample_ids",
-]  # fmt: skip
+__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans",
+           "plan_digest", "sample_ids"]  # fmt: skip
 
 DIGEST_SAMPLES = 8
 """Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
@@ -56,11 +50,10 @@ class DocPiece:
     arrays: Mapping[str, np.ndarray]
     """Per-token arrays sliced to the piece, each ``[n]``."""
     next_label: int = -100
-    """Target of the piece's last token: the next document token when the
-    document continues in another piece, else -100 (no target across a
-    document end)."""
+    """Target of the piece's last token: the next document token when the document continues in
+    another piece, else -100."""
     length: int = field(init=False, compare=False)
-    """Tokens in the piece (``len(arrays["input_ids"])``), read once at construction."""
+    """Tokens in the piece, read once at construction."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "length", int(self.arrays["input_ids"].shape[0]))
@@ -69,20 +62,14 @@ class DocPiece:
 class PieceColumns(Sequence[DocPiece]):
     """The pieces of one pack as columns: a read-only sequence of :class:`DocPiece` made on access.
 
-    Packers keep pieces this way (no object per piece on the hot path);
-    collate and the digest read the columns.
-
     Args:
         table: int64 ``[n, 4]``: every piece's ``(index, start, length, next_label)`` (made read-only).
         sources: ``n`` mappings of per-token arrays; piece ``i`` is ``sources[i][key][o : o + length]``
-            with ``o = offsets[i]`` (a whole document's arrays, sliced lazily).
+            with ``o = offsets[i]``.
         offsets: int64 ``[n]``.
         buffer: a :class:`~cpdata.worker.token_buffer.TokenBuffer` holding every piece's tokens (the packing
-            window's), or None; piece ``i`` is then ``buffer.ids[at[i] : at[i] + length]``.
+            window's; left out of pickles), piece ``i`` at ``buffer.ids[at[i]:]``; or None.
         at: int64 ``[n]`` with ``buffer``.
-
-    The buffer is a cache the window already built: it is left out when the columns are pickled
-    (collate then concatenates the pieces itself).
     """
 
     __slots__ = ("table", "sources", "offsets", "buffer", "at")
@@ -104,8 +91,7 @@ class PieceColumns(Sequence[DocPiece]):
         cls, table: np.ndarray, sources: tuple[Mapping[str, np.ndarray], ...], offsets: np.ndarray,
         buffer: TokenBuffer | None, at: np.ndarray | None,
     ) -> PieceColumns:  # fmt: skip
-        """The columns as ``__init__`` takes them, when the caller made ``table`` and ``offsets`` read-only and
-        ``sources`` a tuple already (a packer's slices of the columns of a whole window): nothing per pack."""
+        """The columns, ``table`` and ``offsets`` already read-only and ``sources`` a tuple: nothing per pack."""
         cols = cls.__new__(cls)
         cols.table, cols.sources, cols.offsets = table, sources, offsets
         cols.buffer, cols.at = (buffer, at) if at is not None else (None, None)
@@ -116,8 +102,7 @@ class PieceColumns(Sequence[DocPiece]):
 
     @classmethod
     def of(cls, pieces: Sequence[DocPiece]) -> PieceColumns:
-        """Columns of ``pieces`` (each read once, arrays as flat numpy arrays); a :class:`PieceColumns` is
-        returned as is."""
+        """Columns of ``pieces`` (a :class:`PieceColumns` is returned as is)."""
         if isinstance(pieces, PieceColumns):
             return pieces
         n = len(pieces)
@@ -144,7 +129,7 @@ class PieceColumns(Sequence[DocPiece]):
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
-        """Equal pieces: same columns and, piece by piece, the same arrays (keys, dtypes, values)."""
+        """Equal columns and, piece by piece, equal arrays (keys, dtypes, values)."""
         if not isinstance(other, PieceColumns):
             return NotImplemented
         if not np.array_equal(self.table, other.table):
@@ -166,11 +151,7 @@ class PieceColumns(Sequence[DocPiece]):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackPlan:
-    """The documents of one pack and where they sit.
-
-    Attributes are fixed by the packer; everything downstream (collate, layout,
-    shard) is a pure function of the plan.
-    """
+    """The documents of one pack and where they sit; downstream stages are pure functions of it."""
 
     pieces: Sequence[DocPiece]
     """Pieces in slot order: a tuple of :class:`DocPiece`, or :class:`PieceColumns` (packers)."""
@@ -179,16 +160,14 @@ class PackPlan:
     capacity: int
     """Tokens in the pack (``pack_len``), a multiple of the layout's pack multiple."""
     index: int = 0
-    """The plan's own id of the pack: a schedule's pack id ``(step * dp_size + dp_rank) * micro_batches +
-    micro_batch`` (of the window's schedule with ``schedule_window``), a precomputed plan's row, the live
-    packer's sequence number in this DP rank's stream (0-based); ``batch.info["pack_indices"]``."""
+    """The pack's id (a schedule's ``(step * dp_size + dp_rank) * micro_batches + micro_batch``, a
+    precomputed plan's row, the live packer's sequence number); ``batch.info["pack_indices"]``."""
     extras: Mapping[str, object] = field(default_factory=dict)
-    """Free-form metadata (e.g. packer stats snapshot); never tensors of the batch."""
+    """Free-form metadata (e.g. packer stats); never tensors of the batch."""
     piece_columns: PieceColumns = field(init=False, repr=False, compare=False)
-    """The pieces as columns (``pieces`` itself when the packer made columns)."""
+    """The pieces as columns."""
     columns: np.ndarray = field(init=False, repr=False, compare=False)
-    """int64 ``[n_slots, 4]``: every piece's ``(index, start, length, next_label)``, read once at
-    construction (read-only); collate and the digest work on these columns."""
+    """int64 ``[n_slots, 4]``: every piece's ``(index, start, length, next_label)`` (read-only)."""
     seq_lens: np.ndarray = field(init=False, repr=False, compare=False)
     """int64 ``[n_slots]`` real tokens per slot (``columns[:, 2]``)."""
 
@@ -208,24 +187,13 @@ def plan_digest(
 ) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
-    CP ranks of one DP group must compute equal digests; the device-side
-    consistency check all-reduces it. Covers layout, cp size, capacity, pack
-    index, slot lengths, piece provenance (source index, start, length, next
-    label) and the content of every piece, sampled: up to
-    :data:`DIGEST_SAMPLES` token ids at evenly spaced positions (first and
-    last included). Columnar: the provenance is the plan's four int64
-    columns, the samples of every piece come from one gather over the
-    concatenated ids, and the hash covers ``n_pieces * 12`` int64s, instead
-    of hashing every id (O(tokens) per batch); ranks that read other data of the
-    same shape (same lengths, other tokens) disagree on the sampled ids,
-    while a change confined to unsampled positions goes unseen.
+    CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
+    size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
+    token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
+    same shape disagree, while a change confined to unsampled positions goes unseen.
 
-    Args:
-        ids: int64 ids holding every piece's ``input_ids`` (e.g. a token buffer of collate's stream);
-            the pieces concatenated here when None.
-        starts: int64 ``[n_pieces]`` index in ``ids`` of each piece's first token; None: the pieces lie
-            back to back from ``ids[0]``.
-    """
+    ``ids``: int64 ids holding every piece's ``input_ids`` (the pieces concatenated when None); ``starts``:
+    int64 ``[n_pieces]`` each piece's first index in ``ids`` (back to back from 0 when None)."""
     lens = plan.seq_lens
     if ids is None:
         cols = plan.piece_columns
@@ -234,40 +202,21 @@ def plan_digest(
     if starts is None:
         starts = lens.cumsum()
         starts -= lens  # each piece's first id
-    return plan_digests([plan], layout, cp_size, ids, starts)[0]
-
-
-def plan_digests(plans: Sequence[PackPlan], layout: str, cp_size: int, ids: np.ndarray, starts: np.ndarray,
-                 columns: np.ndarray | None = None) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan, the samples of all their pieces from one gather.
-
-    ``ids``: int64 ids holding every piece's ``input_ids``; ``starts``: int64 ``[n]`` index in ``ids`` of
-    each piece's first token, plan after plan (``n`` pieces in all); ``columns``: int64 ``[n, 4]`` the
-    plans' :attr:`~PackPlan.columns` concatenated, when the caller has them (concatenated here when
-    None). One ``[n, 12]`` table of every piece's columns and samples (:func:`digest_rows`), then one hash
-    per plan over its rows (:func:`hash_plans`).
-    """
-    if columns is not None:
-        cols = columns
-    else:
-        cols = plans[0].columns if len(plans) == 1 else np.concatenate([p.columns for p in plans])
-    rows = digest_rows(cols)
+    rows = digest_rows(plan.columns)
     sample_ids(ids, starts, rows)
-    return hash_plans(plans, layout, cp_size, rows, [p.columns.shape[0] for p in plans])
+    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]])[0]
 
 
 def digest_rows(columns: np.ndarray) -> np.ndarray:
-    """int64 ``[n, 4 + DIGEST_SAMPLES]``: the pieces' columns ``[n, 4]``, then room for their samples
-    (:func:`sample_ids`)."""
+    """int64 ``[n, 4 + DIGEST_SAMPLES]``: the pieces' columns, then room for their samples."""
     rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
     rows[:, :4] = columns
     return rows
 
 
 def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
-    """Fill the samples of :func:`digest_rows` ``rows`` ``[n, 12]`` with one gather from ``ids``: up to
-    :data:`DIGEST_SAMPLES` ids per piece, evenly spaced (an empty piece's are -1); ``starts`` int64 ``[n]``
-    index in ``ids`` of each piece's first token."""
+    """Fill the samples of ``rows`` (:func:`digest_rows`) with one gather from ``ids`` at the pieces'
+    ``starts`` (int64 ``[n]``); an empty piece's are -1."""
     lens, samples = rows[:, 2], rows[:, 4:]
     if not lens.shape[0]:
         return
@@ -284,14 +233,10 @@ def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
 
 def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
                slot_lens: np.ndarray | None = None) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan from its rows of the digest table.
+    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table.
 
-    ``rows``: int64 ``[n, 12]`` C-contiguous (:func:`digest_rows` with samples), plan after plan,
-    ``counts[p]`` rows for plan ``p``; ``slot_lens``: int64 ``[n]`` the plans' slot lengths concatenated
-    when the caller has them checked (read from each plan when None). The rows and slot lengths are
-    turned into bytes once and each plan hashes its slices of them: a bytes slice is cheaper to hash than
-    an array (no buffer export per call).
-    """
+    ``slot_lens``: the plans' checked slot lengths concatenated, or None (read from each plan). Rows and
+    lengths become bytes once; each plan hashes its slices."""
     prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
     data, width = rows.tobytes(), 8 * rows.shape[1]
     lens_data = None if slot_lens is None else slot_lens.astype(np.int64, copy=False).tobytes()

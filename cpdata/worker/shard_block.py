@@ -1,11 +1,8 @@
 """The layout math of a block of collated batches, before any rank's tokens are gathered.
 
-:func:`prepare_block` gives each batch's :class:`BlockItem` (stream, run table
-or cached maps, ``info``, digest) for all batches at once; what scales with a
-rank's tokens is left to :class:`~cpdata.nodes.shard.ShardForRank`, per batch,
-when it is served. Every output is a function of its own batch only: blocks
-of any size give the same items.
-"""
+:func:`prepare_block` gives each batch's :class:`BlockItem` for all batches at once; what scales with
+a rank's tokens is left to :class:`~cpdata.nodes.shard.ShardForRank`, per batch, when served. Every
+output is a function of its own batch only: blocks of any size give the same items."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ from cpdata.layout.runs import RunTable
 from cpdata.worker.collated import CollatedPack
 from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
-from cpdata.worker.stream import Stream, StreamBlock, build_streams
-from cpdata.worker.stream_targets import target_counts
+from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
 
 __all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
 
@@ -34,14 +30,11 @@ class BlockItem:
     """One batch of a block, its layout math done, its tokens not gathered yet.
 
     Attributes:
-        batch: the collated batch.
-        stream: its stream (per-slot tables and token buffer).
         stream_len: positions a layout map covers: ``S`` (bshd) or ``B*S`` (thd).
-        table: the layout's run table (rows and inverse computed per rank when served); None with ``fixed``.
+        table: the layout's run table (rows and inverse made per rank when served); None with ``fixed``.
         fixed: rows int64 ``[cp, stream_len / cp]`` and inverse int64 ``[stream_len]`` of a layout that
             ignores the documents (cached, read-only); None with ``table``.
-        info: the batch's ``info`` dict, digest included (shared by every rank's batch).
-        digest: the plan digest.
+        info: the batch's ``info`` dict, shared by every rank's batch.
     """
 
     batch: CollatedPack
@@ -74,13 +67,9 @@ def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable,
 
 @functools.lru_cache(maxsize=64)
 def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of consecutive positions in each rank's row of a layout that ignores the documents.
-
-    Found once from the cached rows and repeated every ``stream_len`` for the
-    ``n_rows`` bshd rows. Returns the stream positions of the runs' first
-    tokens then of their ends (int64 ``[2 * runs]``, runs grouped by rank) and
-    the index of each rank's first run (int64 ``[cp]``).
-    """
+    """Runs of consecutive positions in each rank's row of a layout that ignores the documents, repeated
+    every ``stream_len`` for ``n_rows`` bshd rows: the runs' first positions then their ends (int64
+    ``[2 * runs]``, grouped by rank) and each rank's first run (int64 ``[cp]``)."""
     rows = static_layout(layout, cp_size, stream_len)[1]
     repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
     firsts, ends, group = [], [], []
@@ -95,15 +84,11 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
 
 
 def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_lens: Sequence[int]) -> list[list[float]]:
-    """Per-rank work of :func:`cpdata.layout.maps.causal_work` of each batch under a layout that ignores the documents.
+    """Per-rank :func:`cpdata.layout.maps.causal_work` of each batch under a document-blind layout.
 
-    A real token at offset ``o`` of its slot attends to ``o + 1`` keys; pads
-    cost 0. The few runs of these layouts (2 per rank at most, repeated every
-    ``S`` in bshd rows) are costed as ``W(end) - W(first)``, ``W(g)`` the work
-    of the block's positions ``< g`` (the batches' streams back to back): one
-    search over the block's slot offsets for the runs of every batch of a
-    stream length, O(runs * B * k + N) in a few numpy calls.
-    """
+    A real token at offset ``o`` of its slot attends to ``o + 1`` keys, pads to none; each run costs
+    ``W(end) - W(first)``, ``W(g)`` the work of the block's positions ``< g``: one search per stream length,
+    O(runs * B * k + N)."""
     offsets, real = block.offsets, block.slots.table[:, 2]
     twice = real * (real + 1)
     below = twice.cumsum()
@@ -130,10 +115,8 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
 def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, cp_size: int) -> list[int]:
     """Each batch's digest: :func:`cpdata.worker.plan.plan_digest` of its plan, or a hash of every plan's.
 
-    From the block's piece columns and checked slot lengths: one digest table of every piece
-    (:func:`cpdata.worker.plan.digest_rows`), its samples gathered once per run of batches reading the same token
-    buffer (a packing window's), then one hash per plan (:func:`cpdata.worker.plan.hash_plans`).
-    """
+    One digest table of every piece, samples gathered once per run of batches sharing a token buffer,
+    one hash per plan."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
     if slots.padded:  # an empty plan's padding slot is no piece
@@ -148,13 +131,9 @@ def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, c
         pf = slots.plan_first
         first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
     rows = digest_rows(columns)
-    k, b = len(batches), 0
-    while b < k:  # a run of batches reading one buffer: one gather
-        buffer, e = streams[b].buffer, b + 1
-        while e < k and streams[e].buffer is buffer:
-            e += 1
-        sample_ids(buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
-        b = e
+    k = len(batches)
+    for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
+        sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
     digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
     if len(digests) == k:  # one plan per batch: its digest
         return digests
@@ -170,11 +149,8 @@ def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, c
 
 def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
                      ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
-    """Run tables and per-rank causal work of batches under a document-dependent layout: one
-    :func:`cpdata.layout.maps.concat_run_block` per stream length (all batches but a short last one).
-
-    Raises the per-batch error of :func:`cpdata.layout.maps.layout_runs` (pack or slot multiples).
-    """
+    """Run tables and per-rank causal work under a document-dependent layout, one block call per stream
+    length; raises the per-batch error of :func:`cpdata.layout.maps.layout_runs`."""
     slots, real = block.slots, block.slots.table[:, 2]
     k = len(stream_lens)
     if not slots.padded and stream_lens.count(stream_lens[0]) == k:  # the block's slots are the packs' as they are
@@ -198,15 +174,14 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens:
 
 
 DocumentSources = Callable[[np.ndarray], tuple[list[str], np.ndarray]]
-"""``sources(doc_index int64 [n]) -> (names, index int64 [n])``: where each document of a mix came from (the
-source's name and the document's index in it), e.g. :meth:`cpdata.nodes.mix.Mix.document_sources`."""
+"""``sources(doc_index int64 [n]) -> (names, index int64 [n])``: each mixed document's source name and
+index there, e.g. :meth:`cpdata.nodes.mix.Mix.document_sources`."""
 
 
 def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSources | None
            ) -> tuple[list[list[int]], list[list[int]], list[list[str | None]] | None]:  # fmt: skip
-    """Per batch, per slot (``cu_seqlens_padded`` order): the document index, the piece's offset in it and, with
-    ``sources``, the mix source's name (the index then the document's index in that source). An empty plan's
-    padding slot: index -1, offset 0, name None. Two ``tolist`` per block (cost per batch: docs/benchmarks.md), a mix's lookup on top."""
+    """Per batch, per slot: document index, the piece's offset in it and, with ``sources``, the mix
+    source's name (the index then local to that source); an empty plan's padding slot: -1, 0, None."""
     index, start = table[:, 0], table[:, 1]
     names: list[str | None] | None = None
     if sources is not None:
@@ -227,17 +202,13 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
                   sources: DocumentSources | None = None) -> list[BlockItem]:  # fmt: skip
     """The :class:`BlockItem` of every batch of a block, in order.
 
-    ``sources``: a mix's :data:`DocumentSources` (``info["doc_source"]`` and source-local ``doc_index``), or None.
-    ``dynamic``: whether the layout depends on the documents
-    (:func:`cpdata.nodes.shard.layout_depends_on_documents`). The streams and
-    their metadata (:func:`cpdata.worker.stream.build_streams`), the run tables and
-    causal work (per stream length), and the digest samples (per token
-    buffer) are built for all batches at once.
+    ``dynamic``: whether the layout depends on the documents; ``sources``: a mix's :data:`DocumentSources`
+    (``info["doc_source"]`` and source-local ``doc_index``), or None. Streams, run tables, causal work and
+    digest samples are built for all batches at once.
 
     Raises:
-        ValueError, TypeError: the per-batch checks (:func:`check_rows`, the stream's slot tables, the
-            layout's slot multiples) for some batch of the block; which one is not said: redo the block
-            with one batch at a time to raise at the bad batch.
+        ValueError, TypeError: a per-batch check failed for some batch of the block; redo the block one
+            batch at a time to raise at the bad batch.
     """
     if not batches:
         return []

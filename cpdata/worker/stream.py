@@ -1,41 +1,25 @@
-"""The stream of a batch: per-slot tables and the token buffer every rank gathers from.
+"""The stream of a batch: per-slot tables, the token buffer every rank gathers from, the target count.
 
-A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
-row-major concatenation of their slots (``B*S`` positions, each pack's tail
-absorbed by its last slot, an empty pack one padding slot of real length 0).
-:func:`build_streams` reads the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`)
-once: the slots of ``k`` batches are checked (:func:`cpdata.worker.stream_slots.slot_block`) and turned
-into per-slot tables with one set of numpy calls over their concatenation,
-and the pieces' tokens stay where the packing window concatenated them
-(:mod:`cpdata.worker.token_buffer`); only pieces in no common buffer are
-concatenated, per batch. :mod:`cpdata.worker.collate` builds the full pack or one
-rank's tokens from a stream.
-"""
+:func:`build_streams` checks the slots of ``k`` batches (:func:`~cpdata.worker.stream_slots.slot_block`)
+and builds their tables with one set of numpy calls. A batch whose plans share a packing window's
+buffer (holding its labels and extras in the promoted dtypes) gathers from it as is; any other
+concatenates its pieces. :func:`target_counts` gives ``info["n_targets"]`` (the loss divisor at
+``cp_size > 1``, so the step needs no collective): O(slots) without labels, O(tokens) with them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream_buffer import batch_tokens
-from cpdata.worker.stream_slots import (  # (re-exported: the slots a stream is built from)
-    SlotBlock,
-    SlotTables,
-    metadata_block,
-    slot_block,
-    slot_tables,
-    stream_metadata,
-    stream_slot_lens,
-)
-from cpdata.worker.token_buffer import TokenBuffer
+from cpdata.worker.stream_slots import SlotBlock, metadata_block, slot_block
+from cpdata.worker.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = [
-    "SlotBlock", "SlotTables", "Stream", "StreamBlock", "build_stream", "build_streams", "slot_block",
-    "slot_tables", "stream_metadata", "stream_slot_lens",
-]  # fmt: skip
+__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_stream",
+           "build_streams", "target_counts"]  # fmt: skip
 
 _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 
@@ -44,18 +28,13 @@ _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 class Stream:
     """Per-slot tables of one batch and the token buffer its ranks gather from (internal).
 
-    ``K`` stream slots, ``T`` real tokens, in a :class:`~cpdata.worker.token_buffer.TokenBuffer`
-    of ``W >= T`` tokens (the packing window's, or the batch's own pieces concatenated).
-    Stream position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad
-    position reads index ``W`` (:attr:`pad_at`). The per-slot columns are views of
-    :attr:`segments`.
+    ``K`` slots, ``T`` real tokens in a :class:`~cpdata.worker.token_buffer.TokenBuffer` of ``W >= T``.
+    Position ``p`` of slot ``k`` reads buffer index ``p + src_shift[k]``; a pad reads index ``W``.
 
-    ``segments`` int64 ``[6K + 1]``, the stream's ``2K`` segments (each slot's real tokens then its
-    pads, in stream order): ``[:2K]`` the first stream position of each (``slot_starts`` and
-    ``real_ends`` interleaved), then a bound past every position; ``[2K + 1 : 4K + 1]`` buffer index
-    minus stream position (``src_shift``, then ``W`` for the pads: past every real element);
-    ``[4K + 1:]`` position id minus stream position (``pos_shift`` twice).
-    """
+    ``segments`` int64 ``[6K + 1]``, over the ``2K`` segments (each slot's real tokens, then its pads):
+    ``[:2K]`` each segment's first stream position, then a bound past every position; ``[2K + 1 : 4K + 1]``
+    buffer index minus position (``src_shift``, then ``W`` for pads); ``[4K + 1:]`` position id minus
+    position (``pos_shift`` twice). The per-slot properties are views of it."""
 
     rows: int
     row_len: int
@@ -66,7 +45,7 @@ class Stream:
     extras: dict[str, np.ndarray]  # the batch's extra keys -> the buffer's [W + 1] arrays (loss mask last)
     derived_mask: np.ndarray | None  # bool [K]: slots whose loss mask is labels != -100 (no mask of their own)
     pads_pass_end: bool  # whether some slot's pad position ids pass S - 1 (False: no clamp needed)
-    metadata: dict[str, np.ndarray]  # :func:`stream_metadata` of the slots
+    metadata: dict[str, np.ndarray]  # :func:`~cpdata.worker.stream_slots.pack_metadata` of the slots
 
     @property
     def slot_starts(self) -> np.ndarray:
@@ -117,17 +96,12 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class StreamBlock:
-    """The streams of ``k`` batches and the block arrays they are views of (``N`` slots in all).
+    """The streams of ``k`` batches and the block arrays they view (``N`` slots in all).
 
     Attributes:
-        streams: each batch's :class:`Stream`.
-        slots: the batches' :class:`SlotBlock`.
-        offsets: int64 ``[N]``: each slot's offset in the block's concatenated streams (batch ``b``'s
-            stream starts at ``offsets[slots.first[b]]``, after ``B*S`` positions of each batch before it).
-        src_starts: int64 ``[N]``: buffer index of each slot's first token (in its batch's buffer).
-        real_tokens: ``k`` ints: ``T`` of each batch.
-        max_seqlen: ``k`` ints: each batch's longest piece.
-        max_slot_len: ``k`` ints: each batch's longest slot (tail absorbed).
+        offsets: int64 ``[N]``: each slot's offset in the block's streams back to back.
+        src_starts: int64 ``[N]``: buffer index of each slot's first token.
+        real_tokens, max_seqlen, max_slot_len: ``k`` ints each: ``T``, longest piece, longest slot.
     """
 
     streams: list[Stream]
@@ -140,26 +114,17 @@ class StreamBlock:
 
 
 def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
-    """The per-slot tables of a batch and the token buffer every rank of it gathers from: :func:`build_streams`
-    of one batch."""
+    """:func:`build_streams` of one batch."""
     return build_streams([(plans, padding_token_id)]).streams[0]
 
 
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
     """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
 
-    Read from the plans' columns (:class:`~cpdata.worker.plan.PieceColumns`): the
-    slots of all batches (:func:`slot_block`) and each batch's token buffer
-    (:func:`~cpdata.worker.stream_buffer.batch_tokens`: the packing window's as is,
-    or the pieces concatenated); then the per-slot columns, the segment
-    tables and the stream metadata of all ``k`` batches with one set of numpy
-    calls over the concatenated slots, running sums restarted at each batch.
-    Each stream's columns are views of the block's arrays. Cost: O(N) in ~30
-    numpy calls per block plus O(k + plans) Python.
-
-    Raises:
-        TypeError, ValueError: the checks of :func:`slot_block` and :func:`~cpdata.worker.stream_buffer.batch_tokens`.
-    """
+    Slots of all batches (:func:`slot_block`) and each batch's buffer
+    (:func:`batch_tokens`), then the segment tables and metadata of all batches
+    with one set of numpy calls, running sums restarted at each batch: O(N) in ~30 numpy calls per block
+    plus O(k + plans) Python. Raises the errors of those two."""
     slots = slot_block([plans for plans, _ in batches])
     tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
@@ -220,8 +185,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
-    """Per-piece ``values`` ``[n]`` (plan after plan, ``counts`` pieces each) as a per-slot column ``[K]``:
-    ``pad`` for the padding slot of an empty plan."""
+    """Per-piece ``values`` ``[n]`` as a per-slot column ``[K]``: ``pad`` for an empty plan's padding slot."""
     if all(counts):
         return values
     parts, at = [], 0
@@ -229,3 +193,117 @@ def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
         parts.append(values[at : at + c] if c else np.asarray([pad], dtype=values.dtype))
         at += c
     return np.concatenate(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokens:
+    """Where the ``n`` pieces of a batch (plan after plan) lie.
+
+    Attributes:
+        at: int64 ``[n]`` index of each piece's first token in ``buffer``.
+        keys: the batch's extra per-token keys, sorted, ``loss_mask`` last.
+        no_mask: bool ``[n]``: pieces without a loss mask of their own when some piece has one; else None.
+    """
+
+    buffer: TokenBuffer
+    at: np.ndarray
+    keys: list[str]
+    no_mask: np.ndarray | None
+
+
+def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
+    """The :class:`BatchTokens` of ``plans``.
+
+    Raises:
+        ValueError: a piece lacks an extra array other pieces of the batch carry (``loss_mask`` excepted).
+    """
+    cols = [p.piece_columns for p in plans]
+    sources = cols[0].sources if len(cols) == 1 else tuple(src for c in cols for src in c.sources)
+    # every source one key, input_ids alone (no labels, no extras); a sum of key counts is cheaper than a max
+    plain = sum(map(len, sources)) == len(sources) and all(sources)
+    keys = [] if plain else _extra_keys(sources, cols)
+    no_mask = None
+    if LOSS_MASK in keys and not all(LOSS_MASK in src for src in sources):
+        no_mask = np.fromiter((LOSS_MASK not in src for src in sources), dtype=bool, count=len(sources))
+    buffer = cols[0].buffer
+    if buffer is not None and all(c.buffer is buffer for c in cols[1:]) and _holds(buffer, sources, keys, plain):
+        at = cols[0].at if len(cols) == 1 else np.concatenate([c.at for c in cols])
+        return BatchTokens(buffer, at, keys, no_mask)
+    table = _column(cols, "table")
+    offsets, lengths = _column(cols, "offsets").tolist(), table[:, 2]
+    arrays = [{k: a[o : o + n] for k, a in src.items()}
+              for src, o, n in zip(sources, offsets, lengths.tolist(), strict=True)]  # fmt: skip
+    at = lengths.cumsum()
+    at += np.arange(lengths.shape[0], dtype=np.int64)
+    at -= lengths
+    return BatchTokens(concatenate_arrays(arrays, lengths, np.ascontiguousarray(table[:, 3])), at, keys, no_mask)
+
+
+def _column(cols: list, name: str) -> np.ndarray:
+    return getattr(cols[0], name) if len(cols) == 1 else np.concatenate([getattr(c, name) for c in cols])
+
+
+def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], keys: list[str], plain: bool) -> bool:
+    """Whether ``buffer`` holds labels where pieces have them and ``keys`` in the pieces' promoted dtypes."""
+    if plain:
+        return True
+    if buffer.labels is None and any(LABELS in src for src in sources):
+        return False
+    for key in keys:
+        held = buffer.extras.get(key)
+        if held is None or held.dtype != np.result_type(*[src[key].dtype for src in sources if key in src]):
+            return False
+    return True
+
+
+def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list[str]:
+    """The pieces' per-token keys beside ``input_ids`` and ``labels``, sorted, ``loss_mask`` last."""
+    if sources and all(src.keys() == sources[0].keys() for src in sources):  # the usual case
+        keys = sorted(set(sources[0]) - {INPUT_IDS, LABELS})
+    else:
+        keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS}) if sources else []
+    for key in keys:
+        if key == LOSS_MASK:  # derived from the labels where missing
+            continue
+        missing = [i for i, src in zip(_column(cols, "table")[:, 0].tolist(), sources, strict=True) if key not in src]
+        if missing:
+            raise ValueError(
+                f"per-token array {key!r} is missing from the pieces of documents {missing[:8]}; "
+                "every document of a batch must carry the same extra arrays"
+            )
+    return sorted(keys, key=lambda k: k == LOSS_MASK)
+
+
+def buffer_runs(streams: Sequence[Stream]) -> Iterator[tuple[int, int]]:
+    """``(b, e)``: each run of consecutive batches ``[b, e)`` reading one token buffer."""
+    b, k = 0, len(streams)
+    while b < k:
+        e = b + 1
+        while e < k and streams[e].buffer is streams[b].buffer:
+            e += 1
+        yield b, e
+        b = e
+
+
+def target_counts(block: StreamBlock) -> list[int]:
+    """``k`` host ints: the targets of each batch of ``block``, batches sharing a buffer counted together."""
+    slots, streams, starts = block.slots, block.streams, block.src_starts
+    real, first = slots.table[:, 2], slots.first
+    per_slot = np.empty(real.shape[0], dtype=np.int64)
+    for b, e in buffer_runs(streams):
+        lo, hi = first[b], first[e]
+        per_slot[lo:hi] = _slot_targets(streams[b].buffer, starts[lo:hi], real[lo:hi])
+    below = np.zeros(real.shape[0] + 1, dtype=np.int64)
+    per_slot.cumsum(out=below[1:])
+    bounds = np.asarray(first, dtype=np.int64)
+    return (below[bounds[1:]] - below[bounds[:-1]]).tolist()
+
+
+def _slot_targets(buffer: TokenBuffer, at: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """int64 ``[K]``: targets of slots whose ``n`` real tokens start at buffer index ``at``."""
+    if buffer.labels is None:
+        after = buffer.ids.take(at + n)  # the target of each slot's last token (an empty slot's: unused)
+        return np.where(n > 0, n - 1 + (after != IGNORE_INDEX), 0)
+    labels, spans = buffer.labels, zip(at.tolist(), n.tolist(), strict=True)
+    counts = (np.count_nonzero(labels[a : a + k] != IGNORE_INDEX) for a, k in spans)
+    return np.fromiter(counts, dtype=np.int64, count=n.shape[0])

@@ -1,14 +1,8 @@
 """The slots of a batch's stream, checked, and their metadata: no tokens.
 
-A batch is ``B`` pack plans of equal capacity ``S``; its stream is the
-row-major concatenation of their slots, each pack's tail absorbed by its last
-slot, an empty pack one padding slot of real length 0 (the whole pack).
-:func:`slot_block` reads the plans' columns (:attr:`~cpdata.worker.plan.PackPlan.columns`)
-and checks the slots of ``k`` batches with one pass over the plans and a few
-numpy calls over their concatenation; :func:`stream_metadata` gives the
-``cu_seqlens`` family of a batch (:func:`metadata_block`: of every batch of a
-block at once). :mod:`cpdata.worker.stream` builds the streams from them.
-"""
+The stream is the plans' slots row after row, each pack's tail absorbed by its last slot, an empty pack
+one padding slot. :func:`slot_block` checks the slots of ``k`` batches in one pass over the plans and a
+few numpy calls; :func:`metadata_block` gives their ``cu_seqlens`` family."""
 
 from __future__ import annotations
 
@@ -21,9 +15,7 @@ from cpdata.layout.maps import thd_slot_lens
 from cpdata.worker.keys import IGNORE_INDEX
 from cpdata.worker.plan import PackPlan
 
-__all__ = [
-    "SlotBlock", "SlotTables", "metadata_block", "slot_block", "slot_tables", "stream_metadata", "stream_slot_lens",
-]  # fmt: skip
+__all__ = ["SlotBlock", "metadata_block", "pack_metadata", "slot_block", "stream_slot_lens"]
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
@@ -31,21 +23,18 @@ _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes 
 
 @dataclass(frozen=True, slots=True)
 class SlotBlock:
-    """The checked slots of ``k`` batches, batch after batch: ``N`` slots of ``P`` plans (an empty plan one
-    padding slot), no tokens.
+    """The checked slots of ``k`` batches, batch after batch: ``N`` slots of ``P`` plans.
 
     Attributes:
         table: int64 ``[N, 4]``: each slot's piece ``(index, start, length, next_label)``.
-        slot_lens: int64 ``[N]``: slot lengths, every pack's tail absorbed by its last slot.
-        layout_lens: int64 ``[N]``: ``slot_lens`` but each batch's last slot as the plan gives it
-            (:meth:`layout_lens_of`).
-        raw_lens: int64 ``[N]``: the slot lengths as the plans give them (an empty plan's slot 0).
+        slot_lens: int64 ``[N]``: every pack's tail absorbed by its last slot.
+        layout_lens: int64 ``[N]``: ``slot_lens`` but each batch's last slot as the plan gives it.
+        raw_lens: int64 ``[N]``: as the plans give them (an empty plan's slot 0).
         counts: ``P`` ints: pieces per plan.
-        plan_first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``.
-        first: ``k + 1`` ints: batch ``b`` holds slots ``[first[b], first[b + 1])``.
+        plan_first, first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``
+            and slots ``[first[b], first[b + 1])``.
         capacities: ``k`` ints: each batch's ``S``.
-        padded: whether some plan is empty (its slot is no piece's).
-        plans: the ``P`` plans, batch after batch.
+        padded: whether some plan is empty.
     """
 
     table: np.ndarray
@@ -65,43 +54,13 @@ class SlotBlock:
         return self.layout_lens[self.first[b] : end]
 
 
-@dataclass(frozen=True, slots=True)
-class SlotTables:
-    """The slots of a batch's stream (``K`` slots, an empty pack one padding slot): no tokens.
-
-    Attributes:
-        capacity: tokens per plan ``S``.
-        table: int64 ``[K, 4]``: each slot's piece ``(index, start, length, next_label)``.
-        slot_lens: int64 ``[K]``: slot lengths, every pack's tail absorbed by its last slot.
-        layout_lens: int64 ``[K']``: :func:`stream_slot_lens` (the last pack's tail not absorbed).
-        counts: ``B`` ints: pieces per plan.
-    """
-
-    capacity: int
-    table: np.ndarray
-    slot_lens: np.ndarray
-    layout_lens: np.ndarray
-    counts: list[int]
-
-    def metadata(self) -> dict[str, np.ndarray]:
-        """The stream metadata of these slots (:func:`stream_metadata`)."""
-        return stream_metadata(self.table[:, 2], self.slot_lens)
-
-
-def slot_tables(plans: Sequence[PackPlan]) -> SlotTables:
-    """The plans' slot tables, checked: :func:`slot_block` of one batch."""
-    block = slot_block([plans])
-    return SlotTables(block.capacities[0], block.table, block.slot_lens, block.layout_lens_of(0), block.counts)
-
-
 def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
-    """The slots of ``k`` batches of plans, checked: one pass over the plans, then a few numpy calls per block.
+    """The slots of ``k`` batches of plans, checked.
 
     Raises:
-        TypeError, ValueError: a single plan instead of a sequence, no plan, plans of other capacities in
-            one batch, ``slot_lens`` not one per piece, a piece longer than its slot, negative slot lengths
-            or slots summing past the capacity (the errors of :func:`cpdata.layout.maps.thd_slot_lens`), each
-            naming the first bad plan.
+        TypeError, ValueError: a single plan instead of a sequence, no plan, unequal capacities in a batch,
+            ``slot_lens`` not one per piece, a piece longer than its slot, slots past the capacity (the
+            errors of :func:`cpdata.layout.maps.thd_slot_lens`), naming the first bad plan.
     """
     tables, slots, counts, caps, ends, flat = [], [], [], [], [], []  # ends: each plan's last slot, plus one
     plan_first, first, at = [0], [0], 0
@@ -168,32 +127,27 @@ def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
 
 
 def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
-    """int64 ``[K]`` slot lengths of the stream, as :func:`cpdata.layout.maps.rank_indices` takes them.
-
-    Every pack's tail is absorbed into its own last slot except the final
-    pack's, which ``rank_indices`` treats per layout (so one plan gives exactly
-    ``plan.slot_lens``).
-    """
-    return slot_tables(plans).layout_lens
+    """int64 ``[K]`` slot lengths as :func:`cpdata.layout.maps.rank_indices` takes them: every pack's
+    tail absorbed but the last one's (so one plan gives ``plan.slot_lens``)."""
+    return slot_block([plans]).layout_lens_of(0)
 
 
-def stream_metadata(real_lens: np.ndarray, slot_lens: np.ndarray) -> dict[str, np.ndarray]:
+def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[K + 1]``), ``seq_lens``, ``seq_lens_padded`` (int32
-    ``[K]``) and ``max_seqlen`` (0-d int32) of int64 ``[K]`` real and slot lengths."""
-    return metadata_block(real_lens, slot_lens, np.asarray([0, real_lens.shape[0]], dtype=np.int64), None)[0][0]
+    ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
+    block = slot_block([plans])
+    first = np.asarray(block.first, dtype=np.int64)
+    return metadata_block(block.table[:, 2], block.slot_lens, first, None)[0][0]
 
 
 def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
-    """:func:`stream_metadata` of each batch of a block, then each batch's real tokens, longest piece and
-    longest slot.
+    """:func:`pack_metadata` of each batch of a block, then each batch's real tokens, longest piece
+    and longest slot.
 
-    int64 ``[N]`` real and slot lengths of the block's slots, batch ``b`` holding slots
-    ``[first[b], first[b + 1])`` (``first`` int64 ``[k + 1]``, ``first[0] = 0``, every batch a slot when
-    ``k > 1``), ``batch_of`` int64 ``[N]`` each slot's batch (None when ``k = 1``). The cumulative sums run
-    over the block once and restart at each batch; each dict's arrays are views of two block arrays
-    (int32 ``[2, N]`` lengths and ``[2, N + k]`` cumulative sums) and of the ``[2, k]`` maxima.
-    """
+    Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch (None
+    when ``k = 1``). One cumulative sum over the block, restarted at each batch; each dict's arrays are
+    views of a few block arrays."""
     n, k = real_lens.shape[0], first.shape[0] - 1
     lens = np.empty((2, n), dtype=np.int32)  # real, slot
     lens[0], lens[1] = real_lens, slot_lens

@@ -1,29 +1,12 @@
 """Labels and loss masks: one meaning in every batch, whatever convention the source uses.
 
-Two conventions exist for a document's per-token ``labels`` (and masks):
-
-| ``labels_alignment`` | ``labels[i]`` is                               | used by                       |
-|----------------------|------------------------------------------------|-------------------------------|
-| ``"inputs"``         | the label of ``input_ids[i]`` itself (-100 or the token); the model shifts | Hugging Face transformers, TRL, torchtune |
-| ``"targets"``        | the target of ``input_ids[i]``: the next token (or -100) | Megatron-LM, NeMo        |
-
-A document that carries ``labels`` or a mask (``loss_mask``, or its synonyms
-``assistant_masks`` from ``apply_chat_template(return_assistant_tokens_mask=True)``
-and ``completion_mask`` from TRL's prompt-completion rows) needs the caller to
-say which; nothing is guessed. :func:`to_targets` turns such a document into
-the one form the rest of the pipeline knows: ``labels`` holds next-token
-targets inside the document (-100 where nothing is trained, always -100 at the
-last token for ``"inputs"``, whose next token is outside the document), and
-``loss_mask`` (when the source gave a mask) is ``labels != -100``. The shift
-happens here, on whole documents, before packing, splitting and CP sharding,
-so a piece cut from a document carries the target of its last token.
-
-Rules (TRL's): given ``labels`` win over a mask; a mask alone selects which
-next-token targets are trained (``"inputs"``: token ``i + 1`` is trained when
-``mask[i + 1]``; ``"targets"``: the target of token ``i`` when ``mask[i]``).
-Masks hold 0/1 (bool, int or float); labels hold -100 or token ids.
-Cost: O(tokens) numpy per document with labels or a mask, nothing otherwise.
-"""
+A document carrying ``labels`` or a mask (``loss_mask``, ``assistant_masks``, ``completion_mask``) needs
+the caller's ``labels_alignment``: ``"inputs"`` (``labels[i]`` belongs to ``input_ids[i]``; Hugging Face,
+TRL, torchtune) or ``"targets"`` (``labels[i]`` is the next token; Megatron-LM, NeMo); nothing is guessed
+(docs/labels-and-masks.md). :func:`to_targets` turns such a document into next-token targets, on whole
+documents before packing, so a piece cut from one keeps its last token's target; ``loss_mask`` (when a
+mask was given) becomes ``labels != -100``. Given labels win over a mask (TRL's rule). O(tokens) numpy
+per document with labels or a mask, nothing otherwise."""
 
 from __future__ import annotations
 
@@ -35,11 +18,10 @@ import numpy as np
 
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
-__all__ = [
-    "ATTENTION_MASK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS", "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED",
-    "check_labels_alignment", "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays",
-    "to_targets", "unchecked_alignment", "CONVENTION_CHECK",
-]  # fmt: skip
+__all__ = ["ATTENTION_MASK", "CONVENTION_CHECK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS",
+           "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED", "check_labels_alignment", "check_unpadded",
+           "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays", "to_targets",
+           "unchecked_alignment"]  # fmt: skip
 
 LabelsAlignment = Literal["inputs", "targets"]
 LABELS_ALIGNMENTS: tuple[str, ...] = ("inputs", "targets")
@@ -57,20 +39,15 @@ _CHOICES = (
 
 
 def check_labels_alignment(labels_alignment: object) -> LabelsAlignment | None:
-    """Return ``labels_alignment`` if it is ``None``, ``"inputs"`` or ``"targets"``; raise ``ValueError`` otherwise."""
+    """``labels_alignment`` if it is ``None``, ``"inputs"`` or ``"targets"``; ``ValueError`` otherwise."""
     if labels_alignment is not None and labels_alignment not in LABELS_ALIGNMENTS:
         raise ValueError(f"unknown labels_alignment {labels_alignment!r}; pass {_CHOICES}")
     return labels_alignment  # type: ignore[return-value]
 
 
 def declared_alignment(owner: str, labels_alignment: object, declared: object, source: object) -> LabelsAlignment | None:
-    """``labels_alignment``, or ``declared``, the one ``source`` declares
-    (:func:`cpdata.sources.protocol.declared_labels`).
-
-    Sources that produce masks themselves know their convention and say so
-    (``Tokenize(assistant_only=True)`` and a token store written from it: ``"inputs"``),
-    so the caller need not repeat it. A caller that passes the other one is refused.
-    """
+    """``labels_alignment``, or ``declared``, the one ``source`` declares for the masks it makes
+    (:func:`cpdata.sources.protocol.declared_labels`); passing the other one is refused."""
     given = check_labels_alignment(labels_alignment)
     declared = check_labels_alignment(declared)
     if declared is None:
@@ -92,12 +69,8 @@ class _Unchecked(str):
 def unchecked_alignment(labels_alignment: LabelsAlignment) -> LabelsAlignment:
     """``labels_alignment`` with the wrong-convention check of :data:`CONVENTION_CHECK` turned off.
 
-    Pass it wherever ``labels_alignment`` is taken (``build_loader``,
-    ``CPDataset``, ``precompute``): it equals the plain string everywhere, so
-    only the check sees the difference. For data whose labels really copy the
-    input at the same position (declared ``"targets"``) or the next input
-    (declared ``"inputs"``).
-    """
+    It equals the plain string everywhere else: for labels that really copy the input at the same position
+    (declared ``"targets"``) or the next input (declared ``"inputs"``)."""
     return _Unchecked(check_labels_alignment(labels_alignment))  # type: ignore[return-value]
 
 
@@ -114,16 +87,11 @@ class _ConventionCheck:
 
 
 CONVENTION_CHECK = _ConventionCheck()
-"""How :func:`to_targets` refuses labels in the other convention (the first documents of a source only).
+"""How :func:`to_targets` refuses labels in the other convention, on a source's first documents.
 
-A declared ``"targets"`` whose trained labels (``!= -100``) mostly equal the
-input at the same position (``labels[i] == input_ids[i]``: Hugging Face labels),
-or a declared ``"inputs"`` whose trained labels mostly equal the next input
-(``labels[i] == input_ids[i + 1]``: Megatron targets), trains the model to copy
-its input or to predict two tokens ahead, with no error. Labels masked with
--100 (chat prompts) are not counted, so masked data in its declared convention
-passes. Cost: two comparisons over the document's tokens, for 16 documents.
-"""
+A declared ``"targets"`` whose trained labels mostly equal the input at the same position, or a declared
+``"inputs"`` whose trained labels mostly equal the next input, would train the model to copy its input
+or predict two tokens ahead, silently. Labels masked with -100 are not counted."""
 
 
 def _check_convention(ids: np.ndarray, labels: np.ndarray, index: int, declared: LabelsAlignment) -> None:
@@ -193,21 +161,13 @@ def to_targets(
     labels_alignment: LabelsAlignment | None,
     vocab_size: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """One document's per-token arrays with ``labels`` as next-token targets (see the module docstring).
+    """One document's per-token arrays with ``labels`` as next-token targets.
 
-    Args:
-        arrays: validated 1-D arrays of one document, ``input_ids`` int64 ``[n]``
-            and the others ``[n]``.
-        index: the document's source index (for errors).
-        labels_alignment: the source's convention; required when ``arrays``
-            holds any of :data:`TARGET_KEYS`.
-        vocab_size: labels ``>= vocab_size`` are refused when given.
-
-    Returns:
-        ``arrays`` unchanged when it has no labels and no mask; else a copy with
-        ``labels`` int64 ``[n]`` (targets), ``loss_mask`` ``[n]`` (= ``labels != -100``,
-        the given mask's dtype) when a mask was given, and no mask synonyms.
-    """
+    ``arrays``: validated 1-D arrays, ``input_ids`` int64 ``[n]`` and the others ``[n]``; ``index``: the
+    source index (for errors); ``labels_alignment`` is required when ``arrays`` holds any of
+    :data:`TARGET_KEYS`; labels ``>= vocab_size`` are refused when it is given. Returns ``arrays`` as is
+    without labels or mask, else a copy with ``labels`` int64 ``[n]`` (targets), ``loss_mask`` (the given
+    mask's dtype) when a mask was given, and no mask synonyms."""
     present = [k for k in TARGET_KEYS if k in arrays]
     if not present or arrays[INPUT_IDS].shape[0] == 0:  # an empty document is skipped anyway
         return arrays if isinstance(arrays, dict) else dict(arrays)
@@ -247,12 +207,8 @@ NO_TRAINED_TARGET = -1
 
 
 def first_target(arrays: Mapping[str, np.ndarray]) -> int:
-    """Position of the first trained target of a document in target form; :data:`NO_TRAINED_TARGET` if
-    none is trained.
-
-    A document without ``labels`` (targets derived from ``input_ids`` in
-    collate) gives :data:`UNLABELED` and is never left out.
-    """
+    """Position of the first trained target of a document in target form; :data:`NO_TRAINED_TARGET`
+    if none, :data:`UNLABELED` without ``labels`` (never left out)."""
     labels = arrays.get(LABELS)
     if labels is None:
         return UNLABELED
@@ -263,11 +219,8 @@ def first_target(arrays: Mapping[str, np.ndarray]) -> int:
 def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, continues: bool) -> Mapping[str, np.ndarray]:
     """Tokens ``start:start + length`` of a document's arrays, as a packed piece carries them.
 
-    A piece that ends before its document does without continuing in another
-    piece was truncated: its last token's target was cut off, so its ``labels``
-    entry becomes -100 (and its ``loss_mask`` entry 0). The whole document is
-    returned as is (no copy).
-    """
+    A piece ending before its document without continuing was truncated: its last ``labels`` entry becomes
+    -100 (and ``loss_mask`` 0). The whole document is returned as is."""
     n = int(arrays[INPUT_IDS].shape[0])
     if start == 0 and length == n:
         return arrays
@@ -286,16 +239,10 @@ ATTENTION_MASK = "attention_mask"
 
 
 def check_unpadded(mask: np.ndarray, where: str) -> None:
-    """Refuse an ``attention_mask`` ``[n]`` with a 0: the row was padded before packing.
+    """Refuse an ``attention_mask`` ``[n]`` with a 0: the row ``where`` was padded before packing.
 
-    A document is one unpadded sequence; packing builds its masks from the
-    document boundaries and pads packs itself. A pre-padded row's pad tokens
-    would be packed, and trained on, as text.
-
-    Args:
-        mask: the row's ``attention_mask`` (any numeric dtype).
-        where: the row in error messages, e.g. ``"document 3"``.
-    """
+    Packing builds masks from document bounds and pads packs itself; a pre-padded row's pads would be
+    trained on as text."""
     zeros = np.flatnonzero(np.asarray(mask) == 0)
     if zeros.size:
         raise ValueError(

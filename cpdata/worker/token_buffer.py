@@ -1,31 +1,14 @@
 """Token buffers: the per-token arrays of many documents concatenated once, for every CP rank to gather from.
 
-A packing window's documents are concatenated into one :class:`TokenBuffer`
-when the window is read (the ids already are, to check their values in one
-pass); every pack the window finishes refers to it, each piece by its offset
-in the buffer, and a rank's tokens are gathered straight from it
-(:mod:`cpdata.worker.collate`): no per-pack concatenation, the tokens are read from
-memory once per window and once per rank. The pieces a window's packs emit
-that are not among its documents (carried over from an earlier window, cut
-short) are copied after them (:func:`cpdata.nodes.live_pieces.window_buffer`).
-Pieces in no common buffer (precomputed or hand-made plans, a batch of plans of
-several windows) get a buffer of their own, concatenated per batch by the same
-:func:`concatenate_arrays`.
+A packing window's documents become one :class:`TokenBuffer` when read; its packs refer to it by offset,
+so tokens are read once per window and once per rank. Pieces in no common buffer are concatenated per
+batch by the same :func:`concatenate_arrays`.
 
-Layout of a buffer of ``W`` elements: every document's (or piece's) ids
-followed by one element, the target of its last token (-100 after a document,
-``next_label`` after a piece), so next-token targets are simply
-``ids[index + 1]``; then ``ids[W]``, the pad a pad position reads (0), and
-``ids[W + 1]`` = -100, the target a pad position reads (``ids`` int64
-``[W + 2]``). ``labels`` int64 ``[W + 1]`` when some document carries labels
-(its labels, next-token ids for documents without; ``labels[W]`` = -100); one
-``[W + 1]`` array per extra key (0 for documents without it and at ``[W]``).
-
-:class:`BufferPool` hands out the large ``ids`` arrays: a buffer is reused only
-once nothing refers to it any more (no pack of its window is alive), because a
-fresh multi-MB array per window costs page faults that outweigh the copy itself
-(figures: docs/benchmarks.md).
-"""
+Layout of ``W`` elements: each item's ids, then its last token's target (-100 after a document,
+``next_label`` after a piece), so next-token targets are ``ids[index + 1]``; then ``ids[W]`` = 0 and
+``ids[W + 1]`` = -100, what a pad position reads. ``labels`` (``[W + 1]``, when some item has labels) and
+each extra key (``[W + 1]``, 0 where absent) follow the same layout. :class:`BufferPool` reuses the
+large ``ids`` arrays: fresh ones per window cost more in page faults than the copy."""
 
 from __future__ import annotations
 
@@ -39,15 +22,12 @@ from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS
 
 __all__ = ["BufferPool", "TokenBuffer", "concatenate_arrays"]
 
-_INT64 = np.dtype(np.int64)
-
-
 @dataclass(frozen=True, eq=False, slots=True)
 class TokenBuffer:
-    """Per-token arrays of ``W`` tokens, concatenated (see the module docstring for the trailing elements).
+    """Per-token arrays of ``W`` tokens, concatenated (trailing elements: the module docstring).
 
     Attributes:
-        ids: int64 ``[W + 2]``: each item's ids, then the target of its last token.
+        ids: int64 ``[W + 2]``.
         labels: int64 ``[W + 1]``, or None when no document carries labels.
         extras: key -> ``[W + 1]`` (the documents' dtypes, promoted), keys sorted.
     """
@@ -63,10 +43,8 @@ class TokenBuffer:
 
 
 def _unused_refs() -> int:
-    """What ``sys.getrefcount`` reports for an array held by a list alone, read the way :class:`BufferPool`
-    reads its arrays: 2 on CPython up to 3.13 (the list and the call's argument), and whatever an interpreter
-    that borrows the argument reports, measured rather than assumed (a count too low would hand out an array
-    still in use)."""
+    """What ``sys.getrefcount`` reports for an array held by a list alone, measured rather than
+    assumed (a count too low would hand out an array still in use)."""
     held = [np.empty(1, dtype=np.int64)]
     return sys.getrefcount(held[0])
 
@@ -75,17 +53,11 @@ _UNUSED_REFS = _unused_refs()
 
 
 class BufferPool:
-    """A few int64 arrays handed out again once nothing refers to them any more.
+    """A few int64 arrays handed out again once nothing refers to them (their reference count says so).
 
-    ``take(n)`` returns an int64 ``[n]`` view of a pooled array that no view
-    or buffer made from it earlier still uses (its reference count says so),
-    grown when too short; when every pooled array is in use a new one is made
-    (and pooled while fewer than ``size`` are). Pooled arrays are made twice
-    as long as asked: windows vary in size (and in the room kept for carried
-    pieces), and a page never written costs nothing, while a new array for a
-    slightly longer window would fault in every page again. Not thread-safe:
-    one pool per reading node.
-    """
+    ``take(n)`` returns an int64 ``[n]`` view of a free pooled array, grown when too short, or a new array
+    (pooled while fewer than ``size`` are). Pooled arrays are twice as long as asked, since pages never
+    written cost nothing. Not thread-safe: one pool per reading node."""
 
     __slots__ = ("_arrays", "size")
 
@@ -93,14 +65,11 @@ class BufferPool:
         self._arrays: list[np.ndarray] = []
         self.size = size
 
-    def _free(self, i: int) -> bool:
-        return sys.getrefcount(self._arrays[i]) == _UNUSED_REFS
-
     def take(self, n: int) -> np.ndarray:
-        """int64 ``[n]``, uninitialised; valid for as long as the caller (or anything made from it) holds it."""
+        """int64 ``[n]``, uninitialised; valid while the caller (or anything made from it) holds it."""
         arrays = self._arrays
         for i in range(len(arrays)):
-            if self._free(i):
+            if sys.getrefcount(arrays[i]) == _UNUSED_REFS:  # nothing else holds it
                 if arrays[i].shape[0] < n:
                     arrays[i] = np.empty(2 * max(n, arrays[i].shape[0]), dtype=np.int64)
                 return arrays[i][:n]
@@ -117,26 +86,12 @@ def concatenate_arrays(
     ids: np.ndarray | None = None,
     pool: BufferPool | None = None,
 ) -> TokenBuffer:
-    """The :class:`TokenBuffer` of documents (or pieces) ``arrays``, in order, each followed by its ``ends`` value.
+    """The :class:`TokenBuffer` of items ``arrays`` in order, each followed by its ``ends`` value
+    (int64 ``[n]``); item ``i`` (``lengths[i]`` tokens) starts at ``sum(lengths[:i]) + i``.
 
-    Element ``ends[i]`` after the ``lengths[i]`` ids of item ``i`` is the next-token target of its
-    last token, so next-token targets are ``ids[index + 1]`` for every token: -100 after a whole
-    document, a piece's ``next_label`` after a piece. The buffer holds ``W = sum(lengths) + n``
-    elements; item ``i`` starts at ``sum(lengths[:i]) + i``.
-
-    Args:
-        arrays: per-token arrays of each item: ``input_ids`` ``[n_i]`` and optional ``labels``
-            (int targets) and extra keys, each ``[n_i]``; may be empty when ``ids`` are given and every
-            item holds ``input_ids`` alone.
-        lengths: int ``[n]`` tokens of each.
-        ends: int64 ``[n]``.
-        ids: int64 ``[W + 2]`` whose first ``W`` elements already hold the items' ids with one
-            element between each (overwritten here by ``ends``; the window check made them);
-            concatenated here (into an array of ``pool`` when given) when None.
-
-    Cost: one ``concatenate`` per key (ids skipped when given), labels and extras only when some
-    item carries them; O(items) Python beside.
-    """
+    ``arrays``: each item's ``input_ids`` and optional ``labels`` and extras (may be empty when ``ids`` is
+    given and items hold ``input_ids`` alone); ``ids``: int64 ``[W + 2]`` already holding the ids one
+    element apart (the window check made them), else concatenated here, into an array of ``pool``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = lengths.shape[0]
     after = lengths.cumsum()
