@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from cpdata.bench.table import format_value
+from cpdata.bench.table import format_value, markdown_table
 
 __all__ = ["PARTS", "main", "render_markdown", "run_parts"]
 
@@ -102,11 +102,6 @@ def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
     return out
 
 
-def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(format_value(v) for v in row) + " |" for row in rows])
-
-
 def render_markdown(report: dict) -> str:
     """The report as markdown: the parts, then the attention rows and fits, then the exchange rows."""
     machine, parts = report["machine"], report["parts"]
@@ -118,16 +113,16 @@ def render_markdown(report: dict) -> str:
             note = ", ".join(f"{k} {format_value(v)}" for k, v in part["result"].items()
                              if isinstance(v, (int, float, bool, str)) and k != "ok")  # fmt: skip
         notes.append((name, part["status"], round(part["seconds"], 1), note))
-    text.append(_md(("part", "status", "seconds", "figures / reason"), notes))
+    text.append(markdown_table(("part", "status", "seconds", "figures / reason"), notes))
     attention = parts.get("attention_per_rank", {}).get("result")
     if attention:
         cols = ("distribution", "capacity", "cp_size", "layout", "kernel", "busiest_ms", "time_max_over_mean",
                 "tiles_max_over_mean", "busiest_tiles", "note")  # fmt: skip
         text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
-        text.append(_md(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]))
+        text.append(markdown_table(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]))
         fits = attention["calibration"]["per_kernel"]
         text.append("\n## Seconds per live tile (least squares over every rank)\n")
-        text.append(_md(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
+        text.append(markdown_table(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
                         [[k, *("-" if f[c] is None else f[c] for c in ("per_tile_seconds", "intercept_seconds",
                                                                         "r2", "points"))] for k, f in fits.items()]))  # fmt: skip
         if attention["skipped"]:
@@ -137,7 +132,7 @@ def render_markdown(report: dict) -> str:
         cols = ("distribution", "cp_size", "exchange_ms", "all_gather_ms", "exchange_recv_bytes",
                 "all_gather_recv_bytes")  # fmt: skip
         text.append("\n## K/V exchange vs all-gather on NCCL (busiest rank, forward + backward)\n")
-        text.append(_md(cols, [[r[c] for c in cols] for r in exchange["rows"]]))
+        text.append(markdown_table(cols, [[r[c] for c in cols] for r in exchange["rows"]]))
     return "\n".join(text) + "\n"
 
 

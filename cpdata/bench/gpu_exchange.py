@@ -25,17 +25,12 @@ DISTRIBUTIONS = ("sft", "long_context")
 
 
 def _batches(world: int, distribution: str) -> tuple:
-    from cpdata.bench.distributions import sample
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
+    from cpdata.bench.distributions import sample, split_graph, token_documents
     from cpdata.nodes.shard import ShardForRank
 
     lens = sample(distribution, 4096, 0)
-    lens = lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1]
-    rng = np.random.default_rng(0)
-    docs = [{"input_ids": rng.integers(1, 1000, int(n))} for n in lens]
-    graph = shard_graph(docs, GraphOptions(capacity=LOCAL * world, cp_size=world, layout="tiled",
-                                       plan=StreamPlan(overflow="split")))
+    docs = token_documents(lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1], low=1, high=1000)
+    graph = split_graph(docs, LOCAL * world, world, "tiled")
     return next(iter(ShardForRank(graph, cp_size=world, cp_rank=0, layout="tiled", all_ranks=True,
                                   kv_exchange=True)))  # fmt: skip
 

@@ -85,12 +85,10 @@ def _model(dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
 
 
 def _shards(cp: int, layout: str, exchange: bool) -> tuple:
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
+    from cpdata.bench.distributions import split_graph
     from cpdata.nodes.shard import ShardForRank
 
-    graph = shard_graph(_docs(), GraphOptions(capacity=1024 * cp, cp_size=cp, layout=layout,
-                                          plan=StreamPlan(overflow="split")))
+    graph = split_graph(_docs(), 1024 * cp, cp, layout)
     for batches in ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True, kv_exchange=exchange):
         if batches[0].info["n_documents"] >= 3:
             return batches

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["format_table", "format_value"]
+__all__ = ["format_table", "format_value", "markdown_table"]
 
 
 def format_value(value: object) -> str:
@@ -42,3 +42,9 @@ def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str], t
     out.append("  ".join("-" * w for w in widths))
     out.extend(line(row).rstrip() for row in cells)
     return "\n".join(out)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table: strings as they are, other values through :func:`format_value`."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(format_value(v) for v in row) + " |" for row in rows])

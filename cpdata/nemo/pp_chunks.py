@@ -1,25 +1,19 @@
 """THD batches split into pipeline micro-batch chunks (NeMo's ``split_batch_into_thd_chunks`` contract).
 
-With pipeline parallelism the trainer asks for ``num_chunks`` chunks: the
-``B`` rows split into ``num_chunks`` equal groups (``B % num_chunks == 0``;
-NeMo would silently drop the remainder rows, cpdata refuses), each group
-becomes one flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), and the
-streams are stacked:
+The ``B`` rows split into ``num_chunks`` equal groups (NeMo drops remainder rows; cpdata refuses), each becomes
+one flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), and the streams are stacked:
 
 | key | shape |
 |---|---|
 | ``input_ids`` | ``[C, T_c]`` (``[C, T_c, H]``) |
 | ``labels``, ``position_ids``, ``padding_mask`` | ``[C, T_c]`` |
 | ``cu_seqlens`` | int32 ``[C, n_max+1]``, rows right-padded with ``-1000`` |
-| ``cu_seqlens_padded`` | same shape, when any chunk emits it (chunks that absorbed repeat their ``cu_seqlens``) |
+| ``cu_seqlens_padded`` | same shape, when any chunk emits it |
 | ``max_seqlen`` | int32 ``[C]`` |
-| non-tensor keys | from the batch (``qkv_format``, ...) |
 
-At cp > 1 each chunk is cut by TE's partition and the result holds exactly
-``input_ids, labels, position_ids, cu_seqlens`` (each chunk's slot offsets),
-``max_seqlen, qkv_format, padding_mask, cp_size, cp_rank`` — NeMo's key set —
-plus ``loss_mask`` when one was passed (NeMo drops it on this path).
-mRoPE positions with chunks are refused (NeMo leaves them unvalidated).
+At cp > 1 each chunk is cut by TE's partition and the result holds NeMo's key set (``input_ids, labels,
+position_ids, cu_seqlens`` (slot offsets), ``max_seqlen, qkv_format, padding_mask, cp_size, cp_rank``) plus
+``loss_mask`` when passed. mRoPE positions with chunks are refused (NeMo leaves them unvalidated).
 """
 
 from __future__ import annotations

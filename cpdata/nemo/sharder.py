@@ -1,27 +1,13 @@
-"""``ContextParallelSharder``: the device half of a CP batch.
+"""``ContextParallelSharder``: the device half of a CP batch (NeMo Automodel's sharder contract).
 
-``sharder.shard(batch)`` returns ``(ctx_factory, batch)`` for the forward and
-keeps the batch's :class:`ShardLayout`; the token verbs
-(:meth:`~ContextParallelSharder.shard_token_tensor`,
-:meth:`~ContextParallelSharder.gather_token_tensor`) then move any per-token
-tensor between the caller's coordinates and this rank's local order with that
-layout. A worker-sharded batch (a Mapping with ``.layout``) is only copied to
-the device; a raw full batch is laid out on device by the same layout functions
-(:mod:`cpdata.nemo.raw_shard`). The gather is one collective (:mod:`cpdata.gather`).
+``shard(batch)`` returns ``(ctx_factory, batch)`` and keeps the batch's :class:`ShardLayout`; the token verbs then
+move any per-token tensor between the caller's coordinates and this rank's local order with it. A worker-sharded
+batch is only copied to the device; a raw full batch is laid out on device (:mod:`cpdata.nemo.raw_shard`).
+Construction is direct (``device_mesh=``, ``shard_batch=`` a backend's function) or resolved (``model, mesh,
+batch``: the model's ``prepare_model_inputs_for_cp`` hook or cpdata's own, :mod:`cpdata.nemo.resolve`).
 
-Construction follows one of two forms:
-
-- direct: ``ContextParallelSharder(device_mesh=mesh, shard_batch=fn, ...)``
-  with a backend's own ``shard_batch``;
-- resolved: ``ContextParallelSharder(model, mesh, batch, ...)`` picks the
-  model's sharder (``model.prepare_model_inputs_for_cp(batch, num_chunks=...)``,
-  NeMo's hook) or cpdata's own (:func:`cpdata.nemo.resolve.resolve_strategy`).
-
-At cp <= 1 a raw batch comes back as the same object and
-``gather_token_tensor(t)`` returns ``t``. Errors NeMo raises as
-``NotImplementedError`` (token verbs before the first shard of a
-data-dependent layout, ``trim=True`` with nothing to trim to) are
-:class:`cpdata.errors.NotAvailableYetError`, also a ``ValueError``.
+At cp <= 1 a raw batch comes back as the same object and ``gather_token_tensor(t)`` returns ``t``. What NeMo
+raises as ``NotImplementedError`` is :class:`cpdata.errors.NotAvailableYetError` (also a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -54,12 +40,9 @@ class ContextParallelSharder:
     """How a batch is sharded over CP ranks, and where each local token lives.
 
     Attributes:
-        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask=None,
-            padding_token_id=0) -> (ctx_factory, batch, ShardLayout | None)``.
-        local_token_global_indices: ``(cp_mesh, padded_seq_len, device) ->``
-            int64 ``[local_len]`` for layouts that are a pure function of the
-            length; None for data-dependent layouts (their token verbs raise
-            before the first :meth:`shard`).
+        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) -> (ctx, batch, layout)``.
+        local_token_global_indices: closed-form ``(cp_mesh, padded_seq_len, device) ->`` int64 ``[L]``; None for
+            data-dependent layouts (their token verbs raise before the first :meth:`shard`).
         shard_layout: the :class:`ShardLayout` of the last :meth:`shard`.
         device: where :meth:`shard` puts tensors (the mesh's device type).
     """
@@ -83,26 +66,17 @@ class ContextParallelSharder:
         """Construct from a backend's ``shard_batch``, or resolve one for ``model`` and ``batch``.
 
         Args:
-            model: model whose ``prepare_model_inputs_for_cp`` hook may own the
-                sharding; None for cpdata's own.
             device_mesh: mesh with optional ``"cp"`` and ``"tp"`` dims.
-            batch: a raw full batch (``input_ids`` ``[B, S]``; ``qkv_format="thd"``
-                with ``seq_lens_padded`` for a flat stream) or a worker-sharded
-                one; required when resolving.
-            shard_batch: a backend's shard function (direct construction;
-                excludes ``model``, ``batch`` and the resolution options).
-            local_token_global_indices: closed-form index map (direct only).
-            shard_layout: an already-known layout (direct only).
-            padding_token_id: ``input_ids`` pad value.
-            num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE
-                models are split into that many stacked THD chunks; other batches
-                are unchanged by it. Forwarded to the model's hook.
+            batch: a raw full batch (``input_ids`` ``[B, S]``, or ``qkv_format="thd"``) or a worker-sharded one;
+                required when resolving.
+            shard_batch: a backend's shard function; excludes ``model``, ``batch`` and the resolution options,
+                as ``local_token_global_indices`` and ``shard_layout`` require it.
+            num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE models become that many
+                stacked THD chunks. Forwarded to the model's hook.
             loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
-            invoke_pre_embed: call the model's CP preparation hook if it has one.
-            extra_seq_buffers: more token-aligned batch keys → their sequence dim.
-            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` of the batch's layout on
-                the first :meth:`shard` and every this many after (default 100; 0 or None: off), so CP ranks fed
-                different packs raise on every rank at the first step (cost: :mod:`cpdata.device.consistency`).
+            extra_seq_buffers: more token-aligned batch keys -> their sequence dim.
+            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` on the first
+                :meth:`shard` and every this many after (0 or None: off), so ranks fed different packs raise.
         """
         if shard_batch is not None:
             if (
@@ -151,14 +125,12 @@ class ContextParallelSharder:
         fast = PreshardedMove(self._cp_mesh, self.device, dims) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
 
-    # -- mesh ----------------------------------------------------------------
     def _cp_rank_size(self) -> tuple[int, int]:
         return mesh_rank_size(self._cp_mesh)
 
     def _cp_group(self) -> Any:
         return self._cp_mesh.get_group() if self._cp_mesh is not None else None
 
-    # -- batch ---------------------------------------------------------------
     def shard(self, batch: Mapping[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """Shard ``batch`` for this rank; keep its layout for the token verbs."""
         shard_batch, fast = self._fast
@@ -179,11 +151,8 @@ class ContextParallelSharder:
         return ctx, batch
 
     def _indices(self, padded_seq_len: int, device: Any) -> torch.Tensor:
-        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens (int64 ``[L]``).
-
-        A reported map may be int32 or ``[1, L]`` (TE's partition): it is
-        flattened and cast, as NeMo does.
-        """
+        """This rank's global positions in a padded stream of ``padded_seq_len`` tokens, int64 ``[L]`` (a map
+        reported int32 or ``[1, L]`` is flattened and cast, as NeMo does)."""
         layout = self.shard_layout or _NO_LAYOUT
         if layout.local_token_global_indices is not None:
             _, size = self._cp_rank_size()
@@ -203,19 +172,11 @@ class ContextParallelSharder:
             )
         return self.local_token_global_indices(self._cp_mesh, padded_seq_len, device).reshape(-1).long()
 
-    # -- token verbs -----------------------------------------------------------
     def shard_token_tensor(
         self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
     ) -> torch.Tensor:
-        """This rank's shard of a full token-aligned tensor, laid out like the model inputs.
-
-        Accepted, in order: a ``[B, S_in]`` tensor shaped like the layout's
-        ``input_token_stream_positions`` (scattered into padded rows, ``fill``
-        in the gaps; ``fill`` required); a tensor whose leading dims equal
-        ``input_row_shape`` (flattened, sequence dim 0); a tensor of
-        ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); a
-        tensor of ``padded_seq_len``. Any other length raises ``ValueError``.
-        """
+        """This rank's shard of a full token-aligned tensor, laid out like the model inputs (accepted shapes:
+        :func:`cpdata.nemo.token_coords.to_padded_stream`)."""
         tensor, seq_dim = to_padded_stream(self.shard_layout or _NO_LAYOUT, tensor, seq_dim, fill)
         index = self._indices(tensor.shape[seq_dim], tensor.device)
         return tensor.index_select(seq_dim, index)
@@ -223,15 +184,9 @@ class ContextParallelSharder:
     def gather_token_tensor(
         self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False, fill: float | int | None = None
     ) -> torch.Tensor:
-        """Differentiably gather a local shard to global order (one collective each way).
-
-        With ``trim=True`` the result is in the caller's coordinates: mapped
-        through ``input_token_stream_positions`` (``fill`` for dropped input
-        slots; required), reshaped to ``input_row_shape``, or narrowed to
-        ``original_seq_len``. Backward sums over CP ranks: with a loss
-        replicated on every CP rank, each rank's local gradient is
-        ``cp_size x`` the single-loss gradient (see :mod:`cpdata.gather`).
-        """
+        """Differentiably gather a local shard to global order (one collective each way; backward sums over CP
+        ranks, :mod:`cpdata.gather`). ``trim=True``: in the caller's coordinates
+        (:func:`cpdata.nemo.token_coords.trim_to_caller`)."""
         seq_dim = seq_dim % tensor.dim()
         rank, size = self._cp_rank_size()
         if size <= 1:
@@ -264,13 +219,8 @@ class ContextParallelSharder:
         return torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
 
     def _layout_with_inverse(self, padded_seq_len: int, device: Any) -> ShardLayout:
-        """The layout for a gather at cp > 1; its inverse is built once (one index all-gather) when missing.
-
-        A backend's layout, or a closed-form index map, may come without
-        ``gather_index``: every rank's map is all-gathered once, inverted and
-        cached (on ``shard_layout`` when there is one), so later gathers of
-        the same batch are one collective on the data.
-        """
+        """The layout for a gather at cp > 1. One without ``gather_index`` (a backend's, or a closed-form map)
+        gets it once by one index all-gather, cached on ``shard_layout`` (or per length without one)."""
         layout = self.shard_layout
         if layout is not None and layout.gather_index is not None:
             return layout

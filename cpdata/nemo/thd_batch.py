@@ -1,40 +1,26 @@
-"""A raw ``[B, S]`` THD batch as one flat packed stream with TE's metadata (cp = 1 part of the THD path).
+"""A raw ``[B, S]`` THD batch as one flat packed stream with TE's metadata (NeMo's ``process_input_for_thd``).
 
-Input (NeMo Automodel's packed collater): ``input_ids`` ``[B, S]`` (or
-``[B, S, H]`` hidden states on pipeline stages after the first), ``labels``
-``[B, S]``, ``position_ids`` ``[B, S]`` (or mRoPE ``[P, B, S]``), ``seq_lens``
-and ``seq_lens_padded`` ``[B, n]`` (real and slot lengths per document; the
-sentinel ``-1000`` marks unused entries), ``qkv_format="thd"``.
-
-Output (NeMo's ``process_input_for_thd`` contract, same keys and values):
+Input (NeMo's packed collater): ``input_ids`` ``[B, S]`` (``[B, S, H]`` on later pipeline stages), ``labels``,
+``position_ids`` ``[B, S]`` (mRoPE ``[P, B, S]``), ``seq_lens`` / ``seq_lens_padded`` ``[B, n]`` (real and slot
+lengths; ``-1000`` marks unused entries), ``qkv_format="thd"``. A flat ``[T]`` stream is one row. Output:
 
 | key | value |
 |---|---|
-| ``input_ids`` | ``[T]`` (``[T, H]``), ``T = B*S``, rows concatenated |
-| ``labels`` | ``[T]`` |
-| ``position_ids`` | ``[T]``; mRoPE ``[P, 1, T]`` (the leading dim kept) |
+| ``input_ids``, ``labels`` | ``[T]`` (``[T, H]``), ``T = B*S``, rows concatenated |
+| ``position_ids`` | ``[T]``; mRoPE ``[P, 1, T]`` |
 | ``cu_seqlens`` | int32 ``[n+1]``, cumulative REAL lengths |
 | ``cu_seqlens_padded`` | int32 ``[n+1]`` slot offsets, only when it differs from ``cu_seqlens`` |
 | ``max_seqlen`` | int32 0-d, ``max(diff(cu_seqlens))`` |
-| ``padding_mask`` | bool ``[T]``, True on pads, from the lengths (never from token values) |
+| ``padding_mask`` | bool ``[T]``, True on pads, from the lengths |
 | ``document_ids`` | ``[T]``, when the batch has them |
-| every other key | unchanged, except ``seq_lens``/``seq_lens_padded`` (consumed), ``attention_mask`` (dropped) |
+| every other key | unchanged, but ``seq_lens*`` (consumed) and ``attention_mask`` (dropped) |
 
-A flat ``[T]`` stream is taken as one row. Sequence-shaped keys pass
-through only by :data:`cpdata.nemo.raw_shard.PASSTHROUGH_TOKEN_KEYS` or a ``_``
-prefix (``_global_vision_mask``); any other ``[B, S]`` tensor is refused
-(declare it in ``extra_seq_buffers``).
-
-Trailing-pad absorption (NeMo's rule): when real and slot offsets agree on
-every entry but the last, the pack's tail padding joins the last document:
-``cu_seqlens[-1] = T``, ``cu_seqlens_padded`` is not emitted, and
-``max_seqlen`` is computed after that bump (TE requires
-``max_seqlen >= max(diff(cu_seqlens))``).
-
-Where NeMo would silently misalign, cpdata fixes or refuses: a row whose slots
-do not reach ``S`` has its tail joined to its last slot (a row of sentinels
-only becomes one empty document), slots longer than the row, a real length
-over its slot or a negative length raise ``ValueError``.
+Other sequence-shaped keys pass only as :data:`cpdata.nemo.raw_shard.PASSTHROUGH_TOKEN_KEYS` or ``_``-prefixed.
+Trailing-pad absorption (NeMo's rule): when real and slot offsets agree on all but the last entry, the tail
+joins the last document (``cu_seqlens[-1] = T``, no ``cu_seqlens_padded``, ``max_seqlen`` after the bump).
+Where NeMo would silently misalign, cpdata fixes or refuses: a row's unfilled tail joins its last slot (a row
+of sentinels becomes one empty document); slots longer than the row, a real length over its slot or a negative
+length raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ import torch
 
 from cpdata.errors import MissingBatchKeyError
 from cpdata.layout.maps import rank_indices
-from cpdata.nemo.raw_shard import check_undeclared
+from cpdata.nemo.raw_shard import check_extra_buffers, check_undeclared
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
 __all__ = ["SEQ_LENS_SENTINEL", "ThdStream", "shard_thd_stream", "to_thd_stream"]
@@ -133,12 +119,8 @@ def to_thd_stream(
     loss_mask: torch.Tensor | None = None,
     extra_seq_buffers: Mapping[str, int] | None = None,
 ) -> ThdStream:
-    """Flatten a raw THD batch and compute NeMo's metadata (see the module docstring).
-
-    ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers`` (name → sequence dim
-    of a tensor whose dims up to it end with ``[B, S]``) are flattened with
-    the tokens.
-    """
+    """Flatten a raw THD batch and compute NeMo's metadata; ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers``
+    (name -> sequence dim of a tensor whose dims up to it end with ``[B, S]``) are flattened with the tokens."""
     for key in _REQUIRED:
         if key not in batch:
             raise MissingBatchKeyError(
@@ -146,9 +128,7 @@ def to_thd_stream(
                 f"a qkv_format='thd' batch needs {list(_REQUIRED)} (NeMo's packed collater output); "
                 f"got keys {sorted(batch)}",
             )
-    for key in extra_seq_buffers or {}:
-        if key not in batch:  # NeMo 0.7.0's KeyError (its generic path); never sharded without it
-            raise KeyError(f"Extra CP sequence buffer {key!r} is missing from the batch")
+    check_extra_buffers(batch, extra_seq_buffers)
     if loss_mask is None and isinstance(batch.get(LOSS_MASK), torch.Tensor):
         loss_mask = batch[LOSS_MASK]
     caller_rows = tuple(batch[INPUT_IDS].shape[:2]) if isinstance(batch[INPUT_IDS], torch.Tensor) else ()
