@@ -1,30 +1,10 @@
 """``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one call.
 
-Parts, in order (each says why when it cannot run, and the next one goes on):
-
-==========================  ==========================================================================
-``pinned_batches``          a ``pin_memory=True`` loader's batches arrive pinned and copy unchanged
-``copy_overlap``            a non-blocking pinned H2D copy overlaps compute on another stream
-``attention_per_rank``      per rank, forward + backward of the attention it runs (flex compiled,
-                            varlen), bf16, 32 / 8 heads, dim 128, ``tiled`` (exchange), ``balanced``,
-                            ``thd``, ``round_robin``, packs of 32K cp 4 and 128K cp 8; busiest rank over
-                            the mean, time against live tiles, the per-tile fit
-                            (:mod:`cpdata.bench.gpu_attention`; writes ``calibration.json``)
-``hf_step_compiled``        a tiny HF model through ``"cpdata"``, ``torch.compile``'d, equal to the
-                            documents alone at cp 1 (float32 flex, bf16 varlen)
-``autocast_cp2_vs_cp1``     bf16 autocast, ``"cpdata"`` at cp 2 against cp 1 (:mod:`cpdata.bench.gpu_steps`)
-``exchange_vs_all_gather``  with >= 2 GPUs, the K/V exchange against the all-gather on NCCL: time and
-                            bytes (:mod:`cpdata.bench.gpu_exchange`)
-==========================  ==========================================================================
-
-Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds and the
-machine), ``DIR/gpu_check.md`` (the same as markdown tables) and, when the
-attention part ran, ``DIR/calibration.json`` (format in
-:mod:`cpdata.bench.gpu_attention`); prints the folder. Without CUDA every part
-is skipped, named, and the exit status is 0; a part that fails or misses its
-tolerance makes it 1. Sized for <= 8 minutes on one H100 / H200:
-``--attention-seconds`` (default 210) stops the attention part from starting
-new packs past its budget, naming what it left out.
+The parts (:data:`PARTS`; each is described in docs/benchmarks.md, "GPU check") run in order; one that cannot run
+says why and the next goes on. Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds, the
+machine), ``DIR/gpu_check.md`` and, when the attention part ran, ``DIR/calibration.json``
+(:mod:`cpdata.bench.gpu_attention`). Without CUDA every part is skipped, named, and the exit status is 0; a part
+that fails or misses its tolerance makes it 1. ``--attention-seconds`` (default 210) caps the attention part.
 """
 
 from __future__ import annotations

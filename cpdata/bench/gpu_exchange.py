@@ -1,14 +1,9 @@
 """GPU check part: the K/V exchange against the all-gather on NCCL, one GPU per rank (needs >= 2 GPUs).
 
-Each rank holds its shard of ``cat(K, V)`` for one layer, bf16 ``[1, 8, L, 256]``
-(8 KV heads of dim 128, K and V together, as the ``"cpdata"`` attention sends
-them), ``L = 8192``, of a ``tiled`` pack of the ``sft`` and ``long_context``
-distributions at ``8192 * cp`` tokens, ``cp`` = the GPUs (at most 8). Timed,
-forward + backward, median of 5 after a warm-up:
-:func:`cpdata.device.kv_exchange.exchange_tokens` (one all-to-all each way of
-the keys the plan names) and :func:`cpdata.gather.gather_token_tensor` (one
-all-gather, backward a reduce-scatter). Bytes: what the busiest rank receives
-forward.
+Each rank holds its shard of ``cat(K, V)`` of one layer, bf16 ``[1, 8, 8192, 256]``, of a ``tiled`` pack of
+``sft`` and ``long_context`` at ``8192 * cp`` tokens (``cp`` = the GPUs, at most 8). Forward + backward, median of
+5: :func:`cpdata.device.kv_exchange.exchange_tokens` against :func:`cpdata.gather.gather_token_tensor`; bytes:
+what the busiest rank receives forward.
 """
 
 from __future__ import annotations
@@ -65,10 +60,7 @@ def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
 
 
 def run() -> dict:
-    """``{"cp_size": cp, "rows": [...]}``: per distribution the busiest rank's times and bytes (see the module).
-
-    ``RuntimeError`` naming the count with fewer than two GPUs.
-    """
+    """``{"cp_size": cp, "rows": [...]}``: per distribution the busiest rank's times and bytes."""
     from cpdata.bench.ranks import run_on_ranks
 
     gpus = torch.cuda.device_count()

@@ -1,10 +1,8 @@
 """Markdown rendering of a results dict: the benchmark tables of docs/benchmarks.md.
 
-``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``)
-gives a targets table followed by one compact table per section that ran:
-step sharding and gather row by row, packing pivoted to one row per
-(distribution, capacity) with one padding column per algorithm, balance
-pivoted to one row per (distribution, cp) with the p95 imbalance per layout.
+``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``): the targets, then one compact table
+per section that ran (packing pivoted to a padding column per algorithm, balance to a p95 column per layout,
+attention to a tile column per layout).
 """
 
 from __future__ import annotations

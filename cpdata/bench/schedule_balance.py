@@ -1,27 +1,17 @@
 """Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against trainers'.
 
-Distributions (Megatron-LM's dynamic-CP example): ``D1`` lognormal with mean
-1024, sigma 1.5, clipped to [128, 8192], capacity 8192, 8 micro-batches;
-``D2`` mean 4096, sigma 2.0, clipped to [64, 131072], capacity 131072, 4
-micro-batches; DP 8 (D2 also 32). One seeded stream per row; cpdata's
-:func:`~cpdata.schedule.plan_schedule` plans all of it, and every full step
-(the tail step left out) is one sampled global batch. The other methods get
-the same documents cut into global batches in stream order, each holding as
-many tokens as the schedule's mean step (the same fullness), and place each
-batch as :mod:`~cpdata.bench.schedule_methods` describes.
+Distributions (Megatron-LM's dynamic-CP example): ``D1`` lognormal, mean 1024, sigma 1.5, in [128, 8192], capacity
+8192, 8 micro-batches; ``D2`` mean 4096, sigma 2.0, in [64, 131072], capacity 131072, 4 micro-batches; DP 8 (D2
+also 32). :func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
+other methods (:mod:`~cpdata.bench.schedule_methods`) get the same documents cut into batches as full as the
+schedule's mean step.
 
-Every method is scored by the same FlexSP 7B cost model (``a = 0.1839576``,
-``b = 5.128e-6``): ``imb_step`` / ``imb_mb`` per batch as
-:mod:`cpdata.schedule.metrics` defines them (mean and p95 over batches, in
-%); ``over_cap_pct``: packs holding more than the capacity; ``extra_microbatch_pct``:
-micro-batches above ``ceil(tokens / (dp_size * capacity))`` per batch;
-``padding_pct``: ``1 - tokens / (dp_size * micro-batches * capacity)``;
-``max_delay_steps``: the latest any document was placed after its step in
-stream order (its FIFO step: stream position in slot tokens over a full
-step's; ``min_delay_steps``, in the JSON rows: the earliest, ``-1`` = one step
-before); ``us_per_doc``: planning CPU time per document (process time, so other load on the machine does not count;
-the fastest of :data:`PLAN_REPEATS` runs, as a loaded shared core slows each run unevenly);
-``bfd_padding_pct``: ``bfd`` alone on the schedule rows' documents.
+Scored by the FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` as :mod:`cpdata.schedule.metrics` defines them
+(mean and p95 over batches, %); ``over_cap_pct``: packs over capacity; ``extra_microbatch_pct``: micro-batches
+above ``ceil(tokens / (dp_size * capacity))``; ``padding_pct``: ``1 - tokens / (dp * micro-batches *
+capacity)``; ``max_delay_steps`` / ``min_delay_steps``: latest / earliest placement against a document's FIFO
+step; ``us_per_doc``: planning process CPU time per document, the fastest of :data:`PLAN_REPEATS`;
+``bfd_padding_pct``: ``bfd`` alone on the same documents.
 """
 
 from __future__ import annotations

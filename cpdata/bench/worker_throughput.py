@@ -26,7 +26,7 @@ import torch
 
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_collate, anchor_shard
 from cpdata.bench.distributions import sample, split_graph, token_documents
-from cpdata.bench.timing import median_seconds
+from cpdata.bench.timing import alternating_medians
 
 __all__ = ["COLUMNS", "TABLE", "run", "worker_ratio"]
 
@@ -99,7 +99,7 @@ def _memcpy_seconds(out_bytes: list[int], repeats: int) -> float:
         for lo, hi in bounds:
             np.copyto(dst[lo:hi], src[lo:hi])
 
-    return median_seconds(copy_all, repeats=repeats, warmup=1)
+    return alternating_medians((copy_all,), repeats=repeats, warmup=1)[0]
 
 
 def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> dict:

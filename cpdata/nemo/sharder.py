@@ -79,22 +79,15 @@ class ContextParallelSharder:
                 :meth:`shard` and every this many after (0 or None: off), so ranks fed different packs raise.
         """
         if shard_batch is not None:
-            if (
-                model is not None
-                or batch is not None
-                or num_chunks != 1
-                or not invoke_pre_embed
-                or extra_seq_buffers is not None
+            if model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed or (
+                extra_seq_buffers is not None
             ):
                 raise TypeError(
                     "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
                     "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
                 )
-            strategy = Strategy(
-                shard_batch=shard_batch,
-                local_token_global_indices=local_token_global_indices,
-                shard_layout=shard_layout,
-            )
+            strategy = Strategy(shard_batch=shard_batch, local_token_global_indices=local_token_global_indices,
+                                shard_layout=shard_layout)
         else:
             if local_token_global_indices is not None or shard_layout is not None:
                 raise TypeError(
@@ -102,14 +95,8 @@ class ContextParallelSharder:
                 )
             if batch is None:
                 raise TypeError("batch is required when shard_batch is not provided (it decides the layout)")
-            strategy = resolve_strategy(
-                model,
-                device_mesh,
-                batch,
-                num_chunks=num_chunks,
-                invoke_pre_embed=invoke_pre_embed,
-                extra_seq_buffers=extra_seq_buffers,
-            )
+            strategy = resolve_strategy(model, device_mesh, batch, num_chunks=num_chunks,
+                                        invoke_pre_embed=invoke_pre_embed, extra_seq_buffers=extra_seq_buffers)
         self.shard_batch = strategy.shard_batch
         self.local_token_global_indices = strategy.local_token_global_indices
         self.shard_layout = strategy.shard_layout
@@ -125,9 +112,6 @@ class ContextParallelSharder:
         fast = PreshardedMove(self._cp_mesh, self.device, dims) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
 
-    def _cp_rank_size(self) -> tuple[int, int]:
-        return mesh_rank_size(self._cp_mesh)
-
     def _cp_group(self) -> Any:
         return self._cp_mesh.get_group() if self._cp_mesh is not None else None
 
@@ -140,13 +124,8 @@ class ContextParallelSharder:
             ctx, out, self.shard_layout = fast(batch)
             self._check(self.shard_layout, self._cp_mesh)
             return ctx, out
-        ctx, batch, self.shard_layout = self.shard_batch(
-            self._cp_mesh,
-            self._tp_mesh,
-            batch,
-            loss_mask=self._loss_mask,
-            padding_token_id=self._padding_token_id,
-        )
+        ctx, batch, self.shard_layout = self.shard_batch(self._cp_mesh, self._tp_mesh, batch, loss_mask=self._loss_mask,
+                                                         padding_token_id=self._padding_token_id)
         self._check(self.shard_layout, self._cp_mesh)
         return ctx, batch
 
@@ -155,7 +134,7 @@ class ContextParallelSharder:
         reported int32 or ``[1, L]`` is flattened and cast, as NeMo does)."""
         layout = self.shard_layout or _NO_LAYOUT
         if layout.local_token_global_indices is not None:
-            _, size = self._cp_rank_size()
+            _, size = mesh_rank_size(self._cp_mesh)
             local = layout.local_token_global_indices.numel()
             if padded_seq_len != local * size:
                 raise ValueError(
@@ -188,7 +167,7 @@ class ContextParallelSharder:
         ranks, :mod:`cpdata.gather`). ``trim=True``: in the caller's coordinates
         (:func:`cpdata.nemo.token_coords.trim_to_caller`)."""
         seq_dim = seq_dim % tensor.dim()
-        rank, size = self._cp_rank_size()
+        rank, size = mesh_rank_size(self._cp_mesh)
         if size <= 1:
             full = self._gather_cp1(tensor, seq_dim)
         else:
