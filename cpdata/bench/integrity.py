@@ -51,24 +51,21 @@ def _plain_read(store, i: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _pass(store) -> None:
+def _pass(store) -> float:
+    """Process CPU seconds of one reading pass over ``store``."""
+    start = time.process_time()
     for i in range(len(store)):
         store[i]
-
-
-def _timed(fn, store) -> float:
-    start = time.process_time()
-    fn(store)
     return time.process_time() - start
 
 
 def _paired(a, b, flip: bool) -> tuple[float, float]:
     """One pass over each store, back to back; ``flip`` runs ``b`` first (a drift of load weighs on both)."""
     if flip:
-        tb = _timed(_pass, b)
-        return _timed(_pass, a), tb
-    ta = _timed(_pass, a)
-    return ta, _timed(_pass, b)
+        tb = _pass(b)
+        return _pass(a), tb
+    ta = _pass(a)
+    return ta, _pass(b)
 
 
 def _row(tokens: int, mask: bool, tmp: Path) -> dict:

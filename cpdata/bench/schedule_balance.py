@@ -90,13 +90,8 @@ def run(*, quick: bool) -> list[dict]:
             us = 1e6 * min(times) / lengths.shape[0]
             full = sched.num_steps - 1
             pc = sched.pack_costs(cost)[:full]
-            per_pack = np.add.reduceat(np.append(sched.slot_len, 0), sched.pack_offsets[:-1])
-            per_pack[np.diff(sched.pack_offsets) == 0] = 0
-            per_pack = per_pack[: full * dp_size * mb].reshape(full, -1)
-            real = np.add.reduceat(np.append(sched.doc_len, 0), sched.pack_offsets[:-1])
-            real[np.diff(sched.pack_offsets) == 0] = 0
-            real = real[: full * dp_size * mb].reshape(full, -1)
-            lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in per_pack]
+            real = sched.pack_costs(lambda lens: lens)[:full].reshape(full, -1)  # tokens (balanced, cp 1: = slots)
+            lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in real]
             row = _row(list(pc), [mb] * full, lower, list(real), capacity, dp_size)
             last = int(sched.pack_offsets[full * dp_size * mb])
             in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order

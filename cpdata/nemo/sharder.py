@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
-from cpdata.device.presharded import PreshardedMove, mesh_rank_size
+from cpdata.device.presharded import PreshardedMove, mesh_group, mesh_rank_size
 from cpdata.errors import NotAvailableYetError
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
@@ -112,9 +112,6 @@ class ContextParallelSharder:
         fast = PreshardedMove(self._cp_mesh, self.device, dims) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
 
-    def _cp_group(self) -> Any:
-        return self._cp_mesh.get_group() if self._cp_mesh is not None else None
-
     def shard(self, batch: Mapping[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """Shard ``batch`` for this rank; keep its layout for the token verbs."""
         shard_batch, fast = self._fast
@@ -177,7 +174,7 @@ class ContextParallelSharder:
                     f"shard layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the CP "
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
-            full = _gather(tensor, layout, self._cp_group(), seq_dim)
+            full = _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
         if not trim:
             return full
         return trim_to_caller(self.shard_layout or _NO_LAYOUT, full, seq_dim, fill, self.shard_layout is not None)
@@ -194,7 +191,7 @@ class ContextParallelSharder:
         if torch.equal(index, torch.arange(index.numel(), device=index.device)):
             return tensor
         if layout.gather_index is not None:
-            return _gather(tensor, layout, self._cp_group(), seq_dim)
+            return _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
         return torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
 
     def _layout_with_inverse(self, padded_seq_len: int, device: Any) -> ShardLayout:
@@ -207,7 +204,7 @@ class ContextParallelSharder:
         if cached is not None:
             return cached
         local = self._indices(padded_seq_len, device).cpu()
-        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), self._cp_group())
+        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), mesh_group(self._cp_mesh))
         if layout is not None:
             self.shard_layout = built
         else:

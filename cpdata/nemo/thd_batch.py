@@ -210,19 +210,13 @@ def _flat_positions(position_ids: Any, b: int, s: int) -> torch.Tensor:
 _INT_KEYS = (INPUT_IDS, LABELS, POSITION_IDS)  # NeMo casts these to int64 (token ids only, never hidden states)
 
 
-def _partition(cu_out: torch.Tensor, total: int, size: int, rank: int) -> np.ndarray:
-    """TE's partition of a stream whose document slots start at ``cu_out`` (sentinel entries ignored)."""
-    offsets = np.asarray(cu_out.detach().cpu(), dtype=np.int64)
-    offsets = offsets[offsets != SEQ_LENS_SENTINEL]
-    return rank_indices("thd", size, np.diff(offsets), total)
-
-
 def shard_thd_stream(
     tensors: dict[str, Any], dims: Mapping[str, int], cu_out: torch.Tensor, size: int, rank: int
 ) -> tuple[dict[str, Any], np.ndarray]:
     """This rank's tokens of one flat stream plus NeMo's cp > 1 metadata; returns ``(batch, rows)``."""
     total = int(tensors[INPUT_IDS].shape[0])
-    rows = _partition(cu_out, total, size, rank)
+    slot_starts = np.asarray(cu_out.detach().cpu(), dtype=np.int64)  # TE's partition over these slots
+    rows = rank_indices("thd", size, np.diff(slot_starts[slot_starts != SEQ_LENS_SENTINEL]), total)
     index = torch.from_numpy(rows[rank]).to(tensors[INPUT_IDS].device)
     out = dict(tensors)
     for key, dim in dims.items():
