@@ -1,19 +1,9 @@
 """THD batches split into pipeline micro-batch chunks (NeMo's ``split_batch_into_thd_chunks`` contract).
 
-The ``B`` rows split into ``num_chunks`` equal groups (NeMo drops remainder rows; cpdata refuses), each becomes
-one flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), and the streams are stacked:
-
-| key | shape |
-|---|---|
-| ``input_ids`` | ``[C, T_c]`` (``[C, T_c, H]``) |
-| ``labels``, ``position_ids``, ``padding_mask`` | ``[C, T_c]`` |
-| ``cu_seqlens`` | int32 ``[C, n_max+1]``, rows right-padded with ``-1000`` |
-| ``cu_seqlens_padded`` | same shape, when any chunk emits it |
-| ``max_seqlen`` | int32 ``[C]`` |
-
-At cp > 1 each chunk is cut by TE's partition and the result holds NeMo's key set (``input_ids, labels,
-position_ids, cu_seqlens`` (slot offsets), ``max_seqlen, qkv_format, padding_mask, cp_size, cp_rank``) plus
-``loss_mask`` when passed. mRoPE positions with chunks are refused (NeMo leaves them unvalidated).
+The ``B`` rows split into ``num_chunks`` equal groups (cpdata refuses a remainder NeMo would drop), each one flat
+THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), stacked: token keys ``[C, T_c]``, ``cu_seqlens`` (and
+``cu_seqlens_padded`` when any chunk emits it) int32 ``[C, n_max+1]`` right-padded with ``-1000``,
+``max_seqlen`` ``[C]``; at cp > 1 each chunk cut by TE's partition, NeMo's key set plus a passed ``loss_mask``.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor |
 def split_thd_chunks(
     batch: Mapping[str, Any], num_chunks: int, cp_size: int, cp_rank: int, loss_mask: torch.Tensor | None = None
 ) -> dict[str, Any]:
-    """The stacked chunks of ``batch`` (see the module table); this CP rank's tokens at ``cp_size > 1``."""
+    """The stacked chunks of ``batch`` (see the module); this CP rank's tokens at ``cp_size > 1``."""
     streams = _chunks(batch, num_chunks, loss_mask)
     keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
     if cp_size > 1:

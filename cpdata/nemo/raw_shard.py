@@ -1,16 +1,9 @@
 """On-device ``shard_batch`` for raw full ``[B, S]`` batches (NeMo Automodel's load-balanced path).
 
-At cp > 1 (:class:`DeviceShard`): ``round_robin`` (torch ``context_parallel``'s head-tail order), rows
-right-padded to a multiple of ``2*cp`` with semantic pad values (:mod:`cpdata.worker.keys`), every token tensor
-``index_select``-ed on device: O(S) host numpy for the layout plus one gather per tensor. The primary is
-``input_ids`` ``[B, S]`` or ``inputs_embeds`` ``[B, S, H]`` (kept differentiable); missing ``position_ids``
-become ``arange(S)`` per row and a shared ``[1, S]`` row is expanded, so every token keeps its position (mRoPE
-``[P, B, S]`` shards on its last dim). At cp <= 1 (:func:`shard_identity`): the caller's batch, untouched.
-
-Keys at cp > 1: sharded: the primary, ``labels``, ``position_ids``, ``padding_mask`` (from a ``[B, S]``
-``attention_mask``, True = pad), ``document_ids``, ``loss_mask``, ``extra_seq_buffers``; passed through:
-``mm_token_type_ids``, ``_``-prefixed keys and tensors not shaped like the sequence; refused (``ValueError``):
-any other ``[B, S, ...]`` tensor, and ``input_ids`` together with ``inputs_embeds``.
+At cp > 1 (:class:`DeviceShard`): ``round_robin``, rows right-padded to a multiple of ``2*cp`` with semantic pad
+values (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device (O(S) host numpy for the
+layout, one gather per tensor); which keys are sharded, passed through or refused: docs/nemo.md. At cp <= 1
+(:func:`shard_identity`): the caller's batch, untouched.
 """
 
 from __future__ import annotations
@@ -37,15 +30,8 @@ from cpdata.worker.keys import (
     STANDARD_TOKEN_KEYS,
 )
 
-__all__ = [
-    "PASSTHROUGH_TOKEN_KEYS",
-    "DeviceShard",
-    "check_extra_buffers",
-    "check_undeclared",
-    "closed_form_indices",
-    "primary_key",
-    "shard_identity",
-]
+__all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared", "closed_form_indices",
+           "primary_key", "shard_identity"]
 
 INPUTS_EMBEDS = "inputs_embeds"
 PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)

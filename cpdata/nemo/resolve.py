@@ -1,13 +1,9 @@
-"""Choosing a sharding strategy for a model, mesh and batch, once, in NeMo's order.
+"""Choosing a sharding strategy for a model, mesh and batch, once, in NeMo's order (docs/nemo.md).
 
-0. A MagiAttention model: NeMo Automodel 0.7.0's own ``_prepare_cp_sharder`` when ``nemo_automodel`` and
-   ``magi_attention`` import (its layouts read into :class:`ShardLayout`); else, or for a worker-sharded batch,
-   ``ValueError`` naming MagiAttention, never a silent round-robin.
-1. The model's hook, at cp > 1 (or a THD batch when ``model.supports_thd``) with ``invoke_pre_embed``:
-   ``model.prepare_model_inputs_for_cp(batch, num_chunks=...)``; its ``"cp_sharder"`` owns the sharding and every
-   other key is merged into ``batch`` in place (None values included).
+0. MagiAttention: NeMo Automodel's own ``_prepare_cp_sharder`` when it imports, else ``ValueError``.
+1. The model's ``prepare_model_inputs_for_cp`` hook (cp > 1, or THD with ``model.supports_thd``).
 2. A worker-sharded batch: copy only.
-3. A ``qkv_format="thd"`` batch of a Transformer Engine model, or with no model: :class:`ThdShard`.
+3. THD of a TE model, or without a model: :class:`ThdShard`.
 4. cp > 1: :class:`DeviceShard` (``round_robin``).
 5. Otherwise the identity.
 """

@@ -1,26 +1,8 @@
 """A raw ``[B, S]`` THD batch as one flat packed stream with TE's metadata (NeMo's ``process_input_for_thd``).
 
-Input (NeMo's packed collater): ``input_ids`` ``[B, S]`` (``[B, S, H]`` on later pipeline stages), ``labels``,
-``position_ids`` ``[B, S]`` (mRoPE ``[P, B, S]``), ``seq_lens`` / ``seq_lens_padded`` ``[B, n]`` (real and slot
-lengths; ``-1000`` marks unused entries), ``qkv_format="thd"``. A flat ``[T]`` stream is one row. Output:
-
-| key | value |
-|---|---|
-| ``input_ids``, ``labels`` | ``[T]`` (``[T, H]``), ``T = B*S``, rows concatenated |
-| ``position_ids`` | ``[T]``; mRoPE ``[P, 1, T]`` |
-| ``cu_seqlens`` | int32 ``[n+1]``, cumulative REAL lengths |
-| ``cu_seqlens_padded`` | int32 ``[n+1]`` slot offsets, only when it differs from ``cu_seqlens`` |
-| ``max_seqlen`` | int32 0-d, ``max(diff(cu_seqlens))`` |
-| ``padding_mask`` | bool ``[T]``, True on pads, from the lengths |
-| ``document_ids`` | ``[T]``, when the batch has them |
-| every other key | unchanged, but ``seq_lens*`` (consumed) and ``attention_mask`` (dropped) |
-
-Other sequence-shaped keys pass only as :data:`cpdata.nemo.raw_shard.PASSTHROUGH_TOKEN_KEYS` or ``_``-prefixed.
-Trailing-pad absorption (NeMo's rule): when real and slot offsets agree on all but the last entry, the tail
-joins the last document (``cu_seqlens[-1] = T``, no ``cu_seqlens_padded``, ``max_seqlen`` after the bump).
-Where NeMo would silently misalign, cpdata fixes or refuses: a row's unfilled tail joins its last slot (a row
-of sentinels becomes one empty document); slots longer than the row, a real length over its slot or a negative
-length raise ``ValueError``.
+Input: NeMo's packed collater output (``seq_lens`` / ``seq_lens_padded`` ``[B, n]``, ``-1000`` marks unused
+entries); a flat ``[T]`` stream is one row. Output keys, trailing-pad absorption and where cpdata refuses what
+NeMo would misalign: docs/nemo.md.
 """
 
 from __future__ import annotations
@@ -50,7 +32,7 @@ class ThdStream:
     """One flat stream and the host-side lengths that laid it out."""
 
     batch: dict[str, Any]
-    """NeMo's THD keys (see the module table)."""
+    """NeMo's THD keys (docs/nemo.md)."""
     token_dims: dict[str, int]
     """Token-aligned keys of ``batch`` → their (flat) sequence dim."""
     real: np.ndarray

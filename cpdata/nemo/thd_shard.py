@@ -1,20 +1,8 @@
 """``shard_batch`` for raw THD batches of Transformer Engine models (NeMo's TE/THD path, any CP size).
 
 :func:`cpdata.nemo.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every token tensor is cut by TE's
-partition (``thd_get_partitioned_indices`` = cpdata's ``thd`` layout) and the metadata takes NeMo's cp > 1 form:
-
-| key | cp = 1 | cp > 1 |
-|---|---|---|
-| ``cu_seqlens`` | real lengths (absorbed) | the slot offsets |
-| ``cu_seqlens_padded`` | when it differs | dropped |
-| ``max_seqlen`` | ``max(diff(cu_seqlens))`` | widest slot |
-| ``padding_mask`` | ``[T]`` | this rank's ``[T/cp]`` |
-| ``cp_size``, ``cp_rank`` | — | Python ints |
-| ``_thd_local_indices`` | ``arange(T)`` int64 | this rank's stream positions, int64 ``[T/cp]`` |
-
-Example (cp = 2, real [3, 5] in slots [4, 8]): rank 0 holds ``[0, 3, 4, 5, 10, 11]``, ``cu_seqlens=[0, 4, 12]``,
-``max_seqlen=8``, ``padding_mask=[F, T, F, F, T, T]``. ``num_chunks > 1``: :mod:`cpdata.nemo.pp_chunks`, with
-no single token layout. mRoPE positions keep their leading dim (``[P, 1, T/cp]``).
+partition (``thd_get_partitioned_indices`` = cpdata's ``thd`` layout) and the metadata takes NeMo's cp > 1 form
+(docs/nemo.md). ``num_chunks > 1``: :mod:`cpdata.nemo.pp_chunks`.
 """
 
 from __future__ import annotations
