@@ -1,20 +1,13 @@
 """Section ``attention``: what a block-sparse kernel pays per CP rank, per layout and tile size.
 
-Each distribution is packed per layout by its default packer (``bfd``, split) at 8K / 32K / 128K. Per pack and
-rank: the live ``tile x tile`` tiles of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, equal
-to flex's ``create_block_mask`` counts) and the K/V it needs from others (:func:`cpdata.layout.tiles.kv_recv_tokens`).
-Columns, means over the row's packs:
-
-- ``tiles_max_over_ideal``: the busiest rank's tiles over (the pack's tiles at cp 1) / cp (``_p95``: 95th
-  percentile; ``tiles_integer_bound``: ``max(ceil(tiles / cp), costliest block) / (tiles / cp)``, the floor of
-  any layout of whole blocks);
-- ``kv_recv_fraction``: the neediest rank's K/V over the ``(cp - 1) / cp * S`` an all-gather delivers;
-- ``solve_us_per_pack``: the layout solve (run tables; ``tiled``: its deal), median thread CPU time;
-  ``maps_us_per_pack``: then one rank's row and the inverse map;
-- ``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal``: the same for a varlen kernel, which tiles each
-  run of a rank's queries in one document alone (:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), over
-  its own cp-1 ideal and over the flex ideal;
-- ``dense_mask_mib`` / ``flex_mask_mib``: one rank's dense bool ``[L, S]`` mask, and a flex ``BlockMask``'s.
+Each distribution is packed per layout (``bfd``, split) at 8K / 32K / 128K. Per pack and rank: the live tiles of
+the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, flex's ``create_block_mask`` counts) and the K/V
+needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means over packs: ``tiles_max_over_ideal``
+(busiest rank over cp-1 tiles / cp; ``_p95``; ``tiles_integer_bound``: the floor of any layout of whole blocks),
+``kv_recv_fraction`` (over an all-gather's ``(cp - 1) / cp * S``), ``solve_us_per_pack`` / ``maps_us_per_pack``
+(layout tables, then one row and the inverse; thread CPU time), ``varlen_max_over_ideal`` /
+``varlen_max_over_flex_ideal`` (a varlen kernel's tiles, :func:`cpdata.layout.varlen_tiles.varlen_live_tiles`),
+``dense_mask_mib`` / ``flex_mask_mib`` (one rank's dense ``[L, S]`` mask and ``BlockMask``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Per-rank attention time on one GPU against the live tiles each kernel pays, and the fitted cost of a tile.
 
-One GPU plays every CP rank of a pack in turn: the rank's queries (``L = S / cp``, local order) over the keys it
-holds (all ``S``; own + received with ``tiled``'s exchange plan), bf16, 32 query / 8 KV heads of dim 128, forward
-+ backward, through the ``"cpdata"`` attention's two CUDA kernels: ``flex`` (compiled, its live tiles the
-``BlockMask``'s; exchanged keys padded to a power of two, so a config compiles a handful of shapes) and
-``varlen`` (its tiles :func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the
-fallback is not run, and its row says so). Packs: the first of each distribution at 32K cp 4 and 128K cp 8.
-Rows: the busiest rank's time and tiles over the mean; every rank's ``(tiles, seconds)`` goes into one
-least-squares line per kernel.
-
-``calibration.json`` (what the world deal's cost model reads): ``per_tile_seconds`` (flex, forward + backward,
-per layer; the intercept is launch overhead), ``tile``, ``kernel``, ``device``, ``dtype``, ``heads``,
-``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's :func:`fit_line`).
+One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the keys it
+holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward, through
+compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen`` (tiles:
+:func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is not run).
+Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json`` (read by the world
+deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``, ``device``, ``dtype``,
+``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's :func:`fit_line`).
 """
 
 from __future__ import annotations

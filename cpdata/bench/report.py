@@ -119,11 +119,6 @@ def _integrity(rows: list[dict]) -> str:
             + markdown_table(head, body))
 
 
-def _runs_flag(results: Mapping[str, Any]) -> str:
-    runs = int(results.get("runs", 1))
-    return f" --runs {runs}" if runs > 1 else ""
-
-
 def _attention(rows: list[dict]) -> str:
     """One row per (distribution, capacity, cp, tile): each layout's busiest-rank tiles over the ideal, then
     ``tiled``'s K/V received (over an all-gather's) and solve time."""
@@ -155,11 +150,10 @@ def _world(rows: list[dict]) -> str:
 
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
-    m = results["machine"]
+    m, runs = results["machine"], int(results.get("runs", 1))
     parts = [
-        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{_runs_flag(results)}` on "
-        f"{m['cpu_model']} "
-        f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
+        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{f' --runs {runs}' if runs > 1 else ''}` "
+        f"on {m['cpu_model']} ({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
         f"{', freed heap kept (`cpdata.keep_heap`)' if m.get('keep_heap') else ''}.",
     ]
     if results.get("targets"):

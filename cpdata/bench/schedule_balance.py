@@ -1,17 +1,12 @@
 """Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against trainers'.
 
-Distributions (Megatron-LM's dynamic-CP example): ``D1`` lognormal, mean 1024, sigma 1.5, in [128, 8192], capacity
-8192, 8 micro-batches; ``D2`` mean 4096, sigma 2.0, in [64, 131072], capacity 131072, 4 micro-batches; DP 8 (D2
-also 32). :func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
-other methods (:mod:`~cpdata.bench.schedule_methods`) get the same documents cut into batches as full as the
-schedule's mean step.
-
-Scored by the FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` as :mod:`cpdata.schedule.metrics` defines them
-(mean and p95 over batches, %); ``over_cap_pct``: packs over capacity; ``extra_microbatch_pct``: micro-batches
-above ``ceil(tokens / (dp_size * capacity))``; ``padding_pct``: ``1 - tokens / (dp * micro-batches *
-capacity)``; ``max_delay_steps`` / ``min_delay_steps``: latest / earliest placement against a document's FIFO
-step; ``us_per_doc``: planning process CPU time per document, the fastest of :data:`PLAN_REPEATS`;
-``bfd_padding_pct``: ``bfd`` alone on the same documents.
+Distributions (:data:`DISTRIBUTIONS`, Megatron-LM's dynamic-CP example) at DP 8 (D2 also 32):
+:func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
+:mod:`~cpdata.bench.schedule_methods` get the same documents cut into equally full batches. Scored by the FlexSP
+7B cost model: ``imb_step`` / ``imb_mb`` (:mod:`cpdata.schedule.metrics`; mean and p95 over batches, %),
+``over_cap_pct``, ``extra_microbatch_pct`` (above ``ceil(tokens / (dp * capacity))``), ``padding_pct``,
+``max_delay_steps`` / ``min_delay_steps`` (against a document's FIFO step), ``us_per_doc`` (process CPU time, the
+fastest of :data:`PLAN_REPEATS`), ``bfd_padding_pct`` (``bfd`` alone on the same documents).
 """
 
 from __future__ import annotations

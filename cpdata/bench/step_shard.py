@@ -1,15 +1,10 @@
 """Section ``step_shard``: per-step sharding, in-step anchor vs cpdata's pre-sharded batch.
 
-One pack (SFT-like documents, default packer) is collated once. The anchor gets the full batch and shards it in
-the step (:func:`cpdata.bench.anchors.anchor_shard`); cpdata gets rank 0's
-:class:`~cpdata.worker.batch.ShardedBatch` and runs ``ContextParallelSharder.shard()``, which only moves it. Both
-are checked equal, token for token, before timing (medians, the sides sampled alternately).
-
-Device: cuda when available (pinned host batches), else cpu, where a same-device copy models the host-to-device
-copy on both sides (``clone()`` per tensor for the anchor, ``ShardedBatch.to(copy=True)``, one buffer, for
-cpdata), with one intra-op thread (torch's parallel CPU kernels stall on a loaded 2-core machine). ``copy_ms``
-(extra) is cpdata's buffer copy alone; the rest of ``cpdata_ms`` is ``shard()`` and the batch's views.
-``*_h2d_bytes``: tensor bytes each side copies; ``layout_bytes`` (extra): the index maps cpdata also ships.
+One pack is collated once; the anchor shards the full batch in the step (:func:`cpdata.bench.anchors.anchor_shard`),
+cpdata's ``ContextParallelSharder.shard()`` only moves rank 0's ``ShardedBatch``; both are checked equal first, then
+timed alternately (medians). On cuda host batches are pinned; on cpu a same-device copy models the transfer for both
+(one intra-op thread: parallel CPU kernels stall on a loaded machine). ``copy_ms``: cpdata's buffer copy alone;
+``*_h2d_bytes``: tensor bytes each side copies; ``layout_bytes``: the index maps cpdata also ships.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Section ``worker``: pack + collate + shard on one worker core, against the in-step anchor and memcpy.
 
-The worker pipeline of one CP rank (``Documents -> Pack -> Collate -> ShardForRank``, default packer, SFT-like
-documents) runs over a fixed stream on one thread, in its steady state: one pipeline, one untimed pass, then
-each repeat a ``reset()`` and a pass (warm buffer pools; a fresh node's first windows cost 1.5-6x).
-``tokens_per_s`` counts full-pack tokens while only rank 0's output is built; ``cpdata_us_per_pack`` and
-``ns_per_pack_token`` are the same time per pack and per pack token. Output bytes come from the batch's buffer
-plan (``ShardedBatch.nbytes``): host views are built by the consumer, not the worker.
-
-The anchor (``anchor_host_us``) is a trainer's host work per pack without cpdata, on the same packs:
-:func:`cpdata.bench.anchors.anchor_collate` then :func:`cpdata.bench.anchors.anchor_shard` for rank 0
-(``balanced`` has no in-step form and is compared with ``round_robin``); it excludes packing, which cpdata's
-time includes. ``ratio`` is the median of the round-by-round ratios (one cpdata pass, then one anchor pass):
-load moves both sides together, so it varies far less than the ratio of the two medians.
-
-Memcpy reference (no target): ``np.copyto`` of the same output bytes (layout maps left out), pack by pack,
-into a fresh run-sized destination; ``fraction_of_memcpy`` is its time over cpdata's.
+One CP rank's pipeline (``Documents -> Pack -> Collate -> ShardForRank``, SFT-like documents) on one thread in its
+steady state (one untimed pass, then a ``reset()`` and a pass per repeat); output bytes come from the batch's
+buffer plan, since host views are built by the consumer. ``tokens_per_s`` counts full-pack tokens;
+``cpdata_us_per_pack`` / ``ns_per_pack_token`` are the same time per pack and per pack token. The anchor
+(``anchor_host_us``): :func:`~cpdata.bench.anchors.anchor_collate` + :func:`~cpdata.bench.anchors.anchor_shard` of
+the same packs (``balanced`` against ``round_robin``), no packing. ``ratio``: the median of round-by-round ratios
+(load moves both sides together). ``fraction_of_memcpy``: ``np.copyto`` of the same output bytes over cpdata's time.
 """
 
 from __future__ import annotations
