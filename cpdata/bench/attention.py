@@ -1,13 +1,14 @@
 """Section ``attention``: what a block-sparse kernel pays per CP rank, per layout and tile size.
 
-Each distribution is packed per layout (``bfd``, split) at 8K / 32K / 128K. Per pack and rank: the live tiles of
-the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, flex's ``create_block_mask`` counts) and the K/V
-needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means over packs: ``tiles_max_over_ideal``
-(busiest rank over cp-1 tiles / cp; ``_p95``; ``tiles_integer_bound``: the floor of any layout of whole blocks),
-``kv_recv_fraction`` (over an all-gather's ``(cp - 1) / cp * S``), ``solve_us_per_pack`` / ``maps_us_per_pack``
-(layout tables, then one row and the inverse; thread CPU time), ``varlen_max_over_ideal`` /
-``varlen_max_over_flex_ideal`` (a varlen kernel's tiles, :func:`cpdata.layout.varlen_tiles.varlen_live_tiles`),
-``dense_mask_mib`` / ``flex_mask_mib`` (one rank's dense ``[L, S]`` mask and ``BlockMask``).
+Each distribution is packed per layout (``bfd``, split) at 8K / 32K / 128K. Per pack and rank: the live tiles
+of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, flex's ``create_block_mask`` counts) and
+the K/V needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means over packs:
+``tiles_max_over_ideal`` (busiest rank over cp-1 tiles / cp; ``_p95``; ``tiles_integer_bound``: the floor of
+any layout of whole blocks), ``kv_recv_fraction`` (over an all-gather's ``(cp - 1) / cp * S``),
+``solve_us_per_pack`` / ``maps_us_per_pack`` (layout tables, then one row and the inverse; thread CPU time),
+``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal`` (a varlen kernel's tiles,
+:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one rank's
+dense ``[L, S]`` mask and ``BlockMask``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ PACKS, QUICK_PACKS = 10, 3
 
 
 def flex_mask_bytes(local_len: int, keys: int, tile: int) -> int:
-    """Bytes of a flex ``BlockMask`` over ``[local_len, keys]``: int32 block counts ``[nq]`` / ``[nk]`` and block
-    indices ``[nq, nk]`` / ``[nk, nq]``, full and partial, forward and transposed."""
+    """Bytes of a flex ``BlockMask`` over ``[local_len, keys]``: int32 block counts ``[nq]`` / ``[nk]`` and
+    block indices ``[nq, nk]`` / ``[nk, nq]``, full and partial, forward and transposed."""
     nq, nk = -(-local_len // tile), -(-keys // tile)
     return 4 * (2 * nq + 2 * nk + 4 * nq * nk)
 

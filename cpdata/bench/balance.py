@@ -3,7 +3,8 @@
 Documents are packed by each layout's default packer at 32K (128K for long_context; overlong documents split).
 Per pack, each rank's causal document-masked work is :func:`cpdata.layout.maps.causal_work`; the imbalance is
 max-rank over mean-rank work (``_mean`` / ``_p95`` / ``_max`` over packs). ``doc_pad_pct``: per-document
-alignment padding over all pack tokens; ``equal_tokens``: every rank held ``pack_len / cp`` tokens in every pack.
+alignment padding over all pack tokens; ``equal_tokens``: every rank held ``pack_len / cp`` tokens in every
+pack.
 """
 
 from __future__ import annotations

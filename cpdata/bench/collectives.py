@@ -1,8 +1,8 @@
 """Count ``torch.distributed`` collectives by instrumenting them, not by assumption.
 
-:class:`CollectiveCounter` wraps every collective of ``torch.distributed`` (and of extra modules that bound them
-by name) and counts *outermost* calls, so one built on another counts once; only calls between ``start()`` and
-``stop()`` count.
+:class:`CollectiveCounter` wraps every collective of ``torch.distributed`` (and of extra modules that bound
+them by name) and counts *outermost* calls, so one built on another counts once; only calls between
+``start()`` and ``stop()`` count.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ __all__ = ["COLLECTIVES", "CollectiveCounter"]
 COLLECTIVES: tuple[str, ...] = (
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
     "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
-    "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "monitored_barrier", "recv",
-    "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
-    "scatter_object_list", "send", "send_object_list",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "monitored_barrier",
+    "recv", "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+    "scatter", "scatter_object_list", "send", "send_object_list",
 )  # fmt: skip
 
 

@@ -59,9 +59,10 @@ def token_documents(lengths: Iterable[int], seed: int = 0, *, low: int = 0, high
 
 
 def split_graph(docs: Any, capacity: int, cp_size: int, layout: str) -> Any:
-    """The worker graph up to ``Collate`` (:func:`cpdata.nodes.loader.shard_graph`), overlong documents split."""
+    """The worker graph up to ``Collate`` (:func:`cpdata.nodes.loader.shard_graph`), overlong documents split.
+    """
     from cpdata.nodes.loader import GraphOptions, shard_graph
     from cpdata.nodes.options import StreamPlan
 
-    options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, plan=StreamPlan(overflow="split"))
-    return shard_graph(docs, options)
+    plan = StreamPlan(overflow="split")
+    return shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, plan=plan))

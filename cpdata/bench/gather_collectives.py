@@ -1,11 +1,11 @@
 """Section ``gather``: the differentiable gather, forward + backward, on real gloo ranks.
 
-Per CP size, ``cp_size`` forked gloo ranks each hold ``x [1, tokens/cp, hidden]`` (float32, ``round_robin``) and
-run forward + backward: the anchor :func:`cpdata.bench.anchors.anchor_gather` against
-:func:`cpdata.gather.gather_token_tensor` with the layout's precomputed inverse. Outputs and gradients are checked
-equal first. ``collectives_*``: calls counted by :class:`~cpdata.bench.collectives.CollectiveCounter` inside the
-ranks, forward + backward (``_fwd`` / ``_bwd`` split it). Times: the slowest rank's median, a barrier before
-each run; with more ranks than cores they measure oversubscription too.
+Per CP size, ``cp_size`` forked gloo ranks each hold ``x [1, tokens/cp, hidden]`` (float32, ``round_robin``)
+and run forward + backward: the anchor :func:`cpdata.bench.anchors.anchor_gather` against
+:func:`cpdata.gather.gather_token_tensor` with the layout's precomputed inverse. Outputs and gradients are
+checked equal first. ``collectives_*``: calls counted by :class:`~cpdata.bench.collectives.CollectiveCounter`
+inside the ranks, forward + backward (``_fwd`` / ``_bwd`` split it). Times: the slowest rank's median, a
+barrier before each run; with more ranks than cores they measure oversubscription too.
 """
 
 from __future__ import annotations

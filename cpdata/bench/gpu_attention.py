@@ -1,12 +1,13 @@
 """Per-rank attention time on one GPU against the live tiles each kernel pays, and the fitted cost of a tile.
 
-One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the keys it
-holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward, through
-compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen`` (tiles:
-:func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is not run).
-Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json`` (read by the world
-deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``, ``device``, ``dtype``,
-``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's :func:`fit_line`).
+One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the
+keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
+through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
+(tiles: :func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
+not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json``
+(read by the world deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``,
+``device``, ``dtype``, ``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's
+:func:`fit_line`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class RankCase:
     pos: np.ndarray
     """int64 ``[L]``: each query's global position."""
     key_pos: np.ndarray
-    """int64 ``[K]``: the global position of each key held (own then received with an exchange; else ``arange(S)``)."""
+    """int64 ``[K]``: the global position of each key held (own then received with an exchange; else
+    ``arange(S)``)."""
     exchange: bool
 
 
@@ -67,7 +69,8 @@ def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[R
 
 
 def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
-    """Least squares ``seconds = intercept + per_tile * tiles`` (None figures below two distinct tile counts)."""
+    """Least squares ``seconds = intercept + per_tile * tiles`` (None figures below two distinct tile counts).
+    """
     x, y = np.asarray(tiles, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.size < 2 or np.unique(x).size < 2:
         return {"per_tile_seconds": None, "intercept_seconds": None, "r2": None, "points": int(x.size)}
@@ -83,7 +86,8 @@ def _bucket(n: int, cap: int) -> int:
 
 
 def time_step(step, repeats: int) -> float:
-    """Median seconds of ``step()`` after one warm-up call (which compiles); CUDA events, else the host clock."""
+    """Median seconds of ``step()`` after one warm-up call (which compiles); CUDA events, else the host clock.
+    """
     step()
     times = []
     for _ in range(repeats):
@@ -149,8 +153,8 @@ def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int,
 
 def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"
         ) -> dict:  # fmt: skip
-    """``{"rows", "ranks", "calibration", "skipped"}`` on CUDA (no CPU varlen kernel nor flex backward); no new
-    pack starts after ``deadline`` (``time.monotonic()``), and what it left out is named."""
+    """``{"rows", "ranks", "calibration", "skipped"}`` on CUDA (no CPU varlen kernel nor flex backward); no
+    new pack starts after ``deadline`` (``time.monotonic()``), and what it left out is named."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per shape

@@ -1,10 +1,12 @@
-"""``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one call.
+"""``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one
+call.
 
-The parts (:data:`PARTS`; each is described in docs/benchmarks.md, "GPU check") run in order; one that cannot run
-says why and the next goes on. Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds, the
+The parts (:data:`PARTS`; each is described in docs/benchmarks.md, "GPU check") run in order; one that cannot
+run says why and the next goes on. Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds, the
 machine), ``DIR/gpu_check.md`` and, when the attention part ran, ``DIR/calibration.json``
-(:mod:`cpdata.bench.gpu_attention`). Without CUDA every part is skipped, named, and the exit status is 0; a part
-that fails or misses its tolerance makes it 1. ``--attention-seconds`` (default 210) caps the attention part.
+(:mod:`cpdata.bench.gpu_attention`). Without CUDA every part is skipped, named, and the exit status is 0; a
+part that fails or misses its tolerance makes it 1. ``--attention-seconds`` (default 210) caps the attention
+part.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def render_markdown(report: dict) -> str:
         cols = ("distribution", "capacity", "cp_size", "layout", "kernel", "busiest_ms", "time_max_over_mean",
                 "tiles_max_over_mean", "busiest_tiles", "note")  # fmt: skip
         text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
-        text.append(markdown_table(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]))
+        rows = [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]
+        text.append(markdown_table(cols, rows))
         fits = attention["calibration"]["per_kernel"]
         text.append("\n## Seconds per live tile (least squares over every rank)\n")
         text.append(markdown_table(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),

@@ -1,9 +1,9 @@
 """GPU check part: the K/V exchange against the all-gather on NCCL, one GPU per rank (needs >= 2 GPUs).
 
 Each rank holds its shard of ``cat(K, V)`` of one layer, bf16 ``[1, 8, 8192, 256]``, of a ``tiled`` pack of
-``sft`` and ``long_context`` at ``8192 * cp`` tokens (``cp`` = the GPUs, at most 8). Forward + backward, median of
-5: :func:`cpdata.device.kv_exchange.exchange_tokens` against :func:`cpdata.gather.gather_token_tensor`; bytes:
-what the busiest rank receives forward.
+``sft`` and ``long_context`` at ``8192 * cp`` tokens (``cp`` = the GPUs, at most 8). Forward + backward,
+median of 5: :func:`cpdata.device.kv_exchange.exchange_tokens` against
+:func:`cpdata.gather.gather_token_tensor`; bytes: what the busiest rank receives forward.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _batches(world: int, distribution: str) -> tuple:
     from cpdata.nodes.shard import ShardForRank
 
     lens = sample(distribution, 4096, 0)
-    docs = token_documents(lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1], low=1, high=1000)
+    lens = lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1]
+    docs = token_documents(lens, low=1, high=1000)
     graph = split_graph(docs, LOCAL * world, world, "tiled")
     return next(iter(ShardForRank(graph, cp_size=world, cp_rank=0, layout="tiled", all_ranks=True,
                                   kv_exchange=True)))  # fmt: skip

@@ -1,7 +1,9 @@
-"""GPU check parts around the attention: pinned batches and the H2D overlap, a tiny HF model step, bf16 autocast.
+"""GPU check parts around the attention: pinned batches and the H2D overlap, a tiny HF model step, bf16
+autocast.
 
-Each returns a dict of figures with ``ok`` and its thresholds (what each checks: docs/benchmarks.md, "GPU check").
-The model steps compare against every document alone through HF's own attention (:mod:`cpdata.bench.hf_reference`).
+Each returns a dict of figures with ``ok`` and its thresholds (what each checks: docs/benchmarks.md, "GPU
+check"). The model steps compare against every document alone through HF's own attention
+(:mod:`cpdata.bench.hf_reference`).
 """
 
 from __future__ import annotations

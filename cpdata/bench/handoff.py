@@ -2,15 +2,16 @@
 
 A ``StatefulDataLoader`` worker (``fork``, ``batch_size=None``) yields one CP rank's batches built beforehand
 (32K tokens, cp 4, ``balanced``; ``--quick``: 8K): cpdata's :class:`~cpdata.worker.batch.ShardedBatch` (one
-buffer for its tensors and layout maps) and, as the baseline, a plain dict of the same tensors plus the two maps.
-``receive_ms_per_batch``: the main process's CPU time per batch (``time.process_time``) from the second batch
-on, median over repeats alternating the two; ``storages_per_batch``: distinct storages of a received batch.
-Every sharing strategy torch offers is measured. A received ``ShardedBatch`` builds its views on first read (in
-training, on the device copy), so the receive time leaves them out.
+buffer for its tensors and layout maps) and, as the baseline, a plain dict of the same tensors plus the two
+maps. ``receive_ms_per_batch``: the main process's CPU time per batch (``time.process_time``) from the second
+batch on, median over repeats alternating the two; ``storages_per_batch``: distinct storages of a received
+batch. Every sharing strategy torch offers is measured. A received ``ShardedBatch`` builds its views on first
+read (in training, on the device copy), so the receive time leaves them out.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -44,12 +45,8 @@ def _batches(tokens: int, count: int) -> list:
     from cpdata.nodes.dataset import CPDataset
 
     docs = token_documents(sample("sft", int(tokens * count / 600) + 64, 0))
-    out = []
-    for batch in CPDataset(docs, capacity=tokens, cp_size=4, cp_rank=0, layout="balanced"):
-        out.append(batch)
-        if len(out) == count:
-            break
-    return out
+    dataset = CPDataset(docs, capacity=tokens, cp_size=4, cp_rank=0, layout="balanced")
+    return list(itertools.islice(dataset, count))
 
 
 def _plain(batch) -> dict[str, torch.Tensor]:

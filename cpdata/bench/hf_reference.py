@@ -1,9 +1,9 @@
 """The reference a CP run of a Hugging Face model is checked against: every document of the pack alone.
 
 :func:`full_pack` rebuilds the pack in global order from every rank's batch; :func:`documents_alone` runs each
-document as its own ``[1, n]`` row through a copy of the model with HF's own attention (``sdpa`` where the class
-has it, else ``eager``), so no packing, layout or CP code is involved. Used by the tests (float64 on CPU) and the
-GPU check.
+document as its own ``[1, n]`` row through a copy of the model with HF's own attention (``sdpa`` where the
+class has it, else ``eager``), so no packing, layout or CP code is involved. Used by the tests (float64 on
+CPU) and the GPU check.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ KEYS = ("input_ids", "position_ids", "labels", "document_ids", "padding_mask")
 
 
 def full_pack(batches: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """The whole pack in global order (flat ``[T]`` tensors of :data:`KEYS`) from every rank's batch and layout."""
+    """The whole pack in global order (flat ``[T]`` tensors of :data:`KEYS`) from every rank's batch and
+    layout."""
     if len(batches) == 1:  # cp 1: the batch is the pack (bshd rows concatenated into one stream)
         return {key: batches[0][key].reshape(-1) for key in KEYS}
     full = {}
@@ -46,9 +47,9 @@ def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def documents_alone(
     model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, autocast: torch.dtype | None = None
 ) -> tuple[float, dict[str, torch.Tensor], int]:
-    """``(loss, grads, documents)``: each document of ``full`` (flat ``[T]`` :data:`KEYS`) alone, its positions
-    kept; the loss sums target cross-entropies over the pack's target count. One at a time: a padded batch NaNs
-    in Gemma 2's eager softmax where a window holds only pads."""
+    """``(loss, grads, documents)``: each document of ``full`` (flat ``[T]`` :data:`KEYS`) alone, its
+    positions kept; the loss sums target cross-entropies over the pack's target count. One at a time: a padded
+    batch NaNs in Gemma 2's eager softmax where a window holds only pads."""
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
     device = next(ref.parameters()).device

@@ -1,12 +1,12 @@
 """Section ``integrity``: what a token store's chunk checksums cost a reading pass.
 
-A store of 20M tokens (4M with ``--quick``; documents of 64..4,096 tokens) is written tokens only (``tokens``) and
-with an int8 ``loss_mask`` on every other document (``tokens+loss_mask``), then read document by document with
-the page cache warm, for ``ROUNDS`` rounds (medians): ``plain_s``, a reader without checks on a freshly unpickled
-store; ``first_s``, the store's reader on a fresh store (hashes every chunk on first touch); ``warm_s`` /
-``checked_s``, second passes of each. ``overhead_pct`` / ``steady_pct``: the median over rounds of
-``100 * (first / plain - 1)`` / ``(checked / warm - 1)``, each pair run back to back in alternating order. Times
-are process CPU time (every thread). ``verify_gb_s``: ``verify_content`` (what ``precompute`` does).
+A store of 20M tokens (4M with ``--quick``; documents of 64..4,096 tokens) is written tokens only (``tokens``)
+and with an int8 ``loss_mask`` on every other document (``tokens+loss_mask``), then read document by document
+with the page cache warm, for ``ROUNDS`` rounds (medians): ``plain_s``, a reader without checks on a freshly
+unpickled store; ``first_s``, the store's reader on a fresh store (hashes every chunk on first touch);
+``warm_s`` / ``checked_s``, second passes of each. ``overhead_pct`` / ``steady_pct``: the median over rounds
+of ``100 * (first / plain - 1)`` / ``(checked / warm - 1)``, each pair run back to back in alternating order.
+Times are process CPU time (every thread). ``verify_gb_s``: ``verify_content`` (what ``precompute`` does).
 """
 
 from __future__ import annotations

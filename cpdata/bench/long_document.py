@@ -1,11 +1,11 @@
 """Section ``long_document``: one epoch over a JSONL holding a very long document, online and offline.
 
 400 short documents (1..2,000 tokens) with one of 5M tokens (500K with ``--quick``) in the middle, one JSONL
-file, packed at 32K for ``thd`` at cp 2 with ``overflow="split"``. ``online_s``: ``Documents -> Pack -> Collate
--> ShardForRank``, one epoch, rank 0; ``offline_s``: the same through ``PrecomputedPacks`` from a plan made
-beforehand (``precompute_s``). Both read the same opened :class:`~cpdata.sources.JsonlDocuments`; the offline
-reader parses the long row once per epoch, not once per piece. Each time is the best of three epochs, run
-alternately after a ``gc.collect()``; ``ratio`` = offline / online.
+file, packed at 32K for ``thd`` at cp 2 with ``overflow="split"``. ``online_s``: ``Documents -> Pack ->
+Collate -> ShardForRank``, one epoch, rank 0; ``offline_s``: the same through ``PrecomputedPacks`` from a plan
+made beforehand (``precompute_s``). Both read the same opened :class:`~cpdata.sources.JsonlDocuments`; the
+offline reader parses the long row once per epoch, not once per piece. Each time is the best of three epochs,
+run alternately after a ``gc.collect()``; ``ratio`` = offline / online.
 """
 
 from __future__ import annotations

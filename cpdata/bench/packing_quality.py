@@ -1,11 +1,11 @@
 """Section ``packing``: padding and speed of the packers against a lower bound.
 
 Every distribution is packed at 4K, 16K and 128K by the default packer and by ``next_fit``, ``first_fit``
-(Grain-style, 8 open bins) and ``ffd``, with ``balanced`` at cp 8 (no per-document padding: plain bin packing).
-``padding_pct``: pad tokens over pack tokens, every pack. ``lower_bound_pct``: the padding of the Martello-Toth
-L2 bound on the fewest packs, over the pieces when overlong documents are split (``split_bound_pct``, extra:
-``ceil(total / capacity)``). A capacity most documents exceed is skipped. ``us_per_doc``: median wall time of one
-``plan_lengths`` call per document.
+(Grain-style, 8 open bins) and ``ffd``, with ``balanced`` at cp 8 (no per-document padding: plain bin
+packing). ``padding_pct``: pad tokens over pack tokens, every pack. ``lower_bound_pct``: the padding of the
+Martello-Toth L2 bound on the fewest packs, over the pieces when overlong documents are split
+(``split_bound_pct``, extra: ``ceil(total / capacity)``). A capacity most documents exceed is skipped.
+``us_per_doc``: median wall time of one ``plan_lengths`` call per document.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ def default_algorithm() -> str:
 
 
 def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
-    """Martello-Toth L2 bound on the bins of ``capacity`` that hold ``lengths`` (each <= capacity), vectorised.
+    """Martello-Toth L2 bound on the bins of ``capacity`` that hold ``lengths`` (each <= capacity),
+    vectorised.
 
-    For every ``a`` in ``[0, C/2]``, items above ``C - a`` and above ``C/2`` each need their own bin, and items in
-    ``[a, C/2]`` must fill what the latter leave free.
+    For every ``a`` in ``[0, C/2]``, items above ``C - a`` and above ``C/2`` each need their own bin, and
+    items in ``[a, C/2]`` must fill what the latter leave free.
     """
     w = np.sort(np.asarray(lengths, dtype=np.int64))
     if w.size == 0:
@@ -65,8 +66,8 @@ def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
 
 
 def split_lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
-    """:func:`lower_bound_bins` after ``overflow="split"``: ``n > capacity`` is ``n // capacity`` full packs plus
-    a remainder item."""
+    """:func:`lower_bound_bins` after ``overflow="split"``: ``n > capacity`` is ``n // capacity`` full packs
+    plus a remainder item."""
     lengths = np.asarray(lengths, dtype=np.int64)
     over = lengths > capacity
     full = int((lengths[over] // capacity).sum())

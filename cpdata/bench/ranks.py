@@ -1,7 +1,8 @@
 """Run a function on N gloo ranks forked from this process, or N spawned ranks of any backend.
 
 Each rank joins a fresh group on a free localhost port with one intra-op thread, calls ``fn(rank, world_size,
-*args)``, sends the pickled result back and ends with ``barrier`` -> ``destroy_process_group`` -> ``os._exit``.
+*args)``, sends the pickled result back and ends with ``barrier`` -> ``destroy_process_group`` ->
+``os._exit``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Markdown rendering of a results dict: the benchmark tables of docs/benchmarks.md.
 
-``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``): the targets, then one compact table
-per section that ran (packing pivoted to a padding column per algorithm, balance to a p95 column per layout,
-attention to a tile column per layout).
+``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``): the targets, then one compact
+table per section that ran (packing pivoted to a padding column per algorithm, balance to a p95 column per
+layout, attention to a tile column per layout).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def _handoff(rows: list[dict]) -> str:
              r["baseline_storages_per_batch"], f"{r['baseline_receive_ms_per_batch']:.3f}", f"{r['ratio']:.2f}")
             for r in rows]  # fmt: skip
     head = ("sharing strategy", "tokens", "storages", "receive ms", "dict storages", "dict receive ms", "ratio")
-    return "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)\n\n" + markdown_table(head, body)
+    title = "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _packing(rows: list[dict], default: str) -> str:
@@ -79,7 +80,8 @@ def _balance(rows: list[dict]) -> str:
         thd = by.get((dist, cp, "thd"))
         body.append((dist, cp, *p95, f"{thd['doc_pad_pct']:.3f}" if thd else ""))
     head = ("distribution", "cp", *[f"{lay} p95" for lay in layouts], "thd doc pad %")
-    return "**Load balance** (max ÷ mean causal work per rank, p95 over packs)\n\n" + markdown_table(head, body)
+    title = "**Load balance** (max ÷ mean causal work per rank, p95 over packs)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _gather(rows: list[dict]) -> str:
@@ -87,7 +89,8 @@ def _gather(rows: list[dict]) -> str:
              f"{r['anchor_ms']:.1f}", f"{r['cpdata_ms']:.1f}", f"{r['speedup']:.2f}x") for r in rows]
     head = ("cp", "tokens", "hidden", "anchor collectives", "cpdata collectives", "anchor ms", "cpdata ms",
             "speedup")
-    return "**Gather** (forward + backward, gloo on CPU; collectives counted per call)\n\n" + markdown_table(head, body)
+    title = "**Gather** (forward + backward, gloo on CPU; collectives counted per call)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _long_document(rows: list[dict]) -> str:
@@ -95,7 +98,8 @@ def _long_document(rows: list[dict]) -> str:
              f"{r['ratio']:.2f}x", f"{r['precompute_s']:.2f}") for r in rows]
     head = ("long document tokens", "pieces", "packs", "online s/epoch", "offline s/epoch", "offline/online",
             "precompute s")
-    return "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)\n\n" + markdown_table(head, body)
+    title = "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _schedule(rows: list[dict]) -> str:
@@ -137,8 +141,8 @@ def _attention(rows: list[dict]) -> str:
 
 
 def _world(rows: list[dict]) -> str:
-    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys and
-    predicted time, and the solve time per world micro-batch."""
+    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys
+    and predicted time, and the solve time per world micro-batch."""
     body = [(r["distribution"], r["world"], r["system"], r["micro_batches"], r["tiles"], f"{r['over_mean']:.3f}",
              r["recv_keys"], r["inter_keys"], f"{r['predicted_ms']:.1f}", f"{r['solve_ms']:.2f}")
             for r in rows]  # fmt: skip
@@ -151,9 +155,10 @@ def _world(rows: list[dict]) -> str:
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
     m, runs = results["machine"], int(results.get("runs", 1))
+    flags = f"{' --quick' if results.get('quick') else ''}{f' --runs {runs}' if runs > 1 else ''}"
     parts = [
-        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{f' --runs {runs}' if runs > 1 else ''}` "
-        f"on {m['cpu_model']} ({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
+        f"Measured by `cpdata bench{flags}` on {m['cpu_model']} ({m['cores']} cores), "
+        f"torch {m['torch_version']}, device `{m['device']}`"
         f"{', freed heap kept (`cpdata.keep_heap`)' if m.get('keep_heap') else ''}.",
     ]
     if results.get("targets"):

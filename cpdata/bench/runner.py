@@ -2,8 +2,8 @@
 
 A section module has ``COLUMNS`` (keys every row carries), ``TABLE`` (the columns printed) and ``run(*, quick)
 -> list[dict]``; rows are checked for those keys and finite numbers. With ``runs > 1`` each section runs that
-many times and its rows are the row-wise medians (:func:`median_rows`), so one burst on a shared machine does not
-decide a target.
+many times and its rows are the row-wise medians (:func:`median_rows`), so one burst on a shared machine does
+not decide a target.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def check_rows(section: str, rows: Sequence[dict], required: Sequence[str]) -> N
 
 
 def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
-    """Row ``i`` is the median of every run's row ``i``: floats the median, ints the lower median, anything else
-    must be equal in every run. Derived columns are medians too (a ratio column is the median of the ratios)."""
+    """Row ``i`` is the median of every run's row ``i``: floats the median, ints the lower median, anything
+    else must be equal in every run. Derived columns are medians too (a ratio column is the median of the
+    ratios)."""
     first = runs[0]
     assert all(len(rows) == len(first) for rows in runs), f"section {section!r}: runs differ in their rows"
     merged = []
@@ -87,10 +88,11 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
 
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to ``log``).
+    """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
+    ``log``).
 
-    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s workers
-    do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
+    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s
+    workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     from cpdata.bench.packing_quality import default_algorithm
 

@@ -1,12 +1,13 @@
-"""Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against trainers'.
+"""Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against
+trainers'.
 
 Distributions (:data:`DISTRIBUTIONS`, Megatron-LM's dynamic-CP example) at DP 8 (D2 also 32):
 :func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
-:mod:`~cpdata.bench.schedule_methods` get the same documents cut into equally full batches. Scored by the FlexSP
-7B cost model: ``imb_step`` / ``imb_mb`` (:mod:`cpdata.schedule.metrics`; mean and p95 over batches, %),
-``over_cap_pct``, ``extra_microbatch_pct`` (above ``ceil(tokens / (dp * capacity))``), ``padding_pct``,
-``max_delay_steps`` / ``min_delay_steps`` (against a document's FIFO step), ``us_per_doc`` (process CPU time, the
-fastest of :data:`PLAN_REPEATS`), ``bfd_padding_pct`` (``bfd`` alone on the same documents).
+:mod:`~cpdata.bench.schedule_methods` get the same documents cut into equally full batches. Scored by the
+FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` (:mod:`cpdata.schedule.metrics`; mean and p95 over batches,
+%), ``over_cap_pct``, ``extra_microbatch_pct`` (above ``ceil(tokens / (dp * capacity))``), ``padding_pct``,
+``max_delay_steps`` / ``min_delay_steps`` (against a document's FIFO step), ``us_per_doc`` (process CPU time,
+the fastest of :data:`PLAN_REPEATS`), ``bfd_padding_pct`` (``bfd`` alone on the same documents).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def run(*, quick: bool) -> list[dict]:
             us = 1e6 * min(times) / lengths.shape[0]
             full = sched.num_steps - 1
             pc = sched.pack_costs(cost)[:full]
-            real = sched.pack_costs(lambda lens: lens)[:full].reshape(full, -1)  # tokens (balanced, cp 1: = slots)
+            # tokens per pack (balanced at cp 1 pads no document: slots = tokens)
+            real = sched.pack_costs(lambda lens: lens)[:full].reshape(full, -1)
             lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in real]
             row = _row(list(pc), [mb] * full, lower, list(real), capacity, dp_size)
             last = int(sched.pack_offsets[full * dp_size * mb])

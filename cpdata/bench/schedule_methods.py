@@ -1,11 +1,12 @@
 """Placing one global batch of documents on DP ranks and micro-batches, as trainers do today.
 
 From the published descriptions; each takes a global batch's lengths (stream order) and returns, per DP rank,
-its micro-batches as lists of lengths: ``nemo_rl_ffd`` (first-fit-decreasing packs dealt round-robin, NeMo-RL),
-``verl_kk`` / ``verl_kk_cap`` (Karmarkar-Karp into equal-count rank groups on ``24576 * L + L**2``, then per rank
-into the largest ``ceil(tokens / capacity)`` over ranks, verl ``balance_batch``; ``_cap`` grows that count until
-no micro-batch exceeds the capacity), ``megatron_dp_balanced`` (packs filled in stream order, dealt round-robin)
-and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, each rank packs its own with ``bfd``).
+its micro-batches as lists of lengths: ``nemo_rl_ffd`` (first-fit-decreasing packs dealt round-robin,
+NeMo-RL), ``verl_kk`` / ``verl_kk_cap`` (Karmarkar-Karp into equal-count rank groups on ``24576 * L + L**2``,
+then per rank into the largest ``ceil(tokens / capacity)`` over ranks, verl ``balance_batch``; ``_cap`` grows
+that count until no micro-batch exceeds the capacity), ``megatron_dp_balanced`` (packs filled in stream order,
+dealt round-robin) and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, each rank packs its own with
+``bfd``).
 """
 
 from __future__ import annotations

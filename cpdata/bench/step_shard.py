@@ -1,10 +1,11 @@
 """Section ``step_shard``: per-step sharding, in-step anchor vs cpdata's pre-sharded batch.
 
-One pack is collated once; the anchor shards the full batch in the step (:func:`cpdata.bench.anchors.anchor_shard`),
-cpdata's ``ContextParallelSharder.shard()`` only moves rank 0's ``ShardedBatch``; both are checked equal first, then
-timed alternately (medians). On cuda host batches are pinned; on cpu a same-device copy models the transfer for both
-(one intra-op thread: parallel CPU kernels stall on a loaded machine). ``copy_ms``: cpdata's buffer copy alone;
-``*_h2d_bytes``: tensor bytes each side copies; ``layout_bytes``: the index maps cpdata also ships.
+One pack is collated once; the anchor shards the full batch in the step
+(:func:`cpdata.bench.anchors.anchor_shard`), cpdata's ``ContextParallelSharder.shard()`` only moves rank 0's
+``ShardedBatch``; both are checked equal first, then timed alternately (medians). On cuda host batches are
+pinned; on cpu a same-device copy models the transfer for both (one intra-op thread: parallel CPU kernels
+stall on a loaded machine). ``copy_ms``: cpdata's buffer copy alone; ``*_h2d_bytes``: tensor bytes each side
+copies; ``layout_bytes``: the index maps cpdata also ships.
 """
 
 from __future__ import annotations

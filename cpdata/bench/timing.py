@@ -1,7 +1,7 @@
 """Timing and machine description shared by every benchmark section.
 
-Times are medians of repeated runs (``time.perf_counter_ns``), the CUDA device synchronised on both sides of each
-run when the work is there.
+Times are medians of repeated runs (``time.perf_counter_ns``), the CUDA device synchronised on both sides of
+each run when the work is there.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def alternating_medians(fns, *, repeats: int, warmup: int = 2, device: torch.device | None = None) -> list[float]:
-    """Median seconds of each of ``fns``, one run of each per round after ``warmup`` untimed rounds: a change of
-    load weighs on every side of a ratio alike."""
+def alternating_medians(fns, *, repeats: int, warmup: int = 2,
+                        device: torch.device | None = None) -> list[float]:
+    """Median seconds of each of ``fns``, one run of each per round after ``warmup`` untimed rounds: a change
+    of load weighs on every side of a ratio alike."""
     check_int("repeats", repeats, min=1)
     sync = _sync(device)
     samples: list[list[int]] = [[] for _ in fns]

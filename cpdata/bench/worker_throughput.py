@@ -1,12 +1,13 @@
 """Section ``worker``: pack + collate + shard on one worker core, against the in-step anchor and memcpy.
 
-One CP rank's pipeline (``Documents -> Pack -> Collate -> ShardForRank``, SFT-like documents) on one thread in its
-steady state (one untimed pass, then a ``reset()`` and a pass per repeat); output bytes come from the batch's
-buffer plan, since host views are built by the consumer. ``tokens_per_s`` counts full-pack tokens;
+One CP rank's pipeline (``Documents -> Pack -> Collate -> ShardForRank``, SFT-like documents) on one thread in
+its steady state (one untimed pass, then a ``reset()`` and a pass per repeat); output bytes come from the
+batch's buffer plan, since host views are built by the consumer. ``tokens_per_s`` counts full-pack tokens;
 ``cpdata_us_per_pack`` / ``ns_per_pack_token`` are the same time per pack and per pack token. The anchor
-(``anchor_host_us``): :func:`~cpdata.bench.anchors.anchor_collate` + :func:`~cpdata.bench.anchors.anchor_shard` of
-the same packs (``balanced`` against ``round_robin``), no packing. ``ratio``: the median of round-by-round ratios
-(load moves both sides together). ``fraction_of_memcpy``: ``np.copyto`` of the same output bytes over cpdata's time.
+(``anchor_host_us``): :func:`~cpdata.bench.anchors.anchor_collate` +
+:func:`~cpdata.bench.anchors.anchor_shard` of the same packs (``balanced`` against ``round_robin``), no
+packing. ``ratio``: the median of round-by-round ratios (load moves both sides together).
+``fraction_of_memcpy``: ``np.copyto`` of the same output bytes over cpdata's time.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> 
     docs = _documents(capacity * packs, seed=capacity + cp_size)
     from cpdata.nodes.shard import ShardForRank
 
-    node = ShardForRank(split_graph(docs, capacity, cp_size, layout), cp_size=cp_size, cp_rank=0, layout=layout)
+    graph = split_graph(docs, capacity, cp_size, layout)
+    node = ShardForRank(graph, cp_size=cp_size, cp_rank=0, layout=layout)
     _run_pipeline(node)  # one untimed pass: imports, caches and the reading nodes' buffer pools warm
     anchor = _anchor(_plans(docs, capacity, cp_size, layout), capacity, cp_size, layout)
     anchor()

@@ -1,4 +1,5 @@
-"""NeMo Automodel's device contract (release 0.7.0): ``ContextParallelSharder``, backend resolution, token verbs.
+"""NeMo Automodel's device contract (release 0.7.0): ``ContextParallelSharder``, backend resolution, token
+verbs.
 
 Everything here exists so code written against NeMo's sharder runs unchanged: raw batches sharded in the step
 (round-robin ``[B, S]`` rows, Transformer Engine's THD partition, pipeline chunks). cpdata's native path needs

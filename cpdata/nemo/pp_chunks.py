@@ -1,9 +1,10 @@
 """THD batches split into pipeline micro-batch chunks (NeMo's ``split_batch_into_thd_chunks`` contract).
 
-The ``B`` rows split into ``num_chunks`` equal groups (cpdata refuses a remainder NeMo would drop), each one flat
-THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), stacked: token keys ``[C, T_c]``, ``cu_seqlens`` (and
-``cu_seqlens_padded`` when any chunk emits it) int32 ``[C, n_max+1]`` right-padded with ``-1000``,
-``max_seqlen`` ``[C]``; at cp > 1 each chunk cut by TE's partition, NeMo's key set plus a passed ``loss_mask``.
+The ``B`` rows split into ``num_chunks`` equal groups (cpdata refuses a remainder NeMo would drop), each one
+flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), stacked: token keys ``[C, T_c]``,
+``cu_seqlens`` (and ``cu_seqlens_padded`` when any chunk emits it) int32 ``[C, n_max+1]`` right-padded with
+``-1000``, ``max_seqlen`` ``[C]``; at cp > 1 each chunk cut by TE's partition, NeMo's key set plus a passed
+``loss_mask``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """On-device ``shard_batch`` for raw full ``[B, S]`` batches (NeMo Automodel's load-balanced path).
 
-At cp > 1 (:class:`DeviceShard`): ``round_robin``, rows right-padded to a multiple of ``2*cp`` with semantic pad
-values (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device (O(S) host numpy for the
-layout, one gather per tensor); which keys are sharded, passed through or refused: docs/nemo.md. At cp <= 1
-(:func:`shard_identity`): the caller's batch, untouched.
+At cp > 1 (:class:`DeviceShard`): ``round_robin``, rows right-padded to a multiple of ``2*cp`` with semantic
+pad values (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device (O(S) host numpy for
+the layout, one gather per tensor); which keys are sharded, passed through or refused: docs/nemo.md. At cp <=
+1 (:func:`shard_identity`): the caller's batch, untouched.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from cpdata.worker.keys import (
     STANDARD_TOKEN_KEYS,
 )
 
-__all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared", "closed_form_indices",
-           "primary_key", "shard_identity"]
+__all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared",
+           "closed_form_indices", "primary_key", "shard_identity"]
 
 INPUTS_EMBEDS = "inputs_embeds"
 PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
@@ -58,8 +58,8 @@ def primary_key(batch: Mapping[str, Any]) -> str:
 
 
 def shard_identity(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
-    """``shard_batch`` at cp <= 1: the caller's batch itself, nothing padded (with ``loss_mask``: a new dict of
-    the same tensors). The layout records the row length, so ``trim=True`` works as at cp > 1."""
+    """``shard_batch`` at cp <= 1: the caller's batch itself, nothing padded (with ``loss_mask``: a new dict
+    of the same tensors). The layout records the row length, so ``trim=True`` works as at cp > 1."""
     del cp_mesh, tp_mesh, padding_token_id
     if loss_mask is not None:
         batch = {**batch, LOSS_MASK: loss_mask}
@@ -100,14 +100,16 @@ def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len:
 
 
 def _attention_to_padding_mask(out: dict[str, Any]) -> None:
-    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``."""
+    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``.
+    """
     mask = out.pop("attention_mask", None)
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
         out[PADDING_MASK] = ~mask.bool()
 
 
 def _positions(out: dict[str, Any], primary: torch.Tensor) -> None:
-    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B, S]``."""
+    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B,
+    S]``."""
     b, s = primary.shape[:2]
     pos = out.get(POSITION_IDS)
     if pos is None:
@@ -131,7 +133,8 @@ def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: t
 
 
 def check_extra_buffers(batch: Mapping[str, Any], names: Any) -> None:
-    """NeMo 0.7.0's ``KeyError`` for a declared extra sequence buffer the batch lacks (never sharded without it)."""
+    """NeMo 0.7.0's ``KeyError`` for a declared extra sequence buffer the batch lacks (never sharded without
+    it)."""
     for key in names or ():
         if key not in batch:
             raise KeyError(f"Extra CP sequence buffer {key!r} is missing from the batch")

@@ -138,22 +138,13 @@ def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strateg
         return None
     if not hasattr(sharder, "shard_batch"):
         raise TypeError(f"prepare_model_inputs_for_cp returned a 'cp_sharder' of type {type(sharder).__name__}")
-    return Strategy(
-        shard_batch=sharder.shard_batch,
-        local_token_global_indices=sharder.local_token_global_indices,
-        shard_layout=sharder.shard_layout,
-    )
+    return Strategy(shard_batch=sharder.shard_batch, shard_layout=sharder.shard_layout,
+                    local_token_global_indices=sharder.local_token_global_indices)
 
 
-def resolve_strategy(
-    model: Any,
-    device_mesh: Any,
-    batch: Mapping[str, Any],
-    *,
-    num_chunks: int = 1,
-    invoke_pre_embed: bool = True,
-    extra_seq_buffers: Mapping[str, int] | None = None,
-) -> Strategy:
+def resolve_strategy(model: Any, device_mesh: Any, batch: Mapping[str, Any], *, num_chunks: int = 1,
+                     invoke_pre_embed: bool = True,
+                     extra_seq_buffers: Mapping[str, int] | None = None) -> Strategy:
     """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
     if not is_int(num_chunks) or num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")

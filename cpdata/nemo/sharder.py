@@ -1,10 +1,11 @@
 """``ContextParallelSharder``: the device half of a CP batch (NeMo Automodel's sharder contract).
 
-``shard(batch)`` returns ``(ctx_factory, batch)`` and keeps the batch's :class:`ShardLayout`; the token verbs then
-move any per-token tensor between the caller's coordinates and this rank's local order with it. A worker-sharded
-batch is only copied to the device; a raw full batch is laid out on device (:mod:`cpdata.nemo.raw_shard`).
-Construction is direct (``device_mesh=``, ``shard_batch=`` a backend's function) or resolved (``model, mesh,
-batch``: the model's ``prepare_model_inputs_for_cp`` hook or cpdata's own, :mod:`cpdata.nemo.resolve`).
+``shard(batch)`` returns ``(ctx_factory, batch)`` and keeps the batch's :class:`ShardLayout`; the token verbs
+then move any per-token tensor between the caller's coordinates and this rank's local order with it. A
+worker-sharded batch is only copied to the device; a raw full batch is laid out on device
+(:mod:`cpdata.nemo.raw_shard`). Construction is direct (``device_mesh=``, ``shard_batch=`` a backend's
+function) or resolved (``model, mesh, batch``: the model's ``prepare_model_inputs_for_cp`` hook or cpdata's
+own, :mod:`cpdata.nemo.resolve`).
 
 At cp <= 1 a raw batch comes back as the same object and ``gather_token_tensor(t)`` returns ``t``. What NeMo
 raises as ``NotImplementedError`` is :class:`cpdata.errors.NotAvailableYetError` (also a ``ValueError``).
@@ -41,8 +42,8 @@ class ContextParallelSharder:
 
     Attributes:
         shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) -> (ctx, batch, layout)``.
-        local_token_global_indices: closed-form ``(cp_mesh, padded_seq_len, device) ->`` int64 ``[L]``; None for
-            data-dependent layouts (their token verbs raise before the first :meth:`shard`).
+        local_token_global_indices: closed-form ``(cp_mesh, padded_seq_len, device) ->`` int64 ``[L]``; None
+            for data-dependent layouts (their token verbs raise before the first :meth:`shard`).
         shard_layout: the :class:`ShardLayout` of the last :meth:`shard`.
         device: where :meth:`shard` puts tensors (the mesh's device type).
     """
@@ -67,8 +68,8 @@ class ContextParallelSharder:
 
         Args:
             device_mesh: mesh with optional ``"cp"`` and ``"tp"`` dims.
-            batch: a raw full batch (``input_ids`` ``[B, S]``, or ``qkv_format="thd"``) or a worker-sharded one;
-                required when resolving.
+            batch: a raw full batch (``input_ids`` ``[B, S]``, or ``qkv_format="thd"``) or a worker-sharded
+                one; required when resolving.
             shard_batch: a backend's shard function; excludes ``model``, ``batch`` and the resolution options,
                 as ``local_token_global_indices`` and ``shard_layout`` require it.
             num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE models become that many
@@ -86,8 +87,8 @@ class ContextParallelSharder:
                     "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
                     "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
                 )
-            strategy = Strategy(shard_batch=shard_batch, local_token_global_indices=local_token_global_indices,
-                                shard_layout=shard_layout)
+            strategy = Strategy(shard_batch=shard_batch, shard_layout=shard_layout,
+                                local_token_global_indices=local_token_global_indices)
         else:
             if local_token_global_indices is not None or shard_layout is not None:
                 raise TypeError(
@@ -96,7 +97,8 @@ class ContextParallelSharder:
             if batch is None:
                 raise TypeError("batch is required when shard_batch is not provided (it decides the layout)")
             strategy = resolve_strategy(model, device_mesh, batch, num_chunks=num_chunks,
-                                        invoke_pre_embed=invoke_pre_embed, extra_seq_buffers=extra_seq_buffers)
+                                        invoke_pre_embed=invoke_pre_embed,
+                                        extra_seq_buffers=extra_seq_buffers)
         self.shard_batch = strategy.shard_batch
         self.local_token_global_indices = strategy.local_token_global_indices
         self.shard_layout = strategy.shard_layout
@@ -121,7 +123,8 @@ class ContextParallelSharder:
             ctx, out, self.shard_layout = fast(batch)
             self._check(self.shard_layout, self._cp_mesh)
             return ctx, out
-        ctx, batch, self.shard_layout = self.shard_batch(self._cp_mesh, self._tp_mesh, batch, loss_mask=self._loss_mask,
+        ctx, batch, self.shard_layout = self.shard_batch(self._cp_mesh, self._tp_mesh, batch,
+                                                         loss_mask=self._loss_mask,
                                                          padding_token_id=self._padding_token_id)
         self._check(self.shard_layout, self._cp_mesh)
         return ctx, batch
@@ -204,7 +207,8 @@ class ContextParallelSharder:
         if cached is not None:
             return cached
         local = self._indices(padded_seq_len, device).cpu()
-        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), mesh_group(self._cp_mesh))
+        group = mesh_group(self._cp_mesh)
+        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), group)
         if layout is not None:
             self.shard_layout = built
         else:

@@ -95,14 +95,11 @@ def _cumsum(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
 
 
-def to_thd_stream(
-    batch: Mapping[str, Any],
-    *,
-    loss_mask: torch.Tensor | None = None,
-    extra_seq_buffers: Mapping[str, int] | None = None,
-) -> ThdStream:
+def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = None,
+                  extra_seq_buffers: Mapping[str, int] | None = None) -> ThdStream:
     """Flatten a raw THD batch and compute NeMo's metadata; ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers``
-    (name -> sequence dim of a tensor whose dims up to it end with ``[B, S]``) are flattened with the tokens."""
+    (name -> sequence dim of a tensor whose dims up to it end with ``[B, S]``) are flattened with the tokens.
+    """
     for key in _REQUIRED:
         if key not in batch:
             raise MissingBatchKeyError(
@@ -209,11 +206,7 @@ def shard_thd_stream(
     out[PADDING_MASK] = out[PADDING_MASK].bool()
     out.pop("cu_seqlens_padded", None)
     offsets = cu_out[cu_out != SEQ_LENS_SENTINEL]
-    out.update(
-        cu_seqlens=cu_out.to(torch.int32).contiguous(),
-        max_seqlen=(offsets[1:] - offsets[:-1]).max().to(torch.int32),
-        qkv_format="thd",
-        cp_size=size,
-        cp_rank=rank,
-    )
+    out.update(cu_seqlens=cu_out.to(torch.int32).contiguous(),
+               max_seqlen=(offsets[1:] - offsets[:-1]).max().to(torch.int32), qkv_format="thd", cp_size=size,
+               cp_rank=rank)
     return out, rows

@@ -1,8 +1,8 @@
 """``shard_batch`` for raw THD batches of Transformer Engine models (NeMo's TE/THD path, any CP size).
 
 :func:`cpdata.nemo.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every token tensor is cut by TE's
-partition (``thd_get_partitioned_indices`` = cpdata's ``thd`` layout) and the metadata takes NeMo's cp > 1 form
-(docs/nemo.md). ``num_chunks > 1``: :mod:`cpdata.nemo.pp_chunks`.
+partition (``thd_get_partitioned_indices`` = cpdata's ``thd`` layout) and the metadata takes NeMo's cp > 1
+form (docs/nemo.md). ``num_chunks > 1``: :mod:`cpdata.nemo.pp_chunks`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from cpdata.worker.keys import INPUT_IDS
 __all__ = ["THD_LOCAL_INDICES", "ThdShard"]
 
 THD_LOCAL_INDICES = "_thd_local_indices"
-"""NeMo 0.7.0's key for this rank's THD partition (NeMo's packed-VLM models pop it from the forward kwargs)."""
+"""NeMo 0.7.0's key for this rank's THD partition (NeMo's packed-VLM models pop it from the forward kwargs).
+"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ThdShard:
     """``shard_batch`` for a TE THD batch -> ``(ctx, batch, layout)``: a layout over the flat stream
-    (``input_row_shape=(B, S)``) and at cp > 1 the CP attention ctx; chunked: ``(nullcontext, batch, None)``."""
+    (``input_row_shape=(B, S)``) and at cp > 1 the CP attention ctx; chunked: ``(nullcontext, batch, None)``.
+    """
 
     num_chunks: int = 1
     device: torch.device | None = None

@@ -19,8 +19,8 @@ def to_padded_stream(
 ) -> tuple[torch.Tensor, int]:
     """``(tensor, seq_dim)`` on the layout's padded stream.
 
-    Accepted, in order: ``[B, S_in]`` shaped like ``input_token_stream_positions`` (scattered into padded rows,
-    ``fill`` in the gaps); leading dims equal to ``input_row_shape`` (flattened, sequence dim 0);
+    Accepted, in order: ``[B, S_in]`` shaped like ``input_token_stream_positions`` (scattered into padded
+    rows, ``fill`` in the gaps); leading dims equal to ``input_row_shape`` (flattened, sequence dim 0);
     ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); ``padded_seq_len``. Anything else, or a
     repositioned/right-padded tensor without ``fill``, raises ``ValueError``.
     """
@@ -60,9 +60,10 @@ def to_padded_stream(
 def trim_to_caller(
     layout: ShardLayout, full: torch.Tensor, seq_dim: int, fill: float | int | None, has_layout: bool
 ) -> torch.Tensor:
-    """A gathered padded stream back in the caller's coordinates: mapped through ``input_token_stream_positions``
-    (``fill`` for dropped input slots; required), reshaped to ``input_row_shape`` or narrowed to
-    ``original_seq_len``. ``has_layout``: a batch was sharded (a packed row's stream is then the caller's own)."""
+    """A gathered padded stream back in the caller's coordinates: mapped through
+    ``input_token_stream_positions`` (``fill`` for dropped input slots; required), reshaped to
+    ``input_row_shape`` or narrowed to ``original_seq_len``. ``has_layout``: a batch was sharded (a packed
+    row's stream is then the caller's own)."""
     if layout.padded_seq_len is not None and full.shape[seq_dim] != layout.padded_seq_len:
         raise ValueError(
             f"gathered length {full.shape[seq_dim]} on dim {seq_dim} != padded_seq_len "
