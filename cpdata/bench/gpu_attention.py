@@ -37,10 +37,7 @@ REPEATS = 3
 class RankCase:
     """One rank of one pack: its queries and the keys it holds (numpy, host)."""
 
-    distribution: str
     capacity: int
-    cp: int
-    layout: str
     rank: int
     start: np.ndarray
     """int64 ``[L]``: each query's document slot start (the tail padding joins the last slot)."""
@@ -63,8 +60,8 @@ def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[R
     out = []
     for rank, row in enumerate(rows):
         keys = np.concatenate([row, plan.rank(rank).recv_positions()]) if plan is not None else np.arange(capacity)
-        out.append(RankCase(distribution=distribution, capacity=capacity, cp=cp, layout=layout, rank=rank,
-                            start=doc_start[row], pos=row, key_pos=keys, exchange=exchange))  # fmt: skip
+        out.append(RankCase(capacity=capacity, rank=rank, start=doc_start[row], pos=row, key_pos=keys,
+                            exchange=exchange))
     return out
 
 

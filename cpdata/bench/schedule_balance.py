@@ -99,11 +99,11 @@ def run(*, quick: bool) -> list[dict]:
                        bfd_padding_pct=float(bfd.stats.padding_pct), max_delay=max_delay)  # fmt: skip
             rows.append(row)
             fill = fill or int(real.sum()) / full
-        rows.extend(_baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost))
+        rows.extend(_baselines(lengths, fill, base, capacity, dp_size, steps, cost))
     return rows
 
 
-def _baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost) -> list[dict]:
+def _baselines(lengths, fill, base, capacity, dp_size, steps, cost) -> list[dict]:
     cum = np.cumsum(lengths)
     ends = np.searchsorted(cum, fill * np.arange(1, steps + 1), side="right")
     starts = np.concatenate([[0], ends[:-1]])
