@@ -99,25 +99,6 @@ def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len:
             out[key] = _pad(out[key], d, pack_len - seq_len, key, padding_token_id)
 
 
-def _attention_to_padding_mask(out: dict[str, Any]) -> None:
-    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``.
-    """
-    mask = out.pop("attention_mask", None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
-        out[PADDING_MASK] = ~mask.bool()
-
-
-def _positions(out: dict[str, Any], primary: torch.Tensor) -> None:
-    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B,
-    S]``."""
-    b, s = primary.shape[:2]
-    pos = out.get(POSITION_IDS)
-    if pos is None:
-        out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
-    elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
-        out[POSITION_IDS] = pos.expand(b, -1).contiguous()
-
-
 def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: torch.Tensor) -> None:
     """Refuse a sequence-shaped tensor the shard does not know: it would stay at full length."""
     undeclared = sorted(
@@ -169,7 +150,9 @@ class DeviceShard:
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
         out = {k: to_device(v, self.device) for k, v in batch.items()}
-        _attention_to_padding_mask(out)
+        mask = out.pop("attention_mask", None)  # it cannot apply to sharded keys; a [B, S] one marks the pads
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
+            out[PADDING_MASK] = ~mask.bool()
         if loss_mask is not None:
             out[LOSS_MASK] = to_device(loss_mask, self.device)
         key = primary_key(out)
@@ -179,7 +162,12 @@ class DeviceShard:
                 f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
                 f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
             )
-        _positions(out, primary)
+        b, s = primary.shape[:2]  # global positions before sharding (NeMo's rule)
+        pos = out.get(POSITION_IDS)
+        if pos is None:
+            out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+        elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
+            out[POSITION_IDS] = pos.expand(b, -1).contiguous()
         dims = {key: 1}
         dims.update({
             k: out[k].dim() - 1
@@ -197,13 +185,7 @@ class DeviceShard:
         index = local.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        layout = ShardLayout(
-            local_token_global_indices=local,
-            original_seq_len=seq_len,
-            padded_seq_len=pack_len,
-            gather_index=torch.from_numpy(inverse_indices(rows)),
-            cp_size=size,
-            cp_rank=rank,
-            digest=_digest(size, pack_len, batch[key]),
-        )
+        layout = ShardLayout(local_token_global_indices=local, original_seq_len=seq_len,
+                             padded_seq_len=pack_len, gather_index=torch.from_numpy(inverse_indices(rows)),
+                             cp_size=size, cp_rank=rank, digest=_digest(size, pack_len, batch[key]))
         return attention_ctx(cp_mesh, layout, out), out, layout
