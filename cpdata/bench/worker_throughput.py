@@ -38,10 +38,6 @@ def worker_ratio(row: dict) -> float:
     return row["ratio"] if "ratio" in row else row["cpdata_us_per_pack"] / row["anchor_host_us"]
 
 
-def _documents(tokens: int, seed: int) -> list[dict[str, np.ndarray]]:
-    return token_documents(sample("sft", int(tokens / 670) + 16, seed), seed)
-
-
 def _run_pipeline(node) -> tuple[float, list[int], int, int]:
     """Seconds for one pass of ``node`` over its stream (from ``reset()``), output bytes per pack,
     full-pack tokens, layout bytes."""
@@ -96,9 +92,10 @@ def _memcpy_seconds(out_bytes: list[int], repeats: int) -> float:
 
 
 def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> dict:
-    docs = _documents(capacity * packs, seed=capacity + cp_size)
     from cpdata.nodes.shard import ShardForRank
 
+    seed = capacity + cp_size
+    docs = token_documents(sample("sft", int(capacity * packs / 670) + 16, seed), seed)
     graph = split_graph(docs, capacity, cp_size, layout)
     node = ShardForRank(graph, cp_size=cp_size, cp_rank=0, layout=layout)
     _run_pipeline(node)  # one untimed pass: imports, caches and the reading nodes' buffer pools warm
