@@ -1,32 +1,12 @@
-"""The anchors: context-parallel sharding and gathering as trainers do it today.
+"""The anchors: context-parallel sharding and gathering as trainers do it today (NeMo Automodel style).
 
-In-step sharding (NeMo Automodel style): the training step receives the *full*
-collated batch, copies all of it to the device, pads the sequence to a
-multiple of ``2 * cp_size``, computes this rank's token indices with torch ops
-on the device, and ``index_select``s every token-aligned tensor:
-
-- ``round_robin``: ``cat(arange(r*c, (r+1)*c), arange((2cp-1-r)*c, (2cp-r)*c))``,
-  ``c = S / 2cp`` (torch ``context_parallel``'s head-tail split);
-- ``thd``: a torch transcription of Transformer Engine's
-  ``thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, cp, rank)``
-  (binary search of every local token in ``cu_seqlens_padded / cp``);
-- ``contiguous``: ``arange(r*L, (r+1)*L)``.
-
-Gather (NeMo style): ``torch.distributed.nn.functional.all_gather`` of the
-activations (autograd), ``dist.all_gather`` of every rank's index map, an
-``argsort`` of the concatenated maps and one ``index_select``. On gloo the
-autograd all-gather's backward is ``cp_size`` scatters (torch emulates
-reduce-scatter with all-to-all); on NCCL it is one reduce-scatter.
-
-In-step collate (NeMo packed-sequence style, :func:`anchor_collate`): the
-pack's documents arrive as token arrays; per document the step builds ids,
-shifted labels and positions as tensors, pads each to the layout's document
-multiple, concatenates them, pads to the capacity and derives ``cu_seqlens``.
-Together with :func:`anchor_shard` this is the host work a trainer does per
-pack without cpdata (the ``worker`` section's ``anchor_host_us``).
-
-On a CPU-only machine the host-to-device copy is modelled by ``clone()`` (a
-same-device ``.to()`` would be free), for the anchor and for cpdata alike.
+In-step sharding (:func:`anchor_shard`): the step gets the full batch, copies it to the device, pads to a
+multiple of ``2 * cp_size``, computes this rank's indices with torch ops and ``index_select``s every token
+tensor (``round_robin``: torch ``context_parallel``'s head-tail split; ``thd``: Transformer Engine's
+``thd_get_partitioned_indices`` in torch; ``contiguous``). In-step collate (:func:`anchor_collate`): ids,
+shifted labels and positions built per document, padded and concatenated, plus ``cu_seqlens``. Gather
+(:func:`anchor_gather`): autograd all-gather of the activations, all-gather of the index maps, ``argsort``,
+one ``index_select``. On a CPU-only machine ``clone()`` models the host-to-device copy, for both sides.
 """
 
 from __future__ import annotations
@@ -40,36 +20,15 @@ import torch.nn.functional as F
 
 from cpdata.worker.keys import IGNORE_INDEX, LABELS, PADDING_MASK
 
-__all__ = [
-    "ANCHOR_LAYOUTS",
-    "anchor_collate",
-    "anchor_gather",
-    "anchor_shard",
-    "te_thd_partitioned_indices",
-    "to_device",
-]
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host-to-device copy; on CPU a ``clone()`` stands in for it (same bytes moved)."""
-    if device.type == "cpu":
-        return t.clone()
-    return t.to(device, non_blocking=True)
+__all__ = ["ANCHOR_LAYOUTS", "anchor_collate", "anchor_gather", "anchor_shard", "te_thd_partitioned_indices"]
 
 
 def te_thd_partitioned_indices(
     cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
 ) -> torch.Tensor:
-    """Torch transcription of TE's ``thd_partition_indices_kernel``.
-
-    Args:
-        cu_seqlens_padded: int ``[n+1]`` slot offsets, each slot a multiple of ``2 * cp_size``,
-            last entry ``total_tokens``.
-        total_tokens: tokens in the (padded) stream.
-
-    Returns:
-        int64 ``[total_tokens // cp_size]`` global positions of rank ``cp_rank``'s tokens.
-    """
+    """Torch transcription of TE's ``thd_partition_indices_kernel``: int64 ``[total_tokens // cp_size]``
+    global positions of rank ``cp_rank``'s tokens, from int ``[n+1]`` slot offsets (each slot a multiple of
+    ``2 * cp_size``, the last entry ``total_tokens``)."""
     cu_s = cu_seqlens_padded.to(torch.int64) // cp_size
     token_id = torch.arange(total_tokens // cp_size, device=cu_s.device)
     seq_id = torch.searchsorted(cu_s, token_id, right=True) - 1
@@ -113,12 +72,9 @@ _PAD_VALUES = {LABELS: IGNORE_INDEX, PADDING_MASK: True}
 def anchor_collate(
     documents: Sequence[np.ndarray], *, capacity: int, doc_multiple: int = 1, padding_token_id: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The full pack built in the step from its documents' token arrays (NeMo packed-sequence style).
-
-    Returns ``[1, capacity]`` ``input_ids``, ``labels`` (next token inside each
-    document, -100 at its end and on pads), ``position_ids``, ``padding_mask``
-    and int32 ``cu_seqlens`` / ``cu_seqlens_padded`` (the tail joins the last slot).
-    """
+    """The full pack built in the step from its documents: ``[1, capacity]`` ``input_ids``, ``labels`` (-100
+    at each document's end and on pads), ``position_ids``, ``padding_mask``, and int32 ``cu_seqlens`` /
+    ``cu_seqlens_padded`` (the tail joins the last slot)."""
     ids, labels, positions, masks, lens, padded = [], [], [], [], [], []
     for doc in documents:
         t = torch.from_numpy(np.asarray(doc, dtype=np.int64))
@@ -144,28 +100,15 @@ def anchor_collate(
     return out
 
 
-def anchor_shard(
-    batch: Mapping[str, torch.Tensor],
-    *,
-    layout: str,
-    cp_size: int,
-    cp_rank: int,
-    device: torch.device,
-    seq_dim: int = 1,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Shard a full host batch inside the step, as trainers do without cpdata.
-
-    Args:
-        batch: the full collated pack; token-aligned tensors have ``S`` tokens on ``seq_dim``
-            (``[1, S]``), metadata tensors anything else.
-
-    Returns:
-        ``(local_batch, indices)``: every token-aligned tensor ``index_select``ed to this
-        rank's tokens (metadata copied whole), and the int64 index map the gather needs.
-    """
+def anchor_shard(batch: Mapping[str, torch.Tensor], *, layout: str, cp_size: int, cp_rank: int,
+                 device: torch.device, seq_dim: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(local_batch, indices)``: every tensor with ``S`` tokens on ``seq_dim`` ``index_select``ed to this
+    rank's tokens in the step (others copied whole), and the int64 index map the gather needs."""
     if layout not in ANCHOR_LAYOUTS:
         raise ValueError(f"no in-step anchor for layout {layout!r}; choose one of {sorted(ANCHOR_LAYOUTS)}")
-    on_device = {k: to_device(v, device) for k, v in batch.items()}
+    # the host-to-device copy; on CPU a clone() stands in for it (the same bytes moved)
+    on_device = {k: v.clone() if device.type == "cpu" else v.to(device, non_blocking=True)
+                 for k, v in batch.items()}  # fmt: skip
     seq_len = on_device["input_ids"].shape[seq_dim]
     token_keys = [k for k, v in on_device.items() if v.dim() > seq_dim and v.shape[seq_dim] == seq_len]
     pad = (-seq_len) % (2 * cp_size)
@@ -182,11 +125,7 @@ def anchor_shard(
 def anchor_gather(
     x_local: torch.Tensor, local_indices: torch.Tensor, *, group: dist.ProcessGroup | None = None, seq_dim: int = 1
 ) -> torch.Tensor:
-    """Differentiable gather back to global order, NeMo style (two collectives forward).
-
-    ``all_gather`` of ``x_local`` (autograd), ``all_gather`` of the index maps,
-    ``argsort`` of their concatenation, ``index_select``.
-    """
+    """Differentiable gather back to global order, NeMo style (two collectives forward, see the module)."""
     from torch.distributed.nn.functional import all_gather
 
     parts = all_gather(x_local, group=group)

@@ -1,35 +1,14 @@
 """Section ``attention``: what a block-sparse kernel pays per CP rank, per layout and tile size.
 
-Documents of each distribution are packed for each layout by its default
-packer (``bfd``, long documents split) at 8K / 32K / 128K tokens. For every
-pack and rank, the live ``tile x tile`` tiles of the document-causal mask
-(queries: the rank's row in local order; keys: the pack in global order;
-:func:`cpdata.layout.tiles.live_tiles`, which equals flex's
-``create_block_mask`` counts) and the K/V the rank needs from other ranks
-(:func:`cpdata.layout.tiles.kv_recv_tokens`). Columns, each the mean over the
-row's packs:
-
-- ``tiles_max_over_ideal``: the busiest rank's tiles over the pack's tiles at
-  cp 1 divided by cp (``_p95``: 95th percentile over packs;
-  ``tiles_integer_bound``: ``max(ceil(tiles / cp), costliest block) / (tiles /
-  cp)``, below which no layout of whole blocks can go: 1.02-1.03 where a
-  rank's share is ~20 tiles, 8K at cp 8 and tile 256);
-- ``kv_recv_fraction``: K/V tokens the rank that needs most must receive, over
-  the ``(cp - 1) / cp * S`` an all-gather delivers to every rank;
-- ``solve_us_per_pack``: the worker's layout solve for one pack, median CPU
-  time of this thread: the run table (``tiled``: its deal; the cached tables
-  of ``contiguous`` / ``round_robin`` cost ~0; a K/V exchange plan is not part
-  of it); ``maps_us_per_pack``: then one rank's row and the inverse map, the
-  O(S) writes every layout pays;
-- ``varlen_max_over_ideal``: the same for a varlen (flash) kernel, which
-  tiles each run of a rank's queries in one document by itself
-  (:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`): the busiest rank's
-  segment tiles over the pack's at cp 1 (every document whole) divided by cp;
-  ``varlen_max_over_flex_ideal``: the same busiest rank's over the stream
-  grid's ideal (below 1: varlen pays fewer tiles than the best flex deal);
-- ``dense_mask_mib``: one rank's dense bool ``[L, S]`` mask of the all-gather
-  path; ``flex_mask_mib``: the int32 tensors of a flex ``BlockMask`` over the
-  same ``[L, S]`` (:func:`flex_mask_bytes`).
+Each distribution is packed per layout (``bfd``, split) at 8K / 32K / 128K. Per pack and rank: the live tiles
+of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, flex's ``create_block_mask`` counts) and
+the K/V needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means over packs:
+``tiles_max_over_ideal`` (busiest rank over cp-1 tiles / cp; ``_p95``; ``tiles_integer_bound``: the floor of
+any layout of whole blocks), ``kv_recv_fraction`` (over an all-gather's ``(cp - 1) / cp * S``),
+``solve_us_per_pack`` / ``maps_us_per_pack`` (layout tables, then one row and the inverse; thread CPU time),
+``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal`` (a varlen kernel's tiles,
+:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one rank's
+dense ``[L, S]`` mask and ``BlockMask``).
 """
 
 from __future__ import annotations
@@ -61,11 +40,8 @@ PACKS, QUICK_PACKS = 10, 3
 
 
 def flex_mask_bytes(local_len: int, keys: int, tile: int) -> int:
-    """Bytes of a flex ``BlockMask`` over ``[local_len, keys]`` (batch and heads broadcast): int32
-    ``kv_num_blocks`` / ``full_kv_num_blocks`` ``[nq]``, ``kv_indices`` / ``full_kv_indices`` ``[nq, nk]`` and
-    their transposes ``q_num_blocks`` / ``full_q_num_blocks`` ``[nk]``, ``q_indices`` / ``full_q_indices``
-    ``[nk, nq]`` (``nq``, ``nk`` the query and key block counts; a test checks it against
-    ``create_block_mask``)."""
+    """Bytes of a flex ``BlockMask`` over ``[local_len, keys]``: int32 block counts ``[nq]`` / ``[nk]`` and
+    block indices ``[nq, nk]`` / ``[nk, nq]``, full and partial, forward and transposed."""
     nq, nk = -(-local_len // tile), -(-keys // tile)
     return 4 * (2 * nq + 2 * nk + 4 * nq * nk)
 
@@ -81,8 +57,7 @@ def _packs(name: str, capacity: int, layout: str, cp: int, n: int) -> list[np.nd
 
 
 def _solve_us(layout: str, cp: int, packs: list[np.ndarray], capacity: int, repeats: int) -> tuple[float, float]:
-    """Median CPU times (this thread's, so a shared machine's waits do not count) of one pack's layout: its
-    tables (``tiled``: the deal), then one rank's row and the inverse map (O(S) writes every layout pays)."""
+    """Median thread CPU times of one pack's layout tables, then of one rank's row and the inverse map."""
     solve, maps = [], []
     for _ in range(repeats):
         for lens in packs:

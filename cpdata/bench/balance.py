@@ -1,15 +1,10 @@
 """Section ``balance``: causal attention work per CP rank, per layout.
 
-Documents are packed by the default packer for each layout (``thd`` pads every
-document to a multiple of 2·cp, the others do not pad documents). For every
-pack, each rank's causal document-masked work is
-:func:`cpdata.layout.maps.causal_work` (a token at document position p costs p+1,
-pads 0); the pack's imbalance is max-rank ÷ mean-rank work, the compute the
-slowest rank forces on the others. ``imbalance_mean``/``imbalance_p95`` are
-over packs; ``doc_pad_pct`` is per-document alignment padding as a share of
-all pack tokens; ``equal_tokens`` says every rank held ``pack_len / cp``
-tokens in every pack. Capacity 32K (128K for the long-context mix); documents
-longer than the capacity are split.
+Documents are packed by each layout's default packer at 32K (128K for long_context; overlong documents split).
+Per pack, each rank's causal document-masked work is :func:`cpdata.layout.maps.causal_work`; the imbalance is
+max-rank over mean-rank work (``_mean`` / ``_p95`` / ``_max`` over packs). ``doc_pad_pct``: per-document
+alignment padding over all pack tokens; ``equal_tokens``: every rank held ``pack_len / cp`` tokens in every
+pack.
 """
 
 from __future__ import annotations

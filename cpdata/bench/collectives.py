@@ -1,11 +1,8 @@
 """Count ``torch.distributed`` collectives by instrumenting them, not by assumption.
 
-:class:`CollectiveCounter` replaces every collective function of
-``torch.distributed`` (and of any extra module that bound them by name) with a
-wrapper that counts *outermost* calls, so a collective implemented on top of
-another (``all_gather_into_tensor`` falling back to ``all_gather``) counts once.
-Only calls made between :meth:`CollectiveCounter.start` and
-:meth:`CollectiveCounter.stop` are counted; the patch stays until ``__exit__``.
+:class:`CollectiveCounter` wraps every collective of ``torch.distributed`` (and of extra modules that bound
+them by name) and counts *outermost* calls, so one built on another counts once; only calls between
+``start()`` and ``stop()`` count.
 """
 
 from __future__ import annotations
@@ -21,35 +18,12 @@ import torch.distributed.distributed_c10d as c10d
 __all__ = ["COLLECTIVES", "CollectiveCounter"]
 
 COLLECTIVES: tuple[str, ...] = (
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "irecv",
-    "isend",
-    "monitored_barrier",
-    "recv",
-    "recv_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "send_object_list",
-)
+    "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
+    "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "monitored_barrier",
+    "recv", "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+    "scatter", "scatter_object_list", "send", "send_object_list",
+)  # fmt: skip
 
 
 class CollectiveCounter:
@@ -98,7 +72,3 @@ class CollectiveCounter:
         """Stop counting; return the counts by collective name."""
         self._active = False
         return dict(self.counts)
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())

@@ -1,25 +1,24 @@
-"""Document-length distributions the benchmarks pack: seeded, reproducible.
+"""Seeded inputs of the benchmarks: document-length distributions, token documents, the worker graph.
 
-The synthetic ones are :mod:`cpdata.packing.distributions` (``alpaca`` ~90
-tokens, ``sft`` ~670, ``ultrachat`` ~1,450, ``web`` ~690, ``long_context``:
-median 2,000, sigma 1.5, capped at 128K). ``stdlib`` is one real corpus: every
-``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (``site-packages``
-excluded), sorted by path, one document per file, length = size in bytes (one
-token per byte; ~1,760 files, mean ~17,900 bytes on CPython 3.11). Empty and
-unreadable files are skipped; ``n`` and ``seed`` do not apply to it.
+The synthetic distributions are :mod:`cpdata.packing.distributions`. ``stdlib`` is one real corpus: every
+``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (site-packages excluded), sorted by path, one document per
+file, length = size in bytes (~1,760 files, mean ~17,900 bytes on CPython 3.11); ``n`` and ``seed`` do not
+apply to it.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from cpdata.packing.distributions import sample_lengths
 
-__all__ = ["NAMES", "sample", "stdlib_paths"]
+__all__ = ["NAMES", "sample", "split_graph", "stdlib_paths", "token_documents"]
 
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 """Every distribution the bench packs, in table order."""
@@ -51,3 +50,19 @@ def sample(name: str, n: int, seed: int = 0) -> np.ndarray:
     if name == "stdlib":
         return _stdlib_lengths()
     return sample_lengths(name, n, seed)
+
+
+def token_documents(lengths: Iterable[int], seed: int = 0, *, low: int = 0, high: int = 32000) -> list[dict]:
+    """One ``{"input_ids": int64 [n]}`` document per length, token ids uniform in ``[low, high)``."""
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(low, high, size=int(n), dtype=np.int64)} for n in lengths]
+
+
+def split_graph(docs: Any, capacity: int, cp_size: int, layout: str) -> Any:
+    """The worker graph up to ``Collate`` (:func:`cpdata.nodes.loader.shard_graph`), overlong documents split.
+    """
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.options import StreamPlan
+
+    plan = StreamPlan(overflow="split")
+    return shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, plan=plan))

@@ -1,22 +1,11 @@
 """Section ``gather``: the differentiable gather, forward + backward, on real gloo ranks.
 
-For each CP size, ``cp_size`` ranks are forked (gloo on localhost, one thread
-each). Every rank holds ``x [1, tokens/cp, hidden]`` (float32, requires grad)
-laid out ``round_robin`` and runs forward + backward with an upstream gradient
-``[1, tokens, hidden]``:
-
-- anchor: :func:`cpdata.bench.anchors.anchor_gather` (autograd all-gather,
-  all-gather of the index maps, argsort, index_select);
-- cpdata: :func:`cpdata.gather.gather_token_tensor` with the precomputed
-  inverse in the :class:`~cpdata.layout.shard_layout.ShardLayout`.
-
-Both outputs and input gradients are checked equal before timing.
-Collectives are counted by wrapping ``torch.distributed``'s collective
-functions inside the ranks (:class:`~cpdata.bench.collectives.CollectiveCounter`),
-per direction: ``collectives_*`` is forward + backward of one call,
-``collectives_*_fwd``/``_bwd`` split it. Times are the slowest rank's median
-(a barrier, untimed, before every run). On this kind of 2-core machine cp 4
-runs 4 ranks on 2 cores, so its times measure oversubscription too.
+Per CP size, ``cp_size`` forked gloo ranks each hold ``x [1, tokens/cp, hidden]`` (float32, ``round_robin``)
+and run forward + backward: the anchor :func:`cpdata.bench.anchors.anchor_gather` against
+:func:`cpdata.gather.gather_token_tensor` with the layout's precomputed inverse. Outputs and gradients are
+checked equal first. ``collectives_*``: calls counted by :class:`~cpdata.bench.collectives.CollectiveCounter`
+inside the ranks, forward + backward (``_fwd`` / ``_bwd`` split it). Times: the slowest rank's median, a
+barrier before each run; with more ranks than cores they measure oversubscription too.
 """
 
 from __future__ import annotations

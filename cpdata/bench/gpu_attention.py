@@ -1,47 +1,13 @@
 """Per-rank attention time on one GPU against the live tiles each kernel pays, and the fitted cost of a tile.
 
-One GPU plays every CP rank of a pack in turn: for each rank, its queries
-(``L = S / cp``, local order) over the keys it holds (all ``S`` after the
-all-gather; own + received with the ``tiled`` layout's exchange plan), in
-bf16 with ``32`` query / ``8`` KV heads of dim ``128``, forward + backward,
-through the two CUDA kernels of the ``"cpdata"`` attention:
-
-- ``flex``: compiled ``flex_attention`` with the rank's ``BlockMask``; its live
-  tiles are the mask's ``kv_num_blocks + full_kv_num_blocks``. Exchanged keys
-  are padded with never-attended keys to a power-of-two count (at most ``S``),
-  so a config compiles a handful of shapes, not one per rank.
-- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` over the rank's segments
-  (:mod:`cpdata.device.varlen`); its live tiles are
-  :func:`cpdata.layout.varlen_tiles.segment_tiles` of the segments. A plan the
-  ``"cpdata"`` attention would send to the fallback (``balanced``: one segment
-  per query) is not run; its row says so.
-
-Packs: the first pack of each bench distribution at 32K (cp 4) and 128K (cp 8),
-packed for each layout as the bench packs it. Per (pack, layout, kernel) the
-rows give the busiest rank's time over the mean and its tiles over the mean;
-every rank's point ``(tiles, seconds)`` goes into one least-squares line per
-kernel, ``seconds = intercept + per_tile * tiles``.
-
-Calibration file (``calibration.json``, what the world deal's cost model reads)::
-
-    {
-      "per_tile_seconds": 2.1e-06,   # forward + backward seconds per live tile of the flex kernel (stream grid)
-      "tile": 128,                   # the tile side the counts use (128 x 128 query x key)
-      "kernel": "flex",              # the kernel per_tile_seconds is fitted on
-      "device": "NVIDIA H200",       # torch.cuda.get_device_name()
-      "dtype": "bfloat16", "heads": 32, "kv_heads": 8, "head_dim": 128,
-      "per_kernel": {                # every kernel's own fit
-        "flex": {"per_tile_seconds": ..., "intercept_seconds": ..., "r2": ..., "points": ...},
-        "varlen": {...}
-      },
-      "torch": "2.13.0"
-    }
-
-A cost model multiplies a rank's live tiles, counted the way its kernel pays
-them (:func:`cpdata.layout.tiles.live_tiles` for flex,
-:func:`cpdata.layout.varlen_tiles.varlen_live_tiles` for varlen), by
-``per_tile_seconds`` (per layer; the intercept is launch overhead, the same on
-every rank).
+One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the
+keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
+through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
+(tiles: :func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
+not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json``
+(read by the world deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``,
+``device``, ``dtype``, ``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's
+:func:`fit_line`).
 """
 
 from __future__ import annotations
@@ -71,17 +37,15 @@ REPEATS = 3
 class RankCase:
     """One rank of one pack: its queries and the keys it holds (numpy, host)."""
 
-    distribution: str
     capacity: int
-    cp: int
-    layout: str
     rank: int
     start: np.ndarray
     """int64 ``[L]``: each query's document slot start (the tail padding joins the last slot)."""
     pos: np.ndarray
     """int64 ``[L]``: each query's global position."""
     key_pos: np.ndarray
-    """int64 ``[K]``: the global position of each key held (own then received with an exchange; else ``arange(S)``)."""
+    """int64 ``[K]``: the global position of each key held (own then received with an exchange; else
+    ``arange(S)``)."""
     exchange: bool
 
 
@@ -96,14 +60,14 @@ def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[R
     out = []
     for rank, row in enumerate(rows):
         keys = np.concatenate([row, plan.rank(rank).recv_positions()]) if plan is not None else np.arange(capacity)
-        out.append(RankCase(distribution=distribution, capacity=capacity, cp=cp, layout=layout, rank=rank,
-                            start=doc_start[row], pos=row, key_pos=keys, exchange=exchange))  # fmt: skip
+        out.append(RankCase(capacity=capacity, rank=rank, start=doc_start[row], pos=row, key_pos=keys,
+                            exchange=exchange))
     return out
 
 
 def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
-    """Least squares ``seconds = intercept + per_tile * tiles``: ``{per_tile_seconds, intercept_seconds, r2,
-    points}`` (None figures with fewer than two distinct tile counts)."""
+    """Least squares ``seconds = intercept + per_tile * tiles`` (None figures below two distinct tile counts).
+    """
     x, y = np.asarray(tiles, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.size < 2 or np.unique(x).size < 2:
         return {"per_tile_seconds": None, "intercept_seconds": None, "r2": None, "points": int(x.size)}
@@ -119,8 +83,8 @@ def _bucket(n: int, cap: int) -> int:
 
 
 def time_step(step, repeats: int) -> float:
-    """Median seconds of ``step()`` (forward + backward) after one warm-up call (which compiles); CUDA events
-    where CUDA runs, else the host clock."""
+    """Median seconds of ``step()`` after one warm-up call (which compiles); CUDA events, else the host clock.
+    """
     step()
     times = []
     for _ in range(repeats):
@@ -186,11 +150,8 @@ def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int,
 
 def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"
         ) -> dict:  # fmt: skip
-    """``{"rows": [...], "ranks": [...], "calibration": {...}, "skipped": [...]}`` (see the module).
-
-    On CUDA (torch has no CPU varlen kernel, and CPU flex no backward; a CPU run needs both swapped).
-    Stops starting new packs at ``deadline`` (``time.monotonic()``), naming what it left out.
-    """
+    """``{"rows", "ranks", "calibration", "skipped"}`` on CUDA (no CPU varlen kernel nor flex backward); no
+    new pack starts after ``deadline`` (``time.monotonic()``), and what it left out is named."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per shape

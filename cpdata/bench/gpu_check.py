@@ -1,30 +1,12 @@
-"""``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one call.
+"""``python -m cpdata.bench.gpu_check --out DIR`` (``make gpu-check``): what only a CUDA GPU can show, in one
+call.
 
-Parts, in order (each says why when it cannot run, and the next one goes on):
-
-==========================  ==========================================================================
-``pinned_batches``          a ``pin_memory=True`` loader's batches arrive pinned and copy unchanged
-``copy_overlap``            a non-blocking pinned H2D copy overlaps compute on another stream
-``attention_per_rank``      per rank, forward + backward of the attention it runs (flex compiled,
-                            varlen), bf16, 32 / 8 heads, dim 128, ``tiled`` (exchange), ``balanced``,
-                            ``thd``, ``round_robin``, packs of 32K cp 4 and 128K cp 8; busiest rank over
-                            the mean, time against live tiles, the per-tile fit
-                            (:mod:`cpdata.bench.gpu_attention`; writes ``calibration.json``)
-``hf_step_compiled``        a tiny HF model through ``"cpdata"``, ``torch.compile``'d, equal to the
-                            documents alone at cp 1 (float32 flex, bf16 varlen)
-``autocast_cp2_vs_cp1``     bf16 autocast, ``"cpdata"`` at cp 2 against cp 1 (:mod:`cpdata.bench.gpu_steps`)
-``exchange_vs_all_gather``  with >= 2 GPUs, the K/V exchange against the all-gather on NCCL: time and
-                            bytes (:mod:`cpdata.bench.gpu_exchange`)
-==========================  ==========================================================================
-
-Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds and the
-machine), ``DIR/gpu_check.md`` (the same as markdown tables) and, when the
-attention part ran, ``DIR/calibration.json`` (format in
-:mod:`cpdata.bench.gpu_attention`); prints the folder. Without CUDA every part
-is skipped, named, and the exit status is 0; a part that fails or misses its
-tolerance makes it 1. Sized for <= 8 minutes on one H100 / H200:
-``--attention-seconds`` (default 210) stops the attention part from starting
-new packs past its budget, naming what it left out.
+The parts (:data:`PARTS`; each is described in docs/benchmarks.md, "GPU check") run in order; one that cannot
+run says why and the next goes on. Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds, the
+machine), ``DIR/gpu_check.md`` and, when the attention part ran, ``DIR/calibration.json``
+(:mod:`cpdata.bench.gpu_attention`). Without CUDA every part is skipped, named, and the exit status is 0; a
+part that fails or misses its tolerance makes it 1. ``--attention-seconds`` (default 210) caps the attention
+part.
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cpdata.bench.table import format_value
+from cpdata.bench.table import format_value, markdown_table
 
 __all__ = ["PARTS", "main", "render_markdown", "run_parts"]
 
@@ -102,11 +84,6 @@ def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
     return out
 
 
-def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(format_value(v) for v in row) + " |" for row in rows])
-
-
 def render_markdown(report: dict) -> str:
     """The report as markdown: the parts, then the attention rows and fits, then the exchange rows."""
     machine, parts = report["machine"], report["parts"]
@@ -118,16 +95,17 @@ def render_markdown(report: dict) -> str:
             note = ", ".join(f"{k} {format_value(v)}" for k, v in part["result"].items()
                              if isinstance(v, (int, float, bool, str)) and k != "ok")  # fmt: skip
         notes.append((name, part["status"], round(part["seconds"], 1), note))
-    text.append(_md(("part", "status", "seconds", "figures / reason"), notes))
+    text.append(markdown_table(("part", "status", "seconds", "figures / reason"), notes))
     attention = parts.get("attention_per_rank", {}).get("result")
     if attention:
         cols = ("distribution", "capacity", "cp_size", "layout", "kernel", "busiest_ms", "time_max_over_mean",
                 "tiles_max_over_mean", "busiest_tiles", "note")  # fmt: skip
         text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
-        text.append(_md(cols, [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]))
+        rows = [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]
+        text.append(markdown_table(cols, rows))
         fits = attention["calibration"]["per_kernel"]
         text.append("\n## Seconds per live tile (least squares over every rank)\n")
-        text.append(_md(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
+        text.append(markdown_table(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
                         [[k, *("-" if f[c] is None else f[c] for c in ("per_tile_seconds", "intercept_seconds",
                                                                         "r2", "points"))] for k, f in fits.items()]))  # fmt: skip
         if attention["skipped"]:
@@ -137,7 +115,7 @@ def render_markdown(report: dict) -> str:
         cols = ("distribution", "cp_size", "exchange_ms", "all_gather_ms", "exchange_recv_bytes",
                 "all_gather_recv_bytes")  # fmt: skip
         text.append("\n## K/V exchange vs all-gather on NCCL (busiest rank, forward + backward)\n")
-        text.append(_md(cols, [[r[c] for c in cols] for r in exchange["rows"]]))
+        text.append(markdown_table(cols, [[r[c] for c in cols] for r in exchange["rows"]]))
     return "\n".join(text) + "\n"
 
 

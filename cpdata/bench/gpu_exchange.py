@@ -1,14 +1,9 @@
 """GPU check part: the K/V exchange against the all-gather on NCCL, one GPU per rank (needs >= 2 GPUs).
 
-Each rank holds its shard of ``cat(K, V)`` for one layer, bf16 ``[1, 8, L, 256]``
-(8 KV heads of dim 128, K and V together, as the ``"cpdata"`` attention sends
-them), ``L = 8192``, of a ``tiled`` pack of the ``sft`` and ``long_context``
-distributions at ``8192 * cp`` tokens, ``cp`` = the GPUs (at most 8). Timed,
-forward + backward, median of 5 after a warm-up:
-:func:`cpdata.device.kv_exchange.exchange_tokens` (one all-to-all each way of
-the keys the plan names) and :func:`cpdata.gather.gather_token_tensor` (one
-all-gather, backward a reduce-scatter). Bytes: what the busiest rank receives
-forward.
+Each rank holds its shard of ``cat(K, V)`` of one layer, bf16 ``[1, 8, 8192, 256]``, of a ``tiled`` pack of
+``sft`` and ``long_context`` at ``8192 * cp`` tokens (``cp`` = the GPUs, at most 8). Forward + backward,
+median of 5: :func:`cpdata.device.kv_exchange.exchange_tokens` against
+:func:`cpdata.gather.gather_token_tensor`; bytes: what the busiest rank receives forward.
 """
 
 from __future__ import annotations
@@ -25,17 +20,13 @@ DISTRIBUTIONS = ("sft", "long_context")
 
 
 def _batches(world: int, distribution: str) -> tuple:
-    from cpdata.bench.distributions import sample
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
+    from cpdata.bench.distributions import sample, split_graph, token_documents
     from cpdata.nodes.shard import ShardForRank
 
     lens = sample(distribution, 4096, 0)
     lens = lens[: int(np.searchsorted(np.cumsum(lens), 3 * LOCAL * world)) + 1]
-    rng = np.random.default_rng(0)
-    docs = [{"input_ids": rng.integers(1, 1000, int(n))} for n in lens]
-    graph = shard_graph(docs, GraphOptions(capacity=LOCAL * world, cp_size=world, layout="tiled",
-                                       plan=StreamPlan(overflow="split")))
+    docs = token_documents(lens, low=1, high=1000)
+    graph = split_graph(docs, LOCAL * world, world, "tiled")
     return next(iter(ShardForRank(graph, cp_size=world, cp_rank=0, layout="tiled", all_ranks=True,
                                   kv_exchange=True)))  # fmt: skip
 
@@ -70,10 +61,7 @@ def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
 
 
 def run() -> dict:
-    """``{"cp_size": cp, "rows": [...]}``: per distribution the busiest rank's times and bytes (see the module).
-
-    ``RuntimeError`` naming the count with fewer than two GPUs.
-    """
+    """``{"cp_size": cp, "rows": [...]}``: per distribution the busiest rank's times and bytes."""
     from cpdata.bench.ranks import run_on_ranks
 
     gpus = torch.cuda.device_count()

@@ -1,20 +1,9 @@
-"""GPU check parts around the attention: pinned batches and the H2D overlap, a tiny HF model step, bf16 autocast.
+"""GPU check parts around the attention: pinned batches and the H2D overlap, a tiny HF model step, bf16
+autocast.
 
-- :func:`pinned_batches`: a loader built with ``pin_memory=True`` hands over
-  pinned tensors (and a pinned ``gather_index``), and a non-blocking copy on a
-  side stream returns them unchanged.
-- :func:`copy_overlap`: a 64 MiB pinned copy issued on a side stream after
-  eight matmuls on the default stream finishes before they do (it overlapped).
-- :func:`hf_step`: a tiny Mistral (sliding window, GQA) through ``"cpdata"`` at
-  cp 1 on CUDA, ``torch.compile``'d: float32 (flex) and bfloat16 (varlen)
-  against every document alone through HF's sdpa (cpdata's
-  :mod:`cpdata.bench.hf_reference`), loss and gradients.
-- :func:`autocast_cp2`: the same model in float32 under bf16 autocast at cp 2
-  (``tiled`` with the K/V exchange; NCCL with two GPUs, else both ranks share
-  GPU 0 over gloo), its ranks' summed loss and gradients against cp 1 (the
-  documents alone under the same autocast).
-
-Each returns a dict of figures with ``ok``; the thresholds are in the dict.
+Each returns a dict of figures with ``ok`` and its thresholds (what each checks: docs/benchmarks.md, "GPU
+check"). The model steps compare against every document alone through HF's own attention
+(:mod:`cpdata.bench.hf_reference`).
 """
 
 from __future__ import annotations
@@ -85,12 +74,10 @@ def _model(dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
 
 
 def _shards(cp: int, layout: str, exchange: bool) -> tuple:
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
+    from cpdata.bench.distributions import split_graph
     from cpdata.nodes.shard import ShardForRank
 
-    graph = shard_graph(_docs(), GraphOptions(capacity=1024 * cp, cp_size=cp, layout=layout,
-                                          plan=StreamPlan(overflow="split")))
+    graph = split_graph(_docs(), 1024 * cp, cp, layout)
     for batches in ShardForRank(graph, cp_size=cp, cp_rank=0, layout=layout, all_ranks=True, kv_exchange=exchange):
         if batches[0].info["n_documents"] >= 3:
             return batches
@@ -105,8 +92,7 @@ def _rel_error(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> fl
 
 
 def hf_step(device: str = "cuda") -> dict:
-    """A compiled ``"cpdata"`` step at cp 1 against the documents alone, per :data:`STEP_CASES` (dtype, kernel,
-    tolerance)."""
+    """A compiled ``"cpdata"`` step at cp 1 against the documents alone, per :data:`STEP_CASES`."""
     from cpdata.adapters import hf_model_kwargs, register_hf_attention
 
     batches = _shards(1, "identity", False)

@@ -1,29 +1,17 @@
 """Section ``handoff``: what the training process pays to receive one batch from a dataloader worker.
 
-A ``StatefulDataLoader`` worker (``fork``, ``batch_size=None``) yields
-batches of one CP rank built beforehand (32K tokens, cp 4, ``balanced``;
-``--quick``: 8K), each once: cpdata's :class:`~cpdata.worker.batch.ShardedBatch` (one
-buffer holding its tensors and layout maps) and, as the baseline, a plain
-dict of the same tensors, each its own tensor, the two layout maps as two more
-keys (what a pipeline without the single buffer hands over).
-``receive_ms_per_batch`` is the main process's CPU time per batch
-(``time.process_time``: unpickling, receiving a file descriptor per storage,
-mapping the shared memory, ``default_convert``), counted from the second
-batch on (the first pays the worker start), median over repeats that
-alternate cpdata and baseline. ``storages_per_batch`` counts the distinct
-storages of a received batch. Every sharing strategy torch offers here is
-measured (``file_descriptor``, Linux's default, and ``file_system``).
-
-A received :class:`~cpdata.worker.batch.ShardedBatch` has not built its torch views
-(they are built on first read, :mod:`cpdata.worker.batch`): in training they are
-built on the device copy after ``pin_memory`` and ``to()`` (the
-``step_shard`` section's time), never on the received host batch, so the
-receive time leaves them out; a CPU step reading the host batch pays them on
-first read (one torch call per key). The baseline's tensors are built by unpickling.
+A ``StatefulDataLoader`` worker (``fork``, ``batch_size=None``) yields one CP rank's batches built beforehand
+(32K tokens, cp 4, ``balanced``; ``--quick``: 8K): cpdata's :class:`~cpdata.worker.batch.ShardedBatch` (one
+buffer for its tensors and layout maps) and, as the baseline, a plain dict of the same tensors plus the two
+maps. ``receive_ms_per_batch``: the main process's CPU time per batch (``time.process_time``) from the second
+batch on, median over repeats alternating the two; ``storages_per_batch``: distinct storages of a received
+batch. Every sharing strategy torch offers is measured. A received ``ShardedBatch`` builds its views on first
+read (in training, on the device copy), so the receive time leaves them out.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -31,7 +19,7 @@ import torch
 import torch.multiprocessing as tmp
 from torch.utils.data import IterableDataset
 
-from cpdata.bench.distributions import sample
+from cpdata.bench.distributions import sample, token_documents
 
 __all__ = ["COLUMNS", "TABLE", "run"]
 
@@ -41,7 +29,6 @@ COLUMNS: tuple[str, ...] = (
 )
 TABLE: tuple[str, ...] = (*COLUMNS, "batches")
 TITLE = "main-process CPU to receive one rank's batch from a StatefulDataLoader worker: cpdata vs plain dict"
-VOCAB = 32000
 
 
 class _Prebuilt(IterableDataset):
@@ -57,15 +44,9 @@ class _Prebuilt(IterableDataset):
 def _batches(tokens: int, count: int) -> list:
     from cpdata.nodes.dataset import CPDataset
 
-    rng = np.random.default_rng(0)
-    lengths = sample("sft", int(tokens * count / 600) + 64, 0)
-    docs = [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
-    out = []
-    for batch in CPDataset(docs, capacity=tokens, cp_size=4, cp_rank=0, layout="balanced"):
-        out.append(batch)
-        if len(out) == count:
-            break
-    return out
+    docs = token_documents(sample("sft", int(tokens * count / 600) + 64, 0))
+    dataset = CPDataset(docs, capacity=tokens, cp_size=4, cp_rank=0, layout="balanced")
+    return list(itertools.islice(dataset, count))
 
 
 def _plain(batch) -> dict[str, torch.Tensor]:

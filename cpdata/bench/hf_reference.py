@@ -1,13 +1,9 @@
 """The reference a CP run of a Hugging Face model is checked against: every document of the pack alone.
 
-:func:`full_pack` rebuilds the whole pack in global order from every rank's
-batch; :func:`documents_alone` runs each of its documents as its own ``[1, n]``
-row through a copy of the model with HF's own attention (``sdpa`` where the
-class has it, else ``eager``: its own masks, windows, softcap, sinks), so no
-packing, layout or CP code is involved. The loss is the sum of the documents'
-target cross-entropies over the pack's target count (what the packed run
-divides by), with its gradient per parameter. Used by the tests (float64 on
-CPU) and by the GPU check (on CUDA, under autocast where asked).
+:func:`full_pack` rebuilds the pack in global order from every rank's batch; :func:`documents_alone` runs each
+document as its own ``[1, n]`` row through a copy of the model with HF's own attention (``sdpa`` where the
+class has it, else ``eager``), so no packing, layout or CP code is involved. Used by the tests (float64 on
+CPU) and the GPU check.
 """
 
 from __future__ import annotations
@@ -27,7 +23,8 @@ KEYS = ("input_ids", "position_ids", "labels", "document_ids", "padding_mask")
 
 
 def full_pack(batches: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """The whole pack in global order (flat ``[T]`` tensors of :data:`KEYS`) from every rank's batch and layout."""
+    """The whole pack in global order (flat ``[T]`` tensors of :data:`KEYS`) from every rank's batch and
+    layout."""
     if len(batches) == 1:  # cp 1: the batch is the pack (bshd rows concatenated into one stream)
         return {key: batches[0][key].reshape(-1) for key in KEYS}
     full = {}
@@ -50,13 +47,9 @@ def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def documents_alone(
     model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, autocast: torch.dtype | None = None
 ) -> tuple[float, dict[str, torch.Tensor], int]:
-    """``(loss, grads, documents)``: every document of ``full`` alone through a copy of ``model`` (see the module).
-
-    ``full``: flat ``[T]`` tensors of :data:`KEYS` (:func:`full_pack`), moved to the model's device.
-    ``autocast``: run the copy under ``torch.autocast`` of that dtype on the model's device. A document
-    continued from an earlier pack keeps its positions (> 0). One padded batch of all documents would be
-    faster, but Gemma 2's eager softmax turns a pad row whose window holds only pads into NaN.
-    """
+    """``(loss, grads, documents)``: each document of ``full`` (flat ``[T]`` :data:`KEYS`) alone, its
+    positions kept; the loss sums target cross-entropies over the pack's target count. One at a time: a padded
+    batch NaNs in Gemma 2's eager softmax where a window holds only pads."""
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
     device = next(ref.parameters()).device

@@ -1,30 +1,12 @@
 """Section ``integrity``: what a token store's chunk checksums cost a reading pass.
 
-A store of 20M tokens (4M with ``--quick``; uint16, documents of 64..4,096
-tokens) is written once, tokens only (row ``tokens``) and with an int8
-``loss_mask`` on every other document (row ``tokens+loss_mask``: one more
-byte per token to hash, against a read of half as many), then read
-document by document, in order, four passes a round for ``ROUNDS``
-rounds (median of each; the files stay in the page cache, so the pass is
-CPU-bound and the share is the largest it can be):
-
-- ``plain_s``: the reads without any check (the store's reader as it was
-  before chunk checksums: offsets, token and extra slices), on a freshly
-  unpickled store (a new worker: new memory mappings);
-- ``first_s``: the store's reader on a freshly unpickled store, which
-  hashes every chunk on its first touch;
-- ``checked_s``: that store again, every chunk checked and its mappings
-  faulted in (only the per-read span tests remain), against ``warm_s``, the
-  unchecked store's second pass (its mappings faulted in too).
-
-``overhead_pct``: the median over rounds of ``100 * (first / plain - 1)``,
-each round's two passes run back to back in alternating order (paired, as
-the worker section pairs its rounds: the load of a shared machine moves
-both); the target is ``<= 5``. ``steady_pct``: the same for ``checked_s``
-against ``warm_s``. Times are the process's CPU time (every thread of it, so
-no cost can hide in a helper thread, and time the machine gave to other
-users is not counted). ``verify_gb_s`` is ``verify_content`` (every chunk of
-every file, what ``precompute`` does).
+A store of 20M tokens (4M with ``--quick``; documents of 64..4,096 tokens) is written tokens only (``tokens``)
+and with an int8 ``loss_mask`` on every other document (``tokens+loss_mask``), then read document by document
+with the page cache warm, for ``ROUNDS`` rounds (medians): ``plain_s``, a reader without checks on a freshly
+unpickled store; ``first_s``, the store's reader on a fresh store (hashes every chunk on first touch);
+``warm_s`` / ``checked_s``, second passes of each. ``overhead_pct`` / ``steady_pct``: the median over rounds
+of ``100 * (first / plain - 1)`` / ``(checked / warm - 1)``, each pair run back to back in alternating order.
+Times are process CPU time (every thread). ``verify_gb_s``: ``verify_content`` (what ``precompute`` does).
 """
 
 from __future__ import annotations
@@ -69,24 +51,21 @@ def _plain_read(store, i: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _pass(store) -> None:
+def _pass(store) -> float:
+    """Process CPU seconds of one reading pass over ``store``."""
+    start = time.process_time()
     for i in range(len(store)):
         store[i]
-
-
-def _timed(fn, store) -> float:
-    start = time.process_time()
-    fn(store)
     return time.process_time() - start
 
 
 def _paired(a, b, flip: bool) -> tuple[float, float]:
     """One pass over each store, back to back; ``flip`` runs ``b`` first (a drift of load weighs on both)."""
     if flip:
-        tb = _timed(_pass, b)
-        return _timed(_pass, a), tb
-    ta = _timed(_pass, a)
-    return ta, _timed(_pass, b)
+        tb = _pass(b)
+        return _pass(a), tb
+    ta = _pass(a)
+    return ta, _pass(b)
 
 
 def _row(tokens: int, mask: bool, tmp: Path) -> dict:

@@ -1,18 +1,11 @@
 """Section ``long_document``: one epoch over a JSONL holding a very long document, online and offline.
 
-The corpus is 400 short documents (1..2,000 tokens) with one long document
-(5M tokens; 500K with ``--quick``) in the middle, as one JSONL file of
-``{"input_ids": [...]}`` rows, packed at capacity 32K for ``thd`` at cp 2
-with ``overflow="split"`` (the long document becomes ~153 pieces in
-consecutive packs). ``online_s``: ``Documents -> Pack -> Collate ->
-ShardForRank`` over the opened file, one epoch, rank 0. ``offline_s``: the
-same through ``PrecomputedPacks`` from a plan precomputed beforehand (the
-precompute itself is ``precompute_s``, not part of the epoch). Both read
-the same opened :class:`~cpdata.sources.JsonlDocuments`, so the JSON parse
-of the long row (one pass over ~32 MiB) is in both; the offline reader
-parses it once per epoch, not once per piece (before: 153 parses, 107.5 s
-against 1.2 s online). Each time is the best of three epochs, run
-alternately after a ``gc.collect()``. ``ratio`` = offline / online.
+400 short documents (1..2,000 tokens) with one of 5M tokens (500K with ``--quick``) in the middle, one JSONL
+file, packed at 32K for ``thd`` at cp 2 with ``overflow="split"``. ``online_s``: ``Documents -> Pack ->
+Collate -> ShardForRank``, one epoch, rank 0; ``offline_s``: the same through ``PrecomputedPacks`` from a plan
+made beforehand (``precompute_s``). Both read the same opened :class:`~cpdata.sources.JsonlDocuments`; the
+offline reader parses the long row once per epoch, not once per piece. Each time is the best of three epochs,
+run alternately after a ``gc.collect()``; ``ratio`` = offline / online.
 """
 
 from __future__ import annotations
@@ -52,8 +45,8 @@ def _epoch(node) -> tuple[float, int]:
 
 
 def run(*, quick: bool = False) -> list[dict]:
+    from cpdata.bench.distributions import split_graph
     from cpdata.nodes.collate import Collate
-    from cpdata.nodes.loader import GraphOptions, shard_graph
     from cpdata.nodes.options import StreamPlan
     from cpdata.nodes.shard import ShardForRank
     from cpdata.offline import PrecomputedPacks, precompute
@@ -72,7 +65,8 @@ def run(*, quick: bool = False) -> list[dict]:
         pieces = int((store.arrays["doc_index"] == long_index).sum())
         online, offline = [], []
         for _ in range(REPEATS):  # alternated, best of each: both see the same caches and load
-            online.append(_epoch(ShardForRank(shard_graph(docs, GraphOptions(**kw)), cp_size=CP, cp_rank=0, layout=LAYOUT)))
+            online.append(_epoch(ShardForRank(split_graph(docs, CAPACITY, CP, LAYOUT), cp_size=CP, cp_rank=0,
+                                              layout=LAYOUT)))
             plans = PrecomputedPacks(Path(tmp) / "plan", docs, cp_size=CP, layout=LAYOUT)
             offline.append(_epoch(ShardForRank(Collate(plans), cp_size=CP, cp_rank=0, layout=LAYOUT)))
         (online_s, packs), (offline_s, offline_packs) = min(online), min(offline)

@@ -1,20 +1,11 @@
 """Section ``packing``: padding and speed of the packers against a lower bound.
 
-Every distribution of :mod:`cpdata.bench.distributions` is packed at
-capacities 4K, 16K and 128K by the default packer and by ``next_fit``,
-``first_fit`` (Grain-style, 8 open bins) and ``ffd``, with layout
-``balanced`` at cp 8 (no per-document padding, so this is plain bin packing;
-per-document alignment costs are in the ``balance`` section).
-
-``padding_pct`` is pad tokens / pack tokens over all packs, the last one
-included. ``lower_bound_pct`` is the padding of the fewest packs that can hold
-the pieces: the Martello-Toth L2 bound (>= ``ceil(total / capacity)``). When
-some documents exceed the capacity they are split (``overflow="split"``: pieces
-of ``capacity`` tokens plus a remainder, each its own item) and the bound is
-over those pieces; ``split_bound_pct`` (extra column) is ``ceil(total /
-capacity)``, what cutting anywhere (``concat``) could reach. A capacity is
-skipped when most documents exceed it (the real corpus at 4K). ``us_per_doc``
-is the median wall time of one ``plan_lengths`` call divided by the documents.
+Every distribution is packed at 4K, 16K and 128K by the default packer and by ``next_fit``, ``first_fit``
+(Grain-style, 8 open bins) and ``ffd``, with ``balanced`` at cp 8 (no per-document padding: plain bin
+packing). ``padding_pct``: pad tokens over pack tokens, every pack. ``lower_bound_pct``: the padding of the
+Martello-Toth L2 bound on the fewest packs, over the pieces when overlong documents are split
+(``split_bound_pct``, extra: ``ceil(total / capacity)``). A capacity most documents exceed is skipped.
+``us_per_doc``: median wall time of one ``plan_lengths`` call per document.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import math
 import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
-from cpdata.bench.timing import median_seconds
+from cpdata.bench.timing import alternating_medians
 
 __all__ = ["ALGORITHMS", "COLUMNS", "default_algorithm", "lower_bound_bins", "run", "split_lower_bound_bins"]
 
@@ -45,11 +36,11 @@ def default_algorithm() -> str:
 
 
 def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
-    """Fewest bins of ``capacity`` that can hold ``lengths`` (every length <= capacity).
+    """Martello-Toth L2 bound on the bins of ``capacity`` that hold ``lengths`` (each <= capacity),
+    vectorised.
 
-    Martello-Toth L2: for every ``a`` in ``[0, C/2]``, the items above ``C - a``
-    and above ``C/2`` each need their own bin, and the items in ``[a, C/2]`` must
-    fill what the latter leave free. Vectorised over every distinct ``a``.
+    For every ``a`` in ``[0, C/2]``, items above ``C - a`` and above ``C/2`` each need their own bin, and
+    items in ``[a, C/2]`` must fill what the latter leave free.
     """
     w = np.sort(np.asarray(lengths, dtype=np.int64))
     if w.size == 0:
@@ -75,11 +66,8 @@ def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
 
 
 def split_lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
-    """:func:`lower_bound_bins` after cutting every overlong document as ``overflow="split"`` does.
-
-    A document of ``n > capacity`` tokens becomes ``n // capacity`` full packs
-    plus a remainder item of ``n % capacity`` tokens.
-    """
+    """:func:`lower_bound_bins` after ``overflow="split"``: ``n > capacity`` is ``n // capacity`` full packs
+    plus a remainder item."""
     lengths = np.asarray(lengths, dtype=np.int64)
     over = lengths > capacity
     full = int((lengths[over] // capacity).sum())
@@ -98,7 +86,7 @@ def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | Non
     if overflow is not None:
         kwargs["overflow"] = overflow
     result = plan_lengths(lengths, **kwargs)
-    seconds = median_seconds(lambda: plan_lengths(lengths, **kwargs), repeats=repeats, warmup=0)
+    (seconds,) = alternating_medians((lambda: plan_lengths(lengths, **kwargs),), repeats=repeats, warmup=0)
     placed = int(np.asarray(result.doc_len).sum())
     return {"padding_pct": _padding_pct(result.n_packs, capacity, placed), "packs": result.n_packs,
             "us_per_doc": seconds / lengths.size * 1e6}

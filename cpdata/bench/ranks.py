@@ -1,10 +1,8 @@
-"""Run a function on N gloo ranks forked from this process (CPU benchmarks), or N spawned ranks of any backend.
+"""Run a function on N gloo ranks forked from this process, or N spawned ranks of any backend.
 
-Each rank joins a fresh gloo group on a free localhost port with one intra-op
-thread, calls ``fn(rank, world_size, *args)``, sends the pickled result back
-through a queue and ends with ``barrier`` → ``destroy_process_group`` →
-``os._exit``. The parent waits at most ``timeout`` seconds, kills stragglers
-and raises ``RuntimeError`` with the failing rank's traceback.
+Each rank joins a fresh group on a free localhost port with one intra-op thread, calls ``fn(rank, world_size,
+*args)``, sends the pickled result back and ends with ``barrier`` -> ``destroy_process_group`` ->
+``os._exit``.
 """
 
 from __future__ import annotations
@@ -56,13 +54,10 @@ def _rank_main(rank: int, world_size: int, port: int, results, timeout: float, f
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo",
                  start_method: str = "fork") -> list[Any]:  # fmt: skip
-    """``[fn(r, world_size, *args) for r in ranks]``, each on its own forked gloo rank.
+    """``[fn(r, world_size, *args) for r in ranks]``, each on its own rank; results must pickle.
 
-    ``fn`` may be a closure (the ranks are forked); its result must pickle. A
-    process that has touched CUDA must not fork: pass ``start_method="spawn"``
-    (``fn`` and ``args`` must then pickle) and ``backend="nccl"`` for one GPU
-    per rank.
-    Raises ``RuntimeError`` with the failing ranks' tracebacks when a rank
+    Forked ranks take closures; a process that touched CUDA must spawn (``fn`` and ``args`` then pickle;
+    ``backend="nccl"``: one GPU per rank). ``RuntimeError`` with the failing ranks' tracebacks when a rank
     raises, exits non-zero or does not report within ``timeout`` seconds.
     """
     ctx = mp.get_context(start_method)

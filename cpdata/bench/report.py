@@ -1,18 +1,16 @@
 """Markdown rendering of a results dict: the benchmark tables of docs/benchmarks.md.
 
-``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``)
-gives a targets table followed by one compact table per section that ran:
-step sharding and gather row by row, packing pivoted to one row per
-(distribution, capacity) with one padding column per algorithm, balance
-pivoted to one row per (distribution, cp) with the p95 imbalance per layout.
+``render_markdown(results)`` (or ``cpdata bench --from-json PATH --markdown``): the targets, then one compact
+table per section that ran (packing pivoted to a padding column per algorithm, balance to a p95 column per
+layout, attention to a tile column per layout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from cpdata.bench.table import format_value
+from cpdata.bench.table import markdown_table
 from cpdata.bench.worker_throughput import worker_ratio
 
 __all__ = ["render_markdown"]
@@ -29,22 +27,13 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def _md(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    def cell(v: object) -> str:
-        return v if isinstance(v, str) else format_value(v)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _step(rows: list[dict], device: str) -> str:
     body = [(r["layout"], r["cp_size"], _tokens(r["tokens"]), f"{r['anchor_ms']:.3f}", f"{r['cpdata_ms']:.3f}",
              f"{r['copy_ms']:.3f}" if "copy_ms" in r else "", f"{r['speedup']:.1f}x", _bytes(r["anchor_h2d_bytes"]),
              _bytes(r["cpdata_h2d_bytes"]), _bytes(r["layout_bytes"])) for r in rows]  # fmt: skip
     head = ("layout", "cp", "tokens", "anchor ms", "cpdata ms", "of which copy ms", "speedup", "anchor H2D",
             "cpdata H2D", "layout maps")
-    return f"**Per-step sharding** (rank 0, device `{device}`)\n\n" + _md(head, body)
+    return f"**Per-step sharding** (rank 0, device `{device}`)\n\n" + markdown_table(head, body)
 
 
 def _worker(rows: list[dict]) -> str:
@@ -55,7 +44,7 @@ def _worker(rows: list[dict]) -> str:
     head = ("layout", "cp", "capacity", "cpdata us/pack", "anchor us/pack", "paired ratio", "ns/token", "tokens/s",
             "of memcpy")
     return ("**Worker** (pack + collate + shard on one core, one rank's output; anchor: in-step collate + shard "
-            "of the same pack)\n\n" + _md(head, body))
+            "of the same pack)\n\n" + markdown_table(head, body))
 
 
 def _handoff(rows: list[dict]) -> str:
@@ -63,7 +52,8 @@ def _handoff(rows: list[dict]) -> str:
              r["baseline_storages_per_batch"], f"{r['baseline_receive_ms_per_batch']:.3f}", f"{r['ratio']:.2f}")
             for r in rows]  # fmt: skip
     head = ("sharing strategy", "tokens", "storages", "receive ms", "dict storages", "dict receive ms", "ratio")
-    return "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)\n\n" + _md(head, body)
+    title = "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _packing(rows: list[dict], default: str) -> str:
@@ -77,7 +67,7 @@ def _packing(rows: list[dict], default: str) -> str:
         us = by[(dist, cap, default)]["us_per_doc"] if (dist, cap, default) in by else float("nan")
         body.append((dist, _tokens(cap), f"{first['lower_bound_pct']:.3f}", *pads, f"{us:.2f}"))
     head = ("distribution", "capacity", "lower bound %", *[f"{a} %" for a in algorithms], f"{default} us/doc")
-    return "**Packing** (padding % of pack tokens)\n\n" + _md(head, body)
+    return "**Packing** (padding % of pack tokens)\n\n" + markdown_table(head, body)
 
 
 def _balance(rows: list[dict]) -> str:
@@ -90,7 +80,8 @@ def _balance(rows: list[dict]) -> str:
         thd = by.get((dist, cp, "thd"))
         body.append((dist, cp, *p95, f"{thd['doc_pad_pct']:.3f}" if thd else ""))
     head = ("distribution", "cp", *[f"{lay} p95" for lay in layouts], "thd doc pad %")
-    return "**Load balance** (max ÷ mean causal work per rank, p95 over packs)\n\n" + _md(head, body)
+    title = "**Load balance** (max ÷ mean causal work per rank, p95 over packs)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _gather(rows: list[dict]) -> str:
@@ -98,7 +89,8 @@ def _gather(rows: list[dict]) -> str:
              f"{r['anchor_ms']:.1f}", f"{r['cpdata_ms']:.1f}", f"{r['speedup']:.2f}x") for r in rows]
     head = ("cp", "tokens", "hidden", "anchor collectives", "cpdata collectives", "anchor ms", "cpdata ms",
             "speedup")
-    return "**Gather** (forward + backward, gloo on CPU; collectives counted per call)\n\n" + _md(head, body)
+    title = "**Gather** (forward + backward, gloo on CPU; collectives counted per call)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _long_document(rows: list[dict]) -> str:
@@ -106,7 +98,8 @@ def _long_document(rows: list[dict]) -> str:
              f"{r['ratio']:.2f}x", f"{r['precompute_s']:.2f}") for r in rows]
     head = ("long document tokens", "pieces", "packs", "online s/epoch", "offline s/epoch", "offline/online",
             "precompute s")
-    return "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)\n\n" + _md(head, body)
+    title = "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)"
+    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _schedule(rows: list[dict]) -> str:
@@ -117,7 +110,7 @@ def _schedule(rows: list[dict]) -> str:
     head = ("dist", "dp", "mb", "method", "imb_step %", "imb_mb %", "imb_mb p95 %", "over cap %", "extra mb %",
             "padding %", "max delay", "us/doc")
     return ("**Scheduling across DP ranks** (FlexSP 7B cost model; mean over "
-            f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + _md(head, body))
+            f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + markdown_table(head, body))
 
 
 def _integrity(rows: list[dict]) -> str:
@@ -127,12 +120,7 @@ def _integrity(rows: list[dict]) -> str:
     head = ("store", "tokens", "chunks", "unchecked s", "first read s", "unchecked again s", "checked s",
             "overhead %", "steady %", "verify GB/s")
     return ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on first read)\n\n"
-            + _md(head, body))
-
-
-def _runs_flag(results: Mapping[str, Any]) -> str:
-    runs = int(results.get("runs", 1))
-    return f" --runs {runs}" if runs > 1 else ""
+            + markdown_table(head, body))
 
 
 def _attention(rows: list[dict]) -> str:
@@ -149,32 +137,32 @@ def _attention(rows: list[dict]) -> str:
         body.append((key[0], f"{key[1] // 1024}K", key[2], key[3], *tiles, *extra))
     head = ("distribution", "capacity", "cp", "tile", *layouts, "tiled K/V recv", "tiled solve us")
     return ("**Kernel tiles** (busiest rank's live tiles ÷ ideal, mean over packs; `tiled`'s K/V to receive ÷ "
-            "all-gather's)\n\n" + _md(head, body))  # fmt: skip
+            "all-gather's)\n\n" + markdown_table(head, body))  # fmt: skip
 
 
 def _world(rows: list[dict]) -> str:
-    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys and
-    predicted time, and the solve time per world micro-batch."""
+    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys
+    and predicted time, and the solve time per world micro-batch."""
     body = [(r["distribution"], r["world"], r["system"], r["micro_batches"], r["tiles"], f"{r['over_mean']:.3f}",
              r["recv_keys"], r["inter_keys"], f"{r['predicted_ms']:.1f}", f"{r['solve_ms']:.2f}")
             for r in rows]  # fmt: skip
     head = ("distribution", "world", "system", "micro-batches", "busiest tiles", "÷ mean rank", "busiest K/V recv",
             "busiest inter-node K/V", "predicted ms", "solve ms / micro-batch")  # fmt: skip
     return ("**World as one CP group** (sums over micro-batches of the busiest rank; 8 ranks per node)\n\n"
-            + _md(head, body))
+            + markdown_table(head, body))
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
     """The benchmark tables (docs/benchmarks.md) for ``results`` (the dict ``cpdata bench --json`` writes)."""
-    m = results["machine"]
+    m, runs = results["machine"], int(results.get("runs", 1))
+    flags = f"{' --quick' if results.get('quick') else ''}{f' --runs {runs}' if runs > 1 else ''}"
     parts = [
-        f"Measured by `cpdata bench{' --quick' if results.get('quick') else ''}{_runs_flag(results)}` on "
-        f"{m['cpu_model']} "
-        f"({m['cores']} cores), torch {m['torch_version']}, device `{m['device']}`"
+        f"Measured by `cpdata bench{flags}` on {m['cpu_model']} ({m['cores']} cores), "
+        f"torch {m['torch_version']}, device `{m['device']}`"
         f"{', freed heap kept (`cpdata.keep_heap`)' if m.get('keep_heap') else ''}.",
     ]
     if results.get("targets"):
-        parts.append(_md(("target", "rule", "measured", "met"),
+        parts.append(markdown_table(("target", "rule", "measured", "met"),
                          [(t["target"], t["rule"], t["measured"], "yes" if t["met"] else "**no**")
                           for t in results["targets"]]))
     sections: dict[str, Any] = {

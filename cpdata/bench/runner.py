@@ -1,12 +1,9 @@
 """Run benchmark sections, print their tables, collect one JSON-ready results dict.
 
-Each section module exposes ``COLUMNS`` (the keys every row carries, extras
-allowed), ``TABLE`` (the columns printed) and ``run(*, quick) -> list[dict]``.
-Rows are checked for the required keys and for finite numbers; the JSON is
-written with ``allow_nan=False``. With ``runs > 1`` every section runs that
-many times in a row and each of its rows is the row-wise median of its runs
-(:func:`median_rows`): on a shared machine, where one run's absolute times move
-by up to 50 %, the median of 3 keeps one burst from deciding a target.
+A section module has ``COLUMNS`` (keys every row carries), ``TABLE`` (the columns printed) and ``run(*, quick)
+-> list[dict]``; rows are checked for those keys and finite numbers. With ``runs > 1`` each section runs that
+many times and its rows are the row-wise medians (:func:`median_rows`), so one burst on a shared machine does
+not decide a target.
 """
 
 from __future__ import annotations
@@ -68,13 +65,9 @@ def check_rows(section: str, rows: Sequence[dict], required: Sequence[str]) -> N
 
 
 def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
-    """Row ``i`` of the result is the median of row ``i`` of every run: each float is the median of its
-    runs' values, each int the lower median (an int), anything else (names, flags, lists) must be the same in
-    every run. The runs of one section measure the same rows in the same order.
-
-    Derived columns are medians too, not recomputed: a ratio column is the median of the runs' ratios,
-    and a target computed from two columns (:mod:`cpdata.bench.targets`) divides their medians.
-    """
+    """Row ``i`` is the median of every run's row ``i``: floats the median, ints the lower median, anything
+    else must be equal in every run. Derived columns are medians too (a ratio column is the median of the
+    ratios)."""
     first = runs[0]
     assert all(len(rows) == len(first) for rows in runs), f"section {section!r}: runs differ in their rows"
     merged = []
@@ -93,20 +86,13 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
     return merged
 
 
-def _table_title(section: str, module: Any, machine: dict) -> str:
-    title = getattr(module, "TITLE", section)
-    return f"== {section}: {title} [device: {machine['device']}]"
-
-
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``sections`` (default: all), each ``runs`` times (rows: :func:`median_rows`), and return the
-    results dict (tables go to ``log``).
+    """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
+    ``log``).
 
-    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as
-    :class:`~cpdata.nodes.dataloader.CPDataLoader`'s workers do, so the worker section times what a worker
-    does; every section (anchors included) then runs with it. ``machine["keep_heap"]`` says whether it
-    applied (glibc only).
+    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s
+    workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     from cpdata.bench.packing_quality import default_algorithm
 
@@ -136,7 +122,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         results[name] = rows
         results["methods"][name] = " ".join((module.__doc__ or "").split())
         log("")
-        log(_table_title(name, module, machine))
+        log(f"== {name}: {getattr(module, 'TITLE', name)} [device: {machine['device']}]")
         log(format_table(rows, getattr(module, "TABLE", module.COLUMNS)))
         log(f"({results['seconds'][name]} s)")
     results["targets"] = evaluate_targets(results)

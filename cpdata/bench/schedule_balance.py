@@ -1,27 +1,13 @@
-"""Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against trainers'.
+"""Section ``schedule``: compute balance of (DP rank x micro-batch) packs, cpdata's schedule against
+trainers'.
 
-Distributions (Megatron-LM's dynamic-CP example): ``D1`` lognormal with mean
-1024, sigma 1.5, clipped to [128, 8192], capacity 8192, 8 micro-batches;
-``D2`` mean 4096, sigma 2.0, clipped to [64, 131072], capacity 131072, 4
-micro-batches; DP 8 (D2 also 32). One seeded stream per row; cpdata's
-:func:`~cpdata.schedule.plan_schedule` plans all of it, and every full step
-(the tail step left out) is one sampled global batch. The other methods get
-the same documents cut into global batches in stream order, each holding as
-many tokens as the schedule's mean step (the same fullness), and place each
-batch as :mod:`~cpdata.bench.schedule_methods` describes.
-
-Every method is scored by the same FlexSP 7B cost model (``a = 0.1839576``,
-``b = 5.128e-6``): ``imb_step`` / ``imb_mb`` per batch as
-:mod:`cpdata.schedule.metrics` defines them (mean and p95 over batches, in
-%); ``over_cap_pct``: packs holding more than the capacity; ``extra_microbatch_pct``:
-micro-batches above ``ceil(tokens / (dp_size * capacity))`` per batch;
-``padding_pct``: ``1 - tokens / (dp_size * micro-batches * capacity)``;
-``max_delay_steps``: the latest any document was placed after its step in
-stream order (its FIFO step: stream position in slot tokens over a full
-step's; ``min_delay_steps``, in the JSON rows: the earliest, ``-1`` = one step
-before); ``us_per_doc``: planning CPU time per document (process time, so other load on the machine does not count;
-the fastest of :data:`PLAN_REPEATS` runs, as a loaded shared core slows each run unevenly);
-``bfd_padding_pct``: ``bfd`` alone on the schedule rows' documents.
+Distributions (:data:`DISTRIBUTIONS`, Megatron-LM's dynamic-CP example) at DP 8 (D2 also 32):
+:func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
+:mod:`~cpdata.bench.schedule_methods` get the same documents cut into equally full batches. Scored by the
+FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` (:mod:`cpdata.schedule.metrics`; mean and p95 over batches,
+%), ``over_cap_pct``, ``extra_microbatch_pct`` (above ``ceil(tokens / (dp * capacity))``), ``padding_pct``,
+``max_delay_steps`` / ``min_delay_steps`` (against a document's FIFO step), ``us_per_doc`` (process CPU time,
+the fastest of :data:`PLAN_REPEATS`), ``bfd_padding_pct`` (``bfd`` alone on the same documents).
 """
 
 from __future__ import annotations
@@ -100,13 +86,9 @@ def run(*, quick: bool) -> list[dict]:
             us = 1e6 * min(times) / lengths.shape[0]
             full = sched.num_steps - 1
             pc = sched.pack_costs(cost)[:full]
-            per_pack = np.add.reduceat(np.append(sched.slot_len, 0), sched.pack_offsets[:-1])
-            per_pack[np.diff(sched.pack_offsets) == 0] = 0
-            per_pack = per_pack[: full * dp_size * mb].reshape(full, -1)
-            real = np.add.reduceat(np.append(sched.doc_len, 0), sched.pack_offsets[:-1])
-            real[np.diff(sched.pack_offsets) == 0] = 0
-            real = real[: full * dp_size * mb].reshape(full, -1)
-            lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in per_pack]
+            # tokens per pack (balanced at cp 1 pads no document: slots = tokens)
+            real = sched.pack_costs(lambda lens: lens)[:full].reshape(full, -1)
+            lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in real]
             row = _row(list(pc), [mb] * full, lower, list(real), capacity, dp_size)
             last = int(sched.pack_offsets[full * dp_size * mb])
             in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order
@@ -117,11 +99,11 @@ def run(*, quick: bool) -> list[dict]:
                        bfd_padding_pct=float(bfd.stats.padding_pct), max_delay=max_delay)  # fmt: skip
             rows.append(row)
             fill = fill or int(real.sum()) / full
-        rows.extend(_baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost))
+        rows.extend(_baselines(lengths, fill, base, capacity, dp_size, steps, cost))
     return rows
 
 
-def _baselines(lengths, fill, base, capacity, dp_size, mb, steps, cost) -> list[dict]:
+def _baselines(lengths, fill, base, capacity, dp_size, steps, cost) -> list[dict]:
     cum = np.cumsum(lengths)
     ends = np.searchsorted(cum, fill * np.arange(1, steps + 1), side="right")
     starts = np.concatenate([[0], ends[:-1]])

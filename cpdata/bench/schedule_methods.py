@@ -1,20 +1,12 @@
 """Placing one global batch of documents on DP ranks and micro-batches, as trainers do today.
 
-Implemented from the published descriptions; each takes a global batch's
-document lengths (stream order) and returns, per DP rank, its micro-batches
-as lists of lengths:
-
-- ``nemo_rl_ffd``: first-fit-decreasing by tokens into packs of ``capacity``,
-  packs dealt round-robin to the ranks (NeMo-RL sequence packing).
-- ``verl_kk`` / ``verl_kk_cap``: Karmarkar-Karp into ``dp_size`` equal-count
-  groups on the workload ``24576 * L + L**2`` (verl ``balance_batch``), then
-  per rank Karmarkar-Karp into ``ceil(tokens / capacity)`` micro-batches (the
-  largest count over ranks, as verl all-reduces it), sorted by workload; with
-  ``_cap`` the count grows until no micro-batch exceeds the capacity.
-- ``megatron_dp_balanced``: packs filled in stream order up to the token
-  limit, dealt round-robin (Megatron-LM's ``dp_balanced`` example).
-- ``cpdata_0.1``: document ``i`` to rank ``i % dp_size``, each rank packs its
-  own with ``bfd``; a rank's packs are its micro-batches.
+From the published descriptions; each takes a global batch's lengths (stream order) and returns, per DP rank,
+its micro-batches as lists of lengths: ``nemo_rl_ffd`` (first-fit-decreasing packs dealt round-robin,
+NeMo-RL), ``verl_kk`` / ``verl_kk_cap`` (Karmarkar-Karp into equal-count rank groups on ``24576 * L + L**2``,
+then per rank into the largest ``ceil(tokens / capacity)`` over ranks, verl ``balance_batch``; ``_cap`` grows
+that count until no micro-batch exceeds the capacity), ``megatron_dp_balanced`` (packs filled in stream order,
+dealt round-robin) and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, each rank packs its own with
+``bfd``).
 """
 
 from __future__ import annotations
@@ -31,11 +23,7 @@ Placement = list[list[list[int]]]
 
 
 def karmarkar_karp(weights: list[float], k: int, *, equal_size: bool = False) -> list[list[int]]:
-    """Largest differencing method into ``k`` groups; returns item indices per group.
-
-    ``equal_size``: items enter in groups of ``k`` (one per partition) so every
-    partition ends with the same count (within one), as verl does.
-    """
+    """Largest differencing into ``k`` groups of item indices (``equal_size``: counts within one, as verl)."""
     order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
     heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
     chunks = [order[i : i + k] for i in range(0, len(order), k)] if equal_size else [[i] for i in order]

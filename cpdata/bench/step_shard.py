@@ -1,29 +1,11 @@
 """Section ``step_shard``: per-step sharding, in-step anchor vs cpdata's pre-sharded batch.
 
-One pack of ``tokens`` tokens (SFT-like documents, default packer, aligned for
-the layout) is collated once. The anchor receives the full collated batch and
-does in the step what trainers do today (:func:`cpdata.bench.anchors.anchor_shard`:
-copy everything to the device, pad if needed, compute the layout's indices
-with torch ops, ``index_select`` every token tensor). cpdata receives the
-worker's :class:`~cpdata.worker.batch.ShardedBatch` for rank 0 and runs
-``ContextParallelSharder.shard()``, which only moves its tensors. Both results
-are checked equal, token for token, before timing.
-
-Device: cuda when available (pinned host batches, synchronize around every
-run), else cpu, where the host-to-device copy is modelled by a same-device
-copy for both sides (``clone()`` per tensor for the anchor, ``ShardedBatch.to(copy=True)``
-for cpdata: one copy of the buffer that backs all its tensors), with one intra-op
-thread: on a loaded 2-core machine torch's parallel CPU kernels stall (a
-``searchsorted`` over 8K tokens took 7-16 ms with 2 threads under load, 0.02
-ms with one). Times are medians, the two sides sampled alternately.
-``copy_ms`` (extra) is that copy of cpdata's buffer alone (``clone()`` on
-cpu, the ``non_blocking`` host-to-device copy on cuda): the part of
-``cpdata_ms`` that is the modelled transfer; the rest is ``shard()`` and
-building the batch's views (one torch call per key, ~1.5 us each on cpu).
-``anchor_h2d_bytes``/``cpdata_h2d_bytes`` are the tensor bytes each rank copies
-host-to-device; ``layout_bytes`` (extra) are the layout's index maps
-(``local_token_global_indices`` + ``gather_index``) that cpdata also ships and
-the gather copies on first use, where the anchor computes its map on device.
+One pack is collated once; the anchor shards the full batch in the step
+(:func:`cpdata.bench.anchors.anchor_shard`), cpdata's ``ContextParallelSharder.shard()`` only moves rank 0's
+``ShardedBatch``; both are checked equal first, then timed alternately (medians). On cuda host batches are
+pinned; on cpu a same-device copy models the transfer for both (one intra-op thread: parallel CPU kernels
+stall on a loaded machine). ``copy_ms``: cpdata's buffer copy alone; ``*_h2d_bytes``: tensor bytes each side
+copies; ``layout_bytes``: the index maps cpdata also ships.
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ import torch
 from torchdata.nodes import IterableWrapper
 
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard
-from cpdata.bench.distributions import sample
+from cpdata.bench.distributions import sample, split_graph, token_documents
 from cpdata.bench.timing import alternating_medians, bench_device
 from cpdata.worker.keys import STANDARD_TOKEN_KEYS
 
@@ -44,16 +26,11 @@ COLUMNS: tuple[str, ...] = (
 )
 TABLE: tuple[str, ...] = (*COLUMNS, "copy_ms", "layout_bytes", "device")
 TITLE = "in-step sharding (anchor) vs ContextParallelSharder.shard() on a pre-sharded batch, rank 0"
-VOCAB = 32000
 
 
 class LocalMesh:
-    """A one-dimension ``"cp"`` device mesh seen from one rank, without a process group.
-
-    Duck-types what the sharder reads from a ``DeviceMesh`` (``mesh_dim_names``,
-    ``["cp"]``, ``get_local_rank()``, ``size()``, ``device_type``), so
-    ``shard()`` can be timed in a single process.
-    """
+    """A one-dimension ``"cp"`` mesh seen from one rank, without a process group: what the sharder reads of a
+    ``DeviceMesh``, so ``shard()`` can be timed in one process."""
 
     mesh_dim_names = ("cp",)
 
@@ -74,15 +51,10 @@ class LocalMesh:
 
 def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed: int = 0):
     """``(full_batch, sharded_batch)``: the first pack of an SFT-like stream, full and for ``cp_rank``."""
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
     from cpdata.nodes.shard import ShardForRank
 
-    rng = np.random.default_rng(seed)
-    lengths = sample("sft", int(tokens / 500) + 64, seed)
-    docs = [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
-    collate = shard_graph(docs, GraphOptions(capacity=tokens, cp_size=cp_size, layout=layout,
-                                             plan=StreamPlan(overflow="split")))
+    docs = token_documents(sample("sft", int(tokens / 500) + 64, seed), seed)
+    collate = split_graph(docs, tokens, cp_size, layout)
     collate.reset()
     collated = next(collate)
     full = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in collated.tensors().items()}

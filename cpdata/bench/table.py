@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-__all__ = ["format_table", "format_value"]
+__all__ = ["format_table", "format_value", "markdown_table"]
 
 
 def format_value(value: object) -> str:
@@ -27,7 +27,7 @@ def format_value(value: object) -> str:
     return str(value)
 
 
-def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str], title: str = "") -> str:
+def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> str:
     """Render ``rows`` as an aligned text table of ``columns`` (text left, numbers right)."""
     cells = [[format_value(r.get(c, "")) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
@@ -37,8 +37,11 @@ def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str], t
     def line(values: Sequence[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True))
 
-    out = [title] if title else []
-    out.append(line(list(columns)).rstrip())
-    out.append("  ".join("-" * w for w in widths))
-    out.extend(line(row).rstrip() for row in cells)
-    return "\n".join(out)
+    out = [line(list(columns)).rstrip(), "  ".join("-" * w for w in widths)]
+    return "\n".join(out + [line(row).rstrip() for row in cells])
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table: strings as they are, other values through :func:`format_value`."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(format_value(v) for v in row) + " |" for row in rows])

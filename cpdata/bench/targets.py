@@ -1,27 +1,6 @@
-"""The benchmark's targets, checked against a results dict.
+"""The benchmark's targets (:data:`TARGETS`: section, name, rule, check), checked against a results dict.
 
-| target | section | rule |
-|---|---|---|
-| step speedup | ``step_shard`` | ``speedup >= 20`` at 32K tokens, cp 4 (every layout) |
-| H2D bytes | ``step_shard`` | ``cpdata_h2d_bytes <= anchor_h2d_bytes / cp * 1.02`` (every row) |
-| worker vs in-step | ``worker`` | ``ratio <= 0.3`` (cpdata / anchor per pack, paired by round; capacity >= 8K, cp <= 8) |
-| worker per token | ``worker`` | ``ns_per_pack_token <= 12`` at 32K, cp 4 (``thd`` and ``balanced``) |
-| one storage | ``handoff`` | ``storages_per_batch == 1`` (every row) |
-| handoff cost | ``handoff`` | ``receive_ms_per_batch <= 0.8 * baseline_receive_ms_per_batch`` (default strategy) |
-| packing padding | ``packing`` | default packer ``padding_pct - lower_bound_pct <= 0.1`` pp (every row) |
-| packing speed | ``packing`` | default packer ``us_per_doc <= 2`` (every row) |
-| balance | ``balance`` | ``balanced``: ``imbalance_p95 <= 1.005``, ``doc_pad_pct == 0``, equal tokens |
-| one collective | ``gather`` | cpdata: 1 collective forward and 1 backward (every row) |
-| long document | ``long_document`` | offline seconds per epoch ``<= 2 x`` online (every row) |
-| D1 schedule | ``schedule`` | ``imb_mb_mean <= 0.7``, ``imb_mb_p95 <= 1.0``, ``imb_step_mean <= 0.5`` %, no over-cap, no extra micro-batch, padding within 0.05 pp of ``bfd`` |
-| D2 schedule | ``schedule`` | dp 8, ``max_delay=4``: ``imb_mb_mean <= 2.5``, ``imb_mb_p95 <= 6`` %, no piece more than 4 steps after or 1 before its FIFO step |
-| schedule speed | ``schedule`` | ``us_per_doc <= 5`` (every cpdata schedule row) |
-| tiled tiles | ``attention`` | ``tiled``: ``tiles_max_over_ideal <= 1.02`` at tile 128, ``<= 1.03`` at 256 (every row; where ``tiles_integer_bound`` is above that, within 1 % of it) |
-| tiled K/V | ``attention`` | ``tiled``, capacity >= 32K: ``kv_recv_fraction <= 0.30`` (alpaca, sft, ultrachat), ``<= 0.5`` (long_context) |
-| tiled solve | ``attention`` | ``tiled``: ``solve_us_per_pack <= 150`` at 32K cp 4, ``<= 800`` at 128K cp 8 (tile 128) |
-| store checks | ``integrity`` | ``overhead_pct <= 5`` (every row: chunk checks on first read vs an unchecked reading pass) |
-
-Targets of sections that did not run are left out.
+Each check returns ``(measured text, met)``; targets of sections that did not run are left out.
 """
 
 from __future__ import annotations

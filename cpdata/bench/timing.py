@@ -1,8 +1,7 @@
 """Timing and machine description shared by every benchmark section.
 
-Times are medians of repeated runs (``time.perf_counter_ns``), with a
-``torch.cuda.synchronize()`` on both sides of each run when the work is on a
-CUDA device, so queued kernels are charged to the run that launched them.
+Times are medians of repeated runs (``time.perf_counter_ns``), the CUDA device synchronised on both sides of
+each run when the work is there.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["alternating_medians", "bench_device", "describe_machine", "median_seconds"]
+from cpdata.errors import check_int
+
+__all__ = ["alternating_medians", "bench_device", "describe_machine"]
 
 
 def bench_device() -> torch.device:
@@ -24,25 +25,17 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 2, device: torch.device | None = None) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got repeats={repeats}")
-    sync = _sync(device)
-    for _ in range(warmup):
-        fn()
-    return statistics.median(_timed_ns(fn, sync) for _ in range(repeats)) / 1e9
-
-
-def alternating_medians(fns, *, repeats: int, device: torch.device | None = None) -> list[float]:
-    """Median seconds of each of ``fns``, sampled alternately (one run of each per round, after two warm-up
-    rounds), so a change of load on a shared machine weighs on both sides of a ratio alike."""
+def alternating_medians(fns, *, repeats: int, warmup: int = 2,
+                        device: torch.device | None = None) -> list[float]:
+    """Median seconds of each of ``fns``, one run of each per round after ``warmup`` untimed rounds: a change
+    of load weighs on every side of a ratio alike."""
+    check_int("repeats", repeats, min=1)
     sync = _sync(device)
     samples: list[list[int]] = [[] for _ in fns]
-    for round_ in range(repeats + 2):
+    for round_ in range(repeats + warmup):
         for fn, out in zip(fns, samples, strict=True):
             ns = _timed_ns(fn, sync)
-            if round_ >= 2:
+            if round_ >= warmup:
                 out.append(ns)
     return [statistics.median(s) / 1e9 for s in samples]
 

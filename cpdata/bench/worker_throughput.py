@@ -1,55 +1,13 @@
 """Section ``worker``: pack + collate + shard on one worker core, against the in-step anchor and memcpy.
 
-The worker pipeline of one CP rank (``Documents -> Pack -> Collate ->
-ShardForRank``, default packer, SFT-like documents with random token ids made
-beforehand) runs over a fixed stream on one thread. ``tokens_per_s`` counts
-the tokens of the *full* packs per second, while only rank 0's output is
-built; ``cpdata_us_per_pack`` and ``ns_per_pack_token`` are the same time per
-pack and per pack token. The steady state of a long-lived worker is timed:
-one pipeline is built, passes over the stream once untimed, then each repeat
-is a ``reset()`` and a pass (an epoch of the same node), so the reading
-nodes' token-buffer pools are warm as they are after a worker's first windows
-(a fresh node's first two windows cost 1.5-6x a warm one's: new arrays, first
-page faults, about 25 us per pack over a 128-pack stream at 32K).
-
-The anchor is the host work a trainer does per pack without cpdata, on the
-same packs in the same run, alternating with cpdata's repeats: the full pack
-collated in the step from its documents (:func:`cpdata.bench.anchors.anchor_collate`,
-NeMo packed-sequence style) and sharded in the step for rank 0
-(:func:`cpdata.bench.anchors.anchor_shard`, the ``step_shard`` anchor;
-``balanced`` has no in-step form and is compared with ``round_robin``, the
-whole-pack head-tail split). It excludes packing, which cpdata's time
-includes: ``anchor_host_us``. ``ratio`` is cpdata's time over the anchor's
-round by round (each repeat is one pass of cpdata and then one of the anchor),
-the median of those paired ratios: on a shared machine both sides' times move
-by up to 50 % between rounds, mostly together, so the paired ratio varies far
-less between runs than the ratio of the two medians (which the two time
-columns still give).
-
-Memcpy reference (reported, no target: in Python, reading the pack's tokens
-once already costs about 4x the memcpy of one rank's output). The baseline moves the same output bytes with ``np.copyto``, pack by
-pack, from a fresh source buffer into a fresh destination (as large as the
-whole run's output, so it streams through memory like the worker's output
-does), in the same run: ``memcpy_tokens_per_s`` is full-pack tokens per second
-at that speed and ``fraction_of_memcpy`` the ratio. Output bytes are the
-rank's batch tensors (token tensors + stream metadata); the layout maps
-(``layout_bytes_per_token``, extra) are left out of the baseline, which makes
-it faster and the target harder.
-
-What is timed is the worker's work up to a batch ready to hand over: its
-one buffer filled, the layout record beside it. The host torch views of a
-batch's tensors and layout maps are built by whoever reads them
-(:mod:`cpdata.worker.batch`: lazily, on first read), and in a training run that
-is the consumer, not the worker: pickling to the training process sends the
-buffer and its view plan (the receiver builds its own views),
-``pin_memory`` views the pinned copy and ``to()`` the device copy. So the
-loop counts output bytes from the batch's plan (``ShardedBatch.nbytes``)
-instead of reading every tensor, which would build views a worker never
-needs. One exception, not timed here: a plain
-``StatefulDataLoader(batch_size=None)`` runs ``default_convert`` on each
-batch in the worker, which reads every key and so builds the views there
-(~1-3 us per key); :class:`~cpdata.nodes.dataloader.CPDataLoader` hands
-batches over as they are.
+One CP rank's pipeline (``Documents -> Pack -> Collate -> ShardForRank``, SFT-like documents) on one thread in
+its steady state (one untimed pass, then a ``reset()`` and a pass per repeat); output bytes come from the
+batch's buffer plan, since host views are built by the consumer. ``tokens_per_s`` counts full-pack tokens;
+``cpdata_us_per_pack`` / ``ns_per_pack_token`` are the same time per pack and per pack token. The anchor
+(``anchor_host_us``): :func:`~cpdata.bench.anchors.anchor_collate` +
+:func:`~cpdata.bench.anchors.anchor_shard` of the same packs (``balanced`` against ``round_robin``), no
+packing. ``ratio``: the median of round-by-round ratios (load moves both sides together).
+``fraction_of_memcpy``: ``np.copyto`` of the same output bytes over cpdata's time.
 """
 
 from __future__ import annotations
@@ -60,8 +18,8 @@ import numpy as np
 import torch
 
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_collate, anchor_shard
-from cpdata.bench.distributions import sample
-from cpdata.bench.timing import median_seconds
+from cpdata.bench.distributions import sample, split_graph, token_documents
+from cpdata.bench.timing import alternating_medians
 
 __all__ = ["COLUMNS", "TABLE", "run", "worker_ratio"]
 
@@ -72,29 +30,12 @@ COLUMNS: tuple[str, ...] = (
 TABLE: tuple[str, ...] = (*COLUMNS, "packs", "output_bytes_per_token", "layout_bytes_per_token")
 TITLE = "Documents -> Pack -> Collate -> ShardForRank on one core vs in-step collate + shard, and memcpy"
 LAYOUTS: tuple[str, ...] = ("contiguous", "round_robin", "thd", "balanced")
-VOCAB = 32000
 
 
 def worker_ratio(row: dict) -> float:
     """cpdata / anchor per pack of a row: its paired ``ratio``, or the ratio of its medians for results
     written before that column existed."""
     return row["ratio"] if "ratio" in row else row["cpdata_us_per_pack"] / row["anchor_host_us"]
-
-
-def _documents(tokens: int, seed: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    lengths = sample("sft", int(tokens / 670) + 16, seed)
-    return [{"input_ids": rng.integers(0, VOCAB, size=int(n), dtype=np.int64)} for n in lengths]
-
-
-def _pipeline(docs, capacity: int, cp_size: int, layout: str):
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
-    from cpdata.nodes.shard import ShardForRank
-
-    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout,
-                                             plan=StreamPlan(overflow="split")))
-    return ShardForRank(collate, cp_size=cp_size, cp_rank=0, layout=layout)
 
 
 def _run_pipeline(node) -> tuple[float, list[int], int, int]:
@@ -111,11 +52,7 @@ def _run_pipeline(node) -> tuple[float, list[int], int, int]:
 
 
 def _plans(docs, capacity: int, cp_size: int, layout: str) -> list:
-    from cpdata.nodes.loader import GraphOptions, shard_graph
-    from cpdata.nodes.options import StreamPlan
-
-    collate = shard_graph(docs, GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout,
-                                             plan=StreamPlan(overflow="split")))
+    collate = split_graph(docs, capacity, cp_size, layout)
     collate.reset()
     return [plan for batch in collate for plan in batch.plans]
 
@@ -151,12 +88,16 @@ def _memcpy_seconds(out_bytes: list[int], repeats: int) -> float:
         for lo, hi in bounds:
             np.copyto(dst[lo:hi], src[lo:hi])
 
-    return median_seconds(copy_all, repeats=repeats, warmup=1)
+    return alternating_medians((copy_all,), repeats=repeats, warmup=1)[0]
 
 
 def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> dict:
-    docs = _documents(capacity * packs, seed=capacity + cp_size)
-    node = _pipeline(docs, capacity, cp_size, layout)
+    from cpdata.nodes.shard import ShardForRank
+
+    seed = capacity + cp_size
+    docs = token_documents(sample("sft", int(capacity * packs / 670) + 16, seed), seed)
+    graph = split_graph(docs, capacity, cp_size, layout)
+    node = ShardForRank(graph, cp_size=cp_size, cp_rank=0, layout=layout)
     _run_pipeline(node)  # one untimed pass: imports, caches and the reading nodes' buffer pools warm
     anchor = _anchor(_plans(docs, capacity, cp_size, layout), capacity, cp_size, layout)
     anchor()

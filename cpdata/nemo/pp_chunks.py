@@ -1,25 +1,10 @@
 """THD batches split into pipeline micro-batch chunks (NeMo's ``split_batch_into_thd_chunks`` contract).
 
-With pipeline parallelism the trainer asks for ``num_chunks`` chunks: the
-``B`` rows split into ``num_chunks`` equal groups (``B % num_chunks == 0``;
-NeMo would silently drop the remainder rows, cpdata refuses), each group
-becomes one flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), and the
-streams are stacked:
-
-| key | shape |
-|---|---|
-| ``input_ids`` | ``[C, T_c]`` (``[C, T_c, H]``) |
-| ``labels``, ``position_ids``, ``padding_mask`` | ``[C, T_c]`` |
-| ``cu_seqlens`` | int32 ``[C, n_max+1]``, rows right-padded with ``-1000`` |
-| ``cu_seqlens_padded`` | same shape, when any chunk emits it (chunks that absorbed repeat their ``cu_seqlens``) |
-| ``max_seqlen`` | int32 ``[C]`` |
-| non-tensor keys | from the batch (``qkv_format``, ...) |
-
-At cp > 1 each chunk is cut by TE's partition and the result holds exactly
-``input_ids, labels, position_ids, cu_seqlens`` (each chunk's slot offsets),
-``max_seqlen, qkv_format, padding_mask, cp_size, cp_rank`` — NeMo's key set —
-plus ``loss_mask`` when one was passed (NeMo drops it on this path).
-mRoPE positions with chunks are refused (NeMo leaves them unvalidated).
+The ``B`` rows split into ``num_chunks`` equal groups (cpdata refuses a remainder NeMo would drop), each one
+flat THD stream (:func:`cpdata.nemo.thd_batch.to_thd_stream`), stacked: token keys ``[C, T_c]``,
+``cu_seqlens`` (and ``cu_seqlens_padded`` when any chunk emits it) int32 ``[C, n_max+1]`` right-padded with
+``-1000``, ``max_seqlen`` ``[C]``; at cp > 1 each chunk cut by TE's partition, NeMo's key set plus a passed
+``loss_mask``.
 """
 
 from __future__ import annotations
@@ -73,7 +58,7 @@ def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor |
 def split_thd_chunks(
     batch: Mapping[str, Any], num_chunks: int, cp_size: int, cp_rank: int, loss_mask: torch.Tensor | None = None
 ) -> dict[str, Any]:
-    """The stacked chunks of ``batch`` (see the module table); this CP rank's tokens at ``cp_size > 1``."""
+    """The stacked chunks of ``batch`` (see the module); this CP rank's tokens at ``cp_size > 1``."""
     streams = _chunks(batch, num_chunks, loss_mask)
     keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
     if cp_size > 1:

@@ -1,30 +1,9 @@
-"""On-device ``shard_batch`` functions for raw full ``[B, S]`` batches (pre-sharded ones: :mod:`cpdata.device.presharded`).
+"""On-device ``shard_batch`` for raw full ``[B, S]`` batches (NeMo Automodel's load-balanced path).
 
-- **raw full batch at cp > 1** (:class:`DeviceShard`, NeMo Automodel's
-  load-balanced path): ``round_robin`` (torch ``context_parallel``'s head-tail
-  order), rows right-padded to a multiple of ``2*cp`` with semantic pad values
-  (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device.
-  The primary stream is ``input_ids`` ``[B, S]`` or ``inputs_embeds``
-  ``[B, S, H]`` (kept differentiable). Missing ``position_ids`` become
-  ``arange(S)`` per row and a shared ``[1, S]`` row is expanded to ``[B, S]``
-  before sharding, so every token keeps its global position; mRoPE
-  ``[P, B, S]`` positions shard on their last dim.
-- **raw batch at cp <= 1** (:func:`shard_identity`): the caller's batch,
-  the same object, untouched.
-
-Raw THD batches of Transformer Engine models go through
-:mod:`cpdata.nemo.thd_shard`. Cost of the raw path: O(S) numpy on the host for the
-layout plus one gather per token tensor on device.
-
-Raw batch keys at cp > 1: sharded — the primary, ``labels``,
-``position_ids``, ``padding_mask`` (from a ``[B, S]`` ``attention_mask``,
-True = pad), ``document_ids``, ``loss_mask`` and ``extra_seq_buffers``;
-passed through unchanged — ``mm_token_type_ids``, keys starting with ``_``
-(vision masks such as ``_global_vision_mask``) and every tensor not shaped
-like the sequence (``pixel_values``, ``image_grid_thw``, ...) or non-tensor
-value; refused (``ValueError``) — any other tensor shaped ``[B, S, ...]``
-(it would stay at full length beside sharded tokens: declare it in
-``extra_seq_buffers``), ``input_ids`` together with ``inputs_embeds``.
+At cp > 1 (:class:`DeviceShard`): ``round_robin``, rows right-padded to a multiple of ``2*cp`` with semantic
+pad values (:mod:`cpdata.worker.keys`), every token tensor ``index_select``-ed on device (O(S) host numpy for
+the layout, one gather per tensor); which keys are sharded, passed through or refused: docs/nemo.md. At cp <=
+1 (:func:`shard_identity`): the caller's batch, untouched.
 """
 
 from __future__ import annotations
@@ -51,14 +30,8 @@ from cpdata.worker.keys import (
     STANDARD_TOKEN_KEYS,
 )
 
-__all__ = [
-    "PASSTHROUGH_TOKEN_KEYS",
-    "DeviceShard",
-    "check_undeclared",
-    "closed_form_indices",
-    "primary_key",
-    "shard_identity",
-]
+__all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared",
+           "closed_form_indices", "primary_key", "shard_identity"]
 
 INPUTS_EMBEDS = "inputs_embeds"
 PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
@@ -66,11 +39,8 @@ PASSTHROUGH_TOKEN_KEYS: tuple[str, ...] = ("mm_token_type_ids",)
 
 
 def closed_form_indices(layout: str, cp_mesh: Any, padded_seq_len: int, device: Any = None) -> torch.Tensor:
-    """This rank's global positions for a layout that needs no slot lengths.
-
-    Bind ``layout`` with ``functools.partial`` to get the sharder's
-    ``local_token_global_indices(cp_mesh, padded_seq_len, device)``.
-    """
+    """This rank's global positions for a layout that needs no slot lengths (bind ``layout`` with
+    ``functools.partial`` for a sharder's ``local_token_global_indices``)."""
     rank, size = mesh_rank_size(cp_mesh)
     return torch.from_numpy(rank_indices(layout, size, (), padded_seq_len)[rank]).to(device)
 
@@ -88,15 +58,10 @@ def primary_key(batch: Mapping[str, Any]) -> str:
 
 
 def shard_identity(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
-    """``shard_batch`` at cp <= 1: the caller's batch itself (same object, same tensors), nothing padded.
-
-    A ``loss_mask=`` given to the sharder is added to a new dict holding the same tensors.
-
-    The layout records the row length (``original_seq_len == padded_seq_len``)
-    so ``gather_token_tensor(trim=True)`` works as at cp > 1.
-    """
+    """``shard_batch`` at cp <= 1: the caller's batch itself, nothing padded (with ``loss_mask``: a new dict
+    of the same tensors). The layout records the row length, so ``trim=True`` works as at cp > 1."""
     del cp_mesh, tp_mesh, padding_token_id
-    if loss_mask is not None:  # a new dict holding the same tensors plus the mask
+    if loss_mask is not None:
         batch = {**batch, LOSS_MASK: loss_mask}
     primary = batch.get(INPUTS_EMBEDS, batch.get(INPUT_IDS))
     layout = None
@@ -134,23 +99,6 @@ def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len:
             out[key] = _pad(out[key], d, pack_len - seq_len, key, padding_token_id)
 
 
-def _attention_to_padding_mask(out: dict[str, Any]) -> None:
-    """Drop ``attention_mask`` (it cannot apply to sharded keys); a ``[B, S]`` one becomes ``padding_mask``."""
-    mask = out.pop("attention_mask", None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
-        out[PADDING_MASK] = ~mask.bool()
-
-
-def _positions(out: dict[str, Any], primary: torch.Tensor) -> None:
-    """Global positions before sharding (NeMo's rule): ``arange(S)`` per row when absent; ``[1, S]`` → ``[B, S]``."""
-    b, s = primary.shape[:2]
-    pos = out.get(POSITION_IDS)
-    if pos is None:
-        out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
-    elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
-        out[POSITION_IDS] = pos.expand(b, -1).contiguous()
-
-
 def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: torch.Tensor) -> None:
     """Refuse a sequence-shaped tensor the shard does not know: it would stay at full length."""
     undeclared = sorted(
@@ -165,6 +113,14 @@ def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: t
         )
 
 
+def check_extra_buffers(batch: Mapping[str, Any], names: Any) -> None:
+    """NeMo 0.7.0's ``KeyError`` for a declared extra sequence buffer the batch lacks (never sharded without
+    it)."""
+    for key in names or ():
+        if key not in batch:
+            raise KeyError(f"Extra CP sequence buffer {key!r} is missing from the batch")
+
+
 def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
     """63-bit digest of the layout inputs; token ids are included when they are on the host."""
     h = hashlib.blake2b(digest_size=8)
@@ -176,12 +132,8 @@ def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceShard:
-    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` for raw batches at cp > 1.
-
-    Returns ``(ctx_factory, dict_of_device_tensors, ShardLayout)``; the ctx is
-    :func:`attention_ctx`. Pre-sharded batches are only checked and copied;
-    raw batches follow the module's rules (at cp <= 1 the identity).
-    """
+    """``shard_batch`` -> ``(attention_ctx, dict of device tensors, ShardLayout)`` for raw batches at cp > 1
+    (at cp <= 1 the identity); pre-sharded batches are only checked and copied."""
 
     device: torch.device | None = None
     extra_seq_buffers: Mapping[str, int] = field(default_factory=dict)
@@ -198,7 +150,9 @@ class DeviceShard:
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
         out = {k: to_device(v, self.device) for k, v in batch.items()}
-        _attention_to_padding_mask(out)
+        mask = out.pop("attention_mask", None)  # it cannot apply to sharded keys; a [B, S] one marks the pads
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and PADDING_MASK not in out:
+            out[PADDING_MASK] = ~mask.bool()
         if loss_mask is not None:
             out[LOSS_MASK] = to_device(loss_mask, self.device)
         key = primary_key(out)
@@ -208,16 +162,19 @@ class DeviceShard:
                 f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
                 f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
             )
-        _positions(out, primary)
+        b, s = primary.shape[:2]  # global positions before sharding (NeMo's rule)
+        pos = out.get(POSITION_IDS)
+        if pos is None:
+            out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+        elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
+            out[POSITION_IDS] = pos.expand(b, -1).contiguous()
         dims = {key: 1}
         dims.update({
             k: out[k].dim() - 1
             for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
             if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
         })  # fmt: skip
-        missing = [k for k in self.extra_seq_buffers if k not in out]
-        if missing:  # NeMo 0.7.0 raises the same KeyError; sharding without it would leave the buffer behind
-            raise KeyError(f"Extra CP sequence buffer {missing[0]!r} is missing from the batch")
+        check_extra_buffers(out, self.extra_seq_buffers)
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items()})
         check_undeclared(out, dims, primary)
         seq_len = primary.shape[1]
@@ -228,13 +185,7 @@ class DeviceShard:
         index = local.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        layout = ShardLayout(
-            local_token_global_indices=local,
-            original_seq_len=seq_len,
-            padded_seq_len=pack_len,
-            gather_index=torch.from_numpy(inverse_indices(rows)),
-            cp_size=size,
-            cp_rank=rank,
-            digest=_digest(size, pack_len, batch[key]),
-        )
+        layout = ShardLayout(local_token_global_indices=local, original_seq_len=seq_len,
+                             padded_seq_len=pack_len, gather_index=torch.from_numpy(inverse_indices(rows)),
+                             cp_size=size, cp_rank=rank, digest=_digest(size, pack_len, batch[key]))
         return attention_ctx(cp_mesh, layout, out), out, layout

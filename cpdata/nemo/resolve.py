@@ -1,30 +1,11 @@
-"""Choosing a sharding strategy for a model, mesh and batch: decided once, in one place (NeMo's order).
+"""Choosing a sharding strategy for a model, mesh and batch, once, in NeMo's order (docs/nemo.md).
 
-0. A MagiAttention model (``model.backend.attn == "magi"``, or
-   ``config._attn_implementation == "magi"``): NeMo hands the batch to
-   MagiAttention, whose dispatch solver shards it; cpdata has no such layout.
-   With ``nemo_automodel`` and ``magi_attention`` importable the whole
-   resolution is NeMo Automodel's own (``_prepare_cp_sharder``, release
-   0.7.0: hook rules, magi state, its ``shard_batch``; its layouts are read
-   into cpdata's :class:`~cpdata.shard_layout.ShardLayout`); without them, or
-   for a worker-sharded batch (already cut by cpdata's layout), ``ValueError``
-   naming MagiAttention, never a silent round-robin.
-1. The model's hook: at cp > 1 (or for a THD batch when ``model.supports_thd``)
-   and ``invoke_pre_embed``, ``model.prepare_model_inputs_for_cp(batch,
-   num_chunks=num_chunks)`` is called as NeMo calls it. It returns a mapping;
-   its ``"cp_sharder"`` (a ``ContextParallelSharder``, or None) owns the
-   sharding and every other key is merged into ``batch`` in place (None values
-   included).
-2. A worker-sharded batch (a mapping with ``.layout``): copy only.
-3. A ``qkv_format="thd"`` batch for a Transformer Engine model
-   (``model.backend.attn == "te"``, ``config._attn_implementation == "te"``
-   or ``model._te_attention_injected``), or with no model at all:
-   :class:`cpdata.nemo.thd_shard.ThdShard`, at every CP size.
-4. cp > 1: :class:`cpdata.nemo.raw_shard.DeviceShard` (``round_robin``).
-5. Otherwise the identity: ``shard()`` hands back the caller's batch.
-
-Call sites never branch on backends; they hold the resulting
-``ContextParallelSharder``.
+0. MagiAttention: NeMo Automodel's own ``_prepare_cp_sharder`` when it imports, else ``ValueError``.
+1. The model's ``prepare_model_inputs_for_cp`` hook (cp > 1, or THD with ``model.supports_thd``).
+2. A worker-sharded batch: copy only.
+3. THD of a TE model, or without a model: :class:`ThdShard`.
+4. cp > 1: :class:`DeviceShard` (``round_robin``).
+5. Otherwise the identity.
 """
 
 from __future__ import annotations
@@ -74,8 +55,7 @@ def mesh_device(device_mesh: Any) -> torch.device | None:
 
 
 def attention_backend(model: Any) -> str | None:
-    """The live model's attention backend: ``model.backend.attn``, else its config's ``_attn_implementation``
-    (NeMo Automodel 0.7.0's ``_attention_backend``)."""
+    """``model.backend.attn``, else its config's ``_attn_implementation`` (NeMo's ``_attention_backend``)."""
     backend = getattr(getattr(model, "backend", None), "attn", None)
     if backend is None:
         config = getattr(model, "config", None)
@@ -158,22 +138,13 @@ def _call_hook(model: Any, batch: Mapping[str, Any], num_chunks: int) -> Strateg
         return None
     if not hasattr(sharder, "shard_batch"):
         raise TypeError(f"prepare_model_inputs_for_cp returned a 'cp_sharder' of type {type(sharder).__name__}")
-    return Strategy(
-        shard_batch=sharder.shard_batch,
-        local_token_global_indices=sharder.local_token_global_indices,
-        shard_layout=sharder.shard_layout,
-    )
+    return Strategy(shard_batch=sharder.shard_batch, shard_layout=sharder.shard_layout,
+                    local_token_global_indices=sharder.local_token_global_indices)
 
 
-def resolve_strategy(
-    model: Any,
-    device_mesh: Any,
-    batch: Mapping[str, Any],
-    *,
-    num_chunks: int = 1,
-    invoke_pre_embed: bool = True,
-    extra_seq_buffers: Mapping[str, int] | None = None,
-) -> Strategy:
+def resolve_strategy(model: Any, device_mesh: Any, batch: Mapping[str, Any], *, num_chunks: int = 1,
+                     invoke_pre_embed: bool = True,
+                     extra_seq_buffers: Mapping[str, int] | None = None) -> Strategy:
     """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
     if not is_int(num_chunks) or num_chunks < 1:
         raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")

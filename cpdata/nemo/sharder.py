@@ -1,27 +1,14 @@
-"""``ContextParallelSharder``: the device half of a CP batch.
+"""``ContextParallelSharder``: the device half of a CP batch (NeMo Automodel's sharder contract).
 
-``sharder.shard(batch)`` returns ``(ctx_factory, batch)`` for the forward and
-keeps the batch's :class:`ShardLayout`; the token verbs
-(:meth:`~ContextParallelSharder.shard_token_tensor`,
-:meth:`~ContextParallelSharder.gather_token_tensor`) then move any per-token
-tensor between the caller's coordinates and this rank's local order with that
-layout. A worker-sharded batch (a Mapping with ``.layout``) is only copied to
-the device; a raw full batch is laid out on device by the same layout functions
-(:mod:`cpdata.nemo.raw_shard`). The gather is one collective (:mod:`cpdata.gather`).
+``shard(batch)`` returns ``(ctx_factory, batch)`` and keeps the batch's :class:`ShardLayout`; the token verbs
+then move any per-token tensor between the caller's coordinates and this rank's local order with it. A
+worker-sharded batch is only copied to the device; a raw full batch is laid out on device
+(:mod:`cpdata.nemo.raw_shard`). Construction is direct (``device_mesh=``, ``shard_batch=`` a backend's
+function) or resolved (``model, mesh, batch``: the model's ``prepare_model_inputs_for_cp`` hook or cpdata's
+own, :mod:`cpdata.nemo.resolve`).
 
-Construction follows one of two forms:
-
-- direct: ``ContextParallelSharder(device_mesh=mesh, shard_batch=fn, ...)``
-  with a backend's own ``shard_batch``;
-- resolved: ``ContextParallelSharder(model, mesh, batch, ...)`` picks the
-  model's sharder (``model.prepare_model_inputs_for_cp(batch, num_chunks=...)``,
-  NeMo's hook) or cpdata's own (:func:`cpdata.nemo.resolve.resolve_strategy`).
-
-At cp <= 1 a raw batch comes back as the same object and
-``gather_token_tensor(t)`` returns ``t``. Errors NeMo raises as
-``NotImplementedError`` (token verbs before the first shard of a
-data-dependent layout, ``trim=True`` with nothing to trim to) are
-:class:`cpdata.errors.NotAvailableYetError`, also a ``ValueError``.
+At cp <= 1 a raw batch comes back as the same object and ``gather_token_tensor(t)`` returns ``t``. What NeMo
+raises as ``NotImplementedError`` is :class:`cpdata.errors.NotAvailableYetError` (also a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -33,7 +20,7 @@ from typing import Any
 import torch
 
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
-from cpdata.device.presharded import PreshardedMove, mesh_rank_size
+from cpdata.device.presharded import PreshardedMove, mesh_group, mesh_rank_size
 from cpdata.errors import NotAvailableYetError
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.gather import gather_token_tensor as _gather
@@ -54,12 +41,9 @@ class ContextParallelSharder:
     """How a batch is sharded over CP ranks, and where each local token lives.
 
     Attributes:
-        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask=None,
-            padding_token_id=0) -> (ctx_factory, batch, ShardLayout | None)``.
-        local_token_global_indices: ``(cp_mesh, padded_seq_len, device) ->``
-            int64 ``[local_len]`` for layouts that are a pure function of the
-            length; None for data-dependent layouts (their token verbs raise
-            before the first :meth:`shard`).
+        shard_batch: ``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id) -> (ctx, batch, layout)``.
+        local_token_global_indices: closed-form ``(cp_mesh, padded_seq_len, device) ->`` int64 ``[L]``; None
+            for data-dependent layouts (their token verbs raise before the first :meth:`shard`).
         shard_layout: the :class:`ShardLayout` of the last :meth:`shard`.
         device: where :meth:`shard` puts tensors (the mesh's device type).
     """
@@ -83,44 +67,28 @@ class ContextParallelSharder:
         """Construct from a backend's ``shard_batch``, or resolve one for ``model`` and ``batch``.
 
         Args:
-            model: model whose ``prepare_model_inputs_for_cp`` hook may own the
-                sharding; None for cpdata's own.
             device_mesh: mesh with optional ``"cp"`` and ``"tp"`` dims.
-            batch: a raw full batch (``input_ids`` ``[B, S]``; ``qkv_format="thd"``
-                with ``seq_lens_padded`` for a flat stream) or a worker-sharded
+            batch: a raw full batch (``input_ids`` ``[B, S]``, or ``qkv_format="thd"``) or a worker-sharded
                 one; required when resolving.
-            shard_batch: a backend's shard function (direct construction;
-                excludes ``model``, ``batch`` and the resolution options).
-            local_token_global_indices: closed-form index map (direct only).
-            shard_layout: an already-known layout (direct only).
-            padding_token_id: ``input_ids`` pad value.
-            num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE
-                models are split into that many stacked THD chunks; other batches
-                are unchanged by it. Forwarded to the model's hook.
+            shard_batch: a backend's shard function; excludes ``model``, ``batch`` and the resolution options,
+                as ``local_token_global_indices`` and ``shard_layout`` require it.
+            num_chunks: pipeline chunks (NeMo's PP convention): THD batches of TE models become that many
+                stacked THD chunks. Forwarded to the model's hook.
             loss_mask: ``[B, S]`` mask sharded with the batch as ``"loss_mask"``.
-            invoke_pre_embed: call the model's CP preparation hook if it has one.
-            extra_seq_buffers: more token-aligned batch keys → their sequence dim.
-            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` of the batch's layout on
-                the first :meth:`shard` and every this many after (default 100; 0 or None: off), so CP ranks fed
-                different packs raise on every rank at the first step (cost: :mod:`cpdata.device.consistency`).
+            extra_seq_buffers: more token-aligned batch keys -> their sequence dim.
+            check_layout_every: :func:`cpdata.device.consistency.verify_layout_consistency` on the first
+                :meth:`shard` and every this many after (0 or None: off), so ranks fed different packs raise.
         """
         if shard_batch is not None:
-            if (
-                model is not None
-                or batch is not None
-                or num_chunks != 1
-                or not invoke_pre_embed
-                or extra_seq_buffers is not None
+            if model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed or (
+                extra_seq_buffers is not None
             ):
                 raise TypeError(
                     "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
                     "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
                 )
-            strategy = Strategy(
-                shard_batch=shard_batch,
-                local_token_global_indices=local_token_global_indices,
-                shard_layout=shard_layout,
-            )
+            strategy = Strategy(shard_batch=shard_batch, shard_layout=shard_layout,
+                                local_token_global_indices=local_token_global_indices)
         else:
             if local_token_global_indices is not None or shard_layout is not None:
                 raise TypeError(
@@ -128,14 +96,9 @@ class ContextParallelSharder:
                 )
             if batch is None:
                 raise TypeError("batch is required when shard_batch is not provided (it decides the layout)")
-            strategy = resolve_strategy(
-                model,
-                device_mesh,
-                batch,
-                num_chunks=num_chunks,
-                invoke_pre_embed=invoke_pre_embed,
-                extra_seq_buffers=extra_seq_buffers,
-            )
+            strategy = resolve_strategy(model, device_mesh, batch, num_chunks=num_chunks,
+                                        invoke_pre_embed=invoke_pre_embed,
+                                        extra_seq_buffers=extra_seq_buffers)
         self.shard_batch = strategy.shard_batch
         self.local_token_global_indices = strategy.local_token_global_indices
         self.shard_layout = strategy.shard_layout
@@ -151,14 +114,6 @@ class ContextParallelSharder:
         fast = PreshardedMove(self._cp_mesh, self.device, dims) if isinstance(self.shard_batch, DeviceShard) else None
         self._fast = (self.shard_batch, fast)
 
-    # -- mesh ----------------------------------------------------------------
-    def _cp_rank_size(self) -> tuple[int, int]:
-        return mesh_rank_size(self._cp_mesh)
-
-    def _cp_group(self) -> Any:
-        return self._cp_mesh.get_group() if self._cp_mesh is not None else None
-
-    # -- batch ---------------------------------------------------------------
     def shard(self, batch: Mapping[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """Shard ``batch`` for this rank; keep its layout for the token verbs."""
         shard_batch, fast = self._fast
@@ -168,25 +123,18 @@ class ContextParallelSharder:
             ctx, out, self.shard_layout = fast(batch)
             self._check(self.shard_layout, self._cp_mesh)
             return ctx, out
-        ctx, batch, self.shard_layout = self.shard_batch(
-            self._cp_mesh,
-            self._tp_mesh,
-            batch,
-            loss_mask=self._loss_mask,
-            padding_token_id=self._padding_token_id,
-        )
+        ctx, batch, self.shard_layout = self.shard_batch(self._cp_mesh, self._tp_mesh, batch,
+                                                         loss_mask=self._loss_mask,
+                                                         padding_token_id=self._padding_token_id)
         self._check(self.shard_layout, self._cp_mesh)
         return ctx, batch
 
     def _indices(self, padded_seq_len: int, device: Any) -> torch.Tensor:
-        """This rank's global positions for a padded stream of ``padded_seq_len`` tokens (int64 ``[L]``).
-
-        A reported map may be int32 or ``[1, L]`` (TE's partition): it is
-        flattened and cast, as NeMo does.
-        """
+        """This rank's global positions in a padded stream of ``padded_seq_len`` tokens, int64 ``[L]`` (a map
+        reported int32 or ``[1, L]`` is flattened and cast, as NeMo does)."""
         layout = self.shard_layout or _NO_LAYOUT
         if layout.local_token_global_indices is not None:
-            _, size = self._cp_rank_size()
+            _, size = mesh_rank_size(self._cp_mesh)
             local = layout.local_token_global_indices.numel()
             if padded_seq_len != local * size:
                 raise ValueError(
@@ -203,19 +151,11 @@ class ContextParallelSharder:
             )
         return self.local_token_global_indices(self._cp_mesh, padded_seq_len, device).reshape(-1).long()
 
-    # -- token verbs -----------------------------------------------------------
     def shard_token_tensor(
         self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
     ) -> torch.Tensor:
-        """This rank's shard of a full token-aligned tensor, laid out like the model inputs.
-
-        Accepted, in order: a ``[B, S_in]`` tensor shaped like the layout's
-        ``input_token_stream_positions`` (scattered into padded rows, ``fill``
-        in the gaps; ``fill`` required); a tensor whose leading dims equal
-        ``input_row_shape`` (flattened, sequence dim 0); a tensor of
-        ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); a
-        tensor of ``padded_seq_len``. Any other length raises ``ValueError``.
-        """
+        """This rank's shard of a full token-aligned tensor, laid out like the model inputs (accepted shapes:
+        :func:`cpdata.nemo.token_coords.to_padded_stream`)."""
         tensor, seq_dim = to_padded_stream(self.shard_layout or _NO_LAYOUT, tensor, seq_dim, fill)
         index = self._indices(tensor.shape[seq_dim], tensor.device)
         return tensor.index_select(seq_dim, index)
@@ -223,17 +163,11 @@ class ContextParallelSharder:
     def gather_token_tensor(
         self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False, fill: float | int | None = None
     ) -> torch.Tensor:
-        """Differentiably gather a local shard to global order (one collective each way).
-
-        With ``trim=True`` the result is in the caller's coordinates: mapped
-        through ``input_token_stream_positions`` (``fill`` for dropped input
-        slots; required), reshaped to ``input_row_shape``, or narrowed to
-        ``original_seq_len``. Backward sums over CP ranks: with a loss
-        replicated on every CP rank, each rank's local gradient is
-        ``cp_size x`` the single-loss gradient (see :mod:`cpdata.gather`).
-        """
+        """Differentiably gather a local shard to global order (one collective each way; backward sums over CP
+        ranks, :mod:`cpdata.gather`). ``trim=True``: in the caller's coordinates
+        (:func:`cpdata.nemo.token_coords.trim_to_caller`)."""
         seq_dim = seq_dim % tensor.dim()
-        rank, size = self._cp_rank_size()
+        rank, size = mesh_rank_size(self._cp_mesh)
         if size <= 1:
             full = self._gather_cp1(tensor, seq_dim)
         else:
@@ -243,7 +177,7 @@ class ContextParallelSharder:
                     f"shard layout was built for cp_size={layout.cp_size}, cp_rank={layout.cp_rank} but the CP "
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
-            full = _gather(tensor, layout, self._cp_group(), seq_dim)
+            full = _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
         if not trim:
             return full
         return trim_to_caller(self.shard_layout or _NO_LAYOUT, full, seq_dim, fill, self.shard_layout is not None)
@@ -260,17 +194,12 @@ class ContextParallelSharder:
         if torch.equal(index, torch.arange(index.numel(), device=index.device)):
             return tensor
         if layout.gather_index is not None:
-            return _gather(tensor, layout, self._cp_group(), seq_dim)
+            return _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
         return torch.zeros_like(tensor).index_copy(seq_dim, index, tensor)
 
     def _layout_with_inverse(self, padded_seq_len: int, device: Any) -> ShardLayout:
-        """The layout for a gather at cp > 1; its inverse is built once (one index all-gather) when missing.
-
-        A backend's layout, or a closed-form index map, may come without
-        ``gather_index``: every rank's map is all-gathered once, inverted and
-        cached (on ``shard_layout`` when there is one), so later gathers of
-        the same batch are one collective on the data.
-        """
+        """The layout for a gather at cp > 1. One without ``gather_index`` (a backend's, or a closed-form map)
+        gets it once by one index all-gather, cached on ``shard_layout`` (or per length without one)."""
         layout = self.shard_layout
         if layout is not None and layout.gather_index is not None:
             return layout
@@ -278,7 +207,8 @@ class ContextParallelSharder:
         if cached is not None:
             return cached
         local = self._indices(padded_seq_len, device).cpu()
-        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), self._cp_group())
+        group = mesh_group(self._cp_mesh)
+        built = ensure_gather_index(replace(layout or _NO_LAYOUT, local_token_global_indices=local), group)
         if layout is not None:
             self.shard_layout = built
         else:

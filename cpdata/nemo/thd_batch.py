@@ -1,40 +1,8 @@
-"""A raw ``[B, S]`` THD batch as one flat packed stream with TE's metadata (cp = 1 part of the THD path).
+"""A raw ``[B, S]`` THD batch as one flat packed stream with TE's metadata (NeMo's ``process_input_for_thd``).
 
-Input (NeMo Automodel's packed collater): ``input_ids`` ``[B, S]`` (or
-``[B, S, H]`` hidden states on pipeline stages after the first), ``labels``
-``[B, S]``, ``position_ids`` ``[B, S]`` (or mRoPE ``[P, B, S]``), ``seq_lens``
-and ``seq_lens_padded`` ``[B, n]`` (real and slot lengths per document; the
-sentinel ``-1000`` marks unused entries), ``qkv_format="thd"``.
-
-Output (NeMo's ``process_input_for_thd`` contract, same keys and values):
-
-| key | value |
-|---|---|
-| ``input_ids`` | ``[T]`` (``[T, H]``), ``T = B*S``, rows concatenated |
-| ``labels`` | ``[T]`` |
-| ``position_ids`` | ``[T]``; mRoPE ``[P, 1, T]`` (the leading dim kept) |
-| ``cu_seqlens`` | int32 ``[n+1]``, cumulative REAL lengths |
-| ``cu_seqlens_padded`` | int32 ``[n+1]`` slot offsets, only when it differs from ``cu_seqlens`` |
-| ``max_seqlen`` | int32 0-d, ``max(diff(cu_seqlens))`` |
-| ``padding_mask`` | bool ``[T]``, True on pads, from the lengths (never from token values) |
-| ``document_ids`` | ``[T]``, when the batch has them |
-| every other key | unchanged, except ``seq_lens``/``seq_lens_padded`` (consumed), ``attention_mask`` (dropped) |
-
-A flat ``[T]`` stream is taken as one row. Sequence-shaped keys pass
-through only by :data:`cpdata.nemo.raw_shard.PASSTHROUGH_TOKEN_KEYS` or a ``_``
-prefix (``_global_vision_mask``); any other ``[B, S]`` tensor is refused
-(declare it in ``extra_seq_buffers``).
-
-Trailing-pad absorption (NeMo's rule): when real and slot offsets agree on
-every entry but the last, the pack's tail padding joins the last document:
-``cu_seqlens[-1] = T``, ``cu_seqlens_padded`` is not emitted, and
-``max_seqlen`` is computed after that bump (TE requires
-``max_seqlen >= max(diff(cu_seqlens))``).
-
-Where NeMo would silently misalign, cpdata fixes or refuses: a row whose slots
-do not reach ``S`` has its tail joined to its last slot (a row of sentinels
-only becomes one empty document), slots longer than the row, a real length
-over its slot or a negative length raise ``ValueError``.
+Input: NeMo's packed collater output (``seq_lens`` / ``seq_lens_padded`` ``[B, n]``, ``-1000`` marks unused
+entries); a flat ``[T]`` stream is one row. Output keys, trailing-pad absorption and where cpdata refuses what
+NeMo would misalign: docs/nemo.md.
 """
 
 from __future__ import annotations
@@ -48,7 +16,7 @@ import torch
 
 from cpdata.errors import MissingBatchKeyError
 from cpdata.layout.maps import rank_indices
-from cpdata.nemo.raw_shard import check_undeclared
+from cpdata.nemo.raw_shard import check_extra_buffers, check_undeclared
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
 __all__ = ["SEQ_LENS_SENTINEL", "ThdStream", "shard_thd_stream", "to_thd_stream"]
@@ -64,7 +32,7 @@ class ThdStream:
     """One flat stream and the host-side lengths that laid it out."""
 
     batch: dict[str, Any]
-    """NeMo's THD keys (see the module table)."""
+    """NeMo's THD keys (docs/nemo.md)."""
     token_dims: dict[str, int]
     """Token-aligned keys of ``batch`` → their (flat) sequence dim."""
     real: np.ndarray
@@ -127,17 +95,10 @@ def _cumsum(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
 
 
-def to_thd_stream(
-    batch: Mapping[str, Any],
-    *,
-    loss_mask: torch.Tensor | None = None,
-    extra_seq_buffers: Mapping[str, int] | None = None,
-) -> ThdStream:
-    """Flatten a raw THD batch and compute NeMo's metadata (see the module docstring).
-
-    ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers`` (name → sequence dim
-    of a tensor whose dims up to it end with ``[B, S]``) are flattened with
-    the tokens.
+def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = None,
+                  extra_seq_buffers: Mapping[str, int] | None = None) -> ThdStream:
+    """Flatten a raw THD batch and compute NeMo's metadata; ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers``
+    (name -> sequence dim of a tensor whose dims up to it end with ``[B, S]``) are flattened with the tokens.
     """
     for key in _REQUIRED:
         if key not in batch:
@@ -146,9 +107,7 @@ def to_thd_stream(
                 f"a qkv_format='thd' batch needs {list(_REQUIRED)} (NeMo's packed collater output); "
                 f"got keys {sorted(batch)}",
             )
-    for key in extra_seq_buffers or {}:
-        if key not in batch:  # NeMo 0.7.0's KeyError (its generic path); never sharded without it
-            raise KeyError(f"Extra CP sequence buffer {key!r} is missing from the batch")
+    check_extra_buffers(batch, extra_seq_buffers)
     if loss_mask is None and isinstance(batch.get(LOSS_MASK), torch.Tensor):
         loss_mask = batch[LOSS_MASK]
     caller_rows = tuple(batch[INPUT_IDS].shape[:2]) if isinstance(batch[INPUT_IDS], torch.Tensor) else ()
@@ -230,19 +189,13 @@ def _flat_positions(position_ids: Any, b: int, s: int) -> torch.Tensor:
 _INT_KEYS = (INPUT_IDS, LABELS, POSITION_IDS)  # NeMo casts these to int64 (token ids only, never hidden states)
 
 
-def _partition(cu_out: torch.Tensor, total: int, size: int, rank: int) -> np.ndarray:
-    """TE's partition of a stream whose document slots start at ``cu_out`` (sentinel entries ignored)."""
-    offsets = np.asarray(cu_out.detach().cpu(), dtype=np.int64)
-    offsets = offsets[offsets != SEQ_LENS_SENTINEL]
-    return rank_indices("thd", size, np.diff(offsets), total)
-
-
 def shard_thd_stream(
     tensors: dict[str, Any], dims: Mapping[str, int], cu_out: torch.Tensor, size: int, rank: int
 ) -> tuple[dict[str, Any], np.ndarray]:
     """This rank's tokens of one flat stream plus NeMo's cp > 1 metadata; returns ``(batch, rows)``."""
     total = int(tensors[INPUT_IDS].shape[0])
-    rows = _partition(cu_out, total, size, rank)
+    slot_starts = np.asarray(cu_out.detach().cpu(), dtype=np.int64)  # TE's partition over these slots
+    rows = rank_indices("thd", size, np.diff(slot_starts[slot_starts != SEQ_LENS_SENTINEL]), total)
     index = torch.from_numpy(rows[rank]).to(tensors[INPUT_IDS].device)
     out = dict(tensors)
     for key, dim in dims.items():
@@ -253,11 +206,7 @@ def shard_thd_stream(
     out[PADDING_MASK] = out[PADDING_MASK].bool()
     out.pop("cu_seqlens_padded", None)
     offsets = cu_out[cu_out != SEQ_LENS_SENTINEL]
-    out.update(
-        cu_seqlens=cu_out.to(torch.int32).contiguous(),
-        max_seqlen=(offsets[1:] - offsets[:-1]).max().to(torch.int32),
-        qkv_format="thd",
-        cp_size=size,
-        cp_rank=rank,
-    )
+    out.update(cu_seqlens=cu_out.to(torch.int32).contiguous(),
+               max_seqlen=(offsets[1:] - offsets[:-1]).max().to(torch.int32), qkv_format="thd", cp_size=size,
+               cp_rank=rank)
     return out, rows

@@ -1,33 +1,8 @@
 """``shard_batch`` for raw THD batches of Transformer Engine models (NeMo's TE/THD path, any CP size).
 
-:func:`cpdata.nemo.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every
-token tensor is then cut by TE's partition (``thd_get_partitioned_indices``,
-which is cpdata's ``thd`` layout: chunks ``r`` and ``2cp-1-r`` of every
-document slot) and the metadata takes NeMo's cp > 1 form:
-
-| key | cp = 1 | cp > 1 |
-|---|---|---|
-| ``cu_seqlens`` | real lengths (absorbed) | the slot offsets (``cu_seqlens_padded`` when emitted) |
-| ``cu_seqlens_padded`` | when it differs | dropped |
-| ``max_seqlen`` | ``max(diff(cu_seqlens))`` | widest slot |
-| ``padding_mask`` | ``[T]`` | this rank's ``[T/cp]`` |
-| ``cp_size``, ``cp_rank`` | — | Python ints |
-| ``_thd_local_indices`` | ``arange(T)`` int64 | this rank's stream positions, int64 ``[T/cp]`` |
-
-``_thd_local_indices`` is NeMo 0.7.0's key (its TE THD path adds it at every
-CP size, one stream only; NeMo's packed-VLM models pop it from the forward
-kwargs): the same values as ``layout.local_token_global_indices``, on the
-batch's device.
-
-Example (cp = 2, real [3, 5] in slots [4, 8]): rank 0 holds stream positions
-``[0, 3, 4, 5, 10, 11]``, ``cu_seqlens=[0, 4, 12]``, ``max_seqlen=8``,
-``padding_mask=[F, T, F, F, T, T]``.
-
-Pipeline parallelism (``num_chunks > 1``): the ``B`` rows split into
-``num_chunks`` equal groups, each converted on its own and stacked
-(:mod:`cpdata.nemo.pp_chunks`); chunked batches have no single token layout.
-mRoPE positions keep their leading dim (``[P, 1, T/cp]``); NeMo indexes
-them on that dim at cp > 1, cpdata on the token dim.
+:func:`cpdata.nemo.thd_batch.to_thd_stream` flattens the rows; at cp > 1 every token tensor is cut by TE's
+partition (``thd_get_partitioned_indices`` = cpdata's ``thd`` layout) and the metadata takes NeMo's cp > 1
+form (docs/nemo.md). ``num_chunks > 1``: :mod:`cpdata.nemo.pp_chunks`.
 """
 
 from __future__ import annotations
@@ -50,18 +25,14 @@ from cpdata.worker.keys import INPUT_IDS
 __all__ = ["THD_LOCAL_INDICES", "ThdShard"]
 
 THD_LOCAL_INDICES = "_thd_local_indices"
-"""NeMo Automodel 0.7.0's batch key for this rank's THD partition (see the module table)."""
+"""NeMo 0.7.0's key for this rank's THD partition (NeMo's packed-VLM models pop it from the forward kwargs).
+"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ThdShard:
-    """``shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)`` for a TE THD batch.
-
-    Returns ``(ctx, batch, layout)``. One stream: a layout over the flat
-    stream (``input_row_shape=(B, S)``), and at cp > 1 the CP attention ctx
-    with document ids from the slots. Chunked: ``layout`` None (each chunk is
-    its own token space, as in NeMo) and ``nullcontext`` (TE attends; there is
-    no single stream for SDPA).
+    """``shard_batch`` for a TE THD batch -> ``(ctx, batch, layout)``: a layout over the flat stream
+    (``input_row_shape=(B, S)``) and at cp > 1 the CP attention ctx; chunked: ``(nullcontext, batch, None)``.
     """
 
     num_chunks: int = 1

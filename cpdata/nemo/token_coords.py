@@ -1,12 +1,6 @@
 """Token tensors between the caller's coordinates and a layout's padded stream (the sharder's token verbs).
 
-A caller holds token-aligned tensors in its own coordinates: ``[B, S_in]``
-input rows that a layout repositions (``input_token_stream_positions``),
-stacked rows (``input_row_shape``), the unpadded stream
-(``original_seq_len``) or the padded stream itself (``padded_seq_len``).
-:func:`to_padded_stream` brings such a tensor to the padded stream before the
-sharder selects this rank's positions; :func:`trim_to_caller` takes a gathered
-padded stream back. Both are O(tensor) torch ops on the tensor's device.
+Both functions are O(tensor) torch ops on the tensor's device.
 """
 
 from __future__ import annotations
@@ -23,10 +17,12 @@ __all__ = ["to_padded_stream", "trim_to_caller"]
 def to_padded_stream(
     layout: ShardLayout, tensor: torch.Tensor, seq_dim: int, fill: float | int | None
 ) -> tuple[torch.Tensor, int]:
-    """``(tensor, seq_dim)`` on the layout's padded stream; see ``ContextParallelSharder.shard_token_tensor``.
+    """``(tensor, seq_dim)`` on the layout's padded stream.
 
-    Raises ``ValueError`` for a length the layout does not know, or a
-    repositioned/right-padded tensor without ``fill``.
+    Accepted, in order: ``[B, S_in]`` shaped like ``input_token_stream_positions`` (scattered into padded
+    rows, ``fill`` in the gaps); leading dims equal to ``input_row_shape`` (flattened, sequence dim 0);
+    ``original_seq_len`` on ``seq_dim`` with ``fill`` (right-padded); ``padded_seq_len``. Anything else, or a
+    repositioned/right-padded tensor without ``fill``, raises ``ValueError``.
     """
     seq_dim = seq_dim % tensor.dim()
     positions = layout.input_token_stream_positions
@@ -64,11 +60,10 @@ def to_padded_stream(
 def trim_to_caller(
     layout: ShardLayout, full: torch.Tensor, seq_dim: int, fill: float | int | None, has_layout: bool
 ) -> torch.Tensor:
-    """A gathered padded stream back in the caller's coordinates (``gather_token_tensor(trim=True)``).
-
-    ``has_layout``: the sharder has sharded a batch (a packed row's padded
-    stream is then the caller's own coordinate system).
-    """
+    """A gathered padded stream back in the caller's coordinates: mapped through
+    ``input_token_stream_positions`` (``fill`` for dropped input slots; required), reshaped to
+    ``input_row_shape`` or narrowed to ``original_seq_len``. ``has_layout``: a batch was sharded (a packed
+    row's stream is then the caller's own)."""
     if layout.padded_seq_len is not None and full.shape[seq_dim] != layout.padded_seq_len:
         raise ValueError(
             f"gathered length {full.shape[seq_dim]} on dim {seq_dim} != padded_seq_len "
