@@ -211,10 +211,10 @@ class MixSource(SourceReader):
     def take(self, read: bool) -> tuple[int, Any]:
         """``(index in this pass, item)``; ``item`` is None for an unread sequence item. StopIteration at the end."""
         index = self.position
-        if self.kind == "sequence":
+        if self.kind == "sequence" and not read:
             if index >= len(self.source):
                 raise StopIteration
-            item = self.read(index) if read else None
+            item = None
         else:
             item = self.next(index)
         self.position = index + 1

@@ -111,7 +111,12 @@ class SourceReader:
             raise
 
     def next(self, index: int) -> Any:
-        """The next item of a stream, document ``index`` of its pass (a stream not open is opened there)."""
+        """Item ``index`` of a pass: a sequence's, or the next of a stream (a stream not open is opened there);
+        StopIteration at the pass's end."""
+        if self.kind == "sequence":
+            if index >= len(self.source):
+                raise StopIteration
+            return self.read(index)
         if self.kind == "iterable" and self._it is None:
             self.open(index)
         try:

@@ -104,12 +104,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
 
     def next(self) -> dict[str, np.ndarray]:
         index = self._position
-        if self.reader.kind == "sequence":
-            if index >= len(self.source):
-                raise StopIteration
-            row = self.reader.read(index)
-        else:
-            row = self.reader.next(index)
+        row = self.reader.next(index)
         self._position = index + 1
         return self.tokenizer(row, index)
 
