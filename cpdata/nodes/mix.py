@@ -4,49 +4,13 @@
 
     mixed = cpdata.mix({"web": open_dataset("web.jsonl"), "chat": chat_rows},
                        {"web": 0.7, "chat": 0.3}, seed=0, stop="all_exhausted")
-    loader = build_loader(mixed, capacity=8192, cp_size=2, cp_rank=r, layout="thd",
-                          data=DataPolicy(labels_alignment="inputs"))
 
-Every draw picks a source with probability ``weight / sum(weights)`` (a pure
-function of ``(seed, epoch, draw)``, :class:`~cpdata.nodes.mix_readers.Draws`)
-and takes that source's next document: the weights share out documents. With
-``by="tokens"`` they share out tokens instead: each draw reads the source
-furthest behind its token share (:mod:`cpdata.nodes.mix_tokens`; exact at
-every prefix, within one document per source). The result is a ``torchdata`` node, so
-it goes wherever a source goes (``build_loader``, ``CPDataset``, ``Documents``,
-``precompute`` / ``PrecomputedPacks`` when every source has known lengths).
-Draw ``j`` of the stream goes to DP rank ``j % dp_size``; every CP rank of a
-DP group computes the same draws, and a rank never reads another rank's
-documents from a sequence source (streams are read and dropped). This is
-not torchdata's ``MultiNodeWeightedSampler``, which seeds from the global
-rank (CP peers would draw differently) and reads every item it draws.
-Cost: ~5 us per document drawn, plus the source's read.
-
-Stop policies (``stop=``), what one epoch is:
-
-| ``stop`` | the epoch ends | a source that runs out |
-|---|---|---|
-| ``"first_exhausted"`` (default) | at the first draw of a source that has no document left | ends the epoch: no document is repeated |
-| ``"all_exhausted"`` | at the first draw of a run-out source once every source has run out at least once | starts again from its beginning (smaller sources repeat) |
-| ``"never"`` | never: an endless stream, stop training by steps | starts again from its beginning |
-
-Each epoch restarts every source; ``shuffle=True`` downstream shuffles the
-mixed stream through a buffer (:mod:`cpdata.nodes.shuffle_buffer`).
-
-Counters: :attr:`Mix.counts` (``{name: {"documents", "tokens"}}``: what this
-DP rank drew from each source this epoch, before packing drops anything),
-also in ``Pack.stats.sources``.
-
-Errors: a bad document is named by its source and its index there
-(``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch 0):
-'input_ids' must be >= 0 ..."``, :meth:`Mix.describe_document`), not by its
-position in the mixed stream.
-
-State: the epoch, the draw count, each source's position and pass (a node
-source's own state), the counters and the configuration; a state from another
-configuration is refused. :meth:`Mix.fingerprint` covers every source (see
-:mod:`cpdata.sources.fingerprint`), so a source changed under a run is refused on
-resume, and :meth:`Mix.check_unchanged` asks every source at each epoch.
+Draw ``j`` of epoch ``e`` picks a source with probability ``weight / sum(weights)``, a pure function of
+``(seed, e, j)`` (:class:`~cpdata.nodes.mix_readers.Draws`); ``by="tokens"`` shares out tokens instead
+(:mod:`cpdata.nodes.mix_tokens`). Draw ``j`` goes to DP rank ``j % dp_size``; every CP rank of a DP group
+computes the same draws (unlike torchdata's ``MultiNodeWeightedSampler``, seeded by the global rank), and a
+rank never reads another rank's documents from a sequence. Stop policies (:data:`STOP_POLICIES`), counters,
+errors naming a document by its source and the state: docs/packing-and-mixing.md.
 """
 
 from __future__ import annotations
@@ -80,7 +44,7 @@ STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
 class Mix(EpochNode[dict]):
-    """Documents of several sources, drawn by weight (see the module docstring; build it with :func:`mix`)."""
+    """Documents of several sources, drawn by weight (build it with :func:`mix`)."""
 
     VERSION = 1
     VERSION_KEY = "version"
@@ -122,8 +86,7 @@ class Mix(EpochNode[dict]):
         self._exhausted: set[str] = set()
         self._counts = {name: [0, 0] for name in self.names}
         self._fingerprints: dict[str, str | None] | None = None
-        self.last_source = -1
-        """Index into :attr:`names` of the source the last draw read from."""
+        self.last_source = -1  # index into names of the last draw's source
 
     @property
     def config(self) -> dict[str, Any]:
@@ -133,7 +96,6 @@ class Mix(EpochNode[dict]):
 
     @property
     def draws(self) -> Draws:
-        """The source of every draw (a pure function of ``(seed, epoch, draw)``)."""
         return self._draws
 
     @property
@@ -243,11 +205,10 @@ class Mix(EpochNode[dict]):
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
-        ['a', 'b'], draw 7 of epoch 0)"``; errors about the ``j``-th document of the mixed stream say this
-        instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy; by tokens, the last 4096 draws."""
+        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
         if self._clock is not None:
             return self._describe_recent(int(j))
-        k, c = self._draws.locate(self.epoch, int(j))
+        k, c = (int(x[0]) for x in self._draws.locate_many(self.epoch, np.array([j])))
         name = self.names[k]
         reader = self.readers[name]
         size = reader.size
@@ -271,10 +232,8 @@ class Mix(EpochNode[dict]):
 
     def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
         """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
-        there (a pass over a source that ran out starts at 0 again; -1 where a stream's index is unknown). The
-        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.worker.shard_block`); a few us per
-        batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`). ``by="tokens"``: None (each draw depends on
-        the tokens read before it; a global schedule's listing names them)."""
+        there (-1 where a stream's index is unknown): the batches' ``info["doc_source"]`` / ``info["doc_index"]``.
+        None by tokens (each draw depends on the tokens read before it)."""
         k, c = self._draws.locate_many(self.epoch, js)
         sizes = [self.readers[n].size for n in self.names]
         if all(sizes):  # sequences (and streams read to their end once): an index per pass
@@ -302,8 +261,7 @@ class Mix(EpochNode[dict]):
         return f"mix:{digest}"
 
     def listed(self, epochs: int = 1) -> MixedDataset:
-        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths
-        (:class:`~cpdata.nodes.mixed.MixedDataset`; :func:`cpdata.sources.open.as_source` asks for it)."""
+        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths (:class:`MixedDataset`)."""
         return MixedDataset(self, epochs=epochs)
 
     def check_unchanged(self) -> None:
@@ -314,25 +272,14 @@ class Mix(EpochNode[dict]):
 
 def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",
         by: str = "documents") -> Mix:
-    """Mix named sources by weight into one source (see the module docstring for the stop policies).
+    """Mix named sources by weight into one source, a :class:`Mix` node (see the module docstring).
 
     Args:
-        sources: ``{name: source}``, each anything ``build_loader`` takes (a list of dicts,
-            ``open_dataset(...)``, a ``datasets`` dataset, a re-iterable, a ``torchdata`` node such as
-            ``Tokenize``'s output); a sequence must not be empty.
+        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
         weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
-        seed: seeds the draws (with the epoch).
-        stop: ``"first_exhausted"`` (default), ``"all_exhausted"`` or ``"never"``.
-        by: what the weights share out: ``"documents"`` (default: each draw picks a source by weight) or
-            ``"tokens"`` (each draw reads the source furthest behind its token share,
-            :mod:`cpdata.nodes.mix_tokens`).
+        stop: one of :data:`STOP_POLICIES`.
+        by: what the weights share out: ``"documents"`` or ``"tokens"``.
 
-    Returns:
-        a :class:`Mix` node. Labels and masks keep the pipeline's one ``labels_alignment``: the mix
-        declares one only when every source declares the same (``Tokenize(assistant_only=True)``);
-        otherwise pass it to ``build_loader`` as for a single source.
-
-    Raises:
-        TypeError, ValueError: the message names the offending name, weight or policy and the fix.
+    The mix declares a ``labels_alignment`` only when every source declares the same one.
     """
     return Mix(sources, weights, seed=seed, stop=stop, by=by)

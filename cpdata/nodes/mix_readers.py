@@ -1,19 +1,9 @@
 """The parts of :class:`cpdata.nodes.mix.Mix`: its checks, its weighted draws and one reader per source.
 
-Draws: draw ``j`` of epoch ``e`` picks source ``k`` with probability
-``w_k / sum(w)``. The uniforms come in blocks of :data:`BLOCK`, block ``b``
-from ``numpy.random.default_rng([seed, e, b, TAG])``, so any draw is a pure
-function of ``(seed, epoch, j)`` and a resume needs only ``j`` (one block,
-32 KiB, is regenerated). Sources are ordered by name, so the dicts' order does
-not matter.
-
-A reader walks one source in its own order, pass after pass:
-
-| source kind | reads item ``i`` | skipped item (another DP rank's) | resume |
-|---|---|---|---|
-| sequence (list, ``open_dataset``, ``datasets.Dataset``) | ``source[i]`` | not read | the position |
-| re-iterable (``datasets.IterableDataset``, an object with ``__iter__``) | ``next(iterator)`` | read and dropped | re-iterate and skip ``position`` items |
-| ``torchdata`` node (``Tokenize`` output) | ``next(node)`` | read and dropped | the node's own state |
+Draws come in blocks of :data:`BLOCK`, block ``b`` of epoch ``e`` from ``default_rng([seed, e, b, TAG])``,
+so any draw is a pure function of ``(seed, epoch, j)`` and a resume needs only ``j``. A reader
+(:class:`MixSource`) walks one source pass after pass: a sequence by index (another rank's items not
+read), a stream read and dropped, a node resumed from its own state.
 """
 
 from __future__ import annotations
@@ -78,12 +68,7 @@ def declared_alignment(readers: Mapping[str, MixSource]) -> str | None:
 
 
 class Draws:
-    """Source index of draw ``j`` of an epoch (see the module docstring).
-
-    Args:
-        weights: float64 ``[k]``, finite and > 0, in source order.
-        seed: the mix's seed.
-    """
+    """Source index of draw ``j`` of an epoch, over float64 ``[k]`` ``weights`` (module docstring)."""
 
     def __init__(self, weights: np.ndarray, seed: int) -> None:
         cum = np.cumsum(np.asarray(weights, dtype=np.float64))
@@ -104,12 +89,9 @@ class Draws:
         return int(self._block[2][j % BLOCK])
 
     def locate_many(self, epoch: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`locate` of many draws: ``(k int64 [n], c int64 [n])``.
-
-        Keeps each source's draw counts at every block start of ``epoch`` (``k`` ints per 4096 draws, made
-        once per epoch as far as the largest draw asked: ~10 ns per draw) and the last few blocks' per-draw
-        counts; a batch's documents, drawn in a few recent blocks, cost a few us.
-        """
+        """``(k int64 [n], c int64 [n])``: draw ``js[i]`` picks source ``k[i]``, whose ``c[i]``-th draw it is
+        (0-based, over passes). Keeps each source's draw counts at every block start of ``epoch`` and the
+        last few blocks' per-draw counts, so a batch's documents cost a few numpy calls."""
         js = np.asarray(js, dtype=np.int64)
         if not js.size:
             return js.copy(), js.copy()
@@ -147,15 +129,6 @@ class Draws:
             cached = self._ranks[(epoch, b)] = np.stack([choices, ranks])
         return cached
 
-    def locate(self, epoch: int, j: int) -> tuple[int, int]:
-        """``(k, c)``: draw ``j`` of ``epoch`` picks source ``k``, whose ``c``-th draw it is (0-based, counted
-        over passes). O(j) numpy (one block per 4096 draws); the block cache of ``__call__`` is left alone."""
-        b, r = divmod(j, BLOCK)
-        last = self.block(epoch, b)
-        k = int(last[r])
-        before = sum(int(np.count_nonzero(self.block(epoch, x) == k)) for x in range(b))
-        return k, before + int(np.count_nonzero(last[:r] == k))
-
 
 def document_tokens(item: Any) -> int:
     """Tokens of a source item (``len(input_ids)``), 0 for anything malformed (``Documents`` refuses it later)."""
@@ -167,12 +140,7 @@ def document_tokens(item: Any) -> int:
 
 
 class MixSource(SourceReader):
-    """One named source of a mix, read in its own order, restarted for every pass (see the module table).
-
-    Raises:
-        TypeError: ``source`` is not a sequence, re-iterable or node (``source_kind``'s message, with the name).
-        ValueError: ``source`` is an empty sequence.
-    """
+    """One named source of a mix, read in its own order, restarted for every pass; an empty sequence is refused."""
 
     POSITION_KEY = "position"
     PASSES_KEY = "passes"
@@ -189,8 +157,7 @@ class MixSource(SourceReader):
             raise ValueError(f"mix source {name!r} is empty (0 documents); leave it out of the mix")
         self.position = 0
         self.passes = 0
-        self.size: int | None = len(self.source) if self.kind == "sequence" else None
-        """Documents per pass: a sequence's length, a stream's once it ran out (None before)."""
+        self.size: int | None = len(self.source) if self.kind == "sequence" else None  # None: a stream not run out
 
     def restart(self, state: Mapping[str, Any] | None = None) -> None:
         """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""

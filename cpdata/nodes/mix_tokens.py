@@ -1,28 +1,13 @@
 """``cpdata.mix(..., by="tokens")``: weights over tokens drawn, not documents.
 
-Every draw reads from the source furthest behind its token share: the source ``k`` with the smallest
-``tokens_k / w_k`` (tokens it gave this epoch over its normalized weight), ties broken by a seeded
-order of the sources drawn again each epoch (``numpy.random.default_rng([seed, epoch, TAG])``). On a
-clock where source ``k``'s document ``c`` occupies ``[before_c / w_k, (before_c + len_c) / w_k)``, the
-mix yields documents in the order their intervals start, so after any draw every source is within one
-document of ``w_k * total`` tokens: the shares hold exactly (not only in expectation) at every prefix,
-whatever the sources' length distributions and orders. This is Megatron ``BlendedDataset``'s rule
-(draw the dataset with the largest error), over variable-length documents. The interleaving is
-deterministic given the lengths: the seed and epoch decide only ties (the first draw of an epoch
-among them); shuffle the mixed stream downstream (``shuffle=True``) for randomness.
-
-Every rank computes the same draws, so it needs the length of every draw, its own or not:
-
-| source kind | the length of a draw | a draw of another DP rank |
-|---|---|---|
-| sequence with ``lengths`` (``open_dataset``, ``datasets.Dataset``) or a list (counted once) | ``lengths[i]`` | not read |
-| other sequence | ``len(source[i]["input_ids"])`` | read to count it |
-| stream (re-iterable, node) | ``len(item["input_ids"])`` | read and dropped, as by documents |
-
-State: the tokens each source gave this epoch (over every DP rank), beside the draw count and the
-readers' positions. :func:`token_draw_order` lists an epoch vectorized (``precompute``, ``schedule=``),
-tested equal to the node's stream. Cost: O(sources) per draw, ~6 us more than by documents with
-three sources (30 vs 24 us per draw including the reads, on a shared 2-core machine).
+Every draw reads from the source furthest behind its token share: the smallest ``tokens_k / w_k``, ties
+broken by a seeded order drawn again each epoch. Source ``k``'s document ``c`` occupies
+``[before_c / w_k, (before_c + len_c) / w_k)`` on that clock and the mix yields documents in the order
+their intervals start, so after any draw every source is within one document of ``w_k * total`` tokens,
+exactly, at every prefix (Megatron ``BlendedDataset``'s rule over variable-length documents). Every rank
+needs the length of every draw: a sequence's stated ``lengths``, else the item's ``input_ids`` (another
+rank's stream items are read and dropped anyway). :func:`token_draw_order` lists an epoch vectorized,
+tested equal to the node's stream.
 """
 
 from __future__ import annotations
@@ -46,20 +31,14 @@ def tie_ranks(seed: int, epoch: int, k: int) -> np.ndarray:
 
 
 class TokenClock:
-    """The source of the next token-weighted draw (module docstring).
-
-    Args:
-        weights: float64 ``[k]``, finite and > 0, in source order.
-        seed: the mix's seed.
-    """
+    """The source of the next token-weighted draw over float64 ``[k]`` ``weights`` (module docstring)."""
 
     def __init__(self, weights: np.ndarray, seed: int) -> None:
         w = np.asarray(weights, dtype=np.float64)
         self.weights = w / w.sum()
         self._w = self.weights.tolist()
         self._seed = int(seed)
-        self.tokens = [0] * w.shape[0]
-        """Tokens each source gave this epoch, over every DP rank."""
+        self.tokens = [0] * w.shape[0]  # each source's this epoch, over every DP rank
         self._ranks: list[int] = []
 
     def start(self, epoch: int, tokens: Sequence[int] | None = None) -> None:
@@ -81,15 +60,7 @@ def token_draw_order(weights: np.ndarray, ranks: np.ndarray, lengths: Sequence[n
 
     Source ``k``'s draw ``c`` (0-based, over passes) has the key ``(p * T_k + before_k[r]) / w_k`` with
     ``p, r = divmod(c, N_k)``; the node yields draws in ``(key, ranks[k], c)`` order (each source's keys
-    never decrease, so the greedy pick is this merge). Its draw ``c = N_k`` is where it runs out: the
-    first such draw ends the epoch under ``first_exhausted``; under ``all_exhausted`` the last source's
-    does (the others read their index 0 again, pass 1).
-
-    Args:
-        weights: float64 ``[k]`` normalized (:attr:`TokenClock.weights`).
-        ranks: :func:`tie_ranks` of the epoch.
-        lengths: each source's int64 lengths, every source non-empty with tokens.
-        stop: ``"first_exhausted"`` or ``"all_exhausted"``.
+    never decrease, so the greedy pick is this merge). ``weights``: normalized; ``ranks``: :func:`tie_ranks`.
     """
     totals = [int(x.sum()) for x in lengths]
     run_out = sorted((totals[k] / weights[k], int(ranks[k]), k) for k in range(len(lengths)))
