@@ -1,27 +1,16 @@
 """``ScheduledPacks``: this DP rank's packs of a global schedule, reading only their documents.
 
-Replaces ``Documents -> Pack`` when the source knows every document's length
-up front (``open_dataset(...).lengths``, a token store index, an HF length
-column, or ``lengths=`` given)::
+Replaces ``Documents -> Pack`` when the source states every document's length up front
+(``open_dataset(...).lengths``, a token store index, an HF length column, or ``lengths=`` given)::
 
     lengths ──► plan_schedule (same on every rank, no collective)
                    └─► packs (step, dp_rank, micro_batch) of this rank ─► read those documents ─► PackPlan
 
-Every rank, CP rank and dataloader worker computes the same
-:func:`~cpdata.schedule.plan_schedule` from the same lengths (a pure
-function, once per process). This rank's packs form one sequence, step by
-step and micro-batch by micro-batch (pack ``j`` is micro-batch
-``j % micro_batches`` of step ``j // micro_batches``); dataloader workers
-split it as :class:`~cpdata.nodes.served.ServedPacks` does, each reading only
-the documents of its own packs: worker CPU per pack does not grow with ``N``.
-``shuffle=True`` plans epoch ``e`` over the documents in the ``(seed, e)``
-order, when the epoch starts (the schedule stays a pure function of its
-arguments and the epoch).
-
-Serving, epochs and state belong to ``ServedPacks`` (``identity``: the
-source's and the lengths'): a restore is O(1) (no replay: at most the epoch's
-plan); one saved under another configuration, another DP split or over other
-lengths is refused with ``ValueError``.
+Every rank, CP rank and worker computes the same :func:`~cpdata.schedule.plan_schedule` (a pure
+function); pack ``j`` of this rank is micro-batch ``j % micro_batches`` of step ``j // micro_batches``.
+``shuffle=True`` plans epoch ``e`` over the documents in the ``(seed, e)`` order when it starts. Serving,
+worker striding, epochs and the state are :class:`~cpdata.nodes.served.ServedPacks`'s (identity: the
+source's and the lengths'): a restore is O(1), one from other data or settings is refused.
 """
 
 from __future__ import annotations
@@ -43,10 +32,8 @@ from cpdata.worker.targets import LabelsAlignment
 __all__ = ["SCHEDULES", "ScheduleRows", "ScheduledPacks", "source_lengths"]
 
 class ScheduleRows(PlanRows):
-    """The rows of :class:`ScheduledPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this rank's packs of
-    each epoch's schedule, one block per epoch, and the source read by index. An epoch is planned when
-    first asked for (``shuffle``: over the lengths in the ``(seed, epoch)`` order; otherwise every epoch is
-    epoch 0's), ~3-5 us per document on every rank and worker."""
+    """The :class:`~cpdata.nodes.served.PlanRows` of :class:`ScheduledPacks`: one block per epoch, planned
+    when first asked for (without ``shuffle`` every epoch is epoch 0's)."""
 
     def __init__(self, source: Any, lengths: np.ndarray, plan_kw: dict[str, Any], config: dict[str, Any], *,
                  dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
@@ -54,19 +41,17 @@ class ScheduleRows(PlanRows):
         self.plan_kw, self.shuffle = plan_kw, bool(plan_kw["shuffle"])
         self.dp_rank, self.dp_size, self.capacity = dp_rank, int(plan_kw["dp_size"]), int(plan_kw["capacity"])
         self.micro_batches, self.config = int(plan_kw["micro_batches"]), config
-        self.schedule: Schedule | None = plan_schedule(lengths, **plan_kw, epoch=0)
-        """The last epoch planned's schedule (the whole plan; None in a dataloader worker, which gets its rows)."""
+        self.schedule: Schedule | None = plan_schedule(lengths, **plan_kw, epoch=0)  # None in a worker
         self._rows: tuple[int, RankRows] = (0, rank_rows(self.schedule, dp_rank))
         self.identity = source_identity(source, lengths)
         self._fingerprint = source_fingerprint(source)
         self.documents_read = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers need only this rank's rows (1 / dp_size of the schedule): the whole plan stays behind.
         return {**self.__dict__, "schedule": None}
 
     def rows(self, epoch: int) -> RankRows:
-        """This rank's rows of epoch ``epoch`` (the schedule of ``shuffle=False`` is the same every epoch)."""
+        """This rank's rows of epoch ``epoch``."""
         epoch = epoch if self.shuffle else 0
         if self._rows[0] != epoch:
             self.schedule = plan_schedule(self.lengths, **self.plan_kw, epoch=epoch)
@@ -100,29 +85,12 @@ class ScheduleRows(PlanRows):
 
 
 class ScheduledPacks(ServedPacks):
-    """Emit this DP rank's packs of the global schedule as :class:`~cpdata.worker.plan.PackPlan` (see the module docstring).
+    """This DP rank's packs of the global schedule of an indexable ``source`` (module docstring).
 
-    Args:
-        source: documents indexable by position (``source[i]`` a dict with ``input_ids``).
-        capacity, layout, cp_size, algorithm, overflow, seed, max_delay, tail: as for
-            :func:`~cpdata.schedule.plan_schedule`.
-        dp_rank, dp_size, micro_batches: this rank, the DP size, packs per rank per step.
-        schedule: one of :data:`SCHEDULES`.
-        cost: the cost model of ``"balanced"``; default: the FlexSP 7B profile, with the token plan
-            taken instead when it is cheaper once pads are counted (``plan_schedule(fallback=True)``).
-        shuffle: plan epoch ``e`` over the documents in the ``(seed, e)`` order (the order
-            :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in): each epoch's schedule
-            is planned when it starts, on every rank and worker alike.
-        num_epochs: epochs per ``iter()`` (default one; the next ``iter()`` starts the next epoch).
-        lengths: tokens per document; default ``source.lengths``.
-        vocab_size: token ids ``>= vocab_size`` raise ``ValueError``.
-        worker: ``(worker_id, num_workers)``: serve items ``worker_id, worker_id + num_workers, ...`` of the
-            epochs of one ``iter()`` in sequence (so the loader's round-robin keeps the order at epoch ends).
-        labels_alignment: the documents' label convention, as for :class:`~cpdata.nodes.source.Documents`.
-            The schedule is planned from lengths alone, so a document that trains nothing (every label
-            -100) is packed like any other (the streaming packer leaves it out, counted as ``untrained``).
-
-    A document whose length differs from ``lengths`` raises ``ValueError`` when read.
+    The options are :class:`~cpdata.nodes.options.SchedulePlan`'s and
+    :class:`~cpdata.nodes.options.DataPolicy`'s (``schedule``: ``SchedulePlan.kind``); ``worker``: a
+    :class:`~cpdata.nodes.served.WorkerShare`. Planned from lengths alone, a document that trains nothing
+    is packed like any other; one whose length differs from ``lengths`` raises ``ValueError`` when read.
     """
 
     rows: ScheduleRows
@@ -164,10 +132,10 @@ class ScheduledPacks(ServedPacks):
 
     @property
     def schedule(self) -> Schedule | None:
-        """The current epoch's schedule (the whole plan; None in a dataloader worker, which gets its rows only)."""
+        """The current epoch's schedule (None in a dataloader worker, which gets this rank's rows only)."""
         return self.rows.schedule
 
     @property
     def documents_read(self) -> int:
-        """Documents this node has read from the source (a split document counts once per run of packs)."""
+        """Documents read from the source (a split document once per run of packs)."""
         return self.rows.documents_read

@@ -1,9 +1,5 @@
-"""A global schedule's settings, the lengths it is planned from, and one DP rank's rows of it.
-
-:class:`RankRows` is the slice of a :class:`~cpdata.schedule.Schedule` one DP
-rank reads (``1 / dp_size`` of it: what a dataloader worker receives instead
-of the whole plan); :func:`schedule_settings` checks the options a schedule of
-lengths and one of a stream's windows share.
+"""A global schedule's settings (:func:`schedule_settings`), the lengths it is planned from, and one DP
+rank's rows of it (:class:`RankRows`: ``1 / dp_size`` of the plan, what a dataloader worker receives).
 """
 
 from __future__ import annotations
@@ -13,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.protocol import Indexed, StatedLengths
 from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
@@ -21,8 +18,7 @@ __all__ = ["SCHEDULES", "RankRows", "rank_rows", "schedule_settings", "source_le
 
 
 SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
-"""``balanced``: packs cost-balanced across ranks and micro-batches (:class:`~cpdata.schedule.CostModel`);
-``in_order``: today's packs (``bfd``) in stream order, dealt to ranks step by step."""
+"""``balanced``: packs cost-balanced (:class:`~cpdata.schedule.CostModel`); ``in_order``: dealt in order."""
 
 
 def schedule_settings(
@@ -30,17 +26,13 @@ def schedule_settings(
     cost: CostModel | None, max_delay: int, algorithm: str, overflow: str | None, seed: int, tail: str,
     labels_alignment: LabelsAlignment | None, fallback: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(plan_schedule keywords, the state's config)`` of a global schedule, checked: ``schedule`` one of
-    ``"balanced"`` / ``"in_order"`` (``cost`` defaults to the FlexSP 7B profile, with the token plan taken
-    instead when it is cheaper once pads are counted: ``plan_schedule(fallback=True)``), ints with
-    ``0 <= dp_rank < dp_size``, a known ``labels_alignment``; the planner checks the rest (``overflow``'s
-    default resolved in the config). ``fallback=False`` keeps the balanced plan even without ``cost`` (a
-    window's plan: its tail policy applies per window, so the token plan could drop other pieces)."""
+    """``(plan_schedule keywords, the state's config)`` of a global schedule, checked (the planner checks
+    the rest). Without ``cost``, ``"balanced"`` takes the FlexSP 7B profile, or the token plan when it is
+    cheaper once pads are counted; ``fallback=False`` (a window's plan, whose tail applies per window) not."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {list(SCHEDULES)} or None")
-    for name, value in (("dp_rank", dp_rank), ("dp_size", dp_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    check_int("dp_rank", dp_rank)
+    check_int("dp_size", dp_size)
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
     fallback = fallback and schedule == "balanced" and cost is None  # the default: the token plan when it is cheaper
@@ -84,8 +76,7 @@ def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = Non
 
 
 RankRows = dict[str, np.ndarray]
-"""One rank's packs of a schedule, CSR: pack ``j`` (step ``j // M``, micro-batch ``j % M``) is rows
-``offsets[j]:offsets[j + 1]`` of the columns ``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``."""
+"""One rank's packs, CSR: pack ``j`` is rows ``offsets[j]:offsets[j + 1]`` of :mod:`cpdata.nodes.served`'s columns."""
 
 
 def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
