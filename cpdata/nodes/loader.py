@@ -88,16 +88,8 @@ def shard_graph(source: Any, options: GraphOptions, *, packs: ServedPacks | None
     plans: BaseNode
     if packs is not None:
         plans = packs
-    elif isinstance(plan, SchedulePlan):
-        common = dict(capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
-                      dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,
-                      max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow, seed=data.seed,
-                      tail=plan.tail, num_epochs=data.epochs, vocab_size=data.vocab_size,
-                      labels_alignment=data.labels_alignment)  # fmt: skip
-        if plan.window is not None:  # (GraphOptions and SchedulePlan refuse shuffle and lengths with a window)
-            plans = WindowedPacks(source, window=plan.window, **common)
-        else:
-            plans = ScheduledPacks(source, shuffle=data.shuffle, lengths=plan.lengths, **common)
+    elif isinstance(plan, SchedulePlan):  # (the records refuse shuffle and lengths with a window)
+        plans = ScheduledPacks(source, options) if plan.window is None else WindowedPacks(source, options)
     else:
         docs = Documents(
             source, dp_rank=data.dp_rank, dp_size=data.dp_size, vocab_size=data.vocab_size,

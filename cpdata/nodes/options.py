@@ -21,7 +21,6 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from cpdata.nodes.scheduled import SCHEDULES
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.packing.records import ALGORITHMS, OVERFLOW_POLICIES
 from cpdata.schedule import TAIL_POLICIES, CostModel
@@ -29,6 +28,7 @@ from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
 
 __all__ = [
     "RENAMED",
+    "SCHEDULES",
     "DataPolicy",
     "Delivery",
     "ENTRY_KEYWORDS",
@@ -59,6 +59,10 @@ def _bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
 def _choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
     if value not in choices:
         raise ValueError(f"unknown {owner}.{name} {value!r}; choose one of {list(choices)}")
+
+
+SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
+"""``balanced``: packs cost-balanced (:class:`~cpdata.schedule.CostModel`); ``in_order``: dealt in order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,32 +21,33 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.errors import check_int, is_int
-from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
-from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
+from cpdata.errors import is_int
+from cpdata.nodes.scheduled import RankPlanRows, RankRows, rank_rows
+from cpdata.nodes.served import PackRows, ServedPacks
 from cpdata.nodes.source_kinds import SourceReader
 from cpdata.nodes.validate import document_ids, to_document
-from cpdata.schedule import CostModel, plan_schedule
+from cpdata.schedule import plan_schedule
 from cpdata.sources.fingerprint import lengths_sha256
-from cpdata.worker.targets import LabelsAlignment
+
+if TYPE_CHECKING:
+    from cpdata.nodes.loader import GraphOptions
 
 __all__ = ["WindowRows", "WindowedPacks"]
 
 
-class WindowRows(PlanRows):
-    """The :class:`~cpdata.nodes.served.PlanRows` of :class:`WindowedPacks`: one block per window."""
+class WindowRows(RankPlanRows):
+    """The rows of :class:`WindowedPacks`: one block per window."""
 
     identity = None  # a stream states no identity up front: each window's lengths are checked instead
 
-    def __init__(self, reader: SourceReader, window: int, plan_kw: dict[str, Any], config: dict[str, Any], *,
-                 dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
-        self.reader, self.source, self.window, self.plan_kw, self.dp_rank = reader, reader.source, window, plan_kw, dp_rank
-        self.vocab_size, self.labels_alignment = vocab_size, labels_alignment
-        self.micro_batches, self.capacity, self.config = int(plan_kw["micro_batches"]), int(plan_kw["capacity"]), config
+    def __init__(self, reader: SourceReader, options: GraphOptions) -> None:
+        self.window = int(options.plan.window)
+        super().__init__(reader.source, options, {"window": self.window}, fallback=False)
+        self.reader = reader
         self.documents_read = self.documents_kept = 0
         self.counts = {"windows": 0, "steps": 0, "empty_packs": 0, "tail_dropped_tokens": 0, "tokens": 0}
         self._window = self._pack_base = self._window_packs = 0
@@ -120,7 +121,7 @@ class WindowRows(PlanRows):
         for key, value in (("windows", 1), ("steps", st.steps), ("empty_packs", st.empty_packs),
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
             self.counts[key] += value
-        self._window_packs = st.steps * self.plan_kw["dp_size"] * self.micro_batches
+        self._window_packs = st.steps * self.dp_size * self.micro_batches
         self._window, self._rows, self._items, self._docs = block, rank_rows(sched, self.dp_rank), items, {}
         self._lengths, self._expect = identity, None
         return int(self._rows["offsets"].shape[0]) - 1
@@ -130,13 +131,9 @@ class WindowRows(PlanRows):
                 "lengths": self._lengths if self._rows is not None else None}  # fmt: skip
 
     def pack(self, epoch: int, item: int) -> PackRows:
-        s = self._rows
-        assert s is not None
-        step, micro_batch = divmod(item, self.micro_batches)
-        pack = (step * self.plan_kw["dp_size"] + self.dp_rank) * self.micro_batches + micro_batch  # the window's
-        return PackRows(columns=s, rows=slice(int(s["offsets"][item]), int(s["offsets"][item + 1])),
-                        index=self._pack_base + pack, first_document=-self._window * self.window,
-                        extras={"step": step, "micro_batch": micro_batch, "epoch": epoch, "window": self._window})
+        assert self._rows is not None
+        return self.rank_pack(self._rows, item, self._pack_base, -self._window * self.window, epoch=epoch,
+                              window=self._window)  # fmt: skip
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
         arrays = self._docs.get(index)
@@ -148,31 +145,17 @@ class WindowRows(PlanRows):
 
 
 class WindowedPacks(ServedPacks):
-    """This DP rank's packs of a re-iterable ``source`` planned in windows of ``window`` documents; the other
-    arguments as for :class:`~cpdata.nodes.scheduled.ScheduledPacks`."""
+    """This DP rank's packs of a re-iterable ``source`` planned in windows of ``options.plan.window``
+    documents (the arguments as for :class:`~cpdata.nodes.scheduled.ScheduledPacks`)."""
 
     rows: WindowRows
 
-    def __init__(
-        self, source: Any, *, window: int, capacity: int, layout: str, cp_size: int, dp_rank: int = 0,
-        dp_size: int = 1, micro_batches: int = 1, schedule: str = "balanced", cost: CostModel | None = None,
-        max_delay: int = 0, algorithm: str = "bfd", overflow: str | None = None, seed: int = 0,
-        tail: str = "pad", num_epochs: int | None = None, vocab_size: int | None = None,
-        worker: tuple[int, int] = (0, 1), labels_alignment: LabelsAlignment | None = None,
-    ) -> None:  # fmt: skip
-        check_int("schedule_window", window, min=1, fix=" (documents per planned window)")
+    def __init__(self, source: Any, options: GraphOptions, *, worker: tuple[int, int] = (0, 1)) -> None:
         reader = SourceReader(source)
         if reader.kind == "node":
-            raise TypeError("schedule_window= replays the stream on resume and needs a re-iterable source, not a "
+            raise TypeError("SchedulePlan.window replays the stream on resume and needs a re-iterable source, not a "
                             "torchdata BaseNode; pass the iterable itself")  # fmt: skip
-        plan_kw, config = schedule_settings(
-            schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
-            micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
-            seed=seed, tail=tail, labels_alignment=labels_alignment, fallback=False,
-        )  # fmt: skip
-        rows = WindowRows(reader, int(window), plan_kw, {**config, "window": int(window)}, dp_rank=int(dp_rank),
-                          vocab_size=vocab_size, labels_alignment=config["labels_alignment"])  # fmt: skip
-        super().__init__(rows, num_epochs=num_epochs, worker=worker)
+        super().__init__(WindowRows(reader, options), num_epochs=options.data.epochs, worker=worker)
 
     @property
     def counts(self) -> dict[str, int]:
