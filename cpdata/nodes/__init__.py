@@ -4,8 +4,8 @@ Each stage implements ``next()``, ``reset(initial_state)``, ``get_state()`` with
 refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mix`` + ``mix_readers`` +
 ``mix_tokens`` (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
 ``source_kinds``, ``source_window``, ``validate``, ``document_names``, ``shuffle_buffer``, ``window``) ->
-``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled`` +
-``scheduled_rows``, ``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
+``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
+``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
 Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dataset`` (``CPDataset``),
 ``dataloader`` (``CPDataLoader``). Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
 """

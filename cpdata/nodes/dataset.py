@@ -119,15 +119,11 @@ class WorkerDataset(IterableDataset):
         if self._loader is not None:
             set_graph_epoch(self._loader.root, epoch)
 
-    @staticmethod
-    def _current_worker() -> tuple[int, int]:
-        info = get_worker_info()
-        return (0, 1) if info is None else (info.id, info.num_workers)
-
     def _ensure_loader(self) -> Loader:
-        if get_worker_info() is not None:
+        info = get_worker_info()
+        if info is not None:
             exit_with_parent(deathsig=self._parent_main_thread)  # no orphan outlives a killed trainer
-        worker = self._current_worker()
+        worker = (0, 1) if info is None else (info.id, info.num_workers)
         if self._loader is None or self._worker != worker:
             if self._loader is not None:
                 close_loader(self._loader)

@@ -37,18 +37,13 @@ def check_num_epochs(num_epochs: Any) -> int | None:
 class EpochClock:
     """The ``epoch`` being served and the ``first`` epoch of the current ``iter()`` (module docstring)."""
 
-    __slots__ = ("epoch", "first", "_next", "_started")
+    __slots__ = ("epoch", "first", "started", "_next")
 
     def __init__(self) -> None:
         self.epoch = 0
         self.first = 0
+        self.started = False  # whether an epoch was started or restored
         self._next: int | None = None
-        self._started = False
-
-    @property
-    def started(self) -> bool:
-        """Whether an epoch was started or restored."""
-        return self._started
 
     def set(self, epoch: int) -> None:
         """The next fresh start is ``epoch`` (as ``DistributedSampler.set_epoch``)."""
@@ -58,9 +53,9 @@ class EpochClock:
         """A fresh ``reset()``: the epoch :meth:`set` named, else the next one; returns it."""
         if self._next is not None:
             self.epoch, self._next = self._next, None
-        elif self._started:
+        elif self.started:
             self.epoch += 1
-        self.first, self._started = self.epoch, True
+        self.first, self.started = self.epoch, True
         return self.epoch
 
     def restore(self, epoch: Any, first: Any = None) -> int:
@@ -69,7 +64,7 @@ class EpochClock:
         first = epoch if first is None else check_epoch(first, "the saved first epoch")
         if first > epoch:
             raise ValueError(f"the saved state has first_epoch={first} > epoch={epoch}; it is not a state of this node")
-        self.epoch, self.first, self._next, self._started = epoch, first, None, True
+        self.epoch, self.first, self._next, self.started = epoch, first, None, True
         return epoch
 
     def advance(self, num_epochs: int | None) -> bool:

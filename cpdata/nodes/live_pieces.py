@@ -83,10 +83,6 @@ _I32 = np.iinfo(np.int32)
 CARRY_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
 
 
-def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
-    return {k: a[offset : offset + length] for k, a in source.items()}
-
-
 def carry_arrays(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, Any]:
     """The token arrays of ``p`` carried pieces as a few columns (for a state): per array name and dtype
     (``G`` groups) the arrays concatenated in piece order, int32 when int64 values fit, as bytes (any dtype
@@ -136,8 +132,8 @@ def carry_state(carried: tuple[np.ndarray, Sequence[Source]], with_arrays: bool)
     state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(CARRY_COLUMNS)}
     arrays = None
     if with_arrays:
-        arrays = carry_arrays([_piece(src, off, n) for src, off, n in zip(sources, rows[:, 6].tolist(),
-                                                                          rows[:, 3].tolist(), strict=True)])  # fmt: skip
+        cuts = zip(sources, rows[:, 6].tolist(), (rows[:, 6] + rows[:, 3]).tolist(), strict=True)
+        arrays = carry_arrays([{k: a[lo:hi] for k, a in src.items()} for src, lo, hi in cuts])
     state["arrays"] = arrays
     return state
 

@@ -206,26 +206,19 @@ class Mix(EpochNode[dict]):
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
         ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
+        j = int(j)
         if self._clock is not None:
-            return self._describe_recent(int(j))
-        k, c = (int(x[0]) for x in self._draws.locate_many(self.epoch, np.array([j])))
-        name = self.names[k]
-        reader = self.readers[name]
-        size = reader.size
-        if size is None and reader.passes:  # a stream read again since a resume from an older state
-            return (f"a document of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                    f"{self.epoch}; its index in the source is unknown)")  # fmt: skip
-        passes = 0 if not size else c // size
-        index = c if not size else c % size
-        again = f", pass {passes} over it" if passes else ""
-        return (f"document {index} of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                f"{self.epoch}{again})")  # fmt: skip
-
-    def _describe_recent(self, j: int) -> str:
-        k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
-        if k < 0 or j < self._drawn - BLOCK:
-            return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source is "
-                    f"known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
+            k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
+            if k < 0 or j < self._drawn - BLOCK:
+                return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source "
+                        f"is known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
+        else:
+            k, c = (int(x[0]) for x in self._draws.locate_many(self.epoch, np.array([j])))
+            reader = self.readers[self.names[k]]
+            if reader.size is None and reader.passes:  # a stream read again since a resume from an older state
+                return (f"a document of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
+                        f"{self.epoch}; its index in the source is unknown)")  # fmt: skip
+            passes, index = divmod(c, reader.size) if reader.size else (0, c)
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
                 f"{self.epoch}{again})")  # fmt: skip

@@ -56,8 +56,8 @@ def _bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
         raise TypeError(f"{owner}.{name} must be True or False{none}, got {type(value).__name__} {value!r}")
 
 
-def _choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
-    if value not in choices:
+def _choice(owner: str, name: str, value: Any, choices: Collection[Any], *, optional: bool = False) -> None:
+    if value not in choices and not (optional and value is None):
         raise ValueError(f"unknown {owner}.{name} {value!r}; choose one of {list(choices)}")
 
 
@@ -83,8 +83,7 @@ class StreamPlan:
 
     def __post_init__(self) -> None:
         _choice("StreamPlan", "algorithm", self.algorithm, ALGORITHMS)
-        if self.overflow is not None:
-            _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         _int("StreamPlan", "window", self.window, 1, optional=True)
         _int("StreamPlan", "shuffle_buffer", self.shuffle_buffer, 1)
 
@@ -121,8 +120,7 @@ class SchedulePlan:
         _choice("SchedulePlan", "tail", self.tail, TAIL_POLICIES)
         _int("SchedulePlan", "window", self.window, 1, optional=True)
         _choice("SchedulePlan", "algorithm", self.algorithm, ALGORITHMS)
-        if self.overflow is not None:
-            _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         if self.cost is not None:
             if not isinstance(self.cost, CostModel):
                 raise TypeError(f"SchedulePlan.cost must be a cpdata.CostModel or None, got {type(self.cost).__name__}")

@@ -144,14 +144,18 @@ class Pack(BaseNode[PackPlan]):
             check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._seekable = isinstance(source_node, Documents) and source_node.seekable
-        self._planner = StreamPlanner(self.config)
         self._queue: deque[_Finished] = deque()  # every finished pack, not yet emitted
+        self._snapshot: _Snapshot | None = None
+        self._pool = BufferPool()  # token buffers of windows read from sources that do not make them
+        self._clear()
+
+    def _clear(self) -> None:
+        self._planner = StreamPlanner(self.config)
+        self._queue.clear()
         self._live = LivePieces()
         self._exhausted = False
         self._emitted = 0
-        self._snapshot: _Snapshot | None = None
         self._carry_records: dict[str, Any] | None = None
-        self._pool = BufferPool()  # token buffers of windows read from sources that do not make them
 
     @property
     def stats(self) -> PackingStats:
@@ -164,12 +168,7 @@ class Pack(BaseNode[PackPlan]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._planner = StreamPlanner(self.config)
-        self._queue.clear()
-        self._live = LivePieces()
-        self._exhausted = False
-        self._emitted = 0
-        self._carry_records = None
+        self._clear()
         if initial_state is None:
             self.source.reset(None)
             self._snapshot = self._take_snapshot()

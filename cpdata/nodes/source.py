@@ -147,36 +147,28 @@ class Documents(EpochNode[Document]):
             self._order = (self.epoch, perm)
         return self._order[1]
 
-    def _source_index(self, position: int) -> int:
-        """Source index at ``position`` of this epoch's order."""
-        return int(self.permutation()[position]) if self.shuffle else position
-
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.position, self.consumed, self._windows.ahead = 0, 0, None
         self._check_source()
-        nested = None
-        if initial_state is not None and self._buffer is not None:
-            self._check(initial_state)
-            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
-            self._restart_source()
-            self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
-            self.consumed = int(initial_state[self.CONSUMED_KEY])
-            if self.position != int(initial_state[self.POSITION_KEY]):
-                raise ValueError(
-                    f"replaying the shuffle buffer read {self.position} source items, the saved state had read "
-                    f"{initial_state[self.POSITION_KEY]}; the source changed since the state was saved"
-                )
-            return
-        if initial_state is not None:
-            self._check(initial_state)
-            self.position = int(initial_state[self.POSITION_KEY])
-            self.consumed = int(initial_state[self.CONSUMED_KEY])
-            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
-            nested = initial_state.get(self.SOURCE_KEY)
-        else:
+        if initial_state is None:
             self.epoch_clock.start()  # a new iter(): the next epoch
-        self._restart_source(nested)
+            self._restart_source()
+            return
+        self._check(initial_state)
+        self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
+        self.consumed, position = int(initial_state[self.CONSUMED_KEY]), int(initial_state[self.POSITION_KEY])
+        if self._buffer is None:
+            self.position = position
+            self._restart_source(initial_state.get(self.SOURCE_KEY))
+            return
+        self._restart_source()
+        self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
+        if self.position != position:
+            raise ValueError(
+                f"replaying the shuffle buffer read {self.position} source items, the saved state had read "
+                f"{position}; the source changed since the state was saved"
+            )
 
     def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
         if self._buffer is not None:
@@ -230,7 +222,7 @@ class Documents(EpochNode[Document]):
             if position >= len(self.source):  # type: ignore[arg-type]
                 self.position = max(self.position, len(self.source))  # type: ignore[arg-type]
                 raise StopIteration
-            index = self._source_index(position)
+            index = int(self.permutation()[position]) if self.shuffle else position
             item = self.reader.read(index)
         else:
             item = self.reader.next(index)
