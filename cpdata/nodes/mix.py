@@ -7,7 +7,7 @@
 
 Draw ``j`` of epoch ``e`` picks a source with probability ``weight / sum(weights)``, a pure function of
 ``(seed, e, j)`` (:class:`~cpdata.nodes.mix_readers.Draws`); ``by="tokens"`` shares out tokens instead
-(:mod:`cpdata.nodes.mix_tokens`). Draw ``j`` goes to DP rank ``j % dp_size``; every CP rank of a DP group
+(:mod:`cpdata.nodes.mix_readers`). Draw ``j`` goes to DP rank ``j % dp_size``; every CP rank of a DP group
 computes the same draws (unlike torchdata's ``MultiNodeWeightedSampler``, seeded by the global rank), and a
 rank never reads another rank's documents from a sequence. Stop policies (:data:`STOP_POLICIES`), counters,
 errors naming a document by its source and the state: docs/packing-and-mixing.md.
@@ -26,13 +26,14 @@ from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
+    BY,
     Draws,
     MixSource,
+    TokenClock,
     check_weights,
     declared_alignment,
     document_tokens,
 )
-from cpdata.nodes.mix_tokens import BY, TokenClock
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.state_version import check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint

@@ -3,7 +3,7 @@
 When every source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths,
 :class:`MixedDataset` lists the documents the mix draws, in draw order, epoch after epoch (item ``j`` is
 document ``index[j]`` of source ``names[source_id[j]]``): the mix's own draws and stop rule, vectorized
-(:func:`draw_order`, :func:`~cpdata.nodes.mix_tokens.token_draw_order`; tested equal to the node's
+(:func:`draw_order`, :func:`~cpdata.nodes.mix_readers.token_draw_order`; tested equal to the node's
 stream), so a plan over it packs what the streaming loader packs. Cost: ~1 us and 12 bytes per document.
 A stream source or ``stop="never"`` is refused, naming the fix. Epoch policy: docs/packing-and-mixing.md.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cpdata.errors import check_int, naming_parts
-from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
+from cpdata.nodes.mix_readers import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
 from cpdata.sources.protocol import Carried, Checked, Hashed, stated_lengths
