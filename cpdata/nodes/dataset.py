@@ -28,7 +28,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.errors import check_int
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
-from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, rank_node, shard_graph
 from cpdata.nodes.options import (
     ENTRY_KEYWORDS,
     DataPolicy,
@@ -41,7 +41,6 @@ from cpdata.nodes.options import (
 )
 from cpdata.nodes.orphans import exit_with_parent
 from cpdata.nodes.served import WorkerShare
-from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.state_version import check_state_version
 
 __all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
@@ -213,13 +212,9 @@ class CPDataset(WorkerDataset):
                                     padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
         # Validate the configuration now, in the main process, not in every worker.
         graph = shard_graph(source, self.options)
-        self._shard(graph)
+        rank_node(graph, self.options, cp_rank, delivery)
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if isinstance(plan, SchedulePlan) else None
-
-    def _shard(self, node: BaseNode) -> ShardForRank:
-        return ShardForRank(node, cp_size=self.options.cp_size, cp_rank=self.cp_rank, layout=self.options.layout,
-                            block_size=self.delivery.block_size, kv_exchange=self.delivery.kv_exchange)  # fmt: skip
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         node: BaseNode
@@ -227,4 +222,4 @@ class CPDataset(WorkerDataset):
             node = shard_graph(self.source, self.options, packs=self._scheduled.with_worker((worker_id, num_workers)))
         else:
             node = _WorkerItems(shard_graph(self.source, self.options), WorkerShare(worker_id, num_workers))
-        return self._shard(node)
+        return rank_node(node, self.options, self.cp_rank, self.delivery)

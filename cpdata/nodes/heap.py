@@ -39,10 +39,7 @@ def _glibc_mallopt() -> Callable[[int, int], int] | None:
 
 
 def keep_heap(worker_id: int | None = None) -> bool:
-    """Fix this process's malloc thresholds (see the module docstring); True when they were set.
-
-    ``worker_id`` is ignored: the signature of a ``worker_init_fn``.
-    """
+    """Fix this process's malloc thresholds; True when they were set (``worker_id``: a ``worker_init_fn``'s)."""
     del worker_id
     mallopt = _glibc_mallopt()
     if mallopt is None:

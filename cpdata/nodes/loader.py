@@ -50,6 +50,7 @@ __all__ = [
     "build_node",
     "close_loader",
     "closing_loader",
+    "rank_node",
     "shard_graph",
 ]
 
@@ -104,6 +105,12 @@ def shard_graph(source: Any, options: GraphOptions, *, packs: ServedPacks | None
     return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
 
 
+def rank_node(collated: BaseNode, options: GraphOptions, cp_rank: int, delivery: Delivery) -> ShardForRank:
+    """This CP rank's :class:`ShardForRank` over ``collated`` (``delivery``: block size, K/V exchange plan)."""
+    return ShardForRank(collated, cp_size=options.cp_size, cp_rank=cp_rank, layout=options.layout,
+                        block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
+
+
 def build_node(
     source: Any,
     *,
@@ -120,26 +127,18 @@ def build_node(
     delivery: Delivery = Delivery(),
     **removed: Any,
 ) -> BaseNode:
-    """The root node of one CP rank's pipeline (see the module docstring).
+    """The root node of one CP rank's pipeline over ``source`` (anything ``Documents`` accepts).
 
-    Args:
-        source: the documents (anything :class:`cpdata.nodes.source.Documents` accepts).
-        layout: a name from :data:`cpdata.layout.maps.LAYOUTS`.
-        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256; default 128).
-        batch_size: plans per batch (rows for bshd, concatenated for thd).
-        padding_token_id: ``input_ids`` on pads, in ``[0, vocab_size)`` (e.g. the EOS id).
-        plan, data, delivery: the option records (:mod:`cpdata.nodes.options`); ``Delivery.prefetch``
-            defaults to 2 here.
-        removed: the keywords of cpdata 0.3, each refused naming its record field
-            (:data:`cpdata.nodes.options.RENAMED`).
+    ``layout``: one of :data:`cpdata.layout.maps.LAYOUTS` (``tile``: ``"tiled"``'s, 64, 128 or 256);
+    ``batch_size``: plans per batch; ``padding_token_id``: ``input_ids`` on pads, in ``[0, vocab_size)``;
+    ``plan``, ``data``, ``delivery``: :mod:`cpdata.nodes.options` (``Delivery.prefetch`` defaults to 2 here);
+    a keyword of 0.3 is refused naming its record field (:data:`~cpdata.nodes.options.RENAMED`).
     """
     refuse_keywords("build_node", removed, ENTRY_KEYWORDS)
     check_records(delivery=delivery)
     options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, tile=tile, batch_size=batch_size,
                            qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
-    collated = shard_graph(source, options)
-    node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=options.layout,
-                                  block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
+    node: BaseNode = rank_node(shard_graph(source, options), options, cp_rank, delivery)
     prefetch = 2 if delivery.prefetch is None else delivery.prefetch
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)

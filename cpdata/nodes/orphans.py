@@ -55,18 +55,9 @@ def _watch(ppid: int, sentinel: int | None) -> None:
 
 
 def exit_with_parent(*, deathsig: bool | None = None, watchdog: bool = True) -> bool:
-    """Make the calling process die (SIGKILL) as soon as its parent process does.
-
-    Args:
-        deathsig: arm the Linux parent-death signal; None (default) = when the
-            process was started from its parent's main thread (see the module
-            docstring), as far as the process can tell.
-        watchdog: start the polling watchdog thread.
-
-    Returns:
-        False in a process that is not a multiprocessing child (nothing is
-        armed), else True. Idempotent per process.
-    """
+    """Make the calling process die (SIGKILL) as soon as its parent process does (module docstring); False
+    in a process that is not a multiprocessing child. ``deathsig=None``: when started from the parent's main
+    thread, as far as the process can tell. Idempotent per process."""
     global _armed
     if _armed == os.getpid():
         return True

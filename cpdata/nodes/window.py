@@ -17,16 +17,10 @@ __all__ = ["DocumentWindow", "WindowFill"]
 
 @dataclass(frozen=True, slots=True)
 class DocumentWindow:
-    """``n`` validated documents in source order.
-
-    Attributes:
-        indices, lengths: int64 ``[n]`` source index and tokens of each document.
-        firsts: int64 ``[n]`` first trained target (:func:`cpdata.worker.targets.first_target`).
-        arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
-        ids: int64 ``[>= W + 2]``: the documents' ids in order, each followed by one free element, then room
-            the packer asked for (its token buffer, :mod:`cpdata.worker.token_buffer`); None: not made.
-        plain: every document's arrays hold ``input_ids`` alone (True), not all (False), or not known (None).
-    """
+    """``n`` validated documents in source order: int64 ``[n]`` ``indices``, ``lengths`` and ``firsts`` (first
+    trained target), ``n`` mappings of per-token ``arrays``; ``ids``: int64 ``[>= W + 2]``, the documents' ids
+    each followed by one free element, then room (the packer's token buffer), or None; ``plain``: whether
+    every document holds ``input_ids`` alone (None: not known)."""
 
     indices: np.ndarray
     lengths: np.ndarray
