@@ -65,29 +65,23 @@ class WorkerShare:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackRows:
-    """Where one pack's rows are, and what names it."""
+    """Where one pack's ``rows`` of the plan's ``columns`` are, and what names it: ``index`` (``PackPlan.index``),
+    ``first_document`` (subtracted from ``doc_index`` for a piece's ``index``) and ``extras``."""
 
     columns: Mapping[str, np.ndarray]
-    """The plan's row columns (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``)."""
     rows: slice
-    """This pack's rows of the columns."""
     index: int
-    """The plan's own id of the pack (``PackPlan.index``)."""
     first_document: int = 0
-    """Subtracted from ``doc_index`` for a piece's ``index`` (added, when negative: a window's first row)."""
     extras: Mapping[str, object] = field(default_factory=dict)
 
 
 class PlanRows:
     """A provider of plan rows for :class:`ServedPacks`; the defaults serve one block per epoch."""
 
-    config: dict[str, Any]
-    """What a saved state must have been saved with (compared on restore)."""
+    config: dict[str, Any]  # compared on restore, as is identity (the data the rows were planned over)
     identity: str | None
-    """The data the rows were planned over (compared on restore)."""
     capacity: int
-    source: Any
-    """The documents the rows read (what names them in errors and batches)."""
+    source: Any  # the documents the rows read (what names them in errors and batches)
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         """Begin ``epoch`` at a saved ``block`` position (None: its start); returns the block to load first."""
