@@ -72,11 +72,12 @@ class Mix(EpochNode[dict]):
         self.seed, self.stop = int(seed), stop
         self.readers = {name: MixSource(name, sources[name]) for name in self.names}
         self.labels_alignment = declared_alignment(self.readers)
-        self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
-        self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
+        self.draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
+        self.clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
+        """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""
         self._lengths = {n: stated_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
         for name, lengths in self._lengths.items():
-            if self._clock is not None and lengths is not None and not int(lengths.sum()):
+            if self.clock is not None and lengths is not None and not int(lengths.sum()):
                 raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
                                  "cannot give it a share of tokens: leave it out of the mix")  # fmt: skip
         self._recent = np.full((BLOCK if by == "tokens" else 0, 3), -1, dtype=np.int64)  # (source, index, pass)
@@ -94,15 +95,6 @@ class Mix(EpochNode[dict]):
         config = {"names": list(self.names), "weights": [self.weights[n] for n in self.names], "seed": self.seed,
                   "stop": self.stop}  # fmt: skip
         return config if self.by == "documents" else {**config, "by": self.by}  # a documents mix's states as before
-
-    @property
-    def draws(self) -> Draws:
-        return self._draws
-
-    @property
-    def clock(self) -> TokenClock | None:
-        """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""
-        return self._clock
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -124,24 +116,24 @@ class Mix(EpochNode[dict]):
             self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
             for name, reader in self.readers.items():
                 reader.restart(initial_state[self.READERS_KEY][name])
-            if self._clock is not None:
-                self._clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
+            if self.clock is not None:
+                self.clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
         else:
             self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
             self._drawn, self._done, self._exhausted = 0, False, set()
             self._counts = {name: [0, 0] for name in self.names}
             for reader in self.readers.values():
                 reader.restart()
-            if self._clock is not None:
-                self._clock.start(self.epoch)
+            if self.clock is not None:
+                self.clock.start(self.epoch)
         self._recent[:] = -1
         self._pass_tokens = {}
 
     def _advance(self, read: bool) -> Any:
         if self._done:
             raise StopIteration
-        clock = self._clock
-        k = self._draws(self.epoch, self._drawn) if clock is None else clock.pick()
+        clock = self.clock
+        k = self.draws(self.epoch, self._drawn) if clock is None else clock.pick()
         name, self.last_source = self.names[k], k
         self._drawn += 1
         reader = self.readers[name]
@@ -174,8 +166,8 @@ class Mix(EpochNode[dict]):
 
     def _new_pass(self, name: str) -> None:
         reader = self.readers[name]
-        if self._clock is not None:
-            now = self._clock.tokens[self.names.index(name)]
+        if self.clock is not None:
+            now = self.clock.tokens[self.names.index(name)]
             if self._pass_tokens.get(name) == now:
                 raise ValueError(f"mix source {name!r} gave no tokens on pass {reader.passes}; by='tokens' would "
                                  "draw it forever: leave a source of empty documents out of the mix")  # fmt: skip
@@ -201,20 +193,20 @@ class Mix(EpochNode[dict]):
             self.EXHAUSTED_KEY: sorted(self._exhausted),
             self.COUNTS_KEY: {n: list(c) for n, c in self._counts.items()},
             self.READERS_KEY: {name: reader.state() for name, reader in self.readers.items()},
-            **({} if self._clock is None else {self.TOKENS_KEY: dict(zip(self.names, self._clock.tokens, strict=True))}),
+            **({} if self.clock is None else {self.TOKENS_KEY: dict(zip(self.names, self.clock.tokens, strict=True))}),
         }
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
         ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
         j = int(j)
-        if self._clock is not None:
+        if self.clock is not None:
             k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
             if k < 0 or j < self._drawn - BLOCK:
                 return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source "
                         f"is known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
         else:
-            k, c = (int(x[0]) for x in self._draws.locate_many(self.epoch, np.array([j])))
+            k, c = (int(x[0]) for x in self.draws.locate_many(self.epoch, np.array([j])))
             reader = self.readers[self.names[k]]
             if reader.size is None and reader.passes:  # a stream read again since a resume from an older state
                 return (f"a document of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
@@ -228,7 +220,7 @@ class Mix(EpochNode[dict]):
         """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
         there (-1 where a stream's index is unknown): the batches' ``info["doc_source"]`` / ``info["doc_index"]``.
         None by tokens (each draw depends on the tokens read before it)."""
-        k, c = self._draws.locate_many(self.epoch, js)
+        k, c = self.draws.locate_many(self.epoch, js)
         sizes = [self.readers[n].size for n in self.names]
         if all(sizes):  # sequences (and streams read to their end once): an index per pass
             index = c % np.asarray(sizes, dtype=np.int64)[k]
