@@ -1,16 +1,10 @@
 """``ScheduledPacks``: this DP rank's packs of a global schedule, reading only their documents.
 
-Replaces ``Documents -> Pack`` when the source states every document's length up front
-(``open_dataset(...).lengths``, a token store index, an HF length column, or ``lengths=`` given)::
-
-    lengths ──► plan_schedule (same on every rank, no collective)
-                   └─► packs (step, dp_rank, micro_batch) of this rank ─► read those documents ─► PackPlan
-
-Every rank, CP rank and worker computes the same :func:`~cpdata.schedule.plan_schedule` (a pure
-function); pack ``j`` of this rank is micro-batch ``j % micro_batches`` of step ``j // micro_batches``.
-``shuffle=True`` plans epoch ``e`` over the documents in the ``(seed, e)`` order when it starts. Serving,
-worker striding, epochs and the state are :class:`~cpdata.nodes.served.ServedPacks`'s (identity: the
-source's and the lengths'): a restore is O(1), one from other data or settings is refused.
+Replaces ``Documents -> Pack`` when the source states every document's length (``open_dataset``, a
+token store, an HF length column, or ``SchedulePlan.lengths``): every rank and worker computes the same
+:func:`~cpdata.schedule.plan_schedule` (no collective) and reads only its own packs' documents;
+``shuffle`` plans epoch ``e`` over the ``(seed, e)`` order. Serving, workers, epochs and the state are
+:class:`~cpdata.nodes.served.ServedPacks`'s: a restore is O(1), one from other data or settings is refused.
 """
 
 from __future__ import annotations

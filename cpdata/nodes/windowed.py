@@ -1,20 +1,13 @@
-"""``WindowedPacks``: a global schedule for streams, planned window by window.
+"""``WindowedPacks``: a global schedule for streams, planned window by window (docs/scheduling.md).
 
-For a source without lengths (JSONL lines, a streaming HF dataset) every rank reads the stream in windows
-of ``W`` documents, plans each with :func:`~cpdata.schedule.plan_schedule` (a pure function of the
-window's lengths: identical on every rank and worker, no collective) and emits only its own packs::
+Every rank reads the stream in windows of ``W`` documents and plans each with
+:func:`~cpdata.schedule.plan_schedule` (pure: the same plan on every rank and worker, no collective),
+serving only its own packs; each window's last step follows ``tail``, so every DP rank gets the same
+steps. Trade-off: every rank and worker reads the whole stream; a window holds ``W`` documents and pads
+its own last step. Pack ids number all DP ranks' packs through the epoch's windows.
 
-    stream ─► window k (W documents) ─► plan_schedule(lengths, epoch=k) ─► this rank's packs ─► PackPlan
-
-Each window's last step follows ``tail``, so every DP rank gets the same number of steps per window.
-Trade-off: every rank, CP rank and worker reads the whole stream and plans every window; a window holds
-``W`` documents in memory and pads its own last step (smaller ``W``: more padding, less memory;
-docs/scheduling.md). Only this worker's documents are validated and kept. Pack ids number all DP ranks'
-packs through the epoch's windows (the window is ``plan.extras["window"]``).
-
-State: ``ServedPacks``'s, its ``block`` ``{"window", "pack_base", "lengths"}`` (the epoch's packs before
-the window, the window's lengths' sha256). A restore skips the stream's rows up to the window unparsed
-(a ``BaseNode`` source is refused), re-plans that window and checks its lengths.
+State: ``ServedPacks``'s, its ``block`` ``{"window", "pack_base", "lengths"}``. A restore skips the rows
+before the window unparsed (a ``BaseNode`` source is refused), re-plans it and checks its lengths.
 """
 
 from __future__ import annotations
