@@ -17,6 +17,7 @@ from cpdata.bench.distributions import sample
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.schedule import CostModel
 from cpdata.schedule.planner import padded_epoch_cost
+from tests.flat_options import graph_options
 
 KW = dict(capacity=8192, layout="balanced", cp_size=2, dp_size=2, overflow="split")
 
@@ -27,7 +28,8 @@ def _lengths(name: str, n: int):
 
 def _schedule(lengths, **kw):
     docs = [{"input_ids": [1] * int(n)} for n in lengths]
-    return ScheduledPacks(docs, lengths=lengths, **KW, **kw).schedule
+    options = graph_options(schedule=kw.pop("schedule", "balanced"), lengths=lengths, **KW, **kw)
+    return ScheduledPacks(docs, options).schedule
 
 
 @pytest.mark.parametrize("n", [340, 460])

@@ -12,7 +12,7 @@ from torchdata.nodes import IterableWrapper
 from cpdata import Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset
 from cpdata import precompute as precompute_plan
 from cpdata.cli import main as cli
-from cpdata.nodes.mix_tokens import tie_ranks
+from cpdata.nodes.mix_readers import tie_ranks
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.pack import Pack
 from tests.flat_options import precompute_records, records

@@ -23,7 +23,7 @@ from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
 from cpdata.offline.reader import PrecomputedPacks
-from tests.flat_options import records
+from tests.flat_options import graph_options, records
 
 ROOT = Path(__file__).resolve().parents[1] / "cpdata"
 CFG = {"capacity": 128, "cp_size": 2, "layout": "thd"}
@@ -143,10 +143,10 @@ def test_states_of_the_nodes_before_the_one_serving_node_are_refused_by_version(
     docs = open_dataset(_sources(tmp_path)[0])
     precompute(docs, tmp_path / "plan", **CFG)
     nodes = {
-        "ScheduledPacks": (ScheduledPacks(docs, **CFG),
+        "ScheduledPacks": (ScheduledPacks(docs, graph_options(schedule="balanced", **CFG)),
                            {"version": 2, "config": {}, "lengths_sha256": "0" * 64, "epoch": 0, "first_epoch": 0,
                             "item": 1}),
-        "WindowedPacks": (WindowedPacks(list(docs), window=4, **CFG),
+        "WindowedPacks": (WindowedPacks(list(docs), graph_options(schedule="balanced", schedule_window=4, **CFG)),
                           {"version": 1, "config": {}, "epoch": 0, "first_epoch": 0, "window": 0, "item": 1}),
         "PrecomputedPacks": (PrecomputedPacks(tmp_path / "plan", docs),
                              {"version": 2, "manifest_sha256": "0" * 64, "dp": [0, 1], "epoch": 0, "pack_index": 1}),

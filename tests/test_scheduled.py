@@ -36,10 +36,15 @@ class CountingDocs:
         return self.docs[i]
 
 
+def scheduled(src, worker=(0, 1), **flat) -> ScheduledPacks:
+    """``ScheduledPacks`` from flat keywords (``schedule`` defaults to ``"balanced"``)."""
+    return ScheduledPacks(src, graph_options(**{"schedule": "balanced", **flat}), worker=worker)
+
+
 def _node(src, dp_rank=0, worker=(0, 1), **kw) -> ScheduledPacks:
     args = dict(CFG, dp_rank=dp_rank, dp_size=2, micro_batches=2, overflow="split", max_delay=1, worker=worker)
     args.update(kw)
-    return ScheduledPacks(src, **args)
+    return scheduled(src, **args)
 
 
 def _docs_of(plans) -> list[tuple[int, int, int]]:
@@ -121,12 +126,12 @@ def test_refuses_another_configuration_or_dataset():
 
 def test_sources_without_lengths_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="lengths="):
-        ScheduledPacks([{"input_ids": [1, 2]}], **CFG)
+        scheduled([{"input_ids": [1, 2]}], **CFG)
     with pytest.raises(TypeError, match="__getitem__"):
-        ScheduledPacks(iter([]), lengths=[2], **CFG)
+        scheduled(iter([]), lengths=[2], **CFG)
     docs = CountingDocs(20)
     docs.lengths = docs.lengths + 1
-    node = ScheduledPacks(docs, **CFG)
+    node = scheduled(docs, **CFG)
     node.reset()
     with pytest.raises(ValueError, match="its length was given as"):
         list(node)
@@ -186,7 +191,7 @@ def test_stateful_dataloader_with_workers_resumes_exactly(num_workers):
 
 def test_empty_tail_packs_collate_to_pure_padding():
     docs = CountingDocs(5)
-    node = ScheduledPacks(docs, capacity=512, layout="thd", cp_size=2, dp_size=2, dp_rank=1, micro_batches=2)
+    node = scheduled(docs, capacity=512, layout="thd", cp_size=2, dp_size=2, dp_rank=1, micro_batches=2)
     assert node.schedule.stats.empty_packs > 0
     batches = list(ShardForRank(Collate(node), cp_size=2, cp_rank=0, layout="thd"))
     empty = [b for b in batches if b.info.get("num_docs", 1) == 0 or not (b["labels"] != -100).any()]
@@ -212,7 +217,7 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
     for rank in range(2):
         served = PrecomputedPacks(tmp_path / "plan", docs, dp_rank=rank, dp_size=2)
         served.reset()
-        online = ScheduledPacks(docs, dp_rank=rank, dp_size=2, micro_batches=2, max_delay=1, **kw)
+        online = scheduled(docs, dp_rank=rank, dp_size=2, micro_batches=2, max_delay=1, **kw)
         online.reset()
         a, b = list(served), list(online)
         counts.append(len(a))
@@ -285,7 +290,7 @@ def test_labels_follow_the_declared_alignment_as_in_todays_pipeline():
     for a, b in zip(planned, today, strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="labels_alignment"):
-        list(ScheduledPacks(src, **CFG))
+        list(scheduled(src, **CFG))
 
 
 def test_hf_dataset_plans_from_its_lengths():
@@ -294,7 +299,7 @@ def test_hf_dataset_plans_from_its_lengths():
     src = CountingDocs(80)
     hf = datasets.Dataset.from_dict({"input_ids": [d["input_ids"].tolist() for d in src.docs]})
     kw = dict(CFG, dp_rank=1, dp_size=2, micro_batches=2, overflow="split")
-    a, b = ScheduledPacks(hf, **kw), ScheduledPacks(src, **kw)
+    a, b = scheduled(hf, **kw), scheduled(src, **kw)
     a.reset()
     b.reset()
     assert _docs_of(list(a)) == _docs_of(list(b)) and a.schedule.num_steps > 1

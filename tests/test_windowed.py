@@ -38,10 +38,15 @@ class Stream:
             yield d
 
 
+def windowed(src, window, worker=(0, 1), **flat) -> WindowedPacks:
+    """``WindowedPacks`` from flat keywords (``schedule`` defaults to ``"balanced"``)."""
+    return WindowedPacks(src, graph_options(**{"schedule": "balanced", "schedule_window": window, **flat}), worker=worker)
+
+
 def _node(src, dp_rank=0, worker=(0, 1), **kw) -> WindowedPacks:
     args = dict(CFG, window=64, dp_rank=dp_rank, dp_size=3, micro_batches=2, overflow="split", worker=worker)
     args.update(kw)
-    node = WindowedPacks(src, **args)
+    node = windowed(src, **args)
     node.reset()
     return node
 
@@ -129,7 +134,7 @@ def test_pack_ids_number_the_epoch_across_windows_and_resume():
     assert ids == list(range(len(ids))), "every pack of the epoch, all DP ranks, has its own id"
     node = _node(Stream(), dp_rank=1)
     head = [node.next().index for _ in range(9)]
-    again = WindowedPacks(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
+    again = windowed(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
     again.reset(node.get_state())
     assert head + [p.index for p in again] == [p.index for p in ranks[1]]
 
@@ -180,7 +185,7 @@ def test_epochs_go_on_and_resume_across_the_epoch_end():
     assert _pieces(two) == one + one and {p.extras["epoch"] for p in two} == {0, 1}
     node = _node(Stream(n=100), num_epochs=2)
     head = [node.next() for _ in range(len(two) // 2 + 1)]
-    again = WindowedPacks(Stream(n=100), **dict(CFG, window=64, dp_size=3, micro_batches=2, overflow="split",
+    again = windowed(Stream(n=100), **dict(CFG, window=64, dp_size=3, micro_batches=2, overflow="split",
                                                   num_epochs=2))  # fmt: skip
     again.reset(node.get_state())
     assert _pieces(head) + _pieces(list(again)) == _pieces(two)
@@ -200,7 +205,7 @@ def test_refusals_name_the_fix():
     node = _node(Stream(), dp_rank=1)
     [node.next() for _ in range(5)]
     state = node.get_state()
-    other = WindowedPacks(Stream(seed=1), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2,
+    other = windowed(Stream(seed=1), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2,
                                                    overflow="split"))  # fmt: skip
     other.reset(state)
     with pytest.raises(ValueError, match="other document lengths"):
@@ -211,7 +216,7 @@ def test_refusals_name_the_fix():
 
 def test_an_overlong_document_is_named_by_its_stream_position():
     docs = [{"input_ids": np.ones(k, dtype=np.int64)} for k in [10] * 70 + [300]]
-    node = WindowedPacks(docs, window=64, **CFG)
+    node = windowed(docs, window=64, **CFG)
     node.reset()
     with pytest.raises(ValueError, match=r"window 1 of the stream \(documents 64 to 70; add 64 .*document 6 has 300"):
         list(node)

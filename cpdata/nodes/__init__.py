@@ -1,26 +1,13 @@
 """The worker pipeline as torchdata nodes, one stage per module, and its assembly into loaders.
 
-Role: the stateful stages a dataloader worker runs (each implements ``next()``,
-``reset(initial_state)``, ``get_state()``, with a versioned state that refuses
-another configuration), built from the pure functions of :mod:`cpdata.worker`,
-:mod:`cpdata.packing`, :mod:`cpdata.schedule` and the readers of
-:mod:`cpdata.sources`.
-
-Stages, in pipeline order: ``tokenize`` (``Tokenize``: text/chat rows, optional)
-/ ``mix`` + ``mix_readers`` + ``mix_tokens`` (``Mix``: weighted sources, optional; by tokens) -> ``source``
-(``Documents``, with ``source_kinds``, ``source_window``, ``validate``,
-``document_names``, ``shuffle_buffer``, ``window``) -> ``pack`` (``Pack``, with
-``live_pieces`` and ``state_copy``), or ``scheduled`` + ``scheduled_rows``
-(``ScheduledPacks``: planned from lengths) or ``windowed`` (``WindowedPacks``),
-plan rows served by ``served`` (``ServedPacks``) -> ``collate`` (``Collate``) -> ``shard`` (``ShardForRank``) -> ``pin``
-(``maybe_pin``). Assembly: ``options`` (the option records: ``StreamPlan`` / ``SchedulePlan``,
-``DataPolicy``, ``Delivery``), ``mixed`` (a ``Mix`` as an indexable dataset for
-planning), ``loader`` (``build_node`` / ``build_loader``), ``dataset``
-(``CPDataset`` for ``StatefulDataLoader``), ``dataloader`` (``CPDataLoader``).
-Runtime helpers: ``state_version`` (the checks before a restore), ``epochs``
-(the one epoch clock, and setting a graph's epoch), ``heap``
-(workers keep their freed heap), ``orphans`` (workers exit with their parent).
-The precomputed-plan reader, ``PrecomputedPacks``, lives in :mod:`cpdata.offline.reader`.
+Each stage implements ``next()``, ``reset(initial_state)``, ``get_state()`` with a versioned state that
+refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mix`` + ``mix_readers``
+(optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
+``source_kinds``, ``source_window``, ``validate``, ``document_names``, ``shuffle_buffer``, ``window``) ->
+``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
+``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
+Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dataset`` (``CPDataset``),
+``dataloader`` (``CPDataLoader``). Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
 """
 
 from __future__ import annotations

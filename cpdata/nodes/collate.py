@@ -1,14 +1,8 @@
 """``Collate`` node: group ``batch_size`` pack plans into one light ``CollatedPack``.
 
-The record holds the plans; their stream metadata (O(slots)) is computed when
-first read, and the token tensors only on demand, by
-:meth:`CollatedPack.tensors` (the full pack) or by
-:class:`~cpdata.nodes.shard.ShardForRank` (one rank's tokens, ~cp times less
-work). The plans' slots are checked where a stream is built from them
-(:func:`cpdata.worker.stream.slot_block`): by ``ShardForRank`` for a block of
-batches at once, so a bad plan raises when its batch is served. The last batch of an epoch may hold fewer than
-``batch_size`` plans (like ``DataLoader(drop_last=False)``); every CP rank of a
-DP group sees the same short batch.
+The record holds the plans; their metadata is computed when first read and token tensors only on demand
+(:class:`~cpdata.nodes.shard.ShardForRank` gathers one rank's). The last batch of an epoch may hold fewer
+plans (like ``DataLoader(drop_last=False)``), the same on every CP rank of a DP group.
 """
 
 from __future__ import annotations
@@ -29,13 +23,8 @@ __all__ = ["Collate"]
 
 
 class Collate(BaseNode[CollatedPack]):
-    """Group ``batch_size`` plans from ``pack_node`` into a :class:`CollatedPack`.
-
-    State: the source's state under ``"source"`` (the node buffers nothing
-    between items), a version, and the config; a state saved under another
-    ``batch_size``, ``qkv_format`` or ``padding_token_id`` is refused (pads
-    switching value mid-run would train on other inputs).
-    """
+    """Group ``batch_size`` plans from ``pack_node`` into a :class:`CollatedPack`. State: the source's, a
+    version and the config (a state saved under another config is refused)."""
 
     SOURCE_KEY = "source"
     VERSION_KEY = "version"

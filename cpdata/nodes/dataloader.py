@@ -1,40 +1,19 @@
 """``CPDataLoader``: torchdata's ``StatefulDataLoader`` for a :class:`~cpdata.nodes.dataset.CPDataset`.
 
-Two differences about not failing late or obscurely, and two about speed:
+Differences from ``StatefulDataLoader``:
 
-- ``batch_size=None`` by default (a :class:`~cpdata.worker.batch.ShardedBatch` is
-  already a batch); any other value is refused.
-- ``load_state_dict`` refuses a state saved with another ``num_workers`` with
-  a ``ValueError`` naming both counts. torchdata 0.11 raises a bare
-  ``AssertionError`` between 0 and N workers (a ``KeyError`` under
-  ``python -O``), and each worker's packer position is its own, so a state
-  cannot move to another worker count.
-- a worker hands a :class:`~cpdata.worker.batch.ShardedBatch` over as it is (the
-  default ``collate_fn``, :func:`hand_over`) where ``batch_size=None``'s
-  default, torch's ``default_convert``, would copy it and read every key:
-  that builds the batch's host views in the worker (~1-3 us per key), which
-  only the receiver needs. Any other item still goes through
-  ``default_convert``; a ``collate_fn`` given is used as it is.
-- its worker processes keep their freed heap (:func:`cpdata.nodes.heap.keep_heap`,
-  run before a ``worker_init_fn`` given): without it glibc hands the batch
-  memory back to the kernel and faults it in again every pack. Measured in a
-  worker, over the faults of the shared-memory handoff that no allocator
-  setting avoids: at 128K-token batches, cp 4, 722-727 faults and 2.5 ms of
-  system time per batch against 1,670-1,947 and 4.2 ms; at 32K, 175-180
-  against 181-192 faults, within the noise in time.
-  ``keep_heap=False`` leaves malloc as it is.
+- ``batch_size=None``, always (a :class:`~cpdata.worker.batch.ShardedBatch` is already a batch);
+- ``load_state_dict`` refuses a state saved with another ``num_workers`` with a ``ValueError`` naming both
+  (torchdata raises a bare ``AssertionError``; each worker's packer position is its own);
+- the default ``collate_fn`` (:func:`hand_over`) passes a ``ShardedBatch`` on as it is, where
+  ``default_convert`` would build its host views in the worker;
+- its workers keep their freed heap (:func:`cpdata.nodes.heap.keep_heap`; ``keep_heap=False`` opts out).
 
-Epochs: the loader counts its own. Every ``iter()`` that does not resume a
-loaded state starts the next epoch and tells the dataset
-(``CPDataset.set_epoch``) before its workers are made, so a shuffled order
-advances the same way for ``num_workers=0``, non-persistent workers (each
-epoch a fresh copy of the dataset, which alone would replay epoch 0) and
-persistent ones (whose graphs count their own ``iter()`` calls the same
-way). ``dataset.set_epoch(e)`` before an ``iter()`` still picks the epoch
-(counting goes on from it); with live persistent workers, which never see
-it, an epoch other than the next is refused. The count is in
-``state_dict()`` (``"cpdata_epoch"``): after ``load_state_dict`` the
-``iter()`` resumes the saved epoch and the one after it is the next.
+Epochs: every ``iter()`` that does not resume a loaded state starts the next epoch and tells the dataset
+(``CPDataset.set_epoch``) before its workers are made, so a shuffled order advances alike for
+``num_workers=0``, fresh and persistent workers. ``dataset.set_epoch(e)`` before an ``iter()`` picks the
+epoch (live persistent workers, which never see it, refuse any but the next). The count is saved as
+``"cpdata_epoch"``: after ``load_state_dict`` the ``iter()`` resumes the saved epoch.
 """
 
 from __future__ import annotations
@@ -54,8 +33,7 @@ __all__ = ["CPDataLoader", "hand_over", "saved_num_workers"]
 
 
 def hand_over(item: Any) -> Any:
-    """A :class:`ShardedBatch` unchanged (it pickles as its one buffer; views are built where read), any
-    other item through torch's ``default_convert``."""
+    """A :class:`ShardedBatch` unchanged (it pickles as its one buffer), any other item ``default_convert``ed."""
     return item if type(item) is ShardedBatch else default_convert(item)
 
 
@@ -74,13 +52,7 @@ def saved_num_workers(state: Mapping[str, Any]) -> int | None:
 
 
 class CPDataLoader(StatefulDataLoader):
-    """``StatefulDataLoader(dataset, batch_size=None, ...)`` that refuses a state from another worker count.
-
-    Takes ``StatefulDataLoader``'s arguments (``num_workers``,
-    ``pin_memory``, ``multiprocessing_context``, ``snapshot_every_n_steps``,
-    ...); ``batch_size`` must stay None. ``keep_heap``: the workers keep their
-    freed heap (see the module docstring; no effect with ``num_workers=0``).
-    """
+    """``StatefulDataLoader(dataset, batch_size=None, **kwargs)`` (see the module docstring)."""
 
     def __init__(self, dataset: Any, *, batch_size: None = None, keep_heap: bool = True, **kwargs: Any) -> None:
         if batch_size is not None:

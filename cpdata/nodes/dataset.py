@@ -5,36 +5,16 @@
     loader = CPDataLoader(CPDataset(docs, capacity=..., cp_size=2, cp_rank=r, layout="thd"),
                           num_workers=4, pin_memory=True)  # a StatefulDataLoader with batch_size=None
 
-With ``plan=SchedulePlan()`` (a source with known lengths, see
-:class:`~cpdata.nodes.scheduled.ScheduledPacks`) the global schedule is
-planned once, here, and each worker serves its share of this rank's packs
-(:class:`~cpdata.nodes.served.ServedPacks`), reading only their documents:
-worker CPU per pack stays flat in ``N``.
+Workers split the batches with one rule (:class:`~cpdata.nodes.served.WorkerShare`: worker ``w`` of ``N``
+keeps items ``w, w + N, ...``), so ``StatefulDataLoader``'s round-robin gives the ``num_workers=0`` order
+for any ``N``. With ``plan=SchedulePlan()`` the schedule is planned once, here, and each worker serves its
+share of this rank's packs, reading only their documents. Without one, every worker reads and packs the
+whole stream (cheap: no token tensors) and shards only its own batches (the expensive part).
 
-Without a schedule, worker ``w`` of ``N`` runs the whole DP-rank stream through the packer
-(Documents -> Pack -> Collate, all cheap per pack: no token tensors are built)
-and keeps batches ``w, w+N, w+2N, ...``; only those are sharded (the
-expensive part). ``StatefulDataLoader`` takes workers round-robin, so the
-global batch order is the ``num_workers=0`` order for any ``N``, every CP rank
-of a DP group receives the same packs in the same order, and a worker's state
-is just its own graph's. Cost: every worker reads and packs the whole stream,
-so that part (about a quarter of a batch's worker time at 32K tokens, ~0.4 ms
-per pack here) does not parallelize: N workers top out near one batch per
-pack time (over 2000 batches/s at 32K tokens), far above a training step's
-needs. Memory: one packer window per worker.
-
-State: ``state_dict()`` is the worker's ``Loader.state_dict()`` plus its
-``(worker_id, num_workers)``; ``load_state_dict`` keeps it pending until the
-next ``__iter__``, which applies it eagerly ("pending resume state"). Resume
-needs the same ``num_workers`` and configuration (``ValueError`` otherwise).
-Pinning belongs to ``StatefulDataLoader(pin_memory=...)`` in the main process;
-workers never pin. Workers die with the training process
-(:func:`cpdata.nodes.orphans.exit_with_parent`), even when stuck in a slow read.
-:class:`cpdata.nodes.dataloader.CPDataLoader` is the ``StatefulDataLoader`` to use:
-``batch_size=None`` and a state from another ``num_workers`` (0 included) is
-refused with ``ValueError`` on ``load_state_dict``, and its workers keep
-their freed heap (:func:`cpdata.nodes.heap.keep_heap`; with a plain
-``StatefulDataLoader`` pass ``worker_init_fn=cpdata.keep_heap``).
+State: the worker's ``Loader.state_dict()`` plus its ``(worker_id, num_workers)``, applied at the next
+``__iter__``; resume needs the same ``num_workers`` and configuration (``ValueError`` otherwise). Workers
+never pin (``StatefulDataLoader(pin_memory=...)`` does) and die with the training process
+(:func:`cpdata.nodes.orphans.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -48,7 +28,7 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from cpdata.errors import check_int
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
-from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, shard_graph
+from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, rank_node, shard_graph
 from cpdata.nodes.options import (
     ENTRY_KEYWORDS,
     DataPolicy,
@@ -60,22 +40,16 @@ from cpdata.nodes.options import (
     refuse_keywords,
 )
 from cpdata.nodes.orphans import exit_with_parent
-from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.served import WorkerShare
 from cpdata.nodes.state_version import check_state_version
 
 __all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
 
 
 def silence_set_vital_warning() -> None:
-    """Hide the one deprecation warning torchdata 0.11 emits on every ``StatefulDataLoader(...)``.
-
-    Its constructor calls ``torch.set_vital``, which torch 2.13 deprecates with
-    a ``UserWarning`` the user can do nothing about. This filters exactly that
-    message raised from ``torchdata.stateful_dataloader``; every other warning
-    is untouched. Called on import and by each cpdata dataset's constructor
-    (idempotent), so it also holds inside a ``warnings.catch_warnings`` block
-    that was entered before the dataset was built.
-    """
+    """Hide torchdata 0.11's ``torch.set_vital`` deprecation warning on every ``StatefulDataLoader(...)``
+    (that message from ``torchdata.stateful_dataloader`` only). Called on import and by each cpdata
+    dataset's constructor, so it also holds inside a ``warnings.catch_warnings`` block."""
     warnings.filterwarnings(
         "ignore", message="'set_vital' is deprecated", category=UserWarning, module=r"torchdata\.stateful_dataloader"
     )
@@ -84,15 +58,15 @@ def silence_set_vital_warning() -> None:
 silence_set_vital_warning()
 
 
-class _EveryNth(BaseNode[Any]):
-    """Items ``offset, offset + stride, ...`` of the source; the rest are read and dropped."""
+class _WorkerItems(BaseNode[Any]):
+    """The items of ``share`` (:class:`~cpdata.nodes.served.WorkerShare`); the rest are read and dropped."""
 
     SOURCE_KEY = "source"
     INDEX_KEY = "index"
 
-    def __init__(self, source: BaseNode[Any], *, offset: int, stride: int) -> None:
+    def __init__(self, source: BaseNode[Any], share: WorkerShare) -> None:
         super().__init__()
-        self.source, self.offset, self.stride = source, offset, stride
+        self.source, self.share = source, share
         self._index = 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -104,7 +78,7 @@ class _EveryNth(BaseNode[Any]):
         while True:
             item = next(self.source)
             index, self._index = self._index, self._index + 1
-            if index % self.stride == self.offset:
+            if self.share.owns(index):
                 return item
 
     def get_state(self) -> dict[str, Any]:
@@ -112,14 +86,8 @@ class _EveryNth(BaseNode[Any]):
 
 
 class WorkerDataset(IterableDataset):
-    """A torchdata node graph per ``StatefulDataLoader`` worker, with exact, pending-state resume.
-
-    Subclasses implement :meth:`_worker_node`: the graph of worker
-    ``worker_id`` of ``num_workers`` (every worker keeps its own share, in
-    the 0-worker order when the DataLoader interleaves them round-robin).
-    ``prefetch`` batches are prepared ahead in a thread (0 here by default: the
-    DataLoader's ``prefetch_factor`` already queues batches per worker).
-    """
+    """A torchdata node graph per ``StatefulDataLoader`` worker (:meth:`_worker_node`), with exact,
+    pending-state resume; ``prefetch`` batches are prepared ahead in a thread."""
 
     WORKER_KEY = "worker"
     LOADER_KEY = "loader"
@@ -143,28 +111,18 @@ class WorkerDataset(IterableDataset):
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at ``epoch`` (a shuffled order: that of ``(seed, epoch)``; a mix's plan:
-        that epoch's packs): every node with epochs in the graph is told (:func:`~cpdata.nodes.epochs.set_graph_epoch`).
-
-        Call it before every epoch when ``StatefulDataLoader`` workers are not
-        persistent (each epoch then starts from a fresh copy of this dataset,
-        which would otherwise read epoch 0's order again), as with
-        ``DistributedSampler.set_epoch``. A process that keeps its graph
-        (``num_workers=0``, ``persistent_workers=True``) counts epochs itself.
-        """
+        """Start the next iteration at ``epoch`` in every node with epochs
+        (:func:`~cpdata.nodes.epochs.set_graph_epoch`), as ``DistributedSampler.set_epoch``: fresh worker
+        copies of the dataset would otherwise replay epoch 0 (``CPDataLoader`` calls it for you)."""
         self.start_epoch, self.epoch_asked = check_epoch(epoch), True
         if self._loader is not None:
             set_graph_epoch(self._loader.root, epoch)
 
-    @staticmethod
-    def _current_worker() -> tuple[int, int]:
-        info = get_worker_info()
-        return (0, 1) if info is None else (info.id, info.num_workers)
-
     def _ensure_loader(self) -> Loader:
-        if get_worker_info() is not None:
+        info = get_worker_info()
+        if info is not None:
             exit_with_parent(deathsig=self._parent_main_thread)  # no orphan outlives a killed trainer
-        worker = self._current_worker()
+        worker = (0, 1) if info is None else (info.id, info.num_workers)
         if self._loader is None or self._worker != worker:
             if self._loader is not None:
                 close_loader(self._loader)
@@ -219,10 +177,8 @@ class WorkerDataset(IterableDataset):
 class CPDataset(WorkerDataset):
     """One CP rank's batches (:class:`~cpdata.worker.batch.ShardedBatch`) for ``StatefulDataLoader(batch_size=None)``.
 
-    Takes :func:`cpdata.nodes.loader.build_node`'s keyword arguments; of :class:`~cpdata.nodes.options.Delivery`,
-    ``prefetch`` defaults to 0 here (the DataLoader's own ``prefetch_factor`` already queues batches per
-    worker) and ``pin_memory`` belongs to the DataLoader. ``Delivery(kv_exchange=True)``: the workers build
-    each batch's K/V exchange plan too (``batch.layout.kv_exchange``).
+    Takes :func:`cpdata.nodes.loader.build_node`'s keywords; ``Delivery.prefetch`` defaults to 0 here
+    (the DataLoader's ``prefetch_factor`` already queues batches) and pinning belongs to the DataLoader.
     """
 
     def __init__(
@@ -256,18 +212,14 @@ class CPDataset(WorkerDataset):
                                     padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
         # Validate the configuration now, in the main process, not in every worker.
         graph = shard_graph(source, self.options)
-        self._shard(graph)
+        rank_node(graph, self.options, cp_rank, delivery)
         # Planned once here; workers receive this rank's rows with the dataset instead of planning again.
         self._scheduled = graph.source if isinstance(plan, SchedulePlan) else None
-
-    def _shard(self, node: BaseNode) -> ShardForRank:
-        return ShardForRank(node, cp_size=self.options.cp_size, cp_rank=self.cp_rank, layout=self.options.layout,
-                            block_size=self.delivery.block_size, kv_exchange=self.delivery.kv_exchange)  # fmt: skip
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         node: BaseNode
         if self._scheduled is not None:  # this worker's packs only: reads only their documents
-            node = shard_graph(self.source, self.options, worker=(worker_id, num_workers), packs=self._scheduled)
+            node = shard_graph(self.source, self.options, packs=self._scheduled.with_worker((worker_id, num_workers)))
         else:
-            node = _EveryNth(shard_graph(self.source, self.options), offset=worker_id, stride=num_workers)
-        return self._shard(node)
+            node = _WorkerItems(shard_graph(self.source, self.options), WorkerShare(worker_id, num_workers))
+        return rank_node(node, self.options, self.cp_rank, self.delivery)

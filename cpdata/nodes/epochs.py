@@ -1,18 +1,11 @@
 """One epoch counter, and one way to set the epoch of a whole node graph.
 
-Every stage with epochs (``Documents``, ``Mix``, :class:`~cpdata.nodes.served.ServedPacks`)
-is an :class:`EpochNode` counting in its :class:`EpochClock`, as ``CPDataLoader`` counts for
-its fresh worker copies. The rule, written once:
-
-- a fresh ``reset()`` (a new ``iter()``) starts the epoch :meth:`EpochNode.set_epoch`
-  named, else the one after the last started, else epoch 0;
-- ``num_epochs`` epochs run in one ``iter()`` (:meth:`EpochClock.advance`), the
-  first of them remembered (``first``) so a restore knows when the ``iter()`` ends;
-- a restore takes the saved ``(epoch, first)`` and drops a pending ``set_epoch``.
-
-:func:`set_graph_epoch` reaches every :class:`EpochNode` of a graph by walking
-its ``source`` links (torchdata's own convention), so a caller never lists
-node classes.
+Every stage with epochs (``Documents``, ``Mix``, :class:`~cpdata.nodes.served.ServedPacks`) is an
+:class:`EpochNode` counting in its :class:`EpochClock`, as ``CPDataLoader`` counts for its fresh worker
+copies: a fresh ``reset()`` (a new ``iter()``) starts the epoch :meth:`EpochNode.set_epoch` named, else
+the one after the last, else 0; ``num_epochs`` run in one ``iter()`` (:meth:`EpochClock.advance`); a
+restore takes the saved ``(epoch, first)``. :func:`set_graph_epoch` reaches every :class:`EpochNode` by
+walking ``source`` links (torchdata's convention), never by listing node classes.
 """
 
 from __future__ import annotations
@@ -42,22 +35,15 @@ def check_num_epochs(num_epochs: Any) -> int | None:
 
 
 class EpochClock:
-    """The epoch being served and the first epoch of the current ``iter()`` (see the module docstring)."""
+    """The ``epoch`` being served and the ``first`` epoch of the current ``iter()`` (module docstring)."""
 
-    __slots__ = ("epoch", "first", "_next", "_started")
+    __slots__ = ("epoch", "first", "started", "_next")
 
     def __init__(self) -> None:
         self.epoch = 0
-        """The epoch being served (0-based; counts on across ``iter()`` calls and restores)."""
         self.first = 0
-        """The first epoch of the current ``iter()``."""
+        self.started = False  # whether an epoch was started or restored
         self._next: int | None = None
-        self._started = False
-
-    @property
-    def started(self) -> bool:
-        """Whether an epoch was started or restored."""
-        return self._started
 
     def set(self, epoch: int) -> None:
         """The next fresh start is ``epoch`` (as ``DistributedSampler.set_epoch``)."""
@@ -67,9 +53,9 @@ class EpochClock:
         """A fresh ``reset()``: the epoch :meth:`set` named, else the next one; returns it."""
         if self._next is not None:
             self.epoch, self._next = self._next, None
-        elif self._started:
+        elif self.started:
             self.epoch += 1
-        self.first, self._started = self.epoch, True
+        self.first, self.started = self.epoch, True
         return self.epoch
 
     def restore(self, epoch: Any, first: Any = None) -> int:
@@ -78,12 +64,12 @@ class EpochClock:
         first = epoch if first is None else check_epoch(first, "the saved first epoch")
         if first > epoch:
             raise ValueError(f"the saved state has first_epoch={first} > epoch={epoch}; it is not a state of this node")
-        self.epoch, self.first, self._next, self._started = epoch, first, None, True
+        self.epoch, self.first, self._next, self.started = epoch, first, None, True
         return epoch
 
     def advance(self, num_epochs: int | None) -> bool:
-        """At an epoch's end inside one ``iter()``: go on to the next epoch and return True while fewer
-        than ``num_epochs`` (None: one) have run since :attr:`first`; False after the last."""
+        """At an epoch's end: go on to the next and return True while fewer than ``num_epochs`` (None: one)
+        have run in this ``iter()``; False after the last."""
         if self.epoch + 1 - self.first >= (num_epochs or 1):
             return False
         self.epoch += 1
@@ -103,8 +89,7 @@ class EpochNode(BaseNode[T]):
         return self.epoch_clock.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next fresh ``reset()`` (a new ``iter()``) start epoch ``epoch`` (for processes that
-        rebuild the graph every epoch, like ``DistributedSampler.set_epoch``)."""
+        """Make the next fresh ``reset()`` start epoch ``epoch`` (as ``DistributedSampler.set_epoch``)."""
         self.epoch_clock.set(epoch)
 
 
@@ -118,8 +103,7 @@ def graph_nodes(node: Any) -> Iterator[BaseNode]:
 
 
 def set_graph_epoch(root: Any, epoch: int) -> int:
-    """Make every :class:`EpochNode` of ``root``'s graph start ``epoch`` at its next fresh ``reset()``;
-    returns how many were reached."""
+    """Make every :class:`EpochNode` of ``root``'s graph start ``epoch`` next; returns how many were reached."""
     epoch = check_epoch(epoch)
     nodes = [node for node in graph_nodes(root) if isinstance(node, EpochNode)]
     for node in nodes:

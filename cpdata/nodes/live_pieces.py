@@ -1,19 +1,11 @@
 """``LivePieces``: the pieces a packer has placed and not yet emitted, as one int64 table.
 
-One row per piece: ``(key, index, start, length, next_label, slot, offset, at)``
-(:data:`FIELDS`) and, beside the table, the per-token arrays the piece is cut
-from (``source[key][offset : offset + length]``; usually the whole document's
-arrays, so nothing is sliced until collate reads the tokens). ``at`` is the
-piece's index in the token buffer of the window being packed
-(:mod:`cpdata.worker.token_buffer`; :func:`window_buffer` copies there the pieces
-carried into a window that it emits), -1 for a piece not in it. Keys grow with
-arrival, so a pack's pieces are found by one ``searchsorted`` over the key
-column, and a window adds its pieces with one ``concatenate``: no object per
-piece. Emitted rows are only marked dead; they are dropped when the next
-window arrives (the table holds the carried pieces plus one window).
-
-Also here: a window's rows from the planner's pieces (:func:`window_rows`)
-and the carried pieces as the ``Pack`` state stores them (:func:`carry_state`).
+One row per piece (:data:`FIELDS`) and, beside the table, the per-token arrays the piece is cut from
+(``source[key][offset : offset + length]``). ``at`` is the piece's index in the token buffer of the
+window being packed (:mod:`cpdata.worker.token_buffer`), -1 for a piece not in it. Keys grow with
+arrival, so a pack's pieces are one ``searchsorted`` away and a window adds its pieces with one
+``concatenate``: no object per piece. Also here: a window's rows (:func:`window_rows`), its buffer
+(:func:`window_buffer`) and the carried pieces as the ``Pack`` state stores them (:func:`carry_state`).
 """
 
 from __future__ import annotations
@@ -33,7 +25,6 @@ __all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_array
            "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
 
 FIELDS: tuple[str, ...] = ("key", "index", "start", "length", "next_label", "slot", "offset", "at")
-"""Columns of :attr:`LivePieces.table`."""
 
 Source = Mapping[str, np.ndarray]
 
@@ -59,11 +50,7 @@ class LivePieces:
         return int(self._alive.sum())
 
     def live(self) -> tuple[np.ndarray, Sequence[Source]]:
-        """The rows not yet taken, in key order (the table is compacted to them): ``([c, 8], sources)``.
-
-        The returned table is never written again (a later :meth:`add` builds a new one), so a
-        snapshot may keep it.
-        """
+        """The rows not yet taken, in key order: ``([c, 8], sources)``; never written again (a snapshot keeps it)."""
         if not self._alive.all():
             keep = np.flatnonzero(self._alive)
             self.table = self.table[keep]
@@ -72,9 +59,8 @@ class LivePieces:
         return self.table, self.sources
 
     def add(self, rows: np.ndarray, sources: Sequence[Source]) -> None:
-        """Append a window's pieces: ``rows`` int64 ``[p, 8]`` with keys above every key held, ``sources``
-        ``[p]``; the pieces held before are not in the new window's token buffer (``at`` = -1) until
-        :func:`window_buffer` copies them there."""
+        """Append a window's pieces (``rows`` int64 ``[p, 8]``, keys above every key held); the pieces held
+        before leave the token buffer (``at`` = -1)."""
         table, held = self.live()
         self.table = np.concatenate([table, rows]) if table.size else rows
         self.table[: table.shape[0], 7] = -1
@@ -82,7 +68,7 @@ class LivePieces:
         self._alive = np.ones(self.table.shape[0], dtype=bool)
 
     def take(self, keys: np.ndarray) -> tuple[np.ndarray, tuple[Source, ...]]:
-        """Remove the pieces of ``keys`` (int64 ``[k]``, held): their rows ``[k, 8]`` and sources, in ``keys``' order."""
+        """Remove the pieces of ``keys`` (int64 ``[k]``): their rows ``[k, 8]`` and sources, in ``keys``' order."""
         pos = np.searchsorted(self.table[:, 0], keys)
         if keys.size and (pos.max() >= self.table.shape[0] or not np.array_equal(self.table[pos, 0], keys)
                           or not self._alive[pos].all()):  # fmt: skip
@@ -97,18 +83,10 @@ _I32 = np.iinfo(np.int32)
 CARRY_COLUMNS = ("key", "index", "start", "length", "next_label", "slot")
 
 
-def _piece(source: dict[str, np.ndarray], offset: int, length: int) -> dict[str, np.ndarray]:
-    return {k: a[offset : offset + length] for k, a in source.items()}
-
-
 def carry_arrays(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, Any]:
-    """The token arrays of ``p`` carried pieces as a few columns, however many pieces (for a state).
-
-    Pieces are grouped by array name and dtype (``G`` groups); each group's arrays are concatenated in
-    piece order, as int32 when int64 values fit (halves the state), and kept as their bytes (uint8, so
-    any dtype fits in a tensor: :func:`~cpdata.nodes.state_copy.portable_state`). ``mask`` bool ``[p, G]``
-    says which pieces hold which group; every array of a piece has the piece's length.
-    """
+    """The token arrays of ``p`` carried pieces as a few columns (for a state): per array name and dtype
+    (``G`` groups) the arrays concatenated in piece order, int32 when int64 values fit, as bytes (any dtype
+    fits a tensor); ``mask`` bool ``[p, G]`` says which pieces hold which group."""
     groups: dict[tuple[str, str], list[int]] = {}
     for j, arrays in enumerate(pieces):
         for name, a in arrays.items():
@@ -128,9 +106,8 @@ def carry_arrays(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, Any]:
 
 
 def piece_sources(arrays: Any, lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """The carried pieces' own token arrays (int64 where they were), from a state's ``arrays``: the
-    columns of :func:`carry_arrays` (as tensors or numpy arrays: ``np.asarray`` reads both), or the per-piece ``(arrays, widen)``
-    pairs that earlier states hold. Every array is the piece's own copy."""
+    """The carried pieces' own token arrays, from a state's ``arrays``: :func:`carry_arrays`'s columns
+    (tensors or numpy arrays), or the per-piece ``(arrays, widen)`` pairs of earlier states."""
     if isinstance(arrays, list):  # earlier states: one (narrowed arrays, names to widen) pair per piece
         return [{n: np.asarray(a).astype(np.int64) if n in widen else np.array(a) for n, a in narrow.items()}
                 for narrow, widen in arrays]  # fmt: skip
@@ -150,28 +127,24 @@ def piece_sources(arrays: Any, lengths: Sequence[int]) -> list[dict[str, np.ndar
 
 
 def carry_state(carried: tuple[np.ndarray, Sequence[Source]], with_arrays: bool) -> dict[str, Any]:
-    """Carried pieces (:meth:`LivePieces.live`) as int64 columns, plus their token arrays
-    (:func:`carry_arrays`) unless the source can fetch them."""
+    """Carried pieces as int64 columns, plus their token arrays unless the source can fetch them."""
     rows, sources = carried
     state: dict[str, Any] = {name: rows[:, i].copy() for i, name in enumerate(CARRY_COLUMNS)}
     arrays = None
     if with_arrays:
-        arrays = carry_arrays([_piece(src, off, n) for src, off, n in zip(sources, rows[:, 6].tolist(),
-                                                                          rows[:, 3].tolist(), strict=True)])  # fmt: skip
+        cuts = zip(sources, rows[:, 6].tolist(), (rows[:, 6] + rows[:, 3]).tolist(), strict=True)
+        arrays = carry_arrays([{k: a[lo:hi] for k, a in src.items()} for src, lo, hi in cuts])
     state["arrays"] = arrays
     return state
 
 
 def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: Sequence[Source], pool: BufferPool) -> TokenBuffer:
-    """The token buffer of a window: its documents, each followed by -100, then the pieces of the packs it
-    finishes that are not in it (``at`` < 0: carried from an earlier window, or cut short), each followed by
-    its ``next_label``; their ``at`` in ``rows`` (``[p, 8]``, the finished packs' rows) is set to match.
+    """The token buffer of a window: its documents, each followed by -100, then the finished packs' pieces
+    not in it (``at`` < 0), each followed by its ``next_label``; their ``at`` in ``rows`` is set to match.
 
-    The documents' ids are where the reader concatenated them (``window.ids``) when it did: the pieces
-    go to the room it reserved after them (:func:`carried_room` of the pieces carried into the window),
-    or, when they do not fit there, stay out of the buffer (their packs concatenate their own). Else
-    everything is concatenated here (into an array of ``pool``). Cost: one copy of the tokens of those
-    pieces, only the ones emitted now, not of every carried piece.
+    Over ``window.ids`` (the reader's concatenation) the pieces go to the room reserved after the documents,
+    or, if they do not fit, stay out; else everything is concatenated into an array of ``pool``. Cost: one
+    copy of the tokens of the pieces emitted now.
     """
     out = np.flatnonzero(rows[:, 7] < 0)
     lengths, ends = rows[out, 3], rows[out, 4]
@@ -213,13 +186,9 @@ def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: 
                  keys: np.ndarray) -> tuple[np.ndarray, list]:  # fmt: skip
     """A window's pieces as :class:`LivePieces` rows ``[p, 8]`` and sources (``arrays[d]``: document ``d``'s).
 
-    A piece refers to its document's arrays at ``offset = start`` and to the
-    window's token buffer (:func:`window_buffer`: the documents' arrays
-    concatenated in order) at ``at``; only a piece cut short with labels (its last target cut off,
-    :func:`cpdata.worker.targets.piece_arrays`) gets arrays of its own (offset 0, not in
-    the buffer: ``at`` = -1, as every piece cut short: the buffer's element after
-    its last token is not its target). ``next_label`` is the next document
-    token for a piece its document continues after.
+    A piece refers to its document's arrays at ``offset = start`` and to the window's token buffer at
+    ``at``; a piece cut short is not in the buffer (``at`` = -1: the next element is not its target), and
+    with labels gets arrays of its own (:func:`cpdata.worker.targets.piece_arrays`, offset 0).
     """
     doc, start, length, continues = pieces.doc, pieces.start, pieces.length, pieces.continues
     end = start + length

@@ -6,16 +6,10 @@
     (DP shard)   plans   B plans    this rank's      background    page-locked
                          + metadata tokens + layout  thread
 
-Every CP rank of a DP group builds the same graph with its own ``cp_rank``:
-the documents are sharded by DP rank only, so the ranks pack identically and
-each gathers just its own tokens. ``Loader.state_dict()`` captures the whole
-graph (documents read, packer carry, position); restoring it under another
-``cp_size``, layout, capacity, ``batch_size`` or ``qkv_format`` raises
-``ValueError``.
-
-torchdata 0.11's ``Loader`` and its iterator reference each other, so an
-abandoned loader keeps its prefetch and pin threads until cyclic GC; use
-:func:`closing_loader` (or call :func:`close_loader`) to stop them at once.
+Every CP rank of a DP group builds the same graph with its own ``cp_rank`` (documents are sharded by DP
+rank only). ``Loader.state_dict()`` captures the whole graph; restoring it under another configuration
+raises ``ValueError``. torchdata 0.11's ``Loader`` and its iterator reference each other, so use
+:func:`closing_loader` (or :func:`close_loader`) to stop an abandoned loader's threads at once.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from cpdata.nodes.options import (
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks
+from cpdata.nodes.served import ServedPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
 from cpdata.nodes.windowed import WindowedPacks
@@ -55,18 +50,15 @@ __all__ = [
     "build_node",
     "close_loader",
     "closing_loader",
+    "rank_node",
     "shard_graph",
 ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GraphOptions:
-    """What every CP rank of a DP group shares: the graph up to :class:`~cpdata.nodes.collate.Collate`.
-
-    The fields are :func:`build_loader`'s keywords of the same names (documented there); ``tile`` joins
-    the layout string (``layout="tiled", tile=256`` -> ``"tiled:256"``,
-    :func:`cpdata.layout.maps.layout_spec`), so every node downstream sees one layout string.
-    """
+    """What every CP rank of a DP group shares: :func:`build_loader`'s keywords up to ``Collate``; ``tile``
+    joins the layout string (``"tiled:256"``, :func:`cpdata.layout.maps.layout_spec`)."""
 
     capacity: int
     cp_size: int
@@ -88,37 +80,17 @@ class GraphOptions:
         check_padding_token_id(self.padding_token_id, self.data.vocab_size)
 
 
-def shard_graph(
-    source: Any,
-    options: GraphOptions,
-    *,
-    worker: tuple[int, int] = (0, 1),
-    packs: ScheduledPacks | WindowedPacks | None = None,
-) -> Collate:
-    """Documents -> Pack -> Collate (or ScheduledPacks -> Collate): the part every CP rank of a DP group shares.
+def shard_graph(source: Any, options: GraphOptions, *, packs: ServedPacks | None = None) -> Collate:
+    """Documents -> Pack -> Collate (or planned packs -> Collate): what every CP rank of a DP group shares.
 
-    ``worker`` (``(worker_id, num_workers)``, a :class:`SchedulePlan` only): that worker's share of the
-    packs; ``packs`` reuses a :class:`ScheduledPacks` / :class:`WindowedPacks` built with the same options.
+    ``packs``: planned packs made with the same options (a dataloader worker's share) instead of planning.
     """
     o, plan, data = options, options.plan, options.data
     plans: BaseNode
     if packs is not None:
-        plans = packs.with_worker(worker)
-    elif isinstance(plan, SchedulePlan) and plan.window is not None:
-        plans = WindowedPacks.for_graph(source, plan.window, window=None, lengths=plan.lengths,
-            shuffle=data.shuffle, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
-            dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,
-            max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow, seed=data.seed,
-            tail=plan.tail, num_epochs=data.epochs, vocab_size=data.vocab_size, worker=worker,
-            labels_alignment=data.labels_alignment)  # fmt: skip
-    elif isinstance(plan, SchedulePlan):
-        plans = ScheduledPacks(
-            source, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, dp_rank=data.dp_rank,
-            dp_size=data.dp_size, micro_batches=plan.micro_batches, schedule=plan.kind, cost=plan.cost,
-            max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow, seed=data.seed,
-            shuffle=data.shuffle, num_epochs=data.epochs, tail=plan.tail, lengths=plan.lengths,
-            vocab_size=data.vocab_size, worker=worker, labels_alignment=data.labels_alignment,
-        )  # fmt: skip
+        plans = packs
+    elif isinstance(plan, SchedulePlan):  # (the records refuse shuffle and lengths with a window)
+        plans = ScheduledPacks(source, options) if plan.window is None else WindowedPacks(source, options)
     else:
         docs = Documents(
             source, dp_rank=data.dp_rank, dp_size=data.dp_size, vocab_size=data.vocab_size,
@@ -131,6 +103,12 @@ def shard_graph(
             overflow=plan.overflow, seed=data.seed, **pack_kw,
         )  # fmt: skip
     return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
+
+
+def rank_node(collated: BaseNode, options: GraphOptions, cp_rank: int, delivery: Delivery) -> ShardForRank:
+    """This CP rank's :class:`ShardForRank` over ``collated`` (``delivery``: block size, K/V exchange plan)."""
+    return ShardForRank(collated, cp_size=options.cp_size, cp_rank=cp_rank, layout=options.layout,
+                        block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
 
 
 def build_node(
@@ -149,35 +127,18 @@ def build_node(
     delivery: Delivery = Delivery(),
     **removed: Any,
 ) -> BaseNode:
-    """The root node of one CP rank's pipeline (see the module docstring).
+    """The root node of one CP rank's pipeline over ``source`` (anything ``Documents`` accepts).
 
-    Args:
-        source: the documents (anything :class:`cpdata.nodes.source.Documents` accepts).
-        capacity: tokens per pack.
-        cp_size, cp_rank: CP group size and this rank.
-        layout: a name from :data:`cpdata.layout.maps.LAYOUTS`.
-        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256; default 128); packs are a multiple
-            of ``cp_size * tile`` tokens.
-        batch_size: plans per batch (rows for bshd, concatenated for thd).
-        qkv_format: ``"bshd"`` or ``"thd"``.
-        padding_token_id: ``input_ids`` on pads: an id in ``[0, vocab_size)``
-            (a tokenizer without a pad token can use its EOS id).
-        plan: :class:`~cpdata.nodes.options.StreamPlan` (default: pack documents as they stream) or
-            :class:`~cpdata.nodes.options.SchedulePlan` (a global schedule: equal steps per DP rank).
-        data: :class:`~cpdata.nodes.options.DataPolicy`: DP rank and size, seed, shuffle, epochs,
-            vocabulary, labels alignment.
-        delivery: :class:`~cpdata.nodes.options.Delivery`: prefetch (default 2), pinning, shard blocks,
-            the K/V exchange plan; none of it is in the saved state.
-        removed: the keywords of cpdata 0.3, each refused with the record field that replaces it
-            (:data:`cpdata.nodes.options.RENAMED`).
+    ``layout``: one of :data:`cpdata.layout.maps.LAYOUTS` (``tile``: ``"tiled"``'s, 64, 128 or 256);
+    ``batch_size``: plans per batch; ``padding_token_id``: ``input_ids`` on pads, in ``[0, vocab_size)``;
+    ``plan``, ``data``, ``delivery``: :mod:`cpdata.nodes.options` (``Delivery.prefetch`` defaults to 2 here);
+    a keyword of 0.3 is refused naming its record field (:data:`~cpdata.nodes.options.RENAMED`).
     """
     refuse_keywords("build_node", removed, ENTRY_KEYWORDS)
     check_records(delivery=delivery)
     options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, tile=tile, batch_size=batch_size,
                            qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
-    collated = shard_graph(source, options)
-    node: BaseNode = ShardForRank(collated, cp_size=cp_size, cp_rank=cp_rank, layout=options.layout,
-                                  block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
+    node: BaseNode = rank_node(shard_graph(source, options), options, cp_rank, delivery)
     prefetch = 2 if delivery.prefetch is None else delivery.prefetch
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
@@ -201,12 +162,8 @@ def build_loader(
     restart_on_stop_iteration: bool = True,
     **removed: Any,
 ) -> ResumableLoader:
-    """A ``torchdata.nodes.Loader`` (:class:`ResumableLoader`) over :func:`build_node` (same keyword arguments).
-
-    ``restart_on_stop_iteration=True`` (torchdata's default) starts a new epoch
-    when ``iter()`` is called on a finished loader, also right after restoring a
-    state saved at the end of an epoch.
-    """
+    """A :class:`ResumableLoader` over :func:`build_node` (same keywords); ``restart_on_stop_iteration``
+    (torchdata's default) starts a new epoch when ``iter()`` is called on a finished loader."""
     refuse_keywords("build_loader", removed, (*ENTRY_KEYWORDS, "restart_on_stop_iteration"))
     root = build_node(source, capacity=capacity, cp_size=cp_size, cp_rank=cp_rank, layout=layout, tile=tile,
                       batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan,
@@ -215,14 +172,9 @@ def build_loader(
 
 
 class ResumableLoader(Loader):
-    """torchdata's ``Loader`` with one fix: a loaded state is never skipped.
-
-    In torchdata 0.11, ``state_dict()`` before the first ``iter()`` creates an
-    iterator and marks it "already started", so a ``load_state_dict()`` that
-    follows (the order ``torch.distributed.checkpoint`` uses) is ignored by the
-    next ``iter()``: the epoch replays from its start and the state then lands
-    on the epoch after. Loading a state clears that mark.
-    """
+    """torchdata's ``Loader`` with one fix: a loaded state is never skipped (in torchdata 0.11 a
+    ``state_dict()`` before the first ``iter()`` marks the iterator started, so a ``load_state_dict()`` after
+    it, ``torch.distributed.checkpoint``'s order, was ignored)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._iter_for_state_dict = False
@@ -230,11 +182,8 @@ class ResumableLoader(Loader):
 
 
 def close_loader(loader: Loader) -> None:
-    """Stop the loader's background threads now and break the Loader <-> iterator cycle.
-
-    Safe to call twice. Iterating the loader again starts a fresh epoch (its
-    ``iter()`` resets the graph, which restarts the threads).
-    """
+    """Stop the loader's background threads now and break the Loader <-> iterator cycle (idempotent;
+    iterating again starts a fresh epoch)."""
     loader._it = None
     for node in graph_nodes(loader.root):
         shutdown = getattr(getattr(node, "_it", None), "_shutdown", None)  # Prefetcher / PinMemory threads

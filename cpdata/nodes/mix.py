@@ -4,49 +4,13 @@
 
     mixed = cpdata.mix({"web": open_dataset("web.jsonl"), "chat": chat_rows},
                        {"web": 0.7, "chat": 0.3}, seed=0, stop="all_exhausted")
-    loader = build_loader(mixed, capacity=8192, cp_size=2, cp_rank=r, layout="thd",
-                          data=DataPolicy(labels_alignment="inputs"))
 
-Every draw picks a source with probability ``weight / sum(weights)`` (a pure
-function of ``(seed, epoch, draw)``, :class:`~cpdata.nodes.mix_readers.Draws`)
-and takes that source's next document: the weights share out documents. With
-``by="tokens"`` they share out tokens instead: each draw reads the source
-furthest behind its token share (:mod:`cpdata.nodes.mix_tokens`; exact at
-every prefix, within one document per source). The result is a ``torchdata`` node, so
-it goes wherever a source goes (``build_loader``, ``CPDataset``, ``Documents``,
-``precompute`` / ``PrecomputedPacks`` when every source has known lengths).
-Draw ``j`` of the stream goes to DP rank ``j % dp_size``; every CP rank of a
-DP group computes the same draws, and a rank never reads another rank's
-documents from a sequence source (streams are read and dropped). This is
-not torchdata's ``MultiNodeWeightedSampler``, which seeds from the global
-rank (CP peers would draw differently) and reads every item it draws.
-Cost: ~5 us per document drawn, plus the source's read.
-
-Stop policies (``stop=``), what one epoch is:
-
-| ``stop`` | the epoch ends | a source that runs out |
-|---|---|---|
-| ``"first_exhausted"`` (default) | at the first draw of a source that has no document left | ends the epoch: no document is repeated |
-| ``"all_exhausted"`` | at the first draw of a run-out source once every source has run out at least once | starts again from its beginning (smaller sources repeat) |
-| ``"never"`` | never: an endless stream, stop training by steps | starts again from its beginning |
-
-Each epoch restarts every source; ``shuffle=True`` downstream shuffles the
-mixed stream through a buffer (:mod:`cpdata.nodes.shuffle_buffer`).
-
-Counters: :attr:`Mix.counts` (``{name: {"documents", "tokens"}}``: what this
-DP rank drew from each source this epoch, before packing drops anything),
-also in ``Pack.stats.sources``.
-
-Errors: a bad document is named by its source and its index there
-(``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch 0):
-'input_ids' must be >= 0 ..."``, :meth:`Mix.describe_document`), not by its
-position in the mixed stream.
-
-State: the epoch, the draw count, each source's position and pass (a node
-source's own state), the counters and the configuration; a state from another
-configuration is refused. :meth:`Mix.fingerprint` covers every source (see
-:mod:`cpdata.sources.fingerprint`), so a source changed under a run is refused on
-resume, and :meth:`Mix.check_unchanged` asks every source at each epoch.
+Draw ``j`` of epoch ``e`` picks a source with probability ``weight / sum(weights)``, a pure function of
+``(seed, e, j)`` (:class:`~cpdata.nodes.mix_readers.Draws`); ``by="tokens"`` shares out tokens instead
+(:mod:`cpdata.nodes.mix_readers`). Draw ``j`` goes to DP rank ``j % dp_size``; every CP rank of a DP group
+computes the same draws (unlike torchdata's ``MultiNodeWeightedSampler``, seeded by the global rank), and a
+rank never reads another rank's documents from a sequence. Stop policies (:data:`STOP_POLICIES`), counters,
+errors naming a document by its source and the state: docs/packing-and-mixing.md.
 """
 
 from __future__ import annotations
@@ -62,13 +26,14 @@ from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
+    BY,
     Draws,
     MixSource,
+    TokenClock,
     check_weights,
     declared_alignment,
     document_tokens,
 )
-from cpdata.nodes.mix_tokens import BY, TokenClock
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.state_version import check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
@@ -80,7 +45,7 @@ STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
 class Mix(EpochNode[dict]):
-    """Documents of several sources, drawn by weight (see the module docstring; build it with :func:`mix`)."""
+    """Documents of several sources, drawn by weight (build it with :func:`mix`)."""
 
     VERSION = 1
     VERSION_KEY = "version"
@@ -107,11 +72,12 @@ class Mix(EpochNode[dict]):
         self.seed, self.stop = int(seed), stop
         self.readers = {name: MixSource(name, sources[name]) for name in self.names}
         self.labels_alignment = declared_alignment(self.readers)
-        self._draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
-        self._clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
+        self.draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
+        self.clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
+        """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""
         self._lengths = {n: stated_lengths(r.source) if r.kind == "sequence" else None for n, r in self.readers.items()}
         for name, lengths in self._lengths.items():
-            if self._clock is not None and lengths is not None and not int(lengths.sum()):
+            if self.clock is not None and lengths is not None and not int(lengths.sum()):
                 raise ValueError(f"mix source {name!r} holds no tokens (every document is empty); by='tokens' "
                                  "cannot give it a share of tokens: leave it out of the mix")  # fmt: skip
         self._recent = np.full((BLOCK if by == "tokens" else 0, 3), -1, dtype=np.int64)  # (source, index, pass)
@@ -122,24 +88,13 @@ class Mix(EpochNode[dict]):
         self._exhausted: set[str] = set()
         self._counts = {name: [0, 0] for name in self.names}
         self._fingerprints: dict[str, str | None] | None = None
-        self.last_source = -1
-        """Index into :attr:`names` of the source the last draw read from."""
+        self.last_source = -1  # index into names of the last draw's source
 
     @property
     def config(self) -> dict[str, Any]:
         config = {"names": list(self.names), "weights": [self.weights[n] for n in self.names], "seed": self.seed,
                   "stop": self.stop}  # fmt: skip
         return config if self.by == "documents" else {**config, "by": self.by}  # a documents mix's states as before
-
-    @property
-    def draws(self) -> Draws:
-        """The source of every draw (a pure function of ``(seed, epoch, draw)``)."""
-        return self._draws
-
-    @property
-    def clock(self) -> TokenClock | None:
-        """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""
-        return self._clock
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -161,24 +116,24 @@ class Mix(EpochNode[dict]):
             self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
             for name, reader in self.readers.items():
                 reader.restart(initial_state[self.READERS_KEY][name])
-            if self._clock is not None:
-                self._clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
+            if self.clock is not None:
+                self.clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
         else:
             self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
             self._drawn, self._done, self._exhausted = 0, False, set()
             self._counts = {name: [0, 0] for name in self.names}
             for reader in self.readers.values():
                 reader.restart()
-            if self._clock is not None:
-                self._clock.start(self.epoch)
+            if self.clock is not None:
+                self.clock.start(self.epoch)
         self._recent[:] = -1
         self._pass_tokens = {}
 
     def _advance(self, read: bool) -> Any:
         if self._done:
             raise StopIteration
-        clock = self._clock
-        k = self._draws(self.epoch, self._drawn) if clock is None else clock.pick()
+        clock = self.clock
+        k = self.draws(self.epoch, self._drawn) if clock is None else clock.pick()
         name, self.last_source = self.names[k], k
         self._drawn += 1
         reader = self.readers[name]
@@ -211,8 +166,8 @@ class Mix(EpochNode[dict]):
 
     def _new_pass(self, name: str) -> None:
         reader = self.readers[name]
-        if self._clock is not None:
-            now = self._clock.tokens[self.names.index(name)]
+        if self.clock is not None:
+            now = self.clock.tokens[self.names.index(name)]
             if self._pass_tokens.get(name) == now:
                 raise ValueError(f"mix source {name!r} gave no tokens on pass {reader.passes}; by='tokens' would "
                                  "draw it forever: leave a source of empty documents out of the mix")  # fmt: skip
@@ -238,44 +193,34 @@ class Mix(EpochNode[dict]):
             self.EXHAUSTED_KEY: sorted(self._exhausted),
             self.COUNTS_KEY: {n: list(c) for n, c in self._counts.items()},
             self.READERS_KEY: {name: reader.state() for name, reader in self.readers.items()},
-            **({} if self._clock is None else {self.TOKENS_KEY: dict(zip(self.names, self._clock.tokens, strict=True))}),
+            **({} if self.clock is None else {self.TOKENS_KEY: dict(zip(self.names, self.clock.tokens, strict=True))}),
         }
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
-        ['a', 'b'], draw 7 of epoch 0)"``; errors about the ``j``-th document of the mixed stream say this
-        instead (:mod:`cpdata.nodes.document_names`). Error path only: O(j) numpy; by tokens, the last 4096 draws."""
-        if self._clock is not None:
-            return self._describe_recent(int(j))
-        k, c = self._draws.locate(self.epoch, int(j))
-        name = self.names[k]
-        reader = self.readers[name]
-        size = reader.size
-        if size is None and reader.passes:  # a stream read again since a resume from an older state
-            return (f"a document of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                    f"{self.epoch}; its index in the source is unknown)")  # fmt: skip
-        passes = 0 if not size else c // size
-        index = c if not size else c % size
-        again = f", pass {passes} over it" if passes else ""
-        return (f"document {index} of mix source {name!r} (source {k} of {self.names}, draw {j} of epoch "
-                f"{self.epoch}{again})")  # fmt: skip
-
-    def _describe_recent(self, j: int) -> str:
-        k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
-        if k < 0 or j < self._drawn - BLOCK:
-            return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source is "
-                    f"known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
+        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
+        j = int(j)
+        if self.clock is not None:
+            k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
+            if k < 0 or j < self._drawn - BLOCK:
+                return (f"a document of the mix {self.names} (draw {j} of epoch {self.epoch}, by tokens: its source "
+                        f"is known for the last {BLOCK} draws since the last start or restore)")  # fmt: skip
+        else:
+            k, c = (int(x[0]) for x in self.draws.locate_many(self.epoch, np.array([j])))
+            reader = self.readers[self.names[k]]
+            if reader.size is None and reader.passes:  # a stream read again since a resume from an older state
+                return (f"a document of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
+                        f"{self.epoch}; its index in the source is unknown)")  # fmt: skip
+            passes, index = divmod(c, reader.size) if reader.size else (0, c)
         again = f", pass {passes} over it" if passes else ""
         return (f"document {index} of mix source {self.names[k]!r} (source {k} of {self.names}, draw {j} of epoch "
                 f"{self.epoch}{again})")  # fmt: skip
 
     def document_sources(self, js: np.ndarray) -> tuple[list[str], np.ndarray]:
         """``(names, index int64 [n])`` of draws ``js`` of the current epoch: each one's source and its index
-        there (a pass over a source that ran out starts at 0 again; -1 where a stream's index is unknown). The
-        batches' ``info["doc_source"]`` / ``info["doc_index"]`` (:mod:`cpdata.worker.shard_block`); a few us per
-        batch (:meth:`~cpdata.nodes.mix_readers.Draws.locate_many`). ``by="tokens"``: None (each draw depends on
-        the tokens read before it; a global schedule's listing names them)."""
-        k, c = self._draws.locate_many(self.epoch, js)
+        there (-1 where a stream's index is unknown): the batches' ``info["doc_source"]`` / ``info["doc_index"]``.
+        None by tokens (each draw depends on the tokens read before it)."""
+        k, c = self.draws.locate_many(self.epoch, js)
         sizes = [self.readers[n].size for n in self.names]
         if all(sizes):  # sequences (and streams read to their end once): an index per pass
             index = c % np.asarray(sizes, dtype=np.int64)[k]
@@ -302,8 +247,7 @@ class Mix(EpochNode[dict]):
         return f"mix:{digest}"
 
     def listed(self, epochs: int = 1) -> MixedDataset:
-        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths
-        (:class:`~cpdata.nodes.mixed.MixedDataset`; :func:`cpdata.sources.open.as_source` asks for it)."""
+        """Epochs ``0 .. epochs - 1`` of this mix's draws as an indexed dataset with lengths (:class:`MixedDataset`)."""
         return MixedDataset(self, epochs=epochs)
 
     def check_unchanged(self) -> None:
@@ -314,25 +258,14 @@ class Mix(EpochNode[dict]):
 
 def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",
         by: str = "documents") -> Mix:
-    """Mix named sources by weight into one source (see the module docstring for the stop policies).
+    """Mix named sources by weight into one source, a :class:`Mix` node (see the module docstring).
 
     Args:
-        sources: ``{name: source}``, each anything ``build_loader`` takes (a list of dicts,
-            ``open_dataset(...)``, a ``datasets`` dataset, a re-iterable, a ``torchdata`` node such as
-            ``Tokenize``'s output); a sequence must not be empty.
+        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
         weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
-        seed: seeds the draws (with the epoch).
-        stop: ``"first_exhausted"`` (default), ``"all_exhausted"`` or ``"never"``.
-        by: what the weights share out: ``"documents"`` (default: each draw picks a source by weight) or
-            ``"tokens"`` (each draw reads the source furthest behind its token share,
-            :mod:`cpdata.nodes.mix_tokens`).
+        stop: one of :data:`STOP_POLICIES`.
+        by: what the weights share out: ``"documents"`` or ``"tokens"``.
 
-    Returns:
-        a :class:`Mix` node. Labels and masks keep the pipeline's one ``labels_alignment``: the mix
-        declares one only when every source declares the same (``Tokenize(assistant_only=True)``);
-        otherwise pass it to ``build_loader`` as for a single source.
-
-    Raises:
-        TypeError, ValueError: the message names the offending name, weight or policy and the fix.
+    The mix declares a ``labels_alignment`` only when every source declares the same one.
     """
     return Mix(sources, weights, seed=seed, stop=stop, by=by)

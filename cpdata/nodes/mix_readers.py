@@ -1,25 +1,24 @@
 """The parts of :class:`cpdata.nodes.mix.Mix`: its checks, its weighted draws and one reader per source.
 
-Draws: draw ``j`` of epoch ``e`` picks source ``k`` with probability
-``w_k / sum(w)``. The uniforms come in blocks of :data:`BLOCK`, block ``b``
-from ``numpy.random.default_rng([seed, e, b, TAG])``, so any draw is a pure
-function of ``(seed, epoch, j)`` and a resume needs only ``j`` (one block,
-32 KiB, is regenerated). Sources are ordered by name, so the dicts' order does
-not matter.
+Draws come in blocks of :data:`BLOCK`, block ``b`` of epoch ``e`` from ``default_rng([seed, e, b, TAG])``,
+so any draw is a pure function of ``(seed, epoch, j)`` and a resume needs only ``j``. A reader
+(:class:`MixSource`) walks one source pass after pass: a sequence by index (another rank's items not
+read), a stream read and dropped, a node resumed from its own state.
 
-A reader walks one source in its own order, pass after pass:
-
-| source kind | reads item ``i`` | skipped item (another DP rank's) | resume |
-|---|---|---|---|
-| sequence (list, ``open_dataset``, ``datasets.Dataset``) | ``source[i]`` | not read | the position |
-| re-iterable (``datasets.IterableDataset``, an object with ``__iter__``) | ``next(iterator)`` | read and dropped | re-iterate and skip ``position`` items |
-| ``torchdata`` node (``Tokenize`` output) | ``next(node)`` | read and dropped | the node's own state |
+By tokens (``cpdata.mix(..., by="tokens")``), every draw reads from the source furthest behind its token
+share: the smallest ``tokens_k / w_k``, ties broken by a seeded order drawn again each epoch
+(:class:`TokenClock`). Source ``k``'s document ``c`` occupies ``[before_c / w_k, (before_c + len_c) / w_k)``
+on that clock and the mix yields documents in the order their intervals start, so after any draw every
+source is within one document of ``w_k * total`` tokens, exactly, at every prefix (Megatron
+``BlendedDataset``'s rule over variable-length documents). Every rank needs the length of every draw: a
+sequence's stated ``lengths``, else the item's ``input_ids``. :func:`token_draw_order` lists an epoch
+vectorized, tested equal to the node's stream.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,8 @@ from cpdata.sources.open import as_source
 from cpdata.sources.protocol import declared_labels
 from cpdata.worker.targets import check_labels_alignment
 
-__all__ = ["BLOCK", "Draws", "MixSource", "check_weights", "declared_alignment", "document_tokens"]
+__all__ = ["BLOCK", "BY", "Draws", "MixSource", "TokenClock", "check_weights", "declared_alignment", "document_tokens",
+           "tie_ranks", "token_draw_order"]  # fmt: skip
 
 BLOCK = 4096
 """Draws generated at once (one ``rng.random(BLOCK)`` call)."""
@@ -78,12 +78,7 @@ def declared_alignment(readers: Mapping[str, MixSource]) -> str | None:
 
 
 class Draws:
-    """Source index of draw ``j`` of an epoch (see the module docstring).
-
-    Args:
-        weights: float64 ``[k]``, finite and > 0, in source order.
-        seed: the mix's seed.
-    """
+    """Source index of draw ``j`` of an epoch, over float64 ``[k]`` ``weights`` (module docstring)."""
 
     def __init__(self, weights: np.ndarray, seed: int) -> None:
         cum = np.cumsum(np.asarray(weights, dtype=np.float64))
@@ -104,12 +99,9 @@ class Draws:
         return int(self._block[2][j % BLOCK])
 
     def locate_many(self, epoch: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`locate` of many draws: ``(k int64 [n], c int64 [n])``.
-
-        Keeps each source's draw counts at every block start of ``epoch`` (``k`` ints per 4096 draws, made
-        once per epoch as far as the largest draw asked: ~10 ns per draw) and the last few blocks' per-draw
-        counts; a batch's documents, drawn in a few recent blocks, cost a few us.
-        """
+        """``(k int64 [n], c int64 [n])``: draw ``js[i]`` picks source ``k[i]``, whose ``c[i]``-th draw it is
+        (0-based, over passes). Keeps each source's draw counts at every block start of ``epoch`` and the
+        last few blocks' per-draw counts, so a batch's documents cost a few numpy calls."""
         js = np.asarray(js, dtype=np.int64)
         if not js.size:
             return js.copy(), js.copy()
@@ -147,15 +139,6 @@ class Draws:
             cached = self._ranks[(epoch, b)] = np.stack([choices, ranks])
         return cached
 
-    def locate(self, epoch: int, j: int) -> tuple[int, int]:
-        """``(k, c)``: draw ``j`` of ``epoch`` picks source ``k``, whose ``c``-th draw it is (0-based, counted
-        over passes). O(j) numpy (one block per 4096 draws); the block cache of ``__call__`` is left alone."""
-        b, r = divmod(j, BLOCK)
-        last = self.block(epoch, b)
-        k = int(last[r])
-        before = sum(int(np.count_nonzero(self.block(epoch, x) == k)) for x in range(b))
-        return k, before + int(np.count_nonzero(last[:r] == k))
-
 
 def document_tokens(item: Any) -> int:
     """Tokens of a source item (``len(input_ids)``), 0 for anything malformed (``Documents`` refuses it later)."""
@@ -167,12 +150,7 @@ def document_tokens(item: Any) -> int:
 
 
 class MixSource(SourceReader):
-    """One named source of a mix, read in its own order, restarted for every pass (see the module table).
-
-    Raises:
-        TypeError: ``source`` is not a sequence, re-iterable or node (``source_kind``'s message, with the name).
-        ValueError: ``source`` is an empty sequence.
-    """
+    """One named source of a mix, read in its own order, restarted for every pass; an empty sequence is refused."""
 
     POSITION_KEY = "position"
     PASSES_KEY = "passes"
@@ -189,8 +167,7 @@ class MixSource(SourceReader):
             raise ValueError(f"mix source {name!r} is empty (0 documents); leave it out of the mix")
         self.position = 0
         self.passes = 0
-        self.size: int | None = len(self.source) if self.kind == "sequence" else None
-        """Documents per pass: a sequence's length, a stream's once it ran out (None before)."""
+        self.size: int | None = len(self.source) if self.kind == "sequence" else None  # None: a stream not run out
 
     def restart(self, state: Mapping[str, Any] | None = None) -> None:
         """Start pass 0 (``state=None``) or continue where ``state`` (from :meth:`state`) left off."""
@@ -211,10 +188,10 @@ class MixSource(SourceReader):
     def take(self, read: bool) -> tuple[int, Any]:
         """``(index in this pass, item)``; ``item`` is None for an unread sequence item. StopIteration at the end."""
         index = self.position
-        if self.kind == "sequence":
+        if self.kind == "sequence" and not read:
             if index >= len(self.source):
                 raise StopIteration
-            item = self.read(index) if read else None
+            item = None
         else:
             item = self.next(index)
         self.position = index + 1
@@ -227,3 +204,67 @@ class MixSource(SourceReader):
         if self.kind != "sequence" and self.size is not None:
             out[self.SIZE_KEY] = self.size  # a stream's documents per pass, known once it ran out
         return out
+
+
+BY: tuple[str, ...] = ("documents", "tokens")
+_TIE_TAG = 0x70C5  # separates the tie order's random stream from the document draws'
+
+
+def tie_ranks(seed: int, epoch: int, k: int) -> np.ndarray:
+    """int64 ``[k]``: source ``s`` wins a tie against ``t`` in ``epoch`` when ``ranks[s] < ranks[t]``."""
+    order = np.random.default_rng([seed, epoch, _TIE_TAG]).permutation(k)
+    ranks = np.empty(k, dtype=np.int64)
+    ranks[order] = np.arange(k)
+    return ranks
+
+
+class TokenClock:
+    """The source of the next token-weighted draw over float64 ``[k]`` ``weights`` (module docstring)."""
+
+    def __init__(self, weights: np.ndarray, seed: int) -> None:
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = w / w.sum()
+        self._w = self.weights.tolist()
+        self._seed = int(seed)
+        self.tokens = [0] * w.shape[0]  # each source's this epoch, over every DP rank
+        self._ranks: list[int] = []
+
+    def start(self, epoch: int, tokens: Sequence[int] | None = None) -> None:
+        """Begin ``epoch`` at zero tokens, or at ``tokens`` (a restored state)."""
+        self.tokens = [0] * len(self._w) if tokens is None else [int(t) for t in tokens]
+        self._ranks = tie_ranks(self._seed, epoch, len(self._w)).tolist()
+
+    def pick(self) -> int:
+        """The source furthest behind its share (smallest ``tokens / weight``; ties by this epoch's ranks)."""
+        return min(range(len(self._w)), key=lambda s: (self.tokens[s] / self._w[s], self._ranks[s]))
+
+    def add(self, source: int, tokens: int) -> None:
+        self.tokens[source] += int(tokens)
+
+
+def token_draw_order(weights: np.ndarray, ranks: np.ndarray, lengths: Sequence[np.ndarray],
+                     stop: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """``(source_id int32 [n], index int64 [n])`` of one epoch of a token-weighted mix, vectorized.
+
+    Source ``k``'s draw ``c`` (0-based, over passes) has the key ``(p * T_k + before_k[r]) / w_k`` with
+    ``p, r = divmod(c, N_k)``; the node yields draws in ``(key, ranks[k], c)`` order (each source's keys
+    never decrease, so the greedy pick is this merge). ``weights``: normalized; ``ranks``: :func:`tie_ranks`.
+    """
+    totals = [int(x.sum()) for x in lengths]
+    run_out = sorted((totals[k] / weights[k], int(ranks[k]), k) for k in range(len(lengths)))
+    end_key, end_rank, end = run_out[0] if stop == "first_exhausted" else run_out[-1]
+    keys, rank_col, c_col, ids, index = [], [], [], [], []
+    for k, arr in enumerate(lengths):
+        n = arr.shape[0]
+        before = np.concatenate([[0], np.cumsum(arr)[:-1]]).astype(np.int64)
+        passes = 1 if stop == "first_exhausted" else int(end_key * weights[k] // totals[k]) + 2
+        c = np.arange(passes * n, dtype=np.int64)
+        key = (c // n * totals[k] + before[c % n]) / weights[k]
+        keep = (key < end_key) | ((key == end_key) & ((ranks[k] < end_rank) | ((k == end) & (c < n))))
+        keys.append(key[keep])
+        c_col.append(c[keep])
+        rank_col.append(np.full(int(keep.sum()), ranks[k], dtype=np.int64))
+        ids.append(np.full(int(keep.sum()), k, dtype=np.int32))
+        index.append(c[keep] % n)
+    order = np.lexsort((np.concatenate(c_col), np.concatenate(rank_col), np.concatenate(keys)))
+    return np.concatenate(ids)[order], np.concatenate(index)[order].astype(np.int64)

@@ -1,32 +1,11 @@
 """A mix's draw order written out as an indexable dataset: for ``precompute``, ``PrecomputedPacks`` and ``schedule=``.
 
-``precompute`` and a global ``schedule=`` plan every document's length before
-the first batch, so they need the mix as a sequence with lengths. When every
-source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths
-(``open_dataset(...)``, a ``datasets.Dataset``, a token store; an in-memory
-list, whose lengths are counted), :class:`MixedDataset` lists the documents
-the mix draws in one epoch, in draw order (by tokens:
-:func:`~cpdata.nodes.mix_tokens.token_draw_order`): item ``j`` is document
-``index[j]`` of source ``names[source_id[j]]``. The order comes from the
-mix's own draws and stop rule, vectorized (:func:`draw_order`, tested equal to
-the node's stream), so a plan over it packs what the streaming loader packs. Cost: numpy per block of 4096 draws, about 1 us per
-document (0.75 s for 670K draws from two 500K lists, lengths included) and
-12 bytes per document.
-
-Epochs: the mix draws other documents in every epoch (the draws are a function
-of ``(seed, epoch)``), so one epoch's listing is that epoch only.
-``MixedDataset(mix, epochs=n)`` lists epochs ``0 .. n - 1`` one after the
-other (``epoch_starts``: where each begins); ``precompute(..., epochs=n)``
-plans each of them as the loader packs it, and ``PrecomputedPacks`` serves
-epoch ``e`` from its own packs and refuses epoch ``n`` (naming the fix)
-rather than serving an earlier epoch's draws again. A global ``schedule=``
-(live or precomputed with ``dp_size``) plans epoch 0's draws every epoch
-(``shuffle=True`` reorders them per epoch): a policy of schedules, whose
-lengths are planned once; ``cpdata precompute`` prints it, and the manifest
-of such a plan has no ``epochs`` entry (every epoch is the one planned).
-
-A stream source (re-iterable, node) or ``stop="never"`` (an endless mix) is
-refused, naming the fix.
+When every source of a :class:`~cpdata.nodes.mix.Mix` is indexable with known lengths,
+:class:`MixedDataset` lists the documents the mix draws, in draw order, epoch after epoch (item ``j`` is
+document ``index[j]`` of source ``names[source_id[j]]``): the mix's own draws and stop rule, vectorized
+(:func:`draw_order`, :func:`~cpdata.nodes.mix_readers.token_draw_order`; tested equal to the node's
+stream), so a plan over it packs what the streaming loader packs. Cost: ~1 us and 12 bytes per document.
+A stream source or ``stop="never"`` is refused, naming the fix. Epoch policy: docs/packing-and-mixing.md.
 """
 
 from __future__ import annotations
@@ -39,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cpdata.errors import check_int, naming_parts
-from cpdata.nodes.mix_tokens import tie_ranks, token_draw_order
+from cpdata.nodes.mix_readers import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import source_fingerprint
 from cpdata.sources.protocol import Carried, Checked, Hashed, stated_lengths
@@ -65,12 +44,8 @@ def _source_lengths(name: str, source: Any) -> np.ndarray:
 
 def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """``(source_id int32 [n], index int64 [n])`` of the documents ``mixed`` yields in ``epoch`` over sources of
-    ``sizes`` documents: the node's draw loop, vectorized per block of draws.
-
-    The ``c``-th draw of source ``k`` (1-based, counted over passes) reads document ``(c - 1) % sizes[k]``; its
-    ``(sizes[k] + 1)``-th draw is where ``k`` runs out: that draw ends the epoch under ``first_exhausted``, and under
-    ``all_exhausted`` the run-out draw of the last source to run out does (every other one reads index 0 again).
-    """
+    ``sizes`` documents: the node's draw loop, vectorized per block of draws (source ``k``'s
+    ``(sizes[k] + 1)``-th draw is where it runs out)."""
     k = sizes.shape[0]
     draws = mixed.draws
     counts = np.zeros(k, dtype=np.int64)
@@ -113,20 +88,14 @@ def _keys(source: Any) -> set[str]:
 
 
 class MixedDataset(TokenizedDataset):
-    """Epochs of a mix, in draw order, as a :class:`~cpdata.sources.base.TokenizedDataset` (module docstring).
-
-    Args:
-        mixed: the mix.
-        epoch: the first epoch listed.
-        epochs: epochs listed one after the other (``epoch .. epoch + epochs - 1``).
+    """Epochs ``epoch .. epoch + epochs - 1`` of a mix, in draw order, as a
+    :class:`~cpdata.sources.base.TokenizedDataset` (module docstring).
 
     Attributes:
-        mix: the :class:`~cpdata.nodes.mix.Mix` it lists.
         source_id: int32 ``[n]`` index into ``mix.names`` of each document's source.
         index: int64 ``[n]`` the document's index in its source.
         epoch_starts: int64 ``[epochs + 1]``: epoch ``epoch + e`` is items ``epoch_starts[e]:epoch_starts[e + 1]``.
-        counts: ``{name: {"documents", "tokens"}}`` drawn from each source, every epoch listed together.
-        epoch_counts: the same per epoch listed.
+        counts: ``{name: {"documents", "tokens"}}`` drawn from each source (``epoch_counts``: per epoch).
     """
 
     kind = "mix"
@@ -180,15 +149,13 @@ class MixedDataset(TokenizedDataset):
         return self._sources[int(self.source_id[i])][int(self.index[i])]
 
     def document_sources(self, items: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """``(names, index int64 [n])``: the source and the index there of each of ``items`` (the batches'
-        ``info["doc_source"]`` / ``info["doc_index"]``; two gathers)."""
+        """``(names, index int64 [n])``: the source and the index there of each of ``items``."""
         items = np.asarray(items, dtype=np.int64)
         names = self.mix.names
         return [names[k] for k in self.source_id[items].tolist()], self.index[items]
 
     def describe_document(self, i: int) -> str | None:
-        """Where item ``i`` came from: ``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch
-        0)"`` (errors about item ``i`` say this instead, :mod:`cpdata.nodes.document_names`)."""
+        """Where item ``i`` came from: ``"document 3 of mix source 'b' (source 1 of ['a', 'b'], draw 7 of epoch 0)"``."""
         if not 0 <= i < self.index.shape[0]:
             return None
         k, e = int(self.source_id[i]), int(np.searchsorted(self.epoch_starts, i, side="right")) - 1
@@ -196,12 +163,11 @@ class MixedDataset(TokenizedDataset):
                 f"{self.mix.names}, draw {i - int(self.epoch_starts[e])} of epoch {self.epoch + e})")  # fmt: skip
 
     def check_token_ids(self, vocab_size: int | None = None) -> None:
-        """Each source checks its own ids (``TokenizedDataset.check_token_ids``); lists are checked when read.
-        An error names the source (its documents keep their own indices)."""
+        """Each source checks its own ids (lists are checked when read); an error names the source."""
         naming_parts(self._checked(), lambda source: source.check_token_ids(vocab_size))
 
     def verify_content(self) -> None:
-        """Every source checks its stored bytes (:meth:`TokenizedDataset.verify_content`); errors name the source."""
+        """Every source checks its stored bytes; errors name the source."""
         naming_parts(self._checked(), lambda source: source.verify_content())
 
     def _checked(self) -> list[tuple[str, Checked]]:

@@ -1,27 +1,15 @@
 """The typed options of :func:`~cpdata.build_loader`, :class:`~cpdata.CPDataset` and :func:`~cpdata.precompute`.
 
-Choices that belong together travel as one frozen, keyword-only record,
-checked when it is built, so a bad value fails at the line that wrote it::
+Choices that belong together travel as one frozen, keyword-only record, checked when built::
 
     build_loader(docs, capacity=8192, cp_size=4, cp_rank=r, layout="thd",
                  plan=SchedulePlan(micro_batches=2),            # how packs are planned
                  data=DataPolicy(dp_rank=d, dp_size=8, shuffle=True, epochs=3),  # which documents, in what order
                  delivery=Delivery(prefetch=4, kv_exchange=True))               # how batches reach the step
 
-- the plan is one of :class:`StreamPlan` (pack documents as they stream; any
-  source) and :class:`SchedulePlan` (plan every document's length first: equal
-  steps per DP rank, cost-balanced). Each record holds only the options of its
-  own planner, so an option of the other cannot be given to it;
-- :class:`DataPolicy`: DP rank and size, seed, shuffle, epochs, vocabulary, label
-  convention: what every planner shares;
-- :class:`Delivery`: prefetch, pinning, shard blocks and the K/V exchange plan:
-  how the batches are made and handed over, never which batches (none is in
-  the saved state).
-
-Each concept has one spelling: ``epochs`` (passes per ``iter()``, or the epochs
-a plan holds), ``window`` (documents planned at once, for either planner).
-The keywords of 0.3 that these records replace are refused with a
-``TypeError`` naming the record and field (:data:`RENAMED`).
+The plan is a :class:`StreamPlan` or a :class:`SchedulePlan`, each holding only its own planner's options;
+:class:`Delivery` never changes which batches (none of it is in the saved state). One spelling per
+concept (``epochs``, ``window``); the keywords of 0.3 are refused naming their field (:data:`RENAMED`).
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from cpdata.nodes.scheduled import SCHEDULES
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.packing.records import ALGORITHMS, OVERFLOW_POLICIES
 from cpdata.schedule import TAIL_POLICIES, CostModel
@@ -41,6 +28,7 @@ from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
 
 __all__ = [
     "RENAMED",
+    "SCHEDULES",
     "DataPolicy",
     "Delivery",
     "ENTRY_KEYWORDS",
@@ -68,18 +56,19 @@ def _bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
         raise TypeError(f"{owner}.{name} must be True or False{none}, got {type(value).__name__} {value!r}")
 
 
-def _choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
-    if value not in choices:
+def _choice(owner: str, name: str, value: Any, choices: Collection[Any], *, optional: bool = False) -> None:
+    if value not in choices and not (optional and value is None):
         raise ValueError(f"unknown {owner}.{name} {value!r}; choose one of {list(choices)}")
+
+
+SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
+"""``balanced``: packs cost-balanced (:class:`~cpdata.schedule.CostModel`); ``in_order``: dealt in order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StreamPlan:
-    """Pack documents as they stream (:class:`~cpdata.nodes.pack.Pack`): any source, no lengths needed.
-
-    Without a global schedule each DP rank reads and packs documents ``i % dp_size == dp_rank``, so
-    ranks may end an epoch a few steps apart (use :class:`SchedulePlan` for equal steps).
-    """
+    """Pack documents as they stream (:class:`~cpdata.nodes.pack.Pack`): any source, no lengths needed; DP
+    ranks may end an epoch a few steps apart (:class:`SchedulePlan` gives equal steps)."""
 
     algorithm: str = "bfd"
     """Packing algorithm, one of :data:`cpdata.packing.ALGORITHMS` (``bfd`` packs best from a mixed order)."""
@@ -87,15 +76,14 @@ class StreamPlan:
     """Documents longer than a pack: ``"error"`` (None: the algorithm's default), ``"split"``, ``"truncate"``,
     ``"drop"``."""
     window: int | None = None
-    """Documents the packer holds and plans at once (None: :data:`cpdata.packing.DEFAULT_WINDOW`; all for
-    ``ffd``). Larger windows pack tighter and hold more documents in memory."""
+    """Documents planned at once (None: :data:`cpdata.packing.DEFAULT_WINDOW`; all for ``ffd``): larger
+    windows pack tighter and hold more in memory."""
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     """With ``DataPolicy(shuffle=True)`` over a stream (no ``len``): documents held to draw from."""
 
     def __post_init__(self) -> None:
         _choice("StreamPlan", "algorithm", self.algorithm, ALGORITHMS)
-        if self.overflow is not None:
-            _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         _int("StreamPlan", "window", self.window, 1, optional=True)
         _int("StreamPlan", "shuffle_buffer", self.shuffle_buffer, 1)
 
@@ -103,11 +91,8 @@ class StreamPlan:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulePlan:
     """Plan every document's length first (:func:`cpdata.schedule.plan_schedule`): every DP rank gets the
-    same number of steps of ``micro_batches`` packs, cost-balanced, and reads only its own documents.
-
-    Needs the lengths (``lengths``, else ``source.lengths``) and an indexable source; or, with ``window``,
-    plans a stream without lengths window by window (equal steps per DP rank, own packs only, stream order).
-    """
+    same steps of ``micro_batches`` packs, cost-balanced, reading only its own documents. Needs the lengths
+    and an indexable source, or ``window`` (a stream planned window by window)."""
 
     kind: str = "balanced"
     """``"balanced"``: packs balanced by attention cost; ``"in_order"``: the planner's packs dealt in order."""
@@ -135,8 +120,7 @@ class SchedulePlan:
         _choice("SchedulePlan", "tail", self.tail, TAIL_POLICIES)
         _int("SchedulePlan", "window", self.window, 1, optional=True)
         _choice("SchedulePlan", "algorithm", self.algorithm, ALGORITHMS)
-        if self.overflow is not None:
-            _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES)
+        _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         if self.cost is not None:
             if not isinstance(self.cost, CostModel):
                 raise TypeError(f"SchedulePlan.cost must be a cpdata.CostModel or None, got {type(self.cost).__name__}")
@@ -159,8 +143,7 @@ class DataPolicy:
     dp_rank: int = 0
     """This data-parallel rank, ``0 <= dp_rank < dp_size``."""
     dp_size: int = 1
-    """Data-parallel ranks: a stream gives rank ``r`` documents ``i % dp_size == r``; a schedule plans all
-    ranks' steps at once. ``precompute`` with a :class:`SchedulePlan` plans for this many ranks."""
+    """Data-parallel ranks (a stream gives rank ``r`` documents ``i % dp_size == r``)."""
     seed: int = 0
     """Seed of the planner and of the shuffled order ``(seed, epoch)``."""
     shuffle: bool = False
@@ -170,8 +153,8 @@ class DataPolicy:
     vocab_size: int | None = None
     """Token ids ``>= vocab_size`` are refused, naming the document (negative ids always are)."""
     labels_alignment: LabelsAlignment | None = None
-    """``"inputs"`` (HF, TRL, torchtune) or ``"targets"`` (Megatron, NeMo): the meaning of the documents'
-    ``labels`` and masks, required when they carry any (:mod:`cpdata.worker.targets`)."""
+    """``"inputs"`` (HF, TRL, torchtune) or ``"targets"`` (Megatron, NeMo): the meaning of ``labels`` and
+    masks, required when documents carry any (:mod:`cpdata.worker.targets`)."""
 
     def __post_init__(self) -> None:
         _int("DataPolicy", "dp_size", self.dp_size, 1)
@@ -196,11 +179,10 @@ class Delivery:
     """``build_loader`` only: pin batches (None: when CUDA is available). A ``CPDataset`` leaves pinning
     to ``StatefulDataLoader(pin_memory=...)``."""
     block_size: int | None = None
-    """Collated batches :class:`~cpdata.nodes.shard.ShardForRank` prepares at once (None: 16, more for
-    short packs): larger blocks share more layout work and keep more plans alive."""
+    """Batches :class:`~cpdata.nodes.shard.ShardForRank` prepares at once (None: 16, more for short packs)."""
     kv_exchange: bool = False
-    """Build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``): document-causal
-    attention then moves only the keys each rank needs, in one all-to-all, instead of all-gathering K/V."""
+    """Build each batch's K/V exchange plan on the worker (``batch.layout.kv_exchange``): attention then
+    moves only the keys each rank needs instead of all-gathering K/V."""
 
     def __post_init__(self) -> None:
         _int("Delivery", "prefetch", self.prefetch, 0, optional=True)
@@ -250,17 +232,13 @@ RENAMED: Mapping[str, tuple[str, str]] = {
     "block_size": ("delivery", "Delivery.block_size"),
     "kv_exchange": ("delivery", "Delivery.kv_exchange"),
 }
-"""Keyword of cpdata 0.3 -> (the keyword that now carries it, ``Record.field``). The one table of renames:
-:func:`refuse_keywords` words its ``TypeError`` from it, and the README lists it."""
+"""Keyword of cpdata 0.3 -> (the keyword that now carries it, ``Record.field``): the one table of renames."""
 
 
 def refuse_keywords(caller: str, given: Mapping[str, Any], accepted: Collection[str]) -> None:
-    """Raise ``TypeError`` for the first keyword in ``given`` (``caller``'s ``**removed``), naming its replacement.
-
-    A keyword of 0.3 names its record and field (``build_loader() no longer takes num_epochs=; pass
-    data=DataPolicy(epochs=...)``); any other is refused as Python refuses an unknown keyword, with the close
-    match among ``accepted`` (``caller``'s own keywords) and the old keywords, else the list of ``accepted``.
-    """
+    """Raise ``TypeError`` for the first keyword in ``given`` (``caller``'s ``**removed``): a keyword of 0.3
+    naming its record and field, any other as Python does, with the close match among ``accepted`` and the
+    old keywords."""
     for name in given:
         if name in RENAMED:
             raise TypeError(f"{caller}() no longer takes {name}=; pass {_replacement(name)}")

@@ -1,27 +1,10 @@
 """Worker processes that exit as soon as their parent dies.
 
-A training process killed without a handler (SIGKILL, OOM killer) leaves its
-DataLoader workers behind: torch's workers notice a dead parent only when an
-index-queue read times out (5 s), and not at all while stuck in a slow read
-(the issue measured 59 s). :func:`exit_with_parent` makes the calling worker
-process die with its parent, two ways:
-
-- **Parent-death signal** (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` via
-  ctypes): the kernel kills the worker the moment its parent goes, whatever
-  the worker is doing (even inside C code holding the GIL). The kernel ties it
-  to the parent *thread* that forked the worker, so it is armed only when that
-  thread was the parent's main thread (a worker forked from a short-lived
-  thread would otherwise die with that thread).
-- **Watchdog thread** (everywhere): polls every :data:`POLL_S` seconds
-  whether the parent is gone (``os.getppid()`` changed, or the parent's
-  multiprocessing sentinel closed) and then kills its own process. Needs the
-  GIL to run, so it covers pure-Python stalls and blocking I/O, not a C call
-  that holds the GIL.
-
-:class:`~cpdata.nodes.dataset.CPDataset` arms both in every ``StatefulDataLoader``
-worker; call :func:`exit_with_parent` from a ``worker_init_fn`` to do the same
-for other DataLoader workers. cpdata's in-process ``build_loader`` uses
-threads only, which die with the process.
+:func:`exit_with_parent` arms two guards: the Linux parent-death signal (``prctl(PR_SET_PDEATHSIG,
+SIGKILL)``, only when the worker was started from its parent's main thread: the kernel ties it to the
+forking thread), which works even inside C code holding the GIL; and a watchdog thread polling every
+:data:`POLL_S` seconds whether the parent is gone, which needs the GIL. ``CPDataset`` arms both in every
+``StatefulDataLoader`` worker; call it from a ``worker_init_fn`` for other DataLoaders.
 """
 
 from __future__ import annotations
@@ -72,18 +55,9 @@ def _watch(ppid: int, sentinel: int | None) -> None:
 
 
 def exit_with_parent(*, deathsig: bool | None = None, watchdog: bool = True) -> bool:
-    """Make the calling process die (SIGKILL) as soon as its parent process does.
-
-    Args:
-        deathsig: arm the Linux parent-death signal; None (default) = when the
-            process was started from its parent's main thread (see the module
-            docstring), as far as the process can tell.
-        watchdog: start the polling watchdog thread.
-
-    Returns:
-        False in a process that is not a multiprocessing child (nothing is
-        armed), else True. Idempotent per process.
-    """
+    """Make the calling process die (SIGKILL) as soon as its parent process does (module docstring); False
+    in a process that is not a multiprocessing child. ``deathsig=None``: when started from the parent's main
+    thread, as far as the process can tell. Idempotent per process."""
     global _armed
     if _armed == os.getpid():
         return True

@@ -1,32 +1,16 @@
 """``Pack``: documents in, :class:`~cpdata.worker.plan.PackPlan` out (stateful, exact resume).
 
-The node reads one window of documents at a time from its source (at least
-``window`` documents and :data:`~cpdata.packing.WINDOW_PACKS` packs of tokens:
-the rule of :func:`~cpdata.packing.planner.window_ends`, applied document by
-document), plans them with the same :class:`~cpdata.packing.StreamPlanner` as
-the offline :func:`~cpdata.packing.plan_lengths` (same lengths in the same
-order, same packs), slices the documents into pieces
-(:class:`~cpdata.worker.plan.DocPiece`) and emits the finished packs one by one.
+The node reads a window of documents at a time (the rule of :func:`~cpdata.packing.planner.window_ends`),
+plans it with the :class:`~cpdata.packing.StreamPlanner` of the offline
+:func:`~cpdata.packing.plan_lengths` (same lengths, same packs), cuts the documents into pieces and emits
+the finished packs one by one.
 
-State = a snapshot taken just before the last window was read (the source's
-state, the planner's counters and open bins, and the carried pieces' token
-arrays) plus the number of packs emitted since. A restore rewinds the source
-to the snapshot, re-reads and re-plans that window and skips the packs already
-emitted, so the plans that follow are bit-identical to an uninterrupted run.
-The snapshot is taken once per window; every ``state_dict()`` call gets its
-own copy of it (:func:`~cpdata.nodes.state_copy.fresh_state`: fresh dicts and
-arrays, ~20 us for the whole state instead of ~70 us with ``deepcopy`` and
-``asdict``), so a caller editing a state changes neither the next one nor
-the restore point.
-Size: the carried pieces, at most the largest window's slot tokens for
-``bfd`` (~1.5M tokens, ~1,200 pieces on UltraChat-like chat at 4K), one pack
-for ``next_fit`` / ``concat``, eight for ``first_fit``, nothing for ``ffd``.
-When the source can fetch documents by index (``Documents`` over a sequence:
-``source.seekable``) the state keeps only six int64 numbers per carried piece
-and re-fetches the tokens on restore (a few KB); otherwise it keeps the
-pieces' token arrays (int64 arrays whose values fit are stored as int32),
-e.g. ~12 MB for ``bfd`` on UltraChat-like chat at window 1024. ``ffd`` with
-``window=None`` reads the whole source before its first pack (memory O(dataset)).
+State: a snapshot taken before the last window was read (the source's state, the planner's, the carried
+pieces) plus the packs emitted since; a restore rewinds the source, re-plans that window and skips what
+was emitted, bit-identical to an uninterrupted run. Every ``state_dict()`` gets its own copy
+(:mod:`cpdata.nodes.state_copy`). Size: the carried pieces, up to the largest window's slot tokens for
+``bfd`` (~12 MB on chat data at window 1024); over a sequence (``source.seekable``) only six int64 per
+piece, the tokens fetched again on restore. ``ffd`` with ``window=None`` reads the whole source first.
 """
 
 from __future__ import annotations
@@ -67,9 +51,8 @@ __all__ = ["Pack"]
 def _read_window(
     source: BaseNode, limit: int | None, floor: int, capacity: int, room: int
 ) -> tuple[DocumentWindow, bool]:
-    """One window of documents (the rule of :func:`cpdata.packing.planner.window_ends`) and whether the
-    source ended: ``source.next_window`` when it reads windows at once (``Documents``: its ids concatenated
-    with ``room`` elements to spare), else ``next()`` one document at a time."""
+    """One window of documents and whether the source ended: ``Documents.next_window``, else ``next()``
+    one document at a time."""
     if isinstance(source, Documents):
         return source.next_window(limit, floor, capacity, room)
     documents: list[Document] = []
@@ -89,15 +72,14 @@ def _read_window(
     return DocumentWindow.of(documents), False
 
 
+# A finished pack: piece table [n, 4], sources [n], offsets [n], slot lengths [n], real and slot tokens, and the
+# window's token buffer with each piece's index in it [n] (None when a piece is not in it).
 _Finished = tuple[np.ndarray, tuple, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None]
-"""A finished pack: piece table ``[n, 4]``, sources ``[n]``, offsets ``[n]``, slot lengths ``[n]``, real and slot
-tokens, and the window's token buffer with each piece's index in it ``[n]`` (None when a piece is not in it)."""
 
 
 def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: TokenBuffer) -> list[_Finished]:
-    """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 8]`` (pack after pack, ``sizes``
-    ``[packs]`` pieces each): a handful of numpy calls for the whole window, then one slice per pack and column.
-    The table and offsets are made read-only here, once (their slices are the packs' :class:`PieceColumns`)."""
+    """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 8]`` (``sizes`` ``[packs]``
+    pieces each): numpy for the whole window, then one slice per pack and column (made read-only once)."""
     table = np.ascontiguousarray(rows[:, 1:5])
     offsets, slots, at = rows[:, 6].copy(), rows[:, 5].copy(), rows[:, 7].copy()
     table.flags.writeable = offsets.flags.writeable = False
@@ -121,19 +103,10 @@ class _Snapshot:
 
 
 class Pack(BaseNode[PackPlan]):
-    """Pack documents into plans of ``capacity`` tokens for a CP layout.
-
-    Args:
-        source_node: a node emitting :class:`~cpdata.worker.plan.Document` (e.g.
-            :class:`~cpdata.nodes.source.Documents`).
-        capacity, layout, cp_size, algorithm, overflow, seed, window: as for
-            :func:`~cpdata.packing.plan_lengths`.
-
-    ``node.stats`` is a :class:`~cpdata.packing.PackingStats` snapshot
-    (documents read so far; tokens and packs emitted so far); the state holds
-    it too. A state saved under another capacity, layout, cp_size, algorithm,
-    overflow or window is refused with ``ValueError``.
-    """
+    """Pack the :class:`~cpdata.worker.plan.Document` s of ``source_node`` into plans of ``capacity`` tokens
+    (the other arguments as for :func:`~cpdata.packing.plan_lengths`). ``stats``: a
+    :class:`~cpdata.packing.PackingStats` snapshot, in the state too; a state saved under another
+    configuration is refused with ``ValueError``."""
 
     VERSION = 2  # 2: windows of at least WINDOW_PACKS packs of tokens, carried bins kept whole
     VERSION_KEY = "version"
@@ -171,14 +144,18 @@ class Pack(BaseNode[PackPlan]):
             check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._seekable = isinstance(source_node, Documents) and source_node.seekable
-        self._planner = StreamPlanner(self.config)
         self._queue: deque[_Finished] = deque()  # every finished pack, not yet emitted
+        self._snapshot: _Snapshot | None = None
+        self._pool = BufferPool()  # token buffers of windows read from sources that do not make them
+        self._clear()
+
+    def _clear(self) -> None:
+        self._planner = StreamPlanner(self.config)
+        self._queue.clear()
         self._live = LivePieces()
         self._exhausted = False
         self._emitted = 0
-        self._snapshot: _Snapshot | None = None
         self._carry_records: dict[str, Any] | None = None
-        self._pool = BufferPool()  # token buffers of windows read from sources that do not make them
 
     @property
     def stats(self) -> PackingStats:
@@ -191,12 +168,7 @@ class Pack(BaseNode[PackPlan]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._planner = StreamPlanner(self.config)
-        self._queue.clear()
-        self._live = LivePieces()
-        self._exhausted = False
-        self._emitted = 0
-        self._carry_records = None
+        self._clear()
         if initial_state is None:
             self.source.reset(None)
             self._snapshot = self._take_snapshot()

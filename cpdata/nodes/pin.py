@@ -1,11 +1,5 @@
-"""Pin batches in page-locked host memory when a CUDA device can use them.
-
-Pinned memory makes the host-to-device copy asynchronous
-(``batch.to(device, non_blocking=True)``). torchdata's ``PinMemory`` node
-raises on CPU-only builds, so the decision is made once, here: pin only when
-asked (or, with ``pin_memory=None``, automatically) and
-``torch.cuda.is_available()``; otherwise the graph is returned unchanged and
-the reason is logged once per process.
+"""Pin batches in page-locked host memory when a CUDA device can use them (asynchronous host-to-device
+copies). torchdata's ``PinMemory`` raises on CPU-only builds, so the decision is made once, here.
 """
 
 from __future__ import annotations
@@ -41,13 +35,8 @@ def resolve_pin_memory(pin_memory: bool | None) -> bool:
 
 
 def maybe_pin(node: BaseNode[T], *, pin_memory: bool | None) -> BaseNode[T]:
-    """``PinMemory(node)`` when pinning applies (see :func:`resolve_pin_memory`), else ``node``.
-
-    The PinMemory node runs one background thread that pulls from ``node``
-    and calls ``pin_memory()`` on each item (``ShardedBatch.pin_memory`` pins
-    its tensors and layout tensors); its state snapshots the source after every
-    item, so resume stays exact.
-    """
+    """``PinMemory(node)`` (one thread calling each item's ``pin_memory()``; resume stays exact) when
+    pinning applies (:func:`resolve_pin_memory`), else ``node``."""
     if not resolve_pin_memory(pin_memory):
         if pin_memory is None:
             _log_once("CUDA is not available; not pinning batches")

@@ -1,72 +1,136 @@
 """``ScheduledPacks``: this DP rank's packs of a global schedule, reading only their documents.
 
-Replaces ``Documents -> Pack`` when the source knows every document's length
-up front (``open_dataset(...).lengths``, a token store index, an HF length
-column, or ``lengths=`` given)::
-
-    lengths ──► plan_schedule (same on every rank, no collective)
-                   └─► packs (step, dp_rank, micro_batch) of this rank ─► read those documents ─► PackPlan
-
-Every rank, CP rank and dataloader worker computes the same
-:func:`~cpdata.schedule.plan_schedule` from the same lengths (a pure
-function, once per process). This rank's packs form one sequence, step by
-step and micro-batch by micro-batch (pack ``j`` is micro-batch
-``j % micro_batches`` of step ``j // micro_batches``); dataloader workers
-split it as :class:`~cpdata.nodes.served.ServedPacks` does, each reading only
-the documents of its own packs: worker CPU per pack does not grow with ``N``.
-``shuffle=True`` plans epoch ``e`` over the documents in the ``(seed, e)``
-order, when the epoch starts (the schedule stays a pure function of its
-arguments and the epoch).
-
-Serving, epochs and state belong to ``ServedPacks`` (``identity``: the
-source's and the lengths'): a restore is O(1) (no replay: at most the epoch's
-plan); one saved under another configuration, another DP split or over other
-lengths is refused with ``ValueError``.
+Replaces ``Documents -> Pack`` when the source states every document's length (``open_dataset``, a
+token store, an HF length column, or ``SchedulePlan.lengths``): every rank and worker computes the same
+:func:`~cpdata.schedule.plan_schedule` (no collective) and reads only its own packs' documents;
+``shuffle`` plans epoch ``e`` over the ``(seed, e)`` order. Serving, workers, epochs and the state are
+:class:`~cpdata.nodes.served.ServedPacks`'s: a restore is O(1), one from other data or settings is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.nodes.scheduled_rows import SCHEDULES, RankRows, rank_rows, schedule_settings, source_lengths
+from cpdata.nodes.options import SCHEDULES
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint, source_identity
 from cpdata.sources.open import as_source
+from cpdata.sources.protocol import Indexed, StatedLengths
 from cpdata.worker.keys import INPUT_IDS
-from cpdata.worker.targets import LabelsAlignment
+from cpdata.worker.targets import check_labels_alignment
 
-__all__ = ["SCHEDULES", "ScheduleRows", "ScheduledPacks", "source_lengths"]
+if TYPE_CHECKING:
+    from cpdata.nodes.loader import GraphOptions
 
-class ScheduleRows(PlanRows):
-    """The rows of :class:`ScheduledPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this rank's packs of
-    each epoch's schedule, one block per epoch, and the source read by index. An epoch is planned when
-    first asked for (``shuffle``: over the lengths in the ``(seed, epoch)`` order; otherwise every epoch is
-    epoch 0's), ~3-5 us per document on every rank and worker."""
+__all__ = ["SCHEDULES", "RankPlanRows", "RankRows", "ScheduleRows", "ScheduledPacks", "rank_rows", "source_lengths"]
 
-    def __init__(self, source: Any, lengths: np.ndarray, plan_kw: dict[str, Any], config: dict[str, Any], *,
-                 dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
-        self.source, self.lengths, self.vocab_size, self.labels_alignment = source, lengths, vocab_size, labels_alignment
-        self.plan_kw, self.shuffle = plan_kw, bool(plan_kw["shuffle"])
-        self.dp_rank, self.dp_size, self.capacity = dp_rank, int(plan_kw["dp_size"]), int(plan_kw["capacity"])
-        self.micro_batches, self.config = int(plan_kw["micro_batches"]), config
-        self.schedule: Schedule | None = plan_schedule(lengths, **plan_kw, epoch=0)
-        """The last epoch planned's schedule (the whole plan; None in a dataloader worker, which gets its rows)."""
-        self._rows: tuple[int, RankRows] = (0, rank_rows(self.schedule, dp_rank))
+
+RankRows = dict[str, np.ndarray]
+"""One rank's packs, CSR: pack ``j`` is rows ``offsets[j]:offsets[j + 1]`` of :mod:`cpdata.nodes.served`'s columns."""
+
+
+def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
+    """Rank ``dp_rank``'s packs of ``sched`` in (step, micro-batch) order."""
+    R, M = sched.dp_size, sched.micro_batches
+    first = (np.arange(sched.num_steps, dtype=np.int64) * R + dp_rank) * M  # pack id of (step, rank, 0)
+    packs = (first[:, None] + np.arange(M)).reshape(-1)
+    lo, hi = sched.pack_offsets[packs], sched.pack_offsets[packs + 1]
+    sizes = hi - lo
+    rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return {"offsets": offsets, "doc_index": sched.doc_index[rows], "doc_start": sched.doc_start[rows],
+            "doc_len": sched.doc_len[rows], "slot_len": sched.slot_len[rows], "continues": sched.continues[rows]}
+
+
+def source_lengths(source: Any, lengths: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[n_docs]``: ``lengths`` if given, else ``source.lengths``; ``TypeError`` naming the fix otherwise."""
+    if lengths is None and isinstance(source, StatedLengths):
+        lengths = source.lengths
+    if lengths is None:
+        raise TypeError(
+            f"a SchedulePlan plans from every document's length before reading any, but the source "
+            f"({type(source).__name__}) has no .lengths; pass SchedulePlan(lengths=[...]) (tokens per document), "
+            "use cpdata.open_dataset(path) (it has .lengths), or plan=StreamPlan() (each DP rank reads and packs "
+            "documents i % dp_size as it streams), or SchedulePlan(window=W) (plan a stream W documents at a time)"
+        )
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(f"lengths must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}")
+    if not isinstance(source, Indexed):
+        raise TypeError(
+            f"a SchedulePlan reads documents by index; the source ({type(source).__name__}) needs __len__ and "
+            "__getitem__ (a list, a map-style dataset, cpdata.open_dataset(path))"
+        )
+    if len(source) != arr.shape[0]:
+        raise ValueError(f"the source has {len(source)} documents but {arr.shape[0]} lengths; they must match")
+    return arr.astype(np.int64, copy=False)
+
+
+class RankPlanRows(PlanRows):
+    """What the rows of a global schedule share (:class:`ScheduleRows`, a stream's windows): its settings,
+    checked by the planner on construction, and the :class:`PackRows` of one rank's pack of it.
+
+    ``config`` (the state's): the options, the overflow default resolved, and ``extra``. Without a
+    ``cost``, ``"balanced"`` takes the FlexSP 7B profile, or the token plan when it is cheaper once pads are
+    counted; ``fallback=False`` (a window's plan, whose tail applies per window) never takes the token plan.
+    """
+
+    def __init__(self, source: Any, options: GraphOptions, extra: Mapping[str, Any], *, fallback: bool) -> None:
+        plan, data = options.plan, options.data
+        fallback = fallback and plan.kind == "balanced" and plan.cost is None
+        cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None
+        self.plan_kw = dict(capacity=options.capacity, layout=options.layout, cp_size=options.cp_size,
+                            dp_size=int(data.dp_size), micro_batches=plan.micro_batches, cost=cost,
+                            max_delay=plan.max_delay, algorithm=plan.algorithm, overflow=plan.overflow,
+                            seed=data.seed, tail=plan.tail, fallback=fallback)  # fmt: skip
+        probe = plan_schedule(np.zeros(0, dtype=np.int64), **self.plan_kw)  # checks every argument now
+        self.config = {
+            "schedule": plan.kind, "capacity": int(options.capacity), "layout": options.layout,
+            "cp_size": int(options.cp_size), "dp": [int(data.dp_rank), int(data.dp_size)],
+            "micro_batches": int(plan.micro_batches), "max_delay": int(plan.max_delay), "algorithm": plan.algorithm,
+            "overflow": probe.config.overflow, "seed": int(data.seed), "tail": plan.tail,
+            "cost": None if cost is None else [float(cost.a), float(cost.b)], "fallback": fallback,
+            "labels_alignment": check_labels_alignment(data.labels_alignment), **extra,
+        }  # fmt: skip
+        self.source, self.capacity, self.micro_batches = source, int(options.capacity), int(plan.micro_batches)
+        self.dp_rank, self.dp_size, self.vocab_size = int(data.dp_rank), int(data.dp_size), data.vocab_size
+        self.labels_alignment = data.labels_alignment
+
+    def rank_pack(self, rows: RankRows, item: int, base: int = 0, first_document: int = 0, **extras: Any) -> PackRows:
+        """This rank's pack ``item`` of ``rows``: micro-batch ``item % M`` of step ``item // M``, its id the
+        schedule's (after ``base`` packs)."""
+        step, micro_batch = divmod(item, self.micro_batches)
+        pack = (step * self.dp_size + self.dp_rank) * self.micro_batches + micro_batch
+        return PackRows(columns=rows, rows=slice(int(rows["offsets"][item]), int(rows["offsets"][item + 1])),
+                        index=base + pack, first_document=first_document,
+                        extras={"step": step, "micro_batch": micro_batch, **extras})  # fmt: skip
+
+
+class ScheduleRows(RankPlanRows):
+    """The rows of :class:`ScheduledPacks`: one block per epoch, planned when first asked for (without
+    ``shuffle`` every epoch is epoch 0's)."""
+
+    def __init__(self, source: Any, lengths: np.ndarray, options: GraphOptions) -> None:
+        shuffle = options.data.shuffle
+        super().__init__(source, options, {"shuffle": shuffle}, fallback=True)
+        self.lengths, self.shuffle = lengths, shuffle
+        self.plan_kw["shuffle"] = shuffle
+        self.schedule: Schedule | None = plan_schedule(lengths, **self.plan_kw, epoch=0)  # None in a worker
+        self._rows: tuple[int, RankRows] = (0, rank_rows(self.schedule, self.dp_rank))
         self.identity = source_identity(source, lengths)
         self._fingerprint = source_fingerprint(source)
         self.documents_read = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers need only this rank's rows (1 / dp_size of the schedule): the whole plan stays behind.
         return {**self.__dict__, "schedule": None}
 
     def rows(self, epoch: int) -> RankRows:
-        """This rank's rows of epoch ``epoch`` (the schedule of ``shuffle=False`` is the same every epoch)."""
+        """This rank's rows of epoch ``epoch``."""
         epoch = epoch if self.shuffle else 0
         if self._rows[0] != epoch:
             self.schedule = plan_schedule(self.lengths, **self.plan_kw, epoch=epoch)
@@ -81,11 +145,7 @@ class ScheduleRows(PlanRows):
         return int(self.rows(epoch)["offsets"].shape[0]) - 1
 
     def pack(self, epoch: int, item: int) -> PackRows:
-        s = self.rows(epoch)
-        step, micro_batch = divmod(item, self.micro_batches)
-        pack = (step * self.dp_size + self.dp_rank) * self.micro_batches + micro_batch  # the schedule's pack id
-        return PackRows(columns=s, rows=slice(int(s["offsets"][item]), int(s["offsets"][item + 1])), index=pack,
-                        extras={"step": step, "micro_batch": micro_batch, "epoch": epoch})  # fmt: skip
+        return self.rank_pack(self.rows(epoch), item, epoch=epoch)
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
         arrays = read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
@@ -100,74 +160,26 @@ class ScheduleRows(PlanRows):
 
 
 class ScheduledPacks(ServedPacks):
-    """Emit this DP rank's packs of the global schedule as :class:`~cpdata.worker.plan.PackPlan` (see the module docstring).
+    """This DP rank's packs of the global schedule of an indexable ``source`` (module docstring).
 
-    Args:
-        source: documents indexable by position (``source[i]`` a dict with ``input_ids``).
-        capacity, layout, cp_size, algorithm, overflow, seed, max_delay, tail: as for
-            :func:`~cpdata.schedule.plan_schedule`.
-        dp_rank, dp_size, micro_batches: this rank, the DP size, packs per rank per step.
-        schedule: one of :data:`SCHEDULES`.
-        cost: the cost model of ``"balanced"``; default: the FlexSP 7B profile, with the token plan
-            taken instead when it is cheaper once pads are counted (``plan_schedule(fallback=True)``).
-        shuffle: plan epoch ``e`` over the documents in the ``(seed, e)`` order (the order
-            :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in): each epoch's schedule
-            is planned when it starts, on every rank and worker alike.
-        num_epochs: epochs per ``iter()`` (default one; the next ``iter()`` starts the next epoch).
-        lengths: tokens per document; default ``source.lengths``.
-        vocab_size: token ids ``>= vocab_size`` raise ``ValueError``.
-        worker: ``(worker_id, num_workers)``: serve items ``worker_id, worker_id + num_workers, ...`` of the
-            epochs of one ``iter()`` in sequence (so the loader's round-robin keeps the order at epoch ends).
-        labels_alignment: the documents' label convention, as for :class:`~cpdata.nodes.source.Documents`.
-            The schedule is planned from lengths alone, so a document that trains nothing (every label
-            -100) is packed like any other (the streaming packer leaves it out, counted as ``untrained``).
-
-    A document whose length differs from ``lengths`` raises ``ValueError`` when read.
+    ``options.plan`` is a :class:`~cpdata.nodes.options.SchedulePlan`; ``worker``: a
+    :class:`~cpdata.nodes.served.WorkerShare`. Planned from lengths alone, a document that trains nothing
+    is packed like any other; one whose length differs from the lengths raises ``ValueError`` when read.
     """
 
     rows: ScheduleRows
 
-    def __init__(
-        self,
-        source: Any,
-        *,
-        capacity: int,
-        layout: str,
-        cp_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        micro_batches: int = 1,
-        schedule: str = "balanced",
-        cost: CostModel | None = None,
-        max_delay: int = 0,
-        algorithm: str = "bfd",
-        overflow: str | None = None,
-        seed: int = 0,
-        shuffle: bool = False,
-        num_epochs: int | None = None,
-        tail: str = "pad",
-        lengths: Sequence[int] | np.ndarray | None = None,
-        vocab_size: int | None = None,
-        worker: tuple[int, int] = (0, 1),
-        labels_alignment: LabelsAlignment | None = None,
-    ) -> None:
-        plan_kw, config = schedule_settings(
-            schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
-            micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
-            seed=seed, tail=tail, labels_alignment=labels_alignment,
-        )  # fmt: skip
+    def __init__(self, source: Any, options: GraphOptions, *, worker: tuple[int, int] = (0, 1)) -> None:
         source = as_source(source, indexed=True)  # a datasets.Dataset: its lengths; a mix: its draw listing
-        rows = ScheduleRows(source, source_lengths(source, lengths), {**plan_kw, "shuffle": shuffle},
-                            {**config, "shuffle": bool(shuffle)}, dp_rank=int(dp_rank), vocab_size=vocab_size,
-                            labels_alignment=config["labels_alignment"])  # fmt: skip
-        super().__init__(rows, num_epochs=num_epochs, worker=worker)
+        rows = ScheduleRows(source, source_lengths(source, options.plan.lengths), options)
+        super().__init__(rows, num_epochs=options.data.epochs, worker=worker)
 
     @property
     def schedule(self) -> Schedule | None:
-        """The current epoch's schedule (the whole plan; None in a dataloader worker, which gets its rows only)."""
+        """The current epoch's schedule (None in a dataloader worker, which gets this rank's rows only)."""
         return self.rows.schedule
 
     @property
     def documents_read(self) -> int:
-        """Documents this node has read from the source (a split document counts once per run of packs)."""
+        """Documents read from the source (a split document once per run of packs)."""
         return self.rows.documents_read

@@ -1,28 +1,15 @@
 """``ServedPacks``: the one node that serves planned rows as ``PackPlan``s.
 
-A plan is CSR rows (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``,
-``continues``; pack ``p`` is rows ``offsets[p]:offsets[p + 1]``). Three
-providers make them (:class:`PlanRows`): a global schedule planned from lengths
-(:class:`~cpdata.nodes.scheduled.ScheduledPacks`), a stream planned window by
-window (:class:`~cpdata.nodes.windowed.WindowedPacks`) and a precomputed plan
-directory (:class:`~cpdata.offline.reader.PrecomputedPacks`). The provider only
-says where this DP rank's packs are and reads a document by index; this node
-owns, once for all three:
-
-- the rows -> ``PackPlan`` loop (:func:`emit_plan`);
-- the one-document cache (a document cut into pieces of consecutive packs is read once);
-- worker striding: worker ``w`` of ``N`` serves this rank's items in runs of
-  ``batch`` (``batch = 1``: items ``w, w + N, ...``), so a ``StatefulDataLoader``'s
-  round-robin gives the ``num_workers=0`` order for any ``N`` and every worker
-  reads only its own packs' documents;
-- epochs (:class:`~cpdata.nodes.epochs.EpochClock`): ``num_epochs`` per ``iter()``,
-  the items going on in one sequence across an epoch's end;
-- the state ``{"version", "config", "identity", "epoch", "first_epoch", "item",
-  "block"}``: ``item`` is this rank's next pack in the current block (an epoch is
-  one block, or one per window of a stream), ``block`` the provider's position
-  (None, or a window's number and digest). A restore is O(1) but for a stream,
-  which replays up to its window; a state from another configuration, identity
-  or version is refused with ``ValueError``.
+A plan is CSR rows (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``; pack ``p``
+is rows ``offsets[p]:offsets[p + 1]``) from a :class:`PlanRows` provider: a schedule planned from
+lengths (:class:`~cpdata.nodes.scheduled.ScheduledPacks`), a stream planned window by window
+(:class:`~cpdata.nodes.windowed.WindowedPacks`) or a plan directory
+(:class:`~cpdata.offline.reader.PrecomputedPacks`). This node owns, once for all three: the rows ->
+``PackPlan`` loop (:func:`emit_plan`), the one-document cache, worker striding (:class:`WorkerShare`),
+epochs (:class:`~cpdata.nodes.epochs.EpochClock`) and the state ``{"version", "config", "identity",
+"epoch", "first_epoch", "item", "block"}`` (``item``: this rank's next pack in the current block, an
+epoch or a stream's window; ``block``: the provider's position). A restore is O(1) but for a stream,
+which replays up to its window; a state from another configuration, identity or version is refused.
 """
 
 from __future__ import annotations
@@ -34,46 +21,70 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_int, is_int
 from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
 from cpdata.worker.targets import piece_arrays
 
-__all__ = ["PackRows", "PlanRows", "ServedPacks", "emit_plan"]
+__all__ = ["PackRows", "PlanRows", "ServedPacks", "WorkerShare", "emit_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShare:
+    """Dataloader worker ``worker_id`` of ``num_workers``'s items of a sequence: runs of ``run`` items dealt
+    round-robin (``run=1``: items ``w, w + N, ...``), so a ``StatefulDataLoader`` taking workers round-robin
+    yields the ``num_workers=0`` order for any ``N``."""
+
+    worker_id: int = 0
+    num_workers: int = 1
+    run: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_id < self.num_workers:
+            raise ValueError(f"need 0 <= worker_id < num_workers, got worker={(self.worker_id, self.num_workers)}")
+        check_int("batch", self.run, min=1, fix=" (packs a worker serves in a run)")
+
+    @property
+    def first(self) -> int:
+        return self.worker_id * self.run
+
+    def owns(self, item: int) -> bool:
+        return item // self.run % self.num_workers == self.worker_id
+
+    def after(self, item: int) -> int:
+        """The share's next item after its ``item``."""
+        return item + 1 if (item + 1) % self.run else item + 1 + (self.num_workers - 1) * self.run
+
+    def count(self, total: int) -> int:
+        """The share's items among the first ``total``."""
+        span = self.num_workers * self.run
+        return total // span * self.run + min(max(total % span - self.first, 0), self.run)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackRows:
-    """Where one pack's rows are, and what names it."""
+    """Where one pack's ``rows`` of the plan's ``columns`` are, and what names it: ``index`` (``PackPlan.index``),
+    ``first_document`` (subtracted from ``doc_index`` for a piece's ``index``) and ``extras``."""
 
     columns: Mapping[str, np.ndarray]
-    """The plan's row columns (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``)."""
     rows: slice
-    """This pack's rows of the columns."""
     index: int
-    """The plan's own id of the pack (``PackPlan.index``)."""
     first_document: int = 0
-    """Subtracted from ``doc_index`` for a piece's ``index`` (added, when negative: a window's first row)."""
     extras: Mapping[str, object] = field(default_factory=dict)
 
 
 class PlanRows:
-    """A provider of plan rows for :class:`ServedPacks` (see the module docstring); the defaults serve a
-    plan known an epoch at a time (one block per epoch, nothing to save but the item)."""
+    """A provider of plan rows for :class:`ServedPacks`; the defaults serve one block per epoch."""
 
-    config: dict[str, Any]
-    """What a saved state must have been saved with (compared on restore)."""
+    config: dict[str, Any]  # compared on restore, as is identity (the data the rows were planned over)
     identity: str | None
-    """The data the rows were planned over (compared on restore)."""
     capacity: int
-    source: Any
-    """The documents the rows read (what names them in errors and batches)."""
+    source: Any  # the documents the rows read (what names them in errors and batches)
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
-        """Begin ``epoch`` at a saved ``block`` position (None: its start) and return the block to load
-        first: check that the data did not change, refuse an epoch the plan does not hold, reopen a stream."""
+        """Begin ``epoch`` at a saved ``block`` position (None: its start); returns the block to load first."""
         return 0
 
     def packs(self, epoch: int) -> int | None:
@@ -118,22 +129,9 @@ def emit_plan(pack: PackRows, capacity: int, read: Any) -> PackPlan:
                     capacity=capacity, index=pack.index, extras=dict(pack.extras))  # fmt: skip
 
 
-def _check_worker(worker: tuple[int, int], batch: int) -> tuple[int, int]:
-    worker_id, num_workers = worker
-    if not 0 <= worker_id < num_workers:
-        raise ValueError(f"need 0 <= worker_id < num_workers, got worker={worker}")
-    check_int("batch", batch, min=1, fix=" (packs a worker serves in a run)")
-    return int(worker_id), int(num_workers)
-
-
 class ServedPacks(EpochNode[PackPlan]):
-    """This DP rank's packs from a :class:`PlanRows` provider, strided over dataloader workers.
-
-    Args:
-        rows: the provider.
-        num_epochs: epochs per ``iter()`` (None: one; the next ``iter()`` starts the next).
-        worker: ``(worker_id, num_workers)``; ``batch``: packs per run a worker serves (see the module docstring).
-    """
+    """This DP rank's packs from a :class:`PlanRows` provider: ``worker``'s share, ``num_epochs`` per ``iter()``
+    (None: one; the next ``iter()`` starts the next)."""
 
     VERSION = 3  # 3: one state for every plan provider
     KEYS = ("version", "config", "identity", "epoch", "first_epoch", "item", "block")
@@ -142,16 +140,13 @@ class ServedPacks(EpochNode[PackPlan]):
                  batch: int = 1) -> None:  # fmt: skip
         super().__init__()
         self.rows, self.num_epochs = rows, check_num_epochs(num_epochs)
-        self.worker, self.batch = _check_worker(worker, batch), int(batch)
-        self._clear()
-        self._item, self._block = self._first_item(), 0
+        self._share(worker, batch)
 
-    def _clear(self) -> None:
+    def _share(self, worker: tuple[int, int], batch: int) -> None:
+        self.share = WorkerShare(*worker, batch)
         self._count: int | None = None  # packs of the current block; None: not loaded
         self._cached: tuple[int, Mapping[str, np.ndarray]] | None = None
-
-    def _first_item(self) -> int:
-        return self.worker[0] * self.batch
+        self._item, self._block = self.share.first, 0
 
     def with_worker(self, worker: tuple[int, int], batch: int = 1) -> ServedPacks:
         """The same rank's packs for dataloader worker ``worker`` serving runs of ``batch``, not planned again."""
@@ -159,9 +154,7 @@ class ServedPacks(EpochNode[PackPlan]):
         EpochNode.__init__(other)
         other.epoch_clock = copy.copy(self.epoch_clock)
         other.rows = copy.copy(self.rows)
-        other.worker, other.batch = _check_worker(worker, batch), int(batch)
-        other._clear()
-        other._item, other._block = other._first_item(), 0
+        other._share(worker, batch)
         return other
 
     @property
@@ -170,7 +163,8 @@ class ServedPacks(EpochNode[PackPlan]):
         return self.rows.source
 
     def config(self) -> dict[str, Any]:
-        return {**self.rows.config, "worker": list(self.worker), "batch": self.batch, "num_epochs": self.num_epochs}
+        s = self.share
+        return {**self.rows.config, "worker": [s.worker_id, s.num_workers], "batch": s.run, "num_epochs": self.num_epochs}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cached": None}
@@ -180,14 +174,13 @@ class ServedPacks(EpochNode[PackPlan]):
         total = self.rows.packs(self.epoch)
         if total is None:
             raise TypeError(f"{type(self).__name__} plans a stream as it reads it: its length is not known")
-        run = self.worker[1] * self.batch
-        return total // run * self.batch + min(max(total % run - self.worker[0] * self.batch, 0), self.batch)
+        return self.share.count(total)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._clear()
+        self._count, self._cached = None, None
         if initial_state is None:
-            self._block, self._item = self.rows.start(self.epoch_clock.start(), None), self._first_item()
+            self._block, self._item = self.rows.start(self.epoch_clock.start(), None), self.share.first
             return
         name = type(self).__name__
         check_state_version(name, initial_state, "version", self.VERSION)
@@ -199,22 +192,21 @@ class ServedPacks(EpochNode[PackPlan]):
                 "dataset and plan"
             )
         item = initial_state.get("item")
-        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
+        if not is_int(item) or item < 0:
             raise ValueError(f"{name} state has item={item!r}; expected an int >= 0")
         saved = EpochClock()
         saved.restore(initial_state.get("epoch"), initial_state.get("first_epoch"))
         self._block = self.rows.start(saved.epoch, initial_state.get("block"))  # refuses an epoch not planned
-        total, run = self.rows.packs(saved.epoch), self.worker[1] * self.batch
-        if total is not None and item >= total + run:
+        total = self.rows.packs(saved.epoch)
+        if total is not None and item >= total + self.share.num_workers * self.share.run:
             raise ValueError(f"{name} state has item={item}, but this rank's epoch {saved.epoch} has {total} packs; "
                              "it is not a state of this plan")  # fmt: skip
         self.epoch_clock.restore(saved.epoch, saved.first)
         self._item = int(item)
 
     def _document(self, index: int, more: bool) -> Mapping[str, np.ndarray]:
-        """Document ``index``, read once for all its pieces: a document cut into pieces (``overflow="split"``,
-        ``concat``) is kept while pieces of it follow (``more``), so a 5M-token JSONL row cut into 153 pieces
-        is parsed once per epoch; at most one such document is held (its pieces sit in consecutive packs)."""
+        """Document ``index``, read once for all its pieces: kept while pieces of it follow (``more``; they
+        sit in consecutive packs, so at most one document is held)."""
         if self._cached is not None and self._cached[0] == index:
             arrays = self._cached[1]
         else:
@@ -226,8 +218,7 @@ class ServedPacks(EpochNode[PackPlan]):
         return arrays
 
     def plan(self, item: int, epoch: int | None = None) -> PackPlan:
-        """This rank's pack ``item`` (all workers together) of the current block of ``epoch`` (default: the
-        current one): random access for a whole-epoch plan."""
+        """This rank's pack ``item`` (all workers together) of the current block of ``epoch`` (default: current)."""
         epoch = self.epoch if epoch is None else int(epoch)
         return emit_plan(self.rows.pack(epoch, item), self.rows.capacity, self._document)
 
@@ -245,7 +236,7 @@ class ServedPacks(EpochNode[PackPlan]):
                 raise StopIteration
             self._item, self._count, self._cached = self._item - self._count, count, None
         plan = self.plan(self._item)
-        self._item += 1 if (self._item + 1) % self.batch else 1 + (self.worker[1] - 1) * self.batch
+        self._item = self.share.after(self._item)
         return plan
 
     def get_state(self) -> dict[str, Any]:

@@ -1,28 +1,16 @@
 """``ShardForRank`` node: one CP rank's tokens of each collated batch, plus its layout.
 
-The node works on blocks of batches (``block_size`` of them, or by default
-at least :data:`DEFAULT_BLOCK_SIZE` and :data:`BLOCK_TOKENS` tokens): it pulls
-up to ``k`` batches, does the small per-batch array math of all of them at once
-(:func:`cpdata.worker.shard_block.prepare_block`: stream tables, layout run tables,
-causal work, digest, ``info``), then serves them one by one; only when a
-batch is served are its rank's row and inverse map written and this rank's
-tokens gathered (:func:`cpdata.worker.collate.fill_rank`), never the full pack.
-``stream_len`` is ``S`` for bshd (rows index columns, shared by the ``B``
-rows) and ``B*S`` for thd (rows index the flat stream). The layout travels as
-a :class:`~cpdata.layout.shard_layout.ShardLayout` with the inverse map precomputed.
+The node pulls a block of batches, does their small per-batch array math at once
+(:func:`cpdata.worker.shard_block.prepare_block`: stream and layout run tables, causal work, digest,
+``info``), then serves them one by one; only then are the rank's row and inverse map written and its
+tokens gathered (:func:`cpdata.worker.collate.fill_rank`), never the full pack. ``stream_len`` is ``S``
+for bshd and ``B*S`` for thd. Layouts whose map does not depend on the documents (found by probing
+:func:`~cpdata.layout.maps.rank_indices`, never by name) are computed once per shape; with bshd and
+``B > 1`` only those are possible (``ValueError`` otherwise).
 
-Layouts whose map does not depend on the documents (found by asking
-:func:`~cpdata.layout.maps.rank_indices` for a few different slot lengths, never
-by name) are computed once per ``(cp_size, stream_len)`` and reused. With bshd and
-``B > 1`` only those layouts are possible: each row would need its own map, so
-a document-dependent layout raises ``ValueError`` (use ``qkv_format="thd"`` or
-``batch_size=1``).
-
-Block size trade-off (:data:`DEFAULT_BLOCK_SIZE`): ``k`` batches' plans stay
-alive and the first batch of a block waits for the block's math, but the
-per-batch numpy calls and the source's state read run once per block. The
-output never depends on ``k``. Cost per batch and rank, beyond the rank's own
-tokens: O(stream_len) for the map, its inverse, the causal work and the digest.
+Block size trade-off: a block's plans stay alive and its first batch waits for the block's math, but the
+per-batch numpy calls and the source's state read run once per block; the output never depends on it
+(measurements: docs/architecture.md). Cost per batch and rank beyond its tokens: O(stream_len).
 """
 
 from __future__ import annotations
@@ -51,28 +39,16 @@ __all__ = ["BLOCK_TOKENS", "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "ShardForRank
 _I64 = np.dtype(np.int64)
 
 DEFAULT_BLOCK_SIZE = 16
-"""Batches per block of :class:`ShardForRank` at least, by default (see the module docstring for the trade-off;
-docs/architecture.md "blocks": against 8, 16 measured 5-10 % less CPU per pack at 2K-8K and 12 % at 32K cp4 thd (median), for a
-first batch 0.15-0.6 ms later)."""
-
+"""Batches per block at least, by default."""
 BLOCK_TOKENS = 1 << 19
-"""By default a block also grows until its batches hold this many pack tokens (up to :data:`MAX_BLOCK_SIZE`
-batches): the per-block numpy calls are a fixed cost that short packs would otherwise pay 16 at a time (64
-batches of 2K-8K packs instead of 16 measured 8-18 % less CPU per pack); from 32K tokens per batch the block is
-16 batches, whose first batch a larger block would only delay."""
-
+"""By default a block also grows until its batches hold this many pack tokens (short packs)..."""
 MAX_BLOCK_SIZE = 64
-"""The most batches a default block holds (short packs): 64 batches' plans alive and a first batch ~4-8 ms of
-CPU after a reset at 2K-8K."""
+"""... up to this many batches."""
 
 
 @functools.lru_cache(maxsize=64)
 def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
-    """Whether ``rank_indices(layout, cp_size, ...)`` changes with the slot lengths.
-
-    Probes five aligned slot-length lists on a small pack (empty, one half, short
-    documents, remainders); any difference in the rows means document-dependent.
-    """
+    """Whether ``rank_indices(layout, cp_size, ...)`` changes with the slot lengths (five probes on a small pack)."""
     d, pack_multiple = alignment(layout, cp_size)
     pack_len = 8 * d * pack_multiple
     half = pack_len // 2  # a multiple of d
@@ -83,9 +59,8 @@ def layout_depends_on_documents(layout: str, cp_size: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _buffer_plan(spec_key: SpecKey, stream_len: int) -> BufferPlan:
-    """The buffer of a rank's batch: the tensors of ``spec_key`` (:func:`~cpdata.worker.collate.rank_spec_key`),
-    then its row int64 ``[L]`` and the inverse map int64 ``[stream_len]`` (cached per shape: no spec dict
-    or tuple hashed per batch)."""
+    """The buffer of a rank's batch: the tensors of ``spec_key``, its row int64 ``[L]`` and the inverse map
+    int64 ``[stream_len]`` (cached per shape)."""
     local = spec_key[0][-1]
     maps = (("local_token_global_indices", ((local,), _I64)), ("gather_index", ((stream_len,), _I64)))
     return buffer_plan(spec_items(*spec_key), maps)
@@ -93,8 +68,7 @@ def _buffer_plan(spec_key: SpecKey, stream_len: int) -> BufferPlan:
 
 @functools.lru_cache(maxsize=64)
 def _layout_record(stream_len: int, row_shape: tuple[int, int] | None, cp_size: int, cp_rank: int) -> ShardLayout:
-    """The :class:`ShardLayout` of a batch without its digest and index maps (per shape and rank, shared:
-    each batch's record is a field copy of it)."""
+    """The :class:`ShardLayout` of a batch without its digest and index maps (per shape and rank, shared)."""
     return ShardLayout(original_seq_len=None, padded_seq_len=stream_len, input_row_shape=row_shape,
                        cp_size=cp_size, cp_rank=cp_rank)  # fmt: skip
 
@@ -103,36 +77,17 @@ class ShardForRank(BaseNode[Any]):
     """Turn each :class:`CollatedPack` into this rank's :class:`ShardedBatch`.
 
     Args:
-        collate_node: a node emitting :class:`CollatedPack` (normally :class:`Collate`).
-        cp_size: CP ranks (>= 1).
-        cp_rank: this rank, ``0 <= cp_rank < cp_size``.
-        layout: one of :data:`cpdata.layout.maps.LAYOUTS`.
         all_ranks: emit a tuple of every rank's batch instead (tests, single-process simulation).
-        block_size: batches pulled and prepared at once (int >= 1); None (the default): at least
-            :data:`DEFAULT_BLOCK_SIZE` batches holding :data:`BLOCK_TOKENS` pack tokens, at most
-            :data:`MAX_BLOCK_SIZE` batches.
-        kv_exchange: also build each batch's K/V exchange plan
-            (:func:`cpdata.layout.exchange.exchange_plan_of_inverse` of the batch's inverse map and slots;
-            this rank's part in ``batch.layout.kv_exchange``), so document-causal attention moves only the
-            keys each rank needs instead of all-gathering them. Costs one pass over the inverse map plus
-            ~25 numpy calls on the layout's pieces per batch. Not part of the saved state (the batches are
-            the same either way).
+        block_size: batches pulled and prepared at once; None: sized by tokens (:data:`DEFAULT_BLOCK_SIZE`,
+            :data:`BLOCK_TOKENS`, :data:`MAX_BLOCK_SIZE`).
+        kv_exchange: also build each batch's K/V exchange plan (``batch.layout.kv_exchange``,
+            :func:`cpdata.layout.exchange.exchange_plan_of_inverse`): one pass over the inverse map.
 
-    State: the source's state before the current block under ``"source"``
-    (read once per block: between blocks the state is a cached dict, not a
-    walk of the graph), the batches of the block already served under
-    ``"skip"`` and their plan digests under ``"served_digests"``, a version
-    and ``(cp_size, layout)``; a state from another ``cp_size`` or layout is
-    refused. Restoring resets the source and pulls the block again, skipping
-    the served batches without gathering their tokens; a skipped batch whose
-    digest is not the saved one (the source changed) is refused. ``cp_rank``
-    and ``block_size`` are not part of it: every CP rank of a DP group has the
-    same state, and any block size resumes any other's.
-
-    Errors lose nothing: a source raising mid-block has the batches pulled
-    before it served first, then the same exception; a batch whose plans fail
-    the layout checks raises when it would have been served, with the
-    per-batch message.
+    State: the source's state before the current block, the batches of the block served (``"skip"``) and
+    their plan digests, a version and ``(cp_size, layout)``. A restore pulls the block again and skips the
+    served batches without gathering them, refusing one whose digest changed; any ``cp_rank`` and block size
+    resumes any other's. A source raising mid-block has the batches before it served first; a bad batch
+    raises when it would have been served.
     """
 
     SOURCE_KEY = "source"
@@ -217,11 +172,8 @@ class ShardForRank(BaseNode[Any]):
         }
 
     def _pull_block(self) -> None:
-        """Read the source's state once (unless restored), pull a block of batches (:meth:`_full`) and prepare them.
-
-        Restored: the first ``self._served`` are pulled again and skipped, their tokens not gathered; their
-        digests must be the saved ones (else the source changed since the state was saved).
-        """
+        """Read the source's state once (unless restored), pull a block of batches and prepare them (restored:
+        the first ``self._served`` are skipped, their digests checked)."""
         before = self.source.state_dict() if self._before is None else self._before
         batches: list[CollatedPack] = []
         error, ended, tokens = None, False, 0
@@ -299,8 +251,7 @@ class ShardForRank(BaseNode[Any]):
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
-        """This rank's batch of ``item``; every rank's with ``all_ranks`` (the inverse map and the exchange
-        plan computed once)."""
+        """This rank's batch of ``item``; every rank's with ``all_ranks``."""
         spec_key = rank_spec_key(item.stream, item.stream_len // self.cp_size, item.batch.qkv_format)
         plan = _buffer_plan(spec_key, item.stream_len)
         if not self.all_ranks:
@@ -313,11 +264,8 @@ class ShardForRank(BaseNode[Any]):
 
     def _serve_rank(self, item: BlockItem, plan: BufferPlan, r: int, inverse: np.ndarray | None,
                     exchange: ExchangePlan | None) -> tuple[ShardedBatch, np.ndarray, ExchangePlan | None]:  # fmt: skip
-        """Rank ``r``'s batch, written straight into its one buffer (laid out by ``plan``): its row, the
-        inverse map (a copy of ``inverse`` when not None), its tokens and the stream metadata; with
-        ``kv_exchange``, rank ``r``'s part of the exchange plan (``exchange``, or the plan of the inverse
-        map and the stream's slots: bshd rows share the columns' plan). Returns the batch, its inverse
-        map and the exchange plan."""
+        """Rank ``r``'s batch written into its one buffer (its row, the inverse map, tokens, metadata, its part
+        of the exchange plan), reusing ``inverse`` and ``exchange`` when given: ``(batch, inverse, exchange)``."""
         buf = BatchBuffer.of(plan)
         rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
         if item.fixed is not None:

@@ -1,27 +1,11 @@
 """A shuffle buffer for streams (re-iterables, nodes) that cannot be indexed.
 
-The buffer holds up to ``size`` items of the stream. Each draw picks one
-uniformly at random (``rng.integers(len(buffer))``), hands it out and puts the
-next item of the stream in its place; once the stream ends the buffer drains
-in random order. The generator of epoch ``e`` is
-``numpy.random.default_rng([seed, e, dp_rank, TAG])``, so the order is a pure
-function of ``(seed, epoch)`` and the stream: every CP rank of a DP group
-(same stream, same ``dp_rank``) draws the same order.
-
-How far an item can move: an item enters the buffer ``size`` reads after the
-one drawn before it, so output order is local (an item leaves, on average,
-``size`` draws after it entered); a stream sorted by length stays roughly
-sorted at a scale above ``size``. Shuffle a sorted source before streaming it.
-
-Resume (the trade-off): the state is one integer, the number of draws this
-epoch. A restore re-reads the stream from the epoch's start and replays the
-draws (no document is validated or packed on the way), so a resume costs
-reading up to ``drawn + size`` items, as a re-iterable source's resume
-already costs its position. The alternative, storing the buffered items in the
-state, would put up to ``size`` documents (10,000 x 2K tokens = 160 MB at the
-default) in every checkpoint and every packer snapshot.
-
-Memory: up to ``size`` items (the raw source items of this DP rank).
+The buffer holds up to ``size`` items; each draw hands out a uniformly random one and puts the stream's
+next item in its place. Epoch ``e`` draws from ``default_rng([seed, e, dp_rank, TAG])``, so every CP rank
+of a DP group draws the same order. The order is local (an item leaves ~``size`` draws after it entered):
+shuffle a sorted source before streaming it. Trade-off: the state is one integer (draws this epoch) and a
+restore re-reads the epoch up to ``drawn + size`` items, instead of putting up to ``size`` documents
+(160 MB at 10,000 x 2K tokens) in every checkpoint. Memory: up to ``size`` raw items.
 """
 
 from __future__ import annotations
@@ -52,13 +36,7 @@ def check_shuffle_buffer(size: object) -> int:
 
 
 class ShuffleBuffer(Generic[T]):
-    """Random order over a stream with a bounded buffer (see the module docstring).
-
-    Args:
-        size: items held (>= 1; 1 keeps the stream order).
-        seed: the run's seed; with the epoch and ``dp_rank`` it seeds each epoch's draws.
-        dp_rank: the DP rank whose share of the stream is buffered.
-    """
+    """Random order over a stream with a buffer of ``size`` items (1 keeps the stream order)."""
 
     def __init__(self, size: int, seed: int, dp_rank: int = 0) -> None:
         self.size = check_shuffle_buffer(size)
@@ -91,11 +69,8 @@ class ShuffleBuffer(Generic[T]):
         return item
 
     def replay(self, epoch: int, drawn: int, read: Callable[[], T]) -> None:
-        """Restore: start ``epoch`` and redo its first ``drawn`` draws over a stream read from the epoch's start.
-
-        Raises:
-            ValueError: the stream ended before ``drawn`` items (it is not the one the state was saved on).
-        """
+        """Restore: start ``epoch`` and redo its first ``drawn`` draws over a stream read from its start
+        (``ValueError`` if the stream ends first)."""
         self.start(epoch)
         for done in range(int(drawn)):
             try:

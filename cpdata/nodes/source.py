@@ -1,26 +1,18 @@
 """``Documents``: the source node. Validates user documents and shards them by DP rank.
 
-Document ``i`` of the source (0-based, before sharding) goes to DP rank
-``i % dp_size``. Every CP rank of a DP group reads the same documents: data is
-never sharded by CP rank.
+Document ``i`` of the source goes to DP rank ``i % dp_size`` (every CP rank of a DP group reads the same
+documents). Sources and how a restore finds its place (read through
+:class:`~cpdata.nodes.source_kinds.SourceReader`):
 
-Accepted sources, and how a restore finds its place again:
+| source | resume |
+|---|---|
+| sequence (``__len__`` + ``__getitem__``: list, map-style or ``datasets.Dataset``) | O(1) seek |
+| re-iterable (``__iter__`` returns a fresh iterator; ``datasets.IterableDataset``) | re-iterate and skip |
+| ``torchdata.nodes.BaseNode`` | its own state, nested under ``"source"`` |
 
-| source                                   | resume                               |
-|------------------------------------------|--------------------------------------|
-| sequence (``__len__`` + ``__getitem__``: list, map-style dataset) | O(1) seek: only this rank's items are read |
-| re-iterable (``__iter__`` returns a fresh iterator each time) | re-iterate and skip the items already read |
-| ``torchdata.nodes.BaseNode``              | its own state, nested under ``"source"`` |
-| ``datasets.Dataset`` (Arrow)              | a sequence, read through :class:`~cpdata.sources.hf.HFDocuments` |
-| ``datasets.IterableDataset`` (streaming)  | a re-iterable                          |
-
-A one-shot iterator (a generator) cannot be restarted, so it is refused.
-
-An item is a dict with ``input_ids`` (1-D non-negative integers) and any other
-per-token arrays of the same length (``labels``, ``loss_mask``, extras). Lists
-and torch tensors become numpy arrays; ``input_ids`` and ``labels`` become
-int64, other arrays keep their dtype. Values that are not numeric arrays
-(strings, scalars, lists of messages) are metadata and are not carried.
+A one-shot iterator cannot be restarted, so it is refused. An item is a dict with ``input_ids`` (1-D
+non-negative ints) and optional per-token arrays of the same length; other values are metadata, not
+carried (:func:`~cpdata.nodes.validate.to_document`).
 """
 
 from __future__ import annotations
@@ -52,34 +44,13 @@ __all__ = ["Documents", "source_kind", "to_document"]
 class Documents(EpochNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
-    Args:
-        source: the documents (see the module docstring).
-        dp_rank, dp_size: this rank's shard: documents ``i`` with ``i % dp_size == dp_rank``.
-        vocab_size: if given, ids ``>= vocab_size`` raise ``ValueError``.
-        labels_alignment: ``"inputs"`` (HF, TRL, torchtune: labels and masks
-            aligned with ``input_ids``) or ``"targets"`` (Megatron, NeMo: labels
-            already next-token targets); required when documents carry
-            ``labels`` or a mask (:mod:`cpdata.worker.targets`).
-        shuffle, seed: read a sequence source in a fresh order every epoch, the
-            permutation of epoch ``e`` drawn from ``(seed, e)`` (8 bytes per
-            document, rebuilt on restore); position ``j`` of that order goes to DP
-            rank ``j % dp_size``, so every CP rank of a DP group reads the same
-            documents in the same order. A stream (re-iterable, node) is
-            shuffled through a buffer of ``shuffle_buffer`` documents of this
-            rank's share (:mod:`cpdata.nodes.shuffle_buffer`: a local shuffle,
-            draws from ``(seed, epoch)``, a resume re-reads the epoch up to its
-            position). ``False`` (default): source order.
-        shuffle_buffer: documents held to shuffle a stream (default 10,000).
-        num_epochs: passes over the source per ``iter()`` (default: one, the
-            next ``iter()`` starting the next epoch); :attr:`epoch` is the current one.
+    The arguments are :class:`~cpdata.nodes.options.DataPolicy`'s fields. ``shuffle``: a sequence is read
+    in the permutation of ``(seed, epoch)`` (position ``j`` to DP rank ``j % dp_size``); a stream through
+    a :class:`~cpdata.nodes.shuffle_buffer.ShuffleBuffer` of ``shuffle_buffer`` documents of this rank's share.
 
-    State: ``{"version", "consumed", "position", "shard", "length",
-    "fingerprint", ...}``: documents emitted by this rank, source items read
-    so far, the source's identity (:mod:`cpdata.sources.fingerprint`) and the nested
-    state of a node source. A restore under another ``dp_rank``/``dp_size``,
-    onto a sequence of another length or onto another dataset of the same
-    length raises ``ValueError``; so does a source that changed since it was
-    opened, checked at every epoch start and restore.
+    State: ``{"version", "consumed", "position", "shard", "length", "fingerprint", ...}``. A restore
+    under another DP split, onto another dataset, or onto a source changed since it was opened (checked at
+    every epoch start and restore, :mod:`cpdata.sources.fingerprint`) raises ``ValueError``.
     """
 
     VERSION = 2  # 2: the epoch (and the order it implies) is part of the state
@@ -127,10 +98,8 @@ class Documents(EpochNode[Document]):
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
         self.shuffle, self.seed, self.num_epochs = shuffle, int(seed), num_epochs
         self._order: tuple[int, np.ndarray] | None = None
-        self.position = 0
-        """Source items of this pass read so far (every rank's: the next is this rank's first at or after it)."""
-        self.consumed = 0
-        """Documents this rank emitted."""
+        self.position = 0  # source items of this pass read so far (every rank's)
+        self.consumed = 0  # documents this rank emitted
         self._fingerprint: str | None = None
         self._fingerprinted = False
         self._windows = SourceWindows(self)  # next_window's caches
@@ -142,9 +111,8 @@ class Documents(EpochNode[Document]):
 
     @property
     def known_lengths(self) -> np.ndarray | None:
-        """int64 ``[n]`` token counts of every source document when the source states them up front
-        (a sequence with a ``lengths`` array of its length, e.g. :func:`cpdata.sources.open_dataset`; an
-        in-memory ``list``/``tuple`` of documents, counted with one ``len`` per item, ~0.1 us each), else None."""
+        """int64 ``[n]`` token counts of every document when a sequence source states them
+        (:func:`cpdata.sources.protocol.stated_lengths`), else None."""
         return stated_lengths(self.source) if self.reader.kind == "sequence" else None
 
     @property
@@ -154,10 +122,8 @@ class Documents(EpochNode[Document]):
 
     @property
     def document_sources(self) -> Any:
-        """A :func:`cpdata.mix` source's ``document_sources`` (batches name each slot's source), or None: a
-        mix read for ``num_epochs > 1`` passes in one ``iter()`` can pack draws of two epochs together, whose
-        positions in the mixed stream do not say which epoch they are from, so no source is named there
-        (``info["doc_index"]`` is then the draw's position in its epoch)."""
+        """A :func:`cpdata.mix` source's ``document_sources`` (batches name each slot's source), or None; None
+        with ``num_epochs > 1`` too (a pack may then hold draws of two epochs, which positions cannot tell)."""
         found = self.source.document_sources if isinstance(self.source, NamesSources) else None
         return found if callable(found) and (self.num_epochs or 1) == 1 else None
 
@@ -168,8 +134,7 @@ class Documents(EpochNode[Document]):
         return to_document(self.reader.read(index), index, self.vocab_size, self.labels_alignment)
 
     def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
-        """The documents ``next()`` would give until a packing window is full, read and validated together
-        (:meth:`cpdata.nodes.source_window.SourceWindows.next_window`): ``(window, exhausted)``."""
+        """:meth:`cpdata.nodes.source_window.SourceWindows.next_window`: ``(window, exhausted)``."""
         return self._windows.next_window(limit, floor, capacity, room)
 
     def _length(self) -> int | None:
@@ -182,36 +147,28 @@ class Documents(EpochNode[Document]):
             self._order = (self.epoch, perm)
         return self._order[1]
 
-    def _source_index(self, position: int) -> int:
-        """Source index at ``position`` of this epoch's order."""
-        return int(self.permutation()[position]) if self.shuffle else position
-
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.position, self.consumed, self._windows.ahead = 0, 0, None
         self._check_source()
-        nested = None
-        if initial_state is not None and self._buffer is not None:
-            self._check(initial_state)
-            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
-            self._restart_source()
-            self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
-            self.consumed = int(initial_state[self.CONSUMED_KEY])
-            if self.position != int(initial_state[self.POSITION_KEY]):
-                raise ValueError(
-                    f"replaying the shuffle buffer read {self.position} source items, the saved state had read "
-                    f"{initial_state[self.POSITION_KEY]}; the source changed since the state was saved"
-                )
-            return
-        if initial_state is not None:
-            self._check(initial_state)
-            self.position = int(initial_state[self.POSITION_KEY])
-            self.consumed = int(initial_state[self.CONSUMED_KEY])
-            self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
-            nested = initial_state.get(self.SOURCE_KEY)
-        else:
+        if initial_state is None:
             self.epoch_clock.start()  # a new iter(): the next epoch
-        self._restart_source(nested)
+            self._restart_source()
+            return
+        self._check(initial_state)
+        self.epoch_clock.restore(initial_state[self.EPOCH_KEY], initial_state[self.FIRST_EPOCH_KEY])
+        self.consumed, position = int(initial_state[self.CONSUMED_KEY]), int(initial_state[self.POSITION_KEY])
+        if self._buffer is None:
+            self.position = position
+            self._restart_source(initial_state.get(self.SOURCE_KEY))
+            return
+        self._restart_source()
+        self._buffer.replay(self.epoch, initial_state[self.BUFFER_KEY], self._next_own)
+        if self.position != position:
+            raise ValueError(
+                f"replaying the shuffle buffer read {self.position} source items, the saved state had read "
+                f"{position}; the source changed since the state was saved"
+            )
 
     def _restart_source(self, nested: dict[str, Any] | None = None) -> None:
         if self._buffer is not None:
@@ -221,7 +178,7 @@ class Documents(EpochNode[Document]):
         self.reader.open(self.position, nested)
 
     def _check_source(self) -> None:
-        """At every epoch start and restore: the source is the one first read, unchanged (cpdata.sources.fingerprint)."""
+        """The source is the one first read, unchanged (at every epoch start and restore)."""
         if not self._fingerprinted:
             self._fingerprint, self._fingerprinted = source_fingerprint(self.source), True
         check_source_unchanged(self.source, self._fingerprint)
@@ -265,7 +222,7 @@ class Documents(EpochNode[Document]):
             if position >= len(self.source):  # type: ignore[arg-type]
                 self.position = max(self.position, len(self.source))  # type: ignore[arg-type]
                 raise StopIteration
-            index = self._source_index(position)
+            index = int(self.permutation()[position]) if self.shuffle else position
             item = self.reader.read(index)
         else:
             item = self.reader.next(index)
@@ -273,8 +230,7 @@ class Documents(EpochNode[Document]):
         return position, index, item
 
     def _next_own(self) -> tuple[int, int, Any]:
-        """This rank's next ``(position, source index, item)``; a node with ``skip_unread()`` (``cpdata.mix``)
-        passes other ranks' items without reading them."""
+        """This rank's next ``(position, source index, item)``; a mix skips other ranks' items unread."""
         while True:
             if self._mixture and self.position % self.dp_size != self.dp_rank:
                 self.source.skip_unread()  # StopIteration at the stream's end

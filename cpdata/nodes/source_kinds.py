@@ -1,9 +1,8 @@
 """How a document source is read and restarted: its kind, :class:`SourceReader`, read errors.
 
-:class:`SourceReader` is the one reader of a user source (the kinds and their restarts:
-:mod:`cpdata.nodes.source`'s table), shared by :class:`~cpdata.nodes.source.Documents`,
-each source of a :func:`cpdata.mix` (:class:`~cpdata.nodes.mix_readers.MixSource`)
-and ``Tokenize``'s rows; :func:`read_document` is the read of a plan served by index.
+:class:`SourceReader` is the one reader of a user source, shared by ``Documents``, each source of a
+:func:`cpdata.mix`, ``Tokenize``'s rows and ``WindowedPacks``; :func:`read_document` is the read of a
+plan served by index.
 """
 
 from __future__ import annotations
@@ -23,12 +22,8 @@ __all__ = ["SourceReader", "read_document", "reading_error", "restart_iterable",
 
 
 def source_kind(source: Any, items: str = "documents") -> str:
-    """How a source is read and resumed (the module table): ``"node"``, ``"sequence"`` or ``"iterable"``.
-
-    Raises:
-        TypeError: a string, a mapping, a one-shot iterator (it cannot be
-            restarted for resume or a new epoch) or something not iterable.
-    """
+    """``"node"``, ``"sequence"`` or ``"iterable"``; ``TypeError`` for a string, a mapping, a one-shot
+    iterator (it cannot be restarted) or something not iterable."""
     if isinstance(source, BaseNode):
         return "node"
     if isinstance(source, (str, bytes, Mapping)):
@@ -61,17 +56,9 @@ def restart_iterable(source: Iterable[Any], position: int, items: str = "documen
 
 
 class SourceReader:
-    """One user source, read by index or as a stream (documents: normalized first by
-    :func:`~cpdata.sources.open.as_source`; ``Tokenize``'s rows are read as given).
-
-    Args:
-        source: a sequence, a re-iterable or a node.
-        label: how a read error names the source: ``"reading document 7 {label} failed: ..."``.
-        items: what the source holds, for errors (``"documents"``, ``"rows"``).
-
-    Raises:
-        TypeError: ``source`` cannot be read and restarted (:func:`source_kind`'s message).
-    """
+    """One user source (a sequence, a re-iterable or a node), read by index or as a stream; read errors
+    say ``"reading document 7 {label} failed: ..."``. ``TypeError`` (:func:`source_kind`) if it cannot be
+    read and restarted."""
 
     def __init__(self, source: Any, label: str = "from the source", items: str = "documents") -> None:
         self.source, self.label, self.items = source, label, items
@@ -94,8 +81,7 @@ class SourceReader:
             raise self.error(exc, index) from exc
 
     def read_many(self, indices: Sequence[int]) -> tuple[list[Any], Exception | None]:
-        """Items ``indices`` of a sequence, read up to the first that fails: ``(items, error)``, ``error`` (not
-        raised) that item's read error, or None."""
+        """Items ``indices`` of a sequence up to the first that fails: ``(items, error or None)``, not raised."""
         source = self.source
         try:
             return [source[i] for i in indices], None
@@ -111,7 +97,12 @@ class SourceReader:
             raise
 
     def next(self, index: int) -> Any:
-        """The next item of a stream, document ``index`` of its pass (a stream not open is opened there)."""
+        """Item ``index`` of a pass: a sequence's, or the next of a stream (a stream not open is opened there);
+        StopIteration at the pass's end."""
+        if self.kind == "sequence":
+            if index >= len(self.source):
+                raise StopIteration
+            return self.read(index)
         if self.kind == "iterable" and self._it is None:
             self.open(index)
         try:
@@ -135,8 +126,7 @@ class SourceReader:
 
 def read_document(source: Any, index: int, vocab_size: int | None,
                   labels_alignment: LabelsAlignment | None) -> Document:  # fmt: skip
-    """Document ``index`` of an indexed source, validated (:func:`~cpdata.nodes.validate.to_document`): what a
-    plan served by index reads. Errors name the document where it came from (a mix: document i of source 'b')."""
+    """Document ``index`` of an indexed source, validated; errors name where it came from (a mix's source)."""
     try:
         item = source[index]
     except Exception as exc:

@@ -1,16 +1,10 @@
 """Reading a packing window from :class:`~cpdata.nodes.source.Documents`: a sequence by slices, as columns.
 
-``next()`` reads and validates one document at a time; the ``Pack`` node
-instead asks for a whole window (:meth:`Documents.next_window`, which
-:class:`SourceWindows`, a part the node holds, answers). A sequence
-source is then read by slices of this rank's positions, the window rule
-applied to a slice with one cumulative sum (:class:`~cpdata.nodes.window.WindowFill`),
-and the window validated at once (:func:`~cpdata.nodes.validate.to_window`):
-no Python work per document beyond reading the item and finding its
-``input_ids``. Items read past the window's end are kept for the next window
-(not read again); they are a cache only: the position, the only state, stays
-where ``next()`` would leave it, and a reset, a restore, a ``next()`` or a new
-pass drops them. Other sources are read one item at a time, as by ``next()``.
+A sequence source is read by slices of this rank's positions, the window rule applied with one cumulative
+sum (:class:`~cpdata.nodes.window.WindowFill`) and the window validated at once
+(:func:`~cpdata.nodes.validate.to_window`). Items read past the window's end are a cache for the next
+window, not state: a reset, restore, ``next()`` or new pass drops them. Other sources are read one item
+at a time, as by ``next()``.
 """
 
 from __future__ import annotations
@@ -28,25 +22,18 @@ __all__ = ["SourceWindows"]
 
 
 class SourceWindows:
-    """The windows of one :class:`~cpdata.nodes.source.Documents` node (its part, not a mixin): the node
-    keeps the reading state (position, order, epochs), this part keeps only a window's caches.
-
-    Args:
-        documents: the node whose documents it reads (its position moves as ``next()`` would move it).
-    """
+    """The windows of one ``Documents`` node: the node keeps the reading state (position, order, epochs),
+    this part only a window's caches; it moves the node's position as ``next()`` would."""
 
     def __init__(self, documents: Documents) -> None:
         self.documents = documents
-        self.mean = 0.0
-        """Counted tokens per document of the last window (the read-ahead estimate)."""
+        self.mean = 0.0  # counted tokens per document of the last window (the read-ahead estimate)
         self.scratch = Scratch()  # the window's ids, concatenated to check them
-        self.ahead: tuple[tuple[int, int], list[Any]] | None = None
-        """``((epoch, position of the first), items)`` read past a window's end (a cache, not state)."""
+        self.ahead: tuple[tuple[int, int], list[Any]] | None = None  # ((epoch, first position), items) read past
 
     def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
         """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
-        ``(positions, source indices, items, error)``, ``error`` the read error of the item after the last
-        (raised only if the window gets to it)."""
+        ``(positions, source indices, items, error)`` (``error``: raised only if the window gets to it)."""
         docs = self.documents
         first = docs.position + (docs.dp_rank - docs.position) % docs.dp_size
         positions = range(first, min(len(docs.source), first + count * docs.dp_size), docs.dp_size)
@@ -57,8 +44,7 @@ class SourceWindows:
         return list(positions), indices, kept + items, error
 
     def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
-        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens (a few
-        more than the estimate: the ones not used are kept for the next window)."""
+        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens."""
         if limit is None:
             return 4096
         mean = tokens / count if count else self.mean
@@ -66,8 +52,7 @@ class SourceWindows:
         return min(max(limit - count, more), 1 << 14)
 
     def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
-        """:meth:`_next_window`, its errors naming a document as ``next()`` does (a mix: document i of source
-        'b'; a window that ran into the next pass keeps the stream's index, which the source cannot place)."""
+        """:meth:`_next_window`, its errors naming a document as ``next()`` does (not once it ran into the next pass)."""
         epoch = self.documents.epoch
         try:
             return self._next_window(limit, floor, capacity, room)
@@ -77,21 +62,9 @@ class SourceWindows:
             raise
 
     def _next_window(self, limit: int | None, floor: int, capacity: int, room: int) -> tuple[DocumentWindow, bool]:
-        """The documents ``next()`` gives one by one until a packing window is full, validated together.
-
-        A window is full with at least ``limit`` documents (None: never) and
-        ``floor`` tokens, each document counting ``min(max(n, 1), capacity)``
-        (:func:`cpdata.packing.planner.window_ends`). A sequence is read by
-        slices of positions (items past the window's end are kept for the next
-        one); the id values of the whole window are checked in one pass
-        (:func:`cpdata.nodes.validate.to_window`); errors are those of
-        ``next()`` for the first bad document, and the state after the window
-        is the one ``next()`` leaves. The window's ``ids`` keep ``room`` elements
-        after the documents' (for pieces the packer adds to its token buffer).
-
-        Returns:
-            ``(window, exhausted)``: ``exhausted`` when the source ended first.
-        """
+        """The documents ``next()`` gives one by one until a packing window is full (:class:`WindowFill`),
+        validated together: ``(window, exhausted)``. Errors and the state after it are ``next()``'s; the
+        window's ``ids`` keep ``room`` elements after the documents' (for the packer's carried pieces)."""
         docs = self.documents
         fill, exhausted = WindowFill(limit, floor, capacity), False
         while fill.wants():
@@ -122,8 +95,7 @@ class SourceWindows:
         return window, exhausted
 
     def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
-        """Add the items of ``chunk`` to ``fill`` until it is full; returns how many. Items of a
-        sequence (``positions`` given) move the position past the last one taken."""
+        """Add the items of ``chunk`` to ``fill`` until it is full; returns how many (a sequence's position moves)."""
         docs = self.documents
         plain = plain_ids(chunk)
         if plain is not None:

@@ -1,28 +1,12 @@
 """Cheap, safe copies of node states (``fresh_state``, ``portable_state``) and of packer stats (``stats_dict``).
 
-A node that hands out the same saved state many times (``Pack``: one snapshot
-per window, read once per block of batches) must give every caller its own
-copy, or a caller that edits the dict it got (or an array in it) would change
-the next state or the node's restore point. ``copy.deepcopy`` does that but
-pays its memo and dispatch machinery per object (~10-15 us for a Pack
-snapshot's source and planner parts); a state is a tree of dicts, lists,
-tuples, numpy arrays and immutable scalars, which :func:`fresh_state` copies
-directly (new containers, a ``copy()`` of every array, scalars and strings
-shared), a few times faster. Anything else is handed to ``copy.deepcopy``.
-
-The copy equals the original (recursive ``==``, ``np.array_equal`` for arrays)
-and pickles to the same bytes unless the original holds one mutable object
-at two places (``deepcopy`` keeps that sharing, this copy does not); states
-built by cpdata's nodes never do.
-
-What a node hands out as its state holds no numpy objects (:func:`portable_state`:
-arrays become CPU tensors, numpy scalars Python ones): ``torch.load`` refuses numpy
-objects under its default ``weights_only=True`` (torch >= 2.6), so a checkpoint
-holding ``loader.state_dict()`` would not load without ``weights_only=False``; and
-``StatefulDataLoader`` compares a worker's state with the previous one after
-every batch, where ``==`` on arrays raises (so every array was sent again each
-batch) but tensors compare with ``torch.equal``. Restoring reads either form:
-``np.asarray`` of a CPU tensor is a view of it.
+A node that hands out one saved state many times (``Pack``'s per-window snapshot) gives every caller its
+own copy, so editing it changes neither the next state nor the restore point. A state is a tree of dicts,
+lists, tuples, arrays and immutable scalars, which :func:`fresh_state` copies directly, a few times faster
+than ``copy.deepcopy`` (it does not keep sharing of one mutable object at two places; cpdata's states
+have none). :func:`portable_state` also turns arrays into CPU tensors and numpy scalars into Python ones:
+``torch.load(weights_only=True)`` refuses numpy objects, and ``StatefulDataLoader`` compares successive
+worker states, where ``==`` on arrays raises. Restoring reads either form.
 """
 
 from __future__ import annotations
@@ -43,16 +27,12 @@ _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(PackingStats))
 
 
 def fresh_state(state: Any) -> Any:
-    """A copy of ``state`` that shares nothing mutable with it (see the module docstring).
-
-    Cost: one Python call per container and array (no memo), one ``ndarray.copy()`` per array.
-    """
+    """A copy of ``state`` that shares nothing mutable with it (see the module docstring)."""
     return _copy_tree(state, portable=False)
 
 
 def portable_state(state: Any) -> Any:
-    """:func:`fresh_state` with every numpy array as a CPU tensor of its own (``torch.from_numpy`` of a copy)
-    and every numpy scalar as a Python scalar (see the module docstring)."""
+    """:func:`fresh_state` with every numpy array as a CPU tensor and every numpy scalar as a Python scalar."""
     return _copy_tree(state, portable=True)
 
 
@@ -76,10 +56,8 @@ def _copy_tree(state: Any, portable: bool) -> Any:
 
 
 def stats_dict(stats: PackingStats | dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """``dataclasses.asdict(dataclasses.replace(stats, **fields))`` without building a second dataclass
-    or running ``asdict``'s generic recursion: a fresh dict in field order, ``sources`` copied. ``stats``
-    may be given as its fields already (a fresh dict in field order, e.g.
-    :meth:`~cpdata.packing.StreamPlanner.stats_fields`), which is then filled in and returned."""
+    """``dataclasses.asdict(dataclasses.replace(stats, **fields))`` without ``asdict``'s recursion; ``stats``
+    may be a fresh dict of its fields already (:meth:`~cpdata.packing.StreamPlanner.stats_fields`), filled in."""
     out = stats if type(stats) is dict else {name: getattr(stats, name) for name in _STATS_FIELDS}
     for name, value in fields.items():
         if name not in out:

@@ -2,23 +2,12 @@
 
 ::
 
-    Tokenize(rows, "tokenizer/", append_eos=True, max_length=4096)  ->  Documents -> Pack -> ...
     build_loader(Tokenize(chats, tok, assistant_only=True), capacity=..., ...)
 
-Each row becomes one document through :class:`cpdata.sources.tokenizer.RowTokenizer`
-(see its table for ``append_eos``, ``assistant_only``, ``max_length``). Chat
-documents with ``assistant_only=True`` carry ``assistant_masks`` aligned with
-``input_ids``, exactly as ``apply_chat_template`` returns them: the node
-declares ``labels_alignment = "inputs"``, and ``Documents`` shifts the mask to
-next-token targets before packing, so the batch's ``labels`` are -100 wherever
-the next token is not an assistant token.
-
-Sources and resume, like :class:`~cpdata.nodes.source.Documents`: a sequence
-(list, ``datasets.Dataset``) resumes by index in O(1); a re-iterable is
-re-iterated and the rows already read are skipped (not tokenized again); a
-``BaseNode`` nests its own state. The state also holds the counters
-(``stats``), so they are exact after a restore. Cost: the tokenizer's, per
-row; nothing is buffered.
+Each row becomes one document through :class:`cpdata.sources.tokenizer.RowTokenizer`. With
+``assistant_only=True`` documents carry ``assistant_masks`` aligned with ``input_ids`` (as
+``apply_chat_template`` returns them), so the node declares ``labels_alignment = "inputs"``. Sources and
+resume as for ``Documents``; the state holds the counters (``stats``) too. Nothing is buffered.
 """
 
 from __future__ import annotations
@@ -37,20 +26,12 @@ __all__ = ["Tokenize"]
 
 
 class Tokenize(BaseNode[dict[str, np.ndarray]]):
-    """Emit ``{"input_ids": int64 [n], "assistant_masks"?: int8 [n]}`` per row of ``source``.
+    """Emit ``{"input_ids": int64 [n], "assistant_masks"?: int8 [n]}`` per row (``{"text": str}`` or
+    ``{"messages": [...]}``) of ``source``.
 
-    Args:
-        source: rows ``{"text": str}`` or ``{"messages": [...]}``: a sequence,
-            a re-iterable, or a ``BaseNode``.
-        tokenizer: a path (``tokenizer.json`` or a saved folder), a
-            ``transformers``/``tokenizers`` tokenizer, or a callable
-            ``text -> ids``; or a ready :class:`~cpdata.sources.tokenizer.RowTokenizer`.
-        **options: :class:`~cpdata.sources.tokenizer.RowTokenizer`'s keyword arguments
-            (``append_eos``, ``eos_token_id``, ``assistant_only``, ``max_length``,
-            ``add_special_tokens``, ``chat_template``, ``text_key``, ``messages_key``).
-
-    State: ``{"version", "config", "position", "stats", "source"?}``; a state
-    saved under other options is refused.
+    ``tokenizer``: a path, a ``transformers``/``tokenizers`` tokenizer, a callable ``text -> ids``, or a
+    ready :class:`~cpdata.sources.tokenizer.RowTokenizer` (``options`` are its keywords otherwise).
+    State: ``{"version", "config", "position", "stats", "source"?}``; one saved under other options is refused.
     """
 
     VERSION = 1
@@ -70,8 +51,6 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self.tokenizer = RowTokenizer(tokenizer, **options)
         self.reader = SourceReader(source, "of the rows", "rows")
         self.labels_alignment: str | None = "inputs" if self.tokenizer.assistant_only else None
-        """``"inputs"`` when the node emits ``assistant_masks`` (they belong to ``input_ids[i]`` itself, as
-        ``apply_chat_template`` returns them); ``Documents`` takes it from here."""
         self.source = source
         self._position = 0
 
@@ -104,12 +83,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
 
     def next(self) -> dict[str, np.ndarray]:
         index = self._position
-        if self.reader.kind == "sequence":
-            if index >= len(self.source):
-                raise StopIteration
-            row = self.reader.read(index)
-        else:
-            row = self.reader.next(index)
+        row = self.reader.next(index)
         self._position = index + 1
         return self.tokenizer(row, index)
 

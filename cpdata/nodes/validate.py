@@ -1,14 +1,9 @@
 """Validating source items into :class:`~cpdata.worker.plan.Document`: one item, or a window of items at once.
 
-:func:`to_document` checks one item (structure, id values, targets).
-:func:`to_window` checks a window the same way with the id values of all
-its items read in one pass: one ``concatenate`` of the ids (kept as the
-window's token buffer, :mod:`cpdata.worker.token_buffer`) and one ``max`` over it
-read as unsigned (a negative id is then above any vocabulary), instead of two
-reductions per document (~4 us each, ~50 documents per 32K pack). The outcome is the same item by item: when
-anything in the window is wrong, the window is checked again one item at a
-time, in source order, so the error raised is the one :func:`to_document`
-raises for the first bad item.
+:func:`to_window` checks a window as :func:`to_document` checks each item, the id values of all items in
+one pass (one ``concatenate``, kept as the window's token buffer, and one ``max`` read as unsigned, so a
+negative id is above any vocabulary). When anything is wrong the window is checked again item by item, so
+the error raised is :func:`to_document`'s for the first bad item.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from cpdata.worker.plan import Document
 from cpdata.worker.targets import (
     ATTENTION_MASK,
     TARGET_KEYS,
+    UNLABELED,
     LabelsAlignment,
     check_unpadded,
     first_target,
@@ -106,11 +102,7 @@ def document_ids(item: Any, index: int) -> np.ndarray:
 
 def plain_ids(items: Sequence[Any]) -> tuple[list[np.ndarray], np.ndarray] | None:
     """Every item's ``input_ids`` and their lengths (int64 ``[n]``) when each item is a dict holding a 1-D
-    int64 array there (the usual case: :func:`document_ids` would return them as they are), else None.
-
-    Each condition is one C-level pass over the window (``map`` and ``list.count``, which compares by
-    identity before ``==``: a dtype equal to int64 but not the same object still counts), ~130 ns per
-    item instead of ~190 ns for a Python loop testing all of them per item."""
+    int64 array there (the usual case), else None; each condition is one C-level pass over the window."""
     n = len(items)
     if list(map(type, items)).count(dict) != n:
         return None
@@ -141,11 +133,8 @@ def _check_ids(ids: np.ndarray, index: int, vocab_size: int | None) -> None:
 
 
 def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, np.ndarray]:
-    """``ids`` and the item's other per-token arrays (``[n]`` each); metadata values are left out.
-
-    An all-ones ``attention_mask`` (a tokenizer's output) is checked and left
-    out; one with a 0 is refused (:func:`cpdata.worker.targets.check_unpadded`).
-    """
+    """``ids`` and the item's other per-token arrays (``[n]`` each); metadata values are left out, and so is
+    an all-ones ``attention_mask`` (one with a 0 is refused)."""
     arrays = {INPUT_IDS: ids}
     for key, value in item.items():
         if key == INPUT_IDS:
@@ -180,19 +169,13 @@ def _arrays(item: Mapping[str, Any], ids: np.ndarray, index: int) -> dict[str, n
 def to_document(
     item: Any, index: int, vocab_size: int | None = None, labels_alignment: LabelsAlignment | None = None
 ) -> Document:
-    """Validate one source item and convert it to a :class:`~cpdata.worker.plan.Document`.
-
-    ``labels`` and masks (``loss_mask``, ``assistant_masks``,
-    ``completion_mask``) are turned into next-token targets by
-    :func:`cpdata.worker.targets.to_targets` under ``labels_alignment``.
+    """Validate one source item into a :class:`~cpdata.worker.plan.Document`, ``labels`` and masks turned
+    into next-token targets under ``labels_alignment`` (:func:`cpdata.worker.targets.to_targets`).
 
     Raises:
-        TypeError: the item is not a dict, ids are not integers, or ``labels``
-            or a mask is not a flat numeric list (None, strings, nested lists).
-        ValueError: missing or non-1-D ``input_ids``, negative ids, ids
-            ``>= vocab_size``, a per-token array whose length differs, an
-            ``attention_mask`` with a 0 (a padded row), or labels / a mask
-            without ``labels_alignment``.
+        TypeError: not a dict, ids not integers, ``labels`` or a mask not a flat numeric list.
+        ValueError: missing or non-1-D ``input_ids``, ids negative or ``>= vocab_size``, a per-token array
+            of another length, an ``attention_mask`` with a 0, labels or a mask without ``labels_alignment``.
     """
     ids = document_ids(item, index)
     _check_ids(ids, index, vocab_size)
@@ -200,9 +183,7 @@ def to_document(
     return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
-Scratch = BufferPool
-"""Where a reading node concatenates its windows' ids (:class:`~cpdata.worker.token_buffer.BufferPool`): the
-window's token buffer, reused once no pack of the window is alive."""
+Scratch = BufferPool  # where a reading node concatenates its windows' ids (the windows' token buffers)
 
 
 def to_window(
@@ -217,24 +198,10 @@ def to_window(
 ) -> DocumentWindow:
     """:func:`to_document` of every item of a window, the id values checked in one pass, as columns.
 
-    Args:
-        items: the window's source items.
-        indices: their source indices.
-        ids: :func:`document_ids` of every item (already read, e.g. to count the window's tokens).
-        scratch: the pool of the array the ids are concatenated into to check them (a fresh array
-            when None); the packer makes it the window's token buffer.
-        room: elements reserved after the documents in that array (for pieces the packer adds).
-        lengths: int64 ``[n]`` the lengths of ``ids`` when the caller counted them already.
-
-    Returns:
-        the window, its ``ids`` holding every document's ids from index 0, each followed
-        by one free element (:mod:`cpdata.worker.token_buffer`); items that hold ``input_ids`` alone
-        (the usual pretraining and benchmark case) cost one small dict each, nothing else per item: a
-        dict of cpdata's own, holding the array that was checked, so a carried piece copied later reads
-        those ids even if the source's item is changed or reused meanwhile.
-
-    Raises:
-        exactly what :func:`to_document` raises for the first bad item.
+    ``ids``: :func:`document_ids` of every item (``lengths``: theirs, if counted); they are concatenated
+    into an array of ``scratch`` (the window's ``ids``, ``room`` elements to spare). Items holding
+    ``input_ids`` alone cost one dict of cpdata's own each. Raises what :func:`to_document` raises for the
+    first bad item.
     """
     try:
         n = len(ids)
@@ -253,7 +220,8 @@ def to_window(
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error
         index_array = np.fromiter(indices, dtype=np.int64, count=n)
         if max(map(len, items), default=1) == 1:  # input_ids alone: nothing else to check or derive
-            return DocumentWindow.unlabeled(index_array, lengths, [{INPUT_IDS: i} for i in ids], buffer, plain=True)
+            return DocumentWindow(index_array, lengths, np.full(n, UNLABELED, dtype=np.int64),
+                                  [{INPUT_IDS: i} for i in ids], buffer, plain=True)  # fmt: skip
         arrays = [_arrays(item, i_ids, index) for item, i_ids, index in zip(items, ids, indices, strict=True)]
         arrays = [a if len(a) == 1 else to_targets(a, index, labels_alignment, vocab_size)
                   for a, index in zip(arrays, indices, strict=True)]  # fmt: skip

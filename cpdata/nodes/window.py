@@ -1,9 +1,4 @@
-"""``DocumentWindow``: one packing window of validated documents, as columns.
-
-The ``Pack`` node plans a window at a time and needs, per document, only its
-length, source index, first trained target and per-token arrays: three int64
-columns and a list, no object per document.
-"""
+"""``DocumentWindow``: one packing window of validated documents, as columns (no object per document)."""
 
 from __future__ import annotations
 
@@ -15,25 +10,17 @@ import numpy as np
 
 from cpdata.worker.keys import INPUT_IDS
 from cpdata.worker.plan import Document
-from cpdata.worker.targets import UNLABELED, first_target
+from cpdata.worker.targets import first_target
 
 __all__ = ["DocumentWindow", "WindowFill"]
 
 
 @dataclass(frozen=True, slots=True)
 class DocumentWindow:
-    """``n`` validated documents in source order.
-
-    Attributes:
-        indices: int64 ``[n]`` source index of each document.
-        lengths: int64 ``[n]`` tokens of each document.
-        firsts: int64 ``[n]`` first trained target (:func:`cpdata.worker.targets.first_target`).
-        arrays: ``n`` mappings of per-token arrays (``input_ids`` int64 ``[len]`` and the others).
-        ids: int64 ``[>= W + 2]`` holding the documents' ids in order, each followed by one free element
-            (``W`` elements), then room the packer asked for, when the reader concatenated them (to check
-            them); the packer makes its token buffer of it (:mod:`cpdata.worker.token_buffer`). None: not made.
-        plain: every document's arrays hold ``input_ids`` alone (True), not all (False), or not known (None).
-    """
+    """``n`` validated documents in source order: int64 ``[n]`` ``indices``, ``lengths`` and ``firsts`` (first
+    trained target), ``n`` mappings of per-token ``arrays``; ``ids``: int64 ``[>= W + 2]``, the documents' ids
+    each followed by one free element, then room (the packer's token buffer), or None; ``plain``: whether
+    every document holds ``input_ids`` alone (None: not known)."""
 
     indices: np.ndarray
     lengths: np.ndarray
@@ -43,7 +30,6 @@ class DocumentWindow:
     plain: bool | None = None
 
     def ids_alone(self) -> bool:
-        """Whether every document's arrays hold ``input_ids`` alone (:attr:`plain`, else read off the arrays)."""
         return max(map(len, self.arrays), default=1) == 1 if self.plain is None else self.plain
 
     def __len__(self) -> int:
@@ -51,7 +37,7 @@ class DocumentWindow:
 
     @classmethod
     def of(cls, documents: Sequence[Document]) -> DocumentWindow:
-        """The window of ``documents`` (from a node that emits :class:`~cpdata.worker.plan.Document` one by one)."""
+        """The window of ``documents`` (from a node that emits them one by one)."""
         arrays = [d.arrays for d in documents]
         n = len(arrays)
         return cls(
@@ -61,19 +47,10 @@ class DocumentWindow:
             arrays=arrays,
         )
 
-    @classmethod
-    def unlabeled(
-        cls, indices: np.ndarray, lengths: np.ndarray, arrays: Sequence[Mapping[str, np.ndarray]],
-        ids: np.ndarray | None = None, plain: bool | None = None,
-    ) -> DocumentWindow:  # fmt: skip
-        """A window of documents without labels (every first target :data:`~cpdata.worker.targets.UNLABELED`)."""
-        return cls(indices, lengths, np.full(len(arrays), UNLABELED, dtype=np.int64), arrays, ids, plain)
-
 
 class WindowFill:
-    """The items of a window being read, under the window rule of :func:`cpdata.packing.planner.window_ends`:
-    full with at least ``limit`` documents (None: never) and ``floor`` tokens, each document counting
-    ``min(max(n, 1), capacity)``."""
+    """The items of a window being read, full with at least ``limit`` documents (None: never) and ``floor``
+    tokens, each counting ``min(max(n, 1), capacity)`` (:func:`cpdata.packing.planner.window_ends`)."""
 
     __slots__ = ("limit", "floor", "capacity", "items", "indices", "ids", "tokens", "_lengths")
 
@@ -86,7 +63,7 @@ class WindowFill:
         self._lengths: list[np.ndarray] = []  # int64 runs of the ids' lengths, as counted
 
     def lengths(self) -> np.ndarray:
-        """int64 ``[n]``: the length of every document taken (counted once, as they were taken)."""
+        """int64 ``[n]``: the length of every document taken."""
         if len(self._lengths) == 1:
             return self._lengths[0]
         return np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
@@ -106,9 +83,8 @@ class WindowFill:
     def add_run(
         self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray | None = None
     ) -> int:
-        """Take the first documents of a run read ahead (all ``[k]``; ``lengths`` int64 ``[k]`` the ids' lengths
-        when counted already) up to where the window is full; returns how many. One cumulative sum over the
-        run, nothing per document."""
+        """Take a run's first documents (all ``[k]``; ``lengths`` int64 ``[k]`` if counted) up to where the
+        window is full, with one cumulative sum; returns how many."""
         k = len(ids)
         if lengths is None:
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)

@@ -1,84 +1,48 @@
-"""``WindowedPacks``: a global schedule for streams, planned window by window.
+"""``WindowedPacks``: a global schedule for streams, planned window by window (docs/scheduling.md).
 
-For a source without lengths (an iterable: JSONL lines, a streaming HF
-dataset) :class:`~cpdata.nodes.scheduled.ScheduledPacks` cannot plan the
-epoch up front. Here every rank reads the stream in windows of ``W``
-documents, plans each window with :func:`~cpdata.schedule.plan_schedule`
-(a pure function of the window's lengths: identical on every DP rank, CP rank
-and dataloader worker, no collective) and emits only its own
-(step, micro-batch) packs of the window's steps::
+Every rank reads the stream in windows of ``W`` documents and plans each with
+:func:`~cpdata.schedule.plan_schedule` (pure: the same plan on every rank and worker, no collective),
+serving only its own packs; each window's last step follows ``tail``, so every DP rank gets the same
+steps. Trade-off: every rank and worker reads the whole stream; a window holds ``W`` documents and pads
+its own last step. Pack ids number all DP ranks' packs through the epoch's windows.
 
-    stream ─► window k (W documents) ─► plan_schedule(lengths, epoch=k) ─► this rank's packs ─► PackPlan
-
-Each window's last step follows ``tail`` (``"pad"``: empty packs that the loss
-ignores, counted in ``empty_packs``; ``"drop"``: the step left out, its tokens
-counted in ``tail_dropped_tokens``), so every DP rank gets exactly the same
-number of steps per window and hence per epoch. Lengths come from the rows
-themselves (``len(input_ids)``) once read: every rank reads every row of the
-stream anyway, so a ``length`` field would save nothing; only this worker's own
-documents are validated and kept (``to_document``), the others are dropped
-after their ids' structure is checked.
-
-Costs and trade-offs: every rank, CP rank and worker reads the whole stream
-(each document ``dp × cp × num_workers`` times; the fallback reads it
-``cp × num_workers`` times) and plans every window (~3-5 us per document);
-a window holds at most ``W`` documents in memory; each window pads its own
-last step (smaller ``W``: more padding, less memory; see docs/scheduling.md).
-``shuffle`` is refused (shuffle the stream upstream, or give lengths for
-:class:`~cpdata.nodes.scheduled.ScheduledPacks`).
-
-Workers: the rank's packs form one sequence over windows and epochs (pack
-``j`` of a window is micro-batch ``j % micro_batches`` of its step
-``j // micro_batches``), split between workers by :class:`~cpdata.nodes.served.ServedPacks`.
-
-Pack ids: a plan's ``index`` (``batch.info["pack_indices"]``) numbers the
-packs of all DP ranks through the epoch's windows, the way a schedule of the
-whole epoch numbers its packs: window ``k``'s packs follow every pack of the
-windows before it, so no two packs of an epoch share an id (the window number
-is in ``plan.extras["window"]``).
-
-State: ``ServedPacks``'s, its ``block`` ``{"window", "pack_base", "lengths"}``
-(the epoch's packs before the window, the window's lengths' sha256). A restore
-skips the stream's rows up to the window unparsed (a ``BaseNode`` source is
-refused), re-plans that window and checks its lengths.
+State: ``ServedPacks``'s, its ``block`` ``{"window", "pack_base", "lengths"}``. A restore skips the rows
+before the window unparsed (a ``BaseNode`` source is refused), re-plans it and checks its lengths.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+import copy
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.errors import check_int, is_int
-from cpdata.nodes.scheduled_rows import RankRows, rank_rows, schedule_settings
-from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.source_kinds import source_kind
+from cpdata.errors import is_int
+from cpdata.nodes.scheduled import RankPlanRows, RankRows, rank_rows
+from cpdata.nodes.served import PackRows, ServedPacks
+from cpdata.nodes.source_kinds import SourceReader
 from cpdata.nodes.validate import document_ids, to_document
-from cpdata.schedule import CostModel, plan_schedule
+from cpdata.schedule import plan_schedule
 from cpdata.sources.fingerprint import lengths_sha256
-from cpdata.worker.targets import LabelsAlignment
+
+if TYPE_CHECKING:
+    from cpdata.nodes.loader import GraphOptions
 
 __all__ = ["WindowRows", "WindowedPacks"]
 
 
-class WindowRows(PlanRows):
-    """The rows of :class:`WindowedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): one block per window of
-    the stream, planned when read; documents validated when a pack of this worker first reads them."""
+class WindowRows(RankPlanRows):
+    """The rows of :class:`WindowedPacks`: one block per window."""
 
     identity = None  # a stream states no identity up front: each window's lengths are checked instead
 
-    def __init__(self, source: Any, window: int, plan_kw: dict[str, Any], config: dict[str, Any], *,
-                 dp_rank: int, vocab_size: int | None, labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
-        self.source, self.window, self.plan_kw, self.dp_rank = source, window, plan_kw, dp_rank
-        self.vocab_size, self.labels_alignment = vocab_size, labels_alignment
-        self.micro_batches, self.capacity, self.config = int(plan_kw["micro_batches"]), int(plan_kw["capacity"]), config
+    def __init__(self, reader: SourceReader, options: GraphOptions) -> None:
+        self.window = int(options.plan.window)
+        super().__init__(reader.source, options, {"window": self.window}, fallback=False)
+        self.reader = reader
         self.documents_read = self.documents_kept = 0
-        """Rows read from the stream (every row of every window, replay included); rows validated and kept
-        (the documents of this worker's packs only)."""
         self.counts = {"windows": 0, "steps": 0, "empty_packs": 0, "tail_dropped_tokens": 0, "tokens": 0}
-        """Per planned window, summed (the whole window, all ranks: identical on every rank and worker)."""
-        self._it: Iterator[Any] | None = None
         self._window = self._pack_base = self._window_packs = 0
         self._rows: RankRows | None = None
         self._items: list[Any] = []
@@ -86,18 +50,16 @@ class WindowRows(PlanRows):
         self._lengths: str | None = None  # the current window's lengths' identity
         self._expect: str | None = None  # a restored window's
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_it": None}  # a live iterator does not pickle; start() opens the stream
-
     def __copy__(self) -> WindowRows:
         """Another worker's rows: the same stream and plan settings, nothing read or counted yet."""
         other = WindowRows.__new__(WindowRows)
-        other.__dict__.update(self.__getstate__(), counts=dict.fromkeys(self.counts, 0), documents_read=0,
-                              documents_kept=0)  # fmt: skip
+        other.__dict__.update(self.__dict__, reader=copy.copy(self.reader), counts=dict.fromkeys(self.counts, 0),
+                              documents_read=0, documents_kept=0)  # fmt: skip
         return other
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
-        self._it, self._rows, self._items, self._docs, self._lengths = iter(self.source), None, [], {}, None
+        self.reader.open()
+        self._rows, self._items, self._docs, self._lengths = None, [], {}, None
         self._window = self._pack_base = 0
         self._expect = None
         if block is None:
@@ -109,7 +71,7 @@ class WindowRows(PlanRows):
         skip = self._window * self.window
         for done in range(skip):  # replay: rows skipped, not parsed
             try:
-                next(self._it)
+                self.reader.next(done)
             except StopIteration:
                 if done <= skip - self.window:  # the previous window was not read to its end: another stream
                     raise ValueError(f"the saved state is at window {self._window} ({skip} rows of "
@@ -125,11 +87,10 @@ class WindowRows(PlanRows):
 
     def load(self, epoch: int, block: int) -> int | None:
         """Read and plan window ``block`` (the one after the current); None when the stream has ended."""
-        assert self._it is not None, "load() before start()"
         base, items, lengths = block * self.window, [], []
         for _ in range(self.window):
             try:
-                item = next(self._it)  # type: ignore[arg-type]
+                item = self.reader.next(base + len(items))
             except StopIteration:
                 break
             lengths.append(int(document_ids(item, base + len(items)).shape[0]))
@@ -153,7 +114,7 @@ class WindowRows(PlanRows):
         for key, value in (("windows", 1), ("steps", st.steps), ("empty_packs", st.empty_packs),
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
             self.counts[key] += value
-        self._window_packs = st.steps * self.plan_kw["dp_size"] * self.micro_batches
+        self._window_packs = st.steps * self.dp_size * self.micro_batches
         self._window, self._rows, self._items, self._docs = block, rank_rows(sched, self.dp_rank), items, {}
         self._lengths, self._expect = identity, None
         return int(self._rows["offsets"].shape[0]) - 1
@@ -163,13 +124,9 @@ class WindowRows(PlanRows):
                 "lengths": self._lengths if self._rows is not None else None}  # fmt: skip
 
     def pack(self, epoch: int, item: int) -> PackRows:
-        s = self._rows
-        assert s is not None
-        step, micro_batch = divmod(item, self.micro_batches)
-        pack = (step * self.plan_kw["dp_size"] + self.dp_rank) * self.micro_batches + micro_batch  # the window's
-        return PackRows(columns=s, rows=slice(int(s["offsets"][item]), int(s["offsets"][item + 1])),
-                        index=self._pack_base + pack, first_document=-self._window * self.window,
-                        extras={"step": step, "micro_batch": micro_batch, "epoch": epoch, "window": self._window})
+        assert self._rows is not None
+        return self.rank_pack(self._rows, item, self._pack_base, -self._window * self.window, epoch=epoch,
+                              window=self._window)  # fmt: skip
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
         arrays = self._docs.get(index)
@@ -181,53 +138,17 @@ class WindowRows(PlanRows):
 
 
 class WindowedPacks(ServedPacks):
-    """This DP rank's packs of a stream planned in windows of ``window`` documents (module docstring).
-
-    Args:
-        source: a re-iterable of document dicts (``iter(source)`` starts it again: a list, a
-            streaming dataset, a class whose ``__iter__`` opens the file).
-        window: documents per planned window (``W >= 1``).
-        capacity, layout, cp_size, dp_rank, dp_size, micro_batches, schedule, cost, max_delay,
-            algorithm, overflow, seed, tail, num_epochs, vocab_size, worker, labels_alignment:
-            as for :class:`~cpdata.nodes.scheduled.ScheduledPacks`.
-    """
+    """This DP rank's packs of a re-iterable ``source`` planned in windows of ``options.plan.window``
+    documents (the arguments as for :class:`~cpdata.nodes.scheduled.ScheduledPacks`)."""
 
     rows: WindowRows
 
-    def __init__(
-        self, source: Any, *, window: int, capacity: int, layout: str, cp_size: int, dp_rank: int = 0,
-        dp_size: int = 1, micro_batches: int = 1, schedule: str = "balanced", cost: CostModel | None = None,
-        max_delay: int = 0, algorithm: str = "bfd", overflow: str | None = None, seed: int = 0,
-        tail: str = "pad", num_epochs: int | None = None, vocab_size: int | None = None,
-        worker: tuple[int, int] = (0, 1), labels_alignment: LabelsAlignment | None = None,
-    ) -> None:  # fmt: skip
-        check_int("schedule_window", window, min=1, fix=" (documents per planned window)")
-        if source_kind(source) == "node":
-            raise TypeError("schedule_window= replays the stream on resume and needs a re-iterable source, not a "
+    def __init__(self, source: Any, options: GraphOptions, *, worker: tuple[int, int] = (0, 1)) -> None:
+        reader = SourceReader(source)
+        if reader.kind == "node":
+            raise TypeError("SchedulePlan.window replays the stream on resume and needs a re-iterable source, not a "
                             "torchdata BaseNode; pass the iterable itself")  # fmt: skip
-        plan_kw, config = schedule_settings(
-            schedule, capacity=capacity, layout=layout, cp_size=cp_size, dp_rank=dp_rank, dp_size=dp_size,
-            micro_batches=micro_batches, cost=cost, max_delay=max_delay, algorithm=algorithm, overflow=overflow,
-            seed=seed, tail=tail, labels_alignment=labels_alignment, fallback=False,
-        )  # fmt: skip
-        rows = WindowRows(source, int(window), plan_kw, {**config, "window": int(window)}, dp_rank=int(dp_rank),
-                          vocab_size=vocab_size, labels_alignment=config["labels_alignment"])  # fmt: skip
-        super().__init__(rows, num_epochs=num_epochs, worker=worker)
-
-    @classmethod
-    def for_graph(cls, source: Any, schedule_window: int, *, window: int | None, lengths: Any, shuffle: bool,
-                  schedule: str | None, **kwargs: Any) -> WindowedPacks:  # fmt: skip
-        """``build_loader(schedule_window=...)``: refuse the arguments a windowed plan does not take, naming the fix."""
-        if schedule is None:
-            raise ValueError("schedule_window= plans a stream window by window: pass schedule='balanced' "
-                             "(or 'in_order') with it, or leave it out")  # fmt: skip
-        if window is not None or lengths is not None or shuffle:
-            raise ValueError(
-                "schedule_window= plans each window of the stream from the lengths it reads, in stream order: "
-                "leave out window= and lengths= (or use schedule= without schedule_window), and shuffle the "
-                "stream upstream instead of shuffle=True"
-            )
-        return cls(source, window=schedule_window, schedule=schedule, **kwargs)
+        super().__init__(WindowRows(reader, options), num_epochs=options.data.epochs, worker=worker)
 
     @property
     def counts(self) -> dict[str, int]:
