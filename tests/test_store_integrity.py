@@ -142,7 +142,7 @@ def test_the_plan_records_the_digest_of_the_bytes_it_read(clean, tmp_path):
     opened = TokenStore(clean[0])
     assert all(c.checked == 0 for c in opened._checkers())
     plan = precompute(opened, tmp_path / "plan", **precompute_records(**PLAN))
-    assert plan.manifest["input"]["sha256"] == opened.checksum() == opened.manifest["manifest_sha256"]
+    assert plan.manifest["input"]["identity"] == opened.fingerprint() == f"token_store:{opened.manifest['manifest_sha256']}"
     # ... the digest covers the chunk checksums, and precompute checked every chunk of every file against them
     assert all(c.checked == len(c.sums) > 0 for c in opened._checkers())
 

@@ -39,6 +39,7 @@ from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
 from cpdata.packing.pieces import piece_continues
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset
 from cpdata.sources.protocol import Carried, Listed, declared_labels
 from cpdata.worker.targets import (
@@ -309,8 +310,8 @@ def precompute(
         "input": {
             "kind": dataset.kind,
             "name": dataset.path.name,
-            "sha256": dataset.checksum(),
-            "lengths_sha256": dataset.lengths_checksum(),
+            "identity": source_identity(dataset),
+            "lengths_sha256": lengths_sha256(lengths),
             "documents": int(lengths.shape[0]),
             "tokens": int(lengths.sum()),
         },

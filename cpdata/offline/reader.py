@@ -49,22 +49,20 @@ from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
-from cpdata.sources.protocol import Hashed, Listed, NamesSources, StatedLengths, declared_labels
+from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["PrecomputedPacks", "StoreRows"]
 
 
 def _check_documents(store: PackStore, documents: Any) -> None:
+    """Refuse documents other than those the plan was precomputed from: their identity (the source's
+    fingerprint), or only their lengths for a plan precomputed from a lengths file."""
     source = store.manifest["input"]
-    if not isinstance(documents, Hashed):
-        raise TypeError(
-            f"documents must provide checksum() (e.g. cpdata.sources.open_dataset(path)), got {type(documents).__name__}"
-        )
     if source["kind"] == "lengths":
-        lengths = documents.lengths if isinstance(documents, StatedLengths) else None
-        digest = lengths_sha256(np.asarray(lengths, dtype=np.int64)) if lengths is not None else None
-        if lengths is None or digest != source["lengths_sha256"]:
+        lengths = stated_lengths(documents)
+        digest = None if lengths is None else lengths_sha256(lengths)
+        if digest != source["lengths_sha256"]:
             n = "?" if lengths is None else len(lengths)
             raise ValueError(
                 f"plan {store.path} was precomputed from the lengths file {source['name']!r} "
@@ -73,11 +71,11 @@ def _check_documents(store: PackStore, documents: Any) -> None:
                 "serve it with the tokenized dataset those lengths were taken from, or re-run `cpdata precompute`"
             )
         return
-    digest = documents.checksum()
-    if digest != source["sha256"]:
+    identity = source_identity(documents)
+    if identity != source["identity"]:
         raise ValueError(
-            f"plan {store.path} was precomputed from {source['name']!r} (sha256 {source['sha256'][:16]}…), "
-            f"but the documents given hash to {digest[:16]}…; pass the same dataset, or re-run "
+            f"plan {store.path} was precomputed from {source['name']!r} (identity {source['identity'][:40]}…), "
+            f"but the documents given hash to {identity[:40]}…; pass the same dataset, or re-run "
             "`cpdata precompute` on this one"
         )
 

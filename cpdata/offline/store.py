@@ -53,7 +53,8 @@ __all__ = [
 ]
 
 FORMAT = "cpdata.packs"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the input is bound by its identity (:func:`cpdata.sources.fingerprint.source_identity`); 1: by checksums."""
 MANIFEST = "manifest.json"
 ARRAYS: tuple[str, ...] = (
     "continues",

@@ -1,23 +1,9 @@
 """Sources: tokenized documents on disk and in memory, read by index (the formats cpdata reads and writes).
 
-Role: below the nodes; each reader is a ``Sequence`` of ``{"input_ids": int64 [n],
-...}`` with its lengths known up front, a checksum and a fingerprint, so the
-planner can work from lengths and resume can refuse other data.
-
-Modules, in pipeline order: ``protocol`` (what a source may offer: lengths,
-identity, unchanged-check, labels convention, document names; one
-``typing.Protocol`` per capability), ``tokenizer`` (text and chat rows to token
-documents), ``fingerprint`` (notice data that changed), ``manifest`` (canonical
-JSON and digests of a format directory), ``atomic`` (crash-safe directory
-writes), ``base`` (``TokenizedDataset``, ``DatasetSlice``), ``files`` (lengths
-files, JSONL, ``.npy`` folders), ``concat`` (several datasets read as one:
-shards), ``chunksums`` (per-chunk content checksums of a token store's files),
-``tokenstore_writer`` (appending a token store), ``tokenstore`` (cpdata's binary
-token store: reader, ``write_token_store``), ``megatron`` and ``megatron_writer``
-(Megatron indexed datasets, ``PREFIX.bin`` + ``PREFIX.idx``, read in place and
-written as megatron-core does), ``hf`` (Hugging Face ``datasets``), ``open``
-(``open_dataset``: a reader chosen from a path; ``as_source``: the one
-normalization of any accepted source).
+Below the nodes: each reader is a ``Sequence`` of ``{"input_ids": int64 [n], ...}`` with its lengths known up
+front and a fingerprint, so planners work from lengths and resumes and plans refuse other data. What a source
+may offer is written down in :mod:`cpdata.sources.protocol`; :func:`~cpdata.sources.open.open_dataset` picks a
+reader from a path.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Write a directory atomically, and recover from a writer killed at any point.
 
-``with atomic_directory(target, overwrite=...) as tmp:`` yields a fresh hidden
-sibling of ``target``; whatever the body writes there appears under
-``target`` only once the body returns. The hidden names carry the writer's
-host and pid, so a later writer can tell a dead writer's leftovers from a
-live one's::
-
-    .NAME.tmp-PID-HOST-XXXX   being written (incomplete)
-    .NAME.new-PID-HOST-XXXX   complete, about to replace NAME
-    .NAME.old-PID-HOST-XXXX   the previous NAME, moved aside during the swap
-
-The swap is ``tmp -> new``, ``NAME -> old``, ``new -> NAME``, delete ``old``:
-each step one ``rename``. Killed anywhere, ``NAME`` is the complete old
-directory, the complete new one, or absent while a ``.new``/``.old`` sibling
-holds both halves; :func:`recover_directory` (run by every
-:func:`atomic_directory` before it writes) finishes what a dead writer of this
-host started: a complete ``.new`` is moved into place (the writer had finished
-writing; only the swap was cut), a lone ``.old`` goes back to ``NAME`` if
-nothing replaced it, and incomplete ``.tmp`` directories are deleted. Entries
-of live writers, and of other hosts (whose pids this host cannot check), are
-left alone.
+``with atomic_directory(target) as tmp:`` yields a hidden sibling that takes ``target``'s name only once the
+body returns. Hidden names carry the writer's pid and host: ``.NAME.tmp-PID-HOST-X`` (being written),
+``.NAME.new-...`` (complete), ``.NAME.old-...`` (the previous ``NAME`` during the swap). The swap is
+``tmp -> new``, ``NAME -> old``, ``new -> NAME``, delete ``old``, one ``rename`` each; :func:`recover_directory`
+finishes or undoes what a dead writer of this host left (live writers and other hosts are left alone).
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Per-chunk content checksums of a token store's files: taken while writing, checked on first read.
 
-Every file of a store is cut into chunks of ``CHUNK_BYTES`` (1 MiB) and each
-chunk's 64-bit xxh3 is recorded in the manifest (``files.KEY.chunks``, 16 hex
-digits each; ~19 bytes of JSON per MiB of data, 20 KB per GB). The manifest's
-digest covers them, so a plan that records the digest names the bytes those
-checksums describe.
-
-A reader (:class:`ChunkChecker`, one per file and process) checks a chunk the
-first time a read touches it and remembers it in a bytearray (1 byte per
-chunk) and in ``span``: the elements of the run of checked chunks around the
-one checked last (the whole file once every chunk is). A read inside the span
-costs the reader two comparisons and no call; one outside it calls
-:meth:`ChunkChecker.check`. A mismatch raises ``ValueError`` naming the file,
-the chunk's byte range and the document being read.
-
-Cost (``cpdata bench --sections integrity``; figures in docs/benchmarks.md): the
-first read of every chunk adds a few percent to a reading pass, a pass over
-checked chunks next to nothing. What remains is the hashing (xxh3 over pages
-already mapped, once per byte per process). The page faults of a
-fresh mapping are paid once, by the hash instead of the read, as both go
-through the reader's mapping. Chunks of 64 KiB, 256 KiB or 4 MiB read no
-faster (64 KiB pays more per-chunk calls). Each process checks for itself:
-with ``W`` dataloader workers reading interleaved documents every worker
-touches nearly every chunk, so the first epoch pays up to ``W x`` that share
-per worker (persistent workers pay it once per run). A chunk is checked once
-per process (a forked worker forgets what its parent checked, the index files'
-checks too, and checks again): bytes changed on disk after that are not seen
-again (``check_unchanged`` still catches resized or rewritten files at each
-epoch).
+Each file is cut into ``CHUNK_BYTES`` (1 MiB) chunks whose 64-bit xxh3 the manifest records (20 KB of JSON
+per GB); the manifest digest covers them. A :class:`ChunkChecker` (one per file and process) checks a chunk
+the first time a read touches it; a read inside the checked ``span`` costs two comparisons. Each process
+(each forked worker) checks for itself; bytes changed after a chunk was checked are not seen again
+(``check_unchanged`` still catches resized or rewritten files). Costs: docs/benchmarks.md (``integrity``).
 """
 
 from __future__ import annotations

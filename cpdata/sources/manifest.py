@@ -1,9 +1,5 @@
-"""Manifests of cpdata's on-disk formats: canonical JSON and the digests that bind a directory's files.
-
-A format directory (a token store, a pack store) holds a ``manifest.json`` whose
-``manifest_sha256`` is the sha256 of the canonical JSON of every other field, and
-whose fields record each file's sha256. One place computes both, so a writer
-and every reader agree byte for byte.
+"""Manifests of cpdata's on-disk formats: canonical JSON, and the digest (``manifest_sha256``) of every other
+field, computed in one place so a writer and every reader agree byte for byte.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Write Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) in numpy, byte-identical to megatron-core's builder.
+"""Write Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``), byte-identical to megatron-core's builder
+with one sequence per document (``preprocess_data.py`` without ``--split-sentences``).
 
-``write_megatron(documents, prefix)`` writes what ``IndexedDatasetBuilder(bin, dtype)`` with one
-``add_document(ids, [len(ids)])`` per document and ``finalize(idx)`` writes: one sequence per document
-(as ``preprocess_data.py`` without ``--split-sentences``), no modes. The dtype follows megatron-core's
-``DType.optimal_dtype``: uint16 when ``vocab_size < 65500``, else int32 (or pass ``dtype=``).
-
-Memory: one document plus 12 B per document for the index (written at the end). Both files are written
-under hidden temporary names beside ``PREFIX`` and renamed into place, ``.bin`` first: killed before,
-nothing changes; killed between the two renames, the new ``.bin`` beside an old ``.idx`` is refused by
-the reader (sizes disagree) until the command is re-run.
-
-Only ``input_ids`` fit the format: a document carrying labels or masks is refused (the token store,
-``cpdata tokenize --format cpdata``, keeps them).
+The dtype is megatron-core's ``DType.optimal_dtype`` (uint16 below 65,500 ids, else int32). Memory: one
+document plus 12 B per document. Both files are written under hidden names and renamed into place, ``.bin``
+first (a new ``.bin`` beside an old ``.idx`` is refused by the reader: sizes disagree). Only ``input_ids``
+fit the format; labels or masks are refused.
 """
 
 from __future__ import annotations

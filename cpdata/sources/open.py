@@ -1,19 +1,14 @@
-"""``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole.
+"""``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole; ``as_source``.
 
-Six formats, chosen by :func:`open_dataset` from the path:
-
-| path                         | reader             | tokens? | memory at open                    |
-|------------------------------|--------------------|---------|-----------------------------------|
-| ``*.npy`` / ``*.npz``        | :class:`LengthsFile` | no    | ``.npy`` memory-mapped; ``.npz`` 8 B/doc |
-| ``*.jsonl``                  | :class:`JsonlDocuments` | yes | 16 B/doc (byte offset + length)   |
-| folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
-| token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
-| ``save_to_disk`` folder      | :class:`~cpdata.sources.hf.HFDocuments` | yes | Arrow, memory-mapped |
-| Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` | yes | memory-mapped, O(1) open |
-| a list of any of these       | :class:`~cpdata.sources.concat.ConcatDataset` | if all do | each part's |
-
-Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``, picklable and
-safe to read from threads and from forked or spawned workers (:mod:`cpdata.sources.files` says how).
+| path | reader |
+|---|---|
+| ``*.npy`` / ``*.npz`` of lengths | :class:`~cpdata.sources.files.LengthsFile` (no tokens) |
+| ``*.jsonl`` | :class:`~cpdata.sources.files.JsonlDocuments` |
+| a folder of ``*.npy`` | :class:`~cpdata.sources.files.NpyFolder` |
+| a token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` |
+| a ``save_to_disk`` folder | :class:`~cpdata.sources.hf.HFDocuments` |
+| a Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` |
+| a list of any of these | :class:`~cpdata.sources.concat.ConcatDataset` |
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Text and chat rows to token documents: the pure function behind ``Tokenize`` and ``cpdata tokenize``.
 
-:class:`RowTokenizer` turns one row into one document::
-
-    {"text": "..."}                      -> {"input_ids": int64 [n]}
-    {"messages": [{"role", "content"}]}  -> {"input_ids": int64 [n], "assistant_masks": int8 [n]?}
-
-| option           | effect                                                                          |
-|------------------|---------------------------------------------------------------------------------|
-| ``append_eos``   | text rows get ``eos_token_id`` appended (Megatron ``--append-eod``); chat rows end as their template ends |
-| ``assistant_only`` | chat rows carry ``assistant_masks`` from ``apply_chat_template(..., return_assistant_tokens_mask=True)``: 1 on the tokens the template marks with ``{% generation %}``, aligned with ``input_ids`` (labels_alignment ``"inputs"``); text rows carry a mask of ones (every token trained), so all documents of a batch have the same keys |
-| ``max_length``   | keep the first ``max_length`` tokens of a document (EOS included), counted in ``stats`` (TRL / LLaMA-Factory ``cutoff_len``); independent of the pack capacity |
-
-Tokenizers accepted (decided once, at construction): a path to a
-``tokenizer.json`` file or a saved tokenizer folder (``transformers`` /
-``tokenizers``, the ``hf`` extra; nothing is downloaded), a
-``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or any callable
-``text -> sequence of int`` (text rows only). Chat rows need a
-``transformers`` tokenizer with a chat template (its own or ``chat_template=``).
-
-This module imports neither torch nor the tokenizer libraries at import time,
-so tokenizing worker processes start light; a :class:`RowTokenizer` pickles
-(the path-loaded tokenizer is loaded again in the receiving process).
+:class:`RowTokenizer` turns ``{"text": ...}`` into ``{"input_ids": int64 [n]}`` and ``{"messages": [...]}``
+into ``input_ids`` plus, with ``assistant_only``, ``assistant_masks`` (int8, aligned with the inputs: the
+template's ``{% generation %}`` tokens; text rows get all ones). ``append_eos`` ends text rows with EOS;
+``max_length`` keeps a document's first tokens (counted in ``stats``). The tokenizer is a path (loaded
+locally), a ``transformers`` or ``tokenizers`` tokenizer, or a callable ``text -> ids`` (text rows only).
+No tokenizer library is imported at import time; a :class:`RowTokenizer` pickles (a path-loaded tokenizer
+is loaded again).
 """
 
 from __future__ import annotations

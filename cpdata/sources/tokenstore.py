@@ -1,39 +1,12 @@
 """Binary token store: one flat token file plus an offsets index, memory-mapped (like Megatron's ``.bin/.idx``).
 
-A store directory holds::
-
-    tokens.bin       every document's ids back to back, uint16 (vocab <= 65,536) or uint32, little-endian
-    offsets.npy      int64 [n_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
-    KEY.bin          per-token extras (labels, loss_mask, assistant_masks, ...), aligned with tokens.bin
-    KEY.present.npy  bool [n_docs]: which documents carry KEY (others read back without it)
-    manifest.json    format, counts, dtype, min/max id, per-file sha256, size and 1 MiB chunk checksums
-                     (:mod:`cpdata.sources.chunksums`), the source, and a sha256 of the manifest itself
-
-Opening is O(1) in the corpus size: read the manifest, check file sizes,
-memory-map the two files (a 1 GB corpus opens in milliseconds instead of the
-JSONL reader's full rescan on every rank and restart). ``lengths`` is one
-``np.diff`` of the index, ``checksum()`` is the manifest's digest (which
-covers every file's sha256 and chunk checksums), and the id range check reads
-the manifest's min/max.
-
-Content is checked as it is read: the first read of a chunk in a process
-hashes it (xxh3) against the manifest, so changed bytes raise ``ValueError``
-naming the file, byte range and document instead of training on them (~3.5 %
-of a first reading pass, ~1 % once checked; see
-:mod:`cpdata.sources.chunksums`). ``verify=True`` and
-:meth:`TokenStore.verify_content` (which ``precompute`` calls) check every
-chunk at once, so a plan's recorded input digest names bytes that were read.
-
-Stores written before chunk checksums (``format_version`` 1) still open: the
-opening process hashes every file whole once against its recorded sha256
-(O(bytes), once) and derives the chunk checksums the workers then use,
-with a warning to rewrite the store (``cpdata pack-store OLD --out NEW``) for
-an O(1) open.
-
-Writing (:func:`write_token_store`, over the appending
-:class:`~cpdata.sources.tokenstore_writer.TokenStoreWriter`) is atomic: files
-go to a hidden sibling that replaces the target only once the manifest is
-written.
+A store directory holds ``tokens.bin`` (every document's ids back to back, uint16 when the vocabulary fits,
+else uint32), ``offsets.npy`` (int64 ``[n_docs + 1]``), per-token extras ``KEY.bin`` with
+``KEY.present.npy`` (bool ``[n_docs]``), and ``manifest.json`` (counts, dtype, id range, each file's sha256
+and 1 MiB chunk checksums, and the manifest's own digest). Opening is O(1) in the corpus size; the first read
+of a chunk in a process checks it (:mod:`cpdata.sources.chunksums`), so changed bytes raise naming the file,
+byte range and document. Stores of ``format_version`` 1 (no chunk checksums) are hashed whole at open, with a
+warning to rewrite them (``cpdata pack-store OLD --out NEW``). Writing is atomic.
 """
 
 from __future__ import annotations
@@ -169,7 +142,7 @@ class TokenStore(TokenizedDataset):
         self.per_token_keys = frozenset(manifest["extras"])
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
-        self._checksum = manifest[_DIGEST_KEY]
+        self._digest = str(manifest[_DIGEST_KEY])
         self._open()
         if verify:
             self.verify_content()
@@ -277,19 +250,16 @@ class TokenStore(TokenizedDataset):
             return  # negative ids cannot be written
         super().check_token_ids(vocab_size)
 
-    def _compute_checksum(self) -> str:
-        return str(self.manifest[_DIGEST_KEY])
-
     def fingerprint(self) -> str:
         """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""
-        return f"token_store:{self._checksum}"
+        return f"token_store:{self._digest}"
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if the store was rewritten or a file resized since it was opened (a few ``stat`` s)."""
         on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(_DIGEST_KEY)
-        if on_disk != self._checksum:
+        if on_disk != self._digest:
             raise ValueError(
-                f"token store {self.path} was rewritten since it was opened (manifest digest {self._checksum[:16]}… "
+                f"token store {self.path} was rewritten since it was opened (manifest digest {self._digest[:16]}… "
                 f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
             )
         for entry in self.manifest["files"].values():

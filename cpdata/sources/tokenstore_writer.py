@@ -1,11 +1,7 @@
-"""Writing a token store (the format :mod:`cpdata.sources.tokenstore` reads): append documents, then the index.
+"""Writing a token store (:mod:`cpdata.sources.tokenstore`): append documents, then the index and manifest.
 
-Files go into a directory (normally :func:`cpdata.sources.atomic.atomic_directory`'s
-hidden sibling, which replaces the target only once the manifest is written).
-Documents are appended as they come, so memory stays at one document plus the
-index (8 B/document). Each file is hashed while it is written: a sha256 of the
-whole file and xxh3 checksums of its 1 MiB chunks (:mod:`cpdata.sources.chunksums`),
-both recorded in the manifest; the chunk hashing costs ~0.1 s per GB written.
+Memory stays at one document plus 8 B per document; each file is hashed as it is written (sha256 and 1 MiB
+chunk xxh3, :mod:`cpdata.sources.chunksums`).
 """
 
 from __future__ import annotations
