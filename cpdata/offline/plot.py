@@ -1,12 +1,5 @@
-"""Picture of one pack under CP layouts: who owns which token, and who does how much work.
-
-One row of panels per layout. Left: the pack's global token positions on the
-x axis, one row per CP rank; a rank's row is colored where it owns the token
-(by document, pads grey) and blank elsewhere. Right: per-rank causal
-attention work (doc-masked), with ``max / mean`` in the title.
-
-Needs matplotlib (extra ``plot``); uses the Agg canvas directly, so it never
-touches a display or pyplot's global state.
+"""Picture of one pack under CP layouts: per layout, which rank owns each token (coloured by document, pads
+grey) and each rank's causal work. Needs matplotlib (extra ``plot``); draws on the Agg canvas, never pyplot.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Plan a whole dataset ahead of training and write it as a plan directory.
 
-The planner is the online one (:func:`cpdata.packing.plan_lengths`) run once
-over every document length, so a plan served by
-:class:`~cpdata.offline.reader.PrecomputedPacks` gives the packs the online
-``Pack`` node would give for the same documents, order and seed. Next to the
-plan it stores per-pack real tokens and per-rank causal attention work under
-the configured layout, so ``cpdata inspect`` reads them without tokens.
-
-Cost: planning is the planner's; the per-pack statistics are O(capacity) numpy
-work per pack (figures: docs/benchmarks.md), shown with a progress bar.
+The planner is the online one (:func:`cpdata.packing.plan_lengths`, or a global schedule) run once over every
+length, so the plan gives the packs the online pipeline would; per-pack real tokens and per-rank causal work
+are stored beside it for ``cpdata inspect``. Cost: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -167,46 +161,16 @@ def precompute(
     progress: bool = False,
     **removed: Any,
 ) -> PackStore:
-    """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
+    """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir`` (atomically).
 
-    Args:
-        dataset: a :class:`TokenizedDataset`, a ``datasets.Dataset`` (lengths from its
-            ``length``/``num_tokens`` column when present), or a path for
-            :func:`open_dataset` (a lengths-only ``.npy``/``.npz`` is enough here).
-        out_dir: target directory, written atomically (see :mod:`cpdata.offline.store`).
-        capacity, cp_size, layout: as for :func:`cpdata.build_loader`; the manifest records the resolved
-            planner values.
-        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256); the manifest's layout is the string
-            that carries it (:func:`cpdata.layout.maps.layout_spec`: ``"tiled:256"``), which the readers take.
-        plan: :class:`~cpdata.nodes.options.StreamPlan` (default): the packs the online ``Pack`` node
-            gives (``algorithm``, ``overflow``, ``window``); or :class:`~cpdata.nodes.options.SchedulePlan`:
-            the global schedule of :func:`cpdata.schedule.plan_schedule` for ``data.dp_size`` DP ranks
-            (``kind``, ``micro_batches``, ``max_delay``, ``cost``, ``tail``, ``algorithm``, ``overflow``):
-            packs in (step, DP rank, micro-batch) order, the same packs ``build_loader(plan=SchedulePlan())``
-            serves, and :class:`~cpdata.offline.reader.PrecomputedPacks` serves each DP rank its own with
-            equal counts. Lengths come from ``dataset``, so ``SchedulePlan.lengths`` and ``window`` do not apply.
-        data: :class:`~cpdata.nodes.options.DataPolicy`. ``seed``: the planner's. ``dp_size``: with a
-            ``SchedulePlan``, the DP ranks it plans for (a stream plan is split between ranks when served).
-            ``vocab_size``: token ids ``>= vocab_size`` are refused (negative ids always are), both checked
-            before planning, naming the document, so a bad id never reaches a written plan.
-            ``labels_alignment``: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.worker.targets`), required when
-            the documents carry ``labels`` or a mask; recorded in the manifest, and a reader with another
-            alignment is refused. Such documents are read once more to find those that train nothing (left
-            out and counted as ``untrained``, as online). ``epochs``: with a :func:`cpdata.mix` dataset and a
-            stream plan, plan epochs ``0 .. epochs - 1``, each over the documents the mix draws in that epoch
-            and packed on its own, as the loader packs epoch after epoch (one per ``iter()``);
-            ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch ``epochs``. The manifest's
-            ``epochs`` lists each epoch's first pack and per-source counts. Any other dataset gives the same
-            packs every epoch: one plan serves them all. ``dp_rank`` and ``shuffle`` do not apply (a plan
-            holds every rank's packs, in the planner's order).
-        overwrite: replace an existing ``out_dir``.
-        progress: show progress on stderr.
-        removed: the keywords of cpdata 0.3, each refused with the record field that replaces it
-            (:data:`cpdata.nodes.options.RENAMED`).
-
-    Returns:
-        The written directory, opened and verified.
-    """
+    ``dataset``: a :class:`TokenizedDataset`, a ``datasets.Dataset``, a :func:`cpdata.mix`, or a path for
+    :func:`open_dataset` (a lengths file is enough). ``capacity``, ``cp_size``, ``layout`` and ``tile`` as for
+    :func:`cpdata.build_loader`. ``plan``: a :class:`~cpdata.nodes.options.StreamPlan` (the online ``Pack``
+    node's packs) or a :class:`~cpdata.nodes.options.SchedulePlan` (a global schedule for ``data.dp_size`` DP
+    ranks; ``lengths`` and ``window`` do not apply). ``data``: ``seed``, ``dp_size``, ``vocab_size``,
+    ``labels_alignment`` and a mix's ``epochs`` (docs/usage.md says what each does to a plan; ``dp_rank`` and
+    ``shuffle`` do not apply). ``removed``: 0.3's keywords, refused naming the field that replaces them.
+    Returns the written directory, opened and verified."""
     from cpdata.packing import PackingConfig
 
     refuse_keywords("precompute", removed, ("capacity", "cp_size", "layout", "tile", "plan", "data", "overwrite",

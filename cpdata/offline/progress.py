@@ -1,9 +1,4 @@
-"""Progress reporting for long offline runs: tqdm when installed (extra ``progress``), else plain stderr.
-
-Nothing is shown for work that finishes within ``delay`` seconds (1 s by
-default). After that, tqdm draws its bar; the fallback prints one line per
-10 % step, so a log stays short whatever the total.
-"""
+"""Progress for long offline runs: tqdm when installed, else one stderr line per 10 %; silent for ``delay`` s."""
 
 from __future__ import annotations
 

@@ -1,38 +1,10 @@
 """``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
 
-The node replaces ``Documents -> Pack`` in the worker pipeline
-(``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
-memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks`
-(documents read by index, no buffer, an O(1) restore at any point of a
-10M-pack plan). At every epoch start and restore it re-reads the manifest
-digest from disk and asks the documents whether they changed since they were
-opened (:mod:`cpdata.sources.fingerprint`).
-
-Nothing is served from a plan that does not match: the constructor refuses a
-plan written for other documents (input sha256, or the lengths' sha256 for a
-plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
-the caller asks, or whose manifest or any array fails its checksum.
-
-Epochs: a plan of a :func:`cpdata.mix` holds the epochs it was precomputed
-for (``precompute(..., epochs=n)``, default 1), each with its own packs over
-the documents the mix draws in that epoch; the node serves epoch ``e`` (counted
-per fresh ``reset()``, or :meth:`PrecomputedPacks.set_epoch`) from epoch ``e``'s
-packs and refuses epoch ``n`` with ``ValueError`` naming the fix, never serving an
-earlier epoch's draws as a later one's. Any other plan (one dataset, or a
-schedule, which plans a mix's epoch-0 draws for every epoch) is served whole
-every epoch, as the loader packs it.
-
-Data parallelism, global schedule (``cpdata precompute --dp-size R --micro-batches M``):
-the plan holds ``num_steps x R x M`` packs in (step, rank, micro-batch) order;
-rank ``dp_rank`` serves its ``num_steps x M`` packs (every rank the same
-count), reading only their documents; ``dp_size`` must be the plan's ``R``.
-
-Data parallelism, plan without a schedule: with ``dp_size > 1`` rank ``dp_rank`` serves packs
-``dp_rank, dp_rank + dp_size, ...`` of the whole-dataset plan, and every rank
-serves ``n_packs // dp_size`` of them (the last ``n_packs % dp_size`` packs are
-left out) so no rank runs out a step early. The online pipeline instead shards
-documents by DP rank before packing; with ``dp_size = 1`` the two give the
-same packs.
+It replaces ``Documents -> Pack`` (``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
+memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks` (O(1) restore anywhere). A plan for
+other documents (their identity, or only their lengths for a plan from a lengths file), another ``cp_size``,
+``layout`` or labels alignment, or failing a checksum is refused; the manifest and the documents are checked
+again at every epoch start and restore. How DP ranks split a plan and which epochs it holds: docs/usage.md.
 """
 
 from __future__ import annotations
@@ -98,8 +70,7 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
 
 
 class StoreRows(PlanRows):
-    """The rows of :class:`PrecomputedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this DP rank's packs of
-    the plan directory, one block per epoch, read from the memory-mapped columns."""
+    """This DP rank's packs of a plan directory, one block per epoch, read from the memory-mapped columns."""
 
     def __init__(self, store: PackStore, documents: Any, *, dp_rank: int, dp_size: int, vocab_size: int | None,
                  labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
@@ -183,23 +154,11 @@ class StoreRows(PlanRows):
 class PrecomputedPacks(ServedPacks):
     """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
-    Args:
-        path: a directory written by :func:`cpdata.offline.precompute` / ``cpdata precompute``.
-        documents: the dataset the plan was computed over, indexable by source
-            index and providing ``checksum()`` (a :class:`~cpdata.sources.TokenizedDataset`),
-            or the ``datasets.Dataset`` it was computed from.
-        cp_size, layout: what the pipeline will shard for; checked against the
-            plan when given.
-        dp_rank, dp_size: this rank's share of the packs (see the module docstring).
-        vocab_size: token ids ``>= vocab_size`` raise ``ValueError`` (documents are
-            validated as by :class:`~cpdata.nodes.source.Documents`).
-        labels_alignment: the documents' label convention (:mod:`cpdata.worker.targets`);
-            refused when the plan was precomputed under another one.
-        verify: check every array's sha256 on open (reads each array once).
-
-    State: :class:`~cpdata.nodes.served.ServedPacks`'s (``identity``: the plan's manifest sha256;
-    ``config``: the DP split). A state from another plan, DP split or version is refused.
-    """
+    ``documents``: the dataset the plan was computed over (or the ``datasets.Dataset`` or mix it came from).
+    ``cp_size`` and ``layout`` are checked against the plan when given; ``dp_rank``/``dp_size`` pick this rank's
+    share; ``vocab_size`` and ``labels_alignment`` validate documents as :class:`~cpdata.nodes.source.Documents`
+    does; ``verify`` checks every array's sha256 on open. State: :class:`~cpdata.nodes.served.ServedPacks`'s,
+    refused from another plan, DP split or version."""
 
     rows: StoreRows
 

@@ -1,23 +1,10 @@
 """What a precomputed plan looks like under every CP layout: the numbers behind ``cpdata inspect``.
 
-Padding and counts come from the manifest; documents per pack from the CSR
-offsets. The CP figures re-lay each (sampled) pack out under every layout that
-accepts the plan's ``cp_size`` (:func:`cpdata.offline.metrics.realign`: pieces
-keep their real lengths and get that layout's own per-document alignment) and
-measure, under the causal document-masked cost model:
-
-- work imbalance ``max / mean`` over ranks, mean and 95th percentile over packs;
-- per-document alignment padding (``thd`` pads every piece to ``2 * cp``), as a
-  share of real tokens, and how many packs would then exceed the capacity;
-- the share of per-rank chunks (runs of one piece's consecutive tokens on one
-  rank) shorter than ``short_chunk`` tokens;
-- the busiest rank's live attention tiles over the ideal (the pack's tiles at
-  cp 1 / cp; ``tile x tile`` tiles, the layout's own tile for ``tiled``,
-  :data:`TILE` for the others; :func:`cpdata.layout.tiles.live_tiles`), over at
-  most :data:`TILE_SAMPLE` of the measured packs (it sorts each pack's tokens).
-
-Cost: O(pack_len) per pack and layout; plans above ``sample`` packs are
-measured on ``sample`` evenly spaced packs (deterministic).
+Each (sampled) pack is re-laid out under every layout accepting the plan's ``cp_size``
+(:func:`~cpdata.offline.metrics.realign`) and measured: work imbalance ``max / mean``, per-document alignment
+padding and packs then over capacity, the share of per-rank chunks shorter than :data:`SHORT_CHUNK`, and
+the busiest rank's live attention tiles over the ideal (on at most :data:`TILE_SAMPLE` packs). Plans above
+``sample`` packs are measured on ``sample`` evenly spaced ones.
 """
 
 from __future__ import annotations
@@ -88,10 +75,8 @@ def layouts_for(cp_size: int) -> tuple[str, ...]:
 
 
 def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.ndarray, np.ndarray]:
-    """Pack ``k`` laid out under ``layout``: ``(geometry, rows [cp, local], work int64 [cp])``.
-
-    The plan's own layout uses the stored slots; another layout re-aligns the pieces.
-    """
+    """Pack ``k`` under ``layout``: ``(geometry, rows [cp, local], work int64 [cp])``; another layout than the
+    plan's re-aligns the pieces."""
     if not 0 <= k < store.n_packs:
         raise ValueError(f"pack {k} does not exist; the plan {store.path} has packs 0..{store.n_packs - 1}")
     cfg = store.config

@@ -1,20 +1,9 @@
-"""JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: what ``cpdata tokenize`` and
-``cpdata pack-store`` run.
+"""JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: ``cpdata tokenize`` and
+``cpdata pack-store``.
 
-The file is read in chunks of lines (blank lines are not documents); each
-chunk is converted by a worker process and the results are appended to the
-store in file order, so the output is byte-identical for any ``workers``.
-
-| command              | a line is                                   | converter                        |
-|----------------------|---------------------------------------------|----------------------------------|
-| ``cpdata tokenize``  | ``{"text": ...}`` or ``{"messages": [...]}`` | :class:`cpdata.sources.tokenizer.RowTokenizer` |
-| ``cpdata pack-store`` | ``{"input_ids": [...], KEY: [...]}``       | validated like the online source |
-
-Workers are spawned (no fork of a process holding tokenizer threads) and
-import only numpy and the tokenizer, so they start in about a second. The
-main process reads, writes and hashes; with ``workers=1`` everything runs in
-it. Throughput scales with workers until the writer (~1 GB/s) or the disk
-limits it.
+Chunks of lines go to spawned worker processes (numpy and the tokenizer only) and come back in file order, so
+the output is byte-identical for any ``workers``. ``tokenize`` lines are text or chat rows
+(:class:`~cpdata.sources.tokenizer.RowTokenizer`); ``pack-store`` lines carry ``input_ids`` and per-token lists.
 """
 
 from __future__ import annotations
@@ -42,10 +31,7 @@ _convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
 
 
 def _tokenized_row(row: dict[str, Any], index: int) -> dict[str, np.ndarray]:
-    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata).
-
-    numpy only (no torch in the workers); ids are range-checked by the writer.
-    """
+    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata)."""
     if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
         raise ValueError(f"expected an object with an 'input_ids' list, got {type(row).__name__}")
     out: dict[str, np.ndarray] = {}
@@ -157,17 +143,10 @@ def jsonl_to_token_store(
     overwrite: bool = False,
     progress: bool = False,
 ) -> tuple[TokenStore, dict[str, int]]:
-    """Convert a JSONL file into a token store (see the module table). Returns the store and the tokenizer's counters.
+    """Convert a JSONL file into a token store at ``out_dir`` (atomically); returns it and the tokenizer's counters.
 
-    Args:
-        path: the JSONL input.
-        out_dir: the store directory, written atomically.
-        tokenizer: text/chat lines through it (``cpdata tokenize``); None reads
-            ``input_ids`` lines (``cpdata pack-store``).
-        vocab_size: ids must be below it (uint16 storage when ``<= 65536``);
-            default: the tokenizer's ``len(tokenizer)`` when it has one.
-        workers: converter processes (1: none).
-    """
+    ``tokenizer``: text/chat lines through it (``cpdata tokenize``); None reads ``input_ids`` lines (``cpdata
+    pack-store``). ``vocab_size`` defaults to ``len(tokenizer)``; ``workers``: converter processes (1: none)."""
     from cpdata.sources.atomic import atomic_directory
 
     src, convert, vocab_size = _prepare(path, tokenizer, vocab_size, workers)

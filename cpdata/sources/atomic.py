@@ -10,6 +10,7 @@ finishes or undoes what a dead writer of this host left (live writers and other 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import socket
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_directory", "interrupted_write", "recover_directory"]
+__all__ = ["atomic_directory", "check_writable", "interrupted_write", "recover_directory"]
 
 _STALL_ENV = "CPDATA_ATOMIC_STALL"
 """Test hook: name of a step (``writing``, ``written``, ``new``, ``old``, ``swapped``) where the writer stops
@@ -49,16 +50,12 @@ def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
         return out
     for kind in _KINDS:
         lead = f".{target.name}.{kind}-"
-        for path in target.parent.glob(f"{_glob_escape(lead)}*"):
+        for path in target.parent.glob(f"{glob.escape(lead)}*"):
             pid, _, rest = path.name[len(lead) :].partition("-")
             host = rest.rpartition("-")[0]
             if pid.isdigit() and host:
                 out.append((kind, int(pid), host, path))
     return sorted(out, key=lambda e: (e[1], e[0], e[3].name))
-
-
-def _glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 def _alive(pid: int) -> bool:
@@ -122,23 +119,25 @@ def interrupted_write(target: str | os.PathLike[str]) -> str | None:
     )
 
 
+def check_writable(target: str | os.PathLike[str], *, overwrite: bool) -> list[str]:
+    """Recover dead writers' leftovers, then refuse an existing ``target`` unless ``overwrite``; returns what the
+    recovery did. Checked before long work, and again when writing."""
+    done = recover_directory(target)
+    if Path(target).exists() and not overwrite:
+        raise ValueError(f"output directory {str(target)!r} already exists; pass overwrite=True (--force) or pick another")
+    return done
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty hidden directory that replaces ``target`` when the block exits normally.
+    """Yield an empty hidden directory that replaces ``target`` (mode 0o755) when the block exits normally.
 
-    Recovers dead writers' leftovers first. Refuses an existing ``target``
-    unless ``overwrite``. On an exception (``KeyboardInterrupt`` and
-    ``SystemExit`` included) before the new directory takes ``target``'s name,
-    the new directory is removed and ``target`` is the old one again; after it,
-    only the old one is removed. Either way nothing hidden stays beside
-    ``target`` (only SIGKILL leaves halves, for the next writer to recover).
-    The published directory is mode 0o755.
-    """
+    Recovers dead writers' leftovers first and refuses an existing ``target`` unless ``overwrite``. On any
+    exception the new directory is removed and the old ``target`` stays; only SIGKILL leaves halves behind,
+    for the next writer to recover."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    recover_directory(target)
-    if target.exists() and not overwrite:
-        raise ValueError(f"output directory {str(target)!r} already exists; pass overwrite=True (--force) or pick another")
+    check_writable(target, overwrite=overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(target, "tmp"), dir=target.parent))
     try:
         yield tmp

@@ -56,11 +56,7 @@ class TokenizedDataset(ABC):
         return int(self.lengths.shape[0])
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``.
-
-        A slice (``dataset[:1000]``) gives a :class:`DatasetSlice`: those documents as a
-        dataset of their own, a view (nothing is read or copied).
-        """
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], ...}``; a slice gives a :class:`DatasetSlice` view."""
         if isinstance(i, slice):
             return DatasetSlice(self, i)  # type: ignore[return-value]
         n = len(self)

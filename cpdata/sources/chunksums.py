@@ -90,25 +90,10 @@ os.register_at_fork(after_in_child=_forget_in_child)
 class ChunkChecker:
     """Checks one store file's chunks against recorded checksums, each chunk once per process.
 
-    A reader asks :meth:`check` for the bytes it is about to serve, or first tests the
-    elements it reads against ``span``: ``(lo, hi)``, elements (``itemsize`` bytes each)
-    ``[lo, hi)`` lie in checked chunks (the run of checked chunks around the one checked
-    last; the whole file once every chunk is checked). A read inside it needs no call,
-    which makes the check two comparisons per file a read in order. ``span`` is one
-    tuple, replaced whole, so a thread never sees half an update.
-
-    Args:
-        path: the file.
-        sums: its chunk checksums (hex), from the manifest.
-        size: its size in bytes, from the manifest.
-        chunk_bytes: a power of two.
-        fix: what the error tells the user to do.
-        describe: ``f(lo, hi) -> str`` naming what the file holds in bytes ``[lo, hi)`` (the documents);
-            the error quotes it. Not pickled.
-        data: the file's bytes as a uint8 array when the reader maps it already (its pages are then faulted
-            in once, for the read and the check alike); else the file is memory-mapped on the first check.
-        itemsize: bytes per element of the reader's array, the unit of ``lo`` and ``hi``.
-    """
+    ``span`` is ``(lo, hi)``: elements (``itemsize`` bytes each) ``[lo, hi)`` lie in checked chunks (the run around
+    the chunk checked last; the whole file once all are), one tuple replaced whole so threads never see half an
+    update. ``describe(lo, hi)`` names the documents stored in bytes ``[lo, hi)`` for the error (not pickled);
+    ``data`` is the reader's own mapping of the file, so pages fault once for the read and the check alike."""
 
     __slots__ = ("__weakref__", "_bytes", "_done", "_left", "_shift", "chunk_bytes", "describe", "fix", "itemsize",
                  "path", "size", "span", "sums")  # fmt: skip

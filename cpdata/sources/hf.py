@@ -55,15 +55,10 @@ def _per_token(feature: Any) -> bool:
 
 
 class HFDocuments(TokenizedDataset):
-    """A ``datasets.Dataset`` of tokenized rows as a :class:`TokenizedDataset` (see the module table).
+    """A ``datasets.Dataset`` of tokenized rows as a :class:`TokenizedDataset` (module docstring).
 
-    Args:
-        dataset: a map-style ``datasets.Dataset`` with an ``input_ids`` column of
-            integer lists; other list-of-numbers columns travel as per-token
-            arrays, the rest is metadata and stays behind.
-        length_column: the column holding tokens per document; ``None`` picks
-            the first of :data:`LENGTH_COLUMNS` present, ``""`` never uses one.
-    """
+    ``length_column``: the column of tokens per document; None picks the first of :data:`LENGTH_COLUMNS`
+    present, ``""`` never uses one."""
 
     kind = "hf_dataset"
 

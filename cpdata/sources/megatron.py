@@ -61,18 +61,10 @@ def is_megatron_prefix(path: str | os.PathLike[str]) -> bool:
 
 
 class MegatronIndexed(TokenizedDataset):
-    """A Megatron ``.bin``/``.idx`` pair as a :class:`~cpdata.sources.base.TokenizedDataset` (module docstring).
+    """A Megatron ``.bin``/``.idx`` pair at ``prefix`` as a :class:`~cpdata.sources.base.TokenizedDataset`.
 
-    Args:
-        prefix: the path prefix (``data/web_text_document`` for ``data/web_text_document.{bin,idx}``).
-        unit: ``"documents"`` (default: a document is a Megatron document, its sequences concatenated)
-            or ``"sequences"`` (every sequence its own document).
-
-    Attributes:
-        dtype: the token dtype the index declares.
-        sequences, documents: the index's counts.
-        multimodal: the index carries sequence modes.
-    """
+    ``unit``: ``"documents"`` (a Megatron document, its sequences concatenated) or ``"sequences"``; ``dtype``,
+    ``sequences``, ``documents`` and ``multimodal`` are what the index declares."""
 
     kind = "megatron"
 

@@ -33,14 +33,7 @@ def megatron_dtype(vocab_size: int | None) -> np.dtype:
 
 
 class MegatronWriter:
-    """Append documents to ``PREFIX.bin`` being written at ``bin_path``; :meth:`finish` writes ``idx_path``.
-
-    Args:
-        bin_path, idx_path: where the two files are written (normally temporary names).
-        vocab_size: ids must be below it (and fit the dtype).
-        dtype: token dtype, an integer type of megatron-core's ``DType`` (default :func:`megatron_dtype`).
-        name: what errors call the dataset.
-    """
+    """Append documents to ``bin_path``; :meth:`finish` writes ``idx_path`` (``dtype``: default :func:`megatron_dtype`)."""
 
     def __init__(self, bin_path: Path, idx_path: Path, *, vocab_size: int | None = None,
                  dtype: Any = None, name: str | None = None) -> None:  # fmt: skip

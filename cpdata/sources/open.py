@@ -27,16 +27,12 @@ __all__ = ["as_source", "open_dataset"]
 
 
 def as_source(source: Any, *, indexed: bool = False, epochs: int = 1) -> Any:
-    """The one normalization of a user source (:mod:`cpdata.sources.protocol`), done once where a node or
-    planner takes it.
+    """The one normalization of a user source, done once where a node or planner takes it.
 
-    - a map-style ``datasets.Dataset`` becomes :class:`~cpdata.sources.hf.HFDocuments` (lengths, fingerprint);
-    - with ``indexed=True`` (callers that address documents by index before reading: ``schedule=``,
-      ``precompute``, ``PrecomputedPacks``), a streaming ``datasets.IterableDataset`` is refused with the fix
-      and a :class:`~cpdata.sources.protocol.Listable` source (a mix) becomes its draw listing of epochs
-      ``0 .. epochs - 1``;
-    - anything else is returned as is (a list, a re-iterable, a node, an ``open_dataset`` dataset).
-    """
+    A ``datasets.Dataset`` becomes :class:`~cpdata.sources.hf.HFDocuments`. With ``indexed=True`` (callers that
+    address documents by index: schedules, ``precompute``, ``PrecomputedPacks``) a streaming
+    ``IterableDataset`` is refused with the fix and a :class:`~cpdata.sources.protocol.Listable` mix becomes its
+    draw listing of epochs ``0 .. epochs - 1``. Anything else is returned as is."""
     if is_hf_dataset(source) or (indexed and is_hf_iterable(source)):
         return HFDocuments(source)
     if indexed and isinstance(source, Listable):
@@ -49,13 +45,8 @@ def open_dataset(
     *,
     on_progress: Callable[[int], None] | None = None,
 ) -> TokenizedDataset:
-    """Open a tokenized dataset, choosing the reader from the path (see the module table).
-
-    A list or tuple of paths opens each and reads them as one dataset, in that order
-    (:class:`~cpdata.sources.concat.ConcatDataset`: the shards a distributed tokenizer wrote).
-    ``on_progress(n)`` is called while scanning: with bytes read for JSONL, with
-    files read for a folder.
-    """
+    """Open a tokenized dataset, choosing the reader from the path (module table); a list of paths reads them
+    as one, in order. ``on_progress(n)`` is called while scanning (bytes of JSONL, files of a folder)."""
     if isinstance(path, (list, tuple)):
         from cpdata.sources.concat import ConcatDataset
 

@@ -28,11 +28,8 @@ ASSISTANT_MASKS = "assistant_masks"
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """A ``transformers`` fast tokenizer from a ``tokenizer.json`` file or a saved folder (local files only).
-
-    Falls back to ``tokenizers.Tokenizer.from_file`` for a ``tokenizer.json``
-    when ``transformers`` is not installed.
-    """
+    """A ``transformers`` fast tokenizer from a ``tokenizer.json`` file or a saved folder (local files only), or a
+    ``tokenizers.Tokenizer`` when ``transformers`` is not installed."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"tokenizer {str(p)!r} does not exist; pass a tokenizer.json file or a saved tokenizer folder")
@@ -78,20 +75,10 @@ def _is_hf(tokenizer: Any) -> bool:
 
 
 class RowTokenizer:
-    """One row -> one document (see the module table). ``stats`` counts every call.
+    """One row -> one document (module docstring); ``stats`` counts every call.
 
-    Args:
-        tokenizer: see the module docstring.
-        append_eos: append ``eos_token_id`` to every text row.
-        eos_token_id: the EOS id (default: the tokenizer's ``eos_token_id``);
-            required with ``append_eos`` when the tokenizer has none.
-        assistant_only: emit ``assistant_masks`` for chat rows.
-        max_length: tokens kept per document (None: all).
-        add_special_tokens: passed to a ``transformers`` tokenizer for text rows
-            (BOS etc. as its post-processor defines).
-        chat_template: a Jinja template overriding the tokenizer's own.
-        text_key, messages_key: row fields holding the text / the chat messages.
-    """
+    ``eos_token_id`` defaults to the tokenizer's; ``add_special_tokens`` goes to the tokenizer for text rows;
+    ``chat_template`` overrides the tokenizer's; ``text_key``/``messages_key`` name the row fields."""
 
     def __init__(
         self,

@@ -24,28 +24,19 @@ import numpy as np
 from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
-from cpdata.sources.manifest import manifest_digest as _manifest_digest
+from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest
 from cpdata.sources.tokenstore_writer import (
     _DAMAGED,
-    _DIGEST_KEY,
     _REWRITE,
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     OFFSETS_FILE,
     TOKENS_FILE,
     TokenStoreWriter,
 )
 
-__all__ = [
-    "FORMAT",
-    "TOKENS_FILE",
-    "TokenStore",
-    "TokenStoreWriter",
-    "is_token_store",
-    "rewrite_token_store",
-    "write_token_store",
-]
+__all__ = ["FORMAT", "TOKENS_FILE", "TokenStore", "TokenStoreWriter", "is_token_store", "rewrite_token_store",
+           "write_token_store"]
 
 
 def is_token_store(path: str | os.PathLike[str]) -> bool:
@@ -62,11 +53,8 @@ def write_token_store(
     source: Mapping[str, Any] | None = None,
     labels_alignment: str | None = None,
 ) -> TokenStore:
-    """Write ``documents`` (any iterable of ``{"input_ids": ..., KEY: ...}``) as a store at ``out_dir``, atomically.
-
-    ``source`` (JSON-able) and ``labels_alignment`` are recorded in the manifest.
-    Returns the store, opened.
-    """
+    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and ``labels_alignment``
+    go into the manifest. Returns the store, opened."""
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
         for document in documents:
@@ -78,12 +66,8 @@ def write_token_store(
 def rewrite_token_store(
     src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
 ) -> TokenStore:
-    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``).
-
-    Every file of ``src`` is checked first (whole-file sha256 for a format 1
-    store, every chunk for a newer one), so the rewrite never blesses damaged
-    bytes. Documents, extras, vocabulary, source and labels alignment carry over.
-    """
+    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``), after
+    checking every file of ``src``, so damaged bytes are never blessed."""
     old = TokenStore(src, verify=True)
     m = old.manifest
     return write_token_store((old[i] for i in range(len(old))), out_dir, vocab_size=m["vocab_size"],
@@ -91,41 +75,17 @@ def rewrite_token_store(
 
 
 class TokenStore(TokenizedDataset):
-    """A token store directory as a :class:`~cpdata.sources.base.TokenizedDataset` (O(1) open).
-
-    Args:
-        path: the directory.
-        verify: check every chunk of every file against the manifest on open
-            (~0.1 s per GB hashing, plus reading the files); without it, each
-            chunk is checked the first time a read touches it.
-    """
+    """A token store directory as a :class:`~cpdata.sources.base.TokenizedDataset` (O(1) open); ``verify`` checks
+    every chunk at open instead of at first read."""
 
     kind = "token_store"
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
-        mpath = self.path / MANIFEST
-        try:
-            manifest = json.loads(mpath.read_bytes())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{mpath} cannot be read ({e}); {_REWRITE}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError(f"{mpath} is not a cpdata token store manifest; {_REWRITE}")
-        version = manifest.get("format_version")
-        if version not in (1, FORMAT_VERSION):
-            raise ValueError(f"{mpath} has format_version {version!r}, this cpdata reads 1 and "
-                             f"{FORMAT_VERSION}; {_REWRITE}")  # fmt: skip
-        if manifest.get(_DIGEST_KEY) != _manifest_digest(manifest):
-            raise ValueError(f"{mpath} is corrupted (its digest does not match its content); {_REWRITE}")
-        for entry in manifest["files"].values():
-            file = self.path / entry["file"]
-            if not file.is_file():
-                raise ValueError(f"token store file {file} is missing (the manifest records {entry['bytes']} bytes); "
-                                 f"restore it, or {_REWRITE}")  # fmt: skip
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
-                                 f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
+        manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
+        self.manifest = manifest
+        self._check_sizes(opened=False)
+        version = manifest["format_version"]
         if version == 1:
             self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
             warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
@@ -135,14 +95,13 @@ class TokenStore(TokenizedDataset):
         else:
             self._chunk_bytes = int(manifest["chunk_bytes"])
             if manifest.get("chunk_hash") != CHUNK_HASH:
-                raise ValueError(f"{mpath} records chunk checksums of kind {manifest.get('chunk_hash')!r}, this "
+                raise ValueError(f"{self.path / MANIFEST} records chunk checksums of kind {manifest.get('chunk_hash')!r}, this "
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
-        self.manifest = manifest
         self.per_token_keys = frozenset(manifest["extras"])
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
-        self._digest = str(manifest[_DIGEST_KEY])
+        self._digest = str(manifest[DIGEST_KEY])
         self._open()
         if verify:
             self.verify_content()
@@ -189,11 +148,8 @@ class TokenStore(TokenizedDataset):
             checker.check_all(document)
 
     def verify_content(self) -> None:
-        """Check every chunk of every file against the manifest (~0.1 s per GB of hashing, plus the reads).
-
-        ``precompute`` calls it, so the plan's recorded input digest names bytes that were read; raises
-        ``ValueError`` naming the file, the byte range and the documents stored there.
-        """
+        """Check every chunk of every file against the manifest (``precompute`` calls it); raises naming the file,
+        byte range and documents."""
         for checker in self._checkers():
             checker.check_all()
 
@@ -256,21 +212,27 @@ class TokenStore(TokenizedDataset):
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if the store was rewritten or a file resized since it was opened (a few ``stat`` s)."""
-        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(_DIGEST_KEY)
+        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(DIGEST_KEY)
         if on_disk != self._digest:
             raise ValueError(
                 f"token store {self.path} was rewritten since it was opened (manifest digest {self._digest[:16]}… "
                 f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
             )
+        self._check_sizes(opened=True)
+
+    def _check_sizes(self, *, opened: bool) -> None:
+        """Every file is there, of the size the manifest records (``opened``: since the store was opened)."""
         for entry in self.manifest["files"].values():
             file = self.path / entry["file"]
             if not file.is_file():
-                raise ValueError(f"token store file {file} was removed since the store was opened; restore it, "
-                                 "or reopen the store and start a new run")  # fmt: skip
+                what = ("was removed since the store was opened; restore it, or reopen the store and start a new run"
+                        if opened else f"is missing (the manifest records {entry['bytes']} bytes); restore it, or "
+                        f"{_REWRITE}")  # fmt: skip
+                raise ValueError(f"token store file {file} {what}")
             size = file.stat().st_size
             if size != entry["bytes"]:
-                raise ValueError(f"token store file {file} has {size} bytes, the manifest "
-                                 f"records {entry['bytes']}; {_REWRITE}")  # fmt: skip
+                raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
+                                 f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -17,10 +17,7 @@ import numpy as np
 
 from cpdata.sources.base import _check_ids
 from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_chunk_sums
-from cpdata.sources.manifest import DIGEST_KEY as _DIGEST_KEY
-from cpdata.sources.manifest import canonical as _canonical
-from cpdata.sources.manifest import manifest_digest as _manifest_digest
-from cpdata.sources.manifest import sha256_file as _sha256_file
+from cpdata.sources.manifest import sha256_file, write_manifest
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter"]
 
@@ -29,7 +26,6 @@ FORMAT_VERSION = 2
 """2: per-file chunk checksums; 1 (read, hashed whole at open): sha256 per file only."""
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
-MANIFEST = "manifest.json"
 _REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
 _DAMAGED = ("restore the store's files from where they came from, or rewrite the store with `cpdata tokenize` / "
             "`cpdata pack-store`")
@@ -61,18 +57,13 @@ class _HashedFile:
 
 
 def _saved_entry(path: Path) -> dict[str, Any]:
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256_file(path),
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
             "chunks": file_chunk_sums(path)}  # fmt: skip
 
 
 class TokenStoreWriter:
-    """Append documents to a store being written in ``directory`` (normally an atomic temp directory).
-
-    Args:
-        directory: an existing empty directory.
-        vocab_size: ids must be below it; ``<= 65536`` stores uint16, else uint32.
-        name: what errors call the store (default: ``directory``).
-    """
+    """Append documents to a store being written in the empty ``directory`` (normally an atomic temp directory);
+    ``vocab_size <= 65536`` stores uint16, else uint32; ``name`` is what errors call the store."""
 
     def __init__(
         self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None
@@ -133,11 +124,8 @@ class TokenStoreWriter:
         present.append(1)
 
     def finish(self, source: Mapping[str, Any], *, labels_alignment: str | None = None) -> dict[str, Any]:
-        """Close the files, write the index and the manifest; returns the manifest.
-
-        ``labels_alignment`` (``"inputs"``/``"targets"``) declares what the stored
-        labels and masks are aligned with, when the writer knows it.
-        """
+        """Close the files, write the index and the manifest (with ``labels_alignment`` when the writer knows it);
+        returns the manifest."""
         files = {"tokens": self._tokens.close()}
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
         np.save(self.directory / OFFSETS_FILE, offsets, allow_pickle=False)
@@ -166,9 +154,4 @@ class TokenStoreWriter:
             "files": files,
             "source": dict(source),
         }
-        manifest[_DIGEST_KEY] = _manifest_digest(manifest)
-        with open(self.directory / MANIFEST, "wb") as f:
-            f.write(_canonical(manifest))
-            f.flush()
-            os.fsync(f.fileno())
-        return manifest
+        return write_manifest(self.directory, manifest)
