@@ -136,12 +136,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.input is None:
         raise ValueError("pass INPUT (a tokenized dataset) or --mix NAME=PATH:WEIGHT at least once")
     if args.tokenizer:
-        from cpdata.offline.tokenize_files import jsonl_to_token_store
+        from cpdata.offline.tokenize_files import convert_jsonl
 
         tokens_out = args.tokens_out or f"{str(args.out).rstrip('/')}.tokens"
-        tokens, _ = jsonl_to_token_store(args.input, tokens_out, tokenizer=row_tokenizer(args),
-                                         vocab_size=args.vocab_size, workers=args.workers, overwrite=args.force,
-                                         progress=not args.quiet)  # fmt: skip
+        tokens, _ = convert_jsonl(args.input, tokens_out, tokenizer=row_tokenizer(args), vocab_size=args.vocab_size,
+                                  workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
         print(f"wrote {tokens.path}: {len(tokens)} documents, {tokens.manifest['tokens']} tokens (serve the plan "
               "with open_dataset of this directory)")  # fmt: skip
         data = tokens

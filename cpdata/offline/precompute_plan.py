@@ -48,14 +48,12 @@ __all__ = ["precompute"]
 
 
 def _stats_dict(stats: Any) -> dict[str, Any]:
-    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+    """A :class:`~cpdata.packing.PackingStats` as JSON-able numbers, sorted by name."""
     out: dict[str, Any] = {}
-    for key, value in sorted(raw.items()):
+    for key, value in sorted(dataclasses.asdict(stats).items()):
+        out[key] = float(value) if isinstance(value, (np.floating, float)) else value
         if isinstance(value, (np.integer, bool)):
-            value = int(value)
-        elif isinstance(value, (np.floating, float)):
-            value = float(value)
-        out[key] = value
+            out[key] = int(value)
     return out
 
 
@@ -95,15 +93,8 @@ def _check_options(plan: Any, data: Any, dataset: Any) -> None:
         )
 
 
-def _first_targets(
-    dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
-) -> np.ndarray | None:
-    """First trained target of every document when the dataset carries labels or masks, else None."""
-    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
-    if not present:
-        return None
-    if labels_alignment is None:
-        raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
+def _first_targets(dataset: TokenizedDataset, labels_alignment: LabelsAlignment, progress: bool) -> np.ndarray:
+    """First trained target of every document (the dataset carries labels or masks)."""
     out = np.empty(len(dataset), dtype=np.int64)
     with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
         for i in range(len(dataset)):
@@ -206,9 +197,12 @@ def precompute(
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
+    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
+    if present and labels_alignment is None:
+        raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
     schedule_info: dict[str, Any] | None = None
-    if not scheduled:
-        firsts = _first_targets(dataset, labels_alignment, progress)
+    if not scheduled:  # a schedule plans lengths only: documents that train nothing stay
+        firsts = _first_targets(dataset, labels_alignment, progress) if present else None
         starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
         result, epoch_packs = _plan_epochs(
             lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
@@ -217,9 +211,6 @@ def precompute(
     else:
         from cpdata.schedule import CostModel, plan_schedule
 
-        present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
-        if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
-            raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
         cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None
         sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=data.dp_size,
                               micro_batches=plan.micro_batches, cost=cost, max_delay=plan.max_delay,
@@ -236,14 +227,9 @@ def precompute(
         }  # fmt: skip
     config = result.config
 
-    offsets = np.asarray(result.pack_offsets, dtype=np.int64)
-    plan_arrays = {
-        "pack_offsets": offsets,
-        "doc_index": np.asarray(result.doc_index, dtype=np.int64),
-        "doc_start": np.asarray(result.doc_start, dtype=np.int64),
-        "doc_len": np.asarray(result.doc_len, dtype=np.int64),
-        "slot_len": np.asarray(result.slot_len, dtype=np.int64),
-    }
+    plan_arrays = {k: np.asarray(getattr(result, k), dtype=np.int64)
+                   for k in ("pack_offsets", "doc_index", "doc_start", "doc_len", "slot_len")}  # fmt: skip
+    offsets = plan_arrays["pack_offsets"]
     plan_arrays["continues"] = piece_continues(plan_arrays["doc_index"], plan_arrays["doc_start"], plan_arrays["doc_len"])
     n_packs = offsets.shape[0] - 1
     tokens_before = np.concatenate([[0], np.cumsum(plan_arrays["doc_len"])]).astype(np.int64)

@@ -44,6 +44,8 @@ class TokenizedDataset(ABC):
     serves_tokens: bool = True
     per_token_keys: frozenset[str] = frozenset()
     """Per-token keys besides ``input_ids`` that some document carries (``labels``, masks)."""
+    _transient: tuple[str, ...] = ()
+    """Attributes a pickled copy (a worker's) leaves out: handles, maps and caches it rebuilds."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -97,6 +99,9 @@ class TokenizedDataset(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, **dict.fromkeys(self._transient)}
+
 
 class DatasetSlice(TokenizedDataset):
     """Documents ``parent[s]`` for a slice ``s`` (what ``parent[a:b:c]`` returns): a view, nothing is copied.
@@ -104,6 +109,8 @@ class DatasetSlice(TokenizedDataset):
     Document ``i`` is read through the parent (its checks apply); ``indices`` costs 8 B per document. The
     fingerprint is the parent's plus the slice, so a resume or a plan binds to the same documents.
     """
+
+    _transient = ("_lengths",)
 
     def __init__(self, parent: TokenizedDataset, part: slice) -> None:
         super().__init__(parent.path)
@@ -151,6 +158,3 @@ class DatasetSlice(TokenizedDataset):
 
     def __repr__(self) -> str:
         return f"{self.parent!r}{self._part}"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_lengths": None}

@@ -12,7 +12,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -27,6 +26,7 @@ class ConcatDataset(TokenizedDataset):
     """``parts`` (at least one dataset) one after the other (module docstring)."""
 
     kind = "concat"
+    _transient = ("_lengths",)
 
     def __init__(self, parts: Sequence[TokenizedDataset]) -> None:
         parts = list(parts)
@@ -81,11 +81,6 @@ class ConcatDataset(TokenizedDataset):
     def check_unchanged(self) -> None:
         named = ((f"part {s} of {len(self.parts)}", p) for s, p in enumerate(self.parts))
         naming_parts(named, lambda part: part.check_unchanged())
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_lengths"] = None
-        return state
 
 
 def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:

@@ -15,7 +15,7 @@ import threading
 import zlib
 from array import array
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
@@ -36,7 +36,6 @@ _FILE_SAMPLES = 64
 
 _OPEN_LOCK = threading.Lock()
 """Serialises opening a reader's per-process file handle (a fresh lock in a forked child)."""
-
 
 def _fresh_open_lock() -> None:
     global _OPEN_LOCK
@@ -109,10 +108,9 @@ class JsonlDocuments(TokenizedDataset):
     lines are not documents. 20 B per document in memory (offset, length, CRC-32)."""
 
     kind = "jsonl"
+    _transient = ("_file",)
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None) -> None:
         super().__init__(path)
         offsets, lengths, crcs = array("q"), array("q"), array("I")
         h = hashlib.sha256()
@@ -135,9 +133,8 @@ class JsonlDocuments(TokenizedDataset):
                 if on_progress is not None:
                     on_progress(len(line))
             self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
-        self._crcs = np.frombuffer(crcs, dtype=np.uint32) if crcs else np.zeros(0, np.uint32)
-        self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
-        self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
+        self._crcs, self._offsets = np.frombuffer(crcs, dtype=np.uint32), np.frombuffer(offsets, dtype=np.int64)
+        self._lengths = np.frombuffer(lengths, dtype=np.int64)
         self._id_range = (low, high)
         self._sha256 = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
@@ -181,7 +178,7 @@ class JsonlDocuments(TokenizedDataset):
                 f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
             )
         out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
-        for key in PER_TOKEN_KEYS:
+        for key in (*PER_TOKEN_KEYS, ATTENTION_MASK):
             if key in row:
                 value = self._array(row[key], key, where, integer=key == "labels")
                 if value.shape != out["input_ids"].shape:
@@ -189,15 +186,10 @@ class JsonlDocuments(TokenizedDataset):
                         f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
                         f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
                     )
-                out[key] = value
-        if ATTENTION_MASK in row:  # a tokenizer's output: all ones is dropped, a padded row refused
-            mask = self._array(row[ATTENTION_MASK], ATTENTION_MASK, where, integer=False)
-            if mask.shape != out["input_ids"].shape:
-                raise ValueError(
-                    f"{self.path} line {where}: {ATTENTION_MASK!r} has {mask.shape[0]} entries but input_ids has "
-                    f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
-                )
-            check_unpadded(mask, f"{self.path} line {where}")
+                if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
+                    check_unpadded(value, f"{self.path} line {where}")
+                else:
+                    out[key] = value
         return out
 
     def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
@@ -276,11 +268,6 @@ class JsonlDocuments(TokenizedDataset):
     def _read(self, i: int) -> dict[str, np.ndarray]:
         return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_file"] = None
-        return state
-
     def __del__(self) -> None:
         opened = getattr(self, "_file", None)
         if opened is not None:
@@ -293,9 +280,7 @@ class NpyFolder(TokenizedDataset):
 
     kind = "npy_folder"
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None) -> None:
         super().__init__(path)
         self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
         if not self._files:
@@ -321,11 +306,6 @@ class NpyFolder(TokenizedDataset):
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
-
-    @property
-    def files(self) -> list[str]:
-        """File names in document order."""
-        return list(self._files)
 
     def fingerprint(self) -> str:
         """``npy_folder:`` + the sha256 of every file's name, size and bytes, in order (a rename or reorder

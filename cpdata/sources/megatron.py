@@ -67,6 +67,7 @@ class MegatronIndexed(TokenizedDataset):
     ``sequences``, ``documents`` and ``multimodal`` are what the index declares."""
 
     kind = "megatron"
+    _transient = ("_seq_lengths", "_pointers", "_doc_idx", "_modes", "_tokens", "_offsets", "_lengths")
 
     def __init__(self, prefix: str | os.PathLike[str], *, unit: str = "documents") -> None:
         if unit not in UNITS:
@@ -278,12 +279,6 @@ class MegatronIndexed(TokenizedDataset):
             raise ValueError(f"Megatron dataset {self.path} was rewritten since it was opened (same sizes, other "
                              "content); restore it, or reopen it with open_dataset() and start a new run")  # fmt: skip
         self._opened = now
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_seq_lengths", "_pointers", "_doc_idx", "_modes", "_tokens", "_offsets", "_lengths"):
-            state.pop(key, None)
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

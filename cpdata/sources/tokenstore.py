@@ -79,6 +79,7 @@ class TokenStore(TokenizedDataset):
     every chunk at open instead of at first read."""
 
     kind = "token_store"
+    _transient = ("_offsets", "_tokens", "_extras", "_lengths", "_check_index", "_check_tokens", "_checked_extras")
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
@@ -233,13 +234,6 @@ class TokenStore(TokenizedDataset):
             if size != entry["bytes"]:
                 raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
                                  f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_check_index", "_check_tokens",
-                    "_checked_extras"):
-            state.pop(key)
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
