@@ -65,8 +65,7 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
     """int64 ``[epochs + 1]``: the first pack of each epoch of a mix's plan; None for a plan served every epoch."""
     if "mix" not in store.manifest["input"] or "schedule" in store.manifest:
         return None
-    planned = store.manifest.get("epochs", {"first_pack": [0, store.n_packs]})  # a plan from before epochs=: one
-    return np.asarray(planned["first_pack"], dtype=np.int64)
+    return np.asarray(store.manifest["epochs"]["first_pack"], dtype=np.int64)
 
 
 class StoreRows(PlanRows):

@@ -17,6 +17,7 @@ from cpdata.layout.maps import LAYOUTS, check_layout, layout_tile
 from cpdata.layout.tiles import live_tiles
 from cpdata.offline.metrics import PackGeometry, chunk_lengths, imbalance, pack_geometry, rank_work, realign
 from cpdata.offline.store import PackStore
+from cpdata.sources.fingerprint import sample_positions
 
 __all__ = ["LayoutSummary", "PlanSummary", "layouts_for", "pack_view", "summarize"]
 
@@ -91,19 +92,13 @@ def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.n
     return geometry, owned, work
 
 
-def _sample(n_packs: int, sample: int | None) -> np.ndarray:
-    if sample is None or n_packs <= sample:
-        return np.arange(n_packs, dtype=np.int64)
-    return np.unique(np.linspace(0, n_packs - 1, sample).round().astype(np.int64))
-
-
 def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanSummary:
     """Summarize ``store``; layout figures over at most ``sample`` packs (None: all)."""
     cfg, counts, stats = store.config, store.manifest["counts"], store.manifest["stats"]
     per_pack = np.diff(np.asarray(store.arrays["pack_offsets"]))
-    picked = _sample(store.n_packs, sample)
+    picked = np.asarray(sample_positions(store.n_packs, store.n_packs if sample is None else sample), dtype=np.int64)
     layouts = []
-    tiled = set(_sample(picked.size, TILE_SAMPLE).tolist())
+    tiled = set(sample_positions(picked.size, TILE_SAMPLE))
     own = [cfg["layout"]] if cfg["layout"] not in layouts_for(cfg["cp_size"]) else []  # e.g. "tiled:256"
     for layout in [*layouts_for(cfg["cp_size"]), *own]:
         ratios, chunks, tiles = [], [], []

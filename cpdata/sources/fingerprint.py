@@ -19,8 +19,8 @@ import numpy as np
 
 from cpdata.sources.protocol import Identified, Watched
 
-__all__ = ["LIST_SAMPLES", "check_source_unchanged", "lengths_sha256", "sample_positions", "source_fingerprint",
-           "source_identity"]
+__all__ = ["LIST_SAMPLES", "check_source_unchanged", "lengths_sha256", "sample_digest", "sample_positions",
+           "source_fingerprint", "source_identity"]
 
 LIST_SAMPLES = 16
 """Items of an in-memory list whose ``input_ids`` the fingerprint hashes."""
@@ -30,7 +30,7 @@ def sample_positions(n: int, k: int) -> list[int]:
     """Up to ``k`` evenly spaced indices of ``range(n)``, first and last included."""
     if n <= k:
         return list(range(n))
-    return sorted({(s * (n - 1)) // (k - 1) for s in range(k)})
+    return sorted({(s * (n - 1)) // max(k - 1, 1) for s in range(k)})
 
 
 def lengths_sha256(lengths: np.ndarray) -> str:
@@ -62,13 +62,18 @@ def _item_bytes(item: Any) -> bytes:
         return type(ids).__name__.encode()
 
 
-def _list_fingerprint(items: list | tuple) -> str:
+def sample_digest(items: Any, n: int, prefix: str = "") -> str:
+    """blake2b of ``prefix`` and the ``input_ids`` of :data:`LIST_SAMPLES` evenly spaced items of ``items[:n]``."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"list:{len(items)}".encode())
-    for i in sample_positions(len(items), LIST_SAMPLES):
+    h.update(prefix.encode())
+    for i in sample_positions(n, LIST_SAMPLES):
         h.update(f"|{i}|".encode())
         h.update(_item_bytes(items[i]))
-    return f"list:{len(items)}:{h.hexdigest()}"
+    return h.hexdigest()
+
+
+def _list_fingerprint(items: list | tuple) -> str:
+    return f"list:{len(items)}:{sample_digest(items, len(items), f'list:{len(items)}')}"
 
 
 def source_fingerprint(source: Any) -> str | None:

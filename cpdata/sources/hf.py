@@ -19,32 +19,23 @@ from typing import Any
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.fingerprint import LIST_SAMPLES, sample_positions
+from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
 from cpdata.worker.targets import check_unpadded
 
-__all__ = [
-    "LENGTH_COLUMNS",
-    "HFDocuments",
-    "is_hf_dataset",
-    "is_hf_iterable",
-]
+__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset", "is_hf_iterable"]
 
 LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
 """Integer columns taken as tokens per document, in this order of preference."""
 
 
-def _module_of(obj: object) -> str:
-    return type(obj).__module__ or ""
-
-
-def is_hf_dataset(obj: object) -> bool:
-    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``)."""
-    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "Dataset"
+def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``."""
+    return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
 
 
 def is_hf_iterable(obj: object) -> bool:
     """True for a streaming ``datasets.IterableDataset``."""
-    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "IterableDataset"
+    return is_hf_dataset(obj, "IterableDataset")
 
 
 def _per_token(feature: Any) -> bool:
@@ -93,16 +84,7 @@ class HFDocuments(TokenizedDataset):
             self._keys.append("attention_mask")
         self._rows = dataset.select_columns(self._keys).with_format("numpy")
         self._lengths = self._read_lengths()
-        self._samples = self._sample_digest()
-
-    def _sample_digest(self) -> str:
-        """blake2b of the ``input_ids`` values of :data:`~cpdata.sources.fingerprint.LIST_SAMPLES` evenly spaced rows."""
-        h = hashlib.blake2b(digest_size=16)
-        for i in sample_positions(len(self._lengths), LIST_SAMPLES):
-            ids = np.ascontiguousarray(np.asarray(self._rows[i]["input_ids"]))
-            h.update(f"|{i}|{ids.dtype.str}{ids.shape}".encode())
-            h.update(ids.tobytes())
-        return h.hexdigest()
+        self._samples = sample_digest(self._rows, len(self._lengths))
 
     def _read_lengths(self) -> np.ndarray:
         if self.length_column:
@@ -182,7 +164,7 @@ class HFDocuments(TokenizedDataset):
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if an Arrow cache file of the dataset changed size, or a sampled row's
         ``input_ids`` changed, since it was opened (16 row reads)."""
-        now = self._sample_digest()
+        now = sample_digest(self._rows, len(self._lengths))
         if now != self._samples:
             raise ValueError(
                 f"the datasets.Dataset {self.dataset._fingerprint!r} changed since it was opened: the input_ids of "

@@ -48,21 +48,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 @dataclass(slots=True)
 class TokenizeStats:
-    """Counters of a tokenizing run (exact, restored with the node's state)."""
+    """Counters of a tokenizing run (exact, restored with the node's state): rows turned into ``documents``, of
+    which ``chat`` rows; ``tokens`` emitted after truncation; text rows ending with an appended EOS
+    (``eos_appended``; one that ``max_length`` cut off is not counted); documents ``truncated`` at
+    ``max_length`` and the ``truncated_tokens`` cut."""
 
     documents: int = 0
-    """Rows turned into documents."""
     chat: int = 0
-    """Of which chat rows."""
     tokens: int = 0
-    """Tokens emitted (after truncation)."""
     eos_appended: int = 0
-    """Text rows whose document ends with the EOS appended to them (an EOS that ``max_length`` then cut off
-    is not counted: the document has none)."""
     truncated: int = 0
-    """Documents cut at ``max_length``."""
     truncated_tokens: int = 0
-    """Tokens removed by those cuts."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)}

@@ -63,9 +63,7 @@ def write_token_store(
     return TokenStore(out_dir)
 
 
-def rewrite_token_store(
-    src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
-) -> TokenStore:
+def rewrite_token_store(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> TokenStore:
     """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``), after
     checking every file of ``src``, so damaged bytes are never blessed."""
     old = TokenStore(src, verify=True)
@@ -79,7 +77,7 @@ class TokenStore(TokenizedDataset):
     every chunk at open instead of at first read."""
 
     kind = "token_store"
-    _transient = ("_offsets", "_tokens", "_extras", "_lengths", "_check_index", "_check_tokens", "_checked_extras")
+    _transient = ("_offsets", "_tokens", "_lengths", "_check_index", "_check_tokens", "_checked_extras")
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
@@ -118,10 +116,6 @@ class TokenStore(TokenizedDataset):
         n = self.manifest["tokens"]
         self._offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
         self._tokens = self._map(TOKENS_FILE, self.manifest["dtype"], n)
-        self._extras = {
-            key: (self._map(f"{key}.bin", dtype, n), np.load(self.path / f"{key}.present.npy", mmap_mode="r"))
-            for key, dtype in self.manifest["extras"].items()
-        }
         self._lengths: np.ndarray | None = None
         # the index files (8 B + 1 B per extra per document) are checked whole by a process's first read; a
         # document's token and extra bytes chunk by chunk, through the mappings the reads use
@@ -130,7 +124,8 @@ class TokenStore(TokenizedDataset):
         self._check_tokens = self._checker(TOKENS_FILE, partial(self._stored, self._tokens.dtype.itemsize),
                                            self._tokens)  # fmt: skip
         self._checked_extras = {}  # key: (values, present, checker), what a read walks
-        for key, (values, present) in self._extras.items():
+        for key, dtype in self.manifest["extras"].items():
+            values, present = self._map(f"{key}.bin", dtype, n), np.load(self.path / f"{key}.present.npy", mmap_mode="r")
             flags = partial(self._listed, _data_offset(present), 1, "flags")
             self._check_index.append(self._checker(f"{key}.present.npy", flags))
             checker = self._checker(f"{key}.bin", partial(self._stored, values.dtype.itemsize), values)
