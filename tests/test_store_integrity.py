@@ -116,7 +116,7 @@ def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path, file):
     if file == "tokens.bin":
         _flip_token(store_dir / file, 10)
     else:  # the index files: a worker's first read checks them whole again
-        header = store._offsets.offset if file == "offsets.npy" else store._extras["loss_mask"][1].offset
+        header = store._offsets.offset if file == "offsets.npy" else store._checked_extras["loss_mask"][1].offset
         with open(store_dir / file, "r+b") as f:
             f.seek(header + 3)
             old = f.read(1)

@@ -63,13 +63,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # it exists, another user's
         return True
     return True
-
-
-def _dead_here(pid: int, host: str) -> bool:
-    return host == _host() and pid != os.getpid() and not _alive(pid)
 
 
 def recover_directory(target: str | os.PathLike[str]) -> list[str]:
@@ -78,7 +74,7 @@ def recover_directory(target: str | os.PathLike[str]) -> list[str]:
     done: list[str] = []
     by_writer: dict[tuple[int, str], dict[str, list[Path]]] = {}
     for kind, pid, host, path in _siblings(target):
-        if _dead_here(pid, host):
+        if host == _host() and pid != os.getpid() and not _alive(pid):  # a dead writer of this host
             by_writer.setdefault((pid, host), {k: [] for k in _KINDS})[kind].append(path)
     for (pid, _), found in sorted(by_writer.items()):
         for tmp in found["tmp"]:

@@ -36,6 +36,15 @@ def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) 
         )
 
 
+def _written_ids(name: Path, index: int, document: Any, limit: int) -> np.ndarray:
+    """A document's ``input_ids`` about to be written: 1-D integers in ``[0, limit)``, else the error names it."""
+    ids = np.asarray(document["input_ids"]).reshape(-1)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: document {index}: input_ids must be integers, got {ids.dtype}")
+    _check_ids(name, index, ids.astype(np.int64, copy=False), limit)
+    return ids
+
+
 class TokenizedDataset(ABC):
     """A dataset of tokenized documents addressed by index; ``lengths`` is int64 ``[n_docs]`` (may be
     memory-mapped), ``serves_tokens`` False for a lengths-only file."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_chunk_sums", "legacy_chunks"]
+__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_sums", "legacy_chunks"]
 
 CHUNK_BYTES = 1 << 20
 """Bytes per checksummed chunk (a power of two; the last chunk of a file may be shorter)."""
@@ -63,13 +63,14 @@ class ChunkHasher:
         return self.sums
 
 
-def file_chunk_sums(path: str | os.PathLike[str], chunk_bytes: int = CHUNK_BYTES) -> list[str]:
-    """The chunk checksums of a file on disk (one pass, ``chunk_bytes`` at a time)."""
-    sums = []
+def file_sums(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """``(sha256, chunk checksums)`` of a file on disk, in one pass."""
+    sha, sums = hashlib.sha256(), []
     with open(path, "rb", buffering=0) as f:
-        while block := f.read(chunk_bytes):
+        while block := f.read(CHUNK_BYTES):
+            sha.update(block)
             sums.append(_digest(block))
-    return sums
+    return sha.hexdigest(), sums
 
 
 _LIVE: weakref.WeakSet[ChunkChecker] = weakref.WeakSet()
@@ -189,16 +190,10 @@ class ChunkChecker:
 
 def legacy_chunks(path: Path, files: dict[str, Any], fix: str) -> dict[str, list[str]]:
     """A format 1 store: every file hashed whole against its recorded sha256, chunk checksums derived on the way."""
-    import xxhash
-
     sums: dict[str, list[str]] = {}
     for entry in files.values():
-        file, sha, chunks = path / entry["file"], hashlib.sha256(), []
-        with open(file, "rb", buffering=0) as f:
-            while block := f.read(CHUNK_BYTES):
-                sha.update(block)
-                chunks.append(format(xxhash.xxh3_64_intdigest(block), "016x"))
-        if sha.hexdigest() != entry["sha256"]:
-            raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {fix}")
-        sums[entry["file"]] = chunks
+        sha, sums[entry["file"]] = file_sums(path / entry["file"])
+        if sha != entry["sha256"]:
+            raise ValueError(f"token store file {path / entry['file']} is corrupted (sha256 differs from the "
+                             f"manifest); {fix}")  # fmt: skip
     return sums

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import _check_ids
+from cpdata.sources.base import _written_ids
 from cpdata.sources.megatron import DTYPES, MAGIC, VERSION, MegatronIndexed, megatron_paths
 
 __all__ = ["MegatronWriter", "megatron_dtype", "write_megatron"]
@@ -61,12 +61,9 @@ class MegatronWriter:
         if extra:
             raise ValueError(f"{self.name}: document {index} carries {extra}, but a Megatron indexed dataset holds "
                              "input_ids only; write a token store (`cpdata tokenize --format cpdata`) to keep them")  # fmt: skip
-        ids = np.asarray(document["input_ids"]).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"{self.name}: document {index}: input_ids must be integers, got {ids.dtype}")
+        ids = _written_ids(Path(self.name), index, document, self.limit)
         if ids.shape[0] > _INT32_MAX:
             raise ValueError(f"{self.name}: document {index} has {ids.shape[0]} tokens; the index stores int32 lengths")
-        _check_ids(Path(self.name), index, ids.astype(np.int64, copy=False), self.limit)
         self._file.write(ids.astype(self.dtype).tobytes())
         self._lengths.append(ids.shape[0])
 
@@ -75,7 +72,7 @@ class MegatronWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.zeros(0, np.int64)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64)
         n = lengths.shape[0]
         pointers = np.zeros(n, dtype="<i8")
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import _check_ids
-from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_chunk_sums
-from cpdata.sources.manifest import sha256_file, write_manifest
+from cpdata.sources.base import _written_ids
+from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_sums
+from cpdata.sources.manifest import write_manifest
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter"]
 
@@ -29,10 +29,6 @@ OFFSETS_FILE = "offsets.npy"
 _REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
 _DAMAGED = ("restore the store's files from where they came from, or rewrite the store with `cpdata tokenize` / "
             "`cpdata pack-store`")
-
-
-def _token_dtype(vocab_size: int | None) -> np.dtype:
-    return np.dtype("<u2") if vocab_size is not None and vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 class _HashedFile:
@@ -57,21 +53,19 @@ class _HashedFile:
 
 
 def _saved_entry(path: Path) -> dict[str, Any]:
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path),
-            "chunks": file_chunk_sums(path)}  # fmt: skip
+    sha, chunks = file_sums(path)
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha, "chunks": chunks}
 
 
 class TokenStoreWriter:
     """Append documents to a store being written in the empty ``directory`` (normally an atomic temp directory);
     ``vocab_size <= 65536`` stores uint16, else uint32; ``name`` is what errors call the store."""
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None) -> None:
         self.directory = Path(directory)
         self.name = Path(name) if name is not None else self.directory
         self.vocab_size = vocab_size
-        self.dtype = _token_dtype(vocab_size)
+        self.dtype = np.dtype("<u2") if vocab_size is not None and vocab_size <= 1 << 16 else np.dtype("<u4")
         self.limit = vocab_size if vocab_size is not None else 1 << 32
         self._tokens = _HashedFile(self.directory / TOKENS_FILE)
         self._offsets = array("q", [0])
@@ -86,10 +80,7 @@ class TokenStoreWriter:
     def add(self, document: Mapping[str, Any]) -> None:
         """Append one document ``{"input_ids": [n], KEY: [n], ...}`` (validated: ids in range, aligned extras)."""
         index = self.documents
-        ids = np.asarray(document["input_ids"]).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"document {index}: input_ids must be integers, got {ids.dtype}")
-        _check_ids(self.name, index, ids.astype(np.int64, copy=False), self.limit if ids.size else None)
+        ids = _written_ids(self.name, index, document, self.limit)
         if ids.size:
             low, high = int(ids.min()), int(ids.max())
             self.min_id = low if self.min_id is None else min(self.min_id, low)
