@@ -1,8 +1,10 @@
-"""Offline packing: plan a whole dataset ahead of training (``precompute``), serve it with O(1) resume
-(``PrecomputedPacks``, ``PrecomputedDataset``), inspect it (``cpdata inspect``).
+"""Offline packing: plan a whole dataset ahead of training, serve it with O(1) resume, inspect it.
 
-The same planner as the live ``Pack`` node, run over every length and written as a versioned directory
-(``store``). Names are imported lazily, so the command line does not pull in torch.
+The same planner as the live ``Pack`` node, run over every length: ``precompute_plan`` (``precompute``) writes a
+versioned ``store``, ``reader`` (``PrecomputedPacks``) and ``precomputed_dataset`` serve it, ``metrics``,
+``summary``, ``plot`` and ``inspect_cli`` describe it; ``tokenize_files`` and ``tokenstore_cli`` turn JSONL into
+token stores, ``precompute_cli`` is ``cpdata precompute``, ``progress`` reports. Names are imported lazily, so
+the command line does not pull in torch.
 """
 
 from __future__ import annotations

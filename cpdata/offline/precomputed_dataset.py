@@ -63,7 +63,7 @@ class PrecomputedDataset(WorkerDataset):
         """Batches of epoch 0 (or the epoch :meth:`set_epoch` named) for this DP rank (the last may hold
         fewer than ``batch_size`` packs; a mix's epochs differ)."""
         b = self.collate_kwargs["batch_size"]
-        return -(-self.plans.packs_in(self.start_epoch or 0) // b)
+        return -(-self.plans.rows.packs(self.start_epoch or 0) // b)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs);

@@ -209,10 +209,6 @@ class PrecomputedPacks(ServedPacks):
         """Epochs the plan holds (a mix's plan), or None: the same packs every epoch."""
         return None if self.rows.epochs is None else len(self.rows.epochs) - 1
 
-    def packs_in(self, epoch: int) -> int:
-        """Packs this DP rank serves in ``epoch``."""
-        return self.rows.packs(epoch)
-
     def _mix_sources(self, index: np.ndarray) -> tuple[list[str], np.ndarray]:
         """The mix's ``document_sources`` of this epoch's pieces (their index counts from the epoch's first draw)."""
         base = int(self.rows.first_document[self.epoch]) if self.rows.epochs is not None else 0

@@ -1,9 +1,11 @@
 """Sources: tokenized documents on disk and in memory, read by index (the formats cpdata reads and writes).
 
 Below the nodes: each reader is a ``Sequence`` of ``{"input_ids": int64 [n], ...}`` with its lengths known up
-front and a fingerprint, so planners work from lengths and resumes and plans refuse other data. What a source
-may offer is written down in :mod:`cpdata.sources.protocol`; :func:`~cpdata.sources.open.open_dataset` picks a
-reader from a path.
+front and a fingerprint, so planners work from lengths and resumes and plans refuse other data. Modules:
+``protocol`` (what a source may offer), ``base`` (``TokenizedDataset``), ``files``, ``tokenstore`` (with
+``tokenstore_writer``, ``chunksums``, ``manifest``), ``megatron`` (with ``megatron_writer``), ``hf``,
+``concat``, ``open`` (``open_dataset``), ``fingerprint``, ``tokenizer`` (text to tokens), ``atomic``
+(crash-safe directory writes).
 """
 
 from __future__ import annotations

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.concat import ConcatDataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
 from cpdata.sources.hf import HFDocuments, is_hf_dataset, is_hf_iterable
+from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
 from cpdata.sources.protocol import Listable
+from cpdata.sources.tokenstore import TokenStore, is_token_store
 
 __all__ = ["as_source", "open_dataset"]
 
@@ -48,23 +51,16 @@ def open_dataset(
     """Open a tokenized dataset, choosing the reader from the path (module table); a list of paths reads them
     as one, in order. ``on_progress(n)`` is called while scanning (bytes of JSONL, files of a folder)."""
     if isinstance(path, (list, tuple)):
-        from cpdata.sources.concat import ConcatDataset
-
         return ConcatDataset([open_dataset(part, on_progress=on_progress) for part in path])
     p = Path(path)
     if p.is_dir():
-        from cpdata.sources.tokenstore import TokenStore, is_token_store
-
         if is_token_store(p):
             return TokenStore(p)
         if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
             import datasets
 
-
             return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)
-    from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
-
     if is_megatron_prefix(p):
         return MegatronIndexed(p)
     if not p.exists():
