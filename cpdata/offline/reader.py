@@ -52,13 +52,15 @@ def _check_documents(store: PackStore, documents: Any) -> None:
         )
 
 
-def _check_expected(store: PackStore, name: str, expected: object) -> None:
-    actual = store.config[name]
-    if expected is not None and expected != actual:
-        raise ValueError(
-            f"plan {store.path} was precomputed for {name}={actual!r}, the pipeline asks for {name}={expected!r}; "
-            f"run `cpdata precompute ... --{name.replace('_', '-')} {expected}` or use {name}={actual!r}"
-        )
+def _check_planned(store: PackStore, name: str, planned: object, asked: object, *, required: bool = False) -> None:
+    """Refuse a pipeline asking for another ``name`` than the plan was precomputed for (``asked`` None: any,
+    unless ``required``)."""
+    if planned is None or planned == asked or (asked is None and not required):
+        return
+    raise ValueError(
+        f"plan {store.path} was precomputed for {name}={planned!r}, the pipeline asks for {name}={asked!r}; "
+        f"run `cpdata precompute ... --{name.replace('_', '-')} {asked}` or use {name}={planned!r}"
+    )
 
 
 def _planned_epochs(store: PackStore) -> np.ndarray | None:
@@ -81,12 +83,7 @@ class StoreRows(PlanRows):
         self.first_document = np.asarray(documents.epoch_starts if isinstance(documents, Listed) else [0], dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.schedule = store.manifest.get("schedule")
-        if self.schedule is not None and self.schedule["dp_size"] != dp_size:
-            raise ValueError(
-                f"plan {store.path} is a schedule for dp_size={self.schedule['dp_size']}, this node has "
-                f"dp_size={dp_size}; serve it with the DP size it was planned for, or re-run "
-                f"`cpdata precompute ... --dp-size {dp_size}`"
-            )
+        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], dp_size)
 
     def check_epoch(self, epoch: int) -> None:
         """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
@@ -181,17 +178,11 @@ class PrecomputedPacks(ServedPacks):
         store = read_store(path, verify=verify)
         planned = _planned_epochs(store)
         documents = as_source(documents, indexed=True, epochs=1 if planned is None else len(planned) - 1)
-        _check_expected(store, "cp_size", cp_size)
-        _check_expected(store, "layout", layout)
+        _check_planned(store, "cp_size", store.config["cp_size"], cp_size)
+        _check_planned(store, "layout", store.config["layout"], layout)
         _check_documents(store, documents)
         labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, declared_labels(documents), documents)
-        saved = store.config.get("labels_alignment")
-        if saved is not None and saved != labels_alignment:
-            raise ValueError(
-                f"plan {store.path} was precomputed with labels_alignment={saved!r}, the pipeline asks for "
-                f"labels_alignment={labels_alignment!r}; pass labels_alignment={saved!r} or re-run "
-                f"`cpdata precompute ... --labels-alignment {labels_alignment}`"
-            )
+        _check_planned(store, "labels_alignment", store.config["labels_alignment"], labels_alignment, required=True)
         super().__init__(StoreRows(store, documents, dp_rank=int(dp_rank), dp_size=int(dp_size),
                                    vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
