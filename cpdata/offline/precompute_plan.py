@@ -172,21 +172,19 @@ def precompute(
     scheduled = isinstance(plan, SchedulePlan)
     window = None if scheduled else plan.window
     algorithm, overflow, seed, vocab_size = plan.algorithm, plan.overflow, data.seed, data.vocab_size
-    epochs = 1 if data.epochs is None else data.epochs
     # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
     PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
                           seed=seed, window=window)  # fmt: skip
-    labels_alignment = data.labels_alignment
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = as_source(dataset, indexed=True, epochs=epochs)
+    dataset = as_source(dataset, indexed=True, epochs=1 if data.epochs is None else data.epochs)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
-    labels_alignment = declared_alignment("precompute", labels_alignment, declared_labels(dataset), dataset)
+    labels_alignment = declared_alignment("precompute", data.labels_alignment, declared_labels(dataset), dataset)
     if vocab_size is not None and not dataset.serves_tokens:
         raise ValueError(
             f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "
