@@ -21,6 +21,7 @@ import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import lengths_sha256, sample_positions
+from cpdata.sources.manifest import sha256_file
 from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
@@ -313,10 +314,7 @@ class NpyFolder(TokenizedDataset):
         if self._fingerprint is None:
             h = hashlib.sha256()
             for name in self._files:
-                h.update(f"{name}\0{(self.path / name).stat().st_size}\0".encode())
-                with open(self.path / name, "rb") as f:
-                    while block := f.read(1 << 20):
-                        h.update(block)
+                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{sha256_file(self.path / name)}\0".encode())
             self._fingerprint = f"npy_folder:{h.hexdigest()}"
         return self._fingerprint
 
