@@ -51,9 +51,11 @@ def _stats_dict(stats: Any) -> dict[str, Any]:
     """A :class:`~cpdata.packing.PackingStats` as JSON-able numbers, sorted by name."""
     out: dict[str, Any] = {}
     for key, value in sorted(dataclasses.asdict(stats).items()):
-        out[key] = float(value) if isinstance(value, (np.floating, float)) else value
         if isinstance(value, (np.integer, bool)):
-            out[key] = int(value)
+            value = int(value)
+        elif isinstance(value, (np.floating, float)):
+            value = float(value)
+        out[key] = value
     return out
 
 
