@@ -8,38 +8,15 @@ front and a fingerprint, so planners work from lengths and resumes and plans ref
 (crash-safe directory writes).
 """
 
-from __future__ import annotations
+from cpdata.sources.atomic import atomic_directory
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.concat import ConcatDataset
+from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
+from cpdata.sources.hf import HFDocuments
+from cpdata.sources.megatron import MegatronIndexed
+from cpdata.sources.megatron_writer import write_megatron
+from cpdata.sources.open import as_source, open_dataset
+from cpdata.sources.tokenstore import TokenStore, write_token_store
 
-import importlib
-from typing import Any
-
-_EXPORTS: dict[str, str] = {
-    "ConcatDataset": "cpdata.sources.concat",
-    "HFDocuments": "cpdata.sources.hf",
-    "JsonlDocuments": "cpdata.sources.files",
-    "LengthsFile": "cpdata.sources.files",
-    "MegatronIndexed": "cpdata.sources.megatron",
-    "NpyFolder": "cpdata.sources.files",
-    "TokenStore": "cpdata.sources.tokenstore",
-    "TokenizedDataset": "cpdata.sources.base",
-    "atomic_directory": "cpdata.sources.atomic",
-    "as_source": "cpdata.sources.open",
-    "open_dataset": "cpdata.sources.open",
-    "write_megatron": "cpdata.sources.megatron_writer",
-    "write_token_store": "cpdata.sources.tokenstore",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = ["ConcatDataset", "HFDocuments", "JsonlDocuments", "LengthsFile", "MegatronIndexed", "NpyFolder", "TokenStore",
+           "TokenizedDataset", "as_source", "atomic_directory", "open_dataset", "write_megatron", "write_token_store"]
