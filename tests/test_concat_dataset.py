@@ -49,9 +49,9 @@ def test_shards_read_as_one_dataset_in_order(tmp_path):
         np.testing.assert_array_equal(ds[i]["input_ids"], doc["input_ids"])
     assert ds.locate(40) == (1, 0) and ds.locate(94) == (2, 29)
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone.fingerprint() == ds.fingerprint() and clone.checksum() == ds.checksum()
+    assert clone.fingerprint() == ds.fingerprint()
     swapped = open_dataset([paths[1], paths[0], paths[2]])
-    assert swapped.fingerprint() != ds.fingerprint() and swapped.checksum() != ds.checksum()
+    assert swapped.fingerprint() != ds.fingerprint()
     with pytest.raises(ValueError, match="needs at least one path"):
         open_dataset([])
 

@@ -99,13 +99,13 @@ def test_precomputed_plan_from_a_dataset_serves_the_online_packs(tmp_path):
 def test_fingerprint_binds_the_plan_to_the_data(tmp_path):
     rows = _rows()
     ds = _dataset(rows)
-    assert HFDocuments(ds).checksum() == HFDocuments(_dataset(rows)).checksum()  # stable across objects
-    assert HFDocuments(pickle.loads(pickle.dumps(ds))).checksum() == HFDocuments(ds).checksum()
+    assert HFDocuments(ds).fingerprint() == HFDocuments(_dataset(rows)).fingerprint()  # stable across objects
+    assert HFDocuments(pickle.loads(pickle.dumps(ds))).fingerprint() == HFDocuments(ds).fingerprint()
     plan = tmp_path / "plan"
     precompute(ds, plan, **precompute_records(**KW, overflow="split"))
     changed = ds.map(lambda row: {"input_ids": row["input_ids"][::-1]})
     for other in (changed, ds.select(range(len(ds) - 1)), _dataset(_rows(seed=1))):
-        assert HFDocuments(other).checksum() != HFDocuments(ds).checksum()
+        assert HFDocuments(other).fingerprint() != HFDocuments(ds).fingerprint()
         with pytest.raises(ValueError, match="hash to"):
             PrecomputedPacks(plan, other)
 

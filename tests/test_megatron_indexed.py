@@ -111,7 +111,7 @@ def test_open_is_o1_and_pickles_small(tmp_path, monkeypatch):
     assert len(blob) < 2000
     clone = pickle.loads(blob)
     np.testing.assert_array_equal(clone[1999]["input_ids"], docs[1999])
-    assert clone.checksum() == ds.checksum() == MegatronIndexed(prefix).checksum()
+    assert clone.fingerprint() == ds.fingerprint() == MegatronIndexed(prefix).fingerprint()
 
 
 def test_packs_and_precomputes_like_the_online_pipeline(tmp_path):

@@ -27,6 +27,7 @@ from cpdata.offline.store import ARRAYS, MANIFEST
 from cpdata.packing import plan_lengths
 from cpdata.sources import open_dataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
+from cpdata.sources.fingerprint import lengths_sha256
 from cpdata.worker.keys import IGNORE_INDEX
 from tests.flat_options import precompute_records
 
@@ -106,7 +107,7 @@ def test_three_input_formats_agree(tmp_path, docs):
         assert len(ds) == len(docs)
         np.testing.assert_array_equal(ds.lengths, lengths)
         assert ds.lengths.dtype == np.int64
-    assert npy.lengths_checksum() == jl.lengths_checksum() == folder.lengths_checksum()
+    assert npy.fingerprint() == f"lengths:{lengths_sha256(jl.lengths)}" == f"lengths:{lengths_sha256(folder.lengths)}"
     rng = np.random.default_rng(1)
     for i in [*rng.integers(0, len(docs), 20).tolist(), 0, len(docs) - 1, -1]:
         for ds in (jl, folder):
@@ -126,20 +127,20 @@ def test_three_input_formats_agree(tmp_path, docs):
     np.testing.assert_array_equal(clone[7]["input_ids"], docs[7])
 
 
-def test_checksum_is_over_the_input_bytes(tmp_path, docs):
+def test_fingerprint_is_over_the_input_bytes(tmp_path, docs):
     a = write_jsonl(tmp_path / "a.jsonl", docs)
     b = write_jsonl(tmp_path / "b.jsonl", docs)
-    assert open_dataset(a).checksum() == open_dataset(b).checksum()
+    assert open_dataset(a).fingerprint() == open_dataset(b).fingerprint()
     raw = bytearray(b.read_bytes())
     raw[raw.index(b"]") - 1] ^= 1  # one digit of the first document
     b.write_bytes(bytes(raw))
     changed = open_dataset(b)
-    assert changed.checksum() != open_dataset(a).checksum()
+    assert changed.fingerprint() != open_dataset(a).fingerprint()
     np.testing.assert_array_equal(changed.lengths, open_dataset(a).lengths)  # same lengths, other tokens
     f1, f2 = write_folder(tmp_path / "f1", docs), write_folder(tmp_path / "f2", docs)
-    assert NpyFolder(f1).checksum() == NpyFolder(f2).checksum()
+    assert NpyFolder(f1).fingerprint() == NpyFolder(f2).fingerprint()
     os.rename(f2 / "doc_00000.npy", f2 / "doc_99999.npy")  # reorder: same bytes, other order
-    assert NpyFolder(f2).checksum() != NpyFolder(f1).checksum()
+    assert NpyFolder(f2).fingerprint() != NpyFolder(f1).fingerprint()
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,7 @@ def test_plan_directory_holds_the_planner_result(tmp_path, jsonl, docs, algorith
     assert m["stats"]["split"] == want.stats.split > 0  # documents longer than the capacity were split
     assert m["stats"]["skipped"] == 2
     assert m["config"]["planner"] == {"algorithm": algorithm, "overflow": "split", "seed": 0, "window": 16}
-    assert m["input"]["sha256"] == open_dataset(jsonl).checksum()
+    assert m["input"]["identity"] == open_dataset(jsonl).fingerprint()
     # continues: brute force over the pieces.
     a = store.arrays
     starts = {(int(d), int(s)) for d, s in zip(a["doc_index"], a["doc_start"], strict=True)}
@@ -249,6 +250,8 @@ def _rewrite_manifest(plan: Path, edit) -> None:
         (lambda p: _rewrite_manifest(p, lambda m: m["config"].update(capacity=512)), "manifest.json is corrupted"),
         (lambda p: (p / MANIFEST).write_text("{not json"), "corrupted \\(not valid JSON"),
         (lambda p: _rewrite_manifest(p, lambda m: m.update(format_version=99)), "format_version 99, this cpdata reads"),
+        (lambda p: _rewrite_manifest(p, lambda m: m.update(format_version=1)),  # bound its input by checksums
+         "format_version 1, this cpdata reads version 2; re-run `cpdata precompute`"),
         (lambda p: (p / "doc_len.npy").unlink(), "'doc_len' is missing"),
         (lambda p: (p / MANIFEST).unlink(), "not a precomputed plan directory"),
     ],
@@ -278,7 +281,7 @@ def test_mismatched_dataset_cp_size_or_layout_is_refused(tmp_path, jsonl, docs):
         PrecomputedPacks(plan, open_dataset(jsonl), cp_size=4)
     with pytest.raises(ValueError, match="layout='thd', the pipeline asks for layout='balanced'"):
         PrecomputedPacks(plan, open_dataset(jsonl), layout="balanced")
-    with pytest.raises(TypeError, match="checksum"):
+    with pytest.raises(ValueError, match="precomputed from 'data.jsonl' .* hash to list:"):
         PrecomputedPacks(plan, docs)
     node = PrecomputedPacks(plan, open_dataset(jsonl), cp_size=CP, layout=LAYOUT)
     assert len(node) == read_store(plan).n_packs

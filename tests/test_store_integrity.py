@@ -116,7 +116,7 @@ def test_a_dataloader_worker_checks_the_chunks_it_reads(clean, tmp_path, file):
     if file == "tokens.bin":
         _flip_token(store_dir / file, 10)
     else:  # the index files: a worker's first read checks them whole again
-        header = store._offsets.offset if file == "offsets.npy" else store._extras["loss_mask"][1].offset
+        header = store._offsets.offset if file == "offsets.npy" else store._checked_extras["loss_mask"][1].offset
         with open(store_dir / file, "r+b") as f:
             f.seek(header + 3)
             old = f.read(1)
@@ -142,7 +142,7 @@ def test_the_plan_records_the_digest_of_the_bytes_it_read(clean, tmp_path):
     opened = TokenStore(clean[0])
     assert all(c.checked == 0 for c in opened._checkers())
     plan = precompute(opened, tmp_path / "plan", **precompute_records(**PLAN))
-    assert plan.manifest["input"]["sha256"] == opened.checksum() == opened.manifest["manifest_sha256"]
+    assert plan.manifest["input"]["identity"] == opened.fingerprint() == f"token_store:{opened.manifest['manifest_sha256']}"
     # ... the digest covers the chunk checksums, and precompute checked every chunk of every file against them
     assert all(c.checked == len(c.sums) > 0 for c in opened._checkers())
 

@@ -252,7 +252,7 @@ def test_precompute_records_the_alignment_and_plans_like_the_online_pipeline(tmp
             assert np.array_equal(x.arrays["labels"], y.arrays["labels"])
     assert not {p.index for plan in offline for p in plan.pieces} & {3, 10, 17, 24}
     for other in ("targets", None):
-        with pytest.raises(ValueError, match="precomputed with labels_alignment='inputs'"):
+        with pytest.raises(ValueError, match="precomputed for labels_alignment='inputs'"):
             PrecomputedPacks(tmp_path / "plan", data, labels_alignment=other)
 
 

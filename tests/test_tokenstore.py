@@ -48,9 +48,9 @@ def test_round_trip_is_exact_with_sparse_extras_and_opens_from_the_index(tmp_pat
             np.testing.assert_array_equal(got[key], doc[key])
         assert got["input_ids"].dtype == np.int64
     clone = pickle.loads(pickle.dumps(opened))
-    assert len(pickle.dumps(opened)) < 5_000 and clone.checksum() == opened.checksum()
+    assert len(pickle.dumps(opened)) < 5_000 and clone.fingerprint() == opened.fingerprint()
     np.testing.assert_array_equal(clone[7]["input_ids"], docs[7]["input_ids"])
-    assert write_token_store(_docs(), tmp_path / "t", vocab_size=300).checksum() == store.checksum()  # deterministic
+    assert write_token_store(_docs(), tmp_path / "t", vocab_size=300).fingerprint() == store.fingerprint()  # deterministic
     wide = write_token_store([{"input_ids": [70_000, 1]}], tmp_path / "w")
     assert wide.manifest["dtype"] == "<u4" and wide[0]["input_ids"].tolist() == [70_000, 1]
 
@@ -69,7 +69,7 @@ def test_open_does_not_read_the_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(chunksums, "_digest", counting)
     store = TokenStore(tmp_path / "s")
     assert isinstance(store._tokens, np.memmap) and isinstance(store._offsets, np.memmap)
-    assert store.checksum() == store.manifest["manifest_sha256"]
+    assert store.fingerprint() == f"token_store:{store.manifest['manifest_sha256']}"
     store.check_token_ids(300)  # from the manifest's max id
     assert hashed == []  # the open read no file content
     store[0]  # the first read checks the chunks it touches: offsets, tokens, the extra's flags and data
@@ -134,7 +134,7 @@ def test_pack_store_cli_parallel_output_equals_serial(tmp_path, capsys):
     assert cli_main(["pack-store", str(src), "--out", str(tmp_path / "two"), "--quiet", "--vocab-size", "300",
                      "--workers", "2"]) == 0  # fmt: skip
     one, two = TokenStore(tmp_path / "one", verify=True), TokenStore(tmp_path / "two", verify=True)
-    assert one.checksum() == two.checksum()
+    assert one.fingerprint() == two.fingerprint()
     for i in (0, 3, 650, 1299):
         for key in docs[i]:
             np.testing.assert_array_equal(two[i][key], docs[i][key])
@@ -164,7 +164,7 @@ def test_tokenize_cli_and_precompute_with_a_tokenizer(tmp_path, capsys):
     ref = tok.apply_chat_template(conversations()[1], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert store[7]["assistant_masks"].tolist() == ref["assistant_masks"][:12]
     assert cli_main([*args[:-3], "--out", str(tmp_path / "tokens2"), "--workers", "2", "--quiet"]) == 0
-    assert TokenStore(tmp_path / "tokens2").checksum() == store.checksum()
+    assert TokenStore(tmp_path / "tokens2").fingerprint() == store.fingerprint()
 
     plan = tmp_path / "plan"
     assert cli_main(["precompute", str(src), "--tokenizer", str(tmp_path / "tok"), "--append-eos", "--capacity", "32",

@@ -10,8 +10,6 @@ A stream source or ``stop="never"`` is refused, naming the fix. Epoch policy: do
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +18,7 @@ import numpy as np
 from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.mix_readers import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.fingerprint import source_fingerprint
-from cpdata.sources.protocol import Carried, Checked, Hashed, stated_lengths
+from cpdata.sources.protocol import Carried, Checked, stated_lengths
 from cpdata.worker.targets import TARGET_KEYS
 
 if TYPE_CHECKING:
@@ -175,13 +172,6 @@ class MixedDataset(TokenizedDataset):
         names = self.mix.names
         return [(f"mix source {n!r} (source {k} of {names})", s)
                 for k, (n, s) in enumerate(zip(names, self._sources, strict=True)) if isinstance(s, Checked)]  # fmt: skip
-
-    def _compute_checksum(self) -> str:
-        parts = []
-        for source in self._sources:
-            parts.append(source.checksum() if isinstance(source, Hashed) else source_fingerprint(source))
-        epochs = self.epoch if self.epochs == 1 else [self.epoch, self.epochs]  # one epoch: as before epochs=
-        return hashlib.sha256(json.dumps([self.mix.config, epochs, parts]).encode()).hexdigest()
 
     def fingerprint(self) -> str:
         return f"{self.mix.fingerprint()}:{self.epoch}" + ("" if self.epochs == 1 else f"+{self.epochs}")

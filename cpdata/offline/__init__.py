@@ -1,28 +1,10 @@
-"""Offline packing: plan a whole dataset ahead of training, serve it with O(1) resume.
+"""Offline packing: plan a whole dataset ahead of training, serve it with O(1) resume, inspect it.
 
-::
-
-    cpdata precompute data.jsonl --capacity 8192 --cp-size 4 --layout thd --out plan/
-    cpdata inspect plan/ --plot pack0.png
-
-    docs = open_dataset("data.jsonl")
-    plans = PrecomputedPacks("plan/", docs, cp_size=4, layout="thd")
-    batches = ShardForRank(Collate(plans), cp_size=4, cp_rank=r, layout="thd")
-
-Role: the offline half of the worker side. It runs the same planner as the
-live ``Pack`` node over a whole dataset (read through :mod:`cpdata.sources`),
-writes the plan as a versioned directory, and serves it back as a node.
-
-Modules, in pipeline order: ``tokenize_files`` / ``tokenstore_cli`` (``cpdata
-tokenize`` / ``pack-store``: text to a token store), ``progress`` (progress
-lines), ``precompute_plan`` (``precompute``: planning + writing) and ``precompute_cli`` (``cpdata
-precompute``), ``store`` (the plan directory format), ``reader``
-(``PrecomputedPacks``, the node serving a plan), ``precomputed_dataset`` (a plan
-for ``StatefulDataLoader`` workers), ``metrics`` / ``summary`` / ``plot`` /
-``inspect_cli`` (``cpdata inspect``).
-
-Names are imported lazily, so the command line (``precompute``, ``inspect``)
-does not pull in torch.
+The same planner as the live ``Pack`` node, run over every length: ``precompute_plan`` (``precompute``) writes a
+versioned ``store``, ``reader`` (``PrecomputedPacks``) and ``precomputed_dataset`` serve it, ``metrics``,
+``summary``, ``plot`` and ``inspect_cli`` describe it; ``tokenize_files`` and ``tokenstore_cli`` turn JSONL into
+token stores, ``precompute_cli`` is ``cpdata precompute``, ``progress`` reports. Names are imported lazily, so
+the command line does not pull in torch.
 """
 
 from __future__ import annotations

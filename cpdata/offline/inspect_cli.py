@@ -26,12 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pack", type=int, default=None, help="show this pack's documents and per-rank work")
     p.add_argument("--plot", metavar="OUT.png", default=None, help="draw the pack (default pack 0) to a PNG")
     p.add_argument("--all-layouts", action="store_true", help="plot every layout, not only the plan's")
-    p.add_argument(
-        "--sample",
-        type=int,
-        default=DEFAULT_SAMPLE,
-        help=f"measure layouts on at most this many evenly spaced packs (default {DEFAULT_SAMPLE}; 0 = all)",
-    )
+    p.add_argument("--sample", type=int, default=DEFAULT_SAMPLE,
+                   help=f"measure layouts on at most this many evenly spaced packs (default {DEFAULT_SAMPLE}; 0 = all)")
     p.add_argument("--no-verify", action="store_true", help="skip the array checksums (faster on huge plans)")
     p.set_defaults(func=run)
 

@@ -1,16 +1,9 @@
-"""Per-pack geometry and CP cost metrics, for any layout.
+"""Per-pack geometry and CP cost metrics, for any layout (O(pack_len) per pack and layout).
 
-A pack is described by its pieces' real lengths, their slot lengths and the
-pack length. From those, :func:`pack_geometry` places every token; the
-layout's ``rank_indices`` then says which rank owns it, and the causal
-document-masked cost model (:func:`cpdata.layout.maps.causal_work`: a real token at
-position p of its piece attends to p + 1 keys, pads cost 0) gives each rank's
-work. Positions count from the piece start: a split piece attends only to
-itself inside this pack.
-
-:func:`realign` re-lays a pack's pieces out for another layout (its own
-per-document and pack multiples), so one plan can be compared across layouts.
-Cost: O(pack_len) per pack and layout.
+:func:`pack_geometry` places every token of a pack from its pieces' real and slot lengths; the layout's
+``rank_indices`` then says which rank owns it and :func:`cpdata.layout.maps.causal_work` gives each rank's
+work (a split piece attends only to itself in this pack). :func:`realign` re-lays the pieces out for another
+layout, so one plan can be compared across layouts.
 """
 
 from __future__ import annotations
@@ -59,15 +52,8 @@ def pack_geometry(doc_len: np.ndarray, slot_len: np.ndarray, pack_len: int) -> P
 
 
 def realign(doc_len: np.ndarray, capacity: int, layout: str, cp_size: int) -> tuple[np.ndarray, int]:
-    """Slot lengths and pack length the same pieces need under ``layout``.
-
-    Each piece is padded to the layout's document multiple; the pack keeps
-    ``capacity`` tokens unless the padded slots no longer fit, then grows to
-    the next pack multiple (such packs would not fit the capacity at all).
-
-    Returns:
-        ``(slot_len int64 [n_slots], pack_len)``.
-    """
+    """``(slot_len int64 [n_slots], pack_len)`` the same pieces need under ``layout``: each padded to the
+    layout's document multiple, the pack ``capacity`` unless the slots outgrow it (then the next pack multiple)."""
     doc_multiple, pack_multiple = alignment(layout, cp_size)
     doc_len = np.asarray(doc_len, dtype=np.int64)
     slot_len = -(-doc_len // doc_multiple) * doc_multiple
@@ -76,11 +62,7 @@ def realign(doc_len: np.ndarray, capacity: int, layout: str, cp_size: int) -> tu
 
 
 def rank_work(layout: str, cp_size: int, geometry: PackGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``layout`` for the pack and causal work per rank.
-
-    Returns:
-        ``(rows int64 [cp, pack_len // cp], work int64 [cp])``.
-    """
+    """``(rows int64 [cp, pack_len // cp], work int64 [cp])``: ``layout``'s rows for the pack and causal work per rank."""
     rows = rank_indices(layout, cp_size, geometry.slot_len, geometry.pack_len)
     return rows, causal_work(rows, geometry.positions).astype(np.int64)
 
@@ -93,15 +75,8 @@ def imbalance(work: np.ndarray) -> np.ndarray:
 
 
 def chunk_lengths(rows: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
-    """Lengths of every rank's contiguous runs of one piece's real tokens.
-
-    A chunk is a maximal run of a rank's local tokens that are consecutive
-    global positions of the same piece; short chunks are what makes attention
-    kernels inefficient. Padding belongs to no chunk.
-
-    Returns:
-        int64 ``[n_chunks]`` over all ranks.
-    """
+    """int64 ``[n_chunks]`` over all ranks: lengths of every rank's maximal runs of consecutive global positions of
+    one piece's real tokens (short chunks make attention kernels inefficient)."""
     out = []
     for row in np.asarray(rows):
         slot = slot_of[row]

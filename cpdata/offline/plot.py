@@ -1,12 +1,5 @@
-"""Picture of one pack under CP layouts: who owns which token, and who does how much work.
-
-One row of panels per layout. Left: the pack's global token positions on the
-x axis, one row per CP rank; a rank's row is colored where it owns the token
-(by document, pads grey) and blank elsewhere. Right: per-rank causal
-attention work (doc-masked), with ``max / mean`` in the title.
-
-Needs matplotlib (extra ``plot``); uses the Agg canvas directly, so it never
-touches a display or pyplot's global state.
+"""Picture of one pack under CP layouts: per layout, which rank owns each token (coloured by document, pads
+grey) and each rank's causal work. Needs matplotlib (extra ``plot``); draws on the Agg canvas, never pyplot.
 """
 
 from __future__ import annotations
@@ -53,23 +46,16 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
     first_bars = None
     for i, layout in enumerate(layouts):
         geometry, owned, work = pack_view(store, k, layout)
-        token_rgb = np.where(
-            (geometry.slot_of >= 0)[:, None], colors[np.maximum(geometry.slot_of, 0)], np.float32(_PAD)
-        )
-        image = np.empty((cp, geometry.pack_len, 3), dtype=np.float32)
-        image[:] = _UNOWNED
+        token_rgb = np.where((geometry.slot_of >= 0)[:, None], colors[np.maximum(geometry.slot_of, 0)], np.float32(_PAD))
+        image = np.full((cp, geometry.pack_len, 3), _UNOWNED, dtype=np.float32)
         for r in range(cp):
             image[r, owned[r]] = token_rgb[owned[r]]
         ax = fig.add_subplot(grid[i, 0])
         ax.imshow(image, aspect="auto", interpolation="nearest", extent=(0, geometry.pack_len, cp - 0.5, -0.5))
         ax.set_yticks(range(cp), [f"rank {r}" for r in range(cp)])
         pad = int(geometry.pack_len - geometry.doc_len.sum())
-        ax.set_title(
-            f"{layout}: tokens owned per CP rank (pack {k}, {geometry.pack_len} tokens, "
-            f"{doc_index.shape[0]} documents, {pad} pad)",
-            fontsize=10,
-            loc="left",
-        )
+        ax.set_title(f"{layout}: tokens owned per CP rank (pack {k}, {geometry.pack_len} tokens, "
+                     f"{doc_index.shape[0]} documents, {pad} pad)", fontsize=10, loc="left")  # fmt: skip
         if i == len(layouts) - 1:
             ax.set_xlabel("global token position in the pack")
         bars = fig.add_subplot(grid[i, 1], sharex=first_bars)  # one work scale across layouts

@@ -48,27 +48,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tile", type=int, default=None, choices=TILES,
                    help="with --layout tiled: the kernel's tile (default 128); packs are multiples of cp * tile")
     p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd", help="packing algorithm (default: bfd)")
-    p.add_argument(
-        "--overflow",
-        choices=OVERFLOW_POLICIES,
-        default=None,
-        help="documents longer than the capacity (default: error; split for concat)",
-    )
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=None,
+                   help="documents longer than the capacity (default: error; split for concat)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="planner seed (default: 0)")
-    p.add_argument(
-        "--window", type=int, default=None, help=f"documents per planning window (default: {DEFAULT_WINDOW}; all for ffd)"
-    )
-    p.add_argument(
-        "--vocab-size", type=int, default=None, help="refuse token ids >= this (negative ids are always refused)"
-    )
-    p.add_argument(
-        "--labels-alignment",
-        choices=("inputs", "targets"),
-        default=None,
-        help="meaning of the rows' labels / loss masks, required when they carry any: 'inputs' (aligned with "
-        "input_ids, the model shifts: Hugging Face, TRL, torchtune) or 'targets' (already next-token targets: "
-        "Megatron, NeMo)",
-    )
+    p.add_argument("--window", type=int, default=None,
+                   help=f"documents per planning window (default: {DEFAULT_WINDOW}; all for ffd)")  # fmt: skip
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="refuse token ids >= this (negative ids are always refused)")  # fmt: skip
+    p.add_argument("--labels-alignment", choices=("inputs", "targets"), default=None,
+                   help="meaning of the rows' labels / loss masks, required when they carry any: 'inputs' (aligned "
+                   "with input_ids, the model shifts: Hugging Face, TRL, torchtune) or 'targets' (already next-token "
+                   "targets: Megatron, NeMo)")  # fmt: skip
     p.add_argument("--dp-size", type=int, default=None,
                    help="plan a global schedule for this many DP ranks (equal steps per rank, each reads its own)")
     p.add_argument("--micro-batches", type=int, default=1, help="packs per DP rank per step (with --dp-size)")
@@ -136,12 +126,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.input is None:
         raise ValueError("pass INPUT (a tokenized dataset) or --mix NAME=PATH:WEIGHT at least once")
     if args.tokenizer:
-        from cpdata.offline.tokenize_files import jsonl_to_token_store
+        from cpdata.offline.tokenize_files import convert_jsonl
 
         tokens_out = args.tokens_out or f"{str(args.out).rstrip('/')}.tokens"
-        tokens, _ = jsonl_to_token_store(args.input, tokens_out, tokenizer=row_tokenizer(args),
-                                         vocab_size=args.vocab_size, workers=args.workers, overwrite=args.force,
-                                         progress=not args.quiet)  # fmt: skip
+        tokens, _ = convert_jsonl(args.input, tokens_out, tokenizer=row_tokenizer(args), vocab_size=args.vocab_size,
+                                  workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
         print(f"wrote {tokens.path}: {len(tokens)} documents, {tokens.manifest['tokens']} tokens (serve the plan "
               "with open_dataset of this directory)")  # fmt: skip
         data = tokens

@@ -1,14 +1,8 @@
 """Plan a whole dataset ahead of training and write it as a plan directory.
 
-The planner is the online one (:func:`cpdata.packing.plan_lengths`) run once
-over every document length, so a plan served by
-:class:`~cpdata.offline.reader.PrecomputedPacks` gives the packs the online
-``Pack`` node would give for the same documents, order and seed. Next to the
-plan it stores per-pack real tokens and per-rank causal attention work under
-the configured layout, so ``cpdata inspect`` reads them without tokens.
-
-Cost: planning is the planner's; the per-pack statistics are O(capacity) numpy
-work per pack (figures: docs/benchmarks.md), shown with a progress bar.
+The planner is the online one (:func:`cpdata.packing.plan_lengths`, or a global schedule) run once over every
+length, so the plan gives the packs the online pipeline would; per-pack real tokens and per-rank causal work
+are stored beside it for ``cpdata inspect``. Cost: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store
 from cpdata.packing.pieces import piece_continues
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset
 from cpdata.sources.protocol import Carried, Listed, declared_labels
 from cpdata.worker.targets import (
@@ -53,9 +48,9 @@ __all__ = ["precompute"]
 
 
 def _stats_dict(stats: Any) -> dict[str, Any]:
-    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+    """A :class:`~cpdata.packing.PackingStats` as JSON-able numbers, sorted by name."""
     out: dict[str, Any] = {}
-    for key, value in sorted(raw.items()):
+    for key, value in sorted(dataclasses.asdict(stats).items()):
         if isinstance(value, (np.integer, bool)):
             value = int(value)
         elif isinstance(value, (np.floating, float)):
@@ -100,15 +95,8 @@ def _check_options(plan: Any, data: Any, dataset: Any) -> None:
         )
 
 
-def _first_targets(
-    dataset: TokenizedDataset, labels_alignment: LabelsAlignment | None, progress: bool
-) -> np.ndarray | None:
-    """First trained target of every document when the dataset carries labels or masks, else None."""
-    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
-    if not present:
-        return None
-    if labels_alignment is None:
-        raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
+def _first_targets(dataset: TokenizedDataset, labels_alignment: LabelsAlignment, progress: bool) -> np.ndarray:
+    """First trained target of every document (the dataset carries labels or masks)."""
     out = np.empty(len(dataset), dtype=np.int64)
     with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
         for i in range(len(dataset)):
@@ -166,46 +154,16 @@ def precompute(
     progress: bool = False,
     **removed: Any,
 ) -> PackStore:
-    """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir``.
+    """Plan every document of ``dataset`` into packs and write the plan directory ``out_dir`` (atomically).
 
-    Args:
-        dataset: a :class:`TokenizedDataset`, a ``datasets.Dataset`` (lengths from its
-            ``length``/``num_tokens`` column when present), or a path for
-            :func:`open_dataset` (a lengths-only ``.npy``/``.npz`` is enough here).
-        out_dir: target directory, written atomically (see :mod:`cpdata.offline.store`).
-        capacity, cp_size, layout: as for :func:`cpdata.build_loader`; the manifest records the resolved
-            planner values.
-        tile: ``layout="tiled"`` only: the kernel's tile (64, 128 or 256); the manifest's layout is the string
-            that carries it (:func:`cpdata.layout.maps.layout_spec`: ``"tiled:256"``), which the readers take.
-        plan: :class:`~cpdata.nodes.options.StreamPlan` (default): the packs the online ``Pack`` node
-            gives (``algorithm``, ``overflow``, ``window``); or :class:`~cpdata.nodes.options.SchedulePlan`:
-            the global schedule of :func:`cpdata.schedule.plan_schedule` for ``data.dp_size`` DP ranks
-            (``kind``, ``micro_batches``, ``max_delay``, ``cost``, ``tail``, ``algorithm``, ``overflow``):
-            packs in (step, DP rank, micro-batch) order, the same packs ``build_loader(plan=SchedulePlan())``
-            serves, and :class:`~cpdata.offline.reader.PrecomputedPacks` serves each DP rank its own with
-            equal counts. Lengths come from ``dataset``, so ``SchedulePlan.lengths`` and ``window`` do not apply.
-        data: :class:`~cpdata.nodes.options.DataPolicy`. ``seed``: the planner's. ``dp_size``: with a
-            ``SchedulePlan``, the DP ranks it plans for (a stream plan is split between ranks when served).
-            ``vocab_size``: token ids ``>= vocab_size`` are refused (negative ids always are), both checked
-            before planning, naming the document, so a bad id never reaches a written plan.
-            ``labels_alignment``: ``"inputs"`` or ``"targets"`` (:mod:`cpdata.worker.targets`), required when
-            the documents carry ``labels`` or a mask; recorded in the manifest, and a reader with another
-            alignment is refused. Such documents are read once more to find those that train nothing (left
-            out and counted as ``untrained``, as online). ``epochs``: with a :func:`cpdata.mix` dataset and a
-            stream plan, plan epochs ``0 .. epochs - 1``, each over the documents the mix draws in that epoch
-            and packed on its own, as the loader packs epoch after epoch (one per ``iter()``);
-            ``PrecomputedPacks`` serves epoch ``e`` its own packs and refuses epoch ``epochs``. The manifest's
-            ``epochs`` lists each epoch's first pack and per-source counts. Any other dataset gives the same
-            packs every epoch: one plan serves them all. ``dp_rank`` and ``shuffle`` do not apply (a plan
-            holds every rank's packs, in the planner's order).
-        overwrite: replace an existing ``out_dir``.
-        progress: show progress on stderr.
-        removed: the keywords of cpdata 0.3, each refused with the record field that replaces it
-            (:data:`cpdata.nodes.options.RENAMED`).
-
-    Returns:
-        The written directory, opened and verified.
-    """
+    ``dataset``: a :class:`TokenizedDataset`, a ``datasets.Dataset``, a :func:`cpdata.mix`, or a path for
+    :func:`open_dataset` (a lengths file is enough). ``capacity``, ``cp_size``, ``layout`` and ``tile`` as for
+    :func:`cpdata.build_loader`. ``plan``: a :class:`~cpdata.nodes.options.StreamPlan` (the online ``Pack``
+    node's packs) or a :class:`~cpdata.nodes.options.SchedulePlan` (a global schedule for ``data.dp_size`` DP
+    ranks; ``lengths`` and ``window`` do not apply). ``data``: ``seed``, ``dp_size``, ``vocab_size``,
+    ``labels_alignment`` and a mix's ``epochs`` (docs/usage.md says what each does to a plan; ``dp_rank`` and
+    ``shuffle`` do not apply). ``removed``: 0.3's keywords, refused naming the field that replaces them.
+    Returns the written directory, opened and verified."""
     from cpdata.packing import PackingConfig
 
     refuse_keywords("precompute", removed, ("capacity", "cp_size", "layout", "tile", "plan", "data", "overwrite",
@@ -216,21 +174,19 @@ def precompute(
     scheduled = isinstance(plan, SchedulePlan)
     window = None if scheduled else plan.window
     algorithm, overflow, seed, vocab_size = plan.algorithm, plan.overflow, data.seed, data.vocab_size
-    epochs = 1 if data.epochs is None else data.epochs
     # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
     PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
                           seed=seed, window=window)  # fmt: skip
-    labels_alignment = data.labels_alignment
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
-    dataset = as_source(dataset, indexed=True, epochs=epochs)
+    dataset = as_source(dataset, indexed=True, epochs=1 if data.epochs is None else data.epochs)
     if not isinstance(dataset, TokenizedDataset):
         path = Path(dataset)
         size = path.stat().st_size if path.is_file() else sum(1 for _ in path.glob("*.npy"))
         unit = "B" if path.is_file() else "files"
         with Progress(size, f"reading {path.name}", unit=unit, enabled=progress) as bar:
             dataset = open_dataset(path, on_progress=bar.update)
-    labels_alignment = declared_alignment("precompute", labels_alignment, declared_labels(dataset), dataset)
+    labels_alignment = declared_alignment("precompute", data.labels_alignment, declared_labels(dataset), dataset)
     if vocab_size is not None and not dataset.serves_tokens:
         raise ValueError(
             f"vocab_size={vocab_size} cannot be checked against {dataset.path}, which holds document lengths only; "
@@ -241,9 +197,12 @@ def precompute(
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
+    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
+    if present and labels_alignment is None:
+        raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
     schedule_info: dict[str, Any] | None = None
-    if not scheduled:
-        firsts = _first_targets(dataset, labels_alignment, progress)
+    if not scheduled:  # a schedule plans lengths only: documents that train nothing stay
+        firsts = _first_targets(dataset, labels_alignment, progress) if present else None
         starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
         result, epoch_packs = _plan_epochs(
             lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
@@ -252,9 +211,6 @@ def precompute(
     else:
         from cpdata.schedule import CostModel, plan_schedule
 
-        present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
-        if present and labels_alignment is None:  # a schedule plans lengths only: untrained documents stay
-            raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
         cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None
         sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=data.dp_size,
                               micro_batches=plan.micro_batches, cost=cost, max_delay=plan.max_delay,
@@ -271,14 +227,9 @@ def precompute(
         }  # fmt: skip
     config = result.config
 
-    offsets = np.asarray(result.pack_offsets, dtype=np.int64)
-    plan_arrays = {
-        "pack_offsets": offsets,
-        "doc_index": np.asarray(result.doc_index, dtype=np.int64),
-        "doc_start": np.asarray(result.doc_start, dtype=np.int64),
-        "doc_len": np.asarray(result.doc_len, dtype=np.int64),
-        "slot_len": np.asarray(result.slot_len, dtype=np.int64),
-    }
+    plan_arrays = {k: np.asarray(getattr(result, k), dtype=np.int64)
+                   for k in ("pack_offsets", "doc_index", "doc_start", "doc_len", "slot_len")}  # fmt: skip
+    offsets = plan_arrays["pack_offsets"]
     plan_arrays["continues"] = piece_continues(plan_arrays["doc_index"], plan_arrays["doc_start"], plan_arrays["doc_len"])
     n_packs = offsets.shape[0] - 1
     tokens_before = np.concatenate([[0], np.cumsum(plan_arrays["doc_len"])]).astype(np.int64)
@@ -309,8 +260,8 @@ def precompute(
         "input": {
             "kind": dataset.kind,
             "name": dataset.path.name,
-            "sha256": dataset.checksum(),
-            "lengths_sha256": dataset.lengths_checksum(),
+            "identity": source_identity(dataset),
+            "lengths_sha256": lengths_sha256(lengths),
             "documents": int(lengths.shape[0]),
             "tokens": int(lengths.sum()),
         },

@@ -1,17 +1,8 @@
 """``PrecomputedDataset``: a precomputed plan served by ``StatefulDataLoader`` workers, O(1) resume.
 
-::
-
-    ds = PrecomputedDataset("plan/", open_dataset("tokens/"), cp_rank=r, cp_size=4, batch_size=2)
-    loader = CPDataLoader(ds, num_workers=4, pin_memory=True)  # a StatefulDataLoader(ds, batch_size=None, ...)
-
-Batch ``j`` of a DP rank is packs ``j·B .. j·B + B − 1`` of its stream
-(:class:`~cpdata.offline.reader.PrecomputedPacks`); worker ``w`` of ``N`` builds
-batches ``w, w + N, ...`` and reads only those packs' documents
-(``PrecomputedPacks.with_worker``). Unlike :class:`~cpdata.CPDataset` (where
-every worker packs the whole stream) no work is repeated across workers.
-Epochs and resume as for :class:`~cpdata.nodes.dataset.WorkerDataset`; an
-epoch the plan does not hold is refused with ``ValueError``.
+Batch ``j`` of a DP rank is packs ``j·B .. j·B + B − 1`` of its stream; worker ``w`` of ``N`` builds batches
+``w, w + N, ...`` and reads only those packs' documents, so no work is repeated across workers (unlike
+:class:`~cpdata.CPDataset`). Epochs and resume as for :class:`~cpdata.nodes.dataset.WorkerDataset`.
 """
 
 from __future__ import annotations
@@ -33,21 +24,10 @@ __all__ = ["PrecomputedDataset"]
 class PrecomputedDataset(WorkerDataset):
     """One CP rank's batches from a plan directory, for ``StatefulDataLoader(batch_size=None, num_workers=N)``.
 
-    Args:
-        path, documents: the plan directory and the documents it was computed
-            over (as for :class:`~cpdata.offline.reader.PrecomputedPacks`; a
-            ``datasets.Dataset`` or token store works).
-        cp_rank: this rank; ``cp_size`` (default: the plan's) and ``layout``
-            are checked against the plan.
-        dp_rank, dp_size, vocab_size, labels_alignment: as for ``PrecomputedPacks``
-            (``labels_alignment`` defaults to what the documents declare, e.g. a token
-            store written by ``cpdata tokenize --assistant-only``).
-        batch_size, qkv_format, padding_token_id: as for :class:`~cpdata.nodes.collate.Collate`.
-        prefetch: batches prepared ahead per worker in a thread (default 0).
-        block_size, kv_exchange: as for :class:`~cpdata.nodes.shard.ShardForRank` (and ``CPDataset``):
-            batches prepared at once, and each batch's K/V exchange plan (``batch.layout.kv_exchange``,
-            which the ``"cpdata"`` attention and :func:`cpdata.exchange_tokens` use instead of an all-gather).
-    """
+    Plan and documents as for :class:`~cpdata.offline.reader.PrecomputedPacks` (``cp_size`` defaults to the
+    plan's); ``batch_size``, ``qkv_format`` and ``padding_token_id`` as for :class:`~cpdata.nodes.collate.Collate`;
+    ``block_size`` and ``kv_exchange`` as for :class:`~cpdata.nodes.shard.ShardForRank`; ``prefetch``: batches
+    prepared ahead per worker in a thread."""
 
     def __init__(
         self,
@@ -83,7 +63,7 @@ class PrecomputedDataset(WorkerDataset):
         """Batches of epoch 0 (or the epoch :meth:`set_epoch` named) for this DP rank (the last may hold
         fewer than ``batch_size`` packs; a mix's epochs differ)."""
         b = self.collate_kwargs["batch_size"]
-        return -(-self.plans.packs_in(self.start_epoch or 0) // b)
+        return -(-self.plans.rows.packs(self.start_epoch or 0) // b)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs);

@@ -1,15 +1,9 @@
-"""Progress reporting for long offline runs: tqdm when installed (extra ``progress``), else plain stderr.
-
-Nothing is shown for work that finishes within ``delay`` seconds (1 s by
-default). After that, tqdm draws its bar; the fallback prints one line per
-10 % step, so a log stays short whatever the total.
-"""
+"""Progress for long offline runs: tqdm when installed, else one stderr line per 10 %; silent for ``delay`` s."""
 
 from __future__ import annotations
 
 import sys
 import time
-from types import TracebackType
 from typing import Any, TextIO
 
 __all__ = ["Progress"]
@@ -18,16 +12,8 @@ __all__ = ["Progress"]
 class Progress:
     """``with Progress(total, "planning") as bar: bar.update(n)``; silent when ``enabled`` is False."""
 
-    def __init__(
-        self,
-        total: int,
-        desc: str,
-        *,
-        unit: str = "it",
-        enabled: bool = True,
-        delay: float = 1.0,
-        file: TextIO | None = None,
-    ) -> None:
+    def __init__(self, total: int, desc: str, *, unit: str = "it", enabled: bool = True, delay: float = 1.0,
+                 file: TextIO | None = None) -> None:  # fmt: skip
         self.total, self.desc, self.unit = max(int(total), 0), desc, unit
         self.enabled = enabled
         self.file = file if file is not None else sys.stderr
@@ -63,7 +49,5 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -1,38 +1,10 @@
 """``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
 
-The node replaces ``Documents -> Pack`` in the worker pipeline
-(``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
-memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks`
-(documents read by index, no buffer, an O(1) restore at any point of a
-10M-pack plan). At every epoch start and restore it re-reads the manifest
-digest from disk and asks the documents whether they changed since they were
-opened (:mod:`cpdata.sources.fingerprint`).
-
-Nothing is served from a plan that does not match: the constructor refuses a
-plan written for other documents (input sha256, or the lengths' sha256 for a
-plan precomputed from lengths only), for another ``cp_size`` or ``layout`` than
-the caller asks, or whose manifest or any array fails its checksum.
-
-Epochs: a plan of a :func:`cpdata.mix` holds the epochs it was precomputed
-for (``precompute(..., epochs=n)``, default 1), each with its own packs over
-the documents the mix draws in that epoch; the node serves epoch ``e`` (counted
-per fresh ``reset()``, or :meth:`PrecomputedPacks.set_epoch`) from epoch ``e``'s
-packs and refuses epoch ``n`` with ``ValueError`` naming the fix, never serving an
-earlier epoch's draws as a later one's. Any other plan (one dataset, or a
-schedule, which plans a mix's epoch-0 draws for every epoch) is served whole
-every epoch, as the loader packs it.
-
-Data parallelism, global schedule (``cpdata precompute --dp-size R --micro-batches M``):
-the plan holds ``num_steps x R x M`` packs in (step, rank, micro-batch) order;
-rank ``dp_rank`` serves its ``num_steps x M`` packs (every rank the same
-count), reading only their documents; ``dp_size`` must be the plan's ``R``.
-
-Data parallelism, plan without a schedule: with ``dp_size > 1`` rank ``dp_rank`` serves packs
-``dp_rank, dp_rank + dp_size, ...`` of the whole-dataset plan, and every rank
-serves ``n_packs // dp_size`` of them (the last ``n_packs % dp_size`` packs are
-left out) so no rank runs out a step early. The online pipeline instead shards
-documents by DP rank before packing; with ``dp_size = 1`` the two give the
-same packs.
+It replaces ``Documents -> Pack`` (``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
+memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks` (O(1) restore anywhere). A plan for
+other documents (their identity, or only their lengths for a plan from a lengths file), another ``cp_size``,
+``layout`` or labels alignment, or failing a checksum is refused; the manifest and the documents are checked
+again at every epoch start and restore. How DP ranks split a plan and which epochs it holds: docs/usage.md.
 """
 
 from __future__ import annotations
@@ -49,22 +21,20 @@ from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
-from cpdata.sources.protocol import Hashed, Listed, NamesSources, StatedLengths, declared_labels
+from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["PrecomputedPacks", "StoreRows"]
 
 
 def _check_documents(store: PackStore, documents: Any) -> None:
+    """Refuse documents other than those the plan was precomputed from: their identity (the source's
+    fingerprint), or only their lengths for a plan precomputed from a lengths file."""
     source = store.manifest["input"]
-    if not isinstance(documents, Hashed):
-        raise TypeError(
-            f"documents must provide checksum() (e.g. cpdata.sources.open_dataset(path)), got {type(documents).__name__}"
-        )
     if source["kind"] == "lengths":
-        lengths = documents.lengths if isinstance(documents, StatedLengths) else None
-        digest = lengths_sha256(np.asarray(lengths, dtype=np.int64)) if lengths is not None else None
-        if lengths is None or digest != source["lengths_sha256"]:
+        lengths = stated_lengths(documents)
+        digest = None if lengths is None else lengths_sha256(lengths)
+        if digest != source["lengths_sha256"]:
             n = "?" if lengths is None else len(lengths)
             raise ValueError(
                 f"plan {store.path} was precomputed from the lengths file {source['name']!r} "
@@ -73,35 +43,35 @@ def _check_documents(store: PackStore, documents: Any) -> None:
                 "serve it with the tokenized dataset those lengths were taken from, or re-run `cpdata precompute`"
             )
         return
-    digest = documents.checksum()
-    if digest != source["sha256"]:
+    identity = source_identity(documents)
+    if identity != source["identity"]:
         raise ValueError(
-            f"plan {store.path} was precomputed from {source['name']!r} (sha256 {source['sha256'][:16]}…), "
-            f"but the documents given hash to {digest[:16]}…; pass the same dataset, or re-run "
+            f"plan {store.path} was precomputed from {source['name']!r} (identity {source['identity'][:40]}…), "
+            f"but the documents given hash to {identity[:40]}…; pass the same dataset, or re-run "
             "`cpdata precompute` on this one"
         )
 
 
-def _check_expected(store: PackStore, name: str, expected: object) -> None:
-    actual = store.config[name]
-    if expected is not None and expected != actual:
-        raise ValueError(
-            f"plan {store.path} was precomputed for {name}={actual!r}, the pipeline asks for {name}={expected!r}; "
-            f"run `cpdata precompute ... --{name.replace('_', '-')} {expected}` or use {name}={actual!r}"
-        )
+def _check_planned(store: PackStore, name: str, planned: object, asked: object, *, required: bool = False) -> None:
+    """Refuse a pipeline asking for another ``name`` than the plan was precomputed for (``asked`` None: any,
+    unless ``required``)."""
+    if planned is None or planned == asked or (asked is None and not required):
+        return
+    raise ValueError(
+        f"plan {store.path} was precomputed for {name}={planned!r}, the pipeline asks for {name}={asked!r}; "
+        f"run `cpdata precompute ... --{name.replace('_', '-')} {asked}` or use {name}={planned!r}"
+    )
 
 
 def _planned_epochs(store: PackStore) -> np.ndarray | None:
     """int64 ``[epochs + 1]``: the first pack of each epoch of a mix's plan; None for a plan served every epoch."""
     if "mix" not in store.manifest["input"] or "schedule" in store.manifest:
         return None
-    planned = store.manifest.get("epochs", {"first_pack": [0, store.n_packs]})  # a plan from before epochs=: one
-    return np.asarray(planned["first_pack"], dtype=np.int64)
+    return np.asarray(store.manifest["epochs"]["first_pack"], dtype=np.int64)
 
 
 class StoreRows(PlanRows):
-    """The rows of :class:`PrecomputedPacks` (a :class:`~cpdata.nodes.served.PlanRows`): this DP rank's packs of
-    the plan directory, one block per epoch, read from the memory-mapped columns."""
+    """This DP rank's packs of a plan directory, one block per epoch, read from the memory-mapped columns."""
 
     def __init__(self, store: PackStore, documents: Any, *, dp_rank: int, dp_size: int, vocab_size: int | None,
                  labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
@@ -113,12 +83,7 @@ class StoreRows(PlanRows):
         self.first_document = np.asarray(documents.epoch_starts if isinstance(documents, Listed) else [0], dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.schedule = store.manifest.get("schedule")
-        if self.schedule is not None and self.schedule["dp_size"] != dp_size:
-            raise ValueError(
-                f"plan {store.path} is a schedule for dp_size={self.schedule['dp_size']}, this node has "
-                f"dp_size={dp_size}; serve it with the DP size it was planned for, or re-run "
-                f"`cpdata precompute ... --dp-size {dp_size}`"
-            )
+        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], dp_size)
 
     def check_epoch(self, epoch: int) -> None:
         """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
@@ -185,23 +150,11 @@ class StoreRows(PlanRows):
 class PrecomputedPacks(ServedPacks):
     """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
-    Args:
-        path: a directory written by :func:`cpdata.offline.precompute` / ``cpdata precompute``.
-        documents: the dataset the plan was computed over, indexable by source
-            index and providing ``checksum()`` (a :class:`~cpdata.sources.TokenizedDataset`),
-            or the ``datasets.Dataset`` it was computed from.
-        cp_size, layout: what the pipeline will shard for; checked against the
-            plan when given.
-        dp_rank, dp_size: this rank's share of the packs (see the module docstring).
-        vocab_size: token ids ``>= vocab_size`` raise ``ValueError`` (documents are
-            validated as by :class:`~cpdata.nodes.source.Documents`).
-        labels_alignment: the documents' label convention (:mod:`cpdata.worker.targets`);
-            refused when the plan was precomputed under another one.
-        verify: check every array's sha256 on open (reads each array once).
-
-    State: :class:`~cpdata.nodes.served.ServedPacks`'s (``identity``: the plan's manifest sha256;
-    ``config``: the DP split). A state from another plan, DP split or version is refused.
-    """
+    ``documents``: the dataset the plan was computed over (or the ``datasets.Dataset`` or mix it came from).
+    ``cp_size`` and ``layout`` are checked against the plan when given; ``dp_rank``/``dp_size`` pick this rank's
+    share; ``vocab_size`` and ``labels_alignment`` validate documents as :class:`~cpdata.nodes.source.Documents`
+    does; ``verify`` checks every array's sha256 on open. State: :class:`~cpdata.nodes.served.ServedPacks`'s,
+    refused from another plan, DP split or version."""
 
     rows: StoreRows
 
@@ -225,17 +178,11 @@ class PrecomputedPacks(ServedPacks):
         store = read_store(path, verify=verify)
         planned = _planned_epochs(store)
         documents = as_source(documents, indexed=True, epochs=1 if planned is None else len(planned) - 1)
-        _check_expected(store, "cp_size", cp_size)
-        _check_expected(store, "layout", layout)
+        _check_planned(store, "cp_size", store.config["cp_size"], cp_size)
+        _check_planned(store, "layout", store.config["layout"], layout)
         _check_documents(store, documents)
         labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, declared_labels(documents), documents)
-        saved = store.config.get("labels_alignment")
-        if saved is not None and saved != labels_alignment:
-            raise ValueError(
-                f"plan {store.path} was precomputed with labels_alignment={saved!r}, the pipeline asks for "
-                f"labels_alignment={labels_alignment!r}; pass labels_alignment={saved!r} or re-run "
-                f"`cpdata precompute ... --labels-alignment {labels_alignment}`"
-            )
+        _check_planned(store, "labels_alignment", store.config["labels_alignment"], labels_alignment, required=True)
         super().__init__(StoreRows(store, documents, dp_rank=int(dp_rank), dp_size=int(dp_size),
                                    vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
@@ -252,10 +199,6 @@ class PrecomputedPacks(ServedPacks):
     def epochs(self) -> int | None:
         """Epochs the plan holds (a mix's plan), or None: the same packs every epoch."""
         return None if self.rows.epochs is None else len(self.rows.epochs) - 1
-
-    def packs_in(self, epoch: int) -> int:
-        """Packs this DP rank serves in ``epoch``."""
-        return self.rows.packs(epoch)
 
     def _mix_sources(self, index: np.ndarray) -> tuple[list[str], np.ndarray]:
         """The mix's ``document_sources`` of this epoch's pieces (their index counts from the epoch's first draw)."""

@@ -1,23 +1,10 @@
 """What a precomputed plan looks like under every CP layout: the numbers behind ``cpdata inspect``.
 
-Padding and counts come from the manifest; documents per pack from the CSR
-offsets. The CP figures re-lay each (sampled) pack out under every layout that
-accepts the plan's ``cp_size`` (:func:`cpdata.offline.metrics.realign`: pieces
-keep their real lengths and get that layout's own per-document alignment) and
-measure, under the causal document-masked cost model:
-
-- work imbalance ``max / mean`` over ranks, mean and 95th percentile over packs;
-- per-document alignment padding (``thd`` pads every piece to ``2 * cp``), as a
-  share of real tokens, and how many packs would then exceed the capacity;
-- the share of per-rank chunks (runs of one piece's consecutive tokens on one
-  rank) shorter than ``short_chunk`` tokens;
-- the busiest rank's live attention tiles over the ideal (the pack's tiles at
-  cp 1 / cp; ``tile x tile`` tiles, the layout's own tile for ``tiled``,
-  :data:`TILE` for the others; :func:`cpdata.layout.tiles.live_tiles`), over at
-  most :data:`TILE_SAMPLE` of the measured packs (it sorts each pack's tokens).
-
-Cost: O(pack_len) per pack and layout; plans above ``sample`` packs are
-measured on ``sample`` evenly spaced packs (deterministic).
+Each (sampled) pack is re-laid out under every layout accepting the plan's ``cp_size``
+(:func:`~cpdata.offline.metrics.realign`) and measured: work imbalance ``max / mean``, per-document alignment
+padding and packs then over capacity, the share of per-rank chunks shorter than :data:`SHORT_CHUNK`, and
+the busiest rank's live attention tiles over the ideal (on at most :data:`TILE_SAMPLE` packs). Plans above
+``sample`` packs are measured on ``sample`` evenly spaced ones.
 """
 
 from __future__ import annotations
@@ -30,6 +17,7 @@ from cpdata.layout.maps import LAYOUTS, check_layout, layout_tile
 from cpdata.layout.tiles import live_tiles
 from cpdata.offline.metrics import PackGeometry, chunk_lengths, imbalance, pack_geometry, rank_work, realign
 from cpdata.offline.store import PackStore
+from cpdata.sources.fingerprint import sample_positions
 
 __all__ = ["LayoutSummary", "PlanSummary", "layouts_for", "pack_view", "summarize"]
 
@@ -88,10 +76,8 @@ def layouts_for(cp_size: int) -> tuple[str, ...]:
 
 
 def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.ndarray, np.ndarray]:
-    """Pack ``k`` laid out under ``layout``: ``(geometry, rows [cp, local], work int64 [cp])``.
-
-    The plan's own layout uses the stored slots; another layout re-aligns the pieces.
-    """
+    """Pack ``k`` under ``layout``: ``(geometry, rows [cp, local], work int64 [cp])``; another layout than the
+    plan's re-aligns the pieces."""
     if not 0 <= k < store.n_packs:
         raise ValueError(f"pack {k} does not exist; the plan {store.path} has packs 0..{store.n_packs - 1}")
     cfg = store.config
@@ -106,19 +92,13 @@ def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.n
     return geometry, owned, work
 
 
-def _sample(n_packs: int, sample: int | None) -> np.ndarray:
-    if sample is None or n_packs <= sample:
-        return np.arange(n_packs, dtype=np.int64)
-    return np.unique(np.linspace(0, n_packs - 1, sample).round().astype(np.int64))
-
-
 def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanSummary:
     """Summarize ``store``; layout figures over at most ``sample`` packs (None: all)."""
     cfg, counts, stats = store.config, store.manifest["counts"], store.manifest["stats"]
     per_pack = np.diff(np.asarray(store.arrays["pack_offsets"]))
-    picked = _sample(store.n_packs, sample)
+    picked = np.asarray(sample_positions(store.n_packs, store.n_packs if sample is None else sample), dtype=np.int64)
     layouts = []
-    tiled = set(_sample(picked.size, TILE_SAMPLE).tolist())
+    tiled = set(sample_positions(picked.size, TILE_SAMPLE))
     own = [cfg["layout"]] if cfg["layout"] not in layouts_for(cfg["cp_size"]) else []  # e.g. "tiled:256"
     for layout in [*layouts_for(cfg["cp_size"]), *own]:
         ratios, chunks, tiles = [], [], []

@@ -1,20 +1,9 @@
-"""JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: what ``cpdata tokenize`` and
-``cpdata pack-store`` run.
+"""JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: ``cpdata tokenize`` and
+``cpdata pack-store``.
 
-The file is read in chunks of lines (blank lines are not documents); each
-chunk is converted by a worker process and the results are appended to the
-store in file order, so the output is byte-identical for any ``workers``.
-
-| command              | a line is                                   | converter                        |
-|----------------------|---------------------------------------------|----------------------------------|
-| ``cpdata tokenize``  | ``{"text": ...}`` or ``{"messages": [...]}`` | :class:`cpdata.sources.tokenizer.RowTokenizer` |
-| ``cpdata pack-store`` | ``{"input_ids": [...], KEY: [...]}``       | validated like the online source |
-
-Workers are spawned (no fork of a process holding tokenizer threads) and
-import only numpy and the tokenizer, so they start in about a second. The
-main process reads, writes and hashes; with ``workers=1`` everything runs in
-it. Throughput scales with workers until the writer (~1 GB/s) or the disk
-limits it.
+Chunks of lines go to spawned worker processes (numpy and the tokenizer only) and come back in file order, so
+the output is byte-identical for any ``workers``. ``tokenize`` lines are text or chat rows
+(:class:`~cpdata.sources.tokenizer.RowTokenizer`); ``pack-store`` lines carry ``input_ids`` and per-token lists.
 """
 
 from __future__ import annotations
@@ -30,22 +19,20 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
+from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
 from cpdata.sources.tokenstore import TokenStore, TokenStoreWriter
 
-__all__ = ["jsonl_to_megatron", "jsonl_to_token_store"]
+__all__ = ["convert_jsonl"]
 
 _CHUNK_LINES = 512
 _convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
 
 
 def _tokenized_row(row: dict[str, Any], index: int) -> dict[str, np.ndarray]:
-    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata).
-
-    numpy only (no torch in the workers); ids are range-checked by the writer.
-    """
+    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata)."""
     if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
         raise ValueError(f"expected an object with an 'input_ids' list, got {type(row).__name__}")
     out: dict[str, np.ndarray] = {}
@@ -135,74 +122,45 @@ def _converted(src: Path, convert: Any, workers: int, bar: Progress, totals: dic
             pool.join()
 
 
-def _prepare(path: str | os.PathLike[str], tokenizer: RowTokenizer | None, vocab_size: int | None,
-             workers: int) -> tuple[Path, Any, int | None]:  # fmt: skip
+def convert_jsonl(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    fmt: str = "cpdata",
+    tokenizer: RowTokenizer | None = None,
+    vocab_size: int | None = None,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> tuple[TokenStore | MegatronIndexed, dict[str, int]]:
+    """Convert a JSONL file into a token store at ``out`` (``fmt="cpdata"``, atomically) or a Megatron
+    ``PREFIX.bin`` + ``PREFIX.idx`` (``"megatron"``, ``input_ids`` only); returns it, opened, and the tokenizer's
+    counters.
+
+    ``tokenizer``: text/chat lines through it (``cpdata tokenize``); None reads ``input_ids`` lines (``cpdata
+    pack-store``). ``vocab_size`` defaults to ``len(tokenizer)``; ``workers``: converter processes (1: none)."""
     src = Path(path)
     if not src.is_file():
         raise ValueError(f"input {str(src)!r} does not exist or is not a file; pass a .jsonl file")
     check_int("workers", workers, min=1)
+    assistant_only = tokenizer is not None and tokenizer.assistant_only
+    if fmt == "megatron" and assistant_only:
+        raise ValueError("--assistant-only keeps assistant_masks, but a Megatron indexed dataset holds input_ids "
+                         "only; write a token store (--format cpdata) to keep them")  # fmt: skip
     if vocab_size is None and tokenizer is not None:
         size = getattr(tokenizer._tok, "__len__", None)
         vocab_size = size() if callable(size) else None
-    return src, tokenizer if tokenizer is not None else _tokenized_row, vocab_size
-
-
-def jsonl_to_token_store(
-    path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    tokenizer: RowTokenizer | None = None,
-    vocab_size: int | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> tuple[TokenStore, dict[str, int]]:
-    """Convert a JSONL file into a token store (see the module table). Returns the store and the tokenizer's counters.
-
-    Args:
-        path: the JSONL input.
-        out_dir: the store directory, written atomically.
-        tokenizer: text/chat lines through it (``cpdata tokenize``); None reads
-            ``input_ids`` lines (``cpdata pack-store``).
-        vocab_size: ids must be below it (uint16 storage when ``<= 65536``);
-            default: the tokenizer's ``len(tokenizer)`` when it has one.
-        workers: converter processes (1: none).
-    """
-    from cpdata.sources.atomic import atomic_directory
-
-    src, convert, vocab_size = _prepare(path, tokenizer, vocab_size, workers)
-    totals: dict[str, int] = {}
-    source = {"name": src.name, "bytes": src.stat().st_size, "tokenizer": None if tokenizer is None else str(tokenizer.source)}
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp, Progress(
-        src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B", enabled=progress
-    ) as bar:
-        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
-        for doc in _converted(src, convert, workers, bar, totals):
-            writer.add(doc)
-        aligned = "inputs" if tokenizer is not None and tokenizer.assistant_only else None
-        writer.finish({**source, "stats": totals}, labels_alignment=aligned)
-    return TokenStore(out_dir), totals
-
-
-def jsonl_to_megatron(
-    path: str | os.PathLike[str],
-    prefix: str | os.PathLike[str],
-    *,
-    tokenizer: RowTokenizer | None = None,
-    vocab_size: int | None = None,
-    workers: int = 1,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> tuple[MegatronIndexed, dict[str, int]]:
-    """As :func:`jsonl_to_token_store`, into a Megatron ``PREFIX.bin`` + ``PREFIX.idx``
-    (:mod:`cpdata.sources.megatron_writer`: uint16 below 65,500 ids, else int32; ``input_ids`` only)."""
-    if tokenizer is not None and tokenizer.assistant_only:
-        raise ValueError("--assistant-only keeps assistant_masks, but a Megatron indexed dataset holds input_ids "
-                         "only; write a token store (--format cpdata) to keep them")  # fmt: skip
-    src, convert, vocab_size = _prepare(path, tokenizer, vocab_size, workers)
     totals: dict[str, int] = {}
     with Progress(src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B",
                   enabled=progress) as bar:  # fmt: skip
-        dataset = write_megatron(_converted(src, convert, workers, bar, totals), prefix, vocab_size=vocab_size,
-                                 overwrite=overwrite)  # fmt: skip
-    return dataset, totals
+        documents = _converted(src, tokenizer or _tokenized_row, workers, bar, totals)
+        if fmt == "megatron":
+            return write_megatron(documents, out, vocab_size=vocab_size, overwrite=overwrite), totals
+        with atomic_directory(out, overwrite=overwrite) as tmp:
+            writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
+            for doc in documents:
+                writer.add(doc)
+            source = {"name": src.name, "bytes": src.stat().st_size, "stats": totals,
+                      "tokenizer": None if tokenizer is None else str(tokenizer.source)}  # fmt: skip
+            writer.finish(source, labels_alignment="inputs" if assistant_only else None)
+    return TokenStore(out), totals

@@ -75,31 +75,25 @@ def register_pack_store(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpdata.offline.tokenize_files import jsonl_to_megatron, jsonl_to_token_store
+    from cpdata.offline.tokenize_files import convert_jsonl
     from cpdata.sources.tokenstore import is_token_store, rewrite_token_store
 
     tokenizer = row_tokenizer(args) if getattr(args, "tokenizer", None) else None
-    if args.format == "megatron":
-        meg, stats = jsonl_to_megatron(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                                       workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
-        line = (f"wrote {meg.bin_path} and {meg.idx_path.name}: {len(meg)} documents, {int(meg.lengths.sum())} "
-                f"tokens ({meg.dtype.name})")  # fmt: skip
-        if stats:
-            line += f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']}"
-        print(line)
-        return 0
-    if tokenizer is None and is_token_store(args.input):
+    if tokenizer is None and args.format == "cpdata" and is_token_store(args.input):
         if args.vocab_size is not None or args.workers != 1:
             raise ValueError("rewriting a token store keeps its own vocabulary and needs no workers: leave "
                              "--vocab-size and --workers out")  # fmt: skip
-        store, stats = rewrite_token_store(args.input, args.out, overwrite=args.force), {}
+        out, stats = rewrite_token_store(args.input, args.out, overwrite=args.force), {}
     else:
-        store, stats = jsonl_to_token_store(args.input, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                                            workers=args.workers, overwrite=args.force,
-                                            progress=not args.quiet)  # fmt: skip
-    m = store.manifest
-    line = (f"wrote {store.path}: {m['documents']} documents, {m['tokens']} tokens "
-            f"({m['dtype']}, ids {m['min_id']}..{m['max_id']})")  # fmt: skip
+        out, stats = convert_jsonl(args.input, args.out, fmt=args.format, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                                   workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
+    if args.format == "megatron":
+        line = (f"wrote {out.bin_path} and {out.idx_path.name}: {len(out)} documents, {int(out.lengths.sum())} "
+                f"tokens ({out.dtype.name})")  # fmt: skip
+    else:
+        m = out.manifest
+        line = (f"wrote {out.path}: {m['documents']} documents, {m['tokens']} tokens "
+                f"({m['dtype']}, ids {m['min_id']}..{m['max_id']})")  # fmt: skip
     if stats:
         line += (f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']} "
                  f"({stats['truncated_tokens']} tokens)")  # fmt: skip

@@ -1,30 +1,16 @@
 """Write a directory atomically, and recover from a writer killed at any point.
 
-``with atomic_directory(target, overwrite=...) as tmp:`` yields a fresh hidden
-sibling of ``target``; whatever the body writes there appears under
-``target`` only once the body returns. The hidden names carry the writer's
-host and pid, so a later writer can tell a dead writer's leftovers from a
-live one's::
-
-    .NAME.tmp-PID-HOST-XXXX   being written (incomplete)
-    .NAME.new-PID-HOST-XXXX   complete, about to replace NAME
-    .NAME.old-PID-HOST-XXXX   the previous NAME, moved aside during the swap
-
-The swap is ``tmp -> new``, ``NAME -> old``, ``new -> NAME``, delete ``old``:
-each step one ``rename``. Killed anywhere, ``NAME`` is the complete old
-directory, the complete new one, or absent while a ``.new``/``.old`` sibling
-holds both halves; :func:`recover_directory` (run by every
-:func:`atomic_directory` before it writes) finishes what a dead writer of this
-host started: a complete ``.new`` is moved into place (the writer had finished
-writing; only the swap was cut), a lone ``.old`` goes back to ``NAME`` if
-nothing replaced it, and incomplete ``.tmp`` directories are deleted. Entries
-of live writers, and of other hosts (whose pids this host cannot check), are
-left alone.
+``with atomic_directory(target) as tmp:`` yields a hidden sibling that takes ``target``'s name only once the
+body returns. Hidden names carry the writer's pid and host: ``.NAME.tmp-PID-HOST-X`` (being written),
+``.NAME.new-...`` (complete), ``.NAME.old-...`` (the previous ``NAME`` during the swap). The swap is
+``tmp -> new``, ``NAME -> old``, ``new -> NAME``, delete ``old``, one ``rename`` each; :func:`recover_directory`
+finishes or undoes what a dead writer of this host left (live writers and other hosts are left alone).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import socket
@@ -34,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_directory", "interrupted_write", "recover_directory"]
+__all__ = ["atomic_directory", "check_writable", "interrupted_write", "recover_directory"]
 
 _STALL_ENV = "CPDATA_ATOMIC_STALL"
 """Test hook: name of a step (``writing``, ``written``, ``new``, ``old``, ``swapped``) where the writer stops
@@ -64,7 +50,7 @@ def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
         return out
     for kind in _KINDS:
         lead = f".{target.name}.{kind}-"
-        for path in target.parent.glob(f"{_glob_escape(lead)}*"):
+        for path in target.parent.glob(f"{glob.escape(lead)}*"):
             pid, _, rest = path.name[len(lead) :].partition("-")
             host = rest.rpartition("-")[0]
             if pid.isdigit() and host:
@@ -72,22 +58,14 @@ def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
     return sorted(out, key=lambda e: (e[1], e[0], e[3].name))
 
 
-def _glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # it exists, another user's
         return True
     return True
-
-
-def _dead_here(pid: int, host: str) -> bool:
-    return host == _host() and pid != os.getpid() and not _alive(pid)
 
 
 def recover_directory(target: str | os.PathLike[str]) -> list[str]:
@@ -96,7 +74,7 @@ def recover_directory(target: str | os.PathLike[str]) -> list[str]:
     done: list[str] = []
     by_writer: dict[tuple[int, str], dict[str, list[Path]]] = {}
     for kind, pid, host, path in _siblings(target):
-        if _dead_here(pid, host):
+        if host == _host() and pid != os.getpid() and not _alive(pid):  # a dead writer of this host
             by_writer.setdefault((pid, host), {k: [] for k in _KINDS})[kind].append(path)
     for (pid, _), found in sorted(by_writer.items()):
         for tmp in found["tmp"]:
@@ -137,23 +115,25 @@ def interrupted_write(target: str | os.PathLike[str]) -> str | None:
     )
 
 
+def check_writable(target: str | os.PathLike[str], *, overwrite: bool) -> list[str]:
+    """Recover dead writers' leftovers, then refuse an existing ``target`` unless ``overwrite``; returns what the
+    recovery did. Checked before long work, and again when writing."""
+    done = recover_directory(target)
+    if Path(target).exists() and not overwrite:
+        raise ValueError(f"output directory {str(target)!r} already exists; pass overwrite=True (--force) or pick another")
+    return done
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield an empty hidden directory that replaces ``target`` when the block exits normally.
+    """Yield an empty hidden directory that replaces ``target`` (mode 0o755) when the block exits normally.
 
-    Recovers dead writers' leftovers first. Refuses an existing ``target``
-    unless ``overwrite``. On an exception (``KeyboardInterrupt`` and
-    ``SystemExit`` included) before the new directory takes ``target``'s name,
-    the new directory is removed and ``target`` is the old one again; after it,
-    only the old one is removed. Either way nothing hidden stays beside
-    ``target`` (only SIGKILL leaves halves, for the next writer to recover).
-    The published directory is mode 0o755.
-    """
+    Recovers dead writers' leftovers first and refuses an existing ``target`` unless ``overwrite``. On any
+    exception the new directory is removed and the old ``target`` stays; only SIGKILL leaves halves behind,
+    for the next writer to recover."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    recover_directory(target)
-    if target.exists() and not overwrite:
-        raise ValueError(f"output directory {str(target)!r} already exists; pass overwrite=True (--force) or pick another")
+    check_writable(target, overwrite=overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(target, "tmp"), dir=target.parent))
     try:
         yield tmp

@@ -1,14 +1,10 @@
-"""``TokenizedDataset``: a dataset of tokenized documents addressed by index (the base every reader shares).
+"""``TokenizedDataset``: the base every reader of tokenized documents shares (indexing, slices, id checks).
 
-Readers of every on-disk format (:mod:`cpdata.sources.files`, :mod:`cpdata.sources.tokenstore`,
-:mod:`cpdata.sources.hf`, ...) subclass it; :func:`cpdata.sources.open.open_dataset` picks one from a
-path. The base gives indexing with range checks, slices (``dataset[:1000]``: a :class:`DatasetSlice`
-view), iteration, a cached input checksum and the id checks (``check_token_ids``) in one place.
+Readers of each format subclass it; :func:`cpdata.sources.open.open_dataset` picks one from a path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -18,24 +14,9 @@ from typing import Any
 import numpy as np
 
 from cpdata.errors import is_int
-from cpdata.sources.fingerprint import lengths_sha256
-from cpdata.sources.protocol import Identified, Watched, declared_labels
+from cpdata.sources.protocol import declared_labels
 
 __all__ = ["DatasetSlice", "TokenizedDataset"]
-
-_CHUNK = 1 << 20
-
-
-def _hash_files(paths: list[Path], names: bool) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        if names:
-            h.update(f"{p.name}\0{p.stat().st_size}\0".encode())
-        with open(p, "rb") as f:
-            while block := f.read(_CHUNK):
-                h.update(block)
-    return h.hexdigest()
-
 
 def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
     if not ids.shape[0]:
@@ -55,24 +36,28 @@ def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) 
         )
 
 
-class TokenizedDataset(ABC):
-    """A dataset of tokenized documents addressed by index.
+def _written_ids(name: Path, index: int, document: Any, limit: int) -> np.ndarray:
+    """A document's ``input_ids`` about to be written: 1-D integers in ``[0, limit)``, else the error names it."""
+    ids = np.asarray(document["input_ids"]).reshape(-1)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: document {index}: input_ids must be integers, got {ids.dtype}")
+    _check_ids(name, index, ids.astype(np.int64, copy=False), limit)
+    return ids
 
-    Attributes:
-        path: where the data lives.
-        lengths: int64 ``[n_docs]``, tokens per document (may be memory-mapped).
-        kind: ``"lengths"``, ``"jsonl"`` or ``"npy_folder"``.
-        serves_tokens: False for a lengths-only file.
-    """
+
+class TokenizedDataset(ABC):
+    """A dataset of tokenized documents addressed by index; ``lengths`` is int64 ``[n_docs]`` (may be
+    memory-mapped), ``serves_tokens`` False for a lengths-only file."""
 
     kind: str = ""
     serves_tokens: bool = True
     per_token_keys: frozenset[str] = frozenset()
     """Per-token keys besides ``input_ids`` that some document carries (``labels``, masks)."""
+    _transient: tuple[str, ...] = ()
+    """Attributes a pickled copy (a worker's) leaves out: handles, maps and caches it rebuilds."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._checksum: str | None = None
 
     @property
     @abstractmethod
@@ -82,11 +67,7 @@ class TokenizedDataset(ABC):
         return int(self.lengths.shape[0])
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], "loss_mask"?: [n]}``.
-
-        A slice (``dataset[:1000]``) gives a :class:`DatasetSlice`: those documents as a
-        dataset of their own, a view (nothing is read or copied).
-        """
+        """Document ``i`` as ``{"input_ids": int64 [n], "labels"?: [n], ...}``; a slice gives a :class:`DatasetSlice` view."""
         if isinstance(i, slice):
             return DatasetSlice(self, i)  # type: ignore[return-value]
         n = len(self)
@@ -104,56 +85,41 @@ class TokenizedDataset(ABC):
     @abstractmethod
     def _read(self, i: int) -> dict[str, np.ndarray]: ...
 
-    def check_token_ids(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first document holding an id ``< 0`` or ``>= vocab_size``.
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """The one identity a resume or a plan binds to (:mod:`cpdata.sources.fingerprint`)."""
 
-        Reads every document once (O(tokens)); :class:`JsonlDocuments` answers
-        from the id range it saw while scanning and reads again only to name
-        the culprit. A lengths-only file has no ids to check.
-        """
+    @abstractmethod
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` naming what changed since the data was opened."""
+
+    def check_token_ids(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first document holding an id ``< 0`` or ``>= vocab_size`` (reads
+        every document; readers that know their id range answer from it)."""
         if not self.serves_tokens:
             return
         for i in range(len(self)):
             _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)
 
     def verify_content(self) -> None:  # noqa: B027 (a no-op unless the format records checksums)
-        """Check every stored byte against checksums recorded with the data, where the format records them.
-
-        A token store checks every chunk (:meth:`~cpdata.sources.tokenstore.TokenStore.verify_content`);
-        the other formats have nothing recorded to check against (JSONL's and a folder's :meth:`checksum`
-        hash the bytes themselves), so this is a no-op for them. ``precompute`` calls it.
-        """
-
-    def checksum(self) -> str:
-        """Hex sha256 of the input bytes, streamed in 1 MiB chunks; computed once, then cached."""
-        if self._checksum is None:
-            self._checksum = self._compute_checksum()
-        return self._checksum
-
-    @abstractmethod
-    def _compute_checksum(self) -> str: ...
-
-    def lengths_checksum(self) -> str:
-        """Hex sha256 of ``lengths`` as little-endian int64: what a lengths-only plan binds to."""
-        return lengths_sha256(self.lengths)
+        """Check every stored byte against checksums recorded with the data (a token store); ``precompute``
+        calls it."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, documents={len(self)})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, **dict.fromkeys(self._transient)}
 
 
 class DatasetSlice(TokenizedDataset):
     """Documents ``parent[s]`` for a slice ``s`` (what ``parent[a:b:c]`` returns): a view, nothing is copied.
 
-    ``docs = open_dataset("tokens/")[:1000]`` is the first 1000 documents; document ``i`` of the slice is
-    document ``indices[i]`` of the parent, read through the parent (so its checks apply: JSONL CRCs, token
-    store chunk checksums). Lengths are the parent's at those indices (``indices``: int64, 8 B per
-    document); fingerprint and checksum are the parent's plus the slice, so a resume or a plan is bound
-    to the same documents of the same data.
-
-    Args:
-        parent: the dataset sliced.
-        part: a ``slice``, resolved against ``len(parent)`` as Python does for ranges.
+    Document ``i`` is read through the parent (its checks apply); ``indices`` costs 8 B per document. The
+    fingerprint is the parent's plus the slice, so a resume or a plan binds to the same documents.
     """
+
+    _transient = ("_lengths",)
 
     def __init__(self, parent: TokenizedDataset, part: slice) -> None:
         super().__init__(parent.path)
@@ -193,19 +159,11 @@ class DatasetSlice(TokenizedDataset):
     def verify_content(self) -> None:
         self.parent.verify_content()
 
-    def _compute_checksum(self) -> str:
-        return hashlib.sha256(f"{self.parent.checksum()}{self._part}".encode()).hexdigest()
-
     def fingerprint(self) -> str:
-        parent = self.parent.fingerprint() if isinstance(self.parent, Identified) else f"{self.parent.kind}:{len(self.parent)}"
-        return f"{parent}{self._part}"
+        return f"{self.parent.fingerprint()}{self._part}"
 
     def check_unchanged(self) -> None:
-        if isinstance(self.parent, Watched):
-            self.parent.check_unchanged()
+        self.parent.check_unchanged()
 
     def __repr__(self) -> str:
         return f"{self.parent!r}{self._part}"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_lengths": None}

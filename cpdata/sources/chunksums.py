@@ -1,33 +1,10 @@
 """Per-chunk content checksums of a token store's files: taken while writing, checked on first read.
 
-Every file of a store is cut into chunks of ``CHUNK_BYTES`` (1 MiB) and each
-chunk's 64-bit xxh3 is recorded in the manifest (``files.KEY.chunks``, 16 hex
-digits each; ~19 bytes of JSON per MiB of data, 20 KB per GB). The manifest's
-digest covers them, so a plan that records the digest names the bytes those
-checksums describe.
-
-A reader (:class:`ChunkChecker`, one per file and process) checks a chunk the
-first time a read touches it and remembers it in a bytearray (1 byte per
-chunk) and in ``span``: the elements of the run of checked chunks around the
-one checked last (the whole file once every chunk is). A read inside the span
-costs the reader two comparisons and no call; one outside it calls
-:meth:`ChunkChecker.check`. A mismatch raises ``ValueError`` naming the file,
-the chunk's byte range and the document being read.
-
-Cost (``cpdata bench --sections integrity``; figures in docs/benchmarks.md): the
-first read of every chunk adds a few percent to a reading pass, a pass over
-checked chunks next to nothing. What remains is the hashing (xxh3 over pages
-already mapped, once per byte per process). The page faults of a
-fresh mapping are paid once, by the hash instead of the read, as both go
-through the reader's mapping. Chunks of 64 KiB, 256 KiB or 4 MiB read no
-faster (64 KiB pays more per-chunk calls). Each process checks for itself:
-with ``W`` dataloader workers reading interleaved documents every worker
-touches nearly every chunk, so the first epoch pays up to ``W x`` that share
-per worker (persistent workers pay it once per run). A chunk is checked once
-per process (a forked worker forgets what its parent checked, the index files'
-checks too, and checks again): bytes changed on disk after that are not seen
-again (``check_unchanged`` still catches resized or rewritten files at each
-epoch).
+Each file is cut into ``CHUNK_BYTES`` (1 MiB) chunks whose 64-bit xxh3 the manifest records (20 KB of JSON
+per GB); the manifest digest covers them. A :class:`ChunkChecker` (one per file and process) checks a chunk
+the first time a read touches it; a read inside the checked ``span`` costs two comparisons. Each process
+(each forked worker) checks for itself; bytes changed after a chunk was checked are not seen again
+(``check_unchanged`` still catches resized or rewritten files). Costs: docs/benchmarks.md (``integrity``).
 """
 
 from __future__ import annotations
@@ -41,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_chunk_sums", "legacy_chunks"]
+__all__ = ["CHUNK_BYTES", "CHUNK_HASH", "ChunkChecker", "ChunkHasher", "file_sums", "legacy_chunks"]
 
 CHUNK_BYTES = 1 << 20
 """Bytes per checksummed chunk (a power of two; the last chunk of a file may be shorter)."""
@@ -86,13 +63,14 @@ class ChunkHasher:
         return self.sums
 
 
-def file_chunk_sums(path: str | os.PathLike[str], chunk_bytes: int = CHUNK_BYTES) -> list[str]:
-    """The chunk checksums of a file on disk (one pass, ``chunk_bytes`` at a time)."""
-    sums = []
+def file_sums(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """``(sha256, chunk checksums)`` of a file on disk, in one pass."""
+    sha, sums = hashlib.sha256(), []
     with open(path, "rb", buffering=0) as f:
-        while block := f.read(chunk_bytes):
+        while block := f.read(CHUNK_BYTES):
+            sha.update(block)
             sums.append(_digest(block))
-    return sums
+    return sha.hexdigest(), sums
 
 
 _LIVE: weakref.WeakSet[ChunkChecker] = weakref.WeakSet()
@@ -113,25 +91,10 @@ os.register_at_fork(after_in_child=_forget_in_child)
 class ChunkChecker:
     """Checks one store file's chunks against recorded checksums, each chunk once per process.
 
-    A reader asks :meth:`check` for the bytes it is about to serve, or first tests the
-    elements it reads against ``span``: ``(lo, hi)``, elements (``itemsize`` bytes each)
-    ``[lo, hi)`` lie in checked chunks (the run of checked chunks around the one checked
-    last; the whole file once every chunk is checked). A read inside it needs no call,
-    which makes the check two comparisons per file a read in order. ``span`` is one
-    tuple, replaced whole, so a thread never sees half an update.
-
-    Args:
-        path: the file.
-        sums: its chunk checksums (hex), from the manifest.
-        size: its size in bytes, from the manifest.
-        chunk_bytes: a power of two.
-        fix: what the error tells the user to do.
-        describe: ``f(lo, hi) -> str`` naming what the file holds in bytes ``[lo, hi)`` (the documents);
-            the error quotes it. Not pickled.
-        data: the file's bytes as a uint8 array when the reader maps it already (its pages are then faulted
-            in once, for the read and the check alike); else the file is memory-mapped on the first check.
-        itemsize: bytes per element of the reader's array, the unit of ``lo`` and ``hi``.
-    """
+    ``span`` is ``(lo, hi)``: elements (``itemsize`` bytes each) ``[lo, hi)`` lie in checked chunks (the run around
+    the chunk checked last; the whole file once all are), one tuple replaced whole so threads never see half an
+    update. ``describe(lo, hi)`` names the documents stored in bytes ``[lo, hi)`` for the error (not pickled);
+    ``data`` is the reader's own mapping of the file, so pages fault once for the read and the check alike."""
 
     __slots__ = ("__weakref__", "_bytes", "_done", "_left", "_shift", "chunk_bytes", "describe", "fix", "itemsize",
                  "path", "size", "span", "sums")  # fmt: skip
@@ -227,16 +190,10 @@ class ChunkChecker:
 
 def legacy_chunks(path: Path, files: dict[str, Any], fix: str) -> dict[str, list[str]]:
     """A format 1 store: every file hashed whole against its recorded sha256, chunk checksums derived on the way."""
-    import xxhash
-
     sums: dict[str, list[str]] = {}
     for entry in files.values():
-        file, sha, chunks = path / entry["file"], hashlib.sha256(), []
-        with open(file, "rb", buffering=0) as f:
-            while block := f.read(CHUNK_BYTES):
-                sha.update(block)
-                chunks.append(format(xxhash.xxh3_64_intdigest(block), "016x"))
-        if sha.hexdigest() != entry["sha256"]:
-            raise ValueError(f"token store file {file} is corrupted (sha256 differs from the manifest); {fix}")
-        sums[entry["file"]] = chunks
+        sha, sums[entry["file"]] = file_sums(path / entry["file"])
+        if sha != entry["sha256"]:
+            raise ValueError(f"token store file {path / entry['file']} is corrupted (sha256 differs from the "
+                             f"manifest); {fix}")  # fmt: skip
     return sums

@@ -1,15 +1,9 @@
 """Several tokenized datasets read as one, in order: the shards a distributed tokenizer wrote.
 
-``open_dataset(["shard0_text_document", "shard1_text_document", ...])`` opens each path and returns
-:class:`ConcatDataset`: document ``i`` of the whole is document ``i - starts[s]`` of shard ``s``
-(``s = searchsorted(starts, i, "right") - 1``), ``lengths`` the shards' lengths back to back, so a
-plan from the lengths the engine wrote (``cpdata precompute lengths.npy``) or from these lengths serves
-from the shards without merging a byte. Opening costs what each shard's open costs (O(1) for Megatron
-pairs and token stores); ``lengths`` concatenates (8 B/document); a read is one ``searchsorted``.
-
-Identity: ``fingerprint()`` covers every shard's fingerprint in order, ``checksum()`` every shard's
-checksum in order (a plan binds to both the shards and their order); ``check_unchanged()`` asks every
-shard. Errors about a document name the shard and its index there.
+``open_dataset([shard0, shard1, ...])`` gives :class:`ConcatDataset`: document ``i`` is document
+``i - starts[s]`` of shard ``s``, ``lengths`` the shards' lengths back to back (8 B/document), so a plan
+from the lengths serves from the shards without merging a byte. The fingerprint covers every shard's in
+order; errors about a document name the shard and its index there.
 """
 
 from __future__ import annotations
@@ -18,25 +12,21 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from cpdata.errors import naming_parts
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.protocol import Identified, Watched, declared_labels
+from cpdata.sources.protocol import declared_labels
 
 __all__ = ["ConcatDataset"]
 
 
 class ConcatDataset(TokenizedDataset):
-    """``parts`` one after the other (module docstring).
-
-    Args:
-        parts: the datasets, in document order; at least one.
-    """
+    """``parts`` (at least one dataset) one after the other (module docstring)."""
 
     kind = "concat"
+    _transient = ("_lengths",)
 
     def __init__(self, parts: Sequence[TokenizedDataset]) -> None:
         parts = list(parts)
@@ -84,29 +74,17 @@ class ConcatDataset(TokenizedDataset):
         named = ((f"part {s} of {len(self.parts)} ({p.path})", p) for s, p in enumerate(self.parts))
         naming_parts(named, lambda part: part.check_token_ids(vocab_size))
 
-    def _compute_checksum(self) -> str:
-        return hashlib.sha256(json.dumps([p.checksum() for p in self.parts]).encode()).hexdigest()
-
     def fingerprint(self) -> str:
-        parts = [(p.fingerprint() if isinstance(p, Identified) else None) or f"{p.kind}:{len(p)}" for p in self.parts]
+        parts = [p.fingerprint() for p in self.parts]
         return f"concat:{hashlib.blake2b(json.dumps(parts).encode(), digest_size=16).hexdigest()}"
 
     def check_unchanged(self) -> None:
-        named = ((f"part {s} of {len(self.parts)}", p) for s, p in enumerate(self.parts) if isinstance(p, Watched))
+        named = ((f"part {s} of {len(self.parts)}", p) for s, p in enumerate(self.parts))
         naming_parts(named, lambda part: part.check_unchanged())
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_lengths"] = None
-        return state
 
 
 def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
-    """The ``labels_alignment`` the parts declare (parts declaring none hold no labels or masks of their own).
-
-    Parts declaring different ones are refused: one pipeline reads every label
-    under one convention, so either choice would misread the other parts.
-    """
+    """The ``labels_alignment`` the parts declare; different ones are refused (one convention per pipeline)."""
     declared: dict[str, list[int]] = {}
     for k, part in enumerate(parts):
         alignment = declared_labels(part)

@@ -1,14 +1,9 @@
 """Readers of plain files: a lengths array, JSONL rows, a folder of ``.npy`` token arrays.
 
-A lengths file is enough to precompute a plan but cannot serve tokens. JSONL is
-scanned once, line by line, to collect each row's byte offset and length (and
-the input's sha256 on the way); ``__getitem__`` then reads the row at its offset.
-Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``,
-picklable (open file handles are dropped and reopened lazily) and safe to read
-from several threads and from forked or spawned dataloader workers: JSONL rows
-are read with one positional ``pread`` through a handle each process opens for
-itself (keyed on its pid; an inherited handle shares its offset), ``.npy`` files
-are opened per read.
+A lengths file is enough to plan, not to serve. JSONL is scanned once at open (each row's byte offset,
+length and CRC-32, the file's sha256 on the way); a read is one positional ``pread`` through a handle each
+process opens for itself (keyed on its pid: an inherited handle shares its offset), so readers are
+picklable and safe from threads and forked or spawned workers. ``.npy`` files are opened per read.
 """
 
 from __future__ import annotations
@@ -20,12 +15,13 @@ import threading
 import zlib
 from array import array
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
-from cpdata.sources.base import TokenizedDataset, _hash_files
-from cpdata.sources.fingerprint import sample_positions
+from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.fingerprint import lengths_sha256, sample_positions
+from cpdata.sources.manifest import sha256_file
 from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
@@ -35,16 +31,12 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
 """Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.worker.targets`);
 other fields of a row are ignored."""
-
-
-
 _FILE_SAMPLES = 64
 """Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
 
 
 _OPEN_LOCK = threading.Lock()
 """Serialises opening a reader's per-process file handle (a fresh lock in a forked child)."""
-
 
 def _fresh_open_lock() -> None:
     global _OPEN_LOCK
@@ -85,6 +77,7 @@ class LengthsFile(TokenizedDataset):
         if self._lengths.size and int(self._lengths.min()) < 0:
             bad = int(np.argmin(self._lengths))
             raise ValueError(f"{self.path}: document {bad} has negative length {int(self._lengths[bad])}")
+        self._fingerprint: str | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -92,8 +85,8 @@ class LengthsFile(TokenizedDataset):
 
     def fingerprint(self) -> str:
         """``lengths:`` + the sha256 of the lengths (computed once)."""
-        if getattr(self, "_fingerprint", None) is None:
-            self._fingerprint = f"lengths:{self.lengths_checksum()}"
+        if self._fingerprint is None:
+            self._fingerprint = f"lengths:{lengths_sha256(self._lengths)}"
         return self._fingerprint
 
     def check_unchanged(self) -> None:
@@ -110,24 +103,15 @@ class LengthsFile(TokenizedDataset):
             "serve the plan with the tokenized dataset (a .jsonl file or a folder of .npy token arrays)"
         )
 
-    def _compute_checksum(self) -> str:
-        return _hash_files([self.path], names=False)
-
 
 class JsonlDocuments(TokenizedDataset):
-    """One JSON object per line: ``{"input_ids": [...], "labels"?: [...], "loss_mask"?: [...]}``.
-
-    Opening scans the file once, line by line (never whole), keeping each
-    row's byte offset and length (16 B per document) and hashing the bytes on
-    the way, so :meth:`checksum` is free. Whitespace-only lines are not
-    documents. Reading document ``i`` is one positional read and one line parse.
-    """
+    """One JSON object per line: ``{"input_ids": [...], "labels"?: [...], "loss_mask"?: [...]}``; whitespace-only
+    lines are not documents. 20 B per document in memory (offset, length, CRC-32)."""
 
     kind = "jsonl"
+    _transient = ("_file",)
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None) -> None:
         super().__init__(path)
         offsets, lengths, crcs = array("q"), array("q"), array("I")
         h = hashlib.sha256()
@@ -150,11 +134,10 @@ class JsonlDocuments(TokenizedDataset):
                 if on_progress is not None:
                     on_progress(len(line))
             self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
-        self._crcs = np.frombuffer(crcs, dtype=np.uint32) if crcs else np.zeros(0, np.uint32)
-        self._offsets = np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, np.int64)
-        self._lengths = np.frombuffer(lengths, dtype=np.int64) if lengths else np.zeros(0, np.int64)
+        self._crcs, self._offsets = np.frombuffer(crcs, dtype=np.uint32), np.frombuffer(offsets, dtype=np.int64)
+        self._lengths = np.frombuffer(lengths, dtype=np.int64)
         self._id_range = (low, high)
-        self._checksum = h.hexdigest()
+        self._sha256 = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
         self._size = pos
         self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
@@ -196,7 +179,7 @@ class JsonlDocuments(TokenizedDataset):
                 f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
             )
         out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
-        for key in PER_TOKEN_KEYS:
+        for key in (*PER_TOKEN_KEYS, ATTENTION_MASK):
             if key in row:
                 value = self._array(row[key], key, where, integer=key == "labels")
                 if value.shape != out["input_ids"].shape:
@@ -204,15 +187,10 @@ class JsonlDocuments(TokenizedDataset):
                         f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
                         f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
                     )
-                out[key] = value
-        if ATTENTION_MASK in row:  # a tokenizer's output: all ones is dropped, a padded row refused
-            mask = self._array(row[ATTENTION_MASK], ATTENTION_MASK, where, integer=False)
-            if mask.shape != out["input_ids"].shape:
-                raise ValueError(
-                    f"{self.path} line {where}: {ATTENTION_MASK!r} has {mask.shape[0]} entries but input_ids has "
-                    f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
-                )
-            check_unpadded(mask, f"{self.path} line {where}")
+                if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
+                    check_unpadded(value, f"{self.path} line {where}")
+                else:
+                    out[key] = value
         return out
 
     def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
@@ -238,15 +216,10 @@ class JsonlDocuments(TokenizedDataset):
 
     def fingerprint(self) -> str:
         """``jsonl:`` + the file's sha256 (computed while scanning)."""
-        return f"jsonl:{self.checksum()}"
+        return f"jsonl:{self._sha256}"
 
     def check_unchanged(self) -> None:
-        """Raise ``ValueError`` if the file grew, shrank, or (mtime moved) a sampled row changed since opening.
-
-        Rows appended after opening are refused here, at the next epoch or
-        restore: the dataset is the file as it was opened (reopen it to train
-        on the new rows, as a new run).
-        """
+        """Raise ``ValueError`` if the file grew, shrank, or (mtime moved) a sampled row changed since opening."""
         size, mtime = self._opened
         st = os.stat(self.path)
         if st.st_size != size:
@@ -268,11 +241,7 @@ class JsonlDocuments(TokenizedDataset):
         super().check_token_ids(vocab_size)
 
     def _handle(self) -> BinaryIO:
-        """This process's own handle, opened on first use and again after a fork or unpickling.
-
-        A handle inherited across ``fork`` shares its file offset with the parent
-        and the sibling workers, so it is never used: the pid decides.
-        """
+        """This process's own handle, opened on first use and again after a fork or unpickling."""
         pid, opened = os.getpid(), self._file
         if opened is None or opened[0] != pid:
             with _OPEN_LOCK:  # threads opening at once would each replace (and so close) the other's handle
@@ -282,11 +251,7 @@ class JsonlDocuments(TokenizedDataset):
         return opened[1]
 
     def _raw_row(self, i: int) -> bytes:
-        """Row ``i``'s bytes, checked against the CRC-32 taken when the file was opened.
-
-        One positional read (``pread``): no shared file offset, so threads and
-        processes reading at once never disturb each other.
-        """
+        """Row ``i``'s bytes (one ``pread``), checked against the CRC-32 taken when the file was opened."""
         offset = int(self._offsets[i])
         end = int(self._offsets[i + 1]) if i + 1 < self._offsets.shape[0] else self._size
         handle = self._handle()  # held for the read: a handle dropped mid-call would close its descriptor
@@ -304,14 +269,6 @@ class JsonlDocuments(TokenizedDataset):
     def _read(self, i: int) -> dict[str, np.ndarray]:
         return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
 
-    def _compute_checksum(self) -> str:
-        return _hash_files([self.path], names=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_file"] = None
-        return state
-
     def __del__(self) -> None:
         opened = getattr(self, "_file", None)
         if opened is not None:
@@ -319,18 +276,12 @@ class JsonlDocuments(TokenizedDataset):
 
 
 class NpyFolder(TokenizedDataset):
-    """A folder of ``.npy`` token arrays, one 1-D integer document per file, in file-name order.
-
-    Opening reads only each file's header (memory-mapped). The checksum covers
-    every file's name, size and bytes in that order, so a rename or reorder
-    changes it.
-    """
+    """A folder of ``.npy`` token arrays, one 1-D integer document per file, in file-name order; opening reads
+    only each file's header."""
 
     kind = "npy_folder"
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, on_progress: Callable[[int], None] | None = None) -> None:
         super().__init__(path)
         self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
         if not self._files:
@@ -351,29 +302,20 @@ class NpyFolder(TokenizedDataset):
             if on_progress is not None:
                 on_progress(1)
         self._lengths = lengths
+        self._fingerprint: str | None = None
 
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
 
-    @property
-    def files(self) -> list[str]:
-        """File names in document order."""
-        return list(self._files)
-
     def fingerprint(self) -> str:
-        """``npy_folder:`` + a hash of the file count, every name and size, and the ends of sampled files."""
-        if getattr(self, "_fingerprint", None) is None:
-            h = hashlib.blake2b(digest_size=16)
-            h.update(f"{len(self._files)}".encode())
-            for name, size in zip(self._files, self._stats[:, 0].tolist(), strict=True):
-                h.update(f"|{name}|{size}".encode())
-            for i in sample_positions(len(self._files), _FILE_SAMPLES):
-                with open(self.path / self._files[i], "rb") as f:
-                    h.update(f.read(4096))
-                    f.seek(max(0, int(self._stats[i, 0]) - 4096))
-                    h.update(f.read(4096))
-            self._fingerprint = f"npy_folder:{len(self._files)}:{h.hexdigest()}"
+        """``npy_folder:`` + the sha256 of every file's name, size and bytes, in order (a rename or reorder
+        changes it): O(bytes), once."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for name in self._files:
+                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{sha256_file(self.path / name)}\0".encode())
+            self._fingerprint = f"npy_folder:{h.hexdigest()}"
         return self._fingerprint
 
     def check_unchanged(self) -> None:
@@ -403,6 +345,3 @@ class NpyFolder(TokenizedDataset):
         self._check_file(i)
         tokens = np.load(self.path / self._files[i], mmap_mode="r")
         return {"input_ids": np.array(tokens, dtype=np.int64)}
-
-    def _compute_checksum(self) -> str:
-        return _hash_files([self.path / n for n in self._files], names=True)

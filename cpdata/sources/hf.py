@@ -1,29 +1,11 @@
-"""Hugging Face ``datasets`` as a tokenized source: Arrow-backed, addressed by index, fingerprinted.
+"""Hugging Face ``datasets`` as a tokenized source: :class:`HFDocuments` wraps a ``datasets.Dataset`` with an
+``input_ids`` list column as a :class:`~cpdata.sources.base.TokenizedDataset`.
 
-:class:`HFDocuments` wraps a ``datasets.Dataset`` holding an ``input_ids``
-list column (and optionally ``labels``/mask columns) as a
-:class:`~cpdata.sources.base.TokenizedDataset`, so ``precompute``,
-``PrecomputedPacks``, ``build_loader`` and ``CPDataset`` take it like a JSONL
-file:
-
-| question                   | answer                                                                    |
-|----------------------------|---------------------------------------------------------------------------|
-| lengths (planning)         | a ``length`` or ``num_tokens`` integer column when present (one column read, no tokens); else the Arrow list lengths of ``input_ids`` (offsets only, no token values are read) |
-| identity (plan manifest)   | sha256 of the dataset's ``_fingerprint``, row count, column names and features: stable across processes for the same data and transforms, changed by any ``map``/``filter``/``select`` |
-| reading document ``i``     | one Arrow row in numpy format, O(document); every list-of-numbers column (``labels``, ``loss_mask``, ``assistant_masks``, ...) travels as a per-token array, other columns are metadata |
-| ``attention_mask`` column  | dropped when all ones (a tokenizer's output); a row with a 0 is refused (padded rows must be unpadded before packing) |
-| a wrong length column      | the document whose tokens disagree with its ``length`` is refused when read (never silently cut) |
-| pickling (worker processes) | the Dataset pickles by reference to its Arrow files (memory-mapped)     |
-| resume / epochs (:mod:`cpdata.sources.fingerprint`) | ``fingerprint()`` = the identity above + a hash of the ``input_ids`` values of 16 evenly spaced rows (first and last included), read at open; ``check_unchanged()`` stats the Arrow cache files and re-hashes those rows (an Arrow file edited in place on disk, same size, is refused at the next epoch where a sampled row changed) |
-
-A streaming ``datasets.IterableDataset`` has no index: ``build_loader`` and
-``CPDataset`` read it as a re-iterable source; ``precompute`` and
-``PrecomputedPacks``, which address documents by index, refuse it and name
-the fix (materialise it with ``Dataset.from_generator`` or load it without
-``streaming=True``).
-
-``datasets`` is an optional extra (``pip install cpdata[datasets]``); this
-module imports it only when a dataset is wrapped.
+Lengths come from a ``length``/``num_tokens`` column when present, else from the Arrow list offsets (no token
+values read). A read is one Arrow row; every list-of-numbers column travels as a per-token array, an
+all-ones ``attention_mask`` is dropped and a padded one refused. A streaming ``IterableDataset`` has no
+index: the loaders read it in order, planners refuse it. ``datasets`` is an optional extra, imported only
+when a dataset is wrapped.
 """
 
 from __future__ import annotations
@@ -37,32 +19,23 @@ from typing import Any
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.fingerprint import LIST_SAMPLES, sample_positions
+from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
 from cpdata.worker.targets import check_unpadded
 
-__all__ = [
-    "LENGTH_COLUMNS",
-    "HFDocuments",
-    "is_hf_dataset",
-    "is_hf_iterable",
-]
+__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset", "is_hf_iterable"]
 
 LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
 """Integer columns taken as tokens per document, in this order of preference."""
 
 
-def _module_of(obj: object) -> str:
-    return type(obj).__module__ or ""
-
-
-def is_hf_dataset(obj: object) -> bool:
-    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``)."""
-    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "Dataset"
+def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``."""
+    return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
 
 
 def is_hf_iterable(obj: object) -> bool:
     """True for a streaming ``datasets.IterableDataset``."""
-    return _module_of(obj).startswith("datasets.") and type(obj).__name__ == "IterableDataset"
+    return is_hf_dataset(obj, "IterableDataset")
 
 
 def _per_token(feature: Any) -> bool:
@@ -73,15 +46,10 @@ def _per_token(feature: Any) -> bool:
 
 
 class HFDocuments(TokenizedDataset):
-    """A ``datasets.Dataset`` of tokenized rows as a :class:`TokenizedDataset` (see the module table).
+    """A ``datasets.Dataset`` of tokenized rows as a :class:`TokenizedDataset` (module docstring).
 
-    Args:
-        dataset: a map-style ``datasets.Dataset`` with an ``input_ids`` column of
-            integer lists; other list-of-numbers columns travel as per-token
-            arrays, the rest is metadata and stays behind.
-        length_column: the column holding tokens per document; ``None`` picks
-            the first of :data:`LENGTH_COLUMNS` present, ``""`` never uses one.
-    """
+    ``length_column``: the column of tokens per document; None picks the first of :data:`LENGTH_COLUMNS`
+    present, ``""`` never uses one."""
 
     kind = "hf_dataset"
 
@@ -116,16 +84,7 @@ class HFDocuments(TokenizedDataset):
             self._keys.append("attention_mask")
         self._rows = dataset.select_columns(self._keys).with_format("numpy")
         self._lengths = self._read_lengths()
-        self._samples = self._sample_digest()
-
-    def _sample_digest(self) -> str:
-        """blake2b of the ``input_ids`` values of :data:`~cpdata.sources.fingerprint.LIST_SAMPLES` evenly spaced rows."""
-        h = hashlib.blake2b(digest_size=16)
-        for i in sample_positions(len(self._lengths), LIST_SAMPLES):
-            ids = np.ascontiguousarray(np.asarray(self._rows[i]["input_ids"]))
-            h.update(f"|{i}|{ids.dtype.str}{ids.shape}".encode())
-            h.update(ids.tobytes())
-        return h.hexdigest()
+        self._samples = sample_digest(self._rows, len(self._lengths))
 
     def _read_lengths(self) -> np.ndarray:
         if self.length_column:
@@ -194,26 +153,18 @@ class HFDocuments(TokenizedDataset):
             return
         super().check_token_ids(vocab_size)
 
-    def _compute_checksum(self) -> str:
-        ds = self.dataset
-        identity = {
-            "fingerprint": ds._fingerprint,
-            "rows": len(ds),
-            "columns": list(ds.column_names),
-            "features": str(ds.features),
-            "length_column": self.length_column,
-        }
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
     def fingerprint(self) -> str:
-        """``hf_dataset:`` + :meth:`checksum` (fingerprint, rows, columns, features) + the sampled rows' values
-        (:mod:`cpdata.sources.fingerprint`): ``_fingerprint`` names the transforms, not the bytes on disk."""
-        return f"hf_dataset:{self.checksum()}:{self._samples}"
+        """``hf_dataset:`` + the sha256 of ``_fingerprint`` (it names the transforms, not the bytes), rows,
+        columns, features and length column + the sampled rows' values (:mod:`cpdata.sources.fingerprint`)."""
+        ds = self.dataset
+        identity = {"fingerprint": ds._fingerprint, "rows": len(ds), "columns": list(ds.column_names),
+                    "features": str(ds.features), "length_column": self.length_column}  # fmt: skip
+        return f"hf_dataset:{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()}:{self._samples}"
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if an Arrow cache file of the dataset changed size, or a sampled row's
         ``input_ids`` changed, since it was opened (16 row reads)."""
-        now = self._sample_digest()
+        now = sample_digest(self._rows, len(self._lengths))
         if now != self._samples:
             raise ValueError(
                 f"the datasets.Dataset {self.dataset._fingerprint!r} changed since it was opened: the input_ids of "

@@ -1,43 +1,17 @@
-"""Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) read in place: numpy only, memory-mapped, O(1) open.
+"""Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, as megatron-core's ``IndexedDatasetBuilder``
+writes them) read in place: numpy only, memory-mapped, O(1) open.
 
-The format is the one megatron-core's ``IndexedDatasetBuilder`` writes (what ``tools/preprocess_data.py``
-and NeMo's preprocessing produce). ``PREFIX.idx``, little-endian::
+``PREFIX.idx``, little-endian: 9 B magic ``MMIDIDX\\x00\\x00``, u64 version 1, u8 dtype code
+(:data:`DTYPES`), u64 ``S`` sequences, u64 ``D`` document indices; then int32 ``[S]`` tokens per sequence,
+int64 ``[S]`` byte offsets into ``PREFIX.bin``, int64 ``[D]`` document indices (document ``d`` is sequences
+``doc_idx[d]:doc_idx[d + 1]``) and, in multimodal builds, int8 ``[S]`` modes. ``PREFIX.bin`` holds every
+sequence's tokens back to back.
 
-    offset 0   9 B    magic b"MMIDIDX\\x00\\x00"
-           9   u64    version, 1
-          17   u8     dtype code: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
-          18   u64    S, sequences
-          26   u64    D, document indices (documents + 1)
-          34   int32  [S] tokens per sequence
-               int64  [S] byte offset of each sequence in PREFIX.bin
-               int64  [D] document indices: document d is sequences doc_idx[d]:doc_idx[d + 1]
-               int8   [S] sequence modes (multimodal builds only)
-
-``PREFIX.bin`` is every sequence's tokens back to back, in that dtype.
-
-What a cpdata document is: **a Megatron document**, its sequences concatenated (``unit="documents"``,
-the default, what ``open_dataset(prefix)`` gives). Built without ``--split-sentences`` a document is one
-sequence; with it, a document is several sentences, and cpdata reads them as the one document they came
-from (the EOD that ``--append-eod`` adds to the last sentence stays where it is). ``unit="sequences"``
-makes every sequence (sentence) its own document instead.
-
-Cost and checks (``n`` sequences):
-
-| step | cost | refused, naming the file |
-|---|---|---|
-| open | 34-byte header, 2 ``stat``, 2 memory maps, 128 sampled 4 KiB blocks: O(1) | missing file, wrong magic, version, dtype code; an ``.idx`` whose size disagrees with its counts; a ``.bin`` shorter (truncated) or longer (another dataset's) than the index says |
-| ``lengths`` | O(n) numpy once (~12 B/sequence read) | sequences not back to back, decreasing document indices, non-text modes |
-| read document ``d`` | its sequences' rows of the index + one slice of the map | the same, for that document; float tokens that are not whole numbers |
-| ``fingerprint()`` / ``checksum()`` | sha256 of the whole ``.idx`` + 64 sampled 4 KiB blocks of the ``.bin`` + its size (computed once, O(index)) | |
-| ``check_unchanged()`` | 2 ``stat``; when an mtime moved, 64 sampled blocks of each file again (taken at open) | a file resized, or rewritten with other content where sampled |
-
-Times of each step on 1M documents, beside megatron-core's ``IndexedDataset`` on the same files, are in
-docs/benchmarks.md.
-
-The format holds no checksums, so unlike the token store there is nothing to re-hash the ``.bin``
-against: a plan is bound to the digest above, and an edit of the ``.bin`` in place that keeps its size
-and misses the sampled blocks goes unnoticed (rewrite with ``cpdata tokenize --format cpdata`` for
-per-file sha256). Token ids (``input_ids`` int64) are the only field: the format has no labels or masks.
+A cpdata document is a Megatron document, its sequences concatenated (``unit="documents"``); with
+``unit="sequences"`` every sequence (sentence) is one. Opening checks the header and both files' sizes;
+``lengths`` checks the index (O(n)); a read checks its own rows. The format holds no checksums: an in-place
+edit of the ``.bin`` that keeps its size and misses the fingerprint's sampled blocks goes unnoticed (a token
+store, ``cpdata tokenize --format cpdata``, checksums every chunk). Costs: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -87,20 +61,13 @@ def is_megatron_prefix(path: str | os.PathLike[str]) -> bool:
 
 
 class MegatronIndexed(TokenizedDataset):
-    """A Megatron ``.bin``/``.idx`` pair as a :class:`~cpdata.sources.base.TokenizedDataset` (module docstring).
+    """A Megatron ``.bin``/``.idx`` pair at ``prefix`` as a :class:`~cpdata.sources.base.TokenizedDataset`.
 
-    Args:
-        prefix: the path prefix (``data/web_text_document`` for ``data/web_text_document.{bin,idx}``).
-        unit: ``"documents"`` (default: a document is a Megatron document, its sequences concatenated)
-            or ``"sequences"`` (every sequence its own document).
-
-    Attributes:
-        dtype: the token dtype the index declares.
-        sequences, documents: the index's counts.
-        multimodal: the index carries sequence modes.
-    """
+    ``unit``: ``"documents"`` (a Megatron document, its sequences concatenated) or ``"sequences"``; ``dtype``,
+    ``sequences``, ``documents`` and ``multimodal`` are what the index declares."""
 
     kind = "megatron"
+    _transient = ("_seq_lengths", "_pointers", "_doc_idx", "_modes", "_tokens", "_offsets", "_lengths")
 
     def __init__(self, prefix: str | os.PathLike[str], *, unit: str = "documents") -> None:
         if unit not in UNITS:
@@ -284,7 +251,9 @@ class MegatronIndexed(TokenizedDataset):
         self._samples(self.bin_path, self._opened[2], h)
         return h.hexdigest()
 
-    def _content_digest(self) -> str:
+    def fingerprint(self) -> str:
+        """``megatron:`` + the sha256 of the whole ``.idx``, the ``.bin``'s size and 64 sampled blocks (computed
+        once, O(index))."""
         if self._digest is None:
             h = hashlib.sha256(f"megatron:{self.unit}:".encode())
             with open(self.idx_path, "rb") as f:
@@ -292,14 +261,7 @@ class MegatronIndexed(TokenizedDataset):
                     h.update(block)
             self._samples(self.bin_path, self._opened[2], h)
             self._digest = h.hexdigest()
-        return self._digest
-
-    def _compute_checksum(self) -> str:
-        return self._content_digest()
-
-    def fingerprint(self) -> str:
-        """``megatron:`` + the digest of the module table (stable across machines: no paths, no mtimes)."""
-        return f"megatron:{self._content_digest()}"
+        return f"megatron:{self._digest}"
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if either file was resized, or rewritten with other content, since opening."""
@@ -315,12 +277,6 @@ class MegatronIndexed(TokenizedDataset):
             raise ValueError(f"Megatron dataset {self.path} was rewritten since it was opened (same sizes, other "
                              "content); restore it, or reopen it with open_dataset() and start a new run")  # fmt: skip
         self._opened = now
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_seq_lengths", "_pointers", "_doc_idx", "_modes", "_tokens", "_offsets", "_lengths"):
-            state.pop(key, None)
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

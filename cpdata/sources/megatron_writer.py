@@ -1,17 +1,10 @@
-"""Write Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) in numpy, byte-identical to megatron-core's builder.
+"""Write Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``), byte-identical to megatron-core's builder
+with one sequence per document (``preprocess_data.py`` without ``--split-sentences``).
 
-``write_megatron(documents, prefix)`` writes what ``IndexedDatasetBuilder(bin, dtype)`` with one
-``add_document(ids, [len(ids)])`` per document and ``finalize(idx)`` writes: one sequence per document
-(as ``preprocess_data.py`` without ``--split-sentences``), no modes. The dtype follows megatron-core's
-``DType.optimal_dtype``: uint16 when ``vocab_size < 65500``, else int32 (or pass ``dtype=``).
-
-Memory: one document plus 12 B per document for the index (written at the end). Both files are written
-under hidden temporary names beside ``PREFIX`` and renamed into place, ``.bin`` first: killed before,
-nothing changes; killed between the two renames, the new ``.bin`` beside an old ``.idx`` is refused by
-the reader (sizes disagree) until the command is re-run.
-
-Only ``input_ids`` fit the format: a document carrying labels or masks is refused (the token store,
-``cpdata tokenize --format cpdata``, keeps them).
+The dtype is megatron-core's ``DType.optimal_dtype`` (uint16 below 65,500 ids, else int32). Memory: one
+document plus 12 B per document. Both files are written under hidden names and renamed into place, ``.bin``
+first (a new ``.bin`` beside an old ``.idx`` is refused by the reader: sizes disagree). Only ``input_ids``
+fit the format; labels or masks are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import _check_ids
+from cpdata.sources.base import _written_ids
 from cpdata.sources.megatron import DTYPES, MAGIC, VERSION, MegatronIndexed, megatron_paths
 
 __all__ = ["MegatronWriter", "megatron_dtype", "write_megatron"]
@@ -40,14 +33,7 @@ def megatron_dtype(vocab_size: int | None) -> np.dtype:
 
 
 class MegatronWriter:
-    """Append documents to ``PREFIX.bin`` being written at ``bin_path``; :meth:`finish` writes ``idx_path``.
-
-    Args:
-        bin_path, idx_path: where the two files are written (normally temporary names).
-        vocab_size: ids must be below it (and fit the dtype).
-        dtype: token dtype, an integer type of megatron-core's ``DType`` (default :func:`megatron_dtype`).
-        name: what errors call the dataset.
-    """
+    """Append documents to ``bin_path``; :meth:`finish` writes ``idx_path`` (``dtype``: default :func:`megatron_dtype`)."""
 
     def __init__(self, bin_path: Path, idx_path: Path, *, vocab_size: int | None = None,
                  dtype: Any = None, name: str | None = None) -> None:  # fmt: skip
@@ -75,12 +61,9 @@ class MegatronWriter:
         if extra:
             raise ValueError(f"{self.name}: document {index} carries {extra}, but a Megatron indexed dataset holds "
                              "input_ids only; write a token store (`cpdata tokenize --format cpdata`) to keep them")  # fmt: skip
-        ids = np.asarray(document["input_ids"]).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"{self.name}: document {index}: input_ids must be integers, got {ids.dtype}")
+        ids = _written_ids(Path(self.name), index, document, self.limit)
         if ids.shape[0] > _INT32_MAX:
             raise ValueError(f"{self.name}: document {index} has {ids.shape[0]} tokens; the index stores int32 lengths")
-        _check_ids(Path(self.name), index, ids.astype(np.int64, copy=False), self.limit)
         self._file.write(ids.astype(self.dtype).tobytes())
         self._lengths.append(ids.shape[0])
 
@@ -89,7 +72,7 @@ class MegatronWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.zeros(0, np.int64)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64)
         n = lengths.shape[0]
         pointers = np.zeros(n, dtype="<i8")
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])

@@ -1,19 +1,14 @@
-"""``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole.
+"""``open_dataset``: a tokenized dataset on disk, readable by index without loading it whole; ``as_source``.
 
-Six formats, chosen by :func:`open_dataset` from the path:
-
-| path                         | reader             | tokens? | memory at open                    |
-|------------------------------|--------------------|---------|-----------------------------------|
-| ``*.npy`` / ``*.npz``        | :class:`LengthsFile` | no    | ``.npy`` memory-mapped; ``.npz`` 8 B/doc |
-| ``*.jsonl``                  | :class:`JsonlDocuments` | yes | 16 B/doc (byte offset + length)   |
-| folder of ``*.npy``          | :class:`NpyFolder` | yes     | 8 B/doc + the sorted file names   |
-| token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` | yes | memory-mapped, O(1) open |
-| ``save_to_disk`` folder      | :class:`~cpdata.sources.hf.HFDocuments` | yes | Arrow, memory-mapped |
-| Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` | yes | memory-mapped, O(1) open |
-| a list of any of these       | :class:`~cpdata.sources.concat.ConcatDataset` | if all do | each part's |
-
-Every reader is a ``Sequence`` of documents ``{"input_ids": int64 [n], ...}``, picklable and
-safe to read from threads and from forked or spawned workers (:mod:`cpdata.sources.files` says how).
+| path | reader |
+|---|---|
+| ``*.npy`` / ``*.npz`` of lengths | :class:`~cpdata.sources.files.LengthsFile` (no tokens) |
+| ``*.jsonl`` | :class:`~cpdata.sources.files.JsonlDocuments` |
+| a folder of ``*.npy`` | :class:`~cpdata.sources.files.NpyFolder` |
+| a token store folder (``tokens.bin``) | :class:`~cpdata.sources.tokenstore.TokenStore` |
+| a ``save_to_disk`` folder | :class:`~cpdata.sources.hf.HFDocuments` |
+| a Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) | :class:`~cpdata.sources.megatron.MegatronIndexed` |
+| a list of any of these | :class:`~cpdata.sources.concat.ConcatDataset` |
 """
 
 from __future__ import annotations
@@ -24,24 +19,23 @@ from pathlib import Path
 from typing import Any
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.concat import ConcatDataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
 from cpdata.sources.hf import HFDocuments, is_hf_dataset, is_hf_iterable
+from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
 from cpdata.sources.protocol import Listable
+from cpdata.sources.tokenstore import TokenStore, is_token_store
 
 __all__ = ["as_source", "open_dataset"]
 
 
 def as_source(source: Any, *, indexed: bool = False, epochs: int = 1) -> Any:
-    """The one normalization of a user source (:mod:`cpdata.sources.protocol`), done once where a node or
-    planner takes it.
+    """The one normalization of a user source, done once where a node or planner takes it.
 
-    - a map-style ``datasets.Dataset`` becomes :class:`~cpdata.sources.hf.HFDocuments` (lengths, fingerprint);
-    - with ``indexed=True`` (callers that address documents by index before reading: ``schedule=``,
-      ``precompute``, ``PrecomputedPacks``), a streaming ``datasets.IterableDataset`` is refused with the fix
-      and a :class:`~cpdata.sources.protocol.Listable` source (a mix) becomes its draw listing of epochs
-      ``0 .. epochs - 1``;
-    - anything else is returned as is (a list, a re-iterable, a node, an ``open_dataset`` dataset).
-    """
+    A ``datasets.Dataset`` becomes :class:`~cpdata.sources.hf.HFDocuments`. With ``indexed=True`` (callers that
+    address documents by index: schedules, ``precompute``, ``PrecomputedPacks``) a streaming
+    ``IterableDataset`` is refused with the fix and a :class:`~cpdata.sources.protocol.Listable` mix becomes its
+    draw listing of epochs ``0 .. epochs - 1``. Anything else is returned as is."""
     if is_hf_dataset(source) or (indexed and is_hf_iterable(source)):
         return HFDocuments(source)
     if indexed and isinstance(source, Listable):
@@ -54,31 +48,19 @@ def open_dataset(
     *,
     on_progress: Callable[[int], None] | None = None,
 ) -> TokenizedDataset:
-    """Open a tokenized dataset, choosing the reader from the path (see the module table).
-
-    A list or tuple of paths opens each and reads them as one dataset, in that order
-    (:class:`~cpdata.sources.concat.ConcatDataset`: the shards a distributed tokenizer wrote).
-    ``on_progress(n)`` is called while scanning: with bytes read for JSONL, with
-    files read for a folder.
-    """
+    """Open a tokenized dataset, choosing the reader from the path (module table); a list of paths reads them
+    as one, in order. ``on_progress(n)`` is called while scanning (bytes of JSONL, files of a folder)."""
     if isinstance(path, (list, tuple)):
-        from cpdata.sources.concat import ConcatDataset
-
         return ConcatDataset([open_dataset(part, on_progress=on_progress) for part in path])
     p = Path(path)
     if p.is_dir():
-        from cpdata.sources.tokenstore import TokenStore, is_token_store
-
         if is_token_store(p):
             return TokenStore(p)
         if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
             import datasets
 
-
             return HFDocuments(datasets.load_from_disk(str(p)))
         return NpyFolder(p, on_progress=on_progress)
-    from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
-
     if is_megatron_prefix(p):
         return MegatronIndexed(p)
     if not p.exists():

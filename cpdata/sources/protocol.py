@@ -9,28 +9,21 @@ read, it may offer any of these members; each group is a
 |---|---|---|
 | :class:`Indexed` | ``__len__``, ``__getitem__`` | reads document ``i`` directly; restarts at a position in O(1) |
 | :class:`StatedLengths` | ``lengths`` (int64 ``[len]``) | plans packs (``schedule=``, ``precompute``, a token-weighted mix) before reading |
-| :class:`Identified` | ``fingerprint() -> str`` | binds a resume or a plan to the data |
+| :class:`Identified` | ``fingerprint() -> str`` | the one identity a resume and a plan bind to |
 | :class:`Watched` | ``check_unchanged()`` | refuses data that changed, at every epoch start and restore |
 | :class:`Labelled` | ``labels_alignment`` | the labels convention the source declares for the labels it carries |
 | :class:`Described` | ``describe_document(i) -> str | None`` | errors about document ``i`` name it where it came from |
 | :class:`Mixture` | ``counts``, ``skip_unread()`` | a mix's per-source counters; other ranks' draws passed unread |
 | :class:`NamesSources` | ``document_sources(items)`` | batches name each document's source and its index there |
-| :class:`Hashed` | ``checksum()`` | the input hash a precomputed plan records and checks |
 | :class:`Checked` | ``check_token_ids(v)``, ``verify_content()`` | ``precompute`` checks ids and stored bytes |
 | :class:`Carried` | ``serves_tokens``, ``per_token_keys`` | lengths-only data refused where tokens are needed; labels found before reading |
 | :class:`Listed` | ``epoch_starts`` | where each epoch of a mix's draw listing begins |
 | :class:`Listable` | ``listed(epochs)`` | a mix written out as a sequence with lengths, for planners |
 
-:class:`~cpdata.sources.base.TokenizedDataset` (``open_dataset``, token stores,
-Megatron ``.bin``/``.idx``, ``datasets.Dataset`` through
-:class:`~cpdata.sources.hf.HFDocuments`, concatenations, slices) offers most of
-them; :func:`cpdata.mix` offers the mixture's; a plain list offers
-:class:`Indexed` (its fingerprint and lengths are computed here).
-
-:func:`cpdata.sources.open.as_source` is the entry point every reader of a user source goes through, once.
-
-Cost: an ``isinstance`` on a runtime protocol checks each member's presence, slower than
-an attribute read: it is asked once per node, per epoch or per error, never per document.
+A :class:`~cpdata.sources.base.TokenizedDataset` offers most of them, :func:`cpdata.mix` the mixture's, a
+plain list :class:`Indexed` (its fingerprint and lengths are computed here).
+:func:`cpdata.sources.open.as_source` normalizes a user source, once. An ``isinstance`` on a runtime protocol
+is slower than an attribute read: it is asked once per node, epoch or error, never per document.
 """
 
 from __future__ import annotations
@@ -40,8 +33,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["SOURCE_MEMBERS", "Carried", "Checked", "Described", "Hashed", "Identified", "Indexed", "Labelled", "Listable",
-           "Listed", "Mixture", "NamesSources", "StatedLengths", "Watched", "declared_labels", "stated_lengths"]
+__all__ = ["SOURCE_MEMBERS", "Carried", "Checked", "Described", "Identified", "Indexed", "Labelled", "Listable", "Listed",
+           "Mixture", "NamesSources", "StatedLengths", "Watched", "declared_labels", "stated_lengths"]
 
 
 @runtime_checkable
@@ -106,13 +99,6 @@ class NamesSources(Protocol):
 
 
 @runtime_checkable
-class Hashed(Protocol):
-    """Stored data with a hash of its bytes, which a precomputed plan's manifest records."""
-
-    def checksum(self) -> str: ...
-
-
-@runtime_checkable
 class Checked(Protocol):
     """Stored data that checks its own token ids and its bytes against recorded checksums (``precompute``)."""
 
@@ -143,9 +129,8 @@ class Listable(Protocol):
     def listed(self, epochs: int) -> Any: ...
 
 
-_PROTOCOLS = (Indexed, StatedLengths, Identified, Watched, Labelled, Described, Mixture, NamesSources, Hashed, Checked,
-              Carried, Listed,
-              Listable)
+_PROTOCOLS = (Indexed, StatedLengths, Identified, Watched, Labelled, Described, Mixture, NamesSources, Checked, Carried,
+              Listed, Listable)
 SOURCE_MEMBERS: frozenset[str] = frozenset(
     name for p in _PROTOCOLS for name in (*p.__annotations__, *vars(p)) if not name.startswith("_")
 )

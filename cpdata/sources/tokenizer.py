@@ -1,26 +1,12 @@
 """Text and chat rows to token documents: the pure function behind ``Tokenize`` and ``cpdata tokenize``.
 
-:class:`RowTokenizer` turns one row into one document::
-
-    {"text": "..."}                      -> {"input_ids": int64 [n]}
-    {"messages": [{"role", "content"}]}  -> {"input_ids": int64 [n], "assistant_masks": int8 [n]?}
-
-| option           | effect                                                                          |
-|------------------|---------------------------------------------------------------------------------|
-| ``append_eos``   | text rows get ``eos_token_id`` appended (Megatron ``--append-eod``); chat rows end as their template ends |
-| ``assistant_only`` | chat rows carry ``assistant_masks`` from ``apply_chat_template(..., return_assistant_tokens_mask=True)``: 1 on the tokens the template marks with ``{% generation %}``, aligned with ``input_ids`` (labels_alignment ``"inputs"``); text rows carry a mask of ones (every token trained), so all documents of a batch have the same keys |
-| ``max_length``   | keep the first ``max_length`` tokens of a document (EOS included), counted in ``stats`` (TRL / LLaMA-Factory ``cutoff_len``); independent of the pack capacity |
-
-Tokenizers accepted (decided once, at construction): a path to a
-``tokenizer.json`` file or a saved tokenizer folder (``transformers`` /
-``tokenizers``, the ``hf`` extra; nothing is downloaded), a
-``transformers`` tokenizer, a ``tokenizers.Tokenizer``, or any callable
-``text -> sequence of int`` (text rows only). Chat rows need a
-``transformers`` tokenizer with a chat template (its own or ``chat_template=``).
-
-This module imports neither torch nor the tokenizer libraries at import time,
-so tokenizing worker processes start light; a :class:`RowTokenizer` pickles
-(the path-loaded tokenizer is loaded again in the receiving process).
+:class:`RowTokenizer` turns ``{"text": ...}`` into ``{"input_ids": int64 [n]}`` and ``{"messages": [...]}``
+into ``input_ids`` plus, with ``assistant_only``, ``assistant_masks`` (int8, aligned with the inputs: the
+template's ``{% generation %}`` tokens; text rows get all ones). ``append_eos`` ends text rows with EOS;
+``max_length`` keeps a document's first tokens (counted in ``stats``). The tokenizer is a path (loaded
+locally), a ``transformers`` or ``tokenizers`` tokenizer, or a callable ``text -> ids`` (text rows only).
+No tokenizer library is imported at import time; a :class:`RowTokenizer` pickles (a path-loaded tokenizer
+is loaded again).
 """
 
 from __future__ import annotations
@@ -42,11 +28,8 @@ ASSISTANT_MASKS = "assistant_masks"
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """A ``transformers`` fast tokenizer from a ``tokenizer.json`` file or a saved folder (local files only).
-
-    Falls back to ``tokenizers.Tokenizer.from_file`` for a ``tokenizer.json``
-    when ``transformers`` is not installed.
-    """
+    """A ``transformers`` fast tokenizer from a ``tokenizer.json`` file or a saved folder (local files only), or a
+    ``tokenizers.Tokenizer`` when ``transformers`` is not installed."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"tokenizer {str(p)!r} does not exist; pass a tokenizer.json file or a saved tokenizer folder")
@@ -65,21 +48,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 @dataclass(slots=True)
 class TokenizeStats:
-    """Counters of a tokenizing run (exact, restored with the node's state)."""
+    """Counters of a tokenizing run (exact, restored with the node's state): rows turned into ``documents``, of
+    which ``chat`` rows; ``tokens`` emitted after truncation; text rows ending with an appended EOS
+    (``eos_appended``; one that ``max_length`` cut off is not counted); documents ``truncated`` at
+    ``max_length`` and the ``truncated_tokens`` cut."""
 
     documents: int = 0
-    """Rows turned into documents."""
     chat: int = 0
-    """Of which chat rows."""
     tokens: int = 0
-    """Tokens emitted (after truncation)."""
     eos_appended: int = 0
-    """Text rows whose document ends with the EOS appended to them (an EOS that ``max_length`` then cut off
-    is not counted: the document has none)."""
     truncated: int = 0
-    """Documents cut at ``max_length``."""
     truncated_tokens: int = 0
-    """Tokens removed by those cuts."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)}
@@ -92,20 +71,10 @@ def _is_hf(tokenizer: Any) -> bool:
 
 
 class RowTokenizer:
-    """One row -> one document (see the module table). ``stats`` counts every call.
+    """One row -> one document (module docstring); ``stats`` counts every call.
 
-    Args:
-        tokenizer: see the module docstring.
-        append_eos: append ``eos_token_id`` to every text row.
-        eos_token_id: the EOS id (default: the tokenizer's ``eos_token_id``);
-            required with ``append_eos`` when the tokenizer has none.
-        assistant_only: emit ``assistant_masks`` for chat rows.
-        max_length: tokens kept per document (None: all).
-        add_special_tokens: passed to a ``transformers`` tokenizer for text rows
-            (BOS etc. as its post-processor defines).
-        chat_template: a Jinja template overriding the tokenizer's own.
-        text_key, messages_key: row fields holding the text / the chat messages.
-    """
+    ``eos_token_id`` defaults to the tokenizer's; ``add_special_tokens`` goes to the tokenizer for text rows;
+    ``chat_template`` overrides the tokenizer's; ``text_key``/``messages_key`` name the row fields."""
 
     def __init__(
         self,

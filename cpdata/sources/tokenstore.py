@@ -1,39 +1,12 @@
 """Binary token store: one flat token file plus an offsets index, memory-mapped (like Megatron's ``.bin/.idx``).
 
-A store directory holds::
-
-    tokens.bin       every document's ids back to back, uint16 (vocab <= 65,536) or uint32, little-endian
-    offsets.npy      int64 [n_docs + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
-    KEY.bin          per-token extras (labels, loss_mask, assistant_masks, ...), aligned with tokens.bin
-    KEY.present.npy  bool [n_docs]: which documents carry KEY (others read back without it)
-    manifest.json    format, counts, dtype, min/max id, per-file sha256, size and 1 MiB chunk checksums
-                     (:mod:`cpdata.sources.chunksums`), the source, and a sha256 of the manifest itself
-
-Opening is O(1) in the corpus size: read the manifest, check file sizes,
-memory-map the two files (a 1 GB corpus opens in milliseconds instead of the
-JSONL reader's full rescan on every rank and restart). ``lengths`` is one
-``np.diff`` of the index, ``checksum()`` is the manifest's digest (which
-covers every file's sha256 and chunk checksums), and the id range check reads
-the manifest's min/max.
-
-Content is checked as it is read: the first read of a chunk in a process
-hashes it (xxh3) against the manifest, so changed bytes raise ``ValueError``
-naming the file, byte range and document instead of training on them (~3.5 %
-of a first reading pass, ~1 % once checked; see
-:mod:`cpdata.sources.chunksums`). ``verify=True`` and
-:meth:`TokenStore.verify_content` (which ``precompute`` calls) check every
-chunk at once, so a plan's recorded input digest names bytes that were read.
-
-Stores written before chunk checksums (``format_version`` 1) still open: the
-opening process hashes every file whole once against its recorded sha256
-(O(bytes), once) and derives the chunk checksums the workers then use,
-with a warning to rewrite the store (``cpdata pack-store OLD --out NEW``) for
-an O(1) open.
-
-Writing (:func:`write_token_store`, over the appending
-:class:`~cpdata.sources.tokenstore_writer.TokenStoreWriter`) is atomic: files
-go to a hidden sibling that replaces the target only once the manifest is
-written.
+A store directory holds ``tokens.bin`` (every document's ids back to back, uint16 when the vocabulary fits,
+else uint32), ``offsets.npy`` (int64 ``[n_docs + 1]``), per-token extras ``KEY.bin`` with
+``KEY.present.npy`` (bool ``[n_docs]``), and ``manifest.json`` (counts, dtype, id range, each file's sha256
+and 1 MiB chunk checksums, and the manifest's own digest). Opening is O(1) in the corpus size; the first read
+of a chunk in a process checks it (:mod:`cpdata.sources.chunksums`), so changed bytes raise naming the file,
+byte range and document. Stores of ``format_version`` 1 (no chunk checksums) are hashed whole at open, with a
+warning to rewrite them (``cpdata pack-store OLD --out NEW``). Writing is atomic.
 """
 
 from __future__ import annotations
@@ -51,28 +24,19 @@ import numpy as np
 from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
-from cpdata.sources.manifest import manifest_digest as _manifest_digest
+from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest
 from cpdata.sources.tokenstore_writer import (
     _DAMAGED,
-    _DIGEST_KEY,
     _REWRITE,
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     OFFSETS_FILE,
     TOKENS_FILE,
     TokenStoreWriter,
 )
 
-__all__ = [
-    "FORMAT",
-    "TOKENS_FILE",
-    "TokenStore",
-    "TokenStoreWriter",
-    "is_token_store",
-    "rewrite_token_store",
-    "write_token_store",
-]
+__all__ = ["FORMAT", "TOKENS_FILE", "TokenStore", "TokenStoreWriter", "is_token_store", "rewrite_token_store",
+           "write_token_store"]
 
 
 def is_token_store(path: str | os.PathLike[str]) -> bool:
@@ -89,11 +53,8 @@ def write_token_store(
     source: Mapping[str, Any] | None = None,
     labels_alignment: str | None = None,
 ) -> TokenStore:
-    """Write ``documents`` (any iterable of ``{"input_ids": ..., KEY: ...}``) as a store at ``out_dir``, atomically.
-
-    ``source`` (JSON-able) and ``labels_alignment`` are recorded in the manifest.
-    Returns the store, opened.
-    """
+    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and ``labels_alignment``
+    go into the manifest. Returns the store, opened."""
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
         for document in documents:
@@ -102,15 +63,9 @@ def write_token_store(
     return TokenStore(out_dir)
 
 
-def rewrite_token_store(
-    src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False
-) -> TokenStore:
-    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``).
-
-    Every file of ``src`` is checked first (whole-file sha256 for a format 1
-    store, every chunk for a newer one), so the rewrite never blesses damaged
-    bytes. Documents, extras, vocabulary, source and labels alignment carry over.
-    """
+def rewrite_token_store(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, overwrite: bool = False) -> TokenStore:
+    """Rewrite the store at ``src`` in this cpdata's format at ``out_dir`` (``cpdata pack-store SRC``), after
+    checking every file of ``src``, so damaged bytes are never blessed."""
     old = TokenStore(src, verify=True)
     m = old.manifest
     return write_token_store((old[i] for i in range(len(old))), out_dir, vocab_size=m["vocab_size"],
@@ -118,41 +73,18 @@ def rewrite_token_store(
 
 
 class TokenStore(TokenizedDataset):
-    """A token store directory as a :class:`~cpdata.sources.base.TokenizedDataset` (O(1) open).
-
-    Args:
-        path: the directory.
-        verify: check every chunk of every file against the manifest on open
-            (~0.1 s per GB hashing, plus reading the files); without it, each
-            chunk is checked the first time a read touches it.
-    """
+    """A token store directory as a :class:`~cpdata.sources.base.TokenizedDataset` (O(1) open); ``verify`` checks
+    every chunk at open instead of at first read."""
 
     kind = "token_store"
+    _transient = ("_offsets", "_tokens", "_lengths", "_check_index", "_check_tokens", "_checked_extras")
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
-        mpath = self.path / MANIFEST
-        try:
-            manifest = json.loads(mpath.read_bytes())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{mpath} cannot be read ({e}); {_REWRITE}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise ValueError(f"{mpath} is not a cpdata token store manifest; {_REWRITE}")
-        version = manifest.get("format_version")
-        if version not in (1, FORMAT_VERSION):
-            raise ValueError(f"{mpath} has format_version {version!r}, this cpdata reads 1 and "
-                             f"{FORMAT_VERSION}; {_REWRITE}")  # fmt: skip
-        if manifest.get(_DIGEST_KEY) != _manifest_digest(manifest):
-            raise ValueError(f"{mpath} is corrupted (its digest does not match its content); {_REWRITE}")
-        for entry in manifest["files"].values():
-            file = self.path / entry["file"]
-            if not file.is_file():
-                raise ValueError(f"token store file {file} is missing (the manifest records {entry['bytes']} bytes); "
-                                 f"restore it, or {_REWRITE}")  # fmt: skip
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
-                                 f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
+        manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
+        self.manifest = manifest
+        self._check_sizes(opened=False)
+        version = manifest["format_version"]
         if version == 1:
             self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
             warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
@@ -162,14 +94,13 @@ class TokenStore(TokenizedDataset):
         else:
             self._chunk_bytes = int(manifest["chunk_bytes"])
             if manifest.get("chunk_hash") != CHUNK_HASH:
-                raise ValueError(f"{mpath} records chunk checksums of kind {manifest.get('chunk_hash')!r}, this "
+                raise ValueError(f"{self.path / MANIFEST} records chunk checksums of kind {manifest.get('chunk_hash')!r}, this "
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
-        self.manifest = manifest
         self.per_token_keys = frozenset(manifest["extras"])
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
-        self._checksum = manifest[_DIGEST_KEY]
+        self._digest = str(manifest[DIGEST_KEY])
         self._open()
         if verify:
             self.verify_content()
@@ -185,10 +116,6 @@ class TokenStore(TokenizedDataset):
         n = self.manifest["tokens"]
         self._offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r", allow_pickle=False)
         self._tokens = self._map(TOKENS_FILE, self.manifest["dtype"], n)
-        self._extras = {
-            key: (self._map(f"{key}.bin", dtype, n), np.load(self.path / f"{key}.present.npy", mmap_mode="r"))
-            for key, dtype in self.manifest["extras"].items()
-        }
         self._lengths: np.ndarray | None = None
         # the index files (8 B + 1 B per extra per document) are checked whole by a process's first read; a
         # document's token and extra bytes chunk by chunk, through the mappings the reads use
@@ -197,7 +124,8 @@ class TokenStore(TokenizedDataset):
         self._check_tokens = self._checker(TOKENS_FILE, partial(self._stored, self._tokens.dtype.itemsize),
                                            self._tokens)  # fmt: skip
         self._checked_extras = {}  # key: (values, present, checker), what a read walks
-        for key, (values, present) in self._extras.items():
+        for key, dtype in self.manifest["extras"].items():
+            values, present = self._map(f"{key}.bin", dtype, n), np.load(self.path / f"{key}.present.npy", mmap_mode="r")
             flags = partial(self._listed, _data_offset(present), 1, "flags")
             self._check_index.append(self._checker(f"{key}.present.npy", flags))
             checker = self._checker(f"{key}.bin", partial(self._stored, values.dtype.itemsize), values)
@@ -216,11 +144,8 @@ class TokenStore(TokenizedDataset):
             checker.check_all(document)
 
     def verify_content(self) -> None:
-        """Check every chunk of every file against the manifest (~0.1 s per GB of hashing, plus the reads).
-
-        ``precompute`` calls it, so the plan's recorded input digest names bytes that were read; raises
-        ``ValueError`` naming the file, the byte range and the documents stored there.
-        """
+        """Check every chunk of every file against the manifest (``precompute`` calls it); raises naming the file,
+        byte range and documents."""
         for checker in self._checkers():
             checker.check_all()
 
@@ -277,37 +202,33 @@ class TokenStore(TokenizedDataset):
             return  # negative ids cannot be written
         super().check_token_ids(vocab_size)
 
-    def _compute_checksum(self) -> str:
-        return str(self.manifest[_DIGEST_KEY])
-
     def fingerprint(self) -> str:
         """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""
-        return f"token_store:{self._checksum}"
+        return f"token_store:{self._digest}"
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` if the store was rewritten or a file resized since it was opened (a few ``stat`` s)."""
-        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(_DIGEST_KEY)
-        if on_disk != self._checksum:
+        on_disk = json.loads((self.path / MANIFEST).read_bytes()).get(DIGEST_KEY)
+        if on_disk != self._digest:
             raise ValueError(
-                f"token store {self.path} was rewritten since it was opened (manifest digest {self._checksum[:16]}… "
+                f"token store {self.path} was rewritten since it was opened (manifest digest {self._digest[:16]}… "
                 f"then, {str(on_disk)[:16]}… now); a run trains on the store as opened: reopen it and start a new run"
             )
+        self._check_sizes(opened=True)
+
+    def _check_sizes(self, *, opened: bool) -> None:
+        """Every file is there, of the size the manifest records (``opened``: since the store was opened)."""
         for entry in self.manifest["files"].values():
             file = self.path / entry["file"]
             if not file.is_file():
-                raise ValueError(f"token store file {file} was removed since the store was opened; restore it, "
-                                 "or reopen the store and start a new run")  # fmt: skip
+                what = ("was removed since the store was opened; restore it, or reopen the store and start a new run"
+                        if opened else f"is missing (the manifest records {entry['bytes']} bytes); restore it, or "
+                        f"{_REWRITE}")  # fmt: skip
+                raise ValueError(f"token store file {file} {what}")
             size = file.stat().st_size
             if size != entry["bytes"]:
-                raise ValueError(f"token store file {file} has {size} bytes, the manifest "
-                                 f"records {entry['bytes']}; {_REWRITE}")  # fmt: skip
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for key in ("_offsets", "_tokens", "_extras", "_lengths", "_check_index", "_check_tokens",
-                    "_checked_extras"):
-            state.pop(key)
-        return state
+                raise ValueError(f"token store file {file} has {size} bytes, the manifest records "
+                                 f"{entry['bytes']}; {_REWRITE}")  # fmt: skip
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -1,11 +1,7 @@
-"""Writing a token store (the format :mod:`cpdata.sources.tokenstore` reads): append documents, then the index.
+"""Writing a token store (:mod:`cpdata.sources.tokenstore`): append documents, then the index and manifest.
 
-Files go into a directory (normally :func:`cpdata.sources.atomic.atomic_directory`'s
-hidden sibling, which replaces the target only once the manifest is written).
-Documents are appended as they come, so memory stays at one document plus the
-index (8 B/document). Each file is hashed while it is written: a sha256 of the
-whole file and xxh3 checksums of its 1 MiB chunks (:mod:`cpdata.sources.chunksums`),
-both recorded in the manifest; the chunk hashing costs ~0.1 s per GB written.
+Memory stays at one document plus 8 B per document; each file is hashed as it is written (sha256 and 1 MiB
+chunk xxh3, :mod:`cpdata.sources.chunksums`).
 """
 
 from __future__ import annotations
@@ -19,12 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import _check_ids
-from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_chunk_sums
-from cpdata.sources.manifest import DIGEST_KEY as _DIGEST_KEY
-from cpdata.sources.manifest import canonical as _canonical
-from cpdata.sources.manifest import manifest_digest as _manifest_digest
-from cpdata.sources.manifest import sha256_file as _sha256_file
+from cpdata.sources.base import _written_ids
+from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_sums
+from cpdata.sources.manifest import write_manifest
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter"]
 
@@ -33,14 +26,9 @@ FORMAT_VERSION = 2
 """2: per-file chunk checksums; 1 (read, hashed whole at open): sha256 per file only."""
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
-MANIFEST = "manifest.json"
 _REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
 _DAMAGED = ("restore the store's files from where they came from, or rewrite the store with `cpdata tokenize` / "
             "`cpdata pack-store`")
-
-
-def _token_dtype(vocab_size: int | None) -> np.dtype:
-    return np.dtype("<u2") if vocab_size is not None and vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 class _HashedFile:
@@ -65,26 +53,19 @@ class _HashedFile:
 
 
 def _saved_entry(path: Path) -> dict[str, Any]:
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256_file(path),
-            "chunks": file_chunk_sums(path)}  # fmt: skip
+    sha, chunks = file_sums(path)
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha, "chunks": chunks}
 
 
 class TokenStoreWriter:
-    """Append documents to a store being written in ``directory`` (normally an atomic temp directory).
+    """Append documents to a store being written in the empty ``directory`` (normally an atomic temp directory);
+    ``vocab_size <= 65536`` stores uint16, else uint32; ``name`` is what errors call the store."""
 
-    Args:
-        directory: an existing empty directory.
-        vocab_size: ids must be below it; ``<= 65536`` stores uint16, else uint32.
-        name: what errors call the store (default: ``directory``).
-    """
-
-    def __init__(
-        self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, vocab_size: int | None = None, name: str | None = None) -> None:
         self.directory = Path(directory)
         self.name = Path(name) if name is not None else self.directory
         self.vocab_size = vocab_size
-        self.dtype = _token_dtype(vocab_size)
+        self.dtype = np.dtype("<u2") if vocab_size is not None and vocab_size <= 1 << 16 else np.dtype("<u4")
         self.limit = vocab_size if vocab_size is not None else 1 << 32
         self._tokens = _HashedFile(self.directory / TOKENS_FILE)
         self._offsets = array("q", [0])
@@ -99,10 +80,7 @@ class TokenStoreWriter:
     def add(self, document: Mapping[str, Any]) -> None:
         """Append one document ``{"input_ids": [n], KEY: [n], ...}`` (validated: ids in range, aligned extras)."""
         index = self.documents
-        ids = np.asarray(document["input_ids"]).reshape(-1)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"document {index}: input_ids must be integers, got {ids.dtype}")
-        _check_ids(self.name, index, ids.astype(np.int64, copy=False), self.limit if ids.size else None)
+        ids = _written_ids(self.name, index, document, self.limit)
         if ids.size:
             low, high = int(ids.min()), int(ids.max())
             self.min_id = low if self.min_id is None else min(self.min_id, low)
@@ -137,11 +115,8 @@ class TokenStoreWriter:
         present.append(1)
 
     def finish(self, source: Mapping[str, Any], *, labels_alignment: str | None = None) -> dict[str, Any]:
-        """Close the files, write the index and the manifest; returns the manifest.
-
-        ``labels_alignment`` (``"inputs"``/``"targets"``) declares what the stored
-        labels and masks are aligned with, when the writer knows it.
-        """
+        """Close the files, write the index and the manifest (with ``labels_alignment`` when the writer knows it);
+        returns the manifest."""
         files = {"tokens": self._tokens.close()}
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
         np.save(self.directory / OFFSETS_FILE, offsets, allow_pickle=False)
@@ -170,9 +145,4 @@ class TokenStoreWriter:
             "files": files,
             "source": dict(source),
         }
-        manifest[_DIGEST_KEY] = _manifest_digest(manifest)
-        with open(self.directory / MANIFEST, "wb") as f:
-            f.write(_canonical(manifest))
-            f.flush()
-            os.fsync(f.fileno())
-        return manifest
+        return write_manifest(self.directory, manifest)
