@@ -1,15 +1,9 @@
-"""Run tables of a block of packs at once: the ``head-tail`` (``thd``, ``round_robin``) and ``balanced`` builders.
+"""Run tables of a block of packs at once: the head-tail (``thd``, ``round_robin``) and ``balanced`` builders.
 
-A block is ``P`` packs of equal length, their ``N`` documents concatenated
-pack after pack (``counts`` int64 ``[P]`` documents each). The builders run
-the same ~15 numpy calls on the block's ``[N, G]`` tables as on one pack's,
-the running sums restarted at every pack (:func:`_within_packs`), and return a
-:class:`RunBlock`: one :class:`~cpdata.layout.runs.RunTable` per pack (views of
-the block's tables) and the per-rank causal work of every pack from one
-``bincount``. The one-pack builders :func:`head_tail_runs` and
-:func:`balanced_runs` are the block builders with ``counts=None``, so a block
-of ``P`` packs gives each pack the table it gets alone, bit for bit. The
-builders take validated lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+A block is ``P`` packs of equal length, their ``N`` documents concatenated pack after pack (``counts`` int64
+``[P]`` documents each; None: one pack). The builders run the same numpy calls on the block's ``[N, G]`` tables
+as on one pack's, the running sums restarted at every pack, so each pack gets the table it gets alone, bit for
+bit. They take validated lengths; :func:`cpdata.layout.maps.layout_runs` validates.
 """
 
 from __future__ import annotations
@@ -18,9 +12,9 @@ import functools
 
 import numpy as np
 
-from cpdata.layout.runs import RunBlock, RunTable, _frozen, _per_run
+from cpdata.layout.runs import RunBlock, _frozen, _per_run
 
-__all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
+__all__ = ["RunBlock", "balanced_block", "head_tail_block"]
 
 
 def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -39,9 +33,8 @@ def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray,
 def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
 
-    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
-    document (``[j >= cp] - j``, 1, ``j + 1``), then ``rank * local_len``; ``ranks``
-    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
+    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length the inverse shift, size and end in the document, then
+    ``rank * local_len``; ``ranks`` ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r``, ``2cp-1-r``.
     """
     cp = cp_size
     j = np.arange(2 * cp, dtype=np.int64)
@@ -57,10 +50,9 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     """Chunks ``r`` and ``2cp-1-r`` of every slot of ``P`` packs of ``pack_len`` tokens (``slot_lens`` int64
     ``[N]``, each a multiple of 2cp, every pack's summing to ``pack_len``; ``counts`` as in the module docstring).
 
-    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
-    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
-    per chunk, ``C`` chunk tokens before it in its pack: chunk ``j`` starts at ``2cp*C + j*c``
-    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
+    ``round_robin``: one slot (the whole pack), ``with_docs=False``; ``thd``: the slots (tail absorbed). Slot
+    ``d`` of ``c`` tokens per chunk, ``C`` chunk tokens before it: chunk ``j`` starts at ``2cp*C + j*c`` and sits
+    at ``2C + [j >= cp]*c`` in its rank's row.
     """
     cp = cp_size
     of_c, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
@@ -73,16 +65,8 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     inv, sizes, ends, base = table
     inv += base
     inv += _per_run((2 - 2 * cp) * before, g)
-    if not with_docs:
-        return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
-    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
-
-
-def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
-    """:func:`head_tail_block` of one pack (``pack_len``: the slots' sum when None)."""
-    if pack_len is None:
-        pack_len = int(slot_lens.sum())
-    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables()[0]
+    docs = (ends, slot_lens) if with_docs else (None, None)
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, None, *docs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,7 +145,3 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
                     tails=tails, dealts=dealts)  # fmt: skip
 
-
-def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
-    """:func:`balanced_block` of one pack."""
-    return balanced_block(lens, None, pack_len, cp_size).tables()[0]

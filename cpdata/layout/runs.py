@@ -1,31 +1,16 @@
 """Run tables: a layout as runs of consecutive global positions, in global order.
 
-Every layout gives each document (row ``d`` of the table) ``G`` runs that
-tile it in global order (``thd``: its ``2cp`` chunks; ``balanced``: ``cp``
-heads, ``2cp`` one-token middle runs of which the first ``m`` are real, ``cp``
-tails), each with its rank and its *inverse shift* (its position in the
-rank-major concatenation of all shards minus its global start). Each rank's
-runs are in increasing global order, so a rank's row is its runs in table
-order. ``balanced`` deals its padding one token at a time after the runs (a
-strided tail, not one run per pad token). Everything the worker needs follows
-without sorting, searching or scattering:
+Every layout gives each document (table row ``d``) ``G`` runs that tile it in global order (``thd``: its
+``2cp`` chunks; ``balanced``: ``cp`` heads, ``2cp`` one-token middles of which the first ``m`` are real,
+``cp`` tails), each with its rank and *inverse shift* (its position in the rank-major concatenation minus its
+global start). A rank's runs are in increasing global order, so without sorting or scattering:
 
-- the inverse map: ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack tokens));
-- a rank's row: its ``D * w`` runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
-- the causal work per rank in closed form per run (:meth:`RunTable.causal_work`, O(runs)).
+- the inverse map is ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack));
+- a rank's row is its runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
+- the causal work per rank is closed form per run (:meth:`RunTable.causal_work`, O(runs)).
 
-The tables of a block of packs (:class:`RunBlock`) are built with one set of
-numpy calls and each pack's :class:`RunTable` is a view of its rows (no
-arrays sliced per pack); a rank's runs are picked for every pack of the block
-at once, so serving a pack's row or inverse map is one ``repeat`` and one
-add (plus the dealt tail of ``balanced``).
-
-Cost: the builders are ~15 numpy calls whatever the pack size, most on
-``[D]`` vectors: the parts of the ``[D, G]`` tables that are not linear in a
-document's length come from a table cached per ``(cp, local length)`` and
-indexed by one key per document, so a builder does one ``take``, one outer
-product and two adds on the ``[D, G]`` tables. The builders take validated
-lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+A block of packs (:class:`RunBlock`) is built with one set of numpy calls; each pack's :class:`RunTable` is a
+view of its rows. ``balanced`` deals its padding one token at a time after the runs (a strided tail).
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
+__all__ = ["RunBlock", "RunTable", "Table", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -62,18 +47,13 @@ def _dealt(cp_size: int, local_len: int) -> np.ndarray:
 
 
 def _per_run(x: np.ndarray, g: int) -> np.ndarray:
-    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each table row's ``g`` runs, contiguous. The block
-    builders use it for every per-document operand: a ``x[:, None]`` operand costs numpy one inner loop
-    per row, a flat one a single loop."""
+    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each row's ``g`` runs, contiguous (a broadcast
+    ``x[:, None]`` operand costs numpy one inner loop per row, a contiguous one a single loop)."""
     return x.repeat(g).reshape(-1, g)
 
 
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
-
-    One ``repeat`` of the run offsets, one add of a cached ``arange`` (written
-    into ``out`` when given).
-    """
+    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``)."""
     offsets = sizes.cumsum()
     total = int(offsets[-1]) if offsets.size else 0
     if total == 0:
@@ -82,34 +62,51 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
 
 
 def stacked_rows(table: Any) -> np.ndarray:
-    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (a run table or any table
-    with ``cp_size``, ``pack_len`` and ``row(rank, out)``, e.g. ``tiled``'s)."""
+    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (any table with
+    ``cp_size``, ``pack_len`` and ``row(rank, out)``)."""
     out = np.empty((table.cp_size, table.pack_len // table.cp_size), dtype=np.int64)
     for r in range(table.cp_size):
         table.row(r, out[r])
     return out
 
 
+class Table:
+    """What every one-pack layout table derives from its ``lens`` (int64 ``[D]`` slot lengths, None without
+    documents) and ``row(rank, out)``."""
+
+    __slots__ = ()
+    lens: np.ndarray | None
+
+    @property
+    def doc(self) -> np.ndarray | None:
+        """int64 ``[D]``: the document of each table row (``arange(D)``); None without documents."""
+        lens = self.lens
+        return None if lens is None else _arange(lens.shape[0])
+
+    @property
+    def doc_starts(self) -> np.ndarray | None:
+        """int64 ``[D]``: global offset of each document; None without documents."""
+        lens = self.lens
+        return None if lens is None else lens.cumsum() - lens
+
+    def rows(self) -> np.ndarray:
+        """int64 ``[cp, local_len]``: every rank's row."""
+        return stacked_rows(self)
+
+
 class RunBlock:
     """The runs of ``P`` packs of ``pack_len`` tokens, their ``N`` documents pack after pack (read-only arrays).
 
-    Built once per block of packs (:mod:`cpdata.layout.blocks`); each pack's :class:`RunTable` is a
-    view of its rows. What a rank's row needs from the ``[N, G]`` tables is picked for every pack at
-    once, the first time a table is asked for that rank's row (:meth:`rank_runs`).
+    A rank's runs are picked for every pack at once, the first time its row is asked for (:meth:`rank_runs`).
 
     Attributes:
-        pack_len: tokens in each pack (a multiple of ``cp``).
-        cp_size: CP ranks.
         counts: int64 ``[P]`` documents per pack, or None (one pack).
-        sizes: int64 ``[N, G]``: tokens per run (0 allowed); a pack's rows tile its documents, the
-            documents tile ``[0, pack_len - tail)``.
-        inv_shifts: int64 ``[N, G]``: a run's position in its pack's rank-major concatenation minus its
-            global start.
+        sizes: int64 ``[N, G]``: tokens per run (0 allowed); they tile ``[0, pack_len - tail)`` of each pack.
+        inv_shifts: int64 ``[N, G]``: see the module docstring.
         ranks: int64 ``[N, G]`` or ``[G]`` (the same for every row): the rank owning each run.
         picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
         pick_key: int64 ``[N]``: the variant of each row (None: variant 0 for every row).
-        ends: int64 ``[N, G]``: each run's end inside its document (a row's runs tile it in column
-            order, empty runs included); None for layouts that ignore documents.
+        ends: int64 ``[N, G]``: each run's end inside its document; None for layouts that ignore documents.
         lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
         tails, dealts: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0 for every pack).
     """
@@ -121,7 +118,6 @@ class RunBlock:
                  inv_shifts: np.ndarray, ranks: np.ndarray, picks: np.ndarray, pick_key: np.ndarray | None = None,
                  ends: np.ndarray | None = None, lens: np.ndarray | None = None, tails: list[int] | None = None,
                  dealts: list[int] | None = None) -> None:  # fmt: skip
-        """``tails``, ``dealts``: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0)."""
         self.pack_len, self.cp_size, self.counts, self.sizes = pack_len, cp_size, counts, sizes
         self.inv_shifts, self.ranks, self.picks, self.pick_key = inv_shifts, ranks, picks, pick_key
         self.ends, self.lens, self.tails, self.dealts = ends, lens, tails, dealts
@@ -167,17 +163,11 @@ class RunBlock:
         return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
 
 
-class RunTable:
-    """One layout of one pack as runs in global order: rows ``[lo, hi)`` of a :class:`RunBlock` (see the
-    module docstring).
+class RunTable(Table):
+    """One pack's layout: rows ``[lo, hi)`` of a :class:`RunBlock`.
 
-    Attributes:
-        block: the block of packs it belongs to.
-        lo, hi: its documents' rows in the block's tables.
-        pack_len, cp_size: the block's.
-        tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
-            each rank's row ends with its share, every ``cp``-th of them.
-        dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
+    ``tail``: padding tokens after the runs, dealt round-robin one at a time (``balanced``; 0 elsewhere), the
+    first to rank ``dealt % cp``; each rank's row ends with its share.
     """
 
     __slots__ = ("block", "lo", "hi", "pack_len", "cp_size", "tail", "dealt")
@@ -191,17 +181,6 @@ class RunTable:
         """int64 ``[D]``: the documents' slot lengths; None without documents."""
         lens = self.block.lens
         return None if lens is None else lens[self.lo : self.hi]
-
-    @property
-    def doc(self) -> np.ndarray | None:
-        """int64 ``[D]``: the document of each table row (row ``d`` is document ``d``); None without documents."""
-        return None if self.block.ends is None else _arange(self.hi - self.lo)
-
-    @property
-    def doc_starts(self) -> np.ndarray | None:
-        """int64 ``[D]``: global offset of each document; None without documents."""
-        lens = self.lens
-        return None if lens is None else lens.cumsum() - lens
 
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
@@ -222,19 +201,10 @@ class RunTable:
             np.add(_arange(local, cp)[:mine], first, out=out[n:])
         return out
 
-    def rows(self) -> np.ndarray:
-        """int64 ``[cp, local_len]``: every rank's row."""
-        return stacked_rows(self)
-
     def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major
-        concatenation (into ``out``).
-
-        The runs in table order tile the pack up to its dealt tail: ``repeat`` their
-        inverse shifts plus ``arange``. Tail token ``dealt + k`` of rank
-        ``(dealt + k) % cp`` follows that rank's ``(pack_len - tail - dealt) / cp``
-        run tokens and its ``(dealt + k) // cp`` earlier dealt tokens.
-        """
+        concatenation (into ``out``). Tail token ``dealt + k`` follows its rank's
+        ``(pack_len - tail - dealt) / cp`` run tokens and ``(dealt + k) // cp`` earlier dealt ones."""
         cp, p = self.cp_size, self.pack_len
         out = np.empty(p, dtype=np.int64) if out is None else out
         n = p - self.tail
@@ -264,15 +234,11 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
                    cp_size: int) -> np.ndarray:  # fmt: skip
     """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
 
-    ``ends`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
-    row): the run ends and owners of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
-    tokens of each document; ``counts`` int64 ``[P]``: documents per pack (None: one pack; with
-    ``[G]`` ranks each pack needs >= 1 document). A real token at offset ``o`` of its document
-    attends to ``o + 1`` keys; padding costs 0. The real tokens before offset ``e`` cost
-    ``W(e) = e(e + 1) / 2``; a row's runs tile its document in column order, so a run costs ``W(end)``
-    minus the ``W(end)`` of the run before it, ends clipped to the real length (for ranks that are the
-    same in every row, after summing each pack's rows). The doubled costs are integers, summed per
-    pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
+    ``ends``, ``ranks``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``: real tokens of each document;
+    ``counts`` int64 ``[P]`` (None: one pack; with ``[G]`` ranks each pack needs >= 1 document). A real token
+    at offset ``o`` attends to ``o + 1`` keys, padding to none, so a run costs ``W(end) - W(previous end)``,
+    ``W(e) = e(e + 1) / 2``, ends clipped to the real length: integers (doubled), summed exactly by one
+    ``bincount`` over ``pack * cp + rank``.
     """
     n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
     ends = np.minimum(ends, _per_run(real, g))
