@@ -1,45 +1,20 @@
 """One step of the schedule: place a pool of pieces into ``dp_size x micro_batches`` packs, cost-balanced.
 
-A step has ``K = dp_size * micro_batches`` cells (packs) of ``capacity``
-tokens; cell ``(m, r)`` is micro-batch ``m`` of DP rank ``r``. The ranks run
-micro-batch ``m`` in lock-step (FSDP / ZeRO-3 / pipeline), so the cost that
-counts is, per micro-batch *slot* ``m``, the largest cell cost of the slot.
-The placement makes the cells of one slot equally costly and every cell full:
+Cell ``(m, r)`` is micro-batch ``m`` of DP rank ``r``; the ranks run micro-batch ``m`` in lock-step, so what
+counts per micro-batch *slot* is its costliest cell. The placement makes a slot's cells equally costly and every
+cell full:
 
-A. *Runs of outliers.* Pieces longer than half a pack (at most one per cell)
-   are sorted by length; a dynamic program (:func:`~cpdata.schedule.runs.choose_runs`)
-   cuts them into runs of ``dp_size`` neighbours, one slot each, one piece per
-   rank (snake order across runs, so no rank collects every run's largest). A
-   run costs its spread in "effective" quadratic cost (a piece's own plus the
-   most its cell's leftover room can add); an outlier can instead wait for
-   partners of its size (``hold``: not yet overdue; cost :data:`HOLD_PENALTY`
-   of a full cell per step of age) or go loose into phase B (cost: what the
-   cells of its slot cannot match without an outlier). At most
-   ``micro_batches`` runs, fewer when overdue outliers need slots of their own.
-B. *Largest first into the largest gap.* The other pieces longer than
-   ``capacity / FILLER_FRACTION``, overdue ones first, then by length
-   descending, each go to the cell whose balancing key is furthest below its
-   slot's largest, among the cells with room (ties: the emptier cell, then the
-   lower slot). The not-overdue ones leave room for the overdue fillers.
-B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), when the
-   attention part of a full pack (``b * capacity**2``) is at least half its
-   cost: phase B never takes a piece back, so pieces of at most half a pack
-   are exchanged or moved between cells (any slot) while that lowers the sum
-   of the slots' costliest cells (D2 at dp 8 with ``max_delay=4``: ``imb_mb``
-   2.56 -> 2.16 % over 12 sampling seeds, for a small share of the planning
-   time). At 8K under the 7B model the linear part dominates and slots are
-   within 0.5 % already: there (D1) the pass gained 0.005 pp for several
-   times the planning time (docs/benchmarks.md), so it is skipped.
-C. *Fillers.* The short pieces (overdue ones first) fill the remaining room
-   in rounds: each round, cells in order of their gap take the longest filler
-   that fits, or a shorter one when the longest would strand a gap smaller
-   than every filler; so cells end within a few tokens of full.
+A. *Runs of outliers* (:func:`~cpdata.schedule.runs.choose_runs`): pieces over half a pack, sorted by length,
+   go in runs of ``dp_size`` neighbours, one slot each (snake order across runs), or loose, or wait.
+B. *Largest first into the largest gap*: the other pieces over ``capacity / FILLER_FRACTION``, overdue first,
+   each to the cell furthest below its slot's costliest, among cells with room (ties: the emptier cell, then
+   the lower slot), leaving room for the overdue fillers.
+B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), where a full pack's attention part
+   (``b * capacity**2``) is at least half its cost (elsewhere the slots are balanced already).
+C. *Fillers* (:func:`~cpdata.schedule.fill.fill_cells`) close every cell to within a few tokens.
 
-The balancing key is a cell's quadratic cost ``b * sum L**2`` when the step is
-full (then every cell ends with ``capacity`` tokens, the linear parts are
-equal, and only the quadratic part can differ), and its whole cost for a
-short (last) step. Pieces that fit nowhere are returned unplaced (the caller
-carries them to the next step).
+The balancing key is a piece's quadratic cost ``b * L**2`` when the step is full (the linear parts are then
+equal) and its whole cost for a short last step. Pieces that fit nowhere are returned unplaced.
 """
 
 from __future__ import annotations
@@ -69,25 +44,18 @@ def place_step(
     first: tuple[np.ndarray, ...] = (),
     runs: tuple[list[np.ndarray], list[int]] | None = None,
 ) -> np.ndarray:
-    """Place one step's pool.
+    """int64 ``[n]``: the cell ``m * dp_size + r`` of every piece of one step's pool, ``-1`` for unplaced ones.
 
     Args:
-        slot: int64 ``[n]`` slot tokens per piece (each ``<= capacity``), any order.
-        key: float64 ``[n]`` balancing key per piece (see the module docstring).
-        forced: bool ``[n]`` pieces that must be placed in this step (overdue).
-        hold: outliers without a run of their size may stay unplaced (``max_delay > 0``).
-        age: int64 ``[n]`` steps each piece has waited.
+        slot, key, forced, age: per piece ``[n]``: slot tokens (``<= capacity``), balancing key, overdue (bool),
+            steps waited.
+        hold: outliers without a run of their size may stay unplaced.
         full_cost: the cost of a full cell, the scale of :data:`HOLD_PENALTY`.
         quad: the quadratic cost of one piece of ``capacity`` tokens (``b * capacity**2``).
-        first: rescue mode: these groups of pieces (bool ``[n]`` masks) go first, group by group,
-            first-fit decreasing (:func:`~cpdata.schedule.fill.first_fit`) into the empty cells; no runs
-            are formed and the rest fills around them. The planner gives the overdue pieces, then those
-            due next step, so a group that passed :func:`~cpdata.schedule.fill.fits` is placed whole.
-        runs: phase A's decision if already made by :func:`choose_runs` on these very arguments
-            (with ``slots=micro_batches``; the planner's intake makes it to size the pool).
-
-    Returns:
-        int64 ``[n]``: cell ``m * dp_size + r`` of every piece, ``-1`` for unplaced ones.
+        first: rescue mode: these groups (bool ``[n]`` masks) go first, group by group, first-fit decreasing
+            into the empty cells, and no runs are formed; a group that passed
+            :func:`~cpdata.schedule.fill.fits` is placed whole.
+        runs: phase A's decision if :func:`choose_runs` already made it on these arguments.
     """
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M

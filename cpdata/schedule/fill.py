@@ -1,15 +1,10 @@
 """Filling cells to the last token, and the first-fit check that a set of due pieces fits one step.
 
-- :func:`fill_cells` (phase C of :func:`~cpdata.schedule.balance.place_step`):
-  short pieces fill the cells' remaining room in rounds, each round the cells
-  in order of their gap below their slot's largest take the longest piece that
-  fits; a nearly full cell is closed exactly when one, two, or one plus a few
-  of the shortest pieces sum to its room. Leaving a gap shorter than every
-  piece is avoided, so cells end within a few tokens of full (padding within
-  0.05 pp of ``bfd`` alone on the bench distributions).
-- :func:`first_fit` / :func:`fits`: first-fit decreasing into cells, the
-  placement of the planner's rescue mode, and the check it runs before
-  committing a step (the pieces due next step must fit one empty step).
+- :func:`fill_cells` (phase C of :func:`~cpdata.schedule.balance.place_step`): in rounds, each cell (largest gap
+  below its slot's costliest first) takes the longest filler that fits; a nearly full cell is closed exactly when
+  one, two, or one plus a few of the shortest fillers sum to its room, and no gap shorter than every filler is
+  left where avoidable.
+- :func:`first_fit` / :func:`fits`: first-fit decreasing, the planner's rescue placement and its commit check.
 """
 
 from __future__ import annotations
@@ -27,11 +22,8 @@ EXACT_TRIES = 8
 
 
 def first_fit(sizes: list[int], room: list[int], ids: list[int]) -> list[tuple[int, int]]:
-    """First-fit decreasing: ``[(id, cell), ...]`` for the pieces that fit, ``room`` updated in place.
-
-    Pieces go longest first (ties: the lower id) into the first cell with room; one that fits
-    nowhere is skipped.
-    """
+    """First-fit decreasing (ties: the lower id): ``[(id, cell), ...]`` for the pieces that fit, ``room`` updated
+    in place; a piece that fits nowhere is skipped."""
     out = []
     for s, i in sorted(zip(sizes, ids, strict=True), key=lambda p: (-p[0], p[1])):
         for c, r in enumerate(room):
@@ -43,13 +35,8 @@ def first_fit(sizes: list[int], room: list[int], ids: list[int]) -> list[tuple[i
 
 
 def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
-    """Whether :func:`first_fit` places every piece of ``sizes`` into ``cells`` empty cells.
-
-    Shortcuts: at most ``cells`` pieces always fit (each is at most ``capacity``); so do at most ``cells``
-    pieces longer than a quarter cell with a total of at most three quarters of the cells (they go first,
-    each finds an empty cell at worst; then first fit leaves a shorter piece out only when every cell is
-    more than three quarters full).
-    """
+    """Whether :func:`first_fit` places every piece of ``sizes`` into ``cells`` empty cells (shortcut: at most
+    ``cells`` pieces over a quarter cell, totalling at most three quarters of the cells, always fit)."""
     n = int(sizes.shape[0])
     if n <= cells:
         return True
@@ -97,11 +84,7 @@ def _remove_size(counts: dict[int, int], distinct: list[int], size: int) -> None
 
 
 def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
-    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
-
-    A cell whose room is at most ``ENDGAME`` shortest fillers is first closed exactly if it can be
-    (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
-    """
+    """Phase C (see the module docstring), the lists updated in place."""
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
     counts: dict[int, int] = {}
     for x in sizes:

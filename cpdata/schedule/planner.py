@@ -1,64 +1,22 @@
 """``plan_schedule``: every document length in, one epoch of (step, DP rank, micro-batch) packs out.
 
-The planner is a pure function of its arguments: no collective, no clock, no
-global random state (``shuffle`` draws from ``numpy.random.default_rng(seed)``),
-so every rank (every DP rank, every CP rank, every dataloader worker) computes
-the same schedule from the same lengths and then reads only its own documents.
+A pure function of its arguments (no collective, no clock, no global random state; ``shuffle`` draws from
+``default_rng((seed, epoch))``), so every rank and worker computes the same schedule, then reads only its own
+documents. What it guarantees and costs is in docs/scheduling.md.
 
-With a cost model (balanced): documents are cut into pieces (layout alignment,
-overflow policy: :func:`~cpdata.packing.pieces.cut_documents`) and taken in
-stream order. Each step takes new pieces until its pool (pieces carried from
-earlier steps plus new ones) holds ``(1 + POOL_MARGIN)`` steps of tokens, not
-counting long pieces that will wait (so the step still fills), places the
-pool with :func:`~cpdata.schedule.balance.place_step` and carries what did
-not fit.
+With a cost model, documents are cut into pieces (:func:`~cpdata.packing.pieces.cut_documents`) and taken in
+stream order: each step takes new pieces until its pool holds ``1 + POOL_MARGIN`` steps of tokens (not counting
+long pieces that will wait), places it (:func:`~cpdata.schedule.balance.place_step`) and carries the rest.
+Delay bound, for any lengths: a piece is placed at most ``max(1, max_delay)`` steps after the step that took it
+(``max_delay + 1`` for a long piece taken a step ahead of its FIFO step, with ``max_delay >= 2``), at most one
+for pieces up to half a pack, never more than one step before its FIFO step (its stream position in slot tokens
+over a full step's). It holds because a step is committed only when the pieces due next step fit one empty step
+by first-fit decreasing (the next step's rescue places them that way); otherwise the step is placed again with
+those pieces first, then with fewer new pieces, and at most one piece over half a pack per cell gets a deadline.
 
-Delay bound (guaranteed, for any lengths): steps take the stream first in,
-first out (step ``t`` takes the pieces after those of step ``t - 1``), never a
-piece past its *FIFO step* plus one (the FIFO step of a piece: its stream
-position in slot tokens over a full step's, ``K * capacity``, where stream
-order at full steps would put it), and a piece is placed at most
-``max(1, max_delay)`` steps after the step that took it, never earlier; so
-never more than one step before its FIFO step. Pieces up to half a pack move
-at most one step (the leftovers of a full step); a longer one may wait up to
-``max(1, max_delay)`` steps for ``dp_size - 1`` others of its size (WLB-LLM's
-outlier delay; the default ``max_delay=0`` allows one step), and with
-``max_delay >= 2`` one that a step took ahead of its FIFO step (the step
-before it) waits ``max_delay + 1`` steps after that step: ``max_delay`` after
-its FIFO step, the window the bound allows. So while the steps keep pace with
-the stream (every bench distribution), no piece is placed more than
-``max_delay`` steps after its FIFO step. ``Schedule.delay`` and
-``stats.delay_counts`` report the delay after the step that took the piece.
-Why it holds: a step is committed only when the pieces due in the next step
-fit one empty step by first-fit decreasing (the next step places them first
-that way if its balanced placement leaves any out); otherwise the step is
-placed again with those pieces first, and then with fewer pieces taken from
-the stream. With nothing new taken, the pieces due next step are long pieces
-that earlier steps took with that deadline, and at most ``dp_size *
-micro_batches`` pieces longer than half a pack get one deadline (a step takes
-fewer while pieces taken ahead by the step before share its deadline), one
-per cell, so the check passes. On the bench distributions a step takes
-within a few percent of a step's tokens, so the steps track the token stream.
-Cost: linear in the documents (time per document: ``cpdata bench --sections schedule``).
-
-Without a cost model (``cost=None``): the packs of
-:func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack
-``k`` is micro-batch ``k % micro_batches`` of rank ``(k // micro_batches) %
-dp_size`` in step ``k // (dp_size * micro_batches)``. At ``dp_size=1`` and
-``micro_batches=1`` these are exactly today's packs, one per step.
-
-Fallback (``fallback=True``, the loader's default): balancing leaves room in
-some packs to even the costly ones out, which pays when the quadratic term
-dominates but can cost whole extra steps on small or short-document datasets
-(dp 2 x cp 2, capacity 8192, 340 web-like documents: 15 steps and 7.8 %
-padding balanced, 14 steps and 1.2 % as token packs). The token plan is then
-planned too and returned when :func:`padded_epoch_cost` (the model's epoch time
-with pads computed: every pack runs ``capacity`` slots) is lower. Cost: one
-``plan_lengths`` more.
-
-Every DP rank gets ``num_steps`` steps of ``micro_batches`` packs; the tail
-follows ``tail`` (:data:`~cpdata.schedule.records.TAIL_POLICIES`). Measured by
-``cpdata bench --sections schedule``.
+Without a cost model: the packs of :func:`~cpdata.packing.plan_lengths` in stream order, pack ``k`` micro-batch
+``k % micro_batches`` of rank ``(k // micro_batches) % dp_size`` in step ``k // (dp_size * micro_batches)``.
+``fallback=True`` plans both and keeps the one with the lower :func:`padded_epoch_cost`.
 """
 
 from __future__ import annotations
@@ -119,24 +77,15 @@ def plan_schedule(
 
     Args:
         lengths: int ``[n_docs]`` tokens per document, in source order.
-        capacity, layout, cp_size: the pack (as for :func:`~cpdata.packing.plan_lengths`).
-        dp_size, micro_batches: packs per step are ``dp_size * micro_batches``.
-        cost: balance by this :class:`CostModel` (``CostModel()`` = FlexSP 7B), or
-            ``None`` for token-only packs in stream order.
+        capacity, layout, cp_size, algorithm, overflow: the packs (as for :func:`~cpdata.packing.plan_lengths`;
+            ``algorithm`` only without a cost model).
+        cost: balance by this :class:`CostModel`, or ``None`` for token-only packs in stream order.
         max_delay: steps a long piece may wait for partners of its size (balanced only).
-        algorithm: the packer when ``cost is None`` (balanced placement is its own).
-        overflow: documents longer than a pack: ``"error"`` (default), ``"split"``,
-            ``"truncate"``, ``"drop"`` (counted in ``stats``).
-        seed, shuffle, epoch: with ``shuffle=True`` documents are taken in the order of the
-            ``default_rng((seed, epoch))`` permutation (the order :class:`~cpdata.nodes.source.Documents`
-            reads a shuffled sequence in that epoch); without it ``epoch`` changes nothing.
-        tail: ``"pad"`` (default) or ``"drop"``, see :data:`TAIL_POLICIES`.
-        fallback: with a cost model, also plan the token plan (``cost=None``'s packs) and return it
-            when its :func:`padded_epoch_cost` is lower (what ``build_loader(schedule="balanced")`` does
-            without ``cost=``). The delay bound then holds only when the balanced schedule is returned.
-
-    Raises:
-        ValueError / TypeError: naming the bad argument.
+        seed, shuffle, epoch: with ``shuffle=True`` documents are taken in the ``default_rng((seed, epoch))``
+            permutation (the order :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in).
+        tail: see :data:`TAIL_POLICIES`.
+        fallback: with a cost model, return the token plan when its :func:`padded_epoch_cost` is lower (the
+            delay bound then holds only for the balanced schedule).
     """
     lengths = _lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
