@@ -29,7 +29,7 @@ from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
-from cpdata.schedule.records import TAIL_POLICIES, Schedule, assemble
+from cpdata.schedule.records import COUNTS, TAIL_POLICIES, Schedule, assemble
 
 __all__ = ["POOL_MARGIN", "padded_epoch_cost", "plan_schedule"]
 
@@ -119,12 +119,7 @@ def plan_schedule(
 def padded_epoch_cost(schedule: Schedule, cost: CostModel) -> float:
     """The epoch's time under ``cost`` with pads computed: the sum over steps of the slowest rank's
     ``micro_batches * a * capacity + b * sum(L**2)`` (a pack's linear work runs over every slot, pads too)."""
-    quad = np.zeros(schedule.num_steps * schedule.dp_size * schedule.micro_batches)
-    if schedule.doc_len.size:
-        quad = np.add.reduceat(np.append(cost.b * schedule.doc_len.astype(np.float64) ** 2, 0.0),
-                               schedule.pack_offsets[:-1])  # fmt: skip
-        quad[np.diff(schedule.pack_offsets) == 0] = 0.0
-    per_rank = quad.reshape(schedule.num_steps, schedule.dp_size, schedule.micro_batches).sum(axis=2)
+    per_rank = schedule.pack_sums(cost.b * schedule.doc_len.astype(np.float64) ** 2).sum(axis=2)
     linear = schedule.num_steps * schedule.micro_batches * cost.a * schedule.capacity
     return float(linear + (per_rank.max(axis=1).sum() if per_rank.size else 0.0))
 
@@ -136,9 +131,7 @@ def _in_order(lengths: np.ndarray, config: PackingConfig) -> tuple[tuple[np.ndar
     sizes = np.diff(res.pack_offsets)
     cells = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
     cont = piece_continues(res.doc_index, res.doc_start, res.doc_len)
-    st = res.stats
-    counts = {k: getattr(st, k) for k in ("documents", "skipped", "split", "truncated", "dropped",
-                                          "truncated_tokens", "dropped_tokens")}  # fmt: skip
+    counts = {k: getattr(res.stats, k) for k in COUNTS}
     delay = np.zeros(cells.shape[0], dtype=np.int64)
     return (cells, res.doc_index, res.doc_start, res.doc_len, res.slot_len, cont, delay), counts
 

@@ -11,7 +11,11 @@ from cpdata.packing import PackingConfig, PackingResult, PackingStats
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.metrics import imbalance
 
-__all__ = ["TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
+__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
+
+COUNTS: tuple[str, ...] = ("documents", "skipped", "split", "truncated", "dropped", "truncated_tokens",
+                           "dropped_tokens")  # fmt: skip
+"""The document counters a schedule takes over from cutting its documents (:class:`ScheduleStats` fields)."""
 
 TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
 """What happens to the last step when the documents do not fill it:
@@ -138,7 +142,10 @@ class Schedule:
 
     def pack_costs(self, cost: CostModel) -> np.ndarray:
         """float64 ``[num_steps, dp_size, micro_batches]``: ``sum cost(piece length)`` per pack."""
-        per_piece = cost(self.doc_len)
+        return self.pack_sums(cost(self.doc_len))
+
+    def pack_sums(self, per_piece: np.ndarray) -> np.ndarray:
+        """float64 ``[num_steps, dp_size, micro_batches]``: the sum of ``per_piece`` (float64 ``[pieces]``) per pack."""
         sums = np.add.reduceat(np.append(per_piece, 0.0), self.pack_offsets[:-1])
         sums[np.diff(self.pack_offsets) == 0] = 0.0
         return sums.reshape(self.num_steps, self.dp_size, self.micro_batches)
@@ -150,11 +157,8 @@ class Schedule:
     def as_packing_result(self) -> PackingResult:
         """Every pack in (step, rank, micro-batch) order as a :class:`~cpdata.packing.PackingResult`."""
         s = self.stats
-        stats = PackingStats.from_counts(
-            capacity=self.capacity, documents=s.documents, tokens=s.tokens, slot_tokens=s.slot_tokens,
-            packs=s.packs, skipped=s.skipped, truncated=s.truncated, dropped=s.dropped, split=s.split,
-            truncated_tokens=s.truncated_tokens, dropped_tokens=s.dropped_tokens,
-        )  # fmt: skip
+        stats = PackingStats.from_counts(capacity=self.capacity, tokens=s.tokens, slot_tokens=s.slot_tokens,
+                                         packs=s.packs, **{k: getattr(s, k) for k in COUNTS})  # fmt: skip
         return PackingResult(pack_offsets=self.pack_offsets, doc_index=self.doc_index, doc_start=self.doc_start,
                              doc_len=self.doc_len, slot_len=self.slot_len, stats=stats, config=self.config)
 
@@ -194,14 +198,10 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
         i_s, i_m = partial.imbalance(cost)
         imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
     stats = ScheduleStats(
-        documents=int(counts["documents"]), tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
-        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs,
-        empty_packs=int((per_cell == 0).sum()),
-        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0,
-        skipped=int(counts["skipped"]), split=int(counts["split"]), truncated=int(counts["truncated"]),
-        dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
-        dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
-        tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
-        imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+        **{k: int(counts[k]) for k in COUNTS}, tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
+        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs, empty_packs=int((per_cell == 0).sum()),
+        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0, tail=tail,
+        tail_dropped_steps=dropped_steps, tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens,
+        delay_counts=delay_counts, imb_step_mean=imb_step, imb_mb_mean=imb_mb,
     )  # fmt: skip
     return Schedule(**sched_kw, stats=stats)
