@@ -93,6 +93,17 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     placed_i: list[int] = []
     placed_c: list[int] = []
+
+    def place(c: int, i: int, size: int) -> None:
+        _remove_size(counts, distinct, size)
+        room_l[c] -= size
+        placed_i.append(i)
+        placed_c.append(c)
+        load_l[c] += keys[i]
+        m = slot_of_l[c]
+        if load_l[c] > smax_l[m]:
+            smax_l[m] = load_l[c]
+
     while sizes and active:
         gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
@@ -104,15 +115,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             take_i, take_s = ids[-n_act:], sizes[-n_act:]
             del ids[-n_act:], sizes[-n_act:]
             for c, i, size in zip(active, reversed(take_i), reversed(take_s), strict=True):
-                _remove_size(counts, distinct, size)
-                room_l[c] -= size
-                placed_i.append(i)
-                placed_c.append(c)
-                load = load_l[c] + keys[i]
-                load_l[c] = load
-                m = slot_of_l[c]
-                if load > smax_l[m]:
-                    smax_l[m] = load
+                place(c, i, size)
             continue
         still = []
         for c in active:
@@ -127,17 +130,8 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
                     if j2 >= 0:
                         j = j2
                 picks = [j]
-            m = slot_of_l[c]
             for j in sorted(picks, reverse=True) if len(picks) > 1 else picks:  # from the back: positions hold
-                i = ids.pop(j)
-                size = sizes.pop(j)
-                _remove_size(counts, distinct, size)
-                room_l[c] -= size
-                placed_i.append(i)
-                placed_c.append(c)
-                load_l[c] += keys[i]
-            if load_l[c] > smax_l[m]:
-                smax_l[m] = load_l[c]
+                place(c, ids.pop(j), sizes.pop(j))
             if not sizes:
                 break
             if room_l[c] >= sizes[0]:
