@@ -155,21 +155,21 @@ def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np
     return lens, total
 
 
-def _absorb_tail(lens: np.ndarray, total: int, pack_len: int) -> np.ndarray:
+def _absorb_tail(lens: np.ndarray, pack_len: int) -> np.ndarray:
     if lens.size == 0:
         return np.array([pack_len], dtype=np.int64) if pack_len else lens.copy()
     slots = lens.copy()
-    slots[-1] += pack_len - total
+    slots[-1] += pack_len - int(lens.sum())
     return slots
 
 
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
     """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding (no slots: one pad slot)."""
-    return _absorb_tail(*_as_lengths(seq_lens, pack_len), pack_len)
+    return _absorb_tail(_as_lengths(seq_lens, pack_len)[0], pack_len)
 
 
-def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.ndarray:
-    slots = _absorb_tail(lens, total, pack_len)
+def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
+    slots = _absorb_tail(lens, pack_len)
     bad = np.flatnonzero(slots % (2 * cp_size))
     if bad.size:
         i = int(bad[0])
@@ -210,7 +210,7 @@ def layout_runs(
         return head_tail_block(np.array([pack_len], dtype=np.int64), None, cp_size, pack_len, with_docs=False
                                ).tables()[0]  # fmt: skip
     if layout == "thd":
-        return head_tail_block(_thd_slots(lens, int(lens.sum()), pack_len, cp_size), None, cp_size, pack_len
+        return head_tail_block(_thd_slots(lens, pack_len, cp_size), None, cp_size, pack_len
                                ).tables()[0]  # fmt: skip
     return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
@@ -244,7 +244,7 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
                          f"the documents), got {layout!r}; use layout_runs")  # fmt: skip
     sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
     if sizes.min() == 0:  # an empty pack is one padding slot
-        slots = [_absorb_tail(pack, int(pack.sum()), pack_len) for pack in _per_pack(lens, counts)]
+        slots = [_absorb_tail(pack, pack_len) for pack in _per_pack(lens, counts)]
         return layout_run_block(layout, cp_size, slots, pack_len)
     flat = lens.copy()
     ends = np.cumsum(sizes)
@@ -252,7 +252,7 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     flat[ends - 1] += pack_len - totals  # every pack's last slot absorbs its tail
     if (flat % (2 * cp_size)).any():
         for pack in _per_pack(lens, counts):  # the first bad pack's error
-            _thd_slots(pack, int(pack.sum()), pack_len, cp_size)
+            _thd_slots(pack, pack_len, cp_size)
     return head_tail_block(flat, counts, cp_size, pack_len)
 
 

@@ -126,14 +126,10 @@ class RunBlock:
 
     def tables(self) -> list[RunTable]:
         """The ``P`` packs' tables (new views on every call; the block holds none, so no reference cycle)."""
-        if self.counts is None:
-            bounds = [(0, self.sizes.shape[0])]
-        else:
-            stops = self.counts.cumsum().tolist()
-            bounds = list(zip([0, *stops[:-1]], stops, strict=True))
-        tails = self.tails or [0] * len(bounds)
-        dealts = self.dealts or [0] * len(bounds)
-        return [RunTable(self, lo, hi, tail, dealt) for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]
+        stops = np.cumsum(self.doc_counts()).tolist()
+        zeros = [0] * len(stops)
+        return [RunTable(self, lo, hi, tail, dealt) for lo, hi, tail, dealt
+                in zip([0, *stops[:-1]], stops, self.tails or zeros, self.dealts or zeros, strict=True)]  # fmt: skip
 
     def rank_runs(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Inverse shifts and sizes (int64 ``[N * w]``) of ``rank``'s runs, row after row, in row order
@@ -263,7 +259,8 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
 
 
 @functools.lru_cache(maxsize=16)
-def _contiguous(cp_size: int, pack_len: int) -> RunTable:
+def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
+    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
     local = pack_len // cp_size
     ranks = _arange(cp_size)
     sizes = np.full((1, cp_size), local, dtype=np.int64)
@@ -271,8 +268,3 @@ def _contiguous(cp_size: int, pack_len: int) -> RunTable:
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)
     return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables()[0]
-
-
-def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
-    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
-    return _contiguous(cp_size, pack_len)

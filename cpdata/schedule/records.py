@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,23 +17,15 @@ COUNTS: tuple[str, ...] = ("documents", "skipped", "split", "truncated", "droppe
 """The document counters a schedule takes over from cutting its documents (:class:`ScheduleStats` fields)."""
 
 TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
-"""What happens to the last step when the documents do not fill it:
-
-- ``pad`` (default, loses nothing): the last step keeps what it holds; packs
-  with no document are *empty packs* (every token a pad, every label -100, so
-  the loss ignores them), counted in ``ScheduleStats.empty_packs``.
-- ``drop``: the last step is left out when it holds an empty pack; its pieces
-  are counted in ``tail_dropped_pieces`` / ``tail_dropped_tokens``.
-"""
+"""The last step when the documents do not fill it: ``pad`` (default) keeps it, its packs with no document all
+padding (labels -100; ``ScheduleStats.empty_packs``); ``drop`` leaves it out when it holds an empty pack
+(``tail_dropped_pieces`` / ``tail_dropped_tokens``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleStats:
-    """Counters of one :func:`~cpdata.schedule.plan_schedule` run.
-
-    Real tokens in packs + ``truncated_tokens`` + ``dropped_tokens`` +
-    ``tail_dropped_tokens`` = tokens of all documents.
-    """
+    """Counters of one :func:`~cpdata.schedule.plan_schedule` run: real tokens in packs + ``truncated_tokens`` +
+    ``dropped_tokens`` + ``tail_dropped_tokens`` = tokens of all documents."""
 
     documents: int
     tokens: int
@@ -59,9 +50,8 @@ class ScheduleStats:
     tail_dropped_pieces: int
     tail_dropped_tokens: int
     delay_counts: tuple[int, ...]
-    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream
-    (always ``k <= max(1, max_delay)``, ``max_delay + 1`` for a piece over half a pack taken a step ahead of
-    its FIFO step with ``max_delay >= 2``, and ``k <= 1`` for pieces of at most half a pack)."""
+    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream (the bound:
+    :func:`~cpdata.schedule.plan_schedule`)."""
     imb_step_mean: float
     """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
     imb_mb_mean: float
@@ -74,14 +64,9 @@ class ScheduleStats:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
-    """Packs of one epoch, ``num_steps x dp_size x micro_batches`` of them (read-only arrays).
-
-    Pack ``p = (step * dp_size + dp_rank) * micro_batches + micro_batch`` holds
-    pieces ``pack_offsets[p]:pack_offsets[p + 1]``; piece ``i`` is tokens
-    ``doc_start[i] : doc_start[i] + doc_len[i]`` of document ``doc_index[i]`` (its
-    index in the lengths given), laid out in a slot of ``slot_len[i]`` tokens.
-    Pieces of a pack are in stream order.
-    """
+    """Packs of one epoch, ``num_steps x dp_size x micro_batches`` of them (read-only arrays), in the CSR form of
+    :class:`~cpdata.packing.PackingResult`: pack ``p = (step * dp_size + dp_rank) * micro_batches +
+    micro_batch`` holds pieces ``pack_offsets[p]:pack_offsets[p + 1]``, in stream order."""
 
     num_steps: int
     dp_size: int
@@ -129,10 +114,9 @@ class Schedule:
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
     def fifo_delay(self) -> np.ndarray:
-        """int64 ``[pieces]`` (row order): the step each piece is placed in minus its FIFO step, the step that
-        stream order at full steps would put it in (its stream position in slot tokens, documents in index
-        order, over ``dp_size * micro_batches * capacity``). Unlike :attr:`delay`, counted from where first in,
-        first out would place the piece, not from the step that took it."""
+        """int64 ``[pieces]``: the step each piece is placed in minus its FIFO step (its stream position in slot
+        tokens, documents in index order, over ``dp_size * micro_batches * capacity``); :attr:`delay` counts
+        from the step that took it instead."""
         k = self.dp_size * self.micro_batches
         step = np.repeat(np.arange(self.num_steps * k) // k, np.diff(self.pack_offsets))
         stream = np.lexsort((self.doc_start, self.doc_index))
@@ -187,8 +171,7 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
     offsets.flags.writeable = False
     doc, start, length, slot, cont, delay = arrays
     tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
-    hist = Counter(delay.tolist())
-    delay_counts = tuple(hist.get(k, 0) for k in range(max(hist) + 1)) if hist else (0,)
+    delay_counts = tuple(np.bincount(delay).tolist()) if delay.size else (0,)
     imb_step = imb_mb = 0.0
     sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
                     doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
