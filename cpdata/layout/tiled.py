@@ -152,10 +152,7 @@ class TiledTable(Table):
 def tiled_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, tile: int) -> TiledBlock:
     """``tiled`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
     slots per pack, None: one pack): one :func:`tiled_owners` per pack."""
-    if counts is None:
-        packs, slot_counts = [lens], np.array([lens.shape[0]], dtype=np.int64)
-    else:
-        packs, slot_counts = np.split(lens, np.cumsum(counts)[:-1]), counts
-    owners = tiled_owners(packs[0], pack_len, cp_size, tile) if len(packs) == 1 else np.concatenate(
-        [tiled_owners(pack, pack_len, cp_size, tile) for pack in packs])  # fmt: skip
+    slot_counts = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
+    packs = np.split(lens, np.cumsum(slot_counts)[:-1])
+    owners = np.concatenate([tiled_owners(pack, pack_len, cp_size, tile) for pack in packs])
     return TiledBlock(pack_len, cp_size, tile, owners, lens, slot_counts)

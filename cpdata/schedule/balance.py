@@ -96,18 +96,15 @@ def place_step(
     rest = long_[~forced[long_]]
     overdue_fill = np.flatnonzero(is_filler & forced & todo)
     reserve = int(slot[overdue_fill].sum()) + (K * C) // FILLER_FRACTION if overdue_fill.size else 0
-    smax = np.zeros(M, dtype=np.float64)
-    np.maximum.at(smax, slot_of, load)
-    room_l, load_l, smax_l = room.tolist(), load.tolist(), smax.tolist()
-    # Per slot, its cells by load ascending: the first that fits has the slot's largest gap.
-    by_load = [sorted(range(m * R, (m + 1) * R), key=lambda c: (load_l[c], c)) for m in range(M)]
+    room_l, load_l, smax_l = room.tolist(), load.tolist(), load.reshape(M, R).max(axis=1).tolist()
+    # Per slot, its cells by load ascending (the first that fits has the slot's largest gap), without those with
+    # less room than the shortest piece of phase B.
+    min_b = int(slot[long_].min()) if long_.size else 0
+    by_load = [sorted((c for c in range(m * R, (m + 1) * R) if room_l[c] >= min_b), key=lambda c: (load_l[c], c))
+               for m in range(M)]  # fmt: skip
     free = sum(room_l)
     shortest = int(slot[todo].min()) if todo.any() else 0
     scale = 1 + 1e-6
-    # Per slot, the largest gap (its lightest cell's): no other cell of any slot has a larger one.
-    # Cells with less room than the shortest piece of phase B leave the lists (they take none of them).
-    min_b = int(slot[long_].min()) if long_.size else 0
-    by_load = [[c for c in cells_m if room_l[c] >= min_b] for cells_m in by_load]
     neg_inf = -np.inf
     gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf for m, cells_m in enumerate(by_load)]
     visit = [(m, *range(m), *range(m + 1, M)) for m in range(M)]  # the largest gap's slot first, then in order
