@@ -42,32 +42,22 @@ LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin",
 
 
 def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None = None) -> str:
-    """The layout string that carries ``tile``: ``"tiled"`` (tile 128), ``"tiled:64"``, ``"tiled:256"``; or
-    ``node_size``: ``"world:8"``; any other layout unchanged (``tile`` and ``node_size`` must then be None).
-    Raises ``ValueError`` for a tile ``tiled`` lacks or a node size below 1."""
-    if node_size is not None:
-        if tile is not None or _split(layout)[0] != "world":
-            raise ValueError(f"node_size={node_size} applies to layout 'world' alone (no tile), got layout "
-                             f"{layout!r}, tile={tile}")  # fmt: skip
-        check_int("node_size", node_size, min=1, fix=" (ranks per node, torchrun's local world size)")
-        given = _split(layout)[1]
-        if given is not None and given != node_size:
-            raise ValueError(f"layout {layout!r} already says node size {given}, but node_size={node_size} was "
-                             "given; give one")  # fmt: skip
-        return f"world:{int(node_size)}"
-    if tile is None:
+    """The layout string that carries ``tile`` (``"tiled"`` for 128, ``"tiled:64"``, ``"tiled:256"``) or
+    ``node_size`` (``"world:8"``); ``layout`` unchanged when both are None."""
+    if tile is None and node_size is None:
         return layout
-    if not is_int(tile):
-        raise TypeError(f"tile must be an int, got {type(tile).__name__} {tile!r}")
     name, given = _split(layout)
-    if name != "tiled":
-        raise ValueError(f"tile={tile} applies to layout 'tiled' only, got layout {layout!r}; drop tile= "
-                         "or use layout='tiled'")  # fmt: skip
-    if given is not None and given != tile:
-        raise ValueError(f"layout {layout!r} already says tile {given}, but tile={tile} was given; give one")
-    if int(tile) not in TILES:
-        raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={tile}")
-    return "tiled" if int(tile) == DEFAULT_TILE else f"tiled:{int(tile)}"
+    want, arg, value = ("tiled", "tile", tile) if node_size is None else ("world", "node_size", node_size)
+    if name != want or (tile is not None and node_size is not None):
+        raise ValueError(f"{arg}={value} applies to layout {want!r} only (and tile= and node_size= not together), "
+                         f"got layout {layout!r}; drop {arg}= or use layout={want!r}")  # fmt: skip
+    fix = " (the kernel's block size)" if want == "tiled" else " (ranks per node, torchrun's local world size)"
+    value = check_int(arg, value, min=1, fix=fix)
+    if given is not None and given != value:
+        raise ValueError(f"layout {layout!r} already says {arg} {given}, but {arg}={value} was given; give one")
+    if want == "tiled" and value not in TILES:
+        raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={value}")
+    return "tiled" if want == "tiled" and value == DEFAULT_TILE else f"{want}:{value}"
 
 
 def _split(layout: str) -> tuple[str, int | None]:
@@ -206,12 +196,9 @@ def layout_runs(
     lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
-    if layout == "round_robin":
-        return head_tail_block(np.array([pack_len], dtype=np.int64), None, cp_size, pack_len, with_docs=False
-                               ).tables()[0]  # fmt: skip
-    if layout == "thd":
-        return head_tail_block(_thd_slots(lens, pack_len, cp_size), None, cp_size, pack_len
-                               ).tables()[0]  # fmt: skip
+    if layout in ("round_robin", "thd"):  # chunks of the whole pack, or of every slot
+        slots = _thd_slots(lens, pack_len, cp_size) if layout == "thd" else np.array([pack_len], dtype=np.int64)
+        return head_tail_block(slots, None, cp_size, pack_len, with_docs=layout == "thd").tables()[0]
     return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
 
