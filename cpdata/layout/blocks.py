@@ -31,11 +31,8 @@ def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray,
 
 @functools.lru_cache(maxsize=32)
 def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
-
-    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length the inverse shift, size and end in the document, then
-    ``rank * local_len``; ``ranks`` ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r``, ``2cp-1-r``.
-    """
+    """Constants of :func:`head_tail_block`: ``of_c`` int64 ``[4, 1, 2cp]`` (per chunk length: the inverse shift,
+    size and end of chunk ``j``; then ``rank * local_len``), ``ranks`` ``[2cp]``, ``picks`` ``[cp, 1, 2]``."""
     cp = cp_size
     j = np.arange(2 * cp, dtype=np.int64)
     ranks = np.minimum(j, 2 * cp - 1 - j)
@@ -47,13 +44,9 @@ def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarr
 
 def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: int, pack_len: int,
                     with_docs: bool = True) -> RunBlock:  # fmt: skip
-    """Chunks ``r`` and ``2cp-1-r`` of every slot of ``P`` packs of ``pack_len`` tokens (``slot_lens`` int64
-    ``[N]``, each a multiple of 2cp, every pack's summing to ``pack_len``; ``counts`` as in the module docstring).
-
-    ``round_robin``: one slot (the whole pack), ``with_docs=False``; ``thd``: the slots (tail absorbed). Slot
-    ``d`` of ``c`` tokens per chunk, ``C`` chunk tokens before it: chunk ``j`` starts at ``2cp*C + j*c`` and sits
-    at ``2C + [j >= cp]*c`` in its rank's row.
-    """
+    """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[N]``, multiples of 2cp summing to
+    ``pack_len`` per pack). A slot of ``c`` tokens per chunk after ``C`` chunk tokens: chunk ``j`` starts at
+    ``2cp*C + j*c`` and sits at ``2C + [j >= cp]*c`` in its rank's row."""
     cp = cp_size
     of_c, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
     g = 2 * cp
@@ -71,16 +64,12 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
 
 @functools.lru_cache(maxsize=16)
 def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Constants of :func:`balanced_block`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
+    """Constants of :func:`balanced_block`, ``G = 4cp`` columns per document (heads ``c``, middles ``t``, tails ``i``).
 
-    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
-    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
-    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
-    and ``-t``, ``-m``), the size (middles: ``t < m``), the end in the document (offset plus size; middles
-    start at ``min(t, m)``: the empty ones where the real ones end, so a row's runs tile it; tails at ``m``)
-    and the rank (middles ``(T + t) % cp``), then per ``q`` (the same for every key) the inverse
-    shift, size and end. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
-    each ``T % cp``.
+    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt before the
+    document, ``m`` its remainder): the parts of the inverse shift, size, end and rank not linear in ``q``, ``Q``,
+    ``T`` (empty middles end where the real ones do, so a row's runs tile it), then the coefficients of ``q``.
+    ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for each ``T % cp``.
     """
     cp, local = cp_size, local_len
     c = np.arange(cp, dtype=np.int64)
@@ -110,16 +99,11 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
 
 
 def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int) -> RunBlock:
-    """``balanced`` (see :func:`cpdata.layout.maps.rank_indices`) of ``P`` packs: ``4cp`` runs per document, then
-    padding (``lens`` int64 ``[N]``, each pack's summing to at most ``pack_len``).
+    """``balanced`` of ``P`` packs (``lens`` int64 ``[N]``): ``4cp`` runs per document, then the padding dealt.
 
-    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
-    before it in its pack, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
-    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
-    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
-    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
-    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
-    padding continues the deal one token at a time (the table's ``tail``).
+    Document ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt and ``Q`` head tokens per rank before it:
+    rank ``r`` owns head chunk ``r``, the middle tokens ``t < m`` with ``(T + t) % cp == r`` and tail chunk
+    ``2cp-1-r``; a middle token ``u = T + t`` sits at ``2Q + q + u // cp`` of its rank's row.
     """
     cp = cp_size
     coefs, picks = _balanced_coefs(cp, pack_len // cp)

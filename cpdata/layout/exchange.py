@@ -41,17 +41,11 @@ def expand_runs(runs: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RankExchange:
-    """What one CP rank sends and receives in the K/V exchange (host ints only; travels in ``ShardLayout``).
+    """What one CP rank sends and receives in the K/V exchange (host ints; travels in ``ShardLayout``).
 
-    Attributes:
-        send_counts: keys sent to each rank (``cp_size`` ints, 0 to itself): the all-to-all's input splits.
-        send_runs: int64 ``[n, 2]``: ``(local index start, length)`` runs of the keys sent, grouped by
-            destination rank in rank order, increasing global position inside each group.
-        recv_counts: keys received from each rank (``cp_size`` ints, 0 from itself): the output splits.
-        recv_runs: int64 ``[m, 2]``: ``(global position start, length)`` runs of the keys received, grouped
-            by source rank in rank order, increasing inside each group.
-
-    Positions are stream positions (thd: the flat stream; bshd: columns, shared by the rows).
+    ``send_counts`` / ``recv_counts``: keys to / from each rank (the all-to-all's splits); ``send_runs`` /
+    ``recv_runs``: int64 ``[n, 2]`` ``(local index | global position, length)`` runs, grouped by rank, increasing
+    positions inside each group (thd: stream positions; bshd: columns, shared by the rows).
     """
 
     cp_size: int
@@ -80,17 +74,9 @@ class RankExchange:
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ExchangePlan:
-    """Every rank's K/V needs of one batch, as pieces (see the module docstring).
-
-    Attributes:
-        local_len: tokens per rank ``L``.
-        starts: int64 ``[n]``: global start of each piece, increasing.
-        lengths: int64 ``[n]``: its tokens (>= 1).
-        owners: int64 ``[n]``: the rank owning it.
-        local_starts: int64 ``[n]``: the owner's local index of its first token (the rest follow by one).
-        need: int64 ``[n, cp]``: keys of the piece (a prefix of it) each rank needs from its owner; 0 on
-            the owner's own column.
-    """
+    """Every rank's K/V needs of one batch, as pieces: int64 ``[n]`` ``starts`` (increasing), ``lengths``,
+    ``owners``, ``local_starts`` (the owner's local index of the first token), and ``need`` int64 ``[n, cp]``: the
+    prefix of the piece each rank needs from its owner (0 on the owner's column)."""
 
     cp_size: int
     local_len: int
@@ -159,16 +145,11 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1,
                   real_ends: np.ndarray | None = None) -> ExchangePlan:  # fmt: skip
-    """The K/V exchange of a layout under the document-causal mask of its slots (``plan.rank(r)``: rank ``r``'s).
+    """The K/V exchange of a layout (``rows`` int ``[cp, L]``) under the document-causal mask of its slots.
 
-    Args:
-        rows: int ``[cp, L]``: every rank's global positions in local order (:func:`~cpdata.layout.maps.rank_indices`).
-        slot_starts: int ``[K]``: the first position of every slot, increasing, over the ``n_rows * cp * L``
-            positions of ``n_rows`` bshd rows end to end (``cu_seqlens_padded[:-1]``); each row starts a slot.
-        real_ends: int ``[K]``: where each slot's real tokens end (``cu_seqlens_padded[:-1] + diff(cu_seqlens)``);
-            the rest of the slot is padding. None: every position is real.
-
-    A function of the arguments alone: every CP rank computes the same plan.
+    ``slot_starts`` int ``[K]``: every slot's first position over ``n_rows`` bshd rows end to end, each row
+    starting one (``cu_seqlens_padded[:-1]``); ``real_ends`` int ``[K]``: where each slot's real tokens end
+    (``cu_seqlens_padded[:-1] + diff(cu_seqlens)``; None: no padding). Every CP rank computes the same plan.
     """
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] == 0:
@@ -237,13 +218,9 @@ def _cuts(slot_starts: np.ndarray, real_ends: np.ndarray | None, stream: int, n_
 def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_local_starts: np.ndarray, *,
                           cp_size: int, local_len: int, slot_starts: np.ndarray, n_rows: int = 1,
                           checked: bool = False, real_ends: np.ndarray | None = None) -> ExchangePlan:  # fmt: skip
-    """:func:`exchange_plan` of a layout given as runs, with no pass over its tokens (O(runs + slots)).
-
-    Run ``i`` covers global positions ``[run_starts[i], run_starts[i + 1])`` (the last up to ``cp * L``) and
-    sits on rank ``run_owners[i]`` from its local index ``run_local_starts[i]`` on; each rank's runs tile
-    ``[0, local_len)``. Runs need not be maximal. ``slot_starts``, ``n_rows``, ``real_ends``: as
-    :func:`exchange_plan`; ``checked``: the runs and slots are a layout's own int64 arrays, checks skipped.
-    """
+    """:func:`exchange_plan` of a layout given as runs (O(runs + slots)): run ``i`` covers ``[run_starts[i],
+    run_starts[i + 1])`` on rank ``run_owners[i]`` from local index ``run_local_starts[i]`` (runs need not be
+    maximal). ``checked``: the arguments are a layout's own int64 arrays, their checks skipped."""
     if not checked:
         run_starts = np.asarray(run_starts, dtype=_I64).reshape(-1)
         run_owners = np.asarray(run_owners, dtype=_I64).reshape(-1)

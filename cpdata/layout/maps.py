@@ -185,12 +185,8 @@ def layout_runs(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
     tile: int | None = None,
 ) -> RunTable | TiledTable | WorldTable:
-    """The layout as a table (:class:`~cpdata.layout.runs.RunTable`, or the same verbs: ``row``, ``rows``,
-    ``inverse``, ``causal_work``); arguments as :func:`rank_indices`.
-
-    ``checked=True``: ``seq_lens`` is already an int64 array of non-negative lengths summing to at most
-    ``pack_len`` (a stream's checked slot tables), so those checks are skipped.
-    """
+    """The layout as a :class:`~cpdata.layout.runs.Table` (``row``, ``rows``, ``inverse``, ``causal_work``);
+    arguments as :func:`rank_indices`. ``checked=True``: ``seq_lens`` is a stream's checked int64 slot table."""
     layout = layout_spec(layout, tile)
     _check_pack_len(layout, cp_size, pack_len)
     lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
@@ -251,12 +247,9 @@ def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
 def rank_indices(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, tile: int | None = None
 ) -> np.ndarray:
-    """int64 ``[cp_size, pack_len // cp_size]``: the global positions every CP rank owns, in its local order.
-
-    ``layout`` one of :data:`LAYOUTS`; ``seq_lens`` the document slots (``sum <= pack_len``); ``pack_len`` a
-    multiple of ``alignment(layout, cp)[1]``; ``tile``: ``tiled`` only (None: the layout string's).
-    Example (``thd``, cp=2, slots [8, 4, 8]): rank 0 -> ``[0,1,6,7, 8,11, 12,13,18,19]``.
-    """
+    """int64 ``[cp_size, pack_len // cp_size]``: the global positions every CP rank owns, in its local order
+    (``pack_len`` a multiple of ``alignment(layout, cp)[1]``; ``thd``, cp 2, slots [8, 4, 8]: rank 0 owns
+    ``[0,1,6,7, 8,11, 12,13,18,19]``)."""
     return layout_runs(layout, cp_size, seq_lens, pack_len, tile=tile).rows()
 
 

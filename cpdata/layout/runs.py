@@ -97,18 +97,10 @@ class Table:
 class RunBlock:
     """The runs of ``P`` packs of ``pack_len`` tokens, their ``N`` documents pack after pack (read-only arrays).
 
-    A rank's runs are picked for every pack at once, the first time its row is asked for (:meth:`rank_runs`).
-
-    Attributes:
-        counts: int64 ``[P]`` documents per pack, or None (one pack).
-        sizes: int64 ``[N, G]``: tokens per run (0 allowed); they tile ``[0, pack_len - tail)`` of each pack.
-        inv_shifts: int64 ``[N, G]``: see the module docstring.
-        ranks: int64 ``[N, G]`` or ``[G]`` (the same for every row): the rank owning each run.
-        picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
-        pick_key: int64 ``[N]``: the variant of each row (None: variant 0 for every row).
-        ends: int64 ``[N, G]``: each run's end inside its document; None for layouts that ignore documents.
-        lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
-        tails, dealts: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0 for every pack).
+    ``counts`` int64 ``[P]`` documents per pack (None: one pack); int64 ``[N, G]`` ``sizes`` (tokens per run, 0
+    allowed), ``inv_shifts``, ``ranks`` (or ``[G]``, the same for every row) and ``ends`` (in the document; None
+    for layouts that ignore documents, with ``lens``); ``picks`` int64 ``[cp, K, w]``: the columns of rank ``r``'s
+    ``w`` runs per row in variant ``pick_key[d]`` (None: 0); ``tails``, ``dealts``: each pack's (None: 0).
     """
 
     __slots__ = ("pack_len", "cp_size", "counts", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "ends",
@@ -151,8 +143,7 @@ class RunBlock:
         return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
-        tokens of each document (pack after pack)."""
+        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack (``real`` int64 ``[N]``)."""
         assert self.ends is not None, "layout runs without documents"
         if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
             return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
@@ -214,8 +205,7 @@ class RunTable(Table):
         return out
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
-        """float64 ``[cp]``: causal document-masked attention work of each rank (:func:`causal_work_of` of
-        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs documents."""
+        """float64 ``[cp]``: :func:`causal_work_of` this pack (``real_lens`` int64 ``[>= D]``; needs documents)."""
         ends = self.block.ends
         assert ends is not None, "layout runs without documents"
         d = self.hi - self.lo

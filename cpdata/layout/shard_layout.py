@@ -21,14 +21,11 @@ class ShardLayout:
     Attributes:
         local_token_global_indices: int64 ``[local_len]``: the global position of each local token.
         original_seq_len: pre-pad sequence length in the caller's coordinates; None for packed streams.
-        padded_seq_len: global length after padding (``cp_size * local_len``).
         input_row_shape: for flat (THD) streams, the ``[B, S]`` shape of the rows before flattening.
-        input_token_stream_positions: for layouts that reposition tokens, the per-row map from input
-            position to padded column (-1 = dropped).
+        input_token_stream_positions: per row, input position -> padded column (-1 = dropped).
         gather_index: int64 ``[padded_seq_len]``: ``global = concat(all ranks' shards)[gather_index]``.
         digest: 63-bit digest of the plan, equal on every CP rank of a group.
-        kv_exchange: this rank's :class:`~cpdata.layout.exchange.RankExchange` (host ints) when the batch was
-            built with ``kv_exchange=True``: attention then moves only the keys it needs.
+        kv_exchange: this rank's :class:`~cpdata.layout.exchange.RankExchange` (``kv_exchange=True``).
     """
 
     local_token_global_indices: torch.Tensor | None = None

@@ -48,15 +48,9 @@ def _within_blocks(n_blocks: int, tile: int) -> np.ndarray:
 
 
 class TiledBlock:
-    """The ``tiled`` layout of ``P`` packs, with the :class:`~cpdata.layout.runs.RunBlock` verbs.
-
-    Attributes:
-        owners: int64 ``[P * n]``: each block's rank, pack after pack (``n = pack_len / tile``).
-        by_rank: int64 ``[P * n]``: the blocks (block-global indices) in rank-major order: pack ``p``'s rank ``r``
-            holds ``by_rank[p*n + r*m : p*n + (r+1)*m]``, in increasing order (``m = n / cp``).
-        place: int64 ``[P * n]``: the inverse of ``by_rank``.
-        slot_lens, slot_counts: the packs' slot lengths int64 ``[N]`` and slots per pack int64 ``[P]``.
-    """
+    """The ``tiled`` layout of ``P`` packs, with the :class:`~cpdata.layout.runs.RunBlock` verbs: int64 ``[P * n]``
+    ``owners`` (each block's rank, pack after pack), ``by_rank`` (the blocks in rank-major order: pack ``p``'s rank
+    ``r`` holds ``by_rank[p*n + r*m : p*n + (r+1)*m]``) and ``place``, its inverse."""
 
     __slots__ = ("pack_len", "cp_size", "tile", "owners", "by_rank", "place", "slot_lens", "slot_counts")
 

@@ -55,11 +55,8 @@ RESPLIT_BLOCKS = 4
 
 
 def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(first, size, c0)`` int64 ``[G]``: every slot's blocks (those whose first token lies in it), in global
-    order: ``first .. first + size - 1``, costing ``c0, c0 + 1, ...`` live tiles; then every block whose first
-    token is tail padding, a group of its own costing 1. A slot ``[s, e)`` of ``slot_lens`` (int64 ``[D]``)
-    starts blocks ``ceil(s / tile) .. ceil(e / tile) - 1``, the first costing ``ceil(s / tile) - s // tile + 1``.
-    """
+    """``(first, size, c0)`` int64 ``[G]``: the blocks ``first .. first + size - 1`` whose first token lies in each
+    slot, costing ``c0, c0 + 1, ...`` live tiles; then each block starting in the tail padding, costing 1."""
     d = slot_lens.shape[0]
     bounds = np.zeros(d + 1, dtype=np.int64)
     slot_lens.cumsum(out=bounds[1:])  # (methods, not np.cumsum & co: no Python-level dispatch)
@@ -137,10 +134,8 @@ def deal_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, cp:
 
 def _adjust(x: int, gap: np.ndarray, miss: np.ndarray, cost: np.ndarray, seq: np.ndarray, cs: np.ndarray,
             piece_end: np.ndarray, lo: int, hi: int, m: int) -> int:  # fmt: skip
-    """Step 3's fine cut: ``y`` dense blocks, ``m - y - 1`` sparse ones and one block ``q`` from deeper in the
-    piece the dense run ends in, costing what the other ``m - 1`` miss (a piece's costs fall by one a position,
-    so ``q = lo + y + round(gap[y + 1])``). The block moves to position ``lo + y`` (``seq``, ``cost`` and ``cs``
-    follow) and ``y + 1`` is returned; ``x`` when no such block misses less than ``x`` does."""
+    """Step 3's fine cut: ``y`` dense blocks, ``m - y - 1`` sparse ones and block ``q = lo + y + round(gap[y +
+    1])`` of the dense run's piece, moved to position ``lo + y``; returns ``y + 1``, or ``x`` if no better."""
     at = _arange(cs.shape[0])
     e = at[lo + 1 : lo + m]  # y = 1 .. m - 1: the first position after the dense run
     shift = np.rint(gap[2:]).astype(np.int64)

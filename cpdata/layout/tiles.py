@@ -60,12 +60,8 @@ def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int)
 
 
 def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
-    """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (its row, local order) x global keys.
-
-    ``rows`` int64 ``[cp, L]`` (:func:`cpdata.layout.maps.rank_indices`; a partial last query block is padded,
-    as flex does). A query block's live tiles are the union of its queries' key-block ranges
-    ``first_key // tile .. q // tile``, counted after one sort of the ``(query block, first key block)`` pairs.
-    """
+    """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (``rows`` int64 ``[cp, L]``, local order)
+    x global keys: per query block, the union of its queries' key-block ranges ``first_key // tile .. q // tile``."""
     rows = np.asarray(rows, dtype=np.int64)
     cp, local = rows.shape
     first = first_keys(slot_lens, pack_len)
@@ -89,10 +85,8 @@ def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len
 
 
 def kv_recv_tokens(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
-    """int64 ``[cp]``: keys each rank needs and does not own (the document-causal mask; tail padding needs none).
-
-    Per rank ``r`` and slot ``d`` with a query on ``r``: ``max_q(r, d) - start(d) + 1`` keys, less those ``r`` owns.
-    """
+    """int64 ``[cp]``: keys each rank needs and does not own: per slot ``d`` with a query on rank ``r``,
+    ``max_q(r, d) - start(d) + 1`` keys less those ``r`` owns (tail padding needs none)."""
     rows = np.asarray(rows, dtype=np.int64)
     cp, local = rows.shape
     slot, starts = segment_starts(slot_lens, pack_len)
@@ -111,13 +105,9 @@ def kv_recv_tokens(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
 
 def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int,
                    plan: ExchangePlan) -> np.ndarray:  # fmt: skip
-    """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (its row, local order) x the keys the
-    exchange leaves it: its own ``L`` keys in local order, then ``plan.rank(r).recv_positions()``.
-
-    A tile is live when some document has a query in its query block at or after a key in its key block (the
-    latest query per ``(query block, document)`` joined with the earliest key per ``(key block, document)``); a
-    pad query's only key is its own: the diagonal tile.
-    """
+    """int64 ``[cp]``: :func:`live_tiles` over the keys the exchange leaves each rank: its own ``L`` in local
+    order, then ``plan.rank(r).recv_positions()`` (a tile is live when some document has a query in its query
+    block at or after a key in its key block)."""
     rows = np.asarray(rows, dtype=np.int64)
     cp, local = rows.shape
     slot, _ = segment_starts(slot_lens, pack_len)

@@ -33,12 +33,8 @@ def query_runs(pos: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int | None = None) -> np.ndarray:
-    """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len`` keys.
-
-    Query ``i`` sees keys ``i + d - (window - 1) <= j <= i + d``, ``d = k_len - q_len`` (bottom-right causal;
-    ``window`` None: no lower bound); a query block pays the key blocks from its first row's lowest key to its
-    last row's highest. ``k_len >= q_len >= 1`` per segment.
-    """
+    """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len >= q_len`` keys:
+    query ``i`` sees keys ``i + d - (window - 1) .. i + d``, ``d = k_len - q_len`` (``window`` None: from 0)."""
     q_len, k_len = np.asarray(q_len, dtype=np.int64).reshape(-1), np.asarray(k_len, dtype=np.int64).reshape(-1)
     if q_len.shape != k_len.shape or (q_len.size and (q_len.min() < 1 or (k_len < q_len).any())):
         raise ValueError(f"segments need k_len >= q_len >= 1, got q_len {q_len[:8]} k_len {k_len[:8]}")
