@@ -1,9 +1,6 @@
-"""Run tables of a block of packs at once: the head-tail (``thd``, ``round_robin``) and ``balanced`` builders.
-
-A block is ``P`` packs of equal length, their ``N`` documents concatenated pack after pack (``counts`` int64
-``[P]`` documents each; None: one pack). The builders run the same numpy calls on the block's ``[N, G]`` tables
-as on one pack's, the running sums restarted at every pack, so each pack gets the table it gets alone, bit for
-bit. They take validated lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+"""Run tables of ``P`` equal-length packs at once (their ``N`` documents back to back, ``counts`` per pack):
+the head-tail (``thd``, ``round_robin``) and ``balanced`` builders. Each pack gets, bit for bit, the table it
+gets alone; the builders take validated lengths (:func:`cpdata.layout.maps.layout_runs` validates).
 """
 
 from __future__ import annotations

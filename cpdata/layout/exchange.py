@@ -1,17 +1,11 @@
 """K/V exchange plans: which keys each CP rank needs from each other rank (pure numpy, any layout).
 
-Under the document-causal mask a query at ``q`` of slot ``d`` attends to the keys ``slot_start(d) <= k <= q``,
-so rank ``dst`` needs from rank ``src`` the keys ``src`` owns of every slot ``dst`` holds a query of, up to
-that slot's last query on ``dst``. Padding (a slot's positions from its ``real_ends`` on) sees only its own key:
-it needs nothing and counts as no query. An all-gather delivers ``(cp-1)/cp * S`` keys to every rank; the plan
-moves only the needed ones (one ``all_to_all_single``, :mod:`cpdata.device.kv_exchange`).
-
-Algorithm, for any ``[cp, L]`` rows: cut the layout into runs where the rank-major index stops stepping by one
-(one ``diff`` over the inverse map), then into *pieces* at every slot start and real end (of every bshd row);
-``last[slot, rank]`` is the last real position of each slot on each rank, and a piece's need from each rank is
-a prefix of it. All but the first step is O(pieces * cp * rows) (``balanced`` ~4cp pieces per document,
-``thd`` 2cp). A rank's view (:class:`RankExchange`) is runs of host ints, the ``i``-th key ``src`` sends to
-``dst`` the ``i``-th key ``dst`` receives from ``src``.
+Under the document-causal mask rank ``dst`` needs from ``src`` the keys ``src`` owns of every slot ``dst`` holds
+a real query of, up to that slot's last query on ``dst`` (padding, from a slot's ``real_ends`` on, sees only its
+own key). The plan cuts the layout into *pieces*: runs of consecutive rank-major indices, cut again at every slot
+start and real end; a piece's need from each rank is a prefix of it. An all-gather delivers ``(cp-1)/cp * S``
+keys to every rank; the plan moves only the needed ones (one ``all_to_all_single``,
+:mod:`cpdata.device.kv_exchange`). The ``i``-th key ``src`` sends to ``dst`` is the ``i``-th ``dst`` receives.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Run tables: a layout as runs of consecutive global positions, in global order.
 
-Every layout gives each document (table row ``d``) ``G`` runs that tile it in global order (``thd``: its
-``2cp`` chunks; ``balanced``: ``cp`` heads, ``2cp`` one-token middles of which the first ``m`` are real,
-``cp`` tails), each with its rank and *inverse shift* (its position in the rank-major concatenation minus its
-global start). A rank's runs are in increasing global order, so without sorting or scattering:
-
-- the inverse map is ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack));
-- a rank's row is its runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
-- the causal work per rank is closed form per run (:meth:`RunTable.causal_work`, O(runs)).
-
-A block of packs (:class:`RunBlock`) is built with one set of numpy calls; each pack's :class:`RunTable` is a
-view of its rows. ``balanced`` deals its padding one token at a time after the runs (a strided tail).
+Every layout gives each document (table row ``d``) ``G`` runs that tile it in global order (``thd``: its ``2cp``
+chunks; ``balanced``: ``cp`` heads, ``2cp`` one-token middles of which the first ``m`` are real, ``cp`` tails),
+each with its rank and *inverse shift* (its rank-major position minus its global start). A rank's runs are in
+increasing global order, so its row, the inverse map and the causal work per rank follow without sorting or
+scattering. ``balanced`` deals its padding one token at a time after the runs (a strided tail).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Layout ``tiled``: whole ``tile``-token blocks of the pack, dealt to balance the tiles a kernel computes.
 
-The pack's ``n = S / tile`` blocks are dealt ``m = n / cp`` to a rank, each rank's in increasing global order
-(``S`` a multiple of ``cp * tile``; documents need no padding). A block's live key tiles do not depend on who
-owns the others (:func:`cpdata.layout.tiles.block_tiles`), so the ranks together pay exactly the pack's tiles
-at cp = 1 and only the deal matters (:mod:`cpdata.layout.tiled_deal`; why and how well: docs/layouts-and-kernels.md).
-The tables (:func:`tiled_block`) have the run tables' verbs: a rank's row and the inverse map are one
-``repeat`` and one add each.
+Each rank gets ``n / cp`` of the pack's ``n = S / tile`` blocks, in increasing order. A block's live tiles do not
+depend on who owns the others (:func:`cpdata.layout.tiles.block_tiles`), so only the deal matters
+(:mod:`cpdata.layout.tiled_deal`; docs/layouts-and-kernels.md). A row or the inverse is one ``repeat`` and one add.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """What a block-sparse kernel pays per CP rank: live tiles, and the K/V a rank must receive.
 
-The mask is the document-causal one (:mod:`cpdata.adapters.masks`); the pack's tail padding is no document: a
-pad query attends to its own key only (one diagonal tile, no key from another rank). A rank's queries are its
-row in local order, the keys the pack's positions in global order, both cut into ``tile``-token blocks; a tile
-is live when any of its pairs attends (flash / flex kernels pay it in full).
-
-- :func:`live_tiles`: live tiles per rank, for any layout's rows (equals ``kv_num_blocks +
-  full_kv_num_blocks`` of :func:`cpdata.adapters.masks.flex_block_mask` at ``block_size=tile``).
-- :func:`block_tiles`: the same for one query block of the global order (what ``tiled`` pays per block).
-- :func:`kv_recv_tokens`: per rank, the keys its queries need that it does not own (the reference an
-  exchange plan is checked against).
-- :func:`exchange_tiles`: live tiles per rank over the keys a K/V exchange leaves it.
-- :func:`first_keys`: every position's first key, the predicate the counters share.
-
-:func:`live_tiles` and :func:`kv_recv_tokens` sort the ``S`` tokens (O(S log S)): for tests, benchmarks and
-inspection, not the worker path.
+Under the document-causal mask (:mod:`cpdata.adapters.masks`; a tail pad attends to its own key only), a rank's
+queries are its row in local order and the keys the pack in global order, both cut into ``tile``-token blocks;
+a tile is live when any pair in it attends, and flash / flex kernels pay it in full. :func:`live_tiles` and
+:func:`kv_recv_tokens` sort the ``S`` tokens (O(S log S)): references for tests, benchmarks and inspection.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What a varlen (flash) kernel pays per CP rank: each query run of one document tiled by itself.
 
-Varlen kernels (``torch.nn.attention.varlen.varlen_attn``, flash-attn's ``flash_attn_varlen_func``) tile each
-``cu_seq_q`` / ``cu_seq_k`` segment alone, its causal mask aligned bottom-right. A rank's segments are the runs
-of its local order with consecutive global positions in one slot (:func:`query_runs`); a run's keys are its
-document's prefix up to its last query. So a short document costs its own small grid wherever it sits, where a
-stream-grid kernel (:func:`cpdata.layout.tiles.live_tiles`) pays the key blocks it straddles. Square tiles are a
-model (FA2 / FA3 use ``128 x 64`` to ``128 x 128``): the counts scale with the tile, not their order.
+Varlen kernels tile each ``cu_seq_q`` / ``cu_seq_k`` segment alone, causal bottom-right; a rank's segments are
+the runs of its local order with consecutive positions in one slot (:func:`query_runs`), each over its
+document's prefix. Square tiles are a model (FA2 / FA3 use ``128 x 64`` to ``128 x 128``).
 """
 
 from __future__ import annotations

@@ -46,16 +46,9 @@ def place_step(
 ) -> np.ndarray:
     """int64 ``[n]``: the cell ``m * dp_size + r`` of every piece of one step's pool, ``-1`` for unplaced ones.
 
-    Args:
-        slot, key, forced, age: per piece ``[n]``: slot tokens (``<= capacity``), balancing key, overdue (bool),
-            steps waited.
-        hold: outliers without a run of their size may stay unplaced.
-        full_cost: the cost of a full cell, the scale of :data:`HOLD_PENALTY`.
-        quad: the quadratic cost of one piece of ``capacity`` tokens (``b * capacity**2``).
-        first: rescue mode: these groups (bool ``[n]`` masks) go first, group by group, first-fit decreasing
-            into the empty cells, and no runs are formed; a group that passed
-            :func:`~cpdata.schedule.fill.fits` is placed whole.
-        runs: phase A's decision if :func:`choose_runs` already made it on these arguments.
+    Per piece ``[n]``: ``slot`` tokens, balancing ``key``, ``forced`` (overdue), ``age``; ``full_cost`` scales
+    :data:`HOLD_PENALTY`, ``quad`` is ``b * capacity**2``. ``first`` (rescue): these groups (bool masks) go
+    first, first-fit decreasing, and no runs are formed. ``runs``: :func:`choose_runs`'s decision, if made.
     """
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M

@@ -1,9 +1,6 @@
-"""The compute cost of a pack, for balancing packs across DP ranks and micro-batches.
-
-A pack's step time is the sum over its documents (pieces) of ``cost(L) = a * L + b * L**2``: ``a`` everything
-linear in tokens, ``b`` attention inside one document. Default: the FlexSP 7B profile, where the quadratic term
-equals the linear one at ~36K tokens (~18 % of a full document's cost at 8K, ~78 % at 128K). Only ``b / a``
-changes a schedule.
+"""The compute cost of a pack: ``cost(L) = a * L + b * L**2`` summed over its pieces (``a``: everything linear in
+tokens, ``b``: attention inside one document). Only ``b / a`` changes a schedule; the FlexSP 7B default has the
+two terms equal at ~36K tokens.
 """
 
 from __future__ import annotations

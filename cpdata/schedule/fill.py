@@ -1,10 +1,5 @@
-"""Filling cells to the last token, and the first-fit check that a set of due pieces fits one step.
-
-- :func:`fill_cells` (phase C of :func:`~cpdata.schedule.balance.place_step`): in rounds, each cell (largest gap
-  below its slot's costliest first) takes the longest filler that fits; a nearly full cell is closed exactly when
-  one, two, or one plus a few of the shortest fillers sum to its room, and no gap shorter than every filler is
-  left where avoidable.
-- :func:`first_fit` / :func:`fits`: first-fit decreasing, the planner's rescue placement and its commit check.
+"""Filling cells to the last token (:func:`fill_cells`, phase C of :func:`~cpdata.schedule.balance.place_step`),
+and first-fit decreasing (:func:`first_fit`, :func:`fits`), the planner's rescue placement and commit check.
 """
 
 from __future__ import annotations
@@ -84,7 +79,9 @@ def _remove_size(counts: dict[int, int], distinct: list[int], size: int) -> None
 
 
 def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
-    """Phase C (see the module docstring), the lists updated in place."""
+    """Phase C, the lists updated in place: in rounds, each cell (largest gap below its slot's costliest first)
+    takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
+    shorter than every filler where avoidable."""
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
     counts: dict[int, int] = {}
     for x in sizes:

@@ -1,11 +1,9 @@
 """Between phases B and C of a step: exchanges of pieces between cells that lower the slots' costliest cells.
 
-Phase B never takes a piece back, so a slot often ends with one cell above the others. Each round looks at the
-costliest cell ``a`` of every slot and every exchange with another cell ``b`` of any slot (piece ``x`` of ``a``
-for piece ``y`` of ``b``, or ``x`` moved alone; placed pieces of at most half a pack, within ``capacity``),
-scored at once with numpy by the change of the sum over slots of the costliest cell (the ``imb_mb``
-numerator). The best is applied, then the best among those that touch neither of its slots, and so on, for at
-most :data:`ROUNDS` rounds. A cell's score is ``load + rho * room``: what the fillers will still add to it.
+Each round scores at once, with numpy, every exchange between the costliest cell of a slot and another cell
+(piece for piece, or a move; pieces of at most half a pack) by the change of the sum of the slots' maxima,
+applies the best, then the best among those touching neither of its slots; at most :data:`ROUNDS` rounds. A
+cell's score is ``load + rho * room``: what the fillers will still add to it.
 """
 
 from __future__ import annotations

@@ -73,19 +73,12 @@ def plan_schedule(
     epoch: int = 0,
     fallback: bool = False,
 ) -> Schedule:
-    """Plan one epoch over all documents (see the module docstring).
+    """Plan one epoch over ``lengths`` (int ``[n_docs]``, source order); see the module docstring.
 
-    Args:
-        lengths: int ``[n_docs]`` tokens per document, in source order.
-        capacity, layout, cp_size, algorithm, overflow: the packs (as for :func:`~cpdata.packing.plan_lengths`;
-            ``algorithm`` only without a cost model).
-        cost: balance by this :class:`CostModel`, or ``None`` for token-only packs in stream order.
-        max_delay: steps a long piece may wait for partners of its size (balanced only).
-        seed, shuffle, epoch: with ``shuffle=True`` documents are taken in the ``default_rng((seed, epoch))``
-            permutation (the order :class:`~cpdata.nodes.source.Documents` reads a shuffled sequence in).
-        tail: see :data:`TAIL_POLICIES`.
-        fallback: with a cost model, return the token plan when its :func:`padded_epoch_cost` is lower (the
-            delay bound then holds only for the balanced schedule).
+    The packs as for :func:`~cpdata.packing.plan_lengths` (``algorithm`` only with ``cost=None``); ``max_delay``:
+    steps a long piece may wait for partners of its size; ``shuffle``: documents in the ``default_rng((seed,
+    epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: the delay bound then
+    holds only when the balanced schedule is returned.
     """
     lengths = _lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
@@ -117,8 +110,8 @@ def plan_schedule(
 
 
 def padded_epoch_cost(schedule: Schedule, cost: CostModel) -> float:
-    """The epoch's time under ``cost`` with pads computed: the sum over steps of the slowest rank's
-    ``micro_batches * a * capacity + b * sum(L**2)`` (a pack's linear work runs over every slot, pads too)."""
+    """The epoch's time under ``cost`` with pads computed (a pack's linear work runs over every slot): the sum
+    over steps of the slowest rank's ``micro_batches * a * capacity + b * sum(L**2)``."""
     per_rank = schedule.pack_sums(cost.b * schedule.doc_len.astype(np.float64) ** 2).sum(axis=2)
     linear = schedule.num_steps * schedule.micro_batches * cost.a * schedule.capacity
     return float(linear + (per_rank.max(axis=1).sum() if per_rank.size else 0.0))
@@ -157,10 +150,9 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     kw = dict(capacity=C, dp_size=R, micro_batches=M, full_cost=cost.a * C + cost.b * C * C, quad=cost.b * C * C)
 
     def take(carry: np.ndarray, ptr: int, limit: int, step: int):
-        """The carried pieces plus new ones from ``ptr`` (before ``limit``, at most ``K`` outliers)
-        until the pool holds ``target`` tokens not counting outliers that will wait (a few rounds)."""
-        # At most K outliers share a deadline (module docstring): fewer new ones while outliers taken ahead
-        # by the last step wait with this intake's deadline. Nothing past the next FIFO step is taken.
+        """The carried pieces plus new ones from ``ptr`` (before ``limit``) until the pool holds ``target``
+        tokens not counting outliers that will wait; at most ``K`` outliers share a deadline, none past the
+        next FIFO step."""
         early = int(np.count_nonzero((reach[carry] == ahead) & (arrival[carry] == step - 1))) if ahead else 0
         out_cap = int(np.searchsorted(out_cum, out_cum[ptr] + K - early, side="right")) - 1
         cap = min(limit, out_cap, int(np.searchsorted(cum[:-1], (step + 2) * T, side="left")))

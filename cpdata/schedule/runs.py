@@ -1,11 +1,9 @@
 """Phase A of a step: which outliers (pieces longer than half a pack) form runs now, go loose, or wait.
 
 A *run* is ``dp_size`` outliers of similar length, one per DP rank in one micro-batch slot. A dynamic program
-over the outliers sorted by length cuts them into runs of neighbours and single pieces, minimising a run's
-*spread* in effective cost (a piece's key plus the most its cell's leftover room can add, ``b * (C - L)**2``),
-a single piece's *loose* cost (what its slot's other cells cannot match, ``(dp_size - 1) * max(0, ek - FLEX *
-b * C**2)``) and waiting (:data:`HOLD_PENALTY` of a full cell per step of age). At most ``slots`` runs are
-placed now, fewer when overdue pieces left loose need cells outside the runs' slots.
+over the outliers sorted by length picks runs and single pieces minimising a run's spread in effective cost (a
+piece's key plus ``b * (C - L)**2``, the most its cell's room can add), a loose piece's excess over ``FLEX * b *
+C**2`` per other cell of its slot, and waiting (:data:`HOLD_PENALTY` per step of age).
 """
 
 from __future__ import annotations
