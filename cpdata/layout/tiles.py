@@ -48,6 +48,15 @@ def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int)
     return b - first_keys(slot_lens, pack_len)[b * tile] // tile + 1
 
 
+def _max_per_key(key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int64 ``(keys, maxima, counts)``: the distinct ``key`` values (sorted), the largest ``value`` and the number
+    of entries of each (one ``lexsort``)."""
+    order = np.lexsort((value, key))
+    key, value = key[order], value[order]
+    last = np.flatnonzero(np.diff(key, append=-1))
+    return key[last], value[last], np.diff(last, prepend=-1)
+
+
 def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
     """int64 ``[cp]``: live ``tile x tile`` tiles of each rank's queries (``rows`` int64 ``[cp, L]``, local order)
     x global keys: per query block, the union of its queries' key-block ranges ``first_key // tile .. q // tile``."""
@@ -59,11 +68,7 @@ def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len
     qblock = (np.arange(cp, dtype=np.int64)[:, None] * per_block + np.arange(local, dtype=np.int64) // tile).reshape(-1)
     lo, hi = first[q] // tile, q // tile  # key-block range [lo, hi] of every query
     n_k = -(-pack_len // tile) + 1
-    key = qblock * n_k + lo
-    order = np.lexsort((hi, key))
-    key, hi = key[order], hi[order]
-    last = np.flatnonzero(np.diff(key, append=-1))  # per (query block, lo): the largest hi
-    key, hi = key[last], hi[last]
+    key, hi, _ = _max_per_key(qblock * n_k + lo, hi)  # per (query block, lo): the largest hi
     qb, lo = np.divmod(key, n_k)
     # union length of [lo, hi] intervals sorted by (query block, lo): running max of hi within the block
     run = np.maximum.accumulate(qb * n_k + hi) - qb * n_k
@@ -82,14 +87,9 @@ def kv_recv_tokens(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
     k = starts.size
     q = rows.reshape(-1)
     real = q < _as_lengths(slot_lens, pack_len)[1]
-    key = (np.repeat(np.arange(cp, dtype=np.int64), local) * k + slot[q])[real]
-    q = q[real]
-    order = np.lexsort((q, key))
-    key, q = key[order], q[order]
-    last = np.flatnonzero(np.diff(key, append=-1))
-    owned = np.diff(np.concatenate([[-1], last]))
-    need = q[last] - starts[key[last] % k] + 1 - owned
-    return np.bincount(key[last] // k, need, minlength=cp).astype(np.int64)
+    key = np.repeat(np.arange(cp, dtype=np.int64), local) * k + slot[q]
+    key, last_q, owned = _max_per_key(key[real], q[real])  # per (rank, slot)
+    return np.bincount(key // k, last_q - starts[key % k] + 1 - owned, minlength=cp).astype(np.int64)
 
 
 def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int,
@@ -112,12 +112,9 @@ def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
         qd, qb, qp = slot[q[real_q]], real_q // tile, q[real_q]
         kd, kb, kp = slot[keys[real_k]], real_k // tile, keys[real_k]
         qkey, kkey = qd * n_k + qb, kd * n_k + kb
-        order = np.lexsort((qp, qkey))
-        last = np.flatnonzero(np.diff(qkey[order], append=-1))
-        qkey, qp = qkey[order][last], qp[order][last]
-        order = np.lexsort((kp, kkey))
-        head = np.flatnonzero(np.diff(kkey[order], prepend=-1))
-        kkey, kp = kkey[order][head], kp[order][head]
+        qkey, qp, _ = _max_per_key(qkey, qp)
+        kkey, kp, _ = _max_per_key(kkey, -kp)
+        kp = -kp
         # join on the document: every (query block, key block) pair of each document
         q_doc, k_doc = qkey // n_k, kkey // n_k
         lo, hi = k_doc.searchsorted(q_doc, side="left"), k_doc.searchsorted(q_doc, side="right")
