@@ -3,7 +3,8 @@
 ``plan_schedule(lengths, capacity=..., layout=..., cp_size=..., dp_size=..., micro_batches=..., cost=CostModel())``
 returns a :class:`Schedule`; ``sched.pieces(step, dp_rank, micro_batch)`` lists a pack's
 ``(document_index, start, length)``. The planner's step loop is in ``planner``; one step's placement in
-``balance`` (phases ``runs``, ``improve``, ``fill``); the record in ``records``; the cost model in ``cost``.
+``balance`` (phases ``runs``, ``improve``, ``fill``); the record in ``records``; the cost model in ``cost``;
+``imb_step`` / ``imb_mb`` in ``metrics``.
 """
 
 from cpdata.schedule.cost import FLEXSP_7B, CostModel
