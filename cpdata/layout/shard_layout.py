@@ -21,6 +21,7 @@ class ShardLayout:
     Attributes:
         local_token_global_indices: int64 ``[local_len]``: the global position of each local token.
         original_seq_len: pre-pad sequence length in the caller's coordinates; None for packed streams.
+        padded_seq_len: ``cp_size * local_len``, what the token verbs check tensor lengths against.
         input_row_shape: for flat (THD) streams, the ``[B, S]`` shape of the rows before flattening.
         input_token_stream_positions: per row, input position -> padded column (-1 = dropped).
         gather_index: int64 ``[padded_seq_len]``: ``global = concat(all ranks' shards)[gather_index]``.
