@@ -1,20 +1,12 @@
 """One step of the schedule: place a pool of pieces into ``dp_size x micro_batches`` packs, cost-balanced.
 
 Cell ``(m, r)`` is micro-batch ``m`` of DP rank ``r``; the ranks run micro-batch ``m`` in lock-step, so what
-counts per micro-batch *slot* is its costliest cell. The placement makes a slot's cells equally costly and every
-cell full:
-
-A. *Runs of outliers* (:func:`~cpdata.schedule.runs.choose_runs`): pieces over half a pack, sorted by length,
-   go in runs of ``dp_size`` neighbours, one slot each (snake order across runs), or loose, or wait.
-B. *Largest first into the largest gap*: the other pieces over ``capacity / FILLER_FRACTION``, overdue first,
-   each to the cell furthest below its slot's costliest, among cells with room (ties: the emptier cell, then
-   the lower slot), leaving room for the overdue fillers.
-B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), where a full pack's attention part
-   (``b * capacity**2``) is at least half its cost (elsewhere the slots are balanced already).
-C. *Fillers* (:func:`~cpdata.schedule.fill.fill_cells`) close every cell to within a few tokens.
-
-The balancing key is a piece's quadratic cost ``b * L**2`` when the step is full (the linear parts are then
-equal) and its whole cost for a short last step. Pieces that fit nowhere are returned unplaced.
+counts per *slot* ``m`` is its costliest cell. A. outliers (over half a pack) in runs of similar length, one slot
+each (:func:`~cpdata.schedule.runs.choose_runs`); B. the other long pieces, largest first, into the largest gap
+below their slot's costliest cell; B'. exchanges between cells (:func:`~cpdata.schedule.improve.improve_step`)
+where attention can dominate a pack; C. fillers close every cell (:func:`~cpdata.schedule.fill.fill_cells`).
+The balancing key is ``b * L**2`` when the step is full (the linear parts are then equal), the whole cost for a
+short last step. Pieces that fit nowhere are returned unplaced.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """``plan_schedule``: every document length in, one epoch of (step, DP rank, micro-batch) packs out.
 
-A pure function of its arguments (no collective, no clock, no global random state; ``shuffle`` draws from
-``default_rng((seed, epoch))``), so every rank and worker computes the same schedule, then reads only its own
-documents. What it guarantees and costs is in docs/scheduling.md.
-
-With a cost model, documents are cut into pieces (:func:`~cpdata.packing.pieces.cut_documents`) and taken in
-stream order: each step takes new pieces until its pool holds ``1 + POOL_MARGIN`` steps of tokens (not counting
-long pieces that will wait), places it (:func:`~cpdata.schedule.balance.place_step`) and carries the rest.
-Delay bound, for any lengths: a piece is placed at most ``max(1, max_delay)`` steps after the step that took it
-(``max_delay + 1`` for a long piece taken a step ahead of its FIFO step, with ``max_delay >= 2``), at most one
-for pieces up to half a pack, never more than one step before its FIFO step (its stream position in slot tokens
-over a full step's). It holds because a step is committed only when the pieces due next step fit one empty step
-by first-fit decreasing (the next step's rescue places them that way); otherwise the step is placed again with
-those pieces first, then with fewer new pieces, and at most one piece over half a pack per cell gets a deadline.
-
-Without a cost model: the packs of :func:`~cpdata.packing.plan_lengths` in stream order, pack ``k`` micro-batch
-``k % micro_batches`` of rank ``(k // micro_batches) % dp_size`` in step ``k // (dp_size * micro_batches)``.
-``fallback=True`` plans both and keeps the one with the lower :func:`padded_epoch_cost`.
+A pure function of its arguments (``shuffle`` draws from ``default_rng((seed, epoch))``), so every rank and worker
+computes the same schedule and reads only its own documents; guarantees and costs: docs/scheduling.md. With a cost
+model, each step takes pieces (:func:`~cpdata.packing.pieces.cut_documents`) in stream order until its pool holds
+``1 + POOL_MARGIN`` steps of tokens, places it (:func:`~cpdata.schedule.balance.place_step`) and carries the rest.
+The delay bound holds because a step is committed only when the pieces due next step fit one empty step by
+first-fit decreasing (the next step's rescue placement); otherwise the step is placed again with those pieces
+first, then with fewer new pieces. Without one, the packs of :func:`~cpdata.packing.plan_lengths` in stream order,
+pack ``k`` micro-batch ``k % micro_batches`` of rank ``(k // micro_batches) % dp_size``.
 """
 
 from __future__ import annotations
@@ -75,10 +66,11 @@ def plan_schedule(
 ) -> Schedule:
     """Plan one epoch over ``lengths`` (int ``[n_docs]``, source order); see the module docstring.
 
-    The packs as for :func:`~cpdata.packing.plan_lengths` (``algorithm`` only with ``cost=None``); ``max_delay``:
-    steps a long piece may wait for partners of its size; ``shuffle``: documents in the ``default_rng((seed,
-    epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: the delay bound then
-    holds only when the balanced schedule is returned.
+    The packs as for :func:`~cpdata.packing.plan_lengths` (``algorithm`` only with ``cost=None``). ``max_delay``:
+    steps a long piece may wait for partners of its size (a piece is placed at most ``max(1, max_delay)`` steps
+    after the step that took it, see docs/scheduling.md); ``shuffle``: documents in the ``default_rng((seed,
+    epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: return the token plan
+    when its :func:`padded_epoch_cost` is lower (the delay bound then holds only for the balanced schedule).
     """
     lengths = _lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
