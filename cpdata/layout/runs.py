@@ -212,14 +212,10 @@ class RunTable(Table):
 
 def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
                    cp_size: int) -> np.ndarray:  # fmt: skip
-    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
-
-    ``ends``, ``ranks``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``: real tokens of each document;
-    ``counts`` int64 ``[P]`` (None: one pack; with ``[G]`` ranks each pack needs >= 1 document). A real token
-    at offset ``o`` attends to ``o + 1`` keys, padding to none, so a run costs ``W(end) - W(previous end)``,
-    ``W(e) = e(e + 1) / 2``, ends clipped to the real length: integers (doubled), summed exactly by one
-    ``bincount`` over ``pack * cp + rank``.
-    """
+    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs (``ends``, ``ranks``,
+    ``counts``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``). A real token at offset ``o`` attends to ``o + 1``
+    keys, so a run costs ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length):
+    integers, doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
     n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
     ends = np.minimum(ends, _per_run(real, g))
     twice = ends + 1

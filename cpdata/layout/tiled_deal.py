@@ -1,24 +1,14 @@
 """The ``tiled`` deal: which CP rank owns each ``tile``-token block of a pack, from the slot lengths alone.
 
-Block ``b`` costs ``b - first_block(its document) + 1`` live tiles (:func:`cpdata.layout.tiles.block_tiles`)
-whoever owns the others, so the deal splits the pack's tiles into ``cp`` equal sums of ``m = n / cp`` blocks,
-keeping small the K/V the busiest-receiving rank needs (a document's keys up to its last block on the rank):
+Block ``b`` costs ``b - first_block(its document) + 1`` live tiles whoever owns the others, so the deal splits the
+pack's tiles into ``cp`` equal sums of ``m = n / cp`` blocks, keeping small the most K/V a rank receives (a
+document's keys up to its last block there); in prose: docs/layouts-and-kernels.md.
 
-1. *Groups* (:func:`block_groups`): each document's blocks ``(first, size, c0)``, costing ``c0, c0 + 1, ...``;
-   with several groups, one longer than ``m`` is cut at :data:`HEAD_FRACTION` of the mean block cost into a
-   cheap head and a dense tail.
-2. *Sequence*: the groups (tails) densest first, then the heads in the reverse order of their tails, every piece
-   tail first: a rank that takes a long document's tail from the dense end takes its head from the sparse end.
-3. *Cuts* (:func:`deal_blocks`): rank ``r`` takes the ``x`` blocks from the dense end and ``m - x`` from the
-   sparse end closest to an equal share of what is left; beyond :data:`CUT_TOLERANCE`, one of its blocks comes
-   from deeper in the piece its dense run ends in, the one whose cost fills the gap.
-4. *Swaps* (:func:`swap_blocks`): while the busiest rank is over :data:`SWAP_TOLERANCE` (and the integer bound
-   ``max(ceil(tiles / cp), costliest block)``), the swap of one of its blocks that brings both ranks within it
-   and leaves the most K/V any rank receives least.
-5. *Re-splits* (:func:`resplit_pairs`, ``m <= RESPLIT_BLOCKS``, where single swaps stall): the pair of ranks
-   whose ``2m`` blocks, re-split the best of ``C(2m, m)`` ways, lowers the sum of squared costs most.
-
-Steps 1-3 are a few dozen numpy calls on ``[D]`` and ``[n]`` arrays; steps 4-5 run on few packs.
+1. :func:`block_groups`: each document's blocks; one longer than ``m`` is cut at :data:`HEAD_FRACTION`.
+2. The groups' dense tails densest first, then the heads mirrored, every piece tail first.
+3. :func:`deal_blocks`: each rank takes the blocks from both ends closest to an equal share (:func:`_adjust`).
+4. :func:`swap_blocks` while the busiest rank is over :data:`SWAP_TOLERANCE`, weighing the K/V received.
+5. :func:`resplit_pairs` (``m <= RESPLIT_BLOCKS``): the best re-split of a pair of ranks' blocks.
 """
 
 from __future__ import annotations
