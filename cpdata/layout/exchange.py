@@ -112,10 +112,7 @@ def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
     """int64 ``[runs]``: the first position of every run of the layout, increasing: stretches whose
     rank-major index (``inverse``) steps by one, cut where a rank's row starts."""
     stream = inverse.shape[0]
-    cut = np.empty(stream, dtype=bool)
-    cut[0] = True
-    np.not_equal(inverse[1:] - inverse[:-1], 1, out=cut[1:])
-    at = np.flatnonzero(cut)
+    at = np.flatnonzero(np.diff(inverse, prepend=-2) != 1)  # (position 0 always starts one)
     if cp == 1:
         return at
     # a run may go on from one rank's last token to the next rank's first: cut where index r * L sits
@@ -131,10 +128,7 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     on a few thousand values)."""
     out = np.concatenate([a, b])
     out.sort()
-    keep = np.empty(out.size, dtype=bool)
-    keep[:1] = True
-    np.not_equal(out[1:], out[:-1], out=keep[1:])
-    return out[keep]
+    return out[np.diff(out, prepend=-1) != 0]  # (positions are >= 0)
 
 
 def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1,
@@ -172,8 +166,7 @@ def _checked_slots(slot_starts: Any, real_ends: Any, stream: int, n_rows: Any
     if real_ends is None:
         return starts, None
     ends = np.asarray(real_ends, dtype=_I64).reshape(-1)
-    nxt = np.empty_like(starts)
-    nxt[:-1], nxt[-1:] = starts[1:], n_rows * stream
+    nxt = np.append(starts[1:], n_rows * stream)
     if ends.shape != starts.shape or (ends < starts).any() or (ends > nxt).any():
         raise ValueError(
             f"real_ends must give every one of the {starts.size} slots the end of its real tokens, between "
@@ -239,8 +232,7 @@ def _check_runs(starts: np.ndarray, owners: np.ndarray, local: np.ndarray, cp: i
             f"local_len = {stream}, owners in [0, cp_size={cp}) and local starts; got {starts.size}, "
             f"{owners.size}, {local.size} runs"
         )
-    lengths = np.empty_like(starts)
-    lengths[:-1], lengths[-1] = starts[1:] - starts[:-1], stream - starts[-1]
+    lengths = np.diff(starts, append=stream)
     order = np.lexsort((local, owners))  # each rank's runs in local order must tile [0, L)
     expect = lengths[order].cumsum() - lengths[order] - np.repeat(np.arange(cp, dtype=_I64) * local_len,
                                                                   np.bincount(owners, minlength=cp))
@@ -253,8 +245,7 @@ def _pieces_plan(starts: np.ndarray, owners: np.ndarray, local_starts: np.ndarra
     """The plan of pieces (sorted global starts, each with one owner and, in every row, one slot, all real or
     all padding there)."""
     stream = cp * local
-    ends = np.empty_like(starts)
-    ends[:-1], ends[-1] = starts[1:], stream
+    ends = np.append(starts[1:], stream)
     # slot of every piece in every row (global slot ids), last position of every slot on every rank
     if n_rows == 1:
         slot = slot_starts.searchsorted(starts, side="right")[None]
