@@ -129,17 +129,18 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
     return 1, 1
 
 
-def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, int]:
-    """Checked int64 ``[n]`` lengths and their sum."""
+def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int, name: str = "seq_lens"
+                ) -> tuple[np.ndarray, int]:  # fmt: skip
+    """Checked int64 ``[n]`` lengths and their sum (``name``: the argument, for the errors)."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     check_int("pack_len", pack_len, min=0)
     if lens.size and lens.min() < 0:
         bad = int(np.flatnonzero(lens < 0)[0])
-        raise ValueError(f"seq_lens must be >= 0, got seq_lens[{bad}]={int(lens[bad])}")
+        raise ValueError(f"{name} must be >= 0, got {name}[{bad}]={int(lens[bad])}")
     total = int(lens.sum())
     if total > pack_len:
         raise ValueError(
-            f"seq_lens sum to {total} tokens, more than pack_len={pack_len}; "
+            f"{name} sum to {total} tokens, more than pack_len={pack_len}; "
             "raise the capacity or pack fewer documents"
         )
     return lens, total
