@@ -112,7 +112,10 @@ def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
     """int64 ``[runs]``: the first position of every run of the layout, increasing: stretches whose
     rank-major index (``inverse``) steps by one, cut where a rank's row starts."""
     stream = inverse.shape[0]
-    at = np.flatnonzero(np.diff(inverse, prepend=-2) != 1)  # (position 0 always starts one)
+    cut = np.empty(stream, dtype=bool)
+    cut[0] = True
+    np.not_equal(inverse[1:] - inverse[:-1], 1, out=cut[1:])
+    at = np.flatnonzero(cut)
     if cp == 1:
         return at
     # a run may go on from one rank's last token to the next rank's first: cut where index r * L sits
@@ -128,7 +131,10 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     on a few thousand values)."""
     out = np.concatenate([a, b])
     out.sort()
-    return out[np.diff(out, prepend=-1) != 0]  # (positions are >= 0)
+    keep = np.empty(out.size, dtype=bool)
+    keep[:1] = True
+    np.not_equal(out[1:], out[:-1], out=keep[1:])
+    return out[keep]
 
 
 def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1,

@@ -18,7 +18,7 @@ import numpy as np
 
 from cpdata.errors import check_int, is_int
 from cpdata.layout.blocks import balanced_block, head_tail_block
-from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
+from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
 from cpdata.layout.world import WorldBlock, WorldTable, world_block
 
@@ -238,11 +238,6 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
         for pack in _per_pack(lens, counts):  # the first bad pack's error
             _thd_slots(pack, pack_len, cp_size)
     return head_tail_block(flat, counts, cp_size, pack_len)
-
-
-def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
-    """``lens`` int64 ``[N]`` split into the packs' ``counts`` int64 ``[P]`` slots (None: one pack)."""
-    return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
 
 def rank_indices(

@@ -46,6 +46,11 @@ def _per_run(x: np.ndarray, g: int) -> np.ndarray:
     return x.repeat(g).reshape(-1, g)
 
 
+def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
+    """``lens`` int64 ``[N]`` split into the packs' ``counts`` int64 ``[P]`` slots (None: one pack)."""
+    return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
+
+
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``)."""
     offsets = sizes.cumsum()
@@ -112,7 +117,7 @@ class RunBlock:
 
     def tables(self) -> list[RunTable]:
         """The ``P`` packs' tables (new views on every call; the block holds none, so no reference cycle)."""
-        stops = np.cumsum(self.doc_counts()).tolist()
+        stops = [self.sizes.shape[0]] if self.counts is None else self.counts.cumsum().tolist()
         zeros = [0] * len(stops)
         return [RunTable(self, lo, hi, tail, dealt) for lo, hi, tail, dealt
                 in zip([0, *stops[:-1]], stops, self.tails or zeros, self.dealts or zeros, strict=True)]  # fmt: skip

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import Table, _frozen
+from cpdata.layout.runs import Table, _frozen, _per_pack
 from cpdata.layout.tiled_deal import RESPLIT_BLOCKS, block_groups, deal_blocks, resplit_pairs, swap_blocks
 
 __all__ = ["DEFAULT_TILE", "TILES", "TiledBlock", "TiledTable", "tiled_block", "tiled_owners"]
@@ -144,6 +144,5 @@ def tiled_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_s
     """``tiled`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
     slots per pack, None: one pack): one :func:`tiled_owners` per pack."""
     slot_counts = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
-    packs = np.split(lens, np.cumsum(slot_counts)[:-1])
-    owners = np.concatenate([tiled_owners(pack, pack_len, cp_size, tile) for pack in packs])
+    owners = np.concatenate([tiled_owners(pack, pack_len, cp_size, tile) for pack in _per_pack(lens, counts)])
     return TiledBlock(pack_len, cp_size, tile, owners, lens, slot_counts)

@@ -181,7 +181,8 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         mine = owner == a
         ia, ib = mine.nonzero()[0], (~mine).nonzero()[0]
         if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # the first and last blocks of runs (of a rank and document)
-            edge = np.diff(key, prepend=-1, append=-1) != 0  # [n + 1]: a run starts (keys are >= 0)
+            edge = np.ones(n + 1, dtype=bool)
+            np.not_equal(key[1:], key[:-1], out=edge[1:n])
             edge = edge[:n] | edge[1:]
             ia, ib = ia[edge[ia]], ib[edge[ib]]
             if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # with the idlest rank's
