@@ -1,15 +1,6 @@
-"""Run tables of a block of packs at once: the ``head-tail`` (``thd``, ``round_robin``) and ``balanced`` builders.
-
-A block is ``P`` packs of equal length, their ``N`` documents concatenated
-pack after pack (``counts`` int64 ``[P]`` documents each). The builders run
-the same ~15 numpy calls on the block's ``[N, G]`` tables as on one pack's,
-the running sums restarted at every pack (:func:`_within_packs`), and return a
-:class:`RunBlock`: one :class:`~cpdata.layout.runs.RunTable` per pack (views of
-the block's tables) and the per-rank causal work of every pack from one
-``bincount``. The one-pack builders :func:`head_tail_runs` and
-:func:`balanced_runs` are the block builders with ``counts=None``, so a block
-of ``P`` packs gives each pack the table it gets alone, bit for bit. The
-builders take validated lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+"""Run tables of ``P`` equal-length packs at once (their ``N`` documents back to back, ``counts`` per pack):
+the head-tail (``thd``, ``round_robin``) and ``balanced`` builders. Each pack gets, bit for bit, the table it
+gets alone; the builders take validated lengths (:func:`cpdata.layout.maps.layout_runs` validates).
 """
 
 from __future__ import annotations
@@ -18,9 +9,9 @@ import functools
 
 import numpy as np
 
-from cpdata.layout.runs import RunBlock, RunTable, _frozen, _per_run
+from cpdata.layout.runs import RunBlock, _frozen, _per_run
 
-__all__ = ["RunBlock", "balanced_block", "balanced_runs", "head_tail_block", "head_tail_runs"]
+__all__ = ["RunBlock", "balanced_block", "head_tail_block"]
 
 
 def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -37,12 +28,8 @@ def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray,
 
 @functools.lru_cache(maxsize=32)
 def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Constants of :func:`head_tail_block` (column ``j``: chunk ``j``, rank ``j`` or ``2cp-1-j``).
-
-    ``of_c`` int64 ``[4, 1, 2cp]``: per chunk length, the inverse shift, size and end in the
-    document (``[j >= cp] - j``, 1, ``j + 1``), then ``rank * local_len``; ``ranks``
-    ``[2cp]``; ``picks`` ``[cp, 1, 2]``: rank ``r``'s chunks ``r`` and ``2cp-1-r``.
-    """
+    """Constants of :func:`head_tail_block`: ``of_c`` int64 ``[4, 1, 2cp]`` (per chunk length: the inverse shift,
+    size and end of chunk ``j``; then ``rank * local_len``), ``ranks`` ``[2cp]``, ``picks`` ``[cp, 1, 2]``."""
     cp = cp_size
     j = np.arange(2 * cp, dtype=np.int64)
     ranks = np.minimum(j, 2 * cp - 1 - j)
@@ -54,14 +41,9 @@ def _head_tail_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarr
 
 def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: int, pack_len: int,
                     with_docs: bool = True) -> RunBlock:  # fmt: skip
-    """Chunks ``r`` and ``2cp-1-r`` of every slot of ``P`` packs of ``pack_len`` tokens (``slot_lens`` int64
-    ``[N]``, each a multiple of 2cp, every pack's summing to ``pack_len``; ``counts`` as in the module docstring).
-
-    ``round_robin`` is this with one slot (the whole pack) and ``with_docs=False``;
-    ``thd`` with the document slots (tail absorbed). Slot ``d`` of ``c`` tokens
-    per chunk, ``C`` chunk tokens before it in its pack: chunk ``j`` starts at ``2cp*C + j*c``
-    and sits at ``2C + [j >= cp]*c`` in the row of its rank.
-    """
+    """Chunks ``r`` and ``2cp-1-r`` of every slot (``slot_lens`` int64 ``[N]``, multiples of 2cp summing to
+    ``pack_len`` per pack). A slot of ``c`` tokens per chunk after ``C`` chunk tokens: chunk ``j`` starts at
+    ``2cp*C + j*c`` and sits at ``2C + [j >= cp]*c`` in its rank's row."""
     cp = cp_size
     of_c, ranks, picks = _head_tail_coefs(cp, pack_len // cp)
     g = 2 * cp
@@ -73,30 +55,18 @@ def head_tail_block(slot_lens: np.ndarray, counts: np.ndarray | None, cp_size: i
     inv, sizes, ends, base = table
     inv += base
     inv += _per_run((2 - 2 * cp) * before, g)
-    if not with_docs:
-        return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks)
-    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, ends=ends, lens=slot_lens)
-
-
-def head_tail_runs(slot_lens: np.ndarray, cp_size: int, with_docs: bool, pack_len: int | None = None) -> RunTable:
-    """:func:`head_tail_block` of one pack (``pack_len``: the slots' sum when None)."""
-    if pack_len is None:
-        pack_len = int(slot_lens.sum())
-    return head_tail_block(slot_lens, None, cp_size, pack_len, with_docs).tables()[0]
+    docs = (ends, slot_lens) if with_docs else (None, None)
+    return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, None, *docs)
 
 
 @functools.lru_cache(maxsize=16)
 def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Constants of :func:`balanced_block`: columns ``G = 4cp`` per document (heads ``c``, middles ``t``, tails ``i``).
+    """Constants of :func:`balanced_block`, ``G = 4cp`` columns per document (heads ``c``, middles ``t``, tails ``i``).
 
-    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt
-    before the document, ``m`` its remainder): what is not linear in ``q``, ``Q`` and ``T`` of the
-    inverse shift (``rank * local`` plus the dealt tokens of that rank before the run, minus ``T // cp``,
-    and ``-t``, ``-m``), the size (middles: ``t < m``), the end in the document (offset plus size; middles
-    start at ``min(t, m)``: the empty ones where the real ones end, so a row's runs tile it; tails at ``m``)
-    and the rank (middles ``(T + t) % cp``), then per ``q`` (the same for every key) the inverse
-    shift, size and end. ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for
-    each ``T % cp``.
+    ``coefs`` int64 ``[7, 2cp*cp, G]``, indexed by ``key = (T % cp) * 2cp + m`` (``T`` tokens dealt before the
+    document, ``m`` its remainder): the parts of the inverse shift, size, end and rank not linear in ``q``, ``Q``,
+    ``T`` (empty middles end where the real ones do, so a row's runs tile it), then the coefficients of ``q``.
+    ``picks`` ``[cp, cp, 4]``: rank ``r``'s head, two middles and tail for each ``T % cp``.
     """
     cp, local = cp_size, local_len
     c = np.arange(cp, dtype=np.int64)
@@ -126,16 +96,11 @@ def _balanced_coefs(cp_size: int, local_len: int) -> tuple[np.ndarray, np.ndarra
 
 
 def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int) -> RunBlock:
-    """``balanced`` (see :func:`cpdata.layout.maps.rank_indices`) of ``P`` packs: ``4cp`` runs per document, then
-    padding (``lens`` int64 ``[N]``, each pack's summing to at most ``pack_len``).
+    """``balanced`` of ``P`` packs (``lens`` int64 ``[N]``): ``4cp`` runs per document, then the padding dealt.
 
-    Document ``d`` of ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt
-    before it in its pack, ``Q`` head tokens per rank before it: rank ``r`` owns head chunk
-    ``r`` (``q`` tokens), the middle tokens ``t < m`` with ``(T + t) % cp == r``
-    and tail chunk ``2cp-1-r``. In rank ``r``'s row the document starts at
-    ``2Q`` plus the ``r``-tokens among the first ``T`` dealt ones; a middle
-    token ``u = T + t`` of the deal sits at ``2Q + q + u // cp``. The pack's
-    padding continues the deal one token at a time (the table's ``tail``).
+    Document ``n = 2cp*q + m`` tokens, ``T`` remainder tokens dealt and ``Q`` head tokens per rank before it:
+    rank ``r`` owns head chunk ``r``, the middle tokens ``t < m`` with ``(T + t) % cp == r`` and tail chunk
+    ``2cp-1-r``; a middle token ``u = T + t`` sits at ``2Q + q + u // cp`` of its rank's row.
     """
     cp = cp_size
     coefs, picks = _balanced_coefs(cp, pack_len // cp)
@@ -161,7 +126,3 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
                     tails=tails, dealts=dealts)  # fmt: skip
 
-
-def balanced_runs(lens: np.ndarray, pack_len: int, cp_size: int) -> RunTable:
-    """:func:`balanced_block` of one pack."""
-    return balanced_block(lens, None, pack_len, cp_size).tables()[0]

@@ -1,35 +1,13 @@
 """CP layouts: which global token positions each context-parallel rank owns.
 
-Every layout is one integer map. ``rank_indices(...)[r]`` holds the global
-positions (``0 .. pack_len-1``) of rank ``r``'s tokens in rank ``r``'s local
-order, so ``local = global[rows[r]]``; the rows together are a permutation of
-``range(pack_len)`` and all have ``pack_len // cp_size`` entries. The inverse
-(``inverse_indices``) turns the rank-major concatenation of all shards back into
-global order: ``global = concat(shards)[inverse]``.
+Every layout is one integer map: ``rank_indices(...)[r]`` holds the global positions of rank ``r``'s tokens in
+its local order (``local = global[rows[r]]``), the rows together a permutation of ``range(pack_len)``, each
+``pack_len // cp_size`` long; :func:`inverse_indices` undoes it (``global = concat(shards)[inverse]``). The
+layouts and their alignment are tabled in docs/layouts.md. A layout that takes a parameter carries it in its
+string (:func:`layout_spec`): ``"tiled:64"`` (tile; ``"tiled"`` is tile 128), ``"world:8"`` (ranks per node).
 
-| layout        | rank r owns                                        | doc / pack multiple |
-|---------------|----------------------------------------------------|---------------------|
-| ``identity``  | everything (cp = 1)                                | 1 / 1               |
-| ``contiguous``| ``[r*L, (r+1)*L)``                                 | 1 / cp              |
-| ``round_robin``| chunks r and 2cp-1-r of the whole pack (torch ``context_parallel``) | 1 / 2cp |
-| ``thd``       | chunks r and 2cp-1-r of every document slot (TE THD) | 2cp / 2cp         |
-| ``balanced``  | per-document head-tail, remainder from the middle dealt round-robin | 1 / cp |
-| ``tiled``     | whole ``tile``-token blocks, dealt to balance live kernel tiles (:mod:`cpdata.layout.tiled`) | 1 / cp*tile |
-| ``world``     | whole documents, long ones spread over few ranks of one node (:mod:`cpdata.layout.world`) | 1 / cp |
-
-``tiled`` takes a tile size (64, 128 or 256; 128 by default): ``rank_indices("tiled", cp, lens, S, tile=256)``.
-Everywhere a layout travels as a string (packer, loader state, digest, precompute manifest), the tile travels
-in it: :func:`layout_spec` gives ``"tiled"`` for tile 128 and ``"tiled:64"`` / ``"tiled:256"`` for the others,
-and every function here accepts either form. ``world`` carries its ranks per node the same way:
-``layout_spec("world", node_size=8)`` is ``"world:8"`` (``"world"``: the whole world is one node).
-
-``seq_lens`` are the document slots laid out in the pack, in order; the pack's
-tail (``pack_len - sum(seq_lens)``) is padding. For ``thd`` the last slot
-absorbs that tail, as Transformer Engine requires (tokens past
-``cu_seqlens_padded[-1]`` break its partition).
-
-All functions are pure, vectorized numpy and picklable: they run on dataloader
-workers. Cost: O(pack_len) time and memory, a few ms at 128K tokens.
+``seq_lens`` are the document slots laid out in the pack, in order; the rest of the pack is padding, which
+``thd``'s last slot absorbs, as Transformer Engine requires. Pure, vectorized numpy, O(pack_len).
 """
 
 from __future__ import annotations
@@ -39,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from cpdata.errors import check_int, is_int
-from cpdata.layout.blocks import balanced_block, balanced_runs, head_tail_block, head_tail_runs
-from cpdata.layout.runs import RunBlock, RunTable, contiguous_runs
+from cpdata.layout.blocks import balanced_block, head_tail_block
+from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
 from cpdata.layout.world import WorldBlock, WorldTable, world_block
 
@@ -64,32 +42,22 @@ LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin",
 
 
 def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None = None) -> str:
-    """The layout string that carries ``tile``: ``"tiled"`` (tile 128), ``"tiled:64"``, ``"tiled:256"``; or
-    ``node_size``: ``"world:8"``; any other layout unchanged (``tile`` and ``node_size`` must then be None).
-    Raises ``ValueError`` for a tile ``tiled`` lacks or a node size below 1."""
-    if node_size is not None:
-        if tile is not None or _split(layout)[0] != "world":
-            raise ValueError(f"node_size={node_size} applies to layout 'world' alone (no tile), got layout "
-                             f"{layout!r}, tile={tile}")  # fmt: skip
-        check_int("node_size", node_size, min=1, fix=" (ranks per node, torchrun's local world size)")
-        given = _split(layout)[1]
-        if given is not None and given != node_size:
-            raise ValueError(f"layout {layout!r} already says node size {given}, but node_size={node_size} was "
-                             "given; give one")  # fmt: skip
-        return f"world:{int(node_size)}"
-    if tile is None:
+    """The layout string that carries ``tile`` (``"tiled"`` for 128, ``"tiled:64"``, ``"tiled:256"``) or
+    ``node_size`` (``"world:8"``); ``layout`` unchanged when both are None."""
+    if tile is None and node_size is None:
         return layout
-    if not is_int(tile):
-        raise TypeError(f"tile must be an int, got {type(tile).__name__} {tile!r}")
     name, given = _split(layout)
-    if name != "tiled":
-        raise ValueError(f"tile={tile} applies to layout 'tiled' only, got layout {layout!r}; drop tile= "
-                         "or use layout='tiled'")  # fmt: skip
-    if given is not None and given != tile:
-        raise ValueError(f"layout {layout!r} already says tile {given}, but tile={tile} was given; give one")
-    if int(tile) not in TILES:
-        raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={tile}")
-    return "tiled" if int(tile) == DEFAULT_TILE else f"tiled:{int(tile)}"
+    want, arg, value = ("tiled", "tile", tile) if node_size is None else ("world", "node_size", node_size)
+    if name != want or (tile is not None and node_size is not None):
+        raise ValueError(f"{arg}={value} applies to layout {want!r} only (and tile= and node_size= not together), "
+                         f"got layout {layout!r}; drop {arg}= or use layout={want!r}")  # fmt: skip
+    fix = " (the kernel's block size)" if want == "tiled" else " (ranks per node, torchrun's local world size)"
+    value = check_int(arg, value, min=1, fix=fix)
+    if given is not None and given != value:
+        raise ValueError(f"layout {layout!r} already says {arg} {given}, but {arg}={value} was given; give one")
+    if want == "tiled" and value not in TILES:
+        raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={value}")
+    return "tiled" if want == "tiled" and value == DEFAULT_TILE else f"{want}:{value}"
 
 
 def _split(layout: str) -> tuple[str, int | None]:
@@ -103,20 +71,22 @@ def _split(layout: str) -> tuple[str, int | None]:
     return layout, None
 
 
+def _parameter(layout: str, name: str, default: int) -> int | None:
+    """The number a ``name`` layout string carries (``default`` when bare); None for other layouts."""
+    got, value = _split(layout)
+    if got != name:
+        return None
+    return default if value is None else value
+
+
 def node_size_of(layout: str, cp_size: int) -> int | None:
     """Ranks per node of a ``world`` layout string (``"world"``: ``cp_size``, one node); None for others."""
-    name, size = _split(layout)
-    if name != "world":
-        return None
-    return cp_size if size is None else size
+    return _parameter(layout, "world", cp_size)
 
 
 def layout_tile(layout: str) -> int | None:
     """The tile size of a ``tiled`` layout string (``"tiled"`` -> 128); None for other layouts."""
-    name, tile = _split(layout)
-    if name != "tiled":
-        return None
-    return DEFAULT_TILE if tile is None else tile
+    return _parameter(layout, "tiled", DEFAULT_TILE)
 
 
 def check_layout(layout: str, cp_size: int) -> None:
@@ -144,11 +114,7 @@ def check_layout(layout: str, cp_size: int) -> None:
 
 
 def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, int]:
-    """``(doc_multiple, pack_multiple)`` the packer must honour for ``layout``.
-
-    Each document slot is padded to a multiple of ``doc_multiple``; the pack
-    length must be a multiple of ``pack_multiple`` (``tiled``: ``cp * tile``).
-    """
+    """``(doc_multiple, pack_multiple)``: every document slot and the pack length must be multiples of these."""
     layout = layout_spec(layout, tile)
     check_layout(layout, cp_size)
     tile = layout_tile(layout)
@@ -163,40 +129,38 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
     return 1, 1
 
 
-def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, int]:
-    """Checked int64 ``[n]`` lengths and their sum."""
+def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int, name: str = "seq_lens"
+                ) -> tuple[np.ndarray, int]:  # fmt: skip
+    """Checked int64 ``[n]`` lengths and their sum (``name``: the argument, for the errors)."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     check_int("pack_len", pack_len, min=0)
     if lens.size and lens.min() < 0:
         bad = int(np.flatnonzero(lens < 0)[0])
-        raise ValueError(f"seq_lens must be >= 0, got seq_lens[{bad}]={int(lens[bad])}")
+        raise ValueError(f"{name} must be >= 0, got {name}[{bad}]={int(lens[bad])}")
     total = int(lens.sum())
     if total > pack_len:
         raise ValueError(
-            f"seq_lens sum to {total} tokens, more than pack_len={pack_len}; "
+            f"{name} sum to {total} tokens, more than pack_len={pack_len}; "
             "raise the capacity or pack fewer documents"
         )
     return lens, total
 
 
-def _absorb_tail(lens: np.ndarray, total: int, pack_len: int) -> np.ndarray:
+def _absorb_tail(lens: np.ndarray, pack_len: int) -> np.ndarray:
     if lens.size == 0:
         return np.array([pack_len], dtype=np.int64) if pack_len else lens.copy()
     slots = lens.copy()
-    slots[-1] += pack_len - total
+    slots[-1] += pack_len - int(lens.sum())
     return slots
 
 
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
-    """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding.
-
-    With no slots, the whole pack is one (padding) slot.
-    """
-    return _absorb_tail(*_as_lengths(seq_lens, pack_len), pack_len)
+    """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding (no slots: one pad slot)."""
+    return _absorb_tail(_as_lengths(seq_lens, pack_len)[0], pack_len)
 
 
-def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.ndarray:
-    slots = _absorb_tail(lens, total, pack_len)
+def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
+    slots = _absorb_tail(lens, pack_len)
     bad = np.flatnonzero(slots % (2 * cp_size))
     if bad.size:
         i = int(bad[0])
@@ -208,56 +172,38 @@ def _thd_slots(lens: np.ndarray, total: int, pack_len: int, cp_size: int) -> np.
     return slots
 
 
-def layout_runs(
-    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
-    tile: int | None = None,
-) -> RunTable | TiledTable | WorldTable:
-    """The layout as a :class:`~cpdata.layout.runs.RunTable` (arguments as :func:`rank_indices`; ``tiled``: a
-    :class:`~cpdata.layout.tiled.TiledTable`, the same verbs).
-
-    The table gives any rank's row, the inverse map and (``thd``,
-    ``balanced``) the causal work per rank, each in one vectorized pass.
-    ``checked=True``: ``seq_lens`` is already an int64 array of non-negative
-    lengths summing to at most ``pack_len`` (a stream's checked slot tables),
-    so those checks (two reductions) are skipped; the layout, the CP size and
-    the pack multiple are still checked.
-    """
-    layout = layout_spec(layout, tile)
+def _check_pack_len(layout: str, cp_size: int, pack_len: int) -> None:
+    """``ValueError`` unless ``pack_len`` is a multiple of the layout's pack multiple (layout and CP checked)."""
     _, pack_multiple = alignment(layout, cp_size)
-    if checked:
-        lens, total = seq_lens, None
-    else:
-        lens, total = _as_lengths(seq_lens, pack_len)
     if pack_len % pack_multiple:
         raise ValueError(
             f"layout {layout!r} with cp_size={cp_size} needs pack_len to be a multiple of {pack_multiple}, "
             f"got pack_len={pack_len}; pad the pack to {pack_len + (-pack_len) % pack_multiple}"
         )
+
+
+def layout_runs(
+    layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
+    tile: int | None = None,
+) -> RunTable | TiledTable | WorldTable:
+    """The layout as a :class:`~cpdata.layout.runs.Table` (``row``, ``rows``, ``inverse``, ``causal_work``);
+    arguments as :func:`rank_indices`. ``checked=True``: ``seq_lens`` is a stream's checked int64 slot table."""
+    layout = layout_spec(layout, tile)
+    _check_pack_len(layout, cp_size, pack_len)
+    lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
-    if layout == "round_robin":
-        return head_tail_runs(np.array([pack_len], dtype=np.int64), cp_size, with_docs=False, pack_len=pack_len)
-    if layout == "thd":
-        total = int(lens.sum()) if total is None else total
-        return head_tail_runs(_thd_slots(lens, total, pack_len, cp_size), cp_size, with_docs=True, pack_len=pack_len)
-    tile = layout_tile(layout)
-    if tile is not None:
-        return tiled_block(lens, None, pack_len, cp_size, tile).tables()[0]
-    node_size = node_size_of(layout, cp_size)
-    if node_size is not None:
-        return world_block(lens, None, pack_len, cp_size, node_size).tables()[0]
-    return balanced_runs(lens, pack_len, cp_size)
+    if layout in ("round_robin", "thd"):  # chunks of the whole pack, or of every slot
+        slots = _thd_slots(lens, pack_len, cp_size) if layout == "thd" else np.array([pack_len], dtype=np.int64)
+        return head_tail_block(slots, None, cp_size, pack_len, with_docs=layout == "thd").tables()[0]
+    return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
 
 def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
                      ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
-    """:func:`layout_runs` (``checked=True``) of ``P`` packs of ``pack_len`` tokens at once, for a layout
-    that depends on the documents (``thd``, ``balanced``; the others' tables are the same for every pack).
-
-    ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays. One block builder call over their
-    concatenation (:func:`concat_run_block`): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
-    ``layout_runs`` gives it alone. Raises the error ``layout_runs`` raises for the first bad pack.
-    """
+    """:func:`layout_runs` (``checked=True``) of ``P`` packs at once, for a layout that depends on the documents
+    (``thd``, ``balanced``, ``tiled``, ``world``): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
+    ``layout_runs`` gives it alone. ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays."""
     if len(seq_lens) == 1:
         return concat_run_block(layout, cp_size, seq_lens[0], None, pack_len)
     counts = np.array([lens.shape[0] for lens in seq_lens], dtype=np.int64)
@@ -268,9 +214,7 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
                      ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
     """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
     ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
-    _, pack_multiple = alignment(layout, cp_size)
-    if pack_len % pack_multiple:
-        layout_runs(layout, cp_size, _per_pack(lens, counts)[0], pack_len, checked=True)  # its error
+    _check_pack_len(layout, cp_size, pack_len)
     if layout == "balanced":
         return balanced_block(lens, counts, pack_len, cp_size)
     tile = layout_tile(layout)
@@ -280,12 +224,11 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     if node_size is not None:
         return world_block(lens, counts, pack_len, cp_size, node_size)
     if layout != "thd":
-        raise ValueError(f"layout_run_block takes 'thd', 'balanced', 'tiled' or 'world' (the layouts that depend on the "
-                         f"documents), "
-                         f"got {layout!r}; use layout_runs")  # fmt: skip
+        raise ValueError(f"layout_run_block takes 'thd', 'balanced', 'tiled' or 'world' (the layouts that depend on "
+                         f"the documents), got {layout!r}; use layout_runs")  # fmt: skip
     sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
     if sizes.min() == 0:  # an empty pack is one padding slot
-        slots = [_absorb_tail(pack, int(pack.sum()), pack_len) for pack in _per_pack(lens, counts)]
+        slots = [_absorb_tail(pack, pack_len) for pack in _per_pack(lens, counts)]
         return layout_run_block(layout, cp_size, slots, pack_len)
     flat = lens.copy()
     ends = np.cumsum(sizes)
@@ -293,48 +236,22 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     flat[ends - 1] += pack_len - totals  # every pack's last slot absorbs its tail
     if (flat % (2 * cp_size)).any():
         for pack in _per_pack(lens, counts):  # the first bad pack's error
-            _thd_slots(pack, int(pack.sum()), pack_len, cp_size)
+            _thd_slots(pack, pack_len, cp_size)
     return head_tail_block(flat, counts, cp_size, pack_len)
-
-
-def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
-    """``lens`` int64 ``[N]`` split into the packs' ``counts`` int64 ``[P]`` slots (None: one pack)."""
-    return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
 
 def rank_indices(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, tile: int | None = None
 ) -> np.ndarray:
-    """Global positions owned by every CP rank, in each rank's local order.
-
-    Args:
-        layout: one of :data:`LAYOUTS`.
-        cp_size: number of CP ranks (>= 1).
-        seq_lens: document slot lengths laid out in the pack, in order
-            (``sum <= pack_len``; the rest is tail padding).
-        pack_len: tokens in the pack, a multiple of ``alignment(layout, cp)[1]``.
-        tile: ``tiled`` only: the kernel's tile (64, 128 or 256; None: the layout string's, 128 for
-            ``"tiled"``).
-
-    Returns:
-        int64 ``[cp_size, pack_len // cp_size]``; the rows form a permutation of
-        ``range(pack_len)``.
-
-    Example (``thd``, cp=2, slots [8, 4, 8]): rank 0 -> ``[0,1,6,7, 8,11, 12,13,18,19]``.
-    """
+    """int64 ``[cp_size, pack_len // cp_size]``: the global positions every CP rank owns, in its local order
+    (``pack_len`` a multiple of ``alignment(layout, cp)[1]``; ``thd``, cp 2, slots [8, 4, 8]: rank 0 owns
+    ``[0,1,6,7, 8,11, 12,13,18,19]``)."""
     return layout_runs(layout, cp_size, seq_lens, pack_len, tile=tile).rows()
 
 
 def inverse_indices(rows: np.ndarray) -> np.ndarray:
-    """Inverse of a layout: ``concat(shards)[inverse] == global``.
-
-    Args:
-        rows: int64 ``[cp_size, local_len]`` from :func:`rank_indices`.
-
-    Returns:
-        int64 ``[cp_size * local_len]`` with ``inverse[g]`` = position of global
-        token ``g`` in the rank-major concatenation. O(n) scatter, no sort.
-    """
+    """int64 ``[cp * L]``: ``inverse[g]`` = position of global token ``g`` in the rank-major concatenation of
+    ``rows`` (int64 ``[cp, L]``, :func:`rank_indices`), so ``concat(shards)[inverse] == global``."""
     flat = np.asarray(rows, dtype=np.int64).reshape(-1)
     inverse = np.empty_like(flat)
     inverse[flat] = np.arange(flat.size, dtype=np.int64)
@@ -342,17 +259,7 @@ def inverse_indices(rows: np.ndarray) -> np.ndarray:
 
 
 def causal_work(rows: np.ndarray, doc_positions: np.ndarray) -> np.ndarray:
-    """Causal document-masked attention work per rank.
-
-    A real token at position p of its document attends to p+1 keys; pads cost 0.
-
-    Args:
-        rows: ``[cp_size, local_len]`` from :func:`rank_indices`.
-        doc_positions: int ``[pack_len]``, each token's position inside its
-            document, -1 for padding.
-
-    Returns:
-        float64 ``[cp_size]`` work per rank.
-    """
+    """float64 ``[cp]``: causal document-masked attention work per rank of ``rows`` (``[cp, L]``); a token at
+    position ``p`` of its document (``doc_positions`` int ``[pack_len]``, -1: padding) attends to ``p + 1`` keys."""
     cost = np.where(doc_positions >= 0, doc_positions + 1, 0).astype(np.float64)
     return cost[np.asarray(rows)].sum(axis=1)

@@ -1,31 +1,10 @@
 """Run tables: a layout as runs of consecutive global positions, in global order.
 
-Every layout gives each document (row ``d`` of the table) ``G`` runs that
-tile it in global order (``thd``: its ``2cp`` chunks; ``balanced``: ``cp``
-heads, ``2cp`` one-token middle runs of which the first ``m`` are real, ``cp``
-tails), each with its rank and its *inverse shift* (its position in the
-rank-major concatenation of all shards minus its global start). Each rank's
-runs are in increasing global order, so a rank's row is its runs in table
-order. ``balanced`` deals its padding one token at a time after the runs (a
-strided tail, not one run per pad token). Everything the worker needs follows
-without sorting, searching or scattering:
-
-- the inverse map: ``repeat(inv_shifts, sizes) + arange`` (:meth:`RunTable.inverse`, O(pack tokens));
-- a rank's row: its ``D * w`` runs picked by index, then the same (:meth:`RunTable.row`, O(local tokens));
-- the causal work per rank in closed form per run (:meth:`RunTable.causal_work`, O(runs)).
-
-The tables of a block of packs (:class:`RunBlock`) are built with one set of
-numpy calls and each pack's :class:`RunTable` is a view of its rows (no
-arrays sliced per pack); a rank's runs are picked for every pack of the block
-at once, so serving a pack's row or inverse map is one ``repeat`` and one
-add (plus the dealt tail of ``balanced``).
-
-Cost: the builders are ~15 numpy calls whatever the pack size, most on
-``[D]`` vectors: the parts of the ``[D, G]`` tables that are not linear in a
-document's length come from a table cached per ``(cp, local length)`` and
-indexed by one key per document, so a builder does one ``take``, one outer
-product and two adds on the ``[D, G]`` tables. The builders take validated
-lengths; :func:`cpdata.layout.maps.layout_runs` validates.
+Every layout gives each document (table row ``d``) ``G`` runs that tile it in global order (``thd``: its ``2cp``
+chunks; ``balanced``: ``cp`` heads, ``2cp`` one-token middles of which the first ``m`` are real, ``cp`` tails),
+each with its rank and *inverse shift* (its rank-major position minus its global start). A rank's runs are in
+increasing global order, so its row, the inverse map and the causal work per rank follow without sorting or
+scattering. ``balanced`` deals its padding one token at a time after the runs (a strided tail).
 """
 
 from __future__ import annotations
@@ -35,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
+__all__ = ["RunBlock", "RunTable", "Table", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -62,18 +41,18 @@ def _dealt(cp_size: int, local_len: int) -> np.ndarray:
 
 
 def _per_run(x: np.ndarray, g: int) -> np.ndarray:
-    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each table row's ``g`` runs, contiguous. The block
-    builders use it for every per-document operand: a ``x[:, None]`` operand costs numpy one inner loop
-    per row, a flat one a single loop."""
+    """int64 ``[N, g]``: ``x`` ``[N]`` repeated across each row's ``g`` runs, contiguous (a broadcast
+    ``x[:, None]`` operand costs numpy one inner loop per row, a contiguous one a single loop)."""
     return x.repeat(g).reshape(-1, g)
 
 
-def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Concatenate ``arange(s, s + n)`` for every ``(s, n)`` pair: int64 ``[sum(sizes)]``, O(pairs + total).
+def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
+    """``lens`` int64 ``[N]`` split into the packs' ``counts`` int64 ``[P]`` slots (None: one pack)."""
+    return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
-    One ``repeat`` of the run offsets, one add of a cached ``arange`` (written
-    into ``out`` when given).
-    """
+
+def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``)."""
     offsets = sizes.cumsum()
     total = int(offsets[-1]) if offsets.size else 0
     if total == 0:
@@ -82,36 +61,45 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
 
 
 def stacked_rows(table: Any) -> np.ndarray:
-    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (a run table or any table
-    with ``cp_size``, ``pack_len`` and ``row(rank, out)``, e.g. ``tiled``'s)."""
+    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (any table with
+    ``cp_size``, ``pack_len`` and ``row(rank, out)``)."""
     out = np.empty((table.cp_size, table.pack_len // table.cp_size), dtype=np.int64)
     for r in range(table.cp_size):
         table.row(r, out[r])
     return out
 
 
+class Table:
+    """What every one-pack layout table derives from its ``lens`` (int64 ``[D]`` slot lengths, None without
+    documents) and ``row(rank, out)``."""
+
+    __slots__ = ()
+    lens: np.ndarray | None
+
+    @property
+    def doc(self) -> np.ndarray | None:
+        """int64 ``[D]``: the document of each table row (``arange(D)``); None without documents."""
+        lens = self.lens
+        return None if lens is None else _arange(lens.shape[0])
+
+    @property
+    def doc_starts(self) -> np.ndarray | None:
+        """int64 ``[D]``: global offset of each document; None without documents."""
+        lens = self.lens
+        return None if lens is None else lens.cumsum() - lens
+
+    def rows(self) -> np.ndarray:
+        """int64 ``[cp, local_len]``: every rank's row."""
+        return stacked_rows(self)
+
+
 class RunBlock:
     """The runs of ``P`` packs of ``pack_len`` tokens, their ``N`` documents pack after pack (read-only arrays).
 
-    Built once per block of packs (:mod:`cpdata.layout.blocks`); each pack's :class:`RunTable` is a
-    view of its rows. What a rank's row needs from the ``[N, G]`` tables is picked for every pack at
-    once, the first time a table is asked for that rank's row (:meth:`rank_runs`).
-
-    Attributes:
-        pack_len: tokens in each pack (a multiple of ``cp``).
-        cp_size: CP ranks.
-        counts: int64 ``[P]`` documents per pack, or None (one pack).
-        sizes: int64 ``[N, G]``: tokens per run (0 allowed); a pack's rows tile its documents, the
-            documents tile ``[0, pack_len - tail)``.
-        inv_shifts: int64 ``[N, G]``: a run's position in its pack's rank-major concatenation minus its
-            global start.
-        ranks: int64 ``[N, G]`` or ``[G]`` (the same for every row): the rank owning each run.
-        picks: int64 ``[cp, K, w]``: columns of rank ``r``'s ``w`` runs per row, ``K`` variants.
-        pick_key: int64 ``[N]``: the variant of each row (None: variant 0 for every row).
-        ends: int64 ``[N, G]``: each run's end inside its document (a row's runs tile it in column
-            order, empty runs included); None for layouts that ignore documents.
-        lens: int64 ``[N]``: the documents' slot lengths (None with ``ends``).
-        tails, dealts: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0 for every pack).
+    ``counts`` int64 ``[P]`` documents per pack (None: one pack); int64 ``[N, G]`` ``sizes`` (tokens per run, 0
+    allowed), ``inv_shifts``, ``ranks`` (or ``[G]``, the same for every row) and ``ends`` (in the document; None
+    for layouts that ignore documents, with ``lens``); ``picks`` int64 ``[cp, K, w]``: the columns of rank ``r``'s
+    ``w`` runs per row in variant ``pick_key[d]`` (None: 0); ``tails``, ``dealts``: each pack's (None: 0).
     """
 
     __slots__ = ("pack_len", "cp_size", "counts", "sizes", "inv_shifts", "ranks", "picks", "pick_key", "ends",
@@ -121,7 +109,6 @@ class RunBlock:
                  inv_shifts: np.ndarray, ranks: np.ndarray, picks: np.ndarray, pick_key: np.ndarray | None = None,
                  ends: np.ndarray | None = None, lens: np.ndarray | None = None, tails: list[int] | None = None,
                  dealts: list[int] | None = None) -> None:  # fmt: skip
-        """``tails``, ``dealts``: each pack's :class:`RunTable` ``tail`` and ``dealt`` (None: 0)."""
         self.pack_len, self.cp_size, self.counts, self.sizes = pack_len, cp_size, counts, sizes
         self.inv_shifts, self.ranks, self.picks, self.pick_key = inv_shifts, ranks, picks, pick_key
         self.ends, self.lens, self.tails, self.dealts = ends, lens, tails, dealts
@@ -130,14 +117,10 @@ class RunBlock:
 
     def tables(self) -> list[RunTable]:
         """The ``P`` packs' tables (new views on every call; the block holds none, so no reference cycle)."""
-        if self.counts is None:
-            bounds = [(0, self.sizes.shape[0])]
-        else:
-            stops = self.counts.cumsum().tolist()
-            bounds = list(zip([0, *stops[:-1]], stops, strict=True))
-        tails = self.tails or [0] * len(bounds)
-        dealts = self.dealts or [0] * len(bounds)
-        return [RunTable(self, lo, hi, tail, dealt) for (lo, hi), tail, dealt in zip(bounds, tails, dealts, strict=True)]
+        stops = [self.sizes.shape[0]] if self.counts is None else self.counts.cumsum().tolist()
+        zeros = [0] * len(stops)
+        return [RunTable(self, lo, hi, tail, dealt) for lo, hi, tail, dealt
+                in zip([0, *stops[:-1]], stops, self.tails or zeros, self.dealts or zeros, strict=True)]  # fmt: skip
 
     def rank_runs(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Inverse shifts and sizes (int64 ``[N * w]``) of ``rank``'s runs, row after row, in row order
@@ -159,25 +142,18 @@ class RunBlock:
         return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack; ``real`` int64 ``[N]``: real
-        tokens of each document (pack after pack)."""
+        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack (``real`` int64 ``[N]``)."""
         assert self.ends is not None, "layout runs without documents"
         if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
             return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
         return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
 
 
-class RunTable:
-    """One layout of one pack as runs in global order: rows ``[lo, hi)`` of a :class:`RunBlock` (see the
-    module docstring).
+class RunTable(Table):
+    """One pack's layout: rows ``[lo, hi)`` of a :class:`RunBlock`.
 
-    Attributes:
-        block: the block of packs it belongs to.
-        lo, hi: its documents' rows in the block's tables.
-        pack_len, cp_size: the block's.
-        tail: padding tokens after the runs dealt round-robin one at a time (``balanced``; 0 elsewhere):
-            each rank's row ends with its share, every ``cp``-th of them.
-        dealt: round-robin index of the first tail token (rank ``dealt % cp`` takes it).
+    ``tail``: padding tokens after the runs, dealt round-robin one at a time (``balanced``; 0 elsewhere), the
+    first to rank ``dealt % cp``; each rank's row ends with its share.
     """
 
     __slots__ = ("block", "lo", "hi", "pack_len", "cp_size", "tail", "dealt")
@@ -191,17 +167,6 @@ class RunTable:
         """int64 ``[D]``: the documents' slot lengths; None without documents."""
         lens = self.block.lens
         return None if lens is None else lens[self.lo : self.hi]
-
-    @property
-    def doc(self) -> np.ndarray | None:
-        """int64 ``[D]``: the document of each table row (row ``d`` is document ``d``); None without documents."""
-        return None if self.block.ends is None else _arange(self.hi - self.lo)
-
-    @property
-    def doc_starts(self) -> np.ndarray | None:
-        """int64 ``[D]``: global offset of each document; None without documents."""
-        lens = self.lens
-        return None if lens is None else lens.cumsum() - lens
 
     def row(self, rank: int, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[local_len]``: global positions of ``rank``'s tokens in local order (into ``out``)."""
@@ -222,19 +187,10 @@ class RunTable:
             np.add(_arange(local, cp)[:mine], first, out=out[n:])
         return out
 
-    def rows(self) -> np.ndarray:
-        """int64 ``[cp, local_len]``: every rank's row."""
-        return stacked_rows(self)
-
     def inverse(self, out: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[pack_len]``: ``inverse[g]`` = position of global token ``g`` in the rank-major
-        concatenation (into ``out``).
-
-        The runs in table order tile the pack up to its dealt tail: ``repeat`` their
-        inverse shifts plus ``arange``. Tail token ``dealt + k`` of rank
-        ``(dealt + k) % cp`` follows that rank's ``(pack_len - tail - dealt) / cp``
-        run tokens and its ``(dealt + k) // cp`` earlier dealt tokens.
-        """
+        concatenation (into ``out``). Tail token ``dealt + k`` follows its rank's
+        ``(pack_len - tail - dealt) / cp`` run tokens and ``(dealt + k) // cp`` earlier dealt ones."""
         cp, p = self.cp_size, self.pack_len
         out = np.empty(p, dtype=np.int64) if out is None else out
         n = p - self.tail
@@ -248,8 +204,7 @@ class RunTable:
         return out
 
     def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
-        """float64 ``[cp]``: causal document-masked attention work of each rank (:func:`causal_work_of` of
-        this one pack; ``real_lens`` int64 ``[>= D]``, the first ``D`` used). Needs documents."""
+        """float64 ``[cp]``: :func:`causal_work_of` this pack (``real_lens`` int64 ``[>= D]``; needs documents)."""
         ends = self.block.ends
         assert ends is not None, "layout runs without documents"
         d = self.hi - self.lo
@@ -262,18 +217,10 @@ class RunTable:
 
 def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
                    cp_size: int) -> np.ndarray:  # fmt: skip
-    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs.
-
-    ``ends`` int64 ``[N, G]`` and ``ranks`` (``[N, G]``, or ``[G]`` the same for every
-    row): the run ends and owners of the packs' ``N`` documents, pack after pack; ``real`` int64 ``[N]``: real
-    tokens of each document; ``counts`` int64 ``[P]``: documents per pack (None: one pack; with
-    ``[G]`` ranks each pack needs >= 1 document). A real token at offset ``o`` of its document
-    attends to ``o + 1`` keys; padding costs 0. The real tokens before offset ``e`` cost
-    ``W(e) = e(e + 1) / 2``; a row's runs tile its document in column order, so a run costs ``W(end)``
-    minus the ``W(end)`` of the run before it, ends clipped to the real length (for ranks that are the
-    same in every row, after summing each pack's rows). The doubled costs are integers, summed per
-    pack and rank exactly (below 2**53): one ``bincount`` over ``pack * cp + rank``.
-    """
+    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs (``ends``, ``ranks``,
+    ``counts``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``). A real token at offset ``o`` attends to ``o + 1``
+    keys, so a run costs ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length):
+    integers, doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
     n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
     ends = np.minimum(ends, _per_run(real, g))
     twice = ends + 1
@@ -297,7 +244,8 @@ def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts
 
 
 @functools.lru_cache(maxsize=16)
-def _contiguous(cp_size: int, pack_len: int) -> RunTable:
+def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
+    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
     local = pack_len // cp_size
     ranks = _arange(cp_size)
     sizes = np.full((1, cp_size), local, dtype=np.int64)
@@ -305,8 +253,3 @@ def _contiguous(cp_size: int, pack_len: int) -> RunTable:
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)
     return RunBlock(pack_len, cp_size, None, sizes, inv, ranks, picks).tables()[0]
-
-
-def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
-    """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
-    return _contiguous(cp_size, pack_len)

@@ -1,9 +1,5 @@
-"""``ShardLayout``: what a shard did, so token verbs can undo it (torch only).
-
-Built on the worker (or by the on-device sharder for raw batches) and carried
-beside the batch tensors, never inside the batch dict. The gather needs exactly
-one collective because the inverse map arrives precomputed.
-"""
+"""``ShardLayout``: what a shard did, so token verbs can undo it (torch only); carried beside the batch tensors,
+never inside the batch dict. The inverse map arrives precomputed, so the gather is one collective."""
 
 from __future__ import annotations
 
@@ -23,24 +19,14 @@ class ShardLayout:
     """The layout a shard applied, in the coordinates the token verbs need.
 
     Attributes:
-        local_token_global_indices: int64 ``[local_len]``, the global position
-            of each of this rank's tokens, in local order.
-        original_seq_len: pre-pad sequence length in the caller's coordinates;
-            None for packed streams (no single original length).
-        padded_seq_len: global length after padding (``cp_size * local_len``);
-            token verbs validate tensor lengths against it.
-        input_row_shape: for flat (THD) streams, the ``[B, S]`` shape of the rows
-            before flattening.
-        input_token_stream_positions: for layouts that reposition tokens, the
-            per-row map from input position to padded column (-1 = dropped).
-        gather_index: int64 ``[padded_seq_len]``, the inverse map:
-            ``global = concat(all ranks' shards)[gather_index]``.
-        cp_size: CP ranks the layout was built for.
-        cp_rank: the rank this layout's local indices belong to.
+        local_token_global_indices: int64 ``[local_len]``: the global position of each local token.
+        original_seq_len: pre-pad sequence length in the caller's coordinates; None for packed streams.
+        padded_seq_len: ``cp_size * local_len``, what the token verbs check tensor lengths against.
+        input_row_shape: for flat (THD) streams, the ``[B, S]`` shape of the rows before flattening.
+        input_token_stream_positions: per row, input position -> padded column (-1 = dropped).
+        gather_index: int64 ``[padded_seq_len]``: ``global = concat(all ranks' shards)[gather_index]``.
         digest: 63-bit digest of the plan, equal on every CP rank of a group.
-        kv_exchange: this rank's K/V exchange plan (:class:`~cpdata.layout.exchange.RankExchange`:
-            host int runs, no tensors) when the batch was built with ``kv_exchange=True``; document-causal
-            attention then moves only the keys it needs (:mod:`cpdata.device.kv_exchange`) instead of an all-gather.
+        kv_exchange: this rank's :class:`~cpdata.layout.exchange.RankExchange` (``kv_exchange=True``).
     """
 
     local_token_global_indices: torch.Tensor | None = None

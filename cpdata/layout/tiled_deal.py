@@ -1,39 +1,14 @@
 """The ``tiled`` deal: which CP rank owns each ``tile``-token block of a pack, from the slot lengths alone.
 
-Block ``b`` costs ``b - first_block(document of b's first token) + 1`` live key tiles
-(:func:`cpdata.layout.tiles.block_tiles`) whoever owns the others, and every rank gets ``m = n / cp`` blocks,
-so the deal splits the pack's tiles into ``cp`` equal sums of ``m`` blocks. It also keeps small the K/V the
-busiest-receiving rank needs: a rank holding a run of a document's blocks needs the document's keys before the
-run, so a document's first blocks cost nothing to receive and each later one costs its position. Steps:
+Block ``b`` costs ``b - first_block(its document) + 1`` live tiles whoever owns the others, so the deal splits the
+pack's tiles into ``cp`` equal sums of ``m = n / cp`` blocks, keeping small the most K/V a rank receives (a
+document's keys up to its last block there); in prose: docs/layouts-and-kernels.md.
 
-1. *Groups* (:func:`block_groups`): each document's blocks, ``(first, size, c0)``: they cost ``c0, c0 + 1,
-   ...``. With more than one group, a group longer than ``m`` is cut where its blocks first cost
-   :data:`HEAD_FRACTION` of the pack's mean block, into a cheap head and a dense tail.
-2. *Sequence*: the groups (cut ones: their tails) by cost per block, densest first (ties in global order),
-   then the heads in the reverse order of their tails; every piece *tail first*. The dense end thus starts
-   with the last blocks of the densest documents and, read backwards, the sparse end with the first blocks of
-   the same documents: a rank that takes a long document's tail takes its head too and needs only the keys
-   between them (one document alone is already one such piece).
-3. *Cuts* (:func:`deal_blocks`): rank ``r`` takes the ``x`` blocks from the dense end and ``m - x`` from the
-   sparse end that bring its cost closest to an equal share of what is left (one vectorized pass over
-   ``0..m``); the last rank takes the middle. A document is split only at those ``2 cp - 2`` cuts and where
-   it was cut in two. Where the closest ``x`` misses the share by more than :data:`CUT_TOLERANCE` (a dense
-   block is a few % of a share), the rank takes one of its ``m`` blocks from deeper in the piece its dense run
-   ends in instead, the one whose cost fills the gap (its keys were needed anyway): ``q = lo + y +
-   round(gap)``, since a piece's costs fall by one a position.
-4. *Swaps* (:func:`swap_blocks`): while the busiest rank is more than :data:`SWAP_TOLERANCE` over the ideal
-   (and over the integer bound ``max(ceil(tiles / cp), costliest block)``), swap one of its blocks with one of
-   another rank's: of the pairs that bring both within the tolerance (else that lower the larger of the two
-   most), the one after which the rank receiving most K/V receives least, from each rank's reach into each
-   document (it needs the document's keys up to its last block of it).
-5. *Re-splits* (:func:`resplit_pairs`, ``m <= RESPLIT_BLOCKS``: a block is ~5 % of a share, where single
-   swaps stall): the pair of ranks whose ``2m`` blocks, re-split the best of all ``C(2m, m)`` ways, lowers the
-   sum of squared costs most, while a pair does and the busiest does not rise (K/V are not weighed here).
-
-Cost at 32K cp 4, tile 128 (``n = 256``): ~10 numpy calls on the ``[D]`` slot arrays, ~15 on ``[n]`` (~20 more
-where a long document is cut), ~6 a cut (~10 more for a fine cut, ~1 a pack); none of steps 4-5 on most packs
-(0-1 of the bench's 10 at 32K cp 4 and 128K cp 8, most long_context ones at 32K cp 8), where a swap is ~40
-calls on ``[m, n - m]`` arrays. Measured: ``cpdata.layout.tiled``'s docstring.
+1. :func:`block_groups`: each document's blocks; one longer than ``m`` is cut at :data:`HEAD_FRACTION`.
+2. The groups' dense tails densest first, then the heads mirrored, every piece tail first.
+3. :func:`deal_blocks`: each rank takes the blocks from both ends closest to an equal share (:func:`_adjust`).
+4. :func:`swap_blocks` while the busiest rank is over :data:`SWAP_TOLERANCE`, weighing the K/V received.
+5. :func:`resplit_pairs` (``m <= RESPLIT_BLOCKS``): the best re-split of a pair of ranks' blocks.
 """
 
 from __future__ import annotations
@@ -44,13 +19,14 @@ import math
 
 import numpy as np
 
+from cpdata.layout.runs import _arange
+
 __all__ = ["CUT_TOLERANCE", "HEAD_FRACTION", "MAX_PAIRS", "MAX_SWAPS", "RESPLIT_BLOCKS", "SWAP_TOLERANCE", "block_groups",
            "deal_blocks", "resplit_pairs", "swap_blocks"]  # fmt: skip
 
 HEAD_FRACTION = 0.7
-"""Where a long group is cut: at its first block costing this fraction of the pack's mean block (long_context at
-32K, cp 4 and 8, tile 128 and 256: the busiest rank receives 0.40-0.47 of an all-gather's K/V, against
-0.43-0.52 with no cut; 0.5 and 1.0 of the mean land within 0.02 of 0.7)."""
+"""Where a long group is cut: at its first block costing this fraction of the pack's mean block (0.5 and 1.0
+land within 0.02 of it on the K/V received; no cut: 0.03-0.05 more)."""
 
 CUT_TOLERANCE = 0.0025
 """A cut that misses its share by more than this fraction of it tries the fine cut (step 3)."""
@@ -61,24 +37,16 @@ SWAP_TOLERANCE = 0.005
 MAX_SWAPS = 32
 
 MAX_PAIRS = 4096
-"""Swaps weigh every pair of the busiest rank's blocks and the others' up to this many pairs (32K cp 8, tile 128:
-32 x 224), else the first and last blocks of runs, then those with the idlest rank: the same tiles and K/V on
-the bench's rows, a swap ~0.2 ms rather than ~5 ms at 128K cp 8, tile 128 (128 x 896 pairs)."""
+"""Swaps weigh every pair of the busiest rank's blocks and the others' up to this many pairs, else the first and
+last blocks of runs, then those with the idlest rank (the same tiles and K/V on the bench's rows)."""
 
 RESPLIT_BLOCKS = 4
 """Pairwise re-splits run where a rank holds at most this many blocks (``C(8, 4) = 70`` splits a pair)."""
 
 
 def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(first, size, c0)`` int64 ``[G]``: every slot's blocks (those whose first token lies in it), in global
-    order: ``first .. first + size - 1``, costing ``c0, c0 + 1, ...`` live tiles (``size`` 0 for a slot that
-    starts no block); then every block whose first token is tail padding, a group of its own costing 1 (its
-    pads see their own keys: :func:`cpdata.layout.tiles.block_tiles`).
-
-    ``slot_lens`` int64 ``[D]`` summing to at most ``pack_len`` (the rest is the tail padding). A slot
-    ``[s, e)`` starts blocks ``ceil(s / tile) .. ceil(e / tile) - 1`` and its first one costs
-    ``ceil(s / tile) - s // tile + 1``; the groups tile ``[0, pack_len / tile)``.
-    """
+    """``(first, size, c0)`` int64 ``[G]``: the blocks ``first .. first + size - 1`` whose first token lies in each
+    slot, costing ``c0, c0 + 1, ...`` live tiles; then each block starting in the tail padding, costing 1."""
     d = slot_lens.shape[0]
     bounds = np.zeros(d + 1, dtype=np.int64)
     slot_lens.cumsum(out=bounds[1:])  # (methods, not np.cumsum & co: no Python-level dispatch)
@@ -89,13 +57,6 @@ def block_groups(slot_lens: np.ndarray, pack_len: int, tile: int) -> tuple[np.nd
         return first, size, c0
     ones = np.ones(pad.shape[0], dtype=np.int64)
     return np.concatenate([first, pad]), np.concatenate([size, ones]), np.concatenate([c0, ones])
-
-
-@functools.lru_cache(maxsize=16)
-def _arange(n: int) -> np.ndarray:
-    out = np.arange(n, dtype=np.int64)
-    out.flags.writeable = False
-    return out
 
 
 def _sequence(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, m: int
@@ -157,16 +118,14 @@ def deal_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, n: int, cp:
     loads.append(left)
     counts = np.array([*took, m, *(m - x for x in reversed(took))], dtype=np.int64)
     owner = np.empty(n, dtype=np.int64)
-    owner[seq] = _SNAKE[cp].repeat(counts)
+    owner[seq] = _snake(cp).repeat(counts)
     return owner, loads
 
 
 def _adjust(x: int, gap: np.ndarray, miss: np.ndarray, cost: np.ndarray, seq: np.ndarray, cs: np.ndarray,
             piece_end: np.ndarray, lo: int, hi: int, m: int) -> int:  # fmt: skip
-    """Step 3's fine cut: ``y`` dense blocks, ``m - y - 1`` sparse ones and one block ``q`` from deeper in the
-    piece the dense run ends in, costing what the other ``m - 1`` miss (a piece's costs fall by one a position,
-    so ``q = lo + y + round(gap[y + 1])``). The block moves to position ``lo + y`` (``seq``, ``cost`` and ``cs``
-    follow) and ``y + 1`` is returned; ``x`` when no such block misses less than ``x`` does."""
+    """Step 3's fine cut: ``y`` dense blocks, ``m - y - 1`` sparse ones and block ``q = lo + y + round(gap[y +
+    1])`` of the dense run's piece, moved to position ``lo + y``; returns ``y + 1``, or ``x`` if no better."""
     at = _arange(cs.shape[0])
     e = at[lo + 1 : lo + m]  # y = 1 .. m - 1: the first position after the dense run
     shift = np.rint(gap[2:]).astype(np.int64)
@@ -185,16 +144,11 @@ def _adjust(x: int, gap: np.ndarray, miss: np.ndarray, cost: np.ndarray, seq: np
     return j + 2
 
 
-class _Snake(dict):
-    """``cp`` -> int64 ``[2cp - 1]``: ``0 .. cp-1 .. 0``, the owner of each of the deal's segments (cached)."""
-
-    def __missing__(self, cp: int) -> np.ndarray:
-        ranks = np.arange(cp, dtype=np.int64)
-        self[cp] = out = np.concatenate([ranks, ranks[-2::-1]])
-        return out
-
-
-_SNAKE = _Snake()
+@functools.lru_cache(maxsize=16)
+def _snake(cp: int) -> np.ndarray:
+    """int64 ``[2cp - 1]``: ``0 .. cp-1 .. 0``, the owner of each of the deal's segments (cached)."""
+    ranks = np.arange(cp, dtype=np.int64)
+    return np.concatenate([ranks, ranks[-2::-1]])
 
 
 def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.ndarray, cp: int,
@@ -208,7 +162,7 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         return
     limit = max(limit, -(-total // cp), int((c0 + size - 1).max()))  # no deal of whole blocks goes below these
     load = np.array(loads, dtype=np.int64)
-    gid = _arange(groups).repeat(size)
+    gid = np.arange(groups, dtype=np.int64).repeat(size)
     pos = _arange(n) - first[gid]
     reach_of = pos + 1  # a rank holding the block needs its document's keys up to it
     cost = c0[gid] + pos

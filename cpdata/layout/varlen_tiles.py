@@ -1,26 +1,8 @@
 """What a varlen (flash) kernel pays per CP rank: each query run of one document tiled by itself.
 
-Flash / varlen kernels (``torch.nn.attention.varlen.varlen_attn``, flash-attn's
-``flash_attn_varlen_func``) take segments: ``cu_seq_q`` / ``cu_seq_k`` cut the
-queries and the keys into per-segment pieces, and each segment is tiled alone,
-its causal mask aligned bottom-right (query ``i`` of ``sq`` sees key ``j`` of
-``sk`` when ``j <= i + sk - sq``). A rank's segments are the runs of its local
-order whose global positions are consecutive and lie in one document slot
-(:func:`query_runs`); a run's keys are its document's prefix up to the run's
-last query. So a 200-token document costs its own ``2 x 2`` grid's 3 live
-tiles wherever it sits, where a stream-grid kernel (flex over the packed
-stream, :func:`cpdata.layout.tiles.live_tiles`) pays the key blocks it
-straddles; a document split over ranks pays a (partial) causal triangle per
-run, plus the rectangle of its earlier keys.
-
-- :func:`query_runs`: the segments of one rank's local order.
-- :func:`segment_tiles`: live ``tile x tile`` tiles of each segment (bottom-right causal, optional window).
-- :func:`varlen_live_tiles`: per rank, the sum over its segments (the layout's rows, the pack's slots; the tail
-  padding joins the last slot, as :func:`cpdata.layout.tiles.segment_starts` rules).
-
-Square tiles are a model: FA2 / FA3 use ``128 x 64`` to ``128 x 128`` blocks
-depending on head dim and GPU; the counts scale with the tile, not their order.
-Cost: O(S / tile) per rank after one O(S) pass, numpy only.
+Varlen kernels tile each ``cu_seq_q`` / ``cu_seq_k`` segment alone, causal bottom-right; a rank's segments are
+the runs of its local order with consecutive positions in one slot (:func:`query_runs`), each over its
+document's prefix. Square tiles are a model (FA2 / FA3 use ``128 x 64`` to ``128 x 128``).
 """
 
 from __future__ import annotations
@@ -36,11 +18,7 @@ __all__ = ["query_runs", "segment_tiles", "varlen_live_tiles"]
 
 def query_runs(pos: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(first [N], length [N])`` int64: the maximal runs of one rank's local order with consecutive global
-    positions and one document start.
-
-    ``pos`` int64 ``[L]``: each local token's global position; ``start`` int64 ``[L]``: the global start of its
-    document slot (the first key it may attend). The runs partition ``0..L-1`` in order.
-    """
+    positions ``pos`` (int64 ``[L]``) and one document start ``start`` (int64 ``[L]``, each token's slot start)."""
     pos, start = np.asarray(pos, dtype=np.int64).reshape(-1), np.asarray(start, dtype=np.int64).reshape(-1)
     if pos.shape != start.shape:
         raise ValueError(f"pos {pos.shape} and start {start.shape} must hold one value per local token")
@@ -52,13 +30,8 @@ def query_runs(pos: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int | None = None) -> np.ndarray:
-    """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len`` keys.
-
-    Query ``i`` sees keys ``j`` with ``i + d - (window - 1) <= j <= i + d``, ``d = k_len - q_len`` (bottom-right
-    causal; ``window`` None: no lower bound). Query block ``b`` (rows ``b*tile .. min((b+1)*tile, q_len) - 1``)
-    pays key blocks ``lo // tile .. hi // tile`` of its first row's lowest key ``lo`` and last row's highest
-    ``hi``: every block between holds a live pair. ``k_len >= q_len >= 1`` per segment.
-    """
+    """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len >= q_len`` keys:
+    query ``i`` sees keys ``i + d - (window - 1) .. i + d``, ``d = k_len - q_len`` (``window`` None: from 0)."""
     q_len, k_len = np.asarray(q_len, dtype=np.int64).reshape(-1), np.asarray(k_len, dtype=np.int64).reshape(-1)
     if q_len.shape != k_len.shape or (q_len.size and (q_len.min() < 1 or (k_len < q_len).any())):
         raise ValueError(f"segments need k_len >= q_len >= 1, got q_len {q_len[:8]} k_len {k_len[:8]}")
@@ -75,11 +48,8 @@ def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int |
 
 def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int
                       ) -> np.ndarray:  # fmt: skip
-    """int64 ``[cp]``: live tiles each rank's varlen segments pay (see the module).
-
-    ``rows`` int64 ``[cp, L]`` (:func:`cpdata.layout.maps.rank_indices`): each rank's global positions in local
-    order. The whole pack on one rank (``rows = arange(pack_len)[None]``) is every slot as one segment.
-    """
+    """int64 ``[cp]``: live tiles each rank's varlen segments pay; ``rows`` int64 ``[cp, L]``
+    (:func:`cpdata.layout.maps.rank_indices`; ``arange(pack_len)[None]``: every slot one segment)."""
     rows = np.asarray(rows, dtype=np.int64)
     slot, starts = segment_starts(slot_lens, pack_len)
     out = np.zeros(rows.shape[0], dtype=np.int64)

@@ -1,45 +1,12 @@
 """One step of the schedule: place a pool of pieces into ``dp_size x micro_batches`` packs, cost-balanced.
 
-A step has ``K = dp_size * micro_batches`` cells (packs) of ``capacity``
-tokens; cell ``(m, r)`` is micro-batch ``m`` of DP rank ``r``. The ranks run
-micro-batch ``m`` in lock-step (FSDP / ZeRO-3 / pipeline), so the cost that
-counts is, per micro-batch *slot* ``m``, the largest cell cost of the slot.
-The placement makes the cells of one slot equally costly and every cell full:
-
-A. *Runs of outliers.* Pieces longer than half a pack (at most one per cell)
-   are sorted by length; a dynamic program (:func:`~cpdata.schedule.runs.choose_runs`)
-   cuts them into runs of ``dp_size`` neighbours, one slot each, one piece per
-   rank (snake order across runs, so no rank collects every run's largest). A
-   run costs its spread in "effective" quadratic cost (a piece's own plus the
-   most its cell's leftover room can add); an outlier can instead wait for
-   partners of its size (``hold``: not yet overdue; cost :data:`HOLD_PENALTY`
-   of a full cell per step of age) or go loose into phase B (cost: what the
-   cells of its slot cannot match without an outlier). At most
-   ``micro_batches`` runs, fewer when overdue outliers need slots of their own.
-B. *Largest first into the largest gap.* The other pieces longer than
-   ``capacity / FILLER_FRACTION``, overdue ones first, then by length
-   descending, each go to the cell whose balancing key is furthest below its
-   slot's largest, among the cells with room (ties: the emptier cell, then the
-   lower slot). The not-overdue ones leave room for the overdue fillers.
-B'. *Exchanges* (:func:`~cpdata.schedule.improve.improve_step`), when the
-   attention part of a full pack (``b * capacity**2``) is at least half its
-   cost: phase B never takes a piece back, so pieces of at most half a pack
-   are exchanged or moved between cells (any slot) while that lowers the sum
-   of the slots' costliest cells (D2 at dp 8 with ``max_delay=4``: ``imb_mb``
-   2.56 -> 2.16 % over 12 sampling seeds, for a small share of the planning
-   time). At 8K under the 7B model the linear part dominates and slots are
-   within 0.5 % already: there (D1) the pass gained 0.005 pp for several
-   times the planning time (docs/benchmarks.md), so it is skipped.
-C. *Fillers.* The short pieces (overdue ones first) fill the remaining room
-   in rounds: each round, cells in order of their gap take the longest filler
-   that fits, or a shorter one when the longest would strand a gap smaller
-   than every filler; so cells end within a few tokens of full.
-
-The balancing key is a cell's quadratic cost ``b * sum L**2`` when the step is
-full (then every cell ends with ``capacity`` tokens, the linear parts are
-equal, and only the quadratic part can differ), and its whole cost for a
-short (last) step. Pieces that fit nowhere are returned unplaced (the caller
-carries them to the next step).
+Cell ``(m, r)`` is micro-batch ``m`` of DP rank ``r``; the ranks run micro-batch ``m`` in lock-step, so what
+counts per *slot* ``m`` is its costliest cell. A. outliers (over half a pack) in runs of similar length, one slot
+each (:func:`~cpdata.schedule.runs.choose_runs`); B. the other long pieces, largest first, into the largest gap
+below their slot's costliest cell; B'. exchanges between cells (:func:`~cpdata.schedule.improve.improve_step`)
+where attention can dominate a pack; C. fillers close every cell (:func:`~cpdata.schedule.fill.fill_cells`).
+The balancing key is ``b * L**2`` when the step is full (the linear parts are then equal), the whole cost for a
+short last step. Pieces that fit nowhere are returned unplaced.
 """
 
 from __future__ import annotations
@@ -69,25 +36,11 @@ def place_step(
     first: tuple[np.ndarray, ...] = (),
     runs: tuple[list[np.ndarray], list[int]] | None = None,
 ) -> np.ndarray:
-    """Place one step's pool.
+    """int64 ``[n]``: the cell ``m * dp_size + r`` of every piece of one step's pool, ``-1`` for unplaced ones.
 
-    Args:
-        slot: int64 ``[n]`` slot tokens per piece (each ``<= capacity``), any order.
-        key: float64 ``[n]`` balancing key per piece (see the module docstring).
-        forced: bool ``[n]`` pieces that must be placed in this step (overdue).
-        hold: outliers without a run of their size may stay unplaced (``max_delay > 0``).
-        age: int64 ``[n]`` steps each piece has waited.
-        full_cost: the cost of a full cell, the scale of :data:`HOLD_PENALTY`.
-        quad: the quadratic cost of one piece of ``capacity`` tokens (``b * capacity**2``).
-        first: rescue mode: these groups of pieces (bool ``[n]`` masks) go first, group by group,
-            first-fit decreasing (:func:`~cpdata.schedule.fill.first_fit`) into the empty cells; no runs
-            are formed and the rest fills around them. The planner gives the overdue pieces, then those
-            due next step, so a group that passed :func:`~cpdata.schedule.fill.fits` is placed whole.
-        runs: phase A's decision if already made by :func:`choose_runs` on these very arguments
-            (with ``slots=micro_batches``; the planner's intake makes it to size the pool).
-
-    Returns:
-        int64 ``[n]``: cell ``m * dp_size + r`` of every piece, ``-1`` for unplaced ones.
+    Per piece ``[n]``: ``slot`` tokens, balancing ``key``, ``forced`` (overdue), ``age``; ``full_cost`` scales
+    :data:`HOLD_PENALTY`, ``quad`` is ``b * capacity**2``. ``first`` (rescue): these groups (bool masks) go
+    first, first-fit decreasing, and no runs are formed. ``runs``: :func:`choose_runs`'s decision, if made.
     """
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M
@@ -128,18 +81,15 @@ def place_step(
     rest = long_[~forced[long_]]
     overdue_fill = np.flatnonzero(is_filler & forced & todo)
     reserve = int(slot[overdue_fill].sum()) + (K * C) // FILLER_FRACTION if overdue_fill.size else 0
-    smax = np.zeros(M, dtype=np.float64)
-    np.maximum.at(smax, slot_of, load)
-    room_l, load_l, smax_l = room.tolist(), load.tolist(), smax.tolist()
-    # Per slot, its cells by load ascending: the first that fits has the slot's largest gap.
-    by_load = [sorted(range(m * R, (m + 1) * R), key=lambda c: (load_l[c], c)) for m in range(M)]
+    room_l, load_l, smax_l = room.tolist(), load.tolist(), load.reshape(M, R).max(axis=1).tolist()
+    # Per slot, its cells by load ascending (the first that fits has the slot's largest gap), without those with
+    # less room than the shortest piece of phase B.
+    min_b = int(slot[long_].min()) if long_.size else 0
+    by_load = [sorted((c for c in range(m * R, (m + 1) * R) if room_l[c] >= min_b), key=lambda c: (load_l[c], c))
+               for m in range(M)]  # fmt: skip
     free = sum(room_l)
     shortest = int(slot[todo].min()) if todo.any() else 0
     scale = 1 + 1e-6
-    # Per slot, the largest gap (its lightest cell's): no other cell of any slot has a larger one.
-    # Cells with less room than the shortest piece of phase B leave the lists (they take none of them).
-    min_b = int(slot[long_].min()) if long_.size else 0
-    by_load = [[c for c in cells_m if room_l[c] >= min_b] for cells_m in by_load]
     neg_inf = -np.inf
     gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf for m, cells_m in enumerate(by_load)]
     visit = [(m, *range(m), *range(m + 1, M)) for m in range(M)]  # the largest gap's slot first, then in order

@@ -1,15 +1,6 @@
-"""The compute cost of a pack, for balancing packs across DP ranks and micro-batches.
-
-In a packed stream attention is per document, so a pack's step time is the sum
-over its documents (pieces) of ``cost(L) = a * L + b * L**2``: ``a`` covers
-everything linear in tokens (MLP, projections, norms, the loss) and ``b``
-the attention scores and values. The pack's CP layout balances work *inside*
-the pack separately; this model ranks packs against each other.
-
-Default: the FlexSP profile of a 7B model (``a = 0.1839576`` ms per token,
-``b = 5.128e-6`` ms per token squared): the quadratic term equals the linear
-one at ~36K tokens, so at 8K it is ~18 % of a full document's cost and at 128K
-~78 %. Only the ratio ``b / a`` changes a schedule; the unit is for reports.
+"""The compute cost of a pack: ``cost(L) = a * L + b * L**2`` summed over its pieces (``a``: everything linear in
+tokens, ``b``: attention inside one document). Only ``b / a`` changes a schedule; the FlexSP 7B default has the
+two terms equal at ~36K tokens.
 """
 
 from __future__ import annotations
@@ -50,17 +41,9 @@ class CostModel:
     def from_model(
         cls, num_layers: int, hidden_size: int, num_params: float, *, flops_per_second: float = _DEFAULT_FLOPS
     ) -> CostModel:
-        """Cost from training FLOP counts of a decoder-only transformer.
-
-        Forward plus backward is 3x the forward: ``6 * num_params`` FLOPs per
-        token for the weights, and ``6 * num_layers * hidden_size * L**2`` for
-        causal attention over a document of ``L`` tokens (``Q K^T`` and ``P V``,
-        ``2 * L**2 * hidden_size`` FLOPs each, halved by the causal mask). With
-        ``flops_per_second`` the effective rate (default ~2.2e14, which puts a 7B
-        model at FlexSP's ``a``), ``a`` and ``b`` come out in ms. FlexSP's
-        measured 7B ratio ``b / a`` is 2.8e-5 against 2.0e-5 from FLOPs (attention
-        kernels run below the matmul rate).
-        """
+        """Cost from training FLOPs of a decoder-only transformer, in ms at ``flops_per_second``: ``6 *
+        num_params`` per token and ``6 * num_layers * hidden_size * L**2`` for causal attention over ``L``
+        tokens (FlexSP's measured 7B ``b / a`` is 2.8e-5 against 2.0e-5 from FLOPs)."""
         for name, value in (("num_layers", num_layers), ("hidden_size", hidden_size)):
             check_int(name, value, min=1)
         if not num_params > 0 or not flops_per_second > 0:

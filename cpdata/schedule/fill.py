@@ -1,15 +1,5 @@
-"""Filling cells to the last token, and the first-fit check that a set of due pieces fits one step.
-
-- :func:`fill_cells` (phase C of :func:`~cpdata.schedule.balance.place_step`):
-  short pieces fill the cells' remaining room in rounds, each round the cells
-  in order of their gap below their slot's largest take the longest piece that
-  fits; a nearly full cell is closed exactly when one, two, or one plus a few
-  of the shortest pieces sum to its room. Leaving a gap shorter than every
-  piece is avoided, so cells end within a few tokens of full (padding within
-  0.05 pp of ``bfd`` alone on the bench distributions).
-- :func:`first_fit` / :func:`fits`: first-fit decreasing into cells, the
-  placement of the planner's rescue mode, and the check it runs before
-  committing a step (the pieces due next step must fit one empty step).
+"""Filling cells to the last token (:func:`fill_cells`, phase C of :func:`~cpdata.schedule.balance.place_step`),
+and first-fit decreasing (:func:`first_fit`, :func:`fits`), the planner's rescue placement and commit check.
 """
 
 from __future__ import annotations
@@ -27,11 +17,8 @@ EXACT_TRIES = 8
 
 
 def first_fit(sizes: list[int], room: list[int], ids: list[int]) -> list[tuple[int, int]]:
-    """First-fit decreasing: ``[(id, cell), ...]`` for the pieces that fit, ``room`` updated in place.
-
-    Pieces go longest first (ties: the lower id) into the first cell with room; one that fits
-    nowhere is skipped.
-    """
+    """First-fit decreasing (ties: the lower id): ``[(id, cell), ...]`` for the pieces that fit, ``room`` updated
+    in place; a piece that fits nowhere is skipped."""
     out = []
     for s, i in sorted(zip(sizes, ids, strict=True), key=lambda p: (-p[0], p[1])):
         for c, r in enumerate(room):
@@ -43,13 +30,8 @@ def first_fit(sizes: list[int], room: list[int], ids: list[int]) -> list[tuple[i
 
 
 def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
-    """Whether :func:`first_fit` places every piece of ``sizes`` into ``cells`` empty cells.
-
-    Shortcuts: at most ``cells`` pieces always fit (each is at most ``capacity``); so do at most ``cells``
-    pieces longer than a quarter cell with a total of at most three quarters of the cells (they go first,
-    each finds an empty cell at worst; then first fit leaves a shorter piece out only when every cell is
-    more than three quarters full).
-    """
+    """Whether :func:`first_fit` places every piece of ``sizes`` into ``cells`` empty cells (shortcut: at most
+    ``cells`` pieces over a quarter cell, totalling at most three quarters of the cells, always fit)."""
     n = int(sizes.shape[0])
     if n <= cells:
         return True
@@ -97,11 +79,9 @@ def _remove_size(counts: dict[int, int], distinct: list[int], size: int) -> None
 
 
 def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
-    """Phase C: in rounds, each cell (largest gap first) takes the longest filler that fits (lists updated).
-
-    A cell whose room is at most ``ENDGAME`` shortest fillers is first closed exactly if it can be
-    (:func:`_exact`): by one filler, two, or one plus copies of the shortest.
-    """
+    """Phase C, the lists updated in place: in rounds, each cell (largest gap below its slot's costliest first)
+    takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
+    shorter than every filler where avoidable."""
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
     counts: dict[int, int] = {}
     for x in sizes:
@@ -110,6 +90,17 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     placed_i: list[int] = []
     placed_c: list[int] = []
+
+    def place(c: int, i: int, size: int) -> None:
+        _remove_size(counts, distinct, size)
+        room_l[c] -= size
+        placed_i.append(i)
+        placed_c.append(c)
+        load_l[c] += keys[i]
+        m = slot_of_l[c]
+        if load_l[c] > smax_l[m]:
+            smax_l[m] = load_l[c]
+
     while sizes and active:
         gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
@@ -121,15 +112,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             take_i, take_s = ids[-n_act:], sizes[-n_act:]
             del ids[-n_act:], sizes[-n_act:]
             for c, i, size in zip(active, reversed(take_i), reversed(take_s), strict=True):
-                _remove_size(counts, distinct, size)
-                room_l[c] -= size
-                placed_i.append(i)
-                placed_c.append(c)
-                load = load_l[c] + keys[i]
-                load_l[c] = load
-                m = slot_of_l[c]
-                if load > smax_l[m]:
-                    smax_l[m] = load
+                place(c, i, size)
             continue
         still = []
         for c in active:
@@ -144,17 +127,8 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
                     if j2 >= 0:
                         j = j2
                 picks = [j]
-            m = slot_of_l[c]
             for j in sorted(picks, reverse=True) if len(picks) > 1 else picks:  # from the back: positions hold
-                i = ids.pop(j)
-                size = sizes.pop(j)
-                _remove_size(counts, distinct, size)
-                room_l[c] -= size
-                placed_i.append(i)
-                placed_c.append(c)
-                load_l[c] += keys[i]
-            if load_l[c] > smax_l[m]:
-                smax_l[m] = load_l[c]
+                place(c, ids.pop(j), sizes.pop(j))
             if not sizes:
                 break
             if room_l[c] >= sizes[0]:

@@ -1,24 +1,9 @@
 """Between phases B and C of a step: exchanges of pieces between cells that lower the slots' costliest cells.
 
-Phase B of :func:`~cpdata.schedule.balance.place_step` places the pieces
-longest first, each where its slot's gap is largest, and never takes one
-back; a slot often ends with one cell above the others (typically the cell of
-its longest piece, which then still took a long second piece). This pass
-repeatedly looks at the costliest cell ``a`` of every slot and at every
-exchange with another cell ``b`` of any slot: piece ``x`` of ``a`` for piece
-``y`` of ``b``, or ``x`` moved alone, for placed pieces of at most half a pack
-(runs' outliers stay put, and every piece stays in its step). An exchange
-must keep both cells within ``capacity``; it is scored by the change of
-``sum over slots of the slot's largest cell`` (the ``imb_mb`` numerator), and
-the best one is applied while it lowers that sum, then in the same round the
-best among those that touch neither of its slots (their scores still hold),
-and so on; at most :data:`ROUNDS` rounds per step. All candidates of a round are scored at once with numpy
-(``[pieces in slot maxima, placed pieces + one empty partner per cell]``), so
-a round is a few numpy calls (its time: ``cpdata bench --sections schedule``).
-
-A cell's score is its balancing key plus what the fillers (phase C, which
-fills every cell to within a few tokens) will still add to its free room:
-``load + rho * room``, ``rho`` the fillers' key per token.
+Each round scores at once, with numpy, every exchange between the costliest cell of a slot and another cell
+(piece for piece, or a move; pieces of at most half a pack) by the change of the sum of the slots' maxima,
+applies the best, then the best among those touching neither of its slots; at most :data:`ROUNDS` rounds. A
+cell's score is ``load + rho * room``: what the fillers will still add to it.
 """
 
 from __future__ import annotations
@@ -35,14 +20,8 @@ GAIN = 1e-4
 
 def improve_step(cell: np.ndarray, movable: np.ndarray, slot: np.ndarray, key: np.ndarray, room: np.ndarray,
                  load: np.ndarray, rho: float, dp_size: int, micro_batches: int) -> int:  # fmt: skip
-    """Apply exchanges in place (``cell``, ``room``, ``load`` updated); returns how many.
-
-    Args:
-        cell: int64 ``[n]`` cell ``m * dp_size + r`` of every piece (``-1``: not placed yet).
-        movable: bool ``[n]`` placed pieces that may change cell.
-        slot, key: int64 / float64 ``[n]`` slot tokens and balancing key per piece.
-        room, load: int64 / float64 ``[K]`` free tokens and key sum per cell.
-        rho: the fillers' key per token (what a cell's free room will still add).
+    """Apply exchanges in place on ``cell`` (int64 ``[n]``, -1: not placed), ``room`` and ``load`` (``[K]``: free
+    tokens and key sum per cell); returns how many. ``movable``: bool ``[n]``; ``rho``: the fillers' key per token.
     """
     R, M = dp_size, micro_batches
     K = R * M

@@ -1,13 +1,8 @@
 """Imbalance of a schedule's pack costs across DP ranks (the figures ``cpdata bench`` reports).
 
-For one step with pack costs ``c[r, m]`` (DP rank ``r``, micro-batch ``m``):
-
-- ``imb_step = max_r sum_m c[r, m] / mean_r sum_m c[r, m] - 1``: DDP, one
-  gradient sync per step, so the slowest rank's whole step sets the pace.
-- ``imb_mb = sum_m max_r c[r, m] / sum_m mean_r c[r, m] - 1``: FSDP / ZeRO-3 /
-  pipeline parallelism, which synchronise every micro-batch.
-
-Both are 0 for a perfectly balanced step; ``imb_mb >= imb_step`` always.
+With pack costs ``c[r, m]``: ``imb_step = max_r sum_m c / mean_r sum_m c - 1`` (DDP: one sync per step) and
+``imb_mb = sum_m max_r c / sum_m mean_r c - 1`` (FSDP / ZeRO-3 / pipeline: a sync per micro-batch);
+``imb_mb >= imb_step``, both 0 when balanced.
 """
 
 from __future__ import annotations
@@ -18,11 +13,8 @@ __all__ = ["imbalance"]
 
 
 def imbalance(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(imb_step, imb_mb)``, float64 ``[steps]`` each, from costs ``[steps, dp_size, micro_batches]``.
-
-    A missing pack (a rank with fewer micro-batches) costs 0. A step that costs
-    nothing has imbalance 0.
-    """
+    """``(imb_step, imb_mb)``, float64 ``[steps]`` each, from costs ``[steps, dp_size, micro_batches]`` (a step
+    that costs nothing: 0)."""
     c = np.asarray(costs, dtype=np.float64)
     if c.ndim != 3:
         raise ValueError(f"costs must be [steps, dp_size, micro_batches], got shape {c.shape}")

@@ -1,64 +1,13 @@
 """``plan_schedule``: every document length in, one epoch of (step, DP rank, micro-batch) packs out.
 
-The planner is a pure function of its arguments: no collective, no clock, no
-global random state (``shuffle`` draws from ``numpy.random.default_rng(seed)``),
-so every rank (every DP rank, every CP rank, every dataloader worker) computes
-the same schedule from the same lengths and then reads only its own documents.
-
-With a cost model (balanced): documents are cut into pieces (layout alignment,
-overflow policy: :func:`~cpdata.packing.pieces.cut_documents`) and taken in
-stream order. Each step takes new pieces until its pool (pieces carried from
-earlier steps plus new ones) holds ``(1 + POOL_MARGIN)`` steps of tokens, not
-counting long pieces that will wait (so the step still fills), places the
-pool with :func:`~cpdata.schedule.balance.place_step` and carries what did
-not fit.
-
-Delay bound (guaranteed, for any lengths): steps take the stream first in,
-first out (step ``t`` takes the pieces after those of step ``t - 1``), never a
-piece past its *FIFO step* plus one (the FIFO step of a piece: its stream
-position in slot tokens over a full step's, ``K * capacity``, where stream
-order at full steps would put it), and a piece is placed at most
-``max(1, max_delay)`` steps after the step that took it, never earlier; so
-never more than one step before its FIFO step. Pieces up to half a pack move
-at most one step (the leftovers of a full step); a longer one may wait up to
-``max(1, max_delay)`` steps for ``dp_size - 1`` others of its size (WLB-LLM's
-outlier delay; the default ``max_delay=0`` allows one step), and with
-``max_delay >= 2`` one that a step took ahead of its FIFO step (the step
-before it) waits ``max_delay + 1`` steps after that step: ``max_delay`` after
-its FIFO step, the window the bound allows. So while the steps keep pace with
-the stream (every bench distribution), no piece is placed more than
-``max_delay`` steps after its FIFO step. ``Schedule.delay`` and
-``stats.delay_counts`` report the delay after the step that took the piece.
-Why it holds: a step is committed only when the pieces due in the next step
-fit one empty step by first-fit decreasing (the next step places them first
-that way if its balanced placement leaves any out); otherwise the step is
-placed again with those pieces first, and then with fewer pieces taken from
-the stream. With nothing new taken, the pieces due next step are long pieces
-that earlier steps took with that deadline, and at most ``dp_size *
-micro_batches`` pieces longer than half a pack get one deadline (a step takes
-fewer while pieces taken ahead by the step before share its deadline), one
-per cell, so the check passes. On the bench distributions a step takes
-within a few percent of a step's tokens, so the steps track the token stream.
-Cost: linear in the documents (time per document: ``cpdata bench --sections schedule``).
-
-Without a cost model (``cost=None``): the packs of
-:func:`~cpdata.packing.plan_lengths` (``algorithm``) in stream order; pack
-``k`` is micro-batch ``k % micro_batches`` of rank ``(k // micro_batches) %
-dp_size`` in step ``k // (dp_size * micro_batches)``. At ``dp_size=1`` and
-``micro_batches=1`` these are exactly today's packs, one per step.
-
-Fallback (``fallback=True``, the loader's default): balancing leaves room in
-some packs to even the costly ones out, which pays when the quadratic term
-dominates but can cost whole extra steps on small or short-document datasets
-(dp 2 x cp 2, capacity 8192, 340 web-like documents: 15 steps and 7.8 %
-padding balanced, 14 steps and 1.2 % as token packs). The token plan is then
-planned too and returned when :func:`padded_epoch_cost` (the model's epoch time
-with pads computed: every pack runs ``capacity`` slots) is lower. Cost: one
-``plan_lengths`` more.
-
-Every DP rank gets ``num_steps`` steps of ``micro_batches`` packs; the tail
-follows ``tail`` (:data:`~cpdata.schedule.records.TAIL_POLICIES`). Measured by
-``cpdata bench --sections schedule``.
+A pure function of its arguments (``shuffle`` draws from ``default_rng((seed, epoch))``), so every rank and worker
+computes the same schedule and reads only its own documents; guarantees and costs: docs/scheduling.md. With a cost
+model, each step takes pieces (:func:`~cpdata.packing.pieces.cut_documents`) in stream order until its pool holds
+``1 + POOL_MARGIN`` steps of tokens, places it (:func:`~cpdata.schedule.balance.place_step`) and carries the rest.
+The delay bound holds because a step is committed only when the pieces due next step fit one empty step by
+first-fit decreasing (the next step's rescue placement); otherwise the step is placed again with those pieces
+first, then with fewer new pieces. Without one, the packs of :func:`~cpdata.packing.plan_lengths` in stream order,
+pack ``k`` micro-batch ``k % micro_batches`` of rank ``(k // micro_batches) % dp_size``.
 """
 
 from __future__ import annotations
@@ -71,7 +20,7 @@ from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
-from cpdata.schedule.records import TAIL_POLICIES, Schedule, assemble
+from cpdata.schedule.records import COUNTS, TAIL_POLICIES, Schedule, assemble
 
 __all__ = ["POOL_MARGIN", "padded_epoch_cost", "plan_schedule"]
 
@@ -115,28 +64,13 @@ def plan_schedule(
     epoch: int = 0,
     fallback: bool = False,
 ) -> Schedule:
-    """Plan one epoch over all documents (see the module docstring).
+    """Plan one epoch over ``lengths`` (int ``[n_docs]``, source order); see the module docstring.
 
-    Args:
-        lengths: int ``[n_docs]`` tokens per document, in source order.
-        capacity, layout, cp_size: the pack (as for :func:`~cpdata.packing.plan_lengths`).
-        dp_size, micro_batches: packs per step are ``dp_size * micro_batches``.
-        cost: balance by this :class:`CostModel` (``CostModel()`` = FlexSP 7B), or
-            ``None`` for token-only packs in stream order.
-        max_delay: steps a long piece may wait for partners of its size (balanced only).
-        algorithm: the packer when ``cost is None`` (balanced placement is its own).
-        overflow: documents longer than a pack: ``"error"`` (default), ``"split"``,
-            ``"truncate"``, ``"drop"`` (counted in ``stats``).
-        seed, shuffle, epoch: with ``shuffle=True`` documents are taken in the order of the
-            ``default_rng((seed, epoch))`` permutation (the order :class:`~cpdata.nodes.source.Documents`
-            reads a shuffled sequence in that epoch); without it ``epoch`` changes nothing.
-        tail: ``"pad"`` (default) or ``"drop"``, see :data:`TAIL_POLICIES`.
-        fallback: with a cost model, also plan the token plan (``cost=None``'s packs) and return it
-            when its :func:`padded_epoch_cost` is lower (what ``build_loader(schedule="balanced")`` does
-            without ``cost=``). The delay bound then holds only when the balanced schedule is returned.
-
-    Raises:
-        ValueError / TypeError: naming the bad argument.
+    The packs as for :func:`~cpdata.packing.plan_lengths` (``algorithm`` only with ``cost=None``). ``max_delay``:
+    steps a long piece may wait for partners of its size (a piece is placed at most ``max(1, max_delay)`` steps
+    after the step that took it, see docs/scheduling.md); ``shuffle``: documents in the ``default_rng((seed,
+    epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: return the token plan
+    when its :func:`padded_epoch_cost` is lower (the delay bound then holds only for the balanced schedule).
     """
     lengths = _lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
@@ -168,14 +102,9 @@ def plan_schedule(
 
 
 def padded_epoch_cost(schedule: Schedule, cost: CostModel) -> float:
-    """The epoch's time under ``cost`` with pads computed: the sum over steps of the slowest rank's
-    ``micro_batches * a * capacity + b * sum(L**2)`` (a pack's linear work runs over every slot, pads too)."""
-    quad = np.zeros(schedule.num_steps * schedule.dp_size * schedule.micro_batches)
-    if schedule.doc_len.size:
-        quad = np.add.reduceat(np.append(cost.b * schedule.doc_len.astype(np.float64) ** 2, 0.0),
-                               schedule.pack_offsets[:-1])  # fmt: skip
-        quad[np.diff(schedule.pack_offsets) == 0] = 0.0
-    per_rank = quad.reshape(schedule.num_steps, schedule.dp_size, schedule.micro_batches).sum(axis=2)
+    """The epoch's time under ``cost`` with pads computed (a pack's linear work runs over every slot): the sum
+    over steps of the slowest rank's ``micro_batches * a * capacity + b * sum(L**2)``."""
+    per_rank = schedule.pack_sums(cost.b * schedule.doc_len.astype(np.float64) ** 2).sum(axis=2)
     linear = schedule.num_steps * schedule.micro_batches * cost.a * schedule.capacity
     return float(linear + (per_rank.max(axis=1).sum() if per_rank.size else 0.0))
 
@@ -187,9 +116,7 @@ def _in_order(lengths: np.ndarray, config: PackingConfig) -> tuple[tuple[np.ndar
     sizes = np.diff(res.pack_offsets)
     cells = np.repeat(np.arange(sizes.shape[0], dtype=np.int64), sizes)
     cont = piece_continues(res.doc_index, res.doc_start, res.doc_len)
-    st = res.stats
-    counts = {k: getattr(st, k) for k in ("documents", "skipped", "split", "truncated", "dropped",
-                                          "truncated_tokens", "dropped_tokens")}  # fmt: skip
+    counts = {k: getattr(res.stats, k) for k in COUNTS}
     delay = np.zeros(cells.shape[0], dtype=np.int64)
     return (cells, res.doc_index, res.doc_start, res.doc_len, res.slot_len, cont, delay), counts
 
@@ -215,10 +142,9 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     kw = dict(capacity=C, dp_size=R, micro_batches=M, full_cost=cost.a * C + cost.b * C * C, quad=cost.b * C * C)
 
     def take(carry: np.ndarray, ptr: int, limit: int, step: int):
-        """The carried pieces plus new ones from ``ptr`` (before ``limit``, at most ``K`` outliers)
-        until the pool holds ``target`` tokens not counting outliers that will wait (a few rounds)."""
-        # At most K outliers share a deadline (module docstring): fewer new ones while outliers taken ahead
-        # by the last step wait with this intake's deadline. Nothing past the next FIFO step is taken.
+        """The carried pieces plus new ones from ``ptr`` (before ``limit``) until the pool holds ``target``
+        tokens not counting outliers that will wait; at most ``K`` outliers share a deadline, none past the
+        next FIFO step."""
         early = int(np.count_nonzero((reach[carry] == ahead) & (arrival[carry] == step - 1))) if ahead else 0
         out_cap = int(np.searchsorted(out_cum, out_cum[ptr] + K - early, side="right")) - 1
         cap = min(limit, out_cap, int(np.searchsorted(cum[:-1], (step + 2) * T, side="left")))

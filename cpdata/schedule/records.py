@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,26 +10,22 @@ from cpdata.packing import PackingConfig, PackingResult, PackingStats
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.metrics import imbalance
 
-__all__ = ["TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
+__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
+
+COUNTS: tuple[str, ...] = ("documents", "skipped", "split", "truncated", "dropped", "truncated_tokens",
+                           "dropped_tokens")  # fmt: skip
+"""The document counters a schedule takes over from cutting its documents (:class:`ScheduleStats` fields)."""
 
 TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
-"""What happens to the last step when the documents do not fill it:
-
-- ``pad`` (default, loses nothing): the last step keeps what it holds; packs
-  with no document are *empty packs* (every token a pad, every label -100, so
-  the loss ignores them), counted in ``ScheduleStats.empty_packs``.
-- ``drop``: the last step is left out when it holds an empty pack; its pieces
-  are counted in ``tail_dropped_pieces`` / ``tail_dropped_tokens``.
-"""
+"""The last step when the documents do not fill it: ``pad`` (default) keeps it, its packs with no document all
+padding (labels -100; ``ScheduleStats.empty_packs``); ``drop`` leaves it out when it holds an empty pack
+(``tail_dropped_pieces`` / ``tail_dropped_tokens``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleStats:
-    """Counters of one :func:`~cpdata.schedule.plan_schedule` run.
-
-    Real tokens in packs + ``truncated_tokens`` + ``dropped_tokens`` +
-    ``tail_dropped_tokens`` = tokens of all documents.
-    """
+    """Counters of one :func:`~cpdata.schedule.plan_schedule` run: real tokens in packs + ``truncated_tokens`` +
+    ``dropped_tokens`` + ``tail_dropped_tokens`` = tokens of all documents."""
 
     documents: int
     tokens: int
@@ -55,9 +50,8 @@ class ScheduleStats:
     tail_dropped_pieces: int
     tail_dropped_tokens: int
     delay_counts: tuple[int, ...]
-    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream
-    (always ``k <= max(1, max_delay)``, ``max_delay + 1`` for a piece over half a pack taken a step ahead of
-    its FIFO step with ``max_delay >= 2``, and ``k <= 1`` for pieces of at most half a pack)."""
+    """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream (the bound:
+    :func:`~cpdata.schedule.plan_schedule`)."""
     imb_step_mean: float
     """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
     imb_mb_mean: float
@@ -70,14 +64,9 @@ class ScheduleStats:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
-    """Packs of one epoch, ``num_steps x dp_size x micro_batches`` of them (read-only arrays).
-
-    Pack ``p = (step * dp_size + dp_rank) * micro_batches + micro_batch`` holds
-    pieces ``pack_offsets[p]:pack_offsets[p + 1]``; piece ``i`` is tokens
-    ``doc_start[i] : doc_start[i] + doc_len[i]`` of document ``doc_index[i]`` (its
-    index in the lengths given), laid out in a slot of ``slot_len[i]`` tokens.
-    Pieces of a pack are in stream order.
-    """
+    """Packs of one epoch, ``num_steps x dp_size x micro_batches`` of them (read-only arrays), in the CSR form of
+    :class:`~cpdata.packing.PackingResult`: pack ``p = (step * dp_size + dp_rank) * micro_batches +
+    micro_batch`` holds pieces ``pack_offsets[p]:pack_offsets[p + 1]``, in stream order."""
 
     num_steps: int
     dp_size: int
@@ -125,10 +114,9 @@ class Schedule:
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
     def fifo_delay(self) -> np.ndarray:
-        """int64 ``[pieces]`` (row order): the step each piece is placed in minus its FIFO step, the step that
-        stream order at full steps would put it in (its stream position in slot tokens, documents in index
-        order, over ``dp_size * micro_batches * capacity``). Unlike :attr:`delay`, counted from where first in,
-        first out would place the piece, not from the step that took it."""
+        """int64 ``[pieces]``: the step each piece is placed in minus its FIFO step (its stream position in slot
+        tokens, documents in index order, over ``dp_size * micro_batches * capacity``); :attr:`delay` counts
+        from the step that took it instead."""
         k = self.dp_size * self.micro_batches
         step = np.repeat(np.arange(self.num_steps * k) // k, np.diff(self.pack_offsets))
         stream = np.lexsort((self.doc_start, self.doc_index))
@@ -138,7 +126,10 @@ class Schedule:
 
     def pack_costs(self, cost: CostModel) -> np.ndarray:
         """float64 ``[num_steps, dp_size, micro_batches]``: ``sum cost(piece length)`` per pack."""
-        per_piece = cost(self.doc_len)
+        return self.pack_sums(cost(self.doc_len))
+
+    def pack_sums(self, per_piece: np.ndarray) -> np.ndarray:
+        """float64 ``[num_steps, dp_size, micro_batches]``: the sum of ``per_piece`` (float64 ``[pieces]``) per pack."""
         sums = np.add.reduceat(np.append(per_piece, 0.0), self.pack_offsets[:-1])
         sums[np.diff(self.pack_offsets) == 0] = 0.0
         return sums.reshape(self.num_steps, self.dp_size, self.micro_batches)
@@ -150,11 +141,8 @@ class Schedule:
     def as_packing_result(self) -> PackingResult:
         """Every pack in (step, rank, micro-batch) order as a :class:`~cpdata.packing.PackingResult`."""
         s = self.stats
-        stats = PackingStats.from_counts(
-            capacity=self.capacity, documents=s.documents, tokens=s.tokens, slot_tokens=s.slot_tokens,
-            packs=s.packs, skipped=s.skipped, truncated=s.truncated, dropped=s.dropped, split=s.split,
-            truncated_tokens=s.truncated_tokens, dropped_tokens=s.dropped_tokens,
-        )  # fmt: skip
+        stats = PackingStats.from_counts(capacity=self.capacity, tokens=s.tokens, slot_tokens=s.slot_tokens,
+                                         packs=s.packs, **{k: getattr(s, k) for k in COUNTS})  # fmt: skip
         return PackingResult(pack_offsets=self.pack_offsets, doc_index=self.doc_index, doc_start=self.doc_start,
                              doc_len=self.doc_len, slot_len=self.slot_len, stats=stats, config=self.config)
 
@@ -183,8 +171,7 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
     offsets.flags.writeable = False
     doc, start, length, slot, cont, delay = arrays
     tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
-    hist = Counter(delay.tolist())
-    delay_counts = tuple(hist.get(k, 0) for k in range(max(hist) + 1)) if hist else (0,)
+    delay_counts = tuple(np.bincount(delay).tolist()) if delay.size else (0,)
     imb_step = imb_mb = 0.0
     sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
                     doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
@@ -194,14 +181,10 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
         i_s, i_m = partial.imbalance(cost)
         imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
     stats = ScheduleStats(
-        documents=int(counts["documents"]), tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
-        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs,
-        empty_packs=int((per_cell == 0).sum()),
-        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0,
-        skipped=int(counts["skipped"]), split=int(counts["split"]), truncated=int(counts["truncated"]),
-        dropped=int(counts["dropped"]), truncated_tokens=int(counts["truncated_tokens"]),
-        dropped_tokens=int(counts["dropped_tokens"]), tail=tail, tail_dropped_steps=dropped_steps,
-        tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens, delay_counts=delay_counts,
-        imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+        **{k: int(counts[k]) for k in COUNTS}, tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
+        lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs, empty_packs=int((per_cell == 0).sum()),
+        padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0, tail=tail,
+        tail_dropped_steps=dropped_steps, tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens,
+        delay_counts=delay_counts, imb_step_mean=imb_step, imb_mb_mean=imb_mb,
     )  # fmt: skip
     return Schedule(**sched_kw, stats=stats)

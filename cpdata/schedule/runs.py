@@ -1,24 +1,9 @@
 """Phase A of a step: which outliers (pieces longer than half a pack) form runs now, go loose, or wait.
 
-A *run* is ``dp_size`` outliers of similar length, one per DP rank in one
-micro-batch slot, so the slot's cells cost nearly the same. Outliers are
-sorted by length (longest first) and a dynamic program cuts the sequence into
-runs of ``dp_size`` neighbours and single pieces, minimising:
-
-- a run's *spread*, ``sum(ek[top] - ek[j])`` in "effective" cost (a piece's
-  key plus the most its cell's leftover room can still add, ``b * (C - L)**2``);
-- a single piece's *loose* cost, what the cells of its slot cannot match
-  without an outlier, ``(dp_size - 1) * max(0, ek - FLEX * b * C**2)``;
-- waiting: :data:`HOLD_PENALTY` of a full cell per step of age.
-
-At most ``slots`` runs are placed now, fewer when overdue pieces left loose
-need cells outside the runs' slots (one per cell).
-
-``FLEX`` is below the ``1/2`` that two half-pack pieces per cell would reach:
-the pool rarely holds ``2 * (dp_size - 1)`` such pieces, so an outlier just
-over half a pack left loose costs its slot more than the ideal suggests
-(``cpdata bench --sections schedule``, D2 over 12 sampling seeds: ``imb_mb``
-3.08 % with ``1/2``, 2.70 % with 0.4).
+A *run* is ``dp_size`` outliers of similar length, one per DP rank in one micro-batch slot. A dynamic program
+over the outliers sorted by length picks runs and single pieces minimising a run's spread in effective cost (a
+piece's key plus ``b * (C - L)**2``, the most its cell's room can add), a loose piece's excess over ``FLEX * b *
+C**2`` per other cell of its slot, and waiting (:data:`HOLD_PENALTY` per step of age).
 """
 
 from __future__ import annotations
@@ -28,7 +13,8 @@ import numpy as np
 __all__ = ["FLEX", "HOLD_PENALTY", "choose_runs"]
 
 FLEX = 0.4
-"""A loose outlier's slot: the other cells are assumed to reach ``FLEX * b * C**2`` of quadratic cost."""
+"""A loose outlier's slot: the other cells are assumed to reach ``FLEX * b * C**2`` of quadratic cost (below the
+``1/2`` two half-pack pieces would reach: the pool rarely holds enough of them; D2 ``imb_mb`` 2.70 % against 3.08 %)."""
 HOLD_PENALTY = 0.01
 """Cost of letting an outlier wait one more step, as a share of a full cell's cost, times (1 + its age)."""
 
@@ -37,15 +23,9 @@ def choose_runs(
     slot: np.ndarray, key: np.ndarray, forced: np.ndarray, age: np.ndarray, todo: np.ndarray, *, capacity: int,
     dp_size: int, slots: int, hold: bool, full_cost: float, quad: float,
 ) -> tuple[list[np.ndarray], list[int]]:
-    """``(runs, loose)`` among the outliers of ``todo``: runs to place now (piece indices, longest first)
-    and single pieces to place now; the other outliers of ``todo`` wait.
-
-    Args:
-        slot, key, forced, age, todo: per piece of the pool (``[n]``): slot tokens, balancing key,
-            overdue, steps waited, still to place.
-        slots: runs that may be placed now (fewer when overdue outliers need slots of their own).
-        hold: outliers that are not overdue may wait (otherwise every outlier is placed now).
-    """
+    """``(runs, loose)`` among the outliers of ``todo``: runs to place now (piece indices, longest first) and
+    single pieces to place now; the others wait (only when ``hold``; never an overdue one). Per piece ``[n]``:
+    ``slot``, ``key``, ``forced`` (overdue), ``age``, ``todo``; ``slots``: runs that may be placed now."""
     C, R = capacity, dp_size
     outlier = np.flatnonzero((2 * slot > C) & todo)
     b = quad / float(C) ** 2
