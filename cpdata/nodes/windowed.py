@@ -68,19 +68,18 @@ class WindowRows(RankPlanRows):
         if not all(is_int(v) and v >= 0 for v in values):
             raise ValueError(f"WindowedPacks state has block={dict(block)}; expected window and pack_base ints >= 0")
         self._window, self._pack_base, self._expect = int(values[0]), int(values[1]), block.get("lengths")
-        skip = self._window * self.window
-        for done in range(skip):  # replay: rows skipped, not parsed
+        for done in range(self._window * self.window):  # replay: rows skipped, not parsed
             try:
                 self.reader.next(done)
             except StopIteration:
-                if done <= skip - self.window:  # the previous window was not read to its end: another stream
-                    raise ValueError(f"the saved state is at window {self._window} ({skip} rows of "
-                                     f"{self.window}) but the stream ends after {done}; restore onto the same "
-                                     "stream") from None  # fmt: skip
-                break
+                raise self._ended(done) from None
             self.documents_read += 1
-        self._window -= 1  # load() reads it again
-        return self._window + 1
+        return self._window  # load() reads it again
+
+    def _ended(self, rows: int) -> ValueError:
+        """The refusal of a restore onto a stream that ends after ``rows`` rows, before the saved window."""
+        return ValueError(f"the saved state is at window {self._window} ({self._window * self.window} rows of "
+                          f"{self.window}) but the stream ends after {rows} rows; restore onto the same stream")
 
     def packs(self, epoch: int) -> None:
         return None  # a stream's packs are known as its windows are read
@@ -96,6 +95,8 @@ class WindowRows(RankPlanRows):
             lengths.append(int(document_ids(item, base + len(items)).shape[0]))
             items.append(item)
         self.documents_read += len(items)
+        if not items and self._expect is not None:  # a restored window the stream no longer reaches
+            raise self._ended(base)
         if not items:
             return None
         arr = np.asarray(lengths, dtype=np.int64)
@@ -121,7 +122,7 @@ class WindowRows(RankPlanRows):
 
     def position(self) -> dict[str, Any]:
         return {"window": self._window, "pack_base": self._pack_base,
-                "lengths": self._lengths if self._rows is not None else None}  # fmt: skip
+                "lengths": self._lengths if self._rows is not None else self._expect}  # fmt: skip
 
     def pack(self, epoch: int, item: int) -> PackRows:
         assert self._rows is not None
