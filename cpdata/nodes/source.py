@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.errors import check_int
 from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
+from cpdata.nodes.options import DataPolicy
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.source_kinds import SourceReader, source_kind
+from cpdata.nodes.source_kinds import SourceReader, read_document, source_kind
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import document_ids, plain_ids, to_document, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
@@ -82,19 +82,12 @@ class Documents(EpochNode[Document]):
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     ) -> None:
         super().__init__()
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
-        check_int("seed", seed, min=0)
+        DataPolicy(dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle, vocab_size=vocab_size)  # their checks
         check_num_epochs(num_epochs)
         self.source = source = as_source(source)
         self.reader = SourceReader(source)
         self._mixture = self.reader.kind == "node" and isinstance(source, Mixture)  # asked once: not per document
         self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
-        dp_rank, dp_size = check_int("dp_rank", dp_rank), check_int("dp_size", dp_size)
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if vocab_size is not None:
-            check_int("vocab_size", vocab_size, min=1, fix=" or None")
         buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
         self._buffer = buffer if shuffle and self.reader.kind != "sequence" else None
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
@@ -135,7 +128,7 @@ class Documents(EpochNode[Document]):
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:
             raise TypeError(f"fetch needs a sequence source, this node reads a {self.reader.kind}")
-        return to_document(self.reader.read(index), index, self.vocab_size, self.labels_alignment)
+        return read_document(self.source, index, self.vocab_size, self.labels_alignment)
 
     def _length(self) -> int | None:
         return len(self.source) if self.reader.kind == "sequence" else None  # type: ignore[arg-type]
