@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cpdata.nodes.epochs import upstream
 from cpdata.sources.protocol import Described, NamesSources
 
 __all__ = ["document_sources_of", "name_document_error"]
@@ -37,16 +38,11 @@ def name_document_error(exc: BaseException, source: Any) -> None:
     raise named from exc
 
 
-def document_sources_of(node: Any, depth: int = 16) -> Any:
-    """The ``document_sources`` method of the first object with one down ``node``'s ``.source`` /
-    ``.documents`` chain (a mix), or None (no mix, or a stage says none can be named)."""
-    seen: set[int] = set()
-    while node is not None and depth and id(node) not in seen:
-        seen.add(id(node))
-        if isinstance(node, NamesSources):  # None: this stage knows no source can be named below it
-            found = node.document_sources
+def document_sources_of(node: Any) -> Any:
+    """The ``document_sources`` method of the first stage with one :func:`~cpdata.nodes.epochs.upstream` of
+    ``node`` (a mix), or None (no mix, or a stage says none can be named)."""
+    for stage in upstream(node):
+        if isinstance(stage, NamesSources):  # None: this stage knows no source can be named below it
+            found = stage.document_sources
             return found if callable(found) else None
-        nxt = getattr(node, "source", None)
-        node = getattr(node, "documents", None) if nxt is None else nxt
-        depth -= 1
     return None
