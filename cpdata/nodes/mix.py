@@ -45,7 +45,16 @@ STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
 class Mix(EpochNode[dict]):
-    """Documents of several sources, drawn by weight (build it with :func:`mix`)."""
+    """Documents of several sources, drawn by weight (the module docstring); :func:`cpdata.mix` builds it.
+
+    Args:
+        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
+        weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
+        stop: one of :data:`STOP_POLICIES`.
+        by: what the weights share out: ``"documents"`` or ``"tokens"``.
+
+    The mix declares a ``labels_alignment`` only when every source declares the same one.
+    """
 
     VERSION = 1
     VERSION_KEY = "version"
@@ -256,16 +265,5 @@ class Mix(EpochNode[dict]):
         naming_parts(named, lambda source_fp: check_source_unchanged(*source_fp))
 
 
-def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",
-        by: str = "documents") -> Mix:
-    """Mix named sources by weight into one source, a :class:`Mix` node (see the module docstring).
-
-    Args:
-        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
-        weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
-        stop: one of :data:`STOP_POLICIES`.
-        by: what the weights share out: ``"documents"`` or ``"tokens"``.
-
-    The mix declares a ``labels_alignment`` only when every source declares the same one.
-    """
-    return Mix(sources, weights, seed=seed, stop=stop, by=by)
+mix = Mix
+"""``cpdata.mix(sources, weights, *, seed=0, stop="first_exhausted", by="documents")``: a :class:`Mix`."""
