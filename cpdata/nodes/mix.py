@@ -207,7 +207,7 @@ class Mix(EpochNode[dict]):
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
-        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
+        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.source_kinds`); by tokens, the last 4096 draws."""
         j = int(j)
         if self.clock is not None:
             k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)

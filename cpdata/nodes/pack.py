@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.document_names import document_sources_of
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     FIELDS,
@@ -35,6 +34,7 @@ from cpdata.nodes.live_pieces import (
     window_rows,
 )
 from cpdata.nodes.source import Documents
+from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.window import DocumentWindow, WindowFill

@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.options import DataPolicy
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.source_kinds import SourceReader, read_document, source_kind
+from cpdata.nodes.source_kinds import SourceReader, name_document_error, read_document, source_kind
 from cpdata.nodes.state_version import check_state_version
 from cpdata.nodes.validate import document_ids, plain_ids, to_document, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
