@@ -230,16 +230,11 @@ class Mix(EpochNode[dict]):
         there (-1 where a stream's index is unknown): the batches' ``info["doc_source"]`` / ``info["doc_index"]``.
         None by tokens (each draw depends on the tokens read before it)."""
         k, c = self.draws.locate_many(self.epoch, js)
-        sizes = [self.readers[n].size for n in self.names]
-        if all(sizes):  # sequences (and streams read to their end once): an index per pass
-            index = c % np.asarray(sizes, dtype=np.int64)[k]
-        else:
-            size = np.asarray([n or 0 for n in sizes], dtype=np.int64)[k]
-            index = np.where(size > 0, c % np.maximum(size, 1), c)
-            unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
-            index[unknown[k]] = -1
-        names = self.names
-        return [names[i] for i in k.tolist()], index
+        size = np.asarray([self.readers[n].size or 0 for n in self.names], dtype=np.int64)[k]
+        index = np.where(size > 0, c % np.maximum(size, 1), c)  # an index per pass where the size is known
+        unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
+        index[unknown[k]] = -1
+        return [self.names[i] for i in k.tolist()], index
 
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:
