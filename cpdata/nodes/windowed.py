@@ -46,7 +46,6 @@ class WindowRows(RankPlanRows):
         self._window = self._pack_base = self._window_packs = 0
         self._rows: RankRows | None = None
         self._items: list[Any] = []
-        self._docs: dict[int, Mapping[str, np.ndarray]] = {}
         self._lengths: str | None = None  # the current window's lengths' identity
         self._expect: str | None = None  # a restored window's
 
@@ -59,7 +58,7 @@ class WindowRows(RankPlanRows):
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         self.reader.open()
-        self._rows, self._items, self._docs, self._lengths = None, [], {}, None
+        self._rows, self._items, self._lengths = None, [], None
         self._window = self._pack_base = 0
         self._expect = None
         if block is None:
@@ -116,7 +115,7 @@ class WindowRows(RankPlanRows):
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
             self.counts[key] += value
         self._window_packs = st.steps * self.dp_size * self.micro_batches
-        self._window, self._rows, self._items, self._docs = block, rank_rows(sched, self.dp_rank), items, {}
+        self._window, self._rows, self._items = block, rank_rows(sched, self.dp_rank), items
         self._lengths, self._expect = identity, None
         return int(self._rows["offsets"].shape[0]) - 1
 
@@ -130,12 +129,9 @@ class WindowRows(RankPlanRows):
                               window=self._window)  # fmt: skip
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        arrays = self._docs.get(index)
-        if arrays is None:
-            base = self._window * self.window
-            arrays = to_document(self._items[index], base + index, self.vocab_size, self.labels_alignment).arrays
-            self._docs[index], self.documents_kept = arrays, self.documents_kept + 1
-        return arrays
+        self.documents_kept += 1  # once per run of packs (ServedPacks keeps a split document across its pieces)
+        base = self._window * self.window
+        return to_document(self._items[index], base + index, self.vocab_size, self.labels_alignment).arrays
 
 
 class WindowedPacks(ServedPacks):
@@ -163,5 +159,5 @@ class WindowedPacks(ServedPacks):
 
     @property
     def documents_kept(self) -> int:
-        """Rows validated and kept (the documents of this worker's packs only)."""
+        """Rows validated (the documents of this worker's packs only; a split document once per run of packs)."""
         return self.rows.documents_kept
