@@ -5,7 +5,7 @@ refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mi
 (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
 ``source_kinds``, ``validate``, ``shuffle_buffer``, ``window``) ->
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
-``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
+:mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
 Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dataset`` (``CPDataset``),
 ``dataloader`` (``CPDataLoader``). Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
 """
