@@ -35,7 +35,7 @@ from cpdata.nodes.mix_readers import (
     document_tokens,
 )
 from cpdata.nodes.mixed import MixedDataset
-from cpdata.nodes.state_version import check_state_version
+from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.sources.protocol import stated_lengths
 
@@ -114,11 +114,7 @@ class Mix(EpochNode[dict]):
         super().reset(initial_state)
         if initial_state is not None:
             check_state_version("Mix", initial_state, self.VERSION_KEY, self.VERSION)
-            if initial_state[self.CONFIG_KEY] != self.config:
-                raise ValueError(
-                    f"Mix state was saved with {initial_state[self.CONFIG_KEY]}, this mix has {self.config}; restore "
-                    "with the sources, weights, seed and stop policy the state was saved with"
-                )
+            check_saved_config("Mix", initial_state[self.CONFIG_KEY], self.config)
             self.epoch_clock.restore(initial_state[self.EPOCH_KEY])
             self._drawn, self._done = int(initial_state[self.DRAWS_KEY]), bool(initial_state[self.DONE_KEY])
             self._exhausted = set(initial_state[self.EXHAUSTED_KEY])
