@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "cpdata"
 # packages (and files) whose integer arguments go through check_int / is_int
 CONVERTED = ["packing", "schedule", "sources", "worker", "nemo", "bench", "device/consistency.py",
              "offline/precompute_plan.py", "offline/tokenize_files.py", "offline/precompute_cli.py", "layout/maps.py",
-             "layout/exchange.py", "nodes/shard.py", "nodes/collate.py", "device/attention_masks.py",
-             "device/varlen.py", "nodes/epochs.py", "nodes/windowed.py",
-             "nodes/dataset.py"]  # fmt: skip
+             "layout/exchange.py", "nodes", "device/attention_masks.py", "device/varlen.py"]  # fmt: skip
 HAND_WRITTEN = re.compile(r"isinstance\(([\w.]+), bool\) or not isinstance\(\1, (int|\(int, np\.integer\)|numbers\.Integral)\)")
 
 

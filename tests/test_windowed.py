@@ -15,8 +15,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import GraphOptions, build_loader, closing_loader, shard_graph
 from cpdata.nodes.options import DataPolicy, SchedulePlan
+from cpdata.nodes.scheduled import WindowedPacks
 from cpdata.nodes.shard import ShardForRank
-from cpdata.nodes.windowed import WindowedPacks
 from tests.flat_options import graph_options, records
 
 CFG = {"capacity": 256, "cp_size": 2, "layout": "thd"}
@@ -220,3 +220,31 @@ def test_an_overlong_document_is_named_by_its_stream_position():
     node.reset()
     with pytest.raises(ValueError, match=r"window 1 of the stream \(documents 64 to 70; add 64 .*document 6 has 300"):
         list(node)
+
+
+@pytest.mark.parametrize("rows", [150, 192])
+def test_a_shorter_stream_that_ends_before_the_saved_window_is_refused(rows):
+    node = _node(Stream(), dp_rank=1)
+    while node.next().extras["window"] < 3:
+        pass
+    state = node.get_state()
+    assert state["block"]["window"] == 3 and rows <= 3 * 64  # the stream ends before the saved window
+    short = Stream()
+    short.docs = short.docs[:rows]  # the same rows, cut short: only the replay can tell
+    again = windowed(short, **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
+    with pytest.raises(ValueError, match=rf"the saved state is at window 3 .*ends after {rows} rows; restore onto"):
+        again.reset(state)
+        again.next()
+
+
+def test_a_state_saved_right_after_a_restore_is_the_restored_one():
+    node = _node(Stream(), dp_rank=1)
+    head = [node.next() for _ in range(13)]
+    state = node.get_state()
+    assert state["block"]["window"] > 0 and state["block"]["lengths"] is not None
+    again = windowed(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
+    again.reset(state)
+    assert again.get_state() == state
+    third = windowed(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
+    third.reset(again.get_state())
+    assert _pieces(head) + _pieces(list(third)) == _pieces(list(_node(Stream(), dp_rank=1)))

@@ -3,9 +3,9 @@
 Each stage implements ``next()``, ``reset(initial_state)``, ``get_state()`` with a versioned state that
 refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mix`` + ``mix_readers``
 (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
-``source_kinds``, ``source_window``, ``validate``, ``document_names``, ``shuffle_buffer``, ``window``) ->
+``source_kinds``, ``validate``, ``shuffle_buffer``, ``window``) ->
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
-``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
+:mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
 Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dataset`` (``CPDataset``),
 ``dataloader`` (``CPDataLoader``). Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
 """

@@ -25,7 +25,7 @@ from torch.utils.data._utils.collate import default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import WorkerDataset, silence_set_vital_warning
-from cpdata.nodes.epochs import EpochClock
+from cpdata.nodes.epochs import EpochClock, check_epoch
 from cpdata.nodes.heap import keeping_heap
 from cpdata.worker.batch import ShardedBatch
 
@@ -108,8 +108,8 @@ class CPDataLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         epoch = state_dict.pop(self.EPOCH_KEY, None)
-        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-            raise ValueError(f"CPDataLoader state has {self.EPOCH_KEY}={epoch!r}, expected an int >= 0")
+        if epoch is not None:
+            check_epoch(epoch, f"the CPDataLoader state's {self.EPOCH_KEY}")
         saved = saved_num_workers(state_dict) if state_dict else None
         if saved is not None and saved != self.num_workers:
             raise ValueError(

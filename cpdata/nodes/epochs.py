@@ -10,6 +10,7 @@ walking ``source`` links (torchdata's convention), never by listing node classes
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.errors import check_int
 
-__all__ = ["EpochClock", "EpochNode", "check_epoch", "check_num_epochs", "graph_nodes", "set_graph_epoch"]
+__all__ = ["EpochClock", "EpochNode", "check_epoch", "check_num_epochs", "graph_nodes", "set_graph_epoch", "upstream"]
 
 T = TypeVar("T")
 
@@ -93,13 +94,18 @@ class EpochNode(BaseNode[T]):
         self.epoch_clock.set(epoch)
 
 
-def graph_nodes(node: Any) -> Iterator[BaseNode]:
-    """``node`` and the nodes upstream of it, following each node's ``source`` (torchdata's convention)."""
+def upstream(obj: Any, depth: int = 32) -> Iterator[Any]:
+    """``obj`` and what it reads from, following ``source`` links (torchdata's convention), ``depth`` at most."""
     seen: set[int] = set()
-    while isinstance(node, BaseNode) and id(node) not in seen:
-        seen.add(id(node))
-        yield node
-        node = getattr(node, "source", None)
+    while obj is not None and depth and id(obj) not in seen:
+        seen.add(id(obj))
+        yield obj
+        obj, depth = getattr(obj, "source", None), depth - 1
+
+
+def graph_nodes(node: Any) -> Iterator[BaseNode]:
+    """``node`` and the nodes upstream of it (:func:`upstream` up to the first that is not a node)."""
+    return itertools.takewhile(lambda n: isinstance(n, BaseNode), upstream(node))
 
 
 def set_graph_epoch(root: Any, epoch: int) -> int:

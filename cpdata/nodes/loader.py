@@ -36,11 +36,10 @@ from cpdata.nodes.options import (
 )
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.pin import maybe_pin
-from cpdata.nodes.scheduled import ScheduledPacks
+from cpdata.nodes.scheduled import ScheduledPacks, WindowedPacks
 from cpdata.nodes.served import ServedPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
-from cpdata.nodes.windowed import WindowedPacks
 from cpdata.worker.collate import check_padding_token_id
 
 __all__ = [

@@ -35,7 +35,7 @@ from cpdata.nodes.mix_readers import (
     document_tokens,
 )
 from cpdata.nodes.mixed import MixedDataset
-from cpdata.nodes.state_version import check_state_version
+from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.sources.protocol import stated_lengths
 
@@ -45,7 +45,16 @@ STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
 class Mix(EpochNode[dict]):
-    """Documents of several sources, drawn by weight (build it with :func:`mix`)."""
+    """Documents of several sources, drawn by weight (the module docstring); :func:`cpdata.mix` builds it.
+
+    Args:
+        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
+        weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
+        stop: one of :data:`STOP_POLICIES`.
+        by: what the weights share out: ``"documents"`` or ``"tokens"``.
+
+    The mix declares a ``labels_alignment`` only when every source declares the same one.
+    """
 
     VERSION = 1
     VERSION_KEY = "version"
@@ -105,11 +114,7 @@ class Mix(EpochNode[dict]):
         super().reset(initial_state)
         if initial_state is not None:
             check_state_version("Mix", initial_state, self.VERSION_KEY, self.VERSION)
-            if initial_state[self.CONFIG_KEY] != self.config:
-                raise ValueError(
-                    f"Mix state was saved with {initial_state[self.CONFIG_KEY]}, this mix has {self.config}; restore "
-                    "with the sources, weights, seed and stop policy the state was saved with"
-                )
+            check_saved_config("Mix", initial_state[self.CONFIG_KEY], self.config)
             self.epoch_clock.restore(initial_state[self.EPOCH_KEY])
             self._drawn, self._done = int(initial_state[self.DRAWS_KEY]), bool(initial_state[self.DONE_KEY])
             self._exhausted = set(initial_state[self.EXHAUSTED_KEY])
@@ -198,7 +203,7 @@ class Mix(EpochNode[dict]):
 
     def describe_document(self, j: int) -> str:
         """Where draw ``j`` of the current epoch came from: ``"document 3 of mix source 'b' (source 1 of
-        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.document_names`); by tokens, the last 4096 draws."""
+        ['a', 'b'], draw 7 of epoch 0)"`` (:mod:`cpdata.nodes.source_kinds`); by tokens, the last 4096 draws."""
         j = int(j)
         if self.clock is not None:
             k, index, passes = self._recent[j % BLOCK].tolist() if 0 <= j < self._drawn else (-1, -1, -1)
@@ -221,16 +226,11 @@ class Mix(EpochNode[dict]):
         there (-1 where a stream's index is unknown): the batches' ``info["doc_source"]`` / ``info["doc_index"]``.
         None by tokens (each draw depends on the tokens read before it)."""
         k, c = self.draws.locate_many(self.epoch, js)
-        sizes = [self.readers[n].size for n in self.names]
-        if all(sizes):  # sequences (and streams read to their end once): an index per pass
-            index = c % np.asarray(sizes, dtype=np.int64)[k]
-        else:
-            size = np.asarray([n or 0 for n in sizes], dtype=np.int64)[k]
-            index = np.where(size > 0, c % np.maximum(size, 1), c)
-            unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
-            index[unknown[k]] = -1
-        names = self.names
-        return [names[i] for i in k.tolist()], index
+        size = np.asarray([self.readers[n].size or 0 for n in self.names], dtype=np.int64)[k]
+        index = np.where(size > 0, c % np.maximum(size, 1), c)  # an index per pass where the size is known
+        unknown = np.array([self.readers[n].size is None and self.readers[n].passes > 0 for n in self.names])
+        index[unknown[k]] = -1
+        return [self.names[i] for i in k.tolist()], index
 
     def _source_fingerprints(self) -> dict[str, str | None]:
         if self._fingerprints is None:
@@ -256,16 +256,5 @@ class Mix(EpochNode[dict]):
         naming_parts(named, lambda source_fp: check_source_unchanged(*source_fp))
 
 
-def mix(sources: Mapping[str, Any], weights: Mapping[str, Any], *, seed: int = 0, stop: str = "first_exhausted",
-        by: str = "documents") -> Mix:
-    """Mix named sources by weight into one source, a :class:`Mix` node (see the module docstring).
-
-    Args:
-        sources: ``{name: source}``, each anything ``build_loader`` takes; a sequence must not be empty.
-        weights: ``{name: weight}`` with exactly the keys of ``sources``; finite, > 0, relative.
-        stop: one of :data:`STOP_POLICIES`.
-        by: what the weights share out: ``"documents"`` or ``"tokens"``.
-
-    The mix declares a ``labels_alignment`` only when every source declares the same one.
-    """
-    return Mix(sources, weights, seed=seed, stop=stop, by=by)
+mix = Mix
+"""``cpdata.mix(sources, weights, *, seed=0, stop="first_exhausted", by="documents")``: a :class:`Mix`."""

@@ -116,17 +116,17 @@ class Draws:
             self._prefix = (epoch, prefix)
         first, last = int(blocks.min()), top - 1
         if first == last:  # a batch's documents, drawn in one block: one gather
-            kc = self._block_ranks(epoch, first)[:, within]
+            kc = self.block_ranks(epoch, first)[:, within]
             return kc[0], prefix[first, kc[0]] + kc[1]
         k, c = np.empty_like(js), np.empty_like(js)
         for b in np.unique(blocks).tolist():
             here = blocks == b
-            kc = self._block_ranks(epoch, b)[:, within[here]]
+            kc = self.block_ranks(epoch, b)[:, within[here]]
             k[here] = kc[0]
             c[here] = prefix[b, kc[0]] + kc[1]
         return k, c
 
-    def _block_ranks(self, epoch: int, b: int) -> np.ndarray:
+    def block_ranks(self, epoch: int, b: int) -> np.ndarray:
         """int64 ``[2, BLOCK]``: block ``b``'s sources, and each draw's count in its source within the block."""
         cached = self._ranks.get((epoch, b))
         if cached is None:

@@ -50,11 +50,8 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
     ids_parts, c_parts = [], []
     b = 0
     while True:
-        choices = draws.block(epoch, b)
-        c = np.empty(choices.shape[0], dtype=np.int64)
-        for s in range(k):
-            pick = choices == s
-            c[pick] = counts[s] + np.cumsum(pick)[pick]
+        choices, ranks = draws.block_ranks(epoch, b)
+        c = counts[choices] + ranks + 1  # 1-based: the draw's count in its source, over blocks
         out = np.flatnonzero(c == sizes[choices] + 1)  # draws where a source runs out
         end = None
         if mixed.stop == "first_exhausted" and out.size:

@@ -19,8 +19,7 @@ import difflib
 from collections.abc import Collection, Mapping
 from typing import Any, TypeAlias
 
-import numpy as np
-
+from cpdata.errors import is_int
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.packing.records import ALGORITHMS, OVERFLOW_POLICIES
 from cpdata.schedule import TAIL_POLICIES, CostModel
@@ -43,7 +42,7 @@ def _int(owner: str, name: str, value: Any, low: int, *, optional: bool = False)
     """Refuse ``value`` unless it is an int ``>= low`` (or None when ``optional``), naming ``owner.name``."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         none = " or None" if optional else ""
         raise TypeError(f"{owner}.{name} must be an int{none}, got {type(value).__name__} {value!r}")
     if value < low:

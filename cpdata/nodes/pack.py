@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.document_names import document_sources_of
 from cpdata.nodes.live_pieces import (
     CARRY_COLUMNS,
     FIELDS,
@@ -35,13 +34,14 @@ from cpdata.nodes.live_pieces import (
     window_rows,
 )
 from cpdata.nodes.source import Documents
+from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.state_version import check_state_version
-from cpdata.nodes.window import DocumentWindow
+from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import OverlongDocumentError, check_lengths
 from cpdata.packing.records import PackKeys
-from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import Document, PackPlan, PieceColumns
 from cpdata.worker.targets import piece_arrays
 from cpdata.worker.token_buffer import BufferPool, TokenBuffer
@@ -55,21 +55,19 @@ def _read_window(
     one document at a time."""
     if isinstance(source, Documents):
         return source.next_window(limit, floor, capacity, room)
-    documents: list[Document] = []
-    tokens = 0
-    while limit is None or len(documents) < limit or tokens < floor:
+    fill = WindowFill(limit, floor, capacity)
+    while fill.wants():
         try:
             doc = next(source)
         except StopIteration:
-            return DocumentWindow.of(documents), True
+            return DocumentWindow.of(fill.items), True
         if not isinstance(doc, Document):
             raise TypeError(
                 f"Pack expects cpdata.worker.plan.Document items, got {type(doc).__name__}; "
                 "wrap the source in cpdata.nodes.source.Documents(...)"
             )
-        documents.append(doc)
-        tokens += min(max(doc.length, 1), capacity)
-    return DocumentWindow.of(documents), False
+        fill.add(doc, doc.index, doc.arrays[INPUT_IDS])
+    return DocumentWindow.of(fill.items), False
 
 
 # A finished pack: piece table [n, 4], sources [n], offsets [n], slot lengths [n], real and slot tokens, and the

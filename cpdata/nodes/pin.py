@@ -4,6 +4,7 @@ copies). torchdata's ``PinMemory`` raises on CPU-only builds, so the decision is
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TypeVar
 
@@ -14,13 +15,11 @@ __all__ = ["maybe_pin", "resolve_pin_memory"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_logged: set[str] = set()
 
 
+@functools.cache
 def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info(message)
+    logger.info(message)
 
 
 def resolve_pin_memory(pin_memory: bool | None) -> bool:

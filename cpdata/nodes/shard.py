@@ -26,7 +26,7 @@ from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.document_names import document_sources_of
+from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan

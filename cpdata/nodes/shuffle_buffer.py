@@ -15,7 +15,9 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["DEFAULT_SHUFFLE_BUFFER", "ShuffleBuffer", "check_shuffle_buffer"]
+from cpdata.errors import is_int
+
+__all__ = ["DEFAULT_SHUFFLE_BUFFER", "ShuffleBuffer"]
 
 T = TypeVar("T")
 
@@ -25,21 +27,14 @@ DEFAULT_SHUFFLE_BUFFER = 10_000
 _TAG = 0x5B0F  # separates the buffer's random stream from the permutation of sequence sources
 
 
-def check_shuffle_buffer(size: object) -> int:
-    """``size`` as an int >= 1; ``ValueError`` naming the value otherwise."""
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-        raise ValueError(
-            f"shuffle_buffer must be an int >= 1 (documents held to shuffle a stream), got {size!r}; "
-            f"the default is {DEFAULT_SHUFFLE_BUFFER}"
-        )
-    return int(size)
-
-
 class ShuffleBuffer(Generic[T]):
     """Random order over a stream with a buffer of ``size`` items (1 keeps the stream order)."""
 
     def __init__(self, size: int, seed: int, dp_rank: int = 0) -> None:
-        self.size = check_shuffle_buffer(size)
+        if not is_int(size) or size < 1:
+            raise ValueError(f"shuffle_buffer must be an int >= 1 (documents held to shuffle a stream), got {size!r}; "
+                             f"the default is {DEFAULT_SHUFFLE_BUFFER}")  # fmt: skip
+        self.size = int(size)
         self.seed, self.dp_rank = int(seed), int(dp_rank)
         self.drawn = 0
         self._items: list[T] = []

@@ -12,7 +12,9 @@ documents). Sources and how a restore finds its place (read through
 
 A one-shot iterator cannot be restarted, so it is refused. An item is a dict with ``input_ids`` (1-D
 non-negative ints) and optional per-token arrays of the same length; other values are metadata, not
-carried (:func:`~cpdata.nodes.validate.to_document`).
+carried (:func:`~cpdata.nodes.validate.to_document`). A packer reads a window at a time
+(:meth:`Documents.next_window`): a sequence by slices of this rank's positions, validated at once
+(:func:`~cpdata.nodes.validate.to_window`); items read past a window's end are a cache, not state.
 """
 
 from __future__ import annotations
@@ -23,20 +25,19 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.errors import check_int
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.epochs import EpochNode, check_num_epochs
+from cpdata.nodes.options import DataPolicy
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
-from cpdata.nodes.source_kinds import SourceReader, source_kind
-from cpdata.nodes.source_window import SourceWindows
+from cpdata.nodes.source_kinds import SourceReader, name_document_error, read_document, source_kind
 from cpdata.nodes.state_version import check_state_version
-from cpdata.nodes.validate import to_document
-from cpdata.nodes.window import DocumentWindow
+from cpdata.nodes.validate import document_ids, plain_ids, to_document, to_window
+from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
+from cpdata.worker.token_buffer import BufferPool
 
 __all__ = ["Documents", "source_kind", "to_document"]
 
@@ -80,19 +81,12 @@ class Documents(EpochNode[Document]):
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     ) -> None:
         super().__init__()
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, got {type(shuffle).__name__} {shuffle!r}")
-        check_int("seed", seed, min=0)
+        DataPolicy(dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle, vocab_size=vocab_size)  # their checks
         check_num_epochs(num_epochs)
         self.source = source = as_source(source)
         self.reader = SourceReader(source)
         self._mixture = self.reader.kind == "node" and isinstance(source, Mixture)  # asked once: not per document
         self.labels_alignment = declared_alignment("Documents", labels_alignment, declared_labels(source), source)
-        dp_rank, dp_size = check_int("dp_rank", dp_rank), check_int("dp_size", dp_size)
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if vocab_size is not None:
-            check_int("vocab_size", vocab_size, min=1, fix=" or None")
         buffer = ShuffleBuffer(shuffle_buffer, int(seed), int(dp_rank))  # validates shuffle_buffer
         self._buffer = buffer if shuffle and self.reader.kind != "sequence" else None
         self.dp_rank, self.dp_size, self.vocab_size = int(dp_rank), int(dp_size), vocab_size
@@ -102,7 +96,9 @@ class Documents(EpochNode[Document]):
         self.consumed = 0  # documents this rank emitted
         self._fingerprint: str | None = None
         self._fingerprinted = False
-        self._windows = SourceWindows(self)  # next_window's caches
+        self._mean = 0.0  # counted tokens per document of the last window (the read-ahead estimate)
+        self._scratch = BufferPool()  # the windows' ids, concatenated to check them
+        self._ahead: tuple[tuple[int, int], list[Any]] | None = None  # ((epoch, first position), items) read past
 
     @property
     def seekable(self) -> bool:
@@ -131,11 +127,7 @@ class Documents(EpochNode[Document]):
         """Source document ``index`` (a global index), validated; O(1), sequence sources only."""
         if not self.seekable:
             raise TypeError(f"fetch needs a sequence source, this node reads a {self.reader.kind}")
-        return to_document(self.reader.read(index), index, self.vocab_size, self.labels_alignment)
-
-    def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
-        """:meth:`cpdata.nodes.source_window.SourceWindows.next_window`: ``(window, exhausted)``."""
-        return self._windows.next_window(limit, floor, capacity, room)
+        return read_document(self.source, index, self.vocab_size, self.labels_alignment)
 
     def _length(self) -> int | None:
         return len(self.source) if self.reader.kind == "sequence" else None  # type: ignore[arg-type]
@@ -149,7 +141,7 @@ class Documents(EpochNode[Document]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.position, self.consumed, self._windows.ahead = 0, 0, None
+        self.position, self.consumed, self._ahead = 0, 0, None
         self._check_source()
         if initial_state is None:
             self.epoch_clock.start()  # a new iter(): the next epoch
@@ -272,6 +264,92 @@ class Documents(EpochNode[Document]):
             raise
         self.consumed += 1
         return document
+
+    def _read_ahead(self, count: int) -> tuple[list[int], list[int], list[Any], Exception | None]:
+        """Up to ``count`` of this rank's next items of a sequence in this pass, the position left as is:
+        ``(positions, source indices, items, error)`` (``error``: raised only if the window gets to it)."""
+        first = self.position + (self.dp_rank - self.position) % self.dp_size
+        positions = range(first, min(len(self.source), first + count * self.dp_size), self.dp_size)
+        indices = self.permutation()[positions].tolist() if self.shuffle else list(positions)
+        ahead, self._ahead = self._ahead, None
+        kept = ahead[1][: len(indices)] if ahead is not None and ahead[0] == (self.epoch, first) else []
+        items, error = self.reader.read_many(indices[len(kept) :])
+        return list(positions), indices, kept + items, error
+
+    def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
+        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens."""
+        if limit is None:
+            return 4096
+        mean = tokens / count if count else self._mean
+        more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
+        return min(max(limit - count, more), 1 << 14)
+
+    def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
+        """:meth:`_next_window`, its errors naming a document as ``next()`` does (not once it ran into the next pass)."""
+        epoch = self.epoch
+        try:
+            return self._next_window(limit, floor, capacity, room)
+        except (TypeError, ValueError) as exc:
+            if self.epoch == epoch:
+                name_document_error(exc, self.source)
+            raise
+
+    def _next_window(self, limit: int | None, floor: int, capacity: int, room: int) -> tuple[DocumentWindow, bool]:
+        """The documents ``next()`` gives one by one until a packing window is full (:class:`WindowFill`),
+        validated together: ``(window, exhausted)``. Errors and the state after it are ``next()``'s; the
+        window's ``ids`` keep ``room`` elements after the documents' (for the packer's carried pieces)."""
+        fill, exhausted = WindowFill(limit, floor, capacity), False
+        while fill.wants():
+            if self.reader.kind == "sequence":
+                count = self._chunk(limit, floor, len(fill.items), fill.tokens)
+                positions, chunk_indices, chunk, error = self._read_ahead(count)
+                if not chunk and error is None:
+                    self.position = max(self.position, len(self.source))
+                    if self.pass_ended():
+                        continue
+                    exhausted = True
+                    break
+            else:
+                try:
+                    index, item = self.next_item()
+                except StopIteration:
+                    exhausted = True
+                    break
+                positions, chunk_indices, chunk, error = [], [index], [item], None
+            taken = self._take(fill, positions, chunk, chunk_indices)
+            if error is not None and taken == len(chunk) and fill.wants():
+                raise error
+        window = to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment, self._scratch,
+                           room, fill.lengths())  # fmt: skip
+        self.consumed += len(window)
+        if len(window):
+            self._mean = fill.tokens / len(window)
+        return window, exhausted
+
+    def _take(self, fill: WindowFill, positions: list[int], chunk: list[Any], chunk_indices: list[int]) -> int:
+        """Add the items of ``chunk`` to ``fill`` until it is full; returns how many (a sequence's position moves)."""
+        plain = plain_ids(chunk)
+        if plain is not None:
+            taken = fill.add_run(chunk, chunk_indices, *plain)
+        else:
+            taken = 0
+            for item, index in zip(chunk, chunk_indices, strict=False):  # indices run on past a read error
+                if not fill.wants():
+                    break
+                try:
+                    doc_ids = document_ids(item, index)
+                except Exception:
+                    if positions:
+                        self.position = positions[taken] + 1
+                    to_window(fill.items, fill.indices, fill.ids, self.vocab_size, self.labels_alignment)
+                    raise  # the earlier documents are fine: this one's own error
+                fill.add(item, index, doc_ids)
+                taken += 1
+        if positions and taken:
+            self.position = positions[taken - 1] + 1
+        if positions and taken < len(chunk):  # read past the window's end: the next window starts with them
+            self._ahead = ((self.epoch, positions[taken]), chunk[taken:])
+        return taken
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -1,24 +1,30 @@
-"""How a document source is read and restarted: its kind, :class:`SourceReader`, read errors.
+"""How a document source is read and restarted: its kind, :class:`SourceReader`, errors naming a document.
 
 :class:`SourceReader` is the one reader of a user source, shared by ``Documents``, each source of a
 :func:`cpdata.mix`, ``Tokenize``'s rows and ``WindowedPacks``; :func:`read_document` is the read of a
-plan served by index.
+plan served by index. A validation error names a document by its index in the stream read, in a
+:func:`cpdata.mix` a position in the mixed stream: a source with ``describe_document(index)`` (the mix
+node, :class:`~cpdata.nodes.mixed.MixedDataset`) renames it ``"document 3 of mix source 'b' ..."``
+(:func:`name_document_error`, nothing spent until an error).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.document_names import name_document_error
+from cpdata.nodes.epochs import upstream
 from cpdata.nodes.validate import to_document
+from cpdata.sources.protocol import Described, NamesSources
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment
 
-__all__ = ["SourceReader", "read_document", "reading_error", "restart_iterable", "source_kind"]
+__all__ = ["SourceReader", "document_sources_of", "name_document_error", "read_document", "reading_error",
+           "restart_iterable", "source_kind"]
 
 
 def source_kind(source: Any, items: str = "documents") -> str:
@@ -145,3 +151,35 @@ def reading_error(exc: Exception, what: str) -> Exception:
         return type(exc)(message)
     except Exception:
         return RuntimeError(message)
+
+
+_LEADING = re.compile(r"document (\d+)")
+
+
+def name_document_error(exc: BaseException, source: Any) -> None:
+    """Raise ``exc``'s type with its leading ``"document {index}"`` replaced by ``source.describe_document(index)``;
+    return when there is nothing to rename (the caller re-raises ``exc``)."""
+    if not isinstance(source, Described) or not isinstance(exc, (TypeError, ValueError)):
+        return
+    message = str(exc)
+    match = _LEADING.match(message)
+    if match is None:
+        return
+    where = source.describe_document(int(match.group(1)))
+    if where is None:
+        return
+    try:
+        named = type(exc)(where + message[match.end() :])
+    except Exception:  # an exception type that takes other arguments keeps its message
+        return
+    raise named from exc
+
+
+def document_sources_of(node: Any) -> Any:
+    """The ``document_sources`` method of the first stage with one :func:`~cpdata.nodes.epochs.upstream` of
+    ``node`` (a mix), or None (no mix, or a stage says none can be named)."""
+    for stage in upstream(node):
+        if isinstance(stage, NamesSources):  # None: this stage knows no source can be named below it
+            found = stage.document_sources
+            return found if callable(found) else None
+    return None

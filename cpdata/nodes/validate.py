@@ -30,7 +30,7 @@ from cpdata.worker.targets import (
 )
 from cpdata.worker.token_buffer import BufferPool
 
-__all__ = ["Scratch", "document_ids", "plain_ids", "to_document", "to_window"]
+__all__ = ["document_ids", "plain_ids", "to_document", "to_window"]
 
 _INTEGER_KEYS = (INPUT_IDS, LABELS)
 _INT64_MAX = np.iinfo(np.int64).max
@@ -183,16 +183,13 @@ def to_document(
     return Document(index=index, arrays=to_targets(arrays, index, labels_alignment, vocab_size))
 
 
-Scratch = BufferPool  # where a reading node concatenates its windows' ids (the windows' token buffers)
-
-
 def to_window(
     items: Sequence[Any],
     indices: Sequence[int],
     ids: Sequence[np.ndarray],
     vocab_size: int | None = None,
     labels_alignment: LabelsAlignment | None = None,
-    scratch: Scratch | None = None,
+    scratch: BufferPool | None = None,
     room: int = 0,
     lengths: np.ndarray | None = None,
 ) -> DocumentWindow:

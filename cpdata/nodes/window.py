@@ -80,14 +80,10 @@ class WindowFill:
         self._lengths.append(np.full(1, ids.shape[0], dtype=np.int64))
         self.tokens += min(max(ids.shape[0], 1), self.capacity)
 
-    def add_run(
-        self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray | None = None
-    ) -> int:
-        """Take a run's first documents (all ``[k]``; ``lengths`` int64 ``[k]`` if counted) up to where the
-        window is full, with one cumulative sum; returns how many."""
+    def add_run(self, items: Sequence[Any], indices: Sequence[int], ids: Sequence[np.ndarray], lengths: np.ndarray) -> int:
+        """Take a run's first documents (all ``[k]``; ``lengths`` int64 ``[k]``) up to where the window is
+        full, with one cumulative sum; returns how many."""
         k = len(ids)
-        if lengths is None:
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=k)
         counted = np.cumsum(np.clip(lengths, 1, self.capacity)) + self.tokens
         if self.limit is not None:
             count = np.arange(len(self.items) + 1, len(self.items) + 1 + k)

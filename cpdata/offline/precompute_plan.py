@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from cpdata.layout.maps import alignment, check_layout, layout_spec
-from cpdata.nodes.document_names import name_document_error
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.options import (
     DataPolicy,
@@ -28,6 +27,7 @@ from cpdata.nodes.options import (
     refuse_keywords,
 )
 from cpdata.nodes.source import to_document
+from cpdata.nodes.source_kinds import name_document_error
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, check_writable, read_store, write_store

@@ -189,7 +189,7 @@ class PrecomputedPacks(ServedPacks):
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         named = isinstance(documents, NamesSources) and callable(documents.document_sources)
         self.document_sources = self._mix_sources if named else None
-        """A mix's (source name, index) of pieces (:func:`cpdata.nodes.document_names.document_sources_of`)."""
+        """A mix's (source name, index) of pieces (:func:`cpdata.nodes.source_kinds.document_sources_of`)."""
 
     @property
     def store(self) -> PackStore:
