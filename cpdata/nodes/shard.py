@@ -30,8 +30,7 @@ from cpdata.nodes.document_names import document_sources_of
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
-from cpdata.worker.collate import SpecKey, fill_rank, rank_spec_key, spec_items
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack, SpecKey, fill_rank, rank_spec_key, spec_items
 from cpdata.worker.shard_block import BlockItem, check_rows, prepare_block
 
 __all__ = ["BLOCK_TOKENS", "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]

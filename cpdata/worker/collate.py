@@ -1,4 +1,5 @@
-"""Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only.
+"""Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only; ``CollatedPack``,
+the record between ``Collate`` and ``ShardForRank``.
 
 A batch's stream is its ``B`` plans' slots row after row (``B*S`` positions), each pack's tail in its
 last slot (TE's rule), an empty pack one padding slot; keys and pad values: :mod:`cpdata.worker.keys`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,7 +32,7 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
-__all__ = ["QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
+__all__ = ["QKV_FORMATS", "CollatedPack", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
            "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata",
            "rank_spec_key", "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
 
@@ -229,3 +231,32 @@ def collate_rank(
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
     ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
     return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollatedPack:
+    """``B`` plans of equal capacity, ready to collate."""
+
+    plans: tuple[PackPlan, ...]
+    """One per row (bshd) or concatenated (thd)."""
+    pack_len: int
+    """Tokens per plan (the capacity ``S``)."""
+    qkv_format: str
+    """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
+    padding_token_id: int
+    """``input_ids`` value on pads."""
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, np.ndarray]:
+        """Stream metadata (``cu_seqlens`` & co.), computed on first read (``ShardForRank`` computes a block's
+        at once and never reads this one)."""
+        return pack_metadata(self.plans)
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """``(B, S)``."""
+        return (len(self.plans), self.pack_len)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The full batch, built now: O(B*S)."""
+        return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)

@@ -17,7 +17,7 @@ import numpy as np
 
 from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
