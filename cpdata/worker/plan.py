@@ -86,17 +86,6 @@ class PieceColumns(Sequence[DocPiece]):
         self.table, self.sources, self.offsets = table, tuple(sources), offsets
         self.buffer, self.at = (buffer, at) if at is not None else (None, None)
 
-    @classmethod
-    def of_window(
-        cls, table: np.ndarray, sources: tuple[Mapping[str, np.ndarray], ...], offsets: np.ndarray,
-        buffer: TokenBuffer | None, at: np.ndarray | None,
-    ) -> PieceColumns:  # fmt: skip
-        """The columns, ``table`` and ``offsets`` already read-only and ``sources`` a tuple: nothing per pack."""
-        cols = cls.__new__(cls)
-        cols.table, cols.sources, cols.offsets = table, sources, offsets
-        cols.buffer, cols.at = (buffer, at) if at is not None else (None, None)
-        return cols
-
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (PieceColumns, (self.table, self.sources, self.offsets))
 
