@@ -90,14 +90,11 @@ def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
     first, longest = int(over[0]), int(over[np.argmax(lengths[over])])
     pack_multiple = alignment(config.layout, config.cp_size)[1]
     enough = -(-int(slots[longest]) // pack_multiple) * pack_multiple  # a capacity the layout accepts
-    others = [p for p in OVERFLOW_POLICIES if p != "error"]
-    raise ValueError(
-        f"document {first} has {int(lengths[first])} tokens ({int(slots[first])} after aligning to a multiple of "
-        f"{m}), more than capacity={cap}; {over.size} of {lengths.size} documents are longer than the capacity "
-        f"(first: {over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); raise "
-        f"the capacity (to {enough} for all) or pass overflow= one of {others} "
-        f"(choices: {list(OVERFLOW_POLICIES)})"
-    )
+    overlong = Overlong(first, int(lengths[first]), int(slots[first]), m, cap)
+    all_of = (f"{over.size} of {lengths.size} documents are longer than the capacity (first: "
+              f"{over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); "
+              f"raise the capacity (to {enough} for all)")  # fmt: skip
+    raise ValueError(overlong.message(hint="", all_of=all_of))
 
 
 _STREAM_HINT = (
@@ -119,12 +116,14 @@ class Overlong:
     multiple: int
     capacity: int
 
-    def message(self, where: str | None = None, hint: str = _STREAM_HINT) -> str:
+    def message(self, where: str | None = None, hint: str = _STREAM_HINT,
+                all_of: str = "raise the capacity") -> str:  # fmt: skip
+        """The error naming ``where`` (default: the index), ``all_of`` (the count, when known), ``hint``."""
         others = [p for p in OVERFLOW_POLICIES if p != "error"]
         return (
-            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a multiple "
-            f"of {self.multiple}), more than capacity={self.capacity}; raise the capacity or pass overflow= one of "
-            f"{others} (choices: {list(OVERFLOW_POLICIES)}). {hint}"
+            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a "
+            f"multiple of {self.multiple}), more than capacity={self.capacity}; {all_of} or pass overflow= "
+            f"one of {others} (choices: {list(OVERFLOW_POLICIES)})" + (f". {hint}" if hint else "")
         )
 
 
