@@ -23,7 +23,6 @@ from cpdata import CPDataLoader, CPDataset
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.dataloader import hand_over
 from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.buffer_spans import views
 from tests.flat_options import records
 
 MAPS = ("local_token_global_indices", "gather_index")
@@ -42,6 +41,12 @@ def pipeline_batches(qkv_format: str) -> list[ShardedBatch]:
 def untouched(batch: ShardedBatch) -> bool:
     """No view of the batch's buffer built yet (neither its tensors nor its layout maps)."""
     return batch._views is not None and batch._views.builds == 0 and batch._tensors is None
+
+
+def views(buffer: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]:
+    """The reference: each span's typed view of ``buffer``, one ``as_strided`` per key."""
+    return {k: buffer.view(dtype).as_strided(shape, strides, offset // dtype.itemsize)
+            for k, (offset, _, dtype, shape, strides) in spans.items()}  # fmt: skip
 
 
 def same_view(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -29,7 +29,6 @@ from cpdata.worker.buffer_spans import (
     plan_of,
     span_table,
     tensor_specs,
-    views,
     with_fields,
 )
 from cpdata.worker.keys import LABELS, N_TARGETS
@@ -175,12 +174,12 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
         map_spans, total = span_table(tensor_specs(maps), end)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer, plan = torch.empty(total, dtype=torch.uint8), plan_of(spans, map_spans, total)
         buffer.numpy()[gap_index((spans, map_spans), total)] = 0  # alignment gaps: no allocator leftovers
-        for view, v in zip((*views(buffer, spans).values(), *views(buffer, map_spans).values()),
+        for view, v in zip((*plan.tensor_views(buffer).values(), *plan.map_views(buffer).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)
-        return cls._from_buffer(buffer, plan_of(spans, map_spans, total), layout, info, True)
+        return cls._from_buffer(buffer, plan, layout, info, True)
 
     @classmethod
     def _from_buffer(
