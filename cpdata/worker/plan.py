@@ -171,28 +171,18 @@ class PackPlan:
         return int(self.seq_lens.sum())
 
 
-def plan_digest(
-    plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None, starts: np.ndarray | None = None
-) -> int:
+def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
     size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
     token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
-    same shape disagree, while a change confined to unsampled positions goes unseen.
-
-    ``ids``: int64 ids holding every piece's ``input_ids`` (the pieces concatenated when None); ``starts``:
-    int64 ``[n_pieces]`` each piece's first index in ``ids`` (back to back from 0 when None)."""
-    lens = plan.seq_lens
-    if ids is None:
-        cols = plan.piece_columns
-        ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
-                                                                        lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
-    if starts is None:
-        starts = lens.cumsum()
-        starts -= lens  # each piece's first id
+    same shape disagree, while a change confined to unsampled positions goes unseen."""
+    lens, cols = plan.seq_lens, plan.piece_columns
+    ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
+                                                                    lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
     rows = digest_rows(plan.columns)
-    sample_ids(ids, starts, rows)
+    sample_ids(ids, lens.cumsum() - lens, rows)  # the pieces back to back: each one's first id
     return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]])[0]
 
 
