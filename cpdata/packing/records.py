@@ -102,14 +102,7 @@ class PackingConfig:
 
     def identity(self) -> dict[str, object]:
         """The fields a saved state must match to be restored under this configuration."""
-        return {
-            "capacity": self.capacity,
-            "layout": self.layout,
-            "cp_size": self.cp_size,
-            "algorithm": self.algorithm,
-            "overflow": self.overflow,
-            "window": self.window,
-        }
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("doc_multiple", "seed")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
