@@ -33,7 +33,7 @@ def filled(shape: tuple[int, ...], k: int = 3, cp: int = 2) -> tuple[ShardedBatc
     local = int(np.prod(shape))
     maps = {"local_token_global_indices": ((local,), np.dtype(np.int64)),
             "gather_index": ((cp * local,), np.dtype(np.int64))}  # fmt: skip
-    buf = BatchBuffer(specs, maps)
+    buf = BatchBuffer(buffer_plan(tuple(specs.items()), tuple(maps.items())))
     want = {}
     for i, (key, arr) in enumerate({**buf.arrays, **buf.maps}.items()):
         values = (np.arange(arr.size) * (i + 3) + i) % 97
@@ -94,13 +94,13 @@ def test_a_replaced_key_falls_back_to_per_key_tensors():
     assert torch.equal(pickle.loads(pickle.dumps(moved))["labels"], batch["labels"])
 
 
-def test_the_plan_is_cached_per_shape_set_whatever_the_spec_spelling():
+def test_the_plan_is_cached_per_shape_set_and_each_buffer_is_fresh():
     specs = specs_for((1, 8), 2)
     maps = {"gather_index": ((16,), np.dtype(np.int64))}
-    a, b = BatchBuffer(specs, maps), BatchBuffer(specs, maps)
-    assert a.plan is b.plan and a.buffer.data_ptr() != b.buffer.data_ptr()
-    listed = BatchBuffer({k: (list(s), dt) for k, (s, dt) in specs.items()}, maps)  # list shapes: normalised
-    assert listed.plan == a.plan and list(listed.arrays) == list(specs)
+    plans = [buffer_plan(tuple(specs.items()), tuple(maps.items())) for _ in range(2)]
+    a, b = BatchBuffer(plans[0]), BatchBuffer(plans[1])
+    assert plans[0] is plans[1] and a.plan is b.plan and a.buffer.data_ptr() != b.buffer.data_ptr()
+    assert list(a.arrays) == list(specs) and list(a.maps) == list(maps)
     assert buffer_plan.cache_info().currsize >= 1
 
 

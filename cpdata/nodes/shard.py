@@ -265,7 +265,7 @@ class ShardForRank(BaseNode[Any]):
                     exchange: ExchangePlan | None) -> tuple[ShardedBatch, np.ndarray, ExchangePlan | None]:  # fmt: skip
         """Rank ``r``'s batch written into its one buffer (its row, the inverse map, tokens, metadata, its part
         of the exchange plan), reusing ``inverse`` and ``exchange`` when given: ``(batch, inverse, exchange)``."""
-        buf = BatchBuffer.of(plan)
+        buf = BatchBuffer(plan)
         rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
         if item.fixed is not None:
             rows_r[...], gather[...] = item.fixed[0][r], item.fixed[1]

@@ -24,7 +24,6 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.buffer_spans import (
     BufferPlan,
     ViewPlan,
-    buffer_plan,
     gap_index,
     plan_of,
     span_table,
@@ -97,31 +96,15 @@ class _BufferViews:
 
 
 class BatchBuffer:
-    """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
+    """A batch's one host buffer before it is filled, laid out by a cached
+    :func:`~cpdata.worker.buffer_spans.buffer_plan`: write the numpy views in place, then :meth:`batch`.
 
-    ``tensors`` and ``maps`` (layout field, placed after the tensors) map keys to ``(shape, numpy dtype)``;
-    ``arrays`` and ``maps`` hold the numpy views (uninitialised but for the zeroed alignment gaps). One
-    cached plan lookup, one allocation and one structured-field read per array; no torch view."""
+    ``arrays`` and ``maps`` (layout fields, placed after the tensors) hold the numpy views (uninitialised but
+    for the zeroed alignment gaps). One allocation and one structured-field read per array; no torch view."""
 
     __slots__ = ("buffer", "plan", "arrays", "maps")
 
-    def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-                 maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
-        try:  # the specs as they come are the cache key (tuple shapes, numpy dtypes)
-            plan = buffer_plan(tuple(tensors.items()), tuple(maps.items()))
-        except TypeError:  # an unhashable spec (a list shape): normalised
-            plan = buffer_plan(tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in tensors.items()),
-                               tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in maps.items()))  # fmt: skip
-        self._allocate(plan)
-
-    @classmethod
-    def of(cls, plan: BufferPlan) -> BatchBuffer:
-        """A buffer laid out by a :func:`~cpdata.worker.buffer_spans.buffer_plan` kept by the caller."""
-        buf = cls.__new__(cls)
-        buf._allocate(plan)
-        return buf
-
-    def _allocate(self, plan: BufferPlan) -> None:
+    def __init__(self, plan: BufferPlan) -> None:
         raw = np.empty(plan.record.itemsize, dtype=np.uint8)
         if plan.gaps.size:  # the writer fills every array; the alignment gaps are zeroed here
             raw[plan.gaps] = 0
