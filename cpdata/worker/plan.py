@@ -183,7 +183,7 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
                                                                     lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
     rows = digest_rows(plan.columns)
     sample_ids(ids, lens.cumsum() - lens, rows)  # the pieces back to back: each one's first id
-    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]])[0]
+    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]], np.asarray(plan.slot_lens))[0]
 
 
 def digest_rows(columns: np.ndarray) -> np.ndarray:
@@ -211,24 +211,17 @@ def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
 
 
 def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
-               slot_lens: np.ndarray | None = None) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table.
-
-    ``slot_lens``: the plans' checked slot lengths concatenated, or None (read from each plan). Rows and
-    lengths become bytes once; each plan hashes its slices."""
+               slot_lens: np.ndarray) -> list[int]:  # fmt: skip
+    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table and of ``slot_lens``,
+    the plans' checked slot lengths concatenated. Rows and lengths become bytes once; each plan hashes its
+    slices."""
     prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
     data, width = rows.tobytes(), 8 * rows.shape[1]
-    lens_data = None if slot_lens is None else slot_lens.astype(np.int64, copy=False).tobytes()
+    lens_data = slot_lens.astype(np.int64, copy=False).tobytes()
     out, row = [], 0
     for plan, k in zip(plans, counts, strict=True):
         h = hashlib.blake2b((prefix + f"{plan.capacity}|{plan.index}").encode(), digest_size=8)
-        if lens_data is None:
-            lens = plan.slot_lens
-            if type(lens) is not np.ndarray or lens.dtype != np.int64 or not lens.flags.c_contiguous:
-                lens = np.ascontiguousarray(lens, dtype=np.int64)
-            h.update(lens)
-        else:
-            h.update(lens_data[8 * row : 8 * (row + k)])
+        h.update(lens_data[8 * row : 8 * (row + k)])
         h.update(data[width * row : width * (row + k)])
         row += k
         out.append(int.from_bytes(h.digest(), "little") & mask)
