@@ -48,7 +48,7 @@ def check(batch: ShardedBatch, want: dict[str, np.ndarray], *, maps: bool = True
     assert list(batch) == keys  # key order kept
     storage = batch._buffer.untyped_storage().data_ptr()
     for key in keys:
-        got, spec = batch[key], batch._spans[key]
+        got, spec = batch[key], batch._views.plan.spans[key]
         assert got.dtype == torch.from_numpy(want[key]).dtype and tuple(got.shape) == want[key].shape, key
         assert got.is_contiguous() and got.untyped_storage().data_ptr() == storage, key  # a view of the buffer
         assert got.storage_offset() * got.element_size() == spec[0] and spec[0] % 16 == 0, key
@@ -88,7 +88,7 @@ def test_a_replaced_key_falls_back_to_per_key_tensors():
     batch, want = filled((1, 32))
     moved = batch.to("cpu", copy=True)
     moved["weight"] = moved["weight"] * 2  # same shape: allowed, the buffer no longer backs every key
-    assert moved._buffer is None and moved._spans == {}
+    assert moved._buffer is None and moved._views is None
     again = moved.to("cpu", copy=True)
     assert list(again) == list(batch) and torch.equal(again["weight"], torch.from_numpy(want["weight"]) * 2)
     assert torch.equal(pickle.loads(pickle.dumps(moved))["labels"], batch["labels"])

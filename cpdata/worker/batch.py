@@ -185,19 +185,9 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         """The uint8 buffer backing every tensor, when contiguous."""
         return self._views.buffer if self._views is not None else None
 
-    @property
-    def _plan(self) -> ViewPlan | None:
-        """The buffer's shared, immutable :class:`ViewPlan`, when contiguous."""
-        return self._views.plan if self._views is not None else None
-
     def _batch_bytes(self) -> int:
         """Bytes of the buffer's batch part (the layout maps follow)."""
         return self._views.plan.head if self._views is not None else 0
-
-    @property
-    def _spans(self) -> dict:
-        """Key -> byte span of the buffer (empty without one)."""
-        return self._views.plan.spans if self._views is not None else {}
 
     def _tensor_dict(self) -> dict[str, torch.Tensor]:
         """Key -> tensor (a buffer's views built here, once)."""
