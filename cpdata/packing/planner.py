@@ -29,7 +29,7 @@ class BinPacker(Protocol):
     """What a packing algorithm implements (keys arrive in increasing order)."""
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
-        """Add one window of pieces; return the packs now finished (keys in arrival order)."""
+        """Add one window of pieces (at least one); return the packs now finished (keys in arrival order)."""
 
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
@@ -113,7 +113,8 @@ class StreamPlanner:
             self._counts[name] += value
         keys = np.arange(self._next_key, self._next_key + len(pieces), dtype=np.int64)
         self._next_key += len(pieces)
-        return pieces, keys, self._packer.place(keys, pieces.slot)
+        packs = self._packer.place(keys, pieces.slot) if len(pieces) else PackKeys.concat([])
+        return pieces, keys, packs
 
     def finish(self) -> PackKeys:
         """End of stream: the remaining packs."""

@@ -63,8 +63,6 @@ class WorldPacker:
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
-        if n == 0:
-            return PackKeys.concat([])
         ck, cs = self._carried()
         packs = self._fill(np.concatenate([ck, keys]), np.concatenate([cs, slots]))
         oldest = int(keys.min()) - MAX_AGE * n
