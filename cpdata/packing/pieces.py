@@ -159,7 +159,7 @@ def cut_documents(
     counts = dict.fromkeys(COUNT_FIELDS, 0)
     counts["documents"] = int(lengths.shape[0])
     counts["skipped"] = int(empty.sum())
-    kept = lengths
+    kept, untrained = lengths, np.zeros(lengths.shape[0], dtype=bool)
     if over.any():
         first = int(np.flatnonzero(over)[0])
         if config.overflow == "error":
@@ -170,24 +170,20 @@ def cut_documents(
             counts["dropped_tokens"] = int(lengths[over].sum())
             empty = empty | over
         elif config.overflow == "truncate":
-            counts["truncated"] = int(over.sum())
-            counts["truncated_tokens"] = int((lengths[over] - cap).sum())
             kept = np.where(over, cap, lengths)
-    if first_target is not None:
-        first_target = np.asarray(first_target, dtype=np.int64)
-    if first_target is not None and int(first_target.max(initial=UNLABELED)) >= NO_TRAINED_TARGET:
+    if first_target is not None and int(np.max(first_target, initial=UNLABELED)) >= NO_TRAINED_TARGET:
         # some document has labels (else nothing is untrained); a truncated document's last kept token loses
         # its target (the next token was cut off)
+        first_target = np.asarray(first_target, dtype=np.int64)
         last = np.where(kept < lengths, kept - 1, kept)
         untrained = ~empty & ((first_target == NO_TRAINED_TARGET) | ((first_target >= 0) & (first_target >= last)))
         counts["untrained"] = int(untrained.sum())
         counts["untrained_tokens"] = int(lengths[untrained].sum())
-        if config.overflow == "truncate":
-            cut = over & ~untrained
-            counts["truncated"] = int(cut.sum())
-            counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
         empty = empty | untrained
-    if config.overflow == "truncate":
+    if config.overflow == "truncate":  # a document left out as untrained is not counted as truncated
+        cut = over & ~untrained
+        counts["truncated"] = int(cut.sum())
+        counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
         lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":
