@@ -39,8 +39,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "cpdata.sources.base": ("TokenizedDataset",),
     "cpdata.sources.open": ("open_dataset",),
     "cpdata.worker.batch": ("ShardedBatch",),
-    "cpdata.worker.collate": ("collate_pack", "collate_rank"),
-    "cpdata.worker.collated": ("CollatedPack",),
+    "cpdata.worker.collate": ("CollatedPack", "collate_pack", "collate_rank"),
     "cpdata.worker.plan": ("DocPiece", "Document", "PackPlan"),
 }
 """Module -> the public names it is the home of."""

@@ -23,7 +23,6 @@ from cpdata import CPDataLoader, CPDataset
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.dataloader import hand_over
 from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.buffer_spans import views
 from tests.flat_options import records
 
 MAPS = ("local_token_global_indices", "gather_index")
@@ -44,6 +43,12 @@ def untouched(batch: ShardedBatch) -> bool:
     return batch._views is not None and batch._views.builds == 0 and batch._tensors is None
 
 
+def views(buffer: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]:
+    """The reference: each span's typed view of ``buffer``, one ``as_strided`` per key."""
+    return {k: buffer.view(dtype).as_strided(shape, strides, offset // dtype.itemsize)
+            for k, (offset, _, dtype, shape, strides) in spans.items()}  # fmt: skip
+
+
 def same_view(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
     assert got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr()
@@ -57,7 +62,7 @@ def test_lazy_views_equal_eager_views_of_the_buffer(qkv_format):
     assert batches
     for batch in batches:
         assert untouched(batch)  # the worker's output: a filled buffer, no view
-        plan, buffer = batch._plan, batch._buffer
+        plan, buffer = batch._views.plan, batch._buffer
         eager, eager_maps = views(buffer, plan.spans), views(buffer, plan.map_spans)  # one as_strided per key
         assert list(batch) == list(eager) and len(batch) == len(eager) and untouched(batch)  # keys from the plan
         for key, want in eager.items():
@@ -77,13 +82,14 @@ def test_pickle_pin_to_and_copy_build_no_host_view(monkeypatch):
     received = pickle.loads(pickle.dumps(batch))
     pinned = torch_pin_memory(batch)  # the pin-memory thread's call
     moved = pinned.to("cpu", copy=True)
-    assert batch.nbytes() == sum(span[1] for span in batch._spans.values())
+    assert batch.nbytes() == sum(span[1] for span in batch._views.plan.spans.values())
     for b in (batch, shallow, received, pinned):
         assert untouched(b)
     assert moved._views.builds == 0 and moved._tensors is None
     assert shallow._views is batch._views  # shared: built at most once for both
     assert received._views is not batch._views and pinned._buffer.data_ptr() != batch._buffer.data_ptr()
-    assert received._plan == batch._plan and moved._plan is pinned._plan is batch._plan
+    plan = batch._views.plan
+    assert received._views.plan == plan and moved._views.plan is pinned._views.plan is plan
     rec = received.layout  # the receiver builds its own views, equal to the sender's
     for name in MAPS:
         assert torch.equal(getattr(rec, name), getattr(batch.layout, name))
@@ -103,7 +109,7 @@ def test_default_convert_shares_the_views_and_keeps_the_buffer():
     assert converted._buffer is batch._buffer and all(converted[k] is batch[k] for k in batch)
     assert converted.layout is batch.layout
     again = pickle.loads(pickle.dumps(converted))
-    assert untouched(again) and again._plan == batch._plan
+    assert untouched(again) and again._views.plan == batch._views.plan
 
 
 def test_a_replacement_detaches_only_the_batch_it_is_made_on():

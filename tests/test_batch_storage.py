@@ -145,9 +145,10 @@ def test_moved_views_are_the_spans_views_and_the_plan_travels():
     for key, want in batch.items():
         got = moved[key]
         assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), key
-        assert got.storage_offset() * got.element_size() == batch._spans[key][0] and torch.equal(got, want)
-    assert moved._plan is batch._plan  # computed once per span table, carried by every derived batch
-    assert pickle.loads(pickle.dumps(batch))._plan == batch._plan
+        offset = batch._views.plan.spans[key][0]
+        assert got.storage_offset() * got.element_size() == offset and torch.equal(got, want)
+    assert moved._views.plan is batch._views.plan  # computed once per span table, kept by every derived batch
+    assert pickle.loads(pickle.dumps(batch))._views.plan == batch._views.plan
 
 
 def test_sharder_fast_path_equals_the_general_path():

@@ -33,7 +33,7 @@ def filled(shape: tuple[int, ...], k: int = 3, cp: int = 2) -> tuple[ShardedBatc
     local = int(np.prod(shape))
     maps = {"local_token_global_indices": ((local,), np.dtype(np.int64)),
             "gather_index": ((cp * local,), np.dtype(np.int64))}  # fmt: skip
-    buf = BatchBuffer(specs, maps)
+    buf = BatchBuffer(buffer_plan(tuple(specs.items()), tuple(maps.items())))
     want = {}
     for i, (key, arr) in enumerate({**buf.arrays, **buf.maps}.items()):
         values = (np.arange(arr.size) * (i + 3) + i) % 97
@@ -48,7 +48,7 @@ def check(batch: ShardedBatch, want: dict[str, np.ndarray], *, maps: bool = True
     assert list(batch) == keys  # key order kept
     storage = batch._buffer.untyped_storage().data_ptr()
     for key in keys:
-        got, spec = batch[key], batch._spans[key]
+        got, spec = batch[key], batch._views.plan.spans[key]
         assert got.dtype == torch.from_numpy(want[key]).dtype and tuple(got.shape) == want[key].shape, key
         assert got.is_contiguous() and got.untyped_storage().data_ptr() == storage, key  # a view of the buffer
         assert got.storage_offset() * got.element_size() == spec[0] and spec[0] % 16 == 0, key
@@ -88,19 +88,19 @@ def test_a_replaced_key_falls_back_to_per_key_tensors():
     batch, want = filled((1, 32))
     moved = batch.to("cpu", copy=True)
     moved["weight"] = moved["weight"] * 2  # same shape: allowed, the buffer no longer backs every key
-    assert moved._buffer is None and moved._spans == {}
+    assert moved._buffer is None and moved._views is None
     again = moved.to("cpu", copy=True)
     assert list(again) == list(batch) and torch.equal(again["weight"], torch.from_numpy(want["weight"]) * 2)
     assert torch.equal(pickle.loads(pickle.dumps(moved))["labels"], batch["labels"])
 
 
-def test_the_plan_is_cached_per_shape_set_whatever_the_spec_spelling():
+def test_the_plan_is_cached_per_shape_set_and_each_buffer_is_fresh():
     specs = specs_for((1, 8), 2)
     maps = {"gather_index": ((16,), np.dtype(np.int64))}
-    a, b = BatchBuffer(specs, maps), BatchBuffer(specs, maps)
-    assert a.plan is b.plan and a.buffer.data_ptr() != b.buffer.data_ptr()
-    listed = BatchBuffer({k: (list(s), dt) for k, (s, dt) in specs.items()}, maps)  # list shapes: normalised
-    assert listed.plan == a.plan and list(listed.arrays) == list(specs)
+    plans = [buffer_plan(tuple(specs.items()), tuple(maps.items())) for _ in range(2)]
+    a, b = BatchBuffer(plans[0]), BatchBuffer(plans[1])
+    assert plans[0] is plans[1] and a.plan is b.plan and a.buffer.data_ptr() != b.buffer.data_ptr()
+    assert list(a.arrays) == list(specs) and list(a.maps) == list(maps)
     assert buffer_plan.cache_info().currsize >= 1
 
 

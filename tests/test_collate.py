@@ -14,7 +14,6 @@ from cpdata.worker.collate import (
     build_stream,
     collate_pack,
     collate_rank,
-    collate_rank_into,
     collate_ranks,
     fill_rank,
     pack_metadata,
@@ -344,7 +343,7 @@ def test_rank_outputs_may_be_strided_views():
     specs = rank_specs(stream, rows.shape[0], "thd")
     out = {key: np.zeros((2 * shape[0],) if shape else (), dtype=dt)[::2] if shape else np.zeros((), dtype=dt)
            for key, (shape, dt) in specs.items()}  # fmt: skip
-    collate_rank_into(stream, rows, "thd", out)
+    fill_rank(stream, rows, "thd", out)
     for key, want in full.items():
         np.testing.assert_array_equal(out[key], want if key in METADATA_KEYS else want[rows], key)
 

@@ -24,7 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
-from cpdata.packing.planner import StreamPlanner, carry_columns, window_ends
+from cpdata.packing.planner import StreamPlanner, carry_and_wait, carry_columns, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
 
@@ -522,6 +522,32 @@ def test_carry_columns_are_the_open_bins_in_csr_form(algorithm):
         restored = StreamPlanner(config)
         restored.load_state(planner.state())
         assert restored._packer.carry() == bins
+
+
+@pytest.mark.parametrize("algorithm", ["bfd", "first_fit", "next_fit"])
+def test_carry_and_wait_are_the_planner_s_largest_carry_and_a_piece_s_longest_wait(algorithm):
+    """Against the planner run window by window: the carried pieces in its state, and each pack's wait from
+    the window holding its first piece's document (found by search in the window ends)."""
+    lengths = sample_lengths("sft", 3000, seed=2)
+    config = PackingConfig.resolve(capacity=4096, layout="identity", cp_size=1, algorithm=algorithm,
+                                   overflow="split", window=100)  # fmt: skip
+    planner, ends = StreamPlanner(config), window_ends(lengths, config)
+    doc_of, carried, waits, lo = [], [], [], 0
+
+    def waited(packs, w):
+        return [w - int(np.searchsorted(ends, doc_of[min(p)], side="right")) for p in packs]
+
+    for w, hi in enumerate(ends):
+        pieces, _, packs = planner.add_window(lengths[lo:hi], np.arange(lo, hi))
+        doc_of += (pieces.doc + lo).tolist()
+        carried.append(len(planner.state()["carry_keys"]))
+        waits += waited(packs, w)
+        lo = hi
+    waits += waited(planner.finish(), len(ends) - 1)
+    assert len(ends) > 10 and max(carried) > 0 and max(waits) > 0  # bins were held across windows
+    assert carry_and_wait(lengths, config) == (max(carried), max(waits))
+    whole = PackingConfig.resolve(capacity=4096, layout="identity", cp_size=1, algorithm="ffd", overflow="split")
+    assert carry_and_wait(lengths, whole) == (0, 0)  # one window: nothing is carried or waits
 
 
 def test_capacity_must_fit_the_layout():

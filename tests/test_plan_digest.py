@@ -83,4 +83,3 @@ def test_digests_from_a_block_table_equal_each_plans():
     lens = np.concatenate([p.slot_lens for p in plans]).astype(np.int64)
     want = [plan_digest(p, "balanced", 4) for p in plans]
     assert hash_plans(plans, "balanced", 4, rows, counts, lens) == want
-    assert hash_plans(plans, "balanced", 4, rows, counts) == want

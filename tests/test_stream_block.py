@@ -12,8 +12,7 @@ from torchdata.nodes import IterableWrapper
 
 from cpdata.layout.maps import thd_slot_lens
 from cpdata.nodes.collate import Collate
-from cpdata.worker.collate import pack_metadata
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack, pack_metadata
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream, build_streams
 from cpdata.worker.stream_slots import stream_slot_lens
@@ -54,29 +53,33 @@ def assert_same_arrays(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) 
         np.testing.assert_array_equal(got[key], want[key], key)
 
 
+def src_starts(stream: Stream) -> np.ndarray:
+    """int64 ``[K]``: the buffer index of each slot's first token, from the segment table."""
+    k = stream.slot_lens.shape[0]
+    return stream.segments[2 * k + 1 : 4 * k + 1 : 2] + stream.slot_starts
+
+
 def assert_stream(stream: Stream, plans: list[PackPlan]) -> None:
     """Every column of ``stream`` from the definitions; its segment table is the one built from its columns."""
     cols = expected_columns(plans)
-    for key in ("slot_starts", "slot_lens", "real_lens", "pos_shift"):
+    for key in ("slot_starts", "slot_lens"):
         np.testing.assert_array_equal(getattr(stream, key), cols[key], key)
-    np.testing.assert_array_equal(stream.real_ends, stream.slot_starts + stream.real_lens)
-    np.testing.assert_array_equal(stream.src_shift, stream.src_starts - stream.slot_starts)
-    assert stream.total == sum(cols["real_lens"])
-    assert stream.max_slot_len == max(cols["slot_lens"])
+    np.testing.assert_array_equal(stream.real_ends, np.add(cols["slot_starts"], cols["real_lens"]))
     assert stream.pads_pass_end == any(
         s + p + n > plans[0].capacity
         for s, p, n in zip(cols["slot_starts"], cols["pos_shift"], cols["slot_lens"], strict=True)
     )
+    starts = src_starts(stream)
     for slot, piece in enumerate(q for p in plans for q in p.pieces or [None]):
         if piece is not None:  # the slot's real tokens read the piece's ids from the buffer
-            at = int(stream.src_starts[slot])
+            at = int(starts[slot])
             np.testing.assert_array_equal(stream.buffer.ids[at : at + piece.length], piece.arrays["input_ids"])
     k = len(cols["slot_starts"])
     segments = np.empty(6 * k + 1, dtype=np.int64)  # each slot's real tokens then its pads, a bound past them
     segments[0 : 2 * k : 2] = cols["slot_starts"]
     segments[1 : 2 * k : 2] = np.add(cols["slot_starts"], cols["real_lens"])
     segments[2 * k] = np.iinfo(np.int64).max
-    segments[2 * k + 1 : 4 * k + 1 : 2] = stream.src_starts - cols["slot_starts"]
+    segments[2 * k + 1 : 4 * k + 1 : 2] = starts - cols["slot_starts"]
     segments[2 * k + 2 : 4 * k + 1 : 2] = stream.buffer.total
     segments[4 * k + 1 :: 2] = segments[4 * k + 2 :: 2] = cols["pos_shift"]
     np.testing.assert_array_equal(stream.segments, segments)
@@ -100,11 +103,12 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
         assert stream.padding_token_id == pad and stream.rows == len(plans)
         assert_stream(stream, plans)
         assert_stream(build_stream(plans, pad), plans)
-        assert (block.real_tokens[b], block.max_slot_len[b]) == (stream.total, stream.max_slot_len)
+        cols = expected_columns(plans)
+        assert (block.real_tokens[b], block.max_slot_len[b]) == (sum(cols["real_lens"]), max(cols["slot_lens"]))
         assert block.max_seqlen[b] == int(stream.metadata["max_seqlen"])
         np.testing.assert_array_equal(block.slots.layout_lens_of(b), stream_slot_lens(plans))
         slot = slice(block.slots.first[b], block.slots.first[b + 1])
-        np.testing.assert_array_equal(block.src_starts[slot], stream.src_starts)
+        np.testing.assert_array_equal(block.src_starts[slot], src_starts(stream))
         before = sum(64 * len(p) for p, _ in batches[:b])  # the streams of the batches before it
         np.testing.assert_array_equal(block.offsets[slot], stream.slot_starts + before)
 
@@ -116,7 +120,7 @@ def test_collated_pack_metadata_is_computed_when_read():
     plans, _ = make_plans(rng, n_plans=6, capacity=64)
     node = Collate(IterableWrapper(plans), batch_size=3, qkv_format="thd")
     for batch in (next(node), next(node)):
-        assert batch._metadata is None
+        assert "metadata" not in vars(batch)  # not computed by the node
         assert_same_arrays(batch.metadata, pack_metadata(list(batch.plans)))
         assert batch.metadata is batch.metadata  # computed once
         with pytest.raises(AttributeError, match="cannot assign"):
@@ -124,8 +128,5 @@ def test_collated_pack_metadata_is_computed_when_read():
         copy = pickle.loads(pickle.dumps(batch))
         assert copy.row_shape == batch.row_shape and copy.qkv_format == "thd"
         assert_same_arrays(copy.metadata, batch.metadata)
-    given = {"seq_lens": np.zeros(1, dtype=np.int32)}
-    record = CollatedPack(plans=tuple(plans[:1]), pack_len=64, qkv_format="bshd", padding_token_id=0, metadata=given)
-    assert record.metadata is given
     assert_same_arrays(CollatedPack(plans=tuple(plans[:2]), pack_len=64, qkv_format="bshd",
                                     padding_token_id=0).metadata, pack_metadata(plans[:2]))  # fmt: skip

@@ -5,7 +5,9 @@ Every distribution is packed at 4K, 16K and 128K by the default packer and by ``
 packing). ``padding_pct``: pad tokens over pack tokens, every pack. ``lower_bound_pct``: the padding of the
 Martello-Toth L2 bound on the fewest packs, over the pieces when overlong documents are split
 (``split_bound_pct``, extra: ``ceil(total / capacity)``). A capacity most documents exceed is skipped.
-``us_per_doc``: median wall time of one ``plan_lengths`` call per document.
+``us_per_doc``: median wall time of one ``plan_lengths`` call per document. ``carry`` and ``wait``: the most
+pieces held open between windows and the longest a piece waits, in windows
+(:func:`cpdata.packing.planner.carry_and_wait`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ __all__ = ["ALGORITHMS", "COLUMNS", "default_algorithm", "lower_bound_bins", "ru
 
 COLUMNS: tuple[str, ...] = ("distribution", "capacity", "algorithm", "padding_pct", "lower_bound_pct", "us_per_doc")
 ALGORITHMS: tuple[str, ...] = ("next_fit", "first_fit", "ffd")
-TABLE: tuple[str, ...] = (*COLUMNS, "gap_pp", "split_bound_pct", "packs", "docs", "overflow")
+TABLE: tuple[str, ...] = (*COLUMNS, "gap_pp", "split_bound_pct", "packs", "docs", "overflow", "carry", "wait")
 TITLE = "padding and planning time: default packer vs next_fit, first_fit (8 bins), ffd"
 CAPACITIES: tuple[int, ...] = (4096, 16384, 131072)
 LAYOUT, CP_SIZE = "balanced", 8
@@ -81,6 +83,7 @@ def _padding_pct(bins: int, capacity: int, tokens: int) -> float:
 
 def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | None, repeats: int) -> dict:
     from cpdata.packing import plan_lengths
+    from cpdata.packing.planner import carry_and_wait
 
     kwargs = {"capacity": capacity, "layout": LAYOUT, "cp_size": CP_SIZE, "algorithm": algorithm}
     if overflow is not None:
@@ -88,8 +91,9 @@ def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | Non
     result = plan_lengths(lengths, **kwargs)
     (seconds,) = alternating_medians((lambda: plan_lengths(lengths, **kwargs),), repeats=repeats, warmup=0)
     placed = int(np.asarray(result.doc_len).sum())
+    carry, wait = carry_and_wait(lengths, result.config)
     return {"padding_pct": _padding_pct(result.n_packs, capacity, placed), "packs": result.n_packs,
-            "us_per_doc": seconds / lengths.size * 1e6}
+            "us_per_doc": seconds / lengths.size * 1e6, "carry": carry, "wait": wait}
 
 
 def run(*, quick: bool) -> list[dict]:

@@ -13,8 +13,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.errors import check_int
 from cpdata.nodes.state_version import check_saved_config, check_state_version
-from cpdata.worker.collate import check_padding_token_id, check_qkv_format
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack, check_padding_token_id, check_qkv_format
 
 if TYPE_CHECKING:
     from cpdata.worker.plan import PackPlan

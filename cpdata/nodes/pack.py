@@ -256,7 +256,7 @@ class Pack(BaseNode[PackPlan]):
 
     def _emit(self, pack: _Finished) -> PackPlan:
         table, sources, offsets, slots, tokens, slot_tokens, buffer, at = pack
-        pieces = PieceColumns.of_window(table, sources, offsets, buffer, at)
+        pieces = PieceColumns(table, sources, offsets, buffer, at)
         plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
         self._planner.account(packs=1, tokens=tokens, slot_tokens=slot_tokens)
         self._emitted += 1

@@ -30,8 +30,7 @@ from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_version import check_saved_config, check_state_version
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
-from cpdata.worker.collate import SpecKey, fill_rank, rank_spec_key, spec_items
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack, SpecKey, fill_rank, rank_spec_key, spec_items
 from cpdata.worker.shard_block import BlockItem, check_rows, prepare_block
 
 __all__ = ["BLOCK_TOKENS", "DEFAULT_BLOCK_SIZE", "MAX_BLOCK_SIZE", "ShardForRank", "layout_depends_on_documents"]
@@ -266,7 +265,7 @@ class ShardForRank(BaseNode[Any]):
                     exchange: ExchangePlan | None) -> tuple[ShardedBatch, np.ndarray, ExchangePlan | None]:  # fmt: skip
         """Rank ``r``'s batch written into its one buffer (its row, the inverse map, tokens, metadata, its part
         of the exchange plan), reusing ``inverse`` and ``exchange`` when given: ``(batch, inverse, exchange)``."""
-        buf = BatchBuffer.of(plan)
+        buf = BatchBuffer(plan)
         rows_r, gather = buf.maps["local_token_global_indices"], buf.maps["gather_index"]
         if item.fixed is not None:
             rows_r[...], gather[...] = item.fixed[0][r], item.fixed[1]

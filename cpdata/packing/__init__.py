@@ -2,7 +2,7 @@
 :func:`plan_lengths`, so both give the same packs.
 
 Algorithms ``bfd`` (default), ``ffd``, ``first_fit``, ``next_fit``, ``concat``: table and padding figures in
-docs/packing-and-mixing.md, numbers from ``python -m cpdata.packing``. Modules, in pipeline order:
+docs/packing-and-mixing.md, numbers from ``cpdata bench``. Modules, in pipeline order:
 ``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing``, ``filling`` (exact fills),
 ``world`` (the world layout's packer), ``planner`` (the shared core), ``offline`` (``plan_lengths``),
 ``distributions`` (length distributions for tests and benchmarks)."""

@@ -132,8 +132,6 @@ class BestFitDecreasing:
         self.load_carry([])
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
-        if keys.shape[0] == 0:
-            return PackKeys.concat([])
         cap, m = self.capacity, int(self._bins.max(initial=-1)) + 1
         # Carried bins holding a piece older than MAX_WAIT windows leave now; a window counts as the
         # larger of this window's and the carry's pieces (a short last window is not a short window).
@@ -214,8 +212,6 @@ class FirstFitDecreasing:
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
-        if n == 0:
-            return PackKeys.concat([])
         ks, ss = decreasing(keys, slots)
         size = 1 << max(n - 1, 1).bit_length()
         # Max segment tree over the room of bins 0..size-1 (unused bins have full room).

@@ -52,12 +52,8 @@ DISTRIBUTIONS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
 
 BENCHMARK_CASES: tuple[tuple[str, int, str, int], ...] = (
     ("alpaca", 4096, "error", 100_000),
-    ("sft", 4096, "split", 40_000),
-    ("sft", 16384, "split", 100_000),
-    ("ultrachat", 4096, "split", 40_000),
-    ("ultrachat", 16384, "split", 100_000),
-    ("web", 4096, "split", 40_000),
-    ("web", 16384, "split", 100_000),
+    *((name, capacity, "split", n) for name in ("sft", "ultrachat", "web")
+      for capacity, n in ((4096, 40_000), (16384, 100_000))),  # fmt: skip
     ("long_context", 16384, "split", 20_000),
     ("long_context", 131072, "error", 60_000),
     ("alpaca", 131072, "error", 400_000),

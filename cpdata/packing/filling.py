@@ -153,7 +153,10 @@ def exact_fill(slots: np.ndarray, capacity: int) -> np.ndarray:
             fit = _last_left(left, bottom, bisect_right(vals, room - vals[bottom]))
             room -= take(fit if fit >= 0 else _last_left(left, bottom, hi))
         b += 1
-    return _bins_of(takes, order)
+    lo, q, bins = np.asarray(takes, dtype=np.int64).reshape(-1, 3).T  # (first sorted position, count, bin)
+    bin_of = np.empty(n, dtype=np.int64)
+    bin_of[order[segments(lo, q)]] = np.repeat(bins, q)
+    return bin_of
 
 
 def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int, bottom: int,
@@ -175,11 +178,3 @@ def _last_left(left: list[int], lo: int, hi: int) -> int:
             return i
     return -1
 
-
-def _bins_of(takes: list[int], order: np.ndarray) -> np.ndarray:
-    """int64 ``[n]`` bin per piece from the flat takes ``(first sorted position, count, bin)``."""
-    lo, q, b = np.asarray(takes, dtype=np.int64).reshape(-1, 3).T
-    positions = segments(lo, q)
-    bin_of = np.empty(order.shape[0], dtype=np.int64)
-    bin_of[order[positions]] = np.repeat(b, q)
-    return bin_of

@@ -24,12 +24,6 @@ def _as_lengths(lengths: object) -> np.ndarray:
     return arr
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    a.flags.writeable = False
-    return a
-
-
 def plan_lengths(
     lengths: np.ndarray,
     *,
@@ -66,7 +60,7 @@ def plan_lengths(
         if first_target.shape != lengths.shape:
             raise ValueError(f"first_target has shape {first_target.shape}, lengths {lengths.shape}; pass one per document")
     planner = StreamPlanner(config)
-    columns: list[tuple[np.ndarray, ...]] = []
+    columns: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]
     parts: list[PackKeys] = []
     lo = 0
     for hi in window_ends(lengths, config):
@@ -77,20 +71,14 @@ def plan_lengths(
         lo = hi
     parts.append(planner.finish())
 
-    table = [np.concatenate(c) if c else np.zeros(0, np.int64) for c in zip(*columns, strict=True)] or [
-        np.zeros(0, np.int64)
-    ] * 4
     packs = PackKeys.concat(parts)
-    pack_sizes, order = packs.sizes, packs.keys
+    order = packs.keys
+    offsets = np.concatenate([[0], np.cumsum(packs.sizes)]).astype(np.int64)
+    table = [np.concatenate(c) for c in zip(*columns, strict=True)]
     assert order.shape[0] == table[0].shape[0], "every piece must land in exactly one pack"
     doc_index, doc_start, doc_len, slot_len = (col[order] for col in table)
-    planner.account(packs=len(pack_sizes), tokens=int(doc_len.sum()), slot_tokens=int(slot_len.sum()))
-    return PackingResult(
-        pack_offsets=_frozen(np.concatenate([[0], np.cumsum(pack_sizes)])),
-        doc_index=_frozen(doc_index),
-        doc_start=_frozen(doc_start),
-        doc_len=_frozen(doc_len),
-        slot_len=_frozen(slot_len),
-        stats=planner.stats(),
-        config=config,
-    )
+    for a in (offsets, doc_index, doc_start, doc_len, slot_len):
+        a.flags.writeable = False
+    planner.account(packs=len(packs), tokens=int(doc_len.sum()), slot_tokens=int(slot_len.sum()))
+    return PackingResult(pack_offsets=offsets, doc_index=doc_index, doc_start=doc_start, doc_len=doc_len,
+                         slot_len=slot_len, stats=planner.stats(), config=config)

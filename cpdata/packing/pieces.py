@@ -90,14 +90,11 @@ def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
     first, longest = int(over[0]), int(over[np.argmax(lengths[over])])
     pack_multiple = alignment(config.layout, config.cp_size)[1]
     enough = -(-int(slots[longest]) // pack_multiple) * pack_multiple  # a capacity the layout accepts
-    others = [p for p in OVERFLOW_POLICIES if p != "error"]
-    raise ValueError(
-        f"document {first} has {int(lengths[first])} tokens ({int(slots[first])} after aligning to a multiple of "
-        f"{m}), more than capacity={cap}; {over.size} of {lengths.size} documents are longer than the capacity "
-        f"(first: {over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); raise "
-        f"the capacity (to {enough} for all) or pass overflow= one of {others} "
-        f"(choices: {list(OVERFLOW_POLICIES)})"
-    )
+    overlong = Overlong(first, int(lengths[first]), int(slots[first]), m, cap)
+    all_of = (f"{over.size} of {lengths.size} documents are longer than the capacity (first: "
+              f"{over[:8].tolist()}; longest: document {longest} with {int(lengths[longest])} tokens); "
+              f"raise the capacity (to {enough} for all)")  # fmt: skip
+    raise ValueError(overlong.message(hint="", all_of=all_of))
 
 
 _STREAM_HINT = (
@@ -119,12 +116,14 @@ class Overlong:
     multiple: int
     capacity: int
 
-    def message(self, where: str | None = None, hint: str = _STREAM_HINT) -> str:
+    def message(self, where: str | None = None, hint: str = _STREAM_HINT,
+                all_of: str = "raise the capacity") -> str:  # fmt: skip
+        """The error naming ``where`` (default: the index), ``all_of`` (the count, when known), ``hint``."""
         others = [p for p in OVERFLOW_POLICIES if p != "error"]
         return (
-            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a multiple "
-            f"of {self.multiple}), more than capacity={self.capacity}; raise the capacity or pass overflow= one of "
-            f"{others} (choices: {list(OVERFLOW_POLICIES)}). {hint}"
+            f"{where or f'document {self.index}'} has {self.tokens} tokens ({self.slot} after aligning to a "
+            f"multiple of {self.multiple}), more than capacity={self.capacity}; {all_of} or pass overflow= "
+            f"one of {others} (choices: {list(OVERFLOW_POLICIES)})" + (f". {hint}" if hint else "")
         )
 
 
@@ -160,7 +159,7 @@ def cut_documents(
     counts = dict.fromkeys(COUNT_FIELDS, 0)
     counts["documents"] = int(lengths.shape[0])
     counts["skipped"] = int(empty.sum())
-    kept = lengths
+    kept, untrained = lengths, np.zeros(lengths.shape[0], dtype=bool)
     if over.any():
         first = int(np.flatnonzero(over)[0])
         if config.overflow == "error":
@@ -171,24 +170,20 @@ def cut_documents(
             counts["dropped_tokens"] = int(lengths[over].sum())
             empty = empty | over
         elif config.overflow == "truncate":
-            counts["truncated"] = int(over.sum())
-            counts["truncated_tokens"] = int((lengths[over] - cap).sum())
             kept = np.where(over, cap, lengths)
-    if first_target is not None:
-        first_target = np.asarray(first_target, dtype=np.int64)
-    if first_target is not None and int(first_target.max(initial=UNLABELED)) >= NO_TRAINED_TARGET:
+    if first_target is not None and int(np.max(first_target, initial=UNLABELED)) >= NO_TRAINED_TARGET:
         # some document has labels (else nothing is untrained); a truncated document's last kept token loses
         # its target (the next token was cut off)
+        first_target = np.asarray(first_target, dtype=np.int64)
         last = np.where(kept < lengths, kept - 1, kept)
         untrained = ~empty & ((first_target == NO_TRAINED_TARGET) | ((first_target >= 0) & (first_target >= last)))
         counts["untrained"] = int(untrained.sum())
         counts["untrained_tokens"] = int(lengths[untrained].sum())
-        if config.overflow == "truncate":
-            cut = over & ~untrained
-            counts["truncated"] = int(cut.sum())
-            counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
         empty = empty | untrained
-    if config.overflow == "truncate":
+    if config.overflow == "truncate":  # a document left out as untrained is not counted as truncated
+        cut = over & ~untrained
+        counts["truncated"] = int(cut.sum())
+        counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
         lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":

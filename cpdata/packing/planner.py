@@ -20,7 +20,7 @@ from cpdata.packing.pieces import COUNT_FIELDS, Pieces, cut_documents
 from cpdata.packing.records import PackingConfig, PackingStats, PackKeys
 from cpdata.packing.world import WorldPacker
 
-__all__ = ["BinPacker", "StreamPlanner", "carry_columns", "make_packer", "window_ends"]
+__all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "carry_columns", "make_packer", "window_ends"]
 
 _PACK_FIELDS = ("tokens", "slot_tokens", "packs")
 
@@ -29,7 +29,7 @@ class BinPacker(Protocol):
     """What a packing algorithm implements (keys arrive in increasing order)."""
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
-        """Add one window of pieces; return the packs now finished (keys in arrival order)."""
+        """Add one window of pieces (at least one); return the packs now finished (keys in arrival order)."""
 
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
@@ -113,7 +113,8 @@ class StreamPlanner:
             self._counts[name] += value
         keys = np.arange(self._next_key, self._next_key + len(pieces), dtype=np.int64)
         self._next_key += len(pieces)
-        return pieces, keys, self._packer.place(keys, pieces.slot)
+        packs = self._packer.place(keys, pieces.slot) if len(pieces) else PackKeys.concat([])
+        return pieces, keys, packs
 
     def finish(self) -> PackKeys:
         """End of stream: the remaining packs."""
@@ -156,3 +157,20 @@ class StreamPlanner:
         slots = np.asarray(state["carry_slots"]).tolist()
         self._packer = make_packer(self.config)
         self._packer.load_carry([(keys[a:b], slots[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)])
+
+
+def carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, int]:
+    """The most pieces held open between windows and the longest wait of a piece (windows from its own to
+    its pack's; pieces still open at the end of the stream leave after the last window) over int64 ``[n]``
+    ``lengths``: what the ``packing`` section of ``cpdata bench`` reports as ``carry`` and ``wait``."""
+    planner = StreamPlanner(config)
+    arrival: list[np.ndarray] = []
+    carry = wait = lo = w = 0
+    for w, hi in enumerate(window_ends(lengths, config)):
+        _, keys, packs = planner.add_window(lengths[lo:hi], np.arange(lo, hi))
+        lo = hi
+        arrival.append(np.full(keys.shape[0], w))
+        born = np.concatenate(arrival)
+        carry = max(carry, len(planner.state()["carry_keys"]))
+        wait = max([wait, *(w - int(born[min(p)]) for p in packs)])
+    return carry, max([wait, *(w - int(born[min(p)]) for p in planner.finish())])

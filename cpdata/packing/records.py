@@ -19,8 +19,8 @@ __all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
-"""Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound (``python -m
-cpdata.packing``); 512 costs ~0.02 pp more, 2048 saves ~0.01 pp (the carry, and the ``Pack`` state, grow
+"""Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound (the ``packing`` section
+of ``cpdata bench``); 512 costs ~0.02 pp more, 2048 saves ~0.01 pp (the carry, and the ``Pack`` state, grow
 with the window)."""
 WINDOW_PACKS = 4
 """A window also holds at least this many packs of tokens (each document counted up to the capacity,
@@ -102,14 +102,7 @@ class PackingConfig:
 
     def identity(self) -> dict[str, object]:
         """The fields a saved state must match to be restored under this configuration."""
-        return {
-            "capacity": self.capacity,
-            "layout": self.layout,
-            "cp_size": self.cp_size,
-            "algorithm": self.algorithm,
-            "overflow": self.overflow,
-            "window": self.window,
-        }
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("doc_multiple", "seed")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -63,12 +63,8 @@ class WorldPacker:
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
-        if n == 0:
-            return PackKeys.concat([])
-        ck = [k for keys_, _ in self._carry for k in keys_]
-        cs = [s for _, slots_ in self._carry for s in slots_]
-        packs = self._fill(np.concatenate([np.asarray(ck, dtype=np.int64), keys]),
-                           np.concatenate([np.asarray(cs, dtype=np.int64), slots]))  # fmt: skip
+        ck, cs = self._carried()
+        packs = self._fill(np.concatenate([ck, keys]), np.concatenate([cs, slots]))
         oldest = int(keys.min()) - MAX_AGE * n
         short = self.capacity // self.world // 4
         open_ = [i for i, (pk, _, bins) in enumerate(packs) if bins.max_room >= short and min(pk) >= oldest]
@@ -85,10 +81,14 @@ class WorldPacker:
         return packs_by_bin(flat, bin_of)
 
     def finish(self) -> PackKeys:
-        ck = np.array([k for keys, _ in self._carry for k in keys], dtype=np.int64)
-        cs = np.array([s for _, slots in self._carry for s in slots], dtype=np.int64)
+        packs = self._fill(*self._carried())
         self._carry = []
-        return self._emit(self._fill(ck, cs)) if ck.size else PackKeys.concat([])
+        return self._emit(packs)
+
+    def _carried(self) -> tuple[np.ndarray, np.ndarray]:
+        """The carried pieces' keys and slots, int64 ``[n]`` each."""
+        return (np.array([k for keys, _ in self._carry for k in keys], dtype=np.int64),
+                np.array([s for _, slots in self._carry for s in slots], dtype=np.int64))  # fmt: skip
 
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """The carried packs' pieces as ``(keys, slots)``, pack by pack."""

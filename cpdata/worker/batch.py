@@ -24,12 +24,10 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.buffer_spans import (
     BufferPlan,
     ViewPlan,
-    buffer_plan,
     gap_index,
     plan_of,
     span_table,
     tensor_specs,
-    views,
     with_fields,
 )
 from cpdata.worker.keys import LABELS, N_TARGETS
@@ -98,31 +96,15 @@ class _BufferViews:
 
 
 class BatchBuffer:
-    """A batch's one host buffer before it is filled: write the numpy views in place, then :meth:`batch`.
+    """A batch's one host buffer before it is filled, laid out by a cached
+    :func:`~cpdata.worker.buffer_spans.buffer_plan`: write the numpy views in place, then :meth:`batch`.
 
-    ``tensors`` and ``maps`` (layout field, placed after the tensors) map keys to ``(shape, numpy dtype)``;
-    ``arrays`` and ``maps`` hold the numpy views (uninitialised but for the zeroed alignment gaps). One
-    cached plan lookup, one allocation and one structured-field read per array; no torch view."""
+    ``arrays`` and ``maps`` (layout fields, placed after the tensors) hold the numpy views (uninitialised but
+    for the zeroed alignment gaps). One allocation and one structured-field read per array; no torch view."""
 
     __slots__ = ("buffer", "plan", "arrays", "maps")
 
-    def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-                 maps: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:  # fmt: skip
-        try:  # the specs as they come are the cache key (tuple shapes, numpy dtypes)
-            plan = buffer_plan(tuple(tensors.items()), tuple(maps.items()))
-        except TypeError:  # an unhashable spec (a list shape): normalised
-            plan = buffer_plan(tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in tensors.items()),
-                               tuple((k, (tuple(shape), np.dtype(dt))) for k, (shape, dt) in maps.items()))  # fmt: skip
-        self._allocate(plan)
-
-    @classmethod
-    def of(cls, plan: BufferPlan) -> BatchBuffer:
-        """A buffer laid out by a :func:`~cpdata.worker.buffer_spans.buffer_plan` kept by the caller."""
-        buf = cls.__new__(cls)
-        buf._allocate(plan)
-        return buf
-
-    def _allocate(self, plan: BufferPlan) -> None:
+    def __init__(self, plan: BufferPlan) -> None:
         raw = np.empty(plan.record.itemsize, dtype=np.uint8)
         if plan.gaps.size:  # the writer fills every array; the alignment gaps are zeroed here
             raw[plan.gaps] = 0
@@ -175,12 +157,12 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
         map_spans, total = span_table(tensor_specs(maps), end)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer, plan = torch.empty(total, dtype=torch.uint8), plan_of(spans, map_spans, total)
         buffer.numpy()[gap_index((spans, map_spans), total)] = 0  # alignment gaps: no allocator leftovers
-        for view, v in zip((*views(buffer, spans).values(), *views(buffer, map_spans).values()),
+        for view, v in zip((*plan.tensor_views(buffer).values(), *plan.map_views(buffer).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)
-        return cls._from_buffer(buffer, plan_of(spans, map_spans, total), layout, info, True)
+        return cls._from_buffer(buffer, plan, layout, info, True)
 
     @classmethod
     def _from_buffer(
@@ -203,19 +185,9 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         """The uint8 buffer backing every tensor, when contiguous."""
         return self._views.buffer if self._views is not None else None
 
-    @property
-    def _plan(self) -> ViewPlan | None:
-        """The buffer's shared, immutable :class:`ViewPlan`, when contiguous."""
-        return self._views.plan if self._views is not None else None
-
     def _batch_bytes(self) -> int:
         """Bytes of the buffer's batch part (the layout maps follow)."""
         return self._views.plan.head if self._views is not None else 0
-
-    @property
-    def _spans(self) -> dict:
-        """Key -> byte span of the buffer (empty without one)."""
-        return self._views.plan.spans if self._views is not None else {}
 
     def _tensor_dict(self) -> dict[str, torch.Tensor]:
         """Key -> tensor (a buffer's views built here, once)."""

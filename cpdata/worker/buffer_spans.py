@@ -20,7 +20,7 @@ import torch
 
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["BufferPlan", "Span", "ViewPlan", "buffer_plan", "gap_index", "plan_of", "span_table", "tensor_specs", "views",
+__all__ = ["BufferPlan", "Span", "ViewPlan", "buffer_plan", "gap_index", "plan_of", "span_table", "tensor_specs",
            "with_fields"]
 
 _ALIGN = 16
@@ -168,14 +168,3 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     return BufferPlan(plan_of(spans, map_spans, total), record, tuple(keys[: len(tensors)]),
                       tuple(keys[len(tensors) :]), gaps)  # fmt: skip
 
-
-def views(buffer: torch.Tensor, spans: Mapping[str, Span]) -> dict[str, torch.Tensor]:
-    """Typed views of ``buffer`` by a span table, one ``as_strided`` per key (one-off uses)."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    out = {}
-    for k, (offset, _, dtype, shape, strides) in spans.items():
-        view = typed.get(dtype)
-        if view is None:
-            view = typed[dtype] = buffer.view(dtype)
-        out[k] = view.as_strided(shape, strides, offset // dtype.itemsize)
-    return out

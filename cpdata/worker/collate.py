@@ -1,4 +1,5 @@
-"""Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only.
+"""Collate pack plans into batch tensors: the full pack, or one CP rank's tokens only; ``CollatedPack``,
+the record between ``Collate`` and ``ShardForRank``.
 
 A batch's stream is its ``B`` plans' slots row after row (``B*S`` positions), each pack's tail in its
 last slot (TE's rule), an empty pack one padding slot; keys and pad values: :mod:`cpdata.worker.keys`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,9 +32,9 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
-__all__ = ["QKV_FORMATS", "build_stream", "check_padding_token_id", "check_qkv_format", "collate_pack",
-           "collate_rank", "collate_rank_into", "collate_ranks", "fill_rank", "pack_metadata",
-           "rank_spec_key", "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
+__all__ = ["QKV_FORMATS", "CollatedPack", "build_stream", "check_padding_token_id", "check_qkv_format",
+           "collate_pack", "collate_rank", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key",
+           "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -139,15 +141,11 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
         np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=derived)
 
 
-def collate_rank_into(stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray]) -> None:
-    """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors (``rows_r`` checked)."""
-    fill_rank(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format, out)
-
-
 def fill_rank(
     stream: Stream, rows_r: np.ndarray, qkv_format: str, out: dict[str, np.ndarray], increasing: bool | None = None
 ) -> None:  # fmt: skip
-    """:func:`collate_rank_into` for a trusted int64 ``[L]`` ``rows_r``; metadata are the stream's own.
+    """Fill ``out`` (laid out by :func:`rank_specs`) with one rank's tensors at a trusted int64 ``[L]``
+    ``rows_r``; metadata are the stream's own.
 
     ``increasing``: whether ``rows_r`` never decreases (every layout's row does); None checks it. Other
     rows are gathered sorted and put back (an ``argsort``)."""
@@ -192,9 +190,15 @@ def collate_pack(
     check_qkv_format(qkv_format)
     stream = build_stream(plans, padding_token_id)
     n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
-    specs = rank_specs(stream, n, qkv_format)
+    return _rank_tensors(stream, np.arange(n, dtype=np.int64), qkv_format, increasing=True)
+
+
+def _rank_tensors(stream: Stream, rows_r: np.ndarray, qkv_format: str, increasing: bool | None = None
+                  ) -> dict[str, np.ndarray]:  # fmt: skip
+    """:func:`fill_rank` into new arrays."""
+    specs = rank_specs(stream, rows_r.shape[0], qkv_format)
     out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
-    fill_rank(stream, np.arange(n, dtype=np.int64), qkv_format, out, increasing=True)
+    fill_rank(stream, rows_r, qkv_format, out, increasing)
     return out
 
 
@@ -207,13 +211,7 @@ def collate_ranks(
 ) -> list[dict[str, np.ndarray]]:
     """:func:`collate_rank` for several ranks, sharing one stream (and token buffer)."""
     stream = build_stream(plans, padding_token_id)
-    out = []
-    for rows_r in rows:
-        specs = rank_specs(stream, np.asarray(rows_r).shape[-1], qkv_format)
-        tensors = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
-        collate_rank_into(stream, rows_r, qkv_format, tensors)
-        out.append(tensors)
-    return out
+    return [_rank_tensors(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format) for rows_r in rows]
 
 
 def collate_rank(
@@ -229,3 +227,32 @@ def collate_rank(
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
     ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
     return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollatedPack:
+    """``B`` plans of equal capacity, ready to collate."""
+
+    plans: tuple[PackPlan, ...]
+    """One per row (bshd) or concatenated (thd)."""
+    pack_len: int
+    """Tokens per plan (the capacity ``S``)."""
+    qkv_format: str
+    """``"bshd"`` (``[B, S]`` rows) or ``"thd"`` (flat ``[B*S]`` stream)."""
+    padding_token_id: int
+    """``input_ids`` value on pads."""
+
+    @functools.cached_property
+    def metadata(self) -> dict[str, np.ndarray]:
+        """Stream metadata (``cu_seqlens`` & co.), computed on first read (``ShardForRank`` computes a block's
+        at once and never reads this one)."""
+        return pack_metadata(self.plans)
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """``(B, S)``."""
+        return (len(self.plans), self.pack_len)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The full batch, built now: O(B*S)."""
+        return collate_pack(self.plans, padding_token_id=self.padding_token_id, qkv_format=self.qkv_format)

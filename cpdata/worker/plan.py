@@ -86,17 +86,6 @@ class PieceColumns(Sequence[DocPiece]):
         self.table, self.sources, self.offsets = table, tuple(sources), offsets
         self.buffer, self.at = (buffer, at) if at is not None else (None, None)
 
-    @classmethod
-    def of_window(
-        cls, table: np.ndarray, sources: tuple[Mapping[str, np.ndarray], ...], offsets: np.ndarray,
-        buffer: TokenBuffer | None, at: np.ndarray | None,
-    ) -> PieceColumns:  # fmt: skip
-        """The columns, ``table`` and ``offsets`` already read-only and ``sources`` a tuple: nothing per pack."""
-        cols = cls.__new__(cls)
-        cols.table, cols.sources, cols.offsets = table, sources, offsets
-        cols.buffer, cols.at = (buffer, at) if at is not None else (None, None)
-        return cols
-
     def __reduce__(self):  # type: ignore[no-untyped-def]
         return (PieceColumns, (self.table, self.sources, self.offsets))
 
@@ -182,29 +171,19 @@ class PackPlan:
         return int(self.seq_lens.sum())
 
 
-def plan_digest(
-    plan: PackPlan, layout: str, cp_size: int, ids: np.ndarray | None = None, starts: np.ndarray | None = None
-) -> int:
+def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
     size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
     token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
-    same shape disagree, while a change confined to unsampled positions goes unseen.
-
-    ``ids``: int64 ids holding every piece's ``input_ids`` (the pieces concatenated when None); ``starts``:
-    int64 ``[n_pieces]`` each piece's first index in ``ids`` (back to back from 0 when None)."""
-    lens = plan.seq_lens
-    if ids is None:
-        cols = plan.piece_columns
-        ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
-                                                                        lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
-    if starts is None:
-        starts = lens.cumsum()
-        starts -= lens  # each piece's first id
+    same shape disagree, while a change confined to unsampled positions goes unseen."""
+    lens, cols = plan.seq_lens, plan.piece_columns
+    ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
+                                                                    lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
     rows = digest_rows(plan.columns)
-    sample_ids(ids, starts, rows)
-    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]])[0]
+    sample_ids(ids, lens.cumsum() - lens, rows)  # the pieces back to back: each one's first id
+    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]], np.asarray(plan.slot_lens))[0]
 
 
 def digest_rows(columns: np.ndarray) -> np.ndarray:
@@ -232,24 +211,17 @@ def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
 
 
 def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
-               slot_lens: np.ndarray | None = None) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table.
-
-    ``slot_lens``: the plans' checked slot lengths concatenated, or None (read from each plan). Rows and
-    lengths become bytes once; each plan hashes its slices."""
+               slot_lens: np.ndarray) -> list[int]:  # fmt: skip
+    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table and of ``slot_lens``,
+    the plans' checked slot lengths concatenated. Rows and lengths become bytes once; each plan hashes its
+    slices."""
     prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
     data, width = rows.tobytes(), 8 * rows.shape[1]
-    lens_data = None if slot_lens is None else slot_lens.astype(np.int64, copy=False).tobytes()
+    lens_data = slot_lens.astype(np.int64, copy=False).tobytes()
     out, row = [], 0
     for plan, k in zip(plans, counts, strict=True):
         h = hashlib.blake2b((prefix + f"{plan.capacity}|{plan.index}").encode(), digest_size=8)
-        if lens_data is None:
-            lens = plan.slot_lens
-            if type(lens) is not np.ndarray or lens.dtype != np.int64 or not lens.flags.c_contiguous:
-                lens = np.ascontiguousarray(lens, dtype=np.int64)
-            h.update(lens)
-        else:
-            h.update(lens_data[8 * row : 8 * (row + k)])
+        h.update(lens_data[8 * row : 8 * (row + k)])
         h.update(data[width * row : width * (row + k)])
         row += k
         out.append(int.from_bytes(h.digest(), "little") & mask)

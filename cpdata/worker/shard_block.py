@@ -17,7 +17,7 @@ import numpy as np
 
 from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
-from cpdata.worker.collated import CollatedPack
+from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
@@ -112,26 +112,19 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
     return works
 
 
-def _digests(batches: Sequence[CollatedPack], block: StreamBlock, layout: str, cp_size: int) -> list[int]:
+def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[int]) -> list[int]:
     """Each batch's digest: :func:`cpdata.worker.plan.plan_digest` of its plan, or a hash of every plan's.
 
     One digest table of every piece, samples gathered once per run of batches sharing a token buffer,
-    one hash per plan."""
+    one hash per plan; ``n_documents``: each batch's pieces."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
-    if slots.padded:  # an empty plan's padding slot is no piece
-        pads, at, counts = [], 0, slots.counts
-        for c in counts:
-            if not c:
-                pads.append(at)
-            at += c or 1
-        piece = np.ones(columns.shape[0], dtype=bool)
-        piece[pads] = False
+    if slots.padded:  # an empty plan's padding slot (document -1) is no piece
+        piece = columns[:, 0] >= 0
         columns, starts, raw = columns[piece], starts[piece], raw[piece]
-        pf = slots.plan_first
-        first = [0, *accumulate(sum(counts[pf[b] : pf[b + 1]]) for b in range(len(batches)))]
+        first = [0, *accumulate(n_documents)]
     rows = digest_rows(columns)
-    k = len(batches)
+    k = len(n_documents)
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
         sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
     digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
@@ -226,13 +219,13 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         of_len = {n: static_layout(layout, cp_size, n)[1:] for n in set(stream_lens)}
         tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
         works = _static_causal_work(block, layout, cp_size, stream_lens)
-    digests = _digests(batches, block, layout, cp_size)
     slots = block.slots
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
     if len(indices) == k:  # one plan per batch
         n_documents = slots.counts
     else:
         n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
+    digests = _digests(block, layout, cp_size, n_documents)
     doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
     n_targets = target_counts(block)
     items = []

@@ -58,37 +58,6 @@ class Stream:
         return self.segments[1 : 2 * self.slot_lens.shape[0] : 2]
 
     @property
-    def real_lens(self) -> np.ndarray:
-        """int64 ``[K]``: real tokens of each slot."""
-        return self.real_ends - self.slot_starts
-
-    @property
-    def src_shift(self) -> np.ndarray:
-        """int64 ``[K]``: buffer index minus stream position of each slot's real tokens."""
-        k = self.slot_lens.shape[0]
-        return self.segments[2 * k + 1 : 4 * k + 1 : 2]
-
-    @property
-    def src_starts(self) -> np.ndarray:
-        """int64 ``[K]``: buffer index of each slot's first token."""
-        return self.src_shift + self.slot_starts
-
-    @property
-    def pos_shift(self) -> np.ndarray:
-        """int64 ``[K]``: position id minus stream position of each slot."""
-        return self.segments[4 * self.slot_lens.shape[0] + 1 :: 2]
-
-    @property
-    def total(self) -> int:
-        """``T``: the real tokens."""
-        return int(self.real_lens.sum())
-
-    @property
-    def max_slot_len(self) -> int:
-        """The longest slot (tail absorbed)."""
-        return int(self.slot_lens.max())
-
-    @property
     def pad_at(self) -> int:
         """``W``: the buffer index pad positions read."""
         return self.buffer.total

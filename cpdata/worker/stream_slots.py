@@ -6,6 +6,7 @@ few numpy calls; :func:`metadata_block` gives their ``cu_seqlens`` family."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,7 +97,9 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
     raw = (slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int64, copy=False)
     short = raw < table[:, 2]
     if short.any():
-        p, i = _plan_piece(counts, int(np.flatnonzero(short)[0]))
+        k = int(np.flatnonzero(short)[0])
+        p = bisect_right(ends, k)  # the plan holding stream slot k, then its piece
+        i = k - (ends[p - 1] if p else 0)
         raise ValueError(
             f"plan {flat[p].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
@@ -115,15 +118,6 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
     batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
     layout_lens[batch_last] = raw[batch_last]
     return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, min(counts) == 0, flat)
-
-
-def _plan_piece(counts: list[int], k: int) -> tuple[int, int]:
-    """``(plan, piece)`` of stream slot ``k`` (plans of ``counts`` pieces, an empty one holding one slot)."""
-    for b, c in enumerate(counts):
-        if k < max(c, 1):
-            return b, k
-        k -= max(c, 1)
-    raise IndexError(k)
 
 
 def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:

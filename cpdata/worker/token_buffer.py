@@ -110,7 +110,6 @@ def concatenate_arrays(
     if max(map(len, arrays), default=1) == 1:  # input_ids alone (the usual case)
         return TokenBuffer(ids, None, {})
     keys = sorted(set().union(*(a.keys() for a in arrays)) - {INPUT_IDS})
-    labels = None
     extras: dict[str, np.ndarray] = {}
     starts = (after - lengths).tolist()
     for key in keys:
@@ -123,8 +122,5 @@ def concatenate_arrays(
         for a, at, k in zip(arrays, starts, lengths.tolist(), strict=True):
             if key in a:
                 out[at : at + k] = a[key]
-        if key == LABELS:
-            labels = out
-        else:
-            extras[key] = out
-    return TokenBuffer(ids, labels, extras)
+        extras[key] = out
+    return TokenBuffer(ids, extras.pop(LABELS, None), extras)
