@@ -45,7 +45,7 @@ def _plain_read(store, i: int) -> dict[str, np.ndarray]:
     """Document ``i`` as the store's reader served it before chunk checks (the reference)."""
     start, stop = int(store._offsets[i]), int(store._offsets[i + 1])
     out = {"input_ids": store._tokens[start:stop].astype(np.int64)}
-    for key, (values, present) in store._extras.items():
+    for key, (values, present, _) in store._checked_extras.items():
         if present[i]:
             out[key] = np.array(values[start:stop])
     return out
