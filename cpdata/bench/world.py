@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from cpdata.bench.distributions import sample
+from cpdata.bench.distributions import first_packs
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
 from cpdata.layout.tiles import exchange_tiles, live_tiles
 from cpdata.layout.world_cost import H100_DEFAULTS
@@ -133,23 +133,12 @@ def _row(name: str, world: int, per_rank: int, system: str, mbs: list[tuple[np.n
     }  # fmt: skip
 
 
-def _packs(name: str, capacity: int, world: int, n: int) -> list[np.ndarray]:
-    from cpdata.packing import plan_lengths
-
-    probe = sample(name, 1000, 0)
-    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
-    result = plan_lengths(lengths, capacity=capacity, layout=layout_spec("world", node_size=NODE_SIZE),
-                          cp_size=world, overflow="split")  # fmt: skip
-    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
-    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
-
-
 def run(*, quick: bool) -> list[dict]:
     names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
     rows, skipped = [], None
     for name in names:
         for world, per_rank in WORLDS:
-            packs = _packs(name, world * per_rank, world, n)
+            packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n)
             mine = _row(name, world, per_rank, "cpdata world", *_cpdata(packs, world, per_rank))
             theirs = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
             if isinstance(theirs, str):

@@ -19,7 +19,8 @@ one pair in it is live or all ``tile * tile``.
   ``block_size=tile`` (a test checks it on random packs).
 - :func:`block_tiles`: the same count for one query block of the pack's global
   order, ``b - first_block(document of b's first token) + 1``: a layout made
-  of whole aligned blocks (``tiled``) pays the sum of its blocks' counts.
+  of whole aligned blocks (``tiled``) pays the sum of its blocks' counts;
+  :func:`ideal_tiles` is their sum over ``cp``, an even share.
 - :func:`kv_recv_tokens`: per rank, the keys it does not own but its queries
   need: for every document with a query on the rank, the document's positions
   up to that rank's last query of it, minus the rank's own. An all-gather
@@ -46,7 +47,8 @@ import numpy as np
 if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
 
-__all__ = ["block_tiles", "exchange_tiles", "first_keys", "kv_recv_tokens", "live_tiles", "segment_starts"]
+__all__ = ["block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
+           "segment_starts"]
 
 
 def _absorbed(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
@@ -93,7 +95,8 @@ def first_keys(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarr
 
 
 def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
-    """int64 ``[pack_len // tile]``: live key tiles of each ``tile``-token query block of the global order.
+    """int64 ``[ceil(pack_len / tile)]``: live key tiles of each ``tile``-token query block of the global
+    order.
 
     Block ``b`` holds queries ``[b*tile, (b+1)*tile)``; the documents it meets
     start no earlier than the one holding its first token, whose start lies in
@@ -101,11 +104,16 @@ def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int)
     key of a document precedes all of the block's queries; block ``b`` holds the
     diagonal), none before ``f``. So the count is ``b - f + 1``; a block whose
     first token is tail padding has ``f = b`` (its pads see their own keys): 1.
+    A partial last block (``pack_len`` not a multiple of ``tile``) counts as flex pads it.
     """
-    if pack_len % tile:
-        raise ValueError(f"pack_len={pack_len} must be a multiple of tile={tile}")
-    b = np.arange(pack_len // tile, dtype=np.int64)
+    b = np.arange(-(-pack_len // tile), dtype=np.int64)
     return b - first_keys(slot_lens, pack_len)[b * tile] // tile + 1
+
+
+def ideal_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int, cp_size: int) -> float:
+    """The pack's live tiles at cp 1 (one rank, every query in global order: :func:`block_tiles`) over
+    ``cp_size``: an even share, the denominator of every ``tiles_max_over_ideal``."""
+    return float(block_tiles(slot_lens, pack_len, tile).sum()) / cp_size
 
 
 def live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
