@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
+import types
 
 import numpy as np
 
@@ -38,16 +39,6 @@ NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib"
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
 PACKS, QUICK_PACKS = 8, 2
-
-
-class _Group:
-    """The stand-in ``dp_cp_group``: ``BalancedCPScheduler.__init__`` calls ``size()`` and nothing else."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
 
 
 def _scheduler_class() -> type | str:
@@ -79,7 +70,7 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
     scheduler = _scheduler_class()
     if isinstance(scheduler, str):
         return scheduler
-    sched = scheduler(per_rank, _Group(world))
+    sched = scheduler(per_rank, types.SimpleNamespace(size=lambda: world))  # all its constructor reads
     gc.collect()  # a full collection owed to earlier allocations is not the schedule's
     t0 = time.thread_time()
     groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
