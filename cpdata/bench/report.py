@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cpdata.bench.runner import SECTIONS
 from cpdata.bench.table import markdown_table
 from cpdata.bench.worker_throughput import worker_ratio
 
@@ -161,8 +162,6 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "packing": lambda rows: _packing(rows, str(results.get("default_algorithm", "bfd"))), "balance": _balance,
         "attention": _attention,
     }
-    order = ("step_shard", "worker", "handoff", "packing", "balance", "gather", "long_document", "schedule",
-             "attention", "world", "integrity")  # the order of docs/benchmarks.md
     parts += [pivots[name](results[name]) if name in pivots else _table(name, results[name], m["device"])
-              for name in order if results.get(name)]
+              for name in SECTIONS if results.get(name)]  # run order: that of docs/benchmarks.md
     return "\n\n".join(parts) + "\n"
