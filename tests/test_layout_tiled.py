@@ -24,7 +24,7 @@ from cpdata.layout.maps import (
 )
 from cpdata.layout.tiled import TILES, tiled_owners
 from cpdata.layout.tiled_deal import SWAP_TOLERANCE, block_groups, deal_blocks, resplit_pairs, swap_blocks
-from cpdata.layout.tiles import block_tiles, first_keys, kv_recv_tokens, live_tiles
+from cpdata.layout.tiles import block_tiles, first_keys, ideal_tiles, kv_recv_tokens, live_tiles
 from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
@@ -91,6 +91,17 @@ def test_block_tiles_sum_to_the_whole_pack_and_tiled_ranks_pay_their_blocks():
 
 
 lens_strategy = st.lists(st.integers(0, 700), max_size=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=lens_strategy, tail=st.integers(0, 300), tile=st.sampled_from(TILES), cp=st.integers(1, 8))
+def test_ideal_tiles_are_the_whole_packs_live_tiles_over_cp_at_any_pack_length(lens, tail, tile, cp):
+    pack_len = sum(lens) + tail
+    if pack_len == 0:
+        return
+    whole = live_tiles(np.arange(pack_len)[None], lens, pack_len, tile)[0]  # one rank, every query: the brute count
+    assert ideal_tiles(lens, pack_len, tile, cp) == whole / cp
+    assert block_tiles(lens, pack_len, tile).shape == (-(-pack_len // tile),)  # a partial last block counts
 
 
 @settings(max_examples=150, deadline=None)
@@ -225,8 +236,8 @@ def test_pairwise_resplits_take_a_small_deal_to_the_integer_bound():
 
 
 def test_tiled_causal_work_in_info_equals_the_rows_work():
-    from cpdata.bench.balance import doc_positions
     from cpdata.layout.maps import layout_run_block
+    from cpdata.offline.metrics import pack_geometry
 
     rng = np.random.default_rng(5)
     packs = [_pack(rng, "tiled:64", 3, 4)[0] for _ in range(5)]
@@ -237,7 +248,7 @@ def test_tiled_causal_work_in_info_equals_the_rows_work():
     for p, (lens, table) in enumerate(zip(packs, block.tables(), strict=True)):
         rows = rank_indices("tiled:64", 3, lens, pack_len)
         assert np.array_equal(table.rows(), rows) and np.array_equal(table.inverse(), inverse_indices(rows))
-        assert np.array_equal(work[p], causal_work(rows, doc_positions(real[p], lens, pack_len)))
+        assert np.array_equal(work[p], causal_work(rows, pack_geometry(real[p], lens, pack_len).positions))
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -70,7 +70,7 @@ _PAD_VALUES = {LABELS: IGNORE_INDEX, PADDING_MASK: True}
 
 
 def anchor_collate(
-    documents: Sequence[np.ndarray], *, capacity: int, doc_multiple: int = 1, padding_token_id: int = 0
+    documents: Sequence[np.ndarray], *, capacity: int, doc_multiple: int = 1
 ) -> dict[str, torch.Tensor]:
     """The full pack built in the step from its documents: ``[1, capacity]`` ``input_ids``, ``labels`` (-100
     at each document's end and on pads), ``position_ids``, ``padding_mask``, and int32 ``cu_seqlens`` /
@@ -80,7 +80,7 @@ def anchor_collate(
         t = torch.from_numpy(np.asarray(doc, dtype=np.int64))
         n = t.numel()
         pad = (-n) % doc_multiple
-        ids.append(F.pad(t, (0, pad), value=padding_token_id))
+        ids.append(F.pad(t, (0, pad), value=0))
         labels.append(F.pad(torch.cat([t[1:], t.new_full((1,), IGNORE_INDEX)]), (0, pad), value=IGNORE_INDEX))
         positions.append(torch.arange(n + pad))
         masks.append(torch.arange(n + pad) >= n)
@@ -89,7 +89,7 @@ def anchor_collate(
     tail = capacity - sum(padded)
     padded[-1] += tail
     out = {
-        "input_ids": F.pad(torch.cat(ids), (0, tail), value=padding_token_id),
+        "input_ids": F.pad(torch.cat(ids), (0, tail), value=0),
         LABELS: F.pad(torch.cat(labels), (0, tail), value=IGNORE_INDEX),
         "position_ids": torch.cat([*positions[:-1], torch.arange(padded[-1])]),
         PADDING_MASK: F.pad(torch.cat(masks), (0, tail), value=True),
@@ -122,15 +122,12 @@ def anchor_shard(batch: Mapping[str, torch.Tensor], *, layout: str, cp_size: int
     return on_device, indices
 
 
-def anchor_gather(
-    x_local: torch.Tensor, local_indices: torch.Tensor, *, group: dist.ProcessGroup | None = None, seq_dim: int = 1
-) -> torch.Tensor:
-    """Differentiable gather back to global order, NeMo style (two collectives forward, see the module)."""
+def anchor_gather(x_local: torch.Tensor, local_indices: torch.Tensor) -> torch.Tensor:
+    """Differentiable gather of ``[B, L, ...]`` back to global order on dim 1, NeMo style (two collectives
+    forward, see the module)."""
     from torch.distributed.nn.functional import all_gather
 
-    parts = all_gather(x_local, group=group)
-    full = torch.cat(parts, dim=seq_dim)
-    maps = [torch.empty_like(local_indices) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(maps, local_indices.contiguous(), group=group)
-    order = torch.argsort(torch.cat(maps))
-    return full.index_select(seq_dim, order)
+    full = torch.cat(all_gather(x_local), dim=1)
+    maps = [torch.empty_like(local_indices) for _ in range(dist.get_world_size())]
+    dist.all_gather(maps, local_indices.contiguous())
+    return full.index_select(1, torch.argsort(torch.cat(maps)))

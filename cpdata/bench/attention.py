@@ -3,12 +3,12 @@
 Each distribution is packed per layout (``bfd``, split) at 8K / 32K / 128K. Per pack and rank: the live tiles
 of the document-causal mask (:func:`cpdata.layout.tiles.live_tiles`, flex's ``create_block_mask`` counts) and
 the K/V needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means over packs:
-``tiles_max_over_ideal`` (busiest rank over cp-1 tiles / cp; ``_p95``; ``tiles_integer_bound``: the floor of
-any layout of whole blocks), ``kv_recv_fraction`` (over an all-gather's ``(cp - 1) / cp * S``),
-``solve_us_per_pack`` / ``maps_us_per_pack`` (layout tables, then one row and the inverse; thread CPU time),
-``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal`` (a varlen kernel's tiles,
-:func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one rank's
-dense ``[L, S]`` mask and ``BlockMask``).
+``tiles_max_over_ideal`` (busiest rank over :func:`cpdata.layout.tiles.ideal_tiles`; ``_p95``;
+``tiles_integer_bound``: the floor of any layout of whole blocks), ``kv_recv_fraction`` (over an all-gather's
+``(cp - 1) / cp * S``), ``solve_us_per_pack`` / ``maps_us_per_pack`` (layout tables, then one row and the
+inverse; thread CPU time), ``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal`` (a varlen kernel's
+tiles, :func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one
+rank's dense ``[L, S]`` mask and ``BlockMask``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from cpdata.bench.distributions import sample
+from cpdata.bench.distributions import first_packs
 from cpdata.layout.maps import layout_runs, layout_spec
-from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
+from cpdata.layout.tiles import block_tiles, ideal_tiles, kv_recv_tokens, live_tiles
 from cpdata.layout.varlen_tiles import varlen_live_tiles
 
 __all__ = ["COLUMNS", "LAYOUTS", "TABLE", "flex_mask_bytes", "run"]
@@ -46,16 +46,6 @@ def flex_mask_bytes(local_len: int, keys: int, tile: int) -> int:
     return 4 * (2 * nq + 2 * nk + 4 * nq * nk)
 
 
-def _packs(name: str, capacity: int, layout: str, cp: int, n: int) -> list[np.ndarray]:
-    from cpdata.packing import plan_lengths
-
-    probe = sample(name, 1000, 0)
-    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
-    result = plan_lengths(lengths, capacity=capacity, layout=layout, cp_size=cp, overflow="split")
-    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
-    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
-
-
 def _solve_us(layout: str, cp: int, packs: list[np.ndarray], capacity: int, repeats: int) -> tuple[float, float]:
     """Median thread CPU times of one pack's layout tables, then of one rank's row and the inverse map."""
     solve, maps = [], []
@@ -77,17 +67,17 @@ def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...]
     out = []
     specs = [(layout_spec(layout, t), (t,)) for t in tiles] if layout == "tiled" else [(layout, tiles)]
     for spec, for_tiles in specs:
-        packs = _packs(name, capacity, spec, cp, n)
+        packs = first_packs(name, capacity, spec, cp, n)
         rows = [layout_runs(spec, cp, lens, capacity).rows() for lens in packs]  # (the tail joins the last slot)
         recv = float(np.mean([kv_recv_tokens(r, lens, capacity).max() for r, lens in zip(rows, packs, strict=True)])
                      / ((cp - 1) / cp * capacity))  # fmt: skip
         solve, maps = _solve_us(spec, cp, packs, capacity, repeats)
         for tile in for_tiles:
+            ideal = [ideal_tiles(lens, capacity, tile, cp) for lens in packs]
+            over = [float(live_tiles(r, lens, capacity, tile).max() / i)
+                    for r, lens, i in zip(rows, packs, ideal, strict=True)]  # fmt: skip
             costs = [block_tiles(lens, capacity, tile) for lens in packs]
-            totals = [int(c.sum()) for c in costs]
-            over = [float(live_tiles(r, lens, capacity, tile).max() / (total / cp))
-                    for r, lens, total in zip(rows, packs, totals, strict=True)]  # fmt: skip
-            bound = [max(-(-total // cp), int(c.max())) / (total / cp) for c, total in zip(costs, totals, strict=True)]
+            bound = [max(-(-int(c.sum()) // cp), int(c.max())) / i for c, i in zip(costs, ideal, strict=True)]
             whole = [int(varlen_live_tiles(np.arange(capacity)[None], lens, capacity, tile)[0]) for lens in packs]
             busiest = [int(varlen_live_tiles(r, lens, capacity, tile).max()) for r, lens in zip(rows, packs, strict=True)]
             local = capacity // cp
@@ -97,8 +87,8 @@ def _cell(name: str, capacity: int, cp: int, layout: str, tiles: tuple[int, ...]
                 "tiles_max_over_ideal_p95": float(np.percentile(over, 95)),
                 "tiles_integer_bound": float(np.mean(bound)),
                 "varlen_max_over_ideal": float(np.mean([b / (w / cp) for b, w in zip(busiest, whole, strict=True)])),
-                "varlen_max_over_flex_ideal": float(np.mean([b / (t / cp) for b, t in zip(busiest, totals,
-                                                                                           strict=True)])),
+                "varlen_max_over_flex_ideal": float(np.mean([b / i for b, i in zip(busiest, ideal,
+                                                                                    strict=True)])),
                 "kv_recv_fraction": recv, "solve_us_per_pack": solve, "maps_us_per_pack": maps,
                 "dense_mask_mib": local * capacity / 2**20,
                 "flex_mask_mib": flex_mask_bytes(local, capacity, tile) / 2**20, "packs": len(packs),

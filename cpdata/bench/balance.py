@@ -1,8 +1,8 @@
 """Section ``balance``: causal attention work per CP rank, per layout.
 
 Documents are packed by each layout's default packer at 32K (128K for long_context; overlong documents split).
-Per pack, each rank's causal document-masked work is :func:`cpdata.layout.maps.causal_work`; the imbalance is
-max-rank over mean-rank work (``_mean`` / ``_p95`` / ``_max`` over packs). ``doc_pad_pct``: per-document
+Per pack, each rank's causal document-masked work is :func:`cpdata.offline.metrics.rank_work`; the imbalance
+is max-rank over mean-rank work (``_mean`` / ``_p95`` / ``_max`` over packs). ``doc_pad_pct``: per-document
 alignment padding over all pack tokens; ``equal_tokens``: every rank held ``pack_len / cp`` tokens in every
 pack.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
-from cpdata.layout.maps import causal_work, rank_indices
+from cpdata.offline.metrics import pack_geometry, rank_work
 
-__all__ = ["COLUMNS", "LAYOUTS", "doc_positions", "run"]
+__all__ = ["COLUMNS", "LAYOUTS", "run"]
 
 COLUMNS: tuple[str, ...] = (
     "distribution", "layout", "cp_size", "imbalance_mean", "imbalance_p95", "doc_pad_pct", "equal_tokens",
@@ -26,20 +26,6 @@ CP_SIZES: tuple[int, ...] = (2, 4, 8)
 CAPACITY, LONG_CAPACITY = 32768, 131072
 
 
-def doc_positions(doc_len: np.ndarray, slot_len: np.ndarray, pack_len: int) -> np.ndarray:
-    """int64 ``[pack_len]``: each token's position in its document, -1 on slot and tail padding."""
-    doc_len = np.asarray(doc_len, dtype=np.int64)
-    slot_len = np.asarray(slot_len, dtype=np.int64)
-    pos = np.full(pack_len, -1, dtype=np.int64)
-    total = int(doc_len.sum())
-    if total:
-        slot_start = np.cumsum(slot_len) - slot_len
-        doc_start = np.cumsum(doc_len) - doc_len
-        within = np.arange(total, dtype=np.int64) - np.repeat(doc_start, doc_len)
-        pos[np.repeat(slot_start, doc_len) + within] = within
-    return pos
-
-
 def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int) -> dict:
     offsets = np.asarray(result.pack_offsets)
     doc_len, slot_len = np.asarray(result.doc_len), np.asarray(result.slot_len)
@@ -48,9 +34,8 @@ def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int
     doc_pad = 0
     for p in range(n_packs):
         lo, hi = int(offsets[p]), int(offsets[p + 1])
-        rows = rank_indices(layout, cp_size, slot_len[lo:hi], capacity)
+        rows, work = rank_work(layout, cp_size, pack_geometry(doc_len[lo:hi], slot_len[lo:hi], capacity))
         equal &= rows.shape == (cp_size, capacity // cp_size)
-        work = causal_work(rows, doc_positions(doc_len[lo:hi], slot_len[lo:hi], capacity))
         if work.mean() > 0:
             imbalance.append(float(work.max() / work.mean()))
         doc_pad += int(slot_len[lo:hi].sum() - doc_len[lo:hi].sum())

@@ -18,7 +18,7 @@ import numpy as np
 
 from cpdata.packing.distributions import sample_lengths
 
-__all__ = ["NAMES", "sample", "split_graph", "stdlib_paths", "token_documents"]
+__all__ = ["NAMES", "first_packs", "sample", "split_graph", "stdlib_paths", "token_documents"]
 
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 """Every distribution the bench packs, in table order."""
@@ -50,6 +50,18 @@ def sample(name: str, n: int, seed: int = 0) -> np.ndarray:
     if name == "stdlib":
         return _stdlib_lengths()
     return sample_lengths(name, n, seed)
+
+
+def first_packs(name: str, capacity: int, layout: str, cp_size: int, n: int) -> list[np.ndarray]:
+    """Slot lengths (int64 ``[slots]`` each) of the first ``n`` packs ``plan_lengths`` makes of ``name``
+    (overlong documents split), from about 1.2 packs' worth of documents per pack."""
+    from cpdata.packing import plan_lengths
+
+    probe = sample(name, 1000, 0)
+    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
+    result = plan_lengths(lengths, capacity=capacity, layout=layout, cp_size=cp_size, overflow="split")
+    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
+    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
 
 
 def token_documents(lengths: Iterable[int], seed: int = 0, *, low: int = 0, high: int = 32000) -> list[dict]:

@@ -10,6 +10,7 @@ barrier before each run; with more ranks than cores they measure oversubscriptio
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -81,12 +82,8 @@ def _rank(rank: int, world: int, sizes: list[tuple[int, int]], repeats: int) -> 
             grad = torch.randn(1, tokens, hidden, generator=gen)
             x = full[:, local].clone().requires_grad_(True)
 
-            def anchor(t, local=local):
-                return anchor_gather(t, local)
-
-            def ours(t, layout=layout):
-                return cp_gather.gather_token_tensor(t, layout)
-
+            anchor = functools.partial(anchor_gather, local_indices=local)
+            ours = functools.partial(cp_gather.gather_token_tensor, layout=layout)
             ya, ga, af, ab = _step(anchor, x, grad, counter)
             yc, gc, cf, cb = _step(ours, x, grad, counter)
             assert torch.equal(ya, full) and torch.equal(yc, full), "gather did not restore global order"

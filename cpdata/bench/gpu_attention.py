@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpdata.bench.attention import _packs
+from cpdata.bench.distributions import first_packs
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import layout_runs
 from cpdata.layout.tiles import segment_starts
@@ -51,7 +51,7 @@ class RankCase:
 
 def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[RankCase]:
     """Every rank of the distribution's first pack under ``layout`` (``tiled``: with its exchange plan)."""
-    lens = _packs(distribution, capacity, layout, cp, 1)[0]
+    lens = first_packs(distribution, capacity, layout, cp, 1)[0]
     rows = layout_runs(layout, cp, lens, capacity).rows()
     slot, starts = segment_starts(lens, capacity)
     doc_start = starts[slot]

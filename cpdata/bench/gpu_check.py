@@ -22,12 +22,20 @@ from pathlib import Path
 
 import torch
 
+from cpdata.bench import gpu_attention, gpu_exchange, gpu_steps
 from cpdata.bench.table import format_value, markdown_table
 
 __all__ = ["PARTS", "main", "render_markdown", "run_parts"]
 
-PARTS: tuple[str, ...] = ("pinned_batches", "copy_overlap", "attention_per_rank", "hf_step_compiled",
-                          "autocast_cp2_vs_cp1", "exchange_vs_all_gather")  # fmt: skip
+PARTS: dict[str, Callable[[float], dict]] = {
+    "pinned_batches": lambda _: gpu_steps.pinned_batches(),
+    "copy_overlap": lambda _: gpu_steps.copy_overlap(),
+    "attention_per_rank": lambda seconds: gpu_attention.run(deadline=time.monotonic() + seconds),
+    "hf_step_compiled": lambda _: gpu_steps.hf_step(),
+    "autocast_cp2_vs_cp1": lambda _: gpu_steps.autocast_cp2(),
+    "exchange_vs_all_gather": lambda _: gpu_exchange.run(),
+}
+"""Part -> ``run(attention_seconds) -> figures``, in run order."""
 
 
 def _missing(part: str) -> str | None:
@@ -44,21 +52,7 @@ def _missing(part: str) -> str | None:
     return None
 
 
-def _call(part: str, attention_seconds: float) -> dict:
-    from cpdata.bench import gpu_attention, gpu_exchange, gpu_steps
-
-    calls: dict[str, Callable[[], dict]] = {
-        "pinned_batches": gpu_steps.pinned_batches,
-        "copy_overlap": gpu_steps.copy_overlap,
-        "attention_per_rank": lambda: gpu_attention.run(deadline=time.monotonic() + attention_seconds),
-        "hf_step_compiled": gpu_steps.hf_step,
-        "autocast_cp2_vs_cp1": gpu_steps.autocast_cp2,
-        "exchange_vs_all_gather": gpu_exchange.run,
-    }
-    return calls[part]()
-
-
-def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
+def run_parts(parts: Sequence[str] = tuple(PARTS), *, attention_seconds: float = 210.0,
               log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """``{part: {"status", "seconds", "reason" | "error" | "result"}}``: ``skipped`` (with the reason),
     ``ok``, ``mismatch`` (ran, missed a tolerance) or ``failed`` (raised; the traceback's tail)."""
@@ -73,7 +67,7 @@ def run_parts(parts: Sequence[str] = PARTS, *, attention_seconds: float = 210.0,
             continue
         t0 = time.monotonic()
         try:
-            result = _call(part, attention_seconds)
+            result = PARTS[part](attention_seconds)
             status = "ok" if result.get("ok", True) else "mismatch"
             out[part] = {"status": status, "result": result}
         except Exception as e:  # noqa: BLE001 (every part's failure is reported and the next part runs)

@@ -59,15 +59,6 @@ def _pass(store) -> float:
     return time.process_time() - start
 
 
-def _paired(a, b, flip: bool) -> tuple[float, float]:
-    """One pass over each store, back to back; ``flip`` runs ``b`` first (a drift of load weighs on both)."""
-    if flip:
-        tb = _pass(b)
-        return _pass(a), tb
-    ta = _pass(a)
-    return ta, _pass(b)
-
-
 def _row(tokens: int, mask: bool, tmp: Path) -> dict:
     from cpdata.sources.tokenstore import write_token_store
 
@@ -80,9 +71,9 @@ def _row(tokens: int, mask: bool, tmp: Path) -> dict:
         reference._read = types.MethodType(_plain_read, reference)
         fresh = pickle.loads(blob)
         for times, pair in ((plain, first), (warm, checked)):  # first passes, then second passes
-            a, b = _paired(reference, fresh, flip=bool(r % 2))
-            times.append(a)
-            pair.append(b)
+            order = ((times, reference), (pair, fresh))  # back to back, in turn first (load drifts alike)
+            for out, reader in order[::-1] if r % 2 else order:
+                out.append(_pass(reader))
     verify = pickle.loads(blob)
     start = time.process_time()
     verify.verify_content()

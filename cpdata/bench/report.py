@@ -7,9 +7,10 @@ layout, attention to a tile column per layout).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from cpdata.bench.runner import SECTIONS
 from cpdata.bench.table import markdown_table
 from cpdata.bench.worker_throughput import worker_ratio
 
@@ -25,35 +26,6 @@ def _bytes(n: float) -> str:
 
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
-def _step(rows: list[dict], device: str) -> str:
-    body = [(r["layout"], r["cp_size"], _tokens(r["tokens"]), f"{r['anchor_ms']:.3f}", f"{r['cpdata_ms']:.3f}",
-             f"{r['copy_ms']:.3f}" if "copy_ms" in r else "", f"{r['speedup']:.1f}x", _bytes(r["anchor_h2d_bytes"]),
-             _bytes(r["cpdata_h2d_bytes"]), _bytes(r["layout_bytes"])) for r in rows]  # fmt: skip
-    head = ("layout", "cp", "tokens", "anchor ms", "cpdata ms", "of which copy ms", "speedup", "anchor H2D",
-            "cpdata H2D", "layout maps")
-    return f"**Per-step sharding** (rank 0, device `{device}`)\n\n" + markdown_table(head, body)
-
-
-def _worker(rows: list[dict]) -> str:
-    body = [(r["layout"], r["cp_size"], _tokens(r["capacity"]), f"{r['cpdata_us_per_pack']:.0f}",
-             f"{r['anchor_host_us']:.0f}", f"{worker_ratio(r):.2f}",
-             f"{r['ns_per_pack_token']:.1f}", f"{r['tokens_per_s'] / 1e6:.1f}M", f"{r['fraction_of_memcpy']:.3g}")
-            for r in rows]  # fmt: skip
-    head = ("layout", "cp", "capacity", "cpdata us/pack", "anchor us/pack", "paired ratio", "ns/token", "tokens/s",
-            "of memcpy")
-    return ("**Worker** (pack + collate + shard on one core, one rank's output; anchor: in-step collate + shard "
-            "of the same pack)\n\n" + markdown_table(head, body))
-
-
-def _handoff(rows: list[dict]) -> str:
-    body = [(r["strategy"], _tokens(r["tokens"]), r["storages_per_batch"], f"{r['receive_ms_per_batch']:.3f}",
-             r["baseline_storages_per_batch"], f"{r['baseline_receive_ms_per_batch']:.3f}", f"{r['ratio']:.2f}")
-            for r in rows]  # fmt: skip
-    head = ("sharing strategy", "tokens", "storages", "receive ms", "dict storages", "dict receive ms", "ratio")
-    title = "**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)"
-    return f"{title}\n\n" + markdown_table(head, body)
 
 
 def _packing(rows: list[dict], default: str) -> str:
@@ -84,45 +56,6 @@ def _balance(rows: list[dict]) -> str:
     return f"{title}\n\n" + markdown_table(head, body)
 
 
-def _gather(rows: list[dict]) -> str:
-    body = [(r["cp_size"], _tokens(r["tokens"]), r["hidden"], r["collectives_anchor"], r["collectives_cpdata"],
-             f"{r['anchor_ms']:.1f}", f"{r['cpdata_ms']:.1f}", f"{r['speedup']:.2f}x") for r in rows]
-    head = ("cp", "tokens", "hidden", "anchor collectives", "cpdata collectives", "anchor ms", "cpdata ms",
-            "speedup")
-    title = "**Gather** (forward + backward, gloo on CPU; collectives counted per call)"
-    return f"{title}\n\n" + markdown_table(head, body)
-
-
-def _long_document(rows: list[dict]) -> str:
-    body = [(f"{r['doc_tokens']:,}", r["pieces"], r["packs"], f"{r['online_s']:.2f}", f"{r['offline_s']:.2f}",
-             f"{r['ratio']:.2f}x", f"{r['precompute_s']:.2f}") for r in rows]
-    head = ("long document tokens", "pieces", "packs", "online s/epoch", "offline s/epoch", "offline/online",
-            "precompute s")
-    title = "**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)"
-    return f"{title}\n\n" + markdown_table(head, body)
-
-
-def _schedule(rows: list[dict]) -> str:
-    body = [(r["distribution"], r["dp_size"], r["micro_batches"], r["method"], f"{r['imb_step_mean']:.2f}",
-             f"{r['imb_mb_mean']:.2f}", f"{r['imb_mb_p95']:.2f}", f"{r['over_cap_pct']:.1f}",
-             f"{r['extra_microbatch_pct']:.1f}", f"{r['padding_pct']:.2f}", r["max_delay_steps"],
-             f"{r['us_per_doc']:.1f}") for r in rows]  # fmt: skip
-    head = ("dist", "dp", "mb", "method", "imb_step %", "imb_mb %", "imb_mb p95 %", "over cap %", "extra mb %",
-            "padding %", "max delay", "us/doc")
-    return ("**Scheduling across DP ranks** (FlexSP 7B cost model; mean over "
-            f"{min(r['batches'] for r in rows)}+ global batches)\n\n" + markdown_table(head, body))
-
-
-def _integrity(rows: list[dict]) -> str:
-    body = [(r["store"], f"{r['tokens'] / 1e6:.0f}M", r["chunks"], f"{r['plain_s']:.3f}", f"{r['first_s']:.3f}",
-             f"{r['warm_s']:.3f}", f"{r['checked_s']:.3f}", f"{r['overhead_pct']:+.1f}", f"{r['steady_pct']:+.1f}",
-             f"{r['verify_gb_s']:.1f}") for r in rows]  # fmt: skip
-    head = ("store", "tokens", "chunks", "unchecked s", "first read s", "unchecked again s", "checked s",
-            "overhead %", "steady %", "verify GB/s")
-    return ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on first read)\n\n"
-            + markdown_table(head, body))
-
-
 def _attention(rows: list[dict]) -> str:
     """One row per (distribution, capacity, cp, tile): each layout's busiest-rank tiles over the ideal, then
     ``tiled``'s K/V received (over an all-gather's) and solve time."""
@@ -140,16 +73,76 @@ def _attention(rows: list[dict]) -> str:
             "all-gather's)\n\n" + markdown_table(head, body))  # fmt: skip
 
 
-def _world(rows: list[dict]) -> str:
-    """One row per (distribution, world, system): sums over micro-batches of the busiest rank's tiles, keys
-    and predicted time, and the solve time per world micro-batch."""
-    body = [(r["distribution"], r["world"], r["system"], r["micro_batches"], r["tiles"], f"{r['over_mean']:.3f}",
-             r["recv_keys"], r["inter_keys"], f"{r['predicted_ms']:.1f}", f"{r['solve_ms']:.2f}")
-            for r in rows]  # fmt: skip
-    head = ("distribution", "world", "system", "micro-batches", "busiest tiles", "÷ mean rank", "busiest K/V recv",
-            "busiest inter-node K/V", "predicted ms", "solve ms / micro-batch")  # fmt: skip
-    return ("**World as one CP group** (sums over micro-batches of the busiest rank; 8 ranks per node)\n\n"
-            + markdown_table(head, body))
+Cell = str | Callable[[Any], str]
+"""How a column shows its value: a ``str.format`` template or a function (without one: as it is)."""
+
+TABLES: dict[str, tuple[str, tuple[tuple, ...]]] = {
+    "step_shard": ("**Per-step sharding** (rank 0, device `{device}`)", (
+        ("layout", "layout"), ("cp", "cp_size"), ("tokens", "tokens", _tokens),
+        ("anchor ms", "anchor_ms", "{:.3f}"), ("cpdata ms", "cpdata_ms", "{:.3f}"),
+        ("of which copy ms", "copy_ms", "{:.3f}"),
+        ("speedup", "speedup", "{:.1f}x"), ("anchor H2D", "anchor_h2d_bytes", _bytes),
+        ("cpdata H2D", "cpdata_h2d_bytes", _bytes), ("layout maps", "layout_bytes", _bytes))),
+    "worker": ("**Worker** (pack + collate + shard on one core, one rank's output; anchor: in-step collate + "
+               "shard of the same pack)", (
+        ("layout", "layout"), ("cp", "cp_size"), ("capacity", "capacity", _tokens),
+        ("cpdata us/pack", "cpdata_us_per_pack", "{:.0f}"), ("anchor us/pack", "anchor_host_us", "{:.0f}"),
+        ("paired ratio", worker_ratio, "{:.2f}"), ("ns/token", "ns_per_pack_token", "{:.1f}"),
+        ("tokens/s", "tokens_per_s", lambda v: f"{v / 1e6:.1f}M"),
+        ("of memcpy", "fraction_of_memcpy", "{:.3g}"))),
+    "handoff": ("**Handoff** (main-process CPU per batch from a StatefulDataLoader worker)", (
+        ("sharing strategy", "strategy"), ("tokens", "tokens", _tokens), ("storages", "storages_per_batch"),
+        ("receive ms", "receive_ms_per_batch", "{:.3f}"), ("dict storages", "baseline_storages_per_batch"),
+        ("dict receive ms", "baseline_receive_ms_per_batch", "{:.3f}"), ("ratio", "ratio", "{:.2f}"))),
+    "gather": ("**Gather** (forward + backward, gloo on CPU; collectives counted per call)", (
+        ("cp", "cp_size"), ("tokens", "tokens", _tokens), ("hidden", "hidden"),
+        ("anchor collectives", "collectives_anchor"), ("cpdata collectives", "collectives_cpdata"),
+        ("anchor ms", "anchor_ms", "{:.1f}"), ("cpdata ms", "cpdata_ms", "{:.1f}"),
+        ("speedup", "speedup", "{:.2f}x"))),
+    "long_document": ("**Long document** (JSONL, thd, cp 2, capacity 32K, split; one epoch, rank 0)", (
+        ("long document tokens", "doc_tokens", "{:,}"), ("pieces", "pieces"), ("packs", "packs"),
+        ("online s/epoch", "online_s", "{:.2f}"), ("offline s/epoch", "offline_s", "{:.2f}"),
+        ("offline/online", "ratio", "{:.2f}x"), ("precompute s", "precompute_s", "{:.2f}"))),
+    "schedule": ("**Scheduling across DP ranks** (FlexSP 7B cost model; mean over {batches}+ global "
+                 "batches)", (
+        ("dist", "distribution"), ("dp", "dp_size"), ("mb", "micro_batches"), ("method", "method"),
+        ("imb_step %", "imb_step_mean", "{:.2f}"), ("imb_mb %", "imb_mb_mean", "{:.2f}"),
+        ("imb_mb p95 %", "imb_mb_p95", "{:.2f}"), ("over cap %", "over_cap_pct", "{:.1f}"),
+        ("extra mb %", "extra_microbatch_pct", "{:.1f}"), ("padding %", "padding_pct", "{:.2f}"),
+        ("max delay", "max_delay_steps"), ("us/doc", "us_per_doc", "{:.1f}"))),
+    "world": ("**World as one CP group** (sums over micro-batches of the busiest rank; 8 ranks per node)", (
+        ("distribution", "distribution"), ("world", "world"), ("system", "system"),
+        ("micro-batches", "micro_batches"), ("busiest tiles", "tiles"),
+        ("÷ mean rank", "over_mean", "{:.3f}"), ("busiest K/V recv", "recv_keys"),
+        ("busiest inter-node K/V", "inter_keys"),
+        ("predicted ms", "predicted_ms", "{:.1f}"), ("solve ms / micro-batch", "solve_ms", "{:.2f}"))),
+    "integrity": ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on "
+                  "first read)", (
+        ("store", "store"), ("tokens", "tokens", lambda v: f"{v / 1e6:.0f}M"), ("chunks", "chunks"),
+        ("unchecked s", "plain_s", "{:.3f}"), ("first read s", "first_s", "{:.3f}"),
+        ("unchecked again s", "warm_s", "{:.3f}"), ("checked s", "checked_s", "{:.3f}"),
+        ("overhead %", "overhead_pct", "{:+.1f}"), ("steady %", "steady_pct", "{:+.1f}"),
+        ("verify GB/s", "verify_gb_s", "{:.1f}"))),
+}  # fmt: skip
+"""Sections shown one row per result row: the title, then per column ``(header, column name or function of
+the row, optional`` :data:`Cell` ``)``."""
+
+
+def _table(name: str, rows: list[dict], device: str) -> str:
+    """Section ``name``'s :data:`TABLES` table; a column a row lacks shows empty."""
+    title, columns = TABLES[name]
+
+    def cell(row: dict, key: str | Callable[[dict], Any], *show: Cell) -> Any:
+        if isinstance(key, str) and key not in row:
+            return ""
+        value = row[key] if isinstance(key, str) else key(row)
+        if not show:
+            return value
+        return show[0].format(value) if isinstance(show[0], str) else show[0](value)
+
+    title = title.format(device=device, batches=min(r.get("batches", 0) for r in rows))
+    body = [[cell(r, *column[1:]) for column in columns] for r in rows]
+    return f"{title}\n\n" + markdown_table([column[0] for column in columns], body)
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
@@ -165,11 +158,10 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         parts.append(markdown_table(("target", "rule", "measured", "met"),
                          [(t["target"], t["rule"], t["measured"], "yes" if t["met"] else "**no**")
                           for t in results["targets"]]))
-    sections: dict[str, Any] = {
-        "step_shard": lambda rows: _step(rows, m["device"]), "worker": _worker, "handoff": _handoff,
+    pivots: dict[str, Callable[[list[dict]], str]] = {
         "packing": lambda rows: _packing(rows, str(results.get("default_algorithm", "bfd"))), "balance": _balance,
-        "gather": _gather, "long_document": _long_document, "schedule": _schedule, "attention": _attention,
-        "world": _world, "integrity": _integrity,
-    }  # in the order of docs/benchmarks.md
-    parts += [render(results[name]) for name, render in sections.items() if results.get(name)]
+        "attention": _attention,
+    }
+    parts += [pivots[name](results[name]) if name in pivots else _table(name, results[name], m["device"])
+              for name in SECTIONS if results.get(name)]  # run order: that of docs/benchmarks.md
     return "\n\n".join(parts) + "\n"

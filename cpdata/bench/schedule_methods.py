@@ -11,6 +11,7 @@ dealt round-robin) and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, e
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable
 
@@ -61,11 +62,8 @@ def _deal(packs: list[list[int]], dp_size: int) -> Placement:
     return [packs[r::dp_size] for r in range(dp_size)]
 
 
-def nemo_rl_ffd(lengths: list[int], *, capacity: int, dp_size: int, **_: object) -> Placement:
-    return _deal(_ffd(lengths, capacity), dp_size)
-
-
-def megatron_dp_balanced(lengths: list[int], *, capacity: int, dp_size: int, **_: object) -> Placement:
+def _stream_fill(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Packs filled in stream order, a new one when the next document does not fit (Megatron)."""
     packs: list[list[int]] = [[]]
     fill = 0
     for n in lengths:
@@ -74,10 +72,10 @@ def megatron_dp_balanced(lengths: list[int], *, capacity: int, dp_size: int, **_
             fill = 0
         packs[-1].append(n)
         fill += n
-    return _deal(packs, dp_size)
+    return packs
 
 
-def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool) -> Placement:
+def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool, **_: object) -> Placement:
     work = [24576.0 * n + float(n) * n for n in lengths]
     groups = karmarkar_karp(work, dp_size, equal_size=True)
 
@@ -97,14 +95,6 @@ def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool) -> Plac
     return out
 
 
-def verl_kk(lengths: list[int], *, capacity: int, dp_size: int, **_: object) -> Placement:
-    return _verl(lengths, capacity=capacity, dp_size=dp_size, cap=False)
-
-
-def verl_kk_cap(lengths: list[int], *, capacity: int, dp_size: int, **_: object) -> Placement:
-    return _verl(lengths, capacity=capacity, dp_size=dp_size, cap=True)
-
-
 def cpdata_01(lengths: list[int], *, capacity: int, dp_size: int, first_index: int = 0, **_: object) -> Placement:
     from cpdata.packing import plan_lengths
 
@@ -118,10 +108,11 @@ def cpdata_01(lengths: list[int], *, capacity: int, dp_size: int, first_index: i
 
 
 BASELINES: dict[str, Callable[..., Placement]] = {
-    "nemo_rl_ffd": nemo_rl_ffd,
-    "verl_kk": verl_kk,
-    "verl_kk_cap": verl_kk_cap,
-    "megatron_dp_balanced": megatron_dp_balanced,
+    "nemo_rl_ffd": lambda lengths, *, capacity, dp_size, **_: _deal(_ffd(lengths, capacity), dp_size),
+    "verl_kk": functools.partial(_verl, cap=False),
+    "verl_kk_cap": functools.partial(_verl, cap=True),
+    "megatron_dp_balanced": lambda lengths, *, capacity, dp_size, **_: _deal(_stream_fill(lengths, capacity),
+                                                                             dp_size),
     "cpdata_0.1": cpdata_01,
 }
 """Method name -> ``f(lengths, *, capacity, dp_size, first_index) -> placement``."""

@@ -10,7 +10,6 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,29 +29,19 @@ def alternating_medians(fns, *, repeats: int, warmup: int = 2,
     """Median seconds of each of ``fns``, one run of each per round after ``warmup`` untimed rounds: a change
     of load weighs on every side of a ratio alike."""
     check_int("repeats", repeats, min=1)
-    sync = _sync(device)
+    cuda = device is not None and device.type == "cuda"
     samples: list[list[int]] = [[] for _ in fns]
     for round_ in range(repeats + warmup):
         for fn, out in zip(fns, samples, strict=True):
-            ns = _timed_ns(fn, sync)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
             if round_ >= warmup:
-                out.append(ns)
+                out.append(time.perf_counter_ns() - t0)
     return [statistics.median(s) / 1e9 for s in samples]
-
-
-def _sync(device: torch.device | None) -> Callable[[], None] | None:
-    return torch.cuda.synchronize if device is not None and device.type == "cuda" else None
-
-
-def _timed_ns(fn: Callable[[], object], sync: Callable[[], None] | None) -> int:
-    """Nanoseconds of one ``fn()``, the device synchronised before and after when ``sync`` is given."""
-    if sync:
-        sync()
-    t0 = time.perf_counter_ns()
-    fn()
-    if sync:
-        sync()
-    return time.perf_counter_ns() - t0
 
 
 def _cpu_model() -> str:

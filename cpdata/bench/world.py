@@ -18,10 +18,11 @@ from __future__ import annotations
 import functools
 import gc
 import time
+import types
 
 import numpy as np
 
-from cpdata.bench.distributions import sample
+from cpdata.bench.distributions import first_packs
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
 from cpdata.layout.tiles import exchange_tiles, live_tiles
 from cpdata.layout.world_cost import H100_DEFAULTS
@@ -38,16 +39,6 @@ NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib"
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
 PACKS, QUICK_PACKS = 8, 2
-
-
-class _Group:
-    """The stand-in ``dp_cp_group``: ``BalancedCPScheduler.__init__`` calls ``size()`` and nothing else."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
 
 
 def _scheduler_class() -> type | str:
@@ -79,7 +70,7 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
     scheduler = _scheduler_class()
     if isinstance(scheduler, str):
         return scheduler
-    sched = scheduler(per_rank, _Group(world))
+    sched = scheduler(per_rank, types.SimpleNamespace(size=lambda: world))  # all its constructor reads
     gc.collect()  # a full collection owed to earlier allocations is not the schedule's
     t0 = time.thread_time()
     groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
@@ -133,23 +124,12 @@ def _row(name: str, world: int, per_rank: int, system: str, mbs: list[tuple[np.n
     }  # fmt: skip
 
 
-def _packs(name: str, capacity: int, world: int, n: int) -> list[np.ndarray]:
-    from cpdata.packing import plan_lengths
-
-    probe = sample(name, 1000, 0)
-    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
-    result = plan_lengths(lengths, capacity=capacity, layout=layout_spec("world", node_size=NODE_SIZE),
-                          cp_size=world, overflow="split")  # fmt: skip
-    off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
-    return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]
-
-
 def run(*, quick: bool) -> list[dict]:
     names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
     rows, skipped = [], None
     for name in names:
         for world, per_rank in WORLDS:
-            packs = _packs(name, world * per_rank, world, n)
+            packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n)
             mine = _row(name, world, per_rank, "cpdata world", *_cpdata(packs, world, per_rank))
             theirs = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
             if isinstance(theirs, str):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cpdata.layout.tiled import DEFAULT_TILE as TILE
-from cpdata.layout.tiles import live_tiles
+from cpdata.layout.tiles import ideal_tiles, live_tiles
 
 __all__ = ["TILE", "PackMetrics", "pack_tiles"]
 
@@ -26,9 +26,7 @@ def pack_tiles(batch: Any, tile: int = TILE) -> tuple[float, float]:
     rows = np.asarray(layout.local_token_global_indices, dtype=np.int64).reshape(1, -1)
     size = int(layout.padded_seq_len)
     slots = np.diff(np.asarray(batch["cu_seqlens_padded"], dtype=np.int64))
-    mine = float(live_tiles(rows, slots, size, tile)[0])
-    whole = float(live_tiles(np.arange(size, dtype=np.int64)[None], slots, size, tile)[0])
-    return mine, whole / layout.cp_size
+    return float(live_tiles(rows, slots, size, tile)[0]), ideal_tiles(slots, size, tile, layout.cp_size)
 
 
 class PackMetrics:

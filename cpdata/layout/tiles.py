@@ -18,7 +18,8 @@ from cpdata.layout.maps import _absorb_tail, _as_lengths
 if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
 
-__all__ = ["block_tiles", "exchange_tiles", "first_keys", "kv_recv_tokens", "live_tiles", "segment_starts"]
+__all__ = ["block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
+           "segment_starts"]
 
 
 def segment_starts(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -39,13 +40,17 @@ def first_keys(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarr
 
 
 def block_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int) -> np.ndarray:
-    """int64 ``[pack_len // tile]``: live key tiles of each ``tile``-token query block of the global order:
+    """int64 ``[ceil(pack_len / tile)]``: live key tiles of each ``tile``-token query block of the global order:
     ``b - f + 1``, ``f`` the key block of the first key of the block's first token (every key block between
-    holds a live pair; a block starting in the tail padding: 1)."""
-    if pack_len % tile:
-        raise ValueError(f"pack_len={pack_len} must be a multiple of tile={tile}")
-    b = np.arange(pack_len // tile, dtype=np.int64)
+    holds a live pair; a block starting in the tail padding: 1; a partial last block counts as flex pads it)."""
+    b = np.arange(-(-pack_len // tile), dtype=np.int64)
     return b - first_keys(slot_lens, pack_len)[b * tile] // tile + 1
+
+
+def ideal_tiles(slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int, cp_size: int) -> float:
+    """The pack's live tiles at cp 1 (:func:`block_tiles` summed) over ``cp_size``: an even share, the
+    denominator of every ``tiles_max_over_ideal``."""
+    return float(block_tiles(slot_lens, pack_len, tile).sum()) / cp_size
 
 
 def _max_per_key(key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from cpdata.errors import NotAvailableYetError
-from cpdata.nemo.thd_batch import SEQ_LENS_SENTINEL, ThdStream, shard_thd_stream, to_thd_stream
+from cpdata.nemo.thd_batch import SEQ_LENS_SENTINEL, shard_thd_stream, to_thd_stream
 from cpdata.worker.keys import INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
 __all__ = ["split_thd_chunks"]
@@ -33,7 +33,10 @@ def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([_pad_to(r, width) for r in rows])
 
 
-def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor | None) -> list[ThdStream]:
+def split_thd_chunks(
+    batch: Mapping[str, Any], num_chunks: int, cp_size: int, cp_rank: int, loss_mask: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """The stacked chunks of ``batch`` (see the module); this CP rank's tokens at ``cp_size > 1``."""
     rows = batch[INPUT_IDS].shape[0] if isinstance(batch.get(INPUT_IDS), torch.Tensor) else None
     if rows is None or rows % num_chunks:
         raise ValueError(
@@ -52,14 +55,6 @@ def _chunks(batch: Mapping[str, Any], num_chunks: int, loss_mask: torch.Tensor |
         part = slice(c * per, (c + 1) * per)
         sub = {k: v[part] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
         streams.append(to_thd_stream(sub, loss_mask=loss_mask[part] if loss_mask is not None else None))
-    return streams
-
-
-def split_thd_chunks(
-    batch: Mapping[str, Any], num_chunks: int, cp_size: int, cp_rank: int, loss_mask: torch.Tensor | None = None
-) -> dict[str, Any]:
-    """The stacked chunks of ``batch`` (see the module); this CP rank's tokens at ``cp_size > 1``."""
-    streams = _chunks(batch, num_chunks, loss_mask)
     keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
     if cp_size > 1:
         width = max(s.batch["cu_seqlens"].numel() for s in streams)

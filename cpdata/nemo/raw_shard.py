@@ -87,18 +87,6 @@ def _pad(t: torch.Tensor, dim: int, n: int, key: str, padding_token_id: int) -> 
     return torch.cat((t, pad), dim=dim)
 
 
-def _pad_rows(out: dict[str, Any], dims: dict[str, int], seq_len: int, pack_len: int, padding_token_id: int) -> None:
-    """Right-pad every token tensor in place from ``seq_len`` to ``pack_len``."""
-    for key, d in dims.items():
-        if out[key].shape[d] != seq_len:
-            raise ValueError(
-                f"token tensor {key!r} has {out[key].shape[d]} tokens on dim {d} but the primary has "
-                f"{seq_len}; fix its length or declare its sequence dim in extra_seq_buffers"
-            )
-        if pack_len > seq_len:
-            out[key] = _pad(out[key], d, pack_len - seq_len, key, padding_token_id)
-
-
 def check_undeclared(out: Mapping[str, Any], dims: Mapping[str, int], primary: torch.Tensor) -> None:
     """Refuse a sequence-shaped tensor the shard does not know: it would stay at full length."""
     undeclared = sorted(
@@ -179,7 +167,14 @@ class DeviceShard:
         check_undeclared(out, dims, primary)
         seq_len = primary.shape[1]
         pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]
-        _pad_rows(out, dims, seq_len, pack_len, padding_token_id)
+        for k, d in dims.items():  # every token tensor right-padded from seq_len to pack_len
+            if out[k].shape[d] != seq_len:
+                raise ValueError(
+                    f"token tensor {k!r} has {out[k].shape[d]} tokens on dim {d} but the primary has "
+                    f"{seq_len}; fix its length or declare its sequence dim in extra_seq_buffers"
+                )
+            if pack_len > seq_len:
+                out[k] = _pad(out[k], d, pack_len - seq_len, k, padding_token_id)
         rows = rank_indices("round_robin", size, (), pack_len)
         local = torch.from_numpy(rows[rank])
         index = local.to(primary.device, non_blocking=True)

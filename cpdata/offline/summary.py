@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.layout.maps import LAYOUTS, check_layout, layout_tile
-from cpdata.layout.tiles import live_tiles
+from cpdata.layout.tiles import ideal_tiles, live_tiles
 from cpdata.offline.metrics import PackGeometry, chunk_lengths, imbalance, pack_geometry, rank_work, realign
 from cpdata.offline.store import PackStore
 from cpdata.sources.fingerprint import sample_positions
@@ -108,7 +108,7 @@ def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanS
             geometry, owned, work = pack_view(store, int(k), layout)
             if i in tiled:
                 slots, n = geometry.slot_len, geometry.pack_len
-                ideal = live_tiles(np.arange(n)[None], slots, n, tile)[0] / cfg["cp_size"]
+                ideal = ideal_tiles(slots, n, tile, cfg["cp_size"])
                 tiles.append(float(live_tiles(owned, slots, n, tile).max() / ideal) if ideal else 1.0)
             ratios.append(float(imbalance(work)))
             chunks.append(chunk_lengths(owned, geometry.slot_of))
