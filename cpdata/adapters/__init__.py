@@ -1,8 +1,8 @@
 """Model-side adapters: a cpdata batch as a model stack takes it (torch only; transformers and TE never imported).
 
 Modules: ``hf`` (:func:`hf_model_kwargs` for Hugging Face causal LMs), ``hf_attention`` (the ``"cpdata"``
-attention, every layer's variant from ``hf_layers``, its kernels in ``attention_kernels``; ``hf_guard``:
-every CP rank on it, or all refuse), ``te`` (Transformer Engine THD), ``masks`` (document-causal masks of
+attention, every CP rank on it or all refuse; every layer's variant from ``hf_layers``, its kernels in
+``attention_kernels``), ``te`` (Transformer Engine THD), ``masks`` (document-causal masks of
 local queries over global keys), ``loss`` (CP ranks' losses summing to the single-rank loss) and ``_batch``
 (what every adapter reads from a batch: host-side lengths from ``batch.info``, so no ``.item()``).
 """

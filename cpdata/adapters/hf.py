@@ -17,8 +17,13 @@ from typing import Any
 import torch
 
 from cpdata.adapters._batch import batch_parts, info_int
-from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
-from cpdata.adapters.hf_guard import check_reaches_cpdata, remember
+from cpdata.adapters.hf_attention import (
+    STATE_KEY,
+    attention_state,
+    check_reaches_cpdata,
+    registered_options,
+    remember,
+)
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
 from cpdata.adapters.masks import document_causal_mask, flex_block_mask
