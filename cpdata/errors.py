@@ -1,7 +1,8 @@
 """Exceptions that are both what Python or NeMo Automodel raises and the ``ValueError`` cpdata promises.
 
 Code written against NeMo's sharder catches ``KeyError`` or ``NotImplementedError``, code written against cpdata
-``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`.
+``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`,
+and the one refusal listing every setting an entry point cannot honour, :func:`refuse_settings`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int", "naming_parts"]
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int", "naming_parts",
+           "refuse_settings"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -58,3 +60,11 @@ def naming_parts(parts: Iterable[tuple[str, Any]], check: Callable[[Any], object
             check(part)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
+
+
+def refuse_settings(owner: str, problems: Iterable[tuple[bool, str]]) -> None:
+    """One ``ValueError`` ``"{owner} cannot honour: a; b"`` naming every ``(holds, message)`` that holds, so a
+    user changes every setting in one go; nothing when none holds."""
+    found = [message for holds, message in problems if holds]
+    if found:
+        raise ValueError(f"{owner} cannot honour: " + "; ".join(found))

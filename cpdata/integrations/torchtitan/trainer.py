@@ -19,6 +19,7 @@ from torchtitan.models.common.decoder import Decoder
 from torchtitan.trainer import Trainer
 
 from cpdata.device.consistency import verify_layout_consistency
+from cpdata.errors import refuse_settings
 from cpdata.integrations.torchtitan.loader import BATCH_KEY, CPTitanLoader
 from cpdata.integrations.torchtitan.masks import batch_attention_mask, install_exchange_attention
 from cpdata.worker.keys import N_TARGETS
@@ -93,26 +94,23 @@ class CPTitanTrainer(Trainer):
 
 def _check_config(config: Trainer.Config) -> None:
     """Refuse, with one ``ValueError`` naming each setting, what CPTitanTrainer cannot honour."""
-    problems = []
-    if not isinstance(config.dataloader, CPTitanLoader.Config):
-        problems.append(f"dataloader={type(config.dataloader).__qualname__}: use CPTitanLoader.Config (cpdata's "
-                        "batches are the point of CPTitanTrainer)")  # fmt: skip
-    if config.parallelism.spmd_backend != "partial_dtensor":
-        problems.append(f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: cpdata shards the batches "
-                        "itself and feeds torchtitan's flex attention plain local tensors; set "
-                        "--parallelism.spmd_backend partial_dtensor")  # fmt: skip
-    if config.validator.enable:
-        problems.append("validator.enable: validation would read torchtitan's own dataloader, unsharded; "
-                        "turn it off (--validator.no-enable) and evaluate the saved model separately")  # fmt: skip
-    if not config.training.disable_cuda_graphs:
-        problems.append("training.disable_cuda_graphs=False: a CUDA graph would replay the first batch's "
-                        "document mask on every batch; set --training.disable_cuda_graphs")  # fmt: skip
     model = config.model_spec.model if config.model_spec is not None else None
-    if model is not None:
-        attention = model.first_attention if isinstance(model, Decoder.Config) else None
-        inner = attention.inner_attention if attention is not None else None
-        if not isinstance(inner, FlexAttention.Config):
-            problems.append(f"the model's inner attention is {type(inner).__qualname__}: cpdata's document "
-                            "masks need torchtitan's FlexAttention (a decoder with attn_backend='flex')")  # fmt: skip
-    if problems:
-        raise ValueError("CPTitanTrainer cannot honour: " + "; ".join(problems))
+    attention = model.first_attention if isinstance(model, Decoder.Config) else None
+    inner = attention.inner_attention if attention is not None else None
+    refuse_settings("CPTitanTrainer", [
+        (not isinstance(config.dataloader, CPTitanLoader.Config),
+         f"dataloader={type(config.dataloader).__qualname__}: use CPTitanLoader.Config (cpdata's batches are the "
+         "point of CPTitanTrainer)"),
+        (config.parallelism.spmd_backend != "partial_dtensor",
+         f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: cpdata shards the batches itself and "
+         "feeds torchtitan's flex attention plain local tensors; set --parallelism.spmd_backend partial_dtensor"),
+        (config.validator.enable,
+         "validator.enable: validation would read torchtitan's own dataloader, unsharded; turn it off "
+         "(--validator.no-enable) and evaluate the saved model separately"),
+        (not config.training.disable_cuda_graphs,
+         "training.disable_cuda_graphs=False: a CUDA graph would replay the first batch's document mask on every "
+         "batch; set --training.disable_cuda_graphs"),
+        (model is not None and not isinstance(inner, FlexAttention.Config),
+         f"the model's inner attention is {type(inner).__qualname__}: cpdata's document masks need torchtitan's "
+         "FlexAttention (a decoder with attn_backend='flex')"),
+    ])  # fmt: skip
