@@ -26,7 +26,7 @@ from cpdata.adapters.hf_attention import (
 )
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
-from cpdata.adapters.masks import document_causal_mask, flex_block_mask
+from cpdata.device.attention_masks import document_causal_mask, flex_block_mask
 from cpdata.device.cp_attention import active_contexts
 from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout

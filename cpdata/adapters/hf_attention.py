@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cpdata.adapters._batch import check_cp_group
 from cpdata.adapters.attention_kernels import KERNELS, attend
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.device.attention_masks import QuerySlots, block_mask, dense_mask, document_slots
+from cpdata.device.attention_masks import QuerySlots, document_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, any_rank_flags, verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
@@ -98,21 +98,16 @@ class HFAttentionState:
         :func:`move_keys_values` returns; cached per batch, kind, window, device."""
         key = (kind, window, str(device))
         if key not in self._masks:
-            exchanged = exchanged_key_positions(self.layout, device) if self.exchange else None
-            if kind == "flex":  # keys in global order: None, the interval path without the L x S grid
-                lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
-                self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=exchanged)
-            else:
-                keys = exchanged if exchanged is not None else torch.arange(self.key_len, device=device)
-                if kind == "varlen":  # a refused plan is kept too: every layer falls back without re-planning
-                    try:
-                        self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
-                                                       device=device, end=self.slots.end)  # fmt: skip
-                    except KeyCopiesError as refused:
-                        self._masks[key] = refused
-                else:
-                    lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
-                    self._masks[key] = dense_mask(lo, hi, keys)
+            keys = exchanged_key_positions(self.layout, device) if self.exchange else None
+            if kind != "varlen":  # flex without exchanged keys: the interval path without the L x S grid
+                self._masks[key] = self.slots.mask(kind, keys, window=window)
+            else:  # a refused plan is kept too: every layer falls back without re-planning
+                keys = torch.arange(self.key_len, device=device) if keys is None else keys
+                try:
+                    self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
+                                                   device=device, end=self.slots.end)  # fmt: skip
+                except KeyCopiesError as refused:
+                    self._masks[key] = refused
         mask = self._masks[key]
         if isinstance(mask, KeyCopiesError):
             raise mask

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from cpdata.device.attention_masks import check_window, dense_mask, document_slots, row_slots
+from cpdata.device.attention_masks import check_window, document_slots, row_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.gather import ensure_gather_index, layout_tensor_on
@@ -192,9 +192,8 @@ class ContextParallelAttention:
             else:
                 self._masks[key] = None
                 return None
-            lo, hi = slots.intervals(causal=causal, window=self.window)
-            keys = exchanged_key_positions(layout, device) if exchange else torch.arange(row_len, device=device)
-            mask = dense_mask(lo, hi, keys)
+            keys = exchanged_key_positions(layout, device) if exchange else None
+            mask = slots.mask("dense", keys, causal=causal, window=self.window)
             self._masks[key] = mask[0, 0] if doc is None or doc.dim() == 1 else mask
         return self._masks[key]
 

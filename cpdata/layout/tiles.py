@@ -1,6 +1,6 @@
 """What a block-sparse kernel pays per CP rank: live tiles, and the K/V a rank must receive.
 
-The mask is cpdata's document-causal one (:mod:`cpdata.adapters.masks`): a
+The mask is cpdata's document-causal one (:mod:`cpdata.device.attention_masks`): a
 query at global position ``q`` attends to key ``k`` when both lie in the same
 document slot and ``k <= q``. The pack's tail padding (``pack_len -
 sum(slot_lens)``) is no document: a pad query attends to its own key only, so
@@ -15,7 +15,7 @@ one pair in it is live or all ``tile * tile``.
 
 - :func:`live_tiles`: live tiles per rank, for any layout's rows. It equals
   ``kv_num_blocks + full_kv_num_blocks`` summed over a flex ``BlockMask``
-  built by :func:`cpdata.adapters.masks.flex_block_mask` with
+  built by :func:`cpdata.device.attention_masks.flex_block_mask` with
   ``block_size=tile`` (a test checks it on random packs).
 - :func:`block_tiles`: the same count for one query block of the pack's global
   order, ``b - first_block(document of b's first token) + 1``: a layout made

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torchtitan.models.common.attention import FlexAttention
 
-from cpdata.device.attention_masks import block_mask, document_slots
+from cpdata.device.attention_masks import document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.gather import ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
@@ -57,7 +57,6 @@ def batch_attention_mask(
     layout = batch.layout
     document_ids = batch[DOCUMENT_IDS].reshape(1, -1).to(device)
     slots = document_slots(layout, document_ids, batch["cu_seqlens_padded"].to(device), batch["cu_seqlens"].to(device))
-    lo, hi = slots.intervals()
     if exchange:
         if not has_exchange(layout):
             raise ValueError("the attention swap needs batches built with kv_exchange=True; set "
@@ -70,7 +69,7 @@ def batch_attention_mask(
     size = block_size if isinstance(block_size, int) else block_size[0]
     if not isinstance(block_size, int) and block_size[0] != block_size[1]:
         raise ValueError(f"block_size={block_size}: cpdata's masks use square tiles; set the same q and kv block size")
-    mask = block_mask(lo, hi, slots.row_len, key_pos=keys, block_size=size)
+    mask = slots.mask("flex", keys, block_size=size)
     return ExchangeMask(block_mask=mask, layout=layout, group=group) if exchange else mask
 
 
