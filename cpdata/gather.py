@@ -116,13 +116,14 @@ def gather_token_tensor(
     index = layout_tensor_on(layout, "gather_index", tensor.device)
     if layout.cp_size == 1:
         return tensor.index_select(seq_dim, index)
-    check_cp_group(layout.cp_size, layout.cp_rank, group, "layout")
+    check_cp_group(layout, group, "layout", verb="built")
     return GatherFromShards.apply(tensor, index, group, seq_dim)
 
 
-def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: str = "built") -> None:
-    """``ValueError`` unless ``group`` (None: the default group) has ``cp_size`` ranks, this one ``cp_rank``;
-    ``what`` names the record ``verb`` for them (``"layout"`` built, ``"the batch"`` sharded)."""
+def check_cp_group(of: Any, group: Any, what: str = "the batch", *, verb: str = "sharded") -> None:
+    """``ValueError`` unless ``group`` (None: the default group) has ``of.cp_size`` ranks, this one
+    ``of.cp_rank``; ``of`` is a ``ShardLayout`` or an exchange plan, ``what`` names it ``verb`` for them."""
+    cp_size, cp_rank = of.cp_size, of.cp_rank
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
                          "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip

@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cpdata.adapters._batch import check_cp_group
 from cpdata.adapters.attention_kernels import KERNELS, attend
 from cpdata.adapters.hf_layers import layer_variant
 from cpdata.device.attention_masks import QuerySlots, document_slots
@@ -33,7 +32,7 @@ from cpdata.device.consistency import DEFAULT_CHECK_EVERY, any_rank_flags, verif
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
-from cpdata.gather import ensure_gather_index
+from cpdata.gather import check_cp_group, ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata", "register_hf_attention",
@@ -204,7 +203,7 @@ def check_reaches_cpdata(name: str, config: Any, layout: ShardLayout, group: Any
     anywhere: tuple[bool, ...] = (wrong_config,)
     if layout.cp_size > 1:  # at cp 1 no peer to hang, no state to track: the configured name only
         if dist.is_available() and dist.is_initialized():  # without a group the attention's collective refuses
-            check_cp_group(group, layout)
+            check_cp_group(layout, group)
         previous = _LAST.state
         # kwargs rebuilt for the same batch (e.g. to read num_items_in_batch first) replace the previous ones
         unconsumed = previous is not None and not previous.verified and previous.layout is not layout

@@ -136,7 +136,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     send_index, _ = exchange_index(layout, tensor.device)
     if plan.cp_size == 1:
         return tensor
-    check_cp_group(plan.cp_size, plan.cp_rank, group, "the exchange plan")
+    check_cp_group(plan, group, "the exchange plan", verb="built")
     return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
 
 
