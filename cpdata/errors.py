@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int", "lazy_exports",
-           "naming_parts", "refuse_settings"]
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int",
+           "lazy_exports", "naming_parts", "refuse_settings"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -73,7 +73,7 @@ def refuse_settings(owner: str, problems: Iterable[tuple[bool, str]]) -> None:
         raise ValueError(f"{owner} cannot honour: " + "; ".join(found))
 
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list]]:
     """``(__getattr__, __dir__)`` for ``package``: each public name (``exports``: name -> its home module) is
     imported on first use and kept in the package, so ``import cpdata`` and the command line load no torch."""
     namespace = vars(sys.modules[package])

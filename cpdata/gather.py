@@ -18,16 +18,16 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["GatherFromShards", "check_cp_group", "ensure_gather_index", "gather_token_tensor", "layout_cached",
-           "layout_tensor_on"]
+__all__ = ["GatherFromShards", "check_cp_group", "ensure_gather_index", "gather_token_tensor",
+           "layout_cached", "layout_tensor_on"]
 
 _CACHE_SIZE = 64
 _cache: OrderedDict[tuple, tuple[weakref.ref, Any]] = OrderedDict()
 
 
 def layout_cached(layout: ShardLayout, key: tuple[str, ...], make: Callable[[], Any]) -> Any:
-    """``make()`` built at most once per (``layout``, ``key``) while the layout lives (a device copy, an index
-    plan); the bounded cache checks the layout by identity, so a recycled ``id`` never returns a stale value."""
+    """``make()`` built at most once per (``layout``, ``key``) while the layout lives (a device copy, an
+    index plan); the bounded cache checks the layout by identity: a recycled ``id`` gets no stale one."""
     full = (id(layout), *key)
     hit = _cache.get(full)
     if hit is not None and hit[0]() is layout:
@@ -41,7 +41,7 @@ def layout_cached(layout: ShardLayout, key: tuple[str, ...], make: Callable[[], 
 
 
 def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str) -> torch.Tensor:
-    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) at most once per (layout, device)."""
+    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) once per (layout, device)."""
     value = getattr(layout, name)
     if value is None:
         raise ValueError(f"ShardLayout.{name} is None; build the layout with {name} set")

@@ -35,8 +35,8 @@ from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
 from cpdata.gather import check_cp_group, ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata", "register_hf_attention",
-           "registered_options", "remember"]
+__all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata",
+           "register_hf_attention", "registered_options", "remember"]
 
 STATE_KEY = "cpdata_attention_state"
 Kernel = Literal["auto", "dense", "flex", "varlen"]

@@ -10,9 +10,9 @@ For local query ``q`` of row ``b`` and a key at global position ``key_pos[k]``::
 
 A slot is a document's span in global order (real tokens, then pads), ``end`` one past its last real token,
 ``pos`` the layout's ``local_token_global_indices``: a pad costs one diagonal tile, no softmax row is empty.
-Forms: :func:`dense_mask` (bool, ``L*K`` bytes, full ``L x S`` work) and :func:`block_mask` (flex: the kernel
-skips ruled-out blocks); for model code :func:`document_causal_mask` and :func:`flex_block_mask`. No collective,
-no host sync.
+Forms: :func:`dense_mask` (bool, ``L*K`` bytes, full ``L x S`` work) and :func:`block_mask` (flex: the
+kernel skips ruled-out blocks); for model code :func:`document_causal_mask` and :func:`flex_block_mask`.
+No collective, no host sync.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class QuerySlots:
         real = pos < self.end
         return torch.where(real, lo, pos), torch.where(real, hi, pos)
 
-    def mask(self, form: str, key_pos: torch.Tensor | None = None, *, causal: bool = True, window: int | None = None,
-             block_size: int = 128) -> Any:  # fmt: skip
+    def mask(self, form: str, key_pos: torch.Tensor | None = None, *, causal: bool = True,
+             window: int | None = None, block_size: int = 128) -> Any:  # fmt: skip
         """The keep-mask of :meth:`intervals` over keys at ``key_pos`` (int64 ``[K]``; None: the row's ``S``
         positions in order): ``"dense"`` bool ``[B, 1, L, K]`` or ``"flex"`` a ``BlockMask``."""
         lo, hi = self.intervals(causal=causal, window=window)
@@ -69,7 +69,8 @@ class QuerySlots:
             lo, hi = lo.to(key_pos.device), hi.to(key_pos.device)
         if form == "flex":
             return block_mask(lo, hi, self.row_len, key_pos=key_pos, block_size=block_size)
-        return dense_mask(lo, hi, torch.arange(self.row_len, device=lo.device) if key_pos is None else key_pos)
+        keys = torch.arange(self.row_len, device=lo.device) if key_pos is None else key_pos
+        return dense_mask(lo, hi, keys)
 
 
 def row_slots(pos: torch.Tensor, row_len: int) -> QuerySlots:
@@ -198,14 +199,15 @@ def _model_slots(
     """The queries' slots and the exchanged keys' positions (None: keys in global order)."""
     check_window(window)
     if keys not in ("auto", "global", "exchange"):
-        raise ValueError(f"keys={keys!r}: use 'auto' (exchanged keys when the layout has a plan), 'global' or "
-                         "'exchange'")  # fmt: skip
+        raise ValueError(f"keys={keys!r}: use 'auto' (exchanged keys when the layout has a plan), 'global' "
+                         "or 'exchange'")  # fmt: skip
     exchanged = layout is not None and has_exchange(layout)
     if keys == "exchange" and not exchanged:
-        raise ValueError("keys='exchange' needs a layout with a K/V exchange plan (layout.kv_exchange); build the "
-                         "batches with kv_exchange=True, or pass keys='global'")  # fmt: skip
+        raise ValueError("keys='exchange' needs a layout with a K/V exchange plan (layout.kv_exchange); "
+                         "build the batches with kv_exchange=True, or pass keys='global'")  # fmt: skip
     slots = document_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens)
-    return slots, exchanged_key_positions(layout, slots.pos.device) if exchanged and keys != "global" else None
+    exchange = exchanged and keys != "global"
+    return slots, exchanged_key_positions(layout, slots.pos.device) if exchange else None
 
 
 def document_causal_mask(
@@ -217,9 +219,9 @@ def document_causal_mask(
     keys: KeyOrder = "auto",
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys, ``[B, 1, L, K]`` over
-    exchanged ones. ``layout`` (None: a whole pack on one rank), ``document_ids`` (``[B, L]`` or ``[L]``),
-    ``cu_seqlens_padded``, ``cu_seqlens``: as :func:`document_slots`. ``window``: keep keys with
+    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys, ``[B, 1, L, K]``
+    over exchanged ones. ``layout`` (None: a whole pack on one rank), ``document_ids`` (``[B, L]`` or
+    ``[L]``), ``cu_seqlens_padded``, ``cu_seqlens``: as :func:`document_slots`. ``window``: keep keys with
     ``pos(q) - k < window``. ``keys``: ``"auto"`` (exchanged when ``layout.kv_exchange`` is set), ``"global"``
     (a row's ``S`` positions in order) or ``"exchange"`` (refused without a plan)."""
     slots, key_pos = _model_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens, window, keys)

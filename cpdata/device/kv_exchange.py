@@ -146,11 +146,11 @@ def move_keys_values(
     """This rank's ``key``/``value`` (``L`` tokens on ``seq_dim``) -> the keys its queries attend over.
 
     One collective for ``cat(key, value)`` on the last dim: with ``exchange`` the plan's all-to-all
-    (:func:`exchange_tokens`), else the all-gather to global order (:func:`cpdata.gather.gather_token_tensor`);
-    either way each rank's K/V gradient sums every rank's loss. Under autocast (HF's RoPE returns a float32 key
-    beside a bfloat16 value) K and V are cast to the autocast dtype first (each floating tensor but float64,
-    autocast's rule), as SDPA and flex compute in it: no traffic wider than the kernel. Outside autocast,
-    different dtypes are refused, as the kernels refuse them.
+    (:func:`exchange_tokens`), else the all-gather to global order (:mod:`cpdata.gather`); either way each
+    rank's K/V gradient sums every rank's loss. Under autocast (HF's RoPE returns a float32 key beside a
+    bfloat16 value) K and V are cast to the autocast dtype first (each floating tensor but float64, autocast's
+    rule), as SDPA and flex compute in it: no traffic wider than the kernel. Outside autocast, different
+    dtypes are refused, as the kernels refuse them.
     """
     device_type = key.device.type
     if torch.is_autocast_enabled(device_type):

@@ -79,7 +79,7 @@ class PreshardedMove:
         self._rank, self._size = mesh_rank_size(cp_mesh)
         self._group: Any = self  # self = not read yet (the mesh's group is read on the first batch at cp > 1)
 
-    def __call__(self, batch: Mapping[str, Any]) -> tuple[Callable[..., Any], dict[str, torch.Tensor], ShardLayout]:
+    def __call__(self, batch: Mapping[str, Any]) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
         layout: ShardLayout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
             self._refuse(layout)
@@ -95,18 +95,18 @@ class PreshardedMove:
         if layout.cp_size != size and self._cp_mesh is None:
             dims = f" (its dims: {tuple(self._mesh_dims)})" if self._mesh_dims else ""
             raise ValueError(
-                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP mesh: the "
-                f"device mesh has no dimension named 'cp'{dims}, or none was given, so the sharder runs at "
-                "cp_size=1; name the context-parallel dimension 'cp' (init_device_mesh(..., mesh_dim_names=(..., "
-                f"'cp'))) or pass the CP submesh (the pipeline's cp_size={layout.cp_size} is right if that "
-                f"dimension has {layout.cp_size} ranks)"
+                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP "
+                f"mesh: the device mesh has no dimension named 'cp'{dims}, or none was given, so the sharder "
+                "runs at cp_size=1; name the context-parallel dimension 'cp' (init_device_mesh(..., "
+                "mesh_dim_names=(..., 'cp'))) or pass the CP submesh (the pipeline's "
+                f"cp_size={layout.cp_size} is right if that dimension has {layout.cp_size} ranks)"
             )
         if layout.cp_size != size:
             raise ValueError(
-                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has cp_size={size}; "
-                f"build the data pipeline with cp_size={size}"
+                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has "
+                f"cp_size={size}; build the data pipeline with cp_size={size}"
             )
         raise ValueError(
-            f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
-            "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
+            f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is "
+            f"cp_rank={rank}; give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )

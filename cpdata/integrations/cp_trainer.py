@@ -40,14 +40,14 @@ def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, comp
          f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
          "set TrainingArguments(max_steps=N)"),
         (eval_dataset is not None or args.eval_strategy != "no",
-         "evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a plain Trainer on "
-         "the saved model"),
+         "evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a plain Trainer "
+         "on the saved model"),
         (args.label_smoothing_factor > 0,
-         f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's token cross-entropy "
-         "over the pack's target count"),
+         f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's token "
+         "cross-entropy over the pack's target count"),
         (compute_loss_func is not None,
-         "compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the pack's target "
-         "count); subclass and override compute_loss instead"),
+         "compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the pack's "
+         "target count); subclass and override compute_loss instead"),
         (bool(args.deepspeed or args.fsdp), "deepspeed / fsdp: the CP trainers are tested with DDP only"),
         (args.parallelism_config is not None and args.parallelism_config.cp_enabled,
          "parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention mask; cpdata "
@@ -120,8 +120,8 @@ class CPTrainerMixin:
             raise ValueError(f"cp_size={self.cp_size} must divide the world size {world} (dp = world // cp_size)")
         if not self.model_accepts_loss_kwargs:
             raise ValueError(f"{type(self.model).__name__}.forward takes no num_items_in_batch; the CP loss needs "
-                             "the model's loss to divide by the pack's target count (any transformers causal LM "
-                             "does)")  # fmt: skip
+                             "the model's loss to divide by the pack's target count (any transformers causal "
+                             "LM does)")  # fmt: skip
         config = getattr(self.model, "config", None)
         check_attention(config, self.cp_size)
         self.dp_size = world // self.cp_size

@@ -26,10 +26,11 @@ def check_sft_config(args: Any, capacity: int | None) -> int:
     """The pack capacity for ``args`` (an ``SFTConfig``); ``ValueError`` listing every setting it cannot honour."""
     capacity = args.max_length if capacity is None else capacity
     refuse_settings("CPSFTTrainer", [
-        (not args.packing, "packing=False: CP trains packs; set packing=True (cpdata packs the tokenized rows)"),
+        (not args.packing,
+         "packing=False: CP trains packs; set packing=True (cpdata packs the tokenized rows)"),
         (args.packing_strategy not in _STRATEGY_OVERFLOW,
-         f"packing_strategy={args.packing_strategy!r}: it lets attention cross document boundaries; use one of "
-         f"{sorted(_STRATEGY_OVERFLOW)}"),
+         f"packing_strategy={args.packing_strategy!r}: it lets attention cross document boundaries; use one "
+         f"of {sorted(_STRATEGY_OVERFLOW)}"),
         (bool(args.use_liger_kernel),
          "use_liger_kernel=True: its fused loss is not the per-rank target sum over the pack's target count"),
         (args.loss_type != "nll", f"loss_type={args.loss_type!r}: only 'nll' is implemented under CP"),

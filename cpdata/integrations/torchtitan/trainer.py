@@ -51,8 +51,8 @@ class CPTitanTrainer(Trainer):
         if parallel_dims.pp_enabled or parallel_dims.tp_enabled:
             raise ValueError(
                 f"CPTitanTrainer: pipeline_parallel_degree={parallel_dims.pp} / tensor_parallel_degree="
-                f"{parallel_dims.tp}: cpdata batches are tested with data (FSDP) and context parallelism only; "
-                "set both to 1"
+                f"{parallel_dims.tp}: cpdata batches are tested with data (FSDP) and context parallelism "
+                "only; set both to 1"
             )
         loader = self.config.dataloader
         loader.cp_degree = parallel_dims.cp
@@ -99,18 +99,19 @@ def _check_config(config: Trainer.Config) -> None:
     inner = attention.inner_attention if attention is not None else None
     refuse_settings("CPTitanTrainer", [
         (not isinstance(config.dataloader, CPTitanLoader.Config),
-         f"dataloader={type(config.dataloader).__qualname__}: use CPTitanLoader.Config (cpdata's batches are the "
-         "point of CPTitanTrainer)"),
+         f"dataloader={type(config.dataloader).__qualname__}: use CPTitanLoader.Config (cpdata's batches are "
+         "the point of CPTitanTrainer)"),
         (config.parallelism.spmd_backend != "partial_dtensor",
-         f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: cpdata shards the batches itself and "
-         "feeds torchtitan's flex attention plain local tensors; set --parallelism.spmd_backend partial_dtensor"),
+         f"parallelism.spmd_backend={config.parallelism.spmd_backend!r}: cpdata shards the batches itself "
+         "and feeds torchtitan's flex attention plain local tensors; set --parallelism.spmd_backend "
+         "partial_dtensor"),
         (config.validator.enable,
          "validator.enable: validation would read torchtitan's own dataloader, unsharded; turn it off "
          "(--validator.no-enable) and evaluate the saved model separately"),
         (not config.training.disable_cuda_graphs,
-         "training.disable_cuda_graphs=False: a CUDA graph would replay the first batch's document mask on every "
-         "batch; set --training.disable_cuda_graphs"),
+         "training.disable_cuda_graphs=False: a CUDA graph would replay the first batch's document mask on "
+         "every batch; set --training.disable_cuda_graphs"),
         (model is not None and not isinstance(inner, FlexAttention.Config),
-         f"the model's inner attention is {type(inner).__qualname__}: cpdata's document masks need torchtitan's "
-         "FlexAttention (a decoder with attn_backend='flex')"),
+         f"the model's inner attention is {type(inner).__qualname__}: cpdata's document masks need "
+         "torchtitan's FlexAttention (a decoder with attn_backend='flex')"),
     ])  # fmt: skip
