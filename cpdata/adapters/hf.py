@@ -18,10 +18,10 @@ import torch
 
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_attention import (
+    REGISTERED,
     STATE_KEY,
     attention_state,
     check_reaches_cpdata,
-    registered_options,
     remember,
 )
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
@@ -67,7 +67,7 @@ def hf_model_kwargs(
     tensors, layout, info = batch_parts(batch, tensors)
     _check_model_supports(config, attn_implementation)
     config = getattr(config, "config", config)  # a model -> its config
-    ours = registered_options(attn_implementation) is not None
+    ours = attn_implementation in REGISTERED
     flash = "flash" in attn_implementation
     if attn_implementation == "cpdata" and not ours:
         raise ValueError("attn_implementation='cpdata' is not registered yet: call "

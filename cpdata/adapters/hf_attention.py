@@ -35,8 +35,8 @@ from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
 from cpdata.gather import check_cp_group, ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata",
-           "register_hf_attention", "registered_options", "remember"]
+__all__ = ["REGISTERED", "STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata",
+           "register_hf_attention", "remember"]
 
 STATE_KEY = "cpdata_attention_state"
 Kernel = Literal["auto", "dense", "flex", "varlen"]
@@ -48,12 +48,8 @@ class _Options:
     verify_layout: bool
 
 
-_REGISTERED: dict[str, _Options] = {}
-
-
-def registered_options(name: str) -> _Options | None:
-    """The options ``name`` was registered with by :func:`register_hf_attention`; None if it was not."""
-    return _REGISTERED.get(name)
+REGISTERED: dict[str, _Options] = {}
+"""The names :func:`register_hf_attention` registered, with their options."""
 
 
 def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
@@ -68,7 +64,7 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
         return _attention(name, module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, cpdata_attention)
-    _REGISTERED[name] = _Options(kernel=kernel, verify_layout=bool(verify_layout))
+    REGISTERED[name] = _Options(kernel=kernel, verify_layout=bool(verify_layout))
     return name
 
 
@@ -123,7 +119,7 @@ def attention_state(
 ) -> HFAttentionState:
     """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``); ``document_ids`` rows are
     flattened into one stream, ``cu_seqlens`` (real lengths) makes pad queries see their own key only."""
-    options = _REGISTERED.get(name)
+    options = REGISTERED.get(name)
     if options is None:
         raise ValueError(
             f"attn_implementation={name!r} is not registered; call cpdata.adapters.register_hf_attention("
