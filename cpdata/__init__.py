@@ -7,8 +7,7 @@ imported lazily, so ``import cpdata.gather`` pulls in torch alone and spawned ra
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cpdata.errors import lazy_exports
 
 _HOMES: dict[str, tuple[str, ...]] = {
     "cpdata.device.consistency": ("all_ranks_have_batch", "verify_layout_consistency"),
@@ -48,15 +47,4 @@ _EXPORTS: dict[str, str] = {name: module for module, names in _HOMES.items() for
 __all__ = sorted(_EXPORTS)
 __version__ = "0.3.0"
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cpdata' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

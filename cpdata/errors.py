@@ -1,16 +1,21 @@
 """Exceptions that are both what Python or NeMo Automodel raises and the ``ValueError`` cpdata promises.
 
 Code written against NeMo's sharder catches ``KeyError`` or ``NotImplementedError``, code written against cpdata
-``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`.
+``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`,
+the one refusal listing every setting an entry point cannot honour, :func:`refuse_settings`, and the lazy
+export of a package's names, :func:`lazy_exports` (standard library only: ``cpdata`` imports this module).
 """
 
 from __future__ import annotations
 
+import importlib
 import numbers
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int", "naming_parts"]
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int",
+           "lazy_exports", "naming_parts", "refuse_settings"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -58,3 +63,26 @@ def naming_parts(parts: Iterable[tuple[str, Any]], check: Callable[[Any], object
             check(part)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
+
+
+def refuse_settings(owner: str, problems: Iterable[tuple[bool, str]]) -> None:
+    """One ``ValueError`` ``"{owner} cannot honour: a; b"`` naming every ``(holds, message)`` that holds, so a
+    user changes every setting in one go; nothing when none holds."""
+    found = [message for holds, message in problems if holds]
+    if found:
+        raise ValueError(f"{owner} cannot honour: " + "; ".join(found))
+
+
+def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list]]:
+    """``(__getattr__, __dir__)`` for ``package``: each public name (``exports``: name -> its home module) is
+    imported on first use and kept in the package, so ``import cpdata`` and the command line load no torch."""
+    namespace = vars(sys.modules[package])
+
+    def get(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value = getattr(importlib.import_module(module), name)
+        return value
+
+    return get, lambda: sorted(set(namespace) | set(exports))

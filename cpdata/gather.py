@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,31 +18,37 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["GatherFromShards", "check_cp_group", "ensure_gather_index", "gather_token_tensor", "layout_tensor_on"]
+__all__ = ["GatherFromShards", "check_cp_group", "ensure_gather_index", "gather_token_tensor",
+           "layout_cached", "layout_tensor_on"]
 
-_CACHE_SIZE = 32
-_device_cache: OrderedDict[tuple[int, str, str], tuple[weakref.ref, torch.Tensor]] = OrderedDict()
+_CACHE_SIZE = 64
+_cache: OrderedDict[tuple, tuple[weakref.ref, Any]] = OrderedDict()
+
+
+def layout_cached(layout: ShardLayout, key: tuple[str, ...], make: Callable[[], Any]) -> Any:
+    """``make()`` built at most once per (``layout``, ``key``) while the layout lives (a device copy, an
+    index plan); the bounded cache checks the layout by identity: a recycled ``id`` gets no stale one."""
+    full = (id(layout), *key)
+    hit = _cache.get(full)
+    if hit is not None and hit[0]() is layout:
+        _cache.move_to_end(full)
+        return hit[1]
+    value = make()
+    _cache[full] = (weakref.ref(layout), value)
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return value
 
 
 def layout_tensor_on(layout: ShardLayout, name: str, device: torch.device | str) -> torch.Tensor:
-    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) at most once per (layout, device); the
-    bounded cache checks the layout by identity, so a recycled ``id`` never returns a stale map."""
+    """``getattr(layout, name)`` on ``device``, copied (``non_blocking``) once per (layout, device)."""
     value = getattr(layout, name)
     if value is None:
         raise ValueError(f"ShardLayout.{name} is None; build the layout with {name} set")
     device = torch.device(device)
     if value.device == device:
         return value
-    key = (id(layout), name, str(device))
-    hit = _device_cache.get(key)
-    if hit is not None and hit[0]() is layout:
-        _device_cache.move_to_end(key)
-        return hit[1]
-    moved = value.to(device, non_blocking=True)
-    _device_cache[key] = (weakref.ref(layout), moved)
-    while len(_device_cache) > _CACHE_SIZE:
-        _device_cache.popitem(last=False)
-    return moved
+    return layout_cached(layout, (name, str(device)), lambda: value.to(device, non_blocking=True))
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
@@ -109,13 +116,14 @@ def gather_token_tensor(
     index = layout_tensor_on(layout, "gather_index", tensor.device)
     if layout.cp_size == 1:
         return tensor.index_select(seq_dim, index)
-    check_cp_group(layout.cp_size, layout.cp_rank, group, "layout")
+    check_cp_group(layout, group, "layout", verb="built")
     return GatherFromShards.apply(tensor, index, group, seq_dim)
 
 
-def check_cp_group(cp_size: int, cp_rank: int, group: Any, what: str, *, verb: str = "built") -> None:
-    """``ValueError`` unless ``group`` (None: the default group) has ``cp_size`` ranks, this one ``cp_rank``;
-    ``what`` names the record ``verb`` for them (``"layout"`` built, ``"the batch"`` sharded)."""
+def check_cp_group(of: Any, group: Any, what: str = "the batch", *, verb: str = "sharded") -> None:
+    """``ValueError`` unless ``group`` (None: the default group) has ``of.cp_size`` ranks, this one
+    ``of.cp_rank``; ``of`` is a ``ShardLayout`` or an exchange plan, ``what`` names it ``verb`` for them."""
+    cp_size, cp_rank = of.cp_size, of.cp_rank
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{what} is for cp_size={cp_size} but no process group is initialized; "
                          "call torch.distributed.init_process_group and pass the CP group")  # fmt: skip

@@ -147,7 +147,7 @@ def _targets_rank(rank: int, world: int, plan: str, jsonl: str) -> list[tuple[st
                 counted = int(global_target_count(batch, group))  # the all-reduce the recorded count replaces
                 # kwargs read, never run through a model: the guard that they reach a "cpdata" layer is off here
                 with mock.patch.object(dist, "all_reduce", _no_collective), \
-                        mock.patch("cpdata.adapters.hf.check_reaches_cpdata"):
+                        mock.patch("cpdata.adapters.hf_attention.check_reaches_cpdata"):
                     filled = hf_model_kwargs(batch, "cpdata", group=group)["num_items_in_batch"]
                 derived = batch.info["real_tokens"] - batch.info["n_documents"]  # targets if nothing were masked
                 out.append((name, batch.info["n_targets"], counted, filled, derived))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
-from cpdata.adapters.hf_guard import _LAST
+from cpdata.adapters.hf_attention import _LAST
 from cpdata.device.cp_attention import AttentionContextFactory
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank

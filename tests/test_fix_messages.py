@@ -50,7 +50,7 @@ def test_the_cp_trainer_names_register_hf_attention_for_an_unregistered_cpdata(m
     config = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     config._attn_implementation = "cpdata"
-    monkeypatch.delitem(hf_attention._REGISTERED, "cpdata", raising=False)
+    monkeypatch.delitem(hf_attention.REGISTERED, "cpdata", raising=False)
     with pytest.raises(ValueError, match=r"not registered in this process: call cpdata\.adapters\."
                                          r"register_hf_attention\(\) first, on every rank"):
         check_attention(config, cp_size=2)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from cpdata.adapters import global_target_count, hf_model_kwargs, register_hf_attention
-from cpdata.adapters.hf_guard import _LAST
+from cpdata.adapters.hf_attention import _LAST
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo

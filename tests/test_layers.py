@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1] / "cpdata"
 
 # Low to high. A package may import only packages earlier in this list, and of those only the ones named.
 LAYERS: dict[str, set[str]] = {
-    "__init__": set(),  # the public names, imported lazily by name: it imports nothing itself
     "errors": set(),
+    "__init__": {"errors"},  # the public names, imported lazily by name (errors.lazy_exports)
     "layout": {"errors"},
     "gather": {"layout"},
     "worker": {"errors", "layout"},

@@ -73,10 +73,10 @@ def _precision(precision: str) -> contextlib.AbstractContextManager:
 
 def _not_run() -> contextlib.AbstractContextManager:
     """Kwargs built for "cpdata" that this test runs through an sdpa model on purpose: the guard that a built
-    state reaches a "cpdata" layer (``cpdata.adapters.hf_guard``) neither checks nor remembers them."""
+    state reaches a "cpdata" layer (``cpdata.adapters.hf_attention``) neither checks nor remembers them."""
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch("cpdata.adapters.hf.check_reaches_cpdata"))
-    stack.enter_context(mock.patch("cpdata.adapters.hf.remember"))
+    stack.enter_context(mock.patch("cpdata.adapters.hf_attention.check_reaches_cpdata"))
+    stack.enter_context(mock.patch("cpdata.adapters.hf_attention.remember"))
     return stack
 
 

@@ -8,10 +8,9 @@ from typing import Any
 import torch
 
 from cpdata.errors import is_int
-from cpdata.gather import check_cp_group as check_layout_group
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["batch_parts", "check_cp_group", "info_int"]
+__all__ = ["batch_parts", "info_int"]
 
 
 def batch_parts(
@@ -39,7 +38,3 @@ def info_int(info: Mapping[str, Any], key: str) -> int:
         )
     return int(value)
 
-
-def check_cp_group(group: Any, layout: ShardLayout) -> None:
-    """``ValueError`` unless ``group`` (None: the default group) is the CP group ``layout`` was built for."""
-    check_layout_group(layout.cp_size, layout.cp_rank, group, "the batch", verb="sharded")

@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
+import cpdata.adapters.hf_attention as hf_attention
 from cpdata.adapters._batch import batch_parts, info_int
-from cpdata.adapters.hf_attention import STATE_KEY, attention_state, registered_options
-from cpdata.adapters.hf_guard import check_reaches_cpdata, remember
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
-from cpdata.adapters.masks import document_causal_mask, flex_block_mask
+from cpdata.device.attention_masks import document_causal_mask, flex_block_mask
 from cpdata.device.cp_attention import active_contexts
 from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
@@ -62,7 +61,7 @@ def hf_model_kwargs(
     tensors, layout, info = batch_parts(batch, tensors)
     _check_model_supports(config, attn_implementation)
     config = getattr(config, "config", config)  # a model -> its config
-    ours = registered_options(attn_implementation) is not None
+    ours = attn_implementation in hf_attention.REGISTERED
     flash = "flash" in attn_implementation
     if attn_implementation == "cpdata" and not ours:
         raise ValueError("attn_implementation='cpdata' is not registered yet: call "
@@ -75,7 +74,7 @@ def hf_model_kwargs(
         )
     check_config(config)
     if ours:  # before any collective: the CP group, then every rank's model on this attention
-        check_reaches_cpdata(attn_implementation, config, layout, group)
+        hf_attention.check_reaches_cpdata(attn_implementation, config, layout, group)
     input_ids = tensors[INPUT_IDS]
     if layout.cp_size > 1 and not ours and attn_implementation != "sdpa":
         raise ValueError(
@@ -117,11 +116,11 @@ def hf_model_kwargs(
     if num_items_in_batch is not None:
         kwargs["num_items_in_batch"] = num_items_in_batch
     if ours:
-        state = attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS], tensors["cu_seqlens_padded"],
-                                tensors.get("cu_seqlens"), group)  # fmt: skip
+        state = hf_attention.attention_state(attn_implementation, layout, tensors[DOCUMENT_IDS],
+                                             tensors["cu_seqlens_padded"], tensors.get("cu_seqlens"), group)
         if layout.cp_size > 1:
-            remember(state)
-        kwargs[STATE_KEY] = state
+            hf_attention.remember(state)
+        kwargs[hf_attention.STATE_KEY] = state
         return kwargs
     if flash:
         cu = tensors["cu_seqlens_padded"]

@@ -9,6 +9,12 @@
 Each layer gets local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` and the batch's
 :class:`HFAttentionState`; it checks the layer's variant, brings the keys (:func:`move_keys_values`), masks
 each query's key interval (once per batch, kernel, window, device) and runs :func:`attend`. No KV cache.
+
+At cp > 1 the kwargs reach this attention on every rank, or every rank refuses (:func:`check_reaches_cpdata`):
+a model left on ``sdpa``/``eager`` ignores the state kwarg (a wrong loss, or a hang if one rank slipped). The
+slip shows in the configured implementation (``config=``) or in the previous batch's state never consumed (one
+step late); one 16-byte all-reduce of both flags on the first two calls and every
+:data:`~cpdata.device.consistency.DEFAULT_CHECK_EVERY` after makes all ranks raise together.
 """
 
 from __future__ import annotations
@@ -17,18 +23,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from cpdata.adapters.attention_kernels import KERNELS, attend
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.device.attention_masks import QuerySlots, block_mask, dense_mask, document_slots
-from cpdata.device.consistency import verify_layout_consistency
+from cpdata.device.attention_masks import QuerySlots, document_slots
+from cpdata.device.consistency import DEFAULT_CHECK_EVERY, any_rank_flags, verify_layout_consistency
 from cpdata.device.cp_attention import record_served_call
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
-from cpdata.gather import ensure_gather_index
+from cpdata.gather import check_cp_group, ensure_gather_index
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["STATE_KEY", "HFAttentionState", "attention_state", "register_hf_attention", "registered_options"]
+__all__ = ["REGISTERED", "STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata",
+           "register_hf_attention", "remember"]
 
 STATE_KEY = "cpdata_attention_state"
 Kernel = Literal["auto", "dense", "flex", "varlen"]
@@ -40,12 +48,8 @@ class _Options:
     verify_layout: bool
 
 
-_REGISTERED: dict[str, _Options] = {}
-
-
-def registered_options(name: str) -> _Options | None:
-    """The options ``name`` was registered with by :func:`register_hf_attention`; None if it was not."""
-    return _REGISTERED.get(name)
+REGISTERED: dict[str, _Options] = {}
+"""The names :func:`register_hf_attention` registered, with their options."""
 
 
 def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
@@ -60,7 +64,7 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
         return _attention(name, module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(name, cpdata_attention)
-    _REGISTERED[name] = _Options(kernel=kernel, verify_layout=bool(verify_layout))
+    REGISTERED[name] = _Options(kernel=kernel, verify_layout=bool(verify_layout))
     return name
 
 
@@ -89,21 +93,16 @@ class HFAttentionState:
         :func:`move_keys_values` returns; cached per batch, kind, window, device."""
         key = (kind, window, str(device))
         if key not in self._masks:
-            exchanged = exchanged_key_positions(self.layout, device) if self.exchange else None
-            if kind == "flex":  # keys in global order: None, the interval path without the L x S grid
-                lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
-                self._masks[key] = block_mask(lo, hi, self.slots.row_len, key_pos=exchanged)
-            else:
-                keys = exchanged if exchanged is not None else torch.arange(self.key_len, device=device)
-                if kind == "varlen":  # a refused plan is kept too: every layer falls back without re-planning
-                    try:
-                        self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
-                                                       device=device, end=self.slots.end)  # fmt: skip
-                    except KeyCopiesError as refused:
-                        self._masks[key] = refused
-                else:
-                    lo, hi = (t.to(device) for t in self.slots.intervals(window=window))
-                    self._masks[key] = dense_mask(lo, hi, keys)
+            keys = exchanged_key_positions(self.layout, device) if self.exchange else None
+            if kind != "varlen":  # flex without exchanged keys: the interval path without the L x S grid
+                self._masks[key] = self.slots.mask(kind, keys, window=window)
+            else:  # a refused plan is kept too: every layer falls back without re-planning
+                keys = torch.arange(self.key_len, device=device) if keys is None else keys
+                try:
+                    self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
+                                                   device=device, end=self.slots.end)  # fmt: skip
+                except KeyCopiesError as refused:
+                    self._masks[key] = refused
         mask = self._masks[key]
         if isinstance(mask, KeyCopiesError):
             raise mask
@@ -120,7 +119,7 @@ def attention_state(
 ) -> HFAttentionState:
     """The state ``model(**kwargs)`` carries to every layer (``kwargs[STATE_KEY]``); ``document_ids`` rows are
     flattened into one stream, ``cu_seqlens`` (real lengths) makes pad queries see their own key only."""
-    options = _REGISTERED.get(name)
+    options = REGISTERED.get(name)
     if options is None:
         raise ValueError(
             f"attn_implementation={name!r} is not registered; call cpdata.adapters.register_hf_attention("
@@ -179,3 +178,54 @@ def _attention(
     out = attend(kernel, query, key, value, state.mask(kernel, variant.window, query.device), variant)
     record_served_call()
     return out.transpose(1, 2).contiguous(), None
+
+
+class _LastState:
+    """This process' previous cp > 1 state and how many cp > 1 calls it has made."""
+
+    state: HFAttentionState | None = None
+    calls: int = 0
+
+
+_LAST = _LastState()
+
+
+def check_reaches_cpdata(name: str, config: Any, layout: ShardLayout, group: Any) -> None:
+    """``ValueError`` on every CP rank when any rank's ``name`` kwargs would not reach the ``name`` attention;
+    call before building this step's state and :func:`remember` it after (at cp 1: no collective)."""
+    configured = getattr(getattr(config, "config", config), "_attn_implementation", None)  # a model or its config
+    configured = configured if isinstance(configured, str) else None
+    wrong_config, unconsumed = configured is not None and configured != name, False
+    anywhere: tuple[bool, ...] = (wrong_config,)
+    if layout.cp_size > 1:  # at cp 1 no peer to hang, no state to track: the configured name only
+        if dist.is_available() and dist.is_initialized():  # without a group the attention's collective refuses
+            check_cp_group(layout, group)
+        previous = _LAST.state
+        # kwargs rebuilt for the same batch (e.g. to read num_items_in_batch first) replace the previous ones
+        unconsumed = previous is not None and not previous.verified and previous.layout is not layout
+        _LAST.state = None  # release the previous batch's masks before this step builds its own
+        due = _LAST.calls < 2 or _LAST.calls % DEFAULT_CHECK_EVERY == 0
+        _LAST.calls += 1
+        anywhere = any_rank_flags((wrong_config, unconsumed), group) if due else (wrong_config, unconsumed)
+    if not any(anywhere):
+        return
+    what = (
+        f"this rank's model is configured with attn_implementation={configured!r}"
+        if wrong_config
+        else "the previous batch's kwargs never reached a 'cpdata' layer on this rank"
+        if unconsumed
+        else "this rank is fine, another rank of the CP group is not"
+    )
+    raise ValueError(
+        f"hf_model_kwargs(batch, {name!r}) at cp_size={layout.cp_size} (cp_rank {layout.cp_rank}): {what}. A model "
+        f"not on the {name!r} attention ignores the batch's state and attends to each rank's own tokens only "
+        f"(a wrong loss, or a hang when only some ranks slipped). Call model.set_attn_implementation({name!r}) "
+        f"on every rank's model (a config object shared between models shares the setting), or from_pretrained"
+        f"(..., attn_implementation={name!r}); pass config=model so the check runs before the first step. "
+        "(Kwargs built and then not run through the model also count as not reached.)"
+    )
+
+
+def remember(state: HFAttentionState) -> None:
+    """Keep this step's cp > 1 state, checked at the next call for having reached the attention."""
+    _LAST.state = state

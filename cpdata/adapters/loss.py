@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpdata.adapters._batch import check_cp_group
+from cpdata.gather import check_cp_group
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import IGNORE_INDEX, LABELS
 
@@ -34,7 +34,7 @@ def global_target_count(
     count = labels.ne(IGNORE_INDEX).sum()
     layout = getattr(batch, "layout", None)
     if isinstance(layout, ShardLayout) and layout.cp_size > 1:
-        check_cp_group(group, layout)
+        check_cp_group(layout, group)
         dist.all_reduce(count, group=group)
     if dp_group is not None:
         dist.all_reduce(count, group=dp_group)

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdata.adapters._batch import batch_parts, check_cp_group, info_int
+from cpdata.adapters._batch import batch_parts, info_int
+from cpdata.gather import check_cp_group
 from cpdata.worker.keys import INPUT_IDS
 
 __all__ = ["TEAttentionArgs", "te_attention_kwargs", "te_forward_kwargs"]
@@ -91,7 +92,7 @@ def te_attention_kwargs(
             raise ValueError(
                 f"cp_size={layout.cp_size}: pass the CP process group as cp_group (cp_mesh.get_group())"
             )
-        check_cp_group(cp_group, layout)
+        check_cp_group(layout, cp_group)
         ranks = dist.get_process_group_ranks(cp_group)
     return TEAttentionArgs(
         forward=forward,

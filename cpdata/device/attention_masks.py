@@ -10,23 +10,29 @@ For local query ``q`` of row ``b`` and a key at global position ``key_pos[k]``::
 
 A slot is a document's span in global order (real tokens, then pads), ``end`` one past its last real token,
 ``pos`` the layout's ``local_token_global_indices``: a pad costs one diagonal tile, no softmax row is empty.
-Forms: :func:`dense_mask` (bool, ``L*K`` bytes) and :func:`block_mask` (flex). No collective, no host sync.
+Forms: :func:`dense_mask` (bool, ``L*K`` bytes, full ``L x S`` work) and :func:`block_mask` (flex: the
+kernel skips ruled-out blocks); for model code :func:`document_causal_mask` and :func:`flex_block_mask`.
+No collective, no host sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange
 from cpdata.errors import check_int
 from cpdata.gather import layout_tensor_on
 
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["QuerySlots", "block_mask", "check_window", "dense_mask", "document_slots", "row_slots"]
+__all__ = ["QuerySlots", "block_mask", "check_window", "dense_mask", "document_causal_mask", "document_slots",
+           "flex_block_mask", "row_slots"]
+
+KeyOrder = Literal["auto", "global", "exchange"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -53,6 +59,18 @@ class QuerySlots:
                 hi = torch.minimum(hi, pos + (window - 1))
         real = pos < self.end
         return torch.where(real, lo, pos), torch.where(real, hi, pos)
+
+    def mask(self, form: str, key_pos: torch.Tensor | None = None, *, causal: bool = True,
+             window: int | None = None, block_size: int = 128) -> Any:  # fmt: skip
+        """The keep-mask of :meth:`intervals` over keys at ``key_pos`` (int64 ``[K]``; None: the row's ``S``
+        positions in order): ``"dense"`` bool ``[B, 1, L, K]`` or ``"flex"`` a ``BlockMask``."""
+        lo, hi = self.intervals(causal=causal, window=window)
+        if key_pos is not None:
+            lo, hi = lo.to(key_pos.device), hi.to(key_pos.device)
+        if form == "flex":
+            return block_mask(lo, hi, self.row_len, key_pos=key_pos, block_size=block_size)
+        keys = torch.arange(self.row_len, device=lo.device) if key_pos is None else key_pos
+        return dense_mask(lo, hi, keys)
 
 
 def row_slots(pos: torch.Tensor, row_len: int) -> QuerySlots:
@@ -168,3 +186,59 @@ def block_mask(
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(block_size, block_size),
                                     mask_mod=in_order, seq_lengths=(local, row_len))  # fmt: skip
+
+
+def _model_slots(
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    window: int | None,
+    keys: KeyOrder,
+) -> tuple[QuerySlots, torch.Tensor | None]:
+    """The queries' slots and the exchanged keys' positions (None: keys in global order)."""
+    check_window(window)
+    if keys not in ("auto", "global", "exchange"):
+        raise ValueError(f"keys={keys!r}: use 'auto' (exchanged keys when the layout has a plan), 'global' "
+                         "or 'exchange'")  # fmt: skip
+    exchanged = layout is not None and has_exchange(layout)
+    if keys == "exchange" and not exchanged:
+        raise ValueError("keys='exchange' needs a layout with a K/V exchange plan (layout.kv_exchange); "
+                         "build the batches with kv_exchange=True, or pass keys='global'")  # fmt: skip
+    slots = document_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens)
+    exchange = exchanged and keys != "global"
+    return slots, exchanged_key_positions(layout, slots.pos.device) if exchange else None
+
+
+def document_causal_mask(
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    window: int | None = None,
+    keys: KeyOrder = "auto",
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense bool mask ``[B, 1, L, S]`` (True = attend) of local queries over global keys, ``[B, 1, L, K]``
+    over exchanged ones. ``layout`` (None: a whole pack on one rank), ``document_ids`` (``[B, L]`` or
+    ``[L]``), ``cu_seqlens_padded``, ``cu_seqlens``: as :func:`document_slots`. ``window``: keep keys with
+    ``pos(q) - k < window``. ``keys``: ``"auto"`` (exchanged when ``layout.kv_exchange`` is set), ``"global"``
+    (a row's ``S`` positions in order) or ``"exchange"`` (refused without a plan)."""
+    slots, key_pos = _model_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens, window, keys)
+    return slots.mask("dense", key_pos, window=window)
+
+
+def flex_block_mask(
+    layout: ShardLayout | None,
+    document_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    window: int | None = None,
+    block_size: int = 128,
+    keys: KeyOrder = "auto",
+    cu_seqlens: torch.Tensor | None = None,
+) -> Any:
+    """:func:`document_causal_mask` as a flex ``BlockMask`` (``Q_LEN = L``, ``KV_LEN = S`` or ``L + n_recv``,
+    batch ``B``, heads broadcast) for ``flex_attention(q, k, v, block_mask=...)``; arguments as there."""
+    slots, key_pos = _model_slots(layout, document_ids, cu_seqlens_padded, cu_seqlens, window, keys)
+    return slots.mask("flex", key_pos, window=window, block_size=block_size)

@@ -37,9 +37,8 @@ def verify_layout_consistency(batch_or_layout: Any, cp_mesh_or_group: Any = None
     """Raise ``ValueError`` on every CP rank unless all ranks hold the same plan digest; ``batch_or_layout``: a
     :class:`ShardLayout` or a batch with one; ``cp_mesh_or_group``: the CP mesh (1-D, or with a ``"cp"`` dim) or
     a process group (None: the default group); ``device`` default: CUDA for an NCCL group, else the CPU."""
-    layout = batch_or_layout
-    if not isinstance(layout, ShardLayout):
-        layout = getattr(batch_or_layout, "layout", None)
+    given_layout = isinstance(batch_or_layout, ShardLayout)
+    layout = batch_or_layout if given_layout else getattr(batch_or_layout, "layout", None)
     if not isinstance(layout, ShardLayout):
         raise TypeError(
             "verify_layout_consistency takes a ShardLayout or a batch with a .layout (ShardedBatch), "

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from cpdata.device.attention_masks import check_window, dense_mask, document_slots, row_slots
+from cpdata.device.attention_masks import check_window, document_slots, row_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
 from cpdata.gather import ensure_gather_index, layout_tensor_on
@@ -173,9 +173,11 @@ class ContextParallelAttention:
         # document-causal with a plan: only the keys this rank's queries need (a window keeps a subset)
         exchange = attn_mask is None and is_causal and self.document_ids is not None and has_exchange(layout)
         key_g, value_g = move_keys_values(key, value, layout, self.group, exchange=exchange, seq_dim=key.dim() - 2)
-        mask = self._mask(query.device, is_causal, exchange)
-        if attn_mask is not None:
-            mask = _combine(attn_mask, mask)
+        keep = self._mask(query.device, is_causal, exchange)
+        mask = attn_mask if keep is None else keep
+        if attn_mask is not None and keep is not None:  # the caller's mask (bool or additive) within ours
+            bool_mask = attn_mask.dtype == torch.bool
+            mask = attn_mask & keep if bool_mask else attn_mask.masked_fill(~keep, -torch.inf)
         self.served += 1
         return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
 
@@ -184,28 +186,18 @@ class ContextParallelAttention:
         (``K = S``) or exchanged (``K = L + n_recv``) keys; None = attend all. Built once per context."""
         key, layout, doc = (str(device), causal, exchange), self.layout, self.document_ids
         if key not in self._masks:
-            row_len = self.local_len * layout.cp_size
             if doc is not None:
                 slots = document_slots(layout, doc.to(device), self.cu_seqlens_padded, self.cu_seqlens)
             elif causal or self.window is not None:
-                slots = row_slots(layout_tensor_on(layout, "local_token_global_indices", device), row_len)
+                pos = layout_tensor_on(layout, "local_token_global_indices", device)
+                slots = row_slots(pos, self.local_len * layout.cp_size)
             else:
                 self._masks[key] = None
                 return None
-            lo, hi = slots.intervals(causal=causal, window=self.window)
-            keys = exchanged_key_positions(layout, device) if exchange else torch.arange(row_len, device=device)
-            mask = dense_mask(lo, hi, keys)
+            keys = exchanged_key_positions(layout, device) if exchange else None
+            mask = slots.mask("dense", keys, causal=causal, window=self.window)
             self._masks[key] = mask[0, 0] if doc is None or doc.dim() == 1 else mask
         return self._masks[key]
-
-
-def _combine(attn_mask: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """A caller's global-key mask (bool keep-mask or additive float) restricted to ``keep``."""
-    if keep is None:
-        return attn_mask
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & keep
-    return attn_mask.masked_fill(~keep, float("-inf"))
 
 
 @dataclass(frozen=True)

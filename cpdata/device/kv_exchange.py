@@ -1,10 +1,8 @@
 """Exchange only the keys each rank needs: one differentiable all-to-all (torch only).
 
-A layout that carries a K/V exchange plan (``layout.kv_exchange``, a
-:class:`~cpdata.layout.exchange.RankExchange` built on the dataloader worker)
-lets document-causal attention skip the all-gather: each rank sends every
-other rank exactly the keys that rank's queries can attend to, and receives
-its own needs::
+A layout with a K/V exchange plan (``layout.kv_exchange``, a :class:`~cpdata.layout.exchange.RankExchange`
+built on the worker) lets document-causal attention skip the all-gather: each rank sends every other rank
+exactly the keys that rank's queries attend to::
 
     forward:  send = local[send_index]                      [n_send, ...]
               recv = all_to_all_single(send, splits)        [n_recv, ...]   ONE collective
@@ -12,33 +10,21 @@ its own needs::
     backward: grad_recv -> reverse all_to_all_single        [n_send, ...]   ONE collective
               grad_local = grad_own.index_add(send_index, grad_sent)   (a key's grads summed into its owner)
 
-The gradient contract is the all-gather's (:mod:`cpdata.gather`): each local
-key's gradient is the sum over every rank's loss. The keys come back as the
-rank's own ``L`` in local order, then the received ones grouped by source rank;
-:func:`exchanged_key_positions` gives their global positions (the plan's, on the
-device), so a mask over (local queries x own + received keys) needs no
-collective. Split sizes are host ints from the plan: no device sync.
-
-Traffic: the busiest rank receives ``kv_recv_fraction`` of what an all-gather
-delivers (``(cp-1)/cp * S`` keys; see README / the bench for measured values):
-~0.1-0.3 for short documents, up to 1.0 when one document spans the pack.
-
-Layouts without a plan keep the single all-gather (:func:`cpdata.gather.gather_token_tensor`).
-:func:`move_keys_values` is the one place every CP attention moves K and V (the sharder's ctx, the
-``"cpdata"`` HF attention): one tensor ``cat(key, value)``, exchanged or gathered.
+The gradient contract is the all-gather's (:mod:`cpdata.gather`). Received keys come grouped by source rank;
+:func:`exchanged_key_positions` gives every key's global position on the device, so a mask needs no
+collective; split sizes are host ints from the plan (no sync). The busiest rank receives
+``kv_recv_fraction`` of an all-gather's ``(cp-1)/cp * S`` keys (~0.1-0.3 for short documents, 1.0 when one
+document spans the pack). :func:`move_keys_values` is the one place every CP attention moves K and V.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from cpdata.gather import check_cp_group, gather_token_tensor
+from cpdata.gather import check_cp_group, gather_token_tensor, layout_cached
 
 if TYPE_CHECKING:
     from cpdata.layout.shard_layout import ShardLayout
@@ -46,13 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["ExchangeKV", "exchange_index", "exchange_tokens", "exchanged_key_positions", "has_exchange",
            "move_keys_values"]
 
-_CACHE_SIZE = 32
-_cache: OrderedDict[tuple[int, str], tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-
 
 def has_exchange(layout: ShardLayout) -> bool:
     """Whether ``layout`` carries a K/V exchange plan (built with ``kv_exchange=True`` on the worker)."""
-    return getattr(layout, "kv_exchange", None) is not None
+    return layout.kv_exchange is not None
 
 
 def _plan(layout: ShardLayout) -> Any:
@@ -80,26 +63,17 @@ def exchange_index(layout: ShardLayout, device: torch.device | str) -> tuple[tor
     position of every key :func:`exchange_tokens` returns (own keys in local order, then received ones).
     """
     plan = _plan(layout)
-    device = torch.device(device)
-    key = (id(layout), str(device))
-    hit = _cache.get(key)
-    if hit is not None and hit[0]() is layout:
-        _cache.move_to_end(key)
-        return hit[1]
     own = layout.local_token_global_indices
     if own is None:
         raise ValueError("layout.local_token_global_indices is None; pass the ShardLayout the batch came with")
-    send = _expand(plan.send_runs, plan.n_send, device)
-    recv = _expand(plan.recv_runs, plan.n_recv, device)
-    positions = torch.cat((own.reshape(-1).to(device=device, dtype=torch.int64), recv))
-    try:
-        ref = weakref.ref(layout)
-    except TypeError:
-        ref = functools.partial(lambda x: x, layout)
-    _cache[key] = (ref, (send, positions))
-    while len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
-    return send, positions
+    device = torch.device(device)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        recv = _expand(plan.recv_runs, plan.n_recv, device)
+        positions = torch.cat((own.reshape(-1).to(device=device, dtype=torch.int64), recv))
+        return _expand(plan.send_runs, plan.n_send, device), positions
+
+    return layout_cached(layout, ("kv_exchange", str(device)), build)
 
 
 def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> torch.Tensor:
@@ -110,17 +84,11 @@ def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> 
 class ExchangeKV(torch.autograd.Function):
     """Send each rank the local tokens its plan asks for; return own + received. Backward: the reverse.
 
-    ``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``:
-
-    - ``local``: this rank's shard, ``L`` tokens on ``seq_dim`` (any dtype; K and V concatenated on the
-      last dim travel as one tensor).
-    - ``send_index``: int64 ``[n_send]`` local indices, grouped by destination (``send_counts`` each).
-    - returns: ``[..., L + n_recv, ...]``: ``local`` then the received tokens, grouped by source rank
-      (``recv_counts`` each).
-
-    Forward: one ``index_select`` and one ``all_to_all_single``. Backward: one ``all_to_all_single`` of the
-    received tokens' gradient back to their owners (splits swapped) and one ``index_add`` into the own
-    tokens' gradient (a token sent to several ranks sums their gradients).
+    ``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: ``local`` holds ``L`` tokens on
+    ``seq_dim`` (K and V concatenated on the last dim travel as one tensor); ``send_index`` int64 ``[n_send]``
+    local indices grouped by destination; returns ``[..., L + n_recv, ...]``, received tokens grouped by
+    source. Forward: one ``index_select`` and one ``all_to_all_single``; backward: the reverse all-to-all and
+    one ``index_add`` (a token sent to several ranks sums their gradients).
     """
 
     @staticmethod
@@ -151,15 +119,10 @@ class ExchangeKV(torch.autograd.Function):
 def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1) -> torch.Tensor:
     """This rank's tokens plus the ones its plan receives: ``[..., L + n_recv, ...]`` (differentiable).
 
-    Args:
-        tensor: local shard, ``L`` tokens on ``seq_dim`` in the layout's local order (e.g. K and V
-            concatenated ``[B, H, L, Ek + Ev]`` with ``seq_dim=2``, or ``document_ids`` ``[B, L]``).
-        layout: the batch's :class:`~cpdata.layout.shard_layout.ShardLayout`, with ``kv_exchange``.
-        group: the CP process group; None = the default group.
-        seq_dim: the sequence dimension of ``tensor``.
-
-    Returns the own tokens (local order) then the received ones (:func:`exchanged_key_positions` gives
-    every returned token's global position). One ``all_to_all_single`` forward, one backward.
+    ``tensor``: the local shard, ``L`` tokens on ``seq_dim`` in local order (K and V concatenated
+    ``[B, H, L, Ek + Ev]`` with ``seq_dim=2``, or ``document_ids`` ``[B, L]``); ``layout``: the batch's
+    ``ShardLayout`` with ``kv_exchange``; ``group``: the CP group (None: the default group). Own tokens
+    first, then the received ones (:func:`exchanged_key_positions`). One all-to-all forward, one backward.
     """
     plan = _plan(layout)
     seq_dim = seq_dim % tensor.dim()
@@ -173,7 +136,7 @@ def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None
     send_index, _ = exchange_index(layout, tensor.device)
     if plan.cp_size == 1:
         return tensor
-    check_cp_group(plan.cp_size, plan.cp_rank, group, "the exchange plan")
+    check_cp_group(plan, group, "the exchange plan", verb="built")
     return ExchangeKV.apply(tensor, send_index, list(plan.send_counts), list(plan.recv_counts), group, seq_dim)
 
 
@@ -183,15 +146,11 @@ def move_keys_values(
     """This rank's ``key``/``value`` (``L`` tokens on ``seq_dim``) -> the keys its queries attend over.
 
     One collective for ``cat(key, value)`` on the last dim: with ``exchange`` the plan's all-to-all
-    (:func:`exchange_tokens`: own keys, then the received ones), else the all-gather to global order
-    (:func:`cpdata.gather.gather_token_tensor`; backward a reduce-scatter). Either way each rank's K/V
-    gradient sums every rank's loss.
-
-    Dtypes, as the kernel would: under autocast (Trainer's ``bf16=True``: HF's RoPE returns a float32 key
-    while the value is bfloat16) SDPA and flex compute in the autocast dtype, so K and V are cast to it
-    (each floating tensor but float64, autocast's rule) before the one collective: no traffic in a wider
-    dtype than the kernel uses, and nothing else in the model changes precision. Outside autocast,
-    different dtypes are refused, as the kernels refuse them.
+    (:func:`exchange_tokens`), else the all-gather to global order (:mod:`cpdata.gather`); either way each
+    rank's K/V gradient sums every rank's loss. Under autocast (HF's RoPE returns a float32 key beside a
+    bfloat16 value) K and V are cast to the autocast dtype first (each floating tensor but float64, autocast's
+    rule), as SDPA and flex compute in it: no traffic wider than the kernel. Outside autocast, different
+    dtypes are refused, as the kernels refuse them.
     """
     device_type = key.device.type
     if torch.is_autocast_enabled(device_type):

@@ -66,34 +66,11 @@ def shard_presharded(
 ) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
     """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks;
     ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only)."""
-    layout: ShardLayout = batch.layout
-    rank, size = mesh_rank_size(cp_mesh)
-    if layout.cp_size != size and cp_mesh is None:
-        dims = f" (its dims: {tuple(mesh_dims)})" if mesh_dims else ""
-        raise ValueError(
-            f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP mesh: the "
-            f"device mesh has no dimension named 'cp'{dims}, or none was given, so the sharder runs at cp_size=1; "
-            "name the context-parallel dimension 'cp' (init_device_mesh(..., mesh_dim_names=(..., 'cp'))) or pass "
-            f"the CP submesh (the pipeline's cp_size={layout.cp_size} is right if that dimension has "
-            f"{layout.cp_size} ranks)"
-        )
-    if layout.cp_size != size:
-        raise ValueError(
-            f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has cp_size={size}; "
-            f"build the data pipeline with cp_size={size}"
-        )
-    if layout.cp_rank != rank:
-        raise ValueError(
-            f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is cp_rank={rank}; "
-            "give each rank's pipeline its own CP rank (the CP mesh's local rank)"
-        )
-    out = _moved(batch, device)
-    return attention_ctx(cp_mesh, layout, out), out, layout
+    return PreshardedMove(cp_mesh, device, mesh_dims)(batch)
 
 
 class PreshardedMove:
-    """``shard()`` of a :class:`ShardedBatch` with the mesh's facts read once (the sharder's fast path); a batch
-    for another rank or size takes :func:`shard_presharded`, which raises the precise error."""
+    """:func:`shard_presharded` with the mesh's facts read once (the sharder's fast path)."""
 
     __slots__ = ("_cp_mesh", "_device", "_group", "_mesh_dims", "_rank", "_size")
 
@@ -102,13 +79,34 @@ class PreshardedMove:
         self._rank, self._size = mesh_rank_size(cp_mesh)
         self._group: Any = self  # self = not read yet (the mesh's group is read on the first batch at cp > 1)
 
-    def __call__(self, batch: ShardedBatch) -> tuple[Callable[..., Any], dict[str, torch.Tensor], ShardLayout]:
-        layout = batch.layout
+    def __call__(self, batch: Mapping[str, Any]) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
+        layout: ShardLayout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
-            return shard_presharded(self._cp_mesh, batch, self._device, mesh_dims=self._mesh_dims)
+            self._refuse(layout)
         out = _moved(batch, self._device)
         if self._size <= 1:
             return contextlib.nullcontext, out, layout
         if self._group is self:
             self._group = mesh_group(self._cp_mesh)
         return AttentionContextFactory.of_batch(layout, self._group, out), out, layout
+
+    def _refuse(self, layout: ShardLayout) -> None:
+        size, rank = self._size, self._rank
+        if layout.cp_size != size and self._cp_mesh is None:
+            dims = f" (its dims: {tuple(self._mesh_dims)})" if self._mesh_dims else ""
+            raise ValueError(
+                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the sharder has no CP "
+                f"mesh: the device mesh has no dimension named 'cp'{dims}, or none was given, so the sharder "
+                "runs at cp_size=1; name the context-parallel dimension 'cp' (init_device_mesh(..., "
+                "mesh_dim_names=(..., 'cp'))) or pass the CP submesh (the pipeline's "
+                f"cp_size={layout.cp_size} is right if that dimension has {layout.cp_size} ranks)"
+            )
+        if layout.cp_size != size:
+            raise ValueError(
+                f"pre-sharded batch was laid out for cp_size={layout.cp_size} but the CP mesh has "
+                f"cp_size={size}; build the data pipeline with cp_size={size}"
+            )
+        raise ValueError(
+            f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is "
+            f"cp_rank={rank}; give each rank's pipeline its own CP rank (the CP mesh's local rank)"
+        )

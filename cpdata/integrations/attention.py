@@ -13,14 +13,10 @@ from typing import Any
 import torch
 
 from cpdata.adapters import hf_model_kwargs
-from cpdata.adapters.hf_attention import registered_options
+from cpdata.adapters.hf_attention import REGISTERED
 from cpdata.nemo.sharder import ContextParallelSharder
 
 __all__ = ["CPModelInputs", "check_attention"]
-
-
-def _registered(impl: Any) -> bool:
-    return isinstance(impl, str) and registered_options(impl) is not None
 
 
 def check_attention(config: Any, cp_size: int) -> None:
@@ -28,14 +24,14 @@ def check_attention(config: Any, cp_size: int) -> None:
     if cp_size <= 1:
         return
     impl = getattr(config, "_attn_implementation", None)
-    if impl == "cpdata" and not _registered(impl):
+    if impl == "cpdata" and impl not in REGISTERED:
         raise ValueError(
             "the model's attn_implementation is 'cpdata', which is not registered in this process: call "
             "cpdata.adapters.register_hf_attention() first, on every rank, before set_attn_implementation('cpdata') "
             "or from_pretrained(..., attn_implementation='cpdata') (transformers refuses the name until then: "
             "'Specified `attn_implementation=\"cpdata\"` is not supported')"
         )
-    if impl != "sdpa" and not _registered(impl):
+    if impl != "sdpa" and impl not in REGISTERED:
         raise ValueError(
             f"the model's attn_implementation is {impl!r}; at cp_size={cp_size} it would attend within this "
             "rank's tokens only. Use cpdata's attention (cpdata.adapters.register_hf_attention(), then "
@@ -71,7 +67,7 @@ class CPModelInputs:
             if self._sharder is None:
                 self._sharder = ContextParallelSharder(None, self.mesh, batch)
             factory, local = self._sharder.shard(batch)
-            if batch.layout.cp_size > 1 and _registered(self.attn_implementation):  # no ctx: the layers gather
+            if batch.layout.cp_size > 1 and self.attn_implementation in REGISTERED:  # no ctx: the layers gather
                 return contextlib.nullcontext(), hf_model_kwargs(
                     batch, self.attn_implementation, tensors=local, num_items_in_batch=num_items_in_batch,
                     group=self.mesh["cp"].get_group())  # fmt: skip

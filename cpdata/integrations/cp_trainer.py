@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpdata.adapters.loss import global_target_count
-from cpdata.errors import check_int, is_int
+from cpdata.errors import check_int, is_int, refuse_settings
 from cpdata.integrations.attention import CPModelInputs, check_attention
 from cpdata.integrations.metrics import PackMetrics
 from cpdata.nodes.dataloader import CPDataLoader
@@ -35,28 +35,24 @@ _DATA_DEFAULTS = DataPolicy()
 
 def check_training_args(args: Any, owner: str, *, eval_dataset: Any = None, compute_loss_func: Any = None) -> None:
     """Refuse the Trainer settings a CP trainer cannot honour; one ``ValueError`` lists every one found."""
-    problems = []
-    if args.max_steps is None or args.max_steps <= 0:
-        problems.append(
-            f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
-            "set TrainingArguments(max_steps=N)"
-        )
-    if eval_dataset is not None or args.eval_strategy != "no":
-        problems.append("evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a "
-                        "plain Trainer on the saved model")  # fmt: skip
-    if args.label_smoothing_factor > 0:
-        problems.append(f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's "
-                        "token cross-entropy over the pack's target count")  # fmt: skip
-    if compute_loss_func is not None:
-        problems.append("compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the "
-                        "pack's target count); subclass and override compute_loss instead")  # fmt: skip
-    if args.deepspeed or args.fsdp:
-        problems.append("deepspeed / fsdp: the CP trainers are tested with DDP only")
-    if args.parallelism_config is not None and args.parallelism_config.cp_enabled:
-        problems.append("parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention "
-                        "mask; cpdata shards the batches itself, leave accelerate's CP off")  # fmt: skip
-    if problems:
-        raise ValueError(f"{owner} cannot honour: " + "; ".join(problems))
+    refuse_settings(owner, [
+        (args.max_steps is None or args.max_steps <= 0,
+         f"max_steps={args.max_steps}: the CP loader packs documents as they stream and has no length; "
+         "set TrainingArguments(max_steps=N)"),
+        (eval_dataset is not None or args.eval_strategy != "no",
+         "evaluation (eval_dataset / eval_strategy): not implemented under CP; evaluate with a plain Trainer "
+         "on the saved model"),
+        (args.label_smoothing_factor > 0,
+         f"label_smoothing_factor={args.label_smoothing_factor}: the CP loss is the model's token "
+         "cross-entropy over the pack's target count"),
+        (compute_loss_func is not None,
+         "compute_loss_func: the CP loss is computed by the trainer (per-rank target sum over the pack's "
+         "target count); subclass and override compute_loss instead"),
+        (bool(args.deepspeed or args.fsdp), "deepspeed / fsdp: the CP trainers are tested with DDP only"),
+        (args.parallelism_config is not None and args.parallelism_config.cp_enabled,
+         "parallelism_config with cp_size > 1: accelerate's CP hook drops the packed attention mask; cpdata "
+         "shards the batches itself, leave accelerate's CP off"),
+    ])  # fmt: skip
 
 
 def cp_loss_scale(world_size: int, cp_size: int, average_tokens_across_devices: bool) -> int:
@@ -124,8 +120,8 @@ class CPTrainerMixin:
             raise ValueError(f"cp_size={self.cp_size} must divide the world size {world} (dp = world // cp_size)")
         if not self.model_accepts_loss_kwargs:
             raise ValueError(f"{type(self.model).__name__}.forward takes no num_items_in_batch; the CP loss needs "
-                             "the model's loss to divide by the pack's target count (any transformers causal LM "
-                             "does)")  # fmt: skip
+                             "the model's loss to divide by the pack's target count (any transformers causal "
+                             "LM does)")  # fmt: skip
         config = getattr(self.model, "config", None)
         check_attention(config, self.cp_size)
         self.dp_size = world // self.cp_size

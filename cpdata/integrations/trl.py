@@ -13,6 +13,7 @@ from typing import Any
 
 from trl import SFTTrainer
 
+from cpdata.errors import refuse_settings
 from cpdata.integrations.cp_trainer import CPTrainerMixin
 from cpdata.nodes.options import PlanChoice, SchedulePlan, StreamPlan
 
@@ -23,28 +24,24 @@ _STRATEGY_OVERFLOW = {"bfd": None, "bfd_split": "split"}
 
 def check_sft_config(args: Any, capacity: int | None) -> int:
     """The pack capacity for ``args`` (an ``SFTConfig``); ``ValueError`` listing every setting it cannot honour."""
-    problems = []
-    if not args.packing:
-        problems.append("packing=False: CP trains packs; set packing=True (cpdata packs the tokenized rows)")
-    if args.packing_strategy not in _STRATEGY_OVERFLOW:
-        problems.append(f"packing_strategy={args.packing_strategy!r}: it lets attention cross document boundaries; "
-                        f"use one of {sorted(_STRATEGY_OVERFLOW)}")  # fmt: skip
-    if args.use_liger_kernel:
-        problems.append("use_liger_kernel=True: its fused loss is not the per-rank target sum over the pack's "
-                        "target count")  # fmt: skip
-    if args.loss_type != "nll":
-        problems.append(f"loss_type={args.loss_type!r}: only 'nll' is implemented under CP")
-    if args.neftune_noise_alpha is not None:
-        problems.append("neftune_noise_alpha: NEFTune scales its noise by the sequence length, which differs per "
-                        "CP rank")  # fmt: skip
     capacity = args.max_length if capacity is None else capacity
-    if capacity is None:
-        problems.append("max_length=None and no capacity: give the pack length (SFTConfig(max_length=N))")
-    elif args.packing_strategy == "bfd" and args.max_length is not None and args.max_length > capacity:
-        problems.append(f"max_length={args.max_length} > capacity={capacity}: a row truncated to max_length would "
-                        "not fit a pack; use capacity >= max_length or packing_strategy='bfd_split'")  # fmt: skip
-    if problems:
-        raise ValueError("CPSFTTrainer cannot honour: " + "; ".join(problems))
+    refuse_settings("CPSFTTrainer", [
+        (not args.packing,
+         "packing=False: CP trains packs; set packing=True (cpdata packs the tokenized rows)"),
+        (args.packing_strategy not in _STRATEGY_OVERFLOW,
+         f"packing_strategy={args.packing_strategy!r}: it lets attention cross document boundaries; use one "
+         f"of {sorted(_STRATEGY_OVERFLOW)}"),
+        (bool(args.use_liger_kernel),
+         "use_liger_kernel=True: its fused loss is not the per-rank target sum over the pack's target count"),
+        (args.loss_type != "nll", f"loss_type={args.loss_type!r}: only 'nll' is implemented under CP"),
+        (args.neftune_noise_alpha is not None,
+         "neftune_noise_alpha: NEFTune scales its noise by the sequence length, which differs per CP rank"),
+        (capacity is None, "max_length=None and no capacity: give the pack length (SFTConfig(max_length=N))"),
+        (capacity is not None and args.packing_strategy == "bfd" and args.max_length is not None
+         and args.max_length > capacity,
+         f"max_length={args.max_length} > capacity={capacity}: a row truncated to max_length would not fit a "
+         "pack; use capacity >= max_length or packing_strategy='bfd_split'"),
+    ])  # fmt: skip
     return capacity
 
 

@@ -1,6 +1,6 @@
 """What a block-sparse kernel pays per CP rank: live tiles, and the K/V a rank must receive.
 
-Under the document-causal mask (:mod:`cpdata.adapters.masks`; a tail pad attends to its own key only), a rank's
+Under the document-causal mask (:mod:`cpdata.device.attention_masks`; a tail pad attends to its own key only), a rank's
 queries are its row in local order and the keys the pack in global order, both cut into ``tile``-token blocks;
 a tile is live when any pair in it attends, and flash / flex kernels pay it in full. :func:`live_tiles` and
 :func:`kv_recv_tokens` sort the ``S`` tokens (O(S log S)): references for tests, benchmarks and inspection.

@@ -12,8 +12,7 @@ Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dat
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cpdata.errors import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "Collate": "cpdata.nodes.collate",
@@ -28,9 +27,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cpdata.nodes' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

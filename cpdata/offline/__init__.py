@@ -9,8 +9,7 @@ the command line does not pull in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cpdata.errors import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "PackStore": "cpdata.offline.store",
@@ -22,16 +21,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cpdata.offline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
