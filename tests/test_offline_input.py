@@ -149,7 +149,7 @@ def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, m
     monkeypatch.setattr(JsonlDocuments, "_read", lambda self, i: (reads.append(i), real_read(self, i))[1])
     dataset = open_dataset(data)
     for rank in range(dp_size):
-        plans = PrecomputedPacks(tmp_path / "plan", dataset, dp_rank=rank, dp_size=dp_size)
+        plans = PrecomputedPacks(tmp_path / "plan", dataset, data=DataPolicy(dp_rank=rank, dp_size=dp_size))
         plans.reset()
         pieces_of_long = sum(1 for plan in plans for p in plan.pieces if p.index == 20)
         assert pieces_of_long >= 30 // dp_size, "the long document must be cut into many pieces"

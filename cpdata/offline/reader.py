@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.nodes.options import DataPolicy, check_records, refuse_keywords
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store
@@ -151,10 +151,11 @@ class PrecomputedPacks(ServedPacks):
     """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
     ``documents``: the dataset the plan was computed over (or the ``datasets.Dataset`` or mix it came from).
-    ``cp_size`` and ``layout`` are checked against the plan when given; ``dp_rank``/``dp_size`` pick this rank's
-    share; ``vocab_size`` and ``labels_alignment`` validate documents as :class:`~cpdata.nodes.source.Documents`
-    does; ``verify`` checks every array's sha256 on open. State: :class:`~cpdata.nodes.served.ServedPacks`'s,
-    refused from another plan, DP split or version."""
+    ``cp_size`` and ``layout`` are checked against the plan when given; ``data``'s DP rank and size pick this
+    rank's share, its ``vocab_size`` and ``labels_alignment`` validate documents as
+    :class:`~cpdata.nodes.source.Documents` does (the plan fixed the order: ``seed``, ``shuffle`` and
+    ``epochs`` are refused); ``verify`` checks every array's sha256 on open. State:
+    :class:`~cpdata.nodes.served.ServedPacks`'s, refused from another plan, DP split or version."""
 
     rows: StoreRows
 
@@ -165,28 +166,30 @@ class PrecomputedPacks(ServedPacks):
         *,
         cp_size: int | None = None,
         layout: str | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        vocab_size: int | None = None,
-        labels_alignment: LabelsAlignment | None = None,
+        data: DataPolicy = DataPolicy(),
         verify: bool = True,
+        **removed: Any,
     ) -> None:
-        check_int("dp_size", dp_size, min=1)
-        check_int("dp_rank", dp_rank, min=0)
-        if dp_rank >= dp_size:
-            raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
+        refuse_keywords("PrecomputedPacks", removed, ("cp_size", "layout", "data", "verify"))
+        check_records(data=data)
+        fixed = [f"{k}={getattr(data, k)!r}" for k in ("seed", "shuffle", "epochs")
+                 if getattr(data, k) != getattr(DataPolicy(), k)]  # fmt: skip
+        if fixed:
+            raise ValueError(f"a precomputed plan ({path}) fixed its order when it was computed; DataPolicy("
+                             f"{', '.join(fixed)}) does not apply here: pass them to cpdata precompute "
+                             "instead")  # fmt: skip
         store = read_store(path, verify=verify)
         planned = _planned_epochs(store)
         documents = as_source(documents, indexed=True, epochs=1 if planned is None else len(planned) - 1)
         _check_planned(store, "cp_size", store.config["cp_size"], cp_size)
         _check_planned(store, "layout", store.config["layout"], layout)
         _check_documents(store, documents)
-        labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, declared_labels(documents), documents)
+        declared = declared_labels(documents)
+        labels_alignment = declared_alignment("PrecomputedPacks", data.labels_alignment, declared, documents)
         _check_planned(store, "labels_alignment", store.config["labels_alignment"], labels_alignment, required=True)
-        super().__init__(StoreRows(store, documents, dp_rank=int(dp_rank), dp_size=int(dp_size),
-                                   vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
+        super().__init__(StoreRows(store, documents, dp_rank=data.dp_rank, dp_size=data.dp_size,
+                                   vocab_size=data.vocab_size, labels_alignment=labels_alignment))  # fmt: skip
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
-        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         named = isinstance(documents, NamesSources) and callable(documents.document_sources)
         self.document_sources = self._mix_sources if named else None
         """A mix's (source name, index) of pieces (:func:`cpdata.nodes.document_names.document_sources_of`)."""
