@@ -19,11 +19,10 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
-from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
-from cpdata.sources.tokenstore import TokenStore, TokenStoreWriter
+from cpdata.sources.tokenstore import TokenStore, write_token_store
 
 __all__ = ["convert_jsonl"]
 
@@ -156,11 +155,8 @@ def convert_jsonl(
         documents = _converted(src, tokenizer or _tokenized_row, workers, bar, totals)
         if fmt == "megatron":
             return write_megatron(documents, out, vocab_size=vocab_size, overwrite=overwrite), totals
-        with atomic_directory(out, overwrite=overwrite) as tmp:
-            writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
-            for doc in documents:
-                writer.add(doc)
-            source = {"name": src.name, "bytes": src.stat().st_size, "stats": totals,
-                      "tokenizer": None if tokenizer is None else str(tokenizer.source)}  # fmt: skip
-            writer.finish(source, labels_alignment="inputs" if assistant_only else None)
-    return TokenStore(out), totals
+        # totals fill as the documents are read: complete when the manifest is written
+        source = {"name": src.name, "bytes": src.stat().st_size, "stats": totals,
+                  "tokenizer": None if tokenizer is None else str(tokenizer.source)}  # fmt: skip
+        return write_token_store(documents, out, vocab_size=vocab_size, overwrite=overwrite, source=source,
+                                 labels_alignment="inputs" if assistant_only else None, name=str(src)), totals

@@ -60,8 +60,8 @@ class TokenizedDataset(ABC):
         self.path = Path(path)
 
     @property
-    @abstractmethod
-    def lengths(self) -> np.ndarray: ...
+    def lengths(self) -> np.ndarray:
+        return self._lengths  # set by the reader, or computed on first use by an override
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])

@@ -79,10 +79,6 @@ class LengthsFile(TokenizedDataset):
             raise ValueError(f"{self.path}: document {bad} has negative length {int(self._lengths[bad])}")
         self._fingerprint: str | None = None
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def fingerprint(self) -> str:
         """``lengths:`` + the sha256 of the lengths (computed once)."""
         if self._fingerprint is None:
@@ -210,10 +206,6 @@ class JsonlDocuments(TokenizedDataset):
             )
         return arr.astype(np.int64) if integer else arr
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def fingerprint(self) -> str:
         """``jsonl:`` + the file's sha256 (computed while scanning)."""
         return f"jsonl:{self._sha256}"
@@ -303,10 +295,6 @@ class NpyFolder(TokenizedDataset):
                 on_progress(1)
         self._lengths = lengths
         self._fingerprint: str | None = None
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
 
     def fingerprint(self) -> str:
         """``npy_folder:`` + the sha256 of every file's name, size and bytes, in order (a rename or reorder

@@ -110,10 +110,6 @@ class HFDocuments(TokenizedDataset):
             raise ValueError(f"length column {self.length_column!r}: row {bad} has negative length {int(lengths[bad])}")
         return lengths
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def _read(self, i: int) -> dict[str, np.ndarray]:
         row = self._rows[i]
         out = {k: np.asarray(row[k]) for k in self._keys}

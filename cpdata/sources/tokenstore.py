@@ -52,11 +52,13 @@ def write_token_store(
     overwrite: bool = False,
     source: Mapping[str, Any] | None = None,
     labels_alignment: str | None = None,
+    name: str | None = None,
 ) -> TokenStore:
-    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and ``labels_alignment``
-    go into the manifest. Returns the store, opened."""
+    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and
+    ``labels_alignment`` go into the manifest; errors about a document name ``name`` (default: ``out_dir``).
+    Returns the store, opened."""
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
+        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=name or str(out_dir))
         for document in documents:
             writer.add(document)
         writer.finish(source or {}, labels_alignment=labels_alignment)
