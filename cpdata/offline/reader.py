@@ -18,7 +18,7 @@ import numpy as np
 from cpdata.nodes.options import DataPolicy, check_records, refuse_keywords
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
-from cpdata.offline.store import PackStore, read_store
+from cpdata.offline.store import PackStore, read_store, reopen_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
@@ -97,13 +97,7 @@ class StoreRows(PlanRows):
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
-        on_disk = read_store(self.store.path, verify=False).digest
-        if on_disk != self.store.digest:
-            raise ValueError(
-                f"plan {self.store.path} changed on disk since this node opened it (manifest sha256 "
-                f"{self.store.digest[:16]}… then, {on_disk[:16]}… now: it was precomputed again); its packs differ: "
-                "build a new pipeline on the new plan, as a new run, or restore the old plan"
-            )
+        self.store = reopen_store(self.store.path, self.store.digest)
         check_source_unchanged(self.source, None)
         self.check_epoch(epoch)
         return 0
@@ -134,17 +128,6 @@ class StoreRows(PlanRows):
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
         return read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Worker processes reopen the memory maps instead of receiving copies of the arrays.
-        return {**self.__dict__, "store": (str(self.store.path), self.store.digest)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        path, digest = state["store"]
-        store = read_store(path, verify=False)
-        if store.digest != digest:
-            raise ValueError(f"plan {path} changed on disk since this node was built (manifest sha256 differs)")
-        self.__dict__.update(state, store=store)
 
 
 class PrecomputedPacks(ServedPacks):

@@ -21,7 +21,8 @@ import numpy as np
 from cpdata.sources.atomic import atomic_directory, check_writable, interrupted_write, stall
 from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest, sha256_file, write_manifest
 
-__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "check_writable", "read_store", "write_store"]
+__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "check_writable", "read_store", "reopen_store",
+           "write_store"]
 
 FORMAT = "cpdata.packs"
 FORMAT_VERSION = 2
@@ -59,6 +60,22 @@ class PackStore:
         """Rows of the piece arrays that belong to pack ``k``."""
         offsets = self.arrays["pack_offsets"]
         return slice(int(offsets[k]), int(offsets[k + 1]))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A worker process maps the arrays itself instead of receiving copies of them.
+        return reopen_store, (self.path, self.digest)
+
+
+def reopen_store(path: Path, digest: str) -> PackStore:
+    """The plan at ``path`` read again (fresh memory maps), refused unless its manifest digest is still ``digest``."""
+    now = read_store(path, verify=False)
+    if now.digest != digest:
+        raise ValueError(
+            f"plan {path} changed on disk since this node opened it (manifest sha256 {digest[:16]}… then, "
+            f"{now.digest[:16]}… now: it was precomputed again); its packs differ: build a new pipeline on the "
+            "new plan, as a new run, or restore the old plan"
+        )
+    return now
 
 
 def write_store(out_dir: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], manifest: Mapping[str, Any], *,
