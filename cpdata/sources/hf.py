@@ -22,20 +22,16 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
 from cpdata.worker.targets import check_unpadded
 
-__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset", "is_hf_iterable"]
+__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset"]
 
 LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
 """Integer columns taken as tokens per document, in this order of preference."""
 
 
 def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
-    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``."""
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``
+    (``"IterableDataset"``: a streaming one)."""
     return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
-
-
-def is_hf_iterable(obj: object) -> bool:
-    """True for a streaming ``datasets.IterableDataset``."""
-    return is_hf_dataset(obj, "IterableDataset")
 
 
 def _per_token(feature: Any) -> bool:
@@ -54,7 +50,7 @@ class HFDocuments(TokenizedDataset):
     kind = "hf_dataset"
 
     def __init__(self, dataset: Any, *, length_column: str | None = None) -> None:
-        if is_hf_iterable(dataset):
+        if is_hf_dataset(dataset, "IterableDataset"):
             raise TypeError(
                 "a streaming datasets.IterableDataset has no index, so it cannot be planned ahead or served "
                 "from a plan; materialise it (datasets.Dataset.from_generator(lambda: iter(ds)), or load it "
