@@ -182,7 +182,11 @@ def row_tokenizer(args: argparse.Namespace) -> RowTokenizer:
                         assistant_only=args.assistant_only, max_length=args.max_length, chat_template=template)  # fmt: skip
 
 
-def _common(p: argparse.ArgumentParser, vocab_default: str) -> None:
+def _register(subparsers: Any, name: str, summary: str, description: str, input_help: str,
+              vocab_default: str) -> argparse.ArgumentParser:  # fmt: skip
+    """Add ``name`` with INPUT and the options ``tokenize`` and ``pack-store`` share."""
+    p = subparsers.add_parser(name, help=summary, description=description)
+    p.add_argument("input", metavar="INPUT", help=input_help)
     p.add_argument("--out", required=True,
                    help="output store directory (written atomically); with --format megatron the PREFIX of "
                    "PREFIX.bin and PREFIX.idx")  # fmt: skip
@@ -195,34 +199,26 @@ def _common(p: argparse.ArgumentParser, vocab_default: str) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run, tokenizer=None)  # pack-store has no --tokenizer
+    return p
 
 
 def register_tokenize(subparsers: Any) -> None:
     """Add ``tokenize``."""
-    p = subparsers.add_parser(
-        "tokenize",
-        help="tokenize a JSONL of text or chat rows into a token store",
-        description="Tokenize INPUT, a .jsonl of {\"text\": ...} or {\"messages\": [...]} rows, into a binary token "
-        "store (tokens.bin + offsets index + manifest) that precompute, open_dataset and build_loader read "
-        "with an O(1) open.",
-    )
-    p.add_argument("input", metavar="INPUT", help=".jsonl of text or chat rows")
+    p = _register(subparsers, "tokenize", "tokenize a JSONL of text or chat rows into a token store",
+                  "Tokenize INPUT, a .jsonl of {\"text\": ...} or {\"messages\": [...]} rows, into a binary token "
+                  "store (tokens.bin + offsets index + manifest) that precompute, open_dataset and build_loader "
+                  "read with an O(1) open.", ".jsonl of text or chat rows", "the tokenizer's size")  # fmt: skip
     add_tokenizer_options(p, required=True)
-    _common(p, "the tokenizer's size")
 
 
 def register_pack_store(subparsers: Any) -> None:
     """Add ``pack-store``."""
-    p = subparsers.add_parser(
-        "pack-store",
-        help="convert a tokenized JSONL into a token store (no rescan on every open)",
-        description="Convert INPUT, a .jsonl of {\"input_ids\": [...]} rows (plus per-token lists such as labels "
-        "or loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan. INPUT may "
-        "also be a token store: it is checked and rewritten in this cpdata's format (stores written before chunk "
-        "checksums then open in O(1) again).",
-    )
-    p.add_argument("input", metavar="INPUT", help=".jsonl of input_ids rows, or a token store to rewrite")
-    _common(p, "none: 4 bytes per token, any id below 2**32; with a token store INPUT, its own")
+    _register(subparsers, "pack-store", "convert a tokenized JSONL into a token store (no rescan on every open)",
+              "Convert INPUT, a .jsonl of {\"input_ids\": [...]} rows (plus per-token lists such as labels or "
+              "loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan. INPUT may "
+              "also be a token store: it is checked and rewritten in this cpdata's format (stores written before "
+              "chunk checksums then open in O(1) again).", ".jsonl of input_ids rows, or a token store to rewrite",
+              "none: 4 bytes per token, any id below 2**32; with a token store INPUT, its own")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
