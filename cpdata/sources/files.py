@@ -20,8 +20,8 @@ from typing import BinaryIO
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.chunksums import file_sums
 from cpdata.sources.fingerprint import lengths_sha256, sample_positions
-from cpdata.sources.manifest import sha256_file
 from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
@@ -302,7 +302,7 @@ class NpyFolder(TokenizedDataset):
         if self._fingerprint is None:
             h = hashlib.sha256()
             for name in self._files:
-                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{sha256_file(self.path / name)}\0".encode())
+                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{file_sums(self.path / name)[0]}\0".encode())
             self._fingerprint = f"npy_folder:{h.hexdigest()}"
         return self._fingerprint
 
