@@ -132,7 +132,7 @@ class JsonlDocuments(TokenizedDataset):
             self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
         self._crcs, self._offsets = np.frombuffer(crcs, dtype=np.uint32), np.frombuffer(offsets, dtype=np.int64)
         self._lengths = np.frombuffer(lengths, dtype=np.int64)
-        self._id_range = (low, high)
+        self._id_range = (low, high)  # the scan saw every id
         self._sha256 = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
         self._size = pos
@@ -225,12 +225,6 @@ class JsonlDocuments(TokenizedDataset):
             for i in sample_positions(len(self), _FILE_SAMPLES):
                 self._raw_row(i)  # raises naming the first sampled document that changed
             self._opened = (size, st.st_mtime_ns)  # touched, same bytes where sampled
-
-    def check_token_ids(self, vocab_size: int | None = None) -> None:
-        low, high = self._id_range
-        if low >= 0 and (vocab_size is None or high < vocab_size):
-            return  # the scan saw every id
-        super().check_token_ids(vocab_size)
 
     def _handle(self) -> BinaryIO:
         """This process's own handle, opened on first use and again after a fork or unpickling."""
