@@ -18,12 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.atomic import atomic_directory, check_writable, interrupted_write, stall
+from cpdata.sources.atomic import atomic_directory, interrupted_write, stall
 from cpdata.sources.chunksums import file_sums
 from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest, write_manifest
 
-__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "check_writable", "read_store", "reopen_store",
-           "write_store"]
+__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "read_store", "reopen_store", "write_store"]
 
 FORMAT = "cpdata.packs"
 FORMAT_VERSION = 2
