@@ -73,17 +73,16 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
 class StoreRows(PlanRows):
     """This DP rank's packs of a plan directory, one block per epoch, read from the memory-mapped columns."""
 
-    def __init__(self, store: PackStore, documents: Any, *, dp_rank: int, dp_size: int, vocab_size: int | None,
+    def __init__(self, store: PackStore, documents: Any, data: DataPolicy,
                  labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
-        self.store, self.source, self.vocab_size, self.labels_alignment = store, documents, vocab_size, labels_alignment
-        self.dp_rank, self.dp_size, self.capacity = dp_rank, dp_size, int(store.config["capacity"])
-        self.config = {"dp": [dp_rank, dp_size]}
+        self.store, self.source, self.data, self.labels_alignment = store, documents, data, labels_alignment
+        self.capacity, self.config = int(store.config["capacity"]), {"dp": [data.dp_rank, data.dp_size]}
         self.identity = f"{store.digest}|{source_identity(documents)}"  # the plan, and the documents it serves
         self.epochs = _planned_epochs(store)
         self.first_document = np.asarray(documents.epoch_starts if isinstance(documents, Listed) else [0], dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.schedule = store.manifest.get("schedule")
-        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], dp_size)
+        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], data.dp_size)
 
     def check_epoch(self, epoch: int) -> None:
         """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
@@ -112,22 +111,23 @@ class StoreRows(PlanRows):
     def packs(self, epoch: int) -> int:
         if self.schedule is not None:
             return int(self.schedule["num_steps"]) * int(self.schedule["micro_batches"])
-        return self._epoch_packs(epoch)[1] // self.dp_size
+        return self._epoch_packs(epoch)[1] // self.data.dp_size
 
     def pack(self, epoch: int, item: int) -> PackRows:
         n = self.packs(epoch)
         if not 0 <= item < n:
             raise IndexError(f"pack {item} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
         if self.schedule is None:
-            pack = self._epoch_packs(epoch)[0] + item * self.dp_size + self.dp_rank
+            pack = self._epoch_packs(epoch)[0] + item * self.data.dp_size + self.data.dp_rank
         else:
-            step, micro_batch = divmod(item, int(self.schedule["micro_batches"]))
-            pack = (step * self.dp_size + self.dp_rank) * int(self.schedule["micro_batches"]) + micro_batch
+            micro = int(self.schedule["micro_batches"])
+            step, micro_batch = divmod(item, micro)
+            pack = (step * self.data.dp_size + self.data.dp_rank) * micro + micro_batch
         base = int(self.first_document[epoch]) if self.epochs is not None else 0
         return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        return read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
+        return read_document(self.source, index, self.data.vocab_size, self.labels_alignment).arrays
 
 
 class PrecomputedPacks(ServedPacks):
@@ -170,8 +170,7 @@ class PrecomputedPacks(ServedPacks):
         declared = declared_labels(documents)
         labels_alignment = declared_alignment("PrecomputedPacks", data.labels_alignment, declared, documents)
         _check_planned(store, "labels_alignment", store.config["labels_alignment"], labels_alignment, required=True)
-        super().__init__(StoreRows(store, documents, dp_rank=data.dp_rank, dp_size=data.dp_size,
-                                   vocab_size=data.vocab_size, labels_alignment=labels_alignment))  # fmt: skip
+        super().__init__(StoreRows(store, documents, data, labels_alignment))
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
         named = isinstance(documents, NamesSources) and callable(documents.document_sources)
         self.document_sources = self._mix_sources if named else None
