@@ -109,6 +109,8 @@ def test_options_are_the_shared_records(plan):
     for fixed in ({"seed": 1}, {"shuffle": True}, {"epochs": 2}):
         with pytest.raises(ValueError, match=rf"fixed its order.*DataPolicy\({next(iter(fixed))}="):
             PrecomputedDataset(path, store, cp_rank=0, data=DataPolicy(**fixed))
+    with pytest.raises(ValueError, match="padding_token_id=1000 is >= vocab_size=999"):
+        PrecomputedDataset(path, store, cp_rank=0, padding_token_id=1000, data=DataPolicy(vocab_size=999))
     with pytest.raises(TypeError, match="PrecomputedDataset does not pin"):
         PrecomputedDataset(path, store, cp_rank=0, delivery=Delivery(pin_memory=True))
 

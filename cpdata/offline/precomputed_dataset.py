@@ -18,6 +18,7 @@ from cpdata.nodes.epochs import check_epoch
 from cpdata.nodes.options import DataPolicy, Delivery, refuse_keywords
 from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
+from cpdata.worker.collate import check_padding_token_id
 
 __all__ = ["PrecomputedDataset"]
 
@@ -47,6 +48,7 @@ class PrecomputedDataset(WorkerDataset):
         accepted = ("cp_rank", "cp_size", "layout", "batch_size", "qkv_format", "padding_token_id", "data", "delivery")
         refuse_keywords("PrecomputedDataset", removed, accepted)
         super().__init__(delivery)
+        check_padding_token_id(padding_token_id, data.vocab_size)  # as CPDataset: pads must be embeddable
         self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, data=data)
         self.cp_rank = cp_rank
         self.cp_size = int(self.plans.store.config["cp_size"])
