@@ -19,9 +19,9 @@ __all__ = ["cli_wording", "main"]
 _SUBCOMMANDS: dict[str, str] = {
     "bench": "cpdata.bench.cli",
     "inspect": "cpdata.offline.inspect_cli",
-    "pack-store": "cpdata.offline.tokenstore_cli:register_pack_store",
+    "pack-store": "cpdata.offline.tokenize_files:register_pack_store",
     "precompute": "cpdata.offline.precompute_cli",
-    "tokenize": "cpdata.offline.tokenstore_cli:register_tokenize",
+    "tokenize": "cpdata.offline.tokenize_files:register_tokenize",
 }
 """Subcommand -> ``module`` (with ``register``) or ``module:function``."""
 

@@ -136,7 +136,7 @@ def _targets_rank(rank: int, world: int, plan: str, jsonl: str) -> list[tuple[st
         "mix": lambda: build_loader(cpdata.mix({"a": docs[:7], "b": docs[7:]}, {"a": 1, "b": 2}, seed=1),
                                     **records(**common)),  # fmt: skip
         "precomputed": lambda: Loader(ShardForRank(Collate(PrecomputedPacks(plan, open_dataset(jsonl),
-                                                                            labels_alignment="targets"),
+                                                                            data=DataPolicy(labels_alignment="targets")),
                                                            batch_size=2, qkv_format="thd"),
                                                    cp_size=world, cp_rank=rank, layout="balanced")),  # fmt: skip
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -191,6 +192,8 @@ def test_precomputed_plan_replaced_on_disk_is_refused_at_the_next_epoch(tmp_path
     precompute(data, tmp_path / "plan", capacity=128, cp_size=2, layout="thd", overwrite=True, plan=StreamPlan(overflow="split"))
     with pytest.raises(ValueError, match="plan .* changed on disk since this node opened it"):
         node.reset()
+    with pytest.raises(ValueError, match="plan .* changed on disk since this node opened it"):
+        pickle.loads(pickle.dumps(node))  # what a spawned worker receives
 
 
 def test_precomputed_plan_documents_edited_are_refused(tmp_path):

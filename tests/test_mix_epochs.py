@@ -9,6 +9,7 @@ import pytest
 from state_contract import run_save_load_contract
 
 from cpdata import (
+    DataPolicy,
     Documents,
     PrecomputedDataset,
     PrecomputedPacks,
@@ -141,5 +142,5 @@ def test_a_precomputed_schedule_of_a_mix_serves_epoch_0_draws_every_epoch_as_the
                 "--capacity", "256", "--cp-size", "2", "--layout", "thd", "--overflow", "split", "--dp-size", "2",
                 "--quiet", "--out", str(tmp_path / "s")]) == 0  # fmt: skip
     assert "epoch 0's draws are planned once and served every epoch" in capsys.readouterr().out
-    node = PrecomputedPacks(tmp_path / "s", _mixed(sources), dp_rank=1, dp_size=2)
+    node = PrecomputedPacks(tmp_path / "s", _mixed(sources), data=DataPolicy(dp_rank=1, dp_size=2))
     assert node.epochs is None and _plans(node) == _plans(node)

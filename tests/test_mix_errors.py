@@ -8,6 +8,7 @@ import pytest
 
 from cpdata import Documents, PrecomputedPacks, build_loader, closing_loader, mix, open_dataset, precompute
 from cpdata.nodes.mixed import MixedDataset
+from cpdata.nodes.options import DataPolicy
 from tests.flat_options import precompute_records, records
 
 KW = dict(capacity=64, cp_size=1, cp_rank=0, layout="identity", prefetch=0)
@@ -83,7 +84,7 @@ def test_precompute_and_precomputed_packs_name_the_source(tmp_path):
         precompute(mixed(), tmp_path / "checked", **precompute_records(vocab_size=100, **opts))
     precompute(mixed(), tmp_path / "plan", **precompute_records(**opts))
     with pytest.raises(ValueError, match=WHERE + r": input_ids\[1\]=500 is >= vocab_size=100"):
-        list(PrecomputedPacks(tmp_path / "plan", mixed(), vocab_size=100))
+        list(PrecomputedPacks(tmp_path / "plan", mixed(), data=DataPolicy(vocab_size=100)))
 
 
 @pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted"])

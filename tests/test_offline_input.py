@@ -149,7 +149,7 @@ def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, m
     monkeypatch.setattr(JsonlDocuments, "_read", lambda self, i: (reads.append(i), real_read(self, i))[1])
     dataset = open_dataset(data)
     for rank in range(dp_size):
-        plans = PrecomputedPacks(tmp_path / "plan", dataset, dp_rank=rank, dp_size=dp_size)
+        plans = PrecomputedPacks(tmp_path / "plan", dataset, data=DataPolicy(dp_rank=rank, dp_size=dp_size))
         plans.reset()
         pieces_of_long = sum(1 for plan in plans for p in plan.pieces if p.index == 20)
         assert pieces_of_long >= 30 // dp_size, "the long document must be cut into many pieces"
@@ -163,3 +163,32 @@ def test_a_long_document_is_parsed_once_per_epoch_not_once_per_piece(tmp_path, m
     plans = PrecomputedPacks(tmp_path / "plan", dataset)
     got = sorted((p.start, p.arrays["input_ids"].tolist()) for plan in plans for p in plan.pieces if p.index == 20)
     assert [t for _, ids in got for t in ids] == docs[20]
+
+
+def _store(tmp_path, docs):
+    from cpdata.sources.tokenstore import write_token_store
+
+    return write_token_store([{"input_ids": np.array(d, dtype=np.int64)} for d in docs], tmp_path / "store")
+
+
+def _hf(tmp_path, docs):
+    import datasets
+
+    from cpdata.sources.hf import HFDocuments
+
+    return HFDocuments(datasets.Dataset.from_dict({"input_ids": docs}))
+
+
+@pytest.mark.parametrize("reader", [lambda t, d: open_dataset(_jsonl(t, d)), _store, _hf], ids=["jsonl", "store", "hf"])
+def test_a_known_id_range_answers_the_id_check_without_reading_and_a_bad_one_names_the_document(
+    tmp_path, reader, monkeypatch
+):
+    data = reader(tmp_path, [[1, 2, 3], [4], [5, 6], [5, 100, 2], [7, 8]])
+    read, original = [], type(data)._read
+    monkeypatch.setattr(type(data), "_read", lambda self, i: read.append(i) or original(self, i))
+    data.check_token_ids(101)
+    data.check_token_ids()
+    assert read == []  # the reader knew every id
+    with pytest.raises(ValueError, match="document 3 has token id 100 at position 1, >= vocab_size=100"):
+        data.check_token_ids(100)
+    assert read[-1] == 3

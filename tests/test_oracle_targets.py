@@ -166,7 +166,7 @@ def _graphs(path: str, layout: str, cp: int, qkv: str, batch: int, tmp: Path, js
     if not plan.exists():
         precompute(open_dataset(jsonl), plan, **precompute_records(capacity=CAPACITY, cp_size=cp, layout=layout, overflow="split", **sched))  # fmt: skip
     dp = sched.get("dp_size", 1)
-    return [(Collate(PrecomputedPacks(plan, open_dataset(jsonl), dp_rank=r, dp_size=dp), batch_size=batch,
+    return [(Collate(PrecomputedPacks(plan, open_dataset(jsonl), data=DataPolicy(dp_rank=r, dp_size=dp)), batch_size=batch,
                      qkv_format=qkv), docs) for r in range(dp)], dp > 1  # fmt: skip
 
 

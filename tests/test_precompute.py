@@ -17,7 +17,7 @@ from state_contract import assert_items_equal, run_save_load_contract
 
 from cpdata.cli import main as cli_main
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.options import StreamPlan
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
@@ -365,18 +365,18 @@ def test_dp_ranks_share_the_packs_evenly(tmp_path, jsonl):
     data = open_dataset(jsonl)
     n = read_store(plan).n_packs
     assert n % 3  # the uneven tail is left out
-    streams = [[p for p in PrecomputedPacks(plan, data, dp_rank=r, dp_size=3)] for r in range(3)]
+    streams = [list(PrecomputedPacks(plan, data, data=DataPolicy(dp_rank=r, dp_size=3))) for r in range(3)]
     assert [len(s) for s in streams] == [n // 3] * 3
     whole = list(PrecomputedPacks(plan, data))
     for r, stream in enumerate(streams):
         assert [p.index for p in stream] == [i * 3 + r for i in range(n // 3)]  # the plan's own pack ids
         for i, p in enumerate(stream):
             assert [x.index for x in p.pieces] == [x.index for x in whole[i * 3 + r].pieces]
-    node = PrecomputedPacks(plan, data, dp_rank=1, dp_size=3)
+    node = PrecomputedPacks(plan, data, data=DataPolicy(dp_rank=1, dp_size=3))
     with pytest.raises(ValueError, match=r"saved with \{.dp.: \[1, 3\].*resume with the same"):
-        PrecomputedPacks(plan, data, dp_rank=0, dp_size=3).reset(node.state_dict())
-    with pytest.raises(ValueError, match="dp_rank must be < dp_size"):
-        PrecomputedPacks(plan, data, dp_rank=3, dp_size=3)
+        PrecomputedPacks(plan, data, data=DataPolicy(dp_rank=0, dp_size=3)).reset(node.state_dict())
+    with pytest.raises(ValueError, match="dp_rank < dp_size"):
+        PrecomputedPacks(plan, data, data=DataPolicy(dp_rank=3, dp_size=3))
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -458,7 +458,7 @@ def test_precomputed_pipeline_equals_the_online_pipeline(tmp_path, docs, fmt, la
     precompute(data, plan, **precompute_records(**opts, labels_alignment="targets"))
 
     def offline_plans():
-        return PrecomputedPacks(plan, data, cp_size=cp, layout=layout, labels_alignment="targets")
+        return PrecomputedPacks(plan, data, cp_size=cp, layout=layout, data=DataPolicy(labels_alignment="targets"))
 
     def online_plans():
         return Pack(Documents(open_dataset(path), labels_alignment="targets"), **opts)

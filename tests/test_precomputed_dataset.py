@@ -7,6 +7,7 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata import Collate, PrecomputedDataset, PrecomputedPacks, ShardForRank, precompute
+from cpdata.nodes.options import DataPolicy, Delivery
 from cpdata.sources.tokenstore import write_token_store
 from tests.flat_options import precompute_records
 from tests.state_contract import run_save_load_contract
@@ -88,13 +89,40 @@ def test_configuration_is_checked_in_the_main_process(plan):
         PrecomputedDataset(path, store, cp_rank=2)
 
 
+def test_options_are_the_shared_records(plan):
+    """DP split and delivery travel as DataPolicy/Delivery; 0.3's keywords and the order a plan fixed are refused."""
+    path, store = plan
+    halves = [list(_loader(PrecomputedDataset(path, store, cp_rank=1, qkv_format="thd",
+                                              data=DataPolicy(dp_rank=r, dp_size=2)), 0)) for r in (0, 1)]  # fmt: skip
+    whole = _reference(path, store, 1)
+    n = len(whole) // 2
+    assert len(halves[0]) == len(halves[1]) == n > 4
+    for r in (0, 1):
+        for got, want in zip(halves[r], whole[r::2][:n], strict=True):
+            assert_batches_equal(got, want)
+    for old, record in (("dp_size", "DataPolicy.dp_size"), ("prefetch", "Delivery.prefetch"),
+                        ("kv_exchange", "Delivery.kv_exchange")):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"PrecomputedDataset\(\) no longer takes {old}=.*{record}"):
+            PrecomputedDataset(path, store, cp_rank=0, **{old: 1})
+    with pytest.raises(TypeError, match=r"PrecomputedPacks\(\) no longer takes vocab_size=.*DataPolicy.vocab_size"):
+        PrecomputedPacks(path, store, vocab_size=1000)
+    for fixed in ({"seed": 1}, {"shuffle": True}, {"epochs": 2}):
+        with pytest.raises(ValueError, match=rf"fixed its order.*DataPolicy\({next(iter(fixed))}="):
+            PrecomputedDataset(path, store, cp_rank=0, data=DataPolicy(**fixed))
+    with pytest.raises(ValueError, match="padding_token_id=1000 is >= vocab_size=999"):
+        PrecomputedDataset(path, store, cp_rank=0, padding_token_id=1000, data=DataPolicy(vocab_size=999))
+    with pytest.raises(TypeError, match="PrecomputedDataset does not pin"):
+        PrecomputedDataset(path, store, cp_rank=0, delivery=Delivery(pin_memory=True))
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_kv_exchange_and_block_size_reach_the_workers_batches(plan, workers):
     """The live path's shard options: each batch carries the exchange plan ShardForRank builds for the same pack."""
     path, store = plan
     expected = list(ShardForRank(Collate(PrecomputedPacks(path, store), batch_size=2, qkv_format="thd"),
                                  cp_size=2, cp_rank=1, layout="thd", kv_exchange=True))  # fmt: skip
-    ds = PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd", kv_exchange=True, block_size=3)
+    ds = PrecomputedDataset(path, store, cp_rank=1, batch_size=2, qkv_format="thd",
+                            delivery=Delivery(kv_exchange=True, block_size=3))
     got = list(_loader(ds, workers))
     assert len(got) == len(expected) > 6
     for a, e in zip(got, expected, strict=True):

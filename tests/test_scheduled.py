@@ -10,7 +10,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import build_loader, closing_loader, shard_graph
-from cpdata.nodes.options import StreamPlan
+from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.shard import ShardForRank
 from tests.flat_options import graph_options, precompute_records, records
@@ -215,7 +215,7 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
     assert store.manifest["schedule"]["dp_size"] == 2
     counts = []
     for rank in range(2):
-        served = PrecomputedPacks(tmp_path / "plan", docs, dp_rank=rank, dp_size=2)
+        served = PrecomputedPacks(tmp_path / "plan", docs, data=DataPolicy(dp_rank=rank, dp_size=2))
         served.reset()
         online = scheduled(docs, dp_rank=rank, dp_size=2, micro_batches=2, max_delay=1, **kw)
         online.reset()
@@ -226,11 +226,11 @@ def test_precompute_writes_the_same_schedule_and_serves_equal_counts(tmp_path):
         assert [p.slot_lens.tolist() for p in a] == [p.slot_lens.tolist() for p in b]
     assert counts[0] == counts[1] > 2
     with pytest.raises(ValueError, match="dp_size=2"):
-        PrecomputedPacks(tmp_path / "plan", docs, dp_rank=0, dp_size=4)
+        PrecomputedPacks(tmp_path / "plan", docs, data=DataPolicy(dp_rank=0, dp_size=4))
     assert cli_main(["precompute", str(path), "--capacity", "256", "--cp-size", "2", "--layout", "thd",
                      "--overflow", "split", "--dp-size", "2", "--micro-batches", "2", "--max-delay", "1",
                      "--out", str(tmp_path / "cli"), "--quiet"]) == 0  # fmt: skip
-    cli = PrecomputedPacks(tmp_path / "cli", docs, dp_rank=1, dp_size=2)
+    cli = PrecomputedPacks(tmp_path / "cli", docs, data=DataPolicy(dp_rank=1, dp_size=2))
     assert (cli.store.arrays["doc_index"] == store.arrays["doc_index"]).all()
 
 

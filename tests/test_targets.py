@@ -243,7 +243,7 @@ def test_precompute_records_the_alignment_and_plans_like_the_online_pipeline(tmp
     assert store.config["labels_alignment"] == "inputs"
     assert store.manifest["stats"]["untrained"] == 4
     data = open_dataset(path)
-    offline = list(PrecomputedPacks(tmp_path / "plan", data, labels_alignment="inputs"))
+    offline = list(PrecomputedPacks(tmp_path / "plan", data, data=DataPolicy(labels_alignment="inputs")))
     online = list(Pack(Documents(data, labels_alignment="inputs"), **opts))
     assert [[(p.index, p.start, p.length) for p in plan.pieces] for plan in offline] == \
         [[(p.index, p.start, p.length) for p in plan.pieces] for plan in online]
@@ -253,7 +253,7 @@ def test_precompute_records_the_alignment_and_plans_like_the_online_pipeline(tmp
     assert not {p.index for plan in offline for p in plan.pieces} & {3, 10, 17, 24}
     for other in ("targets", None):
         with pytest.raises(ValueError, match="precomputed for labels_alignment='inputs'"):
-            PrecomputedPacks(tmp_path / "plan", data, labels_alignment=other)
+            PrecomputedPacks(tmp_path / "plan", data, data=DataPolicy(labels_alignment=other))
 
 
 class _Unreadable:

@@ -26,7 +26,6 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from cpdata.errors import check_int
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
 from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, rank_node, shard_graph
 from cpdata.nodes.options import (
@@ -87,18 +86,21 @@ class _WorkerItems(BaseNode[Any]):
 
 class WorkerDataset(IterableDataset):
     """A torchdata node graph per ``StatefulDataLoader`` worker (:meth:`_worker_node`), with exact,
-    pending-state resume; ``prefetch`` batches are prepared ahead in a thread."""
+    pending-state resume; ``delivery.prefetch`` batches are prepared ahead in a thread."""
 
     WORKER_KEY = "worker"
     LOADER_KEY = "loader"
     VERSION_KEY = "version"
     VERSION = 1
 
-    def __init__(self, *, prefetch: int = 0) -> None:
+    def __init__(self, delivery: Delivery) -> None:
         super().__init__()
-        check_int("prefetch", prefetch, min=0)
+        check_records(delivery=delivery)
+        if delivery.pin_memory is not None:
+            raise TypeError(f"{type(self).__name__} does not pin: leave Delivery.pin_memory out and pass "
+                            "pin_memory to StatefulDataLoader (CPDataLoader) instead")  # fmt: skip
         silence_set_vital_warning()
-        self.prefetch = prefetch
+        self.prefetch = 0 if delivery.prefetch is None else delivery.prefetch
         self._loader: Loader | None = None
         self._worker: tuple[int, int] | None = None
         self._pending: dict[str, Any] | None = None
@@ -199,11 +201,7 @@ class CPDataset(WorkerDataset):
         **removed: Any,
     ) -> None:
         refuse_keywords("CPDataset", removed, ENTRY_KEYWORDS)
-        check_records(delivery=delivery)
-        if delivery.pin_memory is not None:
-            raise TypeError("CPDataset does not pin: leave Delivery.pin_memory out and pass pin_memory to "
-                            "StatefulDataLoader (CPDataLoader) instead")  # fmt: skip
-        super().__init__(prefetch=0 if delivery.prefetch is None else delivery.prefetch)
+        super().__init__(delivery)
         self.source = source
         self.cp_rank = cp_rank
         self.delivery = delivery

@@ -2,9 +2,9 @@
 
 The same planner as the live ``Pack`` node, run over every length: ``precompute_plan`` (``precompute``) writes a
 versioned ``store``, ``reader`` (``PrecomputedPacks``) and ``precomputed_dataset`` serve it, ``metrics``,
-``summary``, ``plot`` and ``inspect_cli`` describe it; ``tokenize_files`` and ``tokenstore_cli`` turn JSONL into
-token stores, ``precompute_cli`` is ``cpdata precompute``, ``progress`` reports. Names are imported lazily, so
-the command line does not pull in torch.
+``summary``, ``plot`` and ``inspect_cli`` describe it; ``tokenize_files`` turns JSONL into token stores
+(``cpdata tokenize``, ``cpdata pack-store``), ``precompute_cli`` is ``cpdata precompute``, ``progress``
+reports. Names are imported lazily, so the command line does not pull in torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 from cpdata.layout.maps import LAYOUTS
 from cpdata.layout.tiled import TILES
 from cpdata.nodes.options import DataPolicy, PlanChoice, SchedulePlan, StreamPlan
-from cpdata.offline.tokenstore_cli import add_tokenizer_options, row_tokenizer
+from cpdata.offline.tokenize_files import add_tokenizer_options, row_tokenizer
 
 __all__ = ["register", "run"]
 

@@ -30,8 +30,9 @@ from cpdata.nodes.source import to_document
 from cpdata.nodes.source_kinds import name_document_error
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
-from cpdata.offline.store import PackStore, check_writable, read_store, write_store
+from cpdata.offline.store import PackStore, read_store, write_store
 from cpdata.packing.pieces import piece_continues
+from cpdata.sources.atomic import check_writable
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset

@@ -15,8 +15,10 @@ from torchdata.nodes import BaseNode
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import WorkerDataset
 from cpdata.nodes.epochs import check_epoch
+from cpdata.nodes.options import DataPolicy, Delivery, refuse_keywords
 from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
+from cpdata.worker.collate import check_padding_token_id
 
 __all__ = ["PrecomputedDataset"]
 
@@ -24,10 +26,9 @@ __all__ = ["PrecomputedDataset"]
 class PrecomputedDataset(WorkerDataset):
     """One CP rank's batches from a plan directory, for ``StatefulDataLoader(batch_size=None, num_workers=N)``.
 
-    Plan and documents as for :class:`~cpdata.offline.reader.PrecomputedPacks` (``cp_size`` defaults to the
-    plan's); ``batch_size``, ``qkv_format`` and ``padding_token_id`` as for :class:`~cpdata.nodes.collate.Collate`;
-    ``block_size`` and ``kv_exchange`` as for :class:`~cpdata.nodes.shard.ShardForRank`; ``prefetch``: batches
-    prepared ahead per worker in a thread."""
+    Plan, documents and ``data`` as for :class:`~cpdata.offline.reader.PrecomputedPacks` (``cp_size``
+    defaults to the plan's); ``batch_size``, ``qkv_format`` and ``padding_token_id`` as for
+    :class:`~cpdata.nodes.collate.Collate`; ``delivery`` as for :class:`~cpdata.CPDataset`."""
 
     def __init__(
         self,
@@ -37,26 +38,23 @@ class PrecomputedDataset(WorkerDataset):
         cp_rank: int,
         cp_size: int | None = None,
         layout: str | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        vocab_size: int | None = None,
-        labels_alignment: str | None = None,
         batch_size: int = 1,
         qkv_format: str = "bshd",
         padding_token_id: int = 0,
-        prefetch: int = 0,
-        block_size: int | None = None,
-        kv_exchange: bool = False,
+        data: DataPolicy = DataPolicy(),
+        delivery: Delivery = Delivery(),
+        **removed: Any,
     ) -> None:
-        super().__init__(prefetch=prefetch)
-        self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, dp_rank=dp_rank,
-                                      dp_size=dp_size, vocab_size=vocab_size,
-                                      labels_alignment=labels_alignment)  # fmt: skip
+        accepted = ("cp_rank", "cp_size", "layout", "batch_size", "qkv_format", "padding_token_id", "data", "delivery")
+        refuse_keywords("PrecomputedDataset", removed, accepted)
+        super().__init__(delivery)
+        check_padding_token_id(padding_token_id, data.vocab_size)  # as CPDataset: pads must be embeddable
+        self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, data=data)
         self.cp_rank = cp_rank
         self.cp_size = int(self.plans.store.config["cp_size"])
         self.layout = str(self.plans.store.config["layout"])
         self.collate_kwargs = {"batch_size": batch_size, "qkv_format": qkv_format, "padding_token_id": padding_token_id}
-        self.block_size, self.kv_exchange = block_size, kv_exchange
+        self.delivery = delivery
         self._worker_node(0, 1)  # validate the configuration in the main process
 
     def __len__(self) -> int:
@@ -74,4 +72,5 @@ class PrecomputedDataset(WorkerDataset):
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
         packs = self.plans.with_worker((worker_id, num_workers), batch=self.collate_kwargs["batch_size"])
         return ShardForRank(Collate(packs, **self.collate_kwargs), cp_size=self.cp_size, cp_rank=self.cp_rank,
-                            layout=self.layout, block_size=self.block_size, kv_exchange=self.kv_exchange)  # fmt: skip
+                            layout=self.layout, block_size=self.delivery.block_size,
+                            kv_exchange=self.delivery.kv_exchange)  # fmt: skip

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.nodes.options import DataPolicy, check_records, refuse_keywords
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
-from cpdata.offline.store import PackStore, read_store
+from cpdata.offline.store import PackStore, read_store, reopen_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
@@ -73,17 +73,16 @@ def _planned_epochs(store: PackStore) -> np.ndarray | None:
 class StoreRows(PlanRows):
     """This DP rank's packs of a plan directory, one block per epoch, read from the memory-mapped columns."""
 
-    def __init__(self, store: PackStore, documents: Any, *, dp_rank: int, dp_size: int, vocab_size: int | None,
+    def __init__(self, store: PackStore, documents: Any, data: DataPolicy,
                  labels_alignment: LabelsAlignment | None) -> None:  # fmt: skip
-        self.store, self.source, self.vocab_size, self.labels_alignment = store, documents, vocab_size, labels_alignment
-        self.dp_rank, self.dp_size, self.capacity = dp_rank, dp_size, int(store.config["capacity"])
-        self.config = {"dp": [dp_rank, dp_size]}
+        self.store, self.source, self.data, self.labels_alignment = store, documents, data, labels_alignment
+        self.capacity, self.config = int(store.config["capacity"]), {"dp": [data.dp_rank, data.dp_size]}
         self.identity = f"{store.digest}|{source_identity(documents)}"  # the plan, and the documents it serves
         self.epochs = _planned_epochs(store)
         self.first_document = np.asarray(documents.epoch_starts if isinstance(documents, Listed) else [0], dtype=np.int64)
         """Where each epoch of a mix's listing begins: a piece's index counts within its epoch, as online."""
         self.schedule = store.manifest.get("schedule")
-        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], dp_size)
+        _check_planned(store, "dp_size", None if self.schedule is None else self.schedule["dp_size"], data.dp_size)
 
     def check_epoch(self, epoch: int) -> None:
         """Raise ``ValueError`` if the plan does not hold ``epoch`` (a mix's plan precomputed for fewer epochs)."""
@@ -97,13 +96,7 @@ class StoreRows(PlanRows):
 
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         """Every epoch start and restore: the plan on disk and the documents are still the ones opened."""
-        on_disk = read_store(self.store.path, verify=False).digest
-        if on_disk != self.store.digest:
-            raise ValueError(
-                f"plan {self.store.path} changed on disk since this node opened it (manifest sha256 "
-                f"{self.store.digest[:16]}… then, {on_disk[:16]}… now: it was precomputed again); its packs differ: "
-                "build a new pipeline on the new plan, as a new run, or restore the old plan"
-            )
+        self.store = reopen_store(self.store.path, self.store.digest)
         check_source_unchanged(self.source, None)
         self.check_epoch(epoch)
         return 0
@@ -118,43 +111,34 @@ class StoreRows(PlanRows):
     def packs(self, epoch: int) -> int:
         if self.schedule is not None:
             return int(self.schedule["num_steps"]) * int(self.schedule["micro_batches"])
-        return self._epoch_packs(epoch)[1] // self.dp_size
+        return self._epoch_packs(epoch)[1] // self.data.dp_size
 
     def pack(self, epoch: int, item: int) -> PackRows:
         n = self.packs(epoch)
         if not 0 <= item < n:
             raise IndexError(f"pack {item} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
         if self.schedule is None:
-            pack = self._epoch_packs(epoch)[0] + item * self.dp_size + self.dp_rank
+            pack = self._epoch_packs(epoch)[0] + item * self.data.dp_size + self.data.dp_rank
         else:
-            step, micro_batch = divmod(item, int(self.schedule["micro_batches"]))
-            pack = (step * self.dp_size + self.dp_rank) * int(self.schedule["micro_batches"]) + micro_batch
+            micro = int(self.schedule["micro_batches"])
+            step, micro_batch = divmod(item, micro)
+            pack = (step * self.data.dp_size + self.data.dp_rank) * micro + micro_batch
         base = int(self.first_document[epoch]) if self.epochs is not None else 0
         return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
 
     def document(self, index: int) -> Mapping[str, np.ndarray]:
-        return read_document(self.source, index, self.vocab_size, self.labels_alignment).arrays
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Worker processes reopen the memory maps instead of receiving copies of the arrays.
-        return {**self.__dict__, "store": (str(self.store.path), self.store.digest)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        path, digest = state["store"]
-        store = read_store(path, verify=False)
-        if store.digest != digest:
-            raise ValueError(f"plan {path} changed on disk since this node was built (manifest sha256 differs)")
-        self.__dict__.update(state, store=store)
+        return read_document(self.source, index, self.data.vocab_size, self.labels_alignment).arrays
 
 
 class PrecomputedPacks(ServedPacks):
     """Emit the plan directory's packs as :class:`~cpdata.worker.plan.PackPlan`, in order.
 
     ``documents``: the dataset the plan was computed over (or the ``datasets.Dataset`` or mix it came from).
-    ``cp_size`` and ``layout`` are checked against the plan when given; ``dp_rank``/``dp_size`` pick this rank's
-    share; ``vocab_size`` and ``labels_alignment`` validate documents as :class:`~cpdata.nodes.source.Documents`
-    does; ``verify`` checks every array's sha256 on open. State: :class:`~cpdata.nodes.served.ServedPacks`'s,
-    refused from another plan, DP split or version."""
+    ``cp_size`` and ``layout`` are checked against the plan when given; ``data``'s DP rank and size pick this
+    rank's share, its ``vocab_size`` and ``labels_alignment`` validate documents as
+    :class:`~cpdata.nodes.source.Documents` does (the plan fixed the order: ``seed``, ``shuffle`` and
+    ``epochs`` are refused); ``verify`` checks every array's sha256 on open. State:
+    :class:`~cpdata.nodes.served.ServedPacks`'s, refused from another plan, DP split or version."""
 
     rows: StoreRows
 
@@ -165,28 +149,29 @@ class PrecomputedPacks(ServedPacks):
         *,
         cp_size: int | None = None,
         layout: str | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        vocab_size: int | None = None,
-        labels_alignment: LabelsAlignment | None = None,
+        data: DataPolicy = DataPolicy(),
         verify: bool = True,
+        **removed: Any,
     ) -> None:
-        check_int("dp_size", dp_size, min=1)
-        check_int("dp_rank", dp_rank, min=0)
-        if dp_rank >= dp_size:
-            raise ValueError(f"dp_rank must be < dp_size, got dp_rank={dp_rank} dp_size={dp_size}")
+        refuse_keywords("PrecomputedPacks", removed, ("cp_size", "layout", "data", "verify"))
+        check_records(data=data)
+        fixed = [f"{k}={getattr(data, k)!r}" for k in ("seed", "shuffle", "epochs")
+                 if getattr(data, k) != getattr(DataPolicy(), k)]  # fmt: skip
+        if fixed:
+            raise ValueError(f"a precomputed plan ({path}) fixed its order when it was computed; DataPolicy("
+                             f"{', '.join(fixed)}) does not apply here: pass them to cpdata precompute "
+                             "instead")  # fmt: skip
         store = read_store(path, verify=verify)
         planned = _planned_epochs(store)
         documents = as_source(documents, indexed=True, epochs=1 if planned is None else len(planned) - 1)
         _check_planned(store, "cp_size", store.config["cp_size"], cp_size)
         _check_planned(store, "layout", store.config["layout"], layout)
         _check_documents(store, documents)
-        labels_alignment = declared_alignment("PrecomputedPacks", labels_alignment, declared_labels(documents), documents)
+        declared = declared_labels(documents)
+        labels_alignment = declared_alignment("PrecomputedPacks", data.labels_alignment, declared, documents)
         _check_planned(store, "labels_alignment", store.config["labels_alignment"], labels_alignment, required=True)
-        super().__init__(StoreRows(store, documents, dp_rank=int(dp_rank), dp_size=int(dp_size),
-                                   vocab_size=vocab_size, labels_alignment=labels_alignment))  # fmt: skip
+        super().__init__(StoreRows(store, documents, data, labels_alignment))
         self.labels_alignment, self.documents, self.capacity = labels_alignment, documents, self.rows.capacity
-        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         named = isinstance(documents, NamesSources) and callable(documents.document_sources)
         self.document_sources = self._mix_sources if named else None
         """A mix's (source name, index) of pieces (:func:`cpdata.nodes.source_kinds.document_sources_of`)."""

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.atomic import atomic_directory, check_writable, interrupted_write, stall
-from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest, sha256_file, write_manifest
+from cpdata.sources.atomic import atomic_directory, interrupted_write, stall
+from cpdata.sources.chunksums import file_sums
+from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest, write_manifest
 
-__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "check_writable", "read_store", "write_store"]
+__all__ = ["ARRAYS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "PackStore", "read_store", "reopen_store", "write_store"]
 
 FORMAT = "cpdata.packs"
 FORMAT_VERSION = 2
@@ -60,6 +61,22 @@ class PackStore:
         offsets = self.arrays["pack_offsets"]
         return slice(int(offsets[k]), int(offsets[k + 1]))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A worker process maps the arrays itself instead of receiving copies of them.
+        return reopen_store, (self.path, self.digest)
+
+
+def reopen_store(path: Path, digest: str) -> PackStore:
+    """The plan at ``path`` read again (fresh memory maps), refused unless its manifest digest is still ``digest``."""
+    now = read_store(path, verify=False)
+    if now.digest != digest:
+        raise ValueError(
+            f"plan {path} changed on disk since this node opened it (manifest sha256 {digest[:16]}… then, "
+            f"{now.digest[:16]}… now: it was precomputed again); its packs differ: build a new pipeline on the "
+            "new plan, as a new run, or restore the old plan"
+        )
+    return now
+
 
 def write_store(out_dir: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], manifest: Mapping[str, Any], *,
                 overwrite: bool = False) -> None:  # fmt: skip
@@ -75,7 +92,7 @@ def write_store(out_dir: str | os.PathLike[str], arrays: Mapping[str, np.ndarray
             path = tmp / f"{name}.npy"
             np.save(path, arr, allow_pickle=False)
             entries[name] = {"file": path.name, "dtype": arr.dtype.str, "shape": list(arr.shape),
-                             "sha256": sha256_file(path)}  # fmt: skip
+                             "sha256": file_sums(path)[0]}  # fmt: skip
         write_manifest(tmp, {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "arrays": entries})
 
 
@@ -98,7 +115,7 @@ def read_store(path: str | os.PathLike[str], *, verify: bool = True) -> PackStor
         file = root / entry["file"]
         if not file.is_file():
             raise ValueError(f"plan array {name!r} is missing: {file} does not exist; {_RERUN}")
-        if verify and (digest := sha256_file(file)) != entry["sha256"]:
+        if verify and (digest := file_sums(file)[0]) != entry["sha256"]:
             raise ValueError(
                 f"plan array {name!r} is corrupted: {file} hashes to {digest[:16]}… but the manifest "
                 f"records {entry['sha256'][:16]}…; {_RERUN}"

@@ -1,5 +1,5 @@
 """JSONL files to a token store (or a Megatron ``.bin``/``.idx``), in parallel: ``cpdata tokenize`` and
-``cpdata pack-store``.
+``cpdata pack-store`` (their command lines too).
 
 Chunks of lines go to spawned worker processes (numpy and the tokenizer only) and come back in file order, so
 the output is byte-identical for any ``workers``. ``tokenize`` lines are text or chat rows
@@ -8,6 +8,7 @@ the output is byte-identical for any ``workers``. ``tokenize`` lines are text or
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -19,13 +20,13 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
-from cpdata.sources.atomic import atomic_directory
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
-from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
-from cpdata.sources.tokenstore import TokenStore, TokenStoreWriter
+from cpdata.sources.tokenizer import RowTokenizer
+from cpdata.sources.tokenstore import TokenStore, is_token_store, rewrite_token_store, write_token_store
 
-__all__ = ["convert_jsonl"]
+__all__ = ["add_tokenizer_options", "convert_jsonl", "register_pack_store", "register_tokenize", "row_tokenizer",
+           "run"]
 
 _CHUNK_LINES = 512
 _convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
@@ -83,8 +84,7 @@ def _run_chunk(chunk: tuple[str, int, list[tuple[int, bytes]]]) -> tuple[list[di
 
 
 def _stats(convert: Any) -> dict[str, int]:
-    stats = getattr(convert, "stats", None)
-    return stats.as_dict() if isinstance(stats, TokenizeStats) else {}
+    return convert.stats.as_dict() if isinstance(convert, RowTokenizer) else {}
 
 
 def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[int, bytes]]]]:
@@ -156,11 +156,90 @@ def convert_jsonl(
         documents = _converted(src, tokenizer or _tokenized_row, workers, bar, totals)
         if fmt == "megatron":
             return write_megatron(documents, out, vocab_size=vocab_size, overwrite=overwrite), totals
-        with atomic_directory(out, overwrite=overwrite) as tmp:
-            writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(src))
-            for doc in documents:
-                writer.add(doc)
-            source = {"name": src.name, "bytes": src.stat().st_size, "stats": totals,
-                      "tokenizer": None if tokenizer is None else str(tokenizer.source)}  # fmt: skip
-            writer.finish(source, labels_alignment="inputs" if assistant_only else None)
-    return TokenStore(out), totals
+        # totals fill as the documents are read: complete when the manifest is written
+        source = {"name": src.name, "bytes": src.stat().st_size, "stats": totals,
+                  "tokenizer": None if tokenizer is None else str(tokenizer.source)}  # fmt: skip
+        return write_token_store(documents, out, vocab_size=vocab_size, overwrite=overwrite, source=source,
+                                 labels_alignment="inputs" if assistant_only else None, name=str(src)), totals
+
+
+def add_tokenizer_options(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """``--tokenizer`` and the options of :class:`cpdata.sources.tokenizer.RowTokenizer` (shared with ``precompute``)."""
+    p.add_argument("--tokenizer", required=required, metavar="PATH",
+                   help="tokenizer.json file or saved tokenizer folder (transformers / tokenizers; local only)")  # fmt: skip
+    p.add_argument("--append-eos", action="store_true", help="append EOS to every text row (Megatron --append-eod)")
+    p.add_argument("--eos-token-id", type=int, default=None, help="EOS id (default: the tokenizer's)")
+    p.add_argument("--assistant-only", action="store_true",
+                   help="chat rows keep assistant_masks from the chat template's {%% generation %%} blocks")  # fmt: skip
+    p.add_argument("--max-length", type=int, default=None,
+                   help="keep at most this many tokens per document (counted; independent of --capacity)")  # fmt: skip
+    p.add_argument("--chat-template", metavar="FILE", default=None, help="Jinja chat template overriding the tokenizer's")
+
+
+def row_tokenizer(args: argparse.Namespace) -> RowTokenizer:
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    return RowTokenizer(args.tokenizer, append_eos=args.append_eos, eos_token_id=args.eos_token_id,
+                        assistant_only=args.assistant_only, max_length=args.max_length, chat_template=template)  # fmt: skip
+
+
+def _register(subparsers: Any, name: str, summary: str, description: str, input_help: str,
+              vocab_default: str) -> argparse.ArgumentParser:  # fmt: skip
+    """Add ``name`` with INPUT and the options ``tokenize`` and ``pack-store`` share."""
+    p = subparsers.add_parser(name, help=summary, description=description)
+    p.add_argument("input", metavar="INPUT", help=input_help)
+    p.add_argument("--out", required=True,
+                   help="output store directory (written atomically); with --format megatron the PREFIX of "
+                   "PREFIX.bin and PREFIX.idx")  # fmt: skip
+    p.add_argument("--format", choices=("cpdata", "megatron"), default="cpdata",
+                   help="cpdata: a token store (default; keeps labels and masks, per-file sha256); megatron: "
+                   "Megatron's indexed dataset, as preprocess_data.py writes it (input_ids only)")  # fmt: skip
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"ids must be below it; <= 65536 stores 2 bytes per token (default: {vocab_default})")  # fmt: skip
+    p.add_argument("--workers", type=int, default=1, help="converter processes (default 1; output is the same)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run, tokenizer=None)  # pack-store has no --tokenizer
+    return p
+
+
+def register_tokenize(subparsers: Any) -> None:
+    """Add ``tokenize``."""
+    p = _register(subparsers, "tokenize", "tokenize a JSONL of text or chat rows into a token store",
+                  "Tokenize INPUT, a .jsonl of {\"text\": ...} or {\"messages\": [...]} rows, into a binary token "
+                  "store (tokens.bin + offsets index + manifest) that precompute, open_dataset and build_loader "
+                  "read with an O(1) open.", ".jsonl of text or chat rows", "the tokenizer's size")  # fmt: skip
+    add_tokenizer_options(p, required=True)
+
+
+def register_pack_store(subparsers: Any) -> None:
+    """Add ``pack-store``."""
+    _register(subparsers, "pack-store", "convert a tokenized JSONL into a token store (no rescan on every open)",
+              "Convert INPUT, a .jsonl of {\"input_ids\": [...]} rows (plus per-token lists such as labels or "
+              "loss_mask), into a binary token store, so opening it is O(1) instead of a full JSONL scan. INPUT may "
+              "also be a token store: it is checked and rewritten in this cpdata's format (stores written before "
+              "chunk checksums then open in O(1) again).", ".jsonl of input_ids rows, or a token store to rewrite",
+              "none: 4 bytes per token, any id below 2**32; with a token store INPUT, its own")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    tokenizer = row_tokenizer(args) if args.tokenizer else None
+    if tokenizer is None and args.format == "cpdata" and is_token_store(args.input):
+        if args.vocab_size is not None or args.workers != 1:
+            raise ValueError("rewriting a token store keeps its own vocabulary and needs no workers: leave "
+                             "--vocab-size and --workers out")  # fmt: skip
+        out, stats = rewrite_token_store(args.input, args.out, overwrite=args.force), {}
+    else:
+        out, stats = convert_jsonl(args.input, args.out, fmt=args.format, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                                   workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip
+    if args.format == "megatron":
+        line = (f"wrote {out.bin_path} and {out.idx_path.name}: {len(out)} documents, {int(out.lengths.sum())} "
+                f"tokens ({out.dtype.name})")  # fmt: skip
+    else:
+        m = out.manifest
+        line = (f"wrote {out.path}: {m['documents']} documents, {m['tokens']} tokens "
+                f"({m['dtype']}, ids {m['min_id']}..{m['max_id']})")  # fmt: skip
+    if stats:
+        line += (f"; {stats['chat']} chat rows, EOS appended {stats['eos_appended']}, truncated {stats['truncated']} "
+                 f"({stats['truncated_tokens']} tokens)")  # fmt: skip
+    print(line)
+    return 0

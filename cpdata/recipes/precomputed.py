@@ -37,24 +37,16 @@ def build(
     **removed: Any,
 ) -> ResumableLoader:
     """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
-    over; ``cp_size``, ``layout`` (None: the plan's) and ``data.labels_alignment`` must match the plan's. The
-    plan fixed the order, so ``data`` gives only the DP rank and size, ``vocab_size`` and ``labels_alignment``."""
+    over; ``cp_size``, ``layout`` (None: the plan's) and ``data`` as for :class:`~cpdata.PrecomputedPacks`."""
     refuse_keywords("precomputed.build", removed, ("cp_size", "cp_rank", "layout", "batch_size", "qkv_format",
                                                    "padding_token_id", "data", "delivery"))  # fmt: skip
     check_records(data=data, delivery=delivery)
-    fixed = [f"{k}={getattr(data, k)!r}" for k in ("seed", "shuffle", "epochs")
-             if getattr(data, k) != getattr(DataPolicy(), k)]  # fmt: skip
-    if fixed:
-        raise ValueError(f"a precomputed plan ({plan_dir}) fixed its order when it was computed; DataPolicy("
-                         f"{', '.join(fixed)}) does not apply here: pass them to cpdata precompute instead")
     if not isinstance(documents, TokenizedDataset):
         if documents is None:
             raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "
                              "pass their path (e.g. --documents data.jsonl)")
         documents = open_dataset(documents)
-    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, dp_rank=data.dp_rank,
-                             dp_size=data.dp_size, vocab_size=data.vocab_size,
-                             labels_alignment=data.labels_alignment)  # fmt: skip
+    plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, data=data)
     layout = str(plans.store.config["layout"])
     node: BaseNode = Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
     node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout, block_size=delivery.block_size,

@@ -55,13 +55,15 @@ class TokenizedDataset(ABC):
     """Per-token keys besides ``input_ids`` that some document carries (``labels``, masks)."""
     _transient: tuple[str, ...] = ()
     """Attributes a pickled copy (a worker's) leaves out: handles, maps and caches it rebuilds."""
+    _id_range: tuple[int, int] | None = None
+    """``(lowest, highest)`` id of every document when the reader knows it without reading them ((0, -1): none)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
     @property
-    @abstractmethod
-    def lengths(self) -> np.ndarray: ...
+    def lengths(self) -> np.ndarray:
+        return self._lengths  # set by the reader, or computed on first use by an override
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -95,8 +97,9 @@ class TokenizedDataset(ABC):
 
     def check_token_ids(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first document holding an id ``< 0`` or ``>= vocab_size`` (reads
-        every document; readers that know their id range answer from it)."""
-        if not self.serves_tokens:
+        every document unless ``_id_range`` is known and within bounds)."""
+        low, high = self._id_range or (-1, 0)  # unknown: read every document
+        if not self.serves_tokens or (low >= 0 and (vocab_size is None or high < vocab_size)):
             return
         for i in range(len(self)):
             _check_ids(self.path, i, self._read(i)["input_ids"], vocab_size)

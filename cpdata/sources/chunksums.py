@@ -64,7 +64,7 @@ class ChunkHasher:
 
 
 def file_sums(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
-    """``(sha256, chunk checksums)`` of a file on disk, in one pass."""
+    """``(sha256, chunk checksums)`` of a file on disk, in one pass (the one reader of a file's sha256)."""
     sha, sums = hashlib.sha256(), []
     with open(path, "rb", buffering=0) as f:
         while block := f.read(CHUNK_BYTES):

@@ -20,8 +20,8 @@ from typing import BinaryIO
 import numpy as np
 
 from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.chunksums import file_sums
 from cpdata.sources.fingerprint import lengths_sha256, sample_positions
-from cpdata.sources.manifest import sha256_file
 from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
@@ -79,10 +79,6 @@ class LengthsFile(TokenizedDataset):
             raise ValueError(f"{self.path}: document {bad} has negative length {int(self._lengths[bad])}")
         self._fingerprint: str | None = None
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def fingerprint(self) -> str:
         """``lengths:`` + the sha256 of the lengths (computed once)."""
         if self._fingerprint is None:
@@ -136,7 +132,7 @@ class JsonlDocuments(TokenizedDataset):
             self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
         self._crcs, self._offsets = np.frombuffer(crcs, dtype=np.uint32), np.frombuffer(offsets, dtype=np.int64)
         self._lengths = np.frombuffer(lengths, dtype=np.int64)
-        self._id_range = (low, high)
+        self._id_range = (low, high)  # the scan saw every id
         self._sha256 = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
         self._size = pos
@@ -210,10 +206,6 @@ class JsonlDocuments(TokenizedDataset):
             )
         return arr.astype(np.int64) if integer else arr
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def fingerprint(self) -> str:
         """``jsonl:`` + the file's sha256 (computed while scanning)."""
         return f"jsonl:{self._sha256}"
@@ -233,12 +225,6 @@ class JsonlDocuments(TokenizedDataset):
             for i in sample_positions(len(self), _FILE_SAMPLES):
                 self._raw_row(i)  # raises naming the first sampled document that changed
             self._opened = (size, st.st_mtime_ns)  # touched, same bytes where sampled
-
-    def check_token_ids(self, vocab_size: int | None = None) -> None:
-        low, high = self._id_range
-        if low >= 0 and (vocab_size is None or high < vocab_size):
-            return  # the scan saw every id
-        super().check_token_ids(vocab_size)
 
     def _handle(self) -> BinaryIO:
         """This process's own handle, opened on first use and again after a fork or unpickling."""
@@ -304,17 +290,13 @@ class NpyFolder(TokenizedDataset):
         self._lengths = lengths
         self._fingerprint: str | None = None
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def fingerprint(self) -> str:
         """``npy_folder:`` + the sha256 of every file's name, size and bytes, in order (a rename or reorder
         changes it): O(bytes), once."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             for name in self._files:
-                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{sha256_file(self.path / name)}\0".encode())
+                h.update(f"{name}\0{(self.path / name).stat().st_size}\0{file_sums(self.path / name)[0]}\0".encode())
             self._fingerprint = f"npy_folder:{h.hexdigest()}"
         return self._fingerprint
 

@@ -22,20 +22,16 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
 from cpdata.worker.targets import check_unpadded
 
-__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset", "is_hf_iterable"]
+__all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset"]
 
 LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
 """Integer columns taken as tokens per document, in this order of preference."""
 
 
 def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
-    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``."""
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``
+    (``"IterableDataset"``: a streaming one)."""
     return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
-
-
-def is_hf_iterable(obj: object) -> bool:
-    """True for a streaming ``datasets.IterableDataset``."""
-    return is_hf_dataset(obj, "IterableDataset")
 
 
 def _per_token(feature: Any) -> bool:
@@ -54,7 +50,7 @@ class HFDocuments(TokenizedDataset):
     kind = "hf_dataset"
 
     def __init__(self, dataset: Any, *, length_column: str | None = None) -> None:
-        if is_hf_iterable(dataset):
+        if is_hf_dataset(dataset, "IterableDataset"):
             raise TypeError(
                 "a streaming datasets.IterableDataset has no index, so it cannot be planned ahead or served "
                 "from a plan; materialise it (datasets.Dataset.from_generator(lambda: iter(ds)), or load it "
@@ -110,10 +106,6 @@ class HFDocuments(TokenizedDataset):
             raise ValueError(f"length column {self.length_column!r}: row {bad} has negative length {int(lengths[bad])}")
         return lengths
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
     def _read(self, i: int) -> dict[str, np.ndarray]:
         row = self._rows[i]
         out = {k: np.asarray(row[k]) for k in self._keys}
@@ -142,16 +134,13 @@ class HFDocuments(TokenizedDataset):
         table = self.dataset.data
         return getattr(table, "table", table).column("input_ids")
 
-    def check_token_ids(self, vocab_size: int | None = None) -> None:
-        """As :meth:`TokenizedDataset.check_token_ids`, with one Arrow min/max over all tokens (C speed);
-        rows are read one by one only to name the first culprit."""
+    @property
+    def _id_range(self) -> tuple[int, int]:  # type: ignore[override]
+        """One Arrow min/max over all tokens (C speed): rows are read only to name a culprit."""
         import pyarrow.compute as pc
 
         bounds = pc.min_max(pc.list_flatten(self._token_column())).as_py()
-        low, high = bounds["min"], bounds["max"]
-        if low is None or (low >= 0 and (vocab_size is None or high < vocab_size)):
-            return
-        super().check_token_ids(vocab_size)
+        return (0, -1) if bounds["min"] is None else (bounds["min"], bounds["max"])
 
     def fingerprint(self) -> str:
         """``hf_dataset:`` + the sha256 of ``_fingerprint`` (it names the transforms, not the bytes), rows,

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIGEST_KEY", "MANIFEST", "canonical", "manifest_digest", "read_manifest", "sha256_file", "write_manifest"]
+__all__ = ["DIGEST_KEY", "MANIFEST", "canonical", "manifest_digest", "read_manifest", "write_manifest"]
 
 DIGEST_KEY = "manifest_sha256"
 MANIFEST = "manifest.json"
@@ -20,15 +20,6 @@ MANIFEST = "manifest.json"
 def canonical(obj: Mapping[str, Any]) -> bytes:
     """``obj`` as sorted, indented JSON (NaN refused), newline-terminated: the bytes a digest covers."""
     return (json.dumps(obj, sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:

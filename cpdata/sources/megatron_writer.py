@@ -21,68 +21,57 @@ import numpy as np
 from cpdata.sources.base import _written_ids
 from cpdata.sources.megatron import DTYPES, MAGIC, VERSION, MegatronIndexed, megatron_paths
 
-__all__ = ["MegatronWriter", "megatron_dtype", "write_megatron"]
+__all__ = ["write_megatron"]
 
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 _INT32_MAX = (1 << 31) - 1
 
 
-def megatron_dtype(vocab_size: int | None) -> np.dtype:
-    """megatron-core's choice for a vocabulary: uint16 below 65,500 ids, else int32."""
-    return np.dtype("<u2") if vocab_size is not None and vocab_size < 65500 else np.dtype("<i4")
+def _dtype(vocab_size: int | None, dtype: Any) -> tuple[np.dtype, int]:
+    """``(dtype, limit)``: the token dtype (None: as the module docstring says) and the ids it holds, ``[0, limit)``."""
+    if dtype is None:
+        dtype = np.dtype("<u2") if vocab_size is not None and vocab_size < 65500 else np.dtype("<i4")
+    dtype = np.dtype(dtype).newbyteorder("<")
+    if dtype not in _CODES or dtype.kind not in "iu":
+        ints = sorted(d.name for d in DTYPES.values() if d.kind in "iu")
+        raise ValueError(f"dtype {dtype.name} cannot hold Megatron token ids; choose one of {ints}")
+    top = int(np.iinfo(dtype).max) + 1
+    if vocab_size is not None and vocab_size > top:
+        raise ValueError(f"vocab_size={vocab_size} does not fit dtype {dtype.name} (ids up to {top - 1}); "
+                         "pass a wider dtype")  # fmt: skip
+    return dtype, top if vocab_size is None else int(vocab_size)
 
 
-class MegatronWriter:
-    """Append documents to ``bin_path``; :meth:`finish` writes ``idx_path`` (``dtype``: default :func:`megatron_dtype`)."""
-
-    def __init__(self, bin_path: Path, idx_path: Path, *, vocab_size: int | None = None,
-                 dtype: Any = None, name: str | None = None) -> None:  # fmt: skip
-        self.dtype = megatron_dtype(vocab_size) if dtype is None else np.dtype(dtype).newbyteorder("<")
-        if self.dtype not in _CODES or self.dtype.kind not in "iu":
-            ints = sorted(d.name for d in DTYPES.values() if d.kind in "iu")
-            raise ValueError(f"dtype {self.dtype.name} cannot hold Megatron token ids; choose one of {ints}")
-        top = int(np.iinfo(self.dtype).max) + 1
-        self.limit = top if vocab_size is None else min(int(vocab_size), top)
-        if vocab_size is not None and vocab_size > top:
-            raise ValueError(f"vocab_size={vocab_size} does not fit dtype {self.dtype.name} (ids up to {top - 1}); "
-                             "pass a wider dtype")  # fmt: skip
-        self.bin_path, self.idx_path, self.name = bin_path, idx_path, name or str(bin_path)
-        self._file = open(bin_path, "wb")  # noqa: SIM115
-        self._lengths = array("q")
-
-    @property
-    def documents(self) -> int:
-        return len(self._lengths)
-
-    def add(self, document: Mapping[str, Any]) -> None:
-        """Append one document ``{"input_ids": [n]}``; other per-token keys are refused (the format has none)."""
-        index = self.documents
-        extra = sorted(k for k in document if k != "input_ids")
-        if extra:
-            raise ValueError(f"{self.name}: document {index} carries {extra}, but a Megatron indexed dataset holds "
-                             "input_ids only; write a token store (`cpdata tokenize --format cpdata`) to keep them")  # fmt: skip
-        ids = _written_ids(Path(self.name), index, document, self.limit)
-        if ids.shape[0] > _INT32_MAX:
-            raise ValueError(f"{self.name}: document {index} has {ids.shape[0]} tokens; the index stores int32 lengths")
-        self._file.write(ids.astype(self.dtype).tobytes())
-        self._lengths.append(ids.shape[0])
-
-    def finish(self) -> None:
-        """Close the ``.bin`` and write the ``.idx`` (both fsynced)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int64)
-        n = lengths.shape[0]
-        pointers = np.zeros(n, dtype="<i8")
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
-        with open(self.idx_path, "wb") as f:
-            f.write(MAGIC + struct.pack("<QBQQ", VERSION, _CODES[self.dtype], n, n + 1))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.arange(n + 1, dtype="<i8").tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+def _write(documents: Iterable[Mapping[str, Any]], bin_path: Path, idx_path: Path, dtype: np.dtype, limit: int,
+           name: Path) -> None:  # fmt: skip
+    """Append every document's ids to ``bin_path``, then write ``idx_path`` (both fsynced)."""
+    lengths = array("q")
+    with open(bin_path, "wb") as f:
+        for index, document in enumerate(documents):
+            extra = sorted(k for k in document if k != "input_ids")
+            if extra:
+                raise ValueError(f"{name}: document {index} carries {extra}, but a Megatron indexed dataset holds "
+                                 "input_ids only; write a token store (`cpdata tokenize --format cpdata`) to keep "
+                                 "them")  # fmt: skip
+            ids = _written_ids(name, index, document, limit)
+            if ids.shape[0] > _INT32_MAX:
+                raise ValueError(f"{name}: document {index} has {ids.shape[0]} tokens; the index stores int32 "
+                                 "lengths")  # fmt: skip
+            f.write(ids.astype(dtype).tobytes())
+            lengths.append(ids.shape[0])
+        f.flush()
+        os.fsync(f.fileno())
+    n = len(lengths)
+    sizes = np.frombuffer(lengths, dtype=np.int64)
+    pointers = np.zeros(n, dtype="<i8")
+    np.cumsum(sizes[:-1] * dtype.itemsize, out=pointers[1:])
+    with open(idx_path, "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", VERSION, _CODES[dtype], n, n + 1))
+        f.write(sizes.astype("<i4").tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(n + 1, dtype="<i8").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_megatron(
@@ -100,18 +89,13 @@ def write_megatron(
         raise ValueError(f"{', '.join(existing)} already exist; pass overwrite=True (--force) to replace them")
     if not bin_path.parent.is_dir():
         raise ValueError(f"{bin_path.parent} is not a directory; create it first")
+    dtype, limit = _dtype(vocab_size, dtype)
     tmp = [p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in (bin_path, idx_path)]
-    writer = None
     try:
-        writer = MegatronWriter(tmp[0], tmp[1], vocab_size=vocab_size, dtype=dtype, name=str(bin_path.with_suffix("")))
-        for document in documents:
-            writer.add(document)
-        writer.finish()
+        _write(documents, tmp[0], tmp[1], dtype, limit, bin_path.with_suffix(""))
         os.replace(tmp[0], bin_path)
         os.replace(tmp[1], idx_path)
     finally:
-        if writer is not None and not writer._file.closed:
-            writer._file.close()
         for p in tmp:
             p.unlink(missing_ok=True)
     return MegatronIndexed(bin_path.with_suffix(""))

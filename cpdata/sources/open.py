@@ -21,7 +21,7 @@ from typing import Any
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.concat import ConcatDataset
 from cpdata.sources.files import JsonlDocuments, LengthsFile, NpyFolder
-from cpdata.sources.hf import HFDocuments, is_hf_dataset, is_hf_iterable
+from cpdata.sources.hf import HFDocuments, is_hf_dataset
 from cpdata.sources.megatron import MegatronIndexed, is_megatron_prefix
 from cpdata.sources.protocol import Listable
 from cpdata.sources.tokenstore import TokenStore, is_token_store
@@ -36,7 +36,7 @@ def as_source(source: Any, *, indexed: bool = False, epochs: int = 1) -> Any:
     address documents by index: schedules, ``precompute``, ``PrecomputedPacks``) a streaming
     ``IterableDataset`` is refused with the fix and a :class:`~cpdata.sources.protocol.Listable` mix becomes its
     draw listing of epochs ``0 .. epochs - 1``. Anything else is returned as is."""
-    if is_hf_dataset(source) or (indexed and is_hf_iterable(source)):
+    if is_hf_dataset(source) or (indexed and is_hf_dataset(source, "IterableDataset")):
         return HFDocuments(source)
     if indexed and isinstance(source, Listable):
         return source.listed(epochs)

@@ -52,11 +52,13 @@ def write_token_store(
     overwrite: bool = False,
     source: Mapping[str, Any] | None = None,
     labels_alignment: str | None = None,
+    name: str | None = None,
 ) -> TokenStore:
-    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and ``labels_alignment``
-    go into the manifest. Returns the store, opened."""
+    """Write ``documents`` as a store at ``out_dir``, atomically; ``source`` (JSON-able) and
+    ``labels_alignment`` go into the manifest; errors about a document name ``name`` (default: ``out_dir``).
+    Returns the store, opened."""
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=str(out_dir))
+        writer = TokenStoreWriter(tmp, vocab_size=vocab_size, name=name or str(out_dir))
         for document in documents:
             writer.add(document)
         writer.finish(source or {}, labels_alignment=labels_alignment)
@@ -98,6 +100,8 @@ class TokenStore(TokenizedDataset):
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
         self.per_token_keys = frozenset(manifest["extras"])
+        high = manifest["max_id"]
+        self._id_range = (0, -1 if high is None else high)  # negative ids are never written
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._digest = str(manifest[DIGEST_KEY])
@@ -194,13 +198,6 @@ class TokenStore(TokenizedDataset):
         checker = self._check_tokens
         checker.check(start * checker.itemsize, stop * checker.itemsize, i)
         return start, stop
-
-    def check_token_ids(self, vocab_size: int | None = None) -> None:
-        """From the manifest's min/max (O(1)); the documents are read only to name a culprit."""
-        high = self.manifest["max_id"]
-        if high is None or vocab_size is None or high < vocab_size:
-            return  # negative ids cannot be written
-        super().check_token_ids(vocab_size)
 
     def fingerprint(self) -> str:
         """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""

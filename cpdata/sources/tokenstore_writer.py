@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.sources.base import _written_ids
-from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher, file_sums
+from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkHasher
 from cpdata.sources.manifest import write_manifest
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "TokenStoreWriter"]
@@ -32,7 +32,7 @@ _DAMAGED = ("restore the store's files from where they came from, or rewrite the
 
 
 class _HashedFile:
-    """An append-only file that hashes what it writes."""
+    """An append-only file that hashes what it writes (``np.save`` writes through it too)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.file, self.sha, self.size = path, open(path, "wb"), hashlib.sha256(), 0  # noqa: SIM115
@@ -52,9 +52,11 @@ class _HashedFile:
                 "chunks": self.chunks.finish()}  # fmt: skip
 
 
-def _saved_entry(path: Path) -> dict[str, Any]:
-    sha, chunks = file_sums(path)
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha, "chunks": chunks}
+def _saved(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """``np.save`` ``array`` at ``path``, hashed as it is written; returns its manifest entry."""
+    file = _HashedFile(path)
+    np.save(file, array, allow_pickle=False)  # type: ignore[arg-type]
+    return file.close()
 
 
 class TokenStoreWriter:
@@ -119,15 +121,12 @@ class TokenStoreWriter:
         returns the manifest."""
         files = {"tokens": self._tokens.close()}
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
-        np.save(self.directory / OFFSETS_FILE, offsets, allow_pickle=False)
-        files["offsets"] = _saved_entry(self.directory / OFFSETS_FILE)
+        files["offsets"] = _saved(self.directory / OFFSETS_FILE, offsets)
         extras = {}
         for key, (file, dtype, present) in sorted(self._extras.items()):
             files[key] = file.close()
             flags = np.frombuffer(present, dtype=np.int8).astype(bool)
-            name = f"{key}.present.npy"
-            np.save(self.directory / name, flags, allow_pickle=False)
-            files[f"{key}.present"] = _saved_entry(self.directory / name)
+            files[f"{key}.present"] = _saved(self.directory / f"{key}.present.npy", flags)
             extras[key] = dtype.str
         manifest: dict[str, Any] = {
             "format": FORMAT,
