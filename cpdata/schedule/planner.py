@@ -16,6 +16,7 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.packing import PackingConfig, plan_lengths
+from cpdata.packing.offline import _as_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
@@ -32,18 +33,6 @@ REFILLS = 3
 """Extra intake rounds of a step whose pool left outliers waiting (and so room)."""
 REFILL_SHARE = 200
 """A refill round runs while more than ``1 / REFILL_SHARE`` of the step's tokens is free."""
-
-
-def _lengths(lengths: object) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise TypeError(f"lengths must be a 1-D integer array of tokens per document, got dtype {arr.dtype} "
-                        f"shape {arr.shape}")  # fmt: skip
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and int(arr.min()) < 0:
-        bad = int(arr.argmin())
-        raise ValueError(f"lengths must be >= 0, document {bad} has length {int(arr[bad])}")
-    return arr
 
 
 def plan_schedule(
@@ -72,7 +61,7 @@ def plan_schedule(
     epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: return the token plan
     when its :func:`padded_epoch_cost` is lower (the delay bound then holds only for the balanced schedule).
     """
-    lengths = _lengths(lengths)
+    lengths = _as_lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
     max_delay, epoch = check_int("max_delay", max_delay, min=0), check_int("epoch", epoch, min=0)
     if tail not in TAIL_POLICIES:
