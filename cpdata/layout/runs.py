@@ -52,12 +52,14 @@ def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
 
 
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``)."""
+    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``: a
+    layout's row or inverse, whose ``arange`` is cached per length)."""
     offsets = sizes.cumsum()
     total = int(offsets[-1]) if offsets.size else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64) if out is None else out
-    return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
+    steps = np.arange(total, dtype=np.int64) if out is None else _arange(total)
+    return np.add((starts - offsets + sizes).repeat(sizes), steps, out=out)
 
 
 def stacked_rows(table: Any) -> np.ndarray:
@@ -71,16 +73,11 @@ def stacked_rows(table: Any) -> np.ndarray:
 
 class Table:
     """What every one-pack layout table derives from its ``lens`` (int64 ``[D]`` slot lengths, None without
-    documents) and ``row(rank, out)``."""
+    documents) and ``row(rank, out)``; its block (:class:`RunBlock`, :class:`~cpdata.layout.spans.SpanBlock`)
+    gives the packs' causal work."""
 
     __slots__ = ()
     lens: np.ndarray | None
-
-    @property
-    def doc(self) -> np.ndarray | None:
-        """int64 ``[D]``: the document of each table row (``arange(D)``); None without documents."""
-        lens = self.lens
-        return None if lens is None else _arange(lens.shape[0])
 
     @property
     def doc_starts(self) -> np.ndarray | None:
@@ -142,7 +139,7 @@ class RunBlock:
         return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack (``real`` int64 ``[N]``)."""
+        """float64 ``[P, cp]``: :func:`causal_work_of` every pack (``real`` int64 ``[N]``; with documents)."""
         assert self.ends is not None, "layout runs without documents"
         if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
             return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
@@ -202,17 +199,6 @@ class RunTable(Table):
         if self.tail:
             np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
         return out
-
-    def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
-        """float64 ``[cp]``: :func:`causal_work_of` this pack (``real_lens`` int64 ``[>= D]``; needs documents)."""
-        ends = self.block.ends
-        assert ends is not None, "layout runs without documents"
-        d = self.hi - self.lo
-        if d == 0:
-            return np.zeros(self.cp_size, dtype=np.float64)
-        real = np.asarray(real_lens, dtype=np.int64)[:d]
-        ranks = self.block.ranks if self.block.ranks.ndim == 1 else self.block.ranks[self.lo : self.hi]
-        return causal_work_of(ends[self.lo : self.hi], ranks, real, None, self.cp_size)[0]
 
 
 def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
