@@ -194,9 +194,8 @@ def layout_runs(
     lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
-    if layout in ("round_robin", "thd"):  # chunks of the whole pack, or of every slot
-        slots = _thd_slots(lens, pack_len, cp_size) if layout == "thd" else np.array([pack_len], dtype=np.int64)
-        return head_tail_block(slots, None, cp_size, pack_len, with_docs=layout == "thd").tables()[0]
+    if layout == "round_robin":  # chunks of the whole pack
+        return head_tail_block(np.array([pack_len], dtype=np.int64), None, cp_size, pack_len, False).tables()[0]
     return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
 

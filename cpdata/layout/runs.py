@@ -51,6 +51,18 @@ def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
     return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
 
+def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Exclusive running sums of the rows of ``x`` int64 ``[k, N]`` restarted at every pack (int64 ``[k, N]``)
+    and each pack's totals (int64 ``[k, P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
+    cs = np.zeros((x.shape[0], x.shape[1] + 1), dtype=np.int64)
+    np.cumsum(x, axis=1, out=cs[:, 1:])
+    if counts is None:
+        return cs[:, :-1], cs[:, -1:]
+    stops = counts.cumsum()
+    firsts = cs[:, stops - counts]
+    return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
+
+
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``: a
     layout's row or inverse, whose ``arange`` is cached per length)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpdata.layout.runs import Table, _arange, segments
+from cpdata.layout.runs import Table, _arange, _within_packs, segments
 
 __all__ = ["SpanBlock", "SpanTable"]
 
@@ -59,9 +59,7 @@ class SpanBlock:
         if lens.size == 0:
             return np.zeros((n_packs, cp), dtype=np.float64)
         real = np.asarray(real, dtype=np.int64)
-        ends = np.cumsum(lens)
-        before = np.concatenate([[0], ends])[np.cumsum(counts) - counts]  # slot tokens before each pack
-        offsets = ends - lens + np.repeat(_arange(n_packs, p) - before, counts)  # slot starts, back to back
+        offsets = _within_packs(lens[None], counts)[0][0] + _arange(n_packs, p).repeat(counts)  # slot starts
         twice = real * (real + 1)
         below = np.cumsum(twice) - twice  # 2 W(each slot's start)
         # span starts, packs back to back, then the last pack's end: a span ends where the next one starts

@@ -68,8 +68,9 @@ def plan_schedule(
         raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a cpdata.schedule.CostModel or None, got {type(cost).__name__}")
-    if not isinstance(shuffle, bool):
-        raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
+    for name, flag in (("shuffle", shuffle), ("fallback", fallback)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     if cost is not None and algorithm == "concat":
         raise ValueError("algorithm='concat' cuts documents at pack boundaries and cannot be balanced; "
                          "use cost=None with concat, or another algorithm")  # fmt: skip
@@ -77,8 +78,6 @@ def plan_schedule(
                                    overflow=overflow, seed=seed)  # fmt: skip
     order = (np.random.default_rng((config.seed, epoch)).permutation(lengths.shape[0]) if shuffle
              else np.arange(lengths.shape[0], dtype=np.int64))  # fmt: skip
-    if not isinstance(fallback, bool):
-        raise TypeError(f"fallback must be a bool, got {fallback!r}")
     plans = [] if cost is None else [_balanced(lengths[order], config, R, M, cost, max_delay)]
     if cost is None or fallback:
         plans.append(_in_order(lengths[order], config))
