@@ -10,11 +10,10 @@ scattering. ``balanced`` deals its padding one token at a time after the runs (a
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "Table", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
+__all__ = ["RunBlock", "RunTable", "Table", "contiguous_runs", "segments"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -74,15 +73,6 @@ def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = Non
     return np.add((starts - offsets + sizes).repeat(sizes), steps, out=out)
 
 
-def stacked_rows(table: Any) -> np.ndarray:
-    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (any table with
-    ``cp_size``, ``pack_len`` and ``row(rank, out)``)."""
-    out = np.empty((table.cp_size, table.pack_len // table.cp_size), dtype=np.int64)
-    for r in range(table.cp_size):
-        table.row(r, out[r])
-    return out
-
-
 class Table:
     """What every one-pack layout table derives from its ``lens`` (int64 ``[D]`` slot lengths, None without
     documents) and ``row(rank, out)``; its block (:class:`RunBlock`, :class:`~cpdata.layout.spans.SpanBlock`)
@@ -90,6 +80,8 @@ class Table:
 
     __slots__ = ()
     lens: np.ndarray | None
+    pack_len: int
+    cp_size: int
 
     @property
     def doc_starts(self) -> np.ndarray | None:
@@ -98,8 +90,11 @@ class Table:
         return None if lens is None else lens.cumsum() - lens
 
     def rows(self) -> np.ndarray:
-        """int64 ``[cp, local_len]``: every rank's row."""
-        return stacked_rows(self)
+        """int64 ``[cp, local_len]``: every rank's row, each written in place."""
+        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
+        for r in range(self.cp_size):
+            self.row(r, out[r])
+        return out
 
 
 class RunBlock:
@@ -151,11 +146,34 @@ class RunBlock:
         return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :func:`causal_work_of` every pack (``real`` int64 ``[N]``; with documents)."""
-        assert self.ends is not None, "layout runs without documents"
-        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
-            return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
-        return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
+        """float64 ``[P, cp]``: causal document-masked attention work of each rank of every pack (``real`` int64
+        ``[N]``; with documents). A real token at offset ``o`` attends to ``o + 1`` keys, so a run costs
+        ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length): integers,
+        doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
+        ends, ranks, counts, cp_size = self.ends, self.ranks, self.counts, self.cp_size
+        assert ends is not None, "layout runs without documents"
+        n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
+        if ends.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
+            return np.zeros((n_packs, cp_size), dtype=np.float64)
+        ends = np.minimum(ends, _per_run(real, g))
+        twice = ends + 1
+        twice *= ends  # 2 W(end) [N, G]
+        if ranks.ndim == 1:
+            if counts is None:
+                twice = twice.sum(axis=0, keepdims=True)
+            else:
+                twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
+            keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
+        elif counts is None:
+            keys = ranks
+        else:
+            keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
+        flat = twice.reshape(-1)
+        cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
+        np.subtract(flat[1:], flat[:-1], out=cost[1:])
+        cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
+        work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
+        return (work / 2).reshape(n_packs, cp_size)
 
 
 class RunTable(Table):
@@ -211,34 +229,6 @@ class RunTable(Table):
         if self.tail:
             np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
         return out
-
-
-def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
-                   cp_size: int) -> np.ndarray:  # fmt: skip
-    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs (``ends``, ``ranks``,
-    ``counts``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``). A real token at offset ``o`` attends to ``o + 1``
-    keys, so a run costs ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length):
-    integers, doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
-    n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
-    ends = np.minimum(ends, _per_run(real, g))
-    twice = ends + 1
-    twice *= ends  # 2 W(end) [N, G]
-    if ranks.ndim == 1:
-        if counts is None:
-            twice = twice.sum(axis=0, keepdims=True)
-        else:
-            twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
-        keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
-    elif counts is None:
-        keys = ranks
-    else:
-        keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
-    flat = twice.reshape(-1)
-    cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
-    np.subtract(flat[1:], flat[:-1], out=cost[1:])
-    cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
-    work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
-    return (work / 2).reshape(n_packs, cp_size)
 
 
 @functools.lru_cache(maxsize=16)

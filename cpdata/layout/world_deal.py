@@ -2,9 +2,8 @@
 
 Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
 
-0. *Plan*: a pack the world packer made is replayed from its slot lengths (:func:`~cpdata.layout.world_plan.
-   plan_runs`): documents of at most ``L`` tokens whole, longer ones over ``ceil(s / L)`` consecutive ranks
-   of one node; nothing else is cut.
+0. *Plan*: a pack the world packer made is replayed from its slot lengths, nothing cut
+   (:func:`~cpdata.layout.world_plan.plan_runs`).
 
 Any other pack is dealt by steps 1-3; the per-document CP degree comes out of the deal:
 
