@@ -98,16 +98,14 @@ def _spread(s: int, t: float, fraction: float, share: float, local: int, tile: i
     return fraction < 1.0 and s >= max(MIN_SPREAD * local, 4 * tile) and t > fraction * share
 
 
-def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, fraction: float, local: int,
-          world: int, node_size: int, tile: int, cost: WorldCost
+def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, spread: tuple[int, ...],
+          local: int, world: int, node_size: int, tile: int, cost: WorldCost
           ) -> tuple[list[tuple[int, int, int]], list[float]]:  # fmt: skip
-    """Steps 1-2 with the documents :func:`_spread` picks at ``fraction`` spread: ``(runs, loads)``."""
+    """Steps 1-2 with the documents ``spread`` spread (the rest whole): ``(runs, loads)``."""
     bins = WorldBins(local, world, node_size, tile)
     runs: list[tuple[int, int, int]] = []  # (global start, length, rank)
-    spread = [d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile)]
-    spread.sort(key=lambda d: -lens[d])
     leftover: list[int] = []
-    for d in spread:
+    for d in sorted(spread, key=lambda d: -lens[d]):
         s = lens[d]
         c = _degree(s, alone[d], local, share, cost, node_size, world)
         ranks = None
@@ -120,7 +118,8 @@ def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float,
             leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
             continue
         runs += [(offsets[d] + o, n, r) for o, n, r in bins.take_thd(s, ranks)]
-    whole = [d for d, s in enumerate(lens) if s > 0 and not _spread(s, alone[d], fraction, share, local, tile)]
+    chosen = set(spread)
+    whole = [d for d, s in enumerate(lens) if s > 0 and d not in chosen]
     whole.sort(key=lambda d: (-alone[d], -lens[d]))
     for d in whole:
         if lens[d] > bins.max_room:
@@ -155,11 +154,11 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     best = None
     seen: set[tuple[int, ...]] = set()
     for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
-        key = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
-        if key in seen:
+        spread = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
+        if spread in seen:
             continue
-        seen.add(key)
-        runs, load = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
+        seen.add(spread)
+        runs, load = _deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
         if best is None or max(load) < best[0]:
             best = (max(load), runs)
     assert best is not None
