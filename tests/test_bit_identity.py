@@ -24,7 +24,15 @@ from hypothesis import strategies as st
 from test_collate import make_plans
 from torchdata.nodes import IterableWrapper
 
-from cpdata.layout.maps import LAYOUTS, alignment, causal_work, layout_runs, layout_tile, node_size_of
+from cpdata.layout.maps import (
+    LAYOUTS,
+    alignment,
+    causal_work,
+    layout_run_block,
+    layout_runs,
+    layout_tile,
+    node_size_of,
+)
 from cpdata.layout.tiled import tiled_owners
 from cpdata.layout.world_deal import world_runs
 from cpdata.nodes.collate import Collate
@@ -361,14 +369,42 @@ def test_run_tables_equal_the_reference(layout, cp, units, tail, short):
     for r in range(cp):
         np.testing.assert_array_equal(table.row(r), want[r])
     np.testing.assert_array_equal(table.inverse(), np.argsort(want.reshape(-1), kind="stable"))
-    if table.doc is None:
+    if table.lens is None:
         return
     slots = np.diff(np.append(table.doc_starts, sum(lens) if layout == "balanced" else pack_len))
     real = np.maximum(slots - np.asarray(short[: slots.size], dtype=np.int64), 0)
     positions = np.full(pack_len, -1)
     for start, n in zip(table.doc_starts.tolist(), real.tolist(), strict=True):
         positions[start : start + n] = np.arange(n)
-    np.testing.assert_array_equal(table.causal_work(real), causal_work(want, positions))
+    block = layout_run_block(layout, cp, [np.asarray(lens, dtype=np.int64)], pack_len)
+    np.testing.assert_array_equal(block.causal_work(real), causal_work(want, positions)[None])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(["tiled", "tiled:64", "world", "world:2"]), cp=st.sampled_from([2, 4]),
+    packs=st.lists(st.lists(st.integers(0, 300), max_size=6), min_size=1, max_size=4), short=st.integers(0, 5),
+)  # fmt: skip
+def test_span_blocks_of_several_packs_equal_the_reference_pack_by_pack(layout, cp, packs, short):
+    """``tiled`` and ``world`` blocks of several packs (empty ones included): every pack's rows, inverse and
+    causal work equal the reference of that pack alone."""
+    multiple = alignment(layout, cp)[1]
+    pack_len = -(-max(1, *(sum(p) for p in packs)) // multiple) * multiple
+    arrays = [np.asarray(p, dtype=np.int64) for p in packs]
+    block = layout_run_block(layout, cp, arrays, pack_len)
+    real = [np.maximum(a - short, 0) for a in arrays]
+    work = block.causal_work(np.concatenate(real))
+    assert block.doc_counts() == [len(p) for p in packs] and work.shape == (len(packs), cp)
+    for lens, r, table, w in zip(packs, real, block.tables(), work, strict=True):
+        want = reference_rows(layout, cp, lens, pack_len)
+        np.testing.assert_array_equal(table.rows(), want)
+        np.testing.assert_array_equal(table.inverse(), np.argsort(want.reshape(-1), kind="stable"))
+        positions = np.full(pack_len, -1)
+        for start, n in zip(np.cumsum([0, *lens])[:-1].tolist(), r.tolist(), strict=True):
+            positions[start : start + n] = np.arange(n)
+        np.testing.assert_array_equal(w, causal_work(want, positions))
+    if any(r.sum() for r in real):
+        assert work.sum() > 0
 
 
 @pytest.mark.parametrize(("layout", "cp", "algorithm", "overflow"),

@@ -4,7 +4,7 @@ trainers'.
 Distributions (:data:`DISTRIBUTIONS`, Megatron-LM's dynamic-CP example) at DP 8 (D2 also 32):
 :func:`~cpdata.schedule.plan_schedule` plans one seeded stream, each full step a global batch; the
 :mod:`~cpdata.bench.schedule_methods` get the same documents cut into equally full batches. Scored by the
-FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` (:mod:`cpdata.schedule.metrics`; mean and p95 over batches,
+FlexSP 7B cost model: ``imb_step`` / ``imb_mb`` (:func:`cpdata.schedule.imbalance`; mean and p95 over batches,
 %), ``over_cap_pct``, ``extra_microbatch_pct`` (above ``ceil(tokens / (dp * capacity))``), ``padding_pct``,
 ``max_delay_steps`` / ``min_delay_steps`` (against a document's FIFO step), ``us_per_doc`` (process CPU time,
 the fastest of :data:`PLAN_REPEATS`), ``bfd_padding_pct`` (``bfd`` alone on the same documents).

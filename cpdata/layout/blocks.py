@@ -9,21 +9,9 @@ import functools
 
 import numpy as np
 
-from cpdata.layout.runs import RunBlock, _frozen, _per_run
+from cpdata.layout.runs import RunBlock, _frozen, _per_run, _within_packs
 
 __all__ = ["RunBlock", "balanced_block", "head_tail_block"]
-
-
-def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Exclusive running sums of the rows of ``x`` int64 ``[k, N]`` restarted at every pack (int64 ``[k, N]``)
-    and each pack's totals (int64 ``[k, P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
-    cs = np.zeros((x.shape[0], x.shape[1] + 1), dtype=np.int64)
-    np.cumsum(x, axis=1, out=cs[:, 1:])
-    if counts is None:
-        return cs[:, :-1], cs[:, -1:]
-    stops = counts.cumsum()
-    firsts = cs[:, stops - counts]
-    return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
 
 
 @functools.lru_cache(maxsize=32)

@@ -19,8 +19,9 @@ import numpy as np
 from cpdata.errors import check_int, is_int
 from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
-from cpdata.layout.tiled import DEFAULT_TILE, TILES, TiledBlock, TiledTable, tiled_block
-from cpdata.layout.world import WorldBlock, WorldTable, world_block
+from cpdata.layout.spans import SpanBlock, SpanTable
+from cpdata.layout.tiled import DEFAULT_TILE, TILES, tiled_block
+from cpdata.layout.world import world_block
 
 __all__ = [
     "LAYOUTS",
@@ -185,22 +186,21 @@ def _check_pack_len(layout: str, cp_size: int, pack_len: int) -> None:
 def layout_runs(
     layout: str, cp_size: int, seq_lens: Sequence[int] | np.ndarray, pack_len: int, *, checked: bool = False,
     tile: int | None = None,
-) -> RunTable | TiledTable | WorldTable:
-    """The layout as a :class:`~cpdata.layout.runs.Table` (``row``, ``rows``, ``inverse``, ``causal_work``);
+) -> RunTable | SpanTable:
+    """The layout as a :class:`~cpdata.layout.runs.Table` (``row``, ``rows``, ``inverse``);
     arguments as :func:`rank_indices`. ``checked=True``: ``seq_lens`` is a stream's checked int64 slot table."""
     layout = layout_spec(layout, tile)
     _check_pack_len(layout, cp_size, pack_len)
     lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
-    if layout in ("round_robin", "thd"):  # chunks of the whole pack, or of every slot
-        slots = _thd_slots(lens, pack_len, cp_size) if layout == "thd" else np.array([pack_len], dtype=np.int64)
-        return head_tail_block(slots, None, cp_size, pack_len, with_docs=layout == "thd").tables()[0]
+    if layout == "round_robin":  # chunks of the whole pack
+        return head_tail_block(np.array([pack_len], dtype=np.int64), None, cp_size, pack_len, False).tables()[0]
     return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
 
 def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
-                     ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
+                     ) -> RunBlock | SpanBlock:  # fmt: skip
     """:func:`layout_runs` (``checked=True``) of ``P`` packs at once, for a layout that depends on the documents
     (``thd``, ``balanced``, ``tiled``, ``world``): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
     ``layout_runs`` gives it alone. ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays."""
@@ -211,7 +211,7 @@ def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], 
 
 
 def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.ndarray | None, pack_len: int
-                     ) -> RunBlock | TiledBlock | WorldBlock:  # fmt: skip
+                     ) -> RunBlock | SpanBlock:  # fmt: skip
     """:func:`layout_run_block` of ``P`` packs given their checked slot lengths back to back: ``lens`` int64
     ``[N]``, ``counts`` int64 ``[P]`` slots per pack (None: one pack)."""
     _check_pack_len(layout, cp_size, pack_len)
@@ -226,6 +226,8 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     if layout != "thd":
         raise ValueError(f"layout_run_block takes 'thd', 'balanced', 'tiled' or 'world' (the layouts that depend on "
                          f"the documents), got {layout!r}; use layout_runs")  # fmt: skip
+    if pack_len == 0:  # no tail to absorb (and no padding slot for an empty pack)
+        return head_tail_block(lens, counts, cp_size, pack_len)
     sizes = np.array([lens.shape[0]], dtype=np.int64) if counts is None else counts
     if sizes.min() == 0:  # an empty pack is one padding slot
         slots = [_absorb_tail(pack, pack_len) for pack in _per_pack(lens, counts)]

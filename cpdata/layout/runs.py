@@ -10,11 +10,10 @@ scattering. ``balanced`` deals its padding one token at a time after the runs (a
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "Table", "causal_work_of", "contiguous_runs", "segments", "stacked_rows"]
+__all__ = ["RunBlock", "RunTable", "Table", "contiguous_runs", "segments"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -51,36 +50,38 @@ def _per_pack(lens: np.ndarray, counts: np.ndarray | None) -> list[np.ndarray]:
     return [lens] if counts is None else np.split(lens, np.cumsum(counts)[:-1])
 
 
+def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Exclusive running sums of the rows of ``x`` int64 ``[k, N]`` restarted at every pack (int64 ``[k, N]``)
+    and each pack's totals (int64 ``[k, P]``); ``counts`` int64 ``[P]`` (None: one pack)."""
+    cs = np.zeros((x.shape[0], x.shape[1] + 1), dtype=np.int64)
+    np.cumsum(x, axis=1, out=cs[:, 1:])
+    if counts is None:
+        return cs[:, :-1], cs[:, -1:]
+    stops = counts.cumsum()
+    firsts = cs[:, stops - counts]
+    return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
+
+
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``)."""
+    """int64 ``[sum(sizes)]``: ``arange(s, s + n)`` of every ``(s, n)`` pair, concatenated (into ``out``: a
+    layout's row or inverse, whose ``arange`` is cached per length)."""
     offsets = sizes.cumsum()
     total = int(offsets[-1]) if offsets.size else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64) if out is None else out
-    return np.add((starts - offsets + sizes).repeat(sizes), np.arange(total, dtype=np.int64), out=out)
-
-
-def stacked_rows(table: Any) -> np.ndarray:
-    """int64 ``[cp, pack_len / cp]``: ``table.row(r)`` of every rank, written in place (any table with
-    ``cp_size``, ``pack_len`` and ``row(rank, out)``)."""
-    out = np.empty((table.cp_size, table.pack_len // table.cp_size), dtype=np.int64)
-    for r in range(table.cp_size):
-        table.row(r, out[r])
-    return out
+    steps = np.arange(total, dtype=np.int64) if out is None else _arange(total)
+    return np.add((starts - offsets + sizes).repeat(sizes), steps, out=out)
 
 
 class Table:
     """What every one-pack layout table derives from its ``lens`` (int64 ``[D]`` slot lengths, None without
-    documents) and ``row(rank, out)``."""
+    documents) and ``row(rank, out)``; its block (:class:`RunBlock`, :class:`~cpdata.layout.spans.SpanBlock`)
+    gives the packs' causal work."""
 
     __slots__ = ()
     lens: np.ndarray | None
-
-    @property
-    def doc(self) -> np.ndarray | None:
-        """int64 ``[D]``: the document of each table row (``arange(D)``); None without documents."""
-        lens = self.lens
-        return None if lens is None else _arange(lens.shape[0])
+    pack_len: int
+    cp_size: int
 
     @property
     def doc_starts(self) -> np.ndarray | None:
@@ -89,8 +90,11 @@ class Table:
         return None if lens is None else lens.cumsum() - lens
 
     def rows(self) -> np.ndarray:
-        """int64 ``[cp, local_len]``: every rank's row."""
-        return stacked_rows(self)
+        """int64 ``[cp, local_len]``: every rank's row, each written in place."""
+        out = np.empty((self.cp_size, self.pack_len // self.cp_size), dtype=np.int64)
+        for r in range(self.cp_size):
+            self.row(r, out[r])
+        return out
 
 
 class RunBlock:
@@ -142,11 +146,34 @@ class RunBlock:
         return [self.sizes.shape[0]] if self.counts is None else self.counts.tolist()
 
     def causal_work(self, real: np.ndarray) -> np.ndarray:
-        """float64 ``[P, cp]``: :meth:`RunTable.causal_work` of every pack (``real`` int64 ``[N]``)."""
-        assert self.ends is not None, "layout runs without documents"
-        if self.sizes.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
-            return np.zeros((1 if self.counts is None else self.counts.shape[0], self.cp_size), dtype=np.float64)
-        return causal_work_of(self.ends, self.ranks, real, self.counts, self.cp_size)
+        """float64 ``[P, cp]``: causal document-masked attention work of each rank of every pack (``real`` int64
+        ``[N]``; with documents). A real token at offset ``o`` attends to ``o + 1`` keys, so a run costs
+        ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length): integers,
+        doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
+        ends, ranks, counts, cp_size = self.ends, self.ranks, self.counts, self.cp_size
+        assert ends is not None, "layout runs without documents"
+        n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
+        if ends.shape[0] == 0:  # (with one pack; a block of several has documents or [N, G] ranks)
+            return np.zeros((n_packs, cp_size), dtype=np.float64)
+        ends = np.minimum(ends, _per_run(real, g))
+        twice = ends + 1
+        twice *= ends  # 2 W(end) [N, G]
+        if ranks.ndim == 1:
+            if counts is None:
+                twice = twice.sum(axis=0, keepdims=True)
+            else:
+                twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
+            keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
+        elif counts is None:
+            keys = ranks
+        else:
+            keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
+        flat = twice.reshape(-1)
+        cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
+        np.subtract(flat[1:], flat[:-1], out=cost[1:])
+        cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
+        work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
+        return (work / 2).reshape(n_packs, cp_size)
 
 
 class RunTable(Table):
@@ -202,45 +229,6 @@ class RunTable(Table):
         if self.tail:
             np.add(_dealt(cp, p // cp)[self.dealt : self.dealt + self.tail], (n - self.dealt) // cp, out=out[n:])
         return out
-
-    def causal_work(self, real_lens: np.ndarray) -> np.ndarray:
-        """float64 ``[cp]``: :func:`causal_work_of` this pack (``real_lens`` int64 ``[>= D]``; needs documents)."""
-        ends = self.block.ends
-        assert ends is not None, "layout runs without documents"
-        d = self.hi - self.lo
-        if d == 0:
-            return np.zeros(self.cp_size, dtype=np.float64)
-        real = np.asarray(real_lens, dtype=np.int64)[:d]
-        ranks = self.block.ranks if self.block.ranks.ndim == 1 else self.block.ranks[self.lo : self.hi]
-        return causal_work_of(ends[self.lo : self.hi], ranks, real, None, self.cp_size)[0]
-
-
-def causal_work_of(ends: np.ndarray, ranks: np.ndarray, real: np.ndarray, counts: np.ndarray | None,
-                   cp_size: int) -> np.ndarray:  # fmt: skip
-    """float64 ``[P, cp]``: causal document-masked attention work of each rank of ``P`` packs (``ends``, ``ranks``,
-    ``counts``: a :class:`RunBlock`'s; ``real`` int64 ``[N]``). A real token at offset ``o`` attends to ``o + 1``
-    keys, so a run costs ``W(end) - W(previous end)``, ``W(e) = e(e + 1) / 2`` (ends clipped to the real length):
-    integers, doubled, summed exactly by one ``bincount`` over ``pack * cp + rank``."""
-    n_packs, g = (1 if counts is None else counts.shape[0]), ends.shape[1]
-    ends = np.minimum(ends, _per_run(real, g))
-    twice = ends + 1
-    twice *= ends  # 2 W(end) [N, G]
-    if ranks.ndim == 1:
-        if counts is None:
-            twice = twice.sum(axis=0, keepdims=True)
-        else:
-            twice = np.add.reduceat(twice, np.cumsum(counts) - counts, axis=0)  # [P, G]
-        keys = ranks if counts is None else _arange(n_packs, cp_size)[:, None] + ranks
-    elif counts is None:
-        keys = ranks
-    else:
-        keys = _arange(n_packs, cp_size).repeat(counts * g).reshape(-1, g) + ranks
-    flat = twice.reshape(-1)
-    cost = np.empty_like(flat)  # a run's 2 W(end) minus its row predecessor's
-    np.subtract(flat[1:], flat[:-1], out=cost[1:])
-    cost[:: twice.shape[1]] = twice[:, 0]  # each row's first run has none
-    work = np.bincount(keys.reshape(-1), cost, minlength=n_packs * cp_size)  # keys: twice's shape
-    return (work / 2).reshape(n_packs, cp_size)
 
 
 @functools.lru_cache(maxsize=16)

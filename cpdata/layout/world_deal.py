@@ -2,9 +2,8 @@
 
 Every rank owns exactly ``L = S / W`` positions of the ``S``-token pack (``W`` ranks, ``node_size`` per node).
 
-0. *Plan*: a pack the world packer made is replayed from its slot lengths (:func:`~cpdata.layout.world_plan.
-   plan_runs`): documents of at most ``L`` tokens whole, longer ones over ``ceil(s / L)`` consecutive ranks
-   of one node; nothing else is cut.
+0. *Plan*: a pack the world packer made is replayed from its slot lengths, nothing cut
+   (:func:`~cpdata.layout.world_plan.plan_runs`).
 
 Any other pack is dealt by steps 1-3; the per-document CP degree comes out of the deal:
 
@@ -24,13 +23,13 @@ measures the real ones (:func:`cpdata.layout.tiles.exchange_tiles`) and the cost
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import math
 
 import numpy as np
 
 from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
-from cpdata.layout.world_plan import grid_tiles, plan_runs, thd_chunks
+from cpdata.layout.world_plan import WorldBins, grid_tiles, plan_runs
 
 __all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
 
@@ -99,60 +98,39 @@ def _spread(s: int, t: float, fraction: float, share: float, local: int, tile: i
     return fraction < 1.0 and s >= max(MIN_SPREAD * local, 4 * tile) and t > fraction * share
 
 
-def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, fraction: float, local: int,
-          world: int, node_size: int, tile: int, cost: WorldCost
-          ) -> tuple[list[tuple[int, int, int]], list[float], list[int]]:  # fmt: skip
-    """Steps 1-2 with the documents :func:`_spread` picks at ``fraction`` spread: ``(runs, loads, rooms)``."""
-    room, load = [local] * world, [0.0] * world
+def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float, spread: tuple[int, ...],
+          local: int, world: int, node_size: int, tile: int, cost: WorldCost
+          ) -> tuple[list[tuple[int, int, int]], list[float]]:  # fmt: skip
+    """Steps 1-2 with the documents ``spread`` spread (the rest whole): ``(runs, loads)``."""
+    bins = WorldBins(local, world, node_size, tile)
     runs: list[tuple[int, int, int]] = []  # (global start, length, rank)
-    spread = [d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile)]
-    spread.sort(key=lambda d: -lens[d])
     leftover: list[int] = []
-    for d in spread:
-        s, t = lens[d], alone[d]
-        c = _degree(s, t, local, share, cost, node_size, world)
+    for d in sorted(spread, key=lambda d: -lens[d]):
+        s = lens[d]
+        c = _degree(s, alone[d], local, share, cost, node_size, world)
         ranks = None
         while c <= world:
-            ranks = _pick(c, -(-s // c), room, load, node_size)
+            ranks = _pick(c, -(-s // c), bins.room, bins.load, node_size)
             if ranks is not None:
                 break
             c += 1
         if ranks is None:
             leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
             continue
-        chunk = thd_chunks(s, c)
-        at = offsets[d]
-        starts = [at + x for x in np.cumsum([0, *chunk[:-1]]).tolist()]
-        for i, r in enumerate(ranks):
-            for j in (i, 2 * c - 1 - i):
-                if chunk[j]:
-                    runs.append((starts[j], chunk[j], r))
-                    room[r] -= chunk[j]
-            load[r] += t / c
-    whole = [d for d, s in enumerate(lens) if s > 0 and not _spread(s, alone[d], fraction, share, local, tile)]
+        runs += [(offsets[d] + o, n, r) for o, n, r in bins.take_thd(s, ranks)]
+    chosen = set(spread)
+    whole = [d for d, s in enumerate(lens) if s > 0 and d not in chosen]
     whole.sort(key=lambda d: (-alone[d], -lens[d]))
-    heap = [(load[r], r) for r in range(world)]
-    heapq.heapify(heap)
     for d in whole:
-        s, aside, placed = lens[d], [], False
-        while heap:
-            item = heapq.heappop(heap)
-            r = item[1]
-            if room[r] >= s:
-                runs.append((offsets[d], s, r))
-                room[r] -= s
-                load[r] += alone[d]
-                heapq.heappush(heap, (load[r], r))
-                placed = True
-                break
-            aside.append(item)
-        for item in aside:
-            heapq.heappush(heap, item)
-        if not placed:
+        if lens[d] > bins.max_room:
             leftover.append(d)
+            continue
+        r = bins.least_loaded(lens[d])
+        bins.take(r, lens[d], alone[d])
+        runs.append((offsets[d], lens[d], r))
     for d in leftover:  # cut over the ranks with most room, one node first
-        _cut(offsets[d], lens[d], room, load, runs, node_size, tile)
-    return runs, load, room
+        _cut(offsets[d], lens[d], bins, runs)
+    return runs, bins.load
 
 
 def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int, tile: int = 128,
@@ -168,22 +146,19 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     if planned is not None:  # the world packer's plan: nothing cut
         return _with_pad(planned, int(slot_lens.sum()), local, world)
     lens = slot_lens.tolist()
-    offsets = [0] * len(lens)
-    acc = 0
-    for d, s in enumerate(lens):
-        offsets[d], acc = acc, acc + s
-    real_end = acc
+    offsets = list(itertools.accumulate(lens, initial=0))
+    real_end = offsets[-1]
     alone = [grid_tiles(s, tile) for s in lens]
     total = sum(alone) + (pack_len - real_end) // tile
     share = total / world
     best = None
     seen: set[tuple[int, ...]] = set()
     for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
-        key = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
-        if key in seen:
+        spread = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
+        if spread in seen:
             continue
-        seen.add(key)
-        runs, load, _ = _deal(lens, offsets, alone, share, fraction, local, world, node_size, tile, cost)
+        seen.add(spread)
+        runs, load = _deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
         if best is None or max(load) < best[0]:
             best = (max(load), runs)
     assert best is not None
@@ -206,10 +181,10 @@ def _with_pad(runs: list[tuple[int, int, int]], real_end: int, local: int, world
     return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()
 
 
-def _cut(start: int, s: int, room: list[int], load: list[float], runs: list[tuple[int, int, int]],
-         node_size: int, tile: int) -> None:  # fmt: skip
+def _cut(start: int, s: int, bins: WorldBins, runs: list[tuple[int, int, int]]) -> None:
     """Cut ``s`` tokens from ``start`` into pieces over the least loaded ranks with room, the first piece's node
     first, each later piece on a rank that needs the earlier ones' keys."""
+    room, load, node_size = bins.room, bins.load, bins.node_size
     open_ranks = [r for r in range(len(room)) if room[r] > 0]
     first = min(open_ranks, key=lambda r: (load[r], -room[r]))
     order = sorted(open_ranks, key=lambda r: (r // node_size != first // node_size, load[r], -room[r]))
@@ -219,8 +194,6 @@ def _cut(start: int, s: int, room: list[int], load: list[float], runs: list[tupl
             break
         take = min(room[r], s - done)
         runs.append((start + done, take, r))
-        room[r] -= take
-        end = done + take
-        load[r] += grid_tiles(end, tile) - grid_tiles(done, tile)
-        done = end
+        bins.take(r, take, grid_tiles(done + take, bins.tile) - grid_tiles(done, bins.tile))
+        done += take
     assert done == s, "the pack holds more tokens than its ranks"

@@ -6,20 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_runs
-from cpdata.layout.world import WorldTable
+from cpdata.layout.spans import SpanTable
 
 __all__ = ["node_recv", "world_exchange"]
 
 
-def world_exchange(table: WorldTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
+def world_exchange(table: SpanTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
     """The K/V exchange plan of one pack's deal, from its runs (no pass over the tokens); ``real_lens`` int64
     ``[D]`` (None: the slots are all real, the pack's tail is padding)."""
-    lens = table.slot_lens
-    starts = np.concatenate([[0], lens.cumsum()[:-1]]).astype(np.int64) if lens.shape[0] else np.zeros(1, np.int64)
+    lens = table.lens
+    starts = table.doc_starts if lens.shape[0] else np.zeros(1, np.int64)
     real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)
     ends = starts + real if lens.shape[0] else starts
-    return exchange_plan_of_runs(table.starts, table.owners, table.local_starts, cp_size=table.cp_size,
-                                 local_len=table.pack_len // table.cp_size, slot_starts=starts,
+    local = table.pack_len // table.cp_size
+    return exchange_plan_of_runs(*table.spans(), cp_size=table.cp_size, local_len=local, slot_starts=starts,
                                  real_ends=ends)  # fmt: skip
 
 

@@ -20,6 +20,7 @@ world``).
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import numpy as np
 
@@ -45,7 +46,8 @@ def grid_tiles(length: int, tile: int) -> float:
 
 class WorldBins:
     """``world`` per-rank bins of ``local`` tokens (``node_size`` ranks per node); :meth:`place` adds one
-    document and records its runs ``(offset in the document, length, rank)``."""
+    document and records its runs ``(offset in the document, length, rank)``; the ``world`` deal
+    (:func:`~cpdata.layout.world_deal.world_runs`) keeps its ranks' room and load in one too."""
 
     __slots__ = ("local", "world", "node_size", "tile", "room", "load", "max_room", "total_room", "_heap", "_version")
 
@@ -64,8 +66,8 @@ class WorldBins:
         if s <= self.local:  # whole, or not in this micro-batch
             if s > self.max_room:
                 return None
-            best = self._least_loaded(s)
-            self._take(best, s, grid_tiles(s, self.tile))
+            best = self.least_loaded(s)
+            self.take(best, s, grid_tiles(s, self.tile))
             return [(0, s, best)] if s else []
         if s > self.total_room:
             return None
@@ -93,19 +95,24 @@ class WorldBins:
             load = sum(self.load[a : a + c])
             if best < 0 or load < best_load:
                 best, best_load = a, load
-        if best < 0:
-            return None
+        return None if best < 0 else self.take_thd(s, list(range(best, best + c)))
+
+    def take_thd(self, s: int, ranks: list[int]) -> list[tuple[int, int, int]]:
+        """Take a document of ``s`` tokens over the ``c`` ``ranks`` in TE THD's ``2c`` chunks (the ``i``-th rank:
+        chunks ``i`` and ``2c - 1 - i``, and ``1 / c`` of its tiles); its runs ``(offset, length, rank)``."""
+        c = len(ranks)
+        chunk = thd_chunks(s, c)
         starts = np.cumsum([0, *chunk[:-1]]).tolist()
         share = grid_tiles(s, self.tile) / c
         runs = []
-        for i in range(c):
+        for i, r in enumerate(ranks):
             for j in (i, 2 * c - 1 - i):
                 if chunk[j]:
-                    runs.append((starts[j], chunk[j], best + i))
-            self._take(best + i, need[i], share)
+                    runs.append((starts[j], chunk[j], r))
+            self.take(r, chunk[i] + chunk[2 * c - 1 - i], share)
         return runs
 
-    def _least_loaded(self, s: int) -> int:
+    def least_loaded(self, s: int) -> int:
         """The least loaded rank (ties: the lowest) with room for ``s`` tokens (one exists: ``s <= max_room``).
         A heap of ``(load, rank, version)``; an entry whose version is not the rank's is stale."""
         aside = []
@@ -122,7 +129,8 @@ class WorldBins:
             heapq.heappush(heap, entry)
         return r
 
-    def _take(self, r: int, s: int, tiles: float) -> None:
+    def take(self, r: int, s: int, tiles: float) -> None:
+        """Give rank ``r`` ``s`` tokens costing ``tiles``."""
         full = self.room[r] == self.max_room
         self.room[r] -= s
         self.total_room -= s
@@ -142,7 +150,7 @@ def plan_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int, 
     slot order, as the packer placed them.
     """
     lens = slot_lens.tolist()
-    offsets = np.concatenate([[0], np.cumsum(slot_lens)[:-1]]).tolist() if lens else []
+    offsets = list(itertools.accumulate(lens, initial=0))
     bins = WorldBins(pack_len // world, world, node_size, tile)
     runs: list[tuple[int, int, int]] = []
     for d in sorted(range(len(lens)), key=lambda d: -lens[d]):

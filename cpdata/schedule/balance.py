@@ -11,6 +11,8 @@ short last step. Pieces that fit nowhere are returned unplaced.
 
 from __future__ import annotations
 
+from bisect import insort
+
 import numpy as np
 
 from cpdata.schedule.fill import fill_cells, first_fit
@@ -136,20 +138,10 @@ def place_step(
             m = best // R
             if load_l[best] > smax_l[m]:
                 smax_l[m] = load_l[best]
-            cells_m = by_load[m]  # ``best`` got heavier: move it right to keep (load, cell) order
-            j = cells_m.index(best)
-            if room_l[best] < min_b:
-                del cells_m[j]
-            else:
-                lb, last = load_l[best], len(cells_m) - 1
-                while j < last:
-                    nxt = cells_m[j + 1]
-                    ln = load_l[nxt]
-                    if ln > lb or (ln == lb and nxt > best):
-                        break
-                    cells_m[j] = nxt
-                    j += 1
-                cells_m[j] = best
+            cells_m = by_load[m]  # ``best`` got heavier: placed again in (load, cell) order
+            cells_m.remove(best)
+            if room_l[best] >= min_b:
+                insort(cells_m, best, key=lambda c: (load_l[c], c))
             gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf
     if placed_i:
         cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)

@@ -67,17 +67,6 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
     return None
 
 
-def _remove_size(counts: dict[int, int], distinct: list[int], size: int) -> None:
-    """Count one filler of ``size`` out of ``counts`` (size -> fillers left), and out of the sorted
-    ``distinct`` sizes when it was the last of its size."""
-    n_size = counts[size] - 1
-    if n_size:
-        counts[size] = n_size
-    else:
-        del counts[size]
-        del distinct[bisect_left(distinct, size)]
-
-
 def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
     """Phase C, the lists updated in place: in rounds, each cell (largest gap below its slot's costliest first)
     takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
@@ -92,7 +81,11 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     placed_c: list[int] = []
 
     def place(c: int, i: int, size: int) -> None:
-        _remove_size(counts, distinct, size)
+        if counts[size] > 1:  # count it out, and out of ``distinct`` when it was the last of its size
+            counts[size] -= 1
+        else:
+            del counts[size]
+            del distinct[bisect_left(distinct, size)]
         room_l[c] -= size
         placed_i.append(i)
         placed_c.append(c)

@@ -16,6 +16,7 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.packing import PackingConfig, plan_lengths
+from cpdata.packing.offline import _as_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
@@ -32,18 +33,6 @@ REFILLS = 3
 """Extra intake rounds of a step whose pool left outliers waiting (and so room)."""
 REFILL_SHARE = 200
 """A refill round runs while more than ``1 / REFILL_SHARE`` of the step's tokens is free."""
-
-
-def _lengths(lengths: object) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise TypeError(f"lengths must be a 1-D integer array of tokens per document, got dtype {arr.dtype} "
-                        f"shape {arr.shape}")  # fmt: skip
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and int(arr.min()) < 0:
-        bad = int(arr.argmin())
-        raise ValueError(f"lengths must be >= 0, document {bad} has length {int(arr[bad])}")
-    return arr
 
 
 def plan_schedule(
@@ -72,15 +61,16 @@ def plan_schedule(
     epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: return the token plan
     when its :func:`padded_epoch_cost` is lower (the delay bound then holds only for the balanced schedule).
     """
-    lengths = _lengths(lengths)
+    lengths = _as_lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
     max_delay, epoch = check_int("max_delay", max_delay, min=0), check_int("epoch", epoch, min=0)
     if tail not in TAIL_POLICIES:
         raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a cpdata.schedule.CostModel or None, got {type(cost).__name__}")
-    if not isinstance(shuffle, bool):
-        raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
+    for name, flag in (("shuffle", shuffle), ("fallback", fallback)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     if cost is not None and algorithm == "concat":
         raise ValueError("algorithm='concat' cuts documents at pack boundaries and cannot be balanced; "
                          "use cost=None with concat, or another algorithm")  # fmt: skip
@@ -88,8 +78,6 @@ def plan_schedule(
                                    overflow=overflow, seed=seed)  # fmt: skip
     order = (np.random.default_rng((config.seed, epoch)).permutation(lengths.shape[0]) if shuffle
              else np.arange(lengths.shape[0], dtype=np.int64))  # fmt: skip
-    if not isinstance(fallback, bool):
-        raise TypeError(f"fallback must be a bool, got {fallback!r}")
     plans = [] if cost is None else [_balanced(lengths[order], config, R, M, cost, max_delay)]
     if cost is None or fallback:
         plans.append(_in_order(lengths[order], config))

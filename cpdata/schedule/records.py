@@ -1,4 +1,9 @@
-"""The schedule record: packs by (step, DP rank, micro-batch), in CSR form, and its counters."""
+"""The schedule record: packs by (step, DP rank, micro-batch), in CSR form, its counters and its imbalance.
+
+With pack costs ``c[r, m]``: ``imb_step = max_r sum_m c / mean_r sum_m c - 1`` (DDP: one sync per step) and
+``imb_mb = sum_m max_r c / sum_m mean_r c - 1`` (FSDP / ZeRO-3 / pipeline: a sync per micro-batch);
+``imb_mb >= imb_step``, both 0 when balanced (the figures ``cpdata bench`` reports).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,8 @@ import numpy as np
 
 from cpdata.packing import PackingConfig, PackingResult, PackingStats
 from cpdata.schedule.cost import CostModel
-from cpdata.schedule.metrics import imbalance
 
-__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble"]
+__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble", "imbalance"]
 
 COUNTS: tuple[str, ...] = ("documents", "skipped", "split", "truncated", "dropped", "truncated_tokens",
                            "dropped_tokens")  # fmt: skip
@@ -20,6 +24,20 @@ TAIL_POLICIES: tuple[str, ...] = ("pad", "drop")
 """The last step when the documents do not fill it: ``pad`` (default) keeps it, its packs with no document all
 padding (labels -100; ``ScheduleStats.empty_packs``); ``drop`` leaves it out when it holds an empty pack
 (``tail_dropped_pieces`` / ``tail_dropped_tokens``)."""
+
+
+def imbalance(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(imb_step, imb_mb)``, float64 ``[steps]`` each, from costs ``[steps, dp_size, micro_batches]`` (a step
+    that costs nothing: 0)."""
+    c = np.asarray(costs, dtype=np.float64)
+    if c.ndim != 3:
+        raise ValueError(f"costs must be [steps, dp_size, micro_batches], got shape {c.shape}")
+    per_rank = c.sum(axis=2)
+    mean = per_rank.mean(axis=1)
+    safe = np.where(mean > 0, mean, 1.0)
+    imb_step = np.where(mean > 0, per_rank.max(axis=1) / safe - 1.0, 0.0)
+    imb_mb = np.where(mean > 0, c.max(axis=1).sum(axis=1) / safe - 1.0, 0.0)
+    return imb_step, imb_mb
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,7 +71,7 @@ class ScheduleStats:
     """``delay_counts[k]``: pieces placed ``k`` steps after the step that took them from the stream (the bound:
     :func:`~cpdata.schedule.plan_schedule`)."""
     imb_step_mean: float
-    """Mean over steps of :func:`~cpdata.schedule.metrics.imbalance`'s ``imb_step`` (0 without a cost model)."""
+    """Mean over steps of :func:`imbalance`'s ``imb_step`` (0 without a cost model)."""
     imb_mb_mean: float
 
     @property
@@ -135,7 +153,7 @@ class Schedule:
         return sums.reshape(self.num_steps, self.dp_size, self.micro_batches)
 
     def imbalance(self, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
-        """``(imb_step, imb_mb)`` per step under ``cost`` (see :mod:`cpdata.schedule.metrics`)."""
+        """``(imb_step, imb_mb)`` per step under ``cost`` (:func:`imbalance`)."""
         return imbalance(self.pack_costs(cost))
 
     def as_packing_result(self) -> PackingResult:
