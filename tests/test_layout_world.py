@@ -228,3 +228,21 @@ def test_the_world_packer_plans_packs_the_deal_follows_without_cutting(name, wor
         assert all(intra[r] + inter[r] == 0 for r in range(world) if r not in spread)  # whole ones receive none
         assert (intra + inter).sum() > 0 or not spread
     assert long_seen > 0 or name == "ultrachat"
+
+
+def test_the_exchange_plan_of_a_pack_with_empty_slots_equals_the_one_without_them():
+    import numpy as np
+
+    from cpdata.layout.maps import layout_runs, layout_spec
+    from cpdata.layout.tiles import kv_recv_tokens
+    from cpdata.layout.world_keys import world_exchange
+
+    spec, world, capacity = layout_spec("world", node_size=2), 4, 4 * 4096
+    with_empty = np.array([0, 3000, 0, 500, 9000, 0])
+    table = layout_runs(spec, world, with_empty, capacity, checked=True)
+    plan = world_exchange(table)
+    counts = plan.recv_counts().sum(axis=1)
+    assert counts.sum() > 0, "the 9000-token document spans ranks: some keys move"
+    assert counts.tolist() == kv_recv_tokens(table.rows(), with_empty, capacity).tolist()
+    empty_pack = layout_runs(spec, world, np.array([0, 0]), capacity, checked=True)
+    assert world_exchange(empty_pack).recv_counts().sum() == 0

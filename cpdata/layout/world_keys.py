@@ -13,11 +13,13 @@ __all__ = ["node_recv", "world_exchange"]
 
 def world_exchange(table: SpanTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
     """The K/V exchange plan of one pack's deal, from its runs (no pass over the tokens); ``real_lens`` int64
-    ``[D]`` (None: the slots are all real, the pack's tail is padding)."""
+    ``[D]`` (None: the slots are all real, the pack's tail is padding). Empty slots hold no key: left out."""
     lens = table.lens
-    starts = table.doc_starts if lens.shape[0] else np.zeros(1, np.int64)
-    real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)
-    ends = starts + real if lens.shape[0] else starts
+    real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)[: lens.shape[0]]
+    kept = lens > 0
+    starts, ends = table.doc_starts[kept], (table.doc_starts + real)[kept]
+    if not starts.shape[0]:
+        starts = ends = np.zeros(1, np.int64)
     local = table.pack_len // table.cp_size
     return exchange_plan_of_runs(*table.spans(), cp_size=table.cp_size, local_len=local, slot_starts=starts,
                                  real_ends=ends)  # fmt: skip
