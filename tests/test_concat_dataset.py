@@ -105,3 +105,19 @@ def test_shards_declaring_different_label_conventions_are_refused(tmp_path):
     same = open_dataset([tmp_path / "hf", tmp_path / "plain_text_document", tmp_path / "hf"])
     assert same.labels_alignment == "inputs"  # a part without labels takes the others' convention
     assert open_dataset([tmp_path / "plain_text_document"] * 2).labels_alignment is None
+
+
+def test_a_part_with_labels_and_no_declared_convention_beside_a_declared_one_is_refused(tmp_path):
+    """Its labels could be either convention: taking the declared part's would shift them silently."""
+    rng = np.random.default_rng(6)
+    ids = [rng.integers(3, 500, 20) for _ in range(4)]
+    write_token_store([{"input_ids": x, "labels": np.append(x[1:], -100)} for x in ids[:2]], tmp_path / "mg",
+                      vocab_size=500, labels_alignment="targets")  # fmt: skip
+    (tmp_path / "hf.jsonl").write_text("".join(json.dumps({"input_ids": x.tolist(), "labels": x.tolist()}) + "\n"
+                                               for x in ids[2:]))  # fmt: skip
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"input_ids": x.tolist()}) + "\n" for x in ids[2:]))
+    with pytest.raises(ValueError, match=r"parts \[1\] \(.*hf.jsonl\) carry labels or loss masks but declare no "
+                                         r"labels_alignment, while parts \[0\] declare 'targets'"):
+        open_dataset([tmp_path / "mg", tmp_path / "hf.jsonl"])
+    assert open_dataset([tmp_path / "mg", tmp_path / "plain.jsonl"]).labels_alignment == "targets"  # no labels
+    assert open_dataset([tmp_path / "hf.jsonl", tmp_path / "plain.jsonl"]).labels_alignment is None  # none declared

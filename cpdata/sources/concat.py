@@ -18,6 +18,7 @@ import numpy as np
 from cpdata.errors import naming_parts
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.protocol import declared_labels
+from cpdata.worker.targets import TARGET_KEYS
 
 __all__ = ["ConcatDataset"]
 
@@ -98,5 +99,15 @@ def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
             f"open_dataset([...]): {named}; one dataset reads every label under one convention: rewrite one "
             "side's labels in the other convention (shift them by one token) before concatenating, or train on "
             "them as separate sources"
+        )
+    unsaid = [k for k, part in enumerate(parts)
+              if declared_labels(part) is None and part.per_token_keys & set(TARGET_KEYS)]  # fmt: skip
+    if declared and unsaid:
+        raise ValueError(
+            f"open_dataset([...]): parts {unsaid} ({', '.join(str(parts[k].path) for k in unsaid[:2])}) carry "
+            f"labels or loss masks but declare no labels_alignment, while parts {next(iter(declared.values()))} "
+            f"declare {next(iter(declared))!r}; reading theirs under that convention could shift them by one "
+            "token: write them as a token store that declares theirs (write_token_store(..., "
+            "labels_alignment=...)), or train on them as separate sources"
         )
     return next(iter(declared), None)
