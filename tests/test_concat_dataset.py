@@ -99,7 +99,7 @@ def test_shards_declaring_different_label_conventions_are_refused(tmp_path):
     write_token_store(hf, tmp_path / "hf", vocab_size=500, labels_alignment="inputs")
     write_token_store(megatron, tmp_path / "mg", vocab_size=500, labels_alignment="targets")
     write_megatron(_docs(5, 1), tmp_path / "plain_text_document", vocab_size=500)  # no labels, no convention
-    with pytest.raises(ValueError, match=r"parts \[0\] .*hf.* declare labels_alignment='inputs'; parts \[1\] .*mg.* "
+    with pytest.raises(ValueError, match=r"part 0 .*hf.* declare labels_alignment='inputs'; part 1 .*mg.* "
                                          r"declare labels_alignment='targets'.*shift them by one token"):
         open_dataset([tmp_path / "hf", tmp_path / "mg"])
     same = open_dataset([tmp_path / "hf", tmp_path / "plain_text_document", tmp_path / "hf"])
@@ -116,8 +116,8 @@ def test_a_part_with_labels_and_no_declared_convention_beside_a_declared_one_is_
     (tmp_path / "hf.jsonl").write_text("".join(json.dumps({"input_ids": x.tolist(), "labels": x.tolist()}) + "\n"
                                                for x in ids[2:]))  # fmt: skip
     (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"input_ids": x.tolist()}) + "\n" for x in ids[2:]))
-    with pytest.raises(ValueError, match=r"parts \[1\] \(.*hf.jsonl\) carry labels or loss masks but declare no "
-                                         r"labels_alignment, while parts \[0\] declare 'targets'"):
+    with pytest.raises(ValueError, match=r"part 1 \(.*hf.jsonl\) may carry labels or loss masks but declare no "
+                                         r"labels_alignment, while part 0 \(.*mg\) declare labels_alignment='targets'"):
         open_dataset([tmp_path / "mg", tmp_path / "hf.jsonl"])
     assert open_dataset([tmp_path / "mg", tmp_path / "plain.jsonl"]).labels_alignment == "targets"  # no labels
     assert open_dataset([tmp_path / "hf.jsonl", tmp_path / "plain.jsonl"]).labels_alignment is None  # none declared

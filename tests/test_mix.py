@@ -302,9 +302,17 @@ def test_declared_alignments_must_agree():
 
     m = mix({"a": Declared(_docs(3), "inputs"), "b": Declared(_docs(3), "inputs")}, {"a": 1, "b": 1})
     assert m.labels_alignment == "inputs"
-    assert mix({"a": Declared(_docs(3), "inputs"), "b": _docs(3)}, {"a": 1, "b": 1}).labels_alignment is None
-    with pytest.raises(ValueError, match="declare different labels_alignment values"):
+    assert not any("labels" in d for d in _docs(3))
+    # a source carrying no labels takes the declared convention; none declared: the caller says
+    assert mix({"a": Declared(_docs(3), "inputs"), "b": _docs(3)}, {"a": 1, "b": 1}).labels_alignment == "inputs"
+    assert mix({"a": _docs(3), "b": _docs(3)}, {"a": 1, "b": 1}).labels_alignment is None
+    with pytest.raises(ValueError, match="mix source 'a' declare labels_alignment='inputs'; mix source 'b' declare "
+                                         "labels_alignment='targets'; one pipeline reads every label under one"):
         mix({"a": Declared(_docs(3), "inputs"), "b": Declared(_docs(3), "targets")}, {"a": 1, "b": 1})
+    labelled = [{**d, "labels": d["input_ids"]} for d in _docs(3)]  # either convention: nothing says which
+    with pytest.raises(ValueError, match="mix source 'b' may carry labels or loss masks but declare no "
+                                         "labels_alignment, while mix source 'a' declare labels_alignment='targets'"):
+        mix({"a": Declared(_docs(3), "targets"), "b": labelled}, {"a": 1, "b": 1})
 
 
 def _write(path, docs):
@@ -438,7 +446,7 @@ def test_a_tokenize_node_and_a_hugging_face_dataset_mix():
     texts = ["the quick brown fox", "hello there, how can i help you today?", "two plus three is five."]
     hf = datasets.Dataset.from_dict({"input_ids": [tok(t)["input_ids"] for t in texts]})
     m = mix({"chat": chats, "hf": hf}, {"chat": 1, "hf": 1}, stop="all_exhausted", seed=3)
-    assert m.labels_alignment is None, "only one source declares an alignment: the caller says it"
+    assert m.labels_alignment == "inputs", "the Dataset carries no labels: it takes the chat source's convention"
     (batch,) = [b.tensors() for b in _run(shard_graph(m, GraphOptions(capacity=512, cp_size=1, layout="identity", data=DataPolicy(labels_alignment="inputs"))))]  # fmt: skip
     counts = m.counts
     assert counts["chat"]["documents"] >= 3 and counts["hf"]["documents"] >= 3

@@ -18,7 +18,7 @@ import numpy as np
 from cpdata.errors import naming_parts
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.protocol import declared_labels
-from cpdata.worker.targets import TARGET_KEYS
+from cpdata.worker.targets import TARGET_KEYS, agreed_alignment
 
 __all__ = ["ConcatDataset"]
 
@@ -85,29 +85,10 @@ class ConcatDataset(TokenizedDataset):
 
 
 def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
-    """The ``labels_alignment`` the parts declare; different ones are refused (one convention per pipeline)."""
-    declared: dict[str, list[int]] = {}
-    for k, part in enumerate(parts):
-        alignment = declared_labels(part)
-        if alignment is not None:
-            declared.setdefault(alignment, []).append(k)
-    if len(declared) > 1:
-        named = "; ".join(f"parts {ks} ({', '.join(str(parts[k].path) for k in ks[:2])}"
-                          f"{', ...' if len(ks) > 2 else ''}) declare labels_alignment={a!r}"
-                          for a, ks in declared.items())  # fmt: skip
-        raise ValueError(
-            f"open_dataset([...]): {named}; one dataset reads every label under one convention: rewrite one "
-            "side's labels in the other convention (shift them by one token) before concatenating, or train on "
-            "them as separate sources"
-        )
-    unsaid = [k for k, part in enumerate(parts)
-              if declared_labels(part) is None and part.per_token_keys & set(TARGET_KEYS)]  # fmt: skip
-    if declared and unsaid:
-        raise ValueError(
-            f"open_dataset([...]): parts {unsaid} ({', '.join(str(parts[k].path) for k in unsaid[:2])}) carry "
-            f"labels or loss masks but declare no labels_alignment, while parts {next(iter(declared.values()))} "
-            f"declare {next(iter(declared))!r}; reading theirs under that convention could shift them by one "
-            "token: write them as a token store that declares theirs (write_token_store(..., "
-            "labels_alignment=...)), or train on them as separate sources"
-        )
-    return next(iter(declared), None)
+    """The ``labels_alignment`` the parts declare (:func:`cpdata.worker.targets.agreed_alignment`)."""
+    named = [(f"part {k} ({part.path})", declared_labels(part), bool(part.per_token_keys & set(TARGET_KEYS)))
+             for k, part in enumerate(parts)]  # fmt: skip
+    return agreed_alignment("open_dataset([...])", named, "rewrite one side's labels in the other convention "
+                            "(shift them by one token) or write them as a token store that declares theirs "
+                            "(write_token_store(..., labels_alignment=...)) before concatenating, or train on them "
+                            "as separate sources")  # fmt: skip

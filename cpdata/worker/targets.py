@@ -10,7 +10,7 @@ per document with labels or a mask, nothing otherwise."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,9 +19,9 @@ import numpy as np
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS, LOSS_MASK
 
 __all__ = ["ATTENTION_MASK", "CONVENTION_CHECK", "LABELS_ALIGNMENTS", "LabelsAlignment", "MASK_KEYS",
-           "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED", "check_labels_alignment", "check_unpadded",
-           "declared_alignment", "first_target", "missing_alignment_message", "piece_arrays", "to_targets",
-           "unchecked_alignment"]  # fmt: skip
+           "NO_TRAINED_TARGET", "TARGET_KEYS", "UNLABELED", "agreed_alignment", "check_labels_alignment",
+           "check_unpadded", "declared_alignment", "first_target", "missing_alignment_message",
+           "piece_arrays", "to_targets", "unchecked_alignment"]  # fmt: skip
 
 LabelsAlignment = Literal["inputs", "targets"]
 LABELS_ALIGNMENTS: tuple[str, ...] = ("inputs", "targets")
@@ -58,6 +58,26 @@ def declared_alignment(owner: str, labels_alignment: object, declared: object, s
             f"and masks it produces, but labels_alignment={given!r} was passed; drop the argument or pass {declared!r}"
         )
     return declared
+
+
+def agreed_alignment(owner: str, parts: Sequence[tuple[str, object, bool]], fix: str) -> LabelsAlignment | None:
+    """The one labels convention of several sources, ``parts`` as ``(name, declared, may_carry_labels)``: the
+    one declared (None when none is). Refused, naming the parts and ``fix``: two different ones, and a part
+    that may carry labels or masks but declares none beside declared ones (read under theirs, its labels could
+    be one token off; a part known to carry none takes theirs)."""
+    groups: dict[str, list[str]] = {}
+    for name, declared, _ in parts:
+        if (alignment := check_labels_alignment(declared)) is not None:
+            groups.setdefault(alignment, []).append(name)
+    said = "; ".join(f"{', '.join(names)} declare labels_alignment={a!r}" for a, names in groups.items())
+    if len(groups) > 1:
+        raise ValueError(f"{owner}: {said}; one pipeline reads every label under one convention: {fix}")
+    unsaid = [name for name, declared, labelled in parts if declared is None and labelled]
+    if groups and unsaid:
+        raise ValueError(f"{owner}: {', '.join(unsaid)} may carry labels or loss masks but declare no "
+                         f"labels_alignment, while {said}; read under that convention their labels could be one "
+                         f"token off: {fix}")  # fmt: skip
+    return next(iter(groups), None)  # type: ignore[return-value]
 
 
 class _Unchecked(str):
