@@ -49,6 +49,7 @@ __all__ = [
     "build_node",
     "close_loader",
     "closing_loader",
+    "delivered",
     "rank_node",
     "shard_graph",
 ]
@@ -110,6 +111,15 @@ def rank_node(collated: BaseNode, options: GraphOptions, cp_rank: int, delivery:
                         block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
 
 
+def delivered(node: BaseNode, delivery: Delivery) -> BaseNode:
+    """``node`` with ``delivery.prefetch`` batches prepared ahead in a thread (None: 2) and pinned as
+    ``delivery.pin_memory`` says (:func:`~cpdata.nodes.pin.maybe_pin`): the tail of every loader's graph."""
+    prefetch = 2 if delivery.prefetch is None else delivery.prefetch
+    if prefetch:
+        node = Prefetcher(node, prefetch_factor=prefetch)
+    return maybe_pin(node, pin_memory=delivery.pin_memory)
+
+
 def build_node(
     source: Any,
     *,
@@ -137,11 +147,7 @@ def build_node(
     check_records(delivery=delivery)
     options = GraphOptions(capacity=capacity, cp_size=cp_size, layout=layout, tile=tile, batch_size=batch_size,
                            qkv_format=qkv_format, padding_token_id=padding_token_id, plan=plan, data=data)  # fmt: skip
-    node: BaseNode = rank_node(shard_graph(source, options), options, cp_rank, delivery)
-    prefetch = 2 if delivery.prefetch is None else delivery.prefetch
-    if prefetch:
-        node = Prefetcher(node, prefetch_factor=prefetch)
-    return maybe_pin(node, pin_memory=delivery.pin_memory)
+    return delivered(rank_node(shard_graph(source, options), options, cp_rank, delivery), delivery)
 
 
 def build_loader(

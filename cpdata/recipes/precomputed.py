@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchdata.nodes import BaseNode, Prefetcher
+from torchdata.nodes import BaseNode
 
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.loader import ResumableLoader
+from cpdata.nodes.loader import ResumableLoader, delivered
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
-from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
 from cpdata.sources.base import TokenizedDataset
@@ -51,7 +50,4 @@ def build(
     node: BaseNode = Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
     node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout, block_size=delivery.block_size,
                         kv_exchange=delivery.kv_exchange)  # fmt: skip
-    prefetch = 2 if delivery.prefetch is None else delivery.prefetch
-    if prefetch:
-        node = Prefetcher(node, prefetch_factor=prefetch)
-    return ResumableLoader(maybe_pin(node, pin_memory=delivery.pin_memory))
+    return ResumableLoader(delivered(node, delivery))
