@@ -25,8 +25,8 @@ import numpy as np
 
 from cpdata.nodes.source_kinds import SourceReader
 from cpdata.sources.open import as_source
-from cpdata.sources.protocol import Carried, declared_labels
-from cpdata.worker.targets import TARGET_KEYS, agreed_alignment
+from cpdata.sources.protocol import carried_targets, declared_labels
+from cpdata.worker.targets import agreed_alignment
 
 __all__ = ["BLOCK", "BY", "Draws", "MixSource", "TokenClock", "check_weights", "declared_alignment", "document_tokens",
            "tie_ranks", "token_draw_order"]  # fmt: skip
@@ -65,21 +65,15 @@ def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dic
     return out
 
 
-def _may_carry_labels(source: Any) -> bool:
-    """Whether ``source``'s documents may hold labels or masks: its stated per-token keys
-    (:class:`~cpdata.sources.protocol.Carried`), an in-memory list's items, else assumed."""
-    if isinstance(source, Carried):
-        return bool(source.per_token_keys & set(TARGET_KEYS))
-    if isinstance(source, (list, tuple)):
-        return any(key in item for item in source if isinstance(item, Mapping) for key in TARGET_KEYS)
-    return True
-
-
 def declared_alignment(readers: Mapping[str, MixSource]) -> str | None:
     """The labels_alignment the sources declare (:func:`cpdata.worker.targets.agreed_alignment`); a source
     known to carry no labels or masks takes the others', any other undeclared source is refused beside declared
     ones."""
-    named = [(f"mix source {n!r}", declared_labels(r.source), _may_carry_labels(r.source)) for n, r in readers.items()]
+    named = []
+    for name, reader in readers.items():
+        carried = carried_targets(reader.source)  # None: only reading would tell, so it may carry labels
+        may_carry = carried is None or bool(carried)
+        named.append((f"mix source {name!r}", declared_labels(reader.source), may_carry))
     return agreed_alignment("mix", named, "convert one source's labels (shift them by one token) or declare "
                             "them (a token store written with write_token_store(..., labels_alignment=...)) "
                             "before mixing")  # fmt: skip

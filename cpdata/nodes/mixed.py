@@ -18,8 +18,7 @@ import numpy as np
 from cpdata.errors import check_int, naming_parts
 from cpdata.nodes.mix_readers import tie_ranks, token_draw_order
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.protocol import Carried, Checked, stated_lengths
-from cpdata.worker.targets import TARGET_KEYS
+from cpdata.sources.protocol import Carried, Checked, carried_targets, stated_lengths
 
 if TYPE_CHECKING:
     from cpdata.nodes.mix import Mix
@@ -76,9 +75,7 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
 
 
 def _keys(source: Any) -> set[str]:
-    if type(source) in (list, tuple):
-        return {k for item in source if isinstance(item, dict) for k in item if k in TARGET_KEYS}
-    return set(source.per_token_keys) if isinstance(source, Carried) else set()
+    return set(source.per_token_keys) if isinstance(source, Carried) else set(carried_targets(source) or ())
 
 
 class MixedDataset(TokenizedDataset):

@@ -36,9 +36,8 @@ from cpdata.sources.atomic import check_writable
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset
-from cpdata.sources.protocol import Carried, Listed, declared_labels
+from cpdata.sources.protocol import Listed, carried_targets, declared_labels
 from cpdata.worker.targets import (
-    TARGET_KEYS,
     LabelsAlignment,
     declared_alignment,
     first_target,
@@ -198,7 +197,7 @@ def precompute(
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if progress:
         print(f"planning {lengths.shape[0]} documents ({int(lengths.sum())} tokens)", file=sys.stderr, flush=True)
-    present = sorted(set(TARGET_KEYS) & set(dataset.per_token_keys if isinstance(dataset, Carried) else ()))
+    present = sorted(carried_targets(dataset) or ())
     if present and labels_alignment is None:
         raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
     schedule_info: dict[str, Any] | None = None

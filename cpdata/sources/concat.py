@@ -17,8 +17,8 @@ import numpy as np
 
 from cpdata.errors import naming_parts
 from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.protocol import declared_labels
-from cpdata.worker.targets import TARGET_KEYS, agreed_alignment
+from cpdata.sources.protocol import carried_targets, declared_labels
+from cpdata.worker.targets import agreed_alignment
 
 __all__ = ["ConcatDataset"]
 
@@ -86,7 +86,7 @@ class ConcatDataset(TokenizedDataset):
 
 def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
     """The ``labels_alignment`` the parts declare (:func:`cpdata.worker.targets.agreed_alignment`)."""
-    named = [(f"part {k} ({part.path})", declared_labels(part), bool(part.per_token_keys & set(TARGET_KEYS)))
+    named = [(f"part {k} ({part.path})", declared_labels(part), bool(carried_targets(part)))
              for k, part in enumerate(parts)]  # fmt: skip
     return agreed_alignment("open_dataset([...])", named, "rewrite one side's labels in the other convention "
                             "(shift them by one token) or write them as a token store that declares theirs "

@@ -33,8 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from cpdata.worker.targets import TARGET_KEYS
+
 __all__ = ["SOURCE_MEMBERS", "Carried", "Checked", "Described", "Identified", "Indexed", "Labelled", "Listable", "Listed",
-           "Mixture", "NamesSources", "StatedLengths", "Watched", "declared_labels", "stated_lengths"]
+           "Mixture", "NamesSources", "StatedLengths", "Watched", "carried_targets", "declared_labels", "stated_lengths"]
 
 
 @runtime_checkable
@@ -164,6 +166,17 @@ def stated_lengths(source: Any) -> np.ndarray | None:
     if lengths.ndim != 1 or lengths.shape[0] != len(source) or lengths.dtype.kind not in "iu":
         return None
     return lengths.astype(np.int64, copy=False)
+
+
+def carried_targets(source: Any) -> frozenset[str] | None:
+    """The label and mask keys (:data:`cpdata.worker.targets.TARGET_KEYS`) ``source``'s documents carry, known
+    before reading: a :class:`Carried` source's stated keys, an in-memory ``list``/``tuple``'s items; None when
+    only reading would tell."""
+    if type(source) in (list, tuple):
+        return frozenset(k for item in source if isinstance(item, Mapping) for k in item if k in TARGET_KEYS)
+    if isinstance(source, Carried):
+        return source.per_token_keys & frozenset(TARGET_KEYS)
+    return None
 
 
 def declared_labels(source: Any) -> str | None:
