@@ -447,6 +447,8 @@ def test_a_tokenize_node_and_a_hugging_face_dataset_mix():
     hf = datasets.Dataset.from_dict({"input_ids": [tok(t)["input_ids"] for t in texts]})
     m = mix({"chat": chats, "hf": hf}, {"chat": 1, "hf": 1}, stop="all_exhausted", seed=3)
     assert m.labels_alignment == "inputs", "the Dataset carries no labels: it takes the chat source's convention"
+    plain = Tokenize([{"text": t} for t in texts], tok)  # states it carries no labels before tokenizing
+    assert mix({"chat": chats, "plain": plain}, {"chat": 1, "plain": 1}).labels_alignment == "inputs"
     (batch,) = [b.tensors() for b in _run(shard_graph(m, GraphOptions(capacity=512, cp_size=1, layout="identity", data=DataPolicy(labels_alignment="inputs"))))]  # fmt: skip
     counts = m.counts
     assert counts["chat"]["documents"] >= 3 and counts["hf"]["documents"] >= 3

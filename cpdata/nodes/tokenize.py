@@ -20,7 +20,7 @@ from torchdata.nodes import BaseNode
 
 from cpdata.nodes.source_kinds import SourceReader
 from cpdata.nodes.state_version import check_saved_config, check_state_version
-from cpdata.sources.tokenizer import RowTokenizer, TokenizeStats
+from cpdata.sources.tokenizer import ASSISTANT_MASKS, RowTokenizer, TokenizeStats
 
 __all__ = ["Tokenize"]
 
@@ -51,6 +51,11 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
             self.tokenizer = RowTokenizer(tokenizer, **options)
         self.reader = SourceReader(source, "of the rows", "rows")
         self.labels_alignment: str | None = "inputs" if self.tokenizer.assistant_only else None
+        self.serves_tokens = True
+        self.per_token_keys = frozenset({ASSISTANT_MASKS} if self.tokenizer.assistant_only else ())
+        """What each document carries besides ``input_ids``, known before tokenizing (the
+        :class:`~cpdata.sources.protocol.Carried` protocol): a mix beside a declared source knows plain text
+        carries no labels."""
         self.source = source
         self._position = 0
 
