@@ -39,7 +39,7 @@ from cpdata.sources.protocol import (
 )
 
 PACKAGE = Path(cpdata.__file__).parent
-NODE_MEMBERS = frozenset({"next_window", "known_lengths", "seekable", "source_counts", "fetch"})
+NODE_MEMBERS = frozenset({"next_window", "seekable", "source_counts", "fetch"})
 """What the Documents node offers the packer (asked with isinstance(source, Documents), never by name)."""
 PROBED = SOURCE_MEMBERS | NODE_MEMBERS
 

@@ -41,6 +41,7 @@ from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import OverlongDocumentError, check_lengths
 from cpdata.packing.records import PackKeys
+from cpdata.sources.protocol import stated_lengths
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import Document, PackPlan, PieceColumns
 from cpdata.worker.targets import piece_arrays
@@ -137,11 +138,11 @@ class Pack(BaseNode[PackPlan]):
             capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
             overflow=overflow, seed=seed, window=window,
         )
-        known = source_node.known_lengths if isinstance(source_node, Documents) else None
-        if known is not None:
-            check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self.source = source_node
         self._seekable = isinstance(source_node, Documents) and source_node.seekable
+        known = stated_lengths(source_node.source) if self._seekable else None
+        if known is not None:
+            check_lengths(known, self.config)  # overflow="error": every overlong document, before training starts
         self._queue: deque[_Finished] = deque()  # every finished pack, not yet emitted
         self._snapshot: _Snapshot | None = None
         self._pool = BufferPool()  # token buffers of windows read from sources that do not make them

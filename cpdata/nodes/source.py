@@ -34,7 +34,7 @@ from cpdata.nodes.validate import document_ids, plain_ids, to_document, to_windo
 from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.sources.open import as_source
-from cpdata.sources.protocol import Mixture, NamesSources, declared_labels, stated_lengths
+from cpdata.sources.protocol import Mixture, NamesSources, declared_labels
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 from cpdata.worker.token_buffer import BufferPool
@@ -104,12 +104,6 @@ class Documents(EpochNode[Document]):
     def seekable(self) -> bool:
         """Whether :meth:`fetch` works (sequence sources): packers then keep only references in their state."""
         return self.reader.kind == "sequence"
-
-    @property
-    def known_lengths(self) -> np.ndarray | None:
-        """int64 ``[n]`` token counts of every document when a sequence source states them
-        (:func:`cpdata.sources.protocol.stated_lengths`), else None."""
-        return stated_lengths(self.source) if self.reader.kind == "sequence" else None
 
     @property
     def source_counts(self) -> dict[str, dict[str, int]] | None:
