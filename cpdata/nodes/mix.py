@@ -112,25 +112,21 @@ class Mix(EpochNode[dict]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        if initial_state is not None:
-            check_state_version("Mix", initial_state, self.VERSION_KEY, self.VERSION)
-            check_saved_config("Mix", initial_state[self.CONFIG_KEY], self.config)
-            self.epoch_clock.restore(initial_state[self.EPOCH_KEY])
-            self._drawn, self._done = int(initial_state[self.DRAWS_KEY]), bool(initial_state[self.DONE_KEY])
-            self._exhausted = set(initial_state[self.EXHAUSTED_KEY])
-            self._counts = {n: list(map(int, c)) for n, c in initial_state[self.COUNTS_KEY].items()}
-            for name, reader in self.readers.items():
-                reader.restart(initial_state[self.READERS_KEY][name])
-            if self.clock is not None:
-                self.clock.start(self.epoch, [initial_state[self.TOKENS_KEY][n] for n in self.names])
-        else:
+        state = initial_state
+        if state is None:
             self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
-            self._drawn, self._done, self._exhausted = 0, False, set()
-            self._counts = {name: [0, 0] for name in self.names}
-            for reader in self.readers.values():
-                reader.restart()
-            if self.clock is not None:
-                self.clock.start(self.epoch)
+        else:
+            check_state_version("Mix", state, self.VERSION_KEY, self.VERSION)
+            check_saved_config("Mix", state[self.CONFIG_KEY], self.config)
+            self.epoch_clock.restore(state[self.EPOCH_KEY])
+        self._drawn, self._done = (0, False) if state is None else (int(state[self.DRAWS_KEY]), bool(state[self.DONE_KEY]))
+        self._exhausted = set() if state is None else set(state[self.EXHAUSTED_KEY])
+        saved = {} if state is None else state[self.COUNTS_KEY]
+        self._counts = {n: list(map(int, saved.get(n, (0, 0)))) for n in self.names}
+        for name, reader in self.readers.items():
+            reader.restart(None if state is None else state[self.READERS_KEY][name])
+        if self.clock is not None:
+            self.clock.start(self.epoch, None if state is None else [state[self.TOKENS_KEY][n] for n in self.names])
         self._recent[:] = -1
         self._pass_tokens = {}
 
