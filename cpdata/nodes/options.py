@@ -207,29 +207,15 @@ ENTRY_KEYWORDS: tuple[str, ...] = ("capacity", "cp_size", "cp_rank", "layout", "
 """The keywords ``build_node`` and ``CPDataset`` take (``build_loader`` adds ``restart_on_stop_iteration``)."""
 
 RENAMED: Mapping[str, tuple[str, str]] = {
-    "algorithm": ("plan", "StreamPlan.algorithm or SchedulePlan.algorithm"),
-    "overflow": ("plan", "StreamPlan.overflow or SchedulePlan.overflow"),
-    "window": ("plan", "StreamPlan.window"),
-    "shuffle_buffer": ("plan", "StreamPlan.shuffle_buffer"),
+    **{k: ("plan", f"StreamPlan.{k} or SchedulePlan.{k}") for k in ("algorithm", "overflow")},
+    **{k: ("plan", f"StreamPlan.{k}") for k in ("window", "shuffle_buffer")},
     "schedule": ("plan", "SchedulePlan.kind"),
     "schedule_window": ("plan", "SchedulePlan.window"),
-    "micro_batches": ("plan", "SchedulePlan.micro_batches"),
-    "max_delay": ("plan", "SchedulePlan.max_delay"),
-    "cost": ("plan", "SchedulePlan.cost"),
-    "lengths": ("plan", "SchedulePlan.lengths"),
-    "tail": ("plan", "SchedulePlan.tail"),
-    "dp_rank": ("data", "DataPolicy.dp_rank"),
-    "dp_size": ("data", "DataPolicy.dp_size"),
-    "seed": ("data", "DataPolicy.seed"),
-    "shuffle": ("data", "DataPolicy.shuffle"),
+    **{k: ("plan", f"SchedulePlan.{k}") for k in ("micro_batches", "max_delay", "cost", "lengths", "tail")},
+    **{k: ("data", f"DataPolicy.{k}") for k in ("dp_rank", "dp_size", "seed", "shuffle")},
     "num_epochs": ("data", "DataPolicy.epochs"),
-    "epochs": ("data", "DataPolicy.epochs"),
-    "vocab_size": ("data", "DataPolicy.vocab_size"),
-    "labels_alignment": ("data", "DataPolicy.labels_alignment"),
-    "prefetch": ("delivery", "Delivery.prefetch"),
-    "pin_memory": ("delivery", "Delivery.pin_memory"),
-    "block_size": ("delivery", "Delivery.block_size"),
-    "kv_exchange": ("delivery", "Delivery.kv_exchange"),
+    **{k: ("data", f"DataPolicy.{k}") for k in ("epochs", "vocab_size", "labels_alignment")},
+    **{k: ("delivery", f"Delivery.{k}") for k in ("prefetch", "pin_memory", "block_size", "kv_exchange")},
 }
 """Keyword of cpdata 0.3 -> (the keyword that now carries it, ``Record.field``): the one table of renames."""
 
