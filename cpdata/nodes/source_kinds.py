@@ -24,7 +24,7 @@ from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment
 
 __all__ = ["SourceReader", "document_sources_of", "name_document_error", "read_document", "reading_error",
-           "restart_iterable", "source_kind"]
+           "source_kind"]
 
 
 def source_kind(source: Any, items: str = "documents") -> str:
@@ -47,20 +47,6 @@ def source_kind(source: Any, items: str = "documents") -> str:
     raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
 
 
-def restart_iterable(source: Iterable[Any], position: int, items: str = "documents") -> Iterator[Any]:
-    """A fresh iterator over ``source`` with its first ``position`` items read and dropped (resume)."""
-    it = iter(source)
-    for skipped in range(position):
-        try:
-            next(it)
-        except StopIteration:
-            raise ValueError(
-                f"the saved state has read {position} {items} but the source ends after {skipped}; "
-                "restore onto the same source"
-            ) from None
-    return it
-
-
 class SourceReader:
     """One user source (a sequence, a re-iterable or a node), read by index or as a stream; read errors
     say ``"reading document 7 {label} failed: ..."``. ``TypeError`` (:func:`source_kind`) if it cannot be
@@ -72,12 +58,22 @@ class SourceReader:
         self._it: Iterator[Any] | None = None
 
     def open(self, position: int = 0, nested: Mapping[str, Any] | None = None) -> None:
-        """Start reading again at ``position`` (a stream) or from ``nested`` (a node's saved state)."""
+        """Start reading again at ``position`` (a stream: its first ``position`` items read and dropped) or
+        from ``nested`` (a node's saved state)."""
         self._it = None
         if self.kind == "node":
             self.source.reset(nested)
         elif self.kind == "iterable":
-            self._it = restart_iterable(self.source, position, self.items)
+            it = iter(self.source)
+            for skipped in range(position):
+                try:
+                    next(it)
+                except StopIteration:
+                    raise ValueError(
+                        f"the saved state has read {position} {self.items} but the source ends after {skipped}; "
+                        "restore onto the same source"
+                    ) from None
+            self._it = it
 
     def read(self, index: int) -> Any:
         """Item ``index`` of a sequence; errors name the document and the source."""
