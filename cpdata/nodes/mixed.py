@@ -52,7 +52,7 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
         choices, ranks = draws.block_ranks(epoch, b)
         c = counts[choices] + ranks + 1  # 1-based: the draw's count in its source, over blocks
         out = np.flatnonzero(c == sizes[choices] + 1)  # draws where a source runs out
-        end = None
+        end = choices.shape[0]  # the block's draws taken: all, unless the stop rule ends the epoch in it
         if mixed.stop == "first_exhausted" and out.size:
             end = int(out[0])
         elif mixed.stop == "all_exhausted":
@@ -61,12 +61,10 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
                 if not pending.any():
                     end = j
                     break
-        if end is not None:
-            ids_parts.append(choices[:end])
-            c_parts.append(c[:end])
+        ids_parts.append(choices[:end])
+        c_parts.append(c[:end])
+        if end < choices.shape[0]:
             break
-        ids_parts.append(choices)
-        c_parts.append(c)
         counts += np.bincount(choices, minlength=k)
         b += 1
     ids = np.concatenate(ids_parts).astype(np.int32)
