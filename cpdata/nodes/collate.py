@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torchdata.nodes import BaseNode
 
 from cpdata.errors import check_int
-from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.worker.collate import CollatedPack, check_padding_token_id, check_qkv_format
 
 if TYPE_CHECKING:
@@ -21,13 +21,10 @@ if TYPE_CHECKING:
 __all__ = ["Collate"]
 
 
-class Collate(BaseNode[CollatedPack]):
+class Collate(VersionedState, BaseNode[CollatedPack]):
     """Group ``batch_size`` plans from ``pack_node`` into a :class:`CollatedPack`. State: the source's, a
     version and the config (a state saved under another config is refused)."""
 
-    SOURCE_KEY = "source"
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
     VERSION = 1
 
     def __init__(
@@ -55,8 +52,7 @@ class Collate(BaseNode[CollatedPack]):
         if initial_state is None:
             self.source.reset(None)
             return
-        check_state_version("Collate", initial_state, self.VERSION_KEY, self.VERSION)
-        check_saved_config("Collate", initial_state[self.CONFIG_KEY], self._config())
+        self.check_saved(initial_state, self._config())
         self.source.reset(initial_state[self.SOURCE_KEY])
 
     def next(self) -> CollatedPack:

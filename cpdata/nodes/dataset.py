@@ -40,7 +40,7 @@ from cpdata.nodes.options import (
 )
 from cpdata.nodes.orphans import exit_with_parent
 from cpdata.nodes.served import WorkerShare
-from cpdata.nodes.state_version import check_state_version
+from cpdata.nodes.state_version import VersionedState
 
 __all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
 
@@ -84,13 +84,12 @@ class _WorkerItems(BaseNode[Any]):
         return {self.SOURCE_KEY: self.source.state_dict(), self.INDEX_KEY: self._index}
 
 
-class WorkerDataset(IterableDataset):
+class WorkerDataset(VersionedState, IterableDataset):
     """A torchdata node graph per ``StatefulDataLoader`` worker (:meth:`_worker_node`), with exact,
     pending-state resume; ``delivery.prefetch`` batches are prepared ahead in a thread."""
 
     WORKER_KEY = "worker"
     LOADER_KEY = "loader"
-    VERSION_KEY = "version"
     VERSION = 1
 
     def __init__(self, delivery: Delivery) -> None:
@@ -161,7 +160,7 @@ class WorkerDataset(IterableDataset):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_version(type(self).__name__, state_dict, self.VERSION_KEY, self.VERSION)
+        self.check_saved(state_dict)
         self._pending = state_dict
 
     def __getstate__(self) -> dict[str, Any]:

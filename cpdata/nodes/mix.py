@@ -35,7 +35,7 @@ from cpdata.nodes.mix_readers import (
     document_tokens,
 )
 from cpdata.nodes.mixed import MixedDataset
-from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
 from cpdata.sources.protocol import stated_lengths
 
@@ -44,7 +44,7 @@ __all__ = ["STOP_POLICIES", "Mix", "check_weights", "mix"]
 STOP_POLICIES: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 
 
-class Mix(EpochNode[dict]):
+class Mix(VersionedState, EpochNode[dict]):
     """Documents of several sources, drawn by weight (the module docstring); :func:`cpdata.mix` builds it.
 
     Args:
@@ -57,8 +57,6 @@ class Mix(EpochNode[dict]):
     """
 
     VERSION = 1
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
     EPOCH_KEY = "epoch"
     DRAWS_KEY = "draws"
     DONE_KEY = "done"
@@ -116,17 +114,18 @@ class Mix(EpochNode[dict]):
         if state is None:
             self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
         else:
-            check_state_version("Mix", state, self.VERSION_KEY, self.VERSION)
-            check_saved_config("Mix", state[self.CONFIG_KEY], self.config)
+            self.check_saved(state, self.config)
             self.epoch_clock.restore(state[self.EPOCH_KEY])
-        self._drawn, self._done = (0, False) if state is None else (int(state[self.DRAWS_KEY]), bool(state[self.DONE_KEY]))
+        self._drawn = 0 if state is None else int(state[self.DRAWS_KEY])
+        self._done = False if state is None else bool(state[self.DONE_KEY])
         self._exhausted = set() if state is None else set(state[self.EXHAUSTED_KEY])
-        saved = {} if state is None else state[self.COUNTS_KEY]
-        self._counts = {n: list(map(int, saved.get(n, (0, 0)))) for n in self.names}
+        saved = dict.fromkeys(self.names, (0, 0)) if state is None else state[self.COUNTS_KEY]
+        self._counts = {n: list(map(int, saved[n])) for n in self.names}
         for name, reader in self.readers.items():
             reader.restart(None if state is None else state[self.READERS_KEY][name])
         if self.clock is not None:
-            self.clock.start(self.epoch, None if state is None else [state[self.TOKENS_KEY][n] for n in self.names])
+            tokens = None if state is None else [state[self.TOKENS_KEY][n] for n in self.names]
+            self.clock.start(self.epoch, tokens)
         self._recent[:] = -1
         self._pass_tokens = {}
 

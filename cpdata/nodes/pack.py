@@ -36,7 +36,7 @@ from cpdata.nodes.live_pieces import (
 from cpdata.nodes.source import Documents
 from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
-from cpdata.nodes.state_version import check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import OverlongDocumentError, check_lengths
@@ -101,16 +101,13 @@ class _Snapshot:
     carried: tuple[np.ndarray, Sequence[Any]]  # LivePieces.live() when the snapshot was taken
 
 
-class Pack(BaseNode[PackPlan]):
+class Pack(VersionedState, BaseNode[PackPlan]):
     """Pack the :class:`~cpdata.worker.plan.Document` s of ``source_node`` into plans of ``capacity`` tokens
     (the other arguments as for :func:`~cpdata.packing.plan_lengths`). ``stats``: a
     :class:`~cpdata.packing.PackingStats` snapshot, in the state too; a state saved under another
     configuration is refused with ``ValueError``."""
 
     VERSION = 2  # 2: windows of at least WINDOW_PACKS packs of tokens, carried bins kept whole
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
-    SOURCE_KEY = "source"
     PLANNER_KEY = "planner"
     CARRY_KEY = "carry"
     EMITTED_KEY = "emitted"
@@ -190,7 +187,7 @@ class Pack(BaseNode[PackPlan]):
                 )
 
     def _check(self, state: dict[str, Any]) -> None:
-        check_state_version("Pack", state, self.VERSION_KEY, self.VERSION)
+        self.check_saved(state)
         saved_config = state[self.CONFIG_KEY]
         for name, mine in self.config.identity().items():
             if saved_config.get(name) != mine:

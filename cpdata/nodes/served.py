@@ -23,7 +23,7 @@ import numpy as np
 
 from cpdata.errors import check_int, is_int
 from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
-from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import DocPiece, PackPlan, PieceColumns
 from cpdata.worker.targets import piece_arrays
@@ -129,7 +129,7 @@ def emit_plan(pack: PackRows, capacity: int, read: Any) -> PackPlan:
                     capacity=capacity, index=pack.index, extras=dict(pack.extras))  # fmt: skip
 
 
-class ServedPacks(EpochNode[PackPlan]):
+class ServedPacks(VersionedState, EpochNode[PackPlan]):
     """This DP rank's packs from a :class:`PlanRows` provider: ``worker``'s share, ``num_epochs`` per ``iter()``
     (None: one; the next ``iter()`` starts the next)."""
 
@@ -183,8 +183,7 @@ class ServedPacks(EpochNode[PackPlan]):
             self._block, self._item = self.rows.start(self.epoch_clock.start(), None), self.share.first
             return
         name = type(self).__name__
-        check_state_version(name, initial_state, "version", self.VERSION)
-        check_saved_config(name, initial_state["config"], self.config())
+        self.check_saved(initial_state, self.config())
         if initial_state.get("identity") != self.rows.identity:
             raise ValueError(
                 f"{name} state was saved over other data (identity {str(initial_state.get('identity'))[:24]}…, "

@@ -27,7 +27,7 @@ from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.source_kinds import document_sources_of
-from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
 from cpdata.worker.collate import CollatedPack, SpecKey, fill_rank, rank_spec_key, spec_items
@@ -72,7 +72,7 @@ def _layout_record(stream_len: int, row_shape: tuple[int, int] | None, cp_size: 
                        cp_size=cp_size, cp_rank=cp_rank)  # fmt: skip
 
 
-class ShardForRank(BaseNode[Any]):
+class ShardForRank(VersionedState, BaseNode[Any]):
     """Turn each :class:`CollatedPack` into this rank's :class:`ShardedBatch`.
 
     Args:
@@ -89,11 +89,8 @@ class ShardForRank(BaseNode[Any]):
     raises when it would have been served.
     """
 
-    SOURCE_KEY = "source"
     SKIP_KEY = "skip"
     DIGESTS_KEY = "served_digests"
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
     VERSION = 2
 
     def __init__(
@@ -148,8 +145,7 @@ class ShardForRank(BaseNode[Any]):
             self.source.reset(None)
             self._clear(None, [])
             return
-        check_state_version("ShardForRank", initial_state, self.VERSION_KEY, self.VERSION)
-        check_saved_config("ShardForRank", initial_state[self.CONFIG_KEY], self._config())
+        self.check_saved(initial_state, self._config())
         skip, served = initial_state.get(self.SKIP_KEY), initial_state.get(self.DIGESTS_KEY)
         if not isinstance(served, list) or skip != len(served) or not all(isinstance(d, int) for d in served):
             raise ValueError(f"ShardForRank state has skip={skip!r} and {self.DIGESTS_KEY}={served!r}; expected the "

@@ -29,7 +29,7 @@ from cpdata.nodes.epochs import EpochNode, check_num_epochs
 from cpdata.nodes.options import DataPolicy
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER, ShuffleBuffer
 from cpdata.nodes.source_kinds import SourceReader, name_document_error, read_document, source_kind
-from cpdata.nodes.state_version import check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.nodes.validate import document_ids, plain_ids, to_document, to_window
 from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.sources.fingerprint import check_source_unchanged, source_fingerprint
@@ -42,7 +42,7 @@ from cpdata.worker.token_buffer import BufferPool
 __all__ = ["Documents", "source_kind", "to_document"]
 
 
-class Documents(EpochNode[Document]):
+class Documents(VersionedState, EpochNode[Document]):
     """Validated, DP-sharded documents from a sequence, a re-iterable or a node.
 
     The arguments are :class:`~cpdata.nodes.options.DataPolicy`'s fields. ``shuffle``: a sequence is read
@@ -55,7 +55,6 @@ class Documents(EpochNode[Document]):
     """
 
     VERSION = 2  # 2: the epoch (and the order it implies) is part of the state
-    VERSION_KEY = "version"
     EPOCH_KEY = "epoch"
     FIRST_EPOCH_KEY = "first_epoch"
     ORDER_KEY = "order"
@@ -64,7 +63,6 @@ class Documents(EpochNode[Document]):
     SHARD_KEY = "shard"
     LENGTH_KEY = "length"
     FINGERPRINT_KEY = "fingerprint"
-    SOURCE_KEY = "source"
     BUFFER_KEY = "buffer_drawn"
 
     def __init__(
@@ -170,7 +168,7 @@ class Documents(EpochNode[Document]):
         check_source_unchanged(self.source, self._fingerprint)
 
     def _check(self, state: dict[str, Any]) -> None:
-        check_state_version("Documents", state, self.VERSION_KEY, self.VERSION)
+        self.check_saved(state)
         shard = (self.dp_rank, self.dp_size)
         if tuple(state[self.SHARD_KEY]) != shard:
             raise ValueError(

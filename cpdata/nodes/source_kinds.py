@@ -69,10 +69,8 @@ class SourceReader:
                 try:
                     next(it)
                 except StopIteration:
-                    raise ValueError(
-                        f"the saved state has read {position} {self.items} but the source ends after {skipped}; "
-                        "restore onto the same source"
-                    ) from None
+                    raise ValueError(f"the saved state has read {position} {self.items} but the source ends "
+                                     f"after {skipped}; restore onto the same source") from None
             self._it = it
 
     def read(self, index: int) -> Any:

@@ -1,27 +1,35 @@
-"""The checks every stateful stage runs before it restores a state."""
+"""What every stateful stage's state shares: its keys, and the checks it runs before it restores a state."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["check_saved_config", "check_state_version"]
+__all__ = ["VersionedState"]
 
 
-def check_state_version(owner: str, state: Mapping[str, Any], key: str, expected: int) -> None:
-    """Raise ``ValueError`` unless ``state[key] == expected``, naming both and the fix."""
-    version = state.get(key)
-    if version != expected:
-        raise ValueError(
-            f"{owner} state has version {version!r}, this code reads version {expected}; the state was written "
-            "by another cpdata version (or is not a cpdata state): resume with that version or start from scratch"
-        )
+class VersionedState:
+    """A stage whose state holds ``VERSION`` under ``VERSION_KEY``, its configuration under ``CONFIG_KEY``
+    and its source's state under ``SOURCE_KEY``; :meth:`check_saved` refuses a state of another."""
 
+    VERSION: int
+    VERSION_KEY = "version"
+    CONFIG_KEY = "config"
+    SOURCE_KEY = "source"
 
-def check_saved_config(owner: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` unless a state's saved configuration equals the node's, naming both."""
-    if dict(saved) != dict(current):
-        raise ValueError(
-            f"{owner} state was saved with {dict(saved)}, this node has {dict(current)}; "
-            f"resume with the same {', '.join(sorted(current))}"
-        )
+    def check_saved(self, state: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> None:
+        """Raise ``ValueError`` unless ``state`` has this stage's version and, when given, its ``config``,
+        naming both and the fix."""
+        owner, version = type(self).__name__, state.get(self.VERSION_KEY)
+        if version != self.VERSION:
+            raise ValueError(
+                f"{owner} state has version {version!r}, this code reads version {self.VERSION}; the state was "
+                "written by another cpdata version (or is not a cpdata state): resume with that version or start "
+                "from scratch"
+            )
+        saved = None if config is None else dict(state[self.CONFIG_KEY])
+        if saved is not None and saved != dict(config):
+            raise ValueError(
+                f"{owner} state was saved with {saved}, this node has {dict(config)}; "
+                f"resume with the same {', '.join(sorted(config))}"
+            )

@@ -19,13 +19,13 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.nodes.source_kinds import SourceReader
-from cpdata.nodes.state_version import check_saved_config, check_state_version
+from cpdata.nodes.state_version import VersionedState
 from cpdata.sources.tokenizer import ASSISTANT_MASKS, RowTokenizer, TokenizeStats
 
 __all__ = ["Tokenize"]
 
 
-class Tokenize(BaseNode[dict[str, np.ndarray]]):
+class Tokenize(VersionedState, BaseNode[dict[str, np.ndarray]]):
     """Emit ``{"input_ids": int64 [n], "assistant_masks"?: int8 [n]}`` per row (``{"text": str}`` or
     ``{"messages": [...]}``) of ``source``.
 
@@ -35,11 +35,8 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
     """
 
     VERSION = 1
-    VERSION_KEY = "version"
-    CONFIG_KEY = "config"
     POSITION_KEY = "position"
     STATS_KEY = "stats"
-    SOURCE_KEY = "source"
 
     def __init__(self, source: Sequence[Any] | Iterable[Any] | BaseNode, tokenizer: Any, **options: Any) -> None:
         super().__init__()
@@ -79,8 +76,7 @@ class Tokenize(BaseNode[dict[str, np.ndarray]]):
         self._position, nested = 0, None
         self.tokenizer.stats = TokenizeStats()
         if initial_state is not None:
-            check_state_version("Tokenize", initial_state, self.VERSION_KEY, self.VERSION)
-            check_saved_config("Tokenize", initial_state[self.CONFIG_KEY], self._config())
+            self.check_saved(initial_state, self._config())
             self._position = int(initial_state[self.POSITION_KEY])
             self.tokenizer.stats = TokenizeStats(**initial_state[self.STATS_KEY])
             nested = initial_state.get(self.SOURCE_KEY)
