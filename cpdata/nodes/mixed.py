@@ -114,11 +114,8 @@ class MixedDataset(TokenizedDataset):
         self.source_id = np.concatenate([ids for ids, _ in orders])
         self.index = np.concatenate([index for _, index in orders])
         self.epoch_starts = np.concatenate([[0], np.cumsum([ids.shape[0] for ids, _ in orders])]).astype(np.int64)
-        lengths = np.zeros(self.index.shape[0], dtype=np.int64)
-        for k, arr in enumerate(per_source):
-            mask = self.source_id == k
-            lengths[mask] = arr[self.index[mask]]
-        self._lengths = lengths
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # of each source's lengths, concatenated
+        self._lengths = np.concatenate(per_source)[starts[self.source_id] + self.index]
         self.epoch_counts = [self._counts(slice(int(lo), int(hi)))
                              for lo, hi in zip(self.epoch_starts[:-1], self.epoch_starts[1:], strict=True)]  # fmt: skip
         self.counts = self._counts(slice(None))
