@@ -24,10 +24,10 @@ import warnings
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
-from torchdata.nodes import BaseNode, Loader, Prefetcher
+from torchdata.nodes import BaseNode, Loader
 
 from cpdata.nodes.epochs import check_epoch, set_graph_epoch
-from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, rank_node, shard_graph
+from cpdata.nodes.loader import GraphOptions, ResumableLoader, close_loader, delivered, rank_node, shard_graph
 from cpdata.nodes.options import (
     ENTRY_KEYWORDS,
     DataPolicy,
@@ -130,8 +130,7 @@ class WorkerDataset(VersionedState, IterableDataset):
             node = self._worker_node(*worker)
             if self.start_epoch is not None:
                 set_graph_epoch(node, self.start_epoch)
-            if self.prefetch:
-                node = Prefetcher(node, prefetch_factor=self.prefetch)
+            node = delivered(node, Delivery(prefetch=self.prefetch, pin_memory=False))  # workers never pin
             self._loader = ResumableLoader(node, restart_on_stop_iteration=False)
             self._worker = worker
         return self._loader
