@@ -136,11 +136,10 @@ class ServedPacks(VersionedState, EpochNode[PackPlan]):
     VERSION = 3  # 3: one state for every plan provider
     KEYS = ("version", "config", "identity", "epoch", "first_epoch", "item", "block")
 
-    def __init__(self, rows: PlanRows, *, num_epochs: int | None = None, worker: tuple[int, int] = (0, 1),
-                 batch: int = 1) -> None:  # fmt: skip
+    def __init__(self, rows: PlanRows, *, num_epochs: int | None = None, worker: tuple[int, int] = (0, 1)) -> None:
         super().__init__()
         self.rows, self.num_epochs = rows, check_num_epochs(num_epochs)
-        self._share(worker, batch)
+        self._share(worker, 1)
 
     def _share(self, worker: tuple[int, int], batch: int) -> None:
         self.share = WorkerShare(*worker, batch)
