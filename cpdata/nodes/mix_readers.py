@@ -85,7 +85,6 @@ class Draws:
     def __init__(self, weights: np.ndarray, seed: int) -> None:
         cum = np.cumsum(np.asarray(weights, dtype=np.float64))
         self._cum, self._seed = cum / cum[-1], int(seed)
-        self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, block, choices)
         self._prefix: tuple[int, np.ndarray] = (-1, np.zeros((1, cum.shape[0]), dtype=np.int64))
         self._ranks: dict[tuple[int, int], np.ndarray] = {}  # (epoch, block): [2, BLOCK] source, count in it
 
@@ -95,10 +94,7 @@ class Draws:
         return np.minimum(np.searchsorted(self._cum, u, side="right"), self._cum.shape[0] - 1)
 
     def __call__(self, epoch: int, j: int) -> int:
-        b = j // BLOCK
-        if self._block is None or self._block[:2] != (epoch, b):
-            self._block = (epoch, b, self.block(epoch, b))
-        return int(self._block[2][j % BLOCK])
+        return int(self.block_ranks(epoch, j // BLOCK)[0, j % BLOCK])
 
     def locate_many(self, epoch: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(k int64 [n], c int64 [n])``: draw ``js[i]`` picks source ``k[i]``, whose ``c[i]``-th draw it is
