@@ -147,7 +147,13 @@ class Mix(VersionedState, EpochNode[dict]):
             if self.stop == "first_exhausted" or (self.stop == "all_exhausted" and every):
                 self._done = True
                 raise
-            self._new_pass(name)
+            if clock is not None:  # by tokens, a source of empty documents would be drawn forever
+                if self._pass_tokens.get(name) == clock.tokens[k]:
+                    raise ValueError(f"mix source {name!r} gave no tokens on pass {reader.passes}; by='tokens' "
+                                     "would draw it forever: leave a source of empty documents out of the "
+                                     "mix") from None  # fmt: skip
+                self._pass_tokens[name] = clock.tokens[k]
+            reader.new_pass()
             try:
                 index, item = reader.take(fetch)
             except StopIteration:
@@ -163,16 +169,6 @@ class Mix(VersionedState, EpochNode[dict]):
             counts[0] += 1
             counts[1] += document_tokens(item)
         return item
-
-    def _new_pass(self, name: str) -> None:
-        reader = self.readers[name]
-        if self.clock is not None:
-            now = self.clock.tokens[self.names.index(name)]
-            if self._pass_tokens.get(name) == now:
-                raise ValueError(f"mix source {name!r} gave no tokens on pass {reader.passes}; by='tokens' would "
-                                 "draw it forever: leave a source of empty documents out of the mix")  # fmt: skip
-            self._pass_tokens[name] = now
-        reader.new_pass()
 
     def next(self) -> dict:
         return self._advance(read=True)
