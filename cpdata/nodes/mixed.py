@@ -72,10 +72,6 @@ def draw_order(mixed: Mix, sizes: np.ndarray, epoch: int) -> tuple[np.ndarray, n
     return ids, index.astype(np.int64)
 
 
-def _keys(source: Any) -> set[str]:
-    return set(source.per_token_keys) if isinstance(source, Carried) else set(carried_targets(source) or ())
-
-
 class MixedDataset(TokenizedDataset):
     """Epochs ``epoch .. epoch + epochs - 1`` of a mix, in draw order, as a
     :class:`~cpdata.sources.base.TokenizedDataset` (module docstring).
@@ -120,7 +116,8 @@ class MixedDataset(TokenizedDataset):
                              for lo, hi in zip(self.epoch_starts[:-1], self.epoch_starts[1:], strict=True)]  # fmt: skip
         self.counts = self._counts(slice(None))
         self.serves_tokens = all(s.serves_tokens for s in self._sources if isinstance(s, Carried))
-        self.per_token_keys = frozenset().union(*(_keys(s) for s in self._sources))
+        self.per_token_keys = frozenset().union(*(s.per_token_keys if isinstance(s, Carried) else
+                                                  carried_targets(s) or () for s in self._sources))  # fmt: skip
 
     def _counts(self, rows: slice) -> dict[str, dict[str, int]]:
         ids, lengths = self.source_id[rows], self._lengths[rows]
