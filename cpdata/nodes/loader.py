@@ -97,11 +97,8 @@ def shard_graph(source: Any, options: GraphOptions, *, packs: ServedPacks | None
             labels_alignment=data.labels_alignment, shuffle=data.shuffle, seed=data.seed, num_epochs=data.epochs,
             shuffle_buffer=plan.shuffle_buffer,
         )  # fmt: skip
-        pack_kw: dict[str, Any] = {} if plan.window is None else {"window": plan.window}
-        plans = Pack(
-            docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=plan.algorithm,
-            overflow=plan.overflow, seed=data.seed, **pack_kw,
-        )  # fmt: skip
+        plans = Pack(docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=plan.algorithm,
+                     overflow=plan.overflow, seed=data.seed, window=plan.window)  # fmt: skip
     return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
 
 
