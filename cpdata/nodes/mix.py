@@ -73,10 +73,8 @@ class Mix(VersionedState, EpochNode[dict]):
             raise ValueError(f"unknown stop policy {stop!r}; choose one of {list(STOP_POLICIES)}")
         if by not in BY:
             raise ValueError(f"by must be one of {list(BY)} (what the weights share out), got {by!r}")
-        self.by = by
-        check_int("seed", seed, min=0)
+        self.seed, self.stop, self.by = check_int("seed", seed, min=0), stop, by
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
-        self.seed, self.stop = int(seed), stop
         self.readers = {name: MixSource(name, sources[name]) for name in self.names}
         self.labels_alignment = declared_alignment(self.readers)
         self.draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)

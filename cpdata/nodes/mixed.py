@@ -86,8 +86,7 @@ class MixedDataset(TokenizedDataset):
     kind = "mix"
 
     def __init__(self, mixed: Mix, epoch: int = 0, epochs: int = 1) -> None:
-        check_int("epoch", epoch, min=0)
-        check_int("epochs", epochs, min=1)
+        epoch, epochs = check_int("epoch", epoch, min=0), check_int("epochs", epochs, min=1)
         if mixed.stop == "never":
             raise ValueError(
                 f"a mix with stop='never' is endless, but {_WHY}; pass stop='first_exhausted' or 'all_exhausted'"
@@ -99,7 +98,7 @@ class MixedDataset(TokenizedDataset):
                 "cpdata.open_dataset(path) or a datasets.Dataset, or stream the mix (plan=StreamPlan(), no precompute)"
             )
         super().__init__(Path(f"mix({','.join(mixed.names)})"))
-        self.mix, self.epoch, self.epochs = mixed, int(epoch), int(epochs)
+        self.mix, self.epoch, self.epochs = mixed, epoch, epochs
         self.labels_alignment = mixed.labels_alignment
         self._sources = [mixed.readers[n].source for n in mixed.names]
         per_source = [_source_lengths(n, s) for n, s in zip(mixed.names, self._sources, strict=True)]
