@@ -15,7 +15,8 @@ import threading
 import zlib
 from array import array
 from collections.abc import Callable
-from typing import BinaryIO
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from cpdata.sources.chunksums import file_sums
 from cpdata.sources.fingerprint import lengths_sha256, sample_positions
 from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
-__all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
+__all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder", "json_row", "token_row"]
 
 _UTF8_BOM = b"\xef\xbb\xbf"
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -44,6 +45,85 @@ def _fresh_open_lock() -> None:
 
 
 os.register_at_fork(after_in_child=_fresh_open_lock)
+
+
+def json_row(line: bytes, path: Path, where: object, offset: int) -> Any:
+    """Line ``where`` of the JSONL ``path`` (at byte ``offset``) parsed; anything but UTF-8 (UTF-16/32 too, which
+    ``json.loads`` of bytes would take) is refused naming the file, line and byte offset."""
+    nul = line.find(b"\0")
+    if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
+        bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ValueError(
+            f"{path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
+            f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
+            f"`iconv -f UTF-16 -t UTF-8 {path.name} > out.jsonl`"
+        )
+    start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
+    try:
+        return json.loads(line[start:].decode("utf-8"))
+    except UnicodeDecodeError as e:
+        at = start + e.start
+        raise ValueError(
+            f"{path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
+            f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
+            "or fix the bytes of that line"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def token_row(row: Any, where: str, *, every_list: bool = False) -> dict[str, np.ndarray]:
+    """A tokenized row (JSON, or an Arrow row's arrays) as a document: int64 ``input_ids`` ``[n]`` and the lists
+    of :data:`PER_TOKEN_KEYS` (``[n]`` each, ``labels`` integers); an all-ones ``attention_mask`` is dropped, a
+    padded one refused. ``every_list`` (``cpdata pack-store``, a ``datasets.Dataset``) keeps every other flat
+    numeric list of ``[n]`` too; ragged or non-numeric ones are metadata, skipped. Errors start with ``where``."""
+    if not isinstance(row, dict) or not isinstance(row.get("input_ids"), (list, np.ndarray)):
+        untokenized = isinstance(row, dict) and "input_ids" not in row and ("text" in row or "messages" in row)
+        hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
+                "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
+                "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
+                if untokenized else "")  # fmt: skip
+        raise ValueError(
+            f"{where}: expected an object with an 'input_ids' list, "
+            f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
+        )
+    out = {"input_ids": _array(row["input_ids"], "input_ids", where, integer=True)}
+    named = [k for k in (*PER_TOKEN_KEYS, ATTENTION_MASK) if k in row]
+    others = [k for k, v in row.items()
+              if every_list and isinstance(v, (list, np.ndarray)) and k not in (*named, "input_ids")]  # fmt: skip
+    for key in (*named, *others):
+        value = _array(row[key], key, where, integer=key == "labels", strict=key in named)
+        if value is None:
+            continue
+        if value.shape != out["input_ids"].shape:
+            raise ValueError(
+                f"{where}: {key!r} has {value.shape[0]} entries but input_ids has "
+                f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+            )
+        if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
+            check_unpadded(value, where)
+        else:
+            out[key] = value
+    return out
+
+
+def _array(value: object, key: str, where: str, *, integer: bool, strict: bool = True) -> np.ndarray | None:
+    """A 1-D numeric array of a row's field, nothing cast, rounded or flattened silently (not ``strict``: None
+    for anything else)."""
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        arr = np.asarray(value, dtype=object)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim == 1 and arr.dtype.kind in ("iu" if integer else "iufb"):
+        return arr.astype(np.int64) if integer else arr
+    if not strict:
+        return None
+    raise ValueError(
+        f"{where}: {key!r} must be a flat list of {'integers' if integer else 'numbers'}, got shape {arr.shape} "
+        f"of {arr.dtype} (first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
+    )
 
 
 class LengthsFile(TokenizedDataset):
@@ -120,7 +200,7 @@ class JsonlDocuments(TokenizedDataset):
                 if line.strip():
                     offsets.append(pos)
                     crcs.append(zlib.crc32(line))
-                    row = self._parse(line, lineno, pos)
+                    row = token_row(json_row(line, self.path, lineno, pos), f"{self.path} line {lineno}")
                     ids = row["input_ids"]
                     lengths.append(ids.shape[0])
                     keys.update(row)
@@ -137,74 +217,6 @@ class JsonlDocuments(TokenizedDataset):
         self.per_token_keys = frozenset(keys - {"input_ids"})
         self._size = pos
         self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
-
-    def _decode(self, line: bytes, where: object, offset: int) -> str:
-        """The row as text; anything but UTF-8 is refused with the file, line and byte offset."""
-        nul = line.find(b"\0")
-        if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
-            bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-            raise ValueError(
-                f"{self.path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
-                f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
-                f"`iconv -f UTF-16 -t UTF-8 {self.path.name} > out.jsonl`"
-            )
-        start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
-        try:
-            return line[start:].decode("utf-8")
-        except UnicodeDecodeError as e:
-            at = start + e.start
-            raise ValueError(
-                f"{self.path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
-                f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
-                "or fix the bytes of that line"
-            ) from None
-
-    def _parse(self, line: bytes, where: object, offset: int) -> dict[str, np.ndarray]:
-        try:
-            row = json.loads(self._decode(line, where, offset))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
-            untokenized = isinstance(row, dict) and "input_ids" not in row and ("text" in row or "messages" in row)
-            hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
-                    "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
-                    "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
-                    if untokenized else "")  # fmt: skip
-            raise ValueError(
-                f"{self.path} line {where}: expected an object with an 'input_ids' list, "
-                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
-            )
-        out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
-        for key in (*PER_TOKEN_KEYS, ATTENTION_MASK):
-            if key in row:
-                value = self._array(row[key], key, where, integer=key == "labels")
-                if value.shape != out["input_ids"].shape:
-                    raise ValueError(
-                        f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
-                        f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
-                    )
-                if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
-                    check_unpadded(value, f"{self.path} line {where}")
-                else:
-                    out[key] = value
-        return out
-
-    def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
-        """A 1-D numeric array of a row's field; nothing is cast, rounded or flattened silently."""
-        try:
-            arr = np.asarray(value)
-        except ValueError:  # ragged nested lists
-            arr = np.asarray(value, dtype=object)
-        if arr.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        kinds = "iu" if integer else "iufb"
-        if arr.ndim != 1 or arr.dtype.kind not in kinds:
-            raise ValueError(
-                f"{self.path} line {where}: {key!r} must be a flat list of "
-                f"{'integers' if integer else 'numbers'}, got shape {arr.shape} of {arr.dtype} "
-                f"(first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
-            )
-        return arr.astype(np.int64) if integer else arr
 
     def fingerprint(self) -> str:
         """``jsonl:`` + the file's sha256 (computed while scanning)."""
@@ -253,7 +265,8 @@ class JsonlDocuments(TokenizedDataset):
         return line
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
+        where = f"of document {i}"
+        return token_row(json_row(self._raw_row(i), self.path, where, int(self._offsets[i])), f"{self.path} line {where}")
 
     def __del__(self) -> None:
         opened = getattr(self, "_file", None)
