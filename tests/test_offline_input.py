@@ -16,8 +16,8 @@ from cpdata.sources import open_dataset
 
 
 def _opened(path, reader: str):
-    """``path`` read by ``open_dataset`` or converted by ``cpdata pack-store`` (one parser, the same refusals);
-    a refused conversion leaves no store behind."""
+    """``path`` read by ``open_dataset`` or converted by ``cpdata pack-store`` (one parser, the same
+    refusals); a refused conversion leaves no store behind."""
     if reader == "open_dataset":
         return open_dataset(path)
     out = path.with_name("store")

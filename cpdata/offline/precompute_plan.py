@@ -47,18 +47,6 @@ from cpdata.worker.targets import (
 __all__ = ["precompute"]
 
 
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    """A :class:`~cpdata.packing.PackingStats` as JSON-able numbers, sorted by name."""
-    out: dict[str, Any] = {}
-    for key, value in sorted(dataclasses.asdict(stats).items()):
-        if isinstance(value, (np.integer, bool)):
-            value = int(value)
-        elif isinstance(value, (np.floating, float)):
-            value = float(value)
-        out[key] = value
-    return out
-
-
 def _check_options(plan: Any, data: Any, dataset: Any) -> None:
     """Refuse records of another type and the fields that do not apply to a plan written ahead of training."""
     check_records(plan=plan, data=data)
@@ -244,18 +232,10 @@ def precompute(
 
     manifest = {
         "config": {
-            "capacity": config.capacity,
-            "cp_size": config.cp_size,
-            "layout": config.layout,
-            "doc_multiple": config.doc_multiple,
+            **{k: getattr(config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
             "pack_multiple": alignment(layout, cp_size)[1],
             "labels_alignment": labels_alignment,
-            "planner": {
-                "algorithm": config.algorithm,
-                "overflow": config.overflow,
-                "seed": config.seed,
-                "window": config.window,
-            },
+            "planner": {k: getattr(config, k) for k in ("algorithm", "overflow", "seed", "window")},
         },
         "input": {
             "kind": dataset.kind,
@@ -271,7 +251,8 @@ def precompute(
             "real_tokens": int(pack_tokens.sum()),
             "total_tokens": int(n_packs) * int(capacity),
         },
-        "stats": _stats_dict(result.stats),
+        "stats": {k: v.item() if isinstance(v, np.generic) else v  # numpy numbers as JSON numbers
+                  for k, v in dataclasses.asdict(result.stats).items()},
     }
     if isinstance(dataset, MixedDataset):  # what the mix drew from each source, as Pack.stats.sources online
         manifest["stats"]["sources"] = dataset.counts

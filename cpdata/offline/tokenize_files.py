@@ -37,7 +37,8 @@ def _init(convert: RowTokenizer | None) -> None:
     _convert = convert
 
 
-def _run_chunk(chunk: tuple[str, int, list[tuple[int, int, bytes]]]) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+def _run_chunk(chunk: tuple[str, int, list[tuple[int, int, bytes]]]) -> tuple[list[dict[str, np.ndarray]],
+                                                                            dict[str, int]]:
     """Documents of a chunk's ``(line number, byte offset, line)``s: ``pack-store`` rows (no converter) as
     :class:`~cpdata.sources.files.JsonlDocuments` reads them, every per-token list kept; else converted."""
     path, first_doc, lines = chunk
@@ -77,7 +78,8 @@ def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[in
         yield str(path), docs, lines
 
 
-def _converted(src: Path, convert: RowTokenizer | None, workers: int, bar: Progress, totals: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:
+def _converted(src: Path, convert: RowTokenizer | None, workers: int, bar: Progress,
+               totals: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
     """Every converted document of ``src`` in file order; the converter's counters are added to ``totals``."""
     if workers == 1:
         _init(convert)

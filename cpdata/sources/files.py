@@ -48,11 +48,12 @@ os.register_at_fork(after_in_child=_fresh_open_lock)
 
 
 def json_row(line: bytes, path: Path, where: object, offset: int) -> Any:
-    """Line ``where`` of the JSONL ``path`` (at byte ``offset``) parsed; anything but UTF-8 (UTF-16/32 too, which
-    ``json.loads`` of bytes would take) is refused naming the file, line and byte offset."""
+    """Line ``where`` of the JSONL ``path`` (at byte ``offset``) parsed; anything but UTF-8 (UTF-16/32 too,
+    which ``json.loads`` of bytes would take) is refused naming the file, line and byte offset."""
     nul = line.find(b"\0")
     if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
-        bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        wide = line[:2] in (b"\xff\xfe", b"\xfe\xff")
+        bom = " (it starts with a UTF-16/32 byte-order mark)" if wide else ""
         raise ValueError(
             f"{path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
             f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
@@ -73,12 +74,14 @@ def json_row(line: bytes, path: Path, where: object, offset: int) -> Any:
 
 
 def token_row(row: Any, where: str, *, every_list: bool = False) -> dict[str, np.ndarray]:
-    """A tokenized row (JSON, or an Arrow row's arrays) as a document: int64 ``input_ids`` ``[n]`` and the lists
-    of :data:`PER_TOKEN_KEYS` (``[n]`` each, ``labels`` integers); an all-ones ``attention_mask`` is dropped, a
-    padded one refused. ``every_list`` (``cpdata pack-store``, a ``datasets.Dataset``) keeps every other flat
-    numeric list of ``[n]`` too; ragged or non-numeric ones are metadata, skipped. Errors start with ``where``."""
+    """A tokenized row (JSON, or an Arrow row's arrays) as a document: int64 ``input_ids`` ``[n]`` and the
+    lists of :data:`PER_TOKEN_KEYS` (``[n]`` each, ``labels`` integers); an all-ones ``attention_mask`` is
+    dropped, a padded one refused. ``every_list`` (``cpdata pack-store``, a ``datasets.Dataset``) keeps every
+    other flat numeric list of ``[n]`` too; ragged or non-numeric ones are metadata, skipped. Errors start
+    with ``where``."""
     if not isinstance(row, dict) or not isinstance(row.get("input_ids"), (list, np.ndarray)):
-        untokenized = isinstance(row, dict) and "input_ids" not in row and ("text" in row or "messages" in row)
+        text = isinstance(row, dict) and ("text" in row or "messages" in row)
+        untokenized = text and "input_ids" not in row
         hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
                 "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
                 "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
@@ -89,8 +92,8 @@ def token_row(row: Any, where: str, *, every_list: bool = False) -> dict[str, np
         )
     out = {"input_ids": _array(row["input_ids"], "input_ids", where, integer=True)}
     named = [k for k in (*PER_TOKEN_KEYS, ATTENTION_MASK) if k in row]
-    others = [k for k, v in row.items()
-              if every_list and isinstance(v, (list, np.ndarray)) and k not in (*named, "input_ids")]  # fmt: skip
+    others = [k for k, v in row.items() if every_list and isinstance(v, (list, np.ndarray))
+              and k not in (*named, "input_ids")]  # fmt: skip
     for key in (*named, *others):
         value = _array(row[key], key, where, integer=key == "labels", strict=key in named)
         if value is None:
@@ -121,8 +124,8 @@ def _array(value: object, key: str, where: str, *, integer: bool, strict: bool =
     if not strict:
         return None
     raise ValueError(
-        f"{where}: {key!r} must be a flat list of {'integers' if integer else 'numbers'}, got shape {arr.shape} "
-        f"of {arr.dtype} (first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
+        f"{where}: {key!r} must be a flat list of {'integers' if integer else 'numbers'}, got shape "
+        f"{arr.shape} of {arr.dtype} (first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
     )
 
 
@@ -265,8 +268,8 @@ class JsonlDocuments(TokenizedDataset):
         return line
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        where = f"of document {i}"
-        return token_row(json_row(self._raw_row(i), self.path, where, int(self._offsets[i])), f"{self.path} line {where}")
+        row = json_row(self._raw_row(i), self.path, f"of document {i}", int(self._offsets[i]))
+        return token_row(row, f"{self.path} line of document {i}")
 
     def __del__(self) -> None:
         opened = getattr(self, "_file", None)

@@ -73,7 +73,8 @@ class HFDocuments(TokenizedDataset):
         super().__init__(Path(cache[0]).parent if cache else Path(f"datasets-{dataset._fingerprint}"))
         self.dataset = dataset
         self.length_column = length_column
-        keys = [c for c in columns if c == "input_ids" or (c != length_column and _per_token(dataset.features[c]))]
+        per_token = [c for c in columns if c != length_column and _per_token(dataset.features[c])]
+        keys = ["input_ids", *(c for c in per_token if c != "input_ids")]
         self._rows = dataset.select_columns(keys).with_format("numpy")
         self._lengths = self._read_lengths()
         self._samples = sample_digest(self._rows, len(self._lengths))
