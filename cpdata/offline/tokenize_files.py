@@ -19,7 +19,7 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
-from cpdata.sources.files import json_row, token_row
+from cpdata.sources.base import json_row, token_row
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenizer import RowTokenizer

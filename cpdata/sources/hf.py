@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import TokenizedDataset
-from cpdata.sources.files import token_row
+from cpdata.sources.base import TokenizedDataset, token_row
 from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
 
 __all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset"]
