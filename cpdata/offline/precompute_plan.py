@@ -26,8 +26,7 @@ from cpdata.nodes.options import (
     check_records,
     refuse_keywords,
 )
-from cpdata.nodes.source import to_document
-from cpdata.nodes.source_kinds import name_document_error
+from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, read_store, write_store
@@ -88,11 +87,7 @@ def _first_targets(dataset: TokenizedDataset, labels_alignment: LabelsAlignment,
     out = np.empty(len(dataset), dtype=np.int64)
     with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
         for i in range(len(dataset)):
-            try:
-                out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
-            except (TypeError, ValueError) as exc:
-                name_document_error(exc, dataset)  # a mix: document i of source 'b'
-                raise
+            out[i] = first_target(read_document(dataset, i, None, labels_alignment).arrays)
             bar.update()
     return out
 
