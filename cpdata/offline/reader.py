@@ -21,18 +21,16 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.nodes.collate import Collate
 from cpdata.nodes.dataset import WorkerDataset
 from cpdata.nodes.epochs import check_epoch
+from cpdata.nodes.loader import GraphOptions, rank_node, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
-from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store, reopen_store
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
-from cpdata.worker.collate import check_padding_token_id
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
 __all__ = ["PrecomputedDataset", "PrecomputedPacks", "StoreRows"]
@@ -227,20 +225,18 @@ class PrecomputedDataset(WorkerDataset):
         accepted = ("cp_rank", "cp_size", "layout", "batch_size", "qkv_format", "padding_token_id", "data", "delivery")
         refuse_keywords("PrecomputedDataset", removed, accepted)
         super().__init__(delivery)
-        check_padding_token_id(padding_token_id, data.vocab_size)  # as CPDataset: pads must be embeddable
         self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, data=data)
-        self.cp_rank = cp_rank
-        self.cp_size = int(self.plans.store.config["cp_size"])
-        self.layout = str(self.plans.store.config["layout"])
-        self.collate_kwargs = {"batch_size": batch_size, "qkv_format": qkv_format, "padding_token_id": padding_token_id}
-        self.delivery = delivery
+        config = self.plans.store.config
+        self.options = GraphOptions(capacity=int(config["capacity"]), cp_size=int(config["cp_size"]),
+                                    layout=str(config["layout"]), batch_size=batch_size, qkv_format=qkv_format,
+                                    padding_token_id=padding_token_id, data=data)  # as CPDataset's: pads checked
+        self.cp_rank, self.delivery = cp_rank, delivery
         self._worker_node(0, 1)  # validate the configuration in the main process
 
     def __len__(self) -> int:
         """Batches of epoch 0 (or the epoch :meth:`set_epoch` named) for this DP rank (the last may hold
         fewer than ``batch_size`` packs; a mix's epochs differ)."""
-        b = self.collate_kwargs["batch_size"]
-        return -(-self.plans.rows.packs(self.start_epoch or 0) // b)
+        return -(-self.plans.rows.packs(self.start_epoch or 0) // self.options.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs);
@@ -249,7 +245,5 @@ class PrecomputedDataset(WorkerDataset):
         super().set_epoch(epoch)
 
     def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
-        packs = self.plans.with_worker((worker_id, num_workers), batch=self.collate_kwargs["batch_size"])
-        return ShardForRank(Collate(packs, **self.collate_kwargs), cp_size=self.cp_size, cp_rank=self.cp_rank,
-                            layout=self.layout, block_size=self.delivery.block_size,
-                            kv_exchange=self.delivery.kv_exchange)  # fmt: skip
+        packs = self.plans.with_worker((worker_id, num_workers), batch=self.options.batch_size)
+        return rank_node(shard_graph(None, self.options, packs=packs), self.options, self.cp_rank, self.delivery)
