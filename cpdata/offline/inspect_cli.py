@@ -104,15 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(store: Any, args: argparse.Namespace) -> int:
-    from cpdata.offline.plot import PLOT_INSTALL_HINT
+    from cpdata.offline.plot import PLOT_INSTALL_HINT, plot_pack  # matplotlib is imported when drawing
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(f"cpdata inspect: --plot needs matplotlib; install it with: {PLOT_INSTALL_HINT}", file=sys.stderr)
         return 2
-    from cpdata.offline.plot import plot_pack
-
     k = 0 if args.pack is None else args.pack
     layouts = layouts_for(store.config["cp_size"]) if args.all_layouts else (store.config["layout"],)
     if store.n_packs == 0:
