@@ -114,11 +114,8 @@ def _plan_epochs(lengths: np.ndarray, starts: np.ndarray, firsts: np.ndarray | N
     result = PackingResult(
         pack_offsets=np.concatenate([*offsets, [piece_starts[-1]]]).astype(np.int64),
         doc_index=np.concatenate([np.asarray(r.doc_index) + lo for r, lo in zip(parts, starts.tolist(), strict=False)]),
-        doc_start=np.concatenate([r.doc_start for r in parts]),
-        doc_len=np.concatenate([r.doc_len for r in parts]),
-        slot_len=np.concatenate([r.slot_len for r in parts]),
-        stats=stats,
-        config=parts[0].config,
+        **{k: np.concatenate([getattr(r, k) for r in parts]) for k in ("doc_start", "doc_len", "slot_len")},
+        stats=stats, config=parts[0].config,
     )  # fmt: skip
     return result, pack_starts
 
