@@ -71,3 +71,24 @@ def test_a_padded_jsonl_row_is_refused(tmp_path):
     rows[1]["attention_mask"] = [1, 1, 1]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _same(_batches(open_dataset(path)), _batches([{"input_ids": r["input_ids"]} for r in rows]))
+
+
+def test_pack_store_keeps_no_attention_mask_and_refuses_a_padded_row(tmp_path):
+    """``cpdata pack-store`` parses rows as ``open_dataset`` does: an all-ones mask is dropped (the store
+    holds no ``attention_mask`` file), a padded row is refused naming its line, and nothing is written."""
+    from cpdata.offline.tokenize_files import convert_jsonl
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"input_ids": [5, 6, 7, 8], "attention_mask": [1, 1, 1, 1], "loss_mask": [0, 1, 1, 1]},
+            {"input_ids": [5, 6, 0], "attention_mask": [1, 1, 0]}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    padded = r"rows.jsonl line 2: 'attention_mask' is 0 at 1 positions \(first 2\)"
+    with pytest.raises(ValueError, match=padded):
+        convert_jsonl(path, tmp_path / "padded")
+    assert not (tmp_path / "padded").exists()
+    rows[1]["attention_mask"] = [1, 1, 1]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store, _ = convert_jsonl(path, tmp_path / "store")
+    assert store.per_token_keys == {"loss_mask"} and not (tmp_path / "store" / "attention_mask.bin").exists()
+    for stored, read in zip(store, open_dataset(path), strict=True):
+        assert stored.keys() == read.keys() and all((stored[k] == read[k]).all() for k in read)

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from cpdata.cli import main as cli_main
 from cpdata.layout.maps import alignment, causal_work, rank_indices
 from cpdata.offline import precompute, read_store
-from cpdata.offline.metrics import chunk_lengths, pack_geometry
-from cpdata.offline.summary import SHORT_CHUNK, layouts_for, summarize
+from cpdata.offline.metrics import SHORT_CHUNK, chunk_lengths, layouts_for, pack_geometry, summarize
 
 
 def brute_work(rows: np.ndarray, doc_len, slot_len) -> list[int]:

@@ -343,8 +343,8 @@ def test_flex_mask_bytes_equal_create_block_mask_tensors():
 
 
 def test_precompute_with_a_tile_records_it_and_inspect_counts_tiles(tmp_path):
+    from cpdata.offline.metrics import summarize
     from cpdata.offline.precompute_plan import precompute
-    from cpdata.offline.summary import summarize
 
     lengths = np.random.default_rng(0).integers(10, 3000, size=200)
     np.save(tmp_path / "lens.npy", lengths)

@@ -11,15 +11,29 @@ import pytest
 from cpdata.cli import main as cli_main
 from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.offline import precompute
+from cpdata.offline.tokenize_files import convert_jsonl
 from cpdata.sources import open_dataset
+
+
+def _opened(path, reader: str):
+    """``path`` read by ``open_dataset`` or converted by ``cpdata pack-store`` (one parser, the same
+    refusals); a refused conversion leaves no store behind."""
+    if reader == "open_dataset":
+        return open_dataset(path)
+    out = path.with_name("store")
+    try:
+        return convert_jsonl(path, out)[0]
+    finally:
+        assert out.exists() == (out / "tokens.bin").is_file()  # written whole, or not at all
 
 
 def _rows(*rows: dict) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
 
 
+@pytest.mark.parametrize("reader", ["open_dataset", "pack-store"])
 @pytest.mark.parametrize("field", ["input_ids", "meta"])
-def test_invalid_utf8_names_file_line_offset_and_encoding(tmp_path, field):
+def test_invalid_utf8_names_file_line_offset_and_encoding(tmp_path, field, reader):
     """One bad byte anywhere in a row, even in a field the reader ignores, is named precisely."""
     head = _rows({"input_ids": [1, 2]}, {"input_ids": [3], "meta": "ok"})
     if field == "meta":
@@ -31,19 +45,21 @@ def test_invalid_utf8_names_file_line_offset_and_encoding(tmp_path, field):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(head + bad + _rows({"input_ids": [6]}))
     with pytest.raises(ValueError) as info:
-        open_dataset(path)
+        _opened(path, reader)
     message = str(info.value)
     for part in (str(path), "line 3", f"byte offset {len(head) + column}", "invalid UTF-8 byte 0x",
                  "must be UTF-8"):  # fmt: skip
         assert part in message, (part, message)
 
 
+@pytest.mark.parametrize("reader", ["open_dataset", "pack-store"])
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
-def test_utf16_file_is_named_as_such(tmp_path, encoding):
+def test_utf16_file_is_named_as_such(tmp_path, encoding, reader):
+    """``json.loads`` of bytes would decode UTF-16/32; both readers refuse it as not UTF-8."""
     path = tmp_path / "wide.jsonl"
     path.write_bytes(_rows({"input_ids": [1, 2]}, {"input_ids": [3]}).decode().encode(encoding))
     with pytest.raises(ValueError) as info:
-        open_dataset(path)
+        _opened(path, reader)
     message = str(info.value)
     for part in (str(path), "line 1", "byte offset", "UTF-16 or UTF-32", "must be UTF-8", "iconv"):
         assert part in message, (part, message)
@@ -51,10 +67,11 @@ def test_utf16_file_is_named_as_such(tmp_path, encoding):
         assert "byte-order mark" in message
 
 
-def test_utf8_byte_order_mark_and_non_ascii_text_are_accepted(tmp_path):
+@pytest.mark.parametrize("reader", ["open_dataset", "pack-store"])
+def test_utf8_byte_order_mark_and_non_ascii_text_are_accepted(tmp_path, reader):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + _rows({"input_ids": [1, 2], "meta": "café ✓"}, {"input_ids": [3]}))
-    data = open_dataset(path)
+    data = _opened(path, reader)
     assert [d["input_ids"].tolist() for d in data] == [[1, 2], [3]]
 
 

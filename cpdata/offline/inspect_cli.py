@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.offline.summary import DEFAULT_SAMPLE, SHORT_CHUNK
+from cpdata.offline.metrics import DEFAULT_SAMPLE, SHORT_CHUNK, imbalance, layouts_for, pack_view, summarize
 
 __all__ = ["register", "run"]
 
@@ -33,9 +33,6 @@ def register(subparsers: Any) -> None:
 
 
 def _print_summary(store: Any, sample: int | None) -> None:
-    from cpdata.offline.metrics import imbalance
-    from cpdata.offline.summary import summarize
-
     s = summarize(store, sample=sample)
     cfg = store.config
     print(f"plan {store.path}")
@@ -71,9 +68,6 @@ def _print_summary(store: Any, sample: int | None) -> None:
 
 
 def _print_pack(store: Any, k: int) -> None:
-    from cpdata.offline.metrics import imbalance
-    from cpdata.offline.summary import pack_view
-
     geometry, _, work = pack_view(store, k, store.config["layout"])
     rows = store.pack_slice(k)
     a = store.arrays
@@ -110,16 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(store: Any, args: argparse.Namespace) -> int:
-    from cpdata.offline.plot import PLOT_INSTALL_HINT
+    from cpdata.offline.plot import PLOT_INSTALL_HINT, plot_pack  # matplotlib is imported when drawing
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(f"cpdata inspect: --plot needs matplotlib; install it with: {PLOT_INSTALL_HINT}", file=sys.stderr)
         return 2
-    from cpdata.offline.plot import plot_pack
-    from cpdata.offline.summary import layouts_for
-
     k = 0 if args.pack is None else args.pack
     layouts = layouts_for(store.config["cp_size"]) if args.all_layouts else (store.config["layout"],)
     if store.n_packs == 0:

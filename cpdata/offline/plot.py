@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.offline.metrics import imbalance
+from cpdata.offline.metrics import imbalance, pack_view
 from cpdata.offline.store import PackStore
-from cpdata.offline.summary import pack_view
 
 __all__ = ["PLOT_INSTALL_HINT", "plot_pack"]
 

@@ -26,8 +26,7 @@ from cpdata.nodes.options import (
     check_records,
     refuse_keywords,
 )
-from cpdata.nodes.source import to_document
-from cpdata.nodes.source_kinds import name_document_error
+from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.metrics import pack_geometry, rank_work
 from cpdata.offline.progress import Progress
 from cpdata.offline.store import PackStore, read_store, write_store
@@ -45,18 +44,6 @@ from cpdata.worker.targets import (
 )
 
 __all__ = ["precompute"]
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    """A :class:`~cpdata.packing.PackingStats` as JSON-able numbers, sorted by name."""
-    out: dict[str, Any] = {}
-    for key, value in sorted(dataclasses.asdict(stats).items()):
-        if isinstance(value, (np.integer, bool)):
-            value = int(value)
-        elif isinstance(value, (np.floating, float)):
-            value = float(value)
-        out[key] = value
-    return out
 
 
 def _check_options(plan: Any, data: Any, dataset: Any) -> None:
@@ -100,11 +87,7 @@ def _first_targets(dataset: TokenizedDataset, labels_alignment: LabelsAlignment,
     out = np.empty(len(dataset), dtype=np.int64)
     with Progress(len(dataset), "finding trained targets", unit="docs", enabled=progress) as bar:
         for i in range(len(dataset)):
-            try:
-                out[i] = first_target(to_document(dataset[i], i, None, labels_alignment).arrays)
-            except (TypeError, ValueError) as exc:
-                name_document_error(exc, dataset)  # a mix: document i of source 'b'
-                raise
+            out[i] = first_target(read_document(dataset, i, None, labels_alignment).arrays)
             bar.update()
     return out
 
@@ -131,11 +114,8 @@ def _plan_epochs(lengths: np.ndarray, starts: np.ndarray, firsts: np.ndarray | N
     result = PackingResult(
         pack_offsets=np.concatenate([*offsets, [piece_starts[-1]]]).astype(np.int64),
         doc_index=np.concatenate([np.asarray(r.doc_index) + lo for r, lo in zip(parts, starts.tolist(), strict=False)]),
-        doc_start=np.concatenate([r.doc_start for r in parts]),
-        doc_len=np.concatenate([r.doc_len for r in parts]),
-        slot_len=np.concatenate([r.slot_len for r in parts]),
-        stats=stats,
-        config=parts[0].config,
+        **{k: np.concatenate([getattr(r, k) for r in parts]) for k in ("doc_start", "doc_len", "slot_len")},
+        stats=stats, config=parts[0].config,
     )  # fmt: skip
     return result, pack_starts
 
@@ -244,18 +224,10 @@ def precompute(
 
     manifest = {
         "config": {
-            "capacity": config.capacity,
-            "cp_size": config.cp_size,
-            "layout": config.layout,
-            "doc_multiple": config.doc_multiple,
+            **{k: getattr(config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
             "pack_multiple": alignment(layout, cp_size)[1],
             "labels_alignment": labels_alignment,
-            "planner": {
-                "algorithm": config.algorithm,
-                "overflow": config.overflow,
-                "seed": config.seed,
-                "window": config.window,
-            },
+            "planner": {k: getattr(config, k) for k in ("algorithm", "overflow", "seed", "window")},
         },
         "input": {
             "kind": dataset.kind,
@@ -271,7 +243,8 @@ def precompute(
             "real_tokens": int(pack_tokens.sum()),
             "total_tokens": int(n_packs) * int(capacity),
         },
-        "stats": _stats_dict(result.stats),
+        "stats": {k: v.item() if isinstance(v, np.generic) else v  # numpy numbers as JSON numbers
+                  for k, v in dataclasses.asdict(result.stats).items()},
     }
     if isinstance(dataset, MixedDataset):  # what the mix drew from each source, as Pack.stats.sources online
         manifest["stats"]["sources"] = dataset.counts

@@ -1,10 +1,15 @@
-"""``PrecomputedPacks``: serve a precomputed plan directory as ``PackPlan``s.
+"""``PrecomputedPacks``, ``PrecomputedDataset``: a precomputed plan directory served as ``PackPlan``s, batches.
 
 It replaces ``Documents -> Pack`` (``PrecomputedPacks -> Collate -> ShardForRank``): its rows are the plan's
 memory-mapped arrays, served by :class:`~cpdata.nodes.served.ServedPacks` (O(1) restore anywhere). A plan for
 other documents (their identity, or only their lengths for a plan from a lengths file), another ``cp_size``,
 ``layout`` or labels alignment, or failing a checksum is refused; the manifest and the documents are checked
 again at every epoch start and restore. How DP ranks split a plan and which epochs it holds: docs/usage.md.
+
+:class:`PrecomputedDataset` serves it through ``StatefulDataLoader`` workers: batch ``j`` of a DP rank is
+packs ``j·B .. j·B + B − 1`` of its stream; worker ``w`` of ``N`` builds batches ``w, w + N, ...`` and reads
+only those packs' documents (unlike :class:`~cpdata.CPDataset`); epochs and resume as for
+:class:`~cpdata.nodes.dataset.WorkerDataset`.
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from torchdata.nodes import BaseNode
 
-from cpdata.nodes.options import DataPolicy, check_records, refuse_keywords
+from cpdata.nodes.dataset import WorkerDataset
+from cpdata.nodes.epochs import check_epoch
+from cpdata.nodes.loader import GraphOptions, rank_node, shard_graph
+from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store, reopen_store
@@ -24,7 +33,7 @@ from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths
 from cpdata.worker.targets import LabelsAlignment, declared_alignment
 
-__all__ = ["PrecomputedPacks", "StoreRows"]
+__all__ = ["PrecomputedDataset", "PrecomputedPacks", "StoreRows"]
 
 
 def _check_documents(store: PackStore, documents: Any) -> None:
@@ -189,3 +198,52 @@ class PrecomputedPacks(ServedPacks):
         """The mix's ``document_sources`` of this epoch's pieces (their index counts from the epoch's first draw)."""
         base = int(self.rows.first_document[self.epoch]) if self.rows.epochs is not None else 0
         return self.documents.document_sources(np.asarray(index, dtype=np.int64) + base)
+
+
+class PrecomputedDataset(WorkerDataset):
+    """One CP rank's batches from a plan directory, for ``StatefulDataLoader(batch_size=None, num_workers=N)``.
+
+    Plan, documents and ``data`` as for :class:`~cpdata.offline.reader.PrecomputedPacks` (``cp_size``
+    defaults to the plan's); ``batch_size``, ``qkv_format`` and ``padding_token_id`` as for
+    :class:`~cpdata.nodes.collate.Collate`; ``delivery`` as for :class:`~cpdata.CPDataset`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        documents: Any,
+        *,
+        cp_rank: int,
+        cp_size: int | None = None,
+        layout: str | None = None,
+        batch_size: int = 1,
+        qkv_format: str = "bshd",
+        padding_token_id: int = 0,
+        data: DataPolicy = DataPolicy(),
+        delivery: Delivery = Delivery(),
+        **removed: Any,
+    ) -> None:
+        accepted = ("cp_rank", "cp_size", "layout", "batch_size", "qkv_format", "padding_token_id", "data", "delivery")
+        refuse_keywords("PrecomputedDataset", removed, accepted)
+        super().__init__(delivery)
+        self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, data=data)
+        config = self.plans.store.config
+        self.options = GraphOptions(capacity=int(config["capacity"]), cp_size=int(config["cp_size"]),
+                                    layout=str(config["layout"]), batch_size=batch_size, qkv_format=qkv_format,
+                                    padding_token_id=padding_token_id, data=data)  # as CPDataset's: pads checked
+        self.cp_rank, self.delivery = cp_rank, delivery
+        self._worker_node(0, 1)  # validate the configuration in the main process
+
+    def __len__(self) -> int:
+        """Batches of epoch 0 (or the epoch :meth:`set_epoch` named) for this DP rank (the last may hold
+        fewer than ``batch_size`` packs; a mix's epochs differ)."""
+        return -(-self.plans.rows.packs(self.start_epoch or 0) // self.options.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at ``epoch`` (a mix's plan: that epoch's packs; others: the same packs);
+        an epoch the plan does not hold is refused here."""
+        self.plans.rows.check_epoch(check_epoch(epoch))
+        super().set_epoch(epoch)
+
+    def _worker_node(self, worker_id: int, num_workers: int) -> BaseNode:
+        packs = self.plans.with_worker((worker_id, num_workers), batch=self.options.batch_size)
+        return rank_node(shard_graph(None, self.options, packs=packs), self.options, self.cp_rank, self.delivery)

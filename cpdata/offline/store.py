@@ -130,14 +130,8 @@ def read_store(path: str | os.PathLike[str], *, verify: bool = True) -> PackStor
                 f"manifest records {entry['dtype']} {entry['shape']}; {_RERUN}"
             )
         arrays[name] = arr
-    _check_structure(root, arrays)
-    return PackStore(path=root, manifest=manifest, arrays=arrays)
-
-
-def _check_structure(root: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    offsets = arrays["pack_offsets"]
-    n_pieces = arrays["doc_index"].shape[0]
-    ok = (
+    offsets, n_pieces = arrays["pack_offsets"], arrays["doc_index"].shape[0]
+    consistent = (
         offsets.ndim == 1
         and offsets.shape[0] >= 1
         and int(offsets[0]) == 0
@@ -147,5 +141,7 @@ def _check_structure(root: Path, arrays: Mapping[str, np.ndarray]) -> None:
         and arrays["pack_tokens"].shape[0] == offsets.shape[0] - 1
         and arrays["rank_work"].shape[0] == offsets.shape[0] - 1
     )
-    if not ok:
+    if not consistent:
         raise ValueError(f"plan arrays in {root} are inconsistent with each other; {_RERUN}")
+    return PackStore(path=root, manifest=manifest, arrays=arrays)
+

@@ -9,10 +9,9 @@ the output is byte-identical for any ``workers``. ``tokenize`` lines are text or
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from cpdata.errors import check_int
 from cpdata.offline.progress import Progress
+from cpdata.sources.base import json_row, token_row
 from cpdata.sources.megatron import MegatronIndexed
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenizer import RowTokenizer
@@ -29,52 +29,26 @@ __all__ = ["add_tokenizer_options", "convert_jsonl", "register_pack_store", "reg
            "run"]
 
 _CHUNK_LINES = 512
-_convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]] | None = None
+_convert: RowTokenizer | None = None
 
 
-def _tokenized_row(row: dict[str, Any], index: int) -> dict[str, np.ndarray]:
-    """A pack-store line: ``input_ids`` plus per-token numeric lists of the same length (others are metadata)."""
-    if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
-        raise ValueError(f"expected an object with an 'input_ids' list, got {type(row).__name__}")
-    out: dict[str, np.ndarray] = {}
-    for key, value in row.items():
-        if not isinstance(value, list):
-            continue
-        try:
-            arr = np.asarray(value)
-        except ValueError:  # ragged: metadata such as chat turns
-            arr = np.asarray([], dtype=object)
-        if arr.size == 0 and key == "input_ids":
-            arr = np.zeros(0, dtype=np.int64)
-        integer = key in ("input_ids", "labels")
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in ("iu" if integer else "biuf")):
-            if key == "input_ids" or integer:
-                raise ValueError(f"{key!r} must be a flat list of integers, got {arr.dtype} shape {arr.shape} "
-                                 f"(first values {arr.reshape(-1)[:4].tolist()})")  # fmt: skip
-            continue
-        out[key] = arr
-    n = out["input_ids"].shape[0]
-    for key, arr in out.items():
-        if arr.shape[0] != n:
-            raise ValueError(f"{key!r} has {arr.shape[0]} entries but 'input_ids' has {n}; per-token lists must match")
-    return out
-
-
-def _init(convert: Callable[[dict[str, Any], int], dict[str, np.ndarray]]) -> None:
+def _init(convert: RowTokenizer | None) -> None:
     global _convert
     _convert = convert
 
 
-def _run_chunk(chunk: tuple[str, int, list[tuple[int, bytes]]]) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+def _run_chunk(chunk: tuple[str, int, list[tuple[int, int, bytes]]]) -> tuple[list[dict[str, np.ndarray]],
+                                                                            dict[str, int]]:
+    """Documents of a chunk's ``(line number, byte offset, line)``s: ``pack-store`` rows (no converter) as
+    :class:`~cpdata.sources.files.JsonlDocuments` reads them, every per-token list kept; else converted."""
     path, first_doc, lines = chunk
-    assert _convert is not None
     docs = []
     before = _stats(_convert)
-    for k, (lineno, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} line {lineno}: not valid JSON ({e})") from None
+    for k, (lineno, offset, line) in enumerate(lines):
+        row = json_row(line, Path(path), lineno, offset)
+        if _convert is None:
+            docs.append(token_row(row, f"{path} line {lineno}", every_list=True))
+            continue
         try:
             docs.append(_convert(row, first_doc + k))
         except (ValueError, TypeError) as e:
@@ -83,18 +57,19 @@ def _run_chunk(chunk: tuple[str, int, list[tuple[int, bytes]]]) -> tuple[list[di
     return docs, {k: after[k] - before.get(k, 0) for k in after}
 
 
-def _stats(convert: Any) -> dict[str, int]:
-    return convert.stats.as_dict() if isinstance(convert, RowTokenizer) else {}
+def _stats(convert: RowTokenizer | None) -> dict[str, int]:
+    return {} if convert is None else convert.stats.as_dict()
 
 
-def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[int, bytes]]]]:
-    lines: list[tuple[int, bytes]] = []
-    docs = 0
+def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[int, int, bytes]]]]:
+    lines: list[tuple[int, int, bytes]] = []
+    docs = offset = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             bar.update(len(line))
             if line.strip():
-                lines.append((lineno, line))
+                lines.append((lineno, offset, line))
+            offset += len(line)
             if len(lines) == _CHUNK_LINES:
                 yield str(path), docs, lines
                 docs += len(lines)
@@ -103,7 +78,8 @@ def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[in
         yield str(path), docs, lines
 
 
-def _converted(src: Path, convert: Any, workers: int, bar: Progress, totals: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:
+def _converted(src: Path, convert: RowTokenizer | None, workers: int, bar: Progress,
+               totals: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
     """Every converted document of ``src`` in file order; the converter's counters are added to ``totals``."""
     if workers == 1:
         _init(convert)
@@ -153,7 +129,7 @@ def convert_jsonl(
     totals: dict[str, int] = {}
     with Progress(src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B",
                   enabled=progress) as bar:  # fmt: skip
-        documents = _converted(src, tokenizer or _tokenized_row, workers, bar, totals)
+        documents = _converted(src, tokenizer, workers, bar, totals)
         if fmt == "megatron":
             return write_megatron(documents, out, vocab_size=vocab_size, overwrite=overwrite), totals
         # totals fill as the documents are read: complete when the manifest is written

@@ -1,10 +1,12 @@
-"""``TokenizedDataset``: the base every reader of tokenized documents shares (indexing, slices, id checks).
+"""``TokenizedDataset``: the base every reader of tokenized documents shares (indexing, slices, id checks, the
+parsing of a tokenized row).
 
 Readers of each format subclass it; :func:`cpdata.sources.open.open_dataset` picks one from a path.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -15,8 +17,15 @@ import numpy as np
 
 from cpdata.errors import is_int
 from cpdata.sources.protocol import declared_labels
+from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
-__all__ = ["DatasetSlice", "TokenizedDataset"]
+__all__ = ["PER_TOKEN_KEYS", "DatasetSlice", "TokenizedDataset", "json_row", "token_row"]
+
+PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
+"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.worker.targets`);
+other fields of a row are ignored."""
+_UTF8_BOM = b"\xef\xbb\xbf"
+
 
 def _check_ids(path: Path, index: int, ids: np.ndarray, vocab_size: int | None) -> None:
     if not ids.shape[0]:
@@ -43,6 +52,88 @@ def _written_ids(name: Path, index: int, document: Any, limit: int) -> np.ndarra
         raise TypeError(f"{name}: document {index}: input_ids must be integers, got {ids.dtype}")
     _check_ids(name, index, ids.astype(np.int64, copy=False), limit)
     return ids
+
+
+def json_row(line: bytes, path: Path, where: object, offset: int) -> Any:
+    """Line ``where`` of the JSONL ``path`` (at byte ``offset``) parsed; anything but UTF-8 (UTF-16/32 too,
+    which ``json.loads`` of bytes would take) is refused naming the file, line and byte offset."""
+    nul = line.find(b"\0")
+    if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
+        wide = line[:2] in (b"\xff\xfe", b"\xfe\xff")
+        bom = " (it starts with a UTF-16/32 byte-order mark)" if wide else ""
+        raise ValueError(
+            f"{path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
+            f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
+            f"`iconv -f UTF-16 -t UTF-8 {path.name} > out.jsonl`"
+        )
+    start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
+    try:
+        return json.loads(line[start:].decode("utf-8"))
+    except UnicodeDecodeError as e:
+        at = start + e.start
+        raise ValueError(
+            f"{path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
+            f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
+            "or fix the bytes of that line"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def token_row(row: Any, where: str, *, every_list: bool = False) -> dict[str, np.ndarray]:
+    """A tokenized row (JSON, or an Arrow row's arrays) as a document: int64 ``input_ids`` ``[n]`` and the
+    lists of :data:`PER_TOKEN_KEYS` (``[n]`` each, ``labels`` integers); an all-ones ``attention_mask`` is
+    dropped, a padded one refused. ``every_list`` (``cpdata pack-store``, a ``datasets.Dataset``) keeps every
+    other flat numeric list of ``[n]`` too; ragged or non-numeric ones are metadata, skipped. Errors start
+    with ``where``."""
+    if not isinstance(row, dict) or not isinstance(row.get("input_ids"), (list, np.ndarray)):
+        text = isinstance(row, dict) and ("text" in row or "messages" in row)
+        untokenized = text and "input_ids" not in row
+        hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
+                "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
+                "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
+                if untokenized else "")  # fmt: skip
+        raise ValueError(
+            f"{where}: expected an object with an 'input_ids' list, "
+            f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
+        )
+    out = {"input_ids": _array(row["input_ids"], "input_ids", where, integer=True)}
+    named = [k for k in (*PER_TOKEN_KEYS, ATTENTION_MASK) if k in row]
+    others = [k for k, v in row.items() if every_list and isinstance(v, (list, np.ndarray))
+              and k not in (*named, "input_ids")]  # fmt: skip
+    for key in (*named, *others):
+        value = _array(row[key], key, where, integer=key == "labels", strict=key in named)
+        if value is None:
+            continue
+        if value.shape != out["input_ids"].shape:
+            raise ValueError(
+                f"{where}: {key!r} has {value.shape[0]} entries but input_ids has "
+                f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
+            )
+        if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
+            check_unpadded(value, where)
+        else:
+            out[key] = value
+    return out
+
+
+def _array(value: object, key: str, where: str, *, integer: bool, strict: bool = True) -> np.ndarray | None:
+    """A 1-D numeric array of a row's field, nothing cast, rounded or flattened silently (not ``strict``: None
+    for anything else)."""
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        arr = np.asarray(value, dtype=object)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim == 1 and arr.dtype.kind in ("iu" if integer else "iufb"):
+        return arr.astype(np.int64) if integer else arr
+    if not strict:
+        return None
+    raise ValueError(
+        f"{where}: {key!r} must be a flat list of {'integers' if integer else 'numbers'}, got shape "
+        f"{arr.shape} of {arr.dtype} (first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
+    )
 
 
 class TokenizedDataset(ABC):

@@ -43,7 +43,12 @@ class ConcatDataset(TokenizedDataset):
         """int64 ``[parts + 1]``: part ``s`` is documents ``starts[s]:starts[s + 1]``."""
         self.serves_tokens = all(p.serves_tokens for p in parts)
         self.per_token_keys = frozenset().union(*(p.per_token_keys for p in parts))
-        self.labels_alignment = _one_alignment(parts)
+        named = [(f"part {k} ({part.path})", declared_labels(part), bool(carried_targets(part)))
+                 for k, part in enumerate(parts)]  # fmt: skip
+        self.labels_alignment = agreed_alignment(
+            "open_dataset([...])", named, "rewrite one side's labels in the other convention (shift them by one "
+            "token) or write them as a token store that declares theirs (write_token_store(..., "
+            "labels_alignment=...)) before concatenating, or train on them as separate sources")
         self._lengths: np.ndarray | None = None
 
     @property
@@ -83,12 +88,3 @@ class ConcatDataset(TokenizedDataset):
         named = ((f"part {s} of {len(self.parts)}", p) for s, p in enumerate(self.parts))
         naming_parts(named, lambda part: part.check_unchanged())
 
-
-def _one_alignment(parts: Sequence[TokenizedDataset]) -> str | None:
-    """The ``labels_alignment`` the parts declare (:func:`cpdata.worker.targets.agreed_alignment`)."""
-    named = [(f"part {k} ({part.path})", declared_labels(part), bool(carried_targets(part)))
-             for k, part in enumerate(parts)]  # fmt: skip
-    return agreed_alignment("open_dataset([...])", named, "rewrite one side's labels in the other convention "
-                            "(shift them by one token) or write them as a token store that declares theirs "
-                            "(write_token_store(..., labels_alignment=...)) before concatenating, or train on them "
-                            "as separate sources")  # fmt: skip

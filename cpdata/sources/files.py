@@ -9,7 +9,6 @@ picklable and safe from threads and forked or spawned workers. ``.npy`` files ar
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import zlib
@@ -19,18 +18,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.base import TokenizedDataset, json_row, token_row
 from cpdata.sources.chunksums import file_sums
 from cpdata.sources.fingerprint import lengths_sha256, sample_positions
-from cpdata.worker.targets import ATTENTION_MASK, check_unpadded
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
 
-_UTF8_BOM = b"\xef\xbb\xbf"
 _INT64_MAX = int(np.iinfo(np.int64).max)
-PER_TOKEN_KEYS: tuple[str, ...] = ("labels", "loss_mask", "assistant_masks", "completion_mask")
-"""Optional JSONL fields kept as per-token arrays (labels and the mask names of :mod:`cpdata.worker.targets`);
-other fields of a row are ignored."""
 _FILE_SAMPLES = 64
 """Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
 
@@ -120,7 +114,7 @@ class JsonlDocuments(TokenizedDataset):
                 if line.strip():
                     offsets.append(pos)
                     crcs.append(zlib.crc32(line))
-                    row = self._parse(line, lineno, pos)
+                    row = token_row(json_row(line, self.path, lineno, pos), f"{self.path} line {lineno}")
                     ids = row["input_ids"]
                     lengths.append(ids.shape[0])
                     keys.update(row)
@@ -137,74 +131,6 @@ class JsonlDocuments(TokenizedDataset):
         self.per_token_keys = frozenset(keys - {"input_ids"})
         self._size = pos
         self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
-
-    def _decode(self, line: bytes, where: object, offset: int) -> str:
-        """The row as text; anything but UTF-8 is refused with the file, line and byte offset."""
-        nul = line.find(b"\0")
-        if nul >= 0:  # JSON text never holds a raw NUL byte; UTF-16/32 text does on every ASCII character
-            bom = " (it starts with a UTF-16/32 byte-order mark)" if line[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-            raise ValueError(
-                f"{self.path} line {where} (byte offset {offset + nul}): NUL byte; the file looks "
-                f"UTF-16 or UTF-32 encoded{bom}, but JSONL must be UTF-8: convert it, e.g. "
-                f"`iconv -f UTF-16 -t UTF-8 {self.path.name} > out.jsonl`"
-            )
-        start = len(_UTF8_BOM) if offset == 0 and line.startswith(_UTF8_BOM) else 0
-        try:
-            return line[start:].decode("utf-8")
-        except UnicodeDecodeError as e:
-            at = start + e.start
-            raise ValueError(
-                f"{self.path} line {where} (byte offset {offset + at}): invalid UTF-8 byte 0x{line[at]:02x} "
-                f"({e.reason}); JSONL must be UTF-8 encoded, every field included: re-encode the file as UTF-8 "
-                "or fix the bytes of that line"
-            ) from None
-
-    def _parse(self, line: bytes, where: object, offset: int) -> dict[str, np.ndarray]:
-        try:
-            row = json.loads(self._decode(line, where, offset))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{self.path} line {where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("input_ids"), list):
-            untokenized = isinstance(row, dict) and "input_ids" not in row and ("text" in row or "messages" in row)
-            hint = ("; the rows are text or chat, not tokens: tokenize them first (`cpdata precompute FILE "
-                    "--tokenizer PATH ...` tokenizes and plans in one go, `cpdata tokenize FILE --tokenizer PATH "
-                    "--out DIR` writes a token store, cpdata.Tokenize(rows, tokenizer) does it in Python)"
-                    if untokenized else "")  # fmt: skip
-            raise ValueError(
-                f"{self.path} line {where}: expected an object with an 'input_ids' list, "
-                f"got {type(row).__name__} with keys {sorted(row) if isinstance(row, dict) else []}{hint}"
-            )
-        out = {"input_ids": self._array(row["input_ids"], "input_ids", where, integer=True)}
-        for key in (*PER_TOKEN_KEYS, ATTENTION_MASK):
-            if key in row:
-                value = self._array(row[key], key, where, integer=key == "labels")
-                if value.shape != out["input_ids"].shape:
-                    raise ValueError(
-                        f"{self.path} line {where}: {key!r} has {value.shape[0]} entries but input_ids has "
-                        f"{out['input_ids'].shape[0]}; per-token fields must match input_ids"
-                    )
-                if key == ATTENTION_MASK:  # a tokenizer's output: all ones is dropped, a padded row refused
-                    check_unpadded(value, f"{self.path} line {where}")
-                else:
-                    out[key] = value
-        return out
-
-    def _array(self, value: object, key: str, where: object, *, integer: bool) -> np.ndarray:
-        """A 1-D numeric array of a row's field; nothing is cast, rounded or flattened silently."""
-        try:
-            arr = np.asarray(value)
-        except ValueError:  # ragged nested lists
-            arr = np.asarray(value, dtype=object)
-        if arr.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        kinds = "iu" if integer else "iufb"
-        if arr.ndim != 1 or arr.dtype.kind not in kinds:
-            raise ValueError(
-                f"{self.path} line {where}: {key!r} must be a flat list of "
-                f"{'integers' if integer else 'numbers'}, got shape {arr.shape} of {arr.dtype} "
-                f"(first values {arr.reshape(-1)[:4].tolist()}); write one token per entry"
-            )
-        return arr.astype(np.int64) if integer else arr
 
     def fingerprint(self) -> str:
         """``jsonl:`` + the file's sha256 (computed while scanning)."""
@@ -253,7 +179,8 @@ class JsonlDocuments(TokenizedDataset):
         return line
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        return self._parse(self._raw_row(i), f"of document {i}", int(self._offsets[i]))
+        row = json_row(self._raw_row(i), self.path, f"of document {i}", int(self._offsets[i]))
+        return token_row(row, f"{self.path} line of document {i}")
 
     def __del__(self) -> None:
         opened = getattr(self, "_file", None)

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.sources.base import TokenizedDataset
+from cpdata.sources.base import TokenizedDataset, token_row
 from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
-from cpdata.worker.targets import check_unpadded
 
 __all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset"]
 
@@ -73,12 +72,9 @@ class HFDocuments(TokenizedDataset):
         super().__init__(Path(cache[0]).parent if cache else Path(f"datasets-{dataset._fingerprint}"))
         self.dataset = dataset
         self.length_column = length_column
-        skip = {"input_ids", "attention_mask", length_column}
-        self._keys = ["input_ids", *(c for c in columns if c not in skip and _per_token(dataset.features[c]))]
-        self._attention = "attention_mask" in columns
-        if self._attention:
-            self._keys.append("attention_mask")
-        self._rows = dataset.select_columns(self._keys).with_format("numpy")
+        per_token = [c for c in columns if c != length_column and _per_token(dataset.features[c])]
+        keys = ["input_ids", *(c for c in per_token if c != "input_ids")]
+        self._rows = dataset.select_columns(keys).with_format("numpy")
         self._lengths = self._read_lengths()
         self._samples = sample_digest(self._rows, len(self._lengths))
 
@@ -107,26 +103,12 @@ class HFDocuments(TokenizedDataset):
         return lengths
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
-        row = self._rows[i]
-        out = {k: np.asarray(row[k]) for k in self._keys}
-        ids = out["input_ids"]
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ValueError(
-                f"dataset row {i}: 'input_ids' must be a flat list of integers, got {ids.dtype} shape {ids.shape}"
-            )
-        out["input_ids"] = ids.astype(np.int64, copy=False)
-        if self._attention:
-            attention = out.pop("attention_mask")
-            if attention.shape != ids.shape:
-                raise ValueError(
-                    f"dataset row {i}: 'attention_mask' has shape {attention.shape} but 'input_ids' {ids.shape}; "
-                    "per-token columns must have one entry per token"
-                )
-            check_unpadded(attention, f"dataset row {i}")
-        if ids.shape[0] != self._lengths[i]:
+        out = token_row(self._rows[i], f"dataset row {i}", every_list=True)
+        if out["input_ids"].shape[0] != self._lengths[i]:
             raise ValueError(
                 f"dataset row {i}: {self.length_column or 'input_ids'} says {int(self._lengths[i])} tokens but "
-                f"'input_ids' has {ids.shape[0]}; fix the {self.length_column!r} column or pass length_column=''"
+                f"'input_ids' has {out['input_ids'].shape[0]}; fix the {self.length_column!r} column or pass "
+                "length_column=''"
             )
         return out
 

@@ -144,13 +144,10 @@ class MegatronIndexed(TokenizedDataset):
     def lengths(self) -> np.ndarray:
         """int64 ``[documents]`` (or ``[sequences]``), from the index; the index is checked on the way (O(n))."""
         if self._lengths is None:
-            self._check_index()
-            if self.unit == "sequences":
-                self._lengths = self._seq_lengths.astype(np.int64)
-            else:
-                starts = np.append(self._pointers // self.dtype.itemsize, self._opened[2] // self.dtype.itemsize)
-                self._offsets = starts[self._doc_idx]
-                self._lengths = np.diff(self._offsets)
+            self._check_index()  # sequences lie back to back: each starts where the one before ends
+            starts = np.append(self._pointers // self.dtype.itemsize, self._opened[2] // self.dtype.itemsize)
+            self._offsets = starts if self.unit == "sequences" else starts[self._doc_idx]
+            self._lengths = np.diff(self._offsets)
         return self._lengths
 
     def _check_index(self) -> None:
@@ -223,8 +220,8 @@ class MegatronIndexed(TokenizedDataset):
         """Scan the ``.bin`` in 4M-token chunks (~1 GB/s); reads a document only to name a culprit."""
         if self.dtype.kind == "u" and vocab_size is None:
             return  # unsigned integers are valid ids
-        lengths = self.lengths  # checks the index, and sets the documents' token offsets
-        offsets = np.append(0, np.cumsum(lengths)) if self.unit == "sequences" else self._offsets
+        self.lengths  # noqa: B018 (checks the index, and sets the documents' token offsets)
+        offsets = self._offsets
         assert offsets is not None
         for lo in range(0, self._tokens.shape[0], _CHUNK):
             chunk = self._tokens[lo : lo + _CHUNK]
