@@ -49,10 +49,8 @@ def _step(fn, x, grad, counter: CollectiveCounter) -> tuple[torch.Tensor, torch.
 
 
 def _describe(fwd: dict, bwd: dict) -> str:
-    def part(counts: dict) -> str:
-        return " + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none"
-
-    return f"fwd {part(fwd)}; bwd {part(bwd)}"
+    parts = (" + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none" for counts in (fwd, bwd))
+    return "fwd {}; bwd {}".format(*parts)
 
 
 def _timed_ms(fn, x, grad, repeats: int) -> float:

@@ -10,6 +10,8 @@ copies; ``layout_bytes``: the index maps cpdata also ships.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torchdata.nodes import IterableWrapper
@@ -76,9 +78,7 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
         sharded = sharded.pin_memory()
     sharder = ContextParallelSharder(None, LocalMesh(0, cp_size, device.type), sharded)
 
-    def anchor():
-        return anchor_shard(full, layout=layout, cp_size=cp_size, cp_rank=0, device=device)
-
+    anchor = functools.partial(anchor_shard, full, layout=layout, cp_size=cp_size, cp_rank=0, device=device)
     def ours():
         _, out = sharder.shard(sharded)  # on CPU the move is a no-op: model the copy as the batch does it
         moved = sharded.to(device, copy=True) if device.type == "cpu" else out
@@ -91,10 +91,7 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
     assert torch.equal(anchor_index.cpu(), sharded.layout.local_token_global_indices), "index maps differ"
 
     head = sharded._buffer[: sharded._batch_bytes()]  # the bytes cpdata's step copies, alone
-
-    def copy():
-        return head.clone() if device.type == "cpu" else head.to(device, non_blocking=True)
-
+    copy = head.clone if device.type == "cpu" else functools.partial(head.to, device, non_blocking=True)
     anchor_s, ours_s, copy_s = alternating_medians((anchor, ours, copy), repeats=repeats, device=device)
     lay = sharded.layout
     return {
