@@ -40,6 +40,11 @@ class ThdStream:
     row_shape: tuple[int, ...]
     """The caller's token shape: ``(B, S)`` of the rows before flattening, ``(T,)`` for a flat input."""
 
+    @property
+    def slot_offsets(self) -> torch.Tensor:
+        """int32 ``[n+1]`` slot offsets: ``cu_seqlens_padded``, else ``cu_seqlens`` (they agree then)."""
+        return self.batch.get("cu_seqlens_padded", self.batch["cu_seqlens"])
+
     def document_ids(self) -> np.ndarray:
         """int64 ``[T]``: the slot index of every stream position."""
         return np.repeat(np.arange(self.slots.size, dtype=np.int64), self.slots)

@@ -50,7 +50,7 @@ class ThdShard:
         if size <= 1:  # NeMo's cp = 1 keys: the stream as is, every position local
             out, rows = dict(stream.batch), np.arange(total, dtype=np.int64)[None]
         else:
-            cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
+            cu_out = stream.slot_offsets
             out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
         layout = ShardLayout.of_rows(rows, rank, input_row_shape=stream.row_shape)
         local = layout.local_token_global_indices
