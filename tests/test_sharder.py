@@ -514,3 +514,16 @@ def test_gather_refuses_an_int32_gather_index_before_any_collective():
     bad = ShardLayout(**{**layout.__dict__, "gather_index": layout.gather_index.to(torch.int32)})
     with pytest.raises(ValueError, match="gather_index must be int64.*torch.int32"):
         gather_token_tensor(torch.zeros(1, 4, requires_grad=True), bad)
+
+
+@pytest.mark.parametrize("layout", ["round_robin", "thd", "balanced"])
+def test_layout_of_rows_holds_each_rank_s_row_and_the_inverse_of_all(layout):
+    cp, pack_len = 4, 64
+    rows = rank_indices(layout, cp, [24, 8, 32], pack_len)
+    for rank in range(cp):
+        got = ShardLayout.of_rows(rows, rank, original_seq_len=60, digest=7)
+        assert torch.equal(got.local_token_global_indices, torch.from_numpy(rows[rank]))
+        assert torch.equal(torch.from_numpy(rows.reshape(-1))[got.gather_index], torch.arange(pack_len))
+        assert (got.padded_seq_len, got.cp_size, got.cp_rank, got.original_seq_len, got.digest) == (
+            pack_len, cp, rank, 60, 7)
+        assert got.input_row_shape is None and got.kv_exchange is None

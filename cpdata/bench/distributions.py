@@ -18,26 +18,21 @@ import numpy as np
 
 from cpdata.packing.distributions import sample_lengths
 
-__all__ = ["NAMES", "first_packs", "sample", "split_graph", "stdlib_paths", "token_documents"]
+__all__ = ["NAMES", "first_packs", "sample", "split_graph", "token_documents"]
 
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 """Every distribution the bench packs, in table order."""
 
 
-def stdlib_paths() -> list[Path]:
-    """Sorted ``.py`` files of the running interpreter's standard library (no site-packages)."""
+def _stdlib_lengths() -> np.ndarray:
+    """Sizes of the running interpreter's readable, non-empty standard library ``.py`` files (no site-packages),
+    sorted by path."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
-
-
-def _stdlib_lengths() -> np.ndarray:
     sizes = []
-    for path in stdlib_paths():
+    for path in sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)):
         try:
-            if not os.access(path, os.R_OK):
-                continue
-            size = path.stat().st_size
+            size = path.stat().st_size if os.access(path, os.R_OK) else 0
         except OSError:
             continue
         if size > 0:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from cpdata.bench.anchors import anchor_gather
 from cpdata.bench.collectives import CollectiveCounter
 from cpdata.bench.ranks import run_on_ranks
-from cpdata.layout.maps import inverse_indices, rank_indices
+from cpdata.layout.maps import rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["COLUMNS", "run"]
@@ -49,10 +49,8 @@ def _step(fn, x, grad, counter: CollectiveCounter) -> tuple[torch.Tensor, torch.
 
 
 def _describe(fwd: dict, bwd: dict) -> str:
-    def part(counts: dict) -> str:
-        return " + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none"
-
-    return f"fwd {part(fwd)}; bwd {part(bwd)}"
+    parts = (" + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none" for counts in (fwd, bwd))
+    return "fwd {}; bwd {}".format(*parts)
 
 
 def _timed_ms(fn, x, grad, repeats: int) -> float:
@@ -73,10 +71,8 @@ def _rank(rank: int, world: int, sizes: list[tuple[int, int]], repeats: int) -> 
     out = []
     with CollectiveCounter([cp_gather]) as counter:
         for tokens, hidden in sizes:
-            rows = rank_indices(LAYOUT, world, [], tokens)
-            local = torch.from_numpy(rows[rank].copy())
-            layout = ShardLayout(local_token_global_indices=local, gather_index=torch.from_numpy(inverse_indices(rows)),
-                                 padded_seq_len=tokens, cp_size=world, cp_rank=rank)
+            layout = ShardLayout.of_rows(rank_indices(LAYOUT, world, [], tokens), rank)
+            local = layout.local_token_global_indices
             gen = torch.Generator().manual_seed(1234)
             full = torch.randn(1, tokens, hidden, generator=gen)
             grad = torch.randn(1, tokens, hidden, generator=gen)

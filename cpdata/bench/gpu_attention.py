@@ -12,6 +12,7 @@ not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per ker
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -102,6 +103,15 @@ def time_step(step, repeats: int) -> float:
     return float(np.median(times))
 
 
+def _timed(q: torch.Tensor, n_keys: int, attend) -> float:
+    """:func:`time_step` of ``attend(q, k, v)`` forward + backward, over random ``k`` / ``v`` of ``n_keys``
+    keys."""
+    k, v = (torch.randn(1, KV_HEADS, n_keys, HEAD_DIM, device=q.device, dtype=q.dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn_like(q)
+    return time_step(lambda: attend(q, k, v).backward(grad), REPEATS)
+
+
 def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float]:
     from cpdata.adapters.attention_kernels import flex_attention_call
     from cpdata.device.attention_masks import block_mask
@@ -117,14 +127,7 @@ def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, f
         mask = block_mask(lo, hi, case.capacity, block_size=TILE)
         n_keys = case.capacity
     tiles = int((mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item())
-    k, v = (torch.randn(1, KV_HEADS, n_keys, HEAD_DIM, device=device, dtype=q.dtype, requires_grad=True)
-            for _ in range(2))  # fmt: skip
-    grad = torch.randn_like(q)
-
-    def step() -> None:
-        flex_attention_call(q, k, v, mask, scale=HEAD_DIM**-0.5).backward(grad)
-
-    return tiles, time_step(step, REPEATS)
+    return tiles, _timed(q, n_keys, lambda q, k, v: flex_attention_call(q, k, v, mask, scale=HEAD_DIM**-0.5))
 
 
 def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, float | None, str | None]:
@@ -138,14 +141,8 @@ def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int,
                                   torch.as_tensor(case.key_pos), window=None, device=device)  # fmt: skip
     except varlen.KeyCopiesError as e:
         return tiles, None, f"not run ('cpdata' falls back to flex): {e}"
-    k, v = (torch.randn(1, KV_HEADS, case.key_pos.size, HEAD_DIM, device=device, dtype=q.dtype, requires_grad=True)
-            for _ in range(2))  # fmt: skip
-    grad = torch.randn_like(q)
-
-    def step() -> None:
-        varlen.varlen_attention(q, k, v, plan, scale=HEAD_DIM**-0.5).backward(grad)
-
-    return tiles, time_step(step, REPEATS), None
+    attend = functools.partial(varlen.varlen_attention, plan=plan, scale=HEAD_DIM**-0.5)
+    return tiles, _timed(q, case.key_pos.size, attend), None
 
 
 def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"

@@ -8,8 +8,6 @@ median of 5: :func:`cpdata.device.kv_exchange.exchange_tokens` against
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import torch
 
@@ -40,10 +38,7 @@ def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
 
     out = []
     for distribution in DISTRIBUTIONS:
-        batches = _batches(world, distribution)  # every rank's (the same on each): the inverse needs no collective
-        layout = batches[rank].layout
-        rows = torch.cat([b.layout.local_token_global_indices.reshape(-1) for b in batches])
-        gathered_layout = replace(layout, gather_index=torch.argsort(rows), cp_size=world, cp_rank=rank)
+        layout = _batches(world, distribution)[rank].layout  # carries its inverse: no index collective
         n_recv = int(layout.kv_exchange.n_recv)
         kv = torch.randn(1, KV_HEADS, LOCAL, KV_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
         g_ex = torch.randn(1, KV_HEADS, LOCAL + n_recv, KV_DIM, device=device, dtype=torch.bfloat16)
@@ -51,7 +46,7 @@ def _rank(rank: int, world: int, device: str = "cuda") -> list[dict]:
         dist.barrier()
         exchange = time_step(lambda: exchange_tokens(kv, layout, None, seq_dim=2).backward(g_ex), REPEATS)  # noqa: B023
         dist.barrier()
-        gather = time_step(lambda: gather_token_tensor(kv, gathered_layout, None, seq_dim=2).backward(g_ag),  # noqa: B023
+        gather = time_step(lambda: gather_token_tensor(kv, layout, None, seq_dim=2).backward(g_ag),  # noqa: B023
                            REPEATS)  # fmt: skip
         token_bytes = KV_HEADS * KV_DIM * 2
         out.append({"distribution": distribution, "rank": rank, "exchange_ms": 1e3 * exchange,

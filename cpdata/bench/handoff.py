@@ -20,6 +20,7 @@ import torch.multiprocessing as tmp
 from torch.utils.data import IterableDataset
 
 from cpdata.bench.distributions import sample, token_documents
+from cpdata.worker.batch import ShardedBatch
 
 __all__ = ["COLUMNS", "TABLE", "run"]
 
@@ -59,9 +60,8 @@ def _plain(batch) -> dict[str, torch.Tensor]:
 
 def _storages(item) -> int:
     tensors = list(item.values())
-    lay = getattr(item, "layout", None)
-    if lay is not None:
-        tensors += [lay.local_token_global_indices, lay.gather_index]
+    if isinstance(item, ShardedBatch):  # its layout maps travel in the same buffer
+        tensors += [item.layout.local_token_global_indices, item.layout.gather_index]
     return len({t.untyped_storage().data_ptr() for t in tensors})
 
 

@@ -121,13 +121,11 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         results["seconds"][name] = round(time.perf_counter() - t0, 2)
         results[name] = rows
         results["methods"][name] = " ".join((module.__doc__ or "").split())
-        log("")
-        log(f"== {name}: {getattr(module, 'TITLE', name)} [device: {machine['device']}]")
+        log(f"\n== {name}: {getattr(module, 'TITLE', name)} [device: {machine['device']}]")
         log(format_table(rows, getattr(module, "TABLE", module.COLUMNS)))
         log(f"({results['seconds'][name]} s)")
     results["targets"] = evaluate_targets(results)
-    log("")
-    log("== targets")
+    log("\n== targets")
     log(format_table(results["targets"], ("target", "rule", "measured", "met")))
     return results
 

@@ -5,8 +5,8 @@ its micro-batches as lists of lengths: ``nemo_rl_ffd`` (first-fit-decreasing pac
 NeMo-RL), ``verl_kk`` / ``verl_kk_cap`` (Karmarkar-Karp into equal-count rank groups on ``24576 * L + L**2``,
 then per rank into the largest ``ceil(tokens / capacity)`` over ranks, verl ``balance_batch``; ``_cap`` grows
 that count until no micro-batch exceeds the capacity), ``megatron_dp_balanced`` (packs filled in stream order,
-dealt round-robin) and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, each rank packs its own with
-``bfd``).
+cpdata's ``next_fit``, dealt round-robin) and ``cpdata_0.1`` (document ``i`` to rank ``i % dp_size``, each rank
+packs its own with ``bfd``).
 """
 
 from __future__ import annotations
@@ -62,19 +62,6 @@ def _deal(packs: list[list[int]], dp_size: int) -> Placement:
     return [packs[r::dp_size] for r in range(dp_size)]
 
 
-def _stream_fill(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Packs filled in stream order, a new one when the next document does not fit (Megatron)."""
-    packs: list[list[int]] = [[]]
-    fill = 0
-    for n in lengths:
-        if fill + n > capacity and packs[-1]:
-            packs.append([])
-            fill = 0
-        packs[-1].append(n)
-        fill += n
-    return packs
-
-
 def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool, **_: object) -> Placement:
     work = [24576.0 * n + float(n) * n for n in lengths]
     groups = karmarkar_karp(work, dp_size, equal_size=True)
@@ -95,24 +82,27 @@ def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool, **_: ob
     return out
 
 
-def cpdata_01(lengths: list[int], *, capacity: int, dp_size: int, first_index: int = 0, **_: object) -> Placement:
+def _packs(lengths, capacity: int, algorithm: str) -> list[list[int]]:
+    """The packs cpdata's ``algorithm`` makes of ``lengths`` (``balanced`` at cp 1: no document padding)."""
     from cpdata.packing import plan_lengths
 
+    res = plan_lengths(np.asarray(lengths, dtype=np.int64), capacity=capacity, layout="balanced", cp_size=1,
+                       algorithm=algorithm)  # fmt: skip
+    return [res.pack(p)[2].tolist() for p in range(res.n_packs)]
+
+
+def cpdata_01(lengths: list[int], *, capacity: int, dp_size: int, first_index: int = 0, **_: object) -> Placement:
     arr = np.asarray(lengths, dtype=np.int64)
-    out = []
-    for r in range(dp_size):
-        mine = arr[(np.arange(arr.shape[0]) + first_index) % dp_size == r]
-        res = plan_lengths(mine, capacity=capacity, layout="balanced", cp_size=1)
-        out.append([res.pack(p)[2].tolist() for p in range(res.n_packs)] or [[]])
-    return out
+    mine = (np.arange(arr.shape[0]) + first_index) % dp_size
+    return [_packs(arr[mine == r], capacity, "bfd") or [[]] for r in range(dp_size)]
 
 
 BASELINES: dict[str, Callable[..., Placement]] = {
     "nemo_rl_ffd": lambda lengths, *, capacity, dp_size, **_: _deal(_ffd(lengths, capacity), dp_size),
     "verl_kk": functools.partial(_verl, cap=False),
     "verl_kk_cap": functools.partial(_verl, cap=True),
-    "megatron_dp_balanced": lambda lengths, *, capacity, dp_size, **_: _deal(_stream_fill(lengths, capacity),
-                                                                             dp_size),
+    "megatron_dp_balanced": lambda lengths, *, capacity, dp_size, **_: _deal(
+        _packs(lengths, capacity, "next_fit"), dp_size),
     "cpdata_0.1": cpdata_01,
 }
 """Method name -> ``f(lengths, *, capacity, dp_size, first_index) -> placement``."""

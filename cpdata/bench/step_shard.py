@@ -10,6 +10,8 @@ copies; ``layout_bytes``: the index maps cpdata also ships.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torchdata.nodes import IterableWrapper
@@ -63,10 +65,6 @@ def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed:
     return full, next(shard_node)
 
 
-def _nbytes(tensors) -> int:
-    return int(sum(t.numel() * t.element_size() for t in tensors))
-
-
 def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: int) -> dict:
     from cpdata.nemo.sharder import ContextParallelSharder
 
@@ -76,8 +74,7 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
         sharded = sharded.pin_memory()
     sharder = ContextParallelSharder(None, LocalMesh(0, cp_size, device.type), sharded)
 
-    def anchor():
-        return anchor_shard(full, layout=layout, cp_size=cp_size, cp_rank=0, device=device)
+    anchor = functools.partial(anchor_shard, full, layout=layout, cp_size=cp_size, cp_rank=0, device=device)
 
     def ours():
         _, out = sharder.shard(sharded)  # on CPU the move is a no-op: model the copy as the batch does it
@@ -91,17 +88,13 @@ def _one(tokens: int, layout: str, cp_size: int, device: torch.device, repeats: 
     assert torch.equal(anchor_index.cpu(), sharded.layout.local_token_global_indices), "index maps differ"
 
     head = sharded._buffer[: sharded._batch_bytes()]  # the bytes cpdata's step copies, alone
-
-    def copy():
-        return head.clone() if device.type == "cpu" else head.to(device, non_blocking=True)
-
+    copy = head.clone if device.type == "cpu" else functools.partial(head.to, device, non_blocking=True)
     anchor_s, ours_s, copy_s = alternating_medians((anchor, ours, copy), repeats=repeats, device=device)
-    lay = sharded.layout
     return {
         "layout": layout, "cp_size": cp_size, "tokens": tokens,
         "anchor_ms": anchor_s * 1e3, "cpdata_ms": ours_s * 1e3, "speedup": anchor_s / ours_s, "copy_ms": copy_s * 1e3,
-        "anchor_h2d_bytes": _nbytes(full.values()), "cpdata_h2d_bytes": _nbytes(sharded.values()),
-        "layout_bytes": _nbytes([lay.local_token_global_indices, lay.gather_index]),
+        "anchor_h2d_bytes": sum(t.numel() * t.element_size() for t in full.values()),
+        "cpdata_h2d_bytes": sharded.nbytes(), "layout_bytes": sharded._map_nbytes(),
         "device": str(device), "documents": int(sharded.info["n_documents"]),
     }
 

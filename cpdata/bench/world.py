@@ -41,15 +41,6 @@ NODE_SIZE, TILE = 8, 128
 PACKS, QUICK_PACKS = 8, 2
 
 
-def _scheduler_class() -> type | str:
-    """Megatron-core's ``BalancedCPScheduler``, or why it cannot be imported."""
-    try:
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-    except Exception as err:  # noqa: BLE001 (any import failure means: skip, and say why)
-        return f"{type(err).__name__}: {err}"
-    return BalancedCPScheduler
-
-
 @functools.lru_cache(maxsize=4096)
 def _thd_part(s: int, c: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(tiles, tokens)`` of each of ``c`` ranks holding a sub-sample of ``s`` tokens as TE THD's ``2c`` chunks
@@ -67,10 +58,11 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
                            ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], float] | str:  # fmt: skip
     """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys and inter-node keys,
     and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
-    scheduler = _scheduler_class()
-    if isinstance(scheduler, str):
-        return scheduler
-    sched = scheduler(per_rank, types.SimpleNamespace(size=lambda: world))  # all its constructor reads
+    try:
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    except Exception as err:  # noqa: BLE001 (any import failure means: skip, and say why)
+        return f"{type(err).__name__}: {err}"
+    sched = BalancedCPScheduler(per_rank, types.SimpleNamespace(size=lambda: world))  # all its constructor reads
     gc.collect()  # a full collection owed to earlier allocations is not the schedule's
     t0 = time.thread_time()
     groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
@@ -137,8 +129,7 @@ def run(*, quick: bool) -> list[dict]:
                 rows.append(mine)
                 continue
             other = _row(name, world, per_rank, "megatron BalancedCPScheduler", *theirs)
-            for key in ("tiles", "recv", "inter"):
-                column = "tiles" if key == "tiles" else f"{key}_keys"
+            for key, column in (("tiles", "tiles"), ("recv", "recv_keys"), ("inter", "inter_keys")):
                 mine[f"{key}_vs_megatron"] = mine[column] / other[column] if other[column] else (
                     1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
             rows += [other, mine]

@@ -4,11 +4,13 @@ never inside the batch dict. The inverse map arrives precomputed, so the gather 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from cpdata.layout.exchange import RankExchange
 
 __all__ = ["ShardLayout"]
@@ -39,6 +41,16 @@ class ShardLayout:
     cp_rank: int = 0
     digest: int | None = None
     kv_exchange: RankExchange | None = None
+
+    @classmethod
+    def of_rows(cls, rows: np.ndarray, rank: int, **fields: Any) -> ShardLayout:
+        """Rank ``rank``'s layout from every rank's rows (int64 ``[cp, L]``, as from ``rank_indices``): its row,
+        the inverse map, ``cp_size`` and ``padded_seq_len = cp * L``; ``fields`` set the rest."""
+        from cpdata.layout.maps import inverse_indices
+
+        inverse = torch.from_numpy(inverse_indices(rows))
+        return cls(local_token_global_indices=torch.from_numpy(rows[rank]), padded_seq_len=rows.size,
+                   gather_index=inverse, cp_size=len(rows), cp_rank=rank, **fields)
 
     def _map_tensors(self, fn) -> ShardLayout:
         changes = {}

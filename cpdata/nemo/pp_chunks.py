@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from cpdata.errors import NotAvailableYetError
 from cpdata.nemo.thd_batch import SEQ_LENS_SENTINEL, shard_thd_stream, to_thd_stream
@@ -23,14 +24,9 @@ __all__ = ["split_thd_chunks"]
 _STACKED = (INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK)
 
 
-def _pad_to(row: torch.Tensor, width: int) -> torch.Tensor:
-    """A 1-D offsets row right-padded to ``width`` with the sentinel (NeMo's ragged ``cu_seqlens`` rows)."""
-    return torch.cat([row, row.new_full((width - row.numel(),), SEQ_LENS_SENTINEL)])
-
-
-def _pad_stack(rows: list[torch.Tensor]) -> torch.Tensor:
-    width = max(r.numel() for r in rows)
-    return torch.stack([_pad_to(r, width) for r in rows])
+def _ragged(rows: list[torch.Tensor]) -> torch.Tensor:
+    """1-D offsets rows stacked ``[C, max n+1]``, right-padded with the sentinel (NeMo's ragged rows)."""
+    return pad_sequence(rows, batch_first=True, padding_value=SEQ_LENS_SENTINEL)
 
 
 def split_thd_chunks(
@@ -57,20 +53,16 @@ def split_thd_chunks(
         streams.append(to_thd_stream(sub, loss_mask=loss_mask[part] if loss_mask is not None else None))
     keys = (*_STACKED, LOSS_MASK) if loss_mask is not None else _STACKED
     if cp_size > 1:
-        width = max(s.batch["cu_seqlens"].numel() for s in streams)
-        parts = []
-        for s in streams:
-            cu_out = _pad_to(s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"]), width)
-            parts.append(shard_thd_stream(s.batch, s.token_dims, cu_out, cp_size, cp_rank)[0])
+        cu_out = _ragged([s.slot_offsets for s in streams])
+        parts = [shard_thd_stream(s.batch, s.token_dims, cu, cp_size, cp_rank)[0]
+                 for s, cu in zip(streams, cu_out, strict=True)]  # fmt: skip
         out = {k: torch.stack([p[k] for p in parts]) for k in (*keys, "cu_seqlens", "max_seqlen")}
         out.update(qkv_format="thd", cp_size=cp_size, cp_rank=cp_rank)
         return out
     out: dict[str, Any] = {k: torch.stack([s.batch[k] for s in streams]) for k in keys}
-    out["cu_seqlens"] = _pad_stack([s.batch["cu_seqlens"] for s in streams])
+    out["cu_seqlens"] = _ragged([s.batch["cu_seqlens"] for s in streams])
     if any("cu_seqlens_padded" in s.batch for s in streams):
-        out["cu_seqlens_padded"] = _pad_stack(
-            [s.batch.get("cu_seqlens_padded", s.batch["cu_seqlens"]) for s in streams]
-        )
+        out["cu_seqlens_padded"] = _ragged([s.slot_offsets for s in streams])
     out["max_seqlen"] = torch.stack([s.batch["max_seqlen"] for s in streams])
     out.update({k: v for k, v in streams[0].batch.items() if not isinstance(v, torch.Tensor)})
     return out

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded, to_device
-from cpdata.layout.maps import alignment, inverse_indices, rank_indices
+from cpdata.layout.maps import alignment, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import (
     DOCUMENT_IDS,
@@ -176,11 +176,9 @@ class DeviceShard:
             if pack_len > seq_len:
                 out[k] = _pad(out[k], d, pack_len - seq_len, k, padding_token_id)
         rows = rank_indices("round_robin", size, (), pack_len)
-        local = torch.from_numpy(rows[rank])
-        index = local.to(primary.device, non_blocking=True)
+        digest = _digest(size, pack_len, batch[key])
+        layout = ShardLayout.of_rows(rows, rank, original_seq_len=seq_len, digest=digest)
+        index = layout.local_token_global_indices.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        layout = ShardLayout(local_token_global_indices=local, original_seq_len=seq_len,
-                             padded_seq_len=pack_len, gather_index=torch.from_numpy(inverse_indices(rows)),
-                             cp_size=size, cp_rank=rank, digest=_digest(size, pack_len, batch[key]))
         return attention_ctx(cp_mesh, layout, out), out, layout

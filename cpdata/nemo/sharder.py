@@ -180,7 +180,7 @@ class ContextParallelSharder:
             full = _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
         if not trim:
             return full
-        return trim_to_caller(self.shard_layout or _NO_LAYOUT, full, seq_dim, fill, self.shard_layout is not None)
+        return trim_to_caller(self.shard_layout, full, seq_dim, fill)
 
     def _gather_cp1(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """cp <= 1: ``tensor`` itself (as NeMo) unless the layout really reorders tokens."""

@@ -35,12 +35,15 @@ class ThdStream:
     """NeMo's THD keys (docs/nemo.md)."""
     token_dims: dict[str, int]
     """Token-aligned keys of ``batch`` → their (flat) sequence dim."""
-    real: np.ndarray
-    """int64 ``[n]`` real document lengths."""
     slots: np.ndarray
     """int64 ``[n]`` slot lengths after row-tail absorption; ``sum == T``."""
     row_shape: tuple[int, ...]
     """The caller's token shape: ``(B, S)`` of the rows before flattening, ``(T,)`` for a flat input."""
+
+    @property
+    def slot_offsets(self) -> torch.Tensor:
+        """int32 ``[n+1]`` slot offsets: ``cu_seqlens_padded``, else ``cu_seqlens`` (they agree then)."""
+        return self.batch.get("cu_seqlens_padded", self.batch["cu_seqlens"])
 
     def document_ids(self) -> np.ndarray:
         """int64 ``[T]``: the slot index of every stream position."""
@@ -168,7 +171,7 @@ def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = 
     rest = {k: v for k, v in batch.items() if k not in out and k not in _CONSUMED}
     check_undeclared(rest, {}, input_ids)  # a [B, S] tensor left unflattened beside the stream: refused
     out.update(rest)
-    return ThdStream(batch=out, token_dims=dims, real=real, slots=slots, row_shape=caller_rows)
+    return ThdStream(batch=out, token_dims=dims, slots=slots, row_shape=caller_rows)
 
 
 def _flat_rows(value: Any, key: str, b: int, s: int) -> torch.Tensor:

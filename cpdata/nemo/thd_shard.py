@@ -16,7 +16,6 @@ import torch
 
 from cpdata.device.cp_attention import AttentionContextFactory
 from cpdata.device.presharded import mesh_group, mesh_rank_size, to_device
-from cpdata.layout.maps import inverse_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nemo.pp_chunks import split_thd_chunks
 from cpdata.nemo.thd_batch import shard_thd_stream, to_thd_stream
@@ -51,18 +50,11 @@ class ThdShard:
         if size <= 1:  # NeMo's cp = 1 keys: the stream as is, every position local
             out, rows = dict(stream.batch), np.arange(total, dtype=np.int64)[None]
         else:
-            cu_out = stream.batch.get("cu_seqlens_padded", stream.batch["cu_seqlens"])
+            cu_out = stream.slot_offsets
             out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
-        local = torch.from_numpy(rows[rank])
+        layout = ShardLayout.of_rows(rows, rank, input_row_shape=stream.row_shape)
+        local = layout.local_token_global_indices
         out[THD_LOCAL_INDICES] = local.to(out[INPUT_IDS].device, non_blocking=True)
-        layout = ShardLayout(
-            local_token_global_indices=local,
-            padded_seq_len=total,
-            input_row_shape=stream.row_shape,
-            gather_index=torch.from_numpy(inverse_indices(rows)),
-            cp_size=size,
-            cp_rank=rank,
-        )
         if size <= 1:
             return contextlib.nullcontext, out, layout
         docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)

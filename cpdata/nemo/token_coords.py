@@ -58,12 +58,18 @@ def to_padded_stream(
 
 
 def trim_to_caller(
-    layout: ShardLayout, full: torch.Tensor, seq_dim: int, fill: float | int | None, has_layout: bool
+    layout: ShardLayout | None, full: torch.Tensor, seq_dim: int, fill: float | int | None
 ) -> torch.Tensor:
     """A gathered padded stream back in the caller's coordinates: mapped through
     ``input_token_stream_positions`` (``fill`` for dropped input slots; required), reshaped to
-    ``input_row_shape`` or narrowed to ``original_seq_len``. ``has_layout``: a batch was sharded (a packed
-    row's stream is then the caller's own)."""
+    ``input_row_shape`` or narrowed to ``original_seq_len``; a packed row's stream (a worker batch) is the
+    caller's own. ``layout`` None: nothing was sharded, so there is nothing to trim to."""
+    if layout is None:
+        raise NotAvailableYetError(
+            "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
+            "caller's coordinates: this sharder has no shard layout to trim to; call shard(batch) first or gather "
+            "with trim=False"
+        )
     if layout.padded_seq_len is not None and full.shape[seq_dim] != layout.padded_seq_len:
         raise ValueError(
             f"gathered length {full.shape[seq_dim]} on dim {seq_dim} != padded_seq_len "
@@ -87,10 +93,4 @@ def trim_to_caller(
         return full.reshape(*full.shape[:seq_dim], *layout.input_row_shape, *full.shape[seq_dim + 1 :])
     if layout.original_seq_len is not None:
         return full.narrow(seq_dim, 0, layout.original_seq_len)
-    if has_layout:
-        return full  # a packed row (worker batch): its padded stream is the caller's coordinate system
-    raise NotAvailableYetError(
-        "trim=True needs a shard layout (original_seq_len, input_row_shape or a position map) to restore the "
-        "caller's coordinates: this sharder has no shard layout to trim to; call shard(batch) first or gather "
-        "with trim=False"
-    )
+    return full
