@@ -21,7 +21,7 @@ from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.spans import SpanBlock, SpanTable
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, tiled_block
-from cpdata.layout.world import world_block
+from cpdata.layout.world_deal import world_block
 
 __all__ = [
     "LAYOUTS",

@@ -19,6 +19,10 @@ Any other pack is dealt by steps 1-3; the per-document CP degree comes out of th
 Steps 1-2 run for each of :data:`SPREAD_FRACTIONS` and the deal whose busiest rank is predicted least is
 kept. Loads are :func:`grid_tiles`, a stream-grid kernel's expected tiles; ``cpdata bench --sections world``
 measures the real ones (:func:`cpdata.layout.tiles.exchange_tiles`) and the cost of the deal.
+
+``W`` is the world (DP folded in); the layout string carries ``node_size`` (``"world:8"``,
+:func:`cpdata.layout.maps.layout_spec`), never read from the environment. Dealt on the dataloader worker: no
+process group per CP degree, no in-step collective, no host sync. :func:`world_block`'s tables are span tables.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import math
 
 import numpy as np
 
+from cpdata.layout.runs import _per_pack
+from cpdata.layout.spans import SpanBlock
 from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
 from cpdata.layout.world_plan import WorldBins, grid_tiles, plan_runs
 
-__all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
+__all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_block", "world_runs"]
 
 MIN_SPREAD = 0.25
 """Documents shorter than this fraction of a rank's tokens are spread only when they cost more than a share."""
@@ -163,6 +169,16 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
             best = (max(load), runs)
     assert best is not None
     return _with_pad(best[1], real_end, local, world)
+
+
+def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, node_size: int,
+                tile: int = 128) -> SpanBlock:  # fmt: skip
+    """``world`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
+    slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span."""
+    runs = [world_runs(pack, pack_len, cp_size, node_size, tile) for pack in _per_pack(lens, counts)]
+    starts, lengths, owners = (np.concatenate(part) for part in zip(*runs, strict=True))
+    spans = np.array([r[0].shape[0] for r in runs], dtype=np.int64)
+    return SpanBlock(pack_len, cp_size, lens, counts, starts, lengths, owners, spans)
 
 
 def _with_pad(runs: list[tuple[int, int, int]], real_end: int, local: int, world: int
