@@ -26,8 +26,8 @@ from cpdata.layout.runs import _arange, _per_pack
 from cpdata.layout.spans import SpanBlock
 
 __all__ = ["CUT_TOLERANCE", "DEFAULT_TILE", "HEAD_FRACTION", "MAX_PAIRS", "MAX_SWAPS", "RESPLIT_BLOCKS",
-           "SWAP_TOLERANCE", "TILES", "block_groups", "deal_blocks", "resplit_pairs", "swap_blocks", "tiled_block",
-           "tiled_owners"]  # fmt: skip
+           "SWAP_TOLERANCE", "TILES", "block_groups", "deal_blocks", "resplit_pairs", "swap_blocks",
+           "tiled_block", "tiled_owners"]  # fmt: skip
 
 TILES: tuple[int, ...] = (64, 128, 256)
 """Tile sizes ``tiled`` supports (the kernel's query and key block: 128 for flash/flex on most GPUs, 256 on newer)."""
