@@ -6,6 +6,7 @@ own key). The plan cuts the layout into *pieces*: runs of consecutive rank-major
 start and real end; a piece's need from each rank is a prefix of it. An all-gather delivers ``(cp-1)/cp * S``
 keys to every rank; the plan moves only the needed ones (one ``all_to_all_single``,
 :mod:`cpdata.device.kv_exchange`). The ``i``-th key ``src`` sends to ``dst`` is the ``i``-th ``dst`` receives.
+A span table's plan comes from its runs (:func:`world_exchange`), with the keys split by node (:func:`node_recv`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import numpy as np
 from cpdata.errors import check_int, is_int
 from cpdata.layout.maps import inverse_indices
 from cpdata.layout.runs import segments
+from cpdata.layout.spans import SpanTable
 
 __all__ = [
     "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "exchange_plan_of_runs",
-    "expand_runs", "kv_recv_fraction",
+    "expand_runs", "kv_recv_fraction", "node_recv", "world_exchange",
 ]  # fmt: skip
 
 _I64 = np.int64
@@ -225,6 +227,29 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
     run = run_starts.searchsorted(starts, side="right") - 1
     return _pieces_plan(starts, run_owners[run], run_local_starts[run] + (starts - run_starts[run]), cp_size,
                         local_len, slot_starts, n_rows, real_ends)  # fmt: skip
+
+
+def world_exchange(table: SpanTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
+    """The K/V exchange plan of one pack's deal, from its runs (no pass over the tokens); ``real_lens`` int64
+    ``[D]`` (None: the slots are all real, the pack's tail is padding). Empty slots hold no key: left out."""
+    lens = table.lens
+    real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)[: lens.shape[0]]
+    kept = lens > 0
+    starts, ends = table.doc_starts[kept], (table.doc_starts + real)[kept]
+    if not starts.shape[0]:
+        starts = ends = np.zeros(1, np.int64)
+    local = table.pack_len // table.cp_size
+    return exchange_plan_of_runs(*table.spans(), cp_size=table.cp_size, local_len=local, slot_starts=starts,
+                                 real_ends=ends)  # fmt: skip
+
+
+def node_recv(plan: ExchangePlan, node_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(intra, inter)`` int64 ``[cp]``: keys each rank receives from ranks of its own node, and of others
+    (rank ``r`` lies in node ``r // node_size``)."""
+    counts = plan.recv_counts()  # [dst, src]
+    node = np.arange(plan.cp_size) // node_size
+    same = node[:, None] == node[None, :]
+    return (counts * same).sum(axis=1), (counts * ~same).sum(axis=1)
 
 
 def _check_runs(starts: np.ndarray, owners: np.ndarray, local: np.ndarray, cp: int, local_len: int) -> None:

@@ -8,7 +8,7 @@ Compute and the two links overlap (the exchange runs while the kernel computes t
 
 ``tiles``: live ``tile x tile`` tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` /
 ``inter_keys``: keys received from the rank's own node / other nodes
-(:func:`cpdata.layout.world_keys.node_recv`). :data:`H100_DEFAULTS` come from published H100 SXM figures for
+(:func:`cpdata.layout.exchange.node_recv`). :data:`H100_DEFAULTS` come from published H100 SXM figures for
 one layer of 32 query heads, 8 K/V heads, head dim 128, bf16, forward and backward (their derivation:
 docs/layouts-and-kernels.md); a calibration file measured on a GPU replaces them (:meth:`WorldCost.from_json`:
 one JSON object with the four fields of ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are
