@@ -23,16 +23,10 @@ from cpdata.layout.spans import SpanTable
 
 __all__ = [
     "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "exchange_plan_of_runs",
-    "expand_runs", "kv_recv_fraction", "node_recv", "world_exchange",
+    "kv_recv_fraction", "node_recv", "world_exchange",
 ]  # fmt: skip
 
 _I64 = np.int64
-
-
-def expand_runs(runs: np.ndarray) -> np.ndarray:
-    """int64 ``[sum(lengths)]``: :func:`~cpdata.layout.runs.segments` of ``runs`` int64 ``[n, 2]``, rows
-    ``(start, length)``."""
-    return segments(runs[:, 0], runs[:, 1])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -61,11 +55,11 @@ class RankExchange:
 
     def send_index(self) -> np.ndarray:
         """int64 ``[n_send]``: the local index of every key sent, in send order."""
-        return expand_runs(self.send_runs)
+        return segments(self.send_runs[:, 0], self.send_runs[:, 1])
 
     def recv_positions(self) -> np.ndarray:
         """int64 ``[n_recv]``: the global position of every key received, in receive order."""
-        return expand_runs(self.recv_runs)
+        return segments(self.recv_runs[:, 0], self.recv_runs[:, 1])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
