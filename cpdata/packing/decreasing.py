@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from cpdata.layout.runs import segments
-from cpdata.packing.filling import exact_fill, stable_order, top_up
+from cpdata.packing.filling import exact_fill, first_of_runs, stable_order, top_up
+from cpdata.packing.greedy import OpenBins
 from cpdata.packing.records import PackKeys
 
 __all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing", "decreasing", "packs_by_bin"]
@@ -54,7 +55,7 @@ def packs_by_bin(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
     """Pieces grouped by bin: keys ascending inside a pack, packs by their smallest key."""
     order = _by_bin_then_key(bin_of, keys)
     k, b = keys[order], bin_of[order]
-    starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if k.size else np.zeros(0, np.int64)
+    starts = np.flatnonzero(first_of_runs(b))
     sizes = np.diff(np.append(starts, k.shape[0]))
     by_first = np.argsort(k[starts])
     starts, sizes = starts[by_first], sizes[by_first]
@@ -193,7 +194,7 @@ class BestFitDecreasing:
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`carry` in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
         b = self._bins
-        offsets = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])) if b.size else np.zeros(1)
+        offsets = np.append(np.flatnonzero(first_of_runs(b)), b.size)
         return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
@@ -204,11 +205,8 @@ class BestFitDecreasing:
         self._keys, self._slots, self._bins = keys[order], slots[order], bin_of[order]
 
 
-class FirstFitDecreasing:
+class FirstFitDecreasing(OpenBins):
     """First-fit-decreasing over each window; nothing is carried between windows."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
@@ -232,11 +230,6 @@ class FirstFitDecreasing:
                 i >>= 1
         return packs_by_bin(ks, np.asarray(bin_of, dtype=np.int64))
 
-    def finish(self) -> PackKeys:
-        return PackKeys.concat([])
-
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        return []
-
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         assert not bins, "ffd carries nothing between windows"
+        super().load_carry(bins)

@@ -13,11 +13,12 @@ import numpy as np
 
 from cpdata.packing.records import PackKeys
 
-__all__ = ["FirstFit", "NextFit"]
+__all__ = ["FirstFit", "NextFit", "OpenBins"]
 
 
-class _OpenBins:
-    """Open bins as lists of keys and slot lengths with their fill: what both packers carry."""
+class OpenBins:
+    """Open bins as lists of keys and slot lengths with their fill: the carry of every packer but ``bfd``
+    (``ffd`` keeps none between windows; the world packer keeps whole micro-batches)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -38,7 +39,7 @@ class _OpenBins:
         self._used = [sum(s) for s in self._slots]
 
 
-class NextFit(_OpenBins):
+class NextFit(OpenBins):
     """Sequential packing with a single open bin (never an empty one); also the back end of ``concat``."""
 
     @property
@@ -64,7 +65,7 @@ class NextFit(_OpenBins):
         return PackKeys.from_lists(out)
 
 
-class FirstFit(_OpenBins):
+class FirstFit(OpenBins):
     """First-fit over a batch of ``n_bins`` rows, emitted together when a piece fits none of them."""
 
     def __init__(self, capacity: int, n_bins: int = 8) -> None:

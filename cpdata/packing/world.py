@@ -20,6 +20,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import WorldBins
 from cpdata.packing.decreasing import decreasing, packs_by_bin
+from cpdata.packing.greedy import OpenBins
 from cpdata.packing.records import PackKeys
 
 __all__ = ["CARRY", "MAX_AGE", "WorldPacker"]
@@ -31,15 +32,15 @@ MAX_AGE = 16
 """A carried pack holding a piece older than this many windows' pieces (counted in keys) is emitted."""
 
 
-class WorldPacker:
+class WorldPacker(OpenBins):
     """First-fit-decreasing of each window into world micro-batches of ``world`` bins of ``capacity / world``
     tokens (``node_size`` ranks per node); ``carry=True``: the :data:`CARRY` emptiest packs' pieces go back to
     the next window."""
 
     def __init__(self, capacity: int, world: int, node_size: int, tile: int = 128, *, carry: bool = True) -> None:
-        self.capacity, self.world, self.node_size, self.tile = capacity, world, node_size, tile
+        self.world, self.node_size, self.tile = world, node_size, tile
         self.keep = CARRY if carry else 0
-        self._carry: list[tuple[list[int], list[int]]] = []
+        super().__init__(capacity)
 
     def _fill(self, keys: np.ndarray, slots: np.ndarray) -> list[tuple[list[int], list[int], WorldBins]]:
         """First-fit of the pieces, longest first (ties by key), into new packs: ``(keys, slots, bins)`` each."""
@@ -69,33 +70,27 @@ class WorldPacker:
         short = self.capacity // self.world // 4
         open_ = [i for i, (pk, _, bins) in enumerate(packs) if bins.max_room >= short and min(pk) >= oldest]
         kept = set(sorted(open_, key=lambda i: (-packs[i][2].total_room, min(packs[i][0])))[: self.keep])
-        self._carry = [(packs[i][0], packs[i][1]) for i in sorted(kept)]
+        self.load_carry([(packs[i][0], packs[i][1]) for i in sorted(kept)])
         return self._emit([p for i, p in enumerate(packs) if i not in kept])
 
     @staticmethod
     def _emit(packs: list) -> PackKeys:
-        if not packs:
-            return PackKeys.concat([])
         flat = np.array([k for p in packs for k in p[0]], dtype=np.int64)
         bin_of = np.repeat(np.arange(len(packs), dtype=np.int64), [len(p[0]) for p in packs])
         return packs_by_bin(flat, bin_of)
 
     def finish(self) -> PackKeys:
         packs = self._fill(*self._carried())
-        self._carry = []
+        self.load_carry([])
         return self._emit(packs)
 
     def _carried(self) -> tuple[np.ndarray, np.ndarray]:
         """The carried pieces' keys and slots, int64 ``[n]`` each."""
-        return (np.array([k for keys, _ in self._carry for k in keys], dtype=np.int64),
-                np.array([s for _, slots in self._carry for s in slots], dtype=np.int64))  # fmt: skip
-
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """The carried packs' pieces as ``(keys, slots)``, pack by pack."""
-        return [(list(k), list(s)) for k, s in self._carry]
+        return (np.array([k for keys in self._keys for k in keys], dtype=np.int64),
+                np.array([s for slots in self._slots for s in slots], dtype=np.int64))  # fmt: skip
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         if bins and not self.keep:
             raise ValueError("the world packer under 'ffd' carries nothing between windows, but the state holds "
                              "open packs; restore it under the packing algorithm it was saved with")  # fmt: skip
-        self._carry = [([int(k) for k in keys], [int(s) for s in slots]) for keys, slots in bins]
+        super().load_carry(bins)
