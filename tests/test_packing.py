@@ -24,7 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
-from cpdata.packing.planner import StreamPlanner, carry_and_wait, carry_columns, window_ends
+from cpdata.packing.planner import StreamPlanner, carry_and_wait, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
 
@@ -513,7 +513,7 @@ def test_carry_columns_are_the_open_bins_in_csr_form(algorithm):
     for lo in range(0, lengths.shape[0], 300):
         planner.add_window(lengths[lo : lo + 300], np.arange(lo, lo + 300))
         bins = planner._packer.carry()
-        offsets, keys, slots = carry_columns(planner._packer)
+        offsets, keys, slots = planner._packer.carry_columns()
         assert [o.dtype for o in (offsets, keys, slots)] == [np.dtype(np.int64)] * 3
         assert offsets.tolist() == [0, *itertools.accumulate(len(k) for k, _ in bins)]
         assert keys.tolist() == [k for ks, _ in bins for k in ks]

@@ -20,8 +20,7 @@ from cpdata.packing.pieces import COUNT_FIELDS, Pieces, check_lengths, cut_docum
 from cpdata.packing.records import DEFAULT_ALGORITHM, PackingConfig, PackingResult, PackingStats, PackKeys
 from cpdata.packing.world import WorldPacker
 
-__all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "carry_columns", "make_packer", "plan_lengths",
-           "window_ends"]  # fmt: skip
+__all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "make_packer", "plan_lengths", "window_ends"]
 
 _PACK_FIELDS = ("tokens", "slot_tokens", "packs")
 
@@ -38,20 +37,10 @@ class BinPacker(Protocol):
     def carry(self) -> list[tuple[list[int], list[int]]]:
         """Open bins as ``(keys, slots)``, in bin order."""
 
+    def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`carry` in CSR form (the state): int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
-
-
-def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A packer's open bins in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
-    if isinstance(packer, BestFitDecreasing):  # its own columns: no list per piece
-        return packer.carry_columns()
-    bins = packer.carry()
-    sizes = [len(k) for k, _ in bins]
-    return (
-        np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
-        np.array([k for keys, _ in bins for k in keys], dtype=np.int64),
-        np.array([s for _, slots in bins for s in slots], dtype=np.int64),
-    )
 
 
 def make_packer(config: PackingConfig) -> BinPacker:
@@ -140,7 +129,7 @@ class StreamPlanner:
         return PackingStats.fields_from_counts(capacity=self.config.capacity, **self._counts)
 
     def state(self) -> dict[str, Any]:
-        offsets, keys, slots = carry_columns(self._packer)
+        offsets, keys, slots = self._packer.carry_columns()
         return {
             "next_key": self._next_key,
             "counts": dict(self._counts),

@@ -64,7 +64,7 @@ class WorldPacker(OpenBins):
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         n = int(keys.shape[0])
-        ck, cs = self._carried()
+        _, ck, cs = self.carry_columns()
         packs = self._fill(np.concatenate([ck, keys]), np.concatenate([cs, slots]))
         oldest = int(keys.min()) - MAX_AGE * n
         short = self.capacity // self.world // 4
@@ -80,14 +80,9 @@ class WorldPacker(OpenBins):
         return packs_by_bin(flat, bin_of)
 
     def finish(self) -> PackKeys:
-        packs = self._fill(*self._carried())
+        packs = self._fill(*self.carry_columns()[1:])
         self.load_carry([])
         return self._emit(packs)
-
-    def _carried(self) -> tuple[np.ndarray, np.ndarray]:
-        """The carried pieces' keys and slots, int64 ``[n]`` each."""
-        return (np.array([k for keys in self._keys for k in keys], dtype=np.int64),
-                np.array([s for slots in self._slots for s in slots], dtype=np.int64))  # fmt: skip
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         if bins and not self.keep:
