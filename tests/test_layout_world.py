@@ -17,8 +17,7 @@ from test_kv_exchange_plan import check_against_brute
 from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import exchange_tiles, first_keys
-from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
-from cpdata.layout.world_deal import grid_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles
 
 
 def _owners(rows: np.ndarray) -> np.ndarray:
