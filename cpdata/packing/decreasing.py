@@ -185,14 +185,8 @@ class BestFitDecreasing:
                     keys, bin_of, n_bins = ks, other, int(other.max()) + 1
         return packs_by_bin(keys, bin_of)
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
-        offsets, keys, slots = self.carry_columns()
-        k, s, bounds = keys.tolist(), slots.tolist(), offsets.tolist()
-        return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`carry` in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        """Open bins in CSR form, in bin order (keys ascending): int64 offsets ``[bins + 1]``, keys and slots."""
         b = self._bins
         offsets = np.append(np.flatnonzero(first_of_runs(b)), b.size)
         return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()

@@ -34,11 +34,8 @@ class BinPacker(Protocol):
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)``, in bin order."""
-
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`carry` in CSR form (the state): int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        """Open bins in CSR form (the state), in bin order: int64 offsets ``[bins + 1]``, keys and slots."""
 
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 
