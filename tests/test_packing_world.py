@@ -11,9 +11,9 @@ from cpdata.bench.distributions import sample
 from cpdata.layout.maps import layout_spec
 from cpdata.layout.world_plan import plan_runs
 from cpdata.packing import plan_lengths
+from cpdata.packing.decreasing import WorldPacker
 from cpdata.packing.planner import StreamPlanner
 from cpdata.packing.records import PackingConfig
-from cpdata.packing.world import WorldPacker
 
 WORLD, NODE, LOCAL = 8, 4, 1024
 

@@ -8,7 +8,7 @@
 
 Documents are placed longest first (ties: slot order), and a placement depends only on the bins' state and
 the piece's length: :func:`plan_runs` replaying a packed micro-batch's slots puts every document where the
-packer (:class:`cpdata.packing.world.WorldPacker`, through :class:`WorldBins`) did, from the slot lengths
+packer (:class:`cpdata.packing.decreasing.WorldPacker`, through :class:`WorldBins`) did, from the slot lengths
 alone (no side channel through the pipeline). Slots from another packer may not fit: :func:`plan_runs`
 returns None and :func:`~cpdata.layout.world_deal.world_runs` cuts.
 

@@ -3,8 +3,8 @@
 
 Algorithms ``bfd`` (default), ``ffd``, ``first_fit``, ``next_fit``, ``concat``: table and padding figures in
 docs/packing-and-mixing.md, numbers from ``cpdata bench``. Modules, in pipeline order:
-``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing``, ``filling`` (exact fills),
-``world`` (the world layout's packer), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
+``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing`` (also the world layout's
+packer), ``filling`` (exact fills), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
 (length distributions for tests and benchmarks)."""
 
 from cpdata.packing.planner import StreamPlanner, plan_lengths

@@ -14,11 +14,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from cpdata.layout.maps import node_size_of
-from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing
+from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing, WorldPacker
 from cpdata.packing.greedy import FirstFit, NextFit
 from cpdata.packing.pieces import COUNT_FIELDS, Pieces, check_lengths, cut_documents
 from cpdata.packing.records import DEFAULT_ALGORITHM, PackingConfig, PackingResult, PackingStats, PackKeys
-from cpdata.packing.world import WorldPacker
 
 __all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "make_packer", "plan_lengths", "window_ends"]
 
@@ -42,7 +41,7 @@ class BinPacker(Protocol):
 
 def make_packer(config: PackingConfig) -> BinPacker:
     """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); a world layout's
-    ``bfd``/``ffd`` is :class:`~cpdata.packing.world.WorldPacker`."""
+    ``bfd``/``ffd`` is :class:`~cpdata.packing.decreasing.WorldPacker`."""
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
