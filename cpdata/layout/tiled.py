@@ -2,9 +2,9 @@
 
 Each rank gets ``n / cp`` of the pack's ``n = S / tile`` blocks, in increasing order (a span table,
 :mod:`cpdata.layout.spans`: a row or the inverse is one ``repeat`` and one add). Block ``b`` costs ``b -
-first_block(its document) + 1`` live tiles whoever owns the others (:func:`cpdata.layout.tiles.block_tiles`), so
-the deal splits the pack's tiles into ``cp`` equal sums of ``m = n / cp`` blocks, keeping small the most K/V a
-rank receives (a document's keys up to its last block there); in prose: docs/layouts-and-kernels.md.
+first_block(its document) + 1`` live tiles whoever owns the others (:func:`cpdata.layout.tiles.block_tiles`),
+so the deal splits the pack's tiles into ``cp`` equal sums of ``m = n / cp`` blocks, keeping small the most
+K/V a rank receives (a document's keys up to its last block there); in prose: docs/layouts-and-kernels.md.
 
 1. :func:`block_groups`: each document's blocks; one longer than ``m`` is cut at :data:`HEAD_FRACTION`.
 2. The groups' dense tails densest first, then the heads mirrored, every piece tail first.

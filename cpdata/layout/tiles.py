@@ -5,9 +5,9 @@ queries are its row in local order and the keys the pack in global order, both c
 a tile is live when any pair in it attends, and flash / flex kernels pay it in full. :func:`live_tiles` and
 :func:`kv_recv_tokens` sort the ``S`` tokens (O(S log S)): references for tests, benchmarks and inspection.
 
-Varlen kernels instead tile each ``cu_seq_q`` / ``cu_seq_k`` segment alone, causal bottom-right; a rank's
-segments are the runs of its local order with consecutive positions in one slot (:func:`query_runs`), each over
-its document's prefix (:func:`varlen_live_tiles`). Square tiles are a model (FA2 / FA3 use 128 x 64 to 128).
+Varlen kernels tile each ``cu_seq_q`` / ``cu_seq_k`` segment alone, causal bottom-right; a rank's segments are
+the runs of its local order with consecutive positions in one slot (:func:`query_runs`), each over its
+document's prefix (:func:`varlen_live_tiles`). Square tiles are a model (FA2 / FA3: 128 x 64 to 128).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cpdata.layout.maps import _absorb_tail, _as_lengths
+from cpdata.layout.runs import segments
 
 if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
@@ -129,7 +130,7 @@ def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
         lo, hi = k_doc.searchsorted(q_doc, side="left"), k_doc.searchsorted(q_doc, side="right")
         count = hi - lo
         at = np.repeat(np.arange(q_doc.shape[0]), count)
-        k_at = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
+        k_at = segments(lo, count)
         live = kp[k_at] <= qp[at]
         pairs = (qkey[at] % n_k)[live] * n_k + (kkey[k_at] % n_k)[live]
         pad_blocks = np.unique(np.flatnonzero(q >= end) // tile)

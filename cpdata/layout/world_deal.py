@@ -22,7 +22,7 @@ measures the real ones (:func:`cpdata.layout.tiles.exchange_tiles`) and the cost
 
 ``W`` is the world (DP folded in); the layout string carries ``node_size`` (``"world:8"``,
 :func:`cpdata.layout.maps.layout_spec`), never read from the environment. Dealt on the dataloader worker: no
-process group per CP degree, no in-step collective, no host sync. :func:`world_block`'s tables are span tables.
+process group per CP degree, no in-step collective, no host sync; :func:`world_block` builds span tables.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class WorldCost:
     received from the rank's own node / other nodes (:func:`cpdata.layout.exchange.node_recv`). Only ratios
     matter to the deal. :data:`H100_DEFAULTS` come from published H100 SXM figures for one layer of 32 query
     heads, 8 K/V heads, head dim 128, bf16, forward and backward (derivation: docs/layouts-and-kernels.md); a
-    calibration file measured on a GPU replaces them (:meth:`from_json`: one JSON object with the four fields of
-    ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are refused, a misspelt key would silently
-    keep a default).
+    calibration file measured on a GPU replaces them (:meth:`from_json`: one JSON object with the four fields
+    of ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are refused, a misspelt key would
+    silently keep a default).
 
     Attributes:
         per_tile_seconds: seconds of one live ``tile x tile`` tile, forward and backward, one layer.

@@ -20,5 +20,6 @@ from cpdata.packing.records import (
     PackKeys,
 )
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
-           "PackingResult", "PackingStats", "StreamPlanner", "plan_lengths"]  # fmt: skip
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
+           "PackKeys", "PackingConfig", "PackingResult", "PackingStats", "StreamPlanner",
+           "plan_lengths"]  # fmt: skip

@@ -14,11 +14,11 @@ with ``window=None``. Ties break by arrival order; no random numbers.
 
 Under a ``world`` layout both pack with :class:`WorldPacker`: first-fit-decreasing over each window into world
 micro-batches of ``W`` per-rank bins (:class:`~cpdata.layout.world_plan.WorldBins`) of ``L = S / W`` tokens, a
-piece whole on one rank (at most ``L`` tokens) or on ``ceil(s / L)`` consecutive ranks of one node, so the deal
-replays the bins from the slot lengths and cuts no document to fill a rank (the price: packs not filled to the
-last token). ``bfd`` carries the :data:`CARRY` emptiest packs with a quarter rank of room to the next window
-unless they hold a piece :data:`MAX_AGE` windows old. Cost: a loop over the open packs per piece, a heap over
-the ranks per short piece, a scan of rank windows per long one (docs/benchmarks.md has the figures)."""
+piece whole on one rank (at most ``L`` tokens) or on ``ceil(s / L)`` consecutive ranks of one node, so the
+deal replays the bins from the slot lengths and cuts no document to fill a rank (the price: packs not filled
+to the last token). ``bfd`` carries the :data:`CARRY` emptiest packs with a quarter rank of room to the next
+window unless they hold a piece :data:`MAX_AGE` windows old. Cost: a loop over the open packs per piece, a
+heap over the ranks per short piece, a scan of rank windows per long one (figures: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class BestFitDecreasing:
         if emit.any() and kept.any():
             top_up(ss, bin_of, open_bin[emit], open_room[emit], kept, locked=ks < oldest)
         carried = kept[bin_of]
-        # Carried pieces by (bin, key), bins renumbered 0.. in order: what load_carry rebuilds from the columns.
+        # Carried pieces by (bin, key), bins renumbered 0.. in order: what load_carry rebuilds from them.
         n_bins = kept.shape[0]
         bins = np.unique(bin_of[carried], return_inverse=True)[1].astype(np.int64)
         carried_keys = ks[carried]
@@ -199,7 +199,7 @@ class BestFitDecreasing:
         return packs_by_bin(keys, bin_of)
 
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Open bins in CSR form, in bin order (keys ascending): int64 offsets ``[bins + 1]``, keys and slots."""
+        """Open bins in CSR form, in bin order (keys ascending): int64 offsets ``[bins + 1]``, keys, slots."""
         b = self._bins
         offsets = np.append(np.flatnonzero(first_of_runs(b)), b.size)
         return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()
@@ -243,7 +243,7 @@ class FirstFitDecreasing(OpenBins):
 
 
 class WorldPacker(OpenBins):
-    """The world packer (the module docstring) of ``world`` ranks, ``node_size`` a node; ``carry``: ``bfd``'s."""
+    """The world packer (module docstring): ``world`` ranks, ``node_size`` a node; ``carry``: ``bfd``'s."""
 
     def __init__(self, capacity: int, world: int, node_size: int, tile: int = 128, *, carry: bool = True) -> None:
         self.world, self.node_size, self.tile = world, node_size, tile

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cpdata.layout.maps import node_size_of
+from cpdata.layout.runs import _frozen
 from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing, WorldPacker
 from cpdata.packing.greedy import FirstFit, NextFit
 from cpdata.packing.pieces import COUNT_FIELDS, Pieces, check_lengths, cut_documents
@@ -228,8 +229,7 @@ def plan_lengths(
     table = [np.concatenate(c) for c in zip(*columns, strict=True)]
     assert order.shape[0] == table[0].shape[0], "every piece must land in exactly one pack"
     doc_index, doc_start, doc_len, slot_len = (col[order] for col in table)
-    for a in (offsets, doc_index, doc_start, doc_len, slot_len):
-        a.flags.writeable = False
+    _frozen(offsets, doc_index, doc_start, doc_len, slot_len)
     planner.account(packs=len(packs), tokens=int(doc_len.sum()), slot_tokens=int(slot_len.sum()))
     return PackingResult(pack_offsets=offsets, doc_index=doc_index, doc_start=doc_start, doc_len=doc_len,
                          slot_len=slot_len, stats=planner.stats(), config=config)

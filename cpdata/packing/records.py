@@ -13,12 +13,12 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.maps import alignment
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
-           "PackingResult", "PackingStats"]  # fmt: skip
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
+           "PackKeys", "PackingConfig", "PackingResult", "PackingStats"]  # fmt: skip
 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
 DEFAULT_ALGORITHM = "bfd"
-"""The packer every entry point defaults to: the least padding from a mixed order (docs/packing-and-mixing.md)."""
+"""The packer every entry point defaults to: least padding from a mixed order (docs/packing-and-mixing.md)."""
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
 """Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound (the ``packing`` section
