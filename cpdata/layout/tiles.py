@@ -161,7 +161,7 @@ def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int |
         raise ValueError(f"tile={tile}, window={window}: both must be positive (window None: no window)")
     blocks = -(-q_len // tile)
     seg = np.repeat(np.arange(q_len.size, dtype=np.int64), blocks)
-    b = np.arange(seg.size, dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    b = segments(np.zeros_like(blocks), blocks)  # the block's index in its segment
     d = (k_len - q_len)[seg]
     hi = (np.minimum((b + 1) * tile, q_len[seg]) - 1 + d) // tile
     lo = np.zeros_like(hi) if window is None else np.maximum(0, b * tile + d - (window - 1)) // tile
