@@ -234,20 +234,13 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     offsets = list(itertools.accumulate(lens, initial=0))
     real_end = offsets[-1]
     alone = [grid_tiles(s, tile) for s in lens]
-    total = sum(alone) + (pack_len - real_end) // tile
-    share = total / world
-    best = None
-    seen: set[tuple[int, ...]] = set()
-    for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
-        spread = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
-        if spread in seen:
-            continue
-        seen.add(spread)
-        runs, load = _deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
-        if best is None or max(load) < best[0]:
-            best = (max(load), runs)
-    assert best is not None
-    return _with_pad(best[1], real_end, local, world)
+    share = (sum(alone) + (pack_len - real_end) // tile) / world
+    spreads = dict.fromkeys(tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], f, share, local, tile))
+                            for f in SPREAD_FRACTIONS)  # step 1's distinct choices, in order
+    deals = [_deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
+             for spread in spreads]
+    runs = min(deals, key=lambda deal: max(deal[1]))[0]  # the busiest rank predicted least (ties: the first)
+    return _with_pad(runs, real_end, local, world)
 
 
 def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, node_size: int,
