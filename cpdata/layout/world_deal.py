@@ -158,9 +158,7 @@ def _pick(c: int, piece: int, room: list[int], load: list[float], node_size: int
     fits = [r for r in range(len(room)) if room[r] >= piece]
     if len(fits) < c:
         return None
-    by_node: dict[int, list[int]] = {}
-    for r in fits:
-        by_node.setdefault(r // node_size, []).append(r)
+    by_node = {node: list(rs) for node, rs in itertools.groupby(fits, key=lambda r: r // node_size)}
     if c <= node_size:
         hosts = [rs for rs in by_node.values() if len(rs) >= c]
         if hosts:

@@ -86,16 +86,13 @@ class WorldBins:
         chunk = thd_chunks(s, c)
         need = [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
         nodes = -(-c // self.node_size)
-        best, best_load = -1, 0.0
-        for a in range(self.world - c + 1):
-            if (a + c - 1) // self.node_size - a // self.node_size + 1 > nodes:
-                continue
-            if any(self.room[a + i] < need[i] for i in range(c)):
-                continue
-            load = sum(self.load[a : a + c])
-            if best < 0 or load < best_load:
-                best, best_load = a, load
-        return None if best < 0 else self.take_thd(s, list(range(best, best + c)))
+        fits = [a for a in range(self.world - c + 1)
+                if (a + c - 1) // self.node_size - a // self.node_size < nodes
+                and all(self.room[a + i] >= need[i] for i in range(c))]  # fmt: skip
+        if not fits:
+            return None
+        best = min(fits, key=lambda a: sum(self.load[a : a + c]))  # the least loaded window (ties: the first)
+        return self.take_thd(s, list(range(best, best + c)))
 
     def take_thd(self, s: int, ranks: list[int]) -> list[tuple[int, int, int]]:
         """Take a document of ``s`` tokens over the ``c`` ``ranks`` in TE THD's ``2c`` chunks (the ``i``-th rank:
