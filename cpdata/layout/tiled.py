@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import _arange, _per_pack
+from cpdata.layout.runs import _arange, _frozen, _per_pack
 from cpdata.layout.spans import SpanBlock
 
 __all__ = ["CUT_TOLERANCE", "DEFAULT_TILE", "HEAD_FRACTION", "MAX_PAIRS", "MAX_SWAPS", "RESPLIT_BLOCKS",
@@ -255,9 +255,8 @@ def _given(x: np.ndarray, reach: np.ndarray, reach_of: np.ndarray, prev: np.ndar
 def _splits(m: int) -> np.ndarray:
     """int64 ``[C(2m, m), 2m]``: every choice of ``m`` of ``2m`` blocks, as 0/1 rows (read-only, cached)."""
     rows = np.zeros((math.comb(2 * m, m), 2 * m), dtype=np.int64)
-    for i, chosen in enumerate(itertools.combinations(range(2 * m), m)):
-        rows[i, list(chosen)] = 1
-    rows.flags.writeable = False
+    np.put_along_axis(rows, np.array(list(itertools.combinations(range(2 * m), m))), 1, axis=1)
+    _frozen(rows)
     return rows
 
 

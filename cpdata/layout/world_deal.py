@@ -94,8 +94,7 @@ class WorldCost:
         data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError(f"calibration file {path} must hold one JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
         missing = [k for k in _REQUIRED if k not in data]
         if unknown or missing:
             raise ValueError(f"calibration file {path}: missing keys {missing}, unknown keys {unknown}; it holds "
