@@ -190,12 +190,8 @@ def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float,
     for d in sorted(spread, key=lambda d: -lens[d]):
         s = lens[d]
         c = _degree(s, alone[d], local, share, cost, node_size, world)
-        ranks = None
-        while c <= world:
-            ranks = _pick(c, -(-s // c), bins.room, bins.load, node_size)
-            if ranks is not None:
-                break
-            c += 1
+        picks = (_pick(k, -(-s // k), bins.room, bins.load, node_size) for k in range(c, world + 1))
+        ranks = next((rs for rs in picks if rs is not None), None)  # the fewest ranks with room, from c
         if ranks is None:
             leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
             continue

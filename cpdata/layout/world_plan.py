@@ -76,11 +76,8 @@ class WorldBins:
         least_need = s // most - 1  # no rank of any c in [fewest, most] takes fewer tokens
         if sum(room >= least_need for room in self.room) < fewest:
             return None  # (a necessary condition, checked at once)
-        for c in range(fewest, most + 1):  # more ranks only while pieces shrink
-            runs = self._spread(s, c)
-            if runs is not None:
-                return runs
-        return None
+        spreads = (self._spread(s, c) for c in range(fewest, most + 1))  # more ranks only while pieces shrink
+        return next((runs for runs in spreads if runs is not None), None)
 
     def _spread(self, s: int, c: int) -> list[tuple[int, int, int]] | None:
         chunk = thd_chunks(s, c)
