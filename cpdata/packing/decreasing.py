@@ -184,9 +184,7 @@ class BestFitDecreasing:
         """Emit the carried bins, re-packed first if that needs fewer bins."""
         keys, slots, bin_of = self._keys, self._slots, self._bins
         self.load_carry([])
-        if not keys.size:
-            return PackKeys.concat([])
-        cap, n_bins = self.capacity, int(bin_of.max()) + 1
+        cap, n_bins = self.capacity, int(bin_of.max(initial=-1)) + 1  # (no bins: nothing to re-pack)
         bound = -(-int(slots.sum()) // cap)
         if n_bins > bound:
             ks, ss = decreasing(keys, slots)
@@ -216,9 +214,8 @@ class FirstFitDecreasing(OpenBins):
     """First-fit-decreasing over each window; nothing is carried between windows."""
 
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
-        n = int(keys.shape[0])
         ks, ss = decreasing(keys, slots)
-        size = 1 << max(n - 1, 1).bit_length()
+        size = 1 << max(int(keys.shape[0]) - 1, 1).bit_length()
         # Max segment tree over the room of bins 0..size-1 (unused bins have full room).
         tree = [self.capacity] * (2 * size)
         bin_of: list[int] = []
