@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from cpdata.adapters import document_causal_mask, flex_block_mask
 from cpdata.device.kv_exchange import exchanged_key_positions
-from cpdata.layout.exchange import exchange_plan, expand_runs, kv_recv_fraction
+from cpdata.layout.exchange import RankExchange, exchange_plan, kv_recv_fraction
 from cpdata.layout.maps import rank_indices
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
@@ -188,9 +188,12 @@ def test_plan_travels_with_the_batch_and_changes_nothing_else():
         assert a.to("cpu", copy=True).layout.kv_exchange is a.layout.kv_exchange
 
 
-def test_expand_runs_and_bad_input():
-    assert expand_runs(np.array([[5, 2], [0, 0], [1, 3]])).tolist() == [5, 6, 1, 2, 3]
-    assert expand_runs(np.zeros((0, 2), dtype=np.int64)).tolist() == []
+def test_runs_expand_and_bad_input():
+    runs = np.array([[5, 2], [0, 0], [1, 3]])
+    part = RankExchange(cp_size=2, cp_rank=0, send_counts=(0, 5), send_runs=runs, recv_counts=(0, 0),
+                        recv_runs=np.zeros((0, 2), dtype=np.int64))  # fmt: skip
+    assert part.send_index().tolist() == [5, 6, 1, 2, 3] and part.n_send == 5
+    assert part.recv_positions().tolist() == [] and part.n_recv == 0
     rows = rank_indices("contiguous", 2, [], 8)
     with pytest.raises(ValueError, match="cu_seqlens_padded"):
         exchange_plan(rows, [1, 4])  # the row's first position starts no slot

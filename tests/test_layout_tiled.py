@@ -22,8 +22,15 @@ from cpdata.layout.maps import (
     layout_tile,
     rank_indices,
 )
-from cpdata.layout.tiled import TILES, tiled_owners
-from cpdata.layout.tiled_deal import SWAP_TOLERANCE, block_groups, deal_blocks, resplit_pairs, swap_blocks
+from cpdata.layout.tiled import (
+    SWAP_TOLERANCE,
+    TILES,
+    block_groups,
+    deal_blocks,
+    resplit_pairs,
+    swap_blocks,
+    tiled_owners,
+)
 from cpdata.layout.tiles import block_tiles, first_keys, ideal_tiles, kv_recv_tokens, live_tiles
 from cpdata.nodes.loader import build_node
 from cpdata.packing import plan_lengths

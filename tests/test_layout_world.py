@@ -14,12 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kv_exchange_plan import check_against_brute
 
-from cpdata.layout.exchange import exchange_plan
+from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import exchange_tiles, first_keys
-from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
-from cpdata.layout.world_deal import grid_tiles
-from cpdata.layout.world_keys import node_recv, world_exchange
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles
 
 
 def _owners(rows: np.ndarray) -> np.ndarray:
@@ -233,9 +231,9 @@ def test_the_world_packer_plans_packs_the_deal_follows_without_cutting(name, wor
 def test_the_exchange_plan_of_a_pack_with_empty_slots_equals_the_one_without_them():
     import numpy as np
 
+    from cpdata.layout.exchange import world_exchange
     from cpdata.layout.maps import layout_runs, layout_spec
     from cpdata.layout.tiles import kv_recv_tokens
-    from cpdata.layout.world_keys import world_exchange
 
     spec, world, capacity = layout_spec("world", node_size=2), 4, 4 * 4096
     with_empty = np.array([0, 3000, 0, 500, 9000, 0])

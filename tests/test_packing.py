@@ -24,7 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
-from cpdata.packing.planner import StreamPlanner, carry_and_wait, carry_columns, window_ends
+from cpdata.packing.planner import StreamPlanner, carry_and_wait, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
 
@@ -504,24 +504,30 @@ def test_deterministic_and_seed_independent(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["bfd", "first_fit", "next_fit"])
 def test_carry_columns_are_the_open_bins_in_csr_form(algorithm):
-    """The state's carry columns (read from BFD's own arrays) are exactly the open bins of carry(), and a
-    planner restored from them carries the same bins."""
+    """The state's carry columns (read from BFD's own arrays) are the open bins in CSR form (every piece once,
+    keys ascending inside a bfd bin), and a planner restored from them carries the same bins and goes on to
+    the same packs."""
     config = PackingConfig.resolve(capacity=4096, layout="balanced", cp_size=4, algorithm=algorithm,
                                    overflow="split", window=256)
     planner = StreamPlanner(config)
     lengths = sample_lengths("ultrachat", 1200, seed=3)
     for lo in range(0, lengths.shape[0], 300):
         planner.add_window(lengths[lo : lo + 300], np.arange(lo, lo + 300))
-        bins = planner._packer.carry()
-        offsets, keys, slots = carry_columns(planner._packer)
+        offsets, keys, slots = planner._packer.carry_columns()
         assert [o.dtype for o in (offsets, keys, slots)] == [np.dtype(np.int64)] * 3
-        assert offsets.tolist() == [0, *itertools.accumulate(len(k) for k, _ in bins)]
-        assert keys.tolist() == [k for ks, _ in bins for k in ks]
-        assert slots.tolist() == [s for _, ss in bins for s in ss]
-        assert len(bins) > 0 or algorithm != "bfd"
+        sizes = np.diff(offsets)
+        assert offsets[0] == 0 and (sizes > 0).all() and offsets[-1] == keys.shape[0] == slots.shape[0]
+        assert np.unique(keys).shape == keys.shape and (slots > 0).all() and (slots <= config.capacity).all()
+        if algorithm == "bfd":
+            assert sizes.shape[0] > 0
+            assert all((np.diff(k) > 0).all() for k in np.split(keys, offsets[1:-1]))
         restored = StreamPlanner(config)
         restored.load_state(planner.state())
-        assert restored._packer.carry() == bins
+        for mine, theirs in zip(restored._packer.carry_columns(), (offsets, keys, slots), strict=True):
+            assert np.array_equal(mine, theirs)
+        nxt = sample_lengths("ultrachat", 300, seed=lo + 7)
+        assert [list(p) for p in restored.add_window(nxt, np.arange(300))[2]] == [
+            list(p) for p in planner.add_window(nxt, np.arange(300))[2]]
 
 
 @pytest.mark.parametrize("algorithm", ["bfd", "first_fit", "next_fit"])

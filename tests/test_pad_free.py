@@ -14,7 +14,7 @@ import torch
 
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import alignment, rank_indices
-from cpdata.layout.tiled_deal import block_groups
+from cpdata.layout.tiled import block_groups
 from cpdata.layout.tiles import block_tiles, kv_recv_tokens, live_tiles
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank

@@ -24,7 +24,7 @@ from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions
 from cpdata.device.varlen_reference import reference_varlen_attn, segment_mask
 from cpdata.layout.maps import layout_runs
-from cpdata.layout.varlen_tiles import query_runs, segment_tiles, varlen_live_tiles
+from cpdata.layout.tiles import query_runs, segment_tiles, varlen_live_tiles
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank

@@ -7,7 +7,7 @@ the K/V needed from others (:func:`cpdata.layout.tiles.kv_recv_tokens`). Means o
 ``tiles_integer_bound``: the floor of any layout of whole blocks), ``kv_recv_fraction`` (over an all-gather's
 ``(cp - 1) / cp * S``), ``solve_us_per_pack`` / ``maps_us_per_pack`` (layout tables, then one row and the
 inverse; thread CPU time), ``varlen_max_over_ideal`` / ``varlen_max_over_flex_ideal`` (a varlen kernel's
-tiles, :func:`cpdata.layout.varlen_tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one
+tiles, :func:`cpdata.layout.tiles.varlen_live_tiles`), ``dense_mask_mib`` / ``flex_mask_mib`` (one
 rank's dense ``[L, S]`` mask and ``BlockMask``).
 """
 
@@ -19,8 +19,7 @@ import numpy as np
 
 from cpdata.bench.distributions import first_packs
 from cpdata.layout.maps import layout_runs, layout_spec
-from cpdata.layout.tiles import block_tiles, ideal_tiles, kv_recv_tokens, live_tiles
-from cpdata.layout.varlen_tiles import varlen_live_tiles
+from cpdata.layout.tiles import block_tiles, ideal_tiles, kv_recv_tokens, live_tiles, varlen_live_tiles
 
 __all__ = ["COLUMNS", "LAYOUTS", "TABLE", "flex_mask_bytes", "run"]
 

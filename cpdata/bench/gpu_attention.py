@@ -3,7 +3,7 @@
 One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the
 keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
 through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
-(tiles: :func:`cpdata.layout.varlen_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
+(tiles: :func:`cpdata.layout.tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
 not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json``
 (read by the world deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``,
 ``device``, ``dtype``, ``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's
@@ -22,8 +22,7 @@ import torch
 from cpdata.bench.distributions import first_packs
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import layout_runs
-from cpdata.layout.tiles import segment_starts
-from cpdata.layout.varlen_tiles import query_runs, segment_tiles
+from cpdata.layout.tiles import query_runs, segment_starts, segment_tiles
 
 __all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "fit_line", "rank_cases", "run", "time_step"]
 

@@ -12,7 +12,6 @@ pieces held open between windows and the longest a piece waits, in windows
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
@@ -31,10 +30,10 @@ LAYOUT, CP_SIZE = "balanced", 8
 
 
 def default_algorithm() -> str:
-    """The ``algorithm`` default of :func:`cpdata.packing.plan_lengths`."""
-    from cpdata.packing import plan_lengths
+    """The ``algorithm`` every entry point defaults to (:data:`cpdata.packing.DEFAULT_ALGORITHM`)."""
+    from cpdata.packing import DEFAULT_ALGORITHM
 
-    return str(inspect.signature(plan_lengths).parameters["algorithm"].default)
+    return DEFAULT_ALGORITHM
 
 
 def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:

@@ -23,11 +23,10 @@ import types
 import numpy as np
 
 from cpdata.bench.distributions import first_packs
+from cpdata.layout.exchange import node_recv, world_exchange
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
 from cpdata.layout.tiles import exchange_tiles, live_tiles
-from cpdata.layout.world_cost import H100_DEFAULTS
-from cpdata.layout.world_deal import alone_tiles
-from cpdata.layout.world_keys import node_recv, world_exchange
+from cpdata.layout.world_deal import H100_DEFAULTS, alone_tiles
 
 __all__ = ["COLUMNS", "TABLE", "megatron_micro_batches", "run"]
 

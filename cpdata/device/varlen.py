@@ -1,7 +1,7 @@
 """Varlen (flash) attention over cpdata's document-causal mask at any cp: segments, ``cu_seq`` and the key gather.
 
 Each run of a rank's local queries with consecutive global positions inside one document slot
-(:func:`cpdata.layout.varlen_tiles.query_runs`) is one varlen segment::
+(:func:`cpdata.layout.tiles.query_runs`) is one varlen segment::
 
     queries  q[first : first + n]                  contiguous in local order: no permutation
     keys     global positions lo .. last           the document's prefix up to the run's last query
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cpdata.device.attention_masks import check_window
-from cpdata.layout.varlen_tiles import query_runs
+from cpdata.layout.tiles import query_runs
 
 __all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
 

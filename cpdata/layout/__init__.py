@@ -1,12 +1,12 @@
 """Layouts: which global token positions each CP rank owns (pure numpy, plus the record that carries them).
 
-A layout is one integer map (``rows[r]`` = the global positions of rank ``r``'s tokens, in local order) and its
-inverse, a pure function of the document lengths, so every CP rank computes the same map without talking.
-``maps`` holds the layouts (``rank_indices``, ``alignment``, ``inverse_indices``); ``runs`` and ``blocks`` build
-their tables; ``tiled`` (dealt by ``tiled_deal``) and ``world`` (``world_plan``, ``world_deal``, ``world_cost``,
-``world_keys``) are the layouts that balance kernel tiles, their tables ``spans``; ``exchange`` plans the K/V exchange; ``tiles`` and
-``varlen_tiles`` count what kernels pay; ``shard_layout`` is the torch record that travels with a batch (the
-one module here that imports torch). Nothing is imported eagerly: ``cpdata.gather`` must load torch alone.
+A layout is one integer map (``rows[r]`` = the global positions of rank ``r``'s tokens, in local order) and
+its inverse, a pure function of the document lengths, so every CP rank computes the same map without talking.
+``maps`` holds the layouts (``rank_indices``, ``alignment``, ``inverse_indices``); ``runs`` and ``blocks``
+build their tables; ``tiled`` and ``world_deal`` (with ``world_plan``) are the layouts that balance kernel
+tiles, their tables ``spans``; ``exchange`` plans the K/V exchange; ``tiles`` counts what kernels pay;
+``shard_layout`` is the torch record that travels with a batch (the one module here that imports torch).
+Nothing is imported eagerly: ``cpdata.gather`` must load torch alone.
 """
 
 __all__: list[str] = []

@@ -6,6 +6,7 @@ own key). The plan cuts the layout into *pieces*: runs of consecutive rank-major
 start and real end; a piece's need from each rank is a prefix of it. An all-gather delivers ``(cp-1)/cp * S``
 keys to every rank; the plan moves only the needed ones (one ``all_to_all_single``,
 :mod:`cpdata.device.kv_exchange`). The ``i``-th key ``src`` sends to ``dst`` is the ``i``-th ``dst`` receives.
+A span table's plan comes from its runs (:func:`world_exchange`), its keys split by node by :func:`node_recv`.
 """
 
 from __future__ import annotations
@@ -18,20 +19,12 @@ import numpy as np
 from cpdata.errors import check_int, is_int
 from cpdata.layout.maps import inverse_indices
 from cpdata.layout.runs import segments
+from cpdata.layout.spans import SpanTable
 
 __all__ = [
     "ExchangePlan", "RankExchange", "exchange_plan", "exchange_plan_of_inverse", "exchange_plan_of_runs",
-    "expand_runs", "kv_recv_fraction",
+    "kv_recv_fraction", "node_recv", "world_exchange",
 ]  # fmt: skip
-
-_I64 = np.int64
-
-
-def expand_runs(runs: np.ndarray) -> np.ndarray:
-    """int64 ``[sum(lengths)]``: :func:`~cpdata.layout.runs.segments` of ``runs`` int64 ``[n, 2]``, rows
-    ``(start, length)``."""
-    return segments(runs[:, 0], runs[:, 1])
-
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class RankExchange:
@@ -59,11 +52,11 @@ class RankExchange:
 
     def send_index(self) -> np.ndarray:
         """int64 ``[n_send]``: the local index of every key sent, in send order."""
-        return expand_runs(self.send_runs)
+        return segments(self.send_runs[:, 0], self.send_runs[:, 1])
 
     def recv_positions(self) -> np.ndarray:
         """int64 ``[n_recv]``: the global position of every key received, in receive order."""
-        return expand_runs(self.recv_runs)
+        return segments(self.recv_runs[:, 0], self.recv_runs[:, 1])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -83,9 +76,9 @@ class ExchangePlan:
     def recv_counts(self) -> np.ndarray:
         """int64 ``[cp, cp]``: ``[dst, src]`` keys ``dst`` receives from ``src`` (one ``bincount``)."""
         cp = self.cp_size
-        pair = self.owners.repeat(cp).reshape(-1, cp) * cp + np.arange(cp, dtype=_I64)  # [n, cp]: src * cp + dst
+        pair = self.owners.repeat(cp).reshape(-1, cp) * cp + np.arange(cp)  # [n, cp]: src * cp + dst
         counts = np.bincount(pair.reshape(-1), weights=self.need.reshape(-1), minlength=cp * cp)
-        return counts.astype(_I64).reshape(cp, cp).T.copy()
+        return counts.astype(np.int64).reshape(cp, cp).T.copy()
 
     def rank(self, r: int) -> RankExchange:
         """Rank ``r``'s :class:`RankExchange`."""
@@ -112,8 +105,7 @@ def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
     """int64 ``[runs]``: the first position of every run of the layout, increasing: stretches whose
     rank-major index (``inverse``) steps by one, cut where a rank's row starts."""
     stream = inverse.shape[0]
-    cut = np.empty(stream, dtype=bool)
-    cut[0] = True
+    cut = np.ones(stream, dtype=bool)
     np.not_equal(inverse[1:] - inverse[:-1], 1, out=cut[1:])
     at = np.flatnonzero(cut)
     if cp == 1:
@@ -121,7 +113,7 @@ def _runs(inverse: np.ndarray, cp: int, local: int) -> np.ndarray:
     # a run may go on from one rank's last token to the next rank's first: cut where index r * L sits
     first = inverse[at]
     order = first.argsort(kind="stable")
-    bounds = np.arange(local, stream, local, dtype=_I64)
+    bounds = np.arange(local, stream, local, dtype=np.int64)
     run = order[first[order].searchsorted(bounds, side="right") - 1]
     return _sorted_union(at, at[run] + (bounds - first[run]))
 
@@ -131,8 +123,7 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     on a few thousand values)."""
     out = np.concatenate([a, b])
     out.sort()
-    keep = np.empty(out.size, dtype=bool)
-    keep[:1] = True
+    keep = np.ones(out.size, dtype=bool)
     np.not_equal(out[1:], out[:-1], out=keep[1:])
     return out[keep]
 
@@ -159,8 +150,8 @@ def _checked_slots(slot_starts: Any, real_ends: Any, stream: int, n_rows: Any
     """``(slot_starts, real_ends)`` as int64 ``[K]`` over ``n_rows`` rows of ``stream`` positions (each real end
     in ``[its slot's start, the next slot's start]``), or ``ValueError``."""
     check_int("n_rows", n_rows, min=1, fix=" (bshd rows sharing the layout)")
-    starts = np.asarray(slot_starts, dtype=_I64).reshape(-1)
-    row_firsts = np.arange(n_rows, dtype=_I64) * stream
+    starts = np.asarray(slot_starts, dtype=np.int64).reshape(-1)
+    row_firsts = np.arange(n_rows, dtype=np.int64) * stream
     firsts_at = starts.searchsorted(row_firsts)
     if (starts.size == 0 or (starts[1:] <= starts[:-1]).any() or starts[-1] >= n_rows * stream
             or firsts_at[-1] >= starts.size or (starts[firsts_at] != row_firsts).any()):  # fmt: skip
@@ -171,7 +162,7 @@ def _checked_slots(slot_starts: Any, real_ends: Any, stream: int, n_rows: Any
         )
     if real_ends is None:
         return starts, None
-    ends = np.asarray(real_ends, dtype=_I64).reshape(-1)
+    ends = np.asarray(real_ends, dtype=np.int64).reshape(-1)
     nxt = np.append(starts[1:], n_rows * stream)
     if ends.shape != starts.shape or (ends < starts).any() or (ends > nxt).any():
         raise ValueError(
@@ -189,7 +180,7 @@ def exchange_plan_of_inverse(inverse: np.ndarray, cp_size: int, slot_starts: np.
     ``checked=True``: the arguments are the worker's int64 arrays, already checked; their checks are skipped.
     """
     if not checked:
-        inverse = np.asarray(inverse, dtype=_I64).reshape(-1)
+        inverse = np.asarray(inverse, dtype=np.int64).reshape(-1)
         cp, stream = check_int("cp_size", cp_size, min=1), inverse.shape[0]
         if stream == 0 or stream % cp:
             raise ValueError(f"the inverse map covers {stream} positions, not a positive multiple of cp_size={cp}")
@@ -215,9 +206,8 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
     run_starts[i + 1])`` on rank ``run_owners[i]`` from local index ``run_local_starts[i]`` (runs need not be
     maximal). ``checked``: the arguments are a layout's own int64 arrays, their checks skipped."""
     if not checked:
-        run_starts = np.asarray(run_starts, dtype=_I64).reshape(-1)
-        run_owners = np.asarray(run_owners, dtype=_I64).reshape(-1)
-        run_local_starts = np.asarray(run_local_starts, dtype=_I64).reshape(-1)
+        run_starts, run_owners, run_local_starts = (np.asarray(a, dtype=np.int64).reshape(-1)
+                                                    for a in (run_starts, run_owners, run_local_starts))
         cp_size, local_len = check_int("cp_size", cp_size, min=1), check_int("local_len", local_len, min=1)
         _check_runs(run_starts, run_owners, run_local_starts, cp_size, local_len)
         slot_starts, real_ends = _checked_slots(slot_starts, real_ends, cp_size * local_len, n_rows)
@@ -225,6 +215,29 @@ def exchange_plan_of_runs(run_starts: np.ndarray, run_owners: np.ndarray, run_lo
     run = run_starts.searchsorted(starts, side="right") - 1
     return _pieces_plan(starts, run_owners[run], run_local_starts[run] + (starts - run_starts[run]), cp_size,
                         local_len, slot_starts, n_rows, real_ends)  # fmt: skip
+
+
+def world_exchange(table: SpanTable, real_lens: np.ndarray | None = None) -> ExchangePlan:
+    """The K/V exchange plan of one pack's deal, from its runs (no pass over the tokens); ``real_lens`` int64
+    ``[D]`` (None: the slots are all real, the pack's tail is padding). Empty slots hold no key: left out."""
+    lens = table.lens
+    real = lens if real_lens is None else np.asarray(real_lens, dtype=np.int64)[: lens.shape[0]]
+    kept = lens > 0
+    starts, ends = table.doc_starts[kept], (table.doc_starts + real)[kept]
+    if not starts.shape[0]:
+        starts = ends = np.zeros(1, np.int64)
+    local = table.pack_len // table.cp_size
+    return exchange_plan_of_runs(*table.spans(), cp_size=table.cp_size, local_len=local, slot_starts=starts,
+                                 real_ends=ends)  # fmt: skip
+
+
+def node_recv(plan: ExchangePlan, node_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(intra, inter)`` int64 ``[cp]``: keys each rank receives from ranks of its own node, and of others
+    (rank ``r`` lies in node ``r // node_size``)."""
+    counts = plan.recv_counts()  # [dst, src]
+    node = np.arange(plan.cp_size) // node_size
+    same = node[:, None] == node[None, :]
+    return (counts * same).sum(axis=1), (counts * ~same).sum(axis=1)
 
 
 def _check_runs(starts: np.ndarray, owners: np.ndarray, local: np.ndarray, cp: int, local_len: int) -> None:
@@ -240,7 +253,7 @@ def _check_runs(starts: np.ndarray, owners: np.ndarray, local: np.ndarray, cp: i
         )
     lengths = np.diff(starts, append=stream)
     order = np.lexsort((local, owners))  # each rank's runs in local order must tile [0, L)
-    expect = lengths[order].cumsum() - lengths[order] - np.repeat(np.arange(cp, dtype=_I64) * local_len,
+    expect = lengths[order].cumsum() - lengths[order] - np.repeat(np.arange(cp, dtype=np.int64) * local_len,
                                                                   np.bincount(owners, minlength=cp))
     if not np.array_equal(local[order], expect) or not (np.bincount(owners, lengths, cp) == local_len).all():
         raise ValueError(f"every rank's runs must tile its local order [0, local_len={local_len}) exactly once")
@@ -256,15 +269,15 @@ def _pieces_plan(starts: np.ndarray, owners: np.ndarray, local_starts: np.ndarra
     if n_rows == 1:
         slot = slot_starts.searchsorted(starts, side="right")[None]
     else:
-        row_firsts = np.arange(n_rows, dtype=_I64) * stream
+        row_firsts = np.arange(n_rows, dtype=np.int64) * stream
         slot = slot_starts.searchsorted(row_firsts[:, None] + starts[None, :], side="right")  # [rows, n]
     slot -= 1
     key = slot * cp
     key += owners
-    last = np.full(slot_starts.size * cp, -1, dtype=_I64)  # [slot, rank] flat
+    last = np.full(slot_starts.size * cp, -1, dtype=np.int64)  # [slot, rank] flat
     at_end = np.tile(ends - 1, n_rows) if n_rows > 1 else ends - 1
     if real_ends is not None:  # a pad piece is no query of its slot
-        begin = (np.arange(n_rows, dtype=_I64)[:, None] * stream + starts[None, :]).reshape(-1)
+        begin = (np.arange(n_rows, dtype=np.int64)[:, None] * stream + starts[None, :]).reshape(-1)
         at_end = np.where(begin < real_ends[slot.reshape(-1)], at_end, -1)
     np.maximum.at(last, key.reshape(-1), at_end)
     reach = last.reshape(-1, cp)[slot]  # [rows, n, cp]: keys up to there are needed

@@ -21,7 +21,7 @@ from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.spans import SpanBlock, SpanTable
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, tiled_block
-from cpdata.layout.world import world_block
+from cpdata.layout.world_deal import world_block
 
 __all__ = [
     "LAYOUTS",
@@ -64,11 +64,9 @@ def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None =
 def _split(layout: str) -> tuple[str, int | None]:
     """``"tiled:256"`` -> ``("tiled", 256)``; ``"world:8"`` -> ``("world", 8)``; ``"thd"`` -> ``("thd", None)``;
     malformed -> ``(layout, None)``."""
-    for name in ("tiled", "world"):
-        if isinstance(layout, str) and layout.startswith(f"{name}:"):
-            digits = layout[len(name) + 1 :]
-            if digits.isdigit():
-                return name, int(digits)
+    name, colon, digits = layout.partition(":") if isinstance(layout, str) else (layout, "", "")
+    if colon and name in ("tiled", "world") and digits.isdigit():
+        return name, int(digits)
     return layout, None
 
 

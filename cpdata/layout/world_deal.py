@@ -9,7 +9,7 @@ Any other pack is dealt by steps 1-3; the per-document CP degree comes out of th
 
 1. *Spread* (longest first): a document longer than ``L``, or costing more tiles alone than a rank's share
    (the pack's tiles over ``W``), spreads over the fewest ``c >= ceil(s / L)`` ranks whose predicted busiest
-   time, ``max(tiles / c, keys over each link)`` (:class:`~cpdata.layout.world_cost.WorldCost`), stays within
+   time, ``max(tiles / c, keys over each link)`` (:class:`WorldCost`), stays within
    the share (else the ``c`` predicting least): the least loaded ranks of one node when they fit, in TE
    THD's ``2c`` chunks (rank ``i`` takes chunks ``i`` and ``2c - 1 - i``).
 2. *Whole* (costliest first): each document to the least loaded rank with room (it receives no keys); one
@@ -19,19 +19,103 @@ Any other pack is dealt by steps 1-3; the per-document CP degree comes out of th
 Steps 1-2 run for each of :data:`SPREAD_FRACTIONS` and the deal whose busiest rank is predicted least is
 kept. Loads are :func:`grid_tiles`, a stream-grid kernel's expected tiles; ``cpdata bench --sections world``
 measures the real ones (:func:`cpdata.layout.tiles.exchange_tiles`) and the cost of the deal.
+
+``W`` is the world (DP folded in); the layout string carries ``node_size`` (``"world:8"``,
+:func:`cpdata.layout.maps.layout_spec`), never read from the environment. Dealt on the dataloader worker: no
+process group per CP degree, no in-step collective, no host sync; :func:`world_block` builds span tables.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.errors import check_int
+from cpdata.layout.runs import _per_pack
+from cpdata.layout.spans import SpanBlock
 from cpdata.layout.world_plan import WorldBins, grid_tiles, plan_runs
 
-__all__ = ["MIN_SPREAD", "SPREAD_FRACTIONS", "alone_tiles", "grid_tiles", "world_runs"]
+__all__ = ["H100_DEFAULTS", "MIN_SPREAD", "SPREAD_FRACTIONS", "WorldCost", "alone_tiles", "grid_tiles",
+           "world_block", "world_runs"]  # fmt: skip
+
+_REQUIRED = ("per_tile_seconds", "intra_node_bytes_per_second", "inter_node_bytes_per_second", "bytes_per_key")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldCost:
+    """The physics the deal weighs: predicted per-rank seconds of attention compute and K/V traffic, which
+    overlap (the exchange runs while the kernel computes the rank's own keys)::
+
+        seconds = max(tiles * per_tile_seconds,
+                      intra_keys * bytes_per_key / intra_node_bytes_per_second,
+                      inter_keys * bytes_per_key / inter_node_bytes_per_second)
+
+    ``tiles``: live tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` / ``inter_keys``: keys
+    received from the rank's own node / other nodes (:func:`cpdata.layout.exchange.node_recv`). Only ratios
+    matter to the deal. :data:`H100_DEFAULTS` come from published H100 SXM figures for one layer of 32 query
+    heads, 8 K/V heads, head dim 128, bf16, forward and backward (derivation: docs/layouts-and-kernels.md); a
+    calibration file measured on a GPU replaces them (:meth:`from_json`: one JSON object with the four fields
+    of ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are refused, a misspelt key would
+    silently keep a default).
+
+    Attributes:
+        per_tile_seconds: seconds of one live ``tile x tile`` tile, forward and backward, one layer.
+        intra_node_bytes_per_second: effective all-to-all bandwidth per GPU between ranks of one node.
+        inter_node_bytes_per_second: the same between nodes.
+        bytes_per_key: bytes one key moves (K and V forward, their gradients backward), one layer.
+        tile: the tile ``per_tile_seconds`` belongs to.
+        source: where the figures come from.
+    """
+
+    per_tile_seconds: float = 1.94e-6
+    intra_node_bytes_per_second: float = 370e9
+    inter_node_bytes_per_second: float = 50e9
+    bytes_per_key: float = 8192.0
+    tile: int = 128
+    source: str = "published H100 SXM figures (cpdata.layout.world_deal)"
+
+    def __post_init__(self) -> None:
+        for name in _REQUIRED:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"WorldCost.{name} must be a finite number > 0, got {value!r}")
+        check_int("WorldCost.tile", self.tile, min=1)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> WorldCost:
+        """The figures of a calibration file (format: the class docstring); ``ValueError`` naming a missing,
+        unknown or bad key."""
+        data: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"calibration file {path} must hold one JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        missing = [k for k in _REQUIRED if k not in data]
+        if unknown or missing:
+            raise ValueError(f"calibration file {path}: missing keys {missing}, unknown keys {unknown}; it holds "
+                             f"{list(_REQUIRED)} and optionally 'tile', 'source'")  # fmt: skip
+        return cls(**data)
+
+    def seconds(self, tiles: np.ndarray, intra_keys: np.ndarray, inter_keys: np.ndarray) -> np.ndarray:
+        """float64, the shape of the arguments: predicted seconds per rank (compute and the two links overlap)."""
+        compute = np.asarray(tiles, dtype=np.float64) * self.per_tile_seconds
+        intra = np.asarray(intra_keys, dtype=np.float64) * (self.bytes_per_key / self.intra_node_bytes_per_second)
+        inter = np.asarray(inter_keys, dtype=np.float64) * (self.bytes_per_key / self.inter_node_bytes_per_second)
+        return np.maximum(compute, np.maximum(intra, inter))
+
+    def keys_per_tile(self, inter_node: bool) -> float:
+        """Keys received over one link in the time of one tile (intra-node, or inter-node)."""
+        bw = self.inter_node_bytes_per_second if inter_node else self.intra_node_bytes_per_second
+        return self.per_tile_seconds * bw / self.bytes_per_key
+
+
+H100_DEFAULTS = WorldCost()
+"""The published-figure defaults."""
 
 MIN_SPREAD = 0.25
 """Documents shorter than this fraction of a rank's tokens are spread only when they cost more than a share."""
@@ -73,9 +157,7 @@ def _pick(c: int, piece: int, room: list[int], load: list[float], node_size: int
     fits = [r for r in range(len(room)) if room[r] >= piece]
     if len(fits) < c:
         return None
-    by_node: dict[int, list[int]] = {}
-    for r in fits:
-        by_node.setdefault(r // node_size, []).append(r)
+    by_node = {node: list(rs) for node, rs in itertools.groupby(fits, key=lambda r: r // node_size)}
     if c <= node_size:
         hosts = [rs for rs in by_node.values() if len(rs) >= c]
         if hosts:
@@ -108,12 +190,8 @@ def _deal(lens: list[int], offsets: list[int], alone: list[float], share: float,
     for d in sorted(spread, key=lambda d: -lens[d]):
         s = lens[d]
         c = _degree(s, alone[d], local, share, cost, node_size, world)
-        ranks = None
-        while c <= world:
-            ranks = _pick(c, -(-s // c), bins.room, bins.load, node_size)
-            if ranks is not None:
-                break
-            c += 1
+        picks = (_pick(k, -(-s // k), bins.room, bins.load, node_size) for k in range(c, world + 1))
+        ranks = next((rs for rs in picks if rs is not None), None)  # the fewest ranks with room, from c
         if ranks is None:
             leftover.append(d)  # no c ranks with room for equal pieces: cut by room in step 2
             continue
@@ -149,20 +227,23 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
     offsets = list(itertools.accumulate(lens, initial=0))
     real_end = offsets[-1]
     alone = [grid_tiles(s, tile) for s in lens]
-    total = sum(alone) + (pack_len - real_end) // tile
-    share = total / world
-    best = None
-    seen: set[tuple[int, ...]] = set()
-    for fraction in SPREAD_FRACTIONS:  # the deal whose busiest rank is predicted least
-        spread = tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], fraction, share, local, tile))
-        if spread in seen:
-            continue
-        seen.add(spread)
-        runs, load = _deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
-        if best is None or max(load) < best[0]:
-            best = (max(load), runs)
-    assert best is not None
-    return _with_pad(best[1], real_end, local, world)
+    share = (sum(alone) + (pack_len - real_end) // tile) / world
+    spreads = dict.fromkeys(tuple(d for d, s in enumerate(lens) if _spread(s, alone[d], f, share, local, tile))
+                            for f in SPREAD_FRACTIONS)  # step 1's distinct choices, in order
+    deals = [_deal(lens, offsets, alone, share, spread, local, world, node_size, tile, cost)
+             for spread in spreads]
+    runs = min(deals, key=lambda deal: max(deal[1]))[0]  # the busiest rank predicted least (ties: the first)
+    return _with_pad(runs, real_end, local, world)
+
+
+def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, node_size: int,
+                tile: int = 128) -> SpanBlock:  # fmt: skip
+    """``world`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
+    slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span."""
+    runs = [world_runs(pack, pack_len, cp_size, node_size, tile) for pack in _per_pack(lens, counts)]
+    starts, lengths, owners = (np.concatenate(part) for part in zip(*runs, strict=True))
+    spans = np.array([r[0].shape[0] for r in runs], dtype=np.int64)
+    return SpanBlock(pack_len, cp_size, lens, counts, starts, lengths, owners, spans)
 
 
 def _with_pad(runs: list[tuple[int, int, int]], real_end: int, local: int, world: int

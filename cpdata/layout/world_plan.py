@@ -8,7 +8,7 @@
 
 Documents are placed longest first (ties: slot order), and a placement depends only on the bins' state and
 the piece's length: :func:`plan_runs` replaying a packed micro-batch's slots puts every document where the
-packer (:class:`cpdata.packing.world.WorldPacker`, through :class:`WorldBins`) did, from the slot lengths
+packer (:class:`cpdata.packing.decreasing.WorldPacker`, through :class:`WorldBins`) did, from the slot lengths
 alone (no side channel through the pipeline). Slots from another packer may not fit: :func:`plan_runs`
 returns None and :func:`~cpdata.layout.world_deal.world_runs` cuts.
 
@@ -76,26 +76,20 @@ class WorldBins:
         least_need = s // most - 1  # no rank of any c in [fewest, most] takes fewer tokens
         if sum(room >= least_need for room in self.room) < fewest:
             return None  # (a necessary condition, checked at once)
-        for c in range(fewest, most + 1):  # more ranks only while pieces shrink
-            runs = self._spread(s, c)
-            if runs is not None:
-                return runs
-        return None
+        spreads = (self._spread(s, c) for c in range(fewest, most + 1))  # more ranks only while pieces shrink
+        return next((runs for runs in spreads if runs is not None), None)
 
     def _spread(self, s: int, c: int) -> list[tuple[int, int, int]] | None:
         chunk = thd_chunks(s, c)
         need = [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
         nodes = -(-c // self.node_size)
-        best, best_load = -1, 0.0
-        for a in range(self.world - c + 1):
-            if (a + c - 1) // self.node_size - a // self.node_size + 1 > nodes:
-                continue
-            if any(self.room[a + i] < need[i] for i in range(c)):
-                continue
-            load = sum(self.load[a : a + c])
-            if best < 0 or load < best_load:
-                best, best_load = a, load
-        return None if best < 0 else self.take_thd(s, list(range(best, best + c)))
+        fits = [a for a in range(self.world - c + 1)
+                if (a + c - 1) // self.node_size - a // self.node_size < nodes
+                and all(self.room[a + i] >= need[i] for i in range(c))]  # fmt: skip
+        if not fits:
+            return None
+        best = min(fits, key=lambda a: sum(self.load[a : a + c]))  # the least loaded window (ties: the first)
+        return self.take_thd(s, list(range(best, best + c)))
 
     def take_thd(self, s: int, ranks: list[int]) -> list[tuple[int, int, int]]:
         """Take a document of ``s`` tokens over the ``c`` ``ranks`` in TE THD's ``2c`` chunks (the ``i``-th rank:

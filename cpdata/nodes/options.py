@@ -21,7 +21,7 @@ from typing import Any, TypeAlias
 
 from cpdata.errors import is_int
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
-from cpdata.packing.records import ALGORITHMS, OVERFLOW_POLICIES
+from cpdata.packing.records import ALGORITHMS, DEFAULT_ALGORITHM, OVERFLOW_POLICIES
 from cpdata.schedule import TAIL_POLICIES, CostModel
 from cpdata.worker.targets import LabelsAlignment, check_labels_alignment
 
@@ -69,7 +69,7 @@ class StreamPlan:
     """Pack documents as they stream (:class:`~cpdata.nodes.pack.Pack`): any source, no lengths needed; DP
     ranks may end an epoch a few steps apart (:class:`SchedulePlan` gives equal steps)."""
 
-    algorithm: str = "bfd"
+    algorithm: str = DEFAULT_ALGORITHM
     """Packing algorithm, one of :data:`cpdata.packing.ALGORITHMS` (``bfd`` packs best from a mixed order)."""
     overflow: str | None = None
     """Documents longer than a pack: ``"error"`` (None: the algorithm's default), ``"split"``, ``"truncate"``,
@@ -107,7 +107,7 @@ class SchedulePlan:
     """Token count of every document (None: ``source.lengths``); not with ``window``."""
     window: int | None = None
     """Plan a stream without lengths in windows of this many documents (None: plan all documents at once)."""
-    algorithm: str = "bfd"
+    algorithm: str = DEFAULT_ALGORITHM
     """Packing algorithm of the planner (as :attr:`StreamPlan.algorithm`)."""
     overflow: str | None = None
     """Documents longer than a pack (as :attr:`StreamPlan.overflow`)."""

@@ -40,7 +40,7 @@ from cpdata.nodes.state_version import VersionedState
 from cpdata.nodes.window import DocumentWindow, WindowFill
 from cpdata.packing import PackingConfig, PackingStats, StreamPlanner
 from cpdata.packing.pieces import OverlongDocumentError, check_lengths
-from cpdata.packing.records import PackKeys
+from cpdata.packing.records import DEFAULT_ALGORITHM, PackKeys
 from cpdata.sources.protocol import stated_lengths
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.plan import Document, PackPlan, PieceColumns
@@ -120,7 +120,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         capacity: int,
         layout: str,
         cp_size: int,
-        algorithm: str = "bfd",
+        algorithm: str = DEFAULT_ALGORITHM,
         overflow: str | None = None,
         seed: int = 0,
         window: int | None = None,

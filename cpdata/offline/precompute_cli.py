@@ -15,7 +15,7 @@ __all__ = ["register", "run"]
 
 def register(subparsers: Any) -> None:
     """Add ``precompute`` to the ``cpdata`` command line."""
-    from cpdata.packing import ALGORITHMS, DEFAULT_WINDOW, OVERFLOW_POLICIES
+    from cpdata.packing import ALGORITHMS, DEFAULT_ALGORITHM, DEFAULT_WINDOW, OVERFLOW_POLICIES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "precompute",
@@ -47,7 +47,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layout", choices=LAYOUTS, required=True, help="CP layout (sets the per-document alignment)")
     p.add_argument("--tile", type=int, default=None, choices=TILES,
                    help="with --layout tiled: the kernel's tile (default 128); packs are multiples of cp * tile")
-    p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd", help="packing algorithm (default: bfd)")
+    p.add_argument("--algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM,
+                   help=f"packing algorithm (default: {DEFAULT_ALGORITHM})")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=None,
                    help="documents longer than the capacity (default: error; split for concat)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="planner seed (default: 0)")

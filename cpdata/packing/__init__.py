@@ -3,14 +3,14 @@
 
 Algorithms ``bfd`` (default), ``ffd``, ``first_fit``, ``next_fit``, ``concat``: table and padding figures in
 docs/packing-and-mixing.md, numbers from ``cpdata bench``. Modules, in pipeline order:
-``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing``, ``filling`` (exact fills),
-``world`` (the world layout's packer), ``planner`` (the shared core), ``offline`` (``plan_lengths``),
-``distributions`` (length distributions for tests and benchmarks)."""
+``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing`` (also the world layout's
+packer), ``filling`` (exact fills), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
+(length distributions for tests and benchmarks)."""
 
-from cpdata.packing.offline import plan_lengths
-from cpdata.packing.planner import StreamPlanner
+from cpdata.packing.planner import StreamPlanner, plan_lengths
 from cpdata.packing.records import (
     ALGORITHMS,
+    DEFAULT_ALGORITHM,
     DEFAULT_WINDOW,
     OVERFLOW_POLICIES,
     WINDOW_PACKS,
@@ -20,5 +20,6 @@ from cpdata.packing.records import (
     PackKeys,
 )
 
-__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
-           "PackingResult", "PackingStats", "StreamPlanner", "plan_lengths"]  # fmt: skip
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
+           "PackKeys", "PackingConfig", "PackingResult", "PackingStats", "StreamPlanner",
+           "plan_lengths"]  # fmt: skip

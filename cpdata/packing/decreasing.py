@@ -10,7 +10,15 @@ free on shuffled data, 8 pp on a length-sorted stream; 0.000-0.042 pp above ``ce
 capacity)`` on realistic distributions (steps and figures: docs/packing-and-mixing.md).
 
 ``ffd`` is first-fit-decreasing over each window (a max segment tree over bin room), the whole stream
-with ``window=None``. Ties break by arrival order; no random numbers."""
+with ``window=None``. Ties break by arrival order; no random numbers.
+
+Under a ``world`` layout both pack with :class:`WorldPacker`: first-fit-decreasing over each window into world
+micro-batches of ``W`` per-rank bins (:class:`~cpdata.layout.world_plan.WorldBins`) of ``L = S / W`` tokens, a
+piece whole on one rank (at most ``L`` tokens) or on ``ceil(s / L)`` consecutive ranks of one node, so the
+deal replays the bins from the slot lengths and cuts no document to fill a rank (the price: packs not filled
+to the last token). ``bfd`` carries the :data:`CARRY` emptiest packs with a quarter rank of room to the next
+window unless they hold a piece :data:`MAX_AGE` windows old. Cost: a loop over the open packs per piece, a
+heap over the ranks per short piece, a scan of rank windows per long one (figures: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -20,14 +28,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from cpdata.layout.runs import segments
-from cpdata.packing.filling import exact_fill, stable_order, top_up
+from cpdata.layout.world_plan import WorldBins
+from cpdata.packing.filling import exact_fill, first_of_runs, stable_order, top_up
+from cpdata.packing.greedy import OpenBins
 from cpdata.packing.records import PackKeys
 
-__all__ = ["MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "best_fit_decreasing", "decreasing", "packs_by_bin"]
+__all__ = ["CARRY", "MAX_AGE", "MAX_WAIT", "BestFitDecreasing", "FirstFitDecreasing", "WorldPacker",
+           "best_fit_decreasing", "decreasing", "packs_by_bin"]  # fmt: skip
 
 MAX_WAIT = 32
 """Windows a carried bin may stay open (a window counted as the larger of the current window's and the
 carry's pieces); without it a slightly emptier bin can stay open for the whole stream."""
+
+CARRY = 2
+"""Packs kept open between windows (``bfd``), the emptiest with room for a short piece."""
+
+MAX_AGE = 16
+"""A carried pack holding a piece older than this many windows' pieces (counted in keys) is emitted."""
 
 
 def decreasing(keys: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,7 +71,7 @@ def packs_by_bin(keys: np.ndarray, bin_of: np.ndarray) -> PackKeys:
     """Pieces grouped by bin: keys ascending inside a pack, packs by their smallest key."""
     order = _by_bin_then_key(bin_of, keys)
     k, b = keys[order], bin_of[order]
-    starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if k.size else np.zeros(0, np.int64)
+    starts = np.flatnonzero(first_of_runs(b))
     sizes = np.diff(np.append(starts, k.shape[0]))
     by_first = np.argsort(k[starts])
     starts, sizes = starts[by_first], sizes[by_first]
@@ -154,12 +171,9 @@ class BestFitDecreasing:
         if emit.any() and kept.any():
             top_up(ss, bin_of, open_bin[emit], open_room[emit], kept, locked=ks < oldest)
         carried = kept[bin_of]
-        # Carried pieces by (bin, key), bins renumbered 0..: exactly what load_carry(carry()) rebuilds.
-        n_bins, carried_bin = kept.shape[0], bin_of[carried]
-        held = np.zeros(n_bins, dtype=bool)
-        held[carried_bin] = True
-        rank = np.cumsum(held) - 1  # bin -> its rank among the bins that hold a carried piece
-        bins = rank[carried_bin]
+        # Carried pieces by (bin, key), bins renumbered 0.. in order: what load_carry rebuilds from them.
+        n_bins = kept.shape[0]
+        bins = np.unique(bin_of[carried], return_inverse=True)[1].astype(np.int64)
         carried_keys = ks[carried]
         order = _by_bin_then_key(bins, carried_keys)
         self._keys, self._slots, self._bins = carried_keys[order], ss[carried][order], bins[order]
@@ -170,9 +184,7 @@ class BestFitDecreasing:
         """Emit the carried bins, re-packed first if that needs fewer bins."""
         keys, slots, bin_of = self._keys, self._slots, self._bins
         self.load_carry([])
-        if not keys.size:
-            return PackKeys.concat([])
-        cap, n_bins = self.capacity, int(bin_of.max()) + 1
+        cap, n_bins = self.capacity, int(bin_of.max(initial=-1)) + 1  # (no bins: nothing to re-pack)
         bound = -(-int(slots.sum()) // cap)
         if n_bins > bound:
             ks, ss = decreasing(keys, slots)
@@ -184,16 +196,10 @@ class BestFitDecreasing:
                     keys, bin_of, n_bins = ks, other, int(other.max()) + 1
         return packs_by_bin(keys, bin_of)
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)`` pairs (keys ascending), in bin order."""
-        offsets, keys, slots = self.carry_columns()
-        k, s, bounds = keys.tolist(), slots.tolist(), offsets.tolist()
-        return [(k[lo:hi], s[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`carry` in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        """Open bins in CSR form, in bin order (keys ascending): int64 offsets ``[bins + 1]``, keys, slots."""
         b = self._bins
-        offsets = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1], [True]])) if b.size else np.zeros(1)
+        offsets = np.append(np.flatnonzero(first_of_runs(b)), b.size)
         return offsets.astype(np.int64), self._keys.copy(), self._slots.copy()
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
@@ -204,16 +210,12 @@ class BestFitDecreasing:
         self._keys, self._slots, self._bins = keys[order], slots[order], bin_of[order]
 
 
-class FirstFitDecreasing:
+class FirstFitDecreasing(OpenBins):
     """First-fit-decreasing over each window; nothing is carried between windows."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
-        n = int(keys.shape[0])
         ks, ss = decreasing(keys, slots)
-        size = 1 << max(n - 1, 1).bit_length()
+        size = 1 << max(int(keys.shape[0]) - 1, 1).bit_length()
         # Max segment tree over the room of bins 0..size-1 (unused bins have full room).
         tree = [self.capacity] * (2 * size)
         bin_of: list[int] = []
@@ -232,11 +234,62 @@ class FirstFitDecreasing:
                 i >>= 1
         return packs_by_bin(ks, np.asarray(bin_of, dtype=np.int64))
 
-    def finish(self) -> PackKeys:
-        return PackKeys.concat([])
-
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        return []
-
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         assert not bins, "ffd carries nothing between windows"
+        super().load_carry(bins)
+
+
+class WorldPacker(OpenBins):
+    """The world packer (module docstring): ``world`` ranks, ``node_size`` a node; ``carry``: ``bfd``'s."""
+
+    def __init__(self, capacity: int, world: int, node_size: int, tile: int = 128, *, carry: bool = True) -> None:
+        self.world, self.node_size, self.tile = world, node_size, tile
+        self.keep = CARRY if carry else 0
+        super().__init__(capacity)
+
+    def _fill(self, keys: np.ndarray, slots: np.ndarray) -> list[tuple[list[int], list[int], WorldBins]]:
+        """First-fit of the pieces, longest first (ties by key), into new packs: ``(keys, slots, bins)`` each."""
+        ks, ss = decreasing(keys, slots)
+        local = self.capacity // self.world
+        packs: list[tuple[list[int], list[int], WorldBins]] = []
+        for key, s in zip(ks.tolist(), ss.tolist(), strict=True):
+            for pk, ps, bins in packs:
+                if (s <= local and s > bins.max_room) or s > bins.total_room or bins.place(s) is None:
+                    continue
+                pk.append(key)
+                ps.append(s)
+                break
+            else:
+                bins = WorldBins(local, self.world, self.node_size, self.tile)
+                if bins.place(s) is None:
+                    raise ValueError(f"a piece of {s} tokens does not fit a world micro-batch of {self.world} x "
+                                     f"{local} tokens; pack with overflow='split' or 'truncate'")  # fmt: skip
+                packs.append(([key], [s], bins))
+        return packs
+
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
+        _, ck, cs = self.carry_columns()
+        packs = self._fill(np.concatenate([ck, keys]), np.concatenate([cs, slots]))
+        oldest = int(keys.min()) - MAX_AGE * int(keys.shape[0])
+        short = self.capacity // self.world // 4
+        open_ = [i for i, (pk, _, bins) in enumerate(packs) if bins.max_room >= short and min(pk) >= oldest]
+        kept = set(sorted(open_, key=lambda i: (-packs[i][2].total_room, min(packs[i][0])))[: self.keep])
+        self.load_carry([(packs[i][0], packs[i][1]) for i in sorted(kept)])
+        return self._emit([p for i, p in enumerate(packs) if i not in kept])
+
+    @staticmethod
+    def _emit(packs: list) -> PackKeys:
+        flat = np.array([k for p in packs for k in p[0]], dtype=np.int64)
+        bin_of = np.repeat(np.arange(len(packs), dtype=np.int64), [len(p[0]) for p in packs])
+        return packs_by_bin(flat, bin_of)
+
+    def finish(self) -> PackKeys:
+        packs = self._fill(*self.carry_columns()[1:])
+        self.load_carry([])
+        return self._emit(packs)
+
+    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        if bins and not self.keep:
+            raise ValueError("the world packer under 'ffd' carries nothing between windows, but the state holds "
+                             "open packs; restore it under the packing algorithm it was saved with")  # fmt: skip
+        super().load_carry(bins)

@@ -24,10 +24,7 @@ __all__ = ["BENCHMARK_CASES", "DISTRIBUTIONS", "HARD_CASES", "sample_lengths"]
 
 
 def _lognormal(median: float, sigma: float, cap: int) -> Callable[[np.random.Generator, int], np.ndarray]:
-    def sample(rng: np.random.Generator, n: int) -> np.ndarray:
-        return np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=n)), 1, cap)
-
-    return sample
+    return lambda rng, n: np.clip(np.rint(rng.lognormal(np.log(median), sigma, size=n)), 1, cap)
 
 
 def _multi_turn(rng: np.random.Generator, n: int) -> np.ndarray:

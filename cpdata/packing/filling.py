@@ -17,7 +17,7 @@ import numpy as np
 
 from cpdata.layout.runs import segments
 
-__all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
+__all__ = ["ROUNDS", "exact_fill", "first_of_runs", "stable_order", "top_up"]
 
 ROUNDS = 4
 """Trade rounds of :func:`top_up` (each trade strictly shrinks a room)."""
@@ -30,7 +30,7 @@ def stable_order(values: np.ndarray) -> np.ndarray:
     return np.argsort(values, kind="stable")
 
 
-def _first_of_runs(a: np.ndarray) -> np.ndarray:
+def first_of_runs(a: np.ndarray) -> np.ndarray:
     """bool mask of the first element of every run of equal values."""
     return np.concatenate([[True], a[1:] != a[:-1]]) if a.size else np.zeros(0, dtype=bool)
 
@@ -82,14 +82,14 @@ def _trade_round(
         return 0
     # The best candidate of every target (ties: the earlier candidate).
     order = np.argsort(c_t * (top + 1) + (top - gain), kind="stable")
-    best = order[_first_of_runs(c_t[order])]
+    best = order[first_of_runs(c_t[order])]
     best = best[gain[best] > 0]
     # Targets that want the same size take distinct pieces of it (its block ends at j), fullest first.
     order = np.argsort(j[best] * t_bin.shape[0] + c_t[best], kind="stable")
     best = best[order]
     jb = j[best]
     run = np.arange(jb.shape[0])
-    k = jb - (run - np.maximum.accumulate(np.where(_first_of_runs(jb), run, 0)))
+    k = jb - (run - np.maximum.accumulate(np.where(first_of_runs(jb), run, 0)))
     ok = (k >= 0) & (sizes[np.maximum(k, 0)] == sizes[jb])
     best, k = best[ok], k[ok]
     y, x, t = sink[k], c_x[best], c_t[best]
@@ -173,8 +173,5 @@ def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int,
 
 def _last_left(left: list[int], lo: int, hi: int) -> int:
     """The largest index of ``[lo, hi)`` with pieces left, -1 when none."""
-    for i in range(hi - 1, lo - 1, -1):
-        if left[i]:
-            return i
-    return -1
+    return next((i for i in range(hi - 1, lo - 1, -1) if left[i]), -1)
 

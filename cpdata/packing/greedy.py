@@ -13,11 +13,12 @@ import numpy as np
 
 from cpdata.packing.records import PackKeys
 
-__all__ = ["FirstFit", "NextFit"]
+__all__ = ["FirstFit", "NextFit", "OpenBins"]
 
 
-class _OpenBins:
-    """Open bins as lists of keys and slot lengths with their fill: what both packers carry."""
+class OpenBins:
+    """Open bins as lists of keys and slot lengths with their fill: the carry of every packer but ``bfd``
+    (``ffd`` keeps none between windows; the world packer keeps whole micro-batches)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -28,9 +29,11 @@ class _OpenBins:
         self.load_carry([])
         return PackKeys.from_lists(out)
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)`` pairs, in bin order."""
-        return [(list(k), list(s)) for k, s in zip(self._keys, self._slots, strict=True)]
+    def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Open bins in CSR form, in bin order: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
+        offsets = np.cumsum([0, *map(len, self._keys)], dtype=np.int64)
+        keys = np.array([k for ks in self._keys for k in ks], dtype=np.int64)
+        return offsets, keys, np.array([s for ss in self._slots for s in ss], dtype=np.int64)
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         self._keys = [list(k) for k, _ in bins]
@@ -38,7 +41,7 @@ class _OpenBins:
         self._used = [sum(s) for s in self._slots]
 
 
-class NextFit(_OpenBins):
+class NextFit(OpenBins):
     """Sequential packing with a single open bin (never an empty one); also the back end of ``concat``."""
 
     @property
@@ -64,7 +67,7 @@ class NextFit(_OpenBins):
         return PackKeys.from_lists(out)
 
 
-class FirstFit(_OpenBins):
+class FirstFit(OpenBins):
     """First-fit over a batch of ``n_bins`` rows, emitted together when a piece fits none of them."""
 
     def __init__(self, capacity: int, n_bins: int = 8) -> None:

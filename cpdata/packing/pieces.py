@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.layout.maps import alignment
+from cpdata.layout.runs import segments
 from cpdata.packing.records import OVERFLOW_POLICIES, PackingConfig
 from cpdata.worker.targets import NO_TRAINED_TARGET, UNLABELED
 
@@ -53,19 +54,13 @@ class Pieces:
         return int(self.doc.shape[0])
 
 
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.cumsum(x)
-    out -= x
-    return out
-
-
 def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
     """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple
     of ``capacity``."""
     first = origin // capacity
     n = (origin + slot - 1) // capacity - first + 1
     doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)
-    j = np.arange(doc.shape[0], dtype=np.int64) - np.repeat(_exclusive_cumsum(n), n)
+    j = segments(np.zeros_like(n), n)  # the piece's index in its document
     o = origin[doc]
     lo = np.maximum(o, (first[doc] + j) * capacity)
     hi = np.minimum(o + slot[doc], (first[doc] + j + 1) * capacity)
@@ -187,7 +182,7 @@ def cut_documents(
         lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":
-        origin = fill + _exclusive_cumsum(slot[keep])
+        origin = fill + np.cumsum(slot[keep]) - slot[keep]
     else:
         origin = np.zeros(keep.shape[0], dtype=np.int64)
     pieces = _cut(origin, slot[keep], lengths[keep], cap)

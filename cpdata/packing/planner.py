@@ -1,11 +1,11 @@
-"""The packing core shared by the offline planner and the ``Pack`` node.
+"""The packing core shared by :func:`plan_lengths` (a whole dataset from its lengths) and the ``Pack`` node.
 
 A :class:`StreamPlanner` takes the stream one window of documents at a time (:func:`window_ends`),
 cuts it into pieces, numbers them with increasing keys and hands them to the algorithm's packer, which
 returns the packs it finished (:class:`~cpdata.packing.records.PackKeys`). Same lengths in the same
-windows, same packs: so :func:`~cpdata.packing.plan_lengths` and the online node agree pack for pack.
-The state is the next key, the counters and the packer's open bins (int64 CSR), which grow to at most
-8 bins (``first_fit``) or the largest window's slot tokens (``bfd``)."""
+windows, same packs: so :func:`plan_lengths` and the online node agree pack for pack. The state is the
+next key, the counters and the packer's open bins (int64 CSR), which grow to at most 8 bins
+(``first_fit``) or the largest window's slot tokens (``bfd``)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from cpdata.layout.maps import node_size_of
-from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing
+from cpdata.layout.runs import _frozen
+from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing, WorldPacker
 from cpdata.packing.greedy import FirstFit, NextFit
-from cpdata.packing.pieces import COUNT_FIELDS, Pieces, cut_documents
-from cpdata.packing.records import PackingConfig, PackingStats, PackKeys
-from cpdata.packing.world import WorldPacker
+from cpdata.packing.pieces import COUNT_FIELDS, Pieces, check_lengths, cut_documents
+from cpdata.packing.records import DEFAULT_ALGORITHM, PackingConfig, PackingResult, PackingStats, PackKeys
 
-__all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "carry_columns", "make_packer", "window_ends"]
+__all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "make_packer", "plan_lengths", "window_ends"]
 
 _PACK_FIELDS = ("tokens", "slot_tokens", "packs")
 
@@ -34,28 +34,15 @@ class BinPacker(Protocol):
     def finish(self) -> PackKeys:
         """End of stream: return every open bin as a pack."""
 
-    def carry(self) -> list[tuple[list[int], list[int]]]:
-        """Open bins as ``(keys, slots)``, in bin order."""
+    def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Open bins in CSR form (the state), in bin order: int64 offsets ``[bins + 1]``, keys and slots."""
 
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 
 
-def carry_columns(packer: BinPacker) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A packer's open bins in CSR form: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
-    if isinstance(packer, BestFitDecreasing):  # its own columns: no list per piece
-        return packer.carry_columns()
-    bins = packer.carry()
-    sizes = [len(k) for k, _ in bins]
-    return (
-        np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64),
-        np.array([k for keys, _ in bins for k in keys], dtype=np.int64),
-        np.array([s for _, slots in bins for s in slots], dtype=np.int64),
-    )
-
-
 def make_packer(config: PackingConfig) -> BinPacker:
     """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); a world layout's
-    ``bfd``/``ffd`` is :class:`~cpdata.packing.world.WorldPacker`."""
+    ``bfd``/``ffd`` is :class:`~cpdata.packing.decreasing.WorldPacker`."""
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
@@ -139,7 +126,7 @@ class StreamPlanner:
         return PackingStats.fields_from_counts(capacity=self.config.capacity, **self._counts)
 
     def state(self) -> dict[str, Any]:
-        offsets, keys, slots = carry_columns(self._packer)
+        offsets, keys, slots = self._packer.carry_columns()
         return {
             "next_key": self._next_key,
             "counts": dict(self._counts),
@@ -174,3 +161,75 @@ def carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, int
         carry = max(carry, len(planner.state()["carry_keys"]))
         wait = max([wait, *(w - int(born[min(p)]) for p in packs)])
     return carry, max([wait, *(w - int(born[min(p)]) for p in planner.finish())])
+
+
+def _as_lengths(lengths: object) -> np.ndarray:
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"lengths must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        bad = int(np.argmin(arr))
+        raise ValueError(f"lengths must be >= 0, got lengths[{bad}]={int(arr[bad])}")
+    return arr
+
+
+def plan_lengths(
+    lengths: np.ndarray,
+    *,
+    capacity: int,
+    layout: str,
+    cp_size: int,
+    algorithm: str = DEFAULT_ALGORITHM,
+    overflow: str | None = None,
+    seed: int = 0,
+    window: int | None = None,
+    first_target: np.ndarray | None = None,
+) -> PackingResult:
+    """Plan the packs of a whole dataset from its document lengths, one window at a time as the
+    :class:`~cpdata.nodes.pack.Pack` node does: same documents, same packs.
+
+    Args:
+        lengths: int ``[n]`` real tokens per document, in stream order.
+        capacity, layout, cp_size, algorithm, overflow, window: as
+            :meth:`~cpdata.packing.records.PackingConfig.resolve` takes them; ``seed`` is recorded only.
+        first_target: int ``[n]`` each document's first trained target, -1 if none (left out, counted
+            ``untrained``); ``None``: every document is trained.
+
+    Returns:
+        :class:`~cpdata.packing.PackingResult` (``doc_index`` into ``lengths``); O(n) time, O(window) memory.
+    """
+    config = PackingConfig.resolve(
+        capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
+        overflow=overflow, seed=seed, window=window,
+    )
+    lengths = _as_lengths(lengths)
+    check_lengths(lengths, config)  # every overlong document at once, before planning
+    if first_target is not None:
+        first_target = np.asarray(first_target, dtype=np.int64)
+        if first_target.shape != lengths.shape:
+            raise ValueError(f"first_target has shape {first_target.shape}, lengths {lengths.shape}; pass one per document")
+    planner = StreamPlanner(config)
+    columns: list[tuple[np.ndarray, ...]] = [(np.zeros(0, np.int64),) * 4]
+    parts: list[PackKeys] = []
+    lo = 0
+    for hi in window_ends(lengths, config):
+        targets = None if first_target is None else first_target[lo:hi]
+        pieces, _, done = planner.add_window(lengths[lo:hi], np.arange(lo, hi, dtype=np.int64), targets)
+        columns.append((pieces.doc + lo, pieces.start, pieces.length, pieces.slot))
+        parts.append(done)
+        lo = hi
+    parts.append(planner.finish())
+
+    packs = PackKeys.concat(parts)
+    order = packs.keys
+    offsets = np.concatenate([[0], np.cumsum(packs.sizes)]).astype(np.int64)
+    table = [np.concatenate(c) for c in zip(*columns, strict=True)]
+    assert order.shape[0] == table[0].shape[0], "every piece must land in exactly one pack"
+    doc_index, doc_start, doc_len, slot_len = (col[order] for col in table)
+    _frozen(offsets, doc_index, doc_start, doc_len, slot_len)
+    planner.account(packs=len(packs), tokens=int(doc_len.sum()), slot_tokens=int(slot_len.sum()))
+    return PackingResult(pack_offsets=offsets, doc_index=doc_index, doc_start=doc_start, doc_len=doc_len,
+                         slot_len=slot_len, stats=planner.stats(), config=config)

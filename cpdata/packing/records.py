@@ -13,10 +13,12 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.maps import alignment
 
-__all__ = ["ALGORITHMS", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS", "PackKeys", "PackingConfig",
-           "PackingResult", "PackingStats"]  # fmt: skip
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
+           "PackKeys", "PackingConfig", "PackingResult", "PackingStats"]  # fmt: skip
 
 ALGORITHMS: tuple[str, ...] = ("bfd", "concat", "ffd", "first_fit", "next_fit")
+DEFAULT_ALGORITHM = "bfd"
+"""The packer every entry point defaults to: least padding from a mixed order (docs/packing-and-mixing.md)."""
 OVERFLOW_POLICIES: tuple[str, ...] = ("drop", "error", "split", "truncate")
 DEFAULT_WINDOW = 1024
 """Documents per ``bfd`` window, at least: 0.000-0.042 pp above the lower bound (the ``packing`` section
@@ -52,7 +54,7 @@ class PackingConfig:
         capacity: int,
         layout: str,
         cp_size: int,
-        algorithm: str = "bfd",
+        algorithm: str = DEFAULT_ALGORITHM,
         overflow: str | None = None,
         seed: int = 0,
         window: int | None = None,
@@ -70,11 +72,6 @@ class PackingConfig:
             raise ValueError(
                 f"capacity={capacity} is not a multiple of {pack_multiple}, which layout {layout!r} with "
                 f"cp_size={cp_size} needs; use capacity {' or '.join(map(str, nearest))}"
-            )
-        if capacity < doc_multiple:
-            raise ValueError(
-                f"layout {layout!r} with cp_size={cp_size} pads every document to {doc_multiple} tokens; "
-                f"capacity={capacity} must be at least {doc_multiple}"
             )
         if overflow is None:
             overflow = "split" if algorithm == "concat" else "error"

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.errors import check_int
-from cpdata.packing import PackingConfig, plan_lengths
-from cpdata.packing.offline import _as_lengths
+from cpdata.packing import DEFAULT_ALGORITHM, PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
+from cpdata.packing.planner import _as_lengths
 from cpdata.schedule.balance import choose_runs, place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
@@ -45,7 +45,7 @@ def plan_schedule(
     micro_batches: int,
     cost: CostModel | None,
     max_delay: int = 0,
-    algorithm: str = "bfd",
+    algorithm: str = DEFAULT_ALGORITHM,
     overflow: str | None = None,
     seed: int = 0,
     shuffle: bool = False,
