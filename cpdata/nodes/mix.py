@@ -228,10 +228,8 @@ class Mix(VersionedState, EpochNode[dict]):
 
     def fingerprint(self) -> str:
         """The configuration and every source's fingerprint (a source without one: its kind and length)."""
-        parts = []
-        for name, fp in self._source_fingerprints().items():
-            reader = self.readers[name]
-            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader.source) if reader.kind == 'sequence' else '?'}")
+        parts = [fp if fp is not None else f"{r.kind}:{len(r.source) if r.kind == 'sequence' else '?'}"
+                 for fp, r in zip(self._source_fingerprints().values(), self.readers.values(), strict=True)]
         digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
         return f"mix:{digest}"
 
