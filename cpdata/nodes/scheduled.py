@@ -233,14 +233,11 @@ class WindowRows(RankPlanRows):
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         self.reader.open()
         self._rows, self._items, self._lengths = None, [], None
-        self._window = self._pack_base = 0
-        self._expect = None
-        if block is None:
-            return 0
-        values = [block.get(k) for k in ("window", "pack_base")]
+        values = [0, 0] if block is None else [block.get(k) for k in ("window", "pack_base")]
         if not all(is_int(v) and v >= 0 for v in values):
             raise ValueError(f"WindowedPacks state has block={dict(block)}; expected window and pack_base ints >= 0")
-        self._window, self._pack_base, self._expect = int(values[0]), int(values[1]), block.get("lengths")
+        self._window, self._pack_base = int(values[0]), int(values[1])
+        self._expect = None if block is None else block.get("lengths")
         for done in range(self._window * self.window):  # replay: rows skipped, not parsed
             try:
                 self.reader.next(done)
