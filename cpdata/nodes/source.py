@@ -229,15 +229,11 @@ class Documents(VersionedState, EpochNode[Document]):
         """This rank's next ``(source index, item)``, across epochs (StopIteration after the last)."""
         while True:
             try:
-                if self._buffer is not None:
-                    position, index, item = self._buffer.next(self._next_own)
-                else:
-                    position, index, item = self._next_own()
+                _, index, item = self._next_own() if self._buffer is None else self._buffer.next(self._next_own)
+                return index, item
             except StopIteration:
-                if not self.pass_ended():
+                if not self.pass_ended():  # else the next pass goes on
                     raise
-                continue
-            return index, item
 
     def next(self) -> Document:
         index, item = self.next_item()
