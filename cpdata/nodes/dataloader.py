@@ -46,9 +46,7 @@ def saved_num_workers(state: Mapping[str, Any]) -> int | None:
             return int(main["_num_workers"])
         workers = snapshot.get("_worker_snapshots")
         return len(workers) if isinstance(workers, Mapping) else None
-    if "_num_yielded" in state:
-        return 0
-    return None
+    return 0 if "_num_yielded" in state else None  # a num_workers=0 state
 
 
 class CPDataLoader(StatefulDataLoader):

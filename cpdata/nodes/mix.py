@@ -111,18 +111,18 @@ class Mix(VersionedState, EpochNode[dict]):
         state = initial_state
         if state is None:
             self.epoch_clock.start()  # Documents keeps the mix on its epoch (set_epoch)
+            state = {self.DRAWS_KEY: 0, self.DONE_KEY: False, self.EXHAUSTED_KEY: [],
+                     self.COUNTS_KEY: dict.fromkeys(self.names, (0, 0)), self.READERS_KEY: dict.fromkeys(self.names)}
         else:
             self.check_saved(state, self.config)
             self.epoch_clock.restore(state[self.EPOCH_KEY])
-        self._drawn = 0 if state is None else int(state[self.DRAWS_KEY])
-        self._done = False if state is None else bool(state[self.DONE_KEY])
-        self._exhausted = set() if state is None else set(state[self.EXHAUSTED_KEY])
-        saved = dict.fromkeys(self.names, (0, 0)) if state is None else state[self.COUNTS_KEY]
-        self._counts = {n: list(map(int, saved[n])) for n in self.names}
+        self._drawn, self._done = int(state[self.DRAWS_KEY]), bool(state[self.DONE_KEY])
+        self._exhausted = set(state[self.EXHAUSTED_KEY])
+        self._counts = {n: list(map(int, state[self.COUNTS_KEY][n])) for n in self.names}
         for name, reader in self.readers.items():
-            reader.restart(None if state is None else state[self.READERS_KEY][name])
+            reader.restart(state[self.READERS_KEY][name])
         if self.clock is not None:
-            tokens = None if state is None else [state[self.TOKENS_KEY][n] for n in self.names]
+            tokens = None if initial_state is None else [state[self.TOKENS_KEY][n] for n in self.names]
             self.clock.start(self.epoch, tokens)
         self._recent[:] = -1
         self._pass_tokens = {}
@@ -228,10 +228,8 @@ class Mix(VersionedState, EpochNode[dict]):
 
     def fingerprint(self) -> str:
         """The configuration and every source's fingerprint (a source without one: its kind and length)."""
-        parts = []
-        for name, fp in self._source_fingerprints().items():
-            reader = self.readers[name]
-            parts.append(fp if fp is not None else f"{reader.kind}:{len(reader.source) if reader.kind == 'sequence' else '?'}")
+        parts = [fp if fp is not None else f"{r.kind}:{len(r.source) if r.kind == 'sequence' else '?'}"
+                 for fp, r in zip(self._source_fingerprints().values(), self.readers.values(), strict=True)]
         digest = hashlib.blake2b(json.dumps([self.config, parts]).encode(), digest_size=16).hexdigest()
         return f"mix:{digest}"
 

@@ -43,18 +43,25 @@ if TYPE_CHECKING:
     from cpdata.nodes.loader import GraphOptions
 
 __all__ = ["RankPlanRows", "RankRows", "ScheduleRows", "ScheduledPacks", "WindowRows", "WindowedPacks", "rank_rows",
-           "source_lengths"]
+           "schedule_pack", "source_lengths"]
 
 
 RankRows = dict[str, np.ndarray]
 """One rank's packs, CSR: pack ``j`` is rows ``offsets[j]:offsets[j + 1]`` of :mod:`cpdata.nodes.served`'s columns."""
 
 
+def schedule_pack(item: Any, micro_batches: int, dp_rank: int, dp_size: int) -> tuple[Any, Any, Any]:
+    """``(step, micro_batch, pack id)`` of a DP rank's pack ``item`` (an int, or int64 ``[n]`` of them) of a
+    schedule: micro-batch ``item % M`` of step ``item // M``, whose id numbers every rank's packs step by step
+    (``M = 1``: every ``dp_size``-th pack)."""
+    step, micro_batch = divmod(item, micro_batches)
+    return step, micro_batch, (step * dp_size + dp_rank) * micro_batches + micro_batch
+
+
 def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
     """Rank ``dp_rank``'s packs of ``sched`` in (step, micro-batch) order."""
-    R, M = sched.dp_size, sched.micro_batches
-    first = (np.arange(sched.num_steps, dtype=np.int64) * R + dp_rank) * M  # pack id of (step, rank, 0)
-    packs = (first[:, None] + np.arange(M)).reshape(-1)
+    items = np.arange(sched.num_steps * sched.micro_batches, dtype=np.int64)
+    packs = schedule_pack(items, sched.micro_batches, dp_rank, sched.dp_size)[2]
     lo, hi = sched.pack_offsets[packs], sched.pack_offsets[packs + 1]
     sizes = hi - lo
     rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
@@ -118,10 +125,8 @@ class RankPlanRows(PlanRows):
         self.labels_alignment = data.labels_alignment
 
     def rank_pack(self, rows: RankRows, item: int, base: int = 0, first_document: int = 0, **extras: Any) -> PackRows:
-        """This rank's pack ``item`` of ``rows``: micro-batch ``item % M`` of step ``item // M``, its id the
-        schedule's (after ``base`` packs)."""
-        step, micro_batch = divmod(item, self.micro_batches)
-        pack = (step * self.dp_size + self.dp_rank) * self.micro_batches + micro_batch
+        """This rank's pack ``item`` of ``rows`` (:func:`schedule_pack`), its id counted after ``base`` packs."""
+        step, micro_batch, pack = schedule_pack(item, self.micro_batches, self.dp_rank, self.dp_size)
         return PackRows(columns=rows, rows=slice(int(rows["offsets"][item]), int(rows["offsets"][item + 1])),
                         index=base + pack, first_document=first_document,
                         extras={"step": step, "micro_batch": micro_batch, **extras})  # fmt: skip
@@ -228,14 +233,11 @@ class WindowRows(RankPlanRows):
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         self.reader.open()
         self._rows, self._items, self._lengths = None, [], None
-        self._window = self._pack_base = 0
-        self._expect = None
-        if block is None:
-            return 0
-        values = [block.get(k) for k in ("window", "pack_base")]
+        values = [0, 0] if block is None else [block.get(k) for k in ("window", "pack_base")]
         if not all(is_int(v) and v >= 0 for v in values):
             raise ValueError(f"WindowedPacks state has block={dict(block)}; expected window and pack_base ints >= 0")
-        self._window, self._pack_base, self._expect = int(values[0]), int(values[1]), block.get("lengths")
+        self._window, self._pack_base = int(values[0]), int(values[1])
+        self._expect = None if block is None else block.get("lengths")
         for done in range(self._window * self.window):  # replay: rows skipped, not parsed
             try:
                 self.reader.next(done)

@@ -16,7 +16,7 @@ per-batch numpy calls and the source's state read run once per block; the output
 from __future__ import annotations
 
 import functools
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -209,39 +209,38 @@ class ShardForRank(VersionedState, BaseNode[Any]):
             return batches >= self.block_size
         return batches >= MAX_BLOCK_SIZE or (batches >= DEFAULT_BLOCK_SIZE and tokens >= BLOCK_TOKENS)
 
+    def _prepared(self, item: BlockItem | CollatedPack) -> BlockItem:
+        """``item`` prepared: a batch its block could not prepare is prepared alone (raising if it is bad)."""
+        if isinstance(item, BlockItem):
+            return item
+        return prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
+
     def _digest(self, item: BlockItem | CollatedPack) -> int:
         """The item's plan digest, -1 for a batch that raises."""
-        if not isinstance(item, BlockItem):
-            try:
-                item = prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
-            except Exception:  # noqa: BLE001  (it raised when it was served too)
-                return -1
-        return item.digest
-
-    def _raise_end(self) -> NoReturn:
-        """The block is served: raise what the source raised after it (then start afresh), or StopIteration."""
-        if self._error is not None:
-            error = self._error
-            self._clear(None, [])
-            raise error
-        raise StopIteration
+        try:
+            return self._prepared(item).digest
+        except Exception:  # noqa: BLE001  (it raised when it was served too)
+            return -1
 
     def next(self) -> ShardedBatch | tuple[ShardedBatch, ...]:
         while self._served >= len(self._items):  # (a restored state may skip a whole block)
-            if self._error is not None or self._ended:
-                self._raise_end()
+            if self._error is not None:  # the block is served: raise what the source raised after it, start afresh
+                error = self._error
+                self._clear(None, [])
+                raise error
+            if self._ended:
+                raise StopIteration
             if self._items:  # the next block starts from the source's state now
                 self._clear(None, [])
             self._pull_block()
         item = self._items[self._served]
         self._items[self._served] = None  # the served batch is the consumer's
         self._served += 1
-        if not isinstance(item, BlockItem):
-            try:
-                item = prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
-            except Exception:
-                self._digests.append(-1)
-                raise
+        try:
+            item = self._prepared(item)
+        except Exception:
+            self._digests.append(-1)
+            raise
         self._digests.append(item.digest)
         return self._serve(item)
 

@@ -169,30 +169,22 @@ class Documents(VersionedState, EpochNode[Document]):
 
     def _check(self, state: dict[str, Any]) -> None:
         self.check_saved(state)
-        shard = (self.dp_rank, self.dp_size)
-        if tuple(state[self.SHARD_KEY]) != shard:
-            raise ValueError(
-                f"Documents state was saved for (dp_rank, dp_size)={tuple(state[self.SHARD_KEY])}, "
-                f"this node has {shard}; restore each rank's own state with the same DP size"
-            )
-        if state.get(self.LENGTH_KEY) != self._length():
-            raise ValueError(
-                f"Documents state was saved for a source of length {state.get(self.LENGTH_KEY)}, "
-                f"this source has length {self._length()}; restore onto the same dataset"
-            )
-        order = state.get(self.ORDER_KEY)
-        if order != self._order_config():
-            names = "shuffle, seed, num_epochs" + (", shuffle_buffer" if self._buffer is not None else "")
-            raise ValueError(
-                f"Documents state was saved with ({names})={tuple(order or ())}, this node has "
-                f"{tuple(self._order_config())}; restore with the order the state was saved with"
-            )
-        saved = state.get(self.FINGERPRINT_KEY)
-        if saved is not None and self._fingerprint is not None and saved != self._fingerprint:
-            raise ValueError(
-                f"Documents state was saved for the source with fingerprint {saved}, this source has "
-                f"{self._fingerprint} (same length, other content); restore onto the same dataset"
-            )
+        shard, mine = tuple(state[self.SHARD_KEY]), (self.dp_rank, self.dp_size)
+        length, order, saved = state.get(self.LENGTH_KEY), state.get(self.ORDER_KEY), state.get(self.FINGERPRINT_KEY)
+        names = "shuffle, seed, num_epochs" + (", shuffle_buffer" if self._buffer is not None else "")
+        for wrong, message in (  # the first that differs is refused
+            (shard != mine, f"for (dp_rank, dp_size)={shard}, this node has {mine}; restore each rank's own state "
+             "with the same DP size"),
+            (length != self._length(), f"for a source of length {length}, this source has length {self._length()}; "
+             "restore onto the same dataset"),
+            (order != self._order_config(), f"with ({names})={tuple(order or ())}, this node has "
+             f"{tuple(self._order_config())}; restore with the order the state was saved with"),
+            (saved is not None and self._fingerprint is not None and saved != self._fingerprint, f"for the source "
+             f"with fingerprint {saved}, this source has {self._fingerprint} (same length, other content); restore "
+             "onto the same dataset"),
+        ):  # fmt: skip
+            if wrong:
+                raise ValueError(f"Documents state was saved {message}")
 
     def _order_config(self) -> list[Any]:
         config = [self.shuffle, self.seed, self.num_epochs]
@@ -237,15 +229,11 @@ class Documents(VersionedState, EpochNode[Document]):
         """This rank's next ``(source index, item)``, across epochs (StopIteration after the last)."""
         while True:
             try:
-                if self._buffer is not None:
-                    position, index, item = self._buffer.next(self._next_own)
-                else:
-                    position, index, item = self._next_own()
+                _, index, item = self._next_own() if self._buffer is None else self._buffer.next(self._next_own)
+                return index, item
             except StopIteration:
-                if not self.pass_ended():
+                if not self.pass_ended():  # else the next pass goes on
                     raise
-                continue
-            return index, item
 
     def next(self) -> Document:
         index, item = self.next_item()
@@ -268,33 +256,33 @@ class Documents(VersionedState, EpochNode[Document]):
         items, error = self.reader.read_many(indices[len(kept) :])
         return list(positions), indices, kept + items, error
 
-    def _chunk(self, limit: int | None, floor: int, count: int, tokens: int) -> int:
-        """Items to read ahead for a window holding ``count`` documents and ``tokens`` counted tokens."""
-        if limit is None:
+    def _chunk(self, fill: WindowFill) -> int:
+        """Items to read ahead for ``fill``, from its documents' counted tokens so far (or the last window's)."""
+        if fill.limit is None:
             return 4096
+        count, tokens = len(fill.items), fill.tokens
         mean = tokens / count if count else self._mean
-        more = int((floor - tokens) / mean * 1.05) + 8 if tokens < floor and mean > 0 else 8
-        return min(max(limit - count, more), 1 << 14)
+        more = int((fill.floor - tokens) / mean * 1.05) + 8 if tokens < fill.floor and mean > 0 else 8
+        return min(max(fill.limit - count, more), 1 << 14)
 
     def next_window(self, limit: int | None, floor: int, capacity: int, room: int = 0) -> tuple[DocumentWindow, bool]:
-        """:meth:`_next_window`, its errors naming a document as ``next()`` does (not once it ran into the next pass)."""
+        """The documents ``next()`` gives one by one until a packing window is full (:class:`WindowFill`),
+        validated together: ``(window, exhausted)``. Errors (naming a document as ``next()`` does, but not once
+        the window ran into the next pass) and the state after it are ``next()``'s; the window's ``ids`` keep
+        ``room`` elements after the documents' (for the packer's carried pieces)."""
         epoch = self.epoch
         try:
-            return self._next_window(limit, floor, capacity, room)
+            return self._fill_window(WindowFill(limit, floor, capacity), room)
         except (TypeError, ValueError) as exc:
             if self.epoch == epoch:
                 name_document_error(exc, self.source)
             raise
 
-    def _next_window(self, limit: int | None, floor: int, capacity: int, room: int) -> tuple[DocumentWindow, bool]:
-        """The documents ``next()`` gives one by one until a packing window is full (:class:`WindowFill`),
-        validated together: ``(window, exhausted)``. Errors and the state after it are ``next()``'s; the
-        window's ``ids`` keep ``room`` elements after the documents' (for the packer's carried pieces)."""
-        fill, exhausted = WindowFill(limit, floor, capacity), False
+    def _fill_window(self, fill: WindowFill, room: int) -> tuple[DocumentWindow, bool]:
+        exhausted = False
         while fill.wants():
             if self.reader.kind == "sequence":
-                count = self._chunk(limit, floor, len(fill.items), fill.tokens)
-                positions, chunk_indices, chunk, error = self._read_ahead(count)
+                positions, chunk_indices, chunk, error = self._read_ahead(self._chunk(fill))
                 if not chunk and error is None:
                     self.position = max(self.position, len(self.source))
                     if self.pass_ended():

@@ -32,17 +32,16 @@ def source_kind(source: Any, items: str = "documents") -> str:
     iterator (it cannot be restarted) or something not iterable."""
     if isinstance(source, BaseNode):
         return "node"
-    if isinstance(source, (str, bytes, Mapping)):
-        raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
-    if hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+    plain = not isinstance(source, (str, bytes, Mapping))  # text and dicts are iterable, but not of documents
+    if plain and hasattr(source, "__len__") and hasattr(source, "__getitem__"):
         return "sequence"
-    if isinstance(source, Iterator):
+    if plain and isinstance(source, Iterator):
         raise TypeError(
             f"source is a one-shot iterator ({type(source).__name__}) that cannot be restarted for resume "
             "or a new epoch; pass a list, a re-iterable (an object whose __iter__ returns a fresh "
             "iterator) or a torchdata BaseNode"
         )
-    if isinstance(source, Iterable):
+    if plain and isinstance(source, Iterable):
         return "iterable"
     raise TypeError(f"source must be a sequence or iterable of {items}, got {type(source).__name__}")
 

@@ -25,6 +25,7 @@ from cpdata.nodes.dataset import WorkerDataset
 from cpdata.nodes.epochs import check_epoch
 from cpdata.nodes.loader import GraphOptions, rank_node, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
+from cpdata.nodes.scheduled import schedule_pack
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store, reopen_store
@@ -126,12 +127,8 @@ class StoreRows(PlanRows):
         n = self.packs(epoch)
         if not 0 <= item < n:
             raise IndexError(f"pack {item} out of range: this DP rank serves packs 0..{n - 1} in epoch {epoch}")
-        if self.schedule is None:
-            pack = self._epoch_packs(epoch)[0] + item * self.data.dp_size + self.data.dp_rank
-        else:
-            micro = int(self.schedule["micro_batches"])
-            step, micro_batch = divmod(item, micro)
-            pack = (step * self.data.dp_size + self.data.dp_rank) * micro + micro_batch
+        micro = 1 if self.schedule is None else int(self.schedule["micro_batches"])  # a plan: one pack per step
+        pack = self._epoch_packs(epoch)[0] + schedule_pack(item, micro, self.data.dp_rank, self.data.dp_size)[2]
         base = int(self.first_document[epoch]) if self.epochs is not None else 0
         return PackRows(columns=self.store.arrays, rows=self.store.pack_slice(pack), index=pack, first_document=base)
 
