@@ -145,6 +145,25 @@ def test_resume_over_a_dataset_is_exact():
             assert_batches_equal(a, e)
 
 
+def test_every_flat_numeric_list_column_travels_whatever_its_list_feature():
+    rows = _rows(5)
+    weights = [[0.5 * k for k in range(len(r))] for r in rows]
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "weights": datasets.LargeList(datasets.Value("float32")),
+        "flags": datasets.Sequence(datasets.Value("bool")), "words": datasets.Sequence(datasets.Value("string")),
+        "nested": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))), "length": datasets.Value("int64"),
+    })  # fmt: skip
+    columns = {"input_ids": rows, "weights": weights, "flags": [[k % 2 == 0 for k in range(len(r))] for r in rows],
+               "words": [["w"] * len(r) for r in rows], "nested": [[[k] for k in r] for r in rows],
+               "length": [len(r) for r in rows]}  # fmt: skip
+    source = HFDocuments(datasets.Dataset.from_dict(columns, features=features))
+    for i, row in enumerate(rows):
+        doc = source[i]
+        assert sorted(doc) == ["flags", "input_ids", "weights"]  # strings, nested lists and the length are not per-token
+        assert doc["input_ids"].tolist() == row and doc["weights"].tolist() == weights[i]
+        assert doc["flags"].tolist() == columns["flags"][i]
+
+
 def test_masks_travel_padding_is_refused_and_streaming_cannot_be_indexed(tmp_path):
     rows = _rows(4)
     masks = [[1] * len(r) for r in rows]

@@ -145,6 +145,20 @@ def test_row_tokenizer_pickles_by_path(saved):
     assert len(pickle.dumps(rt)) < 2_000
 
 
+def test_vocab_size_is_the_tokenizers_length_and_the_stores_default(saved, tmp_path):
+    from cpdata.offline.tokenize_files import convert_jsonl
+
+    tok = chat_tokenizer()
+    assert RowTokenizer(tok).vocab_size == RowTokenizer(saved / "folder").vocab_size == len(tok) > 0
+    assert RowTokenizer(lambda s: list(s.encode())).vocab_size is None  # a callable has no vocabulary to name
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(f'{{"text": "{t}"}}\n' for t in CORPUS[:3]))
+    store, _ = convert_jsonl(src, tmp_path / "store", tokenizer=RowTokenizer(tok))
+    assert store.manifest["vocab_size"] == len(tok)
+    assert store.manifest["dtype"] == ("<u2" if len(tok) <= 1 << 16 else "<u4")
+    assert [store[i]["input_ids"].tolist() for i in range(3)] == [tok(t)["input_ids"] for t in CORPUS[:3]]
+
+
 def test_assistant_only_trains_only_the_replies_end_to_end():
     """Tokenize's inputs-aligned masks become next-token targets: a label is kept only where the next token is a
     reply token (brute force per document), through Documents -> Pack -> Collate -> ShardForRank."""

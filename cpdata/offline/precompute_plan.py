@@ -152,11 +152,10 @@ def precompute(
     layout = layout_spec(layout, tile)
     check_layout(layout, cp_size)
     scheduled = isinstance(plan, SchedulePlan)
-    window = None if scheduled else plan.window
-    algorithm, overflow, seed, vocab_size = plan.algorithm, plan.overflow, data.seed, data.vocab_size
-    # the whole configuration is checked before the input is read (a large JSONL scan takes a while)
-    PackingConfig.resolve(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm, overflow=overflow,
-                          seed=seed, window=window)  # fmt: skip
+    window, vocab_size = None if scheduled else plan.window, data.vocab_size
+    planner = dict(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=plan.algorithm, overflow=plan.overflow,
+                   seed=data.seed)  # fmt: skip
+    PackingConfig.resolve(**planner, window=window)  # all checked before the input is read (a JSONL scan is long)
     for line in check_writable(out_dir, overwrite=overwrite):
         print(f"cpdata precompute: {line}", file=sys.stderr, flush=True)
     dataset = as_source(dataset, indexed=True, epochs=1 if data.epochs is None else data.epochs)
@@ -184,17 +183,13 @@ def precompute(
     if not scheduled:  # a schedule plans lengths only: documents that train nothing stay
         firsts = _first_targets(dataset, labels_alignment, progress) if present else None
         starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
-        result, epoch_packs = _plan_epochs(
-            lengths, starts, firsts, capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
-            overflow=overflow, seed=seed, window=window,
-        )  # fmt: skip
+        result, epoch_packs = _plan_epochs(lengths, starts, firsts, **planner, window=window)
     else:
         from cpdata.schedule import CostModel, plan_schedule
 
         cost = (plan.cost or CostModel()) if plan.kind == "balanced" else None
-        sched = plan_schedule(lengths, capacity=capacity, layout=layout, cp_size=cp_size, dp_size=data.dp_size,
-                              micro_batches=plan.micro_batches, cost=cost, max_delay=plan.max_delay,
-                              algorithm=algorithm, overflow=overflow, seed=seed, tail=plan.tail,
+        sched = plan_schedule(lengths, **planner, dp_size=data.dp_size, micro_batches=plan.micro_batches, cost=cost,
+                              max_delay=plan.max_delay, tail=plan.tail,
                               fallback=plan.kind == "balanced" and plan.cost is None)  # fmt: skip
         result = sched.as_packing_result()
         st = sched.stats

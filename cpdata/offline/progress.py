@@ -41,13 +41,9 @@ class Progress:
                 self._step = step
                 print(f"{self.desc}: {step * 10:3d}% ({self.done}/{self.total} {self.unit})", file=self.file, flush=True)
 
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -124,8 +124,7 @@ def convert_jsonl(
         raise ValueError("--assistant-only keeps assistant_masks, but a Megatron indexed dataset holds input_ids "
                          "only; write a token store (--format cpdata) to keep them")  # fmt: skip
     if vocab_size is None and tokenizer is not None:
-        size = getattr(tokenizer._tok, "__len__", None)
-        vocab_size = size() if callable(size) else None
+        vocab_size = tokenizer.vocab_size
     totals: dict[str, int] = {}
     with Progress(src.stat().st_size, f"{'tokenizing' if tokenizer else 'reading'} {src.name}", unit="B",
                   enabled=progress) as bar:  # fmt: skip

@@ -83,12 +83,10 @@ def recover_directory(target: str | os.PathLike[str]) -> list[str]:
         news, olds = found["new"], found["old"]
         if news:
             if target.exists():
-                aside = olds[0] if olds else None
-                if aside is None:
-                    aside = Path(tempfile.mkdtemp(prefix=_prefix(target, "old"), dir=target.parent))
-                    os.rmdir(aside)
-                    olds = [aside]
-                os.replace(target, aside)
+                if not olds:  # a fresh hidden name to move it aside to
+                    olds = [Path(tempfile.mkdtemp(prefix=_prefix(target, "old"), dir=target.parent))]
+                    os.rmdir(olds[0])
+                os.replace(target, olds[0])
             os.replace(news[0], target)
             done.append(f"completed the replacement of {target.name} by writer pid {pid} (from {news[0].name})")
             for extra in news[1:]:

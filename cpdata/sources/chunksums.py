@@ -115,16 +115,8 @@ class ChunkChecker:
         self._forget()
         _LIVE.add(self)
 
-    def __getstate__(self) -> dict[str, object]:  # a fresh process checks for itself
-        return {k: getattr(self, k) for k in ("path", "sums", "size", "chunk_bytes", "fix", "itemsize")}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-        self._shift = self.chunk_bytes.bit_length() - 1
-        self._bytes, self.describe = None, None
-        self._forget()
-        _LIVE.add(self)
+    def __reduce__(self) -> tuple[Any, ...]:  # a fresh process checks for itself, through its own mapping
+        return ChunkChecker, (self.path, self.sums, self.size, self.chunk_bytes, self.fix, None, None, self.itemsize)
 
     def _forget(self) -> None:
         """Nothing checked (a new process): the checked span is empty."""
@@ -156,11 +148,8 @@ class ChunkChecker:
 
     def check_all(self, document: int | None = None) -> None:
         """Check every chunk of the file (what ``verify=True`` and ``precompute`` do)."""
-        if not self._left:
-            return
-        for c in range(len(self.sums)):
-            if not self._done[c]:
-                self._check_chunk(c, document)
+        if self._left:
+            self.check(0, self.size, document)
 
     def _check_chunk(self, c: int, document: int | None) -> None:
         if self._bytes is None:

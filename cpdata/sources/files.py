@@ -124,12 +124,12 @@ class JsonlDocuments(TokenizedDataset):
                 if on_progress is not None:
                     on_progress(len(line))
             self._opened = (pos, os.fstat(f.fileno()).st_mtime_ns)  # bytes scanned, mtime when the scan ended
+        offsets.append(pos)  # row i is bytes offsets[i]:offsets[i + 1] (with the newline, the blank lines after it)
         self._crcs, self._offsets = np.frombuffer(crcs, dtype=np.uint32), np.frombuffer(offsets, dtype=np.int64)
         self._lengths = np.frombuffer(lengths, dtype=np.int64)
         self._id_range = (low, high)  # the scan saw every id
         self._sha256 = h.hexdigest()
         self.per_token_keys = frozenset(keys - {"input_ids"})
-        self._size = pos
         self._file: tuple[int, BinaryIO] | None = None  # (pid, handle) of the process that opened it
 
     def fingerprint(self) -> str:
@@ -164,8 +164,7 @@ class JsonlDocuments(TokenizedDataset):
 
     def _raw_row(self, i: int) -> bytes:
         """Row ``i``'s bytes (one ``pread``), checked against the CRC-32 taken when the file was opened."""
-        offset = int(self._offsets[i])
-        end = int(self._offsets[i + 1]) if i + 1 < self._offsets.shape[0] else self._size
+        offset, end = self._offsets[i : i + 2].tolist()
         handle = self._handle()  # held for the read: a handle dropped mid-call would close its descriptor
         chunk = os.pread(handle.fileno(), end - offset, offset)
         newline = chunk.find(b"\n")

@@ -35,9 +35,10 @@ def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
 
 def _per_token(feature: Any) -> bool:
     """A list column of numbers (``List(Value('int32'))``, ``Sequence(Value('float32'))``, ...)."""
-    inner = getattr(feature, "feature", None)
-    dtype = str(getattr(inner, "dtype", ""))
-    return type(inner).__name__ == "Value" and dtype.startswith(("int", "uint", "float", "bool"))
+    from datasets import LargeList, Sequence, Value
+
+    inner = feature.feature if isinstance(feature, (Sequence, LargeList)) else None
+    return isinstance(inner, Value) and inner.dtype.startswith(("int", "uint", "float", "bool"))
 
 
 class HFDocuments(TokenizedDataset):
@@ -91,9 +92,8 @@ class HFDocuments(TokenizedDataset):
             import pyarrow.compute as pc
 
             counts = pc.list_value_length(self._token_column())
-            indices = getattr(self.dataset, "_indices", None)
-            if indices is not None:
-                counts = pc.take(counts, indices.column(0))
+            if self.dataset._indices is not None:  # a select/shuffle/filter view: its rows' lengths, in its order
+                counts = pc.take(counts, self.dataset._indices.column(0))
             if counts.null_count:
                 raise ValueError("the dataset's 'input_ids' column has null rows; fill or filter them first")
             lengths = np.asarray(counts.to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -113,8 +113,7 @@ class HFDocuments(TokenizedDataset):
         return out
 
     def _token_column(self) -> Any:
-        table = self.dataset.data
-        return getattr(table, "table", table).column("input_ids")
+        return self.dataset.data.column("input_ids")  # the Arrow column, every row (before any indices mapping)
 
     @property
     def _id_range(self) -> tuple[int, int]:  # type: ignore[override]

@@ -12,7 +12,7 @@ is loaded again).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,11 @@ class RowTokenizer:
         self.__dict__.update(state)
         if self._tok is None:
             self._tok = load_tokenizer(self.source)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """``len(tokenizer)`` (added tokens included) when the tokenizer has a length, else None (a callable)."""
+        return len(self._tok) if isinstance(self._tok, Sized) else None
 
     def _encode(self, text: str) -> Sequence[int]:
         tok = self._tok

@@ -123,14 +123,13 @@ class TokenStore(TokenizedDataset):
         self._lengths: np.ndarray | None = None
         # the index files (8 B + 1 B per extra per document) are checked whole by a process's first read; a
         # document's token and extra bytes chunk by chunk, through the mappings the reads use
-        at = _data_offset(self._offsets)
-        self._check_index = [self._checker(OFFSETS_FILE, partial(self._listed, at, 8, "offsets"))]
+        self._check_index = [self._checker(OFFSETS_FILE, partial(self._listed, self._offsets.offset, 8, "offsets"))]
         self._check_tokens = self._checker(TOKENS_FILE, partial(self._stored, self._tokens.dtype.itemsize),
                                            self._tokens)  # fmt: skip
         self._checked_extras = {}  # key: (values, present, checker), what a read walks
         for key, dtype in self.manifest["extras"].items():
             values, present = self._map(f"{key}.bin", dtype, n), np.load(self.path / f"{key}.present.npy", mmap_mode="r")
-            flags = partial(self._listed, _data_offset(present), 1, "flags")
+            flags = partial(self._listed, present.offset, 1, "flags")
             self._check_index.append(self._checker(f"{key}.present.npy", flags))
             checker = self._checker(f"{key}.bin", partial(self._stored, values.dtype.itemsize), values)
             self._checked_extras[key] = (values, present, checker)
@@ -142,10 +141,6 @@ class TokenStore(TokenizedDataset):
 
     def _checkers(self) -> list[ChunkChecker]:
         return [*self._check_index, self._check_tokens, *(c for _, _, c in self._checked_extras.values())]
-
-    def _checked_index(self, document: int | None) -> None:
-        for checker in self._check_index:
-            checker.check_all(document)
 
     def verify_content(self) -> None:
         """Check every chunk of every file against the manifest (``precompute`` calls it); raises naming the file,
@@ -167,7 +162,8 @@ class TokenStore(TokenizedDataset):
     @property
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
-            self._checked_index(None)
+            for checker in self._check_index:
+                checker.check_all()
             self._lengths = np.diff(self._offsets).astype(np.int64, copy=False)
         return self._lengths
 
@@ -193,7 +189,8 @@ class TokenStore(TokenizedDataset):
 
     def _check_document(self, i: int) -> tuple[int, int]:
         """Document ``i``'s token range, read once the index files and its token chunks are checked."""
-        self._checked_index(i)
+        for checker in self._check_index:
+            checker.check_all(i)
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
         checker = self._check_tokens
         checker.check(start * checker.itemsize, stop * checker.itemsize, i)
@@ -231,8 +228,3 @@ class TokenStore(TokenizedDataset):
         self.__dict__.update(state)
         self.check_unchanged()
         self._open()
-
-
-def _data_offset(array: np.ndarray) -> int:
-    """Byte offset of a memory-mapped ``.npy`` array's data in its file (after the header)."""
-    return int(getattr(array, "offset", 0))
