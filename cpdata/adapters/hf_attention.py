@@ -120,7 +120,7 @@ def _attention(
             f"attn_implementation={name!r} got an attention_mask ({type(attention_mask).__name__}); the masks "
             "come from the batch's layout and document ids: call the model without attention_mask"
         )
-    n = state.local_len
+    n = state.document_ids.numel()
     if query.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
         raise ValueError(
             f"attn_implementation={name!r}: query {tuple(query.shape)} / key {tuple(key.shape)} do not hold "

@@ -55,14 +55,11 @@ def record_served_call() -> None:
 
 @dataclass(eq=False, kw_only=True)
 class AttentionCore:
-    """One batch's CP attention on this rank, for :class:`ContextParallelAttention` and the ``"cpdata"`` HF
-    attention: :meth:`keys_values` brings the keys, :meth:`mask` keeps each query's interval of them.
-
-    Keys: own + received (``L + n_recv``) by the layout's exchange plan under a document mask, else all ``S`` in
-    global order. ``document_ids`` (``[L]`` or ``[B, L]``), ``cu_seqlens_padded``, ``cu_seqlens``: as
-    :func:`~cpdata.device.attention_masks.document_slots` (None: a query's slot is its row); ``whole_pack``:
-    the queries are the whole pack at their local index (cp 1). Masks are built once per batch.
-    """
+    """One batch's CP attention on this rank, for the SDPA override and the ``"cpdata"`` HF attention: the keys its
+    queries attend over (the exchange plan's ``L + n_recv`` under a document mask, else all ``S`` in global order)
+    and each query's key interval of them, built once. ``document_ids`` (``[L]`` or ``[B, L]``) and the offsets:
+    as :func:`~cpdata.device.attention_masks.document_slots` (None: a query's slot is its row); ``whole_pack``:
+    the queries are the whole pack at their local index (cp 1)."""
 
     layout: ShardLayout
     group: Any = None
@@ -73,12 +70,7 @@ class AttentionCore:
     _masks: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @property
-    def local_len(self) -> int:
-        return self.document_ids.numel() if self.whole_pack else self.layout.local_token_global_indices.numel()
-
-    @property
     def exchange(self) -> bool:
-        """Whether the keys come through the exchange plan."""
         return self.document_ids is not None and not self.whole_pack and has_exchange(self.layout)
 
     def slots(self, device: torch.device) -> QuerySlots:
@@ -91,8 +83,7 @@ class AttentionCore:
 
     def keys_values(self, key: torch.Tensor, value: torch.Tensor, seq_dim: int, *,
                     gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """This rank's ``key``/``value`` -> the keys its queries attend over, in one collective (``gathered``:
-        all ``S`` even with a plan)."""
+        """This rank's ``key``/``value`` -> the keys its queries attend (one collective; ``gathered``: all ``S``)."""
         exchange = self.exchange and not gathered
         if not exchange:  # the inverse map once (one index all-gather) where the worker did not build it
             self.layout = ensure_gather_index(self.layout, self.group)
@@ -161,7 +152,7 @@ class ContextParallelAttention:
                                   cu_seqlens_padded=cu_seqlens_padded, cu_seqlens=cu_seqlens)  # fmt: skip
         self.window, self.local_attn_mask, self.require_calls = window, local_attn_mask, require_calls
         self.served = self.passed = 0
-        self.local_len = self.core.local_len
+        self.local_len = int(layout.local_token_global_indices.numel())
         self._previous: Callable[..., torch.Tensor] | None = None
         self._patched: Callable[..., torch.Tensor] | None = None
         self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
