@@ -99,9 +99,6 @@ class CPTrainerMixin:
         self._cp_resume_dir: str | None = None
         self._cp_loader: CPDataLoader | None = None
         super().__init__(*args, **kwargs)
-        self._cp_setup()
-
-    def _cp_setup(self) -> None:
         from transformers import Trainer, __version__
 
         missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
