@@ -79,8 +79,8 @@ class GatherFromShards(torch.autograd.Function):
         g = grad.movedim(ctx.seq_dim, 0)
         stacked = g.new_empty(g.shape).index_copy_(0, gather_index, g)
         local = g.new_empty((g.shape[0] // ctx.world, *g.shape[1:]))
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as _all_gather
-        reduce_scatter(local, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as _all_gather
+        scatter(local, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
         return local.movedim(0, ctx.seq_dim), None, None, None
 
 

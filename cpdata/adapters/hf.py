@@ -125,18 +125,18 @@ def hf_model_kwargs(
         max_len = info_int(info, "max_seqlen_padded")
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
         return kwargs
-    # one row: at cp = 1 the whole stream at positions 0..T-1, at cp > 1 this rank's slice; pads see themselves
+    # one row: at cp 1 the whole stream at positions 0..T-1, at cp > 1 this rank's slice; pads see themselves
     doc_ids = tensors[DOCUMENT_IDS].reshape(1, -1)
     core = AttentionCore(layout=layout, document_ids=doc_ids, cu_seqlens_padded=tensors["cu_seqlens_padded"],
                          cu_seqlens=tensors.get("cu_seqlens"), whole_pack=layout.cp_size == 1)  # fmt: skip
+    kind, low = "flex" if attn_implementation == "flex_attention" else "dense", torch.finfo(torch.float32).min
     windows = config_windows(config)
     by_window: dict[int | None, Any] = {}
     for window in (set(windows.values()) if windows is not None else {layer_window(config, None)}):
         # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
-        mask = core.mask("flex" if attn_implementation == "flex_attention" else "dense", window, doc_ids.device,
-                         gathered=True)  # fmt: skip
+        mask = core.mask(kind, window, doc_ids.device, gathered=True)
         if attn_implementation == "eager":
-            mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
+            mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, low)
         by_window[window] = mask
     if windows is None or len(by_window) == 1:
         kwargs["attention_mask"] = next(iter(by_window.values()))

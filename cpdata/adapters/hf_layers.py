@@ -109,8 +109,8 @@ def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -
         layer_type = types[idx]
     if layer_type is not None and layer_type not in KNOWN_LAYER_TYPES:
         raise ValueError(
-            f"config.layer_types[{idx}]={layer_type!r} ({type(module).__name__}): cpdata's attention computes "
-            f"{list(KNOWN_LAYER_TYPES)} only; other layer types are refused"
+            f"config.layer_types[{idx}]={layer_type!r} ({type(module).__name__}): cpdata's attention "
+            f"computes {list(KNOWN_LAYER_TYPES)} only; other layer types are refused"
         )
     expected = layer_window(config, layer_type)
     window = kwargs.get("sliding_window", expected)

@@ -1,4 +1,4 @@
-"""Full-sequence SDPA from this rank's shard: an override active inside a context; the CP attention core (torch only).
+"""Full-sequence SDPA from this rank's shard, an override active inside a context, on one CP attention core.
 
 Inside ``with ContextParallelAttention(layout, group):`` every call of
 ``torch.nn.functional.scaled_dot_product_attention`` whose query and key hold this rank's ``L`` tokens::
@@ -55,11 +55,11 @@ def record_served_call() -> None:
 
 @dataclass(eq=False, kw_only=True)
 class AttentionCore:
-    """One batch's CP attention on this rank, for the SDPA override and the ``"cpdata"`` HF attention: the keys its
-    queries attend over (the exchange plan's ``L + n_recv`` under a document mask, else all ``S`` in global order)
-    and each query's key interval of them, built once. ``document_ids`` (``[L]`` or ``[B, L]``) and the offsets:
-    as :func:`~cpdata.device.attention_masks.document_slots` (None: a query's slot is its row); ``whole_pack``:
-    the queries are the whole pack at their local index (cp 1)."""
+    """One batch's CP attention on this rank, for the SDPA override and the ``"cpdata"`` HF attention: the
+    keys its queries attend over (the exchange plan's ``L + n_recv`` under a document mask, else all ``S`` in
+    global order) and each query's key interval of them, built once. ``document_ids`` (``[L]`` or
+    ``[B, L]``) and the offsets: as :func:`~cpdata.device.attention_masks.document_slots` (None: a query's
+    slot is its row); ``whole_pack``: the queries are the whole pack at their local index (cp 1)."""
 
     layout: ShardLayout
     group: Any = None
@@ -83,7 +83,7 @@ class AttentionCore:
 
     def keys_values(self, key: torch.Tensor, value: torch.Tensor, seq_dim: int, *,
                     gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """This rank's ``key``/``value`` -> the keys its queries attend (one collective; ``gathered``: all ``S``)."""
+        """Local ``key``/``value`` -> the keys the queries attend, in one collective (``gathered``: all)."""
         exchange = self.exchange and not gathered
         if not exchange:  # the inverse map once (one index all-gather) where the worker did not build it
             self.layout = ensure_gather_index(self.layout, self.group)
@@ -158,7 +158,7 @@ class ContextParallelAttention:
         self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
 
     def __enter__(self) -> ContextParallelAttention:
-        self._check(self.core.layout, self.core.group)  # before patching: a mismatch raises with SDPA untouched
+        self._check(self.core.layout, self.core.group)  # before patching: a mismatch leaves SDPA untouched
         with _PATCH_LOCK:
             if self._patched is not None:
                 raise RuntimeError("this ContextParallelAttention is already active; create one per `with`")

@@ -82,8 +82,8 @@ def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> 
 
 
 class ExchangeKV(torch.autograd.Function):
-    """``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: the module's forward and backward;
-    ``local`` holds ``L`` tokens on ``seq_dim``, ``send_index`` int64 ``[n_send]`` is grouped by destination."""
+    """``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: the module's forward/backward;
+    ``local`` holds ``L`` tokens on ``seq_dim``, ``send_index`` int64 ``[n_send]`` grouped by destination."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, send_index: torch.Tensor, send_counts: list[int],

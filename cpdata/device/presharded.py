@@ -77,7 +77,7 @@ class PreshardedMove:
         layout: ShardLayout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
             self._refuse(layout)
-        if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
+        if isinstance(batch, ShardedBatch):  # checked on the worker: one buffer move, views rebuilt by plan
             out = (batch if self._device is None else batch.to(self._device, non_blocking=True)).tensors()
         else:
             out = {k: to_device(v, self._device) for k, v in batch.items()}

@@ -67,12 +67,12 @@ class CPModelInputs:
             if self._sharder is None:
                 self._sharder = ContextParallelSharder(None, self.mesh, batch)
             factory, local = self._sharder.shard(batch)
-        given = {"tensors": local, "num_items_in_batch": num_items_in_batch}
+        impl, given = self.attn_implementation, {"tensors": local, "num_items_in_batch": num_items_in_batch}
         if batch.layout.cp_size == 1:  # the model's own attention, no ctx
-            return factory(), hf_model_kwargs(batch, self.attn_implementation, config=self.config, **given)
-        if self.attn_implementation in REGISTERED:  # no ctx: the layers gather
-            return contextlib.nullcontext(), hf_model_kwargs(batch, self.attn_implementation,
-                                                             group=self.mesh["cp"].get_group(), **given)  # fmt: skip
+            return factory(), hf_model_kwargs(batch, impl, config=self.config, **given)
+        if impl in REGISTERED:  # no ctx: the layers gather
+            group = self.mesh["cp"].get_group()
+            return contextlib.nullcontext(), hf_model_kwargs(batch, impl, group=group, **given)
         with factory(require_calls=False):  # sdpa: the mask over the gathered keys is built inside a ctx
             kwargs = hf_model_kwargs(batch, "sdpa", config=self.config, **given)
         return factory(), kwargs

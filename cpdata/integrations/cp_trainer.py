@@ -217,7 +217,7 @@ class CPTrainerMixin:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
-        if self._cp_step is not None and self._cp_step[0] is inputs:  # inside training_step: its ctx is active
+        if self._cp_step is not None and self._cp_step[0] is inputs:  # inside training_step: its ctx is on
             outputs = model(**self._cp_step[1])
         else:
             if num_items_in_batch is None:
