@@ -67,19 +67,24 @@ class AttentionCore:
     cu_seqlens_padded: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     whole_pack: bool = False
-    _masks: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _built: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
     @property
     def exchange(self) -> bool:
         return self.document_ids is not None and not self.whole_pack and has_exchange(self.layout)
 
     def slots(self, device: torch.device) -> QuerySlots:
-        """The local queries' slots on ``device``."""
-        if self.document_ids is None:
-            pos = layout_tensor_on(self.layout, "local_token_global_indices", device)
-            return row_slots(pos, pos.numel() * self.layout.cp_size)
-        return document_slots(None if self.whole_pack else self.layout, self.document_ids.to(device),
-                              self.cu_seqlens_padded, self.cu_seqlens)  # fmt: skip
+        """The local queries' slots on ``device`` (built once per device)."""
+        key = ("slots", str(device))
+        if key not in self._built:
+            if self.document_ids is None:
+                pos = layout_tensor_on(self.layout, "local_token_global_indices", device)
+                self._built[key] = row_slots(pos, pos.numel() * self.layout.cp_size)
+            else:
+                self._built[key] = document_slots(None if self.whole_pack else self.layout,
+                                                  self.document_ids.to(device), self.cu_seqlens_padded,
+                                                  self.cu_seqlens)  # fmt: skip
+        return self._built[key]
 
     def keys_values(self, key: torch.Tensor, value: torch.Tensor, seq_dim: int, *,
                     gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -96,21 +101,21 @@ class AttentionCore:
         (a refused one is kept and raised again: every layer falls back without re-planning)."""
         exchange = self.exchange and not gathered
         key = (kind, window, causal, exchange, str(device))
-        if key not in self._masks:
+        if key not in self._built:
             slots = self.slots(device)
             keys = exchanged_key_positions(self.layout, device) if exchange else None
             if kind != "varlen":  # flex without exchanged keys: the interval path without the L x S grid
-                self._masks[key] = slots.mask(kind, keys, causal=causal, window=window)
+                self._built[key] = slots.mask(kind, keys, causal=causal, window=window)
             else:
                 keys = torch.arange(slots.row_len, device=device) if keys is None else keys
                 try:
-                    self._masks[key] = varlen_plan(slots.start, slots.pos, keys, window=window, device=device,
+                    self._built[key] = varlen_plan(slots.start, slots.pos, keys, window=window, device=device,
                                                    end=slots.end)  # fmt: skip
                 except KeyCopiesError as refused:
-                    self._masks[key] = refused
-        if isinstance(self._masks[key], KeyCopiesError):
-            raise self._masks[key]
-        return self._masks[key]
+                    self._built[key] = refused
+        if isinstance(self._built[key], KeyCopiesError):
+            raise self._built[key]
+        return self._built[key]
 
 
 class ContextParallelAttention:
