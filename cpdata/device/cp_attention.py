@@ -1,4 +1,4 @@
-"""Full-sequence SDPA from this rank's shard, an override active inside a context, on one CP attention core.
+"""Full-sequence SDPA from this rank's shard: an override active inside a context, on one core (torch only).
 
 Inside ``with ContextParallelAttention(layout, group):`` every call of
 ``torch.nn.functional.scaled_dot_product_attention`` whose query and key hold this rank's ``L`` tokens::
@@ -162,8 +162,13 @@ class ContextParallelAttention:
         self._patched: Callable[..., torch.Tensor] | None = None
         self._check = _CHECKS.setdefault(check_every, LayoutCheck(check_every))  # counts this process's contexts
 
+    @property
+    def layout(self) -> ShardLayout:
+        """The batch's layout (with its inverse map once the first call built it)."""
+        return self.core.layout
+
     def __enter__(self) -> ContextParallelAttention:
-        self._check(self.core.layout, self.core.group)  # before patching: a mismatch leaves SDPA untouched
+        self._check(self.layout, self.core.group)  # before patching: a mismatch raises with SDPA untouched
         with _PATCH_LOCK:
             if self._patched is not None:
                 raise RuntimeError("this ContextParallelAttention is already active; create one per `with`")
@@ -190,11 +195,10 @@ class ContextParallelAttention:
             self._previous = self._patched = None
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
-        cp_size = self.core.layout.cp_size
-        if exc_type is None and self.require_calls and cp_size > 1 and self.served + self.passed == 0:
+        if exc_type is None and self.require_calls and self.layout.cp_size > 1 and self.served + self.passed == 0:
             raise ValueError(
                 f"no attention call reached scaled_dot_product_attention inside this ContextParallelAttention "
-                f"(cp_size={cp_size}): the model's attention does not call "
+                f"(cp_size={self.layout.cp_size}): the model's attention does not call "
                 "torch.nn.functional.scaled_dot_product_attention (HF 'eager', its own registered attention, "
                 "or a kernel bound before the ctx), so each rank attended to its own tokens only. For a Hugging "
                 "Face model use the 'cpdata' attention: cpdata.adapters.register_hf_attention(), "
