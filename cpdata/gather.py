@@ -58,11 +58,6 @@ def _all_gather(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
     fn(out, x, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, op=dist.ReduceOp.SUM, group=group)
-
-
 class GatherFromShards(torch.autograd.Function):
     """All-gather a local shard (``L`` tokens on ``seq_dim``) and index it by ``gather_index`` (int64 ``[cp*L]``)
     into global order; backward reduce-scatters (SUM), so a loss replicated on every CP rank gives each rank
@@ -84,7 +79,8 @@ class GatherFromShards(torch.autograd.Function):
         g = grad.movedim(ctx.seq_dim, 0)
         stacked = g.new_empty(g.shape).index_copy_(0, gather_index, g)
         local = g.new_empty((g.shape[0] // ctx.world, *g.shape[1:]))
-        _reduce_scatter(local, stacked, ctx.group)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as _all_gather
+        scatter(local, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
         return local.movedim(0, ctx.seq_dim), None, None, None
 
 

@@ -244,6 +244,7 @@ def test_a_refused_plan_is_planned_once_per_batch_and_every_layer_falls_back(mon
     """The "cpdata" attention asks for the varlen plan at every layer; a refused one is kept with the batch's
     masks, so later layers fall back without re-planning (O(L) host work each)."""
     from cpdata.adapters import hf_attention
+    from cpdata.device import cp_attention
 
     register_hf_attention()
     monkeypatch.setattr(varlen, "MAX_KEY_COPIES", 1.25)  # balanced's 64-token shards gather 1.4-1.8x their keys
@@ -253,7 +254,7 @@ def test_a_refused_plan_is_planned_once_per_batch_and_every_layer_falls_back(mon
         calls.append(1)
         return varlen.varlen_plan(*args, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "varlen_plan", counting_plan)
+    monkeypatch.setattr(cp_attention, "varlen_plan", counting_plan)
     batch = _batches(4, "balanced", True)[1]
     state = hf_attention.attention_state("cpdata", batch.layout, batch["document_ids"].reshape(1, -1),
                                          batch["cu_seqlens_padded"], batch["cu_seqlens"])  # fmt: skip

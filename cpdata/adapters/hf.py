@@ -20,10 +20,8 @@ import cpdata.adapters.hf_attention as hf_attention
 from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
-from cpdata.device.attention_masks import document_causal_mask, flex_block_mask
-from cpdata.device.cp_attention import active_contexts
+from cpdata.device.cp_attention import AttentionCore, active_contexts
 from cpdata.errors import is_int
-from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
 
 __all__ = ["hf_model_kwargs"]
@@ -127,13 +125,19 @@ def hf_model_kwargs(
         max_len = info_int(info, "max_seqlen_padded")
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
         return kwargs
-    # one row: at cp = 1 the whole stream (layout None: positions 0..T-1), at cp > 1 this rank's slice
+    # one row: at cp 1 the whole stream at positions 0..T-1, at cp > 1 this rank's slice; pads see themselves
     doc_ids = tensors[DOCUMENT_IDS].reshape(1, -1)
-    mask_layout = layout if layout.cp_size > 1 else None
+    core = AttentionCore(layout=layout, document_ids=doc_ids, cu_seqlens_padded=tensors["cu_seqlens_padded"],
+                         cu_seqlens=tensors.get("cu_seqlens"), whole_pack=layout.cp_size == 1)  # fmt: skip
+    kind, low = "flex" if attn_implementation == "flex_attention" else "dense", torch.finfo(torch.float32).min
     windows = config_windows(config)
     by_window: dict[int | None, Any] = {}
     for window in (set(windows.values()) if windows is not None else {layer_window(config, None)}):
-        by_window[window] = _mask(attn_implementation, mask_layout, doc_ids, tensors, window)
+        # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
+        mask = core.mask(kind, window, doc_ids.device, gathered=True)
+        if attn_implementation == "eager":
+            mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, low)
+        by_window[window] = mask
     if windows is None or len(by_window) == 1:
         kwargs["attention_mask"] = next(iter(by_window.values()))
     else:  # transformers models with layer_types pick each layer's mask from a mapping keyed by layer type
@@ -152,19 +156,6 @@ def _check_model_supports(model: Any, impl: str) -> None:
             f"{type(model).__name__}.{flag} is False: transformers' {impl} drops a variant this model needs "
             "(logit softcapping, attention sinks); use the 'cpdata' attention (register_hf_attention()) or 'eager'"
         )
-
-
-def _mask(impl: str, layout: ShardLayout | None, doc_ids: torch.Tensor, tensors: Mapping[str, torch.Tensor],
-          window: int | None) -> Any:  # fmt: skip
-    """The document-causal mask ``impl`` takes; pad queries see their own key only."""
-    cu, real = tensors["cu_seqlens_padded"], tensors.get("cu_seqlens")
-    if impl == "flex_attention":
-        return flex_block_mask(layout, doc_ids, cu, window=window, cu_seqlens=real)
-    # global keys: the ctx's SDPA takes a mask over all S keys (and all-gathers K/V for it), plan or not
-    mask = document_causal_mask(layout, doc_ids, cu, window=window, keys="global", cu_seqlens=real)
-    if impl == "eager":
-        mask = torch.zeros_like(mask, dtype=torch.float32).masked_fill_(~mask, torch.finfo(torch.float32).min)
-    return mask
 
 
 def _global_targets(batch: Any, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any], group: Any) -> Any:

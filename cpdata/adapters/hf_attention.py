@@ -7,8 +7,8 @@
     loss = model(**hf_model_kwargs(batch, "cpdata", tensors=local, group=cp_group)).loss
 
 Each layer gets local ``query [B, H, L, E]``, ``key``/``value [B, Hkv, L, E]`` and the batch's
-:class:`HFAttentionState`; it checks the layer's variant, brings the keys (:func:`move_keys_values`), masks
-each query's key interval (once per batch, kernel, window, device) and runs :func:`attend`. No KV cache.
+:class:`HFAttentionState`; it checks the layer's variant, brings the keys and masks each query's key interval
+(:class:`~cpdata.device.cp_attention.AttentionCore`) and runs :func:`attend`. No KV cache.
 
 At cp > 1 the kwargs reach this attention on every rank, or every rank refuses (:func:`check_reaches_cpdata`):
 a model left on ``sdpa``/``eager`` ignores the state kwarg (a wrong loss, or a hang if one rank slipped). The
@@ -19,7 +19,7 @@ step late); one 16-byte all-reduce of both flags on the first two calls and ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -27,12 +27,10 @@ import torch.distributed as dist
 
 from cpdata.adapters.attention_kernels import KERNELS, attend
 from cpdata.adapters.hf_layers import layer_variant
-from cpdata.device.attention_masks import QuerySlots, document_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, any_rank_flags, verify_layout_consistency
-from cpdata.device.cp_attention import record_served_call
-from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
-from cpdata.device.varlen import KeyCopiesError, choose_kernel, varlen_plan
-from cpdata.gather import check_cp_group, ensure_gather_index
+from cpdata.device.cp_attention import AttentionCore, record_served_call
+from cpdata.device.varlen import choose_kernel
+from cpdata.gather import check_cp_group
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["REGISTERED", "STATE_KEY", "HFAttentionState", "attention_state", "check_reaches_cpdata",
@@ -68,45 +66,14 @@ def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", veri
     return name
 
 
-@dataclass(eq=False)
-class HFAttentionState:
-    """One batch's attention state (:func:`attention_state`): ``slots`` of its one row ``[1, L]`` of queries,
-    ``key_len`` keys per layer (``S = cp * L`` all-gathered, ``L + n_recv`` own + received with ``exchange``)."""
+@dataclass(eq=False, kw_only=True)
+class HFAttentionState(AttentionCore):
+    """One batch's attention state (:func:`attention_state`): the :class:`AttentionCore` of its one row
+    ``[1, L]`` of queries, with the registered ``options``."""
 
-    layout: ShardLayout
-    group: Any
-    slots: QuerySlots
-    key_len: int
     options: _Options
-    exchange: bool = False
     verified: bool = False
-    """Set after the first call's one-time checks (inverse map, plan digest)."""
-    _masks: dict[tuple[str, int | None, str], Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def local_len(self) -> int:
-        return self.slots.pos.numel()
-
-    def mask(self, kind: str, window: int | None, device: torch.device) -> Any:
-        """The mask ``kind``'s kernel takes (``"dense"``: bool ``[1, 1, L, key_len]``; ``"flex"``: a
-        ``BlockMask``; ``"varlen"``: a :class:`~cpdata.device.varlen.VarlenPlan`) over the keys
-        :func:`move_keys_values` returns; cached per batch, kind, window, device."""
-        key = (kind, window, str(device))
-        if key not in self._masks:
-            keys = exchanged_key_positions(self.layout, device) if self.exchange else None
-            if kind != "varlen":  # flex without exchanged keys: the interval path without the L x S grid
-                self._masks[key] = self.slots.mask(kind, keys, window=window)
-            else:  # a refused plan is kept too: every layer falls back without re-planning
-                keys = torch.arange(self.key_len, device=device) if keys is None else keys
-                try:
-                    self._masks[key] = varlen_plan(self.slots.start, self.slots.pos, keys, window=window,
-                                                   device=device, end=self.slots.end)  # fmt: skip
-                except KeyCopiesError as refused:
-                    self._masks[key] = refused
-        mask = self._masks[key]
-        if isinstance(mask, KeyCopiesError):
-            raise mask
-        return mask
+    """Set after the first call's one-time checks (plan digest)."""
 
 
 def attention_state(
@@ -125,12 +92,11 @@ def attention_state(
             f"attn_implementation={name!r} is not registered; call cpdata.adapters.register_hf_attention("
             f"{name!r}) before building the model's kwargs (and model.set_attn_implementation({name!r}))"
         )
-    cp = layout.cp_size > 1
-    slots = document_slots(layout if cp else None, document_ids.reshape(1, -1), cu_seqlens_padded, cu_seqlens)
-    exchange = cp and has_exchange(layout)
-    key_len = slots.pos.numel() + int(layout.kv_exchange.n_recv) if exchange else slots.row_len
-    return HFAttentionState(layout=layout, group=group, slots=slots, key_len=key_len, options=options,
-                            exchange=exchange)  # fmt: skip
+    state = HFAttentionState(layout=layout, group=group, document_ids=document_ids.reshape(1, -1),
+                             cu_seqlens_padded=cu_seqlens_padded, cu_seqlens=cu_seqlens,
+                             whole_pack=layout.cp_size == 1, options=options)  # fmt: skip
+    state.slots(document_ids.device)  # checked now, before the model runs
+    return state
 
 
 def _attention(
@@ -154,7 +120,7 @@ def _attention(
             f"attn_implementation={name!r} got an attention_mask ({type(attention_mask).__name__}); the masks "
             "come from the batch's layout and document ids: call the model without attention_mask"
         )
-    n = state.local_len
+    n = state.document_ids.numel()
     if query.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n:
         raise ValueError(
             f"attn_implementation={name!r}: query {tuple(query.shape)} / key {tuple(key.shape)} do not hold "
@@ -162,14 +128,11 @@ def _attention(
             "kwargs of hf_model_kwargs for this batch"
         )
     variant = layer_variant(module, query, kwargs)
-    if state.layout.cp_size > 1 and not state.verified:
-        if state.layout.gather_index is None and not state.exchange:  # its inverse once (one index all-gather)
-            state.layout = ensure_gather_index(state.layout, state.group)
-        if state.options.verify_layout:
+    if state.layout.cp_size > 1:
+        if state.options.verify_layout and not state.verified:
             verify_layout_consistency(state.layout, state.group, device=query.device)
         state.verified = True
-    if state.layout.cp_size > 1:
-        key, value = move_keys_values(key, value, state.layout, state.group, exchange=state.exchange, seq_dim=2)
+        key, value = state.keys_values(key, value, 2)
     kernel = choose_kernel(state.options.kernel, softcap=variant.softcap, sinks=variant.sinks, device=query.device,
                            dtype=query.dtype, plan=lambda: state.mask("varlen", variant.window, query.device))
     if kernel == "varlen" and torch.is_autocast_enabled(query.device.type):  # flash is no autocast op

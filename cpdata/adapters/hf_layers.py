@@ -82,20 +82,6 @@ def config_windows(config: Any) -> dict[str, int | None] | None:
     return None if types is None else {t: layer_window(config, t) for t in dict.fromkeys(types)}
 
 
-def _layer_type(module: Any, config: Any) -> str | None:
-    layer_type = getattr(module, "layer_type", None)
-    types = getattr(config, "layer_types", None)
-    idx = getattr(module, "layer_idx", None)
-    if layer_type is None and types is not None and isinstance(idx, int) and 0 <= idx < len(types):
-        layer_type = types[idx]
-    if layer_type is not None and layer_type not in KNOWN_LAYER_TYPES:
-        raise ValueError(
-            f"config.layer_types[{idx}]={layer_type!r} ({type(module).__name__}): cpdata's attention computes "
-            f"{list(KNOWN_LAYER_TYPES)} only; other layer types are refused"
-        )
-    return layer_type
-
-
 def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -> LayerVariant:
     """The variant of one call of an HF attention function; ``ValueError`` (naming the config field) for a
     non-causal layer, an unknown layer type, a ``sliding_window`` the config disagrees with, or a score
@@ -116,7 +102,16 @@ def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -
             f"{type(module).__name__} attends bidirectionally (is_causal=False, config."
             "use_bidirectional_attention): cpdata's document masks are causal"
         )
-    layer_type = _layer_type(module, config)
+    layer_type = getattr(module, "layer_type", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if layer_type is None and types is not None and isinstance(idx, int) and 0 <= idx < len(types):
+        layer_type = types[idx]
+    if layer_type is not None and layer_type not in KNOWN_LAYER_TYPES:
+        raise ValueError(
+            f"config.layer_types[{idx}]={layer_type!r} ({type(module).__name__}): cpdata's attention "
+            f"computes {list(KNOWN_LAYER_TYPES)} only; other layer types are refused"
+        )
     expected = layer_window(config, layer_type)
     window = kwargs.get("sliding_window", expected)
     if window != expected:

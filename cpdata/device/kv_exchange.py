@@ -82,14 +82,8 @@ def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> 
 
 
 class ExchangeKV(torch.autograd.Function):
-    """Send each rank the local tokens its plan asks for; return own + received. Backward: the reverse.
-
-    ``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: ``local`` holds ``L`` tokens on
-    ``seq_dim`` (K and V concatenated on the last dim travel as one tensor); ``send_index`` int64 ``[n_send]``
-    local indices grouped by destination; returns ``[..., L + n_recv, ...]``, received tokens grouped by
-    source. Forward: one ``index_select`` and one ``all_to_all_single``; backward: the reverse all-to-all and
-    one ``index_add`` (a token sent to several ranks sums their gradients).
-    """
+    """``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: the module's forward/backward;
+    ``local`` holds ``L`` tokens on ``seq_dim``, ``send_index`` int64 ``[n_send]`` grouped by destination."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, send_index: torch.Tensor, send_counts: list[int],
@@ -117,13 +111,9 @@ class ExchangeKV(torch.autograd.Function):
 
 
 def exchange_tokens(tensor: torch.Tensor, layout: ShardLayout, group: Any = None, seq_dim: int = 1) -> torch.Tensor:
-    """This rank's tokens plus the ones its plan receives: ``[..., L + n_recv, ...]`` (differentiable).
-
-    ``tensor``: the local shard, ``L`` tokens on ``seq_dim`` in local order (K and V concatenated
-    ``[B, H, L, Ek + Ev]`` with ``seq_dim=2``, or ``document_ids`` ``[B, L]``); ``layout``: the batch's
-    ``ShardLayout`` with ``kv_exchange``; ``group``: the CP group (None: the default group). Own tokens
-    first, then the received ones (:func:`exchanged_key_positions`). One all-to-all forward, one backward.
-    """
+    """This rank's tokens plus the ones its plan receives: ``[..., L + n_recv, ...]`` (differentiable; order:
+    :func:`exchanged_key_positions`). ``tensor``: the local shard, ``L`` tokens on ``seq_dim`` in local order
+    (K and V concatenated ``[B, H, L, Ek + Ev]``, or ``document_ids`` ``[B, L]``); ``group``: the CP group."""
     plan = _plan(layout)
     seq_dim = seq_dim % tensor.dim()
     local = tensor.shape[seq_dim]

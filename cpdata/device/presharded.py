@@ -55,12 +55,6 @@ def to_device(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def _moved(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
-    if isinstance(batch, ShardedBatch):  # the worker checked the tokens: one buffer move, views rebuilt by plan
-        return (batch if device is None else batch.to(device, non_blocking=True)).tensors()
-    return {k: to_device(v, device) for k, v in batch.items()}
-
-
 def shard_presharded(
     cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None, *, mesh_dims: Any = None
 ) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
@@ -83,7 +77,10 @@ class PreshardedMove:
         layout: ShardLayout = batch.layout
         if layout.cp_size != self._size or layout.cp_rank != self._rank:
             self._refuse(layout)
-        out = _moved(batch, self._device)
+        if isinstance(batch, ShardedBatch):  # checked on the worker: one buffer move, views rebuilt by plan
+            out = (batch if self._device is None else batch.to(self._device, non_blocking=True)).tensors()
+        else:
+            out = {k: to_device(v, self._device) for k, v in batch.items()}
         if self._size <= 1:
             return contextlib.nullcontext, out, layout
         if self._group is self:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cpdata.device.attention_masks import check_window
+from cpdata.layout.runs import segments
 from cpdata.layout.tiles import query_runs
 
 __all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
@@ -71,17 +72,6 @@ PAD_CHUNK = 128
 """Pad queries run as segments of at most this many queries over their own keys: one diagonal tile each."""
 
 
-def _pad_chunks(first: np.ndarray, q_len: np.ndarray, is_pad: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs with pad runs cut into pieces of at most :data:`PAD_CHUNK` queries."""
-    pieces = np.where(is_pad, -(-q_len // PAD_CHUNK), 1)
-    run = np.repeat(np.arange(first.size), pieces)
-    k = np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece index inside its run
-    step = np.where(is_pad[run], PAD_CHUNK, 0)
-    new_first = first[run] + k * step
-    new_len = np.where(is_pad[run], np.minimum(PAD_CHUNK, q_len[run] - k * PAD_CHUNK), q_len[run])
-    return new_first.astype(np.int64), new_len.astype(np.int64)
-
-
 def varlen_plan(
     start: torch.Tensor,
     pos: torch.Tensor,
@@ -102,8 +92,12 @@ def varlen_plan(
         start_np = np.where(pos_np < end_np, start_np, end_np)
     first, q_len = query_runs(pos_np, start_np)
     is_pad = np.zeros(first.size, dtype=bool) if end is None else pos_np[first] >= end_np[first]
-    if is_pad.any():
-        first, q_len = _pad_chunks(first, q_len, is_pad)
+    if is_pad.any():  # pad runs cut into pieces of at most PAD_CHUNK queries
+        pieces = np.where(is_pad, -(-q_len // PAD_CHUNK), 1)
+        run = np.repeat(np.arange(first.size), pieces)
+        k = segments(np.zeros_like(pieces), pieces)  # piece index inside its run
+        first = first[run] + k * np.where(is_pad[run], PAD_CHUNK, 0)
+        q_len = np.where(is_pad[run], np.minimum(PAD_CHUNK, q_len[run] - k * PAD_CHUNK), q_len[run])
         is_pad = pos_np[first] >= end_np[first]
     last = pos_np[first + q_len - 1]
     lo = np.where(is_pad, pos_np[first], start_np[first])
@@ -116,7 +110,7 @@ def varlen_plan(
             f"the layout cuts documents into {first.size} runs on this rank (varlen would gather {total} keys, "
             f"{total / held:.0f}x the {held} held; layout 'tiled' keeps documents together)"
         )
-    wanted = np.repeat(lo - np.cumsum(k_len) + k_len, k_len) + np.arange(total, dtype=np.int64)
+    wanted = segments(lo, k_len)
     inverse = np.full(int(max(keys_np.max(initial=-1), wanted.max(initial=-1))) + 1, -1, dtype=np.int64)
     inverse[keys_np] = np.arange(keys_np.size, dtype=np.int64)
     index = inverse[wanted]

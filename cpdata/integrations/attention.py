@@ -60,22 +60,19 @@ class CPModelInputs:
                 f"a CP trainer's inputs are cpdata ShardedBatches from its own CPDataLoader, got "
                 f"{type(batch).__name__}; do not replace get_train_dataloader or the data collator"
             )
+        factory: Any = contextlib.nullcontext
         if self.mesh is None:
             local = batch.to(self.device, non_blocking=True).tensors()
-            ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
         else:
             if self._sharder is None:
                 self._sharder = ContextParallelSharder(None, self.mesh, batch)
             factory, local = self._sharder.shard(batch)
-            if batch.layout.cp_size > 1 and self.attn_implementation in REGISTERED:  # no ctx: the layers gather
-                return contextlib.nullcontext(), hf_model_kwargs(
-                    batch, self.attn_implementation, tensors=local, num_items_in_batch=num_items_in_batch,
-                    group=self.mesh["cp"].get_group())  # fmt: skip
-            if batch.layout.cp_size > 1:  # sdpa: the mask over the gathered keys is built inside a ctx
-                with factory(require_calls=False):
-                    kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=num_items_in_batch,
-                                             config=self.config)  # fmt: skip
-                return factory(), kwargs
-            ctx = factory()  # cp = 1: nullcontext
-        return ctx, hf_model_kwargs(batch, self.attn_implementation, tensors=local,
-                                    num_items_in_batch=num_items_in_batch, config=self.config)  # fmt: skip
+        impl, given = self.attn_implementation, {"tensors": local, "num_items_in_batch": num_items_in_batch}
+        if batch.layout.cp_size == 1:  # the model's own attention, no ctx
+            return factory(), hf_model_kwargs(batch, impl, config=self.config, **given)
+        if impl in REGISTERED:  # no ctx: the layers gather
+            group = self.mesh["cp"].get_group()
+            return contextlib.nullcontext(), hf_model_kwargs(batch, impl, group=group, **given)
+        with factory(require_calls=False):  # sdpa: the mask over the gathered keys is built inside a ctx
+            kwargs = hf_model_kwargs(batch, "sdpa", config=self.config, **given)
+        return factory(), kwargs

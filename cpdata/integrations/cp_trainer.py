@@ -98,10 +98,8 @@ class CPTrainerMixin:
                                 compute_loss_func=kwargs.get("compute_loss_func"))  # fmt: skip
         self._cp_resume_dir: str | None = None
         self._cp_loader: CPDataLoader | None = None
+        self._cp_step: tuple[Any, dict[str, Any]] | None = None  # (inputs, kwargs) inside training_step
         super().__init__(*args, **kwargs)
-        self._cp_setup()
-
-    def _cp_setup(self) -> None:
         from transformers import Trainer, __version__
 
         missing = [name for name in _TRAINER_HOOKS if not hasattr(Trainer, name)]
@@ -219,9 +217,8 @@ class CPTrainerMixin:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:  # fmt: skip
-        step = getattr(self, "_cp_step", None)
-        if step is not None and step[0] is inputs:  # inside training_step: its context is active
-            outputs = model(**step[1])
+        if self._cp_step is not None and self._cp_step[0] is inputs:  # inside training_step: its ctx is on
+            outputs = model(**self._cp_step[1])
         else:
             if num_items_in_batch is None:
                 num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
