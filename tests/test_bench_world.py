@@ -45,3 +45,25 @@ def test_the_quick_section_gives_both_systems_per_distribution_and_world(monkeyp
     for mine in (r for r in rows if r["system"] == "cpdata world"):
         assert mine["micro_batches"] == world.QUICK_PACKS
         assert mine["tiles_vs_megatron"] > 0 and "recv_vs_megatron" in mine
+
+
+def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatch, tmp_path):
+    import json
+
+    from cpdata.bench.runner import run_bench
+
+    monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
+    slow = {"per_tile_seconds": 1e-9, "intra_node_bytes_per_second": 1e9, "inter_node_bytes_per_second": 1e8,
+            "source": "slow links"}  # fmt: skip
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(slow))
+    default = run_bench(["world"], quick=True, log=lambda _: None)
+    calibrated = run_bench(["world"], quick=True, calibration=path, log=lambda _: None)
+    assert default["calibration"] is None and calibrated["calibration"] == "slow links"
+    for before, after in zip(default["world"], calibrated["world"], strict=True):
+        assert (before["distribution"], before["system"]) == (after["distribution"], after["system"])
+        # link-bound at these figures: the prediction is the busiest link's keys over its bandwidth
+        assert after["predicted_ms"] != before["predicted_ms"]
+    path.write_text(json.dumps({"per_tile_second": 1e-6}))
+    with pytest.raises(ValueError, match="unknown keys"):
+        run_bench(["world"], quick=True, calibration=path, log=lambda _: None)

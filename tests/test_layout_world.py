@@ -17,7 +17,7 @@ from test_kv_exchange_plan import check_against_brute
 from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import exchange_tiles, first_keys
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles, world_runs
 
 
 def _owners(rows: np.ndarray) -> np.ndarray:
@@ -184,8 +184,11 @@ def test_the_cost_model_reads_a_calibration_file_and_takes_the_slowest_of_comput
     assert cost.per_tile_seconds == 1e-6 and cost.tile == 128 and cost.source == "test"
     got = cost.seconds(np.array([1000, 10, 10]), np.array([0, 10**6, 0]), np.array([0, 0, 10**5]))
     assert np.allclose(got, [1e-3, 10**6 * 4096 / 4e11, 10**5 * 4096 / 4e10])
-    path.write_text(json.dumps({"per_tile_seconds": 1e-6}))
-    with pytest.raises(ValueError, match="missing keys"):
+    path.write_text(json.dumps({"per_tile_seconds": 2e-6}))  # one GPU measures the tile; links keep defaults
+    alone = WorldCost.from_json(path)
+    assert alone.per_tile_seconds == 2e-6 and alone.inter_node_bytes_per_second == H100_DEFAULTS.inter_node_bytes_per_second
+    path.write_text(json.dumps({"bytes_per_key": 4096}))
+    with pytest.raises(ValueError, match="per_tile_seconds missing"):
         WorldCost.from_json(path)
     path.write_text(json.dumps({**{k: 1.0 for k in ("per_tile_seconds", "intra_node_bytes_per_second",
                                                      "inter_node_bytes_per_second", "bytes_per_key")}, "tiles": 1}))
@@ -244,3 +247,53 @@ def test_the_exchange_plan_of_a_pack_with_empty_slots_equals_the_one_without_the
     assert counts.tolist() == kv_recv_tokens(table.rows(), with_empty, capacity).tolist()
     empty_pack = layout_runs(spec, world, np.array([0, 0]), capacity, checked=True)
     assert world_exchange(empty_pack).recv_counts().sum() == 0
+
+
+def test_a_calibration_reaches_the_deal_through_the_layout_string(tmp_path):
+    from cpdata.bench.gpu_attention import calibration_file
+    from cpdata.layout.maps import layout_runs, world_cost_of
+
+    # make gpu-check's calibration.json is a file the cost model reads
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(calibration_file(3e-6, "test device")))
+    measured = WorldCost.from_json(path)
+    assert measured.per_tile_seconds == 3e-6 and measured.bytes_per_key == 8192 and "test device" in measured.source
+    slow = WorldCost(per_tile_seconds=1e-6, intra_node_bytes_per_second=1e9, inter_node_bytes_per_second=1e8)
+    fast = WorldCost(per_tile_seconds=1e-5, intra_node_bytes_per_second=1e12, inter_node_bytes_per_second=1e12)
+    assert layout_spec("world", node_size=4, cost=H100_DEFAULTS) == "world:4"  # the defaults add nothing
+    specs = {}
+    for cost in (measured, slow, fast):
+        spec = specs[cost] = layout_spec("world", node_size=4, cost=cost)
+        check_layout(spec, 8)
+        assert node_size_of(spec, 8) == 4 and spec.startswith("world:4:")
+        back = world_cost_of(spec)
+        assert back.keys_per_tile(inter_node=False) == cost.keys_per_tile(inter_node=False)
+        assert back.keys_per_tile(inter_node=True) == cost.keys_per_tile(inter_node=True)
+    rng = np.random.default_rng(5)
+    differ = 0
+    for _ in range(60):
+        lens = np.where(rng.random(6) < 0.5, rng.integers(50, 400, 6), rng.integers(1000, 4000, 6)).astype(np.int64)
+        lens = lens[np.cumsum(lens) <= 8 * 1024]
+        for cost in (slow, fast):  # the layout string's deal is world_runs under that cost
+            starts, sizes, owners = world_runs(lens, 8 * 1024, 8, 4, 128, cost)
+            table = layout_runs(specs[cost], 8, lens, 8 * 1024)
+            assert np.array_equal(table.rows(), _rows_of(starts, sizes, owners, 8))
+        differ += not np.array_equal(layout_runs(specs[slow], 8, lens, 8 * 1024).rows(),
+                                     layout_runs(specs[fast], 8, lens, 8 * 1024).rows())  # fmt: skip
+    assert differ >= 3  # slow links keep documents on fewer ranks than fast ones
+    for bad in ("world:4:1.0", "world:4:x:1.0", "world:4:-1.0:2.0", "world:4:nan:1.0"):
+        with pytest.raises(ValueError, match="unknown layout"):
+            check_layout(bad, 8)
+    with pytest.raises(ValueError, match="goes with layout 'world' and node_size"):
+        layout_spec("world", cost=slow)
+    with pytest.raises(ValueError, match="already carries a cost"):
+        layout_spec(specs[slow], node_size=4, cost=fast)
+    assert layout_spec(specs[slow], node_size=4) == specs[slow]  # a carried cost is kept
+
+
+def _rows_of(starts, sizes, owners, world):
+    """Each rank's positions, runs in global order, as the layout's rows."""
+    rows = [[] for _ in range(world)]
+    for s, n, r in zip(starts.tolist(), sizes.tolist(), owners.tolist(), strict=True):
+        rows[r].extend(range(s, s + n))
+    return np.array(rows, dtype=np.int64)

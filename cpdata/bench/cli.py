@@ -1,6 +1,6 @@
 """``cpdata bench``: measure cpdata against the anchors, side by side, in one run.
 
-    cpdata bench [--quick] [--runs N] [--sections a,b] [--json PATH] [--markdown [PATH]]
+    cpdata bench [--quick] [--runs N] [--sections a,b] [--calibration PATH] [--json PATH] [--markdown [PATH]]
     cpdata bench --from-json PATH --markdown       # render a saved run, measure nothing
 """
 
@@ -29,7 +29,11 @@ def _main(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
-        results = run_bench(sections, quick=args.quick, runs=args.runs)
+        try:
+            results = run_bench(sections, quick=args.quick, runs=args.runs, calibration=args.calibration)
+        except (OSError, ValueError) as err:
+            print(f"cpdata bench: {err}", file=sys.stderr)
+            return 2
         if args.json:
             write_json(results, args.json)
     if args.markdown is not None:
@@ -60,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", metavar="N", type=_runs, default=1,
                    help="run every section N times and report each row's median (default 1)")
     p.add_argument("--sections", metavar="A,B", help=f"subset to run, from {','.join(SECTIONS)}")
+    p.add_argument("--calibration", metavar="PATH",
+                   help="a cost file (make gpu-check's calibration.json) for the world deal and its predicted ms")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
                    help="also render the benchmark tables (docs/benchmarks.md) as markdown (to PATH, or stdout)")

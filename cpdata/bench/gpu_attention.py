@@ -4,10 +4,10 @@ One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K 
 keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
 through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
 (tiles: :func:`cpdata.layout.tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
-not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel. ``calibration.json``
-(read by the world deal's cost model): the flex ``per_tile_seconds`` per layer, ``tile``, ``kernel``,
-``device``, ``dtype``, ``heads``, ``kv_heads``, ``head_dim``, ``torch`` and ``per_kernel`` (each kernel's
-:func:`fit_line`).
+not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel (``fits``).
+``calibration.json`` is a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file: the flex
+``per_tile_seconds`` per layer, ``bytes_per_key`` of this head shape, ``tile`` and a ``source`` naming the
+device and shapes; one GPU cannot measure the links, which keep their published defaults.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import layout_runs
 from cpdata.layout.tiles import query_runs, segment_starts, segment_tiles
 
-__all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "fit_line", "rank_cases", "run", "time_step"]
+__all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "calibration_file", "fit_line", "rank_cases", "run",
+           "time_step"]
 
 TILE, HEADS, KV_HEADS, HEAD_DIM = 128, 32, 8, 128
 CONFIGS: tuple[tuple[int, int], ...] = ((32768, 4), (131072, 8))
@@ -146,7 +147,7 @@ def _varlen(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int,
 
 def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layouts=LAYOUTS, device: str = "cuda"
         ) -> dict:  # fmt: skip
-    """``{"rows", "ranks", "calibration", "skipped"}`` on CUDA (no CPU varlen kernel nor flex backward); no
+    """``{"rows", "ranks", "fits", "calibration", "skipped"}`` on CUDA (no CPU varlen kernel nor flex backward); no
     new pack starts after ``deadline`` (``time.monotonic()``), and what it left out is named."""
     import torch._dynamo
 
@@ -187,9 +188,17 @@ def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layout
     for kernel in ("flex", "varlen"):
         points = [(r["tiles"], r["seconds"]) for r in ranks if r["kernel"] == kernel and r["seconds"] is not None]
         fits[kernel] = fit_line(np.array([p[0] for p in points]), np.array([p[1] for p in points]))
-    calibration = {
-        "per_tile_seconds": fits["flex"]["per_tile_seconds"], "tile": TILE, "kernel": "flex",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device), "dtype": "bfloat16", "heads": HEADS, "kv_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "per_kernel": fits, "torch": torch.__version__,
+    name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+    calibration = calibration_file(fits["flex"]["per_tile_seconds"], name)
+    return {"rows": rows, "ranks": ranks, "fits": fits, "calibration": calibration, "skipped": skipped}
+
+
+def calibration_file(per_tile_seconds: float | None, device_name: str) -> dict:
+    """``calibration.json``'s object (a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file): the
+    measured ``per_tile_seconds``, this head shape's ``bytes_per_key`` (K and V in bf16, forward, and their
+    gradients back), ``tile`` and ``source``; the links keep their published defaults."""
+    return {
+        "per_tile_seconds": per_tile_seconds, "bytes_per_key": 2.0 * (2 * KV_HEADS * HEAD_DIM * 2), "tile": TILE,
+        "source": f"make gpu-check: flex on {device_name}, bf16, {HEADS} / {KV_HEADS} heads of dim {HEAD_DIM}, "
+        f"forward + backward, torch {torch.__version__}; links: published defaults",
     }  # fmt: skip
-    return {"rows": rows, "ranks": ranks, "calibration": calibration, "skipped": skipped}

@@ -97,7 +97,7 @@ def render_markdown(report: dict) -> str:
         text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
         rows = [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]
         text.append(markdown_table(cols, rows))
-        fits = attention["calibration"]["per_kernel"]
+        fits = attention["fits"]
         text.append("\n## Seconds per live tile (least squares over every rank)\n")
         text.append(markdown_table(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
                         [[k, *("-" if f[c] is None else f[c] for c in ("per_tile_seconds", "intercept_seconds",

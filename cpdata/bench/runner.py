@@ -21,6 +21,7 @@ from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
 from cpdata.errors import check_int, is_int
+from cpdata.layout.world_deal import WorldCost
 from cpdata.nodes.heap import keep_heap
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
@@ -87,9 +88,10 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
 
 
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              calibration: str | Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
-    ``log``).
+    ``log``). ``calibration``: a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file, passed as
+    ``cost`` to the sections whose ``OPTIONS`` name it (``world``); None: the published defaults.
 
     The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
@@ -97,6 +99,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     from cpdata.bench.packing_quality import default_algorithm
 
     check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
+    options = {} if calibration is None else {"cost": WorldCost.from_json(calibration)}
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
@@ -104,6 +107,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         "runs": runs,
         "machine": machine,
         "default_algorithm": default_algorithm(),
+        "calibration": None if calibration is None else options["cost"].source,
         "sections": list(sections or SECTIONS),
         "seconds": {},
         "methods": {},
@@ -115,7 +119,8 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         t0 = time.perf_counter()
         passes = []
         for _ in range(runs):
-            passes.append(module.run(quick=quick))
+            given = {k: v for k, v in options.items() if k in getattr(module, "OPTIONS", ())}
+            passes.append(module.run(quick=quick, **given))
             check_rows(name, passes[-1], module.COLUMNS)
         rows = passes[0] if runs == 1 else median_rows(name, passes)  # (medians of checked rows: checked)
         results["seconds"][name] = round(time.perf_counter() - t0, 2)

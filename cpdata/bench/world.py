@@ -26,9 +26,9 @@ from cpdata.bench.distributions import first_packs
 from cpdata.layout.exchange import node_recv, world_exchange
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
 from cpdata.layout.tiles import exchange_tiles, live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, alone_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles
 
-__all__ = ["COLUMNS", "TABLE", "megatron_micro_batches", "run"]
+__all__ = ["COLUMNS", "OPTIONS", "TABLE", "megatron_micro_batches", "run"]
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "predicted_ms", "solve_ms")  # fmt: skip
@@ -38,6 +38,8 @@ NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib"
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
 PACKS, QUICK_PACKS = 8, 2
+OPTIONS: tuple[str, ...] = ("cost",)
+"""``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,8 +88,9 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
     return out, seconds
 
 
-def _cpdata(packs: list[np.ndarray], world: int, per_rank: int) -> tuple[list[tuple[np.ndarray, ...]], float]:
-    spec = layout_spec("world", node_size=NODE_SIZE)
+def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
+            ) -> tuple[list[tuple[np.ndarray, ...]], float]:  # fmt: skip
+    spec = layout_spec("world", node_size=NODE_SIZE, cost=cost)
     capacity = world * per_rank
     out, seconds = [], 0.0
     gc.collect()  # a full collection owed to earlier allocations (packing, imports) is not the deal's
@@ -102,11 +105,11 @@ def _cpdata(packs: list[np.ndarray], world: int, per_rank: int) -> tuple[list[tu
     return out, seconds
 
 
-def _row(name: str, world: int, per_rank: int, system: str, mbs: list[tuple[np.ndarray, ...]], seconds: float
-         ) -> dict:  # fmt: skip
+def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs: list[tuple[np.ndarray, ...]],
+         seconds: float) -> dict:  # fmt: skip
     tiles = sum(int(t.max()) for t, _, _ in mbs)
     mean = sum(float(t.mean()) for t, _, _ in mbs)
-    predicted = sum(float(H100_DEFAULTS.seconds(t, r - i, i).max()) for t, r, i in mbs)
+    predicted = sum(float(cost.seconds(t, r - i, i).max()) for t, r, i in mbs)
     return {
         "distribution": name, "world": f"{world}x{per_rank // 1024}K", "system": system,
         "micro_batches": len(mbs), "tiles": tiles, "over_mean": tiles / mean if mean else 1.0,
@@ -115,19 +118,20 @@ def _row(name: str, world: int, per_rank: int, system: str, mbs: list[tuple[np.n
     }  # fmt: skip
 
 
-def run(*, quick: bool) -> list[dict]:
+def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS) -> list[dict]:
+    """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems."""
     names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
     rows, skipped = [], None
     for name in names:
         for world, per_rank in WORLDS:
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n)
-            mine = _row(name, world, per_rank, "cpdata world", *_cpdata(packs, world, per_rank))
+            mine = _row(name, world, per_rank, "cpdata world", cost, *_cpdata(packs, world, per_rank, cost))
             theirs = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
             if isinstance(theirs, str):
                 skipped = theirs
                 rows.append(mine)
                 continue
-            other = _row(name, world, per_rank, "megatron BalancedCPScheduler", *theirs)
+            other = _row(name, world, per_rank, "megatron BalancedCPScheduler", cost, *theirs)
             for key, column in (("tiles", "tiles"), ("recv", "recv_keys"), ("inter", "inter_keys")):
                 mine[f"{key}_vs_megatron"] = mine[column] / other[column] if other[column] else (
                     1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip

@@ -4,7 +4,8 @@ Every layout is one integer map: ``rank_indices(...)[r]`` holds the global posit
 its local order (``local = global[rows[r]]``), the rows together a permutation of ``range(pack_len)``, each
 ``pack_len // cp_size`` long; :func:`inverse_indices` undoes it (``global = concat(shards)[inverse]``). The
 layouts and their alignment are tabled in docs/layouts.md. A layout that takes a parameter carries it in its
-string (:func:`layout_spec`): ``"tiled:64"`` (tile; ``"tiled"`` is tile 128), ``"world:8"`` (ranks per node).
+string (:func:`layout_spec`): ``"tiled:64"`` (tile; ``"tiled"`` is tile 128), ``"world:8"`` (ranks per node;
+``"world:8:<intra>:<inter>"`` with a calibrated :class:`~cpdata.layout.world_deal.WorldCost`).
 
 ``seq_lens`` are the document slots laid out in the pack, in order; the rest of the pack is padding, which
 ``thd``'s last slot absorbs, as Transformer Engine requires. Pure, vectorized numpy, O(pack_len).
@@ -21,7 +22,7 @@ from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.spans import SpanBlock, SpanTable
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, tiled_block
-from cpdata.layout.world_deal import world_block
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, world_block
 
 __all__ = [
     "LAYOUTS",
@@ -37,14 +38,20 @@ __all__ = [
     "node_size_of",
     "rank_indices",
     "thd_slot_lens",
+    "world_cost_of",
 ]
 
 LAYOUTS: tuple[str, ...] = ("balanced", "contiguous", "identity", "round_robin", "thd", "tiled", "world")
 
 
-def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None = None) -> str:
+def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None = None,
+                cost: WorldCost | None = None) -> str:  # fmt: skip
     """The layout string that carries ``tile`` (``"tiled"`` for 128, ``"tiled:64"``, ``"tiled:256"``) or
-    ``node_size`` (``"world:8"``); ``layout`` unchanged when both are None."""
+    ``node_size`` (``"world:8"``) and the deal's ``cost`` (a calibration: ``"world:8:<intra>:<inter>"``,
+    :meth:`~cpdata.layout.world_deal.WorldCost.layout_suffix`); ``layout`` unchanged when all are None."""
+    if cost is not None and (node_size is None or not isinstance(cost, WorldCost)):
+        raise ValueError(f"cost={cost!r} must be a WorldCost (WorldCost.from_json(path)) and goes with layout "
+                         "'world' and node_size=; pass both")  # fmt: skip
     if tile is None and node_size is None:
         return layout
     name, given = _split(layout)
@@ -58,16 +65,37 @@ def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None =
         raise ValueError(f"layout {layout!r} already says {arg} {given}, but {arg}={value} was given; give one")
     if want == "tiled" and value not in TILES:
         raise ValueError(f"tile must be one of {list(TILES)} (the kernel's block size), got tile={value}")
-    return "tiled" if want == "tiled" and value == DEFAULT_TILE else f"{want}:{value}"
+    if want == "tiled":
+        return "tiled" if value == DEFAULT_TILE else f"tiled:{value}"
+    carried = world_cost_of(layout) or H100_DEFAULTS
+    if cost is not None and carried is not H100_DEFAULTS and cost.layout_suffix() != carried.layout_suffix():
+        raise ValueError(f"layout {layout!r} already carries a cost, and another cost= was given; give one")
+    return f"world:{value}" + (cost or carried).layout_suffix()
 
 
 def _split(layout: str) -> tuple[str, int | None]:
-    """``"tiled:256"`` -> ``("tiled", 256)``; ``"world:8"`` -> ``("world", 8)``; ``"thd"`` -> ``("thd", None)``;
-    malformed -> ``(layout, None)``."""
+    """``"tiled:256"`` -> ``("tiled", 256)``; ``"world:8"`` and ``"world:8:<intra>:<inter>"`` -> ``("world",
+    8)``; ``"thd"`` -> ``("thd", None)``; malformed -> ``(layout, None)``."""
     name, colon, digits = layout.partition(":") if isinstance(layout, str) else (layout, "", "")
+    if colon and name == "world" and digits.count(":") == 2 and world_cost_of(layout) is not None:
+        digits = digits.partition(":")[0]
     if colon and name in ("tiled", "world") and digits.isdigit():
         return name, int(digits)
     return layout, None
+
+
+def world_cost_of(layout: str) -> WorldCost | None:
+    """The deal's cost a ``world`` layout string carries (``"world:8"``: the defaults); None for other or
+    malformed strings."""
+    parts = layout.split(":") if isinstance(layout, str) else []
+    if parts[:1] != ["world"] or len(parts) not in (1, 2, 4):
+        return None
+    if len(parts) < 4:
+        return H100_DEFAULTS
+    try:
+        return WorldCost.of_ratios(float(parts[2]), float(parts[3]))
+    except ValueError:
+        return None
 
 
 def _parameter(layout: str, name: str, default: int) -> int | None:
@@ -220,7 +248,7 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
         return tiled_block(lens, counts, pack_len, cp_size, tile)
     node_size = node_size_of(layout, cp_size)
     if node_size is not None:
-        return world_block(lens, counts, pack_len, cp_size, node_size)
+        return world_block(lens, counts, pack_len, cp_size, node_size, cost=world_cost_of(layout))
     if layout != "thd":
         raise ValueError(f"layout_run_block takes 'thd', 'balanced', 'tiled' or 'world' (the layouts that depend on "
                          f"the documents), got {layout!r}; use layout_runs")  # fmt: skip

@@ -60,9 +60,10 @@ class WorldCost:
     received from the rank's own node / other nodes (:func:`cpdata.layout.exchange.node_recv`). Only ratios
     matter to the deal. :data:`H100_DEFAULTS` come from published H100 SXM figures for one layer of 32 query
     heads, 8 K/V heads, head dim 128, bf16, forward and backward (derivation: docs/layouts-and-kernels.md); a
-    calibration file measured on a GPU replaces them (:meth:`from_json`: one JSON object with the four fields
-    of ``_REQUIRED``, optionally ``tile`` and ``source``; unknown keys are refused, a misspelt key would
-    silently keep a default).
+    calibration file replaces them (:meth:`from_json`: one JSON object with ``per_tile_seconds`` and any of the
+    other fields, the rest keeping these defaults; ``make gpu-check`` writes one, its links unmeasured on one GPU;
+    unknown keys are refused, a misspelt key would silently keep a default). The deal reads it from the layout
+    string (:meth:`layout_suffix`, :func:`cpdata.layout.maps.layout_spec`), so plans and resumes bind it.
 
     Attributes:
         per_tile_seconds: seconds of one live ``tile x tile`` tile, forward and backward, one layer.
@@ -95,11 +96,24 @@ class WorldCost:
         if not isinstance(data, dict):
             raise ValueError(f"calibration file {path} must hold one JSON object, got {type(data).__name__}")
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        missing = [k for k in _REQUIRED if k not in data]
-        if unknown or missing:
-            raise ValueError(f"calibration file {path}: missing keys {missing}, unknown keys {unknown}; it holds "
-                             f"{list(_REQUIRED)} and optionally 'tile', 'source'")  # fmt: skip
+        if unknown or "per_tile_seconds" not in data:
+            raise ValueError(f"calibration file {path}: unknown keys {unknown}, per_tile_seconds "
+                             f"{'given' if 'per_tile_seconds' in data else 'missing'}; it holds per_tile_seconds and "
+                             f"optionally {[f.name for f in fields(cls)][1:]}")  # fmt: skip
         return cls(**data)
+
+    def layout_suffix(self) -> str:
+        """``""`` for the defaults' ratios, else ``":<intra>:<inter>"``: :meth:`keys_per_tile` over each link,
+        the only figures the deal weighs, as a ``world`` layout string carries them (exact float reprs)."""
+        ratios = (self.keys_per_tile(inter_node=False), self.keys_per_tile(inter_node=True))
+        default = (H100_DEFAULTS.keys_per_tile(inter_node=False), H100_DEFAULTS.keys_per_tile(inter_node=True))
+        return "" if ratios == default else ":{!r}:{!r}".format(*ratios)
+
+    @classmethod
+    def of_ratios(cls, intra: float, inter: float) -> WorldCost:
+        """The cost whose :meth:`keys_per_tile` are ``intra`` and ``inter`` (what a layout string carries)."""
+        return cls(per_tile_seconds=1.0, intra_node_bytes_per_second=intra, inter_node_bytes_per_second=inter,
+                   bytes_per_key=1.0, source="a world layout string")  # fmt: skip
 
     def seconds(self, tiles: np.ndarray, intra_keys: np.ndarray, inter_keys: np.ndarray) -> np.ndarray:
         """float64, the shape of the arguments: predicted seconds per rank (compute and the two links overlap)."""
@@ -237,10 +251,10 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
 
 
 def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, node_size: int,
-                tile: int = 128) -> SpanBlock:  # fmt: skip
+                tile: int = 128, cost: WorldCost = H100_DEFAULTS) -> SpanBlock:  # fmt: skip
     """``world`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
     slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span."""
-    runs = [world_runs(pack, pack_len, cp_size, node_size, tile) for pack in _per_pack(lens, counts)]
+    runs = [world_runs(pack, pack_len, cp_size, node_size, tile, cost) for pack in _per_pack(lens, counts)]
     starts, lengths, owners = (np.concatenate(part) for part in zip(*runs, strict=True))
     spans = np.array([r[0].shape[0] for r in runs], dtype=np.int64)
     return SpanBlock(pack_len, cp_size, lens, counts, starts, lengths, owners, spans)
