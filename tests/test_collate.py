@@ -10,18 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpdata.layout.maps import LAYOUTS, alignment, rank_indices, thd_slot_lens
-from cpdata.worker.collate import (
-    build_stream,
-    collate_pack,
-    collate_rank,
-    collate_ranks,
-    fill_rank,
-    pack_metadata,
-    rank_specs,
-    stream_slot_lens,
-)
+from cpdata.worker.collate import collate_pack, collate_rank, fill_rank, rank_specs
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.stream import build_stream
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
 def make_plans(
@@ -208,14 +201,13 @@ def test_collate_rank_equals_full_pack_columns(data, layout, cp, qkv_format):
     plans = _aligned_plans(data, layout, cp, n_plans=data.draw(st.integers(1, 3)))
     full = collate_pack(plans, padding_token_id=3, qkv_format=qkv_format)
     rows = _rows(layout, cp, plans, qkv_format)
-    shards = collate_ranks(plans, rows, padding_token_id=3, qkv_format=qkv_format)
+    shards = [collate_rank(plans, rows[r], padding_token_id=3, qkv_format=qkv_format) for r in range(cp)]
     for r in range(cp):
-        one = collate_rank(plans, rows[r], padding_token_id=3, qkv_format=qkv_format)
         for k, v in full.items():
             want = v if k in METADATA_KEYS else v[..., rows[r]]
-            for got in (one[k], shards[r][k]):
-                assert got.dtype == want.dtype and got.shape == want.shape, k
-                assert np.array_equal(got, want), k
+            got = shards[r][k]
+            assert got.dtype == want.dtype and got.shape == want.shape, k
+            assert np.array_equal(got, want), k
     # Every real token lands on exactly one rank.
     tokens = []
     for r in range(cp):

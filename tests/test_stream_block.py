@@ -12,10 +12,10 @@ from torchdata.nodes import IterableWrapper
 
 from cpdata.layout.maps import thd_slot_lens
 from cpdata.nodes.collate import Collate
-from cpdata.worker.collate import CollatedPack, pack_metadata
+from cpdata.worker.collate import CollatedPack
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream, build_streams
-from cpdata.worker.stream_slots import stream_slot_lens
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:

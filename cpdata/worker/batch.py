@@ -50,7 +50,7 @@ class _BufferViews:
     views of the buffer and ``fields`` set: one copy per batch, made when read); otherwise the layout, or
     the :class:`_BufferViews` of the batch this one was moved from."""
 
-    __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "head", "builds")
+    __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "builds")
 
     def __init__(self, buffer: torch.Tensor, plan: ViewPlan, maps: bool, base: Any,
                  fields: Mapping[str, Any] | None = None) -> None:  # fmt: skip
@@ -59,7 +59,6 @@ class _BufferViews:
         self.buffer, self.plan, self.maps, self.base, self.fields = buffer, plan, maps, base, fields
         self.tensors: dict[str, torch.Tensor] | None = None  # key -> view, once built
         self.layout: ShardLayout | None = None  # once resolved
-        self.head: torch.Tensor | None = None  # the batch part (what to() moves), once asked for
         self.builds = 0  # views built: 1 for the tensors, 1 for the layout maps (read by tests)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
@@ -80,11 +79,6 @@ class _BufferViews:
                 layout = base if isinstance(base, ShardLayout) else base.get_layout()
             self.layout = layout
         return layout
-
-    def get_head(self) -> torch.Tensor:
-        if self.head is None:
-            self.head = self.buffer[: self.plan.head] if self.maps else self.buffer
-        return self.head
 
     def record(self) -> ShardLayout:
         """The layout without the map fields this buffer holds (what a pickle carries)."""
@@ -118,11 +112,6 @@ class BatchBuffer:
         """The filled buffer as a :class:`ShardedBatch`; ``layout``'s map fields become views of the
         buffer, its other ``fields`` (e.g. ``{"digest": ...}``) are set in the same record copy."""
         return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
-
-
-def _same_values(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether ``new`` holds ``old``'s values, checked on the host only (another device counts as changed)."""
-    return new.device == old.device and new.dtype == old.dtype and bool(torch.equal(new, old))
 
 
 def _without_target_count(info: dict[str, Any]) -> dict[str, Any]:
@@ -252,9 +241,12 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
             )
         if value is old:
             return
-        if key == LABELS and N_TARGETS in self._info and not _same_values(value, old):
-            # other labels than the pipeline counted: the recorded target count no longer holds (hf_model_kwargs
-            # then counts with one all-reduce, or asks for num_items_in_batch); a pinned copy keeps it
+        if key == LABELS and N_TARGETS in self._info and not (
+            value.device == old.device and value.dtype == old.dtype and bool(torch.equal(value, old))
+        ):
+            # other labels than the pipeline counted (another device counts as changed): the recorded target
+            # count no longer holds (hf_model_kwargs then counts with one all-reduce, or asks for
+            # num_items_in_batch); a pinned copy keeps it
             self._info = _without_target_count(self._info)
         if self._views is not None:  # the buffer no longer backs every key: this batch owns its tensors
             self._layout, self._tensors, self._views = self.layout, dict(self._tensors), None
@@ -307,7 +299,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if views is None:
             moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
             return ShardedBatch(moved, layout=self._layout, info=self._info)
-        head = views.get_head()  # the maps stay behind
+        head = views.buffer[: views.plan.head] if views.maps else views.buffer  # the maps stay behind
         if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
             moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
         else:

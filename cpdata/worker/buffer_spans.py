@@ -46,10 +46,8 @@ def span_table(
     spans: dict[str, Span] = {}
     for k, (shape, dtype, itemsize) in specs.items():
         n = math.prod(shape) * itemsize
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        spans[k] = (offset, n, dtype, tuple(shape), tuple(strides))
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # C order, in elements
+        spans[k] = (offset, n, dtype, tuple(shape), strides)
         offset += -(-n // _ALIGN) * _ALIGN
     return spans, offset
 

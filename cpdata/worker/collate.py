@@ -30,11 +30,10 @@ from cpdata.worker.keys import (
 )
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream
-from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
+from cpdata.worker.stream_slots import pack_metadata
 
-__all__ = ["QKV_FORMATS", "CollatedPack", "build_stream", "check_padding_token_id", "check_qkv_format",
-           "collate_pack", "collate_rank", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key",
-           "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
+__all__ = ["QKV_FORMATS", "CollatedPack", "check_padding_token_id", "check_qkv_format", "collate_pack",
+           "collate_rank", "fill_rank", "rank_spec_key", "rank_specs", "spec_items"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -202,18 +201,6 @@ def _rank_tensors(stream: Stream, rows_r: np.ndarray, qkv_format: str, increasin
     return out
 
 
-def collate_ranks(
-    plans: Sequence[PackPlan],
-    rows: Sequence[np.ndarray] | np.ndarray,
-    *,
-    padding_token_id: int = 0,
-    qkv_format: str = "bshd",
-) -> list[dict[str, np.ndarray]]:
-    """:func:`collate_rank` for several ranks, sharing one stream (and token buffer)."""
-    stream = build_stream(plans, padding_token_id)
-    return [_rank_tensors(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format) for rows_r in rows]
-
-
 def collate_rank(
     plans: Sequence[PackPlan],
     rows_r: np.ndarray,
@@ -226,7 +213,8 @@ def collate_rank(
 
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
     ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
-    return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]
+    stream = build_stream(plans, padding_token_id)
+    return _rank_tensors(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format)
 
 
 @dataclass(frozen=True, kw_only=True)

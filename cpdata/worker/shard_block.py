@@ -128,8 +128,6 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
         sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
     digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
-    if len(digests) == k:  # one plan per batch: its digest
-        return digests
     out, pf = [], slots.plan_first
     for b in range(k):
         if pf[b + 1] - pf[b] == 1:
@@ -221,10 +219,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         works = _static_causal_work(block, layout, cp_size, stream_lens)
     slots = block.slots
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
-    if len(indices) == k:  # one plan per batch
-        n_documents = slots.counts
-    else:
-        n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
+    n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
     digests = _digests(block, layout, cp_size, n_documents)
     doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
     n_targets = target_counts(block)

@@ -8,6 +8,7 @@ concatenates its pieces. :func:`target_counts` gives ``info["n_targets"]`` (the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -110,34 +111,24 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
     offsets -= slot_lens
     seg = np.empty(6 * n + k, dtype=np.int64)  # batch b's segment table: seg[6 first[b] + b :][: 6 K_b + 1]
     pad_at = [tok.buffer.total for tok in tokens]  # W of each batch: the buffer index its pads read
-    if k == 1:  # one batch: its segment table by strided slices
-        batch_of, slot_starts = None, offsets
-        seg[0 : 2 * n : 2], seg[2 * n] = slot_starts, _END
-        np.add(slot_starts, real_lens, out=seg[1 : 2 * n : 2])
-        np.subtract(src_starts, slot_starts, out=seg[2 * n + 1 : 4 * n + 1 : 2])
-        seg[2 * n + 2 : 4 * n + 1 : 2] = pad_at[0]
-        np.subtract(starts, slot_starts, out=seg[4 * n + 1 :: 2])
-        seg[4 * n + 2 :: 2] = seg[4 * n + 1 :: 2]
-        reach = [int((starts + slot_lens).max())]
-    else:
-        head, sizes = first[:-1], first[1:] - first[:-1]
-        batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
-        slot_starts = offsets - offsets[head][batch_of]
-        seg_at = 6 * head
-        seg_at += np.arange(k, dtype=np.int64)
-        seg[seg_at + 2 * sizes] = _END
-        at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
-        at += (seg_at - 2 * head)[batch_of]
-        step = (2 * sizes)[batch_of]
-        seg[at] = slot_starts
-        seg[at + 1] = slot_starts + real_lens
-        at += step
-        at += 1
-        seg[at] = src_starts - slot_starts
-        seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
-        at += step
-        seg[at] = seg[at + 1] = starts - slot_starts
-        reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
+    head, sizes = first[:-1], first[1:] - first[:-1]
+    batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
+    slot_starts = offsets - offsets[head][batch_of]
+    seg_at = 6 * head
+    seg_at += np.arange(k, dtype=np.int64)
+    seg[seg_at + 2 * sizes] = _END
+    at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
+    at += (seg_at - 2 * head)[batch_of]
+    step = (2 * sizes)[batch_of]
+    seg[at] = slot_starts
+    seg[at + 1] = slot_starts + real_lens
+    at += step
+    at += 1
+    seg[at] = src_starts - slot_starts
+    seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
+    at += step
+    seg[at] = seg[at + 1] = starts - slot_starts
+    reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
     metadata, totals, longest, widest = metadata_block(real_lens, slot_lens, first, batch_of)
     out = []
     for b, (plans, padding_token_id) in enumerate(batches):
@@ -245,13 +236,10 @@ def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list
 
 def buffer_runs(streams: Sequence[Stream]) -> Iterator[tuple[int, int]]:
     """``(b, e)``: each run of consecutive batches ``[b, e)`` reading one token buffer."""
-    b, k = 0, len(streams)
-    while b < k:
-        e = b + 1
-        while e < k and streams[e].buffer is streams[b].buffer:
-            e += 1
+    e = 0
+    for _, run in itertools.groupby(streams, key=lambda stream: id(stream.buffer)):
+        b, e = e, e + len(list(run))
         yield b, e
-        b = e
 
 
 def target_counts(block: StreamBlock) -> list[int]:

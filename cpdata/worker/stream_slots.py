@@ -131,34 +131,29 @@ def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
     block = slot_block([plans])
     first = np.asarray(block.first, dtype=np.int64)
-    return metadata_block(block.table[:, 2], block.slot_lens, first, None)[0][0]
+    return metadata_block(block.table[:, 2], block.slot_lens, first, np.zeros(first[1], dtype=np.int64))[0][0]
 
 
-def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
+def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray
                    ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
     """:func:`pack_metadata` of each batch of a block, then each batch's real tokens, longest piece
     and longest slot.
 
-    Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch (None
-    when ``k = 1``). One cumulative sum over the block, restarted at each batch; each dict's arrays are
-    views of a few block arrays."""
+    Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch. One
+    cumulative sum over the block, restarted at each batch; each dict's arrays are views of a few block
+    arrays."""
     n, k = real_lens.shape[0], first.shape[0] - 1
     lens = np.empty((2, n), dtype=np.int32)  # real, slot
     lens[0], lens[1] = real_lens, slot_lens
     cu = np.zeros((2, n + k), dtype=np.int32)  # batch b: columns [first[b] + b, first[b + 1] + b]
-    if batch_of is None:
-        lens.cumsum(axis=1, out=cu[:, 1:])
-        totals = [int(real_lens.sum())]
-        top = lens.max(axis=1, keepdims=True) if n else np.zeros((2, 1), dtype=np.int32)
-    else:
-        head = first[:-1]
-        cum = lens.cumsum(axis=1, dtype=np.int64)
-        cum -= (cum[:, head] - lens[:, head])[:, batch_of]
-        at = np.arange(1, n + 1, dtype=np.int64)
-        at += batch_of
-        cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
-        totals = cum[0, first[1:] - 1].tolist()
-        top = np.maximum.reduceat(lens, head, axis=1)
+    head = first[:-1]
+    cum = lens.cumsum(axis=1, dtype=np.int64)
+    cum -= (cum[:, head] - lens[:, head])[:, batch_of]
+    at = np.arange(1, n + 1, dtype=np.int64)
+    at += batch_of
+    cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
+    totals = cum[0, first[1:] - 1].tolist()
+    top = np.maximum.reduceat(lens, head, axis=1)
     out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
     for b in range(k):
         i, j = bounds[b], bounds[b + 1]
