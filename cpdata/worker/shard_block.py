@@ -19,10 +19,11 @@ from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
 from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
-from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
+from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
 
-__all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
+__all__ = ["DIGEST_SAMPLES", "BlockItem", "DocumentSources", "check_rows", "plan_digest", "prepare_block",
+           "static_layout"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,29 +113,62 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
     return works
 
 
-def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[int]) -> list[int]:
-    """Each batch's digest: :func:`cpdata.worker.plan.plan_digest` of its plan, or a hash of every plan's.
+DIGEST_SAMPLES = 8
+"""Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
+_SAMPLE_AT = np.arange(DIGEST_SAMPLES, dtype=np.int64)
 
-    One digest table of every piece, samples gathered once per run of batches sharing a token buffer,
-    one hash per plan; ``n_documents``: each batch's pieces."""
+
+def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
+    """63-bit digest of everything that decides a rank's shard of ``plan``.
+
+    CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
+    size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
+    token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
+    same shape disagree, while a change confined to unsampled positions goes unseen."""
+    return _digests(build_streams([([plan], 0)]), layout, cp_size, [len(plan.pieces)])[0]
+
+
+def _hash63(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[int]) -> list[int]:
+    """Each batch's digest: :func:`plan_digest` of its plan, or a hash of every plan's.
+
+    One table of every piece's columns and sampled ids (an empty piece's -1), the samples gathered once per
+    run of batches sharing a token buffer; one hash per plan over its rows and checked slot lengths;
+    ``n_documents``: each batch's pieces."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
     if slots.padded:  # an empty plan's padding slot (document -1) is no piece
         piece = columns[:, 0] >= 0
         columns, starts, raw = columns[piece], starts[piece], raw[piece]
         first = [0, *accumulate(n_documents)]
-    rows = digest_rows(columns)
-    k = len(n_documents)
+    rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
+    rows[:, :4] = columns
+    lens, samples = columns[:, 2], rows[:, 4:]
+    at = np.multiply.outer(lens - 1, _SAMPLE_AT)
+    at //= DIGEST_SAMPLES - 1
+    at += starts[:, None]
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
-        sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
-    digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
-    out, pf = [], slots.plan_first
-    for b in range(k):
-        if pf[b + 1] - pf[b] == 1:
-            out.append(digests[pf[b]])
+        ids, lo, hi = streams[b].buffer.ids, first[b], first[e]
+        if lo < hi and lens[lo:hi].min() > 0:
+            samples[lo:hi] = ids.take(at[lo:hi])
         else:
-            h = hashlib.blake2b(np.asarray(digests[pf[b] : pf[b + 1]], dtype=np.int64).tobytes(), digest_size=8)
-            out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
+            real = lens[lo:hi] > 0
+            samples[lo:hi] = -1
+            samples[lo:hi][real] = ids[at[lo:hi][real]]
+    prefix, data, width = f"{layout}|{cp_size}|", rows.tobytes(), 8 * rows.shape[1]
+    lens_data = raw.astype(np.int64, copy=False).tobytes()
+    digests, row = [], 0
+    for plan, k in zip(slots.plans, slots.counts, strict=True):
+        head = (prefix + f"{plan.capacity}|{plan.index}").encode()
+        digests.append(_hash63(head + lens_data[8 * row : 8 * (row + k)] + data[width * row : width * (row + k)]))
+        row += k
+    out, pf = [], slots.plan_first
+    for b in range(len(streams)):
+        mine = digests[pf[b] : pf[b + 1]]
+        out.append(mine[0] if len(mine) == 1 else _hash63(np.asarray(mine, dtype=np.int64).tobytes()))
     return out
 
 
