@@ -118,7 +118,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     src = tab[k2 + 1 : 2 * k2 + 1].repeat(counts)
     src += positions
     src = src.reshape(shape)
-    buffer, w = stream.buffer, stream.pad_at
+    buffer, w = stream.buffer, stream.buffer.total  # pads read ids[W]
     ids = buffer.ids
     pad = np.greater_equal(src, w, out=out[PADDING_MASK])  # only pads read past the real elements
     ids[: w + 1].take(src, out=out_ids, mode="clip")
@@ -168,37 +168,11 @@ def fill_rank(
         out[key][...] = value
 
 
-def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
-    check_qkv_format(qkv_format)
-    row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
-    rows_r = np.asarray(rows_r)
-    if rows_r.ndim != 1 or not np.issubdtype(rows_r.dtype, np.integer):
-        raise ValueError(f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}")
-    if rows_r.size and (rows_r.min() < 0 or rows_r.max() >= row_len):
-        raise ValueError(
-            f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "
-            f"({stream.rows} x {stream.row_len} tokens), got range [{rows_r.min()}, {rows_r.max()}]"
-        )
-    return rows_r.astype(np.int64, copy=False)
-
-
 def collate_pack(
     plans: Sequence[PackPlan], *, padding_token_id: int = 0, qkv_format: str = "bshd"
 ) -> dict[str, np.ndarray]:
     """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata."""
-    check_qkv_format(qkv_format)
-    stream = build_stream(plans, padding_token_id)
-    n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
-    return _rank_tensors(stream, np.arange(n, dtype=np.int64), qkv_format, increasing=True)
-
-
-def _rank_tensors(stream: Stream, rows_r: np.ndarray, qkv_format: str, increasing: bool | None = None
-                  ) -> dict[str, np.ndarray]:  # fmt: skip
-    """:func:`fill_rank` into new arrays."""
-    specs = rank_specs(stream, rows_r.shape[0], qkv_format)
-    out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
-    fill_rank(stream, rows_r, qkv_format, out, increasing)
-    return out
+    return _collate(plans, None, padding_token_id, qkv_format)
 
 
 def collate_rank(
@@ -213,8 +187,31 @@ def collate_rank(
 
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
     ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
+    return _collate(plans, rows_r, padding_token_id, qkv_format)
+
+
+def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token_id: int, qkv_format: str
+             ) -> dict[str, np.ndarray]:  # fmt: skip
+    """:func:`fill_rank` into new arrays, at ``rows_r`` (checked) or, for None, every position."""
+    check_qkv_format(qkv_format)
     stream = build_stream(plans, padding_token_id)
-    return _rank_tensors(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format)
+    row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
+    if rows_r is None:
+        rows_r, increasing = np.arange(row_len, dtype=np.int64), True
+    else:
+        rows_r, increasing = np.asarray(rows_r), None
+        if rows_r.ndim != 1 or not np.issubdtype(rows_r.dtype, np.integer):
+            raise ValueError(f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}")
+        if rows_r.size and (rows_r.min() < 0 or rows_r.max() >= row_len):
+            raise ValueError(
+                f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "
+                f"({stream.rows} x {stream.row_len} tokens), got range [{rows_r.min()}, {rows_r.max()}]"
+            )
+        rows_r = rows_r.astype(np.int64, copy=False)
+    specs = rank_specs(stream, rows_r.shape[0], qkv_format)
+    out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
+    fill_rank(stream, rows_r, qkv_format, out, increasing)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,11 +58,6 @@ class Stream:
         """int64 ``[K]``: ``slot_starts + real_lens``."""
         return self.segments[1 : 2 * self.slot_lens.shape[0] : 2]
 
-    @property
-    def pad_at(self) -> int:
-        """``W``: the buffer index pad positions read."""
-        return self.buffer.total
-
 
 @dataclass(frozen=True, slots=True)
 class StreamBlock:
@@ -99,10 +94,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
     tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
     pf = slots.plan_first
-    if slots.padded:  # an empty plan's padding slot reads no piece
-        src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
-    else:
-        src = [tok.at for tok in tokens]
+    src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
     src_starts = src[0] if k == 1 else np.concatenate(src)
     table, slot_lens = slots.table, slots.slot_lens
     starts, real_lens = table[:, 1], table[:, 2]
