@@ -127,5 +127,4 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             if room_l[c] >= sizes[0]:
                 still.append(c)
         active = still
-    if placed_i:
-        cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)
+    cell[placed_i] = placed_c

@@ -283,12 +283,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
         """A new batch with keys set (or removed, for ``None``); ``info["n_targets"]`` dropped when
         ``labels`` is given."""
-        out = dict(self._tensor_dict())
-        for k, v in tensors.items():
-            if v is None:
-                out.pop(k, None)
-            else:
-                out[k] = v
+        out = {k: v for k, v in {**self._tensor_dict(), **tensors}.items() if v is not None}
         info = _without_target_count(self._info) if LABELS in tensors else self._info
         return ShardedBatch(out, layout=self.layout, info=info)
 

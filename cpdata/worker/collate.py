@@ -95,14 +95,6 @@ def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype
             ("seq_lens_padded", ((k,), _I32)), ("max_seqlen", ((), _I32)))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=4)
-def _pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only), the slot of each segment; ``n`` a power of two."""
-    out = np.arange(n, dtype=np.int64) // 2
-    out.flags.writeable = False
-    return out
-
-
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
     """Write the token tensors at non-decreasing stream ``positions`` int64 ``[N]`` into ``out``.
 
@@ -114,7 +106,8 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
-    out[DOCUMENT_IDS][...] = _pattern(1 << max(k2 - 1, 63).bit_length())[:k2].repeat(counts).reshape(shape)
+    per_slot = counts[0::2] + counts[1::2]  # positions in each slot
+    out[DOCUMENT_IDS][...] = np.arange(k2 // 2, dtype=np.int64).repeat(per_slot).reshape(shape)
     src = tab[k2 + 1 : 2 * k2 + 1].repeat(counts)
     src += positions
     src = src.reshape(shape)
@@ -136,7 +129,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     for key, arr in stream.extras.items():
         arr.take(src, out=out[key], mode="clip")
     if stream.derived_mask is not None:  # pieces without a loss mask: labels != -100
-        derived = stream.derived_mask.repeat(2).repeat(counts).reshape(shape)
+        derived = stream.derived_mask.repeat(per_slot).reshape(shape)
         np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=derived)
 
 
