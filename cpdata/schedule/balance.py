@@ -42,8 +42,8 @@ def place_step(
 
     Per piece ``[n]``: ``slot`` tokens, balancing ``key``, ``forced`` (overdue), ``age``; ``full_cost`` scales
     :data:`~cpdata.schedule.runs.HOLD_PENALTY`, ``quad`` is ``b * capacity**2``. ``first`` (rescue): these
-    groups (bool masks) go first, first-fit decreasing, and no runs are formed. ``runs``: :func:`choose_runs`'s
-    decision, if made.
+    groups (bool masks) go first, first-fit decreasing, and no runs are formed. ``runs``:
+    :func:`choose_runs`'s decision, if made.
     """
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M

@@ -194,7 +194,9 @@ def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token
     else:
         rows_r, increasing = np.asarray(rows_r), None
         if rows_r.ndim != 1 or not np.issubdtype(rows_r.dtype, np.integer):
-            raise ValueError(f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}")
+            raise ValueError(
+                f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}"
+            )
         if rows_r.size and (rows_r.min() < 0 or rows_r.max() >= row_len):
             raise ValueError(
                 f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "

@@ -58,12 +58,12 @@ def check_rows(layout: str, cp_size: int, dynamic: bool, n_rows: int, qkv_format
 
 
 @functools.lru_cache(maxsize=16)
-def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
-    """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
+def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[cp, L]`` and inverse ``[stream_len]`` (read-only) of a layout that ignores the documents."""
     table = layout_runs(layout, cp_size, [], stream_len)
     rows, inverse = table.rows(), table.inverse()
     rows.flags.writeable = inverse.flags.writeable = False
-    return table, rows, inverse
+    return rows, inverse
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,7 +71,7 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
     """Runs of consecutive positions in each rank's row of a layout that ignores the documents, repeated
     every ``stream_len`` for ``n_rows`` bshd rows: the runs' first positions then their ends (int64
     ``[2 * runs]``, grouped by rank) and each rank's first run (int64 ``[cp]``)."""
-    rows = static_layout(layout, cp_size, stream_len)[1]
+    rows = static_layout(layout, cp_size, stream_len)[0]
     repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
     firsts, ends, group = [], [], []
     for row in rows:
@@ -162,8 +162,8 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     lens_data = raw.astype(np.int64, copy=False).tobytes()
     digests, row = [], 0
     for plan, k in zip(slots.plans, slots.counts, strict=True):
-        head = (prefix + f"{plan.capacity}|{plan.index}").encode()
-        digests.append(_hash63(head + lens_data[8 * row : 8 * (row + k)] + data[width * row : width * (row + k)]))
+        head = (prefix + f"{plan.capacity}|{plan.index}").encode() + lens_data[8 * row : 8 * (row + k)]
+        digests.append(_hash63(head + data[width * row : width * (row + k)]))
         row += k
     out, pf = [], slots.plan_first
     for b in range(len(streams)):
@@ -248,7 +248,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
         fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
     else:
-        of_len = {n: static_layout(layout, cp_size, n)[1:] for n in set(stream_lens)}
+        of_len = {n: static_layout(layout, cp_size, n) for n in set(stream_lens)}
         tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
         works = _static_causal_work(block, layout, cp_size, stream_lens)
     slots = block.slots

@@ -210,10 +210,7 @@ def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], key
 
 def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list[str]:
     """The pieces' per-token keys beside ``input_ids`` and ``labels``, sorted, ``loss_mask`` last."""
-    if sources and all(src.keys() == sources[0].keys() for src in sources):  # the usual case
-        keys = sorted(set(sources[0]) - {INPUT_IDS, LABELS})
-    else:
-        keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS}) if sources else []
+    keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS})
     for key in keys:
         if key == LOSS_MASK:  # derived from the labels where missing
             continue
@@ -240,19 +237,14 @@ def target_counts(block: StreamBlock) -> list[int]:
     real, first = slots.table[:, 2], slots.first
     per_slot = np.empty(real.shape[0], dtype=np.int64)
     for b, e in buffer_runs(streams):
-        lo, hi = first[b], first[e]
-        per_slot[lo:hi] = _slot_targets(streams[b].buffer, starts[lo:hi], real[lo:hi])
+        buffer, part = streams[b].buffer, slice(first[b], first[e])
+        at, n = starts[part], real[part]
+        if buffer.labels is None:  # a slot's last target is the element after it; an empty slot has none
+            per_slot[part] = np.where(n > 0, n - 1 + (buffer.ids.take(at + n) != IGNORE_INDEX), 0)
+        else:
+            spans = zip(at.tolist(), n.tolist(), strict=True)
+            per_slot[part] = [np.count_nonzero(buffer.labels[a : a + k] != IGNORE_INDEX) for a, k in spans]
     below = np.zeros(real.shape[0] + 1, dtype=np.int64)
     per_slot.cumsum(out=below[1:])
     bounds = np.asarray(first, dtype=np.int64)
     return (below[bounds[1:]] - below[bounds[:-1]]).tolist()
-
-
-def _slot_targets(buffer: TokenBuffer, at: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """int64 ``[K]``: targets of slots whose ``n`` real tokens start at buffer index ``at``."""
-    if buffer.labels is None:
-        after = buffer.ids.take(at + n)  # the target of each slot's last token (an empty slot's: unused)
-        return np.where(n > 0, n - 1 + (after != IGNORE_INDEX), 0)
-    labels, spans = buffer.labels, zip(at.tolist(), n.tolist(), strict=True)
-    counts = (np.count_nonzero(labels[a : a + k] != IGNORE_INDEX) for a, k in spans)
-    return np.fromiter(counts, dtype=np.int64, count=n.shape[0])
