@@ -125,11 +125,6 @@ def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> V
                     sum(span[1] for span in map_spans.values()))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=32)
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
 class BufferPlan(NamedTuple):
     """What allocating and viewing a :class:`~cpdata.worker.batch.BatchBuffer` needs, computed once per spec set."""
 
@@ -151,8 +146,9 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     """The cached :class:`BufferPlan` of a :class:`~cpdata.worker.batch.BatchBuffer` (``(key, (shape,
     numpy dtype))`` items in order)."""
 
-    def specs(items):
-        return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
+    def specs(items):  # torch's dtype of each numpy one
+        return {k: (tuple(shape), torch.from_numpy(np.empty(0, dtype=dt)).dtype, np.dtype(dt).itemsize)
+                for k, (shape, dt) in items}  # fmt: skip
 
     spans, end = span_table(specs(tensors))
     map_spans, total = span_table(specs(maps), end)

@@ -25,8 +25,10 @@ from cpdata.worker.keys import (
     INPUT_IDS,
     LABELS,
     LOSS_MASK,
+    METADATA_KEYS,
     PADDING_MASK,
     POSITION_IDS,
+    STANDARD_TOKEN_KEYS,
 )
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_stream
@@ -88,11 +90,9 @@ _I64, _I32, _BOOL = np.dtype(np.int64), np.dtype(np.int32), np.dtype(bool)
 @functools.lru_cache(maxsize=256)
 def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype], ...]) -> tuple[tuple[str, Spec], ...]:
     """:func:`rank_specs` as ``(key, spec)`` items, cached per :data:`SpecKey`."""
-    tokens = ((INPUT_IDS, _I64), (LABELS, _I64), (POSITION_IDS, _I64), (PADDING_MASK, _BOOL), (DOCUMENT_IDS, _I64),
-              *extras)  # fmt: skip
-    return (*((key, (shape, dt)) for key, dt in tokens),
-            ("cu_seqlens", ((k + 1,), _I32)), ("cu_seqlens_padded", ((k + 1,), _I32)), ("seq_lens", ((k,), _I32)),
-            ("seq_lens_padded", ((k,), _I32)), ("max_seqlen", ((), _I32)))  # fmt: skip
+    tokens = [*((key, _BOOL if key == PADDING_MASK else _I64) for key in STANDARD_TOKEN_KEYS), *extras]
+    metadata = zip(METADATA_KEYS, ((k + 1,), (k + 1,), (k,), (k,), ()), strict=True)
+    return (*((key, (shape, dt)) for key, dt in tokens), *((key, (size, _I32)) for key, size in metadata))
 
 
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
@@ -149,7 +149,7 @@ def fill_rank(
     if increasing:
         _gather(stream, positions, out)
     else:
-        keys = [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]  # what _gather writes
+        keys = [*STANDARD_TOKEN_KEYS, *stream.extras]  # what _gather writes
         order = np.argsort(positions, kind="stable")
         part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
         _gather(stream, positions[order], part)

@@ -178,9 +178,9 @@ def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
     if LOSS_MASK in keys and not all(LOSS_MASK in src for src in sources):
         no_mask = np.fromiter((LOSS_MASK not in src for src in sources), dtype=bool, count=len(sources))
     buffer = cols[0].buffer
-    if buffer is not None and all(c.buffer is buffer for c in cols[1:]) and _holds(buffer, sources, keys, plain):
-        at = cols[0].at if len(cols) == 1 else np.concatenate([c.at for c in cols])
-        return BatchTokens(buffer, at, keys, no_mask)
+    shared = buffer is not None and all(c.buffer is buffer for c in cols[1:])
+    if shared and (plain or _holds(buffer, sources, keys)):
+        return BatchTokens(buffer, _column(cols, "at"), keys, no_mask)
     table = _column(cols, "table")
     offsets, lengths = _column(cols, "offsets").tolist(), table[:, 2]
     arrays = [{k: a[o : o + n] for k, a in src.items()}
@@ -195,10 +195,8 @@ def _column(cols: list, name: str) -> np.ndarray:
     return getattr(cols[0], name) if len(cols) == 1 else np.concatenate([getattr(c, name) for c in cols])
 
 
-def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], keys: list[str], plain: bool) -> bool:
+def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], keys: list[str]) -> bool:
     """Whether ``buffer`` holds labels where pieces have them and ``keys`` in the pieces' promoted dtypes."""
-    if plain:
-        return True
     if buffer.labels is None and any(LABELS in src for src in sources):
         return False
     for key in keys:
@@ -244,7 +242,4 @@ def target_counts(block: StreamBlock) -> list[int]:
         else:
             spans = zip(at.tolist(), n.tolist(), strict=True)
             per_slot[part] = [np.count_nonzero(buffer.labels[a : a + k] != IGNORE_INDEX) for a, k in spans]
-    below = np.zeros(real.shape[0] + 1, dtype=np.int64)
-    per_slot.cumsum(out=below[1:])
-    bounds = np.asarray(first, dtype=np.int64)
-    return (below[bounds[1:]] - below[bounds[:-1]]).tolist()
+    return np.add.reduceat(per_slot, first[:-1]).tolist()  # (every batch has a slot)
