@@ -203,10 +203,10 @@ DocumentSources = Callable[[np.ndarray], tuple[list[str], np.ndarray]]
 index there, e.g. :meth:`cpdata.nodes.mix.Mix.document_sources`."""
 
 
-def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSources | None
-           ) -> tuple[list[list[int]], list[list[int]], list[list[str | None]] | None]:  # fmt: skip
-    """Per batch, per slot: document index, the piece's offset in it and, with ``sources``, the mix
-    source's name (the index then local to that source); an empty plan's padding slot: -1, 0, None."""
+def _trace(table: np.ndarray, sources: DocumentSources | None
+           ) -> tuple[list[int], list[int], list[str | None] | None]:  # fmt: skip
+    """Per slot: document index, the piece's offset in it and, with ``sources``, the mix source's name (the
+    index then local to that source); an empty plan's padding slot: -1, 0, None."""
     index, start = table[:, 0], table[:, 1]
     names: list[str | None] | None = None
     if sources is not None:
@@ -217,10 +217,7 @@ def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSou
         names = [None] * index.shape[0]
         for j, name in zip(np.flatnonzero(real).tolist(), found, strict=True):
             names[j] = name
-    idx, st = index.tolist(), start.tolist()
-    cuts = [(first[b], first[b + 1]) for b in range(k)]
-    return ([idx[lo:hi] for lo, hi in cuts], [st[lo:hi] for lo, hi in cuts],
-            None if names is None else [names[lo:hi] for lo, hi in cuts])  # fmt: skip
+    return index.tolist(), start.tolist(), names
 
 
 def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool,
@@ -255,10 +252,11 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
     n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
     digests = _digests(block, layout, cp_size, n_documents)
-    doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
+    doc_index, doc_start, doc_source = _trace(slots.table, sources)
     n_targets = target_counts(block)
     items = []
     for i, batch in enumerate(batches):
+        lo, hi = slots.first[i], slots.first[i + 1]
         info = {
             "layout": layout,
             "max_seqlen": block.max_seqlen[i],
@@ -270,11 +268,11 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
             "n_documents": n_documents[i],
             "causal_work": works[i],
             "digest": digests[i],
-            "doc_index": doc_index[i],
-            "doc_start": doc_start[i],
+            "doc_index": doc_index[lo:hi],
+            "doc_start": doc_start[lo:hi],
         }
         if doc_source is not None:
-            info["doc_source"] = doc_source[i]
+            info["doc_source"] = doc_source[lo:hi]
         items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
                                fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
     return items
