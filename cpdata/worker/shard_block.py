@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
+from cpdata.layout.maps import layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
 from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
@@ -178,10 +178,6 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens:
     length; raises the per-batch error of :func:`cpdata.layout.maps.layout_runs`."""
     slots, real = block.slots, block.slots.table[:, 2]
     k = len(stream_lens)
-    if not slots.padded and stream_lens.count(stream_lens[0]) == k:  # the block's slots are the packs' as they are
-        counts = None if k == 1 else np.diff(np.asarray(slots.first, dtype=np.int64))
-        run_block = concat_run_block(layout, cp_size, slots.layout_lens, counts, stream_lens[0])
-        return run_block.tables(), run_block.causal_work(real).tolist()
     tables: list[RunTable] = [None] * k  # type: ignore[list-item]
     works: list[list[float]] = [[]] * k
     groups: dict[int, list[int]] = {}
