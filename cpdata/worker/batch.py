@@ -24,9 +24,7 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.buffer_spans import (
     BufferPlan,
     ViewPlan,
-    gap_index,
     plan_of,
-    span_table,
     tensor_specs,
     with_fields,
 )
@@ -143,11 +141,10 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
         """A batch whose tensors and layout maps (those set) are views of one host buffer."""
-        spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
-        map_spans, total = span_table(tensor_specs(maps), end)
-        buffer, plan = torch.empty(total, dtype=torch.uint8), plan_of(spans, map_spans, total)
-        buffer.numpy()[gap_index((spans, map_spans), total)] = 0  # alignment gaps: no allocator leftovers
+        plan, total, gaps = plan_of(tensor_specs(tensors), tensor_specs(maps))
+        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer.numpy()[gaps] = 0  # alignment gaps: no allocator leftovers
         for view, v in zip((*plan.tensor_views(buffer).values(), *plan.map_views(buffer).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)

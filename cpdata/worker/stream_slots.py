@@ -104,11 +104,9 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
             f"plan {flat[p].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
         )
-    last = np.asarray(ends, dtype=np.int64)
-    last -= 1
-    ends = raw.cumsum()[last]
-    tails = np.subtract(caps[0] if min(caps) == max(caps) else np.repeat(caps, np.diff(plan_first)), ends)
-    tails[1:] += ends[:-1]  # each plan's tail padding: its capacity minus the sum of its slots
+    last = np.asarray(ends, dtype=np.int64) - 1
+    # each plan's tail padding: its capacity minus the sum of its slots
+    tails = np.repeat(caps, np.diff(plan_first)) - np.add.reduceat(raw, np.concatenate(([0], last[:-1] + 1)))
     slot_lens = raw.copy()
     slot_lens[last] += tails
     if tails.min() < 0:  # (a negative slot is shorter than its piece: refused above)
