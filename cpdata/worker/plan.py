@@ -8,7 +8,7 @@ The packer cuts documents into *pieces* and lays a pack's pieces out as *slots*:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,9 +107,6 @@ class PieceColumns(Sequence[DocPiece]):
         else:
             arrays = {k: a[offset : offset + length] for k, a in source.items()}
         return DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
-
-    def __iter__(self) -> Iterator[DocPiece]:
-        return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         """Equal columns and, piece by piece, equal arrays (keys, dtypes, values)."""

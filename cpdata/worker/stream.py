@@ -86,10 +86,9 @@ def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
     """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
 
-    Slots of all batches (:func:`slot_block`) and each batch's buffer
-    (:func:`batch_tokens`), then the segment tables and metadata of all batches
-    with one set of numpy calls, running sums restarted at each batch: O(N) in ~30 numpy calls per block
-    plus O(k + plans) Python. Raises the errors of those two."""
+    Slots of all batches (:func:`slot_block`) and each batch's buffer (:func:`batch_tokens`), then the
+    segment tables and metadata of all batches with one set of numpy calls, running sums restarted at each
+    batch: O(N) in ~30 numpy calls per block plus O(k + plans) Python. Raises the errors of those two."""
     slots = slot_block([plans for plans, _ in batches])
     tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities

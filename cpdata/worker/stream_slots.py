@@ -1,8 +1,7 @@
-"""The slots of a batch's stream, checked, and their metadata: no tokens.
+"""The slots of a batch's stream (:mod:`cpdata.worker.collate`), checked, and their metadata: no tokens.
 
-The stream is the plans' slots row after row, each pack's tail absorbed by its last slot, an empty pack
-one padding slot. :func:`slot_block` checks the slots of ``k`` batches in one pass over the plans and a
-few numpy calls; :func:`metadata_block` gives their ``cu_seqlens`` family."""
+:func:`slot_block` checks the slots of ``k`` batches in one pass over the plans and a few numpy calls;
+:func:`metadata_block` gives their ``cu_seqlens`` family."""
 
 from __future__ import annotations
 
