@@ -139,11 +139,8 @@ def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
     """Per-piece ``values`` ``[n]`` as a per-slot column ``[K]``: ``pad`` for an empty plan's padding slot."""
     if all(counts):
         return values
-    parts, at = [], 0
-    for c in counts:
-        parts.append(values[at : at + c] if c else np.asarray([pad], dtype=values.dtype))
-        at += c
-    return np.concatenate(parts)
+    before = np.cumsum([0, *counts[:-1]])  # the pieces before each plan
+    return np.insert(values, before[np.asarray(counts) == 0], pad)
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,11 +246,10 @@ def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, cont
         return arrays
     out = {k: a[start : start + length] for k, a in arrays.items()}
     if not continues and start + length < n and length and LABELS in out:
-        out[LABELS] = out[LABELS].copy()
-        out[LABELS][-1] = IGNORE_INDEX
-        if LOSS_MASK in out:
-            out[LOSS_MASK] = out[LOSS_MASK].copy()
-            out[LOSS_MASK][-1] = 0
+        for key, untrained in ((LABELS, IGNORE_INDEX), (LOSS_MASK, 0)):
+            if key in out:
+                out[key] = out[key].copy()
+                out[key][-1] = untrained
     return out
 
 
