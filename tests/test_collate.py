@@ -13,7 +13,7 @@ from cpdata.layout.maps import LAYOUTS, alignment, rank_indices, thd_slot_lens
 from cpdata.worker.collate import collate_pack, collate_rank, fill_rank, rank_specs
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.plan import DocPiece, PackPlan
-from cpdata.worker.stream import build_stream
+from cpdata.worker.stream import build_streams
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
@@ -312,7 +312,7 @@ def test_fill_rank_takes_rows_in_any_order(qkv_format):
     rng = np.random.default_rng(11)
     plans, _ = make_plans(rng, n_plans=3, capacity=48, extras=True, given_labels=0.3)
     full = collate_pack(plans, padding_token_id=7, qkv_format=qkv_format)
-    stream = build_stream(plans, 7)
+    stream = build_streams([(plans, 7)]).streams[0]
     bare = dataclasses.replace(stream, pads_pass_end=True)  # clamping when no pad passes S - 1 changes nothing
     n = 48 if qkv_format == "bshd" else 3 * 48
     increasing = np.sort(rng.choice(n, 20, replace=False)).astype(np.int64)
@@ -330,7 +330,7 @@ def test_rank_outputs_may_be_strided_views():
     rng = np.random.default_rng(12)
     plans, _ = make_plans(rng, n_plans=2, capacity=40, extras=True)
     full = collate_pack(plans, qkv_format="thd")
-    stream = build_stream(plans, 0)
+    stream = build_streams([(plans, 0)]).streams[0]
     rows = np.arange(3, 80, 3, dtype=np.int64)
     specs = rank_specs(stream, rows.shape[0], "thd")
     out = {key: np.zeros((2 * shape[0],) if shape else (), dtype=dt)[::2] if shape else np.zeros((), dtype=dt)
@@ -347,8 +347,8 @@ def test_only_pad_positions_are_clamped():
     short = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(3)})
     plans = [PackPlan(pieces=(long,), slot_lens=np.array([8]), capacity=10),
              PackPlan(pieces=(short,), slot_lens=np.array([4]), capacity=10)]  # fmt: skip
-    assert build_stream(plans, 0).pads_pass_end
-    assert not build_stream(plans[1:], 0).pads_pass_end
+    assert build_streams([(plans, 0)]).streams[0].pads_pass_end
+    assert not build_streams([(plans[1:], 0)]).streams[0].pads_pass_end
     full = collate_pack(plans, qkv_format="thd")
     assert full["position_ids"].tolist() == [20, 21, 22, 23, 24, 9, 9, 9, 9, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     rank = collate_rank(plans, np.array([3, 4, 5, 12, 19]), qkv_format="thd")

@@ -14,7 +14,7 @@ from cpdata.layout.maps import thd_slot_lens
 from cpdata.nodes.collate import Collate
 from cpdata.worker.collate import CollatedPack
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream, build_streams
+from cpdata.worker.stream import Stream, build_streams
 from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
@@ -102,7 +102,7 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
     for b, (stream, (plans, pad)) in enumerate(zip(block.streams, batches, strict=True)):
         assert stream.padding_token_id == pad and stream.rows == len(plans)
         assert_stream(stream, plans)
-        assert_stream(build_stream(plans, pad), plans)
+        assert_stream(build_streams([(plans, pad)]).streams[0], plans)  # a block of one
         cols = expected_columns(plans)
         assert (block.real_tokens[b], block.max_slot_len[b]) == (sum(cols["real_lens"]), max(cols["slot_lens"]))
         assert block.max_seqlen[b] == int(stream.metadata["max_seqlen"])

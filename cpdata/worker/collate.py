@@ -31,7 +31,7 @@ from cpdata.worker.keys import (
     STANDARD_TOKEN_KEYS,
 )
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream
+from cpdata.worker.stream import Stream, build_streams
 from cpdata.worker.stream_slots import pack_metadata
 
 __all__ = ["QKV_FORMATS", "CollatedPack", "check_padding_token_id", "check_qkv_format", "collate_pack",
@@ -153,10 +153,9 @@ def fill_rank(
         order = np.argsort(positions, kind="stable")
         part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
         _gather(stream, positions[order], part)
+        back = np.argsort(order)  # position i was gathered at back[i]
         for key in keys:
-            put = np.empty_like(part[key])
-            put[order] = part[key]
-            out[key][...] = put.reshape(out[key].shape)
+            out[key][...] = part[key][back].reshape(out[key].shape)
     for key, value in stream.metadata.items():
         out[key][...] = value
 
@@ -187,7 +186,7 @@ def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token
              ) -> dict[str, np.ndarray]:  # fmt: skip
     """:func:`fill_rank` into new arrays, at ``rows_r`` (checked) or, for None, every position."""
     check_qkv_format(qkv_format)
-    stream = build_stream(plans, padding_token_id)
+    stream = build_streams([(plans, padding_token_id)]).streams[0]
     row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
     if rows_r is None:
         rows_r, increasing = np.arange(row_len, dtype=np.int64), True

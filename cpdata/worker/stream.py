@@ -19,8 +19,8 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream_slots import SlotBlock, metadata_block, slot_block
 from cpdata.worker.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_stream",
-           "build_streams", "target_counts"]  # fmt: skip
+__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_streams",
+           "target_counts"]  # fmt: skip
 
 _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 
@@ -76,11 +76,6 @@ class StreamBlock:
     real_tokens: list[int]
     max_seqlen: list[int]
     max_slot_len: list[int]
-
-
-def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
-    """:func:`build_streams` of one batch."""
-    return build_streams([(plans, padding_token_id)]).streams[0]
 
 
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:

@@ -148,7 +148,7 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
     cum -= (cum[:, head] - lens[:, head])[:, batch_of]
     at = np.arange(1, n + 1, dtype=np.int64)
     at += batch_of
-    cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
+    cu[:, at] = cum
     totals = cum[0, first[1:] - 1].tolist()
     top = np.maximum.reduceat(lens, head, axis=1)
     out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
