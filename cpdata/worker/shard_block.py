@@ -252,13 +252,13 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     n_targets = target_counts(block)
     items = []
     for i, batch in enumerate(batches):
-        lo, hi = slots.first[i], slots.first[i + 1]
+        lo, hi, meta = slots.first[i], slots.first[i + 1], block.streams[i].metadata
         info = {
             "layout": layout,
-            "max_seqlen": block.max_seqlen[i],
-            "max_seqlen_padded": block.max_slot_len[i],
+            "max_seqlen": int(meta["max_seqlen"]),
+            "max_seqlen_padded": int(meta["seq_lens_padded"].max()),
             "pack_indices": indices[pf[i] : pf[i + 1]],
-            "real_tokens": block.real_tokens[i],
+            "real_tokens": int(meta["cu_seqlens"][-1]),
             "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,
             N_TARGETS: n_targets[i],
             "n_documents": n_documents[i],

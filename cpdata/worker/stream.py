@@ -66,16 +66,12 @@ class StreamBlock:
     Attributes:
         offsets: int64 ``[N]``: each slot's offset in the block's streams back to back.
         src_starts: int64 ``[N]``: buffer index of each slot's first token.
-        real_tokens, max_seqlen, max_slot_len: ``k`` ints each: ``T``, longest piece, longest slot.
     """
 
     streams: list[Stream]
     slots: SlotBlock
     offsets: np.ndarray
     src_starts: np.ndarray
-    real_tokens: list[int]
-    max_seqlen: list[int]
-    max_slot_len: list[int]
 
 
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
@@ -115,7 +111,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
     at += step
     seg[at] = seg[at + 1] = starts - slot_starts
     reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
-    metadata, totals, longest, widest = metadata_block(real_lens, slot_lens, first, batch_of)
+    metadata = metadata_block(real_lens, slot_lens, first, batch_of)
     out = []
     for b, (plans, padding_token_id) in enumerate(batches):
         tok, i, j = tokens[b], firsts[b], firsts[b + 1]
@@ -127,7 +123,7 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
             derived_mask=None if tok.no_mask is None else _per_slot(slots.counts[pf[b] : pf[b + 1]], tok.no_mask, True),
             pads_pass_end=reach[b] > caps[b], metadata=metadata[b],
         ))  # fmt: skip
-    return StreamBlock(out, slots, offsets, src_starts, totals, longest, widest)
+    return StreamBlock(out, slots, offsets, src_starts)
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:

@@ -128,13 +128,12 @@ def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
     block = slot_block([plans])
     first = np.asarray(block.first, dtype=np.int64)
-    return metadata_block(block.table[:, 2], block.slot_lens, first, np.zeros(first[1], dtype=np.int64))[0][0]
+    return metadata_block(block.table[:, 2], block.slot_lens, first, np.zeros(first[1], dtype=np.int64))[0]
 
 
 def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray
-                   ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
-    """:func:`pack_metadata` of each batch of a block, then each batch's real tokens, longest piece
-    and longest slot.
+                   ) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    """:func:`pack_metadata` of each batch of a block.
 
     Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch. One
     cumulative sum over the block, restarted at each batch; each dict's arrays are views of a few block
@@ -149,9 +148,8 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
     at = np.arange(1, n + 1, dtype=np.int64)
     at += batch_of
     cu[:, at] = cum
-    totals = cum[0, first[1:] - 1].tolist()
-    top = np.maximum.reduceat(lens, head, axis=1)
-    out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
+    longest = np.maximum.reduceat(lens[0], head)
+    out, bounds, (cu_real, cu_slot), (real, slot) = [], first.tolist(), cu, lens
     for b in range(k):
         i, j = bounds[b], bounds[b + 1]
         out.append({
@@ -161,5 +159,4 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
             "seq_lens_padded": slot[i:j],
             "max_seqlen": longest[b, ...],  # a 0-d view
         })  # fmt: skip
-    top_real, top_slot = top.tolist()
-    return out, totals, top_real, top_slot
+    return out
