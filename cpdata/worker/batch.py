@@ -208,10 +208,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return self._info
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        tensors = self._tensors
-        if tensors is None:
-            tensors = self._tensor_dict()
-        return tensors[key]
+        return self._tensor_dict()[key]
 
     def __iter__(self) -> Iterator[str]:
         if self._tensors is None:  # the keys are the plan's: no view needed

@@ -197,8 +197,7 @@ def to_targets(
     if len(masks) > 1:
         raise ValueError(f"document {index} carries several loss masks {masks}; pass one of them")
     ids = arrays[INPUT_IDS]
-    n = ids.shape[0]
-    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    targets = np.full(ids.shape[0], IGNORE_INDEX, dtype=np.int64)
     if LABELS in arrays:
         labels = arrays[LABELS]
         _check_labels(labels, index, vocab_size)
