@@ -72,7 +72,7 @@ def test_digests_of_a_block_equal_each_plans_alone():
     groups = [plans[:1], plans[1:2], plans[2:3], [plans[0], plans[2]], plans[3:]]
     batches = [CollatedPack(plans=tuple(g), pack_len=g[0].capacity, qkv_format="thd", padding_token_id=0)
                for g in groups]  # fmt: skip
-    assert [item.digest for item in prepare_block(batches, "identity", 1, False)] == [
+    assert [item.info["digest"] for item in prepare_block(batches, "identity", 1, False)] == [
         reference_digest(g, "identity", 1) for g in groups
     ]
     assert [plan_digest(p, "thd", 4) for p in plans] == [reference_digest([p], "thd", 4) for p in plans]

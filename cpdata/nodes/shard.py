@@ -220,7 +220,7 @@ class ShardForRank(BaseNode[Any]):
                 item = prepare_block([item], self.layout, self.cp_size, self._dynamic, self._sources)[0]
             except Exception:  # noqa: BLE001  (it raised when it was served too)
                 return -1
-        return item.digest
+        return item.info["digest"]
 
     def _raise_end(self) -> NoReturn:
         """The block is served: raise what the source raised after it (then start afresh), or StopIteration."""
@@ -246,7 +246,7 @@ class ShardForRank(BaseNode[Any]):
             except Exception:
                 self._digests.append(-1)
                 raise
-        self._digests.append(item.digest)
+        self._digests.append(item.info["digest"])
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
@@ -280,7 +280,7 @@ class ShardForRank(BaseNode[Any]):
         fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, increasing=True)
         row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
-        fields = {"digest": item.digest}
+        fields = {"digest": item.info["digest"]}
         if self.kv_exchange:
             if exchange is None:
                 n_rows = stream.rows if batch.qkv_format == "bshd" else 1

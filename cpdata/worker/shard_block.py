@@ -35,7 +35,7 @@ class BlockItem:
         table: the layout's run table (rows and inverse made per rank when served); None with ``fixed``.
         fixed: rows int64 ``[cp, stream_len / cp]`` and inverse int64 ``[stream_len]`` of a layout that
             ignores the documents (cached, read-only); None with ``table``.
-        info: the batch's ``info`` dict, shared by every rank's batch.
+        info: the batch's ``info`` dict (its digest included), shared by every rank's batch.
     """
 
     batch: CollatedPack
@@ -44,7 +44,6 @@ class BlockItem:
     table: RunTable | None
     fixed: tuple[np.ndarray, np.ndarray] | None
     info: dict[str, Any]
-    digest: int
 
 
 def check_rows(layout: str, cp_size: int, dynamic: bool, n_rows: int, qkv_format: str) -> None:
@@ -270,5 +269,5 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         if doc_source is not None:
             info["doc_source"] = doc_source[lo:hi]
         items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
-                               fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
+                               fixed=fixed[i], info=info))  # fmt: skip
     return items
