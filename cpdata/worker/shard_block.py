@@ -149,14 +149,11 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     at = np.multiply.outer(lens - 1, _SAMPLE_AT)
     at //= DIGEST_SAMPLES - 1
     at += starts[:, None]
+    real = lens > 0
+    samples[~real] = -1  # an empty piece's
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
-        ids, lo, hi = streams[b].buffer.ids, first[b], first[e]
-        if lo < hi and lens[lo:hi].min() > 0:
-            samples[lo:hi] = ids.take(at[lo:hi])
-        else:
-            real = lens[lo:hi] > 0
-            samples[lo:hi] = -1
-            samples[lo:hi][real] = ids[at[lo:hi][real]]
+        part = slice(first[b], first[e])
+        samples[part][real[part]] = streams[b].buffer.ids[at[part][real[part]]]
     prefix, data, width = f"{layout}|{cp_size}|", rows.tobytes(), 8 * rows.shape[1]
     lens_data = raw.astype(np.int64, copy=False).tobytes()
     digests, row = [], 0
