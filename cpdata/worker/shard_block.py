@@ -237,8 +237,7 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
         fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
     else:
-        of_len = {n: static_layout(layout, cp_size, n) for n in set(stream_lens)}
-        tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
+        tables, fixed = [None] * k, [static_layout(layout, cp_size, n) for n in stream_lens]  # (cached)
         works = _static_causal_work(block, layout, cp_size, stream_lens)
     slots = block.slots
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
