@@ -68,7 +68,8 @@ def test_digests_of_a_block_equal_each_plans_alone():
     empty plan included) equal the reference digest of each batch alone, and ``plan_digest`` of each plan."""
     plans = [_plan(IDS[:3], index=0), _plan(IDS[3:], index=5)]
     plans.append(dataclasses.replace(plans[0], slot_lens=plans[0].slot_lens.astype(np.int32), index=9))
-    plans.append(PackPlan(pieces=(), slot_lens=np.zeros(0, dtype=np.int64), capacity=plans[0].capacity, index=3))
+    empty = np.zeros(0, dtype=np.int64)
+    plans.append(PackPlan(pieces=(), slot_lens=empty, capacity=plans[0].capacity, index=3))
     groups = [plans[:1], plans[1:2], plans[2:3], [plans[0], plans[2]], plans[3:]]
     batches = [CollatedPack(plans=tuple(g), pack_len=g[0].capacity, qkv_format="thd", padding_token_id=0)
                for g in groups]  # fmt: skip

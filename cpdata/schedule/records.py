@@ -190,9 +190,10 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
     offsets, doc, start, length, slot, cont, delay = arrays
     tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
     schedule = Schedule(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
-                        doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
-                        config=config, cost=cost, stats=None)  # type: ignore[arg-type]  # fmt: skip
-    imb = [float(i.mean()) for i in schedule.imbalance(cost)] if cost is not None and num_steps else [0.0, 0.0]
+                        doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont,
+                        delay=delay, config=config, cost=cost,
+                        stats=None)  # type: ignore[arg-type]  # set below  # fmt: skip
+    imb = [0.0, 0.0] if cost is None or not num_steps else [float(i.mean()) for i in schedule.imbalance(cost)]
     stats = ScheduleStats(
         **{k: int(counts[k]) for k in COUNTS}, tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
         lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs, empty_packs=int((per_cell == 0).sum()),

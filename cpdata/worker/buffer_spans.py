@@ -143,14 +143,19 @@ class BufferPlan(NamedTuple):
     """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation."""
 
 
+@functools.lru_cache(maxsize=32)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """Torch's dtype of a numpy one (cached: a buffer plan is made per slot count, about once per batch)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
 @functools.lru_cache(maxsize=256)
 def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     """The cached :class:`BufferPlan` of a :class:`~cpdata.worker.batch.BatchBuffer` (``(key, (shape,
     numpy dtype))`` items in order)."""
 
-    def specs(items):  # torch's dtype of each numpy one
-        return {k: (tuple(shape), torch.from_numpy(np.empty(0, dtype=dt)).dtype, np.dtype(dt).itemsize)
-                for k, (shape, dt) in items}  # fmt: skip
+    def specs(items):
+        return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
 
     view, total, gaps = plan_of(specs(tensors), specs(maps))
     items = [(view.spans[k], dt) for k, (_, dt) in tensors] + [(view.map_spans[k], dt) for k, (_, dt) in maps]

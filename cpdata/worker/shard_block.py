@@ -10,7 +10,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 import numpy as np
@@ -161,11 +161,8 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
         head = (prefix + f"{plan.capacity}|{plan.index}").encode() + lens_data[8 * row : 8 * (row + k)]
         digests.append(_hash63(head + data[width * row : width * (row + k)]))
         row += k
-    out, pf = [], slots.plan_first
-    for b in range(len(streams)):
-        mine = digests[pf[b] : pf[b + 1]]
-        out.append(mine[0] if len(mine) == 1 else _hash63(np.asarray(mine, dtype=np.int64).tobytes()))
-    return out
+    per_batch = [digests[lo:hi] for lo, hi in pairwise(slots.plan_first)]
+    return [d[0] if len(d) == 1 else _hash63(np.asarray(d, dtype=np.int64).tobytes()) for d in per_batch]
 
 
 def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
@@ -245,13 +242,14 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     digests = _digests(block, layout, cp_size, n_documents)
     doc_index, doc_start, doc_source = _trace(slots.table, sources)
     n_targets = target_counts(block)
+    widest = np.maximum.reduceat(slots.slot_lens, slots.first[:-1]).tolist()  # each batch's longest slot
     items = []
     for i, batch in enumerate(batches):
         lo, hi, meta = slots.first[i], slots.first[i + 1], block.streams[i].metadata
         info = {
             "layout": layout,
             "max_seqlen": int(meta["max_seqlen"]),
-            "max_seqlen_padded": int(meta["seq_lens_padded"].max()),
+            "max_seqlen_padded": widest[i],
             "pack_indices": indices[pf[i] : pf[i + 1]],
             "real_tokens": int(meta["cu_seqlens"][-1]),
             "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,

@@ -196,9 +196,7 @@ def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], key
 def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list[str]:
     """The pieces' per-token keys beside ``input_ids`` and ``labels``, sorted, ``loss_mask`` last."""
     keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS})
-    for key in keys:
-        if key == LOSS_MASK:  # derived from the labels where missing
-            continue
+    for key in (k for k in keys if k != LOSS_MASK):  # a missing loss mask is derived from the labels
         missing = [i for i, src in zip(_column(cols, "table")[:, 0].tolist(), sources, strict=True) if key not in src]
         if missing:
             raise ValueError(

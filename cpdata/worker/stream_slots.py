@@ -75,9 +75,7 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
                 raise ValueError(
                     f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
                 )
-            table, slot_lens = plan.columns, plan.slot_lens
-            if type(slot_lens) is not np.ndarray:  # (an array of any dtype is cast with the others below)
-                slot_lens = np.asarray(slot_lens)
+            table, slot_lens = plan.columns, np.asarray(plan.slot_lens)  # (any dtype: cast below)
             n = table.shape[0]
             if slot_lens.shape != (n,):
                 raise ValueError(
