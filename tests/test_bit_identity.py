@@ -40,7 +40,8 @@ from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import DataPolicy, StreamPlan
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.worker.keys import IGNORE_INDEX, METADATA_KEYS
-from cpdata.worker.plan import DIGEST_SAMPLES, DocPiece, PackPlan
+from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.shard_block import DIGEST_SAMPLES
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "document_ids")
 

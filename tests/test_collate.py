@@ -10,18 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpdata.layout.maps import LAYOUTS, alignment, rank_indices, thd_slot_lens
-from cpdata.worker.collate import (
-    build_stream,
-    collate_pack,
-    collate_rank,
-    collate_ranks,
-    fill_rank,
-    pack_metadata,
-    rank_specs,
-    stream_slot_lens,
-)
+from cpdata.worker.collate import collate_pack, collate_rank, fill_rank, rank_specs
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.stream import build_streams
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
 def make_plans(
@@ -208,14 +201,13 @@ def test_collate_rank_equals_full_pack_columns(data, layout, cp, qkv_format):
     plans = _aligned_plans(data, layout, cp, n_plans=data.draw(st.integers(1, 3)))
     full = collate_pack(plans, padding_token_id=3, qkv_format=qkv_format)
     rows = _rows(layout, cp, plans, qkv_format)
-    shards = collate_ranks(plans, rows, padding_token_id=3, qkv_format=qkv_format)
+    shards = [collate_rank(plans, rows[r], padding_token_id=3, qkv_format=qkv_format) for r in range(cp)]
     for r in range(cp):
-        one = collate_rank(plans, rows[r], padding_token_id=3, qkv_format=qkv_format)
         for k, v in full.items():
             want = v if k in METADATA_KEYS else v[..., rows[r]]
-            for got in (one[k], shards[r][k]):
-                assert got.dtype == want.dtype and got.shape == want.shape, k
-                assert np.array_equal(got, want), k
+            got = shards[r][k]
+            assert got.dtype == want.dtype and got.shape == want.shape, k
+            assert np.array_equal(got, want), k
     # Every real token lands on exactly one rank.
     tokens = []
     for r in range(cp):
@@ -320,7 +312,7 @@ def test_fill_rank_takes_rows_in_any_order(qkv_format):
     rng = np.random.default_rng(11)
     plans, _ = make_plans(rng, n_plans=3, capacity=48, extras=True, given_labels=0.3)
     full = collate_pack(plans, padding_token_id=7, qkv_format=qkv_format)
-    stream = build_stream(plans, 7)
+    stream = build_streams([(plans, 7)]).streams[0]
     bare = dataclasses.replace(stream, pads_pass_end=True)  # clamping when no pad passes S - 1 changes nothing
     n = 48 if qkv_format == "bshd" else 3 * 48
     increasing = np.sort(rng.choice(n, 20, replace=False)).astype(np.int64)
@@ -338,7 +330,7 @@ def test_rank_outputs_may_be_strided_views():
     rng = np.random.default_rng(12)
     plans, _ = make_plans(rng, n_plans=2, capacity=40, extras=True)
     full = collate_pack(plans, qkv_format="thd")
-    stream = build_stream(plans, 0)
+    stream = build_streams([(plans, 0)]).streams[0]
     rows = np.arange(3, 80, 3, dtype=np.int64)
     specs = rank_specs(stream, rows.shape[0], "thd")
     out = {key: np.zeros((2 * shape[0],) if shape else (), dtype=dt)[::2] if shape else np.zeros((), dtype=dt)
@@ -355,8 +347,8 @@ def test_only_pad_positions_are_clamped():
     short = DocPiece(index=1, start=0, arrays={"input_ids": np.arange(3)})
     plans = [PackPlan(pieces=(long,), slot_lens=np.array([8]), capacity=10),
              PackPlan(pieces=(short,), slot_lens=np.array([4]), capacity=10)]  # fmt: skip
-    assert build_stream(plans, 0).pads_pass_end
-    assert not build_stream(plans[1:], 0).pads_pass_end
+    assert build_streams([(plans, 0)]).streams[0].pads_pass_end
+    assert not build_streams([(plans[1:], 0)]).streams[0].pads_pass_end
     full = collate_pack(plans, qkv_format="thd")
     assert full["position_ids"].tolist() == [20, 21, 22, 23, 24, 9, 9, 9, 9, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     rank = collate_rank(plans, np.array([3, 4, 5, 12, 19]), qkv_format="thd")

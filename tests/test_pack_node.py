@@ -268,7 +268,8 @@ def test_column_pieces_are_the_documents_pieces(overflow):
     document's tokens ``start:start + length``, a cut-off piece's last target -100, and equal to plans
     built from DocPiece objects (collate and the digest see the same)."""
     from cpdata.worker.collate import collate_pack
-    from cpdata.worker.plan import DocPiece, PieceColumns, plan_digest
+    from cpdata.worker.plan import DocPiece, PieceColumns
+    from cpdata.worker.shard_block import plan_digest
     from cpdata.worker.targets import piece_arrays
 
     docs = _docs(120, max_len=150, seed=4)

@@ -7,15 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpdata.worker.plan import (
-    DIGEST_SAMPLES,
-    DocPiece,
-    PackPlan,
-    digest_rows,
-    hash_plans,
-    plan_digest,
-    sample_ids,
-)
+from cpdata.worker.collate import CollatedPack
+from cpdata.worker.plan import DocPiece, PackPlan
+from cpdata.worker.shard_block import DIGEST_SAMPLES, plan_digest, prepare_block
+from tests.test_bit_identity import reference_digest
 
 
 def _plan(pieces_ids: list[np.ndarray], **kw) -> PackPlan:
@@ -68,18 +63,17 @@ def test_empty_piece_is_digested():
     assert 0 <= plan_digest(plan, "identity", 1) < 2**63
 
 
-def test_digests_from_a_block_table_equal_each_plans():
-    """``digest_rows`` + ``sample_ids`` + ``hash_plans`` with the checked slot lengths (an int32 plan's
-    included) give every plan its ``plan_digest``."""
+def test_digests_of_a_block_equal_each_plans_alone():
+    """A block's digests (one table for every batch, an int32 plan's slot lengths, a batch of two plans and an
+    empty plan included) equal the reference digest of each batch alone, and ``plan_digest`` of each plan."""
     plans = [_plan(IDS[:3], index=0), _plan(IDS[3:], index=5)]
     plans.append(dataclasses.replace(plans[0], slot_lens=plans[0].slot_lens.astype(np.int32), index=9))
-    ids = np.concatenate([ids for p in plans for ids in (p.piece_columns[i].arrays["input_ids"]
-                                                          for i in range(len(p.piece_columns)))])  # fmt: skip
-    columns = np.concatenate([p.columns for p in plans])
-    starts = columns[:, 2].cumsum() - columns[:, 2]
-    rows = digest_rows(columns)
-    sample_ids(ids, starts, rows)
-    counts = [p.columns.shape[0] for p in plans]
-    lens = np.concatenate([p.slot_lens for p in plans]).astype(np.int64)
-    want = [plan_digest(p, "balanced", 4) for p in plans]
-    assert hash_plans(plans, "balanced", 4, rows, counts, lens) == want
+    empty = np.zeros(0, dtype=np.int64)
+    plans.append(PackPlan(pieces=(), slot_lens=empty, capacity=plans[0].capacity, index=3))
+    groups = [plans[:1], plans[1:2], plans[2:3], [plans[0], plans[2]], plans[3:]]
+    batches = [CollatedPack(plans=tuple(g), pack_len=g[0].capacity, qkv_format="thd", padding_token_id=0)
+               for g in groups]  # fmt: skip
+    assert [item.info["digest"] for item in prepare_block(batches, "identity", 1, False)] == [
+        reference_digest(g, "identity", 1) for g in groups
+    ]
+    assert [plan_digest(p, "thd", 4) for p in plans] == [reference_digest([p], "thd", 4) for p in plans]

@@ -16,9 +16,10 @@ from cpdata.layout.maps import LAYOUTS, alignment, causal_work, rank_indices
 from cpdata.nodes.collate import Collate
 from cpdata.nodes.shard import ShardForRank, layout_depends_on_documents
 from cpdata.worker.batch import ShardedBatch
-from cpdata.worker.collate import collate_pack, stream_slot_lens
+from cpdata.worker.collate import collate_pack
 from cpdata.worker.keys import METADATA_KEYS
-from cpdata.worker.plan import plan_digest
+from cpdata.worker.shard_block import plan_digest
+from cpdata.worker.stream_slots import stream_slot_lens
 
 CASES = [(layout, cp) for layout in LAYOUTS for cp in ((1,) if layout == "identity" else (1, 2, 3, 4))]
 

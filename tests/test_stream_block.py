@@ -12,10 +12,10 @@ from torchdata.nodes import IterableWrapper
 
 from cpdata.layout.maps import thd_slot_lens
 from cpdata.nodes.collate import Collate
-from cpdata.worker.collate import CollatedPack, pack_metadata
+from cpdata.worker.collate import CollatedPack
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream, build_streams
-from cpdata.worker.stream_slots import stream_slot_lens
+from cpdata.worker.stream import Stream, build_streams
+from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:
@@ -102,10 +102,12 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
     for b, (stream, (plans, pad)) in enumerate(zip(block.streams, batches, strict=True)):
         assert stream.padding_token_id == pad and stream.rows == len(plans)
         assert_stream(stream, plans)
-        assert_stream(build_stream(plans, pad), plans)
+        assert_stream(build_streams([(plans, pad)]).streams[0], plans)  # a block of one
         cols = expected_columns(plans)
-        assert (block.real_tokens[b], block.max_slot_len[b]) == (sum(cols["real_lens"]), max(cols["slot_lens"]))
-        assert block.max_seqlen[b] == int(stream.metadata["max_seqlen"])
+        meta = stream.metadata
+        assert int(meta["cu_seqlens"][-1]) == sum(cols["real_lens"])
+        assert int(meta["seq_lens_padded"].max()) == max(cols["slot_lens"])
+        assert int(meta["max_seqlen"]) == max(cols["real_lens"])
         np.testing.assert_array_equal(block.slots.layout_lens_of(b), stream_slot_lens(plans))
         slot = slice(block.slots.first[b], block.slots.first[b + 1])
         np.testing.assert_array_equal(block.src_starts[slot], src_starts(stream))

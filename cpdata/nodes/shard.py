@@ -218,7 +218,7 @@ class ShardForRank(VersionedState, BaseNode[Any]):
     def _digest(self, item: BlockItem | CollatedPack) -> int:
         """The item's plan digest, -1 for a batch that raises."""
         try:
-            return self._prepared(item).digest
+            return self._prepared(item).info["digest"]
         except Exception:  # noqa: BLE001  (it raised when it was served too)
             return -1
 
@@ -241,7 +241,7 @@ class ShardForRank(VersionedState, BaseNode[Any]):
         except Exception:
             self._digests.append(-1)
             raise
-        self._digests.append(item.digest)
+        self._digests.append(item.info["digest"])
         return self._serve(item)
 
     def _serve(self, item: BlockItem) -> ShardedBatch | tuple[ShardedBatch, ...]:
@@ -275,7 +275,7 @@ class ShardForRank(VersionedState, BaseNode[Any]):
         fill_rank(stream, rows_r, batch.qkv_format, buf.arrays, increasing=True)
         row_shape = batch.row_shape if batch.qkv_format == "thd" else None
         layout = _layout_record(item.stream_len, row_shape, self.cp_size, r)  # the index maps are the buffer's
-        fields = {"digest": item.digest}
+        fields = {"digest": item.info["digest"]}
         if self.kv_exchange:
             if exchange is None:
                 n_rows = stream.rows if batch.qkv_format == "bshd" else 1

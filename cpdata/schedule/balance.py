@@ -17,9 +17,9 @@ import numpy as np
 
 from cpdata.schedule.fill import fill_cells, first_fit
 from cpdata.schedule.improve import improve_step
-from cpdata.schedule.runs import HOLD_PENALTY, choose_runs
+from cpdata.schedule.runs import choose_runs
 
-__all__ = ["FILLER_FRACTION", "HOLD_PENALTY", "choose_runs", "place_step"]
+__all__ = ["FILLER_FRACTION", "place_step"]
 
 FILLER_FRACTION = 16
 """Pieces of at most ``capacity / FILLER_FRACTION`` slot tokens are fillers (phase C)."""
@@ -41,8 +41,9 @@ def place_step(
     """int64 ``[n]``: the cell ``m * dp_size + r`` of every piece of one step's pool, ``-1`` for unplaced ones.
 
     Per piece ``[n]``: ``slot`` tokens, balancing ``key``, ``forced`` (overdue), ``age``; ``full_cost`` scales
-    :data:`HOLD_PENALTY`, ``quad`` is ``b * capacity**2``. ``first`` (rescue): these groups (bool masks) go
-    first, first-fit decreasing, and no runs are formed. ``runs``: :func:`choose_runs`'s decision, if made.
+    :data:`~cpdata.schedule.runs.HOLD_PENALTY`, ``quad`` is ``b * capacity**2``. ``first`` (rescue): these
+    groups (bool masks) go first, first-fit decreasing, and no runs are formed. ``runs``:
+    :func:`choose_runs`'s decision, if made.
     """
     n, R, M, C = int(slot.shape[0]), dp_size, micro_batches, capacity
     K = R * M
@@ -143,8 +144,7 @@ def place_step(
             if room_l[best] >= min_b:
                 insort(cells_m, best, key=lambda c: (load_l[c], c))
             gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf
-    if placed_i:
-        cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)
+    cell[placed_i] = placed_c
 
     # B'. exchanges that lower the slots' costliest cells, where the attention part can dominate a pack.
     if quad * 2 >= full_cost:

@@ -5,6 +5,7 @@ and first-fit decreasing (:func:`first_fit`, :func:`fits`), the planner's rescue
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections import Counter
 
 import numpy as np
 
@@ -72,9 +73,7 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
     takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
     shorter than every filler where avoidable."""
     ids, sizes, keys = fill.tolist(), slot[fill].tolist(), key.tolist()
-    counts: dict[int, int] = {}
-    for x in sizes:
-        counts[x] = counts.get(x, 0) + 1
+    counts = Counter(sizes)
     distinct = list(counts)  # ascending, as ``sizes``
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
     placed_i: list[int] = []
@@ -127,5 +126,4 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
             if room_l[c] >= sizes[0]:
                 still.append(c)
         active = still
-    if placed_i:
-        cell[np.asarray(placed_i, dtype=np.int64)] = np.asarray(placed_c, dtype=np.int64)
+    cell[placed_i] = placed_c

@@ -18,17 +18,16 @@ from cpdata.errors import check_int
 from cpdata.packing import DEFAULT_ALGORITHM, PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.packing.planner import _as_lengths
-from cpdata.schedule.balance import choose_runs, place_step
+from cpdata.schedule.balance import place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
 from cpdata.schedule.records import COUNTS, TAIL_POLICIES, Schedule, assemble
+from cpdata.schedule.runs import choose_runs
 
 __all__ = ["POOL_MARGIN", "padded_epoch_cost", "plan_schedule"]
 
 POOL_MARGIN = 0.08
 """A step's pool holds this much more than a step of tokens, so short pieces are left to fill the last gaps."""
-
-
 REFILLS = 3
 """Extra intake rounds of a step whose pool left outliers waiting (and so room)."""
 REFILL_SHARE = 200

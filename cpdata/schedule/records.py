@@ -7,6 +7,7 @@ With pack costs ``c[r, m]``: ``imb_step = max_r sum_m c / mean_r sum_m c - 1`` (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,28 +182,24 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
         cells, doc, start, length, slot, cont, delay = (a[keep] for a in (cells, doc, start, length, slot, cont, delay))
         num_steps -= 1
         per_cell = per_cell[: num_steps * K]
-    order = np.lexsort((np.arange(cells.shape[0]), cells))
+    order = np.argsort(cells, kind="stable")
     offsets = np.concatenate([[0], np.cumsum(per_cell)]).astype(np.int64)
-    arrays = [np.ascontiguousarray(a[order]) for a in (doc, start, length, slot, cont, delay)]
+    arrays = [offsets, *(np.ascontiguousarray(a[order]) for a in (doc, start, length, slot, cont, delay))]
     for a in arrays:
         a.flags.writeable = False
-    offsets.flags.writeable = False
-    doc, start, length, slot, cont, delay = arrays
+    offsets, doc, start, length, slot, cont, delay = arrays
     tokens, slot_tokens, packs = int(length.sum()), int(slot.sum()), num_steps * K
-    delay_counts = tuple(np.bincount(delay).tolist()) if delay.size else (0,)
-    imb_step = imb_mb = 0.0
-    sched_kw = dict(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
-                    doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont, delay=delay,
-                    config=config, cost=cost)  # fmt: skip
-    if cost is not None and num_steps:
-        partial = Schedule(**sched_kw, stats=None)  # type: ignore[arg-type]
-        i_s, i_m = partial.imbalance(cost)
-        imb_step, imb_mb = float(i_s.mean()), float(i_m.mean())
+    schedule = Schedule(num_steps=num_steps, dp_size=R, micro_batches=M, capacity=C, pack_offsets=offsets,
+                        doc_index=doc, doc_start=start, doc_len=length, slot_len=slot, continues=cont,
+                        delay=delay, config=config, cost=cost,
+                        stats=None)  # type: ignore[arg-type]  # set below  # fmt: skip
+    imb = [0.0, 0.0] if cost is None or not num_steps else [float(i.mean()) for i in schedule.imbalance(cost)]
     stats = ScheduleStats(
         **{k: int(counts[k]) for k in COUNTS}, tokens=tokens, slot_tokens=slot_tokens, steps=num_steps,
         lower_bound_steps=-(-all_slot_tokens // (K * C)), packs=packs, empty_packs=int((per_cell == 0).sum()),
         padding_pct=100.0 * (1 - tokens / (packs * C)) if packs else 0.0, tail=tail,
         tail_dropped_steps=dropped_steps, tail_dropped_pieces=dropped_pieces, tail_dropped_tokens=dropped_tokens,
-        delay_counts=delay_counts, imb_step_mean=imb_step, imb_mb_mean=imb_mb,
+        delay_counts=tuple(np.bincount(delay).tolist()) if delay.size else (0,), imb_step_mean=imb[0],
+        imb_mb_mean=imb[1],
     )  # fmt: skip
-    return Schedule(**sched_kw, stats=stats)
+    return dataclasses.replace(schedule, stats=stats)

@@ -4,7 +4,7 @@ touches ``torch.distributed`` or the environment.
 
 Modules, in pipeline order: ``keys``, ``targets`` (labels conventions), ``token_buffer``, ``plan``
 (documents, pieces, plans), ``stream_slots``, ``stream`` (buffers and target counts too),
-``collate`` (and ``CollatedPack``), ``shard_block`` (a block's layout math), ``buffer_spans``
+``collate`` (and ``CollatedPack``), ``shard_block`` (a block's layout math, plan digests), ``buffer_spans``
 and ``batch`` (``ShardedBatch``)."""
 
 __all__: list[str] = []

@@ -24,9 +24,7 @@ from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.buffer_spans import (
     BufferPlan,
     ViewPlan,
-    gap_index,
     plan_of,
-    span_table,
     tensor_specs,
     with_fields,
 )
@@ -50,7 +48,7 @@ class _BufferViews:
     views of the buffer and ``fields`` set: one copy per batch, made when read); otherwise the layout, or
     the :class:`_BufferViews` of the batch this one was moved from."""
 
-    __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "head", "builds")
+    __slots__ = ("buffer", "plan", "maps", "base", "fields", "tensors", "layout", "builds")
 
     def __init__(self, buffer: torch.Tensor, plan: ViewPlan, maps: bool, base: Any,
                  fields: Mapping[str, Any] | None = None) -> None:  # fmt: skip
@@ -59,7 +57,6 @@ class _BufferViews:
         self.buffer, self.plan, self.maps, self.base, self.fields = buffer, plan, maps, base, fields
         self.tensors: dict[str, torch.Tensor] | None = None  # key -> view, once built
         self.layout: ShardLayout | None = None  # once resolved
-        self.head: torch.Tensor | None = None  # the batch part (what to() moves), once asked for
         self.builds = 0  # views built: 1 for the tensors, 1 for the layout maps (read by tests)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
@@ -80,11 +77,6 @@ class _BufferViews:
                 layout = base if isinstance(base, ShardLayout) else base.get_layout()
             self.layout = layout
         return layout
-
-    def get_head(self) -> torch.Tensor:
-        if self.head is None:
-            self.head = self.buffer[: self.plan.head] if self.maps else self.buffer
-        return self.head
 
     def record(self) -> ShardLayout:
         """The layout without the map fields this buffer holds (what a pickle carries)."""
@@ -120,11 +112,6 @@ class BatchBuffer:
         return ShardedBatch._from_buffer(self.buffer, self.plan, layout, info, True, fields)
 
 
-def _same_values(new: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether ``new`` holds ``old``'s values, checked on the host only (another device counts as changed)."""
-    return new.device == old.device and new.dtype == old.dtype and bool(torch.equal(new, old))
-
-
 def _without_target_count(info: dict[str, Any]) -> dict[str, Any]:
     """``info`` without ``n_targets`` (a new dict): the labels it counted were replaced."""
     return {k: v for k, v in info.items() if k != N_TARGETS}
@@ -154,11 +141,10 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
         """A batch whose tensors and layout maps (those set) are views of one host buffer."""
-        spans, end = span_table(tensor_specs(tensors))
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
-        map_spans, total = span_table(tensor_specs(maps), end)
-        buffer, plan = torch.empty(total, dtype=torch.uint8), plan_of(spans, map_spans, total)
-        buffer.numpy()[gap_index((spans, map_spans), total)] = 0  # alignment gaps: no allocator leftovers
+        plan, total, gaps = plan_of(tensor_specs(tensors), tensor_specs(maps))
+        buffer = torch.empty(total, dtype=torch.uint8)
+        buffer.numpy()[gaps] = 0  # alignment gaps: no allocator leftovers
         for view, v in zip((*plan.tensor_views(buffer).values(), *plan.map_views(buffer).values()),
                            (*tensors.values(), *maps.values()), strict=True):  # fmt: skip
             view.copy_(v)
@@ -222,10 +208,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return self._info
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        tensors = self._tensors
-        if tensors is None:
-            tensors = self._tensor_dict()
-        return tensors[key]
+        return self._tensor_dict()[key]
 
     def __iter__(self) -> Iterator[str]:
         if self._tensors is None:  # the keys are the plan's: no view needed
@@ -252,9 +235,12 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
             )
         if value is old:
             return
-        if key == LABELS and N_TARGETS in self._info and not _same_values(value, old):
-            # other labels than the pipeline counted: the recorded target count no longer holds (hf_model_kwargs
-            # then counts with one all-reduce, or asks for num_items_in_batch); a pinned copy keeps it
+        if key == LABELS and N_TARGETS in self._info and not (
+            value.device == old.device and value.dtype == old.dtype and bool(torch.equal(value, old))
+        ):
+            # other labels than the pipeline counted (another device counts as changed): the recorded target
+            # count no longer holds (hf_model_kwargs then counts with one all-reduce, or asks for
+            # num_items_in_batch); a pinned copy keeps it
             self._info = _without_target_count(self._info)
         if self._views is not None:  # the buffer no longer backs every key: this batch owns its tensors
             self._layout, self._tensors, self._views = self.layout, dict(self._tensors), None
@@ -291,12 +277,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     def replace(self, **tensors: torch.Tensor | None) -> ShardedBatch:
         """A new batch with keys set (or removed, for ``None``); ``info["n_targets"]`` dropped when
         ``labels`` is given."""
-        out = dict(self._tensor_dict())
-        for k, v in tensors.items():
-            if v is None:
-                out.pop(k, None)
-            else:
-                out[k] = v
+        out = {k: v for k, v in {**self._tensor_dict(), **tensors}.items() if v is not None}
         info = _without_target_count(self._info) if LABELS in tensors else self._info
         return ShardedBatch(out, layout=self.layout, info=info)
 
@@ -307,7 +288,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if views is None:
             moved = {k: v.to(device, non_blocking=non_blocking, copy=copy) for k, v in self._tensors.items()}
             return ShardedBatch(moved, layout=self._layout, info=self._info)
-        head = views.get_head()  # the maps stay behind
+        head = views.buffer[: views.plan.head] if views.maps else views.buffer  # the maps stay behind
         if copy and head.device == (device if isinstance(device, torch.device) else torch.device(device)):
             moved = head.clone()  # ~40% cheaper than Tensor.to(copy=True) on CPU
         else:

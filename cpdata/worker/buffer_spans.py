@@ -20,10 +20,11 @@ import torch
 
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["BufferPlan", "Span", "ViewPlan", "buffer_plan", "gap_index", "plan_of", "span_table", "tensor_specs",
-           "with_fields"]
+__all__ = ["BufferPlan", "Span", "Spec", "ViewPlan", "buffer_plan", "gap_index", "plan_of", "span_table",
+           "tensor_specs", "with_fields"]
 
 _ALIGN = 16
+Spec = tuple[tuple[int, ...], torch.dtype, int]  # shape, dtype, itemsize
 Span = tuple[int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset, bytes, dtype, shape, strides
 Item = tuple[str, int, tuple[int, ...], tuple[int, ...], int]
 """``(key, dtype index, shape, strides, element offset)``: one ``as_strided`` of a typed view."""
@@ -39,17 +40,13 @@ def with_fields(layout: ShardLayout, fields: Mapping[str, Any]) -> ShardLayout:
     return out
 
 
-def span_table(
-    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype, int]], offset: int = 0
-) -> tuple[dict[str, Span], int]:
+def span_table(specs: Mapping[str, Spec], offset: int = 0) -> tuple[dict[str, Span], int]:
     """Byte spans for ``key -> (shape, dtype, itemsize)`` packed from ``offset``, and the end offset."""
     spans: dict[str, Span] = {}
     for k, (shape, dtype, itemsize) in specs.items():
         n = math.prod(shape) * itemsize
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        spans[k] = (offset, n, dtype, tuple(shape), tuple(strides))
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # C order, in elements
+        spans[k] = (offset, n, dtype, tuple(shape), strides)
         offset += -(-n // _ALIGN) * _ALIGN
     return spans, offset
 
@@ -70,7 +67,7 @@ def gap_index(tables: tuple[Mapping[str, Span], ...], total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(gaps), dtype=np.int64, count=sum(map(len, gaps)))
 
 
-def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, Spec]:
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise TypeError(f"ShardedBatch values must be torch tensors; keys {bad} are not")
@@ -120,16 +117,14 @@ def _apply(steps: Steps, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: typed[i](shape, strides, off) for k, i, shape, strides, off in items}
 
 
-def plan_of(spans: dict[str, Span], map_spans: dict[str, Span], total: int) -> ViewPlan:
-    """The :class:`ViewPlan` of span tables (``map_spans`` after ``spans``; ``total`` bytes)."""
-    head = min((span[0] for span in map_spans.values()), default=total)
-    return ViewPlan(spans, map_spans, head, _steps(spans), _steps(map_spans), sum(span[1] for span in spans.values()),
-                    sum(span[1] for span in map_spans.values()))  # fmt: skip
-
-
-@functools.lru_cache(maxsize=32)
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+def plan_of(specs: Mapping[str, Spec], map_specs: Mapping[str, Spec]) -> tuple[ViewPlan, int, np.ndarray]:
+    """The :class:`ViewPlan` of a buffer of tensors then layout maps (:data:`Spec` each), its bytes and its
+    alignment-gap bytes (:func:`gap_index`)."""
+    spans, head = span_table(specs)
+    map_spans, total = span_table(map_specs, head)
+    tensor_bytes, map_bytes = (sum(span[1] for span in table.values()) for table in (spans, map_spans))
+    plan = ViewPlan(spans, map_spans, head, _steps(spans), _steps(map_spans), tensor_bytes, map_bytes)
+    return plan, total, gap_index((spans, map_spans), total)
 
 
 class BufferPlan(NamedTuple):
@@ -148,6 +143,12 @@ class BufferPlan(NamedTuple):
     """int64 ``[g]``: the alignment-gap bytes (:func:`gap_index`), zeroed at allocation."""
 
 
+@functools.lru_cache(maxsize=32)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """Torch's dtype of a numpy one (cached: a buffer plan is made per slot count, about once per batch)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
 @functools.lru_cache(maxsize=256)
 def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     """The cached :class:`BufferPlan` of a :class:`~cpdata.worker.batch.BatchBuffer` (``(key, (shape,
@@ -156,15 +157,12 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     def specs(items):
         return {k: (tuple(shape), _torch_dtype(np.dtype(dt)), np.dtype(dt).itemsize) for k, (shape, dt) in items}
 
-    spans, end = span_table(specs(tensors))
-    map_spans, total = span_table(specs(maps), end)
-    items = [(spans[k], dt) for k, (_, dt) in tensors] + [(map_spans[k], dt) for k, (_, dt) in maps]
+    view, total, gaps = plan_of(specs(tensors), specs(maps))
+    items = [(view.spans[k], dt) for k, (_, dt) in tensors] + [(view.map_spans[k], dt) for k, (_, dt) in maps]
     record = np.dtype({"names": [str(i) for i in range(len(items))], "itemsize": total,
                        "formats": [(np.dtype(dt), span[3]) for span, dt in items],
                        "offsets": [span[0] for span, _ in items]})  # fmt: skip
     keys = [(k, str(i)) for i, (k, _) in enumerate((*tensors, *maps))]
-    gaps = gap_index((spans, map_spans), total)
     gaps.flags.writeable = False
-    return BufferPlan(plan_of(spans, map_spans, total), record, tuple(keys[: len(tensors)]),
-                      tuple(keys[len(tensors) :]), gaps)  # fmt: skip
+    return BufferPlan(view, record, tuple(keys[: len(tensors)]), tuple(keys[len(tensors) :]), gaps)
 

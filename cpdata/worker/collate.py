@@ -25,16 +25,17 @@ from cpdata.worker.keys import (
     INPUT_IDS,
     LABELS,
     LOSS_MASK,
+    METADATA_KEYS,
     PADDING_MASK,
     POSITION_IDS,
+    STANDARD_TOKEN_KEYS,
 )
 from cpdata.worker.plan import PackPlan
-from cpdata.worker.stream import Stream, build_stream
-from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
+from cpdata.worker.stream import Stream, build_streams
+from cpdata.worker.stream_slots import pack_metadata
 
-__all__ = ["QKV_FORMATS", "CollatedPack", "build_stream", "check_padding_token_id", "check_qkv_format",
-           "collate_pack", "collate_rank", "collate_ranks", "fill_rank", "pack_metadata", "rank_spec_key",
-           "rank_specs", "spec_items", "stream_slot_lens"]  # fmt: skip
+__all__ = ["QKV_FORMATS", "CollatedPack", "check_padding_token_id", "check_qkv_format", "collate_pack",
+           "collate_rank", "fill_rank", "rank_spec_key", "rank_specs", "spec_items"]  # fmt: skip
 
 QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
@@ -89,19 +90,9 @@ _I64, _I32, _BOOL = np.dtype(np.int64), np.dtype(np.int32), np.dtype(bool)
 @functools.lru_cache(maxsize=256)
 def spec_items(shape: tuple[int, ...], k: int, extras: tuple[tuple[str, np.dtype], ...]) -> tuple[tuple[str, Spec], ...]:
     """:func:`rank_specs` as ``(key, spec)`` items, cached per :data:`SpecKey`."""
-    tokens = ((INPUT_IDS, _I64), (LABELS, _I64), (POSITION_IDS, _I64), (PADDING_MASK, _BOOL), (DOCUMENT_IDS, _I64),
-              *extras)  # fmt: skip
-    return (*((key, (shape, dt)) for key, dt in tokens),
-            ("cu_seqlens", ((k + 1,), _I32)), ("cu_seqlens_padded", ((k + 1,), _I32)), ("seq_lens", ((k,), _I32)),
-            ("seq_lens_padded", ((k,), _I32)), ("max_seqlen", ((), _I32)))  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4)
-def _pattern(n: int) -> np.ndarray:
-    """int64 ``[n]``: ``0, 0, 1, 1, 2, 2, ...`` (read-only), the slot of each segment; ``n`` a power of two."""
-    out = np.arange(n, dtype=np.int64) // 2
-    out.flags.writeable = False
-    return out
+    tokens = [*((key, _BOOL if key == PADDING_MASK else _I64) for key in STANDARD_TOKEN_KEYS), *extras]
+    metadata = zip(METADATA_KEYS, ((k + 1,), (k + 1,), (k,), (k,), ()), strict=True)
+    return (*((key, (shape, dt)) for key, dt in tokens), *((key, (size, _I32)) for key, size in metadata))
 
 
 def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -> None:
@@ -115,11 +106,12 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     shape, tab = out_ids.shape, stream.segments
     cuts = positions.searchsorted(tab[: k2 + 1])  # [2K + 1], the last N
     counts = cuts[1:] - cuts[:-1]
-    out[DOCUMENT_IDS][...] = _pattern(1 << max(k2 - 1, 63).bit_length())[:k2].repeat(counts).reshape(shape)
+    per_slot = counts[0::2] + counts[1::2]  # positions in each slot
+    out[DOCUMENT_IDS][...] = np.arange(k2 // 2, dtype=np.int64).repeat(per_slot).reshape(shape)
     src = tab[k2 + 1 : 2 * k2 + 1].repeat(counts)
     src += positions
     src = src.reshape(shape)
-    buffer, w = stream.buffer, stream.pad_at
+    buffer, w = stream.buffer, stream.buffer.total  # pads read ids[W]
     ids = buffer.ids
     pad = np.greater_equal(src, w, out=out[PADDING_MASK])  # only pads read past the real elements
     ids[: w + 1].take(src, out=out_ids, mode="clip")
@@ -137,7 +129,7 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     for key, arr in stream.extras.items():
         arr.take(src, out=out[key], mode="clip")
     if stream.derived_mask is not None:  # pieces without a loss mask: labels != -100
-        derived = stream.derived_mask.repeat(2).repeat(counts).reshape(shape)
+        derived = stream.derived_mask.repeat(per_slot).reshape(shape)
         np.copyto(out[LOSS_MASK], np.not_equal(labels, IGNORE_INDEX), where=derived)
 
 
@@ -157,61 +149,22 @@ def fill_rank(
     if increasing:
         _gather(stream, positions, out)
     else:
-        keys = [INPUT_IDS, LABELS, POSITION_IDS, PADDING_MASK, DOCUMENT_IDS, *stream.extras]  # what _gather writes
+        keys = [*STANDARD_TOKEN_KEYS, *stream.extras]  # what _gather writes
         order = np.argsort(positions, kind="stable")
         part = {key: np.empty(positions.shape, dtype=out[key].dtype) for key in keys}
         _gather(stream, positions[order], part)
+        back = np.argsort(order)  # position i was gathered at back[i]
         for key in keys:
-            put = np.empty_like(part[key])
-            put[order] = part[key]
-            out[key][...] = put.reshape(out[key].shape)
+            out[key][...] = part[key][back].reshape(out[key].shape)
     for key, value in stream.metadata.items():
         out[key][...] = value
-
-
-def _checked_rows(stream: Stream, rows_r: np.ndarray, qkv_format: str) -> np.ndarray:
-    check_qkv_format(qkv_format)
-    row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
-    rows_r = np.asarray(rows_r)
-    if rows_r.ndim != 1 or not np.issubdtype(rows_r.dtype, np.integer):
-        raise ValueError(f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}")
-    if rows_r.size and (rows_r.min() < 0 or rows_r.max() >= row_len):
-        raise ValueError(
-            f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "
-            f"({stream.rows} x {stream.row_len} tokens), got range [{rows_r.min()}, {rows_r.max()}]"
-        )
-    return rows_r.astype(np.int64, copy=False)
 
 
 def collate_pack(
     plans: Sequence[PackPlan], *, padding_token_id: int = 0, qkv_format: str = "bshd"
 ) -> dict[str, np.ndarray]:
     """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata."""
-    check_qkv_format(qkv_format)
-    stream = build_stream(plans, padding_token_id)
-    n = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
-    return _rank_tensors(stream, np.arange(n, dtype=np.int64), qkv_format, increasing=True)
-
-
-def _rank_tensors(stream: Stream, rows_r: np.ndarray, qkv_format: str, increasing: bool | None = None
-                  ) -> dict[str, np.ndarray]:  # fmt: skip
-    """:func:`fill_rank` into new arrays."""
-    specs = rank_specs(stream, rows_r.shape[0], qkv_format)
-    out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
-    fill_rank(stream, rows_r, qkv_format, out, increasing)
-    return out
-
-
-def collate_ranks(
-    plans: Sequence[PackPlan],
-    rows: Sequence[np.ndarray] | np.ndarray,
-    *,
-    padding_token_id: int = 0,
-    qkv_format: str = "bshd",
-) -> list[dict[str, np.ndarray]]:
-    """:func:`collate_rank` for several ranks, sharing one stream (and token buffer)."""
-    stream = build_stream(plans, padding_token_id)
-    return [_rank_tensors(stream, _checked_rows(stream, rows_r, qkv_format), qkv_format) for rows_r in rows]
+    return _collate(plans, None, padding_token_id, qkv_format)
 
 
 def collate_rank(
@@ -226,7 +179,33 @@ def collate_rank(
 
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
     ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
-    return collate_ranks(plans, [rows_r], padding_token_id=padding_token_id, qkv_format=qkv_format)[0]
+    return _collate(plans, rows_r, padding_token_id, qkv_format)
+
+
+def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token_id: int, qkv_format: str
+             ) -> dict[str, np.ndarray]:  # fmt: skip
+    """:func:`fill_rank` into new arrays, at ``rows_r`` (checked) or, for None, every position."""
+    check_qkv_format(qkv_format)
+    stream = build_streams([(plans, padding_token_id)]).streams[0]
+    row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
+    if rows_r is None:
+        rows_r, increasing = np.arange(row_len, dtype=np.int64), True
+    else:
+        rows_r, increasing = np.asarray(rows_r), None
+        if rows_r.ndim != 1 or not np.issubdtype(rows_r.dtype, np.integer):
+            raise ValueError(
+                f"rows_r must be a 1-D integer array, got shape {rows_r.shape} dtype {rows_r.dtype}"
+            )
+        if rows_r.size and (rows_r.min() < 0 or rows_r.max() >= row_len):
+            raise ValueError(
+                f"rows_r must lie in [0, {row_len}) for qkv_format={qkv_format!r} "
+                f"({stream.rows} x {stream.row_len} tokens), got range [{rows_r.min()}, {rows_r.max()}]"
+            )
+        rows_r = rows_r.astype(np.int64, copy=False)
+    specs = rank_specs(stream, rows_r.shape[0], qkv_format)
+    out = {key: np.empty(shape, dtype=dt) for key, (shape, dt) in specs.items()}
+    fill_rank(stream, rows_r, qkv_format, out, increasing)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,22 +7,16 @@ The packer cuts documents into *pieces* and lays a pack's pieces out as *slots*:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from cpdata.worker.keys import INPUT_IDS
 from cpdata.worker.token_buffer import TokenBuffer
 
-__all__ = ["DIGEST_SAMPLES", "DocPiece", "Document", "PackPlan", "PieceColumns", "digest_rows", "hash_plans",
-           "plan_digest", "sample_ids"]  # fmt: skip
-
-DIGEST_SAMPLES = 8
-"""Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
-_SAMPLE_AT = np.arange(DIGEST_SAMPLES, dtype=np.int64)
-_IDS = "input_ids"
+__all__ = ["DocPiece", "Document", "PackPlan", "PieceColumns"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,7 +30,7 @@ class Document:
 
     @property
     def length(self) -> int:
-        return int(self.arrays["input_ids"].shape[0])
+        return int(self.arrays[INPUT_IDS].shape[0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,7 +50,7 @@ class DocPiece:
     """Tokens in the piece, read once at construction."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "length", int(self.arrays["input_ids"].shape[0]))
+        object.__setattr__(self, "length", int(self.arrays[INPUT_IDS].shape[0]))
 
 
 class PieceColumns(Sequence[DocPiece]):
@@ -108,14 +102,11 @@ class PieceColumns(Sequence[DocPiece]):
             return tuple(self[j] for j in range(*i.indices(len(self))))
         index, start, length, next_label = self.table[i].tolist()
         source, offset = self.sources[i], int(self.offsets[i])
-        if offset == 0 and source[_IDS].shape[0] == length:
+        if offset == 0 and source[INPUT_IDS].shape[0] == length:
             arrays = source
         else:
             arrays = {k: a[offset : offset + length] for k, a in source.items()}
         return DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
-
-    def __iter__(self) -> Iterator[DocPiece]:
-        return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         """Equal columns and, piece by piece, equal arrays (keys, dtypes, values)."""
@@ -169,60 +160,3 @@ class PackPlan:
     @property
     def real_tokens(self) -> int:
         return int(self.seq_lens.sum())
-
-
-def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
-    """63-bit digest of everything that decides a rank's shard of ``plan``.
-
-    CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
-    size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
-    token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
-    same shape disagree, while a change confined to unsampled positions goes unseen."""
-    lens, cols = plan.seq_lens, plan.piece_columns
-    ids = np.concatenate([src[_IDS][o : o + k] for src, o, k in zip(cols.sources, cols.offsets.tolist(),
-                                                                    lens.tolist(), strict=True)] or [lens[:0]])  # fmt: skip
-    rows = digest_rows(plan.columns)
-    sample_ids(ids, lens.cumsum() - lens, rows)  # the pieces back to back: each one's first id
-    return hash_plans([plan], layout, cp_size, rows, [rows.shape[0]], np.asarray(plan.slot_lens))[0]
-
-
-def digest_rows(columns: np.ndarray) -> np.ndarray:
-    """int64 ``[n, 4 + DIGEST_SAMPLES]``: the pieces' columns, then room for their samples."""
-    rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
-    rows[:, :4] = columns
-    return rows
-
-
-def sample_ids(ids: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
-    """Fill the samples of ``rows`` (:func:`digest_rows`) with one gather from ``ids`` at the pieces'
-    ``starts`` (int64 ``[n]``); an empty piece's are -1."""
-    lens, samples = rows[:, 2], rows[:, 4:]
-    if not lens.shape[0]:
-        return
-    at = np.multiply.outer(lens - 1, _SAMPLE_AT)
-    at //= DIGEST_SAMPLES - 1
-    at += starts[:, None]
-    if lens.min() > 0:
-        samples[...] = ids.take(at)
-    else:
-        real = lens > 0
-        samples[...] = -1
-        samples[real] = ids[at[real]]
-
-
-def hash_plans(plans: Sequence[PackPlan], layout: str, cp_size: int, rows: np.ndarray, counts: Sequence[int],
-               slot_lens: np.ndarray) -> list[int]:  # fmt: skip
-    """:func:`plan_digest` of every plan from its ``counts[p]`` rows of the digest table and of ``slot_lens``,
-    the plans' checked slot lengths concatenated. Rows and lengths become bytes once; each plan hashes its
-    slices."""
-    prefix, mask = f"{layout}|{cp_size}|", (1 << 63) - 1
-    data, width = rows.tobytes(), 8 * rows.shape[1]
-    lens_data = slot_lens.astype(np.int64, copy=False).tobytes()
-    out, row = [], 0
-    for plan, k in zip(plans, counts, strict=True):
-        h = hashlib.blake2b((prefix + f"{plan.capacity}|{plan.index}").encode(), digest_size=8)
-        h.update(lens_data[8 * row : 8 * (row + k)])
-        h.update(data[width * row : width * (row + k)])
-        row += k
-        out.append(int.from_bytes(h.digest(), "little") & mask)
-    return out

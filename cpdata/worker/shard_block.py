@@ -10,19 +10,20 @@ import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 import numpy as np
 
-from cpdata.layout.maps import concat_run_block, layout_run_block, layout_runs
+from cpdata.layout.maps import layout_run_block, layout_runs
 from cpdata.layout.runs import RunTable
 from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
-from cpdata.worker.plan import digest_rows, hash_plans, sample_ids
+from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
 
-__all__ = ["BlockItem", "DocumentSources", "check_rows", "prepare_block", "static_layout"]
+__all__ = ["DIGEST_SAMPLES", "BlockItem", "DocumentSources", "check_rows", "plan_digest", "prepare_block",
+           "static_layout"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,7 +35,7 @@ class BlockItem:
         table: the layout's run table (rows and inverse made per rank when served); None with ``fixed``.
         fixed: rows int64 ``[cp, stream_len / cp]`` and inverse int64 ``[stream_len]`` of a layout that
             ignores the documents (cached, read-only); None with ``table``.
-        info: the batch's ``info`` dict, shared by every rank's batch.
+        info: the batch's ``info`` dict (its digest included), shared by every rank's batch.
     """
 
     batch: CollatedPack
@@ -43,7 +44,6 @@ class BlockItem:
     table: RunTable | None
     fixed: tuple[np.ndarray, np.ndarray] | None
     info: dict[str, Any]
-    digest: int
 
 
 def check_rows(layout: str, cp_size: int, dynamic: bool, n_rows: int, qkv_format: str) -> None:
@@ -57,12 +57,12 @@ def check_rows(layout: str, cp_size: int, dynamic: bool, n_rows: int, qkv_format
 
 
 @functools.lru_cache(maxsize=16)
-def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[RunTable, np.ndarray, np.ndarray]:
-    """Run table, rows ``[cp, L]`` and inverse ``[stream_len]`` of a layout that ignores the documents."""
+def static_layout(layout: str, cp_size: int, stream_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[cp, L]`` and inverse ``[stream_len]`` (read-only) of a layout that ignores the documents."""
     table = layout_runs(layout, cp_size, [], stream_len)
     rows, inverse = table.rows(), table.inverse()
     rows.flags.writeable = inverse.flags.writeable = False
-    return table, rows, inverse
+    return rows, inverse
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,7 +70,7 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
     """Runs of consecutive positions in each rank's row of a layout that ignores the documents, repeated
     every ``stream_len`` for ``n_rows`` bshd rows: the runs' first positions then their ends (int64
     ``[2 * runs]``, grouped by rank) and each rank's first run (int64 ``[cp]``)."""
-    rows = static_layout(layout, cp_size, stream_len)[1]
+    rows = static_layout(layout, cp_size, stream_len)[0]
     repeats = np.arange(n_rows, dtype=np.int64)[:, None] * stream_len
     firsts, ends, group = [], [], []
     for row in rows:
@@ -112,32 +112,57 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
     return works
 
 
-def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[int]) -> list[int]:
-    """Each batch's digest: :func:`cpdata.worker.plan.plan_digest` of its plan, or a hash of every plan's.
+DIGEST_SAMPLES = 8
+"""Token ids per piece that :func:`plan_digest` hashes (evenly spaced, first and last included)."""
+_SAMPLE_AT = np.arange(DIGEST_SAMPLES, dtype=np.int64)
 
-    One digest table of every piece, samples gathered once per run of batches sharing a token buffer,
-    one hash per plan; ``n_documents``: each batch's pieces."""
+
+def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
+    """63-bit digest of everything that decides a rank's shard of ``plan``.
+
+    CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
+    size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
+    token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
+    same shape disagree, while a change confined to unsampled positions goes unseen."""
+    return _digests(build_streams([([plan], 0)]), layout, cp_size, [len(plan.pieces)])[0]
+
+
+def _hash63(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[int]) -> list[int]:
+    """Each batch's digest: :func:`plan_digest` of its plan, or a hash of every plan's.
+
+    One table of every piece's columns and sampled ids (an empty piece's -1), the samples gathered once per
+    run of batches sharing a token buffer; one hash per plan over its rows and checked slot lengths;
+    ``n_documents``: each batch's pieces."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
     if slots.padded:  # an empty plan's padding slot (document -1) is no piece
         piece = columns[:, 0] >= 0
         columns, starts, raw = columns[piece], starts[piece], raw[piece]
         first = [0, *accumulate(n_documents)]
-    rows = digest_rows(columns)
-    k = len(n_documents)
+    rows = np.empty((columns.shape[0], 4 + DIGEST_SAMPLES), dtype=np.int64)
+    rows[:, :4] = columns
+    lens, samples = columns[:, 2], rows[:, 4:]
+    at = np.multiply.outer(lens - 1, _SAMPLE_AT)
+    at //= DIGEST_SAMPLES - 1
+    at += starts[:, None]
+    real = lens > 0
+    samples[~real] = -1  # an empty piece's
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
-        sample_ids(streams[b].buffer.ids, starts[first[b] : first[e]], rows[first[b] : first[e]])
-    digests = hash_plans(slots.plans, layout, cp_size, rows, slots.counts, raw)
-    if len(digests) == k:  # one plan per batch: its digest
-        return digests
-    out, pf = [], slots.plan_first
-    for b in range(k):
-        if pf[b + 1] - pf[b] == 1:
-            out.append(digests[pf[b]])
-        else:
-            h = hashlib.blake2b(np.asarray(digests[pf[b] : pf[b + 1]], dtype=np.int64).tobytes(), digest_size=8)
-            out.append(int.from_bytes(h.digest(), "little") & ((1 << 63) - 1))
-    return out
+        part = slice(first[b], first[e])
+        samples[part][real[part]] = streams[b].buffer.ids[at[part][real[part]]]
+    prefix, data, width = f"{layout}|{cp_size}|", rows.tobytes(), 8 * rows.shape[1]
+    lens_data = raw.astype(np.int64, copy=False).tobytes()
+    digests, row = [], 0
+    for plan, k in zip(slots.plans, slots.counts, strict=True):
+        head = (prefix + f"{plan.capacity}|{plan.index}").encode() + lens_data[8 * row : 8 * (row + k)]
+        digests.append(_hash63(head + data[width * row : width * (row + k)]))
+        row += k
+    per_batch = [digests[lo:hi] for lo, hi in pairwise(slots.plan_first)]
+    return [d[0] if len(d) == 1 else _hash63(np.asarray(d, dtype=np.int64).tobytes()) for d in per_batch]
 
 
 def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
@@ -146,10 +171,6 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens:
     length; raises the per-batch error of :func:`cpdata.layout.maps.layout_runs`."""
     slots, real = block.slots, block.slots.table[:, 2]
     k = len(stream_lens)
-    if not slots.padded and stream_lens.count(stream_lens[0]) == k:  # the block's slots are the packs' as they are
-        counts = None if k == 1 else np.diff(np.asarray(slots.first, dtype=np.int64))
-        run_block = concat_run_block(layout, cp_size, slots.layout_lens, counts, stream_lens[0])
-        return run_block.tables(), run_block.causal_work(real).tolist()
     tables: list[RunTable] = [None] * k  # type: ignore[list-item]
     works: list[list[float]] = [[]] * k
     groups: dict[int, list[int]] = {}
@@ -171,10 +192,10 @@ DocumentSources = Callable[[np.ndarray], tuple[list[str], np.ndarray]]
 index there, e.g. :meth:`cpdata.nodes.mix.Mix.document_sources`."""
 
 
-def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSources | None
-           ) -> tuple[list[list[int]], list[list[int]], list[list[str | None]] | None]:  # fmt: skip
-    """Per batch, per slot: document index, the piece's offset in it and, with ``sources``, the mix
-    source's name (the index then local to that source); an empty plan's padding slot: -1, 0, None."""
+def _trace(table: np.ndarray, sources: DocumentSources | None
+           ) -> tuple[list[int], list[int], list[str | None] | None]:  # fmt: skip
+    """Per slot: document index, the piece's offset in it and, with ``sources``, the mix source's name (the
+    index then local to that source); an empty plan's padding slot: -1, 0, None."""
     index, start = table[:, 0], table[:, 1]
     names: list[str | None] | None = None
     if sources is not None:
@@ -185,10 +206,7 @@ def _trace(table: np.ndarray, first: Sequence[int], k: int, sources: DocumentSou
         names = [None] * index.shape[0]
         for j, name in zip(np.flatnonzero(real).tolist(), found, strict=True):
             names[j] = name
-    idx, st = index.tolist(), start.tolist()
-    cuts = [(first[b], first[b + 1]) for b in range(k)]
-    return ([idx[lo:hi] for lo, hi in cuts], [st[lo:hi] for lo, hi in cuts],
-            None if names is None else [names[lo:hi] for lo, hi in cuts])  # fmt: skip
+    return index.tolist(), start.tolist(), names
 
 
 def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dynamic: bool,
@@ -216,36 +234,34 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
         tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
         fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
     else:
-        of_len = {n: static_layout(layout, cp_size, n)[1:] for n in set(stream_lens)}
-        tables, fixed = [None] * k, [of_len[n] for n in stream_lens]
+        tables, fixed = [None] * k, [static_layout(layout, cp_size, n) for n in stream_lens]  # (cached)
         works = _static_causal_work(block, layout, cp_size, stream_lens)
     slots = block.slots
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
-    if len(indices) == k:  # one plan per batch
-        n_documents = slots.counts
-    else:
-        n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
+    n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]
     digests = _digests(block, layout, cp_size, n_documents)
-    doc_index, doc_start, doc_source = _trace(slots.table, slots.first, k, sources)
+    doc_index, doc_start, doc_source = _trace(slots.table, sources)
     n_targets = target_counts(block)
+    widest = np.maximum.reduceat(slots.slot_lens, slots.first[:-1]).tolist()  # each batch's longest slot
     items = []
     for i, batch in enumerate(batches):
+        lo, hi, meta = slots.first[i], slots.first[i + 1], block.streams[i].metadata
         info = {
             "layout": layout,
-            "max_seqlen": block.max_seqlen[i],
-            "max_seqlen_padded": block.max_slot_len[i],
+            "max_seqlen": int(meta["max_seqlen"]),
+            "max_seqlen_padded": widest[i],
             "pack_indices": indices[pf[i] : pf[i + 1]],
-            "real_tokens": block.real_tokens[i],
+            "real_tokens": int(meta["cu_seqlens"][-1]),
             "pack_tokens": (pf[i + 1] - pf[i]) * batch.pack_len,
             N_TARGETS: n_targets[i],
             "n_documents": n_documents[i],
             "causal_work": works[i],
             "digest": digests[i],
-            "doc_index": doc_index[i],
-            "doc_start": doc_start[i],
+            "doc_index": doc_index[lo:hi],
+            "doc_start": doc_start[lo:hi],
         }
         if doc_source is not None:
-            info["doc_source"] = doc_source[i]
+            info["doc_source"] = doc_source[lo:hi]
         items.append(BlockItem(batch=batch, stream=block.streams[i], stream_len=stream_lens[i], table=tables[i],
-                               fixed=fixed[i], info=info, digest=digests[i]))  # fmt: skip
+                               fixed=fixed[i], info=info))  # fmt: skip
     return items

@@ -8,6 +8,7 @@ concatenates its pieces. :func:`target_counts` gives ``info["n_targets"]`` (the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream_slots import SlotBlock, metadata_block, slot_block
 from cpdata.worker.token_buffer import TokenBuffer, concatenate_arrays
 
-__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_stream",
-           "build_streams", "target_counts"]  # fmt: skip
+__all__ = ["BatchTokens", "Stream", "StreamBlock", "batch_tokens", "buffer_runs", "build_streams",
+           "target_counts"]  # fmt: skip
 
 _END = np.iinfo(np.int64).max  # a segment bound past every stream position
 
@@ -57,11 +58,6 @@ class Stream:
         """int64 ``[K]``: ``slot_starts + real_lens``."""
         return self.segments[1 : 2 * self.slot_lens.shape[0] : 2]
 
-    @property
-    def pad_at(self) -> int:
-        """``W``: the buffer index pad positions read."""
-        return self.buffer.total
-
 
 @dataclass(frozen=True, slots=True)
 class StreamBlock:
@@ -70,38 +66,25 @@ class StreamBlock:
     Attributes:
         offsets: int64 ``[N]``: each slot's offset in the block's streams back to back.
         src_starts: int64 ``[N]``: buffer index of each slot's first token.
-        real_tokens, max_seqlen, max_slot_len: ``k`` ints each: ``T``, longest piece, longest slot.
     """
 
     streams: list[Stream]
     slots: SlotBlock
     offsets: np.ndarray
     src_starts: np.ndarray
-    real_tokens: list[int]
-    max_seqlen: list[int]
-    max_slot_len: list[int]
-
-
-def build_stream(plans: Sequence[PackPlan], padding_token_id: int) -> Stream:
-    """:func:`build_streams` of one batch."""
-    return build_streams([(plans, padding_token_id)]).streams[0]
 
 
 def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBlock:
     """The :class:`StreamBlock` of ``k`` batches ``(plans, padding_token_id)``.
 
-    Slots of all batches (:func:`slot_block`) and each batch's buffer
-    (:func:`batch_tokens`), then the segment tables and metadata of all batches
-    with one set of numpy calls, running sums restarted at each batch: O(N) in ~30 numpy calls per block
-    plus O(k + plans) Python. Raises the errors of those two."""
+    Slots of all batches (:func:`slot_block`) and each batch's buffer (:func:`batch_tokens`), then the
+    segment tables and metadata of all batches with one set of numpy calls, running sums restarted at each
+    batch: O(N) in ~30 numpy calls per block plus O(k + plans) Python. Raises the errors of those two."""
     slots = slot_block([plans for plans, _ in batches])
     tokens = [batch_tokens(plans) for plans, _ in batches]
     k, n, firsts, caps = len(batches), slots.table.shape[0], slots.first, slots.capacities
     pf = slots.plan_first
-    if slots.padded:  # an empty plan's padding slot reads no piece
-        src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
-    else:
-        src = [tok.at for tok in tokens]
+    src = [_per_slot(slots.counts[pf[b] : pf[b + 1]], tok.at, 0) for b, tok in enumerate(tokens)]
     src_starts = src[0] if k == 1 else np.concatenate(src)
     table, slot_lens = slots.table, slots.slot_lens
     starts, real_lens = table[:, 1], table[:, 2]
@@ -110,35 +93,25 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
     offsets -= slot_lens
     seg = np.empty(6 * n + k, dtype=np.int64)  # batch b's segment table: seg[6 first[b] + b :][: 6 K_b + 1]
     pad_at = [tok.buffer.total for tok in tokens]  # W of each batch: the buffer index its pads read
-    if k == 1:  # one batch: its segment table by strided slices
-        batch_of, slot_starts = None, offsets
-        seg[0 : 2 * n : 2], seg[2 * n] = slot_starts, _END
-        np.add(slot_starts, real_lens, out=seg[1 : 2 * n : 2])
-        np.subtract(src_starts, slot_starts, out=seg[2 * n + 1 : 4 * n + 1 : 2])
-        seg[2 * n + 2 : 4 * n + 1 : 2] = pad_at[0]
-        np.subtract(starts, slot_starts, out=seg[4 * n + 1 :: 2])
-        seg[4 * n + 2 :: 2] = seg[4 * n + 1 :: 2]
-        reach = [int((starts + slot_lens).max())]
-    else:
-        head, sizes = first[:-1], first[1:] - first[:-1]
-        batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
-        slot_starts = offsets - offsets[head][batch_of]
-        seg_at = 6 * head
-        seg_at += np.arange(k, dtype=np.int64)
-        seg[seg_at + 2 * sizes] = _END
-        at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
-        at += (seg_at - 2 * head)[batch_of]
-        step = (2 * sizes)[batch_of]
-        seg[at] = slot_starts
-        seg[at + 1] = slot_starts + real_lens
-        at += step
-        at += 1
-        seg[at] = src_starts - slot_starts
-        seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
-        at += step
-        seg[at] = seg[at + 1] = starts - slot_starts
-        reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
-    metadata, totals, longest, widest = metadata_block(real_lens, slot_lens, first, batch_of)
+    head, sizes = first[:-1], first[1:] - first[:-1]
+    batch_of = np.repeat(np.arange(k, dtype=np.int64), sizes)  # int64 [N]: each slot's batch
+    slot_starts = offsets - offsets[head][batch_of]
+    seg_at = 6 * head
+    seg_at += np.arange(k, dtype=np.int64)
+    seg[seg_at + 2 * sizes] = _END
+    at = 2 * np.arange(n, dtype=np.int64)  # each slot's first segment, then its second, its third
+    at += (seg_at - 2 * head)[batch_of]
+    step = (2 * sizes)[batch_of]
+    seg[at] = slot_starts
+    seg[at + 1] = slot_starts + real_lens
+    at += step
+    at += 1
+    seg[at] = src_starts - slot_starts
+    seg[at + 1] = np.asarray(pad_at, dtype=np.int64)[batch_of]
+    at += step
+    seg[at] = seg[at + 1] = starts - slot_starts
+    reach = np.maximum.reduceat(starts + slot_lens, head).tolist()
+    metadata = metadata_block(real_lens, slot_lens, first, batch_of)
     out = []
     for b, (plans, padding_token_id) in enumerate(batches):
         tok, i, j = tokens[b], firsts[b], firsts[b + 1]
@@ -150,18 +123,15 @@ def build_streams(batches: Sequence[tuple[Sequence[PackPlan], int]]) -> StreamBl
             derived_mask=None if tok.no_mask is None else _per_slot(slots.counts[pf[b] : pf[b + 1]], tok.no_mask, True),
             pads_pass_end=reach[b] > caps[b], metadata=metadata[b],
         ))  # fmt: skip
-    return StreamBlock(out, slots, offsets, src_starts, totals, longest, widest)
+    return StreamBlock(out, slots, offsets, src_starts)
 
 
 def _per_slot(counts: list[int], values: np.ndarray, pad: object) -> np.ndarray:
     """Per-piece ``values`` ``[n]`` as a per-slot column ``[K]``: ``pad`` for an empty plan's padding slot."""
     if all(counts):
         return values
-    parts, at = [], 0
-    for c in counts:
-        parts.append(values[at : at + c] if c else np.asarray([pad], dtype=values.dtype))
-        at += c
-    return np.concatenate(parts)
+    before = np.cumsum([0, *counts[:-1]])  # the pieces before each plan
+    return np.insert(values, before[np.asarray(counts) == 0], pad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +165,9 @@ def batch_tokens(plans: Sequence[PackPlan]) -> BatchTokens:
     if LOSS_MASK in keys and not all(LOSS_MASK in src for src in sources):
         no_mask = np.fromiter((LOSS_MASK not in src for src in sources), dtype=bool, count=len(sources))
     buffer = cols[0].buffer
-    if buffer is not None and all(c.buffer is buffer for c in cols[1:]) and _holds(buffer, sources, keys, plain):
-        at = cols[0].at if len(cols) == 1 else np.concatenate([c.at for c in cols])
-        return BatchTokens(buffer, at, keys, no_mask)
+    shared = buffer is not None and all(c.buffer is buffer for c in cols[1:])
+    if shared and (plain or _holds(buffer, sources, keys)):
+        return BatchTokens(buffer, _column(cols, "at"), keys, no_mask)
     table = _column(cols, "table")
     offsets, lengths = _column(cols, "offsets").tolist(), table[:, 2]
     arrays = [{k: a[o : o + n] for k, a in src.items()}
@@ -212,10 +182,8 @@ def _column(cols: list, name: str) -> np.ndarray:
     return getattr(cols[0], name) if len(cols) == 1 else np.concatenate([getattr(c, name) for c in cols])
 
 
-def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], keys: list[str], plain: bool) -> bool:
+def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], keys: list[str]) -> bool:
     """Whether ``buffer`` holds labels where pieces have them and ``keys`` in the pieces' promoted dtypes."""
-    if plain:
-        return True
     if buffer.labels is None and any(LABELS in src for src in sources):
         return False
     for key in keys:
@@ -227,13 +195,8 @@ def _holds(buffer: TokenBuffer, sources: Sequence[Mapping[str, np.ndarray]], key
 
 def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list[str]:
     """The pieces' per-token keys beside ``input_ids`` and ``labels``, sorted, ``loss_mask`` last."""
-    if sources and all(src.keys() == sources[0].keys() for src in sources):  # the usual case
-        keys = sorted(set(sources[0]) - {INPUT_IDS, LABELS})
-    else:
-        keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS}) if sources else []
-    for key in keys:
-        if key == LOSS_MASK:  # derived from the labels where missing
-            continue
+    keys = sorted(set().union(*(src.keys() for src in sources)) - {INPUT_IDS, LABELS})
+    for key in (k for k in keys if k != LOSS_MASK):  # a missing loss mask is derived from the labels
         missing = [i for i, src in zip(_column(cols, "table")[:, 0].tolist(), sources, strict=True) if key not in src]
         if missing:
             raise ValueError(
@@ -245,13 +208,10 @@ def _extra_keys(sources: Sequence[Mapping[str, np.ndarray]], cols: list) -> list
 
 def buffer_runs(streams: Sequence[Stream]) -> Iterator[tuple[int, int]]:
     """``(b, e)``: each run of consecutive batches ``[b, e)`` reading one token buffer."""
-    b, k = 0, len(streams)
-    while b < k:
-        e = b + 1
-        while e < k and streams[e].buffer is streams[b].buffer:
-            e += 1
+    e = 0
+    for _, run in itertools.groupby(streams, key=lambda stream: id(stream.buffer)):
+        b, e = e, e + len(list(run))
         yield b, e
-        b = e
 
 
 def target_counts(block: StreamBlock) -> list[int]:
@@ -260,19 +220,11 @@ def target_counts(block: StreamBlock) -> list[int]:
     real, first = slots.table[:, 2], slots.first
     per_slot = np.empty(real.shape[0], dtype=np.int64)
     for b, e in buffer_runs(streams):
-        lo, hi = first[b], first[e]
-        per_slot[lo:hi] = _slot_targets(streams[b].buffer, starts[lo:hi], real[lo:hi])
-    below = np.zeros(real.shape[0] + 1, dtype=np.int64)
-    per_slot.cumsum(out=below[1:])
-    bounds = np.asarray(first, dtype=np.int64)
-    return (below[bounds[1:]] - below[bounds[:-1]]).tolist()
-
-
-def _slot_targets(buffer: TokenBuffer, at: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """int64 ``[K]``: targets of slots whose ``n`` real tokens start at buffer index ``at``."""
-    if buffer.labels is None:
-        after = buffer.ids.take(at + n)  # the target of each slot's last token (an empty slot's: unused)
-        return np.where(n > 0, n - 1 + (after != IGNORE_INDEX), 0)
-    labels, spans = buffer.labels, zip(at.tolist(), n.tolist(), strict=True)
-    counts = (np.count_nonzero(labels[a : a + k] != IGNORE_INDEX) for a, k in spans)
-    return np.fromiter(counts, dtype=np.int64, count=n.shape[0])
+        buffer, part = streams[b].buffer, slice(first[b], first[e])
+        at, n = starts[part], real[part]
+        if buffer.labels is None:  # a slot's last target is the element after it; an empty slot has none
+            per_slot[part] = np.where(n > 0, n - 1 + (buffer.ids.take(at + n) != IGNORE_INDEX), 0)
+        else:
+            spans = zip(at.tolist(), n.tolist(), strict=True)
+            per_slot[part] = [np.count_nonzero(buffer.labels[a : a + k] != IGNORE_INDEX) for a, k in spans]
+    return np.add.reduceat(per_slot, first[:-1]).tolist()  # (every batch has a slot)

@@ -1,8 +1,7 @@
-"""The slots of a batch's stream, checked, and their metadata: no tokens.
+"""The slots of a batch's stream (:mod:`cpdata.worker.collate`), checked, and their metadata: no tokens.
 
-The stream is the plans' slots row after row, each pack's tail absorbed by its last slot, an empty pack
-one padding slot. :func:`slot_block` checks the slots of ``k`` batches in one pass over the plans and a
-few numpy calls; :func:`metadata_block` gives their ``cu_seqlens`` family."""
+:func:`slot_block` checks the slots of ``k`` batches in one pass over the plans and a few numpy calls;
+:func:`metadata_block` gives their ``cu_seqlens`` family."""
 
 from __future__ import annotations
 
@@ -76,9 +75,7 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
                 raise ValueError(
                     f"all plans of a batch need the same capacity; plan {b} has {plan.capacity}, plan 0 has {capacity}"
                 )
-            table, slot_lens = plan.columns, plan.slot_lens
-            if type(slot_lens) is not np.ndarray:  # (an array of any dtype is cast with the others below)
-                slot_lens = np.asarray(slot_lens)
+            table, slot_lens = plan.columns, np.asarray(plan.slot_lens)  # (any dtype: cast below)
             n = table.shape[0]
             if slot_lens.shape != (n,):
                 raise ValueError(
@@ -104,11 +101,9 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
             f"plan {flat[p].index}: piece {i} has {int(table[:, 2][short][0])} tokens but its slot only "
             f"{int(raw[short][0])}; slot_lens must be >= the piece lengths"
         )
-    last = np.asarray(ends, dtype=np.int64)
-    last -= 1
-    ends = raw.cumsum()[last]
-    tails = np.subtract(caps[0] if min(caps) == max(caps) else np.repeat(caps, np.diff(plan_first)), ends)
-    tails[1:] += ends[:-1]  # each plan's tail padding: its capacity minus the sum of its slots
+    last = np.asarray(ends, dtype=np.int64) - 1
+    # each plan's tail padding: its capacity minus the sum of its slots
+    tails = np.repeat(caps, np.diff(plan_first)) - np.add.reduceat(raw, np.concatenate(([0], last[:-1] + 1)))
     slot_lens = raw.copy()
     slot_lens[last] += tails
     if tails.min() < 0:  # (a negative slot is shorter than its piece: refused above)
@@ -131,35 +126,28 @@ def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
     ``[K]``) and ``max_seqlen`` (0-d int32) of one batch's stream; O(slots)."""
     block = slot_block([plans])
     first = np.asarray(block.first, dtype=np.int64)
-    return metadata_block(block.table[:, 2], block.slot_lens, first, None)[0][0]
+    return metadata_block(block.table[:, 2], block.slot_lens, first, np.zeros(first[1], dtype=np.int64))[0]
 
 
-def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray | None
-                   ) -> tuple[list[dict[str, np.ndarray]], list[int], list[int], list[int]]:  # fmt: skip
-    """:func:`pack_metadata` of each batch of a block, then each batch's real tokens, longest piece
-    and longest slot.
+def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarray, batch_of: np.ndarray
+                   ) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    """:func:`pack_metadata` of each batch of a block.
 
-    Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch (None
-    when ``k = 1``). One cumulative sum over the block, restarted at each batch; each dict's arrays are
-    views of a few block arrays."""
+    Batch ``b`` holds slots ``[first[b], first[b + 1])``; ``batch_of``: int64 ``[N]`` each slot's batch. One
+    cumulative sum over the block, restarted at each batch; each dict's arrays are views of a few block
+    arrays."""
     n, k = real_lens.shape[0], first.shape[0] - 1
     lens = np.empty((2, n), dtype=np.int32)  # real, slot
     lens[0], lens[1] = real_lens, slot_lens
     cu = np.zeros((2, n + k), dtype=np.int32)  # batch b: columns [first[b] + b, first[b + 1] + b]
-    if batch_of is None:
-        lens.cumsum(axis=1, out=cu[:, 1:])
-        totals = [int(real_lens.sum())]
-        top = lens.max(axis=1, keepdims=True) if n else np.zeros((2, 1), dtype=np.int32)
-    else:
-        head = first[:-1]
-        cum = lens.cumsum(axis=1, dtype=np.int64)
-        cum -= (cum[:, head] - lens[:, head])[:, batch_of]
-        at = np.arange(1, n + 1, dtype=np.int64)
-        at += batch_of
-        cu.reshape(-1)[np.concatenate((at, at + (n + k)))] = cum.reshape(-1)
-        totals = cum[0, first[1:] - 1].tolist()
-        top = np.maximum.reduceat(lens, head, axis=1)
-    out, bounds, (cu_real, cu_slot), (real, slot), longest = [], first.tolist(), cu, lens, top[0]
+    head = first[:-1]
+    cum = lens.cumsum(axis=1, dtype=np.int64)
+    cum -= (cum[:, head] - lens[:, head])[:, batch_of]
+    at = np.arange(1, n + 1, dtype=np.int64)
+    at += batch_of
+    cu[:, at] = cum
+    longest = np.maximum.reduceat(lens[0], head)
+    out, bounds, (cu_real, cu_slot), (real, slot) = [], first.tolist(), cu, lens
     for b in range(k):
         i, j = bounds[b], bounds[b + 1]
         out.append({
@@ -169,5 +157,4 @@ def metadata_block(real_lens: np.ndarray, slot_lens: np.ndarray, first: np.ndarr
             "seq_lens_padded": slot[i:j],
             "max_seqlen": longest[b, ...],  # a 0-d view
         })  # fmt: skip
-    top_real, top_slot = top.tolist()
-    return out, totals, top_real, top_slot
+    return out

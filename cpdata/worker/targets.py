@@ -197,8 +197,7 @@ def to_targets(
     if len(masks) > 1:
         raise ValueError(f"document {index} carries several loss masks {masks}; pass one of them")
     ids = arrays[INPUT_IDS]
-    n = ids.shape[0]
-    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    targets = np.full(ids.shape[0], IGNORE_INDEX, dtype=np.int64)
     if LABELS in arrays:
         labels = arrays[LABELS]
         _check_labels(labels, index, vocab_size)
@@ -246,11 +245,10 @@ def piece_arrays(arrays: Mapping[str, np.ndarray], start: int, length: int, cont
         return arrays
     out = {k: a[start : start + length] for k, a in arrays.items()}
     if not continues and start + length < n and length and LABELS in out:
-        out[LABELS] = out[LABELS].copy()
-        out[LABELS][-1] = IGNORE_INDEX
-        if LOSS_MASK in out:
-            out[LOSS_MASK] = out[LOSS_MASK].copy()
-            out[LOSS_MASK][-1] = 0
+        for key, untrained in ((LABELS, IGNORE_INDEX), (LOSS_MASK, 0)):
+            if key in out:
+                out[key] = out[key].copy()
+                out[key][-1] = untrained
     return out
 
 

@@ -113,10 +113,8 @@ def concatenate_arrays(
     extras: dict[str, np.ndarray] = {}
     starts = (after - lengths).tolist()
     for key in keys:
-        if key == LABELS:
-            out = np.empty(total + 1, dtype=np.int64)
-            out[:total] = ids[1 : total + 1]  # next-token targets where an item has no labels
-            out[total] = IGNORE_INDEX
+        if key == LABELS:  # next-token targets where an item has no labels, then ids[W + 1] = -100
+            out = ids[1 : total + 2].copy()
         else:
             out = np.zeros(total + 1, dtype=np.result_type(*[a[key].dtype for a in arrays if key in a]))
         for a, at, k in zip(arrays, starts, lengths.tolist(), strict=True):
