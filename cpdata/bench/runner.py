@@ -21,7 +21,7 @@ from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
 from cpdata.errors import check_int, is_int
-from cpdata.nodes.heap import keep_heap
+from cpdata.nodes.worker_process import keep_heap
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
@@ -91,7 +91,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
     ``log``).
 
-    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s
+    The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     from cpdata.bench.packing_quality import default_algorithm

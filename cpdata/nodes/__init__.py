@@ -7,7 +7,7 @@ refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mi
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
 :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard``. Assembly: ``options`` (the option records),
 ``loader`` (``build_loader``, pinning), ``dataset`` (``CPDataset``), ``dataloader`` (``CPDataLoader``).
-Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
+Runtime helpers: ``epochs``, ``state_version``, ``worker_process`` (a kept heap, death with the parent).
 """
 
 from __future__ import annotations
