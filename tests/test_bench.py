@@ -280,7 +280,7 @@ def test_lower_bound_sees_what_the_volume_bound_misses():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 1000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
 def test_karmarkar_karp_partitions_every_item_once(weights, k, equal_size):
-    from cpdata.bench.schedule_methods import karmarkar_karp
+    from cpdata.bench.schedule_balance import karmarkar_karp
 
     parts = karmarkar_karp([float(w) for w in weights], k, equal_size=equal_size)
     assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(weights)))

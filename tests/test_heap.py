@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import IterableDataset
 
 from cpdata.nodes.dataloader import CPDataLoader
-from cpdata.nodes.heap import _glibc_mallopt, keep_heap, keeping_heap
+from cpdata.nodes.worker_process import _glibc_mallopt, keep_heap, keeping_heap
 
 
 def _huge_pages_always() -> bool:
@@ -64,7 +64,8 @@ def test_keep_heap_stops_the_heap_from_being_trimmed_and_faulted_in_again():
     without = float(_in_fresh_process("from tests.test_heap import _churn; print(_churn(40))"))
     kept = float(
         _in_fresh_process(
-            "from cpdata.nodes.heap import keep_heap; from tests.test_heap import _churn; assert keep_heap(); print(_churn(40))"
+            "from cpdata.nodes.worker_process import keep_heap; from tests.test_heap import _churn; "
+            "assert keep_heap(); print(_churn(40))"
         )
     )
     assert without > 100  # 1.8 MB given back and faulted in again every round (~440 pages)

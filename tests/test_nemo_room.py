@@ -23,8 +23,7 @@ EMULATION: dict[str, set[str]] = {
     "resolve": {"Strategy", "resolve_strategy", "attention_backend", "uses_te_attention", "submesh", "mesh_device"},
     "raw_shard": {"DeviceShard", "shard_identity", "closed_form_indices", "check_undeclared", "primary_key"},
     "thd_batch": {"ThdStream", "to_thd_stream", "shard_thd_stream", "SEQ_LENS_SENTINEL"},
-    "thd_shard": {"ThdShard", "THD_LOCAL_INDICES"},
-    "pp_chunks": {"split_thd_chunks"},
+    "thd_shard": {"ThdShard", "THD_LOCAL_INDICES", "split_thd_chunks"},
     "token_coords": {"to_padded_stream", "trim_to_caller"},
 }
 # batch keys and hooks of NeMo's contract that only the emulation reads

@@ -4,7 +4,7 @@ Each case runs a real parent process (``python parent.py MODE MARKERS``)
 whose workers get stuck reading a document (they sleep forever, as on dead
 storage), write a marker file with their pid, and wait. The test SIGKILLs the
 parent and asserts every worker is gone within :data:`BOUND_S`. Without
-:func:`cpdata.nodes.orphans.exit_with_parent` they would live on (torch's own check
+:func:`cpdata.nodes.worker_process.exit_with_parent` they would live on (torch's own check
 runs only between reads, every 5 s).
 """
 
@@ -50,7 +50,7 @@ class SlowStorage:
 
 
 def child(deathsig, watchdog):
-    from cpdata.nodes.orphans import exit_with_parent
+    from cpdata.nodes.worker_process import exit_with_parent
     exit_with_parent(deathsig=deathsig, watchdog=watchdog)
     stuck()
 

@@ -11,10 +11,9 @@ from test_collate import make_plans
 from torch.utils.data._utils.pin_memory import pin_memory as torch_pin_memory
 from torchdata.nodes import IterableWrapper, Loader, PinMemory
 
-from cpdata.nodes import pin as pin_module
+from cpdata.nodes import loader as loader_module
 from cpdata.nodes.collate import Collate
-from cpdata.nodes.loader import close_loader
-from cpdata.nodes.pin import maybe_pin, resolve_pin_memory
+from cpdata.nodes.loader import close_loader, maybe_pin
 from cpdata.nodes.shard import ShardForRank
 from cpdata.worker.batch import ShardedBatch
 
@@ -41,16 +40,16 @@ def fake_pinning(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_no_pinning_without_cuda(caplog):
-    pin_module._log_once.cache_clear()  # messages logged by earlier tests are logged again
+    loader_module._log_once.cache_clear()  # messages logged by earlier tests are logged again
     node = shard_node()
-    with caplog.at_level(logging.INFO, logger="cpdata.nodes.pin"):
+    with caplog.at_level(logging.INFO, logger="cpdata.nodes.loader"):
         assert maybe_pin(node, pin_memory=None) is node
         assert maybe_pin(node, pin_memory=True) is node
         assert maybe_pin(node, pin_memory=True) is node
         assert maybe_pin(node, pin_memory=False) is node
     messages = [r.getMessage() for r in caplog.records]
     assert sum("pin_memory=True" in m for m in messages) == 1  # logged once
-    assert resolve_pin_memory(None) is False and resolve_pin_memory(True) is False
+    assert sum("not pinning batches" in m for m in messages) == 1  # None: no CUDA, so no pinning
 
 
 def test_sharded_batch_takes_torchs_pin_path(fake_pinning):

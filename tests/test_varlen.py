@@ -1,7 +1,7 @@
 """The varlen kernel path of the "cpdata" attention on CPU: its reference, its segments, its tile count, its choice.
 
 torch's ``varlen_attn`` has no CPU kernel, so the path is checked in layers:
-the reference (:mod:`cpdata.device.varlen_reference`) against a brute-force
+the reference (:func:`cpdata.device.varlen.reference_varlen_attn`) against a brute-force
 masked attention; the plan's segments, ``cu_seq_q`` / ``cu_seq_k`` and key
 gather against the dense document-causal mask on every layout (exchanged and
 all-gathered keys, windows); the per-segment tile counter against a brute-force
@@ -22,7 +22,7 @@ from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.device import varlen
 from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions
-from cpdata.device.varlen_reference import reference_varlen_attn, segment_mask
+from cpdata.device.varlen import reference_varlen_attn, segment_mask
 from cpdata.layout.maps import layout_runs
 from cpdata.layout.tiles import query_runs, segment_tiles, varlen_live_tiles
 from cpdata.nodes.loader import GraphOptions, shard_graph

@@ -1,7 +1,7 @@
 """The "cpdata" attention with kernel="varlen" at cp 2 and 4 on gloo, against each document alone.
 
 torch's ``varlen_attn`` is swapped for the exact reference
-(:func:`cpdata.device.varlen_reference.reference_varlen_attn`, itself checked
+(:func:`cpdata.device.varlen.reference_varlen_attn`, itself checked
 against brute force in tests/test_varlen.py) inside each rank, so the code
 under test is everything around the kernel: the segments of the rank's
 queries, ``cu_seq_q`` / ``cu_seq_k``, the gather of each segment's keys from

@@ -2,9 +2,9 @@
 
 Modules: ``hf`` (:func:`hf_model_kwargs` for Hugging Face causal LMs), ``hf_attention`` (the ``"cpdata"``
 attention, every CP rank on it or all refuse; every layer's variant from ``hf_layers``, its kernels in
-``attention_kernels``), ``te`` (Transformer Engine THD), ``loss`` (CP ranks' losses summing to the
-single-rank loss) and ``_batch`` (what every adapter reads from a batch: host-side lengths from
-``batch.info``, so no ``.item()``). The masks for model code are :mod:`cpdata.device.attention_masks`'.
+``attention_kernels``), ``te`` (Transformer Engine THD) and ``loss`` (CP ranks' losses summing to the
+single-rank loss); each reads a batch through :func:`cpdata.device.presharded.batch_parts`. The masks for
+model code are :mod:`cpdata.device.attention_masks`'.
 """
 
 from __future__ import annotations

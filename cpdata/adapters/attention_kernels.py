@@ -22,14 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from cpdata.adapters.hf_layers import LayerVariant
-from cpdata.device.varlen import varlen_attention
+from cpdata.device.varlen import SDPA, Kernel, varlen_attention
 
-__all__ = ["KERNELS", "attend", "dense_attention", "flex_attention_call"]
-
-KERNELS = ("dense", "flex", "varlen")
-"""The kernels :func:`attend` runs, by name (each takes the mask of the same name)."""
-
-_SDPA = torch._C._nn.scaled_dot_product_attention  # torch's kernel, never a patched F attribute
+__all__ = ["attend", "dense_attention", "flex_attention_call"]
 
 
 def dense_attention(
@@ -47,7 +42,7 @@ def dense_attention(
     or sinks explicit scores in ``q``'s dtype and a softmax in at least float32."""
     groups = q.shape[1] // k.shape[1]
     if softcap is None and sinks is None:
-        return _SDPA(q, k, v, attn_mask=keep, dropout_p=dropout, scale=scale, enable_gqa=groups > 1)
+        return SDPA(q, k, v, attn_mask=keep, dropout_p=dropout, scale=scale, enable_gqa=groups > 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -105,13 +100,14 @@ def flex_attention_call(
     return out * keep.unsqueeze(-1).to(out.dtype)
 
 
-def attend(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, variant: LayerVariant) -> Any:
-    """``out [B, H, L, Ev]`` of the kernel named ``kernel`` (one of :data:`KERNELS`) with its ``mask``."""
+def attend(
+    kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, variant: LayerVariant
+) -> Any:
+    """``out [B, H, L, Ev]`` of the kernel ``kernel`` (chosen by :func:`cpdata.device.varlen.choose_kernel`)
+    with its ``mask`` (each kernel takes the mask of the same name)."""
     if kernel == "dense":
         return dense_attention(q, k, v, mask, scale=variant.scale, softcap=variant.softcap, sinks=variant.sinks,
                                dropout=variant.dropout)  # fmt: skip
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r}: use one of {list(KERNELS)}")
     if variant.dropout > 0:
         call = "flex_attention" if kernel == "flex" else "cpdata's varlen call"
         raise ValueError(

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 import cpdata.adapters.hf_attention as hf_attention
-from cpdata.adapters._batch import batch_parts, info_int
 from cpdata.adapters.hf_layers import check_config, config_windows, layer_window
 from cpdata.adapters.loss import global_target_count
 from cpdata.device.cp_attention import AttentionCore, active_contexts
+from cpdata.device.presharded import batch_parts, info_int
 from cpdata.errors import is_int
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, N_TARGETS, POSITION_IDS
 

@@ -25,11 +25,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cpdata.adapters.attention_kernels import KERNELS, attend
+from cpdata.adapters.attention_kernels import attend
 from cpdata.adapters.hf_layers import layer_variant
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, any_rank_flags, verify_layout_consistency
 from cpdata.device.cp_attention import AttentionCore, record_served_call
-from cpdata.device.varlen import choose_kernel
+from cpdata.device.varlen import Kernel, check_kernel, choose_kernel
 from cpdata.gather import check_cp_group
 from cpdata.layout.shard_layout import ShardLayout
 
@@ -37,12 +37,11 @@ __all__ = ["REGISTERED", "STATE_KEY", "HFAttentionState", "attention_state", "ch
            "register_hf_attention", "remember"]
 
 STATE_KEY = "cpdata_attention_state"
-Kernel = Literal["auto", "dense", "flex", "varlen"]
 
 
 @dataclass(frozen=True, slots=True)
 class _Options:
-    kernel: Kernel
+    kernel: Literal["auto"] | Kernel
     verify_layout: bool
 
 
@@ -50,12 +49,13 @@ REGISTERED: dict[str, _Options] = {}
 """The names :func:`register_hf_attention` registered, with their options."""
 
 
-def register_hf_attention(name: str = "cpdata", *, kernel: Kernel = "auto", verify_layout: bool = True) -> str:
+def register_hf_attention(
+    name: str = "cpdata", *, kernel: Literal["auto"] | Kernel = "auto", verify_layout: bool = True
+) -> str:
     """Register cpdata's attention with transformers' ``AttentionInterface`` under ``name`` (again: new options).
     ``kernel``: ``"auto"``, ``"dense"``, ``"flex"`` or ``"varlen"`` (:func:`cpdata.device.varlen.choose_kernel`);
     ``verify_layout``: at cp > 1, check on each batch's first call that every CP rank holds the same plan."""
-    if kernel != "auto" and kernel not in KERNELS:
-        raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")
+    check_kernel(kernel)
     from transformers import AttentionInterface
 
     def cpdata_attention(module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202

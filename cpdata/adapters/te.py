@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpdata.adapters._batch import batch_parts, info_int
+from cpdata.device.presharded import batch_parts, info_int
 from cpdata.gather import check_cp_group
 from cpdata.worker.keys import INPUT_IDS
 

@@ -5,9 +5,9 @@ says what it measures against which anchor): ``step_shard``, ``worker_throughput
 ``packing_quality``, ``balance``, ``gather_collectives``, ``long_document``, ``schedule_balance``,
 ``attention``, ``world``, ``integrity``. Helpers: ``cli``, ``runner``, ``targets``, ``report`` / ``table``
 (markdown and plain tables), ``timing``, ``distributions`` (seeded inputs), ``anchors`` (in-step sharding as
-trainers do it), ``schedule_methods``, ``collectives`` (counting collectives), ``ranks`` (forked gloo or
-spawned NCCL ranks), ``hf_reference`` (documents run alone), and ``gpu_check`` (``make gpu-check``, with
-``gpu_attention``, ``gpu_steps``, ``gpu_exchange``: the parts only a GPU runs). :func:`run_bench` returns a
+trainers do it), ``ranks`` (forked gloo or spawned NCCL ranks), ``hf_reference`` (documents run alone), and
+``gpu_check`` (``make gpu-check``, with ``gpu_attention``, ``gpu_steps``, ``gpu_exchange``: the parts only a
+GPU runs). :func:`run_bench` returns a
 JSON-ready dict; :func:`render_markdown` turns it into the tables of docs/benchmarks.md.
 """
 

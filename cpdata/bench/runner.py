@@ -22,7 +22,7 @@ from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
 from cpdata.errors import check_int, is_int
 from cpdata.layout.world_deal import WorldCost
-from cpdata.nodes.heap import keep_heap
+from cpdata.nodes.worker_process import keep_heap
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
@@ -93,7 +93,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     ``log``). ``calibration``: a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file, passed as
     ``cost`` to the sections whose ``OPTIONS`` name it (``world``); None: the published defaults.
 
-    The process first keeps its freed heap (:func:`cpdata.nodes.heap.keep_heap`), as ``CPDataLoader``'s
+    The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     from cpdata.bench.packing_quality import default_algorithm

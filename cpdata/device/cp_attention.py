@@ -26,14 +26,13 @@ import torch.nn.functional as F
 from cpdata.device.attention_masks import QuerySlots, check_window, document_slots, row_slots
 from cpdata.device.consistency import DEFAULT_CHECK_EVERY, LayoutCheck
 from cpdata.device.kv_exchange import exchanged_key_positions, has_exchange, move_keys_values
-from cpdata.device.varlen import KeyCopiesError, varlen_plan
+from cpdata.device.varlen import SDPA, KeyCopiesError, varlen_plan
 from cpdata.gather import ensure_gather_index, layout_tensor_on
 from cpdata.layout.shard_layout import ShardLayout
 
 __all__ = ["AttentionContextFactory", "AttentionCore", "ContextParallelAttention", "active_contexts",
            "record_served_call"]
 
-_KERNEL = torch._C._nn.scaled_dot_product_attention  # torch's own SDPA, whatever is patched on F
 _PATCH_LOCK = threading.Lock()
 _CHECKS: dict[int | None, LayoutCheck] = {}  # per interval: the contexts this process entered
 _ACTIVE: list[ContextParallelAttention] = []  # entered contexts, innermost last (guarded by _PATCH_LOCK)
@@ -223,7 +222,7 @@ class ContextParallelAttention:
         n = self.local_len
         if query.shape[-2] != n or key.shape[-2] != n:
             self.passed += 1
-            return _KERNEL(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
+            return SDPA(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kernel_kwargs)
         if attn_mask is not None and is_causal:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
         core = self.core
@@ -254,7 +253,7 @@ class ContextParallelAttention:
             bool_mask = attn_mask.dtype == torch.bool
             mask = attn_mask & keep if bool_mask else attn_mask.masked_fill(~keep, -torch.inf)
         self.served += 1
-        return _KERNEL(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
+        return SDPA(query, key_g, value_g, attn_mask=mask, is_causal=False, **kernel_kwargs)
 
 
 @dataclass(frozen=True)

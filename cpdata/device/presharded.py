@@ -2,7 +2,9 @@
 
 A worker batch (a Mapping carrying ``.layout``) holds this rank's tokens, checked on the worker; two O(1)
 facts remain (the layout's CP size and rank), then a :class:`~cpdata.worker.batch.ShardedBatch` moves as one
-buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers and the ctx factory.
+buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers, the ctx factory, and what
+every model adapter reads from a worker batch (:func:`batch_parts`, :func:`info_int`: host-side lengths from
+``batch.info``, so no ``.item()``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Any
 import torch
 
 from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
 
 __all__ = [
-    "PreshardedMove", "attention_ctx", "is_presharded", "mesh_group", "mesh_rank_size", "shard_presharded", "to_device",
+    "PreshardedMove", "attention_ctx", "batch_parts", "info_int", "is_presharded", "mesh_group",
+    "mesh_rank_size", "shard_presharded", "to_device",
 ]  # fmt: skip
 
 
@@ -107,3 +111,30 @@ class PreshardedMove:
             f"pre-sharded batch holds the tokens of cp_rank={layout.cp_rank} but this process is "
             f"cp_rank={rank}; give each rank's pipeline its own CP rank (the CP mesh's local rank)"
         )
+
+
+def batch_parts(
+    batch: Any, tensors: Mapping[str, torch.Tensor] | None = None
+) -> tuple[Mapping[str, torch.Tensor], ShardLayout, Mapping[str, Any]]:
+    """``(tensors, layout, info)`` of a :class:`~cpdata.worker.batch.ShardedBatch`; ``tensors``, when given,
+    replaces its tensors (the device copy ``ContextParallelSharder.shard`` returns, a plain dict)."""
+    layout, info = getattr(batch, "layout", None), getattr(batch, "info", None)
+    if not isinstance(layout, ShardLayout) or not isinstance(info, Mapping):
+        raise TypeError(
+            f"expected a cpdata ShardedBatch (a mapping with .layout and .info), got {type(batch).__name__}; "
+            "pass the batch the loader yielded, and its device tensors as tensors= "
+            "(e.g. the dict ContextParallelSharder.shard returns)"
+        )
+    return (batch if tensors is None else tensors), layout, info
+
+
+def info_int(info: Mapping[str, Any], key: str) -> int:
+    """``info[key]`` as a Python int; ``ValueError`` naming the producer when it is missing."""
+    value = info.get(key)
+    if not is_int(value):
+        raise ValueError(
+            f"batch.info[{key!r}] is {value!r}, expected a Python int; batches from cpdata's ShardForRank "
+            "(build_loader, CPDataset, PrecomputedPacks) carry it"
+        )
+    return int(value)
+

@@ -11,7 +11,12 @@ Each run of a rank's local queries with consecutive global positions inside one 
 
 Keys come from those the rank holds through one ``index_select`` (a copy; costs by layout:
 docs/layouts-and-kernels.md); the kernel, ``torch.nn.attention.varlen.varlen_attn`` (FA2, CUDA), is looked
-up per call so tests can swap in :func:`cpdata.device.varlen_reference.reference_varlen_attn`.
+up per call so tests can swap in :func:`reference_varlen_attn`.
+
+:func:`reference_varlen_attn` is an exact reference of ``varlen_attn``'s semantics on any device, with the
+same call: in each segment query ``i`` of ``sq`` sees key ``j`` of ``sk`` (``d = sk - sq``, bottom-right
+aligned) when ``i + d - left <= j <= i + d + right`` (``-1``: no bound; ``(-1, 0)``: causal); a query with
+no key gets zeros, as flash. SDPA in a Python loop over segments: for tests, not training.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -28,10 +33,15 @@ from cpdata.device.attention_masks import check_window
 from cpdata.layout.runs import segments
 from cpdata.layout.tiles import query_runs
 
-__all__ = ["KeyCopiesError", "VarlenPlan", "choose_kernel", "varlen_attention", "varlen_plan"]
+__all__ = ["KERNELS", "SDPA", "Kernel", "KeyCopiesError", "VarlenPlan", "check_kernel", "choose_kernel",
+           "reference_varlen_attn", "segment_mask", "varlen_attention", "varlen_plan"]
 
 log = logging.getLogger(__name__)
-Kernel = Literal["varlen", "flex", "dense"]
+SDPA = torch._C._nn.scaled_dot_product_attention
+"""torch's own SDPA kernel, whatever is patched on ``torch.nn.functional`` (the CP override patches it)."""
+Kernel = Literal["dense", "flex", "varlen"]
+KERNELS: tuple[Kernel, ...] = get_args(Kernel)
+"""The kernels an attention call runs, by name; ``kernel=`` also takes ``"auto"`` (:func:`choose_kernel`)."""
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _LOGGED: set[str] = set()
 MAX_KEY_COPIES = 4
@@ -126,6 +136,12 @@ def varlen_plan(
                       window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
 
 
+def check_kernel(kernel: str) -> None:
+    """``ValueError`` unless ``kernel`` is ``"auto"`` or one of :data:`KERNELS`."""
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {['auto', *KERNELS]}")
+
+
 def choose_kernel(
     requested: str,
     *,
@@ -138,10 +154,9 @@ def choose_kernel(
     """The kernel one attention call runs: ``"dense"`` and ``"flex"`` stand; ``"auto"`` and ``"varlen"`` run
     varlen where the layer allows it (no softcap or sinks, CUDA in fp16 / bf16, ``plan()`` not raising
     :class:`KeyCopiesError`), else flex on CUDA and dense elsewhere, each reason logged once per process."""
+    check_kernel(requested)
     if requested in ("dense", "flex"):
         return requested
-    if requested not in ("auto", "varlen"):
-        raise ValueError(f"kernel={requested!r}: use 'auto', 'dense', 'flex' or 'varlen'")
     cuda = torch.device(device).type == "cuda"
     if requested == "auto" and not cuda:
         return "dense"
@@ -182,3 +197,55 @@ def varlen_attention(
     out = torch_varlen.varlen_attn(q_t, k_t, v_t, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k,
                                    scale=scale, window_size=plan.window_size, enable_gqa=groups > 1)  # fmt: skip
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def segment_mask(sq: int, sk: int, window_size: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``[sq, sk]``: which key each query of one segment sees (bottom-right aligned, see the module)."""
+    left, right = window_size
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= j <= i + right
+    if left >= 0:
+        keep &= j >= i - left
+    return keep
+
+
+def reference_varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``out [Tq, H, Ev]`` segment by segment; ``ValueError`` where torch's kernel would refuse the call."""
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(f"query has {query.shape[1]} heads, key {key.shape[1]}: pass enable_gqa=True for GQA")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} are not a multiple of key heads {key.shape[1]}")
+    cq, ck = cu_seq_q.tolist(), cu_seq_k.tolist()
+    if len(cq) != len(ck) or cq[0] != 0 or ck[0] != 0 or cq[-1] != query.shape[0] or ck[-1] != key.shape[0]:
+        raise ValueError(f"cu_seq_q {cq[:4]}..{cq[-1:]} / cu_seq_k {ck[:4]}..{ck[-1:]} must start at 0 and end "
+                         f"at the {query.shape[0]} queries / {key.shape[0]} keys")  # fmt: skip
+    if bool((cu_seq_q.diff() < 0).any()) or bool((cu_seq_k.diff() < 0).any()):
+        raise ValueError("cu_seq_q / cu_seq_k must be non-decreasing")
+    parts = [query.new_zeros((0, query.shape[1], value.shape[-1]))]
+    for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:], strict=True):
+        sq, sk = q1 - q0, k1 - k0
+        if sq > max_q or sk > max_k:
+            raise ValueError(f"a segment of {sq} queries / {sk} keys exceeds max_q={max_q} / max_k={max_k}")
+        if sq == 0:
+            continue
+        keep = segment_mask(sq, sk, window_size, query.device)
+        seen = keep.any(dim=1)  # rows with no key: zeros, as flash (SDPA would give NaN)
+        q, k, v = (t.transpose(0, 1)[None] for t in (query[q0:q1], key[k0:k1], value[k0:k1]))
+        o = SDPA(q, k, v, attn_mask=keep | ~seen[:, None], scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
+        parts.append(torch.where(seen[:, None, None], o, torch.zeros_like(o)))
+    return torch.cat(parts)

@@ -5,7 +5,7 @@ Everything here exists so code written against NeMo's sharder runs unchanged: ra
 (round-robin ``[B, S]`` rows, Transformer Engine's THD partition, pipeline chunks). cpdata's native path needs
 none of it (a worker batch is only moved: :mod:`cpdata.device.presharded`); nothing in :mod:`cpdata.device`
 imports this package. Modules, in pipeline order: ``sharder``, ``resolve``, ``raw_shard``, ``thd_batch``,
-``thd_shard``, ``pp_chunks``, ``token_coords``.
+``thd_shard`` (with pipeline chunks), ``token_coords``.
 """
 
 __all__: list[str] = []

@@ -5,9 +5,9 @@ refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mi
 (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
 ``source_kinds``, ``validate``, ``shuffle_buffer``, ``window``) ->
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
-:mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard`` -> ``pin``.
-Assembly: ``options`` (the option records), ``loader`` (``build_loader``), ``dataset`` (``CPDataset``),
-``dataloader`` (``CPDataLoader``). Runtime helpers: ``epochs``, ``state_version``, ``heap``, ``orphans``.
+:mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard``. Assembly: ``options`` (the option records),
+``loader`` (``build_loader``, pinning), ``dataset`` (``CPDataset``), ``dataloader`` (``CPDataLoader``).
+Runtime helpers: ``epochs``, ``state_version``, ``worker_process`` (a kept heap, death with the parent).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "PrecomputedPacks": "cpdata.offline.reader",
     "ShardForRank": "cpdata.nodes.shard",
     "Tokenize": "cpdata.nodes.tokenize",
-    "maybe_pin": "cpdata.nodes.pin",
+    "maybe_pin": "cpdata.nodes.loader",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,8 @@ Differences from ``StatefulDataLoader``:
   (torchdata raises a bare ``AssertionError``; each worker's packer position is its own);
 - the default ``collate_fn`` (:func:`hand_over`) passes a ``ShardedBatch`` on as it is, where
   ``default_convert`` would build its host views in the worker;
-- its workers keep their freed heap (:func:`cpdata.nodes.heap.keep_heap`; ``keep_heap=False`` opts out).
+- its workers keep their freed heap (:func:`cpdata.nodes.worker_process.keep_heap`; ``keep_heap=False``
+  opts out).
 
 Epochs: every ``iter()`` that does not resume a loaded state starts the next epoch and tells the dataset
 (``CPDataset.set_epoch``) before its workers are made, so a shuffled order advances alike for
@@ -26,7 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cpdata.nodes.dataset import WorkerDataset, silence_set_vital_warning
 from cpdata.nodes.epochs import EpochClock, check_epoch
-from cpdata.nodes.heap import keeping_heap
+from cpdata.nodes.worker_process import keeping_heap
 from cpdata.worker.batch import ShardedBatch
 
 __all__ = ["CPDataLoader", "hand_over", "saved_num_workers"]

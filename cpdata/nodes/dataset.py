@@ -14,7 +14,7 @@ whole stream (cheap: no token tensors) and shards only its own batches (the expe
 State: the worker's ``Loader.state_dict()`` plus its ``(worker_id, num_workers)``, applied at the next
 ``__iter__``; resume needs the same ``num_workers`` and configuration (``ValueError`` otherwise). Workers
 never pin (``StatefulDataLoader(pin_memory=...)`` does) and die with the training process
-(:func:`cpdata.nodes.orphans.exit_with_parent`).
+(:func:`cpdata.nodes.worker_process.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from cpdata.nodes.options import (
     check_records,
     refuse_keywords,
 )
-from cpdata.nodes.orphans import exit_with_parent
 from cpdata.nodes.served import WorkerShare
 from cpdata.nodes.state_version import VersionedState
+from cpdata.nodes.worker_process import exit_with_parent
 
 __all__ = ["CPDataset", "WorkerDataset", "silence_set_vital_warning"]
 

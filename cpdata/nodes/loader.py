@@ -10,16 +10,23 @@ Every CP rank of a DP group builds the same graph with its own ``cp_rank`` (docu
 rank only). ``Loader.state_dict()`` captures the whole graph; restoring it under another configuration
 raises ``ValueError``. torchdata 0.11's ``Loader`` and its iterator reference each other, so use
 :func:`closing_loader` (or :func:`close_loader`) to stop an abandoned loader's threads at once.
+
+The graph's tail, :func:`delivered`, prefetches and pins (:func:`maybe_pin`: page-locked host memory for
+asynchronous host-to-device copies when a CUDA device can use it; torchdata's ``PinMemory`` raises on
+CPU-only builds, so the decision is made once, there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-from torchdata.nodes import BaseNode, Loader, Prefetcher
+import torch
+from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
 from cpdata.layout.maps import layout_spec
 from cpdata.nodes.collate import Collate
@@ -35,7 +42,6 @@ from cpdata.nodes.options import (
     refuse_keywords,
 )
 from cpdata.nodes.pack import Pack
-from cpdata.nodes.pin import maybe_pin
 from cpdata.nodes.scheduled import ScheduledPacks, WindowedPacks
 from cpdata.nodes.served import ServedPacks
 from cpdata.nodes.shard import ShardForRank
@@ -50,9 +56,13 @@ __all__ = [
     "close_loader",
     "closing_loader",
     "delivered",
+    "maybe_pin",
     "rank_node",
     "shard_graph",
 ]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,9 +118,29 @@ def rank_node(collated: BaseNode, options: GraphOptions, cp_rank: int, delivery:
                         block_size=delivery.block_size, kv_exchange=delivery.kv_exchange)  # fmt: skip
 
 
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info(message)
+
+
+def maybe_pin(node: BaseNode[T], *, pin_memory: bool | None) -> BaseNode[T]:
+    """``PinMemory(node)`` (one thread calling each item's ``pin_memory()``; resume stays exact) when CUDA is
+    available and ``pin_memory`` is True or None ("pin when CUDA is available"), else ``node``; ``True``
+    without CUDA falls back to no pinning, logged once."""
+    if pin_memory is not None and not pin_memory:
+        return node
+    if not torch.cuda.is_available():
+        if pin_memory is None:
+            _log_once("CUDA is not available; not pinning batches")
+        else:
+            _log_once("pin_memory=True but CUDA is not available; batches stay in pageable memory")
+        return node
+    return PinMemory(node)
+
+
 def delivered(node: BaseNode, delivery: Delivery) -> BaseNode:
     """``node`` with ``delivery.prefetch`` batches prepared ahead in a thread (None: 2) and pinned as
-    ``delivery.pin_memory`` says (:func:`~cpdata.nodes.pin.maybe_pin`): the tail of every loader's graph."""
+    ``delivery.pin_memory`` says (:func:`maybe_pin`): the tail of every loader's graph."""
     prefetch = 2 if delivery.prefetch is None else delivery.prefetch
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
