@@ -3,7 +3,8 @@
 The check is compared against the rule it replaced, written out once here:
 ``not isinstance(v, bool) and isinstance(v, (int, np.integer))``. A second
 test fails if the hand-written form comes back in a package that uses the
-check.
+check. ``optional=True`` (None passes) and the flag and choice checks beside it are pinned by their
+messages.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpdata.errors import NotAnIntError, check_int, is_int
+from cpdata.errors import NotAnIntError, check_bool, check_choice, check_int, is_int
 
 ROOT = Path(__file__).resolve().parents[1] / "cpdata"
 # packages (and files) whose integer arguments go through check_int / is_int
@@ -51,6 +52,43 @@ def test_check_int_accepts_exactly_the_integers_at_or_above_the_bound(value, bou
     if bound is not None:
         assert f">= {bound}" in message
     assert is_int(value) == _reference_is_int(value)
+
+
+@given(VALUES, st.integers(-3, 3))
+def test_optional_check_int_also_passes_none_and_says_so(value, bound):
+    if value is None:
+        assert check_int("window", None, min=bound, optional=True) is None
+        with pytest.raises(TypeError, match=rf"^window must be an int >= {bound}, got NoneType None$"):
+            check_int("window", None, min=bound)  # not optional: None is refused
+        return
+    try:
+        plain: object = check_int("window", value, min=bound)
+    except ValueError as exc:
+        plain = str(exc)
+    try:
+        got: object = check_int("window", value, min=bound, optional=True)
+    except ValueError as exc:
+        got = str(exc)
+    if isinstance(plain, str):  # the same refusal, saying that None would do
+        assert got == plain.replace(f">= {bound},", f">= {bound} or None,", 1) and "or None" in got
+    else:
+        assert got == plain == value
+
+
+def test_check_bool_and_check_choice_name_the_value_and_what_would_do():
+    for flag in (True, False):
+        check_bool("shuffle", flag)
+    check_bool("pin_memory", None, optional=True)
+    for bad, shown in ((1, "int 1"), (np.bool_(True), "bool np.True_"), ("yes", "str 'yes'"), (None, "NoneType None")):
+        with pytest.raises(TypeError, match=rf"^shuffle must be True or False, got {shown}$"):
+            check_bool("shuffle", bad)
+    with pytest.raises(TypeError, match=r"^pin_memory must be True or False, or None, got int 0$"):
+        check_bool("pin_memory", 0, optional=True)
+    check_choice("overflow policy", "split", ("error", "split"))
+    check_choice("overflow policy", None, ("error", "split"), optional=True)
+    for bad in ("wrap", None):
+        with pytest.raises(ValueError, match=rf"^unknown overflow policy {bad!r}; choose one of \['error', 'split'\]$"):
+            check_choice("overflow policy", bad, ("error", "split"))
 
 
 def test_the_messages_name_the_argument_the_value_and_the_bound():
