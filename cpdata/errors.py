@@ -74,11 +74,12 @@ def check_bool(name: str, value: object, *, optional: bool = False) -> None:
         raise TypeError(f"{name} must be True or False{none}, got {type(value).__name__} {value!r}")
 
 
-def check_choice(name: str, value: object, choices: Collection[object], *, optional: bool = False) -> None:
+def check_choice(name: str, value: object, choices: Collection[object], *, optional: bool = False,
+                 fix: str = "") -> None:
     """``ValueError`` unless ``value`` is one of ``choices`` (or None when ``optional``), listing them:
-    ``"unknown packing algorithm 'best'; choose one of ['bfd', 'ffd', ...]"``."""
+    ``"unknown packing algorithm 'best'; choose one of ['bfd', 'ffd', ...]"``, then ``fix``."""
     if value not in choices and not (optional and value is None):
-        raise ValueError(f"unknown {name} {value!r}; choose one of {list(choices)}")
+        raise ValueError(f"unknown {name} {value!r}; choose one of {list(choices)}{fix}")
 
 
 def naming_parts(parts: Iterable[tuple[str, Any]], check: Callable[[Any], object]) -> None:
