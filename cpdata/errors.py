@@ -2,8 +2,9 @@
 
 Code written against NeMo's sharder catches ``KeyError`` or ``NotImplementedError``, code written against cpdata
 ``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`,
-the one refusal listing every setting an entry point cannot honour, :func:`refuse_settings`, and the lazy
-export of a package's names, :func:`lazy_exports` (standard library only: ``cpdata`` imports this module).
+the one flag and choice checks, :func:`check_bool` and :func:`check_choice`, the one refusal listing every
+setting an entry point cannot honour, :func:`refuse_settings`, and the lazy export of a package's names,
+:func:`lazy_exports` (standard library only: ``cpdata`` imports this module).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import importlib
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, Literal, overload
 
-__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_int", "is_int",
-           "lazy_exports", "naming_parts", "refuse_settings"]
+__all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_bool", "check_choice",
+           "check_int", "is_int", "lazy_exports", "naming_parts", "refuse_settings"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -43,16 +44,42 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: object, *, min: int | None = None, fix: str = "") -> int:
+@overload
+def check_int(name: str, value: object, *, min: int | None = None, optional: Literal[False] = False,
+              fix: str = "") -> int: ...
+@overload
+def check_int(name: str, value: object, *, min: int | None = None, optional: bool,
+              fix: str = "") -> int | None: ...
+def check_int(name: str, value: object, *, min: int | None = None, optional: bool = False,
+              fix: str = "") -> int | None:
     """``int(value)`` after checking it is an integer ``>= min``: :class:`NotAnIntError` for another type
     (``"capacity must be an int >= 1, got float 2.0"``), ``ValueError`` below ``min`` (``"..., got 0"``);
-    ``fix`` is appended to either message (``"; use 1 for a single run"``)."""
-    bound = "" if min is None else f" >= {min}"
+    ``optional``: None passes and is returned (``"window must be an int >= 1 or None, ..."``); ``fix`` is
+    appended to either message (``"; use 1 for a single run"``)."""
+    if optional and value is None:
+        return None
+    bound = ("" if min is None else f" >= {min}") + (" or None" if optional else "")
     if not is_int(value):
         raise NotAnIntError(f"{name} must be an int{bound}, got {type(value).__name__} {value!r}{fix}")
     if min is not None and value < min:
         raise ValueError(f"{name} must be an int{bound}, got {value!r}{fix}")
     return int(value)
+
+
+def check_bool(name: str, value: object, *, optional: bool = False) -> None:
+    """``TypeError`` unless ``value`` is ``True`` or ``False`` (or None when ``optional``): ``1`` or ``"yes"``
+    is no flag (``"shuffle must be True or False, got int 1"``)."""
+    if not isinstance(value, bool) and not (optional and value is None):
+        none = ", or None" if optional else ""
+        raise TypeError(f"{name} must be True or False{none}, got {type(value).__name__} {value!r}")
+
+
+def check_choice(name: str, value: object, choices: Collection[object], *, optional: bool = False,
+                 fix: str = "") -> None:
+    """``ValueError`` unless ``value`` is one of ``choices`` (or None when ``optional``), listing them:
+    ``"unknown packing algorithm 'best'; choose one of ['bfd', 'ffd', ...]"``, then ``fix``."""
+    if value not in choices and not (optional and value is None):
+        raise ValueError(f"unknown {name} {value!r}; choose one of {list(choices)}{fix}")
 
 
 def naming_parts(parts: Iterable[tuple[str, Any]], check: Callable[[Any], object]) -> None:

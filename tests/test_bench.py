@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.bench import runner
-from cpdata.bench.anchors import ANCHOR_LAYOUTS, te_thd_partitioned_indices
+from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard, te_thd_partitioned_indices
 from cpdata.bench.packing_quality import lower_bound_bins, split_lower_bound_bins
 from cpdata.bench.report import render_markdown
 from cpdata.cli import main
@@ -240,6 +240,14 @@ def test_anchor_indices_match_the_layouts(cp, units, tail_units, data):
     for layout in ("round_robin", "contiguous"):
         got = ANCHOR_LAYOUTS[layout]({"input_ids": torch.zeros(1)}, pack, cp, rank).numpy()
         np.testing.assert_array_equal(got, rank_indices(layout, cp, lens, pack)[rank])
+
+
+def test_an_anchor_for_a_layout_without_one_is_refused_listing_those_with_one():
+    batch = {"input_ids": torch.arange(8).view(1, 8)}
+    local, index = anchor_shard(batch, layout="contiguous", cp_size=2, cp_rank=1, device=torch.device("cpu"))
+    assert index.tolist() == [4, 5, 6, 7] and local["input_ids"].tolist() == [[4, 5, 6, 7]]
+    with pytest.raises(ValueError, match=r"^unknown in-step anchor layout 'balanced'; choose one of \['contiguous', "):
+        anchor_shard(batch, layout="balanced", cp_size=2, cp_rank=1, device=torch.device("cpu"))
 
 
 def _exact_bins(items: list[int], capacity: int) -> int:

@@ -115,5 +115,5 @@ def test_window_keeps_the_last_w_keys_over_global_positions(causal):
     keep &= (i[None, :] <= i[:, None]) if causal else (i[None, :] - i[:, None] < w)
     assert torch.allclose(out, SDPA(q, k, v, attn_mask=keep), atol=1e-12)
     assert not torch.allclose(out, SDPA(q, k, v, attn_mask=docs[0][:, None] == docs[0][None, :]), atol=1e-3)
-    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^window must be an int >= 1 or None, got 0 \(a sliding window's keys"):
         ContextParallelAttention(layout, window=0)

@@ -37,6 +37,14 @@ def test_cpu_machine_skips_every_part_by_name_and_exits_0(tmp_path):
     assert f"wrote {tmp_path / 'out'}" in done.stdout
 
 
+def test_an_unknown_part_is_refused_listing_the_parts_before_any_runs():
+    ran = gpu_check.run_parts(["pinned_batches"])
+    assert list(ran) == ["pinned_batches"]  # a known part is taken (skipped by name on CPU)
+    parts = ", ".join(map(repr, gpu_check.PARTS))
+    with pytest.raises(ValueError, match=rf"^unknown part 'warp'; choose one of \[{parts}\]$"):
+        gpu_check.run_parts(["warp"])
+
+
 def test_fit_recovers_a_line_and_refuses_one_point():
     tiles = np.array([10, 200, 3000, 45000])
     fit = fit_line(tiles, 1e-4 + 2e-6 * tiles)

@@ -203,7 +203,7 @@ def test_runs_expand_and_bad_input():
         exchange_plan(rows, [0], n_rows=0)
     with pytest.raises(ValueError, match="rank must be"):
         exchange_plan(rows, [0]).rank(2)
-    with pytest.raises(TypeError, match="kv_exchange must be a bool"):
+    with pytest.raises(TypeError, match="^kv_exchange must be True or False, got str 'yes'$"):
         ShardForRank(None, cp_size=2, cp_rank=0, layout="thd", kv_exchange="yes")
     s = _shards("thd", 2, "thd", 1, kv_exchange=False)[0][0]
     with pytest.raises(ValueError, match="kv_exchange=True"):

@@ -158,7 +158,7 @@ def test_balanced_beats_contiguous_and_thd_pads():
         (("contiguous", 4, [3, 4], 10), "multiple of 4"),
         (("round_robin", 2, [], 6), "multiple of 4"),
         (("thd", 2, [6, 4], 12), "slot 0 has 6 tokens"),
-        (("balanced", 0, [1], 4), "cp_size must be >= 1, got cp_size=0"),
+        (("balanced", 0, [1], 4), "cp_size must be an int >= 1, got 0; use cp_size=1 to turn context parallelism off"),
         (("ring", 2, [1], 4), "unknown layout 'ring'"),
         (("contiguous", 2, [-1, 3], 4), "seq_lens[0]=-1"),
         (("contiguous", 2, [3, 4], 6), "sum to 7 tokens, more than pack_len=6"),
@@ -177,7 +177,7 @@ def test_unknown_layout_lists_the_known_ones():
 
 
 def test_cp_size_type_is_checked():
-    with pytest.raises(TypeError, match="cp_size must be an int"):
+    with pytest.raises(TypeError, match="^cp_size must be an int >= 1, got float 2.0; use cp_size=1"):
         alignment("contiguous", 2.0)
 
 

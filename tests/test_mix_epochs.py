@@ -128,7 +128,7 @@ def test_epochs_on_the_command_line_and_its_refusals(tmp_path, sources, capsys):
     cli_node, api_node = (PrecomputedPacks(tmp_path / n, _mixed(sources)) for n in ("cli", "api"))
     assert [_plans(cli_node), _plans(cli_node)] == [_plans(api_node), _plans(api_node)]
     assert cli([*base, "--epochs", "0", "--out", str(tmp_path / "o")]) == 1
-    assert "DataPolicy.epochs must be >= 1, got --epochs 0" in capsys.readouterr().err
+    assert "DataPolicy.epochs must be an int >= 1 or None, got 0" in capsys.readouterr().err
     assert cli([*base, "--epochs", "2", "--dp-size", "2", "--out", str(tmp_path / "o")]) == 1
     assert "a global schedule over a mix plans epoch 0's draws for every epoch" in capsys.readouterr().err
     assert cli(["precompute", str(web), "--epochs", "2", "--capacity", "256", "--cp-size", "2", "--layout", "thd",

@@ -530,6 +530,29 @@ def test_carry_columns_are_the_open_bins_in_csr_form(algorithm):
             list(p) for p in planner.add_window(nxt, np.arange(300))[2]]
 
 
+@pytest.mark.parametrize("layout, cp_size", [("balanced", 4), ("world:4", 8)])
+def test_ffd_refuses_a_carried_state_with_a_value_error(layout, cp_size):
+    """``ffd`` carries nothing between windows, plain or under a world layout: a ``bfd`` state holding open
+    bins is refused by a ``ValueError`` naming how many and the fix (not an ``assert``, which ``-O`` drops),
+    while an ``ffd`` state restores and goes on to the packs of the uninterrupted planner."""
+    common = dict(capacity=8192, layout=layout, cp_size=cp_size, overflow="split", window=200)
+    bfd, ffd = (PackingConfig.resolve(algorithm=a, **common) for a in ("bfd", "ffd"))
+    lengths = sample_lengths("ultrachat", 400, seed=5)
+    carrying = StreamPlanner(bfd)
+    carrying.add_window(lengths[:200], np.arange(200))
+    held = np.diff(carrying.state()["carry_offsets"]).size
+    assert held > 0  # the refused state really holds open packs
+    with pytest.raises(ValueError, match=rf"^'ffd' carries nothing between windows, but the state holds {held} "
+                                         r"open packs; restore it under the packing algorithm it was saved with$"):
+        StreamPlanner(ffd).load_state(carrying.state())
+    planner = StreamPlanner(ffd)
+    first = [list(p) for p in planner.add_window(lengths[:200], np.arange(200))[2]]
+    restored = StreamPlanner(ffd)
+    restored.load_state(planner.state())
+    assert first and [list(p) for p in restored.add_window(lengths[200:], np.arange(200, 400))[2]] == [
+        list(p) for p in planner.add_window(lengths[200:], np.arange(200, 400))[2]]
+
+
 @pytest.mark.parametrize("algorithm", ["bfd", "first_fit", "next_fit"])
 def test_carry_and_wait_are_the_planner_s_largest_carry_and_a_piece_s_longest_wait(algorithm):
     """Against the planner run window by window: the carried pieces in its state, and each pack's wait from

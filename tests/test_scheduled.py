@@ -122,6 +122,10 @@ def test_refuses_another_configuration_or_dataset():
         _node(CountingDocs(), micro_batches=3).reset(state)
     with pytest.raises(ValueError, match="other document lengths"):
         _node(CountingDocs(seed=1)).reset(state)
+    for bad, shown in ((-1, "-1"), (None, "NoneType None"), (1.0, "float 1.0")):
+        with pytest.raises(ValueError, match=rf"^ScheduledPacks state's item must be an int >= 0, got {shown}$"):
+            _node(CountingDocs()).reset({**state, "item": bad})
+    _node(CountingDocs()).reset(state)  # the state itself restores
 
 
 def test_sources_without_lengths_are_refused_with_the_fix():

@@ -116,7 +116,7 @@ def test_errors_name_the_values():
         shard_node(plans, cp_size=2, cp_rank=2, layout="thd")
     with pytest.raises(ValueError, match=r"cp_rank=-1"):
         shard_node(plans, cp_size=2, cp_rank=-1, layout="thd")
-    with pytest.raises(ValueError, match=r"cp_size=0"):
+    with pytest.raises(ValueError, match=r"cp_size must be an int >= 1, got 0; use cp_size=1"):
         shard_node(plans, cp_size=0, cp_rank=0, layout="thd")
     with pytest.raises(ValueError, match="unknown layout"):
         shard_node(plans, cp_size=2, cp_rank=0, layout="ring")

@@ -481,7 +481,7 @@ def test_model_hook_owns_the_sharding():
     assert not_at_cp1.seen == []  # NeMo skips the hook at cp <= 1
     with pytest.raises(TypeError, match="must return a dict"):
         ContextParallelSharder(Model(42), mesh, batch)
-    with pytest.raises(ValueError, match="num_chunks=0"):
+    with pytest.raises(ValueError, match=r"^num_chunks must be an int >= 1, got 0 \(pipeline micro-batch chunks\)$"):
         ContextParallelSharder(None, mesh, batch, num_chunks=0)
 
 

@@ -87,9 +87,10 @@ def test_every_cp_rank_of_a_group_sees_the_same_shuffled_packs():
 
 
 def test_shuffle_arguments_are_checked():
-    with pytest.raises(ValueError, match="num_epochs must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"^num_epochs must be an int >= 1 or None, got 0 \(None: one epoch per "
+                                         r"iter\(\)\)$"):
         Documents(_docs(3), num_epochs=0)
-    with pytest.raises(TypeError, match="shuffle must be True or False"):
+    with pytest.raises(TypeError, match="^DataPolicy.shuffle must be True or False, got int 1$"):
         Documents(_docs(3), shuffle=1)
 
 

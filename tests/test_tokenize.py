@@ -125,7 +125,7 @@ def test_bad_rows_and_options_are_refused_with_the_fix(saved):
         list(Tokenize([{"messages": conversations()[0]}], tok, assistant_only=True, chat_template=no_generation))
     with pytest.raises(ValueError, match="append_eos=True needs an EOS id .* pass eos_token_id="):
         Tokenize([], lambda s: [1], append_eos=True)
-    with pytest.raises(ValueError, match="max_length must be a positive int"):
+    with pytest.raises(ValueError, match="^max_length must be an int >= 1 or None, got 0$"):
         Tokenize([], tok, max_length=0)
     with pytest.raises(ValueError, match="does not exist"):
         load_tokenizer(saved / "nope")

@@ -90,6 +90,11 @@ def test_segment_tiles_equal_a_brute_force_count(window):
     # a whole document of n tokens: its own causal triangle of ceil(n / tile) blocks
     n = np.array([1, 16, 17, 200])
     assert segment_tiles(n, n, 16).tolist() == [(b * (b + 1)) // 2 for b in -(-n // 16)]
+    for tile, window, message in ((0, None, r"^tile must be an int >= 1, got 0$"),
+                                  (16.0, None, r"^tile must be an int >= 1, got float 16.0$"),
+                                  (16, 0, r"^window must be an int >= 1 or None, got 0 \(None: no window\)$")):
+        with pytest.raises(ValueError, match=message):
+            segment_tiles(n, n, tile, window)
 
 
 def _segments_brute(pos, start):

@@ -196,7 +196,7 @@ def test_refusals_name_the_fix():
         build_loader(Stream(), cp_rank=0, schedule_window=8, **CFG)
     with pytest.raises(ValueError, match="shuffle the stream upstream instead of DataPolicy\\(shuffle=True\\)"):
         GraphOptions(**CFG, plan=SchedulePlan(window=8), data=DataPolicy(shuffle=True))
-    with pytest.raises(ValueError, match="SchedulePlan.window must be >= 1, got window=0"):
+    with pytest.raises(ValueError, match="SchedulePlan.window must be an int >= 1 or None, got 0$"):
         SchedulePlan(window=0)
     with pytest.raises(TypeError, match=r"SchedulePlan\(window=W\)"):
         shard_graph(Stream(), GraphOptions(**CFG, plan=SchedulePlan()))
@@ -248,3 +248,16 @@ def test_a_state_saved_right_after_a_restore_is_the_restored_one():
     third = windowed(Stream(), **dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split"))
     third.reset(again.get_state())
     assert _pieces(head) + _pieces(list(third)) == _pieces(list(_node(Stream(), dp_rank=1)))
+
+
+def test_a_state_whose_window_position_is_not_an_int_at_least_0_is_refused():
+    node = _node(Stream(), dp_rank=1)
+    head = [node.next() for _ in range(13)]
+    state = node.get_state()
+    assert head and state["block"]["window"] > 0
+    kw = dict(CFG, window=64, dp_rank=1, dp_size=3, micro_batches=2, overflow="split")
+    for key, bad, shown in (("window", -1, "-1"), ("pack_base", None, "NoneType None"), ("window", 2.0, "float 2.0")):
+        with pytest.raises(ValueError, match=rf"^WindowedPacks state's block\['{key}'\] must be an int >= 0, "
+                                             rf"got {shown}$"):  # fmt: skip
+            windowed(Stream(), **kw).reset({**state, "block": {**state["block"], key: bad}})
+    windowed(Stream(), **kw).reset(state)  # the state itself restores

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpdata.errors import check_choice
 from cpdata.worker.keys import IGNORE_INDEX, LABELS, PADDING_MASK
 
 __all__ = ["ANCHOR_LAYOUTS", "anchor_collate", "anchor_gather", "anchor_shard", "te_thd_partitioned_indices"]
@@ -104,8 +105,7 @@ def anchor_shard(batch: Mapping[str, torch.Tensor], *, layout: str, cp_size: int
                  device: torch.device, seq_dim: int = 1) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``(local_batch, indices)``: every tensor with ``S`` tokens on ``seq_dim`` ``index_select``ed to this
     rank's tokens in the step (others copied whole), and the int64 index map the gather needs."""
-    if layout not in ANCHOR_LAYOUTS:
-        raise ValueError(f"no in-step anchor for layout {layout!r}; choose one of {sorted(ANCHOR_LAYOUTS)}")
+    check_choice("in-step anchor layout", layout, sorted(ANCHOR_LAYOUTS))
     # the host-to-device copy; on CPU a clone() stands in for it (the same bytes moved)
     on_device = {k: v.clone() if device.type == "cpu" else v.to(device, non_blocking=True)
                  for k, v in batch.items()}  # fmt: skip

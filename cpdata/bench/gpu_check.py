@@ -24,6 +24,7 @@ import torch
 
 from cpdata.bench import gpu_attention, gpu_exchange, gpu_steps
 from cpdata.bench.table import format_value, markdown_table
+from cpdata.errors import check_choice
 
 __all__ = ["PARTS", "main", "render_markdown", "run_parts"]
 
@@ -58,8 +59,7 @@ def run_parts(parts: Sequence[str] = tuple(PARTS), *, attention_seconds: float =
     ``ok``, ``mismatch`` (ran, missed a tolerance) or ``failed`` (raised; the traceback's tail)."""
     out = {}
     for part in parts:
-        if part not in PARTS:
-            raise ValueError(f"unknown part {part!r}; the parts are {list(PARTS)}")
+        check_choice("part", part, PARTS)
         reason = _missing(part)
         if reason is not None:
             out[part] = {"status": "skipped", "reason": reason, "seconds": 0.0}

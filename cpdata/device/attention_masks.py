@@ -126,8 +126,7 @@ def document_slots(
 
 def check_window(window: int | None) -> None:
     """``ValueError`` unless ``window`` is None or a positive int."""
-    if window is not None:
-        check_int("window", window, min=1, fix=" (a sliding window's keys; None: no window)")
+    check_int("window", window, min=1, optional=True, fix=" (a sliding window's keys; None: no window)")
 
 
 def dense_mask(lo: torch.Tensor, hi: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.errors import check_int, is_int
+from cpdata.errors import check_int
 from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.spans import SpanBlock, SpanTable
@@ -125,10 +125,7 @@ def check_layout(layout: str, cp_size: int) -> None:
     if name == "tiled" and tile is not None and (tile not in TILES or tile == DEFAULT_TILE):
         raise ValueError(f"layout {layout!r}: the tile must be one of {list(TILES)}, and 128 is written 'tiled'; "
                          "build the string with layout_spec('tiled', tile)")  # fmt: skip
-    if not is_int(cp_size):
-        raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__} {cp_size!r}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}; use cp_size=1 to turn context parallelism off")
+    check_int("cp_size", cp_size, min=1, fix="; use cp_size=1 to turn context parallelism off")
     if name == "world" and tile is not None and (tile < 1 or cp_size % tile):
         raise ValueError(f"layout {layout!r}: a world of cp_size={cp_size} ranks is not a whole number of nodes of "
                          f"node_size={tile} ranks; pass torchrun's local world size as node_size, or a cp_size "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cpdata.errors import check_int
 from cpdata.layout.maps import _absorb_tail, _as_lengths
 from cpdata.layout.runs import segments
 
@@ -157,8 +158,8 @@ def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int |
     q_len, k_len = np.asarray(q_len, dtype=np.int64).reshape(-1), np.asarray(k_len, dtype=np.int64).reshape(-1)
     if q_len.shape != k_len.shape or (q_len.size and (q_len.min() < 1 or (k_len < q_len).any())):
         raise ValueError(f"segments need k_len >= q_len >= 1, got q_len {q_len[:8]} k_len {k_len[:8]}")
-    if tile < 1 or (window is not None and window < 1):
-        raise ValueError(f"tile={tile}, window={window}: both must be positive (window None: no window)")
+    check_int("tile", tile, min=1)
+    check_int("window", window, min=1, optional=True, fix=" (None: no window)")
     blocks = -(-q_len // tile)
     seg = np.repeat(np.arange(q_len.size, dtype=np.int64), blocks)
     b = segments(np.zeros_like(blocks), blocks)  # the block's index in its segment

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cpdata.device.presharded import is_presharded, mesh_rank_size
-from cpdata.errors import is_int
+from cpdata.errors import check_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nemo.raw_shard import DeviceShard, closed_form_indices, shard_identity
 from cpdata.nemo.thd_shard import ThdShard
@@ -146,8 +146,7 @@ def resolve_strategy(model: Any, device_mesh: Any, batch: Mapping[str, Any], *, 
                      invoke_pre_embed: bool = True,
                      extra_seq_buffers: Mapping[str, int] | None = None) -> Strategy:
     """The strategy for ``model``, ``device_mesh`` and ``batch`` (see the module docstring)."""
-    if not is_int(num_chunks) or num_chunks < 1:
-        raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1 (pipeline micro-batch chunks)")
+    check_int("num_chunks", num_chunks, min=1, fix=" (pipeline micro-batch chunks)")
     if model is not None and attention_backend(model) == "magi":
         return _magi_strategy(model, device_mesh, batch, num_chunks, invoke_pre_embed, extra_seq_buffers)
     _, cp_size = mesh_rank_size(submesh(device_mesh, "cp"))

@@ -25,6 +25,7 @@ from typing import Any
 from torch.utils.data._utils.collate import default_convert
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from cpdata.errors import check_bool
 from cpdata.nodes.dataset import WorkerDataset, silence_set_vital_warning
 from cpdata.nodes.epochs import EpochClock, check_epoch
 from cpdata.nodes.worker_process import keeping_heap
@@ -61,8 +62,7 @@ class CPDataLoader(StatefulDataLoader):
             )
         silence_set_vital_warning()
         kwargs.setdefault("collate_fn", hand_over)
-        if not isinstance(keep_heap, bool):
-            raise TypeError(f"keep_heap must be True or False, got {type(keep_heap).__name__} {keep_heap!r}")
+        check_bool("keep_heap", keep_heap)
         if keep_heap:
             kwargs["worker_init_fn"] = keeping_heap(kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=None, **kwargs)

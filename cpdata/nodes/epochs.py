@@ -30,9 +30,7 @@ def check_epoch(epoch: Any, what: str = "epoch") -> int:
 
 def check_num_epochs(num_epochs: Any) -> int | None:
     """``num_epochs`` (epochs per ``iter()``); ``ValueError`` unless an int >= 1 or None (one epoch per ``iter()``)."""
-    if num_epochs is None:
-        return None
-    return check_int("num_epochs", num_epochs, min=1, fix=" (or None: one epoch per iter())")
+    return check_int("num_epochs", num_epochs, min=1, optional=True, fix=" (None: one epoch per iter())")
 
 
 class EpochClock:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int, naming_parts
+from cpdata.errors import check_choice, check_int, naming_parts
 from cpdata.nodes.epochs import EpochNode
 from cpdata.nodes.mix_readers import (
     BLOCK,
@@ -69,8 +69,7 @@ class Mix(VersionedState, EpochNode[dict]):
                  stop: str = "first_exhausted", by: str = "documents") -> None:  # fmt: skip
         super().__init__()
         self.weights = check_weights(sources, weights)
-        if stop not in STOP_POLICIES:
-            raise ValueError(f"unknown stop policy {stop!r}; choose one of {list(STOP_POLICIES)}")
+        check_choice("stop policy", stop, STOP_POLICIES)
         if by not in BY:
             raise ValueError(f"by must be one of {list(BY)} (what the weights share out), got {by!r}")
         self.seed, self.stop, self.by = check_int("seed", seed, min=0), stop, by

@@ -19,7 +19,7 @@ import difflib
 from collections.abc import Collection, Mapping
 from typing import Any, TypeAlias
 
-from cpdata.errors import is_int
+from cpdata.errors import check_bool, check_choice, check_int
 from cpdata.nodes.shuffle_buffer import DEFAULT_SHUFFLE_BUFFER
 from cpdata.packing.records import ALGORITHMS, DEFAULT_ALGORITHM, OVERFLOW_POLICIES
 from cpdata.schedule import TAIL_POLICIES, CostModel
@@ -37,28 +37,6 @@ __all__ = [
     "check_records",
     "refuse_keywords",
 ]
-
-def _int(owner: str, name: str, value: Any, low: int, *, optional: bool = False) -> None:
-    """Refuse ``value`` unless it is an int ``>= low`` (or None when ``optional``), naming ``owner.name``."""
-    if optional and value is None:
-        return
-    if not is_int(value):
-        none = " or None" if optional else ""
-        raise TypeError(f"{owner}.{name} must be an int{none}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{owner}.{name} must be >= {low}, got {name}={value!r}")
-
-
-def _bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
-    if not isinstance(value, bool) and not (optional and value is None):
-        none = ", or None" if optional else ""
-        raise TypeError(f"{owner}.{name} must be True or False{none}, got {type(value).__name__} {value!r}")
-
-
-def _choice(owner: str, name: str, value: Any, choices: Collection[Any], *, optional: bool = False) -> None:
-    if value not in choices and not (optional and value is None):
-        raise ValueError(f"unknown {owner}.{name} {value!r}; choose one of {list(choices)}")
-
 
 SCHEDULES: tuple[str, ...] = ("balanced", "in_order")
 """``balanced``: packs cost-balanced (:class:`~cpdata.schedule.CostModel`); ``in_order``: dealt in order."""
@@ -81,10 +59,10 @@ class StreamPlan:
     """With ``DataPolicy(shuffle=True)`` over a stream (no ``len``): documents held to draw from."""
 
     def __post_init__(self) -> None:
-        _choice("StreamPlan", "algorithm", self.algorithm, ALGORITHMS)
-        _choice("StreamPlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
-        _int("StreamPlan", "window", self.window, 1, optional=True)
-        _int("StreamPlan", "shuffle_buffer", self.shuffle_buffer, 1)
+        check_choice("StreamPlan.algorithm", self.algorithm, ALGORITHMS)
+        check_choice("StreamPlan.overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
+        check_int("StreamPlan.window", self.window, min=1, optional=True)
+        check_int("StreamPlan.shuffle_buffer", self.shuffle_buffer, min=1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,13 +91,13 @@ class SchedulePlan:
     """Documents longer than a pack (as :attr:`StreamPlan.overflow`)."""
 
     def __post_init__(self) -> None:
-        _choice("SchedulePlan", "kind", self.kind, SCHEDULES)
-        _int("SchedulePlan", "micro_batches", self.micro_batches, 1)
-        _int("SchedulePlan", "max_delay", self.max_delay, 0)
-        _choice("SchedulePlan", "tail", self.tail, TAIL_POLICIES)
-        _int("SchedulePlan", "window", self.window, 1, optional=True)
-        _choice("SchedulePlan", "algorithm", self.algorithm, ALGORITHMS)
-        _choice("SchedulePlan", "overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
+        check_choice("SchedulePlan.kind", self.kind, SCHEDULES)
+        check_int("SchedulePlan.micro_batches", self.micro_batches, min=1)
+        check_int("SchedulePlan.max_delay", self.max_delay, min=0)
+        check_choice("SchedulePlan.tail", self.tail, TAIL_POLICIES)
+        check_int("SchedulePlan.window", self.window, min=1, optional=True)
+        check_choice("SchedulePlan.algorithm", self.algorithm, ALGORITHMS)
+        check_choice("SchedulePlan.overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         if self.cost is not None:
             if not isinstance(self.cost, CostModel):
                 raise TypeError(f"SchedulePlan.cost must be a cpdata.CostModel or None, got {type(self.cost).__name__}")
@@ -156,14 +134,14 @@ class DataPolicy:
     masks, required when documents carry any (:mod:`cpdata.worker.targets`)."""
 
     def __post_init__(self) -> None:
-        _int("DataPolicy", "dp_size", self.dp_size, 1)
-        _int("DataPolicy", "dp_rank", self.dp_rank, 0)
+        check_int("DataPolicy.dp_size", self.dp_size, min=1)
+        check_int("DataPolicy.dp_rank", self.dp_rank, min=0)
         if self.dp_rank >= self.dp_size:
             raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={self.dp_rank}, dp_size={self.dp_size}")
-        _int("DataPolicy", "seed", self.seed, 0)
-        _bool("DataPolicy", "shuffle", self.shuffle)
-        _int("DataPolicy", "epochs", self.epochs, 1, optional=True)
-        _int("DataPolicy", "vocab_size", self.vocab_size, 1, optional=True)
+        check_int("DataPolicy.seed", self.seed, min=0)
+        check_bool("DataPolicy.shuffle", self.shuffle)
+        check_int("DataPolicy.epochs", self.epochs, min=1, optional=True)
+        check_int("DataPolicy.vocab_size", self.vocab_size, min=1, optional=True)
         check_labels_alignment(self.labels_alignment)
 
 
@@ -184,10 +162,10 @@ class Delivery:
     moves only the keys each rank needs instead of all-gathering K/V."""
 
     def __post_init__(self) -> None:
-        _int("Delivery", "prefetch", self.prefetch, 0, optional=True)
-        _bool("Delivery", "pin_memory", self.pin_memory, optional=True)
-        _int("Delivery", "block_size", self.block_size, 1, optional=True)
-        _bool("Delivery", "kv_exchange", self.kv_exchange)
+        check_int("Delivery.prefetch", self.prefetch, min=0, optional=True)
+        check_bool("Delivery.pin_memory", self.pin_memory, optional=True)
+        check_int("Delivery.block_size", self.block_size, min=1, optional=True)
+        check_bool("Delivery.kv_exchange", self.kv_exchange)
 
 
 def check_records(*, plan: Any = None, data: Any = None, delivery: Any = None) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cpdata.errors import is_int
+from cpdata.errors import check_int
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import SourceReader, read_document
 from cpdata.nodes.validate import document_ids, to_document
@@ -233,10 +233,9 @@ class WindowRows(RankPlanRows):
     def start(self, epoch: int, block: Mapping[str, Any] | None) -> int:
         self.reader.open()
         self._rows, self._items, self._lengths = None, [], None
-        values = [0, 0] if block is None else [block.get(k) for k in ("window", "pack_base")]
-        if not all(is_int(v) and v >= 0 for v in values):
-            raise ValueError(f"WindowedPacks state has block={dict(block)}; expected window and pack_base ints >= 0")
-        self._window, self._pack_base = int(values[0]), int(values[1])
+        saved = {"window": 0, "pack_base": 0} if block is None else block
+        self._window, self._pack_base = (check_int(f"WindowedPacks state's block[{k!r}]", saved.get(k), min=0)
+                                         for k in ("window", "pack_base"))  # fmt: skip
         self._expect = None if block is None else block.get("lengths")
         for done in range(self._window * self.window):  # replay: rows skipped, not parsed
             try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int, is_int
+from cpdata.errors import check_int
 from cpdata.nodes.epochs import EpochClock, EpochNode, check_num_epochs
 from cpdata.nodes.state_version import VersionedState
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
@@ -189,9 +189,7 @@ class ServedPacks(VersionedState, EpochNode[PackPlan]):
                 f"now {str(self.rows.identity)[:24]}…: other document lengths, or another plan); resume on the same "
                 "dataset and plan"
             )
-        item = initial_state.get("item")
-        if not is_int(item) or item < 0:
-            raise ValueError(f"{name} state has item={item!r}; expected an int >= 0")
+        item = check_int(f"{name} state's item", initial_state.get("item"), min=0)
         saved = EpochClock()
         saved.restore(initial_state.get("epoch"), initial_state.get("first_epoch"))
         self._block = self.rows.start(saved.epoch, initial_state.get("block"))  # refuses an epoch not planned
@@ -200,7 +198,7 @@ class ServedPacks(VersionedState, EpochNode[PackPlan]):
             raise ValueError(f"{name} state has item={item}, but this rank's epoch {saved.epoch} has {total} packs; "
                              "it is not a state of this plan")  # fmt: skip
         self.epoch_clock.restore(saved.epoch, saved.first)
-        self._item = int(item)
+        self._item = item
 
     def _document(self, index: int, more: bool) -> Mapping[str, np.ndarray]:
         """Document ``index``, read once for all its pieces: kept while pieces of it follow (``more``; they

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from cpdata.errors import is_int
+from cpdata.errors import check_bool, check_int, is_int
 from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
 from cpdata.layout.maps import alignment, check_layout, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
@@ -113,12 +113,9 @@ class ShardForRank(VersionedState, BaseNode[Any]):
         self.cp_rank = int(cp_rank)
         self.layout = layout
         self.all_ranks = all_ranks
-        if block_size is not None and (not is_int(block_size) or block_size < 1):
-            raise ValueError(f"block_size must be an int >= 1 (batches prepared at once) or None (sized by tokens), "
-                             f"got block_size={block_size!r}")  # fmt: skip
-        self.block_size = None if block_size is None else int(block_size)
-        if not isinstance(kv_exchange, bool):
-            raise TypeError(f"kv_exchange must be a bool, got {type(kv_exchange).__name__} {kv_exchange!r}")
+        fix = " (batches prepared at once; None: sized by tokens)"
+        self.block_size = check_int("block_size", block_size, min=1, optional=True, fix=fix)
+        check_bool("kv_exchange", kv_exchange)
         self.kv_exchange = kv_exchange
         self._dynamic = layout_depends_on_documents(layout, self.cp_size)
         self._sources = document_sources_of(collate_node)  # a mix: info["doc_source"] names each slot's source

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from cpdata.errors import is_int
+from cpdata.errors import check_int
 
 __all__ = ["DEFAULT_SHUFFLE_BUFFER", "ShuffleBuffer"]
 
@@ -31,10 +31,8 @@ class ShuffleBuffer(Generic[T]):
     """Random order over a stream with a buffer of ``size`` items (1 keeps the stream order)."""
 
     def __init__(self, size: int, seed: int, dp_rank: int = 0) -> None:
-        if not is_int(size) or size < 1:
-            raise ValueError(f"shuffle_buffer must be an int >= 1 (documents held to shuffle a stream), got {size!r}; "
-                             f"the default is {DEFAULT_SHUFFLE_BUFFER}")  # fmt: skip
-        self.size = int(size)
+        fix = f" (documents held to shuffle a stream); the default is {DEFAULT_SHUFFLE_BUFFER}"
+        self.size = check_int("shuffle_buffer", size, min=1, fix=fix)
         self.seed, self.dp_rank = int(seed), int(dp_rank)
         self.drawn = 0
         self._items: list[T] = []

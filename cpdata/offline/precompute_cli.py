@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from cpdata.errors import check_choice
 from cpdata.layout.maps import LAYOUTS
 from cpdata.layout.tiled import TILES
 from cpdata.nodes.options import DataPolicy, PlanChoice, SchedulePlan, StreamPlan
@@ -82,8 +83,7 @@ def parse_mix(entries: list[str], *, seed: int, stop: str, by: str = "documents"
     from cpdata.nodes.mix import STOP_POLICIES, check_weights, mix
     from cpdata.sources.open import open_dataset
 
-    if stop not in STOP_POLICIES:  # before any file is opened
-        raise ValueError(f"unknown stop policy {stop!r} (--mix-stop); choose one of {list(STOP_POLICIES)}")
+    check_choice("stop policy", stop, STOP_POLICIES, fix=" (--mix-stop)")  # before any file is opened
     paths: dict[str, str] = {}
     weights: dict[str, float] = {}
     for entry in entries:

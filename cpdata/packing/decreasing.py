@@ -213,6 +213,8 @@ class BestFitDecreasing:
 class FirstFitDecreasing(OpenBins):
     """First-fit-decreasing over each window; nothing is carried between windows."""
 
+    carries = False
+
     def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
         ks, ss = decreasing(keys, slots)
         size = 1 << max(int(keys.shape[0]) - 1, 1).bit_length()
@@ -234,17 +236,13 @@ class FirstFitDecreasing(OpenBins):
                 i >>= 1
         return packs_by_bin(ks, np.asarray(bin_of, dtype=np.int64))
 
-    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        assert not bins, "ffd carries nothing between windows"
-        super().load_carry(bins)
-
 
 class WorldPacker(OpenBins):
     """The world packer (module docstring): ``world`` ranks, ``node_size`` a node; ``carry``: ``bfd``'s."""
 
     def __init__(self, capacity: int, world: int, node_size: int, tile: int = 128, *, carry: bool = True) -> None:
         self.world, self.node_size, self.tile = world, node_size, tile
-        self.keep = CARRY if carry else 0
+        self.keep, self.carries = (CARRY if carry else 0), carry
         super().__init__(capacity)
 
     def _fill(self, keys: np.ndarray, slots: np.ndarray) -> list[tuple[list[int], list[int], WorldBins]]:
@@ -287,9 +285,3 @@ class WorldPacker(OpenBins):
         packs = self._fill(*self.carry_columns()[1:])
         self.load_carry([])
         return self._emit(packs)
-
-    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        if bins and not self.keep:
-            raise ValueError("the world packer under 'ffd' carries nothing between windows, but the state holds "
-                             "open packs; restore it under the packing algorithm it was saved with")  # fmt: skip
-        super().load_carry(bins)

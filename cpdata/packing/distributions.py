@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cpdata.errors import check_choice
+
 __all__ = ["BENCHMARK_CASES", "DISTRIBUTIONS", "HARD_CASES", "sample_lengths"]
 
 
@@ -66,6 +68,5 @@ HARD_CASES: tuple[tuple[str, int, str, int], ...] = (("chat_narrow", 4096, "spli
 
 def sample_lengths(name: str, n: int, seed: int = 0) -> np.ndarray:
     """int64 ``[n]`` document lengths drawn from distribution ``name``."""
-    if name not in DISTRIBUTIONS:
-        raise ValueError(f"unknown length distribution {name!r}; choose one of {sorted(DISTRIBUTIONS)}")
+    check_choice("length distribution", name, sorted(DISTRIBUTIONS))
     return DISTRIBUTIONS[name](np.random.default_rng(seed), n).astype(np.int64)

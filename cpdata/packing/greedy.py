@@ -20,6 +20,9 @@ class OpenBins:
     """Open bins as lists of keys and slot lengths with their fill: the carry of every packer but ``bfd``
     (``ffd`` keeps none between windows; the world packer keeps whole micro-batches)."""
 
+    carries = True
+    """Whether open bins pass from one window to the next (not under ``ffd``: a carry restored is refused)."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.load_carry([])
@@ -36,6 +39,9 @@ class OpenBins:
         return offsets, keys, np.array([s for ss in self._slots for s in ss], dtype=np.int64)
 
     def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        if bins and not self.carries:
+            raise ValueError(f"'ffd' carries nothing between windows, but the state holds {len(bins)} open "
+                             "packs; restore it under the packing algorithm it was saved with")  # fmt: skip
         self._keys = [list(k) for k, _ in bins]
         self._slots = [list(s) for _, s in bins]
         self._used = [sum(s) for s in self._slots]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_choice, check_int
 from cpdata.layout.maps import alignment
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
@@ -62,8 +62,7 @@ class PackingConfig:
         """Validate the arguments; ``overflow=None``: ``"split"`` for concat, else ``"error"``;
         ``window=None``: :data:`DEFAULT_WINDOW`, or the whole stream for ``ffd``."""
         doc_multiple, pack_multiple = alignment(layout, cp_size)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown packing algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+        check_choice("packing algorithm", algorithm, ALGORITHMS)
         capacity = check_int("capacity", capacity, min=1)
         if capacity % pack_multiple:
             below = capacity - capacity % pack_multiple
@@ -75,8 +74,7 @@ class PackingConfig:
             )
         if overflow is None:
             overflow = "split" if algorithm == "concat" else "error"
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {list(OVERFLOW_POLICIES)}")
+        check_choice("overflow policy", overflow, OVERFLOW_POLICIES)
         if window is None:
             window = None if algorithm == "ffd" else DEFAULT_WINDOW
         else:

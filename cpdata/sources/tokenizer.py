@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import is_int
+from cpdata.errors import check_int
 
 __all__ = ["ASSISTANT_MASKS", "RowTokenizer", "TokenizeStats", "load_tokenizer"]
 
@@ -91,8 +91,7 @@ class RowTokenizer:
     ) -> None:
         self.source = tokenizer
         self._tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
-        if max_length is not None and (not is_int(max_length) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        check_int("max_length", max_length, min=1, optional=True)
         if eos_token_id is None:
             eos_token_id = getattr(self._tok, "eos_token_id", None)
         if append_eos and eos_token_id is None:
