@@ -216,6 +216,10 @@ def test_precomputed_recipe_serves_labelled_documents_in_the_plans_convention(tm
         local += sum(int((b["labels"] != -100).sum()) for b in batches)
     expected = sum(len(r["input_ids"]) - 1 for r in rows)  # every given target, trained once
     assert local == sum(b.info["n_targets"] for b in batches) == expected
+    # the recipe's graph is PrecomputedDataset's: a pad id outside the vocabulary is refused before serving
+    with pytest.raises(ValueError, match="padding_token_id=500 is >= vocab_size=500"):
+        precomputed.build(plan_dir, path, cp_size=CP, cp_rank=0, padding_token_id=500,
+                          data=DataPolicy(labels_alignment="targets", vocab_size=500))  # fmt: skip
 
 
 def test_recipes_have_one_home_and_pipelines_is_its_entry():

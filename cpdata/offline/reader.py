@@ -186,6 +186,14 @@ class PrecomputedPacks(ServedPacks):
     def store(self) -> PackStore:
         return self.rows.store
 
+    def graph_options(self, *, batch_size: int, qkv_format: str, padding_token_id: int) -> GraphOptions:
+        """The options of a graph serving these packs: the plan's capacity, ``cp_size`` and layout, this
+        ``data`` (the pads checked against its vocabulary, as :class:`~cpdata.CPDataset`'s are)."""
+        config = self.store.config
+        return GraphOptions(capacity=int(config["capacity"]), cp_size=int(config["cp_size"]),
+                            layout=str(config["layout"]), batch_size=batch_size, qkv_format=qkv_format,
+                            padding_token_id=padding_token_id, data=self.rows.data)  # fmt: skip
+
     @property
     def epochs(self) -> int | None:
         """Epochs the plan holds (a mix's plan), or None: the same packs every epoch."""
@@ -223,10 +231,8 @@ class PrecomputedDataset(WorkerDataset):
         refuse_keywords("PrecomputedDataset", removed, accepted)
         super().__init__(delivery)
         self.plans = PrecomputedPacks(path, documents, cp_size=cp_size, layout=layout, data=data)
-        config = self.plans.store.config
-        self.options = GraphOptions(capacity=int(config["capacity"]), cp_size=int(config["cp_size"]),
-                                    layout=str(config["layout"]), batch_size=batch_size, qkv_format=qkv_format,
-                                    padding_token_id=padding_token_id, data=data)  # as CPDataset's: pads checked
+        self.options = self.plans.graph_options(batch_size=batch_size, qkv_format=qkv_format,
+                                                padding_token_id=padding_token_id)  # fmt: skip
         self.cp_rank, self.delivery = cp_rank, delivery
         self._worker_node(0, 1)  # validate the configuration in the main process
 

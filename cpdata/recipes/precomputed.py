@@ -8,12 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchdata.nodes import BaseNode
-
-from cpdata.nodes.collate import Collate
-from cpdata.nodes.loader import ResumableLoader, delivered
+from cpdata.nodes.loader import ResumableLoader, delivered, rank_node, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
-from cpdata.nodes.shard import ShardForRank
 from cpdata.offline.reader import PrecomputedPacks
 from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.open import open_dataset
@@ -46,8 +42,6 @@ def build(
                              "pass their path (e.g. --documents data.jsonl)")
         documents = open_dataset(documents)
     plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, data=data)
-    layout = str(plans.store.config["layout"])
-    node: BaseNode = Collate(plans, batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
-    node = ShardForRank(node, cp_size=cp_size, cp_rank=cp_rank, layout=layout, block_size=delivery.block_size,
-                        kv_exchange=delivery.kv_exchange)  # fmt: skip
-    return ResumableLoader(delivered(node, delivery))
+    options = plans.graph_options(batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
+    return ResumableLoader(delivered(rank_node(shard_graph(None, options, packs=plans), options, cp_rank, delivery),
+                                     delivery))  # fmt: skip
