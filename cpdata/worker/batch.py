@@ -141,6 +141,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
         """A batch whose tensors and layout maps (those set) are views of one host buffer."""
+        cls(tensors, layout=layout)  # the values and the layout checked as for any batch
         maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
         plan, total, gaps = plan_of(tensor_specs(tensors), tensor_specs(maps))
         buffer = torch.empty(total, dtype=torch.uint8)
