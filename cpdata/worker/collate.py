@@ -8,7 +8,7 @@ continue through a slot's padding, clamped to ``S - 1``. bshd gives ``[B, S]`` r
 stream; the metadata describe the row-major stream either way.
 
 :func:`collate_rank` gathers one rank's positions from the batch's token buffer without building the
-pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of ``cp_size=1``."""
+pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of every position."""
 
 from __future__ import annotations
 
@@ -164,27 +164,22 @@ def collate_pack(
     plans: Sequence[PackPlan], *, padding_token_id: int = 0, qkv_format: str = "bshd"
 ) -> dict[str, np.ndarray]:
     """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata."""
-    return _collate(plans, None, padding_token_id, qkv_format)
+    return collate_rank(plans, None, padding_token_id=padding_token_id, qkv_format=qkv_format)
 
 
 def collate_rank(
     plans: Sequence[PackPlan],
-    rows_r: np.ndarray,
+    rows_r: np.ndarray | None,
     *,
     padding_token_id: int = 0,
     qkv_format: str = "bshd",
 ) -> dict[str, np.ndarray]:
     """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit, plus the
-    full (global) stream metadata.
+    full (global) stream metadata; :func:`fill_rank` into new arrays.
 
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
-    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
-    return _collate(plans, rows_r, padding_token_id, qkv_format)
-
-
-def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token_id: int, qkv_format: str
-             ) -> dict[str, np.ndarray]:  # fmt: skip
-    """:func:`fill_rank` into new arrays, at ``rows_r`` (checked) or, for None, every position."""
+    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``);
+    checked. None: every position (:func:`collate_pack`)."""
     check_qkv_format(qkv_format)
     stream = build_streams([(plans, padding_token_id)]).streams[0]
     row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len
