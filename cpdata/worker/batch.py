@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpdata.layout.shard_layout import ShardLayout
+from cpdata.layout.shard_layout import MAP_FIELDS, ShardLayout
 from cpdata.worker.buffer_spans import (
     BufferPlan,
     ViewPlan,
@@ -31,10 +31,6 @@ from cpdata.worker.buffer_spans import (
 from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
-
-
-_LAYOUT_MAPS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
-"""The :class:`ShardLayout` tensor fields a contiguous batch keeps after its tensors."""
 
 
 def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
@@ -142,7 +138,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
     ) -> ShardedBatch:
         """A batch whose tensors and layout maps (those set) are views of one host buffer."""
         cls(tensors, layout=layout)  # the values and the layout checked as for any batch
-        maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
+        maps = {name: getattr(layout, name) for name in MAP_FIELDS if getattr(layout, name) is not None}
         plan, total, gaps = plan_of(tensor_specs(tensors), tensor_specs(maps))
         buffer = torch.empty(total, dtype=torch.uint8)
         buffer.numpy()[gaps] = 0  # alignment gaps: no allocator leftovers
@@ -194,7 +190,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         views = self._views
         if views is not None and views.maps:
             return views.plan.map_bytes
-        maps = (getattr(self.layout, name) for name in _LAYOUT_MAPS)
+        maps = (getattr(self.layout, name) for name in MAP_FIELDS)
         return sum(t.numel() * t.element_size() for t in maps if t is not None)
 
     @property
