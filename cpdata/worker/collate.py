@@ -117,11 +117,8 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     ids[: w + 1].take(src, out=out_ids, mode="clip")
     if stream.padding_token_id != ids[w]:
         np.copyto(out_ids, stream.padding_token_id, where=pad)
-    labels = out[LABELS]
-    if buffer.labels is None:  # next-token targets: the element after each piece is its next_label
-        ids[1:].take(src, out=labels, mode="clip")  # pads read ids[W + 1] = -100
-    else:
-        buffer.labels.take(src, out=labels, mode="clip")
+    # without labels, next-token targets: the element after each piece is its next_label, pads read ids[W + 1]
+    labels = (ids[1:] if buffer.labels is None else buffer.labels).take(src, out=out[LABELS], mode="clip")
     position_ids = np.add(tab[2 * k2 + 1 :].repeat(counts).reshape(shape), positions.reshape(shape),
                           out=out[POSITION_IDS])  # fmt: skip
     if stream.pads_pass_end:  # some slot's pads would pass S - 1
