@@ -14,6 +14,7 @@ batches; pickling, pinning and ``to()`` build none."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -21,20 +22,10 @@ import numpy as np
 import torch
 
 from cpdata.layout.shard_layout import MAP_FIELDS, ShardLayout
-from cpdata.worker.buffer_spans import (
-    BufferPlan,
-    ViewPlan,
-    plan_of,
-    tensor_specs,
-    with_fields,
-)
+from cpdata.worker.buffer_spans import BufferPlan, ViewPlan, plan_of, tensor_specs, with_fields
 from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
-
-
-def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
-    return ShardedBatch(tensors, layout=layout, info=info)
 
 
 class _BufferViews:
@@ -261,7 +252,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if views is not None:  # one storage: the views are rebuilt from the spans on the other side
             base = views.record() if views.maps else self.layout
             return ShardedBatch._from_buffer, (views.buffer, views.plan, base, self._info, views.maps)
-        return _restore, (self._tensors, self._layout, self._info)
+        return functools.partial(ShardedBatch, layout=self._layout, info=self._info), (self._tensors,)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.items())
