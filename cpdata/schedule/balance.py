@@ -70,8 +70,7 @@ def place_step(
                            hold=hold, full_cost=full_cost, quad=quad)  # fmt: skip
     runs, loose = runs
     for j, run in enumerate(runs):
-        ranks = np.arange(R) if j % 2 == 0 else np.arange(R - 1, -1, -1)
-        cells = j * R + ranks
+        cells = j * R + (np.arange(R) if j % 2 == 0 else np.arange(R - 1, -1, -1))  # odd runs: ranks reversed
         cell[run] = cells
         room[cells] -= slot[run]
         load[cells] += key[run]
