@@ -44,10 +44,9 @@ def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
     return len(first_fit(sizes.tolist(), [capacity] * cells, list(range(n)))) == n
 
 
-def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int,
-           tries: int = EXACT_TRIES) -> list[int] | None:  # fmt: skip
+def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int) -> list[int] | None:
     """Positions in ``sizes`` (sorted; ``counts`` its histogram, ``distinct`` its sorted keys) of fillers summing
-    to exactly ``r``: one filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
+    to exactly ``r``: one filler, two, or one plus ``k < EXACT_TRIES`` of the shortest; None if none does."""
     last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
     if counts.get(r):
         return [last(r)]
@@ -61,7 +60,7 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
             return [i - 1, i] if a == b else [i, last(b)]
     sm = sizes[0]
     n_sm = counts[sm]
-    for k in range(2, min(tries, r // sm + 1)):
+    for k in range(2, min(EXACT_TRIES, r // sm + 1)):
         t = r - k * sm
         if t > sm and counts.get(t) and n_sm >= k:
             return [last(t), *range(n_sm - k, n_sm)]
