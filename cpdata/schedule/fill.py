@@ -67,7 +67,7 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
     return None
 
 
-def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
+def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, dp_size) -> None:
     """Phase C, the lists updated in place: in rounds, each cell (largest gap below its slot's costliest first)
     takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
     shorter than every filler where avoidable."""
@@ -88,12 +88,12 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
         placed_i.append(i)
         placed_c.append(c)
         load_l[c] += keys[i]
-        m = slot_of_l[c]
+        m = c // dp_size  # cell c is in slot c // dp_size
         if load_l[c] > smax_l[m]:
             smax_l[m] = load_l[c]
 
     while sizes and active:
-        gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
+        gaps = [load_l[c] - smax_l[c // dp_size] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
         n_act = len(active)
         if len(sizes) > n_act and min(room_l[c] for c in active) >= max(sizes[-1] + sizes[0],
