@@ -140,7 +140,7 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     ``n_documents``: each batch's pieces."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
-    if slots.padded:  # an empty plan's padding slot (document -1) is no piece
+    if min(slots.counts) == 0:  # an empty plan's padding slot (document -1) is no piece
         piece = columns[:, 0] >= 0
         columns, starts, raw = columns[piece], starts[piece], raw[piece]
         first = [0, *accumulate(n_documents)]
