@@ -199,9 +199,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return self._tensor_dict()[key]
 
     def __iter__(self) -> Iterator[str]:
-        if self._tensors is None:  # the keys are the plan's: no view needed
-            return iter(self._views.plan.spans)
-        return iter(self._tensors)
+        return iter(self._views.plan.spans if self._tensors is None else self._tensors)  # no view built for keys
 
     def __len__(self) -> int:
         return len(self._views.plan.spans if self._tensors is None else self._tensors)
