@@ -132,6 +132,11 @@ def test_a_replacement_detaches_only_the_batch_it_is_made_on():
     assert torch.equal(shallow["labels"], batch["labels"])
     replaced = batch.replace(weight=None)
     assert "weight" not in replaced and replaced.layout is batch.layout and batch._buffer is not None
+    received = pickle.loads(pickle.dumps(shallow))  # a detached batch pickles its own tensors
+    assert isinstance(received, ShardedBatch) and received._buffer is None and received.info == shallow.info
+    assert list(received) == list(shallow) and all(torch.equal(received[k], shallow[k]) for k in shallow)
+    assert received.layout.digest == shallow.layout.digest and torch.equal(received.layout.gather_index,
+                                                                           shallow.layout.gather_index)
 
 
 def test_byte_counts_come_from_the_plan_and_match_the_tensors():

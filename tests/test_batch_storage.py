@@ -205,6 +205,15 @@ def test_alignment_gaps_of_a_contiguous_batch_are_zero():
     assert_same(batch, src)
 
 
+def test_a_contiguous_batch_refuses_what_a_plain_batch_refuses():
+    src = first_batch()
+    for build in (ShardedBatch, ShardedBatch.contiguous):
+        with pytest.raises(TypeError, match=r"values must be torch tensors; keys \['input_ids'\] are not"):
+            build({**src, "input_ids": [1, 2]}, layout=src.layout)
+        with pytest.raises(TypeError, match="layout must be a ShardLayout, got dict"):
+            build(dict(src), layout={})
+
+
 _DTYPES = {1: torch.bool, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.worker.keys import IGNORE_INDEX
-from cpdata.worker.token_buffer import BufferPool, concatenate_arrays
+from cpdata.worker.token_buffer import BufferPool, concatenate_arrays, concatenate_spaced
 
 
 def test_each_item_is_followed_by_the_target_of_its_last_token():
@@ -20,6 +20,18 @@ def test_each_item_is_followed_by_the_target_of_its_last_token():
     np.testing.assert_array_equal(buf.extras["w"][[0, 1, 2, 4, 5, 7]], [1.5, 2, 3, 4, 5, 0])
     plain = concatenate_arrays([{"input_ids": np.array([1, 2])}], [2], np.array([IGNORE_INDEX]))
     assert plain.labels is None and plain.extras == {}
+
+
+def test_spaced_concatenation_leaves_one_zero_after_each_array():
+    arrays = [np.array([3, 4]), np.array([], dtype=np.int64), np.array([7], dtype=np.int32)]
+    out = np.full(6, -1, dtype=np.int64)
+    concatenate_spaced(arrays, out)
+    reference = np.concatenate([np.append(a, 0) for a in arrays])  # each array, then one spare element
+    np.testing.assert_array_equal(out, reference)
+    assert out.tolist() == [3, 4, 0, 0, 7, 0]
+    empty = np.full(2, -1, dtype=np.int64)
+    concatenate_spaced([], empty[:0])  # nothing to write: the array is left alone
+    assert empty.tolist() == [-1, -1]
 
 
 def test_the_pool_hands_an_array_out_again_only_once_nothing_refers_to_it():

@@ -13,7 +13,10 @@ if TYPE_CHECKING:
 
     from cpdata.layout.exchange import RankExchange
 
-__all__ = ["ShardLayout"]
+__all__ = ["MAP_FIELDS", "ShardLayout"]
+
+MAP_FIELDS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
+"""The :class:`ShardLayout` fields that hold index tensors (moved, pinned and buffered with the batch)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class ShardLayout:
 
     def _map_tensors(self, fn) -> ShardLayout:
         changes = {}
-        for name in ("local_token_global_indices", "input_token_stream_positions", "gather_index"):
+        for name in MAP_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = fn(value)

@@ -19,7 +19,7 @@ import numpy as np
 from cpdata.nodes.window import DocumentWindow
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS
 from cpdata.worker.targets import UNLABELED, piece_arrays
-from cpdata.worker.token_buffer import BufferPool, TokenBuffer, concatenate_arrays
+from cpdata.worker.token_buffer import BufferPool, TokenBuffer, concatenate_arrays, concatenate_spaced
 
 __all__ = ["CARRY_COLUMNS", "FIELDS", "LivePieces", "carried_room", "carry_arrays", "carry_state", "pick",
            "piece_sources", "window_buffer", "window_rows"]  # fmt: skip
@@ -160,10 +160,8 @@ def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: Sequence[So
     items = [] if plain else [{k: a[o:e] for k, a in src.items()} for src, o, e in zip(cut, starts, stops, strict=True)]
     if ids is not None:
         ids = ids[: used + 2]
-        if cut:
-            parts = [_ZERO] * (2 * len(cut))  # each piece's ids, then one element
-            parts[::2] = [src[INPUT_IDS][o:e] for src, o, e in zip(cut, starts, stops, strict=True)]
-            np.concatenate(parts, out=ids[docs:used])
+        piece_ids = [src[INPUT_IDS][o:e] for src, o, e in zip(cut, starts, stops, strict=True)]
+        concatenate_spaced(piece_ids, ids[docs:used])  # each piece's ids, then one element
     at = lengths.cumsum()
     at += np.arange(docs, docs + lengths.shape[0], dtype=np.int64)
     at -= lengths
@@ -177,9 +175,6 @@ def window_buffer(window: DocumentWindow, rows: np.ndarray, sources: Sequence[So
 def carried_room(rows: np.ndarray) -> int:
     """Elements the carried pieces (rows ``[c, 8]``) take in a token buffer."""
     return int(rows[:, 3].sum()) + rows.shape[0]
-
-
-_ZERO = np.zeros(1, dtype=np.int64)
 
 
 def window_rows(arrays: list, lengths: np.ndarray, indices: np.ndarray, firsts: np.ndarray, pieces: Any,

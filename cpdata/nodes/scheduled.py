@@ -28,6 +28,7 @@ from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import SourceReader, read_document
 from cpdata.nodes.validate import document_ids, to_document
 from cpdata.schedule import CostModel, Schedule, plan_schedule
+from cpdata.schedule.records import schedule_pack
 from cpdata.sources.fingerprint import (
     check_source_unchanged,
     lengths_sha256,
@@ -43,19 +44,11 @@ if TYPE_CHECKING:
     from cpdata.nodes.loader import GraphOptions
 
 __all__ = ["RankPlanRows", "RankRows", "ScheduleRows", "ScheduledPacks", "WindowRows", "WindowedPacks", "rank_rows",
-           "schedule_pack", "source_lengths"]
+           "source_lengths"]
 
 
 RankRows = dict[str, np.ndarray]
 """One rank's packs, CSR: pack ``j`` is rows ``offsets[j]:offsets[j + 1]`` of :mod:`cpdata.nodes.served`'s columns."""
-
-
-def schedule_pack(item: Any, micro_batches: int, dp_rank: int, dp_size: int) -> tuple[Any, Any, Any]:
-    """``(step, micro_batch, pack id)`` of a DP rank's pack ``item`` (an int, or int64 ``[n]`` of them) of a
-    schedule: micro-batch ``item % M`` of step ``item // M``, whose id numbers every rank's packs step by step
-    (``M = 1``: every ``dp_size``-th pack)."""
-    step, micro_batch = divmod(item, micro_batches)
-    return step, micro_batch, (step * dp_size + dp_rank) * micro_batches + micro_batch
 
 
 def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:

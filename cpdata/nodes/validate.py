@@ -28,7 +28,7 @@ from cpdata.worker.targets import (
     first_target,
     to_targets,
 )
-from cpdata.worker.token_buffer import BufferPool
+from cpdata.worker.token_buffer import BufferPool, concatenate_spaced
 
 __all__ = ["document_ids", "plain_ids", "to_document", "to_window"]
 
@@ -36,7 +36,6 @@ _INTEGER_KEYS = (INPUT_IDS, LABELS)
 _INT64_MAX = np.iinfo(np.int64).max
 _INT64 = np.dtype(np.int64)
 _NDIM, _DTYPE = attrgetter("ndim"), attrgetter("dtype")
-_ZERO = np.zeros(1, dtype=np.int64)  # the element after each document while its ids are checked
 
 
 def _to_array(value: Any) -> np.ndarray | None:
@@ -208,10 +207,7 @@ def to_window(
         size = total + room + 2
         buffer = scratch.take(size) if scratch is not None else np.empty(size, dtype=np.int64)
         flat = buffer[:total]
-        if n:
-            parts = [_ZERO] * (2 * n)  # each document's ids, then one element
-            parts[::2] = ids
-            np.concatenate(parts, out=flat)
+        concatenate_spaced(ids, flat)
         # one pass for both bounds: a negative id read as uint64 is above any vocabulary
         if flat.size and int(flat.view(np.uint64).max()) > (_INT64_MAX if vocab_size is None else int(vocab_size) - 1):
             raise ValueError("an id is out of range")  # replaced below by the first bad item's own error

@@ -25,10 +25,10 @@ from cpdata.nodes.dataset import WorkerDataset
 from cpdata.nodes.epochs import check_epoch
 from cpdata.nodes.loader import GraphOptions, rank_node, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
-from cpdata.nodes.scheduled import schedule_pack
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import read_document
 from cpdata.offline.store import PackStore, read_store, reopen_store
+from cpdata.schedule.records import schedule_pack
 from cpdata.sources.fingerprint import check_source_unchanged, lengths_sha256, source_identity
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import Listed, NamesSources, declared_labels, stated_lengths

@@ -50,7 +50,6 @@ def place_step(
     cell = np.full(n, -1, dtype=np.int64)
     room = np.full(K, C, dtype=np.int64)
     load = np.zeros(K, dtype=np.float64)
-    slot_of = np.arange(K, dtype=np.int64) // R
 
     if first:
         room_l = room.tolist()
@@ -70,8 +69,7 @@ def place_step(
                            hold=hold, full_cost=full_cost, quad=quad)  # fmt: skip
     runs, loose = runs
     for j, run in enumerate(runs):
-        ranks = np.arange(R) if j % 2 == 0 else np.arange(R - 1, -1, -1)
-        cells = j * R + ranks
+        cells = j * R + (np.arange(R) if j % 2 == 0 else np.arange(R - 1, -1, -1))  # odd runs: ranks reversed
         cell[run] = cells
         room[cells] -= slot[run]
         load[cells] += key[run]
@@ -159,5 +157,5 @@ def place_step(
     for fill in (overdue_fill, np.flatnonzero(is_filler & ~forced & todo)):
         if fill.size:
             fill = fill[np.lexsort((fill, slot[fill]))]  # ascending
-            fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of.tolist())
+            fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, R)
     return cell

@@ -44,10 +44,9 @@ def fits(sizes: np.ndarray, cells: int, capacity: int) -> bool:
     return len(first_fit(sizes.tolist(), [capacity] * cells, list(range(n)))) == n
 
 
-def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int,
-           tries: int = EXACT_TRIES) -> list[int] | None:  # fmt: skip
+def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int) -> list[int] | None:
     """Positions in ``sizes`` (sorted; ``counts`` its histogram, ``distinct`` its sorted keys) of fillers summing
-    to exactly ``r``: one filler, two, or one plus ``k < tries`` of the shortest; None if none of these does."""
+    to exactly ``r``: one filler, two, or one plus ``k < EXACT_TRIES`` of the shortest; None if none does."""
     last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
     if counts.get(r):
         return [last(r)]
@@ -61,14 +60,14 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
             return [i - 1, i] if a == b else [i, last(b)]
     sm = sizes[0]
     n_sm = counts[sm]
-    for k in range(2, min(tries, r // sm + 1)):
+    for k in range(2, min(EXACT_TRIES, r // sm + 1)):
         t = r - k * sm
         if t > sm and counts.get(t) and n_sm >= k:
             return [last(t), *range(n_sm - k, n_sm)]
     return None
 
 
-def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None:
+def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, dp_size) -> None:
     """Phase C, the lists updated in place: in rounds, each cell (largest gap below its slot's costliest first)
     takes the longest filler that fits, or closes exactly (:func:`_exact`) once nearly full, leaving no gap
     shorter than every filler where avoidable."""
@@ -89,12 +88,12 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, slot_of_l) -> None
         placed_i.append(i)
         placed_c.append(c)
         load_l[c] += keys[i]
-        m = slot_of_l[c]
+        m = c // dp_size  # cell c is in slot c // dp_size
         if load_l[c] > smax_l[m]:
             smax_l[m] = load_l[c]
 
     while sizes and active:
-        gaps = [load_l[c] - smax_l[slot_of_l[c]] for c in active]  # stable: ties keep the last round's order
+        gaps = [load_l[c] - smax_l[c // dp_size] for c in active]  # stable: ties keep the last round's order
         active = [active[j] for j in sorted(range(len(active)), key=gaps.__getitem__)]
         n_act = len(active)
         if len(sizes) > n_act and min(room_l[c] for c in active) >= max(sizes[-1] + sizes[0],

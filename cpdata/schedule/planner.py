@@ -21,7 +21,7 @@ from cpdata.packing.planner import _as_lengths
 from cpdata.schedule.balance import place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
-from cpdata.schedule.records import COUNTS, TAIL_POLICIES, Schedule, assemble
+from cpdata.schedule.records import COUNTS, TAIL_POLICIES, Schedule, assemble, schedule_pack
 from cpdata.schedule.runs import choose_runs
 
 __all__ = ["POOL_MARGIN", "padded_epoch_cost", "plan_schedule"]
@@ -189,6 +189,6 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
     # Cell m * R + r of a step -> pack (rank r, micro-batch m).
     s, c = np.divmod(placed_cell, K)
     m, r = np.divmod(c, R)
-    cells = (s * R + r) * M + m
+    cells = schedule_pack(s * M + m, M, r, R)[2]
     delay = s - arrival
     return (cells, pieces.doc, pieces.start, length, slot, pieces.continues, delay), counts

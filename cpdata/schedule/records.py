@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from cpdata.packing import PackingConfig, PackingResult, PackingStats
 from cpdata.schedule.cost import CostModel
 
-__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble", "imbalance"]
+__all__ = ["COUNTS", "TAIL_POLICIES", "Schedule", "ScheduleStats", "assemble", "imbalance", "schedule_pack"]
 
 COUNTS: tuple[str, ...] = ("documents", "skipped", "split", "truncated", "dropped", "truncated_tokens",
                            "dropped_tokens")  # fmt: skip
@@ -39,6 +40,14 @@ def imbalance(costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     imb_step = np.where(mean > 0, per_rank.max(axis=1) / safe - 1.0, 0.0)
     imb_mb = np.where(mean > 0, c.max(axis=1).sum(axis=1) / safe - 1.0, 0.0)
     return imb_step, imb_mb
+
+
+def schedule_pack(item: Any, micro_batches: int, dp_rank: int, dp_size: int) -> tuple[Any, Any, Any]:
+    """``(step, micro_batch, pack id)`` of a DP rank's pack ``item`` (an int, or int64 ``[n]`` of them) of a
+    schedule: micro-batch ``item % M`` of step ``item // M``, whose id numbers every rank's packs step by step
+    (``M = 1``: every ``dp_size``-th pack)."""
+    step, micro_batch = divmod(item, micro_batches)
+    return step, micro_batch, (step * dp_size + dp_rank) * micro_batches + micro_batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,11 +117,12 @@ class Schedule:
 
     def pack_id(self, step: int, dp_rank: int, micro_batch: int) -> int:
         """Index of the pack in the CSR arrays; ``IndexError`` outside the schedule."""
+        M = self.micro_batches
         for name, value, size in (("step", step, self.num_steps), ("dp_rank", dp_rank, self.dp_size),
-                                  ("micro_batch", micro_batch, self.micro_batches)):  # fmt: skip
+                                  ("micro_batch", micro_batch, M)):  # fmt: skip
             if not 0 <= value < size:
                 raise IndexError(f"{name}={value} out of range 0..{size - 1}")
-        return (step * self.dp_size + dp_rank) * self.micro_batches + micro_batch
+        return schedule_pack(step * M + micro_batch, M, dp_rank, self.dp_size)[2]
 
     def rows(self, step: int, dp_rank: int, micro_batch: int) -> slice:
         """The piece rows of one pack."""

@@ -14,31 +14,18 @@ batches; pickling, pinning and ``to()`` build none."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from cpdata.layout.shard_layout import ShardLayout
-from cpdata.worker.buffer_spans import (
-    BufferPlan,
-    ViewPlan,
-    plan_of,
-    tensor_specs,
-    with_fields,
-)
+from cpdata.layout.shard_layout import MAP_FIELDS, ShardLayout
+from cpdata.worker.buffer_spans import BufferPlan, ViewPlan, plan_of, tensor_specs, with_fields
 from cpdata.worker.keys import LABELS, N_TARGETS
 
 __all__ = ["BatchBuffer", "ShardedBatch"]
-
-
-_LAYOUT_MAPS = ("local_token_global_indices", "input_token_stream_positions", "gather_index")
-"""The :class:`ShardLayout` tensor fields a contiguous batch keeps after its tensors."""
-
-
-def _restore(tensors: dict[str, torch.Tensor], layout: ShardLayout, info: dict[str, Any]) -> ShardedBatch:
-    return ShardedBatch(tensors, layout=layout, info=info)
 
 
 class _BufferViews:
@@ -141,7 +128,8 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         cls, tensors: Mapping[str, torch.Tensor], *, layout: ShardLayout, info: Mapping[str, Any] | None = None
     ) -> ShardedBatch:
         """A batch whose tensors and layout maps (those set) are views of one host buffer."""
-        maps = {name: getattr(layout, name) for name in _LAYOUT_MAPS if getattr(layout, name) is not None}
+        cls(tensors, layout=layout)  # the values and the layout checked as for any batch
+        maps = {name: getattr(layout, name) for name in MAP_FIELDS if getattr(layout, name) is not None}
         plan, total, gaps = plan_of(tensor_specs(tensors), tensor_specs(maps))
         buffer = torch.empty(total, dtype=torch.uint8)
         buffer.numpy()[gaps] = 0  # alignment gaps: no allocator leftovers
@@ -193,7 +181,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         views = self._views
         if views is not None and views.maps:
             return views.plan.map_bytes
-        maps = (getattr(self.layout, name) for name in _LAYOUT_MAPS)
+        maps = (getattr(self.layout, name) for name in MAP_FIELDS)
         return sum(t.numel() * t.element_size() for t in maps if t is not None)
 
     @property
@@ -211,9 +199,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         return self._tensor_dict()[key]
 
     def __iter__(self) -> Iterator[str]:
-        if self._tensors is None:  # the keys are the plan's: no view needed
-            return iter(self._views.plan.spans)
-        return iter(self._tensors)
+        return iter(self._views.plan.spans if self._tensors is None else self._tensors)  # no view built for keys
 
     def __len__(self) -> int:
         return len(self._views.plan.spans if self._tensors is None else self._tensors)
@@ -264,7 +250,7 @@ class ShardedBatch(MutableMapping[str, torch.Tensor]):
         if views is not None:  # one storage: the views are rebuilt from the spans on the other side
             base = views.record() if views.maps else self.layout
             return ShardedBatch._from_buffer, (views.buffer, views.plan, base, self._info, views.maps)
-        return _restore, (self._tensors, self._layout, self._info)
+        return functools.partial(ShardedBatch, layout=self._layout, info=self._info), (self._tensors,)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.items())

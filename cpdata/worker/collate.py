@@ -8,7 +8,7 @@ continue through a slot's padding, clamped to ``S - 1``. bshd gives ``[B, S]`` r
 stream; the metadata describe the row-major stream either way.
 
 :func:`collate_rank` gathers one rank's positions from the batch's token buffer without building the
-pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of ``cp_size=1``."""
+pack: O(local tokens + slots), ~cp times less; :func:`collate_pack` is the rank of every position."""
 
 from __future__ import annotations
 
@@ -117,11 +117,8 @@ def _gather(stream: Stream, positions: np.ndarray, out: dict[str, np.ndarray]) -
     ids[: w + 1].take(src, out=out_ids, mode="clip")
     if stream.padding_token_id != ids[w]:
         np.copyto(out_ids, stream.padding_token_id, where=pad)
-    labels = out[LABELS]
-    if buffer.labels is None:  # next-token targets: the element after each piece is its next_label
-        ids[1:].take(src, out=labels, mode="clip")  # pads read ids[W + 1] = -100
-    else:
-        buffer.labels.take(src, out=labels, mode="clip")
+    # without labels, next-token targets: the element after each piece is its next_label, pads read ids[W + 1]
+    labels = (ids[1:] if buffer.labels is None else buffer.labels).take(src, out=out[LABELS], mode="clip")
     position_ids = np.add(tab[2 * k2 + 1 :].repeat(counts).reshape(shape), positions.reshape(shape),
                           out=out[POSITION_IDS])  # fmt: skip
     if stream.pads_pass_end:  # some slot's pads would pass S - 1
@@ -164,27 +161,22 @@ def collate_pack(
     plans: Sequence[PackPlan], *, padding_token_id: int = 0, qkv_format: str = "bshd"
 ) -> dict[str, np.ndarray]:
     """The full batch: token tensors ``[B, S]`` (bshd) or ``[B*S]`` (thd) plus stream metadata."""
-    return _collate(plans, None, padding_token_id, qkv_format)
+    return collate_rank(plans, None, padding_token_id=padding_token_id, qkv_format=qkv_format)
 
 
 def collate_rank(
     plans: Sequence[PackPlan],
-    rows_r: np.ndarray,
+    rows_r: np.ndarray | None,
     *,
     padding_token_id: int = 0,
     qkv_format: str = "bshd",
 ) -> dict[str, np.ndarray]:
     """One rank's tensors: ``collate_pack(...)[key][..., rows_r]`` for token keys, bit for bit, plus the
-    full (global) stream metadata.
+    full (global) stream metadata; :func:`fill_rank` into new arrays.
 
     ``rows_r``: int ``[L]`` this rank's global positions in local order: columns of every row (bshd, result
-    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``)."""
-    return _collate(plans, rows_r, padding_token_id, qkv_format)
-
-
-def _collate(plans: Sequence[PackPlan], rows_r: np.ndarray | None, padding_token_id: int, qkv_format: str
-             ) -> dict[str, np.ndarray]:  # fmt: skip
-    """:func:`fill_rank` into new arrays, at ``rows_r`` (checked) or, for None, every position."""
+    ``[B, L]``) or stream positions (thd, result ``[L]``) of the ``B`` ``plans`` (equal capacity ``S``);
+    checked. None: every position (:func:`collate_pack`)."""
     check_qkv_format(qkv_format)
     stream = build_streams([(plans, padding_token_id)]).streams[0]
     row_len = stream.row_len if qkv_format == "bshd" else stream.rows * stream.row_len

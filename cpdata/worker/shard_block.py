@@ -83,7 +83,11 @@ def _run_bounds(layout: str, cp_size: int, stream_len: int, n_rows: int) -> tupl
     return bounds, first_run
 
 
-def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_lens: Sequence[int]) -> list[list[float]]:
+Groups = dict[tuple[int, int], list[int]]
+"""``(stream length, bshd rows a map repeats over) -> the block's batches of that shape``, in order."""
+
+
+def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, groups: Groups) -> list[list[float]]:
     """Per-rank :func:`cpdata.layout.maps.causal_work` of each batch under a document-blind layout.
 
     A real token at offset ``o`` of its slot attends to ``o + 1`` keys, pads to none; each run costs
@@ -93,11 +97,8 @@ def _static_causal_work(block: StreamBlock, layout: str, cp_size: int, stream_le
     twice = real * (real + 1)
     below = twice.cumsum()
     below -= twice  # 2 W(offset of each slot)
-    firsts, streams = block.slots.first, block.streams
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b, stream_len in enumerate(stream_lens):  # (a short last batch: other rows or another length)
-        groups.setdefault((stream_len, streams[b].rows * streams[b].row_len // stream_len), []).append(b)
-    works: list[list[float]] = [[]] * len(stream_lens)
+    firsts = block.slots.first
+    works: list[list[float]] = [[]] * len(block.streams)
     for (stream_len, n_rows), members in groups.items():
         bounds, first_run = _run_bounds(layout, cp_size, stream_len, n_rows)
         at = offsets[[firsts[b] for b in members]][:, None] + bounds  # [m, 2 runs]: each batch's runs
@@ -139,7 +140,7 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     ``n_documents``: each batch's pieces."""
     slots, streams = block.slots, block.streams
     columns, starts, first, raw = slots.table, block.src_starts, slots.first, slots.raw_lens
-    if slots.padded:  # an empty plan's padding slot (document -1) is no piece
+    if min(slots.counts) == 0:  # an empty plan's padding slot (document -1) is no piece
         piece = columns[:, 0] >= 0
         columns, starts, raw = columns[piece], starts[piece], raw[piece]
         first = [0, *accumulate(n_documents)]
@@ -165,18 +166,14 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     return [d[0] if len(d) == 1 else _hash63(np.asarray(d, dtype=np.int64).tobytes()) for d in per_batch]
 
 
-def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, stream_lens: Sequence[int]
+def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, groups: Groups
                      ) -> tuple[list[RunTable], list[list[float]]]:  # fmt: skip
     """Run tables and per-rank causal work under a document-dependent layout, one block call per stream
     length; raises the per-batch error of :func:`cpdata.layout.maps.layout_runs`."""
-    slots, real = block.slots, block.slots.table[:, 2]
-    k = len(stream_lens)
+    slots, real, k = block.slots, block.slots.table[:, 2], len(block.streams)
     tables: list[RunTable] = [None] * k  # type: ignore[list-item]
     works: list[list[float]] = [[]] * k
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(stream_lens):
-        groups.setdefault(n, []).append(i)
-    for stream_len, members in groups.items():
+    for (stream_len, _), members in groups.items():  # (one row: a dynamic layout refuses bshd rows)
         run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len)
         block_tables = run_block.tables()
         reals = [real[slots.first[i] : slots.first[i] + n]
@@ -223,19 +220,19 @@ def prepare_block(batches: Sequence[CollatedPack], layout: str, cp_size: int, dy
     """
     if not batches:
         return []
-    stream_lens = []
-    for batch in batches:
-        n_rows, pack_len = len(batch.plans), batch.pack_len
+    stream_lens, groups, k = [], {}, len(batches)
+    for i, batch in enumerate(batches):  # (a short last batch: other rows or another length)
+        n_rows, bshd = len(batch.plans), batch.qkv_format == "bshd"
         check_rows(layout, cp_size, dynamic, n_rows, batch.qkv_format)
-        stream_lens.append(pack_len if batch.qkv_format == "bshd" else n_rows * pack_len)
+        stream_lens.append(batch.pack_len * (1 if bshd else n_rows))
+        groups.setdefault((stream_lens[-1], n_rows if bshd else 1), []).append(i)
     block = build_streams([(batch.plans, batch.padding_token_id) for batch in batches])
-    k = len(batches)
     if dynamic:
-        tables, works = _dynamic_layouts(layout, cp_size, block, stream_lens)
+        tables, works = _dynamic_layouts(layout, cp_size, block, groups)
         fixed: list[tuple[np.ndarray, np.ndarray] | None] = [None] * k
     else:
         tables, fixed = [None] * k, [static_layout(layout, cp_size, n) for n in stream_lens]  # (cached)
-        works = _static_causal_work(block, layout, cp_size, stream_lens)
+        works = _static_causal_work(block, layout, cp_size, groups)
     slots = block.slots
     pf, indices = slots.plan_first, [p.index for p in slots.plans]
     n_documents = [sum(slots.counts[pf[i] : pf[i + 1]]) for i in range(k)]

@@ -34,7 +34,6 @@ class SlotBlock:
         plan_first, first: ``k + 1`` ints: batch ``b`` holds plans ``[plan_first[b], plan_first[b + 1])``
             and slots ``[first[b], first[b + 1])``.
         capacities: ``k`` ints: each batch's ``S``.
-        padded: whether some plan is empty.
     """
 
     table: np.ndarray
@@ -45,7 +44,6 @@ class SlotBlock:
     plan_first: list[int]
     first: list[int]
     capacities: list[int]
-    padded: bool
     plans: list[PackPlan]
 
     def layout_lens_of(self, b: int) -> np.ndarray:
@@ -112,7 +110,7 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
     layout_lens = slot_lens.copy()
     batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
     layout_lens[batch_last] = raw[batch_last]
-    return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, min(counts) == 0, flat)
+    return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, flat)
 
 
 def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:

@@ -206,15 +206,15 @@ def to_targets(
             targets[:-1] = labels[1:]
         else:
             targets[:] = labels
-    if masks:
-        mask = _mask(np.asarray(arrays[masks[0]]), masks[0], index)
-        if LABELS not in arrays:  # given labels win over a mask
-            trained = mask[1:] if labels_alignment == "inputs" else mask[:-1]
-            targets[:-1] = np.where(trained, ids[1:], IGNORE_INDEX)
     out = {k: v for k, v in arrays.items() if k not in TARGET_KEYS}
     out[LABELS] = targets
     if masks:
-        out[LOSS_MASK] = (targets != IGNORE_INDEX).astype(np.asarray(arrays[masks[0]]).dtype)
+        given = np.asarray(arrays[masks[0]])
+        mask = _mask(given, masks[0], index)
+        if LABELS not in arrays:  # given labels win over a mask
+            trained = mask[1:] if labels_alignment == "inputs" else mask[:-1]
+            targets[:-1] = np.where(trained, ids[1:], IGNORE_INDEX)
+        out[LOSS_MASK] = (targets != IGNORE_INDEX).astype(given.dtype)
     return out
 
 

@@ -20,7 +20,9 @@ import numpy as np
 
 from cpdata.worker.keys import IGNORE_INDEX, INPUT_IDS, LABELS
 
-__all__ = ["BufferPool", "TokenBuffer", "concatenate_arrays"]
+__all__ = ["BufferPool", "TokenBuffer", "concatenate_arrays", "concatenate_spaced"]
+
+_ZERO = np.zeros(1, dtype=np.int64)
 
 @dataclass(frozen=True, eq=False, slots=True)
 class TokenBuffer:
@@ -79,6 +81,15 @@ class BufferPool:
         return arrays[-1][:n]
 
 
+def concatenate_spaced(arrays: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """Write ``arrays`` into ``out`` one after another, each followed by one spare element (0, for the caller
+    to set): ``out`` has ``sum(map(len, arrays)) + len(arrays)`` elements, the layout of a token buffer."""
+    if len(arrays):
+        parts = [_ZERO] * (2 * len(arrays))
+        parts[::2] = arrays
+        np.concatenate(parts, out=out, casting="unsafe")
+
+
 def concatenate_arrays(
     arrays: Sequence[Mapping[str, np.ndarray]],
     lengths: Sequence[int] | np.ndarray,
@@ -99,11 +110,7 @@ def concatenate_arrays(
     total = int(after[-1]) + 1 if n else 0
     if ids is None:
         ids = pool.take(total + 2) if pool is not None else np.empty(total + 2, dtype=np.int64)
-        if n:
-            parts: list[np.ndarray] = [ends[:1]] * (2 * n)
-            parts[0::2] = [a[INPUT_IDS] for a in arrays]
-            parts[1::2] = list(ends.reshape(n, 1))
-            np.concatenate(parts, out=ids[:total], casting="unsafe")
+        concatenate_spaced([a[INPUT_IDS] for a in arrays], ids[:total])
     ids[after] = ends
     ids[total] = 0
     ids[total + 1] = IGNORE_INDEX
