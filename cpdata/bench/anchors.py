@@ -112,13 +112,11 @@ def anchor_shard(batch: Mapping[str, torch.Tensor], *, layout: str, cp_size: int
     seq_len = on_device["input_ids"].shape[seq_dim]
     token_keys = [k for k, v in on_device.items() if v.dim() > seq_dim and v.shape[seq_dim] == seq_len]
     pad = (-seq_len) % (2 * cp_size)
-    for k in token_keys:
+    indices = ANCHOR_LAYOUTS[layout](on_device, seq_len + pad, cp_size, cp_rank)  # from slot offsets, not tokens
+    for k in token_keys:  # padded to a multiple of 2 * cp, then this rank's tokens
         t = on_device[k]
         widths = [0, 0] * (t.dim() - 1 - seq_dim) + [0, pad]
-        on_device[k] = F.pad(t, widths, value=_PAD_VALUES.get(k, 0))
-    indices = ANCHOR_LAYOUTS[layout](on_device, seq_len + pad, cp_size, cp_rank)
-    for k in token_keys:
-        on_device[k] = on_device[k].index_select(seq_dim, indices)
+        on_device[k] = F.pad(t, widths, value=_PAD_VALUES.get(k, 0)).index_select(seq_dim, indices)
     return on_device, indices
 
 

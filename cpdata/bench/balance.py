@@ -31,14 +31,13 @@ def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int
     doc_len, slot_len = np.asarray(result.doc_len), np.asarray(result.slot_len)
     n_packs = min(offsets.size - 1, max_packs)
     imbalance, equal = [], True
-    doc_pad = 0
     for p in range(n_packs):
         lo, hi = int(offsets[p]), int(offsets[p + 1])
         rows, work = rank_work(layout, cp_size, pack_geometry(doc_len[lo:hi], slot_len[lo:hi], capacity))
         equal &= rows.shape == (cp_size, capacity // cp_size)
         if work.mean() > 0:
             imbalance.append(float(work.max() / work.mean()))
-        doc_pad += int(slot_len[lo:hi].sum() - doc_len[lo:hi].sum())
+    doc_pad = int(slot_len[: offsets[n_packs]].sum() - doc_len[: offsets[n_packs]].sum())  # of the packs read
     imb = np.asarray(imbalance)
     return {
         "imbalance_mean": float(imb.mean()),

@@ -112,9 +112,12 @@ def _step(fn, x, grad, counter: CollectiveCounter) -> tuple[torch.Tensor, torch.
     return y.detach(), g, fwd, bwd
 
 
-def _describe(fwd: dict, bwd: dict) -> str:
+def _collectives(side: str, fwd: dict, bwd: dict) -> dict:
+    """``side``'s columns from its counts by collective: calls forward, backward, both, and by name."""
+    f, b = sum(fwd.values()), sum(bwd.values())
     parts = (" + ".join(f"{n}x{name}" for name, n in sorted(counts.items())) or "none" for counts in (fwd, bwd))
-    return "fwd {}; bwd {}".format(*parts)
+    return {f"collectives_{side}": f + b, f"collectives_{side}_fwd": f, f"collectives_{side}_bwd": b,
+            f"{side}_calls": "fwd {}; bwd {}".format(*parts)}
 
 
 def _timed_ms(fn, x, grad, repeats: int) -> float:
@@ -150,11 +153,7 @@ def _rank(rank: int, world: int, sizes: list[tuple[int, int]], repeats: int) -> 
             assert torch.allclose(ga, gc), "anchor and cpdata gradients differ"
             out.append({
                 "cp_size": world, "tokens": tokens, "hidden": hidden,
-                "collectives_anchor": sum(af.values()) + sum(ab.values()),
-                "collectives_cpdata": sum(cf.values()) + sum(cb.values()),
-                "collectives_anchor_fwd": sum(af.values()), "collectives_anchor_bwd": sum(ab.values()),
-                "collectives_cpdata_fwd": sum(cf.values()), "collectives_cpdata_bwd": sum(cb.values()),
-                "anchor_calls": _describe(af, ab), "cpdata_calls": _describe(cf, cb),
+                **_collectives("anchor", af, ab), **_collectives("cpdata", cf, cb),
                 "anchor_ms": _timed_ms(anchor, x, grad, repeats), "cpdata_ms": _timed_ms(ours, x, grad, repeats),
             })
     return out

@@ -79,10 +79,6 @@ def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
     return {"per_tile_seconds": float(slope), "intercept_seconds": float(intercept), "r2": r2, "points": int(x.size)}
 
 
-def _bucket(n: int, cap: int) -> int:
-    return min(cap, 1 << max(0, (n - 1).bit_length()))
-
-
 def time_step(step, repeats: int) -> float:
     """Median seconds of ``step()`` after one warm-up call (which compiles); CUDA events, else the host clock.
     """
@@ -118,11 +114,11 @@ def _flex(case: RankCase, q: torch.Tensor, device: torch.device) -> tuple[int, f
 
     lo = torch.as_tensor(case.start, device=device)[None]  # each query's key interval: its slot start ..
     hi = torch.as_tensor(case.pos, device=device)[None]  # .. itself (the one mask of every cpdata attention)
-    if case.exchange:
-        keys = np.full(_bucket(case.key_pos.size, case.capacity), -1, dtype=np.int64)  # -1: never attended
+    if case.exchange:  # the keys padded to a power of two (at most the pack): one compiled shape per bucket
+        n_keys = min(case.capacity, 1 << max(0, (case.key_pos.size - 1).bit_length()))
+        keys = np.full(n_keys, -1, dtype=np.int64)  # -1: never attended
         keys[: case.key_pos.size] = case.key_pos
         mask = block_mask(lo, hi, case.capacity, key_pos=torch.as_tensor(keys, device=device), block_size=TILE)
-        n_keys = keys.size
     else:
         mask = block_mask(lo, hi, case.capacity, block_size=TILE)
         n_keys = case.capacity

@@ -97,11 +97,10 @@ def render_markdown(report: dict) -> str:
         text.append("\n## Attention per rank (forward + backward, bf16, 32 / 8 heads, dim 128)\n")
         rows = [[r[c] if r[c] is not None else "-" for c in cols] for r in attention["rows"]]
         text.append(markdown_table(cols, rows))
-        fits = attention["fits"]
         text.append("\n## Seconds per live tile (least squares over every rank)\n")
-        text.append(markdown_table(("kernel", "per_tile_seconds", "intercept_seconds", "r2", "points"),
-                        [[k, *("-" if f[c] is None else f[c] for c in ("per_tile_seconds", "intercept_seconds",
-                                                                        "r2", "points"))] for k, f in fits.items()]))  # fmt: skip
+        fit_cols = ("per_tile_seconds", "intercept_seconds", "r2", "points")
+        fits = [[k, *("-" if f[c] is None else f[c] for c in fit_cols)] for k, f in attention["fits"].items()]
+        text.append(markdown_table(("kernel", *fit_cols), fits))
         if attention["skipped"]:
             text.append("\nLeft out (time budget): " + "; ".join(attention["skipped"]))
     exchange = parts.get("exchange_vs_all_gather", {}).get("result")

@@ -131,9 +131,8 @@ def _autocast_rank(rank: int, world: int, device: str) -> dict | None:
     dist.all_reduce(flat)
     if rank:
         return None
-    summed, at = {}, 0
-    for n, g in grads.items():
-        summed[n], at = flat[at : at + g.numel()].view_as(g).cpu(), at + g.numel()
+    parts = flat[:-1].split([g.numel() for g in grads.values()])
+    summed = {n: part.view_as(g).cpu() for (n, g), part in zip(grads.items(), parts, strict=True)}
     return {"loss": flat[-1].item(), "grads": summed, "full": full_pack(batches)}
 
 

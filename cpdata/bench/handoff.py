@@ -50,19 +50,15 @@ def _batches(tokens: int, count: int) -> list:
     return list(itertools.islice(dataset, count))
 
 
-def _plain(batch) -> dict[str, torch.Tensor]:
-    lay = batch.layout
-    out = {k: v.clone() for k, v in batch.items()}
-    out["local_token_global_indices"] = lay.local_token_global_indices.clone()
-    out["gather_index"] = lay.gather_index.clone()
-    return out
+def _with_maps(batch: ShardedBatch) -> dict[str, torch.Tensor]:
+    """The batch's tensors and its two layout maps (which travel in the batch's one buffer)."""
+    return {**batch, "local_token_global_indices": batch.layout.local_token_global_indices,
+            "gather_index": batch.layout.gather_index}
 
 
 def _storages(item) -> int:
-    tensors = list(item.values())
-    if isinstance(item, ShardedBatch):  # its layout maps travel in the same buffer
-        tensors += [item.layout.local_token_global_indices, item.layout.gather_index]
-    return len({t.untyped_storage().data_ptr() for t in tensors})
+    tensors = _with_maps(item) if isinstance(item, ShardedBatch) else item
+    return len({t.untyped_storage().data_ptr() for t in tensors.values()})
 
 
 def _receive(items: list) -> tuple[float, int]:
@@ -81,7 +77,7 @@ def _receive(items: list) -> tuple[float, int]:
 
 def _one(strategy: str, tokens: int, count: int, repeats: int) -> dict:
     batches = _batches(tokens, count)
-    plain = [_plain(b) for b in batches]
+    plain = [{k: v.clone() for k, v in _with_maps(b).items()} for b in batches]
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy(strategy)
     try:

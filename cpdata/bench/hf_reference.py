@@ -15,20 +15,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpdata.worker.keys import IGNORE_INDEX
+from cpdata.worker.keys import IGNORE_INDEX, STANDARD_TOKEN_KEYS
 
-__all__ = ["KEYS", "documents_alone", "full_pack", "model_grads"]
-
-KEYS = ("input_ids", "position_ids", "labels", "document_ids", "padding_mask")
+__all__ = ["documents_alone", "full_pack", "model_grads"]
 
 
 def full_pack(batches: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """The whole pack in global order (flat ``[T]`` tensors of :data:`KEYS`) from every rank's batch and
-    layout."""
+    """The whole pack in global order (flat ``[T]`` tensors of
+    :data:`~cpdata.worker.keys.STANDARD_TOKEN_KEYS`) from every rank's batch and layout."""
     if len(batches) == 1:  # cp 1: the batch is the pack (bshd rows concatenated into one stream)
-        return {key: batches[0][key].reshape(-1) for key in KEYS}
+        return {key: batches[0][key].reshape(-1) for key in STANDARD_TOKEN_KEYS}
     full = {}
-    for key in KEYS:
+    for key in STANDARD_TOKEN_KEYS:
         parts = [b[key].reshape(-1) for b in batches]
         out = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
         for b, p in zip(batches, parts, strict=True):
@@ -47,9 +45,9 @@ def model_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def documents_alone(
     model: torch.nn.Module, full: Mapping[str, torch.Tensor], *, autocast: torch.dtype | None = None
 ) -> tuple[float, dict[str, torch.Tensor], int]:
-    """``(loss, grads, documents)``: each document of ``full`` (flat ``[T]`` :data:`KEYS`) alone, its
-    positions kept; the loss sums target cross-entropies over the pack's target count. One at a time: a padded
-    batch NaNs in Gemma 2's eager softmax where a window holds only pads."""
+    """``(loss, grads, documents)``: each document of ``full`` (:func:`full_pack`'s) alone, its positions
+    kept; the loss sums target cross-entropies over the pack's target count. One at a time: a padded batch
+    NaNs in Gemma 2's eager softmax where a window holds only pads."""
     ref = copy.deepcopy(model)
     ref.config._attn_implementation = "sdpa" if getattr(type(model), "_supports_sdpa", False) else "eager"
     device = next(ref.parameters()).device

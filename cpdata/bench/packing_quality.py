@@ -84,9 +84,8 @@ def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | Non
     from cpdata.packing import plan_lengths
     from cpdata.packing.planner import carry_and_wait
 
-    kwargs = {"capacity": capacity, "layout": LAYOUT, "cp_size": CP_SIZE, "algorithm": algorithm}
-    if overflow is not None:
-        kwargs["overflow"] = overflow
+    kwargs = {"capacity": capacity, "layout": LAYOUT, "cp_size": CP_SIZE, "algorithm": algorithm,
+              "overflow": overflow}
     result = plan_lengths(lengths, **kwargs)
     (seconds,) = alternating_medians((lambda: plan_lengths(lengths, **kwargs),), repeats=repeats, warmup=0)
     placed = int(np.asarray(result.doc_len).sum())

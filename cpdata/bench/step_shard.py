@@ -56,12 +56,9 @@ def make_batches(tokens: int, layout: str, cp_size: int, cp_rank: int = 0, seed:
     from cpdata.nodes.shard import ShardForRank
 
     docs = token_documents(sample("sft", int(tokens / 500) + 64, seed), seed)
-    collate = split_graph(docs, tokens, cp_size, layout)
-    collate.reset()
-    collated = next(collate)
+    collated = next(split_graph(docs, tokens, cp_size, layout))  # (a node resets itself on its first next)
     full = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in collated.tensors().items()}
     shard_node = ShardForRank(IterableWrapper([collated]), cp_size=cp_size, cp_rank=cp_rank, layout=layout)
-    shard_node.reset()
     return full, next(shard_node)
 
 

@@ -97,12 +97,13 @@ def _gather(rows: list[dict]) -> tuple[str, bool]:
     return text, pairs == [(1, 1)]
 
 
-def _schedule_row(rows: list[dict], dist: str, dp: int, method: str) -> dict | None:
-    return next((r for r in rows if (r["distribution"], r["dp_size"], r["method"]) == (dist, dp, method)), None)
+def _schedule_row(dist: str, method: str) -> Callable[[dict], bool]:
+    """Picks the schedule section's row of ``dist`` at dp 8 by ``method``."""
+    return lambda r: (r["distribution"], r["dp_size"], r["method"]) == (dist, 8, method)
 
 
 def _schedule_d1(rows: list[dict]) -> tuple[str, bool]:
-    r = _schedule_row(rows, "D1", 8, "cpdata_schedule")
+    r = next(filter(_schedule_row("D1", "cpdata_schedule"), rows), None)
     if r is None:
         return "no D1 dp 8 row", False
     pad_gap = r["padding_pct"] - r["bfd_padding_pct"]
@@ -111,16 +112,6 @@ def _schedule_d1(rows: list[dict]) -> tuple[str, bool]:
     ok = (r["imb_mb_mean"] <= 0.7 and r["imb_mb_p95"] <= 1.0 and r["imb_step_mean"] <= 0.5
           and r["over_cap_pct"] == 0 and r["extra_microbatch_pct"] == 0 and pad_gap <= 0.05)  # fmt: skip
     return text, ok
-
-
-def _schedule_d2(rows: list[dict]) -> tuple[str, bool]:
-    r = _schedule_row(rows, "D2", 8, "cpdata_schedule_delay4")
-    if r is None:
-        return "no D2 dp 8 max_delay 4 row", False
-    early = r.get("min_delay_steps", 0)
-    text = (f"imb_mb {r['imb_mb_mean']:.2f} / p95 {r['imb_mb_p95']:.2f}, delay {early}..{r['max_delay_steps']} "
-            "steps after FIFO")
-    return text, r["imb_mb_mean"] <= 2.5 and r["imb_mb_p95"] <= 6.0 and -1 <= early and r["max_delay_steps"] <= 4
 
 
 def _tiles_allowed(row: dict, limit: float) -> float:
@@ -192,7 +183,11 @@ TARGETS: tuple[tuple[str, str, str, Check], ...] = (
      _worst(lambda r: r["ratio"], 2, "offline {offline_s:.2f} s vs online {online_s:.2f} s per epoch "
             "({ratio:.2f}x, {doc_tokens:,} tokens in {pieces} pieces)")),
     ("schedule", "D1 schedule", "imb_mb <= 0.7 / p95 1.0, imb_step <= 0.5 %, full, within 0.05 pp of bfd", _schedule_d1),
-    ("schedule", "D2 schedule", "dp 8, max_delay 4: imb_mb <= 2.5 / p95 6 %, delay -1..4 steps", _schedule_d2),
+    ("schedule", "D2 schedule", "dp 8, max_delay 4: imb_mb <= 2.5 / p95 6 %, delay -1..4 steps",
+     _every("imb_mb {imb_mb_mean:.2f} / p95 {imb_mb_p95:.2f}, delay {min_delay_steps}..{max_delay_steps} steps "
+            "after FIFO", lambda r: r["imb_mb_mean"] <= 2.5 and r["imb_mb_p95"] <= 6.0
+            and -1 <= r["min_delay_steps"] and r["max_delay_steps"] <= 4,
+            where=_schedule_row("D2", "cpdata_schedule_delay4"), none="no D2 dp 8 max_delay 4 row")),
     ("schedule", "schedule speed", "<= 5 us per document",
      _worst(lambda r: r["us_per_doc"], 5.0, "max {us_per_doc:.2f} us/doc ({distribution}, dp {dp_size})",
             where=lambda r: r["method"].startswith("cpdata_schedule"))),

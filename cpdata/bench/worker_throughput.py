@@ -94,7 +94,6 @@ def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> 
     node = ShardForRank(graph, cp_size=cp_size, cp_rank=0, layout=layout)
     _run_pipeline(node)  # one untimed pass: imports, caches and the reading nodes' buffer pools warm
     fresh = split_graph(docs, capacity, cp_size, layout)  # the same packs again, for the anchor
-    fresh.reset()
     anchor = _anchor([plan for batch in fresh for plan in batch.plans], capacity, cp_size, layout)
     anchor()
     runs, anchor_s = [], []

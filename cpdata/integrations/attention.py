@@ -46,10 +46,8 @@ class CPModelInputs:
     ``config`` the model or its config, whose sliding windows and layer types the masks follow."""
 
     def __init__(self, mesh: Any, device: torch.device, attn_implementation: str, config: Any) -> None:
-        self.mesh = mesh
-        self.device = torch.device(device)
+        self.mesh, self.device, self.config = mesh, torch.device(device), config
         self.attn_implementation = attn_implementation
-        self.config = config
         self._sharder: ContextParallelSharder | None = None
 
     def __call__(

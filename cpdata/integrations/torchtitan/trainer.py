@@ -142,11 +142,8 @@ class ExchangeMask:
 def gathered_key_positions(layout: ShardLayout, group: Any, device: torch.device) -> torch.Tensor:
     """int64 ``[cp * L]``: the global position of each key torchtitan's all-gather returns (rank order):
     ``argsort(gather_index)``, after one index all-gather if the layout lacks it."""
-    layout = ensure_gather_index(layout, group)
-    order = layout.gather_index.reshape(-1).to(device=device, dtype=torch.int64)
-    positions = torch.empty_like(order)
-    positions[order] = torch.arange(order.numel(), device=device)
-    return positions
+    order = ensure_gather_index(layout, group).gather_index.reshape(-1)
+    return torch.argsort(order.to(device=device, dtype=torch.int64))  # a permutation's inverse
 
 
 def batch_attention_mask(
@@ -169,10 +166,9 @@ def batch_attention_mask(
         keys = gathered_key_positions(layout, group, device)
     else:
         keys = None  # one rank: keys in global order
-    size = block_size if isinstance(block_size, int) else block_size[0]
     if not isinstance(block_size, int) and block_size[0] != block_size[1]:
         raise ValueError(f"block_size={block_size}: cpdata's masks use square tiles; set the same q and kv block size")
-    mask = slots.mask("flex", keys, block_size=size)
+    mask = slots.mask("flex", keys, block_size=block_size if isinstance(block_size, int) else block_size[0])
     return ExchangeMask(block_mask=mask, layout=layout, group=group) if exchange else mask
 
 
