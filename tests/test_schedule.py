@@ -207,6 +207,12 @@ def test_tail_policies_count_what_they_do():
     assert drop.stats.tail_dropped_pieces == 1 and drop.stats.tail_dropped_tokens == 1000
     assert drop.stats.tokens + drop.stats.tail_dropped_tokens == 9000
     assert drop.stats.empty_packs == 0
+    common = {"capacity": 1024, "layout": "identity", "cp_size": 1, "dp_size": 4, "micro_batches": 1, "cost": None}
+    with pytest.raises(ValueError, match=r"^unknown tail policy 'keep'; choose one of \['pad', 'drop'\]$"):
+        plan_schedule(lengths, **common, tail="keep")
+    for flag in ("shuffle", "fallback"):  # a flag is True or False, not 1
+        with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got int 1$"):
+            plan_schedule(lengths, **common, **{flag: 1})
 
 
 def test_cost_model():

@@ -31,8 +31,8 @@ from cpdata.nodes.mix_readers import (
     MixSource,
     TokenClock,
     check_weights,
-    declared_alignment,
     document_tokens,
+    mix_alignment,
 )
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.state_version import VersionedState
@@ -75,7 +75,7 @@ class Mix(VersionedState, EpochNode[dict]):
         self.seed, self.stop, self.by = check_int("seed", seed, min=0), stop, by
         self.names = list(self.weights)  # sorted: the draws do not depend on the dicts' order
         self.readers = {name: MixSource(name, sources[name]) for name in self.names}
-        self.labels_alignment = declared_alignment(self.readers)
+        self.labels_alignment = mix_alignment(self.readers)
         self.draws = Draws(np.array([self.weights[n] for n in self.names]), self.seed)
         self.clock = TokenClock(np.array([self.weights[n] for n in self.names]), self.seed) if by == "tokens" else None
         """By tokens: the tokens each source gave this epoch and the pick (None by documents)."""

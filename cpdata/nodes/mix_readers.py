@@ -28,7 +28,7 @@ from cpdata.sources.open import as_source
 from cpdata.sources.protocol import carried_targets, declared_labels
 from cpdata.worker.targets import agreed_alignment
 
-__all__ = ["BLOCK", "BY", "Draws", "MixSource", "TokenClock", "check_weights", "declared_alignment", "document_tokens",
+__all__ = ["BLOCK", "BY", "Draws", "MixSource", "TokenClock", "check_weights", "document_tokens", "mix_alignment",
            "tie_ranks", "token_draw_order"]  # fmt: skip
 
 BLOCK = 4096
@@ -65,7 +65,7 @@ def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dic
     return out
 
 
-def declared_alignment(readers: Mapping[str, MixSource]) -> str | None:
+def mix_alignment(readers: Mapping[str, MixSource]) -> str | None:
     """The labels_alignment the sources declare (:func:`cpdata.worker.targets.agreed_alignment`); a source
     known to carry no labels or masks takes the others', any other undeclared source is refused beside declared
     ones."""

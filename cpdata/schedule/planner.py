@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_bool, check_choice, check_int
 from cpdata.packing import DEFAULT_ALGORITHM, PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
 from cpdata.packing.planner import _as_lengths
@@ -63,13 +63,11 @@ def plan_schedule(
     lengths = _as_lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
     max_delay, epoch = check_int("max_delay", max_delay, min=0), check_int("epoch", epoch, min=0)
-    if tail not in TAIL_POLICIES:
-        raise ValueError(f"unknown tail policy {tail!r}; choose one of {list(TAIL_POLICIES)}")
+    check_choice("tail policy", tail, TAIL_POLICIES)
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a cpdata.schedule.CostModel or None, got {type(cost).__name__}")
-    for name, flag in (("shuffle", shuffle), ("fallback", fallback)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_bool("shuffle", shuffle)
+    check_bool("fallback", fallback)
     if cost is not None and algorithm == "concat":
         raise ValueError("algorithm='concat' cuts documents at pack boundaries and cannot be balanced; "
                          "use cost=None with concat, or another algorithm")  # fmt: skip

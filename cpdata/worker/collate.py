@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_choice, check_int
 from cpdata.worker.keys import (
     DOCUMENT_IDS,
     IGNORE_INDEX,
@@ -42,8 +42,7 @@ QKV_FORMATS: tuple[str, ...] = ("bshd", "thd")
 
 def check_qkv_format(qkv_format: str) -> None:
     """Raise ``ValueError`` for anything but ``"bshd"`` or ``"thd"``."""
-    if qkv_format not in QKV_FORMATS:
-        raise ValueError(f"unknown qkv_format {qkv_format!r}; choose one of {list(QKV_FORMATS)}")
+    check_choice("qkv_format", qkv_format, QKV_FORMATS)
 
 
 def check_padding_token_id(padding_token_id: object, vocab_size: int | None = None) -> int:
