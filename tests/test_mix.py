@@ -315,6 +315,24 @@ def test_declared_alignments_must_agree():
         mix({"a": Declared(_docs(3), "targets"), "b": labelled}, {"a": 1, "b": 1})
 
 
+def test_a_streaming_hf_dataset_states_its_columns_to_the_convention_rule():
+    datasets = pytest.importorskip("datasets")
+
+    class Declared(list):
+        def __init__(self, docs, alignment):
+            super().__init__(docs)
+            self.labels_alignment = alignment
+
+    ids = [np.asarray(d["input_ids"]).tolist() for d in _docs(3)]
+    plain = datasets.Dataset.from_dict({"input_ids": ids}).to_iterable_dataset()
+    m = mix({"a": Declared(_docs(3), "targets"), "b": plain}, {"a": 1, "b": 1})
+    assert m.labels_alignment == "targets"  # its columns carry no labels: it takes the declared convention
+    labelled = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}).to_iterable_dataset()
+    with pytest.raises(ValueError, match="mix source 'b' may carry labels or loss masks but declare no "
+                                         "labels_alignment, while mix source 'a' declare labels_alignment='targets'"):
+        mix({"a": Declared(_docs(3), "targets"), "b": labelled}, {"a": 1, "b": 1})
+
+
 def _write(path, docs):
     with open(path, "w") as f:
         for d in docs:

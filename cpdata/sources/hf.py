@@ -20,17 +20,12 @@ import numpy as np
 
 from cpdata.sources.base import TokenizedDataset, token_row
 from cpdata.sources.fingerprint import LIST_SAMPLES, sample_digest, sample_positions
+from cpdata.sources.protocol import is_hf_dataset
 
 __all__ = ["LENGTH_COLUMNS", "HFDocuments", "is_hf_dataset"]
 
 LENGTH_COLUMNS: tuple[str, ...] = ("length", "num_tokens")
 """Integer columns taken as tokens per document, in this order of preference."""
-
-
-def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
-    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``
-    (``"IterableDataset"``: a streaming one)."""
-    return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
 
 
 def _per_token(feature: Any) -> bool:

@@ -36,7 +36,8 @@ import numpy as np
 from cpdata.worker.targets import TARGET_KEYS
 
 __all__ = ["SOURCE_MEMBERS", "Carried", "Checked", "Described", "Identified", "Indexed", "Labelled", "Listable", "Listed",
-           "Mixture", "NamesSources", "StatedLengths", "Watched", "carried_targets", "declared_labels", "stated_lengths"]
+           "Mixture", "NamesSources", "StatedLengths", "Watched", "carried_targets", "declared_labels", "is_hf_dataset",
+           "stated_lengths"]
 
 
 @runtime_checkable
@@ -168,14 +169,22 @@ def stated_lengths(source: Any) -> np.ndarray | None:
     return lengths.astype(np.int64, copy=False)
 
 
+def is_hf_dataset(obj: object, kind: str = "Dataset") -> bool:
+    """True for a map-style ``datasets.Dataset`` (checked without importing ``datasets``), or another ``kind``
+    (``"IterableDataset"``: a streaming one)."""
+    return (type(obj).__module__ or "").startswith("datasets.") and type(obj).__name__ == kind
+
+
 def carried_targets(source: Any) -> frozenset[str] | None:
     """The label and mask keys (:data:`cpdata.worker.targets.TARGET_KEYS`) ``source``'s documents carry, known
-    before reading: a :class:`Carried` source's stated keys, an in-memory ``list``/``tuple``'s items; None when
-    only reading would tell."""
+    before reading: a :class:`Carried` source's stated keys, an in-memory ``list``/``tuple``'s items, a streaming
+    ``datasets.IterableDataset``'s known columns; None when only reading would tell."""
     if type(source) in (list, tuple):
         return frozenset(k for item in source if isinstance(item, Mapping) for k in item if k in TARGET_KEYS)
     if isinstance(source, Carried):
         return source.per_token_keys & frozenset(TARGET_KEYS)
+    if is_hf_dataset(source, "IterableDataset") and source.features is not None:
+        return frozenset(source.features) & frozenset(TARGET_KEYS)
     return None
 
 
