@@ -19,6 +19,7 @@ from cpdata import (
     open_dataset,
     precompute,
 )
+from cpdata.offline.store import read_store
 from cpdata.sources.concat import ConcatDataset
 from cpdata.sources.megatron_writer import write_megatron
 from cpdata.sources.tokenstore import write_token_store
@@ -121,3 +122,31 @@ def test_a_part_with_labels_and_no_declared_convention_beside_a_declared_one_is_
         open_dataset([tmp_path / "mg", tmp_path / "hf.jsonl"])
     assert open_dataset([tmp_path / "mg", tmp_path / "plain.jsonl"]).labels_alignment == "targets"  # no labels
     assert open_dataset([tmp_path / "hf.jsonl", tmp_path / "plain.jsonl"]).labels_alignment is None  # none declared
+
+
+def test_precompute_verifies_every_stored_part(tmp_path):
+    """A same-size edit in the second token store of a concatenation is refused by ``precompute``, naming the part
+    and the file, as it is for that store alone; the clean concatenation plans the packs of one store holding both
+    parts' documents."""
+    parts = [_docs(20, 3), _docs(15, 4)]
+    for name, docs in zip(("a_store", "b_store"), parts, strict=True):
+        write_token_store(docs, tmp_path / name, vocab_size=500)
+    paths = [tmp_path / "a_store", tmp_path / "b_store"]
+    kw = {"capacity": 128, "cp_size": 2, "layout": "balanced", "overflow": "split"}
+    precompute(open_dataset(paths), tmp_path / "clean", **precompute_records(**kw))
+    write_token_store([d for part in parts for d in part], tmp_path / "joined", vocab_size=500)
+    precompute(tmp_path / "joined", tmp_path / "listed", **precompute_records(**kw))
+    clean, listed = read_store(tmp_path / "clean"), read_store(tmp_path / "listed")
+    assert clean.n_packs == listed.n_packs > 3
+    for name in ("pack_offsets", "doc_index", "doc_start", "slot_len"):
+        np.testing.assert_array_equal(clean.arrays[name], listed.arrays[name])
+    tokens = tmp_path / "b_store" / "tokens.bin"
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 0x01  # the last token of part 1's last document: no read of part 0 touches it
+    tokens.write_bytes(bytes(data))
+    alone = rf"tokens\.bin bytes 0\.\.{len(data)} \(chunk 0 of 1\) do not match .*checking the whole file"
+    with pytest.raises(ValueError, match=alone):
+        precompute(tmp_path / "b_store", tmp_path / "b_plan", **precompute_records(**kw))
+    with pytest.raises(ValueError, match=rf"^part 1 of 2 \({tmp_path / 'b_store'}\): token store file .*{alone}"):
+        precompute(open_dataset(paths), tmp_path / "plan", **precompute_records(**kw))
+    assert not (tmp_path / "plan").exists()

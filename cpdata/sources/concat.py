@@ -76,9 +76,16 @@ class ConcatDataset(TokenizedDataset):
         s, j = self.locate(i)
         return f"document {j} of part {s} ({self.parts[s].path})"
 
+    def _named(self) -> list[tuple[str, TokenizedDataset]]:
+        """``("part 1 of 3 (PATH)", part)`` of every part: how a check's error names the part that failed."""
+        return [(f"part {s} of {len(self.parts)} ({p.path})", p) for s, p in enumerate(self.parts)]
+
     def check_token_ids(self, vocab_size: int | None = None) -> None:
-        named = ((f"part {s} of {len(self.parts)} ({p.path})", p) for s, p in enumerate(self.parts))
-        naming_parts(named, lambda part: part.check_token_ids(vocab_size))
+        naming_parts(self._named(), lambda part: part.check_token_ids(vocab_size))
+
+    def verify_content(self) -> None:
+        """Every part checks its stored bytes (a token store: every chunk); an error names the part."""
+        naming_parts(self._named(), lambda part: part.verify_content())
 
     def fingerprint(self) -> str:
         parts = [p.fingerprint() for p in self.parts]
