@@ -16,6 +16,7 @@ import torch
 
 from cpdata.errors import MissingBatchKeyError
 from cpdata.layout.maps import rank_indices
+from cpdata.layout.runs import segments
 from cpdata.nemo.raw_shard import check_extra_buffers, check_undeclared
 from cpdata.worker.keys import DOCUMENT_IDS, INPUT_IDS, LABELS, LOSS_MASK, PADDING_MASK, POSITION_IDS
 
@@ -142,8 +143,7 @@ def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = 
         return torch.from_numpy(values.astype(np.int32)).to(device)
 
     # a pad is a slot position past its document's real length (absorption does not make pads real)
-    offsets = np.arange(t, dtype=np.int64) - np.repeat(_cumsum(slots)[:-1], slots)
-    padding = offsets >= np.repeat(real, slots)
+    padding = segments(np.zeros_like(slots), slots) >= np.repeat(real, slots)
     out: dict[str, Any] = {
         INPUT_IDS: input_ids.reshape(t, *input_ids.shape[2:]),
         POSITION_IDS: _flat_positions(batch[POSITION_IDS], b, s),

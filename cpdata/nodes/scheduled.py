@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cpdata.errors import check_int
+from cpdata.layout.runs import segments
 from cpdata.nodes.served import PackRows, PlanRows, ServedPacks
 from cpdata.nodes.source_kinds import SourceReader, read_document
 from cpdata.nodes.validate import document_ids, to_document
@@ -57,7 +58,7 @@ def rank_rows(sched: Schedule, dp_rank: int) -> RankRows:
     packs = schedule_pack(items, sched.micro_batches, dp_rank, sched.dp_size)[2]
     lo, hi = sched.pack_offsets[packs], sched.pack_offsets[packs + 1]
     sizes = hi - lo
-    rows = np.repeat(lo - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes) + np.arange(int(sizes.sum()))
+    rows = segments(lo, sizes)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return {"offsets": offsets, "doc_index": sched.doc_index[rows], "doc_start": sched.doc_start[rows],
             "doc_len": sched.doc_len[rows], "slot_len": sched.slot_len[rows], "continues": sched.continues[rows]}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cpdata.layout.maps import LAYOUTS, alignment, causal_work, check_layout, layout_tile, rank_indices
+from cpdata.layout.runs import segments
 from cpdata.layout.tiles import ideal_tiles, live_tiles
 from cpdata.offline.store import PackStore
 from cpdata.sources.fingerprint import sample_positions
@@ -47,11 +48,8 @@ def pack_geometry(doc_len: np.ndarray, slot_len: np.ndarray, pack_len: int) -> P
     slot_len = np.asarray(slot_len, dtype=np.int64)
     assert doc_len.shape == slot_len.shape and bool(np.all(doc_len <= slot_len)), (doc_len, slot_len)
     assert int(slot_len.sum()) <= pack_len, (int(slot_len.sum()), pack_len)
-    total = int(doc_len.sum())
-    real_before = np.cumsum(doc_len) - doc_len
-    slot_start = np.cumsum(slot_len) - slot_len
-    within = np.arange(total, dtype=np.int64) - np.repeat(real_before, doc_len)
-    where = np.repeat(slot_start, doc_len) + within
+    within = segments(np.zeros_like(doc_len), doc_len)
+    where = segments(np.cumsum(slot_len) - slot_len, doc_len)
     positions = np.full(pack_len, -1, dtype=np.int64)
     slot_of = np.full(pack_len, -1, dtype=np.int64)
     positions[where] = within
