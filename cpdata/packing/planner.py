@@ -49,7 +49,7 @@ def make_packer(config: PackingConfig) -> BinPacker:
     factories = {
         "bfd": BestFitDecreasing,
         "ffd": FirstFitDecreasing,
-        "first_fit": lambda c: FirstFit(c, n_bins=8),
+        "first_fit": FirstFit,
         "next_fit": NextFit,
         "concat": NextFit,
     }
