@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -64,10 +64,20 @@ class TokenizeStats:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)}
 
 
-def _is_hf(tokenizer: Any) -> bool:
-    return callable(getattr(tokenizer, "apply_chat_template", None)) and callable(
-        getattr(tokenizer, "convert_tokens_to_ids", None)
-    )
+@runtime_checkable
+class _ChatTokenizer(Protocol):
+    """A ``transformers`` tokenizer: ``tok(text, add_special_tokens=...)["input_ids"]``, chat templates."""
+
+    def apply_chat_template(self, conversation: list, **options: Any) -> Mapping[str, Any]: ...
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any: ...
+
+
+@runtime_checkable
+class _Encoder(Protocol):
+    """A tokenizer object with ``encode`` (a ``tokenizers.Tokenizer``: ``encode(text, ...).ids``)."""
+
+    def encode(self, text: str, **options: Any) -> Any: ...
 
 
 class RowTokenizer:
@@ -99,7 +109,7 @@ class RowTokenizer:
                 f"append_eos=True needs an EOS id but the tokenizer ({type(self._tok).__name__}) defines none; "
                 "pass eos_token_id="
             )
-        if not callable(self._tok) and not callable(getattr(self._tok, "encode", None)):
+        if not callable(self._tok) and not isinstance(self._tok, _Encoder):
             raise TypeError(
                 f"tokenizer must be a path, a transformers tokenizer, a tokenizers.Tokenizer or a callable "
                 f"text -> token ids, got {type(self._tok).__name__}"
@@ -108,6 +118,8 @@ class RowTokenizer:
         self.assistant_only, self.max_length = bool(assistant_only), max_length
         self.add_special_tokens, self.chat_template = add_special_tokens, chat_template
         self.text_key, self.messages_key = text_key, messages_key
+        self._chat_ok = isinstance(self._tok, _ChatTokenizer)  # decided once: rows then take one branch
+        self._library = not self._chat_ok and type(self._tok).__module__.startswith("tokenizers")
         self.stats = TokenizeStats()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -128,14 +140,14 @@ class RowTokenizer:
 
     def _encode(self, text: str) -> Sequence[int]:
         tok = self._tok
-        if _is_hf(tok):
+        if self._chat_ok:
             return tok(text, add_special_tokens=self.add_special_tokens)["input_ids"]
-        if type(tok).__module__.startswith("tokenizers"):
+        if self._library:
             return tok.encode(text, add_special_tokens=self.add_special_tokens).ids
         return tok(text)
 
     def _chat(self, messages: Any, where: str) -> tuple[Sequence[int], Sequence[int] | None]:
-        if not _is_hf(self._tok):
+        if not self._chat_ok:
             raise TypeError(
                 f"{where}: chat rows need a transformers tokenizer with a chat template, got "
                 f"{type(self._tok).__name__}; load one with cpdata.sources.tokenizer.load_tokenizer(path)"
