@@ -153,9 +153,10 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
     return 1, 1
 
 
-def _as_lengths(seq_lens: Sequence[int] | np.ndarray, pack_len: int, name: str = "seq_lens"
-                ) -> tuple[np.ndarray, int]:  # fmt: skip
-    """Checked int64 ``[n]`` lengths and their sum (``name``: the argument, for the errors)."""
+def _lengths_in_pack(seq_lens: Sequence[int] | np.ndarray, pack_len: int, name: str = "seq_lens"
+                     ) -> tuple[np.ndarray, int]:  # fmt: skip
+    """``seq_lens`` flattened to int64 ``[n]``, checked to be >= 0 and to fit in ``pack_len`` tokens, and their sum
+    (``name``: the argument, for the errors)."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     check_int("pack_len", pack_len, min=0)
     if lens.size and lens.min() < 0:
@@ -180,7 +181,7 @@ def _absorb_tail(lens: np.ndarray, pack_len: int) -> np.ndarray:
 
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
     """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding (no slots: one pad slot)."""
-    return _absorb_tail(_as_lengths(seq_lens, pack_len)[0], pack_len)
+    return _absorb_tail(_lengths_in_pack(seq_lens, pack_len)[0], pack_len)
 
 
 def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
@@ -214,7 +215,7 @@ def layout_runs(
     arguments as :func:`rank_indices`. ``checked=True``: ``seq_lens`` is a stream's checked int64 slot table."""
     layout = layout_spec(layout, tile)
     _check_pack_len(layout, cp_size, pack_len)
-    lens = seq_lens if checked else _as_lengths(seq_lens, pack_len)[0]
+    lens = seq_lens if checked else _lengths_in_pack(seq_lens, pack_len)[0]
     if layout in ("identity", "contiguous"):
         return contiguous_runs(cp_size, pack_len)
     if layout == "round_robin":  # chunks of the whole pack

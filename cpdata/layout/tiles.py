@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cpdata.errors import check_int
-from cpdata.layout.maps import _absorb_tail, _as_lengths
+from cpdata.layout.maps import _absorb_tail, _lengths_in_pack
 from cpdata.layout.runs import segments
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ __all__ = ["block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_rec
 def segment_starts(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Every token's slot and every slot's start: ``(slot int64 [pack_len], start int64 [K])``; the tail padding
     joins the last slot, as in TE's slot tables (:func:`~cpdata.layout.maps.thd_slot_lens`)."""
-    lens = _absorb_tail(_as_lengths(slot_lens, pack_len, "slot_lens")[0], pack_len)
+    lens = _absorb_tail(_lengths_in_pack(slot_lens, pack_len, "slot_lens")[0], pack_len)
     return np.repeat(np.arange(lens.size, dtype=np.int64), lens), np.cumsum(lens) - lens
 
 
@@ -39,7 +39,7 @@ def first_keys(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarr
     """int64 ``[pack_len]``: the first key each query attends to: its slot's start for a document token, the
     query itself for the tail padding (a pad query sees its own key only). Query ``q`` attends to the keys
     ``first_keys[q] <= k <= q``."""
-    lens, end = _as_lengths(slot_lens, pack_len, "slot_lens")
+    lens, end = _lengths_in_pack(slot_lens, pack_len, "slot_lens")
     out = np.arange(pack_len, dtype=np.int64)
     out[:end] = np.repeat(np.cumsum(lens) - lens, lens)
     return out
@@ -97,7 +97,7 @@ def kv_recv_tokens(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
     slot, starts = segment_starts(slot_lens, pack_len)
     k = starts.size
     q = rows.reshape(-1)
-    real = q < _as_lengths(slot_lens, pack_len, "slot_lens")[1]
+    real = q < _lengths_in_pack(slot_lens, pack_len, "slot_lens")[1]
     key = np.repeat(np.arange(cp, dtype=np.int64), local) * k + slot[q]
     key, last_q, owned = _max_per_key(key[real], q[real])  # per (rank, slot)
     return np.bincount(key // k, last_q - starts[key % k] + 1 - owned, minlength=cp).astype(np.int64)
@@ -111,7 +111,7 @@ def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
     rows = np.asarray(rows, dtype=np.int64)
     cp, local = rows.shape
     slot, _ = segment_starts(slot_lens, pack_len)
-    end = _as_lengths(slot_lens, pack_len, "slot_lens")[1]
+    end = _lengths_in_pack(slot_lens, pack_len, "slot_lens")[1]
     out = np.zeros(cp, dtype=np.int64)
     for r in range(cp):
         q = rows[r]
