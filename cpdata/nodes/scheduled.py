@@ -278,7 +278,7 @@ class WindowRows(RankPlanRows):
         for key, value in (("windows", 1), ("steps", st.steps), ("empty_packs", st.empty_packs),
                            ("tail_dropped_tokens", st.tail_dropped_tokens), ("tokens", st.tokens)):  # fmt: skip
             self.counts[key] += value
-        self._window_packs = st.steps * self.dp_size * self.micro_batches
+        self._window_packs = st.packs  # every rank's, the tail applied
         self._window, self._rows, self._items = block, rank_rows(sched, self.dp_rank), items
         self._lengths, self._expect = identity, None
         return int(self._rows["offsets"].shape[0]) - 1
