@@ -163,7 +163,8 @@ def carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, int
     return carry, max([wait, *(w - int(born[min(p)]) for p in planner.finish())])
 
 
-def _as_lengths(lengths: object) -> np.ndarray:
+def _integer_lengths(lengths: object) -> np.ndarray:
+    """``lengths`` as int64 ``[n]``, refused unless 1-D, of an integer dtype and >= 0 (never cast nor flattened)."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
@@ -205,7 +206,7 @@ def plan_lengths(
         capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
         overflow=overflow, seed=seed, window=window,
     )
-    lengths = _as_lengths(lengths)
+    lengths = _integer_lengths(lengths)
     check_lengths(lengths, config)  # every overlong document at once, before planning
     if first_target is not None:
         first_target = np.asarray(first_target, dtype=np.int64)

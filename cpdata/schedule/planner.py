@@ -17,7 +17,7 @@ import numpy as np
 from cpdata.errors import check_bool, check_choice, check_int
 from cpdata.packing import DEFAULT_ALGORITHM, PackingConfig, plan_lengths
 from cpdata.packing.pieces import cut_documents, piece_continues
-from cpdata.packing.planner import _as_lengths
+from cpdata.packing.planner import _integer_lengths
 from cpdata.schedule.balance import place_step
 from cpdata.schedule.cost import CostModel
 from cpdata.schedule.fill import fits
@@ -60,7 +60,7 @@ def plan_schedule(
     epoch))`` order, as :class:`~cpdata.nodes.source.Documents` reads them; ``fallback``: return the token plan
     when its :func:`padded_epoch_cost` is lower (the delay bound then holds only for the balanced schedule).
     """
-    lengths = _as_lengths(lengths)
+    lengths = _integer_lengths(lengths)
     R, M = check_int("dp_size", dp_size, min=1), check_int("micro_batches", micro_batches, min=1)
     max_delay, epoch = check_int("max_delay", max_delay, min=0), check_int("epoch", epoch, min=0)
     check_choice("tail policy", tail, TAIL_POLICIES)
