@@ -2,7 +2,8 @@
 
 Code written against NeMo's sharder catches ``KeyError`` or ``NotImplementedError``, code written against cpdata
 ``ValueError``; these subclasses satisfy both. Also the one integer check, :func:`check_int` / :func:`is_int`,
-the one flag and choice checks, :func:`check_bool` and :func:`check_choice`, the one refusal listing every
+the one number check, :func:`check_number`, the one flag and choice checks, :func:`check_bool` and
+:func:`check_choice`, the one refusal listing every
 setting an entry point cannot honour, :func:`refuse_settings`, and the lazy export of a package's names,
 :func:`lazy_exports` (standard library only: ``cpdata`` imports this module).
 """
@@ -10,13 +11,14 @@ setting an entry point cannot honour, :func:`refuse_settings`, and the lazy expo
 from __future__ import annotations
 
 import importlib
+import math
 import numbers
 import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Literal, overload
 
 __all__ = ["MissingBatchKeyError", "NotAnIntError", "NotAvailableYetError", "check_bool", "check_choice",
-           "check_int", "is_int", "lazy_exports", "naming_parts", "refuse_settings"]
+           "check_int", "check_number", "is_int", "lazy_exports", "naming_parts", "refuse_settings"]
 
 
 class MissingBatchKeyError(KeyError, ValueError):
@@ -64,6 +66,18 @@ def check_int(name: str, value: object, *, min: int | None = None, optional: boo
     if min is not None and value < min:
         raise ValueError(f"{name} must be an int{bound}, got {value!r}{fix}")
     return int(value)
+
+
+def check_number(name: str, value: object, *, positive: bool = True, fix: str = "") -> float:
+    """``float(value)`` after checking it is a finite real number ``> 0`` (``positive``) or ``>= 0``:
+    ``TypeError`` for another type or a ``bool`` (``"WorldCost.tile_seconds must be a number, got str 'x'"``),
+    ``ValueError`` for NaN, an infinity or a value below (``"... must be finite and > 0, got 0.0"``); ``fix``
+    is appended to either message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}{fix}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be finite and {'>' if positive else '>='} 0, got {value!r}{fix}")
+    return float(value)
 
 
 def check_bool(name: str, value: object, *, optional: bool = False) -> None:

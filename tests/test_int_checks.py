@@ -123,3 +123,29 @@ def test_converted_packages_have_no_hand_written_flag_or_choice_check():
     for written in ("if not isinstance(flag, bool):\n    raise TypeError(f'...')",
                     "if tail not in TAIL_POLICIES:\n    raise ValueError(f\"unknown tail {tail!r}\")"):
         assert HAND_WRITTEN_FLAG_OR_CHOICE.search(written)  # the pattern works
+
+
+def test_one_number_check_names_the_value_and_the_bound():
+    import numpy as np
+
+    from cpdata.errors import check_number
+
+    assert check_number("w", 2) == 2.0 and check_number("w", np.float32(0.5)) == 0.5
+    assert check_number("a", 0, positive=False) == 0.0
+    for bad, shown in ((True, "bool True"), ("1", "str '1'"), (None, "NoneType None")):
+        with pytest.raises(TypeError, match=rf"^w must be a number, got {shown}; fix it$"):
+            check_number("w", bad, fix="; fix it")
+    for bad, bound in ((0, "> 0"), (-1.5, "> 0"), (float("nan"), "> 0"), (float("inf"), "> 0")):
+        with pytest.raises(ValueError, match=rf"^w must be finite and {bound}, got {bad!r}$"):
+            check_number("w", bad)
+    with pytest.raises(ValueError, match=r"^a must be finite and >= 0, got -1$"):
+        check_number("a", -1, positive=False)
+
+
+def test_no_hand_written_number_check_outside_the_one_home():
+    """A refusal of a non-finite or non-positive number goes through check_number (the bench's row check, which
+    names its row, is the one other finite test)."""
+    found = [f"{p.relative_to(ROOT)}" for p in ROOT.rglob("*.py")
+             if p.name != "errors.py" and p.relative_to(ROOT).as_posix() != "bench/runner.py"
+             and "isfinite(" in p.read_text("utf-8")]  # fmt: skip
+    assert not found, f"use cpdata.errors.check_number instead: {found}"

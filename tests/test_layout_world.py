@@ -194,8 +194,10 @@ def test_the_cost_model_reads_a_calibration_file_and_takes_the_slowest_of_comput
                                                      "inter_node_bytes_per_second", "bytes_per_key")}, "tiles": 1}))
     with pytest.raises(ValueError, match="unknown keys"):
         WorldCost.from_json(path)
-    with pytest.raises(ValueError, match="per_tile_seconds"):
+    with pytest.raises(ValueError, match=r"^WorldCost.per_tile_seconds must be finite and > 0, got 0.0$"):
         WorldCost(per_tile_seconds=0.0)
+    with pytest.raises(TypeError, match=r"^WorldCost.bytes_per_key must be a number, got str '8'$"):
+        WorldCost(bytes_per_key="8")
     assert H100_DEFAULTS.keys_per_tile(inter_node=False) > H100_DEFAULTS.keys_per_tile(inter_node=True)
 
 

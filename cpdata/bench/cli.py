@@ -27,7 +27,7 @@ def _main(args: argparse.Namespace) -> int:
         try:  # an unknown section, or a calibration file that cannot be read
             results = run_bench(parse_sections(args.sections), quick=args.quick, runs=args.runs,
                                 calibration=args.calibration)
-        except (OSError, ValueError) as err:
+        except (OSError, TypeError, ValueError) as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
         if args.json:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_int, check_number
 from cpdata.layout.runs import _per_pack
 from cpdata.layout.spans import SpanBlock
 from cpdata.layout.world_plan import WorldBins, grid_tiles, plan_runs
@@ -83,9 +83,7 @@ class WorldCost:
 
     def __post_init__(self) -> None:
         for name in _REQUIRED:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"WorldCost.{name} must be a finite number > 0, got {value!r}")
+            check_number(f"WorldCost.{name}", getattr(self, name))
         check_int("WorldCost.tile", self.tile, min=1)
 
     @classmethod

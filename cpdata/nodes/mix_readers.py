@@ -17,12 +17,12 @@ vectorized, tested equal to the node's stream.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from cpdata.errors import check_number
 from cpdata.nodes.source_kinds import SourceReader
 from cpdata.sources.open import as_source
 from cpdata.sources.protocol import carried_targets, declared_labels
@@ -51,18 +51,9 @@ def check_weights(sources: Mapping[str, Any], weights: Mapping[str, Any]) -> dic
             f"weights must have exactly the keys of sources {sorted(sources)}: missing {missing}, unknown {extra}; "
             "give every source one weight"
         )
-    out = {}
-    for name in sorted(sources):
-        w = weights[name]
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
-            raise TypeError(f"weights[{name!r}] must be a number, got {type(w).__name__} {w!r}")
-        if not math.isfinite(w) or w <= 0:
-            raise ValueError(
-                f"weights[{name!r}]={w!r} must be finite and > 0 (weights are relative: {{'a': 3, 'b': 1}} draws "
-                "a three times as often as b); leave a source out of the mix rather than giving it weight 0"
-            )
-        out[name] = float(w)
-    return out
+    fix = (" (weights are relative: {'a': 3, 'b': 1} draws a three times as often as b); leave a source out of "
+           "the mix rather than giving it weight 0")
+    return {name: check_number(f"weights[{name!r}]", weights[name], fix=fix) for name in sorted(sources)}
 
 
 def mix_alignment(readers: Mapping[str, MixSource]) -> str | None:

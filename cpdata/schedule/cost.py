@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.errors import check_int, check_number
 
 __all__ = ["FLEXSP_7B", "CostModel"]
 
@@ -29,11 +29,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("a", "b"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-                raise TypeError(f"CostModel.{name} must be a number, got {type(value).__name__} {value!r}")
-            if not np.isfinite(value) or value < 0:
-                raise ValueError(f"CostModel.{name} must be finite and >= 0, got {name}={value!r}")
+            check_number(f"CostModel.{name}", getattr(self, name), positive=False)
         if self.a == 0 and self.b == 0:
             raise ValueError("CostModel needs a > 0 or b > 0; with both 0 every pack costs nothing")
 
