@@ -13,6 +13,7 @@ string (:func:`layout_spec`): ``"tiled:64"`` (tile; ``"tiled"`` is tile 128), ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -84,9 +85,10 @@ def _split(layout: str) -> tuple[str, int | None]:
     return layout, None
 
 
+@functools.lru_cache(maxsize=64)
 def world_cost_of(layout: str) -> WorldCost | None:
     """The deal's cost a ``world`` layout string carries (``"world:8"``: the defaults); None for other or
-    malformed strings."""
+    malformed strings. Cached: each parse of a layout string (:func:`_split`) and each block's deal reads it."""
     parts = layout.split(":") if isinstance(layout, str) else []
     if parts[:1] != ["world"] or len(parts) not in (1, 2, 4):
         return None
