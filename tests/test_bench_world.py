@@ -51,6 +51,8 @@ def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatc
     import json
 
     from cpdata.bench.runner import run_bench
+    from cpdata.cli import main
+    from cpdata.layout.world_deal import WorldCost
 
     monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
     slow = {"per_tile_seconds": 1e-9, "intra_node_bytes_per_second": 1e9, "inter_node_bytes_per_second": 1e8,
@@ -58,12 +60,14 @@ def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatc
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(slow))
     default = run_bench(["world"], quick=True, log=lambda _: None)
-    calibrated = run_bench(["world"], quick=True, calibration=path, log=lambda _: None)
+    calibrated = run_bench(["world"], quick=True, cost=WorldCost.from_json(path), log=lambda _: None)
     assert default["calibration"] is None and calibrated["calibration"] == "slow links"
     for before, after in zip(default["world"], calibrated["world"], strict=True):
         assert (before["distribution"], before["system"]) == (after["distribution"], after["system"])
         # link-bound at these figures: the prediction is the busiest link's keys over its bandwidth
         assert after["predicted_ms"] != before["predicted_ms"]
-    path.write_text(json.dumps({"per_tile_second": 1e-6}))
-    with pytest.raises(ValueError, match="unknown keys"):
-        run_bench(["world"], quick=True, calibration=path, log=lambda _: None)
+    path.write_text(json.dumps({"per_tile_second": 1e-6}))  # refused by the CLI before any section runs
+    out = tmp_path / "never.json"
+    assert main(["bench", "--sections", "world", "--calibration", str(path), "--json", str(out)]) == 2
+    assert not out.exists()
+    assert main(["bench", "--sections", "world", "--calibration", str(tmp_path / "missing.json")]) == 2

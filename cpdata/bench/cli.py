@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cpdata.bench.runner import SECTIONS, parse_sections, run_bench, write_json
+from cpdata.layout.world_deal import WorldCost
 
 __all__ = ["register"]
 
@@ -24,12 +25,13 @@ def _main(args: argparse.Namespace) -> int:
         if args.markdown is None:
             args.markdown = "-"
     else:
-        try:  # an unknown section, or a calibration file that cannot be read
-            results = run_bench(parse_sections(args.sections), quick=args.quick, runs=args.runs,
-                                calibration=args.calibration)
+        try:  # an unknown section, or a calibration file that cannot be read: refused before anything runs
+            sections = parse_sections(args.sections)
+            cost = None if args.calibration is None else WorldCost.from_json(args.calibration)
         except (OSError, TypeError, ValueError) as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
+        results = run_bench(sections, quick=args.quick, runs=args.runs, cost=cost)
         if args.json:
             write_json(results, args.json)
     if args.markdown is not None:

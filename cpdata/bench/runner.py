@@ -88,10 +88,10 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
 
 
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
-              calibration: str | Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+              cost: WorldCost | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
-    ``log``). ``calibration``: a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file, passed as
-    ``cost`` to the sections whose ``OPTIONS`` name it (``world``); None: the published defaults.
+    ``log``). ``cost``: a calibration (:meth:`~cpdata.layout.world_deal.WorldCost.from_json`), passed to the
+    sections whose ``OPTIONS`` name it (``world``); None: the published defaults.
 
     The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
@@ -99,7 +99,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     from cpdata.bench.packing_quality import default_algorithm
 
     check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
-    options = {} if calibration is None else {"cost": WorldCost.from_json(calibration)}
+    options = {} if cost is None else {"cost": cost}
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
@@ -107,7 +107,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         "runs": runs,
         "machine": machine,
         "default_algorithm": default_algorithm(),
-        "calibration": None if calibration is None else options["cost"].source,
+        "calibration": None if cost is None else cost.source,
         "sections": list(sections or SECTIONS),
         "seconds": {},
         "methods": {},
