@@ -94,8 +94,6 @@ def place_step(
     neg_inf = -np.inf
     gaps = [smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf for m, cells_m in enumerate(by_load)]
     visit = [(m, *range(m), *range(m + 1, M)) for m in range(M)]  # the largest gap's slot first, then in order
-    placed_i: list[int] = []
-    placed_c: list[int] = []
     for ids, keep in ((first, 0), (rest, reserve)):
         ids = ids[np.lexsort((ids, -slot[ids]))]
         for i, s, k in zip(ids.tolist(), slot[ids].tolist(), key[ids].tolist(), strict=True):
@@ -129,20 +127,17 @@ def place_step(
                     break
             if best < 0:
                 continue
-            placed_i.append(i)
-            placed_c.append(best)
+            cell[i] = best
             room_l[best] -= s
             free -= s
             load_l[best] += k
             m = best // R
-            if load_l[best] > smax_l[m]:
-                smax_l[m] = load_l[best]
+            smax_l[m] = max(smax_l[m], load_l[best])
             cells_m = by_load[m]  # ``best`` got heavier: placed again in (load, cell) order
             cells_m.remove(best)
             if room_l[best] >= min_b:
                 insort(cells_m, best, key=lambda c: (load_l[c], c))
             gaps[m] = smax_l[m] - load_l[cells_m[0]] * scale if cells_m else neg_inf
-    cell[placed_i] = placed_c
 
     # B'. exchanges that lower the slots' costliest cells, where the attention part can dominate a pack.
     if quad * 2 >= full_cost:

@@ -75,8 +75,6 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, dp_size) -> None:
     counts = Counter(sizes)
     distinct = list(counts)  # ascending, as ``sizes``
     active = [c for c in range(len(room_l)) if room_l[c] >= sizes[0]]
-    placed_i: list[int] = []
-    placed_c: list[int] = []
 
     def place(c: int, i: int, size: int) -> None:
         if counts[size] > 1:  # count it out, and out of ``distinct`` when it was the last of its size
@@ -84,13 +82,11 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, dp_size) -> None:
         else:
             del counts[size]
             del distinct[bisect_left(distinct, size)]
+        cell[i] = c
         room_l[c] -= size
-        placed_i.append(i)
-        placed_c.append(c)
         load_l[c] += keys[i]
         m = c // dp_size  # cell c is in slot c // dp_size
-        if load_l[c] > smax_l[m]:
-            smax_l[m] = load_l[c]
+        smax_l[m] = max(smax_l[m], load_l[c])
 
     while sizes and active:
         gaps = [load_l[c] - smax_l[c // dp_size] for c in active]  # stable: ties keep the last round's order
@@ -125,4 +121,3 @@ def fill_cells(cell, fill, slot, key, room_l, load_l, smax_l, dp_size) -> None:
             if room_l[c] >= sizes[0]:
                 still.append(c)
         active = still
-    cell[placed_i] = placed_c
