@@ -222,6 +222,10 @@ def test_cost_model():
     assert m.a == pytest.approx(0.1827, rel=0.01) and m.b / m.a == pytest.approx(32 * 4096 / 6.7e9)
     with pytest.raises(ValueError, match="num_layers"):
         CostModel.from_model(0, 4096, 6.7e9)
+    with pytest.raises(ValueError, match=r"^num_params must be finite and > 0, got 0.0$"):
+        CostModel.from_model(32, 4096, 0.0)
+    with pytest.raises(ValueError, match=r"^flops_per_second must be finite and > 0, got -1.0$"):
+        CostModel.from_model(32, 4096, 6.7e9, flops_per_second=-1.0)
     with pytest.raises(ValueError, match=r"^CostModel.b must be finite and >= 0, got -1.0$"):
         CostModel(a=1.0, b=-1.0)
     with pytest.raises(TypeError, match=r"^CostModel.a must be a number, got bool True$"):

@@ -40,13 +40,10 @@ class CostModel:
         """Cost from training FLOPs of a decoder-only transformer, in ms at ``flops_per_second``: ``6 *
         num_params`` per token and ``6 * num_layers * hidden_size * L**2`` for causal attention over ``L``
         tokens (FlexSP's measured 7B ``b / a`` is 2.8e-5 against 2.0e-5 from FLOPs)."""
-        for name, value in (("num_layers", num_layers), ("hidden_size", hidden_size)):
-            check_int(name, value, min=1)
-        if not num_params > 0 or not flops_per_second > 0:
-            raise ValueError(
-                f"num_params and flops_per_second must be > 0, got num_params={num_params!r}, "
-                f"flops_per_second={flops_per_second!r}"
-            )
+        check_int("num_layers", num_layers, min=1)
+        check_int("hidden_size", hidden_size, min=1)
+        check_number("num_params", num_params)
+        check_number("flops_per_second", flops_per_second)
         per_ms = float(flops_per_second) / 1e3
         return cls(a=6.0 * float(num_params) / per_ms, b=6.0 * num_layers * hidden_size / per_ms)
 

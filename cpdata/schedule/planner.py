@@ -147,8 +147,7 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
             if ptr >= cap:
                 break
             decided = choose_runs(slot[pool], keys[pool], due, age, np.ones(pool.shape[0], bool), capacity=C,
-                                  dp_size=R, slots=M, hold=True, full_cost=kw["full_cost"],
-                                  quad=kw["quad"])  # fmt: skip
+                                  dp_size=R, slots=M, hold=True, full_cost=kw["full_cost"], quad=kw["quad"])
             chosen = np.zeros(pool.shape[0], bool)
             chosen[np.concatenate([*decided[0], np.asarray(decided[1], dtype=np.int64)])] = True
             held = int(slot[pool[is_out[pool] & ~chosen]].sum())
