@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpdata.worker.keys import INPUT_IDS
+from cpdata.worker.targets import piece_arrays
 from cpdata.worker.token_buffer import TokenBuffer
 
 __all__ = ["DocPiece", "Document", "PackPlan", "PieceColumns"]
@@ -101,11 +102,7 @@ class PieceColumns(Sequence[DocPiece]):
         if isinstance(i, slice):
             return tuple(self[j] for j in range(*i.indices(len(self))))
         index, start, length, next_label = self.table[i].tolist()
-        source, offset = self.sources[i], int(self.offsets[i])
-        if offset == 0 and source[INPUT_IDS].shape[0] == length:
-            arrays = source
-        else:
-            arrays = {k: a[offset : offset + length] for k, a in source.items()}
+        arrays = piece_arrays(self.sources[i], int(self.offsets[i]), length, True)  # labels as given
         return DocPiece(index=index, start=start, arrays=arrays, next_label=next_label)
 
     def __eq__(self, other: object) -> bool:
