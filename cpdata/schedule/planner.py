@@ -80,9 +80,8 @@ def plan_schedule(
         plans.append(_in_order(lengths[order], config))
     schedules = [assemble(cells, order[doc], start, length, slot, cont, delay, counts, config, R, M, cost, tail)
                  for (cells, doc, start, length, slot, cont, delay), counts in plans]  # fmt: skip
-    if len(schedules) == 1:
+    if cost is None or not fallback:  # one plan
         return schedules[0]
-    assert cost is not None
     return min(schedules, key=lambda sched: padded_epoch_cost(sched, cost))  # the balanced one on a tie
 
 

@@ -186,8 +186,7 @@ def assemble(cells, doc, start, length, slot, cont, delay, counts, config, R, M,
     per_cell = np.bincount(cells, minlength=num_steps * K)
     if tail == "drop" and num_steps and (per_cell[(num_steps - 1) * K :] == 0).any():
         last = cells >= (num_steps - 1) * K
-        dropped_steps, dropped_pieces = 1, int(last.sum())
-        dropped_tokens = int(length[last].sum())
+        dropped_steps, dropped_pieces, dropped_tokens = 1, int(last.sum()), int(length[last].sum())
         keep = ~last
         cells, doc, start, length, slot, cont, delay = (a[keep] for a in (cells, doc, start, length, slot, cont, delay))
         num_steps -= 1

@@ -60,8 +60,7 @@ def choose_runs(
         overdue_loose = 0
         i, k = 0, allowed
         while i < n:
-            c = choice[i][k]
-            if c == 1:
+            if choice[i][k]:  # a run now
                 runs.append(ids[i : i + R].copy())
                 i, k = i + R, k - 1
             else:
