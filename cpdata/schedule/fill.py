@@ -50,8 +50,7 @@ def _exact(sizes: list[int], counts: dict[int, int], distinct: list[int], r: int
     last = lambda x: bisect_right(sizes, x) - 1  # noqa: E731  (the last of equal lengths: overdue ones)
     if counts.get(r):
         return [last(r)]
-    for j in range(bisect_left(distinct, r - distinct[-1]), len(distinct)):  # a pair's shorter: r - longest on
-        a = distinct[j]
+    for a in distinct[bisect_left(distinct, r - distinct[-1]) :]:  # a pair's shorter: r - longest on
         b = r - a
         if b < a:
             break

@@ -162,4 +162,3 @@ def buffer_plan(tensors: tuple, maps: tuple) -> BufferPlan:
     keys = [(k, str(i)) for i, (k, _) in enumerate((*tensors, *maps))]
     gaps.flags.writeable = False
     return BufferPlan(view, record, tuple(keys[: len(tensors)]), tuple(keys[len(tensors) :]), gaps)
-

@@ -112,8 +112,7 @@ def concatenate_arrays(
         ids = pool.take(total + 2) if pool is not None else np.empty(total + 2, dtype=np.int64)
         concatenate_spaced([a[INPUT_IDS] for a in arrays], ids[:total])
     ids[after] = ends
-    ids[total] = 0
-    ids[total + 1] = IGNORE_INDEX
+    ids[total : total + 2] = 0, IGNORE_INDEX  # what a pad position reads
     if max(map(len, arrays), default=1) == 1:  # input_ids alone (the usual case)
         return TokenBuffer(ids, None, {})
     keys = sorted(set().union(*(a.keys() for a in arrays)) - {INPUT_IDS})
