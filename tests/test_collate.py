@@ -14,7 +14,7 @@ from cpdata.worker.collate import collate_pack, collate_rank, fill_rank, rank_sp
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.plan import DocPiece, PackPlan
 from cpdata.worker.stream import build_streams
-from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
+from cpdata.worker.stream_slots import pack_metadata, slot_block
 
 
 def make_plans(
@@ -189,7 +189,7 @@ def _aligned_plans(data, layout: str, cp: int, n_plans: int):
 
 def _rows(layout, cp, plans, qkv_format):
     if qkv_format == "thd":
-        return rank_indices(layout, cp, stream_slot_lens(plans), len(plans) * plans[0].capacity)
+        return rank_indices(layout, cp, slot_block([plans]).layout_lens_of(0), len(plans) * plans[0].capacity)
     return rank_indices(layout, cp, plans[0].slot_lens, plans[0].capacity)
 
 
@@ -274,8 +274,8 @@ def test_batch_checks_name_the_plan_and_piece():
     meta = pack_metadata([good, empty, good])  # an empty pack inside a batch: one padding slot
     np.testing.assert_array_equal(meta["seq_lens_padded"], [8, 8, 8])
     np.testing.assert_array_equal(meta["seq_lens"], [5, 0, 5])
-    np.testing.assert_array_equal(stream_slot_lens([good, empty, good]), [8, 8, 6])
-    np.testing.assert_array_equal(stream_slot_lens([good, empty]), [8])
+    np.testing.assert_array_equal(slot_block([[good, empty, good]]).layout_lens_of(0), [8, 8, 6])
+    np.testing.assert_array_equal(slot_block([[good, empty]]).layout_lens_of(0), [8])
 
 
 def test_a_missing_loss_mask_is_derived_from_the_labels():

@@ -19,7 +19,7 @@ from cpdata.worker.batch import ShardedBatch
 from cpdata.worker.collate import collate_pack
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.shard_block import plan_digest
-from cpdata.worker.stream_slots import stream_slot_lens
+from cpdata.worker.stream_slots import slot_block
 
 CASES = [(layout, cp) for layout in LAYOUTS for cp in ((1,) if layout == "identity" else (1, 2, 3, 4))]
 
@@ -62,7 +62,7 @@ def test_all_ranks_reassemble_to_the_full_pack(layout, cp, qkv_format):
             else:
                 np.testing.assert_array_equal(reassemble(shards, key, qkv_format).numpy(), full[key], err_msg=key)
         stream_len = full["input_ids"].shape[-1]
-        lens = stream_slot_lens(group) if qkv_format == "thd" else group[0].slot_lens
+        lens = slot_block([group]).layout_lens_of(0) if qkv_format == "thd" else group[0].slot_lens
         want_rows = rank_indices(layout, cp, lens, stream_len)
         for r, s in enumerate(shards):
             np.testing.assert_array_equal(s.layout.local_token_global_indices.numpy(), want_rows[r])

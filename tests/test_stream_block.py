@@ -15,7 +15,7 @@ from cpdata.nodes.collate import Collate
 from cpdata.worker.collate import CollatedPack
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, build_streams
-from cpdata.worker.stream_slots import pack_metadata, stream_slot_lens
+from cpdata.worker.stream_slots import pack_metadata, slot_block
 
 
 def expected_columns(plans: list[PackPlan]) -> dict[str, list[int]]:
@@ -108,7 +108,7 @@ def test_a_block_of_streams_equals_each_batch_from_the_definitions(seed):
         assert int(meta["cu_seqlens"][-1]) == sum(cols["real_lens"])
         assert int(meta["seq_lens_padded"].max()) == max(cols["slot_lens"])
         assert int(meta["max_seqlen"]) == max(cols["real_lens"])
-        np.testing.assert_array_equal(block.slots.layout_lens_of(b), stream_slot_lens(plans))
+        np.testing.assert_array_equal(block.slots.layout_lens_of(b), slot_block([plans]).layout_lens_of(0))
         slot = slice(block.slots.first[b], block.slots.first[b + 1])
         np.testing.assert_array_equal(block.src_starts[slot], src_starts(stream))
         before = sum(64 * len(p) for p, _ in batches[:b])  # the streams of the batches before it

@@ -15,7 +15,7 @@ from cpdata.layout.maps import thd_slot_lens
 from cpdata.worker.keys import IGNORE_INDEX
 from cpdata.worker.plan import PackPlan
 
-__all__ = ["SlotBlock", "metadata_block", "pack_metadata", "slot_block", "stream_slot_lens"]
+__all__ = ["SlotBlock", "metadata_block", "pack_metadata", "slot_block"]
 
 _PAD_SLOT = np.array([[-1, 0, 0, IGNORE_INDEX]], dtype=np.int64)  # plan columns of an empty pack's one pad slot
 _ZERO_SLOT = np.zeros(1, dtype=np.int64)  # its raw slot length (the tail makes it the whole pack)
@@ -47,7 +47,8 @@ class SlotBlock:
     plans: list[PackPlan]
 
     def layout_lens_of(self, b: int) -> np.ndarray:
-        """int64 ``[K']``: :func:`stream_slot_lens` of batch ``b`` (a view)."""
+        """int64 ``[K']``: batch ``b``'s slot lengths as :func:`cpdata.layout.maps.rank_indices` takes them,
+        every pack's tail absorbed but the last one's (so one plan gives ``plan.slot_lens``; a view)."""
         end = self.first[b + 1] - (not self.counts[self.plan_first[b + 1] - 1])  # an empty last plan: no slot
         return self.layout_lens[self.first[b] : end]
 
@@ -111,12 +112,6 @@ def slot_block(batches: Sequence[Sequence[PackPlan]]) -> SlotBlock:
     batch_last = last[np.asarray(plan_first[1:], dtype=np.int64) - 1]
     layout_lens[batch_last] = raw[batch_last]
     return SlotBlock(table, slot_lens, layout_lens, raw, counts, plan_first, first, caps, flat)
-
-
-def stream_slot_lens(plans: Sequence[PackPlan]) -> np.ndarray:
-    """int64 ``[K]`` slot lengths as :func:`cpdata.layout.maps.rank_indices` takes them: every pack's
-    tail absorbed but the last one's (so one plan gives ``plan.slot_lens``)."""
-    return slot_block([plans]).layout_lens_of(0)
 
 
 def pack_metadata(plans: Sequence[PackPlan]) -> dict[str, np.ndarray]:
