@@ -153,7 +153,6 @@ def _balanced(lengths: np.ndarray, config: PackingConfig, R: int, M: int, cost: 
             want = target - (int(slot[pool].sum()) - held)
             if want * REFILL_SHARE < T:
                 break
-            decided = None
         return pool, ptr, age, due, keys, decided
 
     carry = np.zeros(0, dtype=np.int64)
