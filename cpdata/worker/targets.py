@@ -202,10 +202,8 @@ def to_targets(
         labels = arrays[LABELS]
         _check_labels(labels, index, vocab_size)
         _check_convention(ids, labels, index, labels_alignment)
-        if labels_alignment == "inputs":
-            targets[:-1] = labels[1:]
-        else:
-            targets[:] = labels
+        shift = int(labels_alignment == "inputs")  # "inputs": input i's target is labels[i + 1]
+        targets[: targets.shape[0] - shift] = labels[shift:]
     out = {k: v for k, v in arrays.items() if k not in TARGET_KEYS}
     out[LABELS] = targets
     if masks:
