@@ -13,6 +13,7 @@ import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
 from cpdata.offline.metrics import pack_geometry, rank_work
+from cpdata.packing import plan_lengths
 
 __all__ = ["COLUMNS", "LAYOUTS", "run"]
 
@@ -50,8 +51,6 @@ def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int
 
 
 def run(*, quick: bool) -> list[dict]:
-    from cpdata.packing import plan_lengths
-
     max_packs = 12 if quick else 100
     names = ("sft", "long_context", "stdlib") if quick else NAMES
     rows = []

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cpdata.packing import plan_lengths
 from cpdata.schedule import CostModel, imbalance, plan_schedule
 
 __all__ = ["BASELINES", "COLUMNS", "DISTRIBUTIONS", "karmarkar_karp", "run", "sample_lengths"]
@@ -74,8 +75,6 @@ def _row(costs: list[np.ndarray], used: list[int], lower: list[int], packs_token
 
 
 def run(*, quick: bool) -> list[dict]:
-    from cpdata.packing import plan_lengths
-
     cost = CostModel()
     steps = 8 if quick else 32
     rows = []
@@ -206,8 +205,6 @@ def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool, **_: ob
 
 def _packs(lengths, capacity: int, algorithm: str) -> list[list[int]]:
     """The packs cpdata's ``algorithm`` makes of ``lengths`` (``balanced`` at cp 1: no document padding)."""
-    from cpdata.packing import plan_lengths
-
     res = plan_lengths(np.asarray(lengths, dtype=np.int64), capacity=capacity, layout="balanced", cp_size=1,
                        algorithm=algorithm)  # fmt: skip
     return [res.pack(p)[2].tolist() for p in range(res.n_packs)]
