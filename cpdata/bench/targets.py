@@ -13,7 +13,6 @@ __all__ = ["TARGETS", "evaluate_targets"]
 
 
 Check = Callable[[list[dict]], tuple[str, bool]]
-"""``rows -> (measured text, met)``."""
 
 
 def _worst(value: Callable[[dict], float], limit: float, text: str, *,
@@ -135,8 +134,7 @@ def _world_tiles(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
 
 
 def _world_keys(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
-    recv = sum(m["recv_keys"] <= t["recv_keys"] for m, t in pairs)
-    inter = sum(m["inter_keys"] <= t["inter_keys"] for m, t in pairs)
+    recv, inter = (sum(m[key] <= t[key] for m, t in pairs) for key in ("recv_keys", "inter_keys"))
     return f"received <= Megatron's on {recv} of {len(pairs)} rows, inter-node on {inter}", \
         recv == inter == len(pairs)
 
