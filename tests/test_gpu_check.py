@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from cpdata.bench import gpu_check
-from cpdata.bench.gpu_attention import LAYOUTS, fit_line, rank_cases
+from cpdata.bench.gpu_attention import LAYOUTS, fit_line, rank_cases, time_step
 from cpdata.device.varlen import varlen_plan
 from cpdata.layout.tiles import live_tiles
 
@@ -51,6 +52,13 @@ def test_fit_recovers_a_line_and_refuses_one_point():
     assert fit["per_tile_seconds"] == pytest.approx(2e-6) and fit["intercept_seconds"] == pytest.approx(1e-4)
     assert fit["r2"] == pytest.approx(1.0) and fit["points"] == 4
     assert fit_line(np.array([5, 5]), np.array([1.0, 2.0]))["per_tile_seconds"] is None
+
+
+def test_time_step_leaves_out_its_warm_up_and_takes_the_median_of_the_repeats():
+    naps = iter([0.5, 0.002, 0.3, 0.02])  # the warm-up (compiling), then three timed calls
+    seconds = time_step(lambda: time.sleep(next(naps)), 3)
+    assert next(naps, None) is None  # one warm-up + three repeats, no more
+    assert 0.02 <= seconds < 0.1  # the middle nap: not the warm-up, nor a mean (0.107 over the repeats)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

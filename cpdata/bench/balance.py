@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
-from cpdata.offline.metrics import pack_geometry, rank_work
+from cpdata.offline.metrics import imbalance, pack_geometry, rank_work
+from cpdata.packing import plan_lengths
 
 __all__ = ["COLUMNS", "LAYOUTS", "run"]
 
@@ -30,15 +31,14 @@ def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int
     offsets = np.asarray(result.pack_offsets)
     doc_len, slot_len = np.asarray(result.doc_len), np.asarray(result.slot_len)
     n_packs = min(offsets.size - 1, max_packs)
-    imbalance, equal = [], True
+    works, equal = [], True
     for p in range(n_packs):
         lo, hi = int(offsets[p]), int(offsets[p + 1])
         rows, work = rank_work(layout, cp_size, pack_geometry(doc_len[lo:hi], slot_len[lo:hi], capacity))
         equal &= rows.shape == (cp_size, capacity // cp_size)
-        if work.mean() > 0:
-            imbalance.append(float(work.max() / work.mean()))
+        works.append(work)
     doc_pad = int(slot_len[: offsets[n_packs]].sum() - doc_len[: offsets[n_packs]].sum())  # of the packs read
-    imb = np.asarray(imbalance)
+    imb = imbalance(np.stack(works))
     return {
         "imbalance_mean": float(imb.mean()),
         "imbalance_p95": float(np.percentile(imb, 95)),
@@ -50,8 +50,6 @@ def _pack_stats(result, capacity: int, layout: str, cp_size: int, max_packs: int
 
 
 def run(*, quick: bool) -> list[dict]:
-    from cpdata.packing import plan_lengths
-
     max_packs = 12 if quick else 100
     names = ("sft", "long_context", "stdlib") if quick else NAMES
     rows = []

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from cpdata.bench.report import render_markdown
 from cpdata.bench.runner import SECTIONS, parse_sections, run_bench, write_json
 from cpdata.layout.world_deal import WorldCost
 
@@ -18,8 +19,6 @@ __all__ = ["register"]
 
 
 def _main(args: argparse.Namespace) -> int:
-    from cpdata.bench.report import render_markdown
-
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
         if args.markdown is None:

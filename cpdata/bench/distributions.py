@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
 
 __all__ = ["NAMES", "first_packs", "sample", "split_graph", "token_documents"]
@@ -50,8 +51,6 @@ def sample(name: str, n: int, seed: int = 0) -> np.ndarray:
 def first_packs(name: str, capacity: int, layout: str, cp_size: int, n: int) -> list[np.ndarray]:
     """Slot lengths (int64 ``[slots]`` each) of the first ``n`` packs ``plan_lengths`` makes of ``name``
     (overlong documents split), from about 1.2 packs' worth of documents per pack."""
-    from cpdata.packing import plan_lengths
-
     probe = sample(name, 1000, 0)
     lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
     result = plan_lengths(lengths, capacity=capacity, layout=layout, cp_size=cp_size, overflow="split")

@@ -141,8 +141,7 @@ def _rank(rank: int, world: int, sizes: list[tuple[int, int]], repeats: int) -> 
             layout = ShardLayout.of_rows(rank_indices(LAYOUT, world, [], tokens), rank)
             local = layout.local_token_global_indices
             gen = torch.Generator().manual_seed(1234)
-            full = torch.randn(1, tokens, hidden, generator=gen)
-            grad = torch.randn(1, tokens, hidden, generator=gen)
+            full, grad = (torch.randn(1, tokens, hidden, generator=gen) for _ in range(2))
             x = full[:, local].clone().requires_grad_(True)
 
             anchor = functools.partial(anchor_gather, local_indices=local)
@@ -166,9 +165,7 @@ def run(*, quick: bool) -> list[dict]:
     for cp_size, sizes in plan.items():
         per_rank = run_on_ranks(_rank, cp_size, sizes, repeats)
         for i, row in enumerate(per_rank[0]):
-            merged = dict(row)
-            for key in ("anchor_ms", "cpdata_ms"):
-                merged[key] = max(r[i][key] for r in per_rank)
+            merged = {**row, **{key: max(r[i][key] for r in per_rank) for key in ("anchor_ms", "cpdata_ms")}}
             for key in ("collectives_anchor", "collectives_cpdata"):
                 counts = {r[i][key] for r in per_rank}
                 assert len(counts) == 1, f"ranks counted different {key}: {sorted(counts)}"

@@ -4,10 +4,8 @@ One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K 
 keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
 through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
 (tiles: :func:`cpdata.layout.tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
-not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel (``fits``).
-``calibration.json`` is a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file: the flex
-``per_tile_seconds`` per layer, ``bytes_per_key`` of this head shape, ``tile`` and a ``source`` naming the
-device and shapes; one GPU cannot measure the links, which keep their published defaults.
+not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel (``fits``); the flex
+line's slope, per layer, goes to ``calibration.json`` (:func:`calibration_file`).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import numpy as np
 import torch
 
 from cpdata.bench.distributions import first_packs
+from cpdata.bench.timing import alternating_medians, bench_device
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import layout_runs
 from cpdata.layout.tiles import query_runs, segment_starts, segment_tiles
@@ -80,23 +79,9 @@ def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
 
 
 def time_step(step, repeats: int) -> float:
-    """Median seconds of ``step()`` after one warm-up call (which compiles); CUDA events, else the host clock.
-    """
-    step()
-    times = []
-    for _ in range(repeats):
-        if not torch.cuda.is_available():
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-            continue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return float(np.median(times))
+    """Median seconds of ``step()`` after one warm-up call (which compiles), the device synchronised around
+    each call (:func:`~cpdata.bench.timing.alternating_medians`)."""
+    return alternating_medians((step,), repeats=repeats, warmup=1, device=bench_device())[0]
 
 
 def _timed(q: torch.Tensor, n_keys: int, attend) -> float:

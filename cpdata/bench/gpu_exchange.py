@@ -64,10 +64,7 @@ def run() -> dict:
         raise RuntimeError(f"needs >= 2 GPUs, found {gpus}")
     world = min(gpus, 8)
     per_rank = run_on_ranks(_rank, world, timeout=300, backend="nccl", start_method="spawn")
-    rows = []
-    for i, distribution in enumerate(DISTRIBUTIONS):
-        ranks = [r[i] for r in per_rank]
-        rows.append({"distribution": distribution, "cp_size": world,
-                     **{key: max(r[key] for r in ranks) for key in ("exchange_ms", "all_gather_ms",
-                                                                    "exchange_recv_bytes", "all_gather_recv_bytes")}})  # fmt: skip
+    keys = ("exchange_ms", "all_gather_ms", "exchange_recv_bytes", "all_gather_recv_bytes")
+    rows = [{"distribution": name, "cp_size": world, **{k: max(r[i][k] for r in per_rank) for k in keys}}
+            for i, name in enumerate(DISTRIBUTIONS)]
     return {"cp_size": world, "rows": rows}

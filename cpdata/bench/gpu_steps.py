@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.bench.hf_reference import documents_alone, full_pack, model_grads
 
 __all__ = ["autocast_cp2", "copy_overlap", "hf_step", "pinned_batches"]
@@ -46,8 +47,7 @@ def copy_overlap() -> dict:
     x = torch.randn(4096, 4096, device="cuda")
     copy_stream = torch.cuda.Stream()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end, copy_start, copy_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     start.record()
     for _ in range(8):
         x = x @ x
@@ -93,8 +93,6 @@ def _rel_error(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> fl
 
 def hf_step(device: str = "cuda") -> dict:
     """A compiled ``"cpdata"`` step at cp 1 against the documents alone, per :data:`STEP_CASES`."""
-    from cpdata.adapters import hf_model_kwargs, register_hf_attention
-
     batches = _shards(1, "identity", False)
     full = full_pack(batches)
     out = {}
@@ -115,8 +113,6 @@ def hf_step(device: str = "cuda") -> dict:
 
 def _autocast_rank(rank: int, world: int, device: str) -> dict | None:
     import torch.distributed as dist
-
-    from cpdata.adapters import hf_model_kwargs, register_hf_attention
 
     register_hf_attention()
     batches = _shards(world, "tiled", True)

@@ -18,8 +18,10 @@ import numpy as np
 
 from cpdata.bench.distributions import NAMES, sample
 from cpdata.bench.timing import alternating_medians
+from cpdata.packing import DEFAULT_ALGORITHM, plan_lengths
+from cpdata.packing.planner import carry_and_wait
 
-__all__ = ["ALGORITHMS", "COLUMNS", "default_algorithm", "lower_bound_bins", "run", "split_lower_bound_bins"]
+__all__ = ["ALGORITHMS", "COLUMNS", "lower_bound_bins", "run", "split_lower_bound_bins"]
 
 COLUMNS: tuple[str, ...] = ("distribution", "capacity", "algorithm", "padding_pct", "lower_bound_pct", "us_per_doc")
 ALGORITHMS: tuple[str, ...] = ("next_fit", "first_fit", "ffd")
@@ -27,13 +29,6 @@ TABLE: tuple[str, ...] = (*COLUMNS, "gap_pp", "split_bound_pct", "packs", "docs"
 TITLE = "padding and planning time: default packer vs next_fit, first_fit (8 bins), ffd"
 CAPACITIES: tuple[int, ...] = (4096, 16384, 131072)
 LAYOUT, CP_SIZE = "balanced", 8
-
-
-def default_algorithm() -> str:
-    """The ``algorithm`` every entry point defaults to (:data:`cpdata.packing.DEFAULT_ALGORITHM`)."""
-    from cpdata.packing import DEFAULT_ALGORITHM
-
-    return DEFAULT_ALGORITHM
 
 
 def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
@@ -81,9 +76,6 @@ def _padding_pct(bins: int, capacity: int, tokens: int) -> float:
 
 
 def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | None, repeats: int) -> dict:
-    from cpdata.packing import plan_lengths
-    from cpdata.packing.planner import carry_and_wait
-
     kwargs = {"capacity": capacity, "layout": LAYOUT, "cp_size": CP_SIZE, "algorithm": algorithm,
               "overflow": overflow}
     result = plan_lengths(lengths, **kwargs)
@@ -95,7 +87,7 @@ def _one(lengths: np.ndarray, capacity: int, algorithm: str, overflow: str | Non
 
 
 def run(*, quick: bool) -> list[dict]:
-    default = default_algorithm()
+    default = DEFAULT_ALGORITHM
     n_docs, repeats = (20_000, 1) if quick else (100_000, 3)
     capacities = (4096, 131072) if quick else CAPACITIES
     rows = []

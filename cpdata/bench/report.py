@@ -57,8 +57,6 @@ def _balance(rows: list[dict]) -> str:
 
 
 def _attention(rows: list[dict]) -> str:
-    """One row per (distribution, capacity, cp, tile): each layout's busiest-rank tiles over the ideal, then
-    ``tiled``'s K/V received (over an all-gather's) and solve time."""
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     keys = list(dict.fromkeys((r["distribution"], r["capacity"], r["cp_size"], r["tile"]) for r in rows))
     by = {(r["distribution"], r["capacity"], r["cp_size"], r["tile"], r["layout"]): r for r in rows}

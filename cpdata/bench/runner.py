@@ -23,6 +23,7 @@ from cpdata.bench.timing import describe_machine
 from cpdata.errors import check_int, is_int
 from cpdata.layout.world_deal import WorldCost
 from cpdata.nodes.worker_process import keep_heap
+from cpdata.packing import DEFAULT_ALGORITHM
 
 __all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
@@ -96,8 +97,6 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
     The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
-    from cpdata.bench.packing_quality import default_algorithm
-
     check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
     options = {} if cost is None else {"cost": cost}
     machine = {**describe_machine(), "keep_heap": keep_heap()}
@@ -106,7 +105,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         "quick": quick,
         "runs": runs,
         "machine": machine,
-        "default_algorithm": default_algorithm(),
+        "default_algorithm": DEFAULT_ALGORITHM,
         "calibration": None if cost is None else cost.source,
         "sections": list(sections or SECTIONS),
         "seconds": {},

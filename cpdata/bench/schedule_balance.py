@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cpdata.packing import plan_lengths
 from cpdata.schedule import CostModel, imbalance, plan_schedule
 
 __all__ = ["BASELINES", "COLUMNS", "DISTRIBUTIONS", "karmarkar_karp", "run", "sample_lengths"]
@@ -57,12 +58,13 @@ def sample_lengths(name: str, n: int, seed: int) -> np.ndarray:
     return np.clip(np.round(raw), d["low"], d["high"]).astype(np.int64)
 
 
-def _row(costs: list[np.ndarray], used: list[int], lower: list[int], packs_tokens: list[np.ndarray],
-         capacity: int, dp_size: int) -> dict:  # fmt: skip
+def _row(costs: list[np.ndarray], packs_tokens: list[np.ndarray], capacity: int, dp_size: int) -> dict:
+    """One method's scores from each global batch's pack costs ``[dp_size, mb]`` and its packs' tokens."""
     imb_s, imb_m = zip(*(imbalance(c[None]) for c in costs), strict=True)
     s, m = 100 * np.concatenate(imb_s), 100 * np.concatenate(imb_m)
     tokens = np.concatenate(packs_tokens)
-    total_mb = sum(used)
+    total_mb = sum(c.shape[1] for c in costs)
+    lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in packs_tokens]  # the fewest that fit
     return {
         "imb_step_mean": float(s.mean()), "imb_step_p95": float(np.percentile(s, 95)),
         "imb_mb_mean": float(m.mean()), "imb_mb_p95": float(np.percentile(m, 95)),
@@ -74,8 +76,6 @@ def _row(costs: list[np.ndarray], used: list[int], lower: list[int], packs_token
 
 
 def run(*, quick: bool) -> list[dict]:
-    from cpdata.packing import plan_lengths
-
     cost = CostModel()
     steps = 8 if quick else 32
     rows = []
@@ -99,8 +99,7 @@ def run(*, quick: bool) -> list[dict]:
             pc = sched.pack_costs(cost)[:full]
             # tokens per pack (balanced at cp 1 pads no document: slots = tokens)
             real = sched.pack_costs(lambda lens: lens)[:full].reshape(full, -1)
-            lower = [max(1, -(-int(t.sum()) // (dp_size * capacity))) for t in real]
-            row = _row(list(pc), [mb] * full, lower, list(real), capacity, dp_size)
+            row = _row(list(pc), list(real), capacity, dp_size)
             last = int(sched.pack_offsets[full * dp_size * mb])
             in_stream = np.lexsort((sched.doc_start[:last], sched.doc_index[:last]))  # the same pieces, stream order
             bfd = plan_lengths(sched.doc_len[:last][in_stream], capacity=capacity, layout="balanced", cp_size=1)
@@ -120,7 +119,7 @@ def _baselines(lengths, fill, base, capacity, dp_size, steps, cost) -> list[dict
     starts = np.concatenate([[0], ends[:-1]])
     out = []
     for method, place in BASELINES.items():
-        costs, used, lower, tokens = [], [], [], []
+        costs, tokens = [], []
         t0 = time.process_time()
         for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
             batch = lengths[lo:hi].tolist()
@@ -130,12 +129,10 @@ def _baselines(lengths, fill, base, capacity, dp_size, steps, cost) -> list[dict
             for r, packs in enumerate(placement):
                 for m, pack in enumerate(packs):
                     c[r, m] = float(cost(np.asarray(pack, dtype=np.int64)).sum()) if pack else 0.0
-                    tokens.append(np.array([sum(pack)]))
             costs.append(c)
-            used.append(k)
-            lower.append(max(1, -(-sum(batch) // (dp_size * capacity))))
+            tokens.append(np.array([sum(pack) for packs in placement for pack in packs]))
         us = 1e6 * (time.process_time() - t0) / int(ends[-1])
-        row = _row(costs, used, lower, tokens, capacity, dp_size)
+        row = _row(costs, tokens, capacity, dp_size)
         row.update(base, method=method, max_delay_steps=0, us_per_doc=us)
         out.append(row)
     return out
@@ -206,8 +203,6 @@ def _verl(lengths: list[int], *, capacity: int, dp_size: int, cap: bool, **_: ob
 
 def _packs(lengths, capacity: int, algorithm: str) -> list[list[int]]:
     """The packs cpdata's ``algorithm`` makes of ``lengths`` (``balanced`` at cp 1: no document padding)."""
-    from cpdata.packing import plan_lengths
-
     res = plan_lengths(np.asarray(lengths, dtype=np.int64), capacity=capacity, layout="balanced", cp_size=1,
                        algorithm=algorithm)  # fmt: skip
     return [res.pack(p)[2].tolist() for p in range(res.n_packs)]
