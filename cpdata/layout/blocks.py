@@ -113,4 +113,3 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
                     tails=tails, dealts=dealts)  # fmt: skip
-

@@ -174,4 +174,3 @@ def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int,
 def _last_left(left: list[int], lo: int, hi: int) -> int:
     """The largest index of ``[lo, hi)`` with pieces left, -1 when none."""
     return next((i for i in range(hi - 1, lo - 1, -1) if left[i]), -1)
-
