@@ -38,31 +38,27 @@ def first_of_runs(a: np.ndarray) -> np.ndarray:
 def top_up(
     slots: np.ndarray, bin_of: np.ndarray, t_bin: np.ndarray, t_room: np.ndarray, sinks: np.ndarray,
     locked: np.ndarray,
-) -> int:
-    """Fill the target bins with pieces of the sink bins, in place; returns the tokens of room removed.
+) -> None:
+    """Fill the target bins with pieces of the sink bins, in place.
 
     ``slots``, ``bin_of`` (updated), ``locked`` (pieces that must not move into a sink): ``[n]`` per piece;
     ``t_bin``, ``t_room`` (updated): ``[t]`` the bins to fill and their rooms, fullest first; ``sinks``: bool
     ``[bins]``, the bins whose pieces may be traded."""
     if not t_bin.size:
-        return 0
+        return
     target_of_bin = np.full(sinks.shape[0], -1, dtype=np.int64)
     target_of_bin[t_bin] = np.arange(t_bin.shape[0])
     by_size = stable_order(slots)
-    gained = 0
     for _ in range(ROUNDS):
-        got = _trade_round(slots, by_size, bin_of, t_bin, t_room, target_of_bin, sinks, locked)
-        if not got:
+        if not _trade_round(slots, by_size, bin_of, t_bin, t_room, target_of_bin, sinks, locked):
             break
-        gained += got
-    return gained
 
 
 def _trade_round(
     slots: np.ndarray, by_size: np.ndarray, bin_of: np.ndarray, t_bin: np.ndarray, t_room: np.ndarray,
     target_of_bin: np.ndarray, sinks: np.ndarray, locked: np.ndarray,
 ) -> int:
-    """At most one trade per target, all against the sink pieces as they are."""
+    """At most one trade per target, all against the sink pieces as they are; the room it removed."""
     sink = by_size[sinks[bin_of[by_size]]]  # ascending size
     target_of = target_of_bin[bin_of]
     if not sink.size or not (t_room > 0).any():

@@ -9,7 +9,6 @@ cut falls inside alignment padding."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +53,9 @@ class Pieces:
         return int(self.doc.shape[0])
 
 
-def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
-    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple
-    of ``capacity``."""
+def _cut(keep: np.ndarray, origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
+    """Cut document ``keep[d]`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every
+    multiple of ``capacity``."""
     first = origin // capacity
     n = (origin + slot - 1) // capacity - first + 1
     doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)
@@ -66,7 +65,7 @@ def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) 
     hi = np.minimum(o + slot[doc], (first[doc] + j + 1) * capacity)
     length = np.minimum(hi, o + real[doc]) - lo
     assert (length > 0).all(), "a cut fell inside a document's alignment padding"
-    return Pieces(doc=doc, start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
+    return Pieces(doc=keep[doc], start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
 
 
 def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
@@ -185,8 +184,7 @@ def cut_documents(
         origin = fill + np.cumsum(slot[keep]) - slot[keep]
     else:
         origin = np.zeros(keep.shape[0], dtype=np.int64)
-    pieces = _cut(origin, slot[keep], lengths[keep], cap)
-    pieces = dataclasses.replace(pieces, doc=keep[pieces.doc])
+    pieces = _cut(keep, origin, slot[keep], lengths[keep], cap)
     counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
     return pieces, counts
 
