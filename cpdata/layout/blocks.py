@@ -100,8 +100,7 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     key = rho * (2 * cp)
     key += m
     g = 4 * cp
-    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients (operands:
-    # _per_run)
+    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients
     table = coefs.take(key, axis=1)
     linear = table[4:]
     linear *= _per_run(q, g)
