@@ -151,8 +151,7 @@ def cut_documents(
     empty = lengths == 0
     over = slot > cap
     counts = dict.fromkeys(COUNT_FIELDS, 0)
-    counts["documents"] = int(lengths.shape[0])
-    counts["skipped"] = int(empty.sum())
+    counts.update(documents=int(lengths.shape[0]), skipped=int(empty.sum()))
     kept, untrained = lengths, np.zeros(lengths.shape[0], dtype=bool)
     if over.any():
         first = int(np.flatnonzero(over)[0])
@@ -160,8 +159,7 @@ def cut_documents(
             overlong = Overlong(int(source_index[first]), int(lengths[first]), int(slot[first]), m, cap)
             raise OverlongDocumentError(overlong.message(), overlong=overlong)
         if config.overflow == "drop":
-            counts["dropped"] = int(over.sum())
-            counts["dropped_tokens"] = int(lengths[over].sum())
+            counts.update(dropped=int(over.sum()), dropped_tokens=int(lengths[over].sum()))
             empty = empty | over
         elif config.overflow == "truncate":
             kept = np.where(over, cap, lengths)
@@ -171,13 +169,11 @@ def cut_documents(
         first_target = np.asarray(first_target, dtype=np.int64)
         last = np.where(kept < lengths, kept - 1, kept)
         untrained = ~empty & ((first_target == NO_TRAINED_TARGET) | ((first_target >= 0) & (first_target >= last)))
-        counts["untrained"] = int(untrained.sum())
-        counts["untrained_tokens"] = int(lengths[untrained].sum())
+        counts.update(untrained=int(untrained.sum()), untrained_tokens=int(lengths[untrained].sum()))
         empty = empty | untrained
     if config.overflow == "truncate":  # a document left out as untrained is not counted as truncated
         cut = over & ~untrained
-        counts["truncated"] = int(cut.sum())
-        counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
+        counts.update(truncated=int(cut.sum()), truncated_tokens=int((lengths[cut] - cap).sum()))
         lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":
