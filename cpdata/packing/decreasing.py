@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import segments
+from cpdata.layout.runs import first_of_runs, segments
 from cpdata.layout.world_plan import WorldBins
-from cpdata.packing.filling import exact_fill, first_of_runs, stable_order, top_up
+from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.greedy import OpenBins
 from cpdata.packing.records import PackKeys
 

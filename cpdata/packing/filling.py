@@ -15,9 +15,9 @@ from bisect import bisect_right
 
 import numpy as np
 
-from cpdata.layout.runs import segments
+from cpdata.layout.runs import first_of_runs, segments
 
-__all__ = ["ROUNDS", "exact_fill", "first_of_runs", "stable_order", "top_up"]
+__all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
 
 ROUNDS = 4
 """Trade rounds of :func:`top_up` (each trade strictly shrinks a room)."""
@@ -28,11 +28,6 @@ def stable_order(values: np.ndarray) -> np.ndarray:
     if values.size and int(values.min()) >= 0 and int(values.max()) < 1 << 16:
         return np.argsort(values.astype(np.uint16), kind="stable")
     return np.argsort(values, kind="stable")
-
-
-def first_of_runs(a: np.ndarray) -> np.ndarray:
-    """bool mask of the first element of every run of equal values."""
-    return np.concatenate([[True], a[1:] != a[:-1]]) if a.size else np.zeros(0, dtype=bool)
 
 
 def top_up(
