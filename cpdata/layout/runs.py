@@ -239,9 +239,8 @@ class RunTable(Table):
 @functools.lru_cache(maxsize=16)
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
     """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
-    local = pack_len // cp_size
     ranks = _arange(cp_size)
-    sizes = np.full((1, cp_size), local, dtype=np.int64)
+    sizes = np.full((1, cp_size), pack_len // cp_size, dtype=np.int64)
     inv = np.zeros((1, cp_size), dtype=np.int64)
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)
