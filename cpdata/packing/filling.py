@@ -76,8 +76,7 @@ def _trade_round(
     best = order[first_of_runs(c_t[order])]
     best = best[gain[best] > 0]
     # Targets that want the same size take distinct pieces of it (its block ends at j), fullest first.
-    order = np.argsort(j[best] * t_bin.shape[0] + c_t[best], kind="stable")
-    best = best[order]
+    best = best[np.argsort(j[best] * t_bin.shape[0] + c_t[best], kind="stable")]
     jb = j[best]
     run = np.arange(jb.shape[0])
     k = jb - (run - np.maximum.accumulate(np.where(first_of_runs(jb), run, 0)))
