@@ -100,8 +100,7 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     key = rho * (2 * cp)
     key += m
     g = 4 * cp
-    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients (operands:
-    # _per_run)
+    # [7, N, 4cp]: inverse shifts, sizes, ends, ranks (not linear in q), then q's coefficients
     table = coefs.take(key, axis=1)
     linear = table[4:]
     linear *= _per_run(q, g)
@@ -113,4 +112,3 @@ def balanced_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, c
     tails = [pack_len - 2 * cp * h - t for h, t in zip(total_heads, dealts, strict=True)]
     return RunBlock(pack_len, cp, counts, sizes, inv, ranks, picks, pick_key=rho, ends=ends, lens=lens,
                     tails=tails, dealts=dealts)  # fmt: skip
-

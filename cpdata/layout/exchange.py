@@ -18,7 +18,7 @@ import numpy as np
 
 from cpdata.errors import check_int, is_int
 from cpdata.layout.maps import inverse_indices
-from cpdata.layout.runs import segments
+from cpdata.layout.runs import first_of_runs, segments
 from cpdata.layout.spans import SpanTable
 
 __all__ = [
@@ -123,9 +123,7 @@ def _sorted_union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     on a few thousand values)."""
     out = np.concatenate([a, b])
     out.sort()
-    keep = np.ones(out.size, dtype=bool)
-    np.not_equal(out[1:], out[:-1], out=keep[1:])
-    return out[keep]
+    return out[first_of_runs(out)]
 
 
 def exchange_plan(rows: np.ndarray, slot_starts: np.ndarray, *, n_rows: int = 1,

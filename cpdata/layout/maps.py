@@ -150,9 +150,7 @@ def alignment(layout: str, cp_size: int, tile: int | None = None) -> tuple[int, 
         return 2 * cp_size, 2 * cp_size
     if layout == "round_robin":
         return 1, 2 * cp_size
-    if layout in ("contiguous", "balanced") or _split(layout)[0] == "world":
-        return 1, cp_size
-    return 1, 1
+    return 1, cp_size  # contiguous, balanced, world; identity (cp_size 1, checked)
 
 
 def _lengths_in_pack(seq_lens: Sequence[int] | np.ndarray, pack_len: int, name: str = "seq_lens"
@@ -184,19 +182,6 @@ def _absorb_tail(lens: np.ndarray, pack_len: int) -> np.ndarray:
 def thd_slot_lens(seq_lens: Sequence[int] | np.ndarray, pack_len: int) -> np.ndarray:
     """Slot lengths as TE sees them: the last slot absorbs the pack's tail padding (no slots: one pad slot)."""
     return _absorb_tail(_lengths_in_pack(seq_lens, pack_len)[0], pack_len)
-
-
-def _thd_slots(lens: np.ndarray, pack_len: int, cp_size: int) -> np.ndarray:
-    slots = _absorb_tail(lens, pack_len)
-    bad = np.flatnonzero(slots % (2 * cp_size))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"layout 'thd' needs every document slot to be a multiple of 2*cp_size={2 * cp_size}; "
-            f"slot {i} has {int(slots[i])} tokens (slots after tail absorption: {slots.tolist()[:16]}). "
-            "Pad each document to that multiple (the packer does this for layout='thd')"
-        )
-    return slots
 
 
 def _check_pack_len(layout: str, cp_size: int, pack_len: int) -> None:
@@ -262,9 +247,15 @@ def concat_run_block(layout: str, cp_size: int, lens: np.ndarray, counts: np.nda
     ends = np.cumsum(sizes)
     totals = np.add.reduceat(flat, ends - sizes) if counts is not None else flat.sum(keepdims=True)
     flat[ends - 1] += pack_len - totals  # every pack's last slot absorbs its tail
-    if (flat % (2 * cp_size)).any():
-        for pack in _per_pack(lens, counts):  # the first bad pack's error
-            _thd_slots(pack, pack_len, cp_size)
+    bad = np.flatnonzero(flat % (2 * cp_size))
+    if bad.size:  # the first bad pack's first bad slot
+        p = int(ends.searchsorted(bad[0], side="right"))
+        slots, i = flat[ends[p] - sizes[p] : ends[p]], int(bad[0] - ends[p] + sizes[p])
+        raise ValueError(
+            f"layout 'thd' needs every document slot to be a multiple of 2*cp_size={2 * cp_size}; "
+            f"slot {i} has {int(slots[i])} tokens (slots after tail absorption: {slots.tolist()[:16]}). "
+            "Pad each document to that multiple (the packer does this for layout='thd')"
+        )
     return head_tail_block(flat, counts, cp_size, pack_len)
 
 

@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["RunBlock", "RunTable", "Table", "contiguous_runs", "segments"]
+__all__ = ["RunBlock", "RunTable", "Table", "contiguous_runs", "first_of_runs", "segments"]
 
 
 def _frozen(*arrays: np.ndarray) -> None:
@@ -60,6 +60,11 @@ def _within_packs(x: np.ndarray, counts: np.ndarray | None) -> tuple[np.ndarray,
     stops = counts.cumsum()
     firsts = cs[:, stops - counts]
     return cs[:, :-1] - firsts.repeat(counts, axis=1), cs[:, stops] - firsts
+
+
+def first_of_runs(a: np.ndarray) -> np.ndarray:
+    """bool mask of the first element of every run of equal values."""
+    return np.concatenate([[True], a[1:] != a[:-1]]) if a.size else np.zeros(0, dtype=bool)
 
 
 def segments(starts: np.ndarray, sizes: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -234,9 +239,8 @@ class RunTable(Table):
 @functools.lru_cache(maxsize=16)
 def contiguous_runs(cp_size: int, pack_len: int) -> RunTable:
     """``contiguous``/``identity``: rank ``r`` owns ``[r*L, (r+1)*L)`` (one table per shape, cached)."""
-    local = pack_len // cp_size
     ranks = _arange(cp_size)
-    sizes = np.full((1, cp_size), local, dtype=np.int64)
+    sizes = np.full((1, cp_size), pack_len // cp_size, dtype=np.int64)
     inv = np.zeros((1, cp_size), dtype=np.int64)
     picks = ranks.reshape(cp_size, 1, 1)
     _frozen(sizes, inv)

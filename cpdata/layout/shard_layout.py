@@ -56,12 +56,8 @@ class ShardLayout:
                    gather_index=inverse, cp_size=len(rows), cp_rank=rank, **fields)
 
     def _map_tensors(self, fn) -> ShardLayout:
-        changes = {}
-        for name in MAP_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                changes[name] = fn(value)
-        return replace(self, **changes)
+        maps = {name: getattr(self, name) for name in MAP_FIELDS}
+        return replace(self, **{name: fn(t) for name, t in maps.items() if t is not None})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ShardLayout:
         """A copy with every index tensor on ``device``."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import _arange, _frozen, _per_pack
+from cpdata.layout.runs import _arange, _frozen, _per_pack, first_of_runs
 from cpdata.layout.spans import SpanBlock
 
 __all__ = ["CUT_TOLERANCE", "DEFAULT_TILE", "HEAD_FRACTION", "MAX_PAIRS", "MAX_SWAPS", "RESPLIT_BLOCKS",
@@ -213,9 +213,8 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         mine = owner == a
         ia, ib = mine.nonzero()[0], (~mine).nonzero()[0]
         if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # the first and last blocks of runs (of a rank and document)
-            edge = np.ones(n + 1, dtype=bool)
-            np.not_equal(key[1:], key[:-1], out=edge[1:n])
-            edge = edge[:n] | edge[1:]
+            opens = first_of_runs(key)
+            edge = opens | np.append(opens[1:], True)
             ia, ib = ia[edge[ia]], ib[edge[ib]]
             if ia.shape[0] * ib.shape[0] > MAX_PAIRS:  # with the idlest rank's
                 ib = ib[owner[ib] == int(load.argmin())]
@@ -226,12 +225,10 @@ def swap_blocks(first: np.ndarray, size: np.ndarray, c0: np.ndarray, owner: np.n
         db = np.maximum(reach_b, reach_of[ia][:, None]) - reach_b - 1 + _given(ib, reach[key[ib]], reach_of, prev)
         delta = cost[ia][:, None] - cost[ib]
         after = np.maximum(load[a] - delta, load[b] + delta)
-        rest = recv.copy()  # the most any third rank receives, for each partner
-        rest[a] = -1
+        rest = np.where(_arange(cp) == a, -1, recv)  # the most any third rank receives, for each partner
         top = int(rest.argmax())
         third = np.full(cp, rest[top])
-        rest[top] = -1
-        third[top] = max(int(rest.max()), 0)
+        third[top] = max(int(np.delete(rest, top).max()), 0)
         worst = np.maximum(np.maximum(recv[a] + da, recv[b] + db), third[b])
         fit = (delta > 0) & (after <= limit)
         ok = fit if fit.any() else (delta > 0) & (after < load[a])

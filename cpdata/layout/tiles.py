@@ -120,11 +120,9 @@ def exchange_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack
         real_q = np.flatnonzero(q < end)
         real_k = np.flatnonzero(keys < end)
         # max query position per (document, query block), min key position per (document, key block)
-        qd, qb, qp = slot[q[real_q]], real_q // tile, q[real_q]
-        kd, kb, kp = slot[keys[real_k]], real_k // tile, keys[real_k]
-        qkey, kkey = qd * n_k + qb, kd * n_k + kb
-        qkey, qp, _ = _max_per_key(qkey, qp)
-        kkey, kp, _ = _max_per_key(kkey, -kp)
+        qp, kp = q[real_q], keys[real_k]
+        qkey, qp, _ = _max_per_key(slot[qp] * n_k + real_q // tile, qp)
+        kkey, kp, _ = _max_per_key(slot[kp] * n_k + real_k // tile, -kp)
         kp = -kp
         # join on the document: every (query block, key block) pair of each document
         q_doc, k_doc = qkey // n_k, kkey // n_k

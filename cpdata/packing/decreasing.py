@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.runs import segments
+from cpdata.layout.runs import first_of_runs, segments
 from cpdata.layout.world_plan import WorldBins
-from cpdata.packing.filling import exact_fill, first_of_runs, stable_order, top_up
+from cpdata.packing.filling import exact_fill, stable_order, top_up
 from cpdata.packing.greedy import OpenBins
 from cpdata.packing.records import PackKeys
 
@@ -277,9 +277,8 @@ class WorldPacker(OpenBins):
 
     @staticmethod
     def _emit(packs: list) -> PackKeys:
-        flat = np.array([k for p in packs for k in p[0]], dtype=np.int64)
-        bin_of = np.repeat(np.arange(len(packs), dtype=np.int64), [len(p[0]) for p in packs])
-        return packs_by_bin(flat, bin_of)
+        keys = PackKeys.from_lists([p[0] for p in packs])
+        return packs_by_bin(keys.keys, np.repeat(np.arange(len(keys), dtype=np.int64), keys.sizes))
 
     def finish(self) -> PackKeys:
         packs = self._fill(*self.carry_columns()[1:])

@@ -15,9 +15,9 @@ from bisect import bisect_right
 
 import numpy as np
 
-from cpdata.layout.runs import segments
+from cpdata.layout.runs import first_of_runs, segments
 
-__all__ = ["ROUNDS", "exact_fill", "first_of_runs", "stable_order", "top_up"]
+__all__ = ["ROUNDS", "exact_fill", "stable_order", "top_up"]
 
 ROUNDS = 4
 """Trade rounds of :func:`top_up` (each trade strictly shrinks a room)."""
@@ -30,39 +30,30 @@ def stable_order(values: np.ndarray) -> np.ndarray:
     return np.argsort(values, kind="stable")
 
 
-def first_of_runs(a: np.ndarray) -> np.ndarray:
-    """bool mask of the first element of every run of equal values."""
-    return np.concatenate([[True], a[1:] != a[:-1]]) if a.size else np.zeros(0, dtype=bool)
-
-
 def top_up(
     slots: np.ndarray, bin_of: np.ndarray, t_bin: np.ndarray, t_room: np.ndarray, sinks: np.ndarray,
     locked: np.ndarray,
-) -> int:
-    """Fill the target bins with pieces of the sink bins, in place; returns the tokens of room removed.
+) -> None:
+    """Fill the target bins with pieces of the sink bins, in place.
 
     ``slots``, ``bin_of`` (updated), ``locked`` (pieces that must not move into a sink): ``[n]`` per piece;
     ``t_bin``, ``t_room`` (updated): ``[t]`` the bins to fill and their rooms, fullest first; ``sinks``: bool
     ``[bins]``, the bins whose pieces may be traded."""
     if not t_bin.size:
-        return 0
+        return
     target_of_bin = np.full(sinks.shape[0], -1, dtype=np.int64)
     target_of_bin[t_bin] = np.arange(t_bin.shape[0])
     by_size = stable_order(slots)
-    gained = 0
     for _ in range(ROUNDS):
-        got = _trade_round(slots, by_size, bin_of, t_bin, t_room, target_of_bin, sinks, locked)
-        if not got:
+        if not _trade_round(slots, by_size, bin_of, t_bin, t_room, target_of_bin, sinks, locked):
             break
-        gained += got
-    return gained
 
 
 def _trade_round(
     slots: np.ndarray, by_size: np.ndarray, bin_of: np.ndarray, t_bin: np.ndarray, t_room: np.ndarray,
     target_of_bin: np.ndarray, sinks: np.ndarray, locked: np.ndarray,
 ) -> int:
-    """At most one trade per target, all against the sink pieces as they are."""
+    """At most one trade per target, all against the sink pieces as they are; the room it removed."""
     sink = by_size[sinks[bin_of[by_size]]]  # ascending size
     target_of = target_of_bin[bin_of]
     if not sink.size or not (t_room > 0).any():
@@ -85,8 +76,7 @@ def _trade_round(
     best = order[first_of_runs(c_t[order])]
     best = best[gain[best] > 0]
     # Targets that want the same size take distinct pieces of it (its block ends at j), fullest first.
-    order = np.argsort(j[best] * t_bin.shape[0] + c_t[best], kind="stable")
-    best = best[order]
+    best = best[np.argsort(j[best] * t_bin.shape[0] + c_t[best], kind="stable")]
     jb = j[best]
     run = np.arange(jb.shape[0])
     k = jb - (run - np.maximum.accumulate(np.where(first_of_runs(jb), run, 0)))
@@ -174,4 +164,3 @@ def _pair(vals: list[int], left: list[int], index_of: dict[int, int], room: int,
 def _last_left(left: list[int], lo: int, hi: int) -> int:
     """The largest index of ``[lo, hi)`` with pieces left, -1 when none."""
     return next((i for i in range(hi - 1, lo - 1, -1) if left[i]), -1)
-

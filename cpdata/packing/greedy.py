@@ -33,7 +33,6 @@ class OpenBins:
         return PackKeys.from_lists(out)
 
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Open bins in CSR form, in bin order: int64 offsets ``[bins + 1]``, keys and slots ``[pieces]``."""
         offsets = np.cumsum([0, *map(len, self._keys)], dtype=np.int64)
         keys = np.array([k for ks in self._keys for k in ks], dtype=np.int64)
         return offsets, keys, np.array([s for ss in self._slots for s in ss], dtype=np.int64)

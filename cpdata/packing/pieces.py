@@ -9,7 +9,6 @@ cut falls inside alignment padding."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +53,9 @@ class Pieces:
         return int(self.doc.shape[0])
 
 
-def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
-    """Cut document ``d`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every multiple
-    of ``capacity``."""
+def _cut(keep: np.ndarray, origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) -> Pieces:
+    """Cut document ``keep[d]`` (slot ``[origin[d], origin[d] + slot[d])``, every ``slot > 0``) at every
+    multiple of ``capacity``."""
     first = origin // capacity
     n = (origin + slot - 1) // capacity - first + 1
     doc = np.repeat(np.arange(slot.shape[0], dtype=np.int64), n)
@@ -66,7 +65,7 @@ def _cut(origin: np.ndarray, slot: np.ndarray, real: np.ndarray, capacity: int) 
     hi = np.minimum(o + slot[doc], (first[doc] + j + 1) * capacity)
     length = np.minimum(hi, o + real[doc]) - lo
     assert (length > 0).all(), "a cut fell inside a document's alignment padding"
-    return Pieces(doc=doc, start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
+    return Pieces(doc=keep[doc], start=lo - o, length=length, slot=hi - lo, continues=j < n[doc] - 1)
 
 
 def check_lengths(lengths: np.ndarray, config: PackingConfig) -> None:
@@ -152,8 +151,7 @@ def cut_documents(
     empty = lengths == 0
     over = slot > cap
     counts = dict.fromkeys(COUNT_FIELDS, 0)
-    counts["documents"] = int(lengths.shape[0])
-    counts["skipped"] = int(empty.sum())
+    counts.update(documents=int(lengths.shape[0]), skipped=int(empty.sum()))
     kept, untrained = lengths, np.zeros(lengths.shape[0], dtype=bool)
     if over.any():
         first = int(np.flatnonzero(over)[0])
@@ -161,8 +159,7 @@ def cut_documents(
             overlong = Overlong(int(source_index[first]), int(lengths[first]), int(slot[first]), m, cap)
             raise OverlongDocumentError(overlong.message(), overlong=overlong)
         if config.overflow == "drop":
-            counts["dropped"] = int(over.sum())
-            counts["dropped_tokens"] = int(lengths[over].sum())
+            counts.update(dropped=int(over.sum()), dropped_tokens=int(lengths[over].sum()))
             empty = empty | over
         elif config.overflow == "truncate":
             kept = np.where(over, cap, lengths)
@@ -172,21 +169,18 @@ def cut_documents(
         first_target = np.asarray(first_target, dtype=np.int64)
         last = np.where(kept < lengths, kept - 1, kept)
         untrained = ~empty & ((first_target == NO_TRAINED_TARGET) | ((first_target >= 0) & (first_target >= last)))
-        counts["untrained"] = int(untrained.sum())
-        counts["untrained_tokens"] = int(lengths[untrained].sum())
+        counts.update(untrained=int(untrained.sum()), untrained_tokens=int(lengths[untrained].sum()))
         empty = empty | untrained
     if config.overflow == "truncate":  # a document left out as untrained is not counted as truncated
         cut = over & ~untrained
-        counts["truncated"] = int(cut.sum())
-        counts["truncated_tokens"] = int((lengths[cut] - cap).sum())
+        counts.update(truncated=int(cut.sum()), truncated_tokens=int((lengths[cut] - cap).sum()))
         lengths, slot = kept, np.where(over, cap, slot)
     keep = np.flatnonzero(~empty)
     if config.algorithm == "concat":
         origin = fill + np.cumsum(slot[keep]) - slot[keep]
     else:
         origin = np.zeros(keep.shape[0], dtype=np.int64)
-    pieces = _cut(origin, slot[keep], lengths[keep], cap)
-    pieces = dataclasses.replace(pieces, doc=keep[pieces.doc])
+    pieces = _cut(keep, origin, slot[keep], lengths[keep], cap)
     counts["split"] = int(np.count_nonzero(pieces.continues & (pieces.start == 0)))
     return pieces, counts
 

@@ -46,14 +46,8 @@ def make_packer(config: PackingConfig) -> BinPacker:
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
-    factories = {
-        "bfd": BestFitDecreasing,
-        "ffd": FirstFitDecreasing,
-        "first_fit": FirstFit,
-        "next_fit": NextFit,
-        "concat": NextFit,
-    }
-    return factories[config.algorithm](config.capacity)
+    factories = {"bfd": BestFitDecreasing, "ffd": FirstFitDecreasing, "first_fit": FirstFit}
+    return factories.get(config.algorithm, NextFit)(config.capacity)  # next_fit, concat (checked by resolve)
 
 
 def window_ends(lengths: np.ndarray, config: PackingConfig) -> list[int]:
@@ -139,9 +133,8 @@ class StreamPlanner:
         self._next_key = int(state["next_key"])
         self._counts = dict.fromkeys(COUNT_FIELDS + _PACK_FIELDS, 0)
         self._counts.update({k: int(v) for k, v in state["counts"].items()})
-        off = np.asarray(state["carry_offsets"]).tolist()  # (tensors in a node's state, arrays in earlier ones)
-        keys = np.asarray(state["carry_keys"]).tolist()
-        slots = np.asarray(state["carry_slots"]).tolist()
+        # (tensors in a node's state, arrays in earlier ones)
+        off, keys, slots = (np.asarray(state[f"carry_{k}"]).tolist() for k in ("offsets", "keys", "slots"))
         self._packer = make_packer(self.config)
         self._packer.load_carry([(keys[a:b], slots[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)])
 
@@ -225,11 +218,10 @@ def plan_lengths(
     parts.append(planner.finish())
 
     packs = PackKeys.concat(parts)
-    order = packs.keys
     offsets = np.concatenate([[0], np.cumsum(packs.sizes)]).astype(np.int64)
     table = [np.concatenate(c) for c in zip(*columns, strict=True)]
-    assert order.shape[0] == table[0].shape[0], "every piece must land in exactly one pack"
-    doc_index, doc_start, doc_len, slot_len = (col[order] for col in table)
+    assert packs.keys.shape[0] == table[0].shape[0], "every piece must land in exactly one pack"
+    doc_index, doc_start, doc_len, slot_len = (col[packs.keys] for col in table)
     _frozen(offsets, doc_index, doc_start, doc_len, slot_len)
     planner.account(packs=len(packs), tokens=int(doc_len.sum()), slot_tokens=int(slot_len.sum()))
     return PackingResult(pack_offsets=offsets, doc_index=doc_index, doc_start=doc_start, doc_len=doc_len,

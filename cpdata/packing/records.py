@@ -66,8 +66,7 @@ class PackingConfig:
         capacity = check_int("capacity", capacity, min=1)
         if capacity % pack_multiple:
             below = capacity - capacity % pack_multiple
-            above = below + pack_multiple
-            nearest = [c for c in (below, above) if c > 0]
+            nearest = [c for c in (below, below + pack_multiple) if c > 0]
             raise ValueError(
                 f"capacity={capacity} is not a multiple of {pack_multiple}, which layout {layout!r} with "
                 f"cp_size={cp_size} needs; use capacity {' or '.join(map(str, nearest))}"
