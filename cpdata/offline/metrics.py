@@ -164,8 +164,7 @@ def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.n
     else:
         slot_len, pack_len = realign(doc_len, cfg["capacity"], layout, cfg["cp_size"])
     geometry = pack_geometry(doc_len, slot_len, pack_len)
-    owned, work = rank_work(layout, cfg["cp_size"], geometry)
-    return geometry, owned, work
+    return (geometry, *rank_work(layout, cfg["cp_size"], geometry))
 
 
 def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanSummary:
@@ -175,8 +174,7 @@ def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanS
     picked = np.asarray(sample_positions(store.n_packs, store.n_packs if sample is None else sample), dtype=np.int64)
     layouts = []
     tiled = set(sample_positions(picked.size, TILE_SAMPLE))
-    own = [cfg["layout"]] if cfg["layout"] not in layouts_for(cfg["cp_size"]) else []  # e.g. "tiled:256"
-    for layout in [*layouts_for(cfg["cp_size"]), *own]:
+    for layout in dict.fromkeys([*layouts_for(cfg["cp_size"]), cfg["layout"]]):  # + the plan's: "tiled:256"
         ratios, chunks, tiles = [], [], []
         padding = real = over = 0
         tile = layout_tile(layout) or TILE
