@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.offline.metrics import DEFAULT_SAMPLE, SHORT_CHUNK, imbalance, layouts_for, pack_view, summarize
-from cpdata.offline.store import PackStore
+from cpdata.offline.store import PackStore, read_store
 
 __all__ = ["PLOT_INSTALL_HINT", "plot_pack", "register", "run"]
 
@@ -94,7 +94,6 @@ def _print_pack(store: Any, k: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpdata.offline.store import read_store
     from cpdata.sources.tokenstore import is_token_store
 
     if not Path(args.dir).exists():
@@ -146,8 +145,7 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
     from matplotlib.patches import Patch
     from matplotlib.ticker import EngFormatter
 
-    cfg = store.config
-    cp = int(cfg["cp_size"])
+    cp = int(store.config["cp_size"])
     rows = store.pack_slice(k)
     doc_index = np.asarray(store.arrays["doc_index"][rows])
     colors = _colors(doc_index.shape[0])
@@ -166,8 +164,6 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
         pad = int(geometry.pack_len - geometry.doc_len.sum())
         ax.set_title(f"{layout}: tokens owned per CP rank (pack {k}, {geometry.pack_len} tokens, "
                      f"{doc_index.shape[0]} documents, {pad} pad)", fontsize=10, loc="left")  # fmt: skip
-        if i == len(layouts) - 1:
-            ax.set_xlabel("global token position in the pack")
         bars = fig.add_subplot(grid[i, 1], sharex=first_bars)  # one work scale across layouts
         first_bars = first_bars or bars
         bars.barh(range(cp), work, color="#4c72b0")
@@ -176,6 +172,7 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
         bars.set_title(f"causal work, max/mean {float(imbalance(work)):.2f}", fontsize=10)
         bars.xaxis.set_major_formatter(EngFormatter(places=0, sep=""))
         if i == len(layouts) - 1:
+            ax.set_xlabel("global token position in the pack")
             bars.set_xlabel("query-key pairs")
     shown = min(doc_index.shape[0], _MAX_LEGEND)
     handles = [Patch(color=colors[j], label=f"doc {int(doc_index[j])}") for j in range(shown)]
