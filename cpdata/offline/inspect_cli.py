@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "`cpdata inspect PLAN`"
         )
     store = read_store(args.dir, verify=not args.no_verify)
-    sample = None if args.sample == 0 else args.sample
-    _print_summary(store, sample)
+    _print_summary(store, args.sample or None)  # --sample 0: every pack
     if args.pack is not None:
         _print_pack(store, args.pack)
     if args.plot is not None:
@@ -146,8 +145,7 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
     from matplotlib.ticker import EngFormatter
 
     cp = int(store.config["cp_size"])
-    rows = store.pack_slice(k)
-    doc_index = np.asarray(store.arrays["doc_index"][rows])
+    doc_index = np.asarray(store.arrays["doc_index"][store.pack_slice(k)])
     colors = _colors(doc_index.shape[0])
     fig = Figure(figsize=(13, 1.0 + (0.45 * cp + 1.1) * len(layouts)), layout="constrained")
     grid = fig.add_gridspec(len(layouts), 2, width_ratios=[5, 1])

@@ -251,5 +251,4 @@ class NpyFolder(TokenizedDataset):
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
         self._check_file(i)
-        tokens = np.load(self.path / self._files[i], mmap_mode="r")
-        return {"input_ids": np.array(tokens, dtype=np.int64)}
+        return {"input_ids": np.array(np.load(self.path / self._files[i], mmap_mode="r"), dtype=np.int64)}

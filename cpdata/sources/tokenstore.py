@@ -83,11 +83,9 @@ class TokenStore(TokenizedDataset):
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
-        manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
-        self.manifest = manifest
+        self.manifest = manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
         self._check_sizes(opened=False)
-        version = manifest["format_version"]
-        if version == 1:
+        if manifest["format_version"] == 1:
             self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
             warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
                           f"checksums): its {sum(e['bytes'] for e in manifest['files'].values())} bytes were hashed "
