@@ -190,7 +190,6 @@ def precompute(
                               max_delay=plan.max_delay, tail=plan.tail,
                               fallback=plan.kind == "balanced" and plan.cost is None)  # fmt: skip
         result = sched.as_packing_result()
-    config = result.config
 
     plan_arrays = {k: np.asarray(getattr(result, k), dtype=np.int64)
                    for k in ("pack_offsets", "doc_index", "doc_start", "doc_len", "slot_len")}  # fmt: skip
@@ -209,10 +208,10 @@ def precompute(
 
     manifest = {
         "config": {
-            **{k: getattr(config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
+            **{k: getattr(result.config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
             "pack_multiple": alignment(layout, cp_size)[1],
             "labels_alignment": labels_alignment,
-            "planner": {k: getattr(config, k) for k in ("algorithm", "overflow", "seed", "window")},
+            "planner": {k: getattr(result.config, k) for k in ("algorithm", "overflow", "seed", "window")},
         },
         "input": {
             "kind": dataset.kind,

@@ -198,7 +198,7 @@ class NpyFolder(TokenizedDataset):
         self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
         if not self._files:
             raise ValueError(f"{self.path} contains no .npy files; save one 1-D token array per document")
-        lengths = np.empty(len(self._files), dtype=np.int64)
+        self._lengths = np.empty(len(self._files), dtype=np.int64)
         self._stats = np.empty((len(self._files), 2), dtype=np.int64)  # size, mtime_ns of each file at open
         self._dir_mtime = os.stat(self.path).st_mtime_ns
         for i, name in enumerate(self._files):
@@ -210,10 +210,9 @@ class NpyFolder(TokenizedDataset):
                     f"{self.path / name}: expected a 1-D integer token array, got dtype={arr.dtype} "
                     f"shape={arr.shape}"
                 )
-            lengths[i] = arr.shape[0]
+            self._lengths[i] = arr.shape[0]
             if on_progress is not None:
                 on_progress(1)
-        self._lengths = lengths
         self._fingerprint: str | None = None
 
     def fingerprint(self) -> str:

@@ -98,8 +98,7 @@ class TokenStore(TokenizedDataset):
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
         self.per_token_keys = frozenset(manifest["extras"])
-        high = manifest["max_id"]
-        self._id_range = (0, -1 if high is None else high)  # negative ids are never written
+        self._id_range = (0, -1 if manifest["max_id"] is None else manifest["max_id"])  # never negative
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._digest = str(manifest[DIGEST_KEY])
