@@ -49,10 +49,8 @@ def _print_summary(store: Any, sample: int | None) -> None:
     s = summarize(store, sample=sample)
     cfg = store.config
     print(f"plan {store.path}")
-    print(
-        f"  config      capacity={cfg['capacity']} cp_size={cfg['cp_size']} layout={cfg['layout']} "
-        + " ".join(f"{k}={v}" for k, v in cfg["planner"].items())
-    )
+    settings = {**{k: cfg[k] for k in ("capacity", "cp_size", "layout")}, **cfg["planner"]}
+    print("  config      " + " ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"  packs       {s.packs} ({s.pieces} pieces from {s.documents} documents, {s.real_tokens} real tokens)")
     print(f"  padding     {s.padding_pct:.2f}% (lower bound {s.lower_bound_pct:.2f}%)")
     print(f"  docs/pack   mean {s.docs_per_pack_mean:.2f}, max {s.docs_per_pack_max}")
