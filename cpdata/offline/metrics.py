@@ -12,6 +12,7 @@ shorter than :data:`SHORT_CHUNK`, and the busiest rank's live attention tiles ov
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,11 +144,9 @@ def layouts_for(cp_size: int) -> tuple[str, ...]:
     """Every layout that accepts ``cp_size``."""
     out = []
     for layout in LAYOUTS:
-        try:
+        with contextlib.suppress(ValueError):
             check_layout(layout, cp_size)
-        except ValueError:
-            continue
-        out.append(layout)
+            out.append(layout)
     return tuple(out)
 
 
