@@ -26,8 +26,6 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
 from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest
 from cpdata.sources.tokenstore_writer import (
-    _DAMAGED,
-    _REWRITE,
     FORMAT,
     FORMAT_VERSION,
     OFFSETS_FILE,
@@ -37,6 +35,10 @@ from cpdata.sources.tokenstore_writer import (
 
 __all__ = ["FORMAT", "TOKENS_FILE", "TokenStore", "TokenStoreWriter", "is_token_store", "rewrite_token_store",
            "write_token_store"]
+
+_REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
+_DAMAGED = ("restore the store's files from where they came from, or rewrite the store with "
+            "`cpdata tokenize` / `cpdata pack-store`")
 
 
 def is_token_store(path: str | os.PathLike[str]) -> bool:

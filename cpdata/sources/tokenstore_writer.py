@@ -26,9 +26,6 @@ FORMAT_VERSION = 2
 """2: per-file chunk checksums; 1 (read, hashed whole at open): sha256 per file only."""
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
-_REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
-_DAMAGED = ("restore the store's files from where they came from, or rewrite the store with `cpdata tokenize` / "
-            "`cpdata pack-store`")
 
 
 class _HashedFile:
