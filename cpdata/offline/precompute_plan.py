@@ -36,12 +36,7 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset
 from cpdata.sources.protocol import Listed, carried_targets, declared_labels
-from cpdata.worker.targets import (
-    LabelsAlignment,
-    declared_alignment,
-    first_target,
-    missing_alignment_message,
-)
+from cpdata.worker.targets import LabelsAlignment, declared_alignment, first_target, missing_alignment_message
 
 __all__ = ["precompute"]
 
