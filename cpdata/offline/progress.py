@@ -31,11 +31,9 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         self.done += n
-        if not self.enabled:
-            return
         if self._bar is not None:
             self._bar.update(n)
-        elif time.monotonic() >= self._show_after:
+        elif self.enabled and time.monotonic() >= self._show_after:
             step = 10 if self.total == 0 else min(10, self.done * 10 // self.total)
             if step > self._step:
                 self._step = step
