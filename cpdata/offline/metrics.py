@@ -88,8 +88,6 @@ def chunk_lengths(rows: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
     for row in np.asarray(rows):
         slot = slot_of[row]
         real = slot >= 0
-        if not real.any():
-            continue
         joins = (np.diff(row) == 1) & (slot[1:] == slot[:-1]) & real[1:] & real[:-1]
         start = real.copy()
         start[1:] &= ~joins
