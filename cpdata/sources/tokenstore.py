@@ -176,7 +176,11 @@ class TokenStore(TokenizedDataset):
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
         lo, hi = self._check_tokens.span
         if start < lo or stop > hi:
-            start, stop = self._check_document(i)
+            for checker in self._check_index:
+                checker.check_all(i)
+            start, stop = int(self._offsets[i]), int(self._offsets[i + 1])  # read again, now checked
+            checker = self._check_tokens
+            checker.check(start * checker.itemsize, stop * checker.itemsize, i)
         out = {"input_ids": self._tokens[start:stop].astype(np.int64)}
         for key, (values, present, checker) in self._checked_extras.items():
             if present[i]:
@@ -185,15 +189,6 @@ class TokenStore(TokenizedDataset):
                     checker.check(start * checker.itemsize, stop * checker.itemsize, i)
                 out[key] = np.array(values[start:stop])
         return out
-
-    def _check_document(self, i: int) -> tuple[int, int]:
-        """Document ``i``'s token range, read once the index files and its token chunks are checked."""
-        for checker in self._check_index:
-            checker.check_all(i)
-        start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
-        checker = self._check_tokens
-        checker.check(start * checker.itemsize, stop * checker.itemsize, i)
-        return start, stop
 
     def fingerprint(self) -> str:
         """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""
