@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any, TextIO
@@ -22,11 +23,9 @@ class Progress:
         self._show_after = time.monotonic() + delay
         self._bar: Any = None
         if enabled:
-            try:
+            with contextlib.suppress(ImportError):  # no tqdm: the stderr lines
                 from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
+
                 self._bar = tqdm(total=self.total, desc=desc, unit=unit, file=self.file, unit_scale=True, delay=delay)
 
     def update(self, n: int = 1) -> None:
