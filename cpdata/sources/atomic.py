@@ -46,9 +46,7 @@ def _prefix(target: Path, kind: str) -> str:
 def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
     """``(kind, pid, host, path)`` of every hidden sibling written for ``target``."""
     out = []
-    if not target.parent.is_dir():
-        return out
-    for kind in _KINDS:
+    for kind in _KINDS:  # (a missing parent globs to nothing)
         lead = f".{target.name}.{kind}-"
         for path in target.parent.glob(f"{glob.escape(lead)}*"):
             pid, _, rest = path.name[len(lead) :].partition("-")
