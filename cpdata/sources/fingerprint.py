@@ -88,8 +88,7 @@ def check_source_unchanged(source: Any, opened: str | None) -> None:
     ``check_unchanged()``; a list re-fingerprinted)."""
     if isinstance(source, Watched):
         source.check_unchanged()
-        return
-    if opened is not None and type(source) in (list, tuple):
+    elif opened is not None and type(source) in (list, tuple):
         now = _list_fingerprint(source)
         if now != opened:
             raise ValueError(
