@@ -24,7 +24,6 @@ from cpdata.sources.fingerprint import lengths_sha256, sample_positions
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
 _FILE_SAMPLES = 64
 """Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
 
@@ -106,7 +105,7 @@ class JsonlDocuments(TokenizedDataset):
         offsets, lengths, crcs = array("q"), array("q"), array("I")
         h = hashlib.sha256()
         pos = 0
-        low, high = _INT64_MAX, -1
+        low, high = int(np.iinfo(np.int64).max), -1  # the smallest and largest id seen
         keys: set[str] = set()
         with open(self.path, "rb") as f:
             for lineno, line in enumerate(f, start=1):
