@@ -15,8 +15,7 @@ class Progress:
 
     def __init__(self, total: int, desc: str, *, unit: str = "it", enabled: bool = True, delay: float = 1.0,
                  file: TextIO | None = None) -> None:  # fmt: skip
-        self.total, self.desc, self.unit = max(int(total), 0), desc, unit
-        self.enabled = enabled
+        self.total, self.desc, self.unit, self.enabled = max(int(total), 0), desc, unit, enabled
         self.file = file if file is not None else sys.stderr
         self.done = 0
         self._step = -1
