@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.offline.metrics import DEFAULT_SAMPLE, SHORT_CHUNK, imbalance, layouts_for, pack_view, summarize
-from cpdata.offline.store import PackStore
+from cpdata.offline.store import PackStore, read_store
 
 __all__ = ["PLOT_INSTALL_HINT", "plot_pack", "register", "run"]
 
@@ -49,10 +49,8 @@ def _print_summary(store: Any, sample: int | None) -> None:
     s = summarize(store, sample=sample)
     cfg = store.config
     print(f"plan {store.path}")
-    print(
-        f"  config      capacity={cfg['capacity']} cp_size={cfg['cp_size']} layout={cfg['layout']} "
-        + " ".join(f"{k}={v}" for k, v in cfg["planner"].items())
-    )
+    settings = {**{k: cfg[k] for k in ("capacity", "cp_size", "layout")}, **cfg["planner"]}
+    print("  config      " + " ".join(f"{k}={v}" for k, v in settings.items()))
     print(f"  packs       {s.packs} ({s.pieces} pieces from {s.documents} documents, {s.real_tokens} real tokens)")
     print(f"  padding     {s.padding_pct:.2f}% (lower bound {s.lower_bound_pct:.2f}%)")
     print(f"  docs/pack   mean {s.docs_per_pack_mean:.2f}, max {s.docs_per_pack_max}")
@@ -94,7 +92,6 @@ def _print_pack(store: Any, k: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpdata.offline.store import read_store
     from cpdata.sources.tokenstore import is_token_store
 
     if not Path(args.dir).exists():
@@ -107,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
             "`cpdata inspect PLAN`"
         )
     store = read_store(args.dir, verify=not args.no_verify)
-    sample = None if args.sample == 0 else args.sample
-    _print_summary(store, sample)
+    _print_summary(store, args.sample or None)  # --sample 0: every pack
     if args.pack is not None:
         _print_pack(store, args.pack)
     if args.plot is not None:
@@ -146,10 +142,8 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
     from matplotlib.patches import Patch
     from matplotlib.ticker import EngFormatter
 
-    cfg = store.config
-    cp = int(cfg["cp_size"])
-    rows = store.pack_slice(k)
-    doc_index = np.asarray(store.arrays["doc_index"][rows])
+    cp = int(store.config["cp_size"])
+    doc_index = np.asarray(store.arrays["doc_index"][store.pack_slice(k)])
     colors = _colors(doc_index.shape[0])
     fig = Figure(figsize=(13, 1.0 + (0.45 * cp + 1.1) * len(layouts)), layout="constrained")
     grid = fig.add_gridspec(len(layouts), 2, width_ratios=[5, 1])
@@ -166,8 +160,6 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
         pad = int(geometry.pack_len - geometry.doc_len.sum())
         ax.set_title(f"{layout}: tokens owned per CP rank (pack {k}, {geometry.pack_len} tokens, "
                      f"{doc_index.shape[0]} documents, {pad} pad)", fontsize=10, loc="left")  # fmt: skip
-        if i == len(layouts) - 1:
-            ax.set_xlabel("global token position in the pack")
         bars = fig.add_subplot(grid[i, 1], sharex=first_bars)  # one work scale across layouts
         first_bars = first_bars or bars
         bars.barh(range(cp), work, color="#4c72b0")
@@ -176,6 +168,7 @@ def plot_pack(store: PackStore, k: int, out: str | os.PathLike[str], *, layouts:
         bars.set_title(f"causal work, max/mean {float(imbalance(work)):.2f}", fontsize=10)
         bars.xaxis.set_major_formatter(EngFormatter(places=0, sep=""))
         if i == len(layouts) - 1:
+            ax.set_xlabel("global token position in the pack")
             bars.set_xlabel("query-key pairs")
     shown = min(doc_index.shape[0], _MAX_LEGEND)
     handles = [Patch(color=colors[j], label=f"doc {int(doc_index[j])}") for j in range(shown)]

@@ -12,6 +12,7 @@ shorter than :data:`SHORT_CHUNK`, and the busiest rank's live attention tiles ov
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,8 +88,6 @@ def chunk_lengths(rows: np.ndarray, slot_of: np.ndarray) -> np.ndarray:
     for row in np.asarray(rows):
         slot = slot_of[row]
         real = slot >= 0
-        if not real.any():
-            continue
         joins = (np.diff(row) == 1) & (slot[1:] == slot[:-1]) & real[1:] & real[:-1]
         start = real.copy()
         start[1:] &= ~joins
@@ -143,11 +142,9 @@ def layouts_for(cp_size: int) -> tuple[str, ...]:
     """Every layout that accepts ``cp_size``."""
     out = []
     for layout in LAYOUTS:
-        try:
+        with contextlib.suppress(ValueError):
             check_layout(layout, cp_size)
-        except ValueError:
-            continue
-        out.append(layout)
+            out.append(layout)
     return tuple(out)
 
 
@@ -164,8 +161,7 @@ def pack_view(store: PackStore, k: int, layout: str) -> tuple[PackGeometry, np.n
     else:
         slot_len, pack_len = realign(doc_len, cfg["capacity"], layout, cfg["cp_size"])
     geometry = pack_geometry(doc_len, slot_len, pack_len)
-    owned, work = rank_work(layout, cfg["cp_size"], geometry)
-    return geometry, owned, work
+    return (geometry, *rank_work(layout, cfg["cp_size"], geometry))
 
 
 def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanSummary:
@@ -175,8 +171,7 @@ def summarize(store: PackStore, *, sample: int | None = DEFAULT_SAMPLE) -> PlanS
     picked = np.asarray(sample_positions(store.n_packs, store.n_packs if sample is None else sample), dtype=np.int64)
     layouts = []
     tiled = set(sample_positions(picked.size, TILE_SAMPLE))
-    own = [cfg["layout"]] if cfg["layout"] not in layouts_for(cfg["cp_size"]) else []  # e.g. "tiled:256"
-    for layout in [*layouts_for(cfg["cp_size"]), *own]:
+    for layout in dict.fromkeys([*layouts_for(cfg["cp_size"]), cfg["layout"]]):  # + the plan's: "tiled:256"
         ratios, chunks, tiles = [], [], []
         padding = real = over = 0
         tile = layout_tile(layout) or TILE

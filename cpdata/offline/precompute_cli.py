@@ -9,7 +9,7 @@ from cpdata.errors import check_choice
 from cpdata.layout.maps import LAYOUTS
 from cpdata.layout.tiled import TILES
 from cpdata.nodes.options import DataPolicy, PlanChoice, SchedulePlan, StreamPlan
-from cpdata.offline.tokenize_files import add_tokenizer_options, row_tokenizer
+from cpdata.offline.tokenize_files import add_tokenizer_options, convert_jsonl, row_tokenizer
 
 __all__ = ["register", "run"]
 
@@ -127,8 +127,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.input is None:
         raise ValueError("pass INPUT (a tokenized dataset) or --mix NAME=PATH:WEIGHT at least once")
     if args.tokenizer:
-        from cpdata.offline.tokenize_files import convert_jsonl
-
         tokens_out = args.tokens_out or f"{str(args.out).rstrip('/')}.tokens"
         tokens, _ = convert_jsonl(args.input, tokens_out, tokenizer=row_tokenizer(args), vocab_size=args.vocab_size,
                                   workers=args.workers, overwrite=args.force, progress=not args.quiet)  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from cpdata.layout.maps import alignment, check_layout, layout_spec
+from cpdata.layout.maps import alignment, layout_spec
 from cpdata.nodes.mixed import MixedDataset
 from cpdata.nodes.options import (
     DataPolicy,
@@ -36,12 +36,7 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.fingerprint import lengths_sha256, source_identity
 from cpdata.sources.open import as_source, open_dataset
 from cpdata.sources.protocol import Listed, carried_targets, declared_labels
-from cpdata.worker.targets import (
-    LabelsAlignment,
-    declared_alignment,
-    first_target,
-    missing_alignment_message,
-)
+from cpdata.worker.targets import LabelsAlignment, declared_alignment, first_target, missing_alignment_message
 
 __all__ = ["precompute"]
 
@@ -150,7 +145,6 @@ def precompute(
                                             "progress"))  # fmt: skip
     _check_options(plan, data, dataset)
     layout = layout_spec(layout, tile)
-    check_layout(layout, cp_size)
     scheduled = isinstance(plan, SchedulePlan)
     window, vocab_size = None if scheduled else plan.window, data.vocab_size
     planner = dict(capacity=capacity, layout=layout, cp_size=cp_size, algorithm=plan.algorithm, overflow=plan.overflow,
@@ -179,7 +173,6 @@ def precompute(
     present = sorted(carried_targets(dataset) or ())
     if present and labels_alignment is None:
         raise ValueError(missing_alignment_message(f"{dataset.path.name}", present))
-    schedule_info: dict[str, Any] | None = None
     if not scheduled:  # a schedule plans lengths only: documents that train nothing stay
         firsts = _first_targets(dataset, labels_alignment, progress) if present else None
         starts = dataset.epoch_starts if isinstance(dataset, Listed) else np.array([0, lengths.shape[0]], dtype=np.int64)
@@ -192,15 +185,6 @@ def precompute(
                               max_delay=plan.max_delay, tail=plan.tail,
                               fallback=plan.kind == "balanced" and plan.cost is None)  # fmt: skip
         result = sched.as_packing_result()
-        st = sched.stats
-        schedule_info = {
-            "kind": plan.kind, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
-            "num_steps": sched.num_steps, "max_delay": int(plan.max_delay), "tail": st.tail,
-            "cost": None if cost is None else [cost.a, cost.b], "empty_packs": st.empty_packs,
-            "delay_counts": list(st.delay_counts),
-            "imb_step_mean": st.imb_step_mean, "imb_mb_mean": st.imb_mb_mean,
-        }  # fmt: skip
-    config = result.config
 
     plan_arrays = {k: np.asarray(getattr(result, k), dtype=np.int64)
                    for k in ("pack_offsets", "doc_index", "doc_start", "doc_len", "slot_len")}  # fmt: skip
@@ -219,10 +203,10 @@ def precompute(
 
     manifest = {
         "config": {
-            **{k: getattr(config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
+            **{k: getattr(result.config, k) for k in ("capacity", "cp_size", "layout", "doc_multiple")},
             "pack_multiple": alignment(layout, cp_size)[1],
             "labels_alignment": labels_alignment,
-            "planner": {k: getattr(config, k) for k in ("algorithm", "overflow", "seed", "window")},
+            "planner": {k: getattr(result.config, k) for k in ("algorithm", "overflow", "seed", "window")},
         },
         "input": {
             "kind": dataset.kind,
@@ -244,11 +228,18 @@ def precompute(
     if isinstance(dataset, MixedDataset):  # what the mix drew from each source, as Pack.stats.sources online
         manifest["stats"]["sources"] = dataset.counts
         manifest["input"]["mix"] = dataset.mix.config
-        if schedule_info is None:  # the mix draws other documents every epoch: each planned epoch has its packs
+        if not scheduled:  # the mix draws other documents every epoch: each planned epoch has its packs
             manifest["epochs"] = {"count": dataset.epochs, "first_pack": epoch_packs.tolist(),
                                   "sources": dataset.epoch_counts}  # fmt: skip
-    if schedule_info is not None:
-        manifest["schedule"] = schedule_info
+    if scheduled:
+        st = sched.stats
+        manifest["schedule"] = {
+            "kind": plan.kind, "dp_size": sched.dp_size, "micro_batches": sched.micro_batches,
+            "num_steps": sched.num_steps, "max_delay": int(plan.max_delay), "tail": st.tail,
+            "cost": None if cost is None else [cost.a, cost.b], "empty_packs": st.empty_packs,
+            "delay_counts": list(st.delay_counts),
+            "imb_step_mean": st.imb_step_mean, "imb_mb_mean": st.imb_mb_mean,
+        }  # fmt: skip
     arrays: Mapping[str, np.ndarray] = {**plan_arrays, "pack_tokens": pack_tokens, "rank_work": work}
     write_store(out_dir, arrays, manifest, overwrite=overwrite)
     return read_store(out_dir)

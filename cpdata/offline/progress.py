@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Any, TextIO
@@ -14,28 +15,23 @@ class Progress:
 
     def __init__(self, total: int, desc: str, *, unit: str = "it", enabled: bool = True, delay: float = 1.0,
                  file: TextIO | None = None) -> None:  # fmt: skip
-        self.total, self.desc, self.unit = max(int(total), 0), desc, unit
-        self.enabled = enabled
+        self.total, self.desc, self.unit, self.enabled = max(int(total), 0), desc, unit, enabled
         self.file = file if file is not None else sys.stderr
         self.done = 0
         self._step = -1
         self._show_after = time.monotonic() + delay
         self._bar: Any = None
         if enabled:
-            try:
+            with contextlib.suppress(ImportError):  # no tqdm: the stderr lines
                 from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
+
                 self._bar = tqdm(total=self.total, desc=desc, unit=unit, file=self.file, unit_scale=True, delay=delay)
 
     def update(self, n: int = 1) -> None:
         self.done += n
-        if not self.enabled:
-            return
         if self._bar is not None:
             self._bar.update(n)
-        elif time.monotonic() >= self._show_after:
+        elif self.enabled and time.monotonic() >= self._show_after:
             step = 10 if self.total == 0 else min(10, self.done * 10 // self.total)
             if step > self._step:
                 self._step = step

@@ -138,8 +138,7 @@ def read_store(path: str | os.PathLike[str], *, verify: bool = True) -> PackStor
         and int(offsets[-1]) == n_pieces
         and bool(np.all(np.diff(offsets) >= 0))
         and all(arrays[k].shape == (n_pieces,) for k in ("continues", "doc_start", "doc_len", "slot_len"))
-        and arrays["pack_tokens"].shape[0] == offsets.shape[0] - 1
-        and arrays["rank_work"].shape[0] == offsets.shape[0] - 1
+        and arrays["pack_tokens"].shape[0] == arrays["rank_work"].shape[0] == offsets.shape[0] - 1
     )
     if not consistent:
         raise ValueError(f"plan arrays in {root} are inconsistent with each other; {_RERUN}")

@@ -42,23 +42,19 @@ def _run_chunk(chunk: tuple[str, int, list[tuple[int, int, bytes]]]) -> tuple[li
     """Documents of a chunk's ``(line number, byte offset, line)``s: ``pack-store`` rows (no converter) as
     :class:`~cpdata.sources.files.JsonlDocuments` reads them, every per-token list kept; else converted."""
     path, first_doc, lines = chunk
+    if _convert is None:
+        return [token_row(json_row(line, Path(path), n, offset), f"{path} line {n}", every_list=True)
+                for n, offset, line in lines], {}  # fmt: skip
     docs = []
-    before = _stats(_convert)
+    before = _convert.stats.as_dict()
     for k, (lineno, offset, line) in enumerate(lines):
         row = json_row(line, Path(path), lineno, offset)
-        if _convert is None:
-            docs.append(token_row(row, f"{path} line {lineno}", every_list=True))
-            continue
         try:
             docs.append(_convert(row, first_doc + k))
         except (ValueError, TypeError) as e:
             raise type(e)(f"{path} line {lineno}: {e}") from None
-    after = _stats(_convert)
-    return docs, {k: after[k] - before.get(k, 0) for k in after}
-
-
-def _stats(convert: RowTokenizer | None) -> dict[str, int]:
-    return {} if convert is None else convert.stats.as_dict()
+    after = _convert.stats.as_dict()
+    return docs, {k: after[k] - before[k] for k in after}
 
 
 def _chunks(path: Path, bar: Progress) -> Iterator[tuple[str, int, list[tuple[int, int, bytes]]]]:

@@ -46,9 +46,7 @@ def _prefix(target: Path, kind: str) -> str:
 def _siblings(target: Path) -> list[tuple[str, int, str, Path]]:
     """``(kind, pid, host, path)`` of every hidden sibling written for ``target``."""
     out = []
-    if not target.parent.is_dir():
-        return out
-    for kind in _KINDS:
+    for kind in _KINDS:  # (a missing parent globs to nothing)
         lead = f".{target.name}.{kind}-"
         for path in target.parent.glob(f"{glob.escape(lead)}*"):
             pid, _, rest = path.name[len(lead) :].partition("-")
@@ -133,32 +131,26 @@ def atomic_directory(target: str | os.PathLike[str], *, overwrite: bool = False)
     target.parent.mkdir(parents=True, exist_ok=True)
     check_writable(target, overwrite=overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(target, "tmp"), dir=target.parent))
+    new = tmp.with_name(tmp.name.replace(".tmp-", ".new-", 1))
+    old: Path | None = None
     try:
         yield tmp
         stall("written")
         os.chmod(tmp, 0o755)
-        new = tmp.with_name(tmp.name.replace(".tmp-", ".new-", 1))
         os.replace(tmp, new)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old: Path | None = None
-    published = False
-    try:
         stall("new")
         if target.exists():
             old = new.with_name(new.name.replace(".new-", ".old-", 1))
             os.replace(target, old)
             stall("old")
         os.replace(new, target)
-        published = True
         stall("swapped")
     except BaseException:  # Ctrl-C / SystemExit too: this writer is alive, so no later writer would recover it
-        if not published:  # the old directory (if any) goes back to its name, the new one away
-            if old is not None and not target.exists():
-                os.replace(old, target)
-                old = None
-            shutil.rmtree(new, ignore_errors=True)
+        if old is not None and not target.exists():  # not published: the old directory goes back to its name
+            os.replace(old, target)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)  # the new directory away, under either name (once published:
+        shutil.rmtree(new, ignore_errors=True)  # neither name is left)
         raise
     finally:
         if old is not None:

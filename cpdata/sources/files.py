@@ -24,7 +24,6 @@ from cpdata.sources.fingerprint import lengths_sha256, sample_positions
 
 __all__ = ["JsonlDocuments", "LengthsFile", "NpyFolder"]
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
 _FILE_SAMPLES = 64
 """Rows (JSONL) or files (folder) re-checked at an epoch start when the data's mtime moved."""
 
@@ -106,7 +105,7 @@ class JsonlDocuments(TokenizedDataset):
         offsets, lengths, crcs = array("q"), array("q"), array("I")
         h = hashlib.sha256()
         pos = 0
-        low, high = _INT64_MAX, -1
+        low, high = int(np.iinfo(np.int64).max), -1  # the smallest and largest id seen
         keys: set[str] = set()
         with open(self.path, "rb") as f:
             for lineno, line in enumerate(f, start=1):
@@ -198,7 +197,7 @@ class NpyFolder(TokenizedDataset):
         self._files = sorted(p.name for p in self.path.iterdir() if p.suffix == ".npy" and p.is_file())
         if not self._files:
             raise ValueError(f"{self.path} contains no .npy files; save one 1-D token array per document")
-        lengths = np.empty(len(self._files), dtype=np.int64)
+        self._lengths = np.empty(len(self._files), dtype=np.int64)
         self._stats = np.empty((len(self._files), 2), dtype=np.int64)  # size, mtime_ns of each file at open
         self._dir_mtime = os.stat(self.path).st_mtime_ns
         for i, name in enumerate(self._files):
@@ -210,10 +209,9 @@ class NpyFolder(TokenizedDataset):
                     f"{self.path / name}: expected a 1-D integer token array, got dtype={arr.dtype} "
                     f"shape={arr.shape}"
                 )
-            lengths[i] = arr.shape[0]
+            self._lengths[i] = arr.shape[0]
             if on_progress is not None:
                 on_progress(1)
-        self._lengths = lengths
         self._fingerprint: str | None = None
 
     def fingerprint(self) -> str:
@@ -251,5 +249,4 @@ class NpyFolder(TokenizedDataset):
 
     def _read(self, i: int) -> dict[str, np.ndarray]:
         self._check_file(i)
-        tokens = np.load(self.path / self._files[i], mmap_mode="r")
-        return {"input_ids": np.array(tokens, dtype=np.int64)}
+        return {"input_ids": np.array(np.load(self.path / self._files[i], mmap_mode="r"), dtype=np.int64)}

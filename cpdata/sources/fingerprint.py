@@ -1,12 +1,10 @@
 """Source identity: refuse resuming or serving a plan onto other data, and notice data that changes under a run.
 
-Two members of the source protocol: ``fingerprint() -> str`` (:class:`~cpdata.sources.protocol.Identified`: is
-this the data a state or a plan was made from? stable across machines, no paths or mtimes), the one identity
-every ``Documents``/schedule state and every precomputed manifest binds to; and ``check_unchanged()``
-(:class:`~cpdata.sources.protocol.Watched`: did it change since it was opened?), asked at every epoch start
-and restore. Each reader's docstring says what its fingerprint covers (docs/bring-your-data.md lists them);
-a plain list is fingerprinted here from its count and :data:`LIST_SAMPLES` sampled items' ``input_ids``,
-anything else by its type only.
+``fingerprint()`` and ``check_unchanged()`` of any source: the :class:`~cpdata.sources.protocol.Identified`
+and :class:`~cpdata.sources.protocol.Watched` members of the source protocol (its table says when cpdata asks
+them). Each reader's docstring says what its fingerprint covers (docs/bring-your-data.md lists them); a plain
+list is fingerprinted here from its count and :data:`LIST_SAMPLES` sampled items' ``input_ids``, anything else
+by its type only.
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ def check_source_unchanged(source: Any, opened: str | None) -> None:
     ``check_unchanged()``; a list re-fingerprinted)."""
     if isinstance(source, Watched):
         source.check_unchanged()
-        return
-    if opened is not None and type(source) in (list, tuple):
+    elif opened is not None and type(source) in (list, tuple):
         now = _list_fingerprint(source)
         if now != opened:
             raise ValueError(

@@ -24,8 +24,7 @@ def canonical(obj: Mapping[str, Any]) -> bytes:
 
 def manifest_digest(manifest: Mapping[str, Any]) -> str:
     """Hex sha256 of the canonical JSON of ``manifest`` without its own digest field."""
-    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
-    return hashlib.sha256(canonical(body)).hexdigest()
+    return hashlib.sha256(canonical({k: v for k, v in manifest.items() if k != DIGEST_KEY})).hexdigest()
 
 
 def write_manifest(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -61,10 +61,9 @@ def is_megatron_prefix(path: str | os.PathLike[str]) -> bool:
 
 
 class MegatronIndexed(TokenizedDataset):
-    """A Megatron ``.bin``/``.idx`` pair at ``prefix`` as a :class:`~cpdata.sources.base.TokenizedDataset`.
-
-    ``unit``: ``"documents"`` (a Megatron document, its sequences concatenated) or ``"sequences"``; ``dtype``,
-    ``sequences``, ``documents`` and ``multimodal`` are what the index declares."""
+    """A Megatron ``.bin``/``.idx`` pair at ``prefix`` as a :class:`~cpdata.sources.base.TokenizedDataset`
+    (``unit``: see the module docstring); ``dtype``, ``sequences``, ``documents`` and ``multimodal`` are what
+    the index declares."""
 
     kind = "megatron"
     _transient = ("_seq_lengths", "_pointers", "_doc_idx", "_modes", "_tokens", "_offsets", "_lengths")

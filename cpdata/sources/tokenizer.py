@@ -174,7 +174,6 @@ class RowTokenizer:
         if not isinstance(row, Mapping):
             raise TypeError(f"{where}: expected a dict with {self.text_key!r} or {self.messages_key!r}, got "
                             f"{type(row).__name__}")  # fmt: skip
-        mask, eos = None, False
         chat = self.messages_key in row
         if chat:
             ids, mask = self._chat(row[self.messages_key], where)
@@ -182,7 +181,11 @@ class RowTokenizer:
             text = row[self.text_key]
             if not isinstance(text, str):
                 raise TypeError(f"{where}: {self.text_key!r} must be a string, got {type(text).__name__}")
-            ids = self._encode(text)
+            ids = np.asarray(self._encode(text), dtype=np.int64).reshape(-1)
+            if self.append_eos:
+                ids = np.append(ids, np.int64(self.eos_token_id))
+            # text rows train every token; one key set for every document of a batch
+            mask = np.ones(ids.shape[0], dtype=np.int8) if self.assistant_only else None
         else:
             raise ValueError(
                 f"{where} has keys {sorted(map(str, row))}: expected {self.text_key!r} (text) or "
@@ -191,12 +194,7 @@ class RowTokenizer:
         out = {"input_ids": np.asarray(ids, dtype=np.int64).reshape(-1)}
         if mask is not None:
             out[ASSISTANT_MASKS] = np.asarray(mask, dtype=np.int8).reshape(-1)
-        elif not chat:
-            if self.append_eos:
-                out["input_ids"] = np.append(out["input_ids"], np.int64(self.eos_token_id))
-                eos = True
-            if self.assistant_only:  # text rows train every token; one key set for every document of a batch
-                out[ASSISTANT_MASKS] = np.ones(out["input_ids"].shape[0], dtype=np.int8)
+        eos = self.append_eos and not chat
         n = out["input_ids"].shape[0]
         if self.max_length is not None and n > self.max_length:
             out = {k: v[: self.max_length] for k, v in out.items()}

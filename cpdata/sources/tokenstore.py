@@ -26,8 +26,6 @@ from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.chunksums import CHUNK_BYTES, CHUNK_HASH, ChunkChecker, legacy_chunks
 from cpdata.sources.manifest import DIGEST_KEY, MANIFEST, read_manifest
 from cpdata.sources.tokenstore_writer import (
-    _DAMAGED,
-    _REWRITE,
     FORMAT,
     FORMAT_VERSION,
     OFFSETS_FILE,
@@ -37,6 +35,10 @@ from cpdata.sources.tokenstore_writer import (
 
 __all__ = ["FORMAT", "TOKENS_FILE", "TokenStore", "TokenStoreWriter", "is_token_store", "rewrite_token_store",
            "write_token_store"]
+
+_REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
+_DAMAGED = ("restore the store's files from where they came from, or rewrite the store with "
+            "`cpdata tokenize` / `cpdata pack-store`")
 
 
 def is_token_store(path: str | os.PathLike[str]) -> bool:
@@ -83,11 +85,9 @@ class TokenStore(TokenizedDataset):
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         super().__init__(path)
-        manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
-        self.manifest = manifest
+        self.manifest = manifest = read_manifest(self.path, FORMAT, (1, FORMAT_VERSION), _REWRITE)
         self._check_sizes(opened=False)
-        version = manifest["format_version"]
-        if version == 1:
+        if manifest["format_version"] == 1:
             self._chunk_bytes, self._sums = CHUNK_BYTES, legacy_chunks(self.path, manifest["files"], _DAMAGED)
             warnings.warn(f"token store {self.path} was written by an older cpdata (format_version 1, no chunk "
                           f"checksums): its {sum(e['bytes'] for e in manifest['files'].values())} bytes were hashed "
@@ -100,8 +100,7 @@ class TokenStore(TokenizedDataset):
                                  f"cpdata checks {CHUNK_HASH!r}; {_REWRITE}")  # fmt: skip
             self._sums = {e["file"]: e["chunks"] for e in manifest["files"].values()}
         self.per_token_keys = frozenset(manifest["extras"])
-        high = manifest["max_id"]
-        self._id_range = (0, -1 if high is None else high)  # negative ids are never written
+        self._id_range = (0, -1 if manifest["max_id"] is None else manifest["max_id"])  # never negative
         self.labels_alignment: str | None = manifest.get("labels_alignment")
         """What the stored labels and masks are aligned with, when the writer declared it (``Tokenize``: inputs)."""
         self._digest = str(manifest[DIGEST_KEY])
@@ -177,7 +176,11 @@ class TokenStore(TokenizedDataset):
         start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
         lo, hi = self._check_tokens.span
         if start < lo or stop > hi:
-            start, stop = self._check_document(i)
+            for checker in self._check_index:
+                checker.check_all(i)
+            start, stop = int(self._offsets[i]), int(self._offsets[i + 1])  # read again, now checked
+            checker = self._check_tokens
+            checker.check(start * checker.itemsize, stop * checker.itemsize, i)
         out = {"input_ids": self._tokens[start:stop].astype(np.int64)}
         for key, (values, present, checker) in self._checked_extras.items():
             if present[i]:
@@ -186,15 +189,6 @@ class TokenStore(TokenizedDataset):
                     checker.check(start * checker.itemsize, stop * checker.itemsize, i)
                 out[key] = np.array(values[start:stop])
         return out
-
-    def _check_document(self, i: int) -> tuple[int, int]:
-        """Document ``i``'s token range, read once the index files and its token chunks are checked."""
-        for checker in self._check_index:
-            checker.check_all(i)
-        start, stop = int(self._offsets[i]), int(self._offsets[i + 1])
-        checker = self._check_tokens
-        checker.check(start * checker.itemsize, stop * checker.itemsize, i)
-        return start, stop
 
     def fingerprint(self) -> str:
         """``token_store:`` + the manifest digest (covers every file's sha256 and chunk checksums)."""

@@ -26,9 +26,6 @@ FORMAT_VERSION = 2
 """2: per-file chunk checksums; 1 (read, hashed whole at open): sha256 per file only."""
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
-_REWRITE = "rewrite it with `cpdata tokenize` / `cpdata pack-store`"
-_DAMAGED = ("restore the store's files from where they came from, or rewrite the store with `cpdata tokenize` / "
-            "`cpdata pack-store`")
 
 
 class _HashedFile:
@@ -119,9 +116,8 @@ class TokenStoreWriter:
     def finish(self, source: Mapping[str, Any], *, labels_alignment: str | None = None) -> dict[str, Any]:
         """Close the files, write the index and the manifest (with ``labels_alignment`` when the writer knows it);
         returns the manifest."""
-        files = {"tokens": self._tokens.close()}
         offsets = np.frombuffer(self._offsets, dtype=np.int64)
-        files["offsets"] = _saved(self.directory / OFFSETS_FILE, offsets)
+        files = {"tokens": self._tokens.close(), "offsets": _saved(self.directory / OFFSETS_FILE, offsets)}
         extras = {}
         for key, (file, dtype, present) in sorted(self._extras.items()):
             files[key] = file.close()
