@@ -9,7 +9,6 @@ the layout, one gather per tensor); which keys are sharded, passed through or re
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from cpdata.worker.keys import (
     POSITION_IDS,
     STANDARD_TOKEN_KEYS,
 )
+from cpdata.worker.shard_block import _hash63
 
 __all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared",
            "closed_form_indices", "primary_key", "shard_identity"]
@@ -111,11 +111,9 @@ def check_extra_buffers(batch: Mapping[str, Any], names: Any) -> None:
 
 def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
     """63-bit digest of the layout inputs; token ids are included when they are on the host."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode())
-    if primary.device.type == "cpu" and not primary.is_floating_point():
-        h.update(primary.detach().contiguous().numpy().tobytes())
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    head = f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode()
+    on_host = primary.device.type == "cpu" and not primary.is_floating_point()
+    return _hash63(head + (primary.detach().contiguous().numpy().tobytes() if on_host else b""))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

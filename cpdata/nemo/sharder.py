@@ -80,9 +80,8 @@ class ContextParallelSharder:
                 :meth:`shard` and every this many after (0 or None: off), so ranks fed different packs raise.
         """
         if shard_batch is not None:
-            if model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed or (
-                extra_seq_buffers is not None
-            ):
+            resolving = (model, batch, extra_seq_buffers)  # the resolution inputs, None when not given
+            if num_chunks != 1 or not invoke_pre_embed or any(x is not None for x in resolving):
                 raise TypeError(
                     "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
                     "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
@@ -178,9 +177,7 @@ class ContextParallelSharder:
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
             full = _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
-        if not trim:
-            return full
-        return trim_to_caller(self.shard_layout, full, seq_dim, fill)
+        return trim_to_caller(self.shard_layout, full, seq_dim, fill) if trim else full
 
     def _gather_cp1(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """cp <= 1: ``tensor`` itself (as NeMo) unless the layout really reorders tokens."""
