@@ -20,10 +20,8 @@ from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
 
-__all__ = [
-    "PreshardedMove", "attention_ctx", "batch_parts", "info_int", "is_presharded", "mesh_group",
-    "mesh_rank_size", "shard_presharded", "to_device",
-]  # fmt: skip
+__all__ = ["PreshardedMove", "attention_ctx", "batch_parts", "info_int", "is_presharded", "mesh_group",
+           "mesh_rank_size", "shard_presharded", "to_device"]
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
