@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded, to_device
+from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.presharded import PreshardedMove, is_presharded, mesh_group, mesh_rank_size, to_device
 from cpdata.layout.maps import alignment, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import (
@@ -131,7 +132,7 @@ class DeviceShard:
                     "loss_mask= applies to raw full batches; a pre-sharded batch must carry its own "
                     "'loss_mask' key (add it on the workers) or shard it with sharder.shard_token_tensor"
                 )
-            return shard_presharded(cp_mesh, batch, self.device)
+            return PreshardedMove(cp_mesh, self.device)(batch)
         rank, size = mesh_rank_size(cp_mesh)
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
@@ -179,4 +180,4 @@ class DeviceShard:
         index = layout.local_token_global_indices.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        return attention_ctx(cp_mesh, layout, out), out, layout
+        return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), out), out, layout  # size > 1 here
