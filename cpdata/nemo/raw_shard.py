@@ -155,12 +155,9 @@ class DeviceShard:
             out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
         elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
             out[POSITION_IDS] = pos.expand(b, -1).contiguous()
-        dims = {key: 1}
-        dims.update({
-            k: out[k].dim() - 1
-            for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
-            if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
-        })  # fmt: skip
+        dims = {key: 1}  # the primary's sequence dim; the other token keys' is their last
+        dims.update({k: out[k].dim() - 1 for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
+                     if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)})  # fmt: skip
         check_extra_buffers(out, self.extra_seq_buffers)
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items()})
         check_undeclared(out, dims, primary)
