@@ -149,10 +149,10 @@ class DeviceShard:
                 f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
                 f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
             )
-        b, s = primary.shape[:2]  # global positions before sharding (NeMo's rule)
+        b, seq_len = primary.shape[:2]  # global positions before sharding (NeMo's rule)
         pos = out.get(POSITION_IDS)
         if pos is None:
-            out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+            out[POSITION_IDS] = torch.arange(seq_len, device=primary.device).expand(b, seq_len).contiguous()
         elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
             out[POSITION_IDS] = pos.expand(b, -1).contiguous()
         dims = {key: 1}  # the primary's sequence dim; the other token keys' is their last
@@ -161,7 +161,6 @@ class DeviceShard:
         check_extra_buffers(out, self.extra_seq_buffers)
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items()})
         check_undeclared(out, dims, primary)
-        seq_len = primary.shape[1]
         pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]
         for k, d in dims.items():  # every token tensor right-padded from seq_len to pack_len
             if out[k].shape[d] != seq_len:
