@@ -104,13 +104,9 @@ def hf_model_kwargs(
             )
         if num_items_in_batch is None:
             num_items_in_batch = _global_targets(batch, tensors, info, group)
-    kwargs: dict[str, Any] = {
-        "input_ids": input_ids.reshape(1, -1),
-        "position_ids": tensors[POSITION_IDS].reshape(1, -1),
-        "labels": tensors[LABELS].reshape(1, -1),
-        "use_cache": False,
-    }
-    kwargs["shift_labels"] = kwargs["labels"]
+    rows = {"input_ids": input_ids, "position_ids": tensors[POSITION_IDS], "labels": tensors[LABELS]}
+    kwargs: dict[str, Any] = {name: tensor.reshape(1, -1) for name, tensor in rows.items()}
+    kwargs.update(shift_labels=kwargs["labels"], use_cache=False)
     if num_items_in_batch is not None:
         kwargs["num_items_in_batch"] = num_items_in_batch
     if ours:

@@ -157,8 +157,7 @@ def check_reaches_cpdata(name: str, config: Any, layout: ShardLayout, group: Any
     """``ValueError`` on every CP rank when any rank's ``name`` kwargs would not reach the ``name`` attention;
     call before building this step's state and :func:`remember` it after (at cp 1: no collective)."""
     configured = getattr(getattr(config, "config", config), "_attn_implementation", None)  # a model or its config
-    configured = configured if isinstance(configured, str) else None
-    wrong_config, unconsumed = configured is not None and configured != name, False
+    wrong_config, unconsumed = isinstance(configured, str) and configured != name, False
     anywhere: tuple[bool, ...] = (wrong_config,)
     if layout.cp_size > 1:  # at cp 1 no peer to hang, no state to track: the configured name only
         if dist.is_available() and dist.is_initialized():  # without a group the attention's collective refuses

@@ -121,8 +121,7 @@ def layer_variant(module: Any, query: torch.Tensor, kwargs: Mapping[str, Any]) -
             "config.layer_types); the model's own masks and its kernels would disagree, so cpdata refuses"
         )
     scale = kwargs.get("scaling")
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     sinks = kwargs.get("s_aux")
     if sinks is not None and sinks.numel() != query.shape[1]:
         raise ValueError(f"s_aux (attention sinks) has {sinks.numel()} values for {query.shape[1]} query heads")

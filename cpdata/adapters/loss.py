@@ -60,12 +60,10 @@ def token_loss(
         )
     if num_targets is None:
         num_targets = global_target_count(batch, group, dp_group=dp_group, labels=labels)
-    ce = F.cross_entropy(
-        logits_local.reshape(-1, logits_local.shape[-1]).to(torch.promote_types(logits_local.dtype, torch.float32)),
-        labels.reshape(-1).to(logits_local.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    logits = logits_local.reshape(-1, logits_local.shape[-1])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least float32; float64 kept
+    ce = F.cross_entropy(logits, labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
+                         reduction="sum")  # fmt: skip
     if isinstance(num_targets, torch.Tensor):
         return ce / num_targets.to(ce.device).clamp_min(1)
     return ce / max(int(num_targets), 1)

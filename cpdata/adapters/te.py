@@ -70,12 +70,7 @@ def te_forward_kwargs(batch: Any, *, tensors: Any = None) -> dict[str, Any]:
 
 
 def te_attention_kwargs(
-    batch: Any,
-    cp_group: Any = None,
-    *,
-    tensors: Any = None,
-    cp_comm_type: str = "p2p",
-    cp_stream: Any = None,
+    batch: Any, cp_group: Any = None, *, tensors: Any = None, cp_comm_type: str = "p2p", cp_stream: Any = None
 ) -> TEAttentionArgs:
     """TE THD attention arguments for this rank's batch (no device sync, no collective); ``cp_group`` is
     required at cp > 1 and checked against the layout; ``cp_comm_type`` is ``"p2p"``, ``"all_gather"`` or

@@ -154,11 +154,8 @@ def block_mask(
         return create_block_mask(over_keys, rows, None, local, key_pos.numel(), device=device, BLOCK_SIZE=block_size)
 
     q_blocks, k_blocks = -(-local // block_size), -(-row_len // block_size)
-    first, last = lo, hi
-    pad = q_blocks * block_size - local
-    if pad:  # padded queries own no keys: their tiles are never full
-        first = torch.nn.functional.pad(lo, (0, pad), value=row_len)
-        last = torch.nn.functional.pad(hi, (0, pad), value=-1)
+    pad = (0, q_blocks * block_size - local)  # padded queries own no keys: their tiles are never full
+    first, last = (torch.nn.functional.pad(t, pad, value=v) for t, v in ((lo, row_len), (hi, -1)))
     q_block = torch.arange(q_blocks * block_size, device=device) // block_size
     flat = (torch.arange(rows, device=device)[:, None] * q_blocks + q_block[None, :]) * (k_blocks + 1)
 
@@ -176,9 +173,8 @@ def block_mask(
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # torch's _dense_to_ordered
         dense = dense[:, None].to(torch.int32)
-        return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
-            torch.int32
-        )
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1).to(torch.int32), order.to(torch.int32)
 
     def in_order(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (kv_idx >= lo[b, q_idx]) & (kv_idx <= hi[b, q_idx])

@@ -151,8 +151,6 @@ def move_keys_values(
             f"key {tuple(key.shape)} {key.dtype} and value {tuple(value.shape)} {value.dtype} must agree on "
             "every dim but the last and on dtype (they travel as one tensor)"
         )
-    kv = torch.cat((key, value), dim=-1)
     move = exchange_tokens if exchange else gather_token_tensor
-    kv = move(kv, layout, group, seq_dim)
-    key_g, value_g = kv.split((key.shape[-1], value.shape[-1]), dim=-1)
-    return key_g, value_g
+    kv = move(torch.cat((key, value), dim=-1), layout, group, seq_dim)
+    return kv.split((key.shape[-1], value.shape[-1]), dim=-1)

@@ -2,7 +2,7 @@
 
 A worker batch (a Mapping carrying ``.layout``) holds this rank's tokens, checked on the worker; two O(1)
 facts remain (the layout's CP size and rank), then a :class:`~cpdata.worker.batch.ShardedBatch` moves as one
-buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers, the ctx factory, and what
+buffer copy (``non_blocking``), a plain Mapping key by key. Also: the mesh helpers and what
 every model adapter reads from a worker batch (:func:`batch_parts`, :func:`info_int`: host-side lengths from
 ``batch.info``, so no ``.item()``).
 """
@@ -20,10 +20,8 @@ from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
 
-__all__ = [
-    "PreshardedMove", "attention_ctx", "batch_parts", "info_int", "is_presharded", "mesh_group",
-    "mesh_rank_size", "shard_presharded", "to_device",
-]  # fmt: skip
+__all__ = ["PreshardedMove", "batch_parts", "info_int", "is_presharded", "mesh_group", "mesh_rank_size",
+           "to_device"]
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
@@ -44,14 +42,6 @@ def is_presharded(batch: Any) -> bool:
     return isinstance(batch, Mapping) and isinstance(getattr(batch, "layout", None), ShardLayout)
 
 
-def attention_ctx(cp_mesh: Any, layout: ShardLayout, tensors: Mapping[str, Any]) -> Callable[..., Any]:
-    """The ctx factory ``shard()`` returns: ``nullcontext`` at cp <= 1, else an
-    :class:`~cpdata.device.cp_attention.AttentionContextFactory` over ``layout``."""
-    if layout.cp_size <= 1:
-        return contextlib.nullcontext
-    return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), tensors)
-
-
 def to_device(value: Any, device: torch.device | None) -> Any:
     """``value`` moved to ``device`` (``non_blocking``) when it is a tensor and a device is given, else itself."""
     if device is None or not isinstance(value, torch.Tensor):
@@ -59,16 +49,10 @@ def to_device(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def shard_presharded(
-    cp_mesh: Any, batch: Mapping[str, Any], device: torch.device | None, *, mesh_dims: Any = None
-) -> tuple[Callable[..., Any], dict[str, Any], ShardLayout]:
-    """``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two mesh checks;
-    ``mesh_dims``: the dim names of the device mesh the CP mesh was taken from (errors only)."""
-    return PreshardedMove(cp_mesh, device, mesh_dims)(batch)
-
-
 class PreshardedMove:
-    """:func:`shard_presharded` with the mesh's facts read once (the sharder's fast path)."""
+    """``move(batch)`` -> ``(ctx_factory, tensors on device, layout)`` of a worker-sharded batch after the two
+    mesh checks, the mesh's facts read once; ``mesh_dims``: the dim names of the device mesh the CP mesh was
+    taken from (errors only)."""
 
     __slots__ = ("_cp_mesh", "_device", "_group", "_mesh_dims", "_rank", "_size")
 

@@ -204,12 +204,7 @@ def segment_mask(sq: int, sk: int, window_size: tuple[int, int], device: torch.d
     left, right = window_size
     i = torch.arange(sq, device=device)[:, None] + (sk - sq)
     j = torch.arange(sk, device=device)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if right >= 0:
-        keep &= j <= i + right
-    if left >= 0:
-        keep &= j >= i - left
-    return keep
+    return ((j <= i + right) | (right < 0)) & ((j >= i - left) | (left < 0))  # a bound of -1: none that side
 
 
 def reference_varlen_attn(

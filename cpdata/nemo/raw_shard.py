@@ -9,14 +9,14 @@ the layout, one gather per tensor); which keys are sharded, passed through or re
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cpdata.device.presharded import attention_ctx, is_presharded, mesh_rank_size, shard_presharded, to_device
+from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.presharded import PreshardedMove, is_presharded, mesh_group, mesh_rank_size, to_device
 from cpdata.layout.maps import alignment, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.keys import (
@@ -29,6 +29,7 @@ from cpdata.worker.keys import (
     POSITION_IDS,
     STANDARD_TOKEN_KEYS,
 )
+from cpdata.worker.shard_block import _hash63
 
 __all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared",
            "closed_form_indices", "primary_key", "shard_identity"]
@@ -111,11 +112,9 @@ def check_extra_buffers(batch: Mapping[str, Any], names: Any) -> None:
 
 def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
     """63-bit digest of the layout inputs; token ids are included when they are on the host."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode())
-    if primary.device.type == "cpu" and not primary.is_floating_point():
-        h.update(primary.detach().contiguous().numpy().tobytes())
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    head = f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode()
+    on_host = primary.device.type == "cpu" and not primary.is_floating_point()
+    return _hash63(head + (primary.detach().contiguous().numpy().tobytes() if on_host else b""))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,7 +132,7 @@ class DeviceShard:
                     "loss_mask= applies to raw full batches; a pre-sharded batch must carry its own "
                     "'loss_mask' key (add it on the workers) or shard it with sharder.shard_token_tensor"
                 )
-            return shard_presharded(cp_mesh, batch, self.device)
+            return PreshardedMove(cp_mesh, self.device)(batch)
         rank, size = mesh_rank_size(cp_mesh)
         if size <= 1:
             return shard_identity(cp_mesh, tp_mesh, batch, loss_mask=loss_mask)
@@ -150,22 +149,18 @@ class DeviceShard:
                 f"{key} of shape {tuple(primary.shape)}: a raw batch's {key} must be "
                 f"{'[B, S, H]' if key == INPUTS_EMBEDS else '[B, S]'}"
             )
-        b, s = primary.shape[:2]  # global positions before sharding (NeMo's rule)
+        b, seq_len = primary.shape[:2]  # global positions before sharding (NeMo's rule)
         pos = out.get(POSITION_IDS)
         if pos is None:
-            out[POSITION_IDS] = torch.arange(s, device=primary.device).expand(b, s).contiguous()
+            out[POSITION_IDS] = torch.arange(seq_len, device=primary.device).expand(b, seq_len).contiguous()
         elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[0] == 1 and b > 1:
             out[POSITION_IDS] = pos.expand(b, -1).contiguous()
-        dims = {key: 1}
-        dims.update({
-            k: out[k].dim() - 1
-            for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
-            if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)
-        })  # fmt: skip
+        dims = {key: 1}  # the primary's sequence dim; the other token keys' is their last
+        dims.update({k: out[k].dim() - 1 for k in (*STANDARD_TOKEN_KEYS, LOSS_MASK)
+                     if k != INPUT_IDS and isinstance(out.get(k), torch.Tensor)})  # fmt: skip
         check_extra_buffers(out, self.extra_seq_buffers)
         dims.update({k: d % out[k].dim() for k, d in self.extra_seq_buffers.items()})
         check_undeclared(out, dims, primary)
-        seq_len = primary.shape[1]
         pack_len = seq_len + (-seq_len) % alignment("round_robin", size)[1]
         for k, d in dims.items():  # every token tensor right-padded from seq_len to pack_len
             if out[k].shape[d] != seq_len:
@@ -181,4 +176,4 @@ class DeviceShard:
         index = layout.local_token_global_indices.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        return attention_ctx(cp_mesh, layout, out), out, layout
+        return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), out), out, layout  # size > 1 here

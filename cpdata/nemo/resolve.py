@@ -60,9 +60,8 @@ def attention_backend(model: Any) -> str | None:
     if backend is None:
         config = getattr(model, "config", None)
         for candidate in (config, getattr(config, "text_config", None)):
-            backend = getattr(candidate, "_attn_implementation", None) or getattr(
-                candidate, "_attn_implementation_internal", None
-            )
+            backend = getattr(candidate, "_attn_implementation", None)
+            backend = backend or getattr(candidate, "_attn_implementation_internal", None)
             if backend is not None:
                 break
     return None if backend is None else str(backend)

@@ -80,9 +80,8 @@ class ContextParallelSharder:
                 :meth:`shard` and every this many after (0 or None: off), so ranks fed different packs raise.
         """
         if shard_batch is not None:
-            if model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed or (
-                extra_seq_buffers is not None
-            ):
+            resolving = (model, batch, extra_seq_buffers)  # the resolution inputs, None when not given
+            if num_chunks != 1 or not invoke_pre_embed or any(x is not None for x in resolving):
                 raise TypeError(
                     "shard_batch is mutually exclusive with model, batch, num_chunks, invoke_pre_embed and "
                     "extra_seq_buffers (those resolve a sharder); pass either shard_batch or model/batch"
@@ -102,10 +101,8 @@ class ContextParallelSharder:
         self.shard_batch = strategy.shard_batch
         self.local_token_global_indices = strategy.local_token_global_indices
         self.shard_layout = strategy.shard_layout
-        self._cp_mesh = submesh(device_mesh, "cp")
-        self._tp_mesh = submesh(device_mesh, "tp")
-        self._loss_mask = loss_mask
-        self._padding_token_id = padding_token_id
+        self._cp_mesh, self._tp_mesh = submesh(device_mesh, "cp"), submesh(device_mesh, "tp")
+        self._loss_mask, self._padding_token_id = loss_mask, padding_token_id
         self.device = mesh_device(device_mesh)
         self._inverse_cache: dict[int, ShardLayout] = {}
         self._check = LayoutCheck(check_layout_every)
@@ -178,9 +175,7 @@ class ContextParallelSharder:
                     f"mesh has cp_size={size} and this process is cp_rank={rank}; shard a batch laid out for this rank"
                 )
             full = _gather(tensor, layout, mesh_group(self._cp_mesh), seq_dim)
-        if not trim:
-            return full
-        return trim_to_caller(self.shard_layout, full, seq_dim, fill)
+        return trim_to_caller(self.shard_layout, full, seq_dim, fill) if trim else full
 
     def _gather_cp1(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """cp <= 1: ``tensor`` itself (as NeMo) unless the layout really reorders tokens."""

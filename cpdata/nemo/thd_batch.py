@@ -95,10 +95,6 @@ def _row_slots(real_all: np.ndarray, padded_all: np.ndarray, row_len: int) -> tu
     return np.concatenate(reals), np.concatenate(slots)
 
 
-def _cumsum(lens: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-
-
 def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = None,
                   extra_seq_buffers: Mapping[str, int] | None = None) -> ThdStream:
     """Flatten a raw THD batch and compute NeMo's metadata; ``loss_mask`` ``[B, S]`` and ``extra_seq_buffers``
@@ -133,7 +129,7 @@ def to_thd_stream(batch: Mapping[str, Any], *, loss_mask: torch.Tensor | None = 
     t = b * s
     real, slots = _row_slots(_host_lengths(batch["seq_lens"], "seq_lens", b),
                              _host_lengths(batch["seq_lens_padded"], "seq_lens_padded", b), s)  # fmt: skip
-    cu, cu_padded = _cumsum(real), _cumsum(slots)
+    cu, cu_padded = (np.concatenate([[0], np.cumsum(lens)]).astype(np.int64) for lens in (real, slots))
     if cu.size > 1 and np.array_equal(cu[:-1], cu_padded[:-1]) and cu[-1] < t:
         cu[-1] = t  # trailing-pad absorption: the last document takes the pack's tail
         cu_padded = cu.copy()

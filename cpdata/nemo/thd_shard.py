@@ -101,17 +101,16 @@ class ThdShard:
         if self.num_chunks > 1:
             return contextlib.nullcontext, split_thd_chunks(batch, self.num_chunks, size, rank, loss_mask), None
         stream = to_thd_stream(batch, loss_mask=loss_mask, extra_seq_buffers=self.extra_seq_buffers)
-        total = int(stream.slots.sum())
         if size <= 1:  # NeMo's cp = 1 keys: the stream as is, every position local
-            out, rows = dict(stream.batch), np.arange(total, dtype=np.int64)[None]
+            out, rows = dict(stream.batch), np.arange(int(stream.slots.sum()), dtype=np.int64)[None]
         else:
-            cu_out = stream.slot_offsets
-            out, rows = shard_thd_stream(stream.batch, stream.token_dims, cu_out, size, rank)
+            out, rows = shard_thd_stream(stream.batch, stream.token_dims, stream.slot_offsets, size, rank)
         layout = ShardLayout.of_rows(rows, rank, input_row_shape=stream.row_shape)
         local = layout.local_token_global_indices
         out[THD_LOCAL_INDICES] = local.to(out[INPUT_IDS].device, non_blocking=True)
         if size <= 1:
             return contextlib.nullcontext, out, layout
         docs = torch.from_numpy(stream.document_ids()[rows[rank]]).to(out[INPUT_IDS].device)
-        factory = AttentionContextFactory(layout, mesh_group(cp_mesh), docs, cu_out, stream.batch["cu_seqlens"])
+        factory = AttentionContextFactory(layout, mesh_group(cp_mesh), docs, stream.slot_offsets,
+                                          stream.batch["cu_seqlens"])  # fmt: skip
         return factory, out, layout

@@ -37,10 +37,8 @@ def to_padded_stream(
         valid = pos >= 0
         padded[valid.nonzero(as_tuple=True)[0], pos[valid]] = tensor[valid]
         tensor, seq_dim = padded, 1
-    elif layout.input_row_shape is not None and tuple(
-        tensor.shape[: len(layout.input_row_shape)]
-    ) == tuple(layout.input_row_shape):
-        tensor, seq_dim = tensor.flatten(0, len(layout.input_row_shape) - 1), 0
+    elif (rows := layout.input_row_shape) is not None and tuple(tensor.shape[: len(rows)]) == tuple(rows):
+        tensor, seq_dim = tensor.flatten(0, len(rows) - 1), 0
     length = tensor.shape[seq_dim]
     if layout.padded_seq_len is not None and length != layout.padded_seq_len:
         if fill is not None and layout.original_seq_len is not None and length == layout.original_seq_len:
@@ -77,17 +75,13 @@ def trim_to_caller(
         )
     if layout.input_token_stream_positions is not None:
         if fill is None:
-            raise ValueError(
-                "trim=True on a layout that repositions tokens needs fill= for dropped input slots"
-            )
+            raise ValueError("trim=True on a layout that repositions tokens needs fill= for dropped input "
+                             "slots")  # fmt: skip
         pos = layout_tensor_on(layout, "input_token_stream_positions", full.device)
         moved = full.movedim(seq_dim, 1)
-        index = (
-            pos.clamp(min=0)
-            .view(*pos.shape, *([1] * (moved.dim() - 2)))
-            .expand(*pos.shape, *moved.shape[2:])
-        )
-        mask = (pos < 0).view(*pos.shape, *([1] * (moved.dim() - 2)))
+        shape = (*pos.shape, *([1] * (moved.dim() - 2)))  # pos [B, S_in] broadcast over the trailing dims
+        index = pos.clamp(min=0).view(shape).expand(*pos.shape, *moved.shape[2:])
+        mask = (pos < 0).view(shape)
         return moved.gather(1, index).masked_fill(mask, fill).movedim(1, seq_dim)
     if layout.input_row_shape is not None:
         return full.reshape(*full.shape[:seq_dim], *layout.input_row_shape, *full.shape[seq_dim + 1 :])
