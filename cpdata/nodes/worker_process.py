@@ -16,6 +16,7 @@ DataLoaders.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import multiprocessing
@@ -79,16 +80,6 @@ _PR_SET_PDEATHSIG = 1
 _armed: int | None = None  # pid of the process that armed (a forked child re-arms)
 
 
-def _set_deathsig() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -120,8 +111,9 @@ def exit_with_parent(*, deathsig: bool | None = None, watchdog: bool = True) -> 
     ppid = os.getppid()
     if deathsig is None:
         deathsig = threading.current_thread().name == "MainThread"
-    if deathsig:
-        _set_deathsig()
+    if deathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no prctl: the watchdog alone
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if not parent.is_alive() or os.getppid() != ppid:
         _die()  # the parent died before the signal was armed
     if watchdog:
