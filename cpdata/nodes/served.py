@@ -203,13 +203,11 @@ class ServedPacks(VersionedState, EpochNode[PackPlan]):
     def _document(self, index: int, more: bool) -> Mapping[str, np.ndarray]:
         """Document ``index``, read once for all its pieces: kept while pieces of it follow (``more``; they
         sit in consecutive packs, so at most one document is held)."""
-        if self._cached is not None and self._cached[0] == index:
-            arrays = self._cached[1]
-        else:
-            arrays = self.rows.document(index)
-            if more:
-                self._cached = (index, arrays)
-        if not more and self._cached is not None and self._cached[0] == index:
+        cached = self._cached if self._cached is not None and self._cached[0] == index else None
+        arrays = self.rows.document(index) if cached is None else cached[1]
+        if more:
+            self._cached = (index, arrays)
+        elif cached is not None:
             self._cached = None  # its last piece
         return arrays
 
