@@ -72,8 +72,4 @@ class Collate(VersionedState, BaseNode[CollatedPack]):
         )
 
     def get_state(self) -> dict[str, Any]:
-        return {
-            self.VERSION_KEY: self.VERSION,
-            self.CONFIG_KEY: self._config(),
-            self.SOURCE_KEY: self.source.state_dict(),
-        }
+        return {**self.state_header(self._config()), self.SOURCE_KEY: self.source.state_dict()}

@@ -152,11 +152,8 @@ class WorkerDataset(VersionedState, IterableDataset):
         if self._pending is not None:
             return self._pending
         loader = self._ensure_loader()
-        return {
-            self.VERSION_KEY: self.VERSION,
-            self.WORKER_KEY: list(self._worker),
-            self.LOADER_KEY: loader.state_dict(),
-        }
+        return {**self.state_header(), self.WORKER_KEY: list(self._worker),
+                self.LOADER_KEY: loader.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.check_saved(state_dict)

@@ -178,8 +178,7 @@ class Mix(VersionedState, EpochNode[dict]):
 
     def get_state(self) -> dict[str, Any]:
         return {
-            self.VERSION_KEY: self.VERSION,
-            self.CONFIG_KEY: self.config,
+            **self.state_header(self.config),
             self.EPOCH_KEY: self.epoch,
             self.DRAWS_KEY: self._drawn,
             self.DONE_KEY: self._done,

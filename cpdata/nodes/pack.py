@@ -273,8 +273,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         if self._carry_records is None:  # serialised once per window; arrays are read-only
             self._carry_records = carry_state(snap.carried, not self._seekable)
         return {
-            self.VERSION_KEY: self.VERSION,
-            self.CONFIG_KEY: self.config.identity(),
+            **self.state_header(self.config.identity()),
             self.SOURCE_KEY: fresh_state(snap.source),  # the snapshot is the node's: every caller gets a copy
             self.PLANNER_KEY: portable_state(snap.planner),  # (its arrays and the carry's as tensors)
             self.CARRY_KEY: portable_state(self._carry_records),

@@ -155,13 +155,8 @@ class ShardForRank(VersionedState, BaseNode[Any]):
     def get_state(self) -> dict[str, Any]:
         if self._before is None:  # between blocks after a reset or an error: the source's state now
             self._before = self.source.state_dict()
-        return {
-            self.VERSION_KEY: self.VERSION,
-            self.CONFIG_KEY: self._config(),
-            self.SOURCE_KEY: self._before,
-            self.SKIP_KEY: self._served,
-            self.DIGESTS_KEY: list(self._digests),
-        }
+        return {**self.state_header(self._config()), self.SOURCE_KEY: self._before,
+                self.SKIP_KEY: self._served, self.DIGESTS_KEY: list(self._digests)}  # fmt: skip
 
     def _pull_block(self) -> None:
         """Read the source's state once (unless restored), pull a block of batches and prepare them (restored:

@@ -333,7 +333,7 @@ class Documents(VersionedState, EpochNode[Document]):
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {
-            self.VERSION_KEY: self.VERSION,
+            **self.state_header(),
             self.CONSUMED_KEY: self.consumed,
             self.POSITION_KEY: self.position,
             self.SHARD_KEY: (self.dp_rank, self.dp_size),

@@ -1,4 +1,4 @@
-"""What every stateful stage's state shares: its keys, and the checks it runs before it restores a state."""
+"""What every stateful stage's state shares: its keys, its header, and the checks before a restore."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ class VersionedState:
     VERSION_KEY = "version"
     CONFIG_KEY = "config"
     SOURCE_KEY = "source"
+
+    def state_header(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A state's first keys, which :meth:`check_saved` reads: the version, then ``config`` when given."""
+        header: dict[str, Any] = {self.VERSION_KEY: self.VERSION}
+        if config is not None:
+            header[self.CONFIG_KEY] = config
+        return header
 
     def check_saved(self, state: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> None:
         """Raise ``ValueError`` unless ``state`` has this stage's version and, when given, its ``config``,

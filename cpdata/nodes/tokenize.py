@@ -89,12 +89,8 @@ class Tokenize(VersionedState, BaseNode[dict[str, np.ndarray]]):
         return self.tokenizer(row, index)
 
     def get_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            self.VERSION_KEY: self.VERSION,
-            self.CONFIG_KEY: self._config(),
-            self.POSITION_KEY: self._position,
-            self.STATS_KEY: self.tokenizer.stats.as_dict(),
-        }
+        state = {**self.state_header(self._config()), self.POSITION_KEY: self._position,
+                 self.STATS_KEY: self.tokenizer.stats.as_dict()}  # fmt: skip
         if self.reader.kind == "node":
             state[self.SOURCE_KEY] = self.reader.node_state()
         return state
