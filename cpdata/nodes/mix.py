@@ -159,7 +159,7 @@ class Mix(VersionedState, EpochNode[dict]):
                     "source is read again when it runs out, so it must not be empty"
                 ) from None
         if clock is not None:
-            clock.add(k, int(lengths[index]) if lengths is not None else document_tokens(item))
+            clock.tokens[k] += int(lengths[index]) if lengths is not None else document_tokens(item)
             self._recent[(self._drawn - 1) % BLOCK] = (k, index, reader.passes)
         if read:
             counts = self._counts[name]

@@ -227,9 +227,6 @@ class TokenClock:
         """The source furthest behind its share (smallest ``tokens / weight``; ties by this epoch's ranks)."""
         return min(range(len(self._w)), key=lambda s: (self.tokens[s] / self._w[s], self._ranks[s]))
 
-    def add(self, source: int, tokens: int) -> None:
-        self.tokens[source] += int(tokens)
-
 
 def token_draw_order(weights: np.ndarray, ranks: np.ndarray, lengths: Sequence[np.ndarray],
                      stop: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
