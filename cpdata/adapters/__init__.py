@@ -15,6 +15,14 @@ from cpdata.adapters.loss import global_target_count, token_loss
 from cpdata.adapters.te import TEAttentionArgs, te_attention_kwargs, te_forward_kwargs
 from cpdata.device.attention_masks import document_causal_mask, flex_block_mask
 
-__all__ = ["TEAttentionArgs", "document_causal_mask", "flex_block_mask", "global_target_count",
-           "hf_model_kwargs", "register_hf_attention", "te_attention_kwargs", "te_forward_kwargs",
-           "token_loss"]
+__all__ = [
+    "TEAttentionArgs",
+    "document_causal_mask",
+    "flex_block_mask",
+    "global_target_count",
+    "hf_model_kwargs",
+    "register_hf_attention",
+    "te_attention_kwargs",
+    "te_forward_kwargs",
+    "token_loss",
+]

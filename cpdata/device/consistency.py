@@ -16,8 +16,9 @@ import torch.distributed as dist
 from cpdata.errors import check_int, is_int
 from cpdata.layout.shard_layout import ShardLayout
 
-__all__ = ["DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "any_rank_flags",
-           "verify_layout_consistency"]
+__all__ = [
+    "DEFAULT_CHECK_EVERY", "LayoutCheck", "all_ranks_have_batch", "any_rank_flags", "verify_layout_consistency",
+]  # fmt: skip
 
 _MISSING = -1  # a rank without a valid digest; real digests are in [0, 2**63)
 

@@ -20,8 +20,9 @@ from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch
 
-__all__ = ["PreshardedMove", "batch_parts", "info_int", "is_presharded", "mesh_group", "mesh_rank_size",
-           "to_device"]
+__all__ = [
+    "PreshardedMove", "batch_parts", "info_int", "is_presharded", "mesh_group", "mesh_rank_size", "to_device",
+]  # fmt: skip
 
 
 def mesh_rank_size(cp_mesh: Any) -> tuple[int, int]:
