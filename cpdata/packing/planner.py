@@ -46,8 +46,9 @@ def make_packer(config: PackingConfig) -> BinPacker:
     node_size = node_size_of(config.layout, config.cp_size)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
-    factories = {"bfd": BestFitDecreasing, "ffd": FirstFitDecreasing, "first_fit": FirstFit}
-    return factories.get(config.algorithm, NextFit)(config.capacity)  # next_fit, concat (checked by resolve)
+    factories = {"bfd": BestFitDecreasing, "ffd": FirstFitDecreasing, "first_fit": FirstFit,
+                 "next_fit": NextFit, "concat": NextFit}
+    return factories[config.algorithm](config.capacity)  # unchecked by resolve(): KeyError, not next-fit
 
 
 def window_ends(lengths: np.ndarray, config: PackingConfig) -> list[int]:
