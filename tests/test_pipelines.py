@@ -267,3 +267,28 @@ def test_precomputed_recipe_refuses_an_order_the_plan_fixed(tmp_path):
         precomputed.build(tmp_path / "plan", path, cp_size=CP, cp_rank=0, data=DataPolicy(seed=3, shuffle=True))
     with pytest.raises(TypeError, match=r"precomputed.build\(\) no longer takes dp_size=; pass data=DataPolicy"):
         precomputed.build(tmp_path / "plan", path, cp_size=CP, cp_rank=0, dp_size=2)
+
+
+def test_precomputed_recipe_reads_the_documents_in_any_form_precompute_took(tmp_path):
+    """A ``datasets.Dataset`` (not a path) reaches the plan as ``PrecomputedDataset`` takes it, and serves the
+    same batches as a plan of the same rows read from a file; each plan refuses the other's documents."""
+    datasets = pytest.importorskip("datasets")
+    from cpdata.offline.precompute_plan import precompute
+
+    docs = make_docs(seed=7, max_len=120)
+    rows = [{"input_ids": d["input_ids"].tolist()} for d in docs]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = datasets.Dataset.from_list(rows)
+    served = {}
+    for name, documents in (("table", table), ("file", path)):
+        precompute(documents, tmp_path / name, capacity=128, cp_size=CP, layout="balanced")
+        with closing_loader(precomputed.build(tmp_path / name, documents, cp_size=CP, cp_rank=1,
+                                              delivery=Delivery(prefetch=0))) as loader:  # fmt: skip
+            served[name] = [b["input_ids"].clone() for b in loader]
+    assert len(served["table"]) == len(served["file"]) > 1
+    assert all(torch.equal(a, b) for a, b in zip(served["table"], served["file"], strict=True))
+    with pytest.raises(ValueError, match="was precomputed from"):
+        precomputed.build(tmp_path / "table", path, cp_size=CP, cp_rank=0)
+    with pytest.raises(ValueError, match="needs the documents it was computed over"):
+        precomputed.build(tmp_path / "table", None, cp_size=CP, cp_rank=0)

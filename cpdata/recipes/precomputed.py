@@ -11,7 +11,6 @@ from typing import Any
 from cpdata.nodes.loader import ResumableLoader, delivered, rank_node, shard_graph
 from cpdata.nodes.options import DataPolicy, Delivery, check_records, refuse_keywords
 from cpdata.offline.reader import PrecomputedPacks
-from cpdata.sources.base import TokenizedDataset
 from cpdata.sources.open import open_dataset
 
 __all__ = ["build"]
@@ -19,7 +18,7 @@ __all__ = ["build"]
 
 def build(
     plan_dir: str | os.PathLike[str],
-    documents: TokenizedDataset | str | os.PathLike[str],
+    documents: Any,
     *,
     cp_size: int,
     cp_rank: int,
@@ -31,15 +30,16 @@ def build(
     delivery: Delivery = Delivery(),
     **removed: Any,
 ) -> ResumableLoader:
-    """Loader over a precomputed plan for one CP rank, reading the ``documents`` (or their path) it was computed
-    over; ``cp_size``, ``layout`` (None: the plan's) and ``data`` as for :class:`~cpdata.PrecomputedPacks`."""
+    """Loader over a precomputed plan for one CP rank, reading the ``documents`` it was computed over (a source
+    as :class:`~cpdata.PrecomputedPacks` takes it, or a path :func:`~cpdata.open_dataset` opens); ``cp_size``,
+    ``layout`` (None: the plan's) and ``data`` as for :class:`~cpdata.PrecomputedPacks`."""
     refuse_keywords("precomputed.build", removed, ("cp_size", "cp_rank", "layout", "batch_size", "qkv_format",
                                                    "padding_token_id", "data", "delivery"))  # fmt: skip
     check_records(data=data, delivery=delivery)
-    if not isinstance(documents, TokenizedDataset):
-        if documents is None:
-            raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "
-                             "pass their path (e.g. --documents data.jsonl)")
+    if documents is None:
+        raise ValueError(f"a precomputed plan ({plan_dir}) needs the documents it was computed over; "
+                         "pass them or their path (e.g. --documents data.jsonl)")
+    if isinstance(documents, (str, os.PathLike)):
         documents = open_dataset(documents)
     plans = PrecomputedPacks(plan_dir, documents, cp_size=cp_size, layout=layout, data=data)
     options = plans.graph_options(batch_size=batch_size, qkv_format=qkv_format, padding_token_id=padding_token_id)
