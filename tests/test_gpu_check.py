@@ -44,6 +44,10 @@ def test_an_unknown_part_is_refused_listing_the_parts_before_any_runs():
     parts = ", ".join(map(repr, gpu_check.PARTS))
     with pytest.raises(ValueError, match=rf"^unknown part 'warp'; choose one of \[{parts}\]$"):
         gpu_check.run_parts(["warp"])
+    logged: list[str] = []
+    with pytest.raises(ValueError, match="unknown part 'warp'"):  # a bad name after a good one: nothing ran
+        gpu_check.run_parts(["pinned_batches", "warp"], log=logged.append)
+    assert logged == []
 
 
 def test_fit_recovers_a_line_and_refuses_one_point():

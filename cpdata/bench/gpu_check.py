@@ -57,9 +57,10 @@ def run_parts(parts: Sequence[str] = tuple(PARTS), *, attention_seconds: float =
               log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """``{part: {"status", "seconds", "reason" | "error" | "result"}}``: ``skipped`` (with the reason),
     ``ok``, ``mismatch`` (ran, missed a tolerance) or ``failed`` (raised; the traceback's tail)."""
+    for part in parts:  # every name before any part spends device time
+        check_choice("part", part, PARTS)
     out = {}
     for part in parts:
-        check_choice("part", part, PARTS)
         reason = _missing(part)
         if reason is not None:
             out[part] = {"status": "skipped", "reason": reason, "seconds": 0.0}
