@@ -289,9 +289,9 @@ class AttentionContextFactory:
                 "'cu_seqlens_padded'; this batch has none — build it with cpdata's pipeline, or enter ctx() "
                 "without document_mask"
             )
-        if document_mask is False and known and self._most_documents_in_a_row() > 1:
+        if document_mask is False and known and (most := self._most_documents_in_a_row()) > 1:
             raise ValueError(
-                f"ctx(document_mask=False) on a pack with {self._most_documents_in_a_row()} documents in one row: "
+                f"ctx(document_mask=False) on a pack with {most} documents in one row: "
                 "causal attention over the packed row would attend across documents; enter ctx() (the document "
                 "mask is the default), or pack one document per row"
             )
