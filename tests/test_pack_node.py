@@ -299,3 +299,30 @@ def test_column_pieces_are_the_documents_pieces(overflow):
         a, b = collate_pack([rebuilt]), collate_pack([plan])
         assert all(np.array_equal(a[k], b[k]) for k in a)
     assert cut > 0, f"documents longer than the capacity were {overflow}"
+
+
+def test_state_at_reset_is_the_first_windows_snapshot_and_config_fields_are_asdicts():
+    """The state read right after ``reset()`` (what ``ShardForRank`` reads at each block start) is the state
+    before the first window: once that window is read and packs emitted, the state differs only in what was
+    emitted, and restoring either reproduces the stream; ``config`` holds ``asdict``'s fields but two."""
+    import dataclasses
+
+    docs = _docs(90, max_len=150)
+    node = _pack(docs)
+    assert len(list(node)) > 6  # a whole pass first: the reset below rewinds a source read to its end
+    node.reset()
+    at_reset = node.state_dict()
+    plans = [next(node) for _ in range(3)]
+    after = node.state_dict()
+    assert after["emitted"] == 3 and at_reset["emitted"] == 0  # one window read, three of its packs out
+    assert after["source"]["position"] == at_reset["source"]["position"] == 0  # the snapshot before the window
+    for key in ("version", "config", "source", "planner", "carry"):
+        assert_items_equal(after[key], at_reset[key], key)
+    expected = {k: v for k, v in dataclasses.asdict(node.config).items() if k not in ("doc_multiple", "seed")}
+    assert at_reset["config"] == expected and list(at_reset["config"]) == list(expected)
+    rest = list(node)
+    for state, tail in ((at_reset, [*plans, *rest]), (after, rest)):
+        restored = _pack(docs)
+        restored.reset(state)
+        assert_items_equal(list(restored), tail)
+    assert len(rest) > 3

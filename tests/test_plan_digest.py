@@ -61,6 +61,14 @@ def test_provenance_and_configuration_are_covered():
 def test_empty_piece_is_digested():
     plan = _plan([np.zeros(0, dtype=np.int64), np.arange(3)])
     assert 0 <= plan_digest(plan, "identity", 1) < 2**63
+    empty = np.zeros(0, dtype=np.int64)  # empty pieces first, between and last: their samples are -1
+    plans = [_plan([empty, np.arange(3), empty, IDS[5], empty], index=i) for i in range(2)]
+    assert len({plan_digest(p, "thd", 2) for p in plans}) == 2
+    assert [plan_digest(p, "thd", 2) for p in plans] == [reference_digest([p], "thd", 2) for p in plans]
+    batches = [CollatedPack(plans=(p,), pack_len=p.capacity, qkv_format="thd", padding_token_id=0) for p in plans]
+    assert [item.info["digest"] for item in prepare_block(batches, "identity", 1, False)] == [
+        reference_digest([p], "identity", 1) for p in plans
+    ]
 
 
 def test_digests_of_a_block_equal_each_plans_alone():

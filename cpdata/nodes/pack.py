@@ -152,6 +152,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         self._exhausted = False
         self._emitted = 0
         self._carry_records: dict[str, Any] | None = None
+        self._snapshot_now = False  # the snapshot is of the state now: reset() took it, no window read since
 
     @property
     def stats(self) -> PackingStats:
@@ -167,7 +168,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         self._clear()
         if initial_state is None:
             self.source.reset(None)
-            self._snapshot = self._take_snapshot()
+            self._snapshot, self._snapshot_now = self._take_snapshot(), True
             return
         self._check(initial_state)
         self.source.reset(initial_state[self.SOURCE_KEY])
@@ -232,10 +233,11 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         return _Snapshot(source=fresh_state(source), planner=self._planner.state(), carried=carried)
 
     def _refill(self, take_snapshot: bool = True) -> None:
-        if take_snapshot:
+        if take_snapshot and not self._snapshot_now:  # (not taken twice: the first window after a reset)
             self._snapshot = self._take_snapshot()
             self._carry_records = None
             self._emitted = 0
+        self._snapshot_now = False
         config = self.config
         room = carried_room(self._live.live()[0])  # the carried pieces may join this window's buffer
         window, self._exhausted = _read_window(self.source, config.window, config.window_tokens, config.capacity,

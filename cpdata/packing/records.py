@@ -96,7 +96,10 @@ class PackingConfig:
 
     def identity(self) -> dict[str, object]:
         """The fields a saved state must match to be restored under this configuration."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("doc_multiple", "seed")}
+        return {name: getattr(self, name) for name in _IDENTITY_FIELDS}  # (atoms: no asdict deep copy)
+
+
+_IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(PackingConfig) if f.name not in ("doc_multiple", "seed"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -86,7 +86,7 @@ def source_fingerprint(source: Any) -> str | None:
 def check_source_unchanged(source: Any, opened: str | None) -> None:
     """Raise ``ValueError`` if ``source`` changed since its fingerprint was ``opened`` (its own
     ``check_unchanged()``; a list re-fingerprinted)."""
-    if isinstance(source, Watched):
+    if type(source) not in (list, tuple) and isinstance(source, Watched):  # (a list never is: no protocol walk)
         source.check_unchanged()
     elif opened is not None and type(source) in (list, tuple):
         now = _list_fingerprint(source)

@@ -150,11 +150,10 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     at = np.multiply.outer(lens - 1, _SAMPLE_AT)
     at //= DIGEST_SAMPLES - 1
     at += starts[:, None]
-    real = lens > 0
-    samples[~real] = -1  # an empty piece's
-    for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer
+    for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer, no boolean masks
         part = slice(first[b], first[e])
-        samples[part][real[part]] = streams[b].buffer.ids[at[part][real[part]]]
+        streams[b].buffer.ids.take(at[part], out=samples[part], mode="clip")  # (an empty piece's clipped, then:)
+    samples[lens <= 0] = -1  # an empty piece's
     prefix, data, width = f"{layout}|{cp_size}|", rows.tobytes(), 8 * rows.shape[1]
     lens_data = raw.astype(np.int64, copy=False).tobytes()
     digests, row = [], 0
