@@ -127,6 +127,18 @@ def test_in_memory_list_changed_between_epochs_is_refused():
             next(iter(loader))
 
 
+def test_a_list_fingerprint_reads_values_not_object_pointers():
+    """Equal items built apart fingerprint alike, also when ``input_ids`` is an object array (large Python
+    ints): its raw bytes are pointers, which differ between copies and between processes."""
+    def docs(first):
+        return [{"input_ids": np.array([first + 10**20 + k for k in range(3)], dtype=object)} for _ in range(4)]
+
+    assert source_fingerprint(docs(0)) == source_fingerprint(docs(0))
+    assert source_fingerprint(docs(0)) != source_fingerprint(docs(1))
+    plain = [{"input_ids": np.arange(5)}] * 3
+    assert source_fingerprint(plain) == source_fingerprint([{"input_ids": np.arange(5)}] * 3)
+
+
 # ---------------------------------------------------------------------------------------------- resume onto other data
 
 
