@@ -71,6 +71,21 @@ def test_whole_pack_without_a_layout_is_block_diagonal_causal():
     assert got.diagonal(dim1=-2, dim2=-1).all(), "every query, pads included, sees itself: no all-masked row"
 
 
+
+def test_a_layout_without_padded_seq_len_has_rows_of_cp_times_the_local_tokens():
+    """A hand-built layout (no ``padded_seq_len``): each row is ``cp * L`` keys long, so the mask of B = 2 rows
+    at cp = 2 is the pipeline layout's, over all ``S`` keys of each row, in its own row's documents."""
+    from dataclasses import replace
+
+    shards = _shards("contiguous", 2, "bshd", 2)[0]
+    for r, s in enumerate(shards):
+        bare = replace(s.layout, padded_seq_len=None)
+        for cu_seqlens in (None, s["cu_seqlens"]):
+            got = document_causal_mask(bare, s["document_ids"], s["cu_seqlens_padded"], cu_seqlens=cu_seqlens)
+            assert got.shape[-1] == 2 * s["document_ids"].shape[-1]
+            assert torch.equal(got, _brute(shards, r, pad_free=cu_seqlens is not None)), (r, cu_seqlens is None)
+    assert s["document_ids"].shape[0] == 2 and s["document_ids"][1].max() > s["document_ids"][0].max()
+
 def _eval_mask_mod(block_mask, rows: int, local: int, keys: int) -> torch.Tensor:
     b = torch.arange(rows)[:, None, None]
     q = torch.arange(local)[None, :, None]
