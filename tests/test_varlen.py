@@ -145,7 +145,7 @@ def _batches(cp: int, layout: str, exchange: bool, pack_min_docs: int = 3) -> tu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout, monkeypatch):
     """Every (query, key position) pair the plan's segments attend is one the dense mask keeps, and no other
-    (balanced's one-query segments included: the copy limit is lifted)."""
+    (balanced's one-query segments included: the copy limit is lifted); every key gathered is attended."""
     monkeypatch.setattr(varlen, "MAX_KEY_COPIES", 10**9)
     checked = pads_seen = 0
     for cp in (2, 4):
@@ -167,7 +167,9 @@ def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout
                         assert sq <= plan.max_q and sk <= plan.max_k
                         kpos = keys[plan.key_index[ck[s] : ck[s + 1]]]
                         assert kpos.unique().numel() == sk  # each key once per segment
-                        qi, kj = segment_mask(sq, sk, plan.window_size).nonzero(as_tuple=True)
+                        seen = segment_mask(sq, sk, plan.window_size)
+                        assert seen.any(dim=0).all(), "a gathered key no query of its segment attends"
+                        qi, kj = seen.nonzero(as_tuple=True)
                         assert not got[cq[s] + qi, kpos[kj]].any()
                         got[cq[s] + qi, kpos[kj]] = True
                     dense = dense_mask(*slots.intervals(window=window), keys)[0, 0]
