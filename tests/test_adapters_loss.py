@@ -48,6 +48,36 @@ def test_cp1_is_the_mean_over_targets_and_zero_without_targets():
         token_loss(logits[:, :-1], batch)
 
 
+
+def test_labels_override_sets_both_the_loss_and_the_target_count():
+    """``labels=`` (a device copy, or labels masked further) replaces the batch's labels in the cross-entropy
+    and in the count it divides by: the mean over the override's own targets."""
+    (batch,) = _shards(1, "identity")[0]
+    table = torch.randn(VOCAB, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logits = _logits(table, batch["input_ids"])
+    labels = batch["labels"].clone()
+    labels[..., ::2] = -100  # drop every other target: the override has about half the batch's targets
+    kept = int(labels.ne(-100).sum())
+    assert 0 < kept < int(batch["labels"].ne(-100).sum())
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert token_loss(logits, batch, labels=labels).item() == pytest.approx(expected.item(), rel=1e-12)
+    assert int(global_target_count(batch, labels=labels)) == kept
+
+
+def test_low_precision_logits_are_reduced_in_float32():
+    """bfloat16 logits: the loss is float32, the cross-entropy of the logits upcast (not bfloat16's own
+    log-softmax, whose rounding a 50-way softmax shows); float64 logits stay float64."""
+    (batch,) = _shards(1, "identity")[0]
+    table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(2)) * 4
+    logits = _logits(table, batch["input_ids"]).to(torch.bfloat16)
+    loss = token_loss(logits, batch)
+    assert loss.dtype == torch.float32
+    wide = F.cross_entropy(logits.double().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    assert loss.item() == pytest.approx(wide.item(), rel=1e-6)
+    narrow = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    assert abs(narrow.item() - wide.item()) > 1e-6 * wide.item()  # bfloat16's own reduction would differ
+    assert token_loss(logits.double(), batch).dtype == torch.float64
+
 def _cp_rank(rank: int, world: int, layout: str) -> dict:
     torch.manual_seed(0)
     table = torch.randn(VOCAB, VOCAB, dtype=torch.float64, requires_grad=True)
