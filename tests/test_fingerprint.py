@@ -248,3 +248,53 @@ def test_a_schedule_resumes_only_onto_the_same_data_not_the_same_lengths(tmp_pat
     with closing_loader(build_loader(open_dataset(a), **SCHEDULED)) as loader:  # the same file opened again
         loader.load_state_dict(state)
         assert [x.info["digest"] for x in loader] == want and want
+
+
+def test_a_list_fingerprint_tells_equal_bytes_of_other_dtypes_apart():
+    """Items whose ``input_ids`` share their raw bytes but not their tokens (uint8 ``[1, 0, 2, 0]`` is
+    little-endian uint16 ``[1, 2]``) are other documents: their lists fingerprint differently."""
+    wide = [{"input_ids": np.array([1, 2], dtype="<u2")}] * 3
+    narrow = [{"input_ids": np.array([1, 0, 2, 0], dtype="u1")}] * 3
+    assert wide[0]["input_ids"].tobytes() == narrow[0]["input_ids"].tobytes()
+    assert source_fingerprint(wide) != source_fingerprint(narrow)
+    assert source_fingerprint(wide) == source_fingerprint([{"input_ids": np.array([1, 2], dtype="<u2")}] * 3)
+
+
+class _Rows(list):
+    """A list subclass with ``.lengths`` and no fingerprint (a subclass may read lazily): its type and the
+    lengths a schedule plans from are all that identify it."""
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(d["input_ids"]) for d in self], dtype=np.int64)
+
+
+def test_a_schedule_over_a_source_without_fingerprint_binds_to_its_lengths():
+    docs = _docs(0)
+    same = _Rows({"input_ids": np.array(d)} for d in docs)
+    shorter = _Rows({"input_ids": np.array(d[: max(1, len(d) // 2)])} for d in docs)  # same count and type
+    assert source_fingerprint(same) is None and len(same) == len(shorter)
+    with closing_loader(build_loader(same, **SCHEDULED)) as loader:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        want = [x.info["digest"] for x in it]
+    with closing_loader(build_loader(shorter, **SCHEDULED)) as loader:
+        with pytest.raises(ValueError, match="saved over other data"):
+            loader.load_state_dict(state)
+            next(iter(loader))
+    with closing_loader(build_loader(_Rows(same), **SCHEDULED)) as loader:  # the same rows resume
+        loader.load_state_dict(state)
+        assert [x.info["digest"] for x in loader] == want and want
+
+
+def test_slices_of_one_dataset_fingerprint_their_own_documents(tmp_path):
+    """``ds[a:b]`` serves other documents than ``ds[c:d]`` of the same count: a resume from one onto the other
+    is refused; the same slice of the file opened again resumes."""
+    path = _write(tmp_path / "d.jsonl", _docs(0))
+    first, second = open_dataset(path)[:30], open_dataset(path)[30:]
+    assert len(first) == len(second) == 30
+    assert source_fingerprint(first) != source_fingerprint(second)
+    assert source_fingerprint(first) == source_fingerprint(open_dataset(path)[0:30:1])
+    message = _restore_error(_state(first), second)
+    assert "fingerprint" in message
