@@ -198,3 +198,23 @@ def test_resume_onto_another_store_and_a_rewritten_store_are_refused(tmp_path):
     write_token_store(docs[:-1], tmp_path / "a", overwrite=True)
     with pytest.raises(ValueError, match="was rewritten since it was opened"):
         a.check_unchanged()
+
+
+def test_a_file_resized_or_removed_under_an_open_store_is_refused_at_the_check(tmp_path):
+    """The manifest untouched, a data file grown, cut or removed since opening: ``check_unchanged`` (each
+    epoch's start) names the file and what happened, before any read meets the bytes."""
+    docs = _docs(20)
+    store = write_token_store(docs, tmp_path / "s", vocab_size=300)
+    store.check_unchanged()  # as written: nothing to report
+    tokens = tmp_path / "s" / "tokens.bin"
+    size = tokens.stat().st_size
+    with open(tokens, "ab") as f:
+        f.write(b"\0\0")  # bytes appended past the last document: no read would ever check them
+    with pytest.raises(ValueError, match=rf"tokens.bin has {size + 2} bytes, the manifest records {size}"):
+        store.check_unchanged()
+    with open(tokens, "r+b") as f:
+        f.truncate(size)
+    store.check_unchanged()  # the same bytes again
+    (tmp_path / "s" / "loss_mask.bin").unlink()
+    with pytest.raises(ValueError, match=r"loss_mask.bin was removed since the store was opened"):
+        store.check_unchanged()
