@@ -194,6 +194,32 @@ def test_plan_refuses_keys_the_rank_does_not_hold():
         varlen.varlen_plan(start, pos, torch.tensor([0, 2]), window=None, device=torch.device("cpu"))
 
 
+
+def test_a_pad_run_longer_than_a_tile_is_cut_into_tiles_of_its_own_keys():
+    """A slot of 10 real tokens and 390 pads, then a 20-token document: each query in exactly one segment;
+    a real query attends its slot's prefix, a pad the pads of its own ``PAD_CHUNK`` piece counted from the
+    slot's first pad, up to itself (brute force over every pair)."""
+    chunk = varlen.PAD_CHUNK
+    n_pad = 3 * chunk + 6  # three whole pieces and a ragged one
+    slot_start = torch.tensor([0] * (10 + n_pad) + [10 + n_pad] * 20)
+    end = torch.tensor([10] * (10 + n_pad) + [30 + n_pad] * 20)
+    n = slot_start.numel()
+    pos = torch.arange(n)
+    plan = varlen.varlen_plan(slot_start[None], pos, pos, window=None, device=torch.device("cpu"), end=end[None])
+    got = torch.zeros(n, n, dtype=torch.int64)
+    cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
+    assert cq[-1] == n
+    for s in range(len(cq) - 1):
+        sq, sk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        qi, kj = segment_mask(sq, sk, plan.window_size).nonzero(as_tuple=True)
+        got[cq[s] + qi, plan.key_index[ck[s] : ck[s + 1]][kj]] += 1
+    want = torch.zeros(n, n, dtype=torch.int64)
+    for q in range(n):
+        first = int(slot_start[q]) if q < end[q] else int(end[q]) + (q - int(end[q])) // chunk * chunk
+        want[q, first : q + 1] = 1
+    assert torch.equal(got, want)
+    assert plan.max_q == chunk and len(cq) - 1 == 1 + 4 + 1  # the real run, four pad pieces, the document
+
 def test_kernel_choice_and_its_logged_fallbacks(caplog, monkeypatch):
     monkeypatch.setattr(varlen, "_LOGGED", set())
     cuda, cpu, bf16, f32 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16, torch.float32
