@@ -293,3 +293,26 @@ def test_layout_for_another_cp_size_or_rank_is_refused():
     for rank, (size_msg, rank_msg) in enumerate(run_ranks(_wrong_layouts, 2)):
         assert "cp_size=4 but the CP mesh has cp_size=2" in size_msg
         assert f"tokens of cp_rank={1 - rank} but this process is cp_rank={rank}" in rank_msg
+
+
+def _overlapping_maps(rank: int, cp: int) -> str:
+    from cpdata.gather import ensure_gather_index
+
+    own = torch.tensor([rank, rank + 1])  # rank 0 holds [0, 1], rank 1 [1, 2]: 1 twice, 3 nowhere
+    with pytest.raises(ValueError) as err:
+        ensure_gather_index(ShardLayout(local_token_global_indices=own))
+    return str(err.value)
+
+
+def test_index_maps_that_are_not_a_permutation_are_refused():
+    """``ensure_gather_index`` inverts the ranks' maps only when they hold every global position once: a
+    position held twice (so another held nowhere) would gather one token twice and lose the other."""
+    from cpdata.gather import ensure_gather_index
+
+    good = ShardLayout(local_token_global_indices=torch.tensor([2, 0, 3, 1]))
+    inverted = ensure_gather_index(good)  # no process group: one rank holds the whole pack
+    assert torch.equal(good.local_token_global_indices[inverted.gather_index], torch.arange(4))
+    with pytest.raises(ValueError, match=r"\(1 x 4\) are not a permutation of range\(4\)"):
+        ensure_gather_index(ShardLayout(local_token_global_indices=torch.tensor([2, 0, 2, 1])))
+    for message in run_ranks(_overlapping_maps, 2):
+        assert "(2 x 2) are not a permutation of range(4)" in message
