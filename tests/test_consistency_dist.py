@@ -35,11 +35,13 @@ def _check(rank: int, cp: int) -> dict[str, str]:
     same = ShardLayout(cp_size=cp, cp_rank=rank, digest=DIGEST)
     odd = ShardLayout(cp_size=cp, cp_rank=rank, digest=DIGEST + (rank == cp - 1))
     missing = ShardLayout(cp_size=cp, cp_rank=rank, digest=None if rank == 0 else DIGEST)
+    too_wide = ShardLayout(cp_size=cp, cp_rank=rank, digest=2**63)  # past int64: not a 63-bit plan digest
     return {
         "equal_mesh": _outcome(lambda: verify_layout_consistency(same, mesh)),
         "equal_batch_group": _outcome(lambda: verify_layout_consistency(_Batch(same), dist.group.WORLD)),
         "one_differs": _outcome(lambda: verify_layout_consistency(odd, mesh)),
         "one_missing": _outcome(lambda: verify_layout_consistency(missing, mesh)),
+        "too_wide": _outcome(lambda: verify_layout_consistency(too_wide, mesh)),
         "after": _outcome(lambda: verify_layout_consistency(same, mesh)),  # still in step after failures
     }
 
@@ -52,6 +54,7 @@ def test_consistency_passes_on_agreement_and_raises_everywhere_otherwise(cp):
     for rank, r in enumerate(results):
         assert r["equal_mesh"] == r["equal_batch_group"] == r["after"] == "ok"
         assert "different shard plans" in r["one_differs"]
+        assert f"layout.digest is {2**63} on cp_rank {rank}" in r["too_wide"], r["too_wide"]
         assert f"min {DIGEST} and max {DIGEST + 1}" in r["one_differs"]
         assert f"this rank (cp_rank {rank}) has digest {DIGEST + (rank == cp - 1)}" in r["one_differs"]
         if rank == 0:
