@@ -78,6 +78,19 @@ def test_a_document_edited_between_epochs_is_refused_at_the_epoch_start(tmp_path
             next(iter(loader))
 
 
+
+def test_the_check_itself_reads_sampled_rows_when_the_mtime_moved(tmp_path):
+    """``check_unchanged`` (each epoch's start) of a JSONL file edited in place, same size, mtime moved: the
+    last row, always sampled, is compared before any read reaches it."""
+    docs = _docs(0)
+    path = _write(tmp_path / "d.jsonl", docs)
+    data = open_dataset(path)
+    data.check_unchanged()
+    _edit_in_place(path, len(docs) - 1)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match=rf"document {len(docs) - 1} \(byte offset \d+\) changed since"):
+        data.check_unchanged()
+
 def test_a_touched_but_unchanged_file_is_served(tmp_path):
     path = _write(tmp_path / "d.jsonl", _docs(0))
     with closing_loader(build_loader(open_dataset(path), **records(**CFG))) as loader:
