@@ -70,6 +70,23 @@ def test_thd_cp1_sentinels_and_equal_lengths():
     assert out["max_seqlen"].item() == 6 and not out["padding_mask"].any()
 
 
+
+@pytest.mark.parametrize(
+    ("seq_lens", "seq_lens_padded", "message"),
+    [
+        ([[5, 2]], [[4, 4]], r"row 0: seq_lens \[5, 2\] must be >= 0 and <= seq_lens_padded \[4, 4\]"),
+        ([[3, -1]], [[4, 4]], r"must be >= 0 and <= seq_lens_padded"),
+        ([[3, 3]], [[4, 5]], r"seq_lens_padded \[4, 5\] sum to 9 > the row's 8 tokens"),
+        ([[3, -1000]], [[4, 4]], r"mark different entries with the sentinel -1000"),
+    ],
+)
+def test_thd_lengths_that_do_not_fit_their_slots_or_the_row_are_refused(seq_lens, seq_lens_padded, message):
+    """A document longer than its slot would spill into the next one, slots past the row into the next row,
+    unmatched sentinels would pair lengths with other documents' slots: each refused, naming the row."""
+    with pytest.raises(ValueError, match=message):
+        shard(thd_batch(seq_lens, seq_lens_padded, 1, 8))
+    shard(thd_batch([[3, 4]], [[4, 4]], 1, 8))  # the same row with lengths that fit
+
 @pytest.mark.parametrize(
     ("real", "slots", "cu", "max_seqlen"),
     [
