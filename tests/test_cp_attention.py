@@ -117,3 +117,35 @@ def test_window_keeps_the_last_w_keys_over_global_positions(causal):
     assert not torch.allclose(out, SDPA(q, k, v, attn_mask=docs[0][:, None] == docs[0][None, :]), atol=1e-3)
     with pytest.raises(ValueError, match=r"^window must be an int >= 1 or None, got 0 \(a sliding window's keys"):
         ContextParallelAttention(layout, window=0)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_callers_global_mask_applies_within_the_document_mask(additive):
+    """cp 1: a mask over the global keys (bool, or additive with -inf) is combined with the documents: a key
+    outside the query's document stays hidden whatever the caller's mask allows."""
+    n = 10
+    layout = ShardLayout(local_token_global_indices=torch.arange(n), gather_index=torch.arange(n), cp_size=1)
+    docs = torch.tensor([0] * 6 + [1] * 4)[None]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    allowed = torch.rand(n, n, generator=g) < 0.6
+    allowed |= torch.eye(n, dtype=torch.bool)  # every query keeps a key
+    mask = allowed if not additive else torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, -torch.inf)
+    with ContextParallelAttention(layout, document_ids=docs, cu_seqlens_padded=torch.tensor([0, 6, 10])) as ctx:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert ctx.served == 1
+    same_doc = docs[0][:, None] == docs[0][None, :]
+    assert torch.allclose(out, SDPA(q, k, v, attn_mask=allowed & same_doc), atol=1e-12)
+    assert (allowed & ~same_doc).any(), "the caller's mask alone would cross documents"
+    assert not torch.allclose(out, SDPA(q, k, v, attn_mask=allowed), atol=1e-3)
+
+
+def test_document_mask_false_counts_documents_not_empty_slots():
+    """``ctx(document_mask=False)`` is allowed where every row holds one document: a slot of only pads (real
+    length 0) is no second document; two real documents in a row are refused."""
+    docs = torch.tensor([0, 0, 1, 1])  # rank 0's ids; the slots: [0, 6) one document, [6, 8) pads only
+    one = AttentionContextFactory(LAYOUT, None, docs, torch.tensor([0, 6, 8]), torch.tensor([0, 6, 6]))
+    assert one(document_mask=False, require_calls=False).core.document_ids is None
+    two = AttentionContextFactory(LAYOUT, None, docs, torch.tensor([0, 6, 8]), torch.tensor([0, 6, 7]))
+    with pytest.raises(ValueError, match="a pack with 2 documents in one row"):
+        two(document_mask=False)
