@@ -71,7 +71,7 @@ def _close(a, b) -> bool:
 
 def _exchange_matches_full(rank: int, cp: int) -> dict:
     rng = np.random.default_rng(100 + cp)
-    out = {"checked": 0, "fewer": 0, "received": 0, "differs": 0}
+    out = {"checked": 0, "fewer": 0, "received": 0, "differs": 0, "bidirectional": 0}
     for layout in CP_LAYOUTS:
         for long in (False, True):
             rows, starts, docs = _pack(layout, cp, rng, long)
@@ -120,6 +120,13 @@ def _exchange_matches_full(rank: int, cp: int) -> dict:
                 assert _close(lv.grad, dv.index_select(2, idx)), (layout, long, path)
                 local_only = F.scaled_dot_product_attention(lq, lk, lv, is_causal=True)
                 out["differs"] += int(not _close(local_only, o))
+                if path == "ctx":  # bidirectional: the plan holds each query's causal keys only, so all travel
+                    with ContextParallelAttention(lay, None, document_ids=doc_local, cu_seqlens_padded=cu_rows):
+                        both_ways = F.scaled_dot_product_attention(*(t.detach() for t in (lq, lk, lv)))
+                    same_doc = torch.from_numpy(docs[:, None] == docs[None, :])
+                    want = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc).index_select(2, idx)
+                    assert _close(both_ways, want), (layout, long, "bidirectional")
+                    out["bidirectional"] += 1
                 out["checked"] += 1
             out["fewer"] += int(plan.n_recv < (cp - 1) * local)
             out["received"] += int(plan.n_recv > 0)
@@ -129,7 +136,7 @@ def _exchange_matches_full(rank: int, cp: int) -> dict:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_through_the_exchange_equals_full_document_causal_attention(cp):
     results = run_ranks(_exchange_matches_full, cp, timeout=120)
-    assert all(r["checked"] == 2 * 2 * len(CP_LAYOUTS) for r in results)
+    assert all(r["checked"] == 2 * 2 * len(CP_LAYOUTS) == 2 * r["bidirectional"] for r in results)
     assert sum(r["fewer"] for r in results) >= len(CP_LAYOUTS)  # the exchange moves less than an all-gather
     assert sum(r["received"] for r in results) >= 2 * len(CP_LAYOUTS)  # and something does move
     assert sum(r["differs"] for r in results) >= cp * len(CP_LAYOUTS)  # local-only attention is not the answer
