@@ -210,6 +210,11 @@ def test_bad_input_is_refused_naming_the_file_and_the_fix(tmp_path):
         _ = MegatronIndexed(prefix)[5]
     with pytest.raises(ValueError, match=r"sequence 5 .* does not follow the one before it"):
         _ = MegatronIndexed(prefix).lengths
+    damaged = bytearray(good_idx)
+    damaged[34 + 12 * 30 + 8 * 29 : 34 + 12 * 30 + 8 * 30] = (31).to_bytes(8, "little")  # past the 30 sequences
+    idx.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"document 28 spans sequences 28\.\.31; the index is damaged"):
+        _ = MegatronIndexed(prefix)[28]  # read before .lengths checked the whole index
     idx.unlink()
     with pytest.raises(ValueError, match=r"c\.idx does not exist; a Megatron indexed dataset is PREFIX\.bin and"):
         open_dataset(prefix)
@@ -232,6 +237,8 @@ def test_bad_input_is_refused_naming_the_file_and_the_fix(tmp_path):
     (tmp_path / "f.bin").write_bytes(np.array([1, 2.5, 3], np.float32).tobytes())
     with pytest.raises(ValueError, match="document 0 holds 2.5 at position 1; token ids are whole numbers"):
         _ = open_dataset(floats)[0]
+    with pytest.raises(ValueError, match="document 0 holds 2.5 at position 1; token ids are whole numbers"):
+        open_dataset(floats).check_token_ids()  # the id scan (precompute's) finds it too, without a read first
 
 
 def test_multimodal_indexes_read_text_and_refuse_other_modes(tmp_path):
