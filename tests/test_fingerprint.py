@@ -140,6 +140,16 @@ def test_in_memory_list_changed_between_epochs_is_refused():
             next(iter(loader))
 
 
+
+def test_in_memory_tuple_edited_in_place_between_epochs_is_refused():
+    """A tuple cannot be reassigned, but its items can be edited in place: checked like a list."""
+    docs = tuple({"input_ids": np.array(d)} for d in _docs(0))
+    with closing_loader(build_loader(docs, **records(**CFG))) as loader:
+        assert [b.info["digest"] for b in loader]
+        docs[0]["input_ids"][0] += 1
+        with pytest.raises(ValueError, match="the source list changed since it was first read"):
+            next(iter(loader))
+
 def test_a_list_fingerprint_reads_values_not_object_pointers():
     """Equal items built apart fingerprint alike, also when ``input_ids`` is an object array (large Python
     ints): its raw bytes are pointers, which differ between copies and between processes."""
