@@ -311,3 +311,19 @@ def test_plan_of_runs_checked_path_equals_the_checked_one():
     assert np.array_equal(a.need, b.need) and np.array_equal(a.starts, b.starts) and a.need.sum() > 0
     with pytest.raises(ValueError, match="local_len must be"):
         exchange_plan_of_runs(starts, owners, local, cp_size=2, local_len=0, slot_starts=slots)
+
+
+def test_exchange_tokens_refuses_a_tensor_of_another_length():
+    """The plan's send indices address this rank's ``L`` local tokens: a tensor of ``L + 1`` (another batch, or
+    the wrong ``seq_dim``) is refused before any collective, not exchanged from the wrong rows."""
+    from cpdata.device.kv_exchange import exchange_tokens
+    from cpdata.layout.shard_layout import ShardLayout
+
+    rows = rank_indices("contiguous", 2, np.array([6, 2]), 8)
+    layout = ShardLayout(local_token_global_indices=torch.from_numpy(rows[1]), padded_seq_len=8, cp_size=2,
+                         cp_rank=1, kv_exchange=exchange_plan(rows, [0, 6]).rank(1))  # fmt: skip
+    assert layout.kv_exchange.n_recv > 0  # rank 1's queries of the first document need rank 0's keys
+    with pytest.raises(ValueError, match=r"tensor has 5 tokens on dim 1 but the layout holds 4 local positions"):
+        exchange_tokens(torch.zeros(1, 5, 3), layout)
+    with pytest.raises(ValueError, match=r"tensor has 3 tokens on dim 2"):
+        exchange_tokens(torch.zeros(1, 4, 3), layout, seq_dim=2)
