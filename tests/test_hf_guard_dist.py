@@ -42,14 +42,18 @@ def _summed_loss(model, kwargs) -> float:
     return loss.item()
 
 
-def _steps(rank: int, world: int, impls: tuple[str, str], with_config: bool) -> tuple[list[float], list, str]:
-    """Run up to two packs; the summed losses of the steps that ran, the packs, and the refusal (or "")."""
+def _steps(rank: int, world: int, impls: tuple[str, str], with_config: bool,
+           rebuild: bool = False) -> tuple[list[float], list, str]:  # fmt: skip
+    """Run up to two packs; the summed losses of the steps that ran, the packs, and the refusal (or "");
+    ``rebuild``: each step's kwargs are built twice for its batch, the first never run (they are replaced)."""
     register_hf_attention()
     _LAST.state, _LAST.calls = None, 0
     model = build("llama", impls[rank])
     losses, packs = [], _packs(2, rank)
     try:
         for batches in packs:
+            if rebuild:
+                hf_model_kwargs(batches[rank], "cpdata", group=dist.group.WORLD, config=model if with_config else None)
             kwargs = hf_model_kwargs(batch := batches[rank], "cpdata", group=dist.group.WORLD,
                                      config=model if with_config else None)  # fmt: skip
             assert int(kwargs["num_items_in_batch"]) == int(global_target_count(batch, dist.group.WORLD))
@@ -68,6 +72,14 @@ def test_both_ranks_on_cpdata_run_and_match_each_document_alone():
     assert refusal == "" and len(losses) == 2
     for loss, full in zip(losses, packs, strict=True):
         assert abs(loss - _reference(full)) < 1e-6 * abs(loss)  # HF computes the loss in float32
+
+
+def test_kwargs_rebuilt_for_the_same_batch_replace_the_unrun_ones():
+    """Kwargs built for a batch and built again for it (e.g. to read num_items_in_batch first) are no slip:
+    only kwargs of an earlier batch that never reached the attention are."""
+    for losses, packs, refusal in run_ranks(_steps, 2, ("cpdata", "cpdata"), True, True, timeout=300):
+        assert refusal == "" and len(losses) == 2, refusal
+        assert abs(losses[0] - _reference(packs[0])) < 1e-6 * abs(losses[0])
 
 
 def test_one_rank_on_sdpa_with_config_fails_on_every_rank_before_the_model():
