@@ -442,6 +442,17 @@ def test_presharded_batch_is_only_moved_and_checked():
             ContextParallelSharder(None, FakeMesh(2, r), batch, loss_mask=torch.ones(1, 8)).shard(batch)
 
 
+
+def test_presharded_batch_at_cp1_gets_no_cp_attention():
+    """cp 1: every key is local, so the sharder hands back no attention context (nullcontext), the batch's
+    tensors as they are: the model's own attention runs untouched."""
+    rows = rank_indices("identity", 1, [3, 5], 8)
+    batch = Presharded({"input_ids": torch.arange(8)[None, :], "document_ids": torch.tensor([[0] * 3 + [1] * 5]),
+                        "cu_seqlens_padded": torch.tensor([0, 3, 8])}, make_layout(rows, 0))  # fmt: skip
+    for mesh in (None, FakeMesh(1, 0)):
+        ctx, out = ContextParallelSharder(None, mesh, batch).shard(batch)
+        assert ctx is contextlib.nullcontext and all(torch.equal(out[k], batch[k]) for k in batch)
+
 def test_sharded_batch_from_the_workers_is_accepted():
     batch_mod = pytest.importorskip("cpdata.worker.batch")
     rows = rank_indices("thd", 2, [4, 4], 8)
