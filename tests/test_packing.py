@@ -619,3 +619,39 @@ def test_empty_input():
     r = plan_lengths([], capacity=8, layout="identity", cp_size=1)
     assert r.n_packs == 0 and r.pack_offsets.tolist() == [0] and r.stats.packs == 0
     assert not r.doc_index.flags.writeable
+
+
+def test_ffd_without_a_window_packs_the_whole_stream_at_once():
+    """``window=None`` means the whole stream for ``ffd`` (every other packer: DEFAULT_WINDOW): its packs are
+    first-fit-decreasing over all the documents, which a per-window plan of the same stream is not."""
+    lengths = np.random.default_rng(5).integers(1, 41, DEFAULT_WINDOW + 300)
+    capacity = 64
+    whole = _ref_ffd(lengths.tolist(), capacity, [lengths.shape[0]])
+    windowed = _ref_ffd(lengths.tolist(), capacity, _ref_window_ends(lengths, DEFAULT_WINDOW, capacity))
+    assert whole != windowed, "the stream is long enough for windows to change the packs"
+    r = plan_lengths(lengths, capacity=capacity, layout="identity", cp_size=1, algorithm="ffd")
+    assert r.config.window is None
+    assert [[d for d, *_ in p] for p in _packs(r)] == whole
+
+
+@pytest.mark.parametrize("algorithm", ["next_fit", "concat"])
+def test_a_pack_filled_to_the_last_token_leaves_in_the_window_that_fills_it(algorithm):
+    """next_fit (and concat, its back end) emit a full pack at once instead of holding it open until a later
+    piece does not fit: the window's packs hold it and nothing is carried."""
+    config = PackingConfig.resolve(capacity=8, layout="identity", cp_size=1, algorithm=algorithm, window=2)
+    planner = StreamPlanner(config)
+    _, keys, packs = planner.add_window(np.array([3, 5]), np.arange(2))
+    assert [list(p) for p in packs] == [keys.tolist()] == [[0, 1]]
+    assert planner.state()["carry_keys"].size == 0
+    _, keys, packs = planner.add_window(np.array([2, 2]), np.arange(2, 4))  # half a pack: carried
+    assert len(packs) == 0 and planner.state()["carry_keys"].tolist() == keys.tolist() == [2, 3]
+
+
+def test_bfd_finish_keeps_the_carried_bins_when_no_repacking_saves_one():
+    """At the end of the stream the carried bins are re-packed only when that takes fewer bins: 6+1, 6+1, 6 in
+    packs of 10 need three bins however packed (best fit would make 6+1+1, 6, 6), so they leave as carried."""
+    packer = decreasing.BestFitDecreasing(10)
+    carried = [([0, 3], [6, 1]), ([1, 4], [6, 1]), ([2], [6])]
+    packer.load_carry(carried)
+    assert best_fit_decreasing(np.array([6, 6, 6, 1, 1]), 10)[0].tolist() == [0, 1, 2, 0, 0], "best fit differs"
+    assert [list(p) for p in packer.finish()] == [keys for keys, _ in carried]
