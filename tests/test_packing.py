@@ -24,6 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
+from cpdata.packing.pieces import piece_continues
 from cpdata.packing.planner import StreamPlanner, carry_and_wait, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
@@ -655,3 +656,19 @@ def test_bfd_finish_keeps_the_carried_bins_when_no_repacking_saves_one():
     packer.load_carry(carried)
     assert best_fit_decreasing(np.array([6, 6, 6, 1, 1]), 10)[0].tolist() == [0, 1, 2, 0, 0], "best fit differs"
     assert [list(p) for p in packer.finish()] == [keys for keys, _ in carried]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_piece_continues_only_into_the_piece_that_starts_where_it_ends(data):
+    """Against a search over disjoint pieces of a few documents, kept or left out at random and in any order: a
+    piece continues when a piece of the same document starts at its end (a gap or nothing there: it does not)."""
+    pieces = []
+    for d in range(data.draw(st.integers(0, 4))):
+        cuts = sorted(data.draw(st.sets(st.integers(1, 15), max_size=5)))
+        bounds = [0, *cuts, 16]
+        pieces += [(d, a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if data.draw(st.booleans())]
+    pieces = data.draw(st.permutations(pieces))
+    doc, start, length = (np.array([p[i] for p in pieces], dtype=np.int64) for i in range(3))
+    want = [any(d2 == d and s2 == s + n for d2, s2, _ in pieces) for d, s, n in pieces]
+    assert piece_continues(doc, start, length).tolist() == want
