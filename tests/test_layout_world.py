@@ -14,10 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kv_exchange_plan import check_against_brute
 
+from cpdata.layout import world_deal
 from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
-from cpdata.layout.tiles import exchange_tiles, first_keys
+from cpdata.layout.tiles import exchange_tiles, first_keys, live_tiles
 from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles, world_runs
+from cpdata.packing import plan_lengths
+from cpdata.packing.distributions import sample_lengths
 
 
 def _owners(rows: np.ndarray) -> np.ndarray:
@@ -299,3 +302,24 @@ def _rows_of(starts, sizes, owners, world):
     for s, n, r in zip(starts.tolist(), sizes.tolist(), owners.tolist(), strict=True):
         rows[r].extend(range(s, s + n))
     return np.array(rows, dtype=np.int64)
+
+
+def test_the_deal_keeps_the_spread_that_balances_best_over_spreading_only_the_longest(monkeypatch):
+    """Packs filled to the token (concat, ultrachat, 32 x 4K): the deal tries each of SPREAD_FRACTIONS and keeps
+    the least busiest rank, so its live tiles' max over mean is lower than spreading at 1.0 alone
+    (measured: 1.198 against 1.253 on these six packs)."""
+    world, local = 32, 4096
+    pack_len, spec = world * local, layout_spec("world", node_size=8)
+    plan = plan_lengths(sample_lengths("ultrachat", 1200, seed=0), capacity=pack_len, layout="identity", cp_size=1,
+                        algorithm="concat")  # fmt: skip
+    packs = [plan.pack(p)[3] for p in range(6)]
+
+    def imbalance() -> np.ndarray:
+        tiles = [live_tiles(rank_indices(spec, world, lens, pack_len), lens, pack_len, 128) for lens in packs]
+        return np.array([t.max() / t.mean() for t in tiles])
+
+    chosen = imbalance()
+    monkeypatch.setattr(world_deal, "SPREAD_FRACTIONS", (1.0,))
+    longest_only = imbalance()
+    # (kept by the predicted tiles, so a pack may come out a hair worse in live tiles; on average clearly better)
+    assert chosen.mean() < longest_only.mean() - 0.02, (chosen, longest_only)
