@@ -323,3 +323,17 @@ def test_the_deal_keeps_the_spread_that_balances_best_over_spreading_only_the_lo
     longest_only = imbalance()
     # (kept by the predicted tiles, so a pack may come out a hair worse in live tiles; on average clearly better)
     assert chosen.mean() < longest_only.mean() - 0.02, (chosen, longest_only)
+
+
+def test_the_deal_counts_a_ring_of_c_ranks_receiving_c_minus_1_shares():
+    """4 ranks of 1024, nodes of 2, an intra-node link moving 30 keys in a tile's time: the 1362-token
+    document (72.6 tiles alone, grid_tiles) is too long for a rank. The share is 36.6 tiles (146.6 with the pad
+    tail's 5 blocks, over 4); on 2 ranks of a node each computes 36.3 and the ring's busiest receives the other
+    half, 681 keys = 22.7 tile times: within the share, so it stays on 2 ranks (counting the rank's own share
+    as received, 45.4, would push it to a third rank on the other node)."""
+    lens = [1362, 706, 624, 756]
+    spec = layout_spec("world", node_size=2, cost=WorldCost.of_ratios(30.0, 10.0))
+    share = (sum(grid_tiles(n, 128) for n in lens) + (4096 - sum(lens)) // 128) / 4
+    assert grid_tiles(lens[0], 128) / 2 <= share < lens[0] / 30  # fits two ranks, unless a whole share is received
+    owner = _owners(layout_runs(spec, 4, lens, 4096).rows())
+    assert sorted(set(owner[: lens[0]].tolist())) in ([0, 1], [2, 3])
