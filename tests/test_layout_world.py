@@ -17,8 +17,8 @@ from test_kv_exchange_plan import check_against_brute
 from cpdata.layout import world_deal
 from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
-from cpdata.layout.tiles import exchange_tiles, first_keys, live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, grid_tiles, world_runs
+from cpdata.layout.tiles import block_tiles, exchange_tiles, first_keys, live_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, grid_tiles, world_runs
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
 
@@ -337,3 +337,11 @@ def test_the_deal_counts_a_ring_of_c_ranks_receiving_c_minus_1_shares():
     assert grid_tiles(lens[0], 128) / 2 <= share < lens[0] / 30  # fits two ranks, unless a whole share is received
     owner = _owners(layout_runs(spec, 4, lens, 4096).rows())
     assert sorted(set(owner[: lens[0]].tolist())) in ([0, 1], [2, 3])
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_alone_tiles_are_a_documents_live_tiles_by_itself(tile):
+    """``alone_tiles`` against the block count of the document alone in a pack of its length (a partial last
+    block counts, as flex pads it): lengths around the tile boundaries."""
+    lengths = [1, tile - 1, tile, tile + 1, 3 * tile - 1, 3 * tile, 3 * tile + 1, 1000]
+    assert [alone_tiles(n, tile) for n in lengths] == [int(block_tiles([n], n, tile).sum()) for n in lengths]
