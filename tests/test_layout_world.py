@@ -19,6 +19,7 @@ from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import block_tiles, exchange_tiles, first_keys, live_tiles
 from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, grid_tiles, world_runs
+from cpdata.layout.world_plan import WorldBins
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
 
@@ -345,3 +346,14 @@ def test_alone_tiles_are_a_documents_live_tiles_by_itself(tile):
     block counts, as flex pads it): lengths around the tile boundaries."""
     lengths = [1, tile - 1, tile, tile + 1, 3 * tile - 1, 3 * tile, 3 * tile + 1, 1000]
     assert [alone_tiles(n, tile) for n in lengths] == [int(block_tiles([n], n, tile).sum()) for n in lengths]
+
+
+def test_a_spread_document_takes_the_least_loaded_window_of_ranks():
+    """Four ranks of 100 tokens: two 10-token documents go to ranks 0 and 1 (least loaded, ties the lowest); a
+    150-token document needs two ranks of 75 (THD chunks 38 + 37 each) and every window of two has room, so it
+    takes ranks 2 and 3, the ones with no load."""
+    bins = WorldBins(100, 4, 4)
+    assert [bins.place(10), bins.place(10)] == [[(0, 10, 0)], [(0, 10, 1)]]
+    runs = bins.place(150)
+    assert sorted({r for _, _, r in runs}) == [2, 3]
+    assert sorted(n for _, n, _ in runs) == [37, 37, 38, 38] and bins.room == [90, 90, 25, 25]
