@@ -452,8 +452,9 @@ def test_windows_grow_to_a_few_packs_and_no_further():
     cases = {"long": np.full(100, 1000), "empty": np.zeros(3000, np.int64), "one token": np.ones(3000, np.int64),
              "short": np.full(500, 5)}
     sizes = {name: np.diff([0, *window_ends(lengths, config)]) for name, lengths in cases.items()}
-    assert (sizes["long"][:-1] == 8).all(), "a document over the capacity counts as one pack"
-    assert (sizes["empty"][:-1] == WINDOW_PACKS * 64).all() and (sizes["one token"][:-1] == WINDOW_PACKS * 64).all()
+    assert sizes["long"].tolist() == [8] * 12 + [4], "a document over the capacity counts as one pack"
+    each = WINDOW_PACKS * 64  # an empty document counts as one token, as a one-token one does
+    assert sizes["empty"].tolist() == sizes["one token"].tolist() == [each] * (3000 // each) + [3000 % each]
     assert sizes["short"][0] == -(-WINDOW_PACKS * 64 // 5) > 8
 
 
@@ -672,3 +673,11 @@ def test_piece_continues_only_into_the_piece_that_starts_where_it_ends(data):
     doc, start, length = (np.array([p[i] for p in pieces], dtype=np.int64) for i in range(3))
     want = [any(d2 == d and s2 == s + n for d2, s2, _ in pieces) for d, s, n in pieces]
     assert piece_continues(doc, start, length).tolist() == want
+
+
+def test_first_fit_emits_its_eight_rows_when_a_piece_fits_none():
+    """Nine 6-token documents in packs of 10 open a row each: the ninth finds eight rows open and none with
+    room, so the eight leave and it starts a new batch, where the 4-token document that follows joins it."""
+    lengths = [6] * 9 + [4]
+    r = plan_lengths(lengths, capacity=10, layout="identity", cp_size=1, algorithm="first_fit")
+    assert [[d for d, *_ in p] for p in _packs(r)] == _ref_first_fit(lengths, 10) == [[d] for d in range(8)] + [[8, 9]]
