@@ -99,3 +99,12 @@ def test_world_bfd_emits_a_carried_pack_once_its_oldest_piece_is_max_age_windows
             waits += [w - arrived[k] for k in pack]
     assert waits, "a pack left before the end of the stream"
     assert max(waits) <= MAX_AGE + 1
+
+
+def test_world_bfd_carries_the_emptiest_packs():
+    """One rank of 64 tokens a pack: pieces of 40, 35 and 30 tokens open a pack each (rooms 24, 29, 34, all over
+    a quarter rank); the two emptiest (30 and 35) are carried, the fullest leaves."""
+    packer = WorldPacker(64, 1, 1)
+    out = packer.place(np.arange(3, dtype=np.int64), np.array([40, 35, 30], dtype=np.int64))
+    assert [list(p) for p in out] == [[0]]
+    assert sorted(packer.carry_columns()[1].tolist()) == [1, 2]
