@@ -357,3 +357,12 @@ def test_a_spread_document_takes_the_least_loaded_window_of_ranks():
     runs = bins.place(150)
     assert sorted({r for _, _, r in runs}) == [2, 3]
     assert sorted(n for _, n, _ in runs) == [37, 37, 38, 38] and bins.room == [90, 90, 25, 25]
+
+
+def test_a_cut_document_starts_on_the_rank_with_most_room_among_the_least_loaded():
+    """Two ranks of 100: the 151-token document spreads over both as THD chunks (38 + 37 on rank 0, 38 + 38 on
+    rank 1: equal tiles, 25 and 24 tokens of room); the 49-token one fits neither whole, so it is cut over the
+    equally loaded ranks, the one with more room first: tokens 151-175 on rank 0, 176-199 on rank 1."""
+    lens = [151, 49]
+    owner = _owners(layout_runs(layout_spec("world", node_size=2), 2, lens, 200).rows())
+    assert owner.tolist() == [0] * 38 + [1] * 76 + [0] * 37 + [0] * 25 + [1] * 24
