@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from cpdata.adapters import document_causal_mask, flex_block_mask
 from cpdata.device.kv_exchange import exchanged_key_positions
-from cpdata.layout.exchange import RankExchange, exchange_plan, kv_recv_fraction
+from cpdata.layout.exchange import RankExchange, exchange_plan, kv_recv_fraction, node_recv
 from cpdata.layout.maps import rank_indices
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
@@ -105,6 +105,32 @@ def layouts(draw):
 def test_plan_equals_brute_force_for_any_permutation_rows(case):
     rows, starts, n_rows, real_ends = case
     check_against_brute(rows, starts, n_rows, real_ends)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts())
+def test_recv_fraction_and_node_split_count_what_each_rank_receives(case):
+    """``kv_recv_fraction`` is the busiest receiver's keys over an all-gather's and ``node_recv`` splits every
+    rank's received keys by the source's node, both against the brute-force needs (a rank's sends differ)."""
+    rows, starts, n_rows, real_ends = case
+    cp, local = rows.shape
+    plan = exchange_plan(rows, np.asarray(starts), n_rows=n_rows, real_ends=real_ends)
+    want = brute_need(rows, starts, n_rows, real_ends)
+    recv = [sum(len(want[(src, dst)]) for src in range(cp)) for dst in range(cp)]
+    assert kv_recv_fraction(plan) == (max(recv) / ((cp - 1) * local) if cp > 1 else 0.0)
+    for node in (n for n in range(1, cp + 1) if cp % n == 0):
+        intra, inter = node_recv(plan, node)
+        near = [sum(len(want[(src, dst)]) for src in range(cp) if src // node == dst // node) for dst in range(cp)]
+        assert intra.tolist() == near and (intra + inter).tolist() == recv
+
+
+def test_recv_fraction_and_node_split_are_the_receivers_not_the_senders():
+    """Contiguous, cp 3, 8 tokens a rank, documents [0, 6) and [6, 24): rank 1 receives 6-7 (2 keys) and rank 2
+    receives 6-15 (10), while rank 0 sends 4 and rank 1 sends 8."""
+    plan = exchange_plan(rank_indices("contiguous", 3, [6, 18], 24), [0, 6])
+    assert kv_recv_fraction(plan) == 10 / 16
+    assert [x.tolist() for x in node_recv(plan, 3)] == [[0, 2, 10], [0, 0, 0]]  # one node
+    assert [x.tolist() for x in node_recv(plan, 1)] == [[0, 0, 0], [0, 2, 10]]  # a node a rank
 
 
 def test_known_needs_contiguous_one_document_and_one_document_per_rank():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import subprocess
 import sys
 
@@ -240,6 +241,34 @@ def test_pairwise_resplits_take_a_small_deal_to_the_integer_bound():
     assert np.bincount(owner, cost).max() == bound
     assert np.array_equal(np.bincount(owner, minlength=cp), np.full(cp, n // cp))
     assert np.array_equal(owner, tiled_owners(lens, pack_len, cp, tile))
+
+
+@pytest.mark.parametrize(("lens", "cp", "blocks"), [
+    ([13, 35, 12, 362], 4, 2),  # at 2 blocks a rank the deal's busiest rank is optimal, the others not
+    ([150, 213], 4, 2),
+    ([329, 42, 3], 4, 2),
+    ([400, 61, 300], 4, 3),
+    ([700, 24], 3, 4),
+])  # fmt: skip
+def test_small_deals_leave_no_pair_of_ranks_a_better_split(lens, cp, blocks):
+    """Up to RESPLIT_BLOCKS blocks a rank, no two ranks can share their blocks out more evenly (less sum of
+    squared live tiles, the busiest no busier): brute force over every split of every pair's blocks."""
+    tile = 64
+    pack_len = cp * blocks * tile
+    rows = rank_indices("tiled", cp, lens, pack_len, tile=tile)
+    cost = block_tiles(lens, pack_len, tile)
+    load = live_tiles(rows, lens, pack_len, tile)
+    held = rows[:, ::tile] // tile  # every rank's whole blocks
+    assert np.array_equal(load, cost[held].sum(axis=1)), "a tiled rank pays its blocks' tiles"
+    better = []
+    for a, b in itertools.combinations(range(cp), 2):
+        both = np.concatenate([held[a], held[b]])
+        for pick in itertools.combinations(range(2 * blocks), blocks):
+            la = int(cost[both[list(pick)]].sum())
+            lb = int(load[a] + load[b]) - la
+            if max(la, lb) <= load.max() and la * la + lb * lb < load[a] ** 2 + load[b] ** 2:
+                better.append((a, b, la, lb))
+    assert not better, (load.tolist(), better[:3])
 
 
 def test_tiled_causal_work_in_info_equals_the_rows_work():

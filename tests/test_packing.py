@@ -24,6 +24,7 @@ from cpdata.packing import (
 from cpdata.packing.decreasing import best_fit_decreasing
 from cpdata.packing.distributions import BENCHMARK_CASES, HARD_CASES, sample_lengths
 from cpdata.packing.filling import ROUNDS, exact_fill
+from cpdata.packing.pieces import piece_continues
 from cpdata.packing.planner import StreamPlanner, carry_and_wait, window_ends
 
 LAYOUT_CP = [("identity", 1), ("contiguous", 2), ("round_robin", 2), ("thd", 2), ("thd", 3), ("balanced", 4)]
@@ -451,8 +452,9 @@ def test_windows_grow_to_a_few_packs_and_no_further():
     cases = {"long": np.full(100, 1000), "empty": np.zeros(3000, np.int64), "one token": np.ones(3000, np.int64),
              "short": np.full(500, 5)}
     sizes = {name: np.diff([0, *window_ends(lengths, config)]) for name, lengths in cases.items()}
-    assert (sizes["long"][:-1] == 8).all(), "a document over the capacity counts as one pack"
-    assert (sizes["empty"][:-1] == WINDOW_PACKS * 64).all() and (sizes["one token"][:-1] == WINDOW_PACKS * 64).all()
+    assert sizes["long"].tolist() == [8] * 12 + [4], "a document over the capacity counts as one pack"
+    each = WINDOW_PACKS * 64  # an empty document counts as one token, as a one-token one does
+    assert sizes["empty"].tolist() == sizes["one token"].tolist() == [each] * (3000 // each) + [3000 % each]
     assert sizes["short"][0] == -(-WINDOW_PACKS * 64 // 5) > 8
 
 
@@ -619,3 +621,63 @@ def test_empty_input():
     r = plan_lengths([], capacity=8, layout="identity", cp_size=1)
     assert r.n_packs == 0 and r.pack_offsets.tolist() == [0] and r.stats.packs == 0
     assert not r.doc_index.flags.writeable
+
+
+def test_ffd_without_a_window_packs_the_whole_stream_at_once():
+    """``window=None`` means the whole stream for ``ffd`` (every other packer: DEFAULT_WINDOW): its packs are
+    first-fit-decreasing over all the documents, which a per-window plan of the same stream is not."""
+    lengths = np.random.default_rng(5).integers(1, 41, DEFAULT_WINDOW + 300)
+    capacity = 64
+    whole = _ref_ffd(lengths.tolist(), capacity, [lengths.shape[0]])
+    windowed = _ref_ffd(lengths.tolist(), capacity, _ref_window_ends(lengths, DEFAULT_WINDOW, capacity))
+    assert whole != windowed, "the stream is long enough for windows to change the packs"
+    r = plan_lengths(lengths, capacity=capacity, layout="identity", cp_size=1, algorithm="ffd")
+    assert r.config.window is None
+    assert [[d for d, *_ in p] for p in _packs(r)] == whole
+
+
+@pytest.mark.parametrize("algorithm", ["next_fit", "concat"])
+def test_a_pack_filled_to_the_last_token_leaves_in_the_window_that_fills_it(algorithm):
+    """next_fit (and concat, its back end) emit a full pack at once instead of holding it open until a later
+    piece does not fit: the window's packs hold it and nothing is carried."""
+    config = PackingConfig.resolve(capacity=8, layout="identity", cp_size=1, algorithm=algorithm, window=2)
+    planner = StreamPlanner(config)
+    _, keys, packs = planner.add_window(np.array([3, 5]), np.arange(2))
+    assert [list(p) for p in packs] == [keys.tolist()] == [[0, 1]]
+    assert planner.state()["carry_keys"].size == 0
+    _, keys, packs = planner.add_window(np.array([2, 2]), np.arange(2, 4))  # half a pack: carried
+    assert len(packs) == 0 and planner.state()["carry_keys"].tolist() == keys.tolist() == [2, 3]
+
+
+def test_bfd_finish_keeps_the_carried_bins_when_no_repacking_saves_one():
+    """At the end of the stream the carried bins are re-packed only when that takes fewer bins: 6+1, 6+1, 6 in
+    packs of 10 need three bins however packed (best fit would make 6+1+1, 6, 6), so they leave as carried."""
+    packer = decreasing.BestFitDecreasing(10)
+    carried = [([0, 3], [6, 1]), ([1, 4], [6, 1]), ([2], [6])]
+    packer.load_carry(carried)
+    assert best_fit_decreasing(np.array([6, 6, 6, 1, 1]), 10)[0].tolist() == [0, 1, 2, 0, 0], "best fit differs"
+    assert [list(p) for p in packer.finish()] == [keys for keys, _ in carried]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_piece_continues_only_into_the_piece_that_starts_where_it_ends(data):
+    """Against a search over disjoint pieces of a few documents, kept or left out at random and in any order: a
+    piece continues when a piece of the same document starts at its end (a gap or nothing there: it does not)."""
+    pieces = []
+    for d in range(data.draw(st.integers(0, 4))):
+        cuts = sorted(data.draw(st.sets(st.integers(1, 15), max_size=5)))
+        bounds = [0, *cuts, 16]
+        pieces += [(d, a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if data.draw(st.booleans())]
+    pieces = data.draw(st.permutations(pieces))
+    doc, start, length = (np.array([p[i] for p in pieces], dtype=np.int64) for i in range(3))
+    want = [any(d2 == d and s2 == s + n for d2, s2, _ in pieces) for d, s, n in pieces]
+    assert piece_continues(doc, start, length).tolist() == want
+
+
+def test_first_fit_emits_its_eight_rows_when_a_piece_fits_none():
+    """Nine 6-token documents in packs of 10 open a row each: the ninth finds eight rows open and none with
+    room, so the eight leave and it starts a new batch, where the 4-token document that follows joins it."""
+    lengths = [6] * 9 + [4]
+    r = plan_lengths(lengths, capacity=10, layout="identity", cp_size=1, algorithm="first_fit")
+    assert [[d for d, *_ in p] for p in _packs(r)] == _ref_first_fit(lengths, 10) == [[d] for d in range(8)] + [[8, 9]]

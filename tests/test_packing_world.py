@@ -11,7 +11,7 @@ from cpdata.bench.distributions import sample
 from cpdata.layout.maps import layout_spec
 from cpdata.layout.world_plan import plan_runs
 from cpdata.packing import plan_lengths
-from cpdata.packing.decreasing import WorldPacker
+from cpdata.packing.decreasing import MAX_AGE, WorldPacker
 from cpdata.packing.planner import StreamPlanner
 from cpdata.packing.records import PackingConfig
 
@@ -77,3 +77,34 @@ def test_ffd_state_with_open_packs_is_refused():
     packer = WorldPacker(WORLD * LOCAL, WORLD, NODE, carry=False)
     with pytest.raises(ValueError, match="carries nothing between windows"):
         packer.load_carry([([0], [10])])
+
+
+def test_world_bfd_holds_back_only_packs_with_a_quarter_rank_of_room():
+    """Two ranks of 64 tokens: six pieces of 63 fill three packs to one token of room a rank, which leave at
+    once; the pack of the 20-token piece keeps 44 + 64 tokens of room (over a quarter rank) and is carried."""
+    packer = WorldPacker(128, 2, 2)
+    out = packer.place(np.arange(7, dtype=np.int64), np.array([63] * 6 + [20], dtype=np.int64))
+    assert [list(p) for p in out] == [[0, 1], [2, 3], [4, 5]]
+    assert packer.carry_columns()[1].tolist() == [6]
+    assert [list(p) for p in packer.finish()] == [[6]]
+
+
+def test_world_bfd_emits_a_carried_pack_once_its_oldest_piece_is_max_age_windows_old():
+    """One 1-token piece a window: the open pack would take pieces for 128 windows, but leaves once its first
+    piece is more than MAX_AGE windows old; every piece waits at most MAX_AGE + 1 windows."""
+    packer, arrived, waits = WorldPacker(128, 2, 2), {}, []
+    for w in range(3 * MAX_AGE):
+        arrived[w] = w
+        for pack in packer.place(np.array([w], dtype=np.int64), np.ones(1, dtype=np.int64)):
+            waits += [w - arrived[k] for k in pack]
+    assert waits, "a pack left before the end of the stream"
+    assert max(waits) <= MAX_AGE + 1
+
+
+def test_world_bfd_carries_the_emptiest_packs():
+    """One rank of 64 tokens a pack: pieces of 40, 35 and 30 tokens open a pack each (rooms 24, 29, 34, all over
+    a quarter rank); the two emptiest (30 and 35) are carried, the fullest leaves."""
+    packer = WorldPacker(64, 1, 1)
+    out = packer.place(np.arange(3, dtype=np.int64), np.array([40, 35, 30], dtype=np.int64))
+    assert [list(p) for p in out] == [[0]]
+    assert sorted(packer.carry_columns()[1].tolist()) == [1, 2]
