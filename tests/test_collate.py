@@ -354,3 +354,19 @@ def test_only_pad_positions_are_clamped():
     rank = collate_rank(plans, np.array([3, 4, 5, 12, 19]), qkv_format="thd")
     assert rank["position_ids"].tolist() == [23, 24, 9, 2, 9]
     assert rank["padding_mask"].tolist() == [False, False, True, False, True]
+
+
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_pad_position_ids_are_clamped_from_the_first_one_past_the_capacity(qkv_format):
+    """A piece continuing its document at ``start`` counts on from there: its pads reach ``start + S - 1``,
+    clamped to ``S - 1`` from the first that would pass it (start 1: only the last pad), never before."""
+    capacity, n = 10, 7
+    for start in range(4):
+        piece = DocPiece(index=0, start=start, arrays={"input_ids": np.arange(n)})
+        plan = PackPlan(pieces=(piece,), slot_lens=np.array([n]), capacity=capacity)
+        want = [start + off if off < n else min(start + off, capacity - 1) for off in range(capacity)]
+        full = collate_pack([plan, plan], qkv_format=qkv_format)
+        assert full["position_ids"].reshape(-1).tolist() == want * 2, start
+        pads = np.arange(n, capacity if qkv_format == "bshd" else 2 * capacity)
+        rank = collate_rank([plan, plan], pads, qkv_format=qkv_format)
+        np.testing.assert_array_equal(rank["position_ids"], full["position_ids"][..., pads])
