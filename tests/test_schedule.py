@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cpdata.layout.maps import alignment
 from cpdata.packing import plan_lengths
 from cpdata.schedule import CostModel, imbalance, plan_schedule
+from cpdata.schedule.fill import first_fit, fits
 
 
 def _lognormal(n: int, mean: float, sigma: float, lo: int, hi: int, seed: int) -> np.ndarray:
@@ -286,3 +287,34 @@ def test_delay_bound_holds_for_pieces_longer_than_a_quarter_pack(seed, n_docs, l
     # After the step that took it: max(1, max_delay), one more for a long piece taken a step ahead of its
     # FIFO step (max_delay >= 2; check_schedule bounds it by max_delay after its FIFO step)
     assert sched.stats.max_delay_steps <= max(1, max_delay) + (max_delay >= 2)
+
+
+def _first_fit_decreasing_places_all(sizes: list[int], cells: int, capacity: int) -> bool:
+    """Brute force: first-fit decreasing, piece by piece, into ``cells`` empty cells."""
+    room = [capacity] * cells
+    for s in sorted(sizes, reverse=True):
+        c = next((c for c, r in enumerate(room) if r >= s), None)
+        if c is None:
+            return False
+        room[c] -= s
+    return True
+
+
+def _check_fits(sizes: list[int], cells: int, capacity: int) -> None:
+    want = _first_fit_decreasing_places_all(sizes, cells, capacity)
+    assert fits(np.asarray(sizes, dtype=np.int64), cells, capacity) == want, sizes
+    assert (len(first_fit(sizes, [capacity] * cells, list(range(len(sizes))))) == len(sizes)) == want, sizes
+
+
+def test_fits_refuses_pieces_that_fill_all_the_room_but_first_fit_cannot_place():
+    """[7, 7, 2] in two cells of 8: every token of room used, two pieces over a quarter cell, and the 2 fits
+    nowhere (the shortcut that skips first-fit holds only up to three quarters of the room)."""
+    assert not _first_fit_decreasing_places_all([7, 7, 2], 2, 8)
+    _check_fits([7, 7, 2], 2, 8)
+    _check_fits([6, 6, 2, 2], 2, 8)  # the same room, and a fit
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(4, 24), st.data())
+def test_fits_says_whether_first_fit_decreasing_places_every_piece(cells, capacity, data):
+    _check_fits(data.draw(st.lists(st.integers(1, capacity), min_size=1, max_size=3 * cells + 2)), cells, capacity)
