@@ -312,6 +312,9 @@ def test_fits_refuses_pieces_that_fill_all_the_room_but_first_fit_cannot_place()
     assert not _first_fit_decreasing_places_all([7, 7, 2], 2, 8)
     _check_fits([7, 7, 2], 2, 8)
     _check_fits([6, 6, 2, 2], 2, 8)  # the same room, and a fit
+    # four pieces over half a cell in three cells of 24: under three quarters of the room, and one left out
+    assert not _first_fit_decreasing_places_all([13] * 4, 3, 24)
+    _check_fits([13] * 4, 3, 24)
 
 
 @settings(max_examples=300, deadline=None)
