@@ -326,3 +326,28 @@ def test_state_at_reset_is_the_first_windows_snapshot_and_config_fields_are_asdi
         restored.reset(state)
         assert_items_equal(list(restored), tail)
     assert len(rest) > 3
+
+
+def test_plans_differing_in_one_column_a_dtype_or_a_key_are_unequal():
+    """Plan equality (what the resume tests compare) sees every column, each array's dtype and its keys:
+    one piece changed in any of them makes the pieces unequal; rebuilt unchanged, they are equal."""
+    from cpdata.worker.plan import DocPiece
+
+    (plan, *_) = _pack(_docs(12, max_len=40, seed=2))
+    pieces = list(plan.pieces)
+    assert len(pieces) > 1
+
+    def with_first(**change) -> PackPlan:
+        first = pieces[0]
+        fields = dict(index=first.index, start=first.start, arrays=first.arrays, next_label=first.next_label)
+        objects = (DocPiece(**{**fields, **change}), *pieces[1:])
+        return PackPlan(pieces=objects, slot_lens=plan.slot_lens, capacity=plan.capacity, index=plan.index)
+
+    ids = pieces[0].arrays["input_ids"]
+    assert with_first().piece_columns == plan.piece_columns
+    for change in (dict(next_label=int(ids[0])), dict(start=pieces[0].start + 1),
+                   dict(arrays={**pieces[0].arrays, "input_ids": ids.astype(np.int32)}),
+                   dict(arrays={**pieces[0].arrays, "token_type": np.zeros_like(ids)})):  # fmt: skip
+        other = with_first(**change)
+        assert other.piece_columns != plan.piece_columns, change
+        assert plan.piece_columns != other.piece_columns, change
