@@ -192,8 +192,11 @@ def test_d2_outliers_go_in_runs_of_their_size(seed):
     per_slot = np.bincount(slot_id[out], minlength=sched.num_steps * M)
     assert (per_slot <= R).all()  # one outlier per cell at most
     assert (per_slot[slot_id[out]] == R).mean() >= 0.97
-    imb_mb = sched.imbalance(cost)[1][: sched.num_steps - 1]
+    imb_step, imb_mb = (imb[: sched.num_steps - 1] for imb in sched.imbalance(cost))
     assert imb_mb.mean() < 0.03  # loose outliers just over half a pack put this at 3.3-3.7 %
+    # every other run gives its ranks in reverse order, so a rank's longest outlier of one slot meets a short
+    # one in the next: whole steps come out more even than their slots (2/3 here; 0.89-0.98 in rank order)
+    assert imb_step.mean() < 0.8 * imb_mb.mean()
 
 
 def test_tail_policies_count_what_they_do():
