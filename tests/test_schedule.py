@@ -16,6 +16,7 @@ from cpdata.layout.maps import alignment
 from cpdata.packing import plan_lengths
 from cpdata.schedule import CostModel, imbalance, plan_schedule
 from cpdata.schedule.fill import first_fit, fits
+from cpdata.schedule.planner import padded_epoch_cost
 
 
 def _lognormal(n: int, mean: float, sigma: float, lo: int, hi: int, seed: int) -> np.ndarray:
@@ -324,3 +325,21 @@ def test_fits_refuses_pieces_that_fill_all_the_room_but_first_fit_cannot_place()
 @given(st.integers(1, 4), st.integers(4, 24), st.data())
 def test_fits_says_whether_first_fit_decreasing_places_every_piece(cells, capacity, data):
     _check_fits(data.draw(st.lists(st.integers(1, capacity), min_size=1, max_size=3 * cells + 2)), cells, capacity)
+
+
+def test_padded_epoch_cost_is_each_steps_slowest_rank_and_packs_are_addressed_in_range():
+    """Brute force over every pack: a step lasts as long as its slowest rank, whose micro-batches each run
+    ``a * capacity`` (pads included) plus ``b * L**2`` per piece; ``pack_id`` refuses the first index past
+    each range and addresses every pack of the schedule once."""
+    cost, C, R, M = CostModel(a=1.0, b=1e-3), 512, 3, 2
+    sched = plan_schedule(_lognormal(300, 200, 1.0, 8, 512, 4), capacity=C, layout="thd", cp_size=1, dp_size=R,
+                          micro_batches=M, cost=cost)  # fmt: skip
+    per_rank = [[sum(cost.a * C + sum(cost.b * n * n for _, _, n in sched.pieces(s, r, m)) for m in range(M))
+                 for r in range(R)] for s in range(sched.num_steps)]  # fmt: skip
+    assert any(max(p) > min(p) + 1e-6 for p in per_rank), "some step's ranks differ: its mean is not its max"
+    assert padded_epoch_cost(sched, cost) == pytest.approx(sum(map(max, per_rank)), rel=1e-12)
+    ids = [sched.pack_id(s, r, m) for s in range(sched.num_steps) for r in range(R) for m in range(M)]
+    assert sorted(ids) == list(range(sched.num_steps * R * M))
+    for args in ((sched.num_steps, 0, 0), (0, R, 0), (0, 0, M), (-1, 0, 0)):
+        with pytest.raises(IndexError, match="out of range"):
+            sched.pack_id(*args)
