@@ -87,6 +87,8 @@ DOCUMENT_CASES = {
                  ["document 5", "dtype bool", "convert token ids to an integer type"]),
     "negative_id": ({"input_ids": np.array([4, -3, 2])}, ValueError,
                     ["document 5", "must be >= 0", "got -3 at position 1"]),
+    "minus_one_id": ({"input_ids": np.array([4, 2, -1])}, ValueError,  # the id next to 0
+                     ["document 5", "must be >= 0", "got -1 at position 2"]),
     "id_at_vocab_size": ({"input_ids": np.array([4, 100, 2])}, ValueError,
                          ["document 5", "input_ids[1]=100", "vocab_size=100", "check the tokenizer or vocab_size"]),
     "labels_length": ({"input_ids": np.arange(1, 4), "labels": np.arange(2)}, ValueError,

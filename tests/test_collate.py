@@ -10,11 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpdata.layout.maps import LAYOUTS, alignment, rank_indices, thd_slot_lens
+from cpdata.nodes.loader import shard_graph
 from cpdata.worker.collate import collate_pack, collate_rank, fill_rank, rank_specs
 from cpdata.worker.keys import METADATA_KEYS
 from cpdata.worker.plan import DocPiece, PackPlan
 from cpdata.worker.stream import build_streams
 from cpdata.worker.stream_slots import pack_metadata, slot_block
+from tests.flat_options import graph_options
 
 
 def make_plans(
@@ -269,6 +271,9 @@ def test_batch_checks_name_the_plan_and_piece():
     over = PackPlan(pieces=(five, five), slot_lens=np.array([5, 5]), capacity=8, index=2)
     with pytest.raises(ValueError, match="sum to 10 tokens, more than pack_len=8"):
         collate_pack([good, over])
+    by_one = dataclasses.replace(over, capacity=9, index=5)  # one token over: refused as well
+    with pytest.raises(ValueError, match="sum to 10 tokens, more than pack_len=9"):
+        collate_pack([dataclasses.replace(good, capacity=9), by_one])
     with pytest.raises(ValueError, match=r"plan 3: slot_lens has shape \(2,\), expected \(1,\)"):
         pack_metadata([dataclasses.replace(good, slot_lens=np.array([6, 2]))])
     meta = pack_metadata([good, empty, good])  # an empty pack inside a batch: one padding slot
@@ -354,3 +359,42 @@ def test_only_pad_positions_are_clamped():
     rank = collate_rank(plans, np.array([3, 4, 5, 12, 19]), qkv_format="thd")
     assert rank["position_ids"].tolist() == [23, 24, 9, 2, 9]
     assert rank["padding_mask"].tolist() == [False, False, True, False, True]
+
+
+@pytest.mark.parametrize("qkv_format", ["bshd", "thd"])
+def test_pad_position_ids_are_clamped_from_the_first_one_past_the_capacity(qkv_format):
+    """A piece continuing its document at ``start`` counts on from there: its pads reach ``start + S - 1``,
+    clamped to ``S - 1`` from the first that would pass it (start 1: only the last pad), never before."""
+    capacity, n = 10, 7
+    for start in range(4):
+        piece = DocPiece(index=0, start=start, arrays={"input_ids": np.arange(n)})
+        plan = PackPlan(pieces=(piece,), slot_lens=np.array([n]), capacity=capacity)
+        want = [start + off if off < n else min(start + off, capacity - 1) for off in range(capacity)]
+        full = collate_pack([plan, plan], qkv_format=qkv_format)
+        assert full["position_ids"].reshape(-1).tolist() == want * 2, start
+        pads = np.arange(n, capacity if qkv_format == "bshd" else 2 * capacity)
+        rank = collate_rank([plan, plan], pads, qkv_format=qkv_format)
+        np.testing.assert_array_equal(rank["position_ids"], full["position_ids"][..., pads])
+
+
+def test_a_batch_keeps_the_dtypes_of_its_own_pieces_whatever_its_window_holds():
+    """One packing window holds int8 and float32 ``token_type`` documents (its buffer holds them promoted, as
+    float32); a batch of int8 documents alone is int8 still, a batch with a float32 one float32: each equals
+    its documents' values in their promoted dtype, as collated from the pieces alone."""
+    rng = np.random.default_rng(5)
+    dtypes = [np.int8, np.int8, np.float32, np.int8]
+    docs = [{"input_ids": rng.integers(1, 50, 6), "token_type": rng.integers(0, 3, 6).astype(dt)} for dt in dtypes]
+    node = shard_graph(docs, graph_options(capacity=8, cp_size=1, layout="identity", algorithm="next_fit"))
+    node.reset()
+    batches = list(node)
+    assert len(batches) == len(docs), "one document per batch, all read in one window"
+    for batch in batches:
+        (plan,) = batch.plans
+        (piece,) = plan.pieces
+        doc = docs[piece.index]
+        alone = PackPlan(pieces=(DocPiece(index=0, start=0, arrays=dict(doc)),), slot_lens=plan.slot_lens, capacity=8)
+        want = collate_pack([alone])["token_type"]
+        got = batch.tensors()["token_type"]
+        assert got.dtype == want.dtype == doc["token_type"].dtype
+        np.testing.assert_array_equal(got, want)
+    assert {batch.tensors()["token_type"].dtype for batch in batches} == {np.dtype(np.int8), np.dtype(np.float32)}

@@ -92,3 +92,53 @@ def test_only_the_first_documents_are_judged_and_short_ones_not_at_all():
     short = [{"input_ids": np.arange(3, 3 + CONVENTION_CHECK.min_trained), "labels": np.arange(3, 3 + 8)}]
     short[0]["labels"][0] = -100  # fewer than min_trained trained labels before the last token
     assert _targets(short, "targets")
+
+
+def _shares(doc) -> tuple[int, float, float]:
+    """Brute force over ``labels[:-1]``: trained labels, and the share equal to the same / the next input."""
+    ids, labels = doc["input_ids"], doc["labels"]
+    pairs = [(int(labels[i]), int(ids[i]), int(ids[i + 1])) for i in range(len(ids) - 1) if labels[i] != -100]
+    n = len(pairs)
+    return n, sum(lab == same for lab, same, _ in pairs) / n, sum(lab == nxt for lab, _, nxt in pairs) / n
+
+
+def test_a_document_with_exactly_min_trained_labels_is_judged():
+    """HF labels declared "targets": refused from ``min_trained`` trained labels on, not below."""
+    ids = np.arange(3, 3 + CONVENTION_CHECK.min_trained + 1)  # distinct tokens: no label equals the next input
+    doc = {"input_ids": ids, "labels": ids.copy()}
+    assert _shares(doc) == (CONVENTION_CHECK.min_trained, 1.0, 0.0)
+    with pytest.raises(ValueError, match="labels_alignment='targets' was declared"):
+        _targets([doc], "targets")
+    fewer = {"input_ids": ids, "labels": np.where(np.arange(ids.size) == 0, -100, ids)}
+    assert _shares(fewer)[0] == CONVENTION_CHECK.min_trained - 1
+    assert _targets([fewer], "targets") == [(int(ids[i]), int(ids[i])) for i in range(1, ids.size)]
+
+
+def test_labels_matching_the_declared_convention_at_exactly_the_unlike_share_are_accepted():
+    """Repeated tokens make a label equal the same and the next input at once: at exactly ``unlike`` of them
+    equal to the declared convention's token the document is not refused, and keeps the labels as declared."""
+    repeats = round(CONVENTION_CHECK.unlike * 16)  # of the 16 labels before the last token
+    ids = np.concatenate([np.repeat(np.arange(3, 3 + repeats), 2), np.arange(100, 100 + 17 - 2 * repeats)])
+    doc = {"input_ids": ids, "labels": ids.copy()}  # label i == input i; input i == input i + 1 at half of them
+    n, same, following = _shares(doc)
+    assert n >= CONVENTION_CHECK.min_trained and same >= CONVENTION_CHECK.looks_like
+    assert following == CONVENTION_CHECK.unlike, "the document sits on the threshold"
+    expected = [(int(ids[i]), int(ids[i])) for i in range(ids.size)]  # "targets": label i is input i's target
+    assert _targets([doc], "targets") == expected
+    ids[1] = 99  # one repeat less: under the unlike share, refused
+    assert _shares(doc)[2] < CONVENTION_CHECK.unlike
+    with pytest.raises(ValueError, match="labels_alignment='targets' was declared"):
+        _targets([doc], "targets")
+
+
+def test_labels_equal_to_the_other_convention_at_exactly_the_looks_like_share_are_refused():
+    """Nine of ten trained labels copy their own input (``looks_like`` = 0.9), none the next: refused."""
+    ids = np.arange(3, 14)  # 10 labels before the last token
+    labels = ids.copy()
+    labels[4] = 500  # neither input 4 nor input 5
+    doc = {"input_ids": ids, "labels": labels}
+    assert _shares(doc) == (10, CONVENTION_CHECK.looks_like, 0.0)
+    with pytest.raises(ValueError, match="90% of its 10 trained labels equal the input at the same position"):
+        _targets([doc], "targets")
+    labels[5] = 501  # 80%: under the share, kept as declared
+    assert _targets([doc], "targets") == [(int(i), int(t)) for i, t in zip(ids, labels, strict=True)]

@@ -234,3 +234,30 @@ def test_a_schedule_plans_a_token_mix_over_its_listed_draws():
     assert tokens == int(listed.lengths.sum())
     got = {n: c["tokens"] for n, c in listed.counts.items()}
     assert abs(got["a"] - got["b"]) <= 60 and listed.counts["b"]["documents"] > 3 * listed.counts["a"]["documents"]
+
+
+def test_a_restored_mix_by_tokens_names_no_draw_it_has_not_seen_since_the_restore():
+    """By tokens, draws are named from the ones read since the last start or restore: restored into the
+    same node after another epoch, an earlier draw of the saved epoch is unknown, never that epoch's draw."""
+    a = [{"input_ids": np.arange(1 + i % 5)} for i in range(30)]
+    b = [{"input_ids": np.arange(1 + i % 7) + 1000} for i in range(40)]
+    m = mix({"a": a, "b": b}, {"a": 1, "b": 1}, seed=3, by="tokens")
+
+    def read(first: int, n: int) -> list[str]:  # draws first .. first + n - 1 of the epoch
+        names = []
+        for j in range(first, first + n):
+            (token, *_) = next(m)["input_ids"].tolist()
+            names.append("b" if token >= 1000 else "a")
+            assert f"mix source {names[-1]!r}" in m.describe_document(j), "a draw just read is named by its source"
+        return names
+
+    m.reset()
+    epoch0 = read(0, 20)
+    state = m.state_dict()
+    epoch0 += read(20, 20)
+    m.reset()
+    assert read(0, 20) != epoch0[:20], "epoch 1 draws other sources: a leftover would name the wrong one"
+    m.reset(state)
+    assert read(20, 20) == epoch0[20:]  # the saved epoch goes on as it did
+    for j in range(20):
+        assert "its source is known for the last" in m.describe_document(j), j

@@ -34,6 +34,20 @@ def _pack(docs, dp=(0, 1), **overrides) -> Pack:
     return Pack(Documents(docs, dp_rank=dp[0], dp_size=dp[1], labels_alignment="targets"), **{**CONFIG, **overrides})
 
 
+
+class Unfingerprinted:
+    """A plain sequence, not a list: fingerprinted by its type only, so a changed document goes unseen there."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dp", [(0, 1), (1, 2)])
 def test_online_equals_offline(algorithm, dp):
@@ -179,22 +193,12 @@ def test_refuses_a_changed_source_and_other_versions():
     with pytest.raises(ValueError, match="fingerprint .* other content"):  # a list: its fingerprint differs
         _pack(changed).reset(state)
 
-    class Opaque:  # a sequence without a fingerprint: the packer's own re-read check refuses it
-        def __init__(self, items):
-            self.items = items
-
-        def __len__(self):
-            return len(self.items)
-
-        def __getitem__(self, i):
-            return self.items[i]
-
-    state = _pack(Opaque(docs))
+    state = _pack(Unfingerprinted(docs))
     for _ in range(3):
         next(state)
     state = state.state_dict()
-    with pytest.raises(ValueError, match="source changed"):
-        _pack(Opaque(changed)).reset(state)
+    with pytest.raises(ValueError, match="source changed"):  # no fingerprint: the packer's own re-read check
+        _pack(Unfingerprinted(changed)).reset(state)
     with pytest.raises(ValueError, match="version"):
         _pack(docs).reset(dict(state, version=0))
 
@@ -326,3 +330,49 @@ def test_state_at_reset_is_the_first_windows_snapshot_and_config_fields_are_asdi
         restored.reset(state)
         assert_items_equal(list(restored), tail)
     assert len(rest) > 3
+
+
+def test_plans_differing_in_one_column_a_dtype_or_a_key_are_unequal():
+    """Plan equality (what the resume tests compare) sees every column, each array's dtype and its keys:
+    one piece changed in any of them makes the pieces unequal; rebuilt unchanged, they are equal."""
+    from cpdata.worker.plan import DocPiece
+
+    (plan, *_) = _pack(_docs(12, max_len=40, seed=2))
+    pieces = list(plan.pieces)
+    assert len(pieces) > 1
+
+    def with_first(**change) -> PackPlan:
+        first = pieces[0]
+        fields = dict(index=first.index, start=first.start, arrays=first.arrays, next_label=first.next_label)
+        objects = (DocPiece(**{**fields, **change}), *pieces[1:])
+        return PackPlan(pieces=objects, slot_lens=plan.slot_lens, capacity=plan.capacity, index=plan.index)
+
+    ids = pieces[0].arrays["input_ids"]
+    assert with_first().piece_columns == plan.piece_columns
+    for change in (dict(next_label=int(ids[0])), dict(start=pieces[0].start + 1),
+                   dict(arrays={**pieces[0].arrays, "input_ids": ids.astype(np.int32)}),
+                   dict(arrays={**pieces[0].arrays, "token_type": np.zeros_like(ids)})):  # fmt: skip
+        other = with_first(**change)
+        assert other.piece_columns != plan.piece_columns, change
+        assert plan.piece_columns != other.piece_columns, change
+
+
+def test_a_carried_piece_past_its_shrunken_document_is_refused():
+    """A state whose carry holds tokens ``start:start + length`` of a document that now ends one token
+    earlier is refused naming it, on a source without a fingerprint, before any replay could mask it."""
+
+    docs = _docs(60)
+    node = _pack(Unfingerprinted(docs))
+    node.reset()
+    state = node.state_dict()
+    while not len(state["carry"]["index"]):  # the first state whose window starts with carried pieces
+        next(node)
+        state = node.state_dict()
+    carry = state["carry"]
+    index, end = int(carry["index"][-1]), int(carry["start"][-1] + carry["length"][-1])
+    assert len(docs[index]["input_ids"]) >= end
+    shrunk = [dict(d) for d in docs]
+    shrunk[index] = {k: a[: end - 1] for k, a in docs[index].items()}
+    with pytest.raises(ValueError, match=f"tokens {end - carry['length'][-1]}..{end} of document {index}, which now "
+                       f"has {end - 1}"):  # fmt: skip
+        _pack(Unfingerprinted(shrunk)).reset(state)

@@ -60,6 +60,9 @@ def test_dp_ranks_shuffle_their_own_share_and_cp_peers_agree():
               for r in range(3)]  # fmt: skip
     for r, shard in enumerate(shards):
         assert sorted(shard) == list(range(r, 90, 3)) and shard != sorted(shard)
+    # each rank's own draws: as positions in its share's arrival order, the three shuffles differ
+    arrival = [[(i - r) // 3 for i in shard] for r, shard in enumerate(shards)]
+    assert len({tuple(a) for a in arrival}) == 3, "DP ranks drew the same buffer slots"
     digests = []
     for cp_rank in range(2):
         with closing_loader(build_loader(Stream(docs), capacity=64, cp_size=2, cp_rank=cp_rank, layout="balanced", plan=StreamPlan(shuffle_buffer=16), data=DataPolicy(shuffle=True, seed=9), delivery=Delivery(prefetch=0))) as loader:  # fmt: skip

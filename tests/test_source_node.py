@@ -224,6 +224,9 @@ def test_refuses_a_state_from_another_configuration():
         Documents(_docs(12), dp_rank=0, dp_size=2).reset(state)
     with pytest.raises(ValueError, match="version"):
         Documents(_docs(10), dp_rank=0, dp_size=2).reset(dict(state, version=99))
+    assert (state["epoch"], state["first_epoch"]) == (0, 0)
+    with pytest.raises(ValueError, match="first_epoch=1 > epoch=0; it is not a state of this node"):
+        Documents(_docs(10), dp_rank=0, dp_size=2).reset(dict(state, first_epoch=1))  # would run an extra epoch
     short = Documents(_Reiterable(_docs(10)))
     short.reset(dict(state, shard=(0, 1), length=None, position=8))
     with pytest.raises(ValueError, match="read 8 documents but the source ends after 3"):

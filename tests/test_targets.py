@@ -174,6 +174,10 @@ def test_labels_outside_the_vocabulary_are_refused():
         list(Documents(docs, labels_alignment="targets"))
     with pytest.raises(ValueError, match=r"labels\[2\]=30 .* below vocab_size=10"):
         list(Documents([{"input_ids": [1, 2, 3], "labels": [1, 2, 30]}], labels_alignment="targets", vocab_size=10))
+    with pytest.raises(ValueError, match=r"labels\[2\]=10 .* below vocab_size=10"):  # the first id past the vocabulary
+        list(Documents([{"input_ids": [1, 2, 3], "labels": [1, 2, 10]}], labels_alignment="targets", vocab_size=10))
+    (last_id,) = Documents([{"input_ids": [1, 2, 3], "labels": [1, 2, 9]}], labels_alignment="targets", vocab_size=10)
+    assert last_id.arrays["labels"].tolist() == [1, 2, 9], "the last id of the vocabulary is a target like any"
     with pytest.raises(ValueError, match="'loss_mask' must hold 0/1 values.*0.5 at position 1"):
         list(Documents([{"input_ids": [1, 2, 3], "loss_mask": [1, 0.5, 1]}], labels_alignment="inputs"))
 
