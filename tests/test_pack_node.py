@@ -34,7 +34,6 @@ def _pack(docs, dp=(0, 1), **overrides) -> Pack:
     return Pack(Documents(docs, dp_rank=dp[0], dp_size=dp[1], labels_alignment="targets"), **{**CONFIG, **overrides})
 
 
-
 class Unfingerprinted:
     """A plain sequence, not a list: fingerprinted by its type only, so a changed document goes unseen there."""
 

@@ -87,13 +87,13 @@ def source_fingerprint(source: Any) -> str | None:
 def check_source_unchanged(source: Any, opened: str | None) -> None:
     """Raise ``ValueError`` if ``source`` changed since its fingerprint was ``opened`` (its own
     ``check_unchanged()``; a list re-fingerprinted)."""
-    if type(source) not in (list, tuple) and isinstance(source, Watched):  # (a list never is: no protocol walk)
-        source.check_unchanged()
-    elif opened is not None and type(source) in (list, tuple):
-        now = _list_fingerprint(source)
+    if type(source) in (list, tuple):  # re-fingerprinted here (never Watched: no protocol walk)
+        now = None if opened is None else _list_fingerprint(source)
         if now != opened:
             raise ValueError(
                 f"the source list changed since it was first read (fingerprint {opened} -> {now}: items "
                 "replaced, added or removed, or their input_ids edited in place); a running pipeline must see "
                 "the same documents every epoch: build a new loader for new data"
             )
+    elif isinstance(source, Watched):
+        source.check_unchanged()
