@@ -176,4 +176,4 @@ class DeviceShard:
         index = layout.local_token_global_indices.to(primary.device, non_blocking=True)
         for k, d in dims.items():
             out[k] = out[k].index_select(d, index)
-        return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), out), out, layout  # size > 1 here
+        return AttentionContextFactory.of_batch(layout, mesh_group(cp_mesh), out), out, layout  # cp > 1

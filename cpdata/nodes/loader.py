@@ -130,8 +130,10 @@ def maybe_pin(node: BaseNode[T], *, pin_memory: bool | None) -> BaseNode[T]:
     if pin_memory is not None and not pin_memory:
         return node
     if not torch.cuda.is_available():
-        _log_once("CUDA is not available; not pinning batches" if pin_memory is None
-                  else "pin_memory=True but CUDA is not available; batches stay in pageable memory")  # fmt: skip
+        if pin_memory is None:
+            _log_once("CUDA is not available; not pinning batches")
+        else:
+            _log_once("pin_memory=True but CUDA is not available; batches stay in pageable memory")
         return node
     return PinMemory(node)
 

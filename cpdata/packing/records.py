@@ -99,7 +99,8 @@ class PackingConfig:
         return {name: getattr(self, name) for name in _IDENTITY_FIELDS}  # (atoms: no asdict deep copy)
 
 
-_IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(PackingConfig) if f.name not in ("doc_multiple", "seed"))
+_IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(PackingConfig)
+                         if f.name not in ("doc_multiple", "seed"))  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,9 +30,9 @@ def build(
     delivery: Delivery = Delivery(),
     **removed: Any,
 ) -> ResumableLoader:
-    """Loader over a precomputed plan for one CP rank, reading the ``documents`` it was computed over (a source
-    as :class:`~cpdata.PrecomputedPacks` takes it, or a path :func:`~cpdata.open_dataset` opens); ``cp_size``,
-    ``layout`` (None: the plan's) and ``data`` as for :class:`~cpdata.PrecomputedPacks`."""
+    """Loader over a precomputed plan for one CP rank, reading the ``documents`` it was computed over (a
+    source as :class:`~cpdata.PrecomputedPacks` takes it, or a path :func:`~cpdata.open_dataset` opens);
+    ``cp_size``, ``layout`` (None: the plan's) and ``data`` as for :class:`~cpdata.PrecomputedPacks`."""
     refuse_keywords("precomputed.build", removed, ("cp_size", "cp_rank", "layout", "batch_size", "qkv_format",
                                                    "padding_token_id", "data", "delivery"))  # fmt: skip
     check_records(data=data, delivery=delivery)

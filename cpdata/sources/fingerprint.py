@@ -55,7 +55,7 @@ def _item_bytes(item: Any) -> bytes:
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu().numpy()
         arr = np.asarray(ids)
-        data = repr(arr.tolist()).encode() if arr.dtype.hasobject else arr.tobytes()  # not an object's pointers
+        data = repr(arr.tolist()).encode() if arr.dtype.hasobject else arr.tobytes()  # not pointers
         return f"{arr.dtype.str}{arr.shape}".encode() + data
     except Exception:
         return type(ids).__name__.encode()

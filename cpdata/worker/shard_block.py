@@ -152,7 +152,7 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     at += starts[:, None]
     for b, e in buffer_runs(streams):  # one gather per run of batches reading one buffer, no boolean masks
         part = slice(first[b], first[e])
-        streams[b].buffer.ids.take(at[part], out=samples[part], mode="clip")  # (an empty piece's clipped, then:)
+        streams[b].buffer.ids.take(at[part], out=samples[part], mode="clip")  # empty pieces: below
     samples[lens <= 0] = -1  # an empty piece's
     prefix, data, width = f"{layout}|{cp_size}|", rows.tobytes(), 8 * rows.shape[1]
     lens_data = raw.astype(np.int64, copy=False).tobytes()
