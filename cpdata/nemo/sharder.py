@@ -101,8 +101,10 @@ class ContextParallelSharder:
         self.shard_batch = strategy.shard_batch
         self.local_token_global_indices = strategy.local_token_global_indices
         self.shard_layout = strategy.shard_layout
-        self._cp_mesh, self._tp_mesh = submesh(device_mesh, "cp"), submesh(device_mesh, "tp")
-        self._loss_mask, self._padding_token_id = loss_mask, padding_token_id
+        self._cp_mesh = submesh(device_mesh, "cp")
+        self._tp_mesh = submesh(device_mesh, "tp")
+        self._loss_mask = loss_mask
+        self._padding_token_id = padding_token_id
         self.device = mesh_device(device_mesh)
         self._inverse_cache: dict[int, ShardLayout] = {}
         self._check = LayoutCheck(check_layout_every)
