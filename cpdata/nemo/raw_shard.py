@@ -29,7 +29,7 @@ from cpdata.worker.keys import (
     POSITION_IDS,
     STANDARD_TOKEN_KEYS,
 )
-from cpdata.worker.shard_block import _hash63
+from cpdata.worker.shard_block import hash63
 
 __all__ = ["PASSTHROUGH_TOKEN_KEYS", "DeviceShard", "check_extra_buffers", "check_undeclared",
            "closed_form_indices", "primary_key", "shard_identity"]
@@ -114,7 +114,7 @@ def _digest(cp_size: int, pack_len: int, primary: torch.Tensor) -> int:
     """63-bit digest of the layout inputs; token ids are included when they are on the host."""
     head = f"round_robin|{cp_size}|{pack_len}|{tuple(primary.shape)}".encode()
     on_host = primary.device.type == "cpu" and not primary.is_floating_point()
-    return _hash63(head + (primary.detach().contiguous().numpy().tobytes() if on_host else b""))
+    return hash63(head + (primary.detach().contiguous().numpy().tobytes() if on_host else b""))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,8 +22,8 @@ from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
 
-__all__ = ["DIGEST_SAMPLES", "BlockItem", "DocumentSources", "check_rows", "plan_digest", "prepare_block",
-           "static_layout"]  # fmt: skip
+__all__ = ["DIGEST_SAMPLES", "BlockItem", "DocumentSources", "check_rows", "hash63", "plan_digest",
+           "prepare_block", "static_layout"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +128,8 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     return _digests(build_streams([([plan], 0)]), layout, cp_size, [len(plan.pieces)])[0]
 
 
-def _hash63(data: bytes) -> int:
+def hash63(data: bytes) -> int:
+    """The 63-bit digest of ``data`` (blake2b, 8 bytes, little-endian, top bit cleared) every layout check uses."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
@@ -159,10 +160,10 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     digests, row = [], 0
     for plan, k in zip(slots.plans, slots.counts, strict=True):
         head = (prefix + f"{plan.capacity}|{plan.index}").encode() + lens_data[8 * row : 8 * (row + k)]
-        digests.append(_hash63(head + data[width * row : width * (row + k)]))
+        digests.append(hash63(head + data[width * row : width * (row + k)]))
         row += k
     per_batch = [digests[lo:hi] for lo, hi in pairwise(slots.plan_first)]
-    return [d[0] if len(d) == 1 else _hash63(np.asarray(d, dtype=np.int64).tobytes()) for d in per_batch]
+    return [d[0] if len(d) == 1 else hash63(np.asarray(d, dtype=np.int64).tobytes()) for d in per_batch]
 
 
 def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, groups: Groups
