@@ -44,7 +44,7 @@ def test_the_quick_section_gives_both_systems_per_distribution_and_world(monkeyp
         assert r["inter_keys"] <= r["recv_keys"] and np.isfinite(r["predicted_ms"])
     for mine in (r for r in rows if r["system"] == "cpdata world"):
         assert mine["micro_batches"] == world.QUICK_PACKS
-        assert mine["tiles_vs_megatron"] > 0 and "recv_vs_megatron" in mine
+        assert mine["tiles_vs_megatron"] > 0 and all(f"{c}_vs_megatron" in mine for c in world.RATIOS)
 
 
 def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatch, tmp_path):
@@ -71,3 +71,36 @@ def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatc
     assert main(["bench", "--sections", "world", "--calibration", str(path), "--json", str(out)]) == 2
     assert not out.exists()
     assert main(["bench", "--sections", "world", "--calibration", str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_two_readings_of_the_busiest_rank_over_a_step():
+    # rank 0 is the busiest of micro-batch 0, rank 1 of micro-batch 1: each micro-batch ending with its slowest
+    # rank costs 10 + 9; ranks meeting once a step cost the largest per-rank sum, 10 + 2 (rank 0)
+    mbs = [(np.array([10, 1, 3]), np.array([5, 0, 1]), np.array([4, 0, 0])),
+           (np.array([2, 9, 3]), np.array([0, 7, 2]), np.array([0, 3, 2]))]  # fmt: skip
+    row = world._row("d", 3, 2048, "x", world.H100_DEFAULTS, mbs, 0.004)
+    assert (row["tiles"], row["recv_keys"], row["inter_keys"]) == (19, 12, 7)
+    assert (row["step_tiles"], row["step_recv_keys"], row["step_inter_keys"]) == (12, 7, 4)
+    mean = 28 / 3  # all tiles over the ranks
+    assert row["over_mean"] == pytest.approx(19 / mean) and row["step_over_mean"] == pytest.approx(12 / mean)
+    assert row["micro_batches"] == 2 and row["solve_ms"] == pytest.approx(2.0)
+
+
+def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
+    from cpdata.bench.targets import evaluate_targets
+
+    def row(system, tiles, over, recv, step_tiles, step_over, step_recv):
+        return {"distribution": "sft", "world": "16x8K", "system": system, "tiles": tiles, "over_mean": over,
+                "recv_keys": recv, "inter_keys": 0, "step_tiles": step_tiles, "step_over_mean": step_over,
+                "step_recv_keys": step_recv, "step_inter_keys": 0, "solve_ms": 1.0}  # fmt: skip
+
+    # synced: cpdata 1.5 x Megatron's tiles; per-rank step sums: within both bounds, and fewer keys
+    rows = [row("megatron BalancedCPScheduler", 3200, 1.02, 6586, 3200, 1.02, 6586),
+            row("cpdata world", 4800, 1.5, 6585, 3150, 1.01, 6500)]  # fmt: skip
+    met = {t["target"]: (t["met"], t["measured"]) for t in evaluate_targets({"world": rows})}
+    assert met["world tiles"] == (False, "max 1.500 x Megatron's (sft 16x8K), max 1.500 x the mean rank's")
+    assert met["world tiles, per-rank step sums"][0] and met["world K/V"][0]
+    assert met["world K/V, per-rank step sums"] == (True, "received <= Megatron's on 1 of 1 rows, inter-node on 1")
+    rows[1]["step_over_mean"] = 1.031  # over 1.03 x the mean rank alone misses
+    assert not next(t for t in evaluate_targets({"world": rows}) if t["target"].endswith("step sums")
+                    and t["target"].startswith("world tiles"))["met"]  # fmt: skip

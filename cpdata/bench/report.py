@@ -108,12 +108,14 @@ TABLES: dict[str, tuple[str, tuple[tuple, ...]]] = {
         ("imb_mb p95 %", "imb_mb_p95", "{:.2f}"), ("over cap %", "over_cap_pct", "{:.1f}"),
         ("extra mb %", "extra_microbatch_pct", "{:.1f}"), ("padding %", "padding_pct", "{:.2f}"),
         ("max delay", "max_delay_steps"), ("us/doc", "us_per_doc", "{:.1f}"))),
-    "world": ("**World as one CP group** (sums over micro-batches of the busiest rank; 8 ranks per node)", (
+    "world": ("**World as one CP group** (sums over micro-batches of each one's busiest rank; step: the rank whose "
+              "sum is largest; 8 ranks per node)", (
         ("distribution", "distribution"), ("world", "world"), ("system", "system"),
         ("micro-batches", "micro_batches"), ("busiest tiles", "tiles"),
         ("÷ mean rank", "over_mean", "{:.3f}"), ("busiest K/V recv", "recv_keys"),
-        ("busiest inter-node K/V", "inter_keys"),
-        ("predicted ms", "predicted_ms", "{:.1f}"), ("solve ms / micro-batch", "solve_ms", "{:.2f}"))),
+        ("busiest inter-node K/V", "inter_keys"), ("step: busiest rank's tiles", "step_tiles"),
+        ("step ÷ mean rank", "step_over_mean", "{:.3f}"), ("step: most K/V recv", "step_recv_keys"),
+        ("step: most inter-node K/V", "step_inter_keys"), ("predicted ms", "predicted_ms", "{:.1f}"), ("solve ms / micro-batch", "solve_ms", "{:.2f}"))),
     "integrity": ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on "
                   "first read)", (
         ("store", "store"), ("tokens", "tokens", lambda v: f"{v / 1e6:.0f}M"), ("chunks", "chunks"),

@@ -120,18 +120,29 @@ def _world_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
             if r["system"] == "cpdata world" and (r["distribution"], r["world"]) in theirs]  # fmt: skip
 
 
-def _world_tiles(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
-    worst = max(pairs, key=lambda p: p[0]["tiles"] / p[1]["tiles"])
-    flat = max(p[0]["over_mean"] for p in pairs)
-    ok = all(m["tiles"] <= t["tiles"] and m["over_mean"] <= 1.03 for m, t in pairs)
-    return (f"max {worst[0]['tiles'] / worst[1]['tiles']:.3f} x Megatron's ({worst[0]['distribution']} "
-            f"{worst[0]['world']}), max {flat:.3f} x the mean rank's"), ok
+def _world_tiles(step: str) -> Callable[[list[tuple[dict, dict]]], tuple[str, bool]]:
+    """The tiles rule over the columns of one reading (``step``: ``""`` or ``"step_"``, bench/world.py)."""
+    tiles, over = f"{step}tiles", f"{step}over_mean"
+
+    def check(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
+        worst = max(pairs, key=lambda p: p[0][tiles] / p[1][tiles])
+        flat = max(p[0][over] for p in pairs)
+        ok = all(m[tiles] <= t[tiles] and m[over] <= 1.03 for m, t in pairs)
+        return (f"max {worst[0][tiles] / worst[1][tiles]:.3f} x Megatron's ({worst[0]['distribution']} "
+                f"{worst[0]['world']}), max {flat:.3f} x the mean rank's"), ok
+
+    return check
 
 
-def _world_keys(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
-    recv, inter = (sum(m[key] <= t[key] for m, t in pairs) for key in ("recv_keys", "inter_keys"))
-    return f"received <= Megatron's on {recv} of {len(pairs)} rows, inter-node on {inter}", \
-        recv == inter == len(pairs)
+def _world_keys(step: str) -> Callable[[list[tuple[dict, dict]]], tuple[str, bool]]:
+    """The K/V rule over the columns of one reading (as :func:`_world_tiles`)."""
+
+    def check(pairs: list[tuple[dict, dict]]) -> tuple[str, bool]:
+        recv, inter = (sum(m[step + key] <= t[step + key] for m, t in pairs) for key in ("recv_keys", "inter_keys"))
+        return f"received <= Megatron's on {recv} of {len(pairs)} rows, inter-node on {inter}", \
+            recv == inter == len(pairs)
+
+    return check
 
 
 def _against_megatron(check: Callable[[list[tuple[dict, dict]]], tuple[str, bool]]) -> Check:
@@ -203,9 +214,13 @@ TARGETS: tuple[tuple[str, str, str, Check], ...] = (
                 "{K}K cp {cp_size}: max {solve_us_per_pack:.0f} us ({distribution})",
                 none="no tiled row at 32K cp 4 or 128K cp 8")),
     ("world", "world tiles", "busiest rank's tiles <= Megatron's and <= 1.03 x the mean rank's (every row)",
-     _against_megatron(_world_tiles)),
+     _against_megatron(_world_tiles(""))),
     ("world", "world K/V", "busiest rank's received and inter-node keys <= Megatron's (every row)",
-     _against_megatron(_world_keys)),
+     _against_megatron(_world_keys(""))),
+    ("world", "world tiles, per-rank step sums", "the same rule over each rank's sum over the micro-batches",
+     _against_megatron(_world_tiles("step_"))),
+    ("world", "world K/V, per-rank step sums", "the same rule over each rank's sum over the micro-batches",
+     _against_megatron(_world_keys("step_"))),
     ("world", "world solve", "<= 10 ms per world micro-batch",
      _worst(lambda r: r["solve_ms"], 10.0, "max {solve_ms:.2f} ms ({distribution} {world})",
             where=lambda r: r["system"] == "cpdata world")),

@@ -8,9 +8,11 @@ group whose ``size()`` is ``W``, the one call its constructor makes) schedules a
 one micro-batch, a sub-sample on ``c`` ranks laid out as TE THD's ``2c`` chunks. One tile counter, each
 system's kernel as it holds its keys (``tile = 128``): a Megatron sub-sample is its own kernel call
 (:func:`cpdata.layout.tiles.live_tiles`), a cpdata rank holds its queries against its own keys then the
-exchanged ones (:func:`cpdata.layout.tiles.exchange_tiles`). Every column but ``solve_ms`` is summed over
-micro-batches of the busiest rank (a micro-batch ends with its slowest rank); docs/benchmarks.md defines
-each column. Where megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
+exchanged ones (:func:`cpdata.layout.tiles.exchange_tiles`). Two readings of "the busiest rank over a
+step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's busiest rank (every micro-batch ends with
+its slowest rank: a world all-to-all per layer, or parameters gathered per layer); the ``step_`` columns take
+the rank whose sum over the micro-batches is largest (ranks wait only for the peers they exchange with, and
+all meet once a step). docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
 from cpdata.layout.tiles import exchange_tiles, live_tiles
 from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles
 
-__all__ = ["COLUMNS", "OPTIONS", "TABLE", "megatron_micro_batches", "run"]
+__all__ = ["COLUMNS", "OPTIONS", "RATIOS", "TABLE", "megatron_micro_batches", "run"]
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
-                            "inter_keys", "predicted_ms", "solve_ms")  # fmt: skip
-TABLE: tuple[str, ...] = (*COLUMNS, "tiles_vs_megatron", "recv_vs_megatron", "inter_vs_megatron")
+                            "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
+                            "predicted_ms", "solve_ms")  # fmt: skip
+RATIOS: tuple[str, ...] = ("tiles", "recv_keys", "inter_keys", "step_tiles", "step_recv_keys", "step_inter_keys")
+"""The columns each cpdata row also gives over Megatron's (``<column>_vs_megatron``)."""
+TABLE: tuple[str, ...] = (*COLUMNS, *(f"{c}_vs_megatron" for c in RATIOS))
 TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's BalancedCPScheduler"
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
@@ -107,13 +112,16 @@ def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
 
 def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs: list[tuple[np.ndarray, ...]],
          seconds: float) -> dict:  # fmt: skip
-    tiles = sum(int(t.max()) for t, _, _ in mbs)
-    mean = sum(float(t.mean()) for t, _, _ in mbs)
+    tiles, recv, inter = (np.stack(column) for column in zip(*mbs, strict=True))  # int64 [micro-batches, world]
+    mean = float(tiles.sum()) / world
+    busiest, step = tiles.max(axis=1).sum(), tiles.sum(axis=0).max()
     predicted = sum(float(cost.seconds(t, r - i, i).max()) for t, r, i in mbs)
     return {
         "distribution": name, "world": f"{world}x{per_rank // 1024}K", "system": system,
-        "micro_batches": len(mbs), "tiles": tiles, "over_mean": tiles / mean if mean else 1.0,
-        "recv_keys": sum(int(r.max()) for _, r, _ in mbs), "inter_keys": sum(int(i.max()) for _, _, i in mbs),
+        "micro_batches": len(mbs), "tiles": int(busiest), "over_mean": busiest / mean if mean else 1.0,
+        "recv_keys": int(recv.max(axis=1).sum()), "inter_keys": int(inter.max(axis=1).sum()),
+        "step_tiles": int(step), "step_over_mean": step / mean if mean else 1.0,
+        "step_recv_keys": int(recv.sum(axis=0).max()), "step_inter_keys": int(inter.sum(axis=0).max()),
         "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
     }  # fmt: skip
 
@@ -132,8 +140,8 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS) -> list[dict]:
                 rows.append(mine)
                 continue
             other = _row(name, world, per_rank, "megatron BalancedCPScheduler", cost, *theirs)
-            for key, column in (("tiles", "tiles"), ("recv", "recv_keys"), ("inter", "inter_keys")):
-                mine[f"{key}_vs_megatron"] = mine[column] / other[column] if other[column] else (
+            for column in RATIOS:
+                mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
                     1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
             rows += [other, mine]
     if skipped is not None:
