@@ -167,16 +167,25 @@ def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int |
     return np.bincount(seg, hi - lo + 1, minlength=q_len.size).astype(np.int64)
 
 
-def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int
-                      ) -> np.ndarray:  # fmt: skip
+def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int, *,
+                      pad_free: bool = False) -> np.ndarray:  # fmt: skip
     """int64 ``[cp]``: live tiles each rank's varlen segments pay; ``rows`` int64 ``[cp, L]``
-    (:func:`cpdata.layout.maps.rank_indices`; ``arange(pack_len)[None]``: every slot one segment)."""
+    (:func:`cpdata.layout.maps.rank_indices`; ``arange(pack_len)[None]``: every slot one segment).
+    ``pad_free``: the pack's tail after the slots is pad, each run of it segments of at most ``tile`` queries
+    over their own keys (one diagonal tile each, as :mod:`cpdata.device.varlen` runs them); else the tail
+    counts as one more document."""
     rows = np.asarray(rows, dtype=np.int64)
     slot, starts = segment_starts(slot_lens, pack_len)
+    real_end = int(np.sum(slot_lens))
     out = np.zeros(rows.shape[0], dtype=np.int64)
     for rank, pos in enumerate(rows):
+        if pad_free:
+            pad = pos[pos >= real_end]
+            runs = np.diff(np.flatnonzero(np.diff(pad, prepend=-2, append=-2) != 1))  # lengths of consecutive runs
+            out[rank] = int((-(-runs // tile)).sum())
+            pos = pos[pos < real_end]
         start = starts[slot[pos]]
         first, length = query_runs(pos, start)
         keys = pos[first + length - 1] - start[first] + 1
-        out[rank] = int(segment_tiles(length, keys, tile).sum())
+        out[rank] += int(segment_tiles(length, keys, tile).sum())
     return out

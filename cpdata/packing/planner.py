@@ -19,6 +19,7 @@ from cpdata.packing.decreasing import BestFitDecreasing, FirstFitDecreasing, Wor
 from cpdata.packing.greedy import FirstFit, NextFit
 from cpdata.packing.pieces import COUNT_FIELDS, Pieces, check_lengths, cut_documents
 from cpdata.packing.records import DEFAULT_ALGORITHM, PackingConfig, PackingResult, PackingStats, PackKeys
+from cpdata.packing.world_steps import WorldStepPacker
 
 __all__ = ["BinPacker", "StreamPlanner", "carry_and_wait", "make_packer", "plan_lengths", "window_ends"]
 
@@ -40,10 +41,17 @@ class BinPacker(Protocol):
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 
 
+def _owners_of(packer: BinPacker) -> np.ndarray | None:
+    """A world step packer's placements of its open step (:meth:`WorldStepPacker.carry_owners`), else None."""
+    return packer.carry_owners() if isinstance(packer, WorldStepPacker) else None
+
+
 def make_packer(config: PackingConfig) -> BinPacker:
     """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); a world layout's
     ``bfd``/``ffd`` is :class:`~cpdata.packing.decreasing.WorldPacker`."""
     node_size = node_size_of(config.layout, config.cp_size)
+    if config.world_step > 1:  # (resolve() checked the layout and algorithm)
+        return WorldStepPacker(config.capacity, config.cp_size, node_size, config.world_step)
     if node_size is not None and config.algorithm in ("bfd", "ffd"):
         return WorldPacker(config.capacity, config.cp_size, node_size, carry=config.algorithm == "bfd")
     factories = {"bfd": BestFitDecreasing, "ffd": FirstFitDecreasing, "first_fit": FirstFit,
@@ -122,13 +130,17 @@ class StreamPlanner:
 
     def state(self) -> dict[str, Any]:
         offsets, keys, slots = self._packer.carry_columns()
-        return {
+        state = {
             "next_key": self._next_key,
             "counts": dict(self._counts),
             "carry_offsets": offsets,
             "carry_keys": keys,
             "carry_slots": slots,
         }
+        owners = _owners_of(self._packer)
+        if owners is not None:
+            state["carry_owners"] = owners
+        return state
 
     def load_state(self, state: dict[str, Any]) -> None:
         self._next_key = int(state["next_key"])
@@ -137,7 +149,11 @@ class StreamPlanner:
         # (tensors in a node's state, arrays in earlier ones)
         off, keys, slots = (np.asarray(state[f"carry_{k}"]).tolist() for k in ("offsets", "keys", "slots"))
         self._packer = make_packer(self.config)
-        self._packer.load_carry([(keys[a:b], slots[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)])
+        bins = [(keys[a:b], slots[a:b]) for a, b in zip(off[:-1], off[1:], strict=True)]
+        if isinstance(self._packer, WorldStepPacker):
+            self._packer.load_carry(bins, np.asarray(state.get("carry_owners", np.zeros((0, 3))), dtype=np.int64))
+        else:
+            self._packer.load_carry(bins)
 
 
 def carry_and_wait(lengths: np.ndarray, config: PackingConfig) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from cpdata.errors import check_choice, check_int
-from cpdata.layout.maps import alignment
+from cpdata.layout.maps import alignment, node_size_of
 
 __all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "DEFAULT_WINDOW", "OVERFLOW_POLICIES", "WINDOW_PACKS",
            "PackKeys", "PackingConfig", "PackingResult", "PackingStats"]  # fmt: skip
@@ -46,6 +46,9 @@ class PackingConfig:
     """Every document slot is rounded up to this multiple (``alignment(layout, cp)[0]``)."""
     seed: int = 0
     """Recorded for reproducibility; the built-in algorithms draw no random numbers."""
+    world_step: int = 1
+    """Micro-batches a ``world`` layout's packer deals together (:mod:`cpdata.packing.world_steps`); 1: each
+    pack by itself."""
 
     @classmethod
     def resolve(
@@ -58,6 +61,7 @@ class PackingConfig:
         overflow: str | None = None,
         seed: int = 0,
         window: int | None = None,
+        world_step: int = 1,
     ) -> PackingConfig:
         """Validate the arguments; ``overflow=None``: ``"split"`` for concat, else ``"error"``;
         ``window=None``: :data:`DEFAULT_WINDOW`, or the whole stream for ``ffd``."""
@@ -74,6 +78,11 @@ class PackingConfig:
         if overflow is None:
             overflow = "split" if algorithm == "concat" else "error"
         check_choice("overflow policy", overflow, OVERFLOW_POLICIES)
+        world_step = check_int("world_step", world_step, min=1, fix=" (micro-batches dealt together)")
+        if world_step > 1 and (node_size_of(layout, cp_size) is None or algorithm not in ("bfd", "ffd")):
+            raise ValueError(f"world_step={world_step} deals micro-batches of a 'world' layout together with its "
+                             f"packer ('bfd' or 'ffd'), got layout {layout!r} and algorithm {algorithm!r}; pass "
+                             "world_step=1, or layout=layout_spec('world', node_size=...)")  # fmt: skip
         if window is None:
             window = None if algorithm == "ffd" else DEFAULT_WINDOW
         else:
@@ -87,6 +96,7 @@ class PackingConfig:
             window=window,
             doc_multiple=doc_multiple,
             seed=check_int("seed", seed, min=0) if seed is not None else 0,
+            world_step=world_step,
         )
 
     @property
@@ -96,11 +106,14 @@ class PackingConfig:
 
     def identity(self) -> dict[str, object]:
         """The fields a saved state must match to be restored under this configuration."""
-        return {name: getattr(self, name) for name in _IDENTITY_FIELDS}  # (atoms: no asdict deep copy)
+        identity = {name: getattr(self, name) for name in _IDENTITY_FIELDS}  # (atoms: no asdict deep copy)
+        if self.world_step != 1:  # (states saved before world steps existed match world_step=1)
+            identity["world_step"] = self.world_step
+        return identity
 
 
 _IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(PackingConfig)
-                         if f.name not in ("doc_multiple", "seed"))  # fmt: skip
+                         if f.name not in ("doc_multiple", "seed", "world_step"))  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,6 +218,9 @@ class PackKeys:
     """int64 ``[pieces]``, pack after pack."""
     sizes: np.ndarray
     """int64 ``[packs]``: pieces per pack."""
+    owners: np.ndarray | None = None
+    """int64 ``[pieces, 2]``: each piece's first rank and ranks in a world step
+    (:class:`~cpdata.packing.world_steps.WorldStepPacker`); None: the layout deals each pack."""
 
     @classmethod
     def from_lists(cls, packs: Sequence[Sequence[int]]) -> PackKeys:
@@ -216,7 +232,12 @@ class PackKeys:
     def concat(cls, parts: Sequence[PackKeys]) -> PackKeys:
         if not parts:
             return cls(keys=np.zeros(0, np.int64), sizes=np.zeros(0, np.int64))
-        return cls(keys=np.concatenate([p.keys for p in parts]), sizes=np.concatenate([p.sizes for p in parts]))
+        owned = [p.owners is not None for p in parts]
+        if any(owned) and not all(owned):
+            raise ValueError("PackKeys.concat: packs with owners and packs without cannot make one stream of packs")
+        owners = np.concatenate([p.owners for p in parts]) if all(owned) else None
+        return cls(keys=np.concatenate([p.keys for p in parts]), sizes=np.concatenate([p.sizes for p in parts]),
+                   owners=owners)  # fmt: skip
 
     def __len__(self) -> int:
         return int(self.sizes.shape[0])

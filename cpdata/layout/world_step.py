@@ -1,0 +1,231 @@
+"""The world step: ``G`` world micro-batches dealt together, so that each rank's tiles summed over the step balance.
+
+Dealt one at a time (:mod:`~cpdata.layout.world_plan`), a micro-batch gives every rank ``L`` tokens; the
+ranks holding a long document's pieces then stay busier than ``L`` tokens of short documents can make the
+others. When ranks meet once a step (gradients reduced once, K/V moved only between the ranks that need it:
+docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over its micro-batches are most;
+:class:`StepBins` balances that sum:
+
+- pieces go longest first;
+- a piece longer than ``L`` spreads over the fewest ranks, ``c = ceil(s / L)``, consecutive and inside one
+  node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
+  ``2c - 1 - i``); of every micro-batch and window of ranks with room, the one whose busiest rank's step load
+  after it is least (ties: the first micro-batch, then the lowest rank);
+- a piece of at most ``L`` tokens goes whole to the rank of least step load with room for it in some
+  micro-batch, into the micro-batch with the least room that fits (ties: the first); when that rank's load is
+  over the least loaded rank's by more than ``slack`` of a rank's projected step load, the least loaded ranks
+  are full and the piece waits for the next step (:meth:`StepBins.place` returns None).
+
+So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
+in another. Loads are :func:`~cpdata.layout.world_plan.grid_tiles` (a spread piece's shared equally by its
+ranks), less a tile per ``tile`` tokens (a pad block costs one tile). The deal travels with its pack as slot owners (:func:`owned_runs`), never
+recomputed from the slot lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from cpdata.layout.world_deal import alone_tiles
+from cpdata.layout.world_plan import thd_chunks
+
+__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
+
+SLACK = 0.01
+"""A whole piece waits for the next step rather than land more than this fraction of a rank's projected step
+load above the least loaded rank (docs/benchmarks.md measures it)."""
+
+LEVEL = 0.25
+"""The quantile of the ranks' projected loads a whole piece may not lift its rank past (:meth:`StepBins.target`;
+docs/benchmarks.md measures 0, 0.25 and 0.5)."""
+
+Placement = tuple[int, int, int]
+"""``(micro-batch, first rank, ranks)``."""
+
+
+@functools.lru_cache(maxsize=4096)
+def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
+    """Varlen tiles of each of ``c`` ranks holding a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``'s
+    chunks ``j`` and ``2c - 1 - j``, each a segment of its queries over the document's keys up to its last query."""
+    chunk = thd_chunks(s, c)
+    ends = list(itertools.accumulate(chunk))
+    return tuple(_segment(chunk[j], ends[j], tile) + _segment(chunk[2 * c - 1 - j], ends[2 * c - 1 - j], tile)
+                 for j in range(c))  # fmt: skip
+
+
+def _segment(q: int, k: int, tile: int) -> int:
+    """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
+    d = k - q
+    return sum((min((b + 1) * tile, q) - 1 + d) // tile + 1 for b in range(-(-q // tile)))
+
+
+class StepBins:
+    """The open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of ``local`` tokens.
+
+    A rank's ``load`` is what its pieces add over pad: their varlen tiles less one tile per ``tile`` tokens
+    (each ``tile`` pad tokens cost a diagonal tile, so a step's cost on a rank is its load plus
+    ``packs * local / tile``). With ``density`` (tiles a token adds, as the pieces to come are expected to),
+    a rank's *projected* load is its load plus its free tokens times the density: where it ends if the rest
+    of its room fills like the average. :meth:`place` deals one piece (the module docstring's rules) so that
+    the projected loads stay equal. Deterministic: the same pieces in the same order, after the same
+    :meth:`set_density`, give the same deal.
+    """
+
+    __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
+                 "density")  # fmt: skip
+
+    def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
+                 slack: float = SLACK) -> None:  # fmt: skip
+        self.packs, self.world, self.local, self.node_size, self.tile = packs, world, local, node_size, tile
+        self.slack = slack
+        self.room = [[local] * packs for _ in range(world)]  # [rank][micro-batch]
+        self.free = [local * packs] * world  # per rank, over the micro-batches
+        self.best_room = [local] * world  # per rank: the most room of one micro-batch
+        self.load = [0.0] * world
+        self.placed = 0  # tokens
+        self.density = 0.0
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens of room left in the step."""
+        return self.packs * self.world * self.local - self.placed
+
+    def set_density(self, pieces: Sequence[int]) -> None:
+        """Expect the pieces to come to add tiles per token as the placed ones and ``pieces`` (lengths) do."""
+        added = sum(self.load) + sum(alone_tiles(s, self.tile) - s / self.tile for s in pieces if s <= self.local)
+        tokens = self.placed + sum(s for s in pieces if s <= self.local)
+        self.density = added / tokens if tokens else 0.0
+
+    def target(self) -> float:
+        """The level a whole piece may not lift its rank past (times ``1 + slack``): the :data:`LEVEL`
+        quantile of the ranks' projected loads (the least would let one rank filled early with cheap pieces
+        hold every other rank back; the mean, let the ranks of the long documents take their full room)."""
+        projected = sorted(load + free * self.density for load, free in zip(self.load, self.free, strict=True))
+        return projected[int(LEVEL * (self.world - 1))]
+
+    def place(self, s: int) -> Placement | None:
+        """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; the
+        state is unchanged)."""
+        if s > self.local:
+            return self._spread(s)
+        added = alone_tiles(s, self.tile) - s / self.tile
+        best, best_load = -1, 0.0
+        loads, best_room = self.load, self.best_room
+        for r in range(self.world):
+            if best_room[r] >= s and (best < 0 or loads[r] < best_load):
+                best, best_load = r, loads[r]
+        if best < 0 or (self.placed and best_load + added > self.target() * (1 + self.slack)):
+            return None
+        room = self.room[best]
+        k = min((left, k) for k, left in enumerate(room) if left >= s)[1]  # best fit (ties: the first)
+        self._take(best, k, s, added)
+        return k, best, 1
+
+    def top_up(self, s: int) -> Placement | None:
+        """Place a whole piece where it keeps its rank at or under the busiest rank's load (it then costs the
+        step nothing and saves pad): the least loaded rank with room; None where none can."""
+        if s > self.local:
+            return None
+        added = alone_tiles(s, self.tile) - s / self.tile
+        ceiling = max(self.load)
+        fits = [r for r in range(self.world) if self.best_room[r] >= s and self.load[r] + added <= ceiling]
+        if not fits:
+            return None
+        r = min(fits, key=lambda r: (self.load[r], r))
+        k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
+        self._take(r, k, s, added)
+        return k, r, 1
+
+    def restore(self, s: int, where: Placement) -> None:
+        """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
+        k, first, c = where
+        if c == 1:
+            self._take(first, k, s, alone_tiles(s, self.tile) - s / self.tile)
+        else:
+            self._take_spread(s, k, first, c)
+
+    def _take(self, r: int, k: int, s: int, added: float) -> None:
+        if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
+            raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
+                             f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
+        self.room[r][k] -= s
+        self.free[r] -= s
+        self.best_room[r] = max(self.room[r])
+        self.load[r] += added
+        self.placed += s
+
+    def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
+        chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
+        for j in range(c):
+            n = chunk[j] + chunk[2 * c - 1 - j]
+            self._take(first + j, k, n, tiles[j] - n / self.tile)
+
+    def _spread(self, s: int) -> Placement | None:
+        """A piece longer than a rank's tokens: the micro-batch and window of ranks with room whose busiest
+        projected load after it is least."""
+        world, node_size, c = self.world, self.node_size, -(-s // self.local)
+        if c > world:
+            return None
+        chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
+        need = [chunk[j] + chunk[2 * c - 1 - j] for j in range(c)]
+        added = [tiles[j] - need[j] / self.tile for j in range(c)]
+        if c > node_size:  # whole nodes first
+            starts = range(0, world - c + 1, node_size)
+        else:
+            starts = [a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size]
+        best: tuple[float, int, int] | None = None
+        for k in range(self.packs):
+            for a in starts:
+                if all(self.room[a + j][k] >= need[j] for j in range(c)):
+                    score = max(self.load[a + j] + added[j] for j in range(c))
+                    if best is None or score < best[0]:
+                        best = (score, k, a)
+        if best is None or (self.placed and best[0] > self.target() * (1 + self.slack)):
+            return None
+        _, k, a = best
+        self._take_spread(s, k, a, c)
+        return k, a, c
+
+
+def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The runs of a pack dealt by :func:`deal_step`: ``(starts, lengths, owners)`` int64 ``[R]`` sorted by
+    global start, tiling ``[0, pack_len)``, every rank ``pack_len / world`` positions (its pad last).
+
+    ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
+    first; ``c > 1``: TE THD's ``2c`` chunks over ``c`` consecutive ranks). ``ValueError`` when a rank would
+    hold more than its positions or a slot names a rank outside the world.
+    """
+    local = pack_len // world
+    held = np.zeros(world, dtype=np.int64)
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for s, (first, c) in zip(slot_lens.tolist(), owners.tolist(), strict=True):
+        if not (0 <= first and c >= 1 and first + c <= world):
+            raise ValueError(f"a slot of {s} tokens names ranks {first}..{first + c - 1}, outside a world of {world}")
+        if c == 1:
+            runs.append((at, s, first))
+            held[first] += s
+        else:
+            chunk = thd_chunks(s, c)
+            offsets = np.cumsum([0, *chunk[:-1]]).tolist()
+            for j in range(2 * c):
+                if chunk[j]:
+                    r = first + min(j, 2 * c - 1 - j)
+                    runs.append((at + offsets[j], chunk[j], r))
+                    held[r] += chunk[j]
+        at += s
+    if int(held.max(initial=0)) > local or at > pack_len:
+        raise ValueError(f"slot owners give a rank {int(held.max())} tokens (slots {at}) in a pack of {pack_len} "
+                         f"tokens over {world} ranks ({local} each); the owners belong to another pack")  # fmt: skip
+    for r in range(world):
+        n = local - int(held[r])
+        if n:
+            runs.append((at, n, r))
+            at += n
+    out = np.array(sorted(runs), dtype=np.int64).reshape(-1, 3)
+    return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()

@@ -1,0 +1,121 @@
+"""The world step packer: ``StreamPlan(world_step=G)`` under a ``world`` layout packs ``G`` micro-batches at a time.
+
+Pieces go, longest first within each window (ties by key), into one open step of ``G`` world micro-batches
+(:class:`~cpdata.layout.world_step.StepBins`); a piece the step keeps for balance or cannot hold waits. The
+step closes when the waiting pieces hold at least its free room (it is as full as balance lets it be), at the
+end of the stream, and never otherwise: its ``G`` packs leave together, in micro-batch order, each piece with
+its owners (:attr:`PackKeys.owners`), and the waiting pieces open the next step. The end of the stream closes
+steps until nothing waits, leaving out their empty micro-batches.
+
+Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
+the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
+when the trainer accumulates ``G`` micro-batches a step and ranks move K/V point to point
+(docs/benchmarks.md). The state is the open step's pieces in placement order with their owners, and the
+waiting pieces: a resume deals the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cpdata.layout.world_step import Placement, StepBins
+from cpdata.packing.records import PackKeys
+
+__all__ = ["WorldStepPacker"]
+
+
+class WorldStepPacker:
+    """Steps of ``packs`` world micro-batches of ``capacity`` tokens over ``world`` ranks (the module docstring);
+    a :class:`~cpdata.packing.planner.BinPacker` whose packs carry owners."""
+
+    carries = True
+
+    def __init__(self, capacity: int, world: int, node_size: int, packs: int, tile: int = 128) -> None:
+        self.capacity, self.world, self.node_size, self.packs, self.tile = capacity, world, node_size, packs, tile
+        self._bins = self._new_step()
+        self._step: list[tuple[int, int, Placement]] = []  # (key, slot, where), in placement order
+        self._waiting: list[tuple[int, int]] = []  # (key, slot)
+
+    def _new_step(self) -> StepBins:
+        return StepBins(self.packs, self.world, self.capacity // self.world, self.node_size, self.tile)
+
+    def place(self, keys: np.ndarray, slots: np.ndarray) -> PackKeys:
+        pending = self._waiting + list(zip(keys.tolist(), slots.tolist(), strict=True))
+        closed = []
+        while True:
+            self._waiting = self._deal(sorted(pending, key=lambda p: (-p[1], p[0])))
+            if not self._waiting or sum(s for _, s in self._waiting) < self._bins.free_tokens:
+                return PackKeys.concat(closed)
+            closed.append(self._close(keep_empty=True))  # (tops up from self._waiting)
+            pending = self._waiting
+
+    def finish(self) -> PackKeys:
+        closed = []
+        while self._step:
+            closed.append(self._close(keep_empty=False))
+            self._waiting = self._deal(sorted(self._waiting, key=lambda p: (-p[1], p[0])))
+        if self._waiting:  # (nothing waits once a step is empty: a fresh step takes any piece)
+            raise AssertionError(f"{len(self._waiting)} pieces left after the last step")
+        return PackKeys.concat(closed)
+
+    def _deal(self, pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Deal ``pieces`` into the open step; the ones that wait."""
+        self._bins.set_density([s for _, s in pieces])
+        waiting = []
+        for key, s in pieces:
+            where = self._bins.place(s)
+            if where is None:
+                if not self._step and s > self.capacity:
+                    raise ValueError(f"a piece of {s} tokens does not fit a world micro-batch of {self.world} x "
+                                     f"{self.capacity // self.world} tokens; pack with overflow='split'")  # fmt: skip
+                waiting.append((key, s))
+            else:
+                self._step.append((key, s, where))
+        return waiting
+
+    def _close(self, keep_empty: bool) -> PackKeys:
+        """The open step's packs (keys ascending in each, with their owners), first topped up with the waiting
+        pieces that cost it nothing (:meth:`StepBins.top_up`); a fresh step opens."""
+        waiting = []
+        for key, s in self._waiting:
+            where = self._bins.top_up(s)
+            if where is None:
+                waiting.append((key, s))
+            else:
+                self._step.append((key, s, where))
+        self._waiting = waiting
+        by_pack: list[list[tuple[int, int, int]]] = [[] for _ in range(self.packs)]
+        for key, _, (k, first, c) in self._step:
+            by_pack[k].append((key, first, c))
+        packs = [sorted(p) for p in by_pack if p or keep_empty]
+        self._step, self._bins = [], self._new_step()
+        flat = np.array([row for p in packs for row in p], dtype=np.int64).reshape(-1, 3)
+        return PackKeys(keys=flat[:, 0].copy(), sizes=np.array([len(p) for p in packs], dtype=np.int64),
+                        owners=flat[:, 1:].copy())  # fmt: skip
+
+    # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
+    def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        keys = [k for k, _, _ in self._step] + [k for k, _ in self._waiting]
+        slots = [s for _, s, _ in self._step] + [s for _, s in self._waiting]
+        offsets = np.array([0, len(self._step), len(keys)], dtype=np.int64)
+        return offsets, np.array(keys, dtype=np.int64), np.array(slots, dtype=np.int64)
+
+    def carry_owners(self) -> np.ndarray:
+        """int64 ``[pieces, 3]``: the open step's placements ``(micro-batch, first rank, ranks)``, in order."""
+        return np.array([where for _, _, where in self._step], dtype=np.int64).reshape(-1, 3)
+
+    def load_carry(self, bins: Sequence[tuple[Sequence[int], Sequence[int]]], owners: np.ndarray | None = None
+                   ) -> None:  # fmt: skip
+        placed, waiting = (list(bins) + [([], []), ([], [])])[:2]
+        if len(bins) > 2 or (len(placed[0]) and (owners is None or len(owners) != len(placed[0]))):
+            raise ValueError(f"a world step state holds the open step's pieces with their owners and the waiting "
+                             f"ones: got {len(bins)} bins and owners for "
+                             f"{0 if owners is None else len(owners)} of {len(placed[0])} placed pieces; restore it "
+                             "under the configuration it was saved with")  # fmt: skip
+        self._bins, self._step = self._new_step(), []
+        for key, s, where in zip(placed[0], placed[1], [] if owners is None else owners.tolist(), strict=True):
+            self._bins.restore(int(s), tuple(where))
+            self._step.append((int(key), int(s), tuple(where)))
+        self._waiting = [(int(k), int(s)) for k, s in zip(*waiting, strict=True)]
