@@ -210,11 +210,21 @@ def layout_runs(
     return concat_run_block(layout, cp_size, lens, None, pack_len).tables()[0]
 
 
-def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int
-                     ) -> RunBlock | SpanBlock:  # fmt: skip
+def layout_run_block(layout: str, cp_size: int, seq_lens: Sequence[np.ndarray], pack_len: int,
+                     owners: Sequence[np.ndarray | None] | None = None) -> RunBlock | SpanBlock:  # fmt: skip
     """:func:`layout_runs` (``checked=True``) of ``P`` packs at once, for a layout that depends on the documents
     (``thd``, ``balanced``, ``tiled``, ``world``): pack ``p``'s table is ``.tables()[p]``, bit for bit the one
-    ``layout_runs`` gives it alone. ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays."""
+    ``layout_runs`` gives it alone. ``seq_lens``: ``P`` checked int64 ``[D_p]`` slot-length arrays. ``owners``:
+    per pack None or its world step's slot owners (int64 ``[D_p, 2]``, :attr:`PackPlan.owners`), ``world`` only."""
+    if owners is not None and any(o is not None for o in owners):
+        node_size = node_size_of(layout, cp_size)
+        if node_size is None:
+            raise ValueError(f"slot owners come from a world step (StreamPlan(world_step=...)) and lay out only a "
+                             f"'world' layout, got layout {layout!r}")  # fmt: skip
+        _check_pack_len(layout, cp_size, pack_len)
+        counts = np.array([lens.shape[0] for lens in seq_lens], dtype=np.int64)
+        return world_block(np.concatenate(seq_lens), counts, pack_len, cp_size, node_size,
+                           cost=world_cost_of(layout), owners=owners)  # fmt: skip
     if len(seq_lens) == 1:
         return concat_run_block(layout, cp_size, seq_lens[0], None, pack_len)
     counts = np.array([lens.shape[0] for lens in seq_lens], dtype=np.int64)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ import numpy as np
 from cpdata.errors import check_int, check_number
 from cpdata.layout.runs import _per_pack
 from cpdata.layout.spans import SpanBlock
-from cpdata.layout.world_plan import WorldBins, grid_tiles, plan_runs
+from cpdata.layout.world_plan import WorldBins, alone_tiles, grid_tiles, plan_runs
+from cpdata.layout.world_step import owned_runs
 
 __all__ = ["H100_DEFAULTS", "MIN_SPREAD", "SPREAD_FRACTIONS", "WorldCost", "alone_tiles", "grid_tiles",
            "world_block", "world_runs"]  # fmt: skip
@@ -136,12 +138,6 @@ SPREAD_FRACTIONS: tuple[float, ...] = (1.0, 0.5, 0.25)
 """Step 1 is tried spreading the documents that cost more than each of these fractions of a rank's share of
 tiles (below 1.0 only those of at least :data:`MIN_SPREAD` of a rank's tokens); docs/benchmarks.md measures
 what the three buy over 1.0 alone."""
-
-
-def alone_tiles(length: int, tile: int) -> int:
-    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
-    nb = -(-length // tile)
-    return nb * (nb + 1) // 2
 
 
 def _degree(s: int, t: float, local: int, share: float, cost: WorldCost, node_size: int, world: int) -> int:
@@ -249,10 +245,19 @@ def world_runs(slot_lens: np.ndarray, pack_len: int, world: int, node_size: int,
 
 
 def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_size: int, node_size: int,
-                tile: int = 128, cost: WorldCost = H100_DEFAULTS) -> SpanBlock:  # fmt: skip
+                tile: int = 128, cost: WorldCost = H100_DEFAULTS, owners: Sequence[np.ndarray | None] | None = None
+                ) -> SpanBlock:  # fmt: skip
     """``world`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
-    slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span."""
-    runs = [world_runs(pack, pack_len, cp_size, node_size, tile, cost) for pack in _per_pack(lens, counts)]
+    slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span; a pack whose ``owners``
+    (int64 ``[D_p, 2]``, a world step's) are given is laid out from them
+    (:func:`~cpdata.layout.world_step.owned_runs`)."""
+    packs = _per_pack(lens, counts)
+    owned = [None] * len(packs) if owners is None else list(owners)
+    if len(owned) != len(packs):
+        raise ValueError(f"owners for {len(owned)} packs, slot lengths for {len(packs)}")
+    runs = [world_runs(pack, pack_len, cp_size, node_size, tile, cost) if own is None
+            else owned_runs(pack, np.asarray(own, dtype=np.int64).reshape(-1, 2), pack_len, cp_size)
+            for pack, own in zip(packs, owned, strict=True)]  # fmt: skip
     starts, lengths, owners = (np.concatenate(part) for part in zip(*runs, strict=True))
     spans = np.array([r[0].shape[0] for r in runs], dtype=np.int64)
     return SpanBlock(pack_len, cp_size, lens, counts, starts, lengths, owners, spans)

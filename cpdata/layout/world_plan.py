@@ -24,13 +24,19 @@ import itertools
 
 import numpy as np
 
-__all__ = ["WorldBins", "grid_tiles", "plan_runs", "thd_chunks"]
+__all__ = ["WorldBins", "alone_tiles", "grid_tiles", "plan_runs", "thd_chunks"]
 
 
 def thd_chunks(s: int, c: int) -> list[int]:
     """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
     q, r = divmod(s, 2 * c)
     return [q + 1] * r + [q] * (2 * c - r)
+
+
+def alone_tiles(length: int, tile: int) -> int:
+    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
+    nb = -(-length // tile)
+    return nb * (nb + 1) // 2
 
 
 def grid_tiles(length: int, tile: int) -> float:

@@ -30,8 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_deal import alone_tiles
-from cpdata.layout.world_plan import thd_chunks
+from cpdata.layout.world_plan import alone_tiles, thd_chunks
 
 __all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
 

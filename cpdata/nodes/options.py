@@ -57,9 +57,14 @@ class StreamPlan:
     windows pack tighter and hold more in memory."""
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
     """With ``DataPolicy(shuffle=True)`` over a stream (no ``len``): documents held to draw from."""
+    world_step: int = 1
+    """Under a ``world`` layout, micro-batches dealt together (:mod:`cpdata.packing.world_steps`): pass the
+    micro-batches the trainer accumulates a step, so each rank's tiles summed over a step balance; 1: each
+    micro-batch by itself."""
 
     def __post_init__(self) -> None:
         check_choice("StreamPlan.algorithm", self.algorithm, ALGORITHMS)
+        check_int("StreamPlan.world_step", self.world_step, min=1, fix=" (micro-batches dealt together)")
         check_choice("StreamPlan.overflow", self.overflow, OVERFLOW_POLICIES, optional=True)
         check_int("StreamPlan.window", self.window, min=1, optional=True)
         check_int("StreamPlan.shuffle_buffer", self.shuffle_buffer, min=1)

@@ -73,12 +73,15 @@ def _read_window(
 
 # A finished pack: piece table [n, 4], sources [n], offsets [n], slot lengths [n], real and slot tokens, and the
 # window's token buffer with each piece's index in it [n] (None when a piece is not in it).
-_Finished = tuple[np.ndarray, tuple, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None]
+_Finished = tuple[np.ndarray, tuple, np.ndarray, np.ndarray, int, int, TokenBuffer | None, np.ndarray | None,
+                  np.ndarray | None]
 
 
-def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: TokenBuffer) -> list[_Finished]:
+def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: TokenBuffer,
+              owners: np.ndarray | None = None) -> list[_Finished]:  # fmt: skip
     """Every pack a window finished, from their :class:`LivePieces` rows ``[p, 8]`` (``sizes`` ``[packs]``
-    pieces each): numpy for the whole window, then one slice per pack and column (made read-only once)."""
+    pieces each) and their owners (int64 ``[p, 2]``, a world step's; None: the layout deals each pack): numpy
+    for the whole window, then one slice per pack and column (made read-only once)."""
     table = np.ascontiguousarray(rows[:, 1:5])
     offsets, slots, at = rows[:, 6].copy(), rows[:, 5].copy(), rows[:, 7].copy()
     table.flags.writeable = offsets.flags.writeable = False
@@ -89,8 +92,11 @@ def _finished(rows: np.ndarray, sources: tuple, sizes: np.ndarray, buffer: Token
     np.cumsum(at < 0, out=sums[1:, 2])
     tokens, slot_tokens, outside = (sums[bounds[1:]] - sums[bounds[:-1]]).T.tolist()
     b = bounds.tolist()
+    if owners is not None:
+        owners = owners.copy()
+        owners.flags.writeable = False
     return [(table[lo:hi], sources[lo:hi], offsets[lo:hi], slots[lo:hi], n, slot_n,
-             *((buffer, at[lo:hi]) if hi > lo and not out else (None, None)))
+             *((buffer, at[lo:hi]) if hi > lo and not out else (None, None)), None if owners is None else owners[lo:hi])
             for lo, hi, n, slot_n, out in zip(b[:-1], b[1:], tokens, slot_tokens, outside, strict=True)]  # fmt: skip
 
 
@@ -124,6 +130,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         overflow: str | None = None,
         seed: int = 0,
         window: int | None = None,
+        world_step: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(source_node, BaseNode):
@@ -133,7 +140,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
             )
         self.config = PackingConfig.resolve(
             capacity=capacity, layout=layout, cp_size=cp_size, algorithm=algorithm,
-            overflow=overflow, seed=seed, window=window,
+            overflow=overflow, seed=seed, window=window, world_step=world_step,
         )
         self.source = source_node
         self._seekable = isinstance(source_node, Documents) and source_node.seekable
@@ -252,12 +259,13 @@ class Pack(VersionedState, BaseNode[PackPlan]):
             packs = PackKeys.concat([packs, self._planner.finish()])
         rows, sources = self._live.take(packs.keys)
         buffer = window_buffer(window, rows, sources, self._pool)
-        self._queue.extend(_finished(rows, sources, packs.sizes, buffer))
+        self._queue.extend(_finished(rows, sources, packs.sizes, buffer, packs.owners))
 
     def _emit(self, pack: _Finished) -> PackPlan:
-        table, sources, offsets, slots, tokens, slot_tokens, buffer, at = pack
+        table, sources, offsets, slots, tokens, slot_tokens, buffer, at, owners = pack
         pieces = PieceColumns(table, sources, offsets, buffer, at)
-        plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs)
+        plan = PackPlan(pieces=pieces, slot_lens=slots, capacity=self.config.capacity, index=self._planner.packs,
+                        owners=owners)  # fmt: skip
         self._planner.account(packs=1, tokens=tokens, slot_tokens=slot_tokens)
         self._emitted += 1
         return plan

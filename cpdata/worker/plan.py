@@ -141,6 +141,10 @@ class PackPlan:
     precomputed plan's row, the live packer's sequence number); ``batch.info["pack_indices"]``."""
     extras: Mapping[str, object] = field(default_factory=dict)
     """Free-form metadata (e.g. packer stats); never tensors of the batch."""
+    owners: np.ndarray | None = None
+    """int64 ``[n_slots, 2]``: under a ``world`` layout dealt by steps (``StreamPlan(world_step=G)``), each slot's
+    first rank and ranks, as the packer dealt them (:func:`cpdata.layout.world_step.owned_runs`); None: the
+    layout deals the pack from its slot lengths."""
     piece_columns: PieceColumns = field(init=False, repr=False, compare=False)
     """The pieces as columns."""
     columns: np.ndarray = field(init=False, repr=False, compare=False)

@@ -21,6 +21,7 @@ from cpdata.worker.collate import CollatedPack
 from cpdata.worker.keys import N_TARGETS
 from cpdata.worker.plan import PackPlan
 from cpdata.worker.stream import Stream, StreamBlock, buffer_runs, build_streams, target_counts
+from cpdata.worker.stream_slots import SlotBlock
 
 __all__ = ["DIGEST_SAMPLES", "BlockItem", "DocumentSources", "check_rows", "hash63", "plan_digest",
            "prepare_block", "static_layout"]  # fmt: skip
@@ -122,7 +123,7 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
-    size, capacity, pack index, slot lengths, every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
+    size, capacity, pack index, slot lengths (and a world step's slot owners), every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
     token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
     same shape disagree, while a change confined to unsampled positions goes unseen."""
     return _digests(build_streams([([plan], 0)]), layout, cp_size, [len(plan.pieces)])[0]
@@ -160,6 +161,8 @@ def _digests(block: StreamBlock, layout: str, cp_size: int, n_documents: list[in
     digests, row = [], 0
     for plan, k in zip(slots.plans, slots.counts, strict=True):
         head = (prefix + f"{plan.capacity}|{plan.index}").encode() + lens_data[8 * row : 8 * (row + k)]
+        if plan.owners is not None:  # a world step's deal is the packer's, not the slot lengths'
+            head += b"|owners|" + np.ascontiguousarray(plan.owners, dtype=np.int64).tobytes()
         digests.append(hash63(head + data[width * row : width * (row + k)]))
         row += k
     per_batch = [digests[lo:hi] for lo, hi in pairwise(slots.plan_first)]
@@ -174,7 +177,9 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, groups: Grou
     tables: list[RunTable] = [None] * k  # type: ignore[list-item]
     works: list[list[float]] = [[]] * k
     for (stream_len, _), members in groups.items():  # (one row: a dynamic layout refuses bshd rows)
-        run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len)
+        owners = [_owners_of(slots, i) for i in members]
+        run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len,
+                                     owners if any(o is not None for o in owners) else None)  # fmt: skip
         block_tables = run_block.tables()
         reals = [real[slots.first[i] : slots.first[i] + n]
                  for i, n in zip(members, run_block.doc_counts(), strict=True)]  # fmt: skip
@@ -182,6 +187,16 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, groups: Grou
         for j, i in enumerate(members):
             tables[i], works[i] = block_tables[j], work[j]
     return tables, works
+
+
+def _owners_of(slots: SlotBlock, b: int) -> np.ndarray | None:
+    """Batch ``b``'s slot owners (a world step's, :attr:`PackPlan.owners`), or None."""
+    plans = slots.plans[slots.plan_first[b] : slots.plan_first[b + 1]]
+    owned = [plan.owners is not None for plan in plans]
+    if any(owned) and len(plans) > 1:
+        raise ValueError(f"a batch of {len(plans)} packs dealt by world steps: each pack is its own world "
+                         "micro-batch; use batch_size=1 with StreamPlan(world_step=...)")  # fmt: skip
+    return plans[0].owners if owned[0] else None
 
 
 DocumentSources = Callable[[np.ndarray], tuple[list[str], np.ndarray]]
