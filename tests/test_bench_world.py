@@ -36,15 +36,38 @@ def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
 def test_the_quick_section_gives_both_systems_per_distribution_and_world(monkeypatch):
     monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
     rows = world.run(quick=True)
-    assert {r["system"] for r in rows} == {"cpdata world", "megatron BalancedCPScheduler"}
-    assert len(rows) == 4  # two distributions, one world, two systems
+    systems = (world.PER_PACK, world.STEP)
+    assert {r["system"] for r in rows} == {*systems, *(f"{world.MEGATRON} ({s}'s documents)" for s in systems)}
+    assert len(rows) == 8  # two distributions, one world, two cpdata systems each beside Megatron
     for r in rows:
         assert all(k in r for k in world.COLUMNS), r
         assert r["micro_batches"] >= 1 and r["tiles"] > 0 and r["over_mean"] >= 1.0
         assert r["inter_keys"] <= r["recv_keys"] and np.isfinite(r["predicted_ms"])
-    for mine in (r for r in rows if r["system"] == "cpdata world"):
+    for mine in (r for r in rows if r["system"] in systems):
         assert mine["micro_batches"] == world.QUICK_PACKS
         assert mine["tiles_vs_megatron"] > 0 and all(f"{c}_vs_megatron" in mine for c in world.RATIOS)
+
+
+def test_the_step_rows_are_the_step_packers_packs_laid_out_from_their_owners():
+    """The step system's packs: every rank within its tokens, every document once, owners as the layout reads
+    them (each run's owner the packer's), and the counted tiles those of the varlen kernel on that layout."""
+    from cpdata.layout.tiles import varlen_live_tiles
+    from cpdata.layout.world_step import owned_runs
+
+    packs, seconds = world.step_packs("sft", 8, 2048, 3)
+    assert len(packs) == 3 and seconds > 0
+    costs = world._step(packs, 8, 2048)
+    for (lens, owners), (tiles, recv, inter) in zip(packs, costs, strict=True):
+        assert owners.shape == (lens.shape[0], 2) and lens.sum() <= 8 * 2048
+        starts, lengths, ranks = owned_runs(lens, owners, 8 * 2048, 8)
+        runs = list(zip(starts.tolist(), lengths.tolist(), ranks.tolist(), strict=True))
+        rows = [np.concatenate([np.arange(a, a + n) for a, n, o in runs if o == r]) for r in range(8)]
+        assert all(row.size == 2048 for row in rows)
+        assert np.array_equal(tiles, varlen_live_tiles(np.stack(rows), lens, 8 * 2048, 128, pad_free=True))
+        spread = {int(f) + j for f, c in owners.tolist() if c > 1 for j in range(c)}
+        whole_only = [r for r in range(8) if r not in spread]
+        assert (inter <= recv).all() and (recv[whole_only] == 0).all()  # a whole document needs no one's keys
+    assert any(c > 1 for _, owners in packs for c in owners[:, 1].tolist())  # (a spread document was counted)
 
 
 def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatch, tmp_path):
@@ -95,12 +118,18 @@ def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
                 "step_recv_keys": step_recv, "step_inter_keys": 0, "solve_ms": 1.0}  # fmt: skip
 
     # synced: cpdata 1.5 x Megatron's tiles; per-rank step sums: within both bounds, and fewer keys
-    rows = [row("megatron BalancedCPScheduler", 3200, 1.02, 6586, 3200, 1.02, 6586),
-            row("cpdata world", 4800, 1.5, 6585, 3150, 1.01, 6500)]  # fmt: skip
+    theirs = row("megatron BalancedCPScheduler", 3200, 1.02, 6586, 3200, 1.02, 6586)
+    rows = []
+    for system, mine in (("cpdata world", row("", 4800, 1.5, 6585, 4700, 1.49, 6585)),
+                         ("cpdata world step", row("", 4800, 1.5, 6585, 3150, 1.01, 6500))):  # fmt: skip
+        mine["system"] = system
+        for column in world.RATIOS:
+            mine[f"{column}_vs_megatron"] = mine[column] / theirs[column] if theirs[column] else 1.0
+        rows += [theirs, mine]
     met = {t["target"]: (t["met"], t["measured"]) for t in evaluate_targets({"world": rows})}
     assert met["world tiles"] == (False, "max 1.500 x Megatron's (sft 16x8K), max 1.500 x the mean rank's")
-    assert met["world tiles, per-rank step sums"][0] and met["world K/V"][0]
-    assert met["world K/V, per-rank step sums"] == (True, "received <= Megatron's on 1 of 1 rows, inter-node on 1")
-    rows[1]["step_over_mean"] = 1.031  # over 1.03 x the mean rank alone misses
-    assert not next(t for t in evaluate_targets({"world": rows}) if t["target"].endswith("step sums")
-                    and t["target"].startswith("world tiles"))["met"]  # fmt: skip
+    assert met["world K/V"][0] and met["world step K/V"] == (True, "received <= Megatron's on 1 of 1 rows, "
+                                                                 "inter-node on 1")  # fmt: skip
+    assert met["world step tiles"] == (True, "max 0.984 x Megatron's (sft 16x8K), max 1.010 x the mean rank's")
+    rows[3]["step_over_mean"] = 1.031  # over 1.03 x the mean rank alone misses
+    assert not next(t for t in evaluate_targets({"world": rows}) if t["target"] == "world step tiles")["met"]

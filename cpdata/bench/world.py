@@ -1,36 +1,48 @@
-"""Section ``world``: the whole world as one CP group, cpdata's ``world`` deal beside Megatron-core's
+"""Section ``world``: the whole world as one CP group, cpdata's ``world`` deals beside Megatron-core's
 ``BalancedCPScheduler`` (hybrid / dynamic CP), on the same documents.
 
-The first ``PACKS`` world micro-batches the default packer makes of each distribution (``16 x 8K`` and
-``32 x 4K``, 8 ranks per node) go to both systems: cpdata deals each pack (``layout_spec("world",
-node_size=8)`` and its K/V exchange plan); Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in
-group whose ``size()`` is ``W``, the one call its constructor makes) schedules all of them at once, each group
-one micro-batch, a sub-sample on ``c`` ranks laid out as TE THD's ``2c`` chunks. One tile counter, each
-system's kernel as it holds its keys (``tile = 128``): a Megatron sub-sample is its own kernel call
-(:func:`cpdata.layout.tiles.live_tiles`), a cpdata rank holds its queries against its own keys then the
-exchanged ones (:func:`cpdata.layout.tiles.exchange_tiles`). Two readings of "the busiest rank over a
+Two cpdata systems at ``16 x 8K`` and ``32 x 4K``, 8 ranks per node:
+
+- ``cpdata world``: the first ``PACKS`` packs the world packer makes of each distribution, each dealt by itself
+  from its slot lengths (``layout_spec("world", node_size=8)``), solve timed in the shard stage's deal;
+- ``cpdata world step``: the first step of ``PACKS`` packs the world step packer makes
+  (``StreamPlan(world_step=PACKS)``, :mod:`cpdata.packing.world_steps`), laid out from their owners, solve timed
+  in the packer (its CPU time until the step closed, per micro-batch).
+
+Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in group whose ``size()`` is ``W``, the one call its
+constructor makes) schedules each system's documents at once, each group one micro-batch, a sub-sample on ``c``
+ranks laid out as TE THD's ``2c`` chunks. One tile counter, each system's kernel (``tile = 128``): a Megatron
+sub-sample is its own kernel call (:func:`cpdata.layout.tiles.live_tiles`); a cpdata rank runs varlen, each
+document piece a segment over its document's keys held or exchanged, each 128 pad tokens one diagonal tile
+(:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two readings of "the busiest rank over a
 step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's busiest rank (every micro-batch ends with
 its slowest rank: a world all-to-all per layer, or parameters gathered per layer); the ``step_`` columns take
 the rank whose sum over the micro-batches is largest (ranks wait only for the peers they exchange with, and
-all meet once a step). docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
+all meet once a step). docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the
+section says why and gives cpdata's rows alone.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import time
 import types
 
 import numpy as np
 
-from cpdata.bench.distributions import first_packs
+from cpdata.bench.distributions import first_packs, sample
 from cpdata.layout.exchange import node_recv, world_exchange
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
-from cpdata.layout.tiles import exchange_tiles, live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles
+from cpdata.layout.spans import SpanTable
+from cpdata.layout.tiles import live_tiles, varlen_live_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, world_block
+from cpdata.packing.planner import StreamPlanner, window_ends
+from cpdata.packing.records import PackingConfig
 
-__all__ = ["COLUMNS", "OPTIONS", "RATIOS", "TABLE", "megatron_micro_batches", "run"]
+__all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "TABLE", "megatron_micro_batches", "run",
+           "step_packs"]  # fmt: skip
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
@@ -42,6 +54,9 @@ TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's B
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
+PER_PACK, STEP, MEGATRON = "cpdata world", "cpdata world step", "megatron BalancedCPScheduler"
+"""System names: each pack dealt by itself; ``PACKS`` packs dealt as one step (``StreamPlan(world_step=PACKS)``);
+Megatron's scheduler on each one's documents."""
 PACKS, QUICK_PACKS = 8, 2
 OPTIONS: tuple[str, ...] = ("cost",)
 """``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`."""
@@ -95,19 +110,55 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
 
 def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
             ) -> tuple[list[tuple[np.ndarray, ...]], float]:  # fmt: skip
+    """Each pack dealt by itself from its slot lengths (the shard stage's deal, timed)."""
     spec = layout_spec("world", node_size=NODE_SIZE, cost=cost)
     capacity = world * per_rank
-    out, seconds = [], 0.0
+    tables, seconds = [], 0.0
     gc.collect()  # a full collection owed to earlier allocations (packing, imports) is not the deal's
     for lens in packs:
         t0 = time.thread_time()
-        table = layout_runs(spec, world, lens, capacity, checked=True)
+        tables.append(layout_runs(spec, world, lens, capacity, checked=True))
         seconds += time.thread_time() - t0
-        plan = world_exchange(table)
-        tiles = exchange_tiles(table.rows(), lens, capacity, TILE, plan)
-        intra, inter = node_recv(plan, NODE_SIZE)
-        out.append((tiles, intra + inter, inter))
-    return out, seconds
+    return [_costs(table, lens) for table, lens in zip(tables, packs, strict=True)], seconds
+
+
+def step_packs(name: str, world: int, per_rank: int, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:
+    """The first world step of ``n`` packs the world step packer (``StreamPlan(world_step=n)``) makes of ``name``:
+    per pack its slot lengths and owners (int64 ``[D]``, ``[D, 2]``), and the packer's CPU seconds for ``n``
+    packs (a window that closes more packs than that counted in proportion)."""
+    config = PackingConfig.resolve(capacity=world * per_rank, layout=layout_spec("world", node_size=NODE_SIZE),
+                                   cp_size=world, overflow="split", world_step=n)  # fmt: skip
+    probe = sample(name, 1000, 0)
+    lengths = sample(name, int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16, 1)
+    planner, slot, packs, lo, seconds = StreamPlanner(config), {}, [], 0, 0.0
+    gc.collect()
+    for hi in window_ends(lengths, config):
+        t0 = time.thread_time()
+        pieces, keys, done = planner.add_window(lengths[lo:hi], np.arange(lo, hi))
+        seconds += (time.thread_time() - t0) * min(1.0, n / max(len(done), 1))  # (a window may close many steps)
+        slot.update(zip(keys.tolist(), pieces.slot.tolist(), strict=True))
+        bounds = np.concatenate([[0], np.cumsum(done.sizes)]).tolist()
+        for a, b in itertools.pairwise(bounds):
+            packs.append((np.array([slot[k] for k in done.keys[a:b].tolist()], dtype=np.int64), done.owners[a:b]))
+        lo = hi
+        if len(packs) >= n:
+            return packs[:n], seconds
+    raise AssertionError(f"{name}: fewer than {n} packs from {lengths.shape[0]} documents")
+
+
+def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int) -> list[tuple[np.ndarray, ...]]:
+    """The packs of a world step laid out from their owners."""
+    capacity = world * per_rank
+    blocks = [world_block(lens, None, capacity, world, NODE_SIZE, owners=[owners]) for lens, owners in packs]
+    return [_costs(block.tables()[0], lens) for block, (lens, _) in zip(blocks, packs, strict=True)]
+
+
+def _costs(table: SpanTable, lens: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per rank: varlen tiles (pad as the varlen kernel runs it, one diagonal tile per 128 pad tokens), keys
+    received, and of those from other nodes."""
+    plan = world_exchange(table)
+    intra, inter = node_recv(plan, NODE_SIZE)
+    return varlen_live_tiles(table.rows(), lens, table.pack_len, TILE, pad_free=True), intra + inter, inter
 
 
 def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs: list[tuple[np.ndarray, ...]],
@@ -133,17 +184,22 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS) -> list[dict]:
     for name in names:
         for world, per_rank in WORLDS:
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n)
-            mine = _row(name, world, per_rank, "cpdata world", cost, *_cpdata(packs, world, per_rank, cost))
-            theirs = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
-            if isinstance(theirs, str):
-                skipped = theirs
-                rows.append(mine)
-                continue
-            other = _row(name, world, per_rank, "megatron BalancedCPScheduler", cost, *theirs)
-            for column in RATIOS:
-                mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
-                    1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
-            rows += [other, mine]
+            steps, seconds = step_packs(name, world, per_rank, n)
+            for system, mbs, docs in (
+                (PER_PACK, _cpdata(packs, world, per_rank, cost), packs),
+                (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
+            ):  # fmt: skip
+                mine = _row(name, world, per_rank, system, cost, *mbs)
+                theirs = megatron_micro_batches(np.concatenate(docs).tolist(), world, per_rank, NODE_SIZE)
+                if isinstance(theirs, str):
+                    skipped = theirs
+                    rows.append(mine)
+                    continue
+                other = _row(name, world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
+                for column in RATIOS:
+                    mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
+                        1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
+                rows += [other, mine]
     if skipped is not None:
         print(f"world: megatron-core cannot be imported ({skipped}); its rows are skipped "
               "(pip install megatron-core>=0.16.1)")  # fmt: skip

@@ -172,20 +172,21 @@ class StepBins:
         chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
         need = [chunk[j] + chunk[2 * c - 1 - j] for j in range(c)]
         added = [tiles[j] - need[j] / self.tile for j in range(c)]
-        if c > node_size:  # whole nodes first
-            starts = range(0, world - c + 1, node_size)
-        else:
-            starts = [a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size]
-        best: tuple[float, int, int] | None = None
-        for k in range(self.packs):
-            for a in starts:
-                if all(self.room[a + j][k] >= need[j] for j in range(c)):
-                    score = max(self.load[a + j] + added[j] for j in range(c))
-                    if best is None or score < best[0]:
-                        best = (score, k, a)
-        if best is None or (self.placed and best[0] > self.target() * (1 + self.slack)):
+        if s > self.free_tokens:
             return None
-        _, k, a = best
+        if c > node_size:  # whole nodes first
+            starts = np.arange(0, world - c + 1, node_size)
+        else:
+            starts = np.array([a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size])
+        windows = np.lib.stride_tricks.sliding_window_view
+        fits = (windows(np.array(self.room, dtype=np.int64), c, axis=0)[starts] >= np.array(need)[None, None]).all(2)
+        score = (windows(np.array(self.load), c)[starts] + np.array(added)).max(axis=1)  # [starts]
+        by_pack = np.where(fits, score[:, None], np.inf).T.reshape(-1)  # micro-batch after micro-batch
+        best = int(np.argmin(by_pack))  # the least (ties: the first micro-batch, then the lowest rank)
+        if not np.isfinite(by_pack[best]) or (self.placed and by_pack[best] > self.target() * (1 + self.slack)):
+            return None
+        k, a = divmod(best, starts.shape[0])
+        a = int(starts[a])
         self._take_spread(s, k, a, c)
         return k, a, c
 

@@ -55,6 +55,10 @@ def _check_options(plan: Any, data: Any, dataset: Any) -> None:
         if plan.shuffle_buffer != StreamPlan().shuffle_buffer:
             raise ValueError("StreamPlan.shuffle_buffer shuffles a stream online; a precomputed plan keeps the "
                              "dataset's order: leave it out")  # fmt: skip
+        if plan.world_step != 1:
+            raise ValueError(f"StreamPlan(world_step={plan.world_step}): a precomputed plan stores slot lengths, "
+                             "not the owners a world step deals; pack online with world_step, or precompute "
+                             "with world_step=1 (each world micro-batch dealt by itself)")  # fmt: skip
     elif plan.lengths is not None or plan.window is not None:
         raise ValueError("SchedulePlan.lengths and SchedulePlan.window do not apply to precompute: it reads every "
                          "length from the dataset and plans them at once; leave them out")  # fmt: skip
