@@ -183,7 +183,7 @@ class StepBins:
         score = (windows(np.array(self.load), c)[starts] + np.array(added)).max(axis=1)  # [starts]
         by_pack = np.where(fits, score[:, None], np.inf).T.reshape(-1)  # micro-batch after micro-batch
         best = int(np.argmin(by_pack))  # the least (ties: the first micro-batch, then the lowest rank)
-        if not np.isfinite(by_pack[best]) or (self.placed and by_pack[best] > self.target() * (1 + self.slack)):
+        if by_pack[best] == np.inf or (self.placed and by_pack[best] > self.target() * (1 + self.slack)):
             return None
         k, a = divmod(best, starts.shape[0])
         a = int(starts[a])
