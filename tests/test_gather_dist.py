@@ -30,6 +30,7 @@ COLLECTIVES = (
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
+    "batch_isend_irecv",
     "broadcast",
     "reduce",
     "reduce_scatter",
@@ -56,6 +57,10 @@ def counting_collectives():
     def wrap(name, fn):
         def counted(*args, **kwargs):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if name == "batch_isend_irecv":  # as all_to_all_single's (received, sent): each side's rows summed
+                ops = args[0]
+                tensors = [torch.cat([op.tensor for op in ops if op.op.__name__ == side] or
+                                     [ops[0].tensor[:0]]) for side in ("irecv", "isend")]  # fmt: skip
             calls.append((name, [(t.dtype, tuple(t.shape)) for t in tensors]))
             return fn(*args, **kwargs)
 

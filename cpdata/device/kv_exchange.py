@@ -1,14 +1,18 @@
-"""Exchange only the keys each rank needs: one differentiable all-to-all (torch only).
+"""Exchange only the keys each rank needs: one differentiable point-to-point exchange (torch only).
 
 A layout with a K/V exchange plan (``layout.kv_exchange``, a :class:`~cpdata.layout.exchange.RankExchange`
 built on the worker) lets document-causal attention skip the all-gather: each rank sends every other rank
 exactly the keys that rank's queries attend to::
 
     forward:  send = local[send_index]                      [n_send, ...]
-              recv = all_to_all_single(send, splits)        [n_recv, ...]   ONE collective
+              recv = swap(send, splits)                     [n_recv, ...]   ONE batch of sends and receives
               keys = cat(local, recv)                       [L + n_recv, ...]  own keys first
-    backward: grad_recv -> reverse all_to_all_single        [n_send, ...]   ONE collective
+    backward: grad_recv -> the reverse swap                 [n_send, ...]   ONE batch
               grad_local = grad_own.index_add(send_index, grad_sent)   (a key's grads summed into its owner)
+
+A swap is ``batch_isend_irecv`` with the ranks it sends to or receives from only (an all-to-all's result, but
+a rank with no keys to move waits for no one: a rank that shares no document with the others runs its
+micro-batches at its own pace, which a world step's per-rank balance counts on, docs/layouts-and-kernels.md).
 
 The gradient contract is the all-gather's (:mod:`cpdata.gather`). Received keys come grouped by source rank;
 :func:`exchanged_key_positions` gives every key's global position on the device, so a mask needs no
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import irecv, isend  # (as P2POp checks them: not a wrapper's)
 
 from cpdata.gather import check_cp_group, gather_token_tensor, layout_cached
 
@@ -81,6 +86,18 @@ def exchanged_key_positions(layout: ShardLayout, device: torch.device | str) -> 
     return exchange_index(layout, device)[1]
 
 
+def _swap(out: torch.Tensor, inp: torch.Tensor, out_counts: list[int], in_counts: list[int], group: Any) -> None:
+    """``all_to_all_single(out, inp, out_counts, in_counts)`` as one ``batch_isend_irecv`` with only the group's
+    ranks that have rows to send or receive (``group_peer``: ranks of ``group``); nothing when none."""
+    ops = [dist.P2POp(isend, part, group=group, group_peer=r)
+           for r, part in enumerate(inp.split(in_counts)) if in_counts[r]]
+    ops += [dist.P2POp(irecv, part, group=group, group_peer=r)
+            for r, part in enumerate(out.split(out_counts)) if out_counts[r]]  # fmt: skip
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 class ExchangeKV(torch.autograd.Function):
     """``apply(local, send_index, send_counts, recv_counts, group, seq_dim)``: the module's forward/backward;
     ``local`` holds ``L`` tokens on ``seq_dim``, ``send_index`` int64 ``[n_send]`` grouped by destination."""
@@ -91,8 +108,7 @@ class ExchangeKV(torch.autograd.Function):
         x = local.movedim(seq_dim, 0)
         send = x.index_select(0, send_index)
         recv = x.new_empty((sum(recv_counts), *x.shape[1:]))
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                               group=group)  # fmt: skip
+        _swap(recv, send, recv_counts, send_counts, group)
         ctx.save_for_backward(send_index)
         ctx.counts, ctx.group, ctx.seq_dim, ctx.local_len = (send_counts, recv_counts), group, seq_dim, x.shape[0]
         return torch.cat((x, recv)).movedim(0, seq_dim)
@@ -104,8 +120,7 @@ class ExchangeKV(torch.autograd.Function):
         g = grad.movedim(ctx.seq_dim, 0)
         n = ctx.local_len
         back = g.new_empty((sum(send_counts), *g.shape[1:]))
-        dist.all_to_all_single(back, g[n:].contiguous(), output_split_sizes=send_counts,
-                               input_split_sizes=recv_counts, group=ctx.group)  # fmt: skip
+        _swap(back, g[n:].contiguous(), send_counts, recv_counts, ctx.group)
         local = g[:n].index_add(0, send_index, back)
         return local.movedim(0, ctx.seq_dim), None, None, None, None, None
 

@@ -4,7 +4,7 @@ Under the document-causal mask rank ``dst`` needs from ``src`` the keys ``src`` 
 a real query of, up to that slot's last query on ``dst`` (padding, from a slot's ``real_ends`` on, sees only its
 own key). The plan cuts the layout into *pieces*: runs of consecutive rank-major indices, cut again at every slot
 start and real end; a piece's need from each rank is a prefix of it. An all-gather delivers ``(cp-1)/cp * S``
-keys to every rank; the plan moves only the needed ones (one ``all_to_all_single``,
+keys to every rank; the plan moves only the needed ones (one ``batch_isend_irecv`` with the ranks concerned,
 :mod:`cpdata.device.kv_exchange`). The ``i``-th key ``src`` sends to ``dst`` is the ``i``-th ``dst`` receives.
 A span table's plan comes from its runs (:func:`world_exchange`), its keys split by node by :func:`node_recv`.
 """
