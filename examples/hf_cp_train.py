@@ -56,8 +56,8 @@ gradients are all-reduced once, after the G backward passes, and within a
 micro-batch the only collective is the K/V exchange between the ranks that
 need each other's keys. Trade-off: the worker holds up to G packs until a
 step closes, and a micro-batch may be part pad (or all pad) where balance asks
-for it. A step never spans epochs (the last one of an epoch may be shorter),
-so the loop's steps stay the loader's.
+for it. A step never spans epochs (an epoch's last step may be shorter), so
+every epoch's first step is the loader's first world step.
 
 ``--check-parity`` trains a cp 1 reference (HF's sdpa on the whole pack,
 gathered from the shards, accumulating the same micro-batches with the same
@@ -232,9 +232,9 @@ def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader
 def step_batches(loader: CPDataLoader, it, micro_batches: int) -> tuple[list, object]:
     """The next optimizer step's batches and the iterator to go on with (None: the epoch ended).
 
-    ``micro_batches`` batches, fewer when the epoch ends first: a step never spans epochs, so the loader's
-    world steps (which close at the end of its stream) stay the loop's. A new epoch is shuffled from
-    ``(seed, epoch)``; a resumed loader may end its epoch at once, so one empty epoch is passed over."""
+    ``micro_batches`` batches, fewer when the epoch ends first: a step never spans epochs, so every epoch
+    starts on the loader's first world step. A new epoch is shuffled from ``(seed, epoch)``; a loader resumed
+    at the end of an epoch may end it at once, so one empty epoch is passed over."""
     batches, empty = [], 0
     while len(batches) < micro_batches:
         fresh = it is None
