@@ -6,6 +6,7 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --save-every 2
     torchrun --standalone --nproc-per-node 2 examples/hf_cp_train.py --steps 4 --resume  # steps 3-4 again
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/hf_cp_train.py --layout world  # one CP group of 16
+    torchrun ... examples/hf_cp_train.py --layout world --micro-batches 4  # 4 world micro-batches a step
 
 The eight steps, each one function below:
 
@@ -21,26 +22,48 @@ The eight steps, each one function below:
    ``--layout world``: the whole world one CP group, each pack planned as
    per-rank bins (short documents whole on one rank, long ones over the
    fewest ranks of one node); ``--node-size`` defaults to torchrun's
-   ``LOCAL_WORLD_SIZE``, read here, never on the worker.
+   ``LOCAL_WORLD_SIZE``, read here, never on the worker. Each batch's
+   ``verify_layout_consistency`` is a check, not part of the training: one
+   16-byte all-reduce (MAX of the plan digest and its negation) over the CP
+   group, so ranks fed different plans raise instead of training on garbage.
 5. attention (:func:`forward_backward`): ``"cpdata"`` needs no ctx; each layer
    brings the keys its rank's documents need in one collective (the all-to-all
    of the batch's exchange plan, ``--kv-exchange``, on by default with the
    ``tiled`` layout; else an all-gather). ``sdpa`` runs inside the sharder's
    ctx, whose SDPA override gathers K/V over the CP group, with
    ``hf_model_kwargs``' mask over the global keys.
-6. loss: each rank's target sum over the pack's GLOBAL target count
-   (``batch.info["n_targets"]``, counted on the worker: no collective), so the
-   CP ranks' losses add up to the cp 1 loss.
+6. loss: each rank's target sum over the step's GLOBAL target count (the
+   sum of its micro-batches' ``batch.info["n_targets"]``, counted on the
+   worker: no collective), so the CP ranks' losses add up to the cp 1 loss of
+   the step's documents.
 7. gradients: the K/V exchange's (or gather's) backward sends every key's
    gradient back to its owner, so each rank's gradient is its tokens' share of
-   the pack's gradient: SUM over CP, then average over DP (one flat all-reduce
-   over every rank, divided by dp).
-8. checkpoint: model, optimizer and the loader's state, per rank; ``--resume``
-   continues with exactly the batches an uninterrupted run would see.
+   the step's gradient, accumulated over its micro-batches: SUM over CP, then
+   average over DP (one flat all-reduce over every rank per optimizer step,
+   divided by dp).
+8. checkpoint: model, optimizer and the loader's state, per rank, between
+   optimizer steps; ``--resume`` continues with exactly the batches an
+   uninterrupted run would see.
 
-``--check-parity`` trains a cp 1 reference (the whole pack, gathered from the
-shards) beside the CP model, in float64, and exits non-zero unless every step's
-loss (1e-6 relative) and the final weights (1e-5 relative) match.
+``--micro-batches G`` accumulates G batches into each optimizer step. With
+``--layout world`` the loader deals them together
+(``StreamPlan(world_step=G)``): each step's G world micro-batches are planned
+at once so that every rank's attention tiles SUMMED over the step balance (a
+rank holding a long document's piece in one micro-batch holds less in
+another), and each pack carries the ranks that own each of its documents.
+That sum is the step time only because the ranks meet once a step: the
+gradients are all-reduced once, after the G backward passes, and within a
+micro-batch the only collective is the K/V exchange between the ranks that
+need each other's keys. Trade-off: the worker holds up to G packs until a
+step closes, and a micro-batch may be part pad (or all pad) where balance asks
+for it. A step never spans epochs (an epoch's last step may be shorter), so
+every epoch's first step is the loader's first world step.
+
+``--check-parity`` trains a cp 1 reference (HF's sdpa on the whole pack,
+gathered from the shards, accumulating the same micro-batches with the same
+normalisation) beside the CP model, in float64, and exits non-zero unless every
+optimizer step's loss and every gradient (1e-6 relative) and the final weights
+(1e-5 relative) match.
 """
 
 from __future__ import annotations
@@ -91,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-exchange", action=argparse.BooleanOptionalAction, default=True,
                    help="ship each batch's K/V exchange plan (the 'cpdata' attention moves only the keys needed)")
     p.add_argument("--capacity", type=int, default=512, help="tokens per pack, before CP sharding")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="G",
+                   help="batches accumulated per optimizer step (--layout world: dealt together)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--files", type=int, default=40, help="standard-library files to read definitions from")
@@ -101,7 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--ckpt-dir", default="checkpoints/hf_cp_train")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        raise ValueError(f"--micro-batches {args.micro_batches}: an optimizer step takes at least one batch; "
+                         "pass --micro-batches 1 or more")  # fmt: skip
+    return args
 
 
 # 1. tokenizer ----------------------------------------------------------------------------------------
@@ -183,10 +212,16 @@ def layout_of(args, cp: int) -> str:
     return layout_spec("world", node_size=args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cp)))
 
 
+def stream_plan(args) -> StreamPlan:
+    """Split documents longer than a pack; under ``--layout world``, deal each step's ``--micro-batches``
+    together (the module docstring)."""
+    return StreamPlan(overflow="split", world_step=args.micro_batches if args.layout == "world" else 1)
+
+
 def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader:
     cp = mesh["cp"].size()
     dataset = CPDataset(docs, capacity=args.capacity, cp_size=cp, cp_rank=mesh["cp"].get_local_rank(),
-                        layout=layout_of(args, cp), padding_token_id=pad_id, plan=StreamPlan(overflow="split"),
+                        layout=layout_of(args, cp), padding_token_id=pad_id, plan=stream_plan(args),
                         data=DataPolicy(dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), shuffle=True,
                                         seed=args.seed, vocab_size=vocab_size),
                         delivery=Delivery(kv_exchange=args.kv_exchange))  # fmt: skip
@@ -194,23 +229,47 @@ def build_loader(args, docs, mesh, pad_id: int, vocab_size: int) -> CPDataLoader
     return CPDataLoader(dataset, num_workers=args.workers, pin_memory=args.device.startswith("cuda"), **context)
 
 
+def step_batches(loader: CPDataLoader, it, micro_batches: int) -> tuple[list, object]:
+    """The next optimizer step's batches and the iterator to go on with (None: the epoch ended).
+
+    ``micro_batches`` batches, fewer when the epoch ends first: a step never spans epochs, so every epoch
+    starts on the loader's first world step. A new epoch is shuffled from ``(seed, epoch)``; a loader resumed
+    at the end of an epoch may end it at once, so one empty epoch is passed over."""
+    batches, empty = [], 0
+    while len(batches) < micro_batches:
+        fresh = it is None
+        if fresh:
+            it = iter(loader)
+        try:
+            batches.append(next(it))
+        except StopIteration:
+            it = None
+            if batches:
+                break
+            empty = empty + 1 if fresh else 0
+            if empty > 1:
+                raise ValueError("the loader yields no batch in an epoch: give it more documents (--files) or a "
+                                 "smaller --capacity") from None  # fmt: skip
+    return batches, it
+
+
 # 5.-7. attention, loss, gradients -----------------------------------------------------------------------
-def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group) -> tuple[torch.Tensor, dict, int]:
-    """This rank's loss (its target sum over the pack's target count) and its gradient; the only place that
-    chooses the attention."""
+def forward_backward(model, batch, sharder: ContextParallelSharder, cp_group, n_targets: int
+                     ) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """This rank's loss (its target sum over ``n_targets``, the targets of the step's packs over every CP rank)
+    and its gradient, added to the step's; the only place that chooses the attention."""
     ctx, local = sharder.shard(batch)  # one host-to-device copy: the worker already sharded the pack
-    n_targets = batch.info["n_targets"]  # the pack's targets over every CP rank, counted on the worker
     impl = model.config._attn_implementation
     if impl != "sdpa":  # "cpdata": no ctx, every layer gathers (or exchanges) its own K/V
         kwargs = hf_model_kwargs(batch, impl, tensors=local, num_items_in_batch=n_targets, group=cp_group)
         loss = model(**kwargs).loss
         loss.backward()
-        return loss.detach(), local, n_targets
+        return loss.detach(), local
     with ctx():  # cp > 1: SDPA gathers K/V over the CP group (1 collective per layer); backward in it too
         kwargs = hf_model_kwargs(batch, "sdpa", tensors=local, num_items_in_batch=n_targets, config=model)
         loss = model(**kwargs).loss
         loss.backward()
-    return loss.detach(), local, n_targets
+    return loss.detach(), local
 
 
 def all_reduce_grads(model, divisor: int) -> None:
@@ -223,18 +282,30 @@ def all_reduce_grads(model, divisor: int) -> None:
         g.copy_(chunk.view_as(g))
 
 
-def reference_step(reference, optimizer, local: dict, sharder, n_targets, world: int) -> float:
-    """cp 1 on the whole pack (gathered from the shards): the loss every CP step must reproduce."""
+def reference_forward_backward(reference, local: dict, sharder: ContextParallelSharder, n_targets: int) -> float:
+    """cp 1 on the whole pack (gathered from the shards the sharder last moved, ``local``), normalised as the CP
+    model's: the loss and gradient every CP micro-batch must reproduce. Its gradients are equal on a group's CP
+    ranks, so after a step the sum over all ranks / world is the DP mean."""
     full = {k: sharder.gather_token_tensor(local[k].reshape(1, -1), seq_dim=1) for k in TOKEN_KEYS}
     mask = document_causal_mask(None, full["document_ids"], local["cu_seqlens_padded"])
     loss = reference(input_ids=full["input_ids"], position_ids=full["position_ids"], attention_mask=mask,
                      labels=full["labels"], shift_labels=full["labels"], num_items_in_batch=n_targets,
                      use_cache=False).loss  # fmt: skip
     loss.backward()
-    all_reduce_grads(reference, world)  # equal on a group's CP ranks: the sum over all / world is the DP mean
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def relative_difference(tensors, references) -> float:
+    """The largest ``|a - b| / |b|`` over pairs (``|a|`` where ``b`` is zero; a missing tensor is zero)."""
+    worst = 0.0
+    for a, b in zip(tensors, references, strict=True):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        scale = b.norm().item()
+        worst = max(worst, (a - b).norm().item() / (scale if scale > 0 else 1.0))
+    return worst
 
 
 # 8. checkpoint ---------------------------------------------------------------------------------------
@@ -248,8 +319,10 @@ def latest_checkpoint(args) -> Path | None:
 
 
 def train(args: argparse.Namespace) -> dict:
-    """Train ``args.steps`` steps (from the last checkpoint with ``--resume``); ``{"losses": {step: loss},
-    "parity_ok": bool | None}``, the same on every rank."""
+    """Train ``args.steps`` optimizer steps of ``args.micro_batches`` batches (from the last checkpoint with
+    ``--resume``); ``{"losses": {step: loss}, "parity_ok": bool | None, "parity": {"loss", "grad", "weight":
+    worst relative difference} | None}``, the same on every rank (``"grad"``: this rank's reduced gradients,
+    equal on every rank)."""
     mesh = build_mesh(args)
     world, dp_size, rank0 = dist.get_world_size(), mesh["dp"].size(), dist.get_rank() == 0
     cp_group = mesh["cp"].get_group()
@@ -281,51 +354,59 @@ def train(args: argparse.Namespace) -> dict:
         print(f"dp={dp_size} cp={mesh['cp'].size()} layout={layout_of(args, mesh['cp'].size())} attention={args.attention} "
               f"kv_exchange={args.kv_exchange} capacity={args.capacity} "
               f"params={params:,} vocab={vocab_size} documents={len(docs):,} dtype={str(dtype)[6:]}", flush=True)
-    sharder, it, worst_loss, t_last, losses = None, iter(loader), 0.0, time.perf_counter(), {}
+    sharder, it, t_last, losses = None, None, time.perf_counter(), {}
+    worst = {"loss": 0.0, "grad": 0.0}
     for step in range(start, args.steps):
-        try:
-            batch = next(it)
-        except StopIteration:  # a new epoch (shuffled from (seed, epoch))
-            it = iter(loader)
-            batch = next(it)
-        verify_layout_consistency(batch, mesh)  # one 16-byte all-reduce: the CP group holds the same plan
-        sharder = sharder or ContextParallelSharder(None, mesh, batch)  # resolved once, from the first batch
-        loss, local, n_targets = forward_backward(model, batch, sharder, cp_group)
-        all_reduce_grads(model, dp_size)
-        opts["model"].step()
-        opts["model"].zero_grad(set_to_none=True)
-        stats = torch.tensor([loss.item(), 0.0, batch.info["real_tokens"] / mesh["cp"].size()], dtype=torch.float64)
+        batches, it = step_batches(loader, it, args.micro_batches)
+        # the step's targets over every CP rank, counted on the worker (max: a step of pad only trains nothing)
+        n_targets = max(sum(batch.info["n_targets"] for batch in batches), 1)
+        stats = torch.zeros(3, dtype=torch.float64)  # loss, reference loss, real tokens per CP rank
+        for batch in batches:
+            verify_layout_consistency(batch, mesh)  # a check: one 16-byte all-reduce over the CP group
+            sharder = sharder or ContextParallelSharder(None, mesh, batch)  # resolved once, from the first batch
+            loss, local = forward_backward(model, batch, sharder, cp_group, n_targets)
+            stats[0] += loss.item()
+            stats[2] += batch.info["real_tokens"] / mesh["cp"].size()
+            if args.check_parity:  # now, while the sharder holds this batch's layout
+                stats[1] += reference_forward_backward(models["reference"], local, sharder, n_targets)
+        all_reduce_grads(model, dp_size)  # once per optimizer step
         if args.check_parity:
-            stats[1] = reference_step(models["reference"], opts["reference"], local, sharder, n_targets, world)
+            all_reduce_grads(models["reference"], world)
+            worst["grad"] = max(worst["grad"], relative_difference(
+                [p.grad for p in model.parameters()], [p.grad for p in models["reference"].parameters()]))
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         dist.all_reduce(stats)
         loss_value, now = stats[0].item() / dp_size, time.perf_counter()
         losses[step + 1] = loss_value
         if args.check_parity:
             reference_loss = stats[1].item() / world
-            worst_loss = max(worst_loss, abs(loss_value - reference_loss) / abs(reference_loss))
-        work = np.asarray(batch.info["causal_work"], dtype=np.float64)
+            worst["loss"] = max(worst["loss"], abs(loss_value - reference_loss) / abs(reference_loss))
         if rank0:
+            real, slots = (sum(b.info[k] for b in batches) for k in ("real_tokens", "pack_tokens"))
+            work = np.sum([b.info["causal_work"] for b in batches], axis=0)  # each rank's, summed over the step
             print(f"step {step + 1:4d} | loss {loss_value:.6f} | tok/s {stats[2].item() / (now - t_last):9,.0f} | "
-                  f"pad {1 - batch.info['real_tokens'] / batch.info['pack_tokens']:6.1%} | "
-                  f"imbalance {work.max() / work.mean():.3f} | docs {batch.info['n_documents']:3d}", flush=True)
+                  f"pad {1 - real / slots:6.1%} | imbalance {work.max() / max(work.mean(), 1e-9):.3f} | "
+                  f"docs {sum(b.info['n_documents'] for b in batches):3d} | micro-batches {len(batches)}",
+                  flush=True)  # fmt: skip
         t_last = now
-        if args.save_every and (step + 1) % args.save_every == 0:
+        if args.save_every and (step + 1) % args.save_every == 0:  # between steps: the loader is past the step
             state = {k: m.state_dict() for k, m in models.items()}
             state.update({f"{k}_opt": o.state_dict() for k, o in opts.items()})
             state.update(loader=loader.state_dict(), step=step + 1)
             path = checkpoint_path(args, step + 1)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
-    ok = None
+    ok, parity = None, None
     if args.check_parity:
-        weights = [(a - b).norm() / b.norm() for a, b in zip(model.parameters(), models["reference"].parameters(),
-                                                             strict=True)]  # fmt: skip
-        worst_weight = max(w.item() for w in weights)
-        ok = worst_loss <= 1e-6 and worst_weight <= 1e-5
+        parity = {**worst, "weight": relative_difference(model.parameters(), models["reference"].parameters())}
+        ok = parity["loss"] <= 1e-6 and parity["grad"] <= 1e-6 and parity["weight"] <= 1e-5
         if rank0:
-            print(f"parity {'OK' if ok else 'FAILED'}: max relative loss difference {worst_loss:.2e} (tol 1e-6), "
-                  f"max relative weight difference {worst_weight:.2e} (tol 1e-5)", flush=True)
-    return {"losses": losses, "parity_ok": ok}
+            print(f"parity {'OK' if ok else 'FAILED'}: max relative loss difference {parity['loss']:.2e} (tol 1e-6), "
+                  f"gradient difference {parity['grad']:.2e} (tol 1e-6), "
+                  f"weight difference {parity['weight']:.2e} (tol 1e-5)", flush=True)
+    return {"losses": losses, "parity_ok": ok, "parity": parity}
 
 
 def main(argv=None) -> int:
