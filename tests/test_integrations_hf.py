@@ -12,6 +12,8 @@ transformers once; accelerate sees them through the usual torchrun variables.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,75 @@ def test_the_trainer_fills_the_data_policy_it_owns_and_keeps_the_users_choices(t
     served = [b.info["digest"] for b in default.get_train_dataloader()]
     direct = [b.info["digest"] for b in CPDataset(documents(), cp_rank=0, **default._cp_dataset_options())]
     assert len(served) > 4 and served == direct  # the loader is the CPDataset of exactly those options
+
+
+def run_world(rank: int, world: int, out: str) -> dict:
+    """The world mode: 4 ranks as 2 nodes of 2 one CP group, "cpdata" attention with the K/V exchange, 2
+    micro-batches of one pack a step dealt together (``world_step`` = the Trainer's gradient accumulation)."""
+    from cpdata.adapters import register_hf_attention
+    from cpdata.layout.maps import layout_spec
+
+    launch_env(rank, world)
+    register_hf_attention()
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.set_attn_implementation("cpdata")
+    start = weights(model)
+    trainer = CPTrainer(model=model, train_dataset=documents(), cp_size=world, capacity=2 * CAPACITY,
+                        args=training_args(out, save_strategy="no", per_device_train_batch_size=1, max_steps=2,
+                                           max_grad_norm=0.0, warmup_steps=0),
+                        layout=layout_spec("world", node_size=2), plan=StreamPlan(overflow="split", world_step=2),
+                        delivery=Delivery(kv_exchange=True))  # fmt: skip
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "start": start,
+            "weights": weights(trainer.model)}  # fmt: skip
+
+
+def test_the_world_mode_trains_its_first_step_on_each_document_alone(tmp_path):
+    """Step 1's logged loss is the token mean over the two packs' documents, each alone through plain HF (no CP);
+    every rank ends with the same weights; a step's packs were dealt together (some pack holds pad)."""
+    from cpdata.layout.maps import layout_spec
+
+    ranks = run_ranks(run_world, 4, str(tmp_path / "world"), timeout=300)
+    options = dict(capacity=2 * CAPACITY, cp_size=4, layout=layout_spec("world", node_size=2),
+                   plan=StreamPlan(overflow="split", world_step=2),
+                   data=DataPolicy(seed=0, vocab_size=VOCAB, labels_alignment="inputs"))  # fmt: skip
+    per_rank = [list(itertools.islice(CPDataset(documents(), cp_rank=r, **options), 2)) for r in range(4)]
+    first = per_rank[0]
+    spans = set()  # how many ranks each document of the step's packs is on (a document over 32 tokens: two)
+    for k, batch in enumerate(first):
+        ends = np.cumsum([len(documents()["input_ids"][d]) for d in batch.info["doc_index"]])
+        for d in range(ends.shape[0]):
+            on = [r for r in range(4) if np.isin(np.arange(ends[d - 1] if d else 0, ends[d]),
+                                                 per_rank[r][k].layout.local_token_global_indices.numpy()).any()]
+            spans.add(len(on))
+    assert max(spans) == 2  # a document spread over two ranks: the exchange moved its keys
+    docs = documents()["input_ids"]
+    model = tiny_llama()
+    with torch.no_grad():  # the initial weights: the ranks' start
+        assert relative(weights(model), ranks[0]["start"]) == 0
+        total = targets = 0.0
+        for batch in first:
+            for d, s in zip(batch.info["doc_index"], batch.info["doc_start"], strict=True):
+                assert s == 0  # (every document shorter than a pack: whole)
+                ids, n = torch.tensor(docs[d])[None], len(docs[d])
+                out = model(input_ids=ids, labels=ids)
+                total, targets = total + out.loss.item() * (n - 1), targets + (n - 1)
+    assert sum(b.info["real_tokens"] for b in first) < 2 * 2 * CAPACITY  # not filled to the token: dealt as a step
+    for rank in ranks:
+        assert len(rank["losses"]) == 2
+        np.testing.assert_allclose(rank["losses"][0], total / targets, rtol=1e-4)
+        assert relative(rank["weights"], ranks[0]["weights"]) == 0 and relative(rank["weights"], rank["start"]) > 0
+
+
+def test_a_world_step_must_be_the_trainers_accumulation_of_one_pack(tmp_path):
+    from cpdata.layout.maps import layout_spec
+
+    for overrides in ({"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+                      {"gradient_accumulation_steps": 4, "per_device_train_batch_size": 1}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"StreamPlan\(world_step=2\) balances .* got "
+                                             f"{overrides['gradient_accumulation_steps']} and "
+                                             f"{overrides['per_device_train_batch_size']}"):  # fmt: skip
+            CPTrainer(model=tiny_llama(), args=training_args(str(tmp_path), **overrides), train_dataset=documents(),
+                      cp_size=1, capacity=CAPACITY, layout=layout_spec("world", node_size=1),
+                      plan=StreamPlan(overflow="split", world_step=2))  # fmt: skip

@@ -113,6 +113,12 @@ class CPTrainerMixin:
             raise ValueError(f"{type(self).__name__}: nn.DataParallel (several GPUs in one process) is not "
                              "supported; launch one process per GPU with torchrun")  # fmt: skip
         check_int("capacity", self.cp_capacity, min=1, fix=" (the tokens per pack)")
+        step = self.cp_plan.world_step if isinstance(self.cp_plan, StreamPlan) else 1
+        if step > 1 and (step != args.gradient_accumulation_steps or args.per_device_train_batch_size != 1):
+            raise ValueError(f"StreamPlan(world_step={step}) balances each rank's work over {step} micro-batches of "
+                             f"one pack: pass TrainingArguments(gradient_accumulation_steps={step}, "
+                             f"per_device_train_batch_size=1), got {args.gradient_accumulation_steps} and "
+                             f"{args.per_device_train_batch_size}")  # fmt: skip
         world = int(args.world_size)
         if world % self.cp_size:
             raise ValueError(f"cp_size={self.cp_size} must divide the world size {world} (dp = world // cp_size)")
