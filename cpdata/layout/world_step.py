@@ -24,6 +24,7 @@ recomputed from the slot lengths.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections.abc import Sequence
@@ -76,7 +77,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density")  # fmt: skip
+                 "density", "_by_load", "_projected")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -88,6 +89,9 @@ class StepBins:
         self.load = [0.0] * world
         self.placed = 0  # tokens
         self.density = 0.0
+        # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
+        self._by_load = [(0.0, r) for r in range(world)]  # (load, rank)
+        self._projected = [(0.0, r) for r in range(world)]  # (load + free * density, rank), ascending
 
     @property
     def free_tokens(self) -> int:
@@ -99,13 +103,16 @@ class StepBins:
         added = sum(self.load) + sum(alone_tiles(s, self.tile) - s / self.tile for s in pieces if s <= self.local)
         tokens = self.placed + sum(s for s in pieces if s <= self.local)
         self.density = added / tokens if tokens else 0.0
+        self._projected = sorted((self._project(r), r) for r in range(self.world))
+
+    def _project(self, r: int) -> float:
+        return self.load[r] + self.free[r] * self.density
 
     def target(self) -> float:
         """The level a whole piece may not lift its rank past (times ``1 + slack``): the :data:`LEVEL`
         quantile of the ranks' projected loads (the least would let one rank filled early with cheap pieces
         hold every other rank back; the mean, let the ranks of the long documents take their full room)."""
-        projected = sorted(load + free * self.density for load, free in zip(self.load, self.free, strict=True))
-        return projected[int(LEVEL * (self.world - 1))]
+        return self._projected[int(LEVEL * (self.world - 1))][0]
 
     def place(self, s: int) -> Placement | None:
         """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; the
@@ -113,11 +120,8 @@ class StepBins:
         if s > self.local:
             return self._spread(s)
         added = alone_tiles(s, self.tile) - s / self.tile
-        best, best_load = -1, 0.0
-        loads, best_room = self.load, self.best_room
-        for r in range(self.world):
-            if best_room[r] >= s and (best < 0 or loads[r] < best_load):
-                best, best_load = r, loads[r]
+        best_room = self.best_room
+        best, best_load = next(((r, load) for load, r in self._by_load if best_room[r] >= s), (-1, 0.0))
         if best < 0 or (self.placed and best_load + added > self.target() * (1 + self.slack)):
             return None
         room = self.room[best]
@@ -131,11 +135,10 @@ class StepBins:
         if s > self.local:
             return None
         added = alone_tiles(s, self.tile) - s / self.tile
-        ceiling = max(self.load)
-        fits = [r for r in range(self.world) if self.best_room[r] >= s and self.load[r] + added <= ceiling]
-        if not fits:
+        ceiling = self._by_load[-1][0]
+        r = next((r for load, r in self._by_load if self.best_room[r] >= s and load + added <= ceiling), -1)
+        if r < 0:
             return None
-        r = min(fits, key=lambda r: (self.load[r], r))
         k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
         self._take(r, k, s, added)
         return k, r, 1
@@ -152,11 +155,16 @@ class StepBins:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
+        by_load, projected = self._by_load, self._projected
+        del by_load[bisect.bisect_left(by_load, (self.load[r], r))]
+        del projected[bisect.bisect_left(projected, (self._project(r), r))]
         self.room[r][k] -= s
         self.free[r] -= s
         self.best_room[r] = max(self.room[r])
         self.load[r] += added
         self.placed += s
+        bisect.insort(by_load, (self.load[r], r))
+        bisect.insort(projected, (self._project(r), r))
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
