@@ -40,6 +40,10 @@ SLACK = 0.01
 """A whole piece waits for the next step rather than land more than this fraction of a rank's projected step
 load above the least loaded rank (docs/benchmarks.md measures it)."""
 
+DRIFT = 0.05
+"""The projected loads are recomputed when the pieces left to deal add tiles per token this fraction away from
+the density they were projected with."""
+
 LEVEL = 0.25
 """The quantile of the ranks' projected loads a whole piece may not lift its rank past (:meth:`StepBins.target`;
 docs/benchmarks.md measures 0, 0.25 and 0.5)."""
@@ -77,7 +81,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "_by_load", "_projected")  # fmt: skip
+                 "density", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -92,6 +96,8 @@ class StepBins:
         # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
         self._by_load = [(0.0, r) for r in range(world)]  # (load, rank)
         self._projected = [(0.0, r) for r in range(world)]  # (load + free * density, rank), ascending
+        self._total = 0.0  # the loads' sum
+        self._coming = [0.0, 0]  # tiles over pad and tokens of the whole pieces still expected
 
     @property
     def free_tokens(self) -> int:
@@ -99,11 +105,24 @@ class StepBins:
         return self.packs * self.world * self.local - self.placed
 
     def set_density(self, pieces: Sequence[int]) -> None:
-        """Expect the pieces to come to add tiles per token as the placed ones and ``pieces`` (lengths) do."""
-        added = sum(self.load) + sum(alone_tiles(s, self.tile) - s / self.tile for s in pieces if s <= self.local)
-        tokens = self.placed + sum(s for s in pieces if s <= self.local)
-        self.density = added / tokens if tokens else 0.0
+        """Expect the pieces to come to add tiles per token as ``pieces`` (lengths, in the order :meth:`place`
+        will see them) do; as :meth:`place` sees each, the expectation narrows to the ones left."""
+        whole = [s for s in pieces if s <= self.local]
+        self._coming = [sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)]
+        self._reproject()
+
+    def _reproject(self) -> None:
+        added, tokens = self._coming
+        self.density = added / tokens if tokens > 0 else 0.0
         self._projected = sorted((self._project(r), r) for r in range(self.world))
+
+    def _seen(self, s: int, added: float) -> None:
+        """A whole piece of the expected ones was dealt (placed or left to wait)."""
+        coming = self._coming
+        coming[0] -= added
+        coming[1] -= s
+        if coming[1] > 0 and abs(coming[0] / coming[1] - self.density) > DRIFT * self.density:
+            self._reproject()
 
     def _project(self, r: int) -> float:
         return self.load[r] + self.free[r] * self.density
@@ -120,10 +139,19 @@ class StepBins:
         if s > self.local:
             return self._spread(s)
         added = alone_tiles(s, self.tile) - s / self.tile
+        self._seen(s, added)
         best_room = self.best_room
-        best, best_load = next(((r, load) for load, r in self._by_load if best_room[r] >= s), (-1, 0.0))
-        if best < 0 or (self.placed and best_load + added > self.target() * (1 + self.slack)):
-            return None
+        excess = added - s * self.density
+        if excess >= 0:
+            best, p = next(((r, p) for p, r in self._projected if best_room[r] >= s), (-1, 0.0))
+            if best < 0 or (self.placed and p + excess > self.target() * (1 + self.slack)):
+                return None
+        else:
+            level = (self._total + self.free_tokens * self.density) / self.world * (1 + self.slack)
+            load = self.load
+            best = next((r for p, r in reversed(self._projected) if best_room[r] >= s and load[r] + added <= level), -1)
+            if best < 0:
+                return None
         room = self.room[best]
         k = min((left, k) for k, left in enumerate(room) if left >= s)[1]  # best fit (ties: the first)
         self._take(best, k, s, added)
@@ -162,6 +190,7 @@ class StepBins:
         self.free[r] -= s
         self.best_room[r] = max(self.room[r])
         self.load[r] += added
+        self._total += added
         self.placed += s
         bisect.insort(by_load, (self.load[r], r))
         bisect.insort(projected, (self._project(r), r))
