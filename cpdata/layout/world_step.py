@@ -97,7 +97,7 @@ class StepBins:
         self._by_load = [(0.0, r) for r in range(world)]  # (load, rank)
         self._projected = [(0.0, r) for r in range(world)]  # (load + free * density, rank), ascending
         self._total = 0.0  # the loads' sum
-        self._coming = [0.0, 0]  # tiles over pad and tokens of the whole pieces still expected
+        self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles over pad, tokens; all's density
 
     @property
     def free_tokens(self) -> int:
@@ -106,14 +106,17 @@ class StepBins:
 
     def set_density(self, pieces: Sequence[int]) -> None:
         """Expect the pieces to come to add tiles per token as ``pieces`` (lengths, in the order :meth:`place`
-        will see them) do; as :meth:`place` sees each, the expectation narrows to the ones left."""
+        will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
+        them (the stream goes on)."""
         whole = [s for s in pieces if s <= self.local]
-        self._coming = [sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)]
+        added, tokens = sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)
+        self._coming = [added, tokens, added / tokens if tokens else self.density]
         self._reproject()
 
     def _reproject(self) -> None:
-        added, tokens = self._coming
-        self.density = added / tokens if tokens > 0 else 0.0
+        added, tokens, mean = self._coming
+        beyond = max(self.free_tokens - tokens, 0)
+        self.density = (added + mean * beyond) / (tokens + beyond) if tokens + beyond > 0 else mean
         self._projected = sorted((self._project(r), r) for r in range(self.world))
 
     def _seen(self, s: int, added: float) -> None:
@@ -121,8 +124,11 @@ class StepBins:
         coming = self._coming
         coming[0] -= added
         coming[1] -= s
-        if coming[1] > 0 and abs(coming[0] / coming[1] - self.density) > DRIFT * self.density:
-            self._reproject()
+        beyond = max(self.free_tokens - coming[1], 0)
+        if coming[1] + beyond > 0:
+            density = (coming[0] + coming[2] * beyond) / (coming[1] + beyond)
+            if abs(density - self.density) > DRIFT * self.density:
+                self._reproject()
 
     def _project(self, r: int) -> float:
         return self.load[r] + self.free[r] * self.density
@@ -143,11 +149,11 @@ class StepBins:
         best_room = self.best_room
         excess = added - s * self.density
         if excess >= 0:
-            best, p = next(((r, p) for p, r in self._projected if best_room[r] >= s), (-1, 0.0))
-            if best < 0 or (self.placed and p + excess > self.target() * (1 + self.slack)):
+            best, load = next(((r, load) for load, r in self._by_load if best_room[r] >= s), (-1, 0.0))
+            if best < 0 or (self.placed and load + added > self.target() * (1 + self.slack)):
                 return None
         else:
-            level = (self._total + self.free_tokens * self.density) / self.world * (1 + self.slack)
+            level = min((self._total + self.free_tokens * self.density) / self.world, self.target()) * (1 + self.slack)
             load = self.load
             best = next((r for p, r in reversed(self._projected) if best_room[r] >= s and load[r] + added <= level), -1)
             if best < 0:
@@ -178,6 +184,26 @@ class StepBins:
             self._take(first, k, s, alone_tiles(s, self.tile) - s / self.tile)
         else:
             self._take_spread(s, k, first, c)
+
+    def move(self, s: int, where: Placement, level: float) -> Placement | None:
+        """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
+        keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
+        added = alone_tiles(s, self.tile) - s / self.tile
+        r = next((r for load, r in self._by_load if r != where[1] and self.best_room[r] >= s and load + added <= level),
+                 -1)  # fmt: skip
+        if r < 0:
+            return None
+        self.take_back(s, where)
+        k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
+        self._take(r, k, s, added)
+        return k, r, 1
+
+    def take_back(self, s: int, where: Placement) -> None:
+        """Remove a whole piece of ``s`` tokens placed at ``where`` (it leaves the step)."""
+        k, r, c = where
+        if c != 1 or not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] + s > self.local:
+            raise ValueError(f"no whole piece of {s} tokens can leave {where} of this step")
+        self._take(r, k, -s, -(alone_tiles(s, self.tile) - s / self.tile))
 
     def _take(self, r: int, k: int, s: int, added: float) -> None:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:

@@ -16,14 +16,20 @@ waiting pieces: a resume deals the same steps.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.layout.world_deal import alone_tiles
 from cpdata.layout.world_step import Placement, StepBins
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
+
+
+def _added(s: int, tile: int) -> float:
+    return alone_tiles(s, tile) - s / tile
 
 
 class WorldStepPacker:
@@ -86,6 +92,7 @@ class WorldStepPacker:
             else:
                 self._step.append((key, s, where))
         self._waiting = waiting
+        self._settle()
         by_pack: list[list[tuple[int, int, int]]] = [[] for _ in range(self.packs)]
         for key, _, (k, first, c) in self._step:
             by_pack[k].append((key, first, c))
@@ -94,6 +101,47 @@ class WorldStepPacker:
         flat = np.array([row for p in packs for row in p], dtype=np.int64).reshape(-1, 3)
         return PackKeys(keys=flat[:, 0].copy(), sizes=np.array([len(p) for p in packs], dtype=np.int64),
                         owners=flat[:, 1:].copy())  # fmt: skip
+
+    def _settle(self) -> None:
+        """Bring every rank above the mean load down to it with the loads now exact: move a whole piece of it to
+        the least loaded rank with room that stays under the mean, else swap it for the longest waiting piece
+        that fits its place and adds fewer tiles over pad (it waits instead), while that saves the step more
+        than the tokens it leaves out would cost a rank."""
+        bins, world, tile = self._bins, self.world, self.tile
+        level = sum(bins.load) / world
+        sizes = sorted({s for _, s in self._waiting if s <= bins.local})
+        pool: dict[int, list[int]] = {}
+        for key, s in sorted(self._waiting, reverse=True):
+            pool.setdefault(s, []).append(key)  # (pop() takes the least key)
+        by_rank: list[list[int]] = [[] for _ in range(world)]
+        for i, (_, _, (_, first, c)) in enumerate(self._step):
+            if c == 1:
+                by_rank[first].append(i)
+        for h in sorted(range(world), key=lambda r: (-bins.load[r], r)):
+            if bins.load[h] <= level:
+                break
+            for i in sorted(by_rank[h], key=lambda i: (-_added(self._step[i][1], tile), i)):
+                if bins.load[h] <= level:
+                    break
+                key, s, (k, _, _) = self._step[i]
+                added = _added(s, tile)
+                moved = bins.move(s, (k, h, 1), level)
+                if moved is not None:
+                    self._step[i] = (key, s, moved)
+                    continue
+                cap = s + bins.room[h][k]
+                at = bisect.bisect_right(sizes, cap)
+                w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
+                          and _added(sizes[j], tile) < added), 0)  # fmt: skip
+                gain = added - _added(w, tile) if w else 0.0
+                over = bins.load[h] - level
+                if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / tile) / world:
+                    bins.take_back(s, (k, h, 1))
+                    bins.restore(w, (k, h, 1))
+                    wkey = pool[w].pop()
+                    self._step[i] = (wkey, w, (k, h, 1))
+                    self._waiting.remove((wkey, w))
+                    self._waiting.append((key, s))
 
     # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
