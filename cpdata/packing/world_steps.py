@@ -84,15 +84,9 @@ class WorldStepPacker:
     def _close(self, keep_empty: bool) -> PackKeys:
         """The open step's packs (keys ascending in each, with their owners), first topped up with the waiting
         pieces that cost it nothing (:meth:`StepBins.top_up`); a fresh step opens."""
-        waiting = []
-        for key, s in self._waiting:
-            where = self._bins.top_up(s)
-            if where is None:
-                waiting.append((key, s))
-            else:
-                self._step.append((key, s, where))
-        self._waiting = waiting
+        self._top_up()
         self._settle()
+        self._top_up()
         by_pack: list[list[tuple[int, int, int]]] = [[] for _ in range(self.packs)]
         for key, _, (k, first, c) in self._step:
             by_pack[k].append((key, first, c))
@@ -101,6 +95,16 @@ class WorldStepPacker:
         flat = np.array([row for p in packs for row in p], dtype=np.int64).reshape(-1, 3)
         return PackKeys(keys=flat[:, 0].copy(), sizes=np.array([len(p) for p in packs], dtype=np.int64),
                         owners=flat[:, 1:].copy())  # fmt: skip
+
+    def _top_up(self) -> None:
+        waiting = []
+        for key, s in self._waiting:
+            where = self._bins.top_up(s)
+            if where is None:
+                waiting.append((key, s))
+            else:
+                self._step.append((key, s, where))
+        self._waiting = waiting
 
     def _settle(self) -> None:
         """Bring every rank above the mean load down to it with the loads now exact: move a whole piece of it to
