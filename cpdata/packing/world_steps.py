@@ -28,6 +28,10 @@ from cpdata.packing.records import PackKeys
 __all__ = ["WorldStepPacker"]
 
 
+EXCHANGE_PIECES, EXCHANGE_RANKS = 48, 4
+"""Settling a rank by exchange looks at its pieces adding most over pad, against the least loaded ranks' pieces."""
+
+
 def _added(s: int, tile: int) -> float:
     return alone_tiles(s, tile) - s / tile
 
@@ -124,6 +128,8 @@ class WorldStepPacker:
         for h in sorted(range(world), key=lambda r: (-bins.load[r], r)):
             if bins.load[h] <= level:
                 break
+            while bins.load[h] > level and self._exchange(h, level, by_rank):
+                pass
             for i in sorted(by_rank[h], key=lambda i: (-_added(self._step[i][1], tile), i)):
                 if bins.load[h] <= level:
                     break
@@ -132,6 +138,8 @@ class WorldStepPacker:
                 moved = bins.move(s, (k, h, 1), level)
                 if moved is not None:
                     self._step[i] = (key, s, moved)
+                    by_rank[h].remove(i)
+                    by_rank[moved[1]].append(i)
                     continue
                 cap = s + bins.room[h][k]
                 at = bisect.bisect_right(sizes, cap)
@@ -146,6 +154,39 @@ class WorldStepPacker:
                     self._step[i] = (wkey, w, (k, h, 1))
                     self._waiting.remove((wkey, w))
                     self._waiting.append((key, s))
+
+    def _exchange(self, h: int, level: float, by_rank: list[list[int]]) -> bool:
+        """Swap a whole piece of rank ``h`` for a cheaper one of similar length on a rank under ``level``, the
+        pair that leaves the busier of the two least loaded; False where none lowers ``h``."""
+        bins, tile, step = self._bins, self.tile, self._step
+        load = bins.load
+        mine = sorted(by_rank[h], key=lambda i: (-_added(step[i][1], tile), i))[:EXCHANGE_PIECES]
+        best: tuple[float, int, int] | None = None
+        for q in sorted((r for r in range(self.world) if load[r] < level), key=lambda r: (load[r], r))[:EXCHANGE_RANKS]:
+            theirs = sorted((step[j][1], j) for j in by_rank[q])
+            for i in mine:
+                s, (k, _, _) = step[i][1], step[i][2]
+                lo = bisect.bisect_left(theirs, (s - bins.best_room[q], -1))
+                for u, j in theirs[lo:bisect.bisect_right(theirs, (s + bins.room[h][k], len(step)))]:
+                    gain = _added(s, tile) - _added(u, tile)
+                    after = max(load[h] - gain, load[q] + gain)
+                    if gain > 0 and s <= u + bins.room[q][step[j][2][0]] and after < load[h] and (
+                            best is None or after < best[0]):  # fmt: skip
+                        best = (after, i, j)
+        if best is None:
+            return False
+        _, i, j = best
+        (key, s, (k, _, _)), (ukey, u, (ku, q, _)) = step[i], step[j]
+        bins.take_back(s, (k, h, 1))
+        bins.take_back(u, (ku, q, 1))
+        bins.restore(u, (k, h, 1))
+        bins.restore(s, (ku, q, 1))
+        step[i], step[j] = (key, s, (ku, q, 1)), (ukey, u, (k, h, 1))
+        by_rank[h].remove(i)
+        by_rank[q].remove(j)
+        by_rank[h].append(j)
+        by_rank[q].append(i)
+        return True
 
     # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
