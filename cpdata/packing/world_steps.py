@@ -28,8 +28,9 @@ from cpdata.packing.records import PackKeys
 __all__ = ["WorldStepPacker"]
 
 
-EXCHANGE_PIECES, EXCHANGE_RANKS = 48, 4
-"""Settling a rank by exchange looks at its pieces adding most over pad, against the least loaded ranks' pieces."""
+EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 48, 4, 16, 4
+"""Settling a rank by exchange looks at its pieces adding most over pad, against the pieces nearest in length
+on the least loaded ranks, for at most this many exchanges a rank."""
 
 
 def _added(s: int, tile: int) -> float:
@@ -111,82 +112,8 @@ class WorldStepPacker:
         self._waiting = waiting
 
     def _settle(self) -> None:
-        """Bring every rank above the mean load down to it with the loads now exact: move a whole piece of it to
-        the least loaded rank with room that stays under the mean, else swap it for the longest waiting piece
-        that fits its place and adds fewer tiles over pad (it waits instead), while that saves the step more
-        than the tokens it leaves out would cost a rank."""
-        bins, world, tile = self._bins, self.world, self.tile
-        level = sum(bins.load) / world
-        sizes = sorted({s for _, s in self._waiting if s <= bins.local})
-        pool: dict[int, list[int]] = {}
-        for key, s in sorted(self._waiting, reverse=True):
-            pool.setdefault(s, []).append(key)  # (pop() takes the least key)
-        by_rank: list[list[int]] = [[] for _ in range(world)]
-        for i, (_, _, (_, first, c)) in enumerate(self._step):
-            if c == 1:
-                by_rank[first].append(i)
-        for h in sorted(range(world), key=lambda r: (-bins.load[r], r)):
-            if bins.load[h] <= level:
-                break
-            while bins.load[h] > level and self._exchange(h, level, by_rank):
-                pass
-            for i in sorted(by_rank[h], key=lambda i: (-_added(self._step[i][1], tile), i)):
-                if bins.load[h] <= level:
-                    break
-                key, s, (k, _, _) = self._step[i]
-                added = _added(s, tile)
-                moved = bins.move(s, (k, h, 1), level)
-                if moved is not None:
-                    self._step[i] = (key, s, moved)
-                    by_rank[h].remove(i)
-                    by_rank[moved[1]].append(i)
-                    continue
-                cap = s + bins.room[h][k]
-                at = bisect.bisect_right(sizes, cap)
-                w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
-                          and _added(sizes[j], tile) < added), 0)  # fmt: skip
-                gain = added - _added(w, tile) if w else 0.0
-                over = bins.load[h] - level
-                if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / tile) / world:
-                    bins.take_back(s, (k, h, 1))
-                    bins.restore(w, (k, h, 1))
-                    wkey = pool[w].pop()
-                    self._step[i] = (wkey, w, (k, h, 1))
-                    self._waiting.remove((wkey, w))
-                    self._waiting.append((key, s))
-
-    def _exchange(self, h: int, level: float, by_rank: list[list[int]]) -> bool:
-        """Swap a whole piece of rank ``h`` for a cheaper one of similar length on a rank under ``level``, the
-        pair that leaves the busier of the two least loaded; False where none lowers ``h``."""
-        bins, tile, step = self._bins, self.tile, self._step
-        load = bins.load
-        mine = sorted(by_rank[h], key=lambda i: (-_added(step[i][1], tile), i))[:EXCHANGE_PIECES]
-        best: tuple[float, int, int] | None = None
-        for q in sorted((r for r in range(self.world) if load[r] < level), key=lambda r: (load[r], r))[:EXCHANGE_RANKS]:
-            theirs = sorted((step[j][1], j) for j in by_rank[q])
-            for i in mine:
-                s, (k, _, _) = step[i][1], step[i][2]
-                lo = bisect.bisect_left(theirs, (s - bins.best_room[q], -1))
-                for u, j in theirs[lo:bisect.bisect_right(theirs, (s + bins.room[h][k], len(step)))]:
-                    gain = _added(s, tile) - _added(u, tile)
-                    after = max(load[h] - gain, load[q] + gain)
-                    if gain > 0 and s <= u + bins.room[q][step[j][2][0]] and after < load[h] and (
-                            best is None or after < best[0]):  # fmt: skip
-                        best = (after, i, j)
-        if best is None:
-            return False
-        _, i, j = best
-        (key, s, (k, _, _)), (ukey, u, (ku, q, _)) = step[i], step[j]
-        bins.take_back(s, (k, h, 1))
-        bins.take_back(u, (ku, q, 1))
-        bins.restore(u, (k, h, 1))
-        bins.restore(s, (ku, q, 1))
-        step[i], step[j] = (key, s, (ku, q, 1)), (ukey, u, (k, h, 1))
-        by_rank[h].remove(i)
-        by_rank[q].remove(j)
-        by_rank[h].append(j)
-        by_rank[q].append(i)
-        return True
+        """Bring every rank above the mean load down to it with the loads now exact (:class:`_Settle`)."""
+        _Settle(self).run()
 
     # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -212,3 +139,112 @@ class WorldStepPacker:
             self._bins.restore(int(s), tuple(where))
             self._step.append((int(key), int(s), tuple(where)))
         self._waiting = [(int(k), int(s)) for k, s in zip(*waiting, strict=True)]
+
+
+class _Settle:
+    """A closing step's whole pieces rearranged so that no rank's load stays above the mean, busiest rank first:
+    swap its dearest pieces with cheaper ones of similar length on the least loaded ranks (the step keeps its
+    tokens), then move a piece to the least loaded rank with room that stays under the mean, else swap it for
+    the longest waiting piece that fits its place and adds fewer tiles over pad (it waits instead) while that
+    saves the step more than the tokens it leaves out would cost a rank."""
+
+    def __init__(self, packer: WorldStepPacker) -> None:
+        self.packer, self.bins, self.step, self.tile = packer, packer._bins, packer._step, packer.tile
+        bins = self.bins
+        self.level = sum(bins.load) / bins.world
+        self.cost = [_added(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
+        self.by_size: list[list[tuple[int, int]]] = [[] for _ in range(bins.world)]  # (length, piece) ascending
+        self.by_cost: list[list[tuple[float, int]]] = [[] for _ in range(bins.world)]  # (-cost, piece) ascending
+        for i, (_, s, (_, first, c)) in enumerate(self.step):
+            if c == 1:
+                self.by_size[first].append((s, i))
+                self.by_cost[first].append((-self.cost[i], i))
+        for r in range(bins.world):
+            self.by_size[r].sort()
+            self.by_cost[r].sort()
+
+    def _add(self, r: int, i: int) -> None:
+        bisect.insort(self.by_size[r], (self.step[i][1], i))
+        bisect.insort(self.by_cost[r], (-self.cost[i], i))
+
+    def _drop(self, r: int, i: int) -> None:
+        self.by_size[r].remove((self.step[i][1], i))
+        self.by_cost[r].remove((-self.cost[i], i))
+
+    def run(self) -> None:
+        bins, level, step = self.bins, self.level, self.step
+        waiting = self.packer._waiting
+        sizes = sorted({s for _, s in waiting if s <= bins.local})
+        pool: dict[int, list[int]] = {}
+        for key, s in sorted(waiting, reverse=True):
+            pool.setdefault(s, []).append(key)  # (pop() takes the least key)
+        for h in sorted(range(bins.world), key=lambda r: (-bins.load[r], r)):
+            if bins.load[h] <= level:
+                break
+            for _ in range(EXCHANGE_ROUNDS):
+                if bins.load[h] <= level or not self._exchange(h):
+                    break
+            for _, i in list(self.by_cost[h]):
+                if bins.load[h] <= level:
+                    break
+                key, s, (k, _, _) = step[i]
+                added = self.cost[i]
+                moved = bins.move(s, (k, h, 1), level)
+                if moved is not None:
+                    self._drop(h, i)
+                    step[i] = (key, s, moved)
+                    self._add(moved[1], i)
+                    continue
+                at = bisect.bisect_right(sizes, s + bins.room[h][k])
+                w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
+                          and _added(sizes[j], self.tile) < added), 0)  # fmt: skip
+                gain = added - _added(w, self.tile) if w else 0.0
+                over = bins.load[h] - level
+                if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / self.tile) / bins.world:
+                    bins.take_back(s, (k, h, 1))
+                    bins.restore(w, (k, h, 1))
+                    self._drop(h, i)
+                    wkey = pool[w].pop()
+                    step[i] = (wkey, w, (k, h, 1))
+                    self.cost[i] = _added(w, self.tile)
+                    self._add(h, i)
+                    waiting.remove((wkey, w))
+                    waiting.append((key, s))
+
+    def _exchange(self, h: int) -> bool:
+        """Swap a piece of rank ``h`` for a cheaper one of similar length on a rank under the mean, the pair that
+        leaves the busier of the two least loaded; False where none lowers ``h``."""
+        bins, step, cost = self.bins, self.step, self.cost
+        load, room = bins.load, bins.room
+        mine = self.by_cost[h][:EXCHANGE_PIECES]
+        lows = sorted((r for r in range(bins.world) if load[r] < self.level), key=lambda r: (load[r], r))
+        lh = load[h]
+        best, best_i, best_j = lh, -1, -1
+        for q in lows[:EXCHANGE_RANKS]:
+            theirs, lq, widest, room_q = self.by_size[q], load[q], bins.best_room[q], room[q]
+            for minus, i in mine:
+                s, k = step[i][1], step[i][2][0]
+                at = bisect.bisect_left(theirs, (s, -1))
+                lo = max(bisect.bisect_left(theirs, (s - widest, -1)), at - EXCHANGE_NEAR)
+                hi = min(bisect.bisect_right(theirs, (s + room[h][k], len(step))), at + EXCHANGE_NEAR)
+                for u, j in theirs[lo:hi]:
+                    gain = -minus - cost[j]
+                    if gain <= 0:
+                        continue
+                    after = lh - gain if lh - gain > lq + gain else lq + gain
+                    if after < best and s <= u + room_q[step[j][2][0]]:
+                        best, best_i, best_j = after, i, j
+        if best_i < 0:
+            return False
+        i, j = best_i, best_j
+        (key, s, (k, _, _)), (ukey, u, (ku, q, _)) = step[i], step[j]
+        self._drop(h, i)
+        self._drop(q, j)
+        bins.take_back(s, (k, h, 1))
+        bins.take_back(u, (ku, q, 1))
+        bins.restore(u, (k, h, 1))
+        bins.restore(s, (ku, q, 1))
+        step[i], step[j] = (key, s, (ku, q, 1)), (ukey, u, (k, h, 1))
+        self._add(h, j)
+        self._add(q, i)
+        return True
