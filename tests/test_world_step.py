@@ -29,13 +29,13 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, owners: np.ndarray) -> np.nda
 
 
 def _pack_tiles(slot_lens: np.ndarray, owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A pack's ``(tiles of its real tokens, tokens)`` per rank, counted from its layout alone."""
+    """A pack's ``(tiles, tokens)`` per rank, counted from its layout alone (pad: a diagonal tile per ``TILE``)."""
     starts, lengths, who = owned_runs(slot_lens, owners, WORLD * LOCAL, WORLD)
     rows = _rows(starts, lengths, who)
     real = int(slot_lens.sum())
     tiles = varlen_live_tiles(rows, slot_lens, WORLD * LOCAL, TILE, pad_free=True)
     pad = (rows >= real).sum(axis=1)
-    return tiles - (-(-pad // TILE)), LOCAL - pad  # each rank's pad is one run, its last
+    return tiles, LOCAL - pad
 
 
 def _deal(lengths: np.ndarray) -> tuple[StepBins, list[tuple[int, tuple[int, int, int]]]]:
@@ -68,7 +68,7 @@ def test_loads_are_the_layouts_varlen_tiles(seed: int) -> None:
         assert (n <= LOCAL).all()
         tiles += t
         tokens += n
-    np.testing.assert_allclose(np.array(bins.load), tiles - tokens / TILE, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(np.array(bins.load), tiles - PACKS * LOCAL / TILE, rtol=0, atol=1e-9)
     assert bins.free_tokens == PACKS * WORLD * LOCAL - tokens.sum()
     assert bins.free == (PACKS * LOCAL - tokens).tolist()
 

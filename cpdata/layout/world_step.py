@@ -212,7 +212,9 @@ class StepBins:
         by_load, projected = self._by_load, self._projected
         del by_load[bisect.bisect_left(by_load, (self.load[r], r))]
         del projected[bisect.bisect_left(projected, (self._project(r), r))]
-        self.room[r][k] -= s
+        left = self.room[r][k]
+        self.room[r][k] = left - s
+        added += self._pad(left - s) - self._pad(left)
         self.free[r] -= s
         self.best_room[r] = max(self.room[r])
         self.load[r] += added
@@ -220,6 +222,11 @@ class StepBins:
         self.placed += s
         bisect.insort(by_load, (self.load[r], r))
         bisect.insort(projected, (self._project(r), r))
+
+    def _pad(self, n: int) -> float:
+        """What ``n`` pad tokens of one micro-batch cost over ``n / tile``: their run is ``ceil(n / tile)``
+        diagonal tiles."""
+        return -(-n // self.tile) - n / self.tile
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
