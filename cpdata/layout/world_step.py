@@ -94,8 +94,8 @@ class StepBins:
         self.placed = 0  # tokens
         self.density = 0.0
         # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
-        self._by_load = [(0.0, r) for r in range(world)]  # (load, rank)
-        self._projected = [(0.0, r) for r in range(world)]  # (load + free * density, rank), ascending
+        self._by_load = _Ranked([0.0] * world)  # loads
+        self._projected = _Ranked([0.0] * world)  # load + free * density
         self._total = 0.0  # the loads' sum
         self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles over pad, tokens; all's density
 
@@ -117,7 +117,7 @@ class StepBins:
         added, tokens, mean = self._coming
         beyond = max(self.free_tokens - tokens, 0)
         self.density = (added + mean * beyond) / (tokens + beyond) if tokens + beyond > 0 else mean
-        self._projected = sorted((self._project(r), r) for r in range(self.world))
+        self._projected = _Ranked([self._project(r) for r in range(self.world)])
 
     def _seen(self, s: int, added: float) -> None:
         """A whole piece of the expected ones was dealt (placed or left to wait)."""
@@ -137,7 +137,7 @@ class StepBins:
         """The level a whole piece may not lift its rank past (times ``1 + slack``): the :data:`LEVEL`
         quantile of the ranks' projected loads (the least would let one rank filled early with cheap pieces
         hold every other rank back; the mean, let the ranks of the long documents take their full room)."""
-        return self._projected[int(LEVEL * (self.world - 1))][0]
+        return self._projected.values[int(LEVEL * (self.world - 1))]
 
     def place(self, s: int) -> Placement | None:
         """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; the
@@ -148,20 +148,34 @@ class StepBins:
         self._seen(s, added)
         best_room = self.best_room
         excess = added - s * self.density
+        best = -1
         if excess >= 0:
-            best, load = next(((r, load) for load, r in self._by_load if best_room[r] >= s), (-1, 0.0))
-            if best < 0 or (self.placed and load + added > self.target() * (1 + self.slack)):
+            for r in self._by_load.ranks:
+                if best_room[r] >= s:
+                    best = r
+                    break
+            if best < 0 or (self.placed and self.load[best] + added > self.target() * (1 + self.slack)):
                 return None
         else:
             level = min((self._total + self.free_tokens * self.density) / self.world, self.target()) * (1 + self.slack)
             load = self.load
-            best = next((r for p, r in reversed(self._projected) if best_room[r] >= s and load[r] + added <= level), -1)
+            for r in reversed(self._projected.ranks):
+                if best_room[r] >= s and load[r] + added <= level:
+                    best = r
+                    break
             if best < 0:
                 return None
-        room = self.room[best]
-        k = min((left, k) for k, left in enumerate(room) if left >= s)[1]  # best fit (ties: the first)
+        k = self._best_fit(best, s)
         self._take(best, k, s, added)
         return k, best, 1
+
+    def _best_fit(self, r: int, s: int) -> int:
+        """The micro-batch of rank ``r`` with the least room that holds ``s`` tokens (ties: the first)."""
+        best, least = -1, self.local + 1
+        for k, left in enumerate(self.room[r]):
+            if s <= left < least:
+                best, least = k, left
+        return best
 
     def top_up(self, s: int) -> Placement | None:
         """Place a whole piece where it keeps its rank at or under the busiest rank's load (it then costs the
@@ -169,11 +183,10 @@ class StepBins:
         if s > self.local:
             return None
         added = alone_tiles(s, self.tile) - s / self.tile
-        ceiling = self._by_load[-1][0]
-        r = next((r for load, r in self._by_load if self.best_room[r] >= s and load + added <= ceiling), -1)
+        r = self._lightest(s, self._by_load.values[-1] - added, -1)
         if r < 0:
             return None
-        k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
+        k = self._best_fit(r, s)
         self._take(r, k, s, added)
         return k, r, 1
 
@@ -189,14 +202,23 @@ class StepBins:
         """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
         keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
         added = alone_tiles(s, self.tile) - s / self.tile
-        r = next((r for load, r in self._by_load if r != where[1] and self.best_room[r] >= s and load + added <= level),
-                 -1)  # fmt: skip
+        r = self._lightest(s, level - added, where[1])
         if r < 0:
             return None
         self.take_back(s, where)
-        k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
+        k = self._best_fit(r, s)
         self._take(r, k, s, added)
         return k, r, 1
+
+    def _lightest(self, s: int, most: float, other_than: int) -> int:
+        """The least loaded rank but ``other_than`` with room for ``s`` tokens and a load of at most ``most``."""
+        values, ranks, best_room = self._by_load.values, self._by_load.ranks, self.best_room
+        for i, r in enumerate(ranks):
+            if values[i] > most:
+                return -1
+            if r != other_than and best_room[r] >= s:
+                return r
+        return -1
 
     def take_back(self, s: int, where: Placement) -> None:
         """Remove a whole piece of ``s`` tokens placed at ``where`` (it leaves the step)."""
@@ -209,9 +231,8 @@ class StepBins:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
-        by_load, projected = self._by_load, self._projected
-        del by_load[bisect.bisect_left(by_load, (self.load[r], r))]
-        del projected[bisect.bisect_left(projected, (self._project(r), r))]
+        self._by_load.remove(self.load[r], r)
+        self._projected.remove(self._project(r), r)
         left = self.room[r][k]
         self.room[r][k] = left - s
         added += self._pad(left - s) - self._pad(left)
@@ -220,8 +241,8 @@ class StepBins:
         self.load[r] += added
         self._total += added
         self.placed += s
-        bisect.insort(by_load, (self.load[r], r))
-        bisect.insort(projected, (self._project(r), r))
+        self._by_load.insert(self.load[r], r)
+        self._projected.insert(self._project(r), r)
 
     def _pad(self, n: int) -> float:
         """What ``n`` pad tokens of one micro-batch cost over ``n / tile``: their run is ``ceil(n / tile)``
@@ -259,6 +280,32 @@ class StepBins:
         _, k, a = best
         self._take_spread(s, k, a, c)
         return k, a, c
+
+
+class _Ranked:
+    """The ranks sorted by a value (ties: the lower rank), as two parallel lists (no tuple a piece)."""
+
+    __slots__ = ("values", "ranks")
+
+    def __init__(self, values: list[float]) -> None:
+        order = sorted(range(len(values)), key=lambda r: (values[r], r))
+        self.values, self.ranks = [values[r] for r in order], order
+
+    def _at(self, value: float, r: int) -> int:
+        i = bisect.bisect_left(self.values, value)
+        while i < len(self.values) and self.values[i] == value and self.ranks[i] < r:
+            i += 1
+        return i
+
+    def insert(self, value: float, r: int) -> None:
+        i = self._at(value, r)
+        self.values.insert(i, value)
+        self.ranks.insert(i, r)
+
+    def remove(self, value: float, r: int) -> None:
+        i = self._at(value, r)
+        del self.values[i]
+        del self.ranks[i]
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
