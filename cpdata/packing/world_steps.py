@@ -17,6 +17,7 @@ waiting pieces: a resume deals the same steps.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,13 @@ __all__ = ["WorldStepPacker"]
 EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 48, 4, 16, 4
 """Settling a rank by exchange looks at its pieces adding most over pad, against the pieces nearest in length
 on the least loaded ranks, for at most this many exchanges a rank."""
+
+
+def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(key, length)`` pieces longest first, ties by key (two stable sorts: no key tuple a piece)."""
+    out = sorted(pieces, key=operator.itemgetter(0))
+    out.sort(key=operator.itemgetter(1), reverse=True)
+    return out
 
 
 def _added(s: int, tile: int) -> float:
@@ -56,7 +64,7 @@ class WorldStepPacker:
         pending = self._waiting + list(zip(keys.tolist(), slots.tolist(), strict=True))
         closed = []
         while True:
-            self._waiting = self._deal(sorted(pending, key=lambda p: (-p[1], p[0])))
+            self._waiting = self._deal(_longest_first(pending))
             if not self._waiting or sum(s for _, s in self._waiting) < self._bins.free_tokens:
                 return PackKeys.concat(closed)
             closed.append(self._close(keep_empty=True))  # (tops up from self._waiting)
@@ -66,7 +74,7 @@ class WorldStepPacker:
         closed = []
         while self._step:
             closed.append(self._close(keep_empty=False))
-            self._waiting = self._deal(sorted(self._waiting, key=lambda p: (-p[1], p[0])))
+            self._waiting = self._deal(_longest_first(self._waiting))
         if self._waiting:  # (nothing waits once a step is empty: a fresh step takes any piece)
             raise AssertionError(f"{len(self._waiting)} pieces left after the last step")
         return PackKeys.concat(closed)
@@ -153,23 +161,25 @@ class _Settle:
         bins = self.bins
         self.level = sum(bins.load) / bins.world
         self.cost = [_added(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
-        self.by_size: list[list[tuple[int, int]]] = [[] for _ in range(bins.world)]  # (length, piece) ascending
-        self.by_cost: list[list[tuple[float, int]]] = [[] for _ in range(bins.world)]  # (-cost, piece) ascending
-        for i, (_, s, (_, first, c)) in enumerate(self.step):
+        # each rank's whole pieces (indices into the step), by (length, index) and by (-cost, index)
+        self.by_size: list[list[int]] = [[] for _ in range(bins.world)]
+        for i, (_, _, (_, first, c)) in enumerate(self.step):
             if c == 1:
-                self.by_size[first].append((s, i))
-                self.by_cost[first].append((-self.cost[i], i))
-        for r in range(bins.world):
-            self.by_size[r].sort()
-            self.by_cost[r].sort()
+                self.by_size[first].append(i)
+        self.by_cost = [sorted(mine, key=self.cost.__getitem__, reverse=True) for mine in self.by_size]
+        for mine in self.by_size:
+            mine.sort(key=self._length)
+
+    def _length(self, i: int) -> int:
+        return self.step[i][1]
 
     def _add(self, r: int, i: int) -> None:
-        bisect.insort(self.by_size[r], (self.step[i][1], i))
-        bisect.insort(self.by_cost[r], (-self.cost[i], i))
+        bisect.insort(self.by_size[r], i, key=lambda j: (self.step[j][1], j))
+        bisect.insort(self.by_cost[r], i, key=lambda j: (-self.cost[j], j))
 
     def _drop(self, r: int, i: int) -> None:
-        self.by_size[r].remove((self.step[i][1], i))
-        self.by_cost[r].remove((-self.cost[i], i))
+        self.by_size[r].remove(i)
+        self.by_cost[r].remove(i)
 
     def run(self) -> None:
         bins, level, step = self.bins, self.level, self.step
@@ -184,7 +194,7 @@ class _Settle:
             for _ in range(EXCHANGE_ROUNDS):
                 if bins.load[h] <= level or not self._exchange(h):
                     break
-            for _, i in list(self.by_cost[h]):
+            for i in list(self.by_cost[h]):
                 if bins.load[h] <= level:
                     break
                 key, s, (k, _, _) = step[i]
@@ -222,13 +232,14 @@ class _Settle:
         best, best_i, best_j = lh, -1, -1
         for q in lows[:EXCHANGE_RANKS]:
             theirs, lq, widest, room_q = self.by_size[q], load[q], bins.best_room[q], room[q]
-            for minus, i in mine:
-                s, k = step[i][1], step[i][2][0]
-                at = bisect.bisect_left(theirs, (s, -1))
-                lo = max(bisect.bisect_left(theirs, (s - widest, -1)), at - EXCHANGE_NEAR)
-                hi = min(bisect.bisect_right(theirs, (s + room[h][k], len(step))), at + EXCHANGE_NEAR)
-                for u, j in theirs[lo:hi]:
-                    gain = -minus - cost[j]
+            for i in mine:
+                s, k, dear = step[i][1], step[i][2][0], cost[i]
+                at = bisect.bisect_left(theirs, s, key=self._length)
+                lo = max(bisect.bisect_left(theirs, s - widest, key=self._length), at - EXCHANGE_NEAR)
+                hi = min(bisect.bisect_right(theirs, s + room[h][k], key=self._length), at + EXCHANGE_NEAR)
+                for j in theirs[lo:hi]:
+                    u = step[j][1]
+                    gain = dear - cost[j]
                     if gain <= 0:
                         continue
                     after = lh - gain if lh - gain > lq + gain else lq + gain
