@@ -11,15 +11,24 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
   ``2c - 1 - i``); of every micro-batch and window of ranks with room, the one whose busiest rank's step load
   after it is least (ties: the first micro-batch, then the lowest rank);
-- a piece of at most ``L`` tokens goes whole to the rank of least step load with room for it in some
-  micro-batch, into the micro-batch with the least room that fits (ties: the first); when that rank's load is
-  over the least loaded rank's by more than ``slack`` of a rank's projected step load, the least loaded ranks
-  are full and the piece waits for the next step (:meth:`StepBins.place` returns None).
+- a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
+  first), on a rank chosen by what it adds over the pad it replaces (``a = tiles - s / tile``) against the
+  pieces still to come (``d``, tiles over pad per token; :meth:`StepBins.set_density`):
+
+  - dearer than them (``a >= s * d``): the least loaded rank with room; it waits for the next step
+    (:meth:`StepBins.place` returns None) when that would lift the rank past :meth:`StepBins.target`
+    times ``1 + slack``;
+  - cheaper: the rank of highest *projected* load (its load plus its free tokens times ``d``) with room whose
+    load it keeps under the lower of the mean projected load and the target (times ``1 + slack``), so the
+    ranks that took dear pieces fill with cheap ones instead of ending half empty beside ranks full of
+    cheap pieces (alpaca 16 x 8K: fill 0.97 -> 1.00); else it waits.
 
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
-in another. Loads are :func:`~cpdata.layout.world_plan.grid_tiles` (a spread piece's shared equally by its
-ranks), less a tile per ``tile`` tokens (a pad block costs one tile). The deal travels with its pack as slot owners (:func:`owned_runs`), never
-recomputed from the slot lengths.
+in another. A rank's load is exact: its pieces' varlen tiles (a spread piece's per its THD chunks,
+:func:`thd_tiles`) plus each micro-batch's pad as the varlen kernel runs it (``ceil(n / tile)`` diagonal
+tiles: a few tokens of pad cost a whole tile), less the constant ``packs * local / tile``. When the step
+closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these exact loads. The deal
+travels with its pack as slot owners (:func:`owned_runs`), never recomputed from the slot lengths.
 """
 
 from __future__ import annotations
@@ -37,8 +46,8 @@ from cpdata.layout.world_plan import thd_chunks
 __all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
 
 SLACK = 0.01
-"""A whole piece waits for the next step rather than land more than this fraction of a rank's projected step
-load above the least loaded rank (docs/benchmarks.md measures it)."""
+"""A whole piece waits for the next step rather than lift its rank more than this fraction past
+:meth:`StepBins.target` (docs/benchmarks.md measures it)."""
 
 DRIFT = 0.05
 """The projected loads are recomputed when the pieces left to deal add tiles per token this fraction away from
@@ -71,13 +80,14 @@ def _segment(q: int, k: int, tile: int) -> int:
 class StepBins:
     """The open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of ``local`` tokens.
 
-    A rank's ``load`` is what its pieces add over pad: their varlen tiles less one tile per ``tile`` tokens
-    (each ``tile`` pad tokens cost a diagonal tile, so a step's cost on a rank is its load plus
-    ``packs * local / tile``). With ``density`` (tiles a token adds, as the pieces to come are expected to),
+    A rank's ``load`` is its step cost less ``packs * local / tile``: its pieces' varlen tiles less one tile per
+    ``tile`` tokens, plus what its pad costs over ``n / tile`` (a run of ``n`` pad tokens is ``ceil(n / tile)``
+    diagonal tiles). With ``density`` (tiles over pad a token adds, as the pieces to come are expected to),
     a rank's *projected* load is its load plus its free tokens times the density: where it ends if the rest
     of its room fills like the average. :meth:`place` deals one piece (the module docstring's rules) so that
     the projected loads stay equal. Deterministic: the same pieces in the same order, after the same
-    :meth:`set_density`, give the same deal.
+    :meth:`set_density`, give the same deal; the ranks' orders are kept sorted as pieces land, so a piece costs
+    no pass over the world.
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
@@ -140,8 +150,8 @@ class StepBins:
         return self._projected.values[int(LEVEL * (self.world - 1))]
 
     def place(self, s: int) -> Placement | None:
-        """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; the
-        state is unchanged)."""
+        """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; no rank
+        changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
         added = alone_tiles(s, self.tile) - s / self.tile

@@ -7,6 +7,19 @@ end of the stream, and never otherwise: its ``G`` packs leave together, in micro
 its owners (:attr:`PackKeys.owners`), and the waiting pieces open the next step. The end of the stream closes
 steps until nothing waits, leaving out their empty micro-batches.
 
+Closing, the step's loads are exact (pad included), and the deal is finished on them:
+
+1. top up: waiting pieces go where they keep their rank at or under the busiest one (:meth:`StepBins.top_up`);
+2. settle (:class:`_Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
+   cheaper ones of similar length on the least loaded ranks (the step keeps its tokens), then moves a piece to
+   a lighter rank with room, else swaps it for a waiting piece that fits its place and adds fewer tiles over
+   pad, while that saves more than the tokens it leaves out would cost (the longer one waits instead);
+3. top up again, under the settled ceiling.
+
+Each phase only lowers the busiest rank or adds tokens under it; the settle is bounded (:data:`EXCHANGE_PIECES`
+pieces against :data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most
+:data:`EXCHANGE_ROUNDS` exchanges a rank), so it costs a fraction of the deal itself.
+
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
 the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
 when the trainer accumulates ``G`` micro-batches a step and ranks move K/V point to point
@@ -95,8 +108,8 @@ class WorldStepPacker:
         return waiting
 
     def _close(self, keep_empty: bool) -> PackKeys:
-        """The open step's packs (keys ascending in each, with their owners), first topped up with the waiting
-        pieces that cost it nothing (:meth:`StepBins.top_up`); a fresh step opens."""
+        """The open step's packs (keys ascending in each, with their owners), first topped up, settled and topped
+        up again (the module docstring); a fresh step opens."""
         self._top_up()
         self._settle()
         self._top_up()
