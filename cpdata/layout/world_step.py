@@ -71,6 +71,12 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
                  for j in range(c))  # fmt: skip
 
 
+@functools.lru_cache(maxsize=65536)
+def _over_pad(s: int, tile: int) -> float:
+    """Tiles a whole piece of ``s`` tokens adds over the pad it replaces."""
+    return alone_tiles(s, tile) - s / tile
+
+
 def _segment(q: int, k: int, tile: int) -> int:
     """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
     d = k - q
@@ -154,7 +160,7 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = alone_tiles(s, self.tile) - s / self.tile
+        added = _over_pad(s, self.tile)
         self._seen(s, added)
         best_room = self.best_room
         excess = added - s * self.density
@@ -241,23 +247,19 @@ class StepBins:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
-        self._by_load.remove(self.load[r], r)
-        self._projected.remove(self._project(r), r)
-        left = self.room[r][k]
-        self.room[r][k] = left - s
-        added += self._pad(left - s) - self._pad(left)
-        self.free[r] -= s
-        self.best_room[r] = max(self.room[r])
-        self.load[r] += added
+        load, free, room, tile, density = self.load, self.free, self.room[r], self.tile, self.density
+        self._by_load.remove(load[r], r)
+        self._projected.remove(load[r] + free[r] * density, r)
+        left = room[k]
+        room[k] = left - s
+        added += (-((s - left) // tile) - (left - s) / tile) - (-(-left // tile) - left / tile)  # pad: ceil(n / tile)
+        free[r] -= s
+        self.best_room[r] = max(room)
+        load[r] += added
         self._total += added
         self.placed += s
-        self._by_load.insert(self.load[r], r)
-        self._projected.insert(self._project(r), r)
-
-    def _pad(self, n: int) -> float:
-        """What ``n`` pad tokens of one micro-batch cost over ``n / tile``: their run is ``ceil(n / tile)``
-        diagonal tiles."""
-        return -(-n // self.tile) - n / self.tile
+        self._by_load.insert(load[r], r)
+        self._projected.insert(load[r] + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
