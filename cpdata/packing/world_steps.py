@@ -42,7 +42,7 @@ from cpdata.packing.records import PackKeys
 __all__ = ["WorldStepPacker"]
 
 
-EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 48, 4, 16, 4
+EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 24, 4, 8, 4
 """Settling a rank by exchange looks at its pieces adding most over pad, against the pieces nearest in length
 on the least loaded ranks, for at most this many exchanges a rank."""
 
