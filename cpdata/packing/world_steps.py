@@ -42,6 +42,9 @@ from cpdata.packing.records import PackKeys
 __all__ = ["WorldStepPacker"]
 
 
+SETTLE_PIECES = 64
+"""Settling a rank moves or swaps out at most its this many dearest whole pieces."""
+
 EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 24, 4, 8, 4
 """Settling a rank by exchange looks at its pieces adding most over pad, against the pieces nearest in length
 on the least loaded ranks, for at most this many exchanges a rank."""
@@ -207,7 +210,7 @@ class _Settle:
             for _ in range(EXCHANGE_ROUNDS):
                 if bins.load[h] <= level or not self._exchange(h):
                     break
-            for i in list(self.by_cost[h]):
+            for i in self.by_cost[h][:SETTLE_PIECES]:
                 if bins.load[h] <= level:
                     break
                 key, s, (k, _, _) = step[i]
