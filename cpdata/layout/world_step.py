@@ -11,19 +11,29 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
   ``2c - 1 - i``); of every micro-batch and window of ranks with room, the one whose busiest rank's step load
   after it is least (ties: the first micro-batch, then the lowest rank);
-- a piece of at most ``L`` tokens goes whole to the rank of least step load with room for it in some
-  micro-batch, into the micro-batch with the least room that fits (ties: the first); when that rank's load is
-  over the least loaded rank's by more than ``slack`` of a rank's projected step load, the least loaded ranks
-  are full and the piece waits for the next step (:meth:`StepBins.place` returns None).
+- a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
+  first), on a rank chosen by what it adds over the pad it replaces (``a = tiles - s / tile``) against the
+  pieces still to come (``d``, tiles over pad per token; :meth:`StepBins.set_density`):
+
+  - dearer than them (``a >= s * d``): the least loaded rank with room; it waits for the next step
+    (:meth:`StepBins.place` returns None) when that would lift the rank past :meth:`StepBins.target`
+    times ``1 + slack``;
+  - cheaper: the rank of highest *projected* load (its load plus its free tokens times ``d``) with room whose
+    load it keeps under the lower of the mean projected load and the target (times ``1 + slack``), so the
+    ranks that took dear pieces fill with cheap ones instead of ending half empty beside ranks full of
+    cheap pieces (alpaca 16 x 8K: fill 0.97 -> 1.00); else it waits.
 
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
-in another. Loads are :func:`~cpdata.layout.world_plan.grid_tiles` (a spread piece's shared equally by its
-ranks), less a tile per ``tile`` tokens (a pad block costs one tile). The deal travels with its pack as slot owners (:func:`owned_runs`), never
-recomputed from the slot lengths.
+in another. A rank's load is exact: its pieces' varlen tiles (a spread piece's per its THD chunks,
+:func:`thd_tiles`) plus each micro-batch's pad as the varlen kernel runs it (``ceil(n / tile)`` diagonal
+tiles: a few tokens of pad cost a whole tile), less the constant ``packs * local / tile``. When the step
+closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these exact loads. The deal
+travels with its pack as slot owners (:func:`owned_runs`), never recomputed from the slot lengths.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 from collections.abc import Sequence
@@ -35,8 +45,12 @@ from cpdata.layout.world_plan import alone_tiles, thd_chunks
 __all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
 
 SLACK = 0.01
-"""A whole piece waits for the next step rather than land more than this fraction of a rank's projected step
-load above the least loaded rank (docs/benchmarks.md measures it)."""
+"""A whole piece waits for the next step rather than lift its rank more than this fraction past
+:meth:`StepBins.target` (docs/benchmarks.md measures it)."""
+
+DRIFT = 0.05
+"""The projected loads are recomputed when the pieces left to deal add tiles per token this fraction away from
+the density they were projected with."""
 
 LEVEL = 0.25
 """The quantile of the ranks' projected loads a whole piece may not lift its rank past (:meth:`StepBins.target`;
@@ -56,6 +70,12 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
                  for j in range(c))  # fmt: skip
 
 
+@functools.lru_cache(maxsize=65536)
+def _over_pad(s: int, tile: int) -> float:
+    """Tiles a whole piece of ``s`` tokens adds over the pad it replaces."""
+    return alone_tiles(s, tile) - s / tile
+
+
 def _segment(q: int, k: int, tile: int) -> int:
     """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
     d = k - q
@@ -65,17 +85,18 @@ def _segment(q: int, k: int, tile: int) -> int:
 class StepBins:
     """The open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of ``local`` tokens.
 
-    A rank's ``load`` is what its pieces add over pad: their varlen tiles less one tile per ``tile`` tokens
-    (each ``tile`` pad tokens cost a diagonal tile, so a step's cost on a rank is its load plus
-    ``packs * local / tile``). With ``density`` (tiles a token adds, as the pieces to come are expected to),
+    A rank's ``load`` is its step cost less ``packs * local / tile``: its pieces' varlen tiles less one tile per
+    ``tile`` tokens, plus what its pad costs over ``n / tile`` (a run of ``n`` pad tokens is ``ceil(n / tile)``
+    diagonal tiles). With ``density`` (tiles over pad a token adds, as the pieces to come are expected to),
     a rank's *projected* load is its load plus its free tokens times the density: where it ends if the rest
     of its room fills like the average. :meth:`place` deals one piece (the module docstring's rules) so that
     the projected loads stay equal. Deterministic: the same pieces in the same order, after the same
-    :meth:`set_density`, give the same deal.
+    :meth:`set_density`, give the same deal; the ranks' orders are kept sorted as pieces land, so a piece costs
+    no pass over the world.
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density")  # fmt: skip
+                 "density", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -87,6 +108,11 @@ class StepBins:
         self.load = [0.0] * world
         self.placed = 0  # tokens
         self.density = 0.0
+        # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
+        self._by_load = _Ranked([0.0] * world)  # loads
+        self._projected = _Ranked([0.0] * world)  # load + free * density
+        self._total = 0.0  # the loads' sum
+        self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles over pad, tokens; all's density
 
     @property
     def free_tokens(self) -> int:
@@ -94,35 +120,77 @@ class StepBins:
         return self.packs * self.world * self.local - self.placed
 
     def set_density(self, pieces: Sequence[int]) -> None:
-        """Expect the pieces to come to add tiles per token as the placed ones and ``pieces`` (lengths) do."""
-        added = sum(self.load) + sum(alone_tiles(s, self.tile) - s / self.tile for s in pieces if s <= self.local)
-        tokens = self.placed + sum(s for s in pieces if s <= self.local)
-        self.density = added / tokens if tokens else 0.0
+        """Expect the pieces to come to add tiles per token as ``pieces`` (lengths, in the order :meth:`place`
+        will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
+        them (the stream goes on)."""
+        whole = [s for s in pieces if s <= self.local]
+        added, tokens = sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)
+        self._coming = [added, tokens, added / tokens if tokens else self.density]
+        self._reproject()
+
+    def _reproject(self) -> None:
+        added, tokens, mean = self._coming
+        beyond = max(self.free_tokens - tokens, 0)
+        self.density = (added + mean * beyond) / (tokens + beyond) if tokens + beyond > 0 else mean
+        self._projected = _Ranked([self._project(r) for r in range(self.world)])
+
+    def _seen(self, s: int, added: float) -> None:
+        """A whole piece of the expected ones was dealt (placed or left to wait)."""
+        coming = self._coming
+        coming[0] -= added
+        coming[1] -= s
+        beyond = max(self.free_tokens - coming[1], 0)
+        if coming[1] + beyond > 0:
+            density = (coming[0] + coming[2] * beyond) / (coming[1] + beyond)
+            if abs(density - self.density) > DRIFT * self.density:
+                self._reproject()
+
+    def _project(self, r: int) -> float:
+        return self.load[r] + self.free[r] * self.density
 
     def target(self) -> float:
         """The level a whole piece may not lift its rank past (times ``1 + slack``): the :data:`LEVEL`
         quantile of the ranks' projected loads (the least would let one rank filled early with cheap pieces
         hold every other rank back; the mean, let the ranks of the long documents take their full room)."""
-        projected = sorted(load + free * self.density for load, free in zip(self.load, self.free, strict=True))
-        return projected[int(LEVEL * (self.world - 1))]
+        return self._projected.values[int(LEVEL * (self.world - 1))]
 
     def place(self, s: int) -> Placement | None:
-        """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; the
-        state is unchanged)."""
+        """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; no rank
+        changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = alone_tiles(s, self.tile) - s / self.tile
-        best, best_load = -1, 0.0
-        loads, best_room = self.load, self.best_room
-        for r in range(self.world):
-            if best_room[r] >= s and (best < 0 or loads[r] < best_load):
-                best, best_load = r, loads[r]
-        if best < 0 or (self.placed and best_load + added > self.target() * (1 + self.slack)):
-            return None
-        room = self.room[best]
-        k = min((left, k) for k, left in enumerate(room) if left >= s)[1]  # best fit (ties: the first)
+        added = _over_pad(s, self.tile)
+        self._seen(s, added)
+        best_room = self.best_room
+        excess = added - s * self.density
+        best = -1
+        if excess >= 0:
+            for r in self._by_load.ranks:
+                if best_room[r] >= s:
+                    best = r
+                    break
+            if best < 0 or (self.placed and self.load[best] + added > self.target() * (1 + self.slack)):
+                return None
+        else:
+            level = min((self._total + self.free_tokens * self.density) / self.world, self.target()) * (1 + self.slack)
+            load = self.load
+            for r in reversed(self._projected.ranks):
+                if best_room[r] >= s and load[r] + added <= level:
+                    best = r
+                    break
+            if best < 0:
+                return None
+        k = self._best_fit(best, s)
         self._take(best, k, s, added)
         return k, best, 1
+
+    def _best_fit(self, r: int, s: int) -> int:
+        """The micro-batch of rank ``r`` with the least room that holds ``s`` tokens (ties: the first)."""
+        best, least = -1, self.local + 1
+        for k, left in enumerate(self.room[r]):
+            if s <= left < least:
+                best, least = k, left
+        return best
 
     def top_up(self, s: int) -> Placement | None:
         """Place a whole piece where it keeps its rank at or under the busiest rank's load (it then costs the
@@ -130,12 +198,10 @@ class StepBins:
         if s > self.local:
             return None
         added = alone_tiles(s, self.tile) - s / self.tile
-        ceiling = max(self.load)
-        fits = [r for r in range(self.world) if self.best_room[r] >= s and self.load[r] + added <= ceiling]
-        if not fits:
+        r = self._lightest(s, self._by_load.values[-1] - added, -1)
+        if r < 0:
             return None
-        r = min(fits, key=lambda r: (self.load[r], r))
-        k = min((left, k) for k, left in enumerate(self.room[r]) if left >= s)[1]
+        k = self._best_fit(r, s)
         self._take(r, k, s, added)
         return k, r, 1
 
@@ -147,15 +213,52 @@ class StepBins:
         else:
             self._take_spread(s, k, first, c)
 
+    def move(self, s: int, where: Placement, level: float) -> Placement | None:
+        """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
+        keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
+        added = alone_tiles(s, self.tile) - s / self.tile
+        r = self._lightest(s, level - added, where[1])
+        if r < 0:
+            return None
+        self.take_back(s, where)
+        k = self._best_fit(r, s)
+        self._take(r, k, s, added)
+        return k, r, 1
+
+    def _lightest(self, s: int, most: float, other_than: int) -> int:
+        """The least loaded rank but ``other_than`` with room for ``s`` tokens and a load of at most ``most``."""
+        values, ranks, best_room = self._by_load.values, self._by_load.ranks, self.best_room
+        for i, r in enumerate(ranks):
+            if values[i] > most:
+                return -1
+            if r != other_than and best_room[r] >= s:
+                return r
+        return -1
+
+    def take_back(self, s: int, where: Placement) -> None:
+        """Remove a whole piece of ``s`` tokens placed at ``where`` (it leaves the step)."""
+        k, r, c = where
+        if c != 1 or not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] + s > self.local:
+            raise ValueError(f"no whole piece of {s} tokens can leave {where} of this step")
+        self._take(r, k, -s, -(alone_tiles(s, self.tile) - s / self.tile))
+
     def _take(self, r: int, k: int, s: int, added: float) -> None:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
-        self.room[r][k] -= s
-        self.free[r] -= s
-        self.best_room[r] = max(self.room[r])
-        self.load[r] += added
+        load, free, room, tile, density = self.load, self.free, self.room[r], self.tile, self.density
+        self._by_load.remove(load[r], r)
+        self._projected.remove(load[r] + free[r] * density, r)
+        left = room[k]
+        room[k] = left - s
+        added += (-((s - left) // tile) - (left - s) / tile) - (-(-left // tile) - left / tile)  # pad: ceil(n / tile)
+        free[r] -= s
+        self.best_room[r] = max(room)
+        load[r] += added
+        self._total += added
         self.placed += s
+        self._by_load.insert(load[r], r)
+        self._projected.insert(load[r] + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
@@ -189,6 +292,32 @@ class StepBins:
         a = int(starts[a])
         self._take_spread(s, k, a, c)
         return k, a, c
+
+
+class _Ranked:
+    """The ranks sorted by a value (ties: the lower rank), as two parallel lists (no tuple a piece)."""
+
+    __slots__ = ("values", "ranks")
+
+    def __init__(self, values: list[float]) -> None:
+        order = sorted(range(len(values)), key=lambda r: (values[r], r))
+        self.values, self.ranks = [values[r] for r in order], order
+
+    def _at(self, value: float, r: int) -> int:
+        i = bisect.bisect_left(self.values, value)
+        while i < len(self.values) and self.values[i] == value and self.ranks[i] < r:
+            i += 1
+        return i
+
+    def insert(self, value: float, r: int) -> None:
+        i = self._at(value, r)
+        self.values.insert(i, value)
+        self.ranks.insert(i, r)
+
+    def remove(self, value: float, r: int) -> None:
+        i = self._at(value, r)
+        del self.values[i]
+        del self.ranks[i]
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int

@@ -7,6 +7,19 @@ end of the stream, and never otherwise: its ``G`` packs leave together, in micro
 its owners (:attr:`PackKeys.owners`), and the waiting pieces open the next step. The end of the stream closes
 steps until nothing waits, leaving out their empty micro-batches.
 
+Closing, the step's loads are exact (pad included), and the deal is finished on them:
+
+1. top up: waiting pieces go where they keep their rank at or under the busiest one (:meth:`StepBins.top_up`);
+2. settle (:class:`_Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
+   cheaper ones of similar length on the least loaded ranks (the step keeps its tokens), then moves a piece to
+   a lighter rank with room, else swaps it for a waiting piece that fits its place and adds fewer tiles over
+   pad, while that saves more than the tokens it leaves out would cost (the longer one waits instead);
+3. top up again, under the settled ceiling.
+
+Each phase only lowers the busiest rank or adds tokens under it; the settle is bounded (:data:`EXCHANGE_PIECES`
+pieces against :data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most
+:data:`EXCHANGE_ROUNDS` exchanges a rank), so it costs a fraction of the deal itself.
+
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
 the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
 when the trainer accumulates ``G`` micro-batches a step and ranks move K/V point to point
@@ -16,14 +29,36 @@ waiting pieces: a resume deals the same steps.
 
 from __future__ import annotations
 
+import bisect
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.layout.world_deal import alone_tiles
 from cpdata.layout.world_step import Placement, StepBins
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
+
+
+SETTLE_PIECES = 64
+"""Settling a rank moves or swaps out at most its this many dearest whole pieces."""
+
+EXCHANGE_PIECES, EXCHANGE_RANKS, EXCHANGE_NEAR, EXCHANGE_ROUNDS = 24, 4, 8, 4
+"""Settling a rank by exchange looks at its pieces adding most over pad, against the pieces nearest in length
+on the least loaded ranks, for at most this many exchanges a rank."""
+
+
+def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(key, length)`` pieces longest first, ties by key (two stable sorts: no key tuple a piece)."""
+    out = sorted(pieces, key=operator.itemgetter(0))
+    out.sort(key=operator.itemgetter(1), reverse=True)
+    return out
+
+
+def _added(s: int, tile: int) -> float:
+    return alone_tiles(s, tile) - s / tile
 
 
 class WorldStepPacker:
@@ -45,7 +80,7 @@ class WorldStepPacker:
         pending = self._waiting + list(zip(keys.tolist(), slots.tolist(), strict=True))
         closed = []
         while True:
-            self._waiting = self._deal(sorted(pending, key=lambda p: (-p[1], p[0])))
+            self._waiting = self._deal(_longest_first(pending))
             if not self._waiting or sum(s for _, s in self._waiting) < self._bins.free_tokens:
                 return PackKeys.concat(closed)
             closed.append(self._close(keep_empty=True))  # (tops up from self._waiting)
@@ -55,7 +90,7 @@ class WorldStepPacker:
         closed = []
         while self._step:
             closed.append(self._close(keep_empty=False))
-            self._waiting = self._deal(sorted(self._waiting, key=lambda p: (-p[1], p[0])))
+            self._waiting = self._deal(_longest_first(self._waiting))
         if self._waiting:  # (nothing waits once a step is empty: a fresh step takes any piece)
             raise AssertionError(f"{len(self._waiting)} pieces left after the last step")
         return PackKeys.concat(closed)
@@ -76,16 +111,11 @@ class WorldStepPacker:
         return waiting
 
     def _close(self, keep_empty: bool) -> PackKeys:
-        """The open step's packs (keys ascending in each, with their owners), first topped up with the waiting
-        pieces that cost it nothing (:meth:`StepBins.top_up`); a fresh step opens."""
-        waiting = []
-        for key, s in self._waiting:
-            where = self._bins.top_up(s)
-            if where is None:
-                waiting.append((key, s))
-            else:
-                self._step.append((key, s, where))
-        self._waiting = waiting
+        """The open step's packs (keys ascending in each, with their owners), first topped up, settled and topped
+        up again (the module docstring); a fresh step opens."""
+        self._top_up()
+        self._settle()
+        self._top_up()
         by_pack: list[list[tuple[int, int, int]]] = [[] for _ in range(self.packs)]
         for key, _, (k, first, c) in self._step:
             by_pack[k].append((key, first, c))
@@ -94,6 +124,20 @@ class WorldStepPacker:
         flat = np.array([row for p in packs for row in p], dtype=np.int64).reshape(-1, 3)
         return PackKeys(keys=flat[:, 0].copy(), sizes=np.array([len(p) for p in packs], dtype=np.int64),
                         owners=flat[:, 1:].copy())  # fmt: skip
+
+    def _top_up(self) -> None:
+        waiting = []
+        for key, s in self._waiting:
+            where = self._bins.top_up(s)
+            if where is None:
+                waiting.append((key, s))
+            else:
+                self._step.append((key, s, where))
+        self._waiting = waiting
+
+    def _settle(self) -> None:
+        """Bring every rank above the mean load down to it with the loads now exact (:class:`_Settle`)."""
+        _Settle(self).run()
 
     # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
     def carry_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,3 +163,115 @@ class WorldStepPacker:
             self._bins.restore(int(s), tuple(where))
             self._step.append((int(key), int(s), tuple(where)))
         self._waiting = [(int(k), int(s)) for k, s in zip(*waiting, strict=True)]
+
+
+class _Settle:
+    """A closing step's whole pieces rearranged so that no rank's load stays above the mean, busiest rank first:
+    swap its dearest pieces with cheaper ones of similar length on the least loaded ranks (the step keeps its
+    tokens), then move a piece to the least loaded rank with room that stays under the mean, else swap it for
+    the longest waiting piece that fits its place and adds fewer tiles over pad (it waits instead) while that
+    saves the step more than the tokens it leaves out would cost a rank."""
+
+    def __init__(self, packer: WorldStepPacker) -> None:
+        self.packer, self.bins, self.step, self.tile = packer, packer._bins, packer._step, packer.tile
+        bins = self.bins
+        self.level = sum(bins.load) / bins.world
+        self.cost = [_added(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
+        # each rank's whole pieces (indices into the step), by (length, index) and by (-cost, index)
+        self.by_size: list[list[int]] = [[] for _ in range(bins.world)]
+        for i, (_, _, (_, first, c)) in enumerate(self.step):
+            if c == 1:
+                self.by_size[first].append(i)
+        self.by_cost = [sorted(mine, key=self.cost.__getitem__, reverse=True) for mine in self.by_size]
+        for mine in self.by_size:
+            mine.sort(key=self._length)
+
+    def _length(self, i: int) -> int:
+        return self.step[i][1]
+
+    def _add(self, r: int, i: int) -> None:
+        bisect.insort(self.by_size[r], i, key=lambda j: (self.step[j][1], j))
+        bisect.insort(self.by_cost[r], i, key=lambda j: (-self.cost[j], j))
+
+    def _drop(self, r: int, i: int) -> None:
+        self.by_size[r].remove(i)
+        self.by_cost[r].remove(i)
+
+    def run(self) -> None:
+        bins, level, step = self.bins, self.level, self.step
+        waiting = self.packer._waiting
+        sizes = sorted({s for _, s in waiting if s <= bins.local})
+        pool: dict[int, list[int]] = {}
+        for key, s in sorted(waiting, reverse=True):
+            pool.setdefault(s, []).append(key)  # (pop() takes the least key)
+        for h in sorted(range(bins.world), key=lambda r: (-bins.load[r], r)):
+            if bins.load[h] <= level:
+                break
+            for _ in range(EXCHANGE_ROUNDS):
+                if bins.load[h] <= level or not self._exchange(h):
+                    break
+            for i in self.by_cost[h][:SETTLE_PIECES]:
+                if bins.load[h] <= level:
+                    break
+                key, s, (k, _, _) = step[i]
+                added = self.cost[i]
+                moved = bins.move(s, (k, h, 1), level)
+                if moved is not None:
+                    self._drop(h, i)
+                    step[i] = (key, s, moved)
+                    self._add(moved[1], i)
+                    continue
+                at = bisect.bisect_right(sizes, s + bins.room[h][k])
+                w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
+                          and _added(sizes[j], self.tile) < added), 0)  # fmt: skip
+                gain = added - _added(w, self.tile) if w else 0.0
+                over = bins.load[h] - level
+                if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / self.tile) / bins.world:
+                    bins.take_back(s, (k, h, 1))
+                    bins.restore(w, (k, h, 1))
+                    self._drop(h, i)
+                    wkey = pool[w].pop()
+                    step[i] = (wkey, w, (k, h, 1))
+                    self.cost[i] = _added(w, self.tile)
+                    self._add(h, i)
+                    waiting.remove((wkey, w))
+                    waiting.append((key, s))
+
+    def _exchange(self, h: int) -> bool:
+        """Swap a piece of rank ``h`` for a cheaper one of similar length on a rank under the mean, the pair that
+        leaves the busier of the two least loaded; False where none lowers ``h``."""
+        bins, step, cost = self.bins, self.step, self.cost
+        load, room = bins.load, bins.room
+        mine = self.by_cost[h][:EXCHANGE_PIECES]
+        lows = sorted((r for r in range(bins.world) if load[r] < self.level), key=lambda r: (load[r], r))
+        lh = load[h]
+        best, best_i, best_j = lh, -1, -1
+        for q in lows[:EXCHANGE_RANKS]:
+            theirs, lq, widest, room_q = self.by_size[q], load[q], bins.best_room[q], room[q]
+            for i in mine:
+                s, k, dear = step[i][1], step[i][2][0], cost[i]
+                at = bisect.bisect_left(theirs, s, key=self._length)
+                lo = max(bisect.bisect_left(theirs, s - widest, key=self._length), at - EXCHANGE_NEAR)
+                hi = min(bisect.bisect_right(theirs, s + room[h][k], key=self._length), at + EXCHANGE_NEAR)
+                for j in theirs[lo:hi]:
+                    u = step[j][1]
+                    gain = dear - cost[j]
+                    if gain <= 0:
+                        continue
+                    after = lh - gain if lh - gain > lq + gain else lq + gain
+                    if after < best and s <= u + room_q[step[j][2][0]]:
+                        best, best_i, best_j = after, i, j
+        if best_i < 0:
+            return False
+        i, j = best_i, best_j
+        (key, s, (k, _, _)), (ukey, u, (ku, q, _)) = step[i], step[j]
+        self._drop(h, i)
+        self._drop(q, j)
+        bins.take_back(s, (k, h, 1))
+        bins.take_back(u, (ku, q, 1))
+        bins.restore(u, (k, h, 1))
+        bins.restore(s, (ku, q, 1))
+        step[i], step[j] = (key, s, (ku, q, 1)), (ukey, u, (k, h, 1))
+        self._add(h, j)
+        self._add(q, i)
+        return True

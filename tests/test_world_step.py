@@ -1,0 +1,141 @@
+"""The world step deal (StepBins, WorldStepPacker) against brute force: every piece dealt once, cells within their
+tokens, spread pieces on consecutive ranks of one node, loads equal to the varlen tiles counted from the layout,
+and a resumed packer dealing what the uninterrupted one deals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpdata.layout.tiles import varlen_live_tiles
+from cpdata.layout.world_step import StepBins, owned_runs
+from cpdata.packing.world_steps import WorldStepPacker
+
+WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
+
+
+def _lengths(seed: int, n: int) -> np.ndarray:
+    """Mostly short documents (some near a tile, some tiny), a few spread over 2..WORLD ranks."""
+    rng = np.random.default_rng(seed)
+    short = rng.integers(1, 300, size=n)
+    long = rng.integers(LOCAL + 1, WORLD * LOCAL, size=n)
+    return np.where(rng.random(n) < 0.06, long, short).astype(np.int64)
+
+
+def _rows(starts: np.ndarray, lengths: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """int64 ``[WORLD, LOCAL]``: each rank's global positions, its runs in global order."""
+    return np.stack([np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, owners, strict=True)
+                                     if o == r]) for r in range(WORLD)])  # fmt: skip
+
+
+def _pack_tiles(slot_lens: np.ndarray, owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A pack's ``(tiles, tokens)`` per rank, counted from its layout alone (pad: a diagonal tile per ``TILE``)."""
+    starts, lengths, who = owned_runs(slot_lens, owners, WORLD * LOCAL, WORLD)
+    rows = _rows(starts, lengths, who)
+    real = int(slot_lens.sum())
+    tiles = varlen_live_tiles(rows, slot_lens, WORLD * LOCAL, TILE, pad_free=True)
+    pad = (rows >= real).sum(axis=1)
+    return tiles, LOCAL - pad
+
+
+def _deal(lengths: np.ndarray) -> tuple[StepBins, list[tuple[int, tuple[int, int, int]]]]:
+    bins = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
+    bins.set_density(lengths.tolist())
+    placed = []
+    for s in sorted(lengths.tolist(), reverse=True):
+        where = bins.place(s)
+        if where is not None:
+            placed.append((s, where))
+    return bins, placed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loads_are_the_layouts_varlen_tiles(seed: int) -> None:
+    lengths = _lengths(seed, 60)
+    bins, placed = _deal(lengths)
+    assert any(c > 1 for _, (_, _, c) in placed) and any(c == 1 for _, (_, _, c) in placed)  # both kinds dealt
+    tiles, tokens = np.zeros(WORLD), np.zeros(WORLD, dtype=np.int64)
+    for k in range(PACKS):
+        mine = [(s, first, c) for s, (kk, first, c) in placed if kk == k]
+        if not mine:
+            continue
+        for s, first, c in mine:
+            if c > 1:
+                assert c == -(-s // LOCAL)  # the fewest ranks
+                node = first // NODE
+                assert (first + c - 1) // NODE == node if c <= NODE else first % NODE == 0
+        t, n = _pack_tiles(np.array([m[0] for m in mine]), np.array([m[1:] for m in mine]))
+        assert (n <= LOCAL).all()
+        tiles += t
+        tokens += n
+    np.testing.assert_allclose(np.array(bins.load), tiles - PACKS * LOCAL / TILE, rtol=0, atol=1e-9)
+    assert bins.free_tokens == PACKS * WORLD * LOCAL - tokens.sum()
+    assert bins.free == (PACKS * LOCAL - tokens).tolist()
+
+
+def test_restore_rebuilds_the_state() -> None:
+    lengths = _lengths(3, 60)
+    bins, placed = _deal(lengths)
+    again = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
+    for s, where in placed:
+        again.restore(s, where)
+    again.set_density(lengths.tolist())
+    bins.set_density(lengths.tolist())
+    for name in ("room", "free", "best_room", "load", "placed"):
+        assert getattr(again, name) == getattr(bins, name), name
+    assert again.target() == bins.target()
+    more = _lengths(4, 30).tolist()
+    assert [bins.place(s) for s in more] == [again.place(s) for s in more]
+
+
+def _windows(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    lengths = _lengths(seed, 240)
+    return [(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+
+
+def _run(windows, packer: WorldStepPacker, start: int = 0) -> list[tuple]:
+    out = []
+    for keys, slots in windows[start:]:
+        out.append(packer.place(keys, slots))
+    out.append(packer.finish())
+    return [_listed(p) for p in out]
+
+
+def _listed(p) -> tuple:
+    return p.keys.tolist(), p.sizes.tolist(), [] if p.owners is None else p.owners.tolist()
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_packer_deals_every_piece_once_in_valid_packs(seed: int) -> None:
+    windows = _windows(seed)
+    lengths = np.concatenate([s for _, s in windows])
+    out = _run(windows, WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))
+    keys = [k for ks, _, _ in out for k in ks]
+    assert sorted(keys) == list(range(len(lengths)))
+    packs = 0
+    for ks, sizes, owners in out:
+        at = 0
+        for n in sizes:
+            slot_lens = lengths[ks[at:at + n]]
+            _, tokens = _pack_tiles(slot_lens, np.array(owners[at:at + n]).reshape(-1, 2))  # raises if over
+            assert (tokens <= LOCAL).all() and tokens.sum() == slot_lens.sum()
+            at += n
+            packs += 1
+    assert packs >= 2 * PACKS  # more than one step closed
+    assert out == _run(windows, WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))  # deterministic
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_resume_deals_what_the_uninterrupted_run_deals(cut: int) -> None:
+    windows = _windows(7)
+    whole = _run(windows, WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))
+    first = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+    head = [first.place(k, s) for k, s in windows[:cut]]
+    offsets, keys, slots = first.carry_columns()
+    assert offsets[1] > 0  # the open step holds placed pieces
+    bins = [(keys[offsets[i]:offsets[i + 1]].tolist(), slots[offsets[i]:offsets[i + 1]].tolist()) for i in (0, 1)]
+    resumed = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+    resumed.load_carry(bins, first.carry_owners())
+    tail = _run(windows, resumed, cut)
+    head = [_listed(p) for p in head]
+    assert head + tail == whole
