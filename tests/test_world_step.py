@@ -139,3 +139,26 @@ def test_resume_deals_what_the_uninterrupted_run_deals(cut: int) -> None:
     tail = _run(windows, resumed, cut)
     head = [_listed(p) for p in head]
     assert head + tail == whole
+
+
+def test_pieces_longer_than_a_rank_set_the_level_when_nothing_shorter_is_to_come():
+    """With only pieces spread over every rank to come, the level is theirs: a second one joins the step
+    (its whole-piece density would be none, every later piece left to wait and micro-batches left empty)."""
+    bins = StepBins(2, 4, 128, 2)
+    bins.set_density([512, 512, 512])
+    assert bins.place(512) == (0, 0, 4) and bins.place(512) == (1, 0, 4)
+
+
+def test_no_micro_batch_is_left_empty_in_a_stream_of_pieces_as_long_as_the_micro_batch():
+    """Documents cut into pieces of a whole micro-batch (and their remainders): every step's micro-batches hold
+    tokens, and the pad stays below what one micro-batch a step of pad would be."""
+    rng = np.random.default_rng(3)
+    lengths = np.minimum(rng.integers(100, 6 * 2048, size=120), 2048)  # 4 ranks x 512: cut at the pack
+    packer = WorldStepPacker(2048, 4, 2, 4)
+    keys = np.arange(lengths.shape[0], dtype=np.int64)
+    done = [packer.place(keys[i : i + 30], lengths[i : i + 30]) for i in range(0, keys.shape[0], 30)]
+    done.append(packer.finish())
+    sizes = np.concatenate([d.sizes for d in done])
+    tokens = np.add.reduceat(lengths[np.concatenate([d.keys for d in done])], np.cumsum(sizes) - sizes)
+    assert sizes.min() > 0 and sizes.sum() == lengths.shape[0]
+    assert tokens.sum() / (sizes.shape[0] * 2048) > 1 - 1 / 4

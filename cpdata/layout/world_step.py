@@ -76,6 +76,12 @@ def _over_pad(s: int, tile: int) -> float:
     return alone_tiles(s, tile) - s / tile
 
 
+def _thd_need(s: int, c: int) -> list[int]:
+    """Tokens each of ``c`` ranks holds of a piece of ``s`` in TE THD's ``2c`` chunks."""
+    chunk = thd_chunks(s, c)
+    return [chunk[j] + chunk[2 * c - 1 - j] for j in range(c)]
+
+
 def _segment(q: int, k: int, tile: int) -> int:
     """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
     d = k - q
@@ -125,7 +131,11 @@ class StepBins:
         them (the stream goes on)."""
         whole = [s for s in pieces if s <= self.local]
         added, tokens = sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)
-        self._coming = [added, tokens, added / tokens if tokens else self.density]
+        if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
+            spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) - s / self.tile for s in pieces)
+            self._coming = [0.0, 0, spread / sum(pieces)]
+        else:
+            self._coming = [added, tokens, added / tokens if tokens else self.density]
         self._reproject()
 
     def _reproject(self) -> None:
@@ -205,6 +215,27 @@ class StepBins:
         self._take(r, k, s, added)
         return k, r, 1
 
+    def open_empty(self, s: int) -> Placement | None:
+        """Place a piece of ``s`` tokens, past the level, into the first micro-batch no rank holds anything of:
+        whole on the least loaded rank, or spread over the window of ranks whose busiest load after it is least;
+        None when every micro-batch holds something (a step leaves none empty while pieces wait)."""
+        empty = [k for k in range(self.packs) if all(room[k] == self.local for room in self.room)]
+        if not empty:
+            return None
+        k, c = empty[0], -(-s // self.local)
+        if c == 1:
+            r = self._by_load.ranks[0]
+            self._take(r, k, s, alone_tiles(s, self.tile) - s / self.tile)
+            return k, r, 1
+        if c > self.world:
+            return None
+        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), _thd_need(s, c), strict=True)]
+        starts = range(0, self.world - c + 1, self.node_size) if c > self.node_size else [
+            a for a in range(self.world - c + 1) if a // self.node_size == (a + c - 1) // self.node_size]  # fmt: skip
+        a = min(starts, key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
+        self._take_spread(s, k, a, c)
+        return k, a, c
+
     def restore(self, s: int, where: Placement) -> None:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
         k, first, c = where
@@ -282,11 +313,14 @@ class StepBins:
         else:
             starts = np.array([a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size])
         windows = np.lib.stride_tricks.sliding_window_view
-        fits = (windows(np.array(self.room, dtype=np.int64), c, axis=0)[starts] >= np.array(need)[None, None]).all(2)
+        room = np.array(self.room, dtype=np.int64)  # [world, packs]
+        fits = (windows(room, c, axis=0)[starts] >= np.array(need)[None, None]).all(2)  # [starts, packs]
         score = (windows(np.array(self.load), c)[starts] + np.array(added)).max(axis=1)  # [starts]
+        if self.placed:  # within the level
+            fits &= (score <= self.target() * (1 + self.slack))[:, None]
         by_pack = np.where(fits, score[:, None], np.inf).T.reshape(-1)  # micro-batch after micro-batch
         best = int(np.argmin(by_pack))  # the least (ties: the first micro-batch, then the lowest rank)
-        if by_pack[best] == np.inf or (self.placed and by_pack[best] > self.target() * (1 + self.slack)):
+        if by_pack[best] == np.inf:
             return None
         k, a = divmod(best, starts.shape[0])
         a = int(starts[a])

@@ -112,7 +112,16 @@ class WorldStepPacker:
 
     def _close(self, keep_empty: bool) -> PackKeys:
         """The open step's packs (keys ascending in each, with their owners), first topped up, settled and topped
-        up again (the module docstring); a fresh step opens."""
+        up again (the module docstring); a fresh step opens. A micro-batch nothing was dealt to first takes the
+        longest waiting piece (past the level: an empty micro-batch would cost every rank a pass for nothing)."""
+        waiting = []
+        for key, s in self._waiting:
+            where = self._bins.open_empty(s)
+            if where is None:
+                waiting.append((key, s))
+            else:
+                self._step.append((key, s, where))
+        self._waiting = waiting
         self._top_up()
         self._settle()
         self._top_up()
