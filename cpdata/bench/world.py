@@ -46,7 +46,7 @@ __all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "TABL
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
-                            "predicted_ms", "solve_ms")  # fmt: skip
+                            "fill", "predicted_ms", "solve_ms")  # fmt: skip
 RATIOS: tuple[str, ...] = ("tiles", "recv_keys", "inter_keys", "step_tiles", "step_recv_keys", "step_inter_keys")
 """The columns each cpdata row also gives over Megatron's (``<column>_vs_megatron``)."""
 TABLE: tuple[str, ...] = (*COLUMNS, *(f"{c}_vs_megatron" for c in RATIOS))
@@ -173,7 +173,7 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
         "recv_keys": int(recv.max(axis=1).sum()), "inter_keys": int(inter.max(axis=1).sum()),
         "step_tiles": int(step), "step_over_mean": step / mean if mean else 1.0,
         "step_recv_keys": int(recv.sum(axis=0).max()), "step_inter_keys": int(inter.sum(axis=0).max()),
-        "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
+        "fill": 1.0, "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
     }  # fmt: skip
 
 
@@ -190,12 +190,14 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS) -> list[dict]:
                 (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
             ):  # fmt: skip
                 mine = _row(name, world, per_rank, system, cost, *mbs)
+                mine["fill"] = float(sum(int(lens.sum()) for lens in docs)) / (len(docs) * world * per_rank)
                 theirs = megatron_micro_batches(np.concatenate(docs).tolist(), world, per_rank, NODE_SIZE)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
                     continue
                 other = _row(name, world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
+                other["fill"] = 1.0  # (a GPU holds its sub-samples' tokens: no positions left as pad)
                 for column in RATIOS:
                     mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
                         1.0 if mine[column] == 0 else float(mine[column]))  # fmt: skip
