@@ -85,3 +85,16 @@ def test_digests_of_a_block_equal_each_plans_alone():
         reference_digest(g, "identity", 1) for g in groups
     ]
     assert [plan_digest(p, "thd", 4) for p in plans] == [reference_digest([p], "thd", 4) for p in plans]
+
+
+def test_a_world_steps_owners_are_digested():
+    """The same slots dealt to other ranks by a world step are another layout: CP ranks must not agree on it."""
+    ids = IDS[:3]
+    owners = np.array([[0, 1], [1, 1], [0, 2]], dtype=np.int64)
+    moved = owners.copy()
+    moved[0, 0] = 1
+    digests = {plan_digest(_plan(ids), "world:2", 4), plan_digest(_plan(ids, owners=owners), "world:2", 4),
+               plan_digest(_plan(ids, owners=moved), "world:2", 4)}  # fmt: skip
+    assert len(digests) == 3
+    assert plan_digest(_plan(ids, owners=owners), "world:2", 4) == plan_digest(_plan(ids, owners=owners.copy()),
+                                                                               "world:2", 4)  # fmt: skip
