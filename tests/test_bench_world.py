@@ -133,3 +133,17 @@ def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
     assert met["world step tiles"] == (True, "max 0.984 x Megatron's (sft 16x8K), max 1.010 x the mean rank's")
     rows[3]["step_over_mean"] = 1.031  # over 1.03 x the mean rank alone misses
     assert not next(t for t in evaluate_targets({"world": rows}) if t["target"] == "world step tiles")["met"]
+
+
+def test_the_seed_draws_other_lengths_for_the_world_section(monkeypatch):
+    from cpdata.bench.runner import run_bench
+
+    monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
+    one, two = (run_bench(["world"], quick=True, seed=s, log=lambda _: None) for s in (1, 2))
+    assert (one["seed"], two["seed"]) == (1, 2)
+    assert [r["tiles"] for r in one["world"]] != [r["tiles"] for r in two["world"]]
+    default = run_bench(["world"], quick=True, log=lambda _: None)  # seed 1
+    assert [(r["tiles"], r["step_tiles"]) for r in default["world"]] == [(r["tiles"], r["step_tiles"])
+                                                                         for r in one["world"]]  # fmt: skip
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        run_bench(["world"], quick=True, seed=-1, log=lambda _: None)

@@ -1,6 +1,6 @@
 """``cpdata bench``: measure cpdata against the anchors, side by side, in one run.
 
-    cpdata bench [--quick] [--runs N] [--sections a,b] [--calibration PATH] [--json PATH] [--markdown [PATH]]
+    cpdata bench [--quick] [--runs N] [--sections a,b] [--calibration PATH] [--seed N] [--json PATH] [--markdown [PATH]]
     cpdata bench --from-json PATH --markdown       # render a saved run, measure nothing
 """
 
@@ -30,7 +30,7 @@ def _main(args: argparse.Namespace) -> int:
         except (OSError, TypeError, ValueError) as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
-        results = run_bench(sections, quick=args.quick, runs=args.runs, cost=cost)
+        results = run_bench(sections, quick=args.quick, runs=args.runs, cost=cost, seed=args.seed)
         if args.json:
             write_json(results, args.json)
     if args.markdown is not None:
@@ -63,6 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sections", metavar="A,B", help=f"subset to run, from {','.join(SECTIONS)}")
     p.add_argument("--calibration", metavar="PATH",
                    help="a cost file (make gpu-check's calibration.json) for the world deal and its predicted ms")
+    p.add_argument("--seed", metavar="N", type=int, default=1,
+                   help="the seed the world section draws its documents' lengths with (default 1)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
                    help="also render the benchmark tables (docs/benchmarks.md) as markdown (to PATH, or stdout)")

@@ -48,11 +48,11 @@ def sample(name: str, n: int, seed: int = 0) -> np.ndarray:
     return sample_lengths(name, n, seed)
 
 
-def first_packs(name: str, capacity: int, layout: str, cp_size: int, n: int) -> list[np.ndarray]:
+def first_packs(name: str, capacity: int, layout: str, cp_size: int, n: int, seed: int = 1) -> list[np.ndarray]:
     """Slot lengths (int64 ``[slots]`` each) of the first ``n`` packs ``plan_lengths`` makes of ``name``
     (overlong documents split), from about 1.2 packs' worth of documents per pack."""
     probe = sample(name, 1000, 0)
-    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, 1)
+    lengths = sample(name, int(n * capacity / max(probe.mean(), 1) * 1.2) + 16, seed)
     result = plan_lengths(lengths, capacity=capacity, layout=layout, cp_size=cp_size, overflow="split")
     off, slot = np.asarray(result.pack_offsets), np.asarray(result.slot_len)
     return [slot[off[p] : off[p + 1]] for p in range(min(n, off.size - 1))]

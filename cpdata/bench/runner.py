@@ -89,16 +89,18 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
 
 
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
-              cost: WorldCost | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+              cost: WorldCost | None = None, seed: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
     ``log``). ``cost``: a calibration (:meth:`~cpdata.layout.world_deal.WorldCost.from_json`), passed to the
-    sections whose ``OPTIONS`` name it (``world``); None: the published defaults.
+    sections whose ``OPTIONS`` name it (``world``); None: the published defaults. ``seed``: the lengths the
+    ``world`` section draws (its ``OPTIONS``; the others keep their own).
 
     The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
-    options = {} if cost is None else {"cost": cost}
+    check_int("seed", seed, min=0)
+    options: dict[str, Any] = {"seed": seed} if cost is None else {"cost": cost, "seed": seed}
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
@@ -107,6 +109,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         "machine": machine,
         "default_algorithm": DEFAULT_ALGORITHM,
         "calibration": None if cost is None else cost.source,
+        "seed": seed,
         "sections": list(sections or SECTIONS),
         "seconds": {},
         "methods": {},

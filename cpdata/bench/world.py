@@ -58,8 +58,9 @@ PER_PACK, STEP, MEGATRON = "cpdata world", "cpdata world step", "megatron Balanc
 """System names: each pack dealt by itself; ``PACKS`` packs dealt as one step (``StreamPlan(world_step=PACKS)``);
 Megatron's scheduler on each one's documents."""
 PACKS, QUICK_PACKS = 8, 2
-OPTIONS: tuple[str, ...] = ("cost",)
-"""``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`."""
+OPTIONS: tuple[str, ...] = ("cost", "seed")
+"""``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`, ``--seed N``
+the seed the documents' lengths are drawn with."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,14 +123,15 @@ def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
     return [_costs(table, lens) for table, lens in zip(tables, packs, strict=True)], seconds
 
 
-def step_packs(name: str, world: int, per_rank: int, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:
+def step_packs(name: str, world: int, per_rank: int, n: int, seed: int = 1
+               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:  # fmt: skip
     """The first world step of ``n`` packs the world step packer (``StreamPlan(world_step=n)``) makes of ``name``:
     per pack its slot lengths and owners (int64 ``[D]``, ``[D, 2]``), and the packer's CPU seconds for ``n``
     packs (a window that closes more packs than that counted in proportion)."""
     config = PackingConfig.resolve(capacity=world * per_rank, layout=layout_spec("world", node_size=NODE_SIZE),
                                    cp_size=world, overflow="split", world_step=n)  # fmt: skip
     probe = sample(name, 1000, 0)
-    lengths = sample(name, int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16, 1)
+    lengths = sample(name, int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16, seed)
     planner, slot, packs, lo, seconds = StreamPlanner(config), {}, [], 0, 0.0
     gc.collect()
     for hi in window_ends(lengths, config):
@@ -177,14 +179,15 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
     }  # fmt: skip
 
 
-def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS) -> list[dict]:
-    """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems."""
+def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1) -> list[dict]:
+    """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems; ``seed``
+    draws the documents' lengths (stdlib's are its files)."""
     names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
     rows, skipped = [], None
     for name in names:
         for world, per_rank in WORLDS:
-            packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n)
-            steps, seconds = step_packs(name, world, per_rank, n)
+            packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
+            steps, seconds = step_packs(name, world, per_rank, n, seed)
             for system, mbs, docs in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), packs),
                 (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
