@@ -42,7 +42,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
 
-__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
+__all__ = ["LEVEL", "SLACK", "StepBins", "over_pad", "owned_runs", "thd_tiles"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -71,7 +71,7 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _over_pad(s: int, tile: int) -> float:
+def over_pad(s: int, tile: int) -> float:
     """Tiles a whole piece of ``s`` tokens adds over the pad it replaces."""
     return alone_tiles(s, tile) - s / tile
 
@@ -130,7 +130,7 @@ class StepBins:
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
         whole = [s for s in pieces if s <= self.local]
-        added, tokens = sum(alone_tiles(s, self.tile) - s / self.tile for s in whole), sum(whole)
+        added, tokens = sum(over_pad(s, self.tile) for s in whole), sum(whole)
         if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
             spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) - s / self.tile for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
@@ -169,7 +169,7 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = _over_pad(s, self.tile)
+        added = over_pad(s, self.tile)
         self._seen(s, added)
         best_room = self.best_room
         excess = added - s * self.density
@@ -207,7 +207,7 @@ class StepBins:
         step nothing and saves pad): the least loaded rank with room; None where none can."""
         if s > self.local:
             return None
-        added = alone_tiles(s, self.tile) - s / self.tile
+        added = over_pad(s, self.tile)
         r = self._lightest(s, self._by_load.values[-1] - added, -1)
         if r < 0:
             return None
@@ -225,14 +225,12 @@ class StepBins:
         k, c = empty[0], -(-s // self.local)
         if c == 1:
             r = self._by_load.ranks[0]
-            self._take(r, k, s, alone_tiles(s, self.tile) - s / self.tile)
+            self._take(r, k, s, over_pad(s, self.tile))
             return k, r, 1
         if c > self.world:
             return None
         added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), _thd_need(s, c), strict=True)]
-        starts = range(0, self.world - c + 1, self.node_size) if c > self.node_size else [
-            a for a in range(self.world - c + 1) if a // self.node_size == (a + c - 1) // self.node_size]  # fmt: skip
-        a = min(starts, key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
+        a = min(self._windows(c), key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
         self._take_spread(s, k, a, c)
         return k, a, c
 
@@ -240,14 +238,14 @@ class StepBins:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
         k, first, c = where
         if c == 1:
-            self._take(first, k, s, alone_tiles(s, self.tile) - s / self.tile)
+            self._take(first, k, s, over_pad(s, self.tile))
         else:
             self._take_spread(s, k, first, c)
 
     def move(self, s: int, where: Placement, level: float) -> Placement | None:
         """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
         keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
-        added = alone_tiles(s, self.tile) - s / self.tile
+        added = over_pad(s, self.tile)
         r = self._lightest(s, level - added, where[1])
         if r < 0:
             return None
@@ -271,7 +269,7 @@ class StepBins:
         k, r, c = where
         if c != 1 or not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] + s > self.local:
             raise ValueError(f"no whole piece of {s} tokens can leave {where} of this step")
-        self._take(r, k, -s, -(alone_tiles(s, self.tile) - s / self.tile))
+        self._take(r, k, -s, -over_pad(s, self.tile))
 
     def _take(self, r: int, k: int, s: int, added: float) -> None:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
@@ -292,26 +290,27 @@ class StepBins:
         self._projected.insert(load[r] + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
-        for j in range(c):
-            n = chunk[j] + chunk[2 * c - 1 - j]
-            self._take(first + j, k, n, tiles[j] - n / self.tile)
+        for j, (n, tiles) in enumerate(zip(_thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
+            self._take(first + j, k, n, tiles - n / self.tile)
+
+    def _windows(self, c: int) -> list[int]:
+        """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when
+        it fits one, else from a node's first rank (whole nodes first)."""
+        if c > self.node_size:
+            return list(range(0, self.world - c + 1, self.node_size))
+        return [a for a in range(self.world - c + 1) if a // self.node_size == (a + c - 1) // self.node_size]
 
     def _spread(self, s: int) -> Placement | None:
         """A piece longer than a rank's tokens: the micro-batch and window of ranks with room whose busiest
         projected load after it is least."""
-        world, node_size, c = self.world, self.node_size, -(-s // self.local)
-        if c > world:
+        c = -(-s // self.local)
+        if c > self.world:
             return None
-        chunk, tiles = thd_chunks(s, c), thd_tiles(s, c, self.tile)
-        need = [chunk[j] + chunk[2 * c - 1 - j] for j in range(c)]
-        added = [tiles[j] - need[j] / self.tile for j in range(c)]
+        need = _thd_need(s, c)
+        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), need, strict=True)]
         if s > self.free_tokens:
             return None
-        if c > node_size:  # whole nodes first
-            starts = np.arange(0, world - c + 1, node_size)
-        else:
-            starts = np.array([a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size])
+        starts = np.array(self._windows(c), dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view
         room = np.array(self.room, dtype=np.int64)  # [world, packs]
         fits = (windows(room, c, axis=0)[starts] >= np.array(need)[None, None]).all(2)  # [starts, packs]
@@ -356,7 +355,7 @@ class _Ranked:
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """The runs of a pack dealt by :func:`deal_step`: ``(starts, lengths, owners)`` int64 ``[R]`` sorted by
+    """The runs of a pack a world step dealt (:class:`StepBins`, :attr:`PackPlan.owners`): ``(starts, lengths, owners)`` int64 ``[R]`` sorted by
     global start, tiling ``[0, pack_len)``, every rank ``pack_len / world`` positions (its pad last).
 
     ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the

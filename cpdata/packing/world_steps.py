@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cpdata.layout.world_deal import alone_tiles
-from cpdata.layout.world_step import Placement, StepBins
+from cpdata.layout.world_step import Placement, StepBins, over_pad
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
@@ -55,10 +54,6 @@ def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out = sorted(pieces, key=operator.itemgetter(0))
     out.sort(key=operator.itemgetter(1), reverse=True)
     return out
-
-
-def _added(s: int, tile: int) -> float:
-    return alone_tiles(s, tile) - s / tile
 
 
 class WorldStepPacker:
@@ -114,14 +109,7 @@ class WorldStepPacker:
         """The open step's packs (keys ascending in each, with their owners), first topped up, settled and topped
         up again (the module docstring); a fresh step opens. A micro-batch nothing was dealt to first takes the
         longest waiting piece (past the level: an empty micro-batch would cost every rank a pass for nothing)."""
-        waiting = []
-        for key, s in self._waiting:
-            where = self._bins.open_empty(s)
-            if where is None:
-                waiting.append((key, s))
-            else:
-                self._step.append((key, s, where))
-        self._waiting = waiting
+        self._waiting = self._offer(self._waiting, self._bins.open_empty)
         self._top_up()
         self._settle()
         self._top_up()
@@ -135,14 +123,19 @@ class WorldStepPacker:
                         owners=flat[:, 1:].copy())  # fmt: skip
 
     def _top_up(self) -> None:
+        self._waiting = self._offer(self._waiting, self._bins.top_up)
+
+    def _offer(self, pieces: Sequence[tuple[int, int]], place: Callable[[int], Placement | None]
+               ) -> list[tuple[int, int]]:  # fmt: skip
+        """Offer ``pieces`` to ``place``: the ones it places join the step; the others, in order, are returned."""
         waiting = []
-        for key, s in self._waiting:
-            where = self._bins.top_up(s)
+        for key, s in pieces:
+            where = place(s)
             if where is None:
                 waiting.append((key, s))
             else:
                 self._step.append((key, s, where))
-        self._waiting = waiting
+        return waiting
 
     def _settle(self) -> None:
         """Bring every rank above the mean load down to it with the loads now exact (:class:`_Settle`)."""
@@ -185,7 +178,7 @@ class _Settle:
         self.packer, self.bins, self.step, self.tile = packer, packer._bins, packer._step, packer.tile
         bins = self.bins
         self.level = sum(bins.load) / bins.world
-        self.cost = [_added(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
+        self.cost = [over_pad(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
         # each rank's whole pieces (indices into the step), by (length, index) and by (-cost, index)
         self.by_size: list[list[int]] = [[] for _ in range(bins.world)]
         for i, (_, _, (_, first, c)) in enumerate(self.step):
@@ -232,8 +225,8 @@ class _Settle:
                     continue
                 at = bisect.bisect_right(sizes, s + bins.room[h][k])
                 w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
-                          and _added(sizes[j], self.tile) < added), 0)  # fmt: skip
-                gain = added - _added(w, self.tile) if w else 0.0
+                          and over_pad(sizes[j], self.tile) < added), 0)  # fmt: skip
+                gain = added - over_pad(w, self.tile) if w else 0.0
                 over = bins.load[h] - level
                 if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / self.tile) / bins.world:
                     bins.take_back(s, (k, h, 1))
@@ -241,7 +234,7 @@ class _Settle:
                     self._drop(h, i)
                     wkey = pool[w].pop()
                     step[i] = (wkey, w, (k, h, 1))
-                    self.cost[i] = _added(w, self.tile)
+                    self.cost[i] = over_pad(w, self.tile)
                     self._add(h, i)
                     waiting.remove((wkey, w))
                     waiting.append((key, s))
