@@ -24,13 +24,27 @@ import itertools
 
 import numpy as np
 
-__all__ = ["WorldBins", "alone_tiles", "grid_tiles", "plan_runs", "thd_chunks"]
+__all__ = ["WorldBins", "alone_tiles", "grid_tiles", "plan_runs", "thd_chunks", "thd_need", "thd_runs"]
 
 
 def thd_chunks(s: int, c: int) -> list[int]:
     """``2c`` near-equal chunk lengths of ``s`` (the longer ones first)."""
     q, r = divmod(s, 2 * c)
     return [q + 1] * r + [q] * (2 * c - r)
+
+
+def thd_need(s: int, c: int) -> list[int]:
+    """Tokens each of ``c`` ranks holds of ``s`` in :func:`thd_chunks` (rank ``i``: chunks ``i`` and ``2c - 1 - i``)."""
+    chunk = thd_chunks(s, c)
+    return [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
+
+
+def thd_runs(s: int, c: int) -> list[tuple[int, int, int]]:
+    """``(offset in the document, length, i)`` of every non-empty chunk of :func:`thd_chunks`, rank ``i`` of the
+    ``c`` taking chunks ``i`` then ``2c - 1 - i``, rank after rank."""
+    chunk = thd_chunks(s, c)
+    starts = list(itertools.accumulate(chunk, initial=0))
+    return [(starts[j], chunk[j], i) for i in range(c) for j in (i, 2 * c - 1 - i) if chunk[j]]
 
 
 def alone_tiles(length: int, tile: int) -> int:
@@ -86,8 +100,7 @@ class WorldBins:
         return next((runs for runs in spreads if runs is not None), None)
 
     def _spread(self, s: int, c: int) -> list[tuple[int, int, int]] | None:
-        chunk = thd_chunks(s, c)
-        need = [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
+        need = thd_need(s, c)
         nodes = -(-c // self.node_size)
         fits = [a for a in range(self.world - c + 1)
                 if (a + c - 1) // self.node_size - a // self.node_size < nodes
@@ -101,16 +114,10 @@ class WorldBins:
         """Take a document of ``s`` tokens over the ``c`` ``ranks`` in TE THD's ``2c`` chunks (the ``i``-th rank:
         chunks ``i`` and ``2c - 1 - i``, and ``1 / c`` of its tiles); its runs ``(offset, length, rank)``."""
         c = len(ranks)
-        chunk = thd_chunks(s, c)
-        starts = np.cumsum([0, *chunk[:-1]]).tolist()
         share = grid_tiles(s, self.tile) / c
-        runs = []
-        for i, r in enumerate(ranks):
-            for j in (i, 2 * c - 1 - i):
-                if chunk[j]:
-                    runs.append((starts[j], chunk[j], r))
-            self.take(r, chunk[i] + chunk[2 * c - 1 - i], share)
-        return runs
+        for r, n in zip(ranks, thd_need(s, c), strict=True):
+            self.take(r, n, share)
+        return [(offset, n, ranks[i]) for offset, n, i in thd_runs(s, c)]
 
     def least_loaded(self, s: int) -> int:
         """The least loaded rank (ties: the lowest) with room for ``s`` tokens (one exists: ``s <= max_room``).

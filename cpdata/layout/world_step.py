@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_plan import alone_tiles, thd_chunks
+from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
 
 __all__ = ["LEVEL", "SLACK", "StepBins", "over_pad", "owned_runs", "thd_tiles"]
 
@@ -74,12 +74,6 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
 def over_pad(s: int, tile: int) -> float:
     """Tiles a whole piece of ``s`` tokens adds over the pad it replaces."""
     return alone_tiles(s, tile) - s / tile
-
-
-def _thd_need(s: int, c: int) -> list[int]:
-    """Tokens each of ``c`` ranks holds of a piece of ``s`` in TE THD's ``2c`` chunks."""
-    chunk = thd_chunks(s, c)
-    return [chunk[j] + chunk[2 * c - 1 - j] for j in range(c)]
 
 
 def _segment(q: int, k: int, tile: int) -> int:
@@ -229,7 +223,7 @@ class StepBins:
             return k, r, 1
         if c > self.world:
             return None
-        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), _thd_need(s, c), strict=True)]
+        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), thd_need(s, c), strict=True)]
         a = min(self._windows(c), key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
         self._take_spread(s, k, a, c)
         return k, a, c
@@ -290,7 +284,7 @@ class StepBins:
         self._projected.insert(load[r] + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        for j, (n, tiles) in enumerate(zip(_thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
+        for j, (n, tiles) in enumerate(zip(thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
             self._take(first + j, k, n, tiles - n / self.tile)
 
     def _windows(self, c: int) -> list[int]:
@@ -306,7 +300,7 @@ class StepBins:
         c = -(-s // self.local)
         if c > self.world:
             return None
-        need = _thd_need(s, c)
+        need = thd_need(s, c)
         added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), need, strict=True)]
         if s > self.free_tokens:
             return None
@@ -372,14 +366,9 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
         if c == 1:
             runs.append((at, s, first))
             held[first] += s
-        else:
-            chunk = thd_chunks(s, c)
-            offsets = np.cumsum([0, *chunk[:-1]]).tolist()
-            for j in range(2 * c):
-                if chunk[j]:
-                    r = first + min(j, 2 * c - 1 - j)
-                    runs.append((at + offsets[j], chunk[j], r))
-                    held[r] += chunk[j]
+        for offset, n, i in thd_runs(s, c) if c > 1 else ():
+            runs.append((at + offset, n, first + i))
+            held[first + i] += n
         at += s
     if int(held.max(initial=0)) > local or at > pack_len:
         raise ValueError(f"slot owners give a rank {int(held.max())} tokens (slots {at}) in a pack of {pack_len} "
