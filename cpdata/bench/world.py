@@ -175,7 +175,7 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
         "recv_keys": int(recv.max(axis=1).sum()), "inter_keys": int(inter.max(axis=1).sum()),
         "step_tiles": int(step), "step_over_mean": step / mean if mean else 1.0,
         "step_recv_keys": int(recv.sum(axis=0).max()), "step_inter_keys": int(inter.sum(axis=0).max()),
-        "fill": 1.0, "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
+        "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
     }  # fmt: skip
 
 

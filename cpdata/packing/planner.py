@@ -41,11 +41,6 @@ class BinPacker(Protocol):
     def load_carry(self, bins: list[tuple[list[int], list[int]]]) -> None: ...
 
 
-def _owners_of(packer: BinPacker) -> np.ndarray | None:
-    """A world step packer's placements of its open step (:meth:`WorldStepPacker.carry_owners`), else None."""
-    return packer.carry_owners() if isinstance(packer, WorldStepPacker) else None
-
-
 def make_packer(config: PackingConfig) -> BinPacker:
     """The packer for ``config.algorithm`` (``concat`` is next-fit over pack-sized cuts); a world layout's
     ``bfd``/``ffd`` is :class:`~cpdata.packing.decreasing.WorldPacker`."""
@@ -137,9 +132,8 @@ class StreamPlanner:
             "carry_keys": keys,
             "carry_slots": slots,
         }
-        owners = _owners_of(self._packer)
-        if owners is not None:
-            state["carry_owners"] = owners
+        if isinstance(self._packer, WorldStepPacker):  # its open step's placements (a resume restores them)
+            state["carry_owners"] = self._packer.carry_owners()
         return state
 
     def load_state(self, state: dict[str, Any]) -> None:
