@@ -71,6 +71,38 @@ def test_loads_are_the_layouts_varlen_tiles(seed: int) -> None:
     np.testing.assert_allclose(np.array(bins.load), tiles - PACKS * LOCAL / TILE, rtol=0, atol=1e-9)
     assert bins.free_tokens == PACKS * WORLD * LOCAL - tokens.sum()
     assert bins.free == (PACKS * LOCAL - tokens).tolist()
+    _assert_ordered(bins)
+    for s, where in placed[::3]:  # pieces leaving move ranks down the orders
+        if where[2] == 1:
+            bins.take_back(s, where)
+    _assert_ordered(bins)
+
+
+def _assert_ordered(bins: StepBins) -> None:
+    """The ranks the deal keeps sorted by load and by projected load are as a fresh sort orders them (ties: the
+    lower rank)."""
+    projected = [load + free * bins.density for load, free in zip(bins.load, bins.free, strict=True)]
+    for kept, values in ((bins._by_load, bins.load), (bins._projected, projected)):
+        order = sorted(range(WORLD), key=lambda r: (values[r], r))
+        assert kept.ranks == order
+        assert kept.values == [values[r] for r in order]
+
+
+def test_ranks_stay_ordered_through_ties() -> None:
+    """Equal pieces on equal ranks tie their loads at every turn: each placement and removal keeps both orders."""
+    bins = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
+    lengths = [100] * 24 + [60] * 24
+    bins.set_density(lengths)
+    placed = []
+    for s in lengths:
+        where = bins.place(s)
+        _assert_ordered(bins)
+        if where is not None:
+            placed.append((s, where))
+    assert len({bins.load[r] for r in range(WORLD)}) < WORLD  # ties were made
+    for s, where in placed[::2]:
+        bins.take_back(s, where)
+        _assert_ordered(bins)
 
 
 def test_restore_rebuilds_the_state() -> None:

@@ -96,7 +96,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
+                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -107,6 +107,7 @@ class StepBins:
         self.best_room = [local] * world  # per rank: the most room of one micro-batch
         self.load = [0.0] * world
         self.placed = 0  # tokens
+        self._capacity = packs * world * local
         self.density = 0.0
         # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
         self._by_load = _Ranked([0.0] * world)  # loads
@@ -117,7 +118,7 @@ class StepBins:
     @property
     def free_tokens(self) -> int:
         """Tokens of room left in the step."""
-        return self.packs * self.world * self.local - self.placed
+        return self._capacity - self.placed
 
     def set_density(self, pieces: Sequence[int]) -> None:
         """Expect the pieces to come to add tiles per token as ``pieces`` (lengths, in the order :meth:`place`
@@ -143,9 +144,12 @@ class StepBins:
         coming = self._coming
         coming[0] -= added
         coming[1] -= s
-        beyond = max(self.free_tokens - coming[1], 0)
-        if coming[1] + beyond > 0:
-            density = (coming[0] + coming[2] * beyond) / (coming[1] + beyond)
+        left = coming[1]
+        beyond = self._capacity - self.placed - left
+        if beyond < 0:
+            beyond = 0
+        if left + beyond > 0:
+            density = (coming[0] + coming[2] * beyond) / (left + beyond)
             if abs(density - self.density) > DRIFT * self.density:
                 self._reproject()
 
@@ -165,19 +169,18 @@ class StepBins:
             return self._spread(s)
         added = over_pad(s, self.tile)
         self._seen(s, added)
-        best_room = self.best_room
-        excess = added - s * self.density
+        best_room, load, density = self.best_room, self.load, self.density
         best = -1
-        if excess >= 0:
+        if added >= s * density:  # dearer than the pieces to come
             for r in self._by_load.ranks:
                 if best_room[r] >= s:
                     best = r
                     break
-            if best < 0 or (self.placed and self.load[best] + added > self.target() * (1 + self.slack)):
+            if best < 0 or (self.placed and load[best] + added > self.target() * (1 + self.slack)):
                 return None
         else:
-            level = min((self._total + self.free_tokens * self.density) / self.world, self.target()) * (1 + self.slack)
-            load = self.load
+            level = (self._total + (self._capacity - self.placed) * density) / self.world
+            level = min(level, self.target()) * (1 + self.slack)
             for r in reversed(self._projected.ranks):
                 if best_room[r] >= s and load[r] + added <= level:
                     best = r
@@ -270,18 +273,17 @@ class StepBins:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
         load, free, room, tile, density = self.load, self.free, self.room[r], self.tile, self.density
-        self._by_load.remove(load[r], r)
-        self._projected.remove(load[r] + free[r] * density, r)
+        was, projected = load[r], load[r] + free[r] * density
         left = room[k]
         room[k] = left - s
         added += (-((s - left) // tile) - (left - s) / tile) - (-(-left // tile) - left / tile)  # pad: ceil(n / tile)
         free[r] -= s
         self.best_room[r] = max(room)
-        load[r] += added
+        load[r] = now = was + added
         self._total += added
         self.placed += s
-        self._by_load.insert(load[r], r)
-        self._projected.insert(load[r] + free[r] * density, r)
+        self._by_load.update(was, now, r)
+        self._projected.update(projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         for j, (n, tiles) in enumerate(zip(thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
@@ -330,21 +332,25 @@ class _Ranked:
         order = sorted(range(len(values)), key=lambda r: (values[r], r))
         self.values, self.ranks = [values[r] for r in order], order
 
-    def _at(self, value: float, r: int) -> int:
-        i = bisect.bisect_left(self.values, value)
-        while i < len(self.values) and self.values[i] == value and self.ranks[i] < r:
+    def update(self, old: float, new: float, r: int) -> None:
+        """Rank ``r``'s value goes from ``old`` to ``new`` (in place where its order holds: most pieces move it
+        past no other rank)."""
+        values, ranks = self.values, self.ranks
+        i = bisect.bisect_left(values, old)
+        while ranks[i] != r:  # (equal values are in rank order; r's entry is among them)
             i += 1
-        return i
-
-    def insert(self, value: float, r: int) -> None:
-        i = self._at(value, r)
-        self.values.insert(i, value)
-        self.ranks.insert(i, r)
-
-    def remove(self, value: float, r: int) -> None:
-        i = self._at(value, r)
-        del self.values[i]
-        del self.ranks[i]
+        last = len(values) - 1
+        if (i == 0 or values[i - 1] < new or (values[i - 1] == new and ranks[i - 1] < r)) and (
+                i == last or new < values[i + 1] or (new == values[i + 1] and r < ranks[i + 1])):  # fmt: skip
+            values[i] = new
+            return
+        del values[i]
+        del ranks[i]
+        i = bisect.bisect_left(values, new)
+        while i < last and values[i] == new and ranks[i] < r:
+            i += 1
+        values.insert(i, new)
+        ranks.insert(i, r)
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int

@@ -113,14 +113,13 @@ class WorldStepPacker:
         self._top_up()
         self._settle()
         self._top_up()
-        by_pack: list[list[tuple[int, int, int]]] = [[] for _ in range(self.packs)]
-        for key, _, (k, first, c) in self._step:
-            by_pack[k].append((key, first, c))
-        packs = [sorted(p) for p in by_pack if p or keep_empty]
+        keys = np.fromiter((key for key, _, _ in self._step), dtype=np.int64, count=len(self._step))
+        where = np.array([where for _, _, where in self._step], dtype=np.int64).reshape(-1, 3)
+        order = np.lexsort((keys, where[:, 0]))  # micro-batch after micro-batch, keys ascending in each
+        sizes = np.bincount(where[:, 0], minlength=self.packs)
         self._step, self._bins = [], self._new_step()
-        flat = np.array([row for p in packs for row in p], dtype=np.int64).reshape(-1, 3)
-        return PackKeys(keys=flat[:, 0].copy(), sizes=np.array([len(p) for p in packs], dtype=np.int64),
-                        owners=flat[:, 1:].copy())  # fmt: skip
+        return PackKeys(keys=keys[order], sizes=sizes if keep_empty else sizes[sizes > 0],
+                        owners=where[order, 1:])  # fmt: skip
 
     def _top_up(self) -> None:
         self._waiting = self._offer(self._waiting, self._bins.top_up)
@@ -179,6 +178,8 @@ class _Settle:
         bins = self.bins
         self.level = sum(bins.load) / bins.world
         self.cost = [over_pad(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
+        self.length = [s for _, s, _ in self.step]  # (kept as the step's pieces change)
+        self._length = self.length.__getitem__
         # each rank's whole pieces (indices into the step), by (length, index) and by (-cost, index)
         self.by_size: list[list[int]] = [[] for _ in range(bins.world)]
         for i, (_, _, (_, first, c)) in enumerate(self.step):
@@ -188,11 +189,8 @@ class _Settle:
         for mine in self.by_size:
             mine.sort(key=self._length)
 
-    def _length(self, i: int) -> int:
-        return self.step[i][1]
-
     def _add(self, r: int, i: int) -> None:
-        bisect.insort(self.by_size[r], i, key=lambda j: (self.step[j][1], j))
+        bisect.insort(self.by_size[r], i, key=lambda j: (self.length[j], j))
         bisect.insort(self.by_cost[r], i, key=lambda j: (-self.cost[j], j))
 
     def _drop(self, r: int, i: int) -> None:
@@ -234,6 +232,7 @@ class _Settle:
                     self._drop(h, i)
                     wkey = pool[w].pop()
                     step[i] = (wkey, w, (k, h, 1))
+                    self.length[i] = w
                     self.cost[i] = over_pad(w, self.tile)
                     self._add(h, i)
                     waiting.remove((wkey, w))
