@@ -131,6 +131,41 @@ def test_varlen_live_tiles_sum_each_ranks_runs(layout):
         assert one == sum((b * (b + 1)) // 2 for b in -(-whole // tile)) and sum(want) >= one
 
 
+@pytest.mark.parametrize("tile", [32, 128, 512])
+def test_pad_free_counts_the_tiles_of_the_kernels_own_segments(tile):
+    """varlen_live_tiles(pad_free=True) against the segments varlen_plan hands the kernel, each segment's tiles
+    counted by segment_tiles: world step packs (owners from the packer, pad last on each rank) with runs of
+    pad both shorter and longer than PAD_CHUNK, at tiles under, equal to and over it."""
+    from cpdata.bench.world import step_packs
+    from cpdata.layout.world_step import owned_runs
+
+    world, local = 8, 2048
+    packs, _ = step_packs("sft", world, local, 3)
+    pad_runs = []
+    for lens, owners in packs:
+        starts, lengths, ranks = owned_runs(lens, owners, world * local, world)
+        real_end = int(lens.sum())
+        slot_start, slot_end = np.repeat(np.cumsum(lens) - lens, lens), np.repeat(np.cumsum(lens), lens)
+        rows = []
+        for r in range(world):
+            row = np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, ranks, strict=True)
+                                  if o == r])  # fmt: skip
+            rows.append(row)
+            real = row < real_end
+            inside = np.minimum(row, real_end - 1)
+            start = np.where(real, slot_start[inside], real_end)  # pads: a run of their own from the real end
+            end = np.where(real, slot_end[inside], real_end)
+            pad_runs.append(int((~real).sum()))
+            everything = torch.arange(world * local)
+            plan = varlen.varlen_plan(torch.as_tensor(start)[None], torch.as_tensor(row), everything, window=None,
+                                      device=torch.device("cpu"), end=torch.as_tensor(end)[None])  # fmt: skip
+            q_len, k_len = np.diff(plan.cu_seq_q.numpy()), np.diff(plan.cu_seq_k.numpy())
+            paid = int(segment_tiles(q_len, k_len, tile).sum())
+            assert varlen_live_tiles(row[None], lens, world * local, tile, pad_free=True)[0] == paid, (r, tile)
+        assert varlen_live_tiles(np.stack(rows), lens, world * local, tile, pad_free=True).shape == (world,)
+    assert any(0 < n < varlen.PAD_CHUNK for n in pad_runs) and max(pad_runs) > 2 * varlen.PAD_CHUNK
+
+
 def _batches(cp: int, layout: str, exchange: bool, pack_min_docs: int = 3) -> tuple:
     spec = "tiled:64" if layout == "tiled" else layout
     graph = shard_graph(hf_zoo.docs(), GraphOptions(capacity=64 * cp, cp_size=cp, layout=spec,

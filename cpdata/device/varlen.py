@@ -31,7 +31,7 @@ import torch
 
 from cpdata.device.attention_masks import check_window
 from cpdata.layout.runs import segments
-from cpdata.layout.tiles import query_runs
+from cpdata.layout.tiles import PAD_CHUNK, query_runs
 
 __all__ = ["KERNELS", "SDPA", "Kernel", "KeyCopiesError", "VarlenPlan", "check_kernel", "choose_kernel",
            "reference_varlen_attn", "segment_mask", "varlen_attention", "varlen_plan"]
@@ -76,10 +76,6 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def _offsets(lengths: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32).to(device)
-
-
-PAD_CHUNK = 128
-"""Pad queries run as segments of at most this many queries over their own keys: one diagonal tile each."""
 
 
 def varlen_plan(

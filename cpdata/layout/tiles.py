@@ -24,8 +24,12 @@ from cpdata.layout.runs import segments
 if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
 
-__all__ = ["block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
+__all__ = ["PAD_CHUNK", "block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
            "query_runs", "segment_starts", "segment_tiles", "varlen_live_tiles"]
+
+PAD_CHUNK = 128
+"""Pad queries run as segments of at most this many queries over their own keys (:mod:`cpdata.device.varlen`);
+the counters here cut pad runs the same way."""
 
 
 def segment_starts(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,9 +175,9 @@ def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, p
                       pad_free: bool = False) -> np.ndarray:  # fmt: skip
     """int64 ``[cp]``: live tiles each rank's varlen segments pay; ``rows`` int64 ``[cp, L]``
     (:func:`cpdata.layout.maps.rank_indices`; ``arange(pack_len)[None]``: every slot one segment).
-    ``pad_free``: the pack's tail after the slots is pad, each run of it segments of at most ``tile`` queries
-    over their own keys (one diagonal tile each, as :mod:`cpdata.device.varlen` runs them); else the tail
-    counts as one more document."""
+    ``pad_free``: the pack's tail after the slots is pad, each run of it cut into segments of at most
+    :data:`PAD_CHUNK` queries over their own keys (as :mod:`cpdata.device.varlen` runs them: one diagonal tile
+    each at ``tile >= PAD_CHUNK``); else the tail counts as one more document."""
     rows = np.asarray(rows, dtype=np.int64)
     slot, starts = segment_starts(slot_lens, pack_len)
     real_end = int(np.sum(slot_lens))
@@ -182,7 +186,9 @@ def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, p
         if pad_free:
             pad = pos[pos >= real_end]
             runs = np.diff(np.flatnonzero(np.diff(pad, prepend=-2, append=-2) != 1))  # lengths of consecutive runs
-            out[rank] = int((-(-runs // tile)).sum())
+            whole, rest = runs // PAD_CHUNK, runs % PAD_CHUNK
+            pieces = np.concatenate([np.full(int(whole.sum()), PAD_CHUNK), rest[rest > 0]])
+            out[rank] = int(segment_tiles(pieces, pieces, tile).sum())
             pos = pos[pos < real_end]
         start = starts[slot[pos]]
         first, length = query_runs(pos, start)
