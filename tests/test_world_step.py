@@ -55,13 +55,16 @@ def test_loads_are_the_layouts_varlen_tiles(seed: int) -> None:
     bins, placed = _deal(lengths)
     assert any(c > 1 for _, (_, _, c) in placed) and any(c == 1 for _, (_, _, c) in placed)  # both kinds dealt
     tiles, tokens = np.zeros(WORLD), np.zeros(WORLD, dtype=np.int64)
+    for i, (s, (_, _, c)) in enumerate(placed):
+        fewest = -(-s // LOCAL)
+        if c > 1:  # the fewest ranks, or (the step's first piece) up to Megatron's power of two
+            assert c == fewest or (i == 0 and fewest < c <= 1 << (fewest - 1).bit_length()), (i, s, c)
     for k in range(PACKS):
         mine = [(s, first, c) for s, (kk, first, c) in placed if kk == k]
         if not mine:
             continue
-        for s, first, c in mine:
+        for _, first, c in mine:
             if c > 1:
-                assert c == -(-s // LOCAL)  # the fewest ranks
                 node = first // NODE
                 assert (first + c - 1) // NODE == node if c <= NODE else first % NODE == 0
         t, n = _pack_tiles(np.array([m[0] for m in mine]), np.array([m[1:] for m in mine]))
@@ -86,6 +89,38 @@ def _assert_ordered(bins: StepBins) -> None:
         order = sorted(range(WORLD), key=lambda r: (values[r], r))
         assert kept.ranks == order
         assert kept.values == [values[r] for r in order]
+
+
+@pytest.mark.parametrize("to_come", ["short", "long"])
+def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str) -> None:
+    """The first piece of a step cannot wait: on its fewest ranks (5 of 8 here) past the level it takes the first
+    width up to Megatron's power of two (8) whose busiest rank is within the level, else the width of least
+    busiest load (brute force over the widths); within the level it keeps its fewest. A later piece past the
+    level waits instead of spreading wider."""
+    local = 2048  # (at a few tiles a rank, partial tiles make a wider spread no lighter)
+    s = 5 * local  # fewest 5, Megatron's 8
+    bins = StepBins(PACKS, WORLD, local, NODE, TILE)
+    bins.set_density([s] + ([100] * 400 if to_come == "short" else [s] * 10))  # cheap, or dear, pieces to come
+    level = bins.target() * (1 + bins.slack)
+    widths = {c: bins._least_window(s, c) for c in range(5, 9)}
+    within = [c for c, best in widths.items() if best is not None and best[0] <= level]
+    want = within[0] if within else min(widths, key=lambda c: (widths[c][0], c))
+    where = bins.place(s)
+    assert where is not None and where[2] == want
+    assert (want > 5) == (to_come == "short")  # widened only where the fewest ranks stand past the level
+
+
+def test_a_later_piece_past_the_level_waits_rather_than_spread_wider(monkeypatch) -> None:
+    """At a level (500 tiles) that 7 ranks of the piece meet and its fewest 5 do not: the step's first piece takes
+    7; the same piece once the step holds something waits, though 7 other ranks (8..14 of 16) would hold it."""
+    local, s = 2048, 5 * 2048
+    monkeypatch.setattr(StepBins, "target", lambda self: 500.0)
+    bins = StepBins(PACKS, 2 * WORLD, local, NODE, TILE)
+    bins.set_density([s, s])
+    assert bins._least_window(s, 5)[0] > 505 >= bins._least_window(s, 7)[0]
+    assert bins.place(s)[2] == 7
+    assert bins._least_window(s, 7)[0] <= 505 < bins._least_window(s, 5)[0]  # (ranks the first left alone)
+    assert bins.place(s) is None
 
 
 def test_ranks_stay_ordered_through_ties() -> None:
