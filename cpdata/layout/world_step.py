@@ -369,7 +369,7 @@ class _Ranked:
         del values[i]
         del ranks[i]
         i = bisect.bisect_left(values, new)
-        while i < last and values[i] == new and ranks[i] < r:
+        while i < last and values[i] == new and ranks[i] < r:  # (last is now the length)
             i += 1
         values.insert(i, new)
         ranks.insert(i, r)
