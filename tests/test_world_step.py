@@ -192,6 +192,29 @@ def test_packer_deals_every_piece_once_in_valid_packs(seed: int) -> None:
     assert out == _run(windows, WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))  # deterministic
 
 
+@pytest.mark.parametrize("seed", [5, 6, 8, 9])
+def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatch) -> None:
+    """A trainer that accumulates ``PACKS`` packs a step from the start of an epoch takes exactly the steps dealt
+    together: every closed step has ``PACKS`` packs but the stream's last, which the trainer's last accumulation of
+    the epoch takes alone (some of these streams close more than one step at their end)."""
+    closed = []
+    close = WorldStepPacker._close
+
+    def recording(self, keep_empty: bool):
+        out = close(self, keep_empty)
+        closed.append(len(out.sizes))
+        return out
+
+    monkeypatch.setattr(WorldStepPacker, "_close", recording)
+    windows = _windows(seed)
+    packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+    during = sum(len(packer.place(keys, slots).sizes) for keys, slots in windows)
+    at_end = len(closed)
+    total = during + len(packer.finish().sizes)
+    assert len(closed) >= 3 and closed[:-1] == [PACKS] * (len(closed) - 1) and 1 <= closed[-1] <= PACKS
+    assert total == sum(closed) and during == PACKS * at_end
+
+
 @pytest.mark.parametrize("cut", [1, 3])
 def test_resume_deals_what_the_uninterrupted_run_deals(cut: int) -> None:
     windows = _windows(7)
