@@ -47,7 +47,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
 
-__all__ = ["LEVEL", "SLACK", "StepBins", "over_pad", "owned_runs", "thd_tiles"]
+__all__ = ["LEVEL", "SLACK", "StepBins", "over_pad", "owned_runs", "spread_over_pad", "thd_tiles"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -73,6 +73,13 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
     ends = list(itertools.accumulate(chunk))
     return tuple(_segment(chunk[j], ends[j], tile) + _segment(chunk[2 * c - 1 - j], ends[2 * c - 1 - j], tile)
                  for j in range(c))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def spread_over_pad(s: int, c: int, tile: int) -> tuple[float, ...]:
+    """Tiles each of the ``c`` ranks holding a piece of ``s`` tokens (:func:`thd_tiles`) adds over the pad it
+    replaces."""
+    return tuple(t - n / tile for t, n in zip(thd_tiles(s, c, tile), thd_need(s, c), strict=True))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -231,7 +238,7 @@ class StepBins:
             return k, r, 1
         if c > self.world:
             return None
-        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), thd_need(s, c), strict=True)]
+        added = spread_over_pad(s, c, self.tile)
         a = min(self._windows(c), key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
         self._take_spread(s, k, a, c)
         return k, a, c
@@ -291,8 +298,8 @@ class StepBins:
         self._projected.update(projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        for j, (n, tiles) in enumerate(zip(thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
-            self._take(first + j, k, n, tiles - n / self.tile)
+        for j, (n, added) in enumerate(zip(thd_need(s, c), spread_over_pad(s, c, self.tile), strict=True)):
+            self._take(first + j, k, n, added)
 
     def _windows(self, c: int) -> list[int]:
         """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when
@@ -330,8 +337,7 @@ class StepBins:
     def _least_window(self, s: int, c: int) -> tuple[float, int, int] | None:
         """``(busiest load after, micro-batch, first rank)`` of the least placement of a piece of ``s`` tokens on
         ``c`` ranks (ties: the first micro-batch, then the lowest rank); None where none has room."""
-        need = thd_need(s, c)
-        added = [t - n / self.tile for t, n in zip(thd_tiles(s, c, self.tile), need, strict=True)]
+        need, added = thd_need(s, c), spread_over_pad(s, c, self.tile)
         starts = np.array(self._windows(c), dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view
         room = np.array(self.room, dtype=np.int64)  # [world, packs]
@@ -377,8 +383,9 @@ class _Ranked:
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """The runs of a pack a world step dealt (:class:`StepBins`, :attr:`PackPlan.owners`): ``(starts, lengths, owners)`` int64 ``[R]`` sorted by
-    global start, tiling ``[0, pack_len)``, every rank ``pack_len / world`` positions (its pad last).
+    """The runs of a pack a world step dealt (:class:`StepBins`, :attr:`PackPlan.owners`): ``(starts, lengths,
+    owners)`` int64 ``[R]`` sorted by global start, tiling ``[0, pack_len)``, every rank ``pack_len / world``
+    positions (its pad last).
 
     ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
     first; ``c > 1``: TE THD's ``2c`` chunks over ``c`` consecutive ranks). ``ValueError`` when a rank would

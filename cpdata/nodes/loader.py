@@ -108,7 +108,8 @@ def shard_graph(source: Any, options: GraphOptions, *, packs: ServedPacks | None
             shuffle_buffer=plan.shuffle_buffer,
         )  # fmt: skip
         plans = Pack(docs, capacity=o.capacity, layout=o.layout, cp_size=o.cp_size, algorithm=plan.algorithm,
-                     overflow=plan.overflow, seed=data.seed, window=plan.window, world_step=plan.world_step)  # fmt: skip
+                     overflow=plan.overflow, seed=data.seed, window=plan.window,
+                     world_step=plan.world_step)  # fmt: skip
     return Collate(plans, batch_size=o.batch_size, qkv_format=o.qkv_format, padding_token_id=o.padding_token_id)
 
 

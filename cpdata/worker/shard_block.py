@@ -123,9 +123,9 @@ def plan_digest(plan: PackPlan, layout: str, cp_size: int) -> int:
     """63-bit digest of everything that decides a rank's shard of ``plan``.
 
     CP ranks of one DP group must agree on it (the device-side check all-reduces it). It covers layout, cp
-    size, capacity, pack index, slot lengths (and a world step's slot owners), every piece's columns and up to :data:`DIGEST_SAMPLES` sampled
-    token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks reading other data of the
-    same shape disagree, while a change confined to unsampled positions goes unseen."""
+    size, capacity, pack index, slot lengths (and a world step's slot owners), every piece's columns and up to
+    :data:`DIGEST_SAMPLES` sampled token ids per piece: ``n_pieces * 12`` int64s instead of every id, so ranks
+    reading other data of the same shape disagree, while a change confined to unsampled positions goes unseen."""
     return _digests(build_streams([([plan], 0)]), layout, cp_size, [len(plan.pieces)])[0]
 
 
@@ -177,9 +177,8 @@ def _dynamic_layouts(layout: str, cp_size: int, block: StreamBlock, groups: Grou
     tables: list[RunTable] = [None] * k  # type: ignore[list-item]
     works: list[list[float]] = [[]] * k
     for (stream_len, _), members in groups.items():  # (one row: a dynamic layout refuses bshd rows)
-        owners = [_owners_of(slots, i) for i in members]
         run_block = layout_run_block(layout, cp_size, [slots.layout_lens_of(i) for i in members], stream_len,
-                                     owners if any(o is not None for o in owners) else None)  # fmt: skip
+                                     [_owners_of(slots, i) for i in members])  # fmt: skip
         block_tables = run_block.tables()
         reals = [real[slots.first[i] : slots.first[i] + n]
                  for i, n in zip(members, run_block.doc_counts(), strict=True)]  # fmt: skip
