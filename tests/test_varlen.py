@@ -24,7 +24,7 @@ from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions
 from cpdata.device.varlen import reference_varlen_attn, segment_mask
 from cpdata.layout.maps import layout_runs
-from cpdata.layout.tiles import query_runs, segment_tiles, varlen_live_tiles
+from cpdata.layout.tiles import PAD_CHUNK, query_runs, segment_tiles, varlen_live_tiles
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank
@@ -131,17 +131,27 @@ def test_varlen_live_tiles_sum_each_ranks_runs(layout):
         assert one == sum((b * (b + 1)) // 2 for b in -(-whole // tile)) and sum(want) >= one
 
 
+def _pad_pieces(pad: np.ndarray) -> int:
+    """Brute force: the PAD_CHUNK pieces of pad positions in local order, cut where a position is not the
+    previous + 1 and every PAD_CHUNK queries of a run."""
+    runs = [1] if pad.size else []
+    for a, b in zip(pad[:-1].tolist(), pad[1:].tolist(), strict=True):
+        runs[-1:] = [runs[-1] + 1] if b == a + 1 else [runs[-1], 1]
+    return sum(-(-n // PAD_CHUNK) for n in runs)
+
+
 @pytest.mark.parametrize("tile", [32, 128, 512])
 def test_pad_free_counts_the_tiles_of_the_kernels_own_segments(tile):
     """varlen_live_tiles(pad_free=True) against the segments varlen_plan hands the kernel, each segment's tiles
-    counted by segment_tiles: world step packs (owners from the packer, pad last on each rank) with runs of
-    pad both shorter and longer than PAD_CHUNK, at tiles under, equal to and over it."""
+    counted by segment_tiles: world step packs (owners from the packer, pad last on each rank: left out) with
+    runs of pad both shorter and longer than PAD_CHUNK, at tiles under, equal to and over it; and each row with
+    its pad moved first (run: at tile 128 one diagonal tile per PAD_CHUNK piece more)."""
     from cpdata.bench.world import step_packs
     from cpdata.layout.world_step import owned_runs
 
     world, local = 8, 2048
     packs, _ = step_packs("sft", world, local, 3)
-    pad_runs = []
+    pad_runs, everything, all_pad = [], torch.arange(world * local), 0
     for lens, owners in packs:
         starts, lengths, ranks = owned_runs(lens, owners, world * local, world)
         real_end = int(lens.sum())
@@ -151,19 +161,48 @@ def test_pad_free_counts_the_tiles_of_the_kernels_own_segments(tile):
             row = np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, ranks, strict=True)
                                   if o == r])  # fmt: skip
             rows.append(row)
-            real = row < real_end
-            inside = np.minimum(row, real_end - 1)
-            start = np.where(real, slot_start[inside], real_end)  # pads: a run of their own from the real end
-            end = np.where(real, slot_end[inside], real_end)
-            pad_runs.append(int((~real).sum()))
-            everything = torch.arange(world * local)
-            plan = varlen.varlen_plan(torch.as_tensor(start)[None], torch.as_tensor(row), everything, window=None,
-                                      device=torch.device("cpu"), end=torch.as_tensor(end)[None])  # fmt: skip
-            q_len, k_len = np.diff(plan.cu_seq_q.numpy()), np.diff(plan.cu_seq_k.numpy())
-            paid = int(segment_tiles(q_len, k_len, tile).sum())
-            assert varlen_live_tiles(row[None], lens, world * local, tile, pad_free=True)[0] == paid, (r, tile)
+            n_pad = int((row >= real_end).sum())
+            pad_runs.append(n_pad)
+            paid = {}
+            for name, order in (("last", row), ("first", np.roll(row, n_pad))):
+                real = order < real_end
+                inside = np.minimum(order, real_end - 1)
+                start = np.where(real, slot_start[inside], real_end)  # pads: a run of their own from the real end
+                end = np.where(real, slot_end[inside], real_end)
+                plan = varlen.varlen_plan(torch.as_tensor(start)[None], torch.as_tensor(order), everything,
+                                          window=None, device=torch.device("cpu"),
+                                          end=torch.as_tensor(end)[None])  # fmt: skip
+                assert plan.queries == (row.size - n_pad if name == "last" or n_pad == row.size else row.size)
+                q_len, k_len = np.diff(plan.cu_seq_q.numpy()), np.diff(plan.cu_seq_k.numpy())
+                paid[name] = int(segment_tiles(q_len, k_len, tile).sum())
+                assert varlen_live_tiles(order[None], lens, world * local, tile, pad_free=True)[0] == paid[name]
+            moved = 0 < n_pad < row.size  # a row all pad has no pad but its trailing pad
+            if tile == 128:  # a pad piece: one diagonal tile; the trailing pad: none
+                assert paid["first"] - paid["last"] == moved * _pad_pieces(row[row >= real_end])
+            assert paid["first"] >= paid["last"] + moved
+            all_pad += n_pad == row.size
         assert varlen_live_tiles(np.stack(rows), lens, world * local, tile, pad_free=True).shape == (world,)
-    assert any(0 < n < varlen.PAD_CHUNK for n in pad_runs) and max(pad_runs) > 2 * varlen.PAD_CHUNK
+    assert any(0 < n < PAD_CHUNK for n in pad_runs) and max(pad_runs) > 2 * PAD_CHUNK, pad_runs
+    assert sum(0 < n < local for n in pad_runs) > 8, (all_pad, pad_runs)
+
+
+def test_pad_free_leaves_the_trailing_pad_out_and_counts_pad_elsewhere():
+    """Two documents (100 and 60 tokens) in a pack of 1,000: the 840-token tail as a rank's last run costs nothing,
+    the same run first or between the documents one diagonal tile per PAD_CHUNK piece (tile 128); pad_free=False
+    counts the tail as one more document."""
+    lens, pack, tile = np.array([100, 60]), 1000, 128
+    doc_tiles = 1 + 1  # each document alone: one tile
+    docs, pad = np.arange(160), np.arange(160, pack)
+    pieces = -(-pad.size // PAD_CHUNK)
+    assert pieces == 7
+    for order, want in ((np.concatenate([docs, pad]), doc_tiles),
+                        (np.concatenate([pad, docs]), doc_tiles + pieces),
+                        (np.concatenate([docs[:100], pad, docs[100:]]), doc_tiles + pieces),
+                        (np.concatenate([docs[:100], pad[:400], docs[100:], pad[400:]]), doc_tiles + 4)):  # fmt: skip
+        assert varlen_live_tiles(order[None], lens, pack, tile, pad_free=True)[0] == want, order[:3]
+    assert varlen_live_tiles(pad[None], lens, pack, tile, pad_free=True)[0] == 0  # a rank of pad only
+    whole = -(-(60 + pad.size) // tile)  # the tail joins the last document
+    assert varlen_live_tiles(np.arange(pack)[None], lens, pack, tile)[0] == 1 + whole * (whole + 1) // 2
 
 
 def _batches(cp: int, layout: str, exchange: bool, pack_min_docs: int = 3) -> tuple:
@@ -182,7 +221,7 @@ def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout
     """Every (query, key position) pair the plan's segments attend is one the dense mask keeps, and no other
     (balanced's one-query segments included: the copy limit is lifted); every key gathered is attended."""
     monkeypatch.setattr(varlen, "MAX_KEY_COPIES", 10**9)
-    checked = pads_seen = 0
+    checked = pads_seen = trailing_seen = 0
     for cp in (2, 4):
         for exchange in (False, True):
             for batch in _batches(cp, layout, exchange):
@@ -196,7 +235,9 @@ def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout
                                               end=slots.end)  # fmt: skip
                     got = torch.zeros(pos.numel(), row_len, dtype=torch.bool)
                     cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
-                    assert cq[-1] == pos.numel() and ck[-1] == plan.key_index.numel()
+                    kept = int(torch.nonzero(real)[-1]) + 1 if real.any() else 0  # up to the last real query
+                    assert plan.queries == kept and (pos[kept:] >= slots.end[0, kept:]).all()
+                    assert cq[-1] == kept and ck[-1] == plan.key_index.numel()
                     for s in range(len(cq) - 1):
                         sq, sk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
                         assert sq <= plan.max_q and sk <= plan.max_k
@@ -212,15 +253,19 @@ def test_plan_segments_and_key_gather_give_the_dense_document_causal_mask(layout
                     qi, kj = dense.nonzero(as_tuple=True)
                     want[qi, keys[kj]] = True
                     assert torch.equal(got[real], want[real]), (layout, cp, exchange, window)
-                    # a pad query: its own key, and otherwise only pads of its own piece (one tile), no real key
-                    qi, kg = got[~real].nonzero(as_tuple=True)
-                    pad_pos = pos[~real]
-                    assert got[~real][torch.arange(pad_pos.numel()), pad_pos].all()
-                    assert (kg <= pad_pos[qi]).all() and (kg > pad_pos[qi] - varlen.PAD_CHUNK).all()
-                    assert not got[~real][:, pos[real]].any()
-                    pads_seen += int((~real).sum())
+                    # a pad query before the last real one: its own key, and otherwise only pads of its own piece
+                    # (one tile), no real key; the trailing pad: no segment at all
+                    inner = ~real & (torch.arange(pos.numel()) < kept)
+                    qi, kg = got[inner].nonzero(as_tuple=True)
+                    pad_pos = pos[inner]
+                    assert got[inner][torch.arange(pad_pos.numel()), pad_pos].all()
+                    assert (kg <= pad_pos[qi]).all() and (kg > pad_pos[qi] - PAD_CHUNK).all()
+                    assert not got[inner][:, pos[real]].any() and not got[kept:].any()
+                    pads_seen += int(inner.sum())
+                    trailing_seen += pos.numel() - kept
                     checked += int(plan.cu_seq_q.numel() > 2)
-    assert checked > 0 and pads_seen > 0
+    # every layout leaves pad last on some rank; thd pads each document to 2cp, pad before a later document
+    assert checked > 0 and trailing_seen > 0 and (pads_seen > 0) == (layout == "thd"), (pads_seen, trailing_seen)
 
 
 def test_plan_refuses_keys_the_rank_does_not_hold():
@@ -230,30 +275,76 @@ def test_plan_refuses_keys_the_rank_does_not_hold():
 
 
 
-def test_a_pad_run_longer_than_a_tile_is_cut_into_tiles_of_its_own_keys():
-    """A slot of 10 real tokens and 390 pads, then a 20-token document: each query in exactly one segment;
-    a real query attends its slot's prefix, a pad the pads of its own ``PAD_CHUNK`` piece counted from the
-    slot's first pad, up to itself (brute force over every pair)."""
-    chunk = varlen.PAD_CHUNK
-    n_pad = 3 * chunk + 6  # three whole pieces and a ragged one
-    slot_start = torch.tensor([0] * (10 + n_pad) + [10 + n_pad] * 20)
-    end = torch.tensor([10] * (10 + n_pad) + [30 + n_pad] * 20)
-    n = slot_start.numel()
-    pos = torch.arange(n)
-    plan = varlen.varlen_plan(slot_start[None], pos, pos, window=None, device=torch.device("cpu"), end=end[None])
-    got = torch.zeros(n, n, dtype=torch.int64)
+def _attended(plan: varlen.VarlenPlan, n: int, key_pos: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n, max key + 1]``: how many times each local query attends each key position in the plan."""
+    got = torch.zeros(n, int(key_pos.max()) + 1, dtype=torch.int64)
     cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
-    assert cq[-1] == n
     for s in range(len(cq) - 1):
         sq, sk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
         qi, kj = segment_mask(sq, sk, plan.window_size).nonzero(as_tuple=True)
-        got[cq[s] + qi, plan.key_index[ck[s] : ck[s + 1]][kj]] += 1
+        got[cq[s] + qi, key_pos[plan.key_index[ck[s] : ck[s + 1]]][kj]] += 1
+    return got
+
+
+def _two_slots(n_pad: int, n_tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot start, real end)`` int64 ``[10 + n_pad + 20 + n_tail]``: a slot of 10 real tokens and ``n_pad``
+    pads, then one of 20 real tokens and ``n_tail`` pads."""
+    first, second = 10 + n_pad, 20 + n_tail
+    return (torch.tensor([0] * first + [first] * second), torch.tensor([10] * first + [first + 20] * second))
+
+
+def test_a_pad_run_longer_than_a_tile_is_cut_into_tiles_of_its_own_keys():
+    """A slot of 10 real tokens and 390 pads, then a 20-token document and 150 pads: each query up to the last
+    real one in exactly one segment; a real query attends its slot's prefix, a pad the pads of its own
+    ``PAD_CHUNK`` piece counted from the slot's first pad, up to itself; the 150 trailing pads nothing (brute
+    force over every pair). The plan is the one of the row without its trailing pad."""
+    chunk, n_tail = PAD_CHUNK, 150
+    n_pad = 3 * chunk + 6  # three whole pieces and a ragged one
+    slot_start, end = _two_slots(n_pad, n_tail)
+    n = slot_start.numel()
+    pos = torch.arange(n)
+    plan = varlen.varlen_plan(slot_start[None], pos, pos, window=None, device=torch.device("cpu"), end=end[None])
     want = torch.zeros(n, n, dtype=torch.int64)
-    for q in range(n):
+    for q in range(n - n_tail):
         first = int(slot_start[q]) if q < end[q] else int(end[q]) + (q - int(end[q])) // chunk * chunk
         want[q, first : q + 1] = 1
-    assert torch.equal(got, want)
-    assert plan.max_q == chunk and len(cq) - 1 == 1 + 4 + 1  # the real run, four pad pieces, the document
+    assert torch.equal(_attended(plan, n, pos), want) and want[n - n_tail - 1].sum() == 20
+    assert plan.queries == n - n_tail == plan.cu_seq_q[-1]
+    assert plan.max_q == chunk and plan.cu_seq_q.numel() - 1 == 1 + 4 + 1  # the real run, four pad pieces, the doc
+    kept = n - n_tail
+    cut = varlen.varlen_plan(slot_start[None, :kept], pos[:kept], pos, window=None, device=torch.device("cpu"),
+                             end=end[None, :kept])  # fmt: skip
+    assert cut.queries == kept and (cut.max_q, cut.max_k) == (plan.max_q, plan.max_k)
+    for field in ("cu_seq_q", "cu_seq_k", "key_index"):
+        assert torch.equal(getattr(plan, field), getattr(cut, field)), field
+    # without ``end`` no query is pad: the pads attend their slot, every query is run
+    whole = varlen.varlen_plan(slot_start[None], pos, pos, window=None, device=torch.device("cpu"))
+    assert whole.queries == n == whole.cu_seq_q[-1] and whole.cu_seq_q.numel() == 3
+
+
+def test_pad_between_real_queries_is_run_and_a_row_all_pad_runs_nothing():
+    """Local order: the second slot's 150 pads, the first slot's 10 real tokens and 6 pads, the 20-token document:
+    no pad is trailing, every query is run (each pad over its own piece). A row of the pads alone: queries 0, no
+    segment, no key gathered."""
+    slot_start, end = _two_slots(6, 150)
+    n = slot_start.numel()
+    order = torch.cat([torch.arange(36, n), torch.arange(36)])
+    plan = varlen.varlen_plan(slot_start[None, order], order, torch.arange(n), window=None,
+                              device=torch.device("cpu"), end=end[None, order])  # fmt: skip
+    assert plan.queries == n == plan.cu_seq_q[-1]
+    got = _attended(plan, n, torch.arange(n))
+    for i, q in enumerate(order.tolist()):
+        first = int(slot_start[q])  # a real query: its slot's prefix
+        if q >= end[q]:  # a pad: its piece of PAD_CHUNK counted from its slot's first pad
+            first = int(end[q]) + (q - int(end[q])) // PAD_CHUNK * PAD_CHUNK
+        assert got[i].tolist() == [int(first <= k <= q) for k in range(n)], (i, q)
+    pads = torch.cat([torch.arange(10, 16), torch.arange(36, n)])
+    for window in (None, 4):
+        none = varlen.varlen_plan(slot_start[None, pads], pads, torch.arange(n), window=window,
+                                  device=torch.device("cpu"), end=end[None, pads])  # fmt: skip
+        assert none.queries == 0 and none.cu_seq_q.tolist() == [0] == none.cu_seq_k.tolist()
+        assert (none.max_q, none.max_k, none.key_index.numel()) == (0, 0, 0)
+
 
 def test_kernel_choice_and_its_logged_fallbacks(caplog, monkeypatch):
     monkeypatch.setattr(varlen, "_LOGGED", set())
@@ -341,6 +432,63 @@ class CountingReference:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return reference_varlen_attn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_varlen_attention_zeroes_the_trailing_pad_without_running_it(monkeypatch, window):
+    """Through the reference kernel, float64: a row with pad between real queries and a trailing pad, keys held
+    in shuffled order. Every row equals a brute-force masked attention (a real query over its slot's prefix, a
+    pad before the last real query over its PAD_CHUNK piece, a trailing pad over no key: zeros, exactly); the
+    gradients of q / k / v equal the brute force's, the loss over the real rows and over every row; the
+    trailing pad's q gets none. A row all pad: zeros, and the kernel is not called."""
+    kernel = CountingReference()
+    monkeypatch.setattr(torch_varlen, "varlen_attn", kernel)
+    slot_start, end = _two_slots(140, 150)  # slots [0, 150) real to 10, [150, 320) real to 170
+    n, g = slot_start.numel(), torch.Generator().manual_seed(3)
+    order = torch.cat([torch.arange(150, 170), torch.arange(10, 150), torch.arange(10), torch.arange(170, n)])
+    key_pos = torch.randperm(n, generator=g)
+    real, kept = order < end[order], 170
+    assert not real[kept:].any() and real[kept - 1] and (~real[:kept]).sum() == 140
+    plan = varlen.varlen_plan(slot_start[None, order], order, key_pos, window=window, device=torch.device("cpu"),
+                              end=end[None, order])  # fmt: skip
+    assert plan.queries == kept
+    first = torch.where(order < end[order], slot_start[order],
+                        end[order] + (order - end[order]) // PAD_CHUNK * PAD_CHUNK)  # fmt: skip
+    if window is not None:
+        first = torch.maximum(first, order - (window - 1))
+    keep = (key_pos[None] >= first[:, None]) & (key_pos[None] <= order[:, None])
+    keep[kept:] = False  # the trailing pad attends nothing
+
+    def brute(q, k, v):
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * 0.25
+        return scores.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ v
+
+    q = torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, n, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(1, 4, n, 6, generator=g, dtype=torch.float64)
+    for rows in (real, torch.ones_like(real)):
+        got_in, want_in = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
+        calls = kernel.calls
+        out = varlen.varlen_attention(*got_in, plan, scale=0.25)
+        want = brute(*want_in)
+        assert kernel.calls == calls + 1 and out.shape == want.shape == (1, 4, n, 6)
+        assert torch.allclose(out, want, rtol=0, atol=1e-12), (out - want).abs().max()
+        assert torch.equal(out[:, :, kept:], torch.zeros_like(out[:, :, kept:])) and out[:, :, :kept].abs().min() > 0
+        (out * weight)[:, :, rows].sum().backward()
+        (want * weight)[:, :, rows].sum().backward()
+        for a, b in zip(got_in, want_in, strict=True):
+            assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-12), (a.grad - b.grad).abs().max()
+        assert not got_in[0].grad[:, :, kept:].any() and got_in[0].grad[:, :, real].any()
+        assert not got_in[2].grad[:, :, key_pos >= 170].any()  # no query attends the trailing pad's keys
+    pads = order[~real]
+    none = varlen.varlen_plan(slot_start[None, pads], pads, key_pos, window=window, device=torch.device("cpu"),
+                              end=end[None, pads])  # fmt: skip
+    calls = kernel.calls
+    out = varlen.varlen_attention(q[:, :, : pads.numel()], k, v, none, scale=0.25)
+    assert none.queries == 0 and kernel.calls == calls
+    assert out.dtype == q.dtype and torch.equal(out, torch.zeros(1, 4, pads.numel(), 6, dtype=q.dtype))
 
 
 def test_zoo_at_cp1_through_varlen_equals_each_document_alone(monkeypatch, caplog):

@@ -9,6 +9,13 @@ Each run of a rank's local queries with consecutive global positions inside one 
     mask     key j <= i + sk - sq                  causal aligned bottom-right, as FA for sq != sk;
              j >= i + sk - sq - (W - 1)            window_size=(W - 1, 0) (transformers' kv > q - W)
 
+Pad queries (a slot's positions past its real ``end``) attend no real key, and the loss never reads them. A
+rank's trailing pad, the suffix of its local order past its last real query, costs the kernel nothing: it is
+not run, and its output rows are zeros, what flash itself returns for a query with no key (a world step's deal
+counts those tiles at zero). Any other run of pad is cut into segments of at most ``PAD_CHUNK`` (128) queries
+over their own keys, one diagonal tile each (:func:`cpdata.layout.tiles.pad_cut_runs`, shared with the tile
+counter :func:`~cpdata.layout.tiles.varlen_live_tiles`).
+
 Keys come from those the rank holds through one ``index_select`` (a copy; costs by layout:
 docs/layouts-and-kernels.md); the kernel, ``torch.nn.attention.varlen.varlen_attn`` (FA2, CUDA), is looked
 up per call so tests can swap in :func:`reference_varlen_attn`.
@@ -31,7 +38,7 @@ import torch
 
 from cpdata.device.attention_masks import check_window
 from cpdata.layout.runs import segments
-from cpdata.layout.tiles import PAD_CHUNK, query_runs
+from cpdata.layout.tiles import kept_queries, pad_cut_runs, query_runs
 
 __all__ = ["KERNELS", "SDPA", "Kernel", "KeyCopiesError", "VarlenPlan", "check_kernel", "choose_kernel",
            "reference_varlen_attn", "segment_mask", "varlen_attention", "varlen_plan"]
@@ -56,8 +63,10 @@ class KeyCopiesError(ValueError):
 class VarlenPlan:
     """One batch's varlen segments over the keys a rank holds, for one window and device."""
 
+    queries: int
+    """The leading local queries the kernel runs; the rest, the rank's trailing pad, get zeros."""
     cu_seq_q: torch.Tensor
-    """int32 ``[N + 1]``: segment offsets in the local queries."""
+    """int32 ``[N + 1]``: segment offsets in the local queries, ending at ``queries``."""
     cu_seq_k: torch.Tensor
     """int32 ``[N + 1]``: segment offsets in the gathered keys."""
     max_q: int
@@ -88,25 +97,23 @@ def varlen_plan(
     end: torch.Tensor | None = None,
 ) -> VarlenPlan:
     """The segments of one row of local queries (slot ``start`` / real ``end``, ``pos``: int ``[L]``) over keys
-    held at global positions ``key_pos`` (int ``[K]``). With ``end``, pad runs become segments of at most
-    :data:`PAD_CHUNK` queries over their own keys; without, pads attend their slot. ``ValueError`` when a key
-    is not held; :class:`KeyCopiesError` (before any O(Kv) work) past ``MAX_KEY_COPIES`` times the keys held."""
+    held at global positions ``key_pos`` (int ``[K]``). With ``end``, the row's trailing pad (the suffix of its
+    local order past its last real query) is left out (``queries``: the leading queries run; a row all pad: 0, no segments) and
+    other pad runs become segments of at most :data:`~cpdata.layout.tiles.PAD_CHUNK` queries over their own keys
+    (:func:`~cpdata.layout.tiles.pad_cut_runs`); without, pads attend their slot. ``ValueError`` when a key is
+    not held; :class:`KeyCopiesError` (before any O(Kv) work) past ``MAX_KEY_COPIES`` times the keys held."""
     check_window(window)
     start_np, pos_np, keys_np = (_host(t) for t in (start, pos, key_pos))
-    if end is not None:  # a slot's pads run apart from its real tokens, from the first pad
+    queries = pos_np.size
+    if end is None:  # no pads: every run attends its slot
+        first, q_len = query_runs(pos_np, start_np)
+        lo = start_np[first]
+    else:  # the trailing pad is not run; other pad runs in PAD_CHUNK pieces over their own keys
         end_np = _host(end)
-        start_np = np.where(pos_np < end_np, start_np, end_np)
-    first, q_len = query_runs(pos_np, start_np)
-    is_pad = np.zeros(first.size, dtype=bool) if end is None else pos_np[first] >= end_np[first]
-    if is_pad.any():  # pad runs cut into pieces of at most PAD_CHUNK queries
-        pieces = np.where(is_pad, -(-q_len // PAD_CHUNK), 1)
-        run = np.repeat(np.arange(first.size), pieces)
-        k = segments(np.zeros_like(pieces), pieces)  # piece index inside its run
-        first = first[run] + k * np.where(is_pad[run], PAD_CHUNK, 0)
-        q_len = np.where(is_pad[run], np.minimum(PAD_CHUNK, q_len[run] - k * PAD_CHUNK), q_len[run])
-        is_pad = pos_np[first] >= end_np[first]
+        queries = kept_queries(pos_np, end_np)
+        pos_np = pos_np[:queries]
+        first, q_len, lo = pad_cut_runs(pos_np, start_np[:queries], end_np[:queries])
     last = pos_np[first + q_len - 1]
-    lo = np.where(is_pad, pos_np[first], start_np[first])
     if window is not None:
         lo = np.maximum(lo, pos_np[first] - (window - 1))
     k_len = last - lo + 1
@@ -126,7 +133,7 @@ def varlen_plan(
             f"{missing.size} keys the queries attend (global positions {missing[:8].tolist()}...) are not among "
             f"the {keys_np.size} keys this rank holds; pass this batch's layout (and its exchange plan)"
         )
-    return VarlenPlan(cu_seq_q=_offsets(q_len, device), cu_seq_k=_offsets(k_len, device),
+    return VarlenPlan(queries=queries, cu_seq_q=_offsets(q_len, device), cu_seq_k=_offsets(k_len, device),
                       max_q=int(q_len.max(initial=0)), max_k=int(k_len.max(initial=0)),
                       key_index=torch.as_tensor(index).to(device),
                       window_size=(-1, 0) if window is None else (window - 1, 0))  # fmt: skip
@@ -180,18 +187,24 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan, *, scale: float
 ) -> torch.Tensor:
     """``out [1, H, L, Ev]`` of local queries ``q [1, H, L, E]`` over the keys ``k [1, Hkv, K, E]``,
-    ``v [1, Hkv, K, Ev]`` the rank holds (differentiable: the key gather's backward sums over segments)."""
+    ``v [1, Hkv, K, Ev]`` the rank holds (differentiable: the key gather's backward sums over segments). Only
+    the leading ``plan.queries`` queries go to the kernel (none: it is not called); the trailing pad's rows are
+    zeros, and their ``q`` gets a zero gradient."""
     import torch.nn.attention.varlen as torch_varlen
 
     if q.shape[0] != 1 or k.shape[0] != 1:
         raise ValueError(f"varlen attention takes one row of queries and keys, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")  # fmt: skip
-    groups = q.shape[1] // k.shape[1]
-    q_t = q[0].transpose(0, 1).contiguous()  # [L, H, E]
+    groups, heads, rows = q.shape[1] // k.shape[1], q.shape[1], q.shape[2]
+    if plan.queries == 0:  # all pad
+        return q.new_zeros((1, heads, rows, v.shape[-1]))
+    q_t = q[0, :, : plan.queries].transpose(0, 1).contiguous()  # [Q, H, E]
     k_t = k[0].transpose(0, 1).index_select(0, plan.key_index)  # [Kv, Hkv, E]
     v_t = v[0].transpose(0, 1).index_select(0, plan.key_index)
     out = torch_varlen.varlen_attn(q_t, k_t, v_t, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k,
                                    scale=scale, window_size=plan.window_size, enable_gqa=groups > 1)  # fmt: skip
+    if plan.queries < rows:  # the trailing pad's rows [P, H, Ev]
+        out = torch.cat([out, out.new_zeros((rows - plan.queries, heads, out.shape[-1]))])
     return out.transpose(0, 1).unsqueeze(0)
 
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
 
 __all__ = ["PAD_CHUNK", "block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
-           "query_runs", "segment_starts", "segment_tiles", "varlen_live_tiles"]
+           "kept_queries", "pad_cut_runs", "query_runs", "segment_starts", "segment_tiles",
+           "varlen_live_tiles"]
 
 PAD_CHUNK = 128
 """Pad queries run as segments of at most this many queries over their own keys (:mod:`cpdata.device.varlen`);
@@ -154,6 +155,31 @@ def query_runs(pos: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return first, np.diff(np.append(first, pos.size)).astype(np.int64)
 
 
+def kept_queries(pos: np.ndarray, end: np.ndarray) -> int:
+    """The leading local queries a varlen kernel runs: up to the last real one (``pos < end``; ``pos``, ``end``
+    int64 ``[L]``, each token's global position and its slot's real end). The rest, the rank's trailing pad,
+    is not run: its output is zeros, what flash gives a query with no key (the loss never reads pad)."""
+    real = np.flatnonzero(np.asarray(pos) < np.asarray(end))
+    return int(real[-1]) + 1 if real.size else 0
+
+
+def pad_cut_runs(pos: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(first [N], length [N], lo [N])`` int64: the varlen segments of local queries ``pos`` (int64 ``[L]``,
+    slot starts ``start``, real ends ``end``) and the global position of each one's first key: a real run
+    (:func:`query_runs`) sees its slot from its start, a run of pad (``pos >= end``) is cut into pieces of at
+    most :data:`PAD_CHUNK` queries over their own keys (one diagonal tile each at ``tile >= PAD_CHUNK``)."""
+    pos, end = np.asarray(pos, dtype=np.int64).reshape(-1), np.asarray(end, dtype=np.int64).reshape(-1)
+    start = np.where(pos < end, np.asarray(start, dtype=np.int64).reshape(-1), end)  # pads: a run from the end
+    first, length = query_runs(pos, start)
+    is_pad = pos[first] >= end[first]
+    pieces = np.where(is_pad, -(-length // PAD_CHUNK), 1)
+    run = np.repeat(np.arange(first.size), pieces)
+    k = segments(np.zeros_like(pieces), pieces)  # piece index inside its run (0 for a real run)
+    first = first[run] + k * PAD_CHUNK
+    length = np.where(is_pad[run], np.minimum(PAD_CHUNK, length[run] - k * PAD_CHUNK), length[run])
+    return first, length, np.where(is_pad[run], pos[first], start[first])
+
+
 def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int | None = None) -> np.ndarray:
     """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len >= q_len`` keys:
     query ``i`` sees keys ``i + d - (window - 1) .. i + d``, ``d = k_len - q_len`` (``window`` None: from 0)."""
@@ -175,23 +201,21 @@ def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, p
                       pad_free: bool = False) -> np.ndarray:  # fmt: skip
     """int64 ``[cp]``: live tiles each rank's varlen segments pay; ``rows`` int64 ``[cp, L]``
     (:func:`cpdata.layout.maps.rank_indices`; ``arange(pack_len)[None]``: every slot one segment).
-    ``pad_free``: the pack's tail after the slots is pad, each run of it cut into segments of at most
-    :data:`PAD_CHUNK` queries over their own keys (as :mod:`cpdata.device.varlen` runs them: one diagonal tile
-    each at ``tile >= PAD_CHUNK``); else the tail counts as one more document."""
+    ``pad_free``: the pack's tail after the slots is pad, run as :mod:`cpdata.device.varlen` runs it: a rank's
+    trailing pad (the suffix of its local order past the last real token, :func:`kept_queries`) costs nothing,
+    any other run of pad is cut into segments of at most :data:`PAD_CHUNK` queries over their own keys
+    (:func:`pad_cut_runs`: one diagonal tile each at ``tile >= PAD_CHUNK``); else the tail counts as one more
+    document."""
     rows = np.asarray(rows, dtype=np.int64)
     slot, starts = segment_starts(slot_lens, pack_len)
-    real_end = int(np.sum(slot_lens))
+    real_end = np.full(rows.shape[1], int(np.sum(slot_lens)), dtype=np.int64)
     out = np.zeros(rows.shape[0], dtype=np.int64)
     for rank, pos in enumerate(rows):
         if pad_free:
-            pad = pos[pos >= real_end]
-            runs = np.diff(np.flatnonzero(np.diff(pad, prepend=-2, append=-2) != 1))  # lengths of consecutive runs
-            whole, rest = runs // PAD_CHUNK, runs % PAD_CHUNK
-            pieces = np.concatenate([np.full(int(whole.sum()), PAD_CHUNK), rest[rest > 0]])
-            out[rank] = int(segment_tiles(pieces, pieces, tile).sum())
-            pos = pos[pos < real_end]
-        start = starts[slot[pos]]
-        first, length = query_runs(pos, start)
-        keys = pos[first + length - 1] - start[first] + 1
-        out[rank] += int(segment_tiles(length, keys, tile).sum())
+            pos = pos[: kept_queries(pos, real_end)]
+            first, length, lo = pad_cut_runs(pos, starts[slot[pos]], real_end[: pos.size])
+        else:
+            first, length = query_runs(pos, starts[slot[pos]])
+            lo = starts[slot[pos[first]]]
+        out[rank] = int(segment_tiles(length, pos[first + length - 1] - lo + 1, tile).sum())
     return out
