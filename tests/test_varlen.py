@@ -440,7 +440,8 @@ def test_varlen_attention_zeroes_the_trailing_pad_without_running_it(monkeypatch
     in shuffled order. Every row equals a brute-force masked attention (a real query over its slot's prefix, a
     pad before the last real query over its PAD_CHUNK piece, a trailing pad over no key: zeros, exactly); the
     gradients of q / k / v equal the brute force's, the loss over the real rows and over every row; the
-    trailing pad's q gets none. A row all pad: zeros, and the kernel is not called."""
+    trailing pad's q gets none. A row all pad: zeros, the kernel not called, the zeros still on q / k / v's
+    graph (so a rank of pad runs the K/V gather's backward collective like the others)."""
     kernel = CountingReference()
     monkeypatch.setattr(torch_varlen, "varlen_attn", kernel)
     slot_start, end = _two_slots(140, 150)  # slots [0, 150) real to 10, [150, 320) real to 170
@@ -486,9 +487,13 @@ def test_varlen_attention_zeroes_the_trailing_pad_without_running_it(monkeypatch
     none = varlen.varlen_plan(slot_start[None, pads], pads, key_pos, window=window, device=torch.device("cpu"),
                               end=end[None, pads])  # fmt: skip
     calls = kernel.calls
-    out = varlen.varlen_attention(q[:, :, : pads.numel()], k, v, none, scale=0.25)
+    inputs = [t.clone().requires_grad_() for t in (q[:, :, : pads.numel()], k, v)]
+    out = varlen.varlen_attention(*inputs, none, scale=0.25)
     assert none.queries == 0 and kernel.calls == calls
     assert out.dtype == q.dtype and torch.equal(out, torch.zeros(1, 4, pads.numel(), 6, dtype=q.dtype))
+    # still on the graph: backward reaches q, k and v (zeros), as it reaches the K/V gather's collective
+    (out * weight[:, :, : pads.numel()]).sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in inputs)
 
 
 def test_zoo_at_cp1_through_varlen_equals_each_document_alone(monkeypatch, caplog):

@@ -188,21 +188,24 @@ def varlen_attention(
 ) -> torch.Tensor:
     """``out [1, H, L, Ev]`` of local queries ``q [1, H, L, E]`` over the keys ``k [1, Hkv, K, E]``,
     ``v [1, Hkv, K, Ev]`` the rank holds (differentiable: the key gather's backward sums over segments). Only
-    the leading ``plan.queries`` queries go to the kernel (none: it is not called); the trailing pad's rows are
-    zeros, and their ``q`` gets a zero gradient."""
+    the leading ``plan.queries`` queries go to the kernel (none: it is not called, and the zeros still depend on
+    ``q``, ``k``, ``v``, so backward runs the same collectives on every rank); the trailing pad's rows are zeros,
+    and their ``q`` gets a zero gradient."""
     import torch.nn.attention.varlen as torch_varlen
 
     if q.shape[0] != 1 or k.shape[0] != 1:
         raise ValueError(f"varlen attention takes one row of queries and keys, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")  # fmt: skip
     groups, heads, rows = q.shape[1] // k.shape[1], q.shape[1], q.shape[2]
-    if plan.queries == 0:  # all pad
-        return q.new_zeros((1, heads, rows, v.shape[-1]))
     q_t = q[0, :, : plan.queries].transpose(0, 1).contiguous()  # [Q, H, E]
     k_t = k[0].transpose(0, 1).index_select(0, plan.key_index)  # [Kv, Hkv, E]
     v_t = v[0].transpose(0, 1).index_select(0, plan.key_index)
-    out = torch_varlen.varlen_attn(q_t, k_t, v_t, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k,
-                                   scale=scale, window_size=plan.window_size, enable_gqa=groups > 1)  # fmt: skip
+    if plan.queries:
+        out = torch_varlen.varlen_attn(q_t, k_t, v_t, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k,
+                                       scale=scale, window_size=plan.window_size, enable_gqa=groups > 1)  # fmt: skip
+    else:  # all pad, no kernel call; the empty rows keep q, k, v on the graph, so this rank's backward runs
+        # the collectives that brought its keys (the all-gather's reduce-scatter) as every other rank's does
+        out = torch.cat([t.reshape(0, heads, v.shape[-1]) for t in (q_t, k_t, v_t)])
     if plan.queries < rows:  # the trailing pad's rows [P, H, Ev]
         out = torch.cat([out, out.new_zeros((rows - plan.queries, heads, out.shape[-1]))])
     return out.transpose(0, 1).unsqueeze(0)
