@@ -98,10 +98,11 @@ def varlen_plan(
 ) -> VarlenPlan:
     """The segments of one row of local queries (slot ``start`` / real ``end``, ``pos``: int ``[L]``) over keys
     held at global positions ``key_pos`` (int ``[K]``). With ``end``, the row's trailing pad (the suffix of its
-    local order past its last real query) is left out (``queries``: the leading queries run; a row all pad: 0, no segments) and
-    other pad runs become segments of at most :data:`~cpdata.layout.tiles.PAD_CHUNK` queries over their own keys
-    (:func:`~cpdata.layout.tiles.pad_cut_runs`); without, pads attend their slot. ``ValueError`` when a key is
-    not held; :class:`KeyCopiesError` (before any O(Kv) work) past ``MAX_KEY_COPIES`` times the keys held."""
+    local order past its last real query) is left out (``queries``: the leading queries run; a row all pad: 0,
+    no segment) and other pad runs become segments of at most :data:`~cpdata.layout.tiles.PAD_CHUNK` queries
+    over their own keys (:func:`~cpdata.layout.tiles.pad_cut_runs`); without, pads attend their slot.
+    ``ValueError`` when a key is not held; :class:`KeyCopiesError` (before any O(Kv) work) past
+    ``MAX_KEY_COPIES`` times the keys held."""
     check_window(window)
     start_np, pos_np, keys_np = (_host(t) for t in (start, pos, key_pos))
     queries = pos_np.size

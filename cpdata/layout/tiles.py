@@ -29,8 +29,8 @@ __all__ = ["PAD_CHUNK", "block_tiles", "exchange_tiles", "first_keys", "ideal_ti
            "varlen_live_tiles"]
 
 PAD_CHUNK = 128
-"""Pad queries run as segments of at most this many queries over their own keys (:mod:`cpdata.device.varlen`);
-the counters here cut pad runs the same way."""
+"""Pad queries before a rank's last real one run as segments of at most this many queries over their own keys
+(:mod:`cpdata.device.varlen`; its trailing pad is not run); the counters here cut pad runs the same way."""
 
 
 def segment_starts(slot_lens: Sequence[int] | np.ndarray, pack_len: int) -> tuple[np.ndarray, np.ndarray]:
