@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cpdata.layout.tiles import varlen_live_tiles
-from cpdata.layout.world_step import StepBins, owned_runs
+from cpdata.layout.world_plan import alone_tiles
+from cpdata.layout.world_step import StepBins, owned_runs, thd_tiles
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
@@ -29,7 +30,8 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, owners: np.ndarray) -> np.nda
 
 
 def _pack_tiles(slot_lens: np.ndarray, owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A pack's ``(tiles, tokens)`` per rank, counted from its layout alone (pad: a diagonal tile per ``TILE``)."""
+    """A pack's ``(tiles, tokens)`` per rank, counted from its layout alone (each rank's pad, the tail of its row,
+    free: the varlen kernel does not run it)."""
     starts, lengths, who = owned_runs(slot_lens, owners, WORLD * LOCAL, WORLD)
     rows = _rows(starts, lengths, who)
     real = int(slot_lens.sum())
@@ -71,7 +73,8 @@ def test_loads_are_the_layouts_varlen_tiles(seed: int) -> None:
         assert (n <= LOCAL).all()
         tiles += t
         tokens += n
-    np.testing.assert_allclose(np.array(bins.load), tiles - PACKS * LOCAL / TILE, rtol=0, atol=1e-9)
+    assert (tokens < PACKS * LOCAL).any() and (tiles > 0).all()  # pad on some rank, real tiles on each
+    np.testing.assert_allclose(np.array(bins.load), tiles, rtol=0, atol=1e-9)
     assert bins.free_tokens == PACKS * WORLD * LOCAL - tokens.sum()
     assert bins.free == (PACKS * LOCAL - tokens).tolist()
     _assert_ordered(bins)
@@ -91,6 +94,24 @@ def _assert_ordered(bins: StepBins) -> None:
         assert kept.values == [values[r] for r in order]
 
 
+CATCH_UP = 8
+"""Micro-batches a step in which a rank left out of a 10,240-token document on 5 ranks of 2,048 can catch up (its
+648 tiles a rank against 7 x 136 of whole 2,048-token documents)."""
+
+
+def test_the_piece_opening_a_step_takes_megatrons_width_where_ranks_left_out_could_not_catch_up() -> None:
+    """In a step of 3 micro-batches, the 10,240-token document's 648 tiles a rank on its fewest 5 ranks pass the
+    272 that two whole 2,048-token documents add to a rank: it takes 8 ranks, whatever the level; in a step of
+    8 micro-batches (7 x 136 = 952) it keeps its fewest 5 within the level."""
+    local, s = 2048, 5 * 2048
+    assert max(thd_tiles(s, 5, TILE)) == 648 and alone_tiles(local, TILE) == 136
+    for packs, want in ((PACKS, 8), (CATCH_UP, 5)):
+        bins = StepBins(packs, WORLD, local, NODE, TILE)
+        bins.set_density([s] + [s] * 10)  # dear pieces to come: on 5 ranks it is within the level
+        assert bins._least_window(s, 5)[0] <= bins.target() * (1 + bins.slack)
+        assert bins.place(s)[2] == want, packs
+
+
 @pytest.mark.parametrize("to_come", ["short", "long"])
 def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str) -> None:
     """The first piece of a step cannot wait: on its fewest ranks (5 of 8 here) past the level it takes the first
@@ -99,7 +120,7 @@ def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str
     level waits instead of spreading wider."""
     local = 2048  # (at a few tiles a rank, partial tiles make a wider spread no lighter)
     s = 5 * local  # fewest 5, Megatron's 8
-    bins = StepBins(PACKS, WORLD, local, NODE, TILE)
+    bins = StepBins(CATCH_UP, WORLD, local, NODE, TILE)
     bins.set_density([s] + ([100] * 400 if to_come == "short" else [s] * 10))  # cheap, or dear, pieces to come
     level = bins.target() * (1 + bins.slack)
     widths = {c: bins._least_window(s, c) for c in range(5, 9)}
@@ -115,7 +136,7 @@ def test_a_later_piece_past_the_level_waits_rather_than_spread_wider(monkeypatch
     7; the same piece once the step holds something waits, though 7 other ranks (8..14 of 16) would hold it."""
     local, s = 2048, 5 * 2048
     monkeypatch.setattr(StepBins, "target", lambda self: 500.0)
-    bins = StepBins(PACKS, 2 * WORLD, local, NODE, TILE)
+    bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
     bins.set_density([s, s])
     assert bins._least_window(s, 5)[0] > 505 >= bins._least_window(s, 7)[0]
     assert bins.place(s)[2] == 7
@@ -234,9 +255,9 @@ def test_resume_deals_what_the_uninterrupted_run_deals(cut: int) -> None:
 def test_pieces_longer_than_a_rank_set_the_level_when_nothing_shorter_is_to_come():
     """With only pieces spread over every rank to come, the level is theirs: a second one joins the step
     (its whole-piece density would be none, every later piece left to wait and micro-batches left empty)."""
-    bins = StepBins(2, 4, 128, 2)
-    bins.set_density([512, 512, 512])
-    assert bins.place(512) == (0, 0, 4) and bins.place(512) == (1, 0, 4)
+    bins = StepBins(2, 4, 1024, 2)  # (chunks of whole tiles: each rank pays alike, 132 tiles)
+    bins.set_density([4096, 4096, 4096])
+    assert bins.place(4096) == (0, 0, 4) and bins.place(4096) == (1, 0, 4)
 
 
 def test_no_micro_batch_is_left_empty_in_a_stream_of_pieces_as_long_as_the_micro_batch():
@@ -252,3 +273,54 @@ def test_no_micro_batch_is_left_empty_in_a_stream_of_pieces_as_long_as_the_micro
     tokens = np.add.reduceat(lengths[np.concatenate([d.keys for d in done])], np.cumsum(sizes) - sizes)
     assert sizes.min() > 0 and sizes.sum() == lengths.shape[0]
     assert tokens.sum() / (sizes.shape[0] * 2048) > 1 - 1 / 4
+
+
+def _closed_tiles(placed: list[tuple[int, int, tuple[int, int, int]]], world: int, local: int, packs: int
+                  ) -> tuple[list[int], list[int]]:  # fmt: skip
+    """A step restored from ``(key, tokens, (micro-batch, rank, 1))`` pieces and closed: each rank's tiles over the
+    step, counted from the packs it leaves (varlen_live_tiles on their layouts), and the keys it dealt."""
+    packer = WorldStepPacker(world * local, world, world, packs, TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    out = packer.finish()
+    length = {k: s for k, s, _ in placed}
+    tiles = np.zeros(world, dtype=np.int64)
+    for keys, owners in zip(np.split(out.keys, np.cumsum(out.sizes)[:-1]), np.split(out.owners, np.cumsum(out.sizes)[:-1]),
+                            strict=True):  # fmt: skip
+        lens = np.array([length[k] for k in keys.tolist()], dtype=np.int64)
+        starts, lengths, who = owned_runs(lens, owners, world * local, world)
+        rows = np.stack([np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, who, strict=True)
+                                         if o == r]) for r in range(world)])  # fmt: skip
+        tiles += varlen_live_tiles(rows, lens, world * local, TILE, pad_free=True)
+    return tiles.tolist(), sorted(out.keys.tolist())
+
+
+def test_settle_swaps_a_dear_piece_for_several_cheap_ones():
+    """Rank 0 holds two whole micro-batches of one document each (10 tiles apiece), rank 1 eight 128-token
+    documents (1 tile apiece), both full: no piece has a peer of its length nor a rank with room, so only a swap
+    of one long document for four short ones (10 tiles for 4) evens the step, at 14 tiles each."""
+    long = [(0, 512, (0, 0, 1)), (1, 512, (1, 0, 1))]
+    short = [(2 + i, 128, (i // 4, 1, 1)) for i in range(8)]
+    tiles, keys = _closed_tiles(long + short, world=2, local=512, packs=2)
+    assert keys == list(range(10))  # every piece dealt once
+    assert tiles == [14, 14]
+
+
+def test_settle_swaps_as_few_cheap_pieces_as_make_room_and_keeps_the_busier_rank_least():
+    """Rank 0 holds a 384-token document beside 128 tokens of pad (6 tiles) and a 512-token one (10), rank 1 eight
+    128-token documents: of the swaps, the 384-token document for three short ones (as few as make room; 6 tiles
+    for 3) leaves the busier rank at 13 (13 and 11), the 512-token one for four at 14 (10 and 14)."""
+    long = [(0, 384, (0, 0, 1)), (1, 512, (1, 0, 1))]
+    short = [(2 + i, 128, (i // 4, 1, 1)) for i in range(8)]
+    tiles, keys = _closed_tiles(long + short, world=2, local=512, packs=2)
+    assert keys == list(range(10))
+    assert tiles == [13, 11]
+
+
+def test_settle_leaves_a_swap_whose_cheap_pieces_would_not_fit_where_the_dear_one_was():
+    """Rank 0's 500-token documents fill their micro-batches beside a 12-token one; rank 1's four 128-token ones
+    (512 tokens, 4 tiles for 10) would not fit in the 500 tokens they would leave: nothing moves (22 and 8)."""
+    placed = [(0, 500, (0, 0, 1)), (1, 12, (0, 0, 1)), (2, 500, (1, 0, 1)), (3, 12, (1, 0, 1))]
+    placed += [(4 + i, 128, (i // 4, 1, 1)) for i in range(8)]
+    tiles, keys = _closed_tiles(placed, world=2, local=512, packs=2)
+    assert keys == list(range(12))
+    assert tiles == [22, 8]

@@ -13,8 +13,8 @@ Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in group whose ``siz
 constructor makes) schedules each system's documents at once, each group one micro-batch, a sub-sample on ``c``
 ranks laid out as TE THD's ``2c`` chunks. One tile counter, each system's kernel (``tile = 128``): a Megatron
 sub-sample is its own kernel call (:func:`cpdata.layout.tiles.live_tiles`); a cpdata rank runs varlen, each
-document piece a segment over its document's keys held or exchanged, each 128 pad tokens one diagonal tile
-(:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two readings of "the busiest rank over a
+document piece a segment over its document's keys held or exchanged, the pad that ends its row not run, other
+pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two readings of "the busiest rank over a
 step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's busiest rank (every micro-batch ends with
 its slowest rank: a world all-to-all per layer, or parameters gathered per layer); the ``step_`` columns take
 the rank whose sum over the micro-batches is largest (ranks wait only for the peers they exchange with, and
@@ -156,8 +156,8 @@ def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int)
 
 
 def _costs(table: SpanTable, lens: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per rank: varlen tiles (pad as the varlen kernel runs it, one diagonal tile per 128 pad tokens), keys
-    received, and of those from other nodes."""
+    """Per rank: varlen tiles (pad as the varlen kernel runs it: the tail of the row not at all, other pad one
+    diagonal tile per 128 tokens), keys received, and of those from other nodes."""
     plan = world_exchange(table)
     intra, inter = node_recv(plan, NODE_SIZE)
     return varlen_live_tiles(table.rows(), lens, table.pack_len, TILE, pad_free=True), intra + inter, inter

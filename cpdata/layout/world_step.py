@@ -15,10 +15,11 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   (``c <= 2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's) that keep it within the level, since
   on its fewest ranks it would leave their other micro-batches to pad (long_context 32 x 4K, seed 7: a
   89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the mean rank; on 32, 0.985 full
-  at 1.010);
+  at 1.010), and takes that power of two outright when its tiles a rank on its fewest pass what whole
+  pieces can add to a rank in the step's other micro-batches (the ranks left out could not catch up);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
-  first), on a rank chosen by what it adds over the pad it replaces (``a = tiles - s / tile``) against the
-  pieces still to come (``d``, tiles over pad per token; :meth:`StepBins.set_density`):
+  first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
+  token; :meth:`StepBins.set_density`):
 
   - dearer than them (``a >= s * d``): the least loaded rank with room; it waits for the next step
     (:meth:`StepBins.place` returns None) when that would lift the rank past :meth:`StepBins.target`
@@ -29,11 +30,13 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
     cheap pieces (alpaca 16 x 8K: fill 0.97 -> 1.00); else it waits.
 
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
-in another. A rank's load is exact: its pieces' varlen tiles (a spread piece's per its THD chunks,
-:func:`thd_tiles`) plus each micro-batch's pad as the varlen kernel runs it (``ceil(n / tile)`` diagonal
-tiles: a few tokens of pad cost a whole tile), less the constant ``packs * local / tile``. When the step
-closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these exact loads. The deal
-travels with its pack as slot owners (:func:`owned_runs`), never recomputed from the slot lengths.
+in another. That pad is free: each rank's pad is the tail of its local row (:func:`owned_runs`), which the
+varlen kernel does not run (:mod:`cpdata.device.varlen`). A rank's load is exact: its pieces' varlen tiles (a
+spread piece's per its THD chunks, :func:`thd_tiles`). Priced at a diagonal tile per 128 pad tokens instead,
+the deal balanced loads the kernel does not pay, and met Megatron's busiest rank on 76 of 80 bench rows (seeds
+1-8) rather than 79 (docs/benchmarks.md). When the step closes, :mod:`cpdata.packing.world_steps` settles
+the ranks above the mean on these exact loads. The deal travels with its pack as slot owners
+(:func:`owned_runs`), never recomputed from the slot lengths.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
 
-__all__ = ["LEVEL", "SLACK", "StepBins", "over_pad", "owned_runs", "spread_over_pad", "thd_tiles"]
+__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "piece_tiles", "thd_tiles"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -68,24 +71,21 @@ Placement = tuple[int, int, int]
 @functools.lru_cache(maxsize=4096)
 def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
     """Varlen tiles of each of ``c`` ranks holding a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``'s
-    chunks ``j`` and ``2c - 1 - j``, each a segment of its queries over the document's keys up to its last query."""
+    chunks ``j`` and ``2c - 1 - j``, each a segment of its queries over the document's keys up to its last query,
+    but rank ``c - 1``'s two, which follow each other: one segment (as the varlen plan runs them)."""
     chunk = thd_chunks(s, c)
     ends = list(itertools.accumulate(chunk))
-    return tuple(_segment(chunk[j], ends[j], tile) + _segment(chunk[2 * c - 1 - j], ends[2 * c - 1 - j], tile)
+    last = 2 * c - 1
+    return tuple(_segment(chunk[j] + chunk[c], ends[c], tile) if j == c - 1 else
+                 _segment(chunk[j], ends[j], tile) + _segment(chunk[last - j], ends[last - j], tile)
                  for j in range(c))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=4096)
-def spread_over_pad(s: int, c: int, tile: int) -> tuple[float, ...]:
-    """Tiles each of the ``c`` ranks holding a piece of ``s`` tokens (:func:`thd_tiles`) adds over the pad it
-    replaces."""
-    return tuple(t - n / tile for t, n in zip(thd_tiles(s, c, tile), thd_need(s, c), strict=True))
-
-
 @functools.lru_cache(maxsize=65536)
-def over_pad(s: int, tile: int) -> float:
-    """Tiles a whole piece of ``s`` tokens adds over the pad it replaces."""
-    return alone_tiles(s, tile) - s / tile
+def piece_tiles(s: int, tile: int) -> int:
+    """Tiles a whole piece of ``s`` tokens adds to its rank: all of its own (the pad it displaces is the rank's
+    trailing pad, which the varlen kernel does not run)."""
+    return alone_tiles(s, tile)
 
 
 def _segment(q: int, k: int, tile: int) -> int:
@@ -97,9 +97,8 @@ def _segment(q: int, k: int, tile: int) -> int:
 class StepBins:
     """The open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of ``local`` tokens.
 
-    A rank's ``load`` is its step cost less ``packs * local / tile``: its pieces' varlen tiles less one tile per
-    ``tile`` tokens, plus what its pad costs over ``n / tile`` (a run of ``n`` pad tokens is ``ceil(n / tile)``
-    diagonal tiles). With ``density`` (tiles over pad a token adds, as the pieces to come are expected to),
+    A rank's ``load`` is its step cost: its pieces' varlen tiles (its trailing pad costs nothing). With
+    ``density`` (tiles a token adds, as the pieces to come are expected to),
     a rank's *projected* load is its load plus its free tokens times the density: where it ends if the rest
     of its room fills like the average. :meth:`place` deals one piece (the module docstring's rules) so that
     the projected loads stay equal. Deterministic: the same pieces in the same order, after the same
@@ -108,7 +107,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
+                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming", "_densest")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -125,7 +124,8 @@ class StepBins:
         self._by_load = _Ranked([0.0] * world)  # loads
         self._projected = _Ranked([0.0] * world)  # load + free * density
         self._total = 0.0  # the loads' sum
-        self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles over pad, tokens; all's density
+        self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles, tokens; all's density
+        self._densest = alone_tiles(local, tile)  # the most tiles a whole piece adds to a micro-batch
 
     @property
     def free_tokens(self) -> int:
@@ -137,9 +137,9 @@ class StepBins:
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
         whole = [s for s in pieces if s <= self.local]
-        added, tokens = sum(over_pad(s, self.tile) for s in whole), sum(whole)
+        added, tokens = sum(piece_tiles(s, self.tile) for s in whole), sum(whole)
         if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
-            spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) - s / self.tile for s in pieces)
+            spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
@@ -179,7 +179,7 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = over_pad(s, self.tile)
+        added = piece_tiles(s, self.tile)
         self._seen(s, added)
         best_room, load, density = self.best_room, self.load, self.density
         best = -1
@@ -213,10 +213,10 @@ class StepBins:
 
     def top_up(self, s: int) -> Placement | None:
         """Place a whole piece where it keeps its rank at or under the busiest rank's load (it then costs the
-        step nothing and saves pad): the least loaded rank with room; None where none can."""
+        step nothing and fills pad): the least loaded rank with room; None where none can."""
         if s > self.local:
             return None
-        added = over_pad(s, self.tile)
+        added = piece_tiles(s, self.tile)
         r = self._lightest(s, self._by_load.values[-1] - added, -1)
         if r < 0:
             return None
@@ -234,11 +234,11 @@ class StepBins:
         k, c = empty[0], -(-s // self.local)
         if c == 1:
             r = self._by_load.ranks[0]
-            self._take(r, k, s, over_pad(s, self.tile))
+            self._take(r, k, s, piece_tiles(s, self.tile))
             return k, r, 1
         if c > self.world:
             return None
-        added = spread_over_pad(s, c, self.tile)
+        added = thd_tiles(s, c, self.tile)
         a = min(self._windows(c), key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
         self._take_spread(s, k, a, c)
         return k, a, c
@@ -247,14 +247,14 @@ class StepBins:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
         k, first, c = where
         if c == 1:
-            self._take(first, k, s, over_pad(s, self.tile))
+            self._take(first, k, s, piece_tiles(s, self.tile))
         else:
             self._take_spread(s, k, first, c)
 
     def move(self, s: int, where: Placement, level: float) -> Placement | None:
         """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
         keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
-        added = over_pad(s, self.tile)
+        added = piece_tiles(s, self.tile)
         r = self._lightest(s, level - added, where[1])
         if r < 0:
             return None
@@ -278,17 +278,15 @@ class StepBins:
         k, r, c = where
         if c != 1 or not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] + s > self.local:
             raise ValueError(f"no whole piece of {s} tokens can leave {where} of this step")
-        self._take(r, k, -s, -over_pad(s, self.tile))
+        self._take(r, k, -s, -piece_tiles(s, self.tile))
 
     def _take(self, r: int, k: int, s: int, added: float) -> None:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
-        load, free, room, tile, density = self.load, self.free, self.room[r], self.tile, self.density
+        load, free, room, density = self.load, self.free, self.room[r], self.density
         was, projected = load[r], load[r] + free[r] * density
-        left = room[k]
-        room[k] = left - s
-        added += (-((s - left) // tile) - (left - s) / tile) - (-(-left // tile) - left / tile)  # pad: ceil(n / tile)
+        room[k] -= s
         free[r] -= s
         self.best_room[r] = max(room)
         load[r] = now = was + added
@@ -298,7 +296,7 @@ class StepBins:
         self._projected.update(projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        for j, (n, added) in enumerate(zip(thd_need(s, c), spread_over_pad(s, c, self.tile), strict=True)):
+        for j, (n, added) in enumerate(zip(thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
             self._take(first + j, k, n, added)
 
     def _windows(self, c: int) -> list[int]:
@@ -312,11 +310,20 @@ class StepBins:
         """A piece longer than a rank's tokens: the micro-batch and window of ranks with room whose busiest load
         after it is least, on ``ceil(s / local)`` ranks; None (it waits) past the level. The piece that opens a
         step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
-        that keep it within the level, else the placement of least busiest load over those widths."""
+        that keep it within the level, else the placement of least busiest load over those widths; it takes that
+        power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
+        other micro-batches, one whole-micro-batch document each (:attr:`_densest`): the ranks left out could
+        not catch up (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at
+        0.32 x the mean rank, the step 1.036 x; on 32, 1.014 x)."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
         most = fewest if self.placed else min(self.world, 1 << (fewest - 1).bit_length())
+        if most > fewest and max(thd_tiles(s, fewest, self.tile)) > (self.packs - 1) * self._densest:
+            best = self._least_window(s, most)  # (the ranks left out could not catch up: Megatron's width)
+            if best is not None:
+                self._take_spread(s, best[1], best[2], most)
+                return best[1], best[2], most
         level = self.target() * (1 + self.slack)
         least = None
         for c in range(fewest, most + 1):
@@ -337,7 +344,7 @@ class StepBins:
     def _least_window(self, s: int, c: int) -> tuple[float, int, int] | None:
         """``(busiest load after, micro-batch, first rank)`` of the least placement of a piece of ``s`` tokens on
         ``c`` ranks (ties: the first micro-batch, then the lowest rank); None where none has room."""
-        need, added = thd_need(s, c), spread_over_pad(s, c, self.tile)
+        need, added = thd_need(s, c), thd_tiles(s, c, self.tile)
         starts = np.array(self._windows(c), dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view
         room = np.array(self.room, dtype=np.int64)  # [world, packs]
