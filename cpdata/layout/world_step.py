@@ -33,8 +33,8 @@ So micro-batches are not filled to the token: a rank that holds a long document 
 in another. That pad is free: each rank's pad is the tail of its local row (:func:`owned_runs`), which the
 varlen kernel does not run (:mod:`cpdata.device.varlen`). A rank's load is exact: its pieces' varlen tiles (a
 spread piece's per its THD chunks, :func:`thd_tiles`). Priced at a diagonal tile per 128 pad tokens instead,
-the deal balanced loads the kernel does not pay, and met Megatron's busiest rank on 76 of 80 bench rows (seeds
-1-8) rather than 79 (docs/benchmarks.md). When the step closes, :mod:`cpdata.packing.world_steps` settles
+the deal balanced work the kernel does not do: 4 of the bench's 80 step rows at seeds 1-8 stood over
+Megatron's busiest rank, against 1 with pad free (before the settle's swap of one piece for several). When the step closes, :mod:`cpdata.packing.world_steps` settles
 the ranks above the mean on these exact loads. The deal travels with its pack as slot owners
 (:func:`owned_runs`), never recomputed from the slot lengths.
 """
