@@ -51,7 +51,7 @@ RATIOS: tuple[str, ...] = ("tiles", "recv_keys", "inter_keys", "step_tiles", "st
 """The columns each cpdata row also gives over Megatron's (``<column>_vs_megatron``)."""
 TABLE: tuple[str, ...] = (*COLUMNS, *(f"{c}_vs_megatron" for c in RATIOS))
 TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's BalancedCPScheduler"
-NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "long_context", "stdlib")
+NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
 PER_PACK, STEP, MEGATRON = "cpdata world", "cpdata world step", "megatron BalancedCPScheduler"
