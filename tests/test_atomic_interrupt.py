@@ -62,9 +62,12 @@ def test_a_real_ctrl_c_while_writing_a_store_leaves_nothing_hidden(tmp_path):
     src = tmp_path / "d.jsonl"
     src.write_text("".join(json.dumps({"input_ids": [1, 2, i]}) + "\n" for i in range(50)))
     env = {**os.environ, "CPDATA_ATOMIC_STALL": "new", "PYTHONPATH": str(ROOT)}
+    # (a shell's background job, as `cmd &` in a script, inherits SIGINT ignored, and Python keeps it so: the
+    # child gets Ctrl-C's default disposition, as in a terminal, whatever launched the tests)
     proc = subprocess.Popen([sys.executable, "-m", "cpdata.cli", "pack-store", str(src), "--out",
                              str(tmp_path / "store"), "--quiet"], env=env, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+                            stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         assert proc.stderr.readline().strip() == "stalled at new"  # complete, about to be published
         proc.send_signal(signal.SIGINT)
