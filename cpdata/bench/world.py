@@ -14,12 +14,12 @@ constructor makes) schedules each system's documents at once, each group one mic
 ranks laid out as TE THD's ``2c`` chunks. One tile counter, each system's kernel (``tile = 128``): a Megatron
 sub-sample is its own kernel call (:func:`cpdata.layout.tiles.live_tiles`); a cpdata rank runs varlen, each
 document piece a segment over its document's keys held or exchanged, the pad that ends its row not run, other
-pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two readings of "the busiest rank over a
-step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's busiest rank (every micro-batch ends with
-its slowest rank: a world all-to-all per layer, or parameters gathered per layer); the ``step_`` columns take
-the rank whose sum over the micro-batches is largest (ranks wait only for the peers they exchange with, and
-all meet once a step). docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the
-section says why and gives cpdata's rows alone.
+pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two
+readings of "the busiest rank over a step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's
+busiest rank (every micro-batch ends with its slowest rank: a world all-to-all per layer, or parameters gathered
+per layer); the ``step_`` columns take the rank whose sum over the micro-batches is largest (ranks wait only for
+the peers they exchange with, and all meet once a step). docs/benchmarks.md defines each column. Where
+megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
 """
 
 from __future__ import annotations

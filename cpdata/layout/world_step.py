@@ -32,11 +32,12 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
 in another. That pad is free: each rank's pad is the tail of its local row (:func:`owned_runs`), which the
 varlen kernel does not run (:mod:`cpdata.device.varlen`). A rank's load is exact: its pieces' varlen tiles (a
-spread piece's per its THD chunks, :func:`thd_tiles`). Priced at a diagonal tile per 128 pad tokens instead,
-the deal balanced work the kernel does not do: 4 of the bench's 80 step rows at seeds 1-8 stood over
-Megatron's busiest rank, against 1 with pad free (before the settle's swap of one piece for several). When the step closes, :mod:`cpdata.packing.world_steps` settles
-the ranks above the mean on these exact loads. The deal travels with its pack as slot owners
-(:func:`owned_runs`), never recomputed from the slot lengths.
+spread piece's per its THD chunks, :func:`thd_tiles`; a whole piece's, ``alone_tiles``). Priced at a diagonal
+tile per 128 pad tokens instead, the deal balanced work the kernel does not do: 4 of the bench's 80 step rows
+at seeds 1-8 stood over Megatron's busiest rank, against 1 with pad free (before the settle's swap of one piece
+for several). When the step closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these
+exact loads. The deal travels with its pack as slot owners (:func:`owned_runs`), never recomputed from the slot
+lengths.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
 
-__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "piece_tiles", "thd_tiles"]
+__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -81,13 +82,6 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
                  for j in range(c))  # fmt: skip
 
 
-@functools.lru_cache(maxsize=65536)
-def piece_tiles(s: int, tile: int) -> int:
-    """Tiles a whole piece of ``s`` tokens adds to its rank: all of its own (the pad it displaces is the rank's
-    trailing pad, which the varlen kernel does not run)."""
-    return alone_tiles(s, tile)
-
-
 def _segment(q: int, k: int, tile: int) -> int:
     """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
     d = k - q
@@ -107,7 +101,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming", "_densest")  # fmt: skip
+                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -125,7 +119,6 @@ class StepBins:
         self._projected = _Ranked([0.0] * world)  # load + free * density
         self._total = 0.0  # the loads' sum
         self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles, tokens; all's density
-        self._densest = alone_tiles(local, tile)  # the most tiles a whole piece adds to a micro-batch
 
     @property
     def free_tokens(self) -> int:
@@ -137,7 +130,7 @@ class StepBins:
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
         whole = [s for s in pieces if s <= self.local]
-        added, tokens = sum(piece_tiles(s, self.tile) for s in whole), sum(whole)
+        added, tokens = sum(alone_tiles(s, self.tile) for s in whole), sum(whole)
         if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
             spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
@@ -179,7 +172,7 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = piece_tiles(s, self.tile)
+        added = alone_tiles(s, self.tile)
         self._seen(s, added)
         best_room, load, density = self.best_room, self.load, self.density
         best = -1
@@ -216,7 +209,7 @@ class StepBins:
         step nothing and fills pad): the least loaded rank with room; None where none can."""
         if s > self.local:
             return None
-        added = piece_tiles(s, self.tile)
+        added = alone_tiles(s, self.tile)
         r = self._lightest(s, self._by_load.values[-1] - added, -1)
         if r < 0:
             return None
@@ -234,7 +227,7 @@ class StepBins:
         k, c = empty[0], -(-s // self.local)
         if c == 1:
             r = self._by_load.ranks[0]
-            self._take(r, k, s, piece_tiles(s, self.tile))
+            self._take(r, k, s, alone_tiles(s, self.tile))
             return k, r, 1
         if c > self.world:
             return None
@@ -247,14 +240,14 @@ class StepBins:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
         k, first, c = where
         if c == 1:
-            self._take(first, k, s, piece_tiles(s, self.tile))
+            self._take(first, k, s, alone_tiles(s, self.tile))
         else:
             self._take_spread(s, k, first, c)
 
     def move(self, s: int, where: Placement, level: float) -> Placement | None:
         """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
         keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
-        added = piece_tiles(s, self.tile)
+        added = alone_tiles(s, self.tile)
         r = self._lightest(s, level - added, where[1])
         if r < 0:
             return None
@@ -278,7 +271,7 @@ class StepBins:
         k, r, c = where
         if c != 1 or not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] + s > self.local:
             raise ValueError(f"no whole piece of {s} tokens can leave {where} of this step")
-        self._take(r, k, -s, -piece_tiles(s, self.tile))
+        self._take(r, k, -s, -alone_tiles(s, self.tile))
 
     def _take(self, r: int, k: int, s: int, added: float) -> None:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
@@ -312,14 +305,15 @@ class StepBins:
         step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
         that keep it within the level, else the placement of least busiest load over those widths; it takes that
         power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
-        other micro-batches, one whole-micro-batch document each (:attr:`_densest`): the ranks left out could
-        not catch up (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at
-        0.32 x the mean rank, the step 1.036 x; on 32, 1.014 x)."""
+        other micro-batches, one whole-micro-batch document each (``alone_tiles(local)``): the ranks left out
+        could not catch up (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the
+        32nd at 0.32 x the mean rank, the step 1.036 x; on 32, 1.012 x)."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
         most = fewest if self.placed else min(self.world, 1 << (fewest - 1).bit_length())
-        if most > fewest and max(thd_tiles(s, fewest, self.tile)) > (self.packs - 1) * self._densest:
+        densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
+        if most > fewest and max(thd_tiles(s, fewest, self.tile)) > (self.packs - 1) * densest:
             best = self._least_window(s, most)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 self._take_spread(s, best[1], best[2], most)

@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cpdata.layout.world_step import Placement, StepBins, piece_tiles
+from cpdata.layout.world_plan import alone_tiles
+from cpdata.layout.world_step import Placement, StepBins
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
@@ -187,7 +188,7 @@ class _Settle:
         self.packer, self.bins, self.step, self.tile = packer, packer._bins, packer._step, packer.tile
         bins = self.bins
         self.level = sum(bins.load) / bins.world
-        self.cost = [piece_tiles(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
+        self.cost = [alone_tiles(s, self.tile) if c == 1 else 0.0 for _, s, (_, _, c) in self.step]
         self.length = [s for _, s, _ in self.step]  # (kept as the step's pieces change)
         self._length = self.length.__getitem__
         # each rank's whole pieces (indices into the step), by (length, index) and by (-cost, index)
@@ -234,8 +235,8 @@ class _Settle:
                     continue
                 at = bisect.bisect_right(sizes, s + bins.room[h][k])
                 w = next((sizes[j] for j in range(at - 1, max(at - 64, 0) - 1, -1) if pool.get(sizes[j])
-                          and piece_tiles(sizes[j], self.tile) < added), 0)  # fmt: skip
-                gain = added - piece_tiles(w, self.tile) if w else 0.0
+                          and alone_tiles(sizes[j], self.tile) < added), 0)  # fmt: skip
+                gain = added - alone_tiles(w, self.tile) if w else 0.0
                 over = bins.load[h] - level
                 if w and gain <= 2 * over and min(gain, over) > (gain + (s - w) / self.tile) / bins.world:
                     bins.take_back(s, (k, h, 1))
@@ -244,7 +245,7 @@ class _Settle:
                     wkey = pool[w].pop()
                     step[i] = (wkey, w, (k, h, 1))
                     self.length[i] = w
-                    self.cost[i] = piece_tiles(w, self.tile)
+                    self.cost[i] = alone_tiles(w, self.tile)
                     self._add(h, i)
                     waiting.remove((wkey, w))
                     waiting.append((key, s))
