@@ -112,6 +112,25 @@ def test_world_step_refuses_what_cannot_carry_its_owners():
                          PackKeys(keys=keys, sizes=np.array([3]))])  # fmt: skip
 
 
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_a_stream_whose_last_window_closes_no_step_ends_with_its_owned_packs(step: int) -> None:
+    """Twelve short documents at 4 x 16 tokens: a window that closes no step yields no packs (and no owners);
+    joined with the packs the end of the stream closes (with owners) they make one stream, every document dealt
+    once (a window's empty output once refused to join: "packs with owners and packs without")."""
+    from tests import hf_zoo
+
+    docs = hf_zoo.docs()
+    plans = list(Pack(Documents(docs), capacity=64, layout=LAYOUT, cp_size=W, overflow="split", world_step=step))
+    assert all(p.owners is not None for p in plans)
+    dealt = sorted((i, s) for p in plans for i, s, _ in p.columns[:, :3].tolist())
+    assert [i for i, s in dealt if s == 0] == list(range(len(docs)))  # each document's first token dealt once
+    assert sum(int(p.slot_lens.sum()) for p in plans) == sum(len(d["input_ids"]) for d in docs)
+    empty = PackKeys(keys=np.zeros(0, dtype=np.int64), sizes=np.zeros(0, dtype=np.int64))
+    owned = PackKeys(keys=np.arange(3, dtype=np.int64), sizes=np.array([3]), owners=np.zeros((3, 2), np.int64))
+    joined = PackKeys.concat([empty, owned, empty])
+    assert joined.owners is not None and joined.keys.tolist() == [0, 1, 2] and joined.sizes.tolist() == [3]
+
+
 def test_owners_that_do_not_fit_the_pack_are_refused():
     lens = np.array([LOCAL, 10], dtype=np.int64)
     with pytest.raises(ValueError, match="outside a world of 4"):

@@ -232,6 +232,7 @@ class PackKeys:
     def concat(cls, parts: Sequence[PackKeys]) -> PackKeys:
         if not parts:
             return cls(keys=np.zeros(0, np.int64), sizes=np.zeros(0, np.int64))
+        parts = [p for p in parts if len(p)] or parts[:1]  # (no packs: nothing owned or not, e.g. no step closed)
         owned = [p.owners is not None for p in parts]
         if any(owned) and not all(owned):
             raise ValueError("PackKeys.concat: packs with owners and packs without cannot make one stream of packs")
