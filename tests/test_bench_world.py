@@ -52,7 +52,7 @@ def test_the_step_rows_are_the_step_packers_packs_laid_out_from_their_owners():
     """The step system's packs: every rank within its tokens, every document once, owners as the layout reads
     them (each run's owner the packer's), and the counted tiles those of the varlen kernel on that layout."""
     from cpdata.layout.tiles import varlen_live_tiles
-    from cpdata.layout.world_step import owned_runs
+    from cpdata.layout.world_step import owned_runs, owner_ranks
 
     packs, seconds = world.step_packs("sft", 8, 2048, 3)
     assert len(packs) == 3 and seconds > 0
@@ -64,10 +64,10 @@ def test_the_step_rows_are_the_step_packers_packs_laid_out_from_their_owners():
         rows = [np.concatenate([np.arange(a, a + n) for a, n, o in runs if o == r]) for r in range(8)]
         assert all(row.size == 2048 for row in rows)
         assert np.array_equal(tiles, varlen_live_tiles(np.stack(rows), lens, 8 * 2048, 128, pad_free=True))
-        spread = {int(f) + j for f, c in owners.tolist() if c > 1 for j in range(c)}
+        spread = {r for f, c in owners.tolist() if abs(c) > 1 for r in owner_ranks(f, c)}
         whole_only = [r for r in range(8) if r not in spread]
         assert (inter <= recv).all() and (recv[whole_only] == 0).all()  # a whole document needs no one's keys
-    assert any(c > 1 for _, owners in packs for c in owners[:, 1].tolist())  # (a spread document was counted)
+    assert any(abs(c) > 1 for _, owners in packs for c in owners[:, 1].tolist())  # (a spread document counted)
 
 
 def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatch, tmp_path):

@@ -9,9 +9,13 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 - pieces go longest first;
 - a piece longer than ``L`` spreads over the fewest ranks, ``c = ceil(s / L)``, consecutive and inside one
   node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
-  ``2c - 1 - i``); of every micro-batch and window of ranks with room, the one whose busiest rank's step load
-  after it is least (ties: the first micro-batch, then the lowest rank); past the level it waits, unless it
-  opens the step: then it takes the fewest ranks up to the power of two Megatron's scheduler would give it
+  ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last: :func:`owner_ranks`); of every
+  micro-batch, window of ranks with room and orientation, the one whose busiest rank's step load after it is
+  least (ties: the first micro-batch, then the lowest rank, then THD's order) among those that keep the step's
+  busiest receiver within the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal keys, the first
+  ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would receive
+  most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap); past the level or the
+  cap it waits, unless it opens the step: then it takes the fewest ranks up to the power of two Megatron's scheduler would give it
   (``c <= 2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's) that keep it within the level, since
   on its fewest ranks it would leave their other micro-batches to pad (long_context 32 x 4K, seed 7: a
   89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the mean rank; on 32, 0.985 full
@@ -51,7 +55,7 @@ import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
 
-__all__ = ["LEVEL", "SLACK", "StepBins", "owned_runs", "thd_tiles"]
+__all__ = ["LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "owned_runs", "owner_ranks", "thd_recv", "thd_tiles"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -65,8 +69,21 @@ LEVEL = 0.25
 """The quantile of the ranks' projected loads a whole piece may not lift its rank past (:meth:`StepBins.target`;
 docs/benchmarks.md measures 0, 0.25 and 0.5)."""
 
+RECEIVE_CAP = 1.75
+"""A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its
+own first role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`;
+at 1.5 pieces waited that long_context needed, 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank; at 2,
+web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15)."""
+
 Placement = tuple[int, int, int]
-"""``(micro-batch, first rank, ranks)``."""
+"""``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
+``ranks`` is negative, ``first`` down to ``first + ranks + 1`` (the window's roles mirrored)."""
+
+
+def owner_ranks(first: int, ranks: int) -> range:
+    """The ranks of a placement ``(first, ranks)`` (:data:`Placement`), in THD role order: role ``j`` of a
+    spread piece (chunks ``j`` and ``2c - 1 - j``) is the ``j``-th."""
+    return range(first, first + ranks, 1 if ranks > 0 else -1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,6 +97,15 @@ def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
     return tuple(_segment(chunk[j] + chunk[c], ends[c], tile) if j == c - 1 else
                  _segment(chunk[j], ends[j], tile) + _segment(chunk[last - j], ends[last - j], tile)
                  for j in range(c))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def thd_recv(s: int, c: int) -> tuple[int, ...]:
+    """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``
+    needs the keys up to the end of its later chunk ``2c - 1 - j`` and holds two chunks of them."""
+    chunk = thd_chunks(s, c)
+    ends = list(itertools.accumulate(chunk))
+    return tuple(ends[2 * c - 1 - j] - chunk[j] - chunk[2 * c - 1 - j] for j in range(c))
 
 
 def _segment(q: int, k: int, tile: int) -> int:
@@ -101,7 +127,7 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
+                 "density", "recv", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -111,6 +137,7 @@ class StepBins:
         self.free = [local * packs] * world  # per rank, over the micro-batches
         self.best_room = [local] * world  # per rank: the most room of one micro-batch
         self.load = [0.0] * world
+        self.recv = [0] * world  # keys each rank receives over the step
         self.placed = 0  # tokens
         self._capacity = packs * world * local
         self.density = 0.0
@@ -231,10 +258,7 @@ class StepBins:
             return k, r, 1
         if c > self.world:
             return None
-        added = thd_tiles(s, c, self.tile)
-        a = min(self._windows(c), key=lambda a: (max(self.load[a + j] + added[j] for j in range(c)), a))
-        self._take_spread(s, k, a, c)
-        return k, a, c
+        return self._take_choice(s, self._choose(s, c, np.inf, np.inf, k))
 
     def restore(self, s: int, where: Placement) -> None:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
@@ -289,8 +313,11 @@ class StepBins:
         self._projected.update(projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        for j, (n, added) in enumerate(zip(thd_need(s, c), thd_tiles(s, c, self.tile), strict=True)):
-            self._take(first + j, k, n, added)
+        n = abs(c)
+        roles = zip(owner_ranks(first, c), thd_need(s, n), thd_tiles(s, n, self.tile), thd_recv(s, n), strict=True)
+        for r, need, added, keys in roles:
+            self._take(r, k, need, added)
+            self.recv[r] += keys
 
     def _windows(self, c: int) -> list[int]:
         """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when
@@ -300,8 +327,9 @@ class StepBins:
         return [a for a in range(self.world - c + 1) if a // self.node_size == (a + c - 1) // self.node_size]
 
     def _spread(self, s: int) -> Placement | None:
-        """A piece longer than a rank's tokens: the micro-batch and window of ranks with room whose busiest load
-        after it is least, on ``ceil(s / local)`` ranks; None (it waits) past the level. The piece that opens a
+        """A piece longer than a rank's tokens: the micro-batch, window of ranks with room and orientation whose
+        busiest load after it is least, on ``ceil(s / local)`` ranks, within the receive cap (:meth:`_choose`);
+        None (it waits) past the level or the cap. The piece that opens a
         step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
         that keep it within the level, else the placement of least busiest load over those widths; it takes that
         power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
@@ -314,42 +342,59 @@ class StepBins:
         most = fewest if self.placed else min(self.world, 1 << (fewest - 1).bit_length())
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
         if most > fewest and max(thd_tiles(s, fewest, self.tile)) > (self.packs - 1) * densest:
-            best = self._least_window(s, most)  # (the ranks left out could not catch up: Megatron's width)
+            best = self._choose(s, most, np.inf)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
-                self._take_spread(s, best[1], best[2], most)
-                return best[1], best[2], most
+                return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
-        least = None
         for c in range(fewest, most + 1):
-            best = self._least_window(s, c)
-            if best is None:
-                continue
-            if best[0] <= level:
-                least = (*best, c)
-                break
-            if least is None or best[0] < least[0]:
-                least = (*best, c)
-        if least is None or (self.placed and least[0] > level):
+            best = self._choose(s, c, level)
+            if best is not None:
+                return self._take_choice(s, best)
+        if self.placed:
             return None
-        _, k, a, c = least
-        self._take_spread(s, k, a, c)
-        return k, a, c
+        choices = [best for c in range(fewest, most + 1) if (best := self._choose(s, c, np.inf)) is not None]
+        return self._take_choice(s, min(choices, key=lambda best: best[0])) if choices else None
 
-    def _least_window(self, s: int, c: int) -> tuple[float, int, int] | None:
-        """``(busiest load after, micro-batch, first rank)`` of the least placement of a piece of ``s`` tokens on
-        ``c`` ranks (ties: the first micro-batch, then the lowest rank); None where none has room."""
-        need, added = thd_need(s, c), thd_tiles(s, c, self.tile)
+    def _take_choice(self, s: int, choice: tuple[float, int, int, int] | None) -> Placement | None:
+        """Spread ``s`` tokens where :meth:`_choose` chose (None: nowhere)."""
+        if choice is None:
+            return None
+        _, k, first, c = choice
+        self._take_spread(s, k, first, c)
+        return k, first, c
+
+    def _choose(self, s: int, c: int, level: float, cap: float | None = None, pack: int | None = None
+                ) -> tuple[float, int, int, int] | None:  # fmt: skip
+        """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
+        tokens on ``c`` ranks (:meth:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
+        room, whose busiest rank's load stays within ``level`` and whose busiest receiver within ``cap`` (None:
+        the receive cap, :data:`RECEIVE_CAP`), the one of least busiest load (ties: the first micro-batch, the
+        lowest rank, THD's orientation); None where none.
+
+        The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
+        ``(c - 1) / 2c``: :func:`thd_recv`) for near-equal tiles, so under the cap a window or its mirror keeps a
+        rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 -> 0.85 x Megatron's
+        busiest receiver)."""
+        need, added, keys = (np.array(v) for v in (thd_need(s, c), thd_tiles(s, c, self.tile), thd_recv(s, c)))
+        recv = self.recv
+        if cap is None:
+            cap = max(max(recv), int(keys[0]), RECEIVE_CAP * (sum(recv) + int(keys.sum())) / self.world)
         starts = np.array(self._windows(c), dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view
-        room = np.array(self.room, dtype=np.int64)  # [world, packs]
-        fits = (windows(room, c, axis=0)[starts] >= np.array(need)[None, None]).all(2)  # [starts, packs]
-        score = (windows(np.array(self.load), c)[starts] + np.array(added)).max(axis=1)  # [starts]
-        by_pack = np.where(fits, score[:, None], np.inf).T.reshape(-1)  # micro-batch after micro-batch
-        best = int(np.argmin(by_pack))
-        if by_pack[best] == np.inf:
+        room = windows(np.array(self.room, dtype=np.int64), c, axis=0)[starts]  # [starts, packs, c]
+        if pack is not None:
+            room = room[:, pack:pack + 1]
+        roles = np.stack([np.arange(c), np.arange(c)[::-1]])  # [orientation, window position]: the role there
+        score = (windows(np.array(self.load), c)[starts][None] + added[roles][:, None]).max(2)  # [2, starts]
+        receiver = (windows(np.array(recv), c)[starts][None] + keys[roles][:, None]).max(2)  # [2, starts]
+        fits = (room[None] >= need[roles][:, None, None]).all(3)  # [2, starts, packs]
+        o, a, k = np.nonzero(fits & ((score <= level) & (receiver <= cap))[:, :, None])
+        if not o.size:
             return None
-        k, a = divmod(best, starts.shape[0])
-        return float(by_pack[best]), k, int(starts[a])
+        i = np.lexsort((o, a, k, score[o, a]))[0]
+        o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
+        first = int(starts[w])
+        return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
 
 
 class _Ranked:
@@ -389,22 +434,25 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
     positions (its pad last).
 
     ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
-    first; ``c > 1``: TE THD's ``2c`` chunks over ``c`` consecutive ranks). ``ValueError`` when a rank would
-    hold more than its positions or a slot names a rank outside the world.
+    first; ``c > 1``: TE THD's ``2c`` chunks over ``c`` consecutive ranks up from the first, rank ``first + j``
+    taking chunks ``j`` and ``2c - 1 - j``; ``-c``: the same roles down from it, :func:`owner_ranks`).
+    ``ValueError`` when a rank would hold more than its positions or a slot names a rank outside the world.
     """
     local = pack_len // world
     held = np.zeros(world, dtype=np.int64)
     runs: list[tuple[int, int, int]] = []
     at = 0
     for s, (first, c) in zip(slot_lens.tolist(), owners.tolist(), strict=True):
-        if not (0 <= first and c >= 1 and first + c <= world):
-            raise ValueError(f"a slot of {s} tokens names ranks {first}..{first + c - 1}, outside a world of {world}")
-        if c == 1:
+        ranks = owner_ranks(first, c)
+        if not ranks or not (0 <= min(ranks) and max(ranks) < world):
+            raise ValueError(f"a slot of {s} tokens names ranks {first}..{first + c - (1 if c > 0 else -1)} "
+                             f"(first rank {first}, ranks {c}), outside a world of {world}")  # fmt: skip
+        if len(ranks) == 1:
             runs.append((at, s, first))
             held[first] += s
-        for offset, n, i in thd_runs(s, c) if c > 1 else ():
-            runs.append((at + offset, n, first + i))
-            held[first + i] += n
+        for offset, n, i in thd_runs(s, len(ranks)) if len(ranks) > 1 else ():
+            runs.append((at + offset, n, ranks[i]))
+            held[ranks[i]] += n
         at += s
     if int(held.max(initial=0)) > local or at > pack_len:
         raise ValueError(f"slot owners give a rank {int(held.max())} tokens (slots {at}) in a pack of {pack_len} "
