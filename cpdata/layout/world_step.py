@@ -329,13 +329,13 @@ class StepBins:
     def _spread(self, s: int) -> Placement | None:
         """A piece longer than a rank's tokens: the micro-batch, window of ranks with room and orientation whose
         busiest load after it is least, on ``ceil(s / local)`` ranks, within the receive cap (:meth:`_choose`);
-        None (it waits) past the level or the cap. The piece that opens a
-        step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
-        that keep it within the level, else the placement of least busiest load over those widths; it takes that
-        power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
-        other micro-batches, one whole-micro-batch document each (``alone_tiles(local)``): the ranks left out
-        could not catch up (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the
-        32nd at 0.32 x the mean rank, the step 1.036 x; on 32, 1.012 x)."""
+        None (it waits) past the level or the cap. The piece that opens a step cannot wait: it takes the fewest
+        ranks, up to the power of two Megatron's scheduler would give it, that keep it within the level, else the
+        placement of least busiest load over those widths; it takes that power of two outright when its tiles a
+        rank on its fewest would pass what a rank can add in the step's other micro-batches, one
+        whole-micro-batch document each (``alone_tiles(local)``): the ranks left out could not catch up
+        (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at 0.32 x the
+        mean rank, the step 1.036 x; on 32, 1.012 x)."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
