@@ -355,18 +355,13 @@ def test_mirrored_owners_give_each_role_to_the_rank_counted_down_from_the_first(
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_received_keys_are_the_exchanges(seed: int) -> None:
     """The keys the deal counts each rank receiving over the step are what the exchange plan of the packs' layouts
-    delivers it (both orientations dealt across the seeds)."""
-    from cpdata.layout.exchange import node_recv, world_exchange
-    from cpdata.layout.world_deal import world_block
+    delivers it (both orientations dealt across the seeds), as the bench counts them (world._step)."""
+    from cpdata.bench import world
 
     bins, placed = _deal(_lengths(seed, 90))
-    recv = np.zeros(WORLD, dtype=np.int64)
-    for k in range(PACKS):
-        mine = [(s, first, c) for s, (kk, first, c) in placed if kk == k]
-        if mine:
-            lens = np.array([m[0] for m in mine], dtype=np.int64)
-            block = world_block(lens, None, WORLD * LOCAL, WORLD, NODE, owners=[np.array([m[1:] for m in mine])])
-            recv += sum(node_recv(world_exchange(block.tables()[0]), NODE))
+    packs = [(np.array([s for s, _, _ in mine], dtype=np.int64), np.array([w for _, *w in mine]))
+             for k in range(PACKS) if (mine := [(s, first, c) for s, (kk, first, c) in placed if kk == k])]
+    recv = sum(costs[1] for costs in world._step(packs, WORLD, LOCAL))
     assert recv.sum() > 0 and bins.recv == recv.tolist()
 
 

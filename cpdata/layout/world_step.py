@@ -15,12 +15,13 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   busiest receiver within the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal keys, the first
   ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would receive
   most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap); past the level or the
-  cap it waits, unless it opens the step: then it takes the fewest ranks up to the power of two Megatron's scheduler would give it
-  (``c <= 2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's) that keep it within the level, since
-  on its fewest ranks it would leave their other micro-batches to pad (long_context 32 x 4K, seed 7: a
-  89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the mean rank; on 32, 0.985 full
-  at 1.010), and takes that power of two outright when its tiles a rank on its fewest pass what whole
-  pieces can add to a rank in the step's other micro-batches (the ranks left out could not catch up);
+  cap it waits, unless it opens the step: then it takes the fewest ranks up to the power of two Megatron's
+  scheduler would give it (``c <= 2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's) that keep
+  it within the level, since on its fewest ranks it would leave their other micro-batches to pad
+  (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x
+  the mean rank; on 32, 0.985 full at 1.010), and takes that power of two outright when its tiles a rank on
+  its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out
+  could not catch up);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):

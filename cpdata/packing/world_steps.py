@@ -59,7 +59,7 @@ on the least loaded ranks, for at most this many exchanges a rank."""
 SETTLE_PASSES, SETTLE_AGAIN = 2, 0.01
 """Settle and top up at most this many times, again only while the busiest rank stands more than this fraction
 above the mean: the second settles to the mean the first left (the pieces it sent back to wait and the top-up
-that replaced them lowered it; web 32 x 4K, seed 7: 1.030 -> 1.025 x the mean rank; alpaca's steps, at the
+that replaced them lowered it; web 32 x 4K, seed 7: 1.030 -> 1.024 x the mean rank; alpaca's steps, at the
 mean after one, would pay 10% more solve for nothing)."""
 
 MANY_ROUNDS = 8
