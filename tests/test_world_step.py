@@ -338,15 +338,15 @@ def test_thd_recv_is_what_each_role_lacks_of_its_keys():
 def test_mirrored_owners_give_each_role_to_the_rank_counted_down_from_the_first():
     """A slot on ranks ``(3, -3)`` is laid out as on ``(1, 3)`` with ranks 1 and 3 swapped: rank 3 takes chunks 0
     and 5, rank 1 chunks 2 and 3; bad owners are refused with their values."""
-    lens = np.array([600, 100], dtype=np.int64)
+    lens = np.array([1200, 100], dtype=np.int64)  # (3 ranks of 512, within Megatron's 4: TE THD's chunks of 200)
     up = owned_runs(lens, np.array([[1, 3], [0, 1]]), WORLD * LOCAL, WORLD)
     down = owned_runs(lens, np.array([[3, -3], [0, 1]]), WORLD * LOCAL, WORLD)
     swap = [0, 3, 2, 1, *range(4, WORLD)]
-    real_up, real_down = ([row[row < 700].tolist() for row in _rows(*runs)] for runs in (up, down))
+    real_up, real_down = ([row[row < 1300].tolist() for row in _rows(*runs)] for runs in (up, down))
     assert real_down == [real_up[r] for r in swap]  # (each rank's pad follows its real tokens either way)
     rows_down = _rows(*down)
     assert owner_ranks(3, -3) == range(3, 0, -1) and list(owner_ranks(5, 1)) == [5]
-    assert rows_down[3][:100].tolist() == list(range(100)) and rows_down[3][100:200].tolist() == list(range(500, 600))
+    assert rows_down[3][:200].tolist() == list(range(200)) and rows_down[3][200:400].tolist() == list(range(1000, 1200))
     for bad in ([1, 0], [1, -3], [7, 2]):
         with pytest.raises(ValueError, match=f"first rank {bad[0]}, ranks {bad[1]}"):
             owned_runs(lens[:1], np.array([bad]), WORLD * LOCAL, WORLD)
@@ -415,3 +415,31 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
 
     (once, once_tokens), (twice, twice_tokens) = step(1), step(2)
     assert twice < once and twice_tokens >= once_tokens
+
+
+def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside_its_node(monkeypatch) -> None:
+    """web 16 x 8K, seed 13: a 31,467-token document on Megatron's 4 ranks costs each 7,718 tiles, and the step's
+    busiest rank stands at 1.37 x its mean. Cut past Megatron's width (cpdata.layout.spread), on up to 8 ranks of
+    one node, no rank receives more than THD's first role on 4 (23,600 keys) and the step stands at 1.002 x."""
+    from cpdata.bench import world
+    from cpdata.layout import spread, world_step
+
+    def step() -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
+        world_step._roles.cache_clear()
+        packs, _ = world.step_packs("web", 16, 8192, 8, 13)
+        (owners,) = [own for lens, own in packs for s, own in zip(lens.tolist(), own.tolist(), strict=True) if s == 31_467]
+        costs = world._step(packs, 16, 8192)
+        return owners, *(np.stack([c[i] for c in costs]).sum(axis=0) for i in (0, 1))
+
+    (first, c), tiles, recv = step()
+    ranks = list(owner_ranks(first, c))
+    assert 4 < abs(c) <= 8 and len({r // 8 for r in ranks}) == 1
+    assert recv.max() <= thd_recv(31_467, 4)[0] == 23_600
+    assert tiles.max() <= 1.03 * tiles.mean()
+    # the same step where the cut cannot go past Megatron's width
+    monkeypatch.setattr(world_step, "spread_chunks",
+                        lambda s, c, local: spread.spread_chunks(s, c, local) if c <= spread.megatron_width(s, local)
+                        else None)  # fmt: skip
+    (_, narrow), tiles, _ = step()
+    world_step._roles.cache_clear()
+    assert abs(narrow) == 4 and tiles.max() > 1.3 * tiles.mean()

@@ -21,7 +21,10 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x
   the mean rank; on 32, 0.985 full at 1.010), and takes that power of two outright when its tiles a rank on
   its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out
-  could not catch up);
+  could not catch up); where that power of two is narrower than a node and still past the level, it goes
+  wider inside the node in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more than
+  THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
+  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -37,24 +40,31 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
 in another. That pad is free: each rank's pad is the tail of its local row (:func:`owned_runs`), which the
 varlen kernel does not run (:mod:`cpdata.device.varlen`). A rank's load is exact: its pieces' varlen tiles (a
-spread piece's per its THD chunks, :func:`thd_tiles`; a whole piece's, ``alone_tiles``). Priced at a diagonal
-tile per 128 pad tokens instead, the deal balanced work the kernel does not do: 4 of the bench's 80 step rows
-at seeds 1-8 stood over Megatron's busiest rank, against 1 with pad free (before the settle's swap of one piece
-for several). When the step closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these
-exact loads. The deal travels with its pack as slot owners (:func:`owned_runs`), never recomputed from the slot
-lengths.
+spread piece's per its chunks, :func:`~cpdata.layout.spread.chunk_tiles`; a whole piece's, ``alone_tiles``).
+Priced at a diagonal tile per 128 pad tokens instead, the deal balanced work the kernel does not do: 4 of the
+bench's 80 step rows at seeds 1-8 stood over Megatron's busiest rank, against 1 with pad free (before the
+settle's swap of one piece for several). When the step closes, :mod:`cpdata.packing.world_steps` settles the
+ranks above the mean on these exact loads. The deal travels with its pack as slot owners (:func:`owned_runs`),
+never recomputed from the slot lengths.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_plan import alone_tiles, thd_chunks, thd_need, thd_runs
+from cpdata.layout.spread import (
+    chunk_need,
+    chunk_recv,
+    chunk_tiles,
+    megatron_width,
+    spread_chunks,
+    spread_runs,
+)
+from cpdata.layout.world_plan import alone_tiles, thd_chunks
 
 __all__ = ["LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "owned_runs", "owner_ranks", "thd_recv", "thd_tiles"]
 
@@ -87,32 +97,24 @@ def owner_ranks(first: int, ranks: int) -> range:
     return range(first, first + ranks, 1 if ranks > 0 else -1)
 
 
-@functools.lru_cache(maxsize=4096)
 def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
-    """Varlen tiles of each of ``c`` ranks holding a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``'s
-    chunks ``j`` and ``2c - 1 - j``, each a segment of its queries over the document's keys up to its last query,
-    but rank ``c - 1``'s two, which follow each other: one segment (as the varlen plan runs them)."""
-    chunk = thd_chunks(s, c)
-    ends = list(itertools.accumulate(chunk))
-    last = 2 * c - 1
-    return tuple(_segment(chunk[j] + chunk[c], ends[c], tile) if j == c - 1 else
-                 _segment(chunk[j], ends[j], tile) + _segment(chunk[last - j], ends[last - j], tile)
-                 for j in range(c))  # fmt: skip
+    """Varlen tiles of each of ``c`` ranks holding a document of ``s`` tokens in TE THD's ``2c`` chunks
+    (:func:`~cpdata.layout.spread.chunk_tiles`)."""
+    return chunk_tiles(tuple(thd_chunks(s, c)), tile)
 
 
-@functools.lru_cache(maxsize=4096)
 def thd_recv(s: int, c: int) -> tuple[int, ...]:
     """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``
     needs the keys up to the end of its later chunk ``2c - 1 - j`` and holds two chunks of them."""
-    chunk = thd_chunks(s, c)
-    ends = list(itertools.accumulate(chunk))
-    return tuple(ends[2 * c - 1 - j] - chunk[j] - chunk[2 * c - 1 - j] for j in range(c))
+    return chunk_recv(tuple(thd_chunks(s, c)))
 
 
-def _segment(q: int, k: int, tile: int) -> int:
-    """Live tiles of ``q`` queries over ``k >= q`` keys, causal aligned bottom-right (as segment_tiles)."""
-    d = k - q
-    return sum((min((b + 1) * tile, q) - 1 + d) // tile + 1 for b in range(-(-q // tile)))
+@functools.lru_cache(maxsize=4096)
+def _roles(s: int, c: int, local: int, tile: int) -> tuple[tuple[int, ...], ...] | None:
+    """``(tokens, tiles, keys received)`` of each role of a document of ``s`` tokens spread over ``c`` ranks of
+    ``local`` tokens (:func:`~cpdata.layout.spread.spread_chunks`); None where that width has no cut."""
+    chunk = spread_chunks(s, c, local)
+    return None if chunk is None else (chunk_need(chunk), chunk_tiles(chunk, tile), chunk_recv(chunk))
 
 
 class StepBins:
@@ -160,7 +162,7 @@ class StepBins:
         whole = [s for s in pieces if s <= self.local]
         added, tokens = sum(alone_tiles(s, self.tile) for s in whole), sum(whole)
         if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
-            spread = sum(sum(thd_tiles(s, -(-s // self.local), self.tile)) for s in pieces)
+            spread = sum(sum(_roles(s, -(-s // self.local), self.local, self.tile)[1]) for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
@@ -314,9 +316,10 @@ class StepBins:
         self._projected.update(projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        n = abs(c)
-        roles = zip(owner_ranks(first, c), thd_need(s, n), thd_tiles(s, n, self.tile), thd_recv(s, n), strict=True)
-        for r, need, added, keys in roles:
+        cut = _roles(s, abs(c), self.local, self.tile)
+        if cut is None:
+            raise ValueError(f"a piece of {s} tokens has no cut over {abs(c)} ranks of {self.local} tokens")
+        for r, need, added, keys in zip(owner_ranks(first, c), *cut, strict=True):
             self._take(r, k, need, added)
             self.recv[r] += keys
 
@@ -336,24 +339,28 @@ class StepBins:
         rank on its fewest would pass what a rank can add in the step's other micro-batches, one
         whole-micro-batch document each (``alone_tiles(local)``): the ranks left out could not catch up
         (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at 0.32 x the
-        mean rank, the step 1.036 x; on 32, 1.012 x)."""
+        mean rank, the step 1.036 x; on 32, 1.012 x). Where that power of two is narrower than a node, the
+        opening piece's widths go on up to the node's ranks, in the receive-capped cut
+        (:func:`~cpdata.layout.spread.spread_chunks`); a width with no such cut is skipped."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
-        most = fewest if self.placed else min(self.world, 1 << (fewest - 1).bit_length())
+        most = fewest if self.placed else min(self.world, megatron_width(s, self.local))
+        # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread)
+        widest = most if self.placed or most >= self.node_size else min(self.node_size, self.world)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
-        if most > fewest and max(thd_tiles(s, fewest, self.tile)) > (self.packs - 1) * densest:
+        if most > fewest and max(_roles(s, fewest, self.local, self.tile)[1]) > (self.packs - 1) * densest:
             best = self._choose(s, most, np.inf)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
-        for c in range(fewest, most + 1):
+        for c in range(fewest, widest + 1):
             best = self._choose(s, c, level)
             if best is not None:
                 return self._take_choice(s, best)
         if self.placed:
             return None
-        choices = [best for c in range(fewest, most + 1) if (best := self._choose(s, c, np.inf)) is not None]
+        choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, np.inf)) is not None]
         return self._take_choice(s, min(choices, key=lambda best: best[0])) if choices else None
 
     def _take_choice(self, s: int, choice: tuple[float, int, int, int] | None) -> Placement | None:
@@ -376,10 +383,13 @@ class StepBins:
         ``(c - 1) / 2c``: :func:`thd_recv`) for near-equal tiles, so under the cap a window or its mirror keeps a
         rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 -> 0.85 x Megatron's
         busiest receiver)."""
-        need, added, keys = (np.array(v) for v in (thd_need(s, c), thd_tiles(s, c, self.tile), thd_recv(s, c)))
+        cut = _roles(s, c, self.local, self.tile)
+        if cut is None:
+            return None
+        need, added, keys = (np.array(v) for v in cut)
         recv = self.recv
         if cap is None:
-            cap = max(max(recv), int(keys[0]), RECEIVE_CAP * (sum(recv) + int(keys.sum())) / self.world)
+            cap = max(max(recv), int(keys.max()), RECEIVE_CAP * (sum(recv) + int(keys.sum())) / self.world)
         starts = np.array(self._windows(c), dtype=np.int64)
         windows = np.lib.stride_tricks.sliding_window_view
         room = windows(np.array(self.room, dtype=np.int64), c, axis=0)[starts]  # [starts, packs, c]
@@ -435,9 +445,11 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
     positions (its pad last).
 
     ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
-    first; ``c > 1``: TE THD's ``2c`` chunks over ``c`` consecutive ranks up from the first, rank ``first + j``
-    taking chunks ``j`` and ``2c - 1 - j``; ``-c``: the same roles down from it, :func:`owner_ranks`).
-    ``ValueError`` when a rank would hold more than its positions or a slot names a rank outside the world.
+    first; ``c > 1``: the ``2c`` chunks of :func:`~cpdata.layout.spread.spread_chunks` over ``c`` consecutive
+    ranks up from the first, rank ``first + j`` taking chunks ``j`` and ``2c - 1 - j``: TE THD's up to Megatron's
+    width, the receive-capped cut wider; ``-c``: the same roles down from it, :func:`owner_ranks`).
+    ``ValueError`` when a rank would hold more than its positions, a slot names a rank outside the world, or a
+    width has no cut.
     """
     local = pack_len // world
     held = np.zeros(world, dtype=np.int64)
@@ -451,7 +463,7 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
         if len(ranks) == 1:
             runs.append((at, s, first))
             held[first] += s
-        for offset, n, i in thd_runs(s, len(ranks)) if len(ranks) > 1 else ():
+        for offset, n, i in spread_runs(s, len(ranks), local) if len(ranks) > 1 else ():
             runs.append((at + offset, n, ranks[i]))
             held[ranks[i]] += n
         at += s

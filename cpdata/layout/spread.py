@@ -1,0 +1,169 @@
+"""How the world step cuts a document it spreads over ``c`` ranks: ``2c`` chunks, rank ``j`` of the ``c`` holding
+chunks ``j`` and ``2c - 1 - j`` (the last rank's two follow each other).
+
+- Up to the width Megatron's scheduler would give the document (:func:`megatron_width`: the power of two of
+  ``ceil(s / local)``), the chunks are TE THD's: near-equal (:func:`~cpdata.layout.world_plan.thd_chunks`).
+  Their roles cost near-equal tiles, and role ``j`` receives ``(2c - 2 - j) / 2c`` of the document.
+- Wider (:func:`capped_chunks`), THD's first role would receive ``(c - 1) / c`` of the document, more than
+  Megatron's first role does at its width. The chunks are then cut so that no role receives more keys than
+  THD's first role at Megatron's width, and the roles' causal work stays as even as that allows: the early
+  roles take long front chunks (cheap: few keys before them) and short back chunks.
+
+Why wider at all: a document of ``s`` tokens on its ``ceil(s / local)`` ranks costs each ``s^2 / 2c`` work in
+one micro-batch, which the other ranks' short documents may never reach (web 16 x 8K, seed 13: a
+31,467-token document on 4 ranks at 7,718 tiles each, the step's mean rank at 5,600). On 8 ranks of a node it
+costs at most 4,824 a rank, and no rank receives more than Megatron's first role on 4 (23,600 keys).
+
+Trade-off: the capped roles are less even than THD's (8 ranks for a document Megatron gives 4: the busiest
+1.22 x the mean role, against THD's 1.01 x), so the deal only widens where the narrower widths leave the
+step's busiest rank over the level. The cut is a pure function of ``(s, c, local)``: the pack's slot owners
+say ``c``, and :func:`~cpdata.layout.world_step.owned_runs` recomputes the runs, as for THD.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+
+from cpdata.layout.world_plan import thd_chunks
+
+__all__ = ["capped_chunks", "chunk_recv", "chunk_tiles", "megatron_width", "spread_chunks", "spread_runs"]
+
+
+def megatron_width(s: int, local: int) -> int:
+    """The ranks Megatron's scheduler gives a document of ``s`` tokens at ``local`` tokens a rank: the power of
+    two of ``ceil(s / local)``."""
+    return 1 << (-(-s // local) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=4096)
+def spread_chunks(s: int, c: int, local: int) -> tuple[int, ...] | None:
+    """The ``2c`` chunk lengths of a document of ``s`` tokens on ``c`` ranks of ``local`` tokens: TE THD's up to
+    :func:`megatron_width`, :func:`capped_chunks` wider; None where no cut keeps every rank within ``local``
+    tokens and the receive cap."""
+    width = megatron_width(s, local)
+    if c <= width:
+        return tuple(thd_chunks(s, c))
+    return capped_chunks(s, c, chunk_recv(tuple(thd_chunks(s, width)))[0], local)
+
+
+def chunk_need(chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """Tokens each role holds: chunks ``j`` and ``2c - 1 - j``."""
+    c = len(chunk) // 2
+    return tuple(chunk[j] + chunk[2 * c - 1 - j] for j in range(c))
+
+
+def chunk_recv(chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """Keys each role receives: those up to its last query (the end of its later chunk ``2c - 1 - j``, or of
+    chunk ``j`` where that is empty) that it does not hold; a role that holds nothing, none."""
+    c = len(chunk) // 2
+    ends = list(itertools.accumulate(chunk))
+    last = 2 * c - 1
+    return tuple(ends[last - j] - chunk[j] - chunk[last - j] if chunk[last - j] else
+                 ends[j] - chunk[j] if chunk[j] else 0 for j in range(c))  # fmt: skip
+
+
+def chunk_tiles(chunk: tuple[int, ...], tile: int) -> tuple[int, ...]:
+    """Varlen tiles of each role (:func:`cpdata.layout.tiles.segment_tiles`): each chunk a segment of its queries
+    over the document's keys up to its last query; a role's two chunks where they follow each other (the last
+    role's; a capped cut's whose chunks between are empty) one segment, as the varlen plan runs them."""
+    from cpdata.layout.tiles import segment_tiles  # (tiles imports the layouts, which import this module)
+
+    c = len(chunk) // 2
+    ends = list(itertools.accumulate(chunk, initial=0))
+    last = 2 * c - 1
+    role, q, k = [], [], []  # the segments: their role, queries, keys
+    for j in range(c):
+        pieces = ([(j, last - j)] if ends[j + 1] == ends[last - j] else [(j, j), (last - j, last - j)])
+        for a, b in pieces:
+            if ends[b + 1] > ends[a]:
+                role.append(j)
+                q.append(ends[b + 1] - ends[a])
+                k.append(ends[b + 1])
+    tiles = segment_tiles(np.array(q, dtype=np.int64), np.array(k, dtype=np.int64), tile)
+    return tuple(np.bincount(np.array(role, dtype=np.int64), tiles, minlength=c).astype(np.int64).tolist())
+
+
+def spread_runs(s: int, c: int, local: int) -> list[tuple[int, int, int]]:
+    """``(offset in the document, length, role)`` of every non-empty chunk of :func:`spread_chunks`, role ``i``
+    taking chunks ``i`` then ``2c - 1 - i``, role after role. ``ValueError`` where the width has no cut."""
+    chunk = spread_chunks(s, c, local)
+    if chunk is None:
+        raise ValueError(f"a document of {s} tokens has no cut over {c} ranks of {local} tokens within the "
+                         f"receive cap; the owners belong to another pack or another rank size")  # fmt: skip
+    starts = list(itertools.accumulate(chunk, initial=0))
+    return [(starts[j], chunk[j], i) for i in range(c) for j in (i, 2 * c - 1 - i) if chunk[j]]
+
+
+def capped_chunks(s: int, c: int, most: int, local: int) -> tuple[int, ...] | None:
+    """``2c`` chunk lengths of ``s`` (rank ``j``: chunks ``j`` and ``2c - 1 - j``) with which no rank receives
+    more than ``most`` keys or holds more than ``local`` tokens, the busiest rank's causal work least as far as
+    a bisection finds; None where none.
+
+    For a work level ``T`` (query-key pairs), roles are cut front to back: role ``j`` holds ``f`` tokens from the
+    front pointer ``a`` and ``b`` ending at the back pointer ``e``, work ``f (a + f / 2) + b (e - b / 2) = T``.
+    It receives ``e - f - b`` keys, so it needs ``f + b >= e - most``. Where equal halves (THD's) meet that, it
+    takes them; else the pair with ``f + b = e - most``, whose work is linear in ``b``. The last role holds
+    what is left between the pointers. The least ``T`` at which that is ``<= T`` is bisected; the pointers are
+    rounded to tokens under a cap two keys lower (the rounding moves a role's keys by at most 1.5), else one or
+    none lower where that leaves the first role no room, and the rounded cut is checked."""
+    for margin in (2, 1, 0):  # (a document that fills Megatron's width leaves its first role no room for one)
+        chunk = _rounded(s, c, most, margin)
+        if chunk is not None and min(chunk) >= 0 and max(chunk_need(chunk)) <= local:
+            if max(chunk_recv(chunk)) <= most:
+                return chunk
+    return None
+
+
+def _rounded(s: int, c: int, most: int, margin: int) -> tuple[int, ...] | None:
+    """The least work level's cut (:func:`_cut`, bisected) at a receive cap ``margin`` keys under ``most``, its
+    pointers rounded to tokens."""
+    best = None
+    lo, hi = s * s / (2 * c) * 0.9, s * s / 2.0
+    for _ in range(40):
+        level = (lo + hi) / 2
+        cut = _cut(s, c, most - margin, level)
+        if cut is not None and cut[2] <= level:
+            hi, best = level, cut
+        else:
+            lo = level
+    if best is None:
+        return None
+    fronts = [round(v) for v in itertools.accumulate(best[0], initial=0.0)]
+    backs = [s - round(v) for v in itertools.accumulate(best[1], initial=0.0)]
+    middle = backs[-1] - fronts[-1]
+    return (tuple(fronts[i + 1] - fronts[i] for i in range(c - 1)) + (middle // 2, middle - middle // 2)
+            + tuple(backs[i] - backs[i + 1] for i in reversed(range(c - 1))))  # fmt: skip
+
+
+def _cut(s: int, c: int, most: float, level: float) -> tuple[list[float], list[float], float] | None:
+    """Front and back lengths of roles ``0 .. c - 2`` at work ``level`` and the last role's work; None where a
+    role cannot meet the receive cap at that work."""
+    front, back = 0.0, float(s)
+    fs: list[float] = []
+    bs: list[float] = []
+    for _ in range(c - 1):
+        need = back - most
+        half = level / (front + back)
+        if 2 * half >= need:
+            f = b = half
+        else:
+            least = need * front + need * need / 2  # the work of holding ``need`` tokens all from the front
+            if least > level:
+                return None
+            slope = back - front - need
+            b = min((level - least) / slope, need) if slope > 0 else 0.0
+            f = need - b
+        if front + f > back - b:  # the rest fits this role: it takes it, front first
+            f = min(f, back - front)
+            b = back - front - f
+        fs.append(f)
+        bs.append(b)
+        front += f
+        back -= b
+    if front > most:
+        return None
+    middle = back - front
+    return fs, bs, middle * front + middle * middle / 2
