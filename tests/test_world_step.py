@@ -443,3 +443,49 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
     (_, narrow), tiles, _ = step()
     world_step._roles.cache_clear()
     assert abs(narrow) == 4 and tiles.max() > 1.3 * tiles.mean()
+
+
+def _capped_windows() -> list[tuple[np.ndarray, np.ndarray]]:
+    """Windows of a step's tokens (16 ranks of 1,024, 3 micro-batches): three documents of about 3,900 tokens
+    (Megatron's 4 ranks) among short ones. Each step opens with a long one, past the level on 4 ranks, so it
+    takes the receive-capped cut on more, inside its node of 8."""
+    rng = np.random.default_rng(11)
+    windows, key = [], 0
+    for _ in range(6):
+        lengths = np.concatenate([rng.integers(3700, 4000, size=3), rng.integers(20, 200, size=380)]).astype(np.int64)
+        windows.append((np.arange(key, key + lengths.size), lengths))
+        key += lengths.size
+    return windows
+
+
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_resume_deals_the_receive_capped_cuts_the_uninterrupted_run_deals(cut: int) -> None:
+    """Steps whose opening document is cut past Megatron's width (owners ``(first, c > 4)`` of a 3,900-token
+    document at 1,024 a rank): the packs hold every piece once within their ranks' tokens, and a packer resumed
+    from the carry of an open step deals what the uninterrupted one deals."""
+    from cpdata.layout.spread import megatron_width
+
+    world, node, local = 16, 8, 1024
+    windows = _capped_windows()
+    whole = _run(windows, WorldStepPacker(world * local, world, node, PACKS, TILE))
+    owners = [o for _, _, own in whole for o in own]
+    lengths = {k: s for keys, slots in windows for k, s in zip(keys.tolist(), slots.tolist(), strict=True)}
+    keys = [k for ks, _, _ in whole for k in ks]
+    assert sorted(keys) == sorted(lengths)
+    wide = [c for k, (_, c) in zip(keys, owners, strict=True) if abs(c) > megatron_width(lengths[k], local)]
+    assert len(wide) >= 3 and all(4 < abs(c) <= node for c in wide)
+    for ks, sizes, own in whole:  # every pack laid out from its owners within its ranks' tokens
+        at = 0
+        for n in sizes:
+            slot_lens = np.array([lengths[k] for k in ks[at:at + n]], dtype=np.int64)
+            starts, runs, who = owned_runs(slot_lens, np.array(own[at:at + n]).reshape(-1, 2), world * local, world)
+            assert (np.bincount(who, weights=runs, minlength=world) == local).all()
+            at += n
+    first = WorldStepPacker(world * local, world, node, PACKS, TILE)
+    head = [_listed(first.place(k, s)) for k, s in windows[:cut]]
+    offsets, carry_keys, slots = first.carry_columns()
+    assert offsets[1] > 0
+    bins = [(carry_keys[offsets[i]:offsets[i + 1]].tolist(), slots[offsets[i]:offsets[i + 1]].tolist()) for i in (0, 1)]
+    resumed = WorldStepPacker(world * local, world, node, PACKS, TILE)
+    resumed.load_carry(bins, first.carry_owners())
+    assert head + _run(windows, resumed, cut) == whole
