@@ -23,8 +23,9 @@ from cpdata.device import varlen
 from cpdata.device.attention_masks import dense_mask, document_slots
 from cpdata.device.kv_exchange import exchanged_key_positions
 from cpdata.device.varlen import reference_varlen_attn, segment_mask
+from cpdata.layout.causal_tiles import segment_tiles
 from cpdata.layout.maps import layout_runs
-from cpdata.layout.tiles import PAD_CHUNK, query_runs, segment_tiles, varlen_live_tiles
+from cpdata.layout.tiles import PAD_CHUNK, query_runs, varlen_live_tiles
 from cpdata.nodes.loader import GraphOptions, shard_graph
 from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.shard import ShardForRank

@@ -2,10 +2,10 @@
 
 One GPU plays every rank of the first pack of each distribution (32K cp 4, 128K cp 8): its queries over the
 keys it holds (all ``S``; with ``tiled``, own + exchanged), bf16, 32 / 8 heads of dim 128, forward + backward,
-through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and ``varlen``
-(tiles: :func:`cpdata.layout.tiles.segment_tiles`; a plan ``"cpdata"`` would send to the fallback is
-not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel (``fits``); the flex
-line's slope, per layer, goes to ``calibration.json`` (:func:`calibration_file`).
+through compiled ``flex`` (tiles: the ``BlockMask``'s; exchanged keys padded to a power of two) and
+``varlen`` (tiles: :func:`cpdata.layout.causal_tiles.segment_tiles`; a plan ``"cpdata"`` would send to the
+fallback is not run). Every rank's ``(tiles, seconds)`` feeds one least-squares line per kernel (``fits``); the
+flex line's slope, per layer, goes to ``calibration.json`` (:func:`calibration_file`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 
 from cpdata.bench.distributions import first_packs
 from cpdata.bench.timing import alternating_medians, bench_device
+from cpdata.layout.causal_tiles import segment_tiles
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import layout_runs
-from cpdata.layout.tiles import query_runs, segment_starts, segment_tiles
+from cpdata.layout.tiles import query_runs, segment_starts
 
 __all__ = ["CONFIGS", "DISTRIBUTIONS", "LAYOUTS", "RankCase", "calibration_file", "fit_line", "rank_cases", "run",
            "time_step"]

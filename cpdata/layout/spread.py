@@ -27,6 +27,7 @@ import itertools
 
 import numpy as np
 
+from cpdata.layout.causal_tiles import segment_tiles
 from cpdata.layout.world_plan import thd_chunks
 
 __all__ = ["capped_chunks", "chunk_recv", "chunk_tiles", "megatron_width", "spread_chunks", "spread_runs"]
@@ -66,11 +67,9 @@ def chunk_recv(chunk: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def chunk_tiles(chunk: tuple[int, ...], tile: int) -> tuple[int, ...]:
-    """Varlen tiles of each role (:func:`cpdata.layout.tiles.segment_tiles`): each chunk a segment of its queries
-    over the document's keys up to its last query; a role's two chunks where they follow each other (the last
-    role's; a capped cut's whose chunks between are empty) one segment, as the varlen plan runs them."""
-    from cpdata.layout.tiles import segment_tiles  # (tiles imports the layouts, which import this module)
-
+    """Varlen tiles of each role (:func:`~cpdata.layout.causal_tiles.segment_tiles`): each chunk a segment of its
+    queries over the document's keys up to its last query; a role's two chunks where they follow each other (the
+    last role's; a capped cut's whose chunks between are empty) one segment, as the varlen plan runs them."""
     c = len(chunk) // 2
     ends = list(itertools.accumulate(chunk, initial=0))
     last = 2 * c - 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cpdata.errors import check_int
+from cpdata.layout.causal_tiles import segment_tiles
 from cpdata.layout.maps import _absorb_tail, _lengths_in_pack
 from cpdata.layout.runs import segments
 
@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from cpdata.layout.exchange import ExchangePlan
 
 __all__ = ["PAD_CHUNK", "block_tiles", "exchange_tiles", "first_keys", "ideal_tiles", "kv_recv_tokens", "live_tiles",
-           "kept_queries", "pad_cut_runs", "query_runs", "segment_starts", "segment_tiles",
-           "varlen_live_tiles"]
+           "kept_queries", "pad_cut_runs", "query_runs", "segment_starts", "varlen_live_tiles"]
 
 PAD_CHUNK = 128
 """Pad queries before a rank's last real one run as segments of at most this many queries over their own keys
@@ -178,23 +177,6 @@ def pad_cut_runs(pos: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[n
     first = first[run] + k * PAD_CHUNK
     length = np.where(is_pad[run], np.minimum(PAD_CHUNK, length[run] - k * PAD_CHUNK), length[run])
     return first, length, np.where(is_pad[run], pos[first], start[first])
-
-
-def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int | None = None) -> np.ndarray:
-    """int64 ``[N]``: live ``tile x tile`` tiles of each segment of ``q_len`` queries over ``k_len >= q_len`` keys:
-    query ``i`` sees keys ``i + d - (window - 1) .. i + d``, ``d = k_len - q_len`` (``window`` None: from 0)."""
-    q_len, k_len = np.asarray(q_len, dtype=np.int64).reshape(-1), np.asarray(k_len, dtype=np.int64).reshape(-1)
-    if q_len.shape != k_len.shape or (q_len.size and (q_len.min() < 1 or (k_len < q_len).any())):
-        raise ValueError(f"segments need k_len >= q_len >= 1, got q_len {q_len[:8]} k_len {k_len[:8]}")
-    check_int("tile", tile, min=1)
-    check_int("window", window, min=1, optional=True, fix=" (None: no window)")
-    blocks = -(-q_len // tile)
-    seg = np.repeat(np.arange(q_len.size, dtype=np.int64), blocks)
-    b = segments(np.zeros_like(blocks), blocks)  # the block's index in its segment
-    d = (k_len - q_len)[seg]
-    hi = (np.minimum((b + 1) * tile, q_len[seg]) - 1 + d) // tile
-    lo = np.zeros_like(hi) if window is None else np.maximum(0, b * tile + d - (window - 1)) // tile
-    return np.bincount(seg, hi - lo + 1, minlength=q_len.size).astype(np.int64)
 
 
 def varlen_live_tiles(rows: np.ndarray, slot_lens: Sequence[int] | np.ndarray, pack_len: int, tile: int, *,
