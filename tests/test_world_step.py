@@ -489,3 +489,25 @@ def test_resume_deals_the_receive_capped_cuts_the_uninterrupted_run_deals(cut: i
     resumed = WorldStepPacker(world * local, world, node, PACKS, TILE)
     resumed.load_carry(bins, first.carry_owners())
     assert head + _run(windows, resumed, cut) == whole
+
+
+def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch) -> None:
+    """On a node of 32 ranks, a 3,900-token document (Megatron's 4 ranks of 1,024) that no width brings within the
+    level takes the width of least busiest load among 4..8: on 5-8 its busiest role costs less than on 4, and
+    wider widths are not tried (each costs a cut; past about 4^2 ranks none could help)."""
+    from cpdata.layout import world_step
+
+    tried = []
+    choose = StepBins._choose
+
+    def spy(self, s, c, *args, **kwargs):
+        tried.append(c)
+        return choose(self, s, c, *args, **kwargs)
+
+    monkeypatch.setattr(StepBins, "target", lambda self: 0.0)
+    monkeypatch.setattr(StepBins, "_choose", spy)
+    bins = StepBins(PACKS, 32, 1024, 32, TILE)
+    bins.set_density([3900] + [100] * 300)
+    where = bins.place(3900)
+    assert where is not None and 4 < abs(where[2]) <= 8 and max(tried) == 8
+    assert max(world_step._roles(3900, abs(where[2]), 1024, TILE)[1]) < max(thd_tiles(3900, 4, TILE))

@@ -22,7 +22,7 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   the mean rank; on 32, 0.985 full at 1.010), and takes that power of two outright when its tiles a rank on
   its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out
   could not catch up); where that power of two is narrower than a node and still past the level, it goes
-  wider inside the node in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more than
+  wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more than
   THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
   7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
@@ -340,14 +340,16 @@ class StepBins:
         whole-micro-batch document each (``alone_tiles(local)``): the ranks left out could not catch up
         (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at 0.32 x the
         mean rank, the step 1.036 x; on 32, 1.012 x). Where that power of two is narrower than a node, the
-        opening piece's widths go on up to the node's ranks, in the receive-capped cut
-        (:func:`~cpdata.layout.spread.spread_chunks`); a width with no such cut is skipped."""
+        opening piece's widths go on up to the node's ranks or twice the power of two, whichever is fewer, in
+        the receive-capped cut (:func:`~cpdata.layout.spread.spread_chunks`; its first role must hold ``1 / w``
+        of the document at Megatron's width ``w``, whose work alone passes the mean role's past about ``w^2``
+        ranks, and the widths cost a cut each on a large node); a width with no such cut is skipped."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
         most = fewest if self.placed else min(self.world, megatron_width(s, self.local))
-        # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread)
-        widest = most if self.placed or most >= self.node_size else min(self.node_size, self.world)
+        # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread), up to twice the width
+        widest = most if self.placed or most >= self.node_size else min(self.node_size, self.world, 2 * most)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
         if most > fewest and max(_roles(s, fewest, self.local, self.tile)[1]) > (self.packs - 1) * densest:
             best = self._choose(s, most, np.inf)  # (the ranks left out could not catch up: Megatron's width)
