@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.layout import spread
-from cpdata.layout.world_plan import thd_chunks, thd_runs
-from cpdata.layout.world_step import owned_runs, thd_recv, thd_tiles
+from cpdata.layout.spread import thd_recv
+from cpdata.layout.world_plan import chunk_need, thd_chunks, thd_runs
+from cpdata.layout.world_step import owned_runs
+from tests.test_world_step import thd_tiles
 
 TILE = 128
 WEB = 31_467  # web 16 x 8K, seed 13: the document that stood on 4 ranks at 1.375 x the step's mean rank
@@ -38,7 +40,7 @@ def test_the_web_document_wider_than_megatron_receives_no_more_than_its_first_ro
         chunk = spread.spread_chunks(WEB, c, 8192)
         assert chunk is not None and len(chunk) == 2 * c and sum(chunk) == WEB and min(chunk) >= 0
         assert max(spread.chunk_recv(chunk)) <= cap < max(thd_recv(WEB, c))  # (THD itself would pass the cap)
-        assert max(spread.chunk_need(chunk)) <= 8192
+        assert max(chunk_need(chunk)) <= 8192
         most.append(max(spread.chunk_tiles(chunk, TILE)))
     assert most == [6_382, 5_327, 4_909, 4_824]  # (the busiest role: fewer tiles with every rank added)
 
@@ -61,7 +63,7 @@ def test_a_capped_cut_keeps_its_tokens_room_and_receive_cap(local: int, blocks: 
         assert chunk is not None, (s, c, local)
     if chunk is not None:
         assert sum(chunk) == s and min(chunk) >= 0 and len(chunk) == 2 * c
-        assert max(spread.chunk_recv(chunk)) <= cap and max(spread.chunk_need(chunk)) <= local
+        assert max(spread.chunk_recv(chunk)) <= cap and max(chunk_need(chunk)) <= local
         assert spread.spread_chunks(s, c, local) == chunk
     else:
         with pytest.raises(ValueError, match=f"a document of {s} tokens has no cut over {c} ranks of {local}"):
@@ -96,5 +98,5 @@ def test_the_roles_are_what_the_layout_and_the_exchange_count(owners: tuple[int,
     starts, lengths, who = owned_runs(lens, own, 16 * 8192, 16)
     doc = starts < WEB
     held = [int(lengths[doc][who[doc] == r].sum()) for r in ranks]
-    assert lengths[doc].sum() == WEB and set(who[doc].tolist()) <= set(ranks) and held == list(spread.chunk_need(chunk))
+    assert lengths[doc].sum() == WEB and set(who[doc].tolist()) <= set(ranks) and held == list(chunk_need(chunk))
     assert (np.bincount(who, weights=lengths, minlength=16) == 8192).all()

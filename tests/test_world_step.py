@@ -7,12 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
-from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import StepBins, owned_runs, owner_ranks, thd_recv, thd_tiles
+from cpdata.layout.world_plan import alone_tiles, thd_chunks
+from cpdata.layout.world_step import StepBins, owned_runs, owner_ranks
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
+
+
+def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
+    """Each role's varlen tiles of ``s`` tokens in TE THD's ``2c`` chunks."""
+    return chunk_tiles(tuple(thd_chunks(s, c)), tile)
 
 
 def _lengths(seed: int, n: int) -> np.ndarray:
@@ -427,7 +433,8 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
     def step() -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
         world_step._roles.cache_clear()
         packs, _ = world.step_packs("web", 16, 8192, 8, 13)
-        (owners,) = [own for lens, own in packs for s, own in zip(lens.tolist(), own.tolist(), strict=True) if s == 31_467]
+        (owners,) = [own for lens, own in packs
+                     for s, own in zip(lens.tolist(), own.tolist(), strict=True) if s == 31_467]  # fmt: skip
         costs = world._step(packs, 16, 8192)
         return owners, *(np.stack([c[i] for c in costs]).sum(axis=0) for i in (0, 1))
 

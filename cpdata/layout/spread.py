@@ -28,9 +28,9 @@ import itertools
 import numpy as np
 
 from cpdata.layout.causal_tiles import segment_tiles
-from cpdata.layout.world_plan import thd_chunks
+from cpdata.layout.world_plan import chunk_need, chunk_runs, thd_chunks
 
-__all__ = ["capped_chunks", "chunk_recv", "chunk_tiles", "megatron_width", "spread_chunks", "spread_runs"]
+__all__ = ["capped_chunks", "chunk_recv", "chunk_tiles", "megatron_width", "spread_chunks", "spread_runs", "thd_recv"]
 
 
 def megatron_width(s: int, local: int) -> int:
@@ -47,13 +47,13 @@ def spread_chunks(s: int, c: int, local: int) -> tuple[int, ...] | None:
     width = megatron_width(s, local)
     if c <= width:
         return tuple(thd_chunks(s, c))
-    return capped_chunks(s, c, chunk_recv(tuple(thd_chunks(s, width)))[0], local)
+    return capped_chunks(s, c, thd_recv(s, width)[0], local)
 
 
-def chunk_need(chunk: tuple[int, ...]) -> tuple[int, ...]:
-    """Tokens each role holds: chunks ``j`` and ``2c - 1 - j``."""
-    c = len(chunk) // 2
-    return tuple(chunk[j] + chunk[2 * c - 1 - j] for j in range(c))
+def thd_recv(s: int, c: int) -> tuple[int, ...]:
+    """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks (:func:`chunk_recv`):
+    role ``j`` lacks ``(2c - 2 - j) / 2c`` of it, the first ``(c - 1) / c``."""
+    return chunk_recv(thd_chunks(s, c))
 
 
 def chunk_recv(chunk: tuple[int, ...]) -> tuple[int, ...]:
@@ -92,8 +92,7 @@ def spread_runs(s: int, c: int, local: int) -> list[tuple[int, int, int]]:
     if chunk is None:
         raise ValueError(f"a document of {s} tokens has no cut over {c} ranks of {local} tokens within the "
                          f"receive cap; the owners belong to another pack or another rank size")  # fmt: skip
-    starts = list(itertools.accumulate(chunk, initial=0))
-    return [(starts[j], chunk[j], i) for i in range(c) for j in (i, 2 * c - 1 - i) if chunk[j]]
+    return chunk_runs(chunk)
 
 
 def capped_chunks(s: int, c: int, most: int, local: int) -> tuple[int, ...] | None:

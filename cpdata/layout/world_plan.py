@@ -24,7 +24,8 @@ import itertools
 
 import numpy as np
 
-__all__ = ["WorldBins", "alone_tiles", "grid_tiles", "plan_runs", "thd_chunks", "thd_need", "thd_runs"]
+__all__ = ["WorldBins", "alone_tiles", "chunk_need", "chunk_runs", "grid_tiles", "plan_runs", "thd_chunks", "thd_need",
+           "thd_runs"]
 
 
 def thd_chunks(s: int, c: int) -> list[int]:
@@ -33,18 +34,29 @@ def thd_chunks(s: int, c: int) -> list[int]:
     return [q + 1] * r + [q] * (2 * c - r)
 
 
-def thd_need(s: int, c: int) -> list[int]:
-    """Tokens each of ``c`` ranks holds of ``s`` in :func:`thd_chunks` (rank ``i``: chunks ``i`` and ``2c - 1 - i``)."""
-    chunk = thd_chunks(s, c)
-    return [chunk[i] + chunk[2 * c - 1 - i] for i in range(c)]
+def chunk_need(chunk: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Tokens each of the ``c`` ranks of a document cut in ``2c`` chunks holds (rank ``i``: chunks ``i`` and
+    ``2c - 1 - i``)."""
+    c = len(chunk) // 2
+    return tuple(chunk[i] + chunk[2 * c - 1 - i] for i in range(c))
+
+
+def chunk_runs(chunk: list[int] | tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(offset in the document, length, i)`` of every non-empty chunk of ``2c``, rank ``i`` of the ``c`` taking
+    chunks ``i`` then ``2c - 1 - i``, rank after rank."""
+    c = len(chunk) // 2
+    starts = list(itertools.accumulate(chunk, initial=0))
+    return [(starts[j], chunk[j], i) for i in range(c) for j in (i, 2 * c - 1 - i) if chunk[j]]
+
+
+def thd_need(s: int, c: int) -> tuple[int, ...]:
+    """Tokens each of ``c`` ranks holds of ``s`` in :func:`thd_chunks` (:func:`chunk_need`)."""
+    return chunk_need(thd_chunks(s, c))
 
 
 def thd_runs(s: int, c: int) -> list[tuple[int, int, int]]:
-    """``(offset in the document, length, i)`` of every non-empty chunk of :func:`thd_chunks`, rank ``i`` of the
-    ``c`` taking chunks ``i`` then ``2c - 1 - i``, rank after rank."""
-    chunk = thd_chunks(s, c)
-    starts = list(itertools.accumulate(chunk, initial=0))
-    return [(starts[j], chunk[j], i) for i in range(c) for j in (i, 2 * c - 1 - i) if chunk[j]]
+    """The runs of :func:`thd_chunks` (:func:`chunk_runs`)."""
+    return chunk_runs(thd_chunks(s, c))
 
 
 def alone_tiles(length: int, tile: int) -> int:

@@ -22,9 +22,9 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   the mean rank; on 32, 0.985 full at 1.010), and takes that power of two outright when its tiles a rank on
   its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out
   could not catch up); where that power of two is narrower than a node and still past the level, it goes
-  wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more than
-  THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
-  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x);
+  wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`:
+  no rank receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token
+  document on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -56,17 +56,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.spread import (
-    chunk_need,
-    chunk_recv,
-    chunk_tiles,
-    megatron_width,
-    spread_chunks,
-    spread_runs,
-)
-from cpdata.layout.world_plan import alone_tiles, thd_chunks
+from cpdata.layout.spread import chunk_recv, chunk_tiles, megatron_width, spread_chunks, spread_runs
+from cpdata.layout.world_plan import alone_tiles, chunk_need
 
-__all__ = ["LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "owned_runs", "owner_ranks", "thd_recv", "thd_tiles"]
+__all__ = ["LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "owned_runs", "owner_ranks"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -95,18 +88,6 @@ def owner_ranks(first: int, ranks: int) -> range:
     """The ranks of a placement ``(first, ranks)`` (:data:`Placement`), in THD role order: role ``j`` of a
     spread piece (chunks ``j`` and ``2c - 1 - j``) is the ``j``-th."""
     return range(first, first + ranks, 1 if ranks > 0 else -1)
-
-
-def thd_tiles(s: int, c: int, tile: int) -> tuple[int, ...]:
-    """Varlen tiles of each of ``c`` ranks holding a document of ``s`` tokens in TE THD's ``2c`` chunks
-    (:func:`~cpdata.layout.spread.chunk_tiles`)."""
-    return chunk_tiles(tuple(thd_chunks(s, c)), tile)
-
-
-def thd_recv(s: int, c: int) -> tuple[int, ...]:
-    """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks: rank ``j``
-    needs the keys up to the end of its later chunk ``2c - 1 - j`` and holds two chunks of them."""
-    return chunk_recv(tuple(thd_chunks(s, c)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -382,9 +363,9 @@ class StepBins:
         lowest rank, THD's orientation); None where none.
 
         The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
-        ``(c - 1) / 2c``: :func:`thd_recv`) for near-equal tiles, so under the cap a window or its mirror keeps a
-        rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 -> 0.85 x Megatron's
-        busiest receiver)."""
+        ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
+        or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 ->
+        0.85 x Megatron's busiest receiver)."""
         cut = _roles(s, c, self.local, self.tile)
         if cut is None:
             return None
