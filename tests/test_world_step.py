@@ -115,7 +115,7 @@ def test_the_piece_opening_a_step_takes_megatrons_width_where_ranks_left_out_cou
     for packs, want in ((PACKS, 8), (CATCH_UP, 5)):
         bins = StepBins(packs, WORLD, local, NODE, TILE)
         bins.set_density([s] + [s] * 10)  # dear pieces to come: on 5 ranks it is within the level
-        assert bins._choose(s, 5, np.inf)[0] <= bins.target() * (1 + bins.slack)
+        assert bins._choose(s, 5)[0] <= bins.target() * (1 + bins.slack)
         assert bins.place(s)[2] == want, packs
 
 
@@ -130,7 +130,7 @@ def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str
     bins = StepBins(CATCH_UP, WORLD, local, NODE, TILE)
     bins.set_density([s] + ([100] * 400 if to_come == "short" else [s] * 10))  # cheap, or dear, pieces to come
     level = bins.target() * (1 + bins.slack)
-    widths = {c: bins._choose(s, c, np.inf) for c in range(5, 9)}
+    widths = {c: bins._choose(s, c) for c in range(5, 9)}
     within = [c for c, best in widths.items() if best is not None and best[0] <= level]
     want = within[0] if within else min(widths, key=lambda c: (widths[c][0], c))
     where = bins.place(s)
@@ -145,9 +145,9 @@ def test_a_later_piece_past_the_level_waits_rather_than_spread_wider(monkeypatch
     monkeypatch.setattr(StepBins, "target", lambda self: 500.0)
     bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
     bins.set_density([s, s])
-    assert bins._choose(s, 5, np.inf)[0] > 505 >= bins._choose(s, 7, np.inf)[0]
+    assert bins._choose(s, 5)[0] > 505 >= bins._choose(s, 7)[0]
     assert bins.place(s)[2] == 7
-    assert bins._choose(s, 7, np.inf)[0] <= 505 < bins._choose(s, 5, np.inf)[0]  # (ranks the first left alone)
+    assert bins._choose(s, 7)[0] <= 505 < bins._choose(s, 5)[0]  # (ranks the first left alone)
     assert bins.place(s) is None
 
 
@@ -386,9 +386,9 @@ def test_the_receive_cap_picks_the_window_and_orientation_that_keep_the_busiest_
     bins.restore(1024, (0, 2, 1))
     bins.restore(2048, (0, 0, 2))
     assert bins.recv == [1024, 512, 0, 0, 0, 0, 0, 0]
-    assert bins._choose(2048, 2, np.inf) == (136.0, 1, 2, -2)
+    assert bins._choose(2048, 2) == (136.0, 1, 2, -2)
     monkeypatch.setattr(world_step, "RECEIVE_CAP", 100.0)
-    assert bins._choose(2048, 2, np.inf) == (136.0, 1, 0, 2)
+    assert bins._choose(2048, 2) == (136.0, 1, 0, 2)
 
 
 def test_a_later_spread_piece_waits_rather_than_pass_the_receive_cap(monkeypatch) -> None:

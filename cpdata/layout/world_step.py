@@ -242,7 +242,7 @@ class StepBins:
             return k, r, 1
         if c > self.world:
             return None
-        return self._take_choice(s, self._choose(s, c, np.inf, np.inf, k))
+        return self._take_choice(s, self._choose(s, c, np.inf, k))
 
     def restore(self, s: int, where: Placement) -> None:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
@@ -333,18 +333,20 @@ class StepBins:
         widest = most if self.placed or most >= self.node_size else min(self.node_size, self.world, 2 * most)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
         if most > fewest and max(_roles(s, fewest, self.local, self.tile)[1]) > (self.packs - 1) * densest:
-            best = self._choose(s, most, np.inf)  # (the ranks left out could not catch up: Megatron's width)
+            best = self._choose(s, most)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
+        choices = []
         for c in range(fewest, widest + 1):
-            best = self._choose(s, c, level)
-            if best is not None:
+            best = self._choose(s, c)
+            if best is not None and best[0] <= level:  # the fewest ranks within the level
                 return self._take_choice(s, best)
-        if self.placed:
+            if best is not None:
+                choices.append(best)
+        if self.placed or not choices:
             return None
-        choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, np.inf)) is not None]
-        return self._take_choice(s, min(choices, key=lambda best: best[0])) if choices else None
+        return self._take_choice(s, min(choices, key=lambda best: best[0]))
 
     def _take_choice(self, s: int, choice: tuple[float, int, int, int] | None) -> Placement | None:
         """Spread ``s`` tokens where :meth:`_choose` chose (None: nowhere)."""
@@ -354,13 +356,13 @@ class StepBins:
         self._take_spread(s, k, first, c)
         return k, first, c
 
-    def _choose(self, s: int, c: int, level: float, cap: float | None = None, pack: int | None = None
+    def _choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None
                 ) -> tuple[float, int, int, int] | None:  # fmt: skip
         """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
         tokens on ``c`` ranks (:meth:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
-        room, whose busiest rank's load stays within ``level`` and whose busiest receiver within ``cap`` (None:
-        the receive cap, :data:`RECEIVE_CAP`), the one of least busiest load (ties: the first micro-batch, the
-        lowest rank, THD's orientation); None where none.
+        room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`), the one of
+        least busiest load (ties: the first micro-batch, the lowest rank, THD's orientation); None where none.
+        The caller holds that load to its level: the least placement past it means none within it.
 
         The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
         ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
@@ -382,7 +384,7 @@ class StepBins:
         score = (windows(np.array(self.load), c)[starts][None] + added[roles][:, None]).max(2)  # [2, starts]
         receiver = (windows(np.array(recv), c)[starts][None] + keys[roles][:, None]).max(2)  # [2, starts]
         fits = (room[None] >= need[roles][:, None, None]).all(3)  # [2, starts, packs]
-        o, a, k = np.nonzero(fits & ((score <= level) & (receiver <= cap))[:, :, None])
+        o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
         if not o.size:
             return None
         i = np.lexsort((o, a, k, score[o, a]))[0]
