@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,12 +52,12 @@ def spread_chunks(s: int, c: int, local: int) -> tuple[int, ...] | None:
 
 
 def thd_recv(s: int, c: int) -> tuple[int, ...]:
-    """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks (:func:`chunk_recv`):
-    role ``j`` lacks ``(2c - 2 - j) / 2c`` of it, the first ``(c - 1) / c``."""
+    """Keys each of ``c`` ranks receives of a document of ``s`` tokens in TE THD's ``2c`` chunks
+    (:func:`chunk_recv`): role ``j`` lacks ``(2c - 2 - j) / 2c`` of it, the first ``(c - 1) / c``."""
     return chunk_recv(thd_chunks(s, c))
 
 
-def chunk_recv(chunk: tuple[int, ...]) -> tuple[int, ...]:
+def chunk_recv(chunk: Sequence[int]) -> tuple[int, ...]:
     """Keys each role receives: those up to its last query (the end of its later chunk ``2c - 1 - j``, or of
     chunk ``j`` where that is empty) that it does not hold; a role that holds nothing, none."""
     c = len(chunk) // 2
@@ -66,7 +67,7 @@ def chunk_recv(chunk: tuple[int, ...]) -> tuple[int, ...]:
                  ends[j] - chunk[j] if chunk[j] else 0 for j in range(c))  # fmt: skip
 
 
-def chunk_tiles(chunk: tuple[int, ...], tile: int) -> tuple[int, ...]:
+def chunk_tiles(chunk: Sequence[int], tile: int) -> tuple[int, ...]:
     """Varlen tiles of each role (:func:`~cpdata.layout.causal_tiles.segment_tiles`): each chunk a segment of its
     queries over the document's keys up to its last query; a role's two chunks where they follow each other (the
     last role's; a capped cut's whose chunks between are empty) one segment, as the varlen plan runs them."""

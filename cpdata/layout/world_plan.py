@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -34,14 +35,14 @@ def thd_chunks(s: int, c: int) -> list[int]:
     return [q + 1] * r + [q] * (2 * c - r)
 
 
-def chunk_need(chunk: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+def chunk_need(chunk: Sequence[int]) -> tuple[int, ...]:
     """Tokens each of the ``c`` ranks of a document cut in ``2c`` chunks holds (rank ``i``: chunks ``i`` and
     ``2c - 1 - i``)."""
     c = len(chunk) // 2
     return tuple(chunk[i] + chunk[2 * c - 1 - i] for i in range(c))
 
 
-def chunk_runs(chunk: list[int] | tuple[int, ...]) -> list[tuple[int, int, int]]:
+def chunk_runs(chunk: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(offset in the document, length, i)`` of every non-empty chunk of ``2c``, rank ``i`` of the ``c`` taking
     chunks ``i`` then ``2c - 1 - i``, rank after rank."""
     c = len(chunk) // 2
