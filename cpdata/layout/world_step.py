@@ -50,8 +50,8 @@ never recomputed from the slot lengths.
 
 from __future__ import annotations
 
-import bisect
 import functools
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
@@ -176,7 +176,7 @@ class StepBins:
         """The level a whole piece may not lift its rank past (times ``1 + slack``): the :data:`LEVEL`
         quantile of the ranks' projected loads (the least would let one rank filled early with cheap pieces
         hold every other rank back; the mean, let the ranks of the long documents take their full room)."""
-        return self._projected.values[int(LEVEL * (self.world - 1))]
+        return self._projected.keys[int(LEVEL * (self.world - 1))][0]
 
     def place(self, s: int) -> Placement | None:
         """Deal a piece of ``s`` tokens: its ``(micro-batch, first rank, ranks)``, or None (it waits; no rank
@@ -188,7 +188,7 @@ class StepBins:
         best_room, load, density = self.best_room, self.load, self.density
         best = -1
         if added >= s * density:  # dearer than the pieces to come
-            for r in self._by_load.ranks:
+            for _, r in self._by_load.keys:
                 if best_room[r] >= s:
                     best = r
                     break
@@ -197,7 +197,7 @@ class StepBins:
         else:
             level = (self._total + (self._capacity - self.placed) * density) / self.world
             level = min(level, self.target()) * (1 + self.slack)
-            for r in reversed(self._projected.ranks):
+            for _, r in reversed(self._projected.keys):
                 if best_room[r] >= s and load[r] + added <= level:
                     best = r
                     break
@@ -221,7 +221,7 @@ class StepBins:
         if s > self.local:
             return None
         added = alone_tiles(s, self.tile)
-        r = self._lightest(s, self._by_load.values[-1] - added, -1)
+        r = self._lightest(s, self._by_load.keys[-1][0] - added, -1)
         if r < 0:
             return None
         k = self._best_fit(r, s)
@@ -237,7 +237,7 @@ class StepBins:
             return None
         k, c = empty[0], -(-s // self.local)
         if c == 1:
-            r = self._by_load.ranks[0]
+            r = self._by_load.keys[0][1]
             self._take(r, k, s, alone_tiles(s, self.tile))
             return k, r, 1
         if c > self.world:
@@ -266,9 +266,9 @@ class StepBins:
 
     def _lightest(self, s: int, most: float, other_than: int) -> int:
         """The least loaded rank but ``other_than`` with room for ``s`` tokens and a load of at most ``most``."""
-        values, ranks, best_room = self._by_load.values, self._by_load.ranks, self.best_room
-        for i, r in enumerate(ranks):
-            if values[i] > most:
+        best_room = self.best_room
+        for value, r in self._by_load.keys:
+            if value > most:
                 return -1
             if r != other_than and best_room[r] >= s:
                 return r
@@ -394,33 +394,41 @@ class StepBins:
 
 
 class _Ranked:
-    """The ranks sorted by a value (ties: the lower rank), as two parallel lists (no tuple a piece)."""
+    """The ranks sorted by a value (ties: the lower rank), as one list of ``(value, rank)`` keys: each key is
+    unique, so a rank's entry is found by one bisection, however many ranks share its value."""
 
-    __slots__ = ("values", "ranks")
+    __slots__ = ("keys",)
 
     def __init__(self, values: list[float]) -> None:
-        order = sorted(range(len(values)), key=lambda r: (values[r], r))
-        self.values, self.ranks = [values[r] for r in order], order
+        self.keys = sorted(zip(values, range(len(values)), strict=True))
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks, by value."""
+        return [r for _, r in self.keys]
+
+    @property
+    def values(self) -> list[float]:
+        """The values, ascending."""
+        return [v for v, _ in self.keys]
 
     def update(self, old: float, new: float, r: int) -> None:
         """Rank ``r``'s value goes from ``old`` to ``new`` (in place where its order holds: most pieces move it
         past no other rank)."""
-        values, ranks = self.values, self.ranks
-        i = bisect.bisect_left(values, old)
-        while ranks[i] != r:  # (equal values are in rank order; r's entry is among them)
-            i += 1
-        last = len(values) - 1
-        if (i == 0 or values[i - 1] < new or (values[i - 1] == new and ranks[i - 1] < r)) and (
-                i == last or new < values[i + 1] or (new == values[i + 1] and r < ranks[i + 1])):  # fmt: skip
-            values[i] = new
-            return
-        del values[i]
-        del ranks[i]
-        i = bisect.bisect_left(values, new)
-        while i < last and values[i] == new and ranks[i] < r:  # (last is now the length)
-            i += 1
-        values.insert(i, new)
-        ranks.insert(i, r)
+        keys, key = self.keys, (new, r)
+        i = bisect_left(keys, (old, r))
+        if new >= old:  # (it can only move right: its left neighbour stays before it)
+            if i + 1 == len(keys) or key < keys[i + 1]:
+                keys[i] = key
+                return
+            del keys[i]
+            keys.insert(bisect_left(keys, key, i), key)
+        else:  # (it can only move left)
+            if i == 0 or keys[i - 1] < key:
+                keys[i] = key
+                return
+            del keys[i]
+            keys.insert(bisect_left(keys, key, 0, i), key)
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
