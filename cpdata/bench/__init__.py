@@ -4,10 +4,10 @@ Role: the top layer; it may use every part of cpdata. Sections (``runner.SECTION
 says what it measures against which anchor): ``step_shard``, ``worker_throughput``, ``handoff``,
 ``packing_quality``, ``balance``, ``gather_collectives``, ``long_document``, ``schedule_balance``,
 ``attention``, ``world``, ``integrity``. Helpers: ``cli``, ``runner``, ``targets``, ``report`` / ``table``
-(markdown and plain tables), ``timing``, ``distributions`` (seeded inputs), ``anchors`` (in-step sharding as
-trainers do it), ``ranks`` (forked gloo or spawned NCCL ranks), ``hf_reference`` (documents run alone), and
-``gpu_check`` (``make gpu-check``, with ``gpu_attention``, ``gpu_steps``, ``gpu_exchange``: the parts only a
-GPU runs). :func:`run_bench` returns a
+(markdown and plain tables), ``timing``, ``distributions`` (seeded inputs), ``corpus`` (a user's document
+lengths, ``--lengths``), ``anchors`` (in-step sharding as trainers do it), ``ranks`` (forked gloo or spawned
+NCCL ranks), ``hf_reference`` (documents run alone), and ``gpu_check`` (``make gpu-check``, with
+``gpu_attention``, ``gpu_steps``, ``gpu_exchange``: the parts only a GPU runs). :func:`run_bench` returns a
 JSON-ready dict; :func:`render_markdown` turns it into the tables of docs/benchmarks.md.
 """
 

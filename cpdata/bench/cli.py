@@ -1,6 +1,7 @@
 """``cpdata bench``: measure cpdata against the anchors, side by side, in one run.
 
-    cpdata bench [--quick] [--runs N] [--sections a,b] [--calibration PATH] [--seed N] [--json PATH] [--markdown [PATH]]
+    cpdata bench [--quick] [--runs N] [--sections a,b] [--calibration PATH] [--seed N] [--lengths PATH]
+                 [--json PATH] [--markdown [PATH]]
     cpdata bench --from-json PATH --markdown       # render a saved run, measure nothing
 """
 
@@ -11,8 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+from cpdata.bench.corpus import read_corpus
 from cpdata.bench.report import render_markdown
-from cpdata.bench.runner import SECTIONS, parse_sections, run_bench, write_json
+from cpdata.bench.runner import SECTIONS, check_corpus, parse_sections, run_bench, write_json
 from cpdata.layout.world_deal import WorldCost
 
 __all__ = ["register"]
@@ -24,13 +26,15 @@ def _main(args: argparse.Namespace) -> int:
         if args.markdown is None:
             args.markdown = "-"
     else:
-        try:  # an unknown section, or a calibration file that cannot be read: refused before anything runs
+        try:  # an unknown section, a calibration or corpus that cannot be read: refused before anything runs
             sections = parse_sections(args.sections)
             cost = None if args.calibration is None else WorldCost.from_json(args.calibration)
+            corpus = None if args.lengths is None else read_corpus(args.lengths)
+            check_corpus(sections, corpus)
         except (OSError, TypeError, ValueError) as err:
             print(f"cpdata bench: {err}", file=sys.stderr)
             return 2
-        results = run_bench(sections, quick=args.quick, runs=args.runs, cost=cost, seed=args.seed)
+        results = run_bench(sections, quick=args.quick, runs=args.runs, cost=cost, seed=args.seed, corpus=corpus)
         if args.json:
             write_json(results, args.json)
     if args.markdown is not None:
@@ -65,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a cost file (make gpu-check's calibration.json) for the world deal and its predicted ms")
     p.add_argument("--seed", metavar="N", type=int, default=1,
                    help="the seed the world section draws its documents' lengths with (default 1)")
+    p.add_argument("--lengths", metavar="PATH",
+                   help="a corpus's document lengths in tokens (.npy, or text: one integer per document) the world "
+                        "section measures instead of its distributions")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
                    help="also render the benchmark tables (docs/benchmarks.md) as markdown (to PATH, or stdout)")

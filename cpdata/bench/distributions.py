@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cpdata.bench.corpus import Corpus
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths
 
@@ -41,14 +42,18 @@ def _stdlib_lengths() -> np.ndarray:
     return np.asarray(sizes, dtype=np.int64)
 
 
-def sample(name: str, n: int, seed: int = 0) -> np.ndarray:
-    """int64 document lengths of distribution ``name``: ``[n]`` draws, or every stdlib file."""
+def sample(name: str | Corpus, n: int, seed: int = 0) -> np.ndarray:
+    """int64 document lengths of distribution ``name``: ``[n]`` draws, or every stdlib file; of a user's
+    corpus, ``[n]`` of its documents (:meth:`Corpus.draw`)."""
+    if isinstance(name, Corpus):
+        return name.draw(n, seed)
     if name == "stdlib":
         return _stdlib_lengths()
     return sample_lengths(name, n, seed)
 
 
-def first_packs(name: str, capacity: int, layout: str, cp_size: int, n: int, seed: int = 1) -> list[np.ndarray]:
+def first_packs(name: str | Corpus, capacity: int, layout: str, cp_size: int, n: int, seed: int = 1
+                ) -> list[np.ndarray]:  # fmt: skip
     """Slot lengths (int64 ``[slots]`` each) of the first ``n`` packs ``plan_lengths`` makes of ``name``
     (overlong documents split), from about 1.2 packs' worth of documents per pack."""
     probe = sample(name, 1000, 0)

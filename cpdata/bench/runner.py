@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cpdata.bench.corpus import Corpus
 from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
@@ -25,7 +26,7 @@ from cpdata.layout.world_deal import WorldCost
 from cpdata.nodes.worker_process import keep_heap
 from cpdata.packing import DEFAULT_ALGORITHM
 
-__all__ = ["SECTIONS", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
+__all__ = ["SECTIONS", "check_corpus", "check_rows", "median_rows", "parse_sections", "run_bench", "write_json"]
 
 SECTIONS: dict[str, str] = {
     "step_shard": "cpdata.bench.step_shard",
@@ -54,6 +55,13 @@ def parse_sections(text: str | None) -> list[str]:
     if unknown:
         raise ValueError(f"unknown bench sections {unknown}; choose from {list(SECTIONS)} (comma-separated)")
     return [s for s in SECTIONS if s in wanted]
+
+
+def check_corpus(sections: Sequence[str] | None, corpus: Corpus | None) -> None:
+    """A corpus is measured by the ``world`` section alone: ``ValueError`` where it would run without it."""
+    if corpus is not None and sections is not None and "world" not in sections:
+        raise ValueError(f"a corpus ({corpus.source}) is measured by the world section alone, and the sections to "
+                         f"run are {list(sections)}; add world (--sections world)")  # fmt: skip
 
 
 def check_rows(section: str, rows: Sequence[dict], required: Sequence[str]) -> None:
@@ -89,18 +97,22 @@ def median_rows(section: str, runs: Sequence[Sequence[dict]]) -> list[dict]:
 
 
 def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, runs: int = 1,
-              cost: WorldCost | None = None, seed: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+              cost: WorldCost | None = None, seed: int = 1, corpus: Corpus | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
     ``log``). ``cost``: a calibration (:meth:`~cpdata.layout.world_deal.WorldCost.from_json`), passed to the
     sections whose ``OPTIONS`` name it (``world``); None: the published defaults. ``seed``: the lengths the
-    ``world`` section draws (its ``OPTIONS``; the others keep their own).
+    ``world`` section draws (its ``OPTIONS``; the others keep their own). ``corpus``: a user's document lengths
+    (:func:`~cpdata.bench.corpus.read_corpus`) the ``world`` section measures instead of its distributions.
 
     The process first keeps its freed heap (:func:`cpdata.keep_heap`), as ``CPDataLoader``'s
     workers do, for every section; ``machine["keep_heap"]`` says whether it applied (glibc only).
     """
     check_int("runs", runs, min=1, fix="; use 1 for a single run, 3 for medians of three")
     check_int("seed", seed, min=0)
-    options: dict[str, Any] = {"seed": seed} if cost is None else {"cost": cost, "seed": seed}
+    check_corpus(sections, corpus)
+    options: dict[str, Any] = {"seed": seed, **({} if cost is None else {"cost": cost}),
+                               **({} if corpus is None else {"corpus": corpus})}  # fmt: skip
     machine = {**describe_machine(), "keep_heap": keep_heap()}
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
@@ -110,6 +122,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
         "default_algorithm": DEFAULT_ALGORITHM,
         "calibration": None if cost is None else cost.source,
         "seed": seed,
+        "corpus": None if corpus is None else corpus.describe(),
         "sections": list(sections or SECTIONS),
         "seconds": {},
         "methods": {},

@@ -19,7 +19,8 @@ readings of "the busiest rank over a step": ``tiles``, ``recv_keys``, ``inter_ke
 busiest rank (every micro-batch ends with its slowest rank: a world all-to-all per layer, or parameters gathered
 per layer); the ``step_`` columns take the rank whose sum over the micro-batches is largest (ranks wait only for
 the peers they exchange with, and all meet once a step). docs/benchmarks.md defines each column. Where
-megatron-core cannot be imported, the section says why and gives cpdata's rows alone.
+megatron-core cannot be imported, the section says why and gives cpdata's rows alone. ``cpdata bench --lengths
+PATH`` measures a user's corpus (:mod:`cpdata.bench.corpus`) instead of the six distributions.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import types
 
 import numpy as np
 
+from cpdata.bench.corpus import Corpus
 from cpdata.bench.distributions import first_packs, sample
 from cpdata.layout.exchange import node_recv, world_exchange
 from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
@@ -58,9 +60,10 @@ PER_PACK, STEP, MEGATRON = "cpdata world", "cpdata world step", "megatron Balanc
 """System names: each pack dealt by itself; ``PACKS`` packs dealt as one step (``StreamPlan(world_step=PACKS)``);
 Megatron's scheduler on each one's documents."""
 PACKS, QUICK_PACKS = 8, 2
-OPTIONS: tuple[str, ...] = ("cost", "seed")
+OPTIONS: tuple[str, ...] = ("cost", "seed", "corpus")
 """``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`, ``--seed N``
-the seed the documents' lengths are drawn with."""
+the seed the documents' lengths are drawn with, ``--lengths PATH`` the corpus measured instead of the
+distributions (:func:`~cpdata.bench.corpus.read_corpus`)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,9 +126,10 @@ def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
     return [_costs(table, lens) for table, lens in zip(tables, packs, strict=True)], seconds
 
 
-def step_packs(name: str, world: int, per_rank: int, n: int, seed: int = 1
+def step_packs(name: str | Corpus, world: int, per_rank: int, n: int, seed: int = 1
                ) -> tuple[list[tuple[np.ndarray, np.ndarray]], float]:  # fmt: skip
-    """The first world step of ``n`` packs the world step packer (``StreamPlan(world_step=n)``) makes of ``name``:
+    """The first world step of ``n`` packs the world step packer (``StreamPlan(world_step=n)``) makes of ``name``
+    (a distribution, or a user's corpus):
     per pack its slot lengths and owners (int64 ``[D]``, ``[D, 2]``), and the packer's CPU seconds for ``n``
     packs (a window that closes more packs than that counted in proportion)."""
     config = PackingConfig.resolve(capacity=world * per_rank, layout=layout_spec("world", node_size=NODE_SIZE),
@@ -145,7 +149,8 @@ def step_packs(name: str, world: int, per_rank: int, n: int, seed: int = 1
         lo = hi
         if len(packs) >= n:
             return packs[:n], seconds
-    raise AssertionError(f"{name}: fewer than {n} packs from {lengths.shape[0]} documents")
+    label = name if isinstance(name, str) else name.name
+    raise AssertionError(f"{label}: fewer than {n} packs from {lengths.shape[0]} documents")
 
 
 def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int) -> list[tuple[np.ndarray, ...]]:
@@ -179,27 +184,30 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
     }  # fmt: skip
 
 
-def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1) -> list[dict]:
+def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: Corpus | None = None
+        ) -> list[dict]:  # fmt: skip
     """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems; ``seed``
-    draws the documents' lengths (stdlib's are its files)."""
+    draws the documents' lengths (stdlib's are its files); ``corpus`` (``cpdata bench --lengths PATH``), where
+    given, is the one distribution measured, its name the rows' ``distribution``."""
     names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
     rows, skipped = [], None
-    for name in names:
+    for name in names if corpus is None else (corpus,):
         for world, per_rank in WORLDS:
+            label = name if isinstance(name, str) else name.name
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
             steps, seconds = step_packs(name, world, per_rank, n, seed)
             for system, mbs, docs in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), packs),
                 (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
             ):  # fmt: skip
-                mine = _row(name, world, per_rank, system, cost, *mbs)
+                mine = _row(label, world, per_rank, system, cost, *mbs)
                 mine["fill"] = float(sum(int(lens.sum()) for lens in docs)) / (len(docs) * world * per_rank)
                 theirs = megatron_micro_batches(np.concatenate(docs).tolist(), world, per_rank, NODE_SIZE)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
                     continue
-                other = _row(name, world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
+                other = _row(label, world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
                 other["fill"] = 1.0  # (a GPU holds its sub-samples' tokens: no positions left as pad)
                 for column in RATIOS:
                     mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
