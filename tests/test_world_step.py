@@ -123,8 +123,7 @@ def test_the_piece_opening_a_step_takes_megatrons_width_where_ranks_left_out_cou
 def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str) -> None:
     """The first piece of a step cannot wait: on its fewest ranks (5 of 8 here) past the level it takes the first
     width up to Megatron's power of two (8) whose busiest rank is within the level, else the width of least
-    busiest load (brute force over the widths); within the level it keeps its fewest. A later piece past the
-    level waits instead of spreading wider."""
+    busiest load (brute force over the widths); within the level it keeps its fewest."""
     local = 2048  # (at a few tiles a rank, partial tiles make a wider spread no lighter)
     s = 5 * local  # fewest 5, Megatron's 8
     bins = StepBins(CATCH_UP, WORLD, local, NODE, TILE)
@@ -138,17 +137,56 @@ def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str
     assert (want > 5) == (to_come == "short")  # widened only where the fewest ranks stand past the level
 
 
-def test_a_later_piece_past_the_level_waits_rather_than_spread_wider(monkeypatch) -> None:
-    """At a level (500 tiles) that 7 ranks of the piece meet and its fewest 5 do not: the step's first piece takes
-    7; the same piece once the step holds something waits, though 7 other ranks (8..14 of 16) would hold it."""
+def test_a_later_piece_takes_a_wider_width_within_the_level_and_waits_where_none_is(monkeypatch) -> None:
+    """At a level (300 tiles) that Megatron's 4 ranks of a 6,144-token piece meet and its fewest 3 do not: the
+    step's first piece takes 4; each later one takes the next free node's 4 ranks (its fewest 3 stand past the
+    level); once every node holds one, no width of any micro-batch is within the level and it waits."""
+    local, s = 2048, 3 * 2048
+    monkeypatch.setattr(StepBins, "target", lambda self: 297.0)
+    bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
+    bins.set_density([s] * 5)
+    assert bins._choose(s, 3)[0] > 300 >= bins._choose(s, 4)[0]
+    for node in range(4):
+        if node:  # (a later piece: its fewest ranks past the level, Megatron's within it)
+            assert bins._choose(s, 4)[0] <= 300 < bins._choose(s, 3)[0]
+        assert bins.place(s) == (0, 4 * node, 4)
+    assert all(best is None or best[0] > 300 for best in (bins._choose(s, 3), bins._choose(s, 4)))
+    assert bins.place(s) is None
+
+
+def test_a_later_piece_past_a_node_takes_its_least_loaded_width_within_the_level(monkeypatch) -> None:
+    """A 10,240-token piece on ranks of 2,048 spans more than a node of 4 on any width. The step's first takes
+    the fewest ranks within the level (7 of 16); a later one takes, of the widths from its fewest (5) up to
+    Megatron's 8, the placement of least busiest load within the level (brute force), here all 8 ranks left
+    free rather than 7 of them."""
     local, s = 2048, 5 * 2048
     monkeypatch.setattr(StepBins, "target", lambda self: 500.0)
     bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
     bins.set_density([s, s])
-    assert bins._choose(s, 5)[0] > 505 >= bins._choose(s, 7)[0]
+    assert bins._choose(s, 6)[0] > 505 >= (opening := bins._choose(s, 7)[0])
     assert bins.place(s)[2] == 7
-    assert bins._choose(s, 7)[0] <= 505 < bins._choose(s, 5)[0]  # (ranks the first left alone)
-    assert bins.place(s) is None
+    widths = {c: best for c in range(5, 9) if (best := bins._choose(s, c)) is not None and best[0] <= 505}
+    want = min(widths, key=lambda c: (widths[c][0], c))
+    where = bins.place(s)
+    assert want == 8 and where is not None and abs(where[2]) == want
+    assert max(bins.load[r] for r in owner_ranks(*where[1:])) == widths[8][0] < opening
+
+
+def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_width() -> None:
+    """At close, an empty micro-batch takes the longest waiting piece past the level: of the widths from its
+    fewest ranks (5 of 2,048 each for 10,240 tokens) up to Megatron's 8, the one whose busiest rank's load after
+    it is least (brute force; on 5 ranks those would stand 648 tiles above the other 3)."""
+    local, s = 2048, 5 * 2048
+    bins = StepBins(2, WORLD, local, NODE, TILE)
+    bins.set_density([s])
+    for r in range(WORLD):  # micro-batch 0: one whole document a rank, equal loads
+        bins.restore(1000, (0, r, 1))
+    widths = {c: bins._choose(s, c, np.inf, 1) for c in range(5, 9)}
+    want = min(widths, key=lambda c: (widths[c][0], c))
+    where = bins.open_empty(s)
+    assert where is not None and where[0] == 1 and abs(where[2]) == want == 8
+    assert max(bins.load) == widths[8][0] < widths[5][0]
+    assert bins.open_empty(s) is None  # (no micro-batch is empty now)
 
 
 def test_ranks_stay_ordered_through_ties() -> None:

@@ -7,24 +7,27 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 :class:`StepBins` balances that sum:
 
 - pieces go longest first;
-- a piece longer than ``L`` spreads over the fewest ranks, ``c = ceil(s / L)``, consecutive and inside one
-  node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
-  ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last: :func:`owner_ranks`); of every
-  micro-batch, window of ranks with room and orientation, the one whose busiest rank's step load after it is
-  least (ties: the first micro-batch, then the lowest rank, then THD's order) among those that keep the step's
-  busiest receiver within the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal keys, the first
-  ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would receive
-  most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap); past the level or the
-  cap it waits, unless it opens the step: then it takes the fewest ranks up to the power of two Megatron's
-  scheduler would give it (``c <= 2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's) that keep
-  it within the level, since on its fewest ranks it would leave their other micro-batches to pad
-  (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x
-  the mean rank; on 32, 0.985 full at 1.010), and takes that power of two outright when its tiles a rank on
-  its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out
-  could not catch up); where that power of two is narrower than a node and still past the level, it goes
-  wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`:
-  no rank receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token
-  document on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x);
+- a piece longer than ``L`` spreads over ``c`` consecutive ranks, from its fewest, ``ceil(s / L)``, up to the
+  power of two Megatron's scheduler would give it (``2^ceil(log2(ceil(s / L)))``, so its keys stay within
+  Megatron's), inside one node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c``
+  takes chunks ``i`` and ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last:
+  :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the
+  one whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the
+  lowest rank, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles
+  receive unequal keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that
+  took first roles would receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under
+  the cap; on its fewest ranks a long piece leaves the ranks beside it, with little left to fill, lighter
+  than the rest: :meth:`StepBins._spread`). Past the level
+  or the cap it waits, unless it opens the step: then it takes the fewest ranks that keep it within the level,
+  since on its fewest ranks it would leave their other micro-batches to pad (long_context 32 x 4K, seed 7: a
+  89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the mean rank; on 32, 0.985
+  full at 1.010), and takes Megatron's power of two outright when its tiles a rank on its fewest pass what
+  whole pieces can add to a rank in the step's other micro-batches (the ranks left out could not catch up);
+  where that power of two is narrower than a node and still past the level, it goes wider inside the node, up
+  to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more
+  than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
+  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends in a
+  micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load;
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -79,6 +82,7 @@ own first role's keys, and this many times the mean rank's received keys after i
 at 1.5 pieces waited that long_context needed, 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank; at 2,
 web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15)."""
 
+
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
 ``ranks`` is negative, ``first`` down to ``first + ranks + 1`` (the window's roles mirrored)."""
@@ -91,11 +95,17 @@ def owner_ranks(first: int, ranks: int) -> range:
 
 
 @functools.lru_cache(maxsize=4096)
-def _roles(s: int, c: int, local: int, tile: int) -> tuple[tuple[int, ...], ...] | None:
-    """``(tokens, tiles, keys received)`` of each role of a document of ``s`` tokens spread over ``c`` ranks of
-    ``local`` tokens (:func:`~cpdata.layout.spread.spread_chunks`); None where that width has no cut."""
+def _roles(s: int, c: int, local: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """int64 ``[c]`` each (read-only: one cached copy serves every call): ``(tokens, tiles, keys received)`` of
+    each role of a document of ``s`` tokens spread over ``c`` ranks of ``local`` tokens
+    (:func:`~cpdata.layout.spread.spread_chunks`); None where that width has no cut."""
     chunk = spread_chunks(s, c, local)
-    return None if chunk is None else (chunk_need(chunk), chunk_tiles(chunk, tile), chunk_recv(chunk))
+    if chunk is None:
+        return None
+    roles = tuple(np.array(v, dtype=np.int64) for v in (chunk_need(chunk), chunk_tiles(chunk, tile), chunk_recv(chunk)))
+    for role in roles:
+        role.flags.writeable = False
+    return roles
 
 
 class StepBins:
@@ -143,7 +153,7 @@ class StepBins:
         whole = [s for s in pieces if s <= self.local]
         added, tokens = sum(alone_tiles(s, self.tile) for s in whole), sum(whole)
         if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
-            spread = sum(sum(_roles(s, -(-s // self.local), self.local, self.tile)[1]) for s in pieces)
+            spread = sum(int(_roles(s, -(-s // self.local), self.local, self.tile)[1].sum()) for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
@@ -183,7 +193,8 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        added = alone_tiles(s, self.tile)
+        blocks = -(-s // self.tile)
+        added = blocks * (blocks + 1) // 2  # (alone_tiles, inline: this runs once a document)
         self._seen(s, added)
         best_room, load, density = self.best_room, self.load, self.density
         best = -1
@@ -204,7 +215,7 @@ class StepBins:
             if best < 0:
                 return None
         k = self._best_fit(best, s)
-        self._take(best, k, s, added)
+        self._put(best, k, s, added)
         return k, best, 1
 
     def _best_fit(self, r: int, s: int) -> int:
@@ -230,8 +241,12 @@ class StepBins:
 
     def open_empty(self, s: int) -> Placement | None:
         """Place a piece of ``s`` tokens, past the level, into the first micro-batch no rank holds anything of:
-        whole on the least loaded rank, or spread over the window of ranks whose busiest load after it is least;
-        None when every micro-batch holds something (a step leaves none empty while pieces wait)."""
+        whole on the least loaded rank, or spread over the width (from its fewest ranks up to the power of two
+        Megatron's scheduler would give it) and window of ranks whose busiest load after it is least (ties: the
+        fewest ranks); None when every micro-batch holds something (a step leaves none empty while pieces wait).
+        On its fewest ranks a long piece that waited past the level would fill the empty micro-batch on those
+        ranks alone (a mixed corpus at 16 x 8K, seed 6: a 75,162-token document on 10 of 16 ranks, the step
+        1.26 x the mean rank; on 16, 1.00 x)."""
         empty = [k for k in range(self.packs) if all(room[k] == self.local for room in self.room)]
         if not empty:
             return None
@@ -242,7 +257,10 @@ class StepBins:
             return k, r, 1
         if c > self.world:
             return None
-        return self._take_choice(s, self._choose(s, c, np.inf, k))
+        arrays = self._arrays()
+        choices = [best for w in range(c, min(self.world, megatron_width(s, self.local)) + 1)
+                   if (best := self._choose(s, w, np.inf, k, arrays)) is not None]  # fmt: skip
+        return self._take_choice(s, min(choices, key=_busiest, default=None))
 
     def restore(self, s: int, where: Placement) -> None:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
@@ -285,11 +303,17 @@ class StepBins:
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
+        self._put(r, k, s, added)
+
+    def _put(self, r: int, k: int, s: int, added: float) -> None:
+        """:meth:`_take` where the caller found the room (the per-document path: no check)."""
         load, free, room, density = self.load, self.free, self.room[r], self.density
         was, projected = load[r], load[r] + free[r] * density
-        room[k] -= s
+        left = room[k]
+        room[k] = left - s
         free[r] -= s
-        self.best_room[r] = max(room)
+        if s < 0 or left == self.best_room[r]:  # (only then can the rank's most room change)
+            self.best_room[r] = max(room)
         load[r] = now = was + added
         self._total += added
         self.placed += s
@@ -300,53 +324,55 @@ class StepBins:
         cut = _roles(s, abs(c), self.local, self.tile)
         if cut is None:
             raise ValueError(f"a piece of {s} tokens has no cut over {abs(c)} ranks of {self.local} tokens")
-        for r, need, added, keys in zip(owner_ranks(first, c), *cut, strict=True):
+        for r, need, added, keys in zip(owner_ranks(first, c), *(role.tolist() for role in cut), strict=True):
             self._take(r, k, need, added)
             self.recv[r] += keys
 
-    def _windows(self, c: int) -> list[int]:
-        """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when
-        it fits one, else from a node's first rank (whole nodes first)."""
-        if c > self.node_size:
-            return list(range(0, self.world - c + 1, self.node_size))
-        return [a for a in range(self.world - c + 1) if a // self.node_size == (a + c - 1) // self.node_size]
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ranks' room (int64 ``[world, packs]``), loads (float64 ``[world]``) and received keys (int64
+        ``[world]``) as arrays."""
+        return np.array(self.room, dtype=np.int64), np.array(self.load), np.array(self.recv, dtype=np.int64)
 
     def _spread(self, s: int) -> Placement | None:
-        """A piece longer than a rank's tokens: the micro-batch, window of ranks with room and orientation whose
-        busiest load after it is least, on ``ceil(s / local)`` ranks, within the receive cap (:meth:`_choose`);
-        None (it waits) past the level or the cap. The piece that opens a step cannot wait: it takes the fewest
-        ranks, up to the power of two Megatron's scheduler would give it, that keep it within the level, else the
-        placement of least busiest load over those widths; it takes that power of two outright when its tiles a
-        rank on its fewest would pass what a rank can add in the step's other micro-batches, one
-        whole-micro-batch document each (``alone_tiles(local)``): the ranks left out could not catch up
-        (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the 32nd at 0.32 x the
-        mean rank, the step 1.036 x; on 32, 1.012 x). Where that power of two is narrower than a node, the
-        opening piece's widths go on up to the node's ranks or twice the power of two, whichever is fewer, in
-        the receive-capped cut (:func:`~cpdata.layout.spread.spread_chunks`; its first role must hold ``1 / w``
-        of the document at Megatron's width ``w``, whose work alone passes the mean role's past about ``w^2``
-        ranks, and the widths cost a cut each on a large node); a width with no such cut is skipped."""
+        """A piece longer than a rank's tokens: of its widths (the module docstring), micro-batches, windows of
+        ranks with room and orientations, the placement whose busiest load after it is least within the receive
+        cap (:meth:`_choose`) and the level; None (it waits) past the level or the cap. The piece that opens a
+        step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
+        that keep it within the level, else the placement of least busiest load over those widths; it takes that
+        power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
+        other micro-batches, one whole-micro-batch document each (``alone_tiles(local)``): the ranks left out
+        could not catch up (long_context 32 x 4K, seed 9: a 115,714-token document on 31 of 32 ranks left the
+        32nd at 0.32 x the mean rank, the step 1.036 x; on 32, 1.012 x). Where that power of two is narrower
+        than a node, the opening piece's widths go on up to the node's ranks or twice the power of two,
+        whichever is fewer, in the receive-capped cut (:func:`~cpdata.layout.spread.spread_chunks`; its first
+        role must hold ``1 / w`` of the document at Megatron's width ``w``, whose work alone passes the mean
+        role's past about ``w^2`` ranks, and the widths cost a cut each on a large node); a width with no such
+        cut is skipped. A later piece takes, of its widths from its fewest ranks up to that power of two, the
+        placement of least busiest load within the level (ties: the fewest ranks), else it waits: on its fewest
+        ranks a long piece leaves ranks that have little left to fill it with lighter than the rest (books at 16
+        x 8K, seed 1, the rest of the deal as it is: documents of 18,000-36,000 tokens on 3 and 5 ranks left the
+        busiest rank at 1.041 x the mean, 1.022 x Megatron's; at their widths up to Megatron's, 1.002 x and
+        0.988 x; docs/benchmarks.md, "Your own corpus")."""
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
-        most = fewest if self.placed else min(self.world, megatron_width(s, self.local))
+        opening = not self.placed
+        most = min(self.world, megatron_width(s, self.local))
         # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread), up to twice the width
-        widest = most if self.placed or most >= self.node_size else min(self.node_size, self.world, 2 * most)
+        widest = most if not opening or most >= self.node_size else min(self.node_size, self.world, 2 * most)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
-        if most > fewest and max(_roles(s, fewest, self.local, self.tile)[1]) > (self.packs - 1) * densest:
-            best = self._choose(s, most)  # (the ranks left out could not catch up: Megatron's width)
+        behind = most > fewest and int(_roles(s, fewest, self.local, self.tile)[1].max()) > (self.packs - 1) * densest
+        arrays = self._arrays()
+        if opening and behind:
+            best = self._choose(s, most, arrays=arrays)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
-        choices = []
-        for c in range(fewest, widest + 1):
-            best = self._choose(s, c)
-            if best is not None and best[0] <= level:  # the fewest ranks within the level
-                return self._take_choice(s, best)
-            if best is not None:
-                choices.append(best)
-        if self.placed or not choices:
-            return None
-        return self._take_choice(s, min(choices, key=lambda best: best[0]))
+        choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, arrays=arrays)) is not None]
+        within = [best for best in choices if best[0] <= level]
+        if opening:  # the fewest ranks within the level, else the least busiest load
+            return self._take_choice(s, within[0] if within else min(choices, key=_busiest, default=None))
+        return self._take_choice(s, min(within, key=_busiest, default=None))
 
     def _take_choice(self, s: int, choice: tuple[float, int, int, int] | None) -> Placement | None:
         """Spread ``s`` tokens where :meth:`_choose` chose (None: nowhere)."""
@@ -356,10 +382,11 @@ class StepBins:
         self._take_spread(s, k, first, c)
         return k, first, c
 
-    def _choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None
+    def _choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None,
+                arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
                 ) -> tuple[float, int, int, int] | None:  # fmt: skip
         """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
-        tokens on ``c`` ranks (:meth:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
+        tokens on ``c`` ranks (:func:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
         room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`), the one of
         least busiest load (ties: the first micro-batch, the lowest rank, THD's orientation); None where none.
         The caller holds that load to its level: the least placement past it means none within it.
@@ -367,23 +394,20 @@ class StepBins:
         The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
         ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
         or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 ->
-        0.85 x Megatron's busiest receiver)."""
+        0.85 x Megatron's busiest receiver). ``arrays``: :meth:`_arrays` of the state as it is, where the caller
+        tries several widths of one piece."""
         cut = _roles(s, c, self.local, self.tile)
         if cut is None:
             return None
-        need, added, keys = (np.array(v) for v in cut)
-        recv = self.recv
+        need, added, keys = cut
+        room, load, recv = self._arrays() if arrays is None else arrays
         if cap is None:
-            cap = max(max(recv), int(keys.max()), RECEIVE_CAP * (sum(recv) + int(keys.sum())) / self.world)
-        starts = np.array(self._windows(c), dtype=np.int64)
-        windows = np.lib.stride_tricks.sliding_window_view
-        room = windows(np.array(self.room, dtype=np.int64), c, axis=0)[starts]  # [starts, packs, c]
-        if pack is not None:
-            room = room[:, pack:pack + 1]
-        roles = np.stack([np.arange(c), np.arange(c)[::-1]])  # [orientation, window position]: the role there
-        score = (windows(np.array(self.load), c)[starts][None] + added[roles][:, None]).max(2)  # [2, starts]
-        receiver = (windows(np.array(recv), c)[starts][None] + keys[roles][:, None]).max(2)  # [2, starts]
-        fits = (room[None] >= need[roles][:, None, None]).all(3)  # [2, starts, packs]
+            cap = max(int(recv.max()), int(keys.max()), RECEIVE_CAP * (int(recv.sum()) + int(keys.sum())) / self.world)
+        starts, at, roles = _window_index(self.world, self.node_size, c)
+        held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
+        score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
+        receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, starts]
+        fits = (held[None] >= need[roles][:, None, :, None]).all(2)  # [2, starts, packs]
         o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
         if not o.size:
             return None
@@ -391,6 +415,29 @@ class StepBins:
         o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
         first = int(starts[w])
         return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
+
+
+def _windows(world: int, node_size: int, c: int) -> list[int]:
+    """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when it fits
+    one, else from a node's first rank (whole nodes first)."""
+    if c > node_size:
+        return list(range(0, world - c + 1, node_size))
+    return [a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size]
+
+
+@functools.lru_cache(maxsize=1024)
+def _window_index(world: int, node_size: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int64 ``[W]`` the windows' first ranks (:func:`_windows`), ``[W, c]`` their ranks, and ``[2, c]`` the role
+    at each position of a window, in THD's orientation and mirrored."""
+    starts = np.array(_windows(world, node_size, c), dtype=np.int64).reshape(-1)
+    roles = np.stack([np.arange(c), np.arange(c)[::-1]])
+    return starts, starts[:, None] + np.arange(c), roles
+
+
+def _busiest(choice: tuple[float, int, int, int]) -> float:
+    """A :meth:`StepBins._choose` placement's busiest load after it (``min`` keeps the first of equals: the
+    fewest ranks, as the widths are tried)."""
+    return choice[0]
 
 
 class _Ranked:
