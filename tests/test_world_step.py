@@ -189,6 +189,24 @@ def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_widt
     assert bins.open_empty(s) is None  # (no micro-batch is empty now)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_deal_places_each_piece_as_place_does_one_at_a_time(seed: int) -> None:
+    """The per-document fast path: the same placements (waits included) and the same state after, on streams
+    of short pieces with some spread ones, longest first or not, through density drifts that reproject."""
+    lengths = _lengths(seed, 500).tolist()
+    longest = lengths.index(max(lengths))  # (it opens the step, spread, either way)
+    order = sorted(lengths, reverse=True) if seed % 2 else [lengths[longest], *lengths[:longest], *lengths[longest + 1:]]
+    fast, slow = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))
+    for bins in (fast, slow):
+        bins.set_density(order[:200])  # (the rest arrives unexpected: the density drifts)
+    got, want = fast.deal(order), [slow.place(s) for s in order]
+    assert got == want
+    assert None in got and any(w is not None and abs(w[2]) > 1 for w in got)  # (waits and spread pieces)
+    for name in ("load", "free", "room", "best_room", "recv", "placed", "_total", "density", "_coming"):
+        assert getattr(fast, name) == getattr(slow, name), name
+    assert fast._by_load.keys == slow._by_load.keys and fast._projected.keys == slow._projected.keys
+
+
 def test_ranks_stay_ordered_through_ties() -> None:
     """Equal pieces on equal ranks tie their loads at every turn: each placement and removal keeps both orders."""
     bins = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)

@@ -150,9 +150,11 @@ class StepBins:
         """Expect the pieces to come to add tiles per token as ``pieces`` (lengths, in the order :meth:`place`
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
-        whole = [s for s in pieces if s <= self.local]
-        added, tokens = sum(alone_tiles(s, self.tile) for s in whole), sum(whole)
-        if not tokens and pieces:  # only pieces longer than a rank to come: they set the level
+        lengths = np.asarray(pieces, dtype=np.int64)
+        whole = lengths[lengths <= self.local]
+        blocks = -(-whole // self.tile)  # (alone_tiles of each, at once)
+        added, tokens = int((blocks * (blocks + 1) // 2).sum()), int(whole.sum())
+        if not tokens and len(pieces):  # only pieces longer than a rank to come: they set the level
             spread = sum(int(_roles(s, -(-s // self.local), self.local, self.tile)[1].sum()) for s in pieces)
             self._coming = [0.0, 0, spread / sum(pieces)]
         else:
@@ -217,6 +219,75 @@ class StepBins:
         k = self._best_fit(best, s)
         self._put(best, k, s, added)
         return k, best, 1
+
+    def deal(self, pieces: Sequence[int]) -> list[Placement | None]:
+        """:meth:`place` each of ``pieces`` in order: the same placements, the same state after (tests compare
+        the two on random streams). A whole piece is the per-document path, run here with its lookups hoisted
+        and its steps inline (about 2,900 documents a micro-batch of 45-token documents); a spread piece goes
+        through :meth:`place`."""
+        out: list[Placement | None] = []
+        local, tile, slack, world, capacity = self.local, self.tile, 1 + self.slack, self.world, self._capacity
+        load, free, rooms, best_room, coming = self.load, self.free, self.room, self.best_room, self._coming
+        by_load, quantile, drift = self._by_load.keys, int(LEVEL * (world - 1)), DRIFT
+        for s in pieces:
+            if s > local:
+                out.append(self._spread(s))
+                continue
+            blocks = -(-s // tile)
+            added = blocks * (blocks + 1) // 2
+            # _seen, inline
+            coming[0] -= added
+            coming[1] -= s
+            left = coming[1]
+            placed = self.placed
+            beyond = capacity - placed - left
+            if beyond < 0:
+                beyond = 0
+            density = self.density
+            expected = (coming[0] + coming[2] * beyond) / (left + beyond) if left + beyond > 0 else density
+            if abs(expected - density) > drift * density:
+                self._reproject()
+                density = self.density
+            projected = self._projected.keys
+            best = -1
+            if added >= s * density:  # dearer than the pieces to come
+                for _, r in by_load:
+                    if best_room[r] >= s:
+                        best = r
+                        break
+                if best < 0 or (placed and load[best] + added > projected[quantile][0] * slack):
+                    out.append(None)
+                    continue
+            else:
+                level = (self._total + (capacity - placed) * density) / world
+                target = projected[quantile][0]
+                level = (level if level < target else target) * slack
+                for _, r in reversed(projected):
+                    if best_room[r] >= s and load[r] + added <= level:
+                        best = r
+                        break
+                if best < 0:
+                    out.append(None)
+                    continue
+            # _best_fit and _put, inline
+            room = rooms[best]
+            k, least = -1, local + 1
+            for i, room_left in enumerate(room):
+                if s <= room_left < least:
+                    k, least = i, room_left
+            was = load[best]
+            before = was + free[best] * density
+            room[k] = least - s
+            free[best] -= s
+            if least == best_room[best]:
+                best_room[best] = max(room)
+            load[best] = now = was + added
+            self._total += added
+            self.placed = placed + s
+            _move(by_load, was, now, best)
+            _move(projected, before, now + free[best] * density, best)
+            out.append((k, best, 1))
+        return out
 
     def _best_fit(self, r: int, s: int) -> int:
         """The micro-batch of rank ``r`` with the least room that holds ``s`` tokens (ties: the first)."""
@@ -460,22 +531,27 @@ class _Ranked:
         return [v for v, _ in self.keys]
 
     def update(self, old: float, new: float, r: int) -> None:
-        """Rank ``r``'s value goes from ``old`` to ``new`` (in place where its order holds: most pieces move it
-        past no other rank)."""
-        keys, key = self.keys, (new, r)
-        i = bisect_left(keys, (old, r))
-        if new >= old:  # (it can only move right: its left neighbour stays before it)
-            if i + 1 == len(keys) or key < keys[i + 1]:
-                keys[i] = key
-                return
-            del keys[i]
-            keys.insert(bisect_left(keys, key, i), key)
-        else:  # (it can only move left)
-            if i == 0 or keys[i - 1] < key:
-                keys[i] = key
-                return
-            del keys[i]
-            keys.insert(bisect_left(keys, key, 0, i), key)
+        """Rank ``r``'s value goes from ``old`` to ``new`` (:func:`_move`)."""
+        _move(self.keys, old, new, r)
+
+
+def _move(keys: list[tuple[float, int]], old: float, new: float, r: int) -> None:
+    """In sorted ``(value, rank)`` keys, rank ``r``'s value goes from ``old`` to ``new`` (in place where its order
+    holds: most pieces move it past no other rank)."""
+    key = (new, r)
+    i = bisect_left(keys, (old, r))
+    if new >= old:  # (it can only move right: its left neighbour stays before it)
+        if i + 1 == len(keys) or key < keys[i + 1]:
+            keys[i] = key
+            return
+        del keys[i]
+        keys.insert(bisect_left(keys, key, i), key)
+    else:  # (it can only move left)
+        if i == 0 or keys[i - 1] < key:
+            keys[i] = key
+            return
+        del keys[i]
+        keys.insert(bisect_left(keys, key, 0, i), key)
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int

@@ -112,8 +112,7 @@ class WorldStepPacker:
         """Deal ``pieces`` into the open step; the ones that wait."""
         self._bins.set_density([s for _, s in pieces])
         waiting = []
-        for key, s in pieces:
-            where = self._bins.place(s)
+        for (key, s), where in zip(pieces, self._bins.deal([s for _, s in pieces]), strict=True):
             if where is None:
                 if not self._step and s > self.capacity:
                     raise ValueError(f"a piece of {s} tokens does not fit a world micro-batch of {self.world} x "
