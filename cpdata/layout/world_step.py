@@ -9,25 +9,25 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 - pieces go longest first;
 - a piece longer than ``L`` spreads over ``c`` consecutive ranks, from its fewest, ``ceil(s / L)``, up to the
   power of two Megatron's scheduler would give it (``2^ceil(log2(ceil(s / L)))``, so its keys stay within
-  Megatron's), inside one node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c``
-  takes chunks ``i`` and ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last:
-  :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the
-  one whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the
-  lowest rank, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles
-  receive unequal keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that
-  took first roles would receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under
-  the cap; on its fewest ranks a long piece leaves the ranks beside it, with little left to fill, lighter
-  than the rest: :meth:`StepBins._spread`). Past the level
-  or the cap it waits, unless it opens the step: then it takes the fewest ranks that keep it within the level,
-  since on its fewest ranks it would leave their other micro-batches to pad (long_context 32 x 4K, seed 7: a
-  89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the mean rank; on 32, 0.985
-  full at 1.010), and takes Megatron's power of two outright when its tiles a rank on its fewest pass what
-  whole pieces can add to a rank in the step's other micro-batches (the ranks left out could not catch up);
-  where that power of two is narrower than a node and still past the level, it goes wider inside the node, up
-  to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives more
-  than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
-  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends in a
-  micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load;
+  Megatron's), inside one node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes
+  chunks ``i`` and ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last:
+  :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the one
+  whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the lowest
+  rank, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive
+  unequal keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first
+  roles would receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap; on its
+  fewest ranks a long piece leaves the ranks beside it, with little left to fill, lighter than the rest:
+  :meth:`StepBins._spread`). Past the level or the cap it waits, unless it opens the step: then it takes the
+  fewest ranks that keep it within the level, since on its fewest ranks it would leave their other micro-batches
+  to pad (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at
+  1.043 x the mean rank; on 32, 0.985 full at 1.010), and takes Megatron's power of two outright when its tiles a
+  rank on its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left
+  out could not catch up); where that power of two is narrower than a node and still past the level, it goes wider
+  inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank
+  receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on
+  4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
+  in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest
+  load;
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -81,7 +81,6 @@ RECEIVE_CAP = 1.75
 own first role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`;
 at 1.5 pieces waited that long_context needed, 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank; at 2,
 web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15)."""
-
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -195,8 +194,7 @@ class StepBins:
         changes). A whole piece also narrows the expectation of the pieces to come (:meth:`set_density`)."""
         if s > self.local:
             return self._spread(s)
-        blocks = -(-s // self.tile)
-        added = blocks * (blocks + 1) // 2  # (alone_tiles, inline: this runs once a document)
+        added = alone_tiles(s, self.tile)
         self._seen(s, added)
         best_room, load, density = self.best_room, self.load, self.density
         best = -1
