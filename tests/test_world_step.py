@@ -195,7 +195,8 @@ def test_deal_places_each_piece_as_place_does_one_at_a_time(seed: int) -> None:
     of short pieces with some spread ones, longest first or not, through density drifts that reproject."""
     lengths = _lengths(seed, 500).tolist()
     longest = lengths.index(max(lengths))  # (it opens the step, spread, either way)
-    order = sorted(lengths, reverse=True) if seed % 2 else [lengths[longest], *lengths[:longest], *lengths[longest + 1:]]
+    opened = [lengths[longest], *lengths[:longest], *lengths[longest + 1 :]]
+    order = sorted(lengths, reverse=True) if seed % 2 else opened
     fast, slow = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))
     for bins in (fast, slow):
         bins.set_density(order[:200])  # (the rest arrives unexpected: the density drifts)
