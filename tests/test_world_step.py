@@ -10,7 +10,7 @@ import pytest
 from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
-from cpdata.layout.world_step import StepBins, owned_runs, owner_ranks
+from cpdata.layout.world_step import DRIFT, StepBins, owned_runs, owner_ranks
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
@@ -97,8 +97,7 @@ def _assert_ordered(bins: StepBins) -> None:
     projected = [load + free * bins.density for load, free in zip(bins.load, bins.free, strict=True)]
     for kept, values in ((bins._by_load, bins.load), (bins._projected, projected)):
         order = sorted(range(WORLD), key=lambda r: (values[r], r))
-        assert kept.ranks == order
-        assert kept.values == [values[r] for r in order]
+        assert kept == [(values[r], r) for r in order]
 
 
 CATCH_UP = 8
@@ -189,10 +188,42 @@ def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_widt
     assert bins.open_empty(s) is None  # (no micro-batch is empty now)
 
 
+def _placed_step_by_step(bins: StepBins, s: int) -> tuple[int, int, int] | None:
+    """The reference of the per-document path: the module docstring's rule for one piece, each step on the
+    state as it is (no lookup kept between pieces)."""
+    if s > bins.local:
+        return bins._spread(s)
+    added = alone_tiles(s, bins.tile)
+    coming = bins._coming  # one whole piece of the expected ones is dealt: reproject where the density drifted
+    coming[0] -= added
+    coming[1] -= s
+    beyond = max(bins._capacity - bins.placed - coming[1], 0)
+    if coming[1] + beyond > 0:
+        density = (coming[0] + coming[2] * beyond) / (coming[1] + beyond)
+        if abs(density - bins.density) > DRIFT * bins.density:
+            bins._reproject()
+    level = bins.target() * (1 + bins.slack)
+    if added >= s * bins.density:  # dearer than the pieces to come: the least loaded rank with room
+        best = next((r for _, r in bins._by_load if bins.best_room[r] >= s), -1)
+        if best < 0 or (bins.placed and bins.load[best] + added > level):
+            return None
+    else:  # the rank of highest projected load with room that it keeps within the level
+        mean = (bins._total + (bins._capacity - bins.placed) * bins.density) / bins.world
+        level = min(mean, bins.target()) * (1 + bins.slack)
+        best = next((r for _, r in reversed(bins._projected)
+                     if bins.best_room[r] >= s and bins.load[r] + added <= level), -1)  # fmt: skip
+        if best < 0:
+            return None
+    k = bins._best_fit(best, s)
+    bins._put(best, k, s, added)
+    return k, best, 1
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_deal_places_each_piece_as_place_does_one_at_a_time(seed: int) -> None:
-    """The per-document fast path: the same placements (waits included) and the same state after, on streams
-    of short pieces with some spread ones, longest first or not, through density drifts that reproject."""
+def test_deal_places_each_piece_as_the_step_by_step_rule_does(seed: int) -> None:
+    """The per-document path (lookups hoisted, steps inline): the same placements (waits included) and the same
+    state after as the rule taken step by step, on streams of short pieces with some spread ones, longest first
+    or not, through density drifts that reproject."""
     lengths = _lengths(seed, 500).tolist()
     longest = lengths.index(max(lengths))  # (it opens the step, spread, either way)
     opened = [lengths[longest], *lengths[:longest], *lengths[longest + 1 :]]
@@ -200,12 +231,15 @@ def test_deal_places_each_piece_as_place_does_one_at_a_time(seed: int) -> None:
     fast, slow = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))
     for bins in (fast, slow):
         bins.set_density(order[:200])  # (the rest arrives unexpected: the density drifts)
-    got, want = fast.deal(order), [slow.place(s) for s in order]
+    got, want = fast.deal(order), [_placed_step_by_step(slow, s) for s in order]
     assert got == want
     assert None in got and any(w is not None and abs(w[2]) > 1 for w in got)  # (waits and spread pieces)
     for name in ("load", "free", "room", "best_room", "recv", "placed", "_total", "density", "_coming"):
         assert getattr(fast, name) == getattr(slow, name), name
-    assert fast._by_load.keys == slow._by_load.keys and fast._projected.keys == slow._projected.keys
+    assert fast._by_load == slow._by_load and fast._projected == slow._projected
+    one_by_one = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)  # place: deal of one piece, no lookup kept between
+    one_by_one.set_density(order[:200])
+    assert [one_by_one.place(s) for s in order] == got
 
 
 def test_ranks_stay_ordered_through_ties() -> None:

@@ -149,8 +149,12 @@ def step_packs(name: str | Corpus, world: int, per_rank: int, n: int, seed: int 
         lo = hi
         if len(packs) >= n:
             return packs[:n], seconds
-    label = name if isinstance(name, str) else name.name
-    raise AssertionError(f"{label}: fewer than {n} packs from {lengths.shape[0]} documents")
+    raise AssertionError(f"{_label(name)}: fewer than {n} packs from {lengths.shape[0]} documents")
+
+
+def _label(name: str | Corpus) -> str:
+    """A row's ``distribution``: the distribution's name, or the corpus's (its file's stem)."""
+    return name if isinstance(name, str) else name.name
 
 
 def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int) -> list[tuple[np.ndarray, ...]]:
@@ -193,21 +197,20 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
     rows, skipped = [], None
     for name in names if corpus is None else (corpus,):
         for world, per_rank in WORLDS:
-            label = name if isinstance(name, str) else name.name
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
             steps, seconds = step_packs(name, world, per_rank, n, seed)
             for system, mbs, docs in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), packs),
                 (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
             ):  # fmt: skip
-                mine = _row(label, world, per_rank, system, cost, *mbs)
+                mine = _row(_label(name), world, per_rank, system, cost, *mbs)
                 mine["fill"] = float(sum(int(lens.sum()) for lens in docs)) / (len(docs) * world * per_rank)
                 theirs = megatron_micro_batches(np.concatenate(docs).tolist(), world, per_rank, NODE_SIZE)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
                     continue
-                other = _row(label, world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
+                other = _row(_label(name), world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
                 other["fill"] = 1.0  # (a GPU holds its sub-samples' tokens: no positions left as pad)
                 for column in RATIOS:
                     mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (

@@ -110,9 +110,10 @@ class WorldStepPacker:
 
     def _deal(self, pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """Deal ``pieces`` into the open step; the ones that wait."""
-        self._bins.set_density([s for _, s in pieces])
+        lengths = [s for _, s in pieces]
+        self._bins.set_density(lengths)
         waiting = []
-        for (key, s), where in zip(pieces, self._bins.deal([s for _, s in pieces]), strict=True):
+        for (key, s), where in zip(pieces, self._bins.deal(lengths), strict=True):
             if where is None:
                 if not self._step and s > self.capacity:
                     raise ValueError(f"a piece of {s} tokens does not fit a world micro-batch of {self.world} x "
