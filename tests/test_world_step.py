@@ -188,12 +188,13 @@ def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_widt
     assert bins.open_empty(s) is None  # (no micro-batch is empty now)
 
 
-def _placed_step_by_step(bins: StepBins, s: int) -> tuple[int, int, int] | None:
-    """The reference of the per-document path: the module docstring's rule for one piece, each step on the
-    state as it is (no lookup kept between pieces)."""
+def _placed_step_by_step(bins: StepBins, s: int, added: int | None = None) -> tuple[int, int, int] | None:
+    """The reference of the per-document path: the module docstring's rule for one piece of ``s`` tokens adding
+    ``added`` tiles (None: its own, ``alone_tiles``), each step on the state as it is (no lookup kept between
+    pieces)."""
     if s > bins.local:
         return bins._spread(s)
-    added = alone_tiles(s, bins.tile)
+    added = alone_tiles(s, bins.tile) if added is None else added
     coming = bins._coming  # one whole piece of the expected ones is dealt: reproject where the density drifted
     coming[0] -= added
     coming[1] -= s
@@ -219,11 +220,40 @@ def _placed_step_by_step(bins: StepBins, s: int) -> tuple[int, int, int] | None:
     return k, best, 1
 
 
+def _bundles(pieces: list[int], tile: int, local: int) -> list[list[int]]:
+    """The reference's units: runs of consecutive pieces of at most half a tile, each run cut greedily where
+    its tokens would pass two tiles (or a rank's tokens); every other piece alone."""
+    units: list[list[int]] = []
+    for s in pieces:
+        small = 0 < s <= tile // 2
+        if small and units and units[-1][0] <= tile // 2 and sum(units[-1]) + s <= min(2 * tile, local):
+            units[-1].append(s)
+        else:
+            units.append([s])
+    return units
+
+
+def _dealt_step_by_step(bins: StepBins, pieces: list[int]) -> list[tuple[int, int, int] | None]:
+    """The reference of :meth:`StepBins.deal`: each bundle (:func:`_bundles`) placed as one piece adding a tile
+    a member; a bundle that waits is dealt again member by member, the expectation as before it."""
+    out: list[tuple[int, int, int] | None] = []
+    for unit in _bundles(pieces, bins.tile, bins.local):
+        if len(unit) > 1:
+            expected = list(bins._coming)
+            where = _placed_step_by_step(bins, sum(unit), len(unit))
+            if where is not None:
+                out += [where] * len(unit)
+                continue
+            bins._coming[:] = expected
+        out += [_placed_step_by_step(bins, s) for s in unit]
+    return out
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_deal_places_each_piece_as_the_step_by_step_rule_does(seed: int) -> None:
-    """The per-document path (lookups hoisted, steps inline): the same placements (waits included) and the same
-    state after as the rule taken step by step, on streams of short pieces with some spread ones, longest first
-    or not, through density drifts that reproject."""
+    """The per-document path (lookups hoisted, steps inline, small pieces in bundles): the same placements (waits
+    included) and the same state after as the rule taken step by step, on streams of short pieces with some
+    spread ones, longest first or not, through density drifts that reproject."""
     lengths = _lengths(seed, 500).tolist()
     longest = lengths.index(max(lengths))  # (it opens the step, spread, either way)
     opened = [lengths[longest], *lengths[:longest], *lengths[longest + 1 :]]
@@ -231,15 +261,49 @@ def test_deal_places_each_piece_as_the_step_by_step_rule_does(seed: int) -> None
     fast, slow = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))
     for bins in (fast, slow):
         bins.set_density(order[:200])  # (the rest arrives unexpected: the density drifts)
-    got, want = fast.deal(order), [_placed_step_by_step(slow, s) for s in order]
+    got, want = fast.deal(order), _dealt_step_by_step(slow, order)
     assert got == want
     assert None in got and any(w is not None and abs(w[2]) > 1 for w in got)  # (waits and spread pieces)
+    assert any(len(unit) > 1 for unit in _bundles(order, TILE, LOCAL))  # (bundles)
     for name in ("load", "free", "room", "best_room", "recv", "placed", "_total", "density", "_coming"):
         assert getattr(fast, name) == getattr(slow, name), name
     assert fast._by_load == slow._by_load and fast._projected == slow._projected
-    one_by_one = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)  # place: deal of one piece, no lookup kept between
-    one_by_one.set_density(order[:200])
-    assert [one_by_one.place(s) for s in order] == got
+    one_by_one, reference = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))  # place: no bundle
+    for bins in (one_by_one, reference):
+        bins.set_density(order[:200])
+    assert [one_by_one.place(s) for s in order] == [_placed_step_by_step(reference, s) for s in order]
+
+
+def test_small_pieces_go_in_bundles_of_two_tiles_a_tile_each() -> None:
+    """Pieces of at most half a tile deal six at a time (240 of 256 tokens): each bundle's pieces share a rank
+    and micro-batch, and a rank's load is a tile a piece, whatever their length."""
+    bins = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
+    lengths = [40, 33, 64, 21, 40, 40] * 5
+    bins.set_density(lengths)
+    placed = bins.deal(lengths)
+    assert None not in placed
+    assert [len(set(placed[i : i + 6])) for i in range(0, 30, 6)] == [1] * 5
+    held = [sum(where[1] == r for where in placed) for r in range(WORLD)]
+    assert bins.load == [float(n) for n in held] and sum(held) == 30
+    for r in range(WORLD):
+        for k in range(PACKS):
+            mine = sum(s for s, where in zip(lengths, placed, strict=True) if where[:2] == (k, r))
+            assert bins.room[r][k] == LOCAL - mine
+
+
+def test_a_bundle_without_room_is_dealt_piece_by_piece() -> None:
+    """Every cell has 100 tokens left: a bundle of three 40-token pieces fits none, each piece fits one; they
+    are placed as :meth:`StepBins.place` places them one at a time (not the last two as a bundle again)."""
+    bundled, alone = (StepBins(PACKS, WORLD, LOCAL, NODE, TILE) for _ in range(2))
+    for bins in (bundled, alone):
+        for r in range(WORLD):
+            for k in range(PACKS):
+                bins.restore(LOCAL - 100, (k, r, 1))
+        bins.set_density([40] * 3)
+    placed = bundled.deal([40] * 3)
+    assert placed == [alone.place(40) for _ in range(3)]
+    assert None not in placed and len({where[1] for where in placed}) == 3  # (one rank each: each got a tile)
+    assert bundled.load == alone.load and bundled._coming == alone._coming
 
 
 def test_ranks_stay_ordered_through_ties() -> None:
@@ -382,8 +446,8 @@ def _closed_tiles(placed: list[tuple[int, int, tuple[int, int, int]]], world: in
     out = packer.finish()
     length = {k: s for k, s, _ in placed}
     tiles = np.zeros(world, dtype=np.int64)
-    for keys, owners in zip(np.split(out.keys, np.cumsum(out.sizes)[:-1]), np.split(out.owners, np.cumsum(out.sizes)[:-1]),
-                            strict=True):  # fmt: skip
+    cuts = np.cumsum(out.sizes)[:-1]
+    for keys, owners in zip(np.split(out.keys, cuts), np.split(out.owners, cuts), strict=True):
         lens = np.array([length[k] for k in keys.tolist()], dtype=np.int64)
         starts, lengths, who = owned_runs(lens, owners, world * local, world)
         rows = np.stack([np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, who, strict=True)
