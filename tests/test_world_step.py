@@ -4,6 +4,8 @@ and a resumed packer dealing what the uninterrupted one deals."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
 from cpdata.layout.world_step import DRIFT, StepBins, owned_runs, owner_ranks
+from cpdata.packing import world_steps
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
@@ -186,6 +189,61 @@ def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_widt
     assert where is not None and where[0] == 1 and abs(where[2]) == want == 8
     assert max(bins.load) == widths[8][0] < widths[5][0]
     assert bins.open_empty(s) is None  # (no micro-batch is empty now)
+
+
+def test_empty_widths_are_the_widths_within_a_fraction_of_the_least_busiest_load() -> None:
+    """The widths of a spread piece in the first empty micro-batch (5..8 ranks for 10,240 tokens of 2,048 a rank),
+    least busiest first, cut at ``within`` of the least; ``open_empty`` takes the one it is given."""
+    local, s = 2048, 5 * 2048
+    bins = StepBins(3, WORLD, local, NODE, TILE)
+    for r, n in enumerate([1000, 1200, 900, 1500, 1000, 1100, 700, 1300]):  # micro-batch 0: unequal ranks
+        bins.restore(n, (0, r, 1))
+    every = bins.empty_widths(s, within=1.0)
+    brute = sorted((bins._choose(s, c, np.inf, 1) for c in range(5, 9)), key=lambda best: (best[0], abs(best[3])))
+    assert every == brute and len(every) == 4
+    assert bins.empty_widths(s) == every[:1]  # (within 0: the least, as open_empty alone takes it)
+    near = bins.empty_widths(s, within=0.2)  # (483, 574, 658 and 726 tiles on 8, 7, 6 and 5 ranks)
+    assert near == [best for best in every if best[0] <= 1.2 * every[0][0]] and 1 < len(near) < 4
+    _, k, first, c = every[-1]
+    assert bins.open_empty(s, every[-1]) == (k, first, c) == (1, first, c)
+    assert bins.empty_widths(s, within=1.0)[0][1] == 2 and bins.empty_widths(local) == []  # (next empty; a whole piece)
+
+
+def _busiest_rank(packs, lengths: np.ndarray) -> int:
+    """The busiest rank's tiles summed over a closed step's packs, counted from their layouts."""
+    cuts = np.cumsum(packs.sizes)[:-1]
+    return int(sum(_pack_tiles(lengths[keys], owners)[0] for keys, owners
+                   in zip(np.split(packs.keys, cuts), np.split(packs.owners, cuts), strict=True)).max())  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [63, 208])
+def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_closed_step_is_least_busy(
+        seed: int, monkeypatch) -> None:  # fmt: skip
+    """Closing, the longest waiting piece fills the empty micro-batch; of its widths within ``EMPTY_TRIAL`` of the
+    least busiest load, the step keeps the one whose closed step (topped up, settled) has the least busiest rank.
+    Counted from the packs' layouts, each close against the same close on a copy that takes the first width (as
+    before the trials): never busier, and less busy at some close of these streams (104 -> 100 tiles and 111 ->
+    106 at seeds 63 and 208)."""
+    lengths = _lengths(seed, 240)
+    closes, real = [], WorldStepPacker._close
+
+    def close(packer: WorldStepPacker, keep_empty: bool):
+        first, trial = copy.deepcopy(packer), world_steps.EMPTY_TRIAL
+        world_steps.EMPTY_TRIAL = -1.0  # (no width within it: the first alone)
+        try:
+            before = real(first, keep_empty)
+        finally:
+            world_steps.EMPTY_TRIAL = trial
+        got = real(packer, keep_empty)
+        closes.append((_busiest_rank(before, lengths), _busiest_rank(got, lengths)))
+        return got
+
+    monkeypatch.setattr(WorldStepPacker, "_close", close)
+    packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+    out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+    out.append(packer.finish())
+    assert sorted(k for p in out for k in p.keys.tolist()) == list(range(240))  # (every piece once)
+    assert all(got <= before for before, got in closes) and any(got < before for before, got in closes)
 
 
 def _placed_step_by_step(bins: StepBins, s: int, added: int | None = None) -> tuple[int, int, int] | None:

@@ -27,7 +27,8 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on
   4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
   in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest
-  load;
+  load (closing, the packer tries those within 1 % of it to the end of the settle and keeps the least busy:
+  :mod:`cpdata.packing.world_steps`);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -295,28 +296,51 @@ class StepBins:
         self._take(r, k, s, added)
         return k, r, 1
 
-    def open_empty(self, s: int) -> Placement | None:
+    def open_empty(self, s: int, choice: tuple[float, int, int, int] | None = None) -> Placement | None:
         """Place a piece of ``s`` tokens, past the level, into the first micro-batch no rank holds anything of:
-        whole on the least loaded rank, or spread over the width (from its fewest ranks up to the power of two
-        Megatron's scheduler would give it) and window of ranks whose busiest load after it is least (ties: the
-        fewest ranks); None when every micro-batch holds something (a step leaves none empty while pieces wait).
-        On its fewest ranks a long piece that waited past the level would fill the empty micro-batch on those
-        ranks alone (a mixed corpus at 16 x 8K, seed 6: a 75,162-token document on 10 of 16 ranks, the step
-        1.26 x the mean rank; on 16, 1.00 x)."""
-        empty = [k for k in range(self.packs) if all(room[k] == self.local for room in self.room)]
-        if not empty:
+        whole on the least loaded rank, or spread at ``choice`` (one of :meth:`empty_widths`; default its first:
+        the width and window whose busiest load after it is least, ties the fewest ranks); None when every
+        micro-batch holds something (a step leaves none empty while pieces wait). On its fewest ranks a long
+        piece that waited past the level would fill the empty micro-batch on those ranks alone (a mixed corpus at
+        16 x 8K, seed 6: a 75,162-token document on 10 of 16 ranks, the step 1.26 x the mean rank; on 16,
+        1.00 x)."""
+        k = self._empty()
+        if k is None or s > self.world * self.local:
             return None
-        k, c = empty[0], -(-s // self.local)
-        if c == 1:
+        if s <= self.local:
             r = self._by_load[0][1]
             self._take(r, k, s, alone_tiles(s, self.tile))
             return k, r, 1
-        if c > self.world:
-            return None
+        return self._take_choice(s, choice if choice is not None else next(iter(self.empty_widths(s)), None))
+
+    def empty_widths(self, s: int, within: float = 0.0) -> list[tuple[float, int, int, int]]:
+        """:meth:`_choose`'s placements of a spread piece of ``s`` tokens in the first empty micro-batch, one a
+        width from its fewest ranks up to the power of two Megatron's scheduler would give it, whose busiest load
+        after it is within ``within`` (a fraction) of the least: least first (ties: the fewest ranks). Empty
+        where no micro-batch is empty or the piece fits a rank."""
+        k, c = self._empty(), -(-s // self.local)
+        if k is None or c == 1 or c > self.world:
+            return []
         arrays = self._arrays()
-        choices = [best for w in range(c, min(self.world, megatron_width(s, self.local)) + 1)
-                   if (best := self._choose(s, w, np.inf, k, arrays)) is not None]  # fmt: skip
-        return self._take_choice(s, min(choices, key=_busiest, default=None))
+        choices = sorted((best for w in range(c, min(self.world, megatron_width(s, self.local)) + 1)
+                          if (best := self._choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
+        return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
+
+    def _empty(self) -> int | None:
+        """The first micro-batch no rank holds anything of; None where none."""
+        return next((k for k in range(self.packs) if all(room[k] == self.local for room in self.room)), None)
+
+    def copy(self) -> StepBins:
+        """An independent copy of the step (a trial deal changes it, not this one)."""
+        other = object.__new__(StepBins)
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if name == "room":
+                value = [list(room) for room in value]
+            elif isinstance(value, list):
+                value = list(value)
+            setattr(other, name, value)
+        return other
 
     def restore(self, s: int, where: Placement) -> None:
         """Put back a piece :meth:`place` placed at ``where`` (a saved step's)."""
