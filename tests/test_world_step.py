@@ -456,6 +456,36 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
+@pytest.mark.parametrize("seed", [1, 45, 51])
+def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
+    """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
+    pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
+    streams a closed step kept an empty micro-batch beside waiting pieces before (first with the offer
+    made once, as checked here); none does now, and every piece is dealt once."""
+    close, default = WorldStepPacker._close, world_steps.EMPTY_OFFERS
+
+    def empties(offers: int) -> tuple[int, list[int]]:
+        found = []
+
+        def recording(self, keep_empty: bool):
+            out = close(self, keep_empty)
+            if keep_empty and self._waiting:
+                found.append(int((out.sizes == 0).sum()))
+            return out
+
+        monkeypatch.setattr(WorldStepPacker, "_close", recording)
+        monkeypatch.setattr(world_steps, "EMPTY_OFFERS", offers)
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        keys = sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist())
+        return sum(found), keys
+
+    before, _ = empties(1)
+    now, keys = empties(default)
+    assert before > 0 and now == 0 and keys == list(range(240))
+
+
 @pytest.mark.parametrize("cut", [1, 3])
 def test_resume_deals_what_the_uninterrupted_run_deals(cut: int) -> None:
     windows = _windows(7)

@@ -304,7 +304,7 @@ class StepBins:
         piece that waited past the level would fill the empty micro-batch on those ranks alone (a mixed corpus at
         16 x 8K, seed 6: a 75,162-token document on 10 of 16 ranks, the step 1.26 x the mean rank; on 16,
         1.00 x)."""
-        k = self._empty()
+        k = self.first_empty()
         if k is None or s > self.world * self.local:
             return None
         if s <= self.local:
@@ -318,7 +318,7 @@ class StepBins:
         width from its fewest ranks up to the power of two Megatron's scheduler would give it, whose busiest load
         after it is within ``within`` (a fraction) of the least: least first (ties: the fewest ranks). Empty
         where no micro-batch is empty or the piece fits a rank."""
-        k, c = self._empty(), -(-s // self.local)
+        k, c = self.first_empty(), -(-s // self.local)
         if k is None or c == 1 or c > self.world:
             return []
         arrays = self._arrays()
@@ -326,7 +326,7 @@ class StepBins:
                           if (best := self._choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
         return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
 
-    def _empty(self) -> int | None:
+    def first_empty(self) -> int | None:
         """The first micro-batch no rank holds anything of; None where none."""
         return next((k for k in range(self.packs) if all(room[k] == self.local for room in self.room)), None)
 
