@@ -209,21 +209,23 @@ def test_empty_widths_are_the_widths_within_a_fraction_of_the_least_busiest_load
     assert bins.empty_widths(s, within=1.0)[0][1] == 2 and bins.empty_widths(local) == []  # (next empty; a whole piece)
 
 
-def _busiest_rank(packs, lengths: np.ndarray) -> int:
-    """The busiest rank's tiles summed over a closed step's packs, counted from their layouts."""
+def _over_mean(packs, lengths: np.ndarray) -> float:
+    """The busiest rank's tiles summed over a closed step's packs over the mean rank's, counted from their
+    layouts."""
     cuts = np.cumsum(packs.sizes)[:-1]
-    return int(sum(_pack_tiles(lengths[keys], owners)[0] for keys, owners
-                   in zip(np.split(packs.keys, cuts), np.split(packs.owners, cuts), strict=True)).max())  # fmt: skip
+    tiles = sum(_pack_tiles(lengths[keys], owners)[0] for keys, owners
+                in zip(np.split(packs.keys, cuts), np.split(packs.owners, cuts), strict=True))  # fmt: skip
+    return float(tiles.max() / tiles.mean())
 
 
-@pytest.mark.parametrize("seed", [63, 208])
+@pytest.mark.parametrize("seed", [1, 83])
 def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_closed_step_is_least_busy(
         seed: int, monkeypatch) -> None:  # fmt: skip
     """Closing, the longest waiting piece fills the empty micro-batch; of its widths within ``EMPTY_TRIAL`` of the
-    least busiest load, the step keeps the one whose closed step (topped up, settled) has the least busiest rank.
-    Counted from the packs' layouts, each close against the same close on a copy that takes the first width (as
-    before the trials): never busier, and less busy at some close of these streams (104 -> 100 tiles and 111 ->
-    106 at seeds 63 and 208)."""
+    least busiest load, the step keeps the one whose closed step (topped up, settled) has its busiest rank least
+    over the mean. Counted from the packs' layouts, each close against the same close on a copy that takes the
+    first width (as before the trials): never further over the mean, and less at some close of these
+    streams (at seed 83, with the second of three widths: 1.053 -> 1.013 x)."""
     lengths = _lengths(seed, 240)
     closes, real = [], WorldStepPacker._close
 
@@ -235,7 +237,7 @@ def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_close
         finally:
             world_steps.EMPTY_TRIAL = trial
         got = real(packer, keep_empty)
-        closes.append((_busiest_rank(before, lengths), _busiest_rank(got, lengths)))
+        closes.append((_over_mean(before, lengths), _over_mean(got, lengths)))
         return got
 
     monkeypatch.setattr(WorldStepPacker, "_close", close)

@@ -11,11 +11,11 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
 
 0. a micro-batch left empty takes the longest waiting piece
    (:meth:`~cpdata.layout.world_step.StepBins.open_empty`); where that piece spreads, each of its widths whose
-   busiest load is within :data:`EMPTY_TRIAL` of the least is closed to the end (phases 1-5) on a copy of the
-   step, and the step keeps the one that ends least busy: the settle moves whole pieces, not spread ones, so the
-   least loaded width before it is not always the least after it (a mix of chats and ~30K-token documents at 32
-   x 4K, seed 1: a 99,215-token document on 30 of 32 ranks left the other two at 0.62 x the mean, the step at
-   1.054 x the mean rank; on 32 ranks, settled, 1.007 x);
+   busiest load is within :data:`EMPTY_TRIAL` of the least is closed to the end (phases 1-6) on a copy of the
+   step, and the step keeps the one whose busiest rank ends least over the mean: the settle moves whole pieces,
+   not spread ones, so the least loaded width before it is not always the least after it (a mix of chats and
+   ~30K-token documents at 32 x 4K, seed 1: a 99,215-token document on 30 of 32 ranks left the other two at 0.62
+   x the mean, the step at 1.054 x the mean rank; on 32 ranks, settled, 1.007 x);
 1. top up: waiting pieces go where they keep their rank at or under the busiest one (:meth:`StepBins.top_up`);
 2. settle (:class:`_Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
    cheaper ones of similar length on the least loaded ranks (the step keeps its tokens), then moves a piece to
@@ -148,17 +148,21 @@ class WorldStepPacker:
         up again (the module docstring); a fresh step opens. A micro-batch nothing was dealt to first takes the
         longest waiting piece (past the level: an empty micro-batch would cost every rank a pass for nothing);
         where that piece spreads, each of its widths within :data:`EMPTY_TRIAL` of the least busiest load is
-        tried on a copy of the step, closed to the end, and the one whose step ends with the least busiest
-        load is kept (ties: the first tried): the settle moves whole pieces, not spread ones, so the width least
-        loaded before it is not always least after it."""
+        tried on a copy of the step, closed to the end, and the one whose step ends with its busiest rank least
+        over the mean rank is kept (ties: the first tried): the settle moves whole pieces, not spread ones, so
+        the width least loaded before it is not always least after it. (Over the mean, not the busiest load
+        alone: the top-ups and a micro-batch offered again can leave the trials holding different pieces, and
+        one holding less work would win by it.)"""
         trials = self._bins.empty_widths(self._waiting[0][1], EMPTY_TRIAL) if self._waiting else []
         if len(trials) > 1:
             best: tuple[float, tuple[StepBins, list, list]] | None = None
             for choice in trials:
                 before = self._saved()
                 self._finish(choice)
-                if best is None or max(self._bins.load) < best[0]:
-                    best = (max(self._bins.load), self._saved())
+                load = self._bins.load
+                over = max(load) * len(load) / sum(load)  # (trials may end holding different pieces)
+                if best is None or over < best[0]:
+                    best = (over, self._saved())
                 self._bins, self._step, self._waiting = before
             self._bins, self._step, self._waiting = best[1]
         else:
