@@ -27,8 +27,8 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on
   4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
   in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest
-  load (closing, the packer tries those within 1 % of it to the end of the settle and keeps the least busy:
-  :mod:`cpdata.packing.world_steps`);
+  load (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest
+  rank ends least over the mean: :mod:`cpdata.packing.world_steps`);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):

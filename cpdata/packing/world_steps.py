@@ -31,9 +31,10 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
 6. where the settle moved a micro-batch's last pieces away and pieces wait, the empty micro-batch is offered to
    them and steps 1-5 run once more (:data:`EMPTY_OFFERS`).
 
-Each phase only lowers the busiest rank or adds tokens under it; the settle is bounded (:data:`EXCHANGE_PIECES`
-pieces against :data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most
-:data:`EXCHANGE_ROUNDS` exchanges a rank), so it costs a fraction of the deal itself.
+Phases 1-5 only lower the busiest rank or add tokens under it; phases 0 and 6 add a waiting piece's work to a
+micro-batch that would otherwise run empty. The settle is bounded (:data:`EXCHANGE_PIECES` pieces against
+:data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most :data:`EXCHANGE_ROUNDS`
+exchanges a rank), and so is the close: at most :data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close.
 
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
 the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
