@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEARED = ["worker", "packing", "schedule", "sources", "nemo", "device/consistency.py", "device/presharded.py",
-           "offline/precompute_plan.py", "gather.py"]  # fmt: skip
+           "offline/precompute_plan.py", "gather.py", "layout"]  # fmt: skip
 TIMING = re.compile(r"\d[\d.,]*(-\d[\d.,]*)? ?(ns|us|µs|ms)\b|\d+(\.\d+)?x (faster|slower)")
 
 

@@ -43,8 +43,8 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   - pieces of at most half a tile (a tile each, whatever their length) go in bundles (:func:`bundle_limits`):
     consecutive ones, up to two tiles' tokens, are dealt as one piece of their tokens and tiles, to one rank
     and micro-batch; a bundle that waits is dealt again piece by piece. On a corpus of ~45-token documents
-    (about 2,900 a micro-batch at 16 x 8K) the step solves in 5.8-7.8 ms a micro-batch instead of 10.1-12.1,
-    its busiest rank as balanced as before (docs/benchmarks.md, "Your own corpus").
+    (about 2,900 a micro-batch at 16 x 8K) that brought the step's solve under its target, its busiest rank as
+    balanced as before (docs/benchmarks.md, "Your own corpus").
 
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad
 in another. That pad is free: each rank's pad is the tail of its local row (:func:`owned_runs`), which the
@@ -191,9 +191,9 @@ class StepBins:
         """:meth:`place` each of ``pieces`` in order (the module docstring's rules), the small ones in bundles
         (:func:`bundle_limits`: :meth:`place` of one piece bundles nothing). A whole piece or bundle is the
         per-document path (about 2,900 documents a micro-batch of 45-token documents), run with its lookups
-        hoisted out of the loop and :meth:`_best_fit` and :meth:`_put` inline: calling them costs this loop 15 %
-        (2.36 -> 2.72 us a piece on alpaca's first step). Tests hold it to a step-by-step reference on random
-        streams. A spread piece goes to :meth:`_spread`."""
+        hoisted out of the loop and :meth:`_best_fit` and :meth:`_put` inline: calling them costs this loop about
+        a sixth more (docs/benchmarks.md, "Costs of single steps"). Tests hold it to a step-by-step reference on
+        random streams. A spread piece goes to :meth:`_spread`."""
         out: list[Placement | None] = []
         local, tile, slack, world, capacity = self.local, self.tile, 1 + self.slack, self.world, self._capacity
         load, free, rooms, best_room, coming = self.load, self.free, self.room, self.best_room, self._coming
