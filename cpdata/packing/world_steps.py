@@ -166,8 +166,8 @@ class WorldStepPacker:
                     best = (over, self._saved())
                 self._bins, self._step, self._waiting = before
             self._bins, self._step, self._waiting = best[1]
-        else:
-            self._finish(None)
+        else:  # (the one width, or None: what the offer would choose, not searched for again)
+            self._finish(trials[0] if trials else None)
         keys = np.fromiter((key for key, _, _ in self._step), dtype=np.int64, count=len(self._step))
         where = np.array([where for _, _, where in self._step], dtype=np.int64).reshape(-1, 3)
         order = np.lexsort((keys, where[:, 0]))  # micro-batch after micro-batch, keys ascending in each
