@@ -59,7 +59,7 @@ def test_the_step_rows_are_the_step_packers_packs_laid_out_from_their_owners():
     costs = world._step(packs, 8, 2048)
     for (lens, owners), (tiles, recv, inter) in zip(packs, costs, strict=True):
         assert owners.shape == (lens.shape[0], 2) and lens.sum() <= 8 * 2048
-        starts, lengths, ranks = owned_runs(lens, owners, 8 * 2048, 8)
+        starts, lengths, ranks = owned_runs(lens, owners, 8 * 2048, 8, world.NODE_SIZE)
         runs = list(zip(starts.tolist(), lengths.tolist(), ranks.tolist(), strict=True))
         rows = [np.concatenate([np.arange(a, a + n) for a, n, o in runs if o == r]) for r in range(8)]
         assert all(row.size == 2048 for row in rows)
@@ -147,3 +147,26 @@ def test_the_seed_draws_other_lengths_for_the_world_section(monkeypatch):
                                                                          for r in one["world"]]  # fmt: skip
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         run_bench(["world"], quick=True, seed=-1, log=lambda _: None)
+
+
+def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(monkeypatch):
+    """web 16 x 8K, seed 18, the step reading: with spread documents cut on tile boundaries inside a node, a cap of
+    1.75 x the mean rank's received keys let one rank take the second role of an 8,583-token document and the
+    first of an 8,613-token one, 1.195 x Megatron's busiest receiver; at the cap's 1.6, at most Megatron's, and
+    the step's tiles still within Megatron's and 1.03 x the mean rank."""
+    from cpdata.layout import world_step
+
+    def step_row() -> tuple[dict, dict]:
+        world_step._roles.cache_clear()
+        packs, seconds = world.step_packs("web", 16, 8192, 8, 18)
+        mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
+        docs = np.concatenate([lens for lens, _ in packs]).tolist()
+        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *world.megatron_micro_batches(docs, 16, 8192, 8))
+        return mine, theirs
+
+    mine, theirs = step_row()
+    assert world_step.RECEIVE_CAP == 1.6 and mine["step_recv_keys"] <= theirs["step_recv_keys"]
+    assert mine["step_tiles"] <= theirs["step_tiles"] and mine["step_over_mean"] <= 1.03
+    monkeypatch.setattr(world_step, "RECEIVE_CAP", 1.75)
+    mine, theirs = step_row()
+    assert mine["step_recv_keys"] > 1.19 * theirs["step_recv_keys"]

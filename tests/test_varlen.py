@@ -147,14 +147,14 @@ def test_pad_free_counts_the_tiles_of_the_kernels_own_segments(tile):
     counted by segment_tiles: world step packs (owners from the packer, pad last on each rank: left out) with
     runs of pad both shorter and longer than PAD_CHUNK, at tiles under, equal to and over it; and each row with
     its pad moved first (run: at tile 128 one diagonal tile per PAD_CHUNK piece more)."""
-    from cpdata.bench.world import step_packs
+    from cpdata.bench.world import NODE_SIZE, step_packs
     from cpdata.layout.world_step import owned_runs
 
     world, local = 8, 2048
     packs, _ = step_packs("sft", world, local, 3)
     pad_runs, everything, all_pad = [], torch.arange(world * local), 0
     for lens, owners in packs:
-        starts, lengths, ranks = owned_runs(lens, owners, world * local, world)
+        starts, lengths, ranks = owned_runs(lens, owners, world * local, world, NODE_SIZE)
         real_end = int(lens.sum())
         slot_start, slot_end = np.repeat(np.cumsum(lens) - lens, lens), np.repeat(np.cumsum(lens), lens)
         rows = []

@@ -41,7 +41,7 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, owners: np.ndarray) -> np.nda
 def _pack_tiles(slot_lens: np.ndarray, owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A pack's ``(tiles, tokens)`` per rank, counted from its layout alone (each rank's pad, the tail of its row,
     free: the varlen kernel does not run it)."""
-    starts, lengths, who = owned_runs(slot_lens, owners, WORLD * LOCAL, WORLD)
+    starts, lengths, who = owned_runs(slot_lens, owners, WORLD * LOCAL, WORLD, NODE)
     rows = _rows(starts, lengths, who)
     real = int(slot_lens.sum())
     tiles = varlen_live_tiles(rows, slot_lens, WORLD * LOCAL, TILE, pad_free=True)
@@ -458,7 +458,7 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [1, 45, 51])
+@pytest.mark.parametrize("seed", [1, 44, 46])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
     pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
@@ -539,7 +539,7 @@ def _closed_tiles(placed: list[tuple[int, int, tuple[int, int, int]]], world: in
     cuts = np.cumsum(out.sizes)[:-1]
     for keys, owners in zip(np.split(out.keys, cuts), np.split(out.owners, cuts), strict=True):
         lens = np.array([length[k] for k in keys.tolist()], dtype=np.int64)
-        starts, lengths, who = owned_runs(lens, owners, world * local, world)
+        starts, lengths, who = owned_runs(lens, owners, world * local, world, world)
         rows = np.stack([np.concatenate([np.arange(a, a + n) for a, n, o in zip(starts, lengths, who, strict=True)
                                          if o == r]) for r in range(world)])  # fmt: skip
         tiles += varlen_live_tiles(rows, lens, world * local, TILE, pad_free=True)
@@ -589,9 +589,9 @@ def test_thd_recv_is_what_each_role_lacks_of_its_keys():
 def test_mirrored_owners_give_each_role_to_the_rank_counted_down_from_the_first():
     """A slot on ranks ``(3, -3)`` is laid out as on ``(1, 3)`` with ranks 1 and 3 swapped: rank 3 takes chunks 0
     and 5, rank 1 chunks 2 and 3; bad owners are refused with their values."""
-    lens = np.array([1200, 100], dtype=np.int64)  # (3 ranks of 512, within Megatron's 4: TE THD's chunks of 200)
-    up = owned_runs(lens, np.array([[1, 3], [0, 1]]), WORLD * LOCAL, WORLD)
-    down = owned_runs(lens, np.array([[3, -3], [0, 1]]), WORLD * LOCAL, WORLD)
+    lens = np.array([1200, 100], dtype=np.int64)  # (3 ranks of 512 past a node of 2: TE THD's chunks of 200)
+    up = owned_runs(lens, np.array([[1, 3], [0, 1]]), WORLD * LOCAL, WORLD, 2)
+    down = owned_runs(lens, np.array([[3, -3], [0, 1]]), WORLD * LOCAL, WORLD, 2)
     swap = [0, 3, 2, 1, *range(4, WORLD)]
     real_up, real_down = ([row[row < 1300].tolist() for row in _rows(*runs)] for runs in (up, down))
     assert real_down == [real_up[r] for r in swap]  # (each rank's pad follows its real tokens either way)
@@ -600,7 +600,7 @@ def test_mirrored_owners_give_each_role_to_the_rank_counted_down_from_the_first(
     assert rows_down[3][:200].tolist() == list(range(200)) and rows_down[3][200:400].tolist() == list(range(1000, 1200))
     for bad in ([1, 0], [1, -3], [7, 2]):
         with pytest.raises(ValueError, match=f"first rank {bad[0]}, ranks {bad[1]}"):
-            owned_runs(lens[:1], np.array([bad]), WORLD * LOCAL, WORLD)
+            owned_runs(lens[:1], np.array([bad]), WORLD * LOCAL, WORLD, NODE)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -612,7 +612,7 @@ def test_received_keys_are_the_exchanges(seed: int) -> None:
     bins, placed = _deal(_lengths(seed, 90))
     packs = [(np.array([s for s, _, _ in mine], dtype=np.int64), np.array([w for _, *w in mine]))
              for k in range(PACKS) if (mine := [(s, first, c) for s, (kk, first, c) in placed if kk == k])]
-    recv = sum(costs[1] for costs in world._step(packs, WORLD, LOCAL))
+    recv = sum(costs[1] for costs in world._step(packs, WORLD, LOCAL, NODE))
     assert recv.sum() > 0 and bins.recv == recv.tolist()
 
 
@@ -669,23 +669,23 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
 
 
 def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> None:
-    """sft 32 x 4K, seed 1: after two passes the busiest rank still stands 1.1 % above the step's mean; two more
-    bring it to 0.5 % (1,880 -> 1,840 tiles, no fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
+    """web 32 x 4K, seed 5: after two passes the busiest rank still stands 1.2 % above the step's mean; two more
+    bring it to 0.4 % (2,371 -> 2,342 tiles, no fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
     at its mean after one, is the same with any number."""
     from cpdata.bench import world
     from cpdata.packing import world_steps
 
-    def step(name: str, passes: int) -> tuple[int, float, int]:
+    def step(name: str, seed: int, passes: int) -> tuple[int, float, int]:
         monkeypatch.setattr(world_steps, "SETTLE_PASSES", passes)
-        packs, _ = world.step_packs(name, 32, 4096, 8, 1)
+        packs, _ = world.step_packs(name, 32, 4096, 8, seed)
         tiles = np.stack([costs[0] for costs in world._step(packs, 32, 4096)]).sum(axis=0)
         return int(tiles.max()), float(tiles.max() / tiles.mean()), sum(int(lens.sum()) for lens, _ in packs)
 
     default = world_steps.SETTLE_PASSES
-    (two, two_over, two_tokens), (four, four_over, four_tokens) = step("sft", 2), step("sft", 4)
-    assert four < two and four_tokens >= two_tokens and four_over < 1.01 < two_over
-    assert step("sft", default)[0] == four  # (the packer settles four times)
-    assert step("alpaca", 2) == step("alpaca", 4)
+    (two, two_over, two_tokens), (four, four_over, four_tokens) = step("web", 5, 2), step("web", 5, 4)
+    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < 1.01 < two_over
+    assert step("web", 5, default)[0] == four  # (the packer settles four times)
+    assert step("alpaca", 1, 2) == step("alpaca", 1, 4)
 
 
 def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside_its_node(monkeypatch) -> None:
@@ -710,8 +710,8 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
     assert tiles.max() <= 1.03 * tiles.mean()
     # the same step where the cut cannot go past Megatron's width
     monkeypatch.setattr(world_step, "spread_chunks",
-                        lambda s, c, local: spread.spread_chunks(s, c, local) if c <= spread.megatron_width(s, local)
-                        else None)  # fmt: skip
+                        lambda s, c, local, node: spread.spread_chunks(s, c, local, node)
+                        if c <= spread.megatron_width(s, local) else None)  # fmt: skip
     (_, narrow), tiles, _ = step()
     world_step._roles.cache_clear()
     assert abs(narrow) == 4 and tiles.max() > 1.3 * tiles.mean()
@@ -750,7 +750,8 @@ def test_resume_deals_the_receive_capped_cuts_the_uninterrupted_run_deals(cut: i
         at = 0
         for n in sizes:
             slot_lens = np.array([lengths[k] for k in ks[at:at + n]], dtype=np.int64)
-            starts, runs, who = owned_runs(slot_lens, np.array(own[at:at + n]).reshape(-1, 2), world * local, world)
+            starts, runs, who = owned_runs(slot_lens, np.array(own[at:at + n]).reshape(-1, 2), world * local, world,
+                                           node)  # fmt: skip
             assert (np.bincount(who, weights=runs, minlength=world) == local).all()
             at += n
     first = WorldStepPacker(world * local, world, node, PACKS, TILE)
@@ -782,4 +783,4 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     bins.set_density([3900] + [100] * 300)
     where = bins.place(3900)
     assert where is not None and 4 < abs(where[2]) <= 8 and max(tried) == 8
-    assert max(world_step._roles(3900, abs(where[2]), 1024, TILE)[1]) < max(thd_tiles(3900, 4, TILE))
+    assert max(world_step._roles(3900, abs(where[2]), 1024, TILE, 32)[1]) < max(thd_tiles(3900, 4, TILE))

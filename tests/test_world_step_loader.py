@@ -31,7 +31,7 @@ def _dataset(docs, rank: int, world_step: int = STEP) -> CPDataset:
 
 
 def _rows(plan) -> list[np.ndarray]:
-    starts, lengths, ranks = owned_runs(plan.slot_lens, plan.owners, CAPACITY, W)
+    starts, lengths, ranks = owned_runs(plan.slot_lens, plan.owners, CAPACITY, W, NODE)
     runs = list(zip(starts.tolist(), lengths.tolist(), ranks.tolist(), strict=True))
     return [np.concatenate([np.arange(a, a + n) for a, n, o in runs if o == r]) for r in range(W)]
 
@@ -134,6 +134,6 @@ def test_a_stream_whose_last_window_closes_no_step_ends_with_its_owned_packs(ste
 def test_owners_that_do_not_fit_the_pack_are_refused():
     lens = np.array([LOCAL, 10], dtype=np.int64)
     with pytest.raises(ValueError, match="outside a world of 4"):
-        owned_runs(lens, np.array([[0, 1], [3, 2]]), CAPACITY, W)
+        owned_runs(lens, np.array([[0, 1], [3, 2]]), CAPACITY, W, NODE)
     with pytest.raises(ValueError, match="give a rank 1034 tokens"):
-        owned_runs(lens, np.array([[0, 1], [0, 1]]), CAPACITY, W)
+        owned_runs(lens, np.array([[0, 1], [0, 1]]), CAPACITY, W, NODE)

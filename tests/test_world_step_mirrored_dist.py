@@ -44,7 +44,7 @@ def _first_pack(spread: int) -> tuple[int, np.ndarray, np.ndarray]:
     raise AssertionError(f"no step of the zoo's documents spreads a document over {spread} ranks")
 
 
-def _uneven(s: int, c: int, local: int) -> tuple[int, ...]:
+def _uneven(s: int, c: int, local: int, node_size: int) -> tuple[int, ...]:
     """TE THD's chunks with half of the first role's back chunk moved to its front chunk and the last role's two
     chunks joined into its first (the second empty): every role holds what THD's does."""
     chunk = list(thd_chunks(s, c))
@@ -122,7 +122,7 @@ def test_an_unevenly_cut_spread_document_trains_like_each_document_alone(monkeyp
     # first rank; the last role's whole share one run on the last
     d = int(np.flatnonzero(owners[:, 1] >= 3)[0])
     (first, c), s, start = owners[d].tolist(), int(lens[d]), int(lens[:d].sum())
-    chunk = _uneven(s, c, CAPACITY // CP)
+    chunk = _uneven(s, c, CAPACITY // CP, 2)
     ranks, ends = list(owner_ranks(first, c)), np.cumsum(chunk)
     assert chunk[0] > thd_chunks(s, c)[0] and chunk[c] == 0
     assert set(range(start, start + chunk[0])) <= held[ranks[0]] and start + chunk[0] not in held[ranks[0]]

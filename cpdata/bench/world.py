@@ -157,18 +157,19 @@ def _label(name: str | Corpus) -> str:
     return name if isinstance(name, str) else name.name
 
 
-def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int) -> list[tuple[np.ndarray, ...]]:
-    """The packs of a world step laid out from their owners."""
+def _step(packs: list[tuple[np.ndarray, np.ndarray]], world: int, per_rank: int, node_size: int = NODE_SIZE
+          ) -> list[tuple[np.ndarray, ...]]:  # fmt: skip
+    """The packs of a world step (dealt with ``node_size`` ranks a node) laid out from their owners."""
     capacity = world * per_rank
-    blocks = [world_block(lens, None, capacity, world, NODE_SIZE, owners=[owners]) for lens, owners in packs]
-    return [_costs(block.tables()[0], lens) for block, (lens, _) in zip(blocks, packs, strict=True)]
+    blocks = [world_block(lens, None, capacity, world, node_size, owners=[owners]) for lens, owners in packs]
+    return [_costs(block.tables()[0], lens, node_size) for block, (lens, _) in zip(blocks, packs, strict=True)]
 
 
-def _costs(table: SpanTable, lens: np.ndarray) -> tuple[np.ndarray, ...]:
+def _costs(table: SpanTable, lens: np.ndarray, node_size: int = NODE_SIZE) -> tuple[np.ndarray, ...]:
     """Per rank: varlen tiles (pad as the varlen kernel runs it: the tail of the row not at all, other pad one
-    diagonal tile per 128 tokens), keys received, and of those from other nodes."""
+    diagonal tile per 128 tokens), keys received, and of those from other nodes of ``node_size`` ranks."""
     plan = world_exchange(table)
-    intra, inter = node_recv(plan, NODE_SIZE)
+    intra, inter = node_recv(plan, node_size)
     return varlen_live_tiles(table.rows(), lens, table.pack_len, TILE, pad_free=True), intra + inter, inter
 
 

@@ -256,7 +256,7 @@ def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_s
     if len(owned) != len(packs):
         raise ValueError(f"owners for {len(owned)} packs, slot lengths for {len(packs)}")
     runs = [world_runs(pack, pack_len, cp_size, node_size, tile, cost) if own is None
-            else owned_runs(pack, np.asarray(own, dtype=np.int64).reshape(-1, 2), pack_len, cp_size)
+            else owned_runs(pack, np.asarray(own, dtype=np.int64).reshape(-1, 2), pack_len, cp_size, node_size)
             for pack, own in zip(packs, owned, strict=True)]  # fmt: skip
     starts, lengths, owners = (np.concatenate(part) for part in zip(*runs, strict=True))
     spans = np.array([r[0].shape[0] for r in runs], dtype=np.int64)

@@ -7,28 +7,29 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
 :class:`StepBins` balances that sum:
 
 - pieces go longest first;
-- a piece longer than ``L`` spreads over ``c`` consecutive ranks, from its fewest, ``ceil(s / L)``, up to the
-  power of two Megatron's scheduler would give it (``2^ceil(log2(ceil(s / L)))``, so its keys stay within
-  Megatron's), inside one node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes
-  chunks ``i`` and ``2c - 1 - i``), or mirrored (rank ``i`` counted down from the window's last:
+- a piece longer than ``L`` spreads over ``c`` consecutive ranks, from its fewest, ``ceil(s / L)``, up to the power
+  of two Megatron's scheduler would give it (``2^ceil(log2(ceil(s / L)))``, so its keys stay within Megatron's),
+  inside one node when ``c <= node_size``, in TE THD's ``2c`` chunks (rank ``i`` of the ``c`` takes chunks ``i`` and
+  ``2c - 1 - i``; inside a node, cut on tile boundaries where that costs its busiest rank fewer tiles:
+  :func:`~cpdata.layout.spread.aligned_chunks`), or mirrored (rank ``i`` counted down from the window's last:
   :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the one
-  whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the lowest
-  rank, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive
-  unequal keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first
-  roles would receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap; on its
-  fewest ranks a long piece leaves the ranks beside it, with little left to fill, lighter than the rest:
-  :meth:`StepBins._spread`). Past the level or the cap it waits, unless it opens the step: then it takes the
-  fewest ranks that keep it within the level, since on its fewest ranks it would leave their other micro-batches
-  to pad (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at
-  1.043 x the mean rank; on 32, 0.985 full at 1.010), and takes Megatron's power of two outright when its tiles a
-  rank on its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left
-  out could not catch up); where that power of two is narrower than a node and still past the level, it goes wider
-  inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank
-  receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on
-  4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
-  in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest
-  load (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest
-  rank ends least over the mean: :mod:`cpdata.packing.world_steps`);
+  whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the lowest rank,
+  THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal
+  keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would
+  receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap; on its fewest ranks
+  a long piece leaves the ranks beside it, with little left to fill, lighter than the rest:
+  :meth:`StepBins._spread`). Past the level or the cap it waits, unless it opens the step: then it takes the fewest
+  ranks that keep it within the level, since on its fewest ranks it would leave their other micro-batches to pad
+  (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the
+  mean rank; on 32, 0.985 full at 1.010), and takes Megatron's power of two outright when its tiles a rank on its
+  fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out could not
+  catch up); where that power of two is narrower than a node and still past the level, it goes wider inside the
+  node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives
+  more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
+  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends in a
+  micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load
+  (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest rank
+  ends least over the mean: :mod:`cpdata.packing.world_steps`);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -82,11 +83,13 @@ LEVEL = 0.25
 """The quantile of the ranks' projected loads a whole piece may not lift its rank past (:meth:`StepBins.target`;
 docs/benchmarks.md measures 0, 0.25 and 0.5)."""
 
-RECEIVE_CAP = 1.75
+RECEIVE_CAP = 1.6
 """A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its
 own first role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`;
-at 1.5 pieces waited that long_context needed, 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank; at 2,
-web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15)."""
+at 2, web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15; at 1.75, with chunks on tile
+boundaries inside a node, web 16 x 8K at seed 18 did, 1.195 x; at 1.5 and 1.6 none of web's and
+long_context's seeds 1-36 does. With THD's chunks alone, 1.5 left pieces waiting that long_context needed:
+16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank)."""
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -100,11 +103,12 @@ def owner_ranks(first: int, ranks: int) -> range:
 
 
 @functools.lru_cache(maxsize=4096)
-def _roles(s: int, c: int, local: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _roles(s: int, c: int, local: int, tile: int, node_size: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
     """int64 ``[c]`` each (read-only: one cached copy serves every call): ``(tokens, tiles, keys received)`` of
-    each role of a document of ``s`` tokens spread over ``c`` ranks of ``local`` tokens
+    each role of a document of ``s`` tokens spread over ``c`` ranks of ``local`` tokens, ``node_size`` a node
     (:func:`~cpdata.layout.spread.spread_chunks`); None where that width has no cut."""
-    chunk = spread_chunks(s, c, local)
+    chunk = spread_chunks(s, c, local, node_size)
     if chunk is None:
         return None
     roles = tuple(np.array(v, dtype=np.int64) for v in (chunk_need(chunk), chunk_tiles(chunk, tile), chunk_recv(chunk)))
@@ -160,7 +164,8 @@ class StepBins:
         blocks = -(-whole // self.tile)  # (alone_tiles of each, at once)
         added, tokens = int((blocks * (blocks + 1) // 2).sum()), int(whole.sum())
         if not tokens and len(pieces):  # only pieces longer than a rank to come: they set the level
-            spread = sum(int(_roles(s, -(-s // self.local), self.local, self.tile)[1].sum()) for s in pieces)
+            spread = sum(int(_roles(s, -(-s // self.local), self.local, self.tile, self.node_size)[1].sum())
+                         for s in pieces)  # fmt: skip
             self._coming = [0.0, 0, spread / sum(pieces)]
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
@@ -401,7 +406,7 @@ class StepBins:
         _move(self._projected, projected, now + free[r] * density, r)
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        cut = _roles(s, abs(c), self.local, self.tile)
+        cut = _roles(s, abs(c), self.local, self.tile, self.node_size)
         if cut is None:
             raise ValueError(f"a piece of {s} tokens has no cut over {abs(c)} ranks of {self.local} tokens")
         for r, need, added, keys in zip(owner_ranks(first, c), *(role.tolist() for role in cut), strict=True):
@@ -441,7 +446,8 @@ class StepBins:
         # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread), up to twice the width
         widest = most if not opening or most >= self.node_size else min(self.node_size, self.world, 2 * most)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
-        behind = most > fewest and int(_roles(s, fewest, self.local, self.tile)[1].max()) > (self.packs - 1) * densest
+        behind = most > fewest and (int(_roles(s, fewest, self.local, self.tile, self.node_size)[1].max())
+                                    > (self.packs - 1) * densest)  # fmt: skip
         arrays = self._arrays()
         if opening and behind:
             best = self._choose(s, most, arrays=arrays)  # (the ranks left out could not catch up: Megatron's width)
@@ -476,7 +482,7 @@ class StepBins:
         or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 ->
         0.85 x Megatron's busiest receiver). ``arrays``: :meth:`_arrays` of the state as it is, where the caller
         tries several widths of one piece."""
-        cut = _roles(s, c, self.local, self.tile)
+        cut = _roles(s, c, self.local, self.tile, self.node_size)
         if cut is None:
             return None
         need, added, keys = cut
@@ -551,7 +557,7 @@ def _move(keys: list[tuple[float, int]], old: float, new: float, r: int) -> None
         keys.insert(bisect_left(keys, key, 0, i), key)
 
 
-def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int
+def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int, node_size: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """The runs of a pack a world step dealt (:class:`StepBins`, :attr:`PackPlan.owners`): ``(starts, lengths,
     owners)`` int64 ``[R]`` sorted by global start, tiling ``[0, pack_len)``, every rank ``pack_len / world``
@@ -560,7 +566,8 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
     ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
     first; ``c > 1``: the ``2c`` chunks of :func:`~cpdata.layout.spread.spread_chunks` over ``c`` consecutive
     ranks up from the first, rank ``first + j`` taking chunks ``j`` and ``2c - 1 - j``: TE THD's up to Megatron's
-    width, the receive-capped cut wider; ``-c``: the same roles down from it, :func:`owner_ranks`).
+    width, on tile boundaries inside one node of ``node_size`` ranks, the receive-capped cut wider; ``-c``: the
+    same roles down from it, :func:`owner_ranks`). ``node_size`` is the deal's: the cut depends on it.
     ``ValueError`` when a rank would hold more than its positions, a slot names a rank outside the world, or a
     width has no cut.
     """
@@ -576,7 +583,7 @@ def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: 
         if len(ranks) == 1:
             runs.append((at, s, first))
             held[first] += s
-        for offset, n, i in spread_runs(s, len(ranks), local) if len(ranks) > 1 else ():
+        for offset, n, i in spread_runs(s, len(ranks), local, node_size) if len(ranks) > 1 else ():
             runs.append((at + offset, n, ranks[i]))
             held[ranks[i]] += n
         at += s

@@ -69,9 +69,9 @@ on the least loaded ranks, for at most this many exchanges a rank."""
 SETTLE_PASSES, SETTLE_AGAIN = 4, 0.01
 """Settle and top up at most this many times, again only while the busiest rank stands more than this fraction
 above the mean: each settles to the mean the one before left (the pieces it sent back to wait and the top-up
-that replaced them lowered it; web 32 x 4K, seed 7: 1.030 -> 1.024 x the mean rank after two passes, 1.017 x
-after four; sft 32 x 4K, seed 1: 1.011 -> 1.005 x from two to four, for half again its solve, docs/benchmarks.md;
-alpaca's steps, at the mean after one, pay nothing for them)."""
+that replaced them lowered it; web 32 x 4K, seed 5: 1.012 -> 1.004 x the mean rank from two passes to four; a
+step that runs them all pays up to half again its solve, docs/benchmarks.md; alpaca's steps, at the mean after
+one, pay nothing for them)."""
 
 EMPTY_TRIAL = 0.01
 """A spread piece filling an empty micro-batch at close tries its widths whose busiest load is within this
