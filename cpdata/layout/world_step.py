@@ -405,6 +405,27 @@ class StepBins:
         _move(self._by_load, was, now, r)
         _move(self._projected, projected, now + free[r] * density, r)
 
+    def roles(self, s: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``[c]`` each (read-only): the tokens, tiles and keys received of each role of a piece of ``s``
+        tokens spread over ``c`` ranks of this step (:func:`~cpdata.layout.spread.spread_chunks`).
+        ``ValueError`` where that width has no cut."""
+        cut = _roles(s, c, self.local, self.tile, self.node_size)
+        if cut is None:
+            raise ValueError(f"a piece of {s} tokens has no cut over {c} ranks of {self.local} tokens")
+        return cut
+
+    def take_back_spread(self, s: int, where: Placement) -> None:
+        """Remove a piece of ``s`` tokens spread at ``where`` (it leaves the step; :meth:`restore` puts it back)."""
+        k, first, c = where
+        if abs(c) < 2:
+            raise ValueError(f"no piece of {s} tokens spread over {c} ranks can leave {where} of this step")
+        for r, need, added, keys in zip(owner_ranks(first, c), *(role.tolist() for role in self.roles(s, abs(c))),
+                                        strict=True):  # fmt: skip
+            if not 0 <= k < self.packs or self.room[r][k] + need > self.local:
+                raise ValueError(f"no piece of {s} tokens spread at {where} holds {need} tokens of rank {r}")
+            self._put(r, k, -need, -added)
+            self.recv[r] -= keys
+
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
         cut = _roles(s, abs(c), self.local, self.tile, self.node_size)
         if cut is None:

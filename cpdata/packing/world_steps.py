@@ -29,10 +29,13 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
 5. while the busiest rank still stands above the mean the top-up left, steps 2-4 again, up to three times more
    (:data:`SETTLE_PASSES`);
 6. where the settle moved a micro-batch's last pieces away and pieces wait, the empty micro-batch is offered to
-   them and steps 1-5 run once more (:data:`EMPTY_OFFERS`).
+   them and steps 1-5 run once more (:data:`EMPTY_OFFERS`);
+7. spread pieces inside a node trade windows (:class:`_SpreadSwap`): the settle moves whole pieces only, and a
+   step whose tokens are mostly documents on 2-4 ranks has few (documents of 1-32K tokens, uniform, at 16 x 8K,
+   seed 1: 1.056 x the mean rank; trading windows, 1.030 x); then a last top-up.
 
-Phases 1-5 only lower the busiest rank or add tokens under it; phases 0 and 6 add a waiting piece's work to a
-micro-batch that would otherwise run empty. The settle is bounded (:data:`EXCHANGE_PIECES` pieces against
+Phases 1-5 and 7 only lower the busiest rank or add tokens under it; phases 0 and 6 add a waiting piece's work
+to a micro-batch that would otherwise run empty. The settle is bounded (:data:`EXCHANGE_PIECES` pieces against
 :data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most :data:`EXCHANGE_ROUNDS`
 exchanges a rank), and so is the close: at most :data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close.
 
@@ -53,7 +56,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import Placement, StepBins
+from cpdata.layout.world_step import Placement, StepBins, owner_ranks
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
@@ -82,6 +85,10 @@ EMPTY_OFFERS = 2
 moves a micro-batch's last pieces into fuller ones leaves it empty (a mix of chats and ~30K-token documents at
 16 x 8K, seed 9: four of eight, the step at fill 0.35 and 1.044 x the mean rank; offered again, 0.67 and
 1.012 x)."""
+
+SPREAD_SWAP_OVER = 0.005
+"""Closing, spread pieces trade windows (:class:`_SpreadSwap`) while the busiest rank stands more than this
+fraction over the mean."""
 
 MANY_ROUNDS = 8
 """Then at most this many exchanges a rank of one dear piece for several cheap ones (of its
@@ -179,7 +186,8 @@ class WorldStepPacker:
     def _finish(self, choice: tuple[float, int, int, int] | None) -> None:
         """The closing phases: the first waiting piece spread at ``choice`` (None: as the rest) into the empty
         micro-batch, the waiting pieces offered to the micro-batches left empty, then the top-up and the
-        settle passes, again where those left a micro-batch empty (the module docstring)."""
+        settle passes, again where those left a micro-batch empty; last, spread pieces trade windows and a
+        top-up fills what that freed (the module docstring)."""
         if choice is not None:
             key, s = self._waiting.pop(0)
             self._step.append((key, s, self._bins.open_empty(s, choice)))
@@ -194,6 +202,8 @@ class WorldStepPacker:
                 self._top_up()
             if not self._waiting or self._bins.first_empty() is None:
                 break
+        _SpreadSwap(self).run()
+        self._top_up()
 
     def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
@@ -431,4 +441,83 @@ class _Settle:
         step[i], step[j] = (key, s, (ku, q, 1)), (ukey, u, (k, h, 1))
         self._add(h, j)
         self._add(q, i)
+        return True
+
+
+class _SpreadSwap:
+    """Spread pieces inside one node trade windows: while the busiest rank stands more than
+    :data:`SPREAD_SWAP_OVER` above the mean, of the spread pieces it holds part of and every other spread piece
+    of as many ranks, the pair whose swapped placements (each takes the other's micro-batch, first rank and
+    orientation) leave the busiest of their ranks least, where that is under the busiest rank's load, every
+    rank keeps its room and none receives more keys than the step's busiest receiver; at most ``rounds`` swaps.
+    Inside a node no key crosses nodes, so the inter-node keys stay. Trade-off: each swap passes over the step's
+    spread pieces once for every piece the busiest rank holds part of (docs/benchmarks.md measures the solve)."""
+
+    def __init__(self, packer: WorldStepPacker) -> None:
+        self.packer, self.bins, self.step = packer, packer._bins, packer._step
+        b = self.bins
+        # per spread piece inside a node: its ranks in role order, and its roles' tokens, tiles and keys
+        self.pieces: dict[int, tuple[list[int], list[int], list[float], list[int]]] = {}
+        for i, (_, s, (_, first, c)) in enumerate(self.step):
+            if 2 <= abs(c) <= b.node_size:
+                need, tiles, keys = b.roles(s, abs(c))
+                self.pieces[i] = (list(owner_ranks(first, c)), need.tolist(), tiles.tolist(), keys.tolist())
+
+    def run(self, rounds: int = 16) -> None:
+        b = self.bins
+        for _ in range(rounds):
+            load = b.load
+            h = max(range(b.world), key=lambda r: (load[r], -r))
+            if load[h] <= (1 + SPREAD_SWAP_OVER) * sum(load) / b.world or not self._lower(h):
+                return
+
+    def _lower(self, h: int) -> bool:
+        b, step, pieces = self.bins, self.step, self.pieces
+        load, recv, room = b.load, b.recv, b.room
+        top, top_recv = load[h], max(recv)
+        best: tuple[float, int, int] | None = None
+        for i, (ranks_i, ni, ti, ri) in pieces.items():
+            if h not in ranks_i:
+                continue
+            xh, ci, mi = ranks_i.index(h), len(ranks_i), step[i][2][0]
+            for j, (ranks_j, nj, tj, rj) in pieces.items():
+                if len(ranks_j) != ci or tj[xh] >= ti[xh] or ranks_j == ranks_i:
+                    continue
+                # j's window takes i's roles: each of its ranks must stay under the busiest rank
+                if any(load[ranks_j[x]] - tj[x] + ti[x] >= top for x in range(ci)):
+                    continue
+                delta: dict[int, float] = {}
+                keys: dict[int, int] = {}
+                for x in range(ci):
+                    a, q = ranks_i[x], ranks_j[x]
+                    delta[a] = delta.get(a, 0.0) - ti[x] + tj[x]
+                    delta[q] = delta.get(q, 0.0) - tj[x] + ti[x]
+                    keys[a] = keys.get(a, 0) - ri[x] + rj[x]
+                    keys[q] = keys.get(q, 0) - rj[x] + ri[x]
+                after = max(load[r] + d for r, d in delta.items())
+                if after >= top or (best is not None and after >= best[0]):
+                    continue
+                if any(recv[r] + d > top_recv for r, d in keys.items()):
+                    continue
+                mj = step[j][2][0]
+                free: dict[tuple[int, int], int] = {}
+                for x in range(ci):
+                    free[(ranks_i[x], mi)] = free.get((ranks_i[x], mi), room[ranks_i[x]][mi]) + ni[x]
+                    free[(ranks_j[x], mj)] = free.get((ranks_j[x], mj), room[ranks_j[x]][mj]) + nj[x]
+                for x in range(ci):
+                    free[(ranks_j[x], mj)] -= ni[x]
+                    free[(ranks_i[x], mi)] -= nj[x]
+                if min(free.values()) < 0:
+                    continue
+                best = (after, i, j)
+        if best is None:
+            return False
+        _, i, j = best
+        (key_i, s_i, where_i), (key_j, s_j, where_j) = step[i], step[j]
+        b.take_back_spread(s_i, where_i)
+        b.take_back_spread(s_j, where_j)
+        b.restore(s_i, where_j)
+        b.restore(s_j, where_i)
+        step[i], step[j] = (key_i, s_i, where_j), (key_j, s_j, where_i)
+        pieces[i], pieces[j] = (pieces[j][0], *pieces[i][1:]), (pieces[i][0], *pieces[j][1:])
         return True
