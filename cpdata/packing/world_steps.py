@@ -202,8 +202,10 @@ class WorldStepPacker:
                 self._top_up()
             if not self._waiting or self._bins.first_empty() is None:
                 break
-        _SpreadSwap(self).run()
-        self._top_up()
+        load = self._bins.load
+        if max(load) > (1 + SPREAD_SWAP_OVER) * sum(load) / len(load):  # (a balanced step pays nothing)
+            _SpreadSwap(self).run()
+            self._top_up()
 
     def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
