@@ -456,7 +456,7 @@ class _SpreadSwap:
     spread pieces once for every piece the busiest rank holds part of (docs/benchmarks.md measures the solve)."""
 
     def __init__(self, packer: WorldStepPacker) -> None:
-        self.packer, self.bins, self.step = packer, packer._bins, packer._step
+        self.bins, self.step = packer._bins, packer._step
         b = self.bins
         # per spread piece inside a node: its ranks in role order, and its roles' tokens, tiles and keys
         self.pieces: dict[int, tuple[list[int], list[int], list[float], list[int]]] = {}
@@ -466,6 +466,7 @@ class _SpreadSwap:
                 self.pieces[i] = (list(owner_ranks(first, c)), need.tolist(), tiles.tolist(), keys.tolist())
 
     def run(self, rounds: int = 16) -> None:
+        """Trade while the busiest rank stands over the mean and a trade lowers it, at most ``rounds`` times."""
         b = self.bins
         for _ in range(rounds):
             load = b.load
@@ -474,6 +475,8 @@ class _SpreadSwap:
                 return
 
     def _lower(self, h: int) -> bool:
+        """Make the best trade of a spread piece rank ``h`` holds part of (the class docstring); False where none
+        leaves the ranks it changes under ``h``'s load."""
         b, step, pieces = self.bins, self.step, self.pieces
         load, recv, room = b.load, b.recv, b.room
         top, top_recv = load[h], max(recv)
