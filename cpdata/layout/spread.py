@@ -134,8 +134,8 @@ def aligned_chunks(s: int, c: int, most: int, local: int, tile: int = DEFAULT_TI
 
     Trade-off: the roles hold unequal tokens, so the ranks' token counts, and with them the keys each receives
     from each other, are not THD's: :func:`spread_chunks` takes this cut only inside one node, where no key
-    crosses nodes. A walk, not a search (about a tenth of a millisecond at 8 ranks; :func:`spread_chunks` caches
-    it)."""
+    crosses nodes. A walk, not a search: a few candidates a role, one pass over the roles (:func:`spread_chunks`
+    caches the cut per length, width, rank size and node size)."""
     a, e = 0, s
     fronts: list[int] = []
     backs: list[int] = []
