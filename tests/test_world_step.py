@@ -386,7 +386,8 @@ def test_ranks_stay_ordered_through_ties() -> None:
 
 def test_a_spread_piece_taken_back_leaves_the_step_as_before_it_came() -> None:
     """take_back_spread undoes restore of a spread piece (room, loads, received keys, the rank orders); a whole
-    piece, a width with no cut, or a piece the step does not hold there are refused with their values."""
+    piece, a width with no cut, or a piece the step does not hold there are refused with their values, and so
+    is a spread piece one of whose ranks has no room, the step unchanged either way."""
     bins, placed = _deal(_lengths(3, 60))
     spread_one = next((s, where) for s, where in placed if abs(where[2]) > 1)
     before = copy.deepcopy(bins)
@@ -405,6 +406,12 @@ def test_a_spread_piece_taken_back_leaves_the_step_as_before_it_came() -> None:
     empty = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
     with pytest.raises(ValueError, match=f"no piece of {s} tokens spread at"):
         empty.take_back_spread(s, where)
+    assert empty.room == [[LOCAL] * PACKS for _ in range(WORLD)] and empty.load == [0.0] * WORLD
+    # a spread piece whose second rank is full: refused before its first rank takes anything
+    empty.restore(LOCAL, (0, 1, 1))
+    with pytest.raises(ValueError, match="does not fit rank 1 of micro-batch 0"):
+        empty.restore(LOCAL + 100, (0, 0, 2))
+    assert empty.room[0] == [LOCAL] * PACKS and empty.recv == [0] * WORLD and empty.placed == LOCAL
 
 
 def test_restore_rebuilds_the_state() -> None:

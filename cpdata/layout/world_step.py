@@ -385,10 +385,14 @@ class StepBins:
         self._take(r, k, -s, -alone_tiles(s, self.tile))
 
     def _take(self, r: int, k: int, s: int, added: float) -> None:
+        self._check_room(r, k, s)
+        self._put(r, k, s, added)
+
+    def _check_room(self, r: int, k: int, s: int) -> None:
+        """``ValueError`` unless rank ``r`` of micro-batch ``k`` is in the step and has room for ``s`` tokens."""
         if not 0 <= r < self.world or not 0 <= k < self.packs or self.room[r][k] < s:
             raise ValueError(f"a piece of {s} tokens does not fit rank {r} of micro-batch {k} of this step "
                              f"({self.packs} x {self.world} ranks of {self.local} tokens)")  # fmt: skip
-        self._put(r, k, s, added)
 
     def _put(self, r: int, k: int, s: int, added: float) -> None:
         """:meth:`_take` where the caller found the room (the per-document path: no check)."""
@@ -415,23 +419,26 @@ class StepBins:
         return cut
 
     def take_back_spread(self, s: int, where: Placement) -> None:
-        """Remove a piece of ``s`` tokens spread at ``where`` (it leaves the step; :meth:`restore` puts it back)."""
+        """Remove a piece of ``s`` tokens spread at ``where`` (it leaves the step; :meth:`restore` puts it back).
+        ``ValueError``, the step unchanged, where no such piece is there."""
         k, first, c = where
         if abs(c) < 2:
             raise ValueError(f"no piece of {s} tokens spread over {c} ranks can leave {where} of this step")
-        for r, need, added, keys in zip(owner_ranks(first, c), *(role.tolist() for role in self.roles(s, abs(c))),
-                                        strict=True):  # fmt: skip
-            if not 0 <= k < self.packs or self.room[r][k] + need > self.local:
+        ranks, roles = owner_ranks(first, c), [role.tolist() for role in self.roles(s, abs(c))]
+        for r, need in zip(ranks, roles[0], strict=True):
+            if not 0 <= k < self.packs or not 0 <= r < self.world or self.room[r][k] + need > self.local:
                 raise ValueError(f"no piece of {s} tokens spread at {where} holds {need} tokens of rank {r}")
+        for r, need, added, keys in zip(ranks, *roles, strict=True):
             self._put(r, k, -need, -added)
             self.recv[r] -= keys
 
     def _take_spread(self, s: int, k: int, first: int, c: int) -> None:
-        cut = _roles(s, abs(c), self.local, self.tile, self.node_size)
-        if cut is None:
-            raise ValueError(f"a piece of {s} tokens has no cut over {abs(c)} ranks of {self.local} tokens")
-        for r, need, added, keys in zip(owner_ranks(first, c), *(role.tolist() for role in cut), strict=True):
-            self._take(r, k, need, added)
+        """Spread ``s`` tokens at ``(k, first, c)``; ``ValueError``, the step unchanged, where a role does not fit."""
+        ranks, roles = owner_ranks(first, c), [role.tolist() for role in self.roles(s, abs(c))]
+        for r, need in zip(ranks, roles[0], strict=True):
+            self._check_room(r, k, need)
+        for r, need, added, keys in zip(ranks, *roles, strict=True):
+            self._put(r, k, need, added)
             self.recv[r] += keys
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
