@@ -161,3 +161,14 @@ def test_the_roles_are_what_the_layout_and_the_exchange_count(owners: tuple[int,
     held = [int(lengths[doc][who[doc] == r].sum()) for r in ranks]
     assert lengths[doc].sum() == WEB and set(who[doc].tolist()) <= set(ranks) and held == list(chunk_need(chunk))
     assert (np.bincount(who, weights=lengths, minlength=16) == 8192).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(p=st.integers(0, 200_000), n=st.integers(1, 20_000), tile=st.sampled_from([64, 128]))
+def test_the_walks_segment_count_is_the_tile_counters(p: int, n: int, tile: int) -> None:
+    """aligned_chunks weighs its candidates with a closed form of one segment's varlen tiles; it is the layout's
+    own counter (causal_tiles.segment_tiles) for every start and length, on a tile or not."""
+    from cpdata.layout.causal_tiles import segment_tiles
+
+    assert spread._segment_tiles(p, p + n, tile) == int(segment_tiles(np.array([n]), np.array([p + n]), tile)[0])
+    assert spread._segment_tiles(p, p, tile) == 0

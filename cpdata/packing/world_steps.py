@@ -95,6 +95,11 @@ MANY_ROUNDS = 8
 :data:`EXCHANGE_PIECES` dearest, on the :data:`EXCHANGE_RANKS` least loaded ranks)."""
 
 
+def _over(load: Sequence[float], fraction: float) -> bool:
+    """Whether the busiest of ``load`` stands more than ``fraction`` above their mean."""
+    return max(load) > (1 + fraction) * sum(load) / len(load)
+
+
 def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(key, length)`` pieces longest first, ties by key (two stable sorts: no key tuple a piece)."""
     out = sorted(pieces, key=operator.itemgetter(0))
@@ -195,15 +200,13 @@ class WorldStepPacker:
             self._waiting = self._offer(self._waiting, self._bins.open_empty)
             self._top_up()
             for done in range(SETTLE_PASSES):
-                load = self._bins.load
-                if done and max(load) <= (1 + SETTLE_AGAIN) * sum(load) / len(load):
+                if done and not _over(self._bins.load, SETTLE_AGAIN):
                     break
                 self._settle()
                 self._top_up()
             if not self._waiting or self._bins.first_empty() is None:
                 break
-        load = self._bins.load
-        if max(load) > (1 + SPREAD_SWAP_OVER) * sum(load) / len(load):  # (a balanced step pays nothing)
+        if _over(self._bins.load, SPREAD_SWAP_OVER):  # (a balanced step pays nothing)
             _SpreadSwap(self).run()
             self._top_up()
 
@@ -467,11 +470,10 @@ class _SpreadSwap:
 
     def run(self, rounds: int = 16) -> None:
         """Trade while the busiest rank stands over the mean and a trade lowers it, at most ``rounds`` times."""
-        b = self.bins
+        load = self.bins.load
         for _ in range(rounds):
-            load = b.load
-            h = max(range(b.world), key=lambda r: (load[r], -r))
-            if load[h] <= (1 + SPREAD_SWAP_OVER) * sum(load) / b.world or not self._lower(h):
+            busiest = max(range(len(load)), key=lambda r: (load[r], -r))
+            if not _over(load, SPREAD_SWAP_OVER) or not self._lower(busiest):
                 return
 
     def _lower(self, h: int) -> bool:
