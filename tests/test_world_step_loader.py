@@ -137,3 +137,19 @@ def test_owners_that_do_not_fit_the_pack_are_refused():
         owned_runs(lens, np.array([[0, 1], [3, 2]]), CAPACITY, W, NODE)
     with pytest.raises(ValueError, match="give a rank 1034 tokens"):
         owned_runs(lens, np.array([[0, 1], [0, 1]]), CAPACITY, W, NODE)
+
+
+def test_a_shard_stage_under_another_node_size_than_the_deals_is_refused():
+    """The packs of a world step dealt at 2 ranks a node, sharded under 4 (or one node: ``"world"``): a spread
+    document's cut depends on the node size, so the owners would lay out runs the deal did not balance. Refused
+    when the graph is built, naming both layouts; the deal's own layout builds."""
+    from cpdata.nodes.loader import GraphOptions, shard_graph
+    from cpdata.nodes.shard import ShardForRank
+
+    graph = shard_graph(_docs(n=40), GraphOptions(capacity=CAPACITY, cp_size=W, layout=LAYOUT,
+                                                  plan=StreamPlan(overflow="split", world_step=STEP)))  # fmt: skip
+    for other in (layout_spec("world", node_size=4), "world"):
+        with pytest.raises(ValueError, match=rf"dealt by world steps under layout '{LAYOUT}' \(2 ranks a node\) "
+                                             rf"and sharded under layout '{other}' \(4\)"):  # fmt: skip
+            ShardForRank(graph, cp_size=W, cp_rank=0, layout=other)
+    assert next(iter(ShardForRank(graph, cp_size=W, cp_rank=0, layout=LAYOUT))).layout.cp_size == W

@@ -23,11 +23,13 @@ from torchdata.nodes import BaseNode
 
 from cpdata.errors import check_bool, check_int, is_int
 from cpdata.layout.exchange import ExchangePlan, exchange_plan_of_inverse
-from cpdata.layout.maps import alignment, check_layout, rank_indices
+from cpdata.layout.maps import alignment, check_layout, node_size_of, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nodes.collate import Collate
+from cpdata.nodes.epochs import upstream
 from cpdata.nodes.source_kinds import document_sources_of
 from cpdata.nodes.state_version import VersionedState
+from cpdata.packing.records import PackingConfig
 from cpdata.worker.batch import BatchBuffer, ShardedBatch
 from cpdata.worker.buffer_spans import BufferPlan, buffer_plan
 from cpdata.worker.collate import CollatedPack, SpecKey, fill_rank, rank_spec_key, spec_items
@@ -70,6 +72,21 @@ def _layout_record(stream_len: int, row_shape: tuple[int, int] | None, cp_size: 
     """The :class:`ShardLayout` of a batch without its digest and index maps (per shape and rank, shared)."""
     return ShardLayout(original_seq_len=None, padded_seq_len=stream_len, input_row_shape=row_shape,
                        cp_size=cp_size, cp_rank=cp_rank)  # fmt: skip
+
+
+def _check_dealt_node_size(node: Any, layout: str, cp_size: int) -> None:
+    """``ValueError`` where a world step packer upstream of ``node`` deals its packs under another node size than
+    ``layout``'s: a spread document's cut depends on it (:func:`cpdata.layout.spread.spread_chunks`), so the
+    packs' owners would lay out other runs than those the deal balanced, or overfill a rank."""
+    for stage in upstream(node):
+        config = getattr(stage, "config", None)
+        if isinstance(config, PackingConfig) and config.world_step > 1:
+            dealt, mine = node_size_of(config.layout, config.cp_size), node_size_of(layout, cp_size)
+            if dealt != mine:
+                raise ValueError(f"the packs are dealt by world steps under layout {config.layout!r} ({dealt} ranks "
+                                 f"a node) and sharded under layout {layout!r} ({mine}); a spread document's cut "
+                                 f"depends on the node size: shard with layout={config.layout!r}")  # fmt: skip
+            return
 
 
 class ShardForRank(VersionedState, BaseNode[Any]):
@@ -121,6 +138,7 @@ class ShardForRank(VersionedState, BaseNode[Any]):
         self._sources = document_sources_of(collate_node)  # a mix: info["doc_source"] names each slot's source
         if isinstance(collate_node, Collate):
             check_rows(layout, self.cp_size, self._dynamic, collate_node.batch_size, collate_node.qkv_format)
+        _check_dealt_node_size(collate_node, layout, self.cp_size)
         self._clear(None, [])
 
     def _clear(self, before: dict[str, Any] | None, served: list[int]) -> None:
