@@ -755,6 +755,36 @@ def test_a_later_spread_piece_waits_rather_than_pass_the_receive_cap(monkeypatch
     assert (list(bins.load), list(bins.recv), [list(r) for r in bins.room], bins.placed) == before
 
 
+def test_the_receive_cap_counts_the_keys_of_the_spread_pieces_to_come() -> None:
+    """A stream of 8,192-token documents at 32 x 4K (each on 2 ranks: the first role receives 4,096 keys, the last
+    2,048). After one micro-batch of them, any second one lifts a rank to 6,144 keys, past 1.6 x the mean rank's
+    keys so far (5,222): held to that, every later one waited and the step closed 0.18 full, 1.39 x the mean rank.
+    A piece that would wait for the cap alone is tried again against the mean the pieces to come will make, in
+    the room the step has left: the step fills, its busiest receiver within Megatron's (4,096 a micro-batch)."""
+    bins = StepBins(8, 32, 4096, 8, TILE)
+    pieces = [8192] * 140
+    bins.set_density(pieces)
+    placed = bins.deal(pieces[:16])
+    assert all(where is not None and where[0] == 0 for where in placed)
+    assert bins._choose(8192, 2) is None and bins._choose(8192, 2, -1) is not None
+    placed += bins.deal(pieces[16:])
+    assert sum(where is not None for where in placed) == 128 and bins.free_tokens == 0
+    assert max(bins.load) == min(bins.load) and max(bins.recv) <= 8 * 4096
+
+
+def test_a_step_of_documents_of_two_ranks_each_fills(tmp_path) -> None:
+    """The packer on a corpus of 8,192-token documents at 32 x 4K (the bench's step reading): every micro-batch
+    full and the busiest rank at the mean, where the cap held to the keys dealt so far closed the step 0.18 full."""
+    from cpdata.bench import world
+    from cpdata.bench.corpus import Corpus
+
+    corpus = Corpus("fixed", np.full(2000, 8192, dtype=np.int64), "memory")
+    packs, _ = world.step_packs(corpus, 32, 4096, 8, 1)
+    assert [int(lens.sum()) for lens, _ in packs] == [32 * 4096] * 8
+    tiles = np.stack([t for t, _, _ in world._step(packs, 32, 4096)]).sum(axis=0)
+    assert tiles.max() == tiles.min()
+
+
 def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> None:
     """web 32 x 4K, seed 7: the first settle brings the busy ranks to the step's mean as it found it; the pieces it
     sent back to wait and the top-up that replaced them leave a lower mean, which the second settles to (the busiest

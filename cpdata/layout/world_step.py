@@ -89,7 +89,11 @@ own first role's keys, and this many times the mean rank's received keys after i
 at 2, web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15; at 1.75, with chunks on tile
 boundaries inside a node, web 16 x 8K at seed 18 did, 1.195 x; at 1.5 and 1.6 none of web's and
 long_context's seeds 1-36 does. With THD's chunks alone, 1.5 left pieces waiting that long_context needed:
-16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank)."""
+16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank). A later piece that would wait for the cap alone is
+tried again against the mean the spread pieces still to come will make, as far as the room left holds them
+(:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x 4K filled one
+micro-batch, then every next one would lift a rank to 6,144 keys, past 1.6 x the mean so far (5,222), and the step
+closed 0.18 full at 1.39 x the mean rank; tried again, it fills, its busiest receiver Megatron's."""
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -130,7 +134,8 @@ class StepBins:
     """
 
     __slots__ = ("packs", "world", "local", "node_size", "tile", "slack", "room", "free", "best_room", "load", "placed",
-                 "density", "recv", "_capacity", "_by_load", "_projected", "_total", "_coming")  # fmt: skip
+                 "density", "recv", "_capacity", "_by_load", "_projected", "_total", "_coming",
+                 "_spreading")  # fmt: skip
 
     def __init__(self, packs: int, world: int, local: int, node_size: int, tile: int = 128,
                  slack: float = SLACK) -> None:  # fmt: skip
@@ -149,6 +154,7 @@ class StepBins:
         self._projected = _ranked([0.0] * world)  # load + free * density
         self._total = 0.0  # the loads' sum
         self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles, tokens; all's density
+        self._spreading = [0, 0]  # the spread pieces still expected: keys received on their fewest ranks, tokens
 
     @property
     def free_tokens(self) -> int:
@@ -160,6 +166,11 @@ class StepBins:
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
         lengths = np.asarray(pieces, dtype=np.int64)
+        self._spreading = [0, 0]
+        for s in lengths[lengths > self.local].tolist():
+            keys, tokens = self._least_keys(s)
+            self._spreading[0] += keys
+            self._spreading[1] += tokens
         whole = lengths[lengths <= self.local]
         blocks = -(-whole // self.tile)  # (alone_tiles of each, at once)
         added, tokens = int((blocks * (blocks + 1) // 2).sum()), int(whole.sum())
@@ -170,6 +181,13 @@ class StepBins:
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
         self._reproject()
+
+    def _least_keys(self, s: int) -> tuple[int, int]:
+        """``(keys, tokens)``: the keys a spread piece of ``s`` tokens makes its ranks receive on its fewest ranks,
+        and its tokens; ``(0, 0)`` where it cannot spread over this world."""
+        fewest = -(-s // self.local)
+        cut = _roles(s, fewest, self.local, self.tile, self.node_size) if fewest <= self.world else None
+        return (0, 0) if cut is None else (int(cut[2].sum()), s)
 
     def _reproject(self) -> None:
         added, tokens, mean = self._coming
@@ -461,11 +479,14 @@ class StepBins:
         role must hold ``1 / w`` of the document at Megatron's width ``w``, whose work alone passes the mean
         role's past about ``w^2`` ranks, and the widths cost a cut each on a large node); a width with no such
         cut is skipped. A later piece takes, of its widths from its fewest ranks up to that power of two, the
-        placement of least busiest load within the level (ties: the fewest ranks), else it waits: on its fewest
+        placement of least busiest load within the level (ties: the fewest ranks; where none is within the receive
+        cap, within the cap counting the spread pieces to come: :data:`RECEIVE_CAP`), else it waits: on its fewest
         ranks a long piece leaves ranks that have little left to fill it with lighter than the rest (books at 16
         x 8K, seed 1, the rest of the deal as it is: documents of 18,000-36,000 tokens on 3 and 5 ranks left the
         busiest rank at 1.041 x the mean, 1.022 x Megatron's; at their widths up to Megatron's, 1.002 x and
         0.988 x; docs/benchmarks.md, "Your own corpus")."""
+        least, tokens = self._least_keys(s)  # (this piece is no longer to come)
+        self._spreading = [max(self._spreading[0] - least, 0), max(self._spreading[1] - tokens, 0)]
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
             return None
@@ -484,6 +505,9 @@ class StepBins:
         level = self.target() * (1 + self.slack)
         choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, arrays=arrays)) is not None]
         within = [best for best in choices if best[0] <= level]
+        if not within and not opening:
+            choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, -1, arrays=arrays))]
+            within = [best for best in choices if best[0] <= level]
         if opening:  # the fewest ranks within the level, else the least busiest load
             return self._take_choice(s, within[0] if within else min(choices, key=_busiest, default=None))
         return self._take_choice(s, min(within, key=_busiest, default=None))
@@ -501,7 +525,9 @@ class StepBins:
                 ) -> tuple[float, int, int, int] | None:  # fmt: skip
         """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
         tokens on ``c`` ranks (:func:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
-        room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`), the one of
+        room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`; negative: the
+        receive cap with the keys the spread pieces still to come (:meth:`set_density`) would add on their fewest
+        ranks, as many of them as the room left holds, counted in the mean), the one of
         least busiest load (ties: the first micro-batch, the lowest rank, THD's orientation); None where none.
         The caller holds that load to its level: the least placement past it means none within it.
 
@@ -515,8 +541,12 @@ class StepBins:
             return None
         need, added, keys = cut
         room, load, recv = self._arrays() if arrays is None else arrays
-        if cap is None:
-            cap = max(int(recv.max()), int(keys.max()), RECEIVE_CAP * (int(recv.sum()) + int(keys.sum())) / self.world)
+        if cap is None or cap < 0:
+            coming = 0.0
+            if cap is not None and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
+                coming = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
+            cap = max(int(recv.max()), int(keys.max()),
+                      RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + coming) / self.world)  # fmt: skip
         starts, at, roles = _window_index(self.world, self.node_size, c)
         held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
         score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
