@@ -594,6 +594,65 @@ def test_spread_pieces_trade_windows_when_one_window_holds_both_long_ones(monkey
     assert _closed_tiles(placed, world=4, local=1024, packs=2)[0] == [136, 136, 38, 52]
 
 
+def test_a_spread_piece_moves_to_a_free_window_where_no_trade_lowers_its_ranks(monkeypatch):
+    """Two micro-batches of 4 ranks, a 2,000-token document on ranks 0-1 in each (68 tiles a role), ranks 2-3
+    empty: both pieces hold one window, so there is no trade to make; one moves to ranks 2-3 (68 tiles each).
+    Without moves the step closes at 136 on ranks 0-1."""
+    placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 0, 2))]
+    assert _closed_tiles(placed, world=4, local=1024, packs=2) == ([68, 68, 68, 68], [0, 1])
+    monkeypatch.setattr(world_steps._SpreadSwap, "_move", lambda self, h: False)
+    assert _closed_tiles(placed, world=4, local=1024, packs=2)[0] == [136, 136, 0, 0]
+
+
+def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
+    """Ranks 0-1 hold a 2,000-token document in each of two micro-batches, mirrored (each receives 1,000 + 500
+    keys); ranks 2-3 two 1,100-token ones (512 keys a role: 1,024 each) and a 400-token one on rank 2 that leaves
+    no room to trade. The third micro-batch is empty, but either orientation there gives rank 2 or 3 1,000 keys
+    more, 2,024, past the busiest receiver's 1,500: nothing moves. With the receive check off, the step changes."""
+    from cpdata.layout import world_step
+
+    bins = StepBins(3, 4, 1024, 4, TILE)
+    assert [role.tolist() for role in bins.roles(2000, 2)][2] == [1000, 500]
+    assert [role.tolist() for role in bins.roles(1100, 2)][2] == [512, 512]
+    placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 1, -2)), (2, 1100, (0, 2, 2)), (3, 1100, (1, 3, -2)),
+              (4, 400, (0, 2, 1)), (5, 400, (1, 2, 1))]  # fmt: skip
+    assert _closed_tiles(placed, world=4, local=1024, packs=3) == ([136, 136, 65, 45], [0, 1, 2, 3, 4, 5])
+    choose = world_step.StepBins._choose
+
+    def uncapped(self, s, c, cap=None, *args, **kwargs):  # (the move's cap, a receiver's keys, lifted)
+        return choose(self, s, c, np.inf if cap is not None and cap >= 0 else cap, *args, **kwargs)
+
+    monkeypatch.setattr(world_step.StepBins, "_choose", uncapped)
+    assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
+
+
+def test_the_spread_pieces_table_follows_every_trade_and_move(monkeypatch):
+    """Over random streams, after every close's trades and moves, each spread piece's ranks in the table the trades
+    and moves read are the ranks its placement names (a stale entry would price later trades on ranks the piece
+    left); some closes move pieces."""
+    moves, checked = [], []
+    run, move = world_steps._SpreadSwap.run, world_steps._SpreadSwap._move
+
+    def checking_run(self, rounds: int = 16) -> None:
+        run(self, rounds)
+        for i, (ranks, *_) in self.pieces.items():
+            _, _, (_, first, c) = self.step[i]
+            checked.append(ranks == list(owner_ranks(first, c)))
+
+    def counting_move(self, h: int) -> bool:
+        moves.append(move(self, h))
+        return moves[-1]
+
+    monkeypatch.setattr(world_steps._SpreadSwap, "run", checking_run)
+    monkeypatch.setattr(world_steps._SpreadSwap, "_move", counting_move)
+    for seed in range(40):
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+    assert any(moves) and checked and all(checked)
+
+
 def _recorded_trades(monkeypatch) -> list[bool]:
     """For each window trade a close makes from now on: whether every rank whose load it changed ends strictly
     under the busiest load before it."""

@@ -32,7 +32,8 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    them and steps 1-5 run once more (:data:`EMPTY_OFFERS`);
 7. spread pieces inside a node trade windows (:class:`_SpreadSwap`): the settle moves whole pieces only, and a
    step whose tokens are mostly documents on 2-4 ranks has few (documents of 1-32K tokens, uniform, at 16 x 8K,
-   seed 1: 1.056 x the mean rank; trading windows, 1.030 x); then a last top-up.
+   seed 1: 1.056 x the mean rank; trading windows, 1.030 x), and where no trade lowers the busiest rank, one of
+   its spread pieces moves to a free window of as many ranks (:meth:`_SpreadSwap._move`); then a last top-up.
 
 Phases 1-5 and 7 only lower the busiest rank or add tokens under it; phases 0 and 6 add a waiting piece's work
 to a micro-batch that would otherwise run empty. The settle is bounded (:data:`EXCHANGE_PIECES` pieces against
@@ -454,7 +455,8 @@ class _SpreadSwap:
     :data:`SPREAD_SWAP_OVER` above the mean, of the spread pieces it holds part of and every other spread piece
     of as many ranks, the pair whose swapped placements (each takes the other's micro-batch, first rank and
     orientation) leave the busiest of their ranks least, where that is under the busiest rank's load, every
-    rank keeps its room and none receives more keys than the step's busiest receiver; at most ``rounds`` swaps.
+    rank keeps its room and none receives more keys than the step's busiest receiver; where no pair does, one of its
+    pieces moves to a window of as many ranks that does (:meth:`_move`); at most ``rounds`` swaps and moves.
     Inside a node no key crosses nodes, so the inter-node keys stay. Trade-off: each swap passes over the step's
     spread pieces once for every piece the busiest rank holds part of (docs/benchmarks.md measures the solve)."""
 
@@ -518,7 +520,7 @@ class _SpreadSwap:
                     continue
                 best = (after, i, j)
         if best is None:
-            return False
+            return self._move(h)
         _, i, j = best
         (key_i, s_i, where_i), (key_j, s_j, where_j) = step[i], step[j]
         b.take_back_spread(s_i, where_i)
@@ -527,4 +529,31 @@ class _SpreadSwap:
         b.restore(s_j, where_i)
         step[i], step[j] = (key_i, s_i, where_j), (key_j, s_j, where_i)
         pieces[i], pieces[j] = (pieces[j][0], *pieces[i][1:]), (pieces[i][0], *pieces[j][1:])
+        return True
+
+    def _move(self, h: int) -> bool:
+        """Where no trade lowers rank ``h``: move one of the spread pieces it holds part of to the window of as
+        many ranks inside a node (any micro-batch with room, either orientation) that leaves the busiest of its
+        ranks least, where that is under ``h``'s load and no rank receives more keys than the step's busiest
+        receiver; False (nothing changed) where none does."""
+        b, step = self.bins, self.step
+        top, top_recv = b.load[h], max(b.recv)
+        best: tuple[float, int, tuple[float, int, int, int]] | None = None
+        for i, (ranks_i, _, _, _) in self.pieces.items():
+            if h not in ranks_i:
+                continue
+            _, s, where = step[i]
+            b.take_back_spread(s, where)
+            choice = b._choose(s, len(ranks_i), top_recv)
+            b.restore(s, where)
+            if choice is not None and choice[0] < top and (best is None or choice[0] < best[0]):
+                best = (choice[0], i, choice)
+        if best is None:
+            return False
+        _, i, (_, k, first, c) = best
+        key, s, where = step[i]
+        b.take_back_spread(s, where)
+        b.restore(s, (k, first, c))
+        step[i] = (key, s, (k, first, c))
+        self.pieces[i] = (list(owner_ranks(first, c)), *self.pieces[i][1:])
         return True
