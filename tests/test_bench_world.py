@@ -151,9 +151,9 @@ def test_the_seed_draws_other_lengths_for_the_world_section(monkeypatch):
 
 def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(monkeypatch):
     """web 16 x 8K, seed 18, the step reading: with spread documents cut on tile boundaries inside a node, a cap of
-    1.75 x the mean rank's received keys let one rank take the second role of an 8,583-token document and the
-    first of an 8,613-token one, 1.195 x Megatron's busiest receiver; at the cap's 1.6, at most Megatron's, and
-    the step's tiles still within Megatron's and 1.03 x the mean rank."""
+    2 x the mean rank's received keys lets the ranks that take first roles receive 1.30 x Megatron's busiest
+    receiver (1.75 did, 1.195 x, before ties in load went to the orientation of least busiest receiver); at the
+    cap's 1.6, at most Megatron's, and the step's tiles still within Megatron's and 1.03 x the mean rank."""
     from cpdata.layout import world_step
 
     def step_row() -> tuple[dict, dict]:
@@ -167,6 +167,6 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
     mine, theirs = step_row()
     assert world_step.RECEIVE_CAP == 1.6 and mine["step_recv_keys"] <= theirs["step_recv_keys"]
     assert mine["step_tiles"] <= theirs["step_tiles"] and mine["step_over_mean"] <= 1.03
-    monkeypatch.setattr(world_step, "RECEIVE_CAP", 1.75)
+    monkeypatch.setattr(world_step, "RECEIVE_CAP", 2.0)
     mine, theirs = step_row()
-    assert mine["step_recv_keys"] > 1.19 * theirs["step_recv_keys"]
+    assert mine["step_recv_keys"] > 1.29 * theirs["step_recv_keys"]

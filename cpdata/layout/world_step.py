@@ -14,7 +14,7 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   :func:`~cpdata.layout.spread.aligned_chunks`), or mirrored (rank ``i`` counted down from the window's last:
   :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the one
   whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the lowest rank,
-  THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal
+  the orientation whose busiest receiver is least, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal
   keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would
   receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap; on its fewest ranks
   a long piece leaves the ranks beside it, with little left to fill, lighter than the rest:
@@ -86,9 +86,9 @@ docs/benchmarks.md measures 0, 0.25 and 0.5)."""
 RECEIVE_CAP = 1.6
 """A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its
 own first role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`;
-at 2, web 32 x 4K passed Megatron's busiest receiver at seeds 9, 14 and 15; at 1.75, with chunks on tile
-boundaries inside a node, web 16 x 8K at seed 18 did, 1.195 x; at 1.5 and 1.6 none of web's and
-long_context's seeds 1-36 does. With THD's chunks alone, 1.5 left pieces waiting that long_context needed:
+at 2, web 16 x 8K at seed 18 passes Megatron's busiest receiver, 1.30 x, and 32 x 4K at seed 34, 1.04 x; at 1.75
+and 1.6 none of web's and long_context's seeds 1-36 does. Before ties in load went to the orientation of least
+busiest receiver (:meth:`StepBins._choose`), 1.75 let web 16 x 8K at seed 18 pass, 1.195 x. With THD's chunks alone, 1.5 left pieces waiting that long_context needed:
 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank). A later piece that would wait for the cap alone is
 tried again against the mean the spread pieces still to come will make, as far as the room left holds them
 (:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x 4K filled one
@@ -528,7 +528,10 @@ class StepBins:
         room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`; negative: the
         receive cap with the keys the spread pieces still to come (:meth:`set_density`) would add on their fewest
         ranks, as many of them as the room left holds, counted in the mean), the one of
-        least busiest load (ties: the first micro-batch, the lowest rank, THD's orientation); None where none.
+        least busiest load (ties: the first micro-batch, the lowest rank, the orientation whose busiest receiver
+        after it is least, THD's); None where none. (Equal pieces tie on every orientation: THD's each time gave
+        a rank the first role in every micro-batch, 8,192-token documents at 32 x 4K 32,768 keys, Megatron's
+        busiest receiver; alternating, 24,576.)
         The caller holds that load to its level: the least placement past it means none within it.
 
         The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
@@ -555,7 +558,7 @@ class StepBins:
         o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
         if not o.size:
             return None
-        i = np.lexsort((o, a, k, score[o, a]))[0]
+        i = np.lexsort((o, receiver[o, a], a, k, score[o, a]))[0]
         o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
         first = int(starts[w])
         return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
