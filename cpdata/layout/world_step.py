@@ -14,22 +14,22 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   :func:`~cpdata.layout.spread.aligned_chunks`), or mirrored (rank ``i`` counted down from the window's last:
   :func:`owner_ranks`). Of every width, micro-batch, window of ranks with room and orientation, it takes the one
   whose busiest rank's step load after it is least (ties: the fewest ranks, the first micro-batch, the lowest rank,
-  the orientation whose busiest receiver is least, THD's order) among those within the level and the receive cap (:data:`RECEIVE_CAP`: the roles receive unequal
-  keys, the first ``(c - 1) / c`` of the document, the last ``(c - 1) / 2c``, so a rank that took first roles would
-  receive most: web 32 x 4K, seed 15, 1.49 x Megatron's busiest receiver, 0.85 x under the cap; on its fewest ranks
-  a long piece leaves the ranks beside it, with little left to fill, lighter than the rest:
-  :meth:`StepBins._spread`). Past the level or the cap it waits, unless it opens the step: then it takes the fewest
-  ranks that keep it within the level, since on its fewest ranks it would leave their other micro-batches to pad
-  (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the step 0.415 full at 1.043 x the
-  mean rank; on 32, 0.985 full at 1.010), and takes Megatron's power of two outright when its tiles a rank on its
-  fewest pass what whole pieces can add to a rank in the step's other micro-batches (the ranks left out could not
-  catch up); where that power of two is narrower than a node and still past the level, it goes wider inside the
-  node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`: no rank receives
-  more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document on 4 ranks at
-  7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends in a
-  micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load
-  (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest rank
-  ends least over the mean: :mod:`cpdata.packing.world_steps`);
+  the orientation whose busiest receiver is least, THD's order) among those within the level and the receive cap
+  (:data:`RECEIVE_CAP`: the roles receive unequal keys, the first ``(c - 1) / c`` of the document, the last
+  ``(c - 1) / 2c``, so a rank that took first roles would receive most: web 32 x 4K, seed 15, 1.49 x Megatron's
+  busiest receiver, 0.85 x under the cap; on its fewest ranks a long piece leaves the ranks beside it, with little
+  left to fill, lighter than the rest: :meth:`StepBins._spread`). Past the level or the cap it waits, unless it opens
+  the step: then it takes the fewest ranks that keep it within the level, since on its fewest ranks it would leave
+  their other micro-batches to pad (long_context 32 x 4K, seed 7: a 89,886-token document on 22 of 32 ranks left the
+  step 0.415 full at 1.043 x the mean rank; on 32, 0.985 full at 1.010), and takes Megatron's power of two outright
+  when its tiles a rank on its fewest pass what whole pieces can add to a rank in the step's other micro-batches (the
+  ranks left out could not catch up); where that power of two is narrower than a node and still past the level, it
+  goes wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`:
+  no rank receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document
+  on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
+  in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load
+  (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest rank ends
+  least over the mean: :mod:`cpdata.packing.world_steps`);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -84,16 +84,16 @@ LEVEL = 0.25
 docs/benchmarks.md measures 0, 0.25 and 0.5)."""
 
 RECEIVE_CAP = 1.6
-"""A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its
-own first role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`;
-at 2, web 16 x 8K at seed 18 passes Megatron's busiest receiver, 1.30 x, and 32 x 4K at seed 34, 1.04 x; at 1.75
-and 1.6 none of web's and long_context's seeds 1-36 does. Before ties in load went to the orientation of least
-busiest receiver (:meth:`StepBins._choose`), 1.75 let web 16 x 8K at seed 18 pass, 1.195 x. With THD's chunks alone, 1.5 left pieces waiting that long_context needed:
-16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank). A later piece that would wait for the cap alone is
-tried again against the mean the spread pieces still to come will make, as far as the room left holds them
-(:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x 4K filled one
-micro-batch, then every next one would lift a rank to 6,144 keys, past 1.6 x the mean so far (5,222), and the step
-closed 0.18 full at 1.39 x the mean rank; tried again, it fills, its busiest receiver Megatron's."""
+"""A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its own first
+role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`; at 2, web 16 x 8K at
+seed 18 passes Megatron's busiest receiver, 1.30 x, and 32 x 4K at seed 34, 1.04 x; at 1.75 and 1.6 none of web's and
+long_context's seeds 1-36 does. Before ties in load went to the orientation of least busiest receiver
+(:meth:`StepBins._choose`), 1.75 let web 16 x 8K at seed 18 pass, 1.195 x. With THD's chunks alone, 1.5 left pieces
+waiting that long_context needed: 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank). A later piece that would
+wait for the cap alone is tried again against the mean the spread pieces still to come will make, as far as the room
+left holds them (:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x
+4K filled one micro-batch, then every next one would lift a rank to 6,144 keys, past 1.6 x the mean so far (5,222),
+and the step closed 0.18 full at 1.39 x the mean rank; tried again, it fills, its busiest receiver Megatron's."""
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
