@@ -824,8 +824,10 @@ def test_the_receive_cap_counts_the_keys_of_the_spread_pieces_to_come() -> None:
     bins = StepBins(8, 32, 4096, 8, TILE)
     pieces = [8192] * 140
     bins.set_density(pieces)
+    assert bins._spreading == [140 * (4096 + 2048), 140 * 8192]  # (keys on their fewest ranks, tokens)
     placed = bins.deal(pieces[:16])
     assert all(where is not None and where[0] == 0 for where in placed)
+    assert bins._spreading == [124 * (4096 + 2048), 124 * 8192]  # (each dealt piece no longer to come)
     assert bins._choose(8192, 2) is None and bins._choose(8192, 2, -1) is not None
     placed += bins.deal(pieces[16:])
     assert sum(where is not None for where in placed) == 128 and bins.free_tokens == 0
