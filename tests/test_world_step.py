@@ -834,6 +834,21 @@ def test_the_receive_cap_counts_the_keys_of_the_spread_pieces_to_come() -> None:
     assert max(bins.load) == min(bins.load) and max(bins.recv) <= 8 * 4096
 
 
+@pytest.mark.parametrize(("packs", "placed"), [(2, None), (3, (136.0, 1, 1, -2))])
+def test_the_receive_caps_second_try_counts_only_the_pieces_the_room_left_holds(monkeypatch, packs, placed) -> None:
+    """2 ranks of 1,024 tokens, a 2,048-token piece placed (1,024 and 512 keys) and 99 more to come, the cap at 0.8
+    x the mean: a second piece lifts a rank to 1,536 keys, past 0.8 x 3,072 / 2 = 1,229. Tried again with the
+    pieces to come, only those the room left after it holds count: with 2 micro-batches none (still 1,229: it
+    waits), with 3 one (0.8 x 4,608 / 2 = 1,843: placed). Counting all 98 would place it in both."""
+    from cpdata.layout import world_step
+
+    monkeypatch.setattr(world_step, "RECEIVE_CAP", 0.8)
+    bins = StepBins(packs, 2, 1024, 2, TILE)
+    bins.set_density([2048] * 100)
+    assert bins.place(2048) == (0, 0, 2) and bins.recv == [1024, 512]
+    assert bins._choose(2048, 2) is None and bins._choose(2048, 2, -1) == placed
+
+
 def test_equal_pieces_alternate_their_orientation_toward_the_least_busiest_receiver() -> None:
     """128 documents of 8,192 tokens at 32 x 4K tie on every orientation (68 x 68 blocks a role, either way):
     THD's each time gave ranks 0, 2, 4... the first role (4,096 keys) in all 8 micro-batches, 32,768 keys,
