@@ -620,7 +620,7 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
     choose = world_step.StepBins._choose
 
     def uncapped(self, s, c, cap=None, *args, **kwargs):  # (the move's cap, a receiver's keys, lifted)
-        return choose(self, s, c, np.inf if cap is not None and cap >= 0 else cap, *args, **kwargs)
+        return choose(self, s, c, np.inf if cap is not None else cap, *args, **kwargs)
 
     monkeypatch.setattr(world_step.StepBins, "_choose", uncapped)
     assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
@@ -828,7 +828,7 @@ def test_the_receive_cap_counts_the_keys_of_the_spread_pieces_to_come() -> None:
     placed = bins.deal(pieces[:16])
     assert all(where is not None and where[0] == 0 for where in placed)
     assert bins._spreading == [124 * (4096 + 2048), 124 * 8192]  # (each dealt piece no longer to come)
-    assert bins._choose(8192, 2) is None and bins._choose(8192, 2, -1) is not None
+    assert bins._choose(8192, 2) is None and bins._choose(8192, 2, coming=True) is not None
     placed += bins.deal(pieces[16:])
     assert sum(where is not None for where in placed) == 128 and bins.free_tokens == 0
     assert max(bins.load) == min(bins.load) and max(bins.recv) <= 8 * 4096
@@ -846,7 +846,7 @@ def test_the_receive_caps_second_try_counts_only_the_pieces_the_room_left_holds(
     bins = StepBins(packs, 2, 1024, 2, TILE)
     bins.set_density([2048] * 100)
     assert bins.place(2048) == (0, 0, 2) and bins.recv == [1024, 512]
-    assert bins._choose(2048, 2) is None and bins._choose(2048, 2, -1) == placed
+    assert bins._choose(2048, 2) is None and bins._choose(2048, 2, coming=True) == placed
 
 
 def test_equal_pieces_alternate_their_orientation_toward_the_least_busiest_receiver() -> None:

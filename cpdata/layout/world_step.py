@@ -505,8 +505,9 @@ class StepBins:
         level = self.target() * (1 + self.slack)
         choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, arrays=arrays)) is not None]
         within = [best for best in choices if best[0] <= level]
-        if not within and not opening:
-            choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, -1, arrays=arrays))]
+        if not within and not opening and self._spreading[1]:  # (nothing to come: the same cap)
+            choices = [best for c in range(fewest, widest + 1)
+                       if (best := self._choose(s, c, arrays=arrays, coming=True)) is not None]  # fmt: skip
             within = [best for best in choices if best[0] <= level]
         if opening:  # the fewest ranks within the level, else the least busiest load
             return self._take_choice(s, within[0] if within else min(choices, key=_busiest, default=None))
@@ -521,13 +522,13 @@ class StepBins:
         return k, first, c
 
     def _choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None,
-                arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, coming: bool = False
                 ) -> tuple[float, int, int, int] | None:  # fmt: skip
         """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
         tokens on ``c`` ranks (:func:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
-        room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`; negative: the
-        receive cap with the keys the spread pieces still to come (:meth:`set_density`) would add on their fewest
-        ranks, as many of them as the room left holds, counted in the mean), the one of
+        room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`, its mean
+        counting, with ``coming``, the keys the spread pieces still to come (:meth:`set_density`) would add on their
+        fewest ranks, as many of them as the room left holds), the one of
         least busiest load (ties: the first micro-batch, the lowest rank, the orientation whose busiest receiver
         after it is least, THD's); None where none. (Equal pieces tie on every orientation: THD's each time gave
         a rank the first role in every micro-batch, 8,192-token documents at 32 x 4K 32,768 keys, Megatron's
@@ -544,12 +545,12 @@ class StepBins:
             return None
         need, added, keys = cut
         room, load, recv = self._arrays() if arrays is None else arrays
-        if cap is None or cap < 0:
-            coming = 0.0
-            if cap is not None and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
-                coming = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
+        if cap is None:
+            to_come = 0.0
+            if coming and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
+                to_come = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
             cap = max(int(recv.max()), int(keys.max()),
-                      RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + coming) / self.world)  # fmt: skip
+                      RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + to_come) / self.world)  # fmt: skip
         starts, at, roles = _window_index(self.world, self.node_size, c)
         held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
         score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
