@@ -166,28 +166,26 @@ class StepBins:
         will see them) do: as :meth:`place` sees each, the ones left of them, and the room they leave as all of
         them (the stream goes on)."""
         lengths = np.asarray(pieces, dtype=np.int64)
-        self._spreading = [0, 0]
+        spread = [0, 0, 0]  # the spread pieces' keys and tiles on their fewest ranks, and tokens
         for s in lengths[lengths > self.local].tolist():
-            keys, tokens = self._least_keys(s)
-            self._spreading[0] += keys
-            self._spreading[1] += tokens
+            for i, value in enumerate(self._fewest(s)):
+                spread[i] += value
+        self._spreading = [spread[0], spread[2]]
         whole = lengths[lengths <= self.local]
         blocks = -(-whole // self.tile)  # (alone_tiles of each, at once)
         added, tokens = int((blocks * (blocks + 1) // 2).sum()), int(whole.sum())
         if not tokens and len(pieces):  # only pieces longer than a rank to come: they set the level
-            spread = sum(int(_roles(s, -(-s // self.local), self.local, self.tile, self.node_size)[1].sum())
-                         for s in pieces)  # fmt: skip
-            self._coming = [0.0, 0, spread / sum(pieces)]
+            self._coming = [0.0, 0, spread[1] / sum(pieces)]
         else:
             self._coming = [added, tokens, added / tokens if tokens else self.density]
         self._reproject()
 
-    def _least_keys(self, s: int) -> tuple[int, int]:
-        """``(keys, tokens)``: the keys a spread piece of ``s`` tokens makes its ranks receive on its fewest ranks,
-        and its tokens; ``(0, 0)`` where it cannot spread over this world."""
+    def _fewest(self, s: int) -> tuple[int, int, int]:
+        """``(keys, tiles, tokens)``: the keys a spread piece of ``s`` tokens makes its ranks receive and the tiles
+        it costs on its fewest ranks, and its tokens; zeros where it cannot spread over this world."""
         fewest = -(-s // self.local)
         cut = _roles(s, fewest, self.local, self.tile, self.node_size) if fewest <= self.world else None
-        return (0, 0) if cut is None else (int(cut[2].sum()), s)
+        return (0, 0, 0) if cut is None else (int(cut[2].sum()), int(cut[1].sum()), s)
 
     def _reproject(self) -> None:
         added, tokens, mean = self._coming
@@ -485,7 +483,7 @@ class StepBins:
         x 8K, seed 1, the rest of the deal as it is: documents of 18,000-36,000 tokens on 3 and 5 ranks left the
         busiest rank at 1.041 x the mean, 1.022 x Megatron's; at their widths up to Megatron's, 1.002 x and
         0.988 x; docs/benchmarks.md, "Your own corpus")."""
-        least, tokens = self._least_keys(s)  # (this piece is no longer to come)
+        least, _, tokens = self._fewest(s)  # (this piece is no longer to come)
         self._spreading = [max(self._spreading[0] - least, 0), max(self._spreading[1] - tokens, 0)]
         fewest = -(-s // self.local)
         if fewest > self.world or s > self.free_tokens:
