@@ -626,16 +626,22 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
     assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
 
 
-def test_the_spread_pieces_table_follows_every_trade_and_move(monkeypatch):
-    """Over random streams, after every close's trades and moves, each spread piece's ranks in the table the trades
-    and moves read are the ranks its placement names (a stale entry would price later trades on ranks the piece
-    left); some closes move pieces."""
+def test_the_step_places_every_spread_piece_where_the_trades_and_moves_put_it(monkeypatch):
+    """Over random streams, after every close's trades and moves, the step's placements are what its bins hold:
+    the same pieces restored into a fresh step give every rank the same load, received keys and room (a trade or
+    move that changed the bins and not the step would emit packs whose owners the deal did not balance, or that
+    overfill a rank); some closes move pieces, and the ranks trades and moves read come from those placements."""
     moves, checked = [], []
     run, move = world_steps._SpreadSwap.run, world_steps._SpreadSwap._move
 
     def checking_run(self, rounds: int = 16) -> None:
         run(self, rounds)
-        for i, (ranks, *_) in self.pieces.items():
+        b = self.bins
+        fresh = StepBins(b.packs, b.world, b.local, b.node_size, b.tile)
+        for _, s, where in self.step:
+            fresh.restore(s, where)
+        checked.append((fresh.load, fresh.recv, fresh.room) == (b.load, b.recv, b.room))
+        for i, ranks in self._ranks().items():
             _, _, (_, first, c) = self.step[i]
             checked.append(ranks == list(owner_ranks(first, c)))
 

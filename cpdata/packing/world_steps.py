@@ -463,12 +463,17 @@ class _SpreadSwap:
     def __init__(self, packer: WorldStepPacker) -> None:
         self.bins, self.step = packer._bins, packer._step
         b = self.bins
-        # per spread piece inside a node: its ranks in role order, and its roles' tokens, tiles and keys
-        self.pieces: dict[int, tuple[list[int], list[int], list[float], list[int]]] = {}
-        for i, (_, s, (_, first, c)) in enumerate(self.step):
+        # per spread piece inside a node (its index in the step): its roles' tokens, tiles and keys. A trade or a
+        # move changes where a piece is, not its width: its ranks are read from the step (:meth:`_ranks`)
+        self.roles: dict[int, tuple[list[int], list[float], list[int]]] = {}
+        for i, (_, s, (_, _, c)) in enumerate(self.step):
             if 2 <= abs(c) <= b.node_size:
                 need, tiles, keys = b.roles(s, abs(c))
-                self.pieces[i] = (list(owner_ranks(first, c)), need.tolist(), tiles.tolist(), keys.tolist())
+                self.roles[i] = (need.tolist(), tiles.tolist(), keys.tolist())
+
+    def _ranks(self) -> dict[int, list[int]]:
+        """Each spread piece's ranks in role order, where the step places it now."""
+        return {i: list(owner_ranks(self.step[i][2][1], self.step[i][2][2])) for i in self.roles}
 
     def run(self, rounds: int = 16) -> None:
         """Trade while the busiest rank stands over the mean and a trade lowers it, at most ``rounds`` times."""
@@ -481,15 +486,17 @@ class _SpreadSwap:
     def _lower(self, h: int) -> bool:
         """Make the best trade of a spread piece rank ``h`` holds part of (the class docstring); False where none
         leaves the ranks it changes under ``h``'s load."""
-        b, step, pieces = self.bins, self.step, self.pieces
+        b, step, roles, ranks = self.bins, self.step, self.roles, self._ranks()
         load, recv, room = b.load, b.recv, b.room
         top, top_recv = load[h], max(recv)
         best: tuple[float, int, int] | None = None
-        for i, (ranks_i, ni, ti, ri) in pieces.items():
+        for i, (ni, ti, ri) in roles.items():
+            ranks_i = ranks[i]
             if h not in ranks_i:
                 continue
             xh, ci, mi = ranks_i.index(h), len(ranks_i), step[i][2][0]
-            for j, (ranks_j, nj, tj, rj) in pieces.items():
+            for j, (nj, tj, rj) in roles.items():
+                ranks_j = ranks[j]
                 if len(ranks_j) != ci or tj[xh] >= ti[xh] or ranks_j == ranks_i:
                     continue
                 # j's window takes i's roles: each of its ranks must stay under the busiest rank
@@ -528,7 +535,6 @@ class _SpreadSwap:
         b.restore(s_i, where_j)
         b.restore(s_j, where_i)
         step[i], step[j] = (key_i, s_i, where_j), (key_j, s_j, where_i)
-        pieces[i], pieces[j] = (pieces[j][0], *pieces[i][1:]), (pieces[i][0], *pieces[j][1:])
         return True
 
     def _move(self, h: int) -> bool:
@@ -539,7 +545,7 @@ class _SpreadSwap:
         b, step = self.bins, self.step
         top, top_recv = b.load[h], max(b.recv)
         best: tuple[float, int, tuple[float, int, int, int]] | None = None
-        for i, (ranks_i, _, _, _) in self.pieces.items():
+        for i, ranks_i in self._ranks().items():
             if h not in ranks_i:
                 continue
             _, s, where = step[i]
@@ -555,5 +561,4 @@ class _SpreadSwap:
         b.take_back_spread(s, where)
         b.restore(s, (k, first, c))
         step[i] = (key, s, (k, first, c))
-        self.pieces[i] = (list(owner_ranks(first, c)), *self.pieces[i][1:])
         return True
