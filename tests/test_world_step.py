@@ -219,14 +219,14 @@ def _over_mean(packs, lengths: np.ndarray) -> float:
     return float(tiles.max() / tiles.mean())
 
 
-@pytest.mark.parametrize("seed", [2, 83])
+@pytest.mark.parametrize("seed", [6, 17])
 def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_closed_step_is_least_busy(
         seed: int, monkeypatch) -> None:  # fmt: skip
     """Closing, the longest waiting piece fills the empty micro-batch; of its widths within ``EMPTY_TRIAL`` of the
     least busiest load, the step keeps the one whose closed step (topped up, settled) has its busiest rank least
     over the mean. Counted from the packs' layouts, each close against the same close on a copy that takes the
     first width (as before the trials): never further over the mean, and less at some close of these
-    streams (at seed 2: 1.100 -> 1.013 x; at seed 83, 1.113 -> 1.043 x)."""
+    streams (at seed 6: 1.099 -> 1.018 x; at seed 17, 1.106 -> 1.020 x)."""
     lengths = _lengths(seed, 240)
     closes, real = [], WorldStepPacker._close
 
@@ -489,12 +489,13 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [1, 44, 46])
+@pytest.mark.parametrize("seed", [125])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
-    pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
-    streams a closed step kept an empty micro-batch beside waiting pieces before (first with the offer
-    made once, as checked here); none does now, and every piece is dealt once."""
+    pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On this
+    stream a closed step keeps an empty micro-batch beside waiting pieces with the offer made once (of seeds
+    0-299 the only one: the close's fill, :meth:`StepBins.fill`, takes the others' empty micro-batches); with it
+    made again, none does, and every piece is dealt once."""
     close, default = WorldStepPacker._close, world_steps.EMPTY_OFFERS
 
     def empties(offers: int) -> tuple[int, list[int]]:
@@ -624,6 +625,167 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
 
     monkeypatch.setattr(world_step.StepBins, "_choose", uncapped)
     assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
+
+
+def test_a_spread_piece_moves_wider_inside_its_node_where_its_width_cannot_lower_its_ranks(monkeypatch):
+    """One micro-batch holds a 3,000-token document on ranks 0-2 (100 tiles a role), the next an 8,000-token one on
+    all 8 ranks (256-260 tiles a role, its first role receiving 7,000 keys): ranks 0-2 stand at 356. On 3 ranks
+    anywhere the document leaves a rank at 356 or more, so moving at its width lowers nothing; wider inside the node
+    (up to twice Megatron's 4 ranks, in the receive-capped cut) it costs 59-65 tiles a role on 6 ranks, and the step
+    closes at 321, no rank receiving past 7,000 keys more than it did. Held to its widths up to Megatron's power of
+    two alone (here patched to none past its fewest), it stays at 356."""
+    placed = [(0, 3000, (0, 0, 3)), (1, 8000, (1, 0, 8))]
+    bins = StepBins(2, 8, 1024, 8, TILE)
+    assert bins.roles(3000, 3)[1].tolist() == [100, 100, 100] and bins.roles(3000, 6)[1].max() == 65
+    assert bins.roles(8000, 8)[2].max() == 7000 and bins.roles(3000, 6)[2].max() == 2248
+    assert _closed_tiles(placed, world=8, local=1024, packs=2) == ([317, 316, 315, 315, 321, 321, 260, 260], [0, 1])
+    monkeypatch.setattr(world_steps, "megatron_width", lambda s, local: -(-s // local) // 2)
+    assert _closed_tiles(placed, world=8, local=1024, packs=2)[0] == [356, 356, 356, 256, 256, 259, 260, 260]
+
+
+def test_a_waiting_spread_piece_fills_the_step_where_it_lowers_the_busiest_rank_over_the_mean():
+    """Ranks 0-2 hold 100 tiles more than the rest (a 3,000-token document on them beside an 8,000-token one on
+    all 8): 1.21 x the mean rank. A waiting 3,000-token document past the level goes where it keeps the busiest at
+    356 with the fewest tiles: on ranks 6 down to 3 of micro-batch 1 (75 tiles a role, 300; on 5 ranks it keeps
+    356 too, at 69-82 a role, 395). On the balanced step (the 8,000-token document alone) it would lift the busiest
+    over the mean: no place is found. Closing, the packer weighs the fill against the close without it, where the
+    held document moves wider (to 6 ranks, 59-65 tiles a role): 1.071 against 1.059 x the mean rank, so the
+    document waits."""
+    bins = StepBins(2, 8, 1024, 8, TILE)
+    bins.restore(8000, (0, 0, 8))
+    assert bins.fill(3000) is None
+    bins.restore(3000, (1, 0, 3))
+    assert max(bins.load) * 8 / sum(bins.load) == pytest.approx(1.207, abs=1e-3)
+    state = (list(bins.load), list(bins.recv), [list(room) for room in bins.room])
+    assert bins.fill(3000) == ((1, 6, -4), []) and (bins.load, bins.recv, bins.room) == state  # (it only chooses)
+    bins.restore(3000, (1, 6, -4))
+    assert bins.load == [356, 356, 356, 331, 331, 334, 335, 260] and max(bins.recv) == 9000
+    packer = WorldStepPacker(8 * 1024, 8, 8, 2, TILE)
+    packer.load_carry([([0, 1], [8000, 3000]), ([2], [3000])], np.array([[0, 0, 8], [1, 0, 3]]))
+    out = packer._close(keep_empty=True)
+    assert out.keys.tolist() == [0, 1] and out.owners.tolist() == [[0, 8], [5, -6]] and packer._waiting == [(2, 3000)]
+
+
+def _cleared_step(short: int, count: int, waiting: list[int]) -> WorldStepPacker:
+    """8 ranks of 1,024 tokens, 2 micro-batches: an 8,000-token document on all 8 in the first, a 3,000-token one
+    on ranks 0-2 in the second, and ``count`` whole documents of ``short`` tokens on each of ranks 3-6 there;
+    ``waiting`` wait."""
+    placed = [(0, 8000, (0, 0, 8)), (1, 3000, (1, 0, 3))]
+    placed += [(2 + n, short, (1, 3 + n // count, 1)) for n in range(4 * count)]
+    packer = WorldStepPacker(8 * 1024, 8, 8, 2, TILE)
+    keys = list(range(50, 50 + len(waiting)))
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed]), (keys, waiting)],
+                      np.array([w for _, _, w in placed]))  # fmt: skip
+    return packer
+
+
+def test_a_waiting_spread_piece_clears_whole_pieces_from_the_room_it_needs_where_the_step_gains():
+    """Ranks 3-6 are full in the second micro-batch (four 256-token documents each), rank 7 empty there; ranks 0-2
+    stand at 356, 1.18 x the mean rank. A waiting 3,000-token document finds room only by clearing the short ones
+    from ranks 3-6 (:meth:`StepBins.fill` names those slots; without them it finds none): on ranks 6 down to 3 it
+    keeps the busiest at 356, the cleared documents that fit go back (rank 7's room, the room it leaves), and the
+    step closes at 1.061 x, holding 16,048 tokens against 15,096. Where clearing would leave the step holding fewer
+    tokens (documents of a whole rank's 1,024 on ranks 3-6, none fits back), the fill is not kept: a dear piece in
+    the place of cheap ones lifts the mean without doing the step's work in fewer passes."""
+    packer = _cleared_step(256, 4, [3000])
+    b = packer._bins
+    assert b.fill(3000) is None and b.free_tokens == 1288
+    assert world_steps._ratio(b.load) == pytest.approx(1.183, abs=1e-3)
+    where, slots = b.fill(3000, packer._whole_slots())
+    assert where == (1, 6, -4) and slots == [(3, 1), (4, 1), (5, 1), (6, 1)]
+    packer._finish(None)
+    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0615, abs=1e-4) and packer._bins.placed == 16_048
+    assert (50, 3000, (1, 6, -4)) in packer._step and len(packer._waiting) == 8  # (8 of 16 short ones back in)
+    packer = _cleared_step(1024, 1, [3000])
+    assert packer._bins.fill(3000, packer._whole_slots()) is not None  # (a place, if slots are cleared)
+    packer._finish(None)
+    assert packer._bins.placed == 15_096 and packer._waiting == [(50, 3000)]
+
+
+def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_receiver(monkeypatch, tmp_path):
+    """Nine 512-token chats to one 24,000-token document, 16 x 8K, seed 1 (the twopoint corpus of
+    docs/benchmarks.md): the level keeps the long documents waiting, and the step closed 1.69 x the mean rank.
+    Filling (clearing chats where a long one needs their room), 1.13 x, its busiest rank under Megatron's and its
+    busiest receiver within Megatron's. Under the deal's receive cap (1.6 x the mean rank's keys) the fill stacked a
+    second long document on the first's ranks: 1.11 x the mean, but twice Megatron's busiest receiver and 1.12 x
+    its busiest rank."""
+    pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+    from cpdata.bench import world
+    from cpdata.bench.corpus import read_corpus
+    from cpdata.layout import world_step
+
+    path = tmp_path / "twopoint.npy"
+    np.save(path, np.where(np.random.default_rng(33).random(60_000) < 0.9, 512, 24_000).astype(np.int64))
+    corpus = read_corpus(str(path))
+
+    def step() -> tuple[float, float, float]:
+        packs, _ = world.step_packs(corpus, 16, 8192, 8, 1)
+        tiles, recv = (np.stack([c[i] for c in world._step(packs, 16, 8192)]).sum(axis=0) for i in (0, 1))
+        theirs, _ = world.megatron_micro_batches(np.concatenate([n for n, _ in packs]).tolist(), 16, 8192, 8)
+        their_tiles, their_recv = (np.stack([c[i] for c in theirs]).sum(axis=0) for i in (0, 1))
+        return (float(tiles.max() / tiles.mean()), float(tiles.max() / their_tiles.max()),
+                float(recv.max() / their_recv.max()))  # fmt: skip
+
+    over, tiles, recv = step()
+    assert over == pytest.approx(1.128, abs=1e-3) and tiles < 1 and recv <= 1
+    monkeypatch.setattr(world_step, "FILL_RECEIVE_CAP", world_step.RECEIVE_CAP)
+    over, tiles, recv = step()
+    assert over == pytest.approx(1.110, abs=1e-3) and tiles > 1.1 and recv == pytest.approx(2.0, abs=1e-3)
+    monkeypatch.setattr(WorldStepPacker, "_fill", lambda self: False)
+    assert step()[0] > 1.69
+
+
+def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
+    """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
+    one that ends less over the mean rank: on stream seed 1 the fill wins, on seed 339 it loses (1.183 against
+    1.174 x; of seeds 0-399, 45, 336 and 339 have closes where it does)."""
+    pairs: list[tuple[float, float]] = []
+    closes: list[tuple[float, list[tuple[float, float]]]] = []
+    keep, finish = WorldStepPacker._keep_filled, WorldStepPacker._finish
+
+    def recording_keep(filled: float, unfilled: float) -> bool:
+        pairs.append((filled, unfilled))
+        return keep(filled, unfilled)
+
+    def recording_finish(self, choice) -> None:
+        pairs.clear()
+        finish(self, choice)
+        closes.append((world_steps._ratio(self._bins.load), list(pairs)))
+
+    monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
+    monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
+    for seed in (1, 339):
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+    filled = [(end, pair[0]) for end, pair in closes if pair]
+    assert all(end == min(pair) for end, pair in filled)
+    assert any(a < b for _, (a, b) in filled) and any(a > b for _, (a, b) in filled)
+
+
+def test_the_close_keeps_a_later_pass_only_where_it_lowers_the_busiest_rank_over_the_mean(monkeypatch):
+    """Over random streams, each later settle-and-trade pass of a close ends the step less over the mean rank than
+    it found it, or is undone: its settle sends pieces back to wait and tops up others, which can lift the ratio
+    (stream seed 138, the only one of seeds 0-399: 1.1819 -> 1.1836). Some passes are kept, and every piece is
+    dealt once."""
+    passes: list[tuple[float, float, bool]] = []
+    kept_if_lower = WorldStepPacker._kept_if_lower
+
+    def recording(self, phase, fewer_tokens: bool = True) -> bool:
+        before = world_steps._ratio(self._bins.load)
+        kept = kept_if_lower(self, phase, fewer_tokens)
+        passes.append((before, world_steps._ratio(self._bins.load), kept))
+        return kept
+
+    monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", recording)
+    for seed in [*range(40), 138]:
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+    assert all(after < before if kept else after == before for before, after, kept in passes)
+    assert any(kept for _, _, kept in passes)
 
 
 def test_the_step_places_every_spread_piece_where_the_trades_and_moves_put_it(monkeypatch):
@@ -904,6 +1066,9 @@ def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> No
     at its mean after one, is the same with any number."""
     from cpdata.bench import world
     from cpdata.packing import world_steps
+
+    monkeypatch.setattr(world_steps, "SWAP_PASSES", 1)  # (later trade passes settle again: the settle's alone here)
+    monkeypatch.setattr(WorldStepPacker, "_fill", lambda self: False)  # (and the fill's settle)
 
     def step(name: str, seed: int, passes: int) -> tuple[int, float, int]:
         monkeypatch.setattr(world_steps, "SETTLE_PASSES", passes)

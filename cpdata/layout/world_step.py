@@ -69,7 +69,8 @@ import numpy as np
 from cpdata.layout.spread import chunk_recv, chunk_tiles, megatron_width, spread_chunks, spread_runs
 from cpdata.layout.world_plan import alone_tiles, chunk_need
 
-__all__ = ["LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "bundle_limits", "owned_runs", "owner_ranks"]
+__all__ = ["FILL_RECEIVE_CAP", "LEVEL", "RECEIVE_CAP", "SLACK", "StepBins", "bundle_limits", "owned_runs",
+           "owner_ranks"]
 
 SLACK = 0.01
 """A whole piece waits for the next step rather than lift its rank more than this fraction past
@@ -94,6 +95,14 @@ wait for the cap alone is tried again against the mean the spread pieces still t
 left holds them (:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x
 4K filled one micro-batch, then every next one would lift a rank to 6,144 keys, past 1.6 x the mean so far (5,222),
 and the step closed 0.18 full at 1.39 x the mean rank; tried again, it fills, its busiest receiver Megatron's."""
+
+FILL_RECEIVE_CAP = 1.25
+"""Closing, a waiting spread piece filling the step (:meth:`StepBins.fill`) lifts no rank's received keys past the
+most of: the step's busiest receiver, its own busiest role's keys, and this many times the mean rank's keys after
+it. At the deal's :data:`RECEIVE_CAP` (1.6), a step of two 24,000-token documents among 512-token chats at 16 x 8K
+stacked the second on the first's ranks: twice Megatron's busiest receiver. Held to the first two alone, a mix of
+chats and ~30K-token documents at 32 x 4K left its steps as they were (1.037 x the mean rank at seed 4; filled
+under this cap, 1.010 x)."""
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -347,6 +356,66 @@ class StepBins:
                           if (best := self._choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
         return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
 
+    def fill(self, s: int, whole: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> tuple[Placement, list[tuple[int, int]]] | None:  # fmt: skip
+        """Where a spread piece of ``s`` tokens, past the level, would leave the step's busiest rank least over the
+        mean rank: ``(placement, cleared)``, the ``(rank, micro-batch)`` slots whose whole pieces must leave first
+        to make its room; None where no place leaves it less over the mean than it stands now. The step is not
+        changed: the caller clears those slots, places the piece (:meth:`restore`) and deals the pieces it cleared
+        again (:mod:`cpdata.packing.world_steps`, which keeps the result only where the step ends less over the
+        mean holding no fewer tokens).
+
+        The places: its widths from its fewest ranks up to Megatron's power of two, past it inside a node as an
+        opening piece may go (:meth:`_spread`); each window, micro-batch and orientation within
+        :data:`FILL_RECEIVE_CAP`, each role taking the room it has or, where that is short, the room of its slot
+        cleared of its whole pieces (``whole``: float64 ``[world, packs]``, their tokens and tiles; None: no slot
+        is cleared), that leave the busiest rank less over the mean (its busiest load or the step's, whichever is
+        more, over the mean with its tiles in and the cleared ones out). Of those, the least busiest load, then the
+        fewest tiles added (its own less the cleared ones); ties as :meth:`_choose`'s (the first width,
+        micro-batch, rank, the orientation of least busiest receiver, THD's). Least over the mean instead, a wider
+        cut's dearer tiles would win where the busiest load is the same: the rows met and the ratios were the same
+        over 400 step rows, the work more (docs/benchmarks.md)."""
+        top, total = self._by_load[-1][0], self._total
+        room, load, recv = self._arrays()
+        tokens, tiles = whole if whole is not None else (np.zeros(room.shape), np.zeros(room.shape))
+        fewest = -(-s // self.local)
+        if total <= 0 or fewest > self.world or s > self.free_tokens + tokens.sum():
+            return None
+        most = min(self.world, megatron_width(s, self.local))
+        widest = most if most >= self.node_size else min(self.node_size, self.world, 2 * most)
+        best: tuple[float, Placement, list[tuple[int, int]]] | None = None
+        for c in range(fewest, widest + 1):
+            cut = _roles(s, c, self.local, self.tile, self.node_size)
+            if cut is None:
+                continue
+            need, added, keys = cut
+            mean = (int(recv.sum()) + int(keys.sum())) / self.world
+            cap = max(int(recv.max()), int(keys.max()), FILL_RECEIVE_CAP * mean)
+            starts, at, roles = _window_index(self.world, self.node_size, c)
+            held = room[at][None]  # [1, windows, c, packs]
+            wants = need[roles][:, None, :, None]  # [2, 1, c, 1]
+            clear = (held < wants) & (held + tokens[at][None] >= wants)  # [2, windows, c, packs]
+            receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, windows]
+            fits = ((held >= wants) | clear).all(2) & (receiver <= cap)[..., None]
+            after = load[at][None, :, :, None] + added[roles][:, None, :, None] - np.where(clear, tiles[at][None], 0)
+            score = np.maximum(after.max(2), top)  # [2, windows, packs]
+            net = int(added.sum()) - np.where(clear, tiles[at][None], 0).sum(2)
+            over = score / (total + net)
+            o, a, k = np.nonzero(fits & (over * total < top))
+            if not o.size:
+                continue
+            i = int(np.lexsort((o, receiver[o, a], a, k, net[o, a, k], score[o, a, k]))[0])
+            o, a, k = int(o[i]), int(a[i]), int(k[i])
+            rank = (float(score[o, a, k]), float(net[o, a, k]))
+            if best is None or rank < best[0]:
+                first = int(starts[a])
+                where = (k, first + c - 1, -c) if o else (k, first, c)
+                slots = [(int(r), k) for r, cut_here in zip(at[a], clear[o, a, :, k], strict=True) if cut_here]
+                best = (rank, where, slots)
+        if best is None:
+            return None
+        return best[1], best[2]
+
     def first_empty(self) -> int | None:
         """The first micro-batch no rank holds anything of; None where none."""
         return next((k for k in range(self.packs) if all(room[k] == self.local for room in self.room)), None)
@@ -433,6 +502,10 @@ class StepBins:
         if cut is None:
             raise ValueError(f"a piece of {s} tokens has no cut over {c} ranks of {self.local} tokens")
         return cut
+
+    def cut(self, s: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """:meth:`roles` of a piece of ``s`` tokens on ``c`` ranks, or None where that width has no cut."""
+        return _roles(s, c, self.local, self.tile, self.node_size)
 
     def take_back_spread(self, s: int, where: Placement) -> None:
         """Remove a piece of ``s`` tokens spread at ``where`` (it leaves the step; :meth:`restore` puts it back).

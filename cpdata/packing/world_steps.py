@@ -11,7 +11,7 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
 
 0. a micro-batch left empty takes the longest waiting piece
    (:meth:`~cpdata.layout.world_step.StepBins.open_empty`); where that piece spreads, each of its widths whose
-   busiest load is within :data:`EMPTY_TRIAL` of the least is closed to the end (phases 1-6) on a copy of the
+   busiest load is within :data:`EMPTY_TRIAL` of the least is closed to the end (phases 1-8) on a copy of the
    step, and the step keeps the one whose busiest rank ends least over the mean: the settle moves whole pieces,
    not spread ones, so the least loaded width before it is not always the least after it (a mix of chats and
    ~30K-token documents at 32 x 4K, seed 1: a 99,215-token document on 30 of 32 ranks left the other two at 0.62
@@ -30,15 +30,28 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    (:data:`SETTLE_PASSES`);
 6. where the settle moved a micro-batch's last pieces away and pieces wait, the empty micro-batch is offered to
    them and steps 1-5 run once more (:data:`EMPTY_OFFERS`);
-7. spread pieces inside a node trade windows (:class:`_SpreadSwap`): the settle moves whole pieces only, and a
+7. fill, where the step stands over the mean (:data:`SPREAD_SWAP_OVER`): waiting spread pieces, longest first
+   (:data:`FILL_TRIES`), go where they leave the busiest rank less over the mean rank, past the level, clearing
+   whole pieces from the room they need (:meth:`~cpdata.layout.world_step.StepBins.fill`,
+   :meth:`WorldStepPacker._fill`): a step opened by a document on every rank, whose next ones of that size wait,
+   otherwise closes with its other micro-batches part empty and its busiest ranks those of the few spread pieces
+   it holds (a mixed corpus at 32 x 4K, seed 4: fill 0.37, 1.037 x the mean rank; filled, 0.83 and 1.010 x);
+   where one is placed, the step closes (phases 1-2, 8) both with and without the fill and keeps the one that ends
+   less over the mean (:meth:`WorldStepPacker._keep_filled`);
+8. spread pieces inside a node trade windows (:class:`_SpreadSwap`): the settle moves whole pieces only, and a
    step whose tokens are mostly documents on 2-4 ranks has few (documents of 1-32K tokens, uniform, at 16 x 8K,
    seed 1: 1.056 x the mean rank; trading windows, 1.030 x), and where no trade lowers the busiest rank, one of
-   its spread pieces moves to a free window of as many ranks (:meth:`_SpreadSwap._move`); then a last top-up.
+   its spread pieces moves to a free window, as many ranks or more inside its node (:meth:`_SpreadSwap._move`);
+   then a top-up; while the busiest rank stands over the mean, the settle, a top-up and the trades run again, up
+   to :data:`SWAP_PASSES` passes in all, each kept only where it ends the step less over the mean
+   (:meth:`WorldStepPacker._kept_if_lower`).
 
-Phases 1-5 and 7 only lower the busiest rank or add tokens under it; phases 0 and 6 add a waiting piece's work
-to a micro-batch that would otherwise run empty. The settle is bounded (:data:`EXCHANGE_PIECES` pieces against
-:data:`EXCHANGE_NEAR` neighbours in length on :data:`EXCHANGE_RANKS` ranks, at most :data:`EXCHANGE_ROUNDS`
-exchanges a rank), and so is the close: at most :data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close.
+Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later
+passes settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a
+micro-batch that would otherwise run empty, and phase 7 to a step it leaves less over its mean. The settle is
+bounded (:data:`EXCHANGE_PIECES` pieces against :data:`EXCHANGE_NEAR` neighbours in length on
+:data:`EXCHANGE_RANKS` ranks, at most :data:`EXCHANGE_ROUNDS` exchanges a rank), and so is the close: at most
+:data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close, phase 7 at most two.
 
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
 the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
@@ -56,6 +69,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from cpdata.layout.spread import megatron_width
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import Placement, StepBins, owner_ranks
 from cpdata.packing.records import PackKeys
@@ -91,6 +105,17 @@ SPREAD_SWAP_OVER = 0.005
 """Closing, spread pieces trade windows (:class:`_SpreadSwap`) while the busiest rank stands more than this
 fraction over the mean."""
 
+SWAP_PASSES = 3
+"""Closing, spread pieces trade windows at most this many times, each time after the first following a settle and a
+top-up, and kept only where it ends the step less over the mean (:meth:`WorldStepPacker._trade`): a trade or move
+that lowers the busiest rank can leave whole pieces the settle then moves (documents of 7,800-8,600 tokens at 32 x
+4K, seed 3: 1.105 x the mean rank after one pass, 1.039 x after three; docs/benchmarks.md, "Your own corpus")."""
+
+FILL_TRIES, FILL_MISSES = 8, 2
+"""Closing, at most this many waiting spread pieces, longest first, are tried in the step's room, and none after
+this many in a row are not kept (:meth:`WorldStepPacker._fill`): each is a placement search over its widths and a
+trial on a copy of the step."""
+
 MANY_ROUNDS = 8
 """Then at most this many exchanges a rank of one dear piece for several cheap ones (of its
 :data:`EXCHANGE_PIECES` dearest, on the :data:`EXCHANGE_RANKS` least loaded ranks)."""
@@ -99,6 +124,12 @@ MANY_ROUNDS = 8
 def _over(load: Sequence[float], fraction: float) -> bool:
     """Whether the busiest of ``load`` stands more than ``fraction`` above their mean."""
     return max(load) > (1 + fraction) * sum(load) / len(load)
+
+
+def _ratio(load: Sequence[float]) -> float:
+    """The busiest of ``load`` over their mean (inf where nothing is loaded)."""
+    total = sum(load)
+    return max(load) * len(load) / total if total > 0 else float("inf")
 
 
 def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -207,9 +238,114 @@ class WorldStepPacker:
                 self._top_up()
             if not self._waiting or self._bins.first_empty() is None:
                 break
-        if _over(self._bins.load, SPREAD_SWAP_OVER):  # (a balanced step pays nothing)
-            _SpreadSwap(self).run()
-            self._top_up()
+        fill = _over(self._bins.load, SPREAD_SWAP_OVER) and any(s > self._bins.local for _, s in self._waiting)
+        unfilled = self._saved() if fill else None  # (a balanced step pays nothing)
+        if unfilled is None or not self._fill():
+            self._trade()
+            return
+        self._top_up()
+        self._settle()
+        self._top_up()
+        self._trade()
+        filled = (_ratio(self._bins.load), self._saved())
+        self._bins, self._step, self._waiting = unfilled
+        self._trade()
+        if self._keep_filled(filled[0], _ratio(self._bins.load)):
+            self._bins, self._step, self._waiting = filled[1]
+
+    @staticmethod
+    def _keep_filled(filled: float, unfilled: float) -> bool:
+        """Whether the close keeps the step its fill (:meth:`_fill`) ended at ``filled`` over the mean rank, against
+        ``unfilled`` without it: where that is less (the settle after the fill can end further over the mean than
+        the step without it: the near2L corpus at 32 x 4K, seed 1, 1.071 -> 1.148 x, docs/benchmarks.md)."""
+        return filled < unfilled
+
+    def _trade(self) -> None:
+        """Spread pieces trade windows and a top-up fills what that freed; again, up to :data:`SWAP_PASSES` times
+        in all, after a settle, where the step stays over the mean and each pass ends it less over the mean (a
+        pass that does not is undone)."""
+        for again in range(SWAP_PASSES):
+            if not _over(self._bins.load, SPREAD_SWAP_OVER):  # (a balanced step pays nothing)
+                break
+            if not again:
+                self._swap()
+            elif not self._kept_if_lower(self._settle_and_swap):
+                break
+
+    def _swap(self) -> None:
+        _SpreadSwap(self).run()
+        self._top_up()
+
+    def _settle_and_swap(self) -> None:
+        self._settle()
+        self._top_up()
+        self._swap()
+
+    def _kept_if_lower(self, phase: Callable[[], None], fewer_tokens: bool = True) -> bool:
+        """Run ``phase`` on the step; undo it (False) where it leaves the busiest rank no less over the mean, or,
+        unless ``fewer_tokens``, the step holding fewer tokens."""
+        ratio, tokens, before = _ratio(self._bins.load), self._bins.placed, self._saved()
+        phase()
+        if _ratio(self._bins.load) < ratio and (fewer_tokens or self._bins.placed >= tokens):
+            return True
+        self._bins, self._step, self._waiting = before
+        return False
+
+    def _fill(self) -> bool:
+        """Waiting spread pieces, longest first (:data:`FILL_TRIES`), go where they leave the step's busiest
+        rank less over its mean (:meth:`StepBins.fill`), clearing whole pieces from the slots they need, which are
+        dealt again where they keep their rank at or under the busiest (:meth:`StepBins.top_up`), else wait; each
+        kept only where the step then stands less over the mean than before it and holds no fewer tokens (a dear
+        piece in the place of cheap ones that wait lifts the mean: the step would do the same work in fewer
+        tokens, its linear layers running more pad). Whether any was."""
+        pending, self._waiting, waiting, tried, missed, placed = self._waiting, [], [], 0, 0, False
+        whole = None  # (the whole pieces' slots, computed again once a fill is kept)
+        for key, s in pending:
+            if s <= self._bins.local or tried == FILL_TRIES or missed == FILL_MISSES:
+                waiting.append((key, s))
+                continue
+            tried += 1
+            whole = self._whole_slots() if whole is None else whole
+            if self._kept_if_lower(lambda key=key, s=s, whole=whole: self._fill_one(key, s, whole), False):
+                whole, placed, missed = None, True, 0
+            else:
+                waiting.append((key, s))
+                missed += 1
+        self._waiting = _longest_first(waiting + self._waiting)
+        return placed
+
+    def _whole_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """float64 ``[world, packs]`` each: the tokens and tiles of the whole pieces on each rank and micro-batch."""
+        b = self._bins
+        tokens, tiles = np.zeros((b.world, b.packs)), np.zeros((b.world, b.packs))
+        where = np.array([w for _, _, w in self._step], dtype=np.int64).reshape(-1, 3)
+        lengths = np.fromiter((s for _, s, _ in self._step), dtype=np.int64, count=len(self._step))
+        one = where[:, 2] == 1
+        blocks = -(-lengths[one] // b.tile)
+        np.add.at(tokens, (where[one, 1], where[one, 0]), lengths[one])
+        np.add.at(tiles, (where[one, 1], where[one, 0]), blocks * (blocks + 1) // 2)  # (alone_tiles of each)
+        return tokens, tiles
+
+    def _fill_one(self, key: int, s: int, whole: tuple[np.ndarray, np.ndarray]) -> None:
+        """Place waiting piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` chose, its slots cleared first
+        (``whole``: :meth:`_whole_slots` of the step as it is); the cleared pieces are offered to
+        :meth:`StepBins.top_up`, the rest wait."""
+        b = self._bins
+        found = b.fill(s, whole)
+        if found is None:
+            return
+        where, slots = found
+        cleared, step, evicted = set(slots), [], []
+        for piece in self._step:
+            _, length, (k, r, c) = piece
+            if c == 1 and (r, k) in cleared:
+                b.take_back(length, piece[2])
+                evicted.append(piece[:2])
+            else:
+                step.append(piece)
+        b.restore(s, where)
+        self._step = [*step, (key, s, where)]
+        self._waiting += self._offer(_longest_first(evicted), b.top_up)
 
     def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
@@ -456,7 +592,8 @@ class _SpreadSwap:
     of as many ranks, the pair whose swapped placements (each takes the other's micro-batch, first rank and
     orientation) leave the busiest of their ranks least, where that is under the busiest rank's load, every
     rank keeps its room and none receives more keys than the step's busiest receiver; where no pair does, one of its
-    pieces moves to a window of as many ranks that does (:meth:`_move`); at most ``rounds`` swaps and moves.
+    pieces moves to a window, of its width or another inside its node, that does (:meth:`_move`); at most
+    ``rounds`` swaps and moves.
     Inside a node no key crosses nodes, so the inter-node keys stay. Trade-off: each swap passes over the step's
     spread pieces once for every piece the busiest rank holds part of (docs/benchmarks.md measures the solve)."""
 
@@ -538,10 +675,14 @@ class _SpreadSwap:
         return True
 
     def _move(self, h: int) -> bool:
-        """Where no trade lowers rank ``h``: move one of the spread pieces it holds part of to the window of as
-        many ranks inside a node (any micro-batch with room, either orientation) that leaves the busiest of its
+        """Where no trade lowers rank ``h``: move one of the spread pieces it holds part of to the window inside a
+        node (any micro-batch with room, either orientation, any width from its fewest ranks up to the node's or
+        twice Megatron's power of two, whichever is fewer: past that power of two in the receive-capped cut, as an
+        opening piece may go, :meth:`~cpdata.layout.world_step.StepBins._spread`) that leaves the busiest of its
         ranks least, where that is under ``h``'s load and no rank receives more keys than the step's busiest
-        receiver; False (nothing changed) where none does."""
+        receiver; False (nothing changed) where none does. A narrower window costs fewer tiles, a wider one fewer
+        a rank (the mixed corpus at 32 x 4K, seed 14: an 11,263-token document on 4 ranks at 979 tiles each beside
+        a 100,472-token one on all 32; on 7, at most 688)."""
         b, step = self.bins, self.step
         top, top_recv = b.load[h], max(b.recv)
         best: tuple[float, int, tuple[float, int, int, int]] | None = None
@@ -549,11 +690,18 @@ class _SpreadSwap:
             if h not in ranks_i:
                 continue
             _, s, where = step[i]
+            widest = min(b.node_size, b.world, 2 * megatron_width(s, b.local))
             b.take_back_spread(s, where)
-            choice = b._choose(s, len(ranks_i), top_recv)
+            arrays = b._arrays()
+            least = np.sort(arrays[1])  # (a window of c ranks holds one loaded at least as the c-th least)
+            for c in range(-(-s // b.local), widest + 1):
+                cut = b.cut(s, c)
+                if cut is None or max(least[c - 1], least[0] + cut[1].max()) >= top:
+                    continue  # (no window of this width can end under ``top``)
+                choice = b._choose(s, c, top_recv, arrays=arrays)
+                if choice is not None and choice[0] < top and (best is None or choice[0] < best[0]):
+                    best = (choice[0], i, choice)
             b.restore(s, where)
-            if choice is not None and choice[0] < top and (best is None or choice[0] < best[0]):
-                best = (choice[0], i, choice)
         if best is None:
             return False
         _, i, (_, k, first, c) = best
@@ -561,4 +709,7 @@ class _SpreadSwap:
         b.take_back_spread(s, where)
         b.restore(s, (k, first, c))
         step[i] = (key, s, (k, first, c))
+        if abs(c) != len(self.roles[i][0]):
+            need, tiles, keys = b.roles(s, abs(c))
+            self.roles[i] = (need.tolist(), tiles.tolist(), keys.tolist())
         return True
