@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 
-from cpdata.layout import spread
+from cpdata.layout import spread, world_step
 from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
@@ -598,10 +598,12 @@ def test_spread_pieces_trade_windows_when_one_window_holds_both_long_ones(monkey
 def test_a_spread_piece_moves_to_a_free_window_where_no_trade_lowers_its_ranks(monkeypatch):
     """Two micro-batches of 4 ranks, a 2,000-token document on ranks 0-1 in each (68 tiles a role), ranks 2-3
     empty: both pieces hold one window, so there is no trade to make; one moves to ranks 2-3 (68 tiles each).
-    Without moves the step closes at 136 on ranks 0-1."""
+    Without moves (nor placing pieces again, :meth:`WorldStepPacker._refill`, which would move it too) the step
+    closes at 136 on ranks 0-1."""
     placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 0, 2))]
     assert _closed_tiles(placed, world=4, local=1024, packs=2) == ([68, 68, 68, 68], [0, 1])
     monkeypatch.setattr(world_steps._SpreadSwap, "_move", lambda self, h: False)
+    monkeypatch.setattr(WorldStepPacker, "_refill", lambda self: None)
     assert _closed_tiles(placed, world=4, local=1024, packs=2)[0] == [136, 136, 0, 0]
 
 
@@ -610,7 +612,6 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
     keys); ranks 2-3 two 1,100-token ones (512 keys a role: 1,024 each) and a 400-token one on rank 2 that leaves
     no room to trade. The third micro-batch is empty, but either orientation there gives rank 2 or 3 1,000 keys
     more, 2,024, past the busiest receiver's 1,500: nothing moves. With the receive check off, the step changes."""
-    from cpdata.layout import world_step
 
     bins = StepBins(3, 4, 1024, 4, TILE)
     assert [role.tolist() for role in bins.roles(2000, 2)][2] == [1000, 500]
@@ -633,13 +634,15 @@ def test_a_spread_piece_moves_wider_inside_its_node_where_its_width_cannot_lower
     anywhere the document leaves a rank at 356 or more, so moving at its width lowers nothing; wider inside the node
     (up to twice Megatron's 4 ranks, in the receive-capped cut) it costs 59-65 tiles a role on 6 ranks, and the step
     closes at 321, no rank receiving past 7,000 keys more than it did. Held to its widths up to Megatron's power of
-    two alone (here patched to none past its fewest), it stays at 356."""
+    two alone (here patched to none past its fewest, for the move and for placing pieces again), it stays at
+    356."""
     placed = [(0, 3000, (0, 0, 3)), (1, 8000, (1, 0, 8))]
     bins = StepBins(2, 8, 1024, 8, TILE)
     assert bins.roles(3000, 3)[1].tolist() == [100, 100, 100] and bins.roles(3000, 6)[1].max() == 65
     assert bins.roles(8000, 8)[2].max() == 7000 and bins.roles(3000, 6)[2].max() == 2248
     assert _closed_tiles(placed, world=8, local=1024, packs=2) == ([317, 316, 315, 315, 321, 321, 260, 260], [0, 1])
     monkeypatch.setattr(world_steps, "megatron_width", lambda s, local: -(-s // local) // 2)
+    monkeypatch.setattr(world_step, "megatron_width", lambda s, local: -(-s // local) // 2)
     assert _closed_tiles(placed, world=8, local=1024, packs=2)[0] == [356, 356, 356, 256, 256, 259, 260, 260]
 
 
@@ -712,7 +715,6 @@ def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
     from cpdata.bench import world
     from cpdata.bench.corpus import read_corpus
-    from cpdata.layout import world_step
 
     path = tmp_path / "twopoint.npy"
     np.save(path, np.where(np.random.default_rng(33).random(60_000) < 0.9, 512, 24_000).astype(np.int64))
@@ -732,7 +734,59 @@ def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_
     over, tiles, recv = step()
     assert over == pytest.approx(1.110, abs=1e-3) and tiles > 1.1 and recv == pytest.approx(2.0, abs=1e-3)
     monkeypatch.setattr(WorldStepPacker, "_fill", lambda self: False)
+    monkeypatch.setattr(WorldStepPacker, "_refill", lambda self: None)  # (which places waiting pieces' room too)
     assert step()[0] > 1.69
+
+
+def _full_step() -> WorldStepPacker:
+    """8 ranks of 1,024 tokens, 2 micro-batches, every rank full: a 6,000-token document on ranks 0-5 and two
+    500-token ones on each of ranks 6-7 in the first; a 2,000-token document on ranks 0-1 (68 tiles a role) and two
+    500-token ones on each of ranks 2-7 in the second. Ranks 0-1 stand at 252-260 tiles, ranks 6-7 at 40."""
+    placed = [(0, 6000, (0, 0, 6)), (1, 2000, (1, 0, 2))]
+    shorts = [(k, r) for k, ranks in ((0, (6, 7)), (1, (2, 3, 4, 5, 6, 7))) for r in ranks for _ in range(2)]
+    placed += [(2 + n, 500, (k, r, 1)) for n, (k, r) in enumerate(shorts)]
+    packer = WorldStepPacker(8 * 1024, 8, 8, 2, TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    return packer
+
+
+def test_a_spread_piece_of_the_busiest_rank_is_placed_again_where_whole_pieces_leave_it_room(monkeypatch):
+    """Every rank of the step is full, so no trade or move can take the 2,000-token document off ranks 0-1 (1.44 x
+    the mean rank after the rest of the close). Taken back and placed again as the fill places (clearing the short
+    documents of ranks 6-7's first micro-batch, which go where it was), it lands on ranks 6-7: 1.19 x, every token
+    still in the step. Without that phase the step stays at 1.44 x."""
+    packer = _full_step()
+    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.461, abs=1e-3) and packer._bins.placed == 16_000
+    packer._finish(None)
+    assert (1, 2000, (0, 6, 2)) in packer._step and packer._waiting == [] and packer._bins.placed == 16_000
+    assert packer._bins.load == [208, 208, 208, 208, 204, 212, 88, 88]
+    monkeypatch.setattr(WorldStepPacker, "_refill", lambda self: None)
+    packer = _full_step()
+    packer._finish(None)
+    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.438, abs=1e-3)
+    assert (1, 2000, (1, 0, 2)) in packer._step
+
+
+def test_placing_spread_pieces_again_never_lifts_the_busiest_rank(monkeypatch):
+    """Over random streams, each close's placing again of the busiest rank's spread pieces leaves the busiest load no
+    higher, and lowers it at some closes. A piece goes again only under the busiest load it left (held instead to
+    less over the mean than the step without it, the busiest rose at closes of streams 1, 3 and 6: a wider cut's
+    dearer tiles lift the mean)."""
+    closes: list[tuple[float, float]] = []
+    refill = WorldStepPacker._refill
+
+    def recording(self) -> None:
+        before = max(self._bins.load)
+        refill(self)
+        closes.append((before, max(self._bins.load)))
+
+    monkeypatch.setattr(WorldStepPacker, "_refill", recording)
+    for seed in range(25):
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+    assert all(after <= before for before, after in closes) and any(after < before for before, after in closes)
 
 
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
@@ -954,7 +1008,6 @@ def test_the_receive_cap_picks_the_window_and_orientation_that_keep_the_busiest_
     mirrored rank 2 takes the first role (1,024) and rank 1 the second (1,024). Without the cap, the ties place
     it on 0-1, mirrored: of the tied placements there the busiest receiver after it is least (1,536; THD's order
     2,048)."""
-    from cpdata.layout import world_step
 
     bins = StepBins(2, 8, 1024, 8, TILE)
     for r in range(3, 8):
@@ -972,7 +1025,6 @@ def test_a_later_spread_piece_waits_rather_than_pass_the_receive_cap(monkeypatch
     """With the cap at the busiest receiver so far and the piece's first role (RECEIVE_CAP 0): a second
     2,048-token piece on 2 ranks would lift one rank to 1,536 keys past 1,024 either way: it waits, nothing
     changes; the step's first piece, which cannot wait, is placed."""
-    from cpdata.layout import world_step
 
     monkeypatch.setattr(world_step, "RECEIVE_CAP", 0.0)
     bins = StepBins(2, 2, 1024, 2, TILE)
@@ -1008,7 +1060,6 @@ def test_the_receive_caps_second_try_counts_only_the_pieces_the_room_left_holds(
     x the mean: a second piece lifts a rank to 1,536 keys, past 0.8 x 3,072 / 2 = 1,229. Tried again with the
     pieces to come, only those the room left after it holds count: with 2 micro-batches none (still 1,229: it
     waits), with 3 one (0.8 x 4,608 / 2 = 1,843: placed). Counting all 98 would place it in both."""
-    from cpdata.layout import world_step
 
     monkeypatch.setattr(world_step, "RECEIVE_CAP", 0.8)
     bins = StepBins(packs, 2, 1024, 2, TILE)
@@ -1163,7 +1214,6 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     """On a node of 32 ranks, a 3,900-token document (Megatron's 4 ranks of 1,024) that no width brings within the
     level takes the width of least busiest load among 4..8: on 5-8 its busiest role costs less than on 4, and
     wider widths are not tried (each costs a cut; past about 4^2 ranks none could help)."""
-    from cpdata.layout import world_step
 
     tried = []
     choose = StepBins._choose

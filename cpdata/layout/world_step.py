@@ -356,11 +356,13 @@ class StepBins:
                           if (best := self._choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
         return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
 
-    def fill(self, s: int, whole: tuple[np.ndarray, np.ndarray] | None = None
+    def fill(self, s: int, whole: tuple[np.ndarray, np.ndarray] | None = None, below: float | None = None
              ) -> tuple[Placement, list[tuple[int, int]]] | None:  # fmt: skip
         """Where a spread piece of ``s`` tokens, past the level, would leave the step's busiest rank least over the
         mean rank: ``(placement, cleared)``, the ``(rank, micro-batch)`` slots whose whole pieces must leave first
-        to make its room; None where no place leaves it less over the mean than it stands now. The step is not
+        to make its room; None where no place leaves it less over the mean than it stands now (or, where ``below``
+        is given, its busiest load under ``below``, inside one node: a piece taken back to be placed again, whose
+        keys must not cross nodes where they did not). The step is not
         changed: the caller clears those slots, places the piece (:meth:`restore`) and deals the pieces it cleared
         again (:mod:`cpdata.packing.world_steps`, which keeps the result only where the step ends less over the
         mean holding no fewer tokens).
@@ -383,6 +385,7 @@ class StepBins:
             return None
         most = min(self.world, megatron_width(s, self.local))
         widest = most if most >= self.node_size else min(self.node_size, self.world, 2 * most)
+        widest = widest if below is None else min(widest, self.node_size)  # (placed again: inside a node)
         best: tuple[float, Placement, list[tuple[int, int]]] | None = None
         for c in range(fewest, widest + 1):
             cut = _roles(s, c, self.local, self.tile, self.node_size)
@@ -401,7 +404,7 @@ class StepBins:
             score = np.maximum(after.max(2), top)  # [2, windows, packs]
             net = int(added.sum()) - np.where(clear, tiles[at][None], 0).sum(2)
             over = score / (total + net)
-            o, a, k = np.nonzero(fits & (over * total < top))
+            o, a, k = np.nonzero(fits & (over * total < top if below is None else score < below))
             if not o.size:
                 continue
             i = int(np.lexsort((o, receiver[o, a], a, k, net[o, a, k], score[o, a, k]))[0])

@@ -44,7 +44,10 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    its spread pieces moves to a free window, as many ranks or more inside its node (:meth:`_SpreadSwap._move`);
    then a top-up; while the busiest rank stands over the mean, the settle, a top-up and the trades run again, up
    to :data:`SWAP_PASSES` passes in all, each kept only where it ends the step less over the mean
-   (:meth:`WorldStepPacker._kept_if_lower`).
+   (:meth:`WorldStepPacker._kept_if_lower`); last, a spread piece of the busiest rank is taken back and placed
+   again as the fill places, clearing whole pieces from its room, under the busiest load
+   (:meth:`WorldStepPacker._refill`: a move finds no room where short pieces fill every micro-batch of the light
+   ranks), up to :data:`REFILL_ROUNDS` times.
 
 Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later
 passes settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a
@@ -110,6 +113,9 @@ SWAP_PASSES = 3
 top-up, and kept only where it ends the step less over the mean (:meth:`WorldStepPacker._trade`): a trade or move
 that lowers the busiest rank can leave whole pieces the settle then moves (documents of 7,800-8,600 tokens at 32 x
 4K, seed 3: 1.105 x the mean rank after one pass, 1.039 x after three; docs/benchmarks.md, "Your own corpus")."""
+
+REFILL_ROUNDS = 4
+"""Closing, at most this many spread pieces of the busiest rank are placed again (:meth:`WorldStepPacker._refill`)."""
 
 FILL_TRIES, FILL_MISSES = 8, 2
 """Closing, at most this many waiting spread pieces, longest first, are tried in the step's room, and none after
@@ -271,6 +277,46 @@ class WorldStepPacker:
                 self._swap()
             elif not self._kept_if_lower(self._settle_and_swap):
                 break
+        self._refill()
+
+    def _refill(self) -> None:
+        """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
+        the spread pieces inside a node the busiest rank holds part of, longest first, the first that, taken back
+        and placed inside a node (its keys cross no node: placed again across nodes, a piece lifted the step's
+        busiest inter-node receiver past Megatron's, the exponential corpus at 32 x 4K, seed 4, 1.03 x) where
+        :meth:`StepBins.fill` chooses (clearing whole pieces from the room it needs, as the fill does:
+        a move, :meth:`_SpreadSwap._move`, finds no room where whole pieces fill every micro-batch of the light
+        ranks) under the busiest rank's load, leaves the step less over the mean and its tokens no fewer (its busiest
+        load is the step's time: held only to less over the mean, a wider cut's dearer tiles would pass for a gain,
+        and the busiest rank could rise)."""
+        for _ in range(REFILL_ROUNDS):
+            load = self._bins.load
+            if not _over(load, SPREAD_SWAP_OVER):
+                return
+            h = max(range(len(load)), key=lambda r: (load[r], -r))
+            held = sorted(((s, key, where) for key, s, where in self._step
+                           if 1 < abs(where[2]) <= self.node_size and h in owner_ranks(where[1], where[2])),
+                          reverse=True)  # fmt: skip
+            whole, b, top = self._whole_slots(), self._bins, max(load)  # (a spread piece taken back leaves them)
+            for s, key, where in held:
+                b.take_back_spread(s, where)
+                found = b.fill(s, whole, top)  # (a look first: the trial below copies the step)
+                b.restore(s, where)
+                if found is not None and self._kept_if_lower(lambda p=(s, key, where): self._refill_one(*p, whole),
+                                                             False):  # fmt: skip
+                    break
+            else:
+                return
+
+    def _refill_one(self, s: int, key: int, where: Placement, whole: tuple[np.ndarray, np.ndarray]) -> None:
+        """Take spread piece ``key`` of ``s`` tokens back from ``where`` and place it again (:meth:`_fill_one`;
+        ``whole``: :meth:`_whole_slots`), its busiest load under the step's busiest rank as it stood with it; else
+        it waits."""
+        top = max(self._bins.load)
+        self._step.remove((key, s, where))
+        self._bins.take_back_spread(s, where)
+        if not self._fill_one(key, s, whole, top):
+            self._waiting.append((key, s))
 
     def _swap(self) -> None:
         _SpreadSwap(self).run()
@@ -326,14 +372,15 @@ class WorldStepPacker:
         np.add.at(tiles, (where[one, 1], where[one, 0]), blocks * (blocks + 1) // 2)  # (alone_tiles of each)
         return tokens, tiles
 
-    def _fill_one(self, key: int, s: int, whole: tuple[np.ndarray, np.ndarray]) -> None:
-        """Place waiting piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` chose, its slots cleared first
-        (``whole``: :meth:`_whole_slots` of the step as it is); the cleared pieces are offered to
-        :meth:`StepBins.top_up`, the rest wait."""
+    def _fill_one(self, key: int, s: int, whole: tuple[np.ndarray, np.ndarray], below: float | None = None
+                  ) -> bool:  # fmt: skip
+        """Place waiting piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` chose (``below``: its bar), its
+        slots cleared first (``whole``: :meth:`_whole_slots` of the step as it is); the cleared pieces are offered
+        to :meth:`StepBins.top_up`, the rest wait. Whether it was placed."""
         b = self._bins
-        found = b.fill(s, whole)
+        found = b.fill(s, whole, below)
         if found is None:
-            return
+            return False
         where, slots = found
         cleared, step, evicted = set(slots), [], []
         for piece in self._step:
@@ -346,6 +393,7 @@ class WorldStepPacker:
         b.restore(s, where)
         self._step = [*step, (key, s, where)]
         self._waiting += self._offer(_longest_first(evicted), b.top_up)
+        return True
 
     def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
