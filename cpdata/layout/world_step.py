@@ -358,14 +358,14 @@ class StepBins:
 
     def fill(self, s: int, whole: tuple[np.ndarray, np.ndarray] | None = None, below: float | None = None
              ) -> tuple[Placement, list[tuple[int, int]]] | None:  # fmt: skip
-        """Where a spread piece of ``s`` tokens, past the level, would leave the step's busiest rank least over the
-        mean rank: ``(placement, cleared)``, the ``(rank, micro-batch)`` slots whose whole pieces must leave first
-        to make its room; None where no place leaves it less over the mean than it stands now (or, where ``below``
-        is given, its busiest load under ``below``, inside one node: a piece taken back to be placed again, whose
-        keys must not cross nodes where they did not). The step is not
-        changed: the caller clears those slots, places the piece (:meth:`restore`) and deals the pieces it cleared
-        again (:mod:`cpdata.packing.world_steps`, which keeps the result only where the step ends less over the
-        mean holding no fewer tokens).
+        """Where a spread piece of ``s`` tokens goes, past the level, to fill the step: ``(placement, cleared)``,
+        ``cleared`` the ``(rank, micro-batch)`` slots whose whole pieces must leave first to make its room; None
+        where no place leaves the step's busiest rank less over the mean rank than it stands now (or, where
+        ``below`` is given, no place inside one node keeps its busiest load under ``below``: a piece taken back to
+        be placed again, whose keys must not cross nodes where they did not). The step is not changed: the caller
+        clears those slots, places the piece (:meth:`restore`) and deals the pieces it cleared again
+        (:mod:`cpdata.packing.world_steps`, which keeps the result only where the step ends less over the mean
+        holding no fewer tokens).
 
         The places: its widths from its fewest ranks up to Megatron's power of two, past it inside a node as an
         opening piece may go (:meth:`_spread`); each window, micro-batch and orientation within
@@ -386,7 +386,7 @@ class StepBins:
         most = min(self.world, megatron_width(s, self.local))
         widest = most if most >= self.node_size else min(self.node_size, self.world, 2 * most)
         widest = widest if below is None else min(widest, self.node_size)  # (placed again: inside a node)
-        best: tuple[float, Placement, list[tuple[int, int]]] | None = None
+        best: tuple[tuple[float, float], Placement, list[tuple[int, int]]] | None = None
         for c in range(fewest, widest + 1):
             cut = _roles(s, c, self.local, self.tile, self.node_size)
             if cut is None:
@@ -403,7 +403,7 @@ class StepBins:
             after = load[at][None, :, :, None] + added[roles][:, None, :, None] - np.where(clear, tiles[at][None], 0)
             score = np.maximum(after.max(2), top)  # [2, windows, packs]
             net = int(added.sum()) - np.where(clear, tiles[at][None], 0).sum(2)
-            over = score / (total + net)
+            over = score / np.maximum(total + net, 1e-9)  # (cleared tiles past the rest: no division by zero)
             o, a, k = np.nonzero(fits & (over * total < top if below is None else score < below))
             if not o.size:
                 continue
