@@ -66,6 +66,7 @@ waiting pieces: a resume deals the same steps.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import operator
 from collections.abc import Callable, Sequence
@@ -302,8 +303,8 @@ class WorldStepPacker:
                 b.take_back_spread(s, where)
                 found = b.fill(s, whole, top)  # (a look first: the trial below copies the step)
                 b.restore(s, where)
-                if found is not None and self._kept_if_lower(lambda p=(s, key, where): self._refill_one(*p, whole),
-                                                             False):  # fmt: skip
+                phase = functools.partial(self._refill_one, s, key, where, whole)
+                if found is not None and self._kept_if_lower(phase, False):
                     break
             else:
                 return
