@@ -789,6 +789,41 @@ def test_placing_spread_pieces_again_never_lifts_the_busiest_rank(monkeypatch):
     assert all(after <= before for before, after in closes) and any(after < before for before, after in closes)
 
 
+def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeypatch):
+    """A trial not kept puts back a copy of the step; each later look of the same round (:meth:`StepBins.fill`)
+    must read that copy, not the bins the trial changed. Over random streams, every look during a close's placing
+    again is made on the packer's own bins, and some rounds try more than one piece."""
+    looks: list[bool] = []
+    tries: list[int] = []
+    current: list[WorldStepPacker] = []
+    refill, fill, kept_if_lower = WorldStepPacker._refill, StepBins.fill, WorldStepPacker._kept_if_lower
+
+    def recording_refill(self) -> None:
+        current.append(self)
+        refill(self)
+        current.pop()
+
+    def recording_fill(self, *args, **kwargs):
+        if current:
+            looks.append(self is current[-1]._bins)
+        return fill(self, *args, **kwargs)
+
+    def counting(self, phase, fewer_tokens: bool = True) -> bool:
+        if current:
+            tries.append(1)
+        return kept_if_lower(self, phase, fewer_tokens)
+
+    monkeypatch.setattr(WorldStepPacker, "_refill", recording_refill)
+    monkeypatch.setattr(StepBins, "fill", recording_fill)
+    monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", counting)
+    for seed in range(25):
+        lengths = _lengths(seed, 240)
+        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
+        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
+        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+    assert looks and all(looks) and len(tries) > 1
+
+
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
     """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
     one that ends less over the mean rank: on stream seed 1 the fill wins, on seed 339 it loses (1.183 against

@@ -298,8 +298,9 @@ class WorldStepPacker:
             held = sorted(((s, key, where) for key, s, where in self._step
                            if 1 < abs(where[2]) <= self.node_size and h in owner_ranks(where[1], where[2])),
                           reverse=True)  # fmt: skip
-            whole, b, top = self._whole_slots(), self._bins, max(load)  # (a spread piece taken back leaves them)
+            whole, top = self._whole_slots(), max(load)  # (a spread piece taken back leaves them)
             for s, key, where in held:
+                b = self._bins  # (a trial not kept puts back a copy)
                 b.take_back_spread(s, where)
                 found = b.fill(s, whole, top)  # (a look first: the trial below copies the step)
                 b.restore(s, where)
