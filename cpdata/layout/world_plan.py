@@ -60,8 +60,9 @@ def thd_runs(s: int, c: int) -> list[tuple[int, int, int]]:
     return chunk_runs(thd_chunks(s, c))
 
 
-def alone_tiles(length: int, tile: int) -> int:
-    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2``."""
+def alone_tiles(length: int | np.ndarray, tile: int) -> int | np.ndarray:
+    """Live tiles of one causal document of ``length`` tokens tiled by itself: ``nb (nb + 1) / 2`` (of each, where
+    ``length`` is an int64 array)."""
     nb = -(-length // tile)
     return nb * (nb + 1) // 2
 

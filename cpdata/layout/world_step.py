@@ -181,8 +181,7 @@ class StepBins:
                 spread[i] += value
         self._spreading = [spread[0], spread[2]]
         whole = lengths[lengths <= self.local]
-        blocks = -(-whole // self.tile)  # (alone_tiles of each, at once)
-        added, tokens = int((blocks * (blocks + 1) // 2).sum()), int(whole.sum())
+        added, tokens = int(alone_tiles(whole, self.tile).sum()), int(whole.sum())  # (each, at once)
         if not tokens and len(pieces):  # only pieces longer than a rank to come: they set the level
             self._coming = [0.0, 0, spread[1] / sum(pieces)]
         else:

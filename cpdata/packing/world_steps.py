@@ -302,23 +302,21 @@ class WorldStepPacker:
             for s, key, where in held:
                 b = self._bins  # (a trial not kept puts back a copy)
                 b.take_back_spread(s, where)
-                found = b.fill(s, whole, top)  # (a look first: the trial below copies the step)
+                found = b.fill(s, whole, top)  # (its busiest load under the busiest rank as it stood with it)
                 b.restore(s, where)
-                phase = functools.partial(self._refill_one, s, key, where, whole)
-                if found is not None and self._kept_if_lower(phase, False):
+                phase = functools.partial(self._refill_one, s, key, where, found)
+                if found is not None and self._kept_if_lower(phase, False):  # (a look first: the trial copies)
                     break
             else:
                 return
 
-    def _refill_one(self, s: int, key: int, where: Placement, whole: tuple[np.ndarray, np.ndarray]) -> None:
-        """Take spread piece ``key`` of ``s`` tokens back from ``where`` and place it again (:meth:`_fill_one`;
-        ``whole``: :meth:`_whole_slots`), its busiest load under the step's busiest rank as it stood with it; else
-        it waits."""
-        top = max(self._bins.load)
+    def _refill_one(self, s: int, key: int, where: Placement, found: tuple[Placement, list[tuple[int, int]]]
+                    ) -> None:  # fmt: skip
+        """Take spread piece ``key`` of ``s`` tokens back from ``where`` and place it again where
+        :meth:`StepBins.fill` found (:meth:`_fill_one`)."""
         self._step.remove((key, s, where))
         self._bins.take_back_spread(s, where)
-        if not self._fill_one(key, s, whole, top):
-            self._waiting.append((key, s))
+        self._fill_one(key, s, found)
 
     def _swap(self) -> None:
         _SpreadSwap(self).run()
@@ -354,7 +352,8 @@ class WorldStepPacker:
                 continue
             tried += 1
             whole = self._whole_slots() if whole is None else whole
-            if self._kept_if_lower(lambda key=key, s=s, whole=whole: self._fill_one(key, s, whole), False):
+            found = self._bins.fill(s, whole)  # (a look first: the trial copies the step)
+            if found is not None and self._kept_if_lower(functools.partial(self._fill_one, key, s, found), False):
                 whole, placed, missed = None, True, 0
             else:
                 waiting.append((key, s))
@@ -369,20 +368,15 @@ class WorldStepPacker:
         where = np.array([w for _, _, w in self._step], dtype=np.int64).reshape(-1, 3)
         lengths = np.fromiter((s for _, s, _ in self._step), dtype=np.int64, count=len(self._step))
         one = where[:, 2] == 1
-        blocks = -(-lengths[one] // b.tile)
         np.add.at(tokens, (where[one, 1], where[one, 0]), lengths[one])
-        np.add.at(tiles, (where[one, 1], where[one, 0]), blocks * (blocks + 1) // 2)  # (alone_tiles of each)
+        np.add.at(tiles, (where[one, 1], where[one, 0]), alone_tiles(lengths[one], b.tile))  # (each, at once)
         return tokens, tiles
 
-    def _fill_one(self, key: int, s: int, whole: tuple[np.ndarray, np.ndarray], below: float | None = None
-                  ) -> bool:  # fmt: skip
-        """Place waiting piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` chose (``below``: its bar), its
-        slots cleared first (``whole``: :meth:`_whole_slots` of the step as it is); the cleared pieces are offered
-        to :meth:`StepBins.top_up`, the rest wait. Whether it was placed."""
+    def _fill_one(self, key: int, s: int, found: tuple[Placement, list[tuple[int, int]]]) -> None:
+        """Place piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` found, on this step as it was then: the
+        whole pieces of the slots it names leave first and are offered to :meth:`StepBins.top_up`; the rest
+        wait."""
         b = self._bins
-        found = b.fill(s, whole, below)
-        if found is None:
-            return False
         where, slots = found
         cleared, step, evicted = set(slots), [], []
         for piece in self._step:
@@ -395,7 +389,6 @@ class WorldStepPacker:
         b.restore(s, where)
         self._step = [*step, (key, s, where)]
         self._waiting += self._offer(_longest_first(evicted), b.top_up)
-        return True
 
     def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
