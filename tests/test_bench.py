@@ -18,6 +18,7 @@ from cpdata.bench import runner
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_shard, te_thd_partitioned_indices
 from cpdata.bench.packing_quality import lower_bound_bins, split_lower_bound_bins
 from cpdata.bench.report import render_markdown
+from cpdata.bench.timing import paired_ratio
 from cpdata.cli import main
 from cpdata.layout.maps import rank_indices, thd_slot_lens
 
@@ -64,12 +65,24 @@ def test_worker_and_memcpy_rates_are_positive(results):
         assert 0 < r["tokens_per_s"] < r["memcpy_tokens_per_s"], r  # memcpy is the ceiling
         assert r["fraction_of_memcpy"] == pytest.approx(r["tokens_per_s"] / r["memcpy_tokens_per_s"])
         assert r["cpdata_us_per_pack"] > 0 and r["anchor_host_us"] > 0
-        # the paired ratio and the ratio of the medians estimate the same thing
-        assert r["ratio"] == pytest.approx(r["cpdata_us_per_pack"] / r["anchor_host_us"], rel=0.5), r
+        assert r["ratio"] > 0  # (paired round by round: test_the_paired_ratio_divides_out_a_change_of_load)
         assert r["ns_per_pack_token"] * r["capacity"] == pytest.approx(r["cpdata_us_per_pack"] * 1e3, rel=0.05)
     assert {r["cp_size"] for r in results["worker"]} == {2, 4, 8}
     names = {t["target"] for t in results["targets"]}
     assert {"worker vs in-step", "worker per token", "one storage", "handoff cost"} <= names
+
+
+def test_the_paired_ratio_divides_out_a_change_of_load() -> None:
+    """Round by round: where load comes and goes, the rounds it spares give the true 0.5 and so does the median of
+    the rounds' ratios, where the ratio of the two sides' medians says 0.125; unequal rounds and a time of zero are
+    refused with the values."""
+    ours, theirs = [1.0, 1.0, 4.0], [2.0, 8.0, 8.0]  # (round 2: the load arrived between our run and theirs)
+    assert paired_ratio([1.0, 4.0, 2.0], [2.0, 8.0, 4.0]) == 0.5
+    assert paired_ratio(ours, theirs) == 0.5 and np.median(ours) / np.median(theirs) == 0.125
+    with pytest.raises(ValueError, match="as many times on each side, at least one: got 2 and 1"):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="not positive: 0.0 s"):
+        paired_ratio([0.0, 1.0], [1.0, 1.0])
 
 
 def test_handoff_receives_one_storage_against_a_dict_of_many(results):

@@ -16,7 +16,7 @@ import torch
 
 from cpdata.errors import check_int
 
-__all__ = ["alternating_medians", "bench_device", "describe_machine"]
+__all__ = ["alternating_medians", "bench_device", "describe_machine", "paired_ratio"]
 
 
 def bench_device() -> torch.device:
@@ -42,6 +42,19 @@ def alternating_medians(fns, *, repeats: int, warmup: int = 2,
             if round_ >= warmup:
                 out.append(time.perf_counter_ns() - t0)
     return [statistics.median(s) / 1e9 for s in samples]
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of ``ours[i] / theirs[i]``, round by round (seconds of two sides timed alternately): a change of
+    load between rounds divides out, where the ratio of the two medians would carry it (on a loaded 2-core
+    machine the two differed by up to half). ``ValueError`` where the rounds differ in number or a time is not
+    positive."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired rounds need as many times on each side, at least one: got {len(ours)} and "
+                         f"{len(theirs)}")  # fmt: skip
+    if min(ours) <= 0 or min(theirs) <= 0:
+        raise ValueError(f"a round's time is not positive: {min(ours)} s and {min(theirs)} s at least")
+    return float(statistics.median(a / b for a, b in zip(ours, theirs, strict=True)))
 
 
 def _cpu_model() -> str:

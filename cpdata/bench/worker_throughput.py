@@ -19,7 +19,7 @@ import torch
 
 from cpdata.bench.anchors import ANCHOR_LAYOUTS, anchor_collate, anchor_shard
 from cpdata.bench.distributions import sample, split_graph, token_documents
-from cpdata.bench.timing import alternating_medians
+from cpdata.bench.timing import alternating_medians, paired_ratio
 
 __all__ = ["COLUMNS", "TABLE", "run", "worker_ratio"]
 
@@ -103,7 +103,7 @@ def _one(capacity: int, cp_size: int, layout: str, packs: int, repeats: int) -> 
         anchor()
         anchor_s.append(time.perf_counter() - t0)
     seconds = float(np.median([r[0] for r in runs]))
-    ratio = float(np.median([r[0] / a for r, a in zip(runs, anchor_s, strict=True)]))  # paired, round by round
+    ratio = paired_ratio([r[0] for r in runs], anchor_s)
     _, out_bytes, tokens, layout_bytes = runs[0]
     n_packs = len(out_bytes)
     copy_s = _memcpy_seconds(out_bytes, repeats=max(3, repeats))
