@@ -89,18 +89,39 @@ def test_aligned_cuts_lower_thds_busiest_role_on_most_widths() -> None:
 
 
 def test_the_web_document_wider_than_megatron_receives_no_more_than_its_first_role_and_costs_less() -> None:
-    """On 5-8 ranks of 8K: no rank receives more than THD's first role on Megatron's 4 (23,600 keys), none holds
-    more than 8K, and the busiest costs less than THD's 7,718 on 4 (4,824 on 8)."""
+    """On 5-7 ranks of 8K: no rank receives more than THD's first role on Megatron's 4 (23,600 keys), none holds
+    more than 8K, every rank holds a token, and the busiest costs less than THD's 7,718 on 4 (4,824 on 7: the cut
+    bisected on 8, whose last role holds nothing, less that role). 8 ranks have no cut."""
     cap = thd_recv(WEB, 4)[0]
     assert cap == 23_600 and max(thd_tiles(WEB, 4, TILE)) == 7_718
     most = []
-    for c in range(5, 9):
+    for c in range(5, 8):
         chunk = spread.spread_chunks(WEB, c, 8192, NODE)
         assert chunk is not None and len(chunk) == 2 * c and sum(chunk) == WEB and min(chunk) >= 0
         assert max(spread.chunk_recv(chunk)) <= cap < max(thd_recv(WEB, c))  # (THD itself would pass the cap)
-        assert max(chunk_need(chunk)) <= 8192
+        assert max(chunk_need(chunk)) <= 8192 and min(chunk_need(chunk)) > 0
         most.append(max(spread.chunk_tiles(chunk, TILE)))
-    assert most == [6_382, 5_327, 4_909, 4_824]  # (the busiest role: fewer tiles with every rank added)
+    assert most == [6_382, 5_327, 4_824]  # (the busiest role: fewer tiles with every rank added)
+    assert spread.spread_chunks(WEB, 8, 8192, NODE) is None
+
+
+def test_a_cut_whose_last_role_holds_nothing_is_the_cut_of_one_rank_fewer() -> None:
+    """Bisected on 8 ranks of 1,024, 2,800 tokens leave the last role nothing: 8 ranks have no cut, and 7 take
+    that cut less its empty role where it costs fewer tiles than their own (here it does not), so no owners name
+    a rank that holds nothing; bisected on 8 ranks of 8K, the web document's cut less its last role is the 7
+    ranks' cut, chunk for chunk, with the same tiles and keys a role."""
+    assert spread.spread_chunks(2_800, 8, 1024, NODE) is None
+    seven = spread.spread_chunks(2_800, 7, 1024, NODE)
+    assert seven is not None and min(chunk_need(seven)) > 0 and sum(seven) == 2_800
+    cap = thd_recv(WEB, 4)[0]
+    eight = spread._capped(WEB, 8, cap, 8192)
+    assert eight is not None and eight[7] == eight[8] == 0 and min(chunk_need(eight)[:7]) > 0
+    dropped = eight[:7] + eight[9:]
+    assert spread.spread_chunks(WEB, 7, 8192, NODE) == dropped
+    assert spread.chunk_tiles(dropped, TILE) == spread.chunk_tiles(eight, TILE)[:7]
+    assert spread.chunk_recv(dropped) == spread.chunk_recv(eight)[:7]
+    own = spread._capped(WEB, 7, cap, 8192)
+    assert max(spread.chunk_tiles(own, TILE)) == 4_909 > 4_824 == max(spread.chunk_tiles(dropped, TILE))
 
 
 @settings(max_examples=150, deadline=None)
@@ -109,19 +130,23 @@ def test_the_web_document_wider_than_megatron_receives_no_more_than_its_first_ro
 def test_a_capped_cut_keeps_its_tokens_room_and_receive_cap(local: int, blocks: int, extra: int, wider: int) -> None:
     """Up to twice Megatron's width of 4 or more: a cut exists (at 1,024 tokens a rank or more, for a document
     short of filling Megatron's width: at 1,024 a rank, s = 4,096, 8,192 and 16,384 have none on some widths,
-    the first role would need all its room and the rounding's margin; at 256, coarser, more), holds every token
-    once, and keeps every rank within its room and the receive cap; where none exists, the runs are refused
-    with the values."""
+    the first role would need all its room and the rounding's margin; at 256, coarser, more), or the bisection's
+    last role holds nothing and one rank fewer has a cut; a cut holds every token once, gives every rank a token,
+    and keeps every rank within its room and the receive cap; where none exists, the runs are refused with the
+    values."""
     s = (blocks - 1) * local + 1 + extra % local
     width = spread.megatron_width(s, local)
     c = width + 1 + (wider - 1) % width
     cap = thd_recv(s, width)[0]
     chunk = spread.capped_chunks(s, c, cap, local)
-    if local >= 1024 and s < width * local:
-        assert chunk is not None, (s, c, local)
+    if local >= 1024 and s < width * local and chunk is None:
+        bisected = spread._capped(s, c, cap, local)
+        assert bisected is not None and chunk_need(bisected)[-1] == 0, (s, c, local)
+        assert spread.capped_chunks(s, c - 1, cap, local) is not None, (s, c, local)
     if chunk is not None:
         assert sum(chunk) == s and min(chunk) >= 0 and len(chunk) == 2 * c
         assert max(spread.chunk_recv(chunk)) <= cap and max(chunk_need(chunk)) <= local
+        assert min(chunk_need(chunk)) > 0
         assert spread.spread_chunks(s, c, local, NODE) == chunk
     else:
         with pytest.raises(ValueError, match=f"a document of {s} tokens has no cut over {c} ranks of {local}"):
@@ -136,7 +161,7 @@ def test_two_ranks_of_megatron_leave_no_wider_cut() -> None:
         spread.spread_runs(12_000, 3, 8192, NODE)
 
 
-@pytest.mark.parametrize("owners", [(0, 8), (7, -8), (8, 6), (13, -6), (3, 5), (4, 4), (11, -4)])
+@pytest.mark.parametrize("owners", [(0, 7), (7, -7), (8, 6), (13, -6), (3, 5), (4, 4), (11, -4)])
 def test_the_roles_are_what_the_layout_and_the_exchange_count(owners: tuple[int, int]) -> None:
     """A 16 x 8K pack of the web document dealt wider than Megatron, or on Megatron's 4 ranks cut on tile
     boundaries (either orientation), and short documents: per rank, the tiles and received keys of the bench's

@@ -17,14 +17,14 @@ chunks ``j`` and ``2c - 1 - j`` (the last rank's two follow each other).
 
 Why wider at all: a document of ``s`` tokens on its ``ceil(s / local)`` ranks costs each ``s^2 / 2c`` work in
 one micro-batch, which the other ranks' short documents may never reach (web 16 x 8K, seed 13: a
-31,467-token document on 4 ranks at 7,718 tiles each, the step's mean rank at 5,600). On 8 ranks of a node it
+31,467-token document on 4 ranks at 7,718 tiles each, the step's mean rank at 5,600). On 7 ranks of a node it
 costs at most 4,824 a rank, and no rank receives more than Megatron's first role on 4 (23,600 keys).
 
-Trade-off: the capped roles are less even than THD's (8 ranks for a document Megatron gives 4: the busiest
-1.22 x the mean role, against THD's 1.01 x), so the deal only widens where the narrower widths leave the
-step's busiest rank over the level. The cut is a pure function of ``(s, c, local, node_size)``: the pack's slot
-owners say ``c``, and :func:`~cpdata.layout.world_step.owned_runs` recomputes the runs under the deal's node
-size.
+Trade-off: the capped roles are less even than THD's (7 ranks for a document Megatron gives 4: the busiest
+1.07 x the mean role, its last role at 0.64 x; THD's 1.002 x), so the deal only widens where the narrower
+widths leave the step's busiest rank over the level. The cut is a pure function of ``(s, c, local,
+node_size)``: the pack's slot owners say ``c``, and :func:`~cpdata.layout.world_step.owned_runs` recomputes the
+runs under the deal's node size.
 """
 
 from __future__ import annotations
@@ -201,8 +201,8 @@ def _work(p: int, q: int, tile: int) -> float:
 
 def capped_chunks(s: int, c: int, most: int, local: int) -> tuple[int, ...] | None:
     """``2c`` chunk lengths of ``s`` (rank ``j``: chunks ``j`` and ``2c - 1 - j``) with which no rank receives
-    more than ``most`` keys or holds more than ``local`` tokens, the busiest rank's causal work least as far as
-    a bisection finds; None where none.
+    more than ``most`` keys or holds more than ``local`` tokens, and every rank holds a token, the busiest rank's
+    causal work least as far as a bisection finds; None where none.
 
     For a work level ``T`` (query-key pairs), roles are cut front to back: role ``j`` holds ``f`` tokens from the
     front pointer ``a`` and ``b`` ending at the back pointer ``e``, work ``f (a + f / 2) + b (e - b / 2) = T``.
@@ -210,7 +210,28 @@ def capped_chunks(s: int, c: int, most: int, local: int) -> tuple[int, ...] | No
     takes them; else the pair with ``f + b = e - most``, whose work is linear in ``b``. The last role holds
     what is left between the pointers. The least ``T`` at which that is ``<= T`` is bisected; the pointers are
     rounded to tokens under a cap two keys lower (the rounding moves a role's keys by at most 1.5), else one or
-    none lower where that leaves the first role no room, and the rounded cut is checked."""
+    none lower where that leaves the first role no room, and the rounded cut is checked.
+
+    Where the roles before the last reach ``T`` with nothing left, the last role holds nothing: that cut is the
+    cut of ``c - 1`` ranks with its last role's chunks dropped (it has the same tokens, tiles and keys a role),
+    so ``c`` ranks have no cut and ``c - 1`` ranks take it where its busiest role costs fewer tiles than their own
+    bisection's (the tiles round differently at one work level: the web document of 31,467 tokens on 7 ranks of
+    8K, 4,824 tiles its busiest role against 4,909; offered as 8 ranks, the owners named a rank that held
+    nothing)."""
+    own = _capped(s, c, most, local)
+    if own is not None and not min(chunk_need(own)):
+        own = None
+    wider = _capped(s, c + 1, most, local)
+    if wider is None or chunk_need(wider)[-1] or not min(chunk_need(wider)[:-1]):
+        return own
+    dropped = wider[:c] + wider[c + 2:]
+    if own is None or max(chunk_tiles(dropped, DEFAULT_TILE)) < max(chunk_tiles(own, DEFAULT_TILE)):
+        return dropped
+    return own
+
+
+def _capped(s: int, c: int, most: int, local: int) -> tuple[int, ...] | None:
+    """:func:`capped_chunks`' bisection on ``c`` ranks, its rounded cut checked, before any role is looked at."""
     for margin in (2, 1, 0):  # (a document that fills Megatron's width leaves its first role no room for one)
         chunk = _rounded(s, c, most, margin)
         if chunk is not None and min(chunk) >= 0 and max(chunk_need(chunk)) <= local:

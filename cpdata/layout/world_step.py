@@ -26,7 +26,7 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   ranks left out could not catch up); where that power of two is narrower than a node and still past the level, it
   goes wider inside the node, up to twice that power of two, in the receive-capped cut (:mod:`~cpdata.layout.spread`:
   no rank receives more than THD's first role would at Megatron's width; web 16 x 8K, seed 13: a 31,467-token document
-  on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 8, 1.002 x). A piece that waited and ends
+  on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 7, 1.002 x). A piece that waited and ends
   in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level, its width of least busiest load
   (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest rank ends
   least over the mean: :mod:`cpdata.packing.world_steps`);
