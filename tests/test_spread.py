@@ -143,14 +143,29 @@ def test_a_capped_cut_keeps_its_tokens_room_and_receive_cap(local: int, blocks: 
         bisected = spread._capped(s, c, cap, local)
         assert bisected is not None and chunk_need(bisected)[-1] == 0, (s, c, local)
         assert spread.capped_chunks(s, c - 1, cap, local) is not None, (s, c, local)
+    if c > NODE:  # (past a node and Megatron's width: THD's, as Megatron widens a sample into empty ranks)
+        assert spread.spread_chunks(s, c, local, NODE) == tuple(thd_chunks(s, c))
     if chunk is not None:
         assert sum(chunk) == s and min(chunk) >= 0 and len(chunk) == 2 * c
         assert max(spread.chunk_recv(chunk)) <= cap and max(chunk_need(chunk)) <= local
         assert min(chunk_need(chunk)) > 0
-        assert spread.spread_chunks(s, c, local, NODE) == chunk
-    else:
+        assert spread.spread_chunks(s, c, local, NODE) == chunk or c > NODE
+    elif c <= NODE:
         with pytest.raises(ValueError, match=f"a document of {s} tokens has no cut over {c} ranks of {local}"):
             spread.spread_runs(s, c, local, NODE)
+
+
+def test_past_a_node_and_megatrons_width_the_cut_is_thds() -> None:
+    """Where Megatron's scheduler widens a sample into ranks it left empty, over more ranks than a node: TE THD's
+    ``2c`` chunks, every chunk a token or more (a 1,500-token document on 16 ranks of 1,024: at most 94 tokens a
+    rank, the first role receiving all but its own two chunks, 1,407 keys). Inside a node past Megatron's 2 ranks there is still no cut, and a
+    document of fewer than ``2c`` tokens has none."""
+    assert spread.megatron_width(1_500, 1024) == 2
+    chunk = spread.spread_chunks(1_500, 16, 1024, NODE)
+    assert chunk == tuple(thd_chunks(1_500, 16)) and min(chunk) >= 46 and max(chunk_need(chunk)) == 94
+    assert spread.chunk_recv(chunk)[0] == 1_500 - chunk[0] - chunk[31] == 1_407
+    assert spread.spread_chunks(1_500, 4, 1024, NODE) is None and spread.spread_chunks(1_500, 8, 1024, NODE) is None
+    assert spread.spread_chunks(31, 16, 1024, NODE) is None and spread.spread_chunks(32, 16, 1024, NODE) is not None
 
 
 def test_two_ranks_of_megatron_leave_no_wider_cut() -> None:

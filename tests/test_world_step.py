@@ -1264,3 +1264,51 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     where = bins.place(3900)
     assert where is not None and 4 < abs(where[2]) <= 8 and max(tried) == 8
     assert max(world_step._roles(3900, abs(where[2]), 1024, TILE, 32)[1]) < max(thd_tiles(3900, 4, TILE))
+
+
+def _lone_piece_step(big: list[tuple[int, int, int]]) -> WorldStepPacker:
+    """16 ranks of 1,024 tokens (two nodes of 8), a 16,384-token document filling every rank of each micro-batch
+    in ``big`` (its placements), and a 1,500-token one alone on ranks 0-1 of micro-batch 1."""
+    placed = [(n, 16_384, where) for n, where in enumerate(big)] + [(100, 1_500, (1, 0, 2))]
+    packer = WorldStepPacker(16 * 1024, 16, 8, 1 + len(big), TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    return packer
+
+
+def test_a_short_piece_alone_in_a_micro_batch_spreads_over_the_ranks_left_empty():
+    """As Megatron's scheduler widens a sample into the ranks it left empty: the 1,500-token document alone on
+    ranks 0-1 (39 tiles a rank over the others, 1.033 x the mean rank) goes over all 16 ranks in THD's chunks,
+    1.001 x, every token still in the step. Its keys from the other node (752 and 376 a rank) lift every rank past
+    the busiest inter-node receiver before it (12,288, the two world-sized documents in opposite orientations),
+    within 1.25 x the mean rank's (the fill's cap); held to the busiest alone, it would stay. The packer's count
+    of those keys is the exchange plan's (the bench's counter) on every micro-batch."""
+    from cpdata.bench import world
+
+    packer = _lone_piece_step([(0, 0, 16), (2, 15, -16)])
+    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0329, abs=1e-4)
+    assert max(packer._inter_keys()) == 12_288 and packer._bins.placed == 2 * 16_384 + 1_500
+    packer._spread_out()
+    assert packer._step[-1] == (100, 1_500, (1, 0, 16)) and packer._bins.placed == 2 * 16_384 + 1_500
+    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0013, abs=1e-4)
+    inter = np.zeros(16, dtype=np.int64)
+    for k in range(3):
+        pieces = [(s, where) for _, s, where in packer._step if where[0] == k]
+        lens = np.array([s for s, _ in pieces], dtype=np.int64)
+        owners = np.array([[where[1], where[2]] for _, where in pieces], dtype=np.int64)
+        inter += world._step([(lens, owners)], 16, 1024)[0][2]
+    assert inter.tolist() == packer._inter_keys() == [13_040] * 8 + [12_664] * 8
+    assert max(packer._inter_keys()) > 12_288 and max(packer._inter_keys()) <= 1.25 * np.mean(packer._inter_keys())
+
+
+def test_a_short_piece_does_not_spread_past_the_busiest_inter_node_receiver():
+    """With one world-sized document, node 0's ranks receive 8,192 keys from node 1 and node 1's 4,096: over 16
+    ranks, in either orientation, the short document would add keys from the other node to a rank of node 0,
+    past 8,192 (and 1.25 x the mean rank's, 7,680), so it stays on ranks 0-1, though there the step stands 1.066 x
+    its mean rank and spread it would stand lower."""
+    packer = _lone_piece_step([(0, 0, 16)])
+    ratio = world_steps._ratio(packer._bins.load)
+    assert ratio == pytest.approx(1.0655, abs=1e-4) and packer._inter_keys()[:9] == [8_192] * 8 + [4_096]
+    packer._spread_out()
+    assert packer._step[-1] == (100, 1_500, (1, 0, 2)) and world_steps._ratio(packer._bins.load) == ratio
+    packer._place_again(1, (1, 15, -16))
+    assert world_steps._ratio(packer._bins.load) < ratio and max(packer._inter_keys()) > 8_192

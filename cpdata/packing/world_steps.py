@@ -47,7 +47,9 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    (:meth:`WorldStepPacker._kept_if_lower`); last, a spread piece of the busiest rank is taken back and placed
    again as the fill places, clearing whole pieces from its room, under the busiest load
    (:meth:`WorldStepPacker._refill`: a move finds no room where short pieces fill every micro-batch of the light
-   ranks), up to :data:`REFILL_ROUNDS` times.
+   ranks), up to :data:`REFILL_ROUNDS` times; and a piece of the busiest rank in a micro-batch with a rank left
+   empty spreads over more ranks than a node in THD's chunks, as Megatron's scheduler widens a sample into the
+   ranks it left empty (:meth:`WorldStepPacker._spread_out`), up to :data:`SPREAD_OUT_ROUNDS` times.
 
 Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later
 passes settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a
@@ -73,9 +75,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cpdata.layout.spread import megatron_width
+from cpdata.layout.spread import megatron_width, spread_chunks
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import Placement, StepBins, owner_ranks
+from cpdata.layout.world_step import FILL_RECEIVE_CAP, Placement, StepBins, owner_ranks
 from cpdata.packing.records import PackKeys
 
 __all__ = ["WorldStepPacker"]
@@ -117,6 +119,11 @@ that lowers the busiest rank can leave whole pieces the settle then moves (docum
 
 REFILL_ROUNDS = 4
 """Closing, at most this many spread pieces of the busiest rank are placed again (:meth:`WorldStepPacker._refill`)."""
+
+SPREAD_OUT_ROUNDS, SPREAD_OUT_OVER = 4, 0.001
+"""Closing, at most this many pieces of the busiest rank spread over ranks left empty, while the busiest rank stands
+more than this fraction over the mean (:meth:`WorldStepPacker._spread_out`: it looks only at micro-batches with an
+empty rank, so a step within :data:`SPREAD_SWAP_OVER` of its mean pays little for it)."""
 
 FILL_TRIES, FILL_MISSES = 8, 2
 """Closing, at most this many waiting spread pieces, longest first, are tried in the step's room, and none after
@@ -279,6 +286,87 @@ class WorldStepPacker:
             elif not self._kept_if_lower(self._settle_and_swap):
                 break
         self._refill()
+        self._spread_out()
+
+    def _spread_out(self) -> None:
+        """While the step stands over the mean (:data:`SPREAD_OUT_OVER`), at most :data:`SPREAD_OUT_ROUNDS` times: a
+        piece the busiest rank holds part of, in a micro-batch with a rank left empty, is placed again over more
+        ranks than a node and than Megatron's power of two, in THD's chunks, as Megatron's scheduler widens a
+        sample into the ranks it left empty (:func:`~cpdata.layout.spread.spread_chunks`), where that leaves its
+        busiest rank under the busiest rank, no rank receiving more keys, or more keys from other nodes, than the
+        step's busiest receivers or :data:`~cpdata.layout.world_step.FILL_RECEIVE_CAP` times the mean rank's (the
+        fill's cap), and the step less over the mean (:meth:`_kept_if_lower`). A step of
+        world-sized pieces whose last holds a short document alone, on its 2 ranks (books at 32 x 4K, seed 3:
+        1.0039 x the mean rank, Megatron's busiest 1.0004 x its own, the short document over all 32)."""
+        for _ in range(SPREAD_OUT_ROUNDS):
+            load = self._bins.load
+            if not _over(load, SPREAD_OUT_OVER):
+                return
+            found = self._spread_out_place(max(range(len(load)), key=lambda r: (load[r], -r)))
+            if found is None or not self._kept_if_lower(functools.partial(self._place_again, *found)):
+                return
+
+    def _spread_out_place(self, h: int) -> tuple[int, Placement] | None:
+        """``(piece, placement)``: :meth:`_spread_out`'s choice for busiest rank ``h``; None where none."""
+        b = self._bins
+        emptied = {k for k in range(b.packs) if any(room[k] == b.local for room in b.room)}
+        if not emptied:  # (most steps: nothing to look at)
+            return None
+        top, inter = b.load[h], self._inter_keys()
+        top_recv = max(max(b.recv), FILL_RECEIVE_CAP * sum(b.recv) / b.world)
+        top_inter = max(max(inter), FILL_RECEIVE_CAP * sum(inter) / b.world)
+        best: tuple[float, int, Placement] | None = None
+        for i, (_, s, (k, first, c)) in enumerate(self._step):
+            if k not in emptied or h not in owner_ranks(first, c):
+                continue
+            widths = [w for w in range(2 * b.node_size, b.world + 1, b.node_size) if w > abs(c)]
+            if not widths:
+                continue
+            (b.take_back if c == 1 else b.take_back_spread)(s, (k, first, c))
+            arrays = b._arrays()
+            for w in widths:
+                choice = b._choose(s, w, top_recv, arrays=arrays)
+                if choice is None or choice[0] >= top or (best is not None and choice[0] >= best[0]):
+                    continue
+                where = choice[1:]
+                after = list(inter)
+                for r, keys in self._inter_of(s, (k, first, c)).items():
+                    after[r] -= keys
+                for r, keys in self._inter_of(s, where).items():
+                    after[r] += keys
+                if max(after) <= top_inter:
+                    best = (choice[0], i, where)
+            b.restore(s, (k, first, c))
+        return None if best is None else (best[1], best[2])
+
+    def _place_again(self, i: int, where: Placement) -> None:
+        """Piece ``i`` of the step taken back and placed at ``where``."""
+        key, s, old = self._step[i]
+        (self._bins.take_back if old[2] == 1 else self._bins.take_back_spread)(s, old)
+        self._bins.restore(s, where)
+        self._step[i] = (key, s, where)
+
+    def _inter_keys(self) -> list[int]:
+        """Per rank, the keys it receives from other nodes over the step."""
+        inter = [0] * self.world
+        for _, s, where in self._step:
+            for r, keys in self._inter_of(s, where).items():
+                inter[r] += keys
+        return inter
+
+    def _inter_of(self, s: int, where: Placement) -> dict[int, int]:
+        """Keys each rank of a piece of ``s`` tokens at ``where`` receives from ranks of other nodes: role ``j``
+        needs every chunk up to its later one, ``2c - 1 - j``, so of role ``q`` its chunk ``q``, and its chunk
+        ``2c - 1 - q`` where ``q > j`` (:func:`~cpdata.layout.spread.chunk_recv`)."""
+        _, first, c = where
+        ranks = list(owner_ranks(first, c))
+        ns = self.node_size
+        if ranks[0] // ns == ranks[-1] // ns:
+            return {}
+        chunk = spread_chunks(s, abs(c), self.capacity // self.world, ns)
+        last = 2 * abs(c) - 1
+        return {r: sum(chunk[q] + (chunk[last - q] if q > j else 0) for q, rq in enumerate(ranks) if rq // ns != r // ns)
+                for j, r in enumerate(ranks)}
 
     def _refill(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
