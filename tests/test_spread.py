@@ -158,8 +158,8 @@ def test_a_capped_cut_keeps_its_tokens_room_and_receive_cap(local: int, blocks: 
 def test_past_a_node_and_megatrons_width_the_cut_is_thds() -> None:
     """Where Megatron's scheduler widens a sample into ranks it left empty, over more ranks than a node: TE THD's
     ``2c`` chunks, every chunk a token or more (a 1,500-token document on 16 ranks of 1,024: at most 94 tokens a
-    rank, the first role receiving all but its own two chunks, 1,407 keys). Inside a node past Megatron's 2 ranks there is still no cut, and a
-    document of fewer than ``2c`` tokens has none."""
+    rank, the first role receiving all but its own two chunks, 1,407 keys). Inside a node past Megatron's 2 ranks
+    there is still no cut, and a document of fewer than ``2c`` tokens has none."""
     assert spread.megatron_width(1_500, 1024) == 2
     chunk = spread.spread_chunks(1_500, 16, 1024, NODE)
     assert chunk == tuple(thd_chunks(1_500, 16)) and min(chunk) >= 46 and max(chunk_need(chunk)) == 94

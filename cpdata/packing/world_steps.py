@@ -365,8 +365,8 @@ class WorldStepPacker:
             return {}
         chunk = spread_chunks(s, abs(c), self.capacity // self.world, ns)
         last = 2 * abs(c) - 1
-        return {r: sum(chunk[q] + (chunk[last - q] if q > j else 0) for q, rq in enumerate(ranks) if rq // ns != r // ns)
-                for j, r in enumerate(ranks)}
+        return {r: sum(chunk[q] + (chunk[last - q] if q > j else 0)
+                       for q, rq in enumerate(ranks) if rq // ns != r // ns) for j, r in enumerate(ranks)}
 
     def _refill(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
