@@ -14,7 +14,7 @@ from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
 from cpdata.layout.world_step import DRIFT, StepBins, owned_runs, owner_ranks
-from cpdata.packing import world_steps
+from cpdata.packing import world_steps, world_trades
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
@@ -591,7 +591,7 @@ def test_spread_pieces_trade_windows_when_one_window_holds_both_long_ones(monkey
     blocked = [*placed, (4, 400, (0, 2, 1)), (5, 400, (1, 2, 1))]
     tiles, keys = _closed_tiles(blocked, world=4, local=1024, packs=2)
     assert keys == [0, 1, 2, 3, 4, 5] and tiles[:2] == [136, 136]
-    monkeypatch.setattr(world_steps._SpreadSwap, "run", lambda self, rounds=16: None)
+    monkeypatch.setattr(world_trades.SpreadSwap, "run", lambda self, rounds=16: None)
     assert _closed_tiles(placed, world=4, local=1024, packs=2)[0] == [136, 136, 38, 52]
 
 
@@ -602,7 +602,7 @@ def test_a_spread_piece_moves_to_a_free_window_where_no_trade_lowers_its_ranks(m
     closes at 136 on ranks 0-1."""
     placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 0, 2))]
     assert _closed_tiles(placed, world=4, local=1024, packs=2) == ([68, 68, 68, 68], [0, 1])
-    monkeypatch.setattr(world_steps._SpreadSwap, "_move", lambda self, h: False)
+    monkeypatch.setattr(world_trades.SpreadSwap, "_move", lambda self, h: False)
     monkeypatch.setattr(WorldStepPacker, "_refill", lambda self: None)
     assert _closed_tiles(placed, world=4, local=1024, packs=2)[0] == [136, 136, 0, 0]
 
@@ -641,7 +641,7 @@ def test_a_spread_piece_moves_wider_inside_its_node_where_its_width_cannot_lower
     assert bins.roles(3000, 3)[1].tolist() == [100, 100, 100] and bins.roles(3000, 6)[1].max() == 65
     assert bins.roles(8000, 8)[2].max() == 7000 and bins.roles(3000, 6)[2].max() == 2248
     assert _closed_tiles(placed, world=8, local=1024, packs=2) == ([317, 316, 315, 315, 321, 321, 260, 260], [0, 1])
-    monkeypatch.setattr(world_steps, "megatron_width", lambda s, local: -(-s // local) // 2)
+    monkeypatch.setattr(world_trades, "megatron_width", lambda s, local: -(-s // local) // 2)
     monkeypatch.setattr(world_step, "megatron_width", lambda s, local: -(-s // local) // 2)
     assert _closed_tiles(placed, world=8, local=1024, packs=2)[0] == [356, 356, 356, 256, 256, 259, 260, 260]
 
@@ -693,11 +693,11 @@ def test_a_waiting_spread_piece_clears_whole_pieces_from_the_room_it_needs_where
     packer = _cleared_step(256, 4, [3000])
     b = packer._bins
     assert b.fill(3000) is None and b.free_tokens == 1288
-    assert world_steps._ratio(b.load) == pytest.approx(1.183, abs=1e-3)
+    assert b.ratio() == pytest.approx(1.183, abs=1e-3)
     where, slots = b.fill(3000, packer._whole_slots())
     assert where == (1, 6, -4) and slots == [(3, 1), (4, 1), (5, 1), (6, 1)]
     packer._finish(None)
-    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0615, abs=1e-4) and packer._bins.placed == 16_048
+    assert packer._bins.ratio() == pytest.approx(1.0615, abs=1e-4) and packer._bins.placed == 16_048
     assert (50, 3000, (1, 6, -4)) in packer._step and len(packer._waiting) == 8  # (8 of 16 short ones back in)
     packer = _cleared_step(1024, 1, [3000])
     assert packer._bins.fill(3000, packer._whole_slots()) is not None  # (a place, if slots are cleared)
@@ -756,14 +756,14 @@ def test_a_spread_piece_of_the_busiest_rank_is_placed_again_where_whole_pieces_l
     documents of ranks 6-7's first micro-batch, which go where it was), it lands on ranks 6-7: 1.19 x, every token
     still in the step. Without that phase the step stays at 1.44 x."""
     packer = _full_step()
-    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.461, abs=1e-3) and packer._bins.placed == 16_000
+    assert packer._bins.ratio() == pytest.approx(1.461, abs=1e-3) and packer._bins.placed == 16_000
     packer._finish(None)
     assert (1, 2000, (0, 6, 2)) in packer._step and packer._waiting == [] and packer._bins.placed == 16_000
     assert packer._bins.load == [208, 208, 208, 208, 204, 212, 88, 88]
     monkeypatch.setattr(WorldStepPacker, "_refill", lambda self: None)
     packer = _full_step()
     packer._finish(None)
-    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.438, abs=1e-3)
+    assert packer._bins.ratio() == pytest.approx(1.438, abs=1e-3)
     assert (1, 2000, (1, 0, 2)) in packer._step
 
 
@@ -839,7 +839,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
     def recording_finish(self, choice) -> None:
         pairs.clear()
         finish(self, choice)
-        closes.append((world_steps._ratio(self._bins.load), list(pairs)))
+        closes.append((self._bins.ratio(), list(pairs)))
 
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
@@ -862,9 +862,9 @@ def test_the_close_keeps_a_later_pass_only_where_it_lowers_the_busiest_rank_over
     kept_if_lower = WorldStepPacker._kept_if_lower
 
     def recording(self, phase, fewer_tokens: bool = True) -> bool:
-        before = world_steps._ratio(self._bins.load)
+        before = self._bins.ratio()
         kept = kept_if_lower(self, phase, fewer_tokens)
-        passes.append((before, world_steps._ratio(self._bins.load), kept))
+        passes.append((before, self._bins.ratio(), kept))
         return kept
 
     monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", recording)
@@ -883,7 +883,7 @@ def test_the_step_places_every_spread_piece_where_the_trades_and_moves_put_it(mo
     move that changed the bins and not the step would emit packs whose owners the deal did not balance, or that
     overfill a rank); some closes move pieces, and the ranks trades and moves read come from those placements."""
     moves, checked = [], []
-    run, move = world_steps._SpreadSwap.run, world_steps._SpreadSwap._move
+    run, move = world_trades.SpreadSwap.run, world_trades.SpreadSwap._move
 
     def checking_run(self, rounds: int = 16) -> None:
         run(self, rounds)
@@ -900,8 +900,8 @@ def test_the_step_places_every_spread_piece_where_the_trades_and_moves_put_it(mo
         moves.append(move(self, h))
         return moves[-1]
 
-    monkeypatch.setattr(world_steps._SpreadSwap, "run", checking_run)
-    monkeypatch.setattr(world_steps._SpreadSwap, "_move", counting_move)
+    monkeypatch.setattr(world_trades.SpreadSwap, "run", checking_run)
+    monkeypatch.setattr(world_trades.SpreadSwap, "_move", counting_move)
     for seed in [*range(40), 74, 196]:  # (74 and 196 move pieces)
         lengths = _lengths(seed, 240)
         packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
@@ -914,7 +914,7 @@ def _recorded_trades(monkeypatch) -> list[bool]:
     """For each window trade a close makes from now on: whether every rank whose load it changed ends strictly
     under the busiest load before it."""
     made = []
-    lower = world_steps._SpreadSwap._lower
+    lower = world_trades.SpreadSwap._lower
 
     def recording(self, h: int) -> bool:
         before = list(self.bins.load)
@@ -924,7 +924,7 @@ def _recorded_trades(monkeypatch) -> list[bool]:
             made.append(max(self.bins.load[r] for r in changed) < before[h])
         return done
 
-    monkeypatch.setattr(world_steps._SpreadSwap, "_lower", recording)
+    monkeypatch.setattr(world_trades.SpreadSwap, "_lower", recording)
     return made
 
 
@@ -961,7 +961,7 @@ def test_spread_pieces_trading_windows_balance_a_step_of_documents_up_to_four_ra
     made = _recorded_trades(monkeypatch)
     traded, traded_recv = step()
     assert traded <= 1.03 and len(made) > 1 and all(made)  # (each trade ends its ranks under the busiest load)
-    monkeypatch.setattr(world_steps._SpreadSwap, "run", lambda self, rounds=16: None)
+    monkeypatch.setattr(world_trades.SpreadSwap, "run", lambda self, rounds=16: None)
     untraded, untraded_recv = step()
     assert untraded > 1.05 and traded_recv <= untraded_recv  # (no rank receives past the busiest receiver)
 
@@ -1285,11 +1285,11 @@ def test_a_short_piece_alone_in_a_micro_batch_spreads_over_the_ranks_left_empty(
     from cpdata.bench import world
 
     packer = _lone_piece_step([(0, 0, 16), (2, 15, -16)])
-    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0329, abs=1e-4)
+    assert packer._bins.ratio() == pytest.approx(1.0329, abs=1e-4)
     assert max(packer._inter_keys()) == 12_288 and packer._bins.placed == 2 * 16_384 + 1_500
     packer._spread_out()
     assert packer._step[-1] == (100, 1_500, (1, 0, 16)) and packer._bins.placed == 2 * 16_384 + 1_500
-    assert world_steps._ratio(packer._bins.load) == pytest.approx(1.0013, abs=1e-4)
+    assert packer._bins.ratio() == pytest.approx(1.0013, abs=1e-4)
     inter = np.zeros(16, dtype=np.int64)
     for k in range(3):
         pieces = [(s, where) for _, s, where in packer._step if where[0] == k]
@@ -1306,9 +1306,9 @@ def test_a_short_piece_does_not_spread_past_the_busiest_inter_node_receiver():
     past 8,192 (and 1.25 x the mean rank's, 7,680), so it stays on ranks 0-1, though there the step stands 1.066 x
     its mean rank and spread it would stand lower."""
     packer = _lone_piece_step([(0, 0, 16)])
-    ratio = world_steps._ratio(packer._bins.load)
+    ratio = packer._bins.ratio()
     assert ratio == pytest.approx(1.0655, abs=1e-4) and packer._inter_keys()[:9] == [8_192] * 8 + [4_096]
     packer._spread_out()
-    assert packer._step[-1] == (100, 1_500, (1, 0, 2)) and world_steps._ratio(packer._bins.load) == ratio
+    assert packer._step[-1] == (100, 1_500, (1, 0, 2)) and packer._bins.ratio() == ratio
     packer._place_again(1, (1, 15, -16))
-    assert world_steps._ratio(packer._bins.load) < ratio and max(packer._inter_keys()) > 8_192
+    assert packer._bins.ratio() < ratio and max(packer._inter_keys()) > 8_192

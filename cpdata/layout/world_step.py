@@ -165,6 +165,15 @@ class StepBins:
         self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles, tokens; all's density
         self._spreading = [0, 0]  # the spread pieces still expected: keys received on their fewest ranks, tokens
 
+    def ratio(self) -> float:
+        """The busiest rank's load over the mean rank's (inf where nothing is loaded)."""
+        total = sum(self.load)
+        return max(self.load) * self.world / total if total > 0 else float("inf")
+
+    def over(self, fraction: float) -> bool:
+        """Whether the busiest rank's load stands more than ``fraction`` above the mean rank's."""
+        return max(self.load) > (1 + fraction) * sum(self.load) / self.world
+
     @property
     def free_tokens(self) -> int:
         """Tokens of room left in the step."""
