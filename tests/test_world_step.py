@@ -118,7 +118,7 @@ def test_the_piece_opening_a_step_takes_megatrons_width_where_ranks_left_out_cou
     for packs, want in ((PACKS, 8), (CATCH_UP, 5)):
         bins = StepBins(packs, WORLD, local, NODE, TILE)
         bins.set_density([s] + [s] * 10)  # dear pieces to come: on 5 ranks it is within the level
-        assert bins._choose(s, 5)[0] <= bins.target() * (1 + bins.slack)
+        assert bins.choose(s, 5)[0] <= bins.target() * (1 + bins.slack)
         assert bins.place(s)[2] == want, packs
 
 
@@ -132,7 +132,7 @@ def test_the_piece_opening_a_step_spreads_wider_only_past_the_level(to_come: str
     bins = StepBins(CATCH_UP, WORLD, local, NODE, TILE)
     bins.set_density([s] + ([100] * 400 if to_come == "short" else [s] * 10))  # cheap, or dear, pieces to come
     level = bins.target() * (1 + bins.slack)
-    widths = {c: bins._choose(s, c) for c in range(5, 9)}
+    widths = {c: bins.choose(s, c) for c in range(5, 9)}
     within = [c for c, best in widths.items() if best is not None and best[0] <= level]
     want = within[0] if within else min(widths, key=lambda c: (widths[c][0], c))
     where = bins.place(s)
@@ -148,12 +148,12 @@ def test_a_later_piece_takes_a_wider_width_within_the_level_and_waits_where_none
     monkeypatch.setattr(StepBins, "target", lambda self: 297.0)
     bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
     bins.set_density([s] * 5)
-    assert bins._choose(s, 3)[0] > 300 >= bins._choose(s, 4)[0]
+    assert bins.choose(s, 3)[0] > 300 >= bins.choose(s, 4)[0]
     for node in range(4):
         if node:  # (a later piece: its fewest ranks past the level, Megatron's within it)
-            assert bins._choose(s, 4)[0] <= 300 < bins._choose(s, 3)[0]
+            assert bins.choose(s, 4)[0] <= 300 < bins.choose(s, 3)[0]
         assert bins.place(s) == (0, 4 * node, 4)
-    assert all(best is None or best[0] > 300 for best in (bins._choose(s, 3), bins._choose(s, 4)))
+    assert all(best is None or best[0] > 300 for best in (bins.choose(s, 3), bins.choose(s, 4)))
     assert bins.place(s) is None
 
 
@@ -166,9 +166,9 @@ def test_a_later_piece_past_a_node_takes_its_least_loaded_width_within_the_level
     monkeypatch.setattr(StepBins, "target", lambda self: 500.0)
     bins = StepBins(CATCH_UP, 2 * WORLD, local, NODE, TILE)
     bins.set_density([s, s])
-    assert bins._choose(s, 6)[0] > 505 >= (opening := bins._choose(s, 7)[0])
+    assert bins.choose(s, 6)[0] > 505 >= (opening := bins.choose(s, 7)[0])
     assert bins.place(s)[2] == 7
-    widths = {c: best for c in range(5, 9) if (best := bins._choose(s, c)) is not None and best[0] <= 505}
+    widths = {c: best for c in range(5, 9) if (best := bins.choose(s, c)) is not None and best[0] <= 505}
     want = min(widths, key=lambda c: (widths[c][0], c))
     where = bins.place(s)
     assert want == 8 and where is not None and abs(where[2]) == want
@@ -184,7 +184,7 @@ def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_widt
     bins.set_density([s])
     for r in range(WORLD):  # micro-batch 0: one whole document a rank, equal loads
         bins.restore(1000, (0, r, 1))
-    widths = {c: bins._choose(s, c, np.inf, 1) for c in range(5, 9)}
+    widths = {c: bins.choose(s, c, np.inf, 1) for c in range(5, 9)}
     want = min(widths, key=lambda c: (widths[c][0], c))
     where = bins.open_empty(s)
     assert where is not None and where[0] == 1 and abs(where[2]) == want == 8
@@ -200,7 +200,7 @@ def test_empty_widths_are_the_widths_within_a_fraction_of_the_least_busiest_load
     for r, n in enumerate([1000, 1200, 900, 1500, 1000, 1100, 700, 1300]):  # micro-batch 0: unequal ranks
         bins.restore(n, (0, r, 1))
     every = bins.empty_widths(s, within=1.0)
-    brute = sorted((bins._choose(s, c, np.inf, 1) for c in range(5, 9)), key=lambda best: (best[0], abs(best[3])))
+    brute = sorted((bins.choose(s, c, np.inf, 1) for c in range(5, 9)), key=lambda best: (best[0], abs(best[3])))
     assert every == brute and len(every) == 4
     assert bins.empty_widths(s) == every[:1]  # (within 0: the least, as open_empty alone takes it)
     near = bins.empty_widths(s, within=0.2)  # (483, 574, 658 and 726 tiles on 8, 7, 6 and 5 ranks)
@@ -619,12 +619,12 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
     placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 1, -2)), (2, 1100, (0, 2, 2)), (3, 1100, (1, 3, -2)),
               (4, 400, (0, 2, 1)), (5, 400, (1, 2, 1))]  # fmt: skip
     assert _closed_tiles(placed, world=4, local=1024, packs=3) == ([136, 136, 65, 45], [0, 1, 2, 3, 4, 5])
-    choose = world_step.StepBins._choose
+    choose = world_step.StepBins.choose
 
     def uncapped(self, s, c, cap=None, *args, **kwargs):  # (the move's cap, a receiver's keys, lifted)
         return choose(self, s, c, np.inf if cap is not None else cap, *args, **kwargs)
 
-    monkeypatch.setattr(world_step.StepBins, "_choose", uncapped)
+    monkeypatch.setattr(world_step.StepBins, "choose", uncapped)
     assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
 
 
@@ -1051,9 +1051,9 @@ def test_the_receive_cap_picks_the_window_and_orientation_that_keep_the_busiest_
     bins.restore(1024, (0, 2, 1))
     bins.restore(2048, (0, 0, 2))
     assert bins.recv == [1024, 512, 0, 0, 0, 0, 0, 0]
-    assert bins._choose(2048, 2) == (136.0, 1, 2, -2)
+    assert bins.choose(2048, 2) == (136.0, 1, 2, -2)
     monkeypatch.setattr(world_step, "RECEIVE_CAP", 100.0)
-    assert bins._choose(2048, 2) == (136.0, 1, 1, -2)
+    assert bins.choose(2048, 2) == (136.0, 1, 1, -2)
 
 
 def test_a_later_spread_piece_waits_rather_than_pass_the_receive_cap(monkeypatch) -> None:
@@ -1083,7 +1083,7 @@ def test_the_receive_cap_counts_the_keys_of_the_spread_pieces_to_come() -> None:
     placed = bins.deal(pieces[:16])
     assert all(where is not None and where[0] == 0 for where in placed)
     assert bins._spreading == [124 * (4096 + 2048), 124 * 8192]  # (each dealt piece no longer to come)
-    assert bins._choose(8192, 2) is None and bins._choose(8192, 2, coming=True) is not None
+    assert bins.choose(8192, 2) is None and bins.choose(8192, 2, coming=True) is not None
     placed += bins.deal(pieces[16:])
     assert sum(where is not None for where in placed) == 128 and bins.free_tokens == 0
     assert max(bins.load) == min(bins.load) and max(bins.recv) <= 8 * 4096
@@ -1100,7 +1100,7 @@ def test_the_receive_caps_second_try_counts_only_the_pieces_the_room_left_holds(
     bins = StepBins(packs, 2, 1024, 2, TILE)
     bins.set_density([2048] * 100)
     assert bins.place(2048) == (0, 0, 2) and bins.recv == [1024, 512]
-    assert bins._choose(2048, 2) is None and bins._choose(2048, 2, coming=True) == placed
+    assert bins.choose(2048, 2) is None and bins.choose(2048, 2, coming=True) == placed
 
 
 def test_equal_pieces_alternate_their_orientation_toward_the_least_busiest_receiver() -> None:
@@ -1251,14 +1251,14 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     wider widths are not tried (each costs a cut; past about 4^2 ranks none could help)."""
 
     tried = []
-    choose = StepBins._choose
+    choose = StepBins.choose
 
     def spy(self, s, c, *args, **kwargs):
         tried.append(c)
         return choose(self, s, c, *args, **kwargs)
 
     monkeypatch.setattr(StepBins, "target", lambda self: 0.0)
-    monkeypatch.setattr(StepBins, "_choose", spy)
+    monkeypatch.setattr(StepBins, "choose", spy)
     bins = StepBins(PACKS, 32, 1024, 32, TILE)
     bins.set_density([3900] + [100] * 300)
     where = bins.place(3900)

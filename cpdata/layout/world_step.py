@@ -89,10 +89,10 @@ RECEIVE_CAP = 1.6
 role's keys, and this many times the mean rank's received keys after it (:meth:`StepBins.place`; at 2, web 16 x 8K at
 seed 18 passes Megatron's busiest receiver, 1.30 x, and 32 x 4K at seed 34, 1.04 x; at 1.75 and 1.6 none of web's and
 long_context's seeds 1-36 does. Before ties in load went to the orientation of least busiest receiver
-(:meth:`StepBins._choose`), 1.75 let web 16 x 8K at seed 18 pass, 1.195 x. With THD's chunks alone, 1.5 left pieces
+(:meth:`StepBins.choose`), 1.75 let web 16 x 8K at seed 18 pass, 1.195 x. With THD's chunks alone, 1.5 left pieces
 waiting that long_context needed: 16 x 8K seed 16 stood at 1.001 x Megatron's busiest rank). A later piece that would
 wait for the cap alone is tried again against the mean the spread pieces still to come will make, as far as the room
-left holds them (:meth:`StepBins._choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x
+left holds them (:meth:`StepBins.choose`): held to the keys dealt so far, a stream of 8,192-token documents at 32 x
 4K filled one micro-batch, then every next one would lift a rank to 6,144 keys, past 1.6 x the mean so far (5,222),
 and the step closed 0.18 full at 1.39 x the mean rank; tried again, it fills, its busiest receiver Megatron's."""
 
@@ -352,16 +352,16 @@ class StepBins:
         return self._take_choice(s, choice if choice is not None else next(iter(self.empty_widths(s)), None))
 
     def empty_widths(self, s: int, within: float = 0.0) -> list[tuple[float, int, int, int]]:
-        """:meth:`_choose`'s placements of a spread piece of ``s`` tokens in the first empty micro-batch, one a
+        """:meth:`choose`'s placements of a spread piece of ``s`` tokens in the first empty micro-batch, one a
         width from its fewest ranks up to the power of two Megatron's scheduler would give it, whose busiest load
         after it is within ``within`` (a fraction) of the least: least first (ties: the fewest ranks). Empty
         where no micro-batch is empty or the piece fits a rank."""
         k, c = self.first_empty(), -(-s // self.local)
         if k is None or c == 1 or c > self.world:
             return []
-        arrays = self._arrays()
+        arrays = self.snapshot()
         choices = sorted((best for w in range(c, min(self.world, megatron_width(s, self.local)) + 1)
-                          if (best := self._choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
+                          if (best := self.choose(s, w, np.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
         return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
 
     def fill(self, s: int, whole: tuple[np.ndarray, np.ndarray] | None = None, below: float | None = None
@@ -381,12 +381,12 @@ class StepBins:
         cleared of its whole pieces (``whole``: float64 ``[world, packs]``, their tokens and tiles; None: no slot
         is cleared), that leave the busiest rank less over the mean (its busiest load or the step's, whichever is
         more, over the mean with its tiles in and the cleared ones out). Of those, the least busiest load, then the
-        fewest tiles added (its own less the cleared ones); ties as :meth:`_choose`'s (the first width,
+        fewest tiles added (its own less the cleared ones); ties as :meth:`choose`'s (the first width,
         micro-batch, rank, the orientation of least busiest receiver, THD's). Least over the mean instead, a wider
         cut's dearer tiles would win where the busiest load is the same: the rows met and the ratios were the same
         over 400 step rows, the work more (docs/benchmarks.md)."""
         top, total = self._by_load[-1][0], self._total
-        room, load, recv = self._arrays()
+        room, load, recv = self.snapshot()
         tokens, tiles = whole if whole is not None else (np.zeros(room.shape), np.zeros(room.shape))
         fewest = -(-s // self.local)
         if total <= 0 or fewest > self.world or s > self.free_tokens + tokens.sum():
@@ -541,7 +541,7 @@ class StepBins:
             self._put(r, k, need, added)
             self.recv[r] += keys
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ranks' room (int64 ``[world, packs]``), loads (float64 ``[world]``) and received keys (int64
         ``[world]``) as arrays."""
         return np.array(self.room, dtype=np.int64), np.array(self.load), np.array(self.recv, dtype=np.int64)
@@ -549,7 +549,7 @@ class StepBins:
     def _spread(self, s: int) -> Placement | None:
         """A piece longer than a rank's tokens: of its widths (the module docstring), micro-batches, windows of
         ranks with room and orientations, the placement whose busiest load after it is least within the receive
-        cap (:meth:`_choose`) and the level; None (it waits) past the level or the cap. The piece that opens a
+        cap (:meth:`choose`) and the level; None (it waits) past the level or the cap. The piece that opens a
         step cannot wait: it takes the fewest ranks, up to the power of two Megatron's scheduler would give it,
         that keep it within the level, else the placement of least busiest load over those widths; it takes that
         power of two outright when its tiles a rank on its fewest would pass what a rank can add in the step's
@@ -579,33 +579,33 @@ class StepBins:
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
         behind = most > fewest and (int(_roles(s, fewest, self.local, self.tile, self.node_size)[1].max())
                                     > (self.packs - 1) * densest)  # fmt: skip
-        arrays = self._arrays()
+        arrays = self.snapshot()
         if opening and behind:
-            best = self._choose(s, most, arrays=arrays)  # (the ranks left out could not catch up: Megatron's width)
+            best = self.choose(s, most, arrays=arrays)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
-        choices = [best for c in range(fewest, widest + 1) if (best := self._choose(s, c, arrays=arrays)) is not None]
+        choices = [best for c in range(fewest, widest + 1) if (best := self.choose(s, c, arrays=arrays)) is not None]
         within = [best for best in choices if best[0] <= level]
         if not within and not opening and self._spreading[1]:  # (nothing to come: the same cap)
             choices = [best for c in range(fewest, widest + 1)
-                       if (best := self._choose(s, c, arrays=arrays, coming=True)) is not None]  # fmt: skip
+                       if (best := self.choose(s, c, arrays=arrays, coming=True)) is not None]  # fmt: skip
             within = [best for best in choices if best[0] <= level]
         if opening:  # the fewest ranks within the level, else the least busiest load
             return self._take_choice(s, within[0] if within else min(choices, key=_busiest, default=None))
         return self._take_choice(s, min(within, key=_busiest, default=None))
 
     def _take_choice(self, s: int, choice: tuple[float, int, int, int] | None) -> Placement | None:
-        """Spread ``s`` tokens where :meth:`_choose` chose (None: nowhere)."""
+        """Spread ``s`` tokens where :meth:`choose` chose (None: nowhere)."""
         if choice is None:
             return None
         _, k, first, c = choice
         self._take_spread(s, k, first, c)
         return k, first, c
 
-    def _choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None,
-                arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, coming: bool = False
-                ) -> tuple[float, int, int, int] | None:  # fmt: skip
+    def choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None,
+               arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, coming: bool = False
+               ) -> tuple[float, int, int, int] | None:  # fmt: skip
         """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
         tokens on ``c`` ranks (:func:`_windows`, either orientation; micro-batch ``pack`` alone where given) with
         room, whose busiest receiver stays within ``cap`` (None: the receive cap, :data:`RECEIVE_CAP`, its mean
@@ -620,13 +620,13 @@ class StepBins:
         The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
         ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
         or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 ->
-        0.85 x Megatron's busiest receiver). ``arrays``: :meth:`_arrays` of the state as it is, where the caller
+        0.85 x Megatron's busiest receiver). ``arrays``: :meth:`snapshot` of the state as it is, where the caller
         tries several widths of one piece."""
         cut = _roles(s, c, self.local, self.tile, self.node_size)
         if cut is None:
             return None
         need, added, keys = cut
-        room, load, recv = self._arrays() if arrays is None else arrays
+        room, load, recv = self.snapshot() if arrays is None else arrays
         if cap is None:
             to_come = 0.0
             if coming and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
@@ -671,7 +671,7 @@ def _window_index(world: int, node_size: int, c: int) -> tuple[np.ndarray, np.nd
 
 
 def _busiest(choice: tuple[float, int, int, int]) -> float:
-    """A :meth:`StepBins._choose` placement's busiest load after it (``min`` keeps the first of equals: the
+    """A :meth:`StepBins.choose` placement's busiest load after it (``min`` keeps the first of equals: the
     fewest ranks, as the widths are tried)."""
     return choice[0]
 

@@ -297,9 +297,9 @@ class WorldStepPacker:
             if not widths:
                 continue
             (b.take_back if c == 1 else b.take_back_spread)(s, (k, first, c))
-            arrays = b._arrays()
+            arrays = b.snapshot()
             for w in widths:
-                choice = b._choose(s, w, top_recv, arrays=arrays)
+                choice = b.choose(s, w, top_recv, arrays=arrays)
                 if choice is None or choice[0] >= top or (best is not None and choice[0] >= best[0]):
                     continue
                 where = choice[1:]
