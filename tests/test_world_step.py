@@ -1312,3 +1312,19 @@ def test_a_short_piece_does_not_spread_past_the_busiest_inter_node_receiver():
     assert packer._step[-1] == (100, 1_500, (1, 0, 2)) and packer._bins.ratio() == ratio
     packer._place_again(1, (1, 15, -16))
     assert packer._bins.ratio() < ratio and max(packer._inter_keys()) > 8_192
+
+
+def test_a_step_a_fraction_of_a_percent_over_its_mean_still_spreads_a_lone_piece():
+    """The other close phases start at 0.5 % over the mean; this one at 0.1 %: eight world-sized documents and a
+    300-token one alone on rank 0 of the ninth micro-batch stand 1.0014 x the mean rank (6 tiles over the rest);
+    over all 16 ranks, 1.0001 x (4 tiles a rank), as Megatron's scheduler gives a lone sample the GPUs it left
+    empty (books at 32 x 4K, seed 3, stood 1.0039 x, 1.003 x Megatron's busiest)."""
+    big = [(k, 0, 16) if k % 2 == 0 else (k, 15, -16) for k in range(8)]
+    placed = [(n, 16_384, where) for n, where in enumerate(big)] + [(100, 300, (8, 0, 1))]
+    packer = WorldStepPacker(16 * 1024, 16, 8, 9, TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    assert packer._bins.ratio() == pytest.approx(1.00136, abs=1e-5)
+    assert not packer._bins.over(world_steps.SPREAD_SWAP_OVER)  # (the trades and placing again do not run)
+    packer._spread_out()
+    assert packer._step[-1] == (100, 300, (8, 0, 16)) and packer._bins.placed == 8 * 16_384 + 300
+    assert packer._bins.ratio() == pytest.approx(1.00014, abs=1e-5) and max(packer._bins.load) == 4_132
