@@ -636,6 +636,7 @@ def test_a_spread_piece_moves_wider_inside_its_node_where_its_width_cannot_lower
     closes at 321, no rank receiving past 7,000 keys more than it did. Held to its widths up to Megatron's power of
     two alone (here patched to none past its fewest, for the move and for placing pieces again), it stays at
     356."""
+    monkeypatch.setattr(WorldStepPacker, "_flip", lambda self: None)  # (the loads as the move leaves them)
     placed = [(0, 3000, (0, 0, 3)), (1, 8000, (1, 0, 8))]
     bins = StepBins(2, 8, 1024, 8, TILE)
     assert bins.roles(3000, 3)[1].tolist() == [100, 100, 100] and bins.roles(3000, 6)[1].max() == 65
@@ -666,7 +667,8 @@ def test_a_waiting_spread_piece_fills_the_step_where_it_lowers_the_busiest_rank_
     packer = WorldStepPacker(8 * 1024, 8, 8, 2, TILE)
     packer.load_carry([([0, 1], [8000, 3000]), ([2], [3000])], np.array([[0, 0, 8], [1, 0, 3]]))
     out = packer._close(keep_empty=True)
-    assert out.keys.tolist() == [0, 1] and out.owners.tolist() == [[0, 8], [5, -6]] and packer._waiting == [(2, 3000)]
+    assert out.keys.tolist() == [0, 1] and packer._waiting == [(2, 3000)]
+    assert out.owners.tolist() == [[7, -8], [5, -6]]  # (the 8,000-token one mirrored: rank 0 took two first roles)
 
 
 def _cleared_step(short: int, count: int, waiting: list[int]) -> WorldStepPacker:
@@ -958,6 +960,7 @@ def test_spread_pieces_trading_windows_balance_a_step_of_documents_up_to_four_ra
         tiles, recv = (np.stack([c[i] for c in costs]).sum(axis=0) for i in (0, 1))
         return float(tiles.max() / tiles.mean()), int(recv.max())
 
+    monkeypatch.setattr(WorldStepPacker, "_flip", lambda self: None)  # (the receivers as the trades leave them)
     made = _recorded_trades(monkeypatch)
     traded, traded_recv = step()
     assert traded <= 1.03 and len(made) > 1 and all(made)  # (each trade ends its ranks under the busiest load)
@@ -1328,3 +1331,69 @@ def test_a_step_a_fraction_of_a_percent_over_its_mean_still_spreads_a_lone_piece
     packer._spread_out()
     assert packer._step[-1] == (100, 300, (8, 0, 16)) and packer._bins.placed == 8 * 16_384 + 300
     assert packer._bins.ratio() == pytest.approx(1.00014, abs=1e-5) and max(packer._bins.load) == 4_132
+
+
+def _mirror_step(extra: list[tuple[int, int, tuple[int, int, int]]], packs: int = 2) -> WorldStepPacker:
+    """4 ranks of 2,048 tokens: a 6,000-token document on ranks 0-3 of each of the first two micro-batches, both
+    in THD's orientation (its cut on tile boundaries: 1,904, 1,408, 1,408 and 1,280 tokens a role, the roles
+    receiving 4,096, 3,968, 3,328 and 2,944 keys), and ``extra`` pieces."""
+    placed = [(0, 6_000, (0, 0, 4)), (1, 6_000, (1, 0, 4)), *extra]
+    packer = WorldStepPacker(4 * 2048, 4, 4, packs, TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    return packer
+
+
+def test_mirroring_a_spread_piece_lowers_the_busiest_receiver():
+    """Both documents give rank 0 their first role: 8,192 keys. Mirrored, the first takes ranks 3 down to 0, and
+    the busiest receiver gets 7,296; the busiest rank's tiles fall (570 -> 565), no token moves between ranks'
+    rows other than the mirrored piece's."""
+    packer = _mirror_step([])
+    assert packer._bins.roles(6_000, 4)[2].tolist() == [4_096, 3_968, 3_328, 2_944]
+    assert packer._bins.recv == [8_192, 7_936, 6_656, 5_888] and max(packer._bins.load) == 570
+    packer._flip()
+    assert packer._step == [(0, 6_000, (0, 3, -4)), (1, 6_000, (1, 0, 4))]
+    assert packer._bins.recv == [7_040, 7_296, 7_296, 7_040] and max(packer._bins.load) == 565
+
+
+def test_a_mirrored_role_that_would_not_fit_its_rank_or_would_lift_the_busiest_rank_is_not_taken():
+    """With 168 tokens on rank 3 of both micro-batches, rank 3 has 600 tokens of room beside its 1,280: the first
+    role's 1,904 would not fit it, so neither document is mirrored (the cut is uneven: THD's roles would fit). With
+    a 2,048-token document alone on rank 0 of a third micro-batch, rank 0 is the busiest rank, and mirrored, either
+    document would give it role 3's dearer tiles: neither is mirrored either."""
+    blocked = _mirror_step([(2, 168, (0, 3, 1)), (3, 168, (1, 3, 1))])
+    blocked._flip()
+    assert [w for _, _, w in blocked._step[:2]] == [(0, 0, 4), (1, 0, 4)] and blocked._bins.recv[0] == 8_192
+    busiest = _mirror_step([(2, 2_048, (2, 0, 1))], packs=3)
+    load = list(busiest._bins.load)
+    tiles = busiest._bins.roles(6_000, 4)[1].tolist()
+    assert load.index(max(load)) == 0 and tiles[3] > tiles[0]  # (mirrored, rank 0 would take role 3's tiles)
+    busiest._flip()
+    assert [w for _, _, w in busiest._step[:2]] == [(0, 0, 4), (1, 0, 4)] and busiest._bins.load == load
+
+
+def test_mirroring_lowers_the_busiest_inter_node_receiver():
+    """Two 16,000-token documents on all 16 ranks of two nodes, both in THD's orientation: node 0's ranks hold the
+    first roles and receive 16,000 keys each from node 1, node 1's 8,000. Mirroring one evens both: 12,000 from
+    other nodes and 22,500 in all on every rank (30,000 on rank 0 before)."""
+    placed = [(0, 16_000, (0, 0, 16)), (1, 16_000, (1, 0, 16))]
+    packer = WorldStepPacker(16 * 1024, 16, 8, 2, TILE)
+    packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
+    assert packer._inter_keys() == [16_000] * 8 + [8_000] * 8 and max(packer._bins.recv) == 30_000
+    packer._flip()
+    assert packer._inter_keys() == [12_000] * 16 and packer._bins.recv == [22_500] * 16
+
+
+def test_a_mirror_that_would_lift_the_busiest_inter_node_receiver_is_not_taken(monkeypatch):
+    """Either document mirrored lowers the busiest receiver (the first test above); where those placements would
+    also bring rank 0 keys from another node past the step's busiest such receiver (here none crosses a node, so
+    any would), neither is mirrored: the step keeps 8,192 keys on rank 0 and no inter-node keys."""
+    packer = _mirror_step([])
+    inter_of = WorldStepPacker._inter_of
+
+    def crossing(self, s, where):
+        return {0: 1_000} if where in ((0, 3, -4), (1, 3, -4)) else inter_of(self, s, where)
+
+    monkeypatch.setattr(WorldStepPacker, "_inter_of", crossing)
+    packer._flip()
+    assert packer._step == [(0, 6_000, (0, 0, 4)), (1, 6_000, (1, 0, 4))] and max(packer._inter_keys()) == 0
+    assert max(packer._bins.recv) == 8_192

@@ -17,7 +17,7 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    ~30K-token documents at 32 x 4K, seed 1: a 99,215-token document on 30 of 32 ranks left the other two at 0.62
    x the mean, the step at 1.054 x the mean rank; on 32 ranks, settled, 1.007 x);
 1. top up: waiting pieces go where they keep their rank at or under the busiest one (:meth:`StepBins.top_up`);
-2. settle (:class:`~cpdata.packing.world_settle.Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
+2. settle (:class:`Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
    cheaper ones of similar length on the least loaded ranks (the step keeps its tokens), then moves a piece to
    a lighter rank with room, else swaps it for a waiting piece that fits its place and adds fewer tiles, while
    that saves more than the tokens it leaves out would cost (the longer one waits instead);
@@ -30,7 +30,7 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    (:data:`SETTLE_PASSES`);
 6. where the settle moved a micro-batch's last pieces away and pieces wait, the empty micro-batch is offered to
    them and steps 1-5 run once more (:data:`EMPTY_OFFERS`);
-7. fill, where the step stands over the mean (:data:`~cpdata.packing.world_trades.SPREAD_SWAP_OVER`): waiting spread pieces, longest first
+7. fill, where the step stands over the mean (:data:`SPREAD_SWAP_OVER`): waiting spread pieces, longest first
    (:data:`FILL_TRIES`), go where they leave the busiest rank less over the mean rank, past the level, clearing
    whole pieces from the room they need (:meth:`~cpdata.layout.world_step.StepBins.fill`,
    :meth:`WorldStepPacker._fill`): a step opened by a document on every rank, whose next ones of that size wait,
@@ -38,10 +38,10 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    it holds (a mixed corpus at 32 x 4K, seed 4: fill 0.37, 1.037 x the mean rank; filled, 0.83 and 1.010 x);
    where one is placed, the step closes (phases 1-2, 8) both with and without the fill and keeps the one that ends
    less over the mean (:meth:`WorldStepPacker._keep_filled`);
-8. spread pieces inside a node trade windows (:class:`~cpdata.packing.world_trades.SpreadSwap`): the settle moves whole pieces only, and a
+8. spread pieces inside a node trade windows (:class:`SpreadSwap`): the settle moves whole pieces only, and a
    step whose tokens are mostly documents on 2-4 ranks has few (documents of 1-32K tokens, uniform, at 16 x 8K,
    seed 1: 1.056 x the mean rank; trading windows, 1.030 x), and where no trade lowers the busiest rank, one of
-   its spread pieces moves to a free window, as many ranks or more inside its node (:meth:`~cpdata.packing.world_trades.SpreadSwap._move`);
+   its spread pieces moves to a free window, as many ranks or more inside its node (:meth:`SpreadSwap._move`);
    then a top-up; while the busiest rank stands over the mean, the settle, a top-up and the trades run again, up
    to :data:`SWAP_PASSES` passes in all, each kept only where it ends the step less over the mean
    (:meth:`WorldStepPacker._kept_if_lower`); last, a spread piece of the busiest rank is taken back and placed
@@ -49,13 +49,15 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    (:meth:`WorldStepPacker._refill`: a move finds no room where short pieces fill every micro-batch of the light
    ranks), up to :data:`REFILL_ROUNDS` times; and a piece of the busiest rank in a micro-batch with a rank left
    empty spreads over more ranks than a node in THD's chunks, as Megatron's scheduler widens a sample into the
-   ranks it left empty (:meth:`WorldStepPacker._spread_out`), up to :data:`SPREAD_OUT_ROUNDS` times.
+   ranks it left empty (:meth:`WorldStepPacker._spread_out`), up to :data:`SPREAD_OUT_ROUNDS` times;
+9. spread pieces the busiest receiver of keys holds part of are mirrored where that lowers it, then the same for
+   the busiest receiver of keys from other nodes, lifting no rank past the busiest load or either busiest
+   receiver (:meth:`WorldStepPacker._flip`).
 
 Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later
 passes settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a
-micro-batch that would otherwise run empty, and phase 7 to a step it leaves less over its mean. The settle is
-bounded (:data:`~cpdata.packing.world_settle.EXCHANGE_PIECES` pieces against :data:`~cpdata.packing.world_settle.EXCHANGE_NEAR` neighbours in length on
-:data:`~cpdata.packing.world_settle.EXCHANGE_RANKS` ranks, at most :data:`~cpdata.packing.world_settle.EXCHANGE_ROUNDS` exchanges a rank), and so is the close: at most
+micro-batch that would otherwise run empty, and phase 7 to a step it leaves less over its mean; phase 9 only
+lowers receivers. The settle is bounded (:mod:`~cpdata.packing.world_settle`), and so is the close: at most
 :data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close, phase 7 at most two.
 
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
@@ -109,10 +111,14 @@ that lowers the busiest rank can leave whole pieces the settle then moves (docum
 REFILL_ROUNDS = 4
 """Closing, at most this many spread pieces of the busiest rank are placed again (:meth:`WorldStepPacker._refill`)."""
 
+FLIP_ROUNDS = 8
+"""Closing, at most this many spread pieces are mirrored to lower the step's busiest receiver, and as many its busiest
+inter-node receiver (:meth:`WorldStepPacker._flip`)."""
+
 SPREAD_OUT_ROUNDS, SPREAD_OUT_OVER = 4, 0.001
 """Closing, at most this many pieces of the busiest rank spread over ranks left empty, while the busiest rank stands
 more than this fraction over the mean (:meth:`WorldStepPacker._spread_out`: it looks only at micro-batches with an
-empty rank, so a step within :data:`~cpdata.packing.world_trades.SPREAD_SWAP_OVER` of its mean pays little for it)."""
+empty rank, so a step within :data:`SPREAD_SWAP_OVER` of its mean pays little for it)."""
 
 FILL_TRIES, FILL_MISSES = 8, 2
 """Closing, at most this many waiting spread pieces, longest first, are tried in the step's room, and none after
@@ -261,6 +267,7 @@ class WorldStepPacker:
                 break
         self._refill()
         self._spread_out()
+        self._flip()
 
     def _spread_out(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_OUT_OVER`), at most :data:`SPREAD_OUT_ROUNDS` times: a
@@ -313,6 +320,54 @@ class WorldStepPacker:
             b.restore(s, (k, first, c))
         return None if best is None else (best[1], best[2])
 
+    def _flip(self) -> None:
+        """The step's busiest receiver of keys, then its busiest receiver of keys from other nodes, lowered by
+        mirroring spread pieces it holds part of (the window's roles counted from its other end,
+        :func:`owner_ranks`), each time the one that lowers it most, where that fits the ranks' room and lifts no
+        rank past the busiest load, the busiest receiver or the busiest inter-node receiver; at most
+        :data:`FLIP_ROUNDS` times each. The deal's orientation ties go to the least receiver of each placement as
+        it comes; the step's sums can still stack first roles on one rank (a corpus of short chats and ~6K-token
+        documents at 16 x 8K, seed 23: 19,649 keys on one rank, the mean rank 14,025, Megatron's busiest 18,426)."""
+        for inter_first in (False, True):
+            for _ in range(FLIP_ROUNDS):
+                found = self._flip_choice(inter_first)
+                if found is None:
+                    break
+                self._place_again(*found)
+
+    def _flip_choice(self, inter_first: bool) -> tuple[int, Placement] | None:
+        """``(piece, mirrored placement)``: :meth:`_flip`'s choice for the busiest receiver (``inter_first``: of
+        keys from other nodes); None where none."""
+        b = self._bins
+        recv, load, inter = b.recv, b.load, self._inter_keys()
+        most, top, most_inter = max(recv), max(load), max(inter)
+        aim = inter if inter_first else recv
+        q = aim.index(max(aim))
+        best: tuple[tuple[int, int], int, Placement] | None = None
+        for i, (_, s, (k, first, c)) in enumerate(self._step):
+            ranks = list(owner_ranks(first, c))
+            if abs(c) < 2 or q not in ranks:
+                continue
+            need, tiles, keys = (role.tolist() for role in b.roles(s, abs(c)))
+            if any(b.room[r][k] + n < m for r, n, m in zip(ranks, need, need[::-1], strict=True)):
+                continue  # (mirrored, a role of an uneven cut would not fit its rank's room)
+            mirrored = (k, ranks[-1], -c)
+            after_recv, after_load, after_inter = list(recv), list(load), list(inter)
+            for r, t, key, t2, key2 in zip(ranks, tiles, keys, tiles[::-1], keys[::-1], strict=True):
+                after_recv[r] += key2 - key
+                after_load[r] += t2 - t
+            for sign, where in ((-1, (k, first, c)), (1, mirrored)):
+                for r, n in self._inter_of(s, where).items():
+                    after_inter[r] += sign * n
+            if max(after_load) > top or max(after_recv) > most or max(after_inter) > most_inter:
+                continue
+            score = (max(after_inter), max(after_recv)) if inter_first else (max(after_recv), max(after_inter))
+            if score >= ((most_inter, most) if inter_first else (most, most_inter)):
+                continue
+            if best is None or score < best[0]:
+                best = (score, i, mirrored)
+        return None if best is None else (best[1], best[2])
+
     def _place_again(self, i: int, where: Placement) -> None:
         """Piece ``i`` of the step taken back and placed at ``where``."""
         key, s, old = self._step[i]
@@ -343,12 +398,12 @@ class WorldStepPacker:
                        for q, rq in enumerate(ranks) if rq // ns != r // ns) for j, r in enumerate(ranks)}
 
     def _refill(self) -> None:
-        """While the step stands over the mean (:data:`~cpdata.packing.world_trades.SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
+        """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
         the spread pieces inside a node the busiest rank holds part of, longest first, the first that, taken back
         and placed inside a node (its keys cross no node: placed again across nodes, a piece lifted the step's
         busiest inter-node receiver past Megatron's, the exponential corpus at 32 x 4K, seed 4, 1.03 x) where
         :meth:`StepBins.fill` chooses (clearing whole pieces from the room it needs, as the fill does:
-        a move, :meth:`~cpdata.packing.world_trades.SpreadSwap._move`, finds no room where whole pieces fill every micro-batch of the light
+        a move, :meth:`SpreadSwap._move`, finds no room where whole pieces fill every micro-batch of the light
         ranks) under the busiest rank's load, leaves the step less over the mean and its tokens no fewer (its busiest
         load is the step's time: held only to less over the mean, a wider cut's dearer tiles would pass for a gain,
         and the busiest rank could rise)."""
@@ -472,7 +527,7 @@ class WorldStepPacker:
         return waiting
 
     def _settle(self) -> None:
-        """Bring every rank above the mean load down to it with the loads now exact (:class:`~cpdata.packing.world_settle.Settle`)."""
+        """Bring every rank above the mean load down to it with the loads now exact (:class:`Settle`)."""
         Settle(self._bins, self._step, self._waiting).run()
 
     # state: bin 0 the open step's pieces in placement order (owners: carry_owners), bin 1 the waiting ones
