@@ -126,6 +126,20 @@ this many in a row are not kept (:meth:`WorldStepPacker._fill`): each is a place
 trial on a copy of the step."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _inter_node_keys(s: int, first: int, c: int, local: int, node_size: int) -> tuple[tuple[int, int], ...]:
+    """``(rank, keys)`` of a piece of ``s`` tokens spread at ``(first, c)`` (:func:`owner_ranks`' sign) over ranks
+    of ``local`` tokens, ``node_size`` a node: the keys each receives from ranks of other nodes. Role ``j`` needs
+    every chunk up to its later one, ``2c - 1 - j`` (:func:`~cpdata.layout.spread.chunk_recv`), so of role ``q``
+    its chunk ``q``, and its chunk ``2c - 1 - q`` where ``q > j``."""
+    ranks = list(owner_ranks(first, c))
+    chunk = spread_chunks(s, abs(c), local, node_size)
+    last = 2 * abs(c) - 1
+    return tuple((r, sum(chunk[q] + (chunk[last - q] if q > j else 0)
+                         for q, rq in enumerate(ranks) if rq // node_size != r // node_size))
+                 for j, r in enumerate(ranks))  # fmt: skip
+
+
 def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(key, length)`` pieces longest first, ties by key (two stable sorts: no key tuple a piece)."""
     out = sorted(pieces, key=operator.itemgetter(0))
@@ -328,26 +342,35 @@ class WorldStepPacker:
         :data:`FLIP_ROUNDS` times each. The deal's orientation ties go to the least receiver of each placement as
         it comes; the step's sums can still stack first roles on one rank (a corpus of short chats and ~6K-token
         documents at 16 x 8K, seed 23: 19,649 keys on one rank, the mean rank 14,025, Megatron's busiest 18,426)."""
+        inter = self._inter_keys()  # (kept as pieces are mirrored)
+        spread = [i for i, (_, _, (_, _, c)) in enumerate(self._step) if abs(c) > 1]
         for inter_first in (False, True):
-            for _ in range(FLIP_ROUNDS):
-                found = self._flip_choice(inter_first)
+            for _ in range(FLIP_ROUNDS if spread and (not inter_first or max(inter)) else 0):
+                found = self._flip_choice(inter_first, inter, spread)
                 if found is None:
                     break
-                self._place_again(*found)
+                i, mirrored = found
+                _, s, where = self._step[i]
+                for sign, at in ((-1, where), (1, mirrored)):
+                    for r, n in self._inter_of(s, at).items():
+                        inter[r] += sign * n
+                self._place_again(i, mirrored)
 
-    def _flip_choice(self, inter_first: bool) -> tuple[int, Placement] | None:
+    def _flip_choice(self, inter_first: bool, inter: list[int], spread: list[int]) -> tuple[int, Placement] | None:
         """``(piece, mirrored placement)``: :meth:`_flip`'s choice for the busiest receiver (``inter_first``: of
-        keys from other nodes); None where none."""
+        keys from other nodes; ``inter``: each rank's now), of the step's spread pieces ``spread``; None where
+        none."""
         b = self._bins
-        recv, load, inter = b.recv, b.load, self._inter_keys()
+        recv, load = b.recv, b.load
         most, top, most_inter = max(recv), max(load), max(inter)
         aim = inter if inter_first else recv
         q = aim.index(max(aim))
         best: tuple[tuple[int, int], int, Placement] | None = None
-        for i, (_, s, (k, first, c)) in enumerate(self._step):
-            ranks = list(owner_ranks(first, c))
-            if abs(c) < 2 or q not in ranks:
+        for i in spread:
+            _, s, (k, first, c) = self._step[i]
+            if not (first <= q < first + c if c > 0 else first + c < q <= first):
                 continue
+            ranks = list(owner_ranks(first, c))
             need, tiles, keys = (role.tolist() for role in b.roles(s, abs(c)))
             if any(b.room[r][k] + n < m for r, n, m in zip(ranks, need, need[::-1], strict=True)):
                 continue  # (mirrored, a role of an uneven cut would not fit its rank's room)
@@ -384,18 +407,13 @@ class WorldStepPacker:
         return inter
 
     def _inter_of(self, s: int, where: Placement) -> dict[int, int]:
-        """Keys each rank of a piece of ``s`` tokens at ``where`` receives from ranks of other nodes: role ``j``
-        needs every chunk up to its later one, ``2c - 1 - j``, so of role ``q`` its chunk ``q``, and its chunk
-        ``2c - 1 - q`` where ``q > j`` (:func:`~cpdata.layout.spread.chunk_recv`)."""
+        """Keys each rank of a piece of ``s`` tokens at ``where`` receives from ranks of other nodes
+        (:func:`_inter_node_keys`); empty where its window stays inside a node."""
         _, first, c = where
-        ranks = list(owner_ranks(first, c))
-        ns = self.node_size
-        if ranks[0] // ns == ranks[-1] // ns:
+        lo, hi = (first, first + c - 1) if c > 0 else (first + c + 1, first)
+        if lo // self.node_size == hi // self.node_size:
             return {}
-        chunk = spread_chunks(s, abs(c), self.capacity // self.world, ns)
-        last = 2 * abs(c) - 1
-        return {r: sum(chunk[q] + (chunk[last - q] if q > j else 0)
-                       for q, rq in enumerate(ranks) if rq // ns != r // ns) for j, r in enumerate(ranks)}
+        return dict(_inter_node_keys(s, first, c, self.capacity // self.world, self.node_size))
 
     def _refill(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
