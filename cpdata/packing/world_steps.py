@@ -342,10 +342,12 @@ class WorldStepPacker:
         :data:`FLIP_ROUNDS` times each. The deal's orientation ties go to the least receiver of each placement as
         it comes; the step's sums can still stack first roles on one rank (a corpus of short chats and ~6K-token
         documents at 16 x 8K, seed 23: 19,649 keys on one rank, the mean rank 14,025, Megatron's busiest 18,426)."""
-        inter = self._inter_keys()  # (kept as pieces are mirrored)
+        if not max(self._bins.recv):  # (no spread piece: alpaca's steps, ~12,000 whole pieces, pay nothing)
+            return
         spread = [i for i, (_, _, (_, _, c)) in enumerate(self._step) if abs(c) > 1]
+        inter = self._inter_keys()  # (kept as pieces are mirrored)
         for inter_first in (False, True):
-            for _ in range(FLIP_ROUNDS if spread and (not inter_first or max(inter)) else 0):
+            for _ in range(FLIP_ROUNDS if not inter_first or max(inter) else 0):
                 found = self._flip_choice(inter_first, inter, spread)
                 if found is None:
                     break
@@ -402,6 +404,8 @@ class WorldStepPacker:
         """Per rank, the keys it receives from other nodes over the step."""
         inter = [0] * self.world
         for _, s, where in self._step:
+            if abs(where[2]) < 2:  # (a whole piece receives nothing)
+                continue
             for r, keys in self._inter_of(s, where).items():
                 inter[r] += keys
         return inter
