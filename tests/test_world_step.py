@@ -442,6 +442,13 @@ def _run(windows, packer: WorldStepPacker, start: int = 0) -> list[tuple]:
     return [_listed(p) for p in out]
 
 
+def _dealt_keys(seed: int) -> list[int]:
+    """The keys a fresh packer deals over stream ``seed``'s windows (:func:`_windows`), sorted: every key once is
+    ``range(240)``."""
+    out = _run(_windows(seed), WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))
+    return sorted(k for keys, _, _ in out for k in keys)
+
+
 def _listed(p) -> tuple:
     return p.keys.tolist(), p.sizes.tolist(), [] if p.owners is None else p.owners.tolist()
 
@@ -509,10 +516,7 @@ def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, mo
 
         monkeypatch.setattr(WorldStepPacker, "_close", recording)
         monkeypatch.setattr(world_steps, "EMPTY_OFFERS", offers)
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        keys = sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist())
+        keys = _dealt_keys(seed)
         return sum(found), keys
 
     before, _ = empties(1)
@@ -784,10 +788,7 @@ def test_placing_spread_pieces_again_never_lifts_the_busiest_rank(monkeypatch):
 
     monkeypatch.setattr(WorldStepPacker, "_refill", recording)
     for seed in range(25):
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+        assert _dealt_keys(seed) == list(range(240))
     assert all(after <= before for before, after in closes) and any(after < before for before, after in closes)
 
 
@@ -819,10 +820,7 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
     monkeypatch.setattr(StepBins, "fill", recording_fill)
     monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", counting)
     for seed in range(25):
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+        assert _dealt_keys(seed) == list(range(240))
     assert looks and all(looks) and len(tries) > 1
 
 
@@ -846,10 +844,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
     for seed in (1, 339):
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+        assert _dealt_keys(seed) == list(range(240))
     filled = [(end, pair[0]) for end, pair in closes if pair]
     assert all(end == min(pair) for end, pair in filled)
     assert any(a < b for _, (a, b) in filled) and any(a > b for _, (a, b) in filled)
@@ -871,10 +866,7 @@ def test_the_close_keeps_a_later_pass_only_where_it_lowers_the_busiest_rank_over
 
     monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", recording)
     for seed in [*range(40), 138]:
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+        assert _dealt_keys(seed) == list(range(240))
     assert all(after < before if kept else after == before for before, after, kept in passes)
     assert any(kept for _, _, kept in passes)
 
@@ -905,10 +897,7 @@ def test_the_step_places_every_spread_piece_where_the_trades_and_moves_put_it(mo
     monkeypatch.setattr(world_trades.SpreadSwap, "run", checking_run)
     monkeypatch.setattr(world_trades.SpreadSwap, "_move", counting_move)
     for seed in [*range(40), 74, 196]:  # (74 and 196 move pieces)
-        lengths = _lengths(seed, 240)
-        packer = WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE)
-        out = [packer.place(np.arange(lo, lo + 40), lengths[lo:lo + 40]) for lo in range(0, 240, 40)]
-        assert sorted(k for p in [*out, packer.finish()] for k in p.keys.tolist()) == list(range(240))
+        assert _dealt_keys(seed) == list(range(240))
     assert any(moves) and checked and all(checked)
 
 

@@ -174,6 +174,10 @@ class StepBins:
         """Whether the busiest rank's load stands more than ``fraction`` above the mean rank's."""
         return max(self.load) > (1 + fraction) * sum(self.load) / self.world
 
+    def busiest_rank(self) -> int:
+        """The rank of most load (ties: the lowest)."""
+        return self.load.index(max(self.load))
+
     @property
     def free_tokens(self) -> int:
         """Tokens of room left in the step."""
@@ -450,6 +454,14 @@ class StepBins:
             self._take(first, k, s, alone_tiles(s, self.tile))
         else:
             self._take_spread(s, k, first, c)
+
+    def remove(self, s: int, where: Placement) -> None:
+        """Take back a piece of ``s`` tokens placed at ``where``, whole (:meth:`take_back`) or spread
+        (:meth:`take_back_spread`); :meth:`restore` puts it back."""
+        if where[2] == 1:
+            self.take_back(s, where)
+        else:
+            self.take_back_spread(s, where)
 
     def move(self, s: int, where: Placement, level: float) -> Placement | None:
         """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it

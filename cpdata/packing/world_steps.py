@@ -212,8 +212,7 @@ class WorldStepPacker:
             for choice in trials:
                 before = self._saved()
                 self._finish(choice)
-                load = self._bins.load
-                over = max(load) * len(load) / sum(load)  # (trials may end holding different pieces)
+                over = self._bins.ratio()  # (over the mean: trials may end holding different pieces)
                 if best is None or over < best[0]:
                     best = (over, self._saved())
                 self._bins, self._step, self._waiting = before
@@ -294,10 +293,9 @@ class WorldStepPacker:
         world-sized pieces whose last holds a short document alone, on its 2 ranks (books at 32 x 4K, seed 3:
         1.0039 x the mean rank, Megatron's busiest 1.0004 x its own, the short document over all 32)."""
         for _ in range(SPREAD_OUT_ROUNDS):
-            load = self._bins.load
             if not self._bins.over(SPREAD_OUT_OVER):
                 return
-            found = self._spread_out_place(max(range(len(load)), key=lambda r: (load[r], -r)))
+            found = self._spread_out_place(self._bins.busiest_rank())
             if found is None or not self._kept_if_lower(functools.partial(self._place_again, *found)):
                 return
 
@@ -317,19 +315,14 @@ class WorldStepPacker:
             widths = [w for w in range(2 * b.node_size, b.world + 1, b.node_size) if w > abs(c)]
             if not widths:
                 continue
-            (b.take_back if c == 1 else b.take_back_spread)(s, (k, first, c))
+            b.remove(s, (k, first, c))
             arrays = b.snapshot()
             for w in widths:
                 choice = b.choose(s, w, top_recv, arrays=arrays)
                 if choice is None or choice[0] >= top or (best is not None and choice[0] >= best[0]):
                     continue
                 where = choice[1:]
-                after = list(inter)
-                for r, keys in self._inter_of(s, (k, first, c)).items():
-                    after[r] -= keys
-                for r, keys in self._inter_of(s, where).items():
-                    after[r] += keys
-                if max(after) <= top_inter:
+                if max(self._moved_inter(inter, s, (k, first, c), where)) <= top_inter:
                     best = (choice[0], i, where)
             b.restore(s, (k, first, c))
         return None if best is None else (best[1], best[2])
@@ -353,9 +346,7 @@ class WorldStepPacker:
                     break
                 i, mirrored = found
                 _, s, where = self._step[i]
-                for sign, at in ((-1, where), (1, mirrored)):
-                    for r, n in self._inter_of(s, at).items():
-                        inter[r] += sign * n
+                inter = self._moved_inter(inter, s, where, mirrored)
                 self._place_again(i, mirrored)
 
     def _flip_choice(self, inter_first: bool, inter: list[int], spread: list[int]) -> tuple[int, Placement] | None:
@@ -370,20 +361,18 @@ class WorldStepPacker:
         best: tuple[tuple[int, int], int, Placement] | None = None
         for i in spread:
             _, s, (k, first, c) = self._step[i]
-            if not (first <= q < first + c if c > 0 else first + c < q <= first):
+            if q not in owner_ranks(first, c):  # (a range: no pass over it)
                 continue
             ranks = list(owner_ranks(first, c))
             need, tiles, keys = (role.tolist() for role in b.roles(s, abs(c)))
             if any(b.room[r][k] + n < m for r, n, m in zip(ranks, need, need[::-1], strict=True)):
                 continue  # (mirrored, a role of an uneven cut would not fit its rank's room)
             mirrored = (k, ranks[-1], -c)
-            after_recv, after_load, after_inter = list(recv), list(load), list(inter)
+            after_recv, after_load = list(recv), list(load)
             for r, t, key, t2, key2 in zip(ranks, tiles, keys, tiles[::-1], keys[::-1], strict=True):
                 after_recv[r] += key2 - key
                 after_load[r] += t2 - t
-            for sign, where in ((-1, (k, first, c)), (1, mirrored)):
-                for r, n in self._inter_of(s, where).items():
-                    after_inter[r] += sign * n
+            after_inter = self._moved_inter(inter, s, (k, first, c), mirrored)
             if max(after_load) > top or max(after_recv) > most or max(after_inter) > most_inter:
                 continue
             score = (max(after_inter), max(after_recv)) if inter_first else (max(after_recv), max(after_inter))
@@ -396,7 +385,7 @@ class WorldStepPacker:
     def _place_again(self, i: int, where: Placement) -> None:
         """Piece ``i`` of the step taken back and placed at ``where``."""
         key, s, old = self._step[i]
-        (self._bins.take_back if old[2] == 1 else self._bins.take_back_spread)(s, old)
+        self._bins.remove(s, old)
         self._bins.restore(s, where)
         self._step[i] = (key, s, where)
 
@@ -409,6 +398,15 @@ class WorldStepPacker:
             for r, keys in self._inter_of(s, where).items():
                 inter[r] += keys
         return inter
+
+    def _moved_inter(self, inter: list[int], s: int, old: Placement, new: Placement) -> list[int]:
+        """A copy of ``inter`` (each rank's keys from other nodes) with a piece of ``s`` tokens moved from ``old``
+        to ``new`` (:meth:`_inter_of`)."""
+        after = list(inter)
+        for sign, where in ((-1, old), (1, new)):
+            for r, n in self._inter_of(s, where).items():
+                after[r] += sign * n
+        return after
 
     def _inter_of(self, s: int, where: Placement) -> dict[int, int]:
         """Keys each rank of a piece of ``s`` tokens at ``where`` receives from ranks of other nodes
@@ -433,7 +431,7 @@ class WorldStepPacker:
             load = self._bins.load
             if not self._bins.over(SPREAD_SWAP_OVER):
                 return
-            h = max(range(len(load)), key=lambda r: (load[r], -r))
+            h = self._bins.busiest_rank()
             held = sorted(((s, key, where) for key, s, where in self._step
                            if 1 < abs(where[2]) <= self.node_size and h in owner_ranks(where[1], where[2])),
                           reverse=True)  # fmt: skip

@@ -49,10 +49,8 @@ class SpreadSwap:
 
     def run(self, rounds: int = 16) -> None:
         """Trade while the busiest rank stands over the mean and a trade lowers it, at most ``rounds`` times."""
-        load = self.bins.load
         for _ in range(rounds):
-            busiest = max(range(len(load)), key=lambda r: (load[r], -r))
-            if not self.bins.over(SPREAD_SWAP_OVER) or not self._lower(busiest):
+            if not self.bins.over(SPREAD_SWAP_OVER) or not self._lower(self.bins.busiest_rank()):
                 return
 
     def _lower(self, h: int) -> bool:
