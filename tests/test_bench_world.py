@@ -52,7 +52,7 @@ def test_the_step_rows_are_the_step_packers_packs_laid_out_from_their_owners():
     """The step system's packs: every rank within its tokens, every document once, owners as the layout reads
     them (each run's owner the packer's), and the counted tiles those of the varlen kernel on that layout."""
     from cpdata.layout.tiles import varlen_live_tiles
-    from cpdata.layout.world_step import owned_runs, owner_ranks
+    from cpdata.layout.world_owners import owned_runs, owner_ranks
 
     packs, seconds = world.step_packs("sft", 8, 2048, 3)
     assert len(packs) == 3 and seconds > 0
@@ -154,10 +154,10 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
     2 x the mean rank's received keys lets the ranks that take first roles receive 1.30 x Megatron's busiest
     receiver (1.75 did, 1.195 x, before ties in load went to the orientation of least busiest receiver); at the
     cap's 1.6, at most Megatron's, and the step's tiles still within Megatron's and 1.03 x the mean rank."""
-    from cpdata.layout import world_step
+    from cpdata.layout import step_loads, world_owners
 
     def step_row() -> tuple[dict, dict]:
-        world_step._roles.cache_clear()
+        world_owners.role_costs.cache_clear()
         packs, seconds = world.step_packs("web", 16, 8192, 8, 18)
         mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
         docs = np.concatenate([lens for lens, _ in packs]).tolist()
@@ -165,8 +165,8 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
         return mine, theirs
 
     mine, theirs = step_row()
-    assert world_step.RECEIVE_CAP == 1.6 and mine["step_recv_keys"] <= theirs["step_recv_keys"]
+    assert step_loads.RECEIVE_CAP == 1.6 and mine["step_recv_keys"] <= theirs["step_recv_keys"]
     assert mine["step_tiles"] <= theirs["step_tiles"] and mine["step_over_mean"] <= 1.03
-    monkeypatch.setattr(world_step, "RECEIVE_CAP", 2.0)
+    monkeypatch.setattr(step_loads, "RECEIVE_CAP", 2.0)
     mine, theirs = step_row()
     assert mine["step_recv_keys"] > 1.29 * theirs["step_recv_keys"]

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from cpdata.layout import spread
 from cpdata.layout.spread import thd_recv
+from cpdata.layout.world_owners import owned_runs
 from cpdata.layout.world_plan import alone_tiles, chunk_need, thd_chunks, thd_runs
-from cpdata.layout.world_step import owned_runs
 from tests.test_world_step import thd_tiles
 
 TILE, NODE = 128, 8
@@ -183,7 +183,7 @@ def test_the_roles_are_what_the_layout_and_the_exchange_count(owners: tuple[int,
     own counters (varlen tiles of the layout, the exchange plan) are the cut's roles'; the document's runs tile
     it and no rank holds more than its positions."""
     from cpdata.bench import world
-    from cpdata.layout.world_step import owner_ranks
+    from cpdata.layout.world_owners import owner_ranks
 
     first, c = owners
     lens = np.array([WEB, 3000, 900], dtype=np.int64)

@@ -148,7 +148,7 @@ def test_pad_free_counts_the_tiles_of_the_kernels_own_segments(tile):
     runs of pad both shorter and longer than PAD_CHUNK, at tiles under, equal to and over it; and each row with
     its pad moved first (run: at tile 128 one diagonal tile per PAD_CHUNK piece more)."""
     from cpdata.bench.world import NODE_SIZE, step_packs
-    from cpdata.layout.world_step import owned_runs
+    from cpdata.layout.world_owners import owned_runs
 
     world, local = 8, 2048
     packs, _ = step_packs("sft", world, local, 3)

@@ -9,12 +9,14 @@ import copy
 import numpy as np
 import pytest
 
-from cpdata.layout import spread, world_step
+from cpdata.layout import spread, step_loads, world_owners, world_step
 from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
+from cpdata.layout.world_owners import owned_runs, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
-from cpdata.layout.world_step import DRIFT, StepBins, owned_runs, owner_ranks
-from cpdata.packing import world_steps, world_trades
+from cpdata.layout.world_step import DRIFT, StepBins
+from cpdata.packing import world_fill, world_keys, world_steps, world_trades
+from cpdata.packing.world_fill import fill_place
 from cpdata.packing.world_steps import WorldStepPacker
 
 WORLD, NODE, LOCAL, PACKS, TILE = 8, 4, 512, 3, 128
@@ -501,8 +503,8 @@ def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, mo
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
     pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On this
     stream a closed step keeps an empty micro-batch beside waiting pieces with the offer made once (of seeds
-    0-299 the only one: the close's fill, :meth:`StepBins.fill`, takes the others' empty micro-batches); with it
-    made again, none does, and every piece is dealt once."""
+    0-299 the only one: the close's fill, :func:`~cpdata.packing.world_fill.fill_place`, takes the others' empty
+    micro-batches); with it made again, none does, and every piece is dealt once."""
     close, default = WorldStepPacker._close, world_steps.EMPTY_OFFERS
 
     def empties(offers: int) -> tuple[int, list[int]]:
@@ -648,6 +650,7 @@ def test_a_spread_piece_moves_wider_inside_its_node_where_its_width_cannot_lower
     assert _closed_tiles(placed, world=8, local=1024, packs=2) == ([317, 316, 315, 315, 321, 321, 260, 260], [0, 1])
     monkeypatch.setattr(world_trades, "megatron_width", lambda s, local: -(-s // local) // 2)
     monkeypatch.setattr(world_step, "megatron_width", lambda s, local: -(-s // local) // 2)
+    monkeypatch.setattr(world_fill, "megatron_width", lambda s, local: -(-s // local) // 2)
     assert _closed_tiles(placed, world=8, local=1024, packs=2)[0] == [356, 356, 356, 256, 256, 259, 260, 260]
 
 
@@ -661,11 +664,12 @@ def test_a_waiting_spread_piece_fills_the_step_where_it_lowers_the_busiest_rank_
     document waits."""
     bins = StepBins(2, 8, 1024, 8, TILE)
     bins.restore(8000, (0, 0, 8))
-    assert bins.fill(3000) is None
+    assert fill_place(bins, 3000) is None
     bins.restore(3000, (1, 0, 3))
     assert max(bins.load) * 8 / sum(bins.load) == pytest.approx(1.207, abs=1e-3)
     state = (list(bins.load), list(bins.recv), [list(room) for room in bins.room])
-    assert bins.fill(3000) == ((1, 6, -4), []) and (bins.load, bins.recv, bins.room) == state  # (it only chooses)
+    assert fill_place(bins, 3000) == ((1, 6, -4), [])
+    assert (bins.load, bins.recv, bins.room) == state  # (it only chooses)
     bins.restore(3000, (1, 6, -4))
     assert bins.load == [356, 356, 356, 331, 331, 334, 335, 260] and max(bins.recv) == 9000
     packer = WorldStepPacker(8 * 1024, 8, 8, 2, TILE)
@@ -698,15 +702,15 @@ def test_a_waiting_spread_piece_clears_whole_pieces_from_the_room_it_needs_where
     the place of cheap ones lifts the mean without doing the step's work in fewer passes."""
     packer = _cleared_step(256, 4, [3000])
     b = packer._bins
-    assert b.fill(3000) is None and b.free_tokens == 1288
+    assert fill_place(b, 3000) is None and b.free_tokens == 1288
     assert b.ratio() == pytest.approx(1.183, abs=1e-3)
-    where, slots = b.fill(3000, packer._whole_slots())
+    where, slots = fill_place(b, 3000, packer._whole_slots())
     assert where == (1, 6, -4) and slots == [(3, 1), (4, 1), (5, 1), (6, 1)]
     packer._finish(None)
     assert packer._bins.ratio() == pytest.approx(1.0615, abs=1e-4) and packer._bins.placed == 16_048
     assert (50, 3000, (1, 6, -4)) in packer._step and len(packer._waiting) == 8  # (8 of 16 short ones back in)
     packer = _cleared_step(1024, 1, [3000])
-    assert packer._bins.fill(3000, packer._whole_slots()) is not None  # (a place, if slots are cleared)
+    assert fill_place(packer._bins, 3000, packer._whole_slots()) is not None  # (a place, if slots are cleared)
     packer._finish(None)
     assert packer._bins.placed == 15_096 and packer._waiting == [(50, 3000)]
 
@@ -736,7 +740,7 @@ def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_
 
     over, tiles, recv = step()
     assert over == pytest.approx(1.128, abs=1e-3) and tiles < 1 and recv <= 1
-    monkeypatch.setattr(world_step, "FILL_RECEIVE_CAP", world_step.RECEIVE_CAP)
+    monkeypatch.setattr(world_fill, "FILL_RECEIVE_CAP", step_loads.RECEIVE_CAP)
     over, tiles, recv = step()
     assert over == pytest.approx(1.110, abs=1e-3) and tiles > 1.1 and recv == pytest.approx(2.0, abs=1e-3)
     monkeypatch.setattr(WorldStepPacker, "_fill", lambda self: False)
@@ -793,23 +797,23 @@ def test_placing_spread_pieces_again_never_lifts_the_busiest_rank(monkeypatch):
 
 
 def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeypatch):
-    """A trial not kept puts back a copy of the step; each later look of the same round (:meth:`StepBins.fill`)
+    """A trial not kept puts back a copy of the step; each later look of the same round (:func:`fill_place`)
     must read that copy, not the bins the trial changed. Over random streams, every look during a close's placing
     again is made on the packer's own bins, and some rounds try more than one piece."""
     looks: list[bool] = []
     tries: list[int] = []
     current: list[WorldStepPacker] = []
-    refill, fill, kept_if_lower = WorldStepPacker._refill, StepBins.fill, WorldStepPacker._kept_if_lower
+    refill, kept_if_lower = WorldStepPacker._refill, WorldStepPacker._kept_if_lower
 
     def recording_refill(self) -> None:
         current.append(self)
         refill(self)
         current.pop()
 
-    def recording_fill(self, *args, **kwargs):
+    def recording_fill(bins, *args, **kwargs):
         if current:
-            looks.append(self is current[-1]._bins)
-        return fill(self, *args, **kwargs)
+            looks.append(bins is current[-1]._bins)
+        return fill_place(bins, *args, **kwargs)
 
     def counting(self, phase, fewer_tokens: bool = True) -> bool:
         if current:
@@ -817,7 +821,7 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
         return kept_if_lower(self, phase, fewer_tokens)
 
     monkeypatch.setattr(WorldStepPacker, "_refill", recording_refill)
-    monkeypatch.setattr(StepBins, "fill", recording_fill)
+    monkeypatch.setattr(world_steps, "fill_place", recording_fill)
     monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", counting)
     for seed in range(25):
         assert _dealt_keys(seed) == list(range(240))
@@ -1044,7 +1048,7 @@ def test_the_receive_cap_picks_the_window_and_orientation_that_keep_the_busiest_
     bins.restore(2048, (0, 0, 2))
     assert bins.recv == [1024, 512, 0, 0, 0, 0, 0, 0]
     assert bins.choose(2048, 2) == (136.0, 1, 2, -2)
-    monkeypatch.setattr(world_step, "RECEIVE_CAP", 100.0)
+    monkeypatch.setattr(step_loads, "RECEIVE_CAP", 100.0)
     assert bins.choose(2048, 2) == (136.0, 1, 1, -2)
 
 
@@ -1053,7 +1057,7 @@ def test_a_later_spread_piece_waits_rather_than_pass_the_receive_cap(monkeypatch
     2,048-token piece on 2 ranks would lift one rank to 1,536 keys past 1,024 either way: it waits, nothing
     changes; the step's first piece, which cannot wait, is placed."""
 
-    monkeypatch.setattr(world_step, "RECEIVE_CAP", 0.0)
+    monkeypatch.setattr(step_loads, "RECEIVE_CAP", 0.0)
     bins = StepBins(2, 2, 1024, 2, TILE)
     bins.set_density([2048, 2048])
     assert bins.place(2048) == (0, 0, 2)
@@ -1088,7 +1092,7 @@ def test_the_receive_caps_second_try_counts_only_the_pieces_the_room_left_holds(
     pieces to come, only those the room left after it holds count: with 2 micro-batches none (still 1,229: it
     waits), with 3 one (0.8 x 4,608 / 2 = 1,843: placed). Counting all 98 would place it in both."""
 
-    monkeypatch.setattr(world_step, "RECEIVE_CAP", 0.8)
+    monkeypatch.setattr(step_loads, "RECEIVE_CAP", 0.8)
     bins = StepBins(packs, 2, 1024, 2, TILE)
     bins.set_density([2048] * 100)
     assert bins.place(2048) == (0, 0, 2) and bins.recv == [1024, 512]
@@ -1166,10 +1170,9 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
     busiest rank stands at 1.37 x its mean. Cut past Megatron's width (cpdata.layout.spread), on up to 8 ranks of
     one node, no rank receives more than THD's first role on 4 (23,600 keys) and the step stands at 1.002 x."""
     from cpdata.bench import world
-    from cpdata.layout import spread, world_step
 
     def step() -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
-        world_step._roles.cache_clear()
+        world_owners.role_costs.cache_clear()
         packs, _ = world.step_packs("web", 16, 8192, 8, 13)
         (owners,) = [own for lens, own in packs
                      for s, own in zip(lens.tolist(), own.tolist(), strict=True) if s == 31_467]  # fmt: skip
@@ -1182,11 +1185,11 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
     assert recv.max() <= thd_recv(31_467, 4)[0] == 23_600
     assert tiles.max() <= 1.03 * tiles.mean()
     # the same step where the cut cannot go past Megatron's width
-    monkeypatch.setattr(world_step, "spread_chunks",
+    monkeypatch.setattr(world_owners, "spread_chunks",
                         lambda s, c, local, node: spread.spread_chunks(s, c, local, node)
                         if c <= spread.megatron_width(s, local) else None)  # fmt: skip
     (_, narrow), tiles, _ = step()
-    world_step._roles.cache_clear()
+    world_owners.role_costs.cache_clear()
     assert abs(narrow) == 4 and tiles.max() > 1.3 * tiles.mean()
 
 
@@ -1255,7 +1258,7 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     bins.set_density([3900] + [100] * 300)
     where = bins.place(3900)
     assert where is not None and 4 < abs(where[2]) <= 8 and max(tried) == 8
-    assert max(world_step._roles(3900, abs(where[2]), 1024, TILE, 32)[1]) < max(thd_tiles(3900, 4, TILE))
+    assert max(role_costs(3900, abs(where[2]), 1024, TILE, 32)[1]) < max(thd_tiles(3900, 4, TILE))
 
 
 def _lone_piece_step(big: list[tuple[int, int, int]]) -> WorldStepPacker:
@@ -1377,12 +1380,12 @@ def test_a_mirror_that_would_lift_the_busiest_inter_node_receiver_is_not_taken(m
     also bring rank 0 keys from another node past the step's busiest such receiver (here none crosses a node, so
     any would), neither is mirrored: the step keeps 8,192 keys on rank 0 and no inter-node keys."""
     packer = _mirror_step([])
-    inter_of = WorldStepPacker._inter_of
+    inter_of = world_keys.InterNodeKeys.of
 
     def crossing(self, s, where):
         return {0: 1_000} if where in ((0, 3, -4), (1, 3, -4)) else inter_of(self, s, where)
 
-    monkeypatch.setattr(WorldStepPacker, "_inter_of", crossing)
+    monkeypatch.setattr(world_keys.InterNodeKeys, "of", crossing)
     packer._flip()
     assert packer._step == [(0, 6_000, (0, 0, 4)), (1, 6_000, (1, 0, 4))] and max(packer._inter_keys()) == 0
     assert max(packer._bins.recv) == 8_192

@@ -10,7 +10,7 @@ from cpdata import CPDataset
 from cpdata.bench.distributions import sample, token_documents
 from cpdata.layout.maps import layout_spec
 from cpdata.layout.tiles import varlen_live_tiles
-from cpdata.layout.world_step import owned_runs
+from cpdata.layout.world_owners import owned_runs
 from cpdata.nodes.options import StreamPlan
 from cpdata.nodes.pack import Pack
 from cpdata.nodes.source import Documents

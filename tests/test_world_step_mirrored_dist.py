@@ -1,5 +1,5 @@
 """A world step's mirrored placements (a spread document's THD roles counted down from its window's last rank,
-:func:`cpdata.layout.world_step.owner_ranks`) and uneven cuts (as :func:`cpdata.layout.spread.capped_chunks`
+:func:`cpdata.layout.world_owners.owner_ranks`) and uneven cuts (as :func:`cpdata.layout.spread.capped_chunks`
 cuts past Megatron's width: roles' chunks of unequal lengths, an empty one) through the whole path on 4 gloo
 ranks as 2 "nodes" x 2: the packer's owners, each rank's layout, the K/V exchange and the ``"cpdata"``
 attention give, summed over the ranks, the loss and every gradient of each document run alone (every family of
@@ -56,11 +56,11 @@ def _uneven(s: int, c: int, local: int, node_size: int) -> tuple[int, ...]:
 
 def _cut_unevenly(set_attr=setattr) -> None:
     """Every spread document cut by :func:`_uneven` (``set_attr``: the test's ``monkeypatch.setattr``)."""
-    from cpdata.layout import spread, world_step
+    from cpdata.layout import spread, world_owners
 
     set_attr(spread, "spread_chunks", _uneven)
-    set_attr(world_step, "spread_chunks", _uneven)
-    world_step._roles.cache_clear()
+    set_attr(world_owners, "spread_chunks", _uneven)
+    world_owners.role_costs.cache_clear()
 
 
 def _rank(rank: int, world: int, spread: int, uneven: bool) -> list:
@@ -106,8 +106,8 @@ def test_a_mirrored_spread_document_trains_like_each_document_alone():
 
 
 def test_an_unevenly_cut_spread_document_trains_like_each_document_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cpdata.layout import world_step
-    from cpdata.layout.world_step import owner_ranks
+    from cpdata.layout import world_owners
+    from cpdata.layout.world_owners import owner_ranks
 
     _cut_unevenly(monkeypatch.setattr)
     try:
@@ -115,7 +115,7 @@ def test_an_unevenly_cut_spread_document_trains_like_each_document_alone(monkeyp
         results = run_ranks(_rank, CP, 3, True, timeout=600)
     finally:
         monkeypatch.undo()
-        world_step._roles.cache_clear()
+        world_owners.role_costs.cache_clear()
     held = [set(r[0][0]) for r in results]
     _, out, full = results[0]
     # the chunks are where the uneven cut puts them: the first role's front chunk, longer than THD's, on the

@@ -23,7 +23,7 @@ costs at most 4,824 a rank, and no rank receives more than Megatron's first role
 Trade-off: the capped roles are less even than THD's (7 ranks for a document Megatron gives 4: the busiest
 1.07 x the mean role, its last role at 0.64 x; THD's 1.002 x), so the deal only widens where the narrower
 widths leave the step's busiest rank over the level. The cut is a pure function of ``(s, c, local,
-node_size)``: the pack's slot owners say ``c``, and :func:`~cpdata.layout.world_step.owned_runs` recomputes the
+node_size)``: the pack's slot owners say ``c``, and :func:`~cpdata.layout.world_owners.owned_runs` recomputes the
 runs under the deal's node size.
 """
 

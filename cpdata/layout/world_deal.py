@@ -40,8 +40,8 @@ import numpy as np
 from cpdata.errors import check_int, check_number
 from cpdata.layout.runs import _per_pack
 from cpdata.layout.spans import SpanBlock
+from cpdata.layout.world_owners import owned_runs
 from cpdata.layout.world_plan import WorldBins, alone_tiles, grid_tiles, plan_runs
-from cpdata.layout.world_step import owned_runs
 
 __all__ = ["H100_DEFAULTS", "MIN_SPREAD", "SPREAD_FRACTIONS", "WorldCost", "alone_tiles", "grid_tiles",
            "world_block", "world_runs"]  # fmt: skip
@@ -250,7 +250,7 @@ def world_block(lens: np.ndarray, counts: np.ndarray | None, pack_len: int, cp_s
     """``world`` tables of ``P`` packs (``lens`` int64 ``[N]`` checked slot lengths, ``counts`` int64 ``[P]``
     slots per pack, None: one pack): one :func:`world_runs` per pack, each run a span; a pack whose ``owners``
     (int64 ``[D_p, 2]``, a world step's) are given is laid out from them
-    (:func:`~cpdata.layout.world_step.owned_runs`)."""
+    (:func:`~cpdata.layout.world_owners.owned_runs`)."""
     packs = _per_pack(lens, counts)
     owned = [None] * len(packs) if owners is None else list(owners)
     if len(owned) != len(packs):

@@ -5,8 +5,8 @@ Algorithms ``bfd`` (default), ``ffd``, ``first_fit``, ``next_fit``, ``concat``: 
 docs/packing-and-mixing.md, numbers from ``cpdata bench``. Modules, in pipeline order:
 ``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing`` (also the world layout's
 packer), ``world_steps`` (the world layout's packer dealing a step of micro-batches; its close's settle in
-``world_settle`` and window trades in ``world_trades``), ``filling`` (exact
-fills), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
+``world_settle``, window trades in ``world_trades``, fill in ``world_fill``, moves for keys in ``world_keys``),
+``filling`` (exact fills), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
 (length distributions for tests and benchmarks)."""
 
 from cpdata.packing.planner import StreamPlanner, plan_lengths

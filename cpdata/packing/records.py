@@ -221,7 +221,7 @@ class PackKeys:
     owners: np.ndarray | None = None
     """int64 ``[pieces, 2]``: each piece's first rank and ranks in a world step
     (:class:`~cpdata.packing.world_steps.WorldStepPacker`; negative: counted down,
-    :func:`~cpdata.layout.world_step.owner_ranks`); None: the layout deals each pack."""
+    :func:`~cpdata.layout.world_owners.owner_ranks`); None: the layout deals each pack."""
 
     @classmethod
     def from_lists(cls, packs: Sequence[Sequence[int]]) -> PackKeys:

@@ -16,8 +16,9 @@ import bisect
 import itertools
 from collections.abc import Callable
 
+from cpdata.layout.world_owners import Placement
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import Placement, StepBins
+from cpdata.layout.world_step import StepBins
 
 __all__ = ["EXCHANGE_NEAR", "EXCHANGE_PIECES", "EXCHANGE_RANKS", "EXCHANGE_ROUNDS", "MANY_ROUNDS", "SETTLE_PIECES",
            "Settle"]

@@ -32,7 +32,7 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    them and steps 1-5 run once more (:data:`EMPTY_OFFERS`);
 7. fill, where the step stands over the mean (:data:`SPREAD_SWAP_OVER`): waiting spread pieces, longest first
    (:data:`FILL_TRIES`), go where they leave the busiest rank less over the mean rank, past the level, clearing
-   whole pieces from the room they need (:meth:`~cpdata.layout.world_step.StepBins.fill`,
+   whole pieces from the room they need (:func:`~cpdata.packing.world_fill.fill_place`,
    :meth:`WorldStepPacker._fill`): a step opened by a document on every rank, whose next ones of that size wait,
    otherwise closes with its other micro-batches part empty and its busiest ranks those of the few spread pieces
    it holds (a mixed corpus at 32 x 4K, seed 4: fill 0.37, 1.037 x the mean rank; filled, 0.83 and 1.010 x);
@@ -75,10 +75,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cpdata.layout.spread import spread_chunks
+from cpdata.layout.world_owners import Placement, owner_ranks
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import FILL_RECEIVE_CAP, Placement, StepBins, owner_ranks
+from cpdata.layout.world_step import StepBins
 from cpdata.packing.records import PackKeys
+from cpdata.packing.world_fill import fill_place
+from cpdata.packing.world_keys import InterNodeKeys, mirror_choice, spread_out_choice
 from cpdata.packing.world_settle import Settle
 from cpdata.packing.world_trades import SPREAD_SWAP_OVER, SpreadSwap
 
@@ -126,20 +128,6 @@ this many in a row are not kept (:meth:`WorldStepPacker._fill`): each is a place
 trial on a copy of the step."""
 
 
-@functools.lru_cache(maxsize=4096)
-def _inter_node_keys(s: int, first: int, c: int, local: int, node_size: int) -> tuple[tuple[int, int], ...]:
-    """``(rank, keys)`` of a piece of ``s`` tokens spread at ``(first, c)`` (:func:`owner_ranks`' sign) over ranks
-    of ``local`` tokens, ``node_size`` a node: the keys each receives from ranks of other nodes. Role ``j`` needs
-    every chunk up to its later one, ``2c - 1 - j`` (:func:`~cpdata.layout.spread.chunk_recv`), so of role ``q``
-    its chunk ``q``, and its chunk ``2c - 1 - q`` where ``q > j``."""
-    ranks = list(owner_ranks(first, c))
-    chunk = spread_chunks(s, abs(c), local, node_size)
-    last = 2 * abs(c) - 1
-    return tuple((r, sum(chunk[q] + (chunk[last - q] if q > j else 0)
-                         for q, rq in enumerate(ranks) if rq // node_size != r // node_size))
-                 for j, r in enumerate(ranks))  # fmt: skip
-
-
 def _longest_first(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``(key, length)`` pieces longest first, ties by key (two stable sorts: no key tuple a piece)."""
     out = sorted(pieces, key=operator.itemgetter(0))
@@ -158,6 +146,7 @@ class WorldStepPacker:
         self._bins = self._new_step()
         self._step: list[tuple[int, int, Placement]] = []  # (key, slot, where), in placement order
         self._waiting: list[tuple[int, int]] = []  # (key, slot)
+        self._crossing = InterNodeKeys(world, capacity // world, node_size)
 
     def _new_step(self) -> StepBins:
         return StepBins(self.packs, self.world, self.capacity // self.world, self.node_size, self.tile)
@@ -288,44 +277,16 @@ class WorldStepPacker:
         ranks than a node and than Megatron's power of two, in THD's chunks, as Megatron's scheduler widens a
         sample into the ranks it left empty (:func:`~cpdata.layout.spread.spread_chunks`), where that leaves its
         busiest rank under the busiest rank, no rank receiving more keys, or more keys from other nodes, than the
-        step's busiest receivers or :data:`~cpdata.layout.world_step.FILL_RECEIVE_CAP` times the mean rank's (the
+        step's busiest receivers or :data:`~cpdata.packing.world_fill.FILL_RECEIVE_CAP` times the mean rank's (the
         fill's cap), and the step less over the mean (:meth:`_kept_if_lower`). A step of
         world-sized pieces whose last holds a short document alone, on its 2 ranks (books at 32 x 4K, seed 3:
         1.0039 x the mean rank, Megatron's busiest 1.0004 x its own, the short document over all 32)."""
         for _ in range(SPREAD_OUT_ROUNDS):
             if not self._bins.over(SPREAD_OUT_OVER):
                 return
-            found = self._spread_out_place(self._bins.busiest_rank())
+            found = spread_out_choice(self._bins, self._step, self._crossing, self._bins.busiest_rank())
             if found is None or not self._kept_if_lower(functools.partial(self._place_again, *found)):
                 return
-
-    def _spread_out_place(self, h: int) -> tuple[int, Placement] | None:
-        """``(piece, placement)``: :meth:`_spread_out`'s choice for busiest rank ``h``; None where none."""
-        b = self._bins
-        emptied = {k for k in range(b.packs) if any(room[k] == b.local for room in b.room)}
-        if not emptied:  # (most steps: nothing to look at)
-            return None
-        top, inter = b.load[h], self._inter_keys()
-        top_recv = max(max(b.recv), FILL_RECEIVE_CAP * sum(b.recv) / b.world)
-        top_inter = max(max(inter), FILL_RECEIVE_CAP * sum(inter) / b.world)
-        best: tuple[float, int, Placement] | None = None
-        for i, (_, s, (k, first, c)) in enumerate(self._step):
-            if k not in emptied or h not in owner_ranks(first, c):
-                continue
-            widths = [w for w in range(2 * b.node_size, b.world + 1, b.node_size) if w > abs(c)]
-            if not widths:
-                continue
-            b.remove(s, (k, first, c))
-            arrays = b.snapshot()
-            for w in widths:
-                choice = b.choose(s, w, top_recv, arrays=arrays)
-                if choice is None or choice[0] >= top or (best is not None and choice[0] >= best[0]):
-                    continue
-                where = choice[1:]
-                if max(self._moved_inter(inter, s, (k, first, c), where)) <= top_inter:
-                    best = (choice[0], i, where)
-            b.restore(s, (k, first, c))
-        return None if best is None else (best[1], best[2])
 
     def _flip(self) -> None:
         """The step's busiest receiver of keys, then its busiest receiver of keys from other nodes, lowered by
@@ -341,46 +302,13 @@ class WorldStepPacker:
         inter = self._inter_keys()  # (kept as pieces are mirrored)
         for inter_first in (False, True):
             for _ in range(FLIP_ROUNDS if not inter_first or max(inter) else 0):
-                found = self._flip_choice(inter_first, inter, spread)
+                found = mirror_choice(self._bins, self._step, self._crossing, inter_first, inter, spread)
                 if found is None:
                     break
                 i, mirrored = found
                 _, s, where = self._step[i]
-                inter = self._moved_inter(inter, s, where, mirrored)
+                inter = self._crossing.moved(inter, s, where, mirrored)
                 self._place_again(i, mirrored)
-
-    def _flip_choice(self, inter_first: bool, inter: list[int], spread: list[int]) -> tuple[int, Placement] | None:
-        """``(piece, mirrored placement)``: :meth:`_flip`'s choice for the busiest receiver (``inter_first``: of
-        keys from other nodes; ``inter``: each rank's now), of the step's spread pieces ``spread``; None where
-        none."""
-        b = self._bins
-        recv, load = b.recv, b.load
-        most, top, most_inter = max(recv), max(load), max(inter)
-        aim = inter if inter_first else recv
-        q = aim.index(max(aim))
-        best: tuple[tuple[int, int], int, Placement] | None = None
-        for i in spread:
-            _, s, (k, first, c) = self._step[i]
-            if q not in owner_ranks(first, c):  # (a range: no pass over it)
-                continue
-            ranks = list(owner_ranks(first, c))
-            need, tiles, keys = (role.tolist() for role in b.roles(s, abs(c)))
-            if any(b.room[r][k] + n < m for r, n, m in zip(ranks, need, need[::-1], strict=True)):
-                continue  # (mirrored, a role of an uneven cut would not fit its rank's room)
-            mirrored = (k, ranks[-1], -c)
-            after_recv, after_load = list(recv), list(load)
-            for r, t, key, t2, key2 in zip(ranks, tiles, keys, tiles[::-1], keys[::-1], strict=True):
-                after_recv[r] += key2 - key
-                after_load[r] += t2 - t
-            after_inter = self._moved_inter(inter, s, (k, first, c), mirrored)
-            if max(after_load) > top or max(after_recv) > most or max(after_inter) > most_inter:
-                continue
-            score = (max(after_inter), max(after_recv)) if inter_first else (max(after_recv), max(after_inter))
-            if score >= ((most_inter, most) if inter_first else (most, most_inter)):
-                continue
-            if best is None or score < best[0]:
-                best = (score, i, mirrored)
-        return None if best is None else (best[1], best[2])
 
     def _place_again(self, i: int, where: Placement) -> None:
         """Piece ``i`` of the step taken back and placed at ``where``."""
@@ -390,39 +318,15 @@ class WorldStepPacker:
         self._step[i] = (key, s, where)
 
     def _inter_keys(self) -> list[int]:
-        """Per rank, the keys it receives from other nodes over the step."""
-        inter = [0] * self.world
-        for _, s, where in self._step:
-            if abs(where[2]) < 2:  # (a whole piece receives nothing)
-                continue
-            for r, keys in self._inter_of(s, where).items():
-                inter[r] += keys
-        return inter
-
-    def _moved_inter(self, inter: list[int], s: int, old: Placement, new: Placement) -> list[int]:
-        """A copy of ``inter`` (each rank's keys from other nodes) with a piece of ``s`` tokens moved from ``old``
-        to ``new`` (:meth:`_inter_of`)."""
-        after = list(inter)
-        for sign, where in ((-1, old), (1, new)):
-            for r, n in self._inter_of(s, where).items():
-                after[r] += sign * n
-        return after
-
-    def _inter_of(self, s: int, where: Placement) -> dict[int, int]:
-        """Keys each rank of a piece of ``s`` tokens at ``where`` receives from ranks of other nodes
-        (:func:`_inter_node_keys`); empty where its window stays inside a node."""
-        _, first, c = where
-        lo, hi = (first, first + c - 1) if c > 0 else (first + c + 1, first)
-        if lo // self.node_size == hi // self.node_size:
-            return {}
-        return dict(_inter_node_keys(s, first, c, self.capacity // self.world, self.node_size))
+        """Per rank, the keys it receives from other nodes over the step (:class:`InterNodeKeys`)."""
+        return self._crossing.per_rank(self._step)
 
     def _refill(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_SWAP_OVER`), at most :data:`REFILL_ROUNDS` times: of
         the spread pieces inside a node the busiest rank holds part of, longest first, the first that, taken back
         and placed inside a node (its keys cross no node: placed again across nodes, a piece lifted the step's
         busiest inter-node receiver past Megatron's, the exponential corpus at 32 x 4K, seed 4, 1.03 x) where
-        :meth:`StepBins.fill` chooses (clearing whole pieces from the room it needs, as the fill does:
+        :func:`fill_place` chooses (clearing whole pieces from the room it needs, as the fill does:
         a move, :meth:`SpreadSwap._move`, finds no room where whole pieces fill every micro-batch of the light
         ranks) under the busiest rank's load, leaves the step less over the mean and its tokens no fewer (its busiest
         load is the step's time: held only to less over the mean, a wider cut's dearer tiles would pass for a gain,
@@ -439,7 +343,7 @@ class WorldStepPacker:
             for s, key, where in held:
                 b = self._bins  # (a trial not kept puts back a copy)
                 b.take_back_spread(s, where)
-                found = b.fill(s, whole, top)  # (its busiest load under the busiest rank as it stood with it)
+                found = fill_place(b, s, whole, top)  # (its busiest load under the busiest rank as it stood with it)
                 b.restore(s, where)
                 phase = functools.partial(self._refill_one, s, key, where, found)
                 if found is not None and self._kept_if_lower(phase, False):  # (a look first: the trial copies)
@@ -450,7 +354,7 @@ class WorldStepPacker:
     def _refill_one(self, s: int, key: int, where: Placement, found: tuple[Placement, list[tuple[int, int]]]
                     ) -> None:  # fmt: skip
         """Take spread piece ``key`` of ``s`` tokens back from ``where`` and place it again where
-        :meth:`StepBins.fill` found (:meth:`_fill_one`)."""
+        :func:`fill_place` found (:meth:`_fill_one`)."""
         self._step.remove((key, s, where))
         self._bins.take_back_spread(s, where)
         self._fill_one(key, s, found)
@@ -476,7 +380,7 @@ class WorldStepPacker:
 
     def _fill(self) -> bool:
         """Waiting spread pieces, longest first (:data:`FILL_TRIES`), go where they leave the step's busiest
-        rank less over its mean (:meth:`StepBins.fill`), clearing whole pieces from the slots they need, which are
+        rank less over its mean (:func:`fill_place`), clearing whole pieces from the slots they need, which are
         dealt again where they keep their rank at or under the busiest (:meth:`StepBins.top_up`), else wait; each
         kept only where the step then stands less over the mean than before it and holds no fewer tokens (a dear
         piece in the place of cheap ones that wait lifts the mean: the step would do the same work in fewer
@@ -489,7 +393,7 @@ class WorldStepPacker:
                 continue
             tried += 1
             whole = self._whole_slots() if whole is None else whole
-            found = self._bins.fill(s, whole)  # (a look first: the trial copies the step)
+            found = fill_place(self._bins, s, whole)  # (a look first: the trial copies the step)
             if found is not None and self._kept_if_lower(functools.partial(self._fill_one, key, s, found), False):
                 whole, placed, missed = None, True, 0
             else:
@@ -510,7 +414,7 @@ class WorldStepPacker:
         return tokens, tiles
 
     def _fill_one(self, key: int, s: int, found: tuple[Placement, list[tuple[int, int]]]) -> None:
-        """Place piece ``key`` of ``s`` tokens where :meth:`StepBins.fill` found, on this step as it was then: the
+        """Place piece ``key`` of ``s`` tokens where :func:`fill_place` found, on this step as it was then: the
         whole pieces of the slots it names leave first and are offered to :meth:`StepBins.top_up`; the rest
         wait."""
         b = self._bins

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.layout.spread import megatron_width
-from cpdata.layout.world_step import Placement, StepBins, owner_ranks
+from cpdata.layout.world_owners import Placement, owner_ranks
+from cpdata.layout.world_step import StepBins
 
 __all__ = ["SPREAD_SWAP_OVER", "SpreadSwap"]
 

@@ -143,8 +143,8 @@ class PackPlan:
     """Free-form metadata (e.g. packer stats); never tensors of the batch."""
     owners: np.ndarray | None = None
     """int64 ``[n_slots, 2]``: under a ``world`` layout dealt by steps (``StreamPlan(world_step=G)``), each slot's
-    first rank and ranks (negative: counted down, :func:`cpdata.layout.world_step.owner_ranks`), as the packer
-    dealt them (:func:`cpdata.layout.world_step.owned_runs`); None: the layout deals the pack from its slot
+    first rank and ranks (negative: counted down, :func:`cpdata.layout.world_owners.owner_ranks`), as the packer
+    dealt them (:func:`cpdata.layout.world_owners.owned_runs`); None: the layout deals the pack from its slot
     lengths."""
     piece_columns: PieceColumns = field(init=False, repr=False, compare=False)
     """The pieces as columns."""

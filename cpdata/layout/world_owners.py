@@ -1,0 +1,104 @@
+"""Who holds what of a world step's pieces: a placement's ranks, each role's tokens, tiles and keys, the windows
+a spread piece may take, and the runs of a pack the step dealt.
+
+A piece spread over ``c`` ranks is cut in ``2c`` chunks (:func:`~cpdata.layout.spread.spread_chunks`); rank ``j``
+of its window holds chunks ``j`` and ``2c - 1 - j`` (its *role*), counted up from the window's first rank or
+down from its last (:data:`Placement`). The deal (:class:`~cpdata.layout.world_step.StepBins`) and the close
+(:mod:`cpdata.packing.world_steps`) price placements with :func:`role_costs`; the shard stage lays a pack out from
+its slot owners with :func:`owned_runs`, never from a deal run again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, spread_runs
+from cpdata.layout.world_plan import chunk_need
+
+__all__ = ["Placement", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
+
+Placement = tuple[int, int, int]
+"""``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
+``ranks`` is negative, ``first`` down to ``first + ranks + 1`` (the window's roles mirrored)."""
+
+
+def owner_ranks(first: int, ranks: int) -> range:
+    """The ranks of a placement ``(first, ranks)`` (:data:`Placement`), in THD role order: role ``j`` of a
+    spread piece (chunks ``j`` and ``2c - 1 - j``) is the ``j``-th."""
+    return range(first, first + ranks, 1 if ranks > 0 else -1)
+
+
+@functools.lru_cache(maxsize=4096)
+def role_costs(s: int, c: int, local: int, tile: int, node_size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:  # fmt: skip
+    """int64 ``[c]`` each (read-only: one cached copy serves every call): ``(tokens, tiles, keys received)`` of
+    each role of a document of ``s`` tokens spread over ``c`` ranks of ``local`` tokens, ``node_size`` a node
+    (:func:`~cpdata.layout.spread.spread_chunks`); None where that width has no cut."""
+    chunk = spread_chunks(s, c, local, node_size)
+    if chunk is None:
+        return None
+    roles = tuple(np.array(v, dtype=np.int64) for v in (chunk_need(chunk), chunk_tiles(chunk, tile), chunk_recv(chunk)))
+    for role in roles:
+        role.flags.writeable = False
+    return roles
+
+
+def windows(world: int, node_size: int, c: int) -> list[int]:
+    """First ranks of the windows of ``c`` consecutive ranks a spread piece may take: inside one node when it fits
+    one, else from a node's first rank (whole nodes first)."""
+    if c > node_size:
+        return list(range(0, world - c + 1, node_size))
+    return [a for a in range(world - c + 1) if a // node_size == (a + c - 1) // node_size]
+
+
+@functools.lru_cache(maxsize=1024)
+def window_index(world: int, node_size: int, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int64 ``[W]`` the windows' first ranks (:func:`windows`), ``[W, c]`` their ranks, and ``[2, c]`` the role
+    at each position of a window, in THD's orientation and mirrored."""
+    starts = np.array(windows(world, node_size, c), dtype=np.int64).reshape(-1)
+    roles = np.stack([np.arange(c), np.arange(c)[::-1]])
+    return starts, starts[:, None] + np.arange(c), roles
+
+
+def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int, node_size: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The runs of a pack a world step dealt (:class:`~cpdata.layout.world_step.StepBins`, :attr:`PackPlan.owners`):
+    ``(starts, lengths, owners)`` int64 ``[R]`` sorted by global start, tiling ``[0, pack_len)``, every rank
+    ``pack_len / world`` positions (its pad last).
+
+    ``slot_lens`` int64 ``[D]``; ``owners`` int64 ``[D, 2]``: each slot's first rank and ranks (1: whole on the
+    first; ``c > 1``: the ``2c`` chunks of :func:`~cpdata.layout.spread.spread_chunks` over ``c`` consecutive
+    ranks up from the first, rank ``first + j`` taking chunks ``j`` and ``2c - 1 - j``: TE THD's up to Megatron's
+    width, on tile boundaries inside one node of ``node_size`` ranks, the receive-capped cut wider; ``-c``: the
+    same roles down from it, :func:`owner_ranks`). ``node_size`` is the deal's: the cut depends on it.
+    ``ValueError`` when a rank would hold more than its positions, a slot names a rank outside the world, or a
+    width has no cut.
+    """
+    local = pack_len // world
+    held = np.zeros(world, dtype=np.int64)
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for s, (first, c) in zip(slot_lens.tolist(), owners.tolist(), strict=True):
+        ranks = owner_ranks(first, c)
+        if not ranks or not (0 <= min(ranks) and max(ranks) < world):
+            raise ValueError(f"a slot of {s} tokens names ranks {first}..{first + c - (1 if c > 0 else -1)} "
+                             f"(first rank {first}, ranks {c}), outside a world of {world}")  # fmt: skip
+        if len(ranks) == 1:
+            runs.append((at, s, first))
+            held[first] += s
+        for offset, n, i in spread_runs(s, len(ranks), local, node_size) if len(ranks) > 1 else ():
+            runs.append((at + offset, n, ranks[i]))
+            held[ranks[i]] += n
+        at += s
+    if int(held.max(initial=0)) > local or at > pack_len:
+        raise ValueError(f"slot owners give a rank {int(held.max())} tokens (slots {at}) in a pack of {pack_len} "
+                         f"tokens over {world} ranks ({local} each); the owners belong to another pack")  # fmt: skip
+    for r in range(world):
+        n = local - int(held[r])
+        if n:
+            runs.append((at, n, r))
+            at += n
+    out = np.array(sorted(runs), dtype=np.int64).reshape(-1, 3)
+    return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()
