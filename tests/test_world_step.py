@@ -221,14 +221,15 @@ def _over_mean(packs, lengths: np.ndarray) -> float:
     return float(tiles.max() / tiles.mean())
 
 
-@pytest.mark.parametrize("seed", [6, 17])
+@pytest.mark.parametrize("seed", [3, 17])
 def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_closed_step_is_least_busy(
         seed: int, monkeypatch) -> None:  # fmt: skip
     """Closing, the longest waiting piece fills the empty micro-batch; of its widths within ``EMPTY_TRIAL`` of the
     least busiest load, the step keeps the one whose closed step (topped up, settled) has its busiest rank least
     over the mean. Counted from the packs' layouts, each close against the same close on a copy that takes the
     first width (as before the trials): never further over the mean, and less at some close of these
-    streams (at seed 6: 1.099 -> 1.018 x; at seed 17, 1.106 -> 1.020 x)."""
+    streams (at seed 3: 1.043 -> 1.006 x; at seed 17, 1.106 -> 1.020 x; at seed 6, 1.099 -> 1.018 x before the
+    close's last phase densified both alike)."""
     lengths = _lengths(seed, 240)
     closes, real = [], WorldStepPacker._close
 
@@ -498,13 +499,14 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [125])
+@pytest.mark.parametrize("seed", [9, 113, 238])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
     pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On this
-    stream a closed step keeps an empty micro-batch beside waiting pieces with the offer made once (of seeds
-    0-299 the only one: the close's fill, :func:`~cpdata.packing.world_fill.fill_place`, takes the others' empty
-    micro-batches); with it made again, none does, and every piece is dealt once."""
+    streams a closed step keeps an empty micro-batch beside waiting pieces with the offer made once (of seeds
+    0-299 the only ones: the close's fill, :func:`~cpdata.packing.world_fill.fill_place`, and its last phase,
+    :class:`~cpdata.packing.world_densify.Densify`, take the others' empty micro-batches); with it made again, none
+    does, and every piece is dealt once."""
     close, default = WorldStepPacker._close, world_steps.EMPTY_OFFERS
 
     def empties(offers: int) -> tuple[int, list[int]]:
@@ -830,8 +832,8 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
 
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
     """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
-    one that ends less over the mean rank: on stream seed 1 the fill wins, on seed 339 it loses (1.183 against
-    1.174 x; of seeds 0-399, 45, 336 and 339 have closes where it does)."""
+    one that ends less over the mean rank: on stream seed 1 the fill wins (1.119 against 1.143 x), on seed 11 it
+    loses (1.052 against 1.013 x; of seeds 0-399, 14 have closes where it does)."""
     pairs: list[tuple[float, float]] = []
     closes: list[tuple[float, list[tuple[float, float]]]] = []
     keep, finish = WorldStepPacker._keep_filled, WorldStepPacker._finish
@@ -847,7 +849,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
 
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
-    for seed in (1, 339):
+    for seed in (1, 11):
         assert _dealt_keys(seed) == list(range(240))
     filled = [(end, pair[0]) for end, pair in closes if pair]
     assert all(end == min(pair) for end, pair in filled)
@@ -1143,8 +1145,9 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
 
 
 def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> None:
-    """web 32 x 4K, seed 5: after two passes the busiest rank still stands 1.2 % above the step's mean; two more
-    bring it to 0.4 % (2,371 -> 2,342 tiles, no fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
+    """web 32 x 4K, seed 5: after two passes the busiest rank still stands 0.8 % above the step's mean (1.2 % before
+    the close's last phase densified the ranks under it); two more bring it to 0.4 % (2,371 -> 2,342 tiles, no
+    fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
     at its mean after one, is the same with any number."""
     from cpdata.bench import world
     from cpdata.packing import world_steps
@@ -1160,15 +1163,16 @@ def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> No
 
     default = world_steps.SETTLE_PASSES
     (two, two_over, two_tokens), (four, four_over, four_tokens) = step("web", 5, 2), step("web", 5, 4)
-    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < 1.01 < two_over
+    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < 1.005 < two_over
     assert step("web", 5, default)[0] == four  # (the packer settles four times)
     assert step("alpaca", 1, 2) == step("alpaca", 1, 4)
 
 
 def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside_its_node(monkeypatch) -> None:
-    """web 16 x 8K, seed 13: a 31,467-token document on Megatron's 4 ranks costs each 7,718 tiles, and the step's
-    busiest rank stands at 1.37 x its mean. Cut past Megatron's width (cpdata.layout.spread), on up to 8 ranks of
-    one node, no rank receives more than THD's first role on 4 (23,600 keys) and the step stands at 1.002 x."""
+    """web 16 x 8K, seed 13: a 31,467-token document on Megatron's 4 ranks costs each 7,650 tiles, and the step's
+    busiest rank stands at 1.29 x its mean (1.37 x before the close's last phase densified the ranks under it). Cut
+    past Megatron's width (cpdata.layout.spread), on up to 8 ranks of one node, no rank receives more than THD's first
+    role on 4 (23,600 keys) and the step stands at 1.002 x."""
     from cpdata.bench import world
 
     def step() -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
@@ -1190,7 +1194,7 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
                         if c <= spread.megatron_width(s, local) else None)  # fmt: skip
     (_, narrow), tiles, _ = step()
     world_owners.role_costs.cache_clear()
-    assert abs(narrow) == 4 and tiles.max() > 1.3 * tiles.mean()
+    assert abs(narrow) == 4 and tiles.max() > 1.25 * tiles.mean()
 
 
 def _capped_windows() -> list[tuple[np.ndarray, np.ndarray]]:

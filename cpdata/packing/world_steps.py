@@ -52,13 +52,16 @@ Closing, the step's loads are exact (pad included), and the deal is finished on 
    ranks it left empty (:meth:`WorldStepPacker._spread_out`), up to :data:`SPREAD_OUT_ROUNDS` times;
 9. spread pieces the busiest receiver of keys holds part of are mirrored where that lowers it, then the same for
    the busiest receiver of keys from other nodes, lifting no rank past the busiest load or either busiest
-   receiver (:meth:`WorldStepPacker._flip`).
+   receiver (:meth:`WorldStepPacker._flip`);
+10. densify (:class:`~cpdata.packing.world_densify.Densify`): ranks under the busiest take dearer waiting whole
+    pieces in place of cheaper ones, at or under the busiest load and with no fewer tokens; the pieces cleared are
+    topped up or wait. The step's time stays; later steps are left less work.
 
-Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later
-passes settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a
-micro-batch that would otherwise run empty, and phase 7 to a step it leaves less over its mean; phase 9 only
-lowers receivers. The settle is bounded (:mod:`~cpdata.packing.world_settle`), and so is the close: at most
-:data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close, phase 7 at most two.
+Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later passes
+settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a micro-batch
+that would otherwise run empty, and phase 7 to a step it leaves less over its mean; phase 9 only lowers receivers, and
+phase 10 only raises ranks under the busiest. The settle is bounded (:mod:`~cpdata.packing.world_settle`), and so is
+the close: at most :data:`EMPTY_OFFERS` rounds, each trial of phase 0 one close, phase 7 at most two.
 
 Trade-off: a step holds up to ``G`` packs of pieces in the worker until it closes, and packs are not filled to
 the token (the pad that lets a busy rank carry less); the per-rank sums it balances are the step time only
@@ -79,6 +82,7 @@ from cpdata.layout.world_owners import Placement, owner_ranks
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 from cpdata.packing.records import PackKeys
+from cpdata.packing.world_densify import DENSIFY_OVER, Densify
 from cpdata.packing.world_fill import fill_place
 from cpdata.packing.world_keys import InterNodeKeys, mirror_choice, spread_out_choice
 from cpdata.packing.world_settle import Settle
@@ -270,6 +274,16 @@ class WorldStepPacker:
         self._refill()
         self._spread_out()
         self._flip()
+        self._densify()
+
+    def _densify(self) -> None:
+        """Ranks under the busiest take dearer waiting whole pieces in place of cheaper ones (:class:`Densify`); the
+        pieces that clears are offered to a top-up, else wait."""
+        if not self._waiting or not self._bins.over(DENSIFY_OVER):
+            return
+        cleared = Densify(self._bins, self._step, self._waiting).run()
+        if cleared:
+            self._waiting = _longest_first(self._waiting + self._offer(_longest_first(cleared), self._bins.top_up))
 
     def _spread_out(self) -> None:
         """While the step stands over the mean (:data:`SPREAD_OUT_OVER`), at most :data:`SPREAD_OUT_ROUNDS` times: a

@@ -1,0 +1,122 @@
+"""The close's last phase (cpdata.packing.world_densify): ranks under the busiest take dearer waiting documents in
+place of cheaper ones, never past the busiest rank, never leaving the step fewer tokens, and the books (loads,
+room) always those of the pieces the step lists."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cpdata.layout.world_plan import alone_tiles
+from cpdata.layout.world_step import StepBins
+from cpdata.packing import world_densify
+from cpdata.packing.world_densify import Densify
+from cpdata.packing.world_steps import WorldStepPacker
+from tests.test_world_step import LOCAL, NODE, PACKS, TILE, WORLD, _run, _windows
+
+SHORT = 100  # a tile each
+
+
+def _step() -> tuple[StepBins, list[tuple[int, int, tuple[int, int, int]]]]:
+    """4 ranks of 512 tokens, 2 micro-batches: a 1,024-token document on ranks 0-1 of micro-batch 0 (18 tiles a
+    rank), and five 100-token documents in each micro-batch of ranks 2 and 3 (a tile each: 10 a rank). The step
+    stands at 18 / 14 = 1.29 x its mean rank."""
+    bins = StepBins(2, 4, 512, 4, TILE)
+    step = [(0, 1024, (0, 0, 2))]
+    key = 1
+    for r in (2, 3):
+        for k in (0, 1):
+            for _ in range(5):
+                step.append((key, SHORT, (k, r, 1)))
+                key += 1
+    for _, s, where in step:
+        bins.restore(s, where)
+    assert bins.load == [18, 18, 10, 10]
+    return bins, step
+
+
+def _books(step: list[tuple[int, int, tuple[int, int, int]]]) -> tuple[list[float], list[list[int]]]:
+    """The loads and room of a fresh step holding exactly ``step``'s pieces."""
+    fresh = StepBins(2, 4, 512, 4, TILE)
+    for _, s, where in step:
+        fresh.restore(s, where)
+    return fresh.load, fresh.room
+
+
+def test_a_waiting_document_takes_the_place_of_cheaper_ones_on_the_least_loaded_rank():
+    """Two waiting 500-token documents (10 tiles each, the five 100-token ones they replace 5): the first goes to
+    rank 2, the second to rank 3 (then the least loaded), each lifting its rank 10 -> 15, under the busiest (18);
+    a third would lift a rank to 20 and waits. The ten documents cleared are returned; the step's tokens grow."""
+    bins, step = _step()
+    waiting = [(100, 500), (101, 500), (102, 500)]
+    tokens = bins.placed
+    cleared = Densify(bins, step, waiting).run()
+    assert bins.load == [18, 18, 15, 15] and max(bins.load) == 18
+    assert waiting == [(102, 500)] and sorted(s for _, s in cleared) == [SHORT] * 10
+    assert {(key, where) for key, _, where in step} >= {(100, (0, 2, 1)), (101, (0, 3, 1))}
+    assert not {key for key, _ in cleared} & {key for key, _, _ in step}
+    assert bins.placed == tokens  # (500 in, 500 out, twice)
+    assert _books(step) == (bins.load, bins.room)
+
+
+def test_a_swap_that_would_leave_fewer_tokens_or_lift_a_rank_past_the_busiest_is_not_made():
+    """A 450-token document needs four 100-token documents cleared beside the 12 tokens of room, and five: 500
+    tokens out for 450 in. A 512-token document adds 10 tiles for 5 (rank at 15), then a second would lift rank 2
+    or 3 past the busiest. A 130-token document costs 2 tiles for the 2 of two cleared: no gain."""
+    bins, step = _step()
+    before = (list(bins.load), [list(room) for room in bins.room], list(step))
+    for waiting in ([(100, 450)], [(100, 130)]):
+        assert Densify(bins, step, waiting).run() == [] and len(waiting) == 1
+        assert (bins.load, bins.room, step) == before
+    waiting = [(100, 512), (101, 512), (102, 512)]
+    Densify(bins, step, waiting).run()
+    assert bins.load == [18, 18, 15, 15] and waiting == [(102, 512)]
+    assert alone_tiles(512, TILE) == 10 and _books(step) == (bins.load, bins.room)
+
+
+def test_a_step_within_its_threshold_of_the_mean_is_left_as_it_is(monkeypatch):
+    bins, step = _step()
+    monkeypatch.setattr(world_densify, "DENSIFY_OVER", 0.3)  # (the step stands 0.29 over its mean)
+    waiting = [(100, 500)]
+    assert Densify(bins, step, waiting).run() == [] and waiting == [(100, 500)]
+
+
+def test_the_close_densifies_without_lifting_the_busiest_rank_or_losing_tokens(monkeypatch):
+    """Over random streams, every close that densifies leaves the busiest rank's load as it was, the step no more
+    over its mean, its tokens no fewer, the same pieces between the step and the waiting list, and its books those
+    of its pieces; every piece is dealt once; and some closes of these streams do densify (not vacuous)."""
+    densify = WorldStepPacker._densify
+    changed: list[bool] = []
+
+    def checked(self: WorldStepPacker) -> None:
+        b = self._bins
+        top, ratio, tokens = max(b.load), b.ratio(), b.placed
+        keys = sorted([key for key, _, _ in self._step] + [key for key, _ in self._waiting])
+        densify(self)
+        assert max(b.load) <= top and b.ratio() <= ratio and b.placed >= tokens
+        assert sorted([key for key, _, _ in self._step] + [key for key, _ in self._waiting]) == keys
+        fresh = StepBins(b.packs, b.world, b.local, b.node_size, b.tile)
+        for _, s, where in self._step:
+            fresh.restore(s, where)
+        assert (fresh.load, fresh.room) == (b.load, b.room)
+        changed.append(b.ratio() < ratio)
+
+    monkeypatch.setattr(WorldStepPacker, "_densify", checked)
+    for seed in range(12):
+        out = _run(_windows(seed), WorldStepPacker(WORLD * LOCAL, WORLD, NODE, PACKS, TILE))
+        assert sorted(k for keys, _, _ in out for k in keys) == list(range(240))
+    assert len(changed) > 12 and 0 < sum(changed)
+
+
+def test_the_packers_close_densifies(monkeypatch):
+    """The step from the first test, closed by the packer: the two waiting 500-token documents, which no top-up
+    can place (2 x 12 tokens of room on ranks 2 and 3), leave in its packs; without the phase they wait."""
+    def closed() -> list[int]:
+        _, step = _step()
+        packer = WorldStepPacker(4 * 512, 4, 4, 2, TILE)
+        packer.load_carry([([k for k, _, _ in step], [s for _, s, _ in step]), ([100, 101], [500, 500])],
+                          np.array([w for _, _, w in step]))  # fmt: skip
+        return packer._close(keep_empty=True).keys.tolist()
+
+    assert {100, 101} <= set(closed())
+    monkeypatch.setattr(WorldStepPacker, "_densify", lambda self: None)
+    assert not {100, 101} & set(closed())
