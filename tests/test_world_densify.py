@@ -120,3 +120,13 @@ def test_the_packers_close_densifies(monkeypatch):
     assert {100, 101} <= set(closed())
     monkeypatch.setattr(WorldStepPacker, "_densify", lambda self: None)
     assert not {100, 101} & set(closed())
+
+
+def test_a_waiting_document_that_fits_the_room_goes_in_with_nothing_cleared():
+    """A 12-token document fits the 12 tokens left in rank 2's first micro-batch (five documents there already, the
+    most any slot holds): it goes in, one tile, nothing cleared, and the books widen to the slot's six documents."""
+    bins, step = _step()
+    waiting = [(100, 12)]
+    assert Densify(bins, step, waiting).run() == [] and waiting == []
+    assert bins.load == [18, 18, 11, 10] and (100, 12, (0, 2, 1)) in step
+    assert _books(step) == (bins.load, bins.room)
