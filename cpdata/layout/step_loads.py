@@ -66,12 +66,12 @@ class StepLoads:
 
     def ratio(self) -> float:
         """The busiest rank's load over the mean rank's (inf where nothing is loaded)."""
-        total = sum(self.load)
-        return max(self.load) * self.world / total if total > 0 else float("inf")
+        total = self.total_load
+        return self.busiest_load * self.world / total if total > 0 else float("inf")
 
     def over(self, fraction: float) -> bool:
         """Whether the busiest rank's load stands more than ``fraction`` above the mean rank's."""
-        return max(self.load) > (1 + fraction) * sum(self.load) / self.world
+        return self.busiest_load > (1 + fraction) * self.total_load / self.world
 
     def busiest_rank(self) -> int:
         """The rank of most load (ties: the lowest)."""
@@ -79,12 +79,12 @@ class StepLoads:
 
     @property
     def busiest_load(self) -> float:
-        """The busiest rank's load."""
+        """The busiest rank's load (kept as pieces land: no pass over the world)."""
         return self._by_load[-1][0]
 
     @property
     def total_load(self) -> float:
-        """The ranks' loads summed."""
+        """The ranks' loads summed (kept as pieces land; loads are whole tiles, so the sum is exact)."""
         return self._total
 
     @property

@@ -82,6 +82,8 @@ class Densify:
         """Swap while the step stands over its mean; the documents cleared, ``(key, tokens)``."""
         bins = self.bins
         local, packs = bins.local, bins.packs
+        if not bins.over(DENSIFY_OVER):  # (a balanced step builds no books)
+            return []
         candidates = sorted((piece for piece in self.waiting if piece[1] <= local), key=lambda p: (-p[1], p[0]))
         if not candidates:
             return []

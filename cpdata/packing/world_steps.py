@@ -82,7 +82,7 @@ from cpdata.layout.world_owners import Placement, owner_ranks
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 from cpdata.packing.records import PackKeys
-from cpdata.packing.world_densify import DENSIFY_OVER, Densify
+from cpdata.packing.world_densify import Densify
 from cpdata.packing.world_fill import fill_place
 from cpdata.packing.world_keys import InterNodeKeys, mirror_choice, spread_out_choice
 from cpdata.packing.world_settle import Settle
@@ -279,8 +279,6 @@ class WorldStepPacker:
     def _densify(self) -> None:
         """Ranks under the busiest take dearer waiting whole pieces in place of cheaper ones (:class:`Densify`); the
         pieces that clears are offered to a top-up, else wait."""
-        if not self._waiting or not self._bins.over(DENSIFY_OVER):
-            return
         cleared = Densify(self._bins, self._step, self._waiting).run()
         if cleared:
             self._waiting = _longest_first(self._waiting + self._offer(_longest_first(cleared), self._bins.top_up))
