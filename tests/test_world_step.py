@@ -15,7 +15,7 @@ from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_owners import owned_runs, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
 from cpdata.layout.world_step import DRIFT, StepBins
-from cpdata.packing import world_fill, world_keys, world_steps, world_trades
+from cpdata.packing import world_close, world_fill, world_keys, world_steps, world_trades
 from cpdata.packing.world_fill import fill_place
 from cpdata.packing.world_steps import WorldStepPacker
 
@@ -507,7 +507,7 @@ def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, mo
     0-299 the only ones: the close's fill, :func:`~cpdata.packing.world_fill.fill_place`, and its last phase,
     :class:`~cpdata.packing.world_densify.Densify`, take the others' empty micro-batches); with it made again, none
     does, and every piece is dealt once."""
-    close, default = WorldStepPacker._close, world_steps.EMPTY_OFFERS
+    close, default = WorldStepPacker._close, world_close.EMPTY_OFFERS
 
     def empties(offers: int) -> tuple[int, list[int]]:
         found = []
@@ -519,7 +519,7 @@ def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, mo
             return out
 
         monkeypatch.setattr(WorldStepPacker, "_close", recording)
-        monkeypatch.setattr(world_steps, "EMPTY_OFFERS", offers)
+        monkeypatch.setattr(world_close, "EMPTY_OFFERS", offers)
         keys = _dealt_keys(seed)
         return sum(found), keys
 
@@ -823,7 +823,7 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
         return kept_if_lower(self, phase, fewer_tokens)
 
     monkeypatch.setattr(WorldStepPacker, "_refill", recording_refill)
-    monkeypatch.setattr(world_steps, "fill_place", recording_fill)
+    monkeypatch.setattr(world_close, "fill_place", recording_fill)
     monkeypatch.setattr(WorldStepPacker, "_kept_if_lower", counting)
     for seed in range(25):
         assert _dealt_keys(seed) == list(range(240))
@@ -1132,10 +1132,9 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
     sent back to wait and the top-up that replaced them leave a lower mean, which the second settles to (the busiest
     rank 2,276 -> 2,225 tiles, no fewer tokens dealt)."""
     from cpdata.bench import world
-    from cpdata.packing import world_steps
 
     def step(passes: int) -> tuple[int, int]:
-        monkeypatch.setattr(world_steps, "SETTLE_PASSES", passes)
+        monkeypatch.setattr(world_close, "SETTLE_PASSES", passes)
         packs, _ = world.step_packs("web", 32, 4096, 8, 7)
         tiles = np.stack([costs[0] for costs in world._step(packs, 32, 4096)]).sum(axis=0)
         return int(tiles.max()), sum(int(lens.sum()) for lens, _ in packs)
@@ -1150,18 +1149,17 @@ def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> No
     fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
     at its mean after one, is the same with any number."""
     from cpdata.bench import world
-    from cpdata.packing import world_steps
 
-    monkeypatch.setattr(world_steps, "SWAP_PASSES", 1)  # (later trade passes settle again: the settle's alone here)
+    monkeypatch.setattr(world_close, "SWAP_PASSES", 1)  # (later trade passes settle again: the settle's alone here)
     monkeypatch.setattr(WorldStepPacker, "_fill", lambda self: False)  # (and the fill's settle)
 
     def step(name: str, seed: int, passes: int) -> tuple[int, float, int]:
-        monkeypatch.setattr(world_steps, "SETTLE_PASSES", passes)
+        monkeypatch.setattr(world_close, "SETTLE_PASSES", passes)
         packs, _ = world.step_packs(name, 32, 4096, 8, seed)
         tiles = np.stack([costs[0] for costs in world._step(packs, 32, 4096)]).sum(axis=0)
         return int(tiles.max()), float(tiles.max() / tiles.mean()), sum(int(lens.sum()) for lens, _ in packs)
 
-    default = world_steps.SETTLE_PASSES
+    default = world_close.SETTLE_PASSES
     (two, two_over, two_tokens), (four, four_over, four_tokens) = step("web", 5, 2), step("web", 5, 4)
     assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < 1.005 < two_over
     assert step("web", 5, default)[0] == four  # (the packer settles four times)
@@ -1323,7 +1321,7 @@ def test_a_step_a_fraction_of_a_percent_over_its_mean_still_spreads_a_lone_piece
     packer = WorldStepPacker(16 * 1024, 16, 8, 9, TILE)
     packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
     assert packer._bins.ratio() == pytest.approx(1.00136, abs=1e-5)
-    assert not packer._bins.over(world_steps.SPREAD_SWAP_OVER)  # (the trades and placing again do not run)
+    assert not packer._bins.over(world_trades.SPREAD_SWAP_OVER)  # (the trades and placing again do not run)
     packer._spread_out()
     assert packer._step[-1] == (100, 300, (8, 0, 16)) and packer._bins.placed == 8 * 16_384 + 300
     assert packer._bins.ratio() == pytest.approx(1.00014, abs=1e-5) and max(packer._bins.load) == 4_132

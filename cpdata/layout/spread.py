@@ -56,7 +56,7 @@ def spread_chunks(s: int, c: int, local: int, node_size: int) -> tuple[int, ...]
     ranks a node: up to :func:`megatron_width`, TE THD's, or inside one node (``c <= node_size``)
     :func:`aligned_chunks` where its busiest role costs no more tiles; :func:`capped_chunks` wider inside a node;
     past a node and Megatron's width, THD's again, as Megatron's scheduler widens a sample into the ranks it left
-    empty (the close's :meth:`~cpdata.packing.world_steps.WorldStepPacker._spread_out`), where every chunk holds a
+    empty (the close's :meth:`~cpdata.packing.world_close.StepClose._spread_out`), where every chunk holds a
     token; None where no cut keeps every rank within ``local`` tokens and the receive cap."""
     width = megatron_width(s, local)
     if c > width and c > node_size:  # (as Megatron's scheduler widens a sample into ranks left empty)

@@ -2,7 +2,7 @@
 receives, kept as pieces land and leave, and where a spread piece fits at least busiest load.
 
 :class:`StepLoads` is what every phase reads and writes: the deal (:class:`~cpdata.layout.world_step.StepBins`,
-its rules), the settle, the trades and the close (:mod:`cpdata.packing.world_steps`). It checks each change (a
+its rules), the settle, the trades and the close (:mod:`cpdata.packing.world_close`). It checks each change (a
 piece that does not fit, or leaves a place it does not hold, is refused, the step unchanged) and keeps the ranks'
 loads and projected loads sorted as pieces land, so that no piece costs a pass over the world. A rank's
 *projected* load is its load plus its free tokens times ``density`` (tiles a token adds, as the pieces to come are
@@ -25,16 +25,11 @@ __all__ = ["RECEIVE_CAP", "StepLoads", "move_key"]
 RECEIVE_CAP = 1.6
 """A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its own
 first role's keys, and this many times the mean rank's received keys after it
-(:meth:`~cpdata.layout.world_step.StepBins.place`; at 2, web 16 x 8K at seed 18 passes Megatron's busiest receiver,
-1.30 x, and 32 x 4K at seed 34, 1.04 x; at 1.75 and 1.6 none of web's and long_context's seeds 1-36 does. Before ties
-in load went to the orientation of least busiest receiver (:meth:`StepLoads.choose`), 1.75 let web 16 x 8K at seed 18
-pass, 1.195 x. With THD's chunks alone, 1.5 left pieces waiting that long_context needed: 16 x 8K seed 16 stood at
-1.001 x Megatron's busiest rank). A later piece that would wait for the cap alone is tried again against the mean the
-spread pieces still to come will make, as far as the room left holds them (:meth:`StepLoads.choose`): held to the keys
-dealt so far, a stream of 8,192-token documents at 32 x 4K filled one micro-batch, then every next one would lift a
-rank to 6,144 keys, past 1.6 x the mean so far (5,222), and the step closed 0.18 full at 1.39 x the mean rank; tried
-again, it fills, its busiest receiver Megatron's."""
-
+(:meth:`~cpdata.layout.world_step.StepBins.place`). A later piece that would wait for the cap alone is tried again
+against the mean the spread pieces still to come will make, as far as the room left holds them
+(:meth:`StepLoads.choose`): held to the keys dealt so far, a stream of equal documents twice a rank's length fills
+one micro-batch and then waits. At 2, web passes Megatron's busiest receiver (1.30 x at 16 x 8K, seed 18); at 1.6
+none of web's and long_context's seeds 1-36 does (docs/benchmarks.md, the receive cap)."""
 
 class StepLoads:
     """The books of an open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of

@@ -4,7 +4,7 @@ a spread piece may take, and the runs of a pack the step dealt.
 A piece spread over ``c`` ranks is cut in ``2c`` chunks (:func:`~cpdata.layout.spread.spread_chunks`); rank ``j``
 of its window holds chunks ``j`` and ``2c - 1 - j`` (its *role*), counted up from the window's first rank or
 down from its last (:data:`Placement`). The deal (:class:`~cpdata.layout.world_step.StepBins`) and the close
-(:mod:`cpdata.packing.world_steps`) price placements with :func:`role_costs`; the shard stage lays a pack out from
+(:mod:`cpdata.packing.world_close`) price placements with :func:`role_costs`; the shard stage lays a pack out from
 its slot owners with :func:`owned_runs`, never from a deal run again.
 """
 

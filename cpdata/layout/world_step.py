@@ -54,7 +54,7 @@ A rank's load is exact: its pieces' varlen tiles (a spread piece's per its chunk
 :func:`~cpdata.layout.spread.chunk_tiles`; a whole piece's, ``alone_tiles``). Priced at a diagonal tile per 128 pad
 tokens instead, the deal balanced work the kernel does not do: 4 of the bench's 80 step rows at seeds 1-8 stood over
 Megatron's busiest rank, against 1 with pad free (before the settle's swap of one piece for several). When the step
-closes, :mod:`cpdata.packing.world_steps` settles the ranks above the mean on these exact loads. The deal travels with
+closes, :mod:`cpdata.packing.world_close` settles the ranks above the mean on these exact loads. The deal travels with
 its pack as slot owners (:func:`~cpdata.layout.world_owners.owned_runs`), never recomputed from the slot lengths.
 """
 

@@ -4,9 +4,9 @@
 Algorithms ``bfd`` (default), ``ffd``, ``first_fit``, ``next_fit``, ``concat``: table and padding figures in
 docs/packing-and-mixing.md, numbers from ``cpdata bench``. Modules, in pipeline order:
 ``records``, ``pieces`` (documents to aligned pieces), ``greedy``, ``decreasing`` (also the world layout's
-packer), ``world_steps`` (the world layout's packer dealing a step of micro-batches; its close's settle in
-``world_settle``, window trades in ``world_trades``, fill in ``world_fill``, moves for keys in ``world_keys``,
-its last phase in ``world_densify``),
+packer), ``world_steps`` (the world layout's packer dealing a step of micro-batches; the open step in
+``open_step``, its close's phases in ``world_close``: settle in ``world_settle``, window trades in
+``world_trades``, fill in ``world_fill``, moves for keys in ``world_keys``, its last phase in ``world_densify``),
 ``filling`` (exact fills), ``planner`` (the shared core and ``plan_lengths``), ``distributions``
 (length distributions for tests and benchmarks)."""
 

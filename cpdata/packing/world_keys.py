@@ -83,7 +83,7 @@ def spread_out_choice(bins: StepLoads, step: Step, crossing: InterNodeKeys, h: i
     received keys, nor its keys from other nodes, pass the step's busiest receiver or
     :data:`~cpdata.packing.world_fill.FILL_RECEIVE_CAP` times the mean rank's; of those, the least busiest load
     (ties: the first piece, the fewest ranks). None where none. ``bins`` is left as it was
-    (:meth:`~cpdata.packing.world_steps.WorldStepPacker._spread_out` moves the piece)."""
+    (:meth:`~cpdata.packing.world_close.StepClose._spread_out` moves the piece)."""
     emptied = {k for k in range(bins.packs) if any(room[k] == bins.local for room in bins.room)}
     if not emptied:  # (most steps: nothing to look at)
         return None
@@ -116,7 +116,7 @@ def mirror_choice(bins: StepLoads, step: Step, crossing: InterNodeKeys, inter_fi
     receiver holds part of (``inter_first``: of keys from other nodes; ``inter``: each rank's now), the one whose
     mirror (:func:`~cpdata.layout.world_owners.owner_ranks`) lowers it most, where the mirror fits the ranks' room
     and lifts no rank past the busiest load, the busiest receiver or the busiest inter-node receiver; None where
-    none (:meth:`~cpdata.packing.world_steps.WorldStepPacker._flip` moves the piece)."""
+    none (:meth:`~cpdata.packing.world_close.StepClose._flip` moves the piece)."""
     recv, load = bins.recv, bins.load
     most, top, most_inter = max(recv), max(load), max(inter)
     aim = inter if inter_first else recv
