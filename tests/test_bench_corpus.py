@@ -77,11 +77,12 @@ def test_the_world_section_measures_the_corpus_under_its_name(monkeypatch):
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
     monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
     rows = world.run(quick=True, corpus=Corpus("even", np.full(500, 1000, dtype=np.int64), "memory"))
-    assert len(rows) == 4 and {r["distribution"] for r in rows} == {"even"}
-    step = next(r for r in rows if r["system"] == world.STEP)
+    assert len(rows) == 6 and {r["distribution"] for r in rows} == {"even"}
+    step, stream = (next(r for r in rows if r["system"] == system) for system in (world.STEP, world.STREAM))
     per_rank = world.QUICK_PACKS * 2 * alone_tiles(1000, 128)
     assert (step["step_tiles"], step["step_over_mean"], step["step_recv_keys"]) == (per_rank, 1.0, 0)
-    assert step["fill"] == pytest.approx(2000 / 2048)
+    assert (stream["step_tiles"], stream["step_over_mean"]) == (world.QUICK_STEPS * per_rank, 1.0)
+    assert step["fill"] == pytest.approx(2000 / 2048) and stream["fill"] == pytest.approx(2000 / 2048)
     theirs = next(r for r in rows if r["system"] == f"{world.MEGATRON} ({world.STEP}'s documents)")
     assert theirs["recv_keys"] == 0 and step["step_tiles_vs_megatron"] <= 1.0
 

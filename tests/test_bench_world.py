@@ -36,15 +36,16 @@ def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
 def test_the_quick_section_gives_both_systems_per_distribution_and_world(monkeypatch):
     monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
     rows = world.run(quick=True)
-    systems = (world.PER_PACK, world.STEP)
+    systems = (world.PER_PACK, world.STEP, world.STREAM)
     assert {r["system"] for r in rows} == {*systems, *(f"{world.MEGATRON} ({s}'s documents)" for s in systems)}
-    assert len(rows) == 8  # two distributions, one world, two cpdata systems each beside Megatron
+    assert len(rows) == 12  # two distributions, one world, three cpdata systems each beside Megatron
     for r in rows:
         assert all(k in r for k in world.COLUMNS), r
         assert r["micro_batches"] >= 1 and r["tiles"] > 0 and r["over_mean"] >= 1.0
         assert r["inter_keys"] <= r["recv_keys"] and np.isfinite(r["predicted_ms"])
     for mine in (r for r in rows if r["system"] in systems):
-        assert mine["micro_batches"] == world.QUICK_PACKS
+        steps = world.QUICK_STEPS if mine["system"] == world.STREAM else 1
+        assert mine["micro_batches"] == world.QUICK_PACKS * steps
         assert mine["tiles_vs_megatron"] > 0 and all(f"{c}_vs_megatron" in mine for c in world.RATIOS)
 
 
@@ -109,6 +110,42 @@ def test_the_two_readings_of_the_busiest_rank_over_a_step():
     assert row["micro_batches"] == 2 and row["solve_ms"] == pytest.approx(2.0)
 
 
+def test_the_stream_reading_sums_each_steps_busiest_rank():
+    # two steps: micro-batches 0-1, then 2. Step one's per-rank sums (12, 10, 6): rank 0; step two's (1, 2, 8):
+    # rank 2. Summed: 12 + 8 = 20, where one step of all three would be rank 0's 13 (or rank 2's 14)
+    mbs = [(np.array([10, 1, 3]), np.array([5, 0, 1]), np.array([4, 0, 0])),
+           (np.array([2, 9, 3]), np.array([0, 7, 2]), np.array([0, 3, 2])),
+           (np.array([1, 2, 8]), np.array([0, 0, 6]), np.array([0, 0, 1]))]  # fmt: skip
+    row = world._row("d", 3, 2048, "x", world.H100_DEFAULTS, mbs, 0.006, [2, 1])
+    assert (row["step_tiles"], row["step_recv_keys"], row["step_inter_keys"]) == (12 + 8, 7 + 6, 4 + 1)
+    assert (row["tiles"], row["micro_batches"]) == (10 + 9 + 8, 3)  # (the synced reading ignores steps)
+    assert row["step_over_mean"] == pytest.approx(20 / (39 / 3)) and row["solve_ms"] == pytest.approx(2.0)
+    one = world._row("d", 3, 2048, "x", world.H100_DEFAULTS, mbs, 0.006)
+    assert (one["step_tiles"], one["step_recv_keys"]) == (14, 9)
+    with pytest.raises(ValueError, match=r"steps of \[2, 2\] micro-batches do not cover the 3 given"):
+        world._row("d", 3, 2048, "x", world.H100_DEFAULTS, mbs, 0.006, [2, 2])
+
+
+def test_a_stream_is_the_packers_steps_in_order_and_megatron_schedules_each_steps_documents():
+    """The stream's first step is the step row's (sft draws a prefix of the same lengths); each step holds whole
+    packs of the stream, no document twice beyond what it can hold; Megatron is fed each step apart."""
+    stream, seconds = world.stream_packs("sft", 8, 2048, 3, 3)
+    first, _ = world.step_packs("sft", 8, 2048, 3)
+    assert len(stream) == 3 and all(len(step) == 3 for step in stream) and seconds > 0
+    assert all(np.array_equal(a, b) and np.array_equal(oa, ob) for (a, oa), (b, ob) in zip(stream[0], first,
+                                                                                        strict=True))  # fmt: skip
+    assert not all(np.array_equal(a, b) for (a, _), (b, _) in zip(stream[0], stream[1], strict=True))
+    for step in stream:
+        for lens, owners in step:
+            assert lens.sum() <= 8 * 2048 and owners.shape == (lens.shape[0], 2)
+    docs = [[lens for lens, _ in step] for step in stream]
+    mbs, _, counts = world._megatron(docs, 8, 2048)
+    apart = [world.megatron_micro_batches(np.concatenate(d).tolist(), 8, 2048, world.NODE_SIZE)[0] for d in docs]
+    assert counts == [len(a) for a in apart]
+    assert all(np.array_equal(x, y) for got, want in zip(mbs, [m for a in apart for m in a], strict=True)
+               for x, y in zip(got, want, strict=True))  # fmt: skip
+
+
 def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
     from cpdata.bench.targets import evaluate_targets
 
@@ -133,6 +170,13 @@ def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
     assert met["world step tiles"] == (True, "max 0.984 x Megatron's (sft 16x8K), max 1.010 x the mean rank's")
     rows[3]["step_over_mean"] = 1.031  # over 1.03 x the mean rank alone misses
     assert not next(t for t in evaluate_targets({"world": rows}) if t["target"] == "world step tiles")["met"]
+    assert met["world stream tiles"] == (False, "no Megatron rows (megatron-core not importable)")
+    stream = row("cpdata world stream", 9600, 1.5, 13000, 6200, 1.02, 13100)  # (the sum of two steps)
+    for column in world.RATIOS:
+        stream[f"{column}_vs_megatron"] = stream[column] / (2 * theirs[column]) if theirs[column] else 1.0
+    met = {t["target"]: (t["met"], t["measured"]) for t in evaluate_targets({"world": [*rows, stream]})}
+    assert met["world stream tiles"] == (True, "max 0.969 x Megatron's (sft 16x8K), max 1.020 x the mean rank's")
+    assert met["world stream K/V"] == (True, "received <= Megatron's on 1 of 1 rows, inter-node on 1")
 
 
 def test_the_seed_draws_other_lengths_for_the_world_section(monkeypatch):

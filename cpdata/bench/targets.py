@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from cpdata.bench.worker_throughput import worker_ratio
+from cpdata.bench.world import PACKS, STEPS
 
 __all__ = ["TARGETS", "evaluate_targets"]
 
@@ -214,10 +215,14 @@ TARGETS: tuple[tuple[str, str, str, Check], ...] = (
      "rank's (every row)", _against_megatron("cpdata world", _world_tiles(""))),
     ("world", "world K/V", "each pack dealt alone: busiest rank's received and inter-node keys <= Megatron's (every "
      "row)", _against_megatron("cpdata world", _world_keys(""))),
-    ("world", "world step tiles", "a step of 8 packs dealt together, each rank summed over the step: the same rule",
-     _against_megatron("cpdata world step", _world_tiles("step_"))),
-    ("world", "world step K/V", "a step of 8 packs dealt together, each rank summed over the step: the same rule",
-     _against_megatron("cpdata world step", _world_keys("step_"))),
+    ("world", "world step tiles", f"a step of {PACKS} packs dealt together, each rank summed over the step: the same "
+     "rule", _against_megatron("cpdata world step", _world_tiles("step_"))),
+    ("world", "world step K/V", f"a step of {PACKS} packs dealt together, each rank summed over the step: the same "
+     "rule", _against_megatron("cpdata world step", _world_keys("step_"))),
+    ("world", "world stream tiles", f"the first {STEPS} such steps of a stream, each step's busiest rank summed: the "
+     "same rule", _against_megatron("cpdata world stream", _world_tiles("step_"))),
+    ("world", "world stream K/V", f"the first {STEPS} such steps of a stream, each step's busiest rank summed: the "
+     "same rule", _against_megatron("cpdata world stream", _world_keys("step_"))),
     ("world", "world solve", "<= 10 ms per world micro-batch (each cpdata system)",
      _worst(lambda r: r["solve_ms"], 10.0, "max {solve_ms:.2f} ms ({system}, {distribution} {world})",
             where=lambda r: r["system"].startswith("cpdata"))),

@@ -1,13 +1,16 @@
 """Section ``world``: the whole world as one CP group, cpdata's ``world`` deals beside Megatron-core's
 ``BalancedCPScheduler`` (hybrid / dynamic CP), on the same documents.
 
-Two cpdata systems at ``16 x 8K`` and ``32 x 4K``, 8 ranks per node:
+Three cpdata systems at ``16 x 8K`` and ``32 x 4K``, 8 ranks per node:
 
 - ``cpdata world``: the first ``PACKS`` packs the world packer makes of each distribution, each dealt by itself
   from its slot lengths (``layout_spec("world", node_size=8)``), solve timed in the shard stage's deal;
 - ``cpdata world step``: the first step of ``PACKS`` packs the world step packer makes
   (``StreamPlan(world_step=PACKS)``, :mod:`cpdata.packing.world_steps`), laid out from their owners, solve timed
-  in the packer (its CPU time until the step closed, per micro-batch).
+  in the packer (its CPU time until the step closed, per micro-batch);
+- ``cpdata world stream``: the first ``STEPS`` steps of one stream (:func:`stream_packs`): a step may take dearer
+  waiting documents in place of cheaper ones (:mod:`cpdata.packing.world_densify`), leaving the next less work,
+  which one step alone does not show.
 
 Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in group whose ``size()`` is ``W``, the one call its
 constructor makes) schedules each system's documents at once, each group one micro-batch, a sub-sample on ``c``
@@ -18,9 +21,10 @@ pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_til
 readings of "the busiest rank over a step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's
 busiest rank (every micro-batch ends with its slowest rank: a world all-to-all per layer, or parameters gathered
 per layer); the ``step_`` columns take the rank whose sum over the micro-batches is largest (ranks wait only for
-the peers they exchange with, and all meet once a step). docs/benchmarks.md defines each column. Where
-megatron-core cannot be imported, the section says why and gives cpdata's rows alone. ``cpdata bench --lengths
-PATH`` measures a user's corpus (:mod:`cpdata.bench.corpus`) instead of the six distributions.
+the peers they exchange with, and all meet once a step), summed over the stream's steps, Megatron's scheduler fed
+each step's documents. docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the section
+says why and gives cpdata's rows alone. ``cpdata bench --lengths PATH`` measures a user's corpus
+(:mod:`cpdata.bench.corpus`) instead of the six distributions.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import gc
 import itertools
 import time
 import types
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,8 +48,8 @@ from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, worl
 from cpdata.packing.planner import StreamPlanner, window_ends
 from cpdata.packing.records import PackingConfig
 
-__all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "TABLE", "megatron_micro_batches", "run",
-           "step_packs"]  # fmt: skip
+__all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "STEPS", "STREAM", "TABLE",
+           "megatron_micro_batches", "run", "step_packs", "stream_packs"]  # fmt: skip
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
@@ -56,10 +61,13 @@ TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's B
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
 NODE_SIZE, TILE = 8, 128
-PER_PACK, STEP, MEGATRON = "cpdata world", "cpdata world step", "megatron BalancedCPScheduler"
+PER_PACK, STEP, STREAM = "cpdata world", "cpdata world step", "cpdata world stream"
+MEGATRON = "megatron BalancedCPScheduler"
 """System names: each pack dealt by itself; ``PACKS`` packs dealt as one step (``StreamPlan(world_step=PACKS)``);
-Megatron's scheduler on each one's documents."""
+the first ``STEPS`` such steps of one stream; Megatron's scheduler on each one's documents (on each step's, for the
+stream)."""
 PACKS, QUICK_PACKS = 8, 2
+STEPS, QUICK_STEPS = 4, 2
 OPTIONS: tuple[str, ...] = ("cost", "seed", "corpus")
 """``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`, ``--seed N``
 the seed the documents' lengths are drawn with, ``--lengths PATH`` the corpus measured instead of the
@@ -132,24 +140,39 @@ def step_packs(name: str | Corpus, world: int, per_rank: int, n: int, seed: int 
     (a distribution, or a user's corpus):
     per pack its slot lengths and owners (int64 ``[D]``, ``[D, 2]``), and the packer's CPU seconds for ``n``
     packs (a window that closes more packs than that counted in proportion)."""
+    steps, seconds = stream_packs(name, world, per_rank, n, 1, seed)
+    return steps[0], seconds
+
+
+def stream_packs(name: str | Corpus, world: int, per_rank: int, n: int, steps: int, seed: int = 1
+                 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], float]:  # fmt: skip
+    """The first ``steps`` world steps of ``n`` packs each that the world step packer makes of one stream of
+    ``name``'s documents: per step, per pack its slot lengths and owners (as :func:`step_packs`), and the packer's
+    CPU seconds for ``steps * n`` packs (a window that closes more packs than that counted in proportion). The
+    documents a step leaves waiting open the next. The stream is blocks of about three steps' worth of tokens, each
+    cut in windows alone: the first drawn at ``seed``, the ``j``-th at ``seed + j * 2**20`` (so the first step is
+    the same whatever ``steps``)."""
     config = PackingConfig.resolve(capacity=world * per_rank, layout=layout_spec("world", node_size=NODE_SIZE),
                                    cp_size=world, overflow="split", world_step=n)  # fmt: skip
-    probe = sample(name, 1000, 0)
-    lengths = sample(name, int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16, seed)
+    want, probe = n * steps, sample(name, 1000, 0)
+    count = int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16
     planner, slot, packs, lo, seconds = StreamPlanner(config), {}, [], 0, 0.0
     gc.collect()
-    for hi in window_ends(lengths, config):
-        t0 = time.thread_time()
-        pieces, keys, done = planner.add_window(lengths[lo:hi], np.arange(lo, hi))
-        seconds += (time.thread_time() - t0) * min(1.0, n / max(len(done), 1))  # (a window may close many steps)
-        slot.update(zip(keys.tolist(), pieces.slot.tolist(), strict=True))
-        bounds = np.concatenate([[0], np.cumsum(done.sizes)]).tolist()
-        for a, b in itertools.pairwise(bounds):
-            packs.append((np.array([slot[k] for k in done.keys[a:b].tolist()], dtype=np.int64), done.owners[a:b]))
-        lo = hi
-        if len(packs) >= n:
-            return packs[:n], seconds
-    raise AssertionError(f"{_label(name)}: fewer than {n} packs from {lengths.shape[0]} documents")
+    for block in range(steps + 2):
+        lengths = sample(name, count, seed + block * 2**20)
+        for a, b in itertools.pairwise([0, *window_ends(lengths, config)]):
+            t0 = time.thread_time()
+            pieces, keys, done = planner.add_window(lengths[a:b], np.arange(lo + a, lo + b))
+            closed = len(done)
+            seconds += (time.thread_time() - t0) * (min(closed, want - len(packs)) / closed if closed else 1.0)
+            slot.update(zip(keys.tolist(), pieces.slot.tolist(), strict=True))
+            bounds = np.concatenate([[0], np.cumsum(done.sizes)]).tolist()
+            for i, j in itertools.pairwise(bounds):
+                packs.append((np.array([slot[k] for k in done.keys[i:j].tolist()], dtype=np.int64), done.owners[i:j]))
+            if len(packs) >= want:
+                return [packs[i * n:(i + 1) * n] for i in range(steps)], seconds
+        lo += lengths.shape[0]
+    raise AssertionError(f"{_label(name)}: fewer than {want} packs from {steps + 2} blocks of {count} documents")
 
 
 def _label(name: str | Corpus) -> str:
@@ -174,19 +197,42 @@ def _costs(table: SpanTable, lens: np.ndarray, node_size: int = NODE_SIZE) -> tu
 
 
 def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs: list[tuple[np.ndarray, ...]],
-         seconds: float) -> dict:  # fmt: skip
+         seconds: float, steps: Sequence[int] | None = None) -> dict:  # fmt: skip
+    """One system's row from its micro-batches' per-rank costs (``mbs``: tiles, received keys, inter-node keys,
+    int64 ``[world]`` each), ``steps`` micro-batches a step in order (None: one step of them all). The ``step_``
+    columns sum, over the steps, the rank whose sum over that step's micro-batches is largest."""
     tiles, recv, inter = (np.stack(column) for column in zip(*mbs, strict=True))  # int64 [micro-batches, world]
+    bounds = list(itertools.pairwise(np.cumsum([0, *(steps or [len(mbs)])]).tolist()))
+    if bounds[-1][1] != len(mbs):
+        raise ValueError(f"steps of {list(steps or [])} micro-batches do not cover the {len(mbs)} given")
     mean = float(tiles.sum()) / world
-    busiest, step = tiles.max(axis=1).sum(), tiles.sum(axis=0).max()
+    busiest = tiles.max(axis=1).sum()
+    step, step_recv, step_inter = (sum(int(a[lo:hi].sum(axis=0).max()) for lo, hi in bounds)
+                                   for a in (tiles, recv, inter))  # fmt: skip
     predicted = sum(float(cost.seconds(t, r - i, i).max()) for t, r, i in mbs)
     return {
         "distribution": name, "world": f"{world}x{per_rank // 1024}K", "system": system,
         "micro_batches": len(mbs), "tiles": int(busiest), "over_mean": busiest / mean if mean else 1.0,
         "recv_keys": int(recv.max(axis=1).sum()), "inter_keys": int(inter.max(axis=1).sum()),
-        "step_tiles": int(step), "step_over_mean": step / mean if mean else 1.0,
-        "step_recv_keys": int(recv.sum(axis=0).max()), "step_inter_keys": int(inter.sum(axis=0).max()),
+        "step_tiles": step, "step_over_mean": step / mean if mean else 1.0,
+        "step_recv_keys": step_recv, "step_inter_keys": step_inter,
         "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
     }  # fmt: skip
+
+
+def _megatron(steps: list[list[np.ndarray]], world: int, per_rank: int
+              ) -> tuple[list[tuple[np.ndarray, ...]], float, list[int]] | str:  # fmt: skip
+    """Megatron's scheduler on each step's documents (``steps``: per step, its packs' slot lengths): its groups in
+    step order, its CPU seconds, the groups a step; or why megatron-core cannot be imported."""
+    mbs, seconds, counts = [], 0.0, []
+    for packs in steps:
+        got = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
+        if isinstance(got, str):
+            return got
+        mbs += got[0]
+        seconds += got[1]
+        counts.append(len(got[0]))
+    return mbs, seconds, counts
 
 
 def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: Corpus | None = None
@@ -194,24 +240,30 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
     """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems; ``seed``
     draws the documents' lengths (stdlib's are its files); ``corpus`` (``cpdata bench --lengths PATH``), where
     given, is the one distribution measured, its name the rows' ``distribution``."""
-    names, n = (("sft", "long_context"), QUICK_PACKS) if quick else (NAMES, PACKS)
+    names, n, k = (("sft", "long_context"), QUICK_PACKS, QUICK_STEPS) if quick else (NAMES, PACKS, STEPS)
     rows, skipped = [], None
     for name in names if corpus is None else (corpus,):
         for world, per_rank in WORLDS:
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
             steps, seconds = step_packs(name, world, per_rank, n, seed)
-            for system, mbs, docs in (
-                (PER_PACK, _cpdata(packs, world, per_rank, cost), packs),
-                (STEP, (_step(steps, world, per_rank), seconds), [lens for lens, _ in steps]),
+            stream, stream_seconds = stream_packs(name, world, per_rank, n, k, seed)
+            for system, (mbs, solve), docs, counts in (
+                (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None),
+                (STEP, (_step(steps, world, per_rank), seconds), [[lens for lens, _ in steps]], None),
+                (STREAM, ([c for st in stream for c in _step(st, world, per_rank)], stream_seconds),
+                 [[lens for lens, _ in st] for st in stream], [len(st) for st in stream]),
             ):  # fmt: skip
-                mine = _row(_label(name), world, per_rank, system, cost, *mbs)
-                mine["fill"] = float(sum(int(lens.sum()) for lens in docs)) / (len(docs) * world * per_rank)
-                theirs = megatron_micro_batches(np.concatenate(docs).tolist(), world, per_rank, NODE_SIZE)
+                mine = _row(_label(name), world, per_rank, system, cost, mbs, solve, counts)
+                flat = [lens for step in docs for lens in step]
+                mine["fill"] = float(sum(int(lens.sum()) for lens in flat)) / (len(flat) * world * per_rank)
+                theirs = _megatron(docs if counts else [flat], world, per_rank)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
                     continue
-                other = _row(_label(name), world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, *theirs)
+                their_mbs, their_seconds, their_counts = theirs
+                other = _row(_label(name), world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, their_mbs,
+                             their_seconds, their_counts)  # fmt: skip
                 other["fill"] = 1.0  # (a GPU holds its sub-samples' tokens: no positions left as pad)
                 for column in RATIOS:
                     mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
