@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cpdata.bench import world
+from cpdata.layout.spread import megatron_width
 from cpdata.layout.world_deal import alone_tiles
 
 pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
@@ -22,9 +23,15 @@ def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
     assert not isinstance(got, str)
     groups, seconds = got
     assert groups and seconds >= 0
-    tiles = sum(int(t.sum()) for t, _, _ in groups)
-    recv = sum(int(r.sum()) for _, r, _ in groups)
-    inter = sum(int(i.sum()) for _, _, i in groups)
+    tiles = sum(int(t.sum()) for t, _, _, _, _ in groups)
+    recv = sum(int(r.sum()) for _, r, _, _, _ in groups)
+    inter = sum(int(i.sum()) for _, _, i, _, _ in groups)
+    assert sum(int(n.sum()) for _, _, _, n, _ in groups) == sum(lengths)  # (each GPU computes the tokens it holds)
+    # each sub-sample is one forward and backward on each of its GPUs: a document on c GPUs, c calls
+    # (at least its power of two of GPUs; Megatron widens a sample into GPUs left empty)
+    calls = sum(int(c.sum()) for *_, c in groups)
+    assert sum(megatron_width(n, 1024) for n in lengths) <= calls <= 4 * len(lengths)
+    assert all(((c > 0) == (n > 0)).all() for _, _, _, n, c in groups)
     # a 3000-token document needs ceil(log2(3000 / 1024)) -> 4 ranks: 4 THD chunk pairs; each rank receives
     # the other three ranks' 750 tokens, of which 1500 from the other node (2 ranks per node)
     big = world._thd_part(3000, 4)
@@ -110,6 +117,25 @@ def test_the_two_readings_of_the_busiest_rank_over_a_step():
     assert row["micro_batches"] == 2 and row["solve_ms"] == pytest.approx(2.0)
 
 
+def test_predicted_time_charges_every_position_a_rank_computes():
+    """A cpdata rank computes its whole local row (``per_rank`` positions, pad included) through the linear layers;
+    a GPU Megatron gives sub-samples, their tokens. Attention and the links overlap; the linear layers add."""
+    cost = world.H100_DEFAULTS
+    mbs = [(np.array([100, 0]), np.array([0, 0]), np.array([0, 0])),
+           (np.array([0, 300]), np.array([0, 5000]), np.array([0, 5000]))]  # fmt: skip
+    row = world._row("d", 2, 2048, "x", cost, mbs, 0.0)
+    linear = 2048 * cost.per_position_seconds
+    inter = 5000 * cost.bytes_per_key / cost.inter_node_bytes_per_second  # (slower than 300 tiles)
+    assert inter > 300 * cost.per_tile_seconds
+    assert row["predicted_ms"] == pytest.approx(1e3 * (2 * linear + 100 * cost.per_tile_seconds + inter))
+    assert row["step_predicted_ms"] == pytest.approx(1e3 * (2 * linear + inter))  # (rank 1: its two rows)
+    held = [(*m, np.array([1000, 0]), np.array([3, 0])) for m in mbs]  # Megatron's: a GPU with nothing computes no
+    theirs = world._row("d", 2, 2048, "m", cost, held, 0.0)                # positions and makes no call
+    assert theirs["step_predicted_ms"] == pytest.approx(1e3 * max(2000 * cost.per_position_seconds
+                                                                  + 100 * cost.per_tile_seconds, inter))  # fmt: skip
+    assert (row["step_calls"], theirs["step_calls"]) == (2, 6)  # (a cpdata rank: one call a micro-batch)
+
+
 def test_the_stream_reading_sums_each_steps_busiest_rank():
     # two steps: micro-batches 0-1, then 2. Step one's per-rank sums (12, 10, 6): rank 0; step two's (1, 2, 8):
     # rank 2. Summed: 12 + 8 = 20, where one step of all three would be rank 0's 13 (or rank 2's 14)
@@ -152,7 +178,8 @@ def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
     def row(system, tiles, over, recv, step_tiles, step_over, step_recv):
         return {"distribution": "sft", "world": "16x8K", "system": system, "tiles": tiles, "over_mean": over,
                 "recv_keys": recv, "inter_keys": 0, "step_tiles": step_tiles, "step_over_mean": step_over,
-                "step_recv_keys": step_recv, "step_inter_keys": 0, "solve_ms": 1.0}  # fmt: skip
+                "step_recv_keys": step_recv, "step_inter_keys": 0, "solve_ms": 1.0, "predicted_ms": 1.0,
+                "step_predicted_ms": 1.0}  # fmt: skip
 
     # synced: cpdata 1.5 x Megatron's tiles; per-rank step sums: within both bounds, and fewer keys
     theirs = row("megatron BalancedCPScheduler", 3200, 1.02, 6586, 3200, 1.02, 6586)

@@ -188,6 +188,12 @@ def test_the_cost_model_reads_a_calibration_file_and_takes_the_slowest_of_comput
     assert cost.per_tile_seconds == 1e-6 and cost.tile == 128 and cost.source == "test"
     got = cost.seconds(np.array([1000, 10, 10]), np.array([0, 10**6, 0]), np.array([0, 0, 10**5]))
     assert np.allclose(got, [1e-3, 10**6 * 4096 / 4e11, 10**5 * 4096 / 4e10])
+    rows = cost.seconds(np.array([1000, 10, 10]), np.array([0, 10**6, 0]), np.array([0, 0, 10**5]), 4096)
+    assert np.allclose(rows - got, 4096 * cost.per_position_seconds)  # (the linear layers add to either)
+    assert WorldCost(per_position_seconds=0.0).seconds(np.array([7]), np.array([0]), np.array([0]), 4096)[0] == (
+        7 * H100_DEFAULTS.per_tile_seconds)  # (0: attention alone)
+    with pytest.raises(ValueError, match=r"WorldCost.per_position_seconds must be finite and >= 0, got -1.0"):
+        WorldCost(per_position_seconds=-1.0)
     path.write_text(json.dumps({"per_tile_seconds": 2e-6}))  # one GPU measures the tile; links keep defaults
     alone = WorldCost.from_json(path)
     assert alone.per_tile_seconds == 2e-6 and alone.inter_node_bytes_per_second == H100_DEFAULTS.inter_node_bytes_per_second

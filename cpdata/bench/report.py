@@ -116,7 +116,8 @@ TABLES: dict[str, tuple[str, tuple[tuple, ...]]] = {
         ("busiest inter-node K/V", "inter_keys"), ("step: busiest rank's tiles", "step_tiles"),
         ("step ÷ mean rank", "step_over_mean", "{:.3f}"), ("step: most K/V recv", "step_recv_keys"),
         ("step: most inter-node K/V", "step_inter_keys"), ("fill", "fill", "{:.3f}"),
-        ("predicted ms", "predicted_ms", "{:.1f}"), ("solve ms / micro-batch", "solve_ms", "{:.2f}"))),
+        ("predicted ms", "predicted_ms", "{:.1f}"), ("step: predicted ms", "step_predicted_ms", "{:.1f}"),
+        ("step: most calls", "step_calls"), ("solve ms / micro-batch", "solve_ms", "{:.2f}"))),
     "integrity": ("**Token store checks** (a reading pass, document by document; 1 MiB chunks hashed on "
                   "first read)", (
         ("store", "store"), ("tokens", "tokens", lambda v: f"{v / 1e6:.0f}M"), ("chunks", "chunks"),

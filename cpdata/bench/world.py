@@ -53,8 +53,9 @@ __all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "STEP
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
-                            "fill", "predicted_ms", "solve_ms")  # fmt: skip
-RATIOS: tuple[str, ...] = ("tiles", "recv_keys", "inter_keys", "step_tiles", "step_recv_keys", "step_inter_keys")
+                            "fill", "predicted_ms", "step_predicted_ms", "step_calls", "solve_ms")  # fmt: skip
+RATIOS: tuple[str, ...] = ("tiles", "recv_keys", "inter_keys", "step_tiles", "step_recv_keys", "step_inter_keys",
+                          "predicted_ms", "step_predicted_ms")
 """The columns each cpdata row also gives over Megatron's (``<column>_vs_megatron``)."""
 TABLE: tuple[str, ...] = (*COLUMNS, *(f"{c}_vs_megatron" for c in RATIOS))
 TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's BalancedCPScheduler"
@@ -89,8 +90,9 @@ def _thd_part(s: int, c: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_size: int
                            ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], float] | str:  # fmt: skip
-    """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys and inter-node keys,
-    and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
+    """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys, inter-node keys, the
+    tokens each GPU holds (the positions it computes) and its sub-samples (Megatron runs each as its own forward
+    and backward), and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
     try:
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except Exception as err:  # noqa: BLE001 (any import failure means: skip, and say why)
@@ -107,16 +109,18 @@ def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_s
         for r, sids in enumerate(gpu_ids):
             for sid in sids:
                 members.setdefault(sid, []).append(r)
-        tiles, recv, inter = (np.zeros(world, dtype=np.int64) for _ in range(3))
+        tiles, recv, inter, tokens = (np.zeros(world, dtype=np.int64) for _ in range(4))
+        calls = np.array([len(sids) for sids in gpu_ids], dtype=np.int64)
         for sid, ranks in members.items():
             part_tiles, part_tokens = _thd_part(int(lengths[sid]), len(ranks))
             held = np.asarray(part_tokens, dtype=np.int64)
             at = np.asarray(ranks)
             tiles[at] += part_tiles
+            tokens[at] += held
             recv[at] += held.sum() - held
             other = node[at][:, None] != node[at][None, :]
             inter[at] += (other * held[None, :]).sum(axis=1)
-        out.append((tiles, recv, inter))
+        out.append((tiles, recv, inter, tokens, calls))
     return out, seconds
 
 
@@ -199,9 +203,16 @@ def _costs(table: SpanTable, lens: np.ndarray, node_size: int = NODE_SIZE) -> tu
 def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs: list[tuple[np.ndarray, ...]],
          seconds: float, steps: Sequence[int] | None = None) -> dict:  # fmt: skip
     """One system's row from its micro-batches' per-rank costs (``mbs``: tiles, received keys, inter-node keys,
-    int64 ``[world]`` each), ``steps`` micro-batches a step in order (None: one step of them all). The ``step_``
-    columns sum, over the steps, the rank whose sum over that step's micro-batches is largest."""
-    tiles, recv, inter = (np.stack(column) for column in zip(*mbs, strict=True))  # int64 [micro-batches, world]
+    and where given the positions each rank computes and its forward calls, int64 ``[world]`` each; without them
+    every rank computes its ``per_rank`` positions in one call, as a cpdata rank its local row), ``steps``
+    micro-batches a step in order (None: one step of them all). The ``step_`` columns sum, over the steps, the
+    rank whose sum over that step's micro-batches is largest; ``predicted_ms`` sums each micro-batch's slowest
+    rank, ``step_predicted_ms`` each step's (:meth:`WorldCost.seconds`); ``step_calls`` the most forward and
+    backward calls a rank makes a step, summed over the steps."""
+    columns = [np.stack(column) for column in zip(*mbs, strict=True)]  # int64 [micro-batches, world] each
+    tiles, recv, inter = columns[:3]
+    positions = columns[3] if len(columns) > 3 else np.full_like(tiles, per_rank)
+    calls = columns[4] if len(columns) > 4 else np.ones_like(tiles)
     bounds = list(itertools.pairwise(np.cumsum([0, *(steps or [len(mbs)])]).tolist()))
     if bounds[-1][1] != len(mbs):
         raise ValueError(f"steps of {list(steps or [])} micro-batches do not cover the {len(mbs)} given")
@@ -209,14 +220,18 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
     busiest = tiles.max(axis=1).sum()
     step, step_recv, step_inter = (sum(int(a[lo:hi].sum(axis=0).max()) for lo, hi in bounds)
                                    for a in (tiles, recv, inter))  # fmt: skip
-    predicted = sum(float(cost.seconds(t, r - i, i).max()) for t, r, i in mbs)
+    seconds_per_rank = cost.seconds(tiles, recv - inter, inter, positions)  # [micro-batches, world]
+    predicted = float(seconds_per_rank.max(axis=1).sum())
+    step_predicted = sum(float(seconds_per_rank[lo:hi].sum(axis=0).max()) for lo, hi in bounds)
+    step_calls = sum(int(calls[lo:hi].sum(axis=0).max()) for lo, hi in bounds)
     return {
         "distribution": name, "world": f"{world}x{per_rank // 1024}K", "system": system,
         "micro_batches": len(mbs), "tiles": int(busiest), "over_mean": busiest / mean if mean else 1.0,
         "recv_keys": int(recv.max(axis=1).sum()), "inter_keys": int(inter.max(axis=1).sum()),
         "step_tiles": step, "step_over_mean": step / mean if mean else 1.0,
         "step_recv_keys": step_recv, "step_inter_keys": step_inter,
-        "predicted_ms": predicted * 1e3, "solve_ms": seconds * 1e3 / max(len(mbs), 1),
+        "predicted_ms": predicted * 1e3, "step_predicted_ms": step_predicted * 1e3, "step_calls": step_calls,
+        "solve_ms": seconds * 1e3 / max(len(mbs), 1),
     }  # fmt: skip
 
 

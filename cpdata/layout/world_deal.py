@@ -52,16 +52,21 @@ _REQUIRED = ("per_tile_seconds", "intra_node_bytes_per_second", "inter_node_byte
 @dataclass(frozen=True, slots=True)
 class WorldCost:
     """The physics the deal weighs: predicted per-rank seconds of attention compute and K/V traffic, which
-    overlap (the exchange runs while the kernel computes the rank's own keys)::
+    overlap (the exchange runs while the kernel computes the rank's own keys), after the layer's linear layers,
+    which run every position a rank holds, pad included::
 
-        seconds = max(tiles * per_tile_seconds,
-                      intra_keys * bytes_per_key / intra_node_bytes_per_second,
-                      inter_keys * bytes_per_key / inter_node_bytes_per_second)
+        seconds = positions * per_position_seconds
+                  + max(tiles * per_tile_seconds,
+                        intra_keys * bytes_per_key / intra_node_bytes_per_second,
+                        inter_keys * bytes_per_key / inter_node_bytes_per_second)
 
     ``tiles``: live tiles (:func:`cpdata.layout.tiles.live_tiles`); ``intra_keys`` / ``inter_keys``: keys
-    received from the rank's own node / other nodes (:func:`cpdata.layout.exchange.node_recv`). Only ratios
-    matter to the deal. :data:`H100_DEFAULTS` come from published H100 SXM figures for one layer of 32 query
-    heads, 8 K/V heads, head dim 128, bf16, forward and backward (derivation: docs/layouts-and-kernels.md); a
+    received from the rank's own node / other nodes (:func:`cpdata.layout.exchange.node_recv`); ``positions``:
+    the token positions the rank computes (a cpdata rank its whole local row; a GPU given sub-samples, their
+    tokens). Only the ratios of the attention terms matter to the deal: it places a step's tokens, and the linear
+    layers cost every rank its row whatever it holds. :data:`H100_DEFAULTS` come from published H100 SXM figures
+    for one layer of 32 query heads, 8 K/V heads, head dim 128, a SwiGLU MLP of 14,336, bf16, forward and
+    backward (derivation: docs/layouts-and-kernels.md); a
     calibration file replaces them (:meth:`from_json`: one JSON object with ``per_tile_seconds`` and any of the
     other fields, the rest keeping these defaults; ``make gpu-check`` writes one, its links unmeasured on one GPU;
     unknown keys are refused, a misspelt key would silently keep a default). The deal reads it from the layout
@@ -72,6 +77,8 @@ class WorldCost:
         intra_node_bytes_per_second: effective all-to-all bandwidth per GPU between ranks of one node.
         inter_node_bytes_per_second: the same between nodes.
         bytes_per_key: bytes one key moves (K and V forward, their gradients backward), one layer.
+        per_position_seconds: seconds of one token position through the layer's projections and MLP, forward
+            and backward (0: attention alone).
         tile: the tile ``per_tile_seconds`` belongs to.
         source: where the figures come from.
     """
@@ -80,12 +87,14 @@ class WorldCost:
     intra_node_bytes_per_second: float = 370e9
     inter_node_bytes_per_second: float = 50e9
     bytes_per_key: float = 8192.0
+    per_position_seconds: float = 2.0e-6
     tile: int = 128
     source: str = "published H100 SXM figures (cpdata.layout.world_deal)"
 
     def __post_init__(self) -> None:
         for name in _REQUIRED:
             check_number(f"WorldCost.{name}", getattr(self, name))
+        check_number("WorldCost.per_position_seconds", self.per_position_seconds, positive=False)
         check_int("WorldCost.tile", self.tile, min=1)
 
     @classmethod
@@ -115,12 +124,15 @@ class WorldCost:
         return cls(per_tile_seconds=1.0, intra_node_bytes_per_second=intra, inter_node_bytes_per_second=inter,
                    bytes_per_key=1.0, source="a world layout string")  # fmt: skip
 
-    def seconds(self, tiles: np.ndarray, intra_keys: np.ndarray, inter_keys: np.ndarray) -> np.ndarray:
-        """float64, the shape of the arguments: predicted seconds per rank (compute and the two links overlap)."""
+    def seconds(self, tiles: np.ndarray, intra_keys: np.ndarray, inter_keys: np.ndarray,
+                positions: np.ndarray | int = 0) -> np.ndarray:  # fmt: skip
+        """float64, the shape of the arguments: predicted seconds per rank (the linear layers over ``positions``,
+        then attention compute and the two links, which overlap)."""
         compute = np.asarray(tiles, dtype=np.float64) * self.per_tile_seconds
         intra = np.asarray(intra_keys, dtype=np.float64) * (self.bytes_per_key / self.intra_node_bytes_per_second)
         inter = np.asarray(inter_keys, dtype=np.float64) * (self.bytes_per_key / self.inter_node_bytes_per_second)
-        return np.maximum(compute, np.maximum(intra, inter))
+        linear = np.asarray(positions, dtype=np.float64) * self.per_position_seconds
+        return linear + np.maximum(compute, np.maximum(intra, inter))
 
     def keys_per_tile(self, inter_node: bool) -> float:
         """Keys received over one link in the time of one tile (intra-node, or inter-node)."""
