@@ -95,3 +95,50 @@ def test_autocast_part_runs_cp2_on_cpu_ranks_within_bf16_tolerance():
 
     result = autocast_cp2("cpu")
     assert result["ok"] and 0 < result["max_rel_error"] < BF16_TOL and result["documents"] >= 3, result
+
+
+def test_the_linear_part_fits_seconds_per_position_from_its_timed_rows(monkeypatch):
+    """On CPU with a small layer: every row timed forward + backward (gradients reach every weight), and the fit
+    over the rows is the least-squares line (the timings replaced by an exact one: 2 us a position, 0.1 ms
+    each call)."""
+    from cpdata.bench import gpu_linear
+
+    layer = gpu_linear.linear_layers(32, 8, 64, device="cpu", dtype=torch.float32)
+    x = torch.randn(5, 32, requires_grad=True)
+    layer(x).backward(torch.randn(5, 32))
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())  # (K and V too)
+    timed: list[int] = []
+
+    def exact(step, repeats):
+        step()  # (the pass runs: backward of the layer on that row)
+        timed.append(repeats)
+        return 1e-4 + 2e-6 * [64, 128, 256][len(timed) - 1]
+
+    monkeypatch.setattr(gpu_linear, "time_step", exact)
+    got = gpu_linear.run(positions=(64, 128, 256), repeats=3, hidden=32, kv_dim=8, mlp=64, device="cpu",
+                         dtype=torch.float32)  # fmt: skip
+    assert [r["positions"] for r in got["rows"]] == [64, 128, 256] and timed == [3, 3, 3]
+    assert got["per_position_seconds"] == pytest.approx(2e-6) and got["intercept_seconds"] == pytest.approx(1e-4)
+    assert got["r2"] == pytest.approx(1.0) and got["rows"][0]["us_per_position"] == pytest.approx((1e-4 + 128e-6) / 64 * 1e6)
+    assert got["shape"] == "hidden 32, K/V 8, SwiGLU 64, float32"
+
+
+def test_calibration_takes_the_tile_and_where_measured_the_position(tmp_path):
+    from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost
+
+    tile = {"per_tile_seconds": 2.5e-6, "bytes_per_key": 4096.0, "tile": 128, "source": "make gpu-check: flex"}
+    attention = {"status": "ok", "result": {"calibration": tile}}
+    linear = {"status": "ok", "result": {"per_position_seconds": 1.7e-6, "shape": "hidden 4096"}}
+    assert gpu_check.calibration_of({"linear_per_position": linear}) is None  # (a cost file needs the tile)
+    alone = gpu_check.calibration_of({"attention_per_rank": attention})
+    both = gpu_check.calibration_of({"attention_per_rank": attention, "linear_per_position": linear})
+    assert alone == tile and "per_position_seconds" not in alone
+    assert both["per_position_seconds"] == 1.7e-6 and both["source"].endswith("; linear layers: hidden 4096, "
+                                                                              "forward + backward")  # fmt: skip
+    path = tmp_path / "calibration.json"
+    for written, position in ((alone, H100_DEFAULTS.per_position_seconds), (both, 1.7e-6)):
+        path.write_text(json.dumps(written))
+        cost = WorldCost.from_json(path)  # (what make gpu-check writes, the bench reads)
+        assert cost.per_tile_seconds == 2.5e-6 and cost.per_position_seconds == position
+    unmeasured = {"status": "ok", "result": {"per_position_seconds": None, "shape": "x"}}
+    assert gpu_check.calibration_of({"attention_per_rank": attention, "linear_per_position": unmeasured}) == tile

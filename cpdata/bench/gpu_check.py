@@ -4,7 +4,8 @@ call.
 The parts (:data:`PARTS`; each is described in docs/benchmarks.md, "GPU check") run in order; one that cannot
 run says why and the next goes on. Writes ``DIR/gpu_check.json`` (every part's status, figures, seconds, the
 machine), ``DIR/gpu_check.md`` and, when the attention part ran, ``DIR/calibration.json``
-(:mod:`cpdata.bench.gpu_attention`). Without CUDA every part is skipped, named, and the exit status is 0; a
+(:mod:`cpdata.bench.gpu_attention`, with the position's cost from :mod:`cpdata.bench.gpu_linear`). Without
+CUDA every part is skipped, named, and the exit status is 0; a
 part that fails or misses its tolerance makes it 1. ``--attention-seconds`` (default 210) caps the attention
 part.
 """
@@ -22,16 +23,17 @@ from pathlib import Path
 
 import torch
 
-from cpdata.bench import gpu_attention, gpu_exchange, gpu_steps
+from cpdata.bench import gpu_attention, gpu_exchange, gpu_linear, gpu_steps
 from cpdata.bench.table import format_value, markdown_table
 from cpdata.errors import check_choice
 
-__all__ = ["PARTS", "main", "render_markdown", "run_parts"]
+__all__ = ["PARTS", "calibration_of", "main", "render_markdown", "run_parts"]
 
 PARTS: dict[str, Callable[[float], dict]] = {
     "pinned_batches": lambda _: gpu_steps.pinned_batches(),
     "copy_overlap": lambda _: gpu_steps.copy_overlap(),
     "attention_per_rank": lambda seconds: gpu_attention.run(deadline=time.monotonic() + seconds),
+    "linear_per_position": lambda _: gpu_linear.run(),
     "hf_step_compiled": lambda _: gpu_steps.hf_step(),
     "autocast_cp2_vs_cp1": lambda _: gpu_steps.autocast_cp2(),
     "exchange_vs_all_gather": lambda _: gpu_exchange.run(),
@@ -113,6 +115,21 @@ def render_markdown(report: dict) -> str:
     return "\n".join(text) + "\n"
 
 
+def calibration_of(parts: dict) -> dict | None:
+    """``calibration.json``'s object from the parts that ran: the attention part's (its tile, this head shape's
+    bytes per key), with the linear part's ``per_position_seconds`` where it measured one; None without a measured
+    tile (a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file needs it)."""
+    attention = parts.get("attention_per_rank", {}).get("result")
+    if not attention or attention["calibration"]["per_tile_seconds"] is None:
+        return None
+    out = dict(attention["calibration"])
+    linear = parts.get("linear_per_position", {}).get("result")
+    if linear and linear["per_position_seconds"] is not None and linear["per_position_seconds"] > 0:
+        out["per_position_seconds"] = linear["per_position_seconds"]
+        out["source"] += f"; linear layers: {linear['shape']}, forward + backward"
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpdata.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md, calibration.json")
@@ -130,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {"machine": machine, "parts": parts, "seconds": time.monotonic() - t0}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(render_markdown(report))
-    attention = parts.get("attention_per_rank", {}).get("result")
-    if attention and attention["calibration"]["per_tile_seconds"] is not None:
-        (out / "calibration.json").write_text(json.dumps(attention["calibration"], indent=1))
+    calibration = calibration_of(parts)
+    if calibration is not None:
+        (out / "calibration.json").write_text(json.dumps(calibration, indent=1))
     print(render_markdown(report))
     print(f"[gpu-check] wrote {out} ({report['seconds']:.0f} s)")
     return 1 if any(p["status"] in ("failed", "mismatch") for p in parts.values()) else 0
