@@ -7,8 +7,9 @@ says what it measures against which anchor): ``step_shard``, ``worker_throughput
 (markdown and plain tables), ``timing``, ``distributions`` (seeded inputs), ``corpus`` (a user's document
 lengths, ``--lengths``), ``anchors`` (in-step sharding as trainers do it), ``ranks`` (forked gloo or spawned
 NCCL ranks), ``hf_reference`` (documents run alone), and ``gpu_check`` (``make gpu-check``, with
-``gpu_attention``, ``gpu_steps``, ``gpu_exchange``: the parts only a GPU runs). :func:`run_bench` returns a
-JSON-ready dict; :func:`render_markdown` turns it into the tables of docs/benchmarks.md.
+``gpu_attention``, ``gpu_linear``, ``gpu_steps``, ``gpu_exchange``: the parts only a GPU runs).
+:func:`run_bench` returns a JSON-ready dict; :func:`render_markdown` turns it into the tables of
+docs/benchmarks.md.
 """
 
 from cpdata.bench.report import render_markdown
