@@ -7,7 +7,8 @@ piece that does not fit, or leaves a place it does not hold, is refused, the ste
 loads and projected loads sorted as pieces land, so that no piece costs a pass over the world. A rank's
 *projected* load is its load plus its free tokens times ``density`` (tiles a token adds, as the pieces to come are
 expected to): where it ends if the rest of its room fills like the average. Where a piece fits
-(:meth:`StepLoads.choose`) is one array search over every window, micro-batch and orientation of a width.
+(:meth:`StepLoads.choose`) is one array search over every window, micro-batch and orientation of a width
+(:func:`~cpdata.layout.world_owners.best_window`), under the receive cap the books work out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_owners import Placement, owner_ranks, role_costs, window_index
+from cpdata.layout.world_owners import Placement, best_window, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles
 
 __all__ = ["RECEIVE_CAP", "StepLoads", "move_key"]
@@ -248,46 +249,25 @@ class StepLoads:
     def choose(self, s: int, c: int, cap: float | None = None, pack: int | None = None,
                arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, coming: bool = False
                ) -> tuple[float, int, int, int] | None:  # fmt: skip
-        """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a piece of ``s``
-        tokens on ``c`` ranks (:func:`~cpdata.layout.world_owners.windows`, either orientation; micro-batch ``pack``
-        alone where given) with room, whose busiest receiver stays within ``cap`` (None: the receive cap,
-        :data:`RECEIVE_CAP`, its mean counting, with ``coming``, the keys the spread pieces still to come
-        (:meth:`set_density`) would add on their fewest ranks, as many of them as the room left holds), the one of
-        least busiest load (ties: the first micro-batch, the lowest rank, the orientation whose busiest receiver after
-        it is least, THD's); None where none. (Equal pieces tie on every orientation: THD's each time gave a rank the
-        first role in every micro-batch, 8,192-token documents at 32 x 4K 32,768 keys, Megatron's busiest receiver;
-        alternating, 24,576.) The caller holds that load to its level: the least placement past it means none within
-        it.
-
-        The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the last
-        ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
-        or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 ->
-        0.85 x Megatron's busiest receiver). ``arrays``: :meth:`snapshot` of the state as it is, where the caller
-        tries several widths of one piece."""
+        """``(busiest load after, micro-batch, first rank, signed ranks)``: where a piece of ``s`` tokens on ``c``
+        ranks fits at least busiest load (:func:`~cpdata.layout.world_owners.best_window`: every window, either
+        orientation, micro-batch ``pack`` alone where given), its busiest receiver within ``cap`` (None: the
+        receive cap, :data:`RECEIVE_CAP`, its mean counting, with ``coming``, the keys the spread pieces still to
+        come (:meth:`set_density`) would add on their fewest ranks, as many of them as the room left holds); None
+        where none. The caller holds that load to its level: the least placement past it means none within it.
+        ``arrays``: :meth:`snapshot` of the state as it is, where the caller tries several widths of one piece."""
         cut = role_costs(s, c, self.local, self.tile, self.node_size)
         if cut is None:
             return None
-        need, added, keys = cut
         room, load, recv = self.snapshot() if arrays is None else arrays
         if cap is None:
             to_come = 0.0
             if coming and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
                 to_come = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
+            keys = cut[2]
             cap = max(int(recv.max()), int(keys.max()),
                       RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + to_come) / self.world)  # fmt: skip
-        starts, at, roles = window_index(self.world, self.node_size, c)
-        held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
-        score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
-        receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, starts]
-        fits = (held[None] >= need[roles][:, None, :, None]).all(2)  # [2, starts, packs]
-        o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
-        if not o.size:
-            return None
-        i = np.lexsort((o, receiver[o, a], a, k, score[o, a]))[0]
-        o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
-        first = int(starts[w])
-        return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
-
+        return best_window(cut, room, load, recv, cap, self.node_size, pack)
 
 def _ranked(values: list[float]) -> list[tuple[float, int]]:
     """The ranks sorted by a value (ties: the lower rank), as ``(value, rank)`` keys: each key is unique, so a

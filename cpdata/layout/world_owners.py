@@ -1,5 +1,6 @@
 """Who holds what of a world step's pieces: a placement's ranks, each role's tokens, tiles and keys, the windows
-a spread piece may take, and the runs of a pack the step dealt.
+a spread piece may take and the best of them on given loads (:func:`best_window`), and the runs of a pack the step
+dealt.
 
 A piece spread over ``c`` ranks is cut in ``2c`` chunks (:func:`~cpdata.layout.spread.spread_chunks`); rank ``j``
 of its window holds chunks ``j`` and ``2c - 1 - j`` (its *role*), counted up from the window's first rank or
@@ -17,7 +18,7 @@ import numpy as np
 from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, spread_runs
 from cpdata.layout.world_plan import chunk_need
 
-__all__ = ["Placement", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
+__all__ = ["Placement", "best_window", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -61,6 +62,36 @@ def window_index(world: int, node_size: int, c: int) -> tuple[np.ndarray, np.nda
     roles = np.stack([np.arange(c), np.arange(c)[::-1]])
     return starts, starts[:, None] + np.arange(c), roles
 
+
+
+def best_window(cut: tuple[np.ndarray, np.ndarray, np.ndarray], room: np.ndarray, load: np.ndarray, recv: np.ndarray,
+                cap: float, node_size: int, pack: int | None = None) -> tuple[float, int, int, int] | None:  # fmt: skip
+    """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a spread piece whose
+    roles are ``cut`` (:func:`role_costs`: tokens, tiles, keys, int64 ``[c]`` each) on a window of ``c`` ranks
+    (:func:`windows`, THD's orientation or mirrored, :func:`owner_ranks`) in one micro-batch (``pack`` alone where
+    given) where every role fits the ranks' ``room`` (int64 ``[world, packs]``) and no rank's received keys
+    (``recv`` int64 ``[world]``, after it) pass ``cap``, the one whose busiest ``load`` (float64 ``[world]``)
+    after it is least; None where none. Ties: the first micro-batch, the lowest rank, the orientation whose busiest
+    receiver after it is least, THD's. (Equal pieces tie on every orientation: THD's each time gave a rank the
+    first role in every micro-batch, 8,192-token documents at 32 x 4K 32,768 keys, Megatron's busiest receiver;
+    alternating, 24,576.) The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the
+    last ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
+    or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 -> 0.85 x
+    Megatron's busiest receiver). One array search over every window, micro-batch and orientation."""
+    need, added, keys = cut
+    c = need.shape[0]
+    starts, at, roles = window_index(load.shape[0], node_size, c)
+    held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
+    score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
+    receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, starts]
+    fits = (held[None] >= need[roles][:, None, :, None]).all(2)  # [2, starts, packs]
+    o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
+    if not o.size:
+        return None
+    i = np.lexsort((o, receiver[o, a], a, k, score[o, a]))[0]
+    o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
+    first = int(starts[w])
+    return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int, node_size: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
