@@ -44,7 +44,7 @@ def fill_place(bins: StepLoads, s: int, whole: tuple[np.ndarray, np.ndarray] | N
     of its whole pieces (``whole``: float64 ``[world, packs]``, their tokens and tiles; None: no slot is cleared),
     that leave the busiest rank less over the mean (its busiest load or the step's, whichever is more, over the mean
     with its tiles in and the cleared ones out). Of those, the least busiest load, then the fewest tiles added (its
-    own less the cleared ones); ties as :meth:`~cpdata.layout.step_loads.StepLoads.choose`'s (the first width,
+    own less the cleared ones); ties as :func:`~cpdata.layout.world_owners.best_window`'s (the first width,
     micro-batch, rank, the orientation of least busiest receiver, THD's). Least over the mean instead, a wider cut's
     dearer tiles would win where the busiest load is the same: the rows met and the ratios were the same over 400 step
     rows, the work more (docs/benchmarks.md)."""
