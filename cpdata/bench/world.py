@@ -89,7 +89,7 @@ def _thd_part(s: int, c: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_size: int
-                           ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], float] | str:  # fmt: skip
+                           ) -> tuple[list[tuple[np.ndarray, ...]], float] | str:  # fmt: skip
     """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys, inter-node keys, the
     tokens each GPU holds (the positions it computes) and its sub-samples (Megatron runs each as its own forward
     and backward), and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
@@ -271,7 +271,7 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
                 mine = _row(_label(name), world, per_rank, system, cost, mbs, solve, counts)
                 flat = [lens for step in docs for lens in step]
                 mine["fill"] = float(sum(int(lens.sum()) for lens in flat)) / (len(flat) * world * per_rank)
-                theirs = _megatron(docs if counts else [flat], world, per_rank)
+                theirs = _megatron(docs, world, per_rank)  # (each system's steps: one, but for the stream)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
