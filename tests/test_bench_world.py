@@ -157,7 +157,7 @@ def test_a_stream_is_the_packers_steps_in_order_and_megatron_schedules_each_step
     packs of the stream, no document twice beyond what it can hold; Megatron is fed each step apart."""
     stream, seconds = world.stream_packs("sft", 8, 2048, 3, 3)
     first, _ = world.step_packs("sft", 8, 2048, 3)
-    assert len(stream) == 3 and all(len(step) == 3 for step in stream) and seconds > 0
+    assert len(stream) == 3 and all(len(step) == 3 for step in stream) and len(seconds) == 3 and min(seconds) > 0
     assert all(np.array_equal(a, b) and np.array_equal(oa, ob) for (a, oa), (b, ob) in zip(stream[0], first,
                                                                                         strict=True))  # fmt: skip
     assert not all(np.array_equal(a, b) for (a, _), (b, _) in zip(stream[0], stream[1], strict=True))

@@ -145,36 +145,42 @@ def step_packs(name: str | Corpus, world: int, per_rank: int, n: int, seed: int 
     per pack its slot lengths and owners (int64 ``[D]``, ``[D, 2]``), and the packer's CPU seconds for ``n``
     packs (a window that closes more packs than that counted in proportion)."""
     steps, seconds = stream_packs(name, world, per_rank, n, 1, seed)
-    return steps[0], seconds
+    return steps[0], seconds[0]
 
 
 def stream_packs(name: str | Corpus, world: int, per_rank: int, n: int, steps: int, seed: int = 1
-                 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], float]:  # fmt: skip
+                 ) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], list[float]]:  # fmt: skip
     """The first ``steps`` world steps of ``n`` packs each that the world step packer makes of one stream of
-    ``name``'s documents: per step, per pack its slot lengths and owners (as :func:`step_packs`), and the packer's
-    CPU seconds for ``steps * n`` packs (a window that closes more packs than that counted in proportion). The
-    documents a step leaves waiting open the next. The stream is blocks of about three steps' worth of tokens, each
-    cut in windows alone: the first drawn at ``seed``, the ``j``-th at ``seed + j * 2**20`` (so the first step is
-    the same whatever ``steps``)."""
+    ``name``'s documents: per step, per pack its slot lengths and owners (as :func:`step_packs`), and per step the
+    packer's CPU seconds (a window that closes packs shares its time among them, the windows before it that closed
+    none go to its first). The documents a step leaves waiting open the next. The stream is blocks of about three
+    steps' worth of tokens, each cut in windows alone: the first drawn at ``seed``, the ``j``-th at
+    ``seed + j * 2**20`` (so the first step, and its seconds, are the same whatever ``steps``)."""
     config = PackingConfig.resolve(capacity=world * per_rank, layout=layout_spec("world", node_size=NODE_SIZE),
                                    cp_size=world, overflow="split", world_step=n)  # fmt: skip
     want, probe = n * steps, sample(name, 1000, 0)
     count = int(3 * n * world * per_rank / max(probe.mean(), 1)) + 16
-    planner, slot, packs, lo, seconds = StreamPlanner(config), {}, [], 0, 0.0
+    planner, slot, packs, lo, since, cost = StreamPlanner(config), {}, [], 0, 0.0, []  # cost: CPU seconds a pack
     gc.collect()
     for block in range(steps + 2):
         lengths = sample(name, count, seed + block * 2**20)
         for a, b in itertools.pairwise([0, *window_ends(lengths, config)]):
             t0 = time.thread_time()
             pieces, keys, done = planner.add_window(lengths[a:b], np.arange(lo + a, lo + b))
-            closed = len(done)
-            seconds += (time.thread_time() - t0) * (min(closed, want - len(packs)) / closed if closed else 1.0)
+            dt = time.thread_time() - t0
+            if len(done):
+                share = dt / len(done)
+                cost += [since + share] + [share] * (len(done) - 1)
+                since = 0.0
+            else:
+                since += dt
             slot.update(zip(keys.tolist(), pieces.slot.tolist(), strict=True))
             bounds = np.concatenate([[0], np.cumsum(done.sizes)]).tolist()
             for i, j in itertools.pairwise(bounds):
                 packs.append((np.array([slot[k] for k in done.keys[i:j].tolist()], dtype=np.int64), done.owners[i:j]))
             if len(packs) >= want:
-                return [packs[i * n:(i + 1) * n] for i in range(steps)], seconds
+                return [packs[i * n:(i + 1) * n] for i in range(steps)], [sum(cost[i * n:(i + 1) * n])
+                                                                           for i in range(steps)]  # fmt: skip
         lo += lengths.shape[0]
     raise AssertionError(f"{_label(name)}: fewer than {want} packs from {steps + 2} blocks of {count} documents")
 
@@ -260,8 +266,8 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
     for name in names if corpus is None else (corpus,):
         for world, per_rank in WORLDS:
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
-            steps, seconds = step_packs(name, world, per_rank, n, seed)
-            stream, stream_seconds = stream_packs(name, world, per_rank, n, k, seed)
+            stream, per_step = stream_packs(name, world, per_rank, n, k, seed)
+            (steps, seconds), stream_seconds = (stream[0], per_step[0]), sum(per_step)  # (its first step: the step's)
             for system, (mbs, solve), docs, counts in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None),
                 (STEP, (_step(steps, world, per_rank), seconds), [[lens for lens, _ in steps]], None),
