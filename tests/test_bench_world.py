@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpdata.bench import world
+from cpdata.bench import world, world_megatron
+from cpdata.bench.world_megatron import megatron_micro_batches
 from cpdata.layout.spread import megatron_width
 from cpdata.layout.world_deal import alone_tiles
 
@@ -19,7 +20,7 @@ pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
 
 def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
     lengths = [3000, 2500, 700, 600, 500, 400, 300, 200, 100, 90]
-    got = world.megatron_micro_batches(lengths, 4, 1024, 2)
+    got = megatron_micro_batches(lengths, 4, 1024, 2)
     assert not isinstance(got, str)
     groups, seconds = got
     assert groups and seconds >= 0
@@ -34,7 +35,7 @@ def test_megatron_groups_count_each_sub_sample_on_the_ranks_it_was_given():
     assert all(((c > 0) == (n > 0)).all() for _, _, _, n, c in groups)
     # a 3000-token document needs ceil(log2(3000 / 1024)) -> 4 ranks: 4 THD chunk pairs; each rank receives
     # the other three ranks' 750 tokens, of which 1500 from the other node (2 ranks per node)
-    big = world._thd_part(3000, 4)
+    big = world_megatron.thd_part(3000, 4)
     assert sum(big[1]) == 3000 and sum(big[0]) > alone_tiles(3000, 128) // 4 * 4 - 4
     assert recv >= 3 * 3000 and inter >= 4 * 1500  # the 2500-token one spreads too
     assert tiles >= sum(alone_tiles(n, 128) for n in lengths[2:])  # the short ones alone on one rank each
@@ -165,11 +166,17 @@ def test_a_stream_is_the_packers_steps_in_order_and_megatron_schedules_each_step
         for lens, owners in step:
             assert lens.sum() <= 8 * 2048 and owners.shape == (lens.shape[0], 2)
     docs = [[lens for lens, _ in step] for step in stream]
-    mbs, _, counts = world._megatron(docs, 8, 2048)
-    apart = [world.megatron_micro_batches(np.concatenate(d).tolist(), 8, 2048, world.NODE_SIZE)[0] for d in docs]
-    assert counts == [len(a) for a in apart]
+    mbs, seconds, counts = world_megatron.megatron_steps(docs, 8, 2048, world.NODE_SIZE)
+    apart = [megatron_micro_batches(np.concatenate(d).tolist(), 8, 2048, world.NODE_SIZE)[0] for d in docs]
+    assert counts == [len(a) for a in apart] and len(seconds) == 3
     assert all(np.array_equal(x, y) for got, want in zip(mbs, [m for a in apart for m in a], strict=True)
                for x, y in zip(got, want, strict=True))  # fmt: skip
+    # the step row reads the stream's first step from that one schedule, not from a second run of it
+    head, head_seconds, head_counts = world_megatron.first_step((mbs, seconds, counts))
+    assert head_counts == counts[:1] and head_seconds == seconds[:1] and len(head) == len(apart[0])
+    assert all(np.array_equal(x, y) for got, want in zip(head, apart[0], strict=True)
+               for x, y in zip(got, want, strict=True))  # fmt: skip
+    assert world_megatron.first_step("no megatron") == "no megatron"
 
 
 def test_each_reading_has_its_targets_and_a_row_that_misses_one_is_named():
@@ -232,7 +239,7 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
         packs, seconds = world.step_packs("web", 16, 8192, 8, 18)
         mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
         docs = np.concatenate([lens for lens, _ in packs]).tolist()
-        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *world.megatron_micro_batches(docs, 16, 8192, 8))
+        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *megatron_micro_batches(docs, 16, 8192, 8))
         return mine, theirs
 
     mine, theirs = step_row()

@@ -727,6 +727,7 @@ def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
     from cpdata.bench import world
     from cpdata.bench.corpus import read_corpus
+    from cpdata.bench.world_megatron import megatron_micro_batches
 
     path = tmp_path / "twopoint.npy"
     np.save(path, np.where(np.random.default_rng(33).random(60_000) < 0.9, 512, 24_000).astype(np.int64))
@@ -735,7 +736,7 @@ def test_the_fill_holds_a_step_of_few_spread_documents_within_megatrons_busiest_
     def step() -> tuple[float, float, float]:
         packs, _ = world.step_packs(corpus, 16, 8192, 8, 1)
         tiles, recv = (np.stack([c[i] for c in world._step(packs, 16, 8192)]).sum(axis=0) for i in (0, 1))
-        theirs, _ = world.megatron_micro_batches(np.concatenate([n for n, _ in packs]).tolist(), 16, 8192, 8)
+        theirs, _ = megatron_micro_batches(np.concatenate([n for n, _ in packs]).tolist(), 16, 8192, 8)
         their_tiles, their_recv = (np.stack([c[i] for c in theirs]).sum(axis=0) for i in (0, 1))
         return (float(tiles.max() / tiles.mean()), float(tiles.max() / their_tiles.max()),
                 float(recv.max() / their_recv.max()))  # fmt: skip

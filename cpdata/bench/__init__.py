@@ -5,7 +5,8 @@ says what it measures against which anchor): ``step_shard``, ``worker_throughput
 ``packing_quality``, ``balance``, ``gather_collectives``, ``long_document``, ``schedule_balance``,
 ``attention``, ``world``, ``integrity``. Helpers: ``cli``, ``runner``, ``targets``, ``report`` / ``table``
 (markdown and plain tables), ``timing``, ``distributions`` (seeded inputs), ``corpus`` (a user's document
-lengths, ``--lengths``), ``anchors`` (in-step sharding as trainers do it), ``ranks`` (forked gloo or spawned
+lengths, ``--lengths``), ``anchors`` (in-step sharding as trainers do it), ``world_megatron`` (Megatron's
+hybrid-CP scheduler as the world section reads it), ``ranks`` (forked gloo or spawned
 NCCL ranks), ``hf_reference`` (documents run alone), and ``gpu_check`` (``make gpu-check``, with
 ``gpu_attention``, ``gpu_linear``, ``gpu_steps``, ``gpu_exchange``: the parts only a GPU runs).
 :func:`run_bench` returns a JSON-ready dict; :func:`render_markdown` turns it into the tables of

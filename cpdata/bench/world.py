@@ -29,27 +29,26 @@ says why and gives cpdata's rows alone. ``cpdata bench --lengths PATH`` measures
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import time
-import types
 from collections.abc import Sequence
 
 import numpy as np
 
 from cpdata.bench.corpus import Corpus
 from cpdata.bench.distributions import first_packs, sample
+from cpdata.bench.world_megatron import TILE, first_step, megatron_steps
 from cpdata.layout.exchange import node_recv, world_exchange
-from cpdata.layout.maps import layout_runs, layout_spec, rank_indices
+from cpdata.layout.maps import layout_runs, layout_spec
 from cpdata.layout.spans import SpanTable
-from cpdata.layout.tiles import live_tiles, varlen_live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, world_block
+from cpdata.layout.tiles import varlen_live_tiles
+from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, world_block
 from cpdata.packing.planner import StreamPlanner, window_ends
 from cpdata.packing.records import PackingConfig
 
-__all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "STEPS", "STREAM", "TABLE",
-           "megatron_micro_batches", "run", "step_packs", "stream_packs"]  # fmt: skip
+__all__ = ["COLUMNS", "MEGATRON", "OPTIONS", "PER_PACK", "RATIOS", "STEP", "STEPS", "STREAM", "TABLE", "run",
+           "step_packs", "stream_packs"]  # fmt: skip
 
 COLUMNS: tuple[str, ...] = ("distribution", "world", "system", "micro_batches", "tiles", "over_mean", "recv_keys",
                             "inter_keys", "step_tiles", "step_over_mean", "step_recv_keys", "step_inter_keys",
@@ -61,7 +60,7 @@ TABLE: tuple[str, ...] = (*COLUMNS, *(f"{c}_vs_megatron" for c in RATIOS))
 TITLE = "the world as one CP group: cpdata's world deal beside Megatron-core's BalancedCPScheduler"
 NAMES: tuple[str, ...] = ("alpaca", "sft", "ultrachat", "web", "long_context", "stdlib")
 WORLDS: tuple[tuple[int, int], ...] = ((16, 8192), (32, 4096))
-NODE_SIZE, TILE = 8, 128
+NODE_SIZE = 8
 PER_PACK, STEP, STREAM = "cpdata world", "cpdata world step", "cpdata world stream"
 MEGATRON = "megatron BalancedCPScheduler"
 """System names: each pack dealt by itself; ``PACKS`` packs dealt as one step (``StreamPlan(world_step=PACKS)``);
@@ -73,55 +72,6 @@ OPTIONS: tuple[str, ...] = ("cost", "seed", "corpus")
 """``cpdata bench --calibration PATH`` passes ``cost`` (:meth:`WorldCost.from_json`) to :func:`run`, ``--seed N``
 the seed the documents' lengths are drawn with, ``--lengths PATH`` the corpus measured instead of the
 distributions (:func:`~cpdata.bench.corpus.read_corpus`)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _thd_part(s: int, c: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(tiles, tokens)`` of each of ``c`` ranks holding a sub-sample of ``s`` tokens as TE THD's ``2c`` chunks
-    (padded to a multiple of ``2c``; the pad is tail padding)."""
-    if c == 1:
-        return (alone_tiles(s, TILE),), (s,)
-    padded = -(-s // (2 * c)) * 2 * c
-    rows = rank_indices("thd", c, [padded], padded)
-    tiles = live_tiles(rows, [s], padded, TILE)
-    tokens = (rows < s).sum(axis=1)
-    return tuple(tiles.tolist()), tuple(tokens.tolist())
-
-
-def megatron_micro_batches(lengths: list[int], world: int, per_rank: int, node_size: int
-                           ) -> tuple[list[tuple[np.ndarray, ...]], float] | str:  # fmt: skip
-    """Megatron's schedule of ``lengths``: per group, int64 ``[world]`` tiles, received keys, inter-node keys, the
-    tokens each GPU holds (the positions it computes) and its sub-samples (Megatron runs each as its own forward
-    and backward), and the CPU seconds of the whole schedule; or why megatron-core cannot be imported."""
-    try:
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-    except Exception as err:  # noqa: BLE001 (any import failure means: skip, and say why)
-        return f"{type(err).__name__}: {err}"
-    sched = BalancedCPScheduler(per_rank, types.SimpleNamespace(size=lambda: world))  # all its constructor reads
-    gc.collect()  # a full collection owed to earlier allocations is not the schedule's
-    t0 = time.thread_time()
-    groups, ids = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
-    seconds = time.thread_time() - t0
-    node = np.arange(world) // node_size
-    out = []
-    for gpu_ids in ids[: len(groups)]:
-        members: dict[int, list[int]] = {}
-        for r, sids in enumerate(gpu_ids):
-            for sid in sids:
-                members.setdefault(sid, []).append(r)
-        tiles, recv, inter, tokens = (np.zeros(world, dtype=np.int64) for _ in range(4))
-        calls = np.array([len(sids) for sids in gpu_ids], dtype=np.int64)
-        for sid, ranks in members.items():
-            part_tiles, part_tokens = _thd_part(int(lengths[sid]), len(ranks))
-            held = np.asarray(part_tokens, dtype=np.int64)
-            at = np.asarray(ranks)
-            tiles[at] += part_tiles
-            tokens[at] += held
-            recv[at] += held.sum() - held
-            other = node[at][:, None] != node[at][None, :]
-            inter[at] += (other * held[None, :]).sum(axis=1)
-        out.append((tiles, recv, inter, tokens, calls))
-    return out, seconds
 
 
 def _cpdata(packs: list[np.ndarray], world: int, per_rank: int, cost: WorldCost
@@ -241,21 +191,6 @@ def _row(name: str, world: int, per_rank: int, system: str, cost: WorldCost, mbs
     }  # fmt: skip
 
 
-def _megatron(steps: list[list[np.ndarray]], world: int, per_rank: int
-              ) -> tuple[list[tuple[np.ndarray, ...]], float, list[int]] | str:  # fmt: skip
-    """Megatron's scheduler on each step's documents (``steps``: per step, its packs' slot lengths): its groups in
-    step order, its CPU seconds, the groups a step; or why megatron-core cannot be imported."""
-    mbs, seconds, counts = [], 0.0, []
-    for packs in steps:
-        got = megatron_micro_batches(np.concatenate(packs).tolist(), world, per_rank, NODE_SIZE)
-        if isinstance(got, str):
-            return got
-        mbs += got[0]
-        seconds += got[1]
-        counts.append(len(got[0]))
-    return mbs, seconds, counts
-
-
 def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: Corpus | None = None
         ) -> list[dict]:  # fmt: skip
     """The section's rows; ``cost`` weighs the deal and predicts ``predicted_ms`` for both systems; ``seed``
@@ -268,23 +203,25 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
             stream, per_step = stream_packs(name, world, per_rank, n, k, seed)
             (steps, seconds), stream_seconds = (stream[0], per_step[0]), sum(per_step)  # (its first step: the step's)
-            for system, (mbs, solve), docs, counts in (
-                (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None),
-                (STEP, (_step(steps, world, per_rank), seconds), [[lens for lens, _ in steps]], None),
-                (STREAM, ([c for st in stream for c in _step(st, world, per_rank)], stream_seconds),
-                 [[lens for lens, _ in st] for st in stream], [len(st) for st in stream]),
+            stream_docs = [[lens for lens, _ in st] for st in stream]
+            their_stream = megatron_steps(stream_docs, world, per_rank, NODE_SIZE)  # (scheduled once: the step row reads step 0)
+            for system, (mbs, solve), docs, counts, theirs in (
+                (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None,
+                 megatron_steps([packs], world, per_rank, NODE_SIZE)),
+                (STEP, (_step(steps, world, per_rank), seconds), stream_docs[:1], None, first_step(their_stream)),
+                (STREAM, ([c for st in stream for c in _step(st, world, per_rank)], stream_seconds), stream_docs,
+                 [len(st) for st in stream], their_stream),
             ):  # fmt: skip
                 mine = _row(_label(name), world, per_rank, system, cost, mbs, solve, counts)
                 flat = [lens for step in docs for lens in step]
                 mine["fill"] = float(sum(int(lens.sum()) for lens in flat)) / (len(flat) * world * per_rank)
-                theirs = _megatron(docs, world, per_rank)  # (each system's steps: one, but for the stream)
                 if isinstance(theirs, str):
                     skipped = theirs
                     rows.append(mine)
                     continue
                 their_mbs, their_seconds, their_counts = theirs
                 other = _row(_label(name), world, per_rank, f"{MEGATRON} ({system}'s documents)", cost, their_mbs,
-                             their_seconds, their_counts)  # fmt: skip
+                             sum(their_seconds), their_counts)  # fmt: skip
                 other["fill"] = 1.0  # (a GPU holds its sub-samples' tokens: no positions left as pad)
                 for column in RATIOS:
                     mine[f"{column}_vs_megatron"] = mine[column] / other[column] if other[column] else (
