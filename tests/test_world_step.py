@@ -177,41 +177,6 @@ def test_a_later_piece_past_a_node_takes_its_least_loaded_width_within_the_level
     assert max(bins.load[r] for r in owner_ranks(*where[1:])) == widths[8][0] < opening
 
 
-def test_a_piece_that_waited_fills_an_empty_micro_batch_on_its_least_loaded_width() -> None:
-    """At close, an empty micro-batch takes the longest waiting piece past the level: of the widths from its
-    fewest ranks (5 of 2,048 each for 10,240 tokens) up to Megatron's 8, the one whose busiest rank's load after
-    it is least (brute force; on 5 ranks those would stand 648 tiles above the other 3)."""
-    local, s = 2048, 5 * 2048
-    bins = StepBins(2, WORLD, local, NODE, TILE)
-    bins.set_density([s])
-    for r in range(WORLD):  # micro-batch 0: one whole document a rank, equal loads
-        bins.restore(1000, (0, r, 1))
-    widths = {c: bins.choose(s, c, np.inf, 1) for c in range(5, 9)}
-    want = min(widths, key=lambda c: (widths[c][0], c))
-    where = bins.open_empty(s)
-    assert where is not None and where[0] == 1 and abs(where[2]) == want == 8
-    assert max(bins.load) == widths[8][0] < widths[5][0]
-    assert bins.open_empty(s) is None  # (no micro-batch is empty now)
-
-
-def test_empty_widths_are_the_widths_within_a_fraction_of_the_least_busiest_load() -> None:
-    """The widths of a spread piece in the first empty micro-batch (5..8 ranks for 10,240 tokens of 2,048 a rank),
-    least busiest first, cut at ``within`` of the least; ``open_empty`` takes the one it is given."""
-    local, s = 2048, 5 * 2048
-    bins = StepBins(3, WORLD, local, NODE, TILE)
-    for r, n in enumerate([1000, 1200, 900, 1500, 1000, 1100, 700, 1300]):  # micro-batch 0: unequal ranks
-        bins.restore(n, (0, r, 1))
-    every = bins.empty_widths(s, within=1.0)
-    brute = sorted((bins.choose(s, c, np.inf, 1) for c in range(5, 9)), key=lambda best: (best[0], abs(best[3])))
-    assert every == brute and len(every) == 4
-    assert bins.empty_widths(s) == every[:1]  # (within 0: the least, as open_empty alone takes it)
-    near = bins.empty_widths(s, within=0.2)  # (483, 574, 658 and 726 tiles on 8, 7, 6 and 5 ranks)
-    assert near == [best for best in every if best[0] <= 1.2 * every[0][0]] and 1 < len(near) < 4
-    _, k, first, c = every[-1]
-    assert bins.open_empty(s, every[-1]) == (k, first, c) == (1, first, c)
-    assert bins.empty_widths(s, within=1.0)[0][1] == 2 and bins.empty_widths(local) == []  # (next empty; a whole piece)
-
-
 def _over_mean(packs, lengths: np.ndarray) -> float:
     """The busiest rank's tiles summed over a closed step's packs over the mean rank's, counted from their
     layouts."""

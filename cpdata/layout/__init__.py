@@ -5,7 +5,8 @@ its inverse, a pure function of the document lengths, so every CP rank computes 
 ``maps`` holds the layouts (``rank_indices``, ``alignment``, ``inverse_indices``); ``runs`` and ``blocks``
 build their tables; ``tiled`` and ``world_deal`` (with ``world_plan``) are the layouts that balance kernel
 tiles, their tables ``spans``; ``world_step`` deals a step of world micro-batches together (its books in
-``step_loads``; who holds what in ``world_owners``), cutting the documents it spreads as ``spread`` says;
+``step_loads``; who holds what in ``world_owners``; the close's moves in ``step_moves``), cutting the documents
+it spreads as ``spread`` says;
 ``exchange`` plans the K/V exchange; ``tiles`` counts what kernels pay (a causal segment's tiles: ``causal_tiles``);
 ``shard_layout`` is the torch record that travels with a batch (the one module here that imports torch).
 Nothing is imported eagerly: ``cpdata.gather`` must load torch alone.

@@ -27,9 +27,10 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
   and still past the level, it goes wider inside the node, up to twice that power of two, in the receive-capped cut
   (:mod:`~cpdata.layout.spread`: no rank receives more than THD's first role would at Megatron's width; web 16 x 8K,
   seed 13: a 31,467-token document on 4 ranks at 7,718 tiles each left the step at 1.375 x the mean rank; on 7, 1.002
-  x). A piece that waited and ends in a micro-batch left empty (:meth:`StepBins.open_empty`) takes, past the level,
-  its width of least busiest load (closing, the packer tries those within 1 % of it to the end of the close and keeps
-  the one whose busiest rank ends least over the mean: :mod:`cpdata.packing.world_steps`);
+  x). A piece that waited and ends in a micro-batch left empty
+  (:meth:`~cpdata.layout.step_moves.StepMoves.open_empty`) takes, past the level, its width of least busiest load
+  (closing, the packer tries those within 1 % of it to the end of the close and keeps the one whose busiest rank
+  ends least over the mean: :mod:`cpdata.packing.world_steps`);
 - a piece of at most ``L`` tokens goes whole into the micro-batch with the least room that fits it (ties: the
   first), on a rank chosen by the tiles it adds (``a``) against the pieces still to come (``d``, tiles per
   token; :meth:`StepBins.set_density`):
@@ -60,7 +61,6 @@ its pack as slot owners (:func:`~cpdata.layout.world_owners.owned_runs`), never 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from cpdata.layout.spread import megatron_width
@@ -197,61 +197,6 @@ class StepBins(StepLoads):
             out += [(k, best, 1)] * count
             i += count
         return out
-
-    def top_up(self, s: int) -> Placement | None:
-        """Place a whole piece where it keeps its rank at or under the busiest rank's load (it then costs the
-        step nothing and fills pad): the least loaded rank with room; None where none can."""
-        if s > self.local:
-            return None
-        added = alone_tiles(s, self.tile)
-        r = self._lightest(s, self._by_load[-1][0] - added, -1)
-        if r < 0:
-            return None
-        k = self._best_fit(r, s)
-        self._take(r, k, s, added)
-        return k, r, 1
-
-    def open_empty(self, s: int, choice: tuple[float, int, int, int] | None = None) -> Placement | None:
-        """Place a piece of ``s`` tokens, past the level, into the first micro-batch no rank holds anything of:
-        whole on the least loaded rank, or spread at ``choice`` (one of :meth:`empty_widths`; default its first:
-        the width and window whose busiest load after it is least, ties the fewest ranks); None when every
-        micro-batch holds something (a step leaves none empty while pieces wait). On its fewest ranks a long
-        piece that waited past the level would fill the empty micro-batch on those ranks alone (a mixed corpus at
-        16 x 8K, seed 6: a 75,162-token document on 10 of 16 ranks, the step 1.26 x the mean rank; on 16,
-        1.00 x)."""
-        k = self.first_empty()
-        if k is None or s > self.world * self.local:
-            return None
-        if s <= self.local:
-            r = self._by_load[0][1]
-            self._take(r, k, s, alone_tiles(s, self.tile))
-            return k, r, 1
-        return self._take_choice(s, choice if choice is not None else next(iter(self.empty_widths(s)), None))
-
-    def empty_widths(self, s: int, within: float = 0.0) -> list[tuple[float, int, int, int]]:
-        """:meth:`choose`'s placements of a spread piece of ``s`` tokens in the first empty micro-batch, one a
-        width from its fewest ranks up to the power of two Megatron's scheduler would give it, whose busiest load
-        after it is within ``within`` (a fraction) of the least: least first (ties: the fewest ranks). Empty
-        where no micro-batch is empty or the piece fits a rank."""
-        k, c = self.first_empty(), -(-s // self.local)
-        if k is None or c == 1 or c > self.world:
-            return []
-        arrays = self.snapshot()
-        choices = sorted((best for w in range(c, min(self.world, megatron_width(s, self.local)) + 1)
-                          if (best := self.choose(s, w, math.inf, k, arrays)) is not None), key=_busiest)  # fmt: skip
-        return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
-
-    def move(self, s: int, where: Placement, level: float) -> Placement | None:
-        """Move a whole piece of ``s`` tokens from ``where`` to the least loaded other rank with room that it
-        keeps at or under ``level`` (into its micro-batch of least room that fits); None (unmoved) where none."""
-        added = alone_tiles(s, self.tile)
-        r = self._lightest(s, level - added, where[1])
-        if r < 0:
-            return None
-        self.take_back(s, where)
-        k = self._best_fit(r, s)
-        self._take(r, k, s, added)
-        return k, r, 1
 
     def _spread(self, s: int) -> Placement | None:
         """A piece longer than a rank's tokens: of its widths (the module docstring), micro-batches, windows of ranks

@@ -1,8 +1,8 @@
 """The open world step (:class:`OpenStep`): its books, its pieces and the waiting ones, and the moves every phase of
 its close (:mod:`cpdata.packing.world_close`) makes on them.
 
-A step is three things that change together: the books (:class:`~cpdata.layout.world_step.StepBins`: each rank's
-room, load and keys per micro-batch), the pieces placed, in placement order, each ``(key, tokens, (micro-batch,
+A step is three things that change together: the books (:class:`~cpdata.layout.step_moves.StepMoves`: each
+rank's room, load and keys per micro-batch), the pieces placed, in placement order, each ``(key, tokens, (micro-batch,
 first rank, ranks))``, and the pieces that wait, ``(key, tokens)``. A trial of the close copies all three
 (:meth:`OpenStep._saved`) and puts the copy back where the trial is not kept (:meth:`OpenStep._kept_if_lower`).
 
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from cpdata.layout.step_moves import StepMoves
 from cpdata.layout.world_owners import Placement
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import StepBins
 from cpdata.packing.world_keys import InterNodeKeys
 from cpdata.packing.world_settle import Settle
 
@@ -44,10 +44,10 @@ class OpenStep:
         self._waiting: list[tuple[int, int]] = []  # (key, slot)
         self._crossing = InterNodeKeys(world, capacity // world, node_size)
 
-    def _new_step(self) -> StepBins:
-        return StepBins(self.packs, self.world, self.capacity // self.world, self.node_size, self.tile)
+    def _new_step(self) -> StepMoves:
+        return StepMoves(self.packs, self.world, self.capacity // self.world, self.node_size, self.tile)
 
-    def _saved(self) -> tuple[StepBins, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
+    def _saved(self) -> tuple[StepMoves, list[tuple[int, int, Placement]], list[tuple[int, int]]]:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
         return self._bins.copy(), list(self._step), list(self._waiting)
 
@@ -93,8 +93,8 @@ class OpenStep:
 
     def _fill_one(self, key: int, s: int, found: tuple[Placement, list[tuple[int, int]]]) -> None:
         """Place piece ``key`` of ``s`` tokens where :func:`fill_place` found, on this step as it was then: the
-        whole pieces of the slots it names leave first and are offered to :meth:`StepBins.top_up`; the rest
-        wait."""
+        whole pieces of the slots it names leave first and are offered to
+        :meth:`~cpdata.layout.step_moves.StepMoves.top_up`; the rest wait."""
         b = self._bins
         where, slots = found
         cleared, step, evicted = set(slots), [], []

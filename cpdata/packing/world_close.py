@@ -2,7 +2,8 @@
 exact (pad included), and the deal is finished on them. The packer (:mod:`cpdata.packing.world_steps`) runs phase 0
 (a micro-batch left empty takes the longest waiting piece, its widths tried) and then these, in order:
 
-1. top up: waiting pieces go where they keep their rank at or under the busiest one (:meth:`StepBins.top_up`);
+1. top up: waiting pieces go where they keep their rank at or under the busiest one
+   (:meth:`~cpdata.layout.step_moves.StepMoves.top_up`);
 2. settle (:class:`Settle`): every rank above the mean load, busiest first, swaps its dearest whole pieces for
    cheaper ones of similar length on the least loaded ranks (the step keeps its tokens), then moves a piece to
    a lighter rank with room, else swaps it for a waiting piece that fits its place and adds fewer tiles, while
@@ -151,10 +152,11 @@ class StepClose(OpenStep):
     def _fill(self) -> bool:
         """Waiting spread pieces, longest first (:data:`FILL_TRIES`), go where they leave the step's busiest
         rank less over its mean (:func:`fill_place`), clearing whole pieces from the slots they need, which are
-        dealt again where they keep their rank at or under the busiest (:meth:`StepBins.top_up`), else wait; each
-        kept only where the step then stands less over the mean than before it and holds no fewer tokens (a dear
-        piece in the place of cheap ones that wait lifts the mean: the step would do the same work in fewer
-        tokens, its linear layers running more pad). Whether any was."""
+        dealt again where they keep their rank at or under the busiest
+        (:meth:`~cpdata.layout.step_moves.StepMoves.top_up`), else wait; each kept only where the step then stands
+        less over the mean than before it and holds no fewer tokens (a dear piece in the place of cheap ones that
+        wait lifts the mean: the step would do the same work in fewer tokens, its linear layers running more
+        pad). Whether any was."""
         pending, self._waiting, waiting, tried, missed, placed = self._waiting, [], [], 0, 0, False
         whole = None  # (the whole pieces' slots, computed again once a fill is kept)
         for key, s in pending:

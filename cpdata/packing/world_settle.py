@@ -16,9 +16,9 @@ import bisect
 import itertools
 from collections.abc import Callable
 
+from cpdata.layout.step_moves import StepMoves
 from cpdata.layout.world_owners import Placement
 from cpdata.layout.world_plan import alone_tiles
-from cpdata.layout.world_step import StepBins
 
 __all__ = ["EXCHANGE_NEAR", "EXCHANGE_PIECES", "EXCHANGE_RANKS", "EXCHANGE_ROUNDS", "MANY_ROUNDS", "SETTLE_PIECES",
            "Settle"]
@@ -43,7 +43,7 @@ class Settle:
     step more than the tokens it leaves out would cost a rank; then, busiest first again, swap a dear piece for
     several cheap ones of a light rank (:meth:`_exchange_many`)."""
 
-    def __init__(self, bins: StepBins, step: list[tuple[int, int, Placement]], waiting: list[tuple[int, int]]
+    def __init__(self, bins: StepMoves, step: list[tuple[int, int, Placement]], waiting: list[tuple[int, int]]
                  ) -> None:  # fmt: skip
         self.bins, self.step, self.waiting, self.tile = bins, step, waiting, bins.tile
         bins = self.bins

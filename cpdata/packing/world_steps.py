@@ -10,7 +10,7 @@ steps until nothing waits, leaving out their empty micro-batches.
 Closing, the step's loads are exact (pad included), and the deal is finished on them:
 
 0. a micro-batch left empty takes the longest waiting piece
-   (:meth:`~cpdata.layout.world_step.StepBins.open_empty`); where that piece spreads, each of its widths whose
+   (:meth:`~cpdata.layout.step_moves.StepMoves.open_empty`); where that piece spreads, each of its widths whose
    busiest load is within :data:`EMPTY_TRIAL` of the least is closed to the end (phases 1-10) on a copy of the
    step, and the step keeps the one whose busiest rank ends least over the mean: the settle moves whole pieces,
    not spread ones, so the least loaded width before it is not always the least after it (a mix of chats and
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_step import StepBins
+from cpdata.layout.step_moves import StepMoves
 from cpdata.packing.open_step import longest_first
 from cpdata.packing.records import PackKeys
 from cpdata.packing.world_close import StepClose
@@ -102,7 +102,7 @@ class WorldStepPacker(StepClose):
         one holding less work would win by it.)"""
         trials = self._bins.empty_widths(self._waiting[0][1], EMPTY_TRIAL) if self._waiting else []
         if len(trials) > 1:
-            best: tuple[float, tuple[StepBins, list, list]] | None = None
+            best: tuple[float, tuple[StepMoves, list, list]] | None = None
             for choice in trials:
                 before = self._saved()
                 self._finish(choice)
