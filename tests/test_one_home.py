@@ -19,8 +19,9 @@ from cpdata.nodes.dataloader import CPDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.epochs import EpochClock, EpochNode, graph_nodes, set_graph_epoch
 from cpdata.nodes.loader import build_node
-from cpdata.nodes.scheduled import ScheduledPacks, WindowedPacks
+from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.source import Documents
+from cpdata.nodes.windowed import WindowedPacks
 from cpdata.offline.reader import PrecomputedPacks
 from tests.flat_options import graph_options, records
 

@@ -15,8 +15,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from cpdata.nodes.dataset import CPDataset
 from cpdata.nodes.loader import GraphOptions, build_loader, closing_loader, shard_graph
 from cpdata.nodes.options import DataPolicy, SchedulePlan
-from cpdata.nodes.scheduled import WindowedPacks
 from cpdata.nodes.shard import ShardForRank
+from cpdata.nodes.windowed import WindowedPacks
 from tests.flat_options import graph_options, records
 
 CFG = {"capacity": 256, "cp_size": 2, "layout": "thd"}

@@ -5,7 +5,7 @@ refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mi
 (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
 ``source_kinds``, ``validate``, ``shuffle_buffer``, ``window``) ->
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
-:mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard``. Assembly: ``options`` (the option records),
+``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard``. Assembly: ``options`` (the option records),
 ``loader`` (``build_loader``, pinning), ``dataset`` (``CPDataset``), ``dataloader`` (``CPDataLoader``).
 Runtime helpers: ``epochs``, ``state_version``, ``worker_process`` (a kept heap, death with the parent).
 """

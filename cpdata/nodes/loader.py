@@ -42,10 +42,11 @@ from cpdata.nodes.options import (
     refuse_keywords,
 )
 from cpdata.nodes.pack import Pack
-from cpdata.nodes.scheduled import ScheduledPacks, WindowedPacks
+from cpdata.nodes.scheduled import ScheduledPacks
 from cpdata.nodes.served import ServedPacks
 from cpdata.nodes.shard import ShardForRank
 from cpdata.nodes.source import Documents
+from cpdata.nodes.windowed import WindowedPacks
 from cpdata.worker.collate import check_padding_token_id
 
 __all__ = [

@@ -3,7 +3,7 @@
 A plan is CSR rows (``doc_index``, ``doc_start``, ``doc_len``, ``slot_len``, ``continues``; pack ``p``
 is rows ``offsets[p]:offsets[p + 1]``) from a :class:`PlanRows` provider: a schedule planned from
 lengths (:class:`~cpdata.nodes.scheduled.ScheduledPacks`), a stream planned window by window
-(:class:`~cpdata.nodes.scheduled.WindowedPacks`) or a plan directory
+(:class:`~cpdata.nodes.windowed.WindowedPacks`) or a plan directory
 (:class:`~cpdata.offline.reader.PrecomputedPacks`). This node owns, once for all three: the rows ->
 ``PackPlan`` loop (:func:`emit_plan`), the one-document cache, worker striding (:class:`WorkerShare`),
 epochs (:class:`~cpdata.nodes.epochs.EpochClock`) and the state ``{"version", "config", "identity",
