@@ -13,18 +13,18 @@ Three cpdata systems at ``16 x 8K`` and ``32 x 4K``, 8 ranks per node:
   which one step alone does not show.
 
 Megatron's scheduler (``max_seq_len_per_rank = L``, a stand-in group whose ``size()`` is ``W``, the one call its
-constructor makes) schedules each system's documents at once, each group one micro-batch, a sub-sample on ``c``
-ranks laid out as TE THD's ``2c`` chunks. One tile counter, each system's kernel (``tile = 128``): a Megatron
-sub-sample is its own kernel call (:func:`cpdata.layout.tiles.live_tiles`); a cpdata rank runs varlen, each
-document piece a segment over its document's keys held or exchanged, the pad that ends its row not run, other
-pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_tiles` with ``pad_free``). Two
-readings of "the busiest rank over a step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each micro-batch's
-busiest rank (every micro-batch ends with its slowest rank: a world all-to-all per layer, or parameters gathered
-per layer); the ``step_`` columns take the rank whose sum over the micro-batches is largest (ranks wait only for
-the peers they exchange with, and all meet once a step), summed over the stream's steps, Megatron's scheduler fed
-each step's documents. docs/benchmarks.md defines each column. Where megatron-core cannot be imported, the section
-says why and gives cpdata's rows alone. ``cpdata bench --lengths PATH`` measures a user's corpus
-(:mod:`cpdata.bench.corpus`) instead of the six distributions.
+constructor makes; :mod:`cpdata.bench.world_megatron`) schedules each system's documents at once, each group one
+micro-batch, a sub-sample on ``c`` ranks laid out as TE THD's ``2c`` chunks. One tile counter, each system's kernel
+(``tile = 128``): a Megatron sub-sample is its own kernel call (:func:`cpdata.layout.tiles.live_tiles`); a cpdata
+rank runs varlen, each document piece a segment over its document's keys held or exchanged, the pad that ends its
+row not run, other pad one diagonal tile per 128 tokens (:func:`cpdata.layout.tiles.varlen_live_tiles` with
+``pad_free``). Two readings of "the busiest rank over a step": ``tiles``, ``recv_keys``, ``inter_keys`` sum each
+micro-batch's busiest rank (every micro-batch ends with its slowest rank: a world all-to-all per layer, or
+parameters gathered per layer); the ``step_`` columns take the rank whose sum over the micro-batches is largest
+(ranks wait only for the peers they exchange with, and all meet once a step), summed over the stream's steps,
+Megatron's scheduler fed each step's documents. docs/benchmarks.md defines each column. Where megatron-core cannot
+be imported, the section says why and gives cpdata's rows alone. ``cpdata bench --lengths PATH`` measures a user's
+corpus (:mod:`cpdata.bench.corpus`) instead of the six distributions.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
             stream, per_step = stream_packs(name, world, per_rank, n, k, seed)
             (steps, seconds), stream_seconds = (stream[0], per_step[0]), sum(per_step)  # (its first step: the step's)
             stream_docs = [[lens for lens, _ in st] for st in stream]
-            their_stream = megatron_steps(stream_docs, world, per_rank, NODE_SIZE)  # (scheduled once: the step row reads step 0)
+            their_stream = megatron_steps(stream_docs, world, per_rank, NODE_SIZE)  # (the step row reads step 0)
             for system, (mbs, solve), docs, counts, theirs in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None,
                  megatron_steps([packs], world, per_rank, NODE_SIZE)),
