@@ -18,7 +18,7 @@ WORLD, NODE, TILE = 8, 4, 128
 
 def _rebuilt(packs: int, world: int, local: int, pieces: list[tuple[int, tuple[int, int, int]]]) -> StepMoves:
     """A new step holding ``pieces`` (``(tokens, placement)``), each put back where it is."""
-    bins = StepMoves(packs, world, local, 4, TILE)
+    bins = StepMoves(packs, world, local, NODE, TILE)
     for s, where in pieces:
         bins.restore(s, where)
     return bins
