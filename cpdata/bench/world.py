@@ -201,16 +201,16 @@ def run(*, quick: bool, cost: WorldCost = H100_DEFAULTS, seed: int = 1, corpus: 
     for name in names if corpus is None else (corpus,):
         for world, per_rank in WORLDS:
             packs = first_packs(name, world * per_rank, layout_spec("world", node_size=NODE_SIZE), world, n, seed)
-            stream, per_step = stream_packs(name, world, per_rank, n, k, seed)
-            (steps, seconds), stream_seconds = (stream[0], per_step[0]), sum(per_step)  # (its first step: the step's)
+            stream, per_step = stream_packs(name, world, per_rank, n, k, seed)  # (its first step: the step row's)
+            laid = [_step(st, world, per_rank) for st in stream]
             stream_docs = [[lens for lens, _ in st] for st in stream]
             their_stream = megatron_steps(stream_docs, world, per_rank, NODE_SIZE)  # (the step row reads step 0)
             for system, (mbs, solve), docs, counts, theirs in (
                 (PER_PACK, _cpdata(packs, world, per_rank, cost), [packs], None,
                  megatron_steps([packs], world, per_rank, NODE_SIZE)),
-                (STEP, (_step(steps, world, per_rank), seconds), stream_docs[:1], None, first_step(their_stream)),
-                (STREAM, ([c for st in stream for c in _step(st, world, per_rank)], stream_seconds), stream_docs,
-                 [len(st) for st in stream], their_stream),
+                (STEP, (laid[0], per_step[0]), stream_docs[:1], None, first_step(their_stream)),
+                (STREAM, ([c for step in laid for c in step], sum(per_step)), stream_docs, [len(st) for st in stream],
+                 their_stream),
             ):  # fmt: skip
                 mine = _row(_label(name), world, per_rank, system, cost, mbs, solve, counts)
                 flat = [lens for step in docs for lens in step]
