@@ -32,6 +32,7 @@ against the mean the spread pieces still to come will make, as far as the room l
 one micro-batch and then waits. At 2, web passes Megatron's busiest receiver (1.30 x at 16 x 8K, seed 18); at 1.6
 none of web's and long_context's seeds 1-36 does (docs/benchmarks.md, the receive cap)."""
 
+
 class StepLoads:
     """The books of an open step: ``packs`` world micro-batches of ``world`` ranks (``node_size`` a node) of
     ``local`` tokens (the module docstring). A rank's ``load`` is its step cost: its pieces' varlen tiles (its
@@ -268,6 +269,7 @@ class StepLoads:
             cap = max(int(recv.max()), int(keys.max()),
                       RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + to_come) / self.world)  # fmt: skip
         return best_window(cut, room, load, recv, cap, self.node_size, pack)
+
 
 def _ranked(values: list[float]) -> list[tuple[float, int]]:
     """The ranks sorted by a value (ties: the lower rank), as ``(value, rank)`` keys: each key is unique, so a

@@ -63,7 +63,6 @@ def window_index(world: int, node_size: int, c: int) -> tuple[np.ndarray, np.nda
     return starts, starts[:, None] + np.arange(c), roles
 
 
-
 def best_window(cut: tuple[np.ndarray, np.ndarray, np.ndarray], room: np.ndarray, load: np.ndarray, recv: np.ndarray,
                 cap: float, node_size: int, pack: int | None = None) -> tuple[float, int, int, int] | None:  # fmt: skip
     """``(busiest load after, micro-batch, first rank, signed ranks)``: of the placements of a spread piece whose
@@ -81,7 +80,7 @@ def best_window(cut: tuple[np.ndarray, np.ndarray, np.ndarray], room: np.ndarray
     need, added, keys = cut
     c = need.shape[0]
     starts, at, roles = window_index(load.shape[0], node_size, c)
-    held = room[at] if pack is None else room[at][:, :, pack:pack + 1]  # [starts, c, packs]
+    held = (room if pack is None else room[:, pack:pack + 1])[at]  # [starts, c, packs] (pack alone: [starts, c, 1])
     score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
     receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, starts]
     fits = (held[None] >= need[roles][:, None, :, None]).all(2)  # [2, starts, packs]
@@ -92,6 +91,7 @@ def best_window(cut: tuple[np.ndarray, np.ndarray, np.ndarray], room: np.ndarray
     o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
     first = int(starts[w])
     return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
+
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int, node_size: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
