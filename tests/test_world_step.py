@@ -592,12 +592,12 @@ def test_a_spread_piece_does_not_move_past_the_busiest_receiver(monkeypatch):
     placed = [(0, 2000, (0, 0, 2)), (1, 2000, (1, 1, -2)), (2, 1100, (0, 2, 2)), (3, 1100, (1, 3, -2)),
               (4, 400, (0, 2, 1)), (5, 400, (1, 2, 1))]  # fmt: skip
     assert _closed_tiles(placed, world=4, local=1024, packs=3) == ([136, 136, 65, 45], [0, 1, 2, 3, 4, 5])
-    choose = world_step.StepBins.choose
+    choose = world_step.StepBins.choose_widths
 
-    def uncapped(self, s, c, cap=None, *args, **kwargs):  # (the move's cap, a receiver's keys, lifted)
-        return choose(self, s, c, np.inf if cap is not None else cap, *args, **kwargs)
+    def uncapped(self, s, widths, cap=None, *args, **kwargs):  # (the move's cap, a receiver's keys, lifted)
+        return choose(self, s, widths, np.inf if cap is not None else cap, *args, **kwargs)
 
-    monkeypatch.setattr(world_step.StepBins, "choose", uncapped)
+    monkeypatch.setattr(world_step.StepBins, "choose_widths", uncapped)
     assert _closed_tiles(placed, world=4, local=1024, packs=3)[0] != [136, 136, 65, 45]
 
 
@@ -1214,14 +1214,14 @@ def test_the_widths_past_megatrons_stop_at_twice_it_on_a_large_node(monkeypatch)
     wider widths are not tried (each costs a cut; past about 4^2 ranks none could help)."""
 
     tried = []
-    choose = StepBins.choose
+    choose = StepBins.choose_widths
 
-    def spy(self, s, c, *args, **kwargs):
-        tried.append(c)
-        return choose(self, s, c, *args, **kwargs)
+    def spy(self, s, widths, *args, **kwargs):
+        tried.extend(widths)
+        return choose(self, s, widths, *args, **kwargs)
 
     monkeypatch.setattr(StepBins, "target", lambda self: 0.0)
-    monkeypatch.setattr(StepBins, "choose", spy)
+    monkeypatch.setattr(StepBins, "choose_widths", spy)
     bins = StepBins(PACKS, 32, 1024, 32, TILE)
     bins.set_density([3900] + [100] * 300)
     where = bins.place(3900)

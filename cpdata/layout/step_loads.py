@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.world_owners import Placement, best_window, owner_ranks, role_costs
+from cpdata.layout.world_owners import Placement, best_windows, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles
 
 __all__ = ["RECEIVE_CAP", "StepLoads", "move_key"]
@@ -257,18 +257,47 @@ class StepLoads:
         come (:meth:`set_density`) would add on their fewest ranks, as many of them as the room left holds); None
         where none. The caller holds that load to its level: the least placement past it means none within it.
         ``arrays``: :meth:`snapshot` of the state as it is, where the caller tries several widths of one piece."""
-        cut = role_costs(s, c, self.local, self.tile, self.node_size)
-        if cut is None:
-            return None
+        return self.choose_widths(s, (c,), cap, pack, arrays, coming)[0]
+
+    def widths_under(self, s: int, widths: Sequence[int], level: float, strict: bool = False) -> list[int]:
+        """The widths of ``widths`` where a piece of ``s`` tokens has a cut that some window could leave at or under
+        ``level`` (``strict``: under it) at its busiest rank: no window of ``c`` ranks ends less loaded than the
+        ``c``-th least loaded rank, or the least loaded one plus the cut's dearest role (a look at the loads, where
+        most searches of a step that fills find nothing)."""
+        least = sorted(self.load)
+        out = []
+        for c in widths:
+            cut = role_costs(s, c, self.local, self.tile, self.node_size)
+            if cut is not None and ((floor := max(least[c - 1], least[0] + int(cut[1].max()))) < level
+                                    or (floor == level and not strict)):  # fmt: skip
+                out.append(c)
+        return out
+
+    def choose_widths(self, s: int, widths: Sequence[int], cap: float | None = None, pack: int | None = None,
+                      arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, coming: bool = False
+                      ) -> list[tuple[float, int, int, int] | None]:  # fmt: skip
+        """:meth:`choose` at each of ``widths``, in their order, in one search
+        (:func:`~cpdata.layout.world_owners.best_windows`): a width with no cut is None, and so is one whose least
+        role is more than all but fewer than its ranks have room for in any one micro-batch (most searches of a step
+        that fills, a look at each rank's most room instead of a search)."""
+        most_room = sorted(self.best_room, reverse=True)
+        cuts = [cut if (cut := role_costs(s, c, self.local, self.tile, self.node_size)) is not None
+                and most_room[c - 1] >= int(cut[0].min()) else None for c in widths]  # fmt: skip
+        found = [cut for cut in cuts if cut is not None]
+        if not found:
+            return [None] * len(cuts)
         room, load, recv = self.snapshot() if arrays is None else arrays
-        if cap is None:
+        if cap is not None:
+            caps = [cap] * len(found)
+        else:
             to_come = 0.0
             if coming and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
                 to_come = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
-            keys = cut[2]
-            cap = max(int(recv.max()), int(keys.max()),
-                      RECEIVE_CAP * (int(recv.sum()) + int(keys.sum()) + to_come) / self.world)  # fmt: skip
-        return best_window(cut, room, load, recv, cap, self.node_size, pack)
+            most, total = int(recv.max()), int(recv.sum())
+            caps = [max(most, int(cut[2].max()), RECEIVE_CAP * (total + int(cut[2].sum()) + to_come) / self.world)
+                    for cut in found]  # fmt: skip
+        best = iter(best_windows(found, room, load, recv, caps, self.node_size, pack))
+        return [None if cut is None else next(best) for cut in cuts]
 
 
 def _ranked(values: list[float]) -> list[tuple[float, int]]:

@@ -12,13 +12,14 @@ its slot owners with :func:`owned_runs`, never from a deal run again.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
 from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, spread_runs
 from cpdata.layout.world_plan import chunk_need
 
-__all__ = ["Placement", "best_window", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
+__all__ = ["Placement", "best_window", "best_windows", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -76,21 +77,67 @@ def best_window(cut: tuple[np.ndarray, np.ndarray, np.ndarray], room: np.ndarray
     alternating, 24,576.) The THD roles receive unequal keys (the first rank ``(c - 1) / c`` of the document, the
     last ``(c - 1) / 2c``: :func:`~cpdata.layout.spread.thd_recv`) for near-equal tiles, so under the cap a window
     or its mirror keeps a rank that received much from receiving most again (web 32 x 4K, seed 15: 1.49 -> 0.85 x
-    Megatron's busiest receiver). One array search over every window, micro-batch and orientation."""
-    need, added, keys = cut
-    c = need.shape[0]
-    starts, at, roles = window_index(load.shape[0], node_size, c)
-    held = (room if pack is None else room[:, pack:pack + 1])[at]  # [starts, c, packs] (pack alone: [starts, c, 1])
-    score = (load[at][None] + added[roles][:, None]).max(2)  # [2, starts]
-    receiver = (recv[at][None] + keys[roles][:, None]).max(2)  # [2, starts]
-    fits = (held[None] >= need[roles][:, None, :, None]).all(2)  # [2, starts, packs]
-    o, a, k = np.nonzero(fits & (receiver <= cap)[:, :, None])
+    Megatron's busiest receiver). One array search over every window, micro-batch and orientation
+    (:func:`best_windows`, one width)."""
+    return best_windows([cut], room, load, recv, [cap], node_size, pack)[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _windows_of(world: int, node_size: int, widths: tuple[int, ...]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The windows of every width in ``widths`` (:func:`window_index`) in one table, widths in order, each
+    width's windows by first rank, laid end to end: int64 ``[W]`` their first ranks and their width's index in
+    ``widths``; ``[T]`` their ranks, window after window (``T`` the sum of their widths); ``[2, T]`` the place of
+    each position's role (THD's orientation, mirrored) in the widths' roles laid end to end; ``[W]`` where each
+    window starts in ``T``. Read-only: one cached copy serves every call."""
+    starts, width_of, ranks, places, bounds = [], [], [], [], []
+    offset, at = 0, 0
+    for i, c in enumerate(widths):
+        first, held, roles = window_index(world, node_size, c)
+        count = first.shape[0]
+        starts.append(first)
+        width_of.append(np.full(count, i, dtype=np.int64))
+        ranks.append(held.reshape(-1))
+        places.append(np.tile(roles + offset, (1, count)))
+        bounds.append(at + c * np.arange(count, dtype=np.int64))
+        offset, at = offset + c, at + c * count
+    table = tuple(np.concatenate(part, axis=-1) for part in (starts, width_of, ranks, places, bounds))
+    for part in table:
+        part.flags.writeable = False
+    return table
+
+
+def best_windows(cuts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], room: np.ndarray, load: np.ndarray,
+                 recv: np.ndarray, caps: Sequence[float], node_size: int, pack: int | None = None
+                 ) -> list[tuple[float, int, int, int] | None]:  # fmt: skip
+    """:func:`best_window` of each of several cuts of one piece (its widths, each under its own cap in ``caps``)
+    on the same books, in ``cuts``' order: one array search over every width's windows, micro-batches and
+    orientations (a call costs about as much as its arrays are long). A placement's micro-batch is the first that
+    fits it: the ties put the micro-batch before the window."""
+    out: list[tuple[float, int, int, int] | None] = [None] * len(cuts)
+    widths = tuple(cut[0].shape[0] for cut in cuts)
+    if not widths:
+        return out
+    starts, width_of, at, places, bounds = _windows_of(load.shape[0], node_size, widths)
+    if not starts.size:
+        return out
+    need, added, keys = (np.concatenate([cut[f] for cut in cuts])[places] for f in range(3))  # [2, T] each
+    held = (room if pack is None else room[:, pack:pack + 1])[at]  # [T, packs] (pack alone: [T, 1])
+    score = np.maximum.reduceat(load[at] + added, bounds, axis=1)  # [2, W]
+    receiver = np.maximum.reduceat(recv[at] + keys, bounds, axis=1)  # [2, W]
+    fits = np.logical_and.reduceat(held >= need[..., None], bounds, axis=1)  # [2, W, packs]
+    o, a = np.nonzero(fits.any(2) & (receiver <= np.asarray(caps, dtype=np.float64)[width_of]))
     if not o.size:
-        return None
-    i = np.lexsort((o, receiver[o, a], a, k, score[o, a]))[0]
-    o, w, k = int(o[i]), int(a[i]), int(k[i]) if pack is None else pack
-    first = int(starts[w])
-    return (float(score[o, w]), k, first + c - 1, -c) if o else (float(score[o, w]), k, first, c)
+        return out
+    k = fits.argmax(2)[o, a]
+    order = np.lexsort((o, receiver[o, a], a, k, score[o, a], width_of[a]))
+    o, a, k = o[order], a[order], k[order]
+    group = width_of[a]
+    for j in np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]])).tolist():
+        i, w, c = int(group[j]), int(a[j]), widths[int(group[j])]
+        busiest, mb, first = float(score[o[j], w]), int(k[j]) if pack is None else pack, int(starts[w])
+        out[i] = (busiest, mb, first + c - 1, -c) if o[j] else (busiest, mb, first, c)
+    return out
 
 
 def owned_runs(slot_lens: np.ndarray, owners: np.ndarray, pack_len: int, world: int, node_size: int

@@ -230,17 +230,21 @@ class StepBins(StepLoads):
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
         behind = most > fewest and (int(role_costs(s, fewest, self.local, self.tile, self.node_size)[1].max())
                                     > (self.packs - 1) * densest)  # fmt: skip
-        arrays = self.snapshot()
         if opening and behind:
-            best = self.choose(s, most, arrays=arrays)  # (the ranks left out could not catch up: Megatron's width)
+            best = self.choose(s, most)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:
                 return self._take_choice(s, best)
         level = self.target() * (1 + self.slack)
-        choices = [best for c in range(fewest, widest + 1) if (best := self.choose(s, c, arrays=arrays)) is not None]
+        widths = range(fewest, widest + 1)
+        if not opening:  # (only a placement within the level will do)
+            widths = self.widths_under(s, widths, level)
+            if not widths:
+                return None
+        arrays = self.snapshot()
+        choices = [best for best in self.choose_widths(s, widths, arrays=arrays) if best is not None]
         within = [best for best in choices if best[0] <= level]
         if not within and not opening and self._spreading[1]:  # (nothing to come: the same cap)
-            choices = [best for c in range(fewest, widest + 1)
-                       if (best := self.choose(s, c, arrays=arrays, coming=True)) is not None]  # fmt: skip
+            choices = [best for best in self.choose_widths(s, widths, arrays=arrays, coming=True) if best is not None]
             within = [best for best in choices if best[0] <= level]
         if opening:  # the fewest ranks within the level, else the least busiest load
             return self._take_choice(s, within[0] if within else min(choices, key=_busiest, default=None))

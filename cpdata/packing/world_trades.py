@@ -9,8 +9,6 @@ step's spread pieces once for every piece the busiest rank holds part of (docs/b
 
 from __future__ import annotations
 
-import numpy as np
-
 from cpdata.layout.spread import megatron_width
 from cpdata.layout.world_owners import Placement, owner_ranks
 from cpdata.layout.world_step import StepBins
@@ -126,13 +124,8 @@ class SpreadSwap:
             _, s, where = step[i]
             widest = min(b.node_size, b.world, 2 * megatron_width(s, b.local))
             b.take_back_spread(s, where)
-            arrays = b.snapshot()
-            least = np.sort(arrays[1])  # (a window of c ranks holds one loaded at least as the c-th least)
-            for c in range(-(-s // b.local), widest + 1):
-                cut = b.cut(s, c)
-                if cut is None or max(least[c - 1], least[0] + cut[1].max()) >= top:
-                    continue  # (no window of this width can end under ``top``)
-                choice = b.choose(s, c, top_recv, arrays=arrays)
+            widths = b.widths_under(s, range(-(-s // b.local), widest + 1), top, strict=True)
+            for choice in b.choose_widths(s, widths, top_recv):
                 if choice is not None and choice[0] < top and (best is None or choice[0] < best[0]):
                     best = (choice[0], i, choice)
             b.restore(s, where)
