@@ -7,8 +7,10 @@ piece that does not fit, or leaves a place it does not hold, is refused, the ste
 loads and projected loads sorted as pieces land, so that no piece costs a pass over the world. A rank's
 *projected* load is its load plus its free tokens times ``density`` (tiles a token adds, as the pieces to come are
 expected to): where it ends if the rest of its room fills like the average. Where a piece fits
-(:meth:`StepLoads.choose`) is one array search over every window, micro-batch and orientation of a width
-(:func:`~cpdata.layout.world_owners.best_window`), under the receive cap the books work out.
+(:meth:`StepLoads.choose`, :meth:`StepLoads.choose_widths` for several widths) is one array search over every
+window, micro-batch and orientation of its widths (:func:`~cpdata.layout.world_owners.best_windows`), under the
+receive cap the books work out; a look at the ranks' most room (:meth:`StepLoads.choose_widths`) and loads
+(:meth:`StepLoads.widths_under`) spares the search where no window could fit or stay under a level.
 """
 
 from __future__ import annotations
