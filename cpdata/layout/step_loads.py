@@ -15,15 +15,15 @@ receive cap the books work out; a look at the ranks' most room (:meth:`StepLoads
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
 
+from cpdata.layout.ranked import move_key, ranked
 from cpdata.layout.world_owners import Placement, best_windows, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles
 
-__all__ = ["RECEIVE_CAP", "StepLoads", "move_key"]
+__all__ = ["RECEIVE_CAP", "StepLoads"]
 
 RECEIVE_CAP = 1.6
 """A spread piece waits rather than lift the step's busiest receiver past the most of: the busiest so far, its own
@@ -57,8 +57,8 @@ class StepLoads:
         self._capacity = packs * world * local
         self.density = 0.0
         # kept sorted as pieces land (a piece changes one rank's entries): no per-piece pass over the world
-        self._by_load = _ranked([0.0] * world)  # loads
-        self._projected = _ranked([0.0] * world)  # load + free * density
+        self._by_load = ranked([0.0] * world)  # loads
+        self._projected = ranked([0.0] * world)  # load + free * density
         self._total = 0.0  # the loads' sum
         self._coming = [0.0, 0, 0.0]  # the whole pieces still expected: tiles, tokens; all's density
         self._spreading = [0, 0]  # the spread pieces still expected: keys received on their fewest ranks, tokens
@@ -120,7 +120,7 @@ class StepLoads:
         added, tokens, mean = self._coming
         beyond = max(self.free_tokens - tokens, 0)
         self.density = (added + mean * beyond) / (tokens + beyond) if tokens + beyond > 0 else mean
-        self._projected = _ranked([self._project(r) for r in range(self.world)])
+        self._projected = ranked([self._project(r) for r in range(self.world)])
 
     def _project(self, r: int) -> float:
         return self.load[r] + self.free[r] * self.density
@@ -300,28 +300,3 @@ class StepLoads:
                     for cut in found]  # fmt: skip
         best = iter(best_windows(found, room, load, recv, caps, self.node_size, pack))
         return [None if cut is None else next(best) for cut in cuts]
-
-
-def _ranked(values: list[float]) -> list[tuple[float, int]]:
-    """The ranks sorted by a value (ties: the lower rank), as ``(value, rank)`` keys: each key is unique, so a
-    rank's entry is found by one bisection, however many ranks share its value (:func:`move_key` keeps the order)."""
-    return sorted(zip(values, range(len(values)), strict=True))
-
-
-def move_key(keys: list[tuple[float, int]], old: float, new: float, r: int) -> None:
-    """In sorted ``(value, rank)`` keys, rank ``r``'s value goes from ``old`` to ``new`` (in place where its order
-    holds: most pieces move it past no other rank)."""
-    key = (new, r)
-    i = bisect_left(keys, (old, r))
-    if new >= old:  # (it can only move right: its left neighbour stays before it)
-        if i + 1 == len(keys) or key < keys[i + 1]:
-            keys[i] = key
-            return
-        del keys[i]
-        keys.insert(bisect_left(keys, key, i), key)
-    else:  # (it can only move left)
-        if i == 0 or keys[i - 1] < key:
-            keys[i] = key
-            return
-        del keys[i]
-        keys.insert(bisect_left(keys, key, 0, i), key)

@@ -63,8 +63,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cpdata.layout.ranked import move_key
 from cpdata.layout.spread import megatron_width
-from cpdata.layout.step_loads import StepLoads, move_key
+from cpdata.layout.step_loads import StepLoads
 from cpdata.layout.world_owners import Placement, role_costs
 from cpdata.layout.world_plan import alone_tiles
 
