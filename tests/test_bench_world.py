@@ -84,7 +84,7 @@ def test_a_calibration_file_weighs_the_deal_and_predicts_both_systems(monkeypatc
 
     from cpdata.bench.runner import run_bench
     from cpdata.cli import main
-    from cpdata.layout.world_deal import WorldCost
+    from cpdata.layout.world_cost import WorldCost
 
     monkeypatch.setattr(world, "WORLDS", ((8, 2048),))
     slow = {"per_tile_seconds": 1e-9, "intra_node_bytes_per_second": 1e9, "inter_node_bytes_per_second": 1e8,

@@ -124,7 +124,7 @@ def test_the_linear_part_fits_seconds_per_position_from_its_timed_rows(monkeypat
 
 
 def test_calibration_takes_the_tile_and_where_measured_the_position(tmp_path):
-    from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost
+    from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
 
     tile = {"per_tile_seconds": 2.5e-6, "bytes_per_key": 4096.0, "tile": 128, "source": "make gpu-check: flex"}
     attention = {"status": "ok", "result": {"calibration": tile}}

@@ -18,7 +18,8 @@ from cpdata.layout import world_deal
 from cpdata.layout.exchange import exchange_plan, node_recv, world_exchange
 from cpdata.layout.maps import check_layout, layout_runs, layout_spec, node_size_of, rank_indices
 from cpdata.layout.tiles import block_tiles, exchange_tiles, first_keys, live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, alone_tiles, grid_tiles, world_runs
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.layout.world_deal import alone_tiles, grid_tiles, world_runs
 from cpdata.layout.world_plan import WorldBins
 from cpdata.packing import plan_lengths
 from cpdata.packing.distributions import sample_lengths

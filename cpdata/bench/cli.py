@@ -15,7 +15,7 @@ from pathlib import Path
 from cpdata.bench.corpus import read_corpus
 from cpdata.bench.report import render_markdown
 from cpdata.bench.runner import SECTIONS, check_corpus, parse_sections, run_bench, write_json
-from cpdata.layout.world_deal import WorldCost
+from cpdata.layout.world_cost import WorldCost
 
 __all__ = ["register"]
 

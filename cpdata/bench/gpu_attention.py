@@ -176,7 +176,7 @@ def run(*, deadline: float, configs=CONFIGS, distributions=DISTRIBUTIONS, layout
 
 
 def calibration_file(per_tile_seconds: float | None, device_name: str) -> dict:
-    """``calibration.json``'s object (a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file): the
+    """``calibration.json``'s object (a :meth:`~cpdata.layout.world_cost.WorldCost.from_json` file): the
     measured ``per_tile_seconds``, this head shape's ``bytes_per_key`` (K and V in bf16, forward, and their
     gradients back), ``tile`` and ``source``; the links keep their published defaults."""
     return {

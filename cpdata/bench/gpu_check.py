@@ -118,7 +118,7 @@ def render_markdown(report: dict) -> str:
 def calibration_of(parts: dict) -> dict | None:
     """``calibration.json``'s object from the parts that ran: the attention part's (its tile, this head shape's
     bytes per key), with the linear part's ``per_position_seconds`` where it measured one; None without a measured
-    tile (a :meth:`~cpdata.layout.world_deal.WorldCost.from_json` file needs it)."""
+    tile (a :meth:`~cpdata.layout.world_cost.WorldCost.from_json` file needs it)."""
     attention = parts.get("attention_per_rank", {}).get("result")
     if not attention or attention["calibration"]["per_tile_seconds"] is None:
         return None

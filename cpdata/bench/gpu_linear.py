@@ -1,5 +1,5 @@
 """GPU check part ``linear_per_position``: what one token position costs a layer's linear layers, forward and
-backward, for the world deal's cost model (:attr:`~cpdata.layout.world_deal.WorldCost.per_position_seconds`).
+backward, for the world deal's cost model (:attr:`~cpdata.layout.world_cost.WorldCost.per_position_seconds`).
 
 A position runs the layer's projections and MLP whatever it holds (a cpdata rank computes its whole local row,
 pad included), so a step's predicted time has a term in positions beside the attention tiles. The part times the

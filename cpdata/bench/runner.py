@@ -22,7 +22,7 @@ from cpdata.bench.table import format_table
 from cpdata.bench.targets import evaluate_targets
 from cpdata.bench.timing import describe_machine
 from cpdata.errors import check_int, is_int
-from cpdata.layout.world_deal import WorldCost
+from cpdata.layout.world_cost import WorldCost
 from cpdata.nodes.worker_process import keep_heap
 from cpdata.packing import DEFAULT_ALGORITHM
 
@@ -100,7 +100,7 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, run
               cost: WorldCost | None = None, seed: int = 1, corpus: Corpus | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Run ``sections`` (default: all), each ``runs`` times, and return the results dict (tables go to
-    ``log``). ``cost``: a calibration (:meth:`~cpdata.layout.world_deal.WorldCost.from_json`), passed to the
+    ``log``). ``cost``: a calibration (:meth:`~cpdata.layout.world_cost.WorldCost.from_json`), passed to the
     sections whose ``OPTIONS`` name it (``world``); None: the published defaults. ``seed``: the lengths the
     ``world`` section draws (its ``OPTIONS``; the others keep their own). ``corpus``: a user's document lengths
     (:func:`~cpdata.bench.corpus.read_corpus`) the ``world`` section measures instead of its distributions.

@@ -43,7 +43,8 @@ from cpdata.layout.exchange import node_recv, world_exchange
 from cpdata.layout.maps import layout_runs, layout_spec
 from cpdata.layout.spans import SpanTable
 from cpdata.layout.tiles import varlen_live_tiles
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, world_block
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.layout.world_deal import world_block
 from cpdata.packing.planner import StreamPlanner, window_ends
 from cpdata.packing.records import PackingConfig
 

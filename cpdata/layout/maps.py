@@ -5,7 +5,7 @@ its local order (``local = global[rows[r]]``), the rows together a permutation o
 ``pack_len // cp_size`` long; :func:`inverse_indices` undoes it (``global = concat(shards)[inverse]``). The
 layouts and their alignment are tabled in docs/layouts.md. A layout that takes a parameter carries it in its
 string (:func:`layout_spec`): ``"tiled:64"`` (tile; ``"tiled"`` is tile 128), ``"world:8"`` (ranks per node;
-``"world:8:<intra>:<inter>"`` with a calibrated :class:`~cpdata.layout.world_deal.WorldCost`).
+``"world:8:<intra>:<inter>"`` with a calibrated :class:`~cpdata.layout.world_cost.WorldCost`).
 
 ``seq_lens`` are the document slots laid out in the pack, in order; the rest of the pack is padding, which
 ``thd``'s last slot absorbs, as Transformer Engine requires. Pure, vectorized numpy, O(pack_len).
@@ -23,7 +23,8 @@ from cpdata.layout.blocks import balanced_block, head_tail_block
 from cpdata.layout.runs import RunBlock, RunTable, _per_pack, contiguous_runs
 from cpdata.layout.spans import SpanBlock, SpanTable
 from cpdata.layout.tiled import DEFAULT_TILE, TILES, tiled_block
-from cpdata.layout.world_deal import H100_DEFAULTS, WorldCost, world_block
+from cpdata.layout.world_cost import H100_DEFAULTS, WorldCost
+from cpdata.layout.world_deal import world_block
 
 __all__ = [
     "LAYOUTS",
@@ -49,7 +50,7 @@ def layout_spec(layout: str, tile: int | None = None, *, node_size: int | None =
                 cost: WorldCost | None = None) -> str:  # fmt: skip
     """The layout string that carries ``tile`` (``"tiled"`` for 128, ``"tiled:64"``, ``"tiled:256"``) or
     ``node_size`` (``"world:8"``) and the deal's ``cost`` (a calibration: ``"world:8:<intra>:<inter>"``,
-    :meth:`~cpdata.layout.world_deal.WorldCost.layout_suffix`); ``layout`` unchanged when all are None."""
+    :meth:`~cpdata.layout.world_cost.WorldCost.layout_suffix`); ``layout`` unchanged when all are None."""
     if cost is not None and (node_size is None or not isinstance(cost, WorldCost)):
         raise ValueError(f"cost={cost!r} must be a WorldCost (WorldCost.from_json(path)) and goes with layout "
                          "'world' and node_size=; pass both")  # fmt: skip
