@@ -56,6 +56,8 @@ def test_fit_recovers_a_line_and_refuses_one_point():
     assert fit["per_tile_seconds"] == pytest.approx(2e-6) and fit["intercept_seconds"] == pytest.approx(1e-4)
     assert fit["r2"] == pytest.approx(1.0) and fit["points"] == 4
     assert fit_line(np.array([5, 5]), np.array([1.0, 2.0]))["per_tile_seconds"] is None
+    by_position = fit_line(tiles, 3e-5 + 4e-9 * tiles, per="position")  # (the linear layers' part names its slope)
+    assert by_position["per_position_seconds"] == pytest.approx(4e-9) and "per_tile_seconds" not in by_position
 
 
 def test_time_step_leaves_out_its_warm_up_and_takes_the_median_of_the_repeats():

@@ -66,17 +66,19 @@ def rank_cases(distribution: str, capacity: int, cp: int, layout: str) -> list[R
     return out
 
 
-def fit_line(tiles: np.ndarray, seconds: np.ndarray) -> dict:
-    """Least squares ``seconds = intercept + per_tile * tiles`` (None figures below two distinct tile counts).
-    """
-    x, y = np.asarray(tiles, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+def fit_line(x: np.ndarray, seconds: np.ndarray, per: str = "tile") -> dict:
+    """Least squares ``seconds = intercept + slope * x``, the slope named for what ``x`` counts
+    (``per_<per>_seconds``: ``per_tile_seconds`` of tiles, ``per_position_seconds`` of positions); None figures
+    below two distinct counts."""
+    key = f"per_{per}_seconds"
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.size < 2 or np.unique(x).size < 2:
-        return {"per_tile_seconds": None, "intercept_seconds": None, "r2": None, "points": int(x.size)}
+        return {key: None, "intercept_seconds": None, "r2": None, "points": int(x.size)}
     slope, intercept = np.polyfit(x, y, 1)
     residual = y - (intercept + slope * x)
     total = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((residual**2).sum()) / total if total > 0 else 1.0
-    return {"per_tile_seconds": float(slope), "intercept_seconds": float(intercept), "r2": r2, "points": int(x.size)}
+    return {key: float(slope), "intercept_seconds": float(intercept), "r2": r2, "points": int(x.size)}
 
 
 def time_step(step, repeats: int) -> float:

@@ -4,7 +4,8 @@ its close (:mod:`cpdata.packing.world_close`) makes on them.
 A step is three things that change together: the books (:class:`~cpdata.layout.step_moves.StepMoves`: each
 rank's room, load and keys per micro-batch), the pieces placed, in placement order, each ``(key, tokens, (micro-batch,
 first rank, ranks))``, and the pieces that wait, ``(key, tokens)``. A trial of the close copies all three
-(:meth:`OpenStep._saved`) and puts the copy back where the trial is not kept (:meth:`OpenStep._kept_if_lower`).
+(:meth:`OpenStep._saved`) and puts the copy back (:meth:`OpenStep._restore`) where the trial is not kept
+(:meth:`OpenStep._kept_if_lower`).
 
 The state a resume restores is the same three: the placed pieces with their owners rebuild the books
 (:meth:`OpenStep.load_carry`), so a resume deals the same steps.
@@ -51,6 +52,10 @@ class OpenStep:
         """A copy of the open step, its pieces and the waiting ones (a trial close changes them, not it)."""
         return self._bins.copy(), list(self._step), list(self._waiting)
 
+    def _restore(self, saved: tuple[StepMoves, list[tuple[int, int, Placement]], list[tuple[int, int]]]) -> None:
+        """Put back a :meth:`_saved` copy as the open step (the copy becomes the step: save again to reuse it)."""
+        self._bins, self._step, self._waiting = saved
+
     def _kept_if_lower(self, phase: Callable[[], None], fewer_tokens: bool = True) -> bool:
         """Run ``phase`` on the step; undo it (False) where it leaves the busiest rank no less over the mean, or,
         unless ``fewer_tokens``, the step holding fewer tokens."""
@@ -58,7 +63,7 @@ class OpenStep:
         phase()
         if self._bins.ratio() < ratio and (fewer_tokens or self._bins.placed >= tokens):
             return True
-        self._bins, self._step, self._waiting = before
+        self._restore(before)
         return False
 
     def _offer(self, pieces: Sequence[tuple[int, int]], place: Callable[[int], Placement | None]

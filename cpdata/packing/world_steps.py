@@ -109,8 +109,8 @@ class WorldStepPacker(StepClose):
                 over = self._bins.ratio()  # (over the mean: trials may end holding different pieces)
                 if best is None or over < best[0]:
                     best = (over, self._saved())
-                self._bins, self._step, self._waiting = before
-            self._bins, self._step, self._waiting = best[1]
+                self._restore(before)
+            self._restore(best[1])
         else:  # (the one width, or None: what the offer would choose, not searched for again)
             self._finish(trials[0] if trials else None)
         keys = np.fromiter((key for key, _, _ in self._step), dtype=np.int64, count=len(self._step))
