@@ -3,7 +3,7 @@
 Each stage implements ``next()``, ``reset(initial_state)``, ``get_state()`` with a versioned state that
 refuses another configuration. In pipeline order: ``tokenize`` (optional) / ``mix`` + ``mix_readers``
 (optional; ``mixed``: a mix as an indexable dataset) -> ``source`` (``Documents``, with
-``source_kinds``, ``validate``, ``shuffle_buffer``, ``window``) ->
+``source_kinds``, ``source_windows``, ``validate``, ``shuffle_buffer``, ``window``) ->
 ``pack`` (with ``live_pieces``, ``state_copy``), or planned packs served by ``served`` (``scheduled``,
 ``windowed``, :mod:`cpdata.offline.reader`) -> ``collate`` -> ``shard``. Assembly: ``options`` (the option records),
 ``loader`` (``build_loader``, pinning), ``dataset`` (``CPDataset``), ``dataloader`` (``CPDataLoader``).
