@@ -34,7 +34,7 @@ from cpdata.nodes.live_pieces import (
     window_rows,
 )
 from cpdata.nodes.source import Documents
-from cpdata.nodes.source_kinds import document_sources_of
+from cpdata.nodes.source_kinds import name_mixed_overlong
 from cpdata.nodes.state_copy import fresh_state, portable_state, stats_dict
 from cpdata.nodes.state_version import VersionedState
 from cpdata.nodes.window import DocumentWindow, WindowFill
@@ -252,7 +252,7 @@ class Pack(VersionedState, BaseNode[PackPlan]):
         try:
             pieces, keys, packs = self._planner.add_window(window.lengths, window.indices, window.firsts)
         except OverlongDocumentError as exc:
-            _name_mixed_overlong(exc, self.source)
+            name_mixed_overlong(exc, self.source)
             raise
         self._live.add(*window_rows(window.arrays, window.lengths, window.indices, window.firsts, pieces, keys))
         if self._exhausted:
@@ -290,18 +290,3 @@ class Pack(VersionedState, BaseNode[PackPlan]):
             self.EMITTED_KEY: self._emitted,
             self.STATS_KEY: stats_dict(self._planner.stats_fields(), **self._stats_fields()),
         }
-
-
-def _name_mixed_overlong(exc: OverlongDocumentError, source: Any) -> None:
-    """Re-raise an overlong draw of a :func:`cpdata.mix` named by its source and its index there."""
-    sources = document_sources_of(source)
-    overlong = exc.overlong
-    if sources is None or overlong is None:
-        return
-    names, index = sources(np.array([overlong.index], dtype=np.int64))
-    where = (f"draw {overlong.index} of the mix" if index[0] < 0
-             else f"document {int(index[0])} of mix source {names[0]!r}")  # fmt: skip
-    hint = (f"(draw {overlong.index} of the mixed stream.) A mix checks each document when it draws it; to name "
-            "every overlong document of a source at once, check that source's lengths first (cpdata.plan_lengths("
-            "lengths, capacity=..., layout=..., cp_size=...) raises naming them all)")  # fmt: skip
-    raise OverlongDocumentError(overlong.message(where, hint), overlong=overlong) from None

@@ -5,7 +5,8 @@
 plan served by index. A validation error names a document by its index in the stream read, in a
 :func:`cpdata.mix` a position in the mixed stream: a source with ``describe_document(index)`` (the mix
 node, :class:`~cpdata.nodes.mixed.MixedDataset`) renames it ``"document 3 of mix source 'b' ..."``
-(:func:`name_document_error`, nothing spent until an error).
+(:func:`name_document_error`, nothing spent until an error); a draw the packer finds too long for a pack is named
+the same way (:func:`name_mixed_overlong`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from cpdata.nodes.epochs import upstream
 from cpdata.nodes.validate import to_document
+from cpdata.packing.pieces import OverlongDocumentError
 from cpdata.sources.protocol import Described, NamesSources
 from cpdata.worker.plan import Document
 from cpdata.worker.targets import LabelsAlignment
 
-__all__ = ["SourceReader", "document_sources_of", "name_document_error", "read_document", "reading_error",
-           "source_kind"]
+__all__ = ["SourceReader", "document_sources_of", "name_document_error", "name_mixed_overlong", "read_document",
+           "reading_error", "source_kind"]
 
 
 def source_kind(source: Any, items: str = "documents") -> str:
@@ -176,3 +179,18 @@ def document_sources_of(node: Any) -> Any:
             found = stage.document_sources
             return found if callable(found) else None
     return None
+
+
+def name_mixed_overlong(exc: OverlongDocumentError, source: Any) -> None:
+    """Re-raise an overlong draw of a :func:`cpdata.mix` named by its source and its index there."""
+    sources = document_sources_of(source)
+    overlong = exc.overlong
+    if sources is None or overlong is None:
+        return
+    names, index = sources(np.array([overlong.index], dtype=np.int64))
+    where = (f"draw {overlong.index} of the mix" if index[0] < 0
+             else f"document {int(index[0])} of mix source {names[0]!r}")  # fmt: skip
+    hint = (f"(draw {overlong.index} of the mixed stream.) A mix checks each document when it draws it; to name "
+            "every overlong document of a source at once, check that source's lengths first (cpdata.plan_lengths("
+            "lengths, capacity=..., layout=..., cp_size=...) raises naming them all)")  # fmt: skip
+    raise OverlongDocumentError(overlong.message(where, hint), overlong=overlong) from None
