@@ -76,7 +76,8 @@ def test_best_windows_is_each_widths_own_search() -> None:
         caps = [math.inf if rng.random() < 0.3 else float(np.quantile(recv, 0.6) + cut[2].max()) for cut in cuts]
         pack = None if seed % 3 else int(rng.integers(0, PACKS))
         got = best_windows(cuts, room, load, recv, caps, NODE, pack)
-        want = [_brute(cut, room.tolist(), load.tolist(), recv.tolist(), cap, pack) for cut, cap in zip(cuts, caps, strict=True)]
+        books = room.tolist(), load.tolist(), recv.tolist()
+        want = [_brute(cut, *books, cap, pack) for cut, cap in zip(cuts, caps, strict=True)]
         assert got == want, (seed, widths)
         placed += sum(w is not None for w in want)
         empty += sum(w is None for w in want)
@@ -105,3 +106,5 @@ def test_choose_widths_skips_only_widths_with_no_room() -> None:
         got = bins.choose_widths(s, widths, math.inf)
         assert got == [None if cut is None else best_window(cut, room, load, recv, math.inf, NODE) for cut in cuts]
         assert got[widths.index(c)][1:] == (k, first, c)
+    assert bins.choose_widths(s, [WORLD + 1], math.inf) == [None]  # (wider than the world: no window)
+    assert bins.widths_under(s, [WORLD + 1, widths[0]], math.inf) == [widths[0]]

@@ -65,6 +65,6 @@ def run(*, positions: Sequence[int] = POSITIONS, repeats: int = REPEATS, hidden:
         seconds = time_step(lambda x=x, grad=grad: layer(x).backward(grad), repeats)
         rows.append({"positions": int(n), "seconds": seconds, "us_per_position": seconds / n * 1e6})
     fit = fit_line(np.array([r["positions"] for r in rows]), np.array([r["seconds"] for r in rows]), per="position")
-    return {"rows": rows, "per_position_seconds": fit["per_position_seconds"], "intercept_seconds": fit["intercept_seconds"],
-            "r2": fit["r2"], "points": fit["points"],
+    return {"rows": rows, "per_position_seconds": fit["per_position_seconds"],
+            "intercept_seconds": fit["intercept_seconds"], "r2": fit["r2"], "points": fit["points"],
             "shape": f"hidden {hidden}, K/V {kv_dim}, SwiGLU {mlp}, {str(dtype).removeprefix('torch.')}"}  # fmt: skip

@@ -269,7 +269,7 @@ class StepLoads:
         least = sorted(self.load)
         out = []
         for c in widths:
-            cut = role_costs(s, c, self.local, self.tile, self.node_size)
+            cut = role_costs(s, c, self.local, self.tile, self.node_size) if c <= self.world else None
             if cut is not None and ((floor := max(least[c - 1], least[0] + int(cut[1].max()))) < level
                                     or (floor == level and not strict)):  # fmt: skip
                 out.append(c)
@@ -283,7 +283,7 @@ class StepLoads:
         role is more than all but fewer than its ranks have room for in any one micro-batch (most searches of a step
         that fills, a look at each rank's most room instead of a search)."""
         most_room = sorted(self.best_room, reverse=True)
-        cuts = [cut if (cut := role_costs(s, c, self.local, self.tile, self.node_size)) is not None
+        cuts = [cut if c <= self.world and (cut := role_costs(s, c, self.local, self.tile, self.node_size)) is not None
                 and most_room[c - 1] >= int(cut[0].min()) else None for c in widths]  # fmt: skip
         found = [cut for cut in cuts if cut is not None]
         if not found:

@@ -19,7 +19,8 @@ import numpy as np
 from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, spread_runs
 from cpdata.layout.world_plan import chunk_need
 
-__all__ = ["Placement", "best_window", "best_windows", "owned_runs", "owner_ranks", "role_costs", "window_index", "windows"]
+__all__ = ["Placement", "best_window", "best_windows", "owned_runs", "owner_ranks", "role_costs", "window_index",
+           "windows"]
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
