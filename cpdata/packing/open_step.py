@@ -78,6 +78,22 @@ class OpenStep:
                 self._step.append((key, s, where))
         return waiting
 
+    def _offer_empty(self) -> None:
+        """:meth:`_offer` the waiting pieces to the micro-batches left empty
+        (:meth:`~cpdata.layout.step_moves.StepMoves.open_empty`); once none is left empty, the rest wait as they are
+        without a look each (nothing changes the step until one is placed; a close offers a few hundred)."""
+        pieces, kept = self._waiting, []
+        for i, (key, s) in enumerate(pieces):
+            where = self._bins.open_empty(s)
+            if where is not None:
+                self._step.append((key, s, where))
+                continue
+            kept.append((key, s))
+            if self._bins.first_empty() is None:
+                kept += pieces[i + 1 :]
+                break
+        self._waiting = kept
+
     def _top_up(self) -> None:
         self._waiting = self._offer(self._waiting, self._bins.top_up)
 

@@ -118,7 +118,7 @@ class StepClose(OpenStep):
             key, s = self._waiting.pop(0)
             self._step.append((key, s, self._bins.open_empty(s, choice)))
         for _ in range(EMPTY_OFFERS):
-            self._waiting = self._offer(self._waiting, self._bins.open_empty)
+            self._offer_empty()
             self._top_up()
             for done in range(SETTLE_PASSES):
                 if done and not self._bins.over(SETTLE_AGAIN):
@@ -137,10 +137,10 @@ class StepClose(OpenStep):
         self._top_up()
         self._trade()
         filled = (self._bins.ratio(), self._saved())
-        self._bins, self._step, self._waiting = unfilled
+        self._restore(unfilled)
         self._trade()
         if self._keep_filled(filled[0], self._bins.ratio()):
-            self._bins, self._step, self._waiting = filled[1]
+            self._restore(filled[1])
 
     @staticmethod
     def _keep_filled(filled: float, unfilled: float) -> bool:
