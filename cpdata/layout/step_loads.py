@@ -266,8 +266,7 @@ class StepLoads:
         ``level`` (``strict``: under it) at its busiest rank: no window of ``c`` ranks ends less loaded than the
         ``c``-th least loaded rank, or the least loaded one plus the cut's dearest role (a look at the loads, where
         most searches of a step that fills find nothing)."""
-        least = sorted(self.load)
-        out = []
+        least, out = sorted(self.load), []
         for c in widths:
             cut = role_costs(s, c, self.local, self.tile, self.node_size) if c <= self.world else None
             if cut is not None and ((floor := max(least[c - 1], least[0] + int(cut[1].max()))) < level
@@ -289,9 +288,8 @@ class StepLoads:
         if not found:
             return [None] * len(cuts)
         room, load, recv = self.snapshot() if arrays is None else arrays
-        if cap is not None:
-            caps = [cap] * len(found)
-        else:
+        caps = [cap] * len(found)
+        if cap is None:  # the receive cap, each width its own
             to_come = 0.0
             if coming and self._spreading[1]:  # the keys of the spread pieces to come, in the room left
                 to_come = self._spreading[0] * min(1.0, max(self.free_tokens - s, 0) / self._spreading[1])
