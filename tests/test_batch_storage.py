@@ -153,7 +153,7 @@ def test_moved_views_are_the_spans_views_and_the_plan_travels():
 
 def test_sharder_fast_path_equals_the_general_path():
     from cpdata.bench.step_shard import LocalMesh
-    from cpdata.device.cp_attention import AttentionContextFactory
+    from cpdata.device.batch_context import AttentionContextFactory
     from cpdata.nemo.raw_shard import DeviceShard
     from cpdata.nemo.sharder import ContextParallelSharder
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.device.batch_context import AttentionContextFactory
+from cpdata.device.cp_attention import ContextParallelAttention
 from cpdata.layout.shard_layout import ShardLayout
 
 SDPA = F.scaled_dot_product_attention

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.adapters.hf_attention import _LAST
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank
 from tests import hf_zoo

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from test_gather_dist import GATHERS, SCATTERS, counting_collectives
 
-from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.device.batch_context import AttentionContextFactory
+from cpdata.device.cp_attention import ContextParallelAttention
 from cpdata.layout.maps import alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout
 

@@ -28,7 +28,8 @@ from dist_utils import run_ranks
 from test_gather_dist import GATHERS, counting_collectives
 
 from cpdata.adapters import document_causal_mask
-from cpdata.device.cp_attention import AttentionContextFactory, ContextParallelAttention
+from cpdata.device.batch_context import AttentionContextFactory
+from cpdata.device.cp_attention import ContextParallelAttention
 from cpdata.device.kv_exchange import exchange_tokens
 from cpdata.layout.exchange import exchange_plan
 from cpdata.layout.maps import alignment, inverse_indices, rank_indices

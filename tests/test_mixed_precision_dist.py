@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from cpdata.adapters import hf_model_kwargs, register_hf_attention
 from cpdata.adapters.hf_attention import STATE_KEY
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.device.kv_exchange import move_keys_values
 from cpdata.nodes.loader import shard_graph
 from cpdata.nodes.shard import ShardForRank

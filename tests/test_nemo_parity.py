@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_sharder import FakeMesh, direct
 
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.nemo.sharder import ContextParallelSharder
 

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.gather import gather_token_tensor, layout_tensor_on
 from cpdata.layout.maps import LAYOUTS, alignment, inverse_indices, rank_indices
 from cpdata.layout.shard_layout import ShardLayout

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.errors import is_int
 from cpdata.layout.shard_layout import ShardLayout
 from cpdata.worker.batch import ShardedBatch

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.device.presharded import PreshardedMove, is_presharded, mesh_group, mesh_rank_size, to_device
 from cpdata.layout.maps import alignment, rank_indices
 from cpdata.layout.shard_layout import ShardLayout

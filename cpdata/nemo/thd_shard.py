@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from cpdata.device.cp_attention import AttentionContextFactory
+from cpdata.device.batch_context import AttentionContextFactory
 from cpdata.device.presharded import mesh_group, mesh_rank_size, to_device
 from cpdata.errors import NotAvailableYetError
 from cpdata.layout.shard_layout import ShardLayout
