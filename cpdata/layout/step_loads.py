@@ -113,7 +113,7 @@ class StepLoads:
         """``(keys, tiles, tokens)``: the keys a spread piece of ``s`` tokens makes its ranks receive and the tiles
         it costs on its fewest ranks, and its tokens; zeros where it cannot spread over this world."""
         fewest = -(-s // self.local)
-        cut = role_costs(s, fewest, self.local, self.tile, self.node_size) if fewest <= self.world else None
+        cut = self.cut(s, fewest) if fewest <= self.world else None
         return (0, 0, 0) if cut is None else (int(cut[2].sum()), int(cut[1].sum()), s)
 
     def _reproject(self) -> None:
@@ -212,7 +212,7 @@ class StepLoads:
         """int64 ``[c]`` each (read-only): the tokens, tiles and keys received of each role of a piece of ``s``
         tokens spread over ``c`` ranks of this step (:func:`~cpdata.layout.spread.spread_chunks`).
         ``ValueError`` where that width has no cut."""
-        cut = role_costs(s, c, self.local, self.tile, self.node_size)
+        cut = self.cut(s, c)
         if cut is None:
             raise ValueError(f"a piece of {s} tokens has no cut over {c} ranks of {self.local} tokens")
         return cut
@@ -268,7 +268,7 @@ class StepLoads:
         most searches of a step that fills find nothing)."""
         least, out = sorted(self.load), []
         for c in widths:
-            cut = role_costs(s, c, self.local, self.tile, self.node_size) if c <= self.world else None
+            cut = self.cut(s, c) if c <= self.world else None
             if cut is not None and ((floor := max(least[c - 1], least[0] + int(cut[1].max()))) < level
                                     or (floor == level and not strict)):  # fmt: skip
                 out.append(c)
@@ -282,8 +282,8 @@ class StepLoads:
         role is more than all but fewer than its ranks have room for in any one micro-batch (most searches of a step
         that fills, a look at each rank's most room instead of a search)."""
         most_room = sorted(self.best_room, reverse=True)
-        cuts = [cut if c <= self.world and (cut := role_costs(s, c, self.local, self.tile, self.node_size)) is not None
-                and most_room[c - 1] >= int(cut[0].min()) else None for c in widths]  # fmt: skip
+        cuts = [cut if c <= self.world and (cut := self.cut(s, c)) is not None and most_room[c - 1] >= int(cut[0].min())
+                else None for c in widths]  # fmt: skip
         found = [cut for cut in cuts if cut is not None]
         if not found:
             return [None] * len(cuts)

@@ -66,9 +66,8 @@ class StepMoves(StepBins):
         k, c = self.first_empty(), -(-s // self.local)
         if k is None or c == 1 or c > self.world:
             return []
-        arrays = self.snapshot()
         widths = range(c, min(self.world, megatron_width(s, self.local)) + 1)
-        choices = sorted((best for best in self.choose_widths(s, widths, math.inf, k, arrays) if best is not None),
+        choices = sorted((best for best in self.choose_widths(s, widths, math.inf, k) if best is not None),
                          key=operator.itemgetter(0))  # (sorted keeps the first of equals: the fewest ranks)
         return [best for best in choices if best[0] <= choices[0][0] * (1 + within)]
 

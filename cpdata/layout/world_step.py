@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from cpdata.layout.ranked import move_key
 from cpdata.layout.spread import megatron_width
 from cpdata.layout.step_loads import StepLoads
-from cpdata.layout.world_owners import Placement, role_costs
+from cpdata.layout.world_owners import Placement
 from cpdata.layout.world_plan import alone_tiles
 
 __all__ = ["DRIFT", "LEVEL", "SLACK", "StepBins", "bundle_limits"]
@@ -229,8 +229,7 @@ class StepBins(StepLoads):
         # past Megatron's width, inside a node, the receive-capped cut (cpdata.layout.spread), up to twice the width
         widest = most if not opening or most >= self.node_size else min(self.node_size, self.world, 2 * most)
         densest = alone_tiles(self.local, self.tile)  # the most tiles a whole piece adds to a micro-batch
-        behind = most > fewest and (int(role_costs(s, fewest, self.local, self.tile, self.node_size)[1].max())
-                                    > (self.packs - 1) * densest)  # fmt: skip
+        behind = most > fewest and int(self.cut(s, fewest)[1].max()) > (self.packs - 1) * densest
         if opening and behind:
             best = self.choose(s, most)  # (the ranks left out could not catch up: Megatron's width)
             if best is not None:

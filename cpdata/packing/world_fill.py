@@ -13,7 +13,7 @@ import numpy as np
 
 from cpdata.layout.spread import megatron_width
 from cpdata.layout.step_loads import StepLoads
-from cpdata.layout.world_owners import Placement, role_costs, window_index
+from cpdata.layout.world_owners import Placement, window_index
 
 __all__ = ["FILL_RECEIVE_CAP", "fill_place"]
 
@@ -59,7 +59,7 @@ def fill_place(bins: StepLoads, s: int, whole: tuple[np.ndarray, np.ndarray] | N
     widest = widest if below is None else min(widest, bins.node_size)  # (placed again: inside a node)
     best: tuple[tuple[float, float], Placement, list[tuple[int, int]]] | None = None
     for c in range(fewest, widest + 1):
-        cut = role_costs(s, c, bins.local, bins.tile, bins.node_size)
+        cut = bins.cut(s, c)
         if cut is None:
             continue
         need, added, keys = cut

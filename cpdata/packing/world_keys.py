@@ -98,8 +98,7 @@ def spread_out_choice(bins: StepLoads, step: Step, crossing: InterNodeKeys, h: i
         if not widths:
             continue
         bins.remove(s, (k, first, c))
-        arrays = bins.snapshot()
-        for choice in bins.choose_widths(s, widths, top_recv, arrays=arrays):
+        for choice in bins.choose_widths(s, widths, top_recv):
             if choice is None or choice[0] >= top or (best is not None and choice[0] >= best[0]):
                 continue
             where = choice[1:]
