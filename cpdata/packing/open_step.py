@@ -66,33 +66,27 @@ class OpenStep:
         self._restore(before)
         return False
 
-    def _offer(self, pieces: Sequence[tuple[int, int]], place: Callable[[int], Placement | None]
-               ) -> list[tuple[int, int]]:  # fmt: skip
-        """Offer ``pieces`` to ``place``: the ones it places join the step; the others, in order, are returned."""
-        waiting = []
-        for key, s in pieces:
-            where = place(s)
-            if where is None:
-                waiting.append((key, s))
-            else:
-                self._step.append((key, s, where))
-        return waiting
-
-    def _offer_empty(self) -> None:
-        """:meth:`_offer` the waiting pieces to the micro-batches left empty
-        (:meth:`~cpdata.layout.step_moves.StepMoves.open_empty`); once none is left empty, the rest wait as they are
-        without a look each (nothing changes the step until one is placed; a close offers a few hundred)."""
-        pieces, kept = self._waiting, []
+    def _offer(self, pieces: Sequence[tuple[int, int]], place: Callable[[int], Placement | None],
+               spent: Callable[[], bool] | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        """Offer ``pieces`` to ``place``: the ones it places join the step; the others, in order, are returned.
+        ``spent``: asked after a refusal, True where ``place`` can take nothing more until a piece is placed (the
+        rest are then returned without an offer each: a close offers a few hundred)."""
+        waiting: list[tuple[int, int]] = []
         for i, (key, s) in enumerate(pieces):
-            where = self._bins.open_empty(s)
+            where = place(s)
             if where is not None:
                 self._step.append((key, s, where))
                 continue
-            kept.append((key, s))
-            if self._bins.first_empty() is None:
-                kept += pieces[i + 1 :]
+            waiting.append((key, s))
+            if spent is not None and spent():
+                waiting += pieces[i + 1 :]
                 break
-        self._waiting = kept
+        return waiting
+
+    def _offer_empty(self) -> None:
+        """Offer the waiting pieces to the micro-batches left empty
+        (:meth:`~cpdata.layout.step_moves.StepMoves.open_empty`), until none is."""
+        self._waiting = self._offer(self._waiting, self._bins.open_empty, lambda: self._bins.first_empty() is None)
 
     def _top_up(self) -> None:
         self._waiting = self._offer(self._waiting, self._bins.top_up)
