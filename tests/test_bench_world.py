@@ -248,3 +248,27 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
     monkeypatch.setattr(step_loads, "RECEIVE_CAP", 2.0)
     mine, theirs = step_row()
     assert mine["step_recv_keys"] > 1.29 * theirs["step_recv_keys"]
+
+
+def test_densify_priced_by_the_pad_it_leaves_balances_a_node_held_by_one_document(monkeypatch):
+    """web 16 x 8K, seed 109, the step reading: a 40,812-token document holds ranks 0-7 at 6,402 tiles, the other
+    8 ranks full of short documents. Densify held to clear no more tokens than a document brings finds almost no
+    micro-batch whose shortest documents sum to its length (1.057 x the mean rank); priced at a tile a position of
+    pad (:data:`~cpdata.packing.world_densify.PAD_TILES`), the step stands within 1.03 x, its tiles and receivers
+    still within Megatron's, at most 0.2 % of its tokens left to the next step."""
+    from cpdata.packing import world_densify
+
+    def step_row() -> tuple[dict, dict, int]:
+        packs, seconds = world.step_packs("web", 16, 8192, 8, 109)
+        mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
+        docs = np.concatenate([lens for lens, _ in packs]).tolist()
+        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *megatron_micro_batches(docs, 16, 8192, 8))
+        return mine, theirs, sum(docs)
+
+    mine, theirs, tokens = step_row()
+    assert mine["step_over_mean"] <= 1.03 and mine["step_tiles"] <= theirs["step_tiles"]
+    for column in ("step_recv_keys", "step_inter_keys"):
+        assert mine[column] <= theirs[column]
+    monkeypatch.setattr(world_densify, "PAD_TILES", 1e9)  # (no token past a document's own)
+    held, _, more = step_row()
+    assert held["step_over_mean"] > 1.05 and tokens >= 0.998 * more

@@ -1,6 +1,6 @@
 """The close's last phase (cpdata.packing.world_densify): ranks under the busiest take dearer waiting documents in
-place of cheaper ones, never past the busiest rank, never leaving the step fewer tokens, and the books (loads,
-room) always those of the pieces the step lists."""
+place of cheaper ones, never past the busiest rank, clearing past a document's own tokens no more than the tiles it
+adds pay for (PAD_TILES), and the books (loads, room) always those of the pieces the step lists."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 from cpdata.packing import world_densify
-from cpdata.packing.world_densify import Densify
+from cpdata.packing.world_densify import PAD_TILES, Densify
 from cpdata.packing.world_steps import WorldStepPacker
 from tests.test_world_step import LOCAL, NODE, PACKS, TILE, WORLD, _run, _windows
 
@@ -58,10 +58,11 @@ def test_a_waiting_document_takes_the_place_of_cheaper_ones_on_the_least_loaded_
     assert _books(step) == (bins.load, bins.room)
 
 
-def test_a_swap_that_would_leave_fewer_tokens_or_lift_a_rank_past_the_busiest_is_not_made():
+def test_a_swap_whose_pad_costs_more_than_it_adds_or_that_lifts_a_rank_past_the_busiest_is_not_made():
     """A 450-token document needs four 100-token documents cleared beside the 12 tokens of room, and five: 500
-    tokens out for 450 in. A 512-token document adds 10 tiles for 5 (rank at 15), then a second would lift rank 2
-    or 3 past the busiest. A 130-token document costs 2 tiles for the 2 of two cleared: no gain."""
+    tokens out for 450 in, 50 tokens of pad (about 52 tiles of linear layers) for 10 - 5 tiles. A 512-token document
+    adds 10 tiles for 5 (rank at 15), then a second would lift rank 2 or 3 past the busiest. A 130-token document
+    costs 2 tiles for the 2 of two cleared: no gain."""
     bins, step = _step()
     before = (list(bins.load), [list(room) for room in bins.room], list(step))
     for waiting in ([(100, 450)], [(100, 130)]):
@@ -73,6 +74,26 @@ def test_a_swap_that_would_leave_fewer_tokens_or_lift_a_rank_past_the_busiest_is
     assert alone_tiles(512, TILE) == 10 and _books(step) == (bins.load, bins.room)
 
 
+def test_a_swap_clears_past_the_documents_tokens_only_what_its_tiles_pay_for():
+    """A rank full to 12 tokens fits a document only where its shortest documents sum almost exactly to what it
+    lacks. A 497-token document (10 tiles) clears five 100-token ones (5 tiles) for 485 tokens of room: 3 tokens
+    past its own, whose pad (3.1 tiles) the 5 tiles it adds pay for; it goes to rank 2 (the least loaded, the lower
+    rank) and the step holds 3 tokens fewer. A 490-token document clears 10 tokens past its own (10.3 tiles of pad)
+    for the same 5: it waits."""
+    bins, step = _step()
+    before = (list(bins.load), [list(room) for room in bins.room], list(step))
+    waiting = [(100, 490)]
+    assert Densify(bins, step, waiting).run() == [] and waiting == [(100, 490)]
+    assert (bins.load, bins.room, step) == before
+    assert 10 * PAD_TILES > alone_tiles(490, TILE) - 5 > 0
+    tokens = bins.placed
+    waiting = [(100, 497)]
+    cleared = Densify(bins, step, waiting).run()
+    assert waiting == [] and sorted(s for _, s in cleared) == [SHORT] * 5 and (100, 497, (0, 2, 1)) in step
+    assert bins.load == [18, 18, 15, 10] and bins.placed == tokens - 3 and 3 * PAD_TILES <= 5
+    assert _books(step) == (bins.load, bins.room)
+
+
 def test_a_step_within_its_threshold_of_the_mean_is_left_as_it_is(monkeypatch):
     bins, step = _step()
     monkeypatch.setattr(world_densify, "DENSIFY_OVER", 0.3)  # (the step stands 0.29 over its mean)
@@ -82,17 +103,18 @@ def test_a_step_within_its_threshold_of_the_mean_is_left_as_it_is(monkeypatch):
 
 def test_the_close_densifies_without_lifting_the_busiest_rank_or_losing_tokens(monkeypatch):
     """Over random streams, every close that densifies leaves the busiest rank's load as it was, the step no more
-    over its mean, its tokens no fewer, the same pieces between the step and the waiting list, and its books those
-    of its pieces; every piece is dealt once; and some closes of these streams do densify (not vacuous)."""
+    over its mean, the tokens it holds fewer by no more than the tiles it gained pay for (:data:`PAD_TILES`), the same
+    pieces between the step and the waiting list, and its books those of its pieces; every piece is dealt once; and
+    some closes of these streams do densify (not vacuous)."""
     densify = WorldStepPacker._densify
     changed: list[bool] = []
 
     def checked(self: WorldStepPacker) -> None:
         b = self._bins
-        top, ratio, tokens = max(b.load), b.ratio(), b.placed
+        top, ratio, tokens, total = max(b.load), b.ratio(), b.placed, b.total_load
         keys = sorted([key for key, _, _ in self._step] + [key for key, _ in self._waiting])
         densify(self)
-        assert max(b.load) <= top and b.ratio() <= ratio and b.placed >= tokens
+        assert max(b.load) <= top and b.ratio() <= ratio and (tokens - b.placed) * PAD_TILES <= b.total_load - total
         assert sorted([key for key, _, _ in self._step] + [key for key, _ in self._waiting]) == keys
         fresh = StepBins(b.packs, b.world, b.local, b.node_size, b.tile)
         for _, s, where in self._step:

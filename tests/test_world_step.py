@@ -1110,10 +1110,10 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
 
 
 def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> None:
-    """web 32 x 4K, seed 5: after two passes the busiest rank still stands 0.8 % above the step's mean (1.2 % before
-    the close's last phase densified the ranks under it); two more bring it to 0.4 % (2,371 -> 2,342 tiles, no
-    fewer tokens dealt). Passes stop once within 1 %: alpaca's step,
-    at its mean after one, is the same with any number."""
+    """web 32 x 4K, seed 5: after two passes the busiest rank stands at 2,371 tiles, 0.47 % above the step's mean
+    (1.2 % before the close's last phase densified the ranks under it); two more bring it to 2,342 tiles, 0.43 %
+    above, no fewer tokens dealt. Passes stop once within 1 %: alpaca's step, at its mean after one, is the same
+    with any number."""
     from cpdata.bench import world
 
     monkeypatch.setattr(world_close, "SWAP_PASSES", 1)  # (later trade passes settle again: the settle's alone here)
@@ -1127,14 +1127,15 @@ def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> No
 
     default = world_close.SETTLE_PASSES
     (two, two_over, two_tokens), (four, four_over, four_tokens) = step("web", 5, 2), step("web", 5, 4)
-    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < 1.005 < two_over
+    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < two_over < 1.005
     assert step("web", 5, default)[0] == four  # (the packer settles four times)
     assert step("alpaca", 1, 2) == step("alpaca", 1, 4)
 
 
 def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside_its_node(monkeypatch) -> None:
     """web 16 x 8K, seed 13: a 31,467-token document on Megatron's 4 ranks costs each 7,650 tiles, and the step's
-    busiest rank stands at 1.29 x its mean (1.37 x before the close's last phase densified the ranks under it). Cut
+    busiest rank stands at 1.15 x its mean (1.37 x before the close's last phase densified the ranks under it, 1.29 x
+    while it cleared no more tokens than a document brought). Cut
     past Megatron's width (cpdata.layout.spread), on up to 8 ranks of one node, no rank receives more than THD's first
     role on 4 (23,600 keys) and the step stands at 1.002 x."""
     from cpdata.bench import world
@@ -1158,7 +1159,7 @@ def test_a_step_opening_document_over_the_level_on_megatrons_width_widens_inside
                         if c <= spread.megatron_width(s, local) else None)  # fmt: skip
     (_, narrow), tiles, _ = step()
     world_owners.role_costs.cache_clear()
-    assert abs(narrow) == 4 and tiles.max() > 1.25 * tiles.mean()
+    assert abs(narrow) == 4 and tiles.max() > 1.1 * tiles.mean()
 
 
 def _capped_windows() -> list[tuple[np.ndarray, np.ndarray]]:

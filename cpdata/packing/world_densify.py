@@ -10,8 +10,14 @@ other ranks full at about 3,240).
 
 Each waiting whole document, longest first, goes where it adds most tiles on the least loaded rank that can take it:
 into a micro-batch whose shortest whole documents, cleared, make its room, where the tiles it adds past theirs keep
-the rank at or under the busiest and the cleared documents hold no more tokens than it (the step holds no fewer).
-The cleared documents wait, or are topped up elsewhere by the packer. Trade-off: a search over every rank and
+the rank at or under the busiest, and the tokens cleared past its own cost no more than those tiles. Tokens the step
+no longer holds are pad its linear layers run (:class:`~cpdata.layout.world_cost.WorldCost`: a position costs about
+a tile, :data:`PAD_TILES`), and the tiles are work taken off a later step at no cost to this one. Holding the
+cleared tokens to the document's own, a full rank (room of a few tokens) could take a document only where its
+shortest documents summed to its length almost exactly: web 16 x 8K, seed 109, a 40,812-token document on 8 ranks
+beside 8 ranks full of short ones, stood at 1.057 x the mean rank (a 5,270-token document found no such micro-batch);
+priced, 1.004 x, with 0.2 % of the step's tokens left to the next (docs/benchmarks.md). The cleared documents wait,
+or are topped up elsewhere by the packer. Trade-off: a search over every rank and
 micro-batch per document (one array pass), at most :data:`DENSIFY_TRIES` documents a close, and none once the
 step stands within :data:`DENSIFY_OVER` of its mean; a document of a length that found no place is not tried again
 at that length until one is placed.
@@ -21,15 +27,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from cpdata.layout.world_cost import H100_DEFAULTS
 from cpdata.layout.world_owners import Placement
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 
-__all__ = ["DENSIFY_OVER", "DENSIFY_TRIES", "Densify"]
+__all__ = ["DENSIFY_OVER", "DENSIFY_TRIES", "PAD_TILES", "Densify"]
 
 DENSIFY_OVER, DENSIFY_TRIES = 0.005, 128
 """Closing, the step's ranks take dearer waiting documents while it stands more than this fraction over its mean
 rank, at most this many waiting documents tried (:class:`Densify`)."""
+
+PAD_TILES = H100_DEFAULTS.per_position_seconds / H100_DEFAULTS.per_tile_seconds
+"""Tiles a position of pad costs (a position through the linear layers against a live tile, the cost model's H100
+defaults: 1.03): a swap's tokens cleared past the document's own, times this, are at most the tiles it adds past
+the cleared ones. The defaults' ratio, not a calibration file's: a ``world`` layout string carries only the keys'
+prices."""
 
 
 class Densify:
@@ -105,7 +118,7 @@ class Densify:
             tokens, tiles = self.tokens[rows, m], self.tiles[rows, m]
             load = np.asarray(bins.load)[self.rank_of]
             gain = added - tiles
-            fits = enough[rows, m] & (tokens <= s) & (gain > 0) & (load + gain <= top)
+            fits = enough[rows, m] & ((tokens - s) * PAD_TILES <= gain) & (gain > 0) & (load + gain <= top)
             if not fits.any():
                 failed.add(s)
                 continue
