@@ -14,7 +14,7 @@ from cpdata.layout.spread import chunk_tiles, thd_recv
 from cpdata.layout.tiles import varlen_live_tiles
 from cpdata.layout.world_owners import owned_runs, owner_ranks, role_costs
 from cpdata.layout.world_plan import alone_tiles, thd_chunks
-from cpdata.layout.world_step import DRIFT, StepBins
+from cpdata.layout.world_step import DRIFT, StepBins, bundle_limits
 from cpdata.packing import world_close, world_fill, world_keys, world_steps, world_trades
 from cpdata.packing.world_fill import fill_place
 from cpdata.packing.world_steps import WorldStepPacker
@@ -250,12 +250,14 @@ def _placed_step_by_step(bins: StepBins, s: int, added: int | None = None) -> tu
 
 
 def _bundles(pieces: list[int], tile: int, local: int) -> list[list[int]]:
-    """The reference's units: runs of consecutive pieces of at most half a tile, each run cut greedily where
-    its tokens would pass two tiles (or a rank's tokens); every other piece alone."""
+    """The reference's units: runs of consecutive pieces of at most a tile, each run cut greedily where its
+    tokens would pass four tiles (or a rank's tokens); every other piece alone (the limits, as :func:`bundle_limits`
+    gives them, have their own test)."""
     units: list[list[int]] = []
+    most, bundled = bundle_limits(tile, local)
     for s in pieces:
-        small = 0 < s <= tile // 2
-        if small and units and units[-1][0] <= tile // 2 and sum(units[-1]) + s <= min(2 * tile, local):
+        small = 0 < s <= most
+        if small and units and units[-1][0] <= most and sum(units[-1]) + s <= bundled:
             units[-1].append(s)
         else:
             units.append([s])
@@ -303,15 +305,22 @@ def test_deal_places_each_piece_as_the_step_by_step_rule_does(seed: int) -> None
     assert [one_by_one.place(s) for s in order] == [_placed_step_by_step(reference, s) for s in order]
 
 
-def test_small_pieces_go_in_bundles_of_two_tiles_a_tile_each() -> None:
-    """Pieces of at most half a tile deal six at a time (240 of 256 tokens): each bundle's pieces share a rank
-    and micro-batch, and a rank's load is a tile a piece, whatever their length."""
+def test_small_pieces_go_in_bundles_of_four_tiles_a_tile_each() -> None:
+    """Pieces of at most a tile deal six at a time (511 of 512 tokens): each bundle's pieces share a rank and
+    micro-batch, and a rank's load is a tile a piece, whatever their length; the next six go elsewhere (a rank's
+    micro-batch holds one bundle). A piece of a tile and a token is dealt alone, at its 3 tiles, the two short
+    pieces after it in a bundle of their own (in one bundle, the three would be charged a tile each)."""
     bins = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
-    lengths = [40, 33, 64, 21, 40, 40] * 5
+    assert bundle_limits(TILE, LOCAL) == (TILE, 4 * TILE) == (128, LOCAL)
+    lengths = [120, 100, 128, 90, 40, 33] * 5
     bins.set_density(lengths)
     placed = bins.deal(lengths)
     assert None not in placed
-    assert [len(set(placed[i : i + 6])) for i in range(0, 30, 6)] == [1] * 5
+    assert [len(set(placed[i : i + 6])) for i in range(0, 30, 6)] == [1] * 5 and len(set(placed)) == 5
+    longer = StepBins(PACKS, WORLD, LOCAL, NODE, TILE)
+    longer.set_density([TILE + 1, 40, 40])
+    _, second, third = longer.deal([TILE + 1, 40, 40])
+    assert second == third and sum(longer.load) == 3.0 + 2.0
     held = [sum(where[1] == r for where in placed) for r in range(WORLD)]
     assert bins.load == [float(n) for n in held] and sum(held) == 30
     for r in range(WORLD):
@@ -464,10 +473,10 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [9, 113, 238])
+@pytest.mark.parametrize("seed", [147, 260])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
-    pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On this
+    pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
     streams a closed step keeps an empty micro-batch beside waiting pieces with the offer made once (of seeds
     0-299 the only ones: the close's fill, :func:`~cpdata.packing.world_fill.fill_place`, and its last phase,
     :class:`~cpdata.packing.world_densify.Densify`, take the others' empty micro-batches); with it made again, none
@@ -798,8 +807,8 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
 
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
     """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
-    one that ends less over the mean rank: on stream seed 1 the fill wins (1.119 against 1.143 x), on seed 11 it
-    loses (1.052 against 1.013 x; of seeds 0-399, 14 have closes where it does)."""
+    one that ends less over the mean rank: on stream seed 1 the fill wins (1.065 against 1.118 x), on seed 113 it
+    loses (1.114 against 1.051 x; of seeds 0-399, 15 have closes where it does)."""
     pairs: list[tuple[float, float]] = []
     closes: list[tuple[float, list[tuple[float, float]]]] = []
     keep, finish = WorldStepPacker._keep_filled, WorldStepPacker._finish
@@ -815,7 +824,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
 
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
-    for seed in (1, 11):
+    for seed in (1, 113):
         assert _dealt_keys(seed) == list(range(240))
     filled = [(end, pair[0]) for end, pair in closes if pair]
     assert all(end == min(pair) for end, pair in filled)
@@ -1096,7 +1105,7 @@ def test_a_step_of_documents_of_two_ranks_each_fills(tmp_path) -> None:
 def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> None:
     """web 32 x 4K, seed 7: the first settle brings the busy ranks to the step's mean as it found it; the pieces it
     sent back to wait and the top-up that replaced them leave a lower mean, which the second settles to (the busiest
-    rank 2,276 -> 2,225 tiles, no fewer tokens dealt)."""
+    rank 2,229 -> 2,196 tiles, no fewer tokens dealt)."""
     from cpdata.bench import world
 
     def step(passes: int) -> tuple[int, int]:
@@ -1110,9 +1119,8 @@ def test_a_second_settle_lowers_the_busiest_rank_the_first_left(monkeypatch) -> 
 
 
 def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> None:
-    """web 32 x 4K, seed 5: after two passes the busiest rank stands at 2,371 tiles, 0.47 % above the step's mean
-    (1.2 % before the close's last phase densified the ranks under it); two more bring it to 2,342 tiles, 0.43 %
-    above, no fewer tokens dealt. Passes stop once within 1 %: alpaca's step, at its mean after one, is the same
+    """web 32 x 4K, seed 5: after two passes the busiest rank stands at 2,364 tiles, 0.45 % above the step's mean;
+    two more bring it to 2,333 tiles, 0.11 % above, no fewer tokens dealt. Passes stop once within 1 %: alpaca's step, at its mean after one, is the same
     with any number."""
     from cpdata.bench import world
 
@@ -1127,7 +1135,7 @@ def test_later_settles_lower_the_busiest_rank_the_second_left(monkeypatch) -> No
 
     default = world_close.SETTLE_PASSES
     (two, two_over, two_tokens), (four, four_over, four_tokens) = step("web", 5, 2), step("web", 5, 4)
-    assert (two, four) == (2_371, 2_342) and four_tokens >= two_tokens and four_over < two_over < 1.005
+    assert (two, four) == (2_364, 2_333) and four_tokens >= two_tokens and four_over < two_over < 1.005
     assert step("web", 5, default)[0] == four  # (the packer settles four times)
     assert step("alpaca", 1, 2) == step("alpaca", 1, 4)
 

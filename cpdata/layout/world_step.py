@@ -42,11 +42,13 @@ docs/benchmarks.md), a step lasts as long as the rank whose tiles summed over it
     load it keeps under the lower of the mean projected load and the target (times ``1 + slack``), so the
     ranks that took dear pieces fill with cheap ones instead of ending half empty beside ranks full of
     cheap pieces (alpaca 16 x 8K: fill 0.97 -> 1.00); else it waits;
-  - pieces of at most half a tile (a tile each, whatever their length) go in bundles (:func:`bundle_limits`):
-    consecutive ones, up to two tiles' tokens, are dealt as one piece of their tokens and tiles, to one rank
+  - pieces of at most a tile (a tile each, whatever their length) go in bundles (:func:`bundle_limits`):
+    consecutive ones, up to four tiles' tokens, are dealt as one piece of their tokens and tiles, to one rank
     and micro-batch; a bundle that waits is dealt again piece by piece. On a corpus of ~45-token documents
-    (about 2,900 a micro-batch at 16 x 8K) that brought the step's solve under its target, its busiest rank as
-    balanced as before (docs/benchmarks.md, "Your own corpus").
+    (about 2,900 a micro-batch at 16 x 8K) bundles of half-tile pieces up to two tiles brought the step's solve
+    under its target, its busiest rank as balanced as before (docs/benchmarks.md, "Your own corpus"); pieces up to
+    a tile in bundles of four tiles took about a quarter off alpaca's (half its documents are 65-128 tokens), the
+    same rows meeting (docs/benchmarks.md).
 
 So micro-batches are not filled to the token: a rank that holds a long document in one micro-batch holds pad in
 another. That pad is free: each rank's pad is the tail of its local row
@@ -260,9 +262,9 @@ class StepBins(StepLoads):
 
 
 def bundle_limits(tile: int, local: int) -> tuple[int, int]:
-    """``(small, bundled)``: :meth:`StepBins.deal` deals consecutive pieces of at most ``small`` tokens (half a
-    tile: a tile each, whatever their length) as one, up to ``bundled`` tokens (two tiles, at most a rank's)."""
-    return tile // 2, min(2 * tile, local)
+    """``(small, bundled)``: :meth:`StepBins.deal` deals consecutive pieces of at most ``small`` tokens (a tile: a
+    tile each, whatever their length) as one, up to ``bundled`` tokens (four tiles, at most a rank's)."""
+    return tile, min(4 * tile, local)
 
 
 def _busiest(choice: tuple[float, int, int, int]) -> float:
