@@ -227,6 +227,17 @@ def test_the_seed_draws_other_lengths_for_the_world_section(monkeypatch):
         run_bench(["world"], quick=True, seed=-1, log=lambda _: None)
 
 
+def _step_row(name: str, size: int, per_rank: int, seed: int) -> tuple[dict, dict, int]:
+    """The bench's step reading of ``name`` at ``size`` x ``per_rank``, ``seed``: cpdata's row, Megatron's on the same
+    documents, and their tokens."""
+    packs, seconds = world.step_packs(name, size, per_rank, 8, seed)
+    mine = world._row(name, size, per_rank, "c", world.H100_DEFAULTS, world._step(packs, size, per_rank), seconds)
+    docs = np.concatenate([lens for lens, _ in packs]).tolist()
+    theirs = world._row(name, size, per_rank, "m", world.H100_DEFAULTS,
+                        *megatron_micro_batches(docs, size, per_rank, 8))  # fmt: skip
+    return mine, theirs, sum(docs)
+
+
 def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(monkeypatch):
     """web 16 x 8K, seed 18, the step reading: with spread documents cut on tile boundaries inside a node, a cap of
     2 x the mean rank's received keys lets the ranks that take first roles receive 1.30 x Megatron's busiest
@@ -236,11 +247,7 @@ def test_the_receive_cap_keeps_web_seed_18_within_megatrons_busiest_receiver(mon
 
     def step_row() -> tuple[dict, dict]:
         world_owners.role_costs.cache_clear()
-        packs, seconds = world.step_packs("web", 16, 8192, 8, 18)
-        mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
-        docs = np.concatenate([lens for lens, _ in packs]).tolist()
-        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *megatron_micro_batches(docs, 16, 8192, 8))
-        return mine, theirs
+        return _step_row("web", 16, 8192, 18)[:2]
 
     mine, theirs = step_row()
     assert step_loads.RECEIVE_CAP == 1.6 and mine["step_recv_keys"] <= theirs["step_recv_keys"]
@@ -258,17 +265,27 @@ def test_densify_priced_by_the_pad_it_leaves_balances_a_node_held_by_one_documen
     still within Megatron's, at most 0.2 % of its tokens left to the next step."""
     from cpdata.packing import world_densify
 
-    def step_row() -> tuple[dict, dict, int]:
-        packs, seconds = world.step_packs("web", 16, 8192, 8, 109)
-        mine = world._row("web", 16, 8192, "c", world.H100_DEFAULTS, world._step(packs, 16, 8192), seconds)
-        docs = np.concatenate([lens for lens, _ in packs]).tolist()
-        theirs = world._row("web", 16, 8192, "m", world.H100_DEFAULTS, *megatron_micro_batches(docs, 16, 8192, 8))
-        return mine, theirs, sum(docs)
-
-    mine, theirs, tokens = step_row()
+    mine, theirs, tokens = _step_row("web", 16, 8192, 109)
     assert mine["step_over_mean"] <= 1.03 and mine["step_tiles"] <= theirs["step_tiles"]
     for column in ("step_recv_keys", "step_inter_keys"):
         assert mine[column] <= theirs[column]
     monkeypatch.setattr(world_densify, "PAD_TILES", 1e9)  # (no token past a document's own)
-    held, _, more = step_row()
+    held, _, more = _step_row("web", 16, 8192, 109)
     assert held["step_over_mean"] > 1.05 and tokens >= 0.998 * more
+
+
+def test_densify_spreads_waiting_documents_beside_a_node_held_by_one_document(monkeypatch):
+    """web 32 x 4K, seed 13, the step reading: a 31,467-token document fills its node's 8 ranks at 3,824 tiles, the
+    other 24 ranks full of short documents at about 2,800, and the step's other long documents (up to 19,910 tokens)
+    wait; the whole documents there are too short to lift them (1.25 x the mean rank). Spread inside a node in place
+    of short ones (:meth:`~cpdata.packing.world_densify.Densify._spread_place`), the step stands within 1.03 x, its
+    tiles and receivers within Megatron's, and no rank's keys cross a node, at most 1 % of its tokens left to the next
+    step."""
+    from cpdata.packing import world_densify
+
+    mine, theirs, tokens = _step_row("web", 32, 4096, 13)
+    assert mine["step_over_mean"] <= 1.03 and mine["step_tiles"] <= theirs["step_tiles"]
+    assert mine["step_recv_keys"] <= theirs["step_recv_keys"] and mine["step_inter_keys"] == 0
+    monkeypatch.setattr(world_densify, "DENSIFY_SPREAD_TRIES", 0)  # (whole documents alone)
+    held, _, more = _step_row("web", 32, 4096, 13)
+    assert held["step_over_mean"] > 1.2 and tokens >= 0.99 * more and held["step_tiles"] == mine["step_tiles"]

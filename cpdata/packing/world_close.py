@@ -40,10 +40,11 @@ exact (pad included), and the deal is finished on them. The packer (:mod:`cpdata
 9. spread pieces the busiest receiver of keys holds part of are mirrored where that lowers it, then the same for
    the busiest receiver of keys from other nodes, lifting no rank past the busiest load or either busiest
    receiver (:meth:`StepClose._flip`);
-10. densify (:class:`~cpdata.packing.world_densify.Densify`): ranks under the busiest take dearer waiting whole
-    pieces in place of cheaper ones, at or under the busiest load, clearing past a piece's own tokens no more than
-    the pad they leave costs (:data:`~cpdata.packing.world_densify.PAD_TILES`); the pieces cleared are topped up or
-    wait. The step's time stays; later steps are left less work.
+10. densify (:class:`~cpdata.packing.world_densify.Densify`): ranks under the busiest take dearer waiting pieces
+    (whole, or spread inside a node under the step's busiest receiver of keys) in place of cheaper whole ones, at
+    or under the busiest load, clearing past a piece's own tokens no more than the pad they leave costs
+    (:data:`~cpdata.packing.world_densify.PAD_TILES`); the pieces cleared are topped up or wait. The step's time
+    stays; later steps are left less work.
 
 Phases 1-5 only lower the busiest rank or add tokens under it, and so do phase 8's trades and moves (its later passes
 settle, and are kept where they end less over the mean); phases 0 and 6 add a waiting piece's work to a micro-batch

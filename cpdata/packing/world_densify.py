@@ -17,8 +17,20 @@ cleared tokens to the document's own, a full rank (room of a few tokens) could t
 shortest documents summed to its length almost exactly: web 16 x 8K, seed 109, a 40,812-token document on 8 ranks
 beside 8 ranks full of short ones, stood at 1.057 x the mean rank (a 5,270-token document found no such micro-batch);
 priced, 1.004 x, with 0.2 % of the step's tokens left to the next (docs/benchmarks.md). The cleared documents wait,
-or are topped up elsewhere by the packer. Trade-off: a search over every rank and
-micro-batch per document (one array pass), at most :data:`DENSIFY_TRIES` documents a close, and none once the
+or are topped up elsewhere by the packer.
+
+Waiting documents longer than a rank and no wider than a node go first, longest first: each spreads inside one node
+(no key crosses nodes) where each of its roles' ranks clears its micro-batch's shortest whole documents for the
+role's room, under the same two bounds (at or under the busiest load; the tokens cleared past its own paid for by the
+tiles added), and no rank receives more keys than the step's busiest receiver (:meth:`Densify._spread_place`). A
+document filling its node's 8 ranks beside ranks full of short documents, with the step's other long documents
+waiting, needs them: web 32 x 4K, seed 13, a 31,467-token document at 3,824 tiles a rank, the others at about
+2,800 (1.25 x the mean rank; whole documents alone, which are short there, could not lift them); spread in,
+1.006 x (docs/benchmarks.md).
+
+Trade-off: a search over every rank and micro-batch per document (one array pass; a spread document, every width,
+window and orientation inside a node), at most :data:`DENSIFY_SPREAD_TRIES` spread documents (none after
+:data:`DENSIFY_SPREAD_MISSES` misses in a row) and :data:`DENSIFY_TRIES` whole documents a close, and none once the
 step stands within :data:`DENSIFY_OVER` of its mean; a document of a length that found no place is not tried again
 at that length until one is placed.
 """
@@ -28,15 +40,20 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.layout.world_cost import H100_DEFAULTS
-from cpdata.layout.world_owners import Placement
+from cpdata.layout.world_owners import Placement, window_index
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 
-__all__ = ["DENSIFY_OVER", "DENSIFY_TRIES", "PAD_TILES", "Densify"]
+__all__ = ["DENSIFY_OVER", "DENSIFY_SPREAD_MISSES", "DENSIFY_SPREAD_TRIES", "DENSIFY_TRIES", "PAD_TILES", "Densify"]
 
 DENSIFY_OVER, DENSIFY_TRIES = 0.005, 128
 """Closing, the step's ranks take dearer waiting documents while it stands more than this fraction over its mean
 rank, at most this many waiting documents tried (:class:`Densify`)."""
+
+DENSIFY_SPREAD_TRIES, DENSIFY_SPREAD_MISSES = 8, 2
+"""Closing, at most this many waiting pieces longer than a rank are tried, longest first, and none after this many in
+a row found no place (:meth:`Densify._spread_place`: a search over every width, window and micro-batch inside a
+node)."""
 
 PAD_TILES = H100_DEFAULTS.per_position_seconds / H100_DEFAULTS.per_tile_seconds
 """Tiles a position of pad costs (a position through the linear layers against a live tile, the cost model's H100
@@ -46,10 +63,10 @@ prices."""
 
 
 class Densify:
-    """Waiting whole documents swapped into a closing step in place of cheaper whole documents, on ranks under the
-    busiest (the module docstring). ``step`` (``(key, tokens, placement)``) and ``waiting`` (``(key, tokens)``) are
-    the packer's lists, changed in place; :meth:`run` returns the documents it cleared, which the caller offers to
-    the step again or keeps waiting."""
+    """Waiting documents (whole, or spread inside a node) swapped into a closing step in place of cheaper whole
+    documents, on ranks under the busiest (the module docstring). ``step`` (``(key, tokens, placement)``) and
+    ``waiting`` (``(key, tokens)``) are the packer's lists, changed in place; :meth:`run` returns the documents it
+    cleared, which the caller offers to the step again or keeps waiting."""
 
     def __init__(self, bins: StepBins, step: list[tuple[int, int, Placement]], waiting: list[tuple[int, int]]
                  ) -> None:  # fmt: skip
@@ -97,7 +114,10 @@ class Densify:
         local, packs = bins.local, bins.packs
         if not bins.over(DENSIFY_OVER):  # (a balanced step builds no books)
             return []
-        candidates = sorted((piece for piece in self.waiting if piece[1] <= local), key=lambda p: (-p[1], p[0]))
+        widest = local * min(bins.node_size, bins.world)
+        candidates = sorted((piece for piece in self.waiting if piece[1] <= widest), key=lambda p: (-p[1], p[0]))
+        longer = sum(s > local for _, s in candidates)  # (longest first: these lead; each kind its own tries)
+        candidates = candidates[:min(longer, DENSIFY_SPREAD_TRIES)] + candidates[longer:longer + DENSIFY_TRIES]
         if not candidates:
             return []
         self._books()
@@ -107,10 +127,33 @@ class Densify:
         placed: set[int] = set()
         failed: set[int] = set()  # lengths that found no place since the last swap
         top = bins.busiest_load
-        for key, s in candidates[:DENSIFY_TRIES]:
+        spread: list[tuple[int, int, Placement]] = []
+        misses = 0  # spread documents in a row that found no place
+        for key, s in candidates:
             if not bins.over(DENSIFY_OVER):
                 break
-            if s in failed:
+            if s in failed or (s > local and misses == DENSIFY_SPREAD_MISSES):
+                continue
+            if s > local:
+                found = self._spread_place(s, room, top)
+                if found is None:
+                    failed.add(s)
+                    misses += 1
+                    continue
+                misses = 0
+                where, slots = found
+                for slot, m in slots:
+                    r, k = divmod(slot, packs)
+                    out, self.held[slot] = self.held[slot][:m], self.held[slot][m:]
+                    for length, other in out:
+                        bins.take_back(length, (k, r, 1))
+                        cleared.append((other, length))
+                bins.restore(s, where)
+                for slot, _ in slots:
+                    self._prefix(slot)
+                    room[slot] = bins.room[slot // packs][slot % packs]
+                spread.append((key, s, where))
+                failed.clear()
                 continue
             added = float(alone_tiles(s, bins.tile))
             enough = room[:, None] + self.tokens >= s  # [slots, m]
@@ -136,10 +179,61 @@ class Densify:
             room[slot] = bins.room[r][k]
             placed.add(key)
             failed.clear()
-        if placed:
+        if placed or spread:
             gone = {key for key, _ in cleared}
             self.step[:] = [piece for piece in self.step if piece[0] not in gone]
             self.step += [(key, s, (slot % packs, slot // packs, 1)) for slot, pieces in enumerate(self.held)
                           for s, key in pieces if key in placed]  # fmt: skip
+            self.step += spread
+            placed |= {key for key, _, _ in spread}
             self.waiting[:] = [piece for piece in self.waiting if piece[0] not in placed]
         return cleared
+
+    def _spread_place(self, s: int, room: np.ndarray, top: float
+                      ) -> tuple[Placement, list[tuple[int, int]]] | None:  # fmt: skip
+        """Where a waiting piece of ``s`` tokens, longer than a rank, spreads inside one node in place of cheaper
+        whole pieces: ``(placement, [(slot, m)])``, each role's slot cleared of its ``m`` shortest whole pieces
+        (fewest that make the role's room); None where none. Every width from its fewest ranks up to a node, every
+        window inside a node (no key crosses nodes), either orientation and micro-batch, where each role's rank
+        stays at or under the busiest load ``top`` and the step's busiest receiver of keys, and the tokens cleared
+        past ``s`` cost no more than the tiles added past the cleared ones (:data:`PAD_TILES`). Of those, the
+        least busiest load after it, then the most tiles added; ties: the first width, window, orientation (THD's
+        first) and micro-batch."""
+        bins, packs = self.bins, self.bins.packs
+        load, recv = np.asarray(bins.load), np.asarray(bins.recv, dtype=np.int64)
+        cap = int(recv.max())
+        best: tuple[tuple[float, float], Placement, list[tuple[int, int]]] | None = None
+        for c in range(-(-s // bins.local), min(bins.node_size, bins.world) + 1):
+            cut = bins.cut(s, c)
+            if cut is None:
+                continue
+            need, added, keys = cut
+            enough = room[:, None, None] + self.tokens[:, None, :] >= need[None, :, None]  # [slots, c, m]
+            m = enough.argmax(axis=2)  # [slots, c]: the fewest pieces each role clears on each slot
+            ok = np.take_along_axis(enough, m[..., None], axis=2)[..., 0]
+            tokens = np.take_along_axis(self.tokens, m, axis=1)
+            tiles = np.take_along_axis(self.tiles, m, axis=1)
+            starts, at, roles = window_index(bins.world, bins.node_size, c)
+            slot = at[None, :, :, None] * packs + np.arange(packs)[None, None, None, :]  # [1, W, c, packs]
+            role = np.broadcast_to(roles[:, None, :, None], (2, *slot.shape[1:]))  # [2, W, c, packs]
+            slot = np.broadcast_to(slot, role.shape)
+            gain = added[role] - tiles[slot, role]
+            after = load[at][None, :, :, None] + gain
+            fits = (ok[slot, role] & (after <= top) & (recv[at][None, :, :, None] + keys[role] <= cap)).all(axis=2)
+            total = gain.sum(axis=2)  # [2, W, packs]
+            lost = tokens[slot, role].sum(axis=2) - s
+            fits &= (total > 0) & (lost * PAD_TILES <= total)
+            o, a, k = np.nonzero(fits)
+            if not o.size:
+                continue
+            score = after.max(axis=2)[o, a, k]
+            i = int(np.lexsort((k, o, a, -total[o, a, k], score))[0])
+            rank = (float(score[i]), -float(total[o[i], a[i], k[i]]))
+            if best is None or rank < best[0]:
+                o_i, a_i, k_i = int(o[i]), int(a[i]), int(k[i])
+                first = int(starts[a_i])
+                where = (k_i, first + c - 1, -c) if o_i else (k_i, first, c)
+                slots = [(int(slot[o_i, a_i, p, k_i]), int(m[slot[o_i, a_i, p, k_i], role[o_i, a_i, p, k_i]]))
+                         for p in range(c)]  # fmt: skip
+                best = (rank, where, slots)
+        return None if best is None else (best[1], best[2])
