@@ -141,18 +141,8 @@ class Densify:
                     misses += 1
                     continue
                 misses = 0
-                where, slots = found
-                for slot, m in slots:
-                    r, k = divmod(slot, packs)
-                    out, self.held[slot] = self.held[slot][:m], self.held[slot][m:]
-                    for length, other in out:
-                        bins.take_back(length, (k, r, 1))
-                        cleared.append((other, length))
-                bins.restore(s, where)
-                for slot, _ in slots:
-                    self._prefix(slot)
-                    room[slot] = bins.room[slot // packs][slot % packs]
-                spread.append((key, s, where))
+                cleared += self._spread_in(s, *found, room)
+                spread.append((key, s, found[0]))
                 failed.clear()
                 continue
             added = float(alone_tiles(s, bins.tile))
@@ -187,6 +177,24 @@ class Densify:
             self.step += spread
             placed |= {key for key, _, _ in spread}
             self.waiting[:] = [piece for piece in self.waiting if piece[0] not in placed]
+        return cleared
+
+    def _spread_in(self, s: int, where: Placement, slots: list[tuple[int, int]], room: np.ndarray
+                   ) -> list[tuple[int, int]]:  # fmt: skip
+        """Clear each ``(slot, m)`` of its ``m`` shortest whole pieces and spread ``s`` tokens at ``where``
+        (:meth:`_spread_place`'s choice), keeping the books' rows and ``room`` those of the step; the pieces
+        cleared, ``(key, tokens)``."""
+        bins, packs, cleared = self.bins, self.bins.packs, []
+        for slot, m in slots:
+            r, k = divmod(slot, packs)
+            out, self.held[slot] = self.held[slot][:m], self.held[slot][m:]
+            for length, other in out:
+                bins.take_back(length, (k, r, 1))
+                cleared.append((other, length))
+        bins.restore(s, where)
+        for slot, _ in slots:
+            self._prefix(slot)
+            room[slot] = bins.room[slot // packs][slot % packs]
         return cleared
 
     def _spread_place(self, s: int, room: np.ndarray, top: float
