@@ -217,8 +217,8 @@ def test_spread_swaps_keep_the_busiest_rank_and_receiver_pay_for_their_pad_and_s
     rank's load and the busiest receiver of keys as they were, the step no more over its mean, the tokens it holds
     fewer by no more than the tiles it gained pay for, every piece once in the step, the waiting list or the cleared,
     every spread piece it placed inside one node, and its books those of its pieces; and some steps take a waiting
-    document longer than a rank (not vacuous)."""
-    spread = 0
+    document longer than a rank, and some end holding fewer tokens, the pad paid for (not vacuous)."""
+    spread = fewer = 0
     for seed in range(24):
         bins, step, waiting = _node_held_step(seed)
         top, ratio, tokens, total, recv = max(bins.load), bins.ratio(), bins.placed, bins.total_load, max(bins.recv)
@@ -234,7 +234,8 @@ def test_spread_swaps_keep_the_busiest_rank_and_receiver_pay_for_their_pad_and_s
         taken = [(s, where) for key, s, where in step if key >= 1000 and s > 512]
         assert all(len({r // 4 for r in owner_ranks(first, c)}) == 1 for _, (_, first, c) in taken)
         spread += len(taken)
-    assert spread > 0
+        fewer += bins.placed < tokens
+    assert spread > 0 and fewer > 0
 
 
 def test_the_packers_close_densifies(monkeypatch):
