@@ -158,10 +158,7 @@ class Densify:
             at = np.flatnonzero(fits)
             slot = int(at[np.lexsort((at, -gain[at], load[at]))[0]])  # the least loaded rank, then most tiles
             r, k = divmod(slot, packs)
-            out, self.held[slot] = self.held[slot][: m[slot]], self.held[slot][m[slot]:]
-            for length, other in out:
-                bins.take_back(length, (k, r, 1))
-                cleared.append((other, length))
+            cleared += self._clear(slot, int(m[slot]))
             bins.restore(s, (k, r, 1))
             self.held[slot].append((s, key))
             self.held[slot].sort()
@@ -184,18 +181,23 @@ class Densify:
         """Clear each ``(slot, m)`` of its ``m`` shortest whole pieces and spread ``s`` tokens at ``where``
         (:meth:`_spread_place`'s choice), keeping the books' rows and ``room`` those of the step; the pieces
         cleared, ``(key, tokens)``."""
-        bins, packs, cleared = self.bins, self.bins.packs, []
-        for slot, m in slots:
-            r, k = divmod(slot, packs)
-            out, self.held[slot] = self.held[slot][:m], self.held[slot][m:]
-            for length, other in out:
-                bins.take_back(length, (k, r, 1))
-                cleared.append((other, length))
+        bins, packs = self.bins, self.bins.packs
+        cleared = [piece for slot, m in slots for piece in self._clear(slot, m)]
         bins.restore(s, where)
         for slot, _ in slots:
             self._prefix(slot)
             room[slot] = bins.room[slot // packs][slot % packs]
         return cleared
+
+    def _clear(self, slot: int, m: int) -> list[tuple[int, int]]:
+        """Take slot ``slot``'s (``rank * packs + micro-batch``) ``m`` shortest whole pieces out of the step's books
+        and its row of held pieces (the caller rebuilds the row's prefixes once it has placed what goes in); the
+        pieces, ``(key, tokens)``."""
+        r, k = divmod(slot, self.bins.packs)
+        out, self.held[slot] = self.held[slot][:m], self.held[slot][m:]
+        for length, _ in out:
+            self.bins.take_back(length, (k, r, 1))
+        return [(key, length) for length, key in out]
 
     def _spread_place(self, s: int, room: np.ndarray, top: float
                       ) -> tuple[Placement, list[tuple[int, int]]] | None:  # fmt: skip
