@@ -20,7 +20,7 @@ from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, spread_
 from cpdata.layout.world_plan import chunk_need
 
 __all__ = ["Placement", "best_window", "best_windows", "owned_runs", "owner_ranks", "role_costs", "window_index",
-           "windows"]
+           "window_owners", "windows"]
 
 Placement = tuple[int, int, int]
 """``(micro-batch, first rank, ranks)``: ranks ``first .. first + ranks - 1`` in TE THD's roles, or, where
@@ -31,6 +31,12 @@ def owner_ranks(first: int, ranks: int) -> range:
     """The ranks of a placement ``(first, ranks)`` (:data:`Placement`), in THD role order: role ``j`` of a
     spread piece (chunks ``j`` and ``2c - 1 - j``) is the ``j``-th."""
     return range(first, first + ranks, 1 if ranks > 0 else -1)
+
+
+def window_owners(first: int, c: int, mirrored: bool) -> tuple[int, int]:
+    """``(first rank, signed ranks)`` of a :data:`Placement` on the window of ``c`` ranks from rank ``first``: in
+    THD's orientation, or ``mirrored`` (roles counted down from the window's last rank: :func:`owner_ranks`)."""
+    return (first + c - 1, -c) if mirrored else (first, c)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,7 +143,7 @@ def best_windows(cuts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], room
     for j in np.flatnonzero(np.concatenate([[True], group[1:] != group[:-1]])).tolist():
         i, w, c = int(group[j]), int(a[j]), widths[int(group[j])]
         busiest, mb, first = float(score[o[j], w]), int(k[j]) if pack is None else pack, int(starts[w])
-        out[i] = (busiest, mb, first + c - 1, -c) if o[j] else (busiest, mb, first, c)
+        out[i] = (busiest, mb, *window_owners(first, c, bool(o[j])))
     return out
 
 

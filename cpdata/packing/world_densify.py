@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpdata.layout.world_cost import H100_DEFAULTS
-from cpdata.layout.world_owners import Placement, window_index
+from cpdata.layout.world_owners import Placement, window_index, window_owners
 from cpdata.layout.world_plan import alone_tiles
 from cpdata.layout.world_step import StepBins
 
@@ -242,7 +242,7 @@ class Densify:
             if best is None or rank < best[0]:
                 o_i, a_i, k_i = int(o[i]), int(a[i]), int(k[i])
                 first = int(starts[a_i])
-                where = (k_i, first + c - 1, -c) if o_i else (k_i, first, c)
+                where = (k_i, *window_owners(first, c, bool(o_i)))
                 slots = [(int(slot[o_i, a_i, p, k_i]), int(m[slot[o_i, a_i, p, k_i], role[o_i, a_i, p, k_i]]))
                          for p in range(c)]  # fmt: skip
                 best = (rank, where, slots)

@@ -13,7 +13,7 @@ import numpy as np
 
 from cpdata.layout.spread import megatron_width
 from cpdata.layout.step_loads import StepLoads
-from cpdata.layout.world_owners import Placement, window_index
+from cpdata.layout.world_owners import Placement, window_index, window_owners
 
 __all__ = ["FILL_RECEIVE_CAP", "fill_place"]
 
@@ -83,7 +83,7 @@ def fill_place(bins: StepLoads, s: int, whole: tuple[np.ndarray, np.ndarray] | N
         rank = (float(score[o, a, k]), float(net[o, a, k]))
         if best is None or rank < best[0]:
             first = int(starts[a])
-            where = (k, first + c - 1, -c) if o else (k, first, c)
+            where = (k, *window_owners(first, c, bool(o)))
             slots = [(int(r), k) for r, cut_here in zip(at[a], clear[o, a, :, k], strict=True) if cut_here]
             best = (rank, where, slots)
     if best is None:
