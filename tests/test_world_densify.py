@@ -42,11 +42,17 @@ def _with_shorts(step: list[tuple[int, int, tuple[int, int, int]]]
 
 
 def _books(step: list[tuple[int, int, tuple[int, int, int]]]) -> tuple[list[float], list[list[int]]]:
-    """The loads and room of a fresh step holding exactly ``step``'s pieces."""
-    fresh = StepBins(2, 4, 512, 4, TILE)
+    """The loads and room of a fresh step (:func:`_step`'s shape) holding exactly ``step``'s pieces."""
+    fresh = _rebuilt(StepBins(2, 4, 512, 4, TILE), step)
+    return fresh.load, fresh.room
+
+
+def _rebuilt(bins: StepBins, step: list[tuple[int, int, tuple[int, int, int]]]) -> StepBins:
+    """A fresh step of ``bins``' shape holding exactly ``step``'s pieces (its books, to compare with ``bins``')."""
+    fresh = StepBins(bins.packs, bins.world, bins.local, bins.node_size, bins.tile)
     for _, s, where in step:
         fresh.restore(s, where)
-    return fresh.load, fresh.room
+    return fresh
 
 
 def test_a_waiting_document_takes_the_place_of_cheaper_ones_on_the_least_loaded_rank():
@@ -177,9 +183,7 @@ def test_the_close_densifies_without_lifting_the_busiest_rank_or_losing_tokens(m
         assert max(b.load) <= top and b.ratio() <= ratio and (tokens - b.placed) * PAD_TILES <= b.total_load - total
         assert max(b.recv) <= recv
         assert sorted([key for key, _, _ in self._step] + [key for key, _ in self._waiting]) == keys
-        fresh = StepBins(b.packs, b.world, b.local, b.node_size, b.tile)
-        for _, s, where in self._step:
-            fresh.restore(s, where)
+        fresh = _rebuilt(b, self._step)
         assert (fresh.load, fresh.room, fresh.recv) == (b.load, b.room, b.recv)
         changed.append(b.ratio() < ratio)
 
@@ -227,9 +231,7 @@ def test_spread_swaps_keep_the_busiest_rank_and_receiver_pay_for_their_pad_and_s
         assert max(bins.load) <= top and max(bins.recv) <= recv and bins.ratio() <= ratio
         assert (tokens - bins.placed) * PAD_TILES <= bins.total_load - total
         assert sorted([(key, s) for key, s, _ in step] + waiting + cleared) == pieces
-        fresh = StepBins(2, 8, 512, 4, TILE)
-        for _, s, where in step:
-            fresh.restore(s, where)
+        fresh = _rebuilt(bins, step)
         assert (fresh.load, fresh.room, fresh.recv) == (bins.load, bins.room, bins.recv)
         taken = [(s, where) for key, s, where in step if key >= 1000 and s > 512]
         assert all(len({r // 4 for r in owner_ranks(first, c)}) == 1 for _, (_, first, c) in taken)
