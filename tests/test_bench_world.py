@@ -289,3 +289,38 @@ def test_densify_spreads_waiting_documents_beside_a_node_held_by_one_document(mo
     monkeypatch.setattr(world_densify, "DENSIFY_SPREAD_TRIES", 0)  # (whole documents alone)
     held, _, more = _step_row("web", 32, 4096, 13)
     assert held["step_over_mean"] > 1.2 and tokens >= 0.99 * more and held["step_tiles"] == mine["step_tiles"]
+
+
+def test_a_step_of_world_sized_books_meets_megatrons_busiest_rank_with_the_node_cut(monkeypatch):
+    """Seven world-sized documents and one of 116,533 tokens at 32 x 4K (books, seed 8): cut on 32 ranks in THD's
+    chunks, the long one's busiest role costs 13,708 tiles, 29 over Megatron's counter of the same cut, and the
+    step's busiest rank 128,495 against Megatron's 128,479 (THD's 31 ranks, the least of the two). Cut on tiles
+    inside each node (each node holding THD's tokens), the step is under Megatron's tiles, within 1.03 x the mean
+    rank, and its busiest receivers of keys, and of keys from other nodes, at most Megatron's."""
+    from cpdata.layout import spread, world_owners
+    from cpdata.packing import world_keys
+    from cpdata.packing.records import PackKeys
+    from cpdata.packing.world_steps import WorldStepPacker
+
+    lengths = np.array([131_072] * 7 + [116_533], dtype=np.int64)
+    theirs = world._row("books", 32, 4096, "m", world.H100_DEFAULTS,
+                        *megatron_micro_batches(lengths.tolist(), 32, 4096, 8))  # fmt: skip
+
+    def step_row() -> dict:
+        for cached in (spread.spread_chunks, world_owners.role_costs, world_keys.inter_node_keys):
+            cached.cache_clear()
+        packer = WorldStepPacker(32 * 4096, 32, world.NODE_SIZE, 8, 128)
+        done = PackKeys.concat([packer.place(np.arange(8), lengths), packer.finish()])
+        cuts = np.cumsum(done.sizes)[:-1]
+        packs = [(lengths[k], o) for k, o in zip(np.split(done.keys, cuts), np.split(done.owners, cuts), strict=True)]
+        assert sorted(int(x) for lens, _ in packs for x in lens) == sorted(lengths.tolist())  # (every document)
+        return world._row("books", 32, 4096, "c", world.H100_DEFAULTS, world._step(packs, 32, 4096), 0.0)
+
+    mine = step_row()
+    assert mine["step_tiles"] <= theirs["step_tiles"] == 128_479 and mine["step_over_mean"] <= 1.03
+    assert mine["step_recv_keys"] <= theirs["step_recv_keys"]
+    assert mine["step_inter_keys"] <= theirs["step_inter_keys"]
+    monkeypatch.setattr(spread, "node_chunks", lambda *args: None)  # (THD's chunks past a node)
+    assert step_row()["step_tiles"] == 128_495
+    for cached in (spread.spread_chunks, world_owners.role_costs, world_keys.inter_node_keys):
+        cached.cache_clear()

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpdata.layout import spread
+from cpdata.layout.node_chunks import node_chunks
 from cpdata.layout.spread import thd_recv
 from cpdata.layout.world_owners import owned_runs
 from cpdata.layout.world_plan import alone_tiles, chunk_need, thd_chunks, thd_runs
@@ -25,14 +26,18 @@ def test_megatron_width_is_the_power_of_two_of_the_fewest_ranks() -> None:
 
 
 @pytest.mark.parametrize(("s", "local"), [(WEB, 8192), (8193, 8192), (100_000, 4096)])
-def test_up_to_megatron_width_wider_than_a_node_the_cut_is_thds(s: int, local: int) -> None:
-    """Past a node (keys crossing nodes stay THD's) and at one rank, THD's cut; inside a node of 8, THD's or the
-    aligned cut, whichever's busiest role costs fewer tiles (ties: the aligned)."""
+def test_up_to_megatron_width_the_cut_is_thds_or_one_that_costs_fewer_tiles(s: int, local: int) -> None:
+    """At one rank, THD's cut; past a node, the node cut where the width is whole nodes and it has one (each node
+    holds THD's tokens, so keys crossing nodes stay THD's), else THD's; inside a node of 8, THD's or the aligned
+    cut, whichever's busiest role costs fewer tiles (ties: the aligned)."""
     for c in range(1, spread.megatron_width(s, local) + 1):
         thd = tuple(thd_chunks(s, c))
         if c == 1 or c > NODE:
-            assert spread.spread_chunks(s, c, local, NODE) == thd
-            assert spread.spread_runs(s, c, local, NODE) == thd_runs(s, c)
+            node = node_chunks(s, c, NODE, local, thd_recv(s, c)[0], TILE) if c > NODE else None
+            assert node is None or max(spread.chunk_tiles(node, TILE)) < max(thd_tiles(s, c, TILE))
+            assert spread.spread_chunks(s, c, local, NODE) == (thd if node is None else node)
+            if node is None:
+                assert spread.spread_runs(s, c, local, NODE) == thd_runs(s, c)
             continue
         aligned = spread.aligned_chunks(s, c, thd_recv(s, c)[0], local)
         better = aligned is not None and max(spread.chunk_tiles(aligned, TILE)) <= max(thd_tiles(s, c, TILE))

@@ -186,15 +186,15 @@ def _over_mean(packs, lengths: np.ndarray) -> float:
     return float(tiles.max() / tiles.mean())
 
 
-@pytest.mark.parametrize("seed", [3, 17])
+@pytest.mark.parametrize("seed", [3, 9])
 def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_closed_step_is_least_busy(
         seed: int, monkeypatch) -> None:  # fmt: skip
     """Closing, the longest waiting piece fills the empty micro-batch; of its widths within ``EMPTY_TRIAL`` of the
     least busiest load, the step keeps the one whose closed step (topped up, settled) has its busiest rank least
     over the mean. Counted from the packs' layouts, each close against the same close on a copy that takes the
     first width (as before the trials): never further over the mean, and less at some close of these
-    streams (at seed 3: 1.043 -> 1.006 x; at seed 17, 1.106 -> 1.020 x; at seed 6, 1.099 -> 1.018 x before the
-    close's last phase densified both alike)."""
+    streams (at seed 3: 1.063 -> 1.031 x; at seed 9, 1.062 -> 1.018 x; seed 17's close, 1.106 -> 1.020 x with
+    THD's chunks on whole nodes, takes the first width since they are cut on tiles inside each node)."""
     lengths = _lengths(seed, 240)
     closes, real = [], WorldStepPacker._close
 
@@ -473,7 +473,7 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [147, 260])
+@pytest.mark.parametrize("seed", [32, 167, 278])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
     pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
@@ -816,8 +816,8 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
 
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
     """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
-    one that ends less over the mean rank: on stream seed 1 the fill wins (1.065 against 1.118 x), on seed 113 it
-    loses (1.114 against 1.051 x; of seeds 0-399, 15 have closes where it does)."""
+    one that ends less over the mean rank: on stream seed 1 the fill wins (1.089 against 1.122 x), on seed 9 it
+    loses (1.025 against 1.022 x; of seeds 0-399, 13 have closes where it does)."""
     pairs: list[tuple[float, float]] = []
     closes: list[tuple[float, list[tuple[float, float]]]] = []
     keep, finish = WorldStepPacker._keep_filled, WorldStepPacker._finish
@@ -833,7 +833,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
 
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
-    for seed in (1, 113):
+    for seed in (1, 9):
         assert _dealt_keys(seed) == list(range(240))
     filled = [(end, pair[0]) for end, pair in closes if pair]
     assert all(end == min(pair) for end, pair in filled)
@@ -1351,15 +1351,16 @@ def test_a_mirrored_role_that_would_not_fit_its_rank_or_would_lift_the_busiest_r
 
 
 def test_mirroring_lowers_the_busiest_inter_node_receiver():
-    """Two 16,000-token documents on all 16 ranks of two nodes, both in THD's orientation: node 0's ranks hold the
-    first roles and receive 16,000 keys each from node 1, node 1's 8,000. Mirroring one evens both: 12,000 from
-    other nodes and 22,500 in all on every rank (30,000 on rank 0 before)."""
-    placed = [(0, 16_000, (0, 0, 16)), (1, 16_000, (1, 0, 16))]
+    """Two 16,384-token documents on all 16 ranks of two nodes (THD's chunks of 512 end on tiles: the cut is
+    THD's), both in THD's orientation: node 0's ranks hold the first roles and receive 8,192 keys a document from
+    node 1, node 1's 4,096. Mirroring one evens both: 6,144 a document from other nodes and 23,040 in all on every rank
+    (30,720 on rank 0 before)."""
+    placed = [(0, 16_384, (0, 0, 16)), (1, 16_384, (1, 0, 16))]
     packer = WorldStepPacker(16 * 1024, 16, 8, 2, TILE)
     packer.load_carry([([k for k, _, _ in placed], [s for _, s, _ in placed])], np.array([w for _, _, w in placed]))
-    assert packer._inter_keys() == [16_000] * 8 + [8_000] * 8 and max(packer._bins.recv) == 30_000
+    assert packer._inter_keys() == [16_384] * 8 + [8_192] * 8 and max(packer._bins.recv) == 30_720
     packer._flip()
-    assert packer._inter_keys() == [12_000] * 16 and packer._bins.recv == [22_500] * 16
+    assert packer._inter_keys() == [12_288] * 16 and packer._bins.recv == [23_040] * 16
 
 
 def test_a_mirror_that_would_lift_the_busiest_inter_node_receiver_is_not_taken(monkeypatch):

@@ -1,0 +1,164 @@
+"""A cut of a document spread over whole nodes that holds TE THD's tokens on every node and ends chunks on tiles
+inside each node (:func:`node_chunks`).
+
+Past a node, THD's ``2c`` near-equal chunks (:func:`~cpdata.layout.world_plan.thd_chunks`) rarely end on a tile,
+and a chunk tiled by itself pays a whole row of key tiles for its last, partial query block: 116,533 tokens on
+32 ranks cost 13,708 tiles on the busiest role in varlen segments, the document alone 415,416 (12,982 a role).
+Cutting every chunk on a tile (:func:`~cpdata.layout.spread.aligned_chunks`) leaves the nodes unequal tokens, and
+with them the keys that cross nodes.
+
+Here each node keeps THD's two spans (its roles' front chunks and back chunks, each contiguous), so every key a
+role needs from another node is THD's: a role's keys end inside its node's back span, and the keys before that
+span held by other nodes are the same under both cuts. Inside a node the boundaries move to tiles, and the roles'
+tiles are balanced: levels of the busiest role's tiles are tried :data:`LEVELS` at once, in two rounds, each by a
+pass that is exact over back starts within :data:`BAND` tiles of THD's (:func:`_fits`). The 116,533-token
+document: 13,225 tiles on its busiest role, 0.965 x THD's; on small documents the pass finds the brute force's
+least (tests/test_node_chunks.py).
+
+Only for ``c`` a multiple of ``node_size`` on a window from a node's first rank
+(:func:`~cpdata.layout.world_owners.windows`): there the roles of each node are the same in THD's orientation
+and mirrored (:data:`~cpdata.layout.world_owners.Placement`), so the cut is a function of ``(s, c, local,
+node_size)``, as the slot owners need.
+
+Trade-off: a role receives its node's keys as it needs them, so roles inside a node receive unequal keys (none
+more than ``most``), and a pass costs a few numpy calls over ``[positions, local / tile]`` arrays a role; the
+cut is cached per length and width (:func:`~cpdata.layout.spread.spread_chunks`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from cpdata.layout.world_plan import chunk_need, thd_chunks
+
+__all__ = ["node_chunks"]
+
+
+def node_chunks(s: int, c: int, node_size: int, local: int, most: int, tile: int) -> tuple[int, ...] | None:
+    """``2c`` chunk lengths of ``s`` (rank ``j``: chunks ``j`` and ``2c - 1 - j``): each node's roles hold THD's
+    spans, their chunks end on multiples of ``tile`` inside them, no role holds more than ``local`` tokens or
+    receives more than ``most`` keys, the busiest role's tiles least as far as two rounds of
+    :data:`LEVELS` levels find; None where ``c`` is not a multiple of ``node_size`` over one node, or where no
+    such cut beats THD's busiest role."""
+    if c <= node_size or c % node_size or node_size < 2 or s < 2 * c:
+        return None
+    pos = np.array(list(itertools.accumulate(thd_chunks(s, c), initial=0)), dtype=np.int64)
+    n, firsts = node_size, np.arange(0, c, node_size)
+    spans = pos[firsts], pos[firsts + n], pos[2 * c - firsts - n], pos[2 * c - firsts]
+    roles = np.arange(c)
+    thd = np.where(pos[roles + 1] == pos[2 * c - 1 - roles], _seg(pos[roles], pos[2 * c - roles], tile),
+                   _seg(pos[roles], pos[roles + 1], tile) + _seg(pos[2 * c - 1 - roles], pos[2 * c - roles], tile))  # fmt: skip
+    a, f_end, b_start, e = spans
+    whole = np.where(firsts + n == c, _seg(a, e, tile), _seg(a, f_end, tile) + _seg(b_start, e, tile))
+    lo, hi = int(max(-(-whole // n))), int(thd.max()) - 1  # hi: the least level that would beat THD's
+    centers = pos[2 * c - 1 - (firsts[:, None] + np.arange(n - 1))]  # [G, n - 1] THD's back starts
+    found = None
+    for _ in range(2):  # (a second round between the first's last level that failed and its first that fit)
+        if lo > hi:
+            break
+        levels = np.unique(np.linspace(lo, hi, LEVELS).round().astype(np.int64))
+        ok, cuts = _fits(spans, centers, n, levels, local, most, tile)
+        if not ok.any():
+            break
+        k = int(np.flatnonzero(ok)[0])
+        found = cuts(k)
+        lo, hi = (int(levels[k - 1]) + 1 if k else lo), int(levels[k]) - 1
+    if found is None:
+        return None
+    out = pos.tolist()
+    for g, (fronts, backs) in zip(firsts.tolist(), found, strict=True):
+        for i, (f, b) in enumerate(zip(fronts, backs, strict=True)):
+            out[g + i + 1], out[2 * c - 1 - g - i] = f, b
+    middle = out[c + 1] - out[c - 1]  # (the last role's two chunks are one segment: split on a tile)
+    out[c] = out[c - 1] + min(-(-middle // tile) // 2 * tile, middle)
+    chunk = tuple(int(out[i + 1] - out[i]) for i in range(2 * c))
+    if min(chunk) < 0 or max(chunk_need(chunk)) > local:
+        return None
+    return chunk
+
+
+LEVELS = 8
+"""Busiest-role levels a round of :func:`node_chunks` tries at once (two rounds at most: the second between the
+first's last level that failed and its first that fit)."""
+
+BAND = 3
+"""Tiles either side of THD's back start a role's back start may move (:func:`_fits`)."""
+
+
+def _seg(p: np.ndarray | int, q: np.ndarray | int, tile: int) -> np.ndarray:
+    """Varlen tiles of queries ``p .. q - 1`` over the keys up to them, blocks tiled from ``p`` (0 where
+    ``q <= p``): :func:`~cpdata.layout.spread._segment_tiles` on arrays."""
+    p, q = np.asarray(p, dtype=np.int64), np.asarray(q, dtype=np.int64)
+    blocks = -(-(q - p) // tile)
+    tiles = (blocks - 1) * (blocks - 2) // 2 + (blocks - 1) * (2 + (p - 1) // tile) + (q - 1) // tile + 1
+    return np.where(q > p, tiles, 0)
+
+
+def _fits(spans: tuple[np.ndarray, ...], centers: np.ndarray, n: int, levels: np.ndarray, local: int, most: int,
+          tile: int) -> tuple[np.ndarray, Callable[[int], list[tuple[list[int], list[int]]]]]:  # fmt: skip
+    """Whether each of ``levels`` (int64 ``[K]``) has a cut of every node (``spans``: int64 ``[G]`` each, front
+    ``a .. f_end`` and back ``b_start .. e``), roles at most that many tiles, ``local`` tokens and ``most``
+    received keys; bool ``[K]``, and a function of a level's index giving each node's ``(front ends, back
+    starts)`` of roles ``0 .. n - 2`` (the last role holds what is left).
+
+    Role ``r``'s back start is a tile within :data:`BAND` tiles of THD's (``centers`` int64 ``[G, n - 1]``).
+    After each role, for every back start the largest front end any cut reaches: a larger front end leaves less
+    and later work, so it dominates. A role's front end is the largest its tiles, tokens and the span allow, from
+    the closed form of a segment's tiles in its blocks ``k``: ``k^2 / 2 + (1.5 + Q) k + P - Q - 1`` with
+    ``P = p // tile``, ``Q = (p - 1) // tile``."""
+    a, f_end, b_start, e = spans
+    last = np.zeros(a.size, dtype=bool)
+    last[-1] = True
+    offsets = np.arange(-BAND, BAND + 1)
+    size = offsets.size
+    back = np.repeat(e[:, None], size, axis=1)  # [G, m]: every state starts at the node's back end
+    front = np.full((levels.size, a.size, size), -1, dtype=np.int64)
+    front[:, :, 0] = a
+    level = levels[:, None, None, None]
+    f_top = f_end[None, :, None, None]
+    steps = []
+    for r in range(n - 1):
+        nxt = np.clip((centers[:, r, None] // tile + offsets) * tile, b_start[:, None], e[:, None])  # [G, m]
+        b = back[:, :, None]
+        backlen = b - nxt[:, None, :]  # [G, m, m]: from each state to each next back start
+        usable = (backlen >= 0) & (backlen <= local)
+        room = level - _seg(nxt[:, None, :], b, tile)  # [K, G, m, m]
+        f = front[..., None]  # [K, G, m, 1]
+        p0, lin = f // tile, 2 * ((f - 1) // tile) + 3
+        const = 2 * p0 - lin + 1 - 2 * room  # 2 tiles(k) - 2 room = k^2 + lin k + const
+        k = ((np.sqrt(np.maximum(lin * lin - 4 * const, 0)) - lin) // 2).astype(np.int64)
+        k -= k * (k + lin) + const > 0  # (a root rounded up)
+        cap = f + (local - backlen)
+        cap = np.where(cap >= f_top, f_top, np.maximum(cap - cap % tile, f))
+        f2 = np.minimum(np.where(k > 0, (p0 + k) * tile, f), cap)
+        held = f2 - f + backlen
+        ok = usable & (f >= 0) & (room >= 0) & (held > 0) & (np.where(backlen > 0, b, f2) - held <= most)
+        f2 = np.where(ok, f2, -1)
+        parent = f2.argmax(axis=2)  # [K, G, m]
+        front = np.take_along_axis(f2, parent[:, :, None, :], axis=2)[:, :, 0, :]
+        steps.append((front, parent, nxt))
+        back = nxt
+    f = front
+    held = f_end[None, :, None] - f + back[None] - b_start[None, :, None]
+    tiles = np.where(last[None, :, None], _seg(f, back[None], tile),
+                     _seg(f, f_end[None, :, None], tile) + _seg(b_start[None, :, None], back[None], tile))  # fmt: skip
+    need = np.where(back[None] > b_start[None, :, None], back[None], f_end[None, :, None])
+    ok = (f >= 0) & (held > 0) & (held <= local) & (tiles <= levels[:, None, None]) & (need - held <= most)
+    fits = ok.any(axis=2).all(axis=1)
+
+    def cuts(k: int) -> list[tuple[list[int], list[int]]]:
+        out = []
+        for g in range(a.size):
+            j = int(np.flatnonzero(ok[k, g])[0])
+            fronts, starts = [], []
+            for reached, parent, nxt in reversed(steps):
+                fronts.append(int(reached[k, g, j]))
+                starts.append(int(nxt[g, j]))
+                j = int(parent[k, g, j])
+            out.append((fronts[::-1], starts[::-1]))
+        return out
+
+    return fits, cuts
