@@ -291,14 +291,22 @@ def test_densify_spreads_waiting_documents_beside_a_node_held_by_one_document(mo
     assert held["step_over_mean"] > 1.2 and tokens >= 0.99 * more and held["step_tiles"] == mine["step_tiles"]
 
 
+def _clear_cuts() -> None:
+    """Forget the cached cuts (and the costs and keys read from them), after a test changes how cuts are made."""
+    from cpdata.layout import spread, world_owners
+    from cpdata.packing import world_keys
+
+    for cached in (spread.spread_chunks, world_owners.role_costs, world_keys.inter_node_keys):
+        cached.cache_clear()
+
+
 def test_a_step_of_world_sized_books_meets_megatrons_busiest_rank_with_the_node_cut(monkeypatch):
     """Seven world-sized documents and one of 116,533 tokens at 32 x 4K (books, seed 8): cut on 32 ranks in THD's
     chunks, the long one's busiest role costs 13,708 tiles, 29 over Megatron's counter of the same cut, and the
     step's busiest rank 128,495 against Megatron's 128,479 (THD's 31 ranks, the least of the two). Cut on tiles
     inside each node (each node holding THD's tokens), the step is under Megatron's tiles, within 1.03 x the mean
     rank, and its busiest receivers of keys, and of keys from other nodes, at most Megatron's."""
-    from cpdata.layout import spread, world_owners
-    from cpdata.packing import world_keys
+    from cpdata.layout import spread
     from cpdata.packing.records import PackKeys
     from cpdata.packing.world_steps import WorldStepPacker
 
@@ -307,8 +315,7 @@ def test_a_step_of_world_sized_books_meets_megatrons_busiest_rank_with_the_node_
                         *megatron_micro_batches(lengths.tolist(), 32, 4096, 8))  # fmt: skip
 
     def step_row() -> dict:
-        for cached in (spread.spread_chunks, world_owners.role_costs, world_keys.inter_node_keys):
-            cached.cache_clear()
+        _clear_cuts()
         packer = WorldStepPacker(32 * 4096, 32, world.NODE_SIZE, 8, 128)
         done = PackKeys.concat([packer.place(np.arange(8), lengths), packer.finish()])
         cuts = np.cumsum(done.sizes)[:-1]
@@ -322,5 +329,24 @@ def test_a_step_of_world_sized_books_meets_megatrons_busiest_rank_with_the_node_
     assert mine["step_inter_keys"] <= theirs["step_inter_keys"]
     monkeypatch.setattr(spread, "node_chunks", lambda *args: None)  # (THD's chunks past a node)
     assert step_row()["step_tiles"] == 128_495
-    for cached in (spread.spread_chunks, world_owners.role_costs, world_keys.inter_node_keys):
-        cached.cache_clear()
+    _clear_cuts()
+
+
+def test_node_cut_roles_near_thds_tokens_keep_long_context_seed_57_within_the_mean(monkeypatch):
+    """long_context 16 x 8K, seed 57, the step reading: its 87,141-token document on all 16 ranks, cut on tiles
+    inside each node. Unbounded, its roles hold 3,456 to 6,784 tokens, another document's roles take the room of
+    two of them, and the step stands at 1.036 x its mean rank; each role within ``TOKENS`` of THD's, within 1.03 x,
+    under Megatron's busiest rank and receivers."""
+    from cpdata.layout import node_chunks
+
+    def step_row() -> tuple[dict, dict]:
+        _clear_cuts()
+        return _step_row("long_context", 16, 8192, 57)[:2]
+
+    mine, theirs = step_row()
+    assert mine["step_over_mean"] <= 1.03 and mine["step_tiles"] <= theirs["step_tiles"]
+    assert mine["step_recv_keys"] <= theirs["step_recv_keys"]
+    assert mine["step_inter_keys"] <= theirs["step_inter_keys"]
+    monkeypatch.setattr(node_chunks, "TOKENS", 1 << 30)
+    assert step_row()[0]["step_over_mean"] > 1.035
+    _clear_cuts()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cpdata.bench.world_megatron import thd_part
-from cpdata.layout.node_chunks import node_chunks
+from cpdata.layout.node_chunks import TOKENS, node_chunks
 from cpdata.layout.spread import chunk_recv, chunk_tiles, spread_chunks, thd_recv
 from cpdata.layout.world_plan import chunk_need, thd_chunks
 
@@ -47,6 +47,7 @@ def _check(chunk: tuple[int, ...], s: int, c: int, node_size: int, local: int) -
             spans = {thd_pos[g], thd_pos[g + node_size], thd_pos[2 * c - g - node_size], thd_pos[2 * c - g]}
             assert pos[i] % TILE == 0 or pos[i] in spans, (i, pos[i])
     assert max(chunk_need(chunk)) <= local
+    assert max(abs(a - b) for a, b in zip(chunk_need(chunk), chunk_need(thd), strict=True)) <= TOKENS
     assert max(chunk_recv(chunk)) <= thd_recv(s, c)[0]
     for mirrored in (False, True):
         across, thd_across = (_keys_from_other_nodes(x, node_size, mirrored) for x in (chunk, thd))
@@ -72,7 +73,8 @@ def test_a_long_book_on_four_nodes_costs_its_busiest_role_less_than_thd_and_mega
 @pytest.mark.parametrize("seed", range(4))
 def test_random_lengths_keep_every_invariant(seed: int) -> None:
     """Random documents over 16, 24 or 32 ranks of 4K or 8K: each cut found keeps THD's spans per node, tiles
-    inside, the token and receive caps, the keys across nodes, and beats THD's busiest role."""
+    inside, each role within ``TOKENS`` of THD's tokens, the token and receive caps, the keys across nodes, and
+    beats THD's busiest role."""
     rng = np.random.default_rng(seed)
     found = 0
     for _ in range(12):
@@ -83,7 +85,7 @@ def test_random_lengths_keep_every_invariant(seed: int) -> None:
         if chunk is not None:
             found += 1
             _check(chunk, s, c, 8, local)
-    assert found >= 8
+    assert found >= 6
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -39,8 +39,8 @@ __all__ = ["node_chunks"]
 
 def node_chunks(s: int, c: int, node_size: int, local: int, most: int, tile: int) -> tuple[int, ...] | None:
     """``2c`` chunk lengths of ``s`` (rank ``j``: chunks ``j`` and ``2c - 1 - j``): each node's roles hold THD's
-    spans, their chunks end on multiples of ``tile`` inside them, no role holds more than ``local`` tokens or
-    receives more than ``most`` keys, the busiest role's tiles least as far as two rounds of
+    spans, their chunks end on multiples of ``tile`` inside them, no role holds more than ``local`` tokens, or
+    :data:`TOKENS` more or fewer than THD's role, or receives more than ``most`` keys, the busiest role's tiles least as far as two rounds of
     :data:`LEVELS` levels find; None where ``c`` is not a multiple of ``node_size`` over one node, or where no
     such cut beats THD's busiest role."""
     if c <= node_size or c % node_size or node_size < 2 or s < 2 * c:
@@ -55,12 +55,14 @@ def node_chunks(s: int, c: int, node_size: int, local: int, most: int, tile: int
     whole = np.where(firsts + n == c, _seg(a, e, tile), _seg(a, f_end, tile) + _seg(b_start, e, tile))
     lo, hi = int(max(-(-whole // n))), int(thd.max()) - 1  # hi: the least level that would beat THD's
     centers = pos[2 * c - 1 - (firsts[:, None] + np.arange(n - 1))]  # [G, n - 1] THD's back starts
+    held = np.array(chunk_need(thd_chunks(s, c)), dtype=np.int64)[firsts[:, None] + np.arange(n)]  # [G, n] THD's
+    bounds = np.maximum(held - TOKENS, 1), np.minimum(held + TOKENS, local)
     found = None
     for _ in range(2):  # (a second round between the first's last level that failed and its first that fit)
         if lo > hi:
             break
         levels = np.unique(np.linspace(lo, hi, LEVELS).round().astype(np.int64))
-        ok, cuts = _fits(spans, centers, n, levels, local, most, tile)
+        ok, cuts = _fits(spans, centers, bounds, n, levels, local, most, tile)
         if not ok.any():
             break
         k = int(np.flatnonzero(ok)[0])
@@ -87,6 +89,14 @@ first's last level that failed and its first that fit)."""
 BAND = 3
 """Tiles either side of THD's back start a role's back start may move (:func:`_fits`)."""
 
+TOKENS = 1024
+"""Tokens a role may hold over or under THD's role (:func:`_fits`). Balancing tiles on the grid moves tokens
+between a node's roles (a front block is cheap, a back block dear), and a role left far under THD's tokens leaves
+room the deal fills with another document's role, which lifts that rank: 87,141 tokens on 16 ranks of 8K held
+3,456 to 6,784 a role unbounded, a 8,638-token document took the room of two of them, and that step (long_context
+16 x 8K, seed 57) stood at 1.036 x its mean rank; within 1,024 tokens, 1.010 x. Tighter, fewer widths find a cut
+(at 512, not 116,533 tokens on 32 ranks of 4K)."""
+
 
 def _seg(p: np.ndarray | int, q: np.ndarray | int, tile: int) -> np.ndarray:
     """Varlen tiles of queries ``p .. q - 1`` over the keys up to them, blocks tiled from ``p`` (0 where
@@ -97,16 +107,18 @@ def _seg(p: np.ndarray | int, q: np.ndarray | int, tile: int) -> np.ndarray:
     return np.where(q > p, tiles, 0)
 
 
-def _fits(spans: tuple[np.ndarray, ...], centers: np.ndarray, n: int, levels: np.ndarray, local: int, most: int,
-          tile: int) -> tuple[np.ndarray, Callable[[int], list[tuple[list[int], list[int]]]]]:  # fmt: skip
+def _fits(spans: tuple[np.ndarray, ...], centers: np.ndarray, bounds: tuple[np.ndarray, np.ndarray], n: int,
+          levels: np.ndarray, local: int, most: int, tile: int
+          ) -> tuple[np.ndarray, Callable[[int], list[tuple[list[int], list[int]]]]]:  # fmt: skip
     """Whether each of ``levels`` (int64 ``[K]``) has a cut of every node (``spans``: int64 ``[G]`` each, front
-    ``a .. f_end`` and back ``b_start .. e``), roles at most that many tiles, ``local`` tokens and ``most``
-    received keys; bool ``[K]``, and a function of a level's index giving each node's ``(front ends, back
-    starts)`` of roles ``0 .. n - 2`` (the last role holds what is left).
+    ``a .. f_end`` and back ``b_start .. e``), its roles at most that many tiles, between ``bounds`` tokens (int64
+    ``[G, n]`` each: least, most; the most at most ``local``) and at most ``most`` received keys: bool ``[K]``;
+    and a function of a level's index giving each node's ``(front ends, back starts)`` of roles ``0 .. n - 2``
+    (the last role holds what is left).
 
     Role ``r``'s back start is a tile within :data:`BAND` tiles of THD's (``centers`` int64 ``[G, n - 1]``).
     After each role, for every back start the largest front end any cut reaches: a larger front end leaves less
-    and later work, so it dominates. A role's front end is the largest its tiles, tokens and the span allow, from
+    and later work, so it dominates (short of the token floors of the roles after it: a heuristic there). A role's front end is the largest its tiles, tokens and the span allow, from
     the closed form of a segment's tiles in its blocks ``k``: ``k^2 / 2 + (1.5 + Q) k + P - Q - 1`` with
     ``P = p // tile``, ``Q = (p - 1) // tile``."""
     a, f_end, b_start, e = spans
@@ -131,11 +143,12 @@ def _fits(spans: tuple[np.ndarray, ...], centers: np.ndarray, n: int, levels: np
         const = 2 * p0 - lin + 1 - 2 * room  # 2 tiles(k) - 2 room = k^2 + lin k + const
         k = ((np.sqrt(np.maximum(lin * lin - 4 * const, 0)) - lin) // 2).astype(np.int64)
         k -= k * (k + lin) + const > 0  # (a root rounded up)
-        cap = f + (local - backlen)
+        least, top = (x[None, :, r, None, None] for x in bounds)
+        cap = f + (top - backlen)
         cap = np.where(cap >= f_top, f_top, np.maximum(cap - cap % tile, f))
         f2 = np.minimum(np.where(k > 0, (p0 + k) * tile, f), cap)
         held = f2 - f + backlen
-        ok = usable & (f >= 0) & (room >= 0) & (held > 0) & (np.where(backlen > 0, b, f2) - held <= most)
+        ok = usable & (f >= 0) & (room >= 0) & (held >= least) & (np.where(backlen > 0, b, f2) - held <= most)
         f2 = np.where(ok, f2, -1)
         parent = f2.argmax(axis=2)  # [K, G, m]
         front = np.take_along_axis(f2, parent[:, :, None, :], axis=2)[:, :, 0, :]
@@ -146,7 +159,8 @@ def _fits(spans: tuple[np.ndarray, ...], centers: np.ndarray, n: int, levels: np
     tiles = np.where(last[None, :, None], _seg(f, back[None], tile),
                      _seg(f, f_end[None, :, None], tile) + _seg(b_start[None, :, None], back[None], tile))  # fmt: skip
     need = np.where(back[None] > b_start[None, :, None], back[None], f_end[None, :, None])
-    ok = (f >= 0) & (held > 0) & (held <= local) & (tiles <= levels[:, None, None]) & (need - held <= most)
+    least, top = (x[None, :, n - 1, None] for x in bounds)
+    ok = (f >= 0) & (held >= least) & (held <= top) & (tiles <= levels[:, None, None]) & (need - held <= most)
     fits = ok.any(axis=2).all(axis=1)
 
     def cuts(k: int) -> list[tuple[list[int], list[int]]]:
