@@ -33,7 +33,7 @@ def test_up_to_megatron_width_the_cut_is_thds_or_one_that_costs_fewer_tiles(s: i
     for c in range(1, spread.megatron_width(s, local) + 1):
         thd = tuple(thd_chunks(s, c))
         if c == 1 or c > NODE:
-            node = node_chunks(s, c, NODE, local, thd_recv(s, c)[0], TILE) if c > NODE else None
+            node = node_chunks(s, c, NODE, local, TILE) if c > NODE else None
             assert node is None or max(spread.chunk_tiles(node, TILE)) < max(thd_tiles(s, c, TILE))
             assert spread.spread_chunks(s, c, local, NODE) == (thd if node is None else node)
             if node is None:

@@ -193,7 +193,7 @@ def test_a_spread_piece_filling_an_empty_micro_batch_takes_the_width_whose_close
     least busiest load, the step keeps the one whose closed step (topped up, settled) has its busiest rank least
     over the mean. Counted from the packs' layouts, each close against the same close on a copy that takes the
     first width (as before the trials): never further over the mean, and less at some close of these
-    streams (at seed 3: 1.063 -> 1.031 x; at seed 9, 1.062 -> 1.018 x; seed 17's close, 1.106 -> 1.020 x with
+    streams (at seed 3: 1.063 -> 1.045 x; at seed 9, 1.043 -> 1.033 x; seed 17's close, 1.106 -> 1.020 x with
     THD's chunks on whole nodes, takes the first width since they are cut on tiles inside each node)."""
     lengths = _lengths(seed, 240)
     closes, real = [], WorldStepPacker._close
@@ -473,7 +473,7 @@ def test_every_step_but_the_streams_last_has_all_its_packs(seed: int, monkeypatc
     assert total == sum(closed) and during == PACKS * at_end
 
 
-@pytest.mark.parametrize("seed", [32, 167, 278])
+@pytest.mark.parametrize("seed", [22, 141, 277])
 def test_a_micro_batch_the_settle_empties_takes_the_waiting_pieces(seed: int, monkeypatch) -> None:
     """The settle moves a rank's pieces into its fuller micro-batches, which can leave one with nothing; while
     pieces wait, the close offers it to them again (it would cost every rank a pass for nothing). On these
@@ -816,8 +816,8 @@ def test_placing_again_looks_at_the_step_as_it_is_after_a_trial_not_kept(monkeyp
 
 def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(monkeypatch):
     """Over random streams, a close whose fill placed a waiting piece closes both with and without it and keeps the
-    one that ends less over the mean rank: on stream seed 1 the fill wins (1.089 against 1.122 x), on seed 9 it
-    loses (1.025 against 1.022 x; of seeds 0-399, 13 have closes where it does)."""
+    one that ends less over the mean rank: on stream seed 1 the fill wins (1.020 against 1.052 x), on seed 62 it
+    loses (1.070 against 1.038 x; of seeds 0-399, 16 have closes where it does)."""
     pairs: list[tuple[float, float]] = []
     closes: list[tuple[float, list[tuple[float, float]]]] = []
     keep, finish = WorldStepPacker._keep_filled, WorldStepPacker._finish
@@ -833,7 +833,7 @@ def test_the_close_keeps_the_fill_only_where_the_step_ends_less_over_the_mean(mo
 
     monkeypatch.setattr(WorldStepPacker, "_keep_filled", staticmethod(recording_keep))
     monkeypatch.setattr(WorldStepPacker, "_finish", recording_finish)
-    for seed in (1, 9):
+    for seed in (1, 62):
         assert _dealt_keys(seed) == list(range(240))
     filled = [(end, pair[0]) for end, pair in closes if pair]
     assert all(end == min(pair) for end, pair in filled)

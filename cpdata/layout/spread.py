@@ -12,7 +12,7 @@ chunks ``j`` and ``2c - 1 - j`` (the last rank's two follow each other).
 - Past a node, each node holds THD's tokens, so the keys crossing nodes stay THD's: on whole nodes
   (:func:`~cpdata.layout.node_chunks.node_chunks`, a width that is a multiple of ``node_size``) the chunks end on
   tiles inside each node's THD spans where that costs the busiest role fewer tiles (116,533 tokens on 32 ranks of
-  4K: 13,225 against THD's 13,708); on a width that is not whole nodes, THD's chunks.
+  4K: 13,229 against THD's 13,708); on a width that is not whole nodes, THD's chunks.
 - Wider (:func:`capped_chunks`), THD's first role would receive ``(c - 1) / c`` of the document, more than
   Megatron's first role does at its width. The chunks are then cut so that no role receives more keys than
   THD's first role at Megatron's width, and the roles' causal work stays as even as that allows: the early
@@ -70,7 +70,7 @@ def spread_chunks(s: int, c: int, local: int, node_size: int) -> tuple[int, ...]
         return capped_chunks(s, c, thd_recv(s, width)[0], local)
     thd = tuple(thd_chunks(s, c))
     if c > node_size:
-        node = node_chunks(s, c, node_size, local, thd_recv(s, c)[0], DEFAULT_TILE)
+        node = node_chunks(s, c, node_size, local, DEFAULT_TILE)
         return thd if node is None else node
     if c == 1:
         return thd
