@@ -61,7 +61,7 @@ def test_a_long_book_on_four_nodes_costs_its_busiest_role_less_than_thd_and_mega
     13,708 tiles in varlen segments (Megatron's counter, one query run a role: 13,679); the node cut 13,229, the
     keys crossing nodes THD's."""
     s, c = 116_533, 32
-    chunk = node_chunks(s, c, 8, 4096, TILE)
+    chunk = node_chunks(s, c, 8, 4096, thd_recv(s, c)[0], TILE)
     assert chunk is not None
     _check(chunk, s, c, 8, 4096)
     assert max(chunk_tiles(tuple(thd_chunks(s, c)), TILE)) == 13_708 and max(thd_part(s, c)[0]) == 13_679
@@ -81,7 +81,7 @@ def test_random_lengths_keep_every_invariant(seed: int) -> None:
         local = int(rng.choice([4096, 8192]))
         c = int(rng.choice([16, 24, 32]))
         s = int(rng.integers(8 * local + 1, c * local + 1))
-        chunk = node_chunks(s, c, 8, local, TILE)
+        chunk = node_chunks(s, c, 8, local, thd_recv(s, c)[0], TILE)
         if chunk is not None:
             found += 1
             _check(chunk, s, c, 8, local)
@@ -97,7 +97,7 @@ def test_small_ranks_keep_every_invariant(seed: int) -> None:
     for _ in range(40):
         c = int(rng.choice([8, 12]))
         s = int(rng.integers(4 * 512 + 1, c * 512 + 1))
-        chunk = node_chunks(s, c, 4, 512, TILE)
+        chunk = node_chunks(s, c, 4, 512, thd_recv(s, c)[0], TILE)
         if chunk is not None:
             found += 1
             _check(chunk, s, c, 4, 512)
@@ -108,7 +108,7 @@ def test_small_ranks_keep_every_invariant(seed: int) -> None:
 def test_widths_that_are_not_whole_nodes_have_no_node_cut(c: int, node_size: int) -> None:
     """Past a node but not whole nodes, a node's roles differ by orientation: no node cut (THD's stays)."""
     s = 24 * 1000 + 7
-    assert node_chunks(s, c, node_size, 4096, TILE) is None
+    assert node_chunks(s, c, node_size, 4096, thd_recv(s, c)[0], TILE) is None
 
 
 def _brute(s: int, c: int, node_size: int, local: int, tile: int) -> int:
@@ -143,7 +143,7 @@ def test_the_search_finds_the_brute_forces_busiest_role_on_small_documents(s: in
     """8 ranks of 256 tokens, 2 a node, 32-token tiles: the node cut's busiest role is the brute force's least
     (or no node cut, where THD's is already that)."""
     c, node_size, local, tile = 8, 2, 256, 32
-    chunk = node_chunks(s, c, node_size, local, tile)
+    chunk = node_chunks(s, c, node_size, local, thd_recv(s, c)[0], tile)
     best = _brute(s, c, node_size, local, tile)
     thd = max(chunk_tiles(tuple(thd_chunks(s, c)), tile))
     if chunk is None:

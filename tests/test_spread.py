@@ -33,7 +33,7 @@ def test_up_to_megatron_width_the_cut_is_thds_or_one_that_costs_fewer_tiles(s: i
     for c in range(1, spread.megatron_width(s, local) + 1):
         thd = tuple(thd_chunks(s, c))
         if c == 1 or c > NODE:
-            node = node_chunks(s, c, NODE, local, TILE) if c > NODE else None
+            node = node_chunks(s, c, NODE, local, thd_recv(s, c)[0], TILE) if c > NODE else None
             assert node is None or max(spread.chunk_tiles(node, TILE)) < max(thd_tiles(s, c, TILE))
             assert spread.spread_chunks(s, c, local, NODE) == (thd if node is None else node)
             if node is None:
@@ -211,9 +211,12 @@ def test_the_roles_are_what_the_layout_and_the_exchange_count(owners: tuple[int,
 @settings(max_examples=300, deadline=None)
 @given(p=st.integers(0, 200_000), n=st.integers(1, 20_000), tile=st.sampled_from([64, 128]))
 def test_the_walks_segment_count_is_the_tile_counters(p: int, n: int, tile: int) -> None:
-    """aligned_chunks weighs its candidates with a closed form of one segment's varlen tiles; it is the layout's
-    own counter (causal_tiles.segment_tiles) for every start and length, on a tile or not."""
-    from cpdata.layout.causal_tiles import segment_tiles
+    """aligned_chunks and node_chunks weigh their candidates with a closed form of one segment's varlen tiles
+    (causal_tiles.span_tiles, on ints and on arrays); it is the layout's own counter (causal_tiles.segment_tiles)
+    for every start and length, on a tile or not."""
+    from cpdata.layout.causal_tiles import segment_tiles, span_tiles
 
-    assert spread._segment_tiles(p, p + n, tile) == int(segment_tiles(np.array([n]), np.array([p + n]), tile)[0])
+    counted = int(segment_tiles(np.array([n]), np.array([p + n]), tile)[0])
+    assert spread._segment_tiles(p, p + n, tile) == counted
+    assert span_tiles(np.array([p, p], dtype=np.int64), np.array([p + n, p + n]), tile).tolist() == [counted] * 2
     assert spread._segment_tiles(p, p, tile) == 0

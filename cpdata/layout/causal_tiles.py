@@ -8,7 +8,7 @@ import numpy as np
 from cpdata.errors import check_int
 from cpdata.layout.runs import segments
 
-__all__ = ["segment_tiles"]
+__all__ = ["segment_tiles", "span_tiles"]
 
 
 def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int | None = None) -> np.ndarray:
@@ -26,3 +26,11 @@ def segment_tiles(q_len: np.ndarray, k_len: np.ndarray, tile: int, window: int |
     hi = (np.minimum((b + 1) * tile, q_len[seg]) - 1 + d) // tile
     lo = np.zeros_like(hi) if window is None else np.maximum(0, b * tile + d - (window - 1)) // tile
     return np.bincount(seg, hi - lo + 1, minlength=q_len.size).astype(np.int64)
+
+
+def span_tiles(p: int | np.ndarray, q: int | np.ndarray, tile: int) -> int | np.ndarray:
+    """Live tiles of the causal segment of queries ``p .. q - 1`` over the keys ``0 .. q - 1``, its query blocks
+    tiled from ``p`` (:func:`segment_tiles` of one segment, ``q_len = q - p``, ``k_len = q``), in closed form:
+    ints or int64 arrays alike, elementwise. Needs ``q > p``: the callers give an empty span no tiles."""
+    blocks = -(-(q - p) // tile)
+    return (blocks - 1) * (blocks - 2) // 2 + (blocks - 1) * (2 + (p - 1) // tile) + (q - 1) // tile + 1

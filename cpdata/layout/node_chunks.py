@@ -33,20 +33,22 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cpdata.layout.causal_tiles import span_tiles
 from cpdata.layout.world_plan import chunk_need, thd_chunks
 
 __all__ = ["node_chunks"]
 
 
-def node_chunks(s: int, c: int, node_size: int, local: int, tile: int) -> tuple[int, ...] | None:
+def node_chunks(s: int, c: int, node_size: int, local: int, most: int, tile: int) -> tuple[int, ...] | None:
     """``2c`` chunk lengths of ``s`` (rank ``j``: chunks ``j`` and ``2c - 1 - j``): each node's roles hold THD's
     spans, their chunks end on multiples of ``tile`` inside them, no role holds more than ``local`` tokens, or
-    :data:`TOKENS` more or fewer than THD's role, or receives more keys than THD's first role, the busiest role's
-    tiles the least of :data:`LEVELS` levels; None where ``c`` is not a multiple of ``node_size`` over one node,
-    or where no such cut beats THD's busiest role."""
+    :data:`TOKENS` more or fewer than THD's role, or receives more than ``most`` keys (THD's first role's, as
+    :func:`~cpdata.layout.spread.spread_chunks` passes it), the busiest role's tiles the least of :data:`LEVELS`
+    levels; None where ``c`` is not a multiple of ``node_size`` over one node, or where no such cut beats THD's
+    busiest role."""
     if c <= node_size or c % node_size or node_size < 2 or s < 2 * c:
         return None
-    plan = _plan(s, c, node_size, local, tile)
+    plan = _plan(s, c, node_size, local, most, tile)
     if plan is None:
         return None
     ok, cuts = _fits(*plan[1:], node_size, tile)
@@ -55,10 +57,10 @@ def node_chunks(s: int, c: int, node_size: int, local: int, tile: int) -> tuple[
     return _chunks(plan[0], cuts(int(np.flatnonzero(ok)[0])), s, c, node_size, local, tile)
 
 
-def _plan(s: int, c: int, n: int, local: int, tile: int) -> tuple[np.ndarray, ...] | None:
+def _plan(s: int, c: int, n: int, local: int, most: int, tile: int) -> tuple[np.ndarray, ...] | None:
     """A length's inputs to :func:`_fits`: THD's chunk starts (int64 ``[2c + 1]``), each node's spans (int64
     ``[4, G]``: front start and end, back start and end), THD's back starts (``[G, n - 1]``), the roles' token
-    bounds (``[2, G, n]``), the receive cap (THD's first role's keys, ``[1]``) and the levels (``[LEVELS]``);
+    bounds (``[2, G, n]``), the receive cap ``most`` (``[1]``) and the levels (``[LEVELS]``);
     None where no level lies between the nodes' least and THD's busiest role."""
     chunk = thd_chunks(s, c)
     pos = np.array(list(itertools.accumulate(chunk, initial=0)), dtype=np.int64)
@@ -72,10 +74,9 @@ def _plan(s: int, c: int, n: int, local: int, tile: int) -> tuple[np.ndarray, ..
         return None
     held = np.array(chunk_need(chunk), dtype=np.int64)[firsts[:, None] + np.arange(n)]  # [G, n] THD's tokens
     bounds = np.stack([np.maximum(held - TOKENS, 1), np.minimum(held + TOKENS, local)])
-    most = np.array([s - chunk[0] - chunk[-1]])  # (THD's first role receives all but its two chunks)
     levels = lo + np.round((hi - lo) * np.linspace(0.0, 1.0, LEVELS) ** 2).astype(np.int64)
     centers = pos[2 * c - 1 - (firsts[:, None] + np.arange(n - 1))]
-    return pos, np.stack([a, f_end, b_start, e]), centers, bounds, most, levels
+    return pos, np.stack([a, f_end, b_start, e]), centers, bounds, np.array([most]), levels
 
 
 def _chunks(pos: np.ndarray, found: list[tuple[list[int], list[int]]], s: int, c: int, n: int, local: int,
@@ -97,7 +98,8 @@ def _chunks(pos: np.ndarray, found: list[tuple[list[int], list[int]]], s: int, c
 LEVELS = 17
 """The busiest role's levels :func:`node_chunks` tries, all at once, from the nodes' least (their spans' tiles over
 their roles) to one under THD's busiest role, closer near the least (the ``(i / 16)^2`` points of the range): the
-least cut sits 0-3.2 % over the least (median 0.8 %, 186 random widths of whole nodes), THD's busiest up to 11 %."""
+least cut sits 0-3.2 % over the least (median 0.8 %, over the 186 of 234 random widths of whole nodes where a
+finer search of an earlier version found a cut), THD's busiest up to 11 %."""
 
 BAND = 3
 """Tiles either side of THD's back start a role's back start may move (:func:`_fits`)."""
@@ -114,11 +116,9 @@ rank; within 1,024 tokens, 1.010 x. Tighter, fewer widths find a cut (at 512, no
 
 def _seg(p: np.ndarray | int, q: np.ndarray | int, tile: int) -> np.ndarray:
     """Varlen tiles of queries ``p .. q - 1`` over the keys up to them, blocks tiled from ``p`` (0 where
-    ``q <= p``): :func:`~cpdata.layout.spread._segment_tiles` on arrays."""
+    ``q <= p``): :func:`~cpdata.layout.causal_tiles.span_tiles` on arrays."""
     p, q = np.asarray(p, dtype=np.int64), np.asarray(q, dtype=np.int64)
-    blocks = -(-(q - p) // tile)
-    tiles = (blocks - 1) * (blocks - 2) // 2 + (blocks - 1) * (2 + (p - 1) // tile) + (q - 1) // tile + 1
-    return np.where(q > p, tiles, 0)
+    return np.where(q > p, span_tiles(p, q, tile), 0)
 
 
 def _fits(spans: np.ndarray, centers: np.ndarray, bounds: np.ndarray, most: np.ndarray, levels: np.ndarray,

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cpdata.layout.causal_tiles import segment_tiles
+from cpdata.layout.causal_tiles import segment_tiles, span_tiles
 from cpdata.layout.node_chunks import node_chunks
 from cpdata.layout.tiled import DEFAULT_TILE
 from cpdata.layout.world_plan import chunk_need, chunk_runs, thd_chunks
@@ -70,7 +70,7 @@ def spread_chunks(s: int, c: int, local: int, node_size: int) -> tuple[int, ...]
         return capped_chunks(s, c, thd_recv(s, width)[0], local)
     thd = tuple(thd_chunks(s, c))
     if c > node_size:
-        node = node_chunks(s, c, node_size, local, DEFAULT_TILE)
+        node = node_chunks(s, c, node_size, local, thd_recv(s, c)[0], DEFAULT_TILE)
         return thd if node is None else node
     if c == 1:
         return thd
@@ -198,11 +198,8 @@ def _walk_role(a: int, e: int, after: int, most: int, local: int, tile: int) -> 
 
 def _segment_tiles(p: int, q: int, tile: int) -> int:
     """Varlen tiles of queries ``p .. q - 1`` over the keys up to them, the query blocks tiled from ``p``, the keys
-    from 0 (:func:`~cpdata.layout.causal_tiles.segment_tiles` of one segment)."""
-    if q <= p:
-        return 0
-    blocks = -(-(q - p) // tile)
-    return (blocks - 1) * (blocks - 2) // 2 + (blocks - 1) * (2 + (p - 1) // tile) + (q - 1) // tile + 1
+    from 0 (:func:`~cpdata.layout.causal_tiles.span_tiles`; none where the span is empty)."""
+    return span_tiles(p, q, tile) if q > p else 0
 
 
 def _work(p: int, q: int, tile: int) -> float:
